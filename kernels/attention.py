@@ -1,0 +1,101 @@
+"""Paged attention: the pure-torch references.
+
+KV cache layout (one tensor pair per layer)::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``; its *slot* is ``block * block_size + offset``.
+
+These functions define the semantics; the Triton kernels in ``kernels.triton_attention``
+have the same signatures and are tested against them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ref_write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+) -> None:
+    """Write each token's K/V into its slot of the paged cache (slots < 0 are skipped)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    bs = k_cache.shape[1]
+    blocks, offsets = slots // bs, slots % bs
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    bs = cache.shape[1]
+    nblk = (n + bs - 1) // bs
+    return cache[block_table[:nblk].long()].flatten(0, 1)[:n]  # [n, Hkv, D]
+
+
+def ref_paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, >= 1
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """One query token per sequence attending to its first ``context_lens[b]`` cached tokens."""
+    B, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    max_len = int(context_lens.max().item()) if B else 0
+    nblk = (max_len + bs - 1) // bs
+    tables = block_tables[:, :nblk].long().clamp_min(0)
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [B, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].float()
+    qf = q.float().view(B, Hkv, group, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale  # [B, Hkv, g, L]
+    pos = torch.arange(max_len, device=q.device)
+    mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def ref_prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D], the new tokens of every sequence, concatenated
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D], already holding the new tokens' K/V
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32, prefix sums of query lengths
+    context_lens: torch.Tensor,  # [B] int32, cached prefix + new tokens
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Query ``i`` of sequence ``b`` sits at position ``context_lens[b] - q_len + i`` and sees
+    keys ``0 ..= that position`` (earlier chunks and prefix-cache hits included).
+    """
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    for b in range(len(lens)):
+        s, e, n = starts[b], starts[b + 1], lens[b]
+        if e == s:
+            continue
+        qb = q[s:e].float().transpose(0, 1)  # [Hq, q_len, D]
+        k = _gather_seq(k_cache, block_tables[b], n).float()
+        v = _gather_seq(v_cache, block_tables[b], n).float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qpos = torch.arange(n - (e - s), n, device=q.device)
+        mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [q_len, n]
+        o = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        out[s:e] = o.transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,27 @@
+"""Regenerate the Python code for the .proto files (``make protos``).
+
+The generated modules are committed so a clean checkout imports without grpcio-tools.
+Generate with ``grpcio-tools==1.73.1`` (protobuf 6.31 gencode): its runtime-version guards
+accept protobuf >= 6.31 (7.x included) and grpcio >= 1.73.1, which covers our CPU
+environment and the GPU image; ``tests/protos/test_generated.py`` keeps that true.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROTOS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "protos").glob("*.proto"))
+
+
+def main() -> int:
+    from grpc_tools import protoc
+
+    args = ["protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--pyi_out={ROOT}"]
+    args += [f"--grpc_python_out={ROOT}", *PROTOS]
+    return protoc.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

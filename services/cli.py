@@ -1,0 +1,182 @@
+"""The ``tandem`` command: one parser for every role, handlers imported lazily.
+
+The parser itself is torch-free so ``tandem gateway`` and ``tandem bench serve`` start fast and the
+deployment tests can check every command line in docker-compose and Kubernetes against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+HANDLERS = {
+    "up": "deploy.launcher:main",
+    "prefill": "services.prefill.server:main",
+    "decode": "services.decode.server:main",
+    "worker": "services.worker.server:main",
+    "gateway": "gateway.server:main",
+    "generate": "services.engine.offline_cli:main",
+    "bench serve": "gateway.bench_serve:main",
+    "bench offline": "services.engine.bench:main_offline",
+    "bench latency": "services.engine.bench:main_latency",
+    "bench kernels": "kernels.bench:main",
+}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="embedded",
+                   help="HF directory, .gguf file, a named config (llama-3.1-8b, ...) or 'embedded'")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "hf", "gguf"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=_positive_int, default=None)
+    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    g.add_argument("--served-model-name", default=None)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV pool size in GiB (the CPU default is 1 GiB)")
+    g.add_argument("--num-blocks", type=_positive_int, default=None, help="explicit KV block count")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="gRPC bind address (loopback by default)")
+    g.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one)")
+    g.add_argument("--worker-id", default=None, help=f"name of this {role} worker")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get after SIGTERM")
+    if role in ("decode",):
+        g.add_argument("--kv-host", default=None, help="KV rendezvous address (default: --host)")
+        g.add_argument("--kv-port", type=int, default=0, help="KV rendezvous port (0 picks one)")
+    g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a KV transfer may take")
+    g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="embedded", help="model whose tokenizer the gateway uses")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: from --model)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
+                   help="a colocated worker")
+    p.add_argument("--config", default=None, help="YAML/JSON file listing workers")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=40.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--otlp-endpoint", default=None)
+    p.add_argument("--ready-file", default=None)
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--colocated", type=int, default=0,
+                   help="number of colocated workers (replaces prefill/decode when > 0)")
+    p.add_argument("--gpus", default=None, help="comma-separated GPU ids to spread workers over")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--log-dir", default=None)
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    src.add_argument("--prompts-file", help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    p.add_argument("--max-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", "--sample-seed", dest="sampling_seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+
+def add_bench_args(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    serve = bsub.add_parser("serve", help="serving benchmark against a running gateway")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--model", default=None)
+    serve.add_argument("--tokenizer", default=None)
+    serve.add_argument("--endpoint", default="/v1/completions",
+                       choices=["/v1/completions", "/v1/chat/completions"])
+    serve.add_argument("--input-len", type=_positive_int, default=1024)
+    serve.add_argument("--output-len", type=_positive_int, default=128)
+    serve.add_argument("--num-prompts", type=_positive_int, default=100)
+    serve.add_argument("--request-rate", action="append", default=None,
+                       help="requests/s or 'inf'; repeat for several rates")
+    serve.add_argument("--max-concurrency", type=_positive_int, default=None)
+    serve.add_argument("--prompts-file", default=None)
+    serve.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    serve.add_argument("--slo-tpot-ms", type=float, default=40.0)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--json-out", default=None)
+    serve.add_argument("--plot", default=None)
+    for name in ("offline", "latency"):
+        b = bsub.add_parser(name, help=f"{name} benchmark of the in-process engine")
+        add_engine_args(b)
+        b.add_argument("--num-prompts", type=_positive_int, default=256)
+        b.add_argument("--input-len", type=_positive_int, default=1024)
+        b.add_argument("--output-len", type=_positive_int, default=128)
+        b.add_argument("--batch-sizes", default="1,64,256")
+        b.add_argument("--compare-transformers", action="store_true")
+        b.add_argument("--json-out", default=None)
+    k = bsub.add_parser("kernels", help="Triton kernels against the roofline (GPU)")
+    k.add_argument("--json-out", default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_up_args(sub.add_parser("up", help="gateway + prefill + decode workers on this machine"))
+    for role in ("prefill", "decode", "worker"):
+        add_server_args(sub.add_parser(role, help=f"run a {role} worker (gRPC)"), role)
+    add_gateway_args(sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway"))
+    add_generate_args(sub.add_parser("generate", help="offline generation in this process"))
+    add_bench_args(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    key = f"bench {args.bench}" if args.command == "bench" else args.command
+    module_name, func_name = HANDLERS[key].split(":")
+    handler = getattr(importlib.import_module(module_name), func_name)
+    return int(handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

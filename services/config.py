@@ -1,0 +1,81 @@
+"""Frozen configuration of each component, validated where it is built.
+
+Torch-free, so the gateway, the CLI and the scheduler can all read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says which knob to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "embedded"  # "embedded", an HF directory, a .gguf file or a named config
+    load_format: str = "auto"  # auto | dummy
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0  # for dummy weights
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy", "hf", "gguf"):
+            raise ConfigError(f"--load-format must be auto, dummy, hf or gguf, got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU the worker may use
+    kv_cache_gib: float | None = None  # explicit KV pool size (the CPU default is 1 GiB)
+    num_blocks: int | None = None  # explicit block count, overrides the two above
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ConfigError(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    policy: str = "fcfs"  # fcfs | priority
+    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    enforce_eager: bool = False  # no CUDA graphs
+
+    def __post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -1,0 +1,86 @@
+"""Sampling parameters of one request: plain data, validated where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request the user must fix; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per position; None = no logprobs
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        checks: list[tuple[bool, str, str]] = [
+            (self.temperature >= 0.0, "temperature must be >= 0, got {}", "temperature"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1], got {}", "top_p"),
+            (self.top_k >= -1, "top_k must be -1, 0 (off) or a positive integer, got {}", "top_k"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1], got {}", "min_p"),
+            (self.max_tokens >= 1, "max_tokens must be at least 1, got {}", "max_tokens"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0, got {}", "min_tokens"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2], got {}", "presence_penalty"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2], got {}", "frequency_penalty"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2], got {}", "repetition_penalty"),
+            (self.n >= 1, "n must be at least 1, got {}", "n"),
+            (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {{}}", "stop"),
+        ]
+        values = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "n": self.n, "stop": len(self.stop),
+        }  # fmt: skip
+        for ok, message, param in checks:
+            if not ok:
+                raise InvalidRequestError(message.format(values[param]), param)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                "min_tokens",
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs"
+            )
+        if any(s == "" for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty", "stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
