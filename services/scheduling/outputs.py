@@ -1,0 +1,61 @@
+"""What the scheduler hands the engine each step, and what it gets back: plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0] == tokens already in the cache
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # True when this step reaches the end of the known tokens
+    sampling_params: SamplingParams
+    output_token_ids: list[int]  # generated so far (penalties, seeded sampling)
+    prompt_token_ids: list[int]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """One request's news after a step: a token (if it sampled), finished or not."""
+
+    request_id: str
+    token: SampledToken | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int

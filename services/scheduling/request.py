@@ -1,0 +1,97 @@
+"""A request as the scheduler sees it: counters, not phases.
+
+``num_computed_tokens`` counts tokens whose KV is in the cache. Whatever lies between it and
+``num_tokens`` is still to be computed: a whole prompt, the rest of a chunked prompt, the one
+token sampled last step, or everything again after a preemption. Prefill and decode fall out
+of that arithmetic.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from services.scheduling.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_arrival_order = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs first under the priority policy
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_model_len: int | None = None
+    # prefill-only (disaggregation): keep the blocks after the first token until released
+    hold_blocks_on_finish: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    seq: int = field(default_factory=lambda: next(_arrival_order))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def check_stop(self, new_token: int) -> FinishReason | None:
+        """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""
+        sp = self.sampling_params
+        if self.num_output_tokens >= sp.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        if self.num_output_tokens < sp.min_tokens:
+            return None
+        if not sp.ignore_eos and new_token in self.eos_token_ids:
+            self.stop_reason = new_token
+            return FinishReason.STOP
+        if new_token in sp.stop_token_ids:
+            self.stop_reason = new_token
+            return FinishReason.STOP
+        return None

@@ -1,0 +1,218 @@
+"""Iteration-level scheduling: continuous batching with chunked prefill, prefix hits and preemption.
+
+Each step spends a token budget (max-num-batched-tokens) over at most max-num-seqs requests:
+running requests first (their next token, or the next chunk of their prompt), then waiting ones
+in policy order. When blocks run out, the lowest-priority running request is preempted: its
+blocks are freed and it is recomputed later (it keeps its generated tokens).
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.config import SchedulerConfig
+from services.scheduling.kv_manager import KVCacheManager
+from services.scheduling.outputs import SampledToken, ScheduledRequest, SchedulerOutput, StepUpdate
+from services.scheduling.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # finished prefill-only requests keeping their blocks
+        self.reserved: dict[str, Request] = {}  # decode side: blocks held for KV in flight
+        self.num_preemptions = 0
+
+    # ---- admission and removal -------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in self.held:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return self.release(request_id)
+        self._finish(req, FinishReason.ABORT)
+        return req
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason: str | None = None) -> None:
+        """Finish a request for a reason found outside the scheduler (a stop string)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.stop_reason = stop_reason
+            self._finish(req, reason)
+
+    def reserve(self, request: Request) -> bool:
+        """Hold blocks for a prompt whose KV another worker will write; False if they don't fit."""
+        rid = request.request_id
+        if rid in self.requests or rid in self.held or rid in self.reserved:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not self.kv.allocate(request, request.num_prompt_tokens):
+            return False
+        self.reserved[rid] = request
+        return True
+
+    def activate(self, request_id: str, output_token_ids: list[int]) -> Request:
+        """The reserved prompt's KV has arrived: the request joins the queue with it computed."""
+        req = self.reserved.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids = list(output_token_ids)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        req = self.reserved.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        return True
+
+    def release(self, request_id: str) -> Request | None:
+        """Free the blocks a finished prefill-only request kept for its transfer."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+        return req
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.requests.pop(req.request_id, None)
+        if req.hold_blocks_on_finish and reason is not FinishReason.ABORT:
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def _order_key(self, req: Request) -> tuple[int, float, int]:
+        if self.config.policy == "priority":
+            return (req.priority, req.arrival_time, req.seq)
+        return (0, req.arrival_time, req.seq)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _preempt_victim(self) -> Request:
+        return max(self.running, key=self._order_key)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        self.running.sort(key=self._order_key)
+        for req in list(self.running):
+            if req not in self.running or budget <= 0:
+                continue
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate(req, n):
+                victim = self._preempt_victim()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req in self.running:
+                scheduled.append((req, n))
+                budget -= n
+        if not out.preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        out.requests = [self._to_scheduled(req, n) for req, n in scheduled]
+        return out
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        self.waiting.sort(key=self._order_key)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if self.config.long_prefill_token_threshold > 0:
+                n = min(n, self.config.long_prefill_token_threshold)
+            if not self.kv.allocate(req, n, cached):
+                break
+            self.waiting.pop(0)
+            if req.num_preemptions == 0 or req.num_computed_tokens == 0:
+                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+            req.num_computed_tokens += num_cached
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        return budget
+
+    def _to_scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.token_ids(start, start + n),
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=start + n == req.num_tokens,
+            sampling_params=req.sampling_params,
+            output_token_ids=req.output_token_ids,
+            prompt_token_ids=req.prompt_token_ids,
+        )
+
+    # ---- update ------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[StepUpdate]:
+        updates: list[StepUpdate] = []
+        for sr in out.requests:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += sr.num_new_tokens
+            token = sampled.get(sr.request_id) if sr.sample else None
+            if token is None:
+                continue
+            req.output_token_ids.append(token.token_id)
+            reason = req.check_stop(token.token_id)
+            if reason is not None:
+                self._finish(req, reason)
+            updates.append(
+                StepUpdate(
+                    request_id=req.request_id,
+                    token=token,
+                    finished=reason is not None,
+                    finish_reason=reason.value if reason else None,
+                    stop_reason=req.stop_reason,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return updates
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        for req in self.running:
+            assert req.status is RequestStatus.RUNNING
+        assert len(self.running) <= self.config.max_num_seqs
