@@ -79,7 +79,7 @@ def ref_prefill_attention(
     Query ``i`` of sequence ``b`` sits at position ``context_lens[b] - q_len + i`` and sees
     keys ``0 ..= that position`` (earlier chunks and prefix-cache hits included).
     """
-    Hq, D = q.shape[1], q.shape[2]
+    Hq = q.shape[1]
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
     out = torch.empty_like(q)

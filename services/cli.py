@@ -34,8 +34,11 @@ def _positive_int(text: str) -> int:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="embedded",
-                   help="HF directory, .gguf file, a named config (llama-3.1-8b, ...) or 'embedded'")
+    g.add_argument(
+        "--model",
+        default="embedded",
+        help="HF directory, .gguf file, a named config (llama-3.1-8b, ...) or 'embedded'",
+    )
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "hf", "gguf"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=_positive_int, default=None)
@@ -49,8 +52,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV pool size in GiB (the CPU default is 1 GiB)")
+    g.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV pool size in GiB (the CPU default is 1 GiB)",
+    )
     g.add_argument("--num-blocks", type=_positive_int, default=None, help="explicit KV block count")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
@@ -66,8 +73,12 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--host", default="127.0.0.1", help="gRPC bind address (loopback by default)")
     g.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one)")
     g.add_argument("--worker-id", default=None, help=f"name of this {role} worker")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get after SIGTERM")
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get after SIGTERM",
+    )
     if role in ("decode",):
         g.add_argument("--kv-host", default=None, help="KV rendezvous address (default: --host)")
         g.add_argument("--kv-port", type=int, default=0, help="KV rendezvous port (0 picks one)")
@@ -84,8 +95,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT")
     p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT")
-    p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
-                   help="a colocated worker")
+    p.add_argument(
+        "--worker", action="append", default=[], metavar="HOST:PORT", help="a colocated worker"
+    )
     p.add_argument("--config", default=None, help="YAML/JSON file listing workers")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
@@ -102,8 +114,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    p.add_argument("--colocated", type=int, default=0,
-                   help="number of colocated workers (replaces prefill/decode when > 0)")
+    p.add_argument(
+        "--colocated",
+        type=int,
+        default=0,
+        help="number of colocated workers (replaces prefill/decode when > 0)",
+    )
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids to spread workers over")
     p.add_argument("--api-key", default=None)
     p.add_argument("--log-dir", default=None)
@@ -113,7 +129,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    src.add_argument("--prompts-file", help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
+    src.add_argument(
+        "--prompts-file", help='JSONL: {"prompt": ...} or {"messages": [...]} per line'
+    )
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     p.add_argument("--max-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -130,13 +148,18 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", default=None)
     serve.add_argument("--tokenizer", default=None)
-    serve.add_argument("--endpoint", default="/v1/completions",
-                       choices=["/v1/completions", "/v1/chat/completions"])
+    serve.add_argument(
+        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
+    )
     serve.add_argument("--input-len", type=_positive_int, default=1024)
     serve.add_argument("--output-len", type=_positive_int, default=128)
     serve.add_argument("--num-prompts", type=_positive_int, default=100)
-    serve.add_argument("--request-rate", action="append", default=None,
-                       help="requests/s or 'inf'; repeat for several rates")
+    serve.add_argument(
+        "--request-rate",
+        action="append",
+        default=None,
+        help="requests/s or 'inf'; repeat for several rates",
+    )
     serve.add_argument("--max-concurrency", type=_positive_int, default=None)
     serve.add_argument("--prompts-file", default=None)
     serve.add_argument("--slo-ttft-ms", type=float, default=1000.0)

@@ -22,9 +22,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy", "hf", "gguf"):
-            raise ConfigError(f"--load-format must be auto, dummy, hf or gguf, got {self.load_format!r}")
+            raise ConfigError(
+                f"--load-format must be auto, dummy, hf or gguf, got {self.load_format!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(
+                f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
 
@@ -39,7 +43,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
-            raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+            raise ConfigError(
+                f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -56,11 +56,27 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1], got {}", "min_p"),
             (self.max_tokens >= 1, "max_tokens must be at least 1, got {}", "max_tokens"),
             (self.min_tokens >= 0, "min_tokens must be >= 0, got {}", "min_tokens"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2], got {}", "presence_penalty"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2], got {}", "frequency_penalty"),
-            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2], got {}", "repetition_penalty"),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty must be in [-2, 2], got {}",
+                "presence_penalty",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty must be in [-2, 2], got {}",
+                "frequency_penalty",
+            ),
+            (
+                0.0 < self.repetition_penalty <= 2.0,
+                "repetition_penalty must be in (0, 2], got {}",
+                "repetition_penalty",
+            ),
             (self.n >= 1, "n must be at least 1, got {}", "n"),
-            (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {{}}", "stop"),
+            (
+                len(self.stop) <= MAX_STOP_STRINGS,
+                f"at most {MAX_STOP_STRINGS} stop strings, got {{}}",
+                "stop",
+            ),
         ]
         values = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,

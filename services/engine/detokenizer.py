@@ -1,0 +1,68 @@
+"""Incremental detokenization and stop strings, per request.
+
+Text is released as tokens complete characters; when a request has stop strings, the last
+``max(len(stop)) - 1`` characters are held back until they can no longer start a stop string,
+so a stream never shows part of a stop string that is then cut away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+_CONTEXT = 6  # prompt tokens decoded with the output, so leading spaces come out right
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: Any, skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: Decoder
+    prompt_tail: list[int]
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    skip_special: bool = True
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of ``text`` already released
+    _prefix: int = 0
+    _read: int = 0
+
+    def __post_init__(self) -> None:
+        self.ids = list(self.prompt_tail[-_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self.ids)
+
+    def _dec(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add(self, token_id: int) -> str | None:
+        """Append a token; returns the matched stop string if the output must stop here."""
+        self.ids.append(token_id)
+        before = self._dec(self.ids[self._prefix : self._read])
+        after = self._dec(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            new = after[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
+            start = max(len(self.text) - max((len(s) for s in self.stop), default=0), 0)
+            self.text += new
+            return self._check_stop(start)
+        return None
+
+    def _check_stop(self, search_from: int) -> str | None:
+        for s in self.stop:
+            idx = self.text.find(s, search_from)
+            if idx != -1:
+                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+                return s
+        return None
+
+    def release(self, finished: bool) -> str:
+        """New text safe to show now (everything, once finished)."""
+        hold = 0 if finished or not self.stop else max(len(s) for s in self.stop) - 1
+        end = max(len(self.text) - hold, self.sent)
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta

@@ -1,0 +1,151 @@
+"""The offline API: ``LLM(model).generate(prompts, params)``, like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from services.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import PositionLogprobs
+from services.scheduling.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self, model: str = "embedded", *, config: EngineConfig | None = None, **knobs: Any
+    ) -> None:
+        self.engine = LLMEngine(config or build_config(model, **knobs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict) and "messages" in prompt:
+            return self.apply_chat_template(prompt["messages"])
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        enc = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True
+        )
+        return list(enc["input_ids"])
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)  # type: ignore[arg-type]
+        params = params or SamplingParams()
+        per = params if isinstance(params, list) else [params] * len(plist)
+        results: dict[str, GenerationResult] = {}
+        sub: dict[str, tuple[GenerationResult, CompletionOutput]] = {}
+        for prompt, sp in zip(plist, per, strict=True):
+            rid = str(next(self._ids))
+            ids = self.encode(prompt)
+            res = GenerationResult(rid, ids, [CompletionOutput(i) for i in range(sp.n)])
+            results[rid] = res
+            for i in range(sp.n):
+                seeded = sp if sp.seed is None else replace(sp, seed=sp.seed + i)
+                self.engine.add_request(f"{rid}-{i}", ids, replace(seeded, n=1))
+                sub[f"{rid}-{i}"] = (res, res.outputs[i])
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                res, comp = sub[out.request_id]
+                comp.token_ids.extend(out.token_ids)
+                comp.text += out.text
+                comp.logprobs.extend(out.logprobs)
+                res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
+                if out.finished:
+                    comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+        return list(results.values())
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | None = None,
+    ) -> list[GenerationResult]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([{"messages": m} for m in convs], params)
+
+
+def build_config(model: str = "embedded", **knobs: Any) -> EngineConfig:
+    """An EngineConfig from vLLM-style keyword arguments (max_model_len=..., block_size=...)."""
+    groups: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    top: dict[str, Any] = {}
+    for key, value in knobs.items():
+        key = {
+            "max_num_batched_tokens": "max_num_batched_tokens",
+            "scheduling_policy": "policy",
+        }.get(key, key)
+        for cls, bucket in groups.items():
+            if key in cls.__dataclass_fields__:
+                bucket[key] = value
+                break
+        else:
+            if key not in EngineConfig.__dataclass_fields__:
+                raise TypeError(f"unknown engine option {key!r}")
+            top[key] = value
+    return EngineConfig(
+        model=ModelConfig(model=model, **groups[ModelConfig]),
+        cache=CacheConfig(**groups[CacheConfig]),
+        scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+        **top,
+    )
+
+
+def config_from_args(args: Any) -> EngineConfig:
+    """An EngineConfig from the CLI's engine flags (services.cli.add_engine_args)."""
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        from services.config import ConfigError
+
+        raise ConfigError(
+            "--tensor-parallel-size > 1 is not supported yet; run more workers instead"
+        )
+    return build_config(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_gib=args.kv_cache_gib,
+        num_blocks=args.num_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+    )

@@ -1,0 +1,231 @@
+"""The engine: one step = schedule, execute, update.
+
+Single-threaded by design; the gRPC servers drive it from one thread (``services.engine.driver``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from services.config import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.model_runner import ModelRunner
+from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.scheduling.kv_manager import KVCacheManager
+from services.scheduling.outputs import StepUpdate
+from services.scheduling.request import FinishReason, Request
+from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
+from services.scheduling.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(hf_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_reserved: int
+    free_blocks: int
+    total_blocks: int
+    kv_cache_usage: float
+    prompt_tokens: int
+    generation_tokens: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        files = self.runner.files
+        from services.model_files import prepare_model
+
+        tok_dir = files.hf_dir if files.kind != "named" else prepare_model("embedded").hf_dir
+        self.tokenizer = load_tokenizer(str(tok_dir))
+        self.model_name = config.model.model if files.kind != "gguf" else files.name
+        self.vocab_size = self.runner.arch.vocab_size
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = frozenset(self.runner.arch.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(prompt_token_ids) + params.max_tokens} tokens "
+                f"({len(prompt_token_ids)} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                "prompt",
+            )
+
+    def _request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, hold: bool
+    ) -> Request:
+        self.validate(prompt, params)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            max_model_len=self.max_model_len,
+            hold_blocks_on_finish=hold,
+        )
+
+    def _track(self, req: Request) -> None:
+        sp = req.sampling_params
+        self._detok[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, sp.stop, sp.include_stop_str_in_output,
+            sp.skip_special_tokens,
+        )  # fmt: skip
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0, prefill_only: bool = False,
+    ) -> None:  # fmt: skip
+        """Queue a request. ``prefill_only`` keeps its blocks after the first token (see release)."""
+        req = self._request(request_id, prompt_token_ids, params, priority, prefill_only)
+        self.scheduler.add(req)
+        self._track(req)
+        self.prompt_tokens += len(prompt_token_ids)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        if req is None and self.scheduler.cancel_reservation(request_id):
+            return None
+        self._detok.pop(request_id, None)
+        if req is None:
+            return None
+        return RequestOutput(request_id, [], "", True, "abort", None, req.num_prompt_tokens,
+                             req.num_cached_tokens)  # fmt: skip
+
+    # ---- disaggregation ----------------------------------------------------------------------
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> list[int] | None:
+        """Decode side: hold blocks for a prompt whose KV will arrive; None if they don't fit."""
+        req = self._request(request_id, prompt_token_ids, params, priority, False)
+        return self.kv.block_ids(request_id) if self.scheduler.reserve(req) else None
+
+    def activate(self, request_id: str, output_token_ids: list[int]) -> None:
+        req = self.scheduler.activate(request_id, output_token_ids)
+        self._track(req)
+        det = self._detok[request_id]
+        for t in output_token_ids:
+            det.add(t)
+        det.release(True)  # the prefill worker already sent this text
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        return self.scheduler.cancel_reservation(request_id)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv.block_ids(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the KV has been shipped; its blocks go back (into the prefix cache)."""
+        self.scheduler.release(request_id)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        min_stop = self._min_token_stop_ids(out.requests)
+        sampled = self.runner.execute(out, min_stop)
+        updates = self.scheduler.update(out, sampled)
+        return [self._emit(u) for u in updates]
+
+    def _min_token_stop_ids(self, requests: list) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for r in requests:
+            sp = r.sampling_params
+            if r.sample and len(r.output_token_ids) < sp.min_tokens:
+                ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+                out[r.request_id] = sorted(ids)
+        return out
+
+    def _emit(self, u: StepUpdate) -> RequestOutput:
+        assert u.token is not None
+        self.generation_tokens += 1
+        det = self._detok.get(u.request_id)
+        finished, reason, stop_reason = u.finished, u.finish_reason, u.stop_reason
+        if det is not None:
+            matched = det.add(u.token.token_id)
+            if matched is not None and not finished:
+                self.scheduler.finish(u.request_id, FinishReason.STOP, matched)
+                finished, reason, stop_reason = True, "stop", matched
+            elif matched is not None:
+                reason, stop_reason = "stop", matched
+        text = det.release(finished) if det is not None else ""
+        if finished:
+            self._detok.pop(u.request_id, None)
+        return RequestOutput(
+            request_id=u.request_id,
+            token_ids=[u.token.token_id],
+            text=text,
+            finished=finished,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=u.num_prompt_tokens,
+            num_cached_tokens=u.num_cached_tokens,
+            logprobs=self._logprobs(u),
+        )
+
+    def _logprobs(self, u: StepUpdate) -> list[PositionLogprobs]:
+        tok = u.token
+        if tok is None or tok.logprob is None:
+            return []
+        dec = self.tokenizer.decode
+        chosen = TokenLogprob(tok.token_id, tok.logprob, dec([tok.token_id]))
+        top = tuple(TokenLogprob(t, lp, dec([t])) for t, lp in tok.top_logprobs)
+        return [PositionLogprobs(chosen, top)]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_reserved=len(s.reserved),
+            free_blocks=self.kv.num_free_blocks,
+            total_blocks=self.kv.num_blocks,
+            kv_cache_usage=self.kv.usage,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=self.kv.pool.queries,
+            prefix_cache_hits=self.kv.pool.hits,
+        )

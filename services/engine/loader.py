@@ -1,0 +1,125 @@
+"""Build a model and fill its weights: HF safetensors (sharded or not), GGUF (via a cached
+conversion), or random weights from a config (``--load-format dummy``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.config import ConfigError, ModelConfig
+from services.engine.model_config import ArchConfig
+from services.engine.models.llama import LlamaForCausalLM
+from services.engine.rope import cos_sin_cache
+from services.model_files import ModelFiles, prepare_model
+
+_STACKED = {  # HF name piece -> (our fused parameter, shard index)
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(config: ModelConfig, arch: ArchConfig, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return (
+        torch.bfloat16
+        if arch.torch_dtype in ("float32", "bfloat16")
+        else DTYPES.get(arch.torch_dtype, torch.bfloat16)
+    )
+
+
+def _shard_sizes(arch: ArchConfig, fused: str) -> list[int]:
+    if fused == "qkv_proj":
+        return [
+            arch.num_heads * arch.head_dim,
+            arch.num_kv_heads * arch.head_dim,
+            arch.num_kv_heads * arch.head_dim,
+        ]
+    return [arch.intermediate_size, arch.intermediate_size]
+
+
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors weights in {directory}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, fh.get_tensor(name)
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    arch = model.cfg
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb" in name:
+            continue
+        if arch.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        match = _NAME.search(name)
+        if match:
+            fused, shard = _STACKED[match.group(1)]
+            target = name.replace(match.group(1), fused)
+            sizes = _shard_sizes(arch, fused)
+            start = sum(sizes[:shard])
+            params[target].data[start : start + sizes[shard]].copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+            continue
+        if name not in params:
+            raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
+        params[name].data.copy_(tensor)
+        loaded.add(name)
+    missing = [
+        n for n in params if n not in loaded and not any(k.startswith(n + "#") for k in loaded)
+    ]
+    if arch.tie_word_embeddings:
+        missing = [n for n in missing if n != "lm_head.weight"]
+    if missing:
+        raise ConfigError(f"weights missing from the checkpoint: {missing[:5]} ...")
+
+
+def dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights of realistic scale (never zeros), norms at one."""
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+            continue
+        gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
+        p.data.uniform_(-0.02, 0.02, generator=gen)
+
+
+def load_model(
+    config: ModelConfig, device: torch.device, max_positions: int
+) -> tuple[LlamaForCausalLM, ArchConfig, ModelFiles]:
+    files = prepare_model(config.model)
+    config_path = (
+        files.path if files.kind == "named" else (files.hf_dir or files.path) / "config.json"
+    )
+    arch = ArchConfig.from_file(config_path)
+    dtype = resolve_dtype(config, arch, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    table = cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+    model.cos_sin = table.to(device)
+    if config.load_format == "dummy" or files.kind == "named":
+        dummy_weights(model, config.seed)
+    else:
+        assert files.hf_dir is not None
+        load_weights(model, iter_safetensors(files.hf_dir))
+    return model.eval(), arch, files

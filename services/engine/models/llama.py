@@ -1,0 +1,144 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) in plain PyTorch over a paged KV cache.
+
+Tokens of all sequences in a step are flattened into one ``[T]`` batch; attention finds each
+sequence's context through the metadata's block tables. Optimizations (CUDA graphs, Triton
+kernels) are applied from outside through ``kernels.ops``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from services.engine.attention_metadata import AttentionMetadata
+from services.engine.model_config import ArchConfig
+from services.engine.rope import cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.d**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,  # [max_pos, D]
+        kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q = q.reshape(T, self.nq, self.d)
+        k = k.reshape(T, self.nkv, self.d)
+        v = v.reshape(T, self.nkv, self.d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.d))[0].view(T, self.nq, self.d)
+            k = self.k_norm(k.reshape(-1, self.d))[0].view(T, self.nkv, self.d)
+        else:
+            q, k = q.contiguous(), k.contiguous()
+        ops.rotary_embedding(positions, q, k, cos_sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        ops.write_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            o = ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        else:
+            o = ops.prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                self.scale,
+            )  # fmt: skip
+        return self.o_proj(o.reshape(T, self.nq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        table = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("cos_sin", table, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin, cache, meta)
+        return self.model.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V] fp32
+        return self.lm_head(hidden).float()

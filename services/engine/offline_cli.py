@@ -1,0 +1,60 @@
+"""``tandem generate``: offline generation in this process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from services.config import ConfigError
+from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
+
+
+def _load_prompts(args: argparse.Namespace) -> list[Any]:
+    if args.prompt:
+        if args.chat:
+            return [{"messages": [{"role": "user", "content": p}]} for p in args.prompt]
+        return list(args.prompt)
+    prompts: list[Any] = []
+    with open(args.prompts_file, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"{args.prompts_file}:{n}: not JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
+                raise InvalidRequestError(
+                    f'{args.prompts_file}:{n}: expected {{"prompt": ...}} or {{"messages": [...]}}'
+                )
+            prompts.append({"messages": obj["messages"]} if "messages" in obj else obj["prompt"])
+    return prompts
+
+
+def main(args: argparse.Namespace) -> int:
+    from services.engine.llm import LLM, config_from_args
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.sampling_seed, max_tokens=args.max_tokens,
+        )  # fmt: skip
+        prompts = _load_prompts(args)
+        config = config_from_args(args)
+        llm = LLM(config=config)
+        results = llm.generate(prompts, params)
+    except (InvalidRequestError, ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for res in results:
+        out = res.outputs[0]
+        if args.json:
+            print(json.dumps({
+                "prompt_token_ids": res.prompt_token_ids, "token_ids": out.token_ids,
+                "text": out.text, "finish_reason": out.finish_reason,
+            }))  # fmt: skip
+        else:
+            print(out.text)
+    return 0

@@ -1,0 +1,137 @@
+"""Turn a step's logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling.
+
+Seeded requests draw their noise from a generator seeded by (seed, output position), so the
+same seed gives the same text whatever else shares the batch and whichever worker samples.
+Logprobs are those of the model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.scheduling.outputs import SampledToken
+from services.scheduling.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def _position_seed(seed: int, position: int) -> int:
+    return (seed * 0x9E3779B1 + position * 0x85EBCA77 + 0x2545F491) % (2**63 - 1)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]],
+    prompts: list[list[int]],
+) -> None:
+    for i, (sp, out) in enumerate(zip(params, outputs, strict=True)):
+        row = logits[i]
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(prompts[i]) | set(out)), dtype=torch.long, device=row.device
+            )
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty
+            )
+        if (sp.presence_penalty or sp.frequency_penalty) and out:
+            ids = torch.tensor(out, dtype=torch.long, device=row.device)
+            counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
+            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _mask_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    V = logits.shape[-1]
+    ranks = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    sorted_logits = sorted_logits.masked_fill(cum >= top_p[:, None], _NEG_INF)
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+def _noise(probs: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    unseeded = [i for i, sp in enumerate(params) if sp.seed is None]
+    if unseeded:
+        q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
+    for i, sp in enumerate(params):
+        if sp.seed is not None:
+            gen = torch.Generator(device=probs.device).manual_seed(
+                _position_seed(sp.seed, positions[i])
+            )
+            q[i].exponential_(generator=gen)
+    return q
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V] float32
+    params: list[SamplingParams],
+    outputs: list[list[int]],
+    prompts: list[list[int]],
+    stop_ids_for_min_tokens: list[list[int]],
+) -> list[SampledToken]:
+    want_logprobs = [sp.logprobs for sp in params]
+    raw = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
+    if any(
+        sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty for sp in params
+    ):
+        logits = logits.clone()
+        apply_penalties(logits, params, outputs, prompts)
+    for i, ids in enumerate(stop_ids_for_min_tokens):
+        if ids:
+            logits[i, ids] = _NEG_INF
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, sp in enumerate(params) if not sp.greedy]
+    if random_rows:
+        tokens[random_rows] = _sample_rows(
+            logits[random_rows],
+            [params[i] for i in random_rows],
+            [len(outputs[i]) for i in random_rows],
+        )
+    return _package(tokens, raw, want_logprobs)
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+) -> torch.Tensor:
+    dev = logits.device
+    temp = torch.tensor([sp.temperature for sp in params], device=dev)
+    logits = logits / temp[:, None]
+    top_k = torch.tensor([max(sp.top_k, 0) for sp in params], device=dev)
+    top_p = torch.tensor([sp.top_p for sp in params], device=dev)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        logits = _mask_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([sp.min_p for sp in params], device=dev)
+    if bool((min_p > 0).any()):
+        cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        probs = probs.masked_fill(probs < cutoff, 0.0)
+    return (probs / _noise(probs, params, positions)).argmax(dim=-1)
+
+
+def _package(
+    tokens: torch.Tensor, raw: torch.Tensor | None, want: list[int | None]
+) -> list[SampledToken]:
+    token_list = tokens.tolist()
+    if raw is None:
+        return [SampledToken(t) for t in token_list]
+    k = max((w or 0) for w in want)
+    chosen = raw.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+    top_vals, top_ids = raw.topk(k, dim=-1) if k > 0 else (None, None)
+    out = []
+    for i, t in enumerate(token_list):
+        if want[i] is None:
+            out.append(SampledToken(t))
+            continue
+        n = want[i] or 0
+        alts: tuple[tuple[int, float], ...] = ()
+        if n and top_ids is not None and top_vals is not None:
+            alts = tuple(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
+        out.append(SampledToken(t, chosen[i], alts))
+    return out
