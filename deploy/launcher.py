@@ -1,0 +1,202 @@
+"""`tandem up`: the whole topology (prefill + decode workers and a gateway) on this machine.
+
+Prepare the model once, start the workers on free ports, wait for their ready files, start the
+gateway pointed at them, print one ``Tandem is ready:`` line, then watch. Ctrl-C or SIGTERM stops
+the gateway first, then the workers; no child outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import deque
+from pathlib import Path
+from types import FrameType
+from typing import IO, TextIO
+
+from deploy.gpus import detect_gpus
+from deploy.plan import Plan, build_plan, gateway_spec
+from deploy.supervisor import Child, ChildFailedError, Supervisor, die_with_parent
+from services.config import ConfigError
+
+READY_TIMEOUT_S = float(os.environ.get("TANDEM_UP_READY_TIMEOUT", "900"))
+GRACE_S = float(os.environ.get("TANDEM_UP_GRACE", "15"))
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+class _Stop(Exception):
+    """Raised by the signal handler to unwind into the shutdown path."""
+
+
+def say(text: str, error: bool = False) -> None:
+    print(text, file=sys.stderr if error else sys.stdout, flush=True)
+
+
+def prepare_model(argv: list[str]) -> str:
+    """Run the prepare step, echoing its output; returns the last line it printed (a directory)."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=die_with_parent,
+    )  # fmt: skip
+    errors: deque[str] = deque(maxlen=20)
+    echo = threading.Thread(target=_echo_lines, args=(proc.stderr, sys.stderr, errors), daemon=True)
+    echo.start()
+    lines: deque[str] = deque(maxlen=20)
+    try:
+        _echo_lines(proc.stdout, sys.stdout, lines)
+        code = proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    echo.join(timeout=5)
+    if code != 0 or not lines:
+        detail = "\n".join(errors) or "\n".join(lines) or "(no output)"
+        raise ChildFailedError(f"preparing the model failed (exit code {code}):\n{detail}")
+    return lines[-1]
+
+
+def _echo_lines(stream: IO[str] | None, out: TextIO, keep: deque[str]) -> None:
+    for line in stream or ():
+        if line.strip():
+            keep.append(line.strip())
+            print(f"  {line.rstrip()}", file=out, flush=True)
+
+
+def public_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in WILDCARDS else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}/v1"
+
+
+def served_model_id(base_url: str, api_key: str | None, fallback: str) -> str:
+    """The first model id the gateway lists, so the printed example works as is."""
+    request = urllib.request.Request(f"{base_url}/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return str(json.load(response)["data"][0]["id"])
+    except Exception:
+        return fallback
+
+
+def ready_message(plan: Plan, url: str, model_id: str, api_key: str | None) -> str:
+    auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if api_key else ""
+    body = json.dumps(
+        {
+            "model": model_id,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
+    )
+    return (
+        f"Tandem is ready: {url} ({plan.summary()}, model {model_id})\n"
+        f"  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+        "Press Ctrl-C to stop."
+    )
+
+
+def _describe(plan: Plan) -> str:
+    parts = []
+    for w in plan.workers:
+        where = f"GPU {','.join(w.gpus)}" if w.gpus else plan.device
+        threads = w.spec.env.get("OMP_NUM_THREADS")
+        parts.append(
+            f"{w.spec.name} on {where}" + (f" (OMP_NUM_THREADS={threads})" if threads else "")
+        )
+    return ", ".join(parts)
+
+
+def _progress(pending: list[Child], elapsed: float) -> None:
+    names = ", ".join(c.name for c in pending)
+    say(f"tandem up: waiting for {names} ({elapsed:.0f} s)")
+
+
+def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> str:
+    """Prepare, start workers, start the gateway; returns the gateway's /v1 URL."""
+    say(f"tandem up: preparing model {plan.model}")
+    tokenizer_dir = prepare_model(plan.prepare_argv)
+    say(f"tandem up: starting {_describe(plan)}; logs in {sup.log_dir}")
+    workers = [sup.start(w.spec) for w in plan.workers]
+    sup.wait_ready(workers, ready_timeout_s, _progress)
+    ports = {c.name: int((c.ready or {})["port"]) for c in workers}
+    say("tandem up: workers ready (" + ", ".join(f"{n} :{p}" for n, p in ports.items()) + ")")
+    gateway = sup.start(gateway_spec(plan, ports, tokenizer_dir))
+    sup.wait_ready([gateway], ready_timeout_s, _progress)
+    return public_url(plan.host, int((gateway.ready or {}).get("port", plan.port)))
+
+
+def watch(sup: Supervisor) -> int:
+    while (child := sup.first_exited()) is None:
+        time.sleep(0.2)
+    code = child.proc.returncode
+    say(f"tandem up: {sup.failure(child, f'exited unexpectedly with code {code}')}", error=True)
+    return 1
+
+
+def run(
+    plan: Plan,
+    log_dir: Path,
+    api_key: str | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+    grace_s: float = GRACE_S,
+) -> int:
+    """Start everything in ``plan``, serve until a signal or a child's death, then stop it all."""
+    sup = Supervisor(log_dir, grace_s)
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:
+            sup.hurry = True  # a second Ctrl-C: no more grace
+            return
+        stopping = True
+        raise _Stop(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        url = start_all(plan, sup, ready_timeout_s)
+        say(ready_message(plan, url, served_model_id(url, api_key, plan.model), api_key))
+        return watch(sup)
+    except _Stop:
+        return 0
+    except ChildFailedError as exc:
+        say(f"tandem up: {exc}", error=True)
+        return 1
+    finally:
+        stopping = True
+        if sup.children:
+            say("tandem up: stopping")
+        sup.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir = Path(tempfile.mkdtemp(prefix="tandem-run-"))
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-logs-"))
+    try:
+        plan = build_plan(
+            args, detect_gpus(args.gpus), os.cpu_count() or 1, run_dir, environ=os.environ
+        )
+        code = run(plan, log_dir, args.api_key)
+    except ConfigError as exc:
+        say(f"tandem up: {exc}", error=True)
+        code = 2
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if code == 0 and not args.log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return code

@@ -1,0 +1,177 @@
+"""What `tandem up` starts: pure functions from the parsed flags to child command lines.
+
+No process is started here, so every decision (GPU placement, threads, forwarded engine flags,
+gateway targets) is unit-tested without spawning anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.supervisor import ChildSpec
+from services.cli import add_engine_args
+from services.config import ConfigError
+
+DEFAULT_PROGRAM = (sys.executable, "-m", "services.cli")
+LOOPBACK = "127.0.0.1"
+_NOT_FORWARDED = {"help", "device"}  # the launcher decides the device itself
+
+
+@dataclass(frozen=True)
+class Worker:
+    spec: ChildSpec
+    role: str  # prefill | decode | worker
+    gpus: tuple[str, ...]  # CUDA_VISIBLE_DEVICES entries; empty on the CPU
+
+
+@dataclass(frozen=True)
+class Plan:
+    prepare_argv: list[str]
+    workers: list[Worker]
+    gateway_argv: list[str]  # without the worker targets and the tokenizer
+    gateway_ready_file: Path
+    device: str  # cpu or cuda (or what the user forced)
+    host: str
+    port: int
+    model: str
+
+    def count(self, role: str) -> int:
+        return sum(w.role == role for w in self.workers)
+
+    def summary(self) -> str:
+        roles = ("worker",) if self.count("worker") else ("prefill", "decode")
+        parts = [f"{self.count(r)} {'colocated' if r == 'worker' else r}" for r in roles]
+        return " + ".join(["gateway", *parts])
+
+
+def engine_flags(
+    args: argparse.Namespace, overrides: Mapping[str, object] | None = None
+) -> list[str]:
+    """The engine flags whose values differ from their defaults, as a command line."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    values = {**vars(args), **(overrides or {})}
+    out: list[str] = []
+    for action in probe._actions:
+        if action.dest in _NOT_FORWARDED or not action.option_strings:
+            continue
+        value = values.get(action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, argparse._StoreTrueAction):
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def role_names(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, role) of every worker, prefill before decode."""
+    if args.colocated > 0:
+        return [(f"worker-{i}", "worker") for i in range(args.colocated)]
+    if args.prefill < 1 or args.decode < 1:
+        raise ConfigError("--prefill and --decode must both be >= 1 (or use --colocated N)")
+    return [(f"prefill-{i}", "prefill") for i in range(args.prefill)] + [
+        (f"decode-{i}", "decode") for i in range(args.decode)
+    ]
+
+
+def _round_robin(n: int, slots: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    return [slots[i % len(slots)] for i in range(n)]
+
+
+def assign_gpus(roles: Sequence[str], gpus: Sequence[str], tp: int = 1) -> list[tuple[str, ...]]:
+    """GPUs per worker: prefill and decode get disjoint GPUs when there are at least two slots."""
+    if not gpus:
+        return [() for _ in roles]
+    slots = [tuple(gpus[i : i + tp]) for i in range(0, len(gpus) - tp + 1, tp)]
+    if not slots:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp} needs {tp} GPUs per worker but only {len(gpus)} "
+            f"are available ({','.join(gpus)})"
+        )
+    n_prefill, n_decode = roles.count("prefill"), roles.count("decode")
+    if n_prefill and n_decode and len(slots) >= 2:
+        k = round(len(slots) * n_prefill / (n_prefill + n_decode))
+        k = min(max(k, 1), len(slots) - 1)
+        placed = iter(_round_robin(n_prefill, slots[:k]) + _round_robin(n_decode, slots[k:]))
+        return [next(placed) for _ in roles]
+    return _round_robin(len(roles), slots)
+
+
+def _resolve_device(requested: str, gpus: Sequence[str]) -> tuple[str, Sequence[str]]:
+    if requested == "auto":
+        return ("cuda" if gpus else "cpu"), gpus
+    if requested.startswith("cpu"):
+        return requested, []
+    return ("cuda" if gpus else requested), gpus  # ids are renumbered by CUDA_VISIBLE_DEVICES
+
+
+def _worker_env(
+    placed: tuple[str, ...], n_workers: int, cpu_count: int, environ: Mapping[str, str]
+) -> dict[str, str]:
+    if placed:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(placed)}
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, cpu_count // max(1, n_workers)))}
+
+
+def _memory_overrides(args: argparse.Namespace, sharing: int) -> dict[str, object]:
+    default_util = 0.9
+    if sharing > 1 and args.gpu_memory_utilization == default_util:
+        return {"gpu_memory_utilization": round(default_util / sharing, 3)}
+    return {}
+
+
+def build_plan(
+    args: argparse.Namespace,
+    gpus: Sequence[str],
+    cpu_count: int,
+    run_dir: Path,
+    program: Sequence[str] = DEFAULT_PROGRAM,
+    environ: Mapping[str, str] | None = None,
+) -> Plan:
+    environ = {} if environ is None else environ
+    device, gpus = _resolve_device(args.device, gpus)
+    names = role_names(args)
+    placement = assign_gpus([r for _, r in names], gpus, args.tensor_parallel_size)
+    users = Counter(p[0] for p in placement if p)
+    workers = []
+    for (name, role), placed in zip(names, placement, strict=True):
+        overrides = _memory_overrides(args, users[placed[0]] if placed else 1)
+        argv = [*program, role, *engine_flags(args, overrides), "--device", device]
+        argv += ["--host", LOOPBACK, "--port", "0", "--worker-id", name]
+        ready = run_dir / f"{name}.json"
+        env = _worker_env(placed, len(names), cpu_count, environ)
+        workers.append(
+            Worker(ChildSpec(name, [*argv, "--ready-file", str(ready)], env, ready), role, placed)
+        )
+    gateway_ready = run_dir / "gateway.json"
+    gateway = [*program, "gateway", "--host", args.host, "--port", str(args.port)]
+    gateway += ["--model", args.model]
+    if args.served_model_name:
+        gateway += ["--served-model-name", args.served_model_name]
+    if args.api_key:
+        gateway += ["--api-key", args.api_key]
+    gateway += ["--ready-file", str(gateway_ready)]
+    prepare = [sys.executable, "-m", "services.model_files", "--model", args.model]
+    return Plan(prepare, workers, gateway, gateway_ready, device, args.host, args.port, args.model)
+
+
+def gateway_spec(plan: Plan, ports: Mapping[str, int], tokenizer_dir: str | None) -> ChildSpec:
+    """The gateway's command line, once every worker has reported its port (name -> port)."""
+    argv = list(plan.gateway_argv)
+    if tokenizer_dir:
+        argv += ["--tokenizer", tokenizer_dir]
+    for worker in plan.workers:
+        argv += [f"--{worker.role}", f"{LOOPBACK}:{ports[worker.spec.name]}"]
+    return ChildSpec("gateway", argv, {}, plan.gateway_ready_file, stop_tier=0)

@@ -1,0 +1,195 @@
+"""`tandem up` end to end with fake children (tests/deploy/fake_child.py), as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.conftest import REPO, alive, child_env
+
+READY = re.compile(
+    r"^Tandem is ready: http://127\.0\.0\.1:(\d+)/v1 \(gateway \+ (.+), model fake-model\)$"
+)
+
+
+class Up:
+    """A running `fake_up` process whose output is collected line by line."""
+
+    def __init__(self, log_dir: Path, *flags: str, **env: str) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.deploy.fake_up",
+            "--port",
+            "0",
+            "--log-dir",
+            str(log_dir),
+        ]
+        self.log_dir = log_dir
+        self.proc = subprocess.Popen(
+            [*argv, *flags],
+            cwd=REPO,
+            env={**os.environ, **child_env(FAKE_GRACE="2", **env)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: re.Pattern[str], timeout_s: float = 30) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := pattern.match(line):
+                    return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError("no match; output:\n" + "\n".join(self.lines))
+
+    def finish(self, timeout_s: float = 20) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=5)
+        return code
+
+    def children(self) -> dict[str, dict]:
+        """What each fake child printed about itself (pid, argv, port, env)."""
+        out = {}
+        for log in self.log_dir.glob("*.log"):
+            lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
+            if lines:
+                out[log.stem] = json.loads(lines[0])
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for info in self.children().values():
+            for pid in (info["pid"], info.get("grandchild")):
+                if pid and alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def start(tmp_path: Path):
+    started: list[Up] = []
+
+    def _start(*flags: str, **env: str) -> Up:
+        up = Up(tmp_path / f"logs{len(started)}", *flags, **env)
+        started.append(up)
+        return up
+
+    yield _start
+    for up in started:
+        up.kill()
+
+
+def all_gone(pids: list[int], timeout_s: float = 5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_prints_ready_and_leaves_no_process_behind(start, sig: signal.Signals) -> None:
+    up = start("--prefill", "2", "--decode", "1")
+    match = up.wait_for(READY)
+    assert match.group(2) == "2 prefill + 1 decode"
+    children = up.children()
+    assert set(children) == {"prefill-0", "prefill-1", "decode-0", "gateway"}
+    assert int(match.group(1)) == children["gateway"]["port"]
+    assert any(line.strip().startswith("curl http://127.0.0.1:") for line in up.lines)
+    up.proc.send_signal(sig)
+    assert up.finish() == 0
+    assert all_gone([c["pid"] for c in children.values()])
+
+
+def test_gateway_is_pointed_at_every_worker(start) -> None:
+    up = start("--colocated", "2")
+    up.wait_for(READY)
+    children = up.children()
+    argv = children["gateway"]["argv"]
+    targets = [argv[i + 1] for i, a in enumerate(argv) if a == "--worker"]
+    assert targets == [f"127.0.0.1:{children[f'worker-{i}']['port']}" for i in range(2)]
+    assert argv[argv.index("--tokenizer") + 1] == "/fake/model/dir"
+    assert children["worker-0"]["env"]["OMP_NUM_THREADS"] == "1"
+
+
+def test_gpus_are_pinned_per_worker(start) -> None:
+    up = start("--gpus", "0,1")
+    up.wait_for(READY)
+    children = up.children()
+    assert children["prefill-0"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert children["decode-0"]["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "cuda" in children["decode-0"]["argv"]
+
+
+def test_a_worker_that_fails_to_start_stops_everything_with_its_log(start) -> None:
+    up = start(FAKE_FAIL_ROLE="decode")
+    assert up.finish() == 1
+    output = "\n".join(up.lines)
+    assert "decode-0 exited with code 3" in output and "boom: decode failed" in output
+    assert not any(line.startswith("Tandem is ready") for line in up.lines)
+    assert all_gone([c["pid"] for c in up.children().values()])
+
+
+def test_a_worker_dying_later_brings_the_launcher_down(start) -> None:
+    up = start()
+    up.wait_for(READY)
+    children = up.children()
+    os.kill(children["decode-0"]["pid"], signal.SIGKILL)
+    assert up.finish() == 1
+    assert "decode-0 exited unexpectedly" in "\n".join(up.lines)
+    assert all_gone([c["pid"] for c in children.values()])
+
+
+def test_stubborn_workers_and_grandchildren_are_killed_after_the_grace_period(start) -> None:
+    up = start(FAKE_IGNORE_TERM="prefill", FAKE_GRANDCHILD="prefill")
+    up.wait_for(READY)
+    children = up.children()
+    grandchild = children["prefill-0"]["grandchild"]
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.finish() == 0
+    assert all_gone([grandchild, *(c["pid"] for c in children.values())])
+
+
+def test_a_failed_model_preparation_starts_no_worker(start) -> None:
+    up = start(FAKE_PREPARE_FAIL="1")
+    assert up.finish() == 1
+    output = "\n".join(up.lines)
+    assert "preparing the model failed" in output and "model 'nope' not found" in output
+    assert up.children() == {}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--decode", "0"], "--colocated"),
+        (["--tensor-parallel-size", "2", "--gpus", "0"], "needs 2 GPUs"),
+    ],
+)
+def test_tandem_up_refuses_impossible_topologies(flags: list[str], message: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, **child_env()},
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert message in out.stderr

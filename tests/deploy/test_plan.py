@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from deploy.plan import Plan, assign_gpus, build_plan, gateway_spec
+from services.cli import build_parser
+from services.config import ConfigError
+
+PROGRAM = ("python", "-m", "services.cli")
+
+
+def up(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *flags])
+
+
+def plan_for(
+    *flags: str, gpus: tuple[str, ...] = (), cpus: int = 2, env: dict | None = None
+) -> Plan:
+    return build_plan(up(*flags), list(gpus), cpus, Path("/run"), PROGRAM, env or {})
+
+
+def reparse(argv: list[str]) -> argparse.Namespace:
+    assert argv[: len(PROGRAM)] == list(PROGRAM)
+    return build_parser().parse_args(argv[len(PROGRAM) :])
+
+
+def by_name(plan: Plan) -> dict[str, tuple[str, dict[str, str]]]:
+    return {w.spec.name: (w.role, w.spec.env) for w in plan.workers}
+
+
+def test_default_is_one_prefill_and_one_decode_on_loopback_free_ports() -> None:
+    plan = plan_for()
+    assert [(w.spec.name, w.role) for w in plan.workers] == [
+        ("prefill-0", "prefill"),
+        ("decode-0", "decode"),
+    ]
+    for worker in plan.workers:
+        args = reparse(worker.spec.argv)
+        assert args.command == worker.role
+        assert (args.host, args.port, args.device) == ("127.0.0.1", 0, "cpu")
+        assert args.worker_id == worker.spec.name
+        assert (
+            Path(args.ready_file) == worker.spec.ready_file == Path(f"/run/{worker.spec.name}.json")
+        )
+    assert plan.summary() == "gateway + 1 prefill + 1 decode"
+    assert plan.prepare_argv[1:] == ["-m", "services.model_files", "--model", "embedded"]
+
+
+def test_cpu_cores_are_split_between_workers() -> None:
+    assert {env["OMP_NUM_THREADS"] for _, env in by_name(plan_for(cpus=2)).values()} == {"1"}
+    assert {env["OMP_NUM_THREADS"] for _, env in by_name(plan_for(cpus=16)).values()} == {"8"}
+    assert by_name(plan_for("--prefill", "3", "--decode", "2", cpus=2))["decode-1"][1] == {
+        "OMP_NUM_THREADS": "1"
+    }
+
+
+def test_a_thread_count_the_user_set_is_respected() -> None:
+    plan = plan_for(env={"OMP_NUM_THREADS": "7"})
+    assert all("OMP_NUM_THREADS" not in w.spec.env for w in plan.workers)
+
+
+def test_engine_flags_the_user_set_reach_every_worker() -> None:
+    flags = ["--model", "llama-3.1-8b", "--load-format", "dummy", "--max-model-len", "512"]
+    flags += ["--no-enable-prefix-caching", "--enforce-eager", "--block-size", "32"]
+    flags += ["--max-num-seqs", "16", "--kv-cache-gib", "0.5", "--dtype", "float32"]
+    for worker in plan_for(*flags).workers:
+        args = reparse(worker.spec.argv)
+        assert args.model == "llama-3.1-8b" and args.load_format == "dummy"
+        assert (args.max_model_len, args.block_size, args.max_num_seqs) == (512, 32, 16)
+        assert args.enable_prefix_caching is False and args.enforce_eager is True
+        assert (args.kv_cache_gib, args.dtype) == (0.5, "float32")
+
+
+def test_default_engine_flags_are_left_out_of_the_command_line() -> None:
+    argv = plan_for().workers[0].spec.argv
+    assert (
+        "--block-size" not in argv
+        and "--model" not in argv
+        and "--enable-prefix-caching" not in argv
+    )
+
+
+def test_two_gpus_put_prefill_and_decode_on_different_gpus() -> None:
+    plan = plan_for(gpus=("0", "1"))
+    workers = by_name(plan)
+    assert workers["prefill-0"][1] == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert workers["decode-0"][1] == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert all(reparse(w.spec.argv).device == "cuda" for w in plan.workers)
+    assert all(reparse(w.spec.argv).gpu_memory_utilization == 0.9 for w in plan.workers)
+
+
+def test_roles_never_share_a_gpu_when_there_are_two_and_sharers_split_memory() -> None:
+    plan = plan_for("--prefill", "2", "--decode", "2", gpus=("0", "1"))
+    gpus = {w.spec.name: w.gpus for w in plan.workers}
+    assert gpus == {
+        "prefill-0": ("0",),
+        "prefill-1": ("0",),
+        "decode-0": ("1",),
+        "decode-1": ("1",),
+    }
+    assert {reparse(w.spec.argv).gpu_memory_utilization for w in plan.workers} == {0.45}
+
+
+def test_gpus_are_shared_out_in_proportion_to_the_roles() -> None:
+    placed = assign_gpus(["prefill", "decode", "decode", "decode"], ["0", "1", "2", "3"])
+    assert placed == [("0",), ("1",), ("2",), ("3",)]
+    placed = assign_gpus(["prefill"] * 3 + ["decode"], [str(i) for i in range(8)])
+    assert placed[-1] == ("6",) and set(placed[:3]) <= {(str(i),) for i in range(6)}
+
+
+def test_one_gpu_is_shared_with_lower_memory_utilization_each() -> None:
+    plan = plan_for(gpus=("0",))
+    assert [w.gpus for w in plan.workers] == [("0",), ("0",)]
+    assert {reparse(w.spec.argv).gpu_memory_utilization for w in plan.workers} == {0.45}
+
+
+def test_an_explicit_memory_utilization_is_kept_even_when_sharing() -> None:
+    plan = plan_for("--gpu-memory-utilization", "0.3", gpus=("0",))
+    assert {reparse(w.spec.argv).gpu_memory_utilization for w in plan.workers} == {0.3}
+
+
+def test_colocated_workers_round_robin_over_gpus() -> None:
+    plan = plan_for("--colocated", "3", gpus=("0", "1"))
+    assert [(w.spec.name, w.role, w.gpus) for w in plan.workers] == [
+        ("worker-0", "worker", ("0",)),
+        ("worker-1", "worker", ("1",)),
+        ("worker-2", "worker", ("0",)),
+    ]
+    assert plan.summary() == "gateway + 3 colocated"
+
+
+def test_tensor_parallel_workers_get_several_gpus_each() -> None:
+    plan = plan_for("--tensor-parallel-size", "2", gpus=("0", "1", "2", "3"))
+    assert [w.spec.env["CUDA_VISIBLE_DEVICES"] for w in plan.workers] == ["0,1", "2,3"]
+
+
+def test_too_few_gpus_for_tensor_parallelism_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="needs 2 GPUs per worker"):
+        plan_for("--tensor-parallel-size", "2", gpus=("0",))
+
+
+def test_device_cpu_ignores_gpus() -> None:
+    plan = plan_for("--device", "cpu", gpus=("0", "1"))
+    assert all("CUDA_VISIBLE_DEVICES" not in w.spec.env for w in plan.workers)
+    assert {reparse(w.spec.argv).device for w in plan.workers} == {"cpu"}
+
+
+def test_zero_workers_of_a_role_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--colocated"):
+        plan_for("--decode", "0")
+
+
+def test_gateway_points_at_the_ports_the_workers_reported() -> None:
+    plan = plan_for("--prefill", "2", "--port", "8123", "--host", "0.0.0.0", "--api-key", "k")
+    ports = {"prefill-0": 5001, "prefill-1": 5002, "decode-0": 5003}
+    spec = gateway_spec(plan, ports, "/cache/model")
+    args = reparse(spec.argv)
+    assert args.command == "gateway"
+    assert args.prefill == ["127.0.0.1:5001", "127.0.0.1:5002"]
+    assert args.decode == ["127.0.0.1:5003"]
+    assert (args.host, args.port, args.api_key, args.tokenizer) == (
+        "0.0.0.0",
+        8123,
+        "k",
+        "/cache/model",
+    )
+    assert Path(args.ready_file) == spec.ready_file
+    assert spec.stop_tier < plan.workers[0].spec.stop_tier  # the gateway stops first
+
+
+def test_colocated_gateway_uses_worker_targets() -> None:
+    plan = plan_for("--colocated", "2")
+    args = reparse(gateway_spec(plan, {"worker-0": 1, "worker-1": 2}, None).argv)
+    assert (
+        args.worker == ["127.0.0.1:1", "127.0.0.1:2"]
+        and args.prefill == []
+        and args.tokenizer is None
+    )
