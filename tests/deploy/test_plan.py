@@ -161,12 +161,8 @@ def test_gateway_points_at_the_ports_the_workers_reported() -> None:
     assert args.command == "gateway"
     assert args.prefill == ["127.0.0.1:5001", "127.0.0.1:5002"]
     assert args.decode == ["127.0.0.1:5003"]
-    assert (args.host, args.port, args.api_key, args.tokenizer) == (
-        "0.0.0.0",
-        8123,
-        "k",
-        "/cache/model",
-    )
+    assert (args.host, args.port, args.tokenizer) == ("0.0.0.0", 8123, "/cache/model")
+    assert "k" not in spec.argv and spec.env == {"TANDEM_API_KEY": "k"}  # not visible in `ps`
     assert Path(args.ready_file) == spec.ready_file
     assert spec.stop_tier < plan.workers[0].spec.stop_tier  # the gateway stops first
 

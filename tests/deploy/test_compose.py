@@ -1,0 +1,178 @@
+"""docker-compose.yml: valid Compose, command lines the CLI accepts, names and ports that agree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from services.cli import build_parser
+from tests.deploy.conftest import REPO
+
+COMPOSE = REPO / "docker-compose.yml"
+CPU_OVERRIDE = REPO / "deploy" / "compose.cpu.yaml"
+# The Compose Specification schema as vendored by check-jsonschema 0.39.0 (Apache-2.0, see
+# data/LICENSE.compose-spec); it comes from the compose-spec project.
+SCHEMA = Path(__file__).parent / "data" / "compose-spec.json"
+VARIABLE = re.compile(r"\$\{(\w+)(:?-([^}]*))?\}")
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """SafeLoader that accepts Compose's !reset and !override merge tags."""
+
+
+def _tagged(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    return None  # `!reset null`: the key is dropped
+
+
+_ComposeLoader.add_multi_constructor("!", _tagged)
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.load(path.read_text(), Loader=_ComposeLoader)
+
+
+def defaults(value: str) -> str:
+    """Interpolate as Compose does with an empty environment: ${VAR:-default} -> default."""
+    return VARIABLE.sub(lambda m: m.group(3) or "", value)
+
+
+def command(service: dict[str, Any]) -> argparse.Namespace:
+    return build_parser().parse_args([defaults(part) for part in service["command"]])
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def workers(services: dict[str, dict[str, Any]]) -> dict[str, argparse.Namespace]:
+    parsed = {name: command(svc) for name, svc in services.items()}
+    return {
+        name: args
+        for name, args in parsed.items()
+        if args.command in ("prefill", "decode", "worker")
+    }
+
+
+@pytest.mark.parametrize("path", [COMPOSE, CPU_OVERRIDE], ids=["compose", "cpu-override"])
+def test_files_follow_the_compose_specification(path: Path) -> None:
+    schema = json.loads(SCHEMA.read_text())
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(load(path)), key=str)
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
+
+
+def test_every_variable_has_a_default_so_no_env_file_is_needed() -> None:
+    for path in (COMPOSE, CPU_OVERRIDE):
+        for m in VARIABLE.finditer(path.read_text()):
+            assert m.group(2), f"{path.name}: ${{{m.group(1)}}} has no default"
+
+
+def test_every_command_is_a_valid_tandem_command_line(services: dict[str, dict[str, Any]]) -> None:
+    roles = {name: command(svc).command for name, svc in services.items()}
+    assert roles == {"prefill-0": "prefill", "decode-0": "decode", "gateway": "gateway"}
+
+
+def test_gateway_targets_are_workers_of_that_role_on_their_serving_port(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    gateway = command(services["gateway"])
+    targets = [(t, "prefill") for t in gateway.prefill] + [(t, "decode") for t in gateway.decode]
+    by_name = workers(services)
+    assert sorted(t.rsplit(":", 1)[0] for t, _ in targets) == sorted(by_name)  # every worker used
+    for target, role in targets:
+        host, port = target.rsplit(":", 1)
+        assert by_name[host].command == role
+        assert by_name[host].port == int(port)
+        assert by_name[host].host == "0.0.0.0"  # reachable on the compose network
+
+
+def test_gateway_waits_for_every_worker_to_be_healthy(services: dict[str, dict[str, Any]]) -> None:
+    depends = services["gateway"]["depends_on"]
+    assert set(depends) == set(workers(services))
+    assert all(d["condition"] == "service_healthy" for d in depends.values())
+
+
+def test_health_checks_probe_the_serving_ports(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        args = command(svc)
+        test = svc["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "deploy.healthcheck"]
+        if args.command == "gateway":
+            assert test[4:] == ["--http", f"http://127.0.0.1:{args.port}/health"]
+        else:
+            assert test[4:] == ["--grpc", f"127.0.0.1:{args.port}"], name
+        assert svc["healthcheck"]["start_period"]  # model loading takes time
+
+
+def test_only_the_gateway_port_is_published(services: dict[str, dict[str, Any]]) -> None:
+    published = {name: svc.get("ports") for name, svc in services.items() if svc.get("ports")}
+    assert list(published) == ["gateway"]
+    (mapping,) = published["gateway"]
+    assert defaults(mapping).split(":")[-1] == str(command(services["gateway"]).port)
+
+
+def test_decode_advertises_a_kv_endpoint_prefill_can_resolve(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    for name, args in workers(services).items():
+        assert args.worker_id == name
+        if args.command == "decode":
+            assert args.kv_host == name and args.kv_port not in (0, args.port)
+
+
+def test_workers_are_pinned_to_distinct_gpus(services: dict[str, dict[str, Any]]) -> None:
+    pinned = {}
+    for name in workers(services):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        pinned[name] = tuple(defaults(d) for d in device["device_ids"])
+    assert len(set(pinned.values())) == len(pinned)
+    assert all(services[n]["ipc"] == "host" for n in pinned)
+
+
+def test_workers_share_the_engine_configuration(services: dict[str, dict[str, Any]]) -> None:
+    per_worker = {name: vars(args) for name, args in workers(services).items()}
+    skip = {"command", "worker_id", "kv_host", "kv_port"}
+    shared = [{k: v for k, v in d.items() if k not in skip} for d in per_worker.values()]
+    assert all(s == shared[0] for s in shared)
+    assert command(services["gateway"]).model == shared[0]["model"]
+
+
+def test_one_image_built_from_the_dockerfile_and_a_model_cache_volume(
+    compose: dict[str, Any], services: dict[str, dict[str, Any]]
+) -> None:
+    images = {svc["image"] for svc in services.values()}
+    assert len(images) == 1
+    for svc in services.values():
+        assert (REPO / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
+        assert "model-cache:/models/cache" in svc["volumes"]
+    assert "model-cache" in compose["volumes"]
+
+
+def test_cpu_override_keeps_the_commands_but_drops_gpus(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    override = load(CPU_OVERRIDE)["services"]
+    assert set(override) == set(workers(services))
+    for name, svc in override.items():
+        assert svc["deploy"] is None
+        cpu, gpu = vars(command(svc)), vars(command(services[name]))
+        assert cpu.pop("device") == "cpu"
+        gpu.pop("device")
+        assert cpu == gpu
