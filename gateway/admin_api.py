@@ -1,0 +1,120 @@
+"""Everything besides generation: health, metrics, models, tokenize, version, workers, spec."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.chat_template import ChatTemplateError
+from gateway.errors import APIError, invalid
+from gateway.fields import Fields, require_object
+from gateway.openai_api import gateway_state
+from gateway.prepare import check_vocab
+from gateway.protocol import parse_messages
+from gateway.transport import read_json
+
+SPEC_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
+
+
+@functools.cache
+def _spec() -> bytes:
+    with open(SPEC_PATH, "rb") as f:
+        return f.read()
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("tandem-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+async def health(request: Request) -> Response:
+    state = gateway_state(request)
+    try:
+        state.check_serving()
+    except APIError as e:
+        return e.response()
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(gateway_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> Response:
+    state = gateway_state(request)
+    max_model_len, _ = state.registry.limits()
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "tandem",
+        "root": state.config.model,
+        "max_model_len": max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def tokenize(request: Request) -> Response:
+    state = gateway_state(request)
+    f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
+    state.accepts(f.get_str("model", None))
+    tok = state.tokenizer
+    if f.get("messages") is not None:
+        try:
+            text = tok.render_chat(
+                parse_messages(f.get("messages")),
+                add_generation_prompt=f.get_bool("add_generation_prompt", True),
+            )
+        except ChatTemplateError as e:
+            raise invalid(f"cannot apply the chat template: {e}", "messages") from e
+        ids = tok.encode(text, f.get_bool("add_special_tokens", False))
+    else:
+        prompt = f.get_str("prompt", None, max_len=state.config.max_body_bytes)
+        if prompt is None:
+            raise invalid("send prompt (a string) or messages", "prompt")
+        ids = tok.encode(prompt, f.get_bool("add_special_tokens", True))
+    max_model_len, _ = state.registry.limits()
+    return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids})
+
+
+async def detokenize(request: Request) -> Response:
+    state = gateway_state(request)
+    f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
+    state.accepts(f.get_str("model", None))
+    if f.get("tokens") is None:
+        raise invalid("tokens (a list of token ids) is required", "tokens")
+    ids = f.int_list("tokens", max_items=1 << 20)
+    _, vocab = state.registry.limits()
+    check_vocab(ids, vocab or state.tokenizer.vocab_size)
+    return JSONResponse({"prompt": state.tokenizer.decode(ids)})
+
+
+async def version_info(request: Request) -> Response:
+    return JSONResponse({"version": version()})
+
+
+async def workers(request: Request) -> Response:
+    state = gateway_state(request)
+    body: dict[str, Any] = {
+        "draining": state.draining,
+        "workers": [c.describe() for c in state.registry.clients],
+    }
+    return JSONResponse(body)
+
+
+async def openapi(request: Request) -> Response:
+    return Response(_spec(), media_type="application/json")
+
+
+def spec_dict() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(_spec())
+    return data

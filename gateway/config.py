@@ -1,0 +1,125 @@
+"""The gateway's frozen configuration and where it comes from (flags, a worker file)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from services.config import ConfigError
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str  # prefill | decode | both (a colocated worker)
+    address: str  # host:port of its gRPC server
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"worker role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"worker address must be HOST:PORT, got {self.address!r}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    tokenizer: str  # a directory with tokenizer.json (and tokenizer_config.json)
+    model: str = "embedded"
+    served_model_name: str | None = None
+    chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template
+    workers: tuple[WorkerSpec, ...] = ()
+    api_key: str | None = None
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 40.0
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    otlp_endpoint: str | None = None
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    rpc_timeout_s: float = 5.0  # unary calls: Reserve, Abort
+    reserve_ttl_s: float = 5.0
+    kv_wait_s: float = 10.0
+    drain_timeout_s: float = 30.0
+    prefix_blocks: int = 4  # leading blocks hashed for prefix-cache affinity
+    max_fanout: int = 256  # n x number of prompts
+
+    def __post_init__(self) -> None:
+        positive = {
+            "--request-timeout": self.request_timeout_s,
+            "--max-body-bytes": self.max_body_bytes,
+            "health interval": self.health_interval_s,
+            "health timeout": self.health_timeout_s,
+            "rpc timeout": self.rpc_timeout_s,
+            "reserve ttl": self.reserve_ttl_s,
+            "kv wait": self.kv_wait_s,
+            "prefix blocks": self.prefix_blocks,
+            "max fanout": self.max_fanout,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
+            raise ConfigError("--slo-ttft-ms and --slo-tpot-ms must be positive")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def load_worker_file(path: str) -> list[WorkerSpec]:
+    """Workers from YAML or JSON: ``{prefill: [HOST:PORT], decode: [...], worker: [...]}``
+    or ``{workers: [{role, address}, ...]}``."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    data: Any
+    if path.endswith((".yaml", ".yml")):
+        import yaml  # optional: only needed for YAML worker files
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of roles to worker addresses")
+    specs = [
+        WorkerSpec(role="both" if key == "worker" else key, address=str(address))
+        for key in ("prefill", "decode", "worker")
+        for address in data.get(key) or []
+    ]
+    for entry in data.get("workers") or []:
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{path}: each entry of 'workers' needs role and address")
+        specs.append(WorkerSpec(role=str(entry.get("role")), address=str(entry.get("address"))))
+    return specs
+
+
+def workers_from_args(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
+    specs = [WorkerSpec("prefill", a) for a in args.prefill]
+    specs += [WorkerSpec("decode", a) for a in args.decode]
+    specs += [WorkerSpec("both", a) for a in args.worker]
+    if args.config:
+        specs += load_worker_file(args.config)
+    return tuple(dict.fromkeys(specs))
+
+
+def config_from_args(args: argparse.Namespace, tokenizer_dir: str) -> GatewayConfig:
+    return GatewayConfig(
+        tokenizer=tokenizer_dir,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        workers=workers_from_args(args),
+        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        otlp_endpoint=args.otlp_endpoint,
+        drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+    )

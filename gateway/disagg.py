@@ -1,0 +1,247 @@
+"""A request split over a prefill and a decode worker.
+
+1. Reserve KV blocks on a decode worker (admission; the reservation has a TTL).
+2. Prefill on a prefill worker with the reservation as KV target; its first event is the first
+   token, streamed on at once (TTFT), its second the end of the KV transfer.
+3. Decode on the decode worker streams the rest. If the first token already finished the
+   request, Decode is never called and the reservation is released.
+Any early exit (error, client gone, deadline) cancels the open calls and sends Abort to every
+worker that holds state for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import grpc
+from opentelemetry.trace import Span
+
+from gateway.convert import WorkerReportedError, chunk_from_pb, sampling_to_pb
+from gateway.events import Chunk, Timing
+from gateway.router import blocks_needed, rank_decode
+from gateway.tracing import child_span, end_span, grpc_metadata
+from gateway.upstream import UpstreamError, stream_ended, worker_failed
+from gateway.work import FlowContext, WorkItem, rpc_failure
+from gateway.workers import WorkerClient
+from protos import decode_pb2, kv_control_pb2, prefill_pb2
+
+MAX_RESERVE_TRIES = 3
+
+
+class _Run:
+    def __init__(self, ctx: FlowContext, item: WorkItem, parent: Span, prefill: WorkerClient):
+        self.ctx, self.item, self.parent, self.prefill = ctx, item, parent, prefill
+        self.decode: WorkerClient | None = None
+        self.reservation: kv_control_pb2.ReserveResponse | None = None
+        self.prefill_call: Any = None  # open until TransferDone (or the stream ends)
+        self.decode_call: Any = None
+        self.prefill_span: Span | None = None
+        self.decode_span: Span | None = None
+        self.transfer = Timing()
+        self.open_spans: list[Span] = []
+
+    def _span(self, name: str, worker: WorkerClient) -> Span:
+        span = child_span(self.ctx.tracer, name, self.parent, **{"tandem.worker": worker.address})
+        self.open_spans.append(span)
+        return span
+
+    def _end(self, span: Span, error: str | None = None) -> None:
+        if span in self.open_spans:
+            self.open_spans.remove(span)
+            end_span(span, error)
+
+    async def reserve(self, decodes: Sequence[WorkerClient]) -> None:
+        item, last = self.item, None
+        needed = blocks_needed(len(item.prompt_ids) + 1, decodes[0].block_size)
+        for decode in rank_decode(decodes, needed)[:MAX_RESERVE_TRIES]:
+            span = self._span("Reserve", decode)
+            request = kv_control_pb2.ReserveRequest(
+                request_id=item.request_id,
+                num_prompt_tokens=len(item.prompt_ids),
+                max_tokens=item.sampling.max_tokens,
+                ttl_s=self.ctx.config.reserve_ttl_s,
+            )
+            timeout = min(self.ctx.config.rpc_timeout_s, self.ctx.time_left(item))
+            try:
+                reply = await decode.stub.Reserve(
+                    request, timeout=timeout, metadata=grpc_metadata(span)
+                )
+            except grpc.RpcError as e:
+                last = rpc_failure(decode, e, "Reserve")
+                self._end(span, last.api_error.message)
+                self.ctx.abort_later(decode, item.request_id)  # in case it did reserve
+                if not last.retryable:
+                    raise last from e
+                continue
+            except asyncio.CancelledError:
+                self.ctx.abort_later(decode, item.request_id)
+                self._end(span, "cancelled")
+                raise
+            span.set_attribute("tandem.kv.num_blocks", reply.num_blocks)
+            self._end(span)
+            self.decode, self.reservation = decode, reply
+            return
+        assert last is not None
+        raise last
+
+    async def _read_prefill(self) -> prefill_pb2.PrefillEvent | None:
+        try:
+            event = await self.prefill_call.read()
+        except grpc.RpcError as e:
+            raise rpc_failure(self.prefill, e, "Prefill") from e
+        return None if event is grpc.aio.EOF else event
+
+    async def first_token(self) -> Chunk:
+        assert self.reservation is not None
+        item, res = self.item, self.reservation
+        span = self.prefill_span = self._span("Prefill", self.prefill)
+        target = kv_control_pb2.KvTarget(
+            kv_endpoint=res.kv_endpoint,
+            reservation_id=res.reservation_id,
+            decode_worker_id=res.decode_worker_id,
+        )
+        request = prefill_pb2.PrefillRequest(
+            request_id=item.request_id,
+            prompt_token_ids=item.prompt_ids,
+            sampling=sampling_to_pb(item.sampling),
+            priority=item.priority,
+            target=target,
+        )
+        self.prefill_call = self.prefill.stub.Prefill(
+            request, timeout=self.ctx.time_left(item), metadata=grpc_metadata(span)
+        )
+        self.prefill.inflight += 1
+        event = await self._read_prefill()
+        if event is None or event.WhichOneof("event") != "first":
+            raise stream_ended(self.prefill.address, "Prefill")
+        try:
+            return chunk_from_pb(event.first)
+        except WorkerReportedError as e:
+            raise worker_failed(self.prefill.address, str(e)) from e
+
+    async def transfer_done(self) -> None:
+        span = self._span("KV transfer", self.prefill)
+        event = await self._read_prefill()
+        if event is None or event.WhichOneof("event") != "done":
+            raise stream_ended(self.prefill.address, "Prefill (KV transfer)")
+        span.set_attribute("tandem.kv.bytes", event.done.bytes)
+        span.set_attribute("tandem.kv.num_blocks", event.done.num_blocks)
+        self.transfer.transfer_s = event.done.seconds
+        self._end(span)
+        self._close_prefill()
+
+    def _close_prefill(self) -> None:
+        if self.prefill_call is not None:
+            self.prefill_call = None
+            self.prefill.inflight -= 1
+        if self.prefill_span is not None:
+            self._end(self.prefill_span)
+            self.prefill_span = None
+
+    def start_decode(self, first: Chunk) -> None:
+        assert self.decode is not None and self.reservation is not None
+        item, decode = self.item, self.decode
+        self.decode_span = self._span("Decode", decode)
+        request = decode_pb2.DecodeRequest(
+            request_id=item.request_id,
+            reservation_id=self.reservation.reservation_id,
+            prompt_token_ids=item.prompt_ids,
+            output_token_ids=first.token_ids,
+            sampling=sampling_to_pb(item.sampling),
+            priority=item.priority,
+            kv_wait_s=self.ctx.config.kv_wait_s,
+        )
+        self.decode_call = decode.stub.Decode(
+            request, timeout=self.ctx.time_left(item), metadata=grpc_metadata(self.decode_span)
+        )
+        decode.inflight += 1
+
+    async def next_decode_chunk(self) -> Chunk:
+        assert self.decode is not None
+        try:
+            msg = await self.decode_call.read()
+        except grpc.RpcError as e:
+            raise rpc_failure(self.decode, e, "Decode") from e
+        if msg is grpc.aio.EOF:
+            raise stream_ended(self.decode.address, "Decode")
+        try:
+            chunk = chunk_from_pb(msg)
+        except WorkerReportedError as e:
+            raise worker_failed(self.decode.address, str(e)) from e
+        chunk.timing.merge(self.transfer)
+        if chunk.finish_reason is not None:
+            self._close_decode()
+        return chunk
+
+    def _close_decode(self, error: str | None = None) -> None:
+        if self.decode_call is not None and self.decode is not None:
+            self.decode_call = None
+            self.decode.inflight -= 1
+        if self.decode_span is not None:
+            self._end(self.decode_span, error)
+            self.decode_span = None
+
+    def finish_early(self) -> None:
+        """The first token finished the request: let prefill end, then free the reservation."""
+        call, decode = self.prefill_call, self.decode
+        self._close_prefill()
+        self.ctx.registry.spawn(self._release_after(call, decode))
+
+    async def _release_after(self, call: Any, decode: WorkerClient | None) -> None:
+        if call is not None:
+            with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+                async with asyncio.timeout(self.ctx.config.kv_wait_s):
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+        if decode is not None:
+            await decode.abort(self.item.request_id, self.ctx.config.rpc_timeout_s)
+
+    def abort_all(self, error: str) -> None:
+        """Synchronous on purpose: it runs while the request's task is being cancelled."""
+        rid = self.item.request_id
+        for span in list(self.open_spans):
+            self._end(span, error)
+        if self.prefill_call is not None:
+            self.prefill_call.cancel()
+            self.ctx.abort_later(self.prefill, rid)
+            self._close_prefill()
+        if self.decode_call is not None:
+            self.decode_call.cancel()
+            self._close_decode(error)
+        if self.decode is not None:
+            self.ctx.abort_later(self.decode, rid)
+
+
+async def disaggregated(
+    ctx: FlowContext,
+    prefill: WorkerClient,
+    decodes: Sequence[WorkerClient],
+    item: WorkItem,
+    parent: Span,
+) -> AsyncGenerator[Chunk, None]:
+    run = _Run(ctx, item, parent, prefill)
+    finished, error = False, "cancelled"
+    try:
+        await run.reserve(decodes)
+        first = await run.first_token()
+        finished = first.finish_reason is not None
+        if finished:
+            run.finish_early()
+        yield first
+        if finished:
+            return
+        await run.transfer_done()
+        run.start_decode(first)
+        while not finished:
+            chunk = await run.next_decode_chunk()
+            finished = chunk.finish_reason is not None
+            yield chunk
+    except UpstreamError as e:
+        error = e.api_error.message
+        raise
+    finally:
+        if not finished:
+            run.abort_all(error)

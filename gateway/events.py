@@ -1,0 +1,75 @@
+"""Plain data the gateway passes around once protobuf is left behind (see convert.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    token: str
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass
+class Timing:
+    """Seconds per phase, as the workers report them; merged field by field (max)."""
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+
+    def merge(self, other: Timing) -> None:
+        self.queue_s = max(self.queue_s, other.queue_s)
+        self.prefill_s = max(self.prefill_s, other.prefill_s)
+        self.transfer_s = max(self.transfer_s, other.transfer_s)
+        self.decode_s = max(self.decode_s, other.decode_s)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one request (one choice); ``finish_reason`` set on the last one."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    timing: Timing = field(default_factory=Timing)
+
+
+@dataclass(frozen=True)
+class WorkerLoadInfo:
+    """What a worker's GetLoad said, as plain data."""
+
+    worker_id: str = ""
+    role: str = ""
+    model: str = ""
+    max_model_len: int = 0
+    block_size: int = 16
+    num_running: int = 0
+    num_waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    vocab_size: int = 0
+    draining: bool = False
+    num_reserved: int = 0

@@ -1,0 +1,129 @@
+"""Prometheus metrics with vLLM V1's names and buckets under the ``tandem:`` prefix.
+
+Request-level series are measured by the gateway; engine-level ones (running, waiting, KV usage,
+preemptions, prefix cache, KV transfer) come from the workers' GetLoad, exported per worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.stats import RequestStats
+from gateway.workers import WorkerClient
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+_WORKER_GAUGES = {
+    "num_requests_running": ("Requests running on the worker", lambda x: x.num_running),
+    "num_requests_waiting": ("Requests waiting on the worker", lambda x: x.num_waiting),
+    "kv_cache_usage_perc": ("KV-cache usage, 0..1", lambda x: x.kv_cache_usage),
+}
+_WORKER_COUNTERS = {
+    "num_preemptions": ("Preemptions", lambda x: x.num_preemptions),
+    "prefix_cache_queries": ("Prefix-cache queries (tokens)", lambda x: x.prefix_cache_queries),
+    "prefix_cache_hits": ("Prefix-cache hits (tokens)", lambda x: x.prefix_cache_hits),
+    "kv_transfer_bytes": ("KV bytes transferred", lambda x: x.kv_transfer_bytes),
+    "kv_transfer_seconds": ("Seconds spent transferring KV", lambda x: x.kv_transfer_seconds),
+    "kv_transfer_failures": ("Failed KV transfers", lambda x: x.kv_transfer_failures),
+}
+
+
+class WorkerCollector(Collector):
+    """Reads the last GetLoad of every worker at scrape time."""
+
+    def __init__(self, model_name: str, workers: Callable[[], Iterable[WorkerClient]]) -> None:
+        self._model = model_name
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "role", "worker"]
+        workers = list(self._workers())
+        healthy = GaugeMetricFamily(
+            "tandem:worker_healthy", "1 if the worker is healthy", labels=labels
+        )
+        for w in workers:
+            healthy.add_metric([self._model, w.role, w.address], 1.0 if w.healthy else 0.0)
+        yield healthy
+        loaded = [(w, w.load) for w in workers if w.load is not None]
+        for name, (doc, read) in _WORKER_GAUGES.items():
+            gauge = GaugeMetricFamily(f"tandem:{name}", doc, labels=labels)
+            for w, load in loaded:
+                gauge.add_metric([self._model, w.role, w.address], float(read(load)))
+            yield gauge
+        for name, (doc, read) in _WORKER_COUNTERS.items():
+            counter = CounterMetricFamily(f"tandem:{name}", doc, labels=labels)
+            for w, load in loaded:
+                counter.add_metric([self._model, w.role, w.address], float(read(load)))
+            yield counter
+
+
+class GatewayMetrics:
+    def __init__(
+        self, model_name: str, workers: Callable[[], Iterable[WorkerClient]] = lambda: ()
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        m, reg = ["model_name"], self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tandem:{name}", doc, m, buckets=buckets, registry=reg)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Inter-token latency", TPOT_BUCKETS)
+        self.tpot = hist(
+            "request_time_per_output_token_seconds", "Time per output token", TPOT_BUCKETS
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS
+        )
+        self.queue = hist("request_queue_time_seconds", "Time queued in workers", LATENCY_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Prefill time", LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Decode time", LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens", m, registry=reg)
+        self.generation_tokens = Counter(
+            "tandem:generation_tokens", "Generated tokens", m, registry=reg
+        )
+        self.success = Counter(
+            "tandem:request_success", "Finished requests", [*m, "finished_reason"], registry=reg
+        )
+        self.goodput = Counter(
+            "tandem:request_goodput", "Requests within the TTFT and TPOT SLO", m, registry=reg
+        )
+        self.errors = Counter(
+            "tandem:request_errors", "Requests that failed", [*m, "status"], registry=reg
+        )
+        reg.register(WorkerCollector(model_name, workers))
+
+    def observe_gap(self, gap: float) -> None:
+        self.itl.labels(self.model_name).observe(gap)
+
+    def observe_finished(self, stats: RequestStats, finish_reason: str, in_slo: bool) -> None:
+        name = self.model_name
+        if stats.ttft is not None:
+            self.ttft.labels(name).observe(stats.ttft)
+        if stats.tpot is not None:
+            self.tpot.labels(name).observe(stats.tpot)
+        self.e2e.labels(name).observe(stats.e2e)
+        self.queue.labels(name).observe(stats.timing.queue_s)
+        self.prefill.labels(name).observe(stats.timing.prefill_s)
+        self.decode.labels(name).observe(stats.timing.decode_s)
+        self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(stats.num_output_tokens)
+        self.success.labels(name, finish_reason).inc()
+        if in_slo and finish_reason != "abort":
+            self.goodput.labels(name).inc()
+
+    def observe_error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,162 @@
+"""POST /v1/completions and POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import formats
+from gateway.chat_template import ChatTemplateError
+from gateway.errors import invalid
+from gateway.generation import Choice, Generation
+from gateway.prepare import PromptIds, build_choices, check_vocab, settle_max_tokens
+from gateway.protocol import CommonOptions, parse_chat, parse_completion
+from gateway.state import GatewayState
+from gateway.stats import combined
+from gateway.streaming import StreamInfo, stream_events
+from gateway.tracing import set_request_attributes, start_request_span
+from gateway.transport import ClientGone, SSEResponse, read_json, until_disconnect
+from gateway.upstream import UpstreamError
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def gateway_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def _check_prompts(state: GatewayState, prompts: Sequence[PromptIds]) -> tuple[int | None, int]:
+    max_model_len, vocab = state.registry.limits()
+    for prompt in prompts:
+        check_vocab(prompt.ids, vocab or state.tokenizer.vocab_size)
+    return max_model_len, len(prompts)
+
+
+def _start(
+    state: GatewayState,
+    request: Request,
+    operation: str,
+    prefix: str,
+    prompts: Sequence[PromptIds],
+    common: CommonOptions,
+    default_max_tokens: int | None,
+) -> Generation:
+    """Settles max_tokens, checks capacity, and builds the Generation with its span."""
+    max_model_len, count = _check_prompts(state, prompts)
+    if count * common.n > state.config.max_fanout:
+        raise invalid(
+            f"n x number of prompts must be at most {state.config.max_fanout}, "
+            f"got {count * common.n}",
+            "n",
+        )
+    max_tokens = [
+        settle_max_tokens(len(p.ids), common.max_tokens, default_max_tokens, max_model_len)
+        for p in prompts
+    ]
+    state.check_serving()
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    choices = build_choices(
+        response_id, prompts, common, max_tokens, state.config.request_timeout_s
+    )
+    span = start_request_span(state.tracer, operation, state.model_name, request.headers)
+    sp = common.sampling
+    set_request_attributes(
+        span,
+        {"max_tokens": max_tokens[0], "temperature": sp.temperature, "top_p": sp.top_p,
+         "top_k": sp.top_k, "seed": sp.seed, "choice.count": common.n},
+    )  # fmt: skip
+    return Generation(response_id, choices, state.dispatcher, state.metrics, span, state.slo)
+
+
+async def _respond(
+    state: GatewayState,
+    request: Request,
+    gen: Generation,
+    info: StreamInfo,
+    stream: bool,
+    choice_json: Callable[[Choice], dict[str, Any]],
+) -> Response:
+    state.active.add(gen)
+    if stream:
+
+        def on_close() -> None:
+            gen.close()
+            state.active.discard(gen)
+
+        return SSEResponse(stream_events(info, gen, state.metrics), on_close=on_close)
+    try:
+        choices: list[Choice] = await until_disconnect(request, gen.collect())
+    except ClientGone:
+        return Response(status_code=499)
+    except UpstreamError as e:
+        raise e.api_error from e
+    finally:
+        gen.close()
+        state.active.discard(gen)
+    obj = "text_completion" if info.object == "text_completion" else "chat.completion"
+    body = formats.envelope(gen.response_id, obj, info.created, info.model,
+                            [choice_json(c) for c in choices])  # fmt: skip
+    body["usage"] = formats.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    timing = combined([c.stats for c in choices]).header()
+    return JSONResponse(body, headers={"x-tandem-timing": timing})
+
+
+async def completions(request: Request) -> Response:
+    state = gateway_state(request)
+    req = parse_completion(await read_json(request, state.config.max_body_bytes))
+    state.accepts(req.common.model)
+    tok = state.tokenizer
+    prompts = [
+        PromptIds(tuple(tok.encode(p, req.common.add_special_tokens)), p)
+        if isinstance(p, str)
+        else PromptIds(p, tok.decode(p))
+        for p in req.prompts
+    ]
+    if any(not p.ids for p in prompts):
+        raise invalid("prompt must not be empty (it has no tokens)", "prompt")
+    gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
+                 COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
+    info = StreamInfo(gen.response_id, "text_completion", int(time.time()), state.model_name,
+                      req.common.include_usage, req.logprobs is not None, req.echo)  # fmt: skip
+
+    def choice_json(c: Choice) -> dict[str, Any]:
+        prefix = c.prompt_text if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            echoed = [tok.decode([t]) for t in c.item.prompt_ids] if req.echo else []
+            logprobs = formats.completion_logprobs(c.logprobs, 0, echoed)
+        return formats.completion_choice(
+            c.index, prefix + "".join(c.text), logprobs, c.finish_reason
+        )
+
+    return await _respond(state, request, gen, info, req.common.stream, choice_json)
+
+
+async def chat_completions(request: Request) -> Response:
+    state = gateway_state(request)
+    req = parse_chat(await read_json(request, state.config.max_body_bytes))
+    state.accepts(req.common.model)
+    try:
+        text = state.tokenizer.render_chat(
+            req.messages, add_generation_prompt=req.add_generation_prompt, **req.template_kwargs
+        )
+    except ChatTemplateError as e:
+        raise invalid(f"cannot apply the chat template: {e}", "messages") from e
+    ids = tuple(state.tokenizer.encode(text, req.common.add_special_tokens))
+    if not ids:
+        raise invalid("the messages render to an empty prompt", "messages")
+    gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], req.common, None)
+    info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
+                      state.model_name, req.common.include_usage, req.logprobs)  # fmt: skip
+
+    def choice_json(c: Choice) -> dict[str, Any]:
+        logprobs = formats.chat_logprobs(c.logprobs) if req.logprobs else None
+        return formats.chat_choice(c.index, "".join(c.text), logprobs, c.finish_reason)
+
+    return await _respond(state, request, gen, info, req.common.stream, choice_json)

@@ -1,0 +1,197 @@
+"""OpenAI request bodies parsed into plain, validated dataclasses.
+
+Unknown fields are ignored; every known field with a wrong type or value is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import invalid
+from gateway.fields import INT32_MAX, INT64_MAX, Fields, check_int, require_object
+from services.scheduling.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    InvalidRequestError,
+    SamplingParams,
+)
+
+MAX_N = 128
+MAX_TOKENS_LIMIT = 1 << 24  # beyond any context length; the context check is stricter
+MAX_PROMPTS = 256
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CommonOptions:
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: the endpoint's default
+    sampling: SamplingParams  # max_tokens still to be set per prompt
+    priority: int
+    user: str | None
+    add_special_tokens: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    common: CommonOptions
+    prompts: tuple[Prompt, ...]
+    echo: bool
+    logprobs: int | None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    common: CommonOptions
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    logprobs: bool
+    top_logprobs: int
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    min_tokens = f.get_int("min_tokens", 0, 0, INT32_MAX) or 0
+    try:
+        return SamplingParams(
+            temperature=f.get_float("temperature", 1.0, 0.0, 100.0),
+            top_p=f.get_float("top_p", 1.0, -1e9, 1e9),
+            top_k=f.get_int("top_k", 0, -1, INT32_MAX) or 0,
+            min_p=f.get_float("min_p", 0.0, -1e9, 1e9),
+            seed=f.get_int("seed", None, -INT64_MAX, INT64_MAX - MAX_N),
+            presence_penalty=f.get_float("presence_penalty", 0.0, -1e9, 1e9),
+            frequency_penalty=f.get_float("frequency_penalty", 0.0, -1e9, 1e9),
+            repetition_penalty=f.get_float("repetition_penalty", 1.0, -1e9, 1e9),
+            max_tokens=max_tokens if max_tokens is not None else max(1, min_tokens),
+            min_tokens=min_tokens,
+            stop=f.str_list("stop", MAX_STOP_STRINGS, 1024),
+            stop_token_ids=f.int_list("stop_token_ids", 256),
+            ignore_eos=f.get_bool("ignore_eos", False),
+            logprobs=logprobs,
+            include_stop_str_in_output=f.get_bool("include_stop_str_in_output", False),
+            skip_special_tokens=f.get_bool("skip_special_tokens", True),
+        )
+    except InvalidRequestError as e:
+        raise invalid(str(e), e.param) from e
+
+
+def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: bool) -> CommonOptions:
+    max_tokens = f.get_int(max_tokens_field, None, -INT64_MAX, INT64_MAX)
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise invalid(
+            f"{max_tokens_field} must be between 1 and {MAX_TOKENS_LIMIT}, got {max_tokens}",
+            max_tokens_field,
+        )
+    options = f.get_dict("stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool | None):
+        raise invalid("stream_options.include_usage must be true or false", "stream_options")
+    return CommonOptions(
+        model=f.get_str("model", None),
+        n=f.get_int("n", 1, 1, MAX_N) or 1,
+        stream=f.get_bool("stream", False),
+        include_usage=bool(include_usage),
+        max_tokens=max_tokens,
+        sampling=_sampling(f, max_tokens, logprobs),
+        priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
+        user=f.get_str("user", None, 1024),
+        add_special_tokens=f.get_bool("add_special_tokens", special),
+    )
+
+
+def _prompts(value: Any) -> tuple[Prompt, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise invalid(
+            "prompt must be a non-empty string, a list of strings, a list of token ids "
+            "or a list of lists of token ids",
+            "prompt",
+        )
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+        value = [value]
+    if len(value) > MAX_PROMPTS:
+        raise invalid(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}", "prompt")
+    prompts: list[Prompt] = []
+    for p in value:
+        if isinstance(p, str):
+            prompts.append(p)
+        elif isinstance(p, list):
+            prompts.append(tuple(check_int(t, "prompt", 0, INT32_MAX) for t in p))
+        else:
+            raise invalid("each prompt must be a string or a list of token ids", "prompt")
+        if len(prompts[-1]) == 0:
+            raise invalid("prompt must not be empty", "prompt")
+    return tuple(prompts)
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    f = Fields(require_object(body))
+    if f.get("prompt") is None:
+        raise invalid("prompt is required", "prompt")
+    logprobs = f.get_int("logprobs", None, 0, MAX_LOGPROBS)
+    return CompletionRequest(
+        common=_common(f, "max_tokens", logprobs, special=True),
+        prompts=_prompts(f.get("prompt")),
+        echo=f.get_bool("echo", False),
+        logprobs=logprobs,
+    )
+
+
+def _content(message: dict[str, Any], index: int) -> str | None:
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content
+    param = f"messages[{index}].content"
+    if not isinstance(content, list):
+        raise invalid(f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise invalid(f"{param}: only text parts are supported", param)
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{param}: a text part needs a 'text' string", param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}] must be an object", "messages")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise invalid(f"messages[{i}].role must be a non-empty string", "messages")
+        out.append({**message, "content": _content(message, i)})
+    return out
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    f = Fields(require_object(body))
+    messages = parse_messages(f.get("messages"))
+    logprobs = f.get_bool("logprobs", False)
+    top = f.get_int("top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and top > 0 and not logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    max_field = (
+        "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    reserved = ("messages", "add_generation_prompt", "documents")
+    kwargs = {k: v for k, v in f.get_dict("chat_template_kwargs").items() if k not in reserved}
+    if isinstance(f.get("tools"), list):
+        kwargs = {"tools": f.get("tools"), **kwargs}
+    return ChatRequest(
+        common=_common(f, max_field, (top or 0) if logprobs else None, special=False),
+        messages=messages,
+        add_generation_prompt=f.get_bool("add_generation_prompt", True),
+        logprobs=logprobs,
+        top_logprobs=top or 0,
+        template_kwargs=kwargs,
+    )

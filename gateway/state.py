@@ -1,0 +1,88 @@
+"""Everything the handlers share: config, tokenizer, workers, metrics, tracer, drain state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError, unavailable
+from gateway.generation import Generation, Slo
+from gateway.metrics import GatewayMetrics
+from gateway.registry import WorkerRegistry
+from gateway.tokenizer import GatewayTokenizer
+from gateway.tracing import build_tracer_provider, get_tracer
+from gateway.work import FlowContext
+
+log = logging.getLogger(__name__)
+
+
+class GatewayState:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tokenizer: GatewayTokenizer | None = None,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or GatewayTokenizer(config.tokenizer, config.chat_template)
+        self._own_provider = tracer_provider is None
+        self.tracer_provider = tracer_provider or build_tracer_provider(config.otlp_endpoint)
+        self.tracer = get_tracer(self.tracer_provider)
+        self.registry = WorkerRegistry(
+            config.workers, config.health_interval_s, config.health_timeout_s
+        )
+        self.dispatcher = Dispatcher(FlowContext(self.registry, self.tracer, config))
+        self.metrics = GatewayMetrics(config.model_name, lambda: self.registry.clients)
+        self.slo = Slo(config.slo_ttft_ms / 1000.0, config.slo_tpot_ms / 1000.0)
+        self.started_at = time.time()
+        self.draining = False
+        self.active: set[Generation] = set()
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    def accepts(self, model: str | None) -> None:
+        """Raises 404 for a model this gateway does not serve."""
+        if model is not None and model not in (self.model_name, self.config.model):
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This gateway serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_serving(self) -> None:
+        """Raises 503 while draining or when no topology has healthy workers."""
+        if self.draining:
+            raise unavailable("the gateway is shutting down", code="draining")
+        reason = self.dispatcher.unavailable_reason()
+        if reason:
+            raise unavailable(reason)
+
+    async def start(self) -> None:
+        await self.registry.start()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stops taking requests, gives in-flight ones ``grace_s``, then ends them with abort."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.warning("aborting %d requests still running after the grace", len(self.active))
+            for generation in list(self.active):
+                generation.abort()
+        end = time.monotonic() + 5.0
+        while self.active and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        await self.registry.close()
+        if self._own_provider:
+            self.tracer_provider.shutdown()

@@ -1,0 +1,110 @@
+"""SSE event streams for completions and chat completions.
+
+Frames: ``data: {chunk}`` per piece of text; with include_usage a last chunk with
+``choices: []`` and usage; an error mid-stream is one ``data: {"error": ...}`` frame. Just
+before ``data: [DONE]`` comes the SSE comment ``: x-tandem-timing queue=..;prefill=..;...``
+(clients ignore comments; it mirrors the non-streaming ``x-tandem-timing`` header).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from gateway import formats
+from gateway.errors import APIError
+from gateway.events import Chunk
+from gateway.generation import Choice, Generation
+from gateway.metrics import GatewayMetrics
+from gateway.stats import combined
+from gateway.transport import DONE, sse
+from gateway.upstream import UpstreamError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    response_id: str
+    object: str  # text_completion | chat.completion.chunk
+    created: int
+    model: str
+    include_usage: bool
+    logprobs: bool
+    echo: bool = False
+
+
+def _frame(info: StreamInfo, choices: list[dict[str, Any]]) -> bytes:
+    return sse(formats.envelope(info.response_id, info.object, info.created, info.model, choices))
+
+
+def _usage_frame(info: StreamInfo, gen: Generation) -> bytes:
+    body = formats.envelope(info.response_id, info.object, info.created, info.model, [])
+    body["usage"] = formats.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    return sse(body)
+
+
+def _timing_comment(gen: Generation) -> bytes:
+    return (
+        b": x-tandem-timing " + combined([c.stats for c in gen.choices]).header().encode() + b"\n\n"
+    )
+
+
+def _completion_piece(
+    info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk
+) -> bytes:
+    logprobs = None
+    if info.logprobs:
+        logprobs = formats.completion_logprobs(chunk.logprobs, offsets.get(choice.index, 0))
+    offsets[choice.index] = offsets.get(choice.index, 0) + len(chunk.text)
+    return _frame(
+        info, [formats.completion_choice(choice.index, chunk.text, logprobs, chunk.finish_reason)]
+    )
+
+
+def _chat_piece(info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk) -> bytes:
+    logprobs = formats.chat_logprobs(chunk.logprobs) if info.logprobs else None
+    delta = {"content": chunk.text} if chunk.text else {}
+    return _frame(info, [formats.chat_delta(choice.index, delta, logprobs, chunk.finish_reason)])
+
+
+def _openings(info: StreamInfo, gen: Generation) -> list[bytes]:
+    """Chat: the assistant role first. Completions with echo: the prompt first."""
+    if info.object == "chat.completion.chunk":
+        delta = {"role": "assistant", "content": ""}
+        return [_frame(info, [formats.chat_delta(c.index, delta, None, None)]) for c in gen.choices]
+    if info.echo:
+        return [_frame(info, [formats.completion_choice(c.index, c.prompt_text, None, None)])
+                for c in gen.choices]  # fmt: skip
+    return []
+
+
+async def stream_events(
+    info: StreamInfo,
+    gen: Generation,
+    metrics: GatewayMetrics,
+) -> AsyncGenerator[bytes, None]:
+    piece = _chat_piece if info.object == "chat.completion.chunk" else _completion_piece
+    offsets = {c.index: len(c.prompt_text) for c in gen.choices} if info.echo else {}
+    try:
+        for frame in _openings(info, gen):
+            yield frame
+        async for choice, chunk in gen.events():
+            if chunk.text or chunk.finish_reason is not None or (info.logprobs and chunk.logprobs):
+                yield piece(info, offsets, choice, chunk)
+        if info.include_usage:
+            yield _usage_frame(info, gen)
+        yield _timing_comment(gen)
+    except (UpstreamError, APIError) as e:
+        error = e.api_error if isinstance(e, UpstreamError) else e
+        metrics.observe_error(error.status)
+        yield sse(error.body())
+    except Exception:
+        log.exception("stream %s failed", info.response_id)
+        metrics.observe_error(500)
+        yield sse(APIError(500, "internal error while streaming; see the gateway log").body())
+    finally:
+        gen.close()
+    yield DONE

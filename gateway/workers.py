@@ -1,0 +1,116 @@
+"""One gRPC client per worker: its channel, stubs, health and last reported load."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.config import WorkerSpec
+from gateway.convert import load_from_pb
+from gateway.events import WorkerLoadInfo
+from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Keepalive only while calls are open, and no more often than servers allow by default, so a
+# quiet stream never trips "too_many_pings". Prompts travel as ids, logprobs as small chunks.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.max_receive_message_length", 32 * 1024 * 1024),
+    ("grpc.max_send_message_length", 32 * 1024 * 1024),
+]
+
+_STUBS = {
+    "both": worker_pb2_grpc.WorkerServiceStub,
+    "prefill": prefill_pb2_grpc.PrefillServiceStub,
+    "decode": decode_pb2_grpc.DecodeServiceStub,
+}
+
+
+class WorkerClient:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
+        self.stub: Any = _STUBS[spec.role](self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.healthy = False
+        self.load: WorkerLoadInfo | None = None
+        self.last_error = "not checked yet"
+        self.inflight = 0  # requests this gateway has open on the worker
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    @property
+    def queue_depth(self) -> int:
+        reported = self.load.num_running + self.load.num_waiting if self.load else 0
+        return max(self.inflight, reported)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.load.free_blocks if self.load else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.load.block_size if self.load and self.load.block_size > 0 else 16
+
+    async def poll(self, timeout: float) -> None:
+        """Health check and load; any failure marks the worker unhealthy until the next poll."""
+        try:
+            check = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            load = load_from_pb(await self.stub.GetLoad(common_pb2.LoadRequest(), timeout=timeout))
+        except grpc.RpcError as e:
+            code = e.code().name if hasattr(e, "code") else "ERROR"
+            self.mark_unhealthy(f"health poll failed: {code}")
+            return
+        self.load = load
+        if check.status != health_pb2.HealthCheckResponse.SERVING:
+            self.mark_unhealthy("not serving (loading or draining)")
+        elif load.draining:
+            self.mark_unhealthy("draining")
+        else:
+            if not self.healthy:
+                log.info("worker %s (%s) is healthy", self.address, self.role)
+            self.healthy = True
+            self.last_error = ""
+
+    def mark_unhealthy(self, reason: str) -> None:
+        if self.healthy:
+            log.warning("worker %s (%s) is unhealthy: %s", self.address, self.role, reason)
+        self.healthy = False
+        self.last_error = reason
+
+    async def abort(self, request_id: str, timeout: float) -> bool:
+        """Tells the worker to drop ``request_id``; True when it held the request."""
+        try:
+            reply = await self.stub.Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            log.info("abort of %s on %s failed: %s", request_id, self.address, e)
+            return False
+        return bool(reply.found)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "address": self.address,
+            "healthy": self.healthy,
+            "last_error": self.last_error or None,
+            "inflight": self.inflight,
+            "load": asdict(self.load) if self.load else None,
+        }
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)

@@ -1,0 +1,317 @@
+"""Deterministic fake workers (grpc.aio) speaking the real protos.
+
+Output token i of a request is prompt token i (the prompt is echoed, cycling), one token per
+chunk, its text decoded with the real tokenizer. EOS (unless ignore_eos), stop strings and
+max_tokens end a request as a real worker would. Behaviour knobs make calls fail or slow down;
+records keep every request, abort and the gRPC metadata seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenizers import Tokenizer
+
+from protos import (
+    common_pb2,
+    decode_pb2_grpc,
+    kv_control_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    worker_pb2_grpc,
+)
+
+EOS_ID = 2
+TOTAL_BLOCKS = 1000
+
+
+@dataclass
+class Behavior:
+    token_delay_s: float = 0.0
+    first_delay_s: float = 0.0
+    fail_before_first: int = 0  # how many calls fail with UNAVAILABLE before any token
+    fail_after_tokens: int | None = None  # the stream breaks (UNAVAILABLE) after N tokens
+    fail_transfer: bool = False  # prefill: the stream breaks between first and done
+    error_chunk: bool = False  # the first chunk is a FINISH_REASON_ERROR chunk
+    reserve_code: grpc.StatusCode | None = None  # Reserve fails with this code
+    invalid_argument: bool = False  # Generate/Prefill answer INVALID_ARGUMENT
+    serving: bool = True
+    max_model_len: int = 2048
+    vocab_size: int = 49152
+    cached_tokens: int = 0
+
+
+@dataclass
+class Records:
+    requests: list[str] = field(default_factory=list)  # request ids per streaming call
+    aborts: list[str] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    reservations: dict[str, str] = field(default_factory=dict)  # request id -> reservation
+    decode_calls: list[str] = field(default_factory=list)
+    samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
+
+
+class FakeEngine:
+    """Produces the fake output tokens of a request as TokenChunks."""
+
+    def __init__(self, tokenizer: Tokenizer, behavior: Behavior, records: Records, role: str):
+        self.tok, self.behavior, self.records, self.role = tokenizer, behavior, records, role
+        self.cancelled: set[str] = set()
+
+    def _note(self, rid: str, context: grpc.aio.ServicerContext) -> None:
+        self.records.requests.append(rid)
+        self.records.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
+
+    def _text(self, token: int, sp: common_pb2.SamplingParams) -> str:
+        return str(self.tok.decode([token], skip_special_tokens=sp.skip_special_tokens))
+
+    def _logprobs(
+        self, token: int, sp: common_pb2.SamplingParams
+    ) -> list[common_pb2.PositionLogprobs]:
+        if not sp.HasField("logprobs"):
+            return []
+        chosen = common_pb2.TokenLogprob(token_id=token, logprob=-0.5, token=self._text(token, sp))
+        top = [chosen] + [
+            common_pb2.TokenLogprob(
+                token_id=token + k, logprob=-1.0 - k, token=self._text(token + k, sp)
+            )
+            for k in range(1, sp.logprobs)
+        ]
+        return [common_pb2.PositionLogprobs(chosen=chosen, top=top[: sp.logprobs])]
+
+    async def tokens(
+        self,
+        rid: str,
+        prompt: list[int],
+        sp: common_pb2.SamplingParams,
+        start: int,
+        stop_at: int | None,
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        """Chunks for output positions [start, stop_at) (stop_at None: until finished)."""
+        b, text = self.behavior, ""
+        for i in range(start, sp.max_tokens):
+            if stop_at is not None and i >= stop_at:
+                return
+            await asyncio.sleep(b.first_delay_s if i == start else b.token_delay_s)
+            if rid in self.cancelled:
+                return
+            if b.fail_after_tokens is not None and i >= b.fail_after_tokens:
+                raise _Broken()
+            token = prompt[i % len(prompt)]
+            piece = self._text(token, sp)
+            finish, stop_reason = common_pb2.FINISH_REASON_UNSPECIFIED, ""
+            hit = next((s for s in sp.stop if s in text + piece), None)
+            if hit is not None:
+                piece = (text + piece)[: (text + piece).index(hit)][len(text) :]
+                finish, stop_reason = common_pb2.FINISH_REASON_STOP, hit
+            elif (
+                token == EOS_ID and not sp.ignore_eos and i + 1 >= sp.min_tokens
+            ) or token in sp.stop_token_ids:
+                finish, stop_reason = common_pb2.FINISH_REASON_STOP, str(token)
+            elif i + 1 >= sp.max_tokens:
+                finish = common_pb2.FINISH_REASON_LENGTH
+            text += piece
+            yield common_pb2.TokenChunk(
+                request_id=rid, token_ids=[token], text=piece, logprobs=self._logprobs(token, sp),
+                finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=len(prompt),
+                num_cached_tokens=b.cached_tokens,
+                timing=common_pb2.Timing(queue_s=0.001, prefill_s=0.002, decode_s=0.003 * i),
+            )  # fmt: skip
+            if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+                return
+
+    def load(self, reserved: int = 0) -> common_pb2.WorkerLoad:
+        b = self.behavior
+        return common_pb2.WorkerLoad(
+            worker_id=f"fake-{self.role}", role=self.role, model="embedded",
+            max_model_len=b.max_model_len, block_size=16, num_running=0, num_waiting=0,
+            free_blocks=TOTAL_BLOCKS - reserved, total_blocks=TOTAL_BLOCKS,
+            kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
+            kv_transfer_bytes=1234, num_reserved=reserved,
+        )  # fmt: skip
+
+
+class _Broken(Exception):
+    """Raised inside a fake stream to break it like a dying worker."""
+
+
+async def _guard(context: grpc.aio.ServicerContext, behavior: Behavior) -> None:
+    if behavior.invalid_argument:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake worker: bad request")
+    if behavior.fail_before_first > 0:
+        behavior.fail_before_first -= 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: down before the first token")
+
+
+async def _stream(
+    context: grpc.aio.ServicerContext, chunks: AsyncIterator[common_pb2.TokenChunk], wrap=None
+):
+    try:
+        async for chunk in chunks:
+            yield wrap(chunk) if wrap else chunk
+    except _Broken:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: died mid-stream")
+
+
+class Worker(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, engine: FakeEngine) -> None:
+        self.e = engine
+
+    async def Generate(self, request, context):
+        self.e._note(request.request_id, context)
+        self.e.records.samplings.append(request.sampling)
+        await _guard(context, self.e.behavior)
+        if self.e.behavior.error_chunk:
+            yield common_pb2.TokenChunk(
+                finish_reason=common_pb2.FINISH_REASON_ERROR, error="fake OOM"
+            )
+            return
+        chunks = self.e.tokens(
+            request.request_id, list(request.prompt_token_ids), request.sampling, 0, None
+        )
+        async for chunk in _stream(context, chunks):
+            yield chunk
+
+    async def Abort(self, request, context):
+        self.e.records.aborts.append(request.request_id)
+        self.e.cancelled.add(request.request_id)
+        return common_pb2.AbortResponse(found=True)
+
+    async def GetLoad(self, request, context):
+        return self.e.load()
+
+
+class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, engine: FakeEngine) -> None:
+        self.e = engine
+
+    async def Prefill(self, request, context):
+        e = self.e
+        e._note(request.request_id, context)
+        e.records.samplings.append(request.sampling)
+        await _guard(context, e.behavior)
+        first = None
+        chunks = e.tokens(
+            request.request_id, list(request.prompt_token_ids), request.sampling, 0, 1
+        )
+        async for chunk in _stream(context, chunks):
+            first = chunk
+            yield prefill_pb2.PrefillEvent(first=chunk)
+        if first is None or first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            return
+        await asyncio.sleep(0.005)
+        if e.behavior.fail_transfer:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: KV transfer failed")
+        done = kv_control_pb2.TransferDone(bytes=4096, seconds=0.004, num_blocks=2)
+        yield prefill_pb2.PrefillEvent(done=done)
+
+    async def Abort(self, request, context):
+        self.e.records.aborts.append(request.request_id)
+        self.e.cancelled.add(request.request_id)
+        return common_pb2.AbortResponse(found=True)
+
+    async def GetLoad(self, request, context):
+        return self.e.load()
+
+
+class Decode(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, engine: FakeEngine) -> None:
+        self.e = engine
+
+    async def Reserve(self, request, context):
+        e = self.e
+        e.records.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
+        if e.behavior.reserve_code is not None:
+            await context.abort(e.behavior.reserve_code, "fake decode: cannot reserve")
+        reservation = f"res-{request.request_id}"
+        e.records.reservations[request.request_id] = reservation
+        return kv_control_pb2.ReserveResponse(
+            reservation_id=reservation,
+            num_blocks=3,
+            kv_endpoint="127.0.0.1:1",
+            decode_worker_id="fake-decode",
+        )
+
+    async def Decode(self, request, context):
+        e = self.e
+        e._note(request.request_id, context)
+        e.records.decode_calls.append(request.request_id)
+        if e.records.reservations.get(request.request_id) != request.reservation_id:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "fake decode: no such reservation")
+        try:
+            start = len(request.output_token_ids)
+            chunks = e.tokens(
+                request.request_id, list(request.prompt_token_ids), request.sampling, start, None
+            )
+            async for chunk in _stream(context, chunks):
+                yield chunk
+        finally:
+            e.records.reservations.pop(request.request_id, None)
+
+    async def Abort(self, request, context):
+        self.e.records.aborts.append(request.request_id)
+        self.e.cancelled.add(request.request_id)
+        found = self.e.records.reservations.pop(request.request_id, None) is not None
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context):
+        return self.e.load(reserved=len(self.e.records.reservations))
+
+
+class Health(health_pb2_grpc.HealthServicer):
+    def __init__(self, behavior: Behavior) -> None:
+        self.behavior = behavior
+
+    async def Check(self, request, context):
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.behavior.serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+_SERVICERS = {
+    "both": (Worker, worker_pb2_grpc.add_WorkerServiceServicer_to_server),
+    "prefill": (Prefill, prefill_pb2_grpc.add_PrefillServiceServicer_to_server),
+    "decode": (Decode, decode_pb2_grpc.add_DecodeServiceServicer_to_server),
+}
+
+
+class FakeWorker:
+    """One fake worker of ``role`` on 127.0.0.1 and a free port; start() in a running loop."""
+
+    def __init__(self, role: str, tokenizer: Tokenizer) -> None:
+        self.role = role
+        self.behavior = Behavior()
+        self.records = Records()
+        self.engine = FakeEngine(tokenizer, self.behavior, self.records, role)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def reset(self) -> None:
+        """Default behaviour and empty records (the objects stay the same)."""
+        self.behavior.__init__()  # type: ignore[misc]
+        self.records.__init__()  # type: ignore[misc]
+        self.engine.cancelled.clear()
+
+    async def start(self, port: int = 0) -> None:
+        self.server = grpc.aio.server()
+        servicer, add = _SERVICERS[self.role]
+        add(servicer(self.engine), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(Health(self.behavior), self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.server.start()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+            self.server = None

@@ -1,0 +1,112 @@
+"""A live test stack: fake gRPC workers and the real gateway (uvicorn on a free port), all in
+one background thread with its own event loop, so sync and async clients can both use it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import uvicorn
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from tokenizers import Tokenizer
+
+from gateway.app import build_app
+from gateway.config import GatewayConfig, WorkerSpec
+from gateway.server import DrainingServer
+from gateway.state import GatewayState
+from tests.gateway.fake_workers import FakeWorker
+
+T = TypeVar("T")
+
+
+def dead_address() -> str:
+    """A loopback address where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+class Stack:
+    def __init__(
+        self,
+        tokenizer_dir: str,
+        roles: list[str],
+        dead: list[WorkerSpec] | None = None,
+        **config: Any,
+    ) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.roles = roles
+        self.dead = dead or []
+        self.config_overrides = {"health_interval_s": 0.2, "drain_timeout_s": 1.0, **config}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-stack", daemon=True)
+        self.exporter = InMemorySpanExporter()
+        self.workers: list[FakeWorker] = []
+        self.base_url = ""
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> Stack:
+        self.thread.start()
+        self.run(self._start())
+        return self
+
+    async def _start(self) -> None:
+        tok = Tokenizer.from_file(os.path.join(self.tokenizer_dir, "tokenizer.json"))
+        self.workers = [FakeWorker(role, tok) for role in self.roles]
+        for w in self.workers:
+            await w.start()
+        specs = [WorkerSpec(w.role, w.address) for w in self.workers] + self.dead
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        config = GatewayConfig(
+            tokenizer=self.tokenizer_dir, workers=tuple(specs), **self.config_overrides
+        )
+        self.app = build_app(config, tracer_provider=provider)
+        uv = uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+        self.server = DrainingServer(uv, self.state, config.drain_timeout_s)
+        self.serve_task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        self.base_url = f"http://127.0.0.1:{self.server.port}"
+
+    @property
+    def state(self) -> GatewayState:
+        state: GatewayState = self.app.state.gateway
+        return state
+
+    def role(self, role: str) -> list[FakeWorker]:
+        return [w for w in self.workers if w.role == role]
+
+    def reset(self) -> None:
+        """Default behaviour, empty records, every worker polled healthy again."""
+        for w in self.workers:
+            w.reset()
+        self.exporter.clear()
+        self.run(self.state.registry.poll_all())
+        self.run(self.state.registry.settle())
+
+    def drain(self) -> None:
+        """What SIGTERM does."""
+        self.loop.call_soon_threadsafe(self.server.begin_shutdown)
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            self.server.should_exit = True
+            await self.serve_task
+            for w in self.workers:
+                await w.stop()
+
+        try:
+            self.run(_stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()

@@ -1,0 +1,105 @@
+"""The app as a whole: torch-free, auth, the small endpoints, OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from gateway.admin_api import SPEC_PATH
+from tests.gateway.stack import Stack
+
+pytestmark = pytest.mark.timeout(120)
+
+_NO_TORCH = """
+import sys
+from gateway.app import build_app
+from gateway.config import GatewayConfig, WorkerSpec
+app = build_app(GatewayConfig(tokenizer=sys.argv[1], workers=(WorkerSpec("both", "127.0.0.1:1"),)))
+import gateway.server, gateway.openai_api, gateway.disagg
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "services.engine")
+             or m.startswith("services.engine"))
+print("BAD", bad)
+"""
+
+
+def test_gateway_imports_no_torch(tokenizer_dir: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, tokenizer_dir],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "BAD []"
+
+
+@pytest.fixture(scope="module")
+def secured(tokenizer_dir: str) -> Iterator[Stack]:
+    stack = Stack(tokenizer_dir, ["both"], api_key="sekret", served_model_name="smol").start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_api_key_required_except_on_open_endpoints(secured: Stack) -> None:
+    url = secured.base_url
+    body = {"model": "smol", "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    wrong = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    for path in ("/health", "/metrics", "/version", "/openapi.json"):
+        assert httpx.get(url + path).status_code == 200, path
+
+
+def test_served_model_name_and_404_for_other_models(secured: Stack) -> None:
+    headers = {"Authorization": "Bearer sekret"}
+    models = httpx.get(f"{secured.base_url}/v1/models", headers=headers).json()
+    assert [m["id"] for m in models["data"]] == ["smol"]
+    assert models["data"][0]["max_model_len"] == 2048
+    r = httpx.post(
+        f"{secured.base_url}/v1/completions",
+        json={"model": "gpt-4", "prompt": "hi"},
+        headers=headers,
+    )
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "model"
+    assert "smol" in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors(colocated: Stack) -> None:
+    r = httpx.get(f"{colocated.base_url}/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"{colocated.base_url}/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_version_openapi_and_workers(colocated: Stack) -> None:
+    url = colocated.base_url
+    assert httpx.get(f"{url}/version").json()["version"]
+    assert httpx.get(f"{url}/openapi.json").json() == json.load(open(SPEC_PATH))
+    workers = httpx.get(f"{url}/workers").json()["workers"]
+    assert [(w["role"], w["healthy"]) for w in workers] == [("both", True)]
+    assert workers[0]["load"]["max_model_len"] == 2048
+
+
+def test_tokenize_and_detokenize(colocated: Stack) -> None:
+    url = colocated.base_url
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert r == {"count": 2, "max_model_len": 2048, "tokens": [19556, 905]}
+    chat = httpx.post(
+        f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+    ).json()
+    assert chat["count"] == 31 and chat["tokens"][-4:] == [1, 520, 9531, 198]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [19556, 905]}).json() == {
+        "prompt": "Hello world"
+    }
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]

@@ -1,0 +1,170 @@
+"""The official openai client against the gateway (fake workers echo the prompt's tokens)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.stack import Stack
+
+pytestmark = pytest.mark.timeout(60)
+PROMPT = "Hello world, this is a test of the gateway"  # 10 tokens; the fakes echo them
+
+
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_echoes_prompt_tokens(disagg: Stack) -> None:
+    out = client(disagg).completions.create(model="embedded", prompt=PROMPT, max_tokens=4)
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert out.choices[0].text == "Hello world, this"
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        10,
+        4,
+        14,
+    )
+
+
+def test_default_max_tokens_is_16_for_completions(colocated: Stack) -> None:
+    out = client(colocated).completions.create(model="embedded", prompt=PROMPT * 3)
+    assert out.usage.completion_tokens == 16
+
+
+def test_chat_default_max_tokens_is_the_context_left(colocated: Stack) -> None:
+    colocated.workers[0].behavior.max_model_len = 40
+    colocated.run(colocated.state.registry.poll_all())
+    chat = client(colocated).chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert colocated.workers[0].records.samplings[-1].max_tokens == 40 - 31
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_chat_stops_on_eos_and_counts_usage(disagg: Stack) -> None:
+    out = client(disagg).chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=100
+    )
+    # the echoed chat prompt holds <|im_end|> (EOS) at position 20: the fake stops there
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.content.startswith("system\nYou are a helpful AI assistant")
+    assert out.usage.prompt_tokens == 31 and out.usage.completion_tokens == 20
+
+
+def test_streaming_completion_with_usage(disagg: Stack) -> None:
+    stream = client(disagg).completions.create(
+        model="embedded", prompt=PROMPT, max_tokens=5, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == "Hello world, this is"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_streaming_chat_role_first_then_content(colocated: Stack) -> None:
+    stream = client(colocated).chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "system\nYou are a"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_async_client_n2_with_seed(disagg: Stack) -> None:
+    async with openai.AsyncOpenAI(
+        base_url=f"{disagg.base_url}/v1", api_key="x", max_retries=0
+    ) as c:
+        out = await c.completions.create(model="embedded", prompt=PROMPT, max_tokens=3, n=2, seed=7)
+    assert sorted(ch.index for ch in out.choices) == [0, 1]
+    assert all(ch.text == "Hello world," for ch in out.choices)
+    assert out.usage.prompt_tokens == 10 and out.usage.completion_tokens == 6
+    seeds = sorted(s.seed for w in disagg.role("prefill") for s in w.records.samplings)
+    assert seeds == [7, 8]
+
+
+async def test_async_streaming_chat_n2_merges_choices(colocated: Stack) -> None:
+    async with openai.AsyncOpenAI(
+        base_url=f"{colocated.base_url}/v1", api_key="x", max_retries=0
+    ) as c:
+        stream = await c.chat.completions.create(
+            model="embedded", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2,
+            stream=True, seed=1,
+        )  # fmt: skip
+        texts: dict[int, str] = {0: "", 1: ""}
+        async for chunk in stream:
+            for ch in chunk.choices:
+                texts[ch.index] += ch.delta.content or ""
+    assert texts == {0: "system\nYou", 1: "system\nYou"}
+    assert sorted(s.seed for s in colocated.workers[0].records.samplings) == [1, 2]
+
+
+def test_stop_strings_reach_the_worker_and_end_the_choice(colocated: Stack) -> None:
+    out = client(colocated).completions.create(
+        model="embedded", prompt=PROMPT, max_tokens=10, stop=[" test"]
+    )
+    assert out.choices[0].text == "Hello world, this is a"
+    assert out.choices[0].finish_reason == "stop"
+    assert list(colocated.workers[0].records.samplings[-1].stop) == [" test"]
+
+
+def test_completion_logprobs_and_echo(colocated: Stack) -> None:
+    out = client(colocated).completions.create(
+        model="embedded", prompt="Hello world", max_tokens=2, logprobs=2, echo=True
+    )
+    choice = out.choices[0]
+    assert choice.text == "Hello worldHello world"
+    lp = choice.logprobs
+    assert lp.tokens == ["Hello", " world", "Hello", " world"]
+    assert lp.token_logprobs == [None, None, -0.5, -0.5]
+    assert lp.text_offset == [0, 5, 11, 16]
+    assert len(lp.top_logprobs[2]) == 2
+
+
+def test_chat_logprobs_and_top_logprobs(disagg: Stack) -> None:
+    out = client(disagg).chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == ["", "system", "\n"]
+    assert all(c.logprob == -0.5 and len(c.top_logprobs) == 3 for c in content)
+
+
+def test_token_id_prompts_and_multiple_prompts(colocated: Stack) -> None:
+    out = client(colocated).completions.create(
+        model="embedded", prompt=[[19556, 905], [19556]], max_tokens=2, n=2
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [
+        "Hello world",
+        "Hello world",
+        "HelloHello",
+        "HelloHello",
+    ]
+    assert out.usage.prompt_tokens == 3
+
+
+def test_sampling_fields_are_forwarded(colocated: Stack) -> None:
+    httpx.post(f"{colocated.base_url}/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+        "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [9], "ignore_eos": True,
+        "priority": 3, "user": "u", "some_unknown_field": {"x": 1},
+    }).raise_for_status()  # fmt: skip
+    sp = colocated.workers[0].records.samplings[-1]
+    assert (sp.temperature, sp.top_k, sp.min_tokens, list(sp.stop_token_ids)) == (0.5, 5, 2, [9])
+    assert sp.ignore_eos and not sp.HasField("seed") and not sp.HasField("logprobs")
+    assert abs(sp.top_p - 0.9) < 1e-6 and abs(sp.repetition_penalty - 1.1) < 1e-6
+
+
+def test_timing_header(disagg: Stack) -> None:
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    parts = dict(p.split("=") for p in r.headers["x-tandem-timing"].split(";"))
+    assert set(parts) == {"queue", "prefill", "transfer", "ttft", "decode", "e2e"}
+    assert float(parts["transfer"]) == pytest.approx(0.004)
+    assert 0 < float(parts["ttft"]) <= float(parts["e2e"])
