@@ -65,11 +65,14 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 
 def read_ready_file(path: Path) -> dict[str, Any] | None:
-    """The JSON a child wrote (atomically, by rename), or None while it is not there yet."""
+    """What a child wrote (atomically, by rename): a JSON object, or a bare port number, which
+    reads as ``{"port": N}``. None while the file is not there yet."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    if isinstance(data, int) and not isinstance(data, bool):
+        return {"port": data}
     return data if isinstance(data, dict) else None
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -20,20 +21,16 @@ READY = re.compile(
     r"^Tandem is ready: http://127\.0\.0\.1:(\d+)/v1 \(gateway \+ (.+), model fake-model\)$"
 )
 
+FAKE_UP = (sys.executable, "-m", "tests.deploy.fake_up")
+
 
 class Up:
     """A running `fake_up` process whose output is collected line by line."""
 
-    def __init__(self, log_dir: Path, *flags: str, **env: str) -> None:
-        argv = [
-            sys.executable,
-            "-m",
-            "tests.deploy.fake_up",
-            "--port",
-            "0",
-            "--log-dir",
-            str(log_dir),
-        ]
+    def __init__(
+        self, log_dir: Path, *flags: str, program: Sequence[str] = FAKE_UP, **env: str
+    ) -> None:
+        argv = [*program, "--port", "0", "--log-dir", str(log_dir)]
         self.log_dir = log_dir
         self.proc = subprocess.Popen(
             [*argv, *flags],

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.supervisor import ChildFailedError, ChildSpec, Supervisor
+from deploy.supervisor import ChildFailedError, ChildSpec, Supervisor, read_ready_file
 from tests.deploy.conftest import FAKE_CHILD, alive, child_env
 
 
@@ -84,3 +84,13 @@ def test_lower_tiers_are_stopped_first(sup: Supervisor, tmp_path: Path) -> None:
     sup.wait_ready([worker, gateway], timeout_s=20)
     sup.shutdown()
     assert log.read_text().split() == ["gateway", "prefill"]
+
+
+def test_ready_files_may_hold_json_or_a_bare_port(tmp_path: Path) -> None:
+    (tmp_path / "a").write_text('{"port": 5, "kv_port": 6}')
+    (tmp_path / "b").write_text("8000\n")
+    (tmp_path / "c").write_text("not yet")
+    assert read_ready_file(tmp_path / "a") == {"port": 5, "kv_port": 6}
+    assert read_ready_file(tmp_path / "b") == {"port": 8000}
+    assert read_ready_file(tmp_path / "c") is None
+    assert read_ready_file(tmp_path / "missing") is None
