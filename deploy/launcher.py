@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -124,8 +125,24 @@ def _progress(pending: list[Child], elapsed: float) -> None:
     say(f"tandem up: waiting for {names} ({elapsed:.0f} s)")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail before minutes of model loading if the gateway could not bind its port anyway."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ChildFailedError(
+                f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port"
+            ) from exc
+
+
 def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> str:
     """Prepare, start workers, start the gateway; returns the gateway's /v1 URL."""
+    check_port_free(plan.host, plan.port)
     say(f"tandem up: preparing model {plan.model}")
     tokenizer_dir = prepare_model(plan.prepare_argv)
     say(f"tandem up: starting {_describe(plan)}; logs in {sup.log_dir}")

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -190,3 +191,13 @@ def test_tandem_up_refuses_impossible_topologies(flags: list[str], message: str)
     )  # fmt: skip
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_a_busy_gateway_port_fails_before_any_model_loads(start) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        up = start("--port", str(busy.getsockname()[1]))
+        assert up.finish() == 1
+    assert "choose another --port" in "\n".join(up.lines)
+    assert up.children() == {}
