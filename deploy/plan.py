@@ -34,6 +34,7 @@ class Plan:
     prepare_argv: list[str]
     workers: list[Worker]
     gateway_argv: list[str]  # without the worker targets and the tokenizer
+    gateway_env: dict[str, str]
     gateway_ready_file: Path
     device: str  # cpu or cuda (or what the user forced)
     host: str
@@ -160,11 +161,21 @@ def build_plan(
     gateway += ["--model", args.model]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
-    if args.api_key:
-        gateway += ["--api-key", args.api_key]
     gateway += ["--ready-file", str(gateway_ready)]
+    # The key travels in the environment (read by the gateway), not on a command line `ps` shows.
+    gateway_env = {"TANDEM_API_KEY": args.api_key} if args.api_key else {}
     prepare = [sys.executable, "-m", "services.model_files", "--model", args.model]
-    return Plan(prepare, workers, gateway, gateway_ready, device, args.host, args.port, args.model)
+    return Plan(
+        prepare,
+        workers,
+        gateway,
+        gateway_env,
+        gateway_ready,
+        device,
+        args.host,
+        args.port,
+        args.model,
+    )
 
 
 def gateway_spec(plan: Plan, ports: Mapping[str, int], tokenizer_dir: str | None) -> ChildSpec:
@@ -174,4 +185,4 @@ def gateway_spec(plan: Plan, ports: Mapping[str, int], tokenizer_dir: str | None
         argv += ["--tokenizer", tokenizer_dir]
     for worker in plan.workers:
         argv += [f"--{worker.role}", f"{LOOPBACK}:{ports[worker.spec.name]}"]
-    return ChildSpec("gateway", argv, {}, plan.gateway_ready_file, stop_tier=0)
+    return ChildSpec("gateway", argv, plan.gateway_env, plan.gateway_ready_file, stop_tier=0)
