@@ -1,0 +1,45 @@
+"""Frozen options of the two ends of a KV transfer, validated where they are built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReceiverOptions:
+    host: str = "127.0.0.1"  # where the rendezvous store listens; "0.0.0.0" for every interface
+    port: int = 0  # 0: pick a free port (see KvReceiver.port)
+    advertise_host: str = ""  # host put in KvReceiver.endpoint; default: host (or the hostname)
+    io_timeout_s: float = 10.0  # one transfer's data must arrive this soon after its header
+    connect_timeout_s: float = 10.0  # building a pair's process group
+    unknown_grace_s: float = 0.5  # a header waits this long for a matching expect()
+    verify_checksums: bool = True  # check the checksum when a (debug-mode) sender sends one
+    max_transfer_bytes: int = 1 << 36  # a header announcing more tears the pair down
+    max_pairs: int = 256  # concurrent senders
+    gloo_interface: str = ""  # network interface for Gloo (default: the one `host` is on)
+
+    def __post_init__(self) -> None:
+        _check_common(self.io_timeout_s, self.connect_timeout_s)
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.unknown_grace_s < 0:
+            raise ValueError(f"unknown_grace_s must be >= 0, got {self.unknown_grace_s}")
+        if self.max_transfer_bytes < 1 or self.max_pairs < 1:
+            raise ValueError("max_transfer_bytes and max_pairs must be positive")
+
+
+@dataclass(frozen=True)
+class SenderOptions:
+    timeout_s: float = 10.0  # default deadline of one send(), connecting included
+    checksum: bool = False  # debug mode: send a checksum of the data with each header
+    gloo_interface: str = ""  # network interface for Gloo (default: the route to the receiver)
+
+    def __post_init__(self) -> None:
+        _check_common(self.timeout_s, self.timeout_s)
+
+
+def _check_common(io_timeout_s: float, connect_timeout_s: float) -> None:
+    if io_timeout_s <= 0 or connect_timeout_s <= 0:
+        raise ValueError(
+            f"timeouts must be positive, got io {io_timeout_s} / connect {connect_timeout_s}"
+        )

@@ -1,0 +1,75 @@
+"""Which device each end of a pair holds its caches on, and the backend that follows from it."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GLOO = "gloo"
+NCCL = "nccl"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where one end's caches live. ``uuid`` tells two CUDA processes whether they share a GPU."""
+
+    type: str  # "cpu" | "cuda"
+    index: int = -1
+    uuid: str = ""
+    nccl: bool = False  # whether this process can build a ProcessGroupNCCL
+
+    @classmethod
+    def of(cls, device: torch.device) -> DeviceInfo:
+        if device.type != "cuda":
+            return cls("cpu")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+        return cls("cuda", index, uuid, dist.is_nccl_available())
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> DeviceInfo:
+        if not isinstance(data, dict) or data.get("type") not in ("cpu", "cuda"):
+            raise ValueError(f"bad device description {data!r}")
+        index, uuid, nccl = data.get("index", -1), data.get("uuid", ""), data.get("nccl", False)
+        if not isinstance(index, int) or not isinstance(uuid, str) or not isinstance(nccl, bool):
+            raise ValueError(f"bad device description {data!r}")
+        return cls(data["type"], index, uuid[:128], nccl)
+
+
+def choose_backend(sender: DeviceInfo, receiver: DeviceInfo) -> str:
+    """NCCL when both ends are CUDA on *different* GPUs and both can use it, else Gloo.
+
+    Two processes on one GPU cannot form an NCCL pair, so that case (and CPU or mixed pairs)
+    goes through Gloo with host staging.
+    """
+    both_cuda = sender.type == receiver.type == "cuda"
+    distinct = bool(sender.uuid) and bool(receiver.uuid) and sender.uuid != receiver.uuid
+    return NCCL if both_cuda and distinct and sender.nccl and receiver.nccl else GLOO
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The local IP this machine would use to reach ``host`` (no packet is sent)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return ""
+
+
+def gloo_device(address: str, interface: str) -> Any:
+    """A Gloo transport device bound to ``interface`` or ``address``; '' for both: Gloo's default."""
+    gloo = dist.ProcessGroupGloo
+    if interface:
+        return gloo.create_device(interface=interface)
+    if address and address not in ("0.0.0.0", "::"):
+        return gloo.create_device(hostname=address)
+    return gloo.create_default_device()

@@ -1,0 +1,234 @@
+"""Transfers a receiver expects: registration, claiming by a pair, cancellation and deadlines.
+
+Life of one expectation: ``expect`` registers it (pending) -> a pair thread ``claim``s it when
+the header arrives (receiving) -> ``complete`` writes the blocks and resolves it ok, or ``fail``
+resolves it with an error. ``cancel`` (or its deadline passing) resolves it at any time before
+that. Writes into the blocks happen only under the expectation's write lock, and a cancelled
+expectation is never written: once ``cancel`` returns, its blocks are the caller's again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from kvtransfer.results import CounterBox, TransferResult
+
+Callback = Callable[[TransferResult], None]
+_TOMBSTONES = 4096  # recently finished ids remembered, so late senders get a precise error
+
+
+class TransferHandle:
+    """The receiver's view of one expected transfer (thread-safe).
+
+    ``wait(timeout)`` returns the :class:`TransferResult` once the transfer has ended (ok or
+    not) or None if ``timeout`` passes first. ``add_done_callback(fn)`` runs ``fn(result)`` on
+    the thread that ends the transfer (at once if it already ended); from asyncio, wrap it with
+    ``loop.call_soon_threadsafe``.
+    """
+
+    def __init__(self, transfer_id: str, block_ids: tuple[int, ...], cancel: Callable[[], bool]):
+        self.transfer_id = transfer_id
+        self.block_ids = block_ids
+        self._cancel = cancel
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._result: TransferResult | None = None
+        self._callbacks: list[Callback] = []
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def result(self) -> TransferResult | None:
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> TransferResult | None:
+        self._event.wait(timeout)
+        return self._result
+
+    def cancel(self) -> bool:
+        """Same as ``receiver.cancel(transfer_id)``; True if this call ended the transfer."""
+        return self._cancel()
+
+    def add_done_callback(self, fn: Callback) -> None:
+        with self._lock:
+            if self._result is None:
+                self._callbacks.append(fn)
+                return
+        fn(self._result)
+
+    def _set(self, result: TransferResult) -> bool:
+        """Record the outcome; the first call wins. Callbacks run in :meth:`_fire`."""
+        with self._lock:
+            if self._result is not None:
+                return False
+            self._result = result
+        self._event.set()
+        return True
+
+    def _fire(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        assert self._result is not None
+        for fn in callbacks:
+            fn(self._result)
+
+
+class Expectation:
+    """Registry-internal state of one transfer."""
+
+    def __init__(self, handle: TransferHandle, deadline: float) -> None:
+        self.handle = handle
+        self.deadline = deadline
+        self.receiving = False
+        self.cancel_reason = ""
+        self.write_lock = threading.Lock()
+
+    @property
+    def transfer_id(self) -> str:
+        return self.handle.transfer_id
+
+
+class ExpectationRegistry:
+    """All expectations of one receiver, with a thread that fails those past their deadline."""
+
+    def __init__(self, counters: CounterBox) -> None:
+        self._counters = counters
+        self._cond = threading.Condition()
+        self._pending: dict[str, Expectation] = {}
+        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        self._deadlines: list[tuple[float, int, Expectation]] = []
+        self._order = itertools.count()
+        self._closed = False
+        self._janitor = threading.Thread(target=self._expire_loop, name="kv-deadlines", daemon=True)
+        self._janitor.start()
+
+    def expect(self, transfer_id: str, block_ids: list[int], deadline_s: float) -> TransferHandle:
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be positive, got {deadline_s}")
+        handle = TransferHandle(transfer_id, tuple(block_ids), lambda: self.cancel(transfer_id))
+        exp = Expectation(handle, time.monotonic() + deadline_s)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the KV receiver is closed")
+            if transfer_id in self._pending:
+                raise ValueError(f"transfer {transfer_id!r} is already expected")
+            self._tombstones.pop(transfer_id, None)
+            self._pending[transfer_id] = exp
+            heapq.heappush(self._deadlines, (exp.deadline, next(self._order), exp))
+            self._cond.notify_all()
+        return handle
+
+    def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> bool:
+        """End a pending or in-flight transfer; idempotent. True if this call ended it."""
+        with self._cond:
+            exp = self._pending.get(transfer_id)
+        return exp is not None and self._cancel_exact(exp, reason)
+
+    def claim(self, transfer_id: str, grace_s: float) -> Expectation | str:
+        """Take an expectation for an arriving header, waiting up to ``grace_s`` for ``expect``.
+
+        Returns the expectation or the reason it cannot be received.
+        """
+        end = time.monotonic() + grace_s
+        with self._cond:
+            while True:
+                exp = self._pending.get(transfer_id)
+                if exp is not None:
+                    if exp.receiving:
+                        return f"transfer {transfer_id!r} is already being received"
+                    exp.receiving = True
+                    return exp
+                if self._closed:
+                    return "the KV receiver is closed"
+                if transfer_id in self._tombstones:
+                    return f"transfer {transfer_id!r} is no longer expected: {self._tombstones[transfer_id]}"  # fmt: skip
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return f"transfer {transfer_id!r} is not expected by this receiver"
+                self._cond.wait(remaining)
+
+    def complete(self, exp: Expectation, write: Callable[[], None], result: TransferResult) -> TransferResult:  # fmt: skip
+        """Run ``write`` (the block scatter) unless cancelled, then resolve with ``result``."""
+        with exp.write_lock:
+            if exp.cancel_reason:
+                return exp.handle.result or TransferResult(
+                    exp.transfer_id, False, exp.cancel_reason
+                )
+            write()
+            won = exp.handle._set(result)
+        self._forget(exp, "already received")
+        if won:
+            exp.handle._fire()
+        return exp.handle.result or result
+
+    def fail(self, exp: Expectation, result: TransferResult) -> TransferResult:
+        self._forget(exp, result.error)
+        self._resolve(exp, result)
+        return exp.handle.result or result
+
+    def pending_count(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def close(self, reason: str = "the KV receiver closed") -> None:
+        """Fail everything still pending and stop the deadline thread."""
+        with self._cond:
+            self._closed = True
+            ids = list(self._pending)
+            self._cond.notify_all()
+        for tid in ids:
+            self.cancel(tid, reason)
+        self._janitor.join(timeout=5)
+
+    def _cancel_exact(self, exp: Expectation, reason: str) -> bool:
+        with self._cond:
+            if self._pending.get(exp.transfer_id) is not exp:
+                return False
+            del self._pending[exp.transfer_id]
+            exp.cancel_reason = reason
+            self._bury(exp.transfer_id, reason)
+        return self._resolve(exp, TransferResult(exp.transfer_id, False, reason))
+
+    def _forget(self, exp: Expectation, reason: str) -> None:
+        with self._cond:
+            if self._pending.get(exp.transfer_id) is exp:
+                del self._pending[exp.transfer_id]
+                self._bury(exp.transfer_id, reason)
+
+    def _bury(self, transfer_id: str, reason: str) -> None:
+        self._tombstones[transfer_id] = reason
+        self._tombstones.move_to_end(transfer_id)
+        while len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _resolve(self, exp: Expectation, result: TransferResult) -> bool:
+        with exp.write_lock:  # waits for an in-flight scatter of these blocks to finish
+            won = exp.handle._set(result)
+        if won:
+            exp.handle._fire()
+        return won
+
+    def _expire_loop(self) -> None:
+        while True:
+            expired: list[Expectation] = []
+            with self._cond:
+                while not self._closed and not expired:
+                    now = time.monotonic()
+                    while self._deadlines and self._deadlines[0][0] <= now:
+                        exp = heapq.heappop(self._deadlines)[2]
+                        if self._pending.get(exp.transfer_id) is exp:
+                            expired.append(exp)
+                    if not expired:
+                        wait = self._deadlines[0][0] - now if self._deadlines else None
+                        self._cond.wait(wait)
+                if self._closed:
+                    return
+            for exp in expired:
+                if self._cancel_exact(exp, "deadline exceeded: the KV did not arrive in time"):
+                    self._counters.add_failure()

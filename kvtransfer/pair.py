@@ -1,0 +1,149 @@
+"""One 2-rank process group between a sender (rank 0) and a receiver (rank 1).
+
+Built directly from a store (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructors), never
+through ``init_process_group``: no global default group exists, and a broken pair is simply
+dropped and rebuilt under a new store prefix.
+
+Every wait is bounded by a deadline (``time.monotonic()`` seconds). A Gloo wait that times out
+leaves the group unusable, so any failure here means: close the channel, build a new one.
+NCCL works are polled instead of waited on, and a stuck NCCL group is aborted on close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.device import GLOO, NCCL, gloo_device
+
+SENDER_RANK = 0
+RECEIVER_RANK = 1
+_TAG = 17  # one ordered stream per pair: a single tag suffices
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 1e-3
+
+
+class ChannelError(RuntimeError):
+    """The pair's byte stream broke (peer gone, timeout): the channel must be closed."""
+
+
+def _tidy(message: str) -> str:
+    """Gloo's message without its source location and its chatty advice."""
+    message = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", message)
+    return message.split(". This is typically caused", 1)[0].strip()
+
+
+def _remaining(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+class PairChannel:
+    """The data path of one pair: ordered, byte-exact ``send``/``recv`` of 1-D uint8 tensors."""
+
+    def __init__(self, pg: Any, backend: str, rank: int, device: torch.device) -> None:
+        self._pg: Any = pg
+        self.backend = backend
+        self.rank = rank
+        self.peer = RECEIVER_RANK if rank == SENDER_RANK else SENDER_RANK
+        self.device = device  # where this end's caches live
+
+    @classmethod
+    def open(
+        cls,
+        store: dist.Store,
+        rank: int,
+        backend: str,
+        device: torch.device,
+        deadline: float,
+        *,
+        gloo_address: str = "",
+        gloo_interface: str = "",
+        nccl_watchdog_s: float = 600.0,
+    ) -> PairChannel:
+        """Build the group (blocks until the peer builds its side) and exchange one warm-up byte.
+
+        ``gloo_address``/``gloo_interface`` pick the local interface Gloo listens on. The NCCL
+        watchdog timeout is kept long: our own deadlines fire first and abort the group.
+        """
+        if backend == NCCL:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=nccl_watchdog_s)
+            pg: Any = dist.ProcessGroupNCCL(store, rank, 2, opts)
+        else:
+            gloo_opts: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            gloo_opts._timeout = timedelta(seconds=_remaining(deadline))
+            gloo_opts._threads = 1  # only point-to-point traffic: no collective workers needed
+            gloo_opts._devices = [gloo_device(gloo_address, gloo_interface)]
+            pg = dist.ProcessGroupGloo(store, rank, 2, gloo_opts)
+        channel = cls(pg, backend, rank, device)
+        try:
+            channel._warm_up(deadline)
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    @property
+    def wire_device(self) -> torch.device:
+        """Where buffers handed to send/recv must live: the GPU for NCCL, host memory for Gloo."""
+        return self.device if self.backend == NCCL else torch.device("cpu")
+
+    def send(self, buf: torch.Tensor, deadline: float) -> None:
+        self._complete(self._group().send([buf], self.peer, _TAG), deadline, "send")
+
+    def recv(self, buf: torch.Tensor, deadline: float) -> None:
+        self._complete(self._group().recv([buf], self.peer, _TAG), deadline, "recv")
+
+    def close(self) -> None:
+        """Drop the group; the peer's pending and future operations on it fail promptly."""
+        pg, self._pg = self._pg, None
+        if pg is not None and self.backend == NCCL:
+            with contextlib.suppress(Exception):
+                pg.abort()  # a healthy or stuck communicator alike: never blocks on the peer
+
+    @property
+    def closed(self) -> bool:
+        return self._pg is None
+
+    def _group(self) -> Any:
+        if self._pg is None:
+            raise RuntimeError("pair channel is closed")
+        return self._pg
+
+    def _warm_up(self, deadline: float) -> None:
+        # NCCL creates its communicator on the first operation: do it here, not in a transfer
+        byte = torch.zeros(1, dtype=torch.uint8, device=self.wire_device)
+        if self.rank == SENDER_RANK:
+            self.send(byte, deadline)
+        else:
+            self.recv(byte, deadline)
+
+    def _complete(self, work: Any, deadline: float, what: str) -> None:
+        error = ""
+        try:
+            self._wait(work, deadline)
+        except Exception as e:
+            error = f"{self.backend} {what} failed: {_tidy(str(e))}"
+        if error:
+            # raised outside the handler, and without the work: a traceback that kept the work
+            # alive would keep the group's connections open, hiding the failure from the peer
+            del work
+            raise ChannelError(error)
+
+    def _wait(self, work: Any, deadline: float) -> None:
+        if self.backend == GLOO:
+            work.wait(timedelta(seconds=_remaining(deadline)))
+            return
+        pause = _POLL_MIN_S
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"NCCL operation with rank {self.peer} timed out")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+        work.wait()  # raises the work's error, if any; orders the current stream after it

@@ -1,0 +1,32 @@
+"""Backend choice: NCCL only between two different GPUs, Gloo (host staging) otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtransfer.device import GLOO, NCCL, DeviceInfo, choose_backend
+
+CPU = DeviceInfo("cpu")
+GPU0 = DeviceInfo("cuda", 0, "GPU-0", True)
+GPU1 = DeviceInfo("cuda", 1, "GPU-1", True)
+GPU1_OTHER_PROCESS = DeviceInfo("cuda", 0, "GPU-1", True)  # same GPU seen under another index
+
+
+@pytest.mark.parametrize(
+    ("sender", "receiver", "backend"),
+    [
+        (CPU, CPU, GLOO),
+        (GPU0, GPU1, NCCL),
+        (GPU1, GPU1_OTHER_PROCESS, GLOO),  # one GPU cannot host both ends of an NCCL pair
+        (GPU0, CPU, GLOO),
+        (GPU0, DeviceInfo("cuda", 1, "GPU-1", False), GLOO),  # no NCCL on one end
+        (DeviceInfo("cuda", 0, ""), DeviceInfo("cuda", 1, ""), GLOO),  # unknown identity
+    ],
+)
+def test_choose_backend(sender, receiver, backend):
+    assert choose_backend(sender, receiver) == backend
+
+
+def test_cpu_device_description():
+    assert DeviceInfo.of(torch.device("cpu")) == CPU
