@@ -1,4 +1,4 @@
-"""Argument checks and small helpers shared by the Triton launchers.
+"""What the Triton launchers share: argument checks, device facts, and the dot helper.
 
 Every launcher validates shapes, strides, dtypes and devices up front and raises ``ValueError``
 with a message naming the argument, so a bad call fails in Python instead of reading or writing
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
 
 import torch
+import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -22,42 +23,37 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
 def check_tensor(
     name: str,
-    t: object,
+    t: torch.Tensor,
     *,
     ndim: int | None = None,
-    dtypes: Iterable[torch.dtype] | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
     inner_contiguous: bool = True,
 ) -> torch.Tensor:
     """Check one argument: a tensor of ``ndim`` dims, one of ``dtypes``, unit last stride."""
-    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    assert isinstance(t, torch.Tensor)
-    if ndim is not None:
-        require(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if dtypes is not None:
-        allowed = tuple(dtypes)
-        require(t.dtype in allowed, f"{name} has dtype {t.dtype}; expected one of {allowed}")
-    if inner_contiguous and t.dim() > 0 and t.shape[-1] > 1:
-        require(t.stride(-1) == 1, f"{name} must be contiguous in its last dim, strides {t.stride()}")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {dtypes}")
+    if inner_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, strides {t.stride()}")
     return t
 
 
 def check_devices(**tensors: torch.Tensor) -> torch.device:
     """All tensors on one device, and that device is CUDA unless the interpreter runs."""
     devices = {t.device for t in tensors.values()}
-    where = ", ".join(f"{k} on {t.device}" for k, t in tensors.items())
-    require(len(devices) == 1, f"tensors are on different devices: {where}")
+    if len(devices) != 1:
+        where = ", ".join(f"{k} on {t.device}" for k, t in tensors.items())
+        raise ValueError(f"tensors are on different devices: {where}")
     device = devices.pop()
-    require(
-        device.type == "cuda" or interpreting(),
-        f"Triton kernels need CUDA tensors (got {device}); use kernels.ops for CPU tensors",
-    )
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"Triton kernels need CUDA tensors (got {device}); use kernels.ops for CPU tensors"
+        )
     return device
 
 
@@ -77,34 +73,69 @@ def sm_count(device: torch.device) -> int:
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+SMALL_SMEM = 99 * 1024  # the least any recent GPU offers a block (Ada); used when unknown
+
+
+@functools.cache
+def _max_smem(device_index: int) -> int:
+    try:
+        from triton.runtime import driver
+
+        props = driver.active.utils.get_device_properties(device_index)
+        return int(props["max_shared_mem"])
+    except Exception:  # an older or different driver API: stay conservative
+        return SMALL_SMEM
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device`` (opt-in limit)."""
+    if device.type != "cuda":
+        return SMALL_SMEM
+    return _max_smem(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use exact fp32 dots (tf32 would cost ~1e-3 relative error)."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Whether :func:`mma` must upcast its operands: Triton's interpreter multiplies bf16 tiles
+    as their raw uint16 bits (seen with triton 3.9), so under it bf16 dots run in fp32."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """``tl.dot(a, b)`` with fp32 accumulation; see :func:`dot_upcast` for ``UPCAST``."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Paged caches ``[num_blocks, block_size, Hkv, D]``; returns (num_blocks, block_size, Hkv, D)."""
     check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
-    require(
-        k_cache.shape == v_cache.shape,
-        f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape",
-    )
-    require(
-        k_cache.dtype == v_cache.dtype,
-        f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ in dtype",
-    )
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape"
+        )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ in dtype")
     n, bs, hkv, d = k_cache.shape
-    require(bs >= 1 and hkv >= 1 and d >= 1, f"empty KV cache shape {tuple(k_cache.shape)}")
+    if bs < 1 or hkv < 1 or d < 1:
+        raise ValueError(f"empty KV cache shape {tuple(k_cache.shape)}")
     return n, bs, hkv, d
 
 
 def check_heads(q_heads: int, kv_heads: int, q_dim: int, kv_dim: int) -> int:
     """Query and KV head layouts agree (GQA/MQA); returns the group size Hq // Hkv."""
-    require(q_dim == kv_dim, f"q head_dim {q_dim} != KV cache head_dim {kv_dim}")
-    require(
-        q_heads % kv_heads == 0,
-        f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})",
-    )
-    require(kv_dim <= 256, f"head_dim {kv_dim} > 256 is not supported")
+    if q_dim != kv_dim:
+        raise ValueError(f"q head_dim {q_dim} != KV cache head_dim {kv_dim}")
+    if q_heads % kv_heads != 0:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    if kv_dim > 256:
+        raise ValueError(f"head_dim {kv_dim} > 256 is not supported")
     return q_heads // kv_heads

@@ -1,0 +1,125 @@
+"""The kernel entry points the engine calls: Triton on CUDA tensors, the torch references elsewhere.
+
+Triton is imported lazily and only when a CUDA tensor arrives, so importing this module works on
+machines without triton (macOS) or without a GPU. ``TANDEM_KERNELS=ref`` forces the references
+everywhere (for debugging a suspected kernel bug).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from kernels.attention import ref_paged_decode_attention, ref_prefill_attention, ref_write_kv
+from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
+from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
+
+__all__ = [
+    "gather_blocks",
+    "paged_decode_attention",
+    "prefill_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "scatter_blocks",
+    "silu_and_mul",
+    "triton_available",
+    "write_kv",
+]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here (triton importable, not disabled by env)."""
+    if os.environ.get("TANDEM_KERNELS", "").lower() == "ref":
+        return False
+    try:
+        importlib.import_module("triton")
+    except Exception:  # ImportError, or a broken install raising anything at import
+        return False
+    return True
+
+
+def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
+    """The Triton module to use for tensor ``t``, or None for the reference path."""
+    if t.device.type != "cuda" or not triton_available():
+        return None
+    return importlib.import_module(f"kernels.{module}")
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+) -> None:
+    mod = _triton("triton_attention", k)
+    (mod.write_kv if mod else ref_write_kv)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, >= 1
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    mod = _triton("triton_attention", q)
+    fn = mod.paged_decode_attention if mod else ref_paged_decode_attention
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    mod = _triton("triton_attention", q)
+    fn = mod.prefill_attention if mod else ref_prefill_attention
+    return fn(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    mod = _triton("triton_layers", x)
+    return (mod.rms_norm if mod else ref_rms_norm)(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    mod = _triton("triton_layers", x)
+    return (mod.silu_and_mul if mod else ref_silu_and_mul)(x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+) -> None:
+    mod = _triton("triton_layers", q)
+    (mod.rotary_embedding if mod else ref_rotary_embedding)(positions, q, k, cos_sin_cache)
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    mod = _triton("triton_block_copy", kv_caches[0]) if kv_caches else None
+    return (mod.gather_blocks if mod else ref_gather_blocks)(kv_caches, block_ids)
+
+
+def scatter_blocks(
+    buffer: torch.Tensor, kv_caches: list[torch.Tensor], block_ids: torch.Tensor
+) -> None:
+    mod = _triton("triton_block_copy", buffer)
+    (mod.scatter_blocks if mod else ref_scatter_blocks)(buffer, kv_caches, block_ids)

@@ -1,0 +1,130 @@
+"""Gather/scatter of paged KV blocks to and from one contiguous buffer, in Triton.
+
+Same semantics as :mod:`kernels.block_copy`: per-layer caches ``[2, num_blocks, block_size, Hkv,
+D]``, buffer ``[num_layers, 2, n, block_size, Hkv, D]``. One launch copies every layer: the
+kernel gets the lowest-addressed cache as its base pointer plus each layer's element offset
+from it, so the layers may be separate allocations. A block is ``block_size * Hkv * D``
+contiguous elements; programs copy ``CHUNK`` of them each.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_tensor,
+    next_pow2,
+)
+
+CHUNK = 4096
+
+
+@triton.jit
+def _block_copy_kernel(
+    cache_ptr, layer_off_ptr, buf_ptr, ids_ptr, num_ids, s_kv, s_blk, block_elems,
+    GATHER: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # over (layer, kv, i) in buffer order
+    i = pid % num_ids
+    layer = pid // num_ids // 2
+    kv = (pid // num_ids) % 2
+    blk = tl.load(ids_ptr + i).to(tl.int64)
+    cache_off = tl.load(layer_off_ptr + layer) + kv * s_kv + blk * s_blk
+    buf_off = pid.to(tl.int64) * block_elems
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_elems
+    if GATHER:
+        x = tl.load(cache_ptr + cache_off + offs, mask=mask)
+        tl.store(buf_ptr + buf_off + offs, x.to(buf_ptr.dtype.element_ty), mask=mask)
+    else:
+        x = tl.load(buf_ptr + buf_off + offs, mask=mask)
+        tl.store(cache_ptr + cache_off + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _layout(cache: torch.Tensor) -> tuple[object, ...]:
+    return (cache.shape, cache.stride(), cache.dtype, cache.device)
+
+
+def _check_layer(i: int, cache: torch.Tensor, first: torch.Tensor) -> None:
+    check_tensor(f"kv_caches[{i}]", cache, ndim=5, dtypes=FLOAT_DTYPES)
+    if cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_caches[{i}] must be [2, blocks, bs, Hkv, D], got {tuple(cache.shape)}"
+        )
+    if not cache[0, 0].is_contiguous():
+        raise ValueError(f"kv_caches[{i}]: each block must be contiguous, strides {cache.stride()}")
+    names = ("shape", "strides", "dtype", "device")
+    for what, mine, ref in zip(names, _layout(cache), _layout(first), strict=True):
+        if mine != ref:
+            raise ValueError(f"kv_caches[{i}] has {what} {mine}, layer 0 has {ref}")
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_offsets(ptrs: tuple[int, ...], elem_size: int, device: torch.device) -> torch.Tensor:
+    """Each layer's element offset from the lowest-addressed one (cached: the engine's caches
+    stay put, and a per-call host-to-device copy would cost more than small copies take)."""
+    base = min(ptrs)
+    if any((p - base) % elem_size for p in ptrs):
+        raise ValueError("kv_caches are not aligned to their dtype")
+    return torch.tensor([(p - base) // elem_size for p in ptrs], dtype=torch.int64, device=device)
+
+
+def _check_caches(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    """Validate the caches; returns the int64 element offsets of each layer from the lowest one."""
+    if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
+        raise ValueError("kv_caches must be a non-empty list")
+    first = kv_caches[0]
+    _check_layer(0, first, first)
+    layout = _layout(first)
+    for i, cache in enumerate(kv_caches):
+        if not isinstance(cache, torch.Tensor) or _layout(cache) != layout:
+            _check_layer(i, cache, first)
+    check_tensor("block_ids", block_ids, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
+    check_devices(block_ids=block_ids, kv_caches=first)
+    ptrs = tuple(c.data_ptr() for c in kv_caches)
+    return _layer_offsets(ptrs, first.element_size(), first.device)
+
+
+def _launch(kv_caches: list[torch.Tensor], buffer: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor, gather: bool) -> None:  # fmt: skip
+    base = min(kv_caches, key=lambda c: c.data_ptr())
+    n = block_ids.shape[0]
+    block_elems = base[0, 0].numel()
+    chunk = min(CHUNK, next_pow2(block_elems))
+    grid = (len(kv_caches) * 2 * n, triton.cdiv(block_elems, chunk))
+    _block_copy_kernel[grid](
+        base, offsets, buffer, block_ids, n, base.stride(0), base.stride(1), block_elems,
+        GATHER=gather, CHUNK=chunk, num_warps=4,
+    )  # fmt: skip
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`kernels.block_copy.ref_gather_blocks`."""
+    offsets = _check_caches(kv_caches, block_ids)
+    first = kv_caches[0]
+    shape = (len(kv_caches), 2, block_ids.shape[0], *first.shape[2:])
+    buffer = torch.empty(shape, dtype=first.dtype, device=first.device)
+    if buffer.numel() > 0:
+        _launch(kv_caches, buffer, block_ids, offsets, gather=True)
+    return buffer
+
+
+def scatter_blocks(buffer: torch.Tensor, kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> None:  # fmt: skip
+    """Triton version of :func:`kernels.block_copy.ref_scatter_blocks` (ids must be distinct)."""
+    offsets = _check_caches(kv_caches, block_ids)
+    first = kv_caches[0]
+    check_tensor("buffer", buffer, ndim=6, dtypes=FLOAT_DTYPES)
+    expected = (len(kv_caches), 2, block_ids.shape[0], *first.shape[2:])
+    if tuple(buffer.shape) != expected:
+        raise ValueError(f"buffer shape {tuple(buffer.shape)} != expected {expected}")
+    if not buffer.is_contiguous():
+        raise ValueError("buffer must be contiguous")
+    check_devices(buffer=buffer, kv_cache=first)
+    if buffer.numel() > 0:
+        _launch(kv_caches, buffer, block_ids, offsets, gather=False)

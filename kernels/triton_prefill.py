@@ -1,0 +1,200 @@
+"""Variable-length causal prefill attention over a paged KV cache, in Triton.
+
+Flash-attention style: one program owns ``BLOCK_M`` queries of one sequence and one query head,
+walks the keys ``BLOCK_N`` at a time through the block table and keeps an online softmax. Keys
+before the tile's first query position are visible to every row and need no mask; only the
+diagonal stretch is masked.
+
+The grid is sized without a device sync: sequence ``b`` owns the tiles starting at
+``query_start_loc[b] // BLOCK_M + b`` (these ranges never overlap), so ``T // BLOCK_M + B`` tiles
+cover every sequence; each program finds its sequence by counting tile starts <= its id.
+
+Napkin math: 4 * D FLOP per visible (query, key) pair per head; at 1024-token prompts the tiles
+are large enough that the kernel is bound by the tensor cores, not by the K/V reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_heads,
+    check_kv_cache,
+    check_tensor,
+    dot_precision,
+    dot_upcast,
+    max_shared_memory,
+    mma,
+    next_pow2,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_rows(row_ptrs, offs_d, mask, USE_MASK: tl.constexpr):
+    if USE_MASK:
+        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    else:
+        return tl.load(row_ptrs[:, None] + offs_d[None, :])
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, table, k_ptr, v_ptr, n0, q_pos, ctx, kvh,
+    s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, scale_log2e,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOAD_MASK: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    kv_mask = (pos < ctx)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if MASKED:
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=pos < ctx, other=0).to(tl.int64)
+    else:  # every key of the tile is in range
+        blk = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    off = pos % BLOCK_SIZE
+    k_rows = k_ptr + blk * s_kn + off * s_kb + kvh * s_kh
+    k = _load_rows(k_rows, offs_d, kv_mask, LOAD_MASK)
+    s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION) * scale_log2e
+    if MASKED:
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos < ctx)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
+    v = _load_rows(v_rows, offs_d, kv_mask, LOAD_MASK)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale_log2e, num_seqs,
+    s_qt, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ot, s_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_PAD: tl.constexpr, D_PADDED: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    offs_b = tl.arange(0, SEQ_PAD)
+    starts = tl.load(qsl_ptr + offs_b, mask=offs_b < num_seqs, other=0).to(tl.int32)
+    tile_starts = tl.where(offs_b < num_seqs, starts // BLOCK_M + offs_b, 2147483647)
+    b = tl.sum((tile_starts <= tile).to(tl.int32), 0) - 1
+    q_start = tl.load(qsl_ptr + b).to(tl.int32)
+    q_len = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start
+    m0 = (tile - (q_start // BLOCK_M + b)) * BLOCK_M
+    if m0 >= q_len:
+        return
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    prefix = ctx - q_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    io_mask = m_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=io_mask, other=0.0)
+    q_pos = prefix + offs_m
+    table = bt_ptr + b.to(tl.int64) * s_btb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    full_end = (prefix + m0) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
+    hi = tl.minimum(prefix + m0 + BLOCK_M, ctx)
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, table, k_ptr, v_ptr, n0, q_pos, ctx, kvh,
+            s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, scale_log2e,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, D_PADDED, DOT_UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_end, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, table, k_ptr, v_ptr, n0, q_pos, ctx, kvh,
+            s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, scale_log2e,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, DOT_UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + rows[:, None] * s_ot + h * s_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), fastest first (swept on an H100 with
+# kernels.bench_tune); the first whose tiles fit the device's shared memory is used
+TILE_CHOICES = ((64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
+
+
+def default_tiles(d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    """Largest tiles whose pipelined K/V stages plus the Q tile fit in ~85% of shared memory."""
+    budget = 0.85 * max_shared_memory(device)
+    elem = torch.finfo(dtype).bits // 8
+    block_d = max(16, next_pow2(d))
+    for m, n, warps, stages in TILE_CHOICES:
+        if stages * 2 * n * block_d * elem + m * block_d * elem <= budget:
+            return m, n, warps, stages
+    return TILE_CHOICES[-1]
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D], the new tokens of every sequence, concatenated
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D], already holding the new tokens' K/V
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32, prefix sums of query lengths
+    context_lens: torch.Tensor,  # [B] int32, cached prefix + new tokens
+    scale: float,
+    *,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Triton version of :func:`kernels.attention.ref_prefill_attention`.
+
+    ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the defaults (for tuning).
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES)
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
+    t, hq, qd = q.shape
+    group = check_heads(hq, hkv, qd, d)
+    batch = context_lens.shape[0]
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != KV cache dtype {k_cache.dtype}")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
+    if query_start_loc.shape[0] != batch + 1:
+        raise ValueError(
+            f"query_start_loc needs {batch + 1} entries for {batch} sequences, got {query_start_loc.shape[0]}"
+        )
+    device = check_devices(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+        query_start_loc=query_start_loc, context_lens=context_lens,
+    )  # fmt: skip
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=device)
+    if t == 0 or batch == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = tiles or default_tiles(d, q.dtype, device)
+    grid = (triton.cdiv(t, block_m) + batch, hq)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        float(scale) * LOG2E, batch,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_SIZE=bs,
+        BLOCK_M=block_m, BLOCK_N=block_n, SEQ_PAD=max(2, next_pow2(batch)),
+        D_PADDED=next_pow2(d) != d or d < 16,
+        DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,80 @@
+"""The dispatch the engine calls: references on the CPU, Triton on CUDA, no hard triton import."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.attention import ref_paged_decode_attention
+from tests.kernels.paged import assert_matches, paged_kv, rand
+
+REPO = Path(__file__).resolve().parents[2]
+
+WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # any `import triton` now raises ImportError, as on macOS
+import torch
+from kernels import ops
+from kernels.attention import ref_prefill_attention
+from kernels.layers import ref_rms_norm
+
+assert not ops.triton_available()
+x, w = torch.randn(3, 8), torch.randn(8)
+out, res = ops.rms_norm(x, w, 1e-6, x)
+assert torch.equal(out, ref_rms_norm(x, w, 1e-6, x)[0])
+kc, vc = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)
+tables = torch.tensor([[2, 0]], dtype=torch.int32)
+args = (torch.randn(6, 2, 8), kc, vc, tables, torch.tensor([0, 6], dtype=torch.int32),
+        torch.tensor([6], dtype=torch.int32), 0.3)
+assert torch.equal(ops.prefill_attention(*args), ref_prefill_attention(*args))
+print("ok")
+"""
+
+
+def test_cpu_tensors_use_the_references_and_triton_is_optional() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRITON], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+
+
+def test_cpu_dispatch_matches_the_reference_exactly(gen: torch.Generator) -> None:
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables = paged_kv([3, 20], 8, 2, 16, torch.float32, gen, cpu)
+    q = rand((2, 4, 16), torch.float32, gen, cpu)
+    lens = torch.tensor([3, 20], dtype=torch.int32)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
+    assert torch.equal(out, ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25))
+
+
+def test_env_switch_forces_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops.triton_available.cache_clear()
+    monkeypatch.setenv("TANDEM_KERNELS", "ref")
+    try:
+        assert not ops.triton_available()
+    finally:
+        ops.triton_available.cache_clear()
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_go_through_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.triton_attention as ta
+
+    calls = []
+    real = ta.paged_decode_attention
+    monkeypatch.setattr(ta, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
+    k_cache, v_cache, tables = paged_kv([300, 17], 16, 8, 128, torch.bfloat16, gen, cuda)
+    q = rand((2, 32, 128), torch.bfloat16, gen, cuda)
+    lens = torch.tensor([300, 17], dtype=torch.int32, device=cuda)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
+    assert calls == [1]
+    assert_matches(out, ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))

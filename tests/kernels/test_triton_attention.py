@@ -1,0 +1,58 @@
+"""write_kv (Triton) against the reference; the module re-exports decode and prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.triton_attention as ta
+from kernels.attention import ref_write_kv
+from tests.kernels.paged import assert_same_rounding, rand
+
+
+def caches(dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return rand((6, 8, 2, 32), dtype, gen, device), rand((6, 8, 2, 32), dtype, gen, device)
+
+
+@pytest.mark.parametrize(("src", "dst"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_writes_exactly_the_mapped_slots(src: torch.dtype, dst: torch.dtype, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    k_cache, v_cache = caches(dst, gen, device)
+    k, v = rand((6, 2, 32), src, gen, device), rand((6, 2, 32), src, gen, device)
+    # first slot, a slot skipped (-1), last slot of a block, first of the next, the very last slot
+    slots = torch.tensor([0, -1, 7, 8, 47, 20], dtype=torch.int64, device=device)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_write_kv(k, v, ref_k, ref_v, slots)
+    ta.write_kv(k, v, k_cache, v_cache, slots)
+    assert_same_rounding(k_cache, ref_k)
+    assert_same_rounding(v_cache, ref_v)
+
+
+def test_strided_kv_views_from_a_fused_projection(
+    gen: torch.Generator, device: torch.device
+) -> None:
+    k_cache, v_cache = caches(torch.float32, gen, device)
+    qkv = rand((3, 8, 32), torch.float32, gen, device)  # [T, Hq + 2 Hkv, D] with Hq = 4
+    k, v = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.tensor([5, 30, 31], dtype=torch.int32, device=device)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_write_kv(k, v, ref_k, ref_v, slots)
+    ta.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_shape_mismatch_is_a_value_error(gen: torch.Generator, device: torch.device) -> None:
+    k_cache, v_cache = caches(torch.float32, gen, device)
+    k = rand((2, 4, 32), torch.float32, gen, device)  # 4 heads, the cache has 2
+    with pytest.raises(ValueError, match="do not match the cache"):
+        ta.write_kv(k, k, k_cache, v_cache, torch.tensor([0, 1]))
+
+
+def test_slot_mapping_length_is_checked(gen: torch.Generator, device: torch.device) -> None:
+    k_cache, v_cache = caches(torch.float32, gen, device)
+    k = rand((2, 2, 32), torch.float32, gen, device)
+    with pytest.raises(ValueError, match="slot_mapping has 3 entries for 2 tokens"):
+        ta.write_kv(k, k, k_cache, v_cache, torch.tensor([0, 1, 2]))
+
+
+def test_reexports_the_attention_launchers() -> None:
+    assert callable(ta.paged_decode_attention) and callable(ta.prefill_attention)

@@ -1,0 +1,79 @@
+"""Block gather/scatter (Triton) against the references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
+from kernels.triton_block_copy import gather_blocks, scatter_blocks
+from tests.kernels.paged import assert_same_rounding, rand
+
+SHAPE = (2, 12, 4, 2, 16)  # [K/V, blocks, block_size, Hkv, D]
+
+
+def separate_layers(n: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> list[torch.Tensor]:  # fmt: skip
+    return [rand(SHAPE, dtype, gen, device) for _ in range(n)]
+
+
+def views_of_one_pool(n: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> list[torch.Tensor]:  # fmt: skip
+    return list(rand((n, *SHAPE), dtype, gen, device).unbind(0))
+
+
+@pytest.mark.parametrize("make", [separate_layers, views_of_one_pool])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_then_scatter_round_trip(make, dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    src = make(3, dtype, gen, device)
+    ids = torch.tensor([7, 0, 11, 3], device=device)
+    buf = gather_blocks(src, ids)
+    assert torch.equal(buf, ref_gather_blocks(src, ids))
+
+    dst = make(3, dtype, gen, device)
+    ref_dst = [c.clone() for c in dst]
+    dst_ids = torch.tensor([1, 2, 10, 5], dtype=torch.int32, device=device)
+    scatter_blocks(buf, dst, dst_ids)
+    ref_scatter_blocks(buf, ref_dst, dst_ids)
+    assert all(torch.equal(a, b) for a, b in zip(dst, ref_dst, strict=True))  # other blocks intact
+
+
+def test_scatter_converts_dtype(gen: torch.Generator, device: torch.device) -> None:
+    dst = separate_layers(2, torch.bfloat16, gen, device)
+    ref_dst = [c.clone() for c in dst]
+    ids = torch.tensor([4, 9], device=device)
+    buf = rand((2, 2, 2, *SHAPE[2:]), torch.float32, gen, device)
+    scatter_blocks(buf, dst, ids)
+    ref_scatter_blocks(buf, ref_dst, ids)
+    for a, b in zip(dst, ref_dst, strict=True):
+        assert_same_rounding(a, b)
+
+
+def test_no_blocks(gen: torch.Generator, device: torch.device) -> None:
+    caches = separate_layers(2, torch.float32, gen, device)
+    buf = gather_blocks(caches, torch.tensor([], dtype=torch.int64, device=device))
+    assert buf.shape == (2, 2, 0, *SHAPE[2:])
+    scatter_blocks(buf, caches, torch.tensor([], dtype=torch.int64, device=device))
+
+
+def test_errors(gen: torch.Generator, device: torch.device) -> None:
+    caches = separate_layers(2, torch.float32, gen, device)
+    ids = torch.tensor([1, 2], device=device)
+    with pytest.raises(ValueError, match="dtype"):
+        gather_blocks([caches[0], caches[1].bfloat16()], ids)
+    with pytest.raises(ValueError, match=r"must be \[2, blocks"):
+        gather_blocks([c[:1] for c in caches], ids)
+    with pytest.raises(ValueError, match="buffer shape"):
+        scatter_blocks(rand((2, 2, 3, *SHAPE[2:]), torch.float32, gen, device), caches, ids)
+    with pytest.raises(ValueError, match="non-empty list"):
+        gather_blocks([], ids)
+
+
+@pytest.mark.gpu
+def test_gpu_llama_layers() -> None:
+    gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
+    caches = [rand((2, 256, 16, 8, 128), torch.bfloat16, gen, cuda) for _ in range(32)]
+    ids = torch.randperm(256, device=cuda)[:64]
+    buf = gather_blocks(caches, ids)
+    assert torch.equal(buf, ref_gather_blocks(caches, ids))
+    dst = [torch.zeros_like(c) for c in caches]
+    scatter_blocks(buf, dst, ids)
+    assert torch.equal(ref_gather_blocks(dst, ids), buf)

@@ -1,0 +1,132 @@
+"""Variable-length causal prefill attention over a paged cache (Triton) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import triton_prefill
+from kernels.attention import ref_prefill_attention
+from kernels.triton_prefill import prefill_attention
+from tests.kernels.paged import assert_matches, paged_kv, rand
+
+SMALL_TILES = (16, 16, 4, 1)  # several query tiles and unmasked key tiles even at tiny lengths
+
+
+def run_case(
+    ctx_lens: list[int],
+    q_lens: list[int],
+    group: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    device: torch.device,
+    *,
+    block_size: int = 16,
+    head_dim: int = 32,
+    kv_heads: int = 2,
+    tiles: tuple[int, int, int, int] | None = SMALL_TILES,
+) -> None:
+    k_cache, v_cache, tables = paged_kv(
+        ctx_lens, block_size, kv_heads, head_dim, dtype, gen, device
+    )
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = rand((int(starts[-1]), kv_heads * group, head_dim), dtype, gen, device)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    out = prefill_attention(
+        q, k_cache, v_cache, tables, starts.to(device), lens, scale, tiles=tiles
+    )
+    ref = ref_prefill_attention(q, k_cache, v_cache, tables, starts.to(device), lens, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_pure_prefill_of_different_lengths(
+    dtype: torch.dtype, group: int, gen: torch.Generator, device: torch.device, poison_empty: None
+) -> None:  # fmt: skip
+    lens = [1, 16, 17, 40]  # one token, exactly one block, one past it, several tiles
+    run_case(lens, lens, group, dtype, gen, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefix_short_chunk(dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    run_case([100], [5], 4, dtype, gen, device)
+
+
+def test_chunks_after_prefixes_mixed_with_decode_tokens(
+    gen: torch.Generator, device: torch.device, poison_empty: None
+) -> None:  # fmt: skip
+    # chunk ending on a block boundary, a decode-like single token, a chunk crossing blocks
+    run_case([32, 57, 90, 20], [16, 1, 37, 20], 4, torch.float32, gen, device, block_size=8)
+
+
+def test_sequence_with_no_new_tokens_is_skipped(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    run_case([12, 30, 9], [12, 0, 3], 1, torch.float32, gen, device)
+
+
+@pytest.mark.parametrize(("block_size", "head_dim"), [(8, 16), (32, 64)])
+def test_default_tiles(block_size: int, head_dim: int, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    run_case([70, 9], [70, 4], 2, torch.float32, gen, device, block_size=block_size, head_dim=head_dim, tiles=None)  # fmt: skip
+
+
+def test_non_power_of_two_head_dim(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    run_case([25, 40], [25, 7], 2, torch.float32, gen, device, head_dim=24)
+
+
+class TestErrors:
+    def inputs(self, device: torch.device, gen: torch.Generator) -> dict:
+        k_cache, v_cache, tables = paged_kv([5, 9], 8, 2, 16, torch.float32, gen, device)
+        return {
+            "q": rand((7, 4, 16), torch.float32, gen, device),
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "block_tables": tables,
+            "query_start_loc": torch.tensor([0, 5, 7], dtype=torch.int32, device=device),
+            "context_lens": torch.tensor([5, 9], dtype=torch.int32, device=device),
+            "scale": 0.25,
+        }
+
+    def test_query_start_loc_length(self, device: torch.device, gen: torch.Generator) -> None:
+        args = self.inputs(device, gen)
+        args["query_start_loc"] = torch.tensor([0, 7], dtype=torch.int32)
+        with pytest.raises(ValueError, match="query_start_loc needs 3 entries"):
+            prefill_attention(**args)
+
+    def test_float_index_tensor(self, device: torch.device, gen: torch.Generator) -> None:
+        args = self.inputs(device, gen)
+        args["block_tables"] = args["block_tables"].float()
+        with pytest.raises(ValueError, match="block_tables has dtype"):
+            prefill_attention(**args)
+
+    def test_cache_shapes_differ(self, device: torch.device, gen: torch.Generator) -> None:
+        args = self.inputs(device, gen)
+        args["v_cache"] = args["v_cache"][:, :4]
+        with pytest.raises(ValueError, match="differ in shape"):
+            prefill_attention(**args)
+
+    def test_head_counts_not_divisible(self, device: torch.device, gen: torch.Generator) -> None:
+        args = self.inputs(device, gen)
+        args["q"] = rand((7, 5, 16), torch.float32, gen, device)
+        with pytest.raises(ValueError, match="multiple of KV heads"):
+            prefill_attention(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("ctx_lens", "q_lens"), [([1024, 1000, 3], [1024, 1000, 3]), ([4096 + 512], [512])])  # fmt: skip
+def test_gpu_llama_shapes(ctx_lens: list[int], q_lens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    run_case(ctx_lens, q_lens, 4, torch.bfloat16, gen, torch.device("cuda"), head_dim=128, kv_heads=8, tiles=None)  # fmt: skip
+
+
+@pytest.mark.parametrize("smem_kib", [99, 163, 227])  # Ada, A100, H100
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_tiles_fit_shared_memory(smem_kib: int, dtype: torch.dtype, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr(triton_prefill, "max_shared_memory", lambda device: smem_kib * 1024)
+    m, n, _, stages = triton_prefill.default_tiles(head_dim, dtype, torch.device("cpu"))
+    elem = torch.finfo(dtype).bits // 8
+    assert (stages * 2 * n + m) * head_dim * elem <= smem_kib * 1024
+    if smem_kib == 227 and dtype == torch.bfloat16 and head_dim == 128:
+        assert (m, n, stages) == (64, 64, 3)  # the tuned H100 choice
