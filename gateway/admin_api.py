@@ -94,7 +94,7 @@ async def detokenize(request: Request) -> Response:
         raise invalid("tokens (a list of token ids) is required", "tokens")
     ids = f.int_list("tokens", max_items=1 << 20)
     _, vocab = state.registry.limits()
-    check_vocab(ids, vocab or state.tokenizer.vocab_size)
+    check_vocab(ids, vocab or state.tokenizer.vocab_size, "tokens")
     return JSONResponse({"prompt": state.tokenizer.decode(ids)})
 
 

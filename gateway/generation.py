@@ -39,6 +39,10 @@ class Choice:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
+    def __post_init__(self) -> None:
+        # counted once per prompt, as usage counts them
+        self.stats.num_prompt_tokens = len(self.item.prompt_ids) if self.counts_prompt else 0
+
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)

@@ -20,13 +20,13 @@ class PromptIds:
     text: str  # what echo shows
 
 
-def check_vocab(ids: Sequence[int], vocab_size: int) -> None:
+def check_vocab(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
     for pos, token in enumerate(ids):
         if not 0 <= token < vocab_size:
             raise invalid(
-                f"token id {token} at prompt position {pos} is outside the vocabulary "
+                f"token id {token} at {param} position {pos} is outside the vocabulary "
                 f"(valid ids are 0..{vocab_size - 1})",
-                "prompt",
+                param,
                 code="token_out_of_vocabulary",
             )
 

@@ -143,9 +143,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     )
 
 
-def _content(message: dict[str, Any], index: int) -> str | None:
+def _content(message: dict[str, Any], index: int) -> str:
     content = message.get("content")
-    if content is None or isinstance(content, str):
+    if content is None:  # an assistant turn with tool calls only; templates expect a string
+        return ""
+    if isinstance(content, str):
         return content
     param = f"messages[{index}].content"
     if not isinstance(content, list):

@@ -23,7 +23,6 @@ class RequestStats:
         """Records a chunk; returns the gap since the previous token chunk (an ITL sample)."""
         now = time.monotonic() if now is None else now
         self.timing.merge(chunk.timing)
-        self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         gap = None
         if chunk.token_ids:

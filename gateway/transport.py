@@ -70,7 +70,9 @@ async def read_json(request: Request, limit: int) -> Any:
             f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
             code="bad_json",
         ) from e
-    except (ValueError, RecursionError) as e:
+    except RecursionError as e:
+        raise invalid("the request body is nested too deeply", code="bad_json") from e
+    except ValueError as e:
         raise invalid(f"the request body is not valid JSON: {e}", code="bad_json") from e
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -30,10 +31,8 @@ def tokenizer_dir() -> str:
         os.makedirs(os.path.dirname(CACHE), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(CACHE))
         subprocess.run([sys.executable, "-c", _EXPORT, tmp], check=True, timeout=300)
-        try:
+        with contextlib.suppress(OSError):  # another run may have won the race
             os.replace(tmp, CACHE)
-        except OSError:  # another run won the race
-            pass
     return CACHE
 
 

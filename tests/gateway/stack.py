@@ -87,11 +87,11 @@ class Stack:
 
     def reset(self) -> None:
         """Default behaviour, empty records, every worker polled healthy again."""
+        self.run(self.state.registry.settle())  # aborts of the last test land before the reset
         for w in self.workers:
             w.reset()
         self.exporter.clear()
         self.run(self.state.registry.poll_all())
-        self.run(self.state.registry.settle())
 
     def drain(self) -> None:
         """What SIGTERM does."""

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -84,7 +85,7 @@ def test_unknown_route_and_wrong_method_are_openai_errors(colocated: Stack) -> N
 def test_version_openapi_and_workers(colocated: Stack) -> None:
     url = colocated.base_url
     assert httpx.get(f"{url}/version").json()["version"]
-    assert httpx.get(f"{url}/openapi.json").json() == json.load(open(SPEC_PATH))
+    assert httpx.get(f"{url}/openapi.json").json() == json.loads(Path(SPEC_PATH).read_text())
     workers = httpx.get(f"{url}/workers").json()["workers"]
     assert [(w["role"], w["healthy"]) for w in workers] == [("both", True)]
     assert workers[0]["load"]["max_model_len"] == 2048

@@ -168,3 +168,11 @@ def test_timing_header(disagg: Stack) -> None:
     assert set(parts) == {"queue", "prefill", "transfer", "ttft", "decode", "e2e"}
     assert float(parts["transfer"]) == pytest.approx(0.004)
     assert 0 < float(parts["ttft"]) <= float(parts["e2e"])
+
+
+def test_streaming_echo_sends_the_prompt_first(colocated: Stack) -> None:
+    stream = client(colocated).completions.create(
+        model="embedded", prompt="Hello world", max_tokens=2, echo=True, stream=True
+    )
+    texts = [c.choices[0].text for c in stream]
+    assert texts == ["Hello world", "Hello", " world"]

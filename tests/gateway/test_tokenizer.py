@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,7 +87,7 @@ def test_override_template_replaces_the_models(tokenizer_dir: str, tmp_path) -> 
 
 def test_template_from_tokenizer_config_when_no_jinja_file(tokenizer_dir: str, tmp_path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes(open(f"{tokenizer_dir}/{name}", "rb").read())
+        (tmp_path / name).write_bytes(Path(tokenizer_dir, name).read_bytes())
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["chat_template"] = [{"name": "default", "template": "<{{ messages[0].content }}>"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
@@ -94,7 +95,7 @@ def test_template_from_tokenizer_config_when_no_jinja_file(tokenizer_dir: str, t
 
 
 def test_missing_template_is_a_clear_error(tokenizer_dir: str, tmp_path) -> None:
-    (tmp_path / "tokenizer.json").write_bytes(open(f"{tokenizer_dir}/tokenizer.json", "rb").read())
+    (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_dir, "tokenizer.json").read_bytes())
     tok = GatewayTokenizer(str(tmp_path))
     assert not tok.has_chat_template
     with pytest.raises(ChatTemplateError, match="--chat-template"):
@@ -104,5 +105,5 @@ def test_missing_template_is_a_clear_error(tokenizer_dir: str, tmp_path) -> None
 def test_resolve_tokenizer_dir(tokenizer_dir: str, tmp_path) -> None:
     assert resolve_tokenizer_dir("whatever", tokenizer_dir) == tokenizer_dir
     assert resolve_tokenizer_dir(tokenizer_dir, None) == tokenizer_dir
-    with pytest.raises(ConfigError, match="no tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
         GatewayTokenizer(str(tmp_path))

@@ -1,0 +1,55 @@
+"""Gateway configuration: flags, worker files, validation with messages that name the knob."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.config import GatewayConfig, WorkerSpec, config_from_args, load_worker_file
+from services.cli import build_parser
+from services.config import ConfigError
+
+
+def test_flags_build_the_config(tmp_path) -> None:
+    workers = tmp_path / "workers.yaml"
+    workers.write_text(
+        "decode: ['10.0.0.2:7000']\nworkers:\n  - {role: both, address: '10.0.0.3:7000'}\n"
+    )
+    args = build_parser().parse_args([
+        "gateway", "--prefill", "10.0.0.1:7000", "--decode", "10.0.0.2:7000", "--config", str(workers),
+        "--api-key", "k", "--slo-ttft-ms", "200", "--served-model-name", "smol",
+    ])  # fmt: skip
+    config = config_from_args(args, "/tok")
+    assert config.workers == (
+        WorkerSpec("prefill", "10.0.0.1:7000"),
+        WorkerSpec("decode", "10.0.0.2:7000"),  # listed twice, kept once
+        WorkerSpec("both", "10.0.0.3:7000"),
+    )
+    assert (config.api_key, config.slo_ttft_ms, config.model_name) == ("k", 200.0, "smol")
+
+
+def test_json_worker_file(tmp_path) -> None:
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"prefill": ["h:1"], "worker": ["h:2"]}))
+    assert load_worker_file(str(path)) == [WorkerSpec("prefill", "h:1"), WorkerSpec("both", "h:2")]
+
+
+@pytest.mark.parametrize(
+    "role, address, words",
+    [
+        ("gpu", "h:1", "worker role must be one of"),
+        ("both", "nohost", "HOST:PORT"),
+        ("both", "h:x", "HOST:PORT"),
+    ],
+)
+def test_bad_worker_specs(role: str, address: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        WorkerSpec(role, address)
+
+
+def test_bad_values_name_the_flag() -> None:
+    with pytest.raises(ConfigError, match="--request-timeout"):
+        GatewayConfig(tokenizer="/t", request_timeout_s=0)
+    with pytest.raises(ConfigError, match="--slo-ttft-ms"):
+        GatewayConfig(tokenizer="/t", slo_ttft_ms=-1)

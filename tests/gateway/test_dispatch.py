@@ -1,0 +1,184 @@
+"""Request flows through failing, slow and departing parties: retries, aborts, error frames."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import httpx
+import pytest
+
+from gateway.config import WorkerSpec
+from gateway.router import prefix_key, rank_by_affinity
+from tests.gateway.stack import Stack, dead_address
+
+pytestmark = pytest.mark.timeout(60)
+PROMPT = "Hello world, this is a test of the gateway"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def sse_lines(response: httpx.Response) -> Iterator[str]:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+def chosen_prefill(stack: Stack, prompt: str):
+    ids = stack.state.tokenizer.encode(prompt)
+    workers = stack.state.registry.healthy("prefill")
+    address = rank_by_affinity(workers, prefix_key(ids, 16, 4))[0].address
+    return next(w for w in stack.role("prefill") if w.address == address)
+
+
+def test_retry_on_another_prefill_worker_before_the_first_token(disagg: Stack) -> None:
+    first = chosen_prefill(disagg, PROMPT)
+    first.behavior.fail_before_first = 1
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hello world,"
+    other = next(w for w in disagg.role("prefill") if w is not first)
+    assert len(first.records.requests) == 1 and other.records.requests[0].endswith("-retry1")
+    decode = disagg.role("decode")[0]
+    # the first attempt's reservation is freed
+    assert wait_for(lambda: first.records.requests[0] in decode.records.aborts)
+    assert wait_for(lambda: not decode.records.reservations)
+    workers = {w["address"]: w for w in httpx.get(f"{disagg.base_url}/workers").json()["workers"]}
+    assert workers[first.address]["healthy"] is False  # UNAVAILABLE marks it at once
+
+
+def test_error_frame_then_done_when_decode_dies_mid_stream(disagg: Stack) -> None:
+    decode = disagg.role("decode")[0]
+    decode.behavior.fail_after_tokens = 3
+    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{disagg.base_url}/v1/completions", json=body) as r:
+        frames = list(sse_lines(r))
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert error["code"] == "worker_unavailable" and "Decode" in error["message"]
+    texts = [json.loads(f)["choices"][0]["text"] for f in frames[:-2]]
+    assert "".join(texts) == "Hello world,"  # 1 token from prefill, 2 from decode
+    assert wait_for(lambda: len(decode.records.aborts) == 1)
+
+
+def test_non_streaming_failure_after_tokens_is_a_5xx(disagg: Stack) -> None:
+    disagg.role("decode")[0].behavior.fail_after_tokens = 2
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+
+
+def test_transfer_failure_aborts_both_sides(disagg: Stack) -> None:
+    prefill = chosen_prefill(disagg, PROMPT)
+    prefill.behavior.fail_transfer = True
+    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{disagg.base_url}/v1/completions", json=body) as r:
+        frames = list(sse_lines(r))
+    assert json.loads(frames[0])["choices"][0]["text"] == "Hello"  # the first token got out
+    assert "error" in json.loads(frames[-2]) and frames[-1] == "[DONE]"
+    decode = disagg.role("decode")[0]
+    assert wait_for(lambda: len(decode.records.aborts) == 1 and len(prefill.records.aborts) == 1)
+    assert decode.records.decode_calls == []
+
+
+def test_first_token_finishing_skips_decode_and_frees_the_reservation(disagg: Stack) -> None:
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+    assert r.json()["choices"][0] == {
+        "index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"
+    }  # fmt: skip
+    decode = disagg.role("decode")[0]
+    assert wait_for(lambda: len(decode.records.aborts) == 1 and not decode.records.reservations)
+    assert decode.records.decode_calls == []
+
+
+@pytest.mark.parametrize("topology", ["disagg", "colocated"])
+def test_client_disconnect_mid_stream_aborts_the_workers(topology: str, request) -> None:
+    stack: Stack = request.getfixturevalue(topology)
+    generator = stack.role("decode" if topology == "disagg" else "both")[0]
+    generator.behavior.token_delay_s = 0.05
+    body = {"prompt": PROMPT, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body) as r:
+        lines = sse_lines(r)
+        for _ in range(3):
+            next(lines)
+    assert wait_for(lambda: len(generator.records.aborts) == 1)
+    rid = generator.records.aborts[0]
+    assert rid.startswith("cmpl-")
+    assert wait_for(lambda: not stack.state.active and generator.records.reservations == {})
+
+
+def test_client_timeout_on_a_non_streaming_request_aborts_the_workers(colocated: Stack) -> None:
+    worker = colocated.workers[0]
+    worker.behavior.token_delay_s = 0.05
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{colocated.base_url}/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 200},
+            timeout=0.3,
+        )
+    assert wait_for(lambda: len(worker.records.aborts) == 1)
+
+
+def test_reserve_without_capacity_is_a_503(disagg: Stack) -> None:
+    disagg.role("decode")[0].behavior.reserve_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity"
+    assert all(not w.records.requests for w in disagg.role("prefill"))
+
+
+def test_worker_invalid_argument_is_a_400(colocated: Stack) -> None:
+    colocated.workers[0].behavior.invalid_argument = True
+    r = httpx.post(f"{colocated.base_url}/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "fake worker: bad request"
+
+
+def test_worker_error_chunk_is_a_502(colocated: Stack) -> None:
+    colocated.workers[0].behavior.error_chunk = True
+    r = httpx.post(f"{colocated.base_url}/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 502 and "fake OOM" in r.json()["error"]["message"]
+
+
+def test_not_serving_worker_gives_503_until_it_recovers(colocated: Stack) -> None:
+    worker = colocated.workers[0]
+    worker.behavior.serving = False
+    colocated.run(colocated.state.registry.poll_all())
+    r = httpx.post(f"{colocated.base_url}/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 503 and "0 of 1 colocated" in r.json()["error"]["message"]
+    assert httpx.get(f"{colocated.base_url}/health").status_code == 503
+    worker.behavior.serving = True
+    assert wait_for(lambda: httpx.get(f"{colocated.base_url}/health").status_code == 200)
+
+
+@pytest.mark.parametrize("live, dead", [([], []), ([], ["both"]), (["prefill"], ["decode"])])
+def test_503_without_any_healthy_worker(
+    tokenizer_dir: str, live: list[str], dead: list[str]
+) -> None:
+    stack = Stack(tokenizer_dir, live, [WorkerSpec(role, dead_address()) for role in dead])
+    stack.start()
+    try:
+        r = httpx.post(f"{stack.base_url}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert r.status_code == 503
+        assert r.json()["error"]["message"].startswith("no healthy worker can serve requests")
+        assert httpx.get(f"{stack.base_url}/health").status_code == 503
+    finally:
+        stack.stop()
+
+
+def test_deadline_is_a_504(tokenizer_dir: str) -> None:
+    stack = Stack(tokenizer_dir, ["both"], request_timeout_s=0.3).start()
+    try:
+        stack.workers[0].behavior.token_delay_s = 0.1
+        r = httpx.post(
+            f"{stack.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 50}
+        )
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    finally:
+        stack.stop()

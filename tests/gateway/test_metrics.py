@@ -1,0 +1,125 @@
+"""/metrics: vLLM-style names and buckets, counts that move, goodput against the SLO."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import LATENCY_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from tests.gateway.stack import Stack
+
+pytestmark = pytest.mark.timeout(60)
+PROMPT = "Hello world, this is a test of the gateway"
+
+
+def scrape(stack: Stack) -> dict[tuple[str, frozenset], float]:
+    text = httpx.get(f"{stack.base_url}/metrics").text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    labels = {"model_name": "embedded", **labels}
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def buckets(samples: dict, name: str) -> list[float]:
+    les = [float(dict(k[1])["le"]) for k in samples if k[0] == f"{name}_bucket"]
+    return sorted(le for le in les if le != float("inf"))
+
+
+def test_names_and_buckets_match_vllm(disagg: Stack) -> None:
+    httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    samples = scrape(disagg)
+    assert buckets(samples, "tandem:time_to_first_token_seconds") == list(TTFT_BUCKETS)
+    assert TTFT_BUCKETS[:3] == (0.001, 0.005, 0.01) and TTFT_BUCKETS[-1] == 2560.0
+    for name in ("inter_token_latency", "request_time_per_output_token"):
+        assert buckets(samples, f"tandem:{name}_seconds") == list(TPOT_BUCKETS)
+    for name in (
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+    ):
+        assert buckets(samples, f"tandem:{name}_seconds") == list(LATENCY_BUCKETS)
+    assert LATENCY_BUCKETS[0] == 0.3 and LATENCY_BUCKETS[-1] == 7680.0
+
+
+def test_counts_move_and_ttft_is_within_e2e(disagg: Stack) -> None:
+    before = scrape(disagg)
+    for max_tokens in (3, 5):
+        httpx.post(
+            f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens}
+        )
+    httpx.post(f"{disagg.base_url}/v1/chat/completions",
+               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50})  # fmt: skip
+    after = scrape(disagg)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("tandem:request_success_total", finished_reason="length") == 2
+    assert delta("tandem:request_success_total", finished_reason="stop") == 1  # EOS
+    assert delta("tandem:prompt_tokens_total") == 10 + 10 + 31
+    assert delta("tandem:generation_tokens_total") == 3 + 5 + 20
+    assert delta("tandem:time_to_first_token_seconds_count") == 3
+    assert delta("tandem:e2e_request_latency_seconds_count") == 3
+    assert (
+        0
+        < delta("tandem:time_to_first_token_seconds_sum")
+        <= delta("tandem:e2e_request_latency_seconds_sum")
+    )
+    assert delta("tandem:inter_token_latency_seconds_count") == 2 + 4 + 19
+    assert delta("tandem:request_prefill_time_seconds_sum") == pytest.approx(3 * 0.002)
+
+
+def test_worker_metrics_come_from_get_load(disagg: Stack) -> None:
+    samples = scrape(disagg)
+    decode = disagg.role("decode")[0]
+    labels = {"role": "decode", "worker": decode.address}
+    assert value(samples, "tandem:kv_transfer_bytes_total", **labels) == 1234
+    assert value(samples, "tandem:worker_healthy", **labels) == 1
+    assert value(samples, "tandem:kv_cache_usage_perc", **labels) == 0.0
+    for name in ("num_requests_running", "num_requests_waiting"):
+        assert (
+            f"tandem:{name}",
+            frozenset({"model_name": "embedded", **labels}.items()),
+        ) in samples
+
+
+def test_errors_are_counted_by_status(colocated: Stack) -> None:
+    before = value(scrape(colocated), "tandem:request_errors_total", status="400")
+    httpx.post(f"{colocated.base_url}/v1/completions", json={"prompt": ""})
+    assert value(scrape(colocated), "tandem:request_errors_total", status="400") == before + 1
+
+
+@pytest.fixture(scope="module")
+def slo_stack(tokenizer_dir: str) -> Iterator[Stack]:
+    stack = Stack(tokenizer_dir, ["both"], slo_ttft_ms=150.0, slo_tpot_ms=30.0).start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_goodput_counts_only_requests_within_the_slo(slo_stack: Stack) -> None:
+    worker = slo_stack.workers[0]
+
+    def run(first_delay: float, token_delay: float) -> float:
+        worker.behavior.first_delay_s, worker.behavior.token_delay_s = first_delay, token_delay
+        before = value(scrape(slo_stack), "tandem:request_goodput_total")
+        r = httpx.post(
+            f"{slo_stack.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}
+        )
+        assert r.status_code == 200
+        return value(scrape(slo_stack), "tandem:request_goodput_total") - before
+
+    assert run(0.0, 0.0) == 1  # fast
+    assert run(0.0, 0.06) == 0  # TPOT 60 ms > 30 ms
+    assert run(0.25, 0.0) == 0  # TTFT 250 ms > 150 ms

@@ -1,0 +1,148 @@
+"""Bad input never gets a 5xx or 422: each case is a 400 whose message says what to fix."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.errors import APIError
+from gateway.protocol import parse_chat, parse_completion
+from tests.gateway.stack import Stack
+
+pytestmark = pytest.mark.timeout(60)
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+# (endpoint, body: dict -> JSON, bytes -> raw, headers, words the message must contain)
+CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
+    (CMPL, {"prompt": ""}, {}, "prompt must not be empty"),
+    (CMPL, {"prompt": []}, {}, "prompt must be a non-empty"),
+    (CMPL, {"prompt": [[]]}, {}, "prompt must not be empty"),
+    (CMPL, {}, {}, "prompt is required"),
+    (CMPL, {"prompt": [1, "a"]}, {}, "prompt"),
+    (CMPL, {"prompt": [49152]}, {}, "token id 49152 at prompt position 0 is outside the vocabulary"),
+    (CMPL, {"prompt": [-1]}, {}, "prompt must be between 0"),
+    (CMPL, {"prompt": "hi", "max_tokens": -5}, {}, "max_tokens must be between 1"),
+    (CMPL, {"prompt": "hi", "max_tokens": 0}, {}, "max_tokens must be between 1"),
+    (CMPL, {"prompt": "hi", "max_tokens": 10**30}, {}, "max_tokens must be between"),
+    (CMPL, {"prompt": "hi", "max_tokens": 5000}, {}, "maximum context length is 2048 tokens. However, you requested 5001 tokens (1 in the messages, 5000 in the completion)"),
+    (CMPL, {"prompt": "hi " * 2100}, {}, "maximum context length is 2048 tokens"),
+    (CMPL, {"prompt": "hi", "max_tokens": "5"}, {}, "max_tokens must be an integer, got a string"),
+    (CMPL, {"prompt": "hi", "max_tokens": 5.5}, {}, "max_tokens must be an integer"),
+    (CMPL, {"prompt": "hi", "n": 0}, {}, "n must be between 1"),
+    (CMPL, {"prompt": "hi", "n": 1000}, {}, "n must be between 1 and 128"),
+    (CMPL, {"prompt": ["hi"] * 200, "n": 2}, {}, "n x number of prompts must be at most 256"),
+    (CMPL, {"prompt": "hi", "temperature": -0.1}, {}, "temperature must be between 0"),
+    (CMPL, {"prompt": "hi", "top_p": 0}, {}, "top_p must be in (0, 1]"),
+    (CMPL, {"prompt": "hi", "top_p": 1.5}, {}, "top_p must be in (0, 1]"),
+    (CMPL, {"prompt": "hi", "top_k": -2}, {}, "top_k must be between -1"),
+    (CMPL, {"prompt": "hi", "presence_penalty": 3}, {}, "presence_penalty must be in [-2, 2]"),
+    (CMPL, {"prompt": "hi", "repetition_penalty": 0}, {}, "repetition_penalty must be in (0, 2]"),
+    (CMPL, {"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, {}, "min_tokens (20) must not exceed max_tokens (10)"),
+    (CMPL, {"prompt": "hi", "stop": [""]}, {}, "stop strings must not be empty"),
+    (CMPL, {"prompt": "hi", "stop": 5}, {}, "stop must be a string or a list of strings"),
+    (CMPL, {"prompt": "hi", "stop": ["x"] * 17}, {}, "stop may hold at most 16"),
+    (CMPL, {"prompt": "hi", "logprobs": 21}, {}, "logprobs must be between 0 and 20"),
+    (CMPL, {"prompt": "hi", "seed": "x"}, {}, "seed must be an integer"),
+    (CMPL, {"prompt": "hi", "stream": "yes"}, {}, "stream must be true or false"),
+    (CMPL, {"prompt": "hi", "stream_options": []}, {}, "stream_options must be an object"),
+    (CMPL, {"prompt": "hi", "temperature": True}, {}, "temperature must be a number, got a boolean"),
+    (CMPL, b"{not json", {}, "not valid JSON"),
+    (CMPL, b'{"prompt": "hi", "temperature": NaN}', {}, "NaN is not valid JSON"),
+    (CMPL, b"[1, 2]", {}, "must be a JSON object, got a list"),
+    (CMPL, b"", {}, "the request body is empty"),
+    (CMPL, b'{"prompt": "\xff\xfe"}', {}, "not valid UTF-8"),
+    (CMPL, b'{"prompt": "hi"}', {"content-type": "text/plain"}, "Content-Type must be application/json"),
+    (CMPL, b"[" * (5 << 20), {}, "larger than the limit of 4194304 bytes"),
+    (CMPL, b"[" * 100_000 + b"]" * 100_000, {}, "nested too deeply"),
+    (CHAT, {"messages": []}, {}, "messages must be a non-empty list"),
+    (CHAT, {"messages": "hi"}, {}, "messages must be a non-empty list"),
+    (CHAT, {"messages": [{"content": "hi"}]}, {}, "messages[0].role must be a non-empty string"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, {}, "messages[0].content must be a string"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, "only text parts"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 3000}, {}, "(31 in the messages, 3000 in the completion)"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi " * 2100}]}, {}, "However, your request has"),
+    (CHAT, {"messages": MSGS, "top_logprobs": 3}, {}, "top_logprobs needs logprobs set to true"),
+    (CHAT, {"messages": MSGS, "chat_template_kwargs": 3}, {}, "chat_template_kwargs must be an object"),
+]  # fmt: skip
+
+
+def _post(url: str, body: Any, headers: dict[str, str]) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(
+            url, content=body, headers={"content-type": "application/json", **headers}
+        )
+    return httpx.post(url, json=body, headers=headers)
+
+
+def test_malformed_input_corpus(colocated: Stack) -> None:
+    """Every case answers 400 with an OpenAI error whose message names the fix."""
+    for path, body, headers, words in CORPUS:
+        r = _post(colocated.base_url + path, body, headers)
+        case = f"{path} {str(body)[:80]}"
+        assert r.status_code == 400, (case, r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, case
+        assert error["type"] == "invalid_request_error", case
+        assert words in error["message"], (case, error["message"])
+    assert colocated.workers[0].records.requests == []  # nothing bad reached a worker
+
+
+def test_body_limit_is_configurable(tokenizer_dir: str) -> None:
+    stack = Stack(tokenizer_dir, ["both"], max_body_bytes=100).start()
+    try:
+        r = httpx.post(f"{stack.base_url}{CMPL}", json={"prompt": "x" * 200})
+        assert r.status_code == 400 and "limit of 100 bytes" in r.json()["error"]["message"]
+        chunked = httpx.post(
+            f"{stack.base_url}{CMPL}", content=iter([b'{"prompt": "', b"x" * 200, b'"}'])
+        )
+        assert chunked.status_code == 400 and "larger than" in chunked.json()["error"]["message"]
+    finally:
+        stack.stop()
+
+
+def test_params_of_errors_name_the_field(colocated: Stack) -> None:
+    r = httpx.post(f"{colocated.base_url}{CMPL}", json={"prompt": "hi", "temperature": -1})
+    assert r.json()["error"]["param"] == "temperature"
+    r = httpx.post(f"{colocated.base_url}{CMPL}", json={"prompt": "hi", "max_tokens": 4000})
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_parse_completion_defaults_and_nulls() -> None:
+    req = parse_completion({"prompt": "hi", "temperature": None, "stop": "x", "extra": [1]})
+    assert req.prompts == ("hi",) and req.common.max_tokens is None
+    assert req.common.sampling.temperature == 1.0 and req.common.sampling.stop == ("x",)
+    assert req.common.n == 1 and not req.common.stream and req.common.add_special_tokens
+    ids = parse_completion({"prompt": [[1, 2], [3]], "echo": True, "logprobs": 0})
+    assert ids.prompts == ((1, 2), (3,)) and ids.echo and ids.logprobs == 0
+
+
+def test_parse_chat_options() -> None:
+    req = parse_chat({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 7, "max_tokens": 9, "logprobs": True, "top_logprobs": 2,
+        "chat_template_kwargs": {"enable_thinking": False, "messages": "ignored"},
+        "stream_options": {"include_usage": True},
+    })  # fmt: skip
+    assert req.messages[0]["content"] == "a\nb"
+    assert req.common.max_tokens == 7 and req.common.sampling.logprobs == 2
+    assert req.template_kwargs == {"enable_thinking": False}
+    assert req.common.include_usage and not req.common.add_special_tokens
+
+
+@pytest.mark.parametrize("body", [None, 3, "x", {"messages": [{"role": ""}]}])
+def test_parse_chat_rejects(body: Any) -> None:
+    with pytest.raises(APIError) as info:
+        parse_chat(body)
+    assert info.value.status == 400
+
+
+def test_error_body_shape() -> None:
+    body = APIError(400, "m", param="p", code="c").body()
+    assert json.loads(json.dumps(body)) == {
+        "error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}
+    }
