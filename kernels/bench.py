@@ -14,6 +14,7 @@ import datetime
 import functools
 import json
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,10 +49,23 @@ def graph_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Microseconds of CPU per call (launch overhead: argument checks, allocation, Triton's
+    launcher), from back-to-back calls; the GPU catches up after the clock stops."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def measure(name: str, shape: str, fn: Callable[[], object], *, nbytes: float = 0.0, flops: float = 0.0, copy_gbps: float = 0.0, **extra: Any) -> dict[str, Any]:  # fmt: skip
     """One result row: eager time (Python launch included) and CUDA-graph replay time."""
-    ms, gms = median_ms(fn), graph_ms(fn)
-    out: dict[str, Any] = {"name": name, "shape": shape, "ms": round(ms, 5), "graph_ms": round(gms, 5)}  # fmt: skip
+    ms, gms, cpu = median_ms(fn), graph_ms(fn), host_us(fn)
+    out: dict[str, Any] = {"name": name, "shape": shape, "ms": round(ms, 5), "graph_ms": round(gms, 5), "host_us": round(cpu, 1)}  # fmt: skip
     if nbytes:
         out.update(
             gb_per_s=round(nbytes / ms / 1e6, 1),
@@ -119,7 +133,7 @@ def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:
     q, k = torch.randn((t, 32, 128), device="cuda", dtype=dt), torch.randn((t, 8, 128), device="cuda", dtype=dt)  # fmt: skip
     cs, pos = torch.randn((8192, 128), device="cuda"), torch.randint(0, 8192, (t,), device="cuda")
     tk = 4 * t  # write_kv moves little per token: more tokens, so the data outgrows L2
-    kv_new = torch.randn((tk, 8, 128), device="cuda", dtype=dt)
+    k_new, v_new = (torch.randn((tk, 8, 128), device="cuda", dtype=dt) for _ in range(2))
     kc = torch.empty((tk // 16 + 64, 16, 8, 128), device="cuda", dtype=dt)
     vc = torch.empty_like(kc)
     slots = torch.randperm(kc.shape[0] * 16, device="cuda")[:tk]
@@ -148,8 +162,8 @@ def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:
         (
             "write_kv",
             f"T={tk} 8 heads",
-            lambda: triton_attention.write_kv(kv_new, kv_new, kc, vc, slots),
-            4 * kv_new.numel() * e,
+            lambda: triton_attention.write_kv(k_new, v_new, kc, vc, slots),
+            4 * k_new.numel() * e,
         ),
         (
             "gather_blocks",
@@ -164,13 +178,14 @@ def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:
 def print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['device']}  triton {report['triton']}  torch {report['torch']}")
     print(f"device copy: {report['copy_gb_per_s']:.0f} GB/s (read + write)")
-    print("ms: eager (Python launch included); graph: CUDA-graph replay (GPU time only)\n")
-    head = f"{'kernel':30} {'shape':28} {'ms':>8} {'graph ms':>8} {'GB/s':>7} {'%copy':>6} {'graph%':>6} {'TFLOP/s':>7} {'graph':>6}"  # fmt: skip
+    print("ms: eager (Python launch included); graph: CUDA-graph replay (GPU time only);")
+    print("host us: CPU time per eager call (what CUDA graphs save)\n")
+    head = f"{'kernel':30} {'shape':28} {'ms':>8} {'graph ms':>8} {'host us':>7} {'GB/s':>7} {'%copy':>6} {'graph%':>6} {'TFLOP/s':>7} {'graph':>6}"  # fmt: skip
     print(head)
     for r in report["results"]:
         cols = [r.get(k, "") for k in ("gb_per_s", "pct_of_copy", "graph_pct_of_copy", "tflop_per_s", "graph_tflop_per_s")]  # fmt: skip
         gb, pct, gpct, tf, gtf = (f"{c}" for c in cols)
-        print(f"{r['name']:30} {r['shape']:28} {r['ms']:8.4f} {r['graph_ms']:8.4f} {gb:>7} {pct:>6} {gpct:>6} {tf:>7} {gtf:>6}")  # fmt: skip
+        print(f"{r['name']:30} {r['shape']:28} {r['ms']:8.4f} {r['graph_ms']:8.4f} {r['host_us']:7.1f} {gb:>7} {pct:>6} {gpct:>6} {tf:>7} {gtf:>6}")  # fmt: skip
 
 
 def run_benchmarks() -> dict[str, Any]:

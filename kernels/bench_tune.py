@@ -19,16 +19,21 @@ from kernels.bench_cases import DECODE_CASES, PREFILL_CASES, paged, prefill_flop
 from kernels.triton_decode import paged_decode_attention
 from kernels.triton_prefill import prefill_attention
 
+GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
+
 
 def median_ms(fn: functools.partial) -> float:
+    if GRAPH:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
 def tune_decode(copy_gbps: float) -> None:
-    for batch, ctx in DECODE_CASES:
+    cases = [c for c in DECODE_CASES if c[0] == 1] if "b1" in sys.argv[1:] else DECODE_CASES
+    for batch, ctx in cases:
         p = paged([ctx] * batch)
         args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
-        splits = [None] if batch >= 64 else [None, 16, 32, 64, 128]
+        splits = [None] if batch >= 64 else [None, 16, 24, 48, 64, 96, 128]
         rows = []
         for block_n, warps, stages, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), splits):  # fmt: skip
             try:
