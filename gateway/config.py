@@ -80,8 +80,10 @@ def load_worker_file(path: str) -> list[WorkerSpec]:
         text = f.read()
     data: Any
     if path.endswith((".yaml", ".yml")):
-        import yaml  # optional: only needed for YAML worker files
-
+        try:
+            import yaml  # optional: only YAML worker files need it
+        except ImportError as e:
+            raise ConfigError(f"{path}: YAML needs pyyaml (pip install pyyaml) or use JSON") from e
         data = yaml.safe_load(text)
     else:
         data = json.loads(text)

@@ -41,6 +41,7 @@ class _Run:
         self.prefill_span: Span | None = None
         self.decode_span: Span | None = None
         self.transfer = Timing()
+        self.done: kv_control_pb2.TransferDone | None = None
         self.open_spans: list[Span] = []
 
     def _span(self, name: str, worker: WorkerClient) -> Span:
@@ -114,22 +115,31 @@ class _Run:
             request, timeout=self.ctx.time_left(item), metadata=grpc_metadata(span)
         )
         self.prefill.inflight += 1
-        event = await self._read_prefill()
-        if event is None or event.WhichOneof("event") != "first":
-            raise stream_ended(self.prefill.address, "Prefill")
-        try:
-            return chunk_from_pb(event.first)
-        except WorkerReportedError as e:
-            raise worker_failed(self.prefill.address, str(e)) from e
+        while True:  # "first" then "done" by contract; a "done" that overtakes is kept
+            event = await self._read_prefill()
+            if event is None:
+                raise stream_ended(self.prefill.address, "Prefill")
+            kind = event.WhichOneof("event")
+            if kind == "done":
+                self.done = event.done
+                continue
+            if kind != "first":
+                raise stream_ended(self.prefill.address, "Prefill")
+            try:
+                return chunk_from_pb(event.first)
+            except WorkerReportedError as e:
+                raise worker_failed(self.prefill.address, str(e)) from e
 
     async def transfer_done(self) -> None:
         span = self._span("KV transfer", self.prefill)
-        event = await self._read_prefill()
-        if event is None or event.WhichOneof("event") != "done":
-            raise stream_ended(self.prefill.address, "Prefill (KV transfer)")
-        span.set_attribute("tandem.kv.bytes", event.done.bytes)
-        span.set_attribute("tandem.kv.num_blocks", event.done.num_blocks)
-        self.transfer.transfer_s = event.done.seconds
+        if self.done is None:
+            event = await self._read_prefill()
+            if event is None or event.WhichOneof("event") != "done":
+                raise stream_ended(self.prefill.address, "Prefill (KV transfer)")
+            self.done = event.done
+        span.set_attribute("tandem.kv.bytes", self.done.bytes)
+        span.set_attribute("tandem.kv.num_blocks", self.done.num_blocks)
+        self.transfer.transfer_s = self.done.seconds
         self._end(span)
         self._close_prefill()
 

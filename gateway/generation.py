@@ -96,6 +96,9 @@ class Generation:
                     if gap is not None:
                         self._metrics.observe_gap(gap)
                     self._queue.put_nowait((choice, chunk))
+                    if chunk.finish_reason is not None:
+                        return
+            raise RuntimeError("the request's stream ended without a finish reason")
         except (UpstreamError, APIError) as e:
             self._queue.put_nowait((choice, e))
         except Exception as e:  # a bug: reported as a 500, logged with its traceback

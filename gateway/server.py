@@ -84,7 +84,7 @@ async def serve(
     app = build_app(config, **app_kwargs)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level="info", lifespan="on", access_log=False,
-        timeout_keep_alive=30,
+        timeout_keep_alive=30, timeout_graceful_shutdown=10,
     )  # fmt: skip
     server = DrainingServer(uv_config, app.state.gateway, config.drain_timeout_s)
     task = asyncio.create_task(server.serve())

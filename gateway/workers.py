@@ -71,8 +71,11 @@ class WorkerClient:
             check = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             load = load_from_pb(await self.stub.GetLoad(common_pb2.LoadRequest(), timeout=timeout))
         except grpc.RpcError as e:
-            code = e.code().name if hasattr(e, "code") else "ERROR"
-            self.mark_unhealthy(f"health poll failed: {code}")
+            code = e.code() if hasattr(e, "code") else None
+            reason = f"health poll failed: {getattr(code, 'name', 'ERROR')}"
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                reason += f" (is {self.address} really a {self.role} worker?)"
+            self.mark_unhealthy(reason)
             return
         self.load = load
         if check.status != health_pb2.HealthCheckResponse.SERVING:

@@ -36,6 +36,7 @@ class Behavior:
     fail_before_first: int = 0  # how many calls fail with UNAVAILABLE before any token
     fail_after_tokens: int | None = None  # the stream breaks (UNAVAILABLE) after N tokens
     fail_transfer: bool = False  # prefill: the stream breaks between first and done
+    done_first: bool = False  # prefill: TransferDone overtakes the first token
     error_chunk: bool = False  # the first chunk is a FINISH_REASON_ERROR chunk
     reserve_code: grpc.StatusCode | None = None  # Reserve fails with this code
     invalid_argument: bool = False  # Generate/Prefill answer INVALID_ARGUMENT
@@ -195,6 +196,9 @@ class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
         e.records.samplings.append(request.sampling)
         await _guard(context, e.behavior)
         first = None
+        done = kv_control_pb2.TransferDone(bytes=4096, seconds=0.004, num_blocks=2)
+        if e.behavior.done_first:
+            yield prefill_pb2.PrefillEvent(done=done)
         chunks = e.tokens(
             request.request_id, list(request.prompt_token_ids), request.sampling, 0, 1
         )
@@ -206,8 +210,8 @@ class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
         await asyncio.sleep(0.005)
         if e.behavior.fail_transfer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: KV transfer failed")
-        done = kv_control_pb2.TransferDone(bytes=4096, seconds=0.004, num_blocks=2)
-        yield prefill_pb2.PrefillEvent(done=done)
+        if not e.behavior.done_first:
+            yield prefill_pb2.PrefillEvent(done=done)
 
     async def Abort(self, request, context):
         self.e.records.aborts.append(request.request_id)

@@ -98,6 +98,14 @@ def test_first_token_finishing_skips_decode_and_frees_the_reservation(disagg: St
     assert decode.records.decode_calls == []
 
 
+def test_transfer_done_overtaking_the_first_token_is_accepted(disagg: Stack) -> None:
+    chosen_prefill(disagg, PROMPT).behavior.done_first = True
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+    assert r.json()["choices"][0]["text"] == "Hello world, this"
+    timing = dict(p.split("=") for p in r.headers["x-tandem-timing"].split(";"))
+    assert float(timing["transfer"]) == pytest.approx(0.004)
+
+
 @pytest.mark.parametrize("topology", ["disagg", "colocated"])
 def test_client_disconnect_mid_stream_aborts_the_workers(topology: str, request) -> None:
     stack: Stack = request.getfixturevalue(topology)
