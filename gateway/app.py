@@ -7,6 +7,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -76,8 +77,9 @@ def build_app(
     *,
     tracer_provider: TracerProvider | None = None,
     tokenizer: GatewayTokenizer | None = None,
+    meter_provider: MeterProvider | None = None,
 ) -> Starlette:
-    state = GatewayState(config, tokenizer, tracer_provider)
+    state = GatewayState(config, tokenizer, tracer_provider, meter_provider)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -18,8 +18,8 @@ from opentelemetry.trace import Span
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError
 from gateway.events import Chunk, PositionLogprobs
-from gateway.metrics import GatewayMetrics
 from gateway.stats import RequestStats
+from gateway.telemetry import Telemetry
 from gateway.tracing import end_request_span
 from gateway.upstream import UpstreamError
 from gateway.work import WorkItem
@@ -51,25 +51,21 @@ class Choice:
             self.finish_reason = chunk.finish_reason
 
 
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    tpot_s: float
-
-
 class Generation:
     def __init__(
         self,
         response_id: str,
+        operation: str,
         choices: list[Choice],
         dispatcher: Dispatcher,
-        metrics: GatewayMetrics,
+        telemetry: Telemetry,
         span: Span,
-        slo: Slo,
     ) -> None:
         self.response_id = response_id
+        self.operation = operation
         self.choices = choices
-        self._dispatcher, self._metrics, self._span, self._slo = dispatcher, metrics, span, slo
+        self._dispatcher, self._telemetry, self._span = dispatcher, telemetry, span
+        self._metrics = telemetry.metrics
         self._queue: asyncio.Queue[tuple[Choice, Chunk | BaseException]] = asyncio.Queue()
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._error: str | None = None
@@ -137,8 +133,7 @@ class Generation:
         stats = choice.stats
         if stats.finished is None:
             stats.on_chunk(Chunk(finish_reason=choice.finish_reason))
-        in_slo = stats.meets_slo(self._slo.ttft_s, self._slo.tpot_s)
-        self._metrics.observe_finished(stats, choice.finish_reason or "abort", in_slo)
+        self._telemetry.finished(self.operation, stats, choice.finish_reason or "abort")
 
     def abort(self) -> None:
         """Ends every unfinished choice with finish_reason "abort" (shutdown after the grace)."""

@@ -71,7 +71,7 @@ def _start(
         {"max_tokens": max_tokens[0], "temperature": sp.temperature, "top_p": sp.top_p,
          "top_k": sp.top_k, "seed": sp.seed, "choice.count": common.n},
     )  # fmt: skip
-    return Generation(response_id, choices, state.dispatcher, state.metrics, span, state.slo)
+    return Generation(response_id, operation, choices, state.dispatcher, state.telemetry, span)
 
 
 async def _respond(

@@ -6,14 +6,17 @@ import asyncio
 import logging
 import time
 
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, unavailable
-from gateway.generation import Generation, Slo
+from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
+from gateway.otel_metrics import GenAiMetrics, build_meter_provider
 from gateway.registry import WorkerRegistry
+from gateway.telemetry import Slo, Telemetry
 from gateway.tokenizer import GatewayTokenizer
 from gateway.tracing import build_tracer_provider, get_tracer
 from gateway.work import FlowContext
@@ -27,6 +30,7 @@ class GatewayState:
         config: GatewayConfig,
         tokenizer: GatewayTokenizer | None = None,
         tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or GatewayTokenizer(config.tokenizer, config.chat_template)
@@ -38,7 +42,11 @@ class GatewayState:
         )
         self.dispatcher = Dispatcher(FlowContext(self.registry, self.tracer, config))
         self.metrics = GatewayMetrics(config.model_name, lambda: self.registry.clients)
-        self.slo = Slo(config.slo_ttft_ms / 1000.0, config.slo_tpot_ms / 1000.0)
+        self._own_meter = meter_provider is None
+        self._meter_provider = meter_provider or build_meter_provider(config.otlp_endpoint)
+        slo = Slo(config.slo_ttft_ms / 1000.0, config.slo_tpot_ms / 1000.0)
+        genai = GenAiMetrics(config.model_name, self._meter_provider)
+        self.telemetry = Telemetry(self.metrics, genai, slo)
         self.started_at = time.time()
         self.draining = False
         self.active: set[Generation] = set()
@@ -86,3 +94,6 @@ class GatewayState:
         await self.registry.close()
         if self._own_provider:
             self.tracer_provider.shutdown()
+        shutdown = getattr(self._meter_provider, "shutdown", None)
+        if self._own_meter and shutdown is not None:
+            shutdown()

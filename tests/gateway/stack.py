@@ -11,6 +11,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import uvicorn
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -69,7 +71,9 @@ class Stack:
         config = GatewayConfig(
             tokenizer=self.tokenizer_dir, workers=tuple(specs), **self.config_overrides
         )
-        self.app = build_app(config, tracer_provider=provider)
+        self.metric_reader = InMemoryMetricReader()
+        meters = MeterProvider(metric_readers=[self.metric_reader])
+        self.app = build_app(config, tracer_provider=provider, meter_provider=meters)
         uv = uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
         self.server = DrainingServer(uv, self.state, config.drain_timeout_s)
         self.serve_task = asyncio.create_task(self.server.serve())

@@ -123,3 +123,17 @@ def test_goodput_counts_only_requests_within_the_slo(slo_stack: Stack) -> None:
     assert run(0.0, 0.0) == 1  # fast
     assert run(0.0, 0.06) == 0  # TPOT 60 ms > 30 ms
     assert run(0.25, 0.0) == 0  # TTFT 250 ms > 150 ms
+
+
+def test_genai_otel_metrics(colocated: Stack) -> None:
+    httpx.post(f"{colocated.base_url}/v1/chat/completions",
+               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
+    data = colocated.metric_reader.get_metrics_data()
+    points = {
+        m.name: m.data.data_points
+        for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }  # fmt: skip
+    (ttft,) = [p for p in points["gen_ai.server.time_to_first_token"]
+               if p.attributes["gen_ai.operation.name"] == "chat"]  # fmt: skip
+    assert ttft.count >= 1 and ttft.attributes["gen_ai.request.model"] == "embedded"
+    assert "gen_ai.server.time_per_output_token" in points
