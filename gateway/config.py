@@ -110,11 +110,13 @@ def workers_from_args(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
     return tuple(dict.fromkeys(specs))
 
 
-def config_from_args(args: argparse.Namespace, tokenizer_dir: str) -> GatewayConfig:
+def config_from_args(
+    args: argparse.Namespace, tokenizer_dir: str, default_name: str | None = None
+) -> GatewayConfig:
     return GatewayConfig(
         tokenizer=tokenizer_dir,
         model=args.model,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or default_name,
         chat_template=args.chat_template,
         workers=workers_from_args(args),
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -22,7 +23,8 @@ import uvicorn
 from gateway.app import build_app
 from gateway.config import GatewayConfig, config_from_args
 from gateway.state import GatewayState
-from gateway.tokenizer import resolve_tokenizer_dir
+from gateway.tokenizer import default_model_name, resolve_tokenizer_dir
+from services.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +73,11 @@ class DrainingServer(uvicorn.Server):
         return None
 
 
-def _write_ready_file(path: str, port: int) -> None:
+def _write_ready_file(path: str, host: str, port: int) -> None:
+    """``{"port", "host", "pid"}`` as JSON, written atomically (by rename)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"{port}\n")
+        json.dump({"port": port, "host": host, "pid": os.getpid()}, f)
     os.replace(tmp, path)
 
 
@@ -93,7 +96,7 @@ async def serve(
     if server.started and server.port is not None:
         log.info("gateway listening on http://%s:%d", host, server.port)
         if ready_file:
-            _write_ready_file(ready_file, server.port)
+            _write_ready_file(ready_file, host, server.port)
     await task
 
 
@@ -111,7 +114,11 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    tokenizer_dir = resolve_tokenizer_dir(args.model, args.tokenizer)
-    config = config_from_args(args, tokenizer_dir)
+    try:
+        tokenizer_dir = resolve_tokenizer_dir(args.model, args.tokenizer)
+        config = config_from_args(args, tokenizer_dir, default_model_name(args.model))
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
     _run(serve(config, args.host, args.port, args.ready_file))
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,16 +100,32 @@ class GatewayTokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
+def _model_files() -> Any:
+    try:
+        return importlib.import_module("services.model_files")
+    except ImportError:
+        return None
+
+
+def default_model_name(model: str) -> str:
+    """The name served when --served-model-name is not given: the model's own name."""
+    model_files = _model_files()
+    try:
+        return str(model_files.resolve_model(model).name) if model_files else model
+    except (OSError, ValueError):
+        return model
+
+
 def resolve_tokenizer_dir(model: str, tokenizer: str | None) -> str:
     """``--tokenizer`` if given, else the model directory, else ``services.model_files``."""
     if tokenizer:
         return tokenizer
     if os.path.isfile(os.path.join(model, "tokenizer.json")):
         return model
+    model_files = _model_files()
+    if model_files is None:
+        raise ConfigError(f"cannot find a tokenizer for --model {model!r}: pass --tokenizer DIR")
     try:
-        model_files = importlib.import_module("services.model_files")
-    except ImportError as e:
-        raise ConfigError(
-            f"cannot find a tokenizer for --model {model!r}: pass --tokenizer DIR"
-        ) from e
-    return str(model_files.resolve_tokenizer_dir(model))
+        return str(model_files.resolve_tokenizer_dir(model))
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ConfigError(f"cannot find a tokenizer for --model {model!r}: {e}") from e

@@ -22,6 +22,7 @@ from gateway.app import build_app
 from gateway.config import GatewayConfig, WorkerSpec
 app = build_app(GatewayConfig(tokenizer=sys.argv[1], workers=(WorkerSpec("both", "127.0.0.1:1"),)))
 import gateway.server, gateway.openai_api, gateway.disagg
+assert gateway.server.default_model_name("embedded")
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "services.engine")
              or m.startswith("services.engine"))
 print("BAD", bad)

@@ -40,7 +40,7 @@ def gateway_process(
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ready.exists(), proc.stdout.read() if proc.poll() is not None else "no ready file"
-        yield proc, f"http://127.0.0.1:{int(ready.read_text())}"
+        yield proc, f"http://127.0.0.1:{json.loads(ready.read_text())['port']}"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.chat_template import ChatTemplateError
-from gateway.tokenizer import GatewayTokenizer, resolve_tokenizer_dir
+from gateway.tokenizer import GatewayTokenizer, default_model_name, resolve_tokenizer_dir
 from services.config import ConfigError
 
 CONVERSATIONS = [
@@ -100,6 +100,11 @@ def test_missing_template_is_a_clear_error(tokenizer_dir: str, tmp_path) -> None
     assert not tok.has_chat_template
     with pytest.raises(ChatTemplateError, match="--chat-template"):
         tok.render_chat([{"role": "user", "content": "x"}])
+
+
+def test_default_model_name_comes_from_model_files() -> None:
+    assert default_model_name("embedded") == "SmolLM2-135M-Instruct"
+    assert default_model_name("/no/such/model") == "/no/such/model"
 
 
 def test_resolve_tokenizer_dir(tokenizer_dir: str, tmp_path) -> None:
