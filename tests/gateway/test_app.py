@@ -105,3 +105,14 @@ def test_tokenize_and_detokenize(colocated: Stack) -> None:
     }
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]})
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_a_bug_is_an_openai_shaped_500(colocated: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> list[int]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(colocated.state.tokenizer, "encode", broken)
+    r = httpx.post(f"{colocated.base_url}/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    assert "RuntimeError" in r.json()["error"]["message"]

@@ -77,3 +77,17 @@ def test_no_exporter_without_an_endpoint(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.delenv(var, raising=False)
     provider = build_tracer_provider(None)
     assert provider._active_span_processor._span_processors == ()
+
+
+def test_otlp_endpoint_without_the_exporter_package_warns(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    try:
+        import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
+    except ImportError:
+        provider = build_tracer_provider("http://127.0.0.1:4317")
+        assert provider._active_span_processor._span_processors == ()
+        assert "opentelemetry-exporter-otlp is not installed" in caplog.text
+    else:
+        provider = build_tracer_provider("http://127.0.0.1:4317")
+        assert len(provider._active_span_processor._span_processors) == 1
+        provider.shutdown()
