@@ -101,7 +101,7 @@ def test_errors_are_counted_by_status(colocated: Stack) -> None:
 
 @pytest.fixture(scope="module")
 def slo_stack(tokenizer_dir: str) -> Iterator[Stack]:
-    stack = Stack(tokenizer_dir, ["both"], slo_ttft_ms=150.0, slo_tpot_ms=30.0).start()
+    stack = Stack(tokenizer_dir, ["both"], slo_ttft_ms=300.0, slo_tpot_ms=50.0).start()
     try:
         yield stack
     finally:
@@ -121,8 +121,8 @@ def test_goodput_counts_only_requests_within_the_slo(slo_stack: Stack) -> None:
         return value(scrape(slo_stack), "tandem:request_goodput_total") - before
 
     assert run(0.0, 0.0) == 1  # fast
-    assert run(0.0, 0.06) == 0  # TPOT 60 ms > 30 ms
-    assert run(0.25, 0.0) == 0  # TTFT 250 ms > 150 ms
+    assert run(0.0, 0.12) == 0  # TPOT 120 ms > 50 ms
+    assert run(0.6, 0.0) == 0  # TTFT 600 ms > 300 ms
 
 
 def test_genai_otel_metrics(colocated: Stack) -> None:
