@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ReceiverOptions:
-    host: str = "127.0.0.1"  # where the rendezvous store listens; "0.0.0.0" for every interface
-    port: int = 0  # 0: pick a free port (see KvReceiver.port)
+    host: str = "127.0.0.1"  # the address both ports bind; "0.0.0.0" for every interface
+    port: int = 0  # control connections (the endpoint's port); 0: a free one (KvReceiver.port)
+    store_port: int = 0  # the rendezvous store the pairs' groups are built over; 0: a free one
     advertise_host: str = ""  # host put in KvReceiver.endpoint; default: host (or the hostname)
     io_timeout_s: float = 10.0  # one transfer's data must arrive this soon after its header
     connect_timeout_s: float = 10.0  # building a pair's process group
@@ -20,8 +21,8 @@ class ReceiverOptions:
 
     def __post_init__(self) -> None:
         _check_common(self.io_timeout_s, self.connect_timeout_s)
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if not (0 <= self.port < 65536 and 0 <= self.store_port < 65536):
+            raise ValueError(f"ports must be in [0, 65536), got {self.port} / {self.store_port}")
         if self.unknown_grace_s < 0:
             raise ValueError(f"unknown_grace_s must be >= 0, got {self.unknown_grace_s}")
         if self.max_transfer_bytes < 1 or self.max_pairs < 1:
@@ -33,9 +34,12 @@ class SenderOptions:
     timeout_s: float = 10.0  # default deadline of one send(), connecting included
     checksum: bool = False  # debug mode: send a checksum of the data with each header
     gloo_interface: str = ""  # network interface for Gloo (default: the route to the receiver)
+    chunk_bytes: int = 32 << 20  # pipeline granularity (whole layers; at least one per chunk)
 
     def __post_init__(self) -> None:
         _check_common(self.timeout_s, self.timeout_s)
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
 
 
 def _check_common(io_timeout_s: float, connect_timeout_s: float) -> None:

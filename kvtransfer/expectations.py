@@ -1,10 +1,12 @@
 """Transfers a receiver expects: registration, claiming by a pair, cancellation and deadlines.
 
 Life of one expectation: ``expect`` registers it (pending) -> a pair thread ``claim``s it when
-the header arrives (receiving) -> ``complete`` writes the blocks and resolves it ok, or ``fail``
-resolves it with an error. ``cancel`` (or its deadline passing) resolves it at any time before
-that. Writes into the blocks happen only under the expectation's write lock, and a cancelled
-expectation is never written: once ``cancel`` returns, its blocks are the caller's again.
+the header arrives (receiving) -> the pair issues writes into the blocks chunk by chunk ->
+``complete`` waits for them and resolves it ok, or ``fail`` resolves it with an error.
+``cancel`` (or its deadline passing) resolves it at any time before that. Writes are issued
+only under the expectation's write lock and only while it is not cancelled, and resolving it
+waits (``Expectation.flush``) for the writes already issued: once ``cancel`` returns, its blocks
+are the caller's again.
 """
 
 from __future__ import annotations
@@ -87,11 +89,20 @@ class Expectation:
         self.deadline = deadline
         self.receiving = False
         self.cancel_reason = ""
-        self.write_lock = threading.Lock()
+        self.write_lock = threading.Lock()  # held while issuing writes into the blocks
+        self.flush: Callable[[], None] | None = None  # waits for writes issued (set by the writer)
 
     @property
     def transfer_id(self) -> str:
         return self.handle.transfer_id
+
+    def issue_write(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` (which issues writes into the blocks) unless cancelled; False if it was."""
+        with self.write_lock:
+            if self.cancel_reason:
+                return False
+            fn()
+            return True
 
 
 class ExpectationRegistry:
@@ -154,7 +165,8 @@ class ExpectationRegistry:
                 self._cond.wait(remaining)
 
     def complete(self, exp: Expectation, write: Callable[[], None], result: TransferResult) -> TransferResult:  # fmt: skip
-        """Run ``write`` (the block scatter) unless cancelled, then resolve with ``result``."""
+        """Unless cancelled, run ``write`` (issuing or finishing the block writes), then resolve
+        with ``result``; returns the final result (a cancellation may have won)."""
         with exp.write_lock:
             if exp.cancel_reason:
                 return exp.handle.result or TransferResult(
@@ -208,7 +220,9 @@ class ExpectationRegistry:
             self._tombstones.popitem(last=False)
 
     def _resolve(self, exp: Expectation, result: TransferResult) -> bool:
-        with exp.write_lock:  # waits for an in-flight scatter of these blocks to finish
+        with exp.write_lock:  # waits for writes being issued, then for those issued to finish
+            if exp.flush is not None:
+                exp.flush()
             won = exp.handle._set(result)
         if won:
             exp.handle._fire()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,9 +25,11 @@ from kvtransfer.device import GLOO, NCCL, gloo_device
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
-_TAG = 17  # one ordered stream per pair: a single tag suffices
-_POLL_MIN_S = 20e-6
+_TAG = 17  # one ordered stream per pair; chunk k of a transfer uses _TAG + k
+_POLL_S = 10e-6  # NCCL completion polling: fine-grained first (latency), then backing off
+_POLL_FINE_S = 5e-3
 _POLL_MAX_S = 1e-3
+_ALIVE_CHECK_S = 0.01
 
 
 class ChannelError(RuntimeError):
@@ -94,11 +97,30 @@ class PairChannel:
         """Where buffers handed to send/recv must live: the GPU for NCCL, host memory for Gloo."""
         return self.device if self.backend == NCCL else torch.device("cpu")
 
+    def post_send(self, buf: torch.Tensor, tag: int = 0) -> Any:
+        """Start sending ``buf`` (keep it alive until the peer has it); returns the work."""
+        return self._group().send([buf], self.peer, _TAG + tag)
+
+    def post_recv(self, buf: torch.Tensor, tag: int = 0) -> Any:
+        """Start receiving into ``buf``; returns the work to :meth:`wait` on."""
+        return self._group().recv([buf], self.peer, _TAG + tag)
+
+    def wait(
+        self,
+        work: Any,
+        deadline: float,
+        what: str = "recv",
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        """Wait for a posted work; raises ChannelError if it failed, the deadline passed or
+        (NCCL, checked every few ms) ``alive()`` turned False: NCCL never notices a dead peer."""
+        self._complete(work, deadline, what, alive)
+
     def send(self, buf: torch.Tensor, deadline: float) -> None:
-        self._complete(self._group().send([buf], self.peer, _TAG), deadline, "send")
+        self._complete(self.post_send(buf), deadline, "send")
 
     def recv(self, buf: torch.Tensor, deadline: float) -> None:
-        self._complete(self._group().recv([buf], self.peer, _TAG), deadline, "recv")
+        self._complete(self.post_recv(buf), deadline, "recv")
 
     def close(self) -> None:
         """Drop the group; the peer's pending and future operations on it fail promptly."""
@@ -124,10 +146,12 @@ class PairChannel:
         else:
             self.recv(byte, deadline)
 
-    def _complete(self, work: Any, deadline: float, what: str) -> None:
+    def _complete(
+        self, work: Any, deadline: float, what: str, alive: Callable[[], bool] | None = None
+    ) -> None:
         error = ""
         try:
-            self._wait(work, deadline)
+            self._wait(work, deadline, alive)
         except Exception as e:
             error = f"{self.backend} {what} failed: {_tidy(str(e))}"
         if error:
@@ -136,14 +160,21 @@ class PairChannel:
             del work
             raise ChannelError(error)
 
-    def _wait(self, work: Any, deadline: float) -> None:
+    def _wait(self, work: Any, deadline: float, alive: Callable[[], bool] | None) -> None:
         if self.backend == GLOO:
-            work.wait(timedelta(seconds=_remaining(deadline)))
+            work.wait(timedelta(seconds=_remaining(deadline)))  # Gloo notices a dead peer
             return
-        pause = _POLL_MIN_S
+        start = next_check = time.monotonic()
+        pause = _POLL_S
         while not work.is_completed():
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError(f"NCCL operation with rank {self.peer} timed out")
+            if alive is not None and now >= next_check:
+                if not alive():
+                    raise ConnectionError(f"peer rank {self.peer} is gone")
+                next_check = now + _ALIVE_CHECK_S
             time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+            if now - start > _POLL_FINE_S:
+                pause = min(pause * 2, _POLL_MAX_S)
         work.wait()  # raises the work's error, if any; orders the current stream after it

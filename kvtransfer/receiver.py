@@ -2,7 +2,9 @@
 
 Contract:
 - ``KvReceiver(kv_caches, options)`` listens at ``endpoint`` ("host:port"; port 0 picks a free
-  one). It never calls ``init_process_group``: each sender gets its own 2-rank group.
+  one) for senders' control connections, and runs a TCPStore (another port, told to senders
+  in the handshake) over which each sender and this receiver build their own 2-rank group.
+  It never calls ``init_process_group``.
 - ``expect(transfer_id, block_ids, deadline_s)`` registers a transfer *before* it is sent
   (after reserving ``block_ids``) and returns a :class:`TransferHandle`. The handle resolves ok
   only once every byte arrived, the layout and block count matched (and the checksum, in debug
@@ -14,7 +16,7 @@ Contract:
 - A sender reconnecting under the same sender id (a restarted prefill worker) replaces its old
   pair; the transfer in flight on the old pair, if any, fails.
 - ``close()`` fails everything pending, stops all threads (bounded by the I/O timeout when a
-  sender stalls mid-transfer) and closes the store.
+  sender stalls mid-transfer over Gloo) and closes the listener and the store.
 """
 
 from __future__ import annotations
@@ -23,54 +25,41 @@ import contextlib
 import logging
 import socket
 import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from kvtransfer.config import ReceiverOptions
+from kvtransfer.control import ControlConn, listen
 from kvtransfer.device import DeviceInfo, choose_backend
 from kvtransfer.expectations import ExpectationRegistry, TransferHandle
 from kvtransfer.layout import KvLayout, check_block_ids
 from kvtransfer.receiver_pair import ReceiverContext, ReceiverPair
 from kvtransfer.results import CounterBox, TransferCounters
-from kvtransfer.stores import clone, put, serve_store
-from kvtransfer.wire import (
-    HELLO_QUEUE,
-    PROTOCOL_VERSION,
-    Control,
-    Hello,
-    Welcome,
-    WireError,
-    decode,
-    encode,
-    welcome_key,
-)
+from kvtransfer.stores import serve_store
+from kvtransfer.wire import PROTOCOL_VERSION, Hello
 
 log = logging.getLogger(__name__)
-_IDLE_POP = timedelta(days=7)
 
 
 class KvReceiver:
     def __init__(self, kv_caches: list[torch.Tensor], options: ReceiverOptions | None = None):
-        self.options = options or ReceiverOptions()
+        self.options = opts = options or ReceiverOptions()
         self.layout = KvLayout.of(kv_caches)
-        self._caches = kv_caches
         self._num_blocks = kv_caches[0].shape[1]
         device = kv_caches[0].device
-        self._device = DeviceInfo.of(device)
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._counters = CounterBox()
         self._registry = ExpectationRegistry(self._counters)
-        self._ctx = ReceiverContext(kv_caches, self.layout, self._registry, self._counters,
-                                    self.options, stream)  # fmt: skip
-        store, self.port = serve_store(
-            self.options.host, self.options.port, self.options.connect_timeout_s
-        )
-        self._store: dist.TCPStore | None = store
+        self._store: dist.TCPStore | None
+        self._store, store_port = serve_store(opts.host, opts.store_port, opts.connect_timeout_s)
+        self._listener = listen(opts.host, opts.port)
+        self.port: int = self._listener.getsockname()[1]
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._ctx = ReceiverContext(kv_caches, self.layout, DeviceInfo.of(device), self._registry,
+                                    self._counters, opts, stream, store_port)  # fmt: skip
         self._lock = threading.Lock()
-        self._pairs: dict[str, ReceiverPair] = {}
-        self._retired: list[ReceiverPair] = []
+        self._pairs: dict[str, ReceiverPair] = {}  # admitted, by sender id
+        self._all: list[ReceiverPair] = []  # every pair thread started and maybe still running
         self._closed = False
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)  # fmt: skip
         self._accept_thread.start()
@@ -105,23 +94,22 @@ class KvReceiver:
 
     def close(self) -> None:
         with self._lock:
-            if self._closed or self._store is None:
+            if self._closed:
                 return
             self._closed = True
-            pairs = [*self._pairs.values(), *self._retired]
-            store = self._store
+            pairs = list(self._all)
         self._registry.close()
-        with contextlib.suppress(Exception):
-            store.queue_push(HELLO_QUEUE, encode(Control("stop")))
-        for pair in pairs:
-            pair.stop(store)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+        self._listener.close()
         self._accept_thread.join(timeout=5)
+        for pair in pairs:
+            pair.stop()
         stragglers = [p for p in pairs if not p.join(timeout=2)]
         with self._lock:
             self._pairs.clear()
-            self._retired.clear()
+            self._all.clear()
             self._store = None  # closing the server fails store waits of pairs still being built
-        del store
         for pair in stragglers:
             if not pair.join(timeout=self.options.io_timeout_s + 1):
                 log.warning("KV pair with %s did not stop", pair.sender_id)
@@ -133,50 +121,35 @@ class KvReceiver:
         self.close()
 
     def _accept_loop(self) -> None:
-        assert self._store is not None
-        client = clone(self._store, _IDLE_POP)
         while True:
             try:
-                msg = decode(client.queue_pop(HELLO_QUEUE))
-            except WireError as e:
-                log.warning("ignoring a malformed KV hello: %s", e)
-                continue
-            except Exception as e:
-                if not self._closed:
-                    log.warning("KV accept loop ended: %s", e)
-                return
-            if isinstance(msg, Control) or self._closed:
-                return
-            if isinstance(msg, Hello):
-                self._admit(client, msg)
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                self._all = [p for p in self._all if p.alive]
+                store = self._store
+                full = len(self._all) >= self.options.max_pairs + 8  # room for reconnects
+                if not (self._closed or store is None or full):
+                    pair = ReceiverPair(ControlConn(sock), store, self._ctx, self._admit)
+                    self._all.append(pair)
+                    pair.start()
+                    continue
+            log.warning("refusing a KV sender connection: receiver closed or full")
+            sock.close()
 
-    def _admit(self, client: dist.Store, hello: Hello) -> None:
-        backend, error = choose_backend(hello.device, self._device), ""
+    def _admit(self, pair: ReceiverPair, hello: Hello) -> tuple[str, str]:
+        """Register ``pair`` for its sender (retiring an older one) or say why not."""
+        backend = choose_backend(hello.device, self._ctx.device)
         with self._lock:
-            self._retired = [p for p in self._retired if p.alive]
-            live = sum(p.alive for p in self._pairs.values())
+            live = sum(p.alive for sid, p in self._pairs.items() if sid != hello.sender_id)
             if hello.protocol != PROTOCOL_VERSION:
-                error = f"protocol {hello.protocol} unsupported (receiver speaks {PROTOCOL_VERSION})"  # fmt: skip
-            elif live >= self.options.max_pairs and hello.sender_id not in self._pairs:
-                error = f"receiver already serves {live} senders (max_pairs)"
-        if error:
-            log.warning("refusing KV sender %s: %s", hello.sender_id, error)
-        welcome = Welcome("" if error else backend, self._device, error)
-        try:
-            put(client, welcome_key(hello.sender_id, hello.gen), encode(welcome))
-        except Exception as e:
-            log.warning("could not answer KV sender %s: %s", hello.sender_id, e)
-            return
-        store = self._store
-        if error or store is None:
-            return
-        pair = ReceiverPair(hello, backend, store, self._ctx)
-        with self._lock:
-            old = self._pairs.pop(hello.sender_id, None)
+                return "", f"protocol {hello.protocol} unsupported (receiver speaks {PROTOCOL_VERSION})"  # fmt: skip
+            if live >= self.options.max_pairs:
+                return "", f"receiver already serves {live} senders (max_pairs)"
+            old = self._pairs.get(hello.sender_id)
             self._pairs[hello.sender_id] = pair
-            if old is not None:
-                self._retired.append(old)
-        if old is not None:
-            log.info("KV sender %s reconnected; replacing its old pair", hello.sender_id)
-            old.stop(store)
-        pair.start()
+        if old is not None and old is not pair:
+            log.info("KV sender %s reconnected; retiring its old pair", hello.sender_id)
+            old.stop()
+        return backend, ""

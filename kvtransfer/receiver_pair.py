@@ -1,11 +1,13 @@
-"""The receiving end of one pair: a thread that takes transfers from one sender, in order.
+"""The receiving end of one pair: a thread that serves one sender's control connection.
 
-Per transfer: pop the header from the pair's store queue -> claim the expectation -> receive
-exactly ``nbytes`` into a staging buffer (always, even for unknown, cancelled or mismatched
-transfers, so the stream stays in step) -> validate -> scatter into the registered blocks ->
-resolve the handle -> acknowledge to the sender through the store. A broken stream (peer death,
-timeout, protocol error) fails the transfer in flight and ends the thread; the sender rebuilds
-the pair under a new generation.
+Handshake: read the :class:`Hello`, let the receiver admit it (which retires an older pair of
+the same sender), answer with a :class:`Welcome`, build the group as rank 1. Then per
+transfer: read the header -> claim the expectation -> validate the header -> receive exactly
+its chunks (always, even for unknown, cancelled or mismatched transfers, so the stream stays in
+step), writing each chunk into the registered blocks as it lands -> wait for the writes ->
+resolve the handle -> acknowledge. A broken stream (peer death, timeout, protocol error) fails
+the transfer in flight and ends the thread; the sender rebuilds the pair under a new
+generation. A sender that hangs up while idle ends the thread at once.
 """
 
 from __future__ import annotations
@@ -14,36 +16,27 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from kvtransfer.blockcopy import scatter_blocks
+from kvtransfer.chunks import LayerRange, layer_ranges
 from kvtransfer.config import ReceiverOptions
+from kvtransfer.control import ConnectionClosed, ControlConn
+from kvtransfer.device import DeviceInfo
 from kvtransfer.expectations import Expectation, ExpectationRegistry
+from kvtransfer.landing import BlockWriter, Landing
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import RECEIVER_RANK, PairChannel
 from kvtransfer.results import CounterBox, TransferResult
-from kvtransfer.staging import HostStaging, alloc_wire
-from kvtransfer.stores import clone, put
-from kvtransfer.wire import (
-    HEADER_QUEUE,
-    Ack,
-    Control,
-    Header,
-    Hello,
-    WireError,
-    ack_key,
-    checksum,
-    decode,
-    encode,
-    pair_prefix,
-)
+from kvtransfer.staging import HostStaging
+from kvtransfer.stores import clone
+from kvtransfer.wire import Ack, Control, Header, Hello, Welcome, WireError, checksum, pair_prefix
 
 log = logging.getLogger(__name__)
-_IDLE_POP = timedelta(days=7)  # header pops block until a header, a stop or the store closes
 
 
 @dataclass
@@ -52,39 +45,38 @@ class ReceiverContext:
 
     caches: list[torch.Tensor]
     layout: KvLayout
+    device: DeviceInfo
     registry: ExpectationRegistry
     counters: CounterBox
     options: ReceiverOptions
     stream: torch.cuda.Stream | None  # dedicated CUDA stream for the writes
+    store_port: int
+
+
+# the receiver's decision on a hello: (backend, "") to admit, ("", reason) to refuse
+Admit = Callable[["ReceiverPair", Hello], tuple[str, str]]
 
 
 class ReceiverPair:
-    def __init__(self, hello: Hello, backend: str, store: dist.TCPStore, ctx: ReceiverContext):
-        self.sender_id = hello.sender_id
-        self.backend = backend
-        self._prefix = pair_prefix(hello.sender_id, hello.gen)
-        # own connections (made here, so the pair never holds the server object): one for the
-        # group's rendezvous, one for the blocking header queue and the acknowledgements
+    def __init__(self, conn: ControlConn, store: dist.TCPStore, ctx: ReceiverContext, admit: Admit):
+        self.sender_id = ""  # known once the hello arrived
+        self._conn = conn
+        # its own store connection (made here, so the pair never holds the server object)
         self._group_store = clone(store, timedelta(seconds=ctx.options.connect_timeout_s))
-        self._control = clone(store, _IDLE_POP)
         self._ctx = ctx
+        self._admit = admit
         self._staging = HostStaging()
         self._next_seq = 1
         self._stopping = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"kv-recv-{hello.sender_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="kv-recv-pair", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, store: dist.Store) -> None:
-        """Ask the thread to end after the transfer in flight; ``store`` (a connection the
-        thread is not blocked on) carries the message that wakes an idle header wait."""
+    def stop(self) -> None:
+        """End the thread: at once when idle, else after the transfer in flight fails."""
         self._stopping.set()
-        with contextlib.suppress(Exception):  # a store going away fails the pop by itself
-            queue = dist.PrefixStore(self._prefix, store)
-            queue.queue_push(HEADER_QUEUE, encode(Control("stop")))
+        self._conn.shutdown()
 
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
@@ -95,56 +87,105 @@ class ReceiverPair:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        opts = self._ctx.options
         try:
-            channel = PairChannel.open(
-                dist.PrefixStore(self._prefix, self._group_store), RECEIVER_RANK, self.backend,
-                self._ctx.caches[0].device, time.monotonic() + opts.connect_timeout_s,
-                gloo_address=opts.host, gloo_interface=opts.gloo_interface,
-            )  # fmt: skip
+            channel = self._handshake()
         except Exception as e:
             if not self._stopping.is_set():
-                log.warning("KV pair with sender %s could not be built: %s", self.sender_id, e)
+                log.warning("KV pair with sender %r not built: %s", self.sender_id or "?", e)
+            self._conn.close()
             return
         try:
-            self._serve(channel, dist.PrefixStore(self._prefix, self._control))
+            if channel is not None:
+                self._serve(channel)
+        except ConnectionClosed:
+            if not self._stopping.is_set():
+                log.info("KV sender %s disconnected", self.sender_id)
         except Exception as e:
             if not self._stopping.is_set():
                 log.warning("KV pair with sender %s torn down: %s", self.sender_id, e)
         finally:
-            channel.close()
+            if channel is not None:
+                channel.close()
+            self._conn.close()
 
-    def _serve(self, channel: PairChannel, control: dist.Store) -> None:
+    def _handshake(self) -> PairChannel | None:
+        opts, ctx = self._ctx.options, self._ctx
+        deadline = time.monotonic() + opts.connect_timeout_s
+        hello = self._conn.recv(opts.connect_timeout_s)
+        if not isinstance(hello, Hello):
+            raise WireError(f"expected a hello, got {hello!r}")
+        self.sender_id = hello.sender_id
+        backend, error = self._admit(self, hello)
+        self._conn.send(Welcome(backend, ctx.device, ctx.store_port, error))
+        if error:
+            return None
+        self._thread.name = f"kv-recv-{hello.sender_id}"
+        store = dist.PrefixStore(pair_prefix(hello.sender_id, hello.gen), self._group_store)
+        return PairChannel.open(
+            store, RECEIVER_RANK, backend, ctx.caches[0].device, deadline,
+            gloo_address=opts.host, gloo_interface=opts.gloo_interface,
+        )  # fmt: skip
+
+    def _serve(self, channel: PairChannel) -> None:
         while not self._stopping.is_set():
-            msg = decode(control.queue_pop(HEADER_QUEUE))
+            msg = self._conn.recv()
             if isinstance(msg, Control):
                 return
             if not isinstance(msg, Header) or msg.seq != self._next_seq:
                 raise WireError(f"expected header #{self._next_seq}, got {msg!r}")
             self._next_seq += 1
-            self._transfer(msg, channel, control)
+            self._transfer(msg, channel)
 
-    def _transfer(self, header: Header, channel: PairChannel, control: dist.Store) -> None:
+    def _transfer(self, header: Header, channel: PairChannel) -> None:
         """Handle one transfer; raises (ending the pair) if the byte stream broke."""
         ctx = self._ctx
         start = time.monotonic()
         claim = ctx.registry.claim(header.transfer_id, ctx.options.unknown_grace_s)
         exp = claim if isinstance(claim, Expectation) else None
         problem = claim if isinstance(claim, str) else self._validate(header, claim)
+        layers = layer_ranges(header.chunks, header.nbytes // header.layout.num_layers,
+                              header.layout.num_layers)  # fmt: skip
+        if not problem and layers is None:
+            problem = f"transfer {header.transfer_id!r}: chunks do not hold whole layers"
+        writer = None
+        if exp is not None and not problem:
+            writer = BlockWriter(ctx.caches, ctx.layout, list(exp.handle.block_ids), ctx.stream)
+            exp.flush = writer.flush
+        # a debug-mode checksum is verified before anything is written
+        deferred = header.checksum is not None and ctx.options.verify_checksums
         try:
             if header.nbytes > ctx.options.max_transfer_bytes:
                 raise WireError(f"header announces {header.nbytes} bytes, more than the "
                                 f"{ctx.options.max_transfer_bytes} allowed")  # fmt: skip
-            data = alloc_wire(header.nbytes, channel.wire_device, channel.device, self._staging)
-            channel.recv(data, time.monotonic() + ctx.options.io_timeout_s)
+            landing = Landing(channel, header.chunks, self._staging)
+            deadline = time.monotonic() + ctx.options.io_timeout_s
+            alive = self._sender_alive
+            for k, work in enumerate(landing.post()):
+                channel.wait(work, deadline, alive=alive)
+                if writer is not None and layers is not None and not deferred:
+                    self._issue(exp, writer, landing.chunks[k], layers[k])
         except Exception as e:
-            self._finish(exp, header, start, f"KV stream from sender {self.sender_id} broke: {e}")
+            error = f"KV stream from sender {self.sender_id} broke: {e}"
+            self._finish(exp, header, start, error)
+            with contextlib.suppress(Exception):  # tell a live sender to rebuild
+                self._conn.send(Ack(header.seq, False, error, broken=True))
             raise
-        verify = header.checksum is not None and ctx.options.verify_checksums
-        if not problem and verify and checksum(data) != header.checksum:
-            problem = f"checksum mismatch for transfer {header.transfer_id!r}"
-        result = self._finish(exp, header, start, problem, data)
-        put(control, ack_key(header.seq), encode(Ack(header.seq, result.ok, result.error)))
+        if deferred and not problem:
+            if checksum(landing.buffer) != header.checksum:
+                problem = f"checksum mismatch for transfer {header.transfer_id!r}"
+            elif writer is not None and layers is not None:
+                for chunk, layer_range in zip(landing.chunks, layers, strict=True):
+                    self._issue(exp, writer, chunk, layer_range)
+        result = self._finish(exp, header, start, problem, writer)
+        self._conn.send(Ack(header.seq, result.ok, result.error))
+
+    def _sender_alive(self) -> bool:
+        return not self._conn.peer_closed()
+
+    @staticmethod
+    def _issue(exp: Expectation | None, writer: BlockWriter, chunk: torch.Tensor, layers: LayerRange) -> None:  # fmt: skip
+        if exp is not None:
+            exp.issue_write(lambda: writer.write(chunk, layers))
 
     def _validate(self, header: Header, exp: Expectation) -> str:
         expected = self._ctx.layout
@@ -164,9 +205,9 @@ class ReceiverPair:
         header: Header,
         start: float,
         problem: str,
-        data: torch.Tensor | None = None,
+        writer: BlockWriter | None = None,
     ) -> TransferResult:
-        """Resolve the transfer: write and succeed, or fail; counts it either way."""
+        """Resolve the transfer: finish the writes and succeed, or fail; counts it either way."""
         ctx = self._ctx
         elapsed = time.monotonic() - start
         result = TransferResult(header.transfer_id, not problem, problem, header.nbytes,
@@ -174,29 +215,12 @@ class ReceiverPair:
         if exp is None:
             ctx.counters.add_failure()
             return result
-        if problem or data is None:
+        if problem or writer is None:
             result = ctx.registry.fail(exp, result)
         else:
-            block_ids = list(exp.handle.block_ids)
-            result = ctx.registry.complete(exp, lambda: self._write(data, block_ids), result)
+            result = ctx.registry.complete(exp, writer.flush, result)
         if result.ok:
             ctx.counters.add_ok(result.bytes, result.seconds)
         else:
             ctx.counters.add_failure()
         return result
-
-    def _write(self, data: torch.Tensor, block_ids: list[int]) -> None:
-        """Scatter the received bytes into ``block_ids``; returns once the writes are done."""
-        ctx = self._ctx
-        device = ctx.caches[0].device
-        shape = ctx.layout.buffer_shape(len(block_ids))
-        if ctx.stream is None:
-            buf = data.view(ctx.layout.torch_dtype).view(shape)
-            scatter_blocks(buf, ctx.caches, torch.tensor(block_ids, dtype=torch.int64))
-            return
-        with torch.cuda.stream(ctx.stream):
-            gpu = data.to(device, non_blocking=True)
-            buf = gpu.view(ctx.layout.torch_dtype).view(shape)
-            ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
-            scatter_blocks(buf, ctx.caches, ids)
-        ctx.stream.synchronize()

@@ -48,7 +48,8 @@ class KvSender:
         device = kv_caches[0].device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ctx = SenderContext(kv_caches, self.layout, self.sender_id, DeviceInfo.of(device),
-                                  stream, self.options.checksum, self.options.gloo_interface)  # fmt: skip
+                                  stream, self.options.checksum, self.options.gloo_interface,
+                                  self.options.chunk_bytes)  # fmt: skip
         self._counters = CounterBox()
         self._lock = threading.Lock()
         self._pairs: dict[str, tuple[threading.Lock, SenderPair]] = {}

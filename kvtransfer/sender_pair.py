@@ -1,9 +1,12 @@
 """The sending end of one pair: handshake with a receiver, then transfers in order.
 
-Handshake: connect a store client to the receiver's endpoint, push a :class:`Hello` (sender id,
-fresh generation, device), read the :class:`Welcome` (backend), build the 2-rank group as
-rank 0. Transfer: gather the blocks into one buffer, push the header, send the bytes, wait for
-the receiver's :class:`Ack`. Not thread-safe: :class:`KvSender` serializes calls per pair.
+Handshake: open the control connection to the receiver's endpoint, send a :class:`Hello`
+(sender id, fresh generation, device), read the :class:`Welcome` (backend, store port), build
+the 2-rank group as rank 0 over the receiver's store. Transfer: send the header (the receiver
+posts its receives meanwhile), then per chunk of layers gather the blocks and post its send
+(gathers overlap earlier chunks on the wire), then wait for the receiver's :class:`Ack`, which
+also proves every send completed. Not thread-safe: :class:`KvSender` serializes calls per
+pair.
 """
 
 from __future__ import annotations
@@ -14,33 +17,20 @@ from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kvtransfer.blockcopy import gather_blocks
+from kvtransfer.chunks import plan_layers
+from kvtransfer.control import ConnectionClosed, ControlConn
 from kvtransfer.device import DeviceInfo, local_address_towards
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import SENDER_RANK, PairChannel
 from kvtransfer.results import TransferError
 from kvtransfer.staging import HostStaging, as_bytes, to_wire
-from kvtransfer.stores import clone
-from kvtransfer.wire import (
-    HEADER_QUEUE,
-    HELLO_QUEUE,
-    Ack,
-    Control,
-    Header,
-    Hello,
-    Welcome,
-    WireError,
-    ack_key,
-    checksum,
-    decode,
-    encode,
-    pair_prefix,
-    welcome_key,
-)
+from kvtransfer.wire import Ack, Control, Header, Hello, Welcome, WireError, checksum, pair_prefix
 
 
 class TransferRejected(TransferError):
@@ -58,6 +48,7 @@ class SenderContext:
     stream: torch.cuda.Stream | None
     use_checksum: bool
     gloo_interface: str
+    chunk_bytes: int
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -68,8 +59,8 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _remaining(deadline: float) -> timedelta:
-    return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+def _seconds(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
 
 
 class SenderPair:
@@ -79,7 +70,7 @@ class SenderPair:
         self._ctx = ctx
         self._staging = HostStaging()
         self._channel: PairChannel | None = None
-        self._control: dist.Store | None = None
+        self._conn: ControlConn | None = None
         self._seq = 0
 
     @property
@@ -88,29 +79,27 @@ class SenderPair:
 
     def connect(self, deadline: float) -> None:
         ctx = self._ctx
-        client = dist.TCPStore(self.host, self.port, None, False, _remaining(deadline))
-        gen = uuid.uuid4().hex
-        client.queue_push(HELLO_QUEUE, encode(Hello(ctx.sender_id, gen, ctx.device)))
-        key = welcome_key(ctx.sender_id, gen)
+        conn = ControlConn.connect(self.host, self.port, _seconds(deadline))
         try:
-            client.wait([key], _remaining(deadline))
-        except Exception as e:
-            raise TransferError(f"KV receiver at {self.endpoint} did not answer: {e}") from None
-        welcome = decode(client.get(key))
-        client.delete_key(key)
-        if not isinstance(welcome, Welcome):
-            raise WireError(f"expected a welcome, got {welcome!r}")
-        if welcome.error:
-            raise TransferError(f"KV receiver at {self.endpoint} refused: {welcome.error}")
-        prefix = pair_prefix(ctx.sender_id, gen)
-        group_client = clone(client, _remaining(deadline))
-        self._channel = PairChannel.open(
-            dist.PrefixStore(prefix, group_client), SENDER_RANK, welcome.backend,
-            ctx.caches[0].device, deadline,
-            gloo_address=local_address_towards(self.host, self.port),
-            gloo_interface=ctx.gloo_interface,
-        )  # fmt: skip
-        self._control = dist.PrefixStore(prefix, client)
+            gen = uuid.uuid4().hex
+            conn.send(Hello(ctx.sender_id, gen, ctx.device))
+            welcome = conn.recv(_seconds(deadline))
+            if not isinstance(welcome, Welcome):
+                raise WireError(f"expected a welcome, got {welcome!r}")
+            if welcome.error:
+                raise TransferError(f"KV receiver at {self.endpoint} refused: {welcome.error}")
+            timeout = timedelta(seconds=_seconds(deadline))
+            client = dist.TCPStore(self.host, welcome.store_port, None, False, timeout)
+            self._channel = PairChannel.open(
+                dist.PrefixStore(pair_prefix(ctx.sender_id, gen), client), SENDER_RANK,
+                welcome.backend, ctx.caches[0].device, deadline,
+                gloo_address=local_address_towards(self.host, self.port),
+                gloo_interface=ctx.gloo_interface,
+            )  # fmt: skip
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
         self._seq = 0
 
     def transfer(
@@ -122,38 +111,49 @@ class SenderPair:
     ) -> int:
         """Ship the blocks; returns the bytes acknowledged. Raises TransferRejected if the
         receiver refused them (the pair stays usable), anything else if the pair broke."""
-        ctx, channel, control = self._ctx, self._channel, self._control
-        if channel is None or control is None:
+        ctx, channel, conn = self._ctx, self._channel, self._conn
+        if channel is None or conn is None:
             raise TransferError("not connected")
         self._seq += 1
-        stream = ctx.stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        layer_bytes = ctx.layout.block_bytes // ctx.layout.num_layers * len(block_ids)
+        ranges = plan_layers(ctx.layout.num_layers, layer_bytes, ctx.chunk_bytes)
+        sizes = tuple((last - first) * layer_bytes for first, last in ranges)
+        staged = channel.wire_device != channel.device
+        host = self._staging.get(sum(sizes)) if staged else None
+        in_flight: list[Any] = []  # chunks and their works stay alive until the ack
+        if ctx.stream is not None:  # the KV was computed on the caller's stream
+            ctx.stream.wait_stream(torch.cuda.current_stream(ctx.stream.device))
+        with torch.cuda.stream(ctx.stream) if ctx.stream is not None else nullcontext():
             ids = torch.tensor(block_ids, dtype=torch.int64).to(channel.device)
-            data = as_bytes(gather_blocks(ctx.caches, ids))  # [L*2*n*bs*H*D*itemsize] uint8
-            digest = checksum(data) if ctx.use_checksum else None
-            wire = to_wire(data, channel.wire_device, self._staging)
-            header = Header(
-                self._seq, transfer_id, len(block_ids), ctx.layout, data.numel(), digest
-            )
-            control.queue_push(HEADER_QUEUE, encode(header))
+            parts = [gather_blocks(ctx.caches[a:b], ids) for a, b in ranges] if ctx.use_checksum else []  # fmt: skip
+            digest = checksum(torch.cat([as_bytes(p) for p in parts])) if parts else None
+            header = Header(self._seq, transfer_id, len(block_ids), ctx.layout, sum(sizes),
+                            sizes, digest)  # fmt: skip
+            conn.send(header)  # the receiver gets ready while we gather
             if after_header is not None:
                 after_header()
-            channel.send(wire, deadline)
-        return self._await_ack(control, header, deadline)
+            offset = 0
+            for k, (first, last) in enumerate(ranges):
+                part = parts[k] if parts else gather_blocks(ctx.caches[first:last], ids)
+                data = as_bytes(part)  # [(last - first) * layer_bytes] uint8
+                slot = host[offset : offset + data.numel()] if host is not None else None
+                wire = to_wire(data, channel.wire_device, slot)
+                in_flight.append((wire, channel.post_send(wire, tag=k)))
+                offset += data.numel()
+        return self._await_ack(conn, header, deadline)
 
-    def _await_ack(self, control: dist.Store, header: Header, deadline: float) -> int:
-        key = ack_key(header.seq)
+    def _await_ack(self, conn: ControlConn, header: Header, deadline: float) -> int:
         try:
-            control.wait([key], _remaining(deadline))
-        except Exception as e:
+            ack = conn.recv(_seconds(deadline))
+        except TimeoutError:
             raise TransferError(f"no acknowledgement from the KV receiver at {self.endpoint} "
-                                f"in time: {e}") from None  # fmt: skip
-        ack = decode(control.get(key))
-        control.delete_key(key)
+                                f"within the deadline") from None  # fmt: skip
+        except ConnectionClosed as e:
+            raise TransferError(f"KV receiver at {self.endpoint} is gone: {e}") from None
         if not isinstance(ack, Ack) or ack.seq != header.seq:
             raise WireError(f"expected ack #{header.seq}, got {ack!r}")
+        if ack.broken:
+            raise TransferError(f"KV receiver at {self.endpoint}: {ack.error}")
         if not ack.ok:
             raise TransferRejected(f"KV receiver at {self.endpoint} rejected transfer "
                                    f"{header.transfer_id!r}: {ack.error}")  # fmt: skip
@@ -161,10 +161,12 @@ class SenderPair:
 
     def close(self, farewell: bool = True) -> None:
         """Drop the pair; with ``farewell``, tell the receiver so its pair thread ends."""
-        channel, control = self._channel, self._control
-        self._channel = self._control = None
+        channel, conn = self._channel, self._conn
+        self._channel = self._conn = None
+        if conn is not None:
+            if farewell:
+                with suppress(OSError):  # a receiver that is gone needs no goodbye
+                    conn.send(Control("bye"))
+            conn.close()
         if channel is not None:
             channel.close()
-        if farewell and control is not None:
-            with suppress(Exception):  # a receiver that is gone needs no goodbye
-                control.queue_push(HEADER_QUEUE, encode(Control("bye")))

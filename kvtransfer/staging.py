@@ -30,11 +30,13 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:  # [nbytes] uint8, same storage
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def to_wire(data: torch.Tensor, wire: torch.device, staging: HostStaging) -> torch.Tensor:
-    """``data`` (flat uint8) as a tensor on ``wire``; waits for the copy when it stages."""
+def to_wire(data: torch.Tensor, wire: torch.device, host: torch.Tensor | None) -> torch.Tensor:
+    """``data`` (flat uint8) as a tensor on ``wire``: itself, or copied into ``host`` (a slice
+    of a staging buffer, same size) and waited for."""
     if data.device == wire:
         return data
-    host = staging.get(data.numel())
+    if host is None:
+        raise ValueError(f"data on {data.device} needs a host staging slot to reach {wire}")
     host.copy_(data, non_blocking=True)
     if data.is_cuda:
         torch.cuda.current_stream(data.device).synchronize()

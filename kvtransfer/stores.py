@@ -1,4 +1,4 @@
-"""TCPStore plumbing: a server bound to one address, clients, and the few typed calls we use."""
+"""TCPStore plumbing: a server bound to one address, and client connections to it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,3 @@ def clone(store: dist.TCPStore, timeout: timedelta) -> dist.TCPStore:
     client = cast(dist.TCPStore, cast(Any, store).clone())
     client.set_timeout(timeout)
     return client
-
-
-def put(store: dist.Store, key: str, value: bytes) -> None:
-    cast(Any, store).set(key, value)  # the stubs say str; bytes are what travel

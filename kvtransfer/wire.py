@@ -1,15 +1,13 @@
-"""The control messages of the KV transfer protocol and the store keys they travel under.
+"""The control messages of the KV transfer protocol.
 
-Control (handshake, per-transfer headers, acknowledgements) goes through the receiver's
-TCPStore as small JSON documents; only KV bytes go through the process group. Everything
-received is parsed defensively (no pickle): a malformed message raises :class:`WireError`.
+Control travels as small JSON documents over the pair's control connection
+(:mod:`kvtransfer.control`); only KV bytes go through the process group. Everything received
+is parsed defensively (no pickle): a malformed message raises :class:`WireError`.
 
-Keys, all in the receiver's store:
-- ``tandem/kv/hello`` (queue): a sender's :class:`Hello`; the receiver answers at
-  ``welcome_key(sender, gen)`` with a :class:`Welcome`.
-- ``pair_prefix(sender, gen)`` prefixes everything of one pair generation: the process group's
-  own rendezvous, the ``hdr`` queue of :class:`Header` (or :class:`Control`) messages and the
-  ``ack/<seq>`` keys of :class:`Ack` messages.
+Conversation of one pair: sender -> :class:`Hello`; receiver -> :class:`Welcome` (backend and
+the port of the store both ends build their group over, under ``pair_prefix(sender, gen)``);
+then per transfer: sender -> :class:`Header`, KV bytes through the group, receiver ->
+:class:`Ack`. :class:`Control` ("bye") ends the pair.
 """
 
 from __future__ import annotations
@@ -25,11 +23,10 @@ import torch
 from kvtransfer.device import GLOO, NCCL, DeviceInfo
 from kvtransfer.layout import KvLayout
 
-PROTOCOL_VERSION = 1
-HELLO_QUEUE = "tandem/kv/hello"
-HEADER_QUEUE = "hdr"
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_TRANSFER_ID_LEN = 512
+MAX_CHUNKS = 1024
 _NAME = re.compile(r"^[A-Za-z0-9._:@+-]{1,128}$")
 
 
@@ -44,16 +41,8 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-def welcome_key(sender_id: str, gen: str) -> str:
-    return f"tandem/kv/welcome/{sender_id}/{gen}"
-
-
 def pair_prefix(sender_id: str, gen: str) -> str:
     return f"tandem/kv/pair/{sender_id}/{gen}"
-
-
-def ack_key(seq: int) -> str:
-    return f"ack/{seq}"
 
 
 @dataclass(frozen=True)
@@ -68,24 +57,27 @@ class Hello:
 class Welcome:
     backend: str  # "" when refused
     device: DeviceInfo | None
+    store_port: int = 0  # the receiver's rendezvous store, for building the group
     error: str = ""
 
 
 @dataclass(frozen=True)
 class Header:
-    """Announces the next data message of a pair: exactly ``nbytes`` bytes follow."""
+    """Announces the next data of a pair: ``nbytes`` bytes follow, as one message per entry
+    of ``chunks`` (their sizes, in order; each chunk holds whole layers)."""
 
     seq: int
     transfer_id: str
     num_blocks: int
     layout: KvLayout
     nbytes: int
+    chunks: tuple[int, ...]
     checksum: int | None = None  # set in debug mode
 
 
 @dataclass(frozen=True)
 class Control:
-    kind: str  # "stop" (the receiver ends a loop) | "bye" (the sender closed the pair)
+    kind: str  # "bye": the sender closes the pair
 
 
 @dataclass(frozen=True)
@@ -93,28 +85,33 @@ class Ack:
     seq: int
     ok: bool
     error: str = ""
+    broken: bool = False  # the receiver tore its side of the pair down: rebuild it
 
 
-def encode(msg: Hello | Welcome | Header | Control | Ack) -> bytes:
+Message = Hello | Welcome | Header | Control | Ack
+
+
+def encode(msg: Message) -> bytes:
     doc: dict[str, Any]
     if isinstance(msg, Hello):
         doc = {"t": "hello", "sender_id": msg.sender_id, "gen": msg.gen,
                "device": msg.device.to_json(), "protocol": msg.protocol}  # fmt: skip
     elif isinstance(msg, Welcome):
         device = msg.device.to_json() if msg.device else None
-        doc = {"t": "welcome", "backend": msg.backend, "device": device, "error": msg.error}
+        doc = {"t": "welcome", "backend": msg.backend, "device": device,
+               "store_port": msg.store_port, "error": msg.error}  # fmt: skip
     elif isinstance(msg, Header):
         doc = {"t": "header", "seq": msg.seq, "transfer_id": msg.transfer_id,
                "num_blocks": msg.num_blocks, "layout": msg.layout.to_json(),
-               "nbytes": msg.nbytes, "checksum": msg.checksum}  # fmt: skip
+               "nbytes": msg.nbytes, "chunks": list(msg.chunks), "checksum": msg.checksum}  # fmt: skip
     elif isinstance(msg, Control):
         doc = {"t": msg.kind}
     else:
-        doc = {"t": "ack", "seq": msg.seq, "ok": msg.ok, "error": msg.error}
+        doc = {"t": "ack", "seq": msg.seq, "ok": msg.ok, "error": msg.error, "broken": msg.broken}
     return json.dumps(doc).encode()
 
 
-def decode(raw: bytes) -> Hello | Welcome | Header | Control | Ack:
+def decode(raw: bytes) -> Message:
     """Parse one message; raises WireError for anything malformed."""
     if len(raw) > MAX_MESSAGE_BYTES:
         raise WireError(f"control message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -152,7 +149,7 @@ def _welcome(doc: dict[str, Any]) -> Welcome:
     if backend not in (GLOO, NCCL, ""):
         raise WireError(f"unknown backend {backend!r}")
     device = DeviceInfo.from_json(doc["device"]) if doc["device"] is not None else None
-    return Welcome(backend, device, _str(doc, "error", 4096))
+    return Welcome(backend, device, _int(doc, "store_port"), _str(doc, "error", 4096))
 
 
 def _header(doc: dict[str, Any]) -> Header:
@@ -160,22 +157,29 @@ def _header(doc: dict[str, Any]) -> Header:
     if checksum is not None and (not isinstance(checksum, int) or isinstance(checksum, bool)):
         raise WireError("checksum must be an integer or null")
     tid = _str(doc, "transfer_id", MAX_TRANSFER_ID_LEN)
-    return Header(_int(doc, "seq", 1), tid, _int(doc, "num_blocks", 1),
-                  KvLayout.from_json(doc["layout"]), _int(doc, "nbytes", 1), checksum)  # fmt: skip
+    nbytes = _int(doc, "nbytes", 1)
+    chunks = doc["chunks"]
+    if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_CHUNKS:
+        raise WireError(f"chunks must be a list of 1 to {MAX_CHUNKS} sizes")
+    sizes = tuple(_int({"chunk": c}, "chunk", 1) for c in chunks)
+    if sum(sizes) != nbytes:
+        raise WireError(f"chunk sizes add up to {sum(sizes)}, not nbytes {nbytes}")
+    layout = KvLayout.from_json(doc["layout"])
+    return Header(_int(doc, "seq", 1), tid, _int(doc, "num_blocks", 1), layout, nbytes, sizes,
+                  checksum)  # fmt: skip
 
 
 def _ack(doc: dict[str, Any]) -> Ack:
-    if not isinstance(doc["ok"], bool):
-        raise WireError("ok must be a boolean")
-    return Ack(_int(doc, "seq", 1), doc["ok"], _str(doc, "error", 4096))
+    if not isinstance(doc["ok"], bool) or not isinstance(doc["broken"], bool):
+        raise WireError("ok and broken must be booleans")
+    return Ack(_int(doc, "seq", 1), doc["ok"], _str(doc, "error", 4096), doc["broken"])
 
 
-_PARSERS: dict[str, Callable[[dict[str, Any]], Hello | Welcome | Header | Control | Ack]] = {
+_PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "hello": _hello,
     "welcome": _welcome,
     "header": _header,
     "ack": _ack,
-    "stop": lambda _doc: Control("stop"),
     "bye": lambda _doc: Control("bye"),
 }
 

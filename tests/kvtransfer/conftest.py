@@ -92,8 +92,9 @@ def peers() -> Iterator[list[Peer]]:
             p.close()
 
 
-def add_sender(peer: Peer, sender_id: str, seed: int, num_blocks: int = 12, **layout: int) -> None:
-    reply = peer.call(op="sender", id=sender_id, seed=seed, num_blocks=num_blocks, layout=layout)
+def add_sender(peer: Peer, sender_id: str, seed: int, num_blocks: int = 12, device: str = "cpu", **layout: int) -> None:  # fmt: skip
+    reply = peer.call(op="sender", id=sender_id, seed=seed, num_blocks=num_blocks, layout=layout,
+                      device=device)  # fmt: skip
     assert reply == {"ok": True}
 
 

@@ -20,7 +20,7 @@ import torch
 
 from kvtransfer import KvReceiver, KvSender, ReceiverOptions, SenderOptions
 
-LAYOUT = {"num_layers": 2, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
+LAYOUT = {"num_layers": 3, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
 
 
 def make_caches(seed: int, num_blocks: int, layout: dict[str, int] | None = None, zero: bool = False) -> list[torch.Tensor]:  # fmt: skip
@@ -61,7 +61,10 @@ def run_sender() -> None:
         cmd = json.loads(line)
         if cmd["op"] == "sender":
             caches = make_caches(cmd["seed"], cmd["num_blocks"], cmd.get("layout"))
-            senders[cmd["id"]] = KvSender(caches, cmd["id"], SenderOptions(checksum=True))
+            caches = [c.to(cmd.get("device", "cpu")) for c in caches]
+            # one layer per chunk: the pipelined path is what these tests exercise
+            options = SenderOptions(checksum=cmd.get("checksum", False), chunk_bytes=1)
+            senders[cmd["id"]] = KvSender(caches, cmd["id"], options)
             _emit({"ok": True})
         elif cmd["op"] == "send":
             _emit(_send(senders, cmd))

@@ -74,7 +74,7 @@ def test_checksum_mode_round_trips_and_a_receiver_can_rebuild_after_a_sender_clo
     src = make_caches(4, 12)
     with KvReceiver(rx_caches) as rx:
         for attempt in range(2):  # the second sender object reuses the id: a restart
-            with KvSender(src, "dbg", SenderOptions(checksum=True)) as sender:
+            with KvSender(src, "dbg", SenderOptions(checksum=True, chunk_bytes=1)) as sender:
                 handle = rx.expect(f"t{attempt}", [7, 8], deadline_s=10)
                 sender.send(rx.endpoint, f"t{attempt}", [10 - attempt, 3], timeout_s=10)
                 assert handle.wait(5).ok
@@ -87,3 +87,13 @@ def test_a_closed_sender_refuses_new_sends():
     sender.close()
     with pytest.raises(TransferError, match="closed"):
         sender.send("127.0.0.1:1", "t", [0])
+
+
+def test_a_checksum_mismatch_is_refused_before_anything_is_written(rx_caches, monkeypatch):
+    monkeypatch.setattr("kvtransfer.sender_pair.checksum", lambda data: 12345)
+    with KvReceiver(rx_caches) as rx, KvSender(make_caches(6, 12), "bad", SenderOptions(checksum=True)) as tx:  # fmt: skip
+        handle = rx.expect("t", [3], deadline_s=10)
+        with pytest.raises(TransferError, match="checksum mismatch"):
+            tx.send(rx.endpoint, "t", [1], timeout_s=10)
+        assert "checksum" in handle.wait(0).error
+        assert not any(c.any() for c in rx_caches)

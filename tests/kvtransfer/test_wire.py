@@ -29,11 +29,15 @@ LAYOUT = KvLayout(32, 16, 8, 128, "bfloat16")
     [
         Hello("prefill-0", "abc123", DeviceInfo("cuda", 1, "GPU-x", True)),
         Welcome("nccl", DeviceInfo("cpu")),
-        Welcome("", None, "too many senders"),
-        Header(3, "req-1/part", 4, LAYOUT, 4 * LAYOUT.block_bytes, 12345),
-        Header(1, "r", 1, LAYOUT, LAYOUT.block_bytes, None),
+        Welcome("", None, error="too many senders"),
+        Welcome("gloo", DeviceInfo("cpu"), store_port=29500),
+        Header(
+            3, "req-1/part", 4, LAYOUT, 4 * LAYOUT.block_bytes, (4 * LAYOUT.block_bytes,), 12345
+        ),
+        Header(1, "r", 1, LAYOUT, LAYOUT.block_bytes, (100, LAYOUT.block_bytes - 100), None),
         Control("bye"),
         Ack(3, False, "layout mismatch"),
+        Ack(4, False, "stream broke", broken=True),
     ],
 )
 def test_messages_round_trip(msg):
@@ -41,7 +45,7 @@ def test_messages_round_trip(msg):
 
 
 def header_doc(**override: object) -> bytes:
-    doc = json.loads(encode(Header(1, "t", 1, LAYOUT, LAYOUT.block_bytes)))
+    doc = json.loads(encode(Header(1, "t", 1, LAYOUT, LAYOUT.block_bytes, (LAYOUT.block_bytes,))))
     doc.update(override)
     return json.dumps(doc).encode()
 
@@ -62,6 +66,10 @@ def hello_doc(**override: object) -> bytes:
         header_doc(seq=True),
         header_doc(num_blocks=0),
         header_doc(checksum="abc"),
+        header_doc(chunks=[]),
+        header_doc(chunks=[1, LAYOUT.block_bytes]),  # does not add up to nbytes
+        header_doc(chunks=[0, LAYOUT.block_bytes]),
+        header_doc(chunks=[1] * 2000),
         header_doc(transfer_id="x" * 10_000),
         header_doc(layout={**LAYOUT.to_json(), "dtype": "object"}),
         header_doc(layout={**LAYOUT.to_json(), "head_dim": 0}),

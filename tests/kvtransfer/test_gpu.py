@@ -1,0 +1,70 @@
+"""KV transfer on GPUs: NCCL between two GPUs (with a sender killed mid-transfer), and two
+ends on one GPU (Gloo with host staging). Skipped without the GPUs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtransfer import KvReceiver, KvSender, ReceiverOptions, SenderOptions
+from tests.kvtransfer.conftest import Peer, add_sender, assert_blocks_equal, blocks
+from tests.kvtransfer.peer import make_caches
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def on(device: str, caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [c.to(device) for c in caches]
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_nccl_pair_round_trips_and_survives_a_sender_killed_mid_transfer():
+    rx_caches = on("cuda:1", make_caches(0, 16, zero=True))
+    options = ReceiverOptions(io_timeout_s=3, connect_timeout_s=60)
+    victim, successor = Peer("sender"), Peer("sender")
+    with KvReceiver(rx_caches, options) as rx:
+        try:
+            add_sender(victim.started(), "gpu-pf", seed=1, device="cuda:0")
+            handle = rx.expect("g1", [0, 5, 2], deadline_s=60)
+            reply = victim.call(op="send", id="gpu-pf", endpoint=rx.endpoint, transfer_id="g1",
+                                blocks=[3, 7, 1], timeout=60)  # fmt: skip
+            assert reply["ok"], reply
+            assert handle.wait(5).ok
+            got = [c.cpu() for c in blocks(rx_caches, [0, 5, 2])]
+            assert_blocks_equal(got, blocks(make_caches(1, 12), [3, 7, 1]))
+            handle = rx.expect("g2", [4], deadline_s=60)
+            victim.write(op="send", id="gpu-pf", endpoint=rx.endpoint, transfer_id="g2",
+                         blocks=[2], timeout=60, pause_after_header=60)  # fmt: skip
+            assert victim.read(30) == {"event": "header_sent"}
+            start = time.monotonic()
+            victim.kill()
+            result = handle.wait(30)
+            assert result is not None and not result.ok
+            assert time.monotonic() - start < 10  # the 3 s I/O timeout, then an NCCL abort
+            assert not rx_caches[0][:, 4].any()
+            add_sender(successor.started(), "gpu-pf", seed=2, device="cuda:0")
+            handle = rx.expect("g3", [4], deadline_s=60)
+            reply = successor.call(op="send", id="gpu-pf", endpoint=rx.endpoint, transfer_id="g3",
+                                   blocks=[6], timeout=60)  # fmt: skip
+            assert reply["ok"], reply
+            assert handle.wait(5).ok
+            got = [c.cpu() for c in blocks(rx_caches, [4])]
+            assert_blocks_equal(got, blocks(make_caches(2, 12), [6]))
+        finally:
+            victim.close()
+            successor.close()
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a GPU")
+def test_two_ends_on_one_gpu_go_through_host_staging():
+    src = make_caches(3, 12)
+    rx_caches = on("cuda:0", make_caches(0, 16, zero=True))
+    with KvReceiver(rx_caches) as rx, KvSender(on("cuda:0", src), "same-gpu", SenderOptions(chunk_bytes=1)) as tx:  # fmt: skip
+        handle = rx.expect("s1", [9, 1], deadline_s=30)
+        tx.send(rx.endpoint, "s1", [0, 11], timeout_s=30)
+        assert handle.wait(5).ok
+        got = [c.cpu() for c in blocks(rx_caches, [9, 1])]
+        assert_blocks_equal(got, blocks(src, [0, 11]))
