@@ -117,7 +117,10 @@ def _child(conn: Connection, role: str, device_name: str, num_blocks: int) -> No
             conn.send([bool(r and r.ok) for r in results])
         elif op == "send":
             chunk = args[3]
-            if chunk not in senders:
+            if chunk not in senders:  # one pair (NCCL communicator) at a time
+                for old in senders.values():
+                    old.close()
+                senders.clear()
                 options = SenderOptions(timeout_s=120, chunk_bytes=chunk)
                 senders[chunk] = KvSender(caches, f"bench-sender-{chunk}", options)
             conn.send([senders[chunk].send(args[0], tid, args[2]).seconds for tid in args[1]])
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="smoke run on CPU over Gloo")
-    parser.add_argument("--chunk-mb", type=float, nargs="+", default=[32.0, 4096.0],
+    parser.add_argument("--chunk-mb", type=float, nargs="+", default=[64.0, 4096.0],
                         help="pipeline chunk sizes to compare (4096: one chunk)")  # fmt: skip
     parser.add_argument("--skip-same-gpu", action="store_true")
     args = parser.parse_args(argv)

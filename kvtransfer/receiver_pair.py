@@ -147,23 +147,11 @@ class ReceiverPair:
                               header.layout.num_layers)  # fmt: skip
         if not problem and layers is None:
             problem = f"transfer {header.transfer_id!r}: chunks do not hold whole layers"
-        writer = None
-        if exp is not None and not problem:
-            writer = BlockWriter(ctx.caches, ctx.layout, list(exp.handle.block_ids), ctx.stream)
-            exp.flush = writer.flush
         # a debug-mode checksum is verified before anything is written
         deferred = header.checksum is not None and ctx.options.verify_checksums
         try:
-            if header.nbytes > ctx.options.max_transfer_bytes:
-                raise WireError(f"header announces {header.nbytes} bytes, more than the "
-                                f"{ctx.options.max_transfer_bytes} allowed")  # fmt: skip
-            landing = Landing(channel, header.chunks, self._staging)
-            deadline = time.monotonic() + ctx.options.io_timeout_s
-            alive = self._sender_alive
-            for k, work in enumerate(landing.post()):
-                channel.wait(work, deadline, alive=alive)
-                if writer is not None and layers is not None and not deferred:
-                    self._issue(exp, writer, landing.chunks[k], layers[k])
+            target = exp if not problem else None
+            landing, writer = self._receive(header, channel, target, layers or [], deferred)
         except Exception as e:
             error = f"KV stream from sender {self.sender_id} broke: {e}"
             self._finish(exp, header, start, error)
@@ -178,6 +166,33 @@ class ReceiverPair:
                     self._issue(exp, writer, chunk, layer_range)
         result = self._finish(exp, header, start, problem, writer)
         self._conn.send(Ack(header.seq, result.ok, result.error))
+
+    def _receive(
+        self,
+        header: Header,
+        channel: PairChannel,
+        exp: Expectation | None,
+        layers: list[LayerRange],
+        deferred: bool,
+    ) -> tuple[Landing, BlockWriter | None]:
+        """Receive every chunk; unless ``deferred``, write each into ``exp``'s blocks (if any)
+        as it lands. Raises if the stream broke."""
+        ctx = self._ctx
+        if header.nbytes > ctx.options.max_transfer_bytes:
+            raise WireError(f"header announces {header.nbytes} bytes, more than the "
+                            f"{ctx.options.max_transfer_bytes} allowed")  # fmt: skip
+        deadline = time.monotonic() + ctx.options.io_timeout_s
+        landing = Landing(channel, header.chunks, self._staging)
+        works = landing.post()  # first of all: the sender may be sending already
+        writer = None
+        if exp is not None:
+            writer = BlockWriter(ctx.caches, ctx.layout, list(exp.handle.block_ids), ctx.stream)
+            exp.flush = writer.flush
+        for k, work in enumerate(works):
+            channel.wait(work, deadline, alive=self._sender_alive)
+            if writer is not None and not deferred:
+                self._issue(exp, writer, landing.chunks[k], layers[k])
+        return landing, writer
 
     def _sender_alive(self) -> bool:
         return not self._conn.peer_closed()

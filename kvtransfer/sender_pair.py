@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import nullcontext, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -118,6 +118,9 @@ class SenderPair:
         layer_bytes = ctx.layout.block_bytes // ctx.layout.num_layers * len(block_ids)
         ranges = plan_layers(ctx.layout.num_layers, layer_bytes, ctx.chunk_bytes)
         sizes = tuple((last - first) * layer_bytes for first, last in ranges)
+        header = Header(self._seq, transfer_id, len(block_ids), ctx.layout, sum(sizes), sizes)
+        if not ctx.use_checksum:
+            conn.send(header)  # first of all: the receiver gets ready while we gather
         staged = channel.wire_device != channel.device
         host = self._staging.get(sum(sizes)) if staged else None
         in_flight: list[Any] = []  # chunks and their works stay alive until the ack
@@ -125,11 +128,12 @@ class SenderPair:
             ctx.stream.wait_stream(torch.cuda.current_stream(ctx.stream.device))
         with torch.cuda.stream(ctx.stream) if ctx.stream is not None else nullcontext():
             ids = torch.tensor(block_ids, dtype=torch.int64).to(channel.device)
-            parts = [gather_blocks(ctx.caches[a:b], ids) for a, b in ranges] if ctx.use_checksum else []  # fmt: skip
-            digest = checksum(torch.cat([as_bytes(p) for p in parts])) if parts else None
-            header = Header(self._seq, transfer_id, len(block_ids), ctx.layout, sum(sizes),
-                            sizes, digest)  # fmt: skip
-            conn.send(header)  # the receiver gets ready while we gather
+            parts = []
+            if ctx.use_checksum:  # debug mode: gather everything first, to checksum it
+                parts = [gather_blocks(ctx.caches[a:b], ids) for a, b in ranges]
+                digest = checksum(torch.cat([as_bytes(p) for p in parts]))
+                header = replace(header, checksum=digest)
+                conn.send(header)
             if after_header is not None:
                 after_header()
             offset = 0
