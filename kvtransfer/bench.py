@@ -8,6 +8,15 @@ Two processes (sender on GPU0, receiver on GPU1) hold Llama-3.1-8B-shaped caches
 blocks, header, send, receiver scatters + synchronizes, acknowledgement. Napkin math: a
 1024-token KV is 32*2*1024*8*128*2 B = 134 MB; at NCCL's ~350 GB/s NVLink P2P that is 0.38 ms
 on the wire, and the gather and the scatter each move it once more at HBM speed (~0.07 ms).
+
+Measured on 2 x H200 (NV18, torch 2.11, NCCL 2.28), medians of 20:
+  1024 tokens: raw send/recv 0.39 ms (347 GB/s); e2e 1.1-1.2 ms (110-121 GB/s)
+  4096 tokens: raw send/recv 1.46 ms (367 GB/s); e2e 2.4-2.5 ms (214-222 GB/s)
+  one GPU, two processes (Gloo, host staging): 34-41 ms / 130-150 ms (3.4-4.1 GB/s)
+A timeline of one 1024-token e2e transfer: header and receiver set-up ~0.35 ms (each
+gather/scatter call costs ~0.1-0.2 ms of CPU in its checks and a blocking host-to-device
+copy, each posted NCCL op ~50-80 us), wire 0.38 ms, last scatter ~0.2 ms, acknowledgement
+~0.05 ms.
 """
 
 from __future__ import annotations
@@ -101,7 +110,11 @@ def _child(conn: Connection, role: str, device_name: str, num_blocks: int) -> No
     if device.type == "cuda":
         torch.cuda.set_device(device)
     caches = make_caches(device, num_blocks)
-    rx = KvReceiver(caches, ReceiverOptions(io_timeout_s=120, connect_timeout_s=120)) if role == "receiver" else None  # fmt: skip
+    rx = (
+        KvReceiver(caches, ReceiverOptions(io_timeout_s=120, connect_timeout_s=120))
+        if role == "receiver"
+        else None
+    )
     senders: dict[int, KvSender] = {}  # by chunk size
     conn.send(rx.endpoint if rx is not None else "ready")
     handles: dict[str, Any] = {}
@@ -192,11 +205,19 @@ def _row(tokens: int, seconds: list[float], **extra: Any) -> dict[str, Any]:
     nbytes = tokens * LAYERS * 2 * HEADS * HEAD_DIM * 2
     med = statistics.median(seconds)
     p90 = sorted(seconds)[int(0.9 * (len(seconds) - 1))]
-    return {"tokens": tokens, "bytes": nbytes, "median_ms": med * 1e3, "p90_ms": p90 * 1e3,
-            "gbps": nbytes / med / 1e9, **extra}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "median_ms": med * 1e3,
+        "p90_ms": p90 * 1e3,
+        "gbps": nbytes / med / 1e9,
+        **extra,
+    }
 
 
-def run_pair(name: str, tx: str, rx: str, args: argparse.Namespace, raw: bool) -> list[dict[str, Any]]:  # fmt: skip
+def run_pair(
+    name: str, tx: str, rx: str, args: argparse.Namespace, raw: bool
+) -> list[dict[str, Any]]:
     rows = []
     pair = Pair(tx, rx, num_blocks=2 * max(args.tokens) // BLOCK)
     try:
@@ -222,8 +243,10 @@ def run_pair(name: str, tx: str, rx: str, args: argparse.Namespace, raw: bool) -
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'path':<32}{'tokens':>7}{'MB':>9}{'median ms':>11}{'p90 ms':>9}{'GB/s':>9}  ok")
     for r in rows:
-        print(f"{r['path']:<32}{r['tokens']:>7}{r['bytes'] / 1e6:>9.1f}{r['median_ms']:>11.3f}"
-              f"{r['p90_ms']:>9.3f}{r['gbps']:>9.1f}  {r.get('ok', '')}")  # fmt: skip
+        print(
+            f"{r['path']:<32}{r['tokens']:>7}{r['bytes'] / 1e6:>9.1f}{r['median_ms']:>11.3f}"
+            f"{r['p90_ms']:>9.3f}{r['gbps']:>9.1f}  {r.get('ok', '')}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,8 +256,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="smoke run on CPU over Gloo")
-    parser.add_argument("--chunk-mb", type=float, nargs="+", default=[64.0, 4096.0],
-                        help="pipeline chunk sizes to compare (4096: one chunk)")  # fmt: skip
+    parser.add_argument(
+        "--chunk-mb",
+        type=float,
+        nargs="+",
+        default=[128.0, 4096.0],
+        help="pipeline chunk sizes to compare (4096: one chunk)",
+    )
     parser.add_argument("--skip-same-gpu", action="store_true")
     args = parser.parse_args(argv)
     gpus = 0 if args.cpu else torch.cuda.device_count()
@@ -249,7 +277,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no GPU found: run with --cpu for a smoke run")
     print_table(rows)
     if args.json_out:
-        meta = {"torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)]}  # fmt: skip
+        meta = {
+            "torch": torch.__version__,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
+        }
         with open(args.json_out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
 

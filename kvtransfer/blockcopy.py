@@ -1,4 +1,4 @@
-"""Block gather/scatter: ``kernels.ops`` (Triton on CUDA) when present, else the torch references."""
+"""Block gather/scatter: ``kernels.ops`` (Triton on CUDA) if present, else the torch references."""
 
 from __future__ import annotations
 

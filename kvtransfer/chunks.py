@@ -13,10 +13,14 @@ LayerRange = tuple[int, int]  # [first, last) layers
 def plan_layers(num_layers: int, layer_bytes: int, chunk_bytes: int) -> list[LayerRange]:
     """Consecutive layer ranges of about ``chunk_bytes`` each (at least one layer per chunk)."""
     per_chunk = max(1, min(num_layers, chunk_bytes // max(layer_bytes, 1)))
-    return [(first, min(first + per_chunk, num_layers)) for first in range(0, num_layers, per_chunk)]  # fmt: skip
+    return [
+        (first, min(first + per_chunk, num_layers)) for first in range(0, num_layers, per_chunk)
+    ]
 
 
-def layer_ranges(sizes: tuple[int, ...], layer_bytes: int, num_layers: int) -> list[LayerRange] | None:  # fmt: skip
+def layer_ranges(
+    sizes: tuple[int, ...], layer_bytes: int, num_layers: int
+) -> list[LayerRange] | None:
     """The layer ranges that received chunk ``sizes`` cover; None unless each holds whole layers
     and together they hold exactly ``num_layers``."""
     ranges, first = [], 0

@@ -34,7 +34,7 @@ class SenderOptions:
     timeout_s: float = 10.0  # default deadline of one send(), connecting included
     checksum: bool = False  # debug mode: send a checksum of the data with each header
     gloo_interface: str = ""  # network interface for Gloo (default: the route to the receiver)
-    chunk_bytes: int = 64 << 20  # pipeline granularity (whole layers; at least one per chunk)
+    chunk_bytes: int = 128 << 20  # pipeline granularity (whole layers; at least one per chunk)
 
     def __post_init__(self) -> None:
         _check_common(self.timeout_s, self.timeout_s)

@@ -67,7 +67,9 @@ class ControlConn:
         """Whether the peer has hung up (non-blocking; pending messages are left unread)."""
         try:
             readable, _, _ = select.select([self._sock], [], [], 0)
-            return bool(readable) and self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # fmt: skip
+            return (
+                bool(readable) and self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            )
         except (OSError, ValueError):
             return True
 

@@ -66,7 +66,7 @@ def local_address_towards(host: str, port: int) -> str:
 
 
 def gloo_device(address: str, interface: str) -> Any:
-    """A Gloo transport device bound to ``interface`` or ``address``; '' for both: Gloo's default."""
+    """A Gloo transport device bound to ``interface`` or ``address`` (neither: Gloo's default)."""
     gloo = dist.ProcessGroupGloo
     if interface:
         return gloo.create_device(interface=interface)

@@ -158,13 +158,16 @@ class ExpectationRegistry:
                 if self._closed:
                     return "the KV receiver is closed"
                 if transfer_id in self._tombstones:
-                    return f"transfer {transfer_id!r} is no longer expected: {self._tombstones[transfer_id]}"  # fmt: skip
+                    reason = self._tombstones[transfer_id]
+                    return f"transfer {transfer_id!r} is no longer expected: {reason}"
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     return f"transfer {transfer_id!r} is not expected by this receiver"
                 self._cond.wait(remaining)
 
-    def complete(self, exp: Expectation, write: Callable[[], None], result: TransferResult) -> TransferResult:  # fmt: skip
+    def complete(
+        self, exp: Expectation, write: Callable[[], None], result: TransferResult
+    ) -> TransferResult:
         """Unless cancelled, run ``write`` (issuing or finishing the block writes), then resolve
         with ``result``; returns the final result (a cancellation may have won)."""
         with exp.write_lock:

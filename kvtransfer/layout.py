@@ -80,14 +80,17 @@ class KvLayout:
         first = kv_caches[0]
         if first.dim() != 5 or first.shape[0] != 2:
             raise ValueError(
-                f"each cache must be [2, num_blocks, block_size, heads, head_dim], got {tuple(first.shape)}"
+                "each cache must be [2, num_blocks, block_size, heads, head_dim], "
+                f"got {tuple(first.shape)}"
             )
         if first.dtype not in DTYPE_NAMES:
             raise ValueError(f"unsupported cache dtype {first.dtype}")
         for i, cache in enumerate(kv_caches):
             if cache.shape != first.shape or cache.dtype != first.dtype:
-                raise ValueError(f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype}, layer 0 is "
-                                 f"{tuple(first.shape)} {first.dtype}")  # fmt: skip
+                raise ValueError(
+                    f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype}, layer 0 is "
+                    f"{tuple(first.shape)} {first.dtype}"
+                )
             if cache.device != first.device:
                 raise ValueError(f"kv_caches[{i}] is on {cache.device}, layer 0 on {first.device}")
         _, _, block_size, heads, head_dim = first.shape

@@ -55,13 +55,23 @@ class KvReceiver:
         self._listener = listen(opts.host, opts.port)
         self.port: int = self._listener.getsockname()[1]
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._ctx = ReceiverContext(kv_caches, self.layout, DeviceInfo.of(device), self._registry,
-                                    self._counters, opts, stream, store_port)  # fmt: skip
+        self._ctx = ReceiverContext(
+            kv_caches,
+            self.layout,
+            DeviceInfo.of(device),
+            self._registry,
+            self._counters,
+            opts,
+            stream,
+            store_port,
+        )
         self._lock = threading.Lock()
         self._pairs: dict[str, ReceiverPair] = {}  # admitted, by sender id
         self._all: list[ReceiverPair] = []  # every pair thread started and maybe still running
         self._closed = False
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)  # fmt: skip
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="kv-accept", daemon=True
+        )
         self._accept_thread.start()
 
     @property
@@ -144,7 +154,10 @@ class KvReceiver:
         with self._lock:
             live = sum(p.alive for sid, p in self._pairs.items() if sid != hello.sender_id)
             if hello.protocol != PROTOCOL_VERSION:
-                return "", f"protocol {hello.protocol} unsupported (receiver speaks {PROTOCOL_VERSION})"  # fmt: skip
+                return (
+                    "",
+                    f"protocol {hello.protocol} unsupported (receiver speaks {PROTOCOL_VERSION})",
+                )
             if live >= self.options.max_pairs:
                 return "", f"receiver already serves {live} senders (max_pairs)"
             old = self._pairs.get(hello.sender_id)

@@ -122,9 +122,14 @@ class ReceiverPair:
         self._thread.name = f"kv-recv-{hello.sender_id}"
         store = dist.PrefixStore(pair_prefix(hello.sender_id, hello.gen), self._group_store)
         return PairChannel.open(
-            store, RECEIVER_RANK, backend, ctx.caches[0].device, deadline,
-            gloo_address=opts.host, gloo_interface=opts.gloo_interface,
-        )  # fmt: skip
+            store,
+            RECEIVER_RANK,
+            backend,
+            ctx.caches[0].device,
+            deadline,
+            gloo_address=opts.host,
+            gloo_interface=opts.gloo_interface,
+        )
 
     def _serve(self, channel: PairChannel) -> None:
         while not self._stopping.is_set():
@@ -143,8 +148,9 @@ class ReceiverPair:
         claim = ctx.registry.claim(header.transfer_id, ctx.options.unknown_grace_s)
         exp = claim if isinstance(claim, Expectation) else None
         problem = claim if isinstance(claim, str) else self._validate(header, claim)
-        layers = layer_ranges(header.chunks, header.nbytes // header.layout.num_layers,
-                              header.layout.num_layers)  # fmt: skip
+        layers = layer_ranges(
+            header.chunks, header.nbytes // header.layout.num_layers, header.layout.num_layers
+        )
         if not problem and layers is None:
             problem = f"transfer {header.transfer_id!r}: chunks do not hold whole layers"
         # a debug-mode checksum is verified before anything is written
@@ -179,8 +185,10 @@ class ReceiverPair:
         as it lands. Raises if the stream broke."""
         ctx = self._ctx
         if header.nbytes > ctx.options.max_transfer_bytes:
-            raise WireError(f"header announces {header.nbytes} bytes, more than the "
-                            f"{ctx.options.max_transfer_bytes} allowed")  # fmt: skip
+            raise WireError(
+                f"header announces {header.nbytes} bytes, more than the "
+                f"{ctx.options.max_transfer_bytes} allowed"
+            )
         deadline = time.monotonic() + ctx.options.io_timeout_s
         landing = Landing(channel, header.chunks, self._staging)
         works = landing.post()  # first of all: the sender may be sending already
@@ -198,20 +206,25 @@ class ReceiverPair:
         return not self._conn.peer_closed()
 
     @staticmethod
-    def _issue(exp: Expectation | None, writer: BlockWriter, chunk: torch.Tensor, layers: LayerRange) -> None:  # fmt: skip
+    def _issue(
+        exp: Expectation | None, writer: BlockWriter, chunk: torch.Tensor, layers: LayerRange
+    ) -> None:
         if exp is not None:
             exp.issue_write(lambda: writer.write(chunk, layers))
 
     def _validate(self, header: Header, exp: Expectation) -> str:
         expected = self._ctx.layout
         if diff := header.layout.mismatch(expected):
-            return f"KV layout mismatch for transfer {header.transfer_id!r} (sender != receiver): {diff}"  # fmt: skip
+            tid = header.transfer_id
+            return f"KV layout mismatch for transfer {tid!r} (sender != receiver): {diff}"
         reserved = len(exp.handle.block_ids)
         if header.num_blocks != reserved:
-            return (f"transfer {header.transfer_id!r} carries {header.num_blocks} blocks but "
-                    f"{reserved} were reserved")  # fmt: skip
+            return (
+                f"transfer {header.transfer_id!r} carries {header.num_blocks} blocks but "
+                f"{reserved} were reserved"
+            )
         if header.nbytes != expected.block_bytes * header.num_blocks:
-            return f"transfer {header.transfer_id!r}: {header.nbytes} bytes do not match its layout"  # fmt: skip
+            return f"transfer {header.transfer_id!r}: {header.nbytes} bytes do not match its layout"
         return ""
 
     def _finish(
@@ -225,8 +238,9 @@ class ReceiverPair:
         """Resolve the transfer: finish the writes and succeed, or fail; counts it either way."""
         ctx = self._ctx
         elapsed = time.monotonic() - start
-        result = TransferResult(header.transfer_id, not problem, problem, header.nbytes,
-                                elapsed, self.sender_id)  # fmt: skip
+        result = TransferResult(
+            header.transfer_id, not problem, problem, header.nbytes, elapsed, self.sender_id
+        )
         if exp is None:
             ctx.counters.add_failure()
             return result

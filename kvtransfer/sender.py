@@ -47,14 +47,23 @@ class KvSender:
         self._num_blocks = kv_caches[0].shape[1]
         device = kv_caches[0].device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._ctx = SenderContext(kv_caches, self.layout, self.sender_id, DeviceInfo.of(device),
-                                  stream, self.options.checksum, self.options.gloo_interface,
-                                  self.options.chunk_bytes)  # fmt: skip
+        self._ctx = SenderContext(
+            kv_caches,
+            self.layout,
+            self.sender_id,
+            DeviceInfo.of(device),
+            stream,
+            self.options.checksum,
+            self.options.gloo_interface,
+            self.options.chunk_bytes,
+        )
         self._counters = CounterBox()
         self._lock = threading.Lock()
         self._pairs: dict[str, tuple[threading.Lock, SenderPair]] = {}
         self._closed = False
-        self._after_header: Callable[[], None] | None = None  # test hook: runs between header and data  # fmt: skip
+        self._after_header: Callable[[], None] | None = (
+            None  # test hook: runs between header and data
+        )
 
     def send(
         self,
@@ -73,8 +82,10 @@ class KvSender:
         lock, pair = self._pair(endpoint)
         if not lock.acquire(timeout=timeout):
             self._counters.add_failure()
-            raise TransferError(f"KV transfer {transfer_id!r} to {endpoint} waited {timeout:.1f} s "
-                                "behind earlier transfers to the same receiver")  # fmt: skip
+            raise TransferError(
+                f"KV transfer {transfer_id!r} to {endpoint} waited {timeout:.1f} s "
+                "behind earlier transfers to the same receiver"
+            )
         try:
             nbytes = self._send_locked(pair, transfer_id, block_ids, start + timeout)
         finally:
@@ -114,7 +125,9 @@ class KvSender:
                 entry = self._pairs[endpoint] = (threading.Lock(), SenderPair(endpoint, self._ctx))
             return entry
 
-    def _send_locked(self, pair: SenderPair, transfer_id: str, block_ids: list[int], deadline: float) -> int:  # fmt: skip
+    def _send_locked(
+        self, pair: SenderPair, transfer_id: str, block_ids: list[int], deadline: float
+    ) -> int:
         error = ""
         try:
             if not pair.connected:
@@ -122,9 +135,13 @@ class KvSender:
             return pair.transfer(transfer_id, block_ids, deadline, self._after_header)
         except TransferRejected as e:
             error = str(e)
+        except TransferError as e:
+            pair.close(farewell=True)
+            error = str(e)
         except Exception as e:
             pair.close(farewell=True)
-            error = str(e) if isinstance(e, TransferError) else (
-                f"KV transfer {transfer_id!r} to {pair.endpoint} failed: {type(e).__name__}: {e}")  # fmt: skip
+            error = (
+                f"KV transfer {transfer_id!r} to {pair.endpoint} failed: {type(e).__name__}: {e}"
+            )
         self._counters.add_failure()
         raise TransferError(error)

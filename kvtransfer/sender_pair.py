@@ -91,11 +91,14 @@ class SenderPair:
             timeout = timedelta(seconds=_seconds(deadline))
             client = dist.TCPStore(self.host, welcome.store_port, None, False, timeout)
             self._channel = PairChannel.open(
-                dist.PrefixStore(pair_prefix(ctx.sender_id, gen), client), SENDER_RANK,
-                welcome.backend, ctx.caches[0].device, deadline,
+                dist.PrefixStore(pair_prefix(ctx.sender_id, gen), client),
+                SENDER_RANK,
+                welcome.backend,
+                ctx.caches[0].device,
+                deadline,
                 gloo_address=local_address_towards(self.host, self.port),
                 gloo_interface=ctx.gloo_interface,
-            )  # fmt: skip
+            )
         except BaseException:
             conn.close()
             raise
@@ -150,8 +153,9 @@ class SenderPair:
         try:
             ack = conn.recv(_seconds(deadline))
         except TimeoutError:
-            raise TransferError(f"no acknowledgement from the KV receiver at {self.endpoint} "
-                                f"within the deadline") from None  # fmt: skip
+            raise TransferError(
+                f"no acknowledgement from the KV receiver at {self.endpoint} within the deadline"
+            ) from None
         except ConnectionClosed as e:
             raise TransferError(f"KV receiver at {self.endpoint} is gone: {e}") from None
         if not isinstance(ack, Ack) or ack.seq != header.seq:
@@ -159,8 +163,10 @@ class SenderPair:
         if ack.broken:
             raise TransferError(f"KV receiver at {self.endpoint}: {ack.error}")
         if not ack.ok:
-            raise TransferRejected(f"KV receiver at {self.endpoint} rejected transfer "
-                                   f"{header.transfer_id!r}: {ack.error}")  # fmt: skip
+            raise TransferRejected(
+                f"KV receiver at {self.endpoint} rejected transfer "
+                f"{header.transfer_id!r}: {ack.error}"
+            )
         return header.nbytes
 
     def close(self, farewell: bool = True) -> None:

@@ -43,7 +43,9 @@ def to_wire(data: torch.Tensor, wire: torch.device, host: torch.Tensor | None) -
     return host
 
 
-def alloc_wire(nbytes: int, wire: torch.device, device: torch.device, staging: HostStaging) -> torch.Tensor:  # fmt: skip
+def alloc_wire(
+    nbytes: int, wire: torch.device, device: torch.device, staging: HostStaging
+) -> torch.Tensor:
     """A receive buffer of ``nbytes`` on ``wire`` (staged host memory when ``device`` differs)."""
     if wire.type == "cpu" and device.type == "cuda":
         return staging.get(nbytes)

@@ -25,9 +25,14 @@ def serve_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, 
         sock.close()
         raise
     store = dist.TCPStore(
-        host, bound, None, True, timedelta(seconds=timeout_s),
-        wait_for_workers=False, master_listen_fd=sock.detach(),
-    )  # fmt: skip
+        host,
+        bound,
+        None,
+        True,
+        timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
     return store, bound
 
 

@@ -94,16 +94,33 @@ Message = Hello | Welcome | Header | Control | Ack
 def encode(msg: Message) -> bytes:
     doc: dict[str, Any]
     if isinstance(msg, Hello):
-        doc = {"t": "hello", "sender_id": msg.sender_id, "gen": msg.gen,
-               "device": msg.device.to_json(), "protocol": msg.protocol}  # fmt: skip
+        doc = {
+            "t": "hello",
+            "sender_id": msg.sender_id,
+            "gen": msg.gen,
+            "device": msg.device.to_json(),
+            "protocol": msg.protocol,
+        }
     elif isinstance(msg, Welcome):
         device = msg.device.to_json() if msg.device else None
-        doc = {"t": "welcome", "backend": msg.backend, "device": device,
-               "store_port": msg.store_port, "error": msg.error}  # fmt: skip
+        doc = {
+            "t": "welcome",
+            "backend": msg.backend,
+            "device": device,
+            "store_port": msg.store_port,
+            "error": msg.error,
+        }
     elif isinstance(msg, Header):
-        doc = {"t": "header", "seq": msg.seq, "transfer_id": msg.transfer_id,
-               "num_blocks": msg.num_blocks, "layout": msg.layout.to_json(),
-               "nbytes": msg.nbytes, "chunks": list(msg.chunks), "checksum": msg.checksum}  # fmt: skip
+        doc = {
+            "t": "header",
+            "seq": msg.seq,
+            "transfer_id": msg.transfer_id,
+            "num_blocks": msg.num_blocks,
+            "layout": msg.layout.to_json(),
+            "nbytes": msg.nbytes,
+            "chunks": list(msg.chunks),
+            "checksum": msg.checksum,
+        }
     elif isinstance(msg, Control):
         doc = {"t": msg.kind}
     else:
@@ -165,8 +182,9 @@ def _header(doc: dict[str, Any]) -> Header:
     if sum(sizes) != nbytes:
         raise WireError(f"chunk sizes add up to {sum(sizes)}, not nbytes {nbytes}")
     layout = KvLayout.from_json(doc["layout"])
-    return Header(_int(doc, "seq", 1), tid, _int(doc, "num_blocks", 1), layout, nbytes, sizes,
-                  checksum)  # fmt: skip
+    return Header(
+        _int(doc, "seq", 1), tid, _int(doc, "num_blocks", 1), layout, nbytes, sizes, checksum
+    )
 
 
 def _ack(doc: dict[str, Any]) -> Ack:

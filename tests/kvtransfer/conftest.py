@@ -30,8 +30,12 @@ class Peer:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.kvtransfer.peer", role],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
@@ -92,9 +96,12 @@ def peers() -> Iterator[list[Peer]]:
             p.close()
 
 
-def add_sender(peer: Peer, sender_id: str, seed: int, num_blocks: int = 12, device: str = "cpu", **layout: int) -> None:  # fmt: skip
-    reply = peer.call(op="sender", id=sender_id, seed=seed, num_blocks=num_blocks, layout=layout,
-                      device=device)  # fmt: skip
+def add_sender(
+    peer: Peer, sender_id: str, seed: int, num_blocks: int = 12, device: str = "cpu", **layout: int
+) -> None:
+    reply = peer.call(
+        op="sender", id=sender_id, seed=seed, num_blocks=num_blocks, layout=layout, device=device
+    )
     assert reply == {"ok": True}
 
 

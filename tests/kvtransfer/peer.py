@@ -23,7 +23,9 @@ from kvtransfer import KvReceiver, KvSender, ReceiverOptions, SenderOptions
 LAYOUT = {"num_layers": 3, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
 
 
-def make_caches(seed: int, num_blocks: int, layout: dict[str, int] | None = None, zero: bool = False) -> list[torch.Tensor]:  # fmt: skip
+def make_caches(
+    seed: int, num_blocks: int, layout: dict[str, int] | None = None, zero: bool = False
+) -> list[torch.Tensor]:
     """Deterministic per-layer caches [2, num_blocks, block_size, heads, head_dim] (float32)."""
     lay = {**LAYOUT, **(layout or {})}
     gen = torch.Generator().manual_seed(seed)
@@ -82,7 +84,9 @@ def run_receiver() -> None:
         cmd = json.loads(line)
         if cmd["op"] != "expect":
             break
-        handles[cmd["transfer_id"]] = receiver.expect(cmd["transfer_id"], cmd["blocks"], cmd["deadline"])  # fmt: skip
+        handles[cmd["transfer_id"]] = receiver.expect(
+            cmd["transfer_id"], cmd["blocks"], cmd["deadline"]
+        )
         _emit({"ok": True})
     receiver.close()
 

@@ -29,15 +29,28 @@ def test_nccl_pair_round_trips_and_survives_a_sender_killed_mid_transfer():
         try:
             add_sender(victim.started(), "gpu-pf", seed=1, device="cuda:0")
             handle = rx.expect("g1", [0, 5, 2], deadline_s=60)
-            reply = victim.call(op="send", id="gpu-pf", endpoint=rx.endpoint, transfer_id="g1",
-                                blocks=[3, 7, 1], timeout=60)  # fmt: skip
+            reply = victim.call(
+                op="send",
+                id="gpu-pf",
+                endpoint=rx.endpoint,
+                transfer_id="g1",
+                blocks=[3, 7, 1],
+                timeout=60,
+            )
             assert reply["ok"], reply
             assert handle.wait(5).ok
             got = [c.cpu() for c in blocks(rx_caches, [0, 5, 2])]
             assert_blocks_equal(got, blocks(make_caches(1, 12), [3, 7, 1]))
             handle = rx.expect("g2", [4], deadline_s=60)
-            victim.write(op="send", id="gpu-pf", endpoint=rx.endpoint, transfer_id="g2",
-                         blocks=[2], timeout=60, pause_after_header=60)  # fmt: skip
+            victim.write(
+                op="send",
+                id="gpu-pf",
+                endpoint=rx.endpoint,
+                transfer_id="g2",
+                blocks=[2],
+                timeout=60,
+                pause_after_header=60,
+            )
             assert victim.read(30) == {"event": "header_sent"}
             start = time.monotonic()
             victim.kill()
@@ -47,8 +60,14 @@ def test_nccl_pair_round_trips_and_survives_a_sender_killed_mid_transfer():
             assert not rx_caches[0][:, 4].any()
             add_sender(successor.started(), "gpu-pf", seed=2, device="cuda:0")
             handle = rx.expect("g3", [4], deadline_s=60)
-            reply = successor.call(op="send", id="gpu-pf", endpoint=rx.endpoint, transfer_id="g3",
-                                   blocks=[6], timeout=60)  # fmt: skip
+            reply = successor.call(
+                op="send",
+                id="gpu-pf",
+                endpoint=rx.endpoint,
+                transfer_id="g3",
+                blocks=[6],
+                timeout=60,
+            )
             assert reply["ok"], reply
             assert handle.wait(5).ok
             got = [c.cpu() for c in blocks(rx_caches, [4])]
@@ -62,7 +81,10 @@ def test_nccl_pair_round_trips_and_survives_a_sender_killed_mid_transfer():
 def test_two_ends_on_one_gpu_go_through_host_staging():
     src = make_caches(3, 12)
     rx_caches = on("cuda:0", make_caches(0, 16, zero=True))
-    with KvReceiver(rx_caches) as rx, KvSender(on("cuda:0", src), "same-gpu", SenderOptions(chunk_bytes=1)) as tx:  # fmt: skip
+    with (
+        KvReceiver(rx_caches) as rx,
+        KvSender(on("cuda:0", src), "same-gpu", SenderOptions(chunk_bytes=1)) as tx,
+    ):
         handle = rx.expect("s1", [9, 1], deadline_s=30)
         tx.send(rx.endpoint, "s1", [0, 11], timeout_s=30)
         assert handle.wait(5).ok

@@ -34,7 +34,10 @@ def test_non_uniform_or_odd_caches_are_refused(caches):
 def test_mismatch_names_each_differing_field():
     a = KvLayout(2, 16, 8, 128, "bfloat16")
     assert a.mismatch(a) == ""
-    assert a.mismatch(KvLayout(2, 16, 8, 64, "float16")) == "head_dim 128 != 64, dtype bfloat16 != float16"  # fmt: skip
+    assert (
+        a.mismatch(KvLayout(2, 16, 8, 64, "float16"))
+        == "head_dim 128 != 64, dtype bfloat16 != float16"
+    )
 
 
 @pytest.mark.parametrize("ids", [[], [-1], [10], [1, 1], [True]])

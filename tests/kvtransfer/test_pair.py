@@ -29,7 +29,9 @@ def channels() -> Iterator[tuple[PairChannel, PairChannel]]:
 
     def build(rank: int) -> None:
         client = dist.PrefixStore(prefix, clone(store, timedelta(seconds=5)))
-        ends[rank] = PairChannel.open(client, rank, GLOO, CPU, time.monotonic() + 5, gloo_address="127.0.0.1")  # fmt: skip
+        ends[rank] = PairChannel.open(
+            client, rank, GLOO, CPU, time.monotonic() + 5, gloo_address="127.0.0.1"
+        )
 
     threads = [threading.Thread(target=build, args=(r,)) for r in (SENDER_RANK, RECEIVER_RANK)]
     for t in threads:

@@ -16,9 +16,18 @@ from tests.kvtransfer.peer import make_caches
 pytestmark = pytest.mark.timeout(120)
 
 
-def send(peer: Peer, rx: KvReceiver, sender_id: str, tid: str, ids: list[int], **extra: object) -> dict:  # fmt: skip
-    return peer.call(op="send", id=sender_id, endpoint=rx.endpoint, transfer_id=tid, blocks=ids,
-                     timeout=10, **extra)  # fmt: skip
+def send(
+    peer: Peer, rx: KvReceiver, sender_id: str, tid: str, ids: list[int], **extra: object
+) -> dict:
+    return peer.call(
+        op="send",
+        id=sender_id,
+        endpoint=rx.endpoint,
+        transfer_id=tid,
+        blocks=ids,
+        timeout=10,
+        **extra,
+    )
 
 
 def untouched(caches: list[torch.Tensor], ids: list[int]) -> bool:
@@ -48,8 +57,14 @@ def test_many_transfers_from_two_concurrent_senders_all_land(peers, receiver, rx
         plan = {"ca": ([r, r + 1], [2 * (r % 4), 2 * (r % 4) + 1]), "cb": ([11 - r], [8 + r])}
         handles = {sid: receiver.expect(f"{sid}-{r}", dst, 10) for sid, (_, dst) in plan.items()}
         for peer, (sid, (ids, _)) in zip(peers, plan.items(), strict=True):
-            peer.write(op="send", id=sid, endpoint=receiver.endpoint, transfer_id=f"{sid}-{r}",
-                       blocks=ids, timeout=10)  # fmt: skip
+            peer.write(
+                op="send",
+                id=sid,
+                endpoint=receiver.endpoint,
+                transfer_id=f"{sid}-{r}",
+                blocks=ids,
+                timeout=10,
+            )
         assert all(peer.read(30)["ok"] for peer in peers)
         for sid, (ids, dst) in plan.items():
             result = handles[sid].wait(5)
@@ -59,7 +74,9 @@ def test_many_transfers_from_two_concurrent_senders_all_land(peers, receiver, rx
     assert receiver.senders() == ["ca", "cb"]
 
 
-def test_unknown_and_cancelled_transfers_are_drained_and_the_stream_stays_usable(peers, receiver, rx_caches):  # fmt: skip
+def test_unknown_and_cancelled_transfers_are_drained_and_the_stream_stays_usable(
+    peers, receiver, rx_caches
+):
     add_sender(peers[0], "un", seed=4)
     reply = send(peers[0], receiver, "un", "ghost", [1, 2])
     assert not reply["ok"] and "not expected" in reply["error"]
@@ -78,7 +95,9 @@ def test_unknown_and_cancelled_transfers_are_drained_and_the_stream_stays_usable
     assert (receiver.stats().transfers, receiver.stats().failures) == (1, 2)
 
 
-def test_layout_or_block_count_mismatch_fails_clearly_and_the_pair_survives(peers, receiver, rx_caches):  # fmt: skip
+def test_layout_or_block_count_mismatch_fails_clearly_and_the_pair_survives(
+    peers, receiver, rx_caches
+):
     add_sender(peers[1], "wide", seed=5, head_dim=16)
     handle = receiver.expect("w1", [1], 10)
     reply = send(peers[1], receiver, "wide", "w1", [0])
@@ -101,8 +120,15 @@ def test_killed_sender_fails_its_transfer_fast_and_its_restart_reconnects(receiv
     try:
         add_sender(victim.started(), "pf", seed=7)
         handle = receiver.expect("k1", [3], deadline_s=60)
-        victim.write(op="send", id="pf", endpoint=receiver.endpoint, transfer_id="k1",
-                     blocks=[2], timeout=60, pause_after_header=60)  # fmt: skip
+        victim.write(
+            op="send",
+            id="pf",
+            endpoint=receiver.endpoint,
+            transfer_id="k1",
+            blocks=[2],
+            timeout=60,
+            pause_after_header=60,
+        )
         assert victim.read(30) == {"event": "header_sent"}
         start = time.monotonic()
         victim.kill()
@@ -175,3 +201,32 @@ def test_close_fails_pending_handles_stops_threads_and_frees_the_port(rx_caches)
         socket.create_connection(("127.0.0.1", rx.port), timeout=1).close()
     with pytest.raises(RuntimeError, match="closed"):
         rx.expect("after", [0], 1)
+
+
+def test_a_sender_that_hangs_up_is_dropped_at_once(rx_caches):
+    with KvReceiver(rx_caches) as rx:
+        tx = KvSender(make_caches(12, 12), "brief")
+        handle = rx.expect("t", [0], 10)
+        tx.send(rx.endpoint, "t", [1], timeout_s=10)
+        assert handle.wait(5).ok and rx.senders() == ["brief"]
+        tx.close()
+        deadline = time.monotonic() + 2
+        while rx.senders() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx.senders() == []
+
+
+def test_senders_beyond_max_pairs_are_refused_with_a_reason(rx_caches):
+    with (
+        KvReceiver(rx_caches, ReceiverOptions(max_pairs=1)) as rx,
+        KvSender(make_caches(13, 12), "first") as first,
+        KvSender(make_caches(14, 12), "second") as second,
+    ):
+        handle = rx.expect("a", [0], 10)
+        first.send(rx.endpoint, "a", [1], timeout_s=10)
+        assert handle.wait(5).ok
+        with pytest.raises(TransferError, match="max_pairs"):
+            second.send(rx.endpoint, "b", [1], timeout_s=10)
+        handle = rx.expect("c", [2], 10)
+        first.send(rx.endpoint, "c", [3], timeout_s=10)  # the admitted sender is unaffected
+        assert handle.wait(5).ok

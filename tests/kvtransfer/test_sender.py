@@ -91,7 +91,10 @@ def test_a_closed_sender_refuses_new_sends():
 
 def test_a_checksum_mismatch_is_refused_before_anything_is_written(rx_caches, monkeypatch):
     monkeypatch.setattr("kvtransfer.sender_pair.checksum", lambda data: 12345)
-    with KvReceiver(rx_caches) as rx, KvSender(make_caches(6, 12), "bad", SenderOptions(checksum=True)) as tx:  # fmt: skip
+    with (
+        KvReceiver(rx_caches) as rx,
+        KvSender(make_caches(6, 12), "bad", SenderOptions(checksum=True)) as tx,
+    ):
         handle = rx.expect("t", [3], deadline_s=10)
         with pytest.raises(TransferError, match="checksum mismatch"):
             tx.send(rx.endpoint, "t", [1], timeout_s=10)

@@ -19,7 +19,7 @@ from kvtransfer.wire import (
     checksum,
     decode,
     encode,
-)  # fmt: skip
+)
 
 LAYOUT = KvLayout(32, 16, 8, 128, "bfloat16")
 
