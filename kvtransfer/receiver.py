@@ -88,7 +88,8 @@ class KvReceiver:
         return self._registry.expect(transfer_id, block_ids, deadline_s)
 
     def cancel(self, transfer_id: str) -> bool:
-        """Stop expecting ``transfer_id``; True if it was still pending or in flight."""
+        """Stop expecting ``transfer_id``; True if it was still pending or in flight. May block
+        briefly: it returns once the block writes already issued for it have finished."""
         return self._registry.cancel(transfer_id)
 
     def pending(self) -> int:
