@@ -60,6 +60,7 @@ def ref_paged_decode_attention(
     pos = torch.arange(max_len, device=q.device)
     mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    v = v.masked_fill(mask[:, :, None, None], 0.0)  # unwritten slots may hold NaN
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, v)
     return out.reshape(B, Hq, D).to(q.dtype)

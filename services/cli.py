@@ -105,6 +105,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--otlp-endpoint", default=None)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get after SIGTERM",
+    )
     p.add_argument("--ready-file", default=None)
 
 
@@ -179,6 +185,7 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
         b.add_argument("--json-out", default=None)
     k = bsub.add_parser("kernels", help="Triton kernels against the roofline (GPU)")
     k.add_argument("--json-out", default=None)
+    k.add_argument("--check", action="store_true", help="correctness vs the torch references (GPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

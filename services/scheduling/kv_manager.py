@@ -60,14 +60,25 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        self.pool.queries += request.num_prompt_tokens
-        self.pool.hits += len(hit) * self.block_size
         return hit
 
+    def record_prefix_query(self, request: Request, num_cached_tokens: int) -> None:
+        """Count one admission in the prefix-cache metrics (not every failed attempt)."""
+        self.pool.queries += request.num_tokens
+        self.pool.hits += num_cached_tokens
+
     def allocate(
-        self, request: Request, num_new_tokens: int, cached: list[Block] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: list[Block] | None = None,
+        *,
+        register: bool = True,
     ) -> bool:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones; False if full."""
+        """Make room for ``num_new_tokens`` more tokens after the computed ones; False if full.
+
+        ``register=False`` keeps the new blocks out of the prefix cache (KV still in flight).
+        """
         table = self._tables.get(request.request_id, [])
         cached = cached or []
         total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
@@ -78,14 +89,16 @@ class KVCacheManager:
         self.pool.touch(cached)
         table = table + cached + self.pool.allocate(max(need, 0))
         self._tables[request.request_id] = table
-        self._cache_full_blocks(request, table, total)
+        if register:
+            self._cache_full_blocks(request, table, total)
         return True
 
     def _cache_full_blocks(self, request: Request, table: list[Block], num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
         known = min(num_tokens, request.num_tokens)
-        hashes = self._block_hashes(request, known)
+        # the memo may hold hashes past ``known`` (find_cached_prefix hashes the whole prompt)
+        hashes = self._block_hashes(request, known)[: known // self.block_size]
         for block, h in zip(table, hashes, strict=False):
             self.pool.cache(block, h)
 

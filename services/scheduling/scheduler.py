@@ -29,17 +29,24 @@ class Scheduler:
 
     # ---- admission and removal -------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.held:
+        rid = request.request_id
+        if rid in self.requests or rid in self.held or rid in self.reserved:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
-        if req is None:
-            return self.release(request_id)
-        self._finish(req, FinishReason.ABORT)
-        return req
+        if req is not None:
+            self._finish(req, FinishReason.ABORT)
+            return req
+        reserved = self.reserved.get(request_id)
+        if reserved is not None:
+            self.cancel_reservation(request_id)
+            reserved.status = RequestStatus.FINISHED
+            reserved.finish_reason = FinishReason.ABORT
+            return reserved
+        return self.release(request_id)
 
     def finish(self, request_id: str, reason: FinishReason, stop_reason: str | None = None) -> None:
         """Finish a request for a reason found outside the scheduler (a stop string)."""
@@ -53,7 +60,8 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests or rid in self.held or rid in self.reserved:
             raise ValueError(f"request id {rid!r} is already in use")
-        if not self.kv.allocate(request, request.num_prompt_tokens):
+        # not registered as a prefix: the KV is not there until activate()
+        if not self.kv.allocate(request, request.num_prompt_tokens, register=False):
             return False
         self.reserved[rid] = request
         return True
@@ -64,7 +72,12 @@ class Scheduler:
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids = list(output_token_ids)
         self.requests[request_id] = req
-        self.waiting.append(req)
+        last = req.output_token_ids[-1] if req.output_token_ids else None
+        reason = req.check_stop(last) if last is not None else None
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            self.waiting.append(req)
         return req
 
     def cancel_reservation(self, request_id: str) -> bool:
@@ -111,26 +124,33 @@ class Scheduler:
         return min(n, budget)
 
     def _preempt_victim(self) -> Request:
-        return max(self.running, key=self._order_key)
+        # activated requests waiting for a seat hold KV too; sparing them can livelock the pool
+        holders = [r for r in self.waiting if r.num_computed_tokens > 0]
+        return max([*self.running, *holders], key=self._order_key)
 
     def _preempt(self, victim: Request) -> None:
-        self.running.remove(victim)
+        if victim in self.running:
+            self.running.remove(victim)
+            self.waiting.append(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(victim)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         self.running.sort(key=self._order_key)
+        # a token of budget is kept for each running decode, so no (re)prefill starves them
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         for req in list(self.running):
             if req not in self.running or budget <= 0:
                 continue
-            n = self._num_new_tokens(req, budget)
+            is_decode = req.num_tokens - req.num_computed_tokens == 1
+            decodes_left -= is_decode
+            n = self._num_new_tokens(req, budget if is_decode else budget - decodes_left)
             if n <= 0:
                 continue
             while not self.kv.allocate(req, n):
@@ -143,11 +163,13 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
         if not out.preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, out.preempted)
         out.requests = [self._to_scheduled(req, n) for req, n in scheduled]
         return out
 
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+    def _admit_waiting(
+        self, budget: int, scheduled: list[tuple[Request, int]], preempted: list[str]
+    ) -> int:
         self.waiting.sort(key=self._order_key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -157,10 +179,18 @@ class Scheduler:
             if self.config.long_prefill_token_threshold > 0:
                 n = min(n, self.config.long_prefill_token_threshold)
             if not self.kv.allocate(req, n, cached):
-                break
+                # requests queued behind the head may hold KV (activated): free theirs first
+                holders = [r for r in self.waiting[1:] if r.num_computed_tokens > 0]
+                if not holders:
+                    break
+                victim = max(holders, key=self._order_key)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                continue
             self.waiting.pop(0)
-            if req.num_preemptions == 0 or req.num_computed_tokens == 0:
-                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+            self.kv.record_prefix_query(req, num_cached)
+            if req.num_preemptions == 0:  # a recompute's hits are not prompt-cache hits
+                req.num_cached_tokens = num_cached
             req.num_computed_tokens += num_cached
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
-from hypothesis import HealthCheck, Phase, event, given, note, settings
+from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from services.scheduling.request import FinishReason, Request, RequestStatus
@@ -210,18 +209,11 @@ def test_random_local_traffic_without_prefix_caching(
     run_traffic(requests, data.draw(configs(requests, caching=False)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler bugs: a partly computed block is registered as a prefix; activated "
-    "requests holding KV in the waiting queue livelock/deadlock the pool (see the lead's report)",
-)
 @given(requests=specs(), data=st.data())
 @settings(
     max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
-    derandomize=True,  # with the xfail: fail on every run; drop both once fixed
-    phases=[Phase.explicit, Phase.generate],  # no shrinking while it is known to fail
 )
 def test_random_traffic_with_prefix_caching_and_reservations(
     requests: list[Spec], data: st.DataObject

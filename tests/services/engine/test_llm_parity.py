@@ -1,0 +1,88 @@
+"""Our engine against transformers on the embedded SmolLM2 weights (float32, greedy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine.llm import LLM
+from services.scheduling.sampling_params import SamplingParams
+from tests.services.engine.conftest import CHAT_PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+
+
+def _strip_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def test_prompt_ids_equal_transformers_chat_template(
+    llm: LLM, chat_ids: list[list[int]], hf_model: tuple
+) -> None:
+    _, tok = hf_model
+    for prompt, ids in zip(CHAT_PROMPTS, chat_ids, strict=True):
+        ref = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        assert ids == list(ref)
+
+
+def test_greedy_matches_transformers(
+    llm: LLM, chat_ids: list[list[int]], hf_greedy, hf_model: tuple
+) -> None:
+    eos = hf_model[1].eos_token_id
+    ours = _tokens(llm, chat_ids)
+    for prompt, ids, got in zip(CHAT_PROMPTS, chat_ids, ours, strict=True):
+        want = _strip_eos(hf_greedy(ids, 64), eos)
+        assert got == want, f"diverged on {prompt!r}"
+
+
+def test_capital_of_france(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill-16"),
+        pytest.param({"enable_prefix_caching": False}, id="no-prefix-caching"),
+        pytest.param(
+            {"num_blocks": 10, "max_model_len": 160, "enable_prefix_caching": False},
+            id="tiny-pool-preempts",
+        ),
+    ],
+)
+def test_same_outputs_under_engine_knobs(llm: LLM, chat_ids: list[list[int]], knobs: dict) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    reference = _tokens(llm, chat_ids, params)
+    other = LLM("embedded", **knobs)
+    assert _tokens(other, chat_ids, params) == reference
+    stats = other.engine.stats()
+    if "num_blocks" in knobs:
+        assert stats.num_preemptions > 0, "the tiny pool was meant to force preemption"
+    assert other.engine.kv.all_free() or stats.free_blocks == stats.total_blocks
+
+
+def test_batched_equals_one_at_a_time(llm: LLM, chat_ids: list[list[int]]) -> None:
+    prompts = (chat_ids * 2)[:16]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    batched = _tokens(llm, prompts, params)
+    single = [_tokens(llm, [p], params)[0] for p in prompts[:3]]
+    assert batched[:3] == single
+    assert batched[:8] == batched[8:]
+
+
+def test_prefix_cache_hits_on_shared_system_prompt(chat_ids: list[list[int]]) -> None:
+    fresh = LLM("embedded")
+    short = SamplingParams(temperature=0.0, max_tokens=4)
+    fresh.generate([chat_ids[0]], short)
+    before = fresh.engine.stats().prefix_cache_hits
+    res = fresh.generate([chat_ids[1]], short)
+    assert res[0].num_cached_tokens >= 16  # the default system prompt spans whole blocks
+    assert fresh.engine.stats().prefix_cache_hits > before
+    assert fresh.engine.stats().free_blocks == fresh.engine.stats().total_blocks
