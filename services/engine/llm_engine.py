@@ -137,13 +137,41 @@ class LLMEngine:
         req = self._request(request_id, prompt_token_ids, params, priority, False)
         return self.kv.block_ids(request_id) if self.scheduler.reserve(req) else None
 
-    def activate(self, request_id: str, output_token_ids: list[int]) -> None:
+    def reserve_for(
+        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+    ) -> list[int] | None:
+        """Reserve before the prompt itself is known (the ids come with ``activate``)."""
+        return self.reserve(request_id, [0] * num_prompt_tokens, params)
+
+    def activate(
+        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+        params: SamplingParams | None = None,
+    ) -> RequestOutput | None:  # fmt: skip
+        """The reserved prompt's KV has arrived; returns a final output if nothing is left to do."""
+        reserved = self.scheduler.reserved.get(request_id)
+        if reserved is None:
+            raise KeyError(f"no reservation {request_id!r}")
+        if len(prompt_token_ids) != reserved.num_prompt_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens but {reserved.num_prompt_tokens} "
+                "were reserved", "prompt_token_ids",
+            )  # fmt: skip
+        self.validate(prompt_token_ids, params or reserved.sampling_params)
+        reserved.prompt_token_ids = list(prompt_token_ids)
+        if params is not None:
+            reserved.sampling_params = params
         req = self.scheduler.activate(request_id, output_token_ids)
         self._track(req)
         det = self._detok[request_id]
         for t in output_token_ids:
             det.add(t)
         det.release(True)  # the prefill worker already sent this text
+        if req.finished:
+            self._detok.pop(request_id, None)
+            reason = req.finish_reason.value if req.finish_reason else None
+            return RequestOutput(request_id, [], "", True, reason, req.stop_reason,
+                                 req.num_prompt_tokens, 0)  # fmt: skip
+        return None
 
     def cancel_reservation(self, request_id: str) -> bool:
         return self.scheduler.cancel_reservation(request_id)

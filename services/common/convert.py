@@ -1,0 +1,103 @@
+"""The one place where protobuf meets the workers' plain dataclasses."""
+
+from __future__ import annotations
+
+from protos import common_pb2
+from services.engine.llm_engine import EngineStats
+from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.scheduling.sampling_params import SamplingParams
+
+FINISH = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError for values out of range."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.top_p else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty else 1.0,
+        max_tokens=msg.max_tokens if msg.max_tokens else 16,
+        min_tokens=msg.min_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens,
+    )
+
+
+def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens,
+        min_tokens=sp.min_tokens, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos, include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens,
+    )  # fmt: skip
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
+    return msg
+
+
+def _lp(t: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
+
+
+def _pos(p: PositionLogprobs) -> common_pb2.PositionLogprobs:
+    return common_pb2.PositionLogprobs(chosen=_lp(p.chosen), top=[_lp(t) for t in p.top])
+
+
+def output_to_chunk(
+    out: RequestOutput, finished: bool | None = None, timing: common_pb2.Timing | None = None
+) -> common_pb2.TokenChunk:
+    done = out.finished if finished is None else finished
+    return common_pb2.TokenChunk(
+        request_id=out.request_id,
+        token_ids=out.token_ids,
+        text=out.text,
+        logprobs=[_pos(p) for p in out.logprobs],
+        finish_reason=FINISH[out.finish_reason if done else None],
+        stop_reason="" if out.stop_reason is None or not done else str(out.stop_reason),
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        timing=timing,
+        error=out.error or "",
+    )
+
+
+def error_chunk(request_id: str, message: str) -> common_pb2.TokenChunk:
+    return common_pb2.TokenChunk(
+        request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=message
+    )
+
+
+def stats_to_load(stats: EngineStats, **extra: object) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_reserved=stats.num_reserved,
+        free_blocks=stats.free_blocks,
+        total_blocks=stats.total_blocks,
+        kv_cache_usage=stats.kv_cache_usage,
+        prompt_tokens=stats.prompt_tokens,
+        generation_tokens=stats.generation_tokens,
+        num_preemptions=stats.num_preemptions,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        **extra,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,166 @@
+"""What every worker role shares: the gRPC server, health, reflection, model loading,
+the ready file, and draining on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import common_pb2
+from services.common.convert import stats_to_load
+from services.engine.driver import EngineDriver
+from services.engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+class WorkerRuntime:
+    """Owns the engine and the server's lifecycle; servicers ask it for the driver."""
+
+    def __init__(self, args: argparse.Namespace, role: str) -> None:
+        self.args = args
+        self.role = role
+        self.worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.driver: EngineDriver | None = None
+        self.engine: LLMEngine | None = None
+        self.draining = False
+        self.inflight = 0
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.port = 0
+        self.extra_load: Callable[[], dict[str, Any]] = dict
+        self.on_ready: list[Callable[[], Any]] = []
+        self.on_stop: list[Callable[[], Any]] = []
+        self.ready_extra: Callable[[], dict[str, Any]] = dict
+
+    # ---- for servicers -----------------------------------------------------------------------
+    async def ready_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is draining")
+        if self.driver is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is loading its model"
+            )
+        assert self.driver is not None
+        return self.driver
+
+    def load(self) -> common_pb2.WorkerLoad:
+        if self.engine is None or self.driver is None:
+            return common_pb2.WorkerLoad(
+                worker_id=self.worker_id, role=self.role, draining=self.draining
+            )
+        e = self.engine
+        return stats_to_load(
+            self.driver.stats(), worker_id=self.worker_id, role=self.role, model=e.model_name,
+            max_model_len=e.max_model_len, block_size=e.config.cache.block_size,
+            vocab_size=e.vocab_size, draining=self.draining, **self.extra_load(),
+        )  # fmt: skip
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def _write_ready(self, extra: dict[str, Any]) -> None:
+        path = self.args.ready_file
+        if not path:
+            return
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(
+                {"port": self.port, "pid": os.getpid(), "worker_id": self.worker_id, **extra}, fh
+            )
+        os.replace(tmp, path)
+
+    async def serve(self, service_names: list[str]) -> int:
+        from services.engine.llm import config_from_args
+
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], self.server
+        )
+        self.port = self.server.add_insecure_port(f"{self.args.host}:{self.args.port}")
+        await self.server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("%s: loading the model on %s ...", self.worker_id, self.args.device)
+        t0 = time.monotonic()
+        self.engine = await asyncio.to_thread(LLMEngine, config_from_args(self.args))
+        self.driver = EngineDriver(self.engine)
+        self.driver.start()
+        for hook in self.on_ready:
+            await asyncio.to_thread(hook)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING, service_names)
+        self._write_ready(self.ready_extra())
+        print(f"{self.worker_id} ({self.role}) serving on {self.args.host}:{self.port} "
+              f"after {time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
+        await stop.wait()
+        await self.drain(service_names)
+        return 0
+
+    async def _set_health(self, status: int, names: list[str]) -> None:
+        for name in ["", *names]:
+            await self.health.set(name, status)
+
+    async def drain(self, service_names: list[str]) -> None:
+        """No new requests; in-flight ones get the grace period, then end with "abort"."""
+        self.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
+        deadline = time.monotonic() + self.args.drain_timeout
+        while self.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.driver is not None:
+            for rid in list(self.driver._streams):
+                self.driver.abort(rid)
+        await self.server.stop(grace=2.0)
+        for hook in self.on_stop:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(hook)
+        if self.driver is not None:
+            self.driver.stop()
+
+
+def run_worker(
+    args: argparse.Namespace, build: Callable[[WorkerRuntime], list[str]], role: str
+) -> int:
+    """Entry point shared by ``tandem prefill|decode|worker``."""
+    logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    from services.config import ConfigError
+    from services.model_files import ModelNotFoundError
+
+    async def main() -> int:  # the server must be created on the loop that runs it
+        runtime = WorkerRuntime(args, role)
+        return await runtime.serve(build(runtime))
+
+    try:
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            uvloop.install()
+        return asyncio.run(main())
+    except (ConfigError, ModelNotFoundError) as exc:
+        print(f"error: {exc}", flush=True)
+        return 2

@@ -1,0 +1,63 @@
+"""Shared servicer plumbing: error mapping and streaming an engine request as TokenChunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import common_pb2
+from services.common.convert import output_to_chunk, sampling_from_pb
+from services.common.runtime import WorkerRuntime
+from services.engine.driver import EngineDriver, Stream
+from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
+
+
+async def parse_sampling(
+    msg: common_pb2.SamplingParams, context: grpc.aio.ServicerContext
+) -> SamplingParams:
+    try:
+        return sampling_from_pb(msg)
+    except InvalidRequestError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise  # unreachable: abort raises
+
+
+async def submit(
+    driver: EngineDriver, context: grpc.aio.ServicerContext, request_id: str, prompt: list[int],
+    params: SamplingParams, priority: int, prefill_only: bool = False,
+) -> Stream:  # fmt: skip
+    if not request_id:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+    try:
+        return await driver.submit(request_id, prompt, params, priority, prefill_only)
+    except InvalidRequestError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except ValueError as exc:  # a request id that is in use
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+    raise AssertionError("unreachable")
+
+
+async def stream_chunks(
+    runtime: WorkerRuntime, driver: EngineDriver, stream: Stream, started: float | None = None
+) -> AsyncIterator[common_pb2.TokenChunk]:
+    """Yield the request's outputs; a cancelled or broken call aborts it in the engine."""
+    started = started or time.monotonic()
+    first: float | None = None
+    finished = False
+    runtime.inflight += 1
+    try:
+        while not finished:
+            out = await stream.queue.get()
+            now = time.monotonic()
+            first = first or now
+            finished = out.finished
+            timing = None
+            if finished:
+                timing = common_pb2.Timing(prefill_s=first - started, decode_s=now - first)
+            yield output_to_chunk(out, timing=timing)
+    finally:
+        runtime.inflight -= 1
+        if not finished:
+            driver.abort(stream.request_id)

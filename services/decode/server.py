@@ -1,0 +1,177 @@
+"""``tandem decode``: admission (Reserve), KV received into the reserved blocks, then
+continuous-batching generation streamed back."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, kv_control_pb2
+from services.common.runtime import WorkerRuntime, run_worker
+from services.common.streaming import parse_sampling, stream_chunks
+from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+MAX_TTL_S = 120.0
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    handle: Any  # kvtransfer.TransferHandle
+    expiry: asyncio.TimerHandle
+    claimed: bool = False
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.rt = runtime
+        self.receiver: Any = None  # kvtransfer.KvReceiver once the model is loaded
+        self.reservations: dict[str, Reservation] = {}
+
+    # ---- KV receiver lifecycle ---------------------------------------------------------------
+    def start_receiver(self) -> None:
+        from kvtransfer import KvReceiver, ReceiverOptions
+
+        assert self.rt.engine is not None
+        a = self.rt.args
+        opts = ReceiverOptions(host=a.kv_host or a.host, port=a.kv_port, io_timeout_s=a.kv_timeout,
+                               advertise_host=a.kv_host or "")  # fmt: skip
+        self.receiver = KvReceiver(self.rt.engine.runner.kv_caches, opts)
+
+    def stop_receiver(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+
+    def ready_extra(self) -> dict[str, Any]:
+        return {"kv_port": self.receiver.port if self.receiver else 0,
+                "kv_endpoint": self.receiver.endpoint if self.receiver else ""}  # fmt: skip
+
+    def transfer_load(self) -> dict[str, object]:
+        if self.receiver is None:
+            return {}
+        c = self.receiver.stats()
+        return {"kv_transfer_bytes": c.bytes, "kv_transfer_seconds": c.seconds,
+                "kv_transfer_failures": c.failures}  # fmt: skip
+
+    # ---- reservations ------------------------------------------------------------------------
+    async def Reserve(
+        self, request: kv_control_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> kv_control_pb2.ReserveResponse:
+        driver = await self.rt.ready_driver(context)
+        rid, n = request.request_id, request.num_prompt_tokens
+        if not rid or n < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request_id and num_prompt_tokens >= 1 are required")  # fmt: skip
+        ttl = min(request.ttl_s or 10.0, MAX_TTL_S)
+        params = SamplingParams(max_tokens=max(request.max_tokens, 1))
+        try:
+            blocks = await driver.acall(lambda e: e.reserve_for(rid, n, params))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        if blocks is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no free KV blocks for a {n}-token prompt on {self.rt.worker_id}")  # fmt: skip
+        assert self.rt.engine is not None
+        nblk = -(-n // self.rt.engine.config.cache.block_size)
+        handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
+        expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
+        self.reservations[rid] = Reservation(rid, handle, expiry)
+        return kv_control_pb2.ReserveResponse(
+            reservation_id=rid, num_blocks=nblk, kv_endpoint=self.receiver.endpoint,
+            decode_worker_id=self.rt.worker_id,
+        )  # fmt: skip
+
+    def _expire(self, rid: str) -> None:
+        res = self.reservations.get(rid)
+        if res is not None and not res.claimed:
+            log.warning("reservation %s expired unclaimed; its blocks are freed", rid)
+            self._cancel(rid)
+
+    def _cancel(self, rid: str) -> bool:
+        res = self.reservations.pop(rid, None)
+        if res is None:
+            return False
+        res.expiry.cancel()
+        self.receiver.cancel(rid)  # no more writes into the blocks once this returns
+        if self.rt.driver is not None:
+            self.rt.driver.call(lambda e: e.cancel_reservation(rid))
+        return True
+
+    # ---- generation --------------------------------------------------------------------------
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        driver = await self.rt.ready_driver(context)
+        params = await parse_sampling(request.sampling, context)
+        rid = request.reservation_id
+        res = self.reservations.get(rid)
+        if res is None or res.claimed:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no reservation {rid!r} (expired, aborted or already claimed)")  # fmt: skip
+        assert res is not None
+        res.claimed = True
+        res.expiry.cancel()
+        wait = request.kv_wait_s or self.rt.args.kv_timeout
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(res.handle.wait, wait), wait + 1.0)
+        except (TimeoutError, asyncio.CancelledError):
+            self._cancel(rid)
+            raise
+        if result is None or not result.ok:
+            self._cancel(rid)
+            why = "it did not arrive in time" if result is None else result.error
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV for {rid!r} is missing: {why}")
+        self.reservations.pop(rid, None)
+        try:
+            stream = await driver.activate(rid, list(request.prompt_token_ids),
+                                           list(request.output_token_ids), params)  # fmt: skip
+        except (InvalidRequestError, KeyError) as exc:
+            driver.call(lambda e: e.cancel_reservation(rid))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        async for chunk in stream_chunks(self.rt, driver, stream):
+            yield chunk
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        rid = request.request_id
+        if self._cancel(rid):
+            return common_pb2.AbortResponse(found=True)
+        if self.rt.driver is None:
+            return common_pb2.AbortResponse(found=False)
+        found = await asyncio.wrap_future(self.rt.driver.abort(rid))
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(
+        self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerLoad:
+        return self.rt.load()
+
+    def cancel_all(self) -> None:
+        for rid in list(self.reservations):
+            with contextlib.suppress(Exception):
+                self._cancel(rid)
+
+
+def build(runtime: WorkerRuntime) -> list[str]:
+    servicer = DecodeServicer(runtime)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, runtime.server)
+    runtime.on_ready.append(servicer.start_receiver)
+    runtime.on_stop.extend([servicer.cancel_all, servicer.stop_receiver])
+    runtime.extra_load = servicer.transfer_load
+    runtime.ready_extra = servicer.ready_extra
+    return [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name]
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_worker(args, build, "decode")

@@ -1,0 +1,157 @@
+"""Runs an LLMEngine on its own thread and connects it to asyncio callers.
+
+Callers never touch the engine directly: every call is a command executed on the engine
+thread between steps, and each request's outputs come back on an asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from services.engine.llm_engine import EngineStats, LLMEngine
+from services.engine.outputs import RequestOutput
+from services.scheduling.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Stream:
+    """One request's outputs, delivered on the caller's event loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+class EngineDriver:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout)
+
+    # ---- calls from other threads ------------------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as exc:  # handed to the caller
+                fut.set_exception(exc)
+
+        self._commands.put(run)
+        return fut
+
+    async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams,
+        priority: int = 0, prefill_only: bool = False,
+    ) -> Stream:  # fmt: skip
+        """Queue a request; raises InvalidRequestError for bad input."""
+        stream = Stream(request_id, asyncio.get_running_loop())
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, params, priority, prefill_only)
+            self._streams[request_id] = stream
+
+        await self.acall(add)
+        return stream
+
+    async def activate(
+        self, request_id: str, prompt: list[int], outputs: list[int], params: SamplingParams
+    ) -> Stream:
+        stream = Stream(request_id, asyncio.get_running_loop())
+
+        def act(engine: LLMEngine) -> None:
+            self._streams[request_id] = stream
+            done = engine.activate(request_id, prompt, outputs, params)
+            if done is not None:
+                self._streams.pop(request_id, None)
+                stream.put(done)
+
+        await self.acall(act)
+        return stream
+
+    def abort(self, request_id: str) -> Future[bool]:
+        def run(engine: LLMEngine) -> bool:
+            out = engine.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None and out is not None:
+                stream.put(out)
+            return out is not None
+
+        return self.call(run)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()  # plain counters: a racy read is fine for load reports
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        cmd()
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished)
+            if self._stop.is_set() or not self.engine.has_unfinished:
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug or a device error: fail what was running, go on
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {exc}")
+                continue
+            self.steps += 1
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                stream.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+    def _fail_all(self, message: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort(rid)
+            stream.put(RequestOutput(rid, [], "", True, "error", error=message))
+        self._streams.clear()

@@ -1,0 +1,120 @@
+"""``tandem prefill``: chunked prefill, the first token, then the KV shipped to a decode worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+
+from protos import common_pb2, kv_control_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.convert import output_to_chunk
+from services.common.runtime import WorkerRuntime, run_worker
+from services.common.streaming import parse_sampling, submit
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.rt = runtime
+        self.sender = None  # a kvtransfer.KvSender once the model is loaded
+
+    def start_sender(self) -> None:
+        from kvtransfer import KvSender, SenderOptions
+
+        assert self.rt.engine is not None
+        caches = self.rt.engine.runner.kv_caches
+        opts = SenderOptions(timeout_s=self.rt.args.kv_timeout)
+        self.sender = KvSender(caches, sender_id=self.rt.worker_id, options=opts)
+
+    def stop_sender(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+    def transfer_load(self) -> dict[str, object]:
+        if self.sender is None:
+            return {}
+        c = self.sender.stats()
+        return {"kv_transfer_bytes": c.bytes, "kv_transfer_seconds": c.seconds,
+                "kv_transfer_failures": c.failures}  # fmt: skip
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.PrefillEvent]:
+        driver = await self.rt.ready_driver(context)
+        params = await parse_sampling(request.sampling, context)
+        prompt = list(request.prompt_token_ids)
+        rid = request.request_id
+        target = (
+            request.target if request.HasField("target") and request.target.kv_endpoint else None
+        )
+        first_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        started = time.monotonic()
+        stream = await submit(driver, context, rid, prompt, first_params, request.priority,
+                              prefill_only=target is not None)  # fmt: skip
+        self.rt.inflight += 1
+        try:
+            out = await stream.queue.get()
+            prefill_s = time.monotonic() - started
+            engine = self.rt.engine
+            assert engine is not None
+            done = (out.finish_reason != "length" or params.max_tokens == 1
+                    or len(prompt) + 1 >= engine.max_model_len)  # fmt: skip
+            timing = common_pb2.Timing(prefill_s=prefill_s)
+            yield prefill_pb2.PrefillEvent(first=output_to_chunk(out, finished=done, timing=timing))
+            if done or target is None:
+                return
+            yield await self._transfer(rid, len(prompt), target, context)
+        finally:
+            self.rt.inflight -= 1
+            driver.abort(rid)  # frees the held blocks (into the prefix cache), or stops the work
+
+    async def _transfer(
+        self, rid: str, num_prompt: int, target: kv_control_pb2.KvTarget,
+        context: grpc.aio.ServicerContext,
+    ) -> prefill_pb2.PrefillEvent:  # fmt: skip
+        from kvtransfer import TransferError
+
+        assert self.rt.driver is not None and self.rt.engine is not None and self.sender is not None
+        blocks = await self.rt.driver.acall(lambda e: e.block_ids(rid))
+        n = -(-num_prompt // self.rt.engine.config.cache.block_size)
+        try:
+            stats = await asyncio.to_thread(
+                self.sender.send, target.kv_endpoint, target.reservation_id, blocks[:n],
+                self.rt.args.kv_timeout,
+            )  # fmt: skip
+        except TransferError as exc:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"KV transfer to {target.kv_endpoint} failed: {exc}"
+            )
+            raise
+        done = kv_control_pb2.TransferDone(bytes=stats.bytes, seconds=stats.seconds, num_blocks=n)
+        return prefill_pb2.PrefillEvent(done=done)
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        if self.rt.driver is None:
+            return common_pb2.AbortResponse(found=False)
+        found = await asyncio.wrap_future(self.rt.driver.abort(request.request_id))
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(
+        self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerLoad:
+        return self.rt.load()
+
+
+def build(runtime: WorkerRuntime) -> list[str]:
+    servicer = PrefillServicer(runtime)
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, runtime.server)
+    runtime.on_ready.append(servicer.start_sender)
+    runtime.on_stop.append(servicer.stop_sender)
+    runtime.extra_load = servicer.transfer_load
+    return [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name]
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_worker(args, build, "prefill")

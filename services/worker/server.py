@@ -1,0 +1,50 @@
+"""``tandem worker``: a colocated worker serving whole requests (chunked prefill mixed into decode)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.runtime import WorkerRuntime, run_worker
+from services.common.streaming import parse_sampling, stream_chunks, submit
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.rt = runtime
+
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        driver = await self.rt.ready_driver(context)
+        params = await parse_sampling(request.sampling, context)
+        stream = await submit(driver, context, request.request_id, list(request.prompt_token_ids),
+                              params, request.priority)  # fmt: skip
+        async for chunk in stream_chunks(self.rt, driver, stream):
+            yield chunk
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        if self.rt.driver is None:
+            return common_pb2.AbortResponse(found=False)
+        found = await asyncio.wrap_future(self.rt.driver.abort(request.request_id))
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(
+        self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerLoad:
+        return self.rt.load()
+
+
+def build(runtime: WorkerRuntime) -> list[str]:
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(runtime), runtime.server)
+    return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_worker(args, build, "both")
