@@ -13,6 +13,7 @@ from services.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.model_files import ModelFiles
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.outputs import StepUpdate
 from services.scheduling.request import FinishReason, Request
@@ -26,6 +27,18 @@ def load_tokenizer(hf_dir: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(hf_dir)
+
+
+def _tokenizer_for(files: ModelFiles) -> Any:
+    """The model's tokenizer; a random-weight named config borrows the embedded one if present."""
+    if files.kind != "named":
+        return load_tokenizer(str(files.hf_dir))
+    from services.model_files import prepare_model
+
+    try:
+        return load_tokenizer(str(prepare_model("embedded").hf_dir))
+    except Exception:  # no embedded model installed: token ids only
+        return None
 
 
 @dataclass
@@ -48,21 +61,21 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config)
         files = self.runner.files
-        from services.model_files import prepare_model
-
-        tok_dir = files.hf_dir if files.kind != "named" else prepare_model("embedded").hf_dir
-        self.tokenizer = load_tokenizer(str(tok_dir))
+        self.tokenizer = _tokenizer_for(files)
         self.model_name = config.model.model if files.kind != "gguf" else files.name
         self.vocab_size = self.runner.arch.vocab_size
         self.max_model_len = self.runner.max_model_len
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None) if files.kind != "named" else None
         self.eos_token_ids = frozenset(self.runner.arch.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+            {tok_eos} if tok_eos is not None else set()
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # a named config with random weights has no tokenizer of its own: token ids only
+        self.detokenize = files.kind != "named"
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -100,6 +113,8 @@ class LLMEngine:
 
     def _track(self, req: Request) -> None:
         sp = req.sampling_params
+        if not self.detokenize:
+            return
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, sp.stop, sp.include_stop_str_in_output,
             sp.skip_special_tokens,
@@ -162,10 +177,11 @@ class LLMEngine:
             reserved.sampling_params = params
         req = self.scheduler.activate(request_id, output_token_ids)
         self._track(req)
-        det = self._detok[request_id]
-        for t in output_token_ids:
-            det.add(t)
-        det.release(True)  # the prefill worker already sent this text
+        det = self._detok.get(request_id)
+        if det is not None:
+            for t in output_token_ids:
+                det.add(t)
+            det.release(True)  # the prefill worker already sent this text
         if req.finished:
             self._detok.pop(request_id, None)
             reason = req.finish_reason.value if req.finish_reason else None
@@ -233,7 +249,7 @@ class LLMEngine:
         tok = u.token
         if tok is None or tok.logprob is None:
             return []
-        dec = self.tokenizer.decode
+        dec = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
         chosen = TokenLogprob(tok.token_id, tok.logprob, dec([tok.token_id]))
         top = tuple(TokenLogprob(t, lp, dec([t])) for t, lp in tok.top_logprobs)
         return [PositionLogprobs(chosen, top)]

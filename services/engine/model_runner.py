@@ -8,6 +8,7 @@ import torch
 
 from services.config import EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.kv_cache import GIB, allocate_kv_caches, check_fits, plan_num_blocks
 from services.engine.loader import load_model
 from services.engine.sampler import sample
@@ -53,6 +54,13 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.arch, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.scheduler.max_num_seqs,
+                -(-self.max_model_len // self.block_size), self.device,
+            )  # fmt: skip
+            self.graphs.capture()
 
     def _plan_blocks(self) -> int:
         free = None
@@ -100,7 +108,7 @@ class ModelRunner:
 
         def t(x: list, dtype: torch.dtype) -> torch.Tensor:
             cpu = torch.tensor(x, dtype=dtype)
-            return cpu.to(dev, non_blocking=True) if dev.type == "cuda" else cpu
+            return cpu.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else cpu
 
         meta = AttentionMetadata(
             slot_mapping=t(slots, torch.int64),
@@ -111,12 +119,27 @@ class ModelRunner:
         )
         return StepInputs(t(ids, torch.int64), t(pos, torch.int64), meta, t(rows, torch.int64))
 
+    def release_kv_cache(self) -> None:
+        """Give the KV pool and graphs back (benchmarks that hand the GPU to another engine)."""
+        self.graphs = None
+        self.kv_caches.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.input_ids.shape[0]
+        if self.graphs is not None and inputs.meta.decode_only:
+            b = self.graphs.bucket(n)
+            if b is not None:
+                return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, b)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, min_token_stop_ids: dict[str, list[int]]
     ) -> dict[str, SampledToken]:
         inputs = self.prepare(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         sampling = [r for r in out.requests if r.sample]
         if not sampling:
             return {}

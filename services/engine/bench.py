@@ -1,0 +1,194 @@
+"""``tandem bench offline`` (W1) and ``tandem bench latency`` (W2): the in-process engine,
+optionally side by side with transformers ``generate`` on the very same weight tensors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from services.engine.llm import config_from_args
+from services.engine.llm_engine import LLMEngine
+from services.scheduling.sampling_params import SamplingParams
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n, length), generator=gen).tolist()
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    _sync()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
+    while engine.has_unfinished:
+        engine.step()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def hf_twin(engine: LLMEngine) -> Any:
+    """A transformers model whose parameters are views of our engine's (no copy, same weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files = engine.runner.files
+    cfg_path = files.path if files.kind == "named" else (files.hf_dir or files.path) / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    cfg = AutoConfig.for_model(
+        raw.pop("model_type"), **{k: v for k, v in raw.items() if k != "architectures"}
+    )
+    ours = engine.runner.model
+    dev, dtype = engine.runner.device, engine.runner.dtype
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    a = engine.runner.arch
+    sizes = {
+        "q_proj": (0, a.num_heads * a.head_dim),
+        "k_proj": (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim),
+    }
+    sizes["v_proj"] = (sizes["k_proj"][0] + sizes["k_proj"][1], a.num_kv_heads * a.head_dim)
+    sizes["gate_proj"] = (0, a.intermediate_size)
+    sizes["up_proj"] = (a.intermediate_size, a.intermediate_size)
+    ours_p = dict(ours.named_parameters())
+    for name, _ in list(hf.named_parameters(remove_duplicate=False)):
+        mod_name, _, leaf = name.rpartition(".")
+        module = hf.get_submodule(mod_name)
+        piece = mod_name.rsplit(".", 1)[-1]
+        if piece in sizes:
+            fused = "qkv_proj" if piece in ("q_proj", "k_proj", "v_proj") else "gate_up_proj"
+            src = ours_p[name.replace(piece, fused)]
+            start, n = sizes[piece]
+            tensor = src.data[start : start + n]
+        elif name == "lm_head.weight" and a.tie_word_embeddings:
+            tensor = ours_p["model.embed_tokens.weight"].data
+        else:
+            tensor = ours_p[name].data
+        setattr(module, leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    rotary = hf.model.rotary_emb
+    with torch.device(dev):
+        hf.model.rotary_emb = type(rotary)(config=hf.config)
+    still_meta = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"transformers twin has unfilled tensors: {still_meta[:3]}")
+    return hf.eval()
+
+
+def run_hf(hf: Any, prompts: list[list[int]], output_len: int, batch: int) -> float:
+    dev = next(hf.parameters()).device
+    _sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[i : i + batch], device=dev)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                        min_new_tokens=output_len, do_sample=False, pad_token_id=0)  # fmt: skip
+    _sync()
+    return time.perf_counter() - t0
+
+
+def floor_seconds(engine: LLMEngine, n: int, inp: int, out: int) -> float | None:
+    """Napkin floor on an H100 (targets.md): prefill FLOPs at 780 TFLOP/s + decode bytes at 3 TB/s."""
+    if engine.runner.device.type != "cuda":
+        return None
+    a = engine.runner.arch
+    params = sum(p.numel() for p in engine.runner.model.parameters()) - a.vocab_size * a.hidden_size
+    flops = 2 * params * n * inp + 4 * a.num_layers * a.num_heads * a.head_dim * n * inp * inp / 2
+    kv_tok = a.kv_bytes_per_token(2)
+    decode = sum((2 * params + n * kv_tok * (inp + s)) / 3.0e12 for s in range(out - 1))
+    return flops / 780e12 + decode
+
+
+def main_offline(args: argparse.Namespace) -> int:
+    engine = LLMEngine(config_from_args(args))
+    prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size)
+    run_engine(engine, prompts[: min(4, len(prompts))], 4)  # warm up
+    secs = run_engine(engine, prompts, args.output_len)
+    total = args.num_prompts * (args.input_len + args.output_len)
+    res: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
+                           "output_len": args.output_len, "device": str(engine.runner.device),
+                           "tandem": {"seconds": secs, "total_tok_s": total / secs,
+                                      "output_tok_s": args.num_prompts * args.output_len / secs}}  # fmt: skip
+    floor = floor_seconds(engine, args.num_prompts, args.input_len, args.output_len)
+    if floor:
+        res["floor_seconds"], res["fraction_of_floor"] = floor, floor / secs
+    print(f"tandem: {secs:.2f} s, {total / secs:,.0f} total tok/s", flush=True)
+    if args.compare_transformers:
+        engine.runner.release_kv_cache()
+        hf = hf_twin(engine)
+        best = 0.0
+        for bs in [int(b) for b in args.batch_sizes.split(",") if int(b) > 1]:
+            try:
+                t = run_hf(hf, prompts, args.output_len, bs)
+            except torch.OutOfMemoryError:
+                res[f"transformers_bs{bs}"] = "out of memory"
+                continue
+            res[f"transformers_bs{bs}"] = {"seconds": t, "total_tok_s": total / t}
+            best = max(best, total / t)
+            print(
+                f"transformers generate batch {bs}: {t:.2f} s, {total / t:,.0f} total tok/s",
+                flush=True,
+            )
+        if best:
+            res["speedup_vs_best_transformers"] = (total / secs) / best
+    _emit(res, args.json_out)
+    return 0
+
+
+def main_latency(args: argparse.Namespace) -> int:
+    engine = LLMEngine(config_from_args(args))
+    rows = []
+    a = engine.runner.arch
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    weight_bytes -= a.vocab_size * a.hidden_size * engine.runner.model.lm_head.weight.element_size()
+    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"lat-{bs}-{i}", p, params)
+        while any(
+            r.num_output_tokens < 2 for r in engine.scheduler.running + engine.scheduler.waiting
+        ):
+            engine.step()  # prefill everyone first
+        times = []
+        while engine.has_unfinished:
+            _sync()
+            t0 = time.perf_counter()
+            engine.step()
+            _sync()
+            times.append(time.perf_counter() - t0)
+        times = sorted(times[2:-1]) or sorted(times)
+        med = times[len(times) // 2]
+        kv = (
+            bs
+            * a.kv_bytes_per_token(engine.runner.model.lm_head.weight.element_size())
+            * (args.input_len + args.output_len // 2)
+        )
+        floor = (weight_bytes + kv) / 3.0e12 if engine.runner.device.type == "cuda" else None
+        rows.append({"batch": bs, "context": args.input_len, "step_ms": med * 1e3,
+                     "floor_ms": floor * 1e3 if floor else None,
+                     "fraction_of_floor": floor / med if floor else None})  # fmt: skip
+        print(
+            f"batch {bs:4d}: {med * 1e3:8.2f} ms/step"
+            + (f"  floor {floor * 1e3:.2f} ms" if floor else ""),
+            flush=True,
+        )
+    _emit({"model": args.model, "device": str(engine.runner.device), "rows": rows}, args.json_out)
+    return 0
+
+
+def _emit(res: dict[str, Any], path: str | None) -> None:
+    text = json.dumps(res, indent=2)
+    if path:
+        with open(path, "w") as fh:
+            fh.write(text + "\n")
+    print(text)

@@ -1,0 +1,102 @@
+"""The engine on a CUDA GPU against transformers on the very same weight tensors (bf16)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _engine(model: str, **knobs):
+    from services.engine.llm import build_config
+    from services.engine.llm_engine import LLMEngine
+
+    knobs.setdefault("max_model_len", 2048)
+    knobs.setdefault("gpu_memory_utilization", 0.5)
+    knobs.setdefault("max_num_seqs", 16)
+    return LLMEngine(build_config(model, load_format="dummy", dtype="bfloat16", **knobs))
+
+
+def _first_logits_ours(engine, prompts: list[list[int]]) -> torch.Tensor:
+    from services.scheduling.outputs import SchedulerOutput
+
+    outs = []
+    for i, p in enumerate(prompts):
+        from services.scheduling.sampling_params import SamplingParams
+
+        engine.add_request(f"logit-{i}", p, SamplingParams(temperature=0, max_tokens=1))
+    sched = engine.scheduler.schedule()
+    inputs = engine.runner.prepare(sched)
+    with torch.inference_mode():
+        hidden = engine.runner._forward(inputs)
+        logits = engine.runner.model.compute_logits(hidden[inputs.logits_rows])
+    for r in sched.requests:
+        engine.scheduler.abort(r.request_id)
+    outs.append(logits)
+    assert isinstance(sched, SchedulerOutput)
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.1-8b"])
+def test_first_token_logits_match_transformers(model: str) -> None:
+    from services.engine.bench import hf_twin, random_prompts
+
+    engine = _engine(model)
+    hf = hf_twin(engine)
+    prompts = random_prompts(4, 100, engine.vocab_size, seed=1) + random_prompts(
+        2, 37, engine.vocab_size, seed=2
+    )
+    ours = _first_logits_ours(engine, prompts)
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=engine.runner.device)
+            refs.append(hf(ids).logits[0, -1].float())
+    ref = torch.stack(refs)
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(json.dumps({"model": model, "rel_err": rel, "argmax_agree": agree}))
+    assert rel < 3e-2, f"first-token logits differ from transformers: rel err {rel:.3e}"
+
+
+def test_greedy_decode_matches_transformers_smollm2_shape() -> None:
+    from services.engine.bench import hf_twin, random_prompts
+    from services.scheduling.sampling_params import SamplingParams
+
+    engine = _engine("smollm2-135m")
+    hf = hf_twin(engine)
+    prompts = random_prompts(8, 50, engine.vocab_size, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"g-{i}", p, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+    same = 0
+    prefix = []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device=engine.runner.device)
+        with torch.inference_mode():
+            ref = hf.generate(
+                ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+            )
+        want = ref[0, len(p) :].tolist()
+        mine = got[f"g-{i}"]
+        same += mine == want
+        prefix.append(
+            next((k for k, (a, b) in enumerate(zip(mine, want, strict=False)) if a != b), len(want))
+        )
+    print(json.dumps({"greedy_equal": same, "of": len(prompts), "matched_prefix": prefix}))
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "gpu_greedy.json"), "w") as fh:
+            json.dump({"greedy_equal": same, "matched_prefix": prefix}, fh)
+    assert same >= 7, f"only {same}/8 greedy continuations equal transformers' ({prefix})"
