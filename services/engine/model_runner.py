@@ -17,8 +17,10 @@ from services.scheduling.outputs import SampledToken, SchedulerOutput
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         from services.config import ConfigError
 
