@@ -19,7 +19,7 @@ def _engine(model: str, **knobs):
     from services.engine.llm_engine import LLMEngine
 
     knobs.setdefault("max_model_len", 2048)
-    knobs.setdefault("gpu_memory_utilization", 0.5)
+    knobs.setdefault("num_blocks", 1024)
     knobs.setdefault("max_num_seqs", 16)
     return LLMEngine(build_config(model, load_format="dummy", dtype="bfloat16", **knobs))
 
