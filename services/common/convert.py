@@ -17,7 +17,8 @@ FINISH = {
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises InvalidRequestError for values out of range."""
+    """Raises InvalidRequestError for values out of range. max_tokens has no default: proto3
+    cannot tell 0 from unset, so 0 is refused (the gateway always settles it first)."""
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p else 1.0,
@@ -27,7 +28,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.repetition_penalty else 1.0,
-        max_tokens=msg.max_tokens if msg.max_tokens else 16,
+        max_tokens=msg.max_tokens,
         min_tokens=msg.min_tokens,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),

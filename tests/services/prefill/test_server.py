@@ -1,0 +1,133 @@
+"""``tandem prefill`` as a real process, driven over gRPC beside a real decode worker:
+greedy parity with the offline engine, its prefix cache, bad input, and a decode worker that
+dies while the KV is on its way."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from protos import common_pb2
+from tests.services.clients import (
+    Conn,
+    assert_idle,
+    chat_ids,
+    disagg,
+    greedy,
+    long_prompt,
+    parity_prompts,
+    prefill_call,
+    reserve,
+    tokenizer,
+    wait_pool_free,
+)
+from tests.services.procs import Fleet, fleet
+from tests.services.reference import greedy_reference
+
+__all__ = ["fleet"]
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 24
+
+
+async def test_disaggregated_greedy_output_equals_the_offline_engine(fleet: Fleet) -> None:
+    prefill, decode = fleet.shared("prefill", "decode")
+    prompts = parity_prompts()
+    expected = greedy_reference(prompts, MAX_TOKENS)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        hits_before = (await p.load()).prefix_cache_hits
+        results = [await disagg(p, d, f"parity-{i}", ids, MAX_TOKENS)
+                   for i, ids in enumerate(prompts)]  # fmt: skip
+        for ids, exp, got in zip(prompts, expected, results, strict=True):
+            assert got.token_ids == exp.token_ids, tokenizer().decode(ids)
+            assert got.text == exp.text
+            reason = {"stop": common_pb2.FINISH_REASON_STOP,
+                      "length": common_pb2.FINISH_REASON_LENGTH}[exp.finish_reason]  # fmt: skip
+            assert got.finish_reason == reason
+        load = await p.load()
+        # the three chats share a 3-block system prompt: the 2nd and 3rd find it cached
+        assert load.prefix_cache_hits - hits_before >= 2 * 3 * 16
+        assert_idle(await wait_pool_free([p, d]))
+
+
+async def test_first_token_arrives_before_the_transfer_is_done(fleet: Fleet) -> None:
+    prefill, decode = fleet.shared("prefill", "decode")
+    ids = chat_ids("Tell me a long story about a parcel. " * 20)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        res = await reserve(d, "order", len(ids), 8)
+        events = [ev async for ev in prefill_call(p, "order", ids, greedy(8), res)]
+        assert [ev.WhichOneof("event") for ev in events] == ["first", "done"]
+        first, done = events[0].first, events[1].done
+        assert len(first.token_ids) == 1 and first.finish_reason == 0
+        assert first.num_prompt_tokens == len(ids)
+        assert done.num_blocks == -(-len(ids) // 16) and done.bytes > 0
+        assert await d.abort("order")  # the reservation, never claimed
+        assert_idle(await wait_pool_free([p, d]))
+
+
+async def test_prefill_without_a_target_only_returns_the_first_token(fleet: Fleet) -> None:
+    (prefill,) = fleet.shared("prefill")
+    ids = chat_ids("What is the capital of France?")
+    (expected,) = greedy_reference([ids], 1)
+    async with Conn(prefill.address, "prefill") as p:
+        events = [ev async for ev in prefill_call(p, "no-target", ids, greedy(5), None)]
+        assert [ev.WhichOneof("event") for ev in events] == ["first"]
+        assert list(events[0].first.token_ids) == expected.token_ids
+        assert_idle(await wait_pool_free([p]))
+
+
+@pytest.mark.parametrize(
+    ("ids", "sampling", "why"),
+    [
+        ([], greedy(4), "empty"),
+        ([1, 49152, 3], greedy(4), "vocabulary"),
+        ([1, -5, 3], greedy(4), "vocabulary"),
+        ([1, 2, 3], common_pb2.SamplingParams(max_tokens=0), "max_tokens"),
+        ([1, 2, 3], common_pb2.SamplingParams(max_tokens=4, temperature=-1), "temperature"),
+        ([1] * 1024, greedy(4), "context length"),
+    ],
+)
+async def test_bad_input_is_invalid_argument(
+    fleet: Fleet, ids: list[int], sampling: common_pb2.SamplingParams, why: str
+) -> None:
+    (prefill,) = fleet.shared("prefill")
+    async with Conn(prefill.address, "prefill") as p:
+        call = prefill_call(p, "bad", ids, sampling, None)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert why in (info.value.details() or "")
+        assert (await p.status()) == 1  # still SERVING
+        assert_idle(await wait_pool_free([p]))
+
+
+async def test_decode_killed_mid_transfer_fails_the_prefill_and_frees_its_blocks(
+    fleet: Fleet,
+) -> None:
+    prefill, decode = fleet.shared("prefill", "decode")
+    ids = long_prompt(960)
+    async with Conn(prefill.address, "prefill") as p:
+        async with Conn(decode.address, "decode") as d:
+            res = await reserve(d, "doomed", len(ids), 8)
+        call = prefill_call(p, "doomed", ids, greedy(8), res)
+        first = await call.read()
+        assert first.WhichOneof("event") == "first"
+        fleet.forget(decode)
+        decode.kill()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert time.monotonic() - t0 < 7.0  # within the KV timeout (5 s) and some slack
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "KV transfer" in (info.value.details() or "")
+        assert_idle(await wait_pool_free([p]))
+        # the same prefill worker serves a request for another decode worker
+        (other,) = fleet.shared("decode")
+        async with Conn(other.address, "decode") as d2:
+            prompt = chat_ids("What is the capital of France?")
+            got = await disagg(p, d2, "after-kill", prompt, 8)
+            assert got.token_ids == greedy_reference([prompt], 8)[0].token_ids
+            assert (await p.load()).kv_transfer_failures >= 1
+            assert_idle(await wait_pool_free([p, d2]))

@@ -1,0 +1,39 @@
+"""Greedy outputs of the offline engine (``services.engine.llm.LLM``), the parity reference of
+the worker tests. One engine per test process, loaded on first use; results are cached."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.scheduling.sampling_params import SamplingParams
+
+_LLM: Any = None
+_CACHE: dict[tuple[tuple[int, ...], int], Expected] = {}
+
+
+@dataclass(frozen=True)
+class Expected:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+def _llm() -> Any:
+    global _LLM
+    if _LLM is None:
+        from services.engine.llm import LLM
+
+        _LLM = LLM("embedded", max_model_len=1024, num_blocks=256, dtype="float32", device="cpu")
+    return _LLM
+
+
+def greedy_reference(prompts: list[list[int]], max_tokens: int) -> list[Expected]:
+    """What the offline engine generates greedily for each prompt (cached per prompt)."""
+    todo = [p for p in dict.fromkeys(map(tuple, prompts)) if (p, max_tokens) not in _CACHE]
+    if todo:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        for prompt, res in zip(todo, _llm().generate([list(p) for p in todo], params), strict=True):
+            out = res.outputs[0]
+            _CACHE[prompt, max_tokens] = Expected(list(out.token_ids), out.text, out.finish_reason)
+    return [_CACHE[tuple(p), max_tokens] for p in prompts]
