@@ -53,16 +53,16 @@ def ref_paged_decode_attention(
     max_len = int(context_lens.max().item()) if B else 0
     nblk = (max_len + bs - 1) // bs
     tables = block_tables[:, :nblk].long().clamp_min(0)
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [B, L, Hkv, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].float()
+    # [B, Hkv, L, D]: one gather per cache, laid out for batched matmuls
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
     qf = q.float().view(B, Hkv, group, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale  # [B, Hkv, g, L]
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [B, Hkv, g, L]
     pos = torch.arange(max_len, device=q.device)
     mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    v = v.masked_fill(mask[:, :, None, None], 0.0)  # unwritten slots may hold NaN
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    v = v.masked_fill(mask[:, None, :, None], 0.0)  # unwritten slots may hold NaN
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, g, D]
     return out.reshape(B, Hq, D).to(q.dtype)
 
 

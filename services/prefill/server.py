@@ -80,14 +80,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         assert self.rt.driver is not None and self.rt.engine is not None and self.sender is not None
         blocks = await self.rt.driver.acall(lambda e: e.block_ids(rid))
         n = -(-num_prompt // self.rt.engine.config.cache.block_size)
+        send = asyncio.ensure_future(asyncio.to_thread(
+            self.sender.send, target.kv_endpoint, target.reservation_id, blocks[:n],
+            self.rt.args.kv_timeout,
+        ))  # fmt: skip
         try:
-            stats = await asyncio.to_thread(
-                self.sender.send, target.kv_endpoint, target.reservation_id, blocks[:n],
-                self.rt.args.kv_timeout,
-            )  # fmt: skip
+            stats = await asyncio.shield(send)
+        except asyncio.CancelledError:
+            # the sender thread still reads these blocks: free them only once it is done
+            await asyncio.wait([send])
+            raise
         except TransferError as exc:
+            # ABORTED, not UNAVAILABLE: the decode side failed, this prefill worker is fine
             await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"KV transfer to {target.kv_endpoint} failed: {exc}"
+                grpc.StatusCode.ABORTED, f"KV transfer to {target.kv_endpoint} failed: {exc}"
             )
             raise
         done = kv_control_pb2.TransferDone(bytes=stats.bytes, seconds=stats.seconds, num_blocks=n)
