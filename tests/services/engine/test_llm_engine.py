@@ -1,0 +1,95 @@
+"""Engine behaviour users notice: seeded sampling, input errors, stop strings, logprobs, n > 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.config import ConfigError
+from services.engine.llm import LLM
+from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
+
+
+def test_seeded_sampling_ignores_batch_composition(llm: LLM, chat_ids: list[list[int]]) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20)
+    alone = llm.generate([chat_ids[1]], seeded)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=20)
+    batch = llm.generate([chat_ids[0], chat_ids[1], chat_ids[2]], [noise, seeded, noise])
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(
+        [chat_ids[1]], SamplingParams(temperature=0.9, seed=99, max_tokens=20)
+    )
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_share_the_prompt_and_differ(llm: LLM, chat_ids: list[list[int]]) -> None:
+    res = llm.generate([chat_ids[3]], SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=12))
+    outs = [o.token_ids for o in res[0].outputs]
+    assert len(outs) == 3 and len({tuple(o) for o in outs}) > 1
+    assert llm.engine.stats().free_blocks == llm.engine.stats().total_blocks
+
+
+def test_stop_string_is_cut_and_reported(llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=30, stop=["Paris"]))[0].outputs[0]
+    assert out.text == "The capital of France is "
+    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM, chat_ids: list[list[int]]) -> None:
+    greedy = llm.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    second = greedy.token_ids[1]
+    stopped = llm.generate(
+        [chat_ids[0]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[second])
+    )[0].outputs[0]
+    assert stopped.token_ids == greedy.token_ids[:2] and stopped.finish_reason == "stop"
+    long = llm.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=40, min_tokens=30))
+    assert len(long[0].outputs[0].token_ids) >= 30
+
+
+def test_logprobs_are_log_probabilities(llm: LLM, chat_ids: list[list[int]]) -> None:
+    out = llm.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3))
+    for pos, tok in zip(out[0].outputs[0].logprobs, out[0].outputs[0].token_ids, strict=True):
+        assert pos.chosen.token_id == tok and pos.chosen.logprob <= 0.0
+        assert len(pos.top) == 3 and pos.top[0].token_id == tok  # greedy picks the best
+        assert pos.top[0].logprob >= pos.top[1].logprob >= pos.top[2].logprob
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "param"),
+    [
+        ([], SamplingParams(), "prompt"),
+        ([1, 10**9], SamplingParams(), "prompt"),
+        ([-1], SamplingParams(), "prompt"),
+        ([1] * 9000, SamplingParams(), "prompt"),
+    ],
+)
+def test_bad_prompts_get_clear_errors(
+    llm: LLM, prompt: list[int], params: SamplingParams, param: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        llm.engine.add_request("bad", prompt, params)
+    assert err.value.param == param and str(err.value)
+    assert not llm.engine.has_unfinished
+
+
+def test_context_overflow_message_says_the_limit(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="maximum context length is 8192 tokens"):
+        llm.engine.add_request("long", [1] * 8192, SamplingParams())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
+     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")],
+)  # fmt: skip
+def test_bad_sampling_params(kwargs: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param and param in str(err.value)
+
+
+def test_max_model_len_that_does_not_fit_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError) as err:
+        LLM("embedded", num_blocks=4, max_model_len=1024)
+    msg = str(err.value)
+    assert "--max-model-len 64" in msg and "--num-blocks" in msg

@@ -1,0 +1,42 @@
+"""``tandem generate`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _tandem(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "services.cli", "generate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_chat_prompt_answers_paris() -> None:
+    res = _tandem("--chat", "--prompt", "What is the capital of France?", "--max-tokens", "24")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Paris" in res.stdout
+
+
+def test_prompts_file_json_output(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        + "\n" + json.dumps({"prompt": "The sky is"}) + "\n"
+    )  # fmt: skip
+    res = _tandem("--prompts-file", str(f), "--max-tokens", "12", "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2
+    assert "Paris" in rows[0]["text"] and rows[0]["finish_reason"] in ("stop", "length")
+    assert rows[1]["prompt_token_ids"] and len(rows[1]["token_ids"]) <= 12
+
+
+def test_errors_are_clear_and_exit_nonzero(tmp_path: Path) -> None:
+    res = _tandem("--prompt", "hi", "--temperature", "-1")
+    assert res.returncode == 2 and "temperature" in res.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    res = _tandem("--prompts-file", str(bad))
+    assert res.returncode == 2 and "bad.jsonl:1" in res.stderr
