@@ -174,7 +174,7 @@ async def rpc_code(call: Any) -> grpc.StatusCode:
     """The status a (unary or streaming) call ends with; OK if it succeeds."""
     try:
         if hasattr(call, "read"):
-            async for _ in call:
+            while await call.read() is not grpc.aio.EOF:
                 pass
         else:
             await call

@@ -25,7 +25,8 @@ from deploy.supervisor import die_with_parent, log_tail, read_ready_file
 
 REPO = Path(__file__).resolve().parents[2]
 # Small pools keep memory low; 1024 tokens of context need 64 of the 256 blocks.
-WORKER_ARGS = ("--max-model-len", "1024", "--num-blocks", "256", "--kv-timeout", "5")
+WORKER_ARGS = ("--max-model-len", "1024", "--num-blocks", "256", "--kv-timeout", "5",
+               "--drain-timeout", "3")  # fmt: skip
 READY_TIMEOUT_S = 180.0
 
 
@@ -119,6 +120,7 @@ class Fleet:
         name = f"{name or role}-{self._count}"
         self.root.mkdir(parents=True, exist_ok=True)
         ready, log_path = self.root / f"{name}.json", self.root / f"{name}.log"
+        ready.unlink(missing_ok=True)  # left by an earlier run
         argv = [sys.executable, "-m", "services.cli", role, "--port", "0", "--ready-file",
                 str(ready), *(WORKER_ARGS if role != "gateway" else ()), *args]  # fmt: skip
         with open(log_path, "ab") as log:

@@ -1,0 +1,164 @@
+"""``tandem decode`` as a real process beside a real prefill worker: admission (Reserve) and its
+deadline, 32 concurrent requests, cancellation, bad input, and a prefill worker killed while
+the KV is on its way."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from protos import kv_control_pb2
+from tests.services.clients import (
+    Conn,
+    assert_idle,
+    chat_ids,
+    decode_call,
+    disagg,
+    greedy,
+    long_prompt,
+    parity_prompts,
+    prefill_call,
+    reserve,
+    rpc_code,
+    wait_pool_free,
+)
+from tests.services.procs import Fleet, fleet
+from tests.services.reference import greedy_reference
+
+__all__ = ["fleet"]
+pytestmark = pytest.mark.slow
+
+
+async def test_reservations_hold_blocks_until_aborted_or_expired(fleet: Fleet) -> None:
+    (decode,) = fleet.shared("decode")
+    async with Conn(decode.address, "decode") as d:
+        total = (await d.load()).total_blocks
+        res = await reserve(d, "held", 40, 8, ttl_s=0.5)
+        assert res.num_blocks == 3 and res.kv_endpoint == decode.ready["kv_endpoint"]
+        assert await rpc_code(d.stub.Reserve(_reserve_req("held"), timeout=5)) == (
+            grpc.StatusCode.ALREADY_EXISTS
+        )
+        await reserve(d, "aborted", 40, 8)
+        load = await d.load()
+        assert load.num_reserved == 2 and load.free_blocks <= total - 6
+        assert await d.abort("aborted")
+        assert not await d.abort("aborted")  # idempotent: nothing left to abort
+        assert_idle(await wait_pool_free([d], timeout_s=2.0))  # "held" expired after 0.5 s
+        code = await rpc_code(decode_call(d, "held", [1] * 40, [5], greedy(4)))
+        assert code == grpc.StatusCode.NOT_FOUND
+
+
+def _reserve_req(
+    rid: str, num_prompt: int = 40, max_tokens: int = 8
+) -> kv_control_pb2.ReserveRequest:
+    return kv_control_pb2.ReserveRequest(
+        request_id=rid, num_prompt_tokens=num_prompt, max_tokens=max_tokens, ttl_s=5
+    )
+
+
+async def test_bad_reservations_and_decodes_are_invalid_argument(fleet: Fleet) -> None:
+    (decode,) = fleet.shared("decode")
+    async with Conn(decode.address, "decode") as d:
+        for req in (_reserve_req(""), _reserve_req("zero", num_prompt=0)):
+            assert await rpc_code(d.stub.Reserve(req, timeout=5)) == (
+                grpc.StatusCode.INVALID_ARGUMENT
+            )
+        code = await rpc_code(d.stub.Reserve(_reserve_req("huge", num_prompt=5000), timeout=5))
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        # a Decode whose prompt does not fit the vocabulary (or its reservation) frees the blocks
+        for i, ids in enumerate(([1, 2, 99999], [1, 2])):
+            await reserve(d, f"bad-{i}", 3, 4)
+            # no KV will come: a short wait, then the request fails
+            call = decode_call(d, f"bad-{i}", ids, [5], greedy(4), kv_wait_s=0.3)
+            assert await rpc_code(call) in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.UNAVAILABLE,
+            )
+        assert_idle(await wait_pool_free([d]))
+        assert (await d.status()) == 1
+
+
+async def test_32_concurrent_requests_complete_and_free_every_block(fleet: Fleet) -> None:
+    prefill, decode = fleet.shared("prefill", "decode")
+    base = parity_prompts()
+    prompts = [base[i % len(base)] + [28 + i] for i in range(32)]  # 32 distinct prompts
+    expected = greedy_reference(prompts, 12)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(disagg(p, d, f"load-{i}", ids, 12) for i, ids in enumerate(prompts))),
+            timeout=120,
+        )
+        for exp, got in zip(expected, results, strict=True):
+            assert got.token_ids == exp.token_ids
+        assert_idle(await wait_pool_free([p, d], timeout_s=2.0))
+
+
+async def test_cancelling_a_decode_stream_frees_both_sides_within_a_second(fleet: Fleet) -> None:
+    prefill, decode = fleet.shared("prefill", "decode")
+    ids = chat_ids("Tell me a very long story about a parcel.")
+    sampling = greedy(400, ignore_eos=True)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        res = await reserve(d, "cancel-me", len(ids), 400)
+        events = [ev async for ev in prefill_call(p, "cancel-me", ids, sampling, res)]
+        call = decode_call(d, "cancel-me", ids, list(events[0].first.token_ids), sampling)
+        for _ in range(3):
+            assert (await call.read()).token_ids
+        assert (await d.load()).num_running == 1
+        call.cancel()
+        t0 = time.monotonic()
+        assert_idle(await wait_pool_free([p, d], timeout_s=1.0))
+        assert time.monotonic() - t0 < 1.0
+
+
+async def test_cancelling_a_prefill_mid_prompt_frees_both_sides_within_a_second(
+    fleet: Fleet,
+) -> None:
+    prefill, decode = fleet.shared("prefill", "decode")
+    ids = long_prompt(900)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        res = await reserve(d, "cancel-early", len(ids), 8)
+        call = prefill_call(p, "cancel-early", ids, greedy(8), res)
+        while (await p.load()).num_running == 0:
+            await asyncio.sleep(0.01)
+        call.cancel()  # what the gateway does when the client goes away ...
+        assert await d.abort("cancel-early")  # ... and it aborts the reservation
+        t0 = time.monotonic()
+        loads = await wait_pool_free([p, d], timeout_s=1.0)
+        # the engine notices the abort between steps: at worst one prefill step later
+        if time.monotonic() - t0 >= 1.0:
+            loads = await wait_pool_free([p, d], timeout_s=6.0)
+        assert_idle(loads)
+
+
+async def test_prefill_killed_mid_transfer_fails_fast_and_a_new_prefill_works(
+    fleet: Fleet,
+) -> None:
+    prefill, decode = fleet.shared("prefill", "decode")
+    ids = long_prompt(960)
+    sampling = greedy(8)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        res = await reserve(d, "orphan", len(ids), 8, ttl_s=30)
+        call = prefill_call(p, "orphan", ids, sampling, res)
+        first = await call.read()
+        assert first.WhichOneof("event") == "first"
+        fleet.forget(prefill)
+        prefill.kill()
+        t0 = time.monotonic()
+        assert await rpc_code(call) == grpc.StatusCode.UNAVAILABLE
+        # the decode worker does not wait for KV that cannot come (kv_wait_s is 4 s)
+        decode_result = await rpc_code(
+            decode_call(d, "orphan", ids, list(first.first.token_ids), sampling, kv_wait_s=4)
+        )
+        assert decode_result == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 5.0
+        assert_idle(await wait_pool_free([d], timeout_s=2.0))
+    (new_prefill,) = fleet.shared("prefill")
+    async with Conn(new_prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        prompt = chat_ids("What is the capital of France?")
+        got = await disagg(p, d, "after-restart", prompt, 12)
+        assert got.token_ids == greedy_reference([prompt], 12)[0].token_ids
+        assert decode.alive and fleet.shared("decode")[0] is decode  # never restarted
+        assert_idle(await wait_pool_free([p, d]))
