@@ -126,7 +126,7 @@ def main_offline(args: argparse.Namespace) -> int:
         engine.runner.release_kv_cache()
         hf = hf_twin(engine)
         best = 0.0
-        for bs in [int(b) for b in args.batch_sizes.split(",") if int(b) > 1]:
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
             try:
                 t = run_hf(hf, prompts, args.output_len, bs)
             except torch.OutOfMemoryError:
