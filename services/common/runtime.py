@@ -107,11 +107,17 @@ class WorkerRuntime:
             loop.add_signal_handler(sig, stop.set)
         log.info("%s: loading the model on %s ...", self.worker_id, self.args.device)
         t0 = time.monotonic()
-        self.engine = await asyncio.to_thread(LLMEngine, config_from_args(self.args))
-        self.driver = EngineDriver(self.engine)
-        self.driver.start()
-        for hook in self.on_ready:
-            await asyncio.to_thread(hook)
+        try:
+            self.engine = await asyncio.to_thread(LLMEngine, config_from_args(self.args))
+            self.driver = EngineDriver(self.engine)
+            self.driver.start()
+            for hook in self.on_ready:
+                await asyncio.to_thread(hook)
+        except BaseException:  # a bad configuration: stop serving before the loop goes away
+            await self.server.stop(None)
+            if self.driver is not None:
+                self.driver.stop()
+            raise
         await self._set_health(health_pb2.HealthCheckResponse.SERVING, service_names)
         self._write_ready(self.ready_extra())
         print(f"{self.worker_id} ({self.role}) serving on {self.args.host}:{self.port} "

@@ -1,0 +1,51 @@
+"""Protobuf <-> plain dataclasses at the workers' edge (``services.common.convert``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import common_pb2
+from services.common.convert import output_to_chunk, sampling_from_pb, sampling_to_pb
+from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
+
+
+def test_sampling_params_survive_the_wire() -> None:
+    sp = SamplingParams(temperature=0.75, top_p=0.875, top_k=20, min_p=0.0625, seed=7,
+                        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.125,
+                        max_tokens=33, min_tokens=2, stop=("\n\n", "END"), stop_token_ids=(5,),
+                        ignore_eos=True, logprobs=3, include_stop_str_in_output=True,
+                        skip_special_tokens=False)  # fmt: skip
+    assert sampling_from_pb(sampling_to_pb(sp)) == sp  # values exact in float32
+
+
+def test_unset_optional_fields_mean_off() -> None:
+    sp = sampling_from_pb(common_pb2.SamplingParams(max_tokens=4))
+    assert (sp.seed, sp.logprobs, sp.top_p, sp.repetition_penalty) == (None, None, 1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        common_pb2.SamplingParams(max_tokens=0),  # proto3 cannot tell 0 from unset
+        common_pb2.SamplingParams(max_tokens=-3),
+        common_pb2.SamplingParams(max_tokens=4, temperature=-0.5),
+        common_pb2.SamplingParams(max_tokens=4, top_p=1.5),
+        common_pb2.SamplingParams(max_tokens=4, min_tokens=9),
+    ],
+)
+def test_out_of_range_values_are_refused(msg: common_pb2.SamplingParams) -> None:
+    with pytest.raises(InvalidRequestError):
+        sampling_from_pb(msg)
+
+
+def test_a_final_output_carries_its_reason_and_logprobs() -> None:
+    lp = PositionLogprobs(TokenLogprob(9, -0.1, "a"), (TokenLogprob(9, -0.1, "a"),))
+    out = RequestOutput("r", [9], "a", True, "stop", "END", 5, 2, [lp])
+    chunk = output_to_chunk(out)
+    assert (chunk.finish_reason, chunk.stop_reason) == (common_pb2.FINISH_REASON_STOP, "END")
+    assert (chunk.num_prompt_tokens, chunk.num_cached_tokens) == (5, 2)
+    assert chunk.logprobs[0].chosen.token_id == 9 and chunk.logprobs[0].top[0].token == "a"
+    # the prefill worker reports a first token that does not end the request
+    assert output_to_chunk(out, finished=False).finish_reason == 0
+    assert output_to_chunk(out, finished=False).stop_reason == ""
