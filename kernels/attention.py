@@ -25,11 +25,11 @@ def ref_write_kv(
 ) -> None:
     """Write each token's K/V into its slot of the paged cache (slots < 0 are skipped)."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    bs = k_cache.shape[1]
-    blocks, offsets = slots // bs, slots % bs
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    n, bs, h, d = k_cache.shape
+    k_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:

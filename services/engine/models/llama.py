@@ -136,8 +136,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        rope_pos, rope_table = positions, self.cos_sin
+        if not input_ids.is_cuda:  # gather cos/sin once per step, not once per layer
+            rope_table = self.cos_sin[positions]  # [T, D]
+            rope_pos = torch.arange(positions.shape[0], device=positions.device)
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, cache, meta)
+            x, residual = layer(x, residual, rope_pos, rope_table, cache, meta)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V] fp32
