@@ -90,7 +90,11 @@ def test_disaggregated_parity_on_gpus(devices: tuple[str, str], tmp_path: Path) 
             json.dumps({"devices": devices, "identical": same, "of": len(prompts), "seconds": secs})
         )
         if os.environ.get("OUT"):
-            with open(Path(os.environ["OUT"]) / f"disagg-{'-'.join(d.replace(':', '') for d in devices)}.json", "w") as fh:
+            with open(
+                Path(os.environ["OUT"])
+                / f"disagg-{'-'.join(d.replace(':', '') for d in devices)}.json",
+                "w",
+            ) as fh:
                 json.dump({"devices": devices, "identical": same, "of": len(prompts)}, fh)
         assert got == want
     finally:
