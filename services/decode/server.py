@@ -72,12 +72,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                                 "request_id and num_prompt_tokens >= 1 are required")  # fmt: skip
         ttl = min(request.ttl_s or 10.0, MAX_TTL_S)
         params = SamplingParams(max_tokens=max(request.max_tokens, 1))
+        made: list[list[int] | None] = []
         try:
-            blocks = await driver.acall(lambda e: e.reserve_for(rid, n, params))
+            await driver.acall(lambda e: made.append(e.reserve_for(rid, n, params)))
+        except asyncio.CancelledError:  # the caller is gone: keep no blocks for it
+            driver.call(lambda e: made and made[0] is not None and e.cancel_reservation(rid))
+            raise
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        blocks = made[0]
         if blocks is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no free KV blocks for a {n}-token prompt on {self.rt.worker_id}")  # fmt: skip
@@ -135,6 +140,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             stream = await driver.activate(rid, list(request.prompt_token_ids),
                                            list(request.output_token_ids), params)  # fmt: skip
+        except asyncio.CancelledError:  # not activated (else the driver aborts it): free
+            driver.call(lambda e: e.cancel_reservation(rid))
+            raise
         except (InvalidRequestError, KeyError) as exc:
             driver.call(lambda e: e.cancel_reservation(rid))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -57,13 +57,20 @@ class EngineDriver:
 
     # ---- calls from other threads ------------------------------------------------------------
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn`` on the engine thread. It runs even if the caller gives up (an awaiting
+        task cancelled, which cancels the future): an abort must never be skipped."""
         fut: Future[T] = Future()
 
         def run() -> None:
+            wanted = fut.set_running_or_notify_cancel()  # False: the caller is gone
             try:
-                fut.set_result(fn(self.engine))
-            except BaseException as exc:  # handed to the caller
-                fut.set_exception(exc)
+                result = fn(self.engine)
+            except BaseException as exc:
+                if wanted:
+                    fut.set_exception(exc)  # handed to the caller
+                return
+            if wanted:
+                fut.set_result(result)
 
         self._commands.put(run)
         return fut
@@ -77,38 +84,58 @@ class EngineDriver:
     ) -> Stream:  # fmt: skip
         """Queue a request; raises InvalidRequestError for bad input."""
         stream = Stream(request_id, asyncio.get_running_loop())
+        added: list[bool] = []
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params, priority, prefill_only)
             self._streams[request_id] = stream
+            added.append(True)
 
-        await self.acall(add)
+        await self._until_done(add, request_id, added)
         return stream
+
+    async def _until_done(
+        self, fn: Callable[[LLMEngine], None], request_id: str, added: list[bool]
+    ) -> None:
+        """Await ``fn``; a caller cancelled meanwhile leaves no request behind (nobody would
+        read its outputs or free its blocks): what ``fn`` added is aborted."""
+        try:
+            await self.acall(fn)
+        except asyncio.CancelledError:
+            self.call(lambda e: self._abort_now(request_id) if added else None)
+            raise
 
     async def activate(
         self, request_id: str, prompt: list[int], outputs: list[int], params: SamplingParams
     ) -> Stream:
         stream = Stream(request_id, asyncio.get_running_loop())
+        added: list[bool] = []
 
         def act(engine: LLMEngine) -> None:
             self._streams[request_id] = stream
-            done = engine.activate(request_id, prompt, outputs, params)
+            try:
+                done = engine.activate(request_id, prompt, outputs, params)
+            except BaseException:
+                self._streams.pop(request_id, None)
+                raise
+            added.append(True)
             if done is not None:
                 self._streams.pop(request_id, None)
                 stream.put(done)
 
-        await self.acall(act)
+        await self._until_done(act, request_id, added)
         return stream
 
     def abort(self, request_id: str) -> Future[bool]:
-        def run(engine: LLMEngine) -> bool:
-            out = engine.abort(request_id)
-            stream = self._streams.pop(request_id, None)
-            if stream is not None and out is not None:
-                stream.put(out)
-            return out is not None
+        return self.call(lambda e: self._abort_now(request_id))
 
-        return self.call(run)
+    def _abort_now(self, request_id: str) -> bool:
+        """On the engine thread: end the request (or free what it holds), tell its stream."""
+        out = self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and out is not None:
+            stream.put(out)
+        return out is not None
 
     def stats(self) -> EngineStats:
         return self.engine.stats()  # plain counters: a racy read is fine for load reports
@@ -123,12 +150,20 @@ class EngineDriver:
             cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        cmd()
+        self._run(cmd)
         while True:
             try:
-                self._commands.get_nowait()()
+                cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+            self._run(cmd)
+
+    @staticmethod
+    def _run(cmd: Callable[[], None]) -> None:
+        try:
+            cmd()
+        except Exception:  # a bug in a command must not stop the engine thread
+            log.exception("engine command failed")
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -123,7 +123,7 @@ class Fleet:
         ready.unlink(missing_ok=True)  # left by an earlier run
         argv = [sys.executable, "-m", "services.cli", role, "--port", "0", "--ready-file",
                 str(ready), *(WORKER_ARGS if role != "gateway" else ()), *args]  # fmt: skip
-        with open(log_path, "ab") as log:
+        with open(log_path, "wb") as log:
             popen = subprocess.Popen(
                 argv, cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,

@@ -1,0 +1,230 @@
+"""The gateway in front of REAL workers (``tandem gateway|prefill|decode`` processes, the
+embedded model on the CPU): the official openai client gets the offline engine's greedy text,
+200 clients that hang up early leave nothing behind, and a prefill worker killed under load
+costs only the requests that already had tokens (they end with an error frame, then [DONE])."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.services.clients import SYSTEM, Conn, assert_idle, chat_ids, wait_pool_free
+from tests.services.procs import Fleet, Proc, fleet
+from tests.services.reference import greedy_reference
+
+__all__ = ["fleet"]
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+QUESTIONS = [
+    (None, "What is the capital of France?"),
+    (None, "Write a haiku about autumn."),
+    (None, "Name three colours of the rainbow."),
+    (None, "Explain what a CPU does. " * 12),  # a prompt of several blocks
+    (SYSTEM, "Where is my parcel?"),  # a shared system prompt: prefix-cache hits
+    (SYSTEM, "How long does shipping to Spain take?"),
+    (SYSTEM, "Can I send a parcel to Norway?"),
+    (None, "Translate 'good morning' into German."),
+]
+
+
+def messages(system: str | None, user: str) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user}
+    ]
+
+
+@pytest.fixture(scope="module")
+def stack(fleet: Fleet) -> Any:
+    prefill, decode = fleet.shared("prefill", "decode")
+    gateway = fleet.gateway(prefill=[prefill], decode=[decode])
+    wait_healthy(gateway, 2)
+    yield prefill, decode, gateway
+    gateway.kill()
+
+
+def workers(gateway: Proc) -> list[dict[str, Any]]:
+    body: list[dict[str, Any]] = httpx.get(f"{gateway.url}/workers", timeout=5).json()["workers"]
+    return body
+
+
+def wait_healthy(gateway: Proc, count: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(w["healthy"] for w in workers(gateway)) < count:
+        assert time.monotonic() < deadline, workers(gateway)
+        time.sleep(0.1)
+
+
+async def pools_free(*procs: Proc, timeout_s: float = 2.0) -> None:
+    conns = [Conn(p.address, p.role) for p in procs]
+    try:
+        assert_idle(await wait_pool_free(conns, timeout_s))
+    finally:
+        for c in conns:
+            await c.close()
+
+
+async def test_openai_chat_equals_the_offline_engine(stack: Any) -> None:
+    prefill, decode, gateway = stack
+    expected = greedy_reference([chat_ids(u, s) for s, u in QUESTIONS], 24)
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0)
+    async with client:
+        replies = [
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=messages(s, u),
+                temperature=0,
+                max_tokens=24,  # type: ignore[arg-type]
+            )
+            for s, u in QUESTIONS
+        ]
+    for (s, u), exp, reply in zip(QUESTIONS, expected, replies, strict=True):
+        assert reply.usage is not None and reply.usage.prompt_tokens == len(chat_ids(u, s))
+        assert reply.choices[0].message.content == exp.text
+        assert reply.choices[0].finish_reason == exp.finish_reason
+    async with Conn(prefill.address, "prefill") as p:
+        assert (await p.load()).prefix_cache_hits >= 2 * 3 * 16
+    await pools_free(prefill, decode)
+
+
+@dataclass
+class SSE:
+    frames: list[dict[str, Any]] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(
+            c["delta"].get("content") or "" for f in self.frames for c in f.get("choices", [])
+        )
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        return next((f["error"] for f in self.frames if "error" in f), None)
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = [c.get("finish_reason") for f in self.frames for c in f.get("choices", [])]
+        return next((r for r in reasons if r), None)
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, body: dict[str, Any], stop_after: int | None = None
+) -> SSE:
+    """A streaming chat; ``stop_after`` frames, the client hangs up."""
+    out = SSE()
+    body = {"model": MODEL, "stream": True, "temperature": 0, **body}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out.done = True
+                break
+            out.frames.append(json.loads(line[6:]))
+            if stop_after is not None and len(out.frames) >= stop_after:
+                break
+    return out
+
+
+async def test_200_clients_hanging_up_early_leave_nothing_behind(stack: Any) -> None:
+    prefill, decode, gateway = stack
+    limits = httpx.Limits(max_connections=50)
+    gate = asyncio.Semaphore(50)
+
+    async def hang_up(i: int, client: httpx.AsyncClient) -> None:
+        body = {"messages": messages(None, f"Client {i}: tell me a long story."),
+                "max_tokens": 200, "ignore_eos": True}  # fmt: skip
+        async with gate:
+            if i % 2:  # after the role frame and the first token
+                await stream_chat(client, body, stop_after=2)
+            else:  # before any answer: the task is cancelled mid-request
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stream_chat(client, body), timeout=0.05 + i % 7 * 0.02)
+
+    async with httpx.AsyncClient(base_url=gateway.url, limits=limits, timeout=60) as client:
+        await asyncio.gather(*(hang_up(i, client) for i in range(200)))
+        t0 = time.monotonic()
+        ids = chat_ids("What is the capital of France?")
+        reply = await stream_chat(client, {"messages": messages(None, "What is the capital of France?"),
+                                           "max_tokens": 12})  # fmt: skip
+        assert time.monotonic() - t0 < 5.0
+        assert reply.done and reply.text == greedy_reference([ids], 12)[0].text
+    await pools_free(prefill, decode)
+
+
+async def test_a_prefill_worker_killed_under_load(fleet: Fleet) -> None:
+    shared, decode = fleet.shared("prefill", "decode")
+    extra = fleet.start("prefill", name="doomed-prefill")
+    gateway = fleet.gateway(prefill=[shared, extra], decode=[decode])
+    try:
+        wait_healthy(gateway, 3)
+        await _kill_under_load(gateway, shared, extra, decode)
+    finally:
+        gateway.kill()
+        extra.kill()
+
+
+async def _kill_under_load(gateway: Proc, shared: Proc, extra: Proc, decode: Proc) -> None:
+    long_questions = [f"Request {i}: " + "Explain how parcels are sorted. " * 40 for i in range(8)]
+    short_questions = [f"Question {i}: what is {i} plus {i}?" for i in range(4)]
+    seen_token = asyncio.Event()
+
+    async def ask(client: httpx.AsyncClient, question: str) -> SSE:
+        out = SSE()
+        body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 8,
+                "messages": messages(None, question)}  # fmt: skip
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    out.done = True
+                elif line.startswith("data: "):
+                    out.frames.append(json.loads(line[6:]))
+                    if out.text:
+                        seen_token.set()
+        return out
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
+        loaded = [asyncio.create_task(ask(client, q)) for q in long_questions]
+        await asyncio.wait_for(seen_token.wait(), timeout=90)
+        extra.kill()
+        watch = asyncio.create_task(_dead_worker_reported(gateway, extra, time.monotonic()))
+        # sent before the gateway's health check can notice: some go to the dead worker
+        late = [asyncio.create_task(ask(client, q)) for q in short_questions]
+        results = await asyncio.wait_for(asyncio.gather(*loaded, *late), timeout=120)
+        health_seen = await watch
+    questions = long_questions + short_questions
+    expected = greedy_reference([chat_ids(q) for q in questions], 8)
+    errors = 0
+    for i, (exp, got) in enumerate(zip(expected, results, strict=True)):
+        assert got.done, f"request {i} did not end with [DONE]"
+        if got.error is None:
+            assert (got.text, got.finish_reason) == (exp.text, exp.finish_reason), i
+        else:  # only requests that had streamed tokens may fail: the rest were retried
+            errors += 1
+            assert i < len(long_questions) and got.text, (i, got.error)
+            assert got.error["message"]
+    assert health_seen < 5.0
+    assert errors < len(long_questions)
+    await pools_free(shared, decode)
+
+
+async def _dead_worker_reported(gateway: Proc, dead: Proc, since: float) -> float:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=5) as client:
+        while True:
+            body = (await client.get("/workers")).json()["workers"]
+            entry = next(w for w in body if w["address"] == dead.address)
+            health = await client.get("/health")
+            if not entry["healthy"] and entry["last_error"] and health.status_code == 200:
+                return time.monotonic() - since
+            assert time.monotonic() - since < 10.0, body
+            await asyncio.sleep(0.1)
