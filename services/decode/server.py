@@ -14,8 +14,9 @@ from typing import Any
 import grpc
 
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, kv_control_pb2
+from services.common.convert import sampling_from_pb
 from services.common.runtime import WorkerRuntime, run_worker
-from services.common.streaming import parse_sampling, stream_chunks
+from services.common.streaming import stream_chunks
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -25,9 +26,30 @@ MAX_TTL_S = 120.0
 @dataclass
 class Reservation:
     request_id: str
+    num_prompt_tokens: int
     handle: Any  # kvtransfer.TransferHandle
     expiry: asyncio.TimerHandle
     claimed: bool = False
+
+
+async def _wait_for_kv(handle: Any, timeout_s: float) -> Any:
+    """The transfer's result, or None after ``timeout_s``; no thread is held while waiting."""
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any) -> None:
+        if not arrived.done():
+            arrived.set_result(result)
+
+    def on_done(result: Any) -> None:  # on a receiver thread (or here, if already done)
+        with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+            loop.call_soon_threadsafe(settle, result)
+
+    handle.add_done_callback(on_done)
+    try:
+        return await asyncio.wait_for(arrived, timeout_s)
+    except TimeoutError:
+        return None
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -90,7 +112,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         nblk = -(-n // self.rt.engine.config.cache.block_size)
         handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
         expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
-        self.reservations[rid] = Reservation(rid, handle, expiry)
+        self.reservations[rid] = Reservation(rid, n, handle, expiry)
         return kv_control_pb2.ReserveResponse(
             reservation_id=rid, num_blocks=nblk, kv_endpoint=self.receiver.endpoint,
             decode_worker_id=self.rt.worker_id,
@@ -117,7 +139,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         driver = await self.rt.ready_driver(context)
-        params = await parse_sampling(request.sampling, context)
         rid = request.reservation_id
         res = self.reservations.get(rid)
         if res is None or res.claimed:
@@ -126,10 +147,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         assert res is not None
         res.claimed = True
         res.expiry.cancel()
+        try:  # bad input fails now, not after the KV wait (and never inside an engine step)
+            params = sampling_from_pb(request.sampling)
+            self._check(request, res, params)
+        except InvalidRequestError as exc:
+            self._cancel(rid)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         wait = request.kv_wait_s or self.rt.args.kv_timeout
         try:
-            result = await asyncio.wait_for(asyncio.to_thread(res.handle.wait, wait), wait + 1.0)
-        except (TimeoutError, asyncio.CancelledError):
+            result = await _wait_for_kv(res.handle, wait)
+        except asyncio.CancelledError:
             self._cancel(rid)
             raise
         if result is None or not result.ok:
@@ -148,6 +175,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         async for chunk in stream_chunks(self.rt, driver, stream):
             yield chunk
+
+    def _check(
+        self, request: decode_pb2.DecodeRequest, res: Reservation, params: SamplingParams
+    ) -> None:
+        engine = self.rt.engine
+        assert engine is not None
+        prompt, outputs = list(request.prompt_token_ids), list(request.output_token_ids)
+        if len(prompt) != res.num_prompt_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens but {res.num_prompt_tokens} were reserved",
+                "prompt_token_ids",
+            )
+        engine.validate(prompt, params)  # plain checks against the vocabulary and context
+        if not outputs or not all(0 <= t < engine.vocab_size for t in outputs):
+            raise InvalidRequestError(
+                f"output_token_ids must hold the first token, ids in [0, {engine.vocab_size})",
+                "output_token_ids",
+            )
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from protos import kv_control_pb2
+from protos import common_pb2, kv_control_pb2
 from tests.services.clients import (
     Conn,
     assert_idle,
@@ -68,15 +68,21 @@ async def test_bad_reservations_and_decodes_are_invalid_argument(fleet: Fleet) -
             )
         code = await rpc_code(d.stub.Reserve(_reserve_req("huge", num_prompt=5000), timeout=5))
         assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
-        # a Decode whose prompt does not fit the vocabulary (or its reservation) frees the blocks
-        for i, ids in enumerate(([1, 2, 99999], [1, 2])):
+        # a bad Decode fails at once (before any KV wait) and frees its reservation
+        bad = [
+            ([1, 2, 99999], [5], greedy(4)),  # prompt outside the vocabulary
+            ([1, 2], [5], greedy(4)),  # not the reserved length
+            ([1, 2, 3], [49152], greedy(4)),  # first token outside the vocabulary
+            ([1, 2, 3], [], greedy(4)),  # no first token
+            ([1, 2, 3], [5], common_pb2.SamplingParams(max_tokens=0)),
+        ]
+        for i, (ids, first, sampling) in enumerate(bad):
             await reserve(d, f"bad-{i}", 3, 4)
-            # no KV will come: a short wait, then the request fails
-            call = decode_call(d, f"bad-{i}", ids, [5], greedy(4), kv_wait_s=0.3)
-            assert await rpc_code(call) in (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.UNAVAILABLE,
-            )
+            t0 = time.monotonic()
+            call = decode_call(d, f"bad-{i}", ids, first, sampling, kv_wait_s=10)
+            assert await rpc_code(call) == grpc.StatusCode.INVALID_ARGUMENT, i
+            assert time.monotonic() - t0 < 1.0
+            assert (await d.load()).num_reserved == 0
         assert_idle(await wait_pool_free([d]))
         assert (await d.status()) == 1
 
@@ -94,6 +100,30 @@ async def test_32_concurrent_requests_complete_and_free_every_block(fleet: Fleet
         for exp, got in zip(expected, results, strict=True):
             assert got.token_ids == exp.token_ids
         assert_idle(await wait_pool_free([p, d], timeout_s=2.0))
+
+
+async def test_decode_called_before_the_kv_arrives_waits_for_it(fleet: Fleet) -> None:
+    """Decode right after the first token, before TransferDone (the transfers queue behind
+    each other): every call waits for its KV, and none runs on KV that has not arrived."""
+    prefill, decode = fleet.shared("prefill", "decode")
+    prompts = [long_prompt(120, f"Question {i}: name a colour. ") for i in range(12)]
+    expected = greedy_reference(prompts, 6)
+
+    async def early(p: Conn, d: Conn, i: int, ids: list[int]) -> list[int]:
+        rid = f"early-{i}"
+        call = prefill_call(p, rid, ids, greedy(6), await reserve(d, rid, len(ids), 6))
+        first = list((await call.read()).first.token_ids)
+        tokens = list(first)
+        decoding = decode_call(d, rid, ids, first, greedy(6), kv_wait_s=60)
+        assert await rpc_code(call) == grpc.StatusCode.OK  # the rest of Prefill: TransferDone
+        while (chunk := await decoding.read()) is not grpc.aio.EOF:
+            tokens += list(chunk.token_ids)
+        return tokens
+
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        got = await asyncio.gather(*(early(p, d, i, ids) for i, ids in enumerate(prompts)))
+        assert got == [e.token_ids for e in expected]
+        assert_idle(await wait_pool_free([p, d]))
 
 
 async def test_cancelling_a_decode_stream_frees_both_sides_within_a_second(fleet: Fleet) -> None:
