@@ -137,9 +137,9 @@ class WorkerRuntime:
         deadline = time.monotonic() + self.args.drain_timeout
         while self.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.driver is not None:
-            for rid in list(self.driver._streams):
-                self.driver.abort(rid)
+        if self.driver is not None:  # on the engine thread, which owns the streams
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(self.driver.abort_all()), 5.0)
         await self.server.stop(grace=2.0)
         for hook in self.on_stop:
             with contextlib.suppress(Exception):

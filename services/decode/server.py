@@ -108,7 +108,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if blocks is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no free KV blocks for a {n}-token prompt on {self.rt.worker_id}")  # fmt: skip
-        assert self.rt.engine is not None
+        assert self.rt.engine is not None and blocks is not None
         nblk = -(-n // self.rt.engine.config.cache.block_size)
         handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
         expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid)

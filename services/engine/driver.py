@@ -129,6 +129,10 @@ class EngineDriver:
     def abort(self, request_id: str) -> Future[bool]:
         return self.call(lambda e: self._abort_now(request_id))
 
+    def abort_all(self) -> Future[int]:
+        """Abort every request that still streams (a drain's grace period is over)."""
+        return self.call(lambda e: sum(self._abort_now(rid) for rid in list(self._streams)))
+
     def _abort_now(self, request_id: str) -> bool:
         """On the engine thread: end the request (or free what it holds), tell its stream."""
         out = self.engine.abort(request_id)

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 import grpc
 
@@ -19,7 +20,7 @@ from services.common.streaming import parse_sampling, submit
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        self.sender = None  # a kvtransfer.KvSender once the model is loaded
+        self.sender: Any = None  # a kvtransfer.KvSender once the model is loaded
 
     def start_sender(self) -> None:
         from kvtransfer import KvSender, SenderOptions
