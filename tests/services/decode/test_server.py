@@ -174,6 +174,7 @@ async def test_prefill_killed_mid_transfer_fails_fast_and_a_new_prefill_works(
         call = prefill_call(p, "orphan", ids, sampling, res)
         first = await call.read()
         assert first.WhichOneof("event") == "first"
+        await asyncio.sleep(0.05)  # the transfer (~60 blocks) has begun
         fleet.forget(prefill)
         prefill.kill()
         t0 = time.monotonic()

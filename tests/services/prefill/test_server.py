@@ -4,6 +4,7 @@ dies while the KV is on its way."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -114,6 +115,7 @@ async def test_decode_killed_mid_transfer_fails_the_prefill_and_frees_its_blocks
         call = prefill_call(p, "doomed", ids, greedy(8), res)
         first = await call.read()
         assert first.WhichOneof("event") == "first"
+        await asyncio.sleep(0.05)  # the transfer (~60 blocks) has begun
         fleet.forget(decode)
         decode.kill()
         t0 = time.monotonic()
