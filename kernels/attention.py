@@ -28,8 +28,9 @@ def ref_write_kv(
     if not bool(keep.all()):
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     n, bs, h, d = k_cache.shape
-    k_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    slots = slot_mapping.long()
+    k_cache.view(n * bs, h, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(n * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
