@@ -152,6 +152,9 @@ def run_worker(
     args: argparse.Namespace, build: Callable[[WorkerRuntime], list[str]], role: str
 ) -> int:
     """Entry point shared by ``tandem prefill|decode|worker``."""
+    from services.common.tracing import setup_tracing
+
+    setup_tracing(f"tandem-{role}")
     logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     from services.config import ConfigError

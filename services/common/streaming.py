@@ -6,10 +6,12 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.trace import Span
 
 from protos import common_pb2
 from services.common.convert import output_to_chunk, sampling_from_pb
 from services.common.runtime import WorkerRuntime
+from services.common.tracing import end_span
 from services.engine.driver import EngineDriver, Stream
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
@@ -40,12 +42,18 @@ async def submit(
 
 
 async def stream_chunks(
-    runtime: WorkerRuntime, driver: EngineDriver, stream: Stream, started: float | None = None
-) -> AsyncIterator[common_pb2.TokenChunk]:
-    """Yield the request's outputs; a cancelled or broken call aborts it in the engine."""
+    runtime: WorkerRuntime, driver: EngineDriver, stream: Stream, started: float | None = None,
+    span: Span | None = None,
+) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
+    """Yield the request's outputs; a cancelled or broken call aborts it in the engine.
+
+    ``span`` (the RPC's server span) is ended here, with the output token count and finish reason.
+    """
     started = started or time.monotonic()
     first: float | None = None
     finished = False
+    num_tokens = 0
+    reason: str | None = None
     runtime.inflight += 1
     try:
         while not finished:
@@ -53,6 +61,8 @@ async def stream_chunks(
             now = time.monotonic()
             first = first or now
             finished = out.finished
+            num_tokens += len(out.token_ids)
+            reason = out.finish_reason
             timing = None
             if finished:
                 timing = common_pb2.Timing(prefill_s=first - started, decode_s=now - first)
@@ -61,3 +71,8 @@ async def stream_chunks(
         runtime.inflight -= 1
         if not finished:
             driver.abort(stream.request_id)
+        if span is not None:
+            span.set_attribute("gen_ai.usage.output_tokens", num_tokens)
+            if reason:
+                span.set_attribute("gen_ai.response.finish_reasons", [reason])
+            end_span(span, None if finished else "the call ended before the request finished")

@@ -17,6 +17,7 @@ from protos import common_pb2, decode_pb2, decode_pb2_grpc, kv_control_pb2
 from services.common.convert import sampling_from_pb
 from services.common.runtime import WorkerRuntime, run_worker
 from services.common.streaming import stream_chunks
+from services.common.tracing import start_server_span
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except (InvalidRequestError, KeyError) as exc:
             driver.call(lambda e: e.cancel_reservation(rid))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        async for chunk in stream_chunks(self.rt, driver, stream):
+        span = start_server_span(context, "decode", {"tandem.request_id": request.request_id})
+        async for chunk in stream_chunks(self.rt, driver, stream, span=span):
             yield chunk
 
     def _check(

@@ -15,6 +15,7 @@ from protos import common_pb2, kv_control_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.convert import output_to_chunk
 from services.common.runtime import WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, submit
+from services.common.tracing import child_span, end_span, start_server_span
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -56,6 +57,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         stream = await submit(driver, context, rid, prompt, first_params, request.priority,
                               prefill_only=target is not None)  # fmt: skip
         self.rt.inflight += 1
+        span = start_server_span(context, "prefill", {"tandem.request_id": rid,
+                                                      "gen_ai.usage.input_tokens": len(prompt)})  # fmt: skip
+        error: str | None = None
         try:
             out = await stream.queue.get()
             prefill_s = time.monotonic() - started
@@ -67,8 +71,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             yield prefill_pb2.PrefillEvent(first=output_to_chunk(out, finished=done, timing=timing))
             if done or target is None:
                 return
-            yield await self._transfer(rid, len(prompt), target, context)
+            transfer = child_span(span, "kv transfer", {"tandem.kv.endpoint": target.kv_endpoint})
+            try:
+                event = await self._transfer(rid, len(prompt), target, context)
+            except BaseException as exc:
+                end_span(transfer, repr(exc))
+                raise
+            transfer.set_attribute("tandem.kv.bytes", event.done.bytes)
+            end_span(transfer)
+            yield event
+        except BaseException as exc:
+            error = repr(exc)
+            raise
         finally:
+            end_span(span, error)
             self.rt.inflight -= 1
             driver.abort(rid)  # frees the held blocks (into the prefix cache), or stops the work
 

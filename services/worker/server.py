@@ -11,6 +11,7 @@ import grpc
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.runtime import WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, stream_chunks, submit
+from services.common.tracing import start_server_span
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -24,7 +25,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         params = await parse_sampling(request.sampling, context)
         stream = await submit(driver, context, request.request_id, list(request.prompt_token_ids),
                               params, request.priority)  # fmt: skip
-        async for chunk in stream_chunks(self.rt, driver, stream):
+        span = start_server_span(context, "generate", {"tandem.request_id": request.request_id})
+        async for chunk in stream_chunks(self.rt, driver, stream, span=span):
             yield chunk
 
     async def Abort(

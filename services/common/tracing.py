@@ -1,0 +1,59 @@
+"""Worker-side OpenTelemetry spans that continue the gateway's trace (W3C traceparent in gRPC
+metadata). Export is opt-in: OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else spans are no-ops."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import grpc
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+log = logging.getLogger(__name__)
+TRACER_NAME = "tandem.worker"
+
+
+def setup_tracing(service_name: str) -> None:
+    """Install an OTLP-exporting TracerProvider when the standard OTEL_* variables ask for one."""
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but the OTLP exporter is not installed "
+                    "(pip install 'tandem-serve[otlp]'); no traces are exported")  # fmt: skip
+        return
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+
+
+def start_server_span(
+    context: grpc.aio.ServicerContext, name: str, attributes: dict[str, Any] | None = None,
+    provider: trace.TracerProvider | None = None,
+) -> Span:  # fmt: skip
+    """A span for one RPC, child of the caller's traceparent. End it with :func:`end_span`."""
+    metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    parent = propagate.extract(metadata)
+    tracer = trace.get_tracer(TRACER_NAME, tracer_provider=provider)
+    return tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+
+
+def child_span(
+    parent: Span, name: str, attributes: dict[str, Any] | None = None,
+    provider: trace.TracerProvider | None = None,
+) -> Span:  # fmt: skip
+    ctx = trace.set_span_in_context(parent)
+    tracer = trace.get_tracer(TRACER_NAME, tracer_provider=provider)
+    return tracer.start_span(name, context=ctx, attributes=attributes)
+
+
+def end_span(span: Span, error: str | None = None) -> None:
+    if error:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
