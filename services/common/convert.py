@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from protos import common_pb2
 from services.engine.llm_engine import EngineStats
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
@@ -102,3 +104,9 @@ def stats_to_load(stats: EngineStats, **extra: object) -> common_pb2.WorkerLoad:
         prefix_cache_hits=stats.prefix_cache_hits,
         **extra,  # type: ignore[arg-type]
     )
+
+
+def transfer_fields(counters: Any) -> dict[str, object]:
+    """WorkerLoad's KV-transfer fields from a kvtransfer.TransferCounters."""
+    return {"kv_transfer_bytes": counters.bytes, "kv_transfer_seconds": counters.seconds,
+            "kv_transfer_failures": counters.failures}  # fmt: skip

@@ -148,6 +148,25 @@ class WorkerRuntime:
             self.driver.stop()
 
 
+class WorkerRpcs:
+    """``Abort`` and ``GetLoad``, the same for every role (mixed into each servicer)."""
+
+    rt: WorkerRuntime
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        if self.rt.driver is None:
+            return common_pb2.AbortResponse(found=False)
+        found = await asyncio.wrap_future(self.rt.driver.abort(request.request_id))
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(
+        self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerLoad:
+        return self.rt.load()
+
+
 def run_worker(
     args: argparse.Namespace, build: Callable[[WorkerRuntime], list[str]], role: str
 ) -> int:

@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, kv_control_pb2
-from services.common.convert import sampling_from_pb
-from services.common.runtime import WorkerRuntime, run_worker
+from services.common.convert import sampling_from_pb, transfer_fields
+from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import stream_chunks
 from services.common.tracing import start_server_span
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
@@ -53,7 +53,7 @@ async def _wait_for_kv(handle: Any, timeout_s: float) -> Any:
         return None
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
         self.receiver: Any = None  # kvtransfer.KvReceiver once the model is loaded
@@ -80,9 +80,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def transfer_load(self) -> dict[str, object]:
         if self.receiver is None:
             return {}
-        c = self.receiver.stats()
-        return {"kv_transfer_bytes": c.bytes, "kv_transfer_seconds": c.seconds,
-                "kv_transfer_failures": c.failures}  # fmt: skip
+        return transfer_fields(self.receiver.stats())
 
     # ---- reservations ------------------------------------------------------------------------
     async def Reserve(
@@ -199,18 +197,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        rid = request.request_id
-        if self._cancel(rid):
+        if self._cancel(request.request_id):  # a reservation, not yet a request in the engine
             return common_pb2.AbortResponse(found=True)
-        if self.rt.driver is None:
-            return common_pb2.AbortResponse(found=False)
-        found = await asyncio.wrap_future(self.rt.driver.abort(rid))
-        return common_pb2.AbortResponse(found=found)
-
-    async def GetLoad(
-        self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.WorkerLoad:
-        return self.rt.load()
+        return await super().Abort(request, context)
 
     def cancel_all(self) -> None:
         for rid in list(self.reservations):

@@ -12,13 +12,13 @@ from typing import Any
 import grpc
 
 from protos import common_pb2, kv_control_pb2, prefill_pb2, prefill_pb2_grpc
-from services.common.convert import output_to_chunk
-from services.common.runtime import WorkerRuntime, run_worker
+from services.common.convert import output_to_chunk, transfer_fields
+from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, submit
 from services.common.tracing import child_span, end_span, start_server_span
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
         self.sender: Any = None  # a kvtransfer.KvSender once the model is loaded
@@ -38,9 +38,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def transfer_load(self) -> dict[str, object]:
         if self.sender is None:
             return {}
-        c = self.sender.stats()
-        return {"kv_transfer_bytes": c.bytes, "kv_transfer_seconds": c.seconds,
-                "kv_transfer_failures": c.failures}  # fmt: skip
+        return transfer_fields(self.sender.stats())
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -115,19 +113,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         done = kv_control_pb2.TransferDone(bytes=stats.bytes, seconds=stats.seconds, num_blocks=n)
         return prefill_pb2.PrefillEvent(done=done)
-
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortResponse:
-        if self.rt.driver is None:
-            return common_pb2.AbortResponse(found=False)
-        found = await asyncio.wrap_future(self.rt.driver.abort(request.request_id))
-        return common_pb2.AbortResponse(found=found)
-
-    async def GetLoad(
-        self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.WorkerLoad:
-        return self.rt.load()
 
 
 def build(runtime: WorkerRuntime) -> list[str]:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.runtime import WorkerRuntime, run_worker
+from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, stream_chunks, submit
 from services.common.tracing import start_server_span
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+class WorkerServicer(WorkerRpcs, worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
 
@@ -28,19 +27,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         span = start_server_span(context, "generate", {"tandem.request_id": request.request_id})
         async for chunk in stream_chunks(self.rt, driver, stream, span=span):
             yield chunk
-
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortResponse:
-        if self.rt.driver is None:
-            return common_pb2.AbortResponse(found=False)
-        found = await asyncio.wrap_future(self.rt.driver.abort(request.request_id))
-        return common_pb2.AbortResponse(found=found)
-
-    async def GetLoad(
-        self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.WorkerLoad:
-        return self.rt.load()
 
 
 def build(runtime: WorkerRuntime) -> list[str]:
