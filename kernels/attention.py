@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.layers import ref_rotary_embedding
+
 
 def ref_write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
@@ -31,6 +33,25 @@ def ref_write_kv(
     slots = slot_mapping.long()
     k_cache.view(n * bs, h, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(n * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def ref_rotary_write_kv(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+) -> torch.Tensor:  # [T, Hq, D], contiguous
+    """Rotary embedding and the KV write in one: returns the rotated q (a new contiguous tensor)
+    and writes the rotated k and v into their slots. q, k, v are read only (views of a fused
+    qkv projection are fine)."""
+    q_out, k_rot = q.contiguous().clone(), k.contiguous().clone()
+    ref_rotary_embedding(positions, q_out, k_rot, cos_sin_cache)
+    ref_write_kv(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_out
 
 
 def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:

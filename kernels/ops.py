@@ -14,7 +14,12 @@ from types import ModuleType
 
 import torch
 
-from kernels.attention import ref_paged_decode_attention, ref_prefill_attention, ref_write_kv
+from kernels.attention import (
+    ref_paged_decode_attention,
+    ref_prefill_attention,
+    ref_rotary_write_kv,
+    ref_write_kv,
+)
 from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
 
@@ -24,6 +29,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rotary_embedding",
+    "rotary_write_kv",
     "scatter_blocks",
     "silu_and_mul",
     "triton_available",
@@ -59,6 +65,21 @@ def write_kv(
 ) -> None:
     mod = _triton("triton_attention", k)
     (mod.write_kv if mod else ref_write_kv)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D], may be a strided view
+    k: torch.Tensor,  # [T, Hkv, D], may be a strided view
+    v: torch.Tensor,  # [T, Hkv, D], may be a strided view
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+) -> torch.Tensor:  # [T, Hq, D] rotated q
+    mod = _triton("triton_attention", q)
+    fn = mod.rotary_write_kv if mod else ref_rotary_write_kv
+    return fn(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(

@@ -22,7 +22,7 @@ from kernels.triton_common import (
 from kernels.triton_decode import paged_decode_attention
 from kernels.triton_prefill import prefill_attention
 
-__all__ = ["paged_decode_attention", "prefill_attention", "write_kv"]
+__all__ = ["paged_decode_attention", "prefill_attention", "rotary_write_kv", "write_kv"]
 
 
 @triton.jit
@@ -81,3 +81,112 @@ def write_kv(
         NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=bs,
         num_warps=4 if block_h * block_d >= 2048 else 1,
     )  # fmt: skip
+
+
+@triton.jit
+def _rotate_into(
+    src_ptr, s_src_h, dst_ptr, s_dst_h, num_heads, cos, sin, gate,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    offs_h = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_HALF)
+    head_ok = (offs_h < num_heads) & ((offs_h * 0 + gate) >= 0)  # gate < 0: write nothing
+    mask = head_ok[:, None] & (offs < HALF)[None, :]
+    src = src_ptr + offs_h[:, None] * s_src_h + offs[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + offs_h[:, None] * s_dst_h + offs[None, :]
+    # round like the reference: rotate in fp32, store in the source dtype, then cast to the cache's
+    o1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(src_ptr.dtype.element_ty)
+    o2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(src_ptr.dtype.element_ty)
+    tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cs, s_ot, s_oh,
+    s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    cmask = offs < HALF
+    cos = tl.load(cs_ptr + pos * s_cs + offs, mask=cmask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=cmask, other=0.0).to(tl.float32)
+    _rotate_into(
+        q_ptr + t * s_qt, s_qh, qo_ptr + t * s_ot, s_oh, num_q_heads, cos, sin, t,
+        HALF, BLOCK_HQ, BLOCK_HALF,
+    )  # fmt: skip
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    _rotate_into(
+        k_ptr + t * s_kt, s_kh, kc_ptr + blk * s_kcn + off * s_kcb, s_kch, num_kv_heads, cos, sin,
+        slot, HALF, BLOCK_HK, BLOCK_HALF,
+    )  # fmt: skip
+    offs_h = tl.arange(0, BLOCK_HK)
+    offs_d = tl.arange(0, BLOCK_D)
+    vmask = ((offs_h < num_kv_heads) & ((offs_h * 0 + slot) >= 0))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=vmask)
+    vc = vc_ptr + blk * s_vcn + off * s_vcb + offs_h[:, None] * s_vch + offs_d[None, :]
+    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=vmask)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+) -> torch.Tensor:  # [T, Hq, D]
+    """Triton version of :func:`kernels.attention.ref_rotary_write_kv`: one launch instead of
+    rotary + three contiguous copies + the KV write (a decode step's per-layer launch count is
+    what bounds batch-1 latency). Positions and slots are not bounds-checked."""
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES)
+    _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
+    t, hq, qd = q.shape
+    if k.shape != v.shape or tuple(k.shape[1:]) != (hkv, d):
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's heads x dim {(hkv, d)}"
+        )
+    if k.shape[0] != t or qd != d:
+        raise ValueError(f"q {tuple(q.shape)} does not match k {tuple(k.shape)}")
+    if positions.shape[0] != t or slot_mapping.shape[0] != t:
+        raise ValueError(
+            f"positions ({positions.shape[0]}) and slot_mapping ({slot_mapping.shape[0]}) "
+            f"need one entry per token ({t})"
+        )
+    if d % 2 != 0 or cos_sin_cache.shape[1] != d:
+        raise ValueError(
+            f"head_dim {d} must be even and match cos_sin_cache width {cos_sin_cache.shape[1]}"
+        )
+    check_devices(
+        positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
+        v_cache=v_cache, slot_mapping=slot_mapping,
+    )  # fmt: skip
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    half = d // 2
+    tile = next_pow2(hq) * next_pow2(half)
+    _rotary_write_kv_kernel[(t,)](
+        positions, q, k, v, cos_sin_cache, out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], hq, hkv,
+        HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),
+        BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
+        num_warps=4 if tile >= 2048 else 1,
+    )  # fmt: skip
+    return out

@@ -159,8 +159,9 @@ def main_latency(args: argparse.Namespace) -> int:
             r.num_output_tokens < 2 for r in engine.scheduler.running + engine.scheduler.waiting
         ):
             engine.step()  # prefill everyone first
-        times = []
+        times, batches = [], []
         while engine.has_unfinished:
+            batches.append(len(engine.scheduler.running))
             _sync()
             t0 = time.perf_counter()
             engine.step()
@@ -168,6 +169,7 @@ def main_latency(args: argparse.Namespace) -> int:
             times.append(time.perf_counter() - t0)
         times = sorted(times[2:-1]) or sorted(times)
         med = times[len(times) // 2]
+        graph_ms = _graph_replay_ms(engine, bs)
         kv = (
             bs
             * a.kv_bytes_per_token(engine.runner.model.lm_head.weight.element_size())
@@ -175,15 +177,38 @@ def main_latency(args: argparse.Namespace) -> int:
         )
         floor = (weight_bytes + kv) / 3.0e12 if engine.runner.device.type == "cuda" else None
         rows.append({"batch": bs, "context": args.input_len, "step_ms": med * 1e3,
+                     "graph_replay_ms": graph_ms, "mean_running": sum(batches) / len(batches),
+                     "min_running": min(batches), "preemptions": engine.scheduler.num_preemptions,
                      "floor_ms": floor * 1e3 if floor else None,
                      "fraction_of_floor": floor / med if floor else None})  # fmt: skip
         print(
             f"batch {bs:4d}: {med * 1e3:8.2f} ms/step"
-            + (f"  floor {floor * 1e3:.2f} ms" if floor else ""),
+            + (f"  graph replay {graph_ms:.2f} ms" if graph_ms else "")
+            + (f"  floor {floor * 1e3:.2f} ms" if floor else "")
+            + f"  running min {min(batches)}",
             flush=True,
         )
     _emit({"model": args.model, "device": str(engine.runner.device), "rows": rows}, args.json_out)
     return 0
+
+
+def _graph_replay_ms(engine: LLMEngine, batch: int, iters: int = 20) -> float | None:
+    """GPU time of one captured decode step (forward + logits) alone, by CUDA events: the step
+    time minus this is host work (scheduling, input upload, sampling, output handling)."""
+    graphs = engine.runner.graphs
+    b = graphs.bucket(batch) if graphs is not None else None
+    if graphs is None or b is None:
+        return None
+    graphs.i64[2].fill_(-1)  # the replays write no KV: the blocks belong to nobody now
+    graph = graphs.graphs[b][0]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def _emit(res: dict[str, Any], path: str | None) -> None:

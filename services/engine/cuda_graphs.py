@@ -1,8 +1,9 @@
-"""CUDA graphs for decode steps: the model's forward captured once per bucketed batch size.
+"""CUDA graphs for decode steps: forward + logits captured once per bucketed batch size.
 
 A decode step launches hundreds of small kernels; replaying a graph removes their launch cost.
-Inputs are copied into static buffers; rows past the real batch are padding that writes no KV
-(slot -1) and attends to one token.
+The runner uploads a step's inputs (see ``input_staging``), ``run`` copies them into the static
+buffers the graph reads; rows past the real batch are padding that writes no KV (slot -1) and
+attends to one token. The output is the fp32 logits of every row, written by the graph itself.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ class DecodeGraphs:
     ) -> None:  # fmt: skip
         self.model, self.kv = model, kv_caches
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
+        self.max_blocks = max_blocks
         n = self.buckets[-1]
-        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.pos = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.i64 = torch.zeros(3, n, dtype=torch.int64, device=device)  # ids, positions, slots
+        self.i64[2].fill_(-1)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.ctx = torch.ones(n, dtype=torch.int32, device=device)
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -36,20 +37,23 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
-            self.slots[:b], self.tables[:b], self.ctx[:b], self.qsl[: b + 1], True
+            self.i64[2, :b], self.tables[:b], self.ctx[:b], self.qsl[: b + 1], True
         )
+
+    def _step(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.i64[0, :b], self.i64[1, :b], self.kv, self._meta(b))
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
-            meta = self._meta(b)
             for _ in range(2):  # warm up: compile Triton kernels, settle allocations
-                self.model(self.ids[:b], self.pos[:b], self.kv, meta)
+                self._step(b)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(self.ids[:b], self.pos[:b], self.kv, meta)
+                out = self._step(b)
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
@@ -61,16 +65,15 @@ class DecodeGraphs:
         return None
 
     def run(
-        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, b: int
-    ) -> torch.Tensor:  # [n, hidden]
-        n, w = ids.shape[0], meta.block_tables.shape[1]
-        self.ids[:n].copy_(ids, non_blocking=True)
-        self.pos[:n].copy_(pos, non_blocking=True)
-        self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.slots[n:b].fill_(-1)
-        self.ctx[:n].copy_(meta.context_lens, non_blocking=True)
-        self.ctx[n:b].fill_(1)
-        self.tables[:n, :w].copy_(meta.block_tables, non_blocking=True)
+        self,
+        i64: torch.Tensor,  # [3 * b]: ids, positions, slots of the padded batch
+        ctx: torch.Tensor,  # [b]
+        tables: torch.Tensor,  # [b, w], w <= max_blocks
+        b: int,
+    ) -> torch.Tensor:  # [b, V] fp32 logits (valid until the next replay)
+        self.i64[:, :b].copy_(i64.view(3, b), non_blocking=True)
+        self.ctx[:b].copy_(ctx, non_blocking=True)
+        self.tables[:b, : tables.shape[1]].copy_(tables, non_blocking=True)
         graph, out = self.graphs[b]
         graph.replay()
-        return out[:n]
+        return out

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.config import EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.input_staging import InputStaging
 from services.engine.kv_cache import GIB, allocate_kv_caches, check_fits, plan_num_blocks
 from services.engine.loader import load_model
 from services.engine.sampler import sample
@@ -56,12 +58,17 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.arch, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        max_blocks = -(-self.max_model_len // self.block_size)
+        sched = config.scheduler
+        self.staging = InputStaging.for_limits(
+            max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
+            max_blocks, self.device,
+        )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, config.scheduler.max_num_seqs,
-                -(-self.max_model_len // self.block_size), self.device,
-            )  # fmt: skip
+                self.model, self.kv_caches, sched.max_num_seqs, max_blocks, self.device
+            )
             self.graphs.capture()
 
     def _plan_blocks(self) -> int:
@@ -85,41 +92,71 @@ class ModelRunner:
         check_fits(n, self.block_size, self.max_model_len, hint)
         return n
 
+    def _max_blocks(self, out: SchedulerOutput) -> int:
+        return max(len(r.block_ids) for r in out.requests)
+
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        ctx: list[int] = []
-        rows: list[int] = []
+        """The eager path's inputs: every step's ids, positions, slots, tables in two uploads."""
+        reqs = out.requests
+        T = sum(r.num_new_tokens for r in reqs)
+        B, W = len(reqs), self._max_blocks(out)
+        S = sum(1 for r in reqs if r.sample)
+        h64, h32 = self.staging.begin([T, T, T, S], [B, B + 1, B * W])
+        ids, pos, slots, rows = h64
+        ctx, qsl, tables = h32[0], h32[1], h32[2].reshape(B, W)
+        tables.fill(0)
         bs = self.block_size
-        max_blocks = max(len(r.block_ids) for r in out.requests)
-        tables = []
-        for r in out.requests:
-            ids.extend(r.token_ids)
-            start = r.start_pos
-            for p in range(start, start + r.num_new_tokens):
-                pos.append(p)
-                slots.append(r.block_ids[p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + r.num_new_tokens)
-            ctx.append(r.context_len)
+        t = s = 0
+        qsl[0] = 0
+        for i, r in enumerate(reqs):
+            n, start, bids = r.num_new_tokens, r.start_pos, r.block_ids
+            ids[t : t + n] = r.token_ids
+            span = np.arange(start, start + n)
+            pos[t : t + n] = span
+            slots[t : t + n] = np.asarray(bids, dtype=np.int64)[span // bs] * bs + span % bs
+            t += n
+            qsl[i + 1] = t
+            ctx[i] = r.context_len
+            tables[i, : len(bids)] = bids
             if r.sample:
-                rows.append(qsl[-1] - 1)
-            tables.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))
-        dev = self.device
-
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-            cpu = torch.tensor(x, dtype=dtype)
-            return cpu.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else cpu
-
+                rows[s] = t - 1
+                s += 1
+        d64, d32 = self.staging.upload()
         meta = AttentionMetadata(
-            slot_mapping=t(slots, torch.int64),
-            block_tables=t(tables, torch.int32),
-            context_lens=t(ctx, torch.int32),
-            query_start_loc=t(qsl, torch.int32),
-            decode_only=all(r.num_new_tokens == 1 for r in out.requests),
+            slot_mapping=d64[2],
+            block_tables=d32[2].view(B, W),
+            context_lens=d32[0],
+            query_start_loc=d32[1],
+            decode_only=all(r.num_new_tokens == 1 for r in reqs),
         )
-        return StepInputs(t(ids, torch.int64), t(pos, torch.int64), meta, t(rows, torch.int64))
+        return StepInputs(d64[0], d64[1], meta, d64[3])
+
+    def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """A decode-only step through its captured graph; None when no graph fits the step."""
+        graphs, reqs = self.graphs, out.requests
+        if graphs is None or any(r.num_new_tokens != 1 for r in reqs):
+            return None
+        n, W = len(reqs), self._max_blocks(out)
+        b = graphs.bucket(n)
+        if b is None or graphs.max_blocks < W:
+            return None
+        h64, h32 = self.staging.begin([3 * b], [b, b * W])
+        ids, pos, slots = h64[0].reshape(3, b)
+        ctx, tables = h32[0], h32[1].reshape(b, W)
+        ids[n:], pos[n:], slots[n:], ctx[n:] = 0, 0, -1, 1  # padding rows: write no KV
+        tables.fill(0)
+        bs = self.block_size
+        for i, r in enumerate(reqs):
+            p, bids = r.start_pos, r.block_ids
+            ids[i], pos[i], ctx[i] = r.token_ids[0], p, r.context_len
+            slots[i] = bids[p // bs] * bs + p % bs
+            tables[i, : len(bids)] = bids
+        d64, d32 = self.staging.upload()
+        logits = graphs.run(d64[0], d32[0], d32[1].view(b, W), b)[:n]
+        if all(r.sample for r in reqs):
+            return logits
+        keep = [i for i, r in enumerate(reqs) if r.sample]
+        return logits[torch.tensor(keep, device=logits.device)]
 
     def release_kv_cache(self) -> None:
         """Give the KV pool and graphs back (benchmarks that hand the GPU to another engine)."""
@@ -128,24 +165,25 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        n = inputs.input_ids.shape[0]
-        if self.graphs is not None and inputs.meta.decode_only:
-            b = self.graphs.bucket(n)
-            if b is not None:
-                return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, b)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Run the step's forward; fp32 logits of its sampling requests ([S, V]) or None."""
+        logits = self._graph_logits(out)
+        if logits is not None:
+            return logits
+        inputs = self.prepare(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.logits_rows.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_rows])
 
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, min_token_stop_ids: dict[str, list[int]]
     ) -> dict[str, SampledToken]:
-        inputs = self.prepare(out)
-        hidden = self._forward(inputs)
+        logits = self.forward_logits(out)
         sampling = [r for r in out.requests if r.sample]
-        if not sampling:
+        if logits is None or not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
         tokens = sample(
             logits,
             [r.sampling_params for r in sampling],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels.triton_attention as ta
-from kernels.attention import ref_write_kv
+from kernels.attention import ref_rotary_write_kv, ref_write_kv
 from tests.kernels.paged import assert_same_rounding, rand
 
 
@@ -56,3 +56,63 @@ def test_slot_mapping_length_is_checked(gen: torch.Generator, device: torch.devi
 
 def test_reexports_the_attention_launchers() -> None:
     assert callable(ta.paged_decode_attention) and callable(ta.prefill_attention)
+
+
+# ---- rotary + KV write, fused --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16)],
+)  # fmt: skip
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 32), (8, 2, 64), (8, 1, 24), (32, 4, 128)])
+def test_rotary_write_kv_matches_rotary_then_write(
+    dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hkv: int, d: int,
+    gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """Strided q/k/v views of one fused projection (GQA 1, 4, 8); slots: first, skipped (-1),
+    last of a block, first of the next, the very last slot; a token at position 0 and repeats."""
+    bs, nblk = 8, 6
+    shape = (nblk, bs, hkv, d)
+    k_cache, v_cache = rand(shape, cache_dtype, gen, device), rand(shape, cache_dtype, gen, device)
+    qkv = rand((6, hq + 2 * hkv, d), dtype, gen, device)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    before = qkv.clone()
+    cos_sin = rand((50, d), torch.float32, gen, device)
+    positions = torch.tensor([0, 1, 7, 8, 49, 17], device=device)
+    slots = torch.tensor([0, -1, 7, 8, nblk * bs - 1, 20], dtype=torch.int64, device=device)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_q = ref_rotary_write_kv(positions, q, k, v, cos_sin, ref_k, ref_v, slots)
+    out = ta.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    assert out.is_contiguous() and out.shape == (6, hq, d)
+    assert_same_rounding(out, ref_q)
+    assert_same_rounding(k_cache, ref_k)
+    assert_same_rounding(v_cache, ref_v)
+    assert torch.equal(qkv, before)  # the projection itself is read only
+
+
+def test_rotary_write_kv_single_token(gen: torch.Generator, device: torch.device) -> None:
+    k_cache, v_cache = caches(torch.float32, gen, device)
+    q = rand((1, 4, 32), torch.float32, gen, device)
+    k, v = (
+        rand((1, 2, 32), torch.float32, gen, device),
+        rand((1, 2, 32), torch.float32, gen, device),
+    )
+    cos_sin = rand((10, 32), torch.float32, gen, device)
+    pos, slots = torch.tensor([3], device=device), torch.tensor([47], device=device)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_q = ref_rotary_write_kv(pos, q, k, v, cos_sin, ref_k, ref_v, slots)
+    out = ta.rotary_write_kv(pos, q, k, v, cos_sin, k_cache, v_cache, slots)
+    assert torch.equal(out, ref_q) and torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_rotary_write_kv_errors(gen: torch.Generator, device: torch.device) -> None:
+    k_cache, v_cache = caches(torch.float32, gen, device)
+    q = rand((2, 4, 32), torch.float32, gen, device)
+    k = rand((2, 2, 32), torch.float32, gen, device)
+    cs = rand((10, 32), torch.float32, gen, device)
+    pos = torch.tensor([0, 1], device=device)
+    with pytest.raises(ValueError, match="one entry per token"):
+        ta.rotary_write_kv(pos, q, k, k, cs, k_cache, v_cache, torch.tensor([0], device=device))
+    with pytest.raises(ValueError, match="do not match the cache"):
+        ta.rotary_write_kv(pos, q, q, q, cs, k_cache, v_cache, pos)
+    with pytest.raises(ValueError, match="cos_sin_cache width"):
+        ta.rotary_write_kv(pos, q, k, k, cs[:, :16], k_cache, v_cache, pos)

@@ -58,11 +58,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.d))[0].view(T, self.nq, self.d)
             k = self.k_norm(k.reshape(-1, self.d))[0].view(T, self.nkv, self.d)
-        else:
-            q, k = q.contiguous(), k.contiguous()
-        ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        ops.write_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        # one launch: rotate q (into a new tensor) and k, write k and v into their slots
+        q = ops.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.decode_only:
             o = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale

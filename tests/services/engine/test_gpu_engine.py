@@ -33,10 +33,9 @@ def _first_logits_ours(engine, prompts: list[list[int]]) -> torch.Tensor:
 
         engine.add_request(f"logit-{i}", p, SamplingParams(temperature=0, max_tokens=1))
     sched = engine.scheduler.schedule()
-    inputs = engine.runner.prepare(sched)
     with torch.inference_mode():
-        hidden = engine.runner._forward(inputs)
-        logits = engine.runner.model.compute_logits(hidden[inputs.logits_rows])
+        logits = engine.runner.forward_logits(sched)
+    assert logits is not None
     for r in sched.requests:
         engine.scheduler.abort(r.request_id)
     outs.append(logits)

@@ -1,0 +1,71 @@
+"""A step's integer inputs on their way to the GPU: pinned host buffers reused every step.
+
+The runner writes token ids, positions, slots, context lengths and block tables straight into
+numpy views of two pinned buffers (one int64, one int32), then one non-blocking copy per buffer
+moves the used prefix to its device twin. No tensor is allocated or pinned per step, and the host
+never waits for the GPU except before overwriting a buffer whose previous upload is still queued.
+On the CPU the "device" buffers are the host buffers themselves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class InputStaging:
+    def __init__(self, n64: int, n32: int, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._done: torch.cuda.Event | None = None
+        self._alloc(max(n64, 1), max(n32, 1))
+        self._sizes: tuple[list[int], list[int]] = ([], [])
+
+    @classmethod
+    def for_limits(
+        cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device
+    ) -> InputStaging:
+        """Room for any step under the scheduler's limits (it grows if a step needs more)."""
+        return cls(3 * max_tokens + max_seqs, 2 * max_seqs + 1 + max_seqs * max_blocks, device)
+
+    def _alloc(self, n64: int, n32: int) -> None:
+        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=self.cuda)
+        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=self.cuda)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        if self.cuda:
+            self.dev64 = torch.zeros(n64, dtype=torch.int64, device=self.device)
+            self.dev32 = torch.zeros(n32, dtype=torch.int32, device=self.device)
+        else:
+            self.dev64, self.dev32 = self.host64, self.host32
+
+    def begin(
+        self, sizes64: list[int], sizes32: list[int]
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Host views to fill, laid out back to back in the order given."""
+        if self._done is not None:
+            self._done.synchronize()  # the last upload has left these buffers
+            self._done = None
+        n64, n32 = sum(sizes64), sum(sizes32)
+        if n64 > self.np64.shape[0] or n32 > self.np32.shape[0]:
+            self._alloc(max(n64, self.np64.shape[0]), max(n32, self.np32.shape[0]))
+        self._sizes = (sizes64, sizes32)
+        return _split(self.np64, sizes64), _split(self.np32, sizes32)
+
+    def upload(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copy what ``begin`` laid out to the device; device views in the same order."""
+        sizes64, sizes32 = self._sizes
+        n64, n32 = sum(sizes64), sum(sizes32)
+        if self.cuda:
+            self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)
+            self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        return _split(self.dev64, sizes64), _split(self.dev32, sizes32)
+
+
+def _split(buf, sizes: list[int]) -> list:  # type: ignore[no-untyped-def]
+    out, at = [], 0
+    for n in sizes:
+        out.append(buf[at : at + n])
+        at += n
+    return out
