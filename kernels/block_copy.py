@@ -1,7 +1,8 @@
 """Gather/scatter of paged KV blocks to and from one contiguous buffer (for KV transfer).
 
 Per-layer caches are ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
-The buffer is ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``.
+The buffer is ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``. :class:`RefBlockCopier`
+is the same over one fixed list of caches, for any range of layers.
 """
 
 from __future__ import annotations
@@ -22,3 +23,51 @@ def ref_scatter_blocks(
     ids = block_ids.long()
     for layer, cache in enumerate(kv_caches):
         cache[:, ids] = buffer[layer].to(cache.dtype)
+
+
+class RefBlockCopier:
+    """Reference of :class:`kernels.triton_block_copy.BlockCopier`: gather/scatter over one
+    fixed list of caches, any range of layers [first, last), gathering into ``out`` if given."""
+
+    def __init__(self, kv_caches: list[torch.Tensor]) -> None:
+        if not kv_caches:
+            raise ValueError("kv_caches must be a non-empty list")
+        self._caches = list(kv_caches)
+        first = self._caches[0]
+        self.num_layers = len(self._caches)
+        self.block_shape: tuple[int, ...] = tuple(first.shape[2:])  # (bs, Hkv, D)
+        self.dtype = first.dtype
+        self.device = first.device
+
+    def buffer_shape(
+        self, num_blocks: int, first: int = 0, last: int | None = None
+    ) -> tuple[int, ...]:
+        last = self.num_layers if last is None else last
+        if not 0 <= first < last <= self.num_layers:
+            raise ValueError(f"layers [{first}, {last}) are not a range of {self.num_layers}")
+        return (last - first, 2, num_blocks, *self.block_shape)
+
+    def gather(
+        self,
+        block_ids: torch.Tensor,
+        first: int = 0,
+        last: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        shape = self.buffer_shape(block_ids.shape[0], first, last)
+        if out is None:
+            return ref_gather_blocks(self._caches[first : first + shape[0]], block_ids)
+        if tuple(out.shape) != shape:
+            raise ValueError(f"out shape {tuple(out.shape)} != expected {shape}")
+        ids = block_ids.long()
+        for layer in range(shape[0]):
+            out[layer].copy_(self._caches[first + layer][:, ids])
+        return out
+
+    def scatter(
+        self, buffer: torch.Tensor, block_ids: torch.Tensor, first: int = 0, last: int | None = None
+    ) -> None:
+        shape = self.buffer_shape(block_ids.shape[0], first, last)
+        if tuple(buffer.shape) != shape:
+            raise ValueError(f"buffer shape {tuple(buffer.shape)} != expected {shape}")
+        ref_scatter_blocks(buffer, self._caches[first : first + shape[0]], block_ids)

@@ -5,6 +5,11 @@ D]``, buffer ``[num_layers, 2, n, block_size, Hkv, D]``. One launch copies every
 kernel gets the lowest-addressed cache as its base pointer plus each layer's element offset
 from it, so the layers may be separate allocations. A block is ``block_size * Hkv * D``
 contiguous elements; programs copy ``CHUNK`` of them each.
+
+:class:`BlockCopier` is the same copy for a caller that copies one fixed list of caches again and
+again (the KV transfer): it checks the caches and uploads their offset table once, then each
+call checks only its block ids and buffer, copies any range of layers and may gather into a
+given buffer, with no host-to-device copy and no synchronization.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ def _layer_offsets(ptrs: tuple[int, ...], elem_size: int, device: torch.device) 
     return torch.tensor([(p - base) // elem_size for p in ptrs], dtype=torch.int64, device=device)
 
 
-def _check_caches(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+def _check_cache_list(kv_caches: list[torch.Tensor]) -> torch.Tensor:
     """Validate the caches; returns the int64 element offsets of each layer from the lowest one."""
     if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
         raise ValueError("kv_caches must be a non-empty list")
@@ -86,22 +91,44 @@ def _check_caches(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> tor
     for i, cache in enumerate(kv_caches):
         if not isinstance(cache, torch.Tensor) or _layout(cache) != layout:
             _check_layer(i, cache, first)
-    check_tensor("block_ids", block_ids, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
-    check_devices(block_ids=block_ids, kv_caches=first)
     ptrs = tuple(c.data_ptr() for c in kv_caches)
     return _layer_offsets(ptrs, first.element_size(), first.device)
 
 
-def _launch(kv_caches: list[torch.Tensor], buffer: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor, gather: bool) -> None:  # fmt: skip
-    base = min(kv_caches, key=lambda c: c.data_ptr())
+def _check_ids(block_ids: torch.Tensor, cache: torch.Tensor) -> None:
+    check_tensor("block_ids", block_ids, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
+    check_devices(block_ids=block_ids, kv_caches=cache)
+
+
+def _check_caches(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    offsets = _check_cache_list(kv_caches)
+    _check_ids(block_ids, kv_caches[0])
+    return offsets
+
+
+def _check_buffer(name: str, buffer: torch.Tensor, expected: tuple[int, ...], cache: torch.Tensor) -> None:  # fmt: skip
+    check_tensor(name, buffer, ndim=6, dtypes=FLOAT_DTYPES)
+    if tuple(buffer.shape) != expected:
+        raise ValueError(f"{name} shape {tuple(buffer.shape)} != expected {expected}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    check_devices(**{name: buffer, "kv_cache": cache})
+
+
+def _launch(base: torch.Tensor, num_layers: int, buffer: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor, gather: bool) -> None:  # fmt: skip
+    """Copy ``num_layers`` layers: ``offsets[l]`` is layer l's element offset from ``base``."""
     n = block_ids.shape[0]
     block_elems = base[0, 0].numel()
     chunk = min(CHUNK, next_pow2(block_elems))
-    grid = (len(kv_caches) * 2 * n, triton.cdiv(block_elems, chunk))
+    grid = (num_layers * 2 * n, triton.cdiv(block_elems, chunk))
     _block_copy_kernel[grid](
         base, offsets, buffer, block_ids, n, base.stride(0), base.stride(1), block_elems,
         GATHER=gather, CHUNK=chunk, num_warps=4,
     )  # fmt: skip
+
+
+def _lowest(kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    return min(kv_caches, key=lambda c: c.data_ptr())
 
 
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
@@ -111,7 +138,7 @@ def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> tor
     shape = (len(kv_caches), 2, block_ids.shape[0], *first.shape[2:])
     buffer = torch.empty(shape, dtype=first.dtype, device=first.device)
     if buffer.numel() > 0:
-        _launch(kv_caches, buffer, block_ids, offsets, gather=True)
+        _launch(_lowest(kv_caches), len(kv_caches), buffer, block_ids, offsets, gather=True)
     return buffer
 
 
@@ -119,12 +146,56 @@ def scatter_blocks(buffer: torch.Tensor, kv_caches: list[torch.Tensor], block_id
     """Triton version of :func:`kernels.block_copy.ref_scatter_blocks` (ids must be distinct)."""
     offsets = _check_caches(kv_caches, block_ids)
     first = kv_caches[0]
-    check_tensor("buffer", buffer, ndim=6, dtypes=FLOAT_DTYPES)
     expected = (len(kv_caches), 2, block_ids.shape[0], *first.shape[2:])
-    if tuple(buffer.shape) != expected:
-        raise ValueError(f"buffer shape {tuple(buffer.shape)} != expected {expected}")
-    if not buffer.is_contiguous():
-        raise ValueError("buffer must be contiguous")
-    check_devices(buffer=buffer, kv_cache=first)
+    _check_buffer("buffer", buffer, expected, first)
     if buffer.numel() > 0:
-        _launch(kv_caches, buffer, block_ids, offsets, gather=False)
+        _launch(_lowest(kv_caches), len(kv_caches), buffer, block_ids, offsets, gather=False)
+
+
+class BlockCopier:
+    """Block gather/scatter over one fixed list of caches, checked once (see the module doc).
+
+    Same semantics as :class:`kernels.block_copy.RefBlockCopier`. It holds references to the
+    caches: the offset table it uploaded is only valid while they stay allocated.
+    """
+
+    def __init__(self, kv_caches: list[torch.Tensor]) -> None:
+        self._offsets = _check_cache_list(kv_caches)  # [L] int64, on the caches' device
+        self._caches = list(kv_caches)
+        self._base = _lowest(self._caches)
+        first = self._caches[0]
+        self.num_layers = len(self._caches)
+        self.block_shape: tuple[int, ...] = tuple(first.shape[2:])  # (bs, Hkv, D)
+        self.dtype = first.dtype
+        self.device = first.device
+
+    def buffer_shape(self, num_blocks: int, first: int = 0, last: int | None = None) -> tuple[int, ...]:  # fmt: skip
+        """``[last - first, 2, num_blocks, bs, Hkv, D]``: the buffer of layers [first, last)."""
+        last = self._check_range(first, last)
+        return (last - first, 2, num_blocks, *self.block_shape)
+
+    def gather(self, block_ids: torch.Tensor, first: int = 0, last: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Blocks ``block_ids`` of layers [first, last) into ``out`` (a new buffer if None)."""
+        shape = self.buffer_shape(block_ids.shape[0], first, last)
+        _check_ids(block_ids, self._base)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            _check_buffer("out", out, shape, self._base)
+        if out.numel() > 0:
+            _launch(self._base, shape[0], out, block_ids, self._offsets[first:], gather=True)
+        return out
+
+    def scatter(self, buffer: torch.Tensor, block_ids: torch.Tensor, first: int = 0, last: int | None = None) -> None:  # fmt: skip
+        """Write ``buffer`` (layers [first, last)) into blocks ``block_ids`` (ids distinct)."""
+        shape = self.buffer_shape(block_ids.shape[0], first, last)
+        _check_ids(block_ids, self._base)
+        _check_buffer("buffer", buffer, shape, self._base)
+        if buffer.numel() > 0:
+            _launch(self._base, shape[0], buffer, block_ids, self._offsets[first:], gather=False)
+
+    def _check_range(self, first: int, last: int | None) -> int:
+        last = self.num_layers if last is None else last
+        if not 0 <= first < last <= self.num_layers:
+            raise ValueError(f"layers [{first}, {last}) are not a range of {self.num_layers}")
+        return last

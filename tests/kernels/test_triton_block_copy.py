@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
-from kernels.triton_block_copy import gather_blocks, scatter_blocks
+from kernels.block_copy import RefBlockCopier, ref_gather_blocks, ref_scatter_blocks
+from kernels.triton_block_copy import BlockCopier, gather_blocks, scatter_blocks
 from tests.kernels.paged import assert_same_rounding, rand
 
 SHAPE = (2, 12, 4, 2, 16)  # [K/V, blocks, block_size, Hkv, D]
@@ -67,6 +67,48 @@ def test_errors(gen: torch.Generator, device: torch.device) -> None:
         gather_blocks([], ids)
 
 
+@pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
+@pytest.mark.parametrize("make", [separate_layers, views_of_one_pool])
+def test_copier_moves_any_layer_range_like_the_reference(copier, make, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    src = make(5, torch.bfloat16, gen, device)
+    ids = torch.tensor([7, 0, 11, 3], device=device)
+    whole = ref_gather_blocks(src, ids)
+    plan = copier(src)
+    assert torch.equal(plan.gather(ids), whole)
+    out = torch.full((5, 2, 4, *SHAPE[2:]), float("nan"), dtype=torch.bfloat16, device=device)
+    for first, last in ((0, 2), (2, 3), (3, 5)):  # chunks of layers, one buffer
+        got = plan.gather(ids, first, last, out=out[first:last])
+        assert got.data_ptr() == out[first].data_ptr()
+        assert torch.equal(got, whole[first:last])
+
+    dst = make(5, torch.bfloat16, gen, device)
+    want = [c.clone() for c in dst]
+    dst_ids = torch.tensor([1, 2, 10, 5], dtype=torch.int32, device=device)
+    ref_scatter_blocks(whole[1:4], want[1:4], dst_ids)
+    copier(dst).scatter(whole[1:4], dst_ids, 1, 4)
+    assert all(torch.equal(a, b) for a, b in zip(dst, want, strict=True))  # layers 0, 4 intact
+
+
+def test_copier_rejects_bad_ranges_buffers_and_ids(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    plan = BlockCopier(separate_layers(3, torch.float32, gen, device))
+    ids = torch.tensor([1, 2], device=device)
+    for first, last in ((0, 0), (2, 1), (0, 4), (-1, 2)):
+        with pytest.raises(ValueError, match="range"):
+            plan.gather(ids, first, last)
+    with pytest.raises(ValueError, match="out shape"):
+        plan.gather(ids, 0, 2, out=torch.empty((3, 2, 2, *SHAPE[2:]), device=device))
+    with pytest.raises(ValueError, match="buffer shape"):
+        plan.scatter(torch.empty((1, 2, 3, *SHAPE[2:]), device=device), ids, 0, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        plan.scatter(
+            torch.empty((2, 2, 1, 2, *SHAPE[2:]), device=device)[:, :, :, 0], ids[:1], 0, 2
+        )
+    with pytest.raises(ValueError, match="block_ids"):
+        plan.gather(ids.float())
+    with pytest.raises(ValueError, match="non-empty"):
+        BlockCopier([])
+
+
 @pytest.mark.gpu
 def test_gpu_llama_layers() -> None:
     gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
@@ -77,3 +119,10 @@ def test_gpu_llama_layers() -> None:
     dst = [torch.zeros_like(c) for c in caches]
     scatter_blocks(buf, dst, ids)
     assert torch.equal(ref_gather_blocks(dst, ids), buf)
+    plan = BlockCopier(caches)
+    out = torch.empty_like(buf)
+    for first in range(0, 32, 8):
+        plan.gather(ids, first, first + 8, out=out[first : first + 8])
+    assert torch.equal(out, buf)
+    plan.scatter(out[8:16], torch.flip(ids, (0,)), 8, 16)
+    assert torch.equal(ref_gather_blocks(caches[8:16], torch.flip(ids, (0,))), buf[8:16])
