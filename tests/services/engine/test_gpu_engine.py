@@ -99,3 +99,54 @@ def test_greedy_decode_matches_transformers_smollm2_shape() -> None:
         with open(os.path.join(out_dir, "gpu_greedy.json"), "w") as fh:
             json.dump({"greedy_equal": same, "matched_prefix": prefix}, fh)
     assert same >= 7, f"only {same}/8 greedy continuations equal transformers' ({prefix})"
+
+
+def _embedded_gguf():
+    from services.model_files import ModelNotFoundError, embedded_gguf_path
+
+    try:
+        return embedded_gguf_path()
+    except ModelNotFoundError as exc:
+        pytest.skip(f"no embedded GGUF here ({exc}); set TANDEM_EMBEDDED_GGUF")
+
+
+def test_embedded_real_weights_bf16_greedy_matches_transformers() -> None:
+    """SmolLM2-135M-Instruct's real weights in bf16: our engine against transformers loading the
+    very same GGUF file on the same GPU, greedy, 32 tokens, the 8 chat prompts."""
+    from transformers import AutoModelForCausalLM
+
+    from services.engine.llm import LLM
+    from services.scheduling.sampling_params import SamplingParams
+    from tests.services.engine.conftest import CHAT_PROMPTS
+
+    gguf = _embedded_gguf()
+    llm = LLM("embedded", dtype="bfloat16", max_model_len=2048, max_num_seqs=16)
+    assert llm.engine.runner.device.type == "cuda" and llm.engine.runner.dtype == torch.bfloat16
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    ours = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+    ).to("cuda").eval()  # fmt: skip
+    eos = llm.tokenizer.eos_token_id
+    same, prefix = 0, []
+    for p, mine in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(
+                torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False,
+                eos_token_id=eos, pad_token_id=eos,
+            )  # fmt: skip
+        want = ref[0, len(p) :].tolist()
+        want = want[: want.index(eos) + 1] if eos in want else want
+        same += mine == want
+        prefix.append(
+            next((k for k, (a, b) in enumerate(zip(mine, want, strict=False)) if a != b), len(want))
+        )
+    text = llm.tokenizer.decode(ours[0], skip_special_tokens=True)
+    result = {"greedy_equal": same, "of": len(prompts), "matched_prefix": prefix, "first": text}
+    print(json.dumps(result))
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "gpu_real_weights.json"), "w") as fh:
+            json.dump(result, fh)
+    assert same >= 7, f"only {same}/8 greedy continuations equal transformers' ({prefix})"
