@@ -21,6 +21,7 @@ HANDLERS = {
     "bench serve": "gateway.bench_serve:main",
     "bench offline": "services.engine.bench:main_offline",
     "bench latency": "services.engine.bench:main_latency",
+    "bench disagg": "deploy.bench_disagg:main",
     "bench kernels": "kernels.bench:main",
 }
 
@@ -183,9 +184,55 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
         b.add_argument("--batch-sizes", default="1,64,256")
         b.add_argument("--compare-transformers", action="store_true")
         b.add_argument("--json-out", default=None)
+    add_bench_disagg_args(
+        bsub.add_parser("disagg", help="tandem up topologies under bench serve (W4, W6)")
+    )
     k = bsub.add_parser("kernels", help="Triton kernels against the roofline (GPU)")
     k.add_argument("--json-out", default=None)
     k.add_argument("--check", action="store_true", help="correctness vs the torch references (GPU)")
+
+
+def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
+    add_engine_args(d)
+    g = d.add_argument_group("benchmark")
+    g.add_argument("--topologies", default="disagg,colocated", help="disagg, colocated or none")
+    g.add_argument("--workloads", default="1024:128,4096:256", help="INPUT:OUTPUT,... lengths")
+    g.add_argument(
+        "--rates",
+        action="append",
+        default=None,
+        help="request rates for every workload (2,4,8; 'inf' too) or for one (4096:256=1,2,4); "
+        "repeatable",
+    )
+    g.add_argument("--num-prompts", type=_positive_int, default=200, help="most prompts per rate")
+    g.add_argument(
+        "--duration-s",
+        type=float,
+        default=30.0,
+        help="send about rate x this many prompts per rate (0: always --num-prompts)",
+    )
+    g.add_argument("--min-prompts", type=_positive_int, default=16, help="fewest prompts per rate")
+    g.add_argument("--warmup-prompts", type=int, default=4, help="per topology and workload")
+    g.add_argument("--gpus", default=None, help="GPU ids (default: all visible)")
+    g.add_argument("--prefill-workers", type=_positive_int, default=None,
+                   help="prefill workers of the disagg topology (default: half)")  # fmt: skip
+    g.add_argument("--workers", type=_positive_int, default=2, help="workers without GPUs")
+    g.add_argument("--port", type=int, default=0, help="gateway HTTP port (0 picks a free one)")
+    g.add_argument("--out-dir", default="bench-disagg")
+    g.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="skip the rates that would end past this (0: no limit)")  # fmt: skip
+    g.add_argument("--run-timeout-s", type=float, default=300.0, help="longest one rate may run")
+    g.add_argument("--ready-timeout-s", type=float, default=900.0)
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    g.add_argument("--slo-tpot-ms", type=float, default=40.0)
+    g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument("--stop-at-saturation", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip higher rates once under 10%% of requests meet the SLOs")  # fmt: skip
+    g.add_argument("--gateway-overhead", action="store_true",
+                   help="W6: in-process engine against gateway + --colocated 1, same workload")  # fmt: skip
+    g.add_argument("--overhead-num-prompts", type=_positive_int, default=None)
+    g.add_argument("--synthetic-tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="give a named config a word-level tokenizer so tokens stream as text")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
