@@ -8,6 +8,7 @@ a prefill worker runs a :class:`KvSender`. See ``kvtransfer.receiver`` and
 from kvtransfer.config import ReceiverOptions, SenderOptions
 from kvtransfer.expectations import TransferHandle
 from kvtransfer.layout import KvLayout
+from kvtransfer.ready import LayerReady, LayerReadyError
 from kvtransfer.receiver import KvReceiver
 from kvtransfer.results import TransferCounters, TransferError, TransferResult, TransferStats
 from kvtransfer.sender import KvSender
@@ -16,6 +17,8 @@ __all__ = [
     "KvLayout",
     "KvReceiver",
     "KvSender",
+    "LayerReady",
+    "LayerReadyError",
     "ReceiverOptions",
     "SenderOptions",
     "TransferCounters",

@@ -1,17 +1,38 @@
-"""Block gather/scatter: ``kernels.ops`` (Triton on CUDA) if present, else the torch references."""
+"""Block gather/scatter: ``kernels.ops`` (Triton on CUDA) if present, else the torch references.
+
+:func:`make_copier` gives the transfer path a copier bound to one list of caches (checked once:
+Triton's :class:`BlockCopier` for CUDA caches, the reference elsewhere); the free functions
+check their arguments on every call.
+"""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 
-from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
+from kernels.block_copy import RefBlockCopier, ref_gather_blocks, ref_scatter_blocks
 
 GatherFn = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 ScatterFn = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], None]
+
+
+class Copier(Protocol):
+    """Gather/scatter of blocks of layers [first, last) of one fixed list of caches."""
+
+    def gather(
+        self,
+        block_ids: torch.Tensor,
+        first: int = 0,
+        last: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def scatter(
+        self, buffer: torch.Tensor, block_ids: torch.Tensor, first: int = 0, last: int | None = None
+    ) -> None: ...
 
 
 def _load() -> tuple[GatherFn, ScatterFn]:
@@ -20,6 +41,21 @@ def _load() -> tuple[GatherFn, ScatterFn]:
         return cast(GatherFn, ops.gather_blocks), cast(ScatterFn, ops.scatter_blocks)
     except (ImportError, AttributeError):
         return ref_gather_blocks, ref_scatter_blocks
+
+
+def _triton_available() -> bool:
+    try:
+        return bool(importlib.import_module("kernels.ops").triton_available())
+    except (ImportError, AttributeError):
+        return False
+
+
+def make_copier(kv_caches: list[torch.Tensor]) -> Copier:
+    """A copier for ``kv_caches``: Triton on CUDA (one launch per call), else the reference."""
+    if kv_caches and kv_caches[0].is_cuda and _triton_available():
+        module = importlib.import_module("kernels.triton_block_copy")
+        return cast(Copier, module.BlockCopier(kv_caches))
+    return RefBlockCopier(kv_caches)
 
 
 gather_blocks, scatter_blocks = _load()

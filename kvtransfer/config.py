@@ -34,12 +34,21 @@ class SenderOptions:
     timeout_s: float = 10.0  # default deadline of one send(), connecting included
     checksum: bool = False  # debug mode: send a checksum of the data with each header
     gloo_interface: str = ""  # network interface for Gloo (default: the route to the receiver)
-    chunk_bytes: int = 128 << 20  # pipeline granularity (whole layers; at least one per chunk)
+    # pipeline granularity (whole layers, at least one per chunk) of a KV computed before send:
+    # small enough that gather, wire and scatter overlap, large enough that the per-chunk CPU
+    # cost (a gather launch and an NCCL op on each end) stays under a chunk's time on the wire
+    chunk_bytes: int = 32 << 20
+    # the same for a KV streamed out layer by layer as prefill writes it (send with ready=):
+    # what is left to ship after the last layer is written is one chunk, so keep it small
+    streaming_chunk_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         _check_common(self.timeout_s, self.timeout_s)
-        if self.chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.chunk_bytes < 1 or self.streaming_chunk_bytes < 1:
+            raise ValueError(
+                "chunk_bytes and streaming_chunk_bytes must be positive, got "
+                f"{self.chunk_bytes} / {self.streaming_chunk_bytes}"
+            )
 
 
 def _check_common(io_timeout_s: float, connect_timeout_s: float) -> None:

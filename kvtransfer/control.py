@@ -63,15 +63,13 @@ class ControlConn:
             raise WireError(f"control message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
         return decode(self._read(length))
 
-    def peer_closed(self) -> bool:
-        """Whether the peer has hung up (non-blocking; pending messages are left unread)."""
+    def idle(self) -> bool:
+        """Whether nothing is pending from the peer: no message, no hang-up (non-blocking)."""
         try:
             readable, _, _ = select.select([self._sock], [], [], 0)
-            return (
-                bool(readable) and self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-            )
         except (OSError, ValueError):
-            return True
+            return False
+        return not readable
 
     def shutdown(self) -> None:
         """Wake a blocked reader (it sees the connection closed) and tell the peer."""

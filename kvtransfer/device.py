@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -73,3 +74,8 @@ def gloo_device(address: str, interface: str) -> Any:
     if address and address not in ("0.0.0.0", "::"):
         return gloo.create_device(hostname=address)
     return gloo.create_default_device()
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> AbstractContextManager[Any]:
+    """Make ``stream`` (one end's dedicated CUDA stream) current; a no-op without one."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()

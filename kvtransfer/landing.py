@@ -3,8 +3,10 @@
 The bytes are received into one buffer on the wire device (GPU memory for NCCL, reusable host
 staging for Gloo), one message per chunk. Each chunk that has arrived is written into the
 registered blocks on the receiver's dedicated CUDA stream (after a host-to-device copy when
-staged) while later chunks are still arriving. :meth:`Landing.flush` waits for every write
-issued so far.
+staged) while later chunks are still arriving. :meth:`BlockWriter.flush` waits for every write
+issued so far. Nothing here blocks the host on the GPU except ``flush``, and nothing runs on
+the caller's current stream: on CUDA every step is issued on the receiver's stream, so the
+decode engine's queued work on the default stream never delays a transfer.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from typing import Any
 
 import torch
 
-from kvtransfer.blockcopy import scatter_blocks
+from kvtransfer.blockcopy import Copier
 from kvtransfer.chunks import LayerRange
+from kvtransfer.device import on_stream
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import PairChannel
-from kvtransfer.staging import HostStaging, alloc_wire
+from kvtransfer.staging import DeviceIds, HostStaging, alloc_wire
 
 
 class Landing:
@@ -27,9 +30,9 @@ class Landing:
         offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         self.chunks = [self.buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
 
-    def post(self) -> list[Any]:
-        """Post one receive per chunk, in order (the sender posts its sends in the same order)."""
-        return [self._channel.post_recv(chunk, tag=k) for k, chunk in enumerate(self.chunks)]
+    def post(self, k: int) -> Any:
+        """Post the receive of chunk ``k`` (in order: the sender posts its sends in that order)."""
+        return self._channel.post_recv(self.chunks[k], tag=k)
 
 
 class BlockWriter:
@@ -37,30 +40,39 @@ class BlockWriter:
 
     def __init__(
         self,
-        caches: list[torch.Tensor],
+        copier: Copier,
         layout: KvLayout,
-        block_ids: list[int],
+        ids: torch.Tensor,  # [n] int64 on the caches' device (uploaded on ``stream``)
+        device: torch.device,
         stream: torch.cuda.Stream | None,
     ) -> None:
-        self._caches = caches
+        self._copier = copier
         self._layout = layout
         self._stream = stream
-        self._device = caches[0].device
-        self._n = len(block_ids)
-        self._ids = torch.tensor(block_ids, dtype=torch.int64).to(self._device)
+        self._device = device
+        self._ids = ids
+
+    @classmethod
+    def upload(
+        cls,
+        copier: Copier,
+        layout: KvLayout,
+        block_ids: list[int],
+        uploads: DeviceIds,
+        device: torch.device,
+        stream: torch.cuda.Stream | None,
+    ) -> BlockWriter:
+        with on_stream(stream):
+            return cls(copier, layout, uploads.upload(block_ids), device, stream)
 
     def write(self, chunk: torch.Tensor, layers: LayerRange) -> None:
         """Issue the writes of one chunk (``[bytes]`` uint8 holding ``layers``)."""
         first, last = layers
-        shape = (last - first, *self._layout.buffer_shape(self._n)[1:])
-        if self._stream is None:
-            buf = chunk.view(self._layout.torch_dtype).view(shape)
-            scatter_blocks(buf, self._caches[first:last], self._ids)
-            return
-        with torch.cuda.stream(self._stream):
+        shape = (last - first, *self._layout.buffer_shape(self._ids.numel())[1:])
+        with on_stream(self._stream):
             data = chunk.to(self._device, non_blocking=True)  # no-op when it landed on the GPU
             buf = data.view(self._layout.torch_dtype).view(shape)
-            scatter_blocks(buf, self._caches[first:last], self._ids)
+            self._copier.scatter(buf, self._ids, first, last)
 
     def flush(self) -> None:
         """Return once every write issued so far is done."""

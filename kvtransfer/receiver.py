@@ -29,6 +29,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from kvtransfer.blockcopy import make_copier
 from kvtransfer.config import ReceiverOptions
 from kvtransfer.control import ControlConn, listen
 from kvtransfer.device import DeviceInfo, choose_backend
@@ -46,6 +47,7 @@ class KvReceiver:
     def __init__(self, kv_caches: list[torch.Tensor], options: ReceiverOptions | None = None):
         self.options = opts = options or ReceiverOptions()
         self.layout = KvLayout.of(kv_caches)
+        copier = make_copier(kv_caches)  # checks the caches once, before anything starts
         self._num_blocks = kv_caches[0].shape[1]
         device = kv_caches[0].device
         self._counters = CounterBox()
@@ -64,6 +66,7 @@ class KvReceiver:
             opts,
             stream,
             store_port,
+            copier,
         )
         self._lock = threading.Lock()
         self._pairs: dict[str, ReceiverPair] = {}  # admitted, by sender id

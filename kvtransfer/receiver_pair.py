@@ -4,8 +4,10 @@ Handshake: read the :class:`Hello`, let the receiver admit it (which retires an 
 the same sender), answer with a :class:`Welcome`, build the group as rank 1. Then per
 transfer: read the header -> claim the expectation -> validate the header -> receive exactly
 its chunks (always, even for unknown, cancelled or mismatched transfers, so the stream stays in
-step), writing each chunk into the registered blocks as it lands -> wait for the writes ->
-resolve the handle -> acknowledge. A broken stream (peer death, timeout, protocol error) fails
+step; a receive posted ``LOOKAHEAD`` chunks ahead keeps the wire busy), writing each chunk into
+the registered blocks as it lands -> wait for the writes -> resolve the handle -> acknowledge.
+The sender sends nothing between its header and our ack: a message or a hang-up meanwhile
+means it gave up on the transfer (a streamed KV whose prefill failed), which breaks the pair. A broken stream (peer death, timeout, protocol error) fails
 the transfer in flight and ends the thread; the sender rebuilds the pair under a new
 generation. A sender that hangs up while idle ends the thread at once.
 """
@@ -23,20 +25,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvtransfer.blockcopy import Copier
 from kvtransfer.chunks import LayerRange, layer_ranges
 from kvtransfer.config import ReceiverOptions
 from kvtransfer.control import ConnectionClosed, ControlConn
-from kvtransfer.device import DeviceInfo
+from kvtransfer.device import DeviceInfo, on_stream
 from kvtransfer.expectations import Expectation, ExpectationRegistry
 from kvtransfer.landing import BlockWriter, Landing
 from kvtransfer.layout import KvLayout
-from kvtransfer.pair import RECEIVER_RANK, PairChannel
+from kvtransfer.pair import RECEIVER_RANK, PairChannel, precise_sleeps
 from kvtransfer.results import CounterBox, TransferResult
-from kvtransfer.staging import HostStaging
+from kvtransfer.staging import DeviceIds, HostStaging
 from kvtransfer.stores import clone
 from kvtransfer.wire import Ack, Control, Header, Hello, Welcome, WireError, checksum, pair_prefix
 
 log = logging.getLogger(__name__)
+LOOKAHEAD = 2  # receives posted ahead of the chunk being waited for
 
 
 @dataclass
@@ -49,8 +53,9 @@ class ReceiverContext:
     registry: ExpectationRegistry
     counters: CounterBox
     options: ReceiverOptions
-    stream: torch.cuda.Stream | None  # dedicated CUDA stream for the writes
+    stream: torch.cuda.Stream | None  # dedicated CUDA stream: receives and writes
     store_port: int
+    copier: Copier
 
 
 # the receiver's decision on a hello: (backend, "") to admit, ("", reason) to refuse
@@ -66,6 +71,7 @@ class ReceiverPair:
         self._ctx = ctx
         self._admit = admit
         self._staging = HostStaging()
+        self._ids = DeviceIds(ctx.caches[0].device)
         self._next_seq = 1
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-recv-pair", daemon=True)
@@ -87,6 +93,7 @@ class ReceiverPair:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        precise_sleeps()
         try:
             channel = self._handshake()
         except Exception as e:
@@ -190,20 +197,30 @@ class ReceiverPair:
                 f"{ctx.options.max_transfer_bytes} allowed"
             )
         deadline = time.monotonic() + ctx.options.io_timeout_s
-        landing = Landing(channel, header.chunks, self._staging)
-        works = landing.post()  # first of all: the sender may be sending already
+        n = len(header.chunks)
+        # first of all post receives (the sender may be sending already), on our stream: NCCL's
+        # stream then waits on it, not on the decode engine's work queued on the default stream
+        with on_stream(ctx.stream):
+            landing = Landing(channel, header.chunks, self._staging)
+            works = {k: landing.post(k) for k in range(min(LOOKAHEAD, n))}
         writer = None
         if exp is not None:
-            writer = BlockWriter(ctx.caches, ctx.layout, list(exp.handle.block_ids), ctx.stream)
+            block_ids = list(exp.handle.block_ids)
+            device = ctx.caches[0].device
+            writer = BlockWriter.upload(ctx.copier, ctx.layout, block_ids, self._ids, device,
+                                        ctx.stream)  # fmt: skip
             exp.flush = writer.flush
-        for k, work in enumerate(works):
-            channel.wait(work, deadline, alive=self._sender_alive)
+        for k in range(n):
+            with on_stream(ctx.stream):
+                channel.wait(works.pop(k), deadline, alive=self._sender_quiet)
+                if k + LOOKAHEAD < n:
+                    works[k + LOOKAHEAD] = landing.post(k + LOOKAHEAD)
             if writer is not None and not deferred:
                 self._issue(exp, writer, landing.chunks[k], layers[k])
         return landing, writer
 
-    def _sender_alive(self) -> bool:
-        return not self._conn.peer_closed()
+    def _sender_quiet(self) -> bool:
+        return self._conn.idle()
 
     @staticmethod
     def _issue(

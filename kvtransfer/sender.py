@@ -14,7 +14,11 @@ Contract:
 - Thread-safe. Transfers to one endpoint are serialized in call order (one lock per pair);
   transfers to different endpoints run concurrently.
 - The KV must be computed before ``send``: on CUDA the gather runs on a dedicated stream that
-  first waits for the calling thread's current stream.
+  first waits for the calling thread's current stream. Or pass ``ready`` (a
+  :class:`LayerReady`) to stream the KV out while it is being computed: each chunk of layers
+  is shipped once the producer has recorded its last layer, the GPU waiting on the producer's
+  event instead of the stream (``LayerReady.written(n)``: computed and synchronized, wait for
+  nothing). If the producer fails, the send fails and the pair is rebuilt.
 - ``close()`` tears every pair down and tells the receivers.
 """
 
@@ -27,9 +31,11 @@ from collections.abc import Callable
 
 import torch
 
+from kvtransfer.blockcopy import make_copier
 from kvtransfer.config import SenderOptions
 from kvtransfer.device import DeviceInfo
 from kvtransfer.layout import KvLayout, check_block_ids
+from kvtransfer.ready import LayerReady
 from kvtransfer.results import CounterBox, TransferCounters, TransferError, TransferStats
 from kvtransfer.sender_pair import SenderContext, SenderPair, TransferRejected
 from kvtransfer.wire import MAX_TRANSFER_ID_LEN, check_name
@@ -46,6 +52,7 @@ class KvSender:
         self.layout = KvLayout.of(kv_caches)
         self._num_blocks = kv_caches[0].shape[1]
         device = kv_caches[0].device
+        copier = make_copier(kv_caches)  # checks the caches once
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ctx = SenderContext(
             kv_caches,
@@ -56,6 +63,8 @@ class KvSender:
             self.options.checksum,
             self.options.gloo_interface,
             self.options.chunk_bytes,
+            self.options.streaming_chunk_bytes,
+            copier,
         )
         self._counters = CounterBox()
         self._lock = threading.Lock()
@@ -71,6 +80,8 @@ class KvSender:
         transfer_id: str,
         block_ids: list[int],
         timeout_s: float | None = None,
+        *,
+        ready: LayerReady | None = None,
     ) -> TransferStats:
         timeout = self.options.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
@@ -78,6 +89,10 @@ class KvSender:
         if not transfer_id or len(transfer_id) > MAX_TRANSFER_ID_LEN:
             raise ValueError(f"transfer_id must have 1 to {MAX_TRANSFER_ID_LEN} characters")
         check_block_ids(block_ids, self._num_blocks)
+        if ready is not None and ready.num_layers != self.layout.num_layers:
+            raise ValueError(
+                f"ready covers {ready.num_layers} layers, the caches {self.layout.num_layers}"
+            )
         start = time.monotonic()
         lock, pair = self._pair(endpoint)
         if not lock.acquire(timeout=timeout):
@@ -87,7 +102,7 @@ class KvSender:
                 "behind earlier transfers to the same receiver"
             )
         try:
-            nbytes = self._send_locked(pair, transfer_id, block_ids, start + timeout)
+            nbytes = self._send_locked(pair, transfer_id, block_ids, start + timeout, ready)
         finally:
             lock.release()
         seconds = time.monotonic() - start
@@ -126,13 +141,18 @@ class KvSender:
             return entry
 
     def _send_locked(
-        self, pair: SenderPair, transfer_id: str, block_ids: list[int], deadline: float
+        self,
+        pair: SenderPair,
+        transfer_id: str,
+        block_ids: list[int],
+        deadline: float,
+        ready: LayerReady | None,
     ) -> int:
         error = ""
         try:
             if not pair.connected:
                 pair.connect(deadline)
-            return pair.transfer(transfer_id, block_ids, deadline, self._after_header)
+            return pair.transfer(transfer_id, block_ids, deadline, ready, self._after_header)
         except TransferRejected as e:
             error = str(e)
         except TransferError as e:

@@ -3,10 +3,12 @@
 Handshake: open the control connection to the receiver's endpoint, send a :class:`Hello`
 (sender id, fresh generation, device), read the :class:`Welcome` (backend, store port), build
 the 2-rank group as rank 0 over the receiver's store. Transfer: send the header (the receiver
-posts its receives meanwhile), then per chunk of layers gather the blocks and post its send
-(gathers overlap earlier chunks on the wire), then wait for the receiver's :class:`Ack`, which
-also proves every send completed. Not thread-safe: :class:`KvSender` serializes calls per
-pair.
+posts its receives meanwhile), then per chunk of layers gather the blocks into one buffer and
+post the chunk's send (gathers overlap earlier chunks on the wire; NCCL runs on its own stream,
+which waits for each gather), then wait for the receiver's :class:`Ack`, which also proves every
+send completed. With a :class:`LayerReady`, a chunk is gathered once its layers are written:
+the gather stream waits on the producer's event, the host only for the producer's ``record``.
+Not thread-safe: :class:`KvSender` serializes calls per pair.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -22,14 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvtransfer.blockcopy import gather_blocks
-from kvtransfer.chunks import plan_layers
+from kvtransfer.blockcopy import Copier
+from kvtransfer.chunks import LayerRange, plan_layers
 from kvtransfer.control import ConnectionClosed, ControlConn
-from kvtransfer.device import DeviceInfo, local_address_towards
+from kvtransfer.device import DeviceInfo, local_address_towards, on_stream
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import SENDER_RANK, PairChannel
+from kvtransfer.ready import LayerReady
 from kvtransfer.results import TransferError
-from kvtransfer.staging import HostStaging, as_bytes, to_wire
+from kvtransfer.staging import DeviceIds, HostStaging, to_wire
 from kvtransfer.wire import Ack, Control, Header, Hello, Welcome, WireError, checksum, pair_prefix
 
 
@@ -49,6 +52,8 @@ class SenderContext:
     use_checksum: bool
     gloo_interface: str
     chunk_bytes: int
+    streaming_chunk_bytes: int
+    copier: Copier
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -63,12 +68,17 @@ def _seconds(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
 
+def _offsets(sizes: tuple[int, ...]) -> list[int]:
+    return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
 class SenderPair:
     def __init__(self, endpoint: str, ctx: SenderContext) -> None:
         self.endpoint = endpoint
         self.host, self.port = parse_endpoint(endpoint)
         self._ctx = ctx
         self._staging = HostStaging()
+        self._ids = DeviceIds(ctx.caches[0].device)
         self._channel: PairChannel | None = None
         self._conn: ControlConn | None = None
         self._seq = 0
@@ -110,6 +120,7 @@ class SenderPair:
         transfer_id: str,
         block_ids: list[int],
         deadline: float,
+        ready: LayerReady | None = None,
         after_header: Callable[[], None] | None = None,
     ) -> int:
         """Ship the blocks; returns the bytes acknowledged. Raises TransferRejected if the
@@ -119,35 +130,56 @@ class SenderPair:
             raise TransferError("not connected")
         self._seq += 1
         layer_bytes = ctx.layout.block_bytes // ctx.layout.num_layers * len(block_ids)
-        ranges = plan_layers(ctx.layout.num_layers, layer_bytes, ctx.chunk_bytes)
+        chunk_bytes = ctx.chunk_bytes if ready is None else ctx.streaming_chunk_bytes
+        ranges = plan_layers(ctx.layout.num_layers, layer_bytes, chunk_bytes)
         sizes = tuple((last - first) * layer_bytes for first, last in ranges)
         header = Header(self._seq, transfer_id, len(block_ids), ctx.layout, sum(sizes), sizes)
         if not ctx.use_checksum:
             conn.send(header)  # first of all: the receiver gets ready while we gather
-        staged = channel.wire_device != channel.device
-        host = self._staging.get(sum(sizes)) if staged else None
-        in_flight: list[Any] = []  # chunks and their works stay alive until the ack
-        if ctx.stream is not None:  # the KV was computed on the caller's stream
+        if ready is None and ctx.stream is not None:  # the KV was computed on the caller's stream
             ctx.stream.wait_stream(torch.cuda.current_stream(ctx.stream.device))
-        with torch.cuda.stream(ctx.stream) if ctx.stream is not None else nullcontext():
-            ids = torch.tensor(block_ids, dtype=torch.int64).to(channel.device)
-            parts = []
+        in_flight: list[Any] = []  # buffers and works stay alive until the ack
+        with on_stream(ctx.stream):
+            ids = self._ids.upload(block_ids)
+            out = torch.empty(sum(sizes), dtype=torch.uint8, device=channel.device)
+            spans = [(o, o + n) for o, n in zip(_offsets(sizes), sizes, strict=True)]
+            in_flight.append(out)
             if ctx.use_checksum:  # debug mode: gather everything first, to checksum it
-                parts = [gather_blocks(ctx.caches[a:b], ids) for a, b in ranges]
-                digest = checksum(torch.cat([as_bytes(p) for p in parts]))
-                header = replace(header, checksum=digest)
+                for (a, b), layers in zip(spans, ranges, strict=True):
+                    self._gather(ids, layers, out[a:b], ready, deadline)
+                header = replace(header, checksum=checksum(out))
                 conn.send(header)
             if after_header is not None:
                 after_header()
-            offset = 0
-            for k, (first, last) in enumerate(ranges):
-                part = parts[k] if parts else gather_blocks(ctx.caches[first:last], ids)
-                data = as_bytes(part)  # [(last - first) * layer_bytes] uint8
-                slot = host[offset : offset + data.numel()] if host is not None else None
-                wire = to_wire(data, channel.wire_device, slot)
+            staged = channel.wire_device != channel.device
+            host = self._staging.get(sum(sizes)) if staged else None
+            for k, ((a, b), layers) in enumerate(zip(spans, ranges, strict=True)):
+                if not ctx.use_checksum:
+                    self._gather(ids, layers, out[a:b], ready, deadline)
+                wire = to_wire(
+                    out[a:b], channel.wire_device, host[a:b] if host is not None else None
+                )
                 in_flight.append((wire, channel.post_send(wire, tag=k)))
-                offset += data.numel()
         return self._await_ack(conn, header, deadline)
+
+    def _gather(
+        self,
+        ids: torch.Tensor,
+        layers: LayerRange,
+        part: torch.Tensor,  # [bytes] uint8: where layers [first, last) go
+        ready: LayerReady | None,
+        deadline: float,
+    ) -> None:
+        """Issue the gather of one chunk on the current stream, once its layers are written."""
+        ctx, (first, last) = self._ctx, layers
+        if ready is not None:
+            event = ready.wait(last - 1, deadline)  # layers are written in order
+            if event is not None and ctx.stream is not None:
+                ctx.stream.wait_event(event)  # the GPU waits, not us
+            elif event is not None:
+                event.synchronize()
+        shape = (last - first, *ctx.layout.buffer_shape(ids.numel())[1:])
+        ctx.copier.gather(ids, first, last, out=part.view(ctx.layout.torch_dtype).view(shape))
 
     def _await_ack(self, conn: ControlConn, header: Header, deadline: float) -> int:
         try:

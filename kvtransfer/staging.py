@@ -50,3 +50,34 @@ def alloc_wire(
     if wire.type == "cpu" and device.type == "cuda":
         return staging.get(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8, device=wire)
+
+
+class DeviceIds:
+    """Block ids as an int64 tensor on the caches' device, without a blocking copy.
+
+    On CUDA the ids are written into a reusable pinned host buffer and copied on the current
+    stream with ``non_blocking``: the host never waits for the GPU (a plain ``.to(device)``
+    would synchronize with everything queued on the stream). Not thread-safe: each pair end
+    owns one and uses it for one transfer at a time.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def upload(self, block_ids: list[int]) -> torch.Tensor:  # [n] int64 on the device
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if self._device.type != "cuda":
+            return ids
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy out of the buffer (done long ago)
+        if self._host is None or self._host.numel() < ids.numel():
+            self._host = torch.empty(max(ids.numel(), 4096), dtype=torch.int64, pin_memory=True)
+        host = self._host[: ids.numel()]
+        host.copy_(ids)
+        stream = torch.cuda.current_stream(self._device)
+        out = host.to(self._device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record(stream)
+        return out
