@@ -55,6 +55,8 @@ from deploy.plan import build_plan, engine_flags
 from deploy.supervisor import ChildFailedError, Supervisor
 from gateway.bench_serve import build_prompts, run_rates
 from services.cli import build_parser
+from services.config import ConfigError
+from services.model_files import ModelNotFoundError, resolve_model
 
 TOPOLOGIES = ("disagg", "colocated")
 STOP_RESERVE_S = 20.0  # kept free at the end of a time budget to stop the last topology
@@ -145,7 +147,9 @@ def prompts_for_rate(rate: float, num_prompts: int, min_prompts: int, duration_s
     return max(min(min_prompts, num_prompts), min(num_prompts, math.ceil(rate * duration_s)))
 
 
-def rate_label(rate: float) -> str:
+def rate_label(rate: float | str) -> str:
+    """2.0 -> '2', inf or 'inf' -> 'inf' (bench serve writes an infinite rate as 'inf')."""
+    rate = float(rate)
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
@@ -581,7 +585,7 @@ def comparison(rec: Recorder) -> dict[str, list[dict[str, Any]]]:
         for name in rec.topologies:
             run = rec.runs.get((name, wl.key))
             for r in run["results"] if run else []:
-                by_rate.setdefault(str(r["request_rate"]), {})[name] = r["goodput"]
+                by_rate.setdefault(rate_label(r["request_rate"]), {})[name] = r["goodput"]
         rows = []
         for rate, goodputs in by_rate.items():
             row: dict[str, Any] = {"request_rate": rate, "goodput": goodputs}
@@ -727,7 +731,7 @@ def run_topology(
                 now = time.monotonic()
                 wl_deadline = now + max(0.0, deadline - STOP_RESERVE_S - now) / remaining
             run_workload(rec, running, wl, wi, rate_map[wl.key], budget, wl_deadline, model)
-    except ChildFailedError as exc:
+    except (ChildFailedError, ConfigError) as exc:
         info["error"] = str(exc)
         log(f"{topo.name} failed: {exc}")
     finally:
@@ -814,6 +818,11 @@ def gateway_overhead(
         "error": None,
     }
     rec.overhead = result
+    if budget.left() < 2 * STOP_RESERVE_S + 30:
+        result["error"] = f"skipped: {budget.left():.0f} s left of the time budget"
+        log(f"W6 {result['error']}")
+        rec.save()
+        return
     timeout = min(args.run_timeout_s + args.ready_timeout_s, max(budget.left() - STOP_RESERVE_S, 1))
     try:
         result["engine"] = engine_throughput(args, wl, n, gpus, model, rec.out_dir, timeout)
@@ -891,8 +900,6 @@ def synthetic_model_dir(config_path: Path, dest: Path) -> Path:
 
 def model_overrides(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
     """Engine-flag overrides that make every token stream as text (see the module docstring)."""
-    from services.model_files import resolve_model
-
     files = resolve_model(args.model)
     if files.kind != "named" or not args.synthetic_tokenizer:
         return {}
@@ -900,6 +907,7 @@ def model_overrides(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
     log(f"{args.model}: random weights with a synthetic word-level tokenizer in {directory}")
     return {
         "model": str(directory),
+        "synthetic_tokenizer_for": files.name,
         "load_format": "dummy",
         "served_model_name": args.served_model_name or files.name,
     }
@@ -990,6 +998,8 @@ def plot(rec: Recorder) -> list[str]:
                     ax.plot(rates, rates, ls=":", color="grey", label="offered rate")
             if slo is not None:
                 ax.axhline(slo, ls="--", color="red", label="SLO")
+            if slo is not None:
+                ax.set_yscale("log")
             ax.set_title(title)
             ax.set_xlabel("request rate (req/s)")
             ax.grid(True, alpha=0.3)
@@ -1026,7 +1036,7 @@ def markdown(rec: Recorder) -> str:
                 continue
             for r in run["results"]:
                 lines.append(
-                    f"| {name} | {r['request_rate']} | {r['completed']}/{r['num_prompts']} | "
+                    f"| {name} | {rate_label(r['request_rate'])} | {r['completed']}/{r['num_prompts']} | "
                     f"{_p3(r, 'ttft')} | {_p3(r, 'tpot')} | {_p3(r, 'itl')} | "
                     f"{r['goodput']:.2f}{'' if r['meets_p90_slo'] else ' (p90 SLO missed)'} | "
                     f"{r['output_throughput']:.0f} |"
@@ -1072,20 +1082,24 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     gpus = [] if args.device.startswith("cpu") else detect_gpus(args.gpus)
-    command = (
-        shlex.join(["tandem", *sys.argv[1:]])
-        if sys.argv[0].endswith("tandem")
-        else (shlex.join(["python", "-m", "deploy.bench_disagg", *sys.argv[1:]]))
-    )
+    if sys.argv[1:3] == ["bench", "disagg"]:
+        command = shlex.join(["tandem", *sys.argv[1:]])
+    else:
+        command = shlex.join(["python", "-m", "deploy.bench_disagg", *sys.argv[1:]])
+    scratch = Path(tempfile.mkdtemp(prefix="tandem-bench-model-"))
+    try:
+        model = model_overrides(args, scratch)
+    except (ModelNotFoundError, ConfigError, OSError, ValueError) as exc:
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"tandem bench disagg: {exc}", file=sys.stderr)
+        return 2
     log(
         f"GPUs: {','.join(gpus) or 'none'}; topologies: {', '.join(names) or 'none'}; "
         f"workloads: {', '.join(w.key for w in workloads)}; out: {out_dir}"
     )
     rec = Recorder(out_dir, args, command, environment(), workloads)
-    scratch = Path(tempfile.mkdtemp(prefix="tandem-bench-model-"))
     try:
         with sigterm_unwinds():
-            model = model_overrides(args, scratch)
             topologies = [topology(n, gpus, args.workers, args.prefill_workers) for n in names]
             parts = len(topologies) + (1 if args.gateway_overhead else 0)
             for i, topo in enumerate(topologies):

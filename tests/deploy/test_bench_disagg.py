@@ -1,0 +1,283 @@
+"""`tandem bench disagg`: the pure parts, then the whole script on the CPU with a tiny model (slow:
+two topologies, the in-process engine and a colocated worker, one after the other)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy import bench_disagg as bd
+from services.cli import HANDLERS, build_parser
+from tests.deploy.conftest import REPO, alive, child_env
+
+
+def disagg_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "disagg", *flags])
+
+
+# ---- pure parts ------------------------------------------------------------------------------------
+def test_cli_registers_bench_disagg() -> None:
+    assert HANDLERS["bench disagg"] == "deploy.bench_disagg:main"
+    args = disagg_args("--model", "llama-3.1-8b", "--rates", "2,4", "--gpus", "0,1")
+    assert (args.command, args.bench, args.port, args.topologies) == (
+        "bench",
+        "disagg",
+        0,
+        "disagg,colocated",
+    )
+
+
+def test_workloads_rates_and_topology_names_parse() -> None:
+    workloads = bd.parse_workloads("1024:128, 4096:256")
+    assert [(w.key, w.label) for w in workloads] == [
+        ("1024:128", "1024in-128out"),
+        ("4096:256", "4096in-256out"),
+    ]
+    rates = bd.parse_rates(["8,2,4,4", "4096:256=1,inf"], workloads)
+    assert rates == {"1024:128": [2.0, 4.0, 8.0], "4096:256": [1.0, math.inf]}
+    assert bd.parse_rates(None, workloads)["4096:256"] == [2.0, 4.0, 8.0]
+    with pytest.raises(ValueError, match="not in --workloads"):
+        bd.parse_rates(["16:4=1"], workloads)
+    with pytest.raises(ValueError):
+        bd.parse_workloads("1024x128")
+    with pytest.raises(ValueError):
+        bd.parse_rates(["0"], workloads)
+    assert bd.parse_topologies("colocated,disagg,colocated") == ["colocated", "disagg"]
+    assert bd.parse_topologies("none") == []
+    with pytest.raises(ValueError, match="unknown topology"):
+        bd.parse_topologies("pipelined")
+    assert [bd.rate_label(r) for r in (2.0, 0.5, math.inf, "inf")] == ["2", "0.5", "inf", "inf"]
+
+
+def test_prompts_per_rate_follow_the_duration_within_bounds() -> None:
+    assert bd.prompts_for_rate(4.0, 200, 16, 30.0) == 120
+    assert bd.prompts_for_rate(0.1, 200, 16, 30.0) == 16
+    assert bd.prompts_for_rate(50.0, 200, 16, 30.0) == 200
+    assert bd.prompts_for_rate(math.inf, 64, 16, 30.0) == 64
+    assert bd.prompts_for_rate(4.0, 8, 16, 0) == 8
+
+
+def test_topologies_split_the_gpus() -> None:
+    two = ["0", "1"]
+    assert bd.topology("disagg", two, 2, None).up_flags == ["--prefill", "1", "--decode", "1"]
+    assert bd.topology("colocated", two, 2, None).up_flags == ["--colocated", "2"]
+    four = ["0", "1", "2", "3"]
+    assert bd.topology("disagg", four, 2, None).up_flags == ["--prefill", "2", "--decode", "2"]
+    assert bd.topology("disagg", four, 2, 1).up_flags == ["--prefill", "1", "--decode", "3"]
+    assert bd.topology("disagg", four, 2, 9).up_flags == ["--prefill", "3", "--decode", "1"]
+    assert bd.topology("colocated", four, 2, None).up_flags == ["--colocated", "4"]
+    # no GPU: --workers processes; a disaggregated pair needs two even on one GPU
+    assert bd.topology("colocated", [], 3, None).up_flags == ["--colocated", "3"]
+    assert bd.topology("disagg", [], 1, None).up_flags == ["--prefill", "1", "--decode", "1"]
+    assert bd.topology("disagg", ["0"], 2, None).up_flags == ["--prefill", "1", "--decode", "1"]
+
+
+def test_up_argv_forwards_engine_flags_and_the_shape(tmp_path: Path) -> None:
+    args = disagg_args("--model", "llama-3.1-8b", "--max-model-len", "8192", "--max-num-seqs",
+                       "128", "--gpus", "0,1", "--device", "cuda")  # fmt: skip
+    topo = bd.topology("disagg", ["0", "1"], 2, None)
+    argv = bd.up_argv(args, topo, tmp_path, {"model": "/x/llama", "load_format": "dummy"})
+    up = build_parser().parse_args(argv)
+    assert (up.model, up.load_format, up.max_model_len, up.max_num_seqs) == (
+        "/x/llama",
+        "dummy",
+        8192,
+        128,
+    )
+    assert (up.prefill, up.decode, up.colocated, up.gpus, up.port, up.device) == (
+        1,
+        1,
+        0,
+        "0,1",
+        0,
+        "cuda",
+    )
+
+
+def test_budget_shares_what_is_left() -> None:
+    assert bd.Budget(None).share(3) is None and bd.fits(1e9, None)
+    budget = bd.Budget(time.monotonic() + 100)
+    share = budget.share(2, reserve_s=20)
+    assert share is not None and 39 < share - time.monotonic() <= 40
+    assert bd.fits(10, share) and not bd.fits(60, share)
+    assert bd.estimate_run_s(4.0, 40, 5.0) == 17.0
+    assert bd.estimate_run_s(math.inf, 40, 5.0) == 7.0
+
+
+def test_synthetic_tokenizer_streams_one_word_per_token(tmp_path: Path) -> None:
+    from gateway.tokenizer import GatewayTokenizer
+    from services.model_files import resolve_model
+
+    config = resolve_model("smollm2-135m").path
+    directory = bd.synthetic_model_dir(config, tmp_path / "smollm2-135m")
+    assert json.loads((directory / "config.json").read_text()) == json.loads(config.read_text())
+    tok = GatewayTokenizer(str(directory))
+    assert tok.vocab_size == json.loads(config.read_text())["vocab_size"]
+    assert tok.decode([5, 49151]) == "w5 w49151"
+    assert tok.encode("w7 w8", add_special_tokens=False) == [7, 8]
+    assert resolve_model(str(directory)).kind == "hf"
+
+
+def test_cpu_per_token_and_the_saturation_checks() -> None:
+    used = bd.cpu_per_token({"gateway": 1.0, "gone": 2.0}, {"gateway": 1.5, "gone": None}, 100)
+    assert used == {"cpu_s": {"gateway": 0.5}, "cpu_s_per_output_token": {"gateway": 0.005}}
+    assert bd.cpu_seconds(os.getpid()) is not None
+    row = {"completed": 10, "request_throughput": 2.0, "goodput": 0.1, "p90_ttft_ms": 900.0,
+           "p90_tpot_ms": 41.0, "median_ttft_ms": 100.0, "median_itl_ms": 20.0}  # fmt: skip
+    args = disagg_args()
+    assert bd.slo_attainment(row) == pytest.approx(0.05)
+    assert not bd.meets_p90_slo(row, args)
+    assert bd.meets_p90_slo({**row, "p90_tpot_ms": 40.0}, args)
+    assert bd.token_timing_warning(row, bd.Workload(16, 4)) is None
+    assert "no text per token" in str(
+        bd.token_timing_warning({**row, "median_ttft_ms": 0.0}, bd.Workload(16, 4))
+    )
+
+
+# ---- the whole script on the CPU -------------------------------------------------------------------
+class Watched:
+    """The script as a child process, with every process below it recorded while it runs."""
+
+    def __init__(self, *flags: str) -> None:
+        argv = [sys.executable, "-m", "deploy.bench_disagg", *flags]
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env={**os.environ, **child_env(TANDEM_UP_GRACE="10")},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.seen: set[int] = set()
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def _watch(self) -> None:
+        while self.proc.poll() is None:
+            self.seen |= bd.descendants(self.proc.pid)
+            time.sleep(0.1)
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if any(text in line for line in list(self.lines)):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} in:\n" + "\n".join(self.lines[-60:]))
+
+    def finish(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+    def left_behind(self) -> list[int]:
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in self.seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [p for p in self.seen if alive(p)]
+
+    def cleanup(self) -> None:
+        for pid in self.seen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+TINY = ["--model", "smollm2-135m", "--device", "cpu", "--max-model-len", "64",
+        "--kv-cache-gib", "0.05", "--workloads", "16:4", "--num-prompts", "4", "--duration-s", "0",
+        "--warmup-prompts", "2", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_both_topologies_and_the_gateway_overhead_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = Watched(*TINY, "--rates", "2,inf", "--gateway-overhead", "--out-dir", str(out),
+                  "--time-budget-s", "400")  # fmt: skip
+    try:
+        code = run.finish(timeout_s=420)
+        assert code == 0, run.output[-4000:]
+        assert len(run.seen) >= 4  # gateway + workers, the engine child, ...
+        assert run.left_behind() == []
+    finally:
+        run.cleanup()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is False
+    assert summary["slo"] == {"ttft_p90_ms": 60000.0, "tpot_p90_ms": 60000.0}
+    assert {"torch", "python", "cpu_count"} <= set(summary["env"])
+    assert list(summary["topologies"]) == ["disagg", "colocated"]
+    for name, topo in summary["topologies"].items():
+        assert topo["error"] is None and topo["left_behind"] == []
+        assert "tandem up" in topo["up_command"] and topo["startup_s"] > 0
+        assert set(topo["exit_codes"].values()) == {0}
+        load = topo["workloads"]["16:4"]
+        assert load["skipped"] == [] and load["warnings"] == []
+        assert [r["request_rate"] for r in load["rates"]] == [2.0, "inf"]
+        for row in load["rates"]:
+            assert row["completed"] == row["num_prompts"] == 4 and row["failed"] == 0
+            assert 0 < row["median_ttft_ms"] <= row["p90_ttft_ms"] <= row["p99_ttft_ms"]
+            assert row["p90_tpot_ms"] > 0 and row["median_itl_ms"] > 0
+            assert row["goodput"] > 0 and row["meets_p90_slo"] is True
+            assert "gateway" in row["cpu_s_per_output_token"]
+        raw = json.loads((out / load["file"]).read_text())
+        assert raw["topology"]["name"] == name and raw["command"] == summary["command"]
+        assert raw["workload"]["input_len"] == 16 and raw["warmup"]["completed"] == 2
+        assert {"date", "env", "model", "slo", "results", "skipped"} <= set(raw)
+        for result in raw["results"]:
+            assert len(result["ttfts_ms"]) == 4 and result["total_output_tokens"] == 16
+            assert result["bench_serve_command"].startswith("tandem bench serve --base-url")
+    comparison = summary["comparison"]["16:4"]
+    assert [c["request_rate"] for c in comparison] == ["2", "inf"]
+    assert all(c["disagg_over_colocated"] > 0 for c in comparison)
+
+    w6 = summary["gateway_overhead"]
+    assert w6["error"] is None and w6["left_behind"] == []
+    assert w6["workload"] == {"input_len": 16, "output_len": 4, "num_prompts": 4,
+                              "request_rate": "inf", "ignore_eos": True}  # fmt: skip
+    assert w6["gateway"]["completed"] == 4 and w6["engine"]["report"]["num_prompts"] == 4
+    assert w6["ratio"] == pytest.approx(w6["gateway_output_tok_s"] / w6["engine_output_tok_s"])
+    assert w6["gateway_cpu_s_per_token"] is not None and w6["gateway_cpu_s_per_token"] >= 0
+    assert json.loads((out / "gateway-overhead.json").read_text())["ratio"] == w6["ratio"]
+
+    assert (out / "w4-16in-4out.png").stat().st_size > 5000
+    table = (out / "summary.md").read_text()
+    for row in ("| disagg | 2 | 4/4 |", "| colocated | inf | 4/4 |", "| in-process engine |"):
+        assert row in table and row in run.output
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_topology_and_keeps_what_was_measured(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = Watched(*TINY, "--topologies", "colocated", "--workers", "1", "--rates", "0.2",
+                  "--min-prompts", "4", "--duration-s", "60", "--out-dir", str(out))  # fmt: skip
+    try:
+        run.wait_for("rate 0.2: 4 prompts", timeout_s=120)
+        started = set(run.seen)
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.finish(timeout_s=60) == 1
+        assert len(started) >= 2 and run.left_behind() == []
+    finally:
+        run.cleanup()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    colocated = summary["topologies"]["colocated"]
+    assert colocated["left_behind"] == [] and colocated["workloads"]["16:4"]["rates"] == []
+    assert "interrupted" in run.output
