@@ -51,10 +51,14 @@ def _triton_available() -> bool:
 
 
 def make_copier(kv_caches: list[torch.Tensor]) -> Copier:
-    """A copier for ``kv_caches``: Triton on CUDA (one launch per call), else the reference."""
+    """A copier for ``kv_caches``: Triton on CUDA (one launch per call), else the reference
+    (also for caches the kernel does not take, such as fp8 ones: it copies those just as well)."""
     if kv_caches and kv_caches[0].is_cuda and _triton_available():
         module = importlib.import_module("kernels.triton_block_copy")
-        return cast(Copier, module.BlockCopier(kv_caches))
+        try:
+            return cast(Copier, module.BlockCopier(kv_caches))
+        except ValueError:
+            pass
     return RefBlockCopier(kv_caches)
 
 
