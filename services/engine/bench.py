@@ -152,40 +152,52 @@ def main_latency(args: argparse.Namespace) -> int:
     weight_bytes -= a.vocab_size * a.hidden_size * engine.runner.model.lm_head.weight.element_size()
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            engine.add_request(f"lat-{bs}-{i}", p, params)
+        # every request must still be running while the measured steps run: the early ones keep
+        # decoding while later prompts prefill, so give them room for those steps too
+        prefill_steps = -(-bs * args.input_len // engine.config.scheduler.max_num_batched_tokens)
+        room = engine.max_model_len - args.input_len - 1
+        max_tokens = min(room, args.output_len + prefill_steps + 8)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        ids = [f"lat-{bs}-{i}" for i in range(bs)]
+        for rid, p in zip(ids, prompts, strict=True):
+            engine.add_request(rid, p, params)
         while any(
             r.num_output_tokens < 2 for r in engine.scheduler.running + engine.scheduler.waiting
         ):
             engine.step()  # prefill everyone first
-        times, batches = [], []
-        while engine.has_unfinished:
-            batches.append(len(engine.scheduler.running))
+        times: list[float] = []
+        contexts: list[float] = []
+        for _ in range(args.output_len):
+            running = engine.scheduler.running
+            if len(running) != bs:
+                break  # not a batch-bs step any more (max-model-len too short for the run)
+            contexts.append(sum(r.num_tokens for r in running) / len(running))
             _sync()
             t0 = time.perf_counter()
             engine.step()
             _sync()
             times.append(time.perf_counter() - t0)
+        for rid in ids:
+            engine.abort(rid)
+        if not times:
+            print(f"batch {bs}: no step ran with all {bs} sequences (raise --max-model-len)")
+            continue
         times = sorted(times[2:-1]) or sorted(times)
         med = times[len(times) // 2]
         graph_ms = _graph_replay_ms(engine, bs)
-        kv = (
-            bs
-            * a.kv_bytes_per_token(engine.runner.model.lm_head.weight.element_size())
-            * (args.input_len + args.output_len // 2)
-        )
+        context = sum(contexts) / len(contexts)
+        kv = bs * a.kv_bytes_per_token(engine.runner.model.lm_head.weight.element_size()) * context
         floor = (weight_bytes + kv) / 3.0e12 if engine.runner.device.type == "cuda" else None
-        rows.append({"batch": bs, "context": args.input_len, "step_ms": med * 1e3,
-                     "graph_replay_ms": graph_ms, "mean_running": sum(batches) / len(batches),
-                     "min_running": min(batches), "preemptions": engine.scheduler.num_preemptions,
+        rows.append({"batch": bs, "context": args.input_len, "mean_context": context,
+                     "steps": len(times), "step_ms": med * 1e3, "graph_replay_ms": graph_ms,
+                     "preemptions": engine.scheduler.num_preemptions,
                      "floor_ms": floor * 1e3 if floor else None,
                      "fraction_of_floor": floor / med if floor else None})  # fmt: skip
         print(
             f"batch {bs:4d}: {med * 1e3:8.2f} ms/step"
             + (f"  graph replay {graph_ms:.2f} ms" if graph_ms else "")
             + (f"  floor {floor * 1e3:.2f} ms" if floor else "")
-            + f"  running min {min(batches)}",
+            + f"  ({len(contexts)} steps at batch {bs}, mean context {context:.0f})",
             flush=True,
         )
     _emit({"model": args.model, "device": str(engine.runner.device), "rows": rows}, args.json_out)

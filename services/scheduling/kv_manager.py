@@ -15,7 +15,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self._tables: dict[str, list[Block]] = {}
+        self._ids: dict[str, list[int]] = {}  # the same tables as block ids (read every step)
         self._hashes: dict[str, list[BlockHash]] = {}
+        self._registered: dict[str, int] = {}  # leading blocks already offered to the cache
 
     @property
     def num_blocks(self) -> int:
@@ -33,7 +35,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(request_id, ())]
+        """A copy of the request's block table, as ids."""
+        return list(self._ids.get(request_id, ()))
 
     def _block_hashes(self, request: Request, upto_tokens: int) -> list[BlockHash]:
         """Chained hashes of the request's full blocks among its first ``upto_tokens`` tokens."""
@@ -79,40 +82,60 @@ class KVCacheManager:
 
         ``register=False`` keeps the new blocks out of the prefix cache (KV still in flight).
         """
-        table = self._tables.get(request.request_id, [])
+        rid = request.request_id
+        table = self._tables.get(rid)
+        have = len(table) if table is not None else 0
         cached = cached or []
         total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        need = self.blocks_for(total) - len(table) - len(cached)
-        reviving = sum(1 for b in cached if b.ref_cnt == 0)  # cached blocks now in the free queue
-        if need > self.pool.num_free_blocks - reviving:
-            return False
-        self.pool.touch(cached)
-        table = table + cached + self.pool.allocate(max(need, 0))
-        self._tables[request.request_id] = table
+        need = self.blocks_for(total) - have - len(cached)
+        if cached or need > 0:
+            reviving = sum(1 for b in cached if b.ref_cnt == 0)  # cached blocks in the free queue
+            if need > self.pool.num_free_blocks - reviving:
+                return False
+            self.pool.touch(cached)
+            added = cached + self.pool.allocate(max(need, 0))
+            if table is None:
+                table = self._tables[rid] = []
+                self._ids[rid] = []
+            table.extend(added)
+            self._ids[rid].extend(b.block_id for b in added)
+        elif table is None:
+            self._tables[rid], self._ids[rid] = [], []
         if register:
-            self._cache_full_blocks(request, table, total)
+            self._cache_full_blocks(request, self._tables[rid], total)
         return True
 
     def _cache_full_blocks(self, request: Request, table: list[Block], num_tokens: int) -> None:
+        """Offer the request's newly full blocks to the prefix cache (each block once)."""
         if not self.pool.enable_caching:
             return
         known = min(num_tokens, request.num_tokens)
+        full = min(known // self.block_size, len(table))
+        done = self._registered.get(request.request_id, 0)
+        if full <= done:
+            return
         # the memo may hold hashes past ``known`` (find_cached_prefix hashes the whole prompt)
-        hashes = self._block_hashes(request, known)[: known // self.block_size]
-        for block, h in zip(table, hashes, strict=False):
-            self.pool.cache(block, h)
+        hashes = self._block_hashes(request, known)
+        for i in range(done, full):
+            self.pool.cache(table[i], hashes[i])
+        self._registered[request.request_id] = full
 
     def free(self, request: Request) -> None:
-        table = self._tables.pop(request.request_id, [])
-        self._hashes.pop(request.request_id, None)
+        rid = request.request_id
+        table = self._tables.pop(rid, [])
+        self._ids.pop(rid, None)
+        self._hashes.pop(rid, None)
+        self._registered.pop(rid, None)
         self.pool.free(reversed(table))
 
     def reset_hashes(self, request: Request) -> None:
         self._hashes.pop(request.request_id, None)
+        self._registered.pop(request.request_id, None)
 
     def check_invariants(self) -> None:
         held: dict[int, int] = {}
-        for table in self._tables.values():
+        for rid, table in self._tables.items():
+            assert self._ids[rid] == [b.block_id for b in table], f"stale block ids for {rid}"
             for block in table:
                 held[block.block_id] = held.get(block.block_id, 0) + 1
         self.pool.check_invariants(held)

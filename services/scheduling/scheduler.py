@@ -146,7 +146,8 @@ class Scheduler:
         # a token of budget is kept for each running decode, so no (re)prefill starves them
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         for req in list(self.running):
-            if req not in self.running or budget <= 0:
+            # preempted earlier in this loop (status checked: list membership is O(n) per call)
+            if req.status is not RequestStatus.RUNNING or budget <= 0:
                 continue
             is_decode = req.num_tokens - req.num_computed_tokens == 1
             decodes_left -= is_decode
@@ -159,7 +160,7 @@ class Scheduler:
                 out.preempted.append(victim.request_id)
                 if victim is req:
                     break
-            if req in self.running:
+            if req.status is RequestStatus.RUNNING:
                 scheduled.append((req, n))
                 budget -= n
         if not out.preempted:

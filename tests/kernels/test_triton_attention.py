@@ -7,7 +7,7 @@ import torch
 
 import kernels.triton_attention as ta
 from kernels.attention import ref_rotary_write_kv, ref_write_kv
-from tests.kernels.paged import assert_same_rounding, rand
+from tests.kernels.paged import assert_matches, assert_same_rounding, rand
 
 
 def caches(dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -83,9 +83,9 @@ def test_rotary_write_kv_matches_rotary_then_write(
     ref_q = ref_rotary_write_kv(positions, q, k, v, cos_sin, ref_k, ref_v, slots)
     out = ta.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
     assert out.is_contiguous() and out.shape == (6, hq, d)
-    assert_same_rounding(out, ref_q)
-    assert_same_rounding(k_cache, ref_k)
-    assert_same_rounding(v_cache, ref_v)
+    assert_matches(out, ref_q)  # compiled kernels may fuse multiply-adds: not bit-exact
+    assert_matches(k_cache, ref_k)
+    assert_same_rounding(v_cache, ref_v)  # v is copied, never computed
     assert torch.equal(qkv, before)  # the projection itself is read only
 
 
@@ -101,7 +101,9 @@ def test_rotary_write_kv_single_token(gen: torch.Generator, device: torch.device
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ref_q = ref_rotary_write_kv(pos, q, k, v, cos_sin, ref_k, ref_v, slots)
     out = ta.rotary_write_kv(pos, q, k, v, cos_sin, k_cache, v_cache, slots)
-    assert torch.equal(out, ref_q) and torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert_matches(out, ref_q)
+    assert_matches(k_cache, ref_k)
+    assert torch.equal(v_cache, ref_v)
 
 
 def test_rotary_write_kv_errors(gen: torch.Generator, device: torch.device) -> None:
