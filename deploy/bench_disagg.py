@@ -201,6 +201,14 @@ def estimate_run_s(rate: float, num_prompts: int, drain_s: float) -> float:
     return arrivals + drain_s + 2.0
 
 
+def run_timeout(args: argparse.Namespace, budget: Budget, hard_deadline: float | None) -> float:
+    """The longest one rate may take: --run-timeout-s, within the budget and ``hard_deadline``."""
+    left = budget.left() - STOP_RESERVE_S
+    if hard_deadline is not None:
+        left = min(left, hard_deadline - time.monotonic())
+    return max(1.0, min(args.run_timeout_s, left))
+
+
 def fits(estimate_s: float, deadline: float | None, now: float | None = None) -> bool:
     if deadline is None:
         return True
@@ -303,7 +311,7 @@ def up_argv(
 
 
 def start_topology(
-    args: argparse.Namespace, topo: Topology, out_dir: Path, model: dict[str, str]
+    args: argparse.Namespace, topo: Topology, out_dir: Path, model: dict[str, str], budget: Budget
 ) -> Running:
     log_dir = out_dir / "logs" / topo.name
     argv = up_argv(args, topo, log_dir, model)
@@ -316,7 +324,9 @@ def start_topology(
     log(f"starting {topo.name}: {plan.summary()} ({shown})")
     t0 = time.monotonic()
     try:
-        url = start_all(plan, sup, args.ready_timeout_s)
+        url = start_all(
+            plan, sup, min(args.ready_timeout_s, max(budget.left() - STOP_RESERVE_S, 1))
+        )
     except BaseException:
         sup.shutdown()
         raise
@@ -604,37 +614,46 @@ def run_workload(
     rates: list[float],
     budget: Budget,
     deadline: float | None,
+    hard_deadline: float | None,
     model: dict[str, str],
 ) -> None:
+    """Warm up, then each rate in turn; a rate that would end past ``deadline`` is skipped and
+    one still running at ``hard_deadline`` (the topology's) is cut short."""
     args = rec.args
     run = rec.new_run(running, wl, model)
     name = running.topology.name
     if args.warmup_prompts > 0:
+        # Poisson arrivals over about 5 s (at least the first rate): prefills mixed into decode
+        # steps, and every kernel compiled, before anything is measured
         n = args.warmup_prompts
-        log(f"{name} {wl.label}: warm-up, {n} prompts at once")
+        finite = [r for r in rates if not math.isinf(r)]
+        warm_rate = max(finite[0], n / 5.0) if finite else math.inf
+        log(f"{name} {wl.label}: warm-up, {n} prompts at {rate_label(warm_rate)} req/s")
         t0 = time.monotonic()
         try:
             warm = bench_rate(
                 running.base_url,
                 wl,
                 n,
-                math.inf,
+                warm_rate,
                 args.prompt_seed + 1000 * wi + 999,
                 args,
-                min(args.run_timeout_s, max(budget.left() - STOP_RESERVE_S, 1)),
+                run_timeout(args, budget, hard_deadline),
             )
             run["warmup"] = {
                 "num_prompts": n,
+                "request_rate": rate_label(warm_rate),
                 "seconds": time.monotonic() - t0,
                 "completed": warm["completed"],
                 "failed": warm["failed"],
+                "tail_s": warm["duration"] - (0 if math.isinf(warm_rate) else n / warm_rate),
             }
         except TimeoutError:
             run["warmup"] = {"num_prompts": n, "seconds": time.monotonic() - t0, "timed_out": True}
-    # how long the last requests of a rate take to finish: at first what the warm-up took (one
-    # batch, all at once), then 1.5 x the longest tail seen so far
-    warm_s = (run["warmup"] or {}).get("seconds")
-    drain_s = max(5.0, 1.5 * warm_s) if warm_s else 5.0 + 0.05 * wl.output_len
+    # how long the last requests of a rate take to finish after the last arrival: at first what
+    # the warm-up's took, then 1.5 x the longest tail seen so far
+    warm_tail = (run["warmup"] or {}).get("tail_s")
+    drain_s = max(5.0, 1.5 * warm_tail) if warm_tail else 5.0 + 0.05 * wl.output_len
     stop_reason = ""
     for ri, rate in enumerate(rates):
         n = prompts_for_rate(rate, args.num_prompts, args.min_prompts, args.duration_s)
@@ -656,7 +675,7 @@ def run_workload(
             rec.save()
             continue
         seed = args.prompt_seed + 1000 * wi + ri
-        timeout = min(args.run_timeout_s, max(budget.left() - STOP_RESERVE_S, 1.0))
+        timeout = run_timeout(args, budget, hard_deadline)
         log(f"{name} {wl.label} rate {rate_label(rate)}: {n} prompts (about {estimate:.0f} s)")
         before = running.cpu()
         t0 = time.monotonic()
@@ -718,7 +737,7 @@ def run_topology(
     rec.topologies[topo.name] = info
     running: Running | None = None
     try:
-        running = start_topology(rec.args, topo, rec.out_dir, model)
+        running = start_topology(rec.args, topo, rec.out_dir, model, budget)
         info.update(
             up_command=running.up_command,
             startup_s=running.startup_s,
@@ -730,7 +749,8 @@ def run_topology(
             if deadline is not None:
                 now = time.monotonic()
                 wl_deadline = now + max(0.0, deadline - STOP_RESERVE_S - now) / remaining
-            run_workload(rec, running, wl, wi, rate_map[wl.key], budget, wl_deadline, model)
+            rates = rate_map[wl.key]
+            run_workload(rec, running, wl, wi, rates, budget, wl_deadline, deadline, model)
     except (ChildFailedError, ConfigError) as exc:
         info["error"] = str(exc)
         log(f"{topo.name} failed: {exc}")
@@ -836,7 +856,7 @@ def gateway_overhead(
     topo = Topology("gateway-overhead", ["--colocated", "1"], list(gpus[:1]))
     running: Running | None = None
     try:
-        running = start_topology(args, topo, rec.out_dir, model)
+        running = start_topology(args, topo, rec.out_dir, model, budget)
         if args.warmup_prompts > 0:
             bench_rate(
                 running.base_url,
@@ -845,10 +865,10 @@ def gateway_overhead(
                 math.inf,
                 args.prompt_seed + 998,
                 args,
-                args.run_timeout_s,
+                run_timeout(args, budget, None),
             )
         before = running.cpu()
-        timeout = min(args.run_timeout_s, max(budget.left() - STOP_RESERVE_S, 1.0))
+        timeout = run_timeout(args, budget, None)
         log(f"W6: through the gateway: {n} prompts at once")
         served = bench_rate(
             running.base_url, wl, n, math.inf, args.prompt_seed + 997, args, timeout

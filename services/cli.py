@@ -212,7 +212,7 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
         help="send about rate x this many prompts per rate (0: always --num-prompts)",
     )
     g.add_argument("--min-prompts", type=_positive_int, default=16, help="fewest prompts per rate")
-    g.add_argument("--warmup-prompts", type=int, default=4, help="per topology and workload")
+    g.add_argument("--warmup-prompts", type=int, default=8, help="per topology and workload")
     g.add_argument("--gpus", default=None, help="GPU ids (default: all visible)")
     g.add_argument("--prefill-workers", type=_positive_int, default=None,
                    help="prefill workers of the disagg topology (default: half)")  # fmt: skip

@@ -267,7 +267,8 @@ def test_both_topologies_and_the_gateway_overhead_on_the_cpu(tmp_path: Path) -> 
 def test_sigterm_stops_the_topology_and_keeps_what_was_measured(tmp_path: Path) -> None:
     out = tmp_path / "out"
     run = Watched(*TINY, "--topologies", "colocated", "--workers", "1", "--rates", "0.2",
-                  "--min-prompts", "4", "--duration-s", "60", "--out-dir", str(out))  # fmt: skip
+                  "--min-prompts", "4", "--duration-s", "60", "--warmup-prompts", "0",
+                  "--out-dir", str(out))  # fmt: skip
     try:
         run.wait_for("rate 0.2: 4 prompts", timeout_s=120)
         started = set(run.seen)
