@@ -8,7 +8,8 @@ of layers as soon as its last layer is written, while later layers are still bei
 The host of the sending thread only waits for the ``record`` calls, which run ahead of the GPU.
 
 ``fail(reason)`` (the forward failed) makes a send waiting for a layer raise at once instead
-of at its deadline. One object per transfer; thread-safe.
+of at its deadline. Thread-safe; the sends of several requests computed by the same forward
+may share one (waiting consumes nothing).
 """
 
 from __future__ import annotations

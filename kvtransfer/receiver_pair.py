@@ -7,9 +7,10 @@ its chunks (always, even for unknown, cancelled or mismatched transfers, so the 
 step; a receive posted ``LOOKAHEAD`` chunks ahead keeps the wire busy), writing each chunk into
 the registered blocks as it lands -> wait for the writes -> resolve the handle -> acknowledge.
 The sender sends nothing between its header and our ack: a message or a hang-up meanwhile
-means it gave up on the transfer (a streamed KV whose prefill failed), which breaks the pair. A broken stream (peer death, timeout, protocol error) fails
-the transfer in flight and ends the thread; the sender rebuilds the pair under a new
-generation. A sender that hangs up while idle ends the thread at once.
+means it gave up on the transfer (a streamed KV whose prefill failed). A broken stream (peer
+death, giving up, timeout, protocol error) fails the transfer in flight and ends the thread;
+the sender rebuilds the pair under a new generation. A sender that hangs up while idle ends
+the thread at once.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from kvtransfer.stores import clone
 from kvtransfer.wire import Ack, Control, Header, Hello, Welcome, WireError, checksum, pair_prefix
 
 log = logging.getLogger(__name__)
-LOOKAHEAD = 2  # receives posted ahead of the chunk being waited for
+LOOKAHEAD = 3  # receives posted ahead: the wire stays busy while we write a landed chunk
 
 
 @dataclass
