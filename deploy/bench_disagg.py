@@ -60,6 +60,7 @@ from services.model_files import ModelNotFoundError, resolve_model
 
 TOPOLOGIES = ("disagg", "colocated")
 STOP_RESERVE_S = 20.0  # kept free at the end of a time budget to stop the last topology
+STOP_TYPICAL_S = 5.0  # what stopping a topology usually takes, kept free at the end of its share
 SATURATED_FRACTION = 0.1  # a rate where fewer requests meet both SLOs ends the workload
 _T0 = time.monotonic()
 
@@ -361,54 +362,20 @@ def stop_topology(running: Running) -> dict[str, Any]:
 
 # ---- one rate ---------------------------------------------------------------------------------------
 KEY_METRICS = (
-    "completed",
-    "failed",
-    "duration",
-    "request_throughput",
-    "goodput",
-    "output_throughput",
-    "total_token_throughput",
-    "mean_ttft_ms",
-    "median_ttft_ms",
-    "p90_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "median_tpot_ms",
-    "p90_tpot_ms",
-    "p99_tpot_ms",
-    "mean_itl_ms",
-    "median_itl_ms",
-    "p90_itl_ms",
-    "p99_itl_ms",
-    "median_e2el_ms",
-    "p90_e2el_ms",
-    "p99_e2el_ms",
-)
+    "completed", "failed", "duration", "request_throughput", "goodput", "output_throughput",
+    "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+    "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+    "median_itl_ms", "p90_itl_ms", "p99_itl_ms", "median_e2el_ms", "p90_e2el_ms", "p99_e2el_ms",
+)  # fmt: skip
 
 
 def serve_argv(
     base_url: str, wl: Workload, n: int, rate: float, seed: int, args: argparse.Namespace
 ) -> list[str]:
-    return [
-        "bench",
-        "serve",
-        "--base-url",
-        base_url,
-        "--input-len",
-        str(wl.input_len),
-        "--output-len",
-        str(wl.output_len),
-        "--num-prompts",
-        str(n),
-        "--request-rate",
-        rate_label(rate),
-        "--seed",
-        str(seed),
-        "--slo-ttft-ms",
-        f"{args.slo_ttft_ms:g}",
-        "--slo-tpot-ms",
-        f"{args.slo_tpot_ms:g}",
-    ]
+    return ["bench", "serve", "--base-url", base_url, "--input-len", str(wl.input_len),
+            "--output-len", str(wl.output_len), "--num-prompts", str(n),
+            "--request-rate", rate_label(rate), "--seed", str(seed),
+            "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]  # fmt: skip
 
 
 def bench_rate(
@@ -420,15 +387,21 @@ def bench_rate(
     args: argparse.Namespace,
     timeout_s: float,
 ) -> dict[str, Any]:
-    """One `tandem bench serve` rate, in this process; its result object as bench serve writes it."""
-    ns = build_parser().parse_args(serve_argv(base_url, wl, n, rate, seed, args))
+    """One `tandem bench serve` rate, in this process; its result object as bench serve writes it.
+    What bench serve prints goes to logs/bench-serve.log under --out-dir."""
+    argv = serve_argv(base_url, wl, n, rate, seed, args)
+    ns = build_parser().parse_args(argv)
     prompts, _ = build_prompts(ns)
 
     async def one() -> dict[str, Any]:
         _, results = await asyncio.wait_for(run_rates(ns, prompts, [rate]), timeout=timeout_s)
         return results[0]
 
-    return asyncio.run(one())
+    report = Path(args.out_dir) / "logs" / "bench-serve.log"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    with open(report, "a") as sink, contextlib.redirect_stdout(sink):
+        print(f"\n{shlex.join(['tandem', *argv])}", flush=True)
+        return asyncio.run(one())
 
 
 def slo_attainment(result: dict[str, Any]) -> float:
@@ -491,9 +464,6 @@ class Recorder:
     runs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     overhead: dict[str, Any] | None = None
     interrupted: bool = False
-
-    def run(self, topo: str, wl: Workload) -> dict[str, Any]:
-        return self.runs[(topo, wl.key)]
 
     def new_run(self, running: Running, wl: Workload, model: dict[str, str]) -> dict[str, Any]:
         run: dict[str, Any] = {
@@ -653,7 +623,7 @@ def run_workload(
     # how long the last requests of a rate take to finish after the last arrival: at first what
     # the warm-up's took, then 1.5 x the longest tail seen so far
     warm_tail = (run["warmup"] or {}).get("tail_s")
-    drain_s = max(5.0, 1.5 * warm_tail) if warm_tail else 5.0 + 0.05 * wl.output_len
+    drain_s = max(2.0, 1.5 * warm_tail) if warm_tail else 5.0 + 0.05 * wl.output_len
     stop_reason = ""
     for ri, rate in enumerate(rates):
         n = prompts_for_rate(rate, args.num_prompts, args.min_prompts, args.duration_s)
@@ -661,7 +631,8 @@ def run_workload(
         if not stop_reason and (dead := running.dead_child()):
             stop_reason = f"topology failed: {dead}"
             run["warnings"].append(stop_reason)
-        if not stop_reason and not fits(estimate, deadline):
+        # each workload gets at least its first rate while the topology's share allows it
+        if not stop_reason and not fits(estimate, deadline if ri else hard_deadline):
             stop_reason = "time budget"
         if stop_reason:
             run["skipped"].append(
@@ -748,7 +719,7 @@ def run_topology(
             wl_deadline = None
             if deadline is not None:
                 now = time.monotonic()
-                wl_deadline = now + max(0.0, deadline - STOP_RESERVE_S - now) / remaining
+                wl_deadline = now + max(0.0, deadline - STOP_TYPICAL_S - now) / remaining
             rates = rate_map[wl.key]
             run_workload(rec, running, wl, wi, rates, budget, wl_deadline, deadline, model)
     except (ChildFailedError, ConfigError) as exc:
