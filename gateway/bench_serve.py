@@ -57,6 +57,17 @@ def build_prompts(args: argparse.Namespace) -> tuple[list[BenchPrompt], str]:
     return prompts, "random-text" if tokenizer is not None else "random-ids"
 
 
+def fresh_prompts(
+    args: argparse.Namespace, prompts: list[BenchPrompt], index: int
+) -> list[BenchPrompt]:
+    """The prompts of the ``index``-th rate: random ones are drawn again with seed + index, so a
+    server's prefix cache never serves a later rate from an earlier rate's prompts (which made
+    every rate after the first measure cache hits). A prompts file is sent again as it is."""
+    if args.prompts_file:
+        return prompts
+    return build_prompts(argparse.Namespace(**{**vars(args), "seed": args.seed + index}))[0]
+
+
 def api_root(base_url: str) -> str:
     """The server root: 'http://h:8000/v1/' and 'http://h:8000' both give 'http://h:8000'."""
     root = base_url.rstrip("/")
@@ -85,11 +96,12 @@ async def run_rates(
         model = args.model or await discover_model(client, root)
         results = []
         for index, rate in enumerate(rates):
+            batch = prompts if index == 0 else fresh_prompts(args, prompts, index)
             with tqdm(
-                total=len(prompts), desc=f"rate {_label(rate)}", unit="req", disable=None
+                total=len(batch), desc=f"rate {_label(rate)}", unit="req", disable=None
             ) as bar:
                 done, duration = await run_load(
-                    client, root + args.endpoint, model, args.endpoint, prompts, rate,
+                    client, root + args.endpoint, model, args.endpoint, batch, rate,
                     args.max_concurrency, args.seed + index, lambda: bar.update(1),
                 )  # fmt: skip
             metrics = summarize(
