@@ -25,6 +25,8 @@ from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
 
 __all__ = [
     "gather_blocks",
+    "gemv_rows",
+    "linear",
     "paged_decode_attention",
     "prefill_attention",
     "rms_norm",
@@ -54,6 +56,26 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
     if t.device.type != "cuda" or not triton_available():
         return None
     return importlib.import_module(f"kernels.{module}")
+
+
+@functools.cache
+def gemv_rows() -> int:
+    """Batches of at most this many rows go through the Triton GEMV (``TANDEM_GEMV_ROWS``,
+    default 1; 0 sends every linear layer to cuBLAS)."""
+    return int(os.environ.get("TANDEM_GEMV_ROWS", "1"))
+
+
+def linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """A linear layer: the Triton GEMV for batch-1 decode on CUDA, cuBLAS otherwise."""
+    if bias is None and x.dim() == 2 and 0 < x.shape[0] <= gemv_rows():
+        mod = _triton("triton_gemv", x)
+        if mod is not None:
+            return mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def write_kv(

@@ -78,3 +78,26 @@ def test_cuda_tensors_go_through_triton(monkeypatch: pytest.MonkeyPatch) -> None
     out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
     assert calls == [1]
     assert_matches(out, ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))
+
+
+def test_linear_on_cpu_is_torch_linear(gen: torch.Generator) -> None:
+    x, w, b = torch.randn(1, 16, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(8)
+    assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.gpu
+def test_batch_one_linear_goes_through_the_triton_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.triton_gemv as tg
+    from kernels.gemv import ref_gemv
+
+    calls = []
+    real = tg.gemv
+    monkeypatch.setattr(tg, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
+    x1, x4 = rand((1, 4096), torch.bfloat16, gen, cuda), rand((4, 4096), torch.bfloat16, gen, cuda)
+    w = rand((4096, 4096), torch.bfloat16, gen, cuda)
+    out = ops.linear(x1, w)
+    ops.linear(x4, w)  # a batch of 4: cuBLAS (default TANDEM_GEMV_ROWS=1)
+    assert calls == [1]
+    assert_matches(out / 64, ref_gemv(x1, w) / 64)

@@ -50,7 +50,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q = q.reshape(T, self.nq, self.d)
         k = k.reshape(T, self.nkv, self.d)
@@ -70,7 +70,7 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
                 self.scale,
             )  # fmt: skip
-        return self.o_proj(o.reshape(T, self.nq * self.d))
+        return ops.linear(o.reshape(T, self.nq * self.d), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -80,7 +80,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = ops.linear(x, self.gate_up_proj.weight)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -143,4 +144,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V] fp32
-        return self.lm_head(hidden).float()
+        return ops.linear(hidden, self.lm_head.weight).float()

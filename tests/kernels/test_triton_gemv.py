@@ -1,0 +1,44 @@
+"""Batch-1 matrix-vector products (Triton) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.gemv import ref_gemv
+from kernels.triton_gemv import gemv
+from tests.kernels.paged import assert_matches, rand
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 64, 128), (1, 37, 200), (3, 24, 512), (8, 5, 96), (1, 1, 1), (2, 130, 1000)],
+)
+@pytest.mark.parametrize("config", [None, (16, 128, 4), (4, 64, 1)])
+def test_matches_the_reference(
+    dtype: torch.dtype, m: int, n: int, k: int, config: tuple[int, int, int] | None,
+    gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """Rows not a multiple of the block, K not a multiple of the chunk, a single element."""
+    x, w = rand((m, k), dtype, gen, device), rand((n, k), dtype, gen, device)
+    out = gemv(x, w, config=config)
+    ref = ref_gemv(x, w)
+    assert out.shape == (m, n) and out.dtype == dtype
+    scale = max(1.0, k**0.5)  # sums of k products: tolerance relative to their size
+    assert_matches(out / scale, ref / scale)
+
+
+def test_strided_rows_of_x(gen: torch.Generator, device: torch.device) -> None:
+    big = rand((4, 256), torch.float32, gen, device)
+    x = big[::2, :128]  # row stride 512, unit inner stride
+    w = rand((32, 128), torch.float32, gen, device)
+    assert_matches(gemv(x, w), ref_gemv(x, w))
+
+
+def test_errors(gen: torch.Generator, device: torch.device) -> None:
+    w = rand((8, 16), torch.float32, gen, device)
+    with pytest.raises(ValueError, match="expects 16"):
+        gemv(rand((1, 15), torch.float32, gen, device), w)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        gemv(rand((9, 16), torch.float32, gen, device), w)
