@@ -133,6 +133,7 @@ class Child:
         self.sender: tuple[SenderOptions, KvSender] | None = None  # one pair at a time
         self.handles: dict[str, Any] = {}
         self.model: SimPrefill | None = None
+        self.copier = type(make_copier(self.caches)).__name__  # Triton's BlockCopier on CUDA
 
     def _sender(self, options: SenderOptions) -> KvSender:
         if self.sender is None or self.sender[0] != options:
@@ -230,7 +231,7 @@ def _child(conn: Connection, role: str, device_name: str, num_blocks: int) -> No
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ok", state.rx.endpoint if state.rx is not None else "ready"))
+    conn.send(("ok", (state.rx.endpoint if state.rx is not None else "", state.copier)))
     try:
         while True:
             try:
@@ -265,8 +266,9 @@ class Pair:
             self.conns[role] = parent
             self.procs[role] = proc
         try:
-            self.endpoint = self.reply("receiver")
-            self.reply("sender")
+            self.endpoint, rx_copier = self.reply("receiver")
+            _, tx_copier = self.reply("sender")
+            log(f"block copies: {tx_copier} on the sender, {rx_copier} on the receiver")
         except BaseException:
             self.close()
             raise
