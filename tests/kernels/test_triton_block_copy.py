@@ -89,6 +89,18 @@ def test_copier_moves_any_layer_range_like_the_reference(copier, make, gen: torc
     assert all(torch.equal(a, b) for a, b in zip(dst, want, strict=True))  # layers 0, 4 intact
 
 
+@pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
+def test_copier_gathers_into_another_dtype_and_only_into_contiguous_buffers(copier, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    src = separate_layers(2, torch.bfloat16, gen, device)
+    ids = torch.tensor([3, 5], device=device)
+    out = torch.empty((2, 2, 2, *SHAPE[2:]), dtype=torch.float32, device=device)
+    copier(src).gather(ids, out=out)
+    assert torch.equal(out, ref_gather_blocks(src, ids).float())
+    strided = torch.empty((2, 2, 2, 2, *SHAPE[2:]), device=device)[:, :, :, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        copier(src).gather(ids, out=strided)
+
+
 def test_copier_rejects_bad_ranges_buffers_and_ids(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
     plan = BlockCopier(separate_layers(3, torch.float32, gen, device))
     ids = torch.tensor([1, 2], device=device)
