@@ -293,7 +293,15 @@ class Pair:
     def both(self, op: str, *args: Any) -> tuple[Any, Any]:
         for conn in self.conns.values():
             conn.send((op, *args))
-        return self.reply("sender"), self.reply("receiver")
+        replies, failed = {}, []
+        for role in ("sender", "receiver"):  # read both, so no stale reply is left behind
+            try:
+                replies[role] = self.reply(role)
+            except ChildFailed as e:
+                failed.append(e)
+        if failed:
+            raise failed[0]
+        return replies["sender"], replies["receiver"]
 
     def close(self) -> None:
         for conn in self.conns.values():

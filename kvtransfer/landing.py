@@ -4,9 +4,9 @@ The bytes are received into one buffer on the wire device (GPU memory for NCCL, 
 staging for Gloo), one message per chunk. Each chunk that has arrived is written into the
 registered blocks on the receiver's dedicated CUDA stream (after a host-to-device copy when
 staged) while later chunks are still arriving. :meth:`BlockWriter.flush` waits for every write
-issued so far. Nothing here blocks the host on the GPU except ``flush``, and nothing runs on
-the caller's current stream: on CUDA every step is issued on the receiver's stream, so the
-decode engine's queued work on the default stream never delays a transfer.
+issued so far. Nothing here blocks the host on the GPU except ``flush``: the block ids go up
+through a pinned buffer, and on CUDA the receiver allocates, receives and writes on its own
+stream, so the decode engine's work queued on the default stream never delays a transfer.
 """
 
 from __future__ import annotations
