@@ -109,10 +109,13 @@ def _attention(
 ) -> torch.Tensor:  # [N, q_heads * hd]
     n = q.shape[0]
     group = q_heads // kv_heads
+
+    def heads(t: torch.Tensor) -> torch.Tensor:  # [N, Hkv * D] -> [1, Hq, N, D], GQA-expanded
+        t = t.reshape(n, kv_heads, hd).transpose(0, 1)[:, None]  # [Hkv, 1, N, D]
+        return t.expand(kv_heads, group, n, hd).reshape(q_heads, n, hd)[None]
+
     qh = q.reshape(n, q_heads, hd).transpose(0, 1)[None]  # [1, Hq, N, D]
-    kh = k.reshape(n, kv_heads, hd).transpose(0, 1).repeat_interleave(group, dim=0)[None]
-    vh = v.reshape(n, kv_heads, hd).transpose(0, 1).repeat_interleave(group, dim=0)[None]
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [1, Hq, N, D]
+    out = F.scaled_dot_product_attention(qh, heads(k), heads(v), is_causal=True)
     return out[0].transpose(0, 1).reshape(n, q_heads * hd)
 
 
