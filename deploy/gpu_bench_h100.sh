@@ -22,7 +22,7 @@ for step in $steps; do
   echo "=== $step $(date +%T)"
   case $step in
     tests)
-      python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_attention.py tests/kernels/test_triton_decode.py tests/kernels/test_triton_layers.py 2>&1 | tail -3
+      python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_attention.py tests/kernels/test_triton_decode.py tests/kernels/test_triton_layers.py tests/kernels/test_triton_gemv.py tests/kernels/test_ops.py 2>&1 | tail -3
       python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/services/engine/test_gpu_engine.py 2>&1 | grep -E "^\{|passed|failed|Error" ;;
     w2)
       python3 -m services.cli bench latency --model llama-3.1-8b --max-model-len 2048 --input-len 1024 \
@@ -31,7 +31,8 @@ for step in $steps; do
       python3 -m services.cli bench offline --model llama-3.1-8b --max-model-len 2048 --num-prompts 256 \
         --input-len 1024 --output-len 128 --compare-transformers --batch-sizes 64,128 --json-out "$OUT/w1.json" 2>&1 | grep -E "tok/s|speedup|fraction|Error" ;;
     w3)
-      python3 -m services.cli bench kernels --json-out "$OUT/w3.json" 2>&1 | tail -12 ;;
+      python3 -m services.cli bench kernels --json-out "$OUT/w3.json" 2>&1 | tail -12
+      python3 -m kernels.bench_gemv --json-out "$OUT/gemv.json" 2>&1 | grep -v -i warn ;;
   esac
 done
 echo "=== done $(date +%T)"

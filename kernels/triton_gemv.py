@@ -24,8 +24,14 @@ DEFAULT_CONFIG = (8, 512, 4)
 
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:
-    """The launch for an [n, k] weight (measured on an H100: kernels/bench_gemv.py)."""
-    return DEFAULT_CONFIG
+    """The launch for an [n, k] weight: the fastest of 30 configurations per Llama-3.1-8B shape
+    on an H100 (kernels/bench_gemv.py, 2026-11-22), generalised by shape: long rows (k >= 8192)
+    take 16 rows per program, wide or square outputs 4, the rest 8; 1024-wide chunks, 8 warps."""
+    if k >= 8192:
+        return (16, 1024, 8)
+    if n >= 16384 or n <= k:
+        return (4, 1024 if n >= 16384 else 512, 8)
+    return (8, 1024, 8)
 
 
 @triton.jit
