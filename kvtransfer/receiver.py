@@ -56,7 +56,9 @@ class KvReceiver:
         self._store, store_port = serve_store(opts.host, opts.store_port, opts.connect_timeout_s)
         self._listener = listen(opts.host, opts.port)
         self.port: int = self._listener.getsockname()[1]
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        stream = torch.cuda.Stream(device) if cuda else None
+        post_stream = torch.cuda.Stream(device) if cuda else None
         self._ctx = ReceiverContext(
             kv_caches,
             self.layout,
@@ -67,6 +69,7 @@ class KvReceiver:
             stream,
             store_port,
             copier,
+            post_stream,
         )
         self._lock = threading.Lock()
         self._pairs: dict[str, ReceiverPair] = {}  # admitted, by sender id

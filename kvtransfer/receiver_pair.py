@@ -54,9 +54,12 @@ class ReceiverContext:
     registry: ExpectationRegistry
     counters: CounterBox
     options: ReceiverOptions
-    stream: torch.cuda.Stream | None  # dedicated CUDA stream: receives and writes
+    stream: torch.cuda.Stream | None  # dedicated CUDA stream for the writes
     store_port: int
     copier: Copier
+    # receives are posted with this idle stream current: NCCL's stream waits on the current
+    # one, and neither the decode engine's work nor our writes should hold a receive back
+    post_stream: torch.cuda.Stream | None
 
 
 # the receiver's decision on a hello: (backend, "") to admit, ("", reason) to refuse
@@ -199,10 +202,9 @@ class ReceiverPair:
             )
         deadline = time.monotonic() + ctx.options.io_timeout_s
         n = len(header.chunks)
-        # first of all post receives (the sender may be sending already), on our stream: NCCL's
-        # stream then waits on it, not on the decode engine's work queued on the default stream
-        with on_stream(ctx.stream):
+        with on_stream(ctx.stream):  # the writes read it on that stream
             landing = Landing(channel, header.chunks, self._staging)
+        with on_stream(ctx.post_stream):  # first of all: the sender may be sending already
             works = {k: landing.post(k) for k in range(min(LOOKAHEAD, n))}
         writer = None
         if exp is not None:
@@ -212,9 +214,10 @@ class ReceiverPair:
                                         ctx.stream)  # fmt: skip
             exp.flush = writer.flush
         for k in range(n):
-            with on_stream(ctx.stream):
+            with on_stream(ctx.stream):  # orders the writes after the receive
                 channel.wait(works.pop(k), deadline, alive=self._sender_quiet)
-                if k + LOOKAHEAD < n:
+            if k + LOOKAHEAD < n:
+                with on_stream(ctx.post_stream):
                     works[k + LOOKAHEAD] = landing.post(k + LOOKAHEAD)
             if writer is not None and not deferred:
                 self._issue(exp, writer, landing.chunks[k], layers[k])
