@@ -47,7 +47,8 @@ def ref_rotary_write_kv(
 ) -> torch.Tensor:  # [T, Hq, D], contiguous
     """Rotary embedding and the KV write in one: returns the rotated q (a new contiguous tensor)
     and writes the rotated k and v into their slots. q, k, v are read only (views of a fused
-    qkv projection are fine)."""
+    qkv projection are fine). Rotation rounds as :func:`ref_rotary_embedding` does (transformers'
+    ``apply_rotary_pos_emb`` in q's / k's dtype); the rotated k is then cast to the cache's dtype."""
     q_out, k_rot = q.contiguous().clone(), k.contiguous().clone()
     ref_rotary_embedding(positions, q_out, k_rot, cos_sin_cache)
     ref_write_kv(k_rot, v, k_cache, v_cache, slot_mapping)

@@ -1,6 +1,11 @@
 """Element-wise layers of the Llama family: the pure-torch references.
 
 The Triton kernels in ``kernels.triton_layers`` have the same signatures.
+
+Rounding follows transformers' Llama modelling code (``LlamaRMSNorm``, ``apply_rotary_pos_emb``,
+``LlamaMLP``) operation by operation: in bf16/fp16 every intermediate that transformers holds in
+the activation dtype is rounded to it here too (each op computed in fp32 and rounded once, as
+torch does for 16-bit tensors). In float32 every such rounding is the identity.
 """
 
 from __future__ import annotations
@@ -16,19 +21,27 @@ def ref_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm fused with the residual add: returns (norm(x + residual), x + residual).
 
-    Without a residual, the second value is ``x`` itself.
+    Without a residual, the second value is ``x`` itself. As ``LlamaRMSNorm``: the sum is rounded
+    to x's dtype (transformers adds the residual in the model dtype), normalized in fp32, rounded
+    to x's dtype, then multiplied by the weight: ``weight * normed.to(x.dtype)``. The result has
+    x's dtype: when weight and x dtypes differ, torch would promote (e.g. an fp32 weight gives an
+    fp32 result); we return that promoted product cast to x's dtype. In the engine the weight
+    has the model dtype, so there is no difference.
     """
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
     xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight.float()).to(x.dtype), x
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    # a 16-bit * 16-bit product is exact in fp32: this is torch's `weight * normed`, rounded once
+    return (weight.float() * normed.float()).to(x.dtype), x
 
 
 def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """SiLU of the first half times the second half (gate, up)."""
+    """SiLU of the first half times the second half (gate, up), as ``act_fn(gate) * up`` in x's
+    dtype: silu rounded to x's dtype, then the product rounded."""
     gate, up = x.chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+    act = torch.nn.functional.silu(gate.float()).to(x.dtype)
+    return (act.float() * up.float()).to(x.dtype)
 
 
 def ref_rotary_embedding(
@@ -37,12 +50,27 @@ def ref_rotary_embedding(
     k: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
 ) -> None:
-    """Rotate q and k in place, NeoX style (halves rotated, as HF Llama does)."""
+    """Rotate q and k in place, NeoX style (halves rotated, as HF Llama does).
+
+    As ``apply_rotary_pos_emb`` with cos/sin cast to the tensor's dtype: for each of q and k,
+    ``o1 = rnd(rnd(x1 * c) - rnd(x2 * s))`` and ``o2 = rnd(rnd(x2 * c) + rnd(x1 * s))`` with
+    ``c, s = rnd(cos), rnd(sin)`` and ``rnd`` rounding to that tensor's dtype.
+    """
     half = q.shape[-1] // 2
     cs = cos_sin_cache[positions.long()]
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
     for t in (q, k):
-        x1, x2 = t[..., :half].float(), t[..., half:].float()
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        t.copy_(torch.cat([o1, o2], dim=-1).to(t.dtype))
+        t.copy_(_rotate(t, cs[:, None, :half], cs[:, None, half:]))
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """t rotated in t's dtype (each product and sum computed in fp32 and rounded once)."""
+    dt, half = t.dtype, t.shape[-1] // 2
+
+    def rnd(y: torch.Tensor) -> torch.Tensor:
+        return y.to(dt).float()
+
+    c, s = rnd(cos), rnd(sin)
+    x1, x2 = t[..., :half].float(), t[..., half:].float()
+    o1 = rnd(x1 * c) - rnd(x2 * s)
+    o2 = rnd(x2 * c) + rnd(x1 * s)
+    return torch.cat([o1, o2], dim=-1).to(dt)

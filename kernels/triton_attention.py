@@ -20,6 +20,7 @@ from kernels.triton_common import (
     next_pow2,
 )
 from kernels.triton_decode import paged_decode_attention
+from kernels.triton_layers import rotate_half_pair
 from kernels.triton_prefill import prefill_attention
 
 __all__ = ["paged_decode_attention", "prefill_attention", "rotary_write_kv", "write_kv"]
@@ -96,9 +97,11 @@ def _rotate_into(
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = dst_ptr + offs_h[:, None] * s_dst_h + offs[None, :]
-    # round like the reference: rotate in fp32, store in the source dtype, then cast to the cache's
-    o1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(src_ptr.dtype.element_ty)
-    o2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(src_ptr.dtype.element_ty)
+    # round like the reference: rotate in the source dtype (as transformers does), store in it,
+    # then cast to the cache's
+    o1, o2 = rotate_half_pair(x1, x2, cos[None, :], sin[None, :], src_ptr.dtype.element_ty)
+    o1 = o1.to(src_ptr.dtype.element_ty)
+    o2 = o2.to(src_ptr.dtype.element_ty)
     tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -130,7 +133,8 @@ def _rotary_write_kv_kernel(
     )  # fmt: skip
     offs_h = tl.arange(0, BLOCK_HK)
     offs_d = tl.arange(0, BLOCK_D)
-    vmask = ((offs_h < num_kv_heads) & ((offs_h * 0 + slot) >= 0))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    v_heads = (offs_h < num_kv_heads) & ((offs_h * 0 + slot) >= 0)
+    vmask = v_heads[:, None] & (offs_d < HEAD_DIM)[None, :]
     v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=vmask)
     vc = vc_ptr + blk * s_vcn + off * s_vcb + offs_h[:, None] * s_vch + offs_d[None, :]
     tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=vmask)

@@ -1,7 +1,9 @@
 """Element-wise layers of the Llama family in Triton: fused add + RMSNorm, SiLU-and-mul, RoPE.
 
 Same signatures and semantics as :mod:`kernels.layers`. All three are memory-bound: each reads
-its inputs and writes its outputs once, with fp32 arithmetic in registers.
+its inputs and writes its outputs once, with fp32 arithmetic in registers, rounded to the
+activation dtype where the references (and transformers' Llama code) round:
+``.to(dtype).to(tl.float32)``, an identity in float32.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ def _rms_norm_kernel(
         tl.store(rout_ptr + row * s_ro + offs, x_io, mask=mask)
         x = x_io.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, 0) / width + eps)
+    # as LlamaRMSNorm: round the normalized value to x's dtype, then weight * it, rounded once
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * s_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * s_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -47,8 +51,21 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, inter, BLOCK: tl.constexpr):
     mask = offs < inter
     gate = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * s_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * s_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    # as act_fn(gate) * up in x's dtype: silu rounded to it, then the product rounded
+    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * s_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotate_half_pair(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """NeoX rotation of the halves (x1, x2), fp32 in and out, rounded like transformers'
+    ``q * cos + rotate_half(q) * sin`` in ``DTYPE``: cos and sin rounded to it, then each product
+    and each sum (an identity when DTYPE is float32). Returns (o1, o2), still to be stored."""
+    c = cos.to(DTYPE).to(tl.float32)
+    s = sin.to(DTYPE).to(tl.float32)
+    o1 = (x1 * c).to(DTYPE).to(tl.float32) - (x2 * s).to(DTYPE).to(tl.float32)
+    o2 = (x2 * c).to(DTYPE).to(tl.float32) + (x1 * s).to(DTYPE).to(tl.float32)
+    return o1, o2
 
 
 @triton.jit
@@ -59,8 +76,7 @@ def _rotate_heads(x_ptr, s_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: 
     p1 = x_ptr + offs_h[:, None] * s_h + offs[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    o1, o2 = rotate_half_pair(x1, x2, cos[None, :], sin[None, :], x_ptr.dtype.element_ty)
     tl.store(p1, o1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(p1 + HALF, o2.to(x_ptr.dtype.element_ty), mask=mask)
 

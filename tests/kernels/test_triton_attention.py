@@ -8,6 +8,7 @@ import torch
 import kernels.triton_attention as ta
 from kernels.attention import ref_rotary_write_kv, ref_write_kv
 from tests.kernels.paged import assert_matches, assert_same_rounding, rand
+from tests.kernels.rounding import assert_rotated, kernel_rounding, rotate, torch_rounding
 
 
 def caches(dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -80,11 +81,18 @@ def test_rotary_write_kv_matches_rotary_then_write(
     positions = torch.tensor([0, 1, 7, 8, 49, 17], device=device)
     slots = torch.tensor([0, -1, 7, 8, nblk * bs - 1, 20], dtype=torch.int64, device=device)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
     ref_q = ref_rotary_write_kv(positions, q, k, v, cos_sin, ref_k, ref_v, slots)
+    # the reference rotates like the test's twin (rounding as torch does) ...
+    assert torch.equal(ref_q.float(), rotate(positions, q, cos_sin, torch_rounding))
+    # ... and the kernel like the twin rounding the way kernels here do (the interpreter truncates)
+    rnd = kernel_rounding(device)
+    want_q = rotate(positions, q, cos_sin, rnd)
+    ref_write_kv(rnd(rotate(positions, k, cos_sin, rnd), cache_dtype).to(cache_dtype), v, want_k, want_v, slots)  # fmt: skip
     out = ta.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
     assert out.is_contiguous() and out.shape == (6, hq, d)
-    assert_matches(out, ref_q)  # compiled kernels may fuse multiply-adds: not bit-exact
-    assert_matches(k_cache, ref_k)
+    assert_rotated(out, want_q, dtype)  # in fp32, compiled kernels may fuse multiply-adds
+    assert_rotated(k_cache, want_k, dtype)
     assert_same_rounding(v_cache, ref_v)  # v is copied, never computed
     assert torch.equal(qkv, before)  # the projection itself is read only
 

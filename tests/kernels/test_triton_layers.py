@@ -8,6 +8,7 @@ import torch
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
 from kernels.triton_layers import rms_norm, rotary_embedding, silu_and_mul
 from tests.kernels.paged import assert_matches, assert_same_rounding, rand
+from tests.kernels.rounding import assert_rotated, kernel_rounding, rotate, torch_rounding
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -51,21 +52,44 @@ def test_silu_and_mul_needs_an_even_width(gen: torch.Generator, device: torch.de
         silu_and_mul(rand((2, 7), torch.float32, gen, device))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 32), (8, 2, 64), (3, 1, 24)])
 def test_rotary_on_strided_qkv_views(dtype: torch.dtype, hq: int, hkv: int, d: int, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    """Rounded where the reference rounds (cos/sin, each product, each sum): bit for bit against
+    the reference rounding the way the kernels do (the interpreter truncates to bf16)."""
     t = 6
-    qkv = rand((t, hq + 2 * hkv, d), dtype, gen, device)
+    qkv = rand((t, hq + 2 * hkv, d), dtype, gen, device) * 4
     q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
     cos_sin = rand((50, d), torch.float32, gen, device)
     positions = torch.tensor([0, 1, 2, 49, 17, 17], device=device)
     ref_q, ref_k = q.clone(), k.clone()
     untouched = qkv[:, hq + hkv :].clone()
     ref_rotary_embedding(positions, ref_q, ref_k, cos_sin)
+    # the test's twin of the reference is the reference when rounding as torch does
+    assert torch.equal(rotate(positions, q, cos_sin, torch_rounding), ref_q.float())
+    assert torch.equal(rotate(positions, k, cos_sin, torch_rounding), ref_k.float())
+    want_q = rotate(positions, q, cos_sin, kernel_rounding(device))
+    want_k = rotate(positions, k, cos_sin, kernel_rounding(device))
     rotary_embedding(positions.int(), q, k, cos_sin)
-    assert_matches(q, ref_q)
-    assert_matches(k, ref_k)
+    assert_rotated(q, want_q, dtype)
+    assert_rotated(k, want_k, dtype)
     assert torch.equal(qkv[:, hq + hkv :], untouched)  # v was not written
+
+
+def test_rotary_rounds_in_the_activation_dtype(gen: torch.Generator, device: torch.device) -> None:
+    """bf16: o1 = rnd(rnd(x1 c) - rnd(x2 s)) with c, s rounded, not one rounding of fp32 math."""
+    d = 64
+    q = rand((64, 2, d), torch.bfloat16, gen, device) * 8
+    k = rand((64, 1, d), torch.bfloat16, gen, device) * 8
+    cos_sin = rand((64, d), torch.float32, gen, device)
+    positions = torch.arange(64, device=device)
+    ref_q, ref_k = q.clone(), k.clone()
+    ref_rotary_embedding(positions, ref_q, ref_k, cos_sin)
+    once = rotate(positions, q.float(), cos_sin, torch_rounding).bfloat16()  # fp32, rounded once
+    assert not torch.equal(ref_q, once)
+    want_q = rotate(positions, q, cos_sin, kernel_rounding(device))
+    rotary_embedding(positions, q, k, cos_sin)
+    assert_rotated(q, want_q, q.dtype)
 
 
 def test_rotary_errors(gen: torch.Generator, device: torch.device) -> None:
@@ -99,5 +123,5 @@ def test_gpu_llama_shapes() -> None:
     rq, rk = q.clone(), k.clone()
     ref_rotary_embedding(pos, rq, rk, cs)
     rotary_embedding(pos, q, k, cs)
-    assert_matches(q, rq)
-    assert_matches(k, rk)
+    assert_rotated(q, rq, q.dtype)  # compiled kernels round to nearest even, as torch does
+    assert_rotated(k, rk, k.dtype)
