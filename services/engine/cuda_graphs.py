@@ -3,7 +3,8 @@
 A decode step launches hundreds of small kernels; replaying a graph removes their launch cost.
 The runner uploads a step's inputs (see ``input_staging``), ``run`` copies them into the static
 buffers the graph reads; rows past the real batch are padding that writes no KV (slot -1) and
-attends to one token. The output is the fp32 logits of every row, written by the graph itself.
+attends to one token. The outputs are the fp32 logits of every row and their argmax (the
+token of a plain greedy request), written by the graph itself.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.ctx = torch.ones(n, dtype=torch.int32, device=device)
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -53,8 +54,9 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._step(b)
-            self.graphs[b] = (graph, out)
+                logits = self._step(b)
+                argmax = logits.argmax(dim=-1)  # greedy rows need nothing else
+            self.graphs[b] = (graph, logits, argmax)
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
@@ -70,10 +72,10 @@ class DecodeGraphs:
         ctx: torch.Tensor,  # [b]
         tables: torch.Tensor,  # [b, w], w <= max_blocks
         b: int,
-    ) -> torch.Tensor:  # [b, V] fp32 logits (valid until the next replay)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fp32 logits [b, V], argmax [b]; until next replay
         self.i64[:, :b].copy_(i64.view(3, b), non_blocking=True)
         self.ctx[:b].copy_(ctx, non_blocking=True)
         self.tables[:b, : tables.shape[1]].copy_(tables, non_blocking=True)
-        graph, out = self.graphs[b]
+        graph, logits, argmax = self.graphs[b]
         graph.replay()
-        return out
+        return logits, argmax

@@ -17,7 +17,8 @@ class InputStaging:
     def __init__(self, n64: int, n32: int, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self._done: torch.cuda.Event | None = None
+        self._done = torch.cuda.Event() if self.cuda else None
+        self._pending = False
         self._alloc(max(n64, 1), max(n32, 1))
         self._sizes: tuple[list[int], list[int]] = ([], [])
 
@@ -42,9 +43,9 @@ class InputStaging:
         self, sizes64: list[int], sizes32: list[int]
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Host views to fill, laid out back to back in the order given."""
-        if self._done is not None:
+        if self._pending and self._done is not None:
             self._done.synchronize()  # the last upload has left these buffers
-            self._done = None
+            self._pending = False
         n64, n32 = sum(sizes64), sum(sizes32)
         if n64 > self.np64.shape[0] or n32 > self.np32.shape[0]:
             self._alloc(max(n64, self.np64.shape[0]), max(n32, self.np32.shape[0]))
@@ -58,8 +59,9 @@ class InputStaging:
         if self.cuda:
             self.dev64[:n64].copy_(self.host64[:n64], non_blocking=True)
             self.dev32[:n32].copy_(self.host32[:n32], non_blocking=True)
-            self._done = torch.cuda.Event()
+            assert self._done is not None
             self._done.record()
+            self._pending = True
         return _split(self.dev64, sizes64), _split(self.dev32, sizes32)
 
 

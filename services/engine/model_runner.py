@@ -15,6 +15,7 @@ from services.engine.kv_cache import GIB, allocate_kv_caches, check_fits, plan_n
 from services.engine.loader import load_model
 from services.engine.sampler import sample
 from services.scheduling.outputs import SampledToken, SchedulerOutput
+from services.scheduling.sampling_params import SamplingParams
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,8 +132,9 @@ class ModelRunner:
         )
         return StepInputs(d64[0], d64[1], meta, d64[3])
 
-    def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """A decode-only step through its captured graph; None when no graph fits the step."""
+    def _graph_forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode-only step through its captured graph: (logits [n, V], argmax [n]) of every
+        row; None when no graph fits the step."""
         graphs, reqs = self.graphs, out.requests
         if graphs is None or any(r.num_new_tokens != 1 for r in reqs):
             return None
@@ -152,7 +154,14 @@ class ModelRunner:
             slots[i] = bids[p // bs] * bs + p % bs
             tables[i, : len(bids)] = bids
         d64, d32 = self.staging.upload()
-        logits = graphs.run(d64[0], d32[0], d32[1].view(b, W), b)[:n]
+        logits, argmax = graphs.run(d64[0], d32[0], d32[1].view(b, W), b)
+        return logits[:n], argmax[:n]
+
+    def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        ran = self._graph_forward(out)
+        if ran is None:
+            return None
+        logits, reqs = ran[0], out.requests
         if all(r.sample for r in reqs):
             return logits
         keep = [i for i, r in enumerate(reqs) if r.sample]
@@ -180,8 +189,16 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, min_token_stop_ids: dict[str, list[int]]
     ) -> dict[str, SampledToken]:
-        logits = self.forward_logits(out)
         sampling = [r for r in out.requests if r.sample]
+        if len(sampling) == len(out.requests) and all(
+            _plain_greedy(r.sampling_params) and r.request_id not in min_token_stop_ids
+            for r in sampling
+        ):
+            ran = self._graph_forward(out)
+            if ran is not None:  # the graph's own argmax is the token: one read, no sampler
+                ids = ran[1].tolist()
+                return {r.request_id: SampledToken(t) for r, t in zip(sampling, ids, strict=True)}
+        logits = self.forward_logits(out)
         if logits is None or not sampling:
             return {}
         tokens = sample(
@@ -192,3 +209,14 @@ class ModelRunner:
             [min_token_stop_ids.get(r.request_id, []) for r in sampling],
         )
         return {r.request_id: tok for r, tok in zip(sampling, tokens, strict=True)}
+
+
+def _plain_greedy(sp: SamplingParams) -> bool:
+    """Greedy with nothing for the sampler to do: no logprobs, no penalties."""
+    return (
+        sp.greedy
+        and sp.logprobs is None
+        and sp.repetition_penalty == 1.0
+        and not sp.presence_penalty
+        and not sp.frequency_penalty
+    )
