@@ -61,6 +61,13 @@ def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch
     return cache[block_table[:nblk].long()].flatten(0, 1)[:n]  # [n, Hkv, D]
 
 
+def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return value
+    out.copy_(value)
+    return out
+
+
 def ref_paged_decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -68,8 +75,11 @@ def ref_paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, >= 1
     scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [B, Hq, D] to write into
 ) -> torch.Tensor:  # [B, Hq, D]
-    """One query token per sequence attending to its first ``context_lens[b]`` cached tokens."""
+    """One query token per sequence attending to its first ``context_lens[b]`` cached tokens
+    (written into ``out`` when given, which is then returned)."""
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -85,8 +95,8 @@ def ref_paged_decode_attention(
     mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     v = v.masked_fill(mask[:, None, :, None], 0.0)  # unwritten slots may hold NaN
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, g, D]
-    return out.reshape(B, Hq, D).to(q.dtype)
+    o = torch.matmul(torch.softmax(scores, dim=-1), v).reshape(B, Hq, D)  # [B, Hkv, g, D] flat
+    return _into(out, o.to(q.dtype))
 
 
 def ref_prefill_attention(
@@ -97,8 +107,11 @@ def ref_prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32, prefix sums of query lengths
     context_lens: torch.Tensor,  # [B] int32, cached prefix + new tokens
     scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [T, Hq, D] to write into
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of each sequence's new tokens over its whole paged context.
+    """Causal attention of each sequence's new tokens over its whole paged context (written into
+    ``out`` when given, which is then returned).
 
     Query ``i`` of sequence ``b`` sits at position ``context_lens[b] - q_len + i`` and sees
     keys ``0 ..= that position`` (earlier chunks and prefix-cache hits included).
@@ -106,7 +119,7 @@ def ref_prefill_attention(
     Hq = q.shape[1]
     Hkv = k_cache.shape[2]
     group = Hq // Hkv
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     for b in range(len(lens)):

@@ -111,10 +111,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, >= 1
     scale: float,
+    out: torch.Tensor | None = None,  # [B, Hq, D] to write into
 ) -> torch.Tensor:  # [B, Hq, D]
     mod = _triton("triton_attention", q)
     fn = mod.paged_decode_attention if mod else ref_paged_decode_attention
-    return fn(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
 
 
 def prefill_attention(
@@ -125,10 +126,11 @@ def prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
+    out: torch.Tensor | None = None,  # [T, Hq, D] to write into
 ) -> torch.Tensor:  # [T, Hq, D]
     mod = _triton("triton_attention", q)
     fn = mod.prefill_attention if mod else ref_prefill_attention
-    return fn(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return fn(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, out=out)
 
 
 def rms_norm(

@@ -139,3 +139,18 @@ def check_heads(q_heads: int, kv_heads: int, q_dim: int, kv_dim: int) -> int:
     if kv_dim > 256:
         raise ValueError(f"head_dim {kv_dim} > 256 is not supported")
     return q_heads // kv_heads
+
+
+def check_out(
+    out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The output to write: ``out`` when given (checked against the shape, dtype and device the
+    kernel produces; any strides with a unit last one), else a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor("out", out, ndim=len(shape), dtypes=(dtype,))
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {shape}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}; expected {device}")
+    return out

@@ -25,6 +25,7 @@ from kernels.triton_common import (
     check_devices,
     check_heads,
     check_kv_cache,
+    check_out,
     check_tensor,
     dot_precision,
     dot_upcast,
@@ -39,20 +40,20 @@ MIN_KEYS_PER_SPLIT = 256
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "s_btb"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2e,
+    scale_log2e, num_splits,
     s_qb, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ob, s_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -91,31 +92,31 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
-        row = (b.to(tl.int64) * NUM_Q_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        row = (b.to(tl.int64) * NUM_Q_HEADS + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
         a_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(a_ptrs, acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, s_ob, s_oh,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, s_ob, s_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * NUM_SPLITS + offs_s
+    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_splits + offs_s
     m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
@@ -164,6 +165,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton version of :func:`kernels.attention.ref_paged_decode_attention`.
 
@@ -185,7 +187,7 @@ def paged_decode_attention(
     device = check_devices(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
     )
-    out = torch.empty((batch, hq, d), dtype=q.dtype, device=device)
+    out = check_out(out, (batch, hq, d), q.dtype, device)
     if batch == 0:
         return out
     if num_splits is None:
@@ -207,19 +209,18 @@ def paged_decode_attention(
     )
     _decode_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
-        float(scale) * LOG2E,
+        float(scale) * LOG2E, num_splits,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(batch, hq)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
+            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)),
             num_warps=4,
         )  # fmt: skip
     return out

@@ -7,7 +7,12 @@ diagonal stretch is masked.
 
 The grid is sized without a device sync: sequence ``b`` owns the tiles starting at
 ``query_start_loc[b] // BLOCK_M + b`` (these ranges never overlap), so ``T // BLOCK_M + B`` tiles
-cover every sequence; each program finds its sequence by counting tile starts <= its id.
+cover every sequence; each program finds its sequence by a binary search over those tile starts.
+Nothing about the batch is a compile-time constant (a new batch size must not compile a new
+kernel in the middle of serving). The grid is one-dimensional with the query heads varying
+fastest: the ``Hq // Hkv`` heads that read the same K/V run side by side and share it through L2
+(a decode-like row reads its whole context for one query), and the tiles run last to first, so
+the longest causal tiles start first and the short ones fill the tail.
 
 Napkin math: 4 * D FLOP per visible (query, key) pair per head; at 1024-token prompts the tiles
 are large enough that the kernel is bound by the tensor cores, not by the K/V reads.
@@ -25,6 +30,7 @@ from kernels.triton_common import (
     check_devices,
     check_heads,
     check_kv_cache,
+    check_out,
     check_tensor,
     dot_precision,
     dot_upcast,
@@ -77,21 +83,27 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "s_btb"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale_log2e, num_seqs,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale_log2e, num_seqs, num_tiles,
     s_qt, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ot, s_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEQ_PAD: tl.constexpr, D_PADDED: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D_PADDED: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
+    pid = tl.program_id(0)
+    h = pid % NUM_Q_HEADS
+    tile = num_tiles - 1 - pid // NUM_Q_HEADS
     kvh = h // GROUP
-    offs_b = tl.arange(0, SEQ_PAD)
-    starts = tl.load(qsl_ptr + offs_b, mask=offs_b < num_seqs, other=0).to(tl.int32)
-    tile_starts = tl.where(offs_b < num_seqs, starts // BLOCK_M + offs_b, 2147483647)
-    b = tl.sum((tile_starts <= tile).to(tl.int32), 0) - 1
+    # the last sequence whose first tile is <= this one (tile starts strictly increase)
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_M + mid
+        lo = tl.where(first <= tile, mid, lo)
+        hi = tl.where(first <= tile, hi, mid - 1)
+    b = lo
     q_start = tl.load(qsl_ptr + b).to(tl.int32)
     q_len = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start
     m0 = (tile - (q_start // BLOCK_M + b)) * BLOCK_M
@@ -156,6 +168,7 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [B] int32, cached prefix + new tokens
     scale: float,
     *,
+    out: torch.Tensor | None = None,  # [T, Hq, D] to write into (e.g. a slice of a larger one)
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_prefill_attention`.
@@ -182,19 +195,18 @@ def prefill_attention(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
         query_start_loc=query_start_loc, context_lens=context_lens,
     )  # fmt: skip
-    out = torch.empty((t, hq, d), dtype=q.dtype, device=device)
+    out = check_out(out, (t, hq, d), q.dtype, device)
     if t == 0 or batch == 0:
         return out
     block_m, block_n, num_warps, num_stages = tiles or default_tiles(d, q.dtype, device)
-    grid = (triton.cdiv(t, block_m) + batch, hq)
-    _prefill_kernel[grid](
+    num_tiles = triton.cdiv(t, block_m) + batch
+    _prefill_kernel[(num_tiles * hq,)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        float(scale) * LOG2E, batch,
+        float(scale) * LOG2E, batch, num_tiles,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_SIZE=bs,
-        BLOCK_M=block_m, BLOCK_N=block_n, SEQ_PAD=max(2, next_pow2(batch)),
-        D_PADDED=next_pow2(d) != d or d < 16,
+        NUM_Q_HEADS=hq, GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_SIZE=bs,
+        BLOCK_M=block_m, BLOCK_N=block_n, D_PADDED=next_pow2(d) != d or d < 16,
         DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

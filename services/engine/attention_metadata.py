@@ -9,8 +9,23 @@ import torch
 
 @dataclass
 class AttentionMetadata:
+    """Sequences with one new token each (decodes) come first, ``num_decodes`` of them; the
+    rest (prefill chunks) follow. Decode rows go to the paged decode kernel, which reads each
+    K/V byte once per KV head; prefill rows to the causal prefill kernel."""
+
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     block_tables: torch.Tensor  # [B, max_blocks] int32
     context_lens: torch.Tensor  # [B] int32: cached + new tokens per sequence
     query_start_loc: torch.Tensor  # [B + 1] int32
-    decode_only: bool  # every sequence has exactly one new token
+    num_decodes: int  # the leading sequences with exactly one new token
+    # [B - num_decodes + 1] int32: query_start_loc of the prefill sequences, counted from their
+    # first token (None when every sequence decodes)
+    prefill_start_loc: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == self.num_seqs

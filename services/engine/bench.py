@@ -25,16 +25,40 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(100, vocab - 100, (n, length), generator=gen).tolist()
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> float:
+def run_engine(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, steps: list | None = None
+) -> float:
+    """Seconds to serve every prompt; ``steps`` collects (seconds, tokens, sequences) per step
+    (each step ends by reading its sampled tokens, so its wall time covers its GPU work)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     _sync()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
+    last = t0
     while engine.has_unfinished:
         engine.step()
+        if steps is not None:
+            now = time.perf_counter()
+            steps.append((now - last, *engine.last_step_shape))
+            last = now
     _sync()
     return time.perf_counter() - t0
+
+
+def step_profile(steps: list[tuple[float, int, int]]) -> dict[str, Any]:
+    """Where the time went: steps with prompt tokens vs decode-only steps, and the slowest."""
+    prefill = [s for s in steps if s[1] > s[2]]
+    decode = [s for s in steps if s[1] == s[2]]
+
+    def part(rows: list[tuple[float, int, int]]) -> dict[str, Any]:
+        times = sorted(r[0] for r in rows)
+        return {"steps": len(rows), "seconds": sum(times), "tokens": sum(r[1] for r in rows),
+                "median_ms": 1e3 * times[len(times) // 2] if times else None}  # fmt: skip
+
+    slow = sorted(steps, reverse=True)[:5]
+    return {"prefill_or_mixed": part(prefill), "decode_only": part(decode),
+            "slowest": [{"ms": 1e3 * t, "tokens": n, "seqs": b} for t, n, b in slow]}  # fmt: skip
 
 
 def hf_twin(engine: LLMEngine) -> Any:
@@ -112,16 +136,22 @@ def main_offline(args: argparse.Namespace) -> int:
     engine = LLMEngine(config_from_args(args))
     prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size)
     run_engine(engine, prompts[: min(4, len(prompts))], 4)  # warm up
-    secs = run_engine(engine, prompts, args.output_len)
+    steps: list[tuple[float, int, int]] = []
+    secs = run_engine(engine, prompts, args.output_len, steps)
     total = args.num_prompts * (args.input_len + args.output_len)
     res: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
                            "output_len": args.output_len, "device": str(engine.runner.device),
                            "tandem": {"seconds": secs, "total_tok_s": total / secs,
-                                      "output_tok_s": args.num_prompts * args.output_len / secs}}  # fmt: skip
+                                      "output_tok_s": args.num_prompts * args.output_len / secs,
+                                      "steps": step_profile(steps)}}  # fmt: skip
     floor = floor_seconds(engine, args.num_prompts, args.input_len, args.output_len)
     if floor:
         res["floor_seconds"], res["fraction_of_floor"] = floor, floor / secs
-    print(f"tandem: {secs:.2f} s, {total / secs:,.0f} total tok/s", flush=True)
+    prof = res["tandem"]["steps"]
+    print(f"tandem: {secs:.2f} s, {total / secs:,.0f} total tok/s; "
+          f"{prof['prefill_or_mixed']['steps']} prefill/mixed steps "
+          f"{prof['prefill_or_mixed']['seconds']:.2f} s, {prof['decode_only']['steps']} decode "
+          f"steps {prof['decode_only']['seconds']:.2f} s", flush=True)  # fmt: skip
     if args.compare_transformers:
         engine.runner.release_kv_cache()
         hf = hf_twin(engine)

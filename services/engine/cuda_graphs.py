@@ -38,7 +38,7 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
-            self.i64[2, :b], self.tables[:b], self.ctx[:b], self.qsl[: b + 1], True
+            self.i64[2, :b], self.tables[:b], self.ctx[:b], self.qsl[: b + 1], num_decodes=b
         )
 
     def _step(self, b: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ class InputStaging:
         cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device
     ) -> InputStaging:
         """Room for any step under the scheduler's limits (it grows if a step needs more)."""
-        return cls(3 * max_tokens + max_seqs, 2 * max_seqs + 1 + max_seqs * max_blocks, device)
+        return cls(3 * max_tokens + max_seqs, 3 * max_seqs + 2 + max_seqs * max_blocks, device)
 
     def _alloc(self, n64: int, n32: int) -> None:
         self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=self.cuda)

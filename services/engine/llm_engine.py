@@ -78,6 +78,7 @@ class LLMEngine:
         self.detokenize = files.kind != "named"
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.last_step_shape = (0, 0)  # (tokens, sequences) of the last step (benchmarks)
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -202,6 +203,7 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.last_step_shape = (out.num_tokens, len(out.requests))
         if out.empty:
             return []
         min_stop = self._min_token_stop_ids(out.requests)

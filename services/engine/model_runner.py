@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,8 +16,11 @@ from services.engine.input_staging import InputStaging
 from services.engine.kv_cache import GIB, allocate_kv_caches, check_fits, plan_num_blocks
 from services.engine.loader import load_model
 from services.engine.sampler import sample
+from services.engine.warmup import warmup_steps
 from services.scheduling.outputs import SampledToken, SchedulerOutput
 from services.scheduling.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,11 +71,26 @@ class ModelRunner:
             max_blocks, self.device,
         )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, sched.max_num_seqs, max_blocks, self.device
             )
             self.graphs.capture()
+
+    def warmup(self) -> float:
+        """Run the synthetic start-up steps of ``services.engine.warmup``; seconds taken."""
+        t0 = time.perf_counter()
+        sched = self.config.scheduler
+        for step in warmup_steps(
+            sched.max_num_batched_tokens, self.max_model_len, sched.max_num_seqs,
+            self.block_size, self.num_blocks, self.arch.vocab_size,
+        ):  # fmt: skip
+            self.execute(step, {})
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def _plan_blocks(self) -> int:
         free = None
@@ -97,38 +117,47 @@ class ModelRunner:
         return max(len(r.block_ids) for r in out.requests)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """The eager path's inputs: every step's ids, positions, slots, tables in two uploads."""
+        """The eager path's inputs: every step's ids, positions, slots, tables in two uploads.
+
+        Sequences with one new token (decodes) are laid out first, the prefill chunks after
+        them (see ``AttentionMetadata``); the logits rows stay in the order of ``out.requests``.
+        """
         reqs = out.requests
+        order = sorted(range(len(reqs)), key=lambda i: reqs[i].num_new_tokens != 1)  # stable
+        nd = sum(1 for r in reqs if r.num_new_tokens == 1)
         T = sum(r.num_new_tokens for r in reqs)
         B, W = len(reqs), self._max_blocks(out)
         S = sum(1 for r in reqs if r.sample)
-        h64, h32 = self.staging.begin([T, T, T, S], [B, B + 1, B * W])
+        h64, h32 = self.staging.begin([T, T, T, S], [B, B + 1, B - nd + 1, B * W])
         ids, pos, slots, rows = h64
-        ctx, qsl, tables = h32[0], h32[1], h32[2].reshape(B, W)
+        ctx, qsl, pqsl, tables = h32[0], h32[1], h32[2], h32[3].reshape(B, W)
         tables.fill(0)
         bs = self.block_size
-        t = s = 0
+        last_row = [0] * B
+        t = 0
         qsl[0] = 0
-        for i, r in enumerate(reqs):
+        for j, i in enumerate(order):
+            r = reqs[i]
             n, start, bids = r.num_new_tokens, r.start_pos, r.block_ids
             ids[t : t + n] = r.token_ids
             span = np.arange(start, start + n)
             pos[t : t + n] = span
             slots[t : t + n] = np.asarray(bids, dtype=np.int64)[span // bs] * bs + span % bs
             t += n
-            qsl[i + 1] = t
-            ctx[i] = r.context_len
-            tables[i, : len(bids)] = bids
-            if r.sample:
-                rows[s] = t - 1
-                s += 1
+            qsl[j + 1] = t
+            last_row[i] = t - 1
+            ctx[j] = r.context_len
+            tables[j, : len(bids)] = bids
+        pqsl[:] = qsl[nd:] - nd
+        rows[:] = [last_row[i] for i, r in enumerate(reqs) if r.sample]
         d64, d32 = self.staging.upload()
         meta = AttentionMetadata(
             slot_mapping=d64[2],
-            block_tables=d32[2].view(B, W),
+            block_tables=d32[3].view(B, W),
             context_lens=d32[0],
             query_start_loc=d32[1],
-            decode_only=all(r.num_new_tokens == 1 for r in reqs),
+            num_decodes=nd,
+            prefill_start_loc=d32[2] if nd < B else None,
         )
         return StepInputs(d64[0], d64[1], meta, d64[3])
 

@@ -71,6 +71,25 @@ def test_mqa_non_power_of_two_head_dim(gen: torch.Generator, device: torch.devic
     run_case([5, 33], 6, torch.float32, gen, device, kv_heads=1, head_dim=24, num_splits=2)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_writes_into_the_given_out_and_nothing_else(
+    num_splits: int, gen: torch.Generator, device: torch.device
+) -> None:
+    lens = [5, 33, 17]
+    k_cache, v_cache, tables = paged_kv(lens, 16, 2, 32, torch.float32, gen, device)
+    q = rand((3, 8, 32), torch.float32, gen, device)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    big = torch.full((5, 8, 32), 7.0, device=device)  # rows 1..3 are the output, 0 and 4 stay
+    got = paged_decode_attention(
+        q, k_cache, v_cache, tables, ctx, 0.2, num_splits=num_splits, out=big[1:4]
+    )
+    assert got.data_ptr() == big[1:4].data_ptr()
+    assert_matches(big[1:4], ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2))
+    assert bool((big[0] == 7.0).all() and (big[4] == 7.0).all())
+    with pytest.raises(ValueError, match="out has shape"):
+        paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, out=big[:2])
+
+
 def test_split_choice_follows_batch_and_context(device: torch.device) -> None:
     assert choose_num_splits(64, 8, 4096, device) == 1  # 512 programs fill the GPU already
     assert choose_num_splits(256, 8, 512, device) == 1

@@ -75,6 +75,29 @@ def test_non_power_of_two_head_dim(gen: torch.Generator, device: torch.device, p
     run_case([25, 40], [25, 7], 2, torch.float32, gen, device, head_dim=24)
 
 
+def test_many_sequences_find_their_tiles(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    # 37 sequences (not a power of two) of mixed lengths: every tile's binary search for its
+    # sequence, single-token rows among chunks, empty-prefix prompts and chunks after prefixes
+    lens = [int(x) for x in torch.randint(1, 40, (37,), generator=gen)]
+    new = [n if i % 3 else max(1, n // 4) for i, n in enumerate(lens)]
+    run_case(lens, new, 4, torch.float32, gen, device)
+
+
+def test_writes_into_the_given_out_and_nothing_else(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    ctx = [20, 9]  # 4 new tokens after a 16-token prefix, then a whole 9-token prompt
+    k_cache, v_cache, tables = paged_kv(ctx, 8, 2, 16, torch.float32, gen, device)
+    qsl = torch.tensor([0, 4, 13], dtype=torch.int32, device=device)
+    q = rand((13, 4, 16), torch.float32, gen, device)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=device)
+    big = torch.full((15, 4, 16), 7.0, device=device)
+    got = prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.25, out=big[2:])
+    assert got.data_ptr() == big[2:].data_ptr()
+    assert_matches(big[2:], ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.25))
+    assert bool((big[:2] == 7.0).all())
+    with pytest.raises(ValueError, match="out has shape"):
+        prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.25, out=big)
+
+
 class TestErrors:
     def inputs(self, device: torch.device, gen: torch.Generator) -> dict:
         k_cache, v_cache, tables = paged_kv([5, 9], 8, 2, 16, torch.float32, gen, device)

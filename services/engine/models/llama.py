@@ -61,16 +61,38 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # one launch: rotate q (into a new tensor) and k, write k and v into their slots
         q = ops.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        if meta.decode_only:
-            o = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
-            )
-        else:
-            o = ops.prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-                self.scale,
-            )  # fmt: skip
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return ops.linear(o.reshape(T, self.nq * self.d), self.o_proj.weight)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D], decode rows first
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Decode rows through the decode kernel, prefill rows through the prefill kernel."""
+    nd = meta.num_decodes
+    if meta.decode_only:
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        )
+    if nd == 0:
+        return ops.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale
+        )
+    assert meta.prefill_start_loc is not None
+    o = torch.empty_like(q)
+    ops.paged_decode_attention(
+        q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+        out=o[:nd],
+    )  # fmt: skip
+    ops.prefill_attention(
+        q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
+        meta.context_lens[nd:], scale, out=o[nd:],
+    )  # fmt: skip
+    return o
 
 
 class MLP(nn.Module):

@@ -1,0 +1,71 @@
+"""Start-up warm-up steps: valid steps within the pool, and harmless to what is served after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.llm import build_config
+from services.engine.llm_engine import LLMEngine
+from services.engine.warmup import warmup_steps
+from services.scheduling.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("budget", "max_len", "max_seqs", "block_size", "num_blocks"),
+    [(8192, 2048, 256, 16, 10_000), (8192, 2048, 256, 16, 300), (512, 128, 8, 8, 1000),
+     (64, 16, 2, 16, 6), (8192, 100, 1, 16, 100)],
+)  # fmt: skip
+def test_steps_stay_within_the_pool_the_model_and_the_limits(
+    budget: int, max_len: int, max_seqs: int, block_size: int, num_blocks: int
+) -> None:
+    steps = warmup_steps(budget, max_len, max_seqs, block_size, num_blocks, vocab_size=1000)
+    assert steps, "at least one step even for a small pool"
+    for step in steps:
+        assert 0 < step.num_tokens <= budget and len(step.requests) <= max_seqs
+        for r in step.requests:
+            assert r.context_len <= max_len
+            assert len(r.block_ids) == -(-r.context_len // block_size)
+            assert all(0 <= b < num_blocks for b in r.block_ids)
+            assert len(set(r.block_ids)) == len(r.block_ids)
+            assert all(0 <= t < 1000 for t in r.token_ids)
+        blocks = [b for r in step.requests for b in r.block_ids]
+        assert len(blocks) == len(set(blocks)), "two sequences of one step share a block"
+
+
+def test_the_steps_cover_the_budget_a_mixed_step_and_single_decodes() -> None:
+    steps = warmup_steps(8192, 2048, 256, 16, 10_000, vocab_size=50_000)
+    shapes = [(s.num_tokens, [r.num_new_tokens for r in s.requests]) for s in steps]
+    assert shapes[0][0] == 8192  # the largest step a worker can run
+    assert shapes[0][1][0] % 2 == 1 and max(shapes[0][1]) <= 2047
+    mixed = shapes[1][1]
+    assert mixed.count(1) == 3 and max(mixed) > 1 and shapes[1][0] % 16 != 0
+    assert (1, [1]) in shapes and (3, [1, 1, 1]) in shapes
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished:
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_warmup_runs_and_changes_nothing_served_after_it() -> None:
+    def engine() -> LLMEngine:
+        return LLMEngine(
+            build_config("smollm2-135m", load_format="dummy", dtype="float32", device="cpu",
+                         max_model_len=128, num_blocks=40, max_num_seqs=4,
+                         max_num_batched_tokens=96)
+        )  # fmt: skip
+
+    prompts = [[(11 * i + 5) % 4000 for i in range(n)] for n in (20, 33)]
+    cold = _greedy(engine(), prompts)
+    warm = engine()
+    assert warm.runner.warmup() >= 0.0
+    assert not warm.has_unfinished and warm.kv.num_free_blocks == warm.kv.num_blocks
+    assert _greedy(warm, prompts) == cold
+    assert torch.isfinite(warm.runner.kv_caches[0]).all()
