@@ -191,6 +191,6 @@ def rotary_write_kv(
         *k_cache.stride()[:3], *v_cache.stride()[:3], hq, hkv,
         HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),
         BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
-        num_warps=4 if tile >= 2048 else 1,
+        num_warps=4 if tile >= 2048 else 1, enable_fp_fusion=False,
     )  # fmt: skip
     return out

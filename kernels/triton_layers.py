@@ -3,7 +3,9 @@
 Same signatures and semantics as :mod:`kernels.layers`. All three are memory-bound: each reads
 its inputs and writes its outputs once, with fp32 arithmetic in registers, rounded to the
 activation dtype where the references (and transformers' Llama code) round:
-``.to(dtype).to(tl.float32)``, an identity in float32.
+``.to(dtype).to(tl.float32)``, an identity in float32. They launch with ``enable_fp_fusion=False``:
+otherwise the compiler turns a rounded product followed by a sum into one bf16 FMA (seen in the
+sm_90 PTX: ``fma.rn.bf16``), which skips the product's rounding and drifts from torch by an ulp.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def rms_norm(
         x.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), res_out.stride(0), width, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out, res_out
 
@@ -148,7 +151,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
         block = min(4096, next_pow2(inter))
         grid = (x2.shape[0], triton.cdiv(inter, block))
         _silu_and_mul_kernel[grid](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=_row_warps(block)
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=_row_warps(block),
+            enable_fp_fusion=False,
         )
     return out.view(*x.shape[:-1], inter)
 
@@ -186,4 +190,5 @@ def rotary_embedding(
         cos_sin_cache.stride(0), hq, k.shape[1],
         HALF=half, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(k.shape[1]),
         BLOCK_HALF=next_pow2(half), num_warps=4 if next_pow2(hq) * next_pow2(half) >= 2048 else 1,
+        enable_fp_fusion=False,
     )  # fmt: skip

@@ -1,0 +1,179 @@
+"""How closely the engine follows transformers on the embedded model's real weights, on a GPU.
+
+Greedy continuations (32 tokens of the 8 chat prompts of the parity tests) and first-token
+logits, for several variants of both sides, each compared with transformers in bf16 (what the
+parity test compares with) and with transformers in float32 (the closest thing to the exact
+answer). It answers which differences are bf16 rounding that transformers itself shows (the
+same model at another batch size, or with reduced-precision matmul reductions), and which are
+ours. Prints one JSON line per variant and writes them all to ``--json-out``.
+
+    python -m deploy.gpu_parity_report --json-out parity.json   (needs CUDA and the embedded GGUF)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import torch
+
+from services.engine.llm import LLM
+from services.model_files import embedded_gguf_path
+from services.scheduling.sampling_params import SamplingParams
+
+PROMPTS = [  # the chat prompts of tests/services/engine/conftest.py
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a tip for learning to code. Keep it short, and make sure it is practical "
+    "advice that a beginner could follow today without buying anything.",
+]
+NEW_TOKENS = 32
+
+
+DEVICE = "cuda"
+
+
+def hf_model(dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    gguf = embedded_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    return model.to(DEVICE).eval()
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], eos: int, batched: bool) -> list[list[int]]:
+    def cut(ids: list[int]) -> list[int]:
+        return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+    outs = []
+    groups = [prompts] if batched else [[p] for p in prompts]
+    for group in groups:
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in group], device=DEVICE)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=DEVICE)
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                eos_token_id=eos, pad_token_id=eos,
+            )  # fmt: skip
+        outs += [cut(row[width:].tolist()) for row in out]
+    return outs
+
+
+def hf_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
+    rows = []
+    with torch.inference_mode():
+        for p in prompts:
+            rows.append(model(torch.tensor([p], device=DEVICE)).logits[0, -1].float())
+    return torch.stack(rows)
+
+
+def ours_greedy(llm: LLM, prompts: list[list[int]], one_at_a_time: bool) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    groups = [[p] for p in prompts] if one_at_a_time else [prompts]
+    return [r.outputs[0].token_ids for g in groups for r in llm.generate(g, params)]
+
+
+def ours_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    from services.scheduling.outputs import SchedulerOutput
+
+    engine = llm.engine
+    rows = []
+    for i, p in enumerate(prompts):
+        engine.add_request(f"parity-{i}", p, SamplingParams(temperature=0.0, max_tokens=1))
+        step: SchedulerOutput = engine.scheduler.schedule()
+        with torch.inference_mode():
+            logits = engine.runner.forward_logits(step)
+        engine.scheduler.abort(f"parity-{i}")
+        assert logits is not None
+        rows.append(logits[0].float())
+    return torch.stack(rows)
+
+
+def agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
+    prefix = [
+        next((k for k, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
+        for g, w in zip(got, want, strict=True)
+    ]
+    return {"equal": sum(g == w for g, w in zip(got, want, strict=True)), "prefix": prefix}
+
+
+def logit_error(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    rel = ((got - want).norm() / want.norm()).item()
+    return {
+        "rel_err": rel,
+        "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+    }
+
+
+def engine(kernels: str, eager: bool) -> LLM:
+    """A fresh engine with Triton kernels or the torch references (``TANDEM_KERNELS=ref``)."""
+    from kernels import ops
+
+    os.environ["TANDEM_KERNELS"] = "ref" if kernels == "ref" else ""
+    ops.triton_available.cache_clear()
+    return LLM("embedded", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
+               device=DEVICE, enforce_eager=eager)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json-out")
+    ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script")
+    args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    rows: list[dict[str, Any]] = []
+
+    def report(name: str, **fields: Any) -> None:
+        rows.append({"variant": name, **fields})
+        print(json.dumps(rows[-1]), flush=True)
+
+    llm = engine("triton", eager=False)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    eos = llm.tokenizer.eos_token_id
+    hf32 = hf_model(torch.float32)
+    truth, truth_logits = hf_greedy(hf32, prompts, eos, False), hf_logits(hf32, prompts)
+    del hf32
+    hf16 = hf_model(torch.bfloat16)
+    reference = hf_greedy(hf16, prompts, eos, False)
+    report("transformers bf16, one prompt at a time (the parity test's reference)",
+           vs_fp32=agreement(reference, truth), logits_vs_fp32=logit_error(hf_logits(hf16, prompts), truth_logits))  # fmt: skip
+    report("transformers bf16, 8 prompts batched (left-padded)",
+           vs_reference=agreement(hf_greedy(hf16, prompts, eos, True), reference),
+           vs_fp32=agreement(hf_greedy(hf16, prompts, eos, True), truth))  # fmt: skip
+    for kernels, eager in (("triton", False), ("triton", True), ("ref", True)):
+        if (kernels, eager) != ("triton", False):
+            del llm
+            llm = engine(kernels, eager)
+        name = f"tandem bf16, {kernels} kernels{', eager' if eager else ', CUDA graphs'}"
+        for one in (False, True):
+            got = ours_greedy(llm, prompts, one)
+            report(f"{name}, {'one prompt at a time' if one else 'batched'}",
+                   vs_reference=agreement(got, reference), vs_fp32=agreement(got, truth))  # fmt: skip
+        report(f"{name}: first-token logits",
+               logits_vs_fp32=logit_error(ours_logits(llm, prompts), truth_logits),
+               logits_vs_reference=logit_error(ours_logits(llm, prompts), hf_logits(hf16, prompts)))  # fmt: skip
+    del llm
+    llm = engine("triton", eager=False)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    reference_fp32_reduce = hf_greedy(hf16, prompts, eos, False)
+    got = ours_greedy(llm, prompts, False)
+    report("both without bf16 reduced-precision matmul reductions",
+           tandem_vs_transformers=agreement(got, reference_fp32_reduce),
+           transformers_vs_fp32=agreement(reference_fp32_reduce, truth), tandem_vs_fp32=agreement(got, truth))  # fmt: skip
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
