@@ -151,7 +151,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
         block = min(4096, next_pow2(inter))
         grid = (x2.shape[0], triton.cdiv(inter, block))
         _silu_and_mul_kernel[grid](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=_row_warps(block),
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            inter,
+            BLOCK=block,
+            num_warps=_row_warps(block),
             enable_fp_fusion=False,
         )
     return out.view(*x.shape[:-1], inter)

@@ -70,7 +70,9 @@ def test_cuda_tensors_go_through_triton(monkeypatch: pytest.MonkeyPatch) -> None
 
     calls = []
     real = ta.paged_decode_attention
-    monkeypatch.setattr(ta, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        ta, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
     k_cache, v_cache, tables = paged_kv([300, 17], 16, 8, 128, torch.bfloat16, gen, cuda)
     q = rand((2, 32, 128), torch.bfloat16, gen, cuda)
