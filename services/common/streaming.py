@@ -58,6 +58,8 @@ async def stream_chunks(
     try:
         while not finished:
             out = await stream.queue.get()
+            while not out.finished and not stream.queue.empty():  # fell behind: one message
+                out = out.merged(stream.queue.get_nowait())
             now = time.monotonic()
             first = first or now
             finished = out.finished

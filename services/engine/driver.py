@@ -38,6 +38,11 @@ class Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
 
 
+def _put_all(batch: list[tuple[Stream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream.queue.put_nowait(out)
+
+
 class EngineDriver:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -181,13 +186,21 @@ class EngineDriver:
                 self._fail_all(f"engine step failed: {exc}")
                 continue
             self.steps += 1
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                stream.put(out)
-                if out.finished:
-                    del self._streams[out.request_id]
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not per output
+        (a batch of 256 decodes would otherwise wake the loop 256 times a step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+            if out.finished:
+                del self._streams[out.request_id]
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):

@@ -32,3 +32,19 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     error: str | None = None
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by a later one of the same request, as one delta (a stream that
+        fell behind sends what piled up in one message)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
+            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
+            logprobs=self.logprobs + later.logprobs,
+            error=later.error or self.error,
+        )

@@ -7,6 +7,8 @@ Logprobs are those of the model's raw distribution (before penalties and tempera
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.scheduling.outputs import SampledToken
@@ -75,7 +77,10 @@ def sample(
     outputs: list[list[int]],
     prompts: list[list[int]],
     stop_ids_for_min_tokens: list[list[int]],
+    before_read: Callable[[], None] | None = None,
 ) -> list[SampledToken]:
+    """One token per row. ``before_read`` runs once all the GPU work is queued, before the
+    results are read on the host (the runner waits there with the GIL released)."""
     want_logprobs = [sp.logprobs for sp in params]
     raw = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
     if any(
@@ -94,7 +99,7 @@ def sample(
             [params[i] for i in random_rows],
             [len(outputs[i]) for i in random_rows],
         )
-    return _package(tokens, raw, want_logprobs)
+    return _package(tokens, raw, want_logprobs, before_read)
 
 
 def _sample_rows(
@@ -103,27 +108,35 @@ def _sample_rows(
     dev = logits.device
     temp = torch.tensor([sp.temperature for sp in params], device=dev)
     logits = logits / temp[:, None]
-    top_k = torch.tensor([max(sp.top_k, 0) for sp in params], device=dev)
-    top_p = torch.tensor([sp.top_p for sp in params], device=dev)
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if any(sp.top_k > 0 or sp.top_p < 1.0 for sp in params):  # decided on the host: no sync
+        top_k = torch.tensor([max(sp.top_k, 0) for sp in params], device=dev)
+        top_p = torch.tensor([sp.top_p for sp in params], device=dev)
         logits = _mask_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([sp.min_p for sp in params], device=dev)
-    if bool((min_p > 0).any()):
+    if any(sp.min_p > 0 for sp in params):
+        min_p = torch.tensor([sp.min_p for sp in params], device=dev)
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = probs.masked_fill(probs < cutoff, 0.0)
     return (probs / _noise(probs, params, positions)).argmax(dim=-1)
 
 
 def _package(
-    tokens: torch.Tensor, raw: torch.Tensor | None, want: list[int | None]
+    tokens: torch.Tensor,
+    raw: torch.Tensor | None,
+    want: list[int | None],
+    before_read: Callable[[], None] | None,
 ) -> list[SampledToken]:
+    k = max((w or 0) for w in want) if raw is not None else 0
+    chosen = raw.gather(-1, tokens[:, None]).squeeze(-1) if raw is not None else None
+    top_vals, top_ids = raw.topk(k, dim=-1) if raw is not None and k > 0 else (None, None)
+    if before_read is not None:  # everything is queued: wait, then read what is ready
+        before_read()
     token_list = tokens.tolist()
-    if raw is None:
+    if chosen is None:
         return [SampledToken(t) for t in token_list]
-    k = max((w or 0) for w in want)
-    chosen = raw.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-    top_vals, top_ids = raw.topk(k, dim=-1) if k > 0 else (None, None)
+    chosen_list = chosen.tolist()
+    ids_list = top_ids.tolist() if top_ids is not None else None
+    vals_list = top_vals.tolist() if top_vals is not None else None
     out = []
     for i, t in enumerate(token_list):
         if want[i] is None:
@@ -131,7 +144,7 @@ def _package(
             continue
         n = want[i] or 0
         alts: tuple[tuple[int, float], ...] = ()
-        if n and top_ids is not None and top_vals is not None:
-            alts = tuple(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
-        out.append(SampledToken(t, chosen[i], alts))
+        if n and ids_list is not None and vals_list is not None:
+            alts = tuple(zip(ids_list[i][:n], vals_list[i][:n], strict=True))
+        out.append(SampledToken(t, chosen_list[i], alts))
     return out

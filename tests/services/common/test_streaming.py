@@ -1,0 +1,74 @@
+"""A request's stream: what piled up while the consumer was behind goes out as one chunk."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from protos import common_pb2
+from services.common.streaming import stream_chunks
+from services.engine.driver import Stream
+from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+
+
+def _out(tok: int, text: str, finished: bool = False) -> RequestOutput:
+    lp = [PositionLogprobs(TokenLogprob(tok, -0.5, text))]
+    reason = "length" if finished else None
+    return RequestOutput("r", [tok], text, finished, reason, None, 7, 2, lp)
+
+
+class _Driver:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+async def _collect(stream: Stream, feed: Any) -> tuple[list[common_pb2.TokenChunk], _Driver]:
+    runtime, driver = SimpleNamespace(inflight=0), _Driver()
+    feeder = asyncio.ensure_future(feed())
+    chunks = [c async for c in stream_chunks(runtime, driver, stream)]  # type: ignore[arg-type]
+    await feeder
+    assert runtime.inflight == 0
+    return chunks, driver
+
+
+async def test_outputs_that_piled_up_leave_as_one_chunk() -> None:
+    stream = Stream("r", asyncio.get_running_loop())
+
+    async def feed() -> None:
+        for i, done in ((1, False), (2, False), (3, True)):
+            stream.queue.put_nowait(_out(i, f"t{i}", done))
+
+    chunks, driver = await _collect(stream, feed)
+    assert len(chunks) == 1
+    (c,) = chunks
+    assert list(c.token_ids) == [1, 2, 3] and c.text == "t1t2t3"
+    assert [p.chosen.token_id for p in c.logprobs] == [1, 2, 3]
+    assert c.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert c.num_prompt_tokens == 7 and c.num_cached_tokens == 2
+    assert driver.aborted == []
+
+
+async def test_a_consumer_that_keeps_up_gets_one_chunk_per_output() -> None:
+    stream = Stream("r", asyncio.get_running_loop())
+
+    async def feed() -> None:
+        for i, done in ((1, False), (2, False), (3, True)):
+            stream.queue.put_nowait(_out(i, f"t{i}", done))
+            await asyncio.sleep(0.01)
+
+    chunks, _ = await _collect(stream, feed)
+    assert [list(c.token_ids) for c in chunks] == [[1], [2], [3]]
+
+
+def test_merged_keeps_the_later_finish_and_the_earlier_counts() -> None:
+    a = RequestOutput("r", [5], "a", False, None, None, 3, 1)
+    b = RequestOutput("r", [6], "b", True, "stop", "</s>", 0, 0, error=None)
+    m = a.merged(b)
+    assert (m.token_ids, m.text, m.finished, m.finish_reason, m.stop_reason) == (
+        [5, 6], "ab", True, "stop", "</s>",
+    )  # fmt: skip
+    assert (m.num_prompt_tokens, m.num_cached_tokens) == (3, 1)
