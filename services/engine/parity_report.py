@@ -7,14 +7,16 @@ answer). It answers which differences are bf16 rounding that transformers itself
 same model at another batch size, or with reduced-precision matmul reductions), and which are
 ours. Prints one JSON line per variant and writes them all to ``--json-out``.
 
-    python -m deploy.gpu_parity_report --json-out parity.json   (needs CUDA and the embedded GGUF)
+    python -m services.engine.parity_report --json-out parity.json   (needs CUDA and the embedded GGUF)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,13 +116,36 @@ def logit_error(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
 
 
 def engine(kernels: str, eager: bool) -> LLM:
-    """A fresh engine with Triton kernels or the torch references (``TANDEM_KERNELS=ref``)."""
+    """A fresh engine with Triton kernels or the torch references (``TANDEM_KERNELS=ref``);
+    a fixed small pool, so several fit on one GPU."""
     from kernels import ops
 
     os.environ["TANDEM_KERNELS"] = "ref" if kernels == "ref" else ""
     ops.triton_available.cache_clear()
     return LLM("embedded", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
-               device=DEVICE, enforce_eager=eager)  # fmt: skip
+               num_blocks=2048, device=DEVICE, enforce_eager=eager)  # fmt: skip
+
+
+REF_OPS = ("prefill_attention", "rms_norm", "silu_and_mul", "rotary_write_kv")
+
+
+@contextlib.contextmanager
+def reference_op(name: str) -> Iterator[None]:
+    """Route one of ``kernels.ops``'s entry points to its torch reference (eager steps only)."""
+    from kernels import attention, layers, ops
+
+    refs = {
+        "prefill_attention": attention.ref_prefill_attention,
+        "rms_norm": layers.ref_rms_norm,
+        "silu_and_mul": layers.ref_silu_and_mul,
+        "rotary_write_kv": attention.ref_rotary_write_kv,
+    }
+    real = getattr(ops, name)
+    setattr(ops, name, refs[name])
+    try:
+        yield
+    finally:
+        setattr(ops, name, real)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,32 +168,48 @@ def main(argv: list[str] | None = None) -> int:
     truth, truth_logits = hf_greedy(hf32, prompts, eos, False), hf_logits(hf32, prompts)
     del hf32
     hf16 = hf_model(torch.bfloat16)
-    reference = hf_greedy(hf16, prompts, eos, False)
+    reference, ref_logits = hf_greedy(hf16, prompts, eos, False), hf_logits(hf16, prompts)
     report("transformers bf16, one prompt at a time (the parity test's reference)",
-           vs_fp32=agreement(reference, truth), logits_vs_fp32=logit_error(hf_logits(hf16, prompts), truth_logits))  # fmt: skip
+           vs_fp32=agreement(reference, truth), logits_vs_fp32=logit_error(ref_logits, truth_logits))  # fmt: skip
+    batched = hf_greedy(hf16, prompts, eos, True)
     report("transformers bf16, 8 prompts batched (left-padded)",
-           vs_reference=agreement(hf_greedy(hf16, prompts, eos, True), reference),
-           vs_fp32=agreement(hf_greedy(hf16, prompts, eos, True), truth))  # fmt: skip
-    for kernels, eager in (("triton", False), ("triton", True), ("ref", True)):
-        if (kernels, eager) != ("triton", False):
-            del llm
-            llm = engine(kernels, eager)
-        name = f"tandem bf16, {kernels} kernels{', eager' if eager else ', CUDA graphs'}"
-        for one in (False, True):
-            got = ours_greedy(llm, prompts, one)
-            report(f"{name}, {'one prompt at a time' if one else 'batched'}",
-                   vs_reference=agreement(got, reference), vs_fp32=agreement(got, truth))  # fmt: skip
-        report(f"{name}: first-token logits",
-               logits_vs_fp32=logit_error(ours_logits(llm, prompts), truth_logits),
-               logits_vs_reference=logit_error(ours_logits(llm, prompts), hf_logits(hf16, prompts)))  # fmt: skip
+           vs_reference=agreement(batched, reference), vs_fp32=agreement(batched, truth))  # fmt: skip
+    for one in (False, True):
+        got = ours_greedy(llm, prompts, one)
+        report(f"tandem bf16, CUDA graphs, {'one prompt at a time' if one else 'batched'}",
+               vs_reference=agreement(got, reference), vs_fp32=agreement(got, truth))  # fmt: skip
+    ours = ours_logits(llm, prompts)  # prefill steps run eagerly: the op swaps below apply
+    report("tandem bf16 first-token logits", vs_fp32=logit_error(ours, truth_logits),
+           vs_reference=logit_error(ours, ref_logits))  # fmt: skip
+    for name in REF_OPS:
+        with reference_op(name):
+            ours = ours_logits(llm, prompts)
+        report(f"tandem bf16 first-token logits, {name} by its torch reference",
+               vs_fp32=logit_error(ours, truth_logits), vs_reference=logit_error(ours, ref_logits))  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        for name in REF_OPS:
+            stack.enter_context(reference_op(name))
+        ours = ours_logits(llm, prompts)
+    report("tandem bf16 first-token logits, all four by their references",
+           vs_fp32=logit_error(ours, truth_logits), vs_reference=logit_error(ours, ref_logits))  # fmt: skip
+    if DEVICE == "cuda":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        ref2, ref2_logits = hf_greedy(hf16, prompts, eos, False), hf_logits(hf16, prompts)
+        ours = ours_logits(llm, prompts)
+        report("no bf16 reduced-precision matmul reductions: transformers",
+               vs_fp32=agreement(ref2, truth), logits_vs_fp32=logit_error(ref2_logits, truth_logits))  # fmt: skip
+        report("no bf16 reduced-precision matmul reductions: tandem logits",
+               vs_fp32=logit_error(ours, truth_logits), vs_reference=logit_error(ours, ref2_logits))  # fmt: skip
+        del llm
+        llm = engine("triton", eager=False)  # graphs captured under the setting
+        got = ours_greedy(llm, prompts, False)
+        report("no bf16 reduced-precision matmul reductions: tandem greedy (graphs, batched)",
+               vs_reference=agreement(got, ref2), vs_fp32=agreement(got, truth))  # fmt: skip
     del llm
-    llm = engine("triton", eager=False)
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    reference_fp32_reduce = hf_greedy(hf16, prompts, eos, False)
+    llm = engine("ref", eager=True)
     got = ours_greedy(llm, prompts, False)
-    report("both without bf16 reduced-precision matmul reductions",
-           tandem_vs_transformers=agreement(got, reference_fp32_reduce),
-           transformers_vs_fp32=agreement(reference_fp32_reduce, truth), tandem_vs_fp32=agreement(got, truth))  # fmt: skip
+    report("tandem bf16, reference kernels everywhere, eager, batched",
+           vs_reference=agreement(got, reference), vs_fp32=agreement(got, truth))  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump(rows, fh, indent=2)
