@@ -26,7 +26,7 @@ from kernels.triton_prefill import prefill_attention
 __all__ = ["paged_decode_attention", "prefill_attention", "rotary_write_kv", "write_kv"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_ptr"])  # a per-step staging slice
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     s_kt, s_kh, s_vt, s_vh, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch,
@@ -106,7 +106,7 @@ def _rotate_into(
     tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])  # per-step staging slices
 def _rotary_write_kv_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cs, s_ot, s_oh,

@@ -40,7 +40,8 @@ MIN_KEYS_PER_SPLIT = 256
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_splits", "s_btb"])
+# per-step values and index arrays: not specialized, so no step compiles a new kernel
+@triton.jit(do_not_specialize=["bt_ptr", "lens_ptr", "num_splits", "s_btb"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     scale_log2e, num_splits,
@@ -220,7 +221,8 @@ def paged_decode_attention(
     if num_splits > 1:
         _merge_splits_kernel[(batch, hq)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
-            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)),
+            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_S=max(MAX_SPLITS, next_pow2(num_splits)),  # one variant for every default split
             num_warps=4,
         )  # fmt: skip
     return out

@@ -83,7 +83,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "s_btb"])
+# the batch's counts and index arrays vary per step: not specialized (the alignment of a slice of
+# the step's staging buffer would otherwise compile a new kernel for some batch sizes)
+@triton.jit(do_not_specialize=["bt_ptr", "qsl_ptr", "lens_ptr", "num_seqs", "num_tiles", "s_btb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale_log2e, num_seqs, num_tiles,
     s_qt, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ot, s_oh,

@@ -1,9 +1,10 @@
-"""Wait for the GPU with the GIL released.
+"""Read a step's results on the host, waiting for the GPU with the GIL released.
 
 Reading a CUDA tensor on the host (``.tolist()``, ``.item()``) blocks inside torch while holding
 the GIL, so a worker's gRPC event loop, which shares the process, cannot stream tokens while the
-GPU computes the next ones: the two serialize. Waiting on a CUDA event first (torch releases the
-GIL in ``Event.synchronize``) lets them overlap; the read that follows finds the data ready.
+GPU computes the next ones: the two serialize. Here every tensor is copied into pinned host
+memory without blocking, then one wait on a CUDA event (torch releases the GIL in
+``Event.synchronize``) covers them all, and the lists are built from host memory.
 """
 
 from __future__ import annotations
@@ -11,12 +12,29 @@ from __future__ import annotations
 import torch
 
 
-class GpuWait:
+class GpuReader:
     def __init__(self, device: torch.device) -> None:
         self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}
 
-    def until_ready(self) -> None:
-        """Return once the device's current stream has done all the work queued so far."""
-        if self._event is not None:
-            self._event.record()
-            self._event.synchronize()
+    def read(self, *tensors: torch.Tensor) -> list[list]:
+        """Each tensor's values as (nested) Python lists, once the GPU has produced them."""
+        if self._event is None:
+            return [t.tolist() for t in tensors]
+        need: dict[torch.dtype, int] = {}
+        for t in tensors:
+            need[t.dtype] = need.get(t.dtype, 0) + t.numel()
+        for dtype, n in need.items():
+            buf = self._pinned.get(dtype)
+            if buf is None or buf.numel() < n:
+                self._pinned[dtype] = torch.empty(max(n, 1024), dtype=dtype, pin_memory=True)
+        at = dict.fromkeys(need, 0)
+        views = []
+        for t in tensors:
+            view = self._pinned[t.dtype][at[t.dtype] : at[t.dtype] + t.numel()].view(t.shape)
+            at[t.dtype] += t.numel()
+            view.copy_(t, non_blocking=True)
+            views.append(view)
+        self._event.record()
+        self._event.synchronize()
+        return [v.tolist() for v in views]

@@ -12,7 +12,7 @@ import torch
 from services.config import EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.cuda_graphs import DecodeGraphs
-from services.engine.gpu_wait import GpuWait
+from services.engine.gpu_wait import GpuReader
 from services.engine.input_staging import InputStaging
 from services.engine.kv_cache import GIB, allocate_kv_caches, check_fits, plan_num_blocks
 from services.engine.loader import load_model
@@ -71,7 +71,7 @@ class ModelRunner:
             max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
             max_blocks, self.device,
         )  # fmt: skip
-        self.gpu_wait = GpuWait(self.device)
+        self.reader = GpuReader(self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
@@ -227,8 +227,7 @@ class ModelRunner:
         ):
             ran = self._graph_forward(out)
             if ran is not None:  # the graph's own argmax is the token: one read, no sampler
-                self.gpu_wait.until_ready()
-                ids = ran[1].tolist()
+                (ids,) = self.reader.read(ran[1])
                 return {r.request_id: SampledToken(t) for r, t in zip(sampling, ids, strict=True)}
         logits = self.forward_logits(out)
         if logits is None or not sampling:
@@ -239,7 +238,7 @@ class ModelRunner:
             [r.output_token_ids for r in sampling],
             [r.prompt_token_ids for r in sampling],
             [min_token_stop_ids.get(r.request_id, []) for r in sampling],
-            before_read=self.gpu_wait.until_ready,
+            read=self.reader.read,
         )
         return {r.request_id: tok for r, tok in zip(sampling, tokens, strict=True)}
 

@@ -77,10 +77,10 @@ def sample(
     outputs: list[list[int]],
     prompts: list[list[int]],
     stop_ids_for_min_tokens: list[list[int]],
-    before_read: Callable[[], None] | None = None,
+    read: Callable[..., list[list]] | None = None,
 ) -> list[SampledToken]:
-    """One token per row. ``before_read`` runs once all the GPU work is queued, before the
-    results are read on the host (the runner waits there with the GIL released)."""
+    """One token per row. ``read(*tensors)`` brings the results to the host once all the GPU
+    work is queued (the runner's reader waits with the GIL released); default ``tolist``."""
     want_logprobs = [sp.logprobs for sp in params]
     raw = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
     if any(
@@ -99,7 +99,7 @@ def sample(
             [params[i] for i in random_rows],
             [len(outputs[i]) for i in random_rows],
         )
-    return _package(tokens, raw, want_logprobs, before_read)
+    return _package(tokens, raw, want_logprobs, read or _tolist)
 
 
 def _sample_rows(
@@ -120,31 +120,32 @@ def _sample_rows(
     return (probs / _noise(probs, params, positions)).argmax(dim=-1)
 
 
+def _tolist(*tensors: torch.Tensor) -> list[list]:
+    return [t.tolist() for t in tensors]
+
+
 def _package(
     tokens: torch.Tensor,
     raw: torch.Tensor | None,
     want: list[int | None],
-    before_read: Callable[[], None] | None,
+    read: Callable[..., list[list]],
 ) -> list[SampledToken]:
-    k = max((w or 0) for w in want) if raw is not None else 0
-    chosen = raw.gather(-1, tokens[:, None]).squeeze(-1) if raw is not None else None
-    top_vals, top_ids = raw.topk(k, dim=-1) if raw is not None and k > 0 else (None, None)
-    if before_read is not None:  # everything is queued: wait, then read what is ready
-        before_read()
-    token_list = tokens.tolist()
-    if chosen is None:
+    if raw is None:
+        (token_list,) = read(tokens)
         return [SampledToken(t) for t in token_list]
-    chosen_list = chosen.tolist()
-    ids_list = top_ids.tolist() if top_ids is not None else None
-    vals_list = top_vals.tolist() if top_vals is not None else None
+    k = max((w or 0) for w in want)
+    chosen = raw.gather(-1, tokens[:, None]).squeeze(-1)
+    if k > 0:
+        top_vals, top_ids = raw.topk(k, dim=-1)
+        token_list, chosen_list, ids_list, vals_list = read(tokens, chosen, top_ids, top_vals)
+    else:
+        (token_list, chosen_list), ids_list, vals_list = read(tokens, chosen), [], []
     out = []
     for i, t in enumerate(token_list):
         if want[i] is None:
             out.append(SampledToken(t))
             continue
         n = want[i] or 0
-        alts: tuple[tuple[int, float], ...] = ()
-        if n and ids_list is not None and vals_list is not None:
-            alts = tuple(zip(ids_list[i][:n], vals_list[i][:n], strict=True))
+        alts = tuple(zip(ids_list[i][:n], vals_list[i][:n], strict=True)) if n else ()
         out.append(SampledToken(t, chosen_list[i], alts))
     return out

@@ -1,0 +1,25 @@
+"""Step results reach the host as lists, several tensors and dtypes in one read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.gpu_wait import GpuReader
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reads_several_tensors_of_several_dtypes(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reader = GpuReader(torch.device(device))
+    ids = torch.arange(5, device=device) * 7
+    vals = torch.linspace(-1, 1, 6, device=device).view(2, 3)
+    top = torch.arange(6, device=device).view(3, 2)
+    for _ in range(2):  # the second read reuses the pinned buffers
+        got = reader.read(ids, vals, top)
+        assert got == [ids.tolist(), vals.tolist(), top.tolist()]
+    big = torch.arange(5000, device=device)  # grows past the first buffer
+    assert reader.read(big, ids) == [big.tolist(), ids.tolist()]
