@@ -1,4 +1,5 @@
-"""A request on one colocated worker: ``WorkerService.Generate`` streams every token."""
+"""A request on one colocated worker: its tokens come over the worker's multiplexed stream
+(``WorkerService.GenerateStream``, see ``gateway.multiplex``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ async def generate(
         sampling=sampling_to_pb(item.sampling),
         priority=item.priority,
     )
-    call = worker.stub.Generate(request, timeout=timeout, metadata=grpc_metadata(span))
+    call = worker.stream().start(request, grpc_metadata(span), timeout)
     worker.inflight += 1
     finished, error = False, None
     try:

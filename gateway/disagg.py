@@ -3,7 +3,8 @@
 1. Reserve KV blocks on a decode worker (admission; the reservation has a TTL).
 2. Prefill on a prefill worker with the reservation as KV target; its first event is the first
    token, streamed on at once (TTFT), its second the end of the KV transfer.
-3. Decode on the decode worker streams the rest. If the first token already finished the
+3. Decode on the decode worker streams the rest, over the worker's multiplexed stream
+   (``DecodeService.DecodeStream``, see ``gateway.multiplex``). If the first token already finished the
    request, Decode is never called and the reservation is released.
 Any early exit (error, client gone, deadline) cancels the open calls and sends Abort to every
 worker that holds state for the request.
@@ -164,8 +165,8 @@ class _Run:
             priority=item.priority,
             kv_wait_s=self.ctx.config.kv_wait_s,
         )
-        self.decode_call = decode.stub.Decode(
-            request, timeout=self.ctx.time_left(item), metadata=grpc_metadata(self.decode_span)
+        self.decode_call = decode.stream().start(
+            request, grpc_metadata(self.decode_span), self.ctx.time_left(item)
         )
         decode.inflight += 1
 

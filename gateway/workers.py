@@ -12,7 +12,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.config import WorkerSpec
 from gateway.convert import load_from_pb
 from gateway.events import WorkerLoadInfo
-from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
+from gateway.multiplex import StreamMux
+from protos import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +39,11 @@ _STUBS = {
     "prefill": prefill_pb2_grpc.PrefillServiceStub,
     "decode": decode_pb2_grpc.DecodeServiceStub,
 }
+# the multiplexed stream of each role that streams many tokens: (stub method, item, field)
+_MUX = {
+    "both": ("GenerateStream", worker_pb2.GenerateStreamItem, "generate"),
+    "decode": ("DecodeStream", decode_pb2.DecodeStreamItem, "decode"),
+}
 
 
 class WorkerClient:
@@ -43,6 +56,10 @@ class WorkerClient:
         self.load: WorkerLoadInfo | None = None
         self.last_error = "not checked yet"
         self.inflight = 0  # requests this gateway has open on the worker
+        self.mux: StreamMux | None = None  # colocated and decode workers: tokens of many requests
+        if spec.role in _MUX:
+            method, item, kind = _MUX[spec.role]
+            self.mux = StreamMux(getattr(self.stub, method), item, kind, spec.address)
 
     @property
     def role(self) -> str:
@@ -115,5 +132,12 @@ class WorkerClient:
             "load": asdict(self.load) if self.load else None,
         }
 
+    def stream(self) -> StreamMux:
+        if self.mux is None:
+            raise TypeError(f"a {self.role} worker has no multiplexed token stream")
+        return self.mux
+
     async def close(self) -> None:
+        if self.mux is not None:
+            await self.mux.close()
         await self.channel.close(grace=None)

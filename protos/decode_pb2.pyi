@@ -25,3 +25,22 @@ class DecodeRequest(_message.Message):
     priority: int
     kv_wait_s: float
     def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_wait_s: _Optional[float] = ...) -> None: ...
+
+class DecodeStreamItem(_message.Message):
+    __slots__ = ("decode", "abort", "metadata", "timeout_s")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    decode: DecodeRequest
+    abort: _common_pb2.AbortRequest
+    metadata: _containers.ScalarMap[str, str]
+    timeout_s: float
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., abort: _Optional[_Union[_common_pb2.AbortRequest, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...

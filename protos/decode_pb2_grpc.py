@@ -46,6 +46,11 @@ class DecodeServiceStub(object):
                 request_serializer=protos_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/tandem.v1.DecodeService/DecodeStream',
+                request_serializer=protos_dot_decode__pb2.DecodeStreamItem.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.ChunkBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.DecodeService/Abort',
                 request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
@@ -69,6 +74,14 @@ class DecodeServiceServicer(object):
 
     def Decode(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeStream(self, request_iterator, context):
+        """Many Decode calls over one long-lived stream, one ChunkBatch per engine step (see
+        WorkerService.GenerateStream).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -97,6 +110,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=protos_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_common__pb2.TokenChunk.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=protos_dot_decode__pb2.DecodeStreamItem.FromString,
+                    response_serializer=protos_dot_common__pb2.ChunkBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -163,6 +181,33 @@ class DecodeService(object):
             '/tandem.v1.DecodeService/Decode',
             protos_dot_decode__pb2.DecodeRequest.SerializeToString,
             protos_dot_common__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.DecodeService/DecodeStream',
+            protos_dot_decode__pb2.DecodeStreamItem.SerializeToString,
+            protos_dot_common__pb2.ChunkBatch.FromString,
             options,
             channel_credentials,
             insecure,

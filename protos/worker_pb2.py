@@ -25,15 +25,21 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\ttandem.v1\x1a\x13protos/common.proto\"~\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x32\xc6\x01\n\rWorkerService\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\ttandem.v1\x1a\x13protos/common.proto\"~\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\xf9\x01\n\x12GenerateStreamItem\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequestH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.tandem.v1.AbortRequestH\x00\x12=\n\x08metadata\x18\x03 \x03(\x0b\x32+.tandem.v1.GenerateStreamItem.MetadataEntry\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04item2\x92\x02\n\rWorkerService\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12J\n\x0eGenerateStream\x12\x1d.tandem.v1.GenerateStreamItem\x1a\x15.tandem.v1.ChunkBatch(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATESTREAMITEM_METADATAENTRY']._loaded_options = None
+  _globals['_GENERATESTREAMITEM_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=55
   _globals['_GENERATEREQUEST']._serialized_end=181
-  _globals['_WORKERSERVICE']._serialized_start=184
-  _globals['_WORKERSERVICE']._serialized_end=382
+  _globals['_GENERATESTREAMITEM']._serialized_start=184
+  _globals['_GENERATESTREAMITEM']._serialized_end=433
+  _globals['_GENERATESTREAMITEM_METADATAENTRY']._serialized_start=378
+  _globals['_GENERATESTREAMITEM_METADATAENTRY']._serialized_end=425
+  _globals['_WORKERSERVICE']._serialized_start=436
+  _globals['_WORKERSERVICE']._serialized_end=710
 # @@protoc_insertion_point(module_scope)

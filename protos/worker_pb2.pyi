@@ -18,3 +18,22 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     priority: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class GenerateStreamItem(_message.Message):
+    __slots__ = ("generate", "abort", "metadata", "timeout_s")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    abort: _common_pb2.AbortRequest
+    metadata: _containers.ScalarMap[str, str]
+    timeout_s: float
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[_common_pb2.AbortRequest, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...

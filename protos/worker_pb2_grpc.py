@@ -40,6 +40,11 @@ class WorkerServiceStub(object):
                 request_serializer=protos_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/tandem.v1.WorkerService/GenerateStream',
+                request_serializer=protos_dot_worker__pb2.GenerateStreamItem.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.ChunkBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.WorkerService/Abort',
                 request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
@@ -57,6 +62,15 @@ class WorkerServiceServicer(object):
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many requests over one long-lived stream: the same work as Generate, but the tokens of one
+        engine step travel as one ChunkBatch instead of one message per request. The gateway's path;
+        a stream that ends aborts every request still running on it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -80,6 +94,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_common__pb2.TokenChunk.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=protos_dot_worker__pb2.GenerateStreamItem.FromString,
+                    response_serializer=protos_dot_common__pb2.ChunkBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -119,6 +138,33 @@ class WorkerService(object):
             '/tandem.v1.WorkerService/Generate',
             protos_dot_worker__pb2.GenerateRequest.SerializeToString,
             protos_dot_common__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.WorkerService/GenerateStream',
+            protos_dot_worker__pb2.GenerateStreamItem.SerializeToString,
+            protos_dot_common__pb2.ChunkBatch.FromString,
             options,
             channel_credentials,
             insecure,

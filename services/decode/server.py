@@ -15,6 +15,7 @@ import grpc
 
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, kv_control_pb2
 from services.common.convert import sampling_from_pb, transfer_fields
+from services.common.multiplex import multiplex
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import stream_chunks
 from services.common.tracing import start_server_span
@@ -175,6 +176,13 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         span = start_server_span(context, "decode", {"tandem.request_id": request.request_id})
         async for chunk in stream_chunks(self.rt, driver, stream, span=span):
             yield chunk
+
+    async def DecodeStream(
+        self, request_iterator: AsyncIterator[decode_pb2.DecodeStreamItem],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[common_pb2.ChunkBatch]:  # fmt: skip
+        async for batch in multiplex(request_iterator, "decode", self.Decode):
+            yield batch
 
     def _check(
         self, request: decode_pb2.DecodeRequest, res: Reservation, params: SamplingParams

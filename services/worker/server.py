@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.multiplex import multiplex
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, stream_chunks, submit
 from services.common.tracing import start_server_span
@@ -27,6 +28,13 @@ class WorkerServicer(WorkerRpcs, worker_pb2_grpc.WorkerServiceServicer):
         span = start_server_span(context, "generate", {"tandem.request_id": request.request_id})
         async for chunk in stream_chunks(self.rt, driver, stream, span=span):
             yield chunk
+
+    async def GenerateStream(
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateStreamItem],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[common_pb2.ChunkBatch]:  # fmt: skip
+        async for batch in multiplex(request_iterator, "generate", self.Generate):
+            yield batch
 
 
 def build(runtime: WorkerRuntime) -> list[str]:

@@ -24,6 +24,7 @@ from protos import (
     prefill_pb2_grpc,
     worker_pb2_grpc,
 )
+from services.common.multiplex import multiplex
 
 EOS_ID = 2
 TOTAL_BLOCKS = 1000
@@ -177,6 +178,10 @@ class Worker(worker_pb2_grpc.WorkerServiceServicer):
         async for chunk in _stream(context, chunks):
             yield chunk
 
+    async def GenerateStream(self, request_iterator, context):
+        async for batch in multiplex(request_iterator, "generate", self.Generate):
+            yield batch
+
     async def Abort(self, request, context):
         self.e.records.aborts.append(request.request_id)
         self.e.cancelled.add(request.request_id)
@@ -255,6 +260,10 @@ class Decode(decode_pb2_grpc.DecodeServiceServicer):
                 yield chunk
         finally:
             e.records.reservations.pop(request.request_id, None)
+
+    async def DecodeStream(self, request_iterator, context):
+        async for batch in multiplex(request_iterator, "decode", self.Decode):
+            yield batch
 
     async def Abort(self, request, context):
         self.e.records.aborts.append(request.request_id)

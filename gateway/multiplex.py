@@ -1,0 +1,175 @@
+"""The gateway's side of a multiplexed stream: many requests over one call per worker.
+
+A worker streams the tokens of one engine step for every request of the stream as one
+``ChunkBatch`` (``WorkerService.GenerateStream``, ``DecodeService.DecodeStream``), instead of one
+gRPC message per token per request; that per-message cost, paid on the worker's GIL, was the
+gateway path's overhead. ``StreamMux.start`` hands out a :class:`MuxCall` that reads like the
+per-request call it replaces (``read()``, ``async for``, ``cancel()``, ``grpc.RpcError`` with the
+same status codes), so the request flows keep their error handling:
+
+- a request the worker refuses (bad input, no reservation, not loaded) ends with an error chunk
+  carrying the status its own call would have had; ``read`` raises it as an ``AioRpcError``;
+- the stream itself failing (the worker died) fails every request on it with that error, and
+  the next request opens a new stream;
+- ``cancel`` (client gone, error elsewhere) sends an ``abort`` item; the request's deadline is
+  kept here (``DEADLINE_EXCEEDED``) and sent along so the worker stops too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from protos import common_pb2
+
+log = logging.getLogger(__name__)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class MuxCall:
+    """One request of a multiplexed stream, read like a server-streaming call."""
+
+    def __init__(self, mux: StreamMux, request_id: str, deadline: float) -> None:
+        self._mux, self.request_id, self._deadline = mux, request_id, deadline
+        self._inbox: asyncio.Queue[common_pb2.TokenChunk | BaseException] = asyncio.Queue()
+        self._done = False
+
+    def deliver(self, item: common_pb2.TokenChunk | BaseException) -> None:
+        self._inbox.put_nowait(item)
+
+    async def read(self) -> Any:
+        """The next chunk, ``grpc.aio.EOF`` after the last one; raises ``grpc.RpcError``."""
+        if self._done:
+            return grpc.aio.EOF
+        try:
+            async with asyncio.timeout(self._left()):
+                item = await self._inbox.get()
+        except TimeoutError:
+            self.cancel()
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        if isinstance(item, BaseException):
+            self._finish()
+            raise item
+        if item.finish_reason == common_pb2.FINISH_REASON_ERROR and item.status_code:
+            self._finish()
+            code = _CODES.get(item.status_code, grpc.StatusCode.UNKNOWN)
+            raise rpc_error(code, item.error)
+        if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self._finish()
+        return item
+
+    def _left(self) -> float:
+        return max(self._deadline - time.monotonic(), 0.0)
+
+    def __aiter__(self) -> AsyncIterator[common_pb2.TokenChunk]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[common_pb2.TokenChunk]:
+        while (item := await self.read()) is not grpc.aio.EOF:
+            yield item
+
+    def cancel(self) -> bool:
+        """Stop the request on the worker (an ``abort`` item); False if it had already ended."""
+        if self._done:
+            return False
+        self._finish()
+        self._mux.send_abort(self.request_id)
+        return True
+
+    def _finish(self) -> None:
+        self._done = True
+        self._mux.forget(self)
+
+
+class StreamMux:
+    """One long-lived multiplexed stream to a worker, opened when a request first needs it.
+
+    ``open_call(items)`` starts the bidi call (a stub method such as ``GenerateStream``);
+    ``make_item(**fields)`` builds its request message; ``kind`` names the item's request field.
+    """
+
+    def __init__(
+        self, open_call: Callable[[AsyncIterator[Any]], Any], make_item: Callable[..., Any],
+        kind: str, address: str,
+    ) -> None:  # fmt: skip
+        self._open_call, self._make_item, self._kind = open_call, make_item, kind
+        self.address = address
+        self._calls: dict[str, MuxCall] = {}
+        self._outbox: asyncio.Queue[Any] | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    def start(self, request: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> MuxCall:
+        rid = request.request_id
+        old = self._calls.get(rid)
+        if old is not None:  # a retry on this worker: the old attempt is over
+            old.cancel()
+        call = MuxCall(self, rid, time.monotonic() + timeout)
+        self._calls[rid] = call
+        self._send(
+            self._make_item(**{self._kind: request}, metadata=dict(metadata), timeout_s=timeout)
+        )
+        return call
+
+    def send_abort(self, request_id: str) -> None:
+        if self._outbox is not None:
+            self._send(self._make_item(abort=common_pb2.AbortRequest(request_id=request_id)))
+
+    def forget(self, call: MuxCall) -> None:
+        if self._calls.get(call.request_id) is call:
+            del self._calls[call.request_id]
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._calls)
+
+    def _send(self, item: Any) -> None:
+        if self._outbox is None:
+            self._outbox = asyncio.Queue()
+            outbox = self._outbox
+            self._reader = asyncio.ensure_future(self._read(self._open_call(self._items(outbox))))
+        self._outbox.put_nowait(item)
+
+    @staticmethod
+    async def _items(outbox: asyncio.Queue[Any]) -> AsyncIterator[Any]:
+        while (item := await outbox.get()) is not None:
+            yield item
+
+    async def _read(self, call: Any) -> None:
+        calls = self._calls
+        error: BaseException
+        try:
+            async for batch in call:
+                for chunk in batch.chunks:
+                    target = calls.get(chunk.request_id)
+                    if target is not None:
+                        target.deliver(chunk)
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to {self.address} ended")
+        except grpc.RpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        log.info("multiplexed stream to %s ended: %s", self.address, error)
+        self._outbox, self._reader = None, None  # the next request opens a new stream
+        self._calls = {}
+        for target in calls.values():
+            target.deliver(error)
+
+    async def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if self._outbox is not None:
+            self._outbox.put_nowait(None)
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await reader

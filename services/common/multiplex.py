@@ -1,0 +1,141 @@
+"""Many requests over one gRPC stream (``GenerateStream``, ``DecodeStream``).
+
+grpc.aio spends tens of microseconds of Python per streamed message; with one server stream per
+request, a batch of 256 decodes costs 256 messages a step, and in a worker that shares its GIL
+with the engine thread that time comes straight out of the GPU's. On a multiplexed stream every
+request runs the very handler its own call would run (``Generate`` / ``Decode``), and what all of
+them produced since the last send leaves as one ``ChunkBatch``: one message per engine step.
+
+A request that its own call would end with a status (``context.abort``) ends here with an error
+chunk carrying that status code; an ``abort`` item, the request's timeout or the end of the
+stream stops the handler, whose cleanup aborts the request in the engine as a cancelled call's
+would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import grpc
+
+from protos import common_pb2
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any, Any], AsyncIterator[common_pb2.TokenChunk]]
+
+
+class RequestAborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class RequestContext:
+    """The part of ``grpc.aio.ServicerContext`` the handlers use, for one request of a stream."""
+
+    def __init__(self, metadata: Mapping[str, str]) -> None:
+        self._metadata = tuple(metadata.items())
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise RequestAborted(code, details)
+
+
+def _error(request_id: str, code: grpc.StatusCode, message: str) -> common_pb2.TokenChunk:
+    return common_pb2.TokenChunk(
+        request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=message,
+        status_code=code.value[0],
+    )  # fmt: skip
+
+
+class _Outbox:
+    """Chunks waiting to be sent, and the requests still running."""
+
+    def __init__(self) -> None:
+        self.chunks: list[common_pb2.TokenChunk] = []
+        self.wake = asyncio.Event()
+        self.running: dict[str, asyncio.Task[None]] = {}
+
+    def put(self, chunk: common_pb2.TokenChunk) -> None:
+        self.chunks.append(chunk)
+        self.wake.set()
+
+
+async def _run_one(
+    outbox: _Outbox, rid: str, chunks: AsyncIterator[common_pb2.TokenChunk], timeout_s: float
+) -> None:
+    try:
+        async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+            async for chunk in chunks:
+                chunk.request_id = rid  # the key the caller routes by, whatever the handler set
+                outbox.put(chunk)
+    except RequestAborted as exc:
+        outbox.put(_error(rid, exc.code, exc.details))
+    except TimeoutError:
+        outbox.put(_error(rid, grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} timed out"))
+    except asyncio.CancelledError:
+        pass  # aborted by the caller or the stream ended: nobody waits for a chunk
+    except Exception as exc:  # a bug in a handler must not end the other requests
+        log.exception("request %s failed on a multiplexed stream", rid)
+        outbox.put(_error(rid, grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"))
+    finally:
+        with contextlib.suppress(Exception):
+            await chunks.aclose()  # type: ignore[attr-defined]
+        outbox.running.pop(rid, None)
+        outbox.wake.set()
+
+
+async def _read_items(
+    items: AsyncIterator[Any], outbox: _Outbox, kind: str, handler: Handler
+) -> None:
+    async for item in items:
+        which = item.WhichOneof("item")
+        if which == "abort":
+            task = outbox.running.get(item.abort.request_id)
+            if task is not None:
+                task.cancel()
+            continue
+        if which != kind:
+            continue
+        request = getattr(item, kind)
+        rid = request.request_id
+        if not rid or rid in outbox.running:
+            why = "request_id must not be empty" if not rid else f"request {rid} is running"
+            outbox.put(_error(rid, grpc.StatusCode.INVALID_ARGUMENT, why))
+            continue
+        chunks = handler(request, RequestContext(dict(item.metadata)))
+        outbox.running[rid] = asyncio.ensure_future(_run_one(outbox, rid, chunks, item.timeout_s))
+
+
+async def multiplex(
+    items: AsyncIterator[Any], kind: str, handler: Handler
+) -> AsyncIterator[common_pb2.ChunkBatch]:
+    """Serve a stream of ``{kind, abort}`` items with ``handler(request, context)``; yields a
+    ChunkBatch whenever chunks are waiting. Ends (aborting what still runs) when the caller
+    closes its side and every request is done, or when the call is cancelled."""
+    outbox = _Outbox()
+    reader = asyncio.ensure_future(_read_items(items, outbox, kind, handler))
+    reader.add_done_callback(lambda _: outbox.wake.set())
+    try:
+        while True:
+            await outbox.wake.wait()
+            outbox.wake.clear()
+            if outbox.chunks:
+                batch, outbox.chunks = outbox.chunks, []
+                yield common_pb2.ChunkBatch(chunks=batch)
+            if reader.done() and not outbox.running and not outbox.chunks:
+                reader.result()  # a broken request stream ends the call with its error
+                return
+    finally:
+        reader.cancel()
+        tasks = list(outbox.running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(reader, *tasks, return_exceptions=True)

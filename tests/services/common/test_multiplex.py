@@ -1,0 +1,124 @@
+"""Many requests over one stream, worker side: batching, per-request errors, aborts, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from protos import common_pb2, worker_pb2
+from services.common.multiplex import multiplex
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _gen(
+    rid: str, n: int = 3, timeout_s: float = 0.0, **meta: str
+) -> worker_pb2.GenerateStreamItem:
+    return worker_pb2.GenerateStreamItem(
+        generate=worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=[n]),
+        metadata=meta, timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+def _abort(rid: str) -> worker_pb2.GenerateStreamItem:
+    return worker_pb2.GenerateStreamItem(abort=common_pb2.AbortRequest(request_id=rid))
+
+
+class Handler:
+    """Yields prompt_token_ids[0] tokens, one per tick; 'bad' aborts, 'slow' never ends."""
+
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+        self.metadata: dict[str, dict[str, str]] = {}
+        self.tick = asyncio.Event()
+
+    async def __call__(self, request: Any, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:
+        rid = request.request_id
+        self.metadata[rid] = dict(context.invocation_metadata())
+        try:
+            if rid == "bad":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad prompt")
+            n = request.prompt_token_ids[0]
+            for i in range(n if rid != "slow" else 10**9):
+                await asyncio.sleep(0.001)
+                done = i == n - 1 and rid != "slow"
+                reason = common_pb2.FINISH_REASON_LENGTH if done else None
+                yield common_pb2.TokenChunk(token_ids=[i], finish_reason=reason)
+        finally:
+            self.closed.append(rid)
+
+
+async def _serve(items: list[Any], handler: Handler, then: list[Any] | None = None, gap: float = 0.05) -> list[common_pb2.ChunkBatch]:  # fmt: skip
+    async def source() -> AsyncIterator[Any]:
+        for item in items:
+            yield item
+        await asyncio.sleep(gap)
+        for item in then or []:
+            yield item
+
+    return [b async for b in multiplex(source(), "generate", handler)]
+
+
+def _by_request(batches: list[common_pb2.ChunkBatch]) -> dict[str, list[common_pb2.TokenChunk]]:
+    out: dict[str, list[common_pb2.TokenChunk]] = {}
+    for batch in batches:
+        for c in batch.chunks:
+            out.setdefault(c.request_id, []).append(c)
+    return out
+
+
+async def test_requests_share_batches_and_each_finishes() -> None:
+    h = Handler()
+    batches = await _serve([_gen("a", 5, traceparent="00-x"), _gen("b", 3)], h)
+    got = _by_request(batches)
+    assert [t for c in got["a"] for t in c.token_ids] == [0, 1, 2, 3, 4]
+    assert [t for c in got["b"] for t in c.token_ids] == [0, 1, 2]
+    assert got["a"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert any(len({c.request_id for c in b.chunks}) == 2 for b in batches), "never batched"
+    assert h.metadata["a"] == {"traceparent": "00-x"}
+    assert sorted(h.closed) == ["a", "b"]
+
+
+async def test_a_refused_request_ends_with_its_status_and_the_others_go_on() -> None:
+    h = Handler()
+    got = _by_request(await _serve([_gen("bad"), _gen("ok", 2)], h))
+    (err,) = got["bad"]
+    assert err.finish_reason == common_pb2.FINISH_REASON_ERROR and err.error == "bad prompt"
+    assert err.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert got["ok"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_abort_stops_the_handler_and_a_deadline_ends_with_deadline_exceeded() -> None:
+    h = Handler()
+    batches = await _serve(
+        [_gen("slow"), _gen("late", 10**6, timeout_s=0.05)], h, then=[_abort("slow")], gap=0.1
+    )
+    got = _by_request(batches)
+    assert "slow" in h.closed and "late" in h.closed
+    assert got["late"][-1].status_code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in got["slow"])
+
+
+async def test_a_request_id_already_running_is_refused() -> None:
+    h = Handler()
+    got = _by_request(await _serve([_gen("a", 50), _gen("a", 2)], h))
+    refused = [c for c in got["a"] if c.status_code]
+    assert len(refused) == 1 and "is running" in refused[0].error
+
+
+async def test_closing_the_stream_aborts_what_still_runs() -> None:
+    h = Handler()
+
+    async def source() -> AsyncIterator[Any]:
+        yield _gen("slow")
+        await asyncio.sleep(3600)
+
+    stream = multiplex(source(), "generate", h)
+    first = await stream.__anext__()
+    assert first.chunks[0].request_id == "slow"
+    await stream.aclose()  # the caller went away
+    assert h.closed == ["slow"]
