@@ -165,8 +165,8 @@ def test_embedded_real_weights_bf16_first_tokens_follow_float32() -> None:
     first-token logits are within bf16 rounding of float32's."""
     from transformers import AutoModelForCausalLM
 
-    from services.engine.parity_report import PROMPTS, hf_logits, ours_logits
     from services.engine.llm import LLM
+    from services.engine.parity_report import PROMPTS, hf_logits, ours_logits
 
     gguf = _embedded_gguf()
     llm = LLM("embedded", dtype="bfloat16", max_model_len=2048, max_num_seqs=16, num_blocks=2048)
