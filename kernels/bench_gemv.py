@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json_out:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "copy_gb_per_s": copy, "rows": rows}  # fmt: skip
         with open(args.json_out, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump(meta, fh, indent=1)
     return 0
 
 

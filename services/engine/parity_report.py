@@ -211,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     report("tandem bf16, reference kernels everywhere, eager, batched",
            vs_reference=agreement(got, reference), vs_fp32=agreement(got, truth))  # fmt: skip
     if args.json_out:
+        device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+        report = {"device": device, "torch": torch.__version__, "new_tokens": NEW_TOKENS,
+                  "prompts": PROMPTS, "variants": rows}  # fmt: skip
         with open(args.json_out, "w") as fh:
-            json.dump(rows, fh, indent=2)
+            json.dump(report, fh, indent=2)
     return 0
 
 
