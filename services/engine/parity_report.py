@@ -25,7 +25,7 @@ from services.engine.llm import LLM
 from services.model_files import embedded_gguf_path
 from services.scheduling.sampling_params import SamplingParams
 
-PROMPTS = [  # the chat prompts of tests/services/engine/conftest.py
+PROMPTS = [  # the chat prompts of every parity check (the tests' conftest uses them too)
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "Explain what a hash table is in two sentences.",

@@ -10,19 +10,10 @@ import pytest
 import torch
 
 from services.engine.llm import LLM
+from services.engine.parity_report import PROMPTS
 from services.model_files import EMBEDDED_GGUF
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers.",
-    "Who wrote Romeo and Juliet?",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 12?",
-    "Give me a tip for learning to code. Keep it short, and make sure it is practical "
-    "advice that a beginner could follow today without buying anything.",
-]
+CHAT_PROMPTS = PROMPTS  # the 8 chat prompts every parity check uses
 
 
 @pytest.fixture(scope="session")
