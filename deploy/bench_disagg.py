@@ -52,6 +52,7 @@ from typing import Any
 from deploy.gpus import detect_gpus
 from deploy.launcher import GRACE_S, start_all
 from deploy.plan import build_plan, engine_flags
+from deploy.procfs import alive, cpu_seconds, descendants
 from deploy.supervisor import ChildFailedError, Supervisor
 from gateway.bench_serve import build_prompts, run_rates
 from services.cli import build_parser
@@ -217,44 +218,6 @@ def fits(estimate_s: float, deadline: float | None, now: float | None = None) ->
 
 
 # ---- processes --------------------------------------------------------------------------------------
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of one process (and its waited-for children), from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    utime, stime, cutime, cstime = (int(fields[i]) for i in (11, 12, 13, 14))
-    return (utime + stime + cutime + cstime) / _CLK_TCK
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(stat.parent.name))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 class _Interrupted(Exception):
     """SIGTERM: unwind through the finally blocks that stop the topology."""
 

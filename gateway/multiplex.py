@@ -111,8 +111,8 @@ class StreamMux:
     def start(self, request: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> MuxCall:
         rid = request.request_id
         old = self._calls.get(rid)
-        if old is not None:  # a retry on this worker: the old attempt is over
-            old.cancel()
+        if old is not None:  # the flows retry under a new id; an old attempt's late chunks
+            old.cancel()  # would reach the new call, so the id is not reused while it runs
         call = MuxCall(self, rid, time.monotonic() + timeout)
         self._calls[rid] = call
         self._send(
@@ -134,9 +134,14 @@ class StreamMux:
 
     def _send(self, item: Any) -> None:
         if self._outbox is None:
-            self._outbox = asyncio.Queue()
-            outbox = self._outbox
-            self._reader = asyncio.ensure_future(self._read(self._open_call(self._items(outbox))))
+            outbox: asyncio.Queue[Any] = asyncio.Queue()
+            try:
+                call = self._open_call(self._items(outbox))
+            except Exception as exc:  # a closed channel and the like: fail who waits now
+                self._fail_all(self._calls, rpc_error(grpc.StatusCode.UNAVAILABLE, repr(exc)))
+                return
+            self._outbox = outbox
+            self._reader = asyncio.ensure_future(self._read(call, outbox))
         self._outbox.put_nowait(item)
 
     @staticmethod
@@ -144,32 +149,46 @@ class StreamMux:
         while (item := await outbox.get()) is not None:
             yield item
 
-    async def _read(self, call: Any) -> None:
+    async def _read(self, call: Any, outbox: asyncio.Queue[Any]) -> None:
         calls = self._calls
-        error: BaseException
+        error: BaseException = rpc_error(
+            grpc.StatusCode.UNAVAILABLE, f"the stream to {self.address} ended"
+        )
         try:
             async for batch in call:
                 for chunk in batch.chunks:
                     target = calls.get(chunk.request_id)
                     if target is not None:
                         target.deliver(chunk)
-            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the stream to {self.address} ended")
         except grpc.RpcError as exc:
             error = exc
         except asyncio.CancelledError:
-            call.cancel()
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the stream")
             raise
-        log.info("multiplexed stream to %s ended: %s", self.address, error)
-        self._outbox, self._reader = None, None  # the next request opens a new stream
-        self._calls = {}
-        for target in calls.values():
+        except Exception as exc:  # a bug here must not leave the worker's requests waiting
+            log.exception("multiplexed stream to %s failed", self.address)
+            error = rpc_error(grpc.StatusCode.UNKNOWN, repr(exc))
+        finally:
+            log.info("multiplexed stream to %s ended: %s", self.address, error)
+            outbox.put_nowait(None)  # ends grpc's request-reading task
+            call.cancel()
+            if self._outbox is outbox:  # the next request opens a new stream
+                self._outbox, self._reader = None, None
+                self._calls = {}
+            self._fail_all(calls, error)
+
+    @staticmethod
+    def _fail_all(calls: dict[str, MuxCall], error: BaseException) -> None:
+        for target in list(calls.values()):
             target.deliver(error)
 
     async def close(self) -> None:
-        reader, self._reader = self._reader, None
-        if self._outbox is not None:
-            self._outbox.put_nowait(None)
+        reader, outbox, calls = self._reader, self._outbox, self._calls
+        self._reader, self._outbox, self._calls = None, None, {}
         if reader is not None:
-            reader.cancel()
+            reader.cancel()  # a reader that never ran has no finally: clean up here too
             with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
                 await reader
+        if outbox is not None:
+            outbox.put_nowait(None)
+        self._fail_all(calls, rpc_error(grpc.StatusCode.CANCELLED, "the gateway is closing"))

@@ -25,6 +25,7 @@ import grpc
 from protos import common_pb2
 
 log = logging.getLogger(__name__)
+MAX_BATCH = 1024  # chunks per ChunkBatch
 
 Handler = Callable[[Any, Any], AsyncIterator[common_pb2.TokenChunk]]
 
@@ -48,10 +49,11 @@ class RequestContext:
         raise RequestAborted(code, details)
 
 
-def _error(request_id: str, code: grpc.StatusCode, message: str) -> common_pb2.TokenChunk:
+def _error(request_id: str, code: grpc.StatusCode | None, message: str) -> common_pb2.TokenChunk:
+    """An error chunk; ``code`` None means a failure after the start (status 0)."""
     return common_pb2.TokenChunk(
         request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=message,
-        status_code=code.value[0],
+        status_code=code.value[0] if code is not None else 0,
     )  # fmt: skip
 
 
@@ -67,15 +69,32 @@ class _Outbox:
         self.chunks.append(chunk)
         self.wake.set()
 
+    def finished(self, rid: str, task: asyncio.Task[None]) -> None:
+        if self.running.get(rid) is task:
+            del self.running[rid]
+        self.wake.set()
+
+    def take(self) -> list[common_pb2.TokenChunk]:
+        """The next batch: at most MAX_BATCH chunks (a backlog leaves in several messages, each
+        well under the gateway's message size limit)."""
+        batch, self.chunks = self.chunks[:MAX_BATCH], self.chunks[MAX_BATCH:]
+        if self.chunks:
+            self.wake.set()
+        return batch
+
 
 async def _run_one(
     outbox: _Outbox, rid: str, chunks: AsyncIterator[common_pb2.TokenChunk], timeout_s: float
 ) -> None:
+    finished = False
     try:
         async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
             async for chunk in chunks:
                 chunk.request_id = rid  # the key the caller routes by, whatever the handler set
+                finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 outbox.put(chunk)
+        if not finished:  # what an own call's early end of stream tells its caller
+            outbox.put(_error(rid, None, f"request {rid} ended before it finished"))
     except RequestAborted as exc:
         outbox.put(_error(rid, exc.code, exc.details))
     except TimeoutError:
@@ -88,8 +107,6 @@ async def _run_one(
     finally:
         with contextlib.suppress(Exception):
             await chunks.aclose()  # type: ignore[attr-defined]
-        outbox.running.pop(rid, None)
-        outbox.wake.set()
 
 
 async def _read_items(
@@ -111,7 +128,9 @@ async def _read_items(
             outbox.put(_error(rid, grpc.StatusCode.INVALID_ARGUMENT, why))
             continue
         chunks = handler(request, RequestContext(dict(item.metadata)))
-        outbox.running[rid] = asyncio.ensure_future(_run_one(outbox, rid, chunks, item.timeout_s))
+        task = asyncio.ensure_future(_run_one(outbox, rid, chunks, item.timeout_s))
+        outbox.running[rid] = task
+        task.add_done_callback(lambda t, rid=rid: outbox.finished(rid, t))  # also if never run
 
 
 async def multiplex(
@@ -128,8 +147,7 @@ async def multiplex(
             await outbox.wake.wait()
             outbox.wake.clear()
             if outbox.chunks:
-                batch, outbox.chunks = outbox.chunks, []
-                yield common_pb2.ChunkBatch(chunks=batch)
+                yield common_pb2.ChunkBatch(chunks=outbox.take())
             if reader.done() and not outbox.running and not outbox.chunks:
                 reader.result()  # a broken request stream ends the call with its error
                 return

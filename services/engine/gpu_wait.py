@@ -14,6 +14,7 @@ import torch
 
 class GpuReader:
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
 
@@ -35,6 +36,6 @@ class GpuReader:
             at[t.dtype] += t.numel()
             view.copy_(t, non_blocking=True)
             views.append(view)
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(self.device))  # the copies' stream
         self._event.synchronize()
         return [v.tolist() for v in views]

@@ -8,15 +8,6 @@ REPO = Path(__file__).resolve().parents[2]
 FAKE_CHILD = [sys.executable, "-m", "tests.deploy.fake_child"]
 
 
-def alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for processes that import the project from the repository root."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)

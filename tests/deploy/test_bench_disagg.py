@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from deploy import bench_disagg as bd
+from deploy.procfs import alive
 from services.cli import HANDLERS, build_parser
-from tests.deploy.conftest import REPO, alive, child_env
+from tests.deploy.conftest import REPO, child_env
 
 
 def disagg_args(*flags: str) -> argparse.Namespace:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import REPO, alive, child_env
+from deploy.procfs import alive
+from tests.deploy.conftest import REPO, child_env
 
 READY = re.compile(
     r"^Tandem is ready: http://127\.0\.0\.1:(\d+)/v1 \(gateway \+ (.+), model fake-model\)$"

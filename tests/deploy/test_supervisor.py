@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from deploy.procfs import alive
 from deploy.supervisor import ChildFailedError, ChildSpec, Supervisor, read_ready_file
-from tests.deploy.conftest import FAKE_CHILD, alive, child_env
+from tests.deploy.conftest import FAKE_CHILD, child_env
 
 
 def fake(tmp_path: Path, name: str, role: str, tier: int = 1, **env: str) -> ChildSpec:

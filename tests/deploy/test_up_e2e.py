@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import alive
+from deploy.procfs import alive, descendants
 from tests.deploy.test_launcher import Up
 
 pytest.importorskip("services.prefill.server")
@@ -25,22 +25,6 @@ TANDEM_UP = (sys.executable, "-m", "services.cli", "up")
 READY = re.compile(
     r"^Tandem is ready: (http://\S+/v1) \(gateway \+ 1 prefill \+ 1 decode, model (.+)\)$"
 )
-
-
-def descendants(pid: int) -> set[int]:
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(stat.parent.name))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def chat(url: str, model: str) -> str:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import alive
+from deploy.procfs import alive, descendants
 from tests.deploy.test_launcher import Up
-from tests.deploy.test_up_e2e import TANDEM_UP, descendants
+from tests.deploy.test_up_e2e import TANDEM_UP
 
 pytestmark = pytest.mark.slow
 READY = re.compile(

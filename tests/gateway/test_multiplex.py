@@ -132,3 +132,30 @@ async def test_cancel_sends_an_abort_and_a_deadline_raises_deadline_exceeded() -
     aborts = [i.abort.request_id for i in fake.items if i.WhichOneof("item") == "abort"]
     assert aborts == ["a", "slow"] and mux.open_requests == 0
     await mux.close()
+
+
+async def test_a_stream_that_cannot_open_fails_the_request_at_once() -> None:
+    def broken(items: AsyncIterator[Any]) -> Any:
+        raise RuntimeError("channel closed")
+
+    mux = StreamMux(broken, worker_pb2.GenerateStreamItem, "generate", "w:1")
+    call = mux.start(_req("a"), [], 10.0)
+    with pytest.raises(grpc.RpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_close_fails_waiting_requests_and_a_broken_stream_leaves_no_reader() -> None:
+    fake = FakeStream()
+    mux = _mux(fake)
+    a = mux.start(_req("a"), [], 10.0)
+    fake.batches.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE, "reset"))
+    with pytest.raises(grpc.RpcError):
+        await a.read()
+    await asyncio.sleep(0.01)
+    assert all(t.done() for t in fake.consumers), "the dead stream's request reader still waits"
+    b = mux.start(_req("b"), [], 10.0)
+    await mux.close()
+    with pytest.raises(grpc.RpcError) as info:
+        await b.read()
+    assert info.value.code() == grpc.StatusCode.CANCELLED

@@ -122,3 +122,41 @@ async def test_closing_the_stream_aborts_what_still_runs() -> None:
     assert first.chunks[0].request_id == "slow"
     await stream.aclose()  # the caller went away
     assert h.closed == ["slow"]
+
+
+async def test_a_handler_that_ends_without_finishing_reports_it() -> None:
+    async def silent(request: Any, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:
+        yield common_pb2.TokenChunk(token_ids=[1])  # then stops, no finish reason
+
+    got = _by_request([b async for b in multiplex(_items([_gen("s")]), "generate", silent)])
+    last = got["s"][-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_ERROR and last.status_code == 0
+    assert "ended before it finished" in last.error
+
+
+async def test_an_abort_before_the_request_ran_leaves_nothing_behind() -> None:
+    h = Handler()
+    batches = [b async for b in multiplex(_items([_gen("a", 5), _abort("a")]), "generate", h)]
+    assert not any(c.finish_reason for b in batches for c in b.chunks)  # ended, nothing sent
+
+
+async def test_a_backlog_leaves_in_bounded_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.common.multiplex as mx
+
+    monkeypatch.setattr(mx, "MAX_BATCH", 4)
+
+    async def burst(request: Any, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:
+        for i in range(9):
+            yield common_pb2.TokenChunk(token_ids=[i], finish_reason=LENGTH if i == 8 else None)
+
+    batches = [b async for b in multiplex(_items([_gen("b")]), "generate", burst)]
+    assert max(len(b.chunks) for b in batches) <= 4
+    assert [t for b in batches for c in b.chunks for t in c.token_ids] == list(range(9))
+
+
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+async def _items(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item

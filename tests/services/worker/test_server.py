@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from deploy.procfs import descendants
 from protos import common_pb2, worker_pb2
 from tests.services.clients import (
     Conn,
@@ -22,7 +23,7 @@ from tests.services.clients import (
     rpc_code,
     wait_pool_free,
 )
-from tests.services.procs import Fleet, descendants, fleet
+from tests.services.procs import Fleet, fleet
 from tests.services.reference import greedy_reference
 
 __all__ = ["fleet"]

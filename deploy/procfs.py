@@ -1,0 +1,51 @@
+"""What /proc says about processes: CPU seconds, liveness, descendants (Linux; torch-free)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of one process (and its waited-for children)."""
+    try:
+        fields = _stat_fields(pid)
+    except (OSError, IndexError):
+        return None
+    utime, stime, cutime, cstime = (int(fields[i]) for i in (11, 12, 13, 14))
+    return (utime + stime + cutime + cstime) / _CLK_TCK
+
+
+def alive(pid: int) -> bool:
+    """Running (not a zombie, not gone)."""
+    try:
+        state = _stat_fields(pid)[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parents.setdefault(int(_stat_fields(stat.parent.name)[1]), []).append(
+                int(stat.parent.name)
+            )
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
