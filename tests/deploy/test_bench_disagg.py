@@ -3,10 +3,8 @@ two topologies, the in-process engine and a colocated worker, one after the othe
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import math
 import os
 import signal
 import subprocess
@@ -17,14 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy import bench_disagg as bd
-from deploy.procfs import alive
-from services.cli import HANDLERS, build_parser
-from tests.deploy.conftest import REPO, child_env
-
-
-def disagg_args(*flags: str) -> argparse.Namespace:
-    return build_parser().parse_args(["bench", "disagg", *flags])
+from deploy.bench_disagg import synthetic_model_dir
+from deploy.procfs import alive, descendants
+from services.cli import HANDLERS
+from tests.deploy.conftest import REPO, child_env, disagg_args
 
 
 # ---- pure parts ------------------------------------------------------------------------------------
@@ -39,111 +33,18 @@ def test_cli_registers_bench_disagg() -> None:
     )
 
 
-def test_workloads_rates_and_topology_names_parse() -> None:
-    workloads = bd.parse_workloads("1024:128, 4096:256")
-    assert [(w.key, w.label) for w in workloads] == [
-        ("1024:128", "1024in-128out"),
-        ("4096:256", "4096in-256out"),
-    ]
-    rates = bd.parse_rates(["8,2,4,4", "4096:256=1,inf"], workloads)
-    assert rates == {"1024:128": [2.0, 4.0, 8.0], "4096:256": [1.0, math.inf]}
-    assert bd.parse_rates(None, workloads)["4096:256"] == [2.0, 4.0, 8.0]
-    with pytest.raises(ValueError, match="not in --workloads"):
-        bd.parse_rates(["16:4=1"], workloads)
-    with pytest.raises(ValueError):
-        bd.parse_workloads("1024x128")
-    with pytest.raises(ValueError):
-        bd.parse_rates(["0"], workloads)
-    assert bd.parse_topologies("colocated,disagg,colocated") == ["colocated", "disagg"]
-    assert bd.parse_topologies("none") == []
-    with pytest.raises(ValueError, match="unknown topology"):
-        bd.parse_topologies("pipelined")
-    assert [bd.rate_label(r) for r in (2.0, 0.5, math.inf, "inf")] == ["2", "0.5", "inf", "inf"]
-
-
-def test_prompts_per_rate_follow_the_duration_within_bounds() -> None:
-    assert bd.prompts_for_rate(4.0, 200, 16, 30.0) == 120
-    assert bd.prompts_for_rate(0.1, 200, 16, 30.0) == 16
-    assert bd.prompts_for_rate(50.0, 200, 16, 30.0) == 200
-    assert bd.prompts_for_rate(math.inf, 64, 16, 30.0) == 64
-    assert bd.prompts_for_rate(4.0, 8, 16, 0) == 8
-
-
-def test_topologies_split_the_gpus() -> None:
-    two = ["0", "1"]
-    assert bd.topology("disagg", two, 2, None).up_flags == ["--prefill", "1", "--decode", "1"]
-    assert bd.topology("colocated", two, 2, None).up_flags == ["--colocated", "2"]
-    four = ["0", "1", "2", "3"]
-    assert bd.topology("disagg", four, 2, None).up_flags == ["--prefill", "2", "--decode", "2"]
-    assert bd.topology("disagg", four, 2, 1).up_flags == ["--prefill", "1", "--decode", "3"]
-    assert bd.topology("disagg", four, 2, 9).up_flags == ["--prefill", "3", "--decode", "1"]
-    assert bd.topology("colocated", four, 2, None).up_flags == ["--colocated", "4"]
-    # no GPU: --workers processes; a disaggregated pair needs two even on one GPU
-    assert bd.topology("colocated", [], 3, None).up_flags == ["--colocated", "3"]
-    assert bd.topology("disagg", [], 1, None).up_flags == ["--prefill", "1", "--decode", "1"]
-    assert bd.topology("disagg", ["0"], 2, None).up_flags == ["--prefill", "1", "--decode", "1"]
-
-
-def test_up_argv_forwards_engine_flags_and_the_shape(tmp_path: Path) -> None:
-    args = disagg_args("--model", "llama-3.1-8b", "--max-model-len", "8192", "--max-num-seqs",
-                       "128", "--gpus", "0,1", "--device", "cuda")  # fmt: skip
-    topo = bd.topology("disagg", ["0", "1"], 2, None)
-    argv = bd.up_argv(args, topo, tmp_path, {"model": "/x/llama", "load_format": "dummy"})
-    up = build_parser().parse_args(argv)
-    assert (up.model, up.load_format, up.max_model_len, up.max_num_seqs) == (
-        "/x/llama",
-        "dummy",
-        8192,
-        128,
-    )
-    assert (up.prefill, up.decode, up.colocated, up.gpus, up.port, up.device) == (
-        1,
-        1,
-        0,
-        "0,1",
-        0,
-        "cuda",
-    )
-
-
-def test_budget_shares_what_is_left() -> None:
-    assert bd.Budget(None).share(3) is None and bd.fits(1e9, None)
-    budget = bd.Budget(time.monotonic() + 100)
-    share = budget.share(2, reserve_s=20)
-    assert share is not None and 39 < share - time.monotonic() <= 40
-    assert bd.fits(10, share) and not bd.fits(60, share)
-    assert bd.estimate_run_s(4.0, 40, 5.0) == 17.0
-    assert bd.estimate_run_s(math.inf, 40, 5.0) == 7.0
-
-
 def test_synthetic_tokenizer_streams_one_word_per_token(tmp_path: Path) -> None:
     from gateway.tokenizer import GatewayTokenizer
     from services.model_files import resolve_model
 
     config = resolve_model("smollm2-135m").path
-    directory = bd.synthetic_model_dir(config, tmp_path / "smollm2-135m")
+    directory = synthetic_model_dir(config, tmp_path / "smollm2-135m")
     assert json.loads((directory / "config.json").read_text()) == json.loads(config.read_text())
     tok = GatewayTokenizer(str(directory))
     assert tok.vocab_size == json.loads(config.read_text())["vocab_size"]
     assert tok.decode([5, 49151]) == "w5 w49151"
     assert tok.encode("w7 w8", add_special_tokens=False) == [7, 8]
     assert resolve_model(str(directory)).kind == "hf"
-
-
-def test_cpu_per_token_and_the_saturation_checks() -> None:
-    used = bd.cpu_per_token({"gateway": 1.0, "gone": 2.0}, {"gateway": 1.5, "gone": None}, 100)
-    assert used == {"cpu_s": {"gateway": 0.5}, "cpu_s_per_output_token": {"gateway": 0.005}}
-    assert bd.cpu_seconds(os.getpid()) is not None
-    row = {"completed": 10, "request_throughput": 2.0, "goodput": 0.1, "p90_ttft_ms": 900.0,
-           "p90_tpot_ms": 41.0, "median_ttft_ms": 100.0, "median_itl_ms": 20.0}  # fmt: skip
-    args = disagg_args()
-    assert bd.slo_attainment(row) == pytest.approx(0.05)
-    assert not bd.meets_p90_slo(row, args)
-    assert bd.meets_p90_slo({**row, "p90_tpot_ms": 40.0}, args)
-    assert bd.token_timing_warning(row, bd.Workload(16, 4)) is None
-    assert "no text per token" in str(
-        bd.token_timing_warning({**row, "median_ttft_ms": 0.0}, bd.Workload(16, 4))
-    )
 
 
 # ---- the whole script on the CPU -------------------------------------------------------------------
@@ -168,7 +69,7 @@ class Watched:
 
     def _watch(self) -> None:
         while self.proc.poll() is None:
-            self.seen |= bd.descendants(self.proc.pid)
+            self.seen |= descendants(self.proc.pid)
             time.sleep(0.1)
 
     def wait_for(self, text: str, timeout_s: float) -> None:
