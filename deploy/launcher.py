@@ -27,7 +27,7 @@ from typing import IO, TextIO
 
 from deploy.gpus import detect_gpus
 from deploy.plan import Plan, build_plan, gateway_spec
-from deploy.supervisor import Child, ChildFailedError, Supervisor, die_with_parent
+from deploy.supervisor import Child, ChildFailedError, Supervisor, parent_death_env
 from services.config import ConfigError
 
 READY_TIMEOUT_S = float(os.environ.get("TANDEM_UP_READY_TIMEOUT", "900"))
@@ -47,7 +47,7 @@ def prepare_model(argv: list[str]) -> str:
     """Run the prepare step, echoing its output; returns the last line it printed (a directory)."""
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=die_with_parent,
+        start_new_session=True, env={**os.environ, **parent_death_env()},
     )  # fmt: skip
     errors: deque[str] = deque(maxlen=20)
     echo = threading.Thread(target=_echo_lines, args=(proc.stderr, sys.stderr, errors), daemon=True)

@@ -3,7 +3,9 @@
 Each child runs in its own session (process group), so one ``killpg`` reaches anything it spawned,
 and a Ctrl-C in the terminal reaches only the launcher, which then stops the children in order
 (lowest ``stop_tier`` first: the gateway before the workers). On Linux each child also gets
-SIGTERM should the launcher die without cleaning up (PR_SET_PDEATHSIG).
+SIGTERM should the launcher die without cleaning up (PR_SET_PDEATHSIG), which the child asks for
+itself (:func:`follow_parent`, told by :func:`parent_death_env`): no Python runs between fork and
+exec, which can crash a parent that has threads (a ``preexec_fn`` did, in the test fleet).
 """
 
 from __future__ import annotations
@@ -50,10 +52,25 @@ class Child:
         return self.spec.name
 
 
-def die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+PARENT_PID_ENV = "TANDEM_PARENT_PID"
+
+
+def parent_death_env() -> dict[str, str]:
+    """Environment for a child that should get SIGTERM when this process dies (the child calls
+    :func:`follow_parent` first thing)."""
+    return {PARENT_PID_ENV: str(os.getpid())}
+
+
+def follow_parent() -> None:
+    """In a child started with :func:`parent_death_env`: SIGTERM when the parent dies (Linux).
+    The variable is removed, so this process's own children do not inherit it."""
+    pid = os.environ.pop(PARENT_PID_ENV, "")
+    if not pid.isdigit() or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(pid):  # the parent died before the request above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -87,7 +104,7 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{spec.name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed in shutdown()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env, **parent_death_env()}
         proc = subprocess.Popen(
             spec.argv,
             stdin=subprocess.DEVNULL,
@@ -95,7 +112,6 @@ class Supervisor:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=die_with_parent,  # the launcher is single-threaded
         )
         child = Child(spec, proc, log_path, log)
         self.children.append(child)

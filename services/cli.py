@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from deploy.supervisor import follow_parent
+
+    follow_parent()  # a child of `tandem up` (or of a test) ends with its parent
     args = build_parser().parse_args(argv)
     key = f"bench {args.bench}" if args.command == "bench" else args.command
     module_name, func_name = HANDLERS[key].split(":")

@@ -152,6 +152,9 @@ def model_max_len(hf_dir: Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from deploy.supervisor import follow_parent
+
+    follow_parent()  # run as `tandem up`'s prepare step: ends with it
     parser = argparse.ArgumentParser(description="prepare a model's files (convert GGUF once)")
     parser.add_argument("--model", default=EMBEDDED)
     args = parser.parse_args(argv)

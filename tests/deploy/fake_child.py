@@ -68,6 +68,9 @@ def _note_term(role: str) -> None:
 
 
 def main() -> int:
+    from deploy.supervisor import follow_parent
+
+    follow_parent()
     role = sys.argv[1]
     if role == "prepare":
         return _prepare()

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from deploy.supervisor import die_with_parent, log_tail, read_ready_file
+from deploy.supervisor import log_tail, parent_death_env, read_ready_file
 
 REPO = Path(__file__).resolve().parents[2]
 # Small pools keep memory low; 1024 tokens of context need 64 of the 256 blocks.
@@ -125,8 +125,8 @@ class Fleet:
                 str(ready), *(WORKER_ARGS if role != "gateway" else ()), *args]  # fmt: skip
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
-                argv, cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+                argv, cwd=REPO, env={**child_env(), **parent_death_env()}, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         proc = Proc(name, role, popen, ready, log_path)
         self.procs.append(proc)
