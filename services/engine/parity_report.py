@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from services.engine.llm import LLM
+from services.engine.parity_check import Continuation, logprobs_close, summarize
 from services.model_files import embedded_gguf_path
 from services.scheduling.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ PROMPTS = [  # the chat prompts of every parity check (the tests' conftest uses 
     "advice that a beginner could follow today without buying anything.",
 ]
 NEW_TOKENS = 32
+TOP_N = 5  # alternatives compared where two greedy continuations part (vLLM's model tests use 5)
 
 
 DEVICE = "cuda"
@@ -50,22 +52,35 @@ def hf_model(dtype: torch.dtype) -> Any:
     return model.to(DEVICE).eval()
 
 
-def hf_greedy(model: Any, prompts: list[list[int]], eos: int, batched: bool) -> list[list[int]]:
-    def cut(ids: list[int]) -> list[int]:
-        return ids[: ids.index(eos) + 1] if eos in ids else ids
+def stop_ids(llm: LLM) -> list[int]:
+    """The token ids our engine stops at (the model's generation config and the tokenizer's EOS:
+    ``<|im_end|>`` and ``<|endoftext|>`` for SmolLM2-Instruct). transformers must stop at the
+    same ones, or its continuations run on past ours (the tokenizer's ``eos_token_id`` alone is
+    ``<|endoftext|>`` with some transformers versions, and the chat model ends with ``<|im_end|>``)."""
+    return sorted(llm.engine.eos_token_ids)
 
+
+def cut_at_stop(ids: list[int], eos: list[int]) -> list[int]:
+    """ids up to and including the first stop token."""
+    end = next((k + 1 for k, t in enumerate(ids) if t in eos), len(ids))
+    return ids[:end]
+
+
+def hf_greedy(
+    model: Any, prompts: list[list[int]], eos: list[int], batched: bool
+) -> list[list[int]]:
     outs = []
     groups = [prompts] if batched else [[p] for p in prompts]
     for group in groups:
         width = max(len(p) for p in group)
-        ids = torch.tensor([[eos] * (width - len(p)) + p for p in group], device=DEVICE)
+        ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in group], device=DEVICE)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=DEVICE)
         with torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=eos, pad_token_id=eos,
+                eos_token_id=eos, pad_token_id=eos[0],
             )  # fmt: skip
-        outs += [cut(row[width:].tolist()) for row in out]
+        outs += [cut_at_stop(row[width:].tolist(), eos) for row in out]
     return outs
 
 
@@ -75,6 +90,38 @@ def hf_logits(model: Any, prompts: list[list[int]]) -> torch.Tensor:
         for p in prompts:
             rows.append(model(torch.tensor([p], device=DEVICE)).logits[0, -1].float())
     return torch.stack(rows)
+
+
+def hf_greedy_top(model: Any, prompts: list[list[int]], eos: list[int]) -> list[Continuation]:
+    """transformers' greedy continuations, one prompt at a time, with the top-N log-probabilities
+    of every position (log-softmax of the float32 copy of the logits ``generate`` keeps)."""
+    outs = []
+    for p in prompts:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([p], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False,
+                eos_token_id=eos, pad_token_id=eos[0], output_logits=True,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+        ids = out.sequences[0, len(p) :].tolist()
+        tops = []
+        for step in out.logits[: len(ids)]:
+            lp = step[0].float().log_softmax(-1)
+            vals, idx = lp.topk(TOP_N)
+            tops.append(dict(zip(idx.tolist(), vals.tolist(), strict=True)))
+        n = len(cut_at_stop(ids, eos))
+        outs.append(Continuation(ids[:n], tops[:n]))
+    return outs
+
+
+def ours_greedy_top(llm: LLM, prompts: list[list[int]]) -> list[Continuation]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP_N)
+    outs = []
+    for r in llm.generate(prompts, params):
+        comp = r.outputs[0]
+        tops = [{t.token_id: t.logprob for t in pos.top} for pos in comp.logprobs]
+        outs.append(Continuation(list(comp.token_ids), tops))
+    return outs
 
 
 def ours_greedy(llm: LLM, prompts: list[list[int]], one_at_a_time: bool) -> list[list[int]]:
@@ -105,6 +152,10 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
         for g, w in zip(got, want, strict=True)
     ]
     return {"equal": sum(g == w for g, w in zip(got, want, strict=True)), "prefix": prefix}
+
+
+def close(ours: list[Continuation], ref: list[Continuation]) -> dict[str, Any]:
+    return summarize([logprobs_close(a, b) for a, b in zip(ours, ref, strict=True)])
 
 
 def logit_error(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
@@ -163,14 +214,20 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = engine("triton", eager=False)
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    eos = llm.tokenizer.eos_token_id
+    eos = stop_ids(llm)
     hf32 = hf_model(torch.float32)
-    truth, truth_logits = hf_greedy(hf32, prompts, eos, False), hf_logits(hf32, prompts)
+    truth_top = hf_greedy_top(hf32, prompts, eos)
+    truth, truth_logits = [c.token_ids for c in truth_top], hf_logits(hf32, prompts)
     del hf32
     hf16 = hf_model(torch.bfloat16)
-    reference, ref_logits = hf_greedy(hf16, prompts, eos, False), hf_logits(hf16, prompts)
+    ref_top = hf_greedy_top(hf16, prompts, eos)
+    reference, ref_logits = [c.token_ids for c in ref_top], hf_logits(hf16, prompts)
     report("transformers bf16, one prompt at a time (the parity test's reference)",
-           vs_fp32=agreement(reference, truth), logits_vs_fp32=logit_error(ref_logits, truth_logits))  # fmt: skip
+           vs_fp32=agreement(reference, truth), logits_vs_fp32=logit_error(ref_logits, truth_logits),
+           close_to_fp32=close(ref_top, truth_top))  # fmt: skip
+    ours_top = ours_greedy_top(llm, prompts)
+    report(f"tandem bf16, CUDA graphs, batched: top-{TOP_N} where greedy parts (vLLM's check)",
+           vs_reference=close(ours_top, ref_top), vs_fp32=close(ours_top, truth_top))  # fmt: skip
     batched = hf_greedy(hf16, prompts, eos, True)
     report("transformers bf16, 8 prompts batched (left-padded)",
            vs_reference=agreement(batched, reference), vs_fp32=agreement(batched, truth))  # fmt: skip
@@ -212,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
            vs_reference=agreement(got, reference), vs_fp32=agreement(got, truth))  # fmt: skip
     if args.json_out:
         device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
-        report = {"device": device, "torch": torch.__version__, "new_tokens": NEW_TOKENS,
-                  "prompts": PROMPTS, "variants": rows}  # fmt: skip
+        doc = {"device": device, "torch": torch.__version__, "new_tokens": NEW_TOKENS,
+               "prompts": PROMPTS, "variants": rows}  # fmt: skip
         with open(args.json_out, "w") as fh:
-            json.dump(report, fh, indent=2)
+            json.dump(doc, fh, indent=2)
     return 0
 
 
