@@ -22,7 +22,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 typecheck: venv
-	$(VENV)/bin/mypy services/scheduling gateway kvtransfer
+	$(VENV)/bin/mypy services kernels deploy gateway kvtransfer
 
 test: venv lint typecheck
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra

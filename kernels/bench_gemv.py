@@ -10,6 +10,7 @@ with L2 flushed between runs, so a 32 MB weight is not served from cache.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 
@@ -46,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         gb = n * k * 2 / 1e9
         ref = F.linear(x, w).float()
-        cublas = median_ms(lambda w=w, x=x: F.linear(x, w))
+        cublas = median_ms(functools.partial(F.linear, x, w))
         best = None
         for cfg in CONFIGS:
             out = gemv(x, w, config=cfg).float()
             err = ((out - ref).norm() / ref.norm()).item()
             if not err < 1e-2:
                 raise SystemExit(f"{name} config {cfg}: relative error {err:.2e}")
-            ms = median_ms(lambda w=w, x=x, cfg=cfg: gemv(x, w, config=cfg))
+            ms = median_ms(functools.partial(gemv, x, w, config=cfg))
             if best is None or ms < best[1]:
                 best = (cfg, ms)
         assert best is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -130,7 +131,7 @@ async def _read_items(
         chunks = handler(request, RequestContext(dict(item.metadata)))
         task = asyncio.ensure_future(_run_one(outbox, rid, chunks, item.timeout_s))
         outbox.running[rid] = task
-        task.add_done_callback(lambda t, rid=rid: outbox.finished(rid, t))  # also if never run
+        task.add_done_callback(functools.partial(outbox.finished, rid))  # also if never run
 
 
 async def multiplex(

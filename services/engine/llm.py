@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import PositionLogprobs
 from services.scheduling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+    from typing_extensions import TypeIs
 
 
 @dataclass
@@ -33,6 +38,13 @@ class GenerationResult:
 Prompt = str | list[int] | dict[str, Any]
 
 
+def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
+    """A single prompt (text, a dict, or a non-empty list of token ids), not a batch of them."""
+    if isinstance(prompts, str | dict):
+        return True
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+
+
 class LLM:
     def __init__(
         self, model: str = "embedded", *, config: EngineConfig | None = None, **knobs: Any
@@ -44,11 +56,14 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, dict) and "messages" in prompt:
             return self.apply_chat_template(prompt["messages"])
+        text_or_ids: str | Sequence[int]
         if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+            text_or_ids = prompt.get("prompt_token_ids") or prompt["prompt"]
+        else:
+            text_or_ids = prompt
+        if isinstance(text_or_ids, str):
+            return list(self.tokenizer.encode(text_or_ids))
+        return list(text_or_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         enc = self.tokenizer.apply_chat_template(
@@ -58,14 +73,10 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(prompts)  # type: ignore[arg-type]
+        plist: list[Prompt] = [prompts] if _is_one_prompt(prompts) else list(prompts)
         params = params or SamplingParams()
         per = params if isinstance(params, list) else [params] * len(plist)
         results: dict[str, GenerationResult] = {}
@@ -101,7 +112,11 @@ class LLM:
 
 def build_config(model: str = "embedded", **knobs: Any) -> EngineConfig:
     """An EngineConfig from vLLM-style keyword arguments (max_model_len=..., block_size=...)."""
-    groups: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    groups: dict[type[DataclassInstance], dict[str, Any]] = {
+        ModelConfig: {},
+        CacheConfig: {},
+        SchedulerConfig: {},
+    }
     top: dict[str, Any] = {}
     for key, value in knobs.items():
         key = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from typing import TypedDict
 
 import torch
 
@@ -20,6 +21,13 @@ from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
 from services.scheduling.sampling_params import SamplingParams
+
+
+class KernelRow(TypedDict):
+    kernel: str
+    count: int
+    total_ms: float
+    mean_us: float
 
 
 def decode_step(engine: LLMEngine, batch: int, context: int) -> SchedulerOutput:
@@ -88,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels[ev.name].append(ev.device_time_total / 1e3)  # ms
     rows = sorted(
-        ({"kernel": k, "count": len(v), "total_ms": sum(v), "mean_us": 1e3 * sum(v) / len(v)}
+        (KernelRow(kernel=k, count=len(v), total_ms=sum(v), mean_us=1e3 * sum(v) / len(v))
          for k, v in kernels.items()),
         key=lambda r: -r["total_ms"],
     )  # fmt: skip

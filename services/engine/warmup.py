@@ -53,7 +53,8 @@ def warmup_steps(
     cap = min(cap, longest * max_num_seqs)
     steps: list[SchedulerOutput] = []
     if cap >= 1:
-        blocks, full, left = _Blocks(block_size), [], cap
+        blocks, left = _Blocks(block_size), cap
+        full: list[ScheduledRequest] = []
         per = max(cap // 2 + 1, -(-cap // max_num_seqs))  # odd first length for an even budget
         while left > 0:
             n = min(left, longest, per)

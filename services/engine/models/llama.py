@@ -138,6 +138,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    cos_sin: torch.Tensor  # a buffer (register_buffer), which nn.Module types as Tensor | Module
+
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
