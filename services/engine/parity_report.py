@@ -48,7 +48,9 @@ def hf_model(dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     gguf = embedded_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(  # Any: the stubs' `to` wants a self
+        str(gguf.parent), gguf_file=gguf.name, dtype=dtype
+    )
     return model.to(DEVICE).eval()
 
 
