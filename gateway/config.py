@@ -42,8 +42,9 @@ class GatewayConfig:
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
     rpc_timeout_s: float = 5.0  # unary calls: Reserve, Abort
-    # a leak guard for when the gateway itself dies; normal paths abort reservations explicitly,
-    # and it must outlast the prefill's queueing and compute of a long prompt
+    # a leak guard for when the gateway itself dies; normal paths abort reservations explicitly.
+    # A reservation lives the request's remaining time (--request-timeout), at least this long:
+    # it must outlast the prefill's queueing and compute of a long prompt
     reserve_ttl_s: float = 60.0
     kv_wait_s: float = 10.0
     drain_timeout_s: float = 30.0

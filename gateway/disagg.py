@@ -64,7 +64,9 @@ class _Run:
                 request_id=item.request_id,
                 num_prompt_tokens=len(item.prompt_ids),
                 max_tokens=item.sampling.max_tokens,
-                ttl_s=self.ctx.config.reserve_ttl_s,
+                # unclaimed, it lives as long as the request may (a slow prefill of a long
+                # prompt must not find it gone), and at least reserve_ttl_s
+                ttl_s=max(self.ctx.config.reserve_ttl_s, self.ctx.time_left(item)),
             )
             timeout = min(self.ctx.config.rpc_timeout_s, self.ctx.time_left(item))
             try:

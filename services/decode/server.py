@@ -22,7 +22,7 @@ from services.common.tracing import start_server_span
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
-MAX_TTL_S = 120.0
+MAX_TTL_S = 3600.0  # the gateway asks for its request's remaining time (--request-timeout)
 
 
 @dataclass

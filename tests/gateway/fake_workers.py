@@ -53,6 +53,7 @@ class Records:
     aborts: list[str] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     reservations: dict[str, str] = field(default_factory=dict)  # request id -> reservation
+    reserve_ttls: list[float] = field(default_factory=list)  # ttl_s of each Reserve call
     decode_calls: list[str] = field(default_factory=list)
     samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
 
@@ -237,6 +238,7 @@ class Decode(decode_pb2_grpc.DecodeServiceServicer):
         if e.behavior.reserve_code is not None:
             await context.abort(e.behavior.reserve_code, "fake decode: cannot reserve")
         reservation = f"res-{request.request_id}"
+        e.records.reserve_ttls.append(request.ttl_s)
         e.records.reservations[request.request_id] = reservation
         return kv_control_pb2.ReserveResponse(
             reservation_id=reservation,

@@ -134,6 +134,19 @@ def test_client_timeout_on_a_non_streaming_request_aborts_the_workers(colocated:
     assert wait_for(lambda: len(worker.records.aborts) == 1)
 
 
+def test_reservation_lives_as_long_as_the_request_may(disagg: Stack) -> None:
+    """An unclaimed decode reservation outlives a slow prefill of a long prompt: the gateway asks
+    for the request's remaining time (--request-timeout), never less than reserve_ttl_s."""
+    from gateway.config import GatewayConfig
+
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200
+    (ttl,) = disagg.role("decode")[0].records.reserve_ttls
+    defaults = GatewayConfig(tokenizer="", workers=())
+    assert defaults.request_timeout_s - 30 < ttl <= defaults.request_timeout_s
+    assert ttl > defaults.reserve_ttl_s
+
+
 def test_reserve_without_capacity_is_a_503(disagg: Stack) -> None:
     disagg.role("decode")[0].behavior.reserve_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT})
