@@ -49,10 +49,10 @@ async def metrics(request: Request) -> Response:
     return Response(gateway_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def models(request: Request) -> Response:
+def _card(request: Request) -> dict[str, Any]:
     state = gateway_state(request)
     max_model_len, _ = state.registry.limits()
-    card = {
+    return {
         "id": state.model_name,
         "object": "model",
         "created": int(state.started_at),
@@ -60,7 +60,16 @@ async def models(request: Request) -> Response:
         "root": state.config.model,
         "max_model_len": max_model_len,
     }
-    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_card(request)]})
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{model}``: the served model by its name (or its path); 404 otherwise."""
+    gateway_state(request).accepts(request.path_params["model"])
+    return JSONResponse(_card(request))
 
 
 async def tokenize(request: Request) -> Response:

@@ -93,6 +93,7 @@ def build_app(
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/models", admin_api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", admin_api.model, methods=["GET"]),
         Route("/health", admin_api.health, methods=["GET"]),
         Route("/metrics", admin_api.metrics, methods=["GET"]),
         Route("/tokenize", admin_api.tokenize, methods=["POST"]),

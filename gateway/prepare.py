@@ -77,7 +77,8 @@ def build_choices(
     choices = []
     for p, prompt in enumerate(prompts):
         for j in range(common.n):
-            seed = None if base.seed is None else base.seed + j
+            # wraps within int64 (the wire type) for seeds near the top of the range
+            seed = None if base.seed is None else (base.seed + j + 2**63) % 2**64 - 2**63
             try:
                 sampling = replace(base, max_tokens=max_tokens[p], n=1, seed=seed)
             except InvalidRequestError as e:

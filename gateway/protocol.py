@@ -20,6 +20,7 @@ from services.scheduling.sampling_params import (
 MAX_N = 128
 MAX_TOKENS_LIMIT = 1 << 24  # beyond any context length; the context check is stricter
 MAX_PROMPTS = 256
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 Prompt = str | tuple[int, ...]
 
@@ -63,7 +64,7 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> Sampli
             top_p=f.get_float("top_p", 1.0, -1e9, 1e9),
             top_k=f.get_int("top_k", 0, -1, INT32_MAX) or 0,
             min_p=f.get_float("min_p", 0.0, -1e9, 1e9),
-            seed=f.get_int("seed", None, -INT64_MAX, INT64_MAX - MAX_N),
+            seed=f.get_int("seed", None, -INT64_MAX, INT64_MAX),
             presence_penalty=f.get_float("presence_penalty", 0.0, -1e9, 1e9),
             frequency_penalty=f.get_float("frequency_penalty", 0.0, -1e9, 1e9),
             repetition_penalty=f.get_float("repetition_penalty", 1.0, -1e9, 1e9),
@@ -81,12 +82,7 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> Sampli
 
 
 def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: bool) -> CommonOptions:
-    max_tokens = f.get_int(max_tokens_field, None, -INT64_MAX, INT64_MAX)
-    if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise invalid(
-            f"{max_tokens_field} must be between 1 and {MAX_TOKENS_LIMIT}, got {max_tokens}",
-            max_tokens_field,
-        )
+    max_tokens = f.get_int(max_tokens_field, None, 1, MAX_TOKENS_LIMIT)
     options = f.get_dict("stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool | None):
@@ -169,15 +165,45 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise invalid(f"messages[{i}] must be an object", "messages")
-        if not isinstance(message.get("role"), str) or not message["role"]:
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
             raise invalid(f"messages[{i}].role must be a non-empty string", "messages")
-        out.append({**message, "content": _content(message, i)})
+        if role not in CHAT_ROLES:
+            raise invalid(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                "messages",
+            )
+        # OpenAI's newer name for system; chat templates only know system
+        role = "system" if role == "developer" else role
+        out.append({**message, "role": role, "content": _content(message, i)})
     return out
+
+
+def _check_unsupported(f: Fields) -> None:
+    """Structured output and tool calling would be silently ignored: refuse them instead."""
+    kind = f.get_dict("response_format").get("type", "text")
+    if kind != "text":
+        raise invalid(
+            f"response_format type {kind!r} is not supported (only 'text')", "response_format"
+        )
+    choice = f.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        raise invalid(
+            "tool_choice 'required' or a named function is not supported: this gateway does "
+            "not do tool calling (only tool_choice 'none')",
+            "tool_choice",
+        )
+    if f.get("tools") and choice != "none":
+        raise invalid(
+            "tool calling is not supported: send tool_choice 'none' with tools, or no tools",
+            "tools",
+        )
 
 
 def parse_chat(body: Any) -> ChatRequest:
     f = Fields(require_object(body))
     messages = parse_messages(f.get("messages"))
+    _check_unsupported(f)
     logprobs = f.get_bool("logprobs", False)
     top = f.get_int("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and top > 0 and not logprobs:

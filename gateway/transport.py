@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -36,14 +37,59 @@ def _check_content_type(request: Request) -> None:
 
 
 def _too_large(size: int | str, limit: int) -> APIError:
-    return invalid(
+    return APIError(
+        413,
         f"the request body ({size} bytes) is larger than the limit of {limit} bytes",
         code="body_too_large",
     )
 
 
+# JSON can smuggle lone UTF-16 surrogates in as \\uD800-\\uDFFF escapes; nothing else can
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _printable(key: str | int) -> str:
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for key in path:
+        out += (
+            f"[{key}]"
+            if isinstance(key, int)
+            else (f".{_printable(key)}" if out else _printable(key))
+        )
+    return out or "the request body"
+
+
+def _check_unicode(value: Any) -> None:
+    """A 400 naming the first string (or key) holding a lone surrogate: not encodable text."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = _where(path)
+                raise invalid(
+                    f"{where} is not valid Unicode: it holds a lone UTF-16 surrogate "
+                    f"({item[e.start]!a} at character {e.start})",
+                    _printable(path[0]) if path else None,
+                    code="bad_unicode",
+                ) from e
+        elif isinstance(item, dict):
+            for key, v in reversed(item.items()):
+                stack.append((v, (*path, key)))
+                stack.append((key, (*path, key)))
+        elif isinstance(item, list):
+            stack.extend((v, (*path, i)) for i, v in reversed(list(enumerate(item))))
+
+
 async def read_json(request: Request, limit: int) -> Any:
-    """The parsed body; a 400 for the wrong type, too many bytes, bad UTF-8 or bad JSON."""
+    """The parsed body; a 400 for the wrong type, bad UTF-8, bad JSON or strings that are not
+    valid Unicode (lone surrogates); a 413 for too many bytes."""
     _check_content_type(request)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -64,7 +110,7 @@ async def read_json(request: Request, limit: int) -> Any:
             f"the request body is not valid UTF-8 (byte {e.start})", code="bad_utf8"
         ) from e
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise invalid(
             f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
@@ -74,6 +120,9 @@ async def read_json(request: Request, limit: int) -> Any:
         raise invalid("the request body is nested too deeply", code="bad_json") from e
     except ValueError as e:
         raise invalid(f"the request body is not valid JSON: {e}", code="bad_json") from e
+    if _SURROGATE_ESCAPE.search(text):
+        _check_unicode(body)
+    return body
 
 
 async def _wait_disconnect(receive: Receive) -> None:

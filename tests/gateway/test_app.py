@@ -76,6 +76,20 @@ def test_served_model_name_and_404_for_other_models(secured: Stack) -> None:
     assert "smol" in r.json()["error"]["message"]
 
 
+def test_get_one_model_by_id(secured: Stack) -> None:
+    headers = {"Authorization": "Bearer sekret"}
+    listed = httpx.get(f"{secured.base_url}/v1/models", headers=headers).json()["data"][0]
+    one = httpx.get(f"{secured.base_url}/v1/models/smol", headers=headers)
+    assert one.status_code == 200 and one.json() == listed
+    assert one.json()["object"] == "model" and one.json()["id"] == "smol"
+    missing = httpx.get(f"{secured.base_url}/v1/models/gpt-4", headers=headers)
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "model_not_found" and "gpt-4" in error["message"]
+    assert httpx.get(f"{secured.base_url}/v1/models/smol").status_code == 401
+
+
 def test_unknown_route_and_wrong_method_are_openai_errors(colocated: Stack) -> None:
     r = httpx.get(f"{colocated.base_url}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()

@@ -9,12 +9,14 @@ import httpx
 import pytest
 
 from gateway.errors import APIError
+from gateway.prepare import PromptIds, build_choices
 from gateway.protocol import parse_chat, parse_completion
 from tests.gateway.stack import Stack
 
 pytestmark = pytest.mark.timeout(60)
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 # (endpoint, body: dict -> JSON, bytes -> raw, headers, words the message must contain)
 CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
@@ -27,7 +29,14 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CMPL, {"prompt": [-1]}, {}, "prompt must be between 0"),
     (CMPL, {"prompt": "hi", "max_tokens": -5}, {}, "max_tokens must be between 1"),
     (CMPL, {"prompt": "hi", "max_tokens": 0}, {}, "max_tokens must be between 1"),
-    (CMPL, {"prompt": "hi", "max_tokens": 10**30}, {}, "max_tokens must be between"),
+    (CMPL, {"prompt": "hi", "max_tokens": 10**30}, {}, "max_tokens must be between 1 and 16777216"),
+    (CMPL, {"prompt": "hi", "max_tokens": -(10**30)}, {}, "max_tokens must be between 1 and 16777216"),
+    (CMPL, {"prompt": "hi", "max_tokens": 1e30}, {}, "max_tokens must be an integer"),
+    (CMPL, {"prompt": "hi", "seed": 2**63}, {}, "seed must be between -9223372036854775807 and 9223372036854775807"),
+    (CMPL, {"prompt": "\udfff"}, {}, "prompt is not valid Unicode"),
+    (CMPL, {"prompt": ["ok", "a\ud800"]}, {}, "prompt[1] is not valid Unicode"),
+    (CMPL, {"prompt": "hi", "stop": ["\ud800"]}, {}, "stop[0] is not valid Unicode"),
+    (CMPL, {"prompt": "hi", "\udc00": 1}, {}, "is not valid Unicode"),
     (CMPL, {"prompt": "hi", "max_tokens": 5000}, {}, "maximum context length is 2048 tokens. However, you requested 5001 tokens (1 in the messages, 5000 in the completion)"),
     (CMPL, {"prompt": "hi " * 2100}, {}, "maximum context length is 2048 tokens"),
     (CMPL, {"prompt": "hi", "max_tokens": "5"}, {}, "max_tokens must be an integer, got a string"),
@@ -56,11 +65,18 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CMPL, b"", {}, "the request body is empty"),
     (CMPL, b'{"prompt": "\xff\xfe"}', {}, "not valid UTF-8"),
     (CMPL, b'{"prompt": "hi"}', {"content-type": "text/plain"}, "Content-Type must be application/json"),
-    (CMPL, b"[" * (5 << 20), {}, "larger than the limit of 4194304 bytes"),
     (CMPL, b"[" * 100_000 + b"]" * 100_000, {}, "nested too deeply"),
     (CHAT, {"messages": []}, {}, "messages must be a non-empty list"),
     (CHAT, {"messages": "hi"}, {}, "messages must be a non-empty list"),
     (CHAT, {"messages": [{"content": "hi"}]}, {}, "messages[0].role must be a non-empty string"),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800 hi"}]}, {}, "messages[0].content is not valid Unicode"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, {}, "messages[0].role must be one of system, user, assistant, tool, developer, got 'wizard'"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, {}, "response_format type 'json_object' is not supported"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, {}, "response_format type 'json_schema' is not supported"),
+    (CHAT, {"messages": MSGS, "tools": [TOOL]}, {}, "tool calling is not supported"),
+    (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": "auto"}, {}, "tool calling is not supported"),
+    (CHAT, {"messages": MSGS, "tool_choice": "required"}, {}, "is not supported"),
+    (CHAT, {"messages": MSGS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, {}, "is not supported"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, {}, "messages[0].content must be a string"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, "only text parts"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 3000}, {}, "(31 in the messages, 3000 in the completion)"),
@@ -75,7 +91,9 @@ def _post(url: str, body: Any, headers: dict[str, str]) -> httpx.Response:
         return httpx.post(
             url, content=body, headers={"content-type": "application/json", **headers}
         )
-    return httpx.post(url, json=body, headers=headers)
+    # ASCII escapes, as json.dumps writes them, let lone surrogates through as \\uXXXX
+    raw = json.dumps(body).encode()
+    return httpx.post(url, content=raw, headers={"content-type": "application/json", **headers})
 
 
 def test_malformed_input_corpus(colocated: Stack) -> None:
@@ -91,17 +109,66 @@ def test_malformed_input_corpus(colocated: Stack) -> None:
     assert colocated.workers[0].records.requests == []  # nothing bad reached a worker
 
 
+def test_body_over_the_limit_is_413(colocated: Stack) -> None:
+    r = _post(colocated.base_url + CMPL, b"[" * (5 << 20), {})
+    assert r.status_code == 413, r.text[:300]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "body_too_large"
+    assert "larger than the limit of 4194304 bytes" in error["message"]
+
+
 def test_body_limit_is_configurable(tokenizer_dir: str) -> None:
     stack = Stack(tokenizer_dir, ["both"], max_body_bytes=100).start()
     try:
         r = httpx.post(f"{stack.base_url}{CMPL}", json={"prompt": "x" * 200})
-        assert r.status_code == 400 and "limit of 100 bytes" in r.json()["error"]["message"]
+        assert r.status_code == 413 and "limit of 100 bytes" in r.json()["error"]["message"]
         chunked = httpx.post(
             f"{stack.base_url}{CMPL}", content=iter([b'{"prompt": "', b"x" * 200, b'"}'])
         )
-        assert chunked.status_code == 400 and "larger than" in chunked.json()["error"]["message"]
+        assert chunked.status_code == 413 and "larger than" in chunked.json()["error"]["message"]
     finally:
         stack.stop()
+
+
+def test_lone_surrogates_are_400_and_keep_the_connection(colocated: Stack) -> None:
+    """Escaped lone surrogates parse as JSON but are not text: 400 naming the field, and the
+    keep-alive connection survives (a 500 from the tokenizer used to drop it)."""
+    cases = [
+        (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800 hi"}], "max_tokens": 2}',
+         "messages[0].content", "messages"),
+        (CMPL, b'{"prompt": "\\udfff"}', "prompt", "prompt"),
+        (CMPL, b'{"prompt": "hi", "stop": "\\uDBFF"}', "stop", "stop"),
+        ("/tokenize", b'{"prompt": "x\\ud800"}', "prompt", "prompt"),
+    ]  # fmt: skip
+    with httpx.Client(base_url=colocated.base_url) as client:
+        for path, raw, where, param in cases:
+            r = client.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, r.text[:300])
+            error = r.json()["error"]
+            assert error["message"].startswith(f"{where} is not valid Unicode"), error
+            assert error["param"] == param and error["code"] == "bad_unicode"
+        # a valid surrogate pair (an emoji) is fine, and the same connection still works
+        ok = client.post("/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}',
+                         headers={"content-type": "application/json"})  # fmt: skip
+        assert ok.status_code == 200 and ok.json()["count"] > 0
+    assert colocated.workers[0].records.requests == []
+
+
+def test_text_format_and_tool_choice_none_stay_accepted() -> None:
+    req = parse_chat({
+        "messages": [{"role": "developer", "content": "be brief"}, *MSGS],
+        "response_format": {"type": "text"}, "tools": [TOOL], "tool_choice": "none",
+    })  # fmt: skip
+    assert [m["role"] for m in req.messages] == ["system", "user"]  # developer renders as system
+    assert req.template_kwargs["tools"] == [TOOL]
+    assert parse_chat({"messages": MSGS, "tool_choice": "auto", "tools": []}).messages == MSGS
+
+
+def test_seed_takes_the_whole_int64_range() -> None:
+    req = parse_completion({"prompt": "hi", "seed": 2**63 - 1, "n": 3})
+    assert req.common.sampling.seed == 2**63 - 1
+    choices = build_choices("r", [PromptIds((1, 2), "hi")], req.common, [4], 10.0)
+    assert [c.item.sampling.seed for c in choices] == [2**63 - 1, -(2**63), -(2**63) + 1]
 
 
 def test_params_of_errors_name_the_field(colocated: Stack) -> None:
