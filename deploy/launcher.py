@@ -31,7 +31,8 @@ from deploy.supervisor import Child, ChildFailedError, Supervisor, parent_death_
 from services.config import ConfigError
 
 READY_TIMEOUT_S = float(os.environ.get("TANDEM_UP_READY_TIMEOUT", "900"))
-GRACE_S = float(os.environ.get("TANDEM_UP_GRACE", "15"))
+GRACE_S = float(os.environ.get("TANDEM_UP_GRACE", "15"))  # a floor; see shutdown_grace()
+DRAIN_MARGIN_S = 5.0  # past the gateway's --drain-timeout, for its last frames and exit
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -155,6 +156,16 @@ def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> str:
     return public_url(plan.host, int((gateway.ready or {}).get("port", plan.port)))
 
 
+def shutdown_grace(drain_timeout_s: float, floor_s: float = GRACE_S) -> float:
+    """Seconds each tier gets after SIGTERM before SIGKILL.
+
+    At least the gateway's drain timeout plus a margin, so a stop lets in-flight streams finish
+    (or end with finish_reason "abort" and [DONE]) instead of cutting them; TANDEM_UP_GRACE only
+    raises it.
+    """
+    return max(floor_s, drain_timeout_s + DRAIN_MARGIN_S)
+
+
 def watch(sup: Supervisor) -> int:
     while (child := sup.first_exited()) is None:
         time.sleep(0.2)
@@ -168,9 +179,14 @@ def run(
     log_dir: Path,
     api_key: str | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
-    grace_s: float = GRACE_S,
+    grace_s: float | None = None,
 ) -> int:
-    """Start everything in ``plan``, serve until a signal or a child's death, then stop it all."""
+    """Start everything in ``plan``, serve until a signal or a child's death, then stop it all.
+
+    ``grace_s`` None: :func:`shutdown_grace` of the drain timeout the gateway was given.
+    """
+    if grace_s is None:
+        grace_s = shutdown_grace(plan.drain_timeout_s)
     sup = Supervisor(log_dir, grace_s)
     stopping = False
 

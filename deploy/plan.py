@@ -40,6 +40,7 @@ class Plan:
     host: str
     port: int
     model: str
+    drain_timeout_s: float = 30.0  # passed to the gateway; the launcher's stop grace follows it
 
     def count(self, role: str) -> int:
         return sum(w.role == role for w in self.workers)
@@ -161,6 +162,8 @@ def build_plan(
     gateway += ["--model", args.model]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
+    drain_timeout_s = float(getattr(args, "drain_timeout", 30.0))
+    gateway += ["--drain-timeout", str(drain_timeout_s)]
     gateway += ["--ready-file", str(gateway_ready)]
     # The key travels in the environment (read by the gateway), not on a command line `ps` shows.
     gateway_env = {"TANDEM_API_KEY": args.api_key} if args.api_key else {}
@@ -175,6 +178,7 @@ def build_plan(
         args.host,
         args.port,
         args.model,
+        drain_timeout_s,
     )
 
 

@@ -26,11 +26,31 @@ HANDLERS = {
 }
 
 
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    """argparse type: an integer >= 1."""
+    value = _int(text, "a positive integer")
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _port(text: str) -> int:
+    """argparse type for every port flag: 0-65535 (0 picks a free port)."""
+    value = _int(text, "a port number (0-65535)")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}")
+    return value
+
+
+_positive_int.__name__ = "positive integer"  # argparse names the type in some messages
+_port.__name__ = "port"
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +92,7 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="gRPC bind address (loopback by default)")
-    g.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one)")
+    g.add_argument("--port", type=_port, required=True, help="gRPC port (0 picks a free one)")
     g.add_argument("--worker-id", default=None, help=f"name of this {role} worker")
     g.add_argument(
         "--drain-timeout",
@@ -82,14 +102,14 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     )
     if role in ("decode",):
         g.add_argument("--kv-host", default=None, help="KV rendezvous address (default: --host)")
-        g.add_argument("--kv-port", type=int, default=0, help="KV rendezvous port (0 picks one)")
+        g.add_argument("--kv-port", type=_port, default=0, help="KV rendezvous port (0 picks one)")
     g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a KV transfer may take")
     g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--model", default="embedded", help="model whose tokenizer the gateway uses")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: from --model)")
     p.add_argument("--served-model-name", default=None)
@@ -117,8 +137,15 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds the gateway gives in-flight requests on Ctrl-C/SIGTERM; the launcher waits "
+        "that long plus a margin (at least TANDEM_UP_GRACE) before killing it",
+    )
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument(
@@ -217,7 +244,7 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-workers", type=_positive_int, default=None,
                    help="prefill workers of the disagg topology (default: half)")  # fmt: skip
     g.add_argument("--workers", type=_positive_int, default=2, help="workers without GPUs")
-    g.add_argument("--port", type=int, default=0, help="gateway HTTP port (0 picks a free one)")
+    g.add_argument("--port", type=_port, default=0, help="gateway HTTP port (0 picks a free one)")
     g.add_argument("--out-dir", default="bench-disagg")
     g.add_argument("--time-budget-s", type=float, default=0.0,
                    help="skip the rates that would end past this (0: no limit)")  # fmt: skip
@@ -239,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     add_up_args(sub.add_parser("up", help="gateway + prefill + decode workers on this machine"))
-    for role in ("prefill", "decode", "worker"):
-        add_server_args(sub.add_parser(role, help=f"run a {role} worker (gRPC)"), role)
+    for role, what in (("prefill", "prefill"), ("decode", "decode"), ("worker", "colocated")):
+        add_server_args(sub.add_parser(role, help=f"run a {what} worker (gRPC)"), role)
     add_gateway_args(sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway"))
     add_generate_args(sub.add_parser("generate", help="offline generation in this process"))
     add_bench_args(sub)

@@ -90,13 +90,25 @@ class LLMEngine:
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
             )
         if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {len(prompt_token_ids) + params.max_tokens} tokens "
-                f"({len(prompt_token_ids)} in the prompt, {params.max_tokens} in the completion). "
-                "Please reduce the length of the prompt or completion.",
-                "prompt",
-            )
+            raise self.context_error(len(prompt_token_ids), params.max_tokens, "prompt")
+
+    def check_context(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse prompt + max_tokens past the context, as the gateway does (HTTP 400).
+
+        Not part of :meth:`validate`: workers keep taking requests whose completion is cut at the
+        context (finish_reason "length"); ``tandem generate`` calls this up front.
+        """
+        if prompt_len + max_tokens > self.max_model_len:
+            raise self.context_error(prompt_len, max_tokens, "max_tokens")
+
+    def context_error(self, prompt_len: int, max_tokens: int, param: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens "
+            f"({prompt_len} in the prompt, {max_tokens} in the completion). "
+            "Please reduce the length of the prompt or completion.",
+            param,
+        )
 
     def _request(
         self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, hold: bool

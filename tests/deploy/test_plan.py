@@ -175,3 +175,18 @@ def test_colocated_gateway_uses_worker_targets() -> None:
         and args.prefill == []
         and args.tokenizer is None
     )
+
+
+@pytest.mark.parametrize(("flags", "drain"), [((), 30.0), (("--drain-timeout", "45"), 45.0)])
+def test_the_gateway_gets_the_drain_timeout_the_launcher_waits_for(
+    flags: tuple[str, ...], drain: float
+) -> None:
+    from deploy.launcher import DRAIN_MARGIN_S, shutdown_grace
+
+    plan = plan_for(*flags)
+    spec = gateway_spec(plan, {"prefill-0": 1, "decode-0": 2}, None)
+    assert reparse(spec.argv).drain_timeout == plan.drain_timeout_s == drain
+    assert spec.stop_tier < min(w.spec.stop_tier for w in plan.workers)  # gateway first
+    # SIGKILL only after the gateway's whole drain, so streams end with finish_reason and [DONE]
+    assert shutdown_grace(plan.drain_timeout_s, floor_s=15.0) == drain + DRAIN_MARGIN_S
+    assert shutdown_grace(plan.drain_timeout_s, floor_s=drain + 60) == drain + 60  # env floor

@@ -40,3 +40,10 @@ def test_errors_are_clear_and_exit_nonzero(tmp_path: Path) -> None:
     bad.write_text("{not json\n")
     res = _tandem("--prompts-file", str(bad))
     assert res.returncode == 2 and "bad.jsonl:1" in res.stderr
+
+
+def test_max_tokens_past_the_context_is_refused_with_the_limit() -> None:
+    res = _tandem("--prompt", "hi", "--max-tokens", "100000", timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "maximum context length is 8192 tokens" in res.stderr
+    assert "100000 in the completion" in res.stderr
