@@ -162,7 +162,7 @@ def build_plan(
     gateway += ["--model", args.model]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
-    drain_timeout_s = float(getattr(args, "drain_timeout", 30.0))
+    drain_timeout_s = float(args.drain_timeout)
     gateway += ["--drain-timeout", str(drain_timeout_s)]
     gateway += ["--ready-file", str(gateway_ready)]
     # The key travels in the environment (read by the gateway), not on a command line `ps` shows.

@@ -55,11 +55,10 @@ def _printable(key: str | int) -> str:
 def _where(path: tuple[str | int, ...]) -> str:
     out = ""
     for key in path:
-        out += (
-            f"[{key}]"
-            if isinstance(key, int)
-            else (f".{_printable(key)}" if out else _printable(key))
-        )
+        if isinstance(key, int):
+            out += f"[{key}]"
+        else:
+            out += f".{_printable(key)}" if out else _printable(key)
     return out or "the request body"
 
 

@@ -49,10 +49,6 @@ def _port(text: str) -> int:
     return value
 
 
-_positive_int.__name__ = "positive integer"  # argparse names the type in some messages
-_port.__name__ = "port"
-
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
