@@ -7,6 +7,8 @@
 #   parity  GPU parity: 8B logits, SmolLM2-shape greedy, SmolLM2 real weights when the GGUF is
 #           here (deploy/device_gguf.sh carries it in two calls)           -> $RESULTS/gpu_*.json
 #   report  the bf16 parity analysis on real weights (services.engine.parity_report) -> $RESULTS/parity.json
+#   study   exact greedy agreement over 56 prompts, ours and transformers' own variants against
+#           transformers bf16 (services.engine.parity_study)       -> $RESULTS/study.json
 #   w6      the HTTP + gRPC path against the in-process engine (tandem bench disagg)  -> $RESULTS/w6/
 #   tune    the prefill attention tile sweep (kernels.bench_tune prefill)
 # Results go to $RESULTS (default ./gpu-out); with $OUT set (a lent GPU machine, which returns
@@ -56,6 +58,9 @@ for step in $steps; do
         tests/services/engine/test_gpu_engine.py 2>&1 | grep -E "^\{|passed|failed|Error|SKIP" ;;
     report)
       timeout 400 python3 -m services.engine.parity_report --json-out "$RESULTS/parity.json" 2>&1 |
+        grep -E "^\{|Error|error" ;;
+    study)
+      timeout 500 python3 -m services.engine.parity_study --json-out "$RESULTS/study.json" 2>&1 |
         grep -E "^\{|Error|error" ;;
     w6)
       timeout 420 python3 -m services.cli bench disagg --model llama-3.1-8b --max-model-len 2048 \

@@ -44,12 +44,14 @@ TOP_N = 5  # alternatives compared where two greedy continuations part (vLLM's m
 DEVICE = "cuda"
 
 
-def hf_model(dtype: torch.dtype) -> Any:
+def hf_model(dtype: torch.dtype, attn_implementation: str | None = None) -> Any:
+    """transformers' model of the embedded GGUF on DEVICE (its default attention: SDPA)."""
     from transformers import AutoModelForCausalLM
 
     gguf = embedded_gguf_path()
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model: Any = AutoModelForCausalLM.from_pretrained(  # Any: the stubs' `to` wants a self
-        str(gguf.parent), gguf_file=gguf.name, dtype=dtype
+        str(gguf.parent), gguf_file=gguf.name, dtype=dtype, **extra
     )
     return model.to(DEVICE).eval()
 
