@@ -116,9 +116,6 @@ def ref_prefill_attention(
     Query ``i`` of sequence ``b`` sits at position ``context_lens[b] - q_len + i`` and sees
     keys ``0 ..= that position`` (earlier chunks and prefix-cache hits included).
     """
-    Hq = q.shape[1]
-    Hkv = k_cache.shape[2]
-    group = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -126,13 +123,21 @@ def ref_prefill_attention(
         s, e, n = starts[b], starts[b + 1], lens[b]
         if e == s:
             continue
-        qb = q[s:e].float().transpose(0, 1)  # [Hq, q_len, D]
-        k = _gather_seq(k_cache, block_tables[b], n).float()
-        v = _gather_seq(v_cache, block_tables[b], n).float()
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        qpos = torch.arange(n - (e - s), n, device=q.device)
-        mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [q_len, n]
-        o = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
-        out[s:e] = o.transpose(0, 1).to(q.dtype)
+        # 4-D [1, heads, len, D]: torch's fused (flash) kernels take nothing else; a 3-D call
+        # falls back to the math path, which materializes every [q_len, n] score (on the CPU a
+        # 4k-token prompt spent 80% of its prefill there)
+        qb = q[s:e].float().transpose(0, 1)[None]
+        k = _gather_seq(k_cache, block_tables[b], n).float().transpose(0, 1)[None]
+        v = _gather_seq(v_cache, block_tables[b], n).float().transpose(0, 1)[None]
+        if n == e - s:  # no earlier tokens: plain causal, which skips the masked half
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qb, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:  # query i sits at n - q_len + i: causal aligned to the end of the context
+            qpos = torch.arange(n - (e - s), n, device=q.device)
+            mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [q_len, n]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[s:e] = o[0].transpose(0, 1).to(q.dtype)
     return out
