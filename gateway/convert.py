@@ -44,7 +44,9 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def _logprob(msg: common_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(token_id=msg.token_id, logprob=msg.logprob, token=msg.token)
+    return TokenLogprob(
+        token_id=msg.token_id, logprob=msg.logprob, token=msg.token, token_bytes=msg.token_bytes
+    )
 
 
 def timing_from_pb(msg: common_pb2.Timing) -> Timing:

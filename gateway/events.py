@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 class TokenLogprob:
     token_id: int
     logprob: float
-    token: str
+    token: str  # the token decoded alone ("\ufffd" where it holds part of a character)
+    token_bytes: bytes = b""  # its raw bytes (OpenAI's ``bytes``); empty: the token's UTF-8
 
 
 @dataclass(frozen=True)

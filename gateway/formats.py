@@ -62,7 +62,8 @@ def completion_choice(
 
 
 def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
-    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
+    raw = t.token_bytes or t.token.encode("utf-8")
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(entries: Sequence[PositionLogprobs]) -> dict[str, Any]:

@@ -58,7 +58,9 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def _lp(t: TokenLogprob) -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
+    return common_pb2.TokenLogprob(
+        token_id=t.token_id, logprob=t.logprob, token=t.token, token_bytes=t.token_bytes
+    )
 
 
 def _pos(p: PositionLogprobs) -> common_pb2.PositionLogprobs:

@@ -13,6 +13,7 @@ from services.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.engine.token_bytes import TokenBytes
 from services.model_files import ModelFiles
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.outputs import StepUpdate
@@ -62,6 +63,7 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         files = self.runner.files
         self.tokenizer = _tokenizer_for(files)
+        self._token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self.model_name = config.model.model if files.kind != "gguf" else files.name
         self.vocab_size = self.runner.arch.vocab_size
         self.max_model_len = self.runner.max_model_len
@@ -263,10 +265,16 @@ class LLMEngine:
         tok = u.token
         if tok is None or tok.logprob is None:
             return []
-        dec = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
-        chosen = TokenLogprob(tok.token_id, tok.logprob, dec([tok.token_id]))
-        top = tuple(TokenLogprob(t, lp, dec([t])) for t, lp in tok.top_logprobs)
+        chosen = self._token_logprob(tok.token_id, tok.logprob)
+        top = tuple(self._token_logprob(t, lp) for t, lp in tok.top_logprobs)
         return [PositionLogprobs(chosen, top)]
+
+    def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
+        """A token, its text decoded alone and its raw bytes (no tokenizer: empty text)."""
+        if self._token_bytes is None:
+            return TokenLogprob(token_id, logprob, "")
+        text = self.tokenizer.decode([token_id])
+        return TokenLogprob(token_id, logprob, text, self._token_bytes(token_id, text))
 
     @property
     def has_unfinished(self) -> bool:

@@ -49,3 +49,19 @@ def test_a_final_output_carries_its_reason_and_logprobs() -> None:
     # the prefill worker reports a first token that does not end the request
     assert output_to_chunk(out, finished=False).finish_reason == 0
     assert output_to_chunk(out, finished=False).stop_reason == ""
+
+
+def test_a_partial_characters_bytes_reach_the_gateways_chat_logprobs() -> None:
+    from gateway.convert import chunk_from_pb
+    from gateway.formats import chat_logprobs
+
+    part = TokenLogprob(40303, -0.2, " \ufffd", b" \xf0\x9f\x98")
+    whole = TokenLogprob(284, -1.5, " and")  # no bytes given: its text's UTF-8
+    out = RequestOutput("r", [40303], "", False, logprobs=[PositionLogprobs(part, (part, whole))])
+    chunk = chunk_from_pb(output_to_chunk(out))
+    content = chat_logprobs(chunk.logprobs)["content"][0]
+    assert content["bytes"] == [0x20, 0xF0, 0x9F, 0x98] and content["token"] == " \ufffd"
+    assert [t["bytes"] for t in content["top_logprobs"]] == [
+        [0x20, 0xF0, 0x9F, 0x98],
+        list(b" and"),
+    ]
