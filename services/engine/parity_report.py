@@ -170,14 +170,14 @@ def logit_error(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
     }
 
 
-def engine(kernels: str, eager: bool) -> LLM:
+def engine(kernels: str, eager: bool, dtype: str = "bfloat16") -> LLM:
     """A fresh engine with Triton kernels or the torch references (``TANDEM_KERNELS=ref``);
     a fixed small pool, so several fit on one GPU."""
     from kernels import ops
 
     os.environ["TANDEM_KERNELS"] = "ref" if kernels == "ref" else ""
     ops.triton_available.cache_clear()
-    return LLM("embedded", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
+    return LLM("embedded", dtype=dtype, max_model_len=2048, max_num_seqs=16,
                num_blocks=2048, device=DEVICE, enforce_eager=eager)  # fmt: skip
 
 

@@ -17,6 +17,9 @@ and, for our engine against the reference, vLLM's near-tie check (``parity_check
 JSON line per variant and writes the lot to ``--json-out``.
 
     python -m services.engine.parity_study --json-out study.json   (CUDA and the embedded GGUF)
+
+``--dtype float32 --device cpu`` runs the CPU default instead: our engine and transformers both
+in float32, where rounding ties are rare and the continuations should be equal.
 """
 
 from __future__ import annotations
@@ -118,7 +121,9 @@ def hf_groups(model: Any, prompts: list[list[int]], eos: list[int]) -> list[list
     return out
 
 
-def fresh_engine(kernels: str, eager: bool, gemv_rows: int | None = None) -> Any:
+def fresh_engine(
+    kernels: str, eager: bool, gemv_rows: int | None = None, dtype: str = "bfloat16"
+) -> Any:
     """``parity_report.engine`` with the batch-1 GEMV threshold set (None: the default)."""
     from kernels import ops
 
@@ -127,7 +132,7 @@ def fresh_engine(kernels: str, eager: bool, gemv_rows: int | None = None) -> Any
     else:
         os.environ["TANDEM_GEMV_ROWS"] = str(gemv_rows)
     ops.gemv_rows.cache_clear()
-    return pr.engine(kernels, eager)
+    return pr.engine(kernels, eager, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,51 +140,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out")
     ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script")
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts (a dry run)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="float32: both sides in float32 (the CPU default), against transformers float32")  # fmt: skip
     args = ap.parse_args(argv)
     pr.DEVICE = args.device
     texts = pr.PROMPTS + STUDY_PROMPTS
     if args.limit:
         texts = texts[: args.limit]
     rows: list[dict[str, Any]] = []
+    llm = fresh_engine("triton", eager=False, dtype=args.dtype)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
+    eos = pr.stop_ids(llm)
+    truth = pr.hf_greedy(pr.hf_model(torch.float32), prompts, eos, batched=False)
 
-    def report(name: str, got: list[list[int]], **extra: Any) -> None:
+    def report(name: str, got: list[list[int]], reference: list[list[int]], **extra: Any) -> None:
         rows.append({"variant": name, "vs_reference": equal_rate(got, reference),
                      "vs_fp32": equal_rate(got, truth), **extra})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
 
-    llm = fresh_engine("triton", eager=False)
-    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
-    eos = pr.stop_ids(llm)
-    hf32 = pr.hf_model(torch.float32)
-    truth = pr.hf_greedy(hf32, prompts, eos, batched=False)
-    del hf32
-    hf16 = pr.hf_model(torch.bfloat16)
-    ref_top = pr.hf_greedy_top(hf16, prompts, eos)
-    reference = [c.token_ids for c in ref_top]
-    report("transformers bf16 SDPA, one prompt at a time (the reference)", reference)
-    report(f"transformers bf16 SDPA, {GROUP} prompts a batch (left-padded)",
-           hf_groups(hf16, prompts, eos))  # fmt: skip
-    del hf16
-    hf_eager = pr.hf_model(torch.bfloat16, attn_implementation="eager")
-    report("transformers bf16 eager attention, one prompt at a time",
-           pr.hf_greedy(hf_eager, prompts, eos, batched=False))  # fmt: skip
-    del hf_eager
-    ours_top = pr.ours_greedy_top(llm, prompts)
-    report("tandem bf16, CUDA graphs, batched (up to 16 a step)", [c.token_ids for c in ours_top],
-           near_ties=pr.close(ours_top, ref_top))  # fmt: skip
-    report("tandem bf16, CUDA graphs, one prompt at a time", pr.ours_greedy(llm, prompts, True))
-    del llm
-    llm = fresh_engine("triton", eager=False, gemv_rows=0)
-    report("tandem bf16, CUDA graphs, cuBLAS for batch-1 steps (no Triton GEMV), one at a time",
-           pr.ours_greedy(llm, prompts, True))  # fmt: skip
-    del llm
-    llm = fresh_engine("ref", eager=True)
-    report("tandem bf16, torch references for every kernel, eager, batched",
-           pr.ours_greedy(llm, prompts, False))  # fmt: skip
+    if args.dtype == "float32":  # transformers float32 is the reference too
+        report("transformers float32, one prompt at a time (the reference)", truth, truth)
+        for one in (False, True):
+            how = "one prompt at a time" if one else "batched (up to 16 a step)"
+            report(f"tandem float32, {how}", pr.ours_greedy(llm, prompts, one), truth)
+    else:
+        hf16 = pr.hf_model(torch.bfloat16)
+        ref_top = pr.hf_greedy_top(hf16, prompts, eos)
+        ref = [c.token_ids for c in ref_top]
+        report("transformers bf16 SDPA, one prompt at a time (the reference)", ref, ref)
+        report(f"transformers bf16 SDPA, {GROUP} prompts a batch (left-padded)",
+               hf_groups(hf16, prompts, eos), ref)  # fmt: skip
+        del hf16
+        hf_eager = pr.hf_model(torch.bfloat16, attn_implementation="eager")
+        report("transformers bf16 eager attention, one prompt at a time",
+               pr.hf_greedy(hf_eager, prompts, eos, batched=False), ref)  # fmt: skip
+        del hf_eager
+        ours_top = pr.ours_greedy_top(llm, prompts)
+        report("tandem bf16, CUDA graphs, batched (up to 16 a step)",
+               [c.token_ids for c in ours_top], ref, near_ties=pr.close(ours_top, ref_top))  # fmt: skip
+        report("tandem bf16, CUDA graphs, one prompt at a time",
+               pr.ours_greedy(llm, prompts, True), ref)  # fmt: skip
+        del llm
+        llm = fresh_engine("triton", eager=False, gemv_rows=0)
+        report("tandem bf16, CUDA graphs, cuBLAS for batch-1 steps (no Triton GEMV), one at a time",
+               pr.ours_greedy(llm, prompts, True), ref)  # fmt: skip
+        del llm
+        llm = fresh_engine("ref", eager=True)
+        report("tandem bf16, torch references for every kernel, eager, batched",
+               pr.ours_greedy(llm, prompts, False), ref)  # fmt: skip
     if args.json_out:
         device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-        doc = {"device": device, "torch": torch.__version__, "new_tokens": pr.NEW_TOKENS,
-               "prompts": texts, "variants": rows}  # fmt: skip
+        doc = {"device": device, "torch": torch.__version__, "dtype": args.dtype,
+               "new_tokens": pr.NEW_TOKENS, "prompts": texts, "variants": rows}  # fmt: skip
         with open(args.json_out, "w") as fh:
             json.dump(doc, fh, indent=2)
     return 0
