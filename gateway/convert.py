@@ -35,6 +35,7 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         ignore_eos=sp.ignore_eos,
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=sp.skip_special_tokens,
+        logit_bias=dict(sp.logit_bias),
     )
     if sp.seed is not None:
         msg.seed = sp.seed

@@ -15,6 +15,7 @@ from services.scheduling.sampling_params import (
     MAX_STOP_STRINGS,
     InvalidRequestError,
     SamplingParams,
+    logit_bias_pairs,
 )
 
 MAX_N = 128
@@ -76,9 +77,20 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> Sampli
             logprobs=logprobs,
             include_stop_str_in_output=f.get_bool("include_stop_str_in_output", False),
             skip_special_tokens=f.get_bool("skip_special_tokens", True),
+            logit_bias=logit_bias_pairs(_logit_bias(f)),
         )
     except InvalidRequestError as e:
         raise invalid(str(e), e.param) from e
+
+
+def _logit_bias(f: Fields) -> dict[str, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys) to numbers in [-100, 100]; the
+    ranges are SamplingParams' to check."""
+    bias = f.get_dict("logit_bias")
+    for token, value in bias.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(f"logit_bias[{token!r}] must be a number, got {value!r}", "logit_bias")
+    return bias
 
 
 def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: bool) -> CommonOptions:

@@ -24,33 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\ttandem.v1\"\xb8\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"a\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"R\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\"\xb2\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12!\n\x06timing\x18\t \x01(\x0b\x32\x11.tandem.v1.Timing\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x13\n\x0bstatus_code\x18\x0b \x01(\x05\"3\n\nChunkBatch\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenChunk\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xea\x03\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\t \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x15\n\rprompt_tokens\x18\x0b \x01(\x03\x12\x19\n\x11generation_tokens\x18\x0c \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x10 \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\x11 \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x12 \x01(\x03\x12\x12\n\nvocab_size\x18\x13 \x01(\x05\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\x12\x14\n\x0cnum_reserved\x18\x15 \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\ttandem.v1\"\xa8\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"a\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"R\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\"\xb2\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12!\n\x06timing\x18\t \x01(\x0b\x32\x11.tandem.v1.Timing\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x13\n\x0bstatus_code\x18\x0b \x01(\x05\"3\n\nChunkBatch\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenChunk\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xea\x03\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\t \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x15\n\rprompt_tokens\x18\x0b \x01(\x03\x12\x19\n\x11generation_tokens\x18\x0c \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x10 \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\x11 \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x12 \x01(\x03\x12\x12\n\nvocab_size\x18\x13 \x01(\x05\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\x12\x14\n\x0cnum_reserved\x18\x15 \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1686
-  _globals['_FINISHREASON']._serialized_end=1831
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1798
+  _globals['_FINISHREASON']._serialized_end=1943
   _globals['_SAMPLINGPARAMS']._serialized_start=35
-  _globals['_SAMPLINGPARAMS']._serialized_end=475
-  _globals['_TOKENLOGPROB']._serialized_start=477
-  _globals['_TOKENLOGPROB']._serialized_end=562
-  _globals['_POSITIONLOGPROBS']._serialized_start=564
-  _globals['_POSITIONLOGPROBS']._serialized_end=661
-  _globals['_TIMING']._serialized_start=663
-  _globals['_TIMING']._serialized_end=745
-  _globals['_TOKENCHUNK']._serialized_start=748
-  _globals['_TOKENCHUNK']._serialized_end=1054
-  _globals['_CHUNKBATCH']._serialized_start=1056
-  _globals['_CHUNKBATCH']._serialized_end=1107
-  _globals['_ABORTREQUEST']._serialized_start=1109
-  _globals['_ABORTREQUEST']._serialized_end=1143
-  _globals['_ABORTRESPONSE']._serialized_start=1145
-  _globals['_ABORTRESPONSE']._serialized_end=1175
-  _globals['_LOADREQUEST']._serialized_start=1177
-  _globals['_LOADREQUEST']._serialized_end=1190
-  _globals['_WORKERLOAD']._serialized_start=1193
-  _globals['_WORKERLOAD']._serialized_end=1683
+  _globals['_SAMPLINGPARAMS']._serialized_end=587
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=497
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=545
+  _globals['_TOKENLOGPROB']._serialized_start=589
+  _globals['_TOKENLOGPROB']._serialized_end=674
+  _globals['_POSITIONLOGPROBS']._serialized_start=676
+  _globals['_POSITIONLOGPROBS']._serialized_end=773
+  _globals['_TIMING']._serialized_start=775
+  _globals['_TIMING']._serialized_end=857
+  _globals['_TOKENCHUNK']._serialized_start=860
+  _globals['_TOKENCHUNK']._serialized_end=1166
+  _globals['_CHUNKBATCH']._serialized_start=1168
+  _globals['_CHUNKBATCH']._serialized_end=1219
+  _globals['_ABORTREQUEST']._serialized_start=1221
+  _globals['_ABORTREQUEST']._serialized_end=1255
+  _globals['_ABORTRESPONSE']._serialized_start=1257
+  _globals['_ABORTRESPONSE']._serialized_end=1287
+  _globals['_LOADREQUEST']._serialized_start=1289
+  _globals['_LOADREQUEST']._serialized_end=1302
+  _globals['_WORKERLOAD']._serialized_start=1305
+  _globals['_WORKERLOAD']._serialized_end=1795
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import Any
 from protos import common_pb2
 from services.engine.llm_engine import EngineStats
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
-from services.scheduling.sampling_params import SamplingParams
+from services.scheduling.sampling_params import SamplingParams, logit_bias_pairs
 
 FINISH = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -38,6 +38,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens,
+        logit_bias=logit_bias_pairs(msg.logit_bias),
     )
 
 
@@ -48,7 +49,7 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens,
         min_tokens=sp.min_tokens, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos, include_stop_str_in_output=sp.include_stop_str_in_output,
-        skip_special_tokens=sp.skip_special_tokens,
+        skip_special_tokens=sp.skip_special_tokens, logit_bias=dict(sp.logit_bias),
     )  # fmt: skip
     if sp.seed is not None:
         msg.seed = sp.seed

@@ -91,6 +91,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
             )
+        bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bias:
+            raise InvalidRequestError(
+                f"logit_bias token id {bias[0]} is outside the vocabulary [0, {self.vocab_size})",
+                "logit_bias",
+            )
         if len(prompt_token_ids) >= self.max_model_len:
             raise self.context_error(len(prompt_token_ids), params.max_tokens, "prompt")
 

@@ -2,7 +2,8 @@
 
 Seeded requests draw their noise from a generator seeded by (seed, output position), so the
 same seed gives the same text whatever else shares the batch and whichever worker samples.
-Logprobs are those of the model's raw distribution (before penalties and temperature).
+Logprobs are those of the model's raw distribution (before penalties, logit_bias and
+temperature).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def apply_penalties(
             row[seen] = torch.where(
                 vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty
             )
+        if sp.logit_bias:
+            biased, bias = zip(*sp.logit_bias, strict=True)
+            row[list(biased)] += torch.tensor(bias, dtype=row.dtype, device=row.device)
         if (sp.presence_penalty or sp.frequency_penalty) and out:
             ids = torch.tensor(out, dtype=torch.long, device=row.device)
             counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
@@ -84,7 +88,8 @@ def sample(
     want_logprobs = [sp.logprobs for sp in params]
     raw = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
     if any(
-        sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty for sp in params
+        sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty or sp.logit_bias
+        for sp in params
     ):
         logits = logits.clone()
         apply_penalties(logits, params, outputs, prompts)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each value in [-100, 100]
 
 
 class InvalidRequestError(ValueError):
@@ -14,6 +17,18 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def logit_bias_pairs(bias: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> tuple[tuple[int, float], ...]:  # fmt: skip
+    """OpenAI's ``logit_bias`` (a mapping whose keys are token ids, strings in JSON) as sorted
+    ``(token id, bias)`` pairs, the form SamplingParams keeps."""
+    try:
+        pairs = dict(bias).items()
+        return tuple(sorted((int(t), float(v)) for t, v in pairs))
+    except (TypeError, ValueError):
+        raise InvalidRequestError(
+            "logit_bias must map token ids (integers, as strings in JSON) to numbers", "logit_bias"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    # token id -> added to its logit before sampling (OpenAI's logit_bias); a mapping is accepted
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +59,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         self.validate()
 
     @property
@@ -100,3 +118,14 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must not be empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+                "logit_bias",
+            )
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(
+                    f"logit_bias maps token ids (>= 0) to values in [-100, 100], got {token}: {bias}",
+                    "logit_bias",
+                )

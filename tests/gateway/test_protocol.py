@@ -213,3 +213,12 @@ def test_error_body_shape() -> None:
     assert json.loads(json.dumps(body)) == {
         "error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}
     }
+
+
+def test_logit_bias_is_parsed_and_checked() -> None:
+    req = parse_completion({"prompt": "hi", "logit_bias": {"7042": -100, "5": 2.5}})
+    assert req.common.sampling.logit_bias == ((5, 2.5), (7042, -100.0))
+    for bad in ({"5": "x"}, {"5": True}, {"x": 1}, {"5": 101}, [1, 2]):
+        with pytest.raises(APIError) as info:
+            parse_completion({"prompt": "hi", "logit_bias": bad})
+        assert getattr(info.value, "param", None) == "logit_bias", bad

@@ -65,3 +65,8 @@ def test_a_partial_characters_bytes_reach_the_gateways_chat_logprobs() -> None:
         [0x20, 0xF0, 0x9F, 0x98],
         list(b" and"),
     ]
+
+
+def test_logit_bias_survives_the_wire() -> None:
+    sp = SamplingParams(logit_bias={"7042": -100, 5: 2.5})  # type: ignore[arg-type]
+    assert sampling_from_pb(sampling_to_pb(sp)).logit_bias == ((5, 2.5), (7042, -100.0))

@@ -93,3 +93,15 @@ def test_max_model_len_that_does_not_fit_is_refused_with_the_fix() -> None:
         LLM("embedded", num_blocks=4, max_model_len=1024)
     msg = str(err.value)
     assert "--max-model-len 64" in msg and "--num-blocks" in msg
+
+
+def test_logit_bias_bans_and_forces_tokens(llm: LLM, chat_ids: list[list[int]]) -> None:
+    ids = chat_ids[0]
+    plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+    first = plain.token_ids[0]
+    banned = SamplingParams(temperature=0, max_tokens=3, logit_bias={str(first): -100})
+    assert llm.generate([ids], banned)[0].outputs[0].token_ids[0] != first
+    forced = SamplingParams(temperature=0.7, seed=1, max_tokens=3, logit_bias={"42": 100})
+    assert llm.generate([ids], forced)[0].outputs[0].token_ids == [42, 42, 42]
+    with pytest.raises(InvalidRequestError, match="logit_bias token id"):
+        llm.engine.validate(ids, SamplingParams(logit_bias={llm.engine.vocab_size: 1}))

@@ -49,3 +49,15 @@ def test_penalties() -> None:
         logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [[1, 1, 2]], [[0]]
     )
     assert logits.tolist() == [[0.0, -1.0, -0.75]]
+
+
+def test_logit_bias_shifts_the_biased_tokens_only() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    params = [SamplingParams(temperature=0, logit_bias={1: -100}),
+              SamplingParams(temperature=0, logit_bias={"0": 100, 2: 1.5})]  # fmt: skip
+    out = sample(logits, params, [[], []], [[0], [0]], [[], []])
+    assert [t.token_id for t in out] == [2, 0]
+    assert logits.tolist() == [[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]]  # the caller's logits untouched
+    lp = sample(logits[:1], [SamplingParams(temperature=0, logprobs=0, logit_bias={1: -100})],
+                [[]], [[0]], [[]])[0]  # fmt: skip
+    assert lp.token_id == 2 and lp.logprob == torch.log_softmax(logits[0], -1)[2].item()

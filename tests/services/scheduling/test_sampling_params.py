@@ -30,6 +30,12 @@ from services.scheduling.sampling_params import InvalidRequestError, SamplingPar
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"n": 0}, "n"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": {"5": float("nan")}}, "logit_bias"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs: dict[str, Any], param: str) -> None:
@@ -49,6 +55,8 @@ def test_invalid_values_name_the_field(kwargs: dict[str, Any], param: str) -> No
         {"logprobs": 20},
         {"top_k": -1},
         {"stop": [str(i) for i in range(16)]},
+        {"logit_bias": {"0": -100, "7": 100}},
+        {"logit_bias": {str(i): 1 for i in range(300)}},
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, Any]) -> None:
@@ -61,3 +69,9 @@ def test_stop_and_stop_token_ids_are_normalised() -> None:
     assert params.stop_token_ids == (3, 4)
     assert SamplingParams(temperature=0.0).greedy
     assert hash(params) == hash(SamplingParams(stop=("END",), stop_token_ids=(3, 4)))
+
+
+def test_logit_bias_mapping_becomes_sorted_pairs() -> None:
+    params = SamplingParams(logit_bias={"7042": -100, 5: 2})  # type: ignore[arg-type]
+    assert params.logit_bias == ((5, 2.0), (7042, -100.0))
+    assert SamplingParams(logit_bias=params.logit_bias) == params
