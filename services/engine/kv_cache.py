@@ -37,11 +37,17 @@ def plan_num_blocks(
 
 
 def check_fits(num_blocks: int, block_size: int, max_model_len: int, knob_hint: str) -> None:
-    capacity = num_blocks * block_size
-    if num_blocks < 1 or capacity < max_model_len:
+    capacity = max(num_blocks, 0) * block_size
+    if capacity >= max_model_len and num_blocks >= 1:
+        return
+    need = f"one sequence of max_model_len {max_model_len} needs {-(-max_model_len // block_size)} blocks of {block_size} tokens"  # fmt: skip
+    if num_blocks < 1:  # no --max-model-len helps: the pool must grow
         raise ConfigError(
-            f"max_model_len {max_model_len} does not fit in the KV cache: one sequence of that length "
-            f"needs {-(-max_model_len // block_size)} blocks of {block_size} tokens, but the pool holds "
-            f"{num_blocks} blocks ({capacity} tokens). Either set --max-model-len {capacity} or less, "
-            f"or give the KV cache more memory ({knob_hint})."
+            f"the KV cache holds no block of {block_size} tokens at all ({need}): give it more "
+            f"memory ({knob_hint})."
         )
+    raise ConfigError(
+        f"max_model_len {max_model_len} does not fit in the KV cache: {need}, but the pool holds "
+        f"{num_blocks} blocks ({capacity} tokens). Either set --max-model-len {capacity} or less, "
+        f"or give the KV cache more memory ({knob_hint})."
+    )
