@@ -2,13 +2,16 @@
 
 Prepare the model once, start the workers on free ports, wait for their ready files, start the
 gateway pointed at them, print one ``Tandem is ready:`` line, then watch. Ctrl-C or SIGTERM stops
-the gateway first, then the workers; no child outlives the launcher.
+the gateway first, then the workers; no child outlives the launcher. A worker that dies is
+started again on its port (at most TANDEM_UP_MAX_RESTARTS times in five minutes); the gateway
+routes around it meanwhile and finds it back through its health checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -27,11 +30,14 @@ from typing import IO, TextIO
 
 from deploy.gpus import detect_gpus
 from deploy.plan import Plan, build_plan, gateway_spec
-from deploy.supervisor import Child, ChildFailedError, Supervisor, parent_death_env
+from deploy.supervisor import Child, ChildFailedError, ChildSpec, Supervisor, parent_death_env
 from services.config import ConfigError
 
 READY_TIMEOUT_S = float(os.environ.get("TANDEM_UP_READY_TIMEOUT", "900"))
 GRACE_S = float(os.environ.get("TANDEM_UP_GRACE", "15"))  # a floor; see shutdown_grace()
+# a worker that dies is started again on its port, up to this many times in RESTART_WINDOW_S
+MAX_RESTARTS = int(os.environ.get("TANDEM_UP_MAX_RESTARTS", "3"))
+RESTART_WINDOW_S = 300.0
 DRAIN_MARGIN_S = 5.0  # past the gateway's --drain-timeout, for its last frames and exit
 WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -156,6 +162,11 @@ def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> str:
     return public_url(plan.host, int((gateway.ready or {}).get("port", plan.port)))
 
 
+def port_of(sup: Supervisor, name: str) -> int:
+    child = next(c for c in sup.children if c.name == name)
+    return int((child.ready or {})["port"])
+
+
 def shutdown_grace(drain_timeout_s: float, floor_s: float = GRACE_S) -> float:
     """Seconds each tier gets after SIGTERM before SIGKILL.
 
@@ -166,12 +177,48 @@ def shutdown_grace(drain_timeout_s: float, floor_s: float = GRACE_S) -> float:
     return max(floor_s, drain_timeout_s + DRAIN_MARGIN_S)
 
 
-def watch(sup: Supervisor) -> int:
-    while (child := sup.first_exited()) is None:
-        time.sleep(0.2)
-    code = child.proc.returncode
-    say(f"tandem up: {sup.failure(child, f'exited unexpectedly with code {code}')}", error=True)
-    return 1
+def same_port_spec(spec: ChildSpec, port: int) -> ChildSpec:
+    """A worker's spec with ``--port`` fixed to the port it had: the gateway knows it there."""
+    argv = list(spec.argv)
+    at = argv.index("--port") + 1
+    argv[at] = str(port)
+    return dataclasses.replace(spec, argv=argv)
+
+
+def watch(
+    sup: Supervisor,
+    ports: dict[str, int],
+    max_restarts: int = MAX_RESTARTS,
+    window_s: float = RESTART_WINDOW_S,
+) -> int:
+    """Serve until a child exits. A worker (a name in ``ports``) is restarted on its port, so
+    the gateway's health checks find it back, unless it already died ``max_restarts`` times in
+    ``window_s``; the gateway's exit, or a worker past its restarts, stops everything (1)."""
+    deaths: dict[str, deque[float]] = {}
+    while True:
+        child = sup.first_exited()
+        if child is None:
+            time.sleep(0.2)
+            continue
+        code = child.proc.returncode
+        recent = deaths.setdefault(child.name, deque())
+        now = time.monotonic()
+        while recent and now - recent[0] > window_s:
+            recent.popleft()
+        if child.name not in ports or len(recent) >= max_restarts:
+            what = f"exited unexpectedly with code {code}"
+            if recent:
+                what += f" ({len(recent) + 1} times in {window_s:.0f} s)"
+            say(f"tandem up: {sup.failure(child, what)}", error=True)
+            return 1
+        recent.append(now)
+        port = ports[child.name]
+        say(
+            f"tandem up: {child.name} exited unexpectedly with code {code}; starting it again on "
+            f"port {port} (log {child.log_path})",
+            error=True,
+        )
+        sup.restart(child, same_port_spec(child.spec, port))
 
 
 def run(
@@ -181,7 +228,8 @@ def run(
     ready_timeout_s: float = READY_TIMEOUT_S,
     grace_s: float | None = None,
 ) -> int:
-    """Start everything in ``plan``, serve until a signal or a child's death, then stop it all.
+    """Start everything in ``plan``, serve until a signal, the gateway's death or a worker's death
+    past its restarts (:func:`watch`), then stop it all.
 
     ``grace_s`` None: :func:`shutdown_grace` of the drain timeout the gateway was given.
     """
@@ -202,7 +250,7 @@ def run(
     try:
         url = start_all(plan, sup, ready_timeout_s)
         say(ready_message(plan, url, served_model_id(url, api_key, plan.model), api_key))
-        return watch(sup)
+        return watch(sup, {w.spec.name: port_of(sup, w.spec.name) for w in plan.workers})
     except _Stop:
         return 0
     except ChildFailedError as exc:

@@ -117,6 +117,17 @@ class Supervisor:
         self.children.append(child)
         return child
 
+    def restart(self, child: Child, spec: ChildSpec) -> Child:
+        """Replace an exited child by a new one of ``spec`` (its log is appended to); the old
+        ready file is removed first, so the new one's readiness is its own."""
+        if child.proc.poll() is None:
+            raise RuntimeError(f"{child.name} is still running")
+        self.children.remove(child)
+        child.log.close()
+        if spec.ready_file is not None:
+            spec.ready_file.unlink(missing_ok=True)
+        return self.start(spec)
+
     def failure(self, child: Child, what: str) -> ChildFailedError:
         return ChildFailedError(
             f"{child.name} {what}; last lines of {child.log_path}:\n{log_tail(child.log_path)}"

@@ -150,13 +150,53 @@ def test_a_worker_that_fails_to_start_stops_everything_with_its_log(start) -> No
     assert all_gone([c["pid"] for c in up.children().values()])
 
 
-def test_a_worker_dying_later_brings_the_launcher_down(start) -> None:
+def _lives(up: Up, name: str, count: int, timeout_s: float = 30) -> list[dict]:
+    """The JSON self-descriptions in ``name``'s log (one per start), once there are ``count``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = (up.log_dir / f"{name}.log").read_text().splitlines()
+        lives = [json.loads(ln) for ln in lines if ln.startswith("{")]
+        if len(lives) >= count:
+            return lives
+        time.sleep(0.05)
+    raise AssertionError(f"{name} was not started {count} times; output:\n" + "\n".join(up.lines))
+
+
+def test_a_worker_that_dies_is_started_again_on_its_port(start) -> None:
     up = start()
     up.wait_for(READY)
     children = up.children()
     os.kill(children["decode-0"]["pid"], signal.SIGKILL)
+    first, second = _lives(up, "decode-0", 2)
+    port = first["port"]
+    assert second["port"] == port and second["pid"] != first["pid"]
+    assert second["argv"][second["argv"].index("--port") + 1] == str(port)
+    up.wait_for(re.compile(rf"tandem up: decode-0 exited unexpectedly .* again on port {port} "))
+    assert up.proc.poll() is None  # still serving
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.finish() == 0
+    assert all_gone([second["pid"], *(c["pid"] for c in children.values())])
+
+
+def test_a_worker_that_keeps_dying_brings_the_launcher_down(start) -> None:
+    up = start(TANDEM_UP_MAX_RESTARTS="1")
+    up.wait_for(READY)
+    children = up.children()
+    os.kill(children["decode-0"]["pid"], signal.SIGKILL)
+    second = _lives(up, "decode-0", 2)[1]
+    os.kill(second["pid"], signal.SIGKILL)
     assert up.finish() == 1
-    assert "decode-0 exited unexpectedly" in "\n".join(up.lines)
+    assert "decode-0 exited unexpectedly with code -9 (2 times in 300 s)" in "\n".join(up.lines)
+    assert all_gone([second["pid"], *(c["pid"] for c in children.values())])
+
+
+def test_the_gateway_dying_brings_the_launcher_down(start) -> None:
+    up = start()
+    up.wait_for(READY)
+    children = up.children()
+    os.kill(children["gateway"]["pid"], signal.SIGKILL)
+    assert up.finish() == 1
+    assert "gateway exited unexpectedly" in "\n".join(up.lines)
     assert all_gone([c["pid"] for c in children.values()])
 
 
