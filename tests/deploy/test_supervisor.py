@@ -95,3 +95,18 @@ def test_ready_files_may_hold_json_or_a_bare_port(tmp_path: Path) -> None:
     assert read_ready_file(tmp_path / "b") == {"port": 8000}
     assert read_ready_file(tmp_path / "c") is None
     assert read_ready_file(tmp_path / "missing") is None
+
+
+def test_restart_replaces_an_exited_child_and_its_ready_file(sup: Supervisor, tmp_path: Path) -> None:  # fmt: skip
+    spec = fake(tmp_path, "d0", "decode")
+    child = sup.start(spec)
+    sup.wait_ready([child], timeout_s=20)
+    with pytest.raises(RuntimeError, match="still running"):
+        sup.restart(child, spec)
+    child.proc.kill()
+    child.proc.wait()
+    assert spec.ready_file is not None and spec.ready_file.exists()
+    again = sup.restart(child, spec)
+    assert sup.children == [again] and child.log.closed
+    sup.wait_ready([again], timeout_s=20)  # the new child's own ready file
+    assert again.ready is not None and again.proc.pid != child.proc.pid
