@@ -23,8 +23,8 @@ def logit_bias_pairs(bias: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> tup
     """OpenAI's ``logit_bias`` (a mapping whose keys are token ids, strings in JSON) as sorted
     ``(token id, bias)`` pairs, the form SamplingParams keeps."""
     try:
-        pairs = dict(bias).items()
-        return tuple(sorted((int(t), float(v)) for t, v in pairs))
+        by_id = {int(t): float(v) for t, v in dict(bias).items()}  # "5" and "05" are one token
+        return tuple(sorted(by_id.items()))
     except (TypeError, ValueError):
         raise InvalidRequestError(
             "logit_bias must map token ids (integers, as strings in JSON) to numbers", "logit_bias"

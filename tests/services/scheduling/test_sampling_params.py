@@ -75,3 +75,4 @@ def test_logit_bias_mapping_becomes_sorted_pairs() -> None:
     params = SamplingParams(logit_bias={"7042": -100, 5: 2})  # type: ignore[arg-type]
     assert params.logit_bias == ((5, 2.0), (7042, -100.0))
     assert SamplingParams(logit_bias=params.logit_bias) == params
+    assert len(SamplingParams(logit_bias={"5": 1, "05": 2}).logit_bias) == 1  # type: ignore[arg-type]
