@@ -95,14 +95,17 @@ def _logit_bias(f: Fields) -> dict[str, float]:
 
 def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: bool) -> CommonOptions:
     max_tokens = f.get_int(max_tokens_field, None, 1, MAX_TOKENS_LIMIT)
+    stream = f.get_bool("stream", False)
     options = f.get_dict("stream_options")
+    if f.get("stream_options") is not None and not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool | None):
         raise invalid("stream_options.include_usage must be true or false", "stream_options")
     return CommonOptions(
         model=f.get_str("model", None),
         n=f.get_int("n", 1, 1, MAX_N) or 1,
-        stream=f.get_bool("stream", False),
+        stream=stream,
         include_usage=bool(include_usage),
         max_tokens=max_tokens,
         sampling=_sampling(f, max_tokens, logprobs),
@@ -138,26 +141,47 @@ def _prompts(value: Any) -> tuple[Prompt, ...]:
     return tuple(prompts)
 
 
+def _check_unsupported_completion(f: Fields, n: int) -> None:
+    """``suffix`` (insertion) and ``best_of`` (server-side ranking) would be silently ignored:
+    refuse them. An empty suffix and best_of 1 ask for nothing and pass."""
+    suffix = f.get_str("suffix", None, 1 << 20)
+    if suffix:
+        raise invalid("suffix is not supported (no insertion/fill-in-the-middle)", "suffix")
+    best_of = f.get_int("best_of", None, 1, INT32_MAX)
+    if best_of is not None and best_of > 1:
+        raise invalid(
+            "best_of is not supported (only 1): ask for n choices and rank them yourself",
+            "best_of",
+        )
+    if best_of is not None and best_of < n:
+        raise invalid(f"best_of must be at least n ({n}), got {best_of}", "best_of")
+
+
 def parse_completion(body: Any) -> CompletionRequest:
     f = Fields(require_object(body))
     if f.get("prompt") is None:
         raise invalid("prompt is required", "prompt")
     logprobs = f.get_int("logprobs", None, 0, MAX_LOGPROBS)
+    common = _common(f, "max_tokens", logprobs, special=True)
+    _check_unsupported_completion(f, common.n)
     return CompletionRequest(
-        common=_common(f, "max_tokens", logprobs, special=True),
+        common=common,
         prompts=_prompts(f.get("prompt")),
         echo=f.get_bool("echo", False),
         logprobs=logprobs,
     )
 
 
-def _content(message: dict[str, Any], index: int) -> str:
+def _content(message: dict[str, Any], index: int, role: str) -> str:
     content = message.get("content")
+    param = f"messages[{index}].content"
+    if role != "assistant" and (content is None or content == []):
+        # only an assistant turn (one carrying tool calls) may come without content
+        raise invalid(f"{param} is required for a {role} message (a string or text parts)", param)
     if content is None:  # an assistant turn with tool calls only; templates expect a string
         return ""
     if isinstance(content, str):
         return content
-    param = f"messages[{index}].content"
     if not isinstance(content, list):
         raise invalid(f"{param} must be a string or a list of text parts", param)
     texts = []
@@ -185,9 +209,10 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 "messages",
             )
+        content = _content(message, i, role)
         # OpenAI's newer name for system; chat templates only know system
         role = "system" if role == "developer" else role
-        out.append({**message, "role": role, "content": _content(message, i)})
+        out.append({**message, "role": role, "content": content})
     return out
 
 

@@ -83,7 +83,30 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CHAT, {"messages": [{"role": "user", "content": "hi " * 2100}]}, {}, "However, your request has"),
     (CHAT, {"messages": MSGS, "top_logprobs": 3}, {}, "top_logprobs needs logprobs set to true"),
     (CHAT, {"messages": MSGS, "chat_template_kwargs": 3}, {}, "chat_template_kwargs must be an object"),
+    (CMPL, {"prompt": "hi", "suffix": "tail"}, {}, "suffix is not supported"),
+    (CMPL, {"prompt": "hi", "suffix": 5}, {}, "suffix must be a string"),
+    (CMPL, {"prompt": "hi", "best_of": 2}, {}, "best_of is not supported"),
+    (CMPL, {"prompt": "hi", "best_of": 3, "n": 3}, {}, "best_of is not supported"),
+    (CMPL, {"prompt": "hi", "best_of": 1, "n": 2}, {}, "best_of must be at least n (2), got 1"),
+    (CMPL, {"prompt": "hi", "best_of": 0}, {}, "best_of must be between 1"),
+    (CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}}, {}, "stream_options is only allowed when stream is true"),
+    (CMPL, {"prompt": "hi", "stream": False, "stream_options": {}}, {}, "stream_options is only allowed when stream is true"),
+    (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, {}, "stream_options is only allowed when stream is true"),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, {}, "messages[0].content is required for a user message"),
+    (CHAT, {"messages": [{"role": "user"}]}, {}, "messages[0].content is required for a user message"),
+    (CHAT, {"messages": [{"role": "user", "content": []}]}, {}, "messages[0].content is required for a user message"),
+    (CHAT, {"messages": [{"role": "system", "content": None}, *MSGS]}, {}, "messages[0].content is required for a system message"),
+    (CHAT, {"messages": [*MSGS, {"role": "developer", "content": []}]}, {}, "messages[1].content is required for a developer message"),
+    (CHAT, {"messages": [*MSGS, {"role": "tool", "content": None, "tool_call_id": "c"}]}, {}, "messages[1].content is required for a tool message"),
 ]  # fmt: skip
+
+# which field each refusal above names (``param``)
+PARAMS = {
+    "suffix is not supported": "suffix",
+    "best_of is not supported": "best_of",
+    "stream_options is only allowed": "stream_options",
+    "messages[0].content is required": "messages[0].content",
+}
 
 
 def _post(url: str, body: Any, headers: dict[str, str]) -> httpx.Response:
@@ -106,6 +129,9 @@ def test_malformed_input_corpus(colocated: Stack) -> None:
         assert set(error) == {"message", "type", "param", "code"}, case
         assert error["type"] == "invalid_request_error", case
         assert words in error["message"], (case, error["message"])
+        for start, param in PARAMS.items():
+            if words.startswith(start):
+                assert error["param"] == param, (case, error)
     assert colocated.workers[0].records.requests == []  # nothing bad reached a worker
 
 
@@ -193,7 +219,7 @@ def test_parse_chat_options() -> None:
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 7, "max_tokens": 9, "logprobs": True, "top_logprobs": 2,
         "chat_template_kwargs": {"enable_thinking": False, "messages": "ignored"},
-        "stream_options": {"include_usage": True},
+        "stream": True, "stream_options": {"include_usage": True},
     })  # fmt: skip
     assert req.messages[0]["content"] == "a\nb"
     assert req.common.max_tokens == 7 and req.common.sampling.logprobs == 2
@@ -222,3 +248,22 @@ def test_logit_bias_is_parsed_and_checked() -> None:
         with pytest.raises(APIError) as info:
             parse_completion({"prompt": "hi", "logit_bias": bad})
         assert getattr(info.value, "param", None) == "logit_bias", bad
+
+
+def test_what_openai_accepts_stays_accepted() -> None:
+    """Null/empty versions of the refused fields ask for nothing; assistant turns (tool calls)
+    may come without content, and an empty string is a valid (empty) turn."""
+    req = parse_completion({"prompt": "hi", "suffix": "", "best_of": 1})
+    assert req.common.n == 1
+    parse_completion({"prompt": "hi", "suffix": None, "best_of": None, "stream_options": None})
+    req = parse_completion(
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert req.common.stream and req.common.include_usage
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    req = parse_chat({"messages": [
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c"},
+    ]})  # fmt: skip
+    assert [m["content"] for m in req.messages] == ["", "", "42"]
