@@ -59,7 +59,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return APIError(exc.status_code, str(exc.detail), code="http_error").response()
+    # Starlette's own errors (405 with its Allow header, 404): OpenAI-shaped, headers kept
+    error = APIError(exc.status_code, str(exc.detail), code="http_error", headers=exc.headers)
+    return error.response()
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:

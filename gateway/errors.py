@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
 
 _TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
     499: "client_closed_request",
-    500: "server_error",
-    502: "server_error",
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` for a status: a few have their own, any other 4xx is the client's
+    (``invalid_request_error``), anything else the server's (``server_error``)."""
+    if status in _TYPES:
+        return _TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 class APIError(Exception):
@@ -30,13 +34,15 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error")
+        self.type = type or error_type(status)
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {
@@ -49,7 +55,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

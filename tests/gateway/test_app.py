@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from gateway.admin_api import SPEC_PATH
+from gateway.errors import APIError, error_type
 from tests.gateway.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,8 +94,25 @@ def test_get_one_model_by_id(secured: Stack) -> None:
 def test_unknown_route_and_wrong_method_are_openai_errors(colocated: Stack) -> None:
     r = httpx.get(f"{colocated.base_url}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
-    r = httpx.get(f"{colocated.base_url}/v1/completions")
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    for path, allowed in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST")):
+        r = httpx.get(f"{colocated.base_url}{path}")
+        assert r.status_code == 405 and r.headers["allow"] == allowed, r.headers
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.post(f"{colocated.base_url}/v1/models", json={})
+    assert r.status_code == 405 and "GET" in r.headers["allow"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_error_types_follow_the_status() -> None:
+    """Every 4xx is the client's (invalid_request_error) unless it has its own type; every
+    other status is the server's."""
+    assert error_type(400) == error_type(405) == error_type(422) == "invalid_request_error"
+    assert error_type(429) == error_type(404) == "invalid_request_error"
+    assert error_type(401) == "authentication_error"
+    assert error_type(500) == error_type(502) == error_type(507) == "server_error"
+    assert error_type(503) == "service_unavailable_error" and error_type(504) == "timeout_error"
+    assert APIError(405, "m").type == "invalid_request_error"
 
 
 def test_version_openapi_and_workers(colocated: Stack) -> None:
