@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,24 +27,69 @@ def envelope(rid: str, obj: str, created: int, model: str, choices: list[Any]) -
 # ---- completions (legacy logprobs: parallel lists) ----
 
 
+def _legacy_token(text: str, raw: bytes) -> str:
+    """A token as legacy logprobs show it: its text, or, where it holds only part of a
+    character (its text has U+FFFD and its bytes are known), ``bytes:\\xNN...`` as OpenAI does."""
+    if "\ufffd" in text and raw:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
+_CONTINUATION = bytes(range(0x80, 0xC0))  # a UTF-8 byte that continues a character
+
+
+class _TextOffsets:
+    """Where each token starts, in characters of the text the tokens spell: the characters that
+    all earlier tokens' bytes complete. The pieces of one split character all point at where that
+    character starts, and no offset passes the text's end.
+
+    Bytes that continue a character begun before ``start`` (a streamed chunk that opens with the
+    rest of a character the previous chunk's text held back) belong to a character at ``start``."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.chars = 0  # characters the bytes so far complete (after any leading tail)
+        self.tail = False  # the bytes opened with the tail of a character begun before start
+        self.begun = False  # a byte that starts a character has come
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+
+    def next(self, raw: bytes) -> int:
+        """The offset of a token with bytes ``raw``, which then count as seen."""
+        in_tail = not self.begun and raw[:1] != raw[:1].lstrip(_CONTINUATION)
+        at = self.start + (1 if self.tail and not in_tail else 0) + self.chars
+        if not self.begun:
+            rest = raw.lstrip(_CONTINUATION)
+            self.tail = self.tail or len(rest) < len(raw)
+            self.begun = bool(rest)
+            raw = rest
+        self.chars += len(self.decoder.decode(raw))
+        return at
+
+
 def completion_logprobs(
     entries: Sequence[PositionLogprobs],
     offset: int,
-    prompt_tokens: Sequence[str] = (),
+    prompt_tokens: Sequence[str | bytes] = (),
 ) -> dict[str, Any]:
-    """``{tokens, token_logprobs, top_logprobs, text_offset}``; echoed prompt tokens have null
-    logprobs. ``offset`` is where the first token starts in the choice's text."""
-    tokens: list[str] = list(prompt_tokens)
+    """``{tokens, token_logprobs, top_logprobs, text_offset}``; echoed prompt tokens (their text,
+    or their raw bytes) come first with null logprobs. ``offset`` is where the first token starts
+    in the choice's text; ``text_offset`` counts characters of that text (see _TextOffsets)."""
+    tokens: list[str] = []
     token_logprobs: list[float | None] = [None] * len(prompt_tokens)
     top: list[dict[str, float] | None] = [None] * len(prompt_tokens)
+    offsets: list[int] = []
+    where = _TextOffsets(offset)
+    for p in prompt_tokens:
+        raw = p if isinstance(p, bytes) else p.encode("utf-8")
+        text = p.decode("utf-8", errors="replace") if isinstance(p, bytes) else p
+        offsets.append(where.next(raw))
+        tokens.append(_legacy_token(text, raw))
     for entry in entries:
-        tokens.append(entry.chosen.token)
-        token_logprobs.append(entry.chosen.logprob)
-        top.append({t.token: t.logprob for t in entry.top} if entry.top else {})
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+        chosen = entry.chosen
+        offsets.append(where.next(chosen.token_bytes or chosen.token.encode("utf-8")))
+        tokens.append(_legacy_token(chosen.token, chosen.token_bytes))
+        token_logprobs.append(chosen.logprob)
+        top.append({_legacy_token(t.token, t.token_bytes): t.logprob for t in entry.top})
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
