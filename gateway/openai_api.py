@@ -129,7 +129,7 @@ async def completions(request: Request) -> Response:
         prefix = c.prompt_text if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
-            echoed = [tok.decode([t]) for t in c.item.prompt_ids] if req.echo else []
+            echoed = [tok.token_bytes(t) for t in c.item.prompt_ids] if req.echo else []
             logprobs = formats.completion_logprobs(c.logprobs, 0, echoed)
         return formats.completion_choice(
             c.index, prefix + "".join(c.text), logprobs, c.finish_reason

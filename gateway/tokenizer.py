@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from gateway.chat_template import ChatTemplate, ChatTemplateError, pick_template
 from services.config import ConfigError
+from services.token_bytes import TokenBytes, is_byte_level
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 
@@ -52,6 +53,7 @@ class GatewayTokenizer:
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id: int | None = self._tok.token_to_id(eos) if eos else None
+        self._bytes = TokenBytes(self.id_to_token, is_byte_level(self._tok.decoder))
         source = self._load_template(directory, config, chat_template_path)
         self._template = ChatTemplate(source, self.special_tokens) if source else None
 
@@ -79,6 +81,10 @@ class GatewayTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         token = self._tok.id_to_token(token_id)
         return None if token is None else str(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's raw bytes (part of a character where one spans tokens; see services.token_bytes)."""
+        return self._bytes(token_id, self.decode([token_id]))
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

@@ -13,13 +13,13 @@ from services.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
-from services.engine.token_bytes import TokenBytes
 from services.model_files import ModelFiles
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.outputs import StepUpdate
 from services.scheduling.request import FinishReason, Request
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduling.scheduler import Scheduler
+from services.token_bytes import TokenBytes
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         files = self.runner.files
         self.tokenizer = _tokenizer_for(files)
-        self._token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
+        self._token_bytes = TokenBytes.of(self.tokenizer) if self.tokenizer is not None else None
         self.model_name = config.model.model if files.kind != "gguf" else files.name
         self.vocab_size = self.runner.arch.vocab_size
         self.max_model_len = self.runner.max_model_len

@@ -176,3 +176,15 @@ def test_streaming_echo_sends_the_prompt_first(colocated: Stack) -> None:
     )
     texts = [c.choices[0].text for c in stream]
     assert texts == ["Hello world", "Hello", " world"]
+
+
+def test_echoed_split_characters_keep_offsets_inside_the_text(colocated: Stack) -> None:
+    out = client(colocated).completions.create(
+        model="embedded", prompt="Hi 😀!", max_tokens=1, logprobs=0, echo=True
+    )
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith("Hi 😀!")
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens)  # the emoji's pieces
+    assert lp.text_offset == sorted(lp.text_offset) and max(lp.text_offset) < len(choice.text)
+    assert choice.text[lp.text_offset[-2] :].startswith("!")  # the prompt's last token

@@ -112,3 +112,11 @@ def test_resolve_tokenizer_dir(tokenizer_dir: str, tmp_path) -> None:
     assert resolve_tokenizer_dir(tokenizer_dir, None) == tokenizer_dir
     with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
         GatewayTokenizer(str(tmp_path))
+
+
+def test_token_bytes_rebuild_a_split_character(tokenizer_dir: str) -> None:
+    tok = GatewayTokenizer(tokenizer_dir)
+    text = "Emojis: 😀🎉 日本"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")

@@ -105,3 +105,11 @@ def test_logit_bias_bans_and_forces_tokens(llm: LLM, chat_ids: list[list[int]]) 
     assert llm.generate([ids], forced)[0].outputs[0].token_ids == [42, 42, 42]
     with pytest.raises(InvalidRequestError, match="logit_bias token id"):
         llm.engine.validate(ids, SamplingParams(logit_bias={llm.engine.vocab_size: 1}))
+
+
+def test_logprob_tokens_carry_their_bytes(llm: LLM) -> None:
+    text = "I love 😀 and 日本語"
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    pieces = [llm.engine._token_logprob(i, -1.0) for i in ids]
+    assert b"".join(p.token_bytes for p in pieces) == text.encode("utf-8")
+    assert any("\ufffd" in p.token for p in pieces)  # the emoji is split over tokens

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -31,23 +32,34 @@ def byte_level_alphabet() -> dict[str, int]:
     return alphabet
 
 
-def _uses_byte_level(tokenizer: Any) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None)
+def is_byte_level(decoder: Any) -> bool:
+    """Whether a ``tokenizers`` decoder is byte-level BPE's."""
     return type(decoder).__name__ == "ByteLevel"
 
 
 class TokenBytes:
-    """``token_bytes(token_id, text)``: the bytes of a token whose decoded text is ``text``."""
+    """``token_bytes(token_id, text)``: the bytes of a token whose decoded text is ``text``.
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.byte_level = _uses_byte_level(tokenizer)
+    ``piece`` gives a token's vocabulary entry (``convert_ids_to_tokens`` of a transformers
+    tokenizer, ``id_to_token`` of a ``tokenizers.Tokenizer``); ``byte_level`` says whether its
+    decoder is byte-level BPE's."""
+
+    def __init__(self, piece: Callable[[int], Any], byte_level: bool) -> None:
+        self.piece = piece
+        self.byte_level = byte_level
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenBytes:
+        """For a transformers tokenizer (its fast backend tells the decoder)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        return cls(
+            tokenizer.convert_ids_to_tokens, is_byte_level(getattr(backend, "decoder", None))
+        )
 
     def __call__(self, token_id: int, text: str) -> bytes:
         if "\ufffd" not in text:
             return text.encode("utf-8")
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        piece = self.piece(token_id)
         if not isinstance(piece, str):
             return text.encode("utf-8")
         if m := _BYTE_PIECE.fullmatch(piece):
