@@ -245,11 +245,4 @@ class ModelRunner:
 
 def _plain_greedy(sp: SamplingParams) -> bool:
     """Greedy with nothing for the sampler to do: no logprobs, no penalties, no logit_bias."""
-    return (
-        sp.greedy
-        and sp.logprobs is None
-        and not sp.logit_bias
-        and sp.repetition_penalty == 1.0
-        and not sp.presence_penalty
-        and not sp.frequency_penalty
-    )
+    return sp.greedy and sp.logprobs is None and not sp.adjusts_logits

@@ -87,10 +87,7 @@ def sample(
     work is queued (the runner's reader waits with the GIL released); default ``tolist``."""
     want_logprobs = [sp.logprobs for sp in params]
     raw = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
-    if any(
-        sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty or sp.logit_bias
-        for sp in params
-    ):
+    if any(sp.adjusts_logits for sp in params):
         logits = logits.clone()
         apply_penalties(logits, params, outputs, prompts)
     for i, ids in enumerate(stop_ids_for_min_tokens):

@@ -66,6 +66,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or logit_bias change the logits before sampling (the sampler's
+        ``apply_penalties``); without them greedy is a plain argmax."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+        )
+
     def validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [
             (self.temperature >= 0.0, "temperature must be >= 0, got {}", "temperature"),
