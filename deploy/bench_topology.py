@@ -96,7 +96,7 @@ def start_topology(
     log(f"starting {topo.name}: {plan.summary()} ({shown})")
     t0 = time.monotonic()
     try:
-        url = start_all(
+        url, _ = start_all(
             plan, sup, min(args.ready_timeout_s, max(budget.left() - STOP_RESERVE_S, 1))
         )
     except BaseException:

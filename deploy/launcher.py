@@ -147,8 +147,9 @@ def check_port_free(host: str, port: int) -> None:
             ) from exc
 
 
-def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> str:
-    """Prepare, start workers, start the gateway; returns the gateway's /v1 URL."""
+def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str, dict[str, int]]:
+    """Prepare, start workers, start the gateway; returns the gateway's /v1 URL and each
+    worker's port (name -> port)."""
     check_port_free(plan.host, plan.port)
     say(f"tandem up: preparing model {plan.model}")
     tokenizer_dir = prepare_model(plan.prepare_argv)
@@ -159,12 +160,7 @@ def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> str:
     say("tandem up: workers ready (" + ", ".join(f"{n} :{p}" for n, p in ports.items()) + ")")
     gateway = sup.start(gateway_spec(plan, ports, tokenizer_dir))
     sup.wait_ready([gateway], ready_timeout_s, _progress)
-    return public_url(plan.host, int((gateway.ready or {}).get("port", plan.port)))
-
-
-def port_of(sup: Supervisor, name: str) -> int:
-    child = next(c for c in sup.children if c.name == name)
-    return int((child.ready or {})["port"])
+    return public_url(plan.host, int((gateway.ready or {}).get("port", plan.port))), ports
 
 
 def shutdown_grace(drain_timeout_s: float, floor_s: float = GRACE_S) -> float:
@@ -248,9 +244,9 @@ def run(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        url = start_all(plan, sup, ready_timeout_s)
+        url, ports = start_all(plan, sup, ready_timeout_s)
         say(ready_message(plan, url, served_model_id(url, api_key, plan.model), api_key))
-        return watch(sup, {w.spec.name: port_of(sup, w.spec.name) for w in plan.workers})
+        return watch(sup, ports)
     except _Stop:
         return 0
     except ChildFailedError as exc:
