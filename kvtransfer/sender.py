@@ -4,21 +4,27 @@ Contract:
 - ``KvSender(kv_caches, sender_id, options)``: ``sender_id`` names this worker to receivers and
   must be stable across its restarts (a restarted worker replaces its old pairs) and unique
   among concurrent senders.
-- ``send(endpoint, transfer_id, block_ids, timeout_s)`` gathers ``block_ids`` of every layer,
-  ships them to the receiver at ``endpoint`` ("host:port") and returns :class:`TransferStats`
-  once the receiver has acknowledged that they were validated and written into the blocks it
-  registered for ``transfer_id``. Anything else raises :class:`TransferError` within
-  ``timeout_s`` (connecting included): refused by the receiver (unknown or cancelled id, layout
-  mismatch; the pair stays up), or a broken pair (receiver died, timeout; the pair is torn
-  down and the next send rebuilds it under a new generation). No retry happens inside.
-- Thread-safe. Transfers to one endpoint are serialized in call order (one lock per pair);
-  transfers to different endpoints run concurrently.
-- The KV must be computed before ``send``: on CUDA the gather runs on a dedicated stream that
-  first waits for the calling thread's current stream. Or pass ``ready`` (a
-  :class:`LayerReady`) to stream the KV out while it is being computed: each chunk of layers
+- ``submit(endpoint, transfer_id, block_ids, timeout_s)`` queues a transfer of ``block_ids`` of
+  every layer to the receiver at ``endpoint`` ("host:port") and returns a
+  ``concurrent.futures.Future``. It resolves to :class:`TransferStats` once the receiver has
+  acknowledged that they were validated and written into the blocks it registered for
+  ``transfer_id``. Anything else resolves it with :class:`TransferError` within ``timeout_s`` of
+  the transfer's turn (connecting included): refused by the receiver (unknown or cancelled id,
+  layout mismatch; the pair stays up), or a broken pair (receiver died, timeout; the pair is torn
+  down and the next transfer rebuilds it under a new generation). No retry happens inside.
+  ``send(...)`` is ``submit(...).result()``.
+- Transfers to one endpoint run one at a time in submission order on that endpoint's thread
+  (``kvtransfer.send_queue``); waiting for the turn does not count against ``timeout_s``. Until
+  its turn a transfer can be cancelled (``future.cancel()``) and never reads its blocks; once it
+  runs, its blocks are read until the future resolves. If the receiver cannot be reached, every
+  transfer queued for it fails at once. Transfers to different endpoints run concurrently.
+  Thread-safe.
+- The KV must be computed before ``submit``: on CUDA the gather runs on a dedicated stream that
+  first waits for an event recorded on the submitting thread's current stream. Or pass ``ready``
+  (a :class:`LayerReady`) to stream the KV out while it is being computed: each chunk of layers
   is shipped once the producer has recorded its last layer, the GPU waiting on the producer's
   event instead of the stream (``LayerReady.written(n)``: computed and synchronized, wait for
-  nothing). If the producer fails, the send fails and the pair is rebuilt.
+  nothing). If the producer fails, the transfer fails and the pair is rebuilt.
 - ``close()`` tears every pair down and tells the receivers.
 """
 
@@ -28,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -37,6 +44,7 @@ from kvtransfer.device import DeviceInfo
 from kvtransfer.layout import KvLayout, check_block_ids
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import CounterBox, TransferCounters, TransferError, TransferStats
+from kvtransfer.send_queue import PairQueue, ReceiverUnreachable, SendJob
 from kvtransfer.sender_pair import SenderContext, SenderPair, TransferRejected
 from kvtransfer.wire import MAX_TRANSFER_ID_LEN, check_name
 
@@ -68,13 +76,13 @@ class KvSender:
         )
         self._counters = CounterBox()
         self._lock = threading.Lock()
-        self._pairs: dict[str, tuple[threading.Lock, SenderPair]] = {}
+        self._queues: dict[str, PairQueue] = {}
         self._closed = False
         self._after_header: Callable[[], None] | None = (
             None  # test hook: runs between header and data
         )
 
-    def send(
+    def submit(
         self,
         endpoint: str,
         transfer_id: str,
@@ -82,7 +90,7 @@ class KvSender:
         timeout_s: float | None = None,
         *,
         ready: LayerReady | None = None,
-    ) -> TransferStats:
+    ) -> Future[TransferStats]:
         timeout = self.options.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout}")
@@ -93,21 +101,23 @@ class KvSender:
             raise ValueError(
                 f"ready covers {ready.num_layers} layers, the caches {self.layout.num_layers}"
             )
-        start = time.monotonic()
-        lock, pair = self._pair(endpoint)
-        if not lock.acquire(timeout=timeout):
-            self._counters.add_failure()
-            raise TransferError(
-                f"KV transfer {transfer_id!r} to {endpoint} waited {timeout:.1f} s "
-                "behind earlier transfers to the same receiver"
-            )
-        try:
-            nbytes = self._send_locked(pair, transfer_id, block_ids, start + timeout, ready)
-        finally:
-            lock.release()
-        seconds = time.monotonic() - start
-        self._counters.add_ok(nbytes, seconds)
-        return TransferStats(nbytes, seconds)
+        computed = None
+        if ready is None and self._ctx.stream is not None:  # the KV comes from this thread's stream
+            computed = torch.cuda.current_stream(self._ctx.stream.device).record_event()
+        job = SendJob(transfer_id, list(block_ids), timeout, ready, computed)
+        self._queue(endpoint).put(job)
+        return job.future
+
+    def send(
+        self,
+        endpoint: str,
+        transfer_id: str,
+        block_ids: list[int],
+        timeout_s: float | None = None,
+        *,
+        ready: LayerReady | None = None,
+    ) -> TransferStats:
+        return self.submit(endpoint, transfer_id, block_ids, timeout_s, ready=ready).result()
 
     def stats(self) -> TransferCounters:
         return self._counters.snapshot()
@@ -115,15 +125,10 @@ class KvSender:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            pairs = list(self._pairs.values())
-            self._pairs.clear()
-        for lock, pair in pairs:
-            got = lock.acquire(timeout=self.options.timeout_s)
-            try:
-                pair.close()
-            finally:
-                if got:
-                    lock.release()
+            queues = list(self._queues.values())
+            self._queues.clear()
+        for queue in queues:
+            queue.close(self.options.timeout_s)
 
     def __enter__(self) -> KvSender:
         return self
@@ -131,37 +136,53 @@ class KvSender:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _pair(self, endpoint: str) -> tuple[threading.Lock, SenderPair]:
+    def _queue(self, endpoint: str) -> PairQueue:
         with self._lock:
             if self._closed:
                 raise TransferError("the KV sender is closed")
-            entry = self._pairs.get(endpoint)
-            if entry is None:
-                entry = self._pairs[endpoint] = (threading.Lock(), SenderPair(endpoint, self._ctx))
-            return entry
+            queue = self._queues.get(endpoint)
+            if queue is None:
+                pair = SenderPair(endpoint, self._ctx)
+                queue = self._queues[endpoint] = PairQueue(
+                    pair, self._run, self._counters.add_failure
+                )
+            return queue
 
-    def _send_locked(
-        self,
-        pair: SenderPair,
-        transfer_id: str,
-        block_ids: list[int],
-        deadline: float,
-        ready: LayerReady | None,
-    ) -> int:
-        error = ""
+    def _run(self, pair: SenderPair, job: SendJob) -> TransferStats:
+        """One transfer in its turn, on the pair's thread: its deadline starts now."""
+        start = time.monotonic()
+        deadline = start + job.timeout_s
+        failure: TransferError
         try:
             if not pair.connected:
-                pair.connect(deadline)
-            return pair.transfer(transfer_id, block_ids, deadline, ready, self._after_header)
-        except TransferRejected as e:
-            error = str(e)
+                self._connect(pair, deadline)
+            nbytes = pair.transfer(
+                job.transfer_id, job.block_ids, deadline, job.ready, self._after_header,
+                job.computed,
+            )  # fmt: skip
+            seconds = time.monotonic() - start
+            self._counters.add_ok(nbytes, seconds)
+            return TransferStats(nbytes, seconds)
+        except (TransferRejected, ReceiverUnreachable) as e:  # the pair is fine, or already gone
+            failure = e
         except TransferError as e:
             pair.close(farewell=True)
-            error = str(e)
+            failure = TransferError(str(e))
         except Exception as e:
             pair.close(farewell=True)
-            error = (
-                f"KV transfer {transfer_id!r} to {pair.endpoint} failed: {type(e).__name__}: {e}"
+            failure = TransferError(
+                f"KV transfer {job.transfer_id!r} to {pair.endpoint} failed: "
+                f"{type(e).__name__}: {e}"
             )
         self._counters.add_failure()
-        raise TransferError(error)
+        raise failure
+
+    @staticmethod
+    def _connect(pair: SenderPair, deadline: float) -> None:
+        try:
+            pair.connect(deadline)
+        except Exception as e:
+            pair.close(farewell=False)
+            raise ReceiverUnreachable(
+                f"cannot reach the KV receiver at {pair.endpoint}: {type(e).__name__}: {e}"
+            ) from e

@@ -8,7 +8,7 @@ post the chunk's send (gathers overlap earlier chunks on the wire; NCCL runs on 
 which waits for each gather), then wait for the receiver's :class:`Ack`, which also proves every
 send completed. With a :class:`LayerReady`, a chunk is gathered once its layers are written:
 the gather stream waits on the producer's event, the host only for the producer's ``record``.
-Not thread-safe: :class:`KvSender` serializes calls per pair.
+Not thread-safe: each pair belongs to the one thread of its ``send_queue.PairQueue``.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class SenderPair:
         deadline: float,
         ready: LayerReady | None = None,
         after_header: Callable[[], None] | None = None,
+        computed: torch.cuda.Event | None = None,
     ) -> int:
         """Ship the blocks; returns the bytes acknowledged. Raises TransferRejected if the
         receiver refused them (the pair stays usable), anything else if the pair broke."""
@@ -137,7 +138,10 @@ class SenderPair:
         if not ctx.use_checksum:
             conn.send(header)  # first of all: the receiver gets ready while we gather
         if ready is None and ctx.stream is not None:  # the KV was computed on the caller's stream
-            ctx.stream.wait_stream(torch.cuda.current_stream(ctx.stream.device))
+            if computed is not None:
+                ctx.stream.wait_event(computed)
+            else:
+                ctx.stream.wait_stream(torch.cuda.current_stream(ctx.stream.device))
         in_flight: list[Any] = []  # buffers and works stay alive until the ack
         with on_stream(ctx.stream):
             ids = self._ids.upload(block_ids)

@@ -111,12 +111,28 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         assert self.rt.engine is not None and blocks is not None
         nblk = -(-n // self.rt.engine.config.cache.block_size)
         handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
-        expiry = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(ttl, self._expire, rid)
         self.reservations[rid] = Reservation(rid, n, handle, expiry)
+        handle.add_done_callback(lambda result: self._on_transfer_end(loop, rid, handle, result))
         return kv_control_pb2.ReserveResponse(
             reservation_id=rid, num_blocks=nblk, kv_endpoint=self.receiver.endpoint,
             decode_worker_id=self.rt.worker_id,
         )  # fmt: skip
+
+    def _on_transfer_end(
+        self, loop: asyncio.AbstractEventLoop, rid: str, handle: Any, result: Any
+    ) -> None:
+        """On a receiver thread: a transfer that failed frees its blocks now, not at expiry."""
+        if not result.ok:
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                loop.call_soon_threadsafe(self._transfer_failed, rid, handle, result.error)
+
+    def _transfer_failed(self, rid: str, handle: Any, error: str) -> None:
+        res = self.reservations.get(rid)
+        if res is not None and res.handle is handle and not res.claimed:  # Decode handles its own
+            log.warning("KV transfer for %s failed (%s); its reservation is freed", rid, error)
+            self._cancel(rid)
 
     def _expire(self, rid: str) -> None:
         res = self.reservations.get(rid)

@@ -95,16 +95,18 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         assert self.rt.driver is not None and self.rt.engine is not None and self.sender is not None
         blocks = await self.rt.driver.acall(lambda e: e.block_ids(rid))
         n = -(-num_prompt // self.rt.engine.config.cache.block_size)
-        send = asyncio.ensure_future(asyncio.to_thread(
-            self.sender.send, target.kv_endpoint, target.reservation_id, blocks[:n],
-            self.rt.args.kv_timeout,
-        ))  # fmt: skip
-        try:
-            stats = await asyncio.shield(send)
-        except asyncio.CancelledError:
-            # the sender thread still reads these blocks: free them only once it is done
-            await asyncio.wait([send])
-            raise
+        try:  # waits for its turn on the pair to the receiver; its timeout starts then
+            future = self.sender.submit(target.kv_endpoint, target.reservation_id, blocks[:n],
+                                        self.rt.args.kv_timeout)  # fmt: skip
+            waiter = asyncio.wrap_future(future)
+            try:
+                stats = await asyncio.shield(waiter)
+            except asyncio.CancelledError:
+                # a transfer still queued never starts; a running one still reads these
+                # blocks, so they are freed only once it is done
+                future.cancel()
+                await asyncio.wait([waiter])
+                raise
         except TransferError as exc:
             # ABORTED, not UNAVAILABLE: the decode side failed, this prefill worker is fine
             await context.abort(

@@ -90,12 +90,12 @@ async def wait_pool_free(conns: list[Conn], timeout_s: float = 2.0) -> list[comm
     deadline = time.monotonic() + timeout_s
     while True:
         loads = [await c.load() for c in conns]
-        if all(_idle(ld) for ld in loads) or time.monotonic() > deadline:
+        if all(is_idle(ld) for ld in loads) or time.monotonic() > deadline:
             return loads
         await asyncio.sleep(0.05)
 
 
-def _idle(ld: common_pb2.WorkerLoad) -> bool:
+def is_idle(ld: common_pb2.WorkerLoad) -> bool:
     return (ld.free_blocks == ld.total_blocks and ld.num_reserved == 0 and ld.num_running == 0
             and ld.num_waiting == 0)  # fmt: skip
 
@@ -107,8 +107,10 @@ def assert_idle(loads: list[common_pb2.WorkerLoad]) -> None:
         ), f"{ld.worker_id} still holds KV or requests:\n{ld}"  # fmt: skip
 
 
-async def reserve(decode: Conn, rid: str, num_prompt: int, max_tokens: int, ttl_s: float = 10.0
+async def reserve(decode: Conn, rid: str, num_prompt: int, max_tokens: int, ttl_s: float = 60.0
                   ) -> kv_control_pb2.ReserveResponse:  # fmt: skip
+    """A reservation as the gateway asks for it: by default for as long as a request may take
+    (its ``--reserve-ttl`` default), so a prefill slowed by a busy machine does not outlive it."""
     req = kv_control_pb2.ReserveRequest(
         request_id=rid, num_prompt_tokens=num_prompt, max_tokens=max_tokens, ttl_s=ttl_s
     )

@@ -3,7 +3,10 @@
 Every process runs in its own session (process group) and dies with the test process
 (PR_SET_PDEATHSIG); :meth:`Fleet.close` kills every group it started. Model loading takes seconds,
 so one :class:`Fleet` per test session keeps shared workers (``fleet.shared("prefill")``) alive
-across test modules and starts a fresh one only when a test killed the last.
+across test modules and starts a fresh one only when a test killed the last. A test gets shared
+workers idle: one that still holds KV or requests from an earlier test (which then failed) is
+given a few seconds to settle and is replaced if it does not, so no test inherits another's
+leftovers or depends on its timing.
 """
 
 from __future__ import annotations
@@ -19,15 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from deploy.supervisor import log_tail, parent_death_env, read_ready_file
+from protos import common_pb2
+from tests.services.clients import STUBS, is_idle
 
 REPO = Path(__file__).resolve().parents[2]
 # Small pools keep memory low; 1024 tokens of context need 64 of the 256 blocks.
 WORKER_ARGS = ("--max-model-len", "1024", "--num-blocks", "256", "--kv-timeout", "5",
                "--drain-timeout", "3")  # fmt: skip
 READY_TIMEOUT_S = 180.0
+SETTLE_TIMEOUT_S = 15.0  # a shared worker left busy gets this long to become idle again
 
 
 @dataclass
@@ -93,6 +100,22 @@ class Proc:
         return self.popen.wait(timeout=timeout_s)
 
 
+def settled(proc: Proc, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """True once the worker holds no KV, reservation or request (polled up to ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(proc.address) as channel:
+        stub = STUBS[proc.role](channel)
+        while True:
+            try:
+                if is_idle(stub.GetLoad(common_pb2.LoadRequest(), timeout=5)):
+                    return True
+            except grpc.RpcError:
+                pass  # an unanswering worker is not idle
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+
 def child_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {
@@ -144,8 +167,13 @@ class Fleet:
         return self.start("gateway", *flags, *args)
 
     def shared(self, *roles: str) -> list[Proc]:
-        """Long-lived workers of these roles (one each), started together if not running."""
+        """Long-lived workers of these roles (one each), idle, started together if not running."""
         for role in roles:
+            proc = self._shared.get(role)
+            if proc is not None and proc.alive and proc.ready and not settled(proc):
+                print(f"{proc.name} still busy after {SETTLE_TIMEOUT_S:.0f} s: replaced")
+                self.forget(proc)
+                proc.kill()
             proc = self._shared.get(role)
             if proc is None or not proc.alive:
                 self._shared[role] = self.spawn(role, name=f"shared-{role}")

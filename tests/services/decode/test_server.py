@@ -88,18 +88,23 @@ async def test_bad_reservations_and_decodes_are_invalid_argument(fleet: Fleet) -
 
 
 async def test_32_concurrent_requests_complete_and_free_every_block(fleet: Fleet) -> None:
+    """32 requests at once through one pair (``--kv-timeout 5``): their transfers queue behind
+    each other on the pair for longer than 5 s on a slow machine, and none fails for it."""
     prefill, decode = fleet.shared("prefill", "decode")
     base = parity_prompts()
     prompts = [base[i % len(base)] + [28 + i] for i in range(32)]  # 32 distinct prompts
     expected = greedy_reference(prompts, 12)
     async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        failures = [(await c.load()).kv_transfer_failures for c in (p, d)]
         results = await asyncio.wait_for(
             asyncio.gather(*(disagg(p, d, f"load-{i}", ids, 12) for i, ids in enumerate(prompts))),
             timeout=120,
         )
         for exp, got in zip(expected, results, strict=True):
             assert got.token_ids == exp.token_ids
-        assert_idle(await wait_pool_free([p, d], timeout_s=2.0))
+        loads = await wait_pool_free([p, d], timeout_s=2.0)
+        assert_idle(loads)
+        assert [ld.kv_transfer_failures for ld in loads] == failures
 
 
 async def test_decode_called_before_the_kv_arrives_waits_for_it(fleet: Fleet) -> None:
@@ -121,9 +126,27 @@ async def test_decode_called_before_the_kv_arrives_waits_for_it(fleet: Fleet) ->
         return tokens
 
     async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        failures = [(await c.load()).kv_transfer_failures for c in (p, d)]
         got = await asyncio.gather(*(early(p, d, i, ids) for i, ids in enumerate(prompts)))
         assert got == [e.token_ids for e in expected]
-        assert_idle(await wait_pool_free([p, d]))
+        loads = await wait_pool_free([p, d])
+        assert_idle(loads)
+        assert [ld.kv_transfer_failures for ld in loads] == failures
+
+
+async def test_a_transfer_the_receiver_refuses_frees_both_sides_at_once(fleet: Fleet) -> None:
+    """A prefill sends 8 blocks into a 3-block reservation: the receiver refuses them, the
+    prefill call ends ABORTED, and the reservation is freed then, not when its TTL runs out."""
+    prefill, decode = fleet.shared("prefill", "decode")
+    ids = long_prompt(120)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        failures = (await p.load()).kv_transfer_failures
+        res = await reserve(d, "too-big", 40, 4, ttl_s=600)
+        assert res.num_blocks == 3
+        call = prefill_call(p, "too-big", ids, greedy(4), res)
+        assert await rpc_code(call) == grpc.StatusCode.ABORTED
+        assert_idle(await wait_pool_free([p, d], timeout_s=2.0))  # no Abort sent, TTL 600 s
+        assert (await p.load()).kv_transfer_failures == failures + 1
 
 
 async def test_cancelling_a_decode_stream_frees_both_sides_within_a_second(fleet: Fleet) -> None:
@@ -179,11 +202,13 @@ async def test_prefill_killed_mid_transfer_fails_fast_and_a_new_prefill_works(
         prefill.kill()
         t0 = time.monotonic()
         assert await rpc_code(call) == grpc.StatusCode.UNAVAILABLE
-        # the decode worker does not wait for KV that cannot come (kv_wait_s is 4 s)
+        # the decode worker does not wait for KV that cannot come (kv_wait_s is 4 s): the broken
+        # transfer already freed the reservation (NOT_FOUND), or, if the prefill died before
+        # its header, the KV wait ends UNAVAILABLE
         decode_result = await rpc_code(
             decode_call(d, "orphan", ids, list(first.first.token_ids), sampling, kv_wait_s=4)
         )
-        assert decode_result == grpc.StatusCode.UNAVAILABLE
+        assert decode_result in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
         assert time.monotonic() - t0 < 5.0
         assert_idle(await wait_pool_free([d], timeout_s=2.0))
     (new_prefill,) = fleet.shared("prefill")
