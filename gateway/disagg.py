@@ -1,6 +1,9 @@
 """A request split over a prefill and a decode worker.
 
-1. Reserve KV blocks on a decode worker (admission; the reservation has a TTL).
+1. Reserve KV blocks on a decode worker (admission; the reservation has a TTL). When no decode
+   worker has room, the request waits in the admission queue of the least loaded one until
+   blocks free up or its deadline passes (``queue=`` in its timing); it is never refused for a
+   burst.
 2. Prefill on a prefill worker with the reservation as KV target; its first event is the first
    token, streamed on at once (TTFT), its second the end of the KV transfer.
 3. Decode on the decode worker streams the rest, over the worker's multiplexed stream
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -21,8 +25,9 @@ import grpc
 from opentelemetry.trace import Span
 
 from gateway.convert import WorkerReportedError, chunk_from_pb, sampling_to_pb
+from gateway.errors import APIError
 from gateway.events import Chunk, Timing
-from gateway.router import blocks_needed, rank_decode
+from gateway.router import blocks_needed, least_queued, rank_decode
 from gateway.tracing import child_span, end_span, grpc_metadata
 from gateway.upstream import UpstreamError, stream_ended, worker_failed
 from gateway.work import FlowContext, WorkItem, rpc_failure
@@ -30,12 +35,14 @@ from gateway.workers import WorkerClient
 from protos import decode_pb2, kv_control_pb2, prefill_pb2
 
 MAX_RESERVE_TRIES = 3
+WAIT_MARGIN_S = 0.2  # a waiting Reserve is answered this long before the request's deadline
 
 
 class _Run:
     def __init__(self, ctx: FlowContext, item: WorkItem, parent: Span, prefill: WorkerClient):
         self.ctx, self.item, self.parent, self.prefill = ctx, item, parent, prefill
         self.decode: WorkerClient | None = None
+        self.decode_counted = False  # this request is in self.decode's inflight count
         self.reservation: kv_control_pb2.ReserveResponse | None = None
         self.prefill_call: Any = None  # open until TransferDone (or the stream ends)
         self.decode_call: Any = None
@@ -56,40 +63,75 @@ class _Run:
             end_span(span, error)
 
     async def reserve(self, decodes: Sequence[WorkerClient]) -> None:
+        """KV blocks on the decode worker with the most room now; when none has room, the
+        request waits in the admission queue of the least loaded one (up to its deadline)."""
         item, last = self.item, None
         needed = blocks_needed(len(item.prompt_ids) + 1, decodes[0].block_size)
+        full: list[WorkerClient] = []  # answered "no room now": nothing reserved there
         for decode in rank_decode(decodes, needed)[:MAX_RESERVE_TRIES]:
-            span = self._span("Reserve", decode)
-            request = kv_control_pb2.ReserveRequest(
-                request_id=item.request_id,
-                num_prompt_tokens=len(item.prompt_ids),
-                max_tokens=item.sampling.max_tokens,
-                # unclaimed, it lives as long as the request may (a slow prefill of a long
-                # prompt must not find it gone), and at least reserve_ttl_s
-                ttl_s=max(self.ctx.config.reserve_ttl_s, self.ctx.time_left(item)),
-            )
-            timeout = min(self.ctx.config.rpc_timeout_s, self.ctx.time_left(item))
             try:
-                reply = await decode.stub.Reserve(
-                    request, timeout=timeout, metadata=grpc_metadata(span)
-                )
-            except grpc.RpcError as e:
-                last = rpc_failure(decode, e, "Reserve")
-                self._end(span, last.api_error.message)
-                self.ctx.abort_later(decode, item.request_id)  # in case it did reserve
-                if not last.retryable:
-                    raise last from e
-                continue
-            except asyncio.CancelledError:
-                self.ctx.abort_later(decode, item.request_id)
-                self._end(span, "cancelled")
-                raise
-            span.set_attribute("tandem.kv.num_blocks", reply.num_blocks)
-            self._end(span)
-            self.decode, self.reservation = decode, reply
-            return
+                await self._reserve_on(decode, wait=False)
+                return
+            except UpstreamError as e:
+                if not e.retryable:
+                    raise
+                last = e
+                if e.api_error.code == "no_capacity":
+                    full.append(decode)
         assert last is not None
-        raise last
+        if not full:
+            raise last
+        decode = least_queued(full)
+        started = time.monotonic()
+        await self._reserve_on(decode, wait=True)
+        self.transfer.queue_s = time.monotonic() - started
+
+    async def _reserve_on(self, decode: WorkerClient, wait: bool) -> None:
+        item = self.item
+        span = self._span("Reserve", decode)
+        left = self.ctx.time_left(item)
+        request = kv_control_pb2.ReserveRequest(
+            request_id=item.request_id,
+            num_prompt_tokens=len(item.prompt_ids),
+            max_tokens=item.sampling.max_tokens,
+            # unclaimed, it lives as long as the request may (a slow prefill of a long
+            # prompt must not find it gone), and at least reserve_ttl_s
+            ttl_s=max(self.ctx.config.reserve_ttl_s, left),
+            # the worker answers before our deadline, so a full pool reads as such
+            wait_s=max(left - WAIT_MARGIN_S, 0.0) if wait else 0.0,
+            priority=item.priority,
+        )
+        timeout = left if wait else min(self.ctx.config.rpc_timeout_s, left)
+        # counted on the worker from the choice on: a burst ranks before any reply comes back
+        decode.inflight += 1
+        try:
+            reply = await decode.stub.Reserve(
+                request, timeout=timeout, metadata=grpc_metadata(span)
+            )
+        except grpc.RpcError as e:
+            decode.inflight -= 1
+            failure = rpc_failure(decode, e, "Reserve")
+            self._end(span, failure.api_error.message)
+            if failure.api_error.code != "no_capacity":  # that answer says nothing was reserved
+                self.ctx.abort_later(decode, item.request_id)  # in case it did reserve
+            if wait and failure.api_error.code == "no_capacity" and self._nearly_due():
+                raise UpstreamError(APIError(
+                    504, f"the request waited {left:.1f} s (its --request-timeout) for KV blocks "
+                    f"on a decode worker: {failure.api_error.message}", code="deadline_exceeded",
+                ), retryable=False) from e  # fmt: skip
+            raise failure from e
+        except asyncio.CancelledError:
+            decode.inflight -= 1
+            self.ctx.abort_later(decode, item.request_id)
+            self._end(span, "cancelled")
+            raise
+        span.set_attribute("tandem.kv.num_blocks", reply.num_blocks)
+        self._end(span)
+        self.decode, self.reservation = decode, reply
+        self.decode_counted = True  # until the request ends on that worker
+
+    def _nearly_due(self) -> bool:
+        return self.item.deadline - time.monotonic() <= 2 * WAIT_MARGIN_S
 
     async def _read_prefill(self) -> prefill_pb2.PrefillEvent | None:
         try:
@@ -129,9 +171,13 @@ class _Run:
             if kind != "first":
                 raise stream_ended(self.prefill.address, "Prefill")
             try:
-                return chunk_from_pb(event.first)
+                first = chunk_from_pb(event.first)
             except WorkerReportedError as e:
                 raise worker_failed(self.prefill.address, str(e)) from e
+            # queued for decode KV, then in the prefill worker's queue
+            first.timing.queue_s += self.transfer.queue_s
+            self.transfer.queue_s = first.timing.queue_s
+            return first
 
     async def transfer_done(self) -> None:
         span = self._span("KV transfer", self.prefill)
@@ -170,7 +216,6 @@ class _Run:
         self.decode_call = decode.stream().start(
             request, grpc_metadata(self.decode_span), self.ctx.time_left(item)
         )
-        decode.inflight += 1
 
     async def next_decode_chunk(self) -> Chunk:
         assert self.decode is not None
@@ -190,17 +235,22 @@ class _Run:
         return chunk
 
     def _close_decode(self, error: str | None = None) -> None:
-        if self.decode_call is not None and self.decode is not None:
-            self.decode_call = None
-            self.decode.inflight -= 1
+        self.decode_call = None
+        self._uncount_decode()
         if self.decode_span is not None:
             self._end(self.decode_span, error)
             self.decode_span = None
+
+    def _uncount_decode(self) -> None:
+        if self.decode_counted and self.decode is not None:
+            self.decode_counted = False
+            self.decode.inflight -= 1
 
     def finish_early(self) -> None:
         """The first token finished the request: let prefill end, then free the reservation."""
         call, decode = self.prefill_call, self.decode
         self._close_prefill()
+        self._uncount_decode()
         self.ctx.registry.spawn(self._release_after(call, decode))
 
     async def _release_after(self, call: Any, decode: WorkerClient | None) -> None:
@@ -226,6 +276,7 @@ class _Run:
             self._close_decode(error)
         if self.decode is not None:
             self.ctx.abort_later(self.decode, rid)
+        self._uncount_decode()
 
 
 async def disaggregated(

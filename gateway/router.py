@@ -64,3 +64,8 @@ def rank_decode(candidates: Sequence[C], needed_blocks: int) -> list[C]:
         return (c.free_blocks >= needed_blocks, c.free_blocks / (1.0 + c.queue_depth))
 
     return sorted(candidates, key=key, reverse=True)
+
+
+def least_queued(candidates: Sequence[C]) -> C:
+    """Where to wait when no worker has room: the shortest queue, then the most free blocks."""
+    return min(candidates, key=lambda c: (c.queue_depth, -c.free_blocks))

@@ -52,8 +52,10 @@ class WorkerRuntime:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.port = 0
         self.extra_load: Callable[[], dict[str, Any]] = dict
+        self.num_queued: Callable[[], int] = int  # requests waiting outside the engine (admission)
         self.on_ready: list[Callable[[], Any]] = []
         self.on_stop: list[Callable[[], Any]] = []
+        self.on_drain: list[Callable[[], None]] = []  # on the event loop, as draining starts
         self.ready_extra: Callable[[], dict[str, Any]] = dict
 
     # ---- for servicers -----------------------------------------------------------------------
@@ -73,11 +75,13 @@ class WorkerRuntime:
                 worker_id=self.worker_id, role=self.role, draining=self.draining
             )
         e = self.engine
-        return stats_to_load(
+        load = stats_to_load(
             self.driver.stats(), worker_id=self.worker_id, role=self.role, model=e.model_name,
             max_model_len=e.max_model_len, block_size=e.config.cache.block_size,
             vocab_size=e.vocab_size, draining=self.draining, **self.extra_load(),
         )  # fmt: skip
+        load.num_waiting += self.num_queued()
+        return load
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _write_ready(self, extra: dict[str, Any]) -> None:
@@ -133,6 +137,8 @@ class WorkerRuntime:
     async def drain(self, service_names: list[str]) -> None:
         """No new requests; in-flight ones get the grace period, then end with "abort"."""
         self.draining = True
+        for hook in self.on_drain:
+            hook()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
         deadline = time.monotonic() + self.args.drain_timeout
         while self.inflight > 0 and time.monotonic() < deadline:

@@ -54,6 +54,7 @@ async def stream_chunks(
     finished = False
     num_tokens = 0
     reason: str | None = None
+    queue_s = 0.0
     runtime.inflight += 1
     try:
         while not finished:
@@ -65,9 +66,11 @@ async def stream_chunks(
             finished = out.finished
             num_tokens += len(out.token_ids)
             reason = out.finish_reason
+            queue_s = max(queue_s, out.queue_s)
             timing = None
             if finished:
-                timing = common_pb2.Timing(prefill_s=first - started, decode_s=now - first)
+                timing = common_pb2.Timing(queue_s=queue_s, prefill_s=max(first - started - queue_s, 0.0),
+                                           decode_s=now - first)  # fmt: skip
             yield output_to_chunk(out, timing=timing)
     finally:
         runtime.inflight -= 1

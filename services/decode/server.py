@@ -7,9 +7,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -19,10 +20,19 @@ from services.common.multiplex import multiplex
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import stream_chunks
 from services.common.tracing import start_server_span
+from services.decode.admission import AdmissionQueue
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.driver import EngineDriver
+    from services.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 MAX_TTL_S = 3600.0  # the gateway asks for its request's remaining time (--request-timeout)
+
+
+class Draining(Exception):
+    """The worker stops admitting: a waiting Reserve ends UNAVAILABLE."""
 
 
 @dataclass
@@ -59,6 +69,9 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         self.rt = runtime
         self.receiver: Any = None  # kvtransfer.KvReceiver once the model is loaded
         self.reservations: dict[str, Reservation] = {}
+        self.admission = AdmissionQueue(
+            self._release_admitted, by_priority=runtime.args.scheduling_policy == "priority"
+        )
 
     # ---- KV receiver lifecycle ---------------------------------------------------------------
     def start_receiver(self) -> None:
@@ -69,6 +82,18 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         opts = ReceiverOptions(host=a.kv_host or a.host, port=a.kv_port, io_timeout_s=a.kv_timeout,
                                advertise_host=a.kv_host or "")  # fmt: skip
         self.receiver = KvReceiver(self.rt.engine.runner.kv_caches, opts)
+        assert self.rt.driver is not None
+        self.rt.driver.after_work.append(
+            lambda e: self.admission.on_blocks_freed(e.kv.num_free_blocks)
+        )
+
+    def stop_admission(self) -> None:
+        """Draining: Reserve calls still waiting for blocks fail (UNAVAILABLE, retryable)."""
+        self.admission.fail_all(Draining(f"{self.rt.worker_id} is draining"))
+
+    def _release_admitted(self, rid: str) -> None:
+        if self.rt.driver is not None:
+            self.rt.driver.call(lambda e: e.cancel_reservation(rid))
 
     def stop_receiver(self) -> None:
         if self.receiver is not None:
@@ -89,26 +114,28 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
     ) -> kv_control_pb2.ReserveResponse:
         driver = await self.rt.ready_driver(context)
         rid, n = request.request_id, request.num_prompt_tokens
-        if not rid or n < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "request_id and num_prompt_tokens >= 1 are required")  # fmt: skip
-        ttl = min(request.ttl_s or 10.0, MAX_TTL_S)
+        if not rid or n < 1 or request.wait_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id, num_prompt_tokens "
+                                ">= 1 and wait_s >= 0 are required")  # fmt: skip
+        if rid in self.reservations or rid in self.admission:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{rid!r} is already reserved")
         params = SamplingParams(max_tokens=max(request.max_tokens, 1))
-        made: list[list[int] | None] = []
+        started = time.monotonic()
         try:
-            await driver.acall(lambda e: made.append(e.reserve_for(rid, n, params)))
-        except asyncio.CancelledError:  # the caller is gone: keep no blocks for it
-            driver.call(lambda e: made and made[0] is not None and e.cancel_reservation(rid))
-            raise
+            blocks = await self._reserve_or_wait(driver, rid, n, params, request)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        blocks = made[0]
+        except Draining as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if blocks is None:
+            waited = time.monotonic() - started
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no free KV blocks for a {n}-token prompt on {self.rt.worker_id}")  # fmt: skip
+                                f"no free KV blocks for a {n}-token prompt on {self.rt.worker_id} "
+                                f"(waited {waited:.1f} s, {len(self.admission)} waiting)")  # fmt: skip
         assert self.rt.engine is not None and blocks is not None
+        ttl = min(request.ttl_s or 10.0, MAX_TTL_S)
         nblk = -(-n // self.rt.engine.config.cache.block_size)
         handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
         loop = asyncio.get_running_loop()
@@ -119,6 +146,39 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             reservation_id=rid, num_blocks=nblk, kv_endpoint=self.receiver.endpoint,
             decode_worker_id=self.rt.worker_id,
         )  # fmt: skip
+
+    async def _reserve_or_wait(
+        self, driver: EngineDriver, rid: str, n: int, params: SamplingParams,
+        request: kv_control_pb2.ReserveRequest,
+    ) -> list[int] | None:  # fmt: skip
+        """Blocks now if they fit and nobody waits for them, else (``wait_s`` > 0) once the
+        admission queue admits the request; None if they did not come in time."""
+        made: list[list[int] | None] = []
+
+        def reserve(engine: LLMEngine) -> list[int] | None:
+            blocks = engine.reserve_for(rid, n, params)
+            made.append(blocks)
+            if blocks is None:
+                self.admission.note_free_blocks(engine.kv.num_free_blocks)
+            return blocks
+
+        async def attempt() -> list[int] | None:
+            try:
+                return await driver.acall(reserve)
+            except asyncio.CancelledError:  # the caller is gone: keep no blocks for it
+                driver.call(lambda e: made and made[-1] is not None and e.cancel_reservation(rid))
+                raise
+
+        if not len(self.admission):
+            blocks = await attempt()
+            if blocks is not None or request.wait_s == 0:
+                return blocks
+        elif request.wait_s == 0:
+            return None  # others wait for the blocks first
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(request.wait_s):
+                return await self.admission.wait(rid, request.priority, attempt)
+        return None
 
     def _on_transfer_end(
         self, loop: asyncio.AbstractEventLoop, rid: str, handle: Any, result: Any
@@ -235,8 +295,10 @@ def build(runtime: WorkerRuntime) -> list[str]:
     servicer = DecodeServicer(runtime)
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, runtime.server)
     runtime.on_ready.append(servicer.start_receiver)
+    runtime.on_drain.append(servicer.stop_admission)
     runtime.on_stop.extend([servicer.cancel_all, servicer.stop_receiver])
     runtime.extra_load = servicer.transfer_load
+    runtime.num_queued = servicer.admission.__len__
     runtime.ready_extra = servicer.ready_extra
     return [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name]
 

@@ -51,6 +51,9 @@ class EngineDriver:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.steps = 0
+        # run on the engine thread after each batch of commands and each step (blocks may
+        # have been freed): cheap, and they must not raise
+        self.after_work: list[Callable[[LLMEngine], None]] = []
 
     def start(self) -> None:
         self._thread.start()
@@ -154,18 +157,26 @@ class EngineDriver:
         return len(self._streams)
 
     # ---- the engine thread -------------------------------------------------------------------
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool) -> bool:
+        """Run the queued commands; False if there were none."""
         try:
             cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         self._run(cmd)
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
             self._run(cmd)
+
+    def _after_work(self) -> None:
+        for hook in self.after_work:
+            try:
+                hook(self.engine)
+            except Exception:
+                log.exception("after-work hook failed")
 
     @staticmethod
     def _run(cmd: Callable[[], None]) -> None:
@@ -176,7 +187,8 @@ class EngineDriver:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished)
+            if self._drain_commands(block=not self.engine.has_unfinished):
+                self._after_work()
             if self._stop.is_set() or not self.engine.has_unfinished:
                 continue
             try:
@@ -184,9 +196,11 @@ class EngineDriver:
             except Exception as exc:  # a bug or a device error: fail what was running, go on
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {exc}")
+                self._after_work()
                 continue
             self.steps += 1
             self._deliver(outputs)
+            self._after_work()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not per output

@@ -265,6 +265,7 @@ class LLMEngine:
             num_prompt_tokens=u.num_prompt_tokens,
             num_cached_tokens=u.num_cached_tokens,
             logprobs=self._logprobs(u),
+            queue_s=u.queue_s,
         )
 
     def _logprobs(self, u: StepUpdate) -> list[PositionLogprobs]:

@@ -33,6 +33,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     error: str | None = None
+    queue_s: float = 0.0  # seconds from arrival in this engine to first scheduled
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta (a stream that
@@ -48,4 +49,5 @@ class RequestOutput:
             num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
             logprobs=self.logprobs + later.logprobs,
             error=later.error or self.error,
+            queue_s=max(self.queue_s, later.queue_s),
         )

@@ -65,7 +65,9 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
             assert engine is not None
             done = (out.finish_reason != "length" or params.max_tokens == 1
                     or len(prompt) + 1 >= engine.max_model_len)  # fmt: skip
-            timing = common_pb2.Timing(prefill_s=prefill_s)
+            timing = common_pb2.Timing(
+                queue_s=out.queue_s, prefill_s=max(prefill_s - out.queue_s, 0.0)
+            )
             yield prefill_pb2.PrefillEvent(first=output_to_chunk(out, finished=done, timing=timing))
             if done or target is None:
                 return

@@ -59,3 +59,4 @@ class StepUpdate:
     stop_reason: str | int | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    queue_s: float = 0.0  # arrival to first scheduled (0 until it is)

@@ -52,6 +52,7 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    queued_time: float = field(default_factory=time.monotonic)  # joined this engine's queue
     seq: int = field(default_factory=lambda: next(_arrival_order))
 
     @property
@@ -65,6 +66,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def queue_s(self) -> float:
+        """Seconds from joining the queue to first being scheduled (0 until then)."""
+        if self.first_scheduled_time is None:
+            return 0.0
+        return max(self.first_scheduled_time - self.queued_time, 0.0)
 
     @property
     def finished(self) -> bool:

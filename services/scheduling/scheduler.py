@@ -69,6 +69,7 @@ class Scheduler:
     def activate(self, request_id: str, output_token_ids: list[int]) -> Request:
         """The reserved prompt's KV has arrived: the request joins the queue with it computed."""
         req = self.reserved.pop(request_id)
+        req.queued_time = time.monotonic()  # it waited for its KV, not for this engine
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids = list(output_token_ids)
         self.requests[request_id] = req
@@ -238,6 +239,7 @@ class Scheduler:
                     stop_reason=req.stop_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=req.num_cached_tokens,
+                    queue_s=req.queue_s,
                 )
             )
         return updates

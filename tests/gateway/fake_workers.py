@@ -40,6 +40,7 @@ class Behavior:
     done_first: bool = False  # prefill: TransferDone overtakes the first token
     error_chunk: bool = False  # the first chunk is a FINISH_REASON_ERROR chunk
     reserve_code: grpc.StatusCode | None = None  # Reserve fails with this code
+    full_for_s: float | None = None  # Reserve: no room now; one that may wait gets it after this
     invalid_argument: bool = False  # Generate/Prefill answer INVALID_ARGUMENT
     serving: bool = True
     max_model_len: int = 2048
@@ -54,6 +55,7 @@ class Records:
     metadata: list[dict[str, str]] = field(default_factory=list)
     reservations: dict[str, str] = field(default_factory=dict)  # request id -> reservation
     reserve_ttls: list[float] = field(default_factory=list)  # ttl_s of each Reserve call
+    reserve_waits: list[float] = field(default_factory=list)  # wait_s of each Reserve call
     decode_calls: list[str] = field(default_factory=list)
     samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
 
@@ -235,8 +237,15 @@ class Decode(decode_pb2_grpc.DecodeServiceServicer):
     async def Reserve(self, request, context):
         e = self.e
         e.records.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
+        e.records.reserve_waits.append(request.wait_s)
         if e.behavior.reserve_code is not None:
             await context.abort(e.behavior.reserve_code, "fake decode: cannot reserve")
+        full_for = e.behavior.full_for_s
+        if full_for is not None:
+            if request.wait_s < full_for:
+                await asyncio.sleep(request.wait_s)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake decode: full")
+            await asyncio.sleep(full_for)
         reservation = f"res-{request.request_id}"
         e.records.reserve_ttls.append(request.ttl_s)
         e.records.reservations[request.request_id] = reservation

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -147,11 +148,38 @@ def test_reservation_lives_as_long_as_the_request_may(disagg: Stack) -> None:
     assert ttl > defaults.reserve_ttl_s
 
 
-def test_reserve_without_capacity_is_a_503(disagg: Stack) -> None:
+def test_reserve_refused_even_when_asked_to_wait_is_a_503(disagg: Stack) -> None:
+    """A decode worker that answers no capacity at once, even to a Reserve that may wait (one
+    that does not queue): 503, not a deadline."""
     disagg.role("decode")[0].behavior.reserve_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity"
     assert all(not w.records.requests for w in disagg.role("prefill"))
+    first, then = disagg.role("decode")[0].records.reserve_waits
+    assert first == 0 and then > 0  # asked for room now, then to wait in the admission queue
+
+
+def test_a_full_decode_pool_queues_the_request_until_blocks_free(disagg: Stack) -> None:
+    """No room now: the request waits in the decode worker's admission queue and is served;
+    the wait shows as queue= in its timing."""
+    disagg.role("decode")[0].behavior.full_for_s = 0.3
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    timing = dict(kv.split("=") for kv in r.headers["x-tandem-timing"].split(";"))
+    assert float(timing["queue"]) >= 0.3
+    assert disagg.role("decode")[0].records.reserve_waits[-1] > 0
+
+
+def test_waiting_for_decode_blocks_past_the_deadline_is_a_504(tokenizer_dir: str) -> None:
+    stack = Stack(tokenizer_dir, ["prefill", "decode"], request_timeout_s=1.0).start()
+    try:
+        stack.role("decode")[0].behavior.full_for_s = 30.0
+        r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": PROMPT})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+        assert "waited" in r.json()["error"]["message"]
+        assert not stack.role("prefill")[0].records.requests  # never prefilled
+    finally:
+        stack.stop()
 
 
 def test_worker_invalid_argument_is_a_400(colocated: Stack) -> None:
@@ -201,5 +229,26 @@ def test_deadline_is_a_504(tokenizer_dir: str) -> None:
             f"{stack.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 50}
         )
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    finally:
+        stack.stop()
+
+
+def test_a_burst_spreads_over_the_decode_workers(tokenizer_dir: str) -> None:
+    """16 streams at once, faster than the load polls: each Reserve counts on its worker at
+    once, so the burst splits about evenly instead of landing on one decode worker."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode", "decode"]).start()
+    try:
+        for w in stack.role("decode"):
+            w.behavior.token_delay_s = 0.05
+
+        def one(i: int) -> int:
+            body = {"prompt": f"{PROMPT} {i}", "max_tokens": 8}
+            return httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=30).status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            assert list(pool.map(one, range(16))) == [200] * 16
+        split = sorted(len(w.records.reserve_waits) for w in stack.role("decode"))
+        assert sum(split) == 16 and split[0] >= 6, split
+        assert [c.inflight for c in stack.state.registry.clients] == [0, 0, 0]  # counts end too
     finally:
         stack.stop()

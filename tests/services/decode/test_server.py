@@ -51,12 +51,59 @@ async def test_reservations_hold_blocks_until_aborted_or_expired(fleet: Fleet) -
         assert code == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_reserve_that_may_wait_queues_until_blocks_free(fleet: Fleet) -> None:
+    """Four 1000-token reservations fill the 256-block pool (63 blocks each): a fifth waits in
+    the admission queue (counted as waiting), is admitted the moment one is aborted, and a
+    waiter whose caller gives up leaves nothing behind."""
+    (decode,) = fleet.shared("decode")
+    async with Conn(decode.address, "decode") as d:
+        for i in range(4):
+            await reserve(d, f"fill-{i}", 1000, 8)
+        now = _reserve_req("now", num_prompt=1000)
+        assert await rpc_code(d.stub.Reserve(now, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        queued = asyncio.ensure_future(
+            d.stub.Reserve(_reserve_req("queued", 1000, wait_s=30), timeout=35)
+        )
+        while (await d.load()).num_waiting < 1:
+            await asyncio.sleep(0.02)
+        # someone waits: a Reserve that may not wait does not jump the queue, even if it fits
+        small = _reserve_req("small", num_prompt=16)
+        assert (
+            await rpc_code(d.stub.Reserve(small, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        gives_up = d.stub.Reserve(_reserve_req("gives-up", 1000, wait_s=30), timeout=35)
+        while (await d.load()).num_waiting < 2:
+            await asyncio.sleep(0.02)
+        gives_up.cancel()
+        t0 = time.monotonic()
+        assert await d.abort("fill-0")
+        assert (await queued).num_blocks == 63
+        assert time.monotonic() - t0 < 2.0
+        load = await d.load()
+        assert (load.num_reserved, load.num_waiting) == (4, 0)
+        for rid in ("fill-1", "fill-2", "fill-3", "queued"):
+            assert await d.abort(rid)
+        assert_idle(await wait_pool_free([d]))
+        short = _reserve_req("short-wait", 1000, wait_s=0.3)
+        for i in range(4):
+            await reserve(d, f"again-{i}", 1000, 8)
+        t0 = time.monotonic()  # nothing frees: the wait ends RESOURCE_EXHAUSTED after wait_s
+        assert (
+            await rpc_code(d.stub.Reserve(short, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        assert 0.3 <= time.monotonic() - t0 < 3.0
+        for i in range(4):
+            assert await d.abort(f"again-{i}")
+        assert_idle(await wait_pool_free([d]))
+
+
 def _reserve_req(
-    rid: str, num_prompt: int = 40, max_tokens: int = 8
+    rid: str, num_prompt: int = 40, max_tokens: int = 8, wait_s: float = 0.0
 ) -> kv_control_pb2.ReserveRequest:
     return kv_control_pb2.ReserveRequest(
-        request_id=rid, num_prompt_tokens=num_prompt, max_tokens=max_tokens, ttl_s=5
-    )
+        request_id=rid, num_prompt_tokens=num_prompt, max_tokens=max_tokens, ttl_s=5,
+        wait_s=wait_s,
+    )  # fmt: skip
 
 
 async def test_bad_reservations_and_decodes_are_invalid_argument(fleet: Fleet) -> None:

@@ -68,6 +68,18 @@ def test_max_num_seqs_caps_the_batch_and_everyone_finishes() -> None:
     assert_finished_as_expected(engine, *reqs)
 
 
+def test_queue_time_runs_from_joining_the_queue_to_first_being_scheduled() -> None:
+    engine = FakeEngine(make_scheduler(max_num_seqs=1))
+    first, second = make_request("first", 5, max_tokens=3), make_request("second", 5, max_tokens=2)
+    engine.add(first, second)
+    engine.step()
+    assert first.first_scheduled_time is not None and second.queue_s == 0.0  # not yet scheduled
+    second.queued_time -= 2.0  # as if it had joined 2 s earlier
+    engine.run()
+    assert second.queue_s >= 2.0 and first.queue_s < 1.0
+    assert engine.finished["second"].queue_s >= 2.0  # reported with its tokens
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget() -> None:
     engine = FakeEngine(make_scheduler(max_num_batched_tokens=32))
     req = make_request("long", 100, max_tokens=2)

@@ -183,8 +183,10 @@ def test_reserve_then_activate_decodes_from_the_transferred_kv() -> None:
     assert not sched.has_unfinished
     assert sched.schedule().empty, "nothing runs before the KV arrives"
     engine.transfer("d", req)
+    req.queued_time -= 30.0  # the wait for the KV ...
     sched.activate("d", first_token(req))
     (sr,) = engine.step().requests
+    assert req.queue_s < 1.0  # ... is not time queued in this engine
     assert (sr.start_pos, sr.token_ids, sr.sample) == (10, first_token(req), True)
     assert req.num_cached_tokens == 0
     engine.run()
