@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.state import GatewayState
 from gateway.tokenizer import GatewayTokenizer
+from gateway.unsupported import not_found_message
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
@@ -60,6 +61,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     # Starlette's own errors (405 with its Allow header, 404): OpenAI-shaped, headers kept
+    if exc.status_code == 404:
+        message = not_found_message(request.method, request.url.path)
+        return APIError(404, message, code="not_found", headers=exc.headers).response()
     error = APIError(exc.status_code, str(exc.detail), code="http_error", headers=exc.headers)
     return error.response()
 

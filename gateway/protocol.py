@@ -1,6 +1,7 @@
 """OpenAI request bodies parsed into plain, validated dataclasses.
 
-Unknown fields are ignored; every known field with a wrong type or value is a 400 that names it.
+Unknown fields are ignored; every known field with a wrong type or value is a 400 that names it,
+and so is a field of ``gateway.unsupported``'s tables that asks for something not implemented.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 
 from gateway.errors import invalid
 from gateway.fields import INT32_MAX, INT64_MAX, Fields, check_int, require_object
+from gateway.unsupported import CHAT, COMPLETION, SAMPLING, refuse_unsupported
 from services.scheduling.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
@@ -159,6 +161,9 @@ def _check_unsupported_completion(f: Fields, n: int) -> None:
 
 def parse_completion(body: Any) -> CompletionRequest:
     f = Fields(require_object(body))
+    refuse_unsupported(f.body, SAMPLING)
+    refuse_unsupported(f.body, COMPLETION)
+    _check_response_format(f)
     if f.get("prompt") is None:
         raise invalid("prompt is required", "prompt")
     logprobs = f.get_int("logprobs", None, 0, MAX_LOGPROBS)
@@ -216,13 +221,19 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _check_unsupported(f: Fields) -> None:
-    """Structured output and tool calling would be silently ignored: refuse them instead."""
+def _check_response_format(f: Fields) -> None:
     kind = f.get_dict("response_format").get("type", "text")
     if kind != "text":
         raise invalid(
             f"response_format type {kind!r} is not supported (only 'text')", "response_format"
         )
+
+
+def _check_unsupported(f: Fields) -> None:
+    """Structured output and tool calling would be silently ignored: refuse them instead."""
+    refuse_unsupported(f.body, SAMPLING)
+    refuse_unsupported(f.body, CHAT)
+    _check_response_format(f)
     choice = f.get("tool_choice")
     if choice is not None and choice not in ("none", "auto"):
         raise invalid(
