@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.chat_template import ChatTemplateError
+from gateway import openai_api
 from gateway.errors import APIError, invalid
 from gateway.fields import Fields, require_object
 from gateway.openai_api import gateway_state
@@ -77,20 +77,16 @@ async def tokenize(request: Request) -> Response:
     f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
     state.accepts(f.get_str("model", None))
     tok = state.tokenizer
-    if f.get("messages") is not None:
-        try:
-            text = tok.render_chat(
-                parse_messages(f.get("messages")),
-                add_generation_prompt=f.get_bool("add_generation_prompt", True),
-            )
-        except ChatTemplateError as e:
-            raise invalid(f"cannot apply the chat template: {e}", "messages") from e
-        ids = tok.encode(text, f.get_bool("add_special_tokens", False))
+    if "messages" in f.body:
+        ids, _ = await openai_api.chat_prompt(
+            state, parse_messages(f.get("messages")),
+            f.get_bool("add_generation_prompt", True), f.get_bool("add_special_tokens", False),
+        )  # fmt: skip
     else:
         prompt = f.get_str("prompt", None, max_len=state.config.max_body_bytes)
         if prompt is None:
             raise invalid("send prompt (a string) or messages", "prompt")
-        ids = tok.encode(prompt, f.get_bool("add_special_tokens", True))
+        ids = await state.off_loop(tok.encode, prompt, f.get_bool("add_special_tokens", True))
     max_model_len, _ = state.registry.limits()
     return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids})
 
@@ -104,7 +100,7 @@ async def detokenize(request: Request) -> Response:
     ids = f.int_list("tokens", max_items=1 << 20)
     _, vocab = state.registry.limits()
     check_vocab(ids, vocab or state.tokenizer.vocab_size, "tokens")
-    return JSONResponse({"prompt": state.tokenizer.decode(ids)})
+    return JSONResponse({"prompt": await state.off_loop(state.tokenizer.decode, ids)})
 
 
 async def version_info(request: Request) -> Response:

@@ -32,6 +32,8 @@ class GatewayConfig:
     model: str = "embedded"
     served_model_name: str | None = None
     chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template
+    # a special token typed in a message acts as one (else it is text, as OpenAI treats it)
+    allow_special_tokens_in_messages: bool = False
     workers: tuple[WorkerSpec, ...] = ()
     api_key: str | None = None
     slo_ttft_ms: float = 1000.0
@@ -121,6 +123,7 @@ def config_from_args(
         model=args.model,
         served_model_name=args.served_model_name or default_name,
         chat_template=args.chat_template,
+        allow_special_tokens_in_messages=getattr(args, "allow_special_tokens_in_messages", False),
         workers=workers_from_args(args),
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
         slo_ttft_ms=args.slo_ttft_ms,

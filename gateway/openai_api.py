@@ -15,10 +15,11 @@ from gateway.chat_template import ChatTemplateError
 from gateway.errors import invalid
 from gateway.generation import Choice, Generation
 from gateway.prepare import PromptIds, build_choices, check_vocab, settle_max_tokens
-from gateway.protocol import CommonOptions, parse_chat, parse_completion
+from gateway.protocol import CommonOptions, CompletionRequest, parse_chat, parse_completion
 from gateway.state import GatewayState
 from gateway.stats import combined
 from gateway.streaming import StreamInfo, stream_events
+from gateway.tokenizer import GatewayTokenizer, SpecialTokenInMessage
 from gateway.tracing import set_request_attributes, start_request_span
 from gateway.transport import ClientGone, SSEResponse, read_json, until_disconnect
 from gateway.upstream import UpstreamError
@@ -31,10 +32,14 @@ def gateway_state(request: Request) -> GatewayState:
     return state
 
 
-def _check_prompts(state: GatewayState, prompts: Sequence[PromptIds]) -> tuple[int | None, int]:
+def _check_prompts(
+    state: GatewayState, prompts: Sequence[PromptIds], common: CommonOptions
+) -> tuple[int | None, int]:
     max_model_len, vocab = state.registry.limits()
     for prompt in prompts:
         check_vocab(prompt.ids, vocab or state.tokenizer.vocab_size)
+    check_vocab(common.sampling.stop_token_ids, vocab or state.tokenizer.vocab_size,
+                "stop_token_ids")  # fmt: skip
     return max_model_len, len(prompts)
 
 
@@ -48,7 +53,7 @@ def _start(
     default_max_tokens: int | None,
 ) -> Generation:
     """Settles max_tokens, checks capacity, and builds the Generation with its span."""
-    max_model_len, count = _check_prompts(state, prompts)
+    max_model_len, count = _check_prompts(state, prompts, common)
     if count * common.n > state.config.max_fanout:
         raise invalid(
             f"n x number of prompts must be at most {state.config.max_fanout}, "
@@ -107,17 +112,38 @@ async def _respond(
     return JSONResponse(body, headers={"x-tandem-timing": timing})
 
 
-async def completions(request: Request) -> Response:
-    state = gateway_state(request)
-    req = parse_completion(await read_json(request, state.config.max_body_bytes))
-    state.accepts(req.common.model)
-    tok = state.tokenizer
-    prompts = [
+def _completion_prompts(tok: GatewayTokenizer, req: CompletionRequest) -> list[PromptIds]:
+    return [
         PromptIds(tuple(tok.encode(p, req.common.add_special_tokens)), p)
         if isinstance(p, str)
         else PromptIds(p, tok.decode(p))
         for p in req.prompts
     ]
+
+
+async def chat_prompt(
+    state: GatewayState, messages: list[dict[str, Any]], add_generation_prompt: bool,
+    add_special_tokens: bool, **template_kwargs: Any,
+) -> tuple[list[int], str]:  # fmt: skip
+    """A chat's prompt ids and text, rendered and tokenized off the event loop; special tokens
+    typed in messages stay text unless the gateway allows them."""
+    try:
+        return await state.off_loop(
+            state.tokenizer.chat_ids, messages, add_generation_prompt, add_special_tokens,
+            state.config.allow_special_tokens_in_messages, **template_kwargs,
+        )  # fmt: skip
+    except SpecialTokenInMessage as e:
+        raise invalid(str(e), "messages") from e
+    except ChatTemplateError as e:
+        raise invalid(f"cannot apply the chat template: {e}", "messages") from e
+
+
+async def completions(request: Request) -> Response:
+    state = gateway_state(request)
+    req = parse_completion(await read_json(request, state.config.max_body_bytes))
+    state.accepts(req.common.model)
+    tok = state.tokenizer
+    prompts = await state.off_loop(_completion_prompts, tok, req)
     if any(not p.ids for p in prompts):
         raise invalid("prompt must not be empty (it has no tokens)", "prompt")
     gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
@@ -142,13 +168,11 @@ async def chat_completions(request: Request) -> Response:
     state = gateway_state(request)
     req = parse_chat(await read_json(request, state.config.max_body_bytes))
     state.accepts(req.common.model)
-    try:
-        text = state.tokenizer.render_chat(
-            req.messages, add_generation_prompt=req.add_generation_prompt, **req.template_kwargs
-        )
-    except ChatTemplateError as e:
-        raise invalid(f"cannot apply the chat template: {e}", "messages") from e
-    ids = tuple(state.tokenizer.encode(text, req.common.add_special_tokens))
+    ids_list, text = await chat_prompt(
+        state, req.messages, req.add_generation_prompt, req.common.add_special_tokens,
+        **req.template_kwargs,
+    )  # fmt: skip
+    ids = tuple(ids_list)
     if not ids:
         raise invalid("the messages render to an empty prompt", "messages")
     gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], req.common, None)

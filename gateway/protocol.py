@@ -234,6 +234,11 @@ def _check_unsupported(f: Fields) -> None:
     refuse_unsupported(f.body, SAMPLING)
     refuse_unsupported(f.body, CHAT)
     _check_response_format(f)
+    tools = f.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise invalid("tools must be a list of tool objects", "tools")
     choice = f.get("tool_choice")
     if choice is not None and choice not in ("none", "auto"):
         raise invalid(

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
@@ -22,6 +26,8 @@ from gateway.tracing import build_tracer_provider, get_tracer
 from gateway.work import FlowContext
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+TEXT_THREADS = 4
 
 
 class GatewayState:
@@ -50,6 +56,14 @@ class GatewayState:
         self.started_at = time.time()
         self.draining = False
         self.active: set[Generation] = set()
+        # tokenization and chat templating, off the event loop (bounded: at most this many
+        # prompts at once; more wait their turn without blocking streams or health checks)
+        self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the text thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._text_pool, functools.partial(fn, *args, **kwargs))
 
     @property
     def model_name(self) -> str:
@@ -92,6 +106,7 @@ class GatewayState:
 
     async def close(self) -> None:
         await self.registry.close()
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
         if self._own_provider:
             self.tracer_provider.shutdown()
         shutdown = getattr(self._meter_provider, "shutdown", None)

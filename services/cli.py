@@ -110,6 +110,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: from --model)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
+    p.add_argument(
+        "--allow-special-tokens-in-messages",
+        action="store_true",
+        help="let special tokens typed inside chat messages (<|im_start|>...) act as control "
+        "tokens; by default they are plain text, as OpenAI treats them",
+    )
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT")
     p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT")
     p.add_argument(

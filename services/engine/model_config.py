@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.config import ConfigError
+
 SUPPORTED = {
     "llama": "Llama 2/3, SmolLM",
     "mistral": "Mistral",
@@ -41,7 +43,7 @@ class ArchConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED:
             known = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
-            raise ValueError(f"model_type {model_type!r} is not supported; supported: {known}")
+            raise ConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
         heads = int(cfg["num_attention_heads"])
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))

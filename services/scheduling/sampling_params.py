@@ -23,12 +23,21 @@ def logit_bias_pairs(bias: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> tup
     """OpenAI's ``logit_bias`` (a mapping whose keys are token ids, strings in JSON) as sorted
     ``(token id, bias)`` pairs, the form SamplingParams keeps."""
     try:
-        by_id = {int(t): float(v) for t, v in dict(bias).items()}  # "5" and "05" are one token
+        # "5" and "05" are one token; " 5" or "+5" are not token ids (int() would take them)
+        by_id = {_token_id(t): float(v) for t, v in dict(bias).items()}
         return tuple(sorted(by_id.items()))
     except (TypeError, ValueError):
         raise InvalidRequestError(
             "logit_bias must map token ids (integers, as strings in JSON) to numbers", "logit_bias"
         ) from None
+
+
+def _token_id(key: Any) -> int:
+    if isinstance(key, str) and not (key.isascii() and key.isdigit()):
+        raise ValueError(key)
+    if isinstance(key, bool):
+        raise TypeError(key)
+    return int(key)
 
 
 @dataclass(frozen=True)

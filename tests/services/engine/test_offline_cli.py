@@ -47,3 +47,14 @@ def test_max_tokens_past_the_context_is_refused_with_the_limit() -> None:
     assert res.returncode == 2, res.stderr[-2000:]
     assert "maximum context length is 8192 tokens" in res.stderr
     assert "100000 in the completion" in res.stderr
+
+
+def test_an_unsupported_architecture_is_a_clean_error(tmp_path: Path) -> None:
+    config = {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
+              "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "vocab_size": 100, "intermediate_size": 128}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    res = _tandem("--model", str(tmp_path), "--load-format", "dummy", "--prompt", "hi")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "model_type 'gpt_neox' is not supported" in res.stderr
+    assert "Traceback" not in res.stderr
