@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -31,6 +32,7 @@ from typing import IO, TextIO
 from deploy.gpus import detect_gpus
 from deploy.plan import Plan, build_plan, gateway_spec
 from deploy.supervisor import Child, ChildFailedError, ChildSpec, Supervisor, parent_death_env
+from services.common.auth import TOKEN_ENV
 from services.config import ConfigError
 
 READY_TIMEOUT_S = float(os.environ.get("TANDEM_UP_READY_TIMEOUT", "900"))
@@ -262,6 +264,9 @@ def run(
 
 
 def main(args: argparse.Namespace) -> int:
+    # the workers' gRPC API and KV rendezvous take only callers with this run's secret; the
+    # children inherit it through the environment (not argv, which any local user can read)
+    os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
     run_dir = Path(tempfile.mkdtemp(prefix="tandem-run-"))
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-logs-"))
     try:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.auth import token_from
 from services.config import ConfigError
 
 ROLES = ("prefill", "decode", "both")
@@ -36,6 +37,7 @@ class GatewayConfig:
     allow_special_tokens_in_messages: bool = False
     workers: tuple[WorkerSpec, ...] = ()
     api_key: str | None = None
+    internal_token: str = ""  # sent to the workers on every gRPC call (services.common.auth)
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0
     request_timeout_s: float = 600.0
@@ -126,6 +128,7 @@ def config_from_args(
         allow_special_tokens_in_messages=getattr(args, "allow_special_tokens_in_messages", False),
         workers=workers_from_args(args),
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        internal_token=token_from(getattr(args, "internal_token", None)),
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         request_timeout_s=args.request_timeout,

@@ -16,9 +16,13 @@ log = logging.getLogger(__name__)
 
 class WorkerRegistry:
     def __init__(
-        self, specs: Iterable[WorkerSpec], interval_s: float = 1.0, timeout_s: float = 1.0
+        self,
+        specs: Iterable[WorkerSpec],
+        interval_s: float = 1.0,
+        timeout_s: float = 1.0,
+        internal_token: str = "",
     ) -> None:
-        self.clients = [WorkerClient(spec) for spec in specs]
+        self.clients = [WorkerClient(spec, internal_token) for spec in specs]
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._poller: asyncio.Task[None] | None = None

@@ -44,8 +44,9 @@ class GatewayState:
         self.tracer_provider = tracer_provider or build_tracer_provider(config.otlp_endpoint)
         self.tracer = get_tracer(self.tracer_provider)
         self.registry = WorkerRegistry(
-            config.workers, config.health_interval_s, config.health_timeout_s
-        )
+            config.workers, config.health_interval_s, config.health_timeout_s,
+            config.internal_token,
+        )  # fmt: skip
         self.dispatcher = Dispatcher(FlowContext(self.registry, self.tracer, config))
         self.metrics = GatewayMetrics(config.model_name, lambda: self.registry.clients)
         self._own_meter = meter_provider is None

@@ -21,6 +21,7 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.common.auth import client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,11 @@ _MUX = {
 
 
 class WorkerClient:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, internal_token: str = "") -> None:
         self.spec = spec
-        self.channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(
+            spec.address, options=CHANNEL_OPTIONS, interceptors=client_interceptors(internal_token)
+        )
         self.stub: Any = _STUBS[spec.role](self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False

@@ -18,6 +18,7 @@ class ReceiverOptions:
     max_transfer_bytes: int = 1 << 36  # a header announcing more tears the pair down
     max_pairs: int = 256  # concurrent senders
     gloo_interface: str = ""  # network interface for Gloo (default: the one `host` is on)
+    auth_token: str = ""  # senders must prove this internal token (kvtransfer.auth); "": none
 
     def __post_init__(self) -> None:
         _check_common(self.io_timeout_s, self.connect_timeout_s)
@@ -41,6 +42,7 @@ class SenderOptions:
     # the same for a KV streamed out layer by layer as prefill writes it (send with ready=):
     # what is left to ship after the last layer is written is one chunk, so keep it small
     streaming_chunk_bytes: int = 8 << 20
+    auth_token: str = ""  # prove it, and ship KV only to receivers that prove it back
 
     def __post_init__(self) -> None:
         _check_common(self.timeout_s, self.timeout_s)

@@ -29,6 +29,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from kvtransfer.auth import HelloChecker
 from kvtransfer.blockcopy import make_copier
 from kvtransfer.config import ReceiverOptions
 from kvtransfer.control import ControlConn, listen
@@ -52,6 +53,7 @@ class KvReceiver:
         device = kv_caches[0].device
         self._counters = CounterBox()
         self._registry = ExpectationRegistry(self._counters)
+        self._hellos = HelloChecker(opts.auth_token)
         self._store: dist.TCPStore | None
         self._store, store_port = serve_store(opts.host, opts.store_port, opts.connect_timeout_s)
         self._listener = listen(opts.host, opts.port)
@@ -167,6 +169,10 @@ class KvReceiver:
                 )
             if live >= self.options.max_pairs:
                 return "", f"receiver already serves {live} senders (max_pairs)"
+            refused = self._hellos.refusal(hello.sender_id, hello.gen, hello.issued, hello.proof)
+            if refused:
+                log.warning("refusing KV sender %s: %s", hello.sender_id, refused)
+                return "", refused
             old = self._pairs.get(hello.sender_id)
             self._pairs[hello.sender_id] = pair
         if old is not None and old is not pair:

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvtransfer.auth import welcome_proof
 from kvtransfer.blockcopy import Copier
 from kvtransfer.chunks import LayerRange, layer_ranges
 from kvtransfer.config import ReceiverOptions
@@ -127,7 +128,8 @@ class ReceiverPair:
             raise WireError(f"expected a hello, got {hello!r}")
         self.sender_id = hello.sender_id
         backend, error = self._admit(self, hello)
-        self._conn.send(Welcome(backend, ctx.device, ctx.store_port, error))
+        proof = "" if error else welcome_proof(ctx.options.auth_token, hello.gen)
+        self._conn.send(Welcome(backend, ctx.device, ctx.store_port, error, proof))
         if error:
             return None
         self._thread.name = f"kv-recv-{hello.sender_id}"

@@ -73,6 +73,7 @@ class KvSender:
             self.options.chunk_bytes,
             self.options.streaming_chunk_bytes,
             copier,
+            self.options.auth_token,
         )
         self._counters = CounterBox()
         self._lock = threading.Lock()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvtransfer.auth import hello_proof, proven, welcome_proof
 from kvtransfer.blockcopy import Copier
 from kvtransfer.chunks import LayerRange, plan_layers
 from kvtransfer.control import ConnectionClosed, ControlConn
@@ -54,6 +55,7 @@ class SenderContext:
     chunk_bytes: int
     streaming_chunk_bytes: int
     copier: Copier
+    auth_token: str = ""
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -91,13 +93,19 @@ class SenderPair:
         ctx = self._ctx
         conn = ControlConn.connect(self.host, self.port, _seconds(deadline))
         try:
-            gen = uuid.uuid4().hex
-            conn.send(Hello(ctx.sender_id, gen, ctx.device))
+            gen, issued = uuid.uuid4().hex, time.time()
+            proof = hello_proof(ctx.auth_token, ctx.sender_id, gen, issued)
+            conn.send(Hello(ctx.sender_id, gen, ctx.device, issued=issued, proof=proof))
             welcome = conn.recv(_seconds(deadline))
             if not isinstance(welcome, Welcome):
                 raise WireError(f"expected a welcome, got {welcome!r}")
             if welcome.error:
                 raise TransferError(f"KV receiver at {self.endpoint} refused: {welcome.error}")
+            if ctx.auth_token and not proven(welcome_proof(ctx.auth_token, gen), welcome.proof):
+                raise TransferError(
+                    f"KV receiver at {self.endpoint} did not prove the internal token: "
+                    "no KV is sent to it"
+                )
             timeout = timedelta(seconds=_seconds(deadline))
             client = dist.TCPStore(self.host, welcome.store_port, None, False, timeout)
             self._channel = PairChannel.open(

@@ -51,6 +51,8 @@ class Hello:
     gen: str  # fresh per pair build, so a rebuilt pair never reuses a broken one's keys
     device: DeviceInfo
     protocol: int = PROTOCOL_VERSION
+    issued: float = 0.0  # wall-clock time the proof was made (kvtransfer.auth)
+    proof: str = ""  # HMAC over the hello with the internal token; "" without one
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Welcome:
     device: DeviceInfo | None
     store_port: int = 0  # the receiver's rendezvous store, for building the group
     error: str = ""
+    proof: str = ""  # HMAC over the sender's gen with the internal token; "" without one
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ def encode(msg: Message) -> bytes:
             "gen": msg.gen,
             "device": msg.device.to_json(),
             "protocol": msg.protocol,
+            "issued": msg.issued,
+            "proof": msg.proof,
         }
     elif isinstance(msg, Welcome):
         device = msg.device.to_json() if msg.device else None
@@ -109,6 +114,7 @@ def encode(msg: Message) -> bytes:
             "device": device,
             "store_port": msg.store_port,
             "error": msg.error,
+            "proof": msg.proof,
         }
     elif isinstance(msg, Header):
         doc = {
@@ -158,7 +164,12 @@ def _str(doc: dict[str, Any], key: str, limit: int) -> str:
 def _hello(doc: dict[str, Any]) -> Hello:
     sender_id = check_name("sender_id", doc["sender_id"])
     gen = check_name("gen", doc["gen"])
-    return Hello(sender_id, gen, DeviceInfo.from_json(doc["device"]), _int(doc, "protocol"))
+    issued = doc.get("issued", 0.0)
+    if isinstance(issued, bool) or not isinstance(issued, int | float):
+        raise WireError("issued must be a number")
+    proof = _str(doc, "proof", 128) if "proof" in doc else ""
+    device = DeviceInfo.from_json(doc["device"])
+    return Hello(sender_id, gen, device, _int(doc, "protocol"), float(issued), proof)
 
 
 def _welcome(doc: dict[str, Any]) -> Welcome:
@@ -166,7 +177,8 @@ def _welcome(doc: dict[str, Any]) -> Welcome:
     if backend not in (GLOO, NCCL, ""):
         raise WireError(f"unknown backend {backend!r}")
     device = DeviceInfo.from_json(doc["device"]) if doc["device"] is not None else None
-    return Welcome(backend, device, _int(doc, "store_port"), _str(doc, "error", 4096))
+    proof = _str(doc, "proof", 128) if "proof" in doc else ""
+    return Welcome(backend, device, _int(doc, "store_port"), _str(doc, "error", 4096), proof)
 
 
 def _header(doc: dict[str, Any]) -> Header:

@@ -84,12 +84,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
+INTERNAL_TOKEN_HELP = (
+    "shared secret of the workers' gRPC API and KV rendezvous (default: $TANDEM_INTERNAL_TOKEN; "
+    "none: unauthenticated, keep the ports on loopback); tandem up makes one per run"
+)
+
+
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="gRPC bind address (loopback by default)")
     g.add_argument("--port", type=_port, required=True, help="gRPC port (0 picks a free one)")
     g.add_argument("--worker-id", default=None, help=f"name of this {role} worker")
+    g.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
     g.add_argument(
         "--drain-timeout",
         type=float,
@@ -123,6 +130,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--config", default=None, help="YAML/JSON file listing workers")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=40.0)
     p.add_argument("--request-timeout", type=float, default=600.0)

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import common_pb2
+from services.common.auth import server_interceptors, token_from
 from services.common.convert import stats_to_load
 from services.engine.driver import EngineDriver
 from services.engine.llm_engine import LLMEngine
@@ -49,7 +50,10 @@ class WorkerRuntime:
         self.draining = False
         self.inflight = 0
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.internal_token = token_from(getattr(args, "internal_token", None))
+        self.server = grpc.aio.server(
+            options=SERVER_OPTIONS, interceptors=server_interceptors(self.internal_token)
+        )
         self.port = 0
         self.extra_load: Callable[[], dict[str, Any]] = dict
         self.num_queued: Callable[[], int] = int  # requests waiting outside the engine (admission)

@@ -80,7 +80,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         assert self.rt.engine is not None
         a = self.rt.args
         opts = ReceiverOptions(host=a.kv_host or a.host, port=a.kv_port, io_timeout_s=a.kv_timeout,
-                               advertise_host=a.kv_host or "")  # fmt: skip
+                               advertise_host=a.kv_host or "",
+                               auth_token=self.rt.internal_token)  # fmt: skip
         self.receiver = KvReceiver(self.rt.engine.runner.kv_caches, opts)
         assert self.rt.driver is not None
         self.rt.driver.after_work.append(

@@ -252,3 +252,16 @@ def test_a_burst_spreads_over_the_decode_workers(tokenizer_dir: str) -> None:
         assert [c.inflight for c in stack.state.registry.clients] == [0, 0, 0]  # counts end too
     finally:
         stack.stop()
+
+
+def test_the_internal_token_goes_with_every_worker_call(tokenizer_dir: str) -> None:
+    stack = Stack(tokenizer_dir, ["prefill", "decode"], internal_token="tok-123").start()
+    try:
+        r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        assert r.status_code == 200
+        # real calls (a multiplexed Decode's item metadata travels inside its stream)
+        calls = [md for w in stack.workers for md in w.records.metadata if "user-agent" in md]
+        assert len(calls) == 2  # Reserve, Prefill
+        assert all(md.get("x-tandem-internal-token") == "tok-123" for md in calls), calls
+    finally:
+        stack.stop()

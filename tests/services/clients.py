@@ -23,6 +23,7 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.common.auth import client_interceptors
 from services.common.convert import sampling_to_pb
 from services.scheduling.sampling_params import SamplingParams
 
@@ -57,9 +58,9 @@ class Result:
 class Conn:
     """An aio channel to one worker, with its stub and health stub."""
 
-    def __init__(self, address: str, role: str) -> None:
+    def __init__(self, address: str, role: str, token: str = "") -> None:
         self.address, self.role = address, role
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors(token))
         self.stub: Any = STUBS[role](self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
