@@ -100,6 +100,7 @@ class _Run:
             # the worker answers before our deadline, so a full pool reads as such
             wait_s=max(left - WAIT_MARGIN_S, 0.0) if wait else 0.0,
             priority=item.priority,
+            owner=self.ctx.registry.owner,  # freed soon after this gateway dies
         )
         timeout = left if wait else min(self.ctx.config.rpc_timeout_s, left)
         # counted on the worker from the choice on: a burst ranks before any reply comes back

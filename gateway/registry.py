@@ -21,8 +21,10 @@ class WorkerRegistry:
         interval_s: float = 1.0,
         timeout_s: float = 1.0,
         internal_token: str = "",
+        owner: str = "",
     ) -> None:
-        self.clients = [WorkerClient(spec, internal_token) for spec in specs]
+        self.owner = owner  # this gateway's instance id (leases on the workers)
+        self.clients = [WorkerClient(spec, internal_token, owner) for spec in specs]
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._poller: asyncio.Task[None] | None = None

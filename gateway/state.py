@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -45,7 +46,7 @@ class GatewayState:
         self.tracer = get_tracer(self.tracer_provider)
         self.registry = WorkerRegistry(
             config.workers, config.health_interval_s, config.health_timeout_s,
-            config.internal_token,
+            config.internal_token, owner=f"gateway-{uuid.uuid4().hex}",
         )  # fmt: skip
         self.dispatcher = Dispatcher(FlowContext(self.registry, self.tracer, config))
         self.metrics = GatewayMetrics(config.model_name, lambda: self.registry.clients)

@@ -48,8 +48,9 @@ _MUX = {
 
 
 class WorkerClient:
-    def __init__(self, spec: WorkerSpec, internal_token: str = "") -> None:
+    def __init__(self, spec: WorkerSpec, internal_token: str = "", owner: str = "") -> None:
         self.spec = spec
+        self.owner = owner  # this gateway's instance id: each poll renews its leases there
         self.channel = grpc.aio.insecure_channel(
             spec.address, options=CHANNEL_OPTIONS, interceptors=client_interceptors(internal_token)
         )
@@ -89,7 +90,8 @@ class WorkerClient:
         """Health check and load; any failure marks the worker unhealthy until the next poll."""
         try:
             check = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            load = load_from_pb(await self.stub.GetLoad(common_pb2.LoadRequest(), timeout=timeout))
+            request = common_pb2.LoadRequest(owner=self.owner)
+            load = load_from_pb(await self.stub.GetLoad(request, timeout=timeout))
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             reason = f"health poll failed: {getattr(code, 'name', 'ERROR')}"

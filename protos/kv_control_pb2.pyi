@@ -5,20 +5,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "ttl_s", "wait_s", "priority")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "ttl_s", "wait_s", "priority", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     ttl_s: float
     wait_s: float
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., priority: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "num_blocks", "kv_endpoint", "decode_worker_id")

@@ -41,6 +41,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     """argparse type for every port flag: 0-65535 (0 picks a free port)."""
     value = _int(text, "a port number (0-65535)")
@@ -104,6 +115,11 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         help="seconds in-flight requests get after SIGTERM",
     )
     if role in ("decode",):
+        g.add_argument(
+            "--lease-timeout", type=_positive_seconds, default=6.0,
+            help="seconds an unclaimed reservation outlives its silent owner (a gateway polls "
+            "every second; a dead one's reservations are freed this long after it stopped)",
+        )  # fmt: skip
         g.add_argument("--kv-host", default=None, help="KV rendezvous address (default: --host)")
         g.add_argument("--kv-port", type=_port, default=0, help="KV rendezvous port (0 picks one)")
     g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a KV transfer may take")

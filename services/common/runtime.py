@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from protos import common_pb2
 from services.common.auth import server_interceptors, token_from
 from services.common.convert import stats_to_load
+from services.common.leases import Leases
 from services.engine.driver import EngineDriver
 from services.engine.llm_engine import LLMEngine
 
@@ -60,6 +61,7 @@ class WorkerRuntime:
         self.on_ready: list[Callable[[], Any]] = []
         self.on_stop: list[Callable[[], Any]] = []
         self.on_drain: list[Callable[[], None]] = []  # on the event loop, as draining starts
+        self.leases = Leases(getattr(args, "lease_timeout", 6.0))
         self.ready_extra: Callable[[], dict[str, Any]] = dict
 
     # ---- for servicers -----------------------------------------------------------------------
@@ -174,6 +176,7 @@ class WorkerRpcs:
     async def GetLoad(
         self, request: common_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerLoad:
+        self.rt.leases.renew(request.owner)  # the owner's poll is its heartbeat
         return self.rt.load()
 
 

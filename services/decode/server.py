@@ -41,6 +41,7 @@ class Reservation:
     num_prompt_tokens: int
     handle: Any  # kvtransfer.TransferHandle
     expiry: asyncio.TimerHandle
+    owner: str = ""  # the gateway whose lease keeps it (services.common.leases)
     claimed: bool = False
 
 
@@ -69,6 +70,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         self.rt = runtime
         self.receiver: Any = None  # kvtransfer.KvReceiver once the model is loaded
         self.reservations: dict[str, Reservation] = {}
+        self._lease_timer: asyncio.TimerHandle | None = None
         self.admission = AdmissionQueue(
             self._release_admitted, by_priority=runtime.args.scheduling_policy == "priority"
         )
@@ -141,7 +143,9 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(ttl, self._expire, rid)
-        self.reservations[rid] = Reservation(rid, n, handle, expiry)
+        self.rt.leases.renew(request.owner)
+        self.reservations[rid] = Reservation(rid, n, handle, expiry, request.owner)
+        self._watch_leases(loop)
         handle.add_done_callback(lambda result: self._on_transfer_end(loop, rid, handle, result))
         return kv_control_pb2.ReserveResponse(
             reservation_id=rid, num_blocks=nblk, kv_endpoint=self.receiver.endpoint,
@@ -194,6 +198,22 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         if res is not None and res.handle is handle and not res.claimed:  # Decode handles its own
             log.warning("KV transfer for %s failed (%s); its reservation is freed", rid, error)
             self._cancel(rid)
+
+    def _watch_leases(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every second while owned reservations exist: free those whose owner went silent."""
+        if self._lease_timer is None and any(r.owner for r in self.reservations.values()):
+            self._lease_timer = loop.call_later(1.0, self._check_leases, loop)
+
+    def _check_leases(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._lease_timer = None
+        leases = self.rt.leases
+        for rid, res in list(self.reservations.items()):
+            if not res.claimed and leases.lapsed(res.owner):
+                log.warning("reservation %s: its owner %s went silent for %.0f s; freed",
+                            rid, res.owner, leases.timeout_s)  # fmt: skip
+                self._cancel(rid)
+        leases.forget_lapsed()
+        self._watch_leases(loop)
 
     def _expire(self, rid: str) -> None:
         res = self.reservations.get(rid)

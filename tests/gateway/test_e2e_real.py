@@ -228,3 +228,40 @@ async def _dead_worker_reported(gateway: Proc, dead: Proc, since: float) -> floa
                 return time.monotonic() - since
             assert time.monotonic() - since < 10.0, body
             await asyncio.sleep(0.1)
+
+
+async def test_a_gateway_killed_mid_request_leaks_nothing(fleet: Fleet) -> None:
+    """kill -9 of the gateway while its requests hold decode reservations (their prompts still in
+    prefill): the workers free everything within 10 s (the reservations when their owner's lease
+    lapses, the rest when its calls are cut), no worker restarts, and a new gateway serves."""
+    prefill, decode = fleet.shared("prefill", "decode")
+    gateway = fleet.gateway(prefill=[prefill], decode=[decode])
+    wait_healthy(gateway, 2)
+    questions = [f"Request {i}: " + "Explain how parcels are sorted. " * 100 for i in range(3)]
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            sent = [
+                asyncio.create_task(client.post("/v1/chat/completions", json={
+                    "model": MODEL, "max_tokens": 32, "messages": messages(None, q)}))
+                for q in questions
+            ]  # fmt: skip
+            deadline = time.monotonic() + 60
+            while (await d.load()).num_reserved == 0:
+                assert time.monotonic() < deadline, "no reservation was ever made"
+                await asyncio.sleep(0.02)
+            gateway.kill()
+            t0 = time.monotonic()
+            await asyncio.gather(*sent, return_exceptions=True)  # the connections break
+        assert_idle(await wait_pool_free([p, d], timeout_s=10.0))
+        assert time.monotonic() - t0 < 10.0
+    assert prefill.alive and decode.alive
+    assert fleet.shared("prefill", "decode") == [prefill, decode]  # nothing was restarted
+    again = fleet.gateway(prefill=[prefill], decode=[decode])
+    try:
+        wait_healthy(again, 2)
+        body = {"model": MODEL, "max_tokens": 4, "messages": messages(None, "Hi")}
+        assert (
+            httpx.post(f"{again.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        )
+    finally:
+        again.kill()

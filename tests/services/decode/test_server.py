@@ -97,6 +97,29 @@ async def test_a_reserve_that_may_wait_queues_until_blocks_free(fleet: Fleet) ->
         assert_idle(await wait_pool_free([d]))
 
 
+async def test_an_unclaimed_reservation_lives_only_while_its_owner_polls(fleet: Fleet) -> None:
+    """Owner A keeps polling GetLoad, owner B goes silent (a gateway killed with -9): B's
+    reservation is freed after the decode worker's --lease-timeout (6 s), A's stays."""
+    (decode,) = fleet.shared("decode")
+    async with Conn(decode.address, "decode") as d:
+        for rid, owner in (("kept", "gw-alive"), ("orphan", "gw-dead")):
+            req = kv_control_pb2.ReserveRequest(
+                request_id=rid, num_prompt_tokens=40, max_tokens=8, ttl_s=600, owner=owner
+            )
+            await d.stub.Reserve(req, timeout=5)
+        t0 = time.monotonic()
+        while (load := await d.stub.GetLoad(common_pb2.LoadRequest(owner="gw-alive"), timeout=5)
+               ).num_reserved == 2:  # fmt: skip
+            assert time.monotonic() - t0 < 12, "the silent owner's reservation was never freed"
+            await asyncio.sleep(0.5)
+        assert time.monotonic() - t0 >= 5.0  # not before its lease ran out
+        assert load.num_reserved == 1
+        code = await rpc_code(decode_call(d, "orphan", [1] * 40, [5], greedy(4)))
+        assert code == grpc.StatusCode.NOT_FOUND
+        assert await d.abort("kept")  # still there, although its owner never claimed it
+        assert_idle(await wait_pool_free([d]))
+
+
 def _reserve_req(
     rid: str, num_prompt: int = 40, max_tokens: int = 8, wait_s: float = 0.0
 ) -> kv_control_pb2.ReserveRequest:
