@@ -2,9 +2,11 @@
 
 Prepare the model once, start the workers on free ports, wait for their ready files, start the
 gateway pointed at them, print one ``Tandem is ready:`` line, then watch. Ctrl-C or SIGTERM stops
-the gateway first, then the workers; no child outlives the launcher. A worker that dies is
-started again on its port (at most TANDEM_UP_MAX_RESTARTS times in five minutes); the gateway
-routes around it meanwhile and finds it back through its health checks.
+the gateway first, then the workers; no child outlives the launcher. A child that dies, the
+gateway included, is started again on its port, after a backoff that grows while it keeps dying
+(up to TANDEM_UP_MAX_BACKOFF, 30 s), never given up on; the others keep serving meanwhile (the
+gateway routes around a dead worker and finds it back through its health checks; a restarted
+gateway rebuilds its state from the workers, and the dead one's reservations lapse there).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from services.config import ConfigError
 
 READY_TIMEOUT_S = float(os.environ.get("TANDEM_UP_READY_TIMEOUT", "900"))
 GRACE_S = float(os.environ.get("TANDEM_UP_GRACE", "15"))  # a floor; see shutdown_grace()
-# a worker that dies is started again on its port, up to this many times in RESTART_WINDOW_S
-MAX_RESTARTS = int(os.environ.get("TANDEM_UP_MAX_RESTARTS", "3"))
+# a child that dies is started again on its port, after a backoff that grows with its deaths in
+# RESTART_WINDOW_S, up to MAX_BACKOFF_S
 RESTART_WINDOW_S = 300.0
+MAX_BACKOFF_S = float(os.environ.get("TANDEM_UP_MAX_BACKOFF", "30"))
 DRAIN_MARGIN_S = 5.0  # past the gateway's --drain-timeout, for its last frames and exit
 WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -151,7 +154,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str, dict[str, int]]:
     """Prepare, start workers, start the gateway; returns the gateway's /v1 URL and each
-    worker's port (name -> port)."""
+    child's port (name -> port)."""
     check_port_free(plan.host, plan.port)
     say(f"tandem up: preparing model {plan.model}")
     tokenizer_dir = prepare_model(plan.prepare_argv)
@@ -162,7 +165,8 @@ def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str,
     say("tandem up: workers ready (" + ", ".join(f"{n} :{p}" for n, p in ports.items()) + ")")
     gateway = sup.start(gateway_spec(plan, ports, tokenizer_dir))
     sup.wait_ready([gateway], ready_timeout_s, _progress)
-    return public_url(plan.host, int((gateway.ready or {}).get("port", plan.port))), ports
+    port = int((gateway.ready or {}).get("port", plan.port))
+    return public_url(plan.host, port), {**ports, gateway.name: port}
 
 
 def shutdown_grace(drain_timeout_s: float, floor_s: float = GRACE_S) -> float:
@@ -183,40 +187,42 @@ def same_port_spec(spec: ChildSpec, port: int) -> ChildSpec:
     return dataclasses.replace(spec, argv=argv)
 
 
-def watch(
-    sup: Supervisor,
-    ports: dict[str, int],
-    max_restarts: int = MAX_RESTARTS,
-    window_s: float = RESTART_WINDOW_S,
-) -> int:
-    """Serve until a child exits. A worker (a name in ``ports``) is restarted on its port, so
-    the gateway's health checks find it back, unless it already died ``max_restarts`` times in
-    ``window_s``; the gateway's exit, or a worker past its restarts, stops everything (1)."""
+def restart_delay(recent_deaths: int, cap_s: float = MAX_BACKOFF_S) -> float:
+    """Seconds before a child that died is started again: at once after its first death in
+    the window, then 1, 2, 4, ... up to ``cap_s``, so a crash loop costs little CPU."""
+    return 0.0 if recent_deaths <= 1 else min(cap_s, 2.0 ** (recent_deaths - 2))
+
+
+def watch(sup: Supervisor, ports: dict[str, int], window_s: float = RESTART_WINDOW_S) -> int:
+    """Serve until a signal. Any child that exits, the gateway included, is started again on its
+    port (the gateway's clients and the gateway's worker list stay valid), after a backoff
+    that grows with its deaths in ``window_s`` (:func:`restart_delay`); the launcher never gives
+    up on it and never stops the parts that still serve (the gateway reports a worker that is
+    down in /health and /workers meanwhile)."""
     deaths: dict[str, deque[float]] = {}
+    due: dict[str, tuple[float, Child]] = {}  # name -> (when to restart, the exited child)
     while True:
-        child = sup.first_exited()
-        if child is None:
-            time.sleep(0.2)
-            continue
-        code = child.proc.returncode
-        recent = deaths.setdefault(child.name, deque())
         now = time.monotonic()
-        while recent and now - recent[0] > window_s:
-            recent.popleft()
-        if child.name not in ports or len(recent) >= max_restarts:
-            what = f"exited unexpectedly with code {code}"
-            if recent:
-                what += f" ({len(recent) + 1} times in {window_s:.0f} s)"
-            say(f"tandem up: {sup.failure(child, what)}", error=True)
-            return 1
-        recent.append(now)
-        port = ports[child.name]
-        say(
-            f"tandem up: {child.name} exited unexpectedly with code {code}; starting it again on "
-            f"port {port} (log {child.log_path})",
-            error=True,
-        )
-        sup.restart(child, same_port_spec(child.spec, port))
+        for name, (when, child) in list(due.items()):
+            if now >= when:
+                del due[name]
+                sup.restart(child, same_port_spec(child.spec, ports[name]))
+        exited = [c for c in sup.children if c.name not in due and c.proc.poll() is not None]
+        for child in exited:
+            recent = deaths.setdefault(child.name, deque())
+            while recent and now - recent[0] > window_s:
+                recent.popleft()
+            recent.append(now)
+            delay = restart_delay(len(recent))
+            say(
+                f"tandem up: {child.name} exited unexpectedly with code {child.proc.returncode}; "
+                f"starting it again on port {ports[child.name]}"
+                + (f" in {delay:.0f} s ({len(recent)} exits in {window_s:.0f} s)" if delay else "")
+                + f" (log {child.log_path})",
+                error=True,
+            )
+            due[child.name] = (now + delay, child)
+        time.sleep(0.2)
 
 
 def run(
@@ -226,8 +232,8 @@ def run(
     ready_timeout_s: float = READY_TIMEOUT_S,
     grace_s: float | None = None,
 ) -> int:
-    """Start everything in ``plan``, serve until a signal, the gateway's death or a worker's death
-    past its restarts (:func:`watch`), then stop it all.
+    """Start everything in ``plan``, serve (restarting what dies, :func:`watch`) until a signal,
+    then stop it all.
 
     ``grace_s`` None: :func:`shutdown_grace` of the drain timeout the gateway was given.
     """

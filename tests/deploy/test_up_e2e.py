@@ -108,6 +108,35 @@ def check_burst_is_queued_not_refused(url: str, model: str) -> None:
         ), loads  # fmt: skip
 
 
+def role_pids(root: int) -> dict[str, int]:
+    """The `tandem ROLE` processes under ``root`` by role (one each here)."""
+    out = {}
+    for pid in descendants(root):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"services.cli" in argv:
+                out[argv[argv.index(b"services.cli") + 1].decode()] = pid
+    return out
+
+
+def check_a_killed_gateway_comes_back(up: Up, url: str, model: str) -> None:
+    """kill -9 of the gateway: tandem up starts it again on its port and it serves within 10 s;
+    the workers are not restarted."""
+    before = role_pids(up.proc.pid)
+    os.kill(before["gateway"], signal.SIGKILL)
+    t0 = time.monotonic()
+    while True:
+        with contextlib.suppress(OSError):  # refused or reset while it restarts
+            if "Paris" in chat(url, model):
+                break
+        assert time.monotonic() - t0 < 10.0, "the gateway did not come back within 10 s"
+        time.sleep(0.2)
+    after = role_pids(up.proc.pid)
+    assert after["gateway"] != before["gateway"]
+    assert (after["prefill"], after["decode"]) == (before["prefill"], before["decode"])
+    assert up.proc.poll() is None
+
+
 def test_up_serves_a_chat_completion_queues_a_burst_and_stops_cleanly(tmp_path: Path) -> None:
     up = Up(tmp_path / "logs", *SMALL_POOL, program=TANDEM_UP)
     started: set[int] = set()
@@ -117,6 +146,7 @@ def test_up_serves_a_chat_completion_queues_a_burst_and_stops_cleanly(tmp_path: 
         assert len(started) >= 3  # gateway, prefill, decode
         assert "Paris" in chat(url, model)
         check_burst_is_queued_not_refused(url, model)
+        check_a_killed_gateway_comes_back(up, url, model)
         up.proc.send_signal(signal.SIGTERM)
         assert up.finish(timeout_s=90) == 0
         deadline = time.monotonic() + 10
