@@ -154,11 +154,7 @@ def test_up_serves_a_chat_completion_queues_a_burst_and_stops_cleanly(tmp_path: 
             time.sleep(0.1)
         assert not [p for p in started if alive(p)]
     finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
-        for pid in started | descendants(up.proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(up, started)
 
 
 def test_up_colocated_queues_a_burst_larger_than_its_pool(tmp_path: Path) -> None:
@@ -171,8 +167,13 @@ def test_up_colocated_queues_a_burst_larger_than_its_pool(tmp_path: Path) -> Non
         up.proc.send_signal(signal.SIGTERM)
         assert up.finish(timeout_s=90) == 0
     finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
-        for pid in started | descendants(up.proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(up, started)
+
+
+def kill_all(up: Up, started: set[int]) -> None:
+    """Whatever a failed test left: the launcher and every process it ever started."""
+    if up.proc.poll() is None:
+        up.proc.kill()
+    for pid in started | descendants(up.proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

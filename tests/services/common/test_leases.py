@@ -16,9 +16,14 @@ class Clock:
         return self.now
 
 
-def test_an_owner_lapses_only_after_the_timeout_of_silence(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = Clock()
-    monkeypatch.setattr(leases_module.time, "monotonic", clock)
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(leases_module.time, "monotonic", fake)
+    return fake
+
+
+def test_an_owner_lapses_only_after_the_timeout_of_silence(clock: Clock) -> None:
     leases = Leases(timeout_s=5.0)
     leases.renew("gw-a")
     clock.now += 4.9
@@ -32,9 +37,7 @@ def test_an_owner_lapses_only_after_the_timeout_of_silence(monkeypatch: pytest.M
     assert not leases.lapsed("")  # no owner: no lease to lapse
 
 
-def test_long_gone_owners_are_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = Clock()
-    monkeypatch.setattr(leases_module.time, "monotonic", clock)
+def test_long_gone_owners_are_forgotten(clock: Clock) -> None:
     leases = Leases(timeout_s=1.0)
     leases.renew("old")
     clock.now += 11
