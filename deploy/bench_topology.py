@@ -26,8 +26,13 @@ from services.cli import build_parser
 
 
 # ---- processes --------------------------------------------------------------------------------------
-class _Interrupted(Exception):
-    """SIGTERM: unwind through the finally blocks that stop the topology."""
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM: unwind through the finally blocks that stop the topology.
+
+    A KeyboardInterrupt, not an Exception: raised wherever the main thread happens to be, it
+    must get through any ``except Exception`` on the way, and asyncio re-raises it out of the
+    event loop even when it lands inside a task's step (an Exception there only failed that
+    task, so a SIGTERM during a rate was lost and the benchmark ran on and exited 0)."""
 
 
 @contextlib.contextmanager

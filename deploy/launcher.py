@@ -47,8 +47,9 @@ DRAIN_MARGIN_S = 5.0  # past the gateway's --drain-timeout, for its last frames 
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
-class _Stop(Exception):
-    """Raised by the signal handler to unwind into the shutdown path."""
+class _Stop(KeyboardInterrupt):
+    """Raised by the signal handler to unwind into the shutdown path (a KeyboardInterrupt, so
+    no ``except Exception`` on the way, such as the model-id probe's, can swallow it)."""
 
 
 def say(text: str, error: bool = False) -> None:
