@@ -4,7 +4,6 @@ dies while the KV is on its way."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -115,16 +114,20 @@ async def test_decode_killed_mid_transfer_fails_the_prefill_and_frees_its_blocks
         call = prefill_call(p, "doomed", ids, greedy(8), res)
         first = await call.read()
         assert first.WhichOneof("event") == "first"
-        await asyncio.sleep(0.05)  # the transfer (~60 blocks) has begun
+        failures = (await p.load()).kv_transfer_failures
         fleet.forget(decode)
-        decode.kill()
+        decode.kill()  # the transfer began with the first token: it is (almost always) on its way
         t0 = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await call.read()
-        assert time.monotonic() - t0 < 7.0  # within the KV timeout (5 s) and some slack
-        # ABORTED, not UNAVAILABLE: the prefill worker itself is fine (no retry elsewhere)
-        assert info.value.code() == grpc.StatusCode.ABORTED
-        assert "KV transfer" in (info.value.details() or "")
+        try:
+            event = await call.read()
+            # the rare run where the whole KV had arrived and been acknowledged before the kill
+            assert event.WhichOneof("event") == "done" and await call.read() is grpc.aio.EOF
+        except grpc.aio.AioRpcError as e:
+            assert time.monotonic() - t0 < 7.0  # within the KV timeout (5 s) and some slack
+            # ABORTED, not UNAVAILABLE: the prefill worker itself is fine (no retry elsewhere)
+            assert e.code() == grpc.StatusCode.ABORTED
+            assert "KV transfer" in (e.details() or "")
+            assert (await p.load()).kv_transfer_failures == failures + 1
         assert_idle(await wait_pool_free([p]))
         # the same prefill worker serves a request for another decode worker
         (other,) = fleet.shared("decode")
@@ -132,5 +135,4 @@ async def test_decode_killed_mid_transfer_fails_the_prefill_and_frees_its_blocks
             prompt = chat_ids("What is the capital of France?")
             got = await disagg(p, d2, "after-kill", prompt, 8)
             assert got.token_ids == greedy_reference([prompt], 8)[0].token_ids
-            assert (await p.load()).kv_transfer_failures >= 1
             assert_idle(await wait_pool_free([p, d2]))
