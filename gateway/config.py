@@ -42,6 +42,10 @@ class GatewayConfig:
     slo_tpot_ms: float = 40.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024
+    # HTTP connection guard (gateway.http_protocol): totals, not gaps between reads
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 4096
     otlp_endpoint: str | None = None
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
@@ -59,6 +63,9 @@ class GatewayConfig:
         positive = {
             "--request-timeout": self.request_timeout_s,
             "--max-body-bytes": self.max_body_bytes,
+            "--header-timeout": self.header_timeout_s,
+            "--body-timeout": self.body_timeout_s,
+            "--max-connections": self.max_connections,
             "health interval": self.health_interval_s,
             "health timeout": self.health_timeout_s,
             "rpc timeout": self.rpc_timeout_s,
@@ -133,6 +140,9 @@ def config_from_args(
         slo_tpot_ms=args.slo_tpot_ms,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
         otlp_endpoint=args.otlp_endpoint,
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
     )

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import Span
@@ -34,6 +34,7 @@ from gateway.work import FlowContext, WorkItem, rpc_failure
 from gateway.workers import WorkerClient
 from protos import decode_pb2, kv_control_pb2, prefill_pb2
 
+T = TypeVar("T")
 MAX_RESERVE_TRIES = 3
 WAIT_MARGIN_S = 0.2  # a waiting Reserve is answered this long before the request's deadline
 
@@ -140,6 +141,34 @@ class _Run:
         except grpc.RpcError as e:
             raise rpc_failure(self.prefill, e, "Prefill") from e
         return None if event is grpc.aio.EOF else event
+
+    async def unless_decode_lost(self, step: Awaitable[T]) -> T:
+        """``step`` (the prefill, the KV transfer), failed at once when the decode worker that
+        holds the reservation is seen gone: the KV has nowhere to go, so the client hears it
+        within a health poll, not at the prefill worker's KV timeout."""
+        assert self.decode is not None
+        decode = self.decode
+        work = asyncio.ensure_future(step)
+        lost = asyncio.ensure_future(decode.until_lost())
+        try:
+            await asyncio.wait((work, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not work.done():
+                work.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        raise UpstreamError(
+            APIError(
+                503,
+                f"decode worker {decode.address} went away while this request's KV was on its "
+                f"way to it ({decode.last_error})",
+                code="worker_unavailable",
+            ),
+            retryable=False,
+            worker_down=True,
+            address=decode.address,
+        )
 
     async def first_token(self) -> Chunk:
         assert self.reservation is not None
@@ -291,14 +320,14 @@ async def disaggregated(
     finished, error = False, "cancelled"
     try:
         await run.reserve(decodes)
-        first = await run.first_token()
+        first = await run.unless_decode_lost(run.first_token())
         finished = first.finish_reason is not None
         if finished:
             run.finish_early()
         yield first
         if finished:
             return
-        await run.transfer_done()
+        await run.unless_decode_lost(run.transfer_done())
         run.start_decode(first)
         while not finished:
             chunk = await run.next_decode_chunk()

@@ -38,7 +38,8 @@ _WORKER_COUNTERS = {
 
 
 class WorkerCollector(Collector):
-    """Reads the last GetLoad of every worker at scrape time."""
+    """Reads the last GetLoad of every worker at scrape time. Workers are labelled by name
+    (``decode-1``), never by address: /metrics is open to anyone who reaches the gateway."""
 
     def __init__(self, model_name: str, workers: Callable[[], Iterable[WorkerClient]]) -> None:
         self._model = model_name
@@ -51,18 +52,18 @@ class WorkerCollector(Collector):
             "tandem:worker_healthy", "1 if the worker is healthy", labels=labels
         )
         for w in workers:
-            healthy.add_metric([self._model, w.role, w.address], 1.0 if w.healthy else 0.0)
+            healthy.add_metric([self._model, w.role, w.name], 1.0 if w.healthy else 0.0)
         yield healthy
         loaded = [(w, w.load) for w in workers if w.load is not None]
         for name, (doc, read) in _WORKER_GAUGES.items():
             gauge = GaugeMetricFamily(f"tandem:{name}", doc, labels=labels)
             for w, load in loaded:
-                gauge.add_metric([self._model, w.role, w.address], float(read(load)))
+                gauge.add_metric([self._model, w.role, w.name], float(read(load)))
             yield gauge
         for name, (doc, read) in _WORKER_COUNTERS.items():
             counter = CounterMetricFamily(f"tandem:{name}", doc, labels=labels)
             for w, load in loaded:
-                counter.add_metric([self._model, w.role, w.address], float(read(load)))
+                counter.add_metric([self._model, w.role, w.name], float(read(load)))
             yield counter
 
 

@@ -25,6 +25,11 @@ class WorkerRegistry:
     ) -> None:
         self.owner = owner  # this gateway's instance id (leases on the workers)
         self.clients = [WorkerClient(spec, internal_token, owner) for spec in specs]
+        seen: dict[str, int] = {}
+        for client in self.clients:  # "decode-1": a name for open endpoints (/metrics), which
+            role = "colocated" if client.role == "both" else client.role  # show no addresses
+            client.name = f"{role}-{seen.setdefault(role, 0)}"
+            seen[role] += 1
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._poller: asyncio.Task[None] | None = None

@@ -22,6 +22,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig, config_from_args
+from gateway.http_protocol import HttpLimits, guarded_protocol
 from gateway.state import GatewayState
 from gateway.tokenizer import default_model_name, resolve_tokenizer_dir
 from services.config import ConfigError
@@ -85,9 +86,14 @@ async def serve(
     config: GatewayConfig, host: str, port: int, ready_file: str | None = None, **app_kwargs: Any
 ) -> None:
     app = build_app(config, **app_kwargs)
+    limits = HttpLimits(
+        header_timeout_s=config.header_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        max_connections=config.max_connections,
+    )
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level="info", lifespan="on", access_log=False,
-        timeout_keep_alive=30, timeout_graceful_shutdown=10,
+        timeout_keep_alive=30, timeout_graceful_shutdown=10, http=guarded_protocol(limits),
     )  # fmt: skip
     server = DrainingServer(uv_config, app.state.gateway, config.drain_timeout_s)
     task = asyncio.create_task(server.serve())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import asdict
 from typing import Any
@@ -50,6 +51,7 @@ _MUX = {
 class WorkerClient:
     def __init__(self, spec: WorkerSpec, internal_token: str = "", owner: str = "") -> None:
         self.spec = spec
+        self.name = spec.address  # the registry names it by role and index
         self.owner = owner  # this gateway's instance id: each poll renews its leases there
         self.channel = grpc.aio.insecure_channel(
             spec.address, options=CHANNEL_OPTIONS, interceptors=client_interceptors(internal_token)
@@ -57,6 +59,11 @@ class WorkerClient:
         self.stub: Any = _STUBS[spec.role](self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
+        # set when the worker stops answering (dead, restarting): whatever it held for us is
+        # gone, so requests waiting on it (a KV transfer into it) fail now, not at a timeout.
+        # A fresh event once it is healthy again.
+        self._lost = asyncio.Event()
+        self._late_poll = False  # the last poll timed out (two in a row mark it unhealthy)
         self.load: WorkerLoadInfo | None = None
         self.last_error = "not checked yet"
         self.inflight = 0  # requests this gateway has open on the worker
@@ -87,34 +94,50 @@ class WorkerClient:
         return self.load.block_size if self.load and self.load.block_size > 0 else 16
 
     async def poll(self, timeout: float) -> None:
-        """Health check and load; any failure marks the worker unhealthy until the next poll."""
+        """Health check and load; a failure marks the worker unhealthy until the next poll (one
+        late answer of a healthy worker is forgiven: two in a row are not)."""
         try:
             check = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             request = common_pb2.LoadRequest(owner=self.owner)
             load = load_from_pb(await self.stub.GetLoad(request, timeout=timeout))
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.healthy and not self._late_poll:
+                self._late_poll = True  # one late answer from a busy host is not yet a verdict
+                return
             reason = f"health poll failed: {getattr(code, 'name', 'ERROR')}"
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 reason += f" (is {self.address} really a {self.role} worker?)"
-            self.mark_unhealthy(reason)
+            # unreachable (refused, reset): gone. A slow answer (DEADLINE_EXCEEDED) is only
+            # unhealthy: a busy worker still holds what it holds
+            self.mark_unhealthy(reason, lost=code == grpc.StatusCode.UNAVAILABLE)
             return
+        self._late_poll = False
         self.load = load
         if check.status != health_pb2.HealthCheckResponse.SERVING:
-            self.mark_unhealthy("not serving (loading or draining)")
+            self.mark_unhealthy("not serving (loading or draining)", lost=not load.draining)
         elif load.draining:
             self.mark_unhealthy("draining")
         else:
             if not self.healthy:
                 log.info("worker %s (%s) is healthy", self.address, self.role)
+            if self._lost.is_set():
+                self._lost = asyncio.Event()
             self.healthy = True
             self.last_error = ""
 
-    def mark_unhealthy(self, reason: str) -> None:
+    def mark_unhealthy(self, reason: str, lost: bool = False) -> None:
+        """``lost``: it does not answer at all (a draining worker still finishes its work)."""
         if self.healthy:
             log.warning("worker %s (%s) is unhealthy: %s", self.address, self.role, reason)
         self.healthy = False
         self.last_error = reason
+        if lost:
+            self._lost.set()
+
+    async def until_lost(self) -> None:
+        """Returns once the worker is seen gone (now, if it already is)."""
+        await self._lost.wait()
 
     async def abort(self, request_id: str, timeout: float) -> bool:
         """Tells the worker to drop ``request_id``; True when it held the request."""
@@ -129,6 +152,7 @@ class WorkerClient:
 
     def describe(self) -> dict[str, Any]:
         return {
+            "name": self.name,
             "role": self.role,
             "address": self.address,
             "healthy": self.healthy,

@@ -88,7 +88,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-blocks", type=_positive_int, default=None, help="explicit KV block count")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens per engine step, the chunk of a long prompt (default: 8192 on a GPU, 256 "
+        "on the CPU so a step, and so an abort or a new request's wait, stays short)",
+    )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
@@ -108,6 +114,11 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--port", type=_port, required=True, help="gRPC port (0 picks a free one)")
     g.add_argument("--worker-id", default=None, help=f"name of this {role} worker")
     g.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
+    g.add_argument(
+        "--grpc-reflection",
+        action="store_true",
+        help="serve gRPC reflection (grpcurl, grpcui); off by default: it maps the internal API",
+    )
     g.add_argument(
         "--drain-timeout",
         type=float,
@@ -150,7 +161,27 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=40.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's line and headers may take to arrive in all (else 408, closed)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request body may take to arrive in all (else the connection is closed)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="open HTTP connections at most; one more is answered 503 and closed",
+    )
     p.add_argument("--otlp-endpoint", default=None)
     p.add_argument(
         "--drain-timeout",

@@ -5,7 +5,7 @@ Torch-free, so the gateway, the CLI and the scheduler can all read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class ConfigError(ValueError):
@@ -56,22 +56,34 @@ class CacheConfig:
             raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
 
 
+GPU_TOKEN_BUDGET = 8192
+# a step of this many prompt tokens stays well under a second on a small CPU (SmolLM2-135M, two
+# cores): an abort, a new request or a KV hand-off never waits long for the step in progress
+CPU_TOKEN_BUDGET = 256
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # tokens per step (the chunk of a long prompt); None: by device, see with_device_defaults
+    max_num_batched_tokens: int | None = None
     policy: str = "fcfs"  # fcfs | priority
     long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.policy!r}")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens per step (the GPU default until :func:`with_device_defaults` picks one)."""
+        return self.max_num_batched_tokens or GPU_TOKEN_BUDGET
 
 
 @dataclass(frozen=True)
@@ -85,3 +97,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+def with_device_defaults(config: EngineConfig, device_type: str) -> EngineConfig:
+    """Fills what depends on the device: the token budget of a step (short on the CPU)."""
+    if config.scheduler.max_num_batched_tokens is not None:
+        return config
+    budget = GPU_TOKEN_BUDGET if device_type == "cuda" else CPU_TOKEN_BUDGET
+    return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget))

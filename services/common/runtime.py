@@ -105,9 +105,10 @@ class WorkerRuntime:
         from services.engine.llm import config_from_args
 
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], self.server
-        )
+        if getattr(self.args, "grpc_reflection", False):  # off unless asked: it maps the API
+            reflection.enable_server_reflection(
+                [*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], self.server
+            )
         self.port = self.server.add_insecure_port(f"{self.args.host}:{self.args.port}")
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)

@@ -9,9 +9,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from services.config import EngineConfig
+from services.config import EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from services.model_files import ModelFiles
 from services.scheduling.kv_manager import KVCacheManager
@@ -59,6 +59,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config = with_device_defaults(config, resolve_device(config.device).type)
         self.config = config
         self.runner = ModelRunner(config)
         files = self.runner.files

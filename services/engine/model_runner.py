@@ -68,7 +68,7 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         sched = config.scheduler
         self.staging = InputStaging.for_limits(
-            max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
+            max(sched.token_budget, sched.max_num_seqs), sched.max_num_seqs,
             max_blocks, self.device,
         )  # fmt: skip
         self.reader = GpuReader(self.device)
@@ -86,7 +86,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         sched = self.config.scheduler
         for step in warmup_steps(
-            sched.max_num_batched_tokens, self.max_model_len, sched.max_num_seqs,
+            sched.token_budget, self.max_model_len, sched.max_num_seqs,
             self.block_size, self.num_blocks, self.arch.vocab_size,
         ):  # fmt: skip
             self.execute(step, {})
@@ -100,7 +100,7 @@ class ModelRunner:
             torch.cuda.synchronize()
             total = torch.cuda.get_device_properties(self.device).total_memory
             used = torch.cuda.memory_reserved(self.device)
-            reserve_activations = 2 * GIB + self.config.scheduler.max_num_batched_tokens * (
+            reserve_activations = 2 * GIB + self.config.scheduler.token_budget * (
                 self.arch.hidden_size * 4 * 8 + self.arch.vocab_size * 4
             )
             free = (

@@ -141,7 +141,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.token_budget
         scheduled: list[tuple[Request, int]] = []
         self.running.sort(key=self._order_key)
         # a token of budget is kept for each running decode, so no (re)prefill starves them

@@ -200,3 +200,34 @@ def test_model_cache_is_on_the_shared_volume(objects: list[Obj]) -> None:
         cache = env_values(objects, container)["TANDEM_CACHE_DIR"]
         mounts = [m["mountPath"] for m in container["volumeMounts"]]
         assert any(cache.startswith(m) for m in mounts), obj["metadata"]["name"]
+
+
+def test_worker_ports_admit_only_the_pods_that_need_them(objects: list[Obj]) -> None:
+    """gRPC API: gateway pods only; the decode KV rendezvous: prefill pods only."""
+
+    def component(selector: Obj) -> str:
+        return str(selector["matchLabels"]["app.kubernetes.io/component"])
+
+    admitted: dict[tuple[str, int], set[str]] = {}
+    for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        target = component(policy["spec"]["podSelector"])
+        for rule in policy["spec"]["ingress"]:
+            sources = {component(peer["podSelector"]) for peer in rule["from"]}
+            for port in rule["ports"]:
+                admitted.setdefault((target, port["port"]), set()).update(sources)
+    expected: dict[tuple[str, int], set[str]] = {}
+    for role, sources in (("prefill", {"gateway"}), ("decode", {"gateway"})):
+        (container,) = find(objects, "StatefulSet", role)["spec"]["template"]["spec"]["containers"]
+        args = args_of(objects, container)
+        expected[(role, args.port)] = sources
+        if role == "decode":
+            expected[(role, args.kv_port)] = {"prefill"}
+    assert admitted == expected
+    pods = {
+        o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
+    for name in ("prefill", "decode", "gateway"):  # the selectors match the real pods
+        assert pods[name]["app.kubernetes.io/component"] == name

@@ -37,12 +37,14 @@ class Behavior:
     fail_before_first: int = 0  # how many calls fail with UNAVAILABLE before any token
     fail_after_tokens: int | None = None  # the stream breaks (UNAVAILABLE) after N tokens
     fail_transfer: bool = False  # prefill: the stream breaks between first and done
+    transfer_s: float = 0.005  # prefill: how long the KV takes between first and done
     done_first: bool = False  # prefill: TransferDone overtakes the first token
     error_chunk: bool = False  # the first chunk is a FINISH_REASON_ERROR chunk
     reserve_code: grpc.StatusCode | None = None  # Reserve fails with this code
     full_for_s: float | None = None  # Reserve: no room now; one that may wait gets it after this
     invalid_argument: bool = False  # Generate/Prefill answer INVALID_ARGUMENT
     serving: bool = True
+    health_delay_s: float = 0.0  # the health check answers this late
     max_model_len: int = 2048
     vocab_size: int = 49152
     cached_tokens: int = 0
@@ -215,7 +217,7 @@ class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
             yield prefill_pb2.PrefillEvent(first=chunk)
         if first is None or first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             return
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(e.behavior.transfer_s)
         if e.behavior.fail_transfer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: KV transfer failed")
         if not e.behavior.done_first:
@@ -291,6 +293,7 @@ class Health(health_pb2_grpc.HealthServicer):
         self.behavior = behavior
 
     async def Check(self, request, context):
+        await asyncio.sleep(self.behavior.health_delay_s)
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if self.behavior.serving

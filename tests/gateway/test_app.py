@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -137,6 +139,35 @@ def test_tokenize_and_detokenize(colocated: Stack) -> None:
     }
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]})
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_a_large_tokenize_is_answered_in_full_and_never_holds_the_event_loop(
+    colocated: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, tokenizer = colocated.base_url, colocated.state.tokenizer
+    text = "Hello world, and more words. " * 3000  # ~21k tokens: rendered in slices
+    r = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    expected = tokenizer.encode(text)
+    assert r.json() == {"count": len(expected), "max_model_len": 2048, "tokens": expected}
+
+    # while a tokenization runs (held here), health checks and other requests are answered
+    entered, release = threading.Event(), threading.Event()
+    real = tokenizer.encode
+
+    def held(*args: object, **kwargs: object) -> list[int]:
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tokenizer, "encode", held)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{url}/tokenize", json={"prompt": "Hi"}, timeout=60)
+        assert entered.wait(30)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
+        release.set()
+        assert pending.result().json()["count"] == 1
 
 
 def test_a_bug_is_an_openai_shaped_500(colocated: Stack, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,6 +89,39 @@ def test_transfer_failure_aborts_both_sides(disagg: Stack) -> None:
     assert decode.records.decode_calls == []
 
 
+@pytest.mark.parametrize("phase", ["prefill", "transfer"])
+def test_a_decode_worker_gone_before_its_kv_arrived_fails_the_request_at_once(
+    tokenizer_dir: str, phase: str
+) -> None:
+    """The decode worker holding the reservation dies while the prompt is in prefill or its KV
+    on the way: the client hears it within a health poll, not at the prefill's KV timeout."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode"]).start()
+    try:
+        prefill, decode = stack.role("prefill")[0], stack.role("decode")[0]
+        if phase == "prefill":
+            prefill.behavior.first_delay_s = 60.0
+        else:
+            prefill.behavior.transfer_s = 60.0
+        body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body) as r:
+            frames = sse_lines(r)
+            if phase == "transfer":
+                assert json.loads(next(frames))["choices"][0]["text"] == "Hello"
+            else:
+                assert wait_for(lambda: bool(prefill.records.requests))
+            stack.run(decode.stop())
+            t0 = time.monotonic()
+            rest = list(frames)
+            elapsed = time.monotonic() - t0
+        assert rest[-1] == "[DONE]"
+        error = json.loads(rest[-2])["error"]
+        assert error["code"] == "worker_unavailable" and "went away" in error["message"]
+        assert elapsed < 5.0  # one health poll (0.2 s here) and slack; was the KV timeout
+        assert wait_for(lambda: len(prefill.records.aborts) == 1)  # its KV has nowhere to go
+    finally:
+        stack.stop()
+
+
 def test_first_token_finishing_skips_decode_and_frees_the_reservation(disagg: Stack) -> None:
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
     assert r.json()["choices"][0] == {
@@ -168,6 +201,24 @@ def test_a_full_decode_pool_queues_the_request_until_blocks_free(disagg: Stack) 
     timing = dict(kv.split("=") for kv in r.headers["x-tandem-timing"].split(";"))
     assert float(timing["queue"]) >= 0.3
     assert disagg.role("decode")[0].records.reserve_waits[-1] > 0
+
+
+def test_one_late_health_answer_is_forgiven_two_in_a_row_are_not(tokenizer_dir: str) -> None:
+    stack = Stack(tokenizer_dir, ["both"], health_interval_s=60.0, health_timeout_s=0.3).start()
+    try:
+        (worker,) = stack.workers
+        (client,) = stack.state.registry.clients
+        assert client.healthy
+        worker.behavior.health_delay_s = 1.0
+        stack.run(stack.state.registry.poll_all())
+        assert client.healthy  # a busy host answers late once: still serving
+        stack.run(stack.state.registry.poll_all())
+        assert not client.healthy and "DEADLINE_EXCEEDED" in client.last_error
+        worker.behavior.health_delay_s = 0.0
+        stack.run(stack.state.registry.poll_all())
+        assert client.healthy
+    finally:
+        stack.stop()
 
 
 def test_waiting_for_decode_blocks_past_the_deadline_is_a_504(tokenizer_dir: str) -> None:

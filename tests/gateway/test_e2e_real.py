@@ -162,6 +162,30 @@ async def test_200_clients_hanging_up_early_leave_nothing_behind(stack: Any) -> 
     await pools_free(prefill, decode)
 
 
+async def test_a_long_prompt_cancelled_in_prefill_frees_both_pools_within_2_s(stack: Any) -> None:
+    """The prompt is prefilled in several short steps (256-token chunks on the CPU); the client
+    hangs up once it is under way, and both workers let go between two steps."""
+    prefill, decode, gateway = stack
+    prompt = "Cancelled request: tell me everything about harbours and their lanterns. " * 60
+    async with (
+        Conn(prefill.address, "prefill") as p,
+        Conn(decode.address, "decode") as d,
+        httpx.AsyncClient(base_url=gateway.url, timeout=60) as client,
+    ):
+        body = {"messages": messages(None, prompt), "max_tokens": 8}
+        task = asyncio.create_task(stream_chat(client, body))
+        deadline = time.monotonic() + 60
+        while (await p.load()).num_running == 0:  # in prefill, its reservation made
+            assert time.monotonic() < deadline and not task.done(), "the prefill never started"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        t0 = time.monotonic()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert_idle(await wait_pool_free([p, d], timeout_s=2.0))
+        assert time.monotonic() - t0 < 2.5  # the last load poll included
+
+
 async def test_a_prefill_worker_killed_under_load(fleet: Fleet) -> None:
     shared, decode = fleet.shared("prefill", "decode")
     extra = fleet.start("prefill", name="doomed-prefill")
@@ -231,37 +255,52 @@ async def _dead_worker_reported(gateway: Proc, dead: Proc, since: float) -> floa
 
 
 async def test_a_gateway_killed_mid_request_leaks_nothing(fleet: Fleet) -> None:
-    """kill -9 of the gateway while its requests hold decode reservations (their prompts still in
-    prefill): the workers free everything within 10 s (the reservations when their owner's lease
-    lapses, the rest when its calls are cut), no worker restarts, and a new gateway serves."""
+    """Two gateways share the workers; kill -9 of one while its requests hold decode reservations
+    (their prompts still in prefill): the workers free everything it held within 10 s (the
+    reservations when its lease lapses, the rest when its calls are cut), no worker restarts, and
+    the other gateway's request, reserved on the same decode worker, is untouched and completes."""
     prefill, decode = fleet.shared("prefill", "decode")
     gateway = fleet.gateway(prefill=[prefill], decode=[decode])
-    wait_healthy(gateway, 2)
-    questions = [f"Request {i}: " + "Explain how parcels are sorted. " * 100 for i in range(3)]
+    other = fleet.gateway(prefill=[prefill], decode=[decode])
+    try:
+        wait_healthy(gateway, 2)
+        wait_healthy(other, 2)
+        await _kill_one_of_two_gateways(prefill, decode, gateway, other)
+    finally:
+        gateway.kill()
+        other.kill()
+
+
+async def _kill_one_of_two_gateways(
+    prefill: Proc, decode: Proc, gateway: Proc, other: Proc
+) -> None:
+    questions = [f"Request {i}: " + "Explain how parcels are sorted. " * 100 for i in range(4)]
     async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
-        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+        async with (
+            httpx.AsyncClient(base_url=gateway.url, timeout=60) as client,
+            httpx.AsyncClient(base_url=other.url, timeout=120) as survivor_client,
+        ):
             sent = [
                 asyncio.create_task(client.post("/v1/chat/completions", json={
                     "model": MODEL, "max_tokens": 32, "messages": messages(None, q)}))
-                for q in questions
+                for q in questions[:3]
             ]  # fmt: skip
+            survivor = asyncio.create_task(survivor_client.post("/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 8, "ignore_eos": True,
+                "messages": messages(None, questions[3])}))  # fmt: skip
             deadline = time.monotonic() + 60
-            while (await d.load()).num_reserved == 0:
-                assert time.monotonic() < deadline, "no reservation was ever made"
+            while (await d.load()).num_reserved < 4:  # both gateways' requests hold blocks
+                assert time.monotonic() < deadline, "not every request made its reservation"
                 await asyncio.sleep(0.02)
             gateway.kill()
             t0 = time.monotonic()
             await asyncio.gather(*sent, return_exceptions=True)  # the connections break
+            while (await d.load()).num_reserved > 1:  # at most the survivor's is left
+                assert time.monotonic() - t0 < 10.0, "the dead gateway's reservations stayed"
+                await asyncio.sleep(0.05)
+            reply = await survivor
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 8
         assert_idle(await wait_pool_free([p, d], timeout_s=10.0))
-        assert time.monotonic() - t0 < 10.0
     assert prefill.alive and decode.alive
     assert fleet.shared("prefill", "decode") == [prefill, decode]  # nothing was restarted
-    again = fleet.gateway(prefill=[prefill], decode=[decode])
-    try:
-        wait_healthy(again, 2)
-        body = {"model": MODEL, "max_tokens": 4, "messages": messages(None, "Hi")}
-        assert (
-            httpx.post(f"{again.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
-        )
-    finally:
-        again.kill()

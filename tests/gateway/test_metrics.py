@@ -82,8 +82,14 @@ def test_counts_move_and_ttft_is_within_e2e(disagg: Stack) -> None:
 def test_worker_metrics_come_from_get_load(disagg: Stack) -> None:
     samples = scrape(disagg)
     decode = disagg.role("decode")[0]
-    labels = {"role": "decode", "worker": decode.address}
+    labels = {"role": "decode", "worker": "decode-0"}
     assert value(samples, "tandem:kv_transfer_bytes_total", **labels) == 1234
+    # /metrics is open: it names workers by role and index, never by address
+    assert decode.address not in httpx.get(f"{disagg.base_url}/metrics").text
+    listed = httpx.get(f"{disagg.base_url}/workers").json()["workers"]  # behind the API key
+    assert {"name": "decode-0", "address": decode.address}.items() <= next(
+        w for w in listed if w["role"] == "decode"
+    ).items()
     assert value(samples, "tandem:worker_healthy", **labels) == 1
     assert value(samples, "tandem:kv_cache_usage_perc", **labels) == 0.0
     for name in ("num_requests_running", "num_requests_waiting"):

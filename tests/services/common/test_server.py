@@ -1,5 +1,5 @@
 """What every worker role shares (``services.common.runtime``), checked on real processes:
-the ready file, grpc.health.v1, reflection, GetLoad, Abort of unknown ids, and start-up
+the ready file, grpc.health.v1, reflection (only when asked for), GetLoad, Abort of unknown ids, and start-up
 failures (NOT_SERVING while loading, exit code 2 with a message on a bad configuration)."""
 
 from __future__ import annotations
@@ -49,9 +49,18 @@ async def test_ready_file_health_reflection_and_load(fleet: Fleet, role: str) ->
         )
         assert (load.total_blocks, load.vocab_size, load.draining) == (256, 49152, False)
         assert not await conn.abort("never-seen")
-    with grpc.insecure_channel(proc.address) as channel:
-        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
-    assert {SERVICES[role], "grpc.health.v1.Health"} <= services
+    # off unless --grpc-reflection
+    with grpc.insecure_channel(proc.address) as channel, pytest.raises(grpc.RpcError) as info:
+        ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _reflected(address: str) -> set[str] | None:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        except grpc.RpcError:
+            return None
 
 
 def free_port() -> int:
@@ -75,12 +84,21 @@ async def test_not_serving_while_loading_and_exit_2_on_a_bad_configuration(fleet
     """The pool (16 blocks) cannot hold one 1024-token sequence: the model loads, then the worker
     refuses to serve, says which flag to change, and exits 2 without a traceback."""
     port = free_port()
-    proc = fleet.spawn("prefill", "--port", str(port), "--num-blocks", "16", name="bad-config")
+    proc = fleet.spawn(
+        "prefill", "--port", str(port), "--num-blocks", "16", "--grpc-reflection",
+        name="bad-config",
+    )  # fmt: skip
     seen: set[int | None] = set()
+    reflected: set[str] | None = None
     deadline = time.monotonic() + 120
     while proc.alive and time.monotonic() < deadline:
         seen.add(await _status(f"127.0.0.1:{port}"))
+        if reflected is None and health_pb2.HealthCheckResponse.NOT_SERVING in seen:
+            reflected = await asyncio.to_thread(_reflected, f"127.0.0.1:{port}")
         await asyncio.sleep(0.05)
+    # asked for, reflection lists the services (from the start: while the model loads)
+    assert reflected is not None
+    assert {SERVICES["prefill"], "grpc.health.v1.Health"} <= reflected
     assert await asyncio.to_thread(proc.wait_exit, 10) == 2
     assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
     assert health_pb2.HealthCheckResponse.SERVING not in seen

@@ -82,7 +82,7 @@ class FakeEngine:
     # ---- checks ----------------------------------------------------------------------------
     def check_batch(self, out: SchedulerOutput) -> None:
         config = self.scheduler.config
-        assert out.num_tokens <= config.max_num_batched_tokens, "token budget exceeded"
+        assert out.num_tokens <= config.token_budget, "token budget exceeded"
         assert len(out.requests) <= config.max_num_seqs, "max_num_seqs exceeded"
         ids = [sr.request_id for sr in out.requests]
         assert len(set(ids)) == len(ids), f"a request scheduled twice in one step: {ids}"

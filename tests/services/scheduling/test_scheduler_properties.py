@@ -152,7 +152,7 @@ class Traffic:
 def check_decodes_not_starved(engine: FakeEngine, decoding: set[str]) -> None:
     out = engine.outputs[-1]
     sched = engine.scheduler
-    if sched.config.max_num_batched_tokens < sched.config.max_num_seqs:
+    if sched.config.token_budget < sched.config.max_num_seqs:
         return
     scheduled = {sr.request_id for sr in out.requests}
     waiting = {r.request_id for r in sched.waiting}
