@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deploy.bench_overhead import gateway_overhead
-from deploy.bench_plan import (
+from deploy.bench.overhead import gateway_overhead
+from deploy.bench.plan import (
     SATURATED_FRACTION,
     STOP_RESERVE_S,
     STOP_TYPICAL_S,
@@ -59,7 +59,7 @@ from deploy.bench_plan import (
     run_timeout,
     topology,
 )
-from deploy.bench_rate import (
+from deploy.bench.rate import (
     bench_rate,
     cpu_per_token,
     meets_p90_slo,
@@ -67,8 +67,8 @@ from deploy.bench_rate import (
     slo_attainment,
     token_timing_warning,
 )
-from deploy.bench_report import Recorder, environment, markdown, plot
-from deploy.bench_topology import (
+from deploy.bench.report import Recorder, environment, markdown, plot
+from deploy.bench.topology import (
     Running,
     _Interrupted,
     sigterm_unwinds,
@@ -295,7 +295,7 @@ def main(args: argparse.Namespace) -> int:
     if sys.argv[1:3] == ["bench", "disagg"]:
         command = shlex.join(["tandem", *sys.argv[1:]])
     else:
-        command = shlex.join(["python", "-m", "deploy.bench_disagg", *sys.argv[1:]])
+        command = shlex.join(["python", "-m", "deploy.bench.disagg", *sys.argv[1:]])
     scratch = Path(tempfile.mkdtemp(prefix="tandem-bench-model-"))
     try:
         model = model_overrides(args, scratch)

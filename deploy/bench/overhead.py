@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deploy.bench_plan import STOP_RESERVE_S, Budget, Topology, Workload, log, run_timeout
-from deploy.bench_rate import bench_rate, cpu_per_token
-from deploy.bench_report import Recorder
-from deploy.bench_topology import Running, start_topology, stop_topology
+from deploy.bench.plan import STOP_RESERVE_S, Budget, Topology, Workload, log, run_timeout
+from deploy.bench.rate import bench_rate, cpu_per_token
+from deploy.bench.report import Recorder
+from deploy.bench.topology import Running, start_topology, stop_topology
 from deploy.plan import engine_flags
 from deploy.supervisor import ChildFailedError
 

@@ -10,8 +10,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from deploy.bench_plan import Workload, rate_label
-from gateway.bench_serve import build_prompts, run_rates
+from deploy.bench.plan import Workload, rate_label
+from gateway.bench.serve import build_prompts, run_rates
 from services.cli import build_parser
 
 # ---- one rate ---------------------------------------------------------------------------------------

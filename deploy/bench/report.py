@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.bench_plan import Workload, log, rate_label
-from deploy.bench_rate import KEY_METRICS, slo_attainment
-from deploy.bench_topology import Running
+from deploy.bench.plan import Workload, log, rate_label
+from deploy.bench.rate import KEY_METRICS, slo_attainment
+from deploy.bench.topology import Running
 
 
 # ---- one topology -----------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def environment() -> dict[str, Any]:
         out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True)
         env["gpus"] = [line.strip() for line in out.stdout.splitlines() if line.strip()]
     with contextlib.suppress(Exception):
-        repo = Path(__file__).resolve().parents[1]
+        repo = Path(__file__).resolve().parents[2]
         head = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"],
             capture_output=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deploy.bench_plan import STOP_RESERVE_S, Budget, Topology, log
+from deploy.bench.plan import STOP_RESERVE_S, Budget, Topology, log
 from deploy.launcher import GRACE_S, start_all
 from deploy.plan import build_plan, engine_flags
 from deploy.procfs import alive, cpu_seconds, descendants

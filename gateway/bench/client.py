@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from gateway.bench_dataset import BenchPrompt
+from gateway.bench.dataset import BenchPrompt
 
 READ_TIMEOUT_S = 300.0  # the longest silence tolerated inside one stream
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.bench_client import RequestResult
+from gateway.bench.client import RequestResult
 
 METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}  # fmt: skip

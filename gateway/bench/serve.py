@@ -20,15 +20,15 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from gateway.bench_client import READ_TIMEOUT_S, run_load
-from gateway.bench_dataset import (
+from gateway.bench.client import READ_TIMEOUT_S, run_load
+from gateway.bench.dataset import (
     BenchPrompt,
     DatasetError,
     file_prompts,
     load_tokenizer,
     random_prompts,
 )
-from gateway.bench_metrics import PERCENTILES, format_result, format_summary, summarize
+from gateway.bench.metrics import PERCENTILES, format_result, format_summary, summarize
 
 
 def parse_rates(values: list[str] | None) -> list[float]:

@@ -14,7 +14,7 @@ from kernels import attention, block_copy, layers
 from kernels import triton_attention as ta
 from kernels import triton_block_copy as tb
 from kernels import triton_layers as tl_
-from kernels.bench_cases import paged
+from kernels.bench.cases import paged
 
 BF16_TOL = 1e-2
 

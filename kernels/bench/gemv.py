@@ -1,6 +1,6 @@
 """Batch-1 linear layers: cuBLAS (``F.linear``) against the Triton GEMV over launch configs.
 
-    python -m kernels.bench_gemv [--json-out gemv.json]
+    python -m kernels.bench.gemv [--json-out gemv.json]
 
 Shapes are Llama-3.1-8B's decode projections (bf16). Each row reports GB/s of weight read
 (the whole cost at batch 1) against the device copy bandwidth; times are ``do_bench`` medians
@@ -31,7 +31,7 @@ CONFIGS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.bench import copy_bandwidth, median_ms
+    from kernels.bench.roofline import copy_bandwidth, median_ms
     from kernels.triton_gemv import gemv
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -79,7 +79,7 @@ def measure(name: str, shape: str, fn: Callable[[], object], *, nbytes: float = 
 
 
 def bench_decode(copy_gbps: float) -> list[dict[str, Any]]:
-    from kernels.bench_cases import DECODE_CASES, KV_HEADS, paged
+    from kernels.bench.cases import DECODE_CASES, KV_HEADS, paged
     from kernels.triton_decode import choose_num_splits, paged_decode_attention
 
     rows = []
@@ -104,7 +104,7 @@ def _sdpa_decode(p: Any, batch: int, ctx: int) -> Callable[[], object]:
 
 
 def bench_prefill() -> list[dict[str, Any]]:
-    from kernels.bench_cases import PREFILL_CASES, paged, prefill_flops
+    from kernels.bench.cases import PREFILL_CASES, paged, prefill_flops
     from kernels.triton_prefill import prefill_attention
 
     f = torch.nn.functional
@@ -211,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
         print(GPU_NEEDED.format(why="TRITON_INTERPRET is set; unset it"), file=sys.stderr)
         return 2
     if getattr(args, "check", False):
-        from kernels.bench_check import run_checks
+        from kernels.bench.check import run_checks
 
         return run_checks()
     report = run_benchmarks()

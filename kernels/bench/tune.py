@@ -1,4 +1,4 @@
-"""Sweep of the attention kernels' tile knobs on the GPU (``python -m kernels.bench_tune``).
+"""Sweep of the attention kernels' tile knobs on the GPU (``python -m kernels.bench.tune``).
 
 Prints, per benchmark shape, each configuration's time and the fraction of copy bandwidth
 (decode) or TFLOP/s (prefill), best first. The defaults in ``triton_decode`` and
@@ -14,8 +14,8 @@ import sys
 import torch
 import triton.testing
 
-from kernels.bench import copy_bandwidth
-from kernels.bench_cases import DECODE_CASES, PREFILL_CASES, paged, prefill_flops
+from kernels.bench.cases import DECODE_CASES, PREFILL_CASES, paged, prefill_flops
+from kernels.bench.roofline import copy_bandwidth
 from kernels.triton_decode import paged_decode_attention
 from kernels.triton_prefill import prefill_attention
 

@@ -1,13 +1,13 @@
 """KV transfer benchmark: GPU0 -> GPU1 over NCCL, one GPU over Gloo, raw NCCL for comparison.
 
-    python -m kvtransfer.bench --json-out kv.json            # needs 2 GPUs for the NCCL rows
-    python -m kvtransfer.bench --cpu --tokens 16 --iters 2    # smoke run on CPU (Gloo)
+    python -m kvtransfer.bench.transfer --json-out kv.json            # needs 2 GPUs for the NCCL rows
+    python -m kvtransfer.bench.transfer --cpu --tokens 16 --iters 2    # smoke run on CPU (Gloo)
 
 Two processes (sender on GPU0, receiver on GPU1) hold Llama-3.1-8B-shaped caches (32 layers,
 8 KV heads, head_dim 128, bf16, block size 16). "e2e" is one ``KvSender.send`` of a KV already
 computed: gather the blocks, header, send, receiver scatters + synchronizes, acknowledgement;
 one row per pipeline chunk size. "ttft" simulates the prefill that writes the KV
-(:mod:`kvtransfer.bench_prefill`, Llama-3.1-8B layer compute over N tokens on GPU0) and times
+(:mod:`kvtransfer.bench.sim_prefill`, Llama-3.1-8B layer compute over N tokens on GPU0) and times
 (a) the prefill alone, (b) the prefill then the transfer, (c) the two overlapped layer by layer
 (``send(..., ready=LayerReady)`` while the prefill runs on another thread); added TTFT = (b)-(a)
 and (c)-(a). The last (c) transfer is checked bit for bit against the sender's blocks, so a
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvtransfer.bench_prefill import SimPrefill, slots_of
+from kvtransfer.bench.sim_prefill import SimPrefill, slots_of
 from kvtransfer.blockcopy import gather_blocks, make_copier
 from kvtransfer.config import ReceiverOptions, SenderOptions
 from kvtransfer.ready import LayerReady

@@ -2,15 +2,16 @@
 # Carry the embedded model's GGUF (98 MB) to a lent GPU machine whose calls take at most 64 MiB:
 # split it here into parts that travel one per call, gather them there, and put it together.
 #
-#   deploy/device_gguf.sh split      here: .gguf-a/part-a and .gguf-b/part-b, each with the
-#                                    file's SHA256 (both folders ignored by git)
-#   deploy/device_gguf.sh stash      there: copy the parts this call carried to $STASH
-#   deploy/device_gguf.sh assemble   there: stash, then print the GGUF's path when both parts
-#                                    are in $STASH and the checksum holds (else print nothing)
+#   scripts/device/device_gguf.sh split      here: .gguf-a/part-a and .gguf-b/part-b, each
+#                                            with the file's SHA256 (both folders ignored by git)
+#   scripts/device/device_gguf.sh stash      there: copy the parts this call carried to $STASH
+#   scripts/device/device_gguf.sh assemble   there: stash, then print the GGUF's path when both
+#                                            parts are in $STASH and the checksum holds (else
+#                                            print nothing)
 # Carry `.gguf-a` with one call and `.gguf-b` with the next, while the machine stays warm.
 # STASH defaults to /root/tandem-gguf: it lasts as long as the machine does.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 stash="${STASH:-/root/tandem-gguf}"
 name=SmolLM2-135M-Instruct.Q4_1.gguf
 case "${1:-}" in

@@ -7,13 +7,13 @@
 # every Requires-Dist of these wheels already in the image; about 1.3 MB. Install them there with:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 #
-# Usage: deploy/device_wheels.sh [--check] [EXTRA==VERSION ...]
+# Usage: scripts/device/device_wheels.sh [--check] [EXTRA==VERSION ...]
 #   --check   then install them into a scratch --target and import each with $PYTHON (default
 #             python3, which needs the image's packages: run it from the project's venv); the
 #             compiled one (httptools, cp312) is imported only when $PYTHON is 3.12.
 #   WHEEL_DIR=DIR downloads elsewhere than .whl (which is emptied first).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 check=0
 if [[ "${1:-}" == "--check" ]]; then
   check=1

@@ -8,7 +8,7 @@ the first position where the tokens differ they are equal, and at that position 
 token is among the other side's top-N candidates (it was a near-tie, not a wrong model). The gap
 (the log-probability of a side's own token minus that of the other side's token, by that side's
 own distribution) says how near the tie was. Plain data, no torch: the GPU test and
-``services.engine.parity_report`` fill it in.
+``services.engine.bench.parity_report`` fill it in.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ answer). It answers which differences are bf16 rounding that transformers itself
 same model at another batch size, or with reduced-precision matmul reductions), and which are
 ours. Prints one JSON line per variant and writes them all to ``--json-out``.
 
-    python -m services.engine.parity_report --json-out parity.json   (needs CUDA and the embedded GGUF)
+    python -m services.engine.bench.parity_report --json-out parity.json   (needs CUDA and the embedded GGUF)
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from services.engine.bench.parity_check import Continuation, logprobs_close, summarize
 from services.engine.llm import LLM
-from services.engine.parity_check import Continuation, logprobs_close, summarize
 from services.model_files import embedded_gguf_path
 from services.scheduling.sampling_params import SamplingParams
 

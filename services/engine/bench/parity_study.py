@@ -16,7 +16,7 @@ Each comparison reports how many continuations are equal to the end, with a 95% 
 and, for our engine against the reference, vLLM's near-tie check (``parity_check``). Prints one
 JSON line per variant and writes the lot to ``--json-out``.
 
-    python -m services.engine.parity_study --json-out study.json   (CUDA and the embedded GGUF)
+    python -m services.engine.bench.parity_study --json-out study.json   (CUDA and the embedded GGUF)
 
 ``--dtype float32 --device cpu`` runs the CPU default instead: our engine and transformers both
 in float32, where rounding ties are rare and the continuations should be equal.
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from services.engine import parity_report as pr
+from services.engine.bench import parity_report as pr
 
 STUDY_PROMPTS = [  # chosen before measuring; short answers and long ones, facts, code, lists
     "What is the boiling point of water at sea level?",

@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: the kernels of one step, by total time.
 
-    python -m services.engine.profile_step --model llama-3.1-8b --batch 1 --context 1024
+    python -m services.engine.bench.profile_step --model llama-3.1-8b --batch 1 --context 1024
 
 Runs one eager decode forward (+ logits) of ``--batch`` sequences at ``--context`` tokens under
 the torch profiler and prints each kernel's count, total and mean time, then the sum of kernel

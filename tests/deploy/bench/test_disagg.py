@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.bench_disagg import synthetic_model_dir
+from deploy.bench.disagg import synthetic_model_dir
 from deploy.procfs import alive, descendants
 from services.cli import HANDLERS
 from tests.deploy.conftest import REPO, child_env, disagg_args
@@ -23,7 +23,7 @@ from tests.deploy.conftest import REPO, child_env, disagg_args
 
 # ---- pure parts ------------------------------------------------------------------------------------
 def test_cli_registers_bench_disagg() -> None:
-    assert HANDLERS["bench disagg"] == "deploy.bench_disagg:main"
+    assert HANDLERS["bench disagg"] == "deploy.bench.disagg:main"
     args = disagg_args("--model", "llama-3.1-8b", "--rates", "2,4", "--gpus", "0,1")
     assert (args.command, args.bench, args.port, args.topologies) == (
         "bench",
@@ -52,7 +52,7 @@ class Watched:
     """The script as a child process, with every process below it recorded while it runs."""
 
     def __init__(self, *flags: str) -> None:
-        argv = [sys.executable, "-m", "deploy.bench_disagg", *flags]
+        argv = [sys.executable, "-m", "deploy.bench.disagg", *flags]
         self.proc = subprocess.Popen(
             argv, cwd=REPO, env={**os.environ, **child_env(TANDEM_UP_GRACE="10")},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from deploy.bench_plan import (
+from deploy.bench.plan import (
     Budget,
     estimate_run_s,
     fits,

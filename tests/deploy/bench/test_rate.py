@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from deploy.bench_plan import Workload
-from deploy.bench_rate import cpu_per_token, meets_p90_slo, slo_attainment, token_timing_warning
+from deploy.bench.plan import Workload
+from deploy.bench.rate import cpu_per_token, meets_p90_slo, slo_attainment, token_timing_warning
 from deploy.procfs import cpu_seconds
 from tests.deploy.conftest import disagg_args
 

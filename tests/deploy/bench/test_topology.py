@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.bench_plan import topology
-from deploy.bench_topology import sigterm_unwinds, up_argv
+from deploy.bench.plan import topology
+from deploy.bench.topology import sigterm_unwinds, up_argv
 from services.cli import build_parser
 from tests.deploy.conftest import disagg_args
 

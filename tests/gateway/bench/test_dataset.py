@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from gateway.bench_dataset import (
+from gateway.bench.dataset import (
     SAFE_ID_RANGE,
     DatasetError,
     file_prompts,

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from gateway.bench_client import RequestResult, arrival_offsets
-from gateway.bench_metrics import format_result, format_summary, summarize
+from gateway.bench.client import RequestResult, arrival_offsets
+from gateway.bench.metrics import format_result, format_summary, summarize
 
 
 def ok(

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench_serve import api_root, main, parse_rates
+from gateway.bench.serve import api_root, main, parse_rates
 from services.cli import build_parser
-from tests.gateway.bench_fake_server import Behaviour, serve
-from tests.gateway.test_bench_dataset import make_tokenizer
+from tests.gateway.bench.fake_server import Behaviour, serve
+from tests.gateway.bench.test_dataset import make_tokenizer
 
 
 def bench_args(base_url: str, *flags: str) -> argparse.Namespace:

@@ -7,14 +7,14 @@ import argparse
 import pytest
 import torch
 
-from kernels import bench
-from kernels.bench_cases import prefill_flops
+from kernels.bench import roofline
+from kernels.bench.cases import prefill_flops
 
 
 def test_without_a_gpu_it_says_so_and_fails(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # fmt: skip
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out_file = tmp_path / "k.json"
-    code = bench.main(argparse.Namespace(json_out=str(out_file), check=False))
+    code = roofline.main(argparse.Namespace(json_out=str(out_file), check=False))
     assert code != 0
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not out_file.exists()

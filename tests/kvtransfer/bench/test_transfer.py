@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvtransfer import LayerReady
-from kvtransfer.bench import main
-from kvtransfer.bench_prefill import SimPrefill, slots_of
+from kvtransfer.bench.sim_prefill import SimPrefill, slots_of
+from kvtransfer.bench.transfer import main
 
 CPU = torch.device("cpu")
 

@@ -1,10 +1,10 @@
-"""The near-tie check that judges bf16 greedy parity (services.engine.parity_check)."""
+"""The near-tie check that judges bf16 greedy parity (services.engine.bench.parity_check)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.engine.parity_check import Continuation, logprobs_close, summarize
+from services.engine.bench.parity_check import Continuation, logprobs_close, summarize
 
 
 def _c(ids: list[int], tops: list[dict[int, float]]) -> Continuation:

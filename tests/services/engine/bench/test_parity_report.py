@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import parity_report
+from services.engine.bench import parity_report
+from services.engine.bench.parity_check import logprobs_close
 from services.engine.llm import LLM
-from services.engine.parity_check import logprobs_close
 
 
 def test_top_logprobs_of_both_sides_agree_in_float32(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import parity_report, parity_study
+from services.engine.bench import parity_report, parity_study
 
 
 def test_wilson_interval_matches_the_textbook_values() -> None:

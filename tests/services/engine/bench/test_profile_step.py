@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from services.engine.bench.profile_step import decode_step
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
-from services.engine.profile_step import decode_step
 
 
 def test_synthetic_decode_step_runs_and_gives_one_row_of_logits_per_sequence() -> None:
