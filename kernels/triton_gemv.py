@@ -25,7 +25,7 @@ DEFAULT_CONFIG = (8, 512, 4)
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:
     """The launch for an [n, k] weight: the fastest of 30 configurations per Llama-3.1-8B shape
-    on an H100 (kernels/bench_gemv.py, 2026-11-22), generalised by shape: long rows (k >= 8192)
+    on an H100 (kernels/bench/gemv.py, 2026-11-22), generalised by shape: long rows (k >= 8192)
     take 16 rows per program, wide or square outputs 4, the rest 8; 1024-wide chunks, 8 warps."""
     if k >= 8192:
         return (16, 1024, 8)

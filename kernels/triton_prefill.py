@@ -146,7 +146,7 @@ def _prefill_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), fastest first (swept on an H100 with
-# kernels.bench_tune); the first whose tiles fit the device's shared memory is used
+# kernels.bench.tune); the first whose tiles fit the device's shared memory is used
 TILE_CHOICES = ((64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
 
 

@@ -18,11 +18,11 @@ HANDLERS = {
     "worker": "services.worker.server:main",
     "gateway": "gateway.server:main",
     "generate": "services.engine.offline_cli:main",
-    "bench serve": "gateway.bench_serve:main",
-    "bench offline": "services.engine.bench:main_offline",
-    "bench latency": "services.engine.bench:main_latency",
-    "bench disagg": "deploy.bench_disagg:main",
-    "bench kernels": "kernels.bench:main",
+    "bench serve": "gateway.bench.serve:main",
+    "bench offline": "services.engine.bench.in_process:main_offline",
+    "bench latency": "services.engine.bench.in_process:main_latency",
+    "bench disagg": "deploy.bench.disagg:main",
+    "bench kernels": "kernels.bench.roofline:main",
 }
 
 

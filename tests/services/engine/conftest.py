@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from services.engine.bench.parity_report import PROMPTS
 from services.engine.llm import LLM
-from services.engine.parity_report import PROMPTS
 from services.model_files import EMBEDDED_GGUF
 
 CHAT_PROMPTS = PROMPTS  # the 8 chat prompts every parity check uses

@@ -1,0 +1,1 @@
+"""`tandem bench serve`: the serving benchmark against any OpenAI-compatible endpoint."""

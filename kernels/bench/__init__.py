@@ -1,0 +1,1 @@
+"""Measurements of the Triton kernels: roofline, correctness pass, GEMV sweep, tile tuning."""

@@ -1,0 +1,230 @@
+"""``tandem bench kernels``: the Triton kernels against the roofline, on a CUDA GPU.
+
+Measures the device copy bandwidth first (one large device-to-device copy, bytes read + written)
+and reports every memory-bound kernel as a fraction of it: paged decode attention (K/V read once
++ q + out), the element-wise layers, KV writes and block gathers. Prefill attention is reported
+in TFLOP/s (causal pairs only). Times are ``triton.testing.do_bench`` medians, which flush L2
+between runs. ``--check`` runs a correctness pass against the torch references instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernels.triton_common import interpreting
+
+GPU_NEEDED = (
+    "tandem bench kernels needs a CUDA GPU and compiled Triton kernels; {why}. "
+    "(The kernels' correctness tests run on the CPU: TRITON_INTERPRET=1 pytest tests/kernels)"
+)
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read and written."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph: the GPU's time without Python launches."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Microseconds of CPU per call (launch overhead: argument checks, allocation, Triton's
+    launcher), from back-to-back calls; the GPU catches up after the clock stops."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def measure(name: str, shape: str, fn: Callable[[], object], *, nbytes: float = 0.0, flops: float = 0.0, copy_gbps: float = 0.0, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """One result row: eager time (Python launch included) and CUDA-graph replay time."""
+    ms, gms, cpu = median_ms(fn), graph_ms(fn), host_us(fn)
+    out: dict[str, Any] = {"name": name, "shape": shape, "ms": round(ms, 5), "graph_ms": round(gms, 5), "host_us": round(cpu, 1)}  # fmt: skip
+    if nbytes:
+        out.update(
+            gb_per_s=round(nbytes / ms / 1e6, 1),
+            pct_of_copy=round(100 * nbytes / ms / 1e6 / copy_gbps, 1),
+            graph_pct_of_copy=round(100 * nbytes / gms / 1e6 / copy_gbps, 1),
+        )
+    if flops:
+        out.update(tflop_per_s=round(flops / ms / 1e9, 1), graph_tflop_per_s=round(flops / gms / 1e9, 1))  # fmt: skip
+    out.update(extra)
+    return out
+
+
+def bench_decode(copy_gbps: float) -> list[dict[str, Any]]:
+    from kernels.bench.cases import DECODE_CASES, KV_HEADS, paged
+    from kernels.triton_decode import choose_num_splits, paged_decode_attention
+
+    rows = []
+    for batch, ctx in DECODE_CASES:
+        p = paged([ctx] * batch)
+        splits = choose_num_splits(batch, KV_HEADS, p.block_tables.shape[1] * 16, p.q.device)
+        fn = functools.partial(paged_decode_attention, p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)  # fmt: skip
+        shape = f"B={batch} ctx={ctx}"
+        rows.append(measure("decode attention", shape, fn, nbytes=p.io_bytes(), copy_gbps=copy_gbps, num_splits=splits))  # fmt: skip
+        rows.append(measure("  torch sdpa (contiguous KV)", shape, _sdpa_decode(p, batch, ctx), nbytes=p.io_bytes(), copy_gbps=copy_gbps))  # fmt: skip
+        del p, fn
+    return rows
+
+
+def _sdpa_decode(p: Any, batch: int, ctx: int) -> Callable[[], object]:
+    """The peer: torch's fused attention on the same bytes laid out contiguously (no paging)."""
+    q = p.q.view(batch, -1, 1, p.q.shape[-1])
+    k = torch.randn((batch, p.k_cache.shape[2], ctx, p.q.shape[-1]), device="cuda", dtype=p.q.dtype)
+    v = torch.randn_like(k)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return functools.partial(sdpa, q, k, v, enable_gqa=True)
+
+
+def bench_prefill() -> list[dict[str, Any]]:
+    from kernels.bench.cases import PREFILL_CASES, paged, prefill_flops
+    from kernels.triton_prefill import prefill_attention
+
+    f = torch.nn.functional
+    rows = []
+    for name, ctx_lens, q_lens in PREFILL_CASES:
+        p = paged(ctx_lens, q_lens)
+        flops = prefill_flops(ctx_lens, q_lens)
+        fn = functools.partial(prefill_attention, p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
+        rows.append(measure("prefill attention", name, fn, flops=flops))
+        if ctx_lens == q_lens and len(set(q_lens)) == 1:  # the peer: causal SDPA, contiguous KV
+            b, n = len(q_lens), q_lens[0]
+            q = p.q.view(b, n, -1, p.q.shape[-1]).transpose(1, 2)
+            k = torch.randn((b, p.k_cache.shape[2], n, p.q.shape[-1]), device="cuda", dtype=p.q.dtype)  # fmt: skip
+            v = torch.randn_like(k)
+            sdpa = functools.partial(f.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True)  # fmt: skip
+            rows.append(measure("  torch sdpa (contiguous KV)", name, sdpa, flops=flops))
+    return rows
+
+
+def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:
+    from kernels import triton_attention, triton_block_copy, triton_layers
+
+    t, h, inter, dt = 4096, 4096, 14336, torch.bfloat16
+    x, r, w = (torch.randn(s, device="cuda", dtype=dt) for s in ((t, h), (t, h), (h,)))
+    y = torch.randn((t, 2 * inter), device="cuda", dtype=dt)
+    q, k = torch.randn((t, 32, 128), device="cuda", dtype=dt), torch.randn((t, 8, 128), device="cuda", dtype=dt)  # fmt: skip
+    cs, pos = torch.randn((8192, 128), device="cuda"), torch.randint(0, 8192, (t,), device="cuda")
+    tk = 4 * t  # write_kv moves little per token: more tokens, so the data outgrows L2
+    k_new, v_new = (torch.randn((tk, 8, 128), device="cuda", dtype=dt) for _ in range(2))
+    kc = torch.empty((tk // 16 + 64, 16, 8, 128), device="cuda", dtype=dt)
+    vc = torch.empty_like(kc)
+    slots = torch.randperm(kc.shape[0] * 16, device="cuda")[:tk]
+    caches = [torch.randn((2, 512, 16, 8, 128), device="cuda", dtype=dt) for _ in range(32)]
+    ids = torch.randperm(512, device="cuda")[:64]
+    e = 2  # bytes per bf16 element
+    cases = [
+        (
+            "rms_norm + residual",
+            f"{t}x{h}",
+            lambda: triton_layers.rms_norm(x, w, 1e-5, r),
+            4 * t * h * e,
+        ),
+        (
+            "silu_and_mul",
+            f"{t}x{2 * inter}",
+            lambda: triton_layers.silu_and_mul(y),
+            3 * t * inter * e,
+        ),
+        (
+            "rotary_embedding",
+            f"T={t} 32+8 heads",
+            lambda: triton_layers.rotary_embedding(pos, q, k, cs),
+            2 * (q.numel() + k.numel()) * e + t * 128 * 4,
+        ),
+        (
+            "write_kv",
+            f"T={tk} 8 heads",
+            lambda: triton_attention.write_kv(k_new, v_new, kc, vc, slots),
+            4 * k_new.numel() * e,
+        ),
+        (
+            "gather_blocks",
+            "32 layers x 64 blocks",
+            lambda: triton_block_copy.gather_blocks(caches, ids),
+            2 * 32 * 2 * 64 * 16 * 8 * 128 * e,
+        ),
+    ]
+    return [measure(n, s, fn, nbytes=b, copy_gbps=copy_gbps) for n, s, fn, b in cases]
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\n{report['device']}  triton {report['triton']}  torch {report['torch']}")
+    print(f"device copy: {report['copy_gb_per_s']:.0f} GB/s (read + write)")
+    print("ms: eager (Python launch included); graph: CUDA-graph replay (GPU time only);")
+    print("host us: CPU time per eager call (what CUDA graphs save)\n")
+    head = f"{'kernel':30} {'shape':28} {'ms':>8} {'graph ms':>8} {'host us':>7} {'GB/s':>7} {'%copy':>6} {'graph%':>6} {'TFLOP/s':>7} {'graph':>6}"  # fmt: skip
+    print(head)
+    for r in report["results"]:
+        cols = [r.get(k, "") for k in ("gb_per_s", "pct_of_copy", "graph_pct_of_copy", "tflop_per_s", "graph_tflop_per_s")]  # fmt: skip
+        gb, pct, gpct, tf, gtf = (f"{c}" for c in cols)
+        print(f"{r['name']:30} {r['shape']:28} {r['ms']:8.4f} {r['graph_ms']:8.4f} {r['host_us']:7.1f} {gb:>7} {pct:>6} {gpct:>6} {tf:>7} {gtf:>6}")  # fmt: skip
+
+
+def run_benchmarks() -> dict[str, Any]:
+    import triton
+
+    copy_gbps = copy_bandwidth()
+    results = bench_decode(copy_gbps) + bench_prefill() + bench_memory_bound(copy_gbps)
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "copy_gb_per_s": round(copy_gbps, 1),
+        "results": results,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print(GPU_NEEDED.format(why="no CUDA device is visible"), file=sys.stderr)
+        return 2
+    if interpreting():
+        print(GPU_NEEDED.format(why="TRITON_INTERPRET is set; unset it"), file=sys.stderr)
+        return 2
+    if getattr(args, "check", False):
+        from kernels.bench.check import run_checks
+
+        return run_checks()
+    report = run_benchmarks()
+    print_table(report)
+    if getattr(args, "json_out", None):
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--check", action="store_true", help="correctness vs references only")
+    sys.exit(main(parser.parse_args()))

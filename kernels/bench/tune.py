@@ -1,0 +1,94 @@
+"""Sweep of the attention kernels' tile knobs on the GPU (``python -m kernels.bench.tune``).
+
+Prints, per benchmark shape, each configuration's time and the fraction of copy bandwidth
+(decode) or TFLOP/s (prefill), best first. The defaults in ``triton_decode`` and
+``triton_prefill`` come from this sweep; rerun it on a new GPU before changing them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+
+import torch
+import triton.testing
+
+from kernels.bench.cases import DECODE_CASES, PREFILL_CASES, paged, prefill_flops
+from kernels.bench.roofline import copy_bandwidth
+from kernels.triton_decode import paged_decode_attention
+from kernels.triton_prefill import prefill_attention
+
+GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
+
+
+def median_ms(fn: functools.partial) -> float:
+    if GRAPH:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def tune_decode(copy_gbps: float) -> None:
+    cases = [c for c in DECODE_CASES if c[0] == 1] if "b1" in sys.argv[1:] else DECODE_CASES
+    for batch, ctx in cases:
+        p = paged([ctx] * batch)
+        args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+        splits = [None] if batch >= 64 else [None, 16, 24, 48, 64, 96, 128]
+        rows = []
+        for block_n, warps, stages, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), splits):  # fmt: skip
+            try:
+                fn = functools.partial(paged_decode_attention, *args, num_splits=s, block_n=block_n, num_warps=warps, num_stages=stages)  # fmt: skip
+                ms = median_ms(fn)
+            except Exception as exc:  # out of shared memory and the like
+                print(
+                    f"  skip block_n={block_n} warps={warps} stages={stages}: {type(exc).__name__}"
+                )
+                continue
+            rows.append((ms, block_n, warps, stages, s))
+        rows.sort()
+        print(f"decode B={batch} ctx={ctx}")
+        for ms, block_n, warps, stages, s in rows[:8]:
+            pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
+            print(f"  {ms:8.4f} ms {pct:5.1f}% copy  block_n={block_n} warps={warps} stages={stages} splits={s}")  # fmt: skip
+        del p, args
+        torch.cuda.empty_cache()
+
+
+def tune_prefill() -> None:
+    for name, ctx_lens, q_lens in PREFILL_CASES:
+        p = paged(ctx_lens, q_lens)
+        flops = prefill_flops(ctx_lens, q_lens)
+        args = (
+            p.q,
+            p.k_cache,
+            p.v_cache,
+            p.block_tables,
+            p.query_start_loc,
+            p.context_lens,
+            p.scale,
+        )
+        rows = []
+        for tiles in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+            try:
+                ms = median_ms(functools.partial(prefill_attention, *args, tiles=tiles))
+            except Exception as exc:
+                print(f"  skip tiles={tiles}: {type(exc).__name__}")
+                continue
+            rows.append((ms, tiles))
+        rows.sort()
+        print(f"prefill {name}")
+        for ms, tiles in rows[:8]:
+            print(
+                f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  tiles(M, N, warps, stages)={tiles}"
+            )
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    gbps = copy_bandwidth()
+    print(f"copy {gbps:.0f} GB/s")
+    if "prefill" not in sys.argv[1:]:
+        tune_decode(gbps)
+    if "decode" not in sys.argv[1:]:
+        tune_prefill()

@@ -1,0 +1,1 @@
+"""The KV transfer benchmark and the simulated prefill it overlaps with."""

@@ -1,0 +1,505 @@
+"""KV transfer benchmark: GPU0 -> GPU1 over NCCL, one GPU over Gloo, raw NCCL for comparison.
+
+    python -m kvtransfer.bench.transfer --json-out kv.json            # needs 2 GPUs for the NCCL rows
+    python -m kvtransfer.bench.transfer --cpu --tokens 16 --iters 2    # smoke run on CPU (Gloo)
+
+Two processes (sender on GPU0, receiver on GPU1) hold Llama-3.1-8B-shaped caches (32 layers,
+8 KV heads, head_dim 128, bf16, block size 16). "e2e" is one ``KvSender.send`` of a KV already
+computed: gather the blocks, header, send, receiver scatters + synchronizes, acknowledgement;
+one row per pipeline chunk size. "ttft" simulates the prefill that writes the KV
+(:mod:`kvtransfer.bench.sim_prefill`, Llama-3.1-8B layer compute over N tokens on GPU0) and times
+(a) the prefill alone, (b) the prefill then the transfer, (c) the two overlapped layer by layer
+(``send(..., ready=LayerReady)`` while the prefill runs on another thread); added TTFT = (b)-(a)
+and (c)-(a). The last (c) transfer is checked bit for bit against the sender's blocks, so a
+layer shipped before it was written would show. Napkin math: a 1024-token KV is
+32*2*1024*8*128*2 B = 134 MB; at NCCL's ~350 GB/s NVLink P2P that is 0.38 ms on the wire, and
+the gather and the scatter each move it once more at HBM speed (~0.05 ms).
+
+Before the changes of issue #7, on 2 x H200 (NV18, torch 2.11, NCCL 2.28), medians of 20:
+  1024 tokens: raw send/recv 0.39 ms (347 GB/s); e2e 1.1-1.2 ms (110-121 GB/s)
+  4096 tokens: raw send/recv 1.46 ms (367 GB/s); e2e 2.4-2.5 ms (214-222 GB/s)
+  one GPU, two processes (Gloo, host staging): 34-41 ms / 130-150 ms (3.4-4.1 GB/s)
+The time went to per-call CPU cost: cache checks and a blocking host-to-device copy in every
+gather and scatter call (0.1-0.2 ms each), receives posted behind the engine's stream, ~60 us
+poll granularity on the receiver, and one chunk (no pipelining) at 1024 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import statistics
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.bench.sim_prefill import SimPrefill, slots_of
+from kvtransfer.blockcopy import gather_blocks, make_copier
+from kvtransfer.config import ReceiverOptions, SenderOptions
+from kvtransfer.ready import LayerReady
+from kvtransfer.receiver import KvReceiver
+from kvtransfer.sender import KvSender
+from kvtransfer.stores import serve_store
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+REPLY_S = 120.0  # the longest any one command to a child may take
+IO_S = 30.0  # sender and receiver timeouts
+
+
+def log(msg: str) -> None:
+    print(f"[kvbench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def kv_bytes(tokens: int) -> int:
+    return tokens * LAYERS * 2 * HEADS * HEAD_DIM * 2
+
+
+def make_caches(device: torch.device, num_blocks: int) -> list[torch.Tensor]:
+    shape = (2, num_blocks, BLOCK, HEADS, HEAD_DIM)
+    return [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def digest(caches: list[torch.Tensor], ids: list[int]) -> int:
+    """Exact fingerprint of blocks ``ids`` (compares the two ends bit for bit)."""
+    buf = gather_blocks(caches, torch.tensor(ids, device=caches[0].device))
+    words = buf.reshape(-1).view(torch.int16).to(torch.int64)
+    return int((words * (torch.arange(words.numel(), device=words.device) % 977 + 1)).sum())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_copy(caches: list[torch.Tensor], ids: list[int], iters: int, gather: bool) -> float:
+    """Median seconds of one gather (or scatter) of ``ids`` through the transfer's copier."""
+    copier = make_copier(caches)
+    idx = torch.tensor(ids, device=caches[0].device)
+    buf = copier.gather(idx)
+    times = []
+    for _ in range(iters):
+        _sync(caches[0].device)
+        start = time.perf_counter()
+        if gather:
+            copier.gather(idx, out=buf)
+        else:
+            copier.scatter(buf, idx)
+        _sync(caches[0].device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def raw_send_recv(rank: int, port: int, nbytes: int, iters: int, device: torch.device) -> float:
+    """Seconds per back-to-back send/recv of ``nbytes`` over a bare pairwise group."""
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120))
+    prefixed = dist.PrefixStore(f"raw/{nbytes}", store)
+    if device.type == "cuda":
+        pg: Any = dist.ProcessGroupNCCL(prefixed, rank, 2, dist.ProcessGroupNCCL.Options())
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=120))
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def one() -> None:
+        (pg.send if rank == 0 else pg.recv)([buf], 1 - rank, 0).wait()
+
+    for _ in range(3):
+        one()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        one()
+    _sync(device)
+    elapsed = (time.perf_counter() - start) / iters
+    if device.type == "cuda":
+        pg.abort()
+    return elapsed
+
+
+class Child:
+    """The state of a sender or receiver process; :meth:`handle` runs one command."""
+
+    def __init__(self, role: str, device: torch.device, num_blocks: int) -> None:
+        self.role, self.device = role, device
+        self.caches = make_caches(device, num_blocks)
+        options = ReceiverOptions(io_timeout_s=IO_S, connect_timeout_s=IO_S)
+        self.rx = KvReceiver(self.caches, options) if role == "receiver" else None
+        self.sender: tuple[SenderOptions, KvSender] | None = None  # one pair at a time
+        self.handles: dict[str, Any] = {}
+        self.model: SimPrefill | None = None
+        self.copier = type(make_copier(self.caches)).__name__  # Triton's BlockCopier on CUDA
+
+    def _sender(self, options: SenderOptions) -> KvSender:
+        if self.sender is None or self.sender[0] != options:
+            self.close_sender()
+            name = f"bench-{options.chunk_bytes}-{options.streaming_chunk_bytes}"
+            self.sender = (options, KvSender(self.caches, name, options))
+        return self.sender[1]
+
+    def close_sender(self) -> None:
+        if self.sender is not None:
+            self.sender[1].close()
+            self.sender = None
+
+    def handle(self, op: str, args: list[Any]) -> Any:
+        if op == "expect" and self.rx is not None:
+            tids, ids = args
+            self.handles.update({tid: self.rx.expect(tid, ids, REPLY_S) for tid in tids})
+            return True
+        if op == "wait":
+            results = [self.handles.pop(tid).wait(IO_S) for tid in args[0]]
+            return [r.error if r and not r.ok else "" if r else "no result" for r in results]
+        if op == "send":
+            endpoint, tids, ids, chunk = args
+            sender = self._sender(SenderOptions(timeout_s=IO_S, chunk_bytes=chunk))
+            return [sender.send(endpoint, tid, ids).seconds for tid in tids]
+        if op == "ttft":
+            return self.ttft(*args)
+        if op == "digest":
+            return digest(self.caches, args[0])
+        if op == "copy":
+            return timed_copy(self.caches, args[0], args[1], gather=self.role == "sender")
+        if op == "raw":
+            self.close_sender()  # one NCCL communicator at a time
+            rank = 0 if self.role == "sender" else 1
+            return raw_send_recv(rank, args[0], args[1], args[2], self.device)
+        raise ValueError(f"unknown command {op!r} for the {self.role}")
+
+    def ttft(
+        self, endpoint: str, tids: list[tuple[str, str]], ids: list[int], tokens: int, stream: int
+    ) -> dict[str, list[float]]:
+        """Per iteration: (a) prefill, (b) prefill then send, (c) the two overlapped."""
+        sender = self._sender(SenderOptions(timeout_s=IO_S, streaming_chunk_bytes=stream))
+        if self.model is None:
+            if self.device.type == "cpu":  # a smoke run: Llama-8B layers would take minutes
+                self.model = SimPrefill(self.device, 128, 8, intermediate=128, dtype=torch.float32)
+            else:
+                self.model = SimPrefill(self.device)
+        model, slots = self.model, slots_of(ids, BLOCK, tokens, self.device)
+        times: dict[str, list[float]] = {"prefill": [], "sequential": [], "overlapped": []}
+        for it, (tid_b, tid_c) in enumerate(tids):
+            x = model.tokens(tokens, seed=3 * it)
+            _sync(self.device)
+            start = time.perf_counter()
+            model.run(self.caches, slots, x)
+            _sync(self.device)
+            times["prefill"].append(time.perf_counter() - start)
+
+            x = model.tokens(tokens, seed=3 * it + 1)
+            _sync(self.device)
+            start = time.perf_counter()
+            model.run(self.caches, slots, x)
+            _sync(self.device)  # the engine reads the sampled token: the step is over
+            sender.send(endpoint, tid_b, ids)
+            times["sequential"].append(time.perf_counter() - start)
+
+            x = model.tokens(tokens, seed=3 * it + 2)
+            _sync(self.device)
+            start = time.perf_counter()
+            ready = LayerReady(LAYERS, self.device)
+            producer = model.run_in_thread(self.caches, slots, x, ready)
+            try:
+                sender.send(endpoint, tid_c, ids, ready=ready)
+            finally:
+                producer.join(IO_S)
+            if producer.is_alive():
+                raise RuntimeError("the simulated prefill thread did not finish")
+            _sync(self.device)
+            times["overlapped"].append(time.perf_counter() - start)
+        return times
+
+    def close(self) -> None:
+        self.close_sender()
+        if self.rx is not None:
+            self.rx.close()
+
+
+def _child(conn: Connection, role: str, device_name: str, num_blocks: int) -> None:
+    """A sender or receiver process, serving commands from the parent until "exit"; every
+    reply is ("ok", value) or ("error", traceback)."""
+    try:
+        device = torch.device(device_name)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        state = Child(role, device, num_blocks)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", (state.rx.endpoint if state.rx is not None else "", state.copier)))
+    try:
+        while True:
+            try:
+                op, *args = conn.recv()
+            except EOFError:  # the parent is gone
+                break
+            if op == "exit":
+                break
+            try:
+                conn.send(("ok", state.handle(op, args)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        state.close()
+
+
+class ChildFailed(RuntimeError):
+    """A command failed inside a child (its traceback is the message); the child lives on."""
+
+
+class Pair:
+    """Two child processes driven over pipes; every reply is awaited with a timeout."""
+
+    def __init__(self, tx_device: str, rx_device: str, num_blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: dict[str, Connection] = {}
+        self.procs: dict[str, Any] = {}
+        for role, device in (("receiver", rx_device), ("sender", tx_device)):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_child, args=(child, role, device, num_blocks), daemon=True)
+            proc.start()
+            self.conns[role] = parent
+            self.procs[role] = proc
+        try:
+            self.endpoint, rx_copier = self.reply("receiver")
+            _, tx_copier = self.reply("sender")
+            log(f"block copies: {tx_copier} on the sender, {rx_copier} on the receiver")
+        except BaseException:
+            self.close()
+            raise
+
+    def reply(self, role: str) -> Any:
+        conn = self.conns[role]
+        if not conn.poll(REPLY_S):
+            raise TimeoutError(f"the {role} process did not answer in {REPLY_S:.0f} s")
+        try:
+            status, value = conn.recv()
+        except EOFError:
+            code = self.procs[role].exitcode
+            raise RuntimeError(f"the {role} process died (exit code {code})") from None
+        if status != "ok":
+            raise ChildFailed(f"the {role} process failed:\n{value}")
+        return value
+
+    def call(self, role: str, *cmd: Any) -> Any:
+        self.conns[role].send(cmd)
+        return self.reply(role)
+
+    def both(self, op: str, *args: Any) -> tuple[Any, Any]:
+        for conn in self.conns.values():
+            conn.send((op, *args))
+        replies, failed = {}, []
+        for role in ("sender", "receiver"):  # read both, so no stale reply is left behind
+            try:
+                replies[role] = self.reply(role)
+            except ChildFailed as e:
+                failed.append(e)
+        if failed:
+            raise failed[0]
+        return replies["sender"], replies["receiver"]
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            with contextlib.suppress(OSError):  # a child that died already
+                conn.send(("exit",))
+        for proc in self.procs.values():
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _row(path: str, tokens: int, seconds: list[float], **extra: Any) -> dict[str, Any]:
+    med = statistics.median(seconds)
+    p90 = sorted(seconds)[int(0.9 * (len(seconds) - 1))]
+    nbytes = kv_bytes(tokens)
+    return {"path": path, "tokens": tokens, "bytes": nbytes, "median_ms": med * 1e3,
+            "p90_ms": p90 * 1e3, "gbps": nbytes / med / 1e9, **extra}  # fmt: skip
+
+
+def _ids(tokens: int) -> tuple[list[int], list[int]]:
+    n = tokens // BLOCK
+    return list(range(n)), list(range(n, 2 * n))[::-1]  # reversed: a real permutation
+
+
+def _tids(prefix: str, count: int) -> list[str]:
+    return [f"{prefix}-{time.monotonic_ns()}-{i}" for i in range(count)]
+
+
+def _exact(pair: Pair, src: list[int], dst: list[int]) -> bool:
+    return bool(pair.call("sender", "digest", src) == pair.call("receiver", "digest", dst))
+
+
+def bench_e2e(pair: Pair, name: str, tokens: int, args: argparse.Namespace, chunk_mb: float) -> dict[str, Any]:  # fmt: skip
+    src, dst = _ids(tokens)
+    tids = _tids(f"e2e-{tokens}", args.warmup + args.iters)
+    pair.call("receiver", "expect", tids, dst)
+    seconds = pair.call("sender", "send", pair.endpoint, tids, src, int(chunk_mb * 2**20))
+    errors = [e for e in pair.call("receiver", "wait", tids) if e]
+    ok = not errors and _exact(pair, src, dst)
+    row = _row(f"{name} e2e {chunk_mb:g}MB", tokens, seconds[args.warmup :], ok=ok)
+    return {**row, "errors": errors[:3]} if errors else row
+
+
+def bench_ttft(pair: Pair, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
+    src, dst = _ids(tokens)
+    count = args.warmup + args.iters
+    tids = list(zip(_tids(f"seq-{tokens}", count), _tids(f"ovl-{tokens}", count), strict=True))
+    pair.call("receiver", "expect", [t for both in tids for t in both], dst)
+    stream = int(args.stream_chunk_mb * 2**20)
+    times = pair.call("sender", "ttft", pair.endpoint, tids, src, tokens, stream)
+    errors = [e for e in pair.call("receiver", "wait", [t for b in tids for t in b]) if e]
+    ok = not errors and _exact(pair, src, dst)  # the last transfer was an overlapped one
+    med = {mode: statistics.median(t[args.warmup :]) * 1e3 for mode, t in times.items()}
+    p90 = {m: sorted(t[args.warmup :])[int(0.9 * (args.iters - 1))] * 1e3 for m, t in times.items()}
+    return {"path": "ttft", "tokens": tokens, "bytes": kv_bytes(tokens), "ok": ok,
+            "prefill_ms": med["prefill"], "sequential_ms": med["sequential"],
+            "overlapped_ms": med["overlapped"],
+            "added_sequential_ms": med["sequential"] - med["prefill"],
+            "added_overlapped_ms": med["overlapped"] - med["prefill"],
+            "p90_ms": p90, "stream_chunk_mb": args.stream_chunk_mb,
+            **({"errors": errors[:3]} if errors else {})}  # fmt: skip
+
+
+def run_pair(name: str, tx: str, rx: str, args: argparse.Namespace, full: bool) -> tuple[list[dict[str, Any]], list[str]]:  # fmt: skip
+    """Every section on one pair of processes; a failed section is reported and skipped."""
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    log(f"{name}: starting the sender ({tx}) and receiver ({rx}) processes")
+    pair = Pair(tx, rx, num_blocks=2 * max(args.tokens) // BLOCK)
+
+    def section(what: str, fn: Any) -> None:
+        log(f"{name}: {what}")
+        try:
+            result = fn()
+        except ChildFailed as e:  # that command failed; the processes are fine
+            errors.append(f"{name} {what}: {e}")
+            log(f"FAILED {what}: {e}")
+            return
+        rows.extend(result if isinstance(result, list) else [result])
+
+    try:
+        for tokens in args.tokens if full else []:
+            nbytes = kv_bytes(tokens)
+
+            def raw(tokens: int = tokens, nbytes: int = nbytes) -> dict[str, Any]:
+                store, port = serve_store("127.0.0.1", 0, 120)
+                tx_s, rx_s = pair.both("raw", port, nbytes, args.iters)
+                del store
+                return _row(f"{name} raw send/recv", tokens, [max(tx_s, rx_s)])
+
+            section(f"raw send/recv, {tokens} tokens", raw)
+        for tokens in args.tokens:
+            ids = list(range(tokens // BLOCK))
+
+            def copy(tokens: int = tokens, ids: list[int] = ids) -> list[dict[str, Any]]:
+                gather_s, scatter_s = pair.both("copy", ids, args.iters)
+                return [_row(f"{name} gather", tokens, [gather_s]),
+                        _row(f"{name} scatter", tokens, [scatter_s])]  # fmt: skip
+
+            section(f"gather/scatter, {tokens} tokens", copy)
+        for chunk_mb in args.chunk_mb if full else [SenderOptions().chunk_bytes / 2**20]:
+            for tokens in args.tokens:
+                section(f"e2e, {tokens} tokens, {chunk_mb:g} MiB chunks",
+                        lambda t=tokens, c=chunk_mb: bench_e2e(pair, name, t, args, c))  # fmt: skip
+        for tokens in args.tokens if full and not args.no_ttft else []:
+            section(f"ttft, {tokens} tokens", lambda t=tokens: bench_ttft(pair, t, args))
+    except Exception as e:  # a child died or hung: the pair is unusable
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+        log(f"FAILED {name}, skipping the rest of it: {type(e).__name__}: {e}")
+    finally:
+        pair.close()
+    return rows, errors
+
+
+def _nccl_version() -> str:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception as e:  # metadata only: never lose the results over it
+        return f"unknown ({e})"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def print_tables(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'path':<32}{'tokens':>7}{'MB':>9}{'median ms':>11}{'p90 ms':>9}{'GB/s':>9}  ok")
+    for r in rows:
+        if r["path"] != "ttft":
+            print(
+                f"{r['path']:<32}{r['tokens']:>7}{r['bytes'] / 1e6:>9.1f}{r['median_ms']:>11.3f}"
+                f"{r['p90_ms']:>9.3f}{r['gbps']:>9.1f}  {r.get('ok', '')}"
+            )
+    ttft = [r for r in rows if r["path"] == "ttft"]
+    if ttft:
+        print(
+            "\nadded TTFT: (a) prefill alone, (b) prefill then transfer, (c) overlapped per layer"
+        )
+        print(f"{'tokens':>7}{'(a) ms':>10}{'(b) ms':>10}{'(b)-(a)':>10}{'(c) ms':>10}"
+              f"{'(c)-(a)':>10}  ok")  # fmt: skip
+        for r in ttft:
+            print(
+                f"{r['tokens']:>7}{r['prefill_ms']:>10.3f}{r['sequential_ms']:>10.3f}"
+                f"{r['added_sequential_ms']:>+10.3f}{r['overlapped_ms']:>10.3f}"
+                f"{r['added_overlapped_ms']:>+10.3f}  {r['ok']}"
+            )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json-out", default="", help="write the rows here as JSON")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true", help="smoke run on CPU over Gloo")
+    parser.add_argument("--chunk-mb", type=float, nargs="+", default=[8.0, 16.0, 32.0, 64.0, 4096.0],
+                        help="pipeline chunk sizes to compare (4096: one chunk)")  # fmt: skip
+    parser.add_argument("--stream-chunk-mb", type=float, default=8.0,
+                        help="chunk size of the layer-by-layer (overlapped) transfers")  # fmt: skip
+    parser.add_argument("--no-ttft", action="store_true", help="skip the added-TTFT section")
+    parser.add_argument("--skip-same-gpu", action="store_true")
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0 or any(t < BLOCK or t % BLOCK for t in args.tokens):
+        parser.error(f"--iters >= 1, --warmup >= 0, --tokens multiples of {BLOCK}")
+    started = time.monotonic()
+    gpus = 0 if args.cpu else torch.cuda.device_count()
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    runs = []
+    if args.cpu:
+        runs.append(("cpu gloo", "cpu", "cpu", True))
+    if gpus >= 2:
+        runs.append(("gpu0->gpu1 nccl", "cuda:0", "cuda:1", True))
+    if gpus >= 1 and not args.skip_same_gpu:
+        runs.append(("same-gpu gloo", "cuda:0", "cuda:0", False))
+    if not runs:
+        raise SystemExit("no GPU found: run with --cpu for a smoke run")
+    for name, tx, rx, full in runs:
+        got, failed = run_pair(name, tx, rx, args, full)
+        rows += got
+        errors += failed
+    print_tables(rows)
+    if args.json_out:
+        meta = {
+            "torch": torch.__version__,
+            "nccl": _nccl_version() if gpus else "",
+            "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
+            "args": vars(args),
+            "seconds": time.monotonic() - started,
+            "errors": errors,
+        }
+        with open(args.json_out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        log(f"wrote {args.json_out}")
+    log(
+        f"done in {time.monotonic() - started:.0f} s"
+        + (f", {len(errors)} errors" if errors else "")
+    )
+    if errors:
+        raise SystemExit("\n".join(errors))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Where a decode step's GPU time goes: the kernels of one step, by total time.
+
+    python -m services.engine.bench.profile_step --model llama-3.1-8b --batch 1 --context 1024
+
+Runs one eager decode forward (+ logits) of ``--batch`` sequences at ``--context`` tokens under
+the torch profiler and prints each kernel's count, total and mean time, then the sum of kernel
+time against the CUDA-graph replay time of the same step: what the graph spends beyond the
+kernels themselves is launch gaps and tails between dependent kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from typing import TypedDict
+
+import torch
+
+from services.engine.llm import build_config
+from services.engine.llm_engine import LLMEngine
+from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
+from services.scheduling.sampling_params import SamplingParams
+
+
+class KernelRow(TypedDict):
+    kernel: str
+    count: int
+    total_ms: float
+    mean_us: float
+
+
+def decode_step(engine: LLMEngine, batch: int, context: int) -> SchedulerOutput:
+    """A synthetic decode-only step: ``batch`` sequences whose ``context - 1`` tokens are cached."""
+    bs = engine.runner.block_size
+    nblk = -(-context // bs)
+    if batch * nblk > engine.runner.num_blocks:
+        raise SystemExit(
+            f"{batch} x {context} tokens do not fit in {engine.runner.num_blocks} blocks"
+        )
+    gen = torch.Generator().manual_seed(0)
+    out = SchedulerOutput()
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for b in range(batch):
+        tokens = torch.randint(0, engine.vocab_size, (context,), generator=gen).tolist()
+        out.requests.append(
+            ScheduledRequest(
+                request_id=f"p{b}", token_ids=tokens[-1:], start_pos=context - 1,
+                block_ids=list(range(b * nblk, (b + 1) * nblk)), sample=True,
+                sampling_params=params, output_token_ids=[], prompt_token_ids=tokens,
+            )
+        )  # fmt: skip
+    return out
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_step needs a CUDA GPU")
+    engine = LLMEngine(
+        build_config(args.model, load_format="dummy", max_model_len=args.max_model_len,
+                     max_num_seqs=max(args.batch, 1))
+    )  # fmt: skip
+    runner = engine.runner
+    step = decode_step(engine, args.batch, args.context)
+    for _ in range(3):
+        runner.forward_logits(step)  # graph path (warm)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        runner.forward_logits(step)
+    end.record()
+    end.synchronize()
+    graph_ms = start.elapsed_time(end) / 20
+    graphs, runner.graphs = runner.graphs, None  # eager, so the profiler sees every kernel
+    for _ in range(2):
+        runner.forward_logits(step)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.forward_logits(step)
+        torch.cuda.synchronize()
+    runner.graphs = graphs
+    kernels: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name].append(ev.device_time_total / 1e3)  # ms
+    rows = sorted(
+        (KernelRow(kernel=k, count=len(v), total_ms=sum(v), mean_us=1e3 * sum(v) / len(v))
+         for k, v in kernels.items()),
+        key=lambda r: -r["total_ms"],
+    )  # fmt: skip
+    busy = sum(r["total_ms"] for r in rows)
+    launches = sum(r["count"] for r in rows)
+    for r in rows[: args.top]:
+        print(
+            f"{r['total_ms']:8.3f} ms {r['count']:5d} x {r['mean_us']:8.2f} us  {r['kernel'][:90]}"
+        )
+    print(
+        f"batch {args.batch} context {args.context}: {launches} kernels, {busy:.3f} ms busy; "
+        f"graph replay {graph_ms:.3f} ms (gaps {graph_ms - busy:.3f} ms)",
+        flush=True,
+    )
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump({"batch": args.batch, "context": args.context, "graph_ms": graph_ms,
+                       "kernel_busy_ms": busy, "kernels": rows}, fh, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""A topology's `tandem up` command line, and SIGTERM unwinding a benchmark wherever it lands."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from deploy.bench.plan import topology
+from deploy.bench.topology import sigterm_unwinds, up_argv
+from services.cli import build_parser
+from tests.deploy.conftest import disagg_args
+
+
+def test_up_argv_forwards_engine_flags_and_the_shape(tmp_path: Path) -> None:
+    args = disagg_args("--model", "llama-3.1-8b", "--max-model-len", "8192", "--max-num-seqs",
+                       "128", "--gpus", "0,1", "--device", "cuda")  # fmt: skip
+    topo = topology("disagg", ["0", "1"], 2, None)
+    argv = up_argv(args, topo, tmp_path, {"model": "/x/llama", "load_format": "dummy"})
+    up = build_parser().parse_args(argv)
+    assert (up.model, up.load_format, up.max_model_len, up.max_num_seqs) == (
+        "/x/llama",
+        "dummy",
+        8192,
+        128,
+    )
+    assert (up.prefill, up.decode, up.colocated, up.gpus, up.port, up.device) == (
+        1,
+        1,
+        0,
+        "0,1",
+        0,
+        "cuda",
+    )
+
+
+def test_a_sigterm_landing_inside_an_asyncio_task_still_unwinds() -> None:
+    """The signal handler runs wherever the main thread is, here in a task nobody awaits: the
+    interrupt must still leave the event loop (an Exception there only failed that task, and a
+    SIGTERM in the middle of a rate was lost)."""
+
+    async def background() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in this task's step
+
+    async def main() -> str:
+        task = asyncio.create_task(background())  # never awaited
+        await asyncio.sleep(0.5)
+        return f"ran on past {task}"
+
+    with pytest.raises(KeyboardInterrupt), sigterm_unwinds():
+        asyncio.run(main())
