@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from services.cli import build_parser
+from services.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET
 from tests.deploy.conftest import REPO
 
 COMPOSE = REPO / "docker-compose.yml"
@@ -175,4 +176,7 @@ def test_cpu_override_keeps_the_commands_but_drops_gpus(
         cpu, gpu = vars(command(svc)), vars(command(services[name]))
         assert cpu.pop("device") == "cpu"
         gpu.pop("device")
+        # the CPU's own step budget (a GPU-sized step would take seconds there)
+        budgets = (cpu.pop("max_num_batched_tokens"), gpu.pop("max_num_batched_tokens"))
+        assert budgets == (CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET)
         assert cpu == gpu

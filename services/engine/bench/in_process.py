@@ -184,7 +184,7 @@ def main_latency(args: argparse.Namespace) -> int:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)
         # every request must still be running while the measured steps run: the early ones keep
         # decoding while later prompts prefill, so give them room for those steps too
-        prefill_steps = -(-bs * args.input_len // engine.config.scheduler.max_num_batched_tokens)
+        prefill_steps = -(-bs * args.input_len // engine.config.scheduler.token_budget)
         room = engine.max_model_len - args.input_len - 1
         max_tokens = min(room, args.output_len + prefill_steps + 8)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
