@@ -1,12 +1,17 @@
-"""/metrics: vLLM-style names and buckets, counts that move, goodput against the SLO, and the
---metrics-prefix that lets vLLM's own dashboard read a Tandem gateway."""
+"""/metrics: vLLM-style names and buckets, counts that move, goodput against the SLO, the
+--metrics-prefix that lets vLLM's own dashboard read a Tandem gateway, and the shipped dashboard
+and alert rules asking only for what the gateway exports."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import (
@@ -23,6 +28,9 @@ from tests.gateway.stack import Stack
 
 pytestmark = pytest.mark.timeout(60)
 PROMPT = "Hello world, this is a test of the gateway"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "tandem-dashboard.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
 
 # Every series vLLM's published Grafana dashboard queries, as written in its PromQL:
 # vllm-project/vllm examples/observability/prometheus_grafana/grafana.json at commit
@@ -193,6 +201,17 @@ def test_genai_otel_metrics(colocated: Stack) -> None:
     assert "gen_ai.server.time_per_output_token" in points
 
 
+def exported_names(text: str) -> set[str]:
+    """Every series name a scrape offers: its samples, and what each family's type promises
+    (a labelled family no request has touched yet has no samples)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names |= {s.name for s in family.samples}
+        names |= {family.name + suffix for suffix in suffixes.get(family.type, ("",))}
+    return names
+
+
 def test_one_two_five_matches_vllm() -> None:
     assert one_two_five(100) == (1, 2, 5, 10, 20, 50, 100)
     assert one_two_five(4096) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
@@ -231,6 +250,26 @@ def test_vllm_prefix_serves_every_series_of_vllms_dashboard(vllm_stack: Stack) -
     }
     assert reasons == {"length"}
     assert not any(s.name.startswith("tandem:") for s in samples)
+
+
+def dashboard_and_alert_queries() -> list[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
+    rules = yaml.safe_load(ALERTS.read_text())
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    return exprs
+
+
+def test_the_shipped_dashboard_and_alerts_ask_only_for_exported_series(disagg: Stack) -> None:
+    httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    exported = exported_names(httpx.get(f"{disagg.base_url}/metrics").text)
+    queries = dashboard_and_alert_queries()
+    asked = {name for q in queries for name in re.findall(r"tandem:[a-zA-Z0-9_:]+", q)}
+    assert len(asked) >= 15, "the dashboard and the rules were not read"
+    assert sorted(asked - exported) == []
+    for must in ("tandem:time_to_first_token_seconds_bucket", "tandem:kv_transfer_failures_total",
+                 "tandem:worker_healthy", "tandem:request_errors_total"):  # fmt: skip
+        assert must in asked
 
 
 def test_new_request_histograms_observe_each_choice_and_each_prompt(colocated: Stack) -> None:
