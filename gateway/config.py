@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,8 @@ from services.common.auth import token_from
 from services.config import ConfigError
 
 ROLES = ("prefill", "decode", "both")
+# a Prometheus metric name; a --metrics-prefix must be one, so every prefixed name is one too
+METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class GatewayConfig:
     body_timeout_s: float = 60.0
     max_connections: int = 4096
     otlp_endpoint: str | None = None
+    metrics_prefix: str = "tandem:"  # "vllm:" makes vLLM's dashboards and alert rules work
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
     rpc_timeout_s: float = 5.0  # unary calls: Reserve, Abort
@@ -81,6 +85,12 @@ class GatewayConfig:
             raise ConfigError("--slo-ttft-ms and --slo-tpot-ms must be positive")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if not METRIC_NAME.fullmatch(self.metrics_prefix):
+            raise ConfigError(
+                "--metrics-prefix must be a Prometheus metric name: a letter, '_' or ':' first, "
+                f"then letters, digits, '_' or ':' (such as tandem: or vllm:), "
+                f"got {self.metrics_prefix!r}"
+            )
 
     @property
     def model_name(self) -> str:
@@ -144,5 +154,6 @@ def config_from_args(
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
         otlp_endpoint=args.otlp_endpoint,
+        metrics_prefix=getattr(args, "metrics_prefix", "tandem:"),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
     )

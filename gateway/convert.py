@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from gateway.events import Chunk, PositionLogprobs, Timing, TokenLogprob, WorkerLoadInfo
+from gateway.events import (
+    Chunk,
+    Histogram,
+    PositionLogprobs,
+    Timing,
+    TokenLogprob,
+    WorkerLoadInfo,
+)
 from protos import common_pb2
 from services.scheduling.sampling_params import SamplingParams
 
@@ -78,5 +85,17 @@ def chunk_from_pb(msg: common_pb2.TokenChunk) -> Chunk:
     )
 
 
+def histogram_from_pb(msg: common_pb2.Histogram) -> Histogram:
+    """An empty Histogram for one that is malformed (a count per bound, rising, is the rule)."""
+    counts = tuple(msg.counts)
+    rising = list((*counts, msg.count)) == sorted((*counts, msg.count))
+    if len(counts) != len(msg.bounds) or not rising or list(msg.bounds) != sorted(msg.bounds):
+        return Histogram()
+    return Histogram(bounds=tuple(msg.bounds), counts=counts, sum=msg.sum, count=msg.count)
+
+
 def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
-    return WorkerLoadInfo(**{f.name: getattr(msg, f.name) for f in fields(WorkerLoadInfo)})
+    plain = {
+        f.name: getattr(msg, f.name) for f in fields(WorkerLoadInfo) if f.name != "iteration_tokens"
+    }
+    return WorkerLoadInfo(**plain, iteration_tokens=histogram_from_pb(msg.iteration_tokens))

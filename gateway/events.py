@@ -50,6 +50,16 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Histogram:
+    """A cumulative histogram a worker reported: counts[i] observations <= bounds[i], count all."""
+
+    bounds: tuple[float, ...] = ()  # empty: the worker reports none
+    counts: tuple[int, ...] = ()
+    sum: float = 0.0
+    count: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerLoadInfo:
     """What a worker's GetLoad said, as plain data."""
 
@@ -74,3 +84,4 @@ class WorkerLoadInfo:
     vocab_size: int = 0
     draining: bool = False
     num_reserved: int = 0
+    iteration_tokens: Histogram = field(default_factory=Histogram)  # tokens per engine step

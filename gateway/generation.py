@@ -33,6 +33,7 @@ class Choice:
     item: WorkItem
     prompt_text: str = ""  # for echo
     counts_prompt: bool = True  # the first choice of each prompt counts its prompt tokens
+    n: int = 1  # choices of its prompt (the request's n): choice i is of prompt i // n
     stats: RequestStats = field(default_factory=RequestStats)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -42,6 +43,8 @@ class Choice:
     def __post_init__(self) -> None:
         # counted once per prompt, as usage counts them
         self.stats.num_prompt_tokens = len(self.item.prompt_ids) if self.counts_prompt else 0
+        self.stats.prompt_len = len(self.item.prompt_ids)
+        self.stats.max_tokens = self.item.sampling.max_tokens
 
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
@@ -134,6 +137,11 @@ class Generation:
         if stats.finished is None:
             stats.on_chunk(Chunk(finish_reason=choice.finish_reason))
         self._telemetry.finished(self.operation, stats, choice.finish_reason or "abort")
+        prompt = choice.index // choice.n
+        siblings = [c for c in self.choices if c.index // c.n == prompt]
+        if all(c.finish_reason is not None for c in siblings):  # the prompt's last choice
+            most = max(c.stats.num_output_tokens for c in siblings)
+            self._metrics.observe_prompt_finished(choice.n, most)
 
     def abort(self) -> None:
         """Ends every unfinished choice with finish_reason "abort" (shutdown after the grace)."""

@@ -1,7 +1,9 @@
-"""Prometheus metrics with vLLM V1's names and buckets under the ``tandem:`` prefix.
+"""Prometheus metrics with vLLM V1's names, labels and buckets under a prefix (``tandem:``, or
+``vllm:`` with ``--metrics-prefix vllm:`` so vLLM's dashboards and alert rules work unchanged).
 
 Request-level series are measured by the gateway; engine-level ones (running, waiting, KV usage,
-preemptions, prefix cache, KV transfer) come from the workers' GetLoad, exported per worker.
+preemptions, prefix cache, KV transfer, tokens per engine step) come from the workers' GetLoad,
+exported per worker.
 """
 
 from __future__ import annotations
@@ -9,11 +11,32 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from gateway.stats import RequestStats
 from gateway.workers import WorkerClient
+
+DEFAULT_PREFIX = "tandem:"  # --metrics-prefix (checked in gateway.config)
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit``: vLLM's buckets for token counts."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
+
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -21,6 +44,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# vLLM sizes these to the model's context (1-2-5 up to max_model_len); the gateway learns the
+# context only from its workers, after the histograms exist, so they reach a million tokens
+TOKEN_BUCKETS = one_two_five(1_000_000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 _WORKER_GAUGES = {
     "num_requests_running": ("Requests running on the worker", lambda x: x.num_running),
@@ -41,42 +68,67 @@ class WorkerCollector(Collector):
     """Reads the last GetLoad of every worker at scrape time. Workers are labelled by name
     (``decode-1``), never by address: /metrics is open to anyone who reaches the gateway."""
 
-    def __init__(self, model_name: str, workers: Callable[[], Iterable[WorkerClient]]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        workers: Callable[[], Iterable[WorkerClient]],
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
         self._model = model_name
         self._workers = workers
+        self._prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model_name", "role", "worker"]
+        labels, p = ["model_name", "role", "worker"], self._prefix
         workers = list(self._workers())
         healthy = GaugeMetricFamily(
-            "tandem:worker_healthy", "1 if the worker is healthy", labels=labels
+            f"{p}worker_healthy", "1 if the worker is healthy", labels=labels
         )
         for w in workers:
             healthy.add_metric([self._model, w.role, w.name], 1.0 if w.healthy else 0.0)
         yield healthy
         loaded = [(w, w.load) for w in workers if w.load is not None]
         for name, (doc, read) in _WORKER_GAUGES.items():
-            gauge = GaugeMetricFamily(f"tandem:{name}", doc, labels=labels)
+            gauge = GaugeMetricFamily(f"{p}{name}", doc, labels=labels)
             for w, load in loaded:
                 gauge.add_metric([self._model, w.role, w.name], float(read(load)))
             yield gauge
         for name, (doc, read) in _WORKER_COUNTERS.items():
-            counter = CounterMetricFamily(f"tandem:{name}", doc, labels=labels)
+            counter = CounterMetricFamily(f"{p}{name}", doc, labels=labels)
             for w, load in loaded:
                 counter.add_metric([self._model, w.role, w.name], float(read(load)))
             yield counter
+        steps = HistogramMetricFamily(
+            f"{p}iteration_tokens_total", "Tokens computed per engine step", labels=labels
+        )
+        for w, load in loaded:
+            h = load.iteration_tokens
+            if h.bounds:  # a worker older than this field reports none
+                buckets = [
+                    (floatToGoString(b), float(c)) for b, c in zip(h.bounds, h.counts, strict=True)
+                ]
+                buckets.append(("+Inf", float(h.count)))
+                steps.add_metric([self._model, w.role, w.name], buckets, h.sum)
+        yield steps
 
 
 class GatewayMetrics:
     def __init__(
-        self, model_name: str, workers: Callable[[], Iterable[WorkerClient]] = lambda: ()
+        self,
+        model_name: str,
+        workers: Callable[[], Iterable[WorkerClient]] = lambda: (),
+        prefix: str = DEFAULT_PREFIX,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.prefix = prefix
         m, reg = ["model_name"], self.registry
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"tandem:{name}", doc, m, buckets=buckets, registry=reg)
+            return Histogram(f"{prefix}{name}", doc, m, buckets=buckets, registry=reg)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{prefix}{name}", doc, [*m, *extra], registry=reg)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Inter-token latency", TPOT_BUCKETS)
@@ -89,25 +141,35 @@ class GatewayMetrics:
         self.queue = hist("request_queue_time_seconds", "Time queued in workers", LATENCY_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "Prefill time", LATENCY_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "Decode time", LATENCY_BUCKETS)
-        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens", m, registry=reg)
-        self.generation_tokens = Counter(
-            "tandem:generation_tokens", "Generated tokens", m, registry=reg
+        self.inference = hist(
+            "request_inference_time_seconds", "Prefill plus decode time", LATENCY_BUCKETS
         )
-        self.success = Counter(
-            "tandem:request_success", "Finished requests", [*m, "finished_reason"], registry=reg
+        self.request_prompt = hist("request_prompt_tokens", "Prompt tokens per request",
+                                   TOKEN_BUCKETS)  # fmt: skip
+        self.request_generation = hist(
+            "request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS
         )
-        self.goodput = Counter(
-            "tandem:request_goodput", "Requests within the TTFT and TPOT SLO", m, registry=reg
+        self.params_max_tokens = hist(
+            "request_params_max_tokens", "The max_tokens of each request", TOKEN_BUCKETS
         )
-        self.errors = Counter(
-            "tandem:request_errors", "Requests that failed", [*m, "status"], registry=reg
+        self.params_n = hist("request_params_n", "The n of each request", N_BUCKETS)
+        self.max_generation = hist(
+            "request_max_num_generation_tokens",
+            "Most tokens generated by one of a prompt's n choices",
+            TOKEN_BUCKETS,
         )
-        reg.register(WorkerCollector(model_name, workers))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.success = counter("request_success", "Finished requests", ("finished_reason",))
+        self.goodput = counter("request_goodput", "Requests within the TTFT and TPOT SLO")
+        self.errors = counter("request_errors", "Requests that failed", ("status",))
+        reg.register(WorkerCollector(model_name, workers, prefix))
 
     def observe_gap(self, gap: float) -> None:
         self.itl.labels(self.model_name).observe(gap)
 
     def observe_finished(self, stats: RequestStats, finish_reason: str, in_slo: bool) -> None:
+        """One finished choice (what vLLM counts as one request: n=2 is two)."""
         name = self.model_name
         if stats.ttft is not None:
             self.ttft.labels(name).observe(stats.ttft)
@@ -117,11 +179,21 @@ class GatewayMetrics:
         self.queue.labels(name).observe(stats.timing.queue_s)
         self.prefill.labels(name).observe(stats.timing.prefill_s)
         self.decode.labels(name).observe(stats.timing.decode_s)
+        self.inference.labels(name).observe(stats.timing.prefill_s + stats.timing.decode_s)
+        self.request_prompt.labels(name).observe(stats.prompt_len)
+        self.request_generation.labels(name).observe(stats.num_output_tokens)
+        if stats.max_tokens:
+            self.params_max_tokens.labels(name).observe(stats.max_tokens)
         self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(stats.num_output_tokens)
         self.success.labels(name, finish_reason).inc()
         if in_slo and finish_reason != "abort":
             self.goodput.labels(name).inc()
+
+    def observe_prompt_finished(self, n: int, max_generated: int) -> None:
+        """Every choice of one prompt has finished: its n, and the most tokens one generated."""
+        self.params_n.labels(self.model_name).observe(n)
+        self.max_generation.labels(self.model_name).observe(max_generated)
 
     def observe_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()

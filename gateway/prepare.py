@@ -91,5 +91,7 @@ def build_choices(
                 priority=common.priority,
                 deadline=deadline,
             )
-            choices.append(Choice(index, item, prompt_text=prompt.text, counts_prompt=j == 0))
+            choices.append(
+                Choice(index, item, prompt_text=prompt.text, counts_prompt=j == 0, n=common.n)
+            )
     return choices

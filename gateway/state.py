@@ -49,7 +49,9 @@ class GatewayState:
             config.internal_token, owner=f"gateway-{uuid.uuid4().hex}",
         )  # fmt: skip
         self.dispatcher = Dispatcher(FlowContext(self.registry, self.tracer, config))
-        self.metrics = GatewayMetrics(config.model_name, lambda: self.registry.clients)
+        self.metrics = GatewayMetrics(
+            config.model_name, lambda: self.registry.clients, config.metrics_prefix
+        )
         self._own_meter = meter_provider is None
         self._meter_provider = meter_provider or build_meter_provider(config.otlp_endpoint)
         slo = Slo(config.slo_ttft_ms / 1000.0, config.slo_tpot_ms / 1000.0)

@@ -149,8 +149,20 @@ class LoadRequest(_message.Message):
     owner: str
     def __init__(self, owner: _Optional[str] = ...) -> None: ...
 
+class Histogram(_message.Message):
+    __slots__ = ("bounds", "counts", "sum", "count")
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    count: int
+    def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
+
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "max_model_len", "block_size", "num_running", "num_waiting", "free_blocks", "total_blocks", "kv_cache_usage", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "vocab_size", "draining", "num_reserved")
+    __slots__ = ("worker_id", "role", "model", "max_model_len", "block_size", "num_running", "num_waiting", "free_blocks", "total_blocks", "kv_cache_usage", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "vocab_size", "draining", "num_reserved", "iteration_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +184,7 @@ class WorkerLoad(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -193,4 +206,5 @@ class WorkerLoad(_message.Message):
     vocab_size: int
     draining: bool
     num_reserved: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: bool = ..., num_reserved: _Optional[int] = ...) -> None: ...
+    iteration_tokens: Histogram
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: bool = ..., num_reserved: _Optional[int] = ..., iteration_tokens: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...

@@ -184,6 +184,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--otlp-endpoint", default=None)
     p.add_argument(
+        "--metrics-prefix",
+        default="tandem:",
+        help="prefix of every Prometheus metric on /metrics (names, labels and buckets are "
+        "vLLM V1's): vllm: makes vLLM's Grafana dashboards and alert rules work unchanged",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,

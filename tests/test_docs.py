@@ -95,7 +95,8 @@ def test_every_metric_is_documented_and_every_documented_metric_exists() -> None
 
     exported = {family.name for family in GatewayMetrics("m").registry.collect()}
     names = re.findall(r"tandem:[a-z0-9_]+", README.read_text())
-    documented = {name.removesuffix("_total") for name in names}
+    # a counter may be named with the _total its samples carry; a histogram's name may end in it
+    documented = {name if name in exported else name.removesuffix("_total") for name in names}
     assert exported - documented == set(), "metrics missing from README.md"
     assert documented - exported == set(), "README.md names metrics that do not exist"
 

@@ -7,6 +7,7 @@ from typing import Any
 from protos import common_pb2
 from services.engine.llm_engine import EngineStats
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.engine.step_stats import HistogramSnapshot
 from services.scheduling.sampling_params import SamplingParams, logit_bias_pairs
 
 FINISH = {
@@ -105,8 +106,13 @@ def stats_to_load(stats: EngineStats, **extra: object) -> common_pb2.WorkerLoad:
         num_preemptions=stats.num_preemptions,
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits,
+        iteration_tokens=histogram_to_pb(stats.iteration_tokens),
         **extra,  # type: ignore[arg-type]
     )
+
+
+def histogram_to_pb(h: HistogramSnapshot) -> common_pb2.Histogram:
+    return common_pb2.Histogram(bounds=h.bounds, counts=h.counts, sum=h.sum, count=h.count)
 
 
 def transfer_fields(counters: Any) -> dict[str, object]:

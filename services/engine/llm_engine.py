@@ -13,6 +13,7 @@ from services.config import EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.engine.step_stats import HistogramSnapshot, TokenHistogram
 from services.model_files import ModelFiles
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.outputs import StepUpdate
@@ -55,6 +56,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    iteration_tokens: HistogramSnapshot  # tokens computed per step, since the engine started
 
 
 class LLMEngine:
@@ -82,6 +84,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_step_shape = (0, 0)  # (tokens, sequences) of the last step (benchmarks)
+        self.step_tokens = TokenHistogram()  # tokens computed per step that ran (not idle ones)
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -227,6 +230,7 @@ class LLMEngine:
         self.last_step_shape = (out.num_tokens, len(out.requests))
         if out.empty:
             return []
+        self.step_tokens.observe(out.num_tokens)
         min_stop = self._min_token_stop_ids(out.requests)
         sampled = self.runner.execute(out, min_stop)
         updates = self.scheduler.update(out, sampled)
@@ -302,4 +306,5 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=self.kv.pool.queries,
             prefix_cache_hits=self.kv.pool.hits,
+            iteration_tokens=self.step_tokens.snapshot(),
         )

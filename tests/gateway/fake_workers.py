@@ -28,6 +28,8 @@ from services.common.multiplex import multiplex
 
 EOS_ID = 2
 TOTAL_BLOCKS = 1000
+# what every fake reports as its tokens per engine step: 2 steps of 1 token, 3 of up to 8, 1 of 300
+ITERATION_TOKENS = common_pb2.Histogram(bounds=[1, 8, 16], counts=[2, 5, 5], sum=321, count=6)
 
 
 @dataclass
@@ -138,7 +140,7 @@ class FakeEngine:
             max_model_len=b.max_model_len, block_size=16, num_running=0, num_waiting=0,
             free_blocks=TOTAL_BLOCKS - reserved, total_blocks=TOTAL_BLOCKS,
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
-            kv_transfer_bytes=1234, num_reserved=reserved,
+            kv_transfer_bytes=1234, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
         )  # fmt: skip
 
 

@@ -53,3 +53,34 @@ def test_bad_values_name_the_flag() -> None:
         GatewayConfig(tokenizer="/t", request_timeout_s=0)
     with pytest.raises(ConfigError, match="--slo-ttft-ms"):
         GatewayConfig(tokenizer="/t", slo_ttft_ms=-1)
+
+
+@pytest.mark.parametrize("prefix", ["tandem:", "vllm:", "_", "team:llm_", "A9:"])
+def test_metrics_prefix_takes_any_metric_name(prefix: str) -> None:
+    assert GatewayConfig(tokenizer="/t", metrics_prefix=prefix).metrics_prefix == prefix
+
+
+@pytest.mark.parametrize("prefix", ["", "1bad", "vllm-", "tandem.", "my prefix:", "é:"])
+def test_a_bad_metrics_prefix_is_a_config_error(prefix: str) -> None:
+    with pytest.raises(ConfigError, match="--metrics-prefix must be a Prometheus metric name"):
+        GatewayConfig(tokenizer="/t", metrics_prefix=prefix)
+
+
+def test_metrics_prefix_flag_reaches_the_config() -> None:
+    args = build_parser().parse_args(["gateway", "--metrics-prefix", "vllm:"])
+    assert config_from_args(args, "/tok").metrics_prefix == "vllm:"
+    default = build_parser().parse_args(["gateway"])
+    assert config_from_args(default, "/tok").metrics_prefix == "tandem:"
+
+
+def test_tandem_gateway_with_a_bad_prefix_exits_2_without_a_traceback(
+    tmp_path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    argv = ["gateway", "--tokenizer", str(tmp_path), "--metrics-prefix", "1bad"]
+    assert main(argv) == 2  # before anything is loaded or bound
+    assert "--metrics-prefix must be a Prometheus metric name" in caplog.text
+    assert "'1bad'" in caplog.text
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out + caplog.text

@@ -1,18 +1,65 @@
-"""/metrics: vLLM-style names and buckets, counts that move, goodput against the SLO."""
+"""/metrics: vLLM-style names and buckets, counts that move, goodput against the SLO, the
+--metrics-prefix that lets vLLM's own dashboard read a Tandem gateway, and the shipped dashboard
+and alert rules asking only for what the gateway exports."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import LATENCY_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from gateway.metrics import (
+    LATENCY_BUCKETS,
+    N_BUCKETS,
+    TOKEN_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    GatewayMetrics,
+    one_two_five,
+)
+from tests.gateway.fake_workers import ITERATION_TOKENS
 from tests.gateway.stack import Stack
 
 pytestmark = pytest.mark.timeout(60)
 PROMPT = "Hello world, this is a test of the gateway"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "tandem-dashboard.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
+
+# Every series vLLM's published Grafana dashboard queries, as written in its PromQL:
+# vllm-project/vllm examples/observability/prometheus_grafana/grafana.json at commit
+# 4b5c627c23e6690b8987100d1cbf78e34ac14bf9 (the newest in the index; the older
+# examples/online_serving copy also asked for V0's gpu/cpu_cache_usage_perc and
+# num_requests_swapped, which vLLM has since removed). Every panel filters by model_name.
+VLLM_DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",  # sum by(finished_reason)
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
 
 
 def scrape(stack: Stack) -> dict[tuple[str, frozenset], float]:
@@ -49,6 +96,15 @@ def test_names_and_buckets_match_vllm(disagg: Stack) -> None:
     ):
         assert buckets(samples, f"tandem:{name}_seconds") == list(LATENCY_BUCKETS)
     assert LATENCY_BUCKETS[0] == 0.3 and LATENCY_BUCKETS[-1] == 7680.0
+    assert buckets(samples, "tandem:request_inference_time_seconds") == list(LATENCY_BUCKETS)
+    for name in (
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_params_max_tokens",
+        "request_max_num_generation_tokens",
+    ):
+        assert buckets(samples, f"tandem:{name}") == list(TOKEN_BUCKETS)
+    assert buckets(samples, "tandem:request_params_n") == list(N_BUCKETS)
 
 
 def test_counts_move_and_ttft_is_within_e2e(disagg: Stack) -> None:
@@ -143,3 +199,118 @@ def test_genai_otel_metrics(colocated: Stack) -> None:
                if p.attributes["gen_ai.operation.name"] == "chat"]  # fmt: skip
     assert ttft.count >= 1 and ttft.attributes["gen_ai.request.model"] == "embedded"
     assert "gen_ai.server.time_per_output_token" in points
+
+
+def exported_names(text: str) -> set[str]:
+    """Every series name a scrape offers: its samples, and what each family's type promises
+    (a labelled family no request has touched yet has no samples)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names |= {s.name for s in family.samples}
+        names |= {family.name + suffix for suffix in suffixes.get(family.type, ("",))}
+    return names
+
+
+def test_one_two_five_matches_vllm() -> None:
+    assert one_two_five(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert one_two_five(4096) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+    assert TOKEN_BUCKETS[-1] == 1_000_000 and N_BUCKETS == (1, 2, 5, 10, 20)
+
+
+def test_every_family_takes_the_prefix() -> None:
+    for prefix in ("tandem:", "vllm:", "my_team:llm_"):
+        names = [f.name for f in GatewayMetrics("m", prefix=prefix).registry.collect()]
+        assert "worker_healthy" in {n.removeprefix(prefix) for n in names}
+        assert all(n.startswith(prefix) for n in names), names
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(tokenizer_dir: str) -> Iterator[Stack]:
+    stack = Stack(tokenizer_dir, ["prefill", "decode"], metrics_prefix="vllm:").start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_vllm_prefix_serves_every_series_of_vllms_dashboard(vllm_stack: Stack) -> None:
+    vllm_stack.reset()  # every worker polled: their gauges have samples
+    for max_tokens in (3, 5):  # two tokens at least: an inter-token gap
+        r = httpx.post(f"{vllm_stack.base_url}/v1/completions",
+                       json={"prompt": PROMPT, "max_tokens": max_tokens})  # fmt: skip
+        assert r.status_code == 200
+    text = httpx.get(f"{vllm_stack.base_url}/metrics").text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    served = {s.name for s in samples if s.labels.get("model_name") == "embedded"}
+    missing = [name for name in VLLM_DASHBOARD_SERIES if name not in served]
+    assert not missing, f"vLLM's dashboard would find no data for {missing}"
+    reasons = {
+        s.labels["finished_reason"] for s in samples if s.name == "vllm:request_success_total"
+    }
+    assert reasons == {"length"}
+    assert not any(s.name.startswith("tandem:") for s in samples)
+
+
+def dashboard_and_alert_queries() -> list[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
+    rules = yaml.safe_load(ALERTS.read_text())
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    return exprs
+
+
+def test_the_shipped_dashboard_and_alerts_ask_only_for_exported_series(disagg: Stack) -> None:
+    httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    exported = exported_names(httpx.get(f"{disagg.base_url}/metrics").text)
+    queries = dashboard_and_alert_queries()
+    asked = {name for q in queries for name in re.findall(r"tandem:[a-zA-Z0-9_:]+", q)}
+    assert len(asked) >= 15, "the dashboard and the rules were not read"
+    assert sorted(asked - exported) == []
+    for must in ("tandem:time_to_first_token_seconds_bucket", "tandem:kv_transfer_failures_total",
+                 "tandem:worker_healthy", "tandem:request_errors_total"):  # fmt: skip
+        assert must in asked
+
+
+def test_new_request_histograms_observe_each_choice_and_each_prompt(colocated: Stack) -> None:
+    before = scrape(colocated)
+    url = f"{colocated.base_url}/v1/completions"
+    r = httpx.post(url, json={"prompt": PROMPT, "n": 2, "max_tokens": 5})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    r = httpx.post(url, json={"prompt": [PROMPT, PROMPT], "max_tokens": 3})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    after = scrape(colocated)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    # per choice, as vLLM observes each of n child requests: 5 + 5 + 3 + 3 tokens
+    for name, total in (("request_generation_tokens", 16), ("request_params_max_tokens", 16),
+                        ("request_prompt_tokens", 4 * 10)):  # fmt: skip
+        assert delta(f"tandem:{name}_count") == 4, name
+        assert delta(f"tandem:{name}_sum") == total, name
+    assert delta("tandem:request_generation_tokens_bucket", le="2.0") == 0
+    assert delta("tandem:request_generation_tokens_bucket", le="5.0") == 4
+    assert delta("tandem:prompt_tokens_total") == 3 * 10  # counted once per prompt
+    # per prompt, once its n choices have all finished: n=2 once, then n=1 twice
+    assert delta("tandem:request_params_n_count") == 3
+    assert delta("tandem:request_params_n_sum") == 2 + 1 + 1
+    assert delta("tandem:request_params_n_bucket", le="1.0") == 2
+    assert delta("tandem:request_max_num_generation_tokens_count") == 3
+    assert delta("tandem:request_max_num_generation_tokens_sum") == 5 + 3 + 3
+    # prefill + decode as the worker timed them: 0.002 + 0.003 x the last token's index
+    assert delta("tandem:request_inference_time_seconds_count") == 4
+    assert delta("tandem:request_inference_time_seconds_sum") == pytest.approx(
+        2 * (0.002 + 0.012) + 2 * (0.002 + 0.006)
+    )
+
+
+def test_iteration_tokens_come_from_each_workers_load(disagg: Stack) -> None:
+    samples = scrape(disagg)
+    for role, worker in (("prefill", "prefill-1"), ("decode", "decode-0")):
+        labels = {"role": role, "worker": worker}
+        buckets = [value(samples, "tandem:iteration_tokens_total_bucket", le=le, **labels)
+                   for le in ("1.0", "8.0", "16.0", "+Inf")]  # fmt: skip
+        assert buckets == [*ITERATION_TOKENS.counts, ITERATION_TOKENS.count]
+        assert value(samples, "tandem:iteration_tokens_total_count", **labels) == 6
+        assert value(samples, "tandem:iteration_tokens_total_sum", **labels) == 321

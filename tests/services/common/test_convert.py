@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from protos import common_pb2
-from services.common.convert import output_to_chunk, sampling_from_pb, sampling_to_pb
+from services.common.convert import (
+    histogram_to_pb,
+    output_to_chunk,
+    sampling_from_pb,
+    sampling_to_pb,
+)
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.engine.step_stats import TokenHistogram
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -70,3 +76,34 @@ def test_a_partial_characters_bytes_reach_the_gateways_chat_logprobs() -> None:
 def test_logit_bias_survives_the_wire() -> None:
     sp = SamplingParams(logit_bias={"7042": -100, 5: 2.5})  # type: ignore[arg-type]
     assert sampling_from_pb(sampling_to_pb(sp)).logit_bias == ((5, 2.5), (7042, -100.0))
+
+
+def test_the_step_histogram_reaches_the_gateway_as_reported() -> None:
+    from gateway.convert import load_from_pb
+    from gateway.events import Histogram
+
+    h = TokenHistogram((1, 8))
+    for tokens in (1, 5, 40):
+        h.observe(tokens)
+    wire = common_pb2.WorkerLoad(role="decode", iteration_tokens=histogram_to_pb(h.snapshot()))
+    got = load_from_pb(common_pb2.WorkerLoad.FromString(wire.SerializeToString()))
+    assert got.iteration_tokens == Histogram(bounds=(1.0, 8.0), counts=(1, 2), sum=46.0, count=3)
+    assert got.role == "decode"
+    older = load_from_pb(common_pb2.WorkerLoad(role="decode"))  # a worker without the field
+    assert older.iteration_tokens == Histogram()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        common_pb2.Histogram(bounds=[1, 8], counts=[1], count=1),  # a count missing
+        common_pb2.Histogram(bounds=[1, 8], counts=[2, 1], count=2),  # not cumulative
+        common_pb2.Histogram(bounds=[1, 8], counts=[1, 2], count=1),  # +Inf below a bucket
+        common_pb2.Histogram(bounds=[8, 1], counts=[1, 2], count=2),  # bounds not ascending
+    ],
+)
+def test_a_malformed_histogram_is_dropped(bad: common_pb2.Histogram) -> None:
+    from gateway.convert import histogram_from_pb
+    from gateway.events import Histogram
+
+    assert histogram_from_pb(bad) == Histogram()

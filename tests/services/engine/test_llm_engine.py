@@ -113,3 +113,18 @@ def test_logprob_tokens_carry_their_bytes(llm: LLM) -> None:
     pieces = [llm.engine._token_logprob(i, -1.0) for i in ids]
     assert b"".join(p.token_bytes for p in pieces) == text.encode("utf-8")
     assert any("\ufffd" in p.token for p in pieces)  # the emoji is split over tokens
+
+
+def test_every_step_counts_its_tokens_in_the_iteration_histogram(llm: LLM) -> None:
+    """A 20-token prompt, 4 tokens: one step computes the prompt (and samples the first token),
+    three compute one token each. Ids no other test uses, so the prefix cache holds none."""
+    before = llm.engine.stats().iteration_tokens
+    prompt = [7000 + i for i in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([prompt], params)[0].outputs[0].token_ids) == 4
+    after = llm.engine.stats().iteration_tokens
+    assert after.count - before.count == 4
+    assert after.sum - before.sum == 20 + 3
+    grew = [a - b for a, b in zip(after.counts, before.counts, strict=True)]
+    assert dict(zip(after.bounds, grew, strict=True))[1.0] == 3  # the decode steps
+    assert dict(zip(after.bounds, grew, strict=True))[32.0] == 4  # and the prompt's

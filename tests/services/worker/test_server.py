@@ -50,6 +50,10 @@ async def test_greedy_output_equals_the_offline_engine(fleet: Fleet) -> None:
             assert (got.token_ids, got.text) == (exp.token_ids, exp.text)
         load = await w.load()
         assert load.role == "both" and load.prefix_cache_hits >= 2 * 3 * 16
+        steps = load.iteration_tokens  # each token sampled needs one computed in some step
+        assert steps.count >= max(len(r.token_ids) for r in results)
+        assert steps.sum >= sum(len(r.token_ids) for r in results)
+        assert list(steps.bounds[:3]) == [1, 8, 16] and steps.counts[-1] <= steps.count
         assert_idle(await wait_pool_free([w]))
 
 
