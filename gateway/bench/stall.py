@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -30,8 +31,7 @@ class StreamTimes:
 
     @property
     def gaps(self) -> list[float]:
-        a = self.arrivals
-        return [b - x for x, b in zip(a, a[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(self.arrivals)]
 
 
 @dataclass
@@ -63,7 +63,9 @@ async def one_stream(client: httpx.AsyncClient, model: str, max_tokens: int, i: 
     return times
 
 
-async def streams(client: httpx.AsyncClient, model: str, n: int, max_tokens: int) -> list[StreamTimes]:
+async def streams(
+    client: httpx.AsyncClient, model: str, n: int, max_tokens: int
+) -> list[StreamTimes]:
     return list(await asyncio.gather(*(one_stream(client, model, max_tokens, i) for i in range(n))))
 
 
@@ -126,10 +128,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     url = urlsplit(args.url)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.streams + 8)
-    async with httpx.AsyncClient(base_url=args.url, timeout=600, limits=limits, headers=headers) as client:
+    async with httpx.AsyncClient(
+        base_url=args.url, timeout=600, limits=limits, headers=headers
+    ) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await streams(client, model, 2, 4)  # warm-up
-        alone = summarize("16 streams alone", await streams(client, model, args.streams, args.max_tokens))
+        alone = summarize(
+            "16 streams alone", await streams(client, model, args.streams, args.max_tokens)
+        )
 
         stop = asyncio.Event()
         running = asyncio.ensure_future(streams(client, model, args.streams, args.max_tokens))
