@@ -92,7 +92,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=_positive_int,
         default=None,
-        help="tokens per engine step, the chunk of a long prompt (default: 8192 on a GPU, 256 "
+        help="tokens per engine step, the chunk of a long prompt (default: 8192 on a GPU, 128 "
         "on the CPU so a step, and so an abort or a new request's wait, stays short)",
     )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -59,7 +59,7 @@ class CacheConfig:
 GPU_TOKEN_BUDGET = 8192
 # a step of this many prompt tokens stays well under a second on a small CPU (SmolLM2-135M, two
 # cores): an abort, a new request or a KV hand-off never waits long for the step in progress
-CPU_TOKEN_BUDGET = 256
+CPU_TOKEN_BUDGET = 128
 
 
 @dataclass(frozen=True)

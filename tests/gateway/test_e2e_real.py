@@ -163,7 +163,7 @@ async def test_200_clients_hanging_up_early_leave_nothing_behind(stack: Any) -> 
 
 
 async def test_a_long_prompt_cancelled_in_prefill_frees_both_pools_within_2_s(stack: Any) -> None:
-    """The prompt is prefilled in several short steps (256-token chunks on the CPU); the client
+    """The prompt is prefilled in several short steps (128-token chunks on the CPU); the client
     hangs up once it is under way, and both workers let go between two steps."""
     prefill, decode, gateway = stack
     prompt = "Cancelled request: tell me everything about harbours and their lanterns. " * 60
