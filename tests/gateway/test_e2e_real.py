@@ -266,6 +266,8 @@ async def test_a_gateway_killed_mid_request_leaks_nothing(fleet: Fleet) -> None:
         wait_healthy(gateway, 2)
         wait_healthy(other, 2)
         await _kill_one_of_two_gateways(prefill, decode, gateway, other)
+        assert prefill.alive and decode.alive
+        assert fleet.shared("prefill", "decode") == [prefill, decode]  # nothing was restarted
     finally:
         gateway.kill()
         other.kill()
@@ -302,5 +304,3 @@ async def _kill_one_of_two_gateways(
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 8
         assert_idle(await wait_pool_free([p, d], timeout_s=10.0))
-    assert prefill.alive and decode.alive
-    assert fleet.shared("prefill", "decode") == [prefill, decode]  # nothing was restarted
