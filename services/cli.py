@@ -271,8 +271,19 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
         b.add_argument("--num-prompts", type=_positive_int, default=256)
         b.add_argument("--input-len", type=_positive_int, default=1024)
         b.add_argument("--output-len", type=_positive_int, default=128)
-        b.add_argument("--batch-sizes", default="1,64,256")
-        b.add_argument("--compare-transformers", action="store_true")
+        b.add_argument(
+            "--batch-sizes",
+            default="1,64,256",
+            help="latency: the decode batches to time; offline: the transformers peer's batch "
+            "sizes to sweep (each in its own process)",
+        )
+        if name == "offline":
+            b.add_argument(
+                "--compare-transformers",
+                action="store_true",
+                help="also time transformers generate, each batch size in its own fresh process "
+                "before our engine starts; report the speed-up over its best",
+            )
         b.add_argument("--json-out", default=None)
     add_bench_disagg_args(
         bsub.add_parser("disagg", help="tandem up topologies under bench serve (W4, W6)")
