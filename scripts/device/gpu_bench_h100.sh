@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues #3 and #7's single-GPU measurements on one H100 (or any CUDA GPU), one step after another:
 #   w2      decode step latency (batch 1, 64, 256 at context 1024)            -> $RESULTS/w2.json
-#   w1      offline throughput against transformers generate                   -> $RESULTS/w1.json
+#   w1      offline throughput against transformers generate (own process each) -> $RESULTS/w1.json
 #   w3      kernel roofline (attention, element-wise, GEMV)                    -> $RESULTS/w3.json, gemv.json
 #   kernels the kernel tests with compiled kernels (every edge case of the interpreter tests)
 #   parity  GPU parity: 8B logits, SmolLM2-shape greedy, SmolLM2 real weights when the GGUF is
@@ -46,9 +46,10 @@ for step in $steps; do
         --input-len 1024 --output-len 24 --batch-sizes 1,64,256 --json-out "$RESULTS/w2.json" 2>&1 |
         grep -E "^batch|Error|error" ;;
     w1)
-      timeout 300 python3 -m services.cli bench offline --model llama-3.1-8b --max-model-len 2048 \
+      # the transformers peer first, each batch size in its own fresh process, then our engine
+      timeout 560 python3 -m services.cli bench offline --model llama-3.1-8b --max-model-len 2048 \
         --num-prompts 256 --input-len 1024 --output-len 128 --compare-transformers \
-        --batch-sizes 64,128 --json-out "$RESULTS/w1.json" 2>&1 | grep -E "tok/s|speedup|Error|error" ;;
+        --batch-sizes 64,128,256 --json-out "$RESULTS/w1.json" 2>&1 | grep -E "tok/s|speedup|Error|error" ;;
     w3)
       timeout 200 python3 -m services.cli bench kernels --json-out "$RESULTS/w3.json" 2>&1 | tail -14
       timeout 100 python3 -m kernels.bench.gemv --json-out "$RESULTS/gemv.json" 2>&1 | grep -v -i warn ;;
