@@ -186,6 +186,44 @@ async def test_a_long_prompt_cancelled_in_prefill_frees_both_pools_within_2_s(st
         assert time.monotonic() - t0 < 2.5  # the last load poll included
 
 
+async def test_a_decode_worker_killed_while_its_kv_is_due_fails_its_clients_within_5_s(
+    fleet: Fleet,
+) -> None:
+    """Three long prompts in prefill, their KV bound for one decode worker, which is killed: each
+    client hears it within 5 s (a health poll, not the prefill's KV timeout), the prefill worker
+    lets go of everything and keeps serving."""
+    (prefill,) = fleet.shared("prefill")
+    doomed = fleet.start("decode", name="doomed-decode")
+    gateway = fleet.gateway(prefill=[prefill], decode=[doomed])
+    try:
+        wait_healthy(gateway, 2)
+        questions = [f"Doomed {i}: " + "Explain how parcels are sorted. " * 60 for i in range(3)]
+        async with (
+            Conn(prefill.address, "prefill") as p,
+            httpx.AsyncClient(base_url=gateway.url, timeout=60) as client,
+        ):
+            asked = [
+                asyncio.create_task(stream_chat(client, {"messages": messages(None, q), "max_tokens": 8}))
+                for q in questions
+            ]  # fmt: skip
+            deadline = time.monotonic() + 60
+            while (await p.load()).num_running == 0:
+                assert time.monotonic() < deadline, "the prefill never started"
+                await asyncio.sleep(0.01)
+            doomed.kill()
+            t0 = time.monotonic()
+            results = await asyncio.gather(*asked)
+            assert time.monotonic() - t0 < 5.0
+            for got in results:
+                assert got.done and got.error is not None, got.frames
+                assert got.error["code"] == "worker_unavailable", got.error
+            assert_idle(await wait_pool_free([p], timeout_s=5.0))
+        assert prefill.alive
+    finally:
+        gateway.kill()
+        doomed.kill()
+
+
 async def test_a_prefill_worker_killed_under_load(fleet: Fleet) -> None:
     shared, decode = fleet.shared("prefill", "decode")
     extra = fleet.start("prefill", name="doomed-prefill")
