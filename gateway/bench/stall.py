@@ -97,15 +97,22 @@ async def big_tokenize(client: httpx.AsyncClient, model: str, size: int) -> dict
 
 
 async def slow_client(host: str, port: int, stop: asyncio.Event) -> dict[str, Any]:
-    """Sends a request head a byte every 100 ms until the server closes the connection."""
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    """Sends a request head a byte every 100 ms, valid but never finished (one header line after
+    another), until the server answers or closes the connection."""
+    start = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    line = b"X-Slow: still-coming\r\n"
     reader, writer = await asyncio.open_connection(host, port)
     t0 = time.monotonic()
     i, reply = 0, b""
     try:
         while not stop.is_set():
+            if i < len(start):
+                byte = start[i : i + 1]
+            else:
+                j = (i - len(start)) % len(line)
+                byte = line[j : j + 1]
             try:
-                writer.write(head[i % len(head) : i % len(head) + 1])
+                writer.write(byte)
                 await writer.drain()
             except (ConnectionError, OSError):
                 break
