@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_TTL_S = 3600.0  # the gateway asks for its request's remaining time (--request-timeout)
+# a reservation nobody renews a lease for (a caller that names no owner) lives at most this long
+UNOWNED_MAX_TTL_S = 60.0
+
+
+def reservation_ttl(ttl_s: float, owner: str) -> float:
+    """Seconds an unclaimed reservation lives: as asked (10 s if not said), capped; an owned
+    one is also freed soon after its owner stops polling (services.common.leases)."""
+    return min(ttl_s if ttl_s > 0 else 10.0, MAX_TTL_S if owner else UNOWNED_MAX_TTL_S)
 
 
 class Draining(Exception):
@@ -138,7 +146,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                                 f"no free KV blocks for a {n}-token prompt on {self.rt.worker_id} "
                                 f"(waited {waited:.1f} s, {len(self.admission)} waiting)")  # fmt: skip
         assert self.rt.engine is not None and blocks is not None
-        ttl = min(request.ttl_s or 10.0, MAX_TTL_S)
+        ttl = reservation_ttl(request.ttl_s, request.owner)
         nblk = -(-n // self.rt.engine.config.cache.block_size)
         handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
         loop = asyncio.get_running_loop()

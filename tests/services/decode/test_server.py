@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from protos import common_pb2, kv_control_pb2
+from services.decode.server import MAX_TTL_S, UNOWNED_MAX_TTL_S, reservation_ttl
 from tests.services.clients import (
     Conn,
     assert_idle,
@@ -298,3 +299,13 @@ async def test_prefill_killed_mid_transfer_fails_fast_and_a_new_prefill_works(
         assert got.token_ids == greedy_reference([prompt], 12)[0].token_ids
         assert decode.alive and fleet.shared("decode")[0] is decode  # never restarted
         assert_idle(await wait_pool_free([p, d]))
+
+
+def test_reservation_ttls_are_capped_shorter_without_an_owner() -> None:
+    """Only a caller that renews a lease (a gateway) may hold KV for long: an unowned
+    reservation lives at most a minute, whatever it asks for."""
+    assert reservation_ttl(600.0, "gateway-1") == 600.0
+    assert reservation_ttl(1e9, "gateway-1") == MAX_TTL_S
+    assert reservation_ttl(3600.0, "") == UNOWNED_MAX_TTL_S == 60.0
+    assert reservation_ttl(5.0, "") == 5.0
+    assert reservation_ttl(0.0, "") == 10.0  # not said: the proto default
