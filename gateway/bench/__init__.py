@@ -1,2 +1,3 @@
 """Clients of a running gateway: `tandem bench serve` (the serving benchmark against any
-OpenAI-compatible endpoint) and `python -m gateway.bench.stall` (stalls of its streams)."""
+OpenAI-compatible endpoint), `python -m gateway.bench.stall` (stalls of its streams) and
+`python -m gateway.bench.cancel` (pools free after a client hangs up)."""
