@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 HANDLERS = {
     "up": "deploy.launcher:main",
@@ -24,6 +25,53 @@ HANDLERS = {
     "bench disagg": "deploy.bench.disagg:main",
     "bench kernels": "kernels.bench.roofline:main",
 }
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default after its help, except where there is none to show (None,
+    False, an empty list) or the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        default = action.default
+        if default is None or default is False or default == [] or "(default" in help:
+            return help
+        return super()._get_help_string(action)
+
+
+class TandemParser(argparse.ArgumentParser):
+    """An unrecognized argument is reported by the deepest subcommand selected, with its usage
+    (``usage: tandem gateway ...``, ``tandem gateway: error: ...``), not the top-level usage."""
+
+    def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            selected(self, parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
+def subcommands(parser: argparse.ArgumentParser) -> Iterator[argparse._SubParsersAction]:
+    return (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def selected(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest (sub)parser that ``args`` chose, ``parser`` itself when it has none."""
+    for action in subcommands(parser):
+        name = getattr(args, action.dest, None)
+        if name in action.choices:
+            return selected(action.choices[name], args)
+    return parser
+
+
+def _every_parser(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in subcommands(parser):
+        # the subcommand's one-line help becomes the description its own --help shows
+        helps = {choice.dest: choice.help for choice in action._choices_actions}
+        for name, sub in action.choices.items():
+            if sub.description is None:
+                sub.description = helps.get(name)
+            yield from _every_parser(sub)
 
 
 def _int(text: str, what: str) -> int:
@@ -67,27 +115,85 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="embedded",
         help="HF directory, .gguf file, a named config (llama-3.1-8b, ...) or 'embedded'",
     )
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "hf", "gguf"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=_positive_int, default=None)
-    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy", "hf", "gguf"],
+        help="where the weights come from: auto reads them from --model (hf and gguf do the "
+        "same: the path decides); dummy makes random ones of the model's shape, for performance "
+        "work (a named config always gets random weights)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight and activation dtype; auto: float32 on the CPU, else bfloat16 (float16 for "
+        "a float16 checkpoint)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="longest prompt + completion of one request, in tokens (default: the model's "
+        "max_position_embeddings, at most 131072)",
+    )
+    g.add_argument(
+        "--dummy-weight-seed",
+        "--seed",
+        dest="seed",
+        type=int,
+        default=0,
+        help="seed of the random weights that --load-format dummy and named configs get (the "
+        "same seed gives the same weights); not a sampling seed. --seed is its old name",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help='the name clients put in "model" and /v1/models lists (default: the model\'s own '
+        "name); only a gateway uses it (tandem up hands it to its gateway), the other commands "
+        "ignore it",
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     g = p.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        choices=[8, 16, 32, 64, 128],
+        help="tokens per KV-cache block",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction (0-1] of the GPU's memory this worker may use: the KV pool gets what the "
+        "weights, the CUDA context and an activation reserve leave of it; ignored on the CPU and "
+        "under --kv-cache-gib or --num-blocks (tandem up divides the default between workers "
+        "sharing a GPU)",
+    )
     g.add_argument(
         "--kv-cache-gib",
         type=float,
         default=None,
-        help="KV pool size in GiB (the CPU default is 1 GiB)",
+        help="KV pool size in GiB, instead of --gpu-memory-utilization (default: from that on a "
+        "GPU, 1 GiB on the CPU)",
     )
-    g.add_argument("--num-blocks", type=_positive_int, default=None, help="explicit KV block count")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument(
+        "--num-blocks",
+        type=_positive_int,
+        default=None,
+        help="exact number of KV blocks; overrides --kv-cache-gib and --gpu-memory-utilization",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=256,
+        help="most requests running in one batch (also the largest CUDA-graph batch); more wait",
+    )
     g.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
@@ -95,10 +201,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="tokens per engine step, the chunk of a long prompt (default: 8192 on a GPU, 128 "
         "on the CPU so a step, and so an abort or a new request's wait, stays short)",
     )
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of equal prompt prefixes across requests (system prompts, "
+        "multi-turn chat); --no-enable-prefix-caching turns it off",
+    )
+    g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: first come, first served; priority: by the request's priority field, lower "
+        "first",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="GPUs per worker; only 1 works today (larger is refused: run more workers instead)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run every decode step eagerly (slower; for debugging)",
+    )
 
 
 INTERNAL_TOKEN_HELP = (
@@ -110,7 +237,9 @@ INTERNAL_TOKEN_HELP = (
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="gRPC bind address (loopback by default)")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="gRPC bind address (0.0.0.0: every interface)"
+    )
     g.add_argument("--port", type=_port, required=True, help="gRPC port (0 picks a free one)")
     g.add_argument("--worker-id", default=None, help=f"name of this {role} worker")
     g.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
@@ -138,11 +267,18 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: every interface)"
+    )
+    p.add_argument("--port", type=_port, default=8000, help="HTTP port (0 picks a free one)")
     p.add_argument("--model", default="embedded", help="model whose tokenizer the gateway uses")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: from --model)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help='the name clients put in "model" and /v1/models lists (default: the model\'s own '
+        "name)",
+    )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
     p.add_argument(
         "--allow-special-tokens-in-messages",
@@ -150,19 +286,59 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="let special tokens typed inside chat messages (<|im_start|>...) act as control "
         "tokens; by default they are plain text, as OpenAI treats them",
     )
-    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT")
-    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT")
     p.add_argument(
-        "--worker", action="append", default=[], metavar="HOST:PORT", help="a colocated worker"
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="gRPC address of a prefill worker (repeatable)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="gRPC address of a decode worker (repeatable)",
+    )
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="gRPC address of a colocated worker (repeatable)",
     )
     p.add_argument("--config", default=None, help="YAML/JSON file listing workers")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=40.0)
-    p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument(
-        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the API (default: $TANDEM_API_KEY; none: "
+        "no key needed)",
+    )
+    p.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=1000.0,
+        help="time-to-first-token target in ms: a request within it and --slo-tpot-ms counts in "
+        "the request_goodput metric",
+    )
+    p.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=40.0,
+        help="time-per-output-token target in ms (mean gap between tokens after the first)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take in all, queueing included; past it, it ends with 504",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest request body, in bytes (else 413)",
     )
     p.add_argument(
         "--header-timeout",
@@ -182,7 +358,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="open HTTP connections at most; one more is answered 503 and closed",
     )
-    p.add_argument("--otlp-endpoint", default=None)
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="OTLP gRPC endpoint to export traces and metrics to (default: "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
+    )
     p.add_argument(
         "--metrics-prefix",
         default="tandem:",
@@ -195,7 +376,11 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests get after SIGTERM",
     )
-    p.add_argument("--ready-file", default=None)
+    p.add_argument(
+        "--ready-file",
+        default=None,
+        help='write {"port", "host", "pid"} as JSON to this file once listening',
+    )
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -218,8 +403,18 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help="number of colocated workers (replaces prefill/decode when > 0)",
     )
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids to spread workers over")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--log-dir", default=None)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the gateway requires 'Authorization: Bearer KEY' (handed to it in its environment, "
+        "not on a command line; default: $TANDEM_API_KEY; none: no key needed)",
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="directory for one log file per child (NAME.log) (default: a temporary one, removed "
+        "after a clean exit)",
+    )
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -230,11 +425,28 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         "--prompts-file", help='JSONL: {"prompt": ...} or {"messages": [...]} per line'
     )
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
-    p.add_argument("--max-tokens", type=_positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--sampling-seed", "--sample-seed", dest="sampling_seed", type=int, default=None)
+    p.add_argument(
+        "--max-tokens", type=_positive_int, default=128, help="most tokens to generate per prompt"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this "
+        "much probability, in (0, 1] (1: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens (0 or -1: off)"
+    )
+    p.add_argument(
+        "--sampling-seed",
+        "--sample-seed",
+        dest="sampling_seed",
+        type=int,
+        default=None,
+        help="seed of sampling, for the same output on every run at temperature > 0 (prompt i "
+        "uses seed + i; default: none, a fresh draw each run)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
 
@@ -242,35 +454,128 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     serve = bsub.add_parser("serve", help="serving benchmark against a running gateway")
-    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
-    serve.add_argument("--model", default=None)
-    serve.add_argument("--tokenizer", default=None)
     serve.add_argument(
-        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="the server's root URL (a trailing /v1 is fine)",
     )
-    serve.add_argument("--input-len", type=_positive_int, default=1024)
-    serve.add_argument("--output-len", type=_positive_int, default=128)
-    serve.add_argument("--num-prompts", type=_positive_int, default=100)
+    serve.add_argument(
+        "--model",
+        default=None,
+        help='the "model" of every request (default: the first one /v1/models lists)',
+    )
+    serve.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory (or tokenizer.json) to make random text prompts of exactly "
+        "--input-len tokens and count a file's (default: none: random token-id prompts, which "
+        "only /v1/completions takes)",
+    )
+    serve.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="the API to load (chat needs --tokenizer or --prompts-file)",
+    )
+    serve.add_argument(
+        "--input-len",
+        type=_positive_int,
+        default=1024,
+        help="prompt tokens of each random prompt (unused with --prompts-file)",
+    )
+    serve.add_argument(
+        "--output-len",
+        type=_positive_int,
+        default=128,
+        help="tokens each request generates (EOS ignored; a prompts-file line's max_tokens wins)",
+    )
+    serve.add_argument(
+        "--num-prompts",
+        type=_positive_int,
+        default=100,
+        help="requests per rate (a prompts file is repeated or cut to this many)",
+    )
     serve.add_argument(
         "--request-rate",
         action="append",
         default=None,
-        help="requests/s or 'inf'; repeat for several rates",
+        help="requests/s of Poisson arrivals, or 'inf' (all at once); repeat, or give a comma "
+        "list, for several rates (default: inf)",
     )
-    serve.add_argument("--max-concurrency", type=_positive_int, default=None)
-    serve.add_argument("--prompts-file", default=None)
-    serve.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    serve.add_argument("--slo-tpot-ms", type=float, default=40.0)
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--json-out", default=None)
-    serve.add_argument("--plot", default=None)
+    serve.add_argument(
+        "--max-concurrency",
+        type=_positive_int,
+        default=None,
+        help="most requests in flight at once (default: no limit)",
+    )
+    serve.add_argument(
+        "--prompts-file",
+        default=None,
+        help='JSONL of {"prompt": ...} or {"messages": [...]} (optional "max_tokens") per line, '
+        "instead of random prompts",
+    )
+    serve.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=1000.0,
+        help="time-to-first-token target in ms: goodput counts the requests within it and "
+        "--slo-tpot-ms",
+    )
+    serve.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=40.0,
+        help="time-per-output-token target in ms (mean gap between tokens after the first)",
+    )
+    serve.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random prompts and arrival times (the Nth rate, from 0, uses seed + N)",
+    )
+    serve.add_argument(
+        "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)"
+    )
+    serve.add_argument(
+        "--json-out",
+        default=None,
+        help="write the config and one result per rate as JSON to this file (vllm bench serve's "
+        "field names)",
+    )
+    serve.add_argument(
+        "--plot",
+        default=None,
+        help="write a PNG of median/p90/p99 TTFT, TPOT, ITL and E2E latency against the rate to "
+        "this file (needs matplotlib)",
+    )
     for name in ("offline", "latency"):
         b = bsub.add_parser(name, help=f"{name} benchmark of the in-process engine")
         add_engine_args(b)
-        b.add_argument("--num-prompts", type=_positive_int, default=256)
-        b.add_argument("--input-len", type=_positive_int, default=1024)
-        b.add_argument("--output-len", type=_positive_int, default=128)
+        offline = name == "offline"
+        b.add_argument(
+            "--num-prompts",
+            type=_positive_int,
+            default=256,
+            help="random prompts, all submitted at once"
+            if offline
+            else "unused: the batches are --batch-sizes",
+        )
+        b.add_argument(
+            "--input-len",
+            type=_positive_int,
+            default=1024,
+            help="tokens of each random prompt"
+            if offline
+            else "context length of each sequence in the timed batches, in tokens",
+        )
+        b.add_argument(
+            "--output-len",
+            type=_positive_int,
+            default=128,
+            help="tokens generated per prompt (EOS ignored)"
+            if offline
+            else "decode steps timed per batch size",
+        )
         b.add_argument(
             "--batch-sizes",
             default="1,64,256",
@@ -284,12 +589,16 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
                 help="also time transformers generate, each batch size in its own fresh process "
                 "before our engine starts; report the speed-up over its best",
             )
-        b.add_argument("--json-out", default=None)
+        b.add_argument(
+            "--json-out",
+            default=None,
+            help="also write the JSON report (printed anyway) to this file",
+        )
     add_bench_disagg_args(
         bsub.add_parser("disagg", help="tandem up topologies under bench serve (W4, W6)")
     )
     k = bsub.add_parser("kernels", help="Triton kernels against the roofline (GPU)")
-    k.add_argument("--json-out", default=None)
+    k.add_argument("--json-out", default=None, help="also write the results as JSON to this file")
     k.add_argument("--check", action="store_true", help="correctness vs the torch references (GPU)")
 
 
@@ -313,31 +622,69 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
         help="send about rate x this many prompts per rate (0: always --num-prompts)",
     )
     g.add_argument("--min-prompts", type=_positive_int, default=16, help="fewest prompts per rate")
-    g.add_argument("--warmup-prompts", type=int, default=8, help="per topology and workload")
+    g.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=8,
+        help="prompts sent before measuring, per topology and workload (0: no warm-up)",
+    )
     g.add_argument("--gpus", default=None, help="GPU ids (default: all visible)")
     g.add_argument("--prefill-workers", type=_positive_int, default=None,
                    help="prefill workers of the disagg topology (default: half)")  # fmt: skip
     g.add_argument("--workers", type=_positive_int, default=2, help="workers without GPUs")
     g.add_argument("--port", type=_port, default=0, help="gateway HTTP port (0 picks a free one)")
-    g.add_argument("--out-dir", default="bench-disagg")
+    g.add_argument(
+        "--out-dir",
+        default="bench-disagg",
+        help="directory for the per-run JSON, summary.json, summary.md, plots and logs",
+    )
     g.add_argument("--time-budget-s", type=float, default=0.0,
                    help="skip the rates that would end past this (0: no limit)")  # fmt: skip
-    g.add_argument("--run-timeout-s", type=float, default=300.0, help="longest one rate may run")
-    g.add_argument("--ready-timeout-s", type=float, default=900.0)
-    g.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    g.add_argument("--slo-tpot-ms", type=float, default=40.0)
-    g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument(
+        "--run-timeout-s", type=float, default=300.0, help="seconds one rate may run at most"
+    )
+    g.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=900.0,
+        help="seconds a topology may take to start, model loading included",
+    )
+    g.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=1000.0,
+        help="time-to-first-token target in ms: each rate's goodput and TTFT p90 are judged "
+        "against it",
+    )
+    g.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=40.0,
+        help="time-per-output-token target in ms: each rate's goodput and TPOT p90 are judged "
+        "against it",
+    )
+    g.add_argument(
+        "--prompt-seed",
+        type=int,
+        default=0,
+        help="base seed of the prompts and arrival times (every workload and rate derives its own)",
+    )
     g.add_argument("--stop-at-saturation", action=argparse.BooleanOptionalAction, default=True,
                    help="skip higher rates once under 10%% of requests meet the SLOs")  # fmt: skip
     g.add_argument("--gateway-overhead", action="store_true",
                    help="W6: in-process engine against gateway + --colocated 1, same workload")  # fmt: skip
-    g.add_argument("--overhead-num-prompts", type=_positive_int, default=None)
+    g.add_argument(
+        "--overhead-num-prompts",
+        type=_positive_int,
+        default=None,
+        help="prompts of the --gateway-overhead run (default: --num-prompts)",
+    )
     g.add_argument("--synthetic-tokenizer", action=argparse.BooleanOptionalAction, default=True,
                    help="give a named config a word-level tokenizer so tokens stream as text")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving")
+    parser = TandemParser(prog="tandem", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     add_up_args(sub.add_parser("up", help="gateway + prefill + decode workers on this machine"))
     for role, what in (("prefill", "prefill"), ("decode", "decode"), ("worker", "colocated")):
@@ -345,6 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_args(sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway"))
     add_generate_args(sub.add_parser("generate", help="offline generation in this process"))
     add_bench_args(sub)
+    for each in _every_parser(parser):
+        each.formatter_class = HelpFormatter
     return parser
 
 

@@ -22,8 +22,8 @@ Named configs (``llama-3.1-8b``, ...) have no tokenizer: their workers stream to
 and the gateway sends no frame for a token without text, so a client could not time tokens. Unless
 ``--no-synthetic-tokenizer``, the config is wrapped in a Hugging Face directory with a word-level
 tokenizer of the same vocabulary (token ``i`` is the word ``w<i>``) and loaded with random weights
-(``--load-format dummy``, same ``--seed``: the same weights): every token then streams as text.
-Torch-free: the workers and the in-process engine run in child processes.
+(``--load-format dummy``, same ``--dummy-weight-seed``: the same weights): every token then
+streams as text. Torch-free: the workers and the in-process engine run in child processes.
 """
 
 from __future__ import annotations

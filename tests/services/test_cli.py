@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from services.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PORT_FLAGS = [
     ["up", "--port"],
@@ -72,3 +78,149 @@ def test_help_names_each_worker_role_once(capsys: pytest.CaptureFixture[str]) ->
     assert "worker worker" not in out
     assert "run a colocated worker (gRPC)" in out
     assert "run a prefill worker (gRPC)" in out
+
+
+def _commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every command that takes options: ("gateway",), ("bench", "serve"), ... with its parser."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found.append(((*path, name), sub))
+                found += _commands(sub, (*path, name))
+    return found
+
+
+COMMANDS = _commands(build_parser())
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def test_the_walk_sees_every_command() -> None:
+    names = {" ".join(path) for path, _ in COMMANDS}
+    assert {"up", "gateway", "generate", "bench serve", "bench disagg", "bench kernels"} <= names
+    assert sum(len(_options(p)) for _, p in COMMANDS) > 100
+
+
+@pytest.mark.parametrize(("path", "parser"), COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])
+def test_every_option_has_help(path: tuple[str, ...], parser: argparse.ArgumentParser) -> None:
+    missing = [a.option_strings[0] for a in _options(parser) if not (a.help or "").strip()]
+    assert not missing, f"tandem {' '.join(path)}: options without help: {missing}"
+
+
+HelpOf = Callable[[tuple[str, ...]], str]
+
+
+@pytest.fixture
+def help_of(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> HelpOf:
+    """``tandem PATH --help`` on a terminal too wide to wrap a line (argparse reads COLUMNS)."""
+    monkeypatch.setenv("COLUMNS", "10000")
+
+    def run(path: tuple[str, ...]) -> str:
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args([*path, "--help"])
+        assert exc.value.code == 0
+        return capsys.readouterr().out
+
+    return run
+
+
+def _entries(help_text: str) -> dict[str, str]:
+    """The help of each option, unwrapped, by its first flag: '--port' -> '--port PORT HTTP ...'."""
+    options = help_text.split("\n\n", 1)[1]  # past the usage, which names every flag too
+    entries: dict[str, str] = {}
+    current: list[str] = []
+    for line in [*options.splitlines(), "end:"]:
+        if line.startswith("  -") or not line.startswith(" "):  # a new option, a group title
+            if current:
+                entries[current[0].split()[0].rstrip(",")] = " ".join(" ".join(current).split())
+            current = [line] if line.startswith("  -") else []
+        elif current:
+            current.append(line)
+    return entries
+
+
+@pytest.mark.parametrize(("path", "parser"), COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])
+def test_help_shows_every_default(
+    path: tuple[str, ...], parser: argparse.ArgumentParser, help_of: HelpOf
+) -> None:
+    text = help_of(path)
+    assert text.startswith(f"usage: tandem {' '.join(path)} ")
+    entries = _entries(text)
+    for action in _options(parser):
+        entry = entries[action.option_strings[0]]
+        assert " ".join((action.help or "").split()[:3]).replace("%%", "%") in entry
+        if action.default is None or action.default is False or action.default == []:
+            continue  # nothing to show: the help says what an unset option means
+        shown = f"(default: {action.default})"
+        assert shown in entry, f"tandem {' '.join(path)} --help: {entry!r} lacks {shown}"
+
+
+def test_help_shows_no_meaningless_default(help_of: HelpOf) -> None:
+    out = help_of(("decode",))
+    assert "(default: None)" not in out and "(default: False)" not in out
+    assert "(default: 16)" in out and "(default: 6.0)" in out and "(default: True)" in out
+    out = help_of(("gateway",))
+    assert "(default: [])" not in out and "(default: 4194304)" in out
+
+
+@pytest.mark.parametrize("path", [("gateway",), ("bench", "serve"), ("decode", "--port", "0")])
+def test_an_unknown_flag_shows_the_subcommands_usage(
+    path: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*path, "--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    command = " ".join(p for p in path if not p.startswith("-") and p != "0")
+    assert err.startswith(f"usage: tandem {command} [-h]"), err
+    assert f"tandem {command}: error: unrecognized arguments: --bogus" in err
+    assert "{up," not in err and "Traceback" not in err
+
+
+def test_an_unknown_flag_from_the_command_line() -> None:
+    """``tandem gateway --bogus`` as a user types it: the gateway's usage, exit 2."""
+    res = subprocess.run(
+        [sys.executable, "-m", "services.cli", "gateway", "--bogus"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("usage: tandem gateway [-h]"), res.stderr
+    assert res.stderr.rstrip().endswith("tandem gateway: error: unrecognized arguments: --bogus")
+    assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+def test_errors_other_than_unknown_flags_still_name_the_subcommand(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tandem bench [-h]") and "tandem bench: error:" in err
+
+
+@pytest.mark.parametrize("flag", ["--dummy-weight-seed", "--seed"])
+@pytest.mark.parametrize("command", [["up"], ["decode", "--port", "0"], ["bench", "offline"]])
+def test_dummy_weight_seed_and_its_old_name_set_the_same_seed(
+    command: list[str], flag: str
+) -> None:
+    assert build_parser().parse_args(command).seed == 0
+    args = build_parser().parse_args([*command, flag, "7"])
+    assert args.seed == 7
+    assert not hasattr(args, "dummy_weight_seed")
+
+
+def test_dummy_weight_seed_help_says_what_it_is(help_of: HelpOf) -> None:
+    entry = _entries(help_of(("prefill",)))["--dummy-weight-seed"]
+    assert entry.startswith("--dummy-weight-seed SEED, --seed SEED")
+    assert "--load-format dummy" in entry and "(default: 0)" in entry
+
+
+def test_parse_args_still_returns_the_namespace() -> None:
+    args = build_parser().parse_args(["bench", "serve", "--num-prompts", "3"])
+    assert (args.command, args.bench, args.num_prompts) == ("bench", "serve", 3)
