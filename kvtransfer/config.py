@@ -43,9 +43,14 @@ class SenderOptions:
     # what is left to ship after the last layer is written is one chunk, so keep it small
     streaming_chunk_bytes: int = 8 << 20
     auth_token: str = ""  # prove it, and ship KV only to receivers that prove it back
+    # a pair (its thread, group and connection) with nothing to send this long is closed; the
+    # next transfer to that receiver builds it again (a restarted decode worker is a new one)
+    idle_pair_s: float = 300.0
 
     def __post_init__(self) -> None:
         _check_common(self.timeout_s, self.timeout_s)
+        if self.idle_pair_s <= 0:
+            raise ValueError(f"idle_pair_s must be positive, got {self.idle_pair_s}")
         if self.chunk_bytes < 1 or self.streaming_chunk_bytes < 1:
             raise ValueError(
                 "chunk_bytes and streaming_chunk_bytes must be positive, got "

@@ -6,7 +6,10 @@ the pair is not the peer being stuck, so a transfer's deadline starts when its t
 stuck peer still fails the transfer in its turn within that transfer's own timeout. A caller that
 gives up while its transfer waits cancels the future, and the transfer never starts (its blocks
 are the caller's again at once). When the receiver cannot be reached, every transfer queued for
-it fails at once instead of each waiting out its own timeout against a dead peer.
+it fails at once instead of each waiting out its own timeout against a dead peer. A queue that
+has had nothing to send for ``idle_s`` retires: its thread says goodbye to the receiver and
+exits (decode workers come and go; each restart is a new endpoint), and the next transfer to that
+receiver starts a new one.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ class ReceiverUnreachable(TransferError):
     """The pair could not be (re)built: every transfer queued for that receiver fails too."""
 
 
+class QueueClosed(TransferError):
+    """The queue was closed (or retired when idle) before the job could join it."""
+
+
 @dataclass
 class SendJob:
     transfer_id: str
@@ -47,22 +54,36 @@ Runner = Callable[[SenderPair, SendJob], TransferStats]
 class PairQueue:
     """Runs ``run(pair, job)`` for each job in submission order on its own thread."""
 
-    def __init__(self, pair: SenderPair, run: Runner, on_dropped: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        pair: SenderPair,
+        run: Runner,
+        on_dropped: Callable[[], None],
+        idle_s: float = 300.0,
+        on_retired: Callable[[PairQueue], None] = lambda queue: None,
+    ) -> None:
         self.pair = pair
         self._run = run
         self._on_dropped = on_dropped  # counts a queued job failed without its turn
+        self._idle_s = idle_s
+        self._on_retired = on_retired  # the owner forgets a queue that retired when idle
         self._cond = threading.Condition()
         self._jobs: deque[SendJob] = deque()
         self._closed = False
+        self._retired = False
         self._thread = threading.Thread(
             target=self._loop, name=f"kv-send {pair.endpoint}", daemon=True
         )
         self._thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def put(self, job: SendJob) -> None:
         with self._cond:
             if self._closed:
-                raise TransferError("the KV sender is closed")
+                raise QueueClosed("the KV sender is closed" if not self._retired else "retired")
             self._jobs.append(job)
             self._cond.notify()
 
@@ -87,11 +108,17 @@ class PairQueue:
             except BaseException as exc:
                 job.future.set_exception(exc)
         self.pair.close(farewell=True)
+        if self._retired:
+            self._on_retired(self)
 
     def _next(self) -> SendJob | None:
         with self._cond:
             while not self._jobs and not self._closed:
-                self._cond.wait()
+                if not self._cond.wait(self._idle_s) and not self._jobs:
+                    self._closed = self._retired = True  # idle: put() now refuses
+                    log.info(
+                        "KV pair to %s idle for %.0f s: closed", self.pair.endpoint, self._idle_s
+                    )
             return None if self._closed else self._jobs.popleft()
 
     def _fail_waiting(self, exc: TransferError) -> None:

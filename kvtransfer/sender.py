@@ -44,7 +44,7 @@ from kvtransfer.device import DeviceInfo
 from kvtransfer.layout import KvLayout, check_block_ids
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import CounterBox, TransferCounters, TransferError, TransferStats
-from kvtransfer.send_queue import PairQueue, ReceiverUnreachable, SendJob
+from kvtransfer.send_queue import PairQueue, QueueClosed, ReceiverUnreachable, SendJob
 from kvtransfer.sender_pair import SenderContext, SenderPair, TransferRejected
 from kvtransfer.wire import MAX_TRANSFER_ID_LEN, check_name
 
@@ -106,8 +106,15 @@ class KvSender:
         if ready is None and self._ctx.stream is not None:  # the KV comes from this thread's stream
             computed = torch.cuda.current_stream(self._ctx.stream.device).record_event()
         job = SendJob(transfer_id, list(block_ids), timeout, ready, computed)
-        self._queue(endpoint).put(job)
-        return job.future
+        while True:
+            queue = self._queue(endpoint)
+            try:
+                queue.put(job)
+                return job.future
+            except QueueClosed:
+                if self._closed:
+                    raise
+                # it retired (idle) between our lookup and the put: the next lookup replaces it
 
     def send(
         self,
@@ -142,12 +149,19 @@ class KvSender:
             if self._closed:
                 raise TransferError("the KV sender is closed")
             queue = self._queues.get(endpoint)
-            if queue is None:
+            if queue is None or queue.closed:
                 pair = SenderPair(endpoint, self._ctx)
                 queue = self._queues[endpoint] = PairQueue(
-                    pair, self._run, self._counters.add_failure
-                )
+                    pair, self._run, self._counters.add_failure, self.options.idle_pair_s,
+                    self._forget,
+                )  # fmt: skip
             return queue
+
+    def _forget(self, queue: PairQueue) -> None:
+        """A queue retired when idle: drop it, unless a new one already took its place."""
+        with self._lock:
+            if self._queues.get(queue.pair.endpoint) is queue:
+                del self._queues[queue.pair.endpoint]
 
     def _run(self, pair: SenderPair, job: SendJob) -> TransferStats:
         """One transfer in its turn, on the pair's thread: its deadline starts now."""

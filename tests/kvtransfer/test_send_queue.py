@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvtransfer import KvReceiver, KvSender, ReceiverOptions, TransferError
+from kvtransfer import KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransferError
 from tests.kvtransfer.conftest import assert_blocks_equal, blocks
 from tests.kvtransfer.peer import make_caches
 
@@ -106,3 +106,22 @@ def test_a_closed_sender_fails_what_is_still_queued(receiver: KvReceiver) -> Non
     assert not closer.is_alive()
     with pytest.raises(TransferError, match="closed"):
         sender.submit(receiver.endpoint, "late", [2], 5.0)
+
+
+def test_an_idle_pair_retires_and_the_next_transfer_builds_a_new_one(receiver: KvReceiver) -> None:
+    """Nothing to send for idle_pair_s: the queue's thread says goodbye and exits (a decode
+    worker that restarted is a new endpoint; the old one's thread must not live on)."""
+
+    def send_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == f"kv-send {receiver.endpoint}"]
+
+    with KvSender(make_caches(1, 16), "idle", SenderOptions(idle_pair_s=0.3)) as sender:
+        receiver.expect("before", [0], deadline_s=30)
+        assert sender.send(receiver.endpoint, "before", [0], timeout_s=5).bytes > 0
+        (thread,) = send_threads()
+        thread.join(10)  # retires by itself once idle
+        assert not thread.is_alive() and not sender._queues
+        receiver.expect("after", [1], deadline_s=30)
+        assert sender.send(receiver.endpoint, "after", [1], timeout_s=5).bytes > 0
+        assert (sender.stats().transfers, sender.stats().failures) == (2, 0)
+    assert not send_threads()
