@@ -42,7 +42,10 @@ async def health(request: Request) -> Response:
         state.check_serving()
     except APIError as e:
         return e.response()
-    return JSONResponse({"status": "ok"})
+    clients = state.registry.clients
+    down = [c.name for c in clients if not c.healthy]  # names only: /health is open
+    workers = {"healthy": len(clients) - len(down), "total": len(clients), "down": down}
+    return JSONResponse({"status": "ok", "workers": workers})
 
 
 async def metrics(request: Request) -> Response:

@@ -272,6 +272,20 @@ def test_503_without_any_healthy_worker(
         stack.stop()
 
 
+def test_health_names_the_workers_that_are_down_while_the_rest_serve(tokenizer_dir: str) -> None:
+    dead = dead_address()
+    stack = Stack(tokenizer_dir, ["both"], [WorkerSpec("both", dead)]).start()
+    try:
+        r = httpx.get(f"{stack.base_url}/health")
+        assert r.status_code == 200
+        assert r.json() == {
+            "status": "ok", "workers": {"healthy": 1, "total": 2, "down": ["colocated-1"]}
+        }  # fmt: skip
+        assert dead not in r.text and stack.workers[0].address not in r.text  # open endpoint
+    finally:
+        stack.stop()
+
+
 def test_deadline_is_a_504(tokenizer_dir: str) -> None:
     stack = Stack(tokenizer_dir, ["both"], request_timeout_s=0.3).start()
     try:

@@ -52,7 +52,9 @@ def test_sigterm_drains_then_aborts_in_flight_requests(
     gateway_process: tuple[subprocess.Popen, str], colocated: Stack
 ) -> None:
     proc, url = gateway_process
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health").json() == {
+        "status": "ok", "workers": {"healthy": 1, "total": 1, "down": []}
+    }  # fmt: skip
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello world", "max_tokens": 2})
     assert ok.json()["choices"][0]["text"] == "Hello world"
 
