@@ -196,12 +196,17 @@ def _model_files() -> Any:
 
 
 def default_model_name(model: str) -> str:
-    """The name served when --served-model-name is not given: the model's own name."""
+    """The name served when --served-model-name is not given: for a model directory the
+    ``--model`` string itself, as vLLM serves it; for the embedded model, a GGUF file or a named
+    config, the model's own name (``SmolLM2-135M-Instruct``, not a cache path)."""
     model_files = _model_files()
+    if model_files is None:
+        return model
     try:
-        return str(model_files.resolve_model(model).name) if model_files else model
+        files = model_files.resolve_model(model)
     except (OSError, ValueError):
         return model
+    return model if files.kind == "hf" else str(files.name)
 
 
 def resolve_tokenizer_dir(model: str, tokenizer: str | None) -> str:

@@ -149,8 +149,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--served-model-name",
         default=None,
-        help='the name clients put in "model" and /v1/models lists (default: the model\'s own '
-        "name); only a gateway uses it (tandem up hands it to its gateway), the other commands "
+        help='the name clients put in "model" and /v1/models lists (default: the --model string '
+        "for a model directory, as vLLM serves it; else the model's own name, e.g. "
+        "SmolLM2-135M-Instruct); only a gateway uses it (tandem up hands it to its gateway), the other commands "
         "ignore it",
     )
 
@@ -276,8 +277,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served-model-name",
         default=None,
-        help='the name clients put in "model" and /v1/models lists (default: the model\'s own '
-        "name)",
+        help='the name clients put in "model" and /v1/models lists (default: the --model string '
+        "for a model directory, as vLLM serves it; else the model's own name, e.g. "
+        "SmolLM2-135M-Instruct)",
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
     p.add_argument(

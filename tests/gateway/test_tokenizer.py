@@ -112,6 +112,14 @@ def test_default_model_name_comes_from_model_files() -> None:
     assert default_model_name("/no/such/model") == "/no/such/model"
 
 
+def test_a_model_directory_is_served_under_the_model_string(tmp_path: Path) -> None:
+    """As vLLM does: `--model /models/My-Model` is served as "/models/My-Model"."""
+    directory = tmp_path / "My-Model"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    assert default_model_name(str(directory)) == str(directory)
+
+
 def test_resolve_tokenizer_dir(tokenizer_dir: str, tmp_path) -> None:
     assert resolve_tokenizer_dir("whatever", tokenizer_dir) == tokenizer_dir
     assert resolve_tokenizer_dir(tokenizer_dir, None) == tokenizer_dir
