@@ -152,6 +152,8 @@ def build_plan(
         overrides = _memory_overrides(args, users[placed[0]] if placed else 1)
         argv = [*program, role, *engine_flags(args, overrides), "--device", device]
         argv += ["--host", LOOPBACK, "--port", "0", "--worker-id", name]
+        if role == "prefill" and getattr(args, "kv_checksum", False):
+            argv.append("--kv-checksum")
         ready = run_dir / f"{name}.json"
         env = _worker_env(placed, len(names), cpu_count, environ)
         workers.append(

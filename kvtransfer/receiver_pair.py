@@ -39,7 +39,18 @@ from kvtransfer.pair import RECEIVER_RANK, PairChannel, precise_sleeps
 from kvtransfer.results import CounterBox, TransferResult
 from kvtransfer.staging import DeviceIds, HostStaging
 from kvtransfer.stores import clone
-from kvtransfer.wire import Ack, Control, Header, Hello, Welcome, WireError, checksum, pair_prefix
+from kvtransfer.wire import (
+    CHECKSUM_MOD,
+    Ack,
+    Control,
+    Header,
+    Hello,
+    Trailer,
+    Welcome,
+    WireError,
+    checksum_tensor,
+    pair_prefix,
+)
 
 log = logging.getLogger(__name__)
 LOOKAHEAD = 3  # receives posted ahead: the wire stays busy while we write a landed chunk
@@ -166,25 +177,45 @@ class ReceiverPair:
         )
         if not problem and layers is None:
             problem = f"transfer {header.transfer_id!r}: chunks do not hold whole layers"
-        # a debug-mode checksum is verified before anything is written
-        deferred = header.checksum is not None and ctx.options.verify_checksums
+        verify = header.trailer and ctx.options.verify_checksums
+        sums: list[torch.Tensor] = []
         try:
             target = exp if not problem else None
-            landing, writer = self._receive(header, channel, target, layers or [], deferred)
+            _, writer = self._receive(
+                header, channel, target, layers or [], sums if verify else None
+            )
+            trailer = self._trailer(header) if header.trailer else None
         except Exception as e:
             error = f"KV stream from sender {self.sender_id} broke: {e}"
             self._finish(exp, header, start, error)
             with contextlib.suppress(Exception):  # tell a live sender to rebuild
                 self._conn.send(Ack(header.seq, False, error, broken=True))
             raise
-        if deferred and not problem:
-            if checksum(landing.buffer) != header.checksum:
-                problem = f"checksum mismatch for transfer {header.transfer_id!r}"
-            elif writer is not None and layers is not None:
-                for chunk, layer_range in zip(landing.chunks, layers, strict=True):
-                    self._issue(exp, writer, chunk, layer_range)
+        if verify and trailer is not None and not problem:
+            problem = self._compare(header, sums, trailer)
+        # a mismatch fails the transfer: resolving it waits for the writes already issued, and
+        # the blocks go back to their owner, who never runs a request on them
         result = self._finish(exp, header, start, problem, writer)
         self._conn.send(Ack(header.seq, result.ok, result.error))
+
+    def _trailer(self, header: Header) -> Trailer:
+        msg = self._conn.recv(self._ctx.options.io_timeout_s)
+        if not isinstance(msg, Trailer) or msg.seq != header.seq:
+            raise WireError(f"expected the trailer of #{header.seq}, got {msg!r}")
+        if len(msg.checksums) != len(header.chunks):
+            raise WireError(f"{len(msg.checksums)} checksums for {len(header.chunks)} chunks")
+        return msg
+
+    @staticmethod
+    def _compare(header: Header, sums: list[torch.Tensor], trailer: Trailer) -> str:
+        got = [int(t) % CHECKSUM_MOD for t in sums]
+        bad = [k for k, (a, b) in enumerate(zip(got, trailer.checksums, strict=True)) if a != b]
+        if not bad:
+            return ""
+        return (
+            f"KV checksum mismatch for transfer {header.transfer_id!r}: chunk {bad[0]} of "
+            f"{len(header.chunks)} ({len(bad)} in all) arrived different from what was sent"
+        )
 
     def _receive(
         self,
@@ -192,10 +223,11 @@ class ReceiverPair:
         channel: PairChannel,
         exp: Expectation | None,
         layers: list[LayerRange],
-        deferred: bool,
+        sums: list[torch.Tensor] | None = None,
     ) -> tuple[Landing, BlockWriter | None]:
-        """Receive every chunk; unless ``deferred``, write each into ``exp``'s blocks (if any)
-        as it lands. Raises if the stream broke."""
+        """Receive every chunk and write it into ``exp``'s blocks (if any) as it lands; with
+        ``sums``, also append each chunk's checksum (on the device). Raises if the stream
+        broke."""
         ctx = self._ctx
         if header.nbytes > ctx.options.max_transfer_bytes:
             raise WireError(
@@ -221,7 +253,10 @@ class ReceiverPair:
             if k + LOOKAHEAD < n:
                 with on_stream(ctx.post_stream):
                     works[k + LOOKAHEAD] = landing.post(k + LOOKAHEAD)
-            if writer is not None and not deferred:
+            if sums is not None:
+                with on_stream(ctx.stream):
+                    sums.append(checksum_tensor(landing.chunks[k]))
+            if writer is not None:
                 self._issue(exp, writer, landing.chunks[k], layers[k])
         return landing, writer
 

@@ -82,6 +82,8 @@ class KvSender:
         self._after_header: Callable[[], None] | None = (
             None  # test hook: runs between header and data
         )
+        # test hook: sees each chunk as gathered, after its checksum, before it goes out
+        self._after_gather: Callable[[torch.Tensor], None] | None = None
 
     def submit(
         self,
@@ -171,6 +173,7 @@ class KvSender:
         try:
             if not pair.connected:
                 self._connect(pair, deadline)
+            pair.after_gather = self._after_gather
             nbytes = pair.transfer(
                 job.transfer_id, job.block_ids, deadline, job.ready, self._after_header,
                 job.computed,

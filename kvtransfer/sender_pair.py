@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +34,18 @@ from kvtransfer.pair import SENDER_RANK, PairChannel
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import TransferError
 from kvtransfer.staging import DeviceIds, HostStaging, to_wire
-from kvtransfer.wire import Ack, Control, Header, Hello, Welcome, WireError, checksum, pair_prefix
+from kvtransfer.wire import (
+    CHECKSUM_MOD,
+    Ack,
+    Control,
+    Header,
+    Hello,
+    Trailer,
+    Welcome,
+    WireError,
+    checksum_tensor,
+    pair_prefix,
+)
 
 
 class TransferRejected(TransferError):
@@ -84,6 +95,8 @@ class SenderPair:
         self._channel: PairChannel | None = None
         self._conn: ControlConn | None = None
         self._seq = 0
+        # test hook: sees each chunk as gathered, after its checksum, before it is sent
+        self.after_gather: Callable[[torch.Tensor], None] | None = None
 
     @property
     def connected(self) -> bool:
@@ -142,36 +155,38 @@ class SenderPair:
         chunk_bytes = ctx.chunk_bytes if ready is None else ctx.streaming_chunk_bytes
         ranges = plan_layers(ctx.layout.num_layers, layer_bytes, chunk_bytes)
         sizes = tuple((last - first) * layer_bytes for first, last in ranges)
-        header = Header(self._seq, transfer_id, len(block_ids), ctx.layout, sum(sizes), sizes)
-        if not ctx.use_checksum:
-            conn.send(header)  # first of all: the receiver gets ready while we gather
+        header = Header(
+            self._seq, transfer_id, len(block_ids), ctx.layout, sum(sizes), sizes, ctx.use_checksum
+        )
+        conn.send(header)  # first of all: the receiver gets ready while we gather
         if ready is None and ctx.stream is not None:  # the KV was computed on the caller's stream
             if computed is not None:
                 ctx.stream.wait_event(computed)
             else:
                 ctx.stream.wait_stream(torch.cuda.current_stream(ctx.stream.device))
         in_flight: list[Any] = []  # buffers and works stay alive until the ack
+        sums: list[torch.Tensor] = []  # each chunk's checksum, on the device, read after sending
         with on_stream(ctx.stream):
             ids = self._ids.upload(block_ids)
             out = torch.empty(sum(sizes), dtype=torch.uint8, device=channel.device)
             spans = [(o, o + n) for o, n in zip(_offsets(sizes), sizes, strict=True)]
             in_flight.append(out)
-            if ctx.use_checksum:  # debug mode: gather everything first, to checksum it
-                for (a, b), layers in zip(spans, ranges, strict=True):
-                    self._gather(ids, layers, out[a:b], ready, deadline)
-                header = replace(header, checksum=checksum(out))
-                conn.send(header)
             if after_header is not None:
                 after_header()
             staged = channel.wire_device != channel.device
             host = self._staging.get(sum(sizes)) if staged else None
             for k, ((a, b), layers) in enumerate(zip(spans, ranges, strict=True)):
-                if not ctx.use_checksum:
-                    self._gather(ids, layers, out[a:b], ready, deadline)
+                self._gather(ids, layers, out[a:b], ready, deadline)
+                if ctx.use_checksum:
+                    sums.append(checksum_tensor(out[a:b]))
+                if self.after_gather is not None:  # test hook: what happens on the way
+                    self.after_gather(out[a:b])
                 wire = to_wire(
                     out[a:b], channel.wire_device, host[a:b] if host is not None else None
                 )
                 in_flight.append((wire, channel.post_send(wire, tag=k)))
+        if sums:  # every send is posted: reading the sums waits for the gathers only
+            conn.send(Trailer(header.seq, tuple(int(t) % CHECKSUM_MOD for t in sums)))
         return self._await_ack(conn, header, deadline)
 
     def _gather(

@@ -6,8 +6,8 @@ is parsed defensively (no pickle): a malformed message raises :class:`WireError`
 
 Conversation of one pair: sender -> :class:`Hello`; receiver -> :class:`Welcome` (backend and
 the port of the store both ends build their group over, under ``pair_prefix(sender, gen)``);
-then per transfer: sender -> :class:`Header`, KV bytes through the group, receiver ->
-:class:`Ack`. :class:`Control` ("bye") ends the pair.
+then per transfer: sender -> :class:`Header`, KV bytes through the group, (with checksums) sender
+-> :class:`Trailer`, receiver -> :class:`Ack`. :class:`Control` ("bye") ends the pair.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from kvtransfer.device import GLOO, NCCL, DeviceInfo
 from kvtransfer.layout import KvLayout
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: per-chunk checksums in a Trailer after the data
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_TRANSFER_ID_LEN = 512
 MAX_CHUNKS = 1024
@@ -75,7 +75,16 @@ class Header:
     layout: KvLayout
     nbytes: int
     chunks: tuple[int, ...]
-    checksum: int | None = None  # set in debug mode
+    trailer: bool = False  # a Trailer with a checksum of each chunk follows the data
+
+
+@dataclass(frozen=True)
+class Trailer:
+    """The checksum of each chunk as the sender gathered it (:func:`checksum`), sent after the
+    data, so computing it never holds the data back."""
+
+    seq: int
+    checksums: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ class Ack:
     broken: bool = False  # the receiver tore its side of the pair down: rebuild it
 
 
-Message = Hello | Welcome | Header | Control | Ack
+Message = Hello | Welcome | Header | Trailer | Control | Ack
 
 
 def encode(msg: Message) -> bytes:
@@ -125,8 +134,10 @@ def encode(msg: Message) -> bytes:
             "layout": msg.layout.to_json(),
             "nbytes": msg.nbytes,
             "chunks": list(msg.chunks),
-            "checksum": msg.checksum,
+            "trailer": msg.trailer,
         }
+    elif isinstance(msg, Trailer):
+        doc = {"t": "trailer", "seq": msg.seq, "checksums": list(msg.checksums)}
     elif isinstance(msg, Control):
         doc = {"t": msg.kind}
     else:
@@ -182,9 +193,9 @@ def _welcome(doc: dict[str, Any]) -> Welcome:
 
 
 def _header(doc: dict[str, Any]) -> Header:
-    checksum = doc["checksum"]
-    if checksum is not None and (not isinstance(checksum, int) or isinstance(checksum, bool)):
-        raise WireError("checksum must be an integer or null")
+    trailer = doc["trailer"]
+    if not isinstance(trailer, bool):
+        raise WireError("trailer must be a boolean")
     tid = _str(doc, "transfer_id", MAX_TRANSFER_ID_LEN)
     nbytes = _int(doc, "nbytes", 1)
     chunks = doc["chunks"]
@@ -195,8 +206,15 @@ def _header(doc: dict[str, Any]) -> Header:
         raise WireError(f"chunk sizes add up to {sum(sizes)}, not nbytes {nbytes}")
     layout = KvLayout.from_json(doc["layout"])
     return Header(
-        _int(doc, "seq", 1), tid, _int(doc, "num_blocks", 1), layout, nbytes, sizes, checksum
+        _int(doc, "seq", 1), tid, _int(doc, "num_blocks", 1), layout, nbytes, sizes, trailer
     )
+
+
+def _trailer(doc: dict[str, Any]) -> Trailer:
+    sums = doc["checksums"]
+    if not isinstance(sums, list) or not 0 < len(sums) <= MAX_CHUNKS:
+        raise WireError(f"checksums must be a list of 1 to {MAX_CHUNKS} integers")
+    return Trailer(_int(doc, "seq", 1), tuple(_int({"checksum": c}, "checksum") for c in sums))
 
 
 def _ack(doc: dict[str, Any]) -> Ack:
@@ -209,26 +227,35 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "hello": _hello,
     "welcome": _welcome,
     "header": _header,
+    "trailer": _trailer,
     "ack": _ack,
     "bye": lambda _doc: Control("bye"),
 }
 
-_CHECKSUM_CHUNK = 1 << 22  # int32 words per step: bounds the temporary int64 tensor
+_CHECKSUM_CHUNK = 1 << 22  # int32 words per step: bounds the temporary int64 tensors
+CHECKSUM_MOD = (1 << 61) - 1
+_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def checksum_tensor(data: torch.Tensor) -> torch.Tensor:
+    """A position-sensitive checksum of a 1-D uint8 tensor, as an int64 tensor on its device
+    (computed on the current stream; nothing waits for it): the sum of its int32 words times a
+    repeating weight, each 4M-word piece once more times its index. int64 wrap-around is the
+    same on both ends (integer addition is associative), so sender and receiver agree on any
+    device. :func:`checksum` makes it a number."""
+    dev = data.device
+    weights = _weights.get(dev)
+    if weights is None:
+        weights = _weights[dev] = torch.arange(_CHECKSUM_CHUNK, device=dev) % 65521 + 1
+    words = data[: data.numel() // 4 * 4].view(torch.int32)
+    tail = data[words.numel() * 4 :].to(torch.int64)
+    total = (tail * (torch.arange(tail.numel(), device=dev) + 1_000_003)).sum()
+    for i, start in enumerate(range(0, words.numel(), _CHECKSUM_CHUNK)):
+        piece = words[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        total = total + (piece * weights[: piece.numel()]).sum() * (i + 1)
+    return total
 
 
 def checksum(data: torch.Tensor) -> int:
-    """Cheap position-sensitive checksum of a 1-D uint8 tensor (debug mode), in [0, 2**61).
-
-    Sums int32 words times a repeating weight; int64 wrap-around is identical on both ends
-    because integer addition is associative.
-    """
-    words = data[: data.numel() // 4 * 4].view(torch.int32)
-    tail = data[words.numel() * 4 :].to(torch.int64)
-    total = int(
-        (tail * torch.arange(1_000_003, 1_000_003 + tail.numel(), device=data.device)).sum()
-    )
-    weights = torch.arange(min(words.numel(), _CHECKSUM_CHUNK), device=data.device) % 65521 + 1
-    for i, start in enumerate(range(0, words.numel(), _CHECKSUM_CHUNK)):
-        chunk = words[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-        total += int((chunk * weights[: chunk.numel()]).sum()) * (i + 1)
-    return total % ((1 << 61) - 1)
+    """:func:`checksum_tensor` as a number in [0, 2**61 - 1) (waits for the device)."""
+    return int(checksum_tensor(data)) % CHECKSUM_MOD

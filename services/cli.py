@@ -235,6 +235,13 @@ INTERNAL_TOKEN_HELP = (
 )
 
 
+KV_CHECKSUM_HELP = (
+    "send a checksum of each KV chunk after it; the decode worker verifies it before the "
+    "request runs, and a mismatch fails the transfer (both sides freed, counted in "
+    "kv_transfer_failures). Costs a pass over the KV on each end"
+)
+
+
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
     g = p.add_argument_group("server")
@@ -264,6 +271,8 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--kv-host", default=None, help="KV rendezvous address (default: --host)")
         g.add_argument("--kv-port", type=_port, default=0, help="KV rendezvous port (0 picks one)")
     g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a KV transfer may take")
+    if role == "prefill":
+        g.add_argument("--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP)
     g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
 
 
@@ -387,6 +396,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    p.add_argument(
+        "--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP + " (prefill workers)"
+    )
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument(

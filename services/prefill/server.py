@@ -28,7 +28,11 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
 
         assert self.rt.engine is not None
         caches = self.rt.engine.runner.kv_caches
-        opts = SenderOptions(timeout_s=self.rt.args.kv_timeout, auth_token=self.rt.internal_token)
+        opts = SenderOptions(
+            timeout_s=self.rt.args.kv_timeout,
+            checksum=self.rt.args.kv_checksum,
+            auth_token=self.rt.internal_token,
+        )
         self.sender = KvSender(caches, sender_id=self.rt.worker_id, options=opts)
 
     def stop_sender(self) -> None:

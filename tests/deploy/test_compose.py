@@ -149,7 +149,8 @@ def test_workers_are_pinned_to_distinct_gpus(services: dict[str, dict[str, Any]]
 
 def test_workers_share_the_engine_configuration(services: dict[str, dict[str, Any]]) -> None:
     per_worker = {name: vars(args) for name, args in workers(services).items()}
-    skip = {"command", "worker_id", "kv_host", "kv_port", "lease_timeout"}  # decode-only flags too
+    # decode-only flags (kv_host, kv_port, lease_timeout) and prefill-only ones (kv_checksum) too
+    skip = {"command", "worker_id", "kv_host", "kv_port", "lease_timeout", "kv_checksum"}
     shared = [{k: v for k, v in d.items() if k not in skip} for d in per_worker.values()]
     assert all(s == shared[0] for s in shared)
     assert command(services["gateway"]).model == shared[0]["model"]

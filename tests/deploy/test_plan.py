@@ -74,6 +74,13 @@ def test_engine_flags_the_user_set_reach_every_worker() -> None:
         assert (args.kv_cache_gib, args.dtype) == (0.5, "float32")
 
 
+def test_kv_checksum_reaches_the_prefill_workers_only() -> None:
+    for worker in plan_for("--kv-checksum", "--prefill", "2").workers:
+        args = reparse(worker.spec.argv)
+        assert getattr(args, "kv_checksum", None) is (True if worker.role == "prefill" else None)
+    assert all("--kv-checksum" not in w.spec.argv for w in plan_for().workers)
+
+
 def test_default_engine_flags_are_left_out_of_the_command_line() -> None:
     argv = plan_for().workers[0].spec.argv
     assert (

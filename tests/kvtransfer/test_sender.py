@@ -6,6 +6,7 @@ import socket
 import time
 
 import pytest
+import torch
 
 from kvtransfer import KvReceiver, KvSender, SenderOptions, TransferError
 from tests.kvtransfer.conftest import Peer, assert_blocks_equal, blocks
@@ -89,14 +90,40 @@ def test_a_closed_sender_refuses_new_sends():
         sender.send("127.0.0.1:1", "t", [0])
 
 
-def test_a_checksum_mismatch_is_refused_before_anything_is_written(rx_caches, monkeypatch):
-    monkeypatch.setattr("kvtransfer.sender_pair.checksum", lambda data: 12345)
+def test_bytes_changed_on_the_way_fail_the_transfer_on_both_ends(rx_caches):
+    """With checksums on, a byte flipped after the sender checksummed its chunk (as a bad link
+    or a bad buffer would) fails the transfer: the sender's send raises, the receiver's handle
+    says which chunk, both count a failure, and the next transfer on the same pair is fine."""
+
+    def corrupt(chunk: torch.Tensor) -> None:
+        chunk[chunk.numel() // 2] ^= 0x40
+
+    src = make_caches(6, 12)
     with (
         KvReceiver(rx_caches) as rx,
-        KvSender(make_caches(6, 12), "bad", SenderOptions(checksum=True)) as tx,
+        KvSender(src, "bad", SenderOptions(checksum=True, chunk_bytes=1)) as tx,
     ):
+        handle = rx.expect("t", [3, 4], deadline_s=10)
+        tx._after_gather = corrupt
+        with pytest.raises(TransferError, match="KV checksum mismatch for transfer 't': chunk 0"):
+            tx.send(rx.endpoint, "t", [1, 2], timeout_s=10)
+        result = handle.wait(0)
+        assert not result.ok and "checksum mismatch" in result.error
+        assert (tx.stats().failures, rx.stats().failures) == (1, 1)
+        tx._after_gather = None
+        again = rx.expect("t2", [3, 4], deadline_s=10)
+        assert tx.send(rx.endpoint, "t2", [1, 2], timeout_s=10).bytes > 0  # same pair
+        assert again.wait(5).ok
+        assert_blocks_equal(blocks(rx_caches, [3, 4]), blocks(src, [1, 2]))
+
+
+def test_without_checksums_nothing_is_verified_and_no_trailer_is_sent(rx_caches):
+    """The check costs a pass over the bytes on each end, so it is the sender's choice
+    (--kv-checksum): off, a changed byte goes through (what the check is for)."""
+    src = make_caches(6, 12)
+    with KvReceiver(rx_caches) as rx, KvSender(src, "plain", SenderOptions(chunk_bytes=1)) as tx:
         handle = rx.expect("t", [3], deadline_s=10)
-        with pytest.raises(TransferError, match="checksum mismatch"):
-            tx.send(rx.endpoint, "t", [1], timeout_s=10)
-        assert "checksum" in handle.wait(0).error
-        assert not any(c.any() for c in rx_caches)
+        tx._after_gather = lambda chunk: chunk.__setitem__(0, chunk[0] ^ 1)
+        tx.send(rx.endpoint, "t", [1], timeout_s=10)
+        assert handle.wait(5).ok
+        assert not torch.equal(blocks(rx_caches, [3])[0], blocks(src, [1])[0])

@@ -136,3 +136,24 @@ async def test_decode_killed_mid_transfer_fails_the_prefill_and_frees_its_blocks
             got = await disagg(p, d2, "after-kill", prompt, 8)
             assert got.token_ids == greedy_reference([prompt], 8)[0].token_ids
             assert_idle(await wait_pool_free([p, d2]))
+
+
+async def test_with_kv_checksums_the_kv_arrives_verified_and_the_output_is_unchanged(
+    fleet: Fleet,
+) -> None:
+    """--kv-checksum: every transfer carries a checksum per chunk, verified by the decode
+    worker before the request runs (tests/kvtransfer covers a corrupted chunk failing it)."""
+    (decode,) = fleet.shared("decode")
+    prefill = fleet.start("prefill", "--kv-checksum", name="checksum-prefill")
+    try:
+        prompts = parity_prompts()[:3]
+        expected = greedy_reference(prompts, MAX_TOKENS)
+        async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+            results = [await disagg(p, d, f"checked-{i}", ids, MAX_TOKENS)
+                       for i, ids in enumerate(prompts)]  # fmt: skip
+            assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+            load = await p.load()
+            assert load.kv_transfer_failures == 0 and load.kv_transfer_bytes > 0
+            assert_idle(await wait_pool_free([p, d]))
+    finally:
+        prefill.kill()
