@@ -18,6 +18,7 @@ HANDLERS = {
     "decode": "services.decode.server:main",
     "worker": "services.worker.server:main",
     "gateway": "gateway.server:main",
+    "compose": "deploy.compose:main",
     "generate": "services.engine.offline_cli:main",
     "bench serve": "gateway.bench.serve:main",
     "bench offline": "services.engine.bench.in_process:main_offline",
@@ -697,6 +698,28 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
                    help="give a named config a word-level tokenizer so tokens stream as text")  # fmt: skip
 
 
+def add_compose_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gpus",
+        required=True,
+        help="the host's GPUs: a count (8 means 0-7), a range (0-7) or ids (0,2,4); one worker "
+        "per GPU",
+    )
+    p.add_argument(
+        "--prefill", type=int, default=None, help="prefill workers (default: 1, 0 with --colocated)"
+    )
+    p.add_argument(
+        "--decode", type=int, default=None, help="decode workers (default: 1, 0 with --colocated)"
+    )
+    p.add_argument(
+        "--colocated", type=int, default=0, help="colocated workers instead of prefill/decode"
+    )
+    p.add_argument("--port", type=_port, default=8000, help="the gateway's published HTTP port")
+    p.add_argument(
+        "--image", default="tandem:latest", help="image to run (TANDEM_IMAGE overrides it)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = TandemParser(prog="tandem", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -705,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_args(sub.add_parser(role, help=f"run a {what} worker (gRPC)"), role)
     add_gateway_args(sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway"))
     add_generate_args(sub.add_parser("generate", help="offline generation in this process"))
+    add_compose_args(
+        sub.add_parser("compose", help="print a docker-compose.yml for N GPUs, one worker each")
+    )
     add_bench_args(sub)
     for each in _every_parser(parser):
         each.formatter_class = HelpFormatter

@@ -22,6 +22,7 @@ PORT_FLAGS = [
     ["worker", "--port"],
     ["decode", "--port", "0", "--kv-port"],
     ["bench", "disagg", "--port"],
+    ["compose", "--gpus", "0", "--port"],
 ]
 
 
