@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.discovery import DiscoverySpec
 from services.common.auth import token_from
 from services.config import ConfigError
 
@@ -39,6 +40,9 @@ class GatewayConfig:
     # a special token typed in a message acts as one (else it is text, as OpenAI treats it)
     allow_special_tokens_in_messages: bool = False
     workers: tuple[WorkerSpec, ...] = ()
+    # DNS names listing workers (a Kubernetes headless Service), resolved every interval
+    discover: tuple[DiscoverySpec, ...] = ()
+    discover_interval_s: float = 5.0
     api_key: str | None = None
     internal_token: str = ""  # sent to the workers on every gRPC call (services.common.auth)
     slo_ttft_ms: float = 1000.0
@@ -71,6 +75,7 @@ class GatewayConfig:
             "--body-timeout": self.body_timeout_s,
             "--max-connections": self.max_connections,
             "health interval": self.health_interval_s,
+            "--discover-interval": self.discover_interval_s,
             "health timeout": self.health_timeout_s,
             "rpc timeout": self.rpc_timeout_s,
             "reserve ttl": self.reserve_ttl_s,
@@ -144,6 +149,8 @@ def config_from_args(
         chat_template=args.chat_template,
         allow_special_tokens_in_messages=getattr(args, "allow_special_tokens_in_messages", False),
         workers=workers_from_args(args),
+        discover=tuple(DiscoverySpec.parse(d) for d in getattr(args, "discover", None) or ()),
+        discover_interval_s=getattr(args, "discover_interval", 5.0),
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
         internal_token=token_from(getattr(args, "internal_token", None)),
         slo_ttft_ms=args.slo_ttft_ms,

@@ -1,4 +1,10 @@
-"""The set of workers, polled in the background, and fire-and-forget tasks (aborts)."""
+"""The set of workers, polled in the background, and fire-and-forget tasks (aborts).
+
+Workers come from the configuration (fixed) and from DNS names (``gateway.discovery``), which are
+resolved again every ``discover_interval_s``: new addresses become workers at once, vanished ones
+stop receiving requests at once and are closed once their requests are done (or after a grace).
+``clients`` is replaced, never mutated, so a reader's list stays consistent.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from gateway.config import WorkerSpec
+from gateway.discovery import DiscoverySpec, Resolver, resolve_dns
 from gateway.workers import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -22,23 +29,96 @@ class WorkerRegistry:
         timeout_s: float = 1.0,
         internal_token: str = "",
         owner: str = "",
+        discover: Iterable[DiscoverySpec] = (),
+        discover_interval_s: float = 5.0,
+        resolver: Resolver = resolve_dns,
+        retire_grace_s: float = 600.0,
     ) -> None:
         self.owner = owner  # this gateway's instance id (leases on the workers)
-        self.clients = [WorkerClient(spec, internal_token, owner) for spec in specs]
-        seen: dict[str, int] = {}
-        for client in self.clients:  # "decode-1": a name for open endpoints (/metrics), which
-            role = "colocated" if client.role == "both" else client.role  # show no addresses
-            client.name = f"{role}-{seen.setdefault(role, 0)}"
-            seen[role] += 1
+        self._token = internal_token
+        self._names: dict[str, int] = {}  # next index per role: "decode-1", never reused
+        self.clients: list[WorkerClient] = []
+        self.clients = [self._client(spec) for spec in specs]
+        self.discover = tuple(discover)
+        self.discover_interval_s = discover_interval_s
+        self._resolver = resolver
+        self._retire_grace_s = retire_grace_s  # longest a retired worker's requests may go on
+        self._discovered: dict[WorkerSpec, WorkerClient] = {}
+        self._resolved: dict[DiscoverySpec, list[str]] = {}  # each name's last good answer
+        self._retired: set[WorkerClient] = set()  # left, closing once their requests end
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._poller: asyncio.Task[None] | None = None
+        self._discoverer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
+    def _client(self, spec: WorkerSpec) -> WorkerClient:
+        client = WorkerClient(spec, self._token, self.owner)
+        # "decode-1": a name for open endpoints (/metrics, /health), which show no addresses
+        role = "colocated" if client.role == "both" else client.role
+        index = self._names.get(role, 0)
+        self._names[role] = index + 1
+        client.name = f"{role}-{index}"
+        return client
+
     async def start(self) -> None:
-        """Polls once (so /health is right from the start), then every ``interval_s``."""
+        """Resolves the discovered workers and polls once (so /health is right from the start),
+        then polls every ``interval_s`` and resolves every ``discover_interval_s``."""
+        if self.discover:
+            await self.refresh()
+            self._discoverer = asyncio.create_task(
+                self._discover_forever(), name="tandem-worker-discovery"
+            )
         await self.poll_all()
         self._poller = asyncio.create_task(self._poll_forever(), name="tandem-worker-poller")
+
+    async def refresh(self) -> None:
+        """Resolve every discovery name; add the workers that appeared, retire those that left.
+        A name whose lookup fails keeps the workers it had."""
+        wanted: dict[WorkerSpec, None] = {}
+        for spec in self.discover:
+            try:
+                addresses = self._resolved[spec] = list(await self._resolver(spec.host, spec.port))
+            except OSError as e:
+                log.warning("worker discovery: %s did not resolve (%s); keeping its workers",
+                            spec.host, e)  # fmt: skip
+                addresses = self._resolved.get(spec, [])
+            wanted.update((WorkerSpec(spec.role, a), None) for a in addresses)
+        gone = [w for w in self._discovered if w not in wanted]
+        new = [w for w in wanted if w not in self._discovered]
+        if not gone and not new:
+            return
+        for w in new:
+            self._discovered[w] = self._client(w)
+            log.info("worker discovery: %s %s joined", w.role, w.address)
+        retired = [self._discovered.pop(w) for w in gone]
+        keep = {id(c) for c in retired}
+        self.clients = [c for c in self.clients if id(c) not in keep] + [
+            self._discovered[w] for w in new
+        ]
+        for client in retired:
+            log.info("worker discovery: %s %s left", client.role, client.address)
+            self._retired.add(client)
+            self.spawn(self._close_when_idle(client))
+        if new:
+            await asyncio.gather(*(self._discovered[w].poll(self.timeout_s) for w in new))
+
+    async def _close_when_idle(self, client: WorkerClient) -> None:
+        """A retired worker gets no new requests; its open ones may finish (up to the grace)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._retire_grace_s
+        while client.inflight > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.5)
+        self._retired.discard(client)
+        await client.close()
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.discover_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # discovery must survive anything DNS does
+                log.exception("worker discovery failed")
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(c.poll(self.timeout_s) for c in self.clients))
@@ -82,9 +162,11 @@ class WorkerRegistry:
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in (self._poller, self._discoverer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.settle()
-        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        clients = [*self.clients, *self._retired]
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)

@@ -47,6 +47,7 @@ class GatewayState:
         self.registry = WorkerRegistry(
             config.workers, config.health_interval_s, config.health_timeout_s,
             config.internal_token, owner=f"gateway-{uuid.uuid4().hex}",
+            discover=config.discover, discover_interval_s=config.discover_interval_s,
         )  # fmt: skip
         self.dispatcher = Dispatcher(FlowContext(self.registry, self.tracer, config))
         self.metrics = GatewayMetrics(

@@ -319,6 +319,22 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="gRPC address of a colocated worker (repeatable)",
     )
+    p.add_argument(
+        "--discover",
+        action="append",
+        default=[],
+        metavar="ROLE=HOST:PORT",
+        help="a DNS name whose records are workers of ROLE (prefill, decode or colocated), e.g. "
+        "decode=decode.tandem.svc.cluster.local:50051 for a Kubernetes headless Service; "
+        "resolved again every --discover-interval: workers that appear are used, those that "
+        "leave are dropped (repeatable)",
+    )
+    p.add_argument(
+        "--discover-interval",
+        type=float,
+        default=5.0,
+        help="seconds between lookups of the --discover names",
+    )
     p.add_argument("--config", default=None, help="YAML/JSON file listing workers")
     p.add_argument(
         "--api-key",

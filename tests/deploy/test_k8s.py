@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from gateway.discovery import DiscoverySpec
 from services.cli import build_parser
 from tests.deploy.conftest import REPO
 
@@ -72,10 +72,6 @@ def args_of(objects: list[Obj], container: Obj) -> argparse.Namespace:
     return build_parser().parse_args([expand(a) for a in container["args"]])
 
 
-def workers_file(objects: list[Obj]) -> Obj:
-    return yaml.safe_load(find(objects, "ConfigMap", "tandem-workers")["data"]["workers.yaml"])
-
-
 def test_kustomization_lists_every_manifest(kustomization: Obj) -> None:
     files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(kustomization["resources"]) == sorted(files)
@@ -92,41 +88,42 @@ def test_every_container_runs_a_valid_tandem_command(objects: list[Obj]) -> None
     assert roles == {"prefill": "prefill", "decode": "decode", "gateway": "gateway"}
 
 
-def test_gateway_worker_list_names_existing_pods_on_their_grpc_port(objects: list[Obj]) -> None:
-    listed = workers_file(objects)
-    assert set(listed) == {"prefill", "decode"}
-    for role, targets in listed.items():
-        for target in targets:
-            m = re.fullmatch(
-                r"(?P<sts>[a-z0-9-]+)-(?P<ordinal>\d+)\.(?P<svc>[a-z0-9-]+):(?P<port>\d+)", target
-            )
-            assert m, f"{target} is not <statefulset>-<ordinal>.<service>:<port>"
-            sts = find(objects, "StatefulSet", m["sts"])
-            assert sts["spec"]["serviceName"] == m["svc"]
-            assert int(m["ordinal"]) < sts["spec"]["replicas"]
-            (container,) = sts["spec"]["template"]["spec"]["containers"]
-            args = args_of(objects, container)
-            assert args.command == role and args.port == int(m["port"]) and args.host == "0.0.0.0"
-            service = find(objects, "Service", m["svc"])
-            assert service["spec"]["clusterIP"] == "None"
-            assert int(m["port"]) in [p["port"] for p in service["spec"]["ports"]]
-
-
-def test_every_worker_pod_is_listed_for_the_gateway(objects: list[Obj]) -> None:
-    listed = workers_file(objects)
-    for role in ("prefill", "decode"):
-        assert len(listed[role]) == find(objects, "StatefulSet", role)["spec"]["replicas"]
-
-
-def test_gateway_reads_the_worker_list_it_mounts(objects: list[Obj]) -> None:
+def test_gateway_discovers_every_worker_pod_through_its_roles_headless_service(
+    objects: list[Obj],
+) -> None:
+    """--discover ROLE=SERVICE:PORT: the Service is headless (one DNS record per pod, ready or
+    not: the gateway health-checks workers itself), fronts that role's StatefulSet, and the port
+    is the one its workers serve gRPC on; so scaling a StatefulSet needs nothing else."""
     deployment = find(objects, "Deployment", "gateway")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    config = Path(args_of(objects, container).config)
-    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
-    (name,) = [n for n, path in mounts.items() if Path(path) == config.parent]
-    assert volumes[name]["configMap"]["name"] == "tandem-workers"
-    assert config.name in find(objects, "ConfigMap", "tandem-workers")["data"]
+    gateway = args_of(objects, container)
+    specs = {spec.role: spec for spec in map(DiscoverySpec.parse, gateway.discover)}
+    assert set(specs) == {"prefill", "decode"} and len(gateway.discover) == 2
+    assert not (gateway.prefill or gateway.decode or gateway.worker or gateway.config)
+    for role, spec in specs.items():
+        service = find(objects, "Service", spec.host)
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["publishNotReadyAddresses"] is True
+        sts = find(objects, "StatefulSet", role)
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items()
+        (worker,) = sts["spec"]["template"]["spec"]["containers"]
+        args = args_of(objects, worker)
+        assert args.command == role and args.port == spec.port and args.host == "0.0.0.0"
+        assert spec.port in [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_workers_autoscale_on_their_own_queues(objects: list[Obj]) -> None:
+    for role in ("prefill", "decode"):
+        hpa = find(objects, "HorizontalPodAutoscaler", role)
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert (ref["kind"], ref["name"]) == ("StatefulSet", role)
+        find(objects, "StatefulSet", role)
+        selectors = [
+            m["external"]["metric"]["selector"]["matchLabels"] for m in hpa["spec"]["metrics"]
+        ]
+        assert selectors and all(sel == {"role": role} for sel in selectors)
+        assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
 
 
 def test_probes_check_the_serving_ports(objects: list[Obj]) -> None:

@@ -40,8 +40,10 @@ class Stack:
         tokenizer_dir: str,
         roles: list[str],
         dead: list[WorkerSpec] | None = None,
+        list_workers: bool = True,  # False: the gateway finds them some other way (--discover)
         **config: Any,
     ) -> None:
+        self.list_workers = list_workers
         self.tokenizer_dir = tokenizer_dir
         self.roles = roles
         self.dead = dead or []
@@ -65,7 +67,8 @@ class Stack:
         self.workers = [FakeWorker(role, tok) for role in self.roles]
         for w in self.workers:
             await w.start()
-        specs = [WorkerSpec(w.role, w.address) for w in self.workers] + self.dead
+        listed = self.workers if self.list_workers else []
+        specs = [WorkerSpec(w.role, w.address) for w in listed] + self.dead
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         config = GatewayConfig(
