@@ -35,6 +35,7 @@ async def generate(
     try:
         async for msg in call:
             chunk = chunk_from_pb(msg)
+            chunk.timing.mode = "colocated"
             finished = chunk.finish_reason is not None
             yield chunk
             if finished:

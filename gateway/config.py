@@ -63,6 +63,9 @@ class GatewayConfig:
     # it must outlast the prefill's queueing and compute of a long prompt
     reserve_ttl_s: float = 60.0
     kv_wait_s: float = 10.0
+    # conditional disaggregation: a prompt of at most this many tokens is prefilled by the decode
+    # worker it was admitted to (no prefill worker, no KV transfer); 0: always disaggregate
+    max_local_prefill_tokens: int = 0
     drain_timeout_s: float = 30.0
     prefix_blocks: int = 4  # leading blocks hashed for prefix-cache affinity
     max_fanout: int = 256  # n x number of prompts
@@ -88,6 +91,10 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive, got {value}")
         if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
             raise ConfigError("--slo-ttft-ms and --slo-tpot-ms must be positive")
+        if self.max_local_prefill_tokens < 0:
+            raise ConfigError(
+                f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}"
+            )
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not METRIC_NAME.fullmatch(self.metrics_prefix):
@@ -163,4 +170,5 @@ def config_from_args(
         otlp_endpoint=args.otlp_endpoint,
         metrics_prefix=getattr(args, "metrics_prefix", "tandem:"),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+        max_local_prefill_tokens=getattr(args, "max_local_prefill_tokens", 0),
     )

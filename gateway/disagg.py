@@ -206,6 +206,7 @@ class _Run:
                 raise worker_failed(self.prefill.address, str(e)) from e
             # queued for decode KV, then in the prefill worker's queue
             first.timing.queue_s += self.transfer.queue_s
+            first.timing.mode = self.transfer.mode
             self.transfer.queue_s = first.timing.queue_s
             return first
 
@@ -229,6 +230,24 @@ class _Run:
         if self.prefill_span is not None:
             self._end(self.prefill_span)
             self.prefill_span = None
+
+    def start_local(self) -> None:
+        """Conditional disaggregation: the decode worker prefills the prompt itself."""
+        assert self.decode is not None and self.reservation is not None
+        item, decode = self.item, self.decode
+        self.transfer.mode = "local"
+        self.decode_span = self._span("Decode (local prefill)", decode)
+        request = decode_pb2.DecodeRequest(
+            request_id=item.request_id,
+            reservation_id=self.reservation.reservation_id,
+            prompt_token_ids=item.prompt_ids,
+            sampling=sampling_to_pb(item.sampling),
+            priority=item.priority,
+            local_prefill=True,
+        )
+        self.decode_call = decode.stream().start(
+            request, grpc_metadata(self.decode_span), self.ctx.time_left(item)
+        )
 
     def start_decode(self, first: Chunk) -> None:
         assert self.decode is not None and self.reservation is not None
@@ -320,6 +339,15 @@ async def disaggregated(
     finished, error = False, "cancelled"
     try:
         await run.reserve(decodes)
+        if len(item.prompt_ids) <= ctx.config.max_local_prefill_tokens:
+            parent.set_attribute("tandem.mode", "local")
+            run.start_local()
+            while not finished:
+                chunk = await run.next_decode_chunk()
+                finished = chunk.finish_reason is not None
+                yield chunk
+            return
+        run.transfer.mode = "disagg"
         first = await run.unless_decode_lost(run.first_token())
         finished = first.finish_reason is not None
         if finished:

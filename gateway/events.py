@@ -27,8 +27,12 @@ class Timing:
     prefill_s: float = 0.0
     transfer_s: float = 0.0
     decode_s: float = 0.0
+    # how the prompt was prefilled: "disagg" (a prefill worker, KV shipped), "local" (the decode
+    # worker itself: conditional disaggregation), "colocated"; "" until a flow says
+    mode: str = ""
 
     def merge(self, other: Timing) -> None:
+        self.mode = self.mode or other.mode
         self.queue_s = max(self.queue_s, other.queue_s)
         self.prefill_s = max(self.prefill_s, other.prefill_s)
         self.transfer_s = max(self.transfer_s, other.transfer_s)

@@ -59,7 +59,8 @@ class RequestStats:
         return ttft is not None and ttft <= ttft_s and (tpot is None or tpot <= tpot_s)
 
     def header(self) -> str:
-        """``queue=..;prefill=..;transfer=..;ttft=..;decode=..;e2e=..`` in seconds."""
+        """``queue=..;prefill=..;transfer=..;ttft=..;decode=..;e2e=..`` in seconds, then
+        ``mode=disagg|local|colocated`` (where the prompt was prefilled) when known."""
         t = self.timing
         parts = {
             "queue": t.queue_s,
@@ -69,7 +70,8 @@ class RequestStats:
             "decode": t.decode_s,
             "e2e": self.e2e,
         }
-        return ";".join(f"{k}={v:.4f}" for k, v in parts.items())
+        text = ";".join(f"{k}={v:.4f}" for k, v in parts.items())
+        return f"{text};mode={t.mode}" if t.mode else text
 
 
 def combined(stats: list[RequestStats]) -> RequestStats:

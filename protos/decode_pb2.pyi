@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "kv_wait_s")
+    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "kv_wait_s", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -24,7 +25,8 @@ class DecodeRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     priority: int
     kv_wait_s: float
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_wait_s: _Optional[float] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., local_prefill: bool = ...) -> None: ...
 
 class DecodeStreamItem(_message.Message):
     __slots__ = ("decode", "abort", "metadata", "timeout_s")

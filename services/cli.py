@@ -337,6 +337,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--config", default=None, help="YAML/JSON file listing workers")
     p.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=0,
+        help="conditional disaggregation: prompts of at most this many tokens are prefilled by "
+        "the decode worker itself (no prefill worker, no KV transfer); 0 always disaggregates",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on the API (default: $TANDEM_API_KEY; none: "

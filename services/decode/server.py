@@ -258,6 +258,10 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         except InvalidRequestError as exc:
             self._cancel(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.local_prefill:
+            async for chunk in self._prefill_here(request, context, driver, params):
+                yield chunk
+            return
         wait = request.kv_wait_s or self.rt.args.kv_timeout
         try:
             result = await _wait_for_kv(res.handle, wait)
@@ -282,6 +286,26 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         async for chunk in stream_chunks(self.rt, driver, stream, span=span):
             yield chunk
 
+    async def _prefill_here(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
+        driver: Any, params: SamplingParams,
+    ) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
+        """Conditional disaggregation: no KV is coming; the prompt is prefilled by this engine
+        (chunked, mixed into its decode batches, its prefix cache used) and every token streams
+        from here. The reservation was the admission: its blocks go back to the pool now and the
+        request allocates its own."""
+        rid = request.reservation_id
+        self._cancel(rid)
+        try:
+            stream = await driver.submit(rid, list(request.prompt_token_ids), params,
+                                         priority=request.priority)  # fmt: skip
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        attrs = {"tandem.request_id": request.request_id, "tandem.local_prefill": True}
+        span = start_server_span(context, "decode", attrs)
+        async for chunk in stream_chunks(self.rt, driver, stream, span=span):
+            yield chunk
+
     async def DecodeStream(
         self, request_iterator: AsyncIterator[decode_pb2.DecodeStreamItem],
         context: grpc.aio.ServicerContext,
@@ -301,6 +325,13 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                 "prompt_token_ids",
             )
         engine.validate(prompt, params)  # plain checks against the vocabulary and context
+        if request.local_prefill:
+            if outputs:
+                raise InvalidRequestError(
+                    "output_token_ids must be empty with local_prefill (nothing was prefilled)",
+                    "output_token_ids",
+                )
+            return
         if not outputs or not all(0 <= t < engine.vocab_size for t in outputs):
             raise InvalidRequestError(
                 f"output_token_ids must hold the first token, ids in [0, {engine.vocab_size})",

@@ -61,6 +61,7 @@ class Records:
     reserve_ttls: list[float] = field(default_factory=list)  # ttl_s of each Reserve call
     reserve_waits: list[float] = field(default_factory=list)  # wait_s of each Reserve call
     decode_calls: list[str] = field(default_factory=list)
+    local_prefills: list[str] = field(default_factory=list)  # Decode calls with local_prefill
     samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
 
 
@@ -264,6 +265,8 @@ class Decode(decode_pb2_grpc.DecodeServiceServicer):
         e = self.e
         e._note(request.request_id, context)
         e.records.decode_calls.append(request.request_id)
+        if request.local_prefill:
+            e.records.local_prefills.append(request.request_id)
         if e.records.reservations.get(request.request_id) != request.reservation_id:
             await context.abort(grpc.StatusCode.NOT_FOUND, "fake decode: no such reservation")
         try:

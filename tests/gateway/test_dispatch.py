@@ -330,3 +330,36 @@ def test_the_internal_token_goes_with_every_worker_call(tokenizer_dir: str) -> N
         assert all(md.get("x-tandem-internal-token") == "tok-123" for md in calls), calls
     finally:
         stack.stop()
+
+
+def test_short_prompts_are_prefilled_by_the_decode_worker_under_conditional_disaggregation(
+    tokenizer_dir: str,
+) -> None:
+    """--max-local-prefill-tokens N: a prompt of at most N tokens skips the prefill worker and
+    the KV transfer (the decode worker it was admitted to prefills it); longer ones do not."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode"], max_local_prefill_tokens=16).start()
+    try:
+        prefill, decode = stack.role("prefill")[0], stack.role("decode")[0]
+        short = httpx.post(f"{stack.base_url}/v1/completions",
+                           json={"prompt": PROMPT, "max_tokens": 3})  # fmt: skip
+        assert short.status_code == 200 and short.json()["choices"][0]["text"] == "Hello world,"
+        timing = dict(kv.split("=") for kv in short.headers["x-tandem-timing"].split(";"))
+        assert timing["mode"] == "local" and float(timing["transfer"]) == 0.0
+        assert not prefill.records.requests and len(decode.records.local_prefills) == 1
+        assert decode.records.reserve_waits  # still admitted through a reservation
+        long_prompt = PROMPT + " and a much longer prompt that takes more than sixteen tokens"
+        r = httpx.post(f"{stack.base_url}/v1/completions",
+                       json={"prompt": long_prompt, "max_tokens": 3, "stream": True})  # fmt: skip
+        assert r.status_code == 200
+        assert len(prefill.records.requests) == 1 and len(decode.records.local_prefills) == 1
+        assert wait_for(lambda: not decode.records.reservations)
+    finally:
+        stack.stop()
+
+
+def test_max_local_prefill_tokens_must_not_be_negative() -> None:
+    from gateway.config import GatewayConfig
+    from services.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--max-local-prefill-tokens"):
+        GatewayConfig(tokenizer="t", max_local_prefill_tokens=-1)

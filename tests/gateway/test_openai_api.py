@@ -165,7 +165,8 @@ def test_sampling_fields_are_forwarded(colocated: Stack) -> None:
 def test_timing_header(disagg: Stack) -> None:
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
     parts = dict(p.split("=") for p in r.headers["x-tandem-timing"].split(";"))
-    assert set(parts) == {"queue", "prefill", "transfer", "ttft", "decode", "e2e"}
+    assert set(parts) == {"queue", "prefill", "transfer", "ttft", "decode", "e2e", "mode"}
+    assert parts["mode"] == "disagg"
     assert float(parts["transfer"]) == pytest.approx(0.004)
     assert 0 < float(parts["ttft"]) <= float(parts["e2e"])
 

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from protos import common_pb2, kv_control_pb2
+from protos import common_pb2, decode_pb2, kv_control_pb2
 from services.decode.server import MAX_TTL_S, UNOWNED_MAX_TTL_S, reservation_ttl
 from tests.services.clients import (
     Conn,
@@ -299,6 +299,31 @@ async def test_prefill_killed_mid_transfer_fails_fast_and_a_new_prefill_works(
         assert got.token_ids == greedy_reference([prompt], 12)[0].token_ids
         assert decode.alive and fleet.shared("decode")[0] is decode  # never restarted
         assert_idle(await wait_pool_free([p, d]))
+
+
+async def test_a_local_prefill_on_the_decode_worker_equals_the_offline_engine(fleet: Fleet) -> None:
+    """Conditional disaggregation: Decode with local_prefill (no KV comes) prefills the prompt
+    on the decode worker; greedy output as the offline engine's; its blocks all free after."""
+    (decode,) = fleet.shared("decode")
+    prompts = [chat_ids("What is the capital of France?"), chat_ids("Name three colours.")]
+    expected = greedy_reference(prompts, 12)
+    async with Conn(decode.address, "decode") as d:
+        for i, (ids, exp) in enumerate(zip(prompts, expected, strict=True)):
+            rid = f"local-{i}"
+            await reserve(d, rid, len(ids), 12)
+            req = decode_pb2.DecodeRequest(
+                request_id=rid, reservation_id=rid, prompt_token_ids=ids, sampling=greedy(12),
+                local_prefill=True,
+            )  # fmt: skip
+            tokens = [t async for chunk in d.stub.Decode(req, timeout=60) for t in chunk.token_ids]
+            assert tokens == exp.token_ids
+        await reserve(d, "local-bad", len(prompts[0]), 4)
+        bad = decode_pb2.DecodeRequest(
+            request_id="local-bad", reservation_id="local-bad", prompt_token_ids=prompts[0],
+            output_token_ids=[5], sampling=greedy(4), local_prefill=True,
+        )  # fmt: skip
+        assert await rpc_code(d.stub.Decode(bad, timeout=60)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert_idle(await wait_pool_free([d]))
 
 
 def test_reservation_ttls_are_capped_shorter_without_an_owner() -> None:
