@@ -164,6 +164,8 @@ def build_plan(
     gateway += ["--model", args.model]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
+    if getattr(args, "max_local_prefill_tokens", 0):
+        gateway += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
     drain_timeout_s = float(args.drain_timeout)
     gateway += ["--drain-timeout", str(drain_timeout_s)]
     gateway += ["--ready-file", str(gateway_ready)]

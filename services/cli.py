@@ -423,6 +423,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP + " (prefill workers)"
     )
+    p.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=0,
+        help="conditional disaggregation (passed to the gateway): prompts of at most this many "
+        "tokens are prefilled by the decode worker itself; 0 always disaggregates",
+    )
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument(

@@ -81,6 +81,14 @@ def test_kv_checksum_reaches_the_prefill_workers_only() -> None:
     assert all("--kv-checksum" not in w.spec.argv for w in plan_for().workers)
 
 
+def test_conditional_disaggregation_is_the_gateways_setting() -> None:
+    plan = plan_for("--max-local-prefill-tokens", "256")
+    at = plan.gateway_argv.index("--max-local-prefill-tokens")
+    assert plan.gateway_argv[at + 1] == "256"
+    assert all("--max-local-prefill-tokens" not in w.spec.argv for w in plan.workers)
+    assert "--max-local-prefill-tokens" not in plan_for().gateway_argv
+
+
 def test_default_engine_flags_are_left_out_of_the_command_line() -> None:
     argv = plan_for().workers[0].spec.argv
     assert (
