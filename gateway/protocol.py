@@ -167,12 +167,19 @@ def parse_completion(body: Any) -> CompletionRequest:
     if f.get("prompt") is None:
         raise invalid("prompt is required", "prompt")
     logprobs = f.get_int("logprobs", None, 0, MAX_LOGPROBS)
+    echo = f.get_bool("echo", False)
+    if echo and logprobs is not None:  # refused, not answered with nulls for the prompt
+        raise invalid(
+            "echo with logprobs asks for the prompt tokens' logprobs, which are not supported "
+            "yet: drop logprobs, or echo",
+            "echo",
+        )
     common = _common(f, "max_tokens", logprobs, special=True)
     _check_unsupported_completion(f, common.n)
     return CompletionRequest(
         common=common,
         prompts=_prompts(f.get("prompt")),
-        echo=f.get_bool("echo", False),
+        echo=echo,
         logprobs=logprobs,
     )
 

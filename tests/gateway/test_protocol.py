@@ -210,8 +210,12 @@ def test_parse_completion_defaults_and_nulls() -> None:
     assert req.prompts == ("hi",) and req.common.max_tokens is None
     assert req.common.sampling.temperature == 1.0 and req.common.sampling.stop == ("x",)
     assert req.common.n == 1 and not req.common.stream and req.common.add_special_tokens
-    ids = parse_completion({"prompt": [[1, 2], [3]], "echo": True, "logprobs": 0})
-    assert ids.prompts == ((1, 2), (3,)) and ids.echo and ids.logprobs == 0
+    ids = parse_completion({"prompt": [[1, 2], [3]], "echo": True})
+    assert ids.prompts == ((1, 2), (3,)) and ids.echo and ids.logprobs is None
+    assert parse_completion({"prompt": "hi", "logprobs": 0}).logprobs == 0
+    with pytest.raises(APIError) as info:  # prompt logprobs: not yet, and never as nulls
+        parse_completion({"prompt": "hi", "echo": True, "logprobs": 0})
+    assert info.value.status == 400 and info.value.param == "echo"
 
 
 def test_parse_chat_options() -> None:
