@@ -162,6 +162,12 @@ class GatewayMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.success = counter("request_success", "Finished requests", ("finished_reason",))
         self.goodput = counter("request_goodput", "Requests within the TTFT and TPOT SLO")
+        self.modes = counter(
+            "request_prefill_mode",
+            "Finished requests by where their prompt was prefilled: disagg (a prefill worker), "
+            "local (the decode worker: conditional disaggregation) or colocated",
+            ("mode",),
+        )
         self.errors = counter("request_errors", "Requests that failed", ("status",))
         reg.register(WorkerCollector(model_name, workers, prefix))
 
@@ -187,6 +193,8 @@ class GatewayMetrics:
         self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(stats.num_output_tokens)
         self.success.labels(name, finish_reason).inc()
+        if stats.timing.mode:
+            self.modes.labels(name, stats.timing.mode).inc()
         if in_slo and finish_reason != "abort":
             self.goodput.labels(name).inc()
 

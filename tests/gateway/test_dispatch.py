@@ -347,6 +347,11 @@ def test_short_prompts_are_prefilled_by_the_decode_worker_under_conditional_disa
         assert timing["mode"] == "local" and float(timing["transfer"]) == 0.0
         assert not prefill.records.requests and len(decode.records.local_prefills) == 1
         assert decode.records.reserve_waits  # still admitted through a reservation
+        counted = [
+            line for line in httpx.get(f"{stack.base_url}/metrics").text.splitlines()
+            if line.startswith("tandem:request_prefill_mode_total{") and 'mode="local"' in line
+        ]  # fmt: skip
+        assert len(counted) == 1 and counted[0].endswith(" 1.0")
         long_prompt = PROMPT + " and a much longer prompt that takes more than sixteen tokens"
         r = httpx.post(f"{stack.base_url}/v1/completions",
                        json={"prompt": long_prompt, "max_tokens": 3, "stream": True})  # fmt: skip

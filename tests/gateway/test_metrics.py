@@ -314,3 +314,14 @@ def test_iteration_tokens_come_from_each_workers_load(disagg: Stack) -> None:
         assert buckets == [*ITERATION_TOKENS.counts, ITERATION_TOKENS.count]
         assert value(samples, "tandem:iteration_tokens_total_count", **labels) == 6
         assert value(samples, "tandem:iteration_tokens_total_sum", **labels) == 321
+
+
+def test_finished_requests_are_counted_by_where_their_prompt_was_prefilled(
+    disagg: Stack, colocated: Stack
+) -> None:
+    for stack, mode in ((disagg, "disagg"), (colocated, "colocated")):
+        name = "tandem:request_prefill_mode_total"
+        before = value(scrape(stack), name, mode=mode)
+        body = {"prompt": "Hello world", "max_tokens": 2}
+        assert httpx.post(f"{stack.base_url}/v1/completions", json=body).status_code == 200
+        assert value(scrape(stack), name, mode=mode) == before + 1
