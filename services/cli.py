@@ -650,7 +650,18 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
 def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
     add_engine_args(d)
     g = d.add_argument_group("benchmark")
-    g.add_argument("--topologies", default="disagg,colocated", help="disagg, colocated or none")
+    g.add_argument(
+        "--topologies",
+        default="disagg,colocated",
+        help="disagg, colocated, disagg-local (disagg with --local-prefill-tokens) or none",
+    )
+    g.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=1024,
+        help="the disagg-local topology's --max-local-prefill-tokens: prompts of at most this "
+        "many tokens are prefilled by the decode worker",
+    )
     g.add_argument("--workloads", default="1024:128,4096:256", help="INPUT:OUTPUT,... lengths")
     g.add_argument(
         "--rates",

@@ -310,7 +310,10 @@ def main(args: argparse.Namespace) -> int:
     rec = Recorder(out_dir, args, command, environment(), workloads)
     try:
         with sigterm_unwinds():
-            topologies = [topology(n, gpus, args.workers, args.prefill_workers) for n in names]
+            topologies = [
+                topology(n, gpus, args.workers, args.prefill_workers, args.local_prefill_tokens)
+                for n in names
+            ]
             parts = len(topologies) + (1 if args.gateway_overhead else 0)
             for i, topo in enumerate(topologies):
                 deadline = budget.share(parts - i, STOP_RESERVE_S)

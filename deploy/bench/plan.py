@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-TOPOLOGIES = ("disagg", "colocated")
+TOPOLOGIES = ("disagg", "colocated", "disagg-local")
 STOP_RESERVE_S = 20.0  # kept free at the end of a time budget to stop the last topology
 STOP_TYPICAL_S = 5.0  # what stopping a topology usually takes, kept free at the end of its share
 SATURATED_FRACTION = 0.1  # a rate where fewer requests meet both SLOs ends the workload
@@ -116,16 +116,24 @@ class Topology:
         return " ".join(self.up_flags) + (f" --gpus {','.join(self.gpus)}" if self.gpus else "")
 
 
-def topology(name: str, gpus: Sequence[str], workers: int, prefill_workers: int | None) -> Topology:
+def topology(
+    name: str, gpus: Sequence[str], workers: int, prefill_workers: int | None,
+    local_prefill_tokens: int = 1024,
+) -> Topology:  # fmt: skip
     """``disagg``: prefill on the first GPUs, decode on the rest (one worker per GPU; without GPUs
-    ``workers`` processes); ``colocated``: as many colocated workers."""
+    ``workers`` processes); ``colocated``: as many colocated workers; ``disagg-local``: disagg
+    with conditional disaggregation (prompts of at most ``local_prefill_tokens`` tokens are
+    prefilled by the decode worker)."""
     n = max(len(gpus), 1) if gpus else workers
     if name == "colocated":
         return Topology(name, ["--colocated", str(n)], list(gpus))
     n = max(n, 2)
     prefill = prefill_workers if prefill_workers is not None else max(1, n // 2)
     prefill = min(max(prefill, 1), n - 1)
-    return Topology(name, ["--prefill", str(prefill), "--decode", str(n - prefill)], list(gpus))
+    flags = ["--prefill", str(prefill), "--decode", str(n - prefill)]
+    if name == "disagg-local":
+        flags += ["--max-local-prefill-tokens", str(local_prefill_tokens)]
+    return Topology(name, flags, list(gpus))
 
 
 # ---- time ------------------------------------------------------------------------------------------

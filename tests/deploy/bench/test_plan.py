@@ -63,6 +63,10 @@ def test_topologies_split_the_gpus() -> None:
     assert topology("colocated", [], 3, None).up_flags == ["--colocated", "3"]
     assert topology("disagg", [], 1, None).up_flags == ["--prefill", "1", "--decode", "1"]
     assert topology("disagg", ["0"], 2, None).up_flags == ["--prefill", "1", "--decode", "1"]
+    # conditional disaggregation: the disagg shape, plus the gateway's threshold
+    assert topology("disagg-local", two, 2, None, 512).up_flags == [
+        "--prefill", "1", "--decode", "1", "--max-local-prefill-tokens", "512"
+    ]  # fmt: skip
 
 
 def test_budget_shares_what_is_left() -> None:
