@@ -341,22 +341,18 @@ async def disaggregated(
         await run.reserve(decodes)
         if len(item.prompt_ids) <= ctx.config.max_local_prefill_tokens:
             parent.set_attribute("tandem.mode", "local")
-            run.start_local()
-            while not finished:
-                chunk = await run.next_decode_chunk()
-                finished = chunk.finish_reason is not None
-                yield chunk
-            return
-        run.transfer.mode = "disagg"
-        first = await run.unless_decode_lost(run.first_token())
-        finished = first.finish_reason is not None
-        if finished:
-            run.finish_early()
-        yield first
-        if finished:
-            return
-        await run.unless_decode_lost(run.transfer_done())
-        run.start_decode(first)
+            run.start_local()  # every token, the first included, comes from the decode worker
+        else:
+            run.transfer.mode = "disagg"
+            first = await run.unless_decode_lost(run.first_token())
+            finished = first.finish_reason is not None
+            if finished:
+                run.finish_early()
+            yield first
+            if finished:
+                return
+            await run.unless_decode_lost(run.transfer_done())
+            run.start_decode(first)
         while not finished:
             chunk = await run.next_decode_chunk()
             finished = chunk.finish_reason is not None

@@ -37,7 +37,6 @@ class WorkerRegistry:
         self.owner = owner  # this gateway's instance id (leases on the workers)
         self._token = internal_token
         self._names: dict[str, int] = {}  # next index per role: "decode-1", never reused
-        self.clients: list[WorkerClient] = []
         self.clients = [self._client(spec) for spec in specs]
         self.discover = tuple(discover)
         self.discover_interval_s = discover_interval_s
@@ -92,8 +91,7 @@ class WorkerRegistry:
             self._discovered[w] = self._client(w)
             log.info("worker discovery: %s %s joined", w.role, w.address)
         retired = [self._discovered.pop(w) for w in gone]
-        keep = {id(c) for c in retired}
-        self.clients = [c for c in self.clients if id(c) not in keep] + [
+        self.clients = [c for c in self.clients if c not in retired] + [
             self._discovered[w] for w in new
         ]
         for client in retired:

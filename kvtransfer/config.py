@@ -14,7 +14,7 @@ class ReceiverOptions:
     io_timeout_s: float = 10.0  # one transfer's data must arrive this soon after its header
     connect_timeout_s: float = 10.0  # building a pair's process group
     unknown_grace_s: float = 0.5  # a header waits this long for a matching expect()
-    verify_checksums: bool = True  # check the checksum when a (debug-mode) sender sends one
+    verify_checksums: bool = True  # check the per-chunk checksums a sender sends (a Trailer)
     max_transfer_bytes: int = 1 << 36  # a header announcing more tears the pair down
     max_pairs: int = 256  # concurrent senders
     gloo_interface: str = ""  # network interface for Gloo (default: the one `host` is on)
@@ -33,7 +33,7 @@ class ReceiverOptions:
 @dataclass(frozen=True)
 class SenderOptions:
     timeout_s: float = 10.0  # default deadline of one send(), connecting included
-    checksum: bool = False  # debug mode: send a checksum of the data with each header
+    checksum: bool = False  # send each chunk's checksum after the data (--kv-checksum)
     gloo_interface: str = ""  # network interface for Gloo (default: the route to the receiver)
     # pipeline granularity (whole layers, at least one per chunk) of a KV computed before send:
     # small enough that gather, wire and scatter overlap, large enough that the per-chunk CPU

@@ -7,8 +7,8 @@ Contract:
   It never calls ``init_process_group``.
 - ``expect(transfer_id, block_ids, deadline_s)`` registers a transfer *before* it is sent
   (after reserving ``block_ids``) and returns a :class:`TransferHandle`. The handle resolves ok
-  only once every byte arrived, the layout and block count matched (and the checksum, in debug
-  mode) and the blocks were written (CUDA writes synchronized on a dedicated stream). It
+  only once every byte arrived, the layout and block count matched (and every chunk's checksum,
+  when the sender sends them) and the blocks were written (CUDA writes synchronized on a dedicated stream). It
   resolves with an error on cancel, deadline, layout mismatch or a broken sender.
 - ``cancel(transfer_id)`` is idempotent; once it returns, the receiver never writes those
   blocks again, so the caller may free them.

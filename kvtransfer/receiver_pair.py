@@ -40,7 +40,6 @@ from kvtransfer.results import CounterBox, TransferResult
 from kvtransfer.staging import DeviceIds, HostStaging
 from kvtransfer.stores import clone
 from kvtransfer.wire import (
-    CHECKSUM_MOD,
     Ack,
     Control,
     Header,
@@ -49,6 +48,7 @@ from kvtransfer.wire import (
     Welcome,
     WireError,
     checksum_tensor,
+    checksum_value,
     pair_prefix,
 )
 
@@ -208,7 +208,7 @@ class ReceiverPair:
 
     @staticmethod
     def _compare(header: Header, sums: list[torch.Tensor], trailer: Trailer) -> str:
-        got = [int(t) % CHECKSUM_MOD for t in sums]
+        got = [checksum_value(t) for t in sums]
         bad = [k for k, (a, b) in enumerate(zip(got, trailer.checksums, strict=True)) if a != b]
         if not bad:
             return ""

@@ -35,7 +35,6 @@ from kvtransfer.ready import LayerReady
 from kvtransfer.results import TransferError
 from kvtransfer.staging import DeviceIds, HostStaging, to_wire
 from kvtransfer.wire import (
-    CHECKSUM_MOD,
     Ack,
     Control,
     Header,
@@ -44,6 +43,7 @@ from kvtransfer.wire import (
     Welcome,
     WireError,
     checksum_tensor,
+    checksum_value,
     pair_prefix,
 )
 
@@ -186,7 +186,7 @@ class SenderPair:
                 )
                 in_flight.append((wire, channel.post_send(wire, tag=k)))
         if sums:  # every send is posted: reading the sums waits for the gathers only
-            conn.send(Trailer(header.seq, tuple(int(t) % CHECKSUM_MOD for t in sums)))
+            conn.send(Trailer(header.seq, tuple(map(checksum_value, sums))))
         return self._await_ack(conn, header, deadline)
 
     def _gather(

@@ -256,6 +256,11 @@ def checksum_tensor(data: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def checksum_value(total: torch.Tensor) -> int:
+    """A :func:`checksum_tensor` as the number both ends compare, in [0, 2**61 - 1) (waits for
+    the device)."""
+    return int(total) % CHECKSUM_MOD
+
+
 def checksum(data: torch.Tensor) -> int:
-    """:func:`checksum_tensor` as a number in [0, 2**61 - 1) (waits for the device)."""
-    return int(checksum_tensor(data)) % CHECKSUM_MOD
+    return checksum_value(checksum_tensor(data))
