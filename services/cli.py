@@ -658,9 +658,9 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--local-prefill-tokens",
         type=int,
-        default=1024,
+        default=None,
         help="the disagg-local topology's --max-local-prefill-tokens: prompts of at most this "
-        "many tokens are prefilled by the decode worker",
+        "many tokens are prefilled by the decode worker (default: 1024; only with disagg-local)",
     )
     g.add_argument("--workloads", default="1024:128,4096:256", help="INPUT:OUTPUT,... lengths")
     g.add_argument(

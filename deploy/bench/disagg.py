@@ -48,6 +48,7 @@ from deploy.bench.plan import (
     Budget,
     Topology,
     Workload,
+    check_local_prefill_tokens,
     estimate_run_s,
     fits,
     log,
@@ -279,6 +280,7 @@ def main(args: argparse.Namespace) -> int:
         workloads = parse_workloads(args.workloads)
         rate_map = parse_rates(args.rates, workloads)
         names = parse_topologies(args.topologies)
+        check_local_prefill_tokens(args.local_prefill_tokens, names)
     except ValueError as exc:
         print(f"tandem bench disagg: {exc}", file=sys.stderr)
         return 2

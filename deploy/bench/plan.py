@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 TOPOLOGIES = ("disagg", "colocated", "disagg-local")
+LOCAL_PREFILL_TOKENS = 1024  # the disagg-local topology's threshold unless --local-prefill-tokens
 STOP_RESERVE_S = 20.0  # kept free at the end of a time budget to stop the last topology
 STOP_TYPICAL_S = 5.0  # what stopping a topology usually takes, kept free at the end of its share
 SATURATED_FRACTION = 0.1  # a rate where fewer requests meet both SLOs ends the workload
@@ -116,9 +117,19 @@ class Topology:
         return " ".join(self.up_flags) + (f" --gpus {','.join(self.gpus)}" if self.gpus else "")
 
 
+def check_local_prefill_tokens(tokens: int | None, names: Sequence[str]) -> None:
+    """--local-prefill-tokens shapes only the disagg-local topology: refused without it."""
+    if tokens is None:
+        return
+    if "disagg-local" not in names:
+        raise ValueError("--local-prefill-tokens needs the disagg-local topology in --topologies")
+    if tokens < 1:
+        raise ValueError(f"--local-prefill-tokens must be at least 1, got {tokens}")
+
+
 def topology(
     name: str, gpus: Sequence[str], workers: int, prefill_workers: int | None,
-    local_prefill_tokens: int = 1024,
+    local_prefill_tokens: int | None = None,
 ) -> Topology:  # fmt: skip
     """``disagg``: prefill on the first GPUs, decode on the rest (one worker per GPU; without GPUs
     ``workers`` processes); ``colocated``: as many colocated workers; ``disagg-local``: disagg
@@ -132,7 +143,7 @@ def topology(
     prefill = min(max(prefill, 1), n - 1)
     flags = ["--prefill", str(prefill), "--decode", str(n - prefill)]
     if name == "disagg-local":
-        flags += ["--max-local-prefill-tokens", str(local_prefill_tokens)]
+        flags += ["--max-local-prefill-tokens", str(local_prefill_tokens or LOCAL_PREFILL_TOKENS)]
     return Topology(name, flags, list(gpus))
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from deploy.bench.plan import (
     Budget,
+    check_local_prefill_tokens,
     estimate_run_s,
     fits,
     parse_rates,
@@ -67,6 +68,13 @@ def test_topologies_split_the_gpus() -> None:
     assert topology("disagg-local", two, 2, None, 512).up_flags == [
         "--prefill", "1", "--decode", "1", "--max-local-prefill-tokens", "512"
     ]  # fmt: skip
+    assert topology("disagg-local", two, 2, None).up_flags[-1] == "1024"
+    check_local_prefill_tokens(None, ["disagg"])
+    check_local_prefill_tokens(512, ["disagg", "disagg-local"])
+    with pytest.raises(ValueError, match="needs the disagg-local topology"):
+        check_local_prefill_tokens(512, ["disagg", "colocated"])  # never silently unused
+    with pytest.raises(ValueError, match="at least 1"):
+        check_local_prefill_tokens(0, ["disagg-local"])
 
 
 def test_budget_shares_what_is_left() -> None:
