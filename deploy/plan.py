@@ -166,6 +166,11 @@ def build_plan(
         gateway += ["--served-model-name", args.served_model_name]
     if getattr(args, "max_local_prefill_tokens", 0):
         gateway += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
+    if getattr(args, "enable_auto_tool_choice", False):
+        gateway.append("--enable-auto-tool-choice")
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, flag, None):
+            gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     drain_timeout_s = float(args.drain_timeout)
     gateway += ["--drain-timeout", str(drain_timeout_s)]
     gateway += ["--ready-file", str(gateway_ready)]

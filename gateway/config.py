@@ -69,6 +69,10 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     prefix_blocks: int = 4  # leading blocks hashed for prefix-cache affinity
     max_fanout: int = 256  # n x number of prompts
+    # tool calling under tool_choice "auto": which parser reads calls out of the model's text
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # gateway.tool_parsers.PARSERS
+    reasoning_parser: str | None = None  # gateway.reasoning.PARSERS
 
     def __post_init__(self) -> None:
         positive = {
@@ -97,12 +101,28 @@ class GatewayConfig:
             )
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        self._check_parsers()
         if not METRIC_NAME.fullmatch(self.metrics_prefix):
             raise ConfigError(
                 "--metrics-prefix must be a Prometheus metric name: a letter, '_' or ':' first, "
                 f"then letters, digits, '_' or ':' (such as tandem: or vllm:), "
                 f"got {self.metrics_prefix!r}"
             )
+
+    def _check_parsers(self) -> None:
+        from gateway import reasoning, tool_parsers
+
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError(
+                "--enable-auto-tool-choice needs --tool-call-parser "
+                f"({', '.join(tool_parsers.PARSERS)})"
+            )
+        for flag, name, known in (
+            ("--tool-call-parser", self.tool_call_parser, tool_parsers.PARSERS),
+            ("--reasoning-parser", self.reasoning_parser, reasoning.PARSERS),
+        ):
+            if name is not None and name not in known:
+                raise ConfigError(f"{flag} must be one of {', '.join(known)}, got {name!r}")
 
     @property
     def model_name(self) -> str:
@@ -171,4 +191,7 @@ def config_from_args(
         metrics_prefix=getattr(args, "metrics_prefix", "tandem:"),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
         max_local_prefill_tokens=getattr(args, "max_local_prefill_tokens", 0),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )

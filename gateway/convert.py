@@ -48,6 +48,15 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = sp.seed
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
+    if sp.structured is not None:
+        so = sp.structured
+        msg.structured.CopyFrom(
+            common_pb2.StructuredOutput(
+                kind=so.kind, spec=so.spec, any_whitespace=so.any_whitespace,
+                reasoning_start=so.reasoning_start, reasoning_end=so.reasoning_end,
+                reasoning_open=so.reasoning_open,
+            )
+        )  # fmt: skip
     return msg
 
 
@@ -96,6 +105,12 @@ def histogram_from_pb(msg: common_pb2.Histogram) -> Histogram:
 
 def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
     plain = {
-        f.name: getattr(msg, f.name) for f in fields(WorkerLoadInfo) if f.name != "iteration_tokens"
+        f.name: getattr(msg, f.name)
+        for f in fields(WorkerLoadInfo)
+        if f.name not in ("iteration_tokens", "grammar_compile_seconds")
     }
-    return WorkerLoadInfo(**plain, iteration_tokens=histogram_from_pb(msg.iteration_tokens))
+    return WorkerLoadInfo(
+        **plain,
+        iteration_tokens=histogram_from_pb(msg.iteration_tokens),
+        grammar_compile_seconds=histogram_from_pb(msg.grammar_compile_seconds),
+    )

@@ -89,3 +89,4 @@ class WorkerLoadInfo:
     draining: bool = False
     num_reserved: int = 0
     iteration_tokens: Histogram = field(default_factory=Histogram)  # tokens per engine step
+    grammar_compile_seconds: Histogram = field(default_factory=Histogram)  # per grammar compiled

@@ -132,6 +132,17 @@ def chat_choice(
     }
 
 
+def chat_message_choice(
+    index: int, message: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
 def chat_delta(
     index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
 ) -> dict[str, Any]:

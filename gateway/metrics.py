@@ -21,7 +21,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway.stats import RequestStats
+from gateway.tools import ToolPlan
 from gateway.workers import WorkerClient
+from services.scheduling.sampling_params import StructuredOutput
 
 DEFAULT_PREFIX = "tandem:"  # --metrics-prefix (checked in gateway.config)
 
@@ -98,18 +100,23 @@ class WorkerCollector(Collector):
             for w, load in loaded:
                 counter.add_metric([self._model, w.role, w.name], float(read(load)))
             yield counter
-        steps = HistogramMetricFamily(
-            f"{p}iteration_tokens_total", "Tokens computed per engine step", labels=labels
-        )
-        for w, load in loaded:
-            h = load.iteration_tokens
-            if h.bounds:  # a worker older than this field reports none
-                buckets = [
-                    (floatToGoString(b), float(c)) for b, c in zip(h.bounds, h.counts, strict=True)
-                ]
-                buckets.append(("+Inf", float(h.count)))
-                steps.add_metric([self._model, w.role, w.name], buckets, h.sum)
-        yield steps
+        histograms = {
+            "iteration_tokens_total": ("Tokens computed per engine step", "iteration_tokens"),
+            "grammar_compile_seconds": (
+                "Seconds to compile a structured-output grammar (cache hits included)",
+                "grammar_compile_seconds",
+            ),
+        }
+        for name, (doc, attr) in histograms.items():
+            family = HistogramMetricFamily(f"{p}{name}", doc, labels=labels)
+            for w, load in loaded:
+                h = getattr(load, attr)
+                if h.bounds:  # a worker older than this field reports none
+                    buckets = [(floatToGoString(b), float(c))
+                               for b, c in zip(h.bounds, h.counts, strict=True)]  # fmt: skip
+                    buckets.append(("+Inf", float(h.count)))
+                    family.add_metric([self._model, w.role, w.name], buckets, h.sum)
+            yield family
 
 
 class GatewayMetrics:
@@ -169,6 +176,12 @@ class GatewayMetrics:
             ("mode",),
         )
         self.errors = counter("request_errors", "Requests that failed", ("status",))
+        self.structured = counter(
+            "structured_output_requests",
+            "Requests whose output a grammar constrains, by kind: json, json_object, regex, "
+            "choice, grammar, or tool_call (tool_choice required or a named function)",
+            ("kind",),
+        )
         reg.register(WorkerCollector(model_name, workers, prefix))
 
     def observe_gap(self, gap: float) -> None:
@@ -202,6 +215,11 @@ class GatewayMetrics:
         """Every choice of one prompt has finished: its n, and the most tokens one generated."""
         self.params_n.labels(self.model_name).observe(n)
         self.max_generation.labels(self.model_name).observe(max_generated)
+
+    def observe_structured(self, so: StructuredOutput | None, tools: ToolPlan | None) -> None:
+        if so is not None:
+            forced = tools is not None and tools.choice in ("required", "function")
+            self.structured.labels(self.model_name, "tool_call" if forced else so.kind).inc()
 
     def observe_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()

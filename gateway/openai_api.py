@@ -5,17 +5,25 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import formats
+from gateway import formats, reasoning, tool_parsers
+from gateway.chat_output import ChoiceOutput, OutputPlan
 from gateway.chat_template import ChatTemplateError
 from gateway.errors import invalid
 from gateway.generation import Choice, Generation
 from gateway.prepare import PromptIds, build_choices, check_vocab, settle_max_tokens
-from gateway.protocol import CommonOptions, CompletionRequest, parse_chat, parse_completion
+from gateway.protocol import (
+    ChatRequest,
+    CommonOptions,
+    CompletionRequest,
+    parse_chat,
+    parse_completion,
+)
 from gateway.state import GatewayState
 from gateway.stats import combined
 from gateway.streaming import StreamInfo, stream_events
@@ -146,6 +154,7 @@ async def completions(request: Request) -> Response:
     prompts = await state.off_loop(_completion_prompts, tok, req)
     if any(not p.ids for p in prompts):
         raise invalid("prompt must not be empty (it has no tokens)", "prompt")
+    state.metrics.observe_structured(req.common.sampling.structured, None)
     gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
                  COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
     info = StreamInfo(gen.response_id, "text_completion", int(time.time()), state.model_name,
@@ -164,10 +173,41 @@ async def completions(request: Request) -> Response:
     return await _respond(state, request, gen, info, req.common.stream, choice_json)
 
 
+def _output_plan(state: GatewayState, req: ChatRequest) -> OutputPlan:
+    """How the choices' text will be read: the tool choice, the gateway's parsers."""
+    config = state.config
+    tools = req.tools
+    if tools is not None and tools.choice == "auto" and not config.enable_auto_tool_choice:
+        raise invalid(
+            'tool_choice "auto" (the default when tools are given) needs the server started with '
+            '--enable-auto-tool-choice and --tool-call-parser; send tool_choice "required", '
+            '"none" or a named function instead',
+            "tool_choice",
+        )
+    parser = tool_parsers.get_parser(config.tool_call_parser) if config.tool_call_parser else None
+    thinking = reasoning.get_parser(config.reasoning_parser) if config.reasoning_parser else None
+    return OutputPlan(tools, parser, thinking)
+
+
+def _thinking_free(common: CommonOptions, plan: OutputPlan, prompt_text: str) -> tuple[CommonOptions, OutputPlan]:  # fmt: skip
+    """With a reasoning parser, a grammar constrains only the answer after the thinking block."""
+    thinking = plan.reasoning
+    if thinking is None:
+        return common, plan
+    plan = replace(plan, prompt_open=thinking.prompt_opens(prompt_text))
+    so = common.sampling.structured
+    if so is None:
+        return common, plan
+    so = replace(so, reasoning_start=thinking.start, reasoning_end=thinking.end,
+                 reasoning_open=plan.prompt_open)  # fmt: skip
+    return replace(common, sampling=replace(common.sampling, structured=so)), plan
+
+
 async def chat_completions(request: Request) -> Response:
     state = gateway_state(request)
     req = parse_chat(await read_json(request, state.config.max_body_bytes))
     state.accepts(req.common.model)
+    plan = _output_plan(state, req)
     ids_list, text = await chat_prompt(
         state, req.messages, req.add_generation_prompt, req.common.add_special_tokens,
         **req.template_kwargs,
@@ -175,12 +215,20 @@ async def chat_completions(request: Request) -> Response:
     ids = tuple(ids_list)
     if not ids:
         raise invalid("the messages render to an empty prompt", "messages")
-    gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], req.common, None)
+    common, plan = _thinking_free(req.common, plan, text)
+    state.metrics.observe_structured(common.sampling.structured, req.tools)
+    gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], common, None)
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
-                      state.model_name, req.common.include_usage, req.logprobs)  # fmt: skip
+                      state.model_name, common.include_usage, req.logprobs, plan=plan)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
         logprobs = formats.chat_logprobs(c.logprobs) if req.logprobs else None
-        return formats.chat_choice(c.index, "".join(c.text), logprobs, c.finish_reason)
+        if plan.plain:
+            return formats.chat_choice(c.index, "".join(c.text), logprobs, c.finish_reason)
+        out = ChoiceOutput(plan)
+        message = out.message("".join(c.text))
+        return formats.chat_message_choice(
+            c.index, message, logprobs, out.finish_reason(c.finish_reason)
+        )
 
     return await _respond(state, request, gen, info, req.common.stream, choice_json)

@@ -6,11 +6,14 @@ and so is a field of ``gateway.unsupported``'s tables that asks for something no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.errors import invalid
 from gateway.fields import INT32_MAX, INT64_MAX, Fields, check_int, require_object
+from gateway.structured import parse_structured
+from gateway.tools import ToolPlan, parse_tools
 from gateway.unsupported import CHAT, COMPLETION, SAMPLING, refuse_unsupported
 from services.scheduling.sampling_params import (
     MAX_LOGPROBS,
@@ -57,6 +60,7 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolPlan | None = None  # None: no tools offered
 
 
 def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -80,6 +84,7 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> Sampli
             include_stop_str_in_output=f.get_bool("include_stop_str_in_output", False),
             skip_special_tokens=f.get_bool("skip_special_tokens", True),
             logit_bias=logit_bias_pairs(_logit_bias(f)),
+            structured=parse_structured(f),
         )
     except InvalidRequestError as e:
         raise invalid(str(e), e.param) from e
@@ -163,7 +168,6 @@ def parse_completion(body: Any) -> CompletionRequest:
     f = Fields(require_object(body))
     refuse_unsupported(f.body, SAMPLING)
     refuse_unsupported(f.body, COMPLETION)
-    _check_response_format(f)
     if f.get("prompt") is None:
         raise invalid("prompt is required", "prompt")
     logprobs = f.get_int("logprobs", None, 0, MAX_LOGPROBS)
@@ -224,46 +228,54 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
         content = _content(message, i, role)
         # OpenAI's newer name for system; chat templates only know system
         role = "system" if role == "developer" else role
-        out.append({**message, "role": role, "content": content})
+        out.append(_tool_call_message({**message, "role": role, "content": content}, i))
     return out
 
 
-def _check_response_format(f: Fields) -> None:
-    kind = f.get_dict("response_format").get("type", "text")
-    if kind != "text":
-        raise invalid(
-            f"response_format type {kind!r} is not supported (only 'text')", "response_format"
-        )
+def _tool_call_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """An assistant turn's ``tool_calls`` as chat templates read them: each call's arguments as
+    an object (OpenAI sends them as JSON text)."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return message
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise invalid(f"{param} must be a list of tool calls", param)
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"{param}: each call needs a function with a name", param)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise invalid(f"{param}: function.arguments is not valid JSON: {e}", param) from e
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return {**message, "tool_calls": out}
 
 
-def _check_unsupported(f: Fields) -> None:
-    """Structured output and tool calling would be silently ignored: refuse them instead."""
-    refuse_unsupported(f.body, SAMPLING)
-    refuse_unsupported(f.body, CHAT)
-    _check_response_format(f)
-    tools = f.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-    ):
-        raise invalid("tools must be a list of tool objects", "tools")
-    choice = f.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
+def _with_tools(f: Fields, common: CommonOptions) -> tuple[CommonOptions, ToolPlan | None]:
+    """The tools offered; a required or named tool choice becomes the request's grammar."""
+    plan = parse_tools(f)
+    constraint = plan.constraint() if plan is not None else None
+    if constraint is None:
+        return common, plan
+    if common.sampling.structured is not None:
         raise invalid(
-            "tool_choice 'required' or a named function is not supported: this gateway does "
-            "not do tool calling (only tool_choice 'none')",
+            "a structured output format cannot be combined with tool_choice 'required' or a "
+            "named function (the tool call's schema is the format)",
             "tool_choice",
         )
-    if f.get("tools") and choice != "none":
-        raise invalid(
-            "tool calling is not supported: send tool_choice 'none' with tools, or no tools",
-            "tools",
-        )
+    return replace(common, sampling=replace(common.sampling, structured=constraint)), plan
 
 
 def parse_chat(body: Any) -> ChatRequest:
     f = Fields(require_object(body))
     messages = parse_messages(f.get("messages"))
-    _check_unsupported(f)
+    refuse_unsupported(f.body, SAMPLING)
+    refuse_unsupported(f.body, CHAT)
     logprobs = f.get_bool("logprobs", False)
     top = f.get_int("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and top > 0 and not logprobs:
@@ -273,13 +285,17 @@ def parse_chat(body: Any) -> ChatRequest:
     )
     reserved = ("messages", "add_generation_prompt", "documents")
     kwargs = {k: v for k, v in f.get_dict("chat_template_kwargs").items() if k not in reserved}
-    if isinstance(f.get("tools"), list):
+    common, tools = _with_tools(
+        f, _common(f, max_field, (top or 0) if logprobs else None, special=False)
+    )
+    if tools is not None:
         kwargs = {"tools": f.get("tools"), **kwargs}
     return ChatRequest(
-        common=_common(f, max_field, (top or 0) if logprobs else None, special=False),
+        common=common,
         messages=messages,
         add_generation_prompt=f.get_bool("add_generation_prompt", True),
         logprobs=logprobs,
         top_logprobs=top or 0,
         template_kwargs=kwargs,
+        tools=tools,
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import formats
+from gateway.chat_output import ChoiceOutput, OutputPlan
 from gateway.errors import APIError
 from gateway.events import Chunk
 from gateway.generation import Choice, Generation
@@ -34,6 +35,7 @@ class StreamInfo:
     include_usage: bool
     logprobs: bool
     echo: bool = False
+    plan: OutputPlan | None = None  # chat: tool calls or reasoning to read out of the text
 
 
 def _frame(info: StreamInfo, choices: list[dict[str, Any]]) -> bytes:
@@ -70,6 +72,28 @@ def _chat_piece(info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk
     return _frame(info, [formats.chat_delta(choice.index, delta, logprobs, chunk.finish_reason)])
 
 
+def _parsed_chat_piece(
+    info: StreamInfo, outputs: dict[int, ChoiceOutput], choice: Choice, chunk: Chunk
+) -> bytes:
+    """Chat with tool calls or reasoning: the text becomes OpenAI's typed deltas (content,
+    reasoning_content, tool_calls); the chunk's logprobs ride on the first, its finish on the last."""
+    out = outputs[choice.index]
+    deltas = out.feed(chunk.text)
+    finish = None
+    if chunk.finish_reason is not None:
+        deltas += out.finish()
+        finish = out.finish_reason(chunk.finish_reason)
+    logprobs = formats.chat_logprobs(chunk.logprobs) if info.logprobs else None
+    if not deltas and (finish is not None or logprobs is not None):
+        deltas = [{}]
+    last = len(deltas) - 1
+    return b"".join(
+        _frame(info, [formats.chat_delta(choice.index, delta, logprobs if i == 0 else None,
+                                         finish if i == last else None)])
+        for i, delta in enumerate(deltas)
+    )  # fmt: skip
+
+
 def _openings(info: StreamInfo, gen: Generation) -> list[bytes]:
     """Chat: the assistant role first. Completions with echo: the prompt first."""
     if info.object == "chat.completion.chunk":
@@ -86,14 +110,18 @@ async def stream_events(
     gen: Generation,
     metrics: GatewayMetrics,
 ) -> AsyncGenerator[bytes, None]:
-    piece = _chat_piece if info.object == "chat.completion.chunk" else _completion_piece
-    offsets = {c.index: len(c.prompt_text) for c in gen.choices} if info.echo else {}
+    piece: Any = _chat_piece if info.object == "chat.completion.chunk" else _completion_piece
+    state: Any = {c.index: len(c.prompt_text) for c in gen.choices} if info.echo else {}
+    if info.plan is not None and not info.plan.plain:
+        piece, state = _parsed_chat_piece, {c.index: ChoiceOutput(info.plan) for c in gen.choices}
     try:
         for frame in _openings(info, gen):
             yield frame
         async for choice, chunk in gen.events():
             if chunk.text or chunk.finish_reason is not None or (info.logprobs and chunk.logprobs):
-                yield piece(info, offsets, choice, chunk)
+                frame = piece(info, state, choice, chunk)
+                if frame:
+                    yield frame
         if info.include_usage:
             yield _usage_frame(info, gen)
         yield _timing_comment(gen)

@@ -13,22 +13,19 @@ from typing import Any
 
 from gateway.errors import invalid
 
-_STRUCTURED = "structured outputs (JSON schema, regex, choice, grammar) are not implemented yet"
-_TOOLS = "tool calling is not implemented yet"
+_TOOLS = "the deprecated functions API is not supported: send tools and tool_choice"
 
 NEUTRAL: tuple[Any, ...] = (None, False, "", [], {})
 DEFAULT_TRUE: tuple[Any, ...] = (None, True)
 
 # field -> (why it is refused, the values that ask for nothing)
 SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "guided_json": (_STRUCTURED, NEUTRAL),
-    "guided_regex": (_STRUCTURED, NEUTRAL),
-    "guided_choice": (_STRUCTURED, NEUTRAL),
-    "guided_grammar": (_STRUCTURED, NEUTRAL),
-    "guided_decoding_backend": (_STRUCTURED, NEUTRAL),
-    "guided_whitespace_pattern": (_STRUCTURED, NEUTRAL),
-    "structured_outputs": (_STRUCTURED, NEUTRAL),
-    "structural_tag": (_STRUCTURED, NEUTRAL),
+    "guided_whitespace_pattern": (
+        "a custom whitespace pattern is not supported (structured_outputs takes "
+        "disable_any_whitespace)",
+        NEUTRAL,
+    ),
+    "structural_tag": ("structural tags are not supported; use structured_outputs", NEUTRAL),
     "prompt_logprobs": ("prompt logprobs are not implemented yet", NEUTRAL),
     "use_beam_search": ("beam search is not implemented", NEUTRAL),
     "length_penalty": (

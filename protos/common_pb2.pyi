@@ -21,7 +21,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "logit_bias")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "logit_bias", "structured")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -65,7 +66,24 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     prompt_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: bool = ..., skip_special_tokens: bool = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    structured: StructuredOutput
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: bool = ..., skip_special_tokens: bool = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("kind", "spec", "any_whitespace", "reasoning_start", "reasoning_end", "reasoning_open")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    REASONING_START_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_FIELD_NUMBER: _ClassVar[int]
+    REASONING_OPEN_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    any_whitespace: bool
+    reasoning_start: str
+    reasoning_end: str
+    reasoning_open: bool
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., any_whitespace: bool = ..., reasoning_start: _Optional[str] = ..., reasoning_end: _Optional[str] = ..., reasoning_open: bool = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token", "token_bytes")
@@ -162,7 +180,7 @@ class Histogram(_message.Message):
     def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "max_model_len", "block_size", "num_running", "num_waiting", "free_blocks", "total_blocks", "kv_cache_usage", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "vocab_size", "draining", "num_reserved", "iteration_tokens")
+    __slots__ = ("worker_id", "role", "model", "max_model_len", "block_size", "num_running", "num_waiting", "free_blocks", "total_blocks", "kv_cache_usage", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "vocab_size", "draining", "num_reserved", "iteration_tokens", "grammar_compile_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +203,7 @@ class WorkerLoad(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     ITERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -207,4 +226,5 @@ class WorkerLoad(_message.Message):
     draining: bool
     num_reserved: int
     iteration_tokens: Histogram
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: bool = ..., num_reserved: _Optional[int] = ..., iteration_tokens: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
+    grammar_compile_seconds: Histogram
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: bool = ..., num_reserved: _Optional[int] = ..., iteration_tokens: _Optional[_Union[Histogram, _Mapping]] = ..., grammar_compile_seconds: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...

@@ -277,6 +277,31 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
 
 
+def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """Tool calling and reasoning output: the gateway's flags (``tandem up`` passes them on)."""
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help=f'{passed}serve tool_choice "auto" (the default when a request gives tools): tool '
+        "calls are read out of the model's text with --tool-call-parser; without it such requests "
+        'get a 400 (tool_choice "required" or a named function always work)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help=f"{passed}how the model writes tool calls: hermes (<tool_call> JSON: Qwen, Hermes, "
+        "SmolLM3), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS])",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help=f"{passed}put a reasoning model's <think> block in message.reasoning_content: qwen3 or "
+        "deepseek_r1; structured output then constrains only the answer",
+    )
+
+
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: every interface)"
@@ -336,6 +361,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="seconds between lookups of the --discover names",
     )
     p.add_argument("--config", default=None, help="YAML/JSON file listing workers")
+    add_output_parser_args(p)
     p.add_argument(
         "--max-local-prefill-tokens",
         type=int,
@@ -430,6 +456,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help="conditional disaggregation (passed to the gateway): prompts of at most this many "
         "tokens are prefilled by the decode worker itself; 0 always disaggregates",
     )
+    add_output_parser_args(p, "(passed to the gateway) ")
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument(

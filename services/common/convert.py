@@ -8,7 +8,11 @@ from protos import common_pb2
 from services.engine.llm_engine import EngineStats
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from services.engine.step_stats import HistogramSnapshot
-from services.scheduling.sampling_params import SamplingParams, logit_bias_pairs
+from services.scheduling.sampling_params import (
+    SamplingParams,
+    StructuredOutput,
+    logit_bias_pairs,
+)
 
 FINISH = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -40,23 +44,16 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens,
         logit_bias=logit_bias_pairs(msg.logit_bias),
+        structured=structured_from_pb(msg.structured) if msg.HasField("structured") else None,
     )
 
 
-def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens,
-        min_tokens=sp.min_tokens, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos, include_stop_str_in_output=sp.include_stop_str_in_output,
-        skip_special_tokens=sp.skip_special_tokens, logit_bias=dict(sp.logit_bias),
+def structured_from_pb(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    return StructuredOutput(
+        kind=msg.kind, spec=msg.spec, any_whitespace=msg.any_whitespace,
+        reasoning_start=msg.reasoning_start, reasoning_end=msg.reasoning_end,
+        reasoning_open=msg.reasoning_open,
     )  # fmt: skip
-    if sp.seed is not None:
-        msg.seed = sp.seed
-    if sp.logprobs is not None:
-        msg.logprobs = sp.logprobs
-    return msg
 
 
 def _lp(t: TokenLogprob) -> common_pb2.TokenLogprob:
@@ -107,6 +104,7 @@ def stats_to_load(stats: EngineStats, **extra: object) -> common_pb2.WorkerLoad:
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits,
         iteration_tokens=histogram_to_pb(stats.iteration_tokens),
+        grammar_compile_seconds=histogram_to_pb(stats.grammar_compile_s),
         **extra,  # type: ignore[arg-type]
     )
 

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from services.engine.llm_engine import EngineStats, LLMEngine
 from services.engine.outputs import RequestOutput
+from services.engine.structured import CompiledOutput
 from services.scheduling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -91,16 +92,24 @@ class EngineDriver:
         priority: int = 0, prefill_only: bool = False,
     ) -> Stream:  # fmt: skip
         """Queue a request; raises InvalidRequestError for bad input."""
+        grammar = await self._compile(params)
         stream = Stream(request_id, asyncio.get_running_loop())
         added: list[bool] = []
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params, priority, prefill_only)
+            engine.add_request(request_id, prompt, params, priority, prefill_only, grammar)
             self._streams[request_id] = stream
             added.append(True)
 
         await self._until_done(add, request_id, added)
         return stream
+
+    async def _compile(self, params: SamplingParams) -> CompiledOutput | None:
+        """A structured-output grammar, compiled on a pool thread: never inside an engine step."""
+        if params.structured is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.engine.compile_grammar, params)
 
     async def _until_done(
         self, fn: Callable[[LLMEngine], None], request_id: str, added: list[bool]
@@ -116,13 +125,14 @@ class EngineDriver:
     async def activate(
         self, request_id: str, prompt: list[int], outputs: list[int], params: SamplingParams
     ) -> Stream:
+        grammar = await self._compile(params)
         stream = Stream(request_id, asyncio.get_running_loop())
         added: list[bool] = []
 
         def act(engine: LLMEngine) -> None:
             self._streams[request_id] = stream
             try:
-                done = engine.activate(request_id, prompt, outputs, params)
+                done = engine.activate(request_id, prompt, outputs, params, grammar)
             except BaseException:
                 self._streams.pop(request_id, None)
                 raise

@@ -14,9 +14,10 @@ from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from services.engine.step_stats import HistogramSnapshot, TokenHistogram
+from services.engine.structured import CompiledOutput, GrammarBatch, GrammarCompiler
 from services.model_files import ModelFiles
 from services.scheduling.kv_manager import KVCacheManager
-from services.scheduling.outputs import StepUpdate
+from services.scheduling.outputs import ScheduledRequest, StepUpdate
 from services.scheduling.request import FinishReason, Request
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduling.scheduler import Scheduler
@@ -57,6 +58,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     iteration_tokens: HistogramSnapshot  # tokens computed per step, since the engine started
+    grammar_compile_s: HistogramSnapshot  # seconds per structured-output grammar compiled
 
 
 class LLMEngine:
@@ -78,6 +80,10 @@ class LLMEngine:
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarBatch(
+            self.vocab_size, config.scheduler.max_num_seqs, self.runner.device
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # a named config with random weights has no tokenizer of its own: token ids only
         self.detokenize = files.kind != "named"
@@ -145,18 +151,41 @@ class LLMEngine:
             sp.skip_special_tokens,
         )  # fmt: skip
 
+    def compile_grammar(self, params: SamplingParams) -> CompiledOutput | None:
+        """The request's grammar (None: free output). Thread-safe: callers on the serving path
+        compile off the engine thread and pass the result in; InvalidRequestError if bad."""
+        if params.structured is None:
+            return None
+        return self.grammar_compiler.compile(params.structured)
+
+    def _constrain(
+        self, request_id: str, params: SamplingParams, grammar: CompiledOutput | None,
+        outputs: list[int],
+    ) -> None:  # fmt: skip
+        if params.structured is not None:
+            compiled = grammar or self.compile_grammar(params)
+            assert compiled is not None
+            self.grammars.add(request_id, compiled, outputs)
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0, prefill_only: bool = False,
+        priority: int = 0, prefill_only: bool = False, grammar: CompiledOutput | None = None,
     ) -> None:  # fmt: skip
-        """Queue a request. ``prefill_only`` keeps its blocks after the first token (see release)."""
+        """Queue a request. ``prefill_only`` keeps its blocks after the first token (see release);
+        ``grammar``: ``compile_grammar(params)``, compiled here if not given."""
         req = self._request(request_id, prompt_token_ids, params, priority, prefill_only)
-        self.scheduler.add(req)
+        self._constrain(request_id, params, grammar, [])
+        try:
+            self.scheduler.add(req)
+        except BaseException:
+            self.grammars.drop(request_id)
+            raise
         self._track(req)
         self.prompt_tokens += len(prompt_token_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
+        self.grammars.drop(request_id)
         if req is None and self.scheduler.cancel_reservation(request_id):
             return None
         self._detok.pop(request_id, None)
@@ -185,7 +214,7 @@ class LLMEngine:
 
     def activate(
         self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | None = None, grammar: CompiledOutput | None = None,
     ) -> RequestOutput | None:  # fmt: skip
         """The reserved prompt's KV has arrived; returns a final output if nothing is left to do."""
         reserved = self.scheduler.reserved.get(request_id)
@@ -197,9 +226,11 @@ class LLMEngine:
                 "were reserved", "prompt_token_ids",
             )  # fmt: skip
         self.validate(prompt_token_ids, params or reserved.sampling_params)
+        params = params or reserved.sampling_params
+        # the prefill worker's tokens advance the grammar: it goes on from where it stopped
+        self._constrain(request_id, params, grammar, output_token_ids)
         reserved.prompt_token_ids = list(prompt_token_ids)
-        if params is not None:
-            reserved.sampling_params = params
+        reserved.sampling_params = params
         req = self.scheduler.activate(request_id, output_token_ids)
         self._track(req)
         det = self._detok.get(request_id)
@@ -209,6 +240,7 @@ class LLMEngine:
             det.release(True)  # the prefill worker already sent this text
         if req.finished:
             self._detok.pop(request_id, None)
+            self.grammars.drop(request_id)
             reason = req.finish_reason.value if req.finish_reason else None
             return RequestOutput(request_id, [], "", True, reason, req.stop_reason,
                                  req.num_prompt_tokens, 0)  # fmt: skip
@@ -232,7 +264,7 @@ class LLMEngine:
             return []
         self.step_tokens.observe(out.num_tokens)
         min_stop = self._min_token_stop_ids(out.requests)
-        sampled = self.runner.execute(out, min_stop)
+        sampled = self.runner.execute(out, min_stop, self.grammars)
         updates = self.scheduler.update(out, sampled)
         return [self._emit(u) for u in updates]
 
@@ -240,16 +272,26 @@ class LLMEngine:
         out: dict[str, list[int]] = {}
         for r in requests:
             sp = r.sampling_params
-            if r.sample and len(r.output_token_ids) < sp.min_tokens:
+            if r.sample and len(r.output_token_ids) < sp.min_tokens and not self._grammar_done(r):
                 ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
                 out[r.request_id] = sorted(ids)
         return out
+
+    def _grammar_done(self, r: ScheduledRequest) -> bool:
+        """The grammar is complete and allows only its end: min_tokens yields to it."""
+        state = self.grammars.states.get(r.request_id)
+        return state is not None and state.phase == "grammar" and state.matcher.is_completed()
 
     def _emit(self, u: StepUpdate) -> RequestOutput:
         assert u.token is not None
         self.generation_tokens += 1
         det = self._detok.get(u.request_id)
         finished, reason, stop_reason = u.finished, u.finish_reason, u.stop_reason
+        if not finished and not self.grammars.accept(u.request_id, u.token.token_id):
+            log.error("request %s sampled token %d outside its grammar; finishing it",
+                      u.request_id, u.token.token_id)  # fmt: skip
+            self.scheduler.finish(u.request_id, FinishReason.STOP)
+            finished, reason = True, "stop"
         if det is not None:
             matched = det.add(u.token.token_id)
             if matched is not None and not finished:
@@ -260,6 +302,7 @@ class LLMEngine:
         text = det.release(finished) if det is not None else ""
         if finished:
             self._detok.pop(u.request_id, None)
+            self.grammars.drop(u.request_id)
         return RequestOutput(
             request_id=u.request_id,
             token_ids=[u.token.token_id],
@@ -307,4 +350,5 @@ class LLMEngine:
             prefix_cache_queries=self.kv.pool.queries,
             prefix_cache_hits=self.kv.pool.hits,
             iteration_tokens=self.step_tokens.snapshot(),
+            grammar_compile_s=self.grammar_compiler.compile_seconds.snapshot(),
         )

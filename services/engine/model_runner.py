@@ -17,6 +17,7 @@ from services.engine.input_staging import InputStaging
 from services.engine.kv_cache import GIB, allocate_kv_caches, check_fits, plan_num_blocks
 from services.engine.loader import load_model
 from services.engine.sampler import sample
+from services.engine.structured import GrammarBatch
 from services.engine.warmup import warmup_steps
 from services.scheduling.outputs import SampledToken, SchedulerOutput
 from services.scheduling.sampling_params import SamplingParams
@@ -218,12 +219,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, min_token_stop_ids: dict[str, list[int]]
-    ) -> dict[str, SampledToken]:
+        self, out: SchedulerOutput, min_token_stop_ids: dict[str, list[int]],
+        grammars: GrammarBatch | None = None,
+    ) -> dict[str, SampledToken]:  # fmt: skip
+        """``grammars``: the constrained requests; their bitmask is filled on the host while the
+        forward runs on the device, and applied before sampling."""
         sampling = [r for r in out.requests if r.sample]
-        if len(sampling) == len(out.requests) and all(
-            _plain_greedy(r.sampling_params) and r.request_id not in min_token_stop_ids
-            for r in sampling
+        rids = [r.request_id for r in sampling]
+        constrained = grammars is not None and grammars.constrains(rids)
+        if (
+            not constrained
+            and len(sampling) == len(out.requests)
+            and all(
+                _plain_greedy(r.sampling_params) and r.request_id not in min_token_stop_ids
+                for r in sampling
+            )
         ):
             ran = self._graph_forward(out)
             if ran is not None:  # the graph's own argmax is the token: one read, no sampler
@@ -232,6 +242,7 @@ class ModelRunner:
         logits = self.forward_logits(out)
         if logits is None or not sampling:
             return {}
+        allowed = grammars.fill(rids) if grammars is not None and constrained else None
         tokens = sample(
             logits,
             [r.sampling_params for r in sampling],
@@ -239,6 +250,7 @@ class ModelRunner:
             [r.prompt_token_ids for r in sampling],
             [min_token_stop_ids.get(r.request_id, []) for r in sampling],
             read=self.reader.read,
+            allowed=allowed,
         )
         return {r.request_id: tok for r, tok in zip(sampling, tokens, strict=True)}
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from services.engine.structured import apply_bitmask
 from services.scheduling.outputs import SampledToken
 from services.scheduling.sampling_params import SamplingParams
 
@@ -82,14 +83,18 @@ def sample(
     prompts: list[list[int]],
     stop_ids_for_min_tokens: list[list[int]],
     read: Callable[..., list[list]] | None = None,
+    allowed: tuple[torch.Tensor, list[int]] | None = None,
 ) -> list[SampledToken]:
     """One token per row. ``read(*tensors)`` brings the results to the host once all the GPU
-    work is queued (the runner's reader waits with the GIL released); default ``tolist``."""
+    work is queued (the runner's reader waits with the GIL released); default ``tolist``.
+    ``allowed``: a grammar bitmask and the rows it constrains (``services.engine.structured``)."""
     want_logprobs = [sp.logprobs for sp in params]
     raw = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
     if any(sp.adjusts_logits for sp in params):
         logits = logits.clone()
         apply_penalties(logits, params, outputs, prompts)
+    if allowed is not None:
+        apply_bitmask(logits, *allowed)
     for i, ids in enumerate(stop_ids_for_min_tokens):
         if ids:
             logits[i, ids] = _NEG_INF

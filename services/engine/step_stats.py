@@ -30,9 +30,9 @@ class TokenHistogram:
             raise ValueError(f"histogram bounds must be strictly ascending, got {bounds}")
         self.bounds = tuple(float(b) for b in bounds)
         self._counts = [0] * (len(self.bounds) + 1)  # per bucket; the last is above every bound
-        self._sum = 0
+        self._sum = 0.0
 
-    def observe(self, value: int) -> None:
+    def observe(self, value: float) -> None:
         self._counts[bisect.bisect_left(self.bounds, value)] += 1
         self._sum += value
 

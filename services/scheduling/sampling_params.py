@@ -40,6 +40,41 @@ def _token_id(key: Any) -> int:
     return int(key)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match: the workers compile it into a grammar (xgrammar).
+
+    ``spec`` is the JSON schema text (json), the regex, the EBNF or Lark grammar, or a JSON list of
+    strings (choice); json_object needs none. A reasoning model's thinking is left free: with
+    ``reasoning_end`` set the grammar starts after that text, and with ``reasoning_start`` set
+    the model may first open a thinking block (``reasoning_open``: the prompt already opened it).
+    """
+
+    kind: str
+    spec: str = ""
+    # JSON: False (the default) is compact, one space after ':' and ',': with free whitespace
+    # models may pad the output with newlines until max_tokens (a known xgrammar pitfall)
+    any_whitespace: bool = False
+    reasoning_start: str = ""
+    reasoning_end: str = ""
+    reasoning_open: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                f"got {self.kind!r}",
+                "structured_outputs",
+            )
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(
+                f"a {self.kind} constraint needs a value", "structured_outputs"
+            )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -61,6 +96,7 @@ class SamplingParams:
     n: int = 1
     # token id -> added to its logit before sampling (OpenAI's logit_bias); a mapping is accepted
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None  # grammar-constrained output
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -71,12 +71,24 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CHAT, {"messages": [{"content": "hi"}]}, {}, "messages[0].role must be a non-empty string"),
     (CHAT, {"messages": [{"role": "user", "content": "\ud800 hi"}]}, {}, "messages[0].content is not valid Unicode"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, {}, "messages[0].role must be one of system, user, assistant, tool, developer, got 'wizard'"),
-    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, {}, "response_format type 'json_object' is not supported"),
-    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, {}, "response_format type 'json_schema' is not supported"),
-    (CHAT, {"messages": MSGS, "tools": [TOOL]}, {}, "tool calling is not supported"),
-    (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": "auto"}, {}, "tool calling is not supported"),
-    (CHAT, {"messages": MSGS, "tool_choice": "required"}, {}, "is not supported"),
-    (CHAT, {"messages": MSGS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, {}, "is not supported"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "yaml"}}, {}, "response_format type must be 'text', 'json_object' or 'json_schema', got 'yaml'"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema"}}, {}, "response_format json_schema needs a json_schema object"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, {}, "must be a JSON schema (an object)"),
+    (CHAT, {"messages": MSGS, "guided_json": "{nope"}, {}, "guided_json is not valid JSON"),
+    (CHAT, {"messages": MSGS, "guided_choice": "yes"}, {}, "guided_choice must be a non-empty list of strings"),
+    (CHAT, {"messages": MSGS, "guided_regex": "a", "guided_choice": ["a"]}, {}, "give one of guided_json"),
+    (CHAT, {"messages": MSGS, "guided_decoding_backend": "outlines", "guided_regex": "a"}, {}, "this server uses xgrammar"),
+    (CHAT, {"messages": MSGS, "structured_outputs": {"regex": "a", "choice": ["a"]}}, {}, "must hold exactly one of"),
+    (CHAT, {"messages": MSGS, "structured_outputs": {"whitespace_pattern": " ", "regex": "a"}}, {}, "structured_outputs.whitespace_pattern is not supported"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}, "guided_regex": "a"}, {}, "ask for structured output one way"),
+    (CHAT, {"messages": MSGS, "tools": [TOOL]}, {}, "needs the server started with --enable-auto-tool-choice"),
+    (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": "auto"}, {}, "needs the server started with --enable-auto-tool-choice"),
+    (CHAT, {"messages": MSGS, "tool_choice": "required"}, {}, "tool_choice needs tools to choose from"),
+    (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, {}, "names the function 'g', which is not in tools"),
+    (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": "sometimes"}, {}, "tool_choice must be 'none', 'auto', 'required' or a named function"),
+    (CHAT, {"messages": MSGS, "tools": [TOOL, TOOL], "tool_choice": "required"}, {}, "tools name the function"),
+    (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, {}, "cannot be combined with tool_choice"),
+    (CHAT, {"messages": [*MSGS, {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]}, {}, "function.arguments is not valid JSON"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, {}, "messages[0].content must be a string"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, "only text parts"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 3000}, {}, "(31 in the messages, 3000 in the completion)"),
@@ -271,6 +283,8 @@ def test_what_openai_accepts_stays_accepted() -> None:
         {"role": "tool", "content": "42", "tool_call_id": "c"},
     ]})  # fmt: skip
     assert [m["content"] for m in req.messages] == ["", "", "42"]
+    # templates read a call's arguments as an object (OpenAI sends JSON text)
+    assert req.messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": {}}
 
 
 @pytest.mark.parametrize("tools", ["abc", [1], {"type": "function"}])

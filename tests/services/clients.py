@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.convert import sampling_to_pb
 from protos import (
     common_pb2,
     decode_pb2,
@@ -24,7 +25,6 @@ from protos import (
     worker_pb2_grpc,
 )
 from services.common.auth import client_interceptors
-from services.common.convert import sampling_to_pb
 from services.scheduling.sampling_params import SamplingParams
 
 STUBS: dict[str, Callable[[Any], Any]] = {

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.convert import sampling_to_pb
 from protos import common_pb2
-from services.common.convert import (
-    histogram_to_pb,
-    output_to_chunk,
-    sampling_from_pb,
-    sampling_to_pb,
-)
+from services.common.convert import histogram_to_pb, output_to_chunk, sampling_from_pb
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from services.engine.step_stats import TokenHistogram
-from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
+from services.scheduling.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
 
 
 def test_sampling_params_survive_the_wire() -> None:
@@ -23,6 +23,14 @@ def test_sampling_params_survive_the_wire() -> None:
                         ignore_eos=True, logprobs=3, include_stop_str_in_output=True,
                         skip_special_tokens=False)  # fmt: skip
     assert sampling_from_pb(sampling_to_pb(sp)) == sp  # values exact in float32
+
+
+def test_a_structured_output_survives_the_wire() -> None:
+    so = StructuredOutput("json", '{"type": "object"}', any_whitespace=True,
+                          reasoning_start="<think>", reasoning_end="</think>", reasoning_open=True)  # fmt: skip
+    sp = sampling_from_pb(sampling_to_pb(SamplingParams(max_tokens=4, structured=so)))
+    assert sp.structured == so
+    assert sampling_from_pb(sampling_to_pb(SamplingParams(max_tokens=4))).structured is None
 
 
 def test_unset_optional_fields_mean_off() -> None:

@@ -1,0 +1,240 @@
+"""Grammar-constrained decoding on the worker, with xgrammar.
+
+A request's ``StructuredOutput`` is compiled once into a grammar (``GrammarCompiler``, called off
+the engine thread; xgrammar caches compiled grammars per spec). Each constrained request then has
+a matcher (``GrammarState``). Every step the engine fills one bitmask row per constrained request
+on the CPU (after the step's forward is queued on the GPU, so the two overlap); the sampler
+applies it to the logits with xgrammar's kernel; the sampled token advances the matcher. A
+reasoning model's thinking block is left free: the grammar starts after its end tag.
+
+The decode side of a disaggregated request replays the tokens the prefill worker sampled through
+a fresh matcher (``GrammarBatch.add``), so the grammar continues where it stopped; the prompt is
+never recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from services.engine.step_stats import TokenHistogram
+from services.scheduling.sampling_params import InvalidRequestError, StructuredOutput
+
+log = logging.getLogger(__name__)
+
+COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_PARAM = "structured_outputs"
+_CPP_PREFIX = re.compile(r"\[[0-9:]+\] [^\s:]+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True)
+class CompiledOutput:
+    """A compiled grammar and the token ids around a thinking block (see ``StructuredOutput``)."""
+
+    grammar: xgr.CompiledGrammar
+    reasoning_start: int | None = None  # the one token that opens a thinking block
+    reasoning_end: tuple[int, ...] = ()  # the tokens that close it; () = no thinking
+    reasoning_open: bool = False
+
+
+def _library_message(exc: Exception) -> str:
+    """xgrammar's C++ errors, without the file:line prefix."""
+    return _CPP_PREFIX.sub("", str(exc)).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+
+
+def _choice_grammar(spec: str) -> str:
+    """``choice``: an EBNF alternation of the literal strings (JSON string escapes are EBNF's)."""
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"choice must be a JSON list of strings: {e}", _PARAM) from e
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise InvalidRequestError("choice must be a non-empty list of strings", _PARAM)
+    if any(c == "" for c in choices):
+        raise InvalidRequestError("choice strings must not be empty", _PARAM)
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one tokenizer. Thread-safe; the xgrammar compiler (its
+    tokenizer table takes up to a second on a 128k vocabulary) is built on first use."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._stop_ids = sorted(stop_token_ids)
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+        self.compile_seconds = TokenHistogram(COMPILE_SECONDS_BUCKETS)
+
+    def _xgr(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                if self._tokenizer is None:
+                    raise InvalidRequestError(
+                        "structured output needs the model's tokenizer, and this worker serves "
+                        "token ids only (a random-weight named config without one)",
+                        _PARAM,
+                    )
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
+
+    def compile(self, so: StructuredOutput) -> CompiledOutput:
+        """Raises InvalidRequestError naming what is wrong with the schema, regex or grammar."""
+        compiler = self._xgr()
+        t0 = time.perf_counter()
+        grammar = self._grammar(compiler, so)
+        self.compile_seconds.observe(time.perf_counter() - t0)
+        start = self._tokens(so.reasoning_start)
+        return CompiledOutput(
+            grammar,
+            reasoning_start=start[0] if len(start) == 1 else None,
+            reasoning_end=tuple(self._tokens(so.reasoning_end)),
+            reasoning_open=so.reasoning_open,
+        )
+
+    def _tokens(self, text: str) -> list[int]:
+        if not text:
+            return []
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def _grammar(self, compiler: xgr.GrammarCompiler, so: StructuredOutput) -> xgr.CompiledGrammar:
+        try:
+            if so.kind == "json_object":
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=so.any_whitespace
+                )
+            if so.kind == "json":
+                return compiler.compile_json_schema(so.spec, any_whitespace=so.any_whitespace)
+            if so.kind == "regex":
+                return compiler.compile_regex(so.spec)
+            if so.kind == "choice":
+                return compiler.compile_grammar(_choice_grammar(so.spec))
+            return self._ebnf_or_lark(compiler, so.spec)
+        except RuntimeError as e:
+            what = {"json": "JSON schema", "regex": "regex"}.get(so.kind, so.kind)
+            raise InvalidRequestError(f"invalid {what}: {_library_message(e)}", _PARAM) from e
+
+    @staticmethod
+    def _ebnf_or_lark(compiler: xgr.GrammarCompiler, spec: str) -> xgr.CompiledGrammar:
+        """vLLM takes GBNF/EBNF (``root ::= ...``) or Lark (``start: ...``) grammars."""
+        try:
+            return compiler.compile_grammar(spec)
+        except RuntimeError as ebnf_error:
+            try:
+                return compiler.compile_grammar(xgr.Grammar.from_lark(spec))
+            except RuntimeError:
+                raise ebnf_error from None
+
+
+class GrammarState:
+    """One request's place in its grammar, with the free thinking block before it (if any)."""
+
+    def __init__(self, compiled: CompiledOutput) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled.grammar)
+        self._start, self._end = compiled.reasoning_start, compiled.reasoning_end
+        self._tail: list[int] = []
+        if not self._end:
+            self.phase = "grammar"
+        elif compiled.reasoning_open:
+            self.phase = "thinking"
+        else:  # the model may open a thinking block first, or answer at once
+            self.phase = "undecided" if self._start is not None else "grammar"
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed tokens into ``bitmask[row]``; False: no constraint this step."""
+        if self.phase == "thinking":
+            return False
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.phase == "undecided":
+            assert self._start is not None
+            words = bitmask.numpy().view(np.uint32)  # set bit 31 without int32 overflow
+            words[row, self._start // 32] |= np.uint32(1 << (self._start % 32))
+        return True
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+        if self.phase == "undecided":
+            if token == self._start:
+                self.phase = "thinking"
+                return True
+            self.phase = "grammar"
+        if self.phase == "thinking":
+            self._tail = [*self._tail, token][-len(self._end) :]
+            if tuple(self._tail) == self._end:
+                self.phase = "grammar"
+            return True
+        return bool(self.matcher.accept_token(token))
+
+
+class GrammarBatch:
+    """The engine's constrained requests and the step's bitmask (one row per sampling row)."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        self.states: dict[str, GrammarState] = {}
+        self.device = device
+        bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)  # [rows, ceil(V / 32)] int32
+        self._bitmask = bitmask.pin_memory() if device.type == "cuda" else bitmask
+
+    def add(self, request_id: str, compiled: CompiledOutput, outputs: Sequence[int] = ()) -> None:
+        """Track a request; ``outputs`` (sampled elsewhere, e.g. by the prefill worker) replay."""
+        state = GrammarState(compiled)
+        for i, token in enumerate(outputs):
+            if not state.accept(token):
+                raise InvalidRequestError(
+                    f"output token {i} ({token}) does not match the request's grammar",
+                    "output_token_ids",
+                )
+        self.states[request_id] = state
+
+    def drop(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def constrains(self, request_ids: Sequence[str]) -> bool:
+        return bool(self.states) and any(r in self.states for r in request_ids)
+
+    def fill(self, request_ids: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
+        """The bitmask of the step's sampling rows (in ``request_ids`` order) and the rows it
+        constrains; None when none is constrained this step."""
+        rows = [
+            i
+            for i, rid in enumerate(request_ids)
+            if (s := self.states.get(rid)) is not None and s.fill(self._bitmask, i)
+        ]
+        return (self._bitmask[: len(request_ids)], rows) if rows else None
+
+    def accept(self, request_id: str, token: int) -> bool:
+        state = self.states.get(request_id)
+        return state is None or state.accept(token)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Disallowed tokens' logits of ``rows`` to -inf, in place (xgrammar's kernel on the GPU).
+
+    logits: [S, V] fp32; bitmask: [>= S, ceil(V / 32)] int32 on the host, bit j of word w
+    allowing token 32 * w + j."""
+    mask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, indices=rows)
+
+
+def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Plain torch, for tests: unpack the bits and mask."""
+    V = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int64)
+    for r in rows:
+        words = bitmask[r].to(torch.int64) & 0xFFFFFFFF  # [W]
+        allowed = ((words[:, None] >> bits) & 1).flatten()[:V].bool()  # [V]
+        logits[r] = logits[r].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -1,0 +1,191 @@
+"""Grammar-constrained decoding in the engine: outputs match their schema, regex, choice or
+grammar under every sampling option; a batch mixing constrained and free requests leaves the free
+ones as they were; the decode side of a hand-off continues the prefill side's grammar; bad specs
+are clear errors; the bitmask kernel agrees with its torch reference."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from services.engine.llm import LLM
+from services.engine.structured import (
+    CompiledOutput,
+    GrammarState,
+    apply_bitmask,
+    apply_bitmask_reference,
+)
+from services.scheduling.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+}
+
+
+def _so(kind: str, spec: object = "") -> StructuredOutput:
+    return StructuredOutput(kind, spec if isinstance(spec, str) else json.dumps(spec))
+
+
+def _run(llm: LLM, chat_ids: list[list[int]], so: StructuredOutput | None, **kw: object) -> list:
+    params = SamplingParams(max_tokens=kw.pop("max_tokens", 80), structured=so, **kw)  # type: ignore[arg-type]
+    return [r.outputs[0] for r in llm.generate(chat_ids[:4], params)]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "seed": 3},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 5},
+        {"temperature": 0.0, "repetition_penalty": 1.3, "logprobs": 2},
+        {"temperature": 1.2, "min_p": 0.05, "presence_penalty": 1.0},
+    ],
+)
+def test_json_schema_outputs_validate_under_every_sampling_option(
+    llm: LLM, chat_ids: list[list[int]], kw: dict
+) -> None:
+    for out in _run(llm, chat_ids, _so("json", PERSON), **kw):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+        if kw.get("logprobs"):
+            assert len(out.logprobs) == len(out.token_ids)
+
+
+def test_regex_choice_grammar_and_json_object(llm: LLM, chat_ids: list[list[int]]) -> None:
+    outs = _run(llm, chat_ids, _so("regex", r"[0-9]{3}-[a-z]{2,4}"), temperature=1.0, seed=1)
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", o.text) for o in outs), outs
+    outs = _run(llm, chat_ids, _so("choice", ["yes", "no", 'say "maybe"']), temperature=1.0)
+    assert all(o.text in ("yes", "no", 'say "maybe"') for o in outs)
+    outs = _run(llm, chat_ids, _so("grammar", 'root ::= "A" [0-9] [0-9]? "!"'))
+    assert all(re.fullmatch(r"A[0-9]{1,2}!", o.text) for o in outs)
+    outs = _run(llm, chat_ids, _so("grammar", 'start: "x" NUM\nNUM: /[0-9]/'))  # Lark
+    assert all(re.fullmatch(r"x[0-9]", o.text) for o in outs)
+    outs = _run(llm, chat_ids, _so("json_object"), max_tokens=200)
+    assert all(isinstance(json.loads(o.text), dict) for o in outs if o.finish_reason == "stop")
+
+
+def test_a_mixed_batch_leaves_free_requests_unchanged(llm: LLM, chat_ids: list[list[int]]) -> None:
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = [r.outputs[0].text for r in llm.generate(chat_ids[:3], free)]
+    for i, p in enumerate(chat_ids[:3]):
+        llm.engine.add_request(f"mixed-free-{i}", p, free)
+        llm.engine.add_request(f"mixed-json-{i}", p, replace_structured(free, _so("json", PERSON)))
+    texts: dict[str, str] = {}
+    while llm.engine.has_unfinished:
+        for out in llm.engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+    assert [texts[f"mixed-free-{i}"] for i in range(3)] == alone
+    assert not llm.engine.grammars.states  # every matcher dropped at the end
+
+
+def replace_structured(sp: SamplingParams, so: StructuredOutput) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sp, structured=so)
+
+
+def test_decode_side_continues_the_prefill_sides_grammar(
+    llm: LLM, chat_ids: list[list[int]]
+) -> None:
+    """Prefill samples the first token under the grammar; activate() replays it into a fresh
+    matcher, and the rest equals a colocated run token for token (greedy)."""
+    engine, prompt = llm.engine, chat_ids[1]
+    sp = SamplingParams(temperature=0.0, max_tokens=60, structured=_so("json", PERSON))
+    colocated = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    assert engine.reserve("handoff", prompt, sp) is not None
+    assert engine.activate("handoff", prompt, colocated[:1], sp) is None
+    tokens = list(colocated[:1])
+    while engine.has_unfinished:
+        tokens += [t for out in engine.step() for t in out.token_ids]
+    assert tokens == colocated
+
+
+def test_replayed_tokens_outside_the_grammar_are_refused(
+    llm: LLM, chat_ids: list[list[int]]
+) -> None:
+    engine, prompt = llm.engine, chat_ids[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, structured=_so("regex", "[0-9]+"))
+    letter = llm.tokenizer.encode("x", add_special_tokens=False)
+    assert engine.reserve("replay-bad", prompt, sp) is not None
+    with pytest.raises(InvalidRequestError, match="does not match the request's grammar"):
+        engine.activate("replay-bad", prompt, letter, sp)
+    assert engine.cancel_reservation("replay-bad")
+    assert not engine.grammars.states
+
+
+@pytest.mark.parametrize(
+    ("so", "words"),
+    [
+        (_so("json", {"type": "nope"}), "invalid JSON schema: Unsupported type"),
+        (_so("json", "{not json"), "invalid JSON schema"),
+        (_so("regex", "(ab"), "invalid regex: Regex parsing error"),
+        (_so("grammar", 'root ::= "a" |'), "invalid grammar"),
+        (_so("choice", "[1, 2]"), "choice must be a non-empty list of strings"),
+    ],
+)
+def test_bad_specs_are_clear_errors(llm: LLM, so: StructuredOutput, words: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        llm.engine.compile_grammar(SamplingParams(structured=so))
+    assert words in str(err.value) and "/project/" not in str(err.value)
+    assert err.value.param == "structured_outputs"
+
+
+def test_structured_output_needs_a_kind_and_a_value() -> None:
+    with pytest.raises(InvalidRequestError, match="must be one of"):
+        StructuredOutput("yaml", "x")
+    with pytest.raises(InvalidRequestError, match="needs a value"):
+        StructuredOutput("regex")
+
+
+def test_the_thinking_block_is_free_and_the_grammar_starts_after_it(llm: LLM) -> None:
+    """A reasoning model: "<think>" (one token here: '<|im_start|>' stands in) may open a free
+    block, the end tag closes it, and only then does the grammar constrain."""
+    tok = llm.tokenizer
+    start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.encode("</think>")
+    grammar = llm.engine.grammar_compiler.compile(_so("regex", "[0-9]+")).grammar
+    state = GrammarState(CompiledOutput(grammar, start, tuple(end), reasoning_open=False))
+    bitmask = xgr.allocate_token_bitmask(1, llm.engine.vocab_size)
+    assert state.fill(bitmask, 0) and _allowed(bitmask, start)  # may open the block...
+    assert not _allowed(bitmask, tok.encode("x")[0])  # ...or answer within the grammar
+    assert state.accept(start) and not state.fill(bitmask, 0)  # thinking: unconstrained
+    for t in tok.encode("free text, then") + end:
+        assert state.accept(t)
+    assert state.phase == "grammar" and state.fill(bitmask, 0)
+    assert not state.accept(tok.encode("x")[0])
+    answered = GrammarState(CompiledOutput(grammar, start, tuple(end)))
+    assert answered.accept(tok.encode("7")[0]) and answered.phase == "grammar"
+    opened = GrammarState(CompiledOutput(grammar, start, tuple(end), reasoning_open=True))
+    assert opened.phase == "thinking" and opened.accept(tok.encode("x")[0])
+
+
+def _allowed(bitmask: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 31), (4, 32), (5, 33), (8, 49152)])
+def test_bitmask_kernel_matches_the_reference(rows: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
+    constrained = list(range(0, rows, 2))
+    ours, ref = logits.clone(), logits.clone()
+    apply_bitmask(ours, bitmask, constrained)
+    apply_bitmask_reference(ref, bitmask, constrained)
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[1::2], logits[1::2])  # rows not listed are untouched
