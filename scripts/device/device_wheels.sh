@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download the wheels a bare GPU image lacks (for runs on a lent GPU machine that cannot reach
 # PyPI): everything the gateway, the workers, `tandem up`, `tandem bench serve|disagg` and GGUF
-# loading import beyond what the image ships (torch, triton, transformers, tokenizers, grpcio,
+# loading and structured output (xgrammar, pydantic) import beyond what the image ships (torch, triton, transformers, tokenizers, grpcio,
 # protobuf, numpy, httpx, anyio, h11, click, requests, uvloop, matplotlib, psutil, pyyaml, jinja2,
 # prometheus-client, tqdm, typing-extensions: /work/.library/device/KINDS.md). One version of each,
 # every Requires-Dist of these wheels already in the image; about 1.3 MB. Install them there with:
@@ -27,7 +27,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   grpcio-health-checking==1.73.1 grpcio-reflection==1.73.1 \
   starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 \
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
-  gguf==0.19.0 "$@"
+  gguf==0.19.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.3 pydantic-core==2.50.4 \
+  annotated-types==0.8.0 typing-inspection==0.4.5 "$@"
 ls "$dir"
 du -sh "$dir"
 if [[ "$check" == 1 ]]; then
@@ -45,8 +46,8 @@ import importlib, sys
 names = ["starlette", "starlette.applications", "uvicorn", "opentelemetry.trace",
          "opentelemetry.sdk.trace", "opentelemetry.semconv.trace", "grpc_health.v1.health",
          "grpc_reflection.v1alpha.reflection", "gguf", "gateway.app", "deploy.launcher"]
-if sys.version_info[:2] == (3, 12):
-    names.append("httptools")
+if sys.version_info[:2] == (3, 12):  # compiled wheels
+    names += ["httptools", "pydantic", "xgrammar", "services.engine.structured"]
 for name in names:
     module = importlib.import_module(name)
     print(f"ok {name} ({getattr(module, '__file__', '')})")

@@ -82,7 +82,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.grammars = GrammarBatch(
-            self.vocab_size, config.scheduler.max_num_seqs, self.runner.device
+            self.vocab_size, config.scheduler.max_num_seqs, self.runner.device, self.eos_token_ids
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # a named config with random weights has no tokenizer of its own: token ids only
@@ -232,6 +232,9 @@ class LLMEngine:
         reserved.prompt_token_ids = list(prompt_token_ids)
         reserved.sampling_params = params
         req = self.scheduler.activate(request_id, output_token_ids)
+        last = output_token_ids[-1] if output_token_ids else None
+        if not req.finished and last is not None and self.grammars.ends_with(request_id, last):
+            self.scheduler.finish(request_id, FinishReason.STOP)
         self._track(req)
         det = self._detok.get(request_id)
         if det is not None:
@@ -278,20 +281,19 @@ class LLMEngine:
         return out
 
     def _grammar_done(self, r: ScheduledRequest) -> bool:
-        """The grammar is complete and allows only its end: min_tokens yields to it."""
-        state = self.grammars.states.get(r.request_id)
-        return state is not None and state.phase == "grammar" and state.matcher.is_completed()
+        """The grammar could end here: min_tokens yields to it."""
+        return self.grammars.completed(r.request_id)
 
     def _emit(self, u: StepUpdate) -> RequestOutput:
         assert u.token is not None
         self.generation_tokens += 1
         det = self._detok.get(u.request_id)
         finished, reason, stop_reason = u.finished, u.finish_reason, u.stop_reason
-        if not finished and not self.grammars.accept(u.request_id, u.token.token_id):
-            log.error("request %s sampled token %d outside its grammar; finishing it",
-                      u.request_id, u.token.token_id)  # fmt: skip
-            self.scheduler.finish(u.request_id, FinishReason.STOP)
-            finished, reason = True, "stop"
+        if not finished and self.grammars.ends_with(u.request_id, u.token.token_id):
+            self.scheduler.finish(u.request_id, FinishReason.STOP)  # under ignore_eos too
+            finished, reason, stop_reason = True, "stop", u.token.token_id
+        elif not finished:  # the matcher takes it during the next step's forward
+            self.grammars.push(u.request_id, u.token.token_id)
         if det is not None:
             matched = det.add(u.token.token_id)
             if matched is not None and not finished:

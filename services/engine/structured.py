@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -141,12 +142,18 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's place in its grammar, with the free thinking block before it (if any)."""
+    """One request's place in its grammar, with the free thinking block before it (if any).
+
+    Sampled tokens are pushed as they come and taken by the matcher at the next fill, which runs
+    while the next forward is on the device: the matcher's work stays off the step's critical
+    path (``GrammarBatch.fill``)."""
 
     def __init__(self, compiled: CompiledOutput) -> None:
         self.matcher = xgr.GrammarMatcher(compiled.grammar)
         self._start, self._end = compiled.reasoning_start, compiled.reasoning_end
         self._tail: list[int] = []
+        self.pending: list[int] = []  # sampled under the grammar, not yet taken by the matcher
+        self.broken = False  # the matcher refused a token: the request must end
         if not self._end:
             self.phase = "grammar"
         elif compiled.reasoning_open:
@@ -154,46 +161,60 @@ class GrammarState:
         else:  # the model may open a thinking block first, or answer at once
             self.phase = "undecided" if self._start is not None else "grammar"
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Write the allowed tokens into ``bitmask[row]``; False: no constraint this step."""
-        if self.phase == "thinking":
-            return False
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        if self.phase == "undecided":
-            assert self._start is not None
-            words = bitmask.numpy().view(np.uint32)  # set bit 31 without int32 overflow
-            words[row, self._start // 32] |= np.uint32(1 << (self._start % 32))
-        return True
+    @property
+    def constrains(self) -> bool:
+        return self.phase != "thinking"
 
-    def accept(self, token: int) -> bool:
-        """Advance by a sampled token; False if the grammar does not allow it."""
+    def push(self, token: int) -> None:
+        """A sampled token; a thinking block's tokens are handled at once (no matcher work)."""
         if self.phase == "undecided":
             if token == self._start:
                 self.phase = "thinking"
-                return True
+                return
             self.phase = "grammar"
         if self.phase == "thinking":
             self._tail = [*self._tail, token][-len(self._end) :]
             if tuple(self._tail) == self._end:
                 self.phase = "grammar"
-            return True
-        return bool(self.matcher.accept_token(token))
+            return
+        self.pending.append(token)
+
+    def flush(self) -> bool:
+        """Let the matcher take the pending tokens; False if it refuses one."""
+        for token in self.pending:
+            if not self.broken and not self.matcher.accept_token(token):
+                self.broken = True
+        self.pending.clear()
+        return not self.broken
+
+    def allow_start(self, bitmask: torch.Tensor, row: int) -> None:
+        """Undecided: the token that opens a thinking block is allowed besides the grammar's."""
+        if self.phase == "undecided" and self._start is not None:
+            words = bitmask.numpy().view(np.uint32)  # set bit 31 without int32 overflow
+            words[row, self._start // 32] |= np.uint32(1 << (self._start % 32))
 
 
 class GrammarBatch:
     """The engine's constrained requests and the step's bitmask (one row per sampling row)."""
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device,
+                 stop_token_ids: Iterable[int] = ()) -> None:  # fmt: skip
         self.states: dict[str, GrammarState] = {}
         self.device = device
+        self.stop_ids = frozenset(stop_token_ids)  # the tokens a finished grammar ends with
         bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)  # [rows, ceil(V / 32)] int32
         self._bitmask = bitmask.pin_memory() if device.type == "cuda" else bitmask
+        # rows are filled in parallel: on the GPU this overlaps the forward; a CPU worker keeps
+        # its cores for the model
+        threads = max(1, min(8, (os.cpu_count() or 1) // 2)) if device.type == "cuda" else 1
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     def add(self, request_id: str, compiled: CompiledOutput, outputs: Sequence[int] = ()) -> None:
         """Track a request; ``outputs`` (sampled elsewhere, e.g. by the prefill worker) replay."""
         state = GrammarState(compiled)
         for i, token in enumerate(outputs):
-            if not state.accept(token):
+            state.push(token)
+            if not state.flush():
                 raise InvalidRequestError(
                     f"output token {i} ({token}) does not match the request's grammar",
                     "output_token_ids",
@@ -208,17 +229,62 @@ class GrammarBatch:
 
     def fill(self, request_ids: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
         """The bitmask of the step's sampling rows (in ``request_ids`` order) and the rows it
-        constrains; None when none is constrained this step."""
-        rows = [
-            i
-            for i, rid in enumerate(request_ids)
-            if (s := self.states.get(rid)) is not None and s.fill(self._bitmask, i)
-        ]
-        return (self._bitmask[: len(request_ids)], rows) if rows else None
+        constrains; None when none is constrained this step. Called while the forward runs."""
+        rows, states = [], []
+        for i, rid in enumerate(request_ids):
+            state = self.states.get(rid)
+            if state is not None and state.constrains:
+                rows.append(i)
+                states.append(state)
+        if not rows:
+            return None
+        self._take_pending(states)
+        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], self._bitmask, rows)
+        for i, state in zip(rows, states, strict=True):
+            state.allow_start(self._bitmask, i)
+            if state.broken:  # only its end is left to sample
+                self._only_stop(i)
+        return self._bitmask[: len(request_ids)], rows
 
-    def accept(self, request_id: str, token: int) -> bool:
+    def _take_pending(self, states: list[GrammarState]) -> None:
+        single = [s for s in states if len(s.pending) == 1 and not s.broken]
+        if single:
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token(
+                [s.matcher for s in single], [s.pending[0] for s in single]
+            )
+            for state, ok in zip(single, accepted, strict=True):
+                state.broken = not ok
+                state.pending.clear()
+        for state in states:
+            if state.pending:
+                state.flush()
+            if state.broken:
+                log.error("a sampled token broke its grammar; the request ends")
+
+    def _only_stop(self, row: int) -> None:
+        self._bitmask[row].zero_()
+        for token in self.stop_ids:
+            words = self._bitmask.numpy().view(np.uint32)
+            words[row, token // 32] |= np.uint32(1 << (token % 32))
+
+    def push(self, request_id: str, token: int) -> None:
         state = self.states.get(request_id)
-        return state is None or state.accept(token)
+        if state is not None:
+            state.push(token)
+
+    def ends_with(self, request_id: str, token: int) -> bool:
+        """The grammar is over with this token (its stop token): nothing may follow, even under
+        ignore_eos."""
+        state = self.states.get(request_id)
+        return state is not None and state.phase == "grammar" and token in self.stop_ids
+
+    def completed(self, request_id: str) -> bool:
+        """The grammar could end here (what min_tokens yields to)."""
+        state = self.states.get(request_id)
+        if state is None or state.phase != "grammar":
+            return False
+        state.flush()
+        return bool(state.matcher.is_completed())
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -11,12 +11,11 @@ import re
 import jsonschema
 import pytest
 import torch
-import xgrammar as xgr
 
 from services.engine.llm import LLM
 from services.engine.structured import (
     CompiledOutput,
-    GrammarState,
+    GrammarBatch,
     apply_bitmask,
     apply_bitmask_reference,
 )
@@ -158,23 +157,43 @@ def test_the_thinking_block_is_free_and_the_grammar_starts_after_it(llm: LLM) ->
     tok = llm.tokenizer
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.encode("</think>")
     grammar = llm.engine.grammar_compiler.compile(_so("regex", "[0-9]+")).grammar
-    state = GrammarState(CompiledOutput(grammar, start, tuple(end), reasoning_open=False))
-    bitmask = xgr.allocate_token_bitmask(1, llm.engine.vocab_size)
-    assert state.fill(bitmask, 0) and _allowed(bitmask, start)  # may open the block...
-    assert not _allowed(bitmask, tok.encode("x")[0])  # ...or answer within the grammar
-    assert state.accept(start) and not state.fill(bitmask, 0)  # thinking: unconstrained
-    for t in tok.encode("free text, then") + end:
-        assert state.accept(t)
-    assert state.phase == "grammar" and state.fill(bitmask, 0)
-    assert not state.accept(tok.encode("x")[0])
-    answered = GrammarState(CompiledOutput(grammar, start, tuple(end)))
-    assert answered.accept(tok.encode("7")[0]) and answered.phase == "grammar"
-    opened = GrammarState(CompiledOutput(grammar, start, tuple(end), reasoning_open=True))
-    assert opened.phase == "thinking" and opened.accept(tok.encode("x")[0])
+    batch = GrammarBatch(llm.engine.vocab_size, 4, torch.device("cpu"), [2])
+    batch.add("r", CompiledOutput(grammar, start, tuple(end), reasoning_open=False))
+    digit, letter = tok.encode("7")[0], tok.encode("x")[0]
+    assert _allowed(batch.fill(["r"]), start)  # may open the block...
+    assert not _allowed(batch.fill(["r"]), letter)  # ...or answer within the grammar
+    batch.push("r", start)
+    assert batch.fill(["r"]) is None  # thinking: unconstrained
+    for t in [*tok.encode("free text, then"), *end]:
+        batch.push("r", t)
+    mask = batch.fill(["r"])
+    assert _allowed(mask, digit) and not _allowed(mask, letter) and not _allowed(mask, start)
+    batch.add("answered", CompiledOutput(grammar, start, tuple(end)))
+    batch.push("answered", digit)
+    assert batch.states["answered"].phase == "grammar"
+    batch.add("opened", CompiledOutput(grammar, start, tuple(end), reasoning_open=True))
+    assert batch.fill(["opened"]) is None
 
 
-def _allowed(bitmask: torch.Tensor, token: int) -> bool:
-    return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+def test_a_grammar_refusing_a_token_leaves_only_its_end(llm: LLM) -> None:
+    grammar = llm.engine.grammar_compiler.compile(_so("regex", "[0-9]+")).grammar
+    batch = GrammarBatch(llm.engine.vocab_size, 2, torch.device("cpu"), [2])
+    batch.add("r", CompiledOutput(grammar))
+    batch.push("r", llm.tokenizer.encode("x")[0])  # never sampled under the mask: a bug
+    mask = batch.fill(["r"])
+    allowed = [t for t in range(llm.engine.vocab_size) if _allowed(mask, t)]
+    assert allowed == [2] and batch.ends_with("r", 2)
+
+
+def test_ignore_eos_still_ends_where_the_grammar_does(llm: LLM, chat_ids: list[list[int]]) -> None:
+    outs = _run(llm, chat_ids, _so("choice", ["yes", "no"]), temperature=0.0, ignore_eos=True)
+    assert all(o.text in ("yes", "no") and o.finish_reason == "stop" for o in outs)
+
+
+def _allowed(allowed: tuple[torch.Tensor, list[int]] | None, token: int) -> bool:
+    assert allowed is not None
+    bitmask, rows = allowed
+    return bool((int(bitmask[rows[0], token // 32]) >> (token % 32)) & 1)
 
 
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 31), (4, 32), (5, 33), (8, 49152)])
