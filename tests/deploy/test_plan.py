@@ -89,6 +89,18 @@ def test_conditional_disaggregation_is_the_gateways_setting() -> None:
     assert "--max-local-prefill-tokens" not in plan_for().gateway_argv
 
 
+def test_tool_and_reasoning_parsers_go_to_the_gateway() -> None:
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+             "--reasoning-parser", "qwen3")  # fmt: skip
+    plan = plan_for(*flags)
+    argv = plan.gateway_argv
+    assert "--enable-auto-tool-choice" in argv
+    assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert all(f not in w.spec.argv for w in plan.workers for f in flags)
+    assert not {"--tool-call-parser", "--enable-auto-tool-choice"} & set(plan_for().gateway_argv)
+
+
 def test_default_engine_flags_are_left_out_of_the_command_line() -> None:
     argv = plan_for().workers[0].spec.argv
     assert (

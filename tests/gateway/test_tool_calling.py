@@ -1,0 +1,104 @@
+"""tool_choice "auto" through the gateway (fake workers that echo the prompt): with
+--enable-auto-tool-choice and --tool-call-parser hermes the model's <tool_call> text becomes
+tool_calls, whole and streamed; the grammar a forced choice sends reaches the workers; a gateway
+without the flags refuses "auto"."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import GatewayConfig
+from services.config import ConfigError
+from tests.gateway.stack import Stack
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object",
+                 "properties": {"city": {"type": "string"}}}},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def auto_stack(tokenizer_dir: str) -> Iterator[Stack]:
+    stack = Stack(tokenizer_dir, ["both"], enable_auto_tool_choice=True, tool_call_parser="hermes")
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def _body(stack: Stack, **extra: Any) -> dict[str, Any]:
+    """The fake echoes the rendered prompt up to its first <|im_end|> (the EOS): the system
+    message, the call in it."""
+    messages = [
+        {"role": "system", "content": f"Check this. {CALL}"},
+        {"role": "user", "content": "hi"},
+    ]
+    count = httpx.post(f"{stack.base_url}/tokenize", json={"messages": messages}).json()["count"]
+    return {"messages": messages, "tools": [WEATHER], "max_tokens": count, **extra}
+
+
+def test_auto_reads_the_call_out_of_the_text(auto_stack: Stack) -> None:
+    r = httpx.post(f"{auto_stack.base_url}/v1/chat/completions", json=_body(auto_stack))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert message["content"] == "system\nCheck this."
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_auto_streams_content_then_the_call(auto_stack: Stack) -> None:
+    deltas, finish = [], []
+    body = _body(auto_stack, stream=True)
+    with httpx.stream("POST", f"{auto_stack.base_url}/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                deltas += [c["delta"] for c in choices]
+                finish += [c["finish_reason"] for c in choices if c["finish_reason"]]
+    assert finish == ["tool_calls"]
+    content = "".join(d.get("content") or "" for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert "<tool_call>" not in content and "Check this." in content
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_a_forced_choice_sends_its_grammar_to_the_worker(auto_stack: Stack) -> None:
+    auto_stack.reset()
+    body = _body(auto_stack, tool_choice="required", max_tokens=4)
+    assert httpx.post(f"{auto_stack.base_url}/v1/chat/completions", json=body).status_code == 200
+    sent = auto_stack.workers[0].records.samplings[-1].structured
+    schema = json.loads(sent.spec)
+    assert sent.kind == "json" and schema["type"] == "array" and schema["minItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"enum": ["get_weather"]}
+
+
+def test_a_gateway_without_the_flags_refuses_auto(colocated: Stack) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    r = httpx.post(f"{colocated.base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    assert not colocated.workers[0].records.requests
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"enable_auto_tool_choice": True}, "--enable-auto-tool-choice needs --tool-call-parser"),
+        ({"tool_call_parser": "pythonic"}, "--tool-call-parser must be one of hermes"),
+        ({"reasoning_parser": "r2"}, "--reasoning-parser must be one of"),
+    ],
+)
+def test_parser_flags_are_checked_at_start(kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        GatewayConfig(tokenizer="x", **kwargs)
