@@ -97,7 +97,8 @@ class GrammarCompiler:
         compiler = self._xgr()
         t0 = time.perf_counter()
         grammar = self._grammar(compiler, so)
-        self.compile_seconds.observe(time.perf_counter() - t0)
+        with self._lock:  # compiles run on pool threads
+            self.compile_seconds.observe(time.perf_counter() - t0)
         start = self._tokens(so.reasoning_start)
         return CompiledOutput(
             grammar,

@@ -169,6 +169,13 @@ async def test_parse_with_a_pydantic_model_and_json_mode(
         )  # fmt: skip
         assert reply.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
+        several = await client.chat.completions.parse(
+            model=MODEL, messages=ASK, response_format=Person, temperature=1.0, n=3, seed=5,
+            max_tokens=100, stop=["\n\n\n"], logprobs=True,
+        )  # fmt: skip
+        for choice in several.choices:
+            assert isinstance(choice.message.parsed, Person)
+            assert choice.logprobs is not None and choice.logprobs.content
         done = await client.completions.create(
             model=MODEL, prompt="The answer is", max_tokens=8, temperature=0,
             extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
