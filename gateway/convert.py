@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any
 
 from gateway.events import (
     Chunk,
@@ -48,6 +49,8 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = sp.seed
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
+    if sp.prompt_logprobs is not None:
+        msg.prompt_logprobs = sp.prompt_logprobs
     if sp.structured is not None:
         so = sp.structured
         msg.structured.CopyFrom(
@@ -62,7 +65,15 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
 
 def _logprob(msg: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(
-        token_id=msg.token_id, logprob=msg.logprob, token=msg.token, token_bytes=msg.token_bytes
+        token_id=msg.token_id, logprob=msg.logprob, token=msg.token, token_bytes=msg.token_bytes,
+        rank=msg.rank,
+    )  # fmt: skip
+
+
+def _positions(entries: Any) -> tuple[PositionLogprobs, ...]:
+    return tuple(
+        PositionLogprobs(chosen=_logprob(p.chosen), top=tuple(_logprob(t) for t in p.top))
+        for p in entries
     )
 
 
@@ -82,10 +93,8 @@ def chunk_from_pb(msg: common_pb2.TokenChunk) -> Chunk:
     return Chunk(
         token_ids=tuple(msg.token_ids),
         text=msg.text,
-        logprobs=tuple(
-            PositionLogprobs(chosen=_logprob(p.chosen), top=tuple(_logprob(t) for t in p.top))
-            for p in msg.logprobs
-        ),
+        logprobs=_positions(msg.logprobs),
+        prompt_logprobs=_positions(msg.prompt_logprobs),
         finish_reason=FINISH_REASONS.get(msg.finish_reason),
         stop_reason=msg.stop_reason,
         num_prompt_tokens=msg.num_prompt_tokens,

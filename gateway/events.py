@@ -11,6 +11,7 @@ class TokenLogprob:
     logprob: float
     token: str  # the token decoded alone ("\ufffd" where it holds part of a character)
     token_bytes: bytes = b""  # its raw bytes (OpenAI's ``bytes``); empty: the token's UTF-8
+    rank: int = 0  # a prompt token's rank at its position (1: the likeliest); 0: not reported
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Chunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     timing: Timing = field(default_factory=Timing)
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # prompt positions 1..; first chunk only
 
 
 @dataclass(frozen=True)

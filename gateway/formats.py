@@ -70,13 +70,18 @@ def completion_logprobs(
     entries: Sequence[PositionLogprobs],
     offset: int,
     prompt_tokens: Sequence[str | bytes] = (),
+    prompt_scores: Sequence[PositionLogprobs] = (),
 ) -> dict[str, Any]:
     """``{tokens, token_logprobs, top_logprobs, text_offset}``; echoed prompt tokens (their text,
-    or their raw bytes) come first with null logprobs. ``offset`` is where the first token starts
-    in the choice's text; ``text_offset`` counts characters of that text (see _TextOffsets)."""
+    or their raw bytes) come first, with their logprobs from ``prompt_scores`` (positions 1..;
+    the first token has none: null). ``offset`` is where the first token starts in the choice's
+    text; ``text_offset`` counts characters of that text (see _TextOffsets)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = [None] * len(prompt_tokens)
     top: list[dict[str, float] | None] = [None] * len(prompt_tokens)
+    for j, score in enumerate(prompt_scores[: max(len(prompt_tokens) - 1, 0)], start=1):
+        token_logprobs[j] = score.chosen.logprob
+        top[j] = {_legacy_token(t.token, t.token_bytes): t.logprob for t in score.top}
     offsets: list[int] = []
     where = _TextOffsets(offset)
     for p in prompt_tokens:
@@ -102,6 +107,25 @@ def completion_choice(
     index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
 ) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def prompt_logprobs(entries: Sequence[PositionLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position (the first has none: null) the prompt's
+    token and the top alternatives, by token id: ``{logprob, rank, decoded_token}``."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        position = {
+            str(t.token_id): {
+                "logprob": t.logprob,
+                "rank": t.rank or j + 1,
+                "decoded_token": t.token,
+            }
+            for j, t in enumerate(e.top)
+        }
+        position[str(e.chosen.token_id)] = {"logprob": e.chosen.logprob, "rank": e.chosen.rank,
+                                            "decoded_token": e.chosen.token}  # fmt: skip
+        out.append(position)
+    return out
 
 
 # ---- chat ----

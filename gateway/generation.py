@@ -38,6 +38,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # positions 1..
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
@@ -46,10 +47,18 @@ class Choice:
         self.stats.prompt_len = len(self.item.prompt_ids)
         self.stats.max_tokens = self.item.sampling.max_tokens
 
+    def drop_generated(self) -> None:
+        """``max_tokens: 0`` with echo: the one token the workers generated is not shown."""
+        self.text.clear()
+        self.token_ids.clear()
+        self.logprobs.clear()
+        self.finish_reason = "length"
+
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
 

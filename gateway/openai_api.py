@@ -94,6 +94,7 @@ async def _respond(
     info: StreamInfo,
     stream: bool,
     choice_json: Callable[[Choice], dict[str, Any]],
+    top_level: Callable[[list[Choice]], dict[str, Any]] = lambda choices: {},
 ) -> Response:
     state.active.add(gen)
     if stream:
@@ -115,6 +116,7 @@ async def _respond(
     obj = "text_completion" if info.object == "text_completion" else "chat.completion"
     body = formats.envelope(gen.response_id, obj, info.created, info.model,
                             [choice_json(c) for c in choices])  # fmt: skip
+    body.update(top_level(choices))
     body["usage"] = formats.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
     timing = combined([c.stats for c in choices]).header()
     return JSONResponse(body, headers={"x-tandem-timing": timing})
@@ -158,19 +160,33 @@ async def completions(request: Request) -> Response:
     gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
                  COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
     info = StreamInfo(gen.response_id, "text_completion", int(time.time()), state.model_name,
-                      req.common.include_usage, req.logprobs is not None, req.echo)  # fmt: skip
+                      req.common.include_usage, req.logprobs is not None, req.echo,
+                      prompt_logprobs=req.prompt_logprobs)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
+        if req.score_only:
+            c.drop_generated()
         prefix = c.prompt_text if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
             echoed = [tok.token_bytes(t) for t in c.item.prompt_ids] if req.echo else []
-            logprobs = formats.completion_logprobs(c.logprobs, 0, echoed)
-        return formats.completion_choice(
+            scores = c.prompt_logprobs if req.echo else []
+            logprobs = formats.completion_logprobs(c.logprobs, 0, echoed, scores)
+        out = formats.completion_choice(
             c.index, prefix + "".join(c.text), logprobs, c.finish_reason
         )
+        if req.prompt_logprobs:
+            out["prompt_logprobs"] = formats.prompt_logprobs(c.prompt_logprobs)
+        return out
 
     return await _respond(state, request, gen, info, req.common.stream, choice_json)
+
+
+def _chat_prompt_logprobs(common: CommonOptions) -> Callable[[list[Choice]], dict[str, Any]]:
+    """vLLM puts a chat's prompt_logprobs beside its choices (one prompt for all of them)."""
+    if common.sampling.prompt_logprobs is None:
+        return lambda choices: {}
+    return lambda choices: {"prompt_logprobs": formats.prompt_logprobs(choices[0].prompt_logprobs)}
 
 
 def _output_plan(state: GatewayState, req: ChatRequest) -> OutputPlan:
@@ -219,7 +235,8 @@ async def chat_completions(request: Request) -> Response:
     state.metrics.observe_structured(common.sampling.structured, req.tools)
     gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], common, None)
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
-                      state.model_name, common.include_usage, req.logprobs, plan=plan)  # fmt: skip
+                      state.model_name, common.include_usage, req.logprobs, plan=plan,
+                      prompt_logprobs=common.sampling.prompt_logprobs is not None)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
         logprobs = formats.chat_logprobs(c.logprobs) if req.logprobs else None
@@ -231,4 +248,5 @@ async def chat_completions(request: Request) -> Response:
             c.index, message, logprobs, out.finish_reason(c.finish_reason)
         )
 
-    return await _respond(state, request, gen, info, req.common.stream, choice_json)
+    return await _respond(state, request, gen, info, common.stream, choice_json,
+                          _chat_prompt_logprobs(common))  # fmt: skip

@@ -50,6 +50,8 @@ class CompletionRequest:
     prompts: tuple[Prompt, ...]
     echo: bool
     logprobs: int | None
+    score_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs, nothing generated
+    prompt_logprobs: bool = False  # asked for vLLM's prompt_logprobs (not only echo + logprobs)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> Sampli
             skip_special_tokens=f.get_bool("skip_special_tokens", True),
             logit_bias=logit_bias_pairs(_logit_bias(f)),
             structured=parse_structured(f),
+            prompt_logprobs=f.get_int("prompt_logprobs", None, 0, MAX_LOGPROBS),
         )
     except InvalidRequestError as e:
         raise invalid(str(e), e.param) from e
@@ -172,19 +175,27 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise invalid("prompt is required", "prompt")
     logprobs = f.get_int("logprobs", None, 0, MAX_LOGPROBS)
     echo = f.get_bool("echo", False)
-    if echo and logprobs is not None:  # refused, not answered with nulls for the prompt
-        raise invalid(
-            "echo with logprobs asks for the prompt tokens' logprobs, which are not supported "
-            "yet: drop logprobs, or echo",
-            "echo",
-        )
+    score_only = f.get("max_tokens") == 0 and not isinstance(f.get("max_tokens"), bool)
+    if score_only and not echo:
+        raise invalid("max_tokens 0 needs echo: it scores the prompt without generating",
+                      "max_tokens")  # fmt: skip
+    if score_only:  # one token is generated and dropped: the workers always sample one
+        f = Fields({**f.body, "max_tokens": 1})
     common = _common(f, "max_tokens", logprobs, special=True)
+    if echo and logprobs is not None:  # the echoed prompt's tokens get their logprobs too
+        wanted = max(logprobs, common.sampling.prompt_logprobs or 0)
+        common = replace(common, sampling=replace(common.sampling, prompt_logprobs=wanted))
+    if common.stream and echo and logprobs is not None:
+        raise invalid("echo with logprobs is not supported in a stream yet: drop stream, or "
+                      "use prompt_logprobs (sent with the first chunk)", "stream")  # fmt: skip
     _check_unsupported_completion(f, common.n)
     return CompletionRequest(
         common=common,
         prompts=_prompts(f.get("prompt")),
         echo=echo,
         logprobs=logprobs,
+        score_only=score_only,
+        prompt_logprobs=f.get("prompt_logprobs") is not None,
     )
 
 

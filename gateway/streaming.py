@@ -36,6 +36,7 @@ class StreamInfo:
     logprobs: bool
     echo: bool = False
     plan: OutputPlan | None = None  # chat: tool calls or reasoning to read out of the text
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: a frame of their own, first
 
 
 def _frame(info: StreamInfo, choices: list[dict[str, Any]]) -> bytes:
@@ -94,6 +95,19 @@ def _parsed_chat_piece(
     )  # fmt: skip
 
 
+def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> bytes:
+    """vLLM's prompt_logprobs, when the first chunk brings them: in the choice (completions) or
+    beside the choices (chat)."""
+    scores = formats.prompt_logprobs(chunk.prompt_logprobs)
+    if info.object == "chat.completion.chunk":
+        body = formats.envelope(info.response_id, info.object, info.created, info.model,
+                                [formats.chat_delta(choice.index, {}, None, None)])  # fmt: skip
+        body["prompt_logprobs"] = scores
+        return sse(body)
+    piece = {**formats.completion_choice(choice.index, "", None, None), "prompt_logprobs": scores}
+    return _frame(info, [piece])
+
+
 def _openings(info: StreamInfo, gen: Generation) -> list[bytes]:
     """Chat: the assistant role first. Completions with echo: the prompt first."""
     if info.object == "chat.completion.chunk":
@@ -118,6 +132,8 @@ async def stream_events(
         for frame in _openings(info, gen):
             yield frame
         async for choice, chunk in gen.events():
+            if info.prompt_logprobs and chunk.prompt_logprobs:
+                yield _prompt_logprobs_frame(info, choice, chunk)
             if chunk.text or chunk.finish_reason is not None or (info.logprobs and chunk.logprobs):
                 frame = piece(info, state, choice, chunk)
                 if frame:

@@ -26,7 +26,6 @@ SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
         NEUTRAL,
     ),
     "structural_tag": ("structural tags are not supported; use structured_outputs", NEUTRAL),
-    "prompt_logprobs": ("prompt logprobs are not implemented yet", NEUTRAL),
     "use_beam_search": ("beam search is not implemented", NEUTRAL),
     "length_penalty": (
         "length_penalty applies to beam search, which is not implemented",

@@ -45,6 +45,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         skip_special_tokens=msg.skip_special_tokens,
         logit_bias=logit_bias_pairs(msg.logit_bias),
         structured=structured_from_pb(msg.structured) if msg.HasField("structured") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -58,8 +59,9 @@ def structured_from_pb(msg: common_pb2.StructuredOutput) -> StructuredOutput:
 
 def _lp(t: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=t.token_id, logprob=t.logprob, token=t.token, token_bytes=t.token_bytes
-    )
+        token_id=t.token_id, logprob=t.logprob, token=t.token, token_bytes=t.token_bytes,
+        rank=t.rank,
+    )  # fmt: skip
 
 
 def _pos(p: PositionLogprobs) -> common_pb2.PositionLogprobs:
@@ -75,6 +77,7 @@ def output_to_chunk(
         token_ids=out.token_ids,
         text=out.text,
         logprobs=[_pos(p) for p in out.logprobs],
+        prompt_logprobs=[_pos(p) for p in out.prompt_logprobs],
         finish_reason=FINISH[out.finish_reason if done else None],
         stop_reason="" if out.stop_reason is None or not done else str(out.stop_reason),
         num_prompt_tokens=out.num_prompt_tokens,

@@ -33,6 +33,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # prompt_logprobs: None for the first position, then each prompt token's (vLLM's layout)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 Prompt = str | list[int] | dict[str, Any]
@@ -97,6 +99,8 @@ class LLM:
                 comp.text += out.text
                 comp.logprobs.extend(out.logprobs)
                 res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
+                if out.prompt_logprobs and res.prompt_logprobs is None:
+                    res.prompt_logprobs = [None, *out.prompt_logprobs]
                 if out.finished:
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
         return list(results.values())

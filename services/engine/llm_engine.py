@@ -17,7 +17,7 @@ from services.engine.step_stats import HistogramSnapshot, TokenHistogram
 from services.engine.structured import CompiledOutput, GrammarBatch, GrammarCompiler
 from services.model_files import ModelFiles
 from services.scheduling.kv_manager import KVCacheManager
-from services.scheduling.outputs import ScheduledRequest, StepUpdate
+from services.scheduling.outputs import PromptTokenScore, ScheduledRequest, StepUpdate
 from services.scheduling.request import FinishReason, Request
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduling.scheduler import Scheduler
@@ -85,6 +85,8 @@ class LLMEngine:
             self.vocab_size, config.scheduler.max_num_seqs, self.runner.device, self.eos_token_ids
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # prompt_logprobs, position by position, until the request's first token goes out
+        self._prompt_lp: dict[str, list[PositionLogprobs]] = {}
         # a named config with random weights has no tokenizer of its own: token ids only
         self.detokenize = files.kind != "named"
         self.prompt_tokens = 0
@@ -186,6 +188,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
         self.grammars.drop(request_id)
+        self._prompt_lp.pop(request_id, None)
         if req is None and self.scheduler.cancel_reservation(request_id):
             return None
         self._detok.pop(request_id, None)
@@ -267,7 +270,10 @@ class LLMEngine:
             return []
         self.step_tokens.observe(out.num_tokens)
         min_stop = self._min_token_stop_ids(out.requests)
-        sampled = self.runner.execute(out, min_stop, self.grammars)
+        score = self._prompt_scoring(out.requests)
+        sampled = self.runner.execute(out, min_stop, self.grammars, score)
+        if score:
+            self._keep_prompt_scores(self.runner.score_prompts(out, score))
         updates = self.scheduler.update(out, sampled)
         return [self._emit(u) for u in updates]
 
@@ -279,6 +285,27 @@ class LLMEngine:
                 ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
                 out[r.request_id] = sorted(ids)
         return out
+
+    @staticmethod
+    def _prompt_scoring(requests: list[ScheduledRequest]) -> dict[str, int]:
+        """Requests asking for prompt logprobs whose chunk this step holds prompt tokens."""
+        return {
+            r.request_id: r.sampling_params.prompt_logprobs
+            for r in requests
+            if r.sampling_params.prompt_logprobs is not None
+            and r.start_pos < len(r.prompt_token_ids) - 1
+        }
+
+    def _keep_prompt_scores(self, scores: dict[str, list[PromptTokenScore]]) -> None:
+        for rid, entries in scores.items():
+            kept = self._prompt_lp.setdefault(rid, [])
+            for s in entries:
+                if s.position == len(kept) + 1:  # a recompute after preemption repeats positions
+                    chosen = self._token_logprob(s.token_id, s.logprob, s.rank)
+                    top = tuple(
+                        self._token_logprob(t, lp, j + 1) for j, (t, lp) in enumerate(s.top)
+                    )
+                    kept.append(PositionLogprobs(chosen, top))
 
     def _grammar_done(self, r: ScheduledRequest) -> bool:
         """The grammar could end here: min_tokens yields to it."""
@@ -316,6 +343,7 @@ class LLMEngine:
             num_cached_tokens=u.num_cached_tokens,
             logprobs=self._logprobs(u),
             queue_s=u.queue_s,
+            prompt_logprobs=self._prompt_lp.pop(u.request_id, []),
         )
 
     def _logprobs(self, u: StepUpdate) -> list[PositionLogprobs]:
@@ -326,12 +354,12 @@ class LLMEngine:
         top = tuple(self._token_logprob(t, lp) for t, lp in tok.top_logprobs)
         return [PositionLogprobs(chosen, top)]
 
-    def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
+    def _token_logprob(self, token_id: int, logprob: float, rank: int = 0) -> TokenLogprob:
         """A token, its text decoded alone and its raw bytes (no tokenizer: empty text)."""
         if self._token_bytes is None:
-            return TokenLogprob(token_id, logprob, "")
+            return TokenLogprob(token_id, logprob, "", rank=rank)
         text = self.tokenizer.decode([token_id])
-        return TokenLogprob(token_id, logprob, text, self._token_bytes(token_id, text))
+        return TokenLogprob(token_id, logprob, text, self._token_bytes(token_id, text), rank)
 
     @property
     def has_unfinished(self) -> bool:

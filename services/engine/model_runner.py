@@ -19,10 +19,11 @@ from services.engine.loader import load_model
 from services.engine.sampler import sample
 from services.engine.structured import GrammarBatch
 from services.engine.warmup import warmup_steps
-from services.scheduling.outputs import SampledToken, SchedulerOutput
+from services.scheduling.outputs import PromptTokenScore, SampledToken, SchedulerOutput
 from services.scheduling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+PROMPT_SCORE_ROWS = 512  # prompt logprob rows at a time: [512, 128k] fp32 logits are 256 MB
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,6 +45,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [S] index of the last token of each sampling request
+    starts: list[int]  # where each request's tokens start in the step (``out.requests`` order)
 
 
 class ModelRunner:
@@ -74,6 +76,8 @@ class ModelRunner:
         )  # fmt: skip
         self.reader = GpuReader(self.device)
         self.graphs: DecodeGraphs | None = None
+        self._hidden: torch.Tensor | None = None  # the last eager forward's, when scoring
+        self._starts: list[int] = []
         if self.device.type == "cuda":
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -136,12 +140,13 @@ class ModelRunner:
         ctx, qsl, pqsl, tables = h32[0], h32[1], h32[2], h32[3].reshape(B, W)
         tables.fill(0)
         bs = self.block_size
-        last_row = [0] * B
+        last_row, starts = [0] * B, [0] * B
         t = 0
         qsl[0] = 0
         for j, i in enumerate(order):
             r = reqs[i]
             n, start, bids = r.num_new_tokens, r.start_pos, r.block_ids
+            starts[i] = t
             ids[t : t + n] = r.token_ids
             span = np.arange(start, start + n)
             pos[t : t + n] = span
@@ -162,7 +167,7 @@ class ModelRunner:
             num_decodes=nd,
             prefill_start_loc=d32[2] if nd < B else None,
         )
-        return StepInputs(d64[0], d64[1], meta, d64[3])
+        return StepInputs(d64[0], d64[1], meta, d64[3], starts)
 
     def _graph_forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode-only step through its captured graph: (logits [n, V], argmax [n]) of every
@@ -206,13 +211,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Run the step's forward; fp32 logits of its sampling requests ([S, V]) or None."""
-        logits = self._graph_logits(out)
+    def forward_logits(self, out: SchedulerOutput, eager: bool = False) -> torch.Tensor | None:
+        """Run the step's forward; fp32 logits of its sampling requests ([S, V]) or None.
+        ``eager`` (prompt logprobs to score): no CUDA graph, the hidden states kept."""
+        self._hidden = None
+        logits = None if eager else self._graph_logits(out)
         if logits is not None:
             return logits
         inputs = self.prepare(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if eager:
+            self._hidden, self._starts = hidden, inputs.starts
         if inputs.logits_rows.shape[0] == 0:
             return None
         return self.model.compute_logits(hidden[inputs.logits_rows])
@@ -220,15 +229,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, min_token_stop_ids: dict[str, list[int]],
-        grammars: GrammarBatch | None = None,
+        grammars: GrammarBatch | None = None, score: dict[str, int] | None = None,
     ) -> dict[str, SampledToken]:  # fmt: skip
         """``grammars``: the constrained requests; their bitmask is filled on the host while the
-        forward runs on the device, and applied before sampling."""
+        forward runs on the device, and applied before sampling. ``score``: requests whose
+        prompt tokens in this step get logprobs (top-N each): ``score_prompts`` then reads them."""
         sampling = [r for r in out.requests if r.sample]
         rids = [r.request_id for r in sampling]
         constrained = grammars is not None and grammars.constrains(rids)
         if (
             not constrained
+            and not score
             and len(sampling) == len(out.requests)
             and all(
                 _plain_greedy(r.sampling_params) and r.request_id not in min_token_stop_ids
@@ -239,7 +250,7 @@ class ModelRunner:
             if ran is not None:  # the graph's own argmax is the token: one read, no sampler
                 (ids,) = self.reader.read(ran[1])
                 return {r.request_id: SampledToken(t) for r, t in zip(sampling, ids, strict=True)}
-        logits = self.forward_logits(out)
+        logits = self.forward_logits(out, eager=bool(score))
         if logits is None or not sampling:
             return {}
         allowed = grammars.fill(rids) if grammars is not None and constrained else None
@@ -253,6 +264,55 @@ class ModelRunner:
             allowed=allowed,
         )
         return {r.request_id: tok for r, tok in zip(sampling, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def score_prompts(
+        self, out: SchedulerOutput, wanted: dict[str, int]
+    ) -> dict[str, list[PromptTokenScore]]:
+        """After ``execute(out, ..., score=wanted)``: each scored request's prompt tokens that
+        this step's chunk predicts (the token at q + 1 from position q's logits), a slice of
+        rows at a time so [prompt, vocab] logits never exist at once."""
+        hidden = self._hidden
+        if hidden is None:
+            return {}
+        rows: list[int] = []
+        owners: list[tuple[str, int, int, int]] = []  # request, position, token, top-N
+        for i, r in enumerate(out.requests):
+            if r.request_id not in wanted:
+                continue
+            last = min(r.start_pos + r.num_new_tokens, len(r.prompt_token_ids) - 1)
+            for q in range(r.start_pos, last):
+                rows.append(self._starts[i] + q - r.start_pos)
+                owners.append(
+                    (r.request_id, q + 1, r.prompt_token_ids[q + 1], wanted[r.request_id])
+                )
+        scores: dict[str, list[PromptTokenScore]] = {}
+        k = max(wanted.values(), default=0)
+        for a in range(0, len(rows), PROMPT_SCORE_ROWS):
+            part = owners[a : a + PROMPT_SCORE_ROWS]
+            read = self._score_rows(
+                hidden, rows[a : a + PROMPT_SCORE_ROWS], [o[2] for o in part], k
+            )
+            for (rid, pos, token, n), (lp, rank, ids, vals) in zip(part, read, strict=True):
+                top = tuple(zip(ids[:n], vals[:n], strict=True))
+                scores.setdefault(rid, []).append(PromptTokenScore(pos, token, lp, rank, top))
+        return scores
+
+    def _score_rows(
+        self, hidden: torch.Tensor, rows: list[int], targets: list[int], k: int
+    ) -> list[tuple[float, int, list[int], list[float]]]:
+        dev = hidden.device
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])  # [r, V]
+        logp = logits.float().log_softmax(-1)
+        target = torch.tensor(targets, device=dev)
+        chosen = logp.gather(-1, target[:, None]).squeeze(-1)  # [r]
+        rank = (logp > chosen[:, None]).sum(-1) + 1  # [r]
+        if k:
+            top_vals, top_ids = logp.topk(k, dim=-1)  # [r, k]
+            lp, rk, ids, vals = self.reader.read(chosen, rank, top_ids, top_vals)
+        else:
+            (lp, rk), ids, vals = self.reader.read(chosen, rank), [[]] * len(rows), [[]] * len(rows)
+        return list(zip(lp, rk, ids, vals, strict=True))
 
 
 def _plain_greedy(sp: SamplingParams) -> bool:

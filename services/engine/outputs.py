@@ -11,6 +11,7 @@ class TokenLogprob:
     logprob: float
     token: str  # the token decoded alone ("\ufffd" where it holds part of a character)
     token_bytes: bytes = b""  # its raw bytes (OpenAI's ``bytes``), which such parts need
+    rank: int = 0  # a prompt token's rank among its position's alternatives (1: the likeliest)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class RequestOutput:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     error: str | None = None
     queue_s: float = 0.0  # seconds from arrival in this engine to first scheduled
+    # prompt_logprobs: prompt positions 1.. (position 0 has none), with the first token only
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta (a stream that
@@ -50,4 +53,5 @@ class RequestOutput:
             logprobs=self.logprobs + later.logprobs,
             error=later.error or self.error,
             queue_s=max(self.queue_s, later.queue_s),
+            prompt_logprobs=self.prompt_logprobs + later.prompt_logprobs,
         )

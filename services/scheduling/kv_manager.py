@@ -53,8 +53,8 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the last position has logits.
         """
-        if not self.pool.enable_caching:
-            return []
+        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every position's logits: compute the whole prompt
         limit = request.num_tokens - 1
         hashes = self._block_hashes(request, limit)
         hit: list[Block] = []

@@ -49,6 +49,17 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptTokenScore:
+    """A prompt token's logprob under the model, from the logits of the position before it."""
+
+    position: int  # of the token in the prompt (>= 1)
+    token_id: int
+    logprob: float
+    rank: int  # 1: the likeliest token at its position
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
 class StepUpdate:
     """One request's news after a step: a token (if it sampled), finished or not."""
 

@@ -97,6 +97,9 @@ class SamplingParams:
     # token id -> added to its logit before sampling (OpenAI's logit_bias); a mapping is accepted
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None  # grammar-constrained output
+    # logprobs of the prompt's own tokens with this many alternatives (vLLM's prompt_logprobs);
+    # such a request computes its whole prompt (no prefix-cache hits)
+    prompt_logprobs: int | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -169,6 +172,11 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
+                "prompt_logprobs",
             )
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")

@@ -79,6 +79,22 @@ class FakeEngine:
     def _text(self, token: int, sp: common_pb2.SamplingParams) -> str:
         return str(self.tok.decode([token], skip_special_tokens=sp.skip_special_tokens))
 
+    def _prompt_logprobs(
+        self, prompt: list[int], sp: common_pb2.SamplingParams
+    ) -> list[common_pb2.PositionLogprobs]:
+        """Positions 1.. of the prompt: its token at -0.25 (rank 2), and N others at -1 - k."""
+        if not sp.HasField("prompt_logprobs"):
+            return []
+        out = []
+        for token in prompt[1:]:
+            chosen = common_pb2.TokenLogprob(token_id=token, logprob=-0.25, rank=2,
+                                             token=self._text(token, sp))  # fmt: skip
+            top = [common_pb2.TokenLogprob(token_id=token + k, logprob=-1.0 - k, rank=k,
+                                           token=self._text(token + k, sp))
+                   for k in range(1, sp.prompt_logprobs + 1)]  # fmt: skip
+            out.append(common_pb2.PositionLogprobs(chosen=chosen, top=top))
+        return out
+
     def _logprobs(
         self, token: int, sp: common_pb2.SamplingParams
     ) -> list[common_pb2.PositionLogprobs]:
@@ -130,6 +146,7 @@ class FakeEngine:
                 finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=len(prompt),
                 num_cached_tokens=b.cached_tokens,
                 timing=common_pb2.Timing(queue_s=0.001, prefill_s=0.002, decode_s=0.003 * i),
+                prompt_logprobs=self._prompt_logprobs(prompt, sp) if i == 0 else [],
             )  # fmt: skip
             if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 return

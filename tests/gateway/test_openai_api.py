@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -112,23 +114,67 @@ def test_stop_strings_reach_the_worker_and_end_the_choice(colocated: Stack) -> N
     assert list(colocated.workers[0].records.samplings[-1].stop) == [" test"]
 
 
-def test_completion_echo_with_logprobs_is_refused_until_prompt_logprobs_exist(
-    colocated: Stack,
-) -> None:
-    """echo + logprobs asks for the prompt tokens' logprobs (lm-eval's loglikelihood): a 400
-    that says so, never a 200 with nulls in their place."""
-    with pytest.raises(openai.BadRequestError) as info:
-        client(colocated).completions.create(
-            model="embedded", prompt="Hello world", max_tokens=2, logprobs=2, echo=True
-        )
-    assert info.value.status_code == 400 and info.value.body["param"] == "echo"
-    assert "prompt tokens' logprobs" in info.value.body["message"]
-    out = client(colocated).completions.create(  # each alone is fine
+def test_completion_echo_with_logprobs_scores_the_prompt(colocated: Stack) -> None:
+    """echo + logprobs (lm-eval's loglikelihood): the prompt's tokens come first with their
+    logprobs (the first has none), then the generated ones; max_tokens 0 scores the prompt only."""
+    out = client(colocated).completions.create(
+        model="embedded", prompt="Hello world", max_tokens=2, logprobs=2, echo=True
+    )
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith("Hello world")
+    assert lp.tokens[:2] == ["Hello", " world"] and lp.token_logprobs[:2] == [None, -0.25]
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) == 2
+    assert len(lp.tokens) == 4 and lp.token_logprobs[2:] == [-0.5, -0.5]
+    assert colocated.workers[0].records.samplings[-1].prompt_logprobs == 2
+    scored = client(colocated).completions.create(
+        model="embedded", prompt="Hello world", max_tokens=0, logprobs=1, echo=True
+    )
+    choice = scored.choices[0]
+    assert choice.text == "Hello world" and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == [None, -0.25]
+    assert scored.usage.completion_tokens == 0
+    out = client(colocated).completions.create(  # logprobs alone: the generated tokens only
         model="embedded", prompt="Hello world", max_tokens=2, logprobs=2
     )
     lp = out.choices[0].logprobs
     assert lp.tokens == ["Hello", " world"] and lp.token_logprobs == [-0.5, -0.5]
     assert lp.text_offset == [0, 5] and len(lp.top_logprobs[0]) == 2
+
+
+def test_prompt_logprobs_in_vllms_form(disagg: Stack) -> None:
+    out = client(disagg).completions.create(
+        model="embedded", prompt="Hello world", max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
+    scores = out.choices[0].model_extra["prompt_logprobs"]
+    world = str(disagg.state.tokenizer.encode("Hello world", False)[1])
+    assert scores[0] is None and scores[1][world] == {"logprob": -0.25, "rank": 2,
+                                                      "decoded_token": " world"}  # fmt: skip
+    assert len(scores[1]) == 2  # the prompt's token and one alternative
+    chat = client(disagg).chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    scores = chat.model_extra["prompt_logprobs"]
+    assert scores[0] is None and all(len(s) == 1 for s in scores[1:])
+    with httpx.stream("POST", f"{disagg.base_url}/v1/completions", json={
+        "prompt": "Hello world", "max_tokens": 2, "stream": True, "prompt_logprobs": 1,
+    }) as r:  # fmt: skip
+        frames = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    firsts = [
+        f["choices"][0]["prompt_logprobs"] for f in frames if "prompt_logprobs" in f["choices"][0]
+    ]
+    assert len(firsts) == 1 and firsts[0][1][world]["logprob"] == -0.25
+
+
+def test_bad_prompt_logprobs_requests_are_400s(colocated: Stack) -> None:
+    cases = [
+        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "stream"),
+    ]
+    for body, param in cases:
+        r = httpx.post(f"{colocated.base_url}/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_chat_logprobs_and_top_logprobs(disagg: Stack) -> None:

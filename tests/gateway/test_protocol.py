@@ -28,7 +28,7 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CMPL, {"prompt": [49152]}, {}, "token id 49152 at prompt position 0 is outside the vocabulary"),
     (CMPL, {"prompt": [-1]}, {}, "prompt must be between 0"),
     (CMPL, {"prompt": "hi", "max_tokens": -5}, {}, "max_tokens must be between 1"),
-    (CMPL, {"prompt": "hi", "max_tokens": 0}, {}, "max_tokens must be between 1"),
+    (CMPL, {"prompt": "hi", "max_tokens": 0}, {}, "max_tokens 0 needs echo"),
     (CMPL, {"prompt": "hi", "max_tokens": 10**30}, {}, "max_tokens must be between 1 and 16777216"),
     (CMPL, {"prompt": "hi", "max_tokens": -(10**30)}, {}, "max_tokens must be between 1 and 16777216"),
     (CMPL, {"prompt": "hi", "max_tokens": 1e30}, {}, "max_tokens must be an integer"),
@@ -225,9 +225,10 @@ def test_parse_completion_defaults_and_nulls() -> None:
     ids = parse_completion({"prompt": [[1, 2], [3]], "echo": True})
     assert ids.prompts == ((1, 2), (3,)) and ids.echo and ids.logprobs is None
     assert parse_completion({"prompt": "hi", "logprobs": 0}).logprobs == 0
-    with pytest.raises(APIError) as info:  # prompt logprobs: not yet, and never as nulls
-        parse_completion({"prompt": "hi", "echo": True, "logprobs": 0})
-    assert info.value.status == 400 and info.value.param == "echo"
+    echoed = parse_completion({"prompt": "hi", "echo": True, "logprobs": 3})
+    assert echoed.common.sampling.prompt_logprobs == 3 and not echoed.prompt_logprobs
+    scored = parse_completion({"prompt": "hi", "echo": True, "max_tokens": 0})
+    assert scored.score_only and scored.common.max_tokens == 1
 
 
 def test_parse_chat_options() -> None:

