@@ -87,6 +87,10 @@ class WorkerLoadInfo:
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
+    kv_offload_stored_blocks: int = 0  # the prefix cache's host tier (--kv-offloading-size)
+    kv_offload_restored_blocks: int = 0
+    kv_offload_evicted_blocks: int = 0
+    prefix_cache_host_hits: int = 0
     vocab_size: int = 0
     draining: bool = False
     num_reserved: int = 0

@@ -63,6 +63,23 @@ _WORKER_COUNTERS = {
     "kv_transfer_bytes": ("KV bytes transferred", lambda x: x.kv_transfer_bytes),
     "kv_transfer_seconds": ("Seconds spent transferring KV", lambda x: x.kv_transfer_seconds),
     "kv_transfer_failures": ("Failed KV transfers", lambda x: x.kv_transfer_failures),
+    "prefix_cache_host_hits": (
+        "Prefix-cache hits served from the host tier (tokens; prefix_cache_hits counts the "
+        "device pool's)",
+        lambda x: x.prefix_cache_host_hits,
+    ),
+    "kv_offload_stored_blocks": (
+        "KV blocks the device pool evicted that were copied to the host tier",
+        lambda x: x.kv_offload_stored_blocks,
+    ),
+    "kv_offload_restored_blocks": (
+        "KV blocks copied back from the host tier instead of recomputed",
+        lambda x: x.kv_offload_restored_blocks,
+    ),
+    "kv_offload_evicted_blocks": (
+        "KV blocks dropped from the host tier to make room",
+        lambda x: x.kv_offload_evicted_blocks,
+    ),
 }
 
 

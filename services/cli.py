@@ -185,6 +185,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "GPU, 1 GiB on the CPU)",
     )
     g.add_argument(
+        "--kv-offloading-size",
+        "--kv-offload-gib",
+        dest="kv_offloading_gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="host memory (GiB) for the prefix cache's second tier: blocks the KV pool evicts "
+        "are copied there and copied back on a later prefix hit instead of recomputed (pinned "
+        "memory on a GPU; 0: off)",
+    )
+    g.add_argument(
         "--num-blocks",
         type=_positive_int,
         default=None,

@@ -40,6 +40,9 @@ class CacheConfig:
     kv_cache_gib: float | None = None  # explicit KV pool size (the CPU default is 1 GiB)
     num_blocks: int | None = None  # explicit block count, overrides the two above
     enable_prefix_caching: bool = True
+    # the prefix cache's host tier: blocks the device pool evicts are kept in this much host
+    # memory and copied back on a later hit (0: off)
+    kv_offloading_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -54,6 +57,11 @@ class CacheConfig:
             raise ConfigError(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
+        if self.kv_offloading_gib < 0:
+            raise ConfigError(f"--kv-offloading-size must be >= 0, got {self.kv_offloading_gib}")
+        if self.kv_offloading_gib and not self.enable_prefix_caching:
+            raise ConfigError("--kv-offloading-size keeps prefix-cache blocks: it needs prefix "
+                              "caching (drop --no-enable-prefix-caching)")  # fmt: skip
 
 
 GPU_TOKEN_BUDGET = 8192

@@ -108,6 +108,10 @@ def stats_to_load(stats: EngineStats, **extra: object) -> common_pb2.WorkerLoad:
         prefix_cache_hits=stats.prefix_cache_hits,
         iteration_tokens=histogram_to_pb(stats.iteration_tokens),
         grammar_compile_seconds=histogram_to_pb(stats.grammar_compile_s),
+        kv_offload_stored_blocks=stats.kv_offload_stored,
+        kv_offload_restored_blocks=stats.kv_offload_restored,
+        kv_offload_evicted_blocks=stats.kv_offload_evicted,
+        prefix_cache_host_hits=stats.prefix_cache_host_hits,
         **extra,  # type: ignore[arg-type]
     )
 

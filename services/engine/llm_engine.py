@@ -59,6 +59,11 @@ class EngineStats:
     prefix_cache_hits: int
     iteration_tokens: HistogramSnapshot  # tokens computed per step, since the engine started
     grammar_compile_s: HistogramSnapshot  # seconds per structured-output grammar compiled
+    # the prefix cache's host tier (--kv-offloading-size): blocks stored, restored, dropped
+    kv_offload_stored: int = 0
+    kv_offload_restored: int = 0
+    kv_offload_evicted: int = 0
+    prefix_cache_host_hits: int = 0  # prompt tokens restored from the host tier
 
 
 class LLMEngine:
@@ -77,8 +82,9 @@ class LLMEngine:
             {tok_eos} if tok_eos is not None else set()
         )
         self.kv = KVCacheManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            host_slots=self.runner.num_host_slots,
+        )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.grammars = GrammarBatch(
@@ -366,7 +372,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, host = self.scheduler, self.kv.host
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
@@ -381,4 +387,8 @@ class LLMEngine:
             prefix_cache_hits=self.kv.pool.hits,
             iteration_tokens=self.step_tokens.snapshot(),
             grammar_compile_s=self.grammar_compiler.compile_seconds.snapshot(),
+            kv_offload_stored=host.stored if host is not None else 0,
+            kv_offload_restored=host.restored if host is not None else 0,
+            kv_offload_evicted=host.evicted if host is not None else 0,
+            prefix_cache_host_hits=self.kv.host_hits,
         )

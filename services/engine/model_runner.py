@@ -14,7 +14,13 @@ from services.engine.attention_metadata import AttentionMetadata
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.gpu_wait import GpuReader
 from services.engine.input_staging import InputStaging
-from services.engine.kv_cache import GIB, allocate_kv_caches, check_fits, plan_num_blocks
+from services.engine.kv_cache import (
+    GIB,
+    HostKV,
+    allocate_kv_caches,
+    check_fits,
+    plan_num_blocks,
+)
 from services.engine.loader import load_model
 from services.engine.sampler import sample
 from services.engine.structured import GrammarBatch
@@ -67,6 +73,13 @@ class ModelRunner:
         self.num_blocks = self._plan_blocks()
         self.kv_caches = allocate_kv_caches(
             self.arch, self.num_blocks, self.block_size, self.dtype, self.device
+        )
+        gib = config.cache.kv_offloading_gib
+        self.num_host_slots = HostKV.slots_for(gib, self.arch, self.block_size, self.dtype)
+        self.host_kv = (
+            HostKV(self.arch, self.num_host_slots, self.block_size, self.dtype, self.device)
+            if self.num_host_slots > 0
+            else None
         )
         max_blocks = -(-self.max_model_len // self.block_size)
         sched = config.scheduler
@@ -234,6 +247,8 @@ class ModelRunner:
         """``grammars``: the constrained requests; their bitmask is filled on the host while the
         forward runs on the device, and applied before sampling. ``score``: requests whose
         prompt tokens in this step get logprobs (top-N each): ``score_prompts`` then reads them."""
+        if self.host_kv is not None:  # before the forward, which may overwrite evicted blocks
+            self.host_kv.move(self.kv_caches, out.kv_offloads, out.kv_restores)
         sampling = [r for r in out.requests if r.sample]
         rids = [r.request_id for r in sampling]
         constrained = grammars is not None and grammars.constrains(rids)

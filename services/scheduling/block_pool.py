@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -52,6 +52,8 @@ class BlockPool:
         self._cached: dict[BlockHash, Block] = {}
         self.queries = 0
         self.hits = 0
+        # told of a cached block about to be reused for something else (the host tier keeps it)
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -70,6 +72,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

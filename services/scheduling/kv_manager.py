@@ -7,13 +7,25 @@ into slot mappings and block tables.
 from __future__ import annotations
 
 from services.scheduling.block_pool import Block, BlockHash, BlockPool, hash_block
+from services.scheduling.host_tier import HostTier
 from services.scheduling.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, host_slots: int = 0
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.host = HostTier(host_slots) if host_slots > 0 and enable_caching else None
+        # (device block, host slot) and (host slot, device block) copies for the next step
+        self.offloads: list[tuple[int, int]] = []
+        self.restores: list[tuple[int, int]] = []
+        # evictions are offloaded only while the scheduler plans a step (its copies run before
+        # that step's forward); a reservation's blocks are written by a KV transfer at any time
+        self.offload_on_evict = False
+        self.host_hits = 0  # prompt tokens restored from the host tier
+        self.pool.on_evict = self._offload
         self._tables: dict[str, list[Block]] = {}
         self._ids: dict[str, list[int]] = {}  # the same tables as block ids (read every step)
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -65,10 +77,40 @@ class KVCacheManager:
             hit.append(block)
         return hit
 
-    def record_prefix_query(self, request: Request, num_cached_tokens: int) -> None:
-        """Count one admission in the prefix-cache metrics (not every failed attempt)."""
+    def find_host_prefix(self, request: Request, num_device_blocks: int) -> list[BlockHash]:
+        """The blocks after a device hit of ``num_device_blocks`` that the host tier holds."""
+        if self.host is None or request.sampling_params.prompt_logprobs is not None:
+            return []
+        limit = request.num_tokens - 1
+        hashes = self._block_hashes(request, limit)
+        found = []
+        for h in hashes[num_device_blocks : limit // self.block_size]:
+            if self.host.lookup(h) is None:
+                break
+            found.append(h)
+        return found
+
+    def _offload(self, block_id: int, block_hash: BlockHash) -> None:
+        if self.host is not None and self.offload_on_evict:
+            slot = self.host.offer(block_hash)
+            if slot is not None:
+                self.offloads.append((block_id, slot))
+
+    def drain_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's copies: (device block, host slot) offloads, (host slot, device block)
+        restores; the runner does the offloads first."""
+        moves = (self.offloads, self.restores)
+        self.offloads, self.restores = [], []
+        if self.host is not None:
+            self.host.unpin()
+        return moves
+
+    def record_prefix_query(self, request: Request, num_cached_tokens: int, host: int = 0) -> None:
+        """Count one admission in the prefix-cache metrics (not every failed attempt); ``host``
+        of the cached tokens came back from the host tier."""
         self.pool.queries += request.num_tokens
-        self.pool.hits += num_cached_tokens
+        self.pool.hits += num_cached_tokens - host
+        self.host_hits += host
 
     def allocate(
         self,
@@ -77,23 +119,30 @@ class KVCacheManager:
         cached: list[Block] | None = None,
         *,
         register: bool = True,
+        restore: list[BlockHash] | None = None,
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones; False if full.
 
         ``register=False`` keeps the new blocks out of the prefix cache (KV still in flight).
+        ``restore``: host-tier blocks after ``cached`` (``find_host_prefix``), copied back into
+        the first new blocks before the step runs.
         """
         rid = request.request_id
         table = self._tables.get(rid)
         have = len(table) if table is not None else 0
-        cached = cached or []
-        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        cached, restore = cached or [], restore or []
+        hit = len(cached) + len(restore)
+        total = request.num_computed_tokens + hit * self.block_size + num_new_tokens
         need = self.blocks_for(total) - have - len(cached)
         if cached or need > 0:
             reviving = sum(1 for b in cached if b.ref_cnt == 0)  # cached blocks in the free queue
             if need > self.pool.num_free_blocks - reviving:
                 return False
             self.pool.touch(cached)
-            added = cached + self.pool.allocate(max(need, 0))
+            slots = self.host.take(restore) if self.host is not None and restore else []
+            new = self.pool.allocate(max(need, 0))
+            self.restores.extend(zip(slots, (b.block_id for b in new), strict=False))
+            added = cached + new
             if table is None:
                 table = self._tables[rid] = []
                 self._ids[rid] = []
@@ -133,6 +182,8 @@ class KVCacheManager:
         self._registered.pop(request.request_id, None)
 
     def check_invariants(self) -> None:
+        if self.host is not None:
+            self.host.check_invariants()
         held: dict[int, int] = {}
         for rid, table in self._tables.items():
             assert self._ids[rid] == [b.block_id for b in table], f"stale block ids for {rid}"

@@ -31,6 +31,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # host tier copies to do before the forward: (device block, host slot), then (slot, block)
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -140,6 +140,15 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.offload_on_evict = True
+        try:
+            out = self._schedule()
+        finally:
+            self.kv.offload_on_evict = False
+        out.kv_offloads, out.kv_restores = self.kv.drain_moves()
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.token_budget
         scheduled: list[tuple[Request, int]] = []
@@ -175,12 +184,14 @@ class Scheduler:
         self.waiting.sort(key=self._order_key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            num_cached = len(cached) * self.kv.block_size
+            fresh = req.num_computed_tokens == 0
+            cached = self.kv.find_cached_prefix(req) if fresh else []
+            host = self.kv.find_host_prefix(req, len(cached)) if fresh else []
+            num_cached = (len(cached) + len(host)) * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if self.config.long_prefill_token_threshold > 0:
                 n = min(n, self.config.long_prefill_token_threshold)
-            if not self.kv.allocate(req, n, cached):
+            if not self.kv.allocate(req, n, cached, restore=host):
                 # requests queued behind the head may hold KV (activated): free theirs first
                 holders = [r for r in self.waiting[1:] if r.num_computed_tokens > 0]
                 if not holders:
@@ -190,7 +201,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 continue
             self.waiting.pop(0)
-            self.kv.record_prefix_query(req, num_cached)
+            self.kv.record_prefix_query(req, num_cached, len(host) * self.kv.block_size)
             if req.num_preemptions == 0:  # a recompute's hits are not prompt-cache hits
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens += num_cached
