@@ -55,25 +55,39 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, knob_hint: 
     )
 
 
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(index, first slot, length) of each run of consecutive slots in an ascending list."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
+
+
 class HostKV:
     """The host tier's bytes (``services.scheduling.host_tier`` keeps the books): per layer a
     [2, slots, block_size, Hkv, D] tensor, pinned when the pool is on a GPU.
 
-    Offloads are queued on the device stream before the step's forward (which may overwrite the
-    evicted blocks: stream order keeps the copy first) into pinned staging, and land in their
-    slots at the next ``move``, long after the copy finished; restores wait for those first."""
+    On a GPU the copies never pass through the CPU: evicted blocks are gathered on the device
+    and copied straight into their slots (one copy per run of consecutive slots, per layer and
+    K/V half) on one side stream, restores come back the same way on another (PCIe carries both
+    directions at once), and the step's forward, which may overwrite the evicted blocks, waits
+    for both. Every copy of a slot is ordered after the last one through the main stream."""
 
     def __init__(
         self, arch: ArchConfig, num_slots: int, block_size: int, dtype: torch.dtype,
         device: torch.device,
     ) -> None:  # fmt: skip
         self.device = device
-        pin = device.type == "cuda"
+        cuda = device.type == "cuda"
         shape = (2, num_slots, block_size, arch.num_kv_heads, arch.head_dim)
         self.layers = [
-            torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(arch.num_layers)
+            torch.zeros(shape, dtype=dtype, pin_memory=cuda) for _ in range(arch.num_layers)
         ]
-        self._landing: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._out: Any = torch.cuda.Stream(device) if cuda else None  # device -> host
+        self._in: Any = torch.cuda.Stream(device) if cuda else None  # host -> device
 
     @staticmethod
     def slots_for(gib: float, arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -83,47 +97,51 @@ class HostKV:
         self, caches: list[torch.Tensor], offloads: list[tuple[int, int]],
         restores: list[tuple[int, int]],
     ) -> None:  # fmt: skip
-        """Copy (device block -> host slot) offloads, then (host slot -> device block) restores.
-        Called every step: the last step's offloads land first (their copies are done)."""
-        self._land()
-        if offloads:
+        """Copy (device block -> host slot) offloads and (host slot -> device block) restores
+        before the step's forward."""
+        if not offloads and not restores:
+            return
+        if self._out is None:  # the CPU: plain copies, offloads first
             self._offload(caches, offloads)
-        if restores:
-            self._land()  # a block evicted and found again in one step
             self._restore(caches, restores)
-
-    def _restore(self, caches: list[torch.Tensor], restores: list[tuple[int, int]]) -> None:
-        """Gathered on the host into pinned staging, one async copy per layer, scattered on the
-        device; the step's forward follows on the same stream."""
-        slots = torch.tensor([s for s, _ in restores])
-        blocks = torch.tensor([b for _, b in restores], device=self.device)
-        pin = self.device.type == "cuda"
-        for cache, host in zip(caches, self.layers, strict=True):
-            shape = (2, len(restores), *host.shape[2:])  # [2, n, bs, Hkv, D]
-            staged = torch.empty(shape, dtype=host.dtype, pin_memory=pin)
-            torch.index_select(host, 1, slots, out=staged)
-            cache.index_copy_(1, blocks, staged.to(self.device, non_blocking=True))
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._out.wait_stream(main)  # the evicted blocks hold their final KV
+        self._in.wait_stream(main)
+        if {s for _, s in offloads} & {s for s, _ in restores}:  # evicted and hit in one step
+            with torch.cuda.stream(self._out):
+                self._offload(caches, offloads)
+            self._in.wait_stream(self._out)
+        elif offloads:
+            with torch.cuda.stream(self._out):
+                self._offload(caches, offloads)
+        with torch.cuda.stream(self._in):
+            self._restore(caches, restores)
+        main.wait_stream(self._out)
+        main.wait_stream(self._in)
 
     def _offload(self, caches: list[torch.Tensor], offloads: list[tuple[int, int]]) -> None:
-        blocks = torch.tensor([b for b, _ in offloads], device=self.device)
-        slots = torch.tensor([s for _, s in offloads])
-        if self.device.type != "cuda":
-            for cache, host in zip(caches, self.layers, strict=True):
-                host.index_copy_(1, slots, cache.index_select(1, blocks))
+        if not offloads:
             return
-        staged = []
-        for cache in caches:  # [2, n, bs, Hkv, D] gathered on the device, then one async copy
-            gathered = cache.index_select(1, blocks)
-            pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-            pinned.copy_(gathered, non_blocking=True)
-            staged.append(pinned)
-        event = torch.cuda.Event()
-        event.record()
-        self._landing.append((event, slots, staged))
+        pairs = sorted(offloads, key=lambda p: p[1])
+        blocks = torch.tensor([b for b, _ in pairs], device=self.device)
+        runs = _runs([s for _, s in pairs])
+        for cache, host in zip(caches, self.layers, strict=True):
+            gathered = cache.index_select(1, blocks)  # [2, n, bs, Hkv, D], slot order
+            for i, s0, k in runs:
+                for half in (0, 1):
+                    host[half, s0 : s0 + k].copy_(gathered[half, i : i + k], non_blocking=True)
 
-    def _land(self) -> None:
-        for event, slots, staged in self._landing:
-            event.synchronize()
-            for host, part in zip(self.layers, staged, strict=True):
-                host.index_copy_(1, slots, part)
-        self._landing.clear()
+    def _restore(self, caches: list[torch.Tensor], restores: list[tuple[int, int]]) -> None:
+        if not restores:
+            return
+        pairs = sorted(restores)
+        blocks = torch.tensor([b for _, b in pairs], device=self.device)
+        runs = _runs([s for s, _ in pairs])
+        for cache, host in zip(caches, self.layers, strict=True):
+            staged = torch.empty((2, len(pairs), *host.shape[2:]), dtype=host.dtype,
+                                 device=self.device)  # fmt: skip
+            for i, s0, k in runs:
+                for half in (0, 1):
+                    staged[half, i : i + k].copy_(host[half, s0 : s0 + k], non_blocking=True)
+            cache.index_copy_(1, blocks, staged)
