@@ -6,12 +6,15 @@ TORCH_SPEC ?= torch==2.13.0
 # what serving needs (torch, the project, the embedded model); the test and lint tools on top
 SERVE_STAMP := $(VENV)/.tandem-serve-installed
 STAMP := $(VENV)/.tandem-installed
+# lm-eval (the evaluation harness) in a venv of its own: tests/gateway/test_e2e_lm_eval.py runs it
+LMEVAL_VENV ?= .lm-eval-venv
+LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
 # make serve PORT=8080 MODEL=/models/Llama-3.1-8B-Instruct ARGS="--decode 2"
 PORT ?= 8000
 MODEL ?= embedded
 ARGS ?=
 
-.PHONY: venv serve-venv test lint typecheck serve protos clean
+.PHONY: venv serve-venv lm-eval-venv test lint typecheck serve protos clean
 
 $(SERVE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +30,13 @@ $(STAMP): $(SERVE_STAMP)
 
 serve-venv: $(SERVE_STAMP)
 
+$(LMEVAL_STAMP):
+	test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install -q "lm-eval[api]==0.4.13" "transformers>=4.46"
+	touch $(LMEVAL_STAMP)
+
+lm-eval-venv: $(LMEVAL_STAMP)
+
 venv: $(STAMP)
 
 lint: venv
@@ -36,7 +46,7 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy services kernels deploy gateway kvtransfer
 
-test: venv lint typecheck
+test: venv lint typecheck lm-eval-venv
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
 
 serve: serve-venv
@@ -46,4 +56,4 @@ protos: venv
 	$(PY) -m protos.build
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(LMEVAL_VENV) .pytest_cache .ruff_cache .mypy_cache
