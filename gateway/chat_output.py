@@ -146,6 +146,8 @@ class ChoiceOutput:
     def _calls(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[Delta]:
         deltas = []
         for call in calls:
+            if self.tool_calls and self.plan.tools is not None and not self.plan.tools.parallel:
+                break  # parallel_tool_calls false: the first call only
             call_id = _call_id()
             deltas.append(
                 {"tool_calls": [{"index": len(self.tool_calls), **_call_json(call, call_id)}]}

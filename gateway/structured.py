@@ -20,6 +20,7 @@ MAX_SPEC_CHARS = 1 << 20
 BACKENDS = (None, "", "auto", "xgrammar")
 _SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _SO_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _GUIDED = {
     "guided_json": "json",
     "guided_regex": "regex",
@@ -109,7 +110,26 @@ def _structured_outputs(f: Fields) -> StructuredOutput | None:
     if kind == "json_object":
         return StructuredOutput("json_object", any_whitespace=free)
     spec = _spec(kind, so[kind], f"structured_outputs.{kind}")
+    if kind == "json" and so.get("disable_additional_properties"):
+        spec = json.dumps(_closed(json.loads(spec)), ensure_ascii=False)
     return StructuredOutput(kind, spec, any_whitespace=free)
+
+
+def _closed(node: Any) -> Any:
+    """disable_additional_properties: every object of the schema takes only its properties."""
+    if isinstance(node, list):
+        return [_closed(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {
+        # maps of names to schemas: the names are not schema keywords
+        k: {name: _closed(s) for name, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict)
+        else _closed(v)
+        for k, v in node.items()
+    }  # fmt: skip
+    if "properties" in node or node.get("type") == "object":
+        out["additionalProperties"] = False
+    return out
 
 
 def _guided(f: Fields) -> StructuredOutput | None:

@@ -43,18 +43,46 @@ class ToolPlan:
             return StructuredOutput("json", json.dumps(schema, ensure_ascii=False))
         if self.choice != "required":
             return None
-        calls = [
-            {
+        calls, defs = [], {}
+        for i, f in enumerate(self.functions):
+            # nested in the array, a function's "#/$defs/X" would point at the array's root:
+            # its definitions move there, under names of their own
+            parameters, own = _lift_defs(f.parameters, f"f{i}_")
+            defs.update(own)
+            calls.append({
                 "type": "object",
-                "properties": {"name": {"enum": [f.name]}, "arguments": f.parameters},
+                "properties": {"name": {"enum": [f.name]}, "arguments": parameters},
                 "required": ["name", "arguments"],
-            }
-            for f in self.functions
-        ]
+            })  # fmt: skip
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
         return StructuredOutput("json", json.dumps(array, ensure_ascii=False))
+
+
+def _lift_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``schema`` without its ``$defs``/``definitions`` and with its local refs renamed, and
+    those definitions under ``prefix``ed names (their own refs renamed too)."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not defs:
+        return schema, {}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+
+    def rename(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rename(v) for k, v in node.items()}
+            ref = node.get("$ref")
+            for root in ("#/$defs/", "#/definitions/"):
+                if isinstance(ref, str) and ref.startswith(root):
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(root) :]
+            return out
+        if isinstance(node, list):
+            return [rename(v) for v in node]
+        return node
+
+    return rename(body), {prefix + name: rename(d) for name, d in defs.items()}
 
 
 def _function(tool: Any, i: int) -> Function:

@@ -103,45 +103,55 @@ class HostKV:
             return
         if self._out is None:  # the CPU: plain copies, offloads first
             self._offload(caches, offloads)
-            self._restore(caches, restores)
+            self._restore(caches, restores, [])
             return
         main = torch.cuda.current_stream(self.device)
         self._out.wait_stream(main)  # the evicted blocks hold their final KV
+        self._out.wait_stream(self._in)  # earlier restores are done reading slots reused now
         self._in.wait_stream(main)
+        self._in.wait_stream(self._out)  # earlier offloads have landed in their slots
+        with torch.cuda.stream(self._out):
+            gathered = self._offload(caches, offloads)
         if {s for _, s in offloads} & {s for s, _ in restores}:  # evicted and hit in one step
-            with torch.cuda.stream(self._out):
-                self._offload(caches, offloads)
             self._in.wait_stream(self._out)
-        elif offloads:
-            with torch.cuda.stream(self._out):
-                self._offload(caches, offloads)
         with torch.cuda.stream(self._in):
-            self._restore(caches, restores)
+            self._restore(caches, restores, gathered)
         main.wait_stream(self._out)
         main.wait_stream(self._in)
 
-    def _offload(self, caches: list[torch.Tensor], offloads: list[tuple[int, int]]) -> None:
+    def _offload(self, caches: list[torch.Tensor], offloads: list[tuple[int, int]]) -> list[Any]:
+        """Per layer, the event after its evicted blocks were gathered: a restore of this step
+        may write into those very blocks (they were just reallocated), but only after that."""
         if not offloads:
-            return
+            return []
         pairs = sorted(offloads, key=lambda p: p[1])
         blocks = torch.tensor([b for b, _ in pairs], device=self.device)
         runs = _runs([s for _, s in pairs])
+        events = []
         for cache, host in zip(caches, self.layers, strict=True):
             gathered = cache.index_select(1, blocks)  # [2, n, bs, Hkv, D], slot order
+            if self._out is not None:
+                events.append(torch.cuda.Event())
+                events[-1].record()
             for i, s0, k in runs:
                 for half in (0, 1):
                     host[half, s0 : s0 + k].copy_(gathered[half, i : i + k], non_blocking=True)
+        return events
 
-    def _restore(self, caches: list[torch.Tensor], restores: list[tuple[int, int]]) -> None:
+    def _restore(
+        self, caches: list[torch.Tensor], restores: list[tuple[int, int]], gathered: list[Any]
+    ) -> None:
         if not restores:
             return
         pairs = sorted(restores)
         blocks = torch.tensor([b for _, b in pairs], device=self.device)
         runs = _runs([s for s, _ in pairs])
-        for cache, host in zip(caches, self.layers, strict=True):
+        for layer, (cache, host) in enumerate(zip(caches, self.layers, strict=True)):
             staged = torch.empty((2, len(pairs), *host.shape[2:]), dtype=host.dtype,
                                  device=self.device)  # fmt: skip
             for i, s0, k in runs:
                 for half in (0, 1):
                     staged[half, i : i + k].copy_(host[half, s0 : s0 + k], non_blocking=True)
+            if gathered:  # this layer's evicted blocks were read before they are overwritten
+                torch.cuda.current_stream(self.device).wait_event(gathered[layer])
             cache.index_copy_(1, blocks, staged)

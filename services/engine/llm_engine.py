@@ -171,6 +171,8 @@ class LLMEngine:
         outputs: list[int],
     ) -> None:  # fmt: skip
         if params.structured is not None:
+            if request_id in self.grammars.states:  # the scheduler would refuse it anyway
+                raise ValueError(f"request id {request_id!r} is already in use")
             compiled = grammar or self.compile_grammar(params)
             assert compiled is not None
             self.grammars.add(request_id, compiled, outputs)
@@ -300,6 +302,7 @@ class LLMEngine:
             for r in requests
             if r.sampling_params.prompt_logprobs is not None
             and r.start_pos < len(r.prompt_token_ids) - 1
+            and not r.output_token_ids  # sent with the first token: a recompute sends none
         }
 
     def _keep_prompt_scores(self, scores: dict[str, list[PromptTokenScore]]) -> None:

@@ -126,7 +126,7 @@ class GrammarCompiler:
             if so.kind == "choice":
                 return compiler.compile_grammar(_choice_grammar(so.spec))
             return self._ebnf_or_lark(compiler, so.spec)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's C++ errors, mapped
             what = {"json": "JSON schema", "regex": "regex"}.get(so.kind, so.kind)
             raise InvalidRequestError(f"invalid {what}: {_library_message(e)}", _PARAM) from e
 
@@ -135,10 +135,10 @@ class GrammarCompiler:
         """vLLM takes GBNF/EBNF (``root ::= ...``) or Lark (``start: ...``) grammars."""
         try:
             return compiler.compile_grammar(spec)
-        except RuntimeError as ebnf_error:
+        except (RuntimeError, ValueError, TypeError) as ebnf_error:
             try:
                 return compiler.compile_grammar(xgr.Grammar.from_lark(spec))
-            except RuntimeError:
+            except (RuntimeError, ValueError, TypeError):
                 raise ebnf_error from None
 
 

@@ -135,3 +135,10 @@ def test_reasoning_then_a_named_call() -> None:
 def test_plain_plans_leave_the_text_alone() -> None:
     assert OutputPlan().plain and OutputPlan(ToolPlan(FUNCS, "none")).plain
     assert not OutputPlan(ToolPlan(FUNCS, "required")).plain
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto() -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "auto", parallel=False), tool_parsers.get_parser("hermes"))
+    text = '<tool_call>{"name": "ping", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    message = ChoiceOutput(plan).message(text)
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["ping"]

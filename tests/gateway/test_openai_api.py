@@ -171,6 +171,7 @@ def test_bad_prompt_logprobs_requests_are_400s(colocated: Stack) -> None:
         ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "stream"),
+        ({"prompt": "hi", "echo": True, "max_tokens": 0, "stream": True}, "stream"),
     ]
     for body, param in cases:
         r = httpx.post(f"{colocated.base_url}/v1/completions", json=body)

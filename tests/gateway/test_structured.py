@@ -77,3 +77,14 @@ def test_malformed_forms_are_400s_that_say_what_to_fix(body: dict, param: str, w
         _parse(**body)
     assert err.value.status == 400 and err.value.param == param, err.value.message
     assert words in err.value.message
+
+
+def test_disable_additional_properties_closes_every_object() -> None:
+    schema = {"type": "object", "properties": {"properties": {"type": "object"},
+              "x": {"type": "integer"}}, "additionalProperties": True}  # fmt: skip
+    so = _parse(structured_outputs={"json": schema, "disable_additional_properties": True})
+    assert so is not None
+    closed = json.loads(so.spec)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert set(closed["properties"]) == {"properties", "x"}  # a property's name is not a keyword

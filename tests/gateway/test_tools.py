@@ -95,3 +95,26 @@ def test_malformed_tools_are_400s_that_say_what_to_fix(
         _plan(**body)
     assert err.value.status == 400 and err.value.param == param
     assert words in err.value.message
+
+
+def test_required_keeps_each_functions_definitions_reachable() -> None:
+    """A pydantic-style schema refers to its $defs from the root: nested in the array, the
+    definitions move to the array's root under names of their own."""
+    city = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    trip = {
+        "type": "function",
+        "function": {"name": "plan", "parameters": {
+            "type": "object", "properties": {"to": {"$ref": "#/$defs/City"}}, "required": ["to"],
+            "$defs": {"City": city},
+        }},
+    }  # fmt: skip
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"c": {"$ref": "#/definitions/City"}},
+        "definitions": {"City": {"type": "integer"}},
+    }}}  # fmt: skip
+    schema = _schema(_plan(tools=[trip, other], tool_choice="required"))
+    assert set(schema["$defs"]) == {"f0_City", "f1_City"}
+    jsonschema.validate([{"name": "plan", "arguments": {"to": {"name": "Oslo"}}},
+                         {"name": "other", "arguments": {"c": 3}}], schema)  # fmt: skip
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "plan", "arguments": {"to": {}}}], schema)

@@ -50,3 +50,22 @@ def test_prefix_hits_are_bypassed_and_the_scores_repeat(llm: LLM) -> None:
 def test_prompt_logprobs_are_bounded() -> None:
     with pytest.raises(InvalidRequestError, match="prompt_logprobs must be between 0 and 20"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_a_recompute_after_the_first_token_sends_no_scores_again(llm: LLM) -> None:
+    """Preempted after its first token, a request recomputes its prompt: the prompt logprobs
+    went out with that token and are not scored (or sent) a second time."""
+    engine = llm.engine
+    ids = llm.tokenizer.encode(TEXT)
+    engine.add_request("again", ids, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0))
+    outs = []
+    while not outs:
+        outs = [o for o in engine.step() if o.request_id == "again"]
+    assert len(outs[0].prompt_logprobs) == len(ids) - 1
+    req = engine.scheduler.requests["again"]
+    engine.scheduler._preempt(req)  # what running out of blocks does
+    later = []
+    while engine.has_unfinished:
+        later += [o for o in engine.step() if o.request_id == "again"]
+    assert later and all(not o.prompt_logprobs for o in later)
+    assert "again" not in engine._prompt_lp

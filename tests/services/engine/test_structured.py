@@ -208,3 +208,19 @@ def test_bitmask_kernel_matches_the_reference(rows: int, vocab: int) -> None:
     apply_bitmask_reference(ref, bitmask, constrained)
     assert torch.equal(ours, ref)
     assert torch.equal(ours[1::2], logits[1::2])  # rows not listed are untouched
+
+
+def test_a_duplicate_request_id_keeps_the_live_requests_grammar(
+    llm: LLM, chat_ids: list[list[int]]
+) -> None:
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=8, structured=_so("regex", "[0-9]+"))
+    engine.add_request("dup", chat_ids[0], sp)
+    state = engine.grammars.states["dup"]
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", chat_ids[1], sp)
+    assert engine.grammars.states["dup"] is state
+    texts = ""
+    while engine.has_unfinished:
+        texts += "".join(o.text for o in engine.step() if o.request_id == "dup")
+    assert re.fullmatch("[0-9]+", texts)
