@@ -136,8 +136,3 @@ async def workers(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     return Response(_spec(), media_type="application/json")
-
-
-def spec_dict() -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(_spec())
-    return data

@@ -27,12 +27,13 @@ from opentelemetry.trace import Span
 from gateway.convert import WorkerReportedError, chunk_from_pb, sampling_to_pb
 from gateway.errors import APIError
 from gateway.events import Chunk, Timing
-from gateway.router import blocks_needed, least_queued, rank_decode
+from gateway.router import least_queued, rank_decode
 from gateway.tracing import child_span, end_span, grpc_metadata
 from gateway.upstream import UpstreamError, stream_ended, worker_failed
 from gateway.work import FlowContext, WorkItem, rpc_failure
 from gateway.workers import WorkerClient
 from protos import decode_pb2, kv_control_pb2, prefill_pb2
+from services.scheduling.block_pool import blocks_for
 
 T = TypeVar("T")
 MAX_RESERVE_TRIES = 3
@@ -67,7 +68,7 @@ class _Run:
         """KV blocks on the decode worker with the most room now; when none has room, the
         request waits in the admission queue of the least loaded one (up to its deadline)."""
         item, last = self.item, None
-        needed = blocks_needed(len(item.prompt_ids) + 1, decodes[0].block_size)
+        needed = blocks_for(len(item.prompt_ids) + 1, decodes[0].block_size)
         full: list[WorkerClient] = []  # answered "no room now": nothing reserved there
         for decode in rank_decode(decodes, needed)[:MAX_RESERVE_TRIES]:
             try:

@@ -53,10 +53,6 @@ def rank_by_affinity(candidates: Sequence[C], key: bytes) -> list[C]:
     return sorted(candidates, key=score, reverse=True)
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def rank_decode(candidates: Sequence[C], needed_blocks: int) -> list[C]:
     """Best first: workers with room for ``needed_blocks``, most free blocks per queued request."""
 

@@ -38,7 +38,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
 
     @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
+    def capture_signals(self) -> Generator[None, None, None]:  # uvicorn.Server's hook
         if threading.current_thread() is not threading.main_thread():
             yield  # signals reach only the main thread (tests run servers in threads)
             return

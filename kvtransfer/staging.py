@@ -25,11 +25,6 @@ class HostStaging:
         return self._buf[:nbytes]
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:  # [nbytes] uint8, same storage
-    """A flat uint8 view of a contiguous tensor (what travels on the wire)."""
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
 def to_wire(data: torch.Tensor, wire: torch.device, host: torch.Tensor | None) -> torch.Tensor:
     """``data`` (flat uint8) as a tensor on ``wire``: itself, or copied into ``host`` (a slice
     of a staging buffer, same size) and waited for."""

@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -143,12 +142,6 @@ def resolve_tokenizer_dir(model: str) -> str:
     cmd = [sys.executable, "-m", "services.model_files", "--model", model]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
-
-
-def model_max_len(hf_dir: Path) -> int | None:
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    value = cfg.get("max_position_embeddings")
-    return int(value) if value else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import stream_chunks
 from services.common.tracing import start_server_span
 from services.decode.admission import AdmissionQueue
+from services.scheduling.block_pool import blocks_for
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                                 f"(waited {waited:.1f} s, {len(self.admission)} waiting)")  # fmt: skip
         assert self.rt.engine is not None and blocks is not None
         ttl = reservation_ttl(request.ttl_s, request.owner)
-        nblk = -(-n // self.rt.engine.config.cache.block_size)
+        nblk = blocks_for(n, self.rt.engine.config.cache.block_size)
         handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(ttl, self._expire, rid)

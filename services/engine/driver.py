@@ -162,10 +162,6 @@ class EngineDriver:
     def stats(self) -> EngineStats:
         return self.engine.stats()  # plain counters: a racy read is fine for load reports
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
     # ---- the engine thread -------------------------------------------------------------------
     def _drain_commands(self, block: bool) -> bool:
         """Run the queued commands; False if there were none."""

@@ -8,6 +8,7 @@ import torch
 
 from services.config import CacheConfig, ConfigError
 from services.engine.model_config import ArchConfig
+from services.scheduling.block_pool import blocks_for
 
 CPU_DEFAULT_KV_GIB = 1.0
 GIB = 1024**3
@@ -42,7 +43,7 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, knob_hint: 
     capacity = max(num_blocks, 0) * block_size
     if capacity >= max_model_len and num_blocks >= 1:
         return
-    need = f"one sequence of max_model_len {max_model_len} needs {-(-max_model_len // block_size)} blocks of {block_size} tokens"  # fmt: skip
+    need = f"one sequence of max_model_len {max_model_len} needs {blocks_for(max_model_len, block_size)} blocks of {block_size} tokens"  # fmt: skip
     if num_blocks < 1:  # no --max-model-len helps: the pool must grow
         raise ConfigError(
             f"the KV cache holds no block of {block_size} tokens at all ({need}): give it more "

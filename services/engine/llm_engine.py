@@ -266,10 +266,6 @@ class LLMEngine:
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.block_ids(request_id)
 
-    def release(self, request_id: str) -> None:
-        """Prefill side: the KV has been shipped; its blocks go back (into the prefix cache)."""
-        self.scheduler.release(request_id)
-
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()

@@ -25,6 +25,7 @@ from services.engine.loader import load_model
 from services.engine.sampler import sample
 from services.engine.structured import GrammarBatch
 from services.engine.warmup import warmup_steps
+from services.scheduling.block_pool import blocks_for
 from services.scheduling.outputs import PromptTokenScore, SampledToken, SchedulerOutput
 from services.scheduling.sampling_params import SamplingParams
 
@@ -81,7 +82,7 @@ class ModelRunner:
             if self.num_host_slots > 0
             else None
         )
-        max_blocks = -(-self.max_model_len // self.block_size)
+        max_blocks = blocks_for(self.max_model_len, self.block_size)
         sched = config.scheduler
         self.staging = InputStaging.for_limits(
             max(sched.token_budget, sched.max_num_seqs), sched.max_num_seqs,

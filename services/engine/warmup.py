@@ -16,6 +16,7 @@ before attending to it.
 
 from __future__ import annotations
 
+from services.scheduling.block_pool import blocks_for
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
 from services.scheduling.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ class _Blocks:
         self.block_size, self.next = block_size, 0
 
     def take(self, num_tokens: int) -> list[int]:
-        n = -(-num_tokens // self.block_size)
+        n = blocks_for(num_tokens, self.block_size)
         ids = list(range(self.next, self.next + n))
         self.next += n
         return ids

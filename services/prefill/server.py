@@ -16,6 +16,7 @@ from services.common.convert import output_to_chunk, transfer_fields
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, submit
 from services.common.tracing import child_span, end_span, start_server_span
+from services.scheduling.block_pool import blocks_for
 
 
 class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
@@ -100,7 +101,7 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
 
         assert self.rt.driver is not None and self.rt.engine is not None and self.sender is not None
         blocks = await self.rt.driver.acall(lambda e: e.block_ids(rid))
-        n = -(-num_prompt // self.rt.engine.config.cache.block_size)
+        n = blocks_for(num_prompt, self.rt.engine.config.cache.block_size)
         try:  # waits for its turn on the pair to the receiver; its timeout starts then
             future = self.sender.submit(target.kv_endpoint, target.reservation_id, blocks[:n],
                                         self.rt.args.kv_timeout)  # fmt: skip

@@ -6,7 +6,7 @@ into slot mappings and block tables.
 
 from __future__ import annotations
 
-from services.scheduling.block_pool import Block, BlockHash, BlockPool, hash_block
+from services.scheduling.block_pool import Block, BlockHash, BlockPool, blocks_for, hash_block
 from services.scheduling.host_tier import HostTier
 from services.scheduling.request import Request
 
@@ -44,7 +44,7 @@ class KVCacheManager:
         return self.pool.usage
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table, as ids."""
@@ -176,10 +176,6 @@ class KVCacheManager:
         self._hashes.pop(rid, None)
         self._registered.pop(rid, None)
         self.pool.free(reversed(table))
-
-    def reset_hashes(self, request: Request) -> None:
-        self._hashes.pop(request.request_id, None)
-        self._registered.pop(request.request_id, None)
 
     def check_invariants(self) -> None:
         if self.host is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from gateway.router import blocks_needed, prefix_key, rank_by_affinity, rank_decode
+from gateway.router import prefix_key, rank_by_affinity, rank_decode
+from services.scheduling.block_pool import blocks_for
 
 
 @dataclass
@@ -60,4 +61,4 @@ def test_decode_ranking_prefers_room_then_free_blocks_per_queued_request() -> No
     assert [w.address for w in rank_decode([a, b, c], needed_blocks=10)] == ["b", "c", "a"]
     assert [w.address for w in rank_decode([a, b, c], needed_blocks=1)] == ["b", "c", "a"]
     assert rank_decode([a], needed_blocks=100) == [a]  # still tried: Reserve has the last word
-    assert blocks_needed(17, 16) == 2 and blocks_needed(16, 16) == 1
+    assert blocks_for(17, 16) == 2 and blocks_for(16, 16) == 1

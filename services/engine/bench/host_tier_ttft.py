@@ -21,6 +21,7 @@ import torch
 
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
+from services.scheduling.block_pool import blocks_for
 from services.scheduling.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ def ttft(engine: LLMEngine, prompt: list[int], name: str) -> tuple[float, list[i
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n = args.prompt_len
-    blocks = -(-n // 16) + args.spare_blocks  # A, or B, fits; not both
+    blocks = blocks_for(n, 16) + args.spare_blocks  # A, or B, fits; not both
     config = build_config(args.model, load_format=args.load_format, max_model_len=n + 16,
                           num_blocks=blocks, kv_offloading_gib=args.kv_offloading_size,
                           device=args.device)  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
+from services.scheduling.block_pool import blocks_for
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
 from services.scheduling.sampling_params import SamplingParams
 
@@ -33,7 +34,7 @@ class KernelRow(TypedDict):
 def decode_step(engine: LLMEngine, batch: int, context: int) -> SchedulerOutput:
     """A synthetic decode-only step: ``batch`` sequences whose ``context - 1`` tokens are cached."""
     bs = engine.runner.block_size
-    nblk = -(-context // bs)
+    nblk = blocks_for(context, bs)
     if batch * nblk > engine.runner.num_blocks:
         raise SystemExit(
             f"{batch} x {context} tokens do not fit in {engine.runner.num_blocks} blocks"
