@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.reasoning import ReasoningParser, ReasoningStream
-from gateway.tool_parsers import ToolCall, ToolParser, ToolStream
+from gateway.tool_parsers import ToolCall, ToolParser, ToolStream, as_tool_call
 from gateway.tools import ToolPlan
 
 Delta = dict[str, Any]
@@ -65,9 +65,9 @@ class _ArrayCalls:
             except json.JSONDecodeError:
                 return calls
             self._pos = end
-            if isinstance(value, dict) and isinstance(value.get("name"), str):
-                args = json.dumps(value.get("arguments", {}), ensure_ascii=False)
-                calls.append(ToolCall(value["name"], args))
+            call = as_tool_call(value)
+            if call is not None:
+                calls.append(call)
 
 
 class ChoiceOutput:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from gateway.text_stream import TextStream, held_back
+
 _NEWLINES = "\r\n"
 
 
@@ -31,38 +33,21 @@ class ReasoningStep:
     content: str  # answer text safe to send now
 
 
-def _held(text: str, marker: str) -> int:
-    """Length of the longest end of text that could still grow into marker."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
-
-
-class ReasoningStream:
+class ReasoningStream(TextStream[ReasoningStep]):
     """One generated choice's text, fed piece by piece."""
 
     def __init__(self, start: str, end: str, prompt_open: bool, end_alone_closes: bool) -> None:
+        super().__init__()
         self._start, self._end = start, end
         self._prompt_open = prompt_open
         self._end_alone_closes = end_alone_closes
         self._mode = "start"  # then "think", "unsure" (a lone end tag may come) or "answer"
-        self._buf = ""  # received and not yet emitted
         self._newlines = ""  # thinking's trailing newlines: dropped if the block ends here
         self._thought = self._answered = False  # whether any text of each was sent yet
         self._reasoning: list[str] = []
         self._content: list[str] = []
 
-    def feed(self, delta: str) -> ReasoningStep:
-        self._buf += delta
-        return self._drain(final=False)
-
-    def finish(self) -> ReasoningStep:
-        return self._drain(final=True)
-
-    def _drain(self, final: bool) -> ReasoningStep:
-        while self._advance(final):
-            pass
+    def _take(self) -> ReasoningStep:
         step = ReasoningStep("".join(self._reasoning), "".join(self._content))
         self._reasoning.clear()
         self._content.clear()
@@ -84,7 +69,7 @@ class ReasoningStream:
         if self._mode == "unsure":
             self._mode = "answer" if final else "unsure"
             return final
-        cut = len(self._buf) - (0 if final else _held(self._buf, self._end))
+        cut = len(self._buf) - (0 if final else held_back(self._buf, self._end))
         self._think(self._buf[:cut], closed=final)
         self._buf = self._buf[cut:]
         return False

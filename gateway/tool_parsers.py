@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.text_stream import TextStream, held_back
+
 _DECODER = json.JSONDecoder()
 _SEPARATORS = " \t\r\n;"  # between llama3_json calls
 _NAME_EXTRA = "_-.:"  # allowed in a bare mistral function name besides letters and digits
@@ -43,14 +45,6 @@ class _NotACall(Exception):
     """The text at hand can no longer become a call, whatever follows."""
 
 
-def _held(text: str, marker: str) -> int:
-    """Length of the longest end of text that could still grow into marker."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
-
-
 def _decode(text: str) -> tuple[object, int] | None:
     """The JSON value text starts with and where it ends; None while incomplete or invalid."""
     try:
@@ -73,7 +67,7 @@ def _arguments(value: object) -> str | None:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _call(obj: object) -> ToolCall | None:
+def as_tool_call(obj: object) -> ToolCall | None:
     """``{"name": ..., "arguments"|"parameters": {...}}`` as a call; None when it is not one."""
     if not isinstance(obj, dict):
         return None
@@ -84,24 +78,15 @@ def _call(obj: object) -> ToolCall | None:
     return None if arguments is None else ToolCall(name, arguments)
 
 
-class ToolStream(ABC):
+class ToolStream(TextStream[StreamStep]):
     """One generated choice's text, fed piece by piece; one per choice."""
 
     def __init__(self) -> None:
-        self._buf = ""  # received and not yet emitted or dropped
+        super().__init__()
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
 
-    def feed(self, delta: str) -> StreamStep:
-        self._buf += delta
-        return self._drain(final=False)
-
-    def finish(self) -> StreamStep:
-        return self._drain(final=True)
-
-    def _drain(self, final: bool) -> StreamStep:
-        while self._advance(final):
-            pass
+    def _take(self) -> StreamStep:
         step = StreamStep("".join(self._content), tuple(self._calls))
         self._content.clear()
         self._calls.clear()
@@ -109,16 +94,20 @@ class ToolStream(ABC):
 
     def _text(self, final: bool, marker: str) -> None:
         """Emits the buffer as content but for an end that may be the start of marker."""
-        cut = len(self._buf) - (0 if final else _held(self._buf, marker))
+        cut = len(self._buf) - (0 if final else held_back(self._buf, marker))
         self._content.append(self._buf[:cut])
         self._buf = self._buf[cut:]
 
-    @abstractmethod
-    def _advance(self, final: bool) -> bool:
-        """Consumes what is decided at the front of the buffer; True while there may be more.
-
-        Every decision taken with ``final`` false must hold whatever text follows: that is what
-        makes the stream agree with the whole-text parse for any split of the text."""
+    def _up_to(self, marker: str, final: bool) -> bool:
+        """Content up to ``marker``, which is consumed: True; without it the buffer is content
+        but for a possible start of the marker: False."""
+        at = self._buf.find(marker)
+        if at < 0:
+            self._text(final, marker)
+            return False
+        self._content.append(self._buf[:at])
+        self._buf = self._buf[at + len(marker) :]
+        return True
 
 
 class _HermesStream(ToolStream):
@@ -133,14 +122,8 @@ class _HermesStream(ToolStream):
     def _advance(self, final: bool) -> bool:
         if self._inside:
             return self._block(final)
-        at = self._buf.find(self.START)
-        if at < 0:
-            self._text(final, self.START)
-            return False
-        self._content.append(self._buf[:at])
-        self._buf = self._buf[at + len(self.START) :]
-        self._inside = True
-        return True
+        self._inside = self._up_to(self.START, final)
+        return self._inside
 
     def _block(self, final: bool) -> bool:
         end = self._buf.find(self.END)
@@ -153,7 +136,7 @@ class _HermesStream(ToolStream):
         self._buf, self._inside = self._buf[end + len(self.END) :], False
         body = inner.strip()
         decoded = _decode(body)
-        call = _call(decoded[0]) if decoded and decoded[1] == len(body) else None
+        call = as_tool_call(decoded[0]) if decoded and decoded[1] == len(body) else None
         if call is None:
             self._content.append(self.START + inner + self.END)
         else:
@@ -202,7 +185,7 @@ class _Llama3Stream(ToolStream):
         decoded = _decode(rest) if rest.startswith("{") else None
         if decoded is None and rest.startswith("{") and not final:
             return False
-        call = _call(decoded[0]) if decoded else None
+        call = as_tool_call(decoded[0]) if decoded else None
         if decoded is None or call is None:
             self._content.append(self._head)
             self._buf, self._mode = rest, "text"
@@ -233,12 +216,9 @@ class _MistralStream(ToolStream):
             return True
         if self._mode == "calls":
             return self._calls_here(final)
-        at = self._buf.find(self.MARK)
-        if at < 0:
-            self._text(final, self.MARK)
+        if not self._up_to(self.MARK, final):
             return False
-        self._content.append(self._buf[:at])
-        self._buf, self._head, self._mode = self._buf[at + len(self.MARK) :], self.MARK, "calls"
+        self._head, self._mode = self.MARK, "calls"
         return True
 
     def _calls_here(self, final: bool) -> bool:
@@ -265,7 +245,7 @@ class _MistralStream(ToolStream):
         if decoded is None:
             return None
         items = decoded[0] if isinstance(decoded[0], list) else []
-        calls = [call for call in map(_call, items) if call is not None]
+        calls = [call for call in map(as_tool_call, items) if call is not None]
         if not calls or len(calls) != len(items):
             raise _NotACall
         return calls, decoded[1]

@@ -5,7 +5,6 @@ logprobs (lm-eval's loglikelihood) and max_tokens 0 give the same numbers; nothi
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.test_e2e_real import pools_free, wait_healthy
+from tests.gateway.test_e2e_real import both_topologies
 from tests.services.procs import Fleet, Proc, fleet
 from tests.services.reference import transformers_logprobs
 
@@ -27,15 +26,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
-    prefill, decode, worker = fleet.shared("prefill", "decode", "worker")
-    disagg = fleet.gateway(prefill=[prefill], decode=[decode])
-    colocated = fleet.gateway(worker=[worker])
-    wait_healthy(disagg, 2)
-    wait_healthy(colocated, 1)
-    yield {"disagg": disagg, "colocated": colocated}
-    disagg.kill()
-    colocated.kill()
-    asyncio.run(pools_free(prefill, decode, worker))
+    yield from both_topologies(fleet)
 
 
 def _ids(gateway: Proc) -> list[int]:

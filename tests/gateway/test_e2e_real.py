@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,20 @@ def stack(fleet: Fleet) -> Any:
     wait_healthy(gateway, 2)
     yield prefill, decode, gateway
     gateway.kill()
+
+
+def both_topologies(fleet: Fleet) -> Iterator[dict[str, Proc]]:
+    """A gateway in front of the shared prefill + decode workers and one in front of the shared
+    colocated worker, for a module's fixture; killed after, the workers' pools checked free."""
+    prefill, decode, worker = fleet.shared("prefill", "decode", "worker")
+    disagg = fleet.gateway(prefill=[prefill], decode=[decode])
+    colocated = fleet.gateway(worker=[worker])
+    wait_healthy(disagg, 2)
+    wait_healthy(colocated, 1)
+    yield {"disagg": disagg, "colocated": colocated}
+    disagg.kill()
+    colocated.kill()
+    asyncio.run(pools_free(prefill, decode, worker))
 
 
 def workers(gateway: Proc) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.gateway.test_e2e_real import pools_free, wait_healthy
+from tests.gateway.test_e2e_real import both_topologies, pools_free
 from tests.services.procs import Fleet, Proc, fleet
 
 __all__ = ["fleet"]
@@ -64,15 +64,7 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
-    prefill, decode, worker = fleet.shared("prefill", "decode", "worker")
-    disagg = fleet.gateway(prefill=[prefill], decode=[decode])
-    colocated = fleet.gateway(worker=[worker])
-    wait_healthy(disagg, 2)
-    wait_healthy(colocated, 1)
-    yield {"disagg": disagg, "colocated": colocated}
-    disagg.kill()
-    colocated.kill()
-    asyncio.run(pools_free(prefill, decode, worker))
+    yield from both_topologies(fleet)
 
 
 def _client(gateway: Proc) -> openai.AsyncOpenAI:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.reasoning import PARSERS, ReasoningParser, ReasoningStep, Split, get_parser
+from tests.gateway.text_splits import random_split
 
 QWEN3 = get_parser("qwen3")
 R1 = get_parser("deepseek_r1")
@@ -127,12 +126,6 @@ def _texts() -> st.SearchStrategy[str]:
     return st.lists(pieces, max_size=10).map("".join)
 
 
-def _split(data: st.DataObject, text: str) -> list[str]:
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=len(text) + 1)))
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in itertools.pairwise(bounds)]
-
-
 @pytest.mark.parametrize("name", sorted(PARSERS))
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
@@ -142,5 +135,5 @@ def test_streaming_any_split_agrees_with_the_whole_text(name: str, data: st.Data
     parser = get_parser(name)
     text, prompt_open = data.draw(_texts()), data.draw(st.booleans())
     whole = parser.split(text, prompt_open)
-    assert _streamed(parser, _split(data, text), prompt_open) == whole
+    assert _streamed(parser, random_split(data, text), prompt_open) == whole
     assert _streamed(parser, list(text), prompt_open) == whole  # one character at a time

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -17,6 +16,7 @@ from gateway.tool_parsers import (
     ToolParser,
     get_parser,
 )
+from tests.gateway.text_splits import random_split
 
 HERMES = get_parser("hermes")
 LLAMA = get_parser("llama3_json")
@@ -290,12 +290,6 @@ def _texts(name: str) -> st.SearchStrategy[str]:
     return st.lists(pieces, max_size=10).map("".join)
 
 
-def _split(data: st.DataObject, text: str) -> list[str]:
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=len(text) + 1)))
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in itertools.pairwise(bounds)]
-
-
 @pytest.mark.parametrize("name", sorted(_FRAGMENTS))
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
@@ -305,7 +299,7 @@ def test_streaming_any_split_agrees_with_the_whole_text(name: str, data: st.Data
     parser = get_parser(name)
     text = data.draw(_texts(name))
     whole = parser.parse(text)
-    content, calls = _streamed(parser, _split(data, text))
+    content, calls = _streamed(parser, random_split(data, text))
     assert calls == whole.tool_calls
     assert (content.strip() or None) == whole.content
     assert _streamed(parser, list(text)) == (content, calls)  # one character at a time
