@@ -49,3 +49,18 @@ def descendants(pid: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
+
+
+def memory_bytes(pid: int) -> dict[str, int]:
+    """Resident memory of one process: ``rss`` (VmRSS) and its ``anon`` and ``file`` parts
+    (RssAnon, RssFile); empty when the process is gone or a zombie."""
+    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file"}
+    found: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key = keys.get(line.split(maxsplit=1)[0] if line else "")
+            if key:
+                found[key] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return found

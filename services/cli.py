@@ -136,7 +136,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=None,
         help="longest prompt + completion of one request, in tokens (default: the model's "
-        "max_position_embeddings, at most 131072)",
+        "max_position_embeddings, at most 131072; on the CPU at most 2048)",
     )
     g.add_argument(
         "--dummy-weight-seed",
@@ -182,7 +182,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="KV pool size in GiB, instead of --gpu-memory-utilization (default: from that on a "
-        "GPU, 1 GiB on the CPU)",
+        "GPU; on the CPU one sequence of --max-model-len)",
     )
     g.add_argument(
         "--kv-offloading-size",

@@ -5,7 +5,9 @@ Torch-free, so the gateway, the CLI and the scheduler can all read it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -37,7 +39,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9  # fraction of the GPU the worker may use
-    kv_cache_gib: float | None = None  # explicit KV pool size (the CPU default is 1 GiB)
+    kv_cache_gib: float | None = None  # explicit KV pool size (CPU default: one max_model_len)
     num_blocks: int | None = None  # explicit block count, overrides the two above
     enable_prefix_caching: bool = True
     # the prefix cache's host tier: blocks the device pool evicts are kept in this much host
@@ -94,6 +96,77 @@ class SchedulerConfig:
         return self.max_num_batched_tokens or GPU_TOKEN_BUDGET
 
 
+SPEC_METHODS = ("ngram",)
+_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config``: ``method`` "ngram" proposes the tokens that followed the
+    latest earlier occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down
+    to ``prompt_lookup_min``) in its prompt and output; one target pass verifies them."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ConfigError(
+                '--speculative-config method "draft_model" is not supported yet; use "ngram"'
+            )
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(
+                f"--speculative-config method must be one of {', '.join(SPEC_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(
+                "--speculative-config num_speculative_tokens must be in [1, 16], got "
+                f"{self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                "--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From the flag's JSON (or a dict); None for no flag. Unknown keys are refused."""
+        if text is None or text == "":
+            return None
+        if isinstance(text, str):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        else:
+            data = text
+        if not isinstance(data, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        unknown = sorted(set(data) - _SPEC_KEYS - {"model"})
+        if unknown:
+            raise ConfigError(
+                f"--speculative-config key(s) not supported: {', '.join(unknown)} (supported: "
+                f"{', '.join(sorted(_SPEC_KEYS))})"
+            )
+        if "model" in data and data.get("method", "ngram") != "draft_model":
+            raise ConfigError('--speculative-config "model" is for method "draft_model"')
+        if "method" not in data and "model" in data:
+            data = {**data, "method": "draft_model"}
+        data = {k: v for k, v in data.items() if k != "model"}
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
+                raise ConfigError(f"--speculative-config {key} must be an integer")
+        if "prompt_lookup_max" in data and "prompt_lookup_min" not in data:
+            data["prompt_lookup_min"] = min(cls.prompt_lookup_min, data["prompt_lookup_max"])
+        if "prompt_lookup_min" in data and "prompt_lookup_max" not in data:
+            data["prompt_lookup_max"] = max(cls.prompt_lookup_max, data["prompt_lookup_min"])
+        return cls(**data)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
@@ -101,6 +174,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     enforce_eager: bool = False  # no CUDA graphs
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -10,8 +10,14 @@ from services.config import CacheConfig, ConfigError
 from services.engine.model_config import ArchConfig
 from services.scheduling.block_pool import blocks_for
 
-CPU_DEFAULT_KV_GIB = 1.0
 GIB = 1024**3
+# On the CPU, without --max-model-len, a worker serves this much context (or the model's limit if
+# smaller), and without --kv-cache-gib/--num-blocks its KV pool holds CPU_DEFAULT_KV_SEQS sequences
+# of that length. For the embedded model that is 2048 tokens of float32 KV, 90 MiB, and the
+# default prefill + decode pair with the gateway stays under 2.5 GB resident (docs/benchmarks.md,
+# "First run on the CPU"); each worker's float32 weights and runtime take about 0.9 GB of that.
+CPU_DEFAULT_MAX_MODEL_LEN = 2048
+CPU_DEFAULT_KV_SEQS = 1
 
 
 def block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -27,7 +33,7 @@ def allocate_kv_caches(
 
 def plan_num_blocks(
     cache: CacheConfig, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
-    free_bytes_after_profile: int | None = None,
+    max_model_len: int, free_bytes_after_profile: int | None = None,
 ) -> int:  # fmt: skip
     per_block = block_bytes(arch, cache.block_size, dtype)
     if cache.num_blocks is not None:
@@ -35,7 +41,7 @@ def plan_num_blocks(
     if cache.kv_cache_gib is not None:
         return max(int(cache.kv_cache_gib * GIB) // per_block, 0)
     if device.type == "cpu" or free_bytes_after_profile is None:
-        return int(CPU_DEFAULT_KV_GIB * GIB) // per_block
+        return CPU_DEFAULT_KV_SEQS * blocks_for(max_model_len, cache.block_size)
     return max(free_bytes_after_profile // per_block, 0)
 
 

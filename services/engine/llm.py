@@ -7,7 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from services.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from services.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import PositionLogprobs
 from services.scheduling.sampling_params import SamplingParams
@@ -123,6 +129,9 @@ def build_config(model: str = "embedded", **knobs: Any) -> EngineConfig:
     }
     top: dict[str, Any] = {}
     for key, value in knobs.items():
+        if key == "speculative_config":  # vLLM's name: a dict (or its JSON)
+            top["speculative"] = SpeculativeConfig.parse(value)
+            continue
         key = {
             "max_num_batched_tokens": "max_num_batched_tokens",
             "scheduling_policy": "policy",

@@ -13,11 +13,18 @@ from services.config import EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.engine.speculative import Acceptance, NgramProposer, SpecStats
 from services.engine.step_stats import HistogramSnapshot, TokenHistogram
 from services.engine.structured import CompiledOutput, GrammarBatch, GrammarCompiler
 from services.model_files import ModelFiles
 from services.scheduling.kv_manager import KVCacheManager
-from services.scheduling.outputs import PromptTokenScore, ScheduledRequest, StepUpdate
+from services.scheduling.outputs import (
+    PromptTokenScore,
+    SampledToken,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepUpdate,
+)
 from services.scheduling.request import FinishReason, Request
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduling.scheduler import Scheduler
@@ -27,9 +34,23 @@ log = logging.getLogger(__name__)
 
 
 def load_tokenizer(hf_dir: str) -> Any:
-    from transformers import AutoTokenizer
+    """The model's transformers tokenizer. AutoTokenizer is handed the directory's config.json as
+    a plain PreTrainedConfig (model_type kept, which is all it reads of it): resolving the
+    model's own config class would import its modelling code and torch._dynamo with it, about
+    140 MB of a CPU worker's memory for nothing."""
+    from transformers import AutoTokenizer, PreTrainedConfig
+    from transformers.utils import logging as hf_logging
 
-    return AutoTokenizer.from_pretrained(hf_dir)
+    try:
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # "a model of type llama to instantiate one of type ''"
+        try:
+            config = PreTrainedConfig.from_pretrained(hf_dir)
+        finally:
+            hf_logging.set_verbosity(level)
+        return AutoTokenizer.from_pretrained(hf_dir, config=config)
+    except (OSError, ValueError, KeyError):  # no or an unusual config.json: the usual way
+        return AutoTokenizer.from_pretrained(hf_dir)
 
 
 def _tokenizer_for(files: ModelFiles) -> Any:
@@ -90,6 +111,10 @@ class LLMEngine:
         self.grammars = GrammarBatch(
             self.vocab_size, config.scheduler.max_num_seqs, self.runner.device, self.eos_token_ids
         )
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self._acceptance: dict[str, Acceptance] = {}
+        self.spec_stats = SpecStats()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # prompt_logprobs, position by position, until the request's first token goes out
         self._prompt_lp: dict[str, list[PositionLogprobs]] = {}
@@ -196,6 +221,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
         self.grammars.drop(request_id)
+        self._forget(request_id)
         self._prompt_lp.pop(request_id, None)
         if req is None and self.scheduler.cancel_reservation(request_id):
             return None
@@ -268,6 +294,8 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         self.last_step_shape = (out.num_tokens, len(out.requests))
         if out.empty:
@@ -278,8 +306,56 @@ class LLMEngine:
         sampled = self.runner.execute(out, min_stop, self.grammars, score)
         if score:
             self._keep_prompt_scores(self.runner.score_prompts(out, score))
+        if self.proposer is not None:
+            self._record_acceptance(out, sampled)
         updates = self.scheduler.update(out, sampled)
-        return [self._emit(u) for u in updates]
+        outputs, done = [], set()
+        for u in updates:
+            if u.request_id not in done:  # a stop string ends a kept run early
+                outputs.append(self._emit(u))
+                if outputs[-1].finished:
+                    done.add(u.request_id)
+        return outputs
+
+    # ---- speculative decoding ----------------------------------------------------------------
+    def _propose(self) -> None:
+        """Draft tokens for each running decode that speculation suits (not constrained, past
+        min_tokens, not sitting out after rejections), within max_tokens and the context."""
+        assert self.proposer is not None
+        for req in self.scheduler.running:
+            sp = req.sampling_params
+            if (
+                req.num_tokens - req.num_computed_tokens != 1
+                or req.num_output_tokens < sp.min_tokens
+                or req.request_id in self.grammars.states
+                or req.hold_blocks_on_finish
+            ):
+                continue
+            acceptance = self._acceptance.setdefault(req.request_id, Acceptance())
+            if not acceptance.wants_proposal():
+                continue
+            limit = min(sp.max_tokens - req.num_output_tokens - 1,
+                        self.max_model_len - req.num_tokens - 1)  # fmt: skip
+            req.spec_token_ids = self.proposer.propose(
+                req.request_id, req.prompt_token_ids, req.output_token_ids, limit
+            )
+
+    def _record_acceptance(
+        self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> None:
+        for sr in out.requests:
+            tokens = sampled.get(sr.request_id)
+            if sr.num_spec and tokens:
+                kept = len(tokens) - 1
+                self.spec_stats.record(sr.num_spec, kept)
+                acceptance = self._acceptance.get(sr.request_id)
+                if acceptance is not None:
+                    acceptance.record(sr.num_spec, kept)
+
+    def _forget(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.drop(request_id)
+            self._acceptance.pop(request_id, None)
 
     def _min_token_stop_ids(self, requests: list) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
@@ -337,6 +413,7 @@ class LLMEngine:
         if finished:
             self._detok.pop(u.request_id, None)
             self.grammars.drop(u.request_id)
+            self._forget(u.request_id)
         return RequestOutput(
             request_id=u.request_id,
             token_ids=[u.token.token_id],

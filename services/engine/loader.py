@@ -3,6 +3,7 @@ conversion), or random weights from a config (``--load-format dummy``)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +102,24 @@ def dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
         p.data.uniform_(-0.02, 0.02, generator=gen)
 
 
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "ones_", "zeros_")
+
+
+@contextlib.contextmanager
+def _no_param_init() -> Iterator[None]:
+    """Modules built on the meta device skip their random initialisation: the weights are
+    loaded (or made by dummy_weights) afterwards, and torch runs the initialisers of meta
+    tensors through its Python references, which import torch._dynamo (~140 MB resident)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITS}
+    try:
+        for name in _INITS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def load_model(
     config: ModelConfig, device: torch.device, max_positions: int
 ) -> tuple[LlamaForCausalLM, ArchConfig, ModelFiles]:
@@ -110,7 +129,7 @@ def load_model(
     )
     arch = ArchConfig.from_file(config_path)
     dtype = resolve_dtype(config, arch, device)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_param_init():
         model = LlamaForCausalLM(arch, max_positions)
     model = model.to(dtype).to_empty(device=device)
     if arch.tie_word_embeddings:

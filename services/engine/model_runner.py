@@ -15,6 +15,7 @@ from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.gpu_wait import GpuReader
 from services.engine.input_staging import InputStaging
 from services.engine.kv_cache import (
+    CPU_DEFAULT_MAX_MODEL_LEN,
     GIB,
     HostKV,
     allocate_kv_caches,
@@ -26,7 +27,12 @@ from services.engine.sampler import sample
 from services.engine.structured import GrammarBatch
 from services.engine.warmup import warmup_steps
 from services.scheduling.block_pool import blocks_for
-from services.scheduling.outputs import PromptTokenScore, SampledToken, SchedulerOutput
+from services.scheduling.outputs import (
+    PromptTokenScore,
+    SampledToken,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from services.scheduling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -65,11 +71,14 @@ class ModelRunner:
         self.model, self.arch, self.files = load_model(config.model, self.device, max_pos)
         self.dtype = self.model.lm_head.weight.dtype
         limit = self.arch.max_position_embeddings
-        self.max_model_len = config.model.max_model_len or min(limit, max_pos)
+        default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos
+        self.max_model_len = config.model.max_model_len or min(limit, max_pos, default_len)
         if self.max_model_len > max_pos:
             from services.config import ConfigError
 
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds {max_pos} positions")
+        # rotary rows for the positions this worker can reach, not the 128k it was built for
+        self.model.cos_sin = self.model.cos_sin[: self.max_model_len].clone()
         self.block_size = config.cache.block_size
         self.num_blocks = self._plan_blocks()
         self.kv_caches = allocate_kv_caches(
@@ -125,7 +134,9 @@ class ModelRunner:
             free = (
                 int(total * self.config.cache.gpu_memory_utilization) - used - reserve_activations
             )
-        n = plan_num_blocks(self.config.cache, self.arch, self.dtype, self.device, free)
+        n = plan_num_blocks(
+            self.config.cache, self.arch, self.dtype, self.device, self.max_model_len, free
+        )
         hint = (
             "--gpu-memory-utilization or --num-blocks"
             if self.device.type == "cuda"
@@ -148,7 +159,7 @@ class ModelRunner:
         nd = sum(1 for r in reqs if r.num_new_tokens == 1)
         T = sum(r.num_new_tokens for r in reqs)
         B, W = len(reqs), self._max_blocks(out)
-        S = sum(1 for r in reqs if r.sample)
+        S = sum(1 + r.num_spec for r in reqs if r.sample)
         h64, h32 = self.staging.begin([T, T, T, S], [B, B + 1, B - nd + 1, B * W])
         ids, pos, slots, rows = h64
         ctx, qsl, pqsl, tables = h32[0], h32[1], h32[2], h32[3].reshape(B, W)
@@ -171,7 +182,13 @@ class ModelRunner:
             ctx[j] = r.context_len
             tables[j, : len(bids)] = bids
         pqsl[:] = qsl[nd:] - nd
-        rows[:] = [last_row[i] for i, r in enumerate(reqs) if r.sample]
+        # a sampling request's last row, and with drafts the rows before it, one per draft
+        rows[:] = [
+            last_row[i] - j
+            for i, r in enumerate(reqs)
+            if r.sample
+            for j in range(r.num_spec, -1, -1)
+        ]
         d64, d32 = self.staging.upload()
         meta = AttentionMetadata(
             slot_mapping=d64[2],
@@ -244,8 +261,9 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, min_token_stop_ids: dict[str, list[int]],
         grammars: GrammarBatch | None = None, score: dict[str, int] | None = None,
-    ) -> dict[str, SampledToken]:  # fmt: skip
-        """``grammars``: the constrained requests; their bitmask is filled on the host while the
+    ) -> dict[str, list[SampledToken]]:  # fmt: skip
+        """Each sampling request's new tokens: one, or with drafts the kept ones and one more.
+        ``grammars``: the constrained requests; their bitmask is filled on the host while the
         forward runs on the device, and applied before sampling. ``score``: requests whose
         prompt tokens in this step get logprobs (top-N each): ``score_prompts`` then reads them."""
         if self.host_kv is not None:  # before the forward, which may overwrite evicted blocks
@@ -265,11 +283,13 @@ class ModelRunner:
             ran = self._graph_forward(out)
             if ran is not None:  # the graph's own argmax is the token: one read, no sampler
                 (ids,) = self.reader.read(ran[1])
-                return {r.request_id: SampledToken(t) for r, t in zip(sampling, ids, strict=True)}
+                return {r.request_id: [SampledToken(t)] for r, t in zip(sampling, ids, strict=True)}
         logits = self.forward_logits(out, eager=bool(score))
         if logits is None or not sampling:
             return {}
         allowed = grammars.fill(rids) if grammars is not None and constrained else None
+        if any(r.num_spec for r in sampling):
+            return self._verify(logits, sampling, min_token_stop_ids, allowed)
         tokens = sample(
             logits,
             [r.sampling_params for r in sampling],
@@ -279,7 +299,45 @@ class ModelRunner:
             read=self.reader.read,
             allowed=allowed,
         )
-        return {r.request_id: tok for r, tok in zip(sampling, tokens, strict=True)}
+        return {r.request_id: [tok] for r, tok in zip(sampling, tokens, strict=True)}
+
+    def _verify(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest],
+        min_token_stop_ids: dict[str, list[int]], allowed: tuple[torch.Tensor, list[int]] | None,
+    ) -> dict[str, list[SampledToken]]:  # fmt: skip
+        """A step with draft tokens (``services.engine.speculative``): every row is sampled as
+        the next token after its own prefix (the drafts before it count as output, for
+        penalties and seeded noise), then each request keeps its drafts up to the first one
+        that differs from its sample, plus that sample (or the one after the last draft)."""
+        params, outputs, prompts, stops, owner = [], [], [], [], []
+        for i, r in enumerate(sampling):
+            sp, drafts = r.sampling_params, r.draft_token_ids
+            exact = sp.adjusts_logits or sp.seed is not None  # else only the length is read
+            for j in range(r.num_spec + 1):
+                params.append(sp)
+                outputs.append(
+                    r.output_token_ids + drafts[:j] if j and exact else r.output_token_ids
+                )
+                prompts.append(r.prompt_token_ids)
+                stops.append(min_token_stop_ids.get(r.request_id, []))
+                owner.append(i)
+        if allowed is not None:  # grammar rows (never drafted) move to their request's row
+            first = {i: row for row, i in reversed(list(enumerate(owner)))}
+            mask, rows = allowed
+            index = torch.tensor(owner, dtype=torch.long)
+            allowed = (mask.index_select(0, index), [first[i] for i in rows])
+        tokens = sample(logits, params, outputs, prompts, stops, read=self.reader.read,
+                        allowed=allowed)  # fmt: skip
+        result: dict[str, list[SampledToken]] = {}
+        at = 0
+        for r in sampling:
+            drafts, row = r.draft_token_ids, tokens[at : at + r.num_spec + 1]
+            kept = 0
+            while kept < r.num_spec and row[kept].token_id == drafts[kept]:
+                kept += 1
+            result[r.request_id] = row[: kept + 1]
+            at += r.num_spec + 1
+        return result
 
     @torch.inference_mode()
     def score_prompts(

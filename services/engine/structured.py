@@ -14,6 +14,7 @@ never recomputed.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -22,14 +23,26 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from services.engine.step_stats import TokenHistogram
 from services.scheduling.sampling_params import InvalidRequestError, StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+else:
+
+    class _OnFirstUse:
+        """xgrammar, imported when a structured request first needs it: a worker that never
+        serves one keeps its ~45 MB (and the triton import it pulls in) off its memory."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(importlib.import_module("xgrammar"), name)
+
+    xgr = _OnFirstUse()
 
 log = logging.getLogger(__name__)
 
@@ -203,12 +216,19 @@ class GrammarBatch:
         self.states: dict[str, GrammarState] = {}
         self.device = device
         self.stop_ids = frozenset(stop_token_ids)  # the tokens a finished grammar ends with
-        bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)  # [rows, ceil(V / 32)] int32
+        # [rows, ceil(V / 32)] int32, every bit set, as xgrammar's allocate_token_bitmask makes it
+        bitmask = torch.full((max_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
         self._bitmask = bitmask.pin_memory() if device.type == "cuda" else bitmask
         # rows are filled in parallel: on the GPU this overlaps the forward; a CPU worker keeps
         # its cores for the model
-        threads = max(1, min(8, (os.cpu_count() or 1) // 2)) if device.type == "cuda" else 1
-        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._threads = max(1, min(8, (os.cpu_count() or 1) // 2)) if device.type == "cuda" else 1
+        self._matcher_batch: xgr.BatchGrammarMatcher | None = None
+
+    @property
+    def _batch(self) -> xgr.BatchGrammarMatcher:  # made with the first constrained request
+        if self._matcher_batch is None:
+            self._matcher_batch = xgr.BatchGrammarMatcher(max_threads=self._threads)
+        return self._matcher_batch
 
     def add(self, request_id: str, compiled: CompiledOutput, outputs: Sequence[int] = ()) -> None:
         """Track a request; ``outputs`` (sampled elsewhere, e.g. by the prefill worker) replay."""

@@ -17,6 +17,13 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     output_token_ids: list[int]  # generated so far (penalties, seeded sampling)
     prompt_token_ids: list[int]
+    # speculative decoding: the last num_spec of token_ids are draft tokens; every one of them
+    # (and the token before them) gets logits, and the runner keeps the drafts it samples
+    num_spec: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_spec :] if self.num_spec else []
 
     @property
     def num_new_tokens(self) -> int:
@@ -64,7 +71,8 @@ class PromptTokenScore:
 
 @dataclass(frozen=True)
 class StepUpdate:
-    """One request's news after a step: a token (if it sampled), finished or not."""
+    """One request's news after a step: a token (if it sampled), finished or not. A request
+    whose drafts were kept gets one update per token, in order."""
 
     request_id: str
     token: SampledToken | None

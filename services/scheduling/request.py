@@ -51,6 +51,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # draft tokens proposed to follow the last token (speculative decoding), for the next step
+    spec_token_ids: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     queued_time: float = field(default_factory=time.monotonic)  # joined this engine's queue
     seq: int = field(default_factory=lambda: next(_arrival_order))

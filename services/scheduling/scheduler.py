@@ -9,6 +9,7 @@ blocks are freed and it is recomputed later (it keeps its generated tokens).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 
 from services.config import SchedulerConfig
 from services.scheduling.kv_manager import KVCacheManager
@@ -162,8 +163,12 @@ class Scheduler:
             is_decode = req.num_tokens - req.num_computed_tokens == 1
             decodes_left -= is_decode
             n = self._num_new_tokens(req, budget if is_decode else budget - decodes_left)
+            if is_decode and req.spec_token_ids:  # drafts share what the later decodes leave
+                n += max(min(len(req.spec_token_ids), budget - decodes_left - n), 0)
             if n <= 0:
                 continue
+            if n > 1 and is_decode and not self.kv.allocate(req, n):
+                n = 1  # drafts never cost another request its blocks
             while not self.kv.allocate(req, n):
                 victim = self._preempt_victim()
                 self._preempt(victim)
@@ -215,44 +220,55 @@ class Scheduler:
 
     def _to_scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
+        known = min(start + n, req.num_tokens)
+        num_spec = start + n - known  # draft tokens after the known ones
+        drafts, req.spec_token_ids = req.spec_token_ids[:num_spec], []
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids(start, start + n),
+            token_ids=req.token_ids(start, known) + drafts,
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=start + n == req.num_tokens,
+            sample=known == req.num_tokens,
             sampling_params=req.sampling_params,
             output_token_ids=req.output_token_ids,
             prompt_token_ids=req.prompt_token_ids,
+            num_spec=num_spec,
         )
 
     # ---- update ------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[StepUpdate]:
+    def update(
+        self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
+    ) -> list[StepUpdate]:
+        """``sampled``: each sampling request's new tokens, in order. With drafts, all but the
+        last are the drafts it kept (their KV is now computed; a rejected draft's slot is
+        simply written again later)."""
         updates: list[StepUpdate] = []
         for sr in out.requests:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += sr.num_new_tokens
-            token = sampled.get(sr.request_id) if sr.sample else None
-            if token is None:
-                continue
-            req.output_token_ids.append(token.token_id)
-            reason = req.check_stop(token.token_id)
-            if reason is not None:
-                self._finish(req, reason)
-            updates.append(
-                StepUpdate(
-                    request_id=req.request_id,
-                    token=token,
-                    finished=reason is not None,
-                    finish_reason=reason.value if reason else None,
-                    stop_reason=req.stop_reason,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.num_cached_tokens,
-                    queue_s=req.queue_s,
+            tokens = sampled.get(sr.request_id, ()) if sr.sample else ()
+            kept = max(len(tokens) - 1, 0) if sr.num_spec else 0
+            req.num_computed_tokens += sr.num_new_tokens - sr.num_spec + kept
+            for token in tokens:
+                req.output_token_ids.append(token.token_id)
+                reason = req.check_stop(token.token_id)
+                if reason is not None:
+                    self._finish(req, reason)
+                updates.append(
+                    StepUpdate(
+                        request_id=req.request_id,
+                        token=token,
+                        finished=reason is not None,
+                        finish_reason=reason.value if reason else None,
+                        stop_reason=req.stop_reason,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=req.num_cached_tokens,
+                        queue_s=req.queue_s,
+                    )
                 )
-            )
+                if reason is not None:
+                    break  # the rest of a kept run is past the end
         return updates
 
     def check_invariants(self) -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from deploy.procfs import alive, cpu_seconds, descendants
+from deploy.procfs import alive, cpu_seconds, descendants, memory_bytes
 
 
 def test_a_child_and_its_grandchild_are_descendants_until_they_end() -> None:
@@ -36,3 +36,12 @@ def test_cpu_seconds_count_work_and_a_missing_process_has_none() -> None:
     after = cpu_seconds(os.getpid())
     assert before is not None and after is not None and after > before
     assert cpu_seconds(2**22 + 12345) is None and not alive(2**22 + 12345)
+
+
+def test_memory_of_a_live_process_and_of_a_gone_one() -> None:
+    mine = memory_bytes(os.getpid())
+    assert mine["rss"] > 10 * 2**20 and mine["anon"] > 0 and mine["file"] > 0
+    assert mine["anon"] + mine["file"] <= mine["rss"] + 2**20  # RssShmem is the rest
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert memory_bytes(proc.pid) == {}

@@ -13,7 +13,6 @@ from torch import nn
 from kernels import ops
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.model_config import ArchConfig
-from services.engine.rope import cos_sin_cache
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        table = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # the rotary table, [max_positions, head_dim]: the loader fills it (services.engine.loader)
+        table = torch.empty(max_positions, cfg.head_dim, dtype=torch.float32)
         self.register_buffer("cos_sin", table, persistent=False)
 
     def forward(

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from services.config import ConfigError
+from services.config import CacheConfig, ConfigError
+from services.engine.kv_cache import CPU_DEFAULT_MAX_MODEL_LEN, plan_num_blocks
 from services.engine.llm import LLM
+from services.scheduling.block_pool import blocks_for
 from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -73,8 +76,21 @@ def test_bad_prompts_get_clear_errors(
 
 
 def test_context_overflow_message_says_the_limit(llm: LLM) -> None:
-    with pytest.raises(InvalidRequestError, match="maximum context length is 8192 tokens"):
-        llm.engine.add_request("long", [1] * 8192, SamplingParams())
+    # on the CPU, without --max-model-len, the embedded model (8192 positions) serves 2048
+    assert llm.engine.max_model_len == CPU_DEFAULT_MAX_MODEL_LEN == 2048
+    with pytest.raises(InvalidRequestError, match="maximum context length is 2048 tokens"):
+        llm.engine.add_request("long", [1] * 2048, SamplingParams())
+
+
+def test_the_cpu_default_pool_holds_one_sequence_of_max_model_len(llm: LLM) -> None:
+    """Without --kv-cache-gib/--num-blocks a CPU pool is sized from --max-model-len, not 1 GiB."""
+    runner = llm.engine.runner
+    assert runner.num_blocks == blocks_for(runner.max_model_len, runner.block_size)
+    cache = CacheConfig(block_size=16)
+    cpu = torch.device("cpu")
+    assert plan_num_blocks(cache, runner.arch, torch.float32, cpu, 4096) == 256
+    assert plan_num_blocks(CacheConfig(block_size=16, num_blocks=9), runner.arch, torch.float32,
+                           cpu, 4096) == 9  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ def test_errors_are_clear_and_exit_nonzero(tmp_path: Path) -> None:
 def test_max_tokens_past_the_context_is_refused_with_the_limit() -> None:
     res = _tandem("--prompt", "hi", "--max-tokens", "100000", timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
-    assert "maximum context length is 8192 tokens" in res.stderr
+    assert "maximum context length is 2048 tokens" in res.stderr
     assert "100000 in the completion" in res.stderr
 
 

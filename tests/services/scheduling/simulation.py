@@ -57,7 +57,7 @@ class FakeEngine:
         if during is not None:
             during()
         sampled = {
-            sr.request_id: SampledToken(self.sampler(sr.request_id, sr.context_len))
+            sr.request_id: [SampledToken(self.sampler(sr.request_id, sr.context_len))]
             for sr in out.requests
             if sr.sample
         }

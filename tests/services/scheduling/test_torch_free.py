@@ -48,7 +48,7 @@ PROGRAM = textwrap.dedent(
     sched.add(Request("r", [1, 2, 3], SamplingParams(max_tokens=2)))
     while sched.has_unfinished:
         out = sched.schedule()
-        sched.update(out, {r.request_id: SampledToken(7) for r in out.requests if r.sample})
+        sched.update(out, {r.request_id: [SampledToken(7)] for r in out.requests if r.sample})
     assert sched.kv.all_free()
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in NoTorch.blocked)
     assert not leaked, leaked
