@@ -116,10 +116,16 @@ def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
     plain = {
         f.name: getattr(msg, f.name)
         for f in fields(WorkerLoadInfo)
-        if f.name not in ("iteration_tokens", "grammar_compile_seconds")
+        if f.name
+        not in (
+            "iteration_tokens",
+            "grammar_compile_seconds",
+            "spec_decode_num_accepted_tokens_per_pos",
+        )
     }
     return WorkerLoadInfo(
         **plain,
         iteration_tokens=histogram_from_pb(msg.iteration_tokens),
         grammar_compile_seconds=histogram_from_pb(msg.grammar_compile_seconds),
+        spec_decode_num_accepted_tokens_per_pos=tuple(msg.spec_decode_num_accepted_tokens_per_pos),
     )

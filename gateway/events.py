@@ -91,6 +91,10 @@ class WorkerLoadInfo:
     kv_offload_restored_blocks: int = 0
     kv_offload_evicted_blocks: int = 0
     prefix_cache_host_hits: int = 0
+    spec_decode_num_drafts: int = 0  # speculative decoding (--speculative-config)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     vocab_size: int = 0
     draining: bool = False
     num_reserved: int = 0

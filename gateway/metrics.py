@@ -80,6 +80,18 @@ _WORKER_COUNTERS = {
         "KV blocks dropped from the host tier to make room",
         lambda x: x.kv_offload_evicted_blocks,
     ),
+    "spec_decode_num_drafts": (
+        "Speculative decoding: verify steps of a request that carried draft tokens",
+        lambda x: x.spec_decode_num_drafts,
+    ),
+    "spec_decode_num_draft_tokens": (
+        "Speculative decoding: draft tokens proposed",
+        lambda x: x.spec_decode_num_draft_tokens,
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "Speculative decoding: draft tokens accepted",
+        lambda x: x.spec_decode_num_accepted_tokens,
+    ),
 }
 
 
@@ -117,6 +129,15 @@ class WorkerCollector(Collector):
             for w, load in loaded:
                 counter.add_metric([self._model, w.role, w.name], float(read(load)))
             yield counter
+        per_pos = CounterMetricFamily(
+            f"{p}spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position (0: the first)",
+            labels=[*labels, "position"],
+        )
+        for w, load in loaded:
+            for pos, n in enumerate(load.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([self._model, w.role, w.name, str(pos)], float(n))
+        yield per_pos
         histograms = {
             "iteration_tokens_total": ("Tokens computed per engine step", "iteration_tokens"),
             "grammar_compile_seconds": (

@@ -184,7 +184,7 @@ class Histogram(_message.Message):
     def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "max_model_len", "block_size", "num_running", "num_waiting", "free_blocks", "total_blocks", "kv_cache_usage", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "vocab_size", "draining", "num_reserved", "iteration_tokens", "grammar_compile_seconds", "kv_offload_stored_blocks", "kv_offload_restored_blocks", "kv_offload_evicted_blocks", "prefix_cache_host_hits")
+    __slots__ = ("worker_id", "role", "model", "max_model_len", "block_size", "num_running", "num_waiting", "free_blocks", "total_blocks", "kv_cache_usage", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "vocab_size", "draining", "num_reserved", "iteration_tokens", "grammar_compile_seconds", "kv_offload_stored_blocks", "kv_offload_restored_blocks", "kv_offload_evicted_blocks", "prefix_cache_host_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,10 @@ class WorkerLoad(_message.Message):
     KV_OFFLOAD_RESTORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_OFFLOAD_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HOST_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -239,4 +243,8 @@ class WorkerLoad(_message.Message):
     kv_offload_restored_blocks: int
     kv_offload_evicted_blocks: int
     prefix_cache_host_hits: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: bool = ..., num_reserved: _Optional[int] = ..., iteration_tokens: _Optional[_Union[Histogram, _Mapping]] = ..., grammar_compile_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., kv_offload_stored_blocks: _Optional[int] = ..., kv_offload_restored_blocks: _Optional[int] = ..., kv_offload_evicted_blocks: _Optional[int] = ..., prefix_cache_host_hits: _Optional[int] = ...) -> None: ...
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: bool = ..., num_reserved: _Optional[int] = ..., iteration_tokens: _Optional[_Union[Histogram, _Mapping]] = ..., grammar_compile_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., kv_offload_stored_blocks: _Optional[int] = ..., kv_offload_restored_blocks: _Optional[int] = ..., kv_offload_evicted_blocks: _Optional[int] = ..., prefix_cache_host_hits: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -157,6 +157,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _speculative_config(text: str) -> str:
+    """Checked when parsed (so tandem up refuses it before starting anything); kept as JSON."""
+    from services.config import ConfigError, SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config ")) from None
+    return text
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     g = p.add_argument_group("engine")
@@ -238,6 +249,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action="store_true",
         help="no CUDA graphs: run every decode step eagerly (slower; for debugging)",
+    )
+    g.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+        "(drafts from the request's own prompt and output, verified in one pass; used where "
+        "tokens are decoded: decode and colocated workers). Default: off",
     )
 
 

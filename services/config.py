@@ -152,10 +152,10 @@ class SpeculativeConfig:
                 f"--speculative-config key(s) not supported: {', '.join(unknown)} (supported: "
                 f"{', '.join(sorted(_SPEC_KEYS))})"
             )
-        if "model" in data and data.get("method", "ngram") != "draft_model":
-            raise ConfigError('--speculative-config "model" is for method "draft_model"')
-        if "method" not in data and "model" in data:
+        if "method" not in data and "model" in data:  # vLLM infers the method from the model
             data = {**data, "method": "draft_model"}
+        if "model" in data and data["method"] != "draft_model":
+            raise ConfigError('--speculative-config "model" is for method "draft_model"')
         data = {k: v for k, v in data.items() if k != "model"}
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):

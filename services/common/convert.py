@@ -112,6 +112,10 @@ def stats_to_load(stats: EngineStats, **extra: object) -> common_pb2.WorkerLoad:
         kv_offload_restored_blocks=stats.kv_offload_restored,
         kv_offload_evicted_blocks=stats.kv_offload_evicted,
         prefix_cache_host_hits=stats.prefix_cache_host_hits,
+        spec_decode_num_drafts=stats.spec.num_drafts,
+        spec_decode_num_draft_tokens=stats.spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=stats.spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=stats.spec.accepted_per_position,
         **extra,  # type: ignore[arg-type]
     )
 

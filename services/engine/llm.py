@@ -177,4 +177,5 @@ def config_from_args(args: Any) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        speculative_config=getattr(args, "speculative_config", None),
     )

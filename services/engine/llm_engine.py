@@ -6,7 +6,7 @@ Single-threaded by design; the gRPC servers drive it from one thread (``services
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.config import EngineConfig, with_device_defaults
@@ -85,6 +85,7 @@ class EngineStats:
     kv_offload_restored: int = 0
     kv_offload_evicted: int = 0
     prefix_cache_host_hits: int = 0  # prompt tokens restored from the host tier
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's counters
 
 
 class LLMEngine:
@@ -467,4 +468,7 @@ class LLMEngine:
             kv_offload_restored=host.restored if host is not None else 0,
             kv_offload_evicted=host.evicted if host is not None else 0,
             prefix_cache_host_hits=self.kv.host_hits,
+            spec=replace(
+                self.spec_stats, accepted_per_position=list(self.spec_stats.accepted_per_position)
+            ),
         )

@@ -23,14 +23,13 @@ from services.engine.kv_cache import (
     plan_num_blocks,
 )
 from services.engine.loader import load_model
-from services.engine.sampler import sample
+from services.engine.sampler import sample, sample_with_drafts
 from services.engine.structured import GrammarBatch
 from services.engine.warmup import warmup_steps
 from services.scheduling.block_pool import blocks_for
 from services.scheduling.outputs import (
     PromptTokenScore,
     SampledToken,
-    ScheduledRequest,
     SchedulerOutput,
 )
 from services.scheduling.sampling_params import SamplingParams
@@ -289,7 +288,9 @@ class ModelRunner:
             return {}
         allowed = grammars.fill(rids) if grammars is not None and constrained else None
         if any(r.num_spec for r in sampling):
-            return self._verify(logits, sampling, min_token_stop_ids, allowed)
+            return sample_with_drafts(
+                logits, sampling, min_token_stop_ids, allowed, read=self.reader.read
+            )
         tokens = sample(
             logits,
             [r.sampling_params for r in sampling],
@@ -300,44 +301,6 @@ class ModelRunner:
             allowed=allowed,
         )
         return {r.request_id: [tok] for r, tok in zip(sampling, tokens, strict=True)}
-
-    def _verify(
-        self, logits: torch.Tensor, sampling: list[ScheduledRequest],
-        min_token_stop_ids: dict[str, list[int]], allowed: tuple[torch.Tensor, list[int]] | None,
-    ) -> dict[str, list[SampledToken]]:  # fmt: skip
-        """A step with draft tokens (``services.engine.speculative``): every row is sampled as
-        the next token after its own prefix (the drafts before it count as output, for
-        penalties and seeded noise), then each request keeps its drafts up to the first one
-        that differs from its sample, plus that sample (or the one after the last draft)."""
-        params, outputs, prompts, stops, owner = [], [], [], [], []
-        for i, r in enumerate(sampling):
-            sp, drafts = r.sampling_params, r.draft_token_ids
-            exact = sp.adjusts_logits or sp.seed is not None  # else only the length is read
-            for j in range(r.num_spec + 1):
-                params.append(sp)
-                outputs.append(
-                    r.output_token_ids + drafts[:j] if j and exact else r.output_token_ids
-                )
-                prompts.append(r.prompt_token_ids)
-                stops.append(min_token_stop_ids.get(r.request_id, []))
-                owner.append(i)
-        if allowed is not None:  # grammar rows (never drafted) move to their request's row
-            first = {i: row for row, i in reversed(list(enumerate(owner)))}
-            mask, rows = allowed
-            index = torch.tensor(owner, dtype=torch.long)
-            allowed = (mask.index_select(0, index), [first[i] for i in rows])
-        tokens = sample(logits, params, outputs, prompts, stops, read=self.reader.read,
-                        allowed=allowed)  # fmt: skip
-        result: dict[str, list[SampledToken]] = {}
-        at = 0
-        for r in sampling:
-            drafts, row = r.draft_token_ids, tokens[at : at + r.num_spec + 1]
-            kept = 0
-            while kept < r.num_spec and row[kept].token_id == drafts[kept]:
-                kept += 1
-            result[r.request_id] = row[: kept + 1]
-            at += r.num_spec + 1
-        return result
 
     @torch.inference_mode()
     def score_prompts(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from services.engine.structured import apply_bitmask
-from services.scheduling.outputs import SampledToken
+from services.scheduling.outputs import SampledToken, ScheduledRequest
 from services.scheduling.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -107,6 +107,48 @@ def sample(
             [len(outputs[i]) for i in random_rows],
         )
     return _package(tokens, raw, want_logprobs, read or _tolist)
+
+
+def sample_with_drafts(
+    logits: torch.Tensor,  # [sum(1 + num_spec), V] float32: each request's rows in order
+    sampling: list[ScheduledRequest],
+    min_token_stop_ids: dict[str, list[int]],
+    allowed: tuple[torch.Tensor, list[int]] | None = None,
+    read: Callable[..., list[list]] | None = None,
+) -> dict[str, list[SampledToken]]:
+    """A step where some requests carry draft tokens (``services.engine.speculative``).
+
+    Every row is sampled as the next token after its own prefix (the drafts before it count as
+    output, for penalties and seeded noise), then each request keeps its drafts up to the first
+    that differs from its row's sample, plus that sample (or the last row's, when every draft
+    was kept). For one-hot drafts this is rejection sampling: a draft survives with its target
+    probability and a rejected position emits the target conditioned on not the draft.
+    ``allowed``: the grammar bitmask by request (constrained requests carry no drafts)."""
+    params, outputs, prompts, stops, owner = [], [], [], [], []
+    for i, r in enumerate(sampling):
+        sp, drafts = r.sampling_params, r.draft_token_ids
+        exact = sp.adjusts_logits or sp.seed is not None  # else only the length is read
+        for j in range(r.num_spec + 1):
+            params.append(sp)
+            outputs.append(r.output_token_ids + drafts[:j] if j and exact else r.output_token_ids)
+            prompts.append(r.prompt_token_ids)
+            stops.append(min_token_stop_ids.get(r.request_id, []))
+            owner.append(i)
+    if allowed is not None:  # a grammar's row moves to its request's (only) row
+        first = {i: row for row, i in reversed(list(enumerate(owner)))}
+        mask, rows = allowed
+        allowed = (mask.index_select(0, torch.tensor(owner)), [first[i] for i in rows])
+    tokens = sample(logits, params, outputs, prompts, stops, read=read, allowed=allowed)
+    result: dict[str, list[SampledToken]] = {}
+    at = 0
+    for r in sampling:
+        drafts, row = r.draft_token_ids, tokens[at : at + r.num_spec + 1]
+        kept = 0
+        while kept < r.num_spec and row[kept].token_id == drafts[kept]:
+            kept += 1
+        result[r.request_id] = row[: kept + 1]
+        at += r.num_spec + 1
+    return result
 
 
 def _sample_rows(
