@@ -23,7 +23,7 @@ from services.engine.kv_cache import (
     plan_num_blocks,
 )
 from services.engine.loader import load_model
-from services.engine.sampler import sample, sample_with_drafts
+from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.structured import GrammarBatch
 from services.engine.warmup import warmup_steps
 from services.scheduling.block_pool import blocks_for
@@ -103,9 +103,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, sched.max_num_seqs, max_blocks, self.device
-            )
+            # a verify step of a decode with drafts replays the same graphs, one row per token
+            spec = config.speculative
+            rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, rows, max_blocks, self.device)
             self.graphs.capture()
 
     def warmup(self) -> float:
@@ -203,9 +204,11 @@ class ModelRunner:
         """A decode-only step through its captured graph: (logits [n, V], argmax [n]) of every
         row; None when no graph fits the step."""
         graphs, reqs = self.graphs, out.requests
-        if graphs is None or any(r.num_new_tokens != 1 for r in reqs):
+        # a decode with drafts is one row per token: row j attends to the positions up to its
+        # own (the drafts before it are written by the same step, before any attention reads)
+        if graphs is None or any(r.num_new_tokens != 1 + r.num_spec for r in reqs):
             return None
-        n, W = len(reqs), self._max_blocks(out)
+        n, W = out.num_tokens, self._max_blocks(out)
         b = graphs.bucket(n)
         if b is None or graphs.max_blocks < W:
             return None
@@ -215,11 +218,15 @@ class ModelRunner:
         ids[n:], pos[n:], slots[n:], ctx[n:] = 0, 0, -1, 1  # padding rows: write no KV
         tables.fill(0)
         bs = self.block_size
-        for i, r in enumerate(reqs):
-            p, bids = r.start_pos, r.block_ids
-            ids[i], pos[i], ctx[i] = r.token_ids[0], p, r.context_len
-            slots[i] = bids[p // bs] * bs + p % bs
-            tables[i, : len(bids)] = bids
+        i = 0
+        for r in reqs:
+            bids = r.block_ids
+            for j, token in enumerate(r.token_ids):
+                p = r.start_pos + j
+                ids[i], pos[i], ctx[i] = token, p, p + 1
+                slots[i] = bids[p // bs] * bs + p % bs
+                tables[i, : len(bids)] = bids
+                i += 1
         d64, d32 = self.staging.upload()
         logits, argmax = graphs.run(d64[0], d32[0], d32[1].view(b, W), b)
         return logits[:n], argmax[:n]
@@ -231,7 +238,12 @@ class ModelRunner:
         logits, reqs = ran[0], out.requests
         if all(r.sample for r in reqs):
             return logits
-        keep = [i for i, r in enumerate(reqs) if r.sample]
+        keep: list[int] = []
+        at = 0
+        for r in reqs:
+            if r.sample:
+                keep += range(at, at + r.num_new_tokens)
+            at += r.num_new_tokens
         return logits[torch.tensor(keep, device=logits.device)]
 
     def release_kv_cache(self) -> None:
@@ -282,7 +294,7 @@ class ModelRunner:
             ran = self._graph_forward(out)
             if ran is not None:  # the graph's own argmax is the token: one read, no sampler
                 (ids,) = self.reader.read(ran[1])
-                return {r.request_id: [SampledToken(t)] for r, t in zip(sampling, ids, strict=True)}
+                return keep_drafts(sampling, [SampledToken(t) for t in ids])
         logits = self.forward_logits(out, eager=bool(score))
         if logits is None or not sampling:
             return {}

@@ -138,7 +138,15 @@ def sample_with_drafts(
         first = {i: row for row, i in reversed(list(enumerate(owner)))}
         mask, rows = allowed
         allowed = (mask.index_select(0, torch.tensor(owner)), [first[i] for i in rows])
-    tokens = sample(logits, params, outputs, prompts, stops, read=read, allowed=allowed)
+    return keep_drafts(sampling, sample(logits, params, outputs, prompts, stops, read=read,
+                                        allowed=allowed))  # fmt: skip
+
+
+def keep_drafts(
+    sampling: list[ScheduledRequest], tokens: list[SampledToken]
+) -> dict[str, list[SampledToken]]:
+    """``tokens``: a sample for every row (each request's 1 + num_spec rows in order). Each
+    request keeps its drafts while they equal the sample before them, then that sample."""
     result: dict[str, list[SampledToken]] = {}
     at = 0
     for r in sampling:

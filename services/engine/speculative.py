@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from services.config import SpeculativeConfig
 
 # adaptivity: the acceptance rate is an exponential average over verify steps; below the floor a
@@ -78,29 +76,34 @@ class SpecStats:
 class NgramProposer:
     """Drafts from the request's own tokens: find the latest earlier place where its last n
     tokens occurred (n = prompt_lookup_max down to prompt_lookup_min) and propose the tokens
-    that followed there. Each request's tokens are kept as a growing numpy array."""
+    that followed there.
+
+    Each request keeps its tokens and an index from token to the positions it holds, grown as
+    tokens arrive, so a step's lookup starts from the earlier places of the last token (none,
+    usually, when nothing repeats) instead of scanning the sequence. Only the latest
+    MAX_CANDIDATES places are tried."""
+
+    MAX_CANDIDATES = 64
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
-        self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # buffer, length used
+        self._seqs: dict[str, tuple[list[int], dict[int, list[int]]]] = {}
 
-    def _array(self, request_id: str, prompt: list[int], output: list[int]) -> np.ndarray:
+    def _indexed(
+        self, request_id: str, prompt: list[int], output: list[int]
+    ) -> tuple[list[int], dict[int, list[int]]]:
         total = len(prompt) + len(output)
-        buf, used = self._tokens.get(request_id, (np.empty(0, dtype=np.int64), 0))
-        if used > total or used < len(prompt):  # new, or recomputed from scratch
-            used = 0
-        if buf.shape[0] < total:
-            grown = np.empty(max(total * 2, 64), dtype=np.int64)
-            grown[:used] = buf[:used]
-            buf = grown
-        if used < len(prompt):
-            buf[: len(prompt)] = prompt
-            used = len(prompt)
-        if used < total:
-            buf[used:total] = output[used - len(prompt) :]
-        self._tokens[request_id] = (buf, total)
-        return buf[:total]
+        entry = self._seqs.get(request_id)
+        if entry is None or len(entry[0]) > total or len(entry[0]) < len(prompt):
+            entry = ([], {})  # new, or its tokens changed under it
+            self._seqs[request_id] = entry
+        seq, where = entry
+        for pos in range(len(seq), total):
+            token = prompt[pos] if pos < len(prompt) else output[pos - len(prompt)]
+            seq.append(token)
+            where.setdefault(token, []).append(pos)
+        return entry
 
     def propose(
         self, request_id: str, prompt: list[int], output: list[int], limit: int
@@ -109,17 +112,22 @@ class NgramProposer:
         k = min(self.k, limit)
         if k <= 0:
             return []
-        seq = self._array(request_id, prompt, output)
-        total = seq.shape[0]
-        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
-            tail = seq[total - n :]
-            # windows starting at 0 .. total - n - 1: every earlier occurrence of the tail
-            windows = np.lib.stride_tricks.sliding_window_view(seq[: total - 1], n)
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # the latest match: the most recent context
-                return seq[start : start + k].tolist()
-        return []
+        seq, where = self._indexed(request_id, prompt, output)
+        last = len(seq) - 1
+        places = where.get(seq[last], ())
+        best_n, best_end = 0, -1
+        for i in range(len(places) - 2, max(len(places) - 2 - self.MAX_CANDIDATES, -1), -1):
+            end = places[i]  # an earlier place of the last token, latest first
+            n = 1
+            while n < self.n_max and end - n >= 0 and seq[end - n] == seq[last - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_end = n, end
+                if n == self.n_max:
+                    break
+        if best_n < self.n_min:
+            return []
+        return seq[best_end + 1 : best_end + 1 + k]
 
     def drop(self, request_id: str) -> None:
-        self._tokens.pop(request_id, None)
+        self._seqs.pop(request_id, None)
