@@ -97,7 +97,8 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram",)
-_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # no drafts while this many requests (or more) are decoding; None: the engine's row limit only
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method == "draft_model":
@@ -157,6 +160,12 @@ class SpeculativeConfig:
         if "model" in data and data["method"] != "draft_model":
             raise ConfigError('--speculative-config "model" is for method "draft_model"')
         data = {k: v for k, v in data.items() if k != "model"}
+        if data.get("disable_by_batch_size") is not None and (
+            not isinstance(data["disable_by_batch_size"], int) or data["disable_by_batch_size"] < 1
+        ):
+            raise ConfigError(
+                "--speculative-config disable_by_batch_size must be a positive integer"
+            )
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
                 raise ConfigError(f"--speculative-config {key} must be an integer")

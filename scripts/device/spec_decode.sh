@@ -21,9 +21,11 @@ log="$out/spec_decode.jsonl"
 bench() { python3 -m services.engine.bench.spec_decode "$@" 2>"$out/stderr-$RANDOM.txt" | tail -1 | tee -a "$log"; }
 if [ -n "$gguf" ]; then
   export TANDEM_EMBEDDED_GGUF=$gguf
-  for s in "" "$spec"; do
-    bench --model embedded --dtype bfloat16 --prompts copy --batch 1 --max-tokens 256 \
-      ${s:+--speculative-config "$s"}
+  for dtype in bfloat16 float32; do  # float32: are differences numerics of bf16, or the method?
+    for s in "" "$spec"; do
+      bench --model embedded --dtype $dtype --prompts copy --batch 1 --max-tokens 256 \
+        ${s:+--speculative-config "$s"}
+    done
   done
 else
   echo "no GGUF: the real-weights runs are skipped" | tee -a "$out/notes.txt"
@@ -35,11 +37,21 @@ done
 python3 - "$log" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{'model':<14}{'spec':<6}{'batch':>6}{'tpot ms':>10}{'tok/s':>10}{'acc len':>9}  outputs")
+key = lambda d, r: (d["model"], d["dtype"], r["batch"])
+base = {key(d, r): r for d in rows if not d["speculative_config"] for r in d["results"]}
+print(f"{'model':<14}{'dtype':<16}{'spec':<5}{'batch':>6}{'tpot ms':>9}{'tok/s':>9}{'acc len':>8}"
+      f"{'equal':>7}  first difference (token index) per request")
 for d in rows:
     for r in d["results"]:
-        acc = r["acceptance_length"]
-        print(f"{d['model']:<14}{'on' if d['speculative_config'] else 'off':<6}{r['batch']:>6}"
-              f"{r['tpot_ms_median']:>10.2f}{r['output_tok_s']:>10.1f}"
-              f"{(f'{acc:.2f}' if acc else '-'):>9}  {r['outputs_sha256'][:12]}")
+        acc, ref = r["acceptance_length"], base.get(key(d, r))
+        same, first = "-", ""
+        if ref is not None and d["speculative_config"]:
+            pairs = list(zip(ref["token_ids"], r["token_ids"]))
+            same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+            diffs = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                     for a, b in pairs if a != b]
+            first = " ".join(map(str, diffs[:8]))
+        print(f"{d['model']:<14}{d['dtype']:<16}{'on' if d['speculative_config'] else 'off':<5}{r['batch']:>6}"
+              f"{r['tpot_ms_median']:>9.2f}{r['output_tok_s']:>9.1f}"
+              f"{(f'{acc:.2f}' if acc else '-'):>8}{same:>7}  {first}")
 PY

@@ -26,7 +26,9 @@ class DecodeGraphs:
         max_blocks: int, device: torch.device,
     ) -> None:  # fmt: skip
         self.model, self.kv = model, kv_caches
-        self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
+        # up to the first bucket that holds max_batch rows (or the largest)
+        fit = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
+        self.buckets = [b for b in BUCKETS if b <= fit]
         self.max_blocks = max_blocks
         n = self.buckets[-1]
         self.i64 = torch.zeros(3, n, dtype=torch.int64, device=device)  # ids, positions, slots

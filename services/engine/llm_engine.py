@@ -13,7 +13,7 @@ from services.config import EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
-from services.engine.speculative import Acceptance, NgramProposer, SpecStats
+from services.engine.speculative import VERIFY_ROWS, Acceptance, NgramProposer, SpecStats
 from services.engine.step_stats import HistogramSnapshot, TokenHistogram
 from services.engine.structured import CompiledOutput, GrammarBatch, GrammarCompiler
 from services.model_files import ModelFiles
@@ -322,12 +322,19 @@ class LLMEngine:
     def _propose(self) -> None:
         """Draft tokens for each running decode that speculation suits (not constrained, past
         min_tokens, not sitting out after rejections), within max_tokens and the context."""
-        assert self.proposer is not None
-        for req in self.scheduler.running:
+        assert self.proposer is not None and self.config.speculative is not None
+        decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        # drafts ride in the rows a decode step has to spare: a step of few decodes is bound by
+        # reading the weights, so up to VERIFY_ROWS rows cost about what one does; past that
+        # every draft row costs, so a large batch decodes without drafts
+        room = VERIFY_ROWS - len(decodes)
+        off_at = self.config.speculative.disable_by_batch_size
+        if room <= 0 or (off_at is not None and len(decodes) >= off_at):
+            return
+        for req in decodes:
             sp = req.sampling_params
             if (
-                req.num_tokens - req.num_computed_tokens != 1
-                or req.num_output_tokens < sp.min_tokens
+                req.num_output_tokens < sp.min_tokens
                 or req.request_id in self.grammars.states
                 or req.hold_blocks_on_finish
             ):
@@ -336,10 +343,13 @@ class LLMEngine:
             if not acceptance.wants_proposal():
                 continue
             limit = min(sp.max_tokens - req.num_output_tokens - 1,
-                        self.max_model_len - req.num_tokens - 1)  # fmt: skip
+                        self.max_model_len - req.num_tokens - 1, room)  # fmt: skip
             req.spec_token_ids = self.proposer.propose(
                 req.request_id, req.prompt_token_ids, req.output_token_ids, limit
             )
+            room -= len(req.spec_token_ids)
+            if room <= 0:
+                break
 
     def _record_acceptance(
         self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]

@@ -27,6 +27,8 @@ EMA_WEIGHT = 0.3
 ACCEPT_FLOOR = 0.25
 PAUSE_STEPS = 8
 MAX_PAUSE = 256
+# most rows (decodes plus their drafts) a step gets drafts for: see LLMEngine._propose
+VERIFY_ROWS = 64
 
 
 @dataclass

@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # tokens per verify step: the kept drafts plus the step's own token
             "acceptance_length": 1 + accepted / verify_steps if verify_steps else None,
             "outputs_sha256": digest,
+            "token_ids": [row["token_ids"] for row in rows],
         })  # fmt: skip
     return {
         "model": args.model,
