@@ -24,6 +24,7 @@ from services.engine.kv_cache import (
 )
 from services.engine.loader import load_model
 from services.engine.sampler import keep_drafts, sample, sample_with_drafts
+from services.engine.speculative import VERIFY_ROWS
 from services.engine.structured import GrammarBatch
 from services.engine.warmup import warmup_steps
 from services.scheduling.block_pool import blocks_for
@@ -103,9 +104,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
         if self.device.type == "cuda" and not config.enforce_eager:
-            # a verify step of a decode with drafts replays the same graphs, one row per token
+            # a verify step of a decode with drafts replays the same graphs, one row per token:
+            # drafts only fill rows up to VERIFY_ROWS (LLMEngine._propose)
             spec = config.speculative
-            rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+            rows = sched.max_num_seqs
+            if spec is not None:
+                rows = max(rows, min(VERIFY_ROWS, rows * (1 + spec.num_speculative_tokens)))
             self.graphs = DecodeGraphs(self.model, self.kv_caches, rows, max_blocks, self.device)
             self.graphs.capture()
 
