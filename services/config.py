@@ -160,8 +160,9 @@ class SpeculativeConfig:
         if "model" in data and data["method"] != "draft_model":
             raise ConfigError('--speculative-config "model" is for method "draft_model"')
         data = {k: v for k, v in data.items() if k != "model"}
-        if data.get("disable_by_batch_size") is not None and (
-            not isinstance(data["disable_by_batch_size"], int) or data["disable_by_batch_size"] < 1
+        off_at = data.get("disable_by_batch_size")
+        if off_at is not None and (
+            not isinstance(off_at, int) or isinstance(off_at, bool) or off_at < 1
         ):
             raise ConfigError(
                 "--speculative-config disable_by_batch_size must be a positive integer"

@@ -323,6 +323,8 @@ class LLMEngine:
         """Draft tokens for each running decode that speculation suits (not constrained, past
         min_tokens, not sitting out after rejections), within max_tokens and the context."""
         assert self.proposer is not None and self.config.speculative is not None
+        for req in self.scheduler.running:  # a step that did not run last time's drafts
+            req.spec_token_ids = []
         decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         # drafts ride in the rows a decode step has to spare: a step of few decodes is bound by
         # reading the weights, so up to VERIFY_ROWS rows cost about what one does; past that

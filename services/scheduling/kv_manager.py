@@ -169,6 +169,18 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         self._registered[request.request_id] = full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens' (those that held only
+        rejected draft tokens: never registered in the prefix cache, so simply free)."""
+        rid, keep = request.request_id, self.blocks_for(num_tokens)
+        table = self._tables.get(rid)
+        if table is None or len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:], self._ids[rid][keep:]
+        assert self._registered.get(rid, 0) <= keep
+        self.pool.free(reversed(extra))
+
     def free(self, request: Request) -> None:
         rid = request.request_id
         table = self._tables.pop(rid, [])

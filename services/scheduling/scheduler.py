@@ -163,12 +163,8 @@ class Scheduler:
             is_decode = req.num_tokens - req.num_computed_tokens == 1
             decodes_left -= is_decode
             n = self._num_new_tokens(req, budget if is_decode else budget - decodes_left)
-            if is_decode and req.spec_token_ids:  # drafts share what the later decodes leave
-                n += max(min(len(req.spec_token_ids), budget - decodes_left - n), 0)
             if n <= 0:
                 continue
-            if n > 1 and is_decode and not self.kv.allocate(req, n):
-                n = 1  # drafts never cost another request its blocks
             while not self.kv.allocate(req, n):
                 victim = self._preempt_victim()
                 self._preempt(victim)
@@ -180,7 +176,29 @@ class Scheduler:
                 budget -= n
         if not out.preempted:
             budget = self._admit_waiting(budget, scheduled, out.preempted)
+        scheduled = self._add_drafts(scheduled, budget)
         out.requests = [self._to_scheduled(req, n) for req, n in scheduled]
+        return out
+
+    def _add_drafts(
+        self, scheduled: list[tuple[Request, int]], budget: int
+    ) -> list[tuple[Request, int]]:
+        """Draft tokens (speculative decoding) after the decodes that carry them, from what is
+        left once every request, running or admitted, has its share: the step's budget and
+        free blocks. Drafts never take a block or a token another request needs."""
+        out = []
+        for req, n in scheduled:
+            drafts = len(req.spec_token_ids)
+            if drafts and n == 1 and req.num_tokens - req.num_computed_tokens == 1 and budget > 0:
+                extra = min(drafts, budget)
+                # within the blocks it holds, plus free ones (allocate fails without side effects)
+                while extra > 0 and not self.kv.allocate(req, 1 + extra):
+                    held = len(self.kv.block_ids(req.request_id)) * self.kv.block_size
+                    extra = min(extra - 1, held - req.num_computed_tokens - 1)
+                if extra > 0:
+                    n += extra
+                    budget -= extra
+            out.append((req, n))
         return out
 
     def _admit_waiting(
@@ -250,6 +268,8 @@ class Scheduler:
             tokens = sampled.get(sr.request_id, ()) if sr.sample else ()
             kept = max(len(tokens) - 1, 0) if sr.num_spec else 0
             req.num_computed_tokens += sr.num_new_tokens - sr.num_spec + kept
+            if sr.num_spec > kept:  # blocks that held only rejected drafts go back
+                self.kv.trim(req, req.num_computed_tokens + 1)  # + the token still to compute
             for token in tokens:
                 req.output_token_ids.append(token.token_id)
                 reason = req.check_stop(token.token_id)

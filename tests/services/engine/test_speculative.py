@@ -193,6 +193,7 @@ def test_a_request_whose_drafts_fail_sits_out_longer_each_time() -> None:
             "prompt_lookup_min <= prompt_lookup_max",
         ),
         ('{"num_speculative_tokens": 4, "acceptance": 1}', "not supported: acceptance"),
+        ('{"disable_by_batch_size": true}', "disable_by_batch_size must be a positive integer"),
         ("[4]", "must be a JSON object"),
         ("{nope", "not valid JSON"),
     ],

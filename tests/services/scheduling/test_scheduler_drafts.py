@@ -59,6 +59,43 @@ def test_drafts_never_preempt_another_request() -> None:
     assert {s.request_id for s in out.requests} == {"a", "b"}
 
 
+def test_drafts_never_take_the_block_a_later_decode_needs() -> None:
+    """One block free: a's drafts would fit in it, but b's next token needs it (review finding)."""
+    sched = make_scheduler(num_blocks=5, block_size=4)
+    a, b = make_request("a", 6, max_tokens=9), make_request("b", 8, max_tokens=9)
+    _decoding(sched, a, b)  # a: 7 tokens in 2 blocks; b: 9 tokens, its 9th needs a third block
+    a.spec_token_ids = [1, 2, 3]
+    out = sched.schedule()
+    assert not out.preempted and {s.request_id for s in out.requests} == {"a", "b"}
+    by_id = {s.request_id: s for s in out.requests}
+    assert by_id["a"].num_spec == 1  # only the slot left in a's own blocks
+    assert by_id["b"].num_new_tokens == 1
+
+
+def test_drafts_come_after_admissions_in_the_budget() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=6)
+    a = make_request("a", 4, max_tokens=20)
+    _decoding(sched, a)
+    sched.add(make_request("late", 4, max_tokens=4))
+    a.spec_token_ids = [1, 2, 3, 4, 5]
+    out = sched.schedule()
+    by_id = {s.request_id: s for s in out.requests}
+    assert by_id["late"].num_new_tokens == 4 and by_id["a"].num_spec == 1  # 6 = 1 + 4 + 1
+
+
+def test_blocks_of_rejected_drafts_go_back_to_the_pool() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    req = make_request("a", 4, max_tokens=20)
+    _decoding(sched, req)  # 5 tokens: 2 blocks
+    req.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    out = sched.schedule()
+    assert len(out.requests[0].block_ids) == 3  # positions 4..10
+    free_before = sched.kv.num_free_blocks
+    sched.update(out, {"a": [SampledToken(9)]})  # the first draft was rejected
+    assert len(sched.kv.block_ids("a")) == 2 and sched.kv.num_free_blocks == free_before + 1
+    sched.check_invariants()
+
+
 def test_a_kept_run_stops_at_max_tokens_and_frees_the_blocks() -> None:
     sched = make_scheduler(num_blocks=16, block_size=4)
     req = make_request("a", 5, max_tokens=3)
