@@ -258,7 +258,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
         "(drafts from the request's own prompt and output, verified in one pass; used where "
-        "tokens are decoded: decode and colocated workers). Default: off",
+        "tokens are decoded: decode and colocated workers; disable_by_batch_size N turns "
+        "drafting off from N decoding requests). Default: off",
     )
 
 
