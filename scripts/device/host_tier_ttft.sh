@@ -5,11 +5,7 @@
 #   bash scripts/device/host_tier_ttft.sh   -> $OUT/host_tier_ttft.json (or ./gpu-out)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out="${OUT:-$PWD/gpu-out}"
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=$PWD:/tmp/site
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+source scripts/device/lent_env.sh
 : > "$out/host_tier_ttft.json"
 for gib in 0 8; do
   python3 -m services.engine.bench.host_tier_ttft --model llama-3.1-8b --load-format dummy \

@@ -9,11 +9,7 @@
 #   bash scripts/device/spec_decode.sh   -> $OUT/spec_decode.jsonl (or ./gpu-out)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out="${OUT:-$PWD/gpu-out}"
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=$PWD:/tmp/site
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+source scripts/device/lent_env.sh
 gguf=$(bash scripts/device/device_gguf.sh assemble 2>/dev/null || true)
 spec='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 log="$out/spec_decode.jsonl"

@@ -9,11 +9,7 @@
 #   bash scripts/device/structured_overhead.sh   -> $OUT/structured_step.json (or ./gpu-out)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out="${OUT:-$PWD/gpu-out}"
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+source scripts/device/lent_env.sh
 python3 -c "import torch, xgrammar; print('torch', torch.__version__)"
 python3 -m services.engine.bench.structured_step --model llama-3.1-8b --load-format dummy \
   --tokenizer .device-tokenizer --batch "${BATCH:-64}" --steps "${STEPS:-60}" \
