@@ -44,7 +44,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 typecheck: venv
-	$(VENV)/bin/mypy services kernels deploy gateway kvtransfer
+	$(VENV)/bin/mypy protos services kernels deploy gateway kvtransfer
 
 test: venv lint typecheck lm-eval-venv
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra

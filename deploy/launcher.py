@@ -34,7 +34,7 @@ from typing import IO, TextIO
 from deploy.gpus import detect_gpus
 from deploy.plan import Plan, build_plan, gateway_spec
 from deploy.supervisor import Child, ChildFailedError, ChildSpec, Supervisor, parent_death_env
-from services.common.auth import TOKEN_ENV
+from protos.auth import TOKEN_ENV
 from services.config import ConfigError
 
 READY_TIMEOUT_S = float(os.environ.get("TANDEM_UP_READY_TIMEOUT", "900"))

@@ -176,7 +176,7 @@ def build_plan(
     gateway += ["--ready-file", str(gateway_ready)]
     # The key travels in the environment (read by the gateway), not on a command line `ps` shows.
     gateway_env = {"TANDEM_API_KEY": args.api_key} if args.api_key else {}
-    prepare = [sys.executable, "-m", "services.model_files", "--model", args.model]
+    prepare = [sys.executable, "-m", "deploy.prepare", "--model", args.model]
     return Plan(
         prepare,
         workers,

@@ -8,7 +8,6 @@ everywhere (for debugging a suspected kernel bug).
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 from types import ModuleType
 
@@ -45,7 +44,7 @@ def triton_available() -> bool:
     if os.environ.get("TANDEM_KERNELS", "").lower() == "ref":
         return False
     try:
-        importlib.import_module("triton")
+        import triton  # noqa: F401
     except Exception:  # ImportError, or a broken install raising anything at import
         return False
     return True
@@ -55,7 +54,15 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
     """The Triton module to use for tensor ``t``, or None for the reference path."""
     if t.device.type != "cuda" or not triton_available():
         return None
-    return importlib.import_module(f"kernels.{module}")
+    from kernels import triton_attention, triton_block_copy, triton_gemv, triton_layers
+
+    modules = {
+        "triton_attention": triton_attention,
+        "triton_block_copy": triton_block_copy,
+        "triton_gemv": triton_gemv,
+        "triton_layers": triton_layers,
+    }
+    return modules[module]
 
 
 @functools.cache

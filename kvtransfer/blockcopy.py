@@ -1,4 +1,4 @@
-"""Block gather/scatter: ``kernels.ops`` (Triton on CUDA) if present, else the torch references.
+"""Block gather/scatter through ``kernels.ops``: Triton on CUDA, the torch references elsewhere.
 
 :func:`make_copier` gives the transfer path a copier bound to one list of caches (checked once:
 Triton's :class:`BlockCopier` for CUDA caches, the reference elsewhere); the free functions
@@ -7,13 +7,13 @@ check their arguments on every call.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Protocol, cast
 
 import torch
 
-from kernels.block_copy import RefBlockCopier, ref_gather_blocks, ref_scatter_blocks
+from kernels import ops
+from kernels.block_copy import RefBlockCopier
 
 GatherFn = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 ScatterFn = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], None]
@@ -35,31 +35,18 @@ class Copier(Protocol):
     ) -> None: ...
 
 
-def _load() -> tuple[GatherFn, ScatterFn]:
-    try:
-        ops = importlib.import_module("kernels.ops")
-        return cast(GatherFn, ops.gather_blocks), cast(ScatterFn, ops.scatter_blocks)
-    except (ImportError, AttributeError):
-        return ref_gather_blocks, ref_scatter_blocks
-
-
-def _triton_available() -> bool:
-    try:
-        return bool(importlib.import_module("kernels.ops").triton_available())
-    except (ImportError, AttributeError):
-        return False
-
-
 def make_copier(kv_caches: list[torch.Tensor]) -> Copier:
     """A copier for ``kv_caches``: Triton on CUDA (one launch per call), else the reference
     (also for caches the kernel does not take, such as fp8 ones: it copies those just as well)."""
-    if kv_caches and kv_caches[0].is_cuda and _triton_available():
-        module = importlib.import_module("kernels.triton_block_copy")
+    if kv_caches and kv_caches[0].is_cuda and ops.triton_available():
+        from kernels.triton_block_copy import BlockCopier
+
         try:
-            return cast(Copier, module.BlockCopier(kv_caches))
+            return cast(Copier, BlockCopier(kv_caches))
         except ValueError:
             pass
     return RefBlockCopier(kv_caches)
 
 
-gather_blocks, scatter_blocks = _load()
+gather_blocks: GatherFn = ops.gather_blocks
+scatter_blocks: ScatterFn = ops.scatter_blocks

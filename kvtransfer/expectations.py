@@ -3,7 +3,7 @@
 Life of one expectation: ``expect`` registers it (pending) -> a pair thread ``claim``s it when
 the header arrives (receiving) -> the pair issues writes into the blocks chunk by chunk ->
 ``complete`` waits for them and resolves it ok, or ``fail`` resolves it with an error.
-``cancel`` (or its deadline passing) resolves it at any time before that. Writes are issued
+``cancel`` (or its deadline passing, where one was given) resolves it at any time before that. Writes are issued
 only under the expectation's write lock and only while it is not cancelled, and resolving it
 waits (``Expectation.flush``) for the writes already issued: once ``cancel`` returns, its blocks
 are the caller's again.
@@ -119,11 +119,15 @@ class ExpectationRegistry:
         self._janitor = threading.Thread(target=self._expire_loop, name="kv-deadlines", daemon=True)
         self._janitor.start()
 
-    def expect(self, transfer_id: str, block_ids: list[int], deadline_s: float) -> TransferHandle:
-        if deadline_s <= 0:
+    def expect(
+        self, transfer_id: str, block_ids: list[int], deadline_s: float | None = None
+    ) -> TransferHandle:
+        """``deadline_s`` None: no deadline here; whoever owns the blocks cancels it."""
+        if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
         handle = TransferHandle(transfer_id, tuple(block_ids), lambda: self.cancel(transfer_id))
-        exp = Expectation(handle, time.monotonic() + deadline_s)
+        deadline = float("inf") if deadline_s is None else time.monotonic() + deadline_s
+        exp = Expectation(handle, deadline)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the KV receiver is closed")
@@ -131,7 +135,8 @@ class ExpectationRegistry:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
             self._tombstones.pop(transfer_id, None)
             self._pending[transfer_id] = exp
-            heapq.heappush(self._deadlines, (exp.deadline, next(self._order), exp))
+            if deadline_s is not None:
+                heapq.heappush(self._deadlines, (exp.deadline, next(self._order), exp))
             self._cond.notify_all()
         return handle
 

@@ -5,7 +5,7 @@ Contract:
   one) for senders' control connections, and runs a TCPStore (another port, told to senders
   in the handshake) over which each sender and this receiver build their own 2-rank group.
   It never calls ``init_process_group``.
-- ``expect(transfer_id, block_ids, deadline_s)`` registers a transfer *before* it is sent
+- ``expect(transfer_id, block_ids[, deadline_s])`` registers a transfer *before* it is sent
   (after reserving ``block_ids``) and returns a :class:`TransferHandle`. The handle resolves ok
   only once every byte arrived, the layout and block count matched (and every chunk's checksum,
   when the sender sends them) and the blocks were written (CUDA writes synchronized on a dedicated stream). It
@@ -90,15 +90,20 @@ class KvReceiver:
             host = socket.gethostname()
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
-    def expect(self, transfer_id: str, block_ids: list[int], deadline_s: float) -> TransferHandle:
-        """Register a transfer of ``len(block_ids)`` blocks into ``block_ids`` (see module doc)."""
+    def expect(
+        self, transfer_id: str, block_ids: list[int], deadline_s: float | None = None
+    ) -> TransferHandle:
+        """Register a transfer of ``len(block_ids)`` blocks into ``block_ids`` (see module doc).
+        Without ``deadline_s`` it is expected until cancelled: the owner of the blocks keeps
+        the one clock (the decode worker's reservation does)."""
         check_block_ids(block_ids, self._num_blocks)
         return self._registry.expect(transfer_id, block_ids, deadline_s)
 
-    def cancel(self, transfer_id: str) -> bool:
+    def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> bool:
         """Stop expecting ``transfer_id``; True if it was still pending or in flight. May block
-        briefly: it returns once the block writes already issued for it have finished."""
-        return self._registry.cancel(transfer_id)
+        briefly: it returns once the block writes already issued for it have finished. A sender
+        still sending it is told ``reason``."""
+        return self._registry.cancel(transfer_id, reason)
 
     def pending(self) -> int:
         return self._registry.pending_count()

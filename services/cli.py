@@ -7,24 +7,105 @@ deployment tests can check every command line in docker-compose and Kubernetes a
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-HANDLERS = {
-    "up": "deploy.launcher:main",
-    "prefill": "services.prefill.server:main",
-    "decode": "services.decode.server:main",
-    "worker": "services.worker.server:main",
-    "gateway": "gateway.server:main",
-    "compose": "deploy.compose:main",
-    "generate": "services.engine.offline_cli:main",
-    "bench serve": "gateway.bench.serve:main",
-    "bench offline": "services.engine.bench.in_process:main_offline",
-    "bench latency": "services.engine.bench.in_process:main_latency",
-    "bench disagg": "deploy.bench.disagg:main",
-    "bench kernels": "kernels.bench.roofline:main",
+
+def _up(args: argparse.Namespace) -> int:
+    from deploy.launcher import main
+
+    return main(args)
+
+
+def _prefill(args: argparse.Namespace) -> int:
+    from services.prefill.server import main
+
+    return main(args)
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from services.decode.server import main
+
+    return main(args)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from services.worker.server import main
+
+    return main(args)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    """The gateway imports nothing of services: its model name and tokenizer are resolved here."""
+    from gateway.http.server import main
+    from protos.errors import ConfigError
+    from services.model_files import gateway_tokenizer_dir, served_model_name
+
+    try:
+        tokenizer_dir = gateway_tokenizer_dir(args.model, args.tokenizer)
+    except ConfigError as e:
+        print(f"tandem gateway: error: {e}", file=sys.stderr)
+        return 2
+    return main(args, tokenizer_dir, served_model_name(args.model))
+
+
+def _compose(args: argparse.Namespace) -> int:
+    from deploy.compose import main
+
+    return main(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.engine.offline_cli import main
+
+    return main(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from gateway.bench.serve import main
+
+    return main(args)
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from services.engine.bench.in_process import main_offline
+
+    return main_offline(args)
+
+
+def _bench_latency(args: argparse.Namespace) -> int:
+    from services.engine.bench.in_process import main_latency
+
+    return main_latency(args)
+
+
+def _bench_disagg(args: argparse.Namespace) -> int:
+    from deploy.bench.disagg import main
+
+    return main(args)
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from kernels.bench.roofline import main
+
+    return main(args)
+
+
+# each command's handler imports its module only when it runs, so `tandem gateway` loads no torch
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "up": _up,
+    "prefill": _prefill,
+    "decode": _decode,
+    "worker": _worker,
+    "gateway": _gateway,
+    "compose": _compose,
+    "generate": _generate,
+    "bench serve": _bench_serve,
+    "bench offline": _bench_offline,
+    "bench latency": _bench_latency,
+    "bench disagg": _bench_disagg,
+    "bench kernels": _bench_kernels,
 }
 
 
@@ -844,9 +925,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     follow_parent()  # a child of `tandem up` (or of a test) ends with its parent
     args = build_parser().parse_args(argv)
     key = f"bench {args.bench}" if args.command == "bench" else args.command
-    module_name, func_name = HANDLERS[key].split(":")
-    handler = getattr(importlib.import_module(module_name), func_name)
-    return int(handler(args) or 0)
+    return int(HANDLERS[key](args) or 0)
 
 
 if __name__ == "__main__":

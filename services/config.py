@@ -6,12 +6,13 @@ Torch-free, so the gateway, the CLI and the scheduler can all read it.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message says which knob to change."""
+from protos.auth import token_from
+from protos.errors import ConfigError
+from protos.roles import Role
 
 
 @dataclass(frozen=True)
@@ -197,3 +198,44 @@ def with_device_defaults(config: EngineConfig, device_type: str) -> EngineConfig
         return config
     budget = GPU_TOKEN_BUDGET if device_type == "cuda" else CPU_TOKEN_BUDGET
     return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget))
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker process (``tandem prefill|decode|worker``): its server, its KV endpoint and
+    its engine, read once from the flags; servicers see this, never the argparse namespace."""
+
+    role: Role
+    engine: EngineConfig
+    worker_id: str  # names it in logs, load reports and metrics
+    host: str = "127.0.0.1"
+    port: int = 0  # gRPC; 0 picks a free one
+    ready_file: str | None = None  # where the bound ports are written once the model is loaded
+    internal_token: str = ""  # required on every RPC but health checks when not empty
+    lease_timeout_s: float = 6.0  # an owner silent this long loses its unclaimed reservations
+    grpc_reflection: bool = False
+    drain_timeout_s: float = 30.0
+    kv_host: str = ""  # the KV endpoint's address, advertised to prefill workers ("" = host)
+    kv_port: int = 0
+    kv_timeout_s: float = 10.0  # a KV transfer's I/O timeout; a Decode call's default KV wait
+    kv_checksum: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any, role: Role, engine: EngineConfig) -> WorkerConfig:
+        """From the flags of services.cli.add_server_args (the engine's already built)."""
+        return cls(
+            role=role,
+            engine=engine,
+            worker_id=args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}",
+            host=args.host,
+            port=args.port,
+            ready_file=args.ready_file,
+            internal_token=token_from(getattr(args, "internal_token", None)),
+            lease_timeout_s=getattr(args, "lease_timeout", 6.0),
+            grpc_reflection=getattr(args, "grpc_reflection", False),
+            drain_timeout_s=args.drain_timeout,
+            kv_host=getattr(args, "kv_host", None) or "",
+            kv_port=getattr(args, "kv_port", 0) or 0,
+            kv_timeout_s=args.kv_timeout,
+            kv_checksum=getattr(args, "kv_checksum", False),
+        )

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from protos.errors import ConfigError
+
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -144,10 +146,31 @@ def resolve_tokenizer_dir(model: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    from deploy.supervisor import follow_parent
+def served_model_name(model: str) -> str:
+    """The name served when --served-model-name is not given: for a model directory the
+    ``--model`` string itself, as vLLM serves it; for the embedded model, a GGUF file or a named
+    config, the model's own name (``SmolLM2-135M-Instruct``, not a cache path)."""
+    try:
+        files = resolve_model(model)
+    except (OSError, ValueError):
+        return model
+    return model if files.kind == "hf" else str(files.name)
 
-    follow_parent()  # run as `tandem up`'s prepare step: ends with it
+
+def gateway_tokenizer_dir(model: str, tokenizer: str | None) -> str:
+    """The gateway's tokenizer: ``--tokenizer`` if given, else the model directory, else the
+    model's prepared files (the CLI resolves it, so the gateway imports nothing of services)."""
+    if tokenizer:
+        return tokenizer
+    if os.path.isfile(os.path.join(model, "tokenizer.json")):
+        return model
+    try:
+        return resolve_tokenizer_dir(model)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ConfigError(f"cannot find a tokenizer for --model {model!r}: {e}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="prepare a model's files (convert GGUF once)")
     parser.add_argument("--model", default=EMBEDDED)
     args = parser.parse_args(argv)

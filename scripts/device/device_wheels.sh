@@ -45,7 +45,7 @@ if [[ "$check" == 1 ]]; then
 import importlib, sys
 names = ["starlette", "starlette.applications", "uvicorn", "opentelemetry.trace",
          "opentelemetry.sdk.trace", "opentelemetry.semconv.trace", "grpc_health.v1.health",
-         "grpc_reflection.v1alpha.reflection", "gguf", "gateway.app", "deploy.launcher"]
+         "grpc_reflection.v1alpha.reflection", "gguf", "gateway.http.app", "deploy.launcher"]
 if sys.version_info[:2] == (3, 12):  # compiled wheels
     names += ["httptools", "pydantic", "xgrammar", "services.engine.structured"]
 for name in names:

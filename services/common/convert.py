@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from protos import common_pb2
-from services.engine.llm_engine import EngineStats
-from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
-from services.engine.step_stats import HistogramSnapshot
-from services.scheduling.sampling_params import (
+from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.sampling_params import (
     SamplingParams,
     StructuredOutput,
     logit_bias_pairs,
 )
+from services.engine.llm_engine import EngineStats
+from services.engine.outputs import RequestOutput
+from services.engine.step_stats import HistogramSnapshot
 
 FINISH = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +20,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import common_pb2
-from services.common.auth import server_interceptors, token_from
+from protos.auth import server_interceptors
+from protos.roles import Role
 from services.common.convert import stats_to_load
 from services.common.leases import Leases
+from services.config import WorkerConfig
 from services.engine.driver import EngineDriver
 from services.engine.llm_engine import LLMEngine
 
@@ -43,16 +44,16 @@ SERVER_OPTIONS = [
 class WorkerRuntime:
     """Owns the engine and the server's lifecycle; servicers ask it for the driver."""
 
-    def __init__(self, args: argparse.Namespace, role: str) -> None:
-        self.args = args
-        self.role = role
-        self.worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.role = config.role
+        self.worker_id = config.worker_id
         self.driver: EngineDriver | None = None
         self.engine: LLMEngine | None = None
         self.draining = False
         self.inflight = 0
         self.health = health.aio.HealthServicer()
-        self.internal_token = token_from(getattr(args, "internal_token", None))
+        self.internal_token = config.internal_token
         self.server = grpc.aio.server(
             options=SERVER_OPTIONS, interceptors=server_interceptors(self.internal_token)
         )
@@ -62,7 +63,7 @@ class WorkerRuntime:
         self.on_ready: list[Callable[[], Any]] = []
         self.on_stop: list[Callable[[], Any]] = []
         self.on_drain: list[Callable[[], None]] = []  # on the event loop, as draining starts
-        self.leases = Leases(getattr(args, "lease_timeout", 6.0))
+        self.leases = Leases(config.lease_timeout_s)
         self.ready_extra: Callable[[], dict[str, Any]] = dict
 
     # ---- for servicers -----------------------------------------------------------------------
@@ -92,7 +93,7 @@ class WorkerRuntime:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _write_ready(self, extra: dict[str, Any]) -> None:
-        path = self.args.ready_file
+        path = self.config.ready_file
         if not path:
             return
         tmp = f"{path}.tmp{os.getpid()}"
@@ -103,24 +104,22 @@ class WorkerRuntime:
         os.replace(tmp, path)
 
     async def serve(self, service_names: list[str]) -> int:
-        from services.engine.llm import config_from_args
-
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        if getattr(self.args, "grpc_reflection", False):  # off unless asked: it maps the API
+        if self.config.grpc_reflection:  # off unless asked: it maps the API
             reflection.enable_server_reflection(
                 [*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], self.server
             )
-        self.port = self.server.add_insecure_port(f"{self.args.host}:{self.args.port}")
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        log.info("%s: loading the model on %s ...", self.worker_id, self.args.device)
+        log.info("%s: loading the model on %s ...", self.worker_id, self.config.engine.device)
         t0 = time.monotonic()
         try:
-            self.engine = await asyncio.to_thread(LLMEngine, config_from_args(self.args))
+            self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
             self.driver = EngineDriver(self.engine)
             self.driver.start()
             for hook in self.on_ready:
@@ -132,7 +131,7 @@ class WorkerRuntime:
             raise
         await self._set_health(health_pb2.HealthCheckResponse.SERVING, service_names)
         self._write_ready(self.ready_extra())
-        print(f"{self.worker_id} ({self.role}) serving on {self.args.host}:{self.port} "
+        print(f"{self.worker_id} ({self.role}) serving on {self.config.host}:{self.port} "
               f"after {time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
         await stop.wait()
         await self.drain(service_names)
@@ -148,7 +147,7 @@ class WorkerRuntime:
         for hook in self.on_drain:
             hook()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
-        deadline = time.monotonic() + self.args.drain_timeout
+        deadline = time.monotonic() + self.config.drain_timeout_s
         while self.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.driver is not None:  # on the engine thread, which owns the streams
@@ -202,9 +201,10 @@ def fewer_malloc_arenas(device: str) -> None:
 
 
 def run_worker(
-    args: argparse.Namespace, build: Callable[[WorkerRuntime], list[str]], role: str
+    args: argparse.Namespace, build: Callable[[WorkerRuntime], list[str]], role: Role
 ) -> int:
-    """Entry point shared by ``tandem prefill|decode|worker``."""
+    """Entry point shared by ``tandem prefill|decode|worker``: the flags are read into a frozen
+    WorkerConfig (bad ones end here with a one-line error and exit status 2)."""
     fewer_malloc_arenas(str(getattr(args, "device", "auto")))
     from services.common.tracing import setup_tracing
 
@@ -214,16 +214,19 @@ def run_worker(
     from services.config import ConfigError
     from services.model_files import ModelNotFoundError
 
-    async def main() -> int:  # the server must be created on the loop that runs it
-        runtime = WorkerRuntime(args, role)
+    async def main(config: WorkerConfig) -> int:  # the server is created on the loop that runs it
+        runtime = WorkerRuntime(config)
         return await runtime.serve(build(runtime))
 
     try:
+        from services.engine.llm import config_from_args
+
+        config = WorkerConfig.from_args(args, role, config_from_args(args))
         with contextlib.suppress(ImportError):
             import uvloop
 
             uvloop.install()
-        return asyncio.run(main())
+        return asyncio.run(main(config))
     except (ConfigError, ModelNotFoundError) as exc:
         print(f"error: {exc}", flush=True)
         return 2

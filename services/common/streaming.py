@@ -9,11 +9,11 @@ import grpc
 from opentelemetry.trace import Span
 
 from protos import common_pb2
+from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.common.convert import output_to_chunk, sampling_from_pb
 from services.common.runtime import WorkerRuntime
 from services.common.tracing import end_span
 from services.engine.driver import EngineDriver, Stream
-from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 
 async def parse_sampling(

@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, kv_control_pb2
+from protos.blocks import blocks_for
+from protos.roles import Role
+from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.common.convert import sampling_from_pb, transfer_fields
 from services.common.multiplex import multiplex
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import stream_chunks
 from services.common.tracing import start_server_span
 from services.decode.admission import AdmissionQueue
-from services.scheduling.block_pool import blocks_for
-from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from services.engine.driver import EngineDriver
-    from services.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 MAX_TTL_S = 3600.0  # the gateway asks for its request's remaining time (--request-timeout)
@@ -46,16 +46,27 @@ class Draining(Exception):
 
 @dataclass
 class Reservation:
+    """KV blocks held for one request until its KV has landed and a Decode call claims it.
+
+    Its one deadline lives here (``deadline``, on the event loop's clock, and the ``timer`` that
+    fires at it): the receiver expects the KV with no clock of its own, and a Decode call that
+    claims the reservation only brings the deadline forward to its own patience for the KV.
+    When the timer fires, the reservation is freed wherever it stands: the receiver stops
+    expecting the KV (a sender still sending is refused, and its prefill worker frees its
+    blocks), the engine frees the blocks, and a Decode call waiting for the KV fails."""
+
     request_id: str
     num_prompt_tokens: int
     handle: Any  # kvtransfer.TransferHandle
-    expiry: asyncio.TimerHandle
+    deadline: float  # loop.time() at which it is freed unless its KV landed and Decode claimed it
+    timer: asyncio.TimerHandle
     owner: str = ""  # the gateway whose lease keeps it (services.common.leases)
     claimed: bool = False
 
 
-async def _wait_for_kv(handle: Any, timeout_s: float) -> Any:
-    """The transfer's result, or None after ``timeout_s``; no thread is held while waiting."""
+async def _wait_for_kv(handle: Any) -> Any:
+    """The transfer's result; no thread is held while waiting. The reservation's timer ends the
+    wait: at its deadline the transfer is cancelled, which resolves it with an error."""
     loop = asyncio.get_running_loop()
     arrived: asyncio.Future[Any] = loop.create_future()
 
@@ -68,10 +79,7 @@ async def _wait_for_kv(handle: Any, timeout_s: float) -> Any:
             loop.call_soon_threadsafe(settle, result)
 
     handle.add_done_callback(on_done)
-    try:
-        return await asyncio.wait_for(arrived, timeout_s)
-    except TimeoutError:
-        return None
+    return await arrived
 
 
 class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
@@ -81,7 +89,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         self.reservations: dict[str, Reservation] = {}
         self._lease_timer: asyncio.TimerHandle | None = None
         self.admission = AdmissionQueue(
-            self._release_admitted, by_priority=runtime.args.scheduling_policy == "priority"
+            self._release_admitted, by_priority=runtime.config.engine.scheduler.policy == "priority"
         )
 
     # ---- KV receiver lifecycle ---------------------------------------------------------------
@@ -89,9 +97,9 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         from kvtransfer import KvReceiver, ReceiverOptions
 
         assert self.rt.engine is not None
-        a = self.rt.args
-        opts = ReceiverOptions(host=a.kv_host or a.host, port=a.kv_port, io_timeout_s=a.kv_timeout,
-                               advertise_host=a.kv_host or "",
+        c = self.rt.config
+        opts = ReceiverOptions(host=c.kv_host or c.host, port=c.kv_port, io_timeout_s=c.kv_timeout_s,
+                               advertise_host=c.kv_host,
                                auth_token=self.rt.internal_token)  # fmt: skip
         self.receiver = KvReceiver(self.rt.engine.runner.kv_caches, opts)
         assert self.rt.driver is not None
@@ -105,7 +113,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
     def _release_admitted(self, rid: str) -> None:
         if self.rt.driver is not None:
-            self.rt.driver.call(lambda e: e.cancel_reservation(rid))
+            self.rt.driver.cancel_reservation(rid)
 
     def stop_receiver(self) -> None:
         if self.receiver is not None:
@@ -149,11 +157,12 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         assert self.rt.engine is not None and blocks is not None
         ttl = reservation_ttl(request.ttl_s, request.owner)
         nblk = blocks_for(n, self.rt.engine.config.cache.block_size)
-        handle = self.receiver.expect(rid, blocks[:nblk], deadline_s=ttl)
+        handle = self.receiver.expect(rid, blocks[:nblk])  # no clock there: ours is the one
         loop = asyncio.get_running_loop()
-        expiry = loop.call_later(ttl, self._expire, rid)
+        deadline = loop.time() + ttl
+        timer = loop.call_at(deadline, self._expire, rid)
         self.rt.leases.renew(request.owner)
-        self.reservations[rid] = Reservation(rid, n, handle, expiry, request.owner)
+        self.reservations[rid] = Reservation(rid, n, handle, deadline, timer, request.owner)
         self._watch_leases(loop)
         handle.add_done_callback(lambda result: self._on_transfer_end(loop, rid, handle, result))
         return kv_control_pb2.ReserveResponse(
@@ -167,21 +176,12 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
     ) -> list[int] | None:  # fmt: skip
         """Blocks now if they fit and nobody waits for them, else (``wait_s`` > 0) once the
         admission queue admits the request; None if they did not come in time."""
-        made: list[list[int] | None] = []
-
-        def reserve(engine: LLMEngine) -> list[int] | None:
-            blocks = engine.reserve_for(rid, n, params)
-            made.append(blocks)
-            if blocks is None:
-                self.admission.note_free_blocks(engine.kv.num_free_blocks)
-            return blocks
 
         async def attempt() -> list[int] | None:
-            try:
-                return await driver.acall(reserve)
-            except asyncio.CancelledError:  # the caller is gone: keep no blocks for it
-                driver.call(lambda e: made and made[-1] is not None and e.cancel_reservation(rid))
-                raise
+            got = await driver.reserve(rid, n, params)  # a caller gone meanwhile keeps nothing
+            if got.blocks is None:
+                self.admission.note_free_blocks(got.free_blocks)
+            return got.blocks
 
         if not len(self.admission):
             blocks = await attempt()
@@ -226,18 +226,26 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
     def _expire(self, rid: str) -> None:
         res = self.reservations.get(rid)
-        if res is not None and not res.claimed:
-            log.warning("reservation %s expired unclaimed; its blocks are freed", rid)
-            self._cancel(rid)
+        if res is not None:
+            state = "claimed, its KV still missing" if res.claimed else "unclaimed"
+            log.warning("reservation %s expired (%s); its blocks are freed", rid, state)
+            self._cancel(rid, f"reservation {rid!r} expired before its KV arrived")
 
-    def _cancel(self, rid: str) -> bool:
+    def _bring_deadline_forward(self, res: Reservation, within_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() + within_s < res.deadline:
+            res.deadline = loop.time() + within_s
+            res.timer.cancel()
+            res.timer = loop.call_at(res.deadline, self._expire, res.request_id)
+
+    def _cancel(self, rid: str, reason: str = "reservation cancelled") -> bool:
         res = self.reservations.pop(rid, None)
         if res is None:
             return False
-        res.expiry.cancel()
-        self.receiver.cancel(rid)  # no more writes into the blocks once this returns
+        res.timer.cancel()
+        self.receiver.cancel(rid, reason)  # no more writes into the blocks once this returns
         if self.rt.driver is not None:
-            self.rt.driver.call(lambda e: e.cancel_reservation(rid))
+            self.rt.driver.cancel_reservation(rid)
         return True
 
     # ---- generation --------------------------------------------------------------------------
@@ -252,7 +260,6 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                                 f"no reservation {rid!r} (expired, aborted or already claimed)")  # fmt: skip
         assert res is not None
         res.claimed = True
-        res.expiry.cancel()
         try:  # bad input fails now, not after the KV wait (and never inside an engine step)
             params = sampling_from_pb(request.sampling)
             self._check(request, res, params)
@@ -263,25 +270,27 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             async for chunk in self._prefill_here(request, context, driver, params):
                 yield chunk
             return
-        wait = request.kv_wait_s or self.rt.args.kv_timeout
+        # the caller waits for the KV this long at most: the reservation's deadline comes forward
+        self._bring_deadline_forward(res, request.kv_wait_s or self.rt.config.kv_timeout_s)
         try:
-            result = await _wait_for_kv(res.handle, wait)
+            result = await _wait_for_kv(res.handle)
         except asyncio.CancelledError:
             self._cancel(rid)
             raise
-        if result is None or not result.ok:
+        if not result.ok or self.reservations.get(rid) is not res:  # failed, or expired just now
             self._cancel(rid)
-            why = "it did not arrive in time" if result is None else result.error
+            why = result.error if not result.ok else f"reservation {rid!r} expired"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV for {rid!r} is missing: {why}")
-        self.reservations.pop(rid, None)
+        del self.reservations[rid]
+        res.timer.cancel()  # the KV landed: the reservation becomes a request in the engine
         try:
             stream = await driver.activate(rid, list(request.prompt_token_ids),
                                            list(request.output_token_ids), params)  # fmt: skip
         except asyncio.CancelledError:  # not activated (else the driver aborts it): free
-            driver.call(lambda e: e.cancel_reservation(rid))
+            driver.cancel_reservation(rid)
             raise
         except (InvalidRequestError, KeyError) as exc:
-            driver.call(lambda e: e.cancel_reservation(rid))
+            driver.cancel_reservation(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         span = start_server_span(context, "decode", {"tandem.request_id": request.request_id})
         async for chunk in stream_chunks(self.rt, driver, stream, span=span):
@@ -365,4 +374,4 @@ def build(runtime: WorkerRuntime) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run_worker(args, build, "decode")
+    return run_worker(args, build, Role.DECODE)

@@ -16,13 +16,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from protos.sampling_params import SamplingParams
 from services.engine.llm_engine import EngineStats, LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.structured import CompiledOutput
-from services.scheduling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """What a reservation got: its blocks (None: they did not fit) and the pool's free blocks."""
+
+    blocks: list[int] | None
+    free_blocks: int
 
 
 @dataclass
@@ -143,6 +151,36 @@ class EngineDriver:
 
         await self._until_done(act, request_id, added)
         return stream
+
+    # ---- KV reservations (the hand-off): the servicers' one way to the engine's blocks --------
+    async def reserve(
+        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+    ) -> Reserved:
+        """Blocks for a prompt whose KV another worker will send (None if they do not fit).
+        A caller cancelled meanwhile keeps nothing: the cancel is queued behind the reserve."""
+
+        def reserve(engine: LLMEngine) -> Reserved:
+            blocks = engine.reserve_for(request_id, num_prompt_tokens, params)
+            return Reserved(blocks, engine.kv.num_free_blocks)
+
+        try:
+            return await self.acall(reserve)
+        except asyncio.CancelledError:
+            self.cancel_reservation(request_id)
+            raise
+
+    def cancel_reservation(self, request_id: str) -> Future[bool]:
+        """Free a reservation that has not become a request (idempotent)."""
+        return self.call(lambda e: e.cancel_reservation(request_id))
+
+    async def block_ids(self, request_id: str) -> list[int]:
+        """The KV blocks a request holds, in order (a prefill worker ships these)."""
+        return await self.acall(lambda e: e.block_ids(request_id))
+
+    def release(self, request_id: str) -> Future[bool]:
+        """A finished or failed request's blocks back to the pool (into the prefix cache), or
+        its work stopped if it still runs: what a prefill worker does once its KV has left."""
+        return self.abort(request_id)
 
     def abort(self, request_id: str) -> Future[bool]:
         return self.call(lambda e: self._abort_now(request_id))

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
+from protos.blocks import blocks_for
 from services.config import CacheConfig, ConfigError
 from services.engine.model_config import ArchConfig
-from services.scheduling.block_pool import blocks_for
 
 GIB = 1024**3
 # On the CPU, without --max-model-len, a worker serves this much context (or the model's limit if

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from protos.logprobs import PositionLogprobs
+from protos.sampling_params import SamplingParams
 from services.config import (
     CacheConfig,
     EngineConfig,
@@ -15,8 +17,6 @@ from services.config import (
     SpeculativeConfig,
 )
 from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import PositionLogprobs
-from services.scheduling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

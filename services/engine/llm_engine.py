@@ -9,10 +9,13 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.sampling_params import InvalidRequestError, SamplingParams
+from protos.token_bytes import TokenBytes
 from services.config import EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.model_runner import ModelRunner, resolve_device
-from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.engine.outputs import RequestOutput
 from services.engine.speculative import VERIFY_ROWS, Acceptance, NgramProposer, SpecStats
 from services.engine.step_stats import HistogramSnapshot, TokenHistogram
 from services.engine.structured import CompiledOutput, GrammarBatch, GrammarCompiler
@@ -26,9 +29,7 @@ from services.scheduling.outputs import (
     StepUpdate,
 )
 from services.scheduling.request import FinishReason, Request
-from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduling.scheduler import Scheduler
-from services.token_bytes import TokenBytes
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from protos.blocks import blocks_for
+from protos.sampling_params import SamplingParams
 from services.config import EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.cuda_graphs import DecodeGraphs
@@ -27,13 +29,11 @@ from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
 from services.engine.structured import GrammarBatch
 from services.engine.warmup import warmup_steps
-from services.scheduling.block_pool import blocks_for
 from services.scheduling.outputs import (
     PromptTokenScore,
     SampledToken,
     SchedulerOutput,
 )
-from services.scheduling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 PROMPT_SCORE_ROWS = 512  # prompt logprob rows at a time: [512, 128k] fp32 logits are 256 MB

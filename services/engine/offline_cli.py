@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
+from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import ConfigError
-from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 
 def _load_prompts(args: argparse.Namespace) -> list[Any]:

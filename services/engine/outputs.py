@@ -4,20 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    token: str  # the token decoded alone ("\ufffd" where it holds part of a character)
-    token_bytes: bytes = b""  # its raw bytes (OpenAI's ``bytes``), which such parts need
-    rank: int = 0  # a prompt token's rank among its position's alternatives (1: the likeliest)
-
-
-@dataclass(frozen=True)
-class PositionLogprobs:
-    chosen: TokenLogprob
-    top: tuple[TokenLogprob, ...] = ()
+from protos.logprobs import PositionLogprobs
 
 
 @dataclass

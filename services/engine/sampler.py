@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+from protos.sampling_params import SamplingParams
 from services.engine.structured import apply_bitmask
 from services.scheduling.outputs import SampledToken, ScheduledRequest
-from services.scheduling.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

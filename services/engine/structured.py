@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from protos.sampling_params import InvalidRequestError, StructuredOutput
 from services.engine.step_stats import TokenHistogram
-from services.scheduling.sampling_params import InvalidRequestError, StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -16,9 +16,9 @@ before attending to it.
 
 from __future__ import annotations
 
-from services.scheduling.block_pool import blocks_for
+from protos.blocks import blocks_for
+from protos.sampling_params import SamplingParams
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
-from services.scheduling.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

@@ -12,11 +12,12 @@ from typing import Any
 import grpc
 
 from protos import common_pb2, kv_control_pb2, prefill_pb2, prefill_pb2_grpc
+from protos.blocks import blocks_for
+from protos.roles import Role
 from services.common.convert import output_to_chunk, transfer_fields
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, submit
 from services.common.tracing import child_span, end_span, start_server_span
-from services.scheduling.block_pool import blocks_for
 
 
 class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
@@ -30,8 +31,8 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         assert self.rt.engine is not None
         caches = self.rt.engine.runner.kv_caches
         opts = SenderOptions(
-            timeout_s=self.rt.args.kv_timeout,
-            checksum=self.rt.args.kv_checksum,
+            timeout_s=self.rt.config.kv_timeout_s,
+            checksum=self.rt.config.kv_checksum,
             auth_token=self.rt.internal_token,
         )
         self.sender = KvSender(caches, sender_id=self.rt.worker_id, options=opts)
@@ -91,7 +92,7 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             end_span(span, error)
             self.rt.inflight -= 1
-            driver.abort(rid)  # frees the held blocks (into the prefix cache), or stops the work
+            driver.release(rid)  # its KV has left (or never will): blocks into the prefix cache
 
     async def _transfer(
         self, rid: str, num_prompt: int, target: kv_control_pb2.KvTarget,
@@ -100,11 +101,11 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         from kvtransfer import TransferError
 
         assert self.rt.driver is not None and self.rt.engine is not None and self.sender is not None
-        blocks = await self.rt.driver.acall(lambda e: e.block_ids(rid))
+        blocks = await self.rt.driver.block_ids(rid)
         n = blocks_for(num_prompt, self.rt.engine.config.cache.block_size)
         try:  # waits for its turn on the pair to the receiver; its timeout starts then
             future = self.sender.submit(target.kv_endpoint, target.reservation_id, blocks[:n],
-                                        self.rt.args.kv_timeout)  # fmt: skip
+                                        self.rt.config.kv_timeout_s)  # fmt: skip
             waiter = asyncio.wrap_future(future)
             try:
                 stats = await asyncio.shield(waiter)
@@ -134,4 +135,4 @@ def build(runtime: WorkerRuntime) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run_worker(args, build, "prefill")
+    return run_worker(args, build, Role.PREFILL)

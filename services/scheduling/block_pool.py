@@ -17,11 +17,6 @@ from dataclasses import dataclass
 BlockHash = bytes
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """KV blocks that hold ``num_tokens`` tokens (a partial last block counts)."""
-    return -(-num_tokens // block_size)
-
-
 def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")

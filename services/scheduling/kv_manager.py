@@ -6,7 +6,8 @@ into slot mappings and block tables.
 
 from __future__ import annotations
 
-from services.scheduling.block_pool import Block, BlockHash, BlockPool, blocks_for, hash_block
+from protos.blocks import blocks_for
+from services.scheduling.block_pool import Block, BlockHash, BlockPool, hash_block
 from services.scheduling.host_tier import HostTier
 from services.scheduling.request import Request
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduling.sampling_params import SamplingParams
+from protos.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

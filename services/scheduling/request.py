@@ -13,7 +13,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from services.scheduling.sampling_params import SamplingParams
+from protos.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

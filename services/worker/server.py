@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.roles import Role
 from services.common.multiplex import multiplex
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, stream_chunks, submit
@@ -43,4 +44,4 @@ def build(runtime: WorkerRuntime) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run_worker(args, build, "both")
+    return run_worker(args, build, Role.COLOCATED)

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.discovery import DiscoverySpec
+from gateway.core.config import DiscoverySpec
 from services.cli import build_parser
 from tests.deploy.conftest import REPO
 

@@ -46,7 +46,7 @@ def test_default_is_one_prefill_and_one_decode_on_loopback_free_ports() -> None:
             Path(args.ready_file) == worker.spec.ready_file == Path(f"/run/{worker.spec.name}.json")
         )
     assert plan.summary() == "gateway + 1 prefill + 1 decode"
-    assert plan.prepare_argv[1:] == ["-m", "services.model_files", "--model", "embedded"]
+    assert plan.prepare_argv[1:] == ["-m", "deploy.prepare", "--model", "embedded"]
 
 
 def test_cpu_cores_are_split_between_workers() -> None:

@@ -51,7 +51,7 @@ def _disagg_stack(tokenizer_dir: str) -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def _colocated_stack(tokenizer_dir: str) -> Iterator[Stack]:
-    yield from _stack(tokenizer_dir, ["both"])
+    yield from _stack(tokenizer_dir, ["colocated"])
 
 
 @pytest.fixture

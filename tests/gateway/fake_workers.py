@@ -325,7 +325,7 @@ class Health(health_pb2_grpc.HealthServicer):
 
 
 _SERVICERS = {
-    "both": (Worker, worker_pb2_grpc.add_WorkerServiceServicer_to_server),
+    "colocated": (Worker, worker_pb2_grpc.add_WorkerServiceServicer_to_server),
     "prefill": (Prefill, prefill_pb2_grpc.add_PrefillServiceServicer_to_server),
     "decode": (Decode, decode_pb2_grpc.add_DecodeServiceServicer_to_server),
 }

@@ -18,10 +18,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tokenizers import Tokenizer
 
-from gateway.app import build_app
-from gateway.config import GatewayConfig, WorkerSpec
-from gateway.server import DrainingServer
-from gateway.state import GatewayState
+from gateway.core.config import GatewayConfig, WorkerSpec
+from gateway.http.app import build_app
+from gateway.http.server import DrainingServer
+from gateway.http.state import GatewayState
 from tests.gateway.fake_workers import FakeWorker
 
 T = TypeVar("T")

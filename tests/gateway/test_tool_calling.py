@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import GatewayConfig
+from gateway.core.config import GatewayConfig
+from gateway.flows.chat_output import check_parser_flags
 from services.config import ConfigError
 from tests.gateway.stack import Stack
 
@@ -26,7 +27,9 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def auto_stack(tokenizer_dir: str) -> Iterator[Stack]:
-    stack = Stack(tokenizer_dir, ["both"], enable_auto_tool_choice=True, tool_call_parser="hermes")
+    stack = Stack(
+        tokenizer_dir, ["colocated"], enable_auto_tool_choice=True, tool_call_parser="hermes"
+    )
     stack.start()
     try:
         yield stack
@@ -101,4 +104,4 @@ def test_a_gateway_without_the_flags_refuses_auto(colocated: Stack) -> None:
 )
 def test_parser_flags_are_checked_at_start(kwargs: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
-        GatewayConfig(tokenizer="x", **kwargs)
+        check_parser_flags(GatewayConfig(tokenizer="x", **kwargs))

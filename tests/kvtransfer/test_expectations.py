@@ -42,6 +42,20 @@ def test_deadline_fails_the_handle_runs_callbacks_and_counts_a_failure(registry,
     assert registry.pending_count() == 0
 
 
+def test_without_a_deadline_it_waits_for_its_owner_and_tells_senders_why(registry):
+    """The decode worker's reservation keeps the one clock: an expectation registered without
+    a deadline outlives any janitor pass and ends when the owner cancels it, with its reason."""
+    handle = registry.expect("owned", [1, 2])
+    short = registry.expect("short", [3], deadline_s=0.05)
+    assert short.wait(3) is not None  # the janitor ran past "owned" and left it alone
+    assert not handle.done() and registry.pending_count() == 1
+    assert registry.cancel("owned", "reservation 'owned' expired")
+    result = handle.wait(1)
+    assert result is not None and not result.ok and result.error == "reservation 'owned' expired"
+    why = registry.claim("owned", grace_s=0.0)
+    assert isinstance(why, str) and "reservation 'owned' expired" in why
+
+
 def test_callback_added_after_completion_runs_at_once(registry):
     handle = registry.expect("t", [1], deadline_s=10)
     exp = registry.claim("t", 0)

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.convert import sampling_to_pb
+from gateway.workers.convert import sampling_to_pb
 from protos import (
     common_pb2,
     decode_pb2,
@@ -24,8 +24,8 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.auth import client_interceptors
-from services.scheduling.sampling_params import SamplingParams
+from protos.auth import client_interceptors
+from protos.sampling_params import SamplingParams
 
 STUBS: dict[str, Callable[[Any], Any]] = {
     "prefill": prefill_pb2_grpc.PrefillServiceStub,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.scheduling.sampling_params import SamplingParams
+from protos.sampling_params import SamplingParams
 
 _LLM: Any = None
 _CACHE: dict[tuple[tuple[int, ...], int], Expected] = {}

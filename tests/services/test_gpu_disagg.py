@@ -28,9 +28,9 @@ MODEL = ("--model", "smollm2-135m", "--load-format", "dummy")
 
 
 def _reference(prompts: list[list[int]], max_tokens: int, device: str) -> list[list[int]]:
+    from protos.sampling_params import SamplingParams
     from services.engine.llm import build_config
     from services.engine.llm_engine import LLMEngine
-    from services.scheduling.sampling_params import SamplingParams
 
     engine = LLMEngine(build_config("smollm2-135m", load_format="dummy", max_model_len=1024,
                                     num_blocks=256, device=device))  # fmt: skip

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from services.model_files import ModelNotFoundError, embedded_gguf_path, resolve_model
+from protos.errors import ConfigError
+from services.model_files import (
+    ModelNotFoundError,
+    embedded_gguf_path,
+    gateway_tokenizer_dir,
+    resolve_model,
+    resolve_tokenizer_dir,
+    served_model_name,
+)
 
 
 def test_override_points_the_embedded_model_at_another_file(
@@ -31,3 +39,26 @@ def test_override_to_a_missing_file_is_a_clear_error(
         ModelNotFoundError, match=r"TANDEM_EMBEDDED_GGUF=.*nope\.gguf is not a file"
     ):
         resolve_model("embedded")
+
+
+def test_served_model_name() -> None:
+    assert served_model_name("embedded") == "SmolLM2-135M-Instruct"
+    assert served_model_name("/no/such/model") == "/no/such/model"
+
+
+def test_a_model_directory_is_served_under_the_model_string(tmp_path: Path) -> None:
+    """As vLLM does: `--model /models/My-Model` is served as "/models/My-Model"."""
+    directory = tmp_path / "My-Model"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    assert served_model_name(str(directory)) == str(directory)
+
+
+def test_gateway_tokenizer_dir(tmp_path: Path) -> None:
+    embedded = resolve_tokenizer_dir("embedded")
+    assert (Path(embedded) / "tokenizer.json").is_file()
+    assert gateway_tokenizer_dir("whatever", embedded) == embedded  # --tokenizer wins
+    assert gateway_tokenizer_dir(embedded, None) == embedded  # a directory with tokenizer.json
+    assert gateway_tokenizer_dir("embedded", None) == embedded
+    with pytest.raises(ConfigError, match="cannot find a tokenizer for --model"):
+        gateway_tokenizer_dir(str(tmp_path / "nothing-here"), None)

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from protos.sampling_params import SamplingParams
 from services.engine.bench import hf_peer
 from services.engine.bench.hf_peer import random_prompts
 from services.engine.llm import config_from_args
 from services.engine.llm_engine import LLMEngine
-from services.scheduling.sampling_params import SamplingParams
 
 
 def _sync() -> None:

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from protos.sampling_params import SamplingParams
 from services.engine.bench.parity_check import Continuation, logprobs_close, summarize
 from services.engine.llm import LLM
 from services.model_files import embedded_gguf_path
-from services.scheduling.sampling_params import SamplingParams
 
 PROMPTS = [  # the chat prompts of every parity check (the tests' conftest uses them too)
     "What is the capital of France?",

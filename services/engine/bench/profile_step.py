@@ -17,11 +17,11 @@ from typing import TypedDict
 
 import torch
 
+from protos.blocks import blocks_for
+from protos.sampling_params import SamplingParams
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
-from services.scheduling.block_pool import blocks_for
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
-from services.scheduling.sampling_params import SamplingParams
 
 
 class KernelRow(TypedDict):

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from protos.sampling_params import SamplingParams
 from services.engine.llm import LLM
-from services.scheduling.sampling_params import SamplingParams
 
 CODE = """def total(items):
     result = 0

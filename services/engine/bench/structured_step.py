@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from protos.sampling_params import SamplingParams, StructuredOutput
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
 from services.engine.structured import GrammarCompiler
-from services.scheduling.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMA = {
     "type": "array",

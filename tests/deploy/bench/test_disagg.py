@@ -3,6 +3,7 @@ two topologies, the in-process engine and a colocated worker, one after the othe
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -22,8 +23,13 @@ from tests.deploy.conftest import REPO, child_env, disagg_args
 
 
 # ---- pure parts ------------------------------------------------------------------------------------
-def test_cli_registers_bench_disagg() -> None:
-    assert HANDLERS["bench disagg"] == "deploy.bench.disagg:main"
+def test_cli_registers_bench_disagg(monkeypatch: pytest.MonkeyPatch) -> None:
+    import deploy.bench.disagg
+
+    seen = []
+    monkeypatch.setattr(deploy.bench.disagg, "main", lambda args: seen.append(args.bench) or 0)
+    assert HANDLERS["bench disagg"](argparse.Namespace(bench="disagg")) == 0
+    assert seen == ["disagg"]
     args = disagg_args("--model", "llama-3.1-8b", "--rates", "2,4", "--gpus", "0,1")
     assert (args.command, args.bench, args.port, args.topologies) == (
         "bench",
@@ -34,7 +40,7 @@ def test_cli_registers_bench_disagg() -> None:
 
 
 def test_synthetic_tokenizer_streams_one_word_per_token(tmp_path: Path) -> None:
-    from gateway.tokenizer import GatewayTokenizer
+    from gateway.flows.tokenizer import GatewayTokenizer
     from services.model_files import resolve_model
 
     config = resolve_model("smollm2-135m").path

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.convert import sampling_to_pb
+from gateway.workers.convert import sampling_to_pb
 from protos import common_pb2
-from services.common.convert import histogram_to_pb, output_to_chunk, sampling_from_pb
-from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
-from services.engine.step_stats import TokenHistogram
-from services.scheduling.sampling_params import (
+from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.sampling_params import (
     InvalidRequestError,
     SamplingParams,
     StructuredOutput,
 )
+from services.common.convert import histogram_to_pb, output_to_chunk, sampling_from_pb
+from services.engine.outputs import RequestOutput
+from services.engine.step_stats import TokenHistogram
 
 
 def test_sampling_params_survive_the_wire() -> None:
@@ -79,8 +80,8 @@ def test_a_final_output_carries_its_reason_and_logprobs() -> None:
 
 
 def test_a_partial_characters_bytes_reach_the_gateways_chat_logprobs() -> None:
-    from gateway.convert import chunk_from_pb
-    from gateway.formats import chat_logprobs
+    from gateway.http.formats import chat_logprobs
+    from gateway.workers.convert import chunk_from_pb
 
     part = TokenLogprob(40303, -0.2, " \ufffd", b" \xf0\x9f\x98")
     whole = TokenLogprob(284, -1.5, " and")  # no bytes given: its text's UTF-8
@@ -100,8 +101,8 @@ def test_logit_bias_survives_the_wire() -> None:
 
 
 def test_the_step_histogram_reaches_the_gateway_as_reported() -> None:
-    from gateway.convert import load_from_pb
-    from gateway.events import Histogram
+    from gateway.core.events import Histogram
+    from gateway.workers.convert import load_from_pb
 
     h = TokenHistogram((1, 8))
     for tokens in (1, 5, 40):
@@ -124,7 +125,7 @@ def test_the_step_histogram_reaches_the_gateway_as_reported() -> None:
     ],
 )
 def test_a_malformed_histogram_is_dropped(bad: common_pb2.Histogram) -> None:
-    from gateway.convert import histogram_from_pb
-    from gateway.events import Histogram
+    from gateway.core.events import Histogram
+    from gateway.workers.convert import histogram_from_pb
 
     assert histogram_from_pb(bad) == Histogram()

@@ -26,7 +26,7 @@ SERVICES = {
     "decode": "tandem.v1.DecodeService",
     "worker": "tandem.v1.WorkerService",
 }
-ROLE_REPORTED = {"prefill": "prefill", "decode": "decode", "worker": "both"}
+ROLE_REPORTED = {"prefill": "prefill", "decode": "decode", "worker": "colocated"}
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "worker"])

@@ -7,9 +7,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from protos import common_pb2
+from protos.logprobs import PositionLogprobs, TokenLogprob
 from services.common.streaming import stream_chunks
 from services.engine.driver import Stream
-from services.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from services.engine.outputs import RequestOutput
 
 
 def _out(tok: int, text: str, finished: bool = False) -> RequestOutput:

@@ -52,6 +52,33 @@ async def test_reservations_hold_blocks_until_aborted_or_expired(fleet: Fleet) -
         assert code == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_reservation_has_one_deadline_and_its_expiry_frees_both_pools(
+    fleet: Fleet,
+) -> None:
+    """A reservation lives until its own deadline, wherever it stands: claimed by a Decode call
+    willing to wait 30 s for the KV, a 0.5 s reservation still ends at 0.5 s (the call fails
+    UNAVAILABLE, naming the expiry); a prefill worker then told to ship into it is refused by
+    the receiver (ABORTED) and frees its own blocks. Both KV pools end whole."""
+    prefill, decode = fleet.shared("prefill", "decode")
+    ids = long_prompt(200)
+    sampling = greedy(4)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        res = await reserve(d, "lapses", len(ids), 4, ttl_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as waited:
+            async for _ in decode_call(d, "lapses", ids, [1], sampling, kv_wait_s=30):
+                pass
+        assert waited.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "expired" in (waited.value.details() or "")
+        assert time.monotonic() - t0 < 20  # the reservation's deadline, not the 30 s KV wait
+        with pytest.raises(grpc.aio.AioRpcError) as shipped:
+            async for _ in prefill_call(p, "lapses", ids, sampling, res):
+                pass
+        assert shipped.value.code() == grpc.StatusCode.ABORTED
+        assert "expired" in (shipped.value.details() or "")
+        assert_idle(await wait_pool_free([p, d], timeout_s=5.0))
+
+
 async def test_a_reserve_that_may_wait_queues_until_blocks_free(fleet: Fleet) -> None:
     """Four 1000-token reservations fill the 256-block pool (63 blocks each): a fifth waits in
     the admission queue (counted as waiting), is admitted the moment one is aborted, and a

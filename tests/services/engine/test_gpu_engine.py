@@ -29,7 +29,7 @@ def _first_logits_ours(engine, prompts: list[list[int]]) -> torch.Tensor:
 
     outs = []
     for i, p in enumerate(prompts):
-        from services.scheduling.sampling_params import SamplingParams
+        from protos.sampling_params import SamplingParams
 
         engine.add_request(f"logit-{i}", p, SamplingParams(temperature=0, max_tokens=1))
     sched = engine.scheduler.schedule()
@@ -66,8 +66,8 @@ def test_first_token_logits_match_transformers(model: str) -> None:
 
 
 def test_greedy_decode_matches_transformers_smollm2_shape() -> None:
+    from protos.sampling_params import SamplingParams
     from services.engine.bench.in_process import hf_twin, random_prompts
-    from services.scheduling.sampling_params import SamplingParams
 
     engine = _engine("smollm2-135m")
     hf = hf_twin(engine)

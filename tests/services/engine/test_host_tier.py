@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from protos.sampling_params import SamplingParams
 from services.engine.llm import LLM
-from services.scheduling.sampling_params import SamplingParams
 
 TURNS = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=1)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from protos.blocks import blocks_for
+from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import CacheConfig, ConfigError
 from services.engine.kv_cache import CPU_DEFAULT_MAX_MODEL_LEN, plan_num_blocks
 from services.engine.llm import LLM
-from services.scheduling.block_pool import blocks_for
-from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 
 def test_seeded_sampling_ignores_batch_composition(llm: LLM, chat_ids: list[list[int]]) -> None:

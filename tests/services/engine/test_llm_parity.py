@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from protos.sampling_params import SamplingParams
 from services.engine.llm import LLM
-from services.scheduling.sampling_params import SamplingParams
 from tests.services.engine.conftest import CHAT_PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from protos.sampling_params import SamplingParams
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
-from services.scheduling.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.llm import LLM
-from services.scheduling.sampling_params import InvalidRequestError, SamplingParams
 from tests.services.reference import transformers_logprobs
 
 TEXT = "A small lighthouse stood on the rock, and every night its keeper climbed the stairs. " * 9

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from protos.sampling_params import SamplingParams
 from services.engine.sampler import _mask_top_k_top_p, apply_penalties, sample
-from services.scheduling.sampling_params import SamplingParams
 
 
 def test_greedy_takes_argmax_and_min_tokens_masks_stop_ids() -> None:

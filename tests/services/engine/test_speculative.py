@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
+from protos.sampling_params import SamplingParams
 from services.cli import build_parser
 from services.config import ConfigError, SpeculativeConfig
 from services.engine.llm import LLM
 from services.engine.sampler import sample_with_drafts
 from services.engine.speculative import ACCEPT_FLOOR, PAUSE_STEPS, Acceptance, NgramProposer
 from services.scheduling.outputs import ScheduledRequest
-from services.scheduling.sampling_params import SamplingParams
 
 COPYING = [
     "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river.",

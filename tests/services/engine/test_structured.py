@@ -12,17 +12,17 @@ import jsonschema
 import pytest
 import torch
 
+from protos.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+)
 from services.engine.llm import LLM
 from services.engine.structured import (
     CompiledOutput,
     GrammarBatch,
     apply_bitmask,
     apply_bitmask_reference,
-)
-from services.scheduling.sampling_params import (
-    InvalidRequestError,
-    SamplingParams,
-    StructuredOutput,
 )
 
 PERSON = {

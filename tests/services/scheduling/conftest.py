@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from protos.sampling_params import SamplingParams
 from services.config import SchedulerConfig
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.request import FinishReason, Request
-from services.scheduling.sampling_params import SamplingParams
 from services.scheduling.scheduler import Scheduler
 
 VOCAB = 1000

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from protos.sampling_params import SamplingParams
 from services.scheduling.host_tier import HostTier
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.request import Request
-from services.scheduling.sampling_params import SamplingParams
 
 BS = 4
 

@@ -41,7 +41,7 @@ PROGRAM = textwrap.dedent(
     from services.scheduling.kv_manager import KVCacheManager
     from services.scheduling.outputs import SampledToken
     from services.scheduling.request import Request
-    from services.scheduling.sampling_params import SamplingParams
+    from protos.sampling_params import SamplingParams
     from services.scheduling.scheduler import Scheduler
 
     sched = Scheduler(SchedulerConfig(), KVCacheManager(8, 16))
@@ -63,5 +63,5 @@ def test_scheduling_and_config_import_and_run_without_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     imported = set(result.stdout.split()[1:])
-    expected = {"block_pool", "kv_manager", "outputs", "request", "sampling_params", "scheduler"}
+    expected = {"block_pool", "kv_manager", "outputs", "request", "scheduler"}
     assert expected <= imported

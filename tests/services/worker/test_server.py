@@ -49,7 +49,7 @@ async def test_greedy_output_equals_the_offline_engine(fleet: Fleet) -> None:
         for exp, got in zip(expected, results, strict=True):
             assert (got.token_ids, got.text) == (exp.token_ids, exp.text)
         load = await w.load()
-        assert load.role == "both" and load.prefix_cache_hits >= 2 * 3 * 16
+        assert load.role == "colocated" and load.prefix_cache_hits >= 2 * 3 * 16
         steps = load.iteration_tokens  # each token sampled needs one computed in some step
         assert steps.count >= max(len(r.token_ids) for r in results)
         assert steps.sum >= sum(len(r.token_ids) for r in results)

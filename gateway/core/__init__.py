@@ -1,0 +1,1 @@
+"""What every gateway layer shares: configuration, API errors, plain event data."""

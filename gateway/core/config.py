@@ -1,0 +1,202 @@
+"""The gateway's frozen configuration and where it comes from (flags, a worker file)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from protos.auth import token_from
+from protos.errors import ConfigError
+from protos.roles import Role
+
+# a Prometheus metric name; a --metrics-prefix must be one, so every prefixed name is one too
+METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: Role  # a string given here is parsed (Role.parse: "worker" and "both" mean colocated)
+    address: str  # host:port of its gRPC server
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role.parse(self.role))
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"worker address must be HOST:PORT, got {self.address!r}")
+
+
+@dataclass(frozen=True)
+class DiscoverySpec:
+    role: Role
+    host: str  # a DNS name: a headless Service has one record per pod
+    port: int  # the workers' gRPC port
+
+    @classmethod
+    def parse(cls, text: str) -> DiscoverySpec:
+        """``ROLE=HOST:PORT``; ROLE is prefill, decode or colocated."""
+        role, sep, target = text.partition("=")
+        host, colon, port = target.rpartition(":")
+        if not sep or role not in set(Role) or not colon or not host or not port.isdigit():
+            raise ConfigError(
+                f"--discover takes ROLE=HOST:PORT with ROLE prefill, decode or colocated "
+                f"(e.g. decode=decode.tandem.svc.cluster.local:50051), got {text!r}"
+            )
+        if not 0 < int(port) < 65536:
+            raise ConfigError(f"--discover port must be 1-65535, got {port}")
+        return cls(Role(role), host.strip("[]"), int(port))
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    tokenizer: str  # a directory with tokenizer.json (and tokenizer_config.json)
+    model: str = "embedded"
+    served_model_name: str | None = None
+    chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template
+    # a special token typed in a message acts as one (else it is text, as OpenAI treats it)
+    allow_special_tokens_in_messages: bool = False
+    workers: tuple[WorkerSpec, ...] = ()
+    # DNS names listing workers (a Kubernetes headless Service), resolved every interval
+    discover: tuple[DiscoverySpec, ...] = ()
+    discover_interval_s: float = 5.0
+    api_key: str | None = None
+    internal_token: str = ""  # sent to the workers on every gRPC call (protos.auth)
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 40.0
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    # HTTP connection guard (gateway.http.http_protocol): totals, not gaps between reads
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 4096
+    otlp_endpoint: str | None = None
+    metrics_prefix: str = "tandem:"  # "vllm:" makes vLLM's dashboards and alert rules work
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    rpc_timeout_s: float = 5.0  # unary calls: Reserve, Abort
+    # a leak guard for when the gateway itself dies; normal paths abort reservations explicitly.
+    # A reservation lives the request's remaining time (--request-timeout), at least this long:
+    # it must outlast the prefill's queueing and compute of a long prompt
+    reserve_ttl_s: float = 60.0
+    kv_wait_s: float = 10.0
+    # conditional disaggregation: a prompt of at most this many tokens is prefilled by the decode
+    # worker it was admitted to (no prefill worker, no KV transfer); 0: always disaggregate
+    max_local_prefill_tokens: int = 0
+    drain_timeout_s: float = 30.0
+    prefix_blocks: int = 4  # leading blocks hashed for prefix-cache affinity
+    max_fanout: int = 256  # n x number of prompts
+    # tool calling under tool_choice "auto": which parser reads calls out of the model's text
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # gateway.flows.tool_parsers.PARSERS
+    reasoning_parser: str | None = None  # gateway.flows.reasoning.PARSERS
+
+    def __post_init__(self) -> None:
+        positive = {
+            "--request-timeout": self.request_timeout_s,
+            "--max-body-bytes": self.max_body_bytes,
+            "--header-timeout": self.header_timeout_s,
+            "--body-timeout": self.body_timeout_s,
+            "--max-connections": self.max_connections,
+            "health interval": self.health_interval_s,
+            "--discover-interval": self.discover_interval_s,
+            "health timeout": self.health_timeout_s,
+            "rpc timeout": self.rpc_timeout_s,
+            "reserve ttl": self.reserve_ttl_s,
+            "kv wait": self.kv_wait_s,
+            "prefix blocks": self.prefix_blocks,
+            "max fanout": self.max_fanout,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
+            raise ConfigError("--slo-ttft-ms and --slo-tpot-ms must be positive")
+        if self.max_local_prefill_tokens < 0:
+            raise ConfigError(
+                f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}"
+            )
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if not METRIC_NAME.fullmatch(self.metrics_prefix):
+            raise ConfigError(
+                "--metrics-prefix must be a Prometheus metric name: a letter, '_' or ':' first, "
+                f"then letters, digits, '_' or ':' (such as tandem: or vllm:), "
+                f"got {self.metrics_prefix!r}"
+            )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def load_worker_file(path: str) -> list[WorkerSpec]:
+    """Workers from YAML or JSON: ``{prefill: [HOST:PORT], decode: [...], worker: [...]}``
+    or ``{workers: [{role, address}, ...]}``."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    data: Any
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml  # optional: only YAML worker files need it
+        except ImportError as e:
+            raise ConfigError(f"{path}: YAML needs pyyaml (pip install pyyaml) or use JSON") from e
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of roles to worker addresses")
+    specs = [
+        WorkerSpec(role=Role.parse(key), address=str(address))
+        for key in ("prefill", "decode", "worker")
+        for address in data.get(key) or []
+    ]
+    for entry in data.get("workers") or []:
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{path}: each entry of 'workers' needs role and address")
+        specs.append(
+            WorkerSpec(role=Role.parse(str(entry.get("role"))), address=str(entry.get("address")))
+        )
+    return specs
+
+
+def workers_from_args(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
+    specs = [WorkerSpec(Role.PREFILL, a) for a in args.prefill]
+    specs += [WorkerSpec(Role.DECODE, a) for a in args.decode]
+    specs += [WorkerSpec(Role.COLOCATED, a) for a in args.worker]
+    if args.config:
+        specs += load_worker_file(args.config)
+    return tuple(dict.fromkeys(specs))
+
+
+def config_from_args(
+    args: argparse.Namespace, tokenizer_dir: str, default_name: str | None = None
+) -> GatewayConfig:
+    return GatewayConfig(
+        tokenizer=tokenizer_dir,
+        model=args.model,
+        served_model_name=args.served_model_name or default_name,
+        chat_template=args.chat_template,
+        allow_special_tokens_in_messages=getattr(args, "allow_special_tokens_in_messages", False),
+        workers=workers_from_args(args),
+        discover=tuple(DiscoverySpec.parse(d) for d in getattr(args, "discover", None) or ()),
+        discover_interval_s=getattr(args, "discover_interval", 5.0),
+        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        internal_token=token_from(getattr(args, "internal_token", None)),
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        otlp_endpoint=args.otlp_endpoint,
+        metrics_prefix=getattr(args, "metrics_prefix", "tandem:"),
+        drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+        max_local_prefill_tokens=getattr(args, "max_local_prefill_tokens", 0),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+    )

@@ -1,0 +1,89 @@
+"""Plain data the gateway passes around once protobuf is left behind (see convert.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos.logprobs import PositionLogprobs
+
+
+@dataclass
+class Timing:
+    """Seconds per phase, as the workers report them; merged field by field (max)."""
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+    # how the prompt was prefilled: "disagg" (a prefill worker, KV shipped), "local" (the decode
+    # worker itself: conditional disaggregation), "colocated"; "" until a flow says
+    mode: str = ""
+
+    def merge(self, other: Timing) -> None:
+        self.mode = self.mode or other.mode
+        self.queue_s = max(self.queue_s, other.queue_s)
+        self.prefill_s = max(self.prefill_s, other.prefill_s)
+        self.transfer_s = max(self.transfer_s, other.transfer_s)
+        self.decode_s = max(self.decode_s, other.decode_s)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one request (one choice); ``finish_reason`` set on the last one."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    timing: Timing = field(default_factory=Timing)
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()  # prompt positions 1..; first chunk only
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A cumulative histogram a worker reported: counts[i] observations <= bounds[i], count all."""
+
+    bounds: tuple[float, ...] = ()  # empty: the worker reports none
+    counts: tuple[int, ...] = ()
+    sum: float = 0.0
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerLoadInfo:
+    """What a worker's GetLoad said, as plain data."""
+
+    worker_id: str = ""
+    role: str = ""
+    model: str = ""
+    max_model_len: int = 0
+    block_size: int = 16
+    num_running: int = 0
+    num_waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    kv_offload_stored_blocks: int = 0  # the prefix cache's host tier (--kv-offloading-size)
+    kv_offload_restored_blocks: int = 0
+    kv_offload_evicted_blocks: int = 0
+    prefix_cache_host_hits: int = 0
+    spec_decode_num_drafts: int = 0  # speculative decoding (--speculative-config)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    vocab_size: int = 0
+    draining: bool = False
+    num_reserved: int = 0
+    iteration_tokens: Histogram = field(default_factory=Histogram)  # tokens per engine step
+    grammar_compile_seconds: Histogram = field(default_factory=Histogram)  # per grammar compiled

@@ -1,0 +1,197 @@
+"""A chat choice's generated text turned into the assistant message: thinking split off
+(``--reasoning-parser``), tool calls taken out (by the tool choice's grammar, or by
+``--tool-call-parser`` under ``auto``), the rest as content. The same rules serve a whole
+response (``message``) and a stream (``feed`` then ``finish``, which yield OpenAI deltas).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.core.config import GatewayConfig
+from gateway.flows import reasoning, tool_parsers
+from gateway.flows.reasoning import ReasoningParser, ReasoningStream
+from gateway.flows.tool_parsers import ToolCall, ToolParser, ToolStream, as_tool_call
+from gateway.flows.tools import ToolPlan
+from protos.errors import ConfigError
+
+Delta = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """How to read a chat request's output; ``plain`` when there is nothing to read out."""
+
+    tools: ToolPlan | None = None
+    parser: ToolParser | None = None  # the auto tool-call parser
+    reasoning: ReasoningParser | None = None
+    prompt_open: bool = False  # the prompt ends inside an open thinking block
+
+    @property
+    def plain(self) -> bool:
+        return self.reasoning is None and (self.tools is None or self.tools.choice == "none")
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_json(call: ToolCall, call_id: str) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+class _ArrayCalls:
+    """``tool_choice: required``: the grammar makes the output a JSON array of
+    ``{"name", "arguments"}``; each element is a call once its object is complete."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._pos = 0
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, delta: str) -> list[ToolCall]:
+        self.text += delta
+        calls: list[ToolCall] = []
+        while True:
+            i = self._pos
+            while i < len(self.text) and self.text[i] in " \t\r\n,[":
+                i += 1
+            try:
+                value, end = self._decoder.raw_decode(self.text, i)
+            except json.JSONDecodeError:
+                return calls
+            self._pos = end
+            call = as_tool_call(value)
+            if call is not None:
+                calls.append(call)
+
+
+class ChoiceOutput:
+    """One choice's output, read as it streams or all at once."""
+
+    def __init__(self, plan: OutputPlan) -> None:
+        self.plan = plan
+        self.tool_calls: list[dict[str, Any]] = []
+        choice = plan.tools.choice if plan.tools is not None else "none"
+        self._choice = choice
+        self._thinking: ReasoningStream | None = (
+            plan.reasoning.stream(plan.prompt_open) if plan.reasoning is not None else None
+        )
+        self._auto: ToolStream | None = (
+            plan.parser.stream() if choice == "auto" and plan.parser is not None else None
+        )
+        self._array = _ArrayCalls() if choice == "required" else None
+        self._named_id: str | None = None
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+
+    # ---- streaming ---------------------------------------------------------------------------
+    def feed(self, text: str) -> list[Delta]:
+        if self._thinking is None:
+            return self._answer(text)
+        step = self._thinking.feed(text)
+        return self._with_reasoning(step.reasoning, step.content)
+
+    def finish(self) -> list[Delta]:
+        deltas: list[Delta] = []
+        if self._thinking is not None:
+            step = self._thinking.finish()
+            deltas = self._with_reasoning(step.reasoning, step.content)
+        if self._auto is not None:
+            end = self._auto.finish()
+            deltas += self._content_delta(end.content) + self._calls(end.tool_calls)
+        return deltas
+
+    def _with_reasoning(self, reasoning: str, content: str) -> list[Delta]:
+        deltas: list[Delta] = []
+        if reasoning:
+            self._reasoning.append(reasoning)
+            deltas.append({"reasoning_content": reasoning})
+        return deltas + (self._answer(content) if content else [])
+
+    def _answer(self, text: str) -> list[Delta]:
+        if self._choice == "function":
+            return self._named_arguments(text)
+        if self._array is not None:
+            return self._calls(self._array.feed(text))
+        if self._auto is not None:
+            step = self._auto.feed(text)
+            return self._content_delta(step.content) + self._calls(step.tool_calls)
+        return self._content_delta(text)
+
+    def _content_delta(self, text: str) -> list[Delta]:
+        if not text:
+            return []
+        self._content.append(text)
+        return [{"content": text}]
+
+    def _named_arguments(self, text: str) -> list[Delta]:
+        """A named function's arguments stream as they are generated, as OpenAI sends them."""
+        deltas: list[Delta] = []
+        if self._named_id is None:
+            assert self.plan.tools is not None and self.plan.tools.function is not None
+            self._named_id = _call_id()
+            call = ToolCall(self.plan.tools.function, "")
+            self.tool_calls.append(_call_json(call, self._named_id))
+            deltas.append({"tool_calls": [{"index": 0, **_call_json(call, self._named_id)}]})
+        if text:
+            self.tool_calls[0]["function"]["arguments"] += text
+            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+        return deltas
+
+    def _calls(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[Delta]:
+        deltas = []
+        for call in calls:
+            if self.tool_calls and self.plan.tools is not None and not self.plan.tools.parallel:
+                break  # parallel_tool_calls false: the first call only
+            call_id = _call_id()
+            deltas.append(
+                {"tool_calls": [{"index": len(self.tool_calls), **_call_json(call, call_id)}]}
+            )
+            self.tool_calls.append(_call_json(call, call_id))
+        return deltas
+
+    # ---- the whole message -------------------------------------------------------------------
+    def message(self, text: str) -> dict[str, Any]:
+        """The assistant message for the whole output ``text`` (a fresh ChoiceOutput)."""
+        self.feed(text)
+        self.finish()
+        content = "".join(self._content)
+        if self._choice == "required" and not self.tool_calls:
+            content = self._array.text if self._array is not None else content  # cut short
+        if self._choice in ("required", "function", "auto") and self.tool_calls:
+            content = content.strip()
+        out: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if not self.tool_calls and not content:
+            out["content"] = ""
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.plan.reasoning is not None:
+            out["reasoning_content"] = "".join(self._reasoning) or None
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's: a turn that ends by calling tools ends with "tool_calls"."""
+        return "tool_calls" if reason == "stop" and self.tool_calls else reason
+
+
+def check_parser_flags(config: GatewayConfig) -> None:
+    """The output-parser flags name parsers that exist (checked at start, with the other flags)."""
+    if config.enable_auto_tool_choice and not config.tool_call_parser:
+        raise ConfigError(
+            "--enable-auto-tool-choice needs --tool-call-parser "
+            f"({', '.join(tool_parsers.PARSERS)})"
+        )
+    for flag, name, known in (
+        ("--tool-call-parser", config.tool_call_parser, tool_parsers.PARSERS),
+        ("--reasoning-parser", config.reasoning_parser, reasoning.PARSERS),
+    ):
+        if name is not None and name not in known:
+            raise ConfigError(f"{flag} must be one of {', '.join(known)}, got {name!r}")

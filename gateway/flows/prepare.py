@@ -1,0 +1,97 @@
+"""From a parsed request to the choices to run: ids checked against the vocabulary and the
+context length, max_tokens settled, n fanned out with per-choice seeds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from gateway.core.errors import APIError, invalid
+from gateway.flows.generation import Choice
+from gateway.flows.protocol import CommonOptions
+from gateway.workers.work import WorkItem
+from protos.sampling_params import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    ids: tuple[int, ...]
+    text: str  # what echo shows
+
+
+def check_vocab(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    for pos, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise invalid(
+                f"token id {token} at {param} position {pos} is outside the vocabulary "
+                f"(valid ids are 0..{vocab_size - 1})",
+                param,
+                code="token_out_of_vocabulary",
+            )
+
+
+def context_error(max_model_len: int, prompt_len: int, max_tokens: int | None) -> APIError:
+    if max_tokens is None:
+        return invalid(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_len} input tokens. Please reduce the length of the messages.",
+            "messages",
+            code="context_length_exceeded",
+        )
+    return invalid(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+        "completion). Please reduce the length of the messages or completion.",
+        "max_tokens",
+        code="context_length_exceeded",
+    )
+
+
+def settle_max_tokens(
+    prompt_len: int, requested: int | None, default: int | None, max_model_len: int | None
+) -> int:
+    """The request's max_tokens (or the endpoint default; None: all the context left)."""
+    if max_model_len is None:  # no worker has reported yet: the request will get a 503
+        return requested or default or 1
+    max_tokens = requested if requested is not None else default
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+        if max_tokens < 1:
+            raise context_error(max_model_len, prompt_len, None)
+    if prompt_len + max_tokens > max_model_len:
+        raise context_error(max_model_len, prompt_len, max_tokens)
+    return max_tokens
+
+
+def build_choices(
+    response_id: str,
+    prompts: Sequence[PromptIds],
+    common: CommonOptions,
+    max_tokens: Sequence[int],
+    timeout_s: float,
+) -> list[Choice]:
+    """``n`` choices per prompt; with a seed, choice j of a prompt samples with seed + j."""
+    deadline = time.monotonic() + timeout_s
+    base = common.sampling
+    choices = []
+    for p, prompt in enumerate(prompts):
+        for j in range(common.n):
+            # wraps within int64 (the wire type) for seeds near the top of the range
+            seed = None if base.seed is None else (base.seed + j + 2**63) % 2**64 - 2**63
+            try:
+                sampling = replace(base, max_tokens=max_tokens[p], n=1, seed=seed)
+            except InvalidRequestError as e:
+                raise invalid(str(e), e.param) from e
+            index = p * common.n + j
+            item = WorkItem(
+                request_id=f"{response_id}-{index}",
+                prompt_ids=prompt.ids,
+                sampling=sampling,
+                priority=common.priority,
+                deadline=deadline,
+            )
+            choices.append(
+                Choice(index, item, prompt_text=prompt.text, counts_prompt=j == 0, n=common.n)
+            )
+    return choices

@@ -1,0 +1,315 @@
+"""OpenAI request bodies parsed into plain, validated dataclasses.
+
+Unknown fields are ignored; every known field with a wrong type or value is a 400 that names it,
+and so is a field of ``gateway.flows.unsupported``'s tables that asks for something not implemented.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway.core.errors import invalid
+from gateway.flows.fields import INT32_MAX, INT64_MAX, Fields, check_int, require_object
+from gateway.flows.structured import parse_structured
+from gateway.flows.tools import ToolPlan, parse_tools
+from gateway.flows.unsupported import CHAT, COMPLETION, SAMPLING, refuse_unsupported
+from protos.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    InvalidRequestError,
+    SamplingParams,
+    logit_bias_pairs,
+)
+
+MAX_N = 128
+MAX_TOKENS_LIMIT = 1 << 24  # beyond any context length; the context check is stricter
+MAX_PROMPTS = 256
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CommonOptions:
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: the endpoint's default
+    sampling: SamplingParams  # max_tokens still to be set per prompt
+    priority: int
+    user: str | None
+    add_special_tokens: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    common: CommonOptions
+    prompts: tuple[Prompt, ...]
+    echo: bool
+    logprobs: int | None
+    score_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs, nothing generated
+    prompt_logprobs: bool = False  # asked for vLLM's prompt_logprobs (not only echo + logprobs)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    common: CommonOptions
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    logprobs: bool
+    top_logprobs: int
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolPlan | None = None  # None: no tools offered
+
+
+def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    min_tokens = f.get_int("min_tokens", 0, 0, INT32_MAX) or 0
+    try:
+        return SamplingParams(
+            temperature=f.get_float("temperature", 1.0, 0.0, 100.0),
+            top_p=f.get_float("top_p", 1.0, -1e9, 1e9),
+            top_k=f.get_int("top_k", 0, -1, INT32_MAX) or 0,
+            min_p=f.get_float("min_p", 0.0, -1e9, 1e9),
+            seed=f.get_int("seed", None, -INT64_MAX, INT64_MAX),
+            presence_penalty=f.get_float("presence_penalty", 0.0, -1e9, 1e9),
+            frequency_penalty=f.get_float("frequency_penalty", 0.0, -1e9, 1e9),
+            repetition_penalty=f.get_float("repetition_penalty", 1.0, -1e9, 1e9),
+            max_tokens=max_tokens if max_tokens is not None else max(1, min_tokens),
+            min_tokens=min_tokens,
+            stop=f.str_list("stop", MAX_STOP_STRINGS, 1024),
+            stop_token_ids=f.int_list("stop_token_ids", 256),
+            ignore_eos=f.get_bool("ignore_eos", False),
+            logprobs=logprobs,
+            include_stop_str_in_output=f.get_bool("include_stop_str_in_output", False),
+            skip_special_tokens=f.get_bool("skip_special_tokens", True),
+            logit_bias=logit_bias_pairs(_logit_bias(f)),
+            structured=parse_structured(f),
+            prompt_logprobs=f.get_int("prompt_logprobs", None, 0, MAX_LOGPROBS),
+        )
+    except InvalidRequestError as e:
+        raise invalid(str(e), e.param) from e
+
+
+def _logit_bias(f: Fields) -> dict[str, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys) to numbers in [-100, 100]; the
+    ranges are SamplingParams' to check."""
+    bias = f.get_dict("logit_bias")
+    for token, value in bias.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(f"logit_bias[{token!r}] must be a number, got {value!r}", "logit_bias")
+    return bias
+
+
+def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: bool) -> CommonOptions:
+    max_tokens = f.get_int(max_tokens_field, None, 1, MAX_TOKENS_LIMIT)
+    stream = f.get_bool("stream", False)
+    options = f.get_dict("stream_options")
+    if f.get("stream_options") is not None and not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool | None):
+        raise invalid("stream_options.include_usage must be true or false", "stream_options")
+    return CommonOptions(
+        model=f.get_str("model", None),
+        n=f.get_int("n", 1, 1, MAX_N) or 1,
+        stream=stream,
+        include_usage=bool(include_usage),
+        max_tokens=max_tokens,
+        sampling=_sampling(f, max_tokens, logprobs),
+        priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
+        user=f.get_str("user", None, 1024),
+        add_special_tokens=f.get_bool("add_special_tokens", special),
+    )
+
+
+def _prompts(value: Any) -> tuple[Prompt, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise invalid(
+            "prompt must be a non-empty string, a list of strings, a list of token ids "
+            "or a list of lists of token ids",
+            "prompt",
+        )
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+        value = [value]
+    if len(value) > MAX_PROMPTS:
+        raise invalid(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}", "prompt")
+    prompts: list[Prompt] = []
+    for p in value:
+        if isinstance(p, str):
+            prompts.append(p)
+        elif isinstance(p, list):
+            prompts.append(tuple(check_int(t, "prompt", 0, INT32_MAX) for t in p))
+        else:
+            raise invalid("each prompt must be a string or a list of token ids", "prompt")
+        if len(prompts[-1]) == 0:
+            raise invalid("prompt must not be empty", "prompt")
+    return tuple(prompts)
+
+
+def _check_unsupported_completion(f: Fields, n: int) -> None:
+    """``suffix`` (insertion) and ``best_of`` (server-side ranking) would be silently ignored:
+    refuse them. An empty suffix and best_of 1 ask for nothing and pass."""
+    suffix = f.get_str("suffix", None, 1 << 20)
+    if suffix:
+        raise invalid("suffix is not supported (no insertion/fill-in-the-middle)", "suffix")
+    best_of = f.get_int("best_of", None, 1, INT32_MAX)
+    if best_of is not None and best_of > 1:
+        raise invalid(
+            "best_of is not supported (only 1): ask for n choices and rank them yourself",
+            "best_of",
+        )
+    if best_of is not None and best_of < n:
+        raise invalid(f"best_of must be at least n ({n}), got {best_of}", "best_of")
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    f = Fields(require_object(body))
+    refuse_unsupported(f.body, SAMPLING)
+    refuse_unsupported(f.body, COMPLETION)
+    if f.get("prompt") is None:
+        raise invalid("prompt is required", "prompt")
+    logprobs = f.get_int("logprobs", None, 0, MAX_LOGPROBS)
+    echo = f.get_bool("echo", False)
+    score_only = f.get("max_tokens") == 0 and not isinstance(f.get("max_tokens"), bool)
+    if score_only and not echo:
+        raise invalid("max_tokens 0 needs echo: it scores the prompt without generating",
+                      "max_tokens")  # fmt: skip
+    if score_only:  # one token is generated and dropped: the workers always sample one
+        f = Fields({**f.body, "max_tokens": 1})
+    common = _common(f, "max_tokens", logprobs, special=True)
+    if echo and logprobs is not None:  # the echoed prompt's tokens get their logprobs too
+        wanted = max(logprobs, common.sampling.prompt_logprobs or 0)
+        common = replace(common, sampling=replace(common.sampling, prompt_logprobs=wanted))
+    if common.stream and score_only:
+        raise invalid("max_tokens 0 (scoring the prompt) is not supported in a stream: drop "
+                      "stream", "stream")  # fmt: skip
+    if common.stream and echo and logprobs is not None:
+        raise invalid("echo with logprobs is not supported in a stream yet: drop stream, or "
+                      "use prompt_logprobs (sent with the first chunk)", "stream")  # fmt: skip
+    _check_unsupported_completion(f, common.n)
+    return CompletionRequest(
+        common=common,
+        prompts=_prompts(f.get("prompt")),
+        echo=echo,
+        logprobs=logprobs,
+        score_only=score_only,
+        prompt_logprobs=f.get("prompt_logprobs") is not None,
+    )
+
+
+def _content(message: dict[str, Any], index: int, role: str) -> str:
+    content = message.get("content")
+    param = f"messages[{index}].content"
+    if role != "assistant" and (content is None or content == []):
+        # only an assistant turn (one carrying tool calls) may come without content
+        raise invalid(f"{param} is required for a {role} message (a string or text parts)", param)
+    if content is None:  # an assistant turn with tool calls only; templates expect a string
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise invalid(f"{param}: only text parts are supported", param)
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{param}: a text part needs a 'text' string", param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}] must be an object", "messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid(f"messages[{i}].role must be a non-empty string", "messages")
+        if role not in CHAT_ROLES:
+            raise invalid(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                "messages",
+            )
+        content = _content(message, i, role)
+        # OpenAI's newer name for system; chat templates only know system
+        role = "system" if role == "developer" else role
+        out.append(_tool_call_message({**message, "role": role, "content": content}, i))
+    return out
+
+
+def _tool_call_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """An assistant turn's ``tool_calls`` as chat templates read them: each call's arguments as
+    an object (OpenAI sends them as JSON text)."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return message
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise invalid(f"{param} must be a list of tool calls", param)
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"{param}: each call needs a function with a name", param)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise invalid(f"{param}: function.arguments is not valid JSON: {e}", param) from e
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return {**message, "tool_calls": out}
+
+
+def _with_tools(f: Fields, common: CommonOptions) -> tuple[CommonOptions, ToolPlan | None]:
+    """The tools offered; a required or named tool choice becomes the request's grammar."""
+    plan = parse_tools(f)
+    constraint = plan.constraint() if plan is not None else None
+    if constraint is None:
+        return common, plan
+    if common.sampling.structured is not None:
+        raise invalid(
+            "a structured output format cannot be combined with tool_choice 'required' or a "
+            "named function (the tool call's schema is the format)",
+            "tool_choice",
+        )
+    return replace(common, sampling=replace(common.sampling, structured=constraint)), plan
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    f = Fields(require_object(body))
+    messages = parse_messages(f.get("messages"))
+    refuse_unsupported(f.body, SAMPLING)
+    refuse_unsupported(f.body, CHAT)
+    logprobs = f.get_bool("logprobs", False)
+    top = f.get_int("top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and top > 0 and not logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    max_field = (
+        "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    reserved = ("messages", "add_generation_prompt", "documents")
+    kwargs = {k: v for k, v in f.get_dict("chat_template_kwargs").items() if k not in reserved}
+    common, tools = _with_tools(
+        f, _common(f, max_field, (top or 0) if logprobs else None, special=False)
+    )
+    if tools is not None:
+        kwargs = {"tools": f.get("tools"), **kwargs}
+    return ChatRequest(
+        common=common,
+        messages=messages,
+        add_generation_prompt=f.get_bool("add_generation_prompt", True),
+        logprobs=logprobs,
+        top_logprobs=top or 0,
+        template_kwargs=kwargs,
+        tools=tools,
+    )

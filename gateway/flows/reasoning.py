@@ -1,0 +1,163 @@
+"""A reasoning model's output split into its thinking and its answer, whole or streamed.
+
+The thinking sits in a ``<think> ... </think>`` block, opened either by the model (the output
+starts with ``<think>``) or by the chat template (the rendered prompt ends inside an open block,
+``prompt_opens``). The two parsers differ only where no block was opened: DeepSeek-R1 still
+counts everything before a ``</think>`` as thinking, so its stream must hold such output back
+until the end tag or the end of the output decides; Qwen3, whose thinking can be switched off,
+takes an unopened output as all answer and streams it at once.
+
+Normalised the same way whole or streamed: the tags are dropped, the thinking loses its
+surrounding newlines, the answer its leading ones (``</think>`` is usually followed by two).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from gateway.flows.text_stream import TextStream, held_back
+
+_NEWLINES = "\r\n"
+
+
+@dataclass(frozen=True)
+class Split:
+    reasoning: str | None  # the thinking; None if there was none
+    content: str | None  # the answer; None if empty
+
+
+@dataclass(frozen=True)
+class ReasoningStep:
+    reasoning: str  # reasoning text safe to send now
+    content: str  # answer text safe to send now
+
+
+class ReasoningStream(TextStream[ReasoningStep]):
+    """One generated choice's text, fed piece by piece."""
+
+    def __init__(self, start: str, end: str, prompt_open: bool, end_alone_closes: bool) -> None:
+        super().__init__()
+        self._start, self._end = start, end
+        self._prompt_open = prompt_open
+        self._end_alone_closes = end_alone_closes
+        self._mode = "start"  # then "think", "unsure" (a lone end tag may come) or "answer"
+        self._newlines = ""  # thinking's trailing newlines: dropped if the block ends here
+        self._thought = self._answered = False  # whether any text of each was sent yet
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+
+    def _take(self) -> ReasoningStep:
+        step = ReasoningStep("".join(self._reasoning), "".join(self._content))
+        self._reasoning.clear()
+        self._content.clear()
+        return step
+
+    def _advance(self, final: bool) -> bool:
+        """Consumes what is decided at the front of the buffer; True while there may be more."""
+        if self._mode == "start":
+            return self._opening(final)
+        if self._mode == "answer":
+            self._answer(self._buf)
+            self._buf = ""
+            return False
+        at = self._buf.find(self._end)
+        if at >= 0:
+            self._think(self._buf[:at], closed=True)
+            self._buf, self._mode = self._buf[at + len(self._end) :], "answer"
+            return True
+        if self._mode == "unsure":
+            self._mode = "answer" if final else "unsure"
+            return final
+        cut = len(self._buf) - (0 if final else held_back(self._buf, self._end))
+        self._think(self._buf[:cut], closed=final)
+        self._buf = self._buf[cut:]
+        return False
+
+    def _opening(self, final: bool) -> bool:
+        rest = self._buf.lstrip()
+        if rest.startswith(self._start):
+            self._buf, self._mode = rest[len(self._start) :], "think"
+            return True
+        if not final and self._start.startswith(rest):
+            return False
+        if self._prompt_open:
+            self._mode = "think"
+        else:
+            self._mode = "unsure" if self._end_alone_closes else "answer"
+        return True
+
+    def _think(self, text: str, closed: bool) -> None:
+        text = self._newlines + text
+        if not self._thought:
+            text = text.lstrip(_NEWLINES)
+        body = text.rstrip(_NEWLINES)
+        self._newlines = "" if closed else text[len(body) :]
+        if body:
+            self._reasoning.append(body)
+            self._thought = True
+
+    def _answer(self, text: str) -> None:
+        if not self._answered:
+            text = text.lstrip(_NEWLINES)
+        if text:
+            self._content.append(text)
+            self._answered = True
+
+
+class ReasoningParser(ABC):
+    """One model family's way of marking its thinking."""
+
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+
+    @abstractmethod
+    def split(self, text: str, prompt_open: bool) -> Split: ...
+
+    @abstractmethod
+    def stream(self, prompt_open: bool) -> ReasoningStream: ...
+
+    def prompt_opens(self, prompt_text: str) -> bool:
+        """Whether the rendered prompt ends inside an open block (a start after the last end)."""
+        return prompt_text.rfind(self.start) > prompt_text.rfind(self.end)
+
+
+class _ThinkTags(ReasoningParser):
+    end_alone_closes: bool  # whether an end tag makes thinking of an output never opened
+
+    def split(self, text: str, prompt_open: bool) -> Split:
+        rest = text.lstrip()
+        opened = rest.startswith(self.start)
+        body = rest[len(self.start) :] if opened else text
+        at = body.find(self.end)
+        if not (opened or prompt_open or (self.end_alone_closes and at >= 0)):
+            return Split(None, text.lstrip(_NEWLINES) or None)
+        if at < 0:  # cut off while thinking
+            return Split(body.strip(_NEWLINES) or None, None)
+        answer = body[at + len(self.end) :].lstrip(_NEWLINES)
+        return Split(body[:at].strip(_NEWLINES) or None, answer or None)
+
+    def stream(self, prompt_open: bool) -> ReasoningStream:
+        return ReasoningStream(self.start, self.end, prompt_open, self.end_alone_closes)
+
+
+class _Qwen3(_ThinkTags):
+    name = "qwen3"
+    end_alone_closes = False
+
+
+class _DeepSeekR1(_ThinkTags):
+    name = "deepseek_r1"
+    end_alone_closes = True
+
+
+PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (_Qwen3(), _DeepSeekR1())}
+
+
+def get_parser(name: str) -> ReasoningParser:
+    try:
+        return PARSERS[name]
+    except KeyError:
+        choices = ", ".join(sorted(PARSERS))
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: {choices}") from None

@@ -1,0 +1,157 @@
+"""Tool calling: the ``tools`` a chat request offers and the ``tool_choice`` it makes.
+
+``required`` and a named function are enforced by a grammar, so the model's output always is a
+valid call: a named choice makes the output the function's arguments (an object that matches its
+``parameters`` schema); ``required`` makes it a JSON array of ``{"name", "arguments"}`` objects,
+one per call, each matching its function's schema. ``auto`` leaves the model free and parses its
+text with the gateway's ``--tool-call-parser`` (``gateway.flows.tool_parsers``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.core.errors import invalid
+from gateway.flows.fields import Fields
+from protos.sampling_params import StructuredOutput
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+MAX_TOOLS = 128
+CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    parameters: dict[str, Any]  # its JSON schema ({"type": "object"} when not given)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    functions: tuple[Function, ...]
+    choice: str  # none | auto | required | function
+    function: str | None = None  # the named function (choice "function")
+    parallel: bool = True
+
+    def constraint(self) -> StructuredOutput | None:
+        """The grammar that enforces the choice (required, a named function), else None."""
+        if self.choice == "function":
+            schema = next(f.parameters for f in self.functions if f.name == self.function)
+            return StructuredOutput("json", json.dumps(schema, ensure_ascii=False))
+        if self.choice != "required":
+            return None
+        calls, defs = [], {}
+        for i, f in enumerate(self.functions):
+            # nested in the array, a function's "#/$defs/X" would point at the array's root:
+            # its definitions move there, under names of their own
+            parameters, own = _lift_defs(f.parameters, f"f{i}_")
+            defs.update(own)
+            calls.append({
+                "type": "object",
+                "properties": {"name": {"enum": [f.name]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+            })  # fmt: skip
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
+        return StructuredOutput("json", json.dumps(array, ensure_ascii=False))
+
+
+def _lift_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``schema`` without its ``$defs``/``definitions`` and with its local refs renamed, and
+    those definitions under ``prefix``ed names (their own refs renamed too)."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not defs:
+        return schema, {}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+
+    def rename(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rename(v) for k, v in node.items()}
+            ref = node.get("$ref")
+            for root in ("#/$defs/", "#/definitions/"):
+                if isinstance(ref, str) and ref.startswith(root):
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(root) :]
+            return out
+        if isinstance(node, list):
+            return [rename(v) for v in node]
+        return node
+
+    return rename(body), {prefix + name: rename(d) for name, d in defs.items()}
+
+
+def _function(tool: Any, i: int) -> Function:
+    param = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise invalid(f"{param} must be a function tool: {{'type': 'function', 'function': ...}}",
+                      "tools")  # fmt: skip
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise invalid(f"{param}.function must be an object with a name", "tools")
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise invalid(
+            f"{param}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}",
+            "tools",
+        )
+    params = fn.get("parameters")
+    if params is None:
+        params = {"type": "object"}
+    if not isinstance(params, dict):
+        raise invalid(f"{param}.function.parameters must be a JSON schema object", "tools")
+    return Function(name, params)
+
+
+def _functions(value: Any) -> tuple[Function, ...]:
+    if not isinstance(value, list):
+        raise invalid("tools must be a list of function tools", "tools")
+    if len(value) > MAX_TOOLS:
+        raise invalid(f"at most {MAX_TOOLS} tools, got {len(value)}", "tools")
+    functions = tuple(_function(t, i) for i, t in enumerate(value))
+    names = [f.name for f in functions]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise invalid(f"tools name the function {dup!r} twice", "tools")
+    return functions
+
+
+def _named(choice: dict[str, Any], functions: tuple[Function, ...]) -> str:
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise invalid(
+            "tool_choice must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if name not in {f.name for f in functions}:
+        known = ", ".join(f.name for f in functions) or "none"
+        raise invalid(f"tool_choice names the function {name!r}, which is not in tools "
+                      f"(tools offer: {known})", "tool_choice")  # fmt: skip
+    return name
+
+
+def parse_tools(f: Fields) -> ToolPlan | None:
+    """The request's tools and choice; None when it offers no tools (or an empty list)."""
+    functions = _functions(f.get("tools")) if f.get("tools") is not None else ()
+    choice = f.get("tool_choice")
+    parallel = f.get_bool("parallel_tool_calls", True)
+    if not functions:
+        if choice not in (None, "none", "auto"):  # auto with nothing to call asks for nothing
+            raise invalid("tool_choice needs tools to choose from", "tool_choice")
+        return None
+    if isinstance(choice, dict):
+        return ToolPlan(functions, "function", _named(choice, functions), parallel)
+    if choice is None:
+        choice = "auto"  # OpenAI's default when tools are given
+    if choice not in CHOICES:
+        raise invalid(
+            f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+            "tool_choice",
+        )
+    return ToolPlan(functions, choice, None, parallel)

@@ -1,0 +1,104 @@
+"""What OpenAI and vLLM clients send that Tandem does not do yet: refused, never ignored.
+
+A request field listed here that asks for something (a value other than its neutral ones: null,
+false, an empty string, list or object, or the field's documented default) is a 400 that names
+the field and says it is not supported, since a 200 that quietly behaves otherwise is worse than
+an error. Fields the parsers implement are validated there; fields in neither place are ignored,
+as OpenAI does. A row goes when its feature lands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.core.errors import invalid
+
+_TOOLS = "the deprecated functions API is not supported: send tools and tool_choice"
+
+NEUTRAL: tuple[Any, ...] = (None, False, "", [], {})
+DEFAULT_TRUE: tuple[Any, ...] = (None, True)
+
+# field -> (why it is refused, the values that ask for nothing)
+SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "guided_whitespace_pattern": (
+        "a custom whitespace pattern is not supported (structured_outputs takes "
+        "disable_any_whitespace)",
+        NEUTRAL,
+    ),
+    "structural_tag": ("structural tags are not supported; use structured_outputs", NEUTRAL),
+    "use_beam_search": ("beam search is not implemented", NEUTRAL),
+    "length_penalty": (
+        "length_penalty applies to beam search, which is not implemented",
+        (None, 1, 1.0),
+    ),
+    "bad_words": ("bad_words is not implemented yet", NEUTRAL),
+    "allowed_token_ids": ("allowed_token_ids is not implemented yet", NEUTRAL),
+    "logits_processors": ("custom logits processors are not supported", NEUTRAL),
+    "truncate_prompt_tokens": ("prompt truncation is not implemented; shorten the prompt", NEUTRAL),
+    "return_tokens_as_token_ids": ("token-id logprob keys are not implemented", NEUTRAL),
+    "spaces_between_special_tokens": ("only the default (true) is implemented", DEFAULT_TRUE),
+    "kv_transfer_params": ("external KV transfer parameters are not supported", NEUTRAL),
+    "cache_salt": ("per-request prefix-cache salts are not implemented", NEUTRAL),
+    "vllm_xargs": ("vLLM extension arguments are not supported", NEUTRAL),
+    "mm_processor_kwargs": ("multimodal input is not implemented yet", NEUTRAL),
+    "lora_request": ("LoRA adapters are not implemented yet", NEUTRAL),
+}
+CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "functions": (_TOOLS, NEUTRAL),
+    "function_call": (_TOOLS, (*NEUTRAL, "none")),
+    "chat_template": ("a per-request chat template is not supported (use the gateway's)", NEUTRAL),
+    "documents": ("documents (RAG templates) are not supported", NEUTRAL),
+    "continue_final_message": ("continuing the final message is not implemented yet", NEUTRAL),
+    "echo": ("echo is not supported on chat completions", NEUTRAL),
+    "audio": ("audio output is not supported", NEUTRAL),
+    "modalities": ("only text output is supported", (*NEUTRAL, ["text"])),
+    "prediction": ("predicted outputs are not supported", NEUTRAL),
+    "web_search_options": ("web search is not supported", NEUTRAL),
+    "reasoning_effort": ("reasoning effort is not supported", NEUTRAL),
+    "media_io_kwargs": ("multimodal input is not implemented yet", NEUTRAL),
+}
+COMPLETION: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "prompt_embeds": ("prompt embeddings are not supported", NEUTRAL),
+}
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # type-strict: 0 asks for something (prompt_logprobs=0) where False does not
+    return any(value == v and type(value) is type(v) for v in neutral)
+
+
+def refuse_unsupported(body: dict[str, Any], table: dict[str, tuple[str, tuple[Any, ...]]]) -> None:
+    """A 400 naming the first field of ``table`` in ``body`` that asks for something."""
+    for name, (why, neutral) in table.items():
+        if name in body and not _neutral(body[name], neutral):
+            raise invalid(f"{name} is not supported by this server: {why}", name)
+
+
+# Endpoints of OpenAI's and vLLM's APIs that Tandem does not serve yet: a 404 that says so.
+ENDPOINTS: dict[str, str] = {
+    "/v1/embeddings": "embeddings are not implemented yet",
+    "/v1/responses": "the Responses API is not implemented; use /v1/chat/completions",
+    "/v1/rerank": "reranking is not implemented",
+    "/rerank": "reranking is not implemented",
+    "/v2/rerank": "reranking is not implemented",
+    "/v1/score": "scoring is not implemented",
+    "/score": "scoring is not implemented",
+    "/pooling": "pooling models are not supported",
+    "/classify": "classification models are not supported",
+    "/ping": "use GET /health",
+    "/v1/audio/transcriptions": "audio is not supported",
+    "/v1/audio/translations": "audio is not supported",
+    "/v1/images/generations": "images are not supported",
+    "/v1/moderations": "moderation is not supported",
+}
+SERVED = (
+    "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+    "/metrics, /version, /workers, /openapi.json"
+)
+
+
+def not_found_message(method: str, path: str) -> str:
+    why = ENDPOINTS.get(path.rstrip("/") or "/")
+    if why is not None:
+        return f"{method} {path} is not supported by this server: {why}"
+    return f"{method} {path} does not exist on this server; it serves {SERVED}"

@@ -1,0 +1,137 @@
+"""Everything besides generation: health, metrics, models, tokenize, version, workers, spec."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.core.errors import APIError, invalid
+from gateway.flows.fields import Fields, require_object
+from gateway.flows.prepare import check_vocab
+from gateway.flows.protocol import parse_messages
+from gateway.http.state import gateway_state
+from gateway.http.transport import read_json
+
+SPEC_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
+
+
+@functools.cache
+def _spec() -> bytes:
+    with open(SPEC_PATH, "rb") as f:
+        return f.read()
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("tandem-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+async def health(request: Request) -> Response:
+    state = gateway_state(request)
+    try:
+        state.check_serving()
+    except APIError as e:
+        return e.response()
+    clients = state.registry.clients
+    down = [c.name for c in clients if not c.healthy]  # names only: /health is open
+    workers = {"healthy": len(clients) - len(down), "total": len(clients), "down": down}
+    return JSONResponse({"status": "ok", "workers": workers})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(gateway_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _card(request: Request) -> dict[str, Any]:
+    state = gateway_state(request)
+    max_model_len, _ = state.registry.limits()
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "tandem",
+        "root": state.config.model,
+        "max_model_len": max_model_len,
+    }
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_card(request)]})
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{model}``: the served model by its name (or its path); 404 otherwise."""
+    gateway_state(request).accepts(request.path_params["model"])
+    return JSONResponse(_card(request))
+
+
+async def tokenize(request: Request) -> Response:
+    state = gateway_state(request)
+    f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
+    state.accepts(f.get_str("model", None))
+    tok = state.tokenizer
+    if "messages" in f.body:
+        ids, _ = await state.chat_prompt(
+            parse_messages(f.get("messages")),
+            f.get_bool("add_generation_prompt", True), f.get_bool("add_special_tokens", False),
+        )  # fmt: skip
+    else:
+        prompt = f.get_str("prompt", None, max_len=state.config.max_body_bytes)
+        if prompt is None:
+            raise invalid("send prompt (a string) or messages", "prompt")
+        ids = await state.off_loop(tok.encode, prompt, f.get_bool("add_special_tokens", True))
+    max_model_len, _ = state.registry.limits()
+    if len(ids) <= _INLINE_TOKENS:
+        return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids})
+    # a million ids take ~0.1 s to render: on the text pool, in slices the event loop can
+    # interleave with (one json.dumps would hold the GIL, and so every stream, all along)
+    body = await state.off_loop(_tokens_json, ids, max_model_len)
+    return Response(body, media_type="application/json")
+
+
+_INLINE_TOKENS = 8192
+_SLICE = 1 << 14
+
+
+def _tokens_json(ids: list[int], max_model_len: int | None) -> bytes:
+    listed = ",".join(",".join(map(str, ids[i : i + _SLICE])) for i in range(0, len(ids), _SLICE))
+    head = f'{{"count":{len(ids)},"max_model_len":{json.dumps(max_model_len)},"tokens":['
+    return (head + listed + "]}").encode()
+
+
+async def detokenize(request: Request) -> Response:
+    state = gateway_state(request)
+    f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
+    state.accepts(f.get_str("model", None))
+    if f.get("tokens") is None:
+        raise invalid("tokens (a list of token ids) is required", "tokens")
+    ids = f.int_list("tokens", max_items=1 << 20)
+    _, vocab = state.registry.limits()
+    check_vocab(ids, vocab or state.tokenizer.vocab_size, "tokens")
+    return JSONResponse({"prompt": await state.off_loop(state.tokenizer.decode, ids)})
+
+
+async def version_info(request: Request) -> Response:
+    return JSONResponse({"version": version()})
+
+
+async def workers(request: Request) -> Response:
+    state = gateway_state(request)
+    body: dict[str, Any] = {
+        "draining": state.draining,
+        "workers": [c.describe() for c in state.registry.clients],
+    }
+    return JSONResponse(body)
+
+
+async def openapi(request: Request) -> Response:
+    return Response(_spec(), media_type="application/json")

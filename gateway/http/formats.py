@@ -1,0 +1,173 @@
+"""OpenAI response bodies and stream chunks for completions and chat completions."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from typing import Any
+
+from protos.logprobs import PositionLogprobs, TokenLogprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def envelope(rid: str, obj: str, created: int, model: str, choices: list[Any]) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+# ---- completions (legacy logprobs: parallel lists) ----
+
+
+def _legacy_token(text: str, raw: bytes) -> str:
+    """A token as legacy logprobs show it: its text, or, where it holds only part of a
+    character (its text has U+FFFD and its bytes are known), ``bytes:\\xNN...`` as OpenAI does."""
+    if "\ufffd" in text and raw:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
+_CONTINUATION = bytes(range(0x80, 0xC0))  # a UTF-8 byte that continues a character
+
+
+class _TextOffsets:
+    """Where each token starts, in characters of the text the tokens spell: the characters that
+    all earlier tokens' bytes complete. The pieces of one split character all point at where that
+    character starts, and no offset passes the text's end.
+
+    Bytes that continue a character begun before ``start`` (a streamed chunk that opens with the
+    rest of a character the previous chunk's text held back) belong to a character at ``start``."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.chars = 0  # characters the bytes so far complete (after any leading tail)
+        self.tail = False  # the bytes opened with the tail of a character begun before start
+        self.begun = False  # a byte that starts a character has come
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+
+    def next(self, raw: bytes) -> int:
+        """The offset of a token with bytes ``raw``, which then count as seen."""
+        in_tail = not self.begun and raw[:1] != raw[:1].lstrip(_CONTINUATION)
+        at = self.start + (1 if self.tail and not in_tail else 0) + self.chars
+        if not self.begun:
+            rest = raw.lstrip(_CONTINUATION)
+            self.tail = self.tail or len(rest) < len(raw)
+            self.begun = bool(rest)
+            raw = rest
+        self.chars += len(self.decoder.decode(raw))
+        return at
+
+
+def completion_logprobs(
+    entries: Sequence[PositionLogprobs],
+    offset: int,
+    prompt_tokens: Sequence[str | bytes] = (),
+    prompt_scores: Sequence[PositionLogprobs] = (),
+) -> dict[str, Any]:
+    """``{tokens, token_logprobs, top_logprobs, text_offset}``; echoed prompt tokens (their text,
+    or their raw bytes) come first, with their logprobs from ``prompt_scores`` (positions 1..;
+    the first token has none: null). ``offset`` is where the first token starts in the choice's
+    text; ``text_offset`` counts characters of that text (see _TextOffsets)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = [None] * len(prompt_tokens)
+    top: list[dict[str, float] | None] = [None] * len(prompt_tokens)
+    for j, score in enumerate(prompt_scores[: max(len(prompt_tokens) - 1, 0)], start=1):
+        token_logprobs[j] = score.chosen.logprob
+        top[j] = {_legacy_token(t.token, t.token_bytes): t.logprob for t in score.top}
+    offsets: list[int] = []
+    where = _TextOffsets(offset)
+    for p in prompt_tokens:
+        raw = p if isinstance(p, bytes) else p.encode("utf-8")
+        text = p.decode("utf-8", errors="replace") if isinstance(p, bytes) else p
+        offsets.append(where.next(raw))
+        tokens.append(_legacy_token(text, raw))
+    for entry in entries:
+        chosen = entry.chosen
+        offsets.append(where.next(chosen.token_bytes or chosen.token.encode("utf-8")))
+        tokens.append(_legacy_token(chosen.token, chosen.token_bytes))
+        token_logprobs.append(chosen.logprob)
+        top.append({_legacy_token(t.token, t.token_bytes): t.logprob for t in entry.top})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def completion_choice(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def prompt_logprobs(entries: Sequence[PositionLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position (the first has none: null) the prompt's
+    token and the top alternatives, by token id: ``{logprob, rank, decoded_token}``."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        position = {
+            str(t.token_id): {
+                "logprob": t.logprob,
+                "rank": t.rank or j + 1,
+                "decoded_token": t.token,
+            }
+            for j, t in enumerate(e.top)
+        }
+        position[str(e.chosen.token_id)] = {"logprob": e.chosen.logprob, "rank": e.chosen.rank,
+                                            "decoded_token": e.chosen.token}  # fmt: skip
+        out.append(position)
+    return out
+
+
+# ---- chat ----
+
+
+def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
+    raw = t.token_bytes or t.token.encode("utf-8")
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(entries: Sequence[PositionLogprobs]) -> dict[str, Any]:
+    return {
+        "content": [
+            {**_chat_logprob(e.chosen), "top_logprobs": [_chat_logprob(t) for t in e.top]}
+            for e in entries
+        ]
+    }
+
+
+def chat_choice(
+    index: int, content: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": content},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_message_choice(
+    index: int, message: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_delta(
+    index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,232 @@
+"""POST /v1/completions and POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.core.errors import invalid
+from gateway.flows import reasoning, tool_parsers
+from gateway.flows.chat_output import ChoiceOutput, OutputPlan
+from gateway.flows.generation import Choice, Generation
+from gateway.flows.prepare import PromptIds, build_choices, check_vocab, settle_max_tokens
+from gateway.flows.protocol import (
+    ChatRequest,
+    CommonOptions,
+    CompletionRequest,
+    parse_chat,
+    parse_completion,
+)
+from gateway.flows.tokenizer import GatewayTokenizer
+from gateway.http import formats
+from gateway.http.state import GatewayState, gateway_state
+from gateway.http.streaming import StreamInfo, stream_events
+from gateway.http.transport import ClientGone, SSEResponse, read_json, until_disconnect
+from gateway.observability.stats import combined
+from gateway.observability.tracing import set_request_attributes, start_request_span
+from gateway.workers.rpc_errors import UpstreamError
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def _check_prompts(
+    state: GatewayState, prompts: Sequence[PromptIds], common: CommonOptions
+) -> tuple[int | None, int]:
+    max_model_len, vocab = state.registry.limits()
+    for prompt in prompts:
+        check_vocab(prompt.ids, vocab or state.tokenizer.vocab_size)
+    check_vocab(common.sampling.stop_token_ids, vocab or state.tokenizer.vocab_size,
+                "stop_token_ids")  # fmt: skip
+    return max_model_len, len(prompts)
+
+
+def _start(
+    state: GatewayState,
+    request: Request,
+    operation: str,
+    prefix: str,
+    prompts: Sequence[PromptIds],
+    common: CommonOptions,
+    default_max_tokens: int | None,
+) -> Generation:
+    """Settles max_tokens, checks capacity, and builds the Generation with its span."""
+    max_model_len, count = _check_prompts(state, prompts, common)
+    if count * common.n > state.config.max_fanout:
+        raise invalid(
+            f"n x number of prompts must be at most {state.config.max_fanout}, "
+            f"got {count * common.n}",
+            "n",
+        )
+    max_tokens = [
+        settle_max_tokens(len(p.ids), common.max_tokens, default_max_tokens, max_model_len)
+        for p in prompts
+    ]
+    state.check_serving()
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    choices = build_choices(
+        response_id, prompts, common, max_tokens, state.config.request_timeout_s
+    )
+    span = start_request_span(state.tracer, operation, state.model_name, request.headers)
+    sp = common.sampling
+    set_request_attributes(
+        span,
+        {"max_tokens": max_tokens[0], "temperature": sp.temperature, "top_p": sp.top_p,
+         "top_k": sp.top_k, "seed": sp.seed, "choice.count": common.n},
+    )  # fmt: skip
+    return Generation(response_id, operation, choices, state.dispatcher, state.telemetry, span)
+
+
+async def _respond(
+    state: GatewayState,
+    request: Request,
+    gen: Generation,
+    info: StreamInfo,
+    stream: bool,
+    choice_json: Callable[[Choice], dict[str, Any]],
+    top_level: Callable[[list[Choice]], dict[str, Any]] = lambda choices: {},
+) -> Response:
+    state.active.add(gen)
+    if stream:
+
+        def on_close() -> None:
+            gen.close()
+            state.active.discard(gen)
+
+        return SSEResponse(stream_events(info, gen, state.metrics), on_close=on_close)
+    try:
+        choices: list[Choice] = await until_disconnect(request, gen.collect())
+    except ClientGone:
+        return Response(status_code=499)
+    except UpstreamError as e:
+        raise e.api_error from e
+    finally:
+        gen.close()
+        state.active.discard(gen)
+    obj = "text_completion" if info.object == "text_completion" else "chat.completion"
+    body = formats.envelope(gen.response_id, obj, info.created, info.model,
+                            [choice_json(c) for c in choices])  # fmt: skip
+    body.update(top_level(choices))
+    body["usage"] = formats.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    timing = combined([c.stats for c in choices]).header()
+    return JSONResponse(body, headers={"x-tandem-timing": timing})
+
+
+def _completion_prompts(tok: GatewayTokenizer, req: CompletionRequest) -> list[PromptIds]:
+    return [
+        PromptIds(tuple(tok.encode(p, req.common.add_special_tokens)), p)
+        if isinstance(p, str)
+        else PromptIds(p, tok.decode(p))
+        for p in req.prompts
+    ]
+
+
+async def completions(request: Request) -> Response:
+    state = gateway_state(request)
+    req = parse_completion(await read_json(request, state.config.max_body_bytes))
+    state.accepts(req.common.model)
+    tok = state.tokenizer
+    prompts = await state.off_loop(_completion_prompts, tok, req)
+    if any(not p.ids for p in prompts):
+        raise invalid("prompt must not be empty (it has no tokens)", "prompt")
+    state.metrics.observe_structured(req.common.sampling.structured, None)
+    gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
+                 COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
+    info = StreamInfo(gen.response_id, "text_completion", int(time.time()), state.model_name,
+                      req.common.include_usage, req.logprobs is not None, req.echo,
+                      prompt_logprobs=req.prompt_logprobs)  # fmt: skip
+
+    def choice_json(c: Choice) -> dict[str, Any]:
+        if req.score_only:
+            c.drop_generated()
+        prefix = c.prompt_text if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            echoed = [tok.token_bytes(t) for t in c.item.prompt_ids] if req.echo else []
+            scores = c.prompt_logprobs if req.echo else []
+            logprobs = formats.completion_logprobs(c.logprobs, 0, echoed, scores)
+        out = formats.completion_choice(
+            c.index, prefix + "".join(c.text), logprobs, c.finish_reason
+        )
+        if req.prompt_logprobs:
+            out["prompt_logprobs"] = formats.prompt_logprobs(c.prompt_logprobs)
+        return out
+
+    return await _respond(state, request, gen, info, req.common.stream, choice_json)
+
+
+def _chat_prompt_logprobs(common: CommonOptions) -> Callable[[list[Choice]], dict[str, Any]]:
+    """vLLM puts a chat's prompt_logprobs beside its choices (one prompt for all of them)."""
+    if common.sampling.prompt_logprobs is None:
+        return lambda choices: {}
+    return lambda choices: {"prompt_logprobs": formats.prompt_logprobs(choices[0].prompt_logprobs)}
+
+
+def _output_plan(state: GatewayState, req: ChatRequest) -> OutputPlan:
+    """How the choices' text will be read: the tool choice, the gateway's parsers."""
+    config = state.config
+    tools = req.tools
+    if tools is not None and tools.choice == "auto" and not config.enable_auto_tool_choice:
+        raise invalid(
+            'tool_choice "auto" (the default when tools are given) needs the server started with '
+            '--enable-auto-tool-choice and --tool-call-parser; send tool_choice "required", '
+            '"none" or a named function instead',
+            "tool_choice",
+        )
+    parser = tool_parsers.get_parser(config.tool_call_parser) if config.tool_call_parser else None
+    thinking = reasoning.get_parser(config.reasoning_parser) if config.reasoning_parser else None
+    return OutputPlan(tools, parser, thinking)
+
+
+def _thinking_free(common: CommonOptions, plan: OutputPlan, prompt_text: str) -> tuple[CommonOptions, OutputPlan]:  # fmt: skip
+    """With a reasoning parser, a grammar constrains only the answer after the thinking block."""
+    thinking = plan.reasoning
+    if thinking is None:
+        return common, plan
+    plan = replace(plan, prompt_open=thinking.prompt_opens(prompt_text))
+    so = common.sampling.structured
+    if so is None:
+        return common, plan
+    so = replace(so, reasoning_start=thinking.start, reasoning_end=thinking.end,
+                 reasoning_open=plan.prompt_open)  # fmt: skip
+    return replace(common, sampling=replace(common.sampling, structured=so)), plan
+
+
+async def chat_completions(request: Request) -> Response:
+    state = gateway_state(request)
+    req = parse_chat(await read_json(request, state.config.max_body_bytes))
+    state.accepts(req.common.model)
+    plan = _output_plan(state, req)
+    ids_list, text = await state.chat_prompt(
+        req.messages, req.add_generation_prompt, req.common.add_special_tokens,
+        **req.template_kwargs,
+    )  # fmt: skip
+    ids = tuple(ids_list)
+    if not ids:
+        raise invalid("the messages render to an empty prompt", "messages")
+    common, plan = _thinking_free(req.common, plan, text)
+    state.metrics.observe_structured(
+        common.sampling.structured, req.tools.choice if req.tools else None
+    )
+    gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], common, None)
+    info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
+                      state.model_name, common.include_usage, req.logprobs, plan=plan,
+                      prompt_logprobs=common.sampling.prompt_logprobs is not None)  # fmt: skip
+
+    def choice_json(c: Choice) -> dict[str, Any]:
+        logprobs = formats.chat_logprobs(c.logprobs) if req.logprobs else None
+        if plan.plain:
+            return formats.chat_choice(c.index, "".join(c.text), logprobs, c.finish_reason)
+        out = ChoiceOutput(plan)
+        message = out.message("".join(c.text))
+        return formats.chat_message_choice(
+            c.index, message, logprobs, out.finish_reason(c.finish_reason)
+        )
+
+    return await _respond(state, request, gen, info, common.stream, choice_json,
+                          _chat_prompt_logprobs(common))  # fmt: skip

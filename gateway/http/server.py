@@ -1,0 +1,132 @@
+"""``tandem gateway``: uvicorn (uvloop when available) with a draining shutdown.
+
+SIGTERM or SIGINT: /health turns 503 and new requests get 503 at once; in-flight requests get
+``--drain-timeout`` seconds, then end with finish_reason "abort"; then uvicorn closes. A second
+signal exits without waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Generator
+from typing import Any
+
+import uvicorn
+
+from gateway.core.config import GatewayConfig, config_from_args
+from gateway.flows.chat_output import check_parser_flags
+from gateway.http.app import build_app
+from gateway.http.http_protocol import HttpLimits, guarded_protocol
+from gateway.http.state import GatewayState
+from protos.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: GatewayState, grace_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.grace_s = grace_s
+        self._drain_task: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:  # uvicorn.Server's hook
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread (tests run servers in threads)
+            return
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            loop.add_signal_handler(sig, self.begin_shutdown)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    def begin_shutdown(self) -> None:
+        if self._drain_task is not None:
+            log.warning("second signal: exiting without waiting for requests")
+            self.should_exit = self.force_exit = True
+            return
+        log.info("draining: no new requests; in-flight ones get %.1f s", self.grace_s)
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.state.drain(self.grace_s)
+        finally:
+            self.should_exit = True
+
+    @property
+    def port(self) -> int | None:
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return None
+
+
+def _write_ready_file(path: str, host: str, port: int) -> None:
+    """``{"port", "host", "pid"}`` as JSON, written atomically (by rename)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"port": port, "host": host, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
+
+
+async def serve(
+    config: GatewayConfig, host: str, port: int, ready_file: str | None = None, **app_kwargs: Any
+) -> None:
+    app = build_app(config, **app_kwargs)
+    limits = HttpLimits(
+        header_timeout_s=config.header_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        max_connections=config.max_connections,
+    )
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", lifespan="on", access_log=False,
+        timeout_keep_alive=30, timeout_graceful_shutdown=10, http=guarded_protocol(limits),
+    )  # fmt: skip
+    server = DrainingServer(uv_config, app.state.gateway, config.drain_timeout_s)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started and server.port is not None:
+        log.info("gateway listening on http://%s:%d", host, server.port)
+        if ready_file:
+            _write_ready_file(ready_file, host, server.port)
+    await task
+
+
+def _run(coro: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(coro)
+
+
+def main(args: argparse.Namespace, tokenizer_dir: str, model_name: str) -> int:
+    """``tandem gateway``, called by the CLI with the tokenizer directory and the model's default
+    served name already resolved."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args, tokenizer_dir, model_name)
+        check_parser_flags(config)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    _run(serve(config, args.host, args.port, args.ready_file))
+    return 0

@@ -1,0 +1,145 @@
+"""Everything the handlers share: config, tokenizer, workers, metrics, tracer, drain state."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+from starlette.requests import Request
+
+from gateway.core.config import GatewayConfig
+from gateway.core.errors import APIError, invalid, unavailable
+from gateway.flows.chat_output import check_parser_flags
+from gateway.flows.chat_template import ChatTemplateError
+from gateway.flows.generation import Generation
+from gateway.flows.tokenizer import GatewayTokenizer, SpecialTokenInMessage
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.otel_metrics import GenAiMetrics, build_meter_provider
+from gateway.observability.telemetry import Slo, Telemetry
+from gateway.observability.tracing import build_tracer_provider, get_tracer
+from gateway.workers.dispatch import Dispatcher
+from gateway.workers.registry import WorkerRegistry
+from gateway.workers.work import FlowContext
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+TEXT_THREADS = 4
+
+
+class GatewayState:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tokenizer: GatewayTokenizer | None = None,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+    ) -> None:
+        check_parser_flags(config)
+        self.config = config
+        self.tokenizer = tokenizer or GatewayTokenizer(config.tokenizer, config.chat_template)
+        self._own_provider = tracer_provider is None
+        self.tracer_provider = tracer_provider or build_tracer_provider(config.otlp_endpoint)
+        self.tracer = get_tracer(self.tracer_provider)
+        self.registry = WorkerRegistry(
+            config.workers, config.health_interval_s, config.health_timeout_s,
+            config.internal_token, owner=f"gateway-{uuid.uuid4().hex}",
+            discover=config.discover, discover_interval_s=config.discover_interval_s,
+        )  # fmt: skip
+        self.dispatcher = Dispatcher(FlowContext(self.registry, self.tracer, config))
+        self.metrics = GatewayMetrics(
+            config.model_name, lambda: self.registry.clients, config.metrics_prefix
+        )
+        self._own_meter = meter_provider is None
+        self._meter_provider = meter_provider or build_meter_provider(config.otlp_endpoint)
+        slo = Slo(config.slo_ttft_ms / 1000.0, config.slo_tpot_ms / 1000.0)
+        genai = GenAiMetrics(config.model_name, self._meter_provider)
+        self.telemetry = Telemetry(self.metrics, genai, slo)
+        self.started_at = time.time()
+        self.draining = False
+        self.active: set[Generation] = set()
+        # tokenization and chat templating, off the event loop (bounded: at most this many
+        # prompts at once; more wait their turn without blocking streams or health checks)
+        self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the text thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._text_pool, functools.partial(fn, *args, **kwargs))
+
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+        add_special_tokens: bool, **template_kwargs: Any,
+    ) -> tuple[list[int], str]:  # fmt: skip
+        """A chat's prompt ids and text, rendered and tokenized off the event loop; special tokens
+        typed in messages stay text unless the gateway allows them."""
+        try:
+            return await self.off_loop(
+                self.tokenizer.chat_ids, messages, add_generation_prompt, add_special_tokens,
+                self.config.allow_special_tokens_in_messages, **template_kwargs,
+            )  # fmt: skip
+        except SpecialTokenInMessage as e:
+            raise invalid(str(e), "messages") from e
+        except ChatTemplateError as e:
+            raise invalid(f"cannot apply the chat template: {e}", "messages") from e
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    def accepts(self, model: str | None) -> None:
+        """Raises 404 for a model this gateway does not serve."""
+        if model is not None and model not in (self.model_name, self.config.model):
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This gateway serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_serving(self) -> None:
+        """Raises 503 while draining or when no topology has healthy workers."""
+        if self.draining:
+            raise unavailable("the gateway is shutting down", code="draining")
+        reason = self.dispatcher.unavailable_reason()
+        if reason:
+            raise unavailable(reason)
+
+    async def start(self) -> None:
+        await self.registry.start()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stops taking requests, gives in-flight ones ``grace_s``, then ends them with abort."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.warning("aborting %d requests still running after the grace", len(self.active))
+            for generation in list(self.active):
+                generation.abort()
+        end = time.monotonic() + 5.0
+        while self.active and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        await self.registry.close()
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_provider:
+            self.tracer_provider.shutdown()
+        shutdown = getattr(self._meter_provider, "shutdown", None)
+        if self._own_meter and shutdown is not None:
+            shutdown()
+
+
+def gateway_state(request: Request) -> GatewayState:
+    """The state the app was built with (``build_app`` puts it on ``app.state.gateway``)."""
+    state: GatewayState = request.app.state.gateway
+    return state

@@ -1,0 +1,154 @@
+"""SSE event streams for completions and chat completions.
+
+Frames: ``data: {chunk}`` per piece of text; with include_usage a last chunk with
+``choices: []`` and usage; an error mid-stream is one ``data: {"error": ...}`` frame. Just
+before ``data: [DONE]`` comes the SSE comment ``: x-tandem-timing queue=..;prefill=..;...``
+(clients ignore comments; it mirrors the non-streaming ``x-tandem-timing`` header).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.core.errors import APIError
+from gateway.core.events import Chunk
+from gateway.flows.chat_output import ChoiceOutput, OutputPlan
+from gateway.flows.generation import Choice, Generation
+from gateway.http import formats
+from gateway.http.transport import DONE, sse
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.stats import combined
+from gateway.workers.rpc_errors import UpstreamError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    response_id: str
+    object: str  # text_completion | chat.completion.chunk
+    created: int
+    model: str
+    include_usage: bool
+    logprobs: bool
+    echo: bool = False
+    plan: OutputPlan | None = None  # chat: tool calls or reasoning to read out of the text
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: a frame of their own, first
+
+
+def _frame(info: StreamInfo, choices: list[dict[str, Any]]) -> bytes:
+    return sse(formats.envelope(info.response_id, info.object, info.created, info.model, choices))
+
+
+def _usage_frame(info: StreamInfo, gen: Generation) -> bytes:
+    body = formats.envelope(info.response_id, info.object, info.created, info.model, [])
+    body["usage"] = formats.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    return sse(body)
+
+
+def _timing_comment(gen: Generation) -> bytes:
+    return (
+        b": x-tandem-timing " + combined([c.stats for c in gen.choices]).header().encode() + b"\n\n"
+    )
+
+
+def _completion_piece(
+    info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk
+) -> bytes:
+    logprobs = None
+    if info.logprobs:
+        logprobs = formats.completion_logprobs(chunk.logprobs, offsets.get(choice.index, 0))
+    offsets[choice.index] = offsets.get(choice.index, 0) + len(chunk.text)
+    return _frame(
+        info, [formats.completion_choice(choice.index, chunk.text, logprobs, chunk.finish_reason)]
+    )
+
+
+def _chat_piece(info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk) -> bytes:
+    logprobs = formats.chat_logprobs(chunk.logprobs) if info.logprobs else None
+    delta = {"content": chunk.text} if chunk.text else {}
+    return _frame(info, [formats.chat_delta(choice.index, delta, logprobs, chunk.finish_reason)])
+
+
+def _parsed_chat_piece(
+    info: StreamInfo, outputs: dict[int, ChoiceOutput], choice: Choice, chunk: Chunk
+) -> bytes:
+    """Chat with tool calls or reasoning: the text becomes OpenAI's typed deltas (content,
+    reasoning_content, tool_calls); the chunk's logprobs ride on the first, its finish on the last."""
+    out = outputs[choice.index]
+    deltas = out.feed(chunk.text)
+    finish = None
+    if chunk.finish_reason is not None:
+        deltas += out.finish()
+        finish = out.finish_reason(chunk.finish_reason)
+    logprobs = formats.chat_logprobs(chunk.logprobs) if info.logprobs else None
+    if not deltas and (finish is not None or logprobs is not None):
+        deltas = [{}]
+    last = len(deltas) - 1
+    return b"".join(
+        _frame(info, [formats.chat_delta(choice.index, delta, logprobs if i == 0 else None,
+                                         finish if i == last else None)])
+        for i, delta in enumerate(deltas)
+    )  # fmt: skip
+
+
+def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> bytes:
+    """vLLM's prompt_logprobs, when the first chunk brings them: in the choice (completions) or
+    beside the choices (chat)."""
+    scores = formats.prompt_logprobs(chunk.prompt_logprobs)
+    if info.object == "chat.completion.chunk":
+        body = formats.envelope(info.response_id, info.object, info.created, info.model,
+                                [formats.chat_delta(choice.index, {}, None, None)])  # fmt: skip
+        body["prompt_logprobs"] = scores
+        return sse(body)
+    piece = {**formats.completion_choice(choice.index, "", None, None), "prompt_logprobs": scores}
+    return _frame(info, [piece])
+
+
+def _openings(info: StreamInfo, gen: Generation) -> list[bytes]:
+    """Chat: the assistant role first. Completions with echo: the prompt first."""
+    if info.object == "chat.completion.chunk":
+        delta = {"role": "assistant", "content": ""}
+        return [_frame(info, [formats.chat_delta(c.index, delta, None, None)]) for c in gen.choices]
+    if info.echo:
+        return [_frame(info, [formats.completion_choice(c.index, c.prompt_text, None, None)])
+                for c in gen.choices]  # fmt: skip
+    return []
+
+
+async def stream_events(
+    info: StreamInfo,
+    gen: Generation,
+    metrics: GatewayMetrics,
+) -> AsyncGenerator[bytes, None]:
+    piece: Any = _chat_piece if info.object == "chat.completion.chunk" else _completion_piece
+    state: Any = {c.index: len(c.prompt_text) for c in gen.choices} if info.echo else {}
+    if info.plan is not None and not info.plan.plain:
+        piece, state = _parsed_chat_piece, {c.index: ChoiceOutput(info.plan) for c in gen.choices}
+    try:
+        for frame in _openings(info, gen):
+            yield frame
+        async for choice, chunk in gen.events():
+            if info.prompt_logprobs and chunk.prompt_logprobs:
+                yield _prompt_logprobs_frame(info, choice, chunk)
+            if chunk.text or chunk.finish_reason is not None or (info.logprobs and chunk.logprobs):
+                frame = piece(info, state, choice, chunk)
+                if frame:
+                    yield frame
+        if info.include_usage:
+            yield _usage_frame(info, gen)
+        yield _timing_comment(gen)
+    except (UpstreamError, APIError) as e:
+        error = e.api_error if isinstance(e, UpstreamError) else e
+        metrics.observe_error(error.status)
+        yield sse(error.body())
+    except Exception:
+        log.exception("stream %s failed", info.response_id)
+        metrics.observe_error(500)
+        yield sse(APIError(500, "internal error while streaming; see the gateway log").body())
+    finally:
+        gen.close()
+    yield DONE

@@ -1,0 +1,1 @@
+"""Metrics (Prometheus, OpenTelemetry), per-request stats and SLO accounting, tracing."""

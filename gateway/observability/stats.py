@@ -1,0 +1,87 @@
+"""Per-request timing as the gateway sees it (TTFT, gaps, E2E) plus what workers reported."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from gateway.core.events import Chunk, Timing
+
+
+@dataclass
+class RequestStats:
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    num_prompt_tokens: int = 0  # counted once per prompt (0 for its other choices), as usage is
+    num_cached_tokens: int = 0
+    prompt_len: int = 0  # the prompt's tokens, for every choice of it
+    max_tokens: int = 0  # the settled max_tokens (0: not known)
+    num_output_tokens: int = 0
+    timing: Timing = field(default_factory=Timing)
+
+    def on_chunk(self, chunk: Chunk, now: float | None = None) -> float | None:
+        """Records a chunk; returns the gap since the previous token chunk (an ITL sample)."""
+        now = time.monotonic() if now is None else now
+        self.timing.merge(chunk.timing)
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        gap = None
+        if chunk.token_ids:
+            if self.first_token is None:
+                self.first_token = now
+            elif self.last_token is not None:
+                gap = now - self.last_token
+            self.last_token = now
+            self.num_output_tokens += len(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            self.finished = now
+        return gap
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        end = self.finished if self.finished is not None else time.monotonic()
+        return end - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two tokens)."""
+        if self.first_token is None or self.last_token is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (self.num_output_tokens - 1)
+
+    def meets_slo(self, ttft_s: float, tpot_s: float) -> bool:
+        ttft, tpot = self.ttft, self.tpot
+        return ttft is not None and ttft <= ttft_s and (tpot is None or tpot <= tpot_s)
+
+    def header(self) -> str:
+        """``queue=..;prefill=..;transfer=..;ttft=..;decode=..;e2e=..`` in seconds, then
+        ``mode=disagg|local|colocated`` (where the prompt was prefilled) when known."""
+        t = self.timing
+        parts = {
+            "queue": t.queue_s,
+            "prefill": t.prefill_s,
+            "transfer": t.transfer_s,
+            "ttft": self.ttft or 0.0,
+            "decode": t.decode_s,
+            "e2e": self.e2e,
+        }
+        text = ";".join(f"{k}={v:.4f}" for k, v in parts.items())
+        return f"{text};mode={t.mode}" if t.mode else text
+
+
+def combined(stats: list[RequestStats]) -> RequestStats:
+    """One view of several choices: the earliest first token, the slowest phases, the last end."""
+    out = RequestStats(arrival=min(s.arrival for s in stats))
+    firsts = [s.first_token for s in stats if s.first_token is not None]
+    ends = [s.finished for s in stats if s.finished is not None]
+    out.first_token = min(firsts) if firsts else None
+    out.finished = max(ends) if ends else None
+    for s in stats:
+        out.timing.merge(s.timing)
+        out.num_output_tokens += s.num_output_tokens
+    return out

@@ -1,0 +1,173 @@
+"""One gRPC client per worker: its channel, stubs, health and last reported load."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.core.config import WorkerSpec
+from gateway.core.events import WorkerLoadInfo
+from gateway.workers.convert import load_from_pb
+from gateway.workers.multiplex import StreamMux
+from protos import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from protos.auth import client_interceptors
+from protos.roles import Role
+
+log = logging.getLogger(__name__)
+
+# Keepalive only while calls are open, and no more often than servers allow by default, so a
+# quiet stream never trips "too_many_pings". Prompts travel as ids, logprobs as small chunks.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.max_receive_message_length", 32 * 1024 * 1024),
+    ("grpc.max_send_message_length", 32 * 1024 * 1024),
+]
+
+_STUBS = {
+    Role.COLOCATED: worker_pb2_grpc.WorkerServiceStub,
+    "prefill": prefill_pb2_grpc.PrefillServiceStub,
+    "decode": decode_pb2_grpc.DecodeServiceStub,
+}
+# the multiplexed stream of each role that streams many tokens: (stub method, item, field)
+_MUX = {
+    Role.COLOCATED: ("GenerateStream", worker_pb2.GenerateStreamItem, "generate"),
+    "decode": ("DecodeStream", decode_pb2.DecodeStreamItem, "decode"),
+}
+
+
+class WorkerClient:
+    def __init__(self, spec: WorkerSpec, internal_token: str = "", owner: str = "") -> None:
+        self.spec = spec
+        self.name = spec.address  # the registry names it by role and index
+        self.owner = owner  # this gateway's instance id: each poll renews its leases there
+        self.channel = grpc.aio.insecure_channel(
+            spec.address, options=CHANNEL_OPTIONS, interceptors=client_interceptors(internal_token)
+        )
+        self.stub: Any = _STUBS[spec.role](self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.healthy = False
+        # set when the worker stops answering (dead, restarting): whatever it held for us is
+        # gone, so requests waiting on it (a KV transfer into it) fail now, not at a timeout.
+        # A fresh event once it is healthy again.
+        self._lost = asyncio.Event()
+        self._late_poll = False  # the last poll timed out (two in a row mark it unhealthy)
+        self.load: WorkerLoadInfo | None = None
+        self.last_error = "not checked yet"
+        self.inflight = 0  # requests this gateway has open on the worker
+        self.mux: StreamMux | None = None  # colocated and decode workers: tokens of many requests
+        if spec.role in _MUX:
+            method, item, kind = _MUX[spec.role]
+            self.mux = StreamMux(getattr(self.stub, method), item, kind, spec.address)
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    @property
+    def queue_depth(self) -> int:
+        reported = self.load.num_running + self.load.num_waiting if self.load else 0
+        return max(self.inflight, reported)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.load.free_blocks if self.load else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.load.block_size if self.load and self.load.block_size > 0 else 16
+
+    async def poll(self, timeout: float) -> None:
+        """Health check and load; a failure marks the worker unhealthy until the next poll (one
+        late answer of a healthy worker is forgiven: two in a row are not)."""
+        try:
+            check = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            request = common_pb2.LoadRequest(owner=self.owner)
+            load = load_from_pb(await self.stub.GetLoad(request, timeout=timeout))
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.healthy and not self._late_poll:
+                self._late_poll = True  # one late answer from a busy host is not yet a verdict
+                return
+            reason = f"health poll failed: {getattr(code, 'name', 'ERROR')}"
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                reason += f" (is {self.address} really a {self.role} worker?)"
+            # unreachable (refused, reset): gone. A slow answer (DEADLINE_EXCEEDED) is only
+            # unhealthy: a busy worker still holds what it holds
+            self.mark_unhealthy(reason, lost=code == grpc.StatusCode.UNAVAILABLE)
+            return
+        self._late_poll = False
+        self.load = load
+        if check.status != health_pb2.HealthCheckResponse.SERVING:
+            self.mark_unhealthy("not serving (loading or draining)", lost=not load.draining)
+        elif load.draining:
+            self.mark_unhealthy("draining")
+        else:
+            if not self.healthy:
+                log.info("worker %s (%s) is healthy", self.address, self.role)
+            if self._lost.is_set():
+                self._lost = asyncio.Event()
+            self.healthy = True
+            self.last_error = ""
+
+    def mark_unhealthy(self, reason: str, lost: bool = False) -> None:
+        """``lost``: it does not answer at all (a draining worker still finishes its work)."""
+        if self.healthy:
+            log.warning("worker %s (%s) is unhealthy: %s", self.address, self.role, reason)
+        self.healthy = False
+        self.last_error = reason
+        if lost:
+            self._lost.set()
+
+    async def until_lost(self) -> None:
+        """Returns once the worker is seen gone (now, if it already is)."""
+        await self._lost.wait()
+
+    async def abort(self, request_id: str, timeout: float) -> bool:
+        """Tells the worker to drop ``request_id``; True when it held the request."""
+        try:
+            reply = await self.stub.Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            log.info("abort of %s on %s failed: %s", request_id, self.address, e)
+            return False
+        return bool(reply.found)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "address": self.address,
+            "healthy": self.healthy,
+            "last_error": self.last_error or None,
+            "inflight": self.inflight,
+            "load": asdict(self.load) if self.load else None,
+        }
+
+    def stream(self) -> StreamMux:
+        if self.mux is None:
+            raise TypeError(f"a {self.role} worker has no multiplexed token stream")
+        return self.mux
+
+    async def close(self) -> None:
+        if self.mux is not None:
+            await self.mux.close()
+        await self.channel.close(grace=None)

@@ -1,0 +1,125 @@
+"""The one place where protobuf messages become plain gateway data and back."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from gateway.core.events import Chunk, Histogram, Timing, WorkerLoadInfo
+from protos import common_pb2
+from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.sampling_params import SamplingParams
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+class WorkerReportedError(RuntimeError):
+    """A worker ended a request with FINISH_REASON_ERROR."""
+
+
+def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        max_tokens=sp.max_tokens,
+        min_tokens=sp.min_tokens,
+        stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens,
+        logit_bias=dict(sp.logit_bias),
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
+    if sp.prompt_logprobs is not None:
+        msg.prompt_logprobs = sp.prompt_logprobs
+    if sp.structured is not None:
+        so = sp.structured
+        msg.structured.CopyFrom(
+            common_pb2.StructuredOutput(
+                kind=so.kind, spec=so.spec, any_whitespace=so.any_whitespace,
+                reasoning_start=so.reasoning_start, reasoning_end=so.reasoning_end,
+                reasoning_open=so.reasoning_open,
+            )
+        )  # fmt: skip
+    return msg
+
+
+def _logprob(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=msg.token_id, logprob=msg.logprob, token=msg.token, token_bytes=msg.token_bytes,
+        rank=msg.rank,
+    )  # fmt: skip
+
+
+def _positions(entries: Any) -> tuple[PositionLogprobs, ...]:
+    return tuple(
+        PositionLogprobs(chosen=_logprob(p.chosen), top=tuple(_logprob(t) for t in p.top))
+        for p in entries
+    )
+
+
+def timing_from_pb(msg: common_pb2.Timing) -> Timing:
+    return Timing(
+        queue_s=msg.queue_s,
+        prefill_s=msg.prefill_s,
+        transfer_s=msg.transfer_s,
+        decode_s=msg.decode_s,
+    )
+
+
+def chunk_from_pb(msg: common_pb2.TokenChunk) -> Chunk:
+    """Raises WorkerReportedError for an error chunk."""
+    if msg.finish_reason == common_pb2.FINISH_REASON_ERROR:
+        raise WorkerReportedError(msg.error or "the worker failed this request")
+    return Chunk(
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        logprobs=_positions(msg.logprobs),
+        prompt_logprobs=_positions(msg.prompt_logprobs),
+        finish_reason=FINISH_REASONS.get(msg.finish_reason),
+        stop_reason=msg.stop_reason,
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        timing=timing_from_pb(msg.timing),
+    )
+
+
+def histogram_from_pb(msg: common_pb2.Histogram) -> Histogram:
+    """An empty Histogram for one that is malformed (a count per bound, rising, is the rule)."""
+    counts = tuple(msg.counts)
+    rising = list((*counts, msg.count)) == sorted((*counts, msg.count))
+    if len(counts) != len(msg.bounds) or not rising or list(msg.bounds) != sorted(msg.bounds):
+        return Histogram()
+    return Histogram(bounds=tuple(msg.bounds), counts=counts, sum=msg.sum, count=msg.count)
+
+
+def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
+    plain = {
+        f.name: getattr(msg, f.name)
+        for f in fields(WorkerLoadInfo)
+        if f.name
+        not in (
+            "iteration_tokens",
+            "grammar_compile_seconds",
+            "spec_decode_num_accepted_tokens_per_pos",
+        )
+    }
+    return WorkerLoadInfo(
+        **plain,
+        iteration_tokens=histogram_from_pb(msg.iteration_tokens),
+        grammar_compile_seconds=histogram_from_pb(msg.grammar_compile_seconds),
+        spec_decode_num_accepted_tokens_per_pos=tuple(msg.spec_decode_num_accepted_tokens_per_pos),
+    )

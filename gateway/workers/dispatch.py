@@ -1,0 +1,89 @@
+"""Picks the flow (disaggregated or colocated) and the workers, and retries a request once on
+another prefill (or colocated) worker when it failed before its first token."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+
+from opentelemetry.trace import Span
+
+from gateway.core.errors import unavailable
+from gateway.core.events import Chunk
+from gateway.workers.client import WorkerClient
+from gateway.workers.colocated import generate
+from gateway.workers.disagg import disaggregated
+from gateway.workers.router import prefix_key, rank_by_affinity
+from gateway.workers.rpc_errors import UpstreamError
+from gateway.workers.work import FlowContext, WorkItem
+from protos.roles import Role
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 2
+
+
+class Dispatcher:
+    def __init__(self, ctx: FlowContext) -> None:
+        self.ctx = ctx
+
+    def unavailable_reason(self) -> str | None:
+        """None when some topology can serve; otherwise what is missing."""
+        reg = self.ctx.registry
+        if reg.any_healthy():
+            return None
+        counts = []
+        for role in Role:
+            total = sum(1 for c in reg.clients if c.role == role)
+            counts.append(f"{len(reg.healthy(role))} of {total} {role}")
+        return "no healthy worker can serve requests (" + ", ".join(counts) + " workers healthy)"
+
+    def _front_workers(self, exclude: set[str]) -> tuple[list[WorkerClient], str]:
+        reg = self.ctx.registry
+        prefills = [w for w in reg.healthy("prefill") if w.address not in exclude]
+        if prefills and reg.healthy("decode"):
+            return prefills, "prefill"
+        return [w for w in reg.healthy(Role.COLOCATED) if w.address not in exclude], Role.COLOCATED
+
+    def _flow(self, item: WorkItem, parent: Span, exclude: set[str]) -> AsyncGenerator[Chunk, None]:
+        workers, role = self._front_workers(exclude)
+        if not workers:
+            raise UpstreamError(unavailable(self.unavailable_reason() or "no worker left"), False)
+        key = prefix_key(item.prompt_ids, workers[0].block_size, self.ctx.config.prefix_blocks)
+        worker = rank_by_affinity(workers, key)[0]
+        parent.set_attribute("tandem.mode", "disaggregated" if role == "prefill" else "colocated")
+        if role == "prefill":
+            return disaggregated(
+                self.ctx, worker, self.ctx.registry.healthy("decode"), item, parent
+            )
+        return generate(self.ctx, worker, item, parent)
+
+    def _can_retry(self, error: UpstreamError, emitted: bool, failed: set[str]) -> bool:
+        if emitted or not error.retryable or not error.address:
+            return False
+        roles = {c.role for c in self.ctx.registry.clients if c.address == error.address}
+        if not roles & {Role.PREFILL, Role.COLOCATED}:
+            return False  # decode admission already tried several workers
+        workers, _ = self._front_workers(failed | {error.address})
+        return bool(workers)
+
+    async def stream(self, item: WorkItem, parent: Span) -> AsyncGenerator[Chunk, None]:
+        """The request's chunks; raises UpstreamError when it cannot be served."""
+        failed: set[str] = set()
+        for attempt in range(MAX_ATTEMPTS):
+            request_id = item.request_id if attempt == 0 else f"{item.request_id}-retry{attempt}"
+            emitted = False
+            try:
+                flow = self._flow(replace(item, request_id=request_id), parent, failed)
+                async with contextlib.aclosing(flow):
+                    async for chunk in flow:
+                        emitted = True
+                        yield chunk
+                return
+            except UpstreamError as e:
+                if attempt + 1 >= MAX_ATTEMPTS or not self._can_retry(e, emitted, failed):
+                    raise
+                log.warning("retrying %s on another worker: %s", item.request_id, e)
+                parent.add_event("retry", {"tandem.failed_worker": e.address})
+                failed.add(e.address)

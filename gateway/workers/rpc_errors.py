@@ -1,0 +1,76 @@
+"""gRPC failures of workers, turned into the HTTP errors clients see."""
+
+from __future__ import annotations
+
+import grpc
+
+from gateway.core.errors import APIError
+
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
+# Codes that say the worker itself is gone or broken (the health poller puts it back).
+_WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class UpstreamError(Exception):
+    """A worker call failed; ``api_error`` is what the client gets."""
+
+    def __init__(
+        self, api_error: APIError, retryable: bool, worker_down: bool = False, address: str = ""
+    ) -> None:
+        super().__init__(api_error.message)
+        self.api_error = api_error
+        self.retryable = retryable
+        self.worker_down = worker_down
+        self.address = address
+
+
+def _code(err: grpc.RpcError) -> grpc.StatusCode:
+    code = err.code() if hasattr(err, "code") else None
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
+def _details(err: grpc.RpcError) -> str:
+    details = err.details() if hasattr(err, "details") else None
+    return str(details or "").strip()
+
+
+def from_rpc_error(err: grpc.RpcError, address: str, call: str) -> UpstreamError:
+    code = _code(err)
+    details = _details(err)
+    where = f"{call} on worker {address}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        api = APIError(400, details or f"{where} rejected the request", code="invalid_argument")
+    elif code == grpc.StatusCode.NOT_FOUND:
+        api = APIError(404, details or f"{where}: not found", code="not_found")
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        api = APIError(503, f"no capacity: {where}: {details}", code="no_capacity")
+    elif code == grpc.StatusCode.UNAVAILABLE:
+        api = APIError(503, f"{where} is unavailable: {details}", code="worker_unavailable")
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        api = APIError(504, f"{where} did not answer in time", code="deadline_exceeded")
+    elif code == grpc.StatusCode.CANCELLED:
+        api = APIError(503, f"{where} was cancelled by the worker", code="cancelled")
+    else:
+        api = APIError(502, f"{where} failed ({code.name}): {details}", code="worker_error")
+    return UpstreamError(
+        api, retryable=code in _RETRYABLE, worker_down=code in _WORKER_DOWN, address=address
+    )
+
+
+def worker_failed(address: str, message: str) -> UpstreamError:
+    """A worker ended the request with an error chunk."""
+    api = APIError(502, f"worker {address} failed the request: {message}", code="worker_error")
+    return UpstreamError(api, retryable=True, address=address)
+
+
+def stream_ended(address: str, call: str) -> UpstreamError:
+    api = APIError(
+        502, f"{call} on worker {address} ended before the request finished", code="worker_error"
+    )
+    return UpstreamError(api, retryable=True, address=address)

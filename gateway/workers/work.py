@@ -1,0 +1,52 @@
+"""What every request flow needs: the unit of work, its deadline, and failure bookkeeping."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry.trace import Tracer
+
+from gateway.core.config import GatewayConfig
+from gateway.core.errors import APIError
+from gateway.workers.client import WorkerClient
+from gateway.workers.registry import WorkerRegistry
+from gateway.workers.rpc_errors import UpstreamError, from_rpc_error
+from protos.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One sequence to generate (one choice of one prompt)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: int = 0
+    deadline: float = float("inf")  # time.monotonic() by which it must be done
+
+
+@dataclass(frozen=True)
+class FlowContext:
+    registry: WorkerRegistry
+    tracer: Tracer
+    config: GatewayConfig
+
+    def time_left(self, item: WorkItem) -> float:
+        left = item.deadline - time.monotonic()
+        if left <= 0:
+            api = APIError(504, "the request ran past --request-timeout", code="deadline_exceeded")
+            raise UpstreamError(api, retryable=False)
+        return left
+
+    def abort_later(self, worker: WorkerClient, request_id: str) -> None:
+        self.registry.abort_later(worker, request_id, self.config.rpc_timeout_s)
+
+
+def rpc_failure(worker: WorkerClient, err: grpc.RpcError, call: str) -> UpstreamError:
+    """Converts a failed call; a worker that looks dead is marked unhealthy at once."""
+    failure = from_rpc_error(err, worker.address, call)
+    if failure.worker_down:
+        worker.mark_unhealthy(f"{call} failed: {failure.api_error.message}")
+    return failure

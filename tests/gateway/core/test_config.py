@@ -1,0 +1,93 @@
+"""Gateway configuration: flags, worker files, validation with messages that name the knob."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.core.config import GatewayConfig, WorkerSpec, config_from_args, load_worker_file
+from protos.roles import Role
+from services.cli import build_parser
+from services.config import ConfigError
+
+
+def test_flags_build_the_config(tmp_path) -> None:
+    workers = tmp_path / "workers.yaml"
+    workers.write_text(
+        "decode: ['10.0.0.2:7000']\nworkers:\n  - {role: both, address: '10.0.0.3:7000'}\n"
+    )
+    args = build_parser().parse_args([
+        "gateway", "--prefill", "10.0.0.1:7000", "--decode", "10.0.0.2:7000", "--config", str(workers),
+        "--api-key", "k", "--slo-ttft-ms", "200", "--served-model-name", "smol",
+    ])  # fmt: skip
+    config = config_from_args(args, "/tok")
+    assert config.workers == (
+        WorkerSpec("prefill", "10.0.0.1:7000"),
+        WorkerSpec("decode", "10.0.0.2:7000"),  # listed twice, kept once
+        WorkerSpec("colocated", "10.0.0.3:7000"),
+    )
+    assert (config.api_key, config.slo_ttft_ms, config.model_name) == ("k", 200.0, "smol")
+
+
+def test_json_worker_file(tmp_path) -> None:
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"prefill": ["h:1"], "worker": ["h:2"]}))
+    assert load_worker_file(str(path)) == [
+        WorkerSpec("prefill", "h:1"),
+        WorkerSpec("colocated", "h:2"),
+    ]
+    # the role's older spelling "both" still reads as colocated
+    path.write_text(json.dumps({"workers": [{"role": "both", "address": "h:3"}]}))
+    assert load_worker_file(str(path)) == [WorkerSpec(Role.COLOCATED, "h:3")]
+
+
+@pytest.mark.parametrize(
+    "role, address, words",
+    [
+        ("gpu", "h:1", "worker role must be one of"),
+        ("colocated", "nohost", "HOST:PORT"),
+        ("colocated", "h:x", "HOST:PORT"),
+    ],
+)
+def test_bad_worker_specs(role: str, address: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        WorkerSpec(role, address)
+
+
+def test_bad_values_name_the_flag() -> None:
+    with pytest.raises(ConfigError, match="--request-timeout"):
+        GatewayConfig(tokenizer="/t", request_timeout_s=0)
+    with pytest.raises(ConfigError, match="--slo-ttft-ms"):
+        GatewayConfig(tokenizer="/t", slo_ttft_ms=-1)
+
+
+@pytest.mark.parametrize("prefix", ["tandem:", "vllm:", "_", "team:llm_", "A9:"])
+def test_metrics_prefix_takes_any_metric_name(prefix: str) -> None:
+    assert GatewayConfig(tokenizer="/t", metrics_prefix=prefix).metrics_prefix == prefix
+
+
+@pytest.mark.parametrize("prefix", ["", "1bad", "vllm-", "tandem.", "my prefix:", "é:"])
+def test_a_bad_metrics_prefix_is_a_config_error(prefix: str) -> None:
+    with pytest.raises(ConfigError, match="--metrics-prefix must be a Prometheus metric name"):
+        GatewayConfig(tokenizer="/t", metrics_prefix=prefix)
+
+
+def test_metrics_prefix_flag_reaches_the_config() -> None:
+    args = build_parser().parse_args(["gateway", "--metrics-prefix", "vllm:"])
+    assert config_from_args(args, "/tok").metrics_prefix == "vllm:"
+    default = build_parser().parse_args(["gateway"])
+    assert config_from_args(default, "/tok").metrics_prefix == "tandem:"
+
+
+def test_tandem_gateway_with_a_bad_prefix_exits_2_without_a_traceback(
+    tmp_path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    argv = ["gateway", "--tokenizer", str(tmp_path), "--metrics-prefix", "1bad"]
+    assert main(argv) == 2  # before anything is loaded or bound
+    assert "--metrics-prefix must be a Prometheus metric name" in caplog.text
+    assert "'1bad'" in caplog.text
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out + caplog.text

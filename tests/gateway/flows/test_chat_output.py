@@ -1,0 +1,144 @@
+"""A chat choice's text read into the assistant message: the whole response and the stream of
+deltas agree, for named and required tool choices, auto parsing and reasoning."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.flows import reasoning, tool_parsers
+from gateway.flows.chat_output import ChoiceOutput, OutputPlan
+from gateway.flows.tools import Function, ToolPlan
+
+FUNCS = (Function("get_weather", {"type": "object"}), Function("ping", {"type": "object"}))
+
+
+def _stream(plan: OutputPlan, pieces: list[str]) -> tuple[list[dict[str, Any]], ChoiceOutput]:
+    out = ChoiceOutput(plan)
+    deltas = [d for p in pieces for d in out.feed(p)] + out.finish()
+    return deltas, out
+
+
+def _assemble(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deltas merged as an OpenAI client does (tool calls by index, arguments appended)."""
+    message: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    for d in deltas:
+        message["content"] += d.get("content") or ""
+        message["reasoning_content"] += d.get("reasoning_content") or ""
+        for call in d.get("tool_calls", []):
+            slot = message["tool_calls"].setdefault(
+                call["index"], {"id": None, "name": "", "arguments": ""}
+            )
+            slot["id"] = call.get("id") or slot["id"]
+            fn = call.get("function", {})
+            slot["name"] += fn.get("name") or ""
+            slot["arguments"] += fn.get("arguments") or ""
+    return message
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_a_named_choice_is_one_call_whose_arguments_stream(size: int) -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "function", "get_weather"))
+    text = '{"city": "Oslo"}'
+    whole = ChoiceOutput(plan)
+    message = whole.message(text)
+    assert message["content"] is None and whole.finish_reason("stop") == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", text)
+    ]
+    deltas, _ = _stream(plan, _pieces(text, size))
+    assembled = _assemble(deltas)
+    assert assembled["tool_calls"][0]["name"] == "get_weather"
+    assert assembled["tool_calls"][0]["arguments"] == text and assembled["tool_calls"][0]["id"]
+    assert "id" in deltas[0]["tool_calls"][0] and all(
+        "id" not in d["tool_calls"][0] for d in deltas[1:]
+    )
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_required_calls_come_out_as_each_object_completes(size: int) -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "required"))
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "ping", "arguments": {}}]'
+    message = ChoiceOutput(plan).message(text)
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in message["tool_calls"]
+    ]
+    assert calls == [("get_weather", {"city": "Oslo"}), ("ping", {})] and message["content"] is None
+    ids = [c["id"] for c in message["tool_calls"]]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+    assembled = _assemble(_stream(plan, _pieces(text, size))[0])
+    assert [
+        (c["name"], json.loads(c["arguments"])) for c in assembled["tool_calls"].values()
+    ] == calls
+
+
+def test_a_required_output_cut_short_keeps_its_text_and_finish_reason() -> None:
+    out = ChoiceOutput(OutputPlan(ToolPlan(FUNCS, "required")))
+    message = out.message('[{"name": "get_weather", "argu')
+    assert "tool_calls" not in message and message["content"] == '[{"name": "get_weather", "argu'
+    assert out.finish_reason("length") == "length"
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_auto_reads_calls_with_the_parser_and_keeps_the_content(size: int) -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "auto"), tool_parsers.get_parser("hermes"))
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    message = ChoiceOutput(plan).message(text)
+    assert message["content"] == "Let me check."
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+    assembled = _assemble(_stream(plan, _pieces(text, size))[0])
+    assert (
+        assembled["content"].strip() == "Let me check."
+        and "<tool_call>" not in assembled["content"]
+    )
+    assert assembled["tool_calls"][0]["name"] == "get_weather"
+    plain = ChoiceOutput(plan)
+    assert plain.message("Just text.") == {"role": "assistant", "content": "Just text."}
+    assert plain.finish_reason("stop") == "stop"
+
+
+@pytest.mark.parametrize("size", [1, 2, 1000])
+def test_reasoning_is_split_off_in_both_forms(size: int) -> None:
+    plan = OutputPlan(reasoning=reasoning.get_parser("qwen3"))
+    text = "<think>\nFirst, think.\n</think>\n\nThe answer."
+    message = ChoiceOutput(plan).message(text)
+    assert message == {
+        "role": "assistant",
+        "content": "The answer.",
+        "reasoning_content": "First, think.",
+    }
+    assembled = _assemble(_stream(plan, _pieces(text, size))[0])
+    assert (assembled["reasoning_content"], assembled["content"]) == (
+        "First, think.",
+        "The answer.",
+    )
+
+
+def test_reasoning_then_a_named_call() -> None:
+    plan = OutputPlan(
+        ToolPlan(FUNCS, "function", "ping"),
+        reasoning=reasoning.get_parser("deepseek_r1"),
+        prompt_open=True,
+    )
+    message = ChoiceOutput(plan).message('Hmm.</think>{"x": 1}')
+    assert message["reasoning_content"] == "Hmm." and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "ping", "arguments": '{"x": 1}'}
+
+
+def test_plain_plans_leave_the_text_alone() -> None:
+    assert OutputPlan().plain and OutputPlan(ToolPlan(FUNCS, "none")).plain
+    assert not OutputPlan(ToolPlan(FUNCS, "required")).plain
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto() -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "auto", parallel=False), tool_parsers.get_parser("hermes"))
+    text = '<tool_call>{"name": "ping", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    message = ChoiceOutput(plan).message(text)
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["ping"]

@@ -1,0 +1,139 @@
+"""Thinking split from the answer: qwen3 and deepseek_r1, whole and streamed."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.flows.reasoning import PARSERS, ReasoningParser, ReasoningStep, Split, get_parser
+from tests.gateway.text_splits import random_split
+
+QWEN3 = get_parser("qwen3")
+R1 = get_parser("deepseek_r1")
+BOTH = pytest.mark.parametrize("parser", [QWEN3, R1], ids=lambda p: p.name)
+
+
+def _streamed(parser: ReasoningParser, pieces: list[str], prompt_open: bool) -> Split:
+    """What the client is sent, concatenated, feeding pieces one by one ("" -> None)."""
+    stream = parser.stream(prompt_open)
+    steps = [stream.feed(piece) for piece in pieces] + [stream.finish()]
+    reasoning = "".join(s.reasoning for s in steps)
+    content = "".join(s.content for s in steps)
+    return Split(reasoning or None, content or None)
+
+
+@BOTH
+def test_thinking_opened_by_the_model(parser: ReasoningParser) -> None:
+    text = "<think>\nThe user wants 2+2.\nThat is 4.\n</think>\n\nIt is 4."
+    expected = Split("The user wants 2+2.\nThat is 4.", "It is 4.")
+    assert parser.split(text, prompt_open=False) == expected
+    assert parser.split(text, prompt_open=True) == expected  # a repeated <think> is dropped too
+
+
+@BOTH
+def test_thinking_opened_by_the_prompt(parser: ReasoningParser) -> None:
+    text = "Hmm, 2+2.\n</think>\n\nIt is 4.\n"
+    assert parser.split(text, prompt_open=True) == Split("Hmm, 2+2.", "It is 4.\n")
+
+
+@BOTH
+def test_output_cut_off_while_thinking_is_all_reasoning(parser: ReasoningParser) -> None:
+    assert parser.split("<think>\nStill think", prompt_open=False) == Split("Still think", None)
+    assert parser.split("Still think", prompt_open=True) == Split("Still think", None)
+
+
+@BOTH
+def test_no_thinking_at_all_is_all_content(parser: ReasoningParser) -> None:
+    assert parser.split("\nIt is 4.", prompt_open=False) == Split(None, "It is 4.")
+
+
+@BOTH
+def test_empty_block_gives_no_reasoning(parser: ReasoningParser) -> None:
+    text = "<think>\n\n</think>\n\nIt is 4."
+    assert parser.split(text, prompt_open=False) == Split(None, "It is 4.")
+    assert parser.split("<think>\nhm</think>", prompt_open=False) == Split("hm", None)
+
+
+def test_lone_end_tag_is_thinking_for_deepseek_r1_but_answer_for_qwen3() -> None:
+    text = "Let me think.</think>It is 4."
+    assert R1.split(text, prompt_open=False) == Split("Let me think.", "It is 4.")
+    assert QWEN3.split(text, prompt_open=False) == Split(None, text)
+
+
+def test_unicode_and_leading_whitespace_before_the_tag() -> None:
+    text = "  \n<think>Überlegung: 世界</think>\n\nAntwort 👋"
+    assert QWEN3.split(text, prompt_open=False) == Split("Überlegung: 世界", "Antwort 👋")
+
+
+@BOTH
+def test_prompt_opens_when_the_prompt_ends_inside_a_block(parser: ReasoningParser) -> None:
+    assert parser.prompt_opens("<|Assistant|><think>\n")
+    assert not parser.prompt_opens("<|im_start|>assistant\n")
+    # Qwen3 with thinking switched off: the template closes an empty block itself
+    assert not parser.prompt_opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert parser.prompt_opens("<think>a</think> ... <think>")
+
+
+def test_qwen3_without_thinking_streams_content_at_once() -> None:
+    stream = QWEN3.stream(prompt_open=False)
+    assert stream.feed("\n<th") == ReasoningStep("", "")  # may still open a block
+    assert stream.feed("ree") == ReasoningStep("", "<three")
+    assert stream.feed(" apples") == ReasoningStep("", " apples")
+
+
+def test_stream_splits_tags_across_deltas() -> None:
+    stream = QWEN3.stream(prompt_open=False)
+    steps = [stream.feed(piece) for piece in ["<", "think>\n", "Hmm", "\n</th", "ink>\n\n", "4"]]
+    assert steps == [
+        ReasoningStep("", ""),
+        ReasoningStep("", ""),
+        ReasoningStep("Hmm", ""),
+        ReasoningStep("", ""),  # the newline is held: it may end the thinking
+        ReasoningStep("", ""),
+        ReasoningStep("", "4"),
+    ]
+    assert stream.finish() == ReasoningStep("", "")
+
+
+def test_deepseek_r1_streams_thinking_at_once_when_the_prompt_opened_it() -> None:
+    stream = R1.stream(prompt_open=True)
+    assert stream.feed("Okay, so") == ReasoningStep("Okay, so", "")
+    assert stream.feed(" 4.</think>\n\nFour.") == ReasoningStep(" 4.", "Four.")
+
+
+def test_deepseek_r1_holds_unopened_output_until_it_is_decided() -> None:
+    stream = R1.stream(prompt_open=False)
+    assert stream.feed("Plain answer") == ReasoningStep("", "")  # a </think> may still come
+    assert stream.finish() == ReasoningStep("", "Plain answer")
+
+
+def test_every_parser_is_registered_under_its_name() -> None:
+    assert sorted(PARSERS) == ["deepseek_r1", "qwen3"]
+    assert all(get_parser(name).name == name for name in PARSERS)
+
+
+def test_unknown_parser_name_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+        get_parser("granite")
+
+
+_FRAGMENTS = ["<think>", "</think>", "<th", "</thi", "\n", "\n\n", "Hmm", "4", " ", "é"]
+
+
+def _texts() -> st.SearchStrategy[str]:
+    pieces = st.sampled_from(_FRAGMENTS) | st.text(" \n<>/thinkab", max_size=4)
+    return st.lists(pieces, max_size=10).map("".join)
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_streaming_any_split_agrees_with_the_whole_text(name: str, data: st.DataObject) -> None:
+    """Exact equality: the stream drops the same newlines split does (it holds the thinking's
+    trailing newlines back until more thinking follows), so nothing is compared stripped."""
+    parser = get_parser(name)
+    text, prompt_open = data.draw(_texts()), data.draw(st.booleans())
+    whole = parser.split(text, prompt_open)
+    assert _streamed(parser, random_split(data, text), prompt_open) == whole
+    assert _streamed(parser, list(text), prompt_open) == whole  # one character at a time

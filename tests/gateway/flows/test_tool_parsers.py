@@ -1,0 +1,305 @@
+"""Tool calls parsed out of generated text: hermes, llama3_json and mistral, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.flows.tool_parsers import (
+    PARSERS,
+    Parsed,
+    StreamStep,
+    ToolCall,
+    ToolParser,
+    get_parser,
+)
+from tests.gateway.text_splits import random_split
+
+HERMES = get_parser("hermes")
+LLAMA = get_parser("llama3_json")
+MISTRAL = get_parser("mistral")
+WEATHER = ToolCall("get_weather", '{"city": "Paris", "unit": "C"}')
+TIME = ToolCall("get_time", "{}")
+
+
+def _streamed(parser: ToolParser, pieces: list[str]) -> tuple[str, tuple[ToolCall, ...]]:
+    """All content the client is sent (unstripped) and all calls, feeding pieces one by one."""
+    stream = parser.stream()
+    steps = [stream.feed(piece) for piece in pieces] + [stream.finish()]
+    return "".join(s.content for s in steps), tuple(c for s in steps for c in s.tool_calls)
+
+
+def _hermes_block(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+# ---------------------------------------------------------------- hermes
+
+
+def test_hermes_content_then_two_calls() -> None:
+    text = (
+        "I'll look both up.\n\n"
+        + _hermes_block("get_weather", '{"city": "Paris", "unit": "C"}')
+        + "\n"
+        + _hermes_block("get_time", "{}")
+    )
+    assert HERMES.parse(text) == Parsed("I'll look both up.", (WEATHER, TIME))
+
+
+def test_hermes_only_calls_has_no_content() -> None:
+    assert HERMES.parse(_hermes_block("get_time", "{}") + "\n") == Parsed(None, (TIME,))
+
+
+def test_hermes_plain_answer_is_all_content() -> None:
+    assert HERMES.parse("  The answer is 4.\n") == Parsed("The answer is 4.", ())
+
+
+def test_hermes_malformed_json_stays_content() -> None:
+    text = 'Hi <tool_call>{"name": "f", "arguments": {</tool_call>'
+    assert HERMES.parse(text) == Parsed(text, ())
+
+
+def test_hermes_block_without_string_name_stays_content_and_others_still_parse() -> None:
+    bad = '<tool_call>{"name": 7, "arguments": {}}</tool_call>'
+    parsed = HERMES.parse(bad + _hermes_block("get_time", "{}"))
+    assert parsed == Parsed(bad, (TIME,))
+
+
+def test_hermes_unterminated_block_is_shown_not_lost() -> None:
+    text = 'Checking. <tool_call>{"name": "get_weather", "argu'
+    assert HERMES.parse(text) == Parsed(text, ())
+
+
+def test_hermes_arguments_given_as_json_string_are_decoded_once() -> None:
+    text = '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>'
+    assert HERMES.parse(text).tool_calls == (ToolCall("get_time", '{"tz": "UTC"}'),)
+
+
+def test_hermes_arguments_that_are_not_an_object_make_no_call() -> None:
+    text = '<tool_call>{"name": "get_time", "arguments": [1, 2]}</tool_call>'
+    assert HERMES.parse(text) == Parsed(text, ())
+
+
+def test_unicode_arguments_are_kept_readable() -> None:
+    text = _hermes_block("translate", '{"text": "Grüße, 世界 👋"}')
+    (call,) = HERMES.parse(text).tool_calls
+    assert call.arguments == '{"text": "Grüße, 世界 👋"}'
+    assert json.loads(call.arguments) == {"text": "Grüße, 世界 👋"}
+
+
+def test_hermes_stream_sends_content_at_once_and_each_call_when_its_block_closes() -> None:
+    stream = HERMES.stream()
+    assert stream.feed("Sure").content == "Sure"
+    assert stream.feed(" <tool").content == " "  # "<tool" may be a marker: held back
+    assert stream.feed("_call>\n").content == ""
+    assert stream.feed('{"name": "get_time"}\n</tool_').tool_calls == ()
+    assert stream.feed("call>").tool_calls == (TIME,)
+    assert stream.feed(" <b>").content == " <b>"  # held "<" turned out to be no marker
+    assert stream.finish().content == ""
+
+
+def test_hermes_stream_gives_back_a_lone_bracket_at_the_end() -> None:
+    stream = HERMES.stream()
+    assert stream.feed("a <").content == "a "
+    assert stream.finish().content == "<"
+
+
+def test_hermes_stream_never_sends_markup_char_by_char() -> None:
+    text = "Let me see. " + _hermes_block("get_time", "{}") + _hermes_block("get_time", "{}")
+    stream = HERMES.stream()
+    calls_at = []
+    for i, char in enumerate(text):
+        step = stream.feed(char)
+        assert "<" not in step.content
+        if step.tool_calls:
+            calls_at.append(i + 1)
+    assert calls_at == [i + len("</tool_call>") for i in _ends(text, "</tool_call>")]
+    assert stream.finish() == StreamStep("", ())  # nothing held back
+
+
+def _ends(text: str, marker: str) -> list[int]:
+    found, at = [], text.find(marker)
+    while at >= 0:
+        found.append(at)
+        at = text.find(marker, at + 1)
+    return found
+
+
+# ---------------------------------------------------------------- llama3_json
+
+
+def test_llama3_single_call_with_python_tag_and_parameters() -> None:
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}'
+    assert LLAMA.parse(text) == Parsed(None, (WEATHER,))
+
+
+def test_llama3_calls_separated_by_semicolons_and_arguments_key() -> None:
+    text = (
+        '\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}; '
+        '{"name": "get_time", "parameters": {}};'
+    )
+    assert LLAMA.parse(text) == Parsed(None, (WEATHER, TIME))
+
+
+def test_llama3_text_answer_is_all_content() -> None:
+    text = 'The JSON you want is {"name": "x"}.'
+    assert LLAMA.parse(text) == Parsed(text, ())
+
+
+def test_llama3_json_that_is_not_a_call_is_all_content() -> None:
+    text = '<|python_tag|>{"answer": 42}'
+    assert LLAMA.parse(text) == Parsed(text, ())
+
+
+def test_llama3_malformed_json_is_all_content() -> None:
+    text = '{"name": "get_time", "parameters": {'
+    assert LLAMA.parse(text) == Parsed(text, ())
+
+
+def test_llama3_text_after_complete_calls_is_content() -> None:
+    text = '{"name": "get_time", "parameters": {}} and that is all'
+    assert LLAMA.parse(text) == Parsed("and that is all", (TIME,))
+
+
+def test_llama3_missing_parameters_are_an_empty_object() -> None:
+    assert LLAMA.parse('{"name": "get_time"}') == Parsed(None, (TIME,))
+
+
+def test_llama3_stream_sends_a_text_answer_immediately() -> None:
+    stream = LLAMA.stream()
+    assert stream.feed("  ").content == ""  # could still be followed by a call
+    assert stream.feed("Hi").content == "  Hi"
+    assert stream.feed(" {").content == " {"
+
+
+def test_llama3_stream_sends_each_call_when_its_json_completes() -> None:
+    stream = LLAMA.stream()
+    assert stream.feed("<|python_").content == ""
+    assert stream.feed('tag|>{"name": "get_time", "parameters": {}').tool_calls == ()
+    assert stream.feed('}; {"name": "get_weather"').tool_calls == (TIME,)
+    step = stream.feed(', "parameters": {"city": "Paris", "unit": "C"}}')
+    assert step == StreamStep("", (WEATHER,))
+    assert stream.finish() == StreamStep("", ())
+
+
+# ---------------------------------------------------------------- mistral
+
+
+def test_mistral_array_after_content() -> None:
+    text = (
+        'Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": '
+        '{"city": "Paris", "unit": "C"}}, {"name": "get_time", "arguments": {}}]'
+    )
+    assert MISTRAL.parse(text) == Parsed("Let me check.", (WEATHER, TIME))
+
+
+def test_mistral_named_entries_with_and_without_call_id() -> None:
+    text = (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "C"}'
+        "[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}"
+    )
+    assert MISTRAL.parse(text) == Parsed(None, (WEATHER, TIME))
+
+
+def test_mistral_array_without_its_marker_is_still_calls() -> None:
+    text = ' [{"name": "get_time", "arguments": {}}]'
+    assert MISTRAL.parse(text) == Parsed(None, (TIME,))
+
+
+def test_mistral_bracketed_text_is_content() -> None:
+    text = "[1] Smith et al. found [TOOL_CALLS elsewhere"
+    assert MISTRAL.parse(text) == Parsed(text, ())
+
+
+def test_mistral_marker_followed_by_prose_or_bad_json_stays_content() -> None:
+    assert MISTRAL.parse("[TOOL_CALLS] I cannot") == Parsed("[TOOL_CALLS] I cannot", ())
+    text = '[TOOL_CALLS][{"name": "get_time", "arguments": {}'
+    assert MISTRAL.parse(text) == Parsed(text, ())
+
+
+def test_mistral_arguments_as_string() -> None:
+    text = '[TOOL_CALLS][{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}]'
+    assert MISTRAL.parse(text).tool_calls == (ToolCall("get_time", '{"tz": "UTC"}'),)
+
+
+def test_mistral_stream_holds_the_marker_and_sends_the_call_when_complete() -> None:
+    stream = MISTRAL.stream()
+    assert stream.feed("Sure ").content == "Sure "
+    assert stream.feed("[TOOL").content == ""
+    assert stream.feed("_CALLS]get_time[AR").content == ""
+    assert stream.feed("GS]{").tool_calls == ()
+    assert stream.feed("}").tool_calls == (TIME,)
+    assert stream.finish().content == ""
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_every_parser_is_registered_under_its_name() -> None:
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral"]
+    assert all(get_parser(name).name == name for name in PARSERS)
+
+
+def test_unknown_parser_name_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        get_parser("pythonic")
+
+
+# ---------------------------------------------------------------- streaming agrees with whole
+
+_FRAGMENTS = {
+    "hermes": [
+        "<tool_call>",
+        "</tool_call>",
+        "<tool",
+        '{"name": "f", "arguments": {"a": 1}}',
+        '{"name": 3}',
+        '<tool_call>\n{"name": "g", "arguments": "{\\"b\\": \\"é\\"}"}\n</tool_call>',
+        '<tool_call>{"name": "f"}</tool_call>',
+        '<tool_call>{"name": "f"',
+    ],
+    "llama3_json": [
+        "<|python_tag|>",
+        "<|py",
+        '{"name": "f", "parameters": {"a": 1}}',
+        '{"name": "g", "arguments": "{}"}',
+        '{"x": 1}',
+        "; ",
+    ],
+    "mistral": [
+        "[TOOL_CALLS]",
+        "[TOOL",
+        '[{"name": "f", "arguments": {"a": 1}}]',
+        '[{"name"',
+        '[TOOL_CALLS]f[ARGS]{"a": [1, "ü"]}',
+        "[TOOL_CALLS]g[CALL_ID]x1[ARGS]",
+        '{"a": [1, "ü"]}',
+        "[ARGS]",
+        "null",
+    ],
+}
+_ALPHABET = ' \n<>/[]{}";:,_"abc1'
+
+
+def _texts(name: str) -> st.SearchStrategy[str]:
+    fragments = st.sampled_from(_FRAGMENTS[name])
+    pieces = st.one_of(fragments, fragments, st.text(_ALPHABET, max_size=4))  # 2/3 markup
+    return st.lists(pieces, max_size=10).map("".join)
+
+
+@pytest.mark.parametrize("name", sorted(_FRAGMENTS))
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_streaming_any_split_agrees_with_the_whole_text(name: str, data: st.DataObject) -> None:
+    """The calls are equal in order; the streamed content, concatenated and stripped, equals the
+    whole-text content (parse strips it, the stream cannot know where the content ends)."""
+    parser = get_parser(name)
+    text = data.draw(_texts(name))
+    whole = parser.parse(text)
+    content, calls = _streamed(parser, random_split(data, text))
+    assert calls == whole.tool_calls
+    assert (content.strip() or None) == whole.content
+    assert _streamed(parser, list(text)) == (content, calls)  # one character at a time

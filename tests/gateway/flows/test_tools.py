@@ -1,0 +1,120 @@
+"""tools and tool_choice: what is accepted, and the grammar a forced choice becomes (its schema
+accepts exactly the calls the tools allow)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from gateway.core.errors import APIError
+from gateway.flows.fields import Fields
+from gateway.flows.tools import ToolPlan, parse_tools
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+NOARGS = {"type": "function", "function": {"name": "ping"}}
+
+
+def _plan(**body: Any) -> ToolPlan | None:
+    return parse_tools(Fields(body))
+
+
+def _schema(plan: ToolPlan | None) -> dict[str, Any]:
+    assert plan is not None
+    so = plan.constraint()
+    assert so is not None and so.kind == "json"
+    schema: dict[str, Any] = json.loads(so.spec)
+    return schema
+
+
+def test_defaults_follow_openai() -> None:
+    assert _plan() is None and _plan(tools=[]) is None
+    plan = _plan(tools=[WEATHER])
+    assert plan is not None and plan.choice == "auto" and plan.constraint() is None
+    assert _plan(tools=[WEATHER], tool_choice="none").choice == "none"  # type: ignore[union-attr]
+
+
+def test_a_named_choice_constrains_to_that_functions_arguments() -> None:
+    schema = _schema(_plan(tools=[WEATHER, NOARGS], tool_choice={"type": "function",
+                                                                  "function": {"name": "get_weather"}}))  # fmt: skip
+    jsonschema.validate({"city": "Oslo"}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({}, schema)
+    assert _schema(_plan(tools=[NOARGS], tool_choice={"type": "function", "function": {"name": "ping"}})) == {"type": "object"}  # fmt: skip
+
+
+def test_required_is_a_non_empty_array_of_calls_to_the_offered_functions() -> None:
+    schema = _schema(_plan(tools=[WEATHER, NOARGS], tool_choice="required"))
+    jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Rome"}},
+                         {"name": "ping", "arguments": {}}], schema)  # fmt: skip
+    for bad in (
+        [],
+        [{"name": "nope", "arguments": {}}],
+        [{"name": "get_weather", "arguments": {}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = _schema(_plan(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
+    assert single["maxItems"] == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"tools": "x"}, "tools", "tools must be a list"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools", "must be a function tool"),
+        ({"tools": [{"type": "function"}]}, "tools", "function must be an object"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "1 to 64"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+         "tools", "parameters must be a JSON schema object"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "got 'always'"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "must be"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice", "tools offer: get_weather"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ],
+)  # fmt: skip
+def test_malformed_tools_are_400s_that_say_what_to_fix(
+    body: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(APIError) as err:
+        _plan(**body)
+    assert err.value.status == 400 and err.value.param == param
+    assert words in err.value.message
+
+
+def test_required_keeps_each_functions_definitions_reachable() -> None:
+    """A pydantic-style schema refers to its $defs from the root: nested in the array, the
+    definitions move to the array's root under names of their own."""
+    city = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    trip = {
+        "type": "function",
+        "function": {"name": "plan", "parameters": {
+            "type": "object", "properties": {"to": {"$ref": "#/$defs/City"}}, "required": ["to"],
+            "$defs": {"City": city},
+        }},
+    }  # fmt: skip
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"c": {"$ref": "#/definitions/City"}},
+        "definitions": {"City": {"type": "integer"}},
+    }}}  # fmt: skip
+    schema = _schema(_plan(tools=[trip, other], tool_choice="required"))
+    assert set(schema["$defs"]) == {"f0_City", "f1_City"}
+    jsonschema.validate([{"name": "plan", "arguments": {"to": {"name": "Oslo"}}},
+                         {"name": "other", "arguments": {"c": 3}}], schema)  # fmt: skip
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "plan", "arguments": {"to": {}}}], schema)

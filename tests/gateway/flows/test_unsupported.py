@@ -1,0 +1,117 @@
+"""Every field of the unsupported table is a 400 naming it when it asks for something, and passes
+when it does not; unsupported endpoints are OpenAI-shaped 404s that say so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.core.errors import APIError
+from gateway.flows.protocol import parse_chat, parse_completion
+from gateway.flows.unsupported import CHAT, COMPLETION, ENDPOINTS, NEUTRAL, SAMPLING
+from tests.gateway.stack import Stack
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+# a value that asks for something, per field (anything truthy does, but be realistic)
+ASKING: dict[str, Any] = {
+    "guided_whitespace_pattern": " ",
+    "structural_tag": "{}",
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "bad_words": ["bad"],
+    "allowed_token_ids": [1, 2],
+    "logits_processors": ["x"],
+    "truncate_prompt_tokens": 16,
+    "return_tokens_as_token_ids": True,
+    "spaces_between_special_tokens": False,
+    "kv_transfer_params": {"do_remote_decode": True},
+    "cache_salt": "salt",
+    "vllm_xargs": {"a": 1},
+    "mm_processor_kwargs": {"a": 1},
+    "lora_request": {"lora_name": "x"},
+    "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto",
+    "chat_template": "{{ messages }}",
+    "documents": [{"title": "t", "text": "x"}],
+    "continue_final_message": True,
+    "echo": True,
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {"search_context_size": "low"},
+    "reasoning_effort": "low",
+    "media_io_kwargs": {"a": 1},
+    "prompt_embeds": "AAAA",
+}
+
+
+def test_every_row_has_an_asking_value() -> None:
+    assert set(ASKING) == {*SAMPLING, *CHAT, *COMPLETION}
+
+
+def _cases() -> list[tuple[str, str]]:
+    return [
+        *((name, "chat") for name in [*SAMPLING, *CHAT]),
+        *((name, "completion") for name in [*SAMPLING, *COMPLETION]),
+    ]
+
+
+def _parse(endpoint: str, extra: dict[str, Any]) -> None:
+    if endpoint == "chat":
+        parse_chat({"messages": MESSAGES, **extra})
+    else:
+        parse_completion({"prompt": "hi", **extra})
+
+
+@pytest.mark.parametrize(("name", "endpoint"), _cases())
+def test_a_field_that_asks_for_something_is_a_400_naming_it(name: str, endpoint: str) -> None:
+    with pytest.raises(APIError) as err:
+        _parse(endpoint, {name: ASKING[name]})
+    assert err.value.status == 400 and err.value.param == name
+    assert f"{name} is not supported" in err.value.message
+
+
+@pytest.mark.parametrize(("name", "endpoint"), _cases())
+def test_a_field_that_asks_for_nothing_passes(name: str, endpoint: str) -> None:
+    table = {**SAMPLING, **CHAT, **COMPLETION}
+    for value in table[name][1]:
+        _parse(endpoint, {name: value})  # no error
+
+
+def test_neutral_values_are_type_strict() -> None:
+    assert False in NEUTRAL  # and 0 == False, yet 0 asks for something:
+    with pytest.raises(APIError):
+        parse_completion({"prompt": "hi", "truncate_prompt_tokens": 0})
+    parse_completion({"prompt": "hi", "truncate_prompt_tokens": None})
+
+
+def test_fields_outside_both_lists_are_ignored() -> None:
+    parse_chat({"messages": MESSAGES, "store": True, "metadata": {"a": "b"}, "whatever": 1})
+
+
+def test_a_custom_whitespace_pattern_is_a_400_and_runs_nothing(colocated: Stack) -> None:
+    body = {"messages": MESSAGES, "guided_regex": "[a-z]+", "guided_whitespace_pattern": " *"}
+    r = httpx.post(f"{colocated.base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "guided_whitespace_pattern"
+    assert error["type"] == "invalid_request_error"
+    assert not colocated.workers[0].records.requests
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_unsupported_endpoints_are_openai_shaped_404s(colocated: Stack, path: str) -> None:
+    r = httpx.post(f"{colocated.base_url}{path}", json={"input": "hi"})
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error["code"] == "not_found" and "is not supported" in error["message"]
+    assert path in error["message"]
+
+
+def test_an_unknown_path_says_what_the_server_serves(colocated: Stack) -> None:
+    r = httpx.get(f"{colocated.base_url}/v1/nope")
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert "/v1/nope does not exist" in message and "/v1/chat/completions" in message

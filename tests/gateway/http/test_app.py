@@ -1,0 +1,180 @@
+"""The app as a whole: torch-free, auth, the small endpoints, OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.core.errors import APIError, error_type
+from gateway.http.admin_api import SPEC_PATH
+from tests.gateway.stack import Stack
+
+pytestmark = pytest.mark.timeout(120)
+
+_NO_TORCH = """
+import sys
+from gateway.http.app import build_app
+from gateway.core.config import GatewayConfig, WorkerSpec
+app = build_app(GatewayConfig(tokenizer=sys.argv[1], workers=(WorkerSpec("colocated", "127.0.0.1:1"),)))
+import gateway.http.server, gateway.http.openai_api, gateway.workers.disagg
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "services.engine")
+             or m.startswith("services.engine"))
+print("BAD", bad)
+"""
+
+
+def test_gateway_imports_no_torch(tokenizer_dir: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, tokenizer_dir],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "BAD []"
+
+
+@pytest.fixture(scope="module")
+def secured(tokenizer_dir: str) -> Iterator[Stack]:
+    stack = Stack(tokenizer_dir, ["colocated"], api_key="sekret", served_model_name="smol").start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_api_key_required_except_on_open_endpoints(secured: Stack) -> None:
+    url = secured.base_url
+    body = {"model": "smol", "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    wrong = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    for path in ("/health", "/metrics", "/version", "/openapi.json"):
+        assert httpx.get(url + path).status_code == 200, path
+
+
+def test_served_model_name_and_404_for_other_models(secured: Stack) -> None:
+    headers = {"Authorization": "Bearer sekret"}
+    models = httpx.get(f"{secured.base_url}/v1/models", headers=headers).json()
+    assert [m["id"] for m in models["data"]] == ["smol"]
+    assert models["data"][0]["max_model_len"] == 2048
+    r = httpx.post(
+        f"{secured.base_url}/v1/completions",
+        json={"model": "gpt-4", "prompt": "hi"},
+        headers=headers,
+    )
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "model"
+    assert "smol" in r.json()["error"]["message"]
+
+
+def test_get_one_model_by_id(secured: Stack) -> None:
+    headers = {"Authorization": "Bearer sekret"}
+    listed = httpx.get(f"{secured.base_url}/v1/models", headers=headers).json()["data"][0]
+    one = httpx.get(f"{secured.base_url}/v1/models/smol", headers=headers)
+    assert one.status_code == 200 and one.json() == listed
+    assert one.json()["object"] == "model" and one.json()["id"] == "smol"
+    missing = httpx.get(f"{secured.base_url}/v1/models/gpt-4", headers=headers)
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "model_not_found" and "gpt-4" in error["message"]
+    assert httpx.get(f"{secured.base_url}/v1/models/smol").status_code == 401
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors(colocated: Stack) -> None:
+    r = httpx.get(f"{colocated.base_url}/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    for path, allowed in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST")):
+        r = httpx.get(f"{colocated.base_url}{path}")
+        assert r.status_code == 405 and r.headers["allow"] == allowed, r.headers
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.post(f"{colocated.base_url}/v1/models", json={})
+    assert r.status_code == 405 and "GET" in r.headers["allow"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_error_types_follow_the_status() -> None:
+    """Every 4xx is the client's (invalid_request_error) unless it has its own type; every
+    other status is the server's."""
+    assert error_type(400) == error_type(405) == error_type(422) == "invalid_request_error"
+    assert error_type(429) == error_type(404) == "invalid_request_error"
+    assert error_type(401) == "authentication_error"
+    assert error_type(500) == error_type(502) == error_type(507) == "server_error"
+    assert error_type(503) == "service_unavailable_error" and error_type(504) == "timeout_error"
+    assert APIError(405, "m").type == "invalid_request_error"
+
+
+def test_version_openapi_and_workers(colocated: Stack) -> None:
+    url = colocated.base_url
+    assert httpx.get(f"{url}/version").json()["version"]
+    assert httpx.get(f"{url}/openapi.json").json() == json.loads(Path(SPEC_PATH).read_text())
+    workers = httpx.get(f"{url}/workers").json()["workers"]
+    assert [(w["role"], w["healthy"]) for w in workers] == [("colocated", True)]
+    assert workers[0]["load"]["max_model_len"] == 2048
+
+
+def test_tokenize_and_detokenize(colocated: Stack) -> None:
+    url = colocated.base_url
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert r == {"count": 2, "max_model_len": 2048, "tokens": [19556, 905]}
+    chat = httpx.post(
+        f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+    ).json()
+    assert chat["count"] == 31 and chat["tokens"][-4:] == [1, 520, 9531, 198]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [19556, 905]}).json() == {
+        "prompt": "Hello world"
+    }
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_a_large_tokenize_is_answered_in_full_and_never_holds_the_event_loop(
+    colocated: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, tokenizer = colocated.base_url, colocated.state.tokenizer
+    text = "Hello world, and more words. " * 3000  # ~21k tokens: rendered in slices
+    r = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    expected = tokenizer.encode(text)
+    assert r.json() == {"count": len(expected), "max_model_len": 2048, "tokens": expected}
+
+    # while a tokenization runs (held here), health checks and other requests are answered
+    entered, release = threading.Event(), threading.Event()
+    real = tokenizer.encode
+
+    def held(*args: object, **kwargs: object) -> list[int]:
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tokenizer, "encode", held)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{url}/tokenize", json={"prompt": "Hi"}, timeout=60)
+        assert entered.wait(30)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
+        release.set()
+        assert pending.result().json()["count"] == 1
+
+
+def test_a_bug_is_an_openai_shaped_500(colocated: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> list[int]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(colocated.state.tokenizer, "encode", broken)
+    r = httpx.post(f"{colocated.base_url}/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    assert "RuntimeError" in r.json()["error"]["message"]

@@ -1,0 +1,175 @@
+"""The HTTP connection guard: header and body deadlines, header size, connection bound."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from gateway.http.http_protocol import HttpLimits, guarded_protocol
+
+pytestmark = pytest.mark.timeout(60)
+
+LIMITS = HttpLimits(
+    header_timeout_s=0.5, body_timeout_s=0.5, max_header_bytes=4096, max_connections=3
+)
+
+
+class Served:
+    def __init__(self, limits: HttpLimits) -> None:
+        self.disconnects = 0
+        self.bodies: list[int] = []
+        self.port = 0
+
+        async def echo(request: Request) -> PlainTextResponse:
+            try:
+                body = await request.body()
+            except ClientDisconnect:
+                self.disconnects += 1
+                raise
+            self.bodies.append(len(body))
+            return PlainTextResponse(f"{len(body)}")
+
+        app = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"])])
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", http=guarded_protocol(limits),
+            timeout_keep_alive=30,
+        )  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=asyncio.run, args=(self.server.serve(),))
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def connect(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        return s
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with Served(LIMITS) as s:
+        yield s
+
+
+def read_all(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (10 s socket timeout)."""
+    chunks = []
+    while chunk := s.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def read_response(s: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        ).split(b":")[1]
+    )
+    while len(body) < length:
+        body += s.recv(65536)
+    return head.split(b"\r\n")[0] + b" " + body
+
+
+def test_a_complete_request_is_served_and_keep_alive_outlives_the_header_deadline(
+    served: Served,
+) -> None:
+    with served.connect() as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+        assert read_response(s) == b"HTTP/1.1 200 OK 5"
+        time.sleep(2 * LIMITS.header_timeout_s)  # idle between requests: keep-alive's rule
+        s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(s) == b"HTTP/1.1 200 OK 0"
+
+
+def test_headers_that_never_finish_get_408_and_the_connection_closes(served: Served) -> None:
+    with served.connect() as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\n")
+        reply = read_all(s)
+    assert reply.startswith(b"HTTP/1.1 408") and b"connection: close" in reply
+
+
+def test_a_trickle_of_header_bytes_is_cut_off_at_the_total_deadline(served: Served) -> None:
+    line = b"X-Slow: " + b"a" * 200 + b"\r\n"
+    started = time.monotonic()
+    with served.connect() as s:
+        s.sendall(b"GET /echo HTTP/1.1\r\n")
+        try:
+            for i in range(1000):  # a byte every 10 ms never finishes in time
+                s.sendall(line[i % len(line) : i % len(line) + 1])
+                time.sleep(0.01)
+        except OSError:
+            pass  # closed by the server while we were still sending
+        reply = read_all(s)
+    assert reply.startswith(b"HTTP/1.1 408")
+    assert time.monotonic() - started < 9  # cut off long before the trickle would have ended
+
+
+def test_a_connection_that_sends_nothing_is_closed(served: Served) -> None:
+    with served.connect() as s:
+        assert read_all(s).startswith(b"HTTP/1.1 408")
+
+
+def test_oversized_headers_get_431(served: Served) -> None:
+    with served.connect() as s:
+        s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 8192 + b"\r\n\r\n")
+        assert read_all(s).startswith(b"HTTP/1.1 431")
+    with served.connect() as s:  # one endless header line, never terminated
+        s.sendall(b"GET /echo HTTP/1.1\r\nX-Big: " + b"b" * 8192)
+        assert read_all(s).startswith(b"HTTP/1.1 431")
+
+
+def test_a_body_that_stops_arriving_closes_the_connection_and_the_app_sees_a_disconnect(
+    served: Served,
+) -> None:
+    before = served.disconnects
+    with served.connect() as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+        assert read_all(s) == b""  # closed without a response: the app never had its body
+    deadline = time.monotonic() + 5
+    while served.disconnects == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert served.disconnects == before + 1
+
+
+def test_connections_beyond_the_bound_get_503() -> None:
+    with Served(LIMITS) as served:
+        held = [served.connect() for _ in range(LIMITS.max_connections)]
+        for s in held:
+            s.sendall(b"GET /echo HTTP/1.1\r\n")  # in flight, not finished
+        try:
+            with served.connect() as extra:
+                assert read_all(extra).startswith(b"HTTP/1.1 503")
+        finally:
+            for s in held:
+                s.close()
+        with served.connect() as s:  # room again once they are gone
+            s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(s) == b"HTTP/1.1 200 OK 0"
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="header_timeout_s"):
+        HttpLimits(header_timeout_s=0)

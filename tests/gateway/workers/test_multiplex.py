@@ -1,0 +1,161 @@
+"""Many requests over one stream, gateway side: each request reads like its own call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.workers.multiplex import StreamMux, rpc_error
+from protos import common_pb2, worker_pb2
+
+pytestmark = pytest.mark.timeout(30)
+LENGTH, ERROR = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_ERROR
+
+
+class _Call:
+    """A bidi call as grpc.aio hands it out: iterable, cancellable."""
+
+    def __init__(self, replies: AsyncIterator[Any]) -> None:
+        self.replies, self.cancelled = replies, False
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self.replies
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeStream:
+    """Stands in for a worker's GenerateStream: records the items, answers as a test says."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.consumers: list[asyncio.Task[None]] = []
+        self.items: list[Any] = []
+        self.batches: asyncio.Queue[Any] = asyncio.Queue()
+
+    def __call__(self, items: AsyncIterator[Any]) -> Any:
+        self.opened += 1
+        self.consumers.append(asyncio.ensure_future(self._consume(items)))
+        return _Call(self._replies())
+
+    async def _consume(self, items: AsyncIterator[Any]) -> None:
+        async for item in items:
+            self.items.append(item)
+
+    async def _replies(self) -> AsyncIterator[common_pb2.ChunkBatch]:
+        while (b := await self.batches.get()) is not None:
+            if isinstance(b, BaseException):
+                raise b
+            yield b
+
+    def send(self, *chunks: common_pb2.TokenChunk) -> None:
+        self.batches.put_nowait(common_pb2.ChunkBatch(chunks=list(chunks)))
+
+
+def _chunk(rid: str, *tokens: int, reason: int = 0, **kw: Any) -> common_pb2.TokenChunk:
+    return common_pb2.TokenChunk(request_id=rid, token_ids=list(tokens), finish_reason=reason, **kw)
+
+
+def _mux(fake: FakeStream) -> StreamMux:
+    return StreamMux(fake, worker_pb2.GenerateStreamItem, "generate", "w:1")
+
+
+def _req(rid: str) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=[1])
+
+
+async def test_chunks_reach_their_requests_then_eof() -> None:
+    fake = FakeStream()
+    mux = _mux(fake)
+    a = mux.start(_req("a"), [("traceparent", "00-t")], 10.0)
+    b = mux.start(_req("b"), [], 10.0)
+    fake.send(_chunk("b", 7), _chunk("a", 1), _chunk("zzz", 9))  # zzz: nobody's
+    fake.send(_chunk("a", 2, reason=LENGTH), _chunk("b", 8, reason=LENGTH))
+    assert [list(c.token_ids) async for c in a] == [[1], [2]]
+    assert [list(c.token_ids) async for c in b] == [[7], [8]]
+    assert await a.read() is grpc.aio.EOF
+    await asyncio.sleep(0)
+    assert fake.opened == 1 and [i.generate.request_id for i in fake.items] == ["a", "b"]
+    assert dict(fake.items[0].metadata) == {"traceparent": "00-t"} and fake.items[0].timeout_s > 9
+    assert mux.open_requests == 0
+    await mux.close()
+
+
+async def test_a_refused_request_raises_its_status() -> None:
+    fake = FakeStream()
+    mux = _mux(fake)
+    call = mux.start(_req("a"), [], 10.0)
+    fake.send(_chunk("a", reason=ERROR, error="no reservation", status_code=5))
+    with pytest.raises(grpc.RpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert info.value.details() == "no reservation"
+    # an engine failure after the start is an ordinary error chunk, as on a per-request stream
+    call = mux.start(_req("b"), [], 10.0)
+    fake.send(_chunk("b", reason=ERROR, error="engine step failed"))
+    assert (await call.read()).error == "engine step failed"
+    await mux.close()
+
+
+async def test_a_broken_stream_fails_every_request_and_the_next_one_reopens() -> None:
+    fake = FakeStream()
+    mux = _mux(fake)
+    a, b = mux.start(_req("a"), [], 10.0), mux.start(_req("b"), [], 10.0)
+    fake.batches.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset"))
+    for call in (a, b):
+        with pytest.raises(grpc.RpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    c = mux.start(_req("c"), [], 10.0)
+    fake.send(_chunk("c", 1, reason=LENGTH))
+    assert [list(x.token_ids) async for x in c] == [[1]]
+    assert fake.opened == 2
+    await mux.close()
+
+
+async def test_cancel_sends_an_abort_and_a_deadline_raises_deadline_exceeded() -> None:
+    fake = FakeStream()
+    mux = _mux(fake)
+    a = mux.start(_req("a"), [], 10.0)
+    assert a.cancel() and not a.cancel()
+    slow = mux.start(_req("slow"), [], 0.05)
+    with pytest.raises(grpc.RpcError) as info:
+        await slow.read()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.sleep(0.01)
+    aborts = [i.abort.request_id for i in fake.items if i.WhichOneof("item") == "abort"]
+    assert aborts == ["a", "slow"] and mux.open_requests == 0
+    await mux.close()
+
+
+async def test_a_stream_that_cannot_open_fails_the_request_at_once() -> None:
+    def broken(items: AsyncIterator[Any]) -> Any:
+        raise RuntimeError("channel closed")
+
+    mux = StreamMux(broken, worker_pb2.GenerateStreamItem, "generate", "w:1")
+    call = mux.start(_req("a"), [], 10.0)
+    with pytest.raises(grpc.RpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_close_fails_waiting_requests_and_a_broken_stream_leaves_no_reader() -> None:
+    fake = FakeStream()
+    mux = _mux(fake)
+    a = mux.start(_req("a"), [], 10.0)
+    fake.batches.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE, "reset"))
+    with pytest.raises(grpc.RpcError):
+        await a.read()
+    await asyncio.sleep(0.01)
+    assert all(t.done() for t in fake.consumers), "the dead stream's request reader still waits"
+    b = mux.start(_req("b"), [], 10.0)
+    await mux.close()
+    with pytest.raises(grpc.RpcError) as info:
+        await b.read()
+    assert info.value.code() == grpc.StatusCode.CANCELLED
