@@ -166,7 +166,7 @@ class SpeculativeConfig:
             lookup = [k for k in _NGRAM_KEYS if k in data]
             if lookup:
                 raise ConfigError(
-                    f"--speculative-config {lookup[0]} is for method \"ngram\", not \"draft_model\""
+                    f'--speculative-config {lookup[0]} is for method "ngram", not "draft_model"'
                 )
             if not isinstance(data.get("model"), str):
                 raise ConfigError(

@@ -179,11 +179,13 @@ class DraftProposer:
     def _greedy(self, rows: list[tuple[str, list[int], int, bool]]) -> list[int]:
         """One forward of the draft over (request, tokens, start position, wants a draft)
         rows; the argmax after the last token of each row that wants one."""
-        out = SchedulerOutput([
-            ScheduledRequest(rid, tokens, start, self.tables.block_ids(rid), sample, GREEDY,
-                             [], [])  # fmt: skip
-            for rid, tokens, start, sample in rows
-        ])  # fmt: skip
+        tables = self.tables
+        out = SchedulerOutput(
+            [
+                ScheduledRequest(rid, tokens, start, tables.block_ids(rid), sample, GREEDY, [], [])
+                for rid, tokens, start, sample in rows
+            ]
+        )
         logits = self.runner.forward_logits(out)  # [rows that want one, V]
         if logits is None:
             return []
