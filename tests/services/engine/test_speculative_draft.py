@@ -5,8 +5,11 @@ cannot serve the target refused."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from services.config import ConfigError, SpeculativeConfig
+from services.engine import draft_proposer
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
 from services.model_files import prepare_model
@@ -115,10 +119,14 @@ def test_a_tiny_random_draft_gives_the_target_greedy_text(tiny: tuple[Path, Path
     assert tables.pool.num_free_blocks == tables.pool.num_blocks
 
 
-def test_preemption_and_a_small_draft_pool_keep_the_greedy_text(tiny: tuple[Path, Path]) -> None:
-    """A target pool of 48 blocks for 16 requests of up to 364 tokens preempts; the draft's pool
-    (sized from the target's) evicts entries, which feed their tokens again."""
+def test_preemption_and_a_small_draft_pool_keep_the_greedy_text(
+    tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target pool of 48 blocks for 16 requests of up to 364 tokens preempts; a draft pool of
+    33 blocks (one sequence of max_model_len, and a bit) cannot hold every proposing request:
+    entries are evicted and feed their tokens again, requests go without drafts for a step."""
     target, draft = tiny
+    monkeypatch.setattr(draft_proposer, "draft_num_blocks", lambda *args: 33)
     prompts, params = _mixed_requests(1, 16, 49152)
     knobs = {"max_num_seqs": 16, "num_blocks": 48, "max_model_len": 512}
     base = LLM(str(target), **knobs)
@@ -127,7 +135,9 @@ def test_preemption_and_a_small_draft_pool_keep_the_greedy_text(tiny: tuple[Path
     assert _ids(spec.generate(prompts, params)) == _ids(base.generate(prompts, params))
     assert spec.engine.scheduler.num_preemptions > 0
     assert spec.engine.spec_stats.num_accepted_tokens > 0
-    spec.engine.proposer.tables.check_invariants()  # type: ignore[union-attr]
+    tables = spec.engine.proposer.tables  # type: ignore[union-attr]
+    assert tables.pool.num_blocks == 33 and tables.evictions > 0
+    tables.check_invariants()
 
 
 def _critical_chi2(dof: int) -> float:
@@ -192,6 +202,14 @@ def test_drafts_that_cannot_serve_the_target_are_refused(
         LLM(str(target), speculative_config={"model": str(tmp_path / "small-vocab")})
     with pytest.raises(ConfigError, match="fewer than the target's max_model_len"):
         LLM("embedded", max_model_len=2048, speculative_config={"model": str(target)})
+    other = tmp_path / "other-tokenizer"
+    _build(other, 1, 49152, 0.06)
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]  # token -> id: two tokens trade ids, the size stays
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="another tokenizer than the target"):
+        LLM(str(target), speculative_config={"model": str(other)})
 
 
 @pytest.mark.parametrize(
@@ -212,3 +230,21 @@ def test_bad_draft_model_configs_are_refused(text: str, error: str) -> None:
 def test_a_model_alone_means_a_draft_model() -> None:
     config = SpeculativeConfig.parse('{"model": "embedded", "num_speculative_tokens": 5}')
     assert config == SpeculativeConfig("draft_model", 5, model="embedded")
+
+
+def test_tandem_generate_takes_a_draft_and_exits_2_on_one_it_refuses(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, draft = tiny
+
+    def generate(spec: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "services.cli", "generate", "--model", str(target),
+               "--speculative-config", spec, "--prompt", "hello", "--max-tokens", "8", "--json"]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+    res = generate(json.dumps({"model": str(draft), "num_speculative_tokens": 2}))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(json.loads(res.stdout.splitlines()[-1])["token_ids"]) == 8
+    _build(tmp_path / "small-vocab", 1, 1000, 0.06)
+    res = generate(json.dumps({"model": str(tmp_path / "small-vocab")}))
+    assert res.returncode == 2 and "vocabulary of 1000 tokens" in res.stderr
