@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,37 @@ def test_tandem_generate_takes_a_draft_and_exits_2_on_one_it_refuses(
     _build(tmp_path / "small-vocab", 1, 1000, 0.06)
     res = generate(json.dumps({"model": str(tmp_path / "small-vocab")}))
     assert res.returncode == 2 and "vocabulary of 1000 tokens" in res.stderr
+
+
+def test_on_a_decode_worker_the_draft_feeds_the_prompt_itself(tiny: tuple[Path, Path]) -> None:
+    """Disaggregated in one process: a prefill engine computes each prompt and its first token,
+    its KV blocks are copied into the blocks the speculating decode engine reserved, and the
+    decode engine gives the colocated engine's greedy text. The target is its own draft there:
+    nearly every draft is kept only if the draft computed the prompt's KV itself."""
+    target, _ = tiny
+    prompts, params = _mixed_requests(2, 16, 49152)
+    want = _ids(LLM(str(target), max_num_seqs=16).generate(prompts, params))
+    prefill = LLM(str(target), max_num_seqs=16).engine
+    decode = LLM(str(target), max_num_seqs=16, num_blocks=400,  # every prompt reserved at once
+                 speculative_config={"model": str(target), "num_speculative_tokens": 3}).engine  # fmt: skip
+    got: dict[str, list[int]] = {}
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        rid = f"r{i}"
+        prefill.add_request(rid, prompt, replace(sp, max_tokens=1), prefill_only=True)
+        while not (first := [o for o in prefill.step() if o.request_id == rid]):
+            pass
+        blocks = decode.reserve(rid, prompt, sp)
+        assert blocks is not None
+        src, dst = torch.tensor(prefill.block_ids(rid)), torch.tensor(blocks)
+        for theirs, ours in zip(prefill.runner.kv_caches, decode.runner.kv_caches, strict=True):
+            ours[:, dst] = theirs[:, src]
+        prefill.scheduler.release(rid)
+        got[rid] = list(first[0].token_ids)
+        assert decode.activate(rid, prompt, got[rid]) is None
+    while decode.has_unfinished:
+        for out in decode.step():
+            got[out.request_id] += out.token_ids
+    assert [got[f"r{i}"] for i in range(len(prompts))] == want
+    stats = decode.spec_stats
+    assert stats.num_draft_tokens > 100
+    assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens, stats
