@@ -114,13 +114,14 @@ class DraftProposer:
             torch.cuda.synchronize(target.device)
             free = torch.cuda.mem_get_info(target.device)[0]
         num_blocks = draft_num_blocks(config, target, arch, free)
+        # random weights for the draft too when the target has them (measuring the method)
+        dummy = config.model.load_format == "dummy"
         model = ModelConfig(
-            model=spec.model, load_format=config.model.load_format, seed=config.model.seed,
+            model=spec.model, load_format="dummy" if dummy else "auto", seed=config.model.seed,
             dtype=DTYPE_NAMES[target.dtype], max_model_len=target.max_model_len,
         )  # fmt: skip
         cache = replace(config.cache, num_blocks=num_blocks, enable_prefix_caching=False,
                         kv_offloading_gib=0.0)  # fmt: skip
-        # the hint a too-small pool names is the target's knob: the draft shares its memory
         self.runner = ModelRunner(
             replace(config, model=model, cache=cache, speculative=None, device=str(target.device))
         )
