@@ -19,6 +19,7 @@ import torch
 
 from services.config import ConfigError, SpeculativeConfig
 from services.engine import draft_proposer
+from services.engine.kv_cache import block_bytes
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
 from services.model_files import prepare_model
@@ -88,6 +89,21 @@ def test_the_embedded_model_as_its_own_draft_gives_the_same_text_and_keeps_its_d
     tables = self_draft.engine.proposer.tables  # type: ignore[union-attr]
     tables.check_invariants()
     assert tables.pool.num_free_blocks == tables.pool.num_blocks  # finished requests freed
+
+
+def test_the_draft_pool_holds_the_targets_tokens_and_the_drafts(self_draft: LLM) -> None:
+    """The CPU's default target pool is one sequence of 2048 tokens (128 blocks); the draft's
+    holds as many tokens plus a block of drafts for each of the 32 requests that may propose,
+    and on a GPU no more than half the memory left after the target."""
+    engine = self_draft.engine
+    proposer = engine.proposer
+    assert isinstance(proposer, draft_proposer.DraftProposer)
+    assert engine.runner.num_blocks == 128 and proposer.runner.num_blocks == 128 + 32
+    arch = proposer.runner.arch
+    per_block = block_bytes(arch, 16, torch.float32)
+    sized = draft_proposer.draft_num_blocks
+    assert sized(engine.config, engine.runner, arch, 100 * per_block) == 50
+    assert sized(engine.config, engine.runner, arch, 10**12) == 160
 
 
 def test_seeded_sampling_gives_the_same_text_with_the_draft(llm: LLM, self_draft: LLM) -> None:
