@@ -122,6 +122,8 @@ class SpeculativeConfig:
             raise ConfigError(
                 '--speculative-config method "draft_model" needs "model": the draft model'
             )
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError('--speculative-config "model" is for method "draft_model"')
         if self.method not in SPEC_METHODS:
             raise ConfigError(
                 f"--speculative-config method must be one of {', '.join(SPEC_METHODS)}, "
