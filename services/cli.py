@@ -338,9 +338,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
-        "(drafts from the request's own prompt and output, verified in one pass; used where "
+        "(drafts from the request's own prompt and output) or "
+        '\'{"method": "draft_model", "model": DIR_OR_NAME, "num_speculative_tokens": 4}\' '
+        "(a smaller model with the same tokenizer, run greedily in the same worker with its "
+        'own KV cache; "model" alone implies it); drafts are verified in one pass, where '
         "tokens are decoded: decode and colocated workers; disable_by_batch_size N turns "
-        "drafting off from N decoding requests). Default: off",
+        "drafting off from N decoding requests. Default: off",
     )
 
 

@@ -97,16 +97,18 @@ class SchedulerConfig:
         return self.max_num_batched_tokens or GPU_TOKEN_BUDGET
 
 
-SPEC_METHODS = ("ngram",)
-_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "disable_by_batch_size"}  # fmt: skip
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
+              "prompt_lookup_max", "disable_by_batch_size"}  # fmt: skip
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's ``--speculative-config``: ``method`` "ngram" proposes the tokens that followed the
     latest earlier occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down
-    to ``prompt_lookup_min``) in its prompt and output; one target pass verifies them."""
+    to ``prompt_lookup_min``) in its prompt and output; "draft_model" runs ``model`` (a smaller
+    model with the target's tokenizer) greedily for K steps. One target pass verifies them."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -114,12 +116,15 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # no drafts while this many requests (or more) are decoding; None: the engine's row limit only
     disable_by_batch_size: int | None = None
+    model: str | None = None  # the draft model (method "draft_model"), as --model takes it
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
+        if self.method == "draft_model" and not self.model:
             raise ConfigError(
-                '--speculative-config method "draft_model" is not supported yet; use "ngram"'
+                '--speculative-config method "draft_model" needs "model": the draft model'
             )
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError('--speculative-config "model" is for method "draft_model"')
         if self.method not in SPEC_METHODS:
             raise ConfigError(
                 f"--speculative-config method must be one of {', '.join(SPEC_METHODS)}, "
@@ -150,7 +155,7 @@ class SpeculativeConfig:
             data = text
         if not isinstance(data, dict):
             raise ConfigError("--speculative-config must be a JSON object")
-        unknown = sorted(set(data) - _SPEC_KEYS - {"model"})
+        unknown = sorted(set(data) - _SPEC_KEYS)
         if unknown:
             raise ConfigError(
                 f"--speculative-config key(s) not supported: {', '.join(unknown)} (supported: "
@@ -158,9 +163,19 @@ class SpeculativeConfig:
             )
         if "method" not in data and "model" in data:  # vLLM infers the method from the model
             data = {**data, "method": "draft_model"}
-        if "model" in data and data["method"] != "draft_model":
+        if "model" in data and data.get("method", cls.method) != "draft_model":
             raise ConfigError('--speculative-config "model" is for method "draft_model"')
-        data = {k: v for k, v in data.items() if k != "model"}
+        if data.get("method") == "draft_model":
+            lookup = [k for k in _NGRAM_KEYS if k in data]
+            if lookup:
+                raise ConfigError(
+                    f'--speculative-config {lookup[0]} is for method "ngram", not "draft_model"'
+                )
+            if not isinstance(data.get("model"), str):
+                raise ConfigError(
+                    '--speculative-config method "draft_model" needs "model": the draft model '
+                    "(a directory, a .gguf file or a name, as --model takes it)"
+                )
         off_at = data.get("disable_by_batch_size")
         if off_at is not None and (
             not isinstance(off_at, int) or isinstance(off_at, bool) or off_at < 1

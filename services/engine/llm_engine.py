@@ -14,9 +14,17 @@ from protos.sampling_params import InvalidRequestError, SamplingParams
 from protos.token_bytes import TokenBytes
 from services.config import EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.draft_proposer import DraftProposer
 from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.outputs import RequestOutput
-from services.engine.speculative import VERIFY_ROWS, Acceptance, NgramProposer, SpecStats
+from services.engine.speculative import (
+    VERIFY_ROWS,
+    Acceptance,
+    NgramProposer,
+    ProposalRequest,
+    Proposer,
+    SpecStats,
+)
 from services.engine.step_stats import HistogramSnapshot, TokenHistogram
 from services.engine.structured import CompiledOutput, GrammarBatch, GrammarCompiler
 from services.model_files import ModelFiles
@@ -114,7 +122,11 @@ class LLMEngine:
             self.vocab_size, config.scheduler.max_num_seqs, self.runner.device, self.eos_token_ids
         )
         spec = config.speculative
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer: Proposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.proposer = DraftProposer(config, self.runner, self.tokenizer)
+        elif spec is not None:
+            self.proposer = NgramProposer(spec)
         self._acceptance: dict[str, Acceptance] = {}
         self.spec_stats = SpecStats()
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -300,6 +312,9 @@ class LLMEngine:
             self._propose()
         out = self.scheduler.schedule()
         self.last_step_shape = (out.num_tokens, len(out.requests))
+        if self.proposer is not None:
+            for rid in out.preempted:  # recomputed later: the draft's KV goes back too
+                self.proposer.drop(rid)
         if out.empty:
             return []
         self.step_tokens.observe(out.num_tokens)
@@ -334,6 +349,7 @@ class LLMEngine:
         off_at = self.config.speculative.disable_by_batch_size
         if room <= 0 or (off_at is not None and len(decodes) >= off_at):
             return
+        wanted = []
         for req in decodes:
             sp = req.sampling_params
             if (
@@ -346,13 +362,13 @@ class LLMEngine:
             if not acceptance.wants_proposal():
                 continue
             limit = min(sp.max_tokens - req.num_output_tokens - 1,
-                        self.max_model_len - req.num_tokens - 1, room)  # fmt: skip
-            req.spec_token_ids = self.proposer.propose(
-                req.request_id, req.prompt_token_ids, req.output_token_ids, limit
+                        self.max_model_len - req.num_tokens - 1)  # fmt: skip
+            wanted.append(
+                ProposalRequest(req.request_id, req.prompt_token_ids, req.output_token_ids, limit)
             )
-            room -= len(req.spec_token_ids)
-            if room <= 0:
-                break
+        drafts = self.proposer.propose_batch(wanted, room)
+        for req in decodes:
+            req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _record_acceptance(
         self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]

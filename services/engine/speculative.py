@@ -1,6 +1,7 @@
 """Speculative decoding's proposer side: n-gram prompt lookup and per-request adaptivity.
 
-Torch-free. The engine asks :class:`NgramProposer` for up to K draft tokens per running decode
+Torch-free. The engine asks a :class:`Proposer` (:class:`NgramProposer`, or the draft model's
+``services.engine.draft_proposer.DraftProposer``) for up to K draft tokens per running decode
 before each step; the scheduler puts them after the request's last token, the runner computes
 logits for all of them in the same forward and samples every position as if it were the next
 token (``ModelRunner.execute``). Drafts are kept while they equal what was sampled; the first
@@ -18,6 +19,7 @@ slower than without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.config import SpeculativeConfig
 
@@ -75,6 +77,26 @@ class SpecStats:
             self.accepted_per_position[i] += 1
 
 
+@dataclass(frozen=True)
+class ProposalRequest:
+    """A running decode that wants drafts: its tokens so far and how many may follow."""
+
+    request_id: str
+    prompt: list[int]
+    output: list[int]
+    limit: int  # most drafts it can take (max_tokens and the context)
+
+
+class Proposer(Protocol):
+    def propose_batch(self, wanted: list[ProposalRequest], room: int) -> dict[str, list[int]]:
+        """Drafts for some of ``wanted`` (in order), ``room`` drafts in all at most."""
+        ...
+
+    def drop(self, request_id: str) -> None:
+        """Forget what is kept for the request (finished, aborted or preempted)."""
+        ...
+
+
 class NgramProposer:
     """Drafts from the request's own tokens: find the latest earlier place where its last n
     tokens occurred (n = prompt_lookup_max down to prompt_lookup_min) and propose the tokens
@@ -130,6 +152,17 @@ class NgramProposer:
         if best_n < self.n_min:
             return []
         return seq[best_end + 1 : best_end + 1 + k]
+
+    def propose_batch(self, wanted: list[ProposalRequest], room: int) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for w in wanted:
+            if room <= 0:
+                break
+            drafts = self.propose(w.request_id, w.prompt, w.output, min(w.limit, room))
+            if drafts:
+                out[w.request_id] = drafts
+                room -= len(drafts)
+        return out
 
     def drop(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

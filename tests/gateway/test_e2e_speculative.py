@@ -1,6 +1,7 @@
 """Speculative decoding behind the gateway, on real workers (the embedded model on the CPU): a
-decode worker and a colocated worker started with --speculative-config give the same greedy
-text as the shared workers without it, on 16 prompts, and report their drafts in /metrics."""
+decode worker and a colocated worker started with n-gram --speculative-config, and a colocated
+worker with the embedded model as its own draft model, give the same greedy text as the shared
+workers without it, on 16 prompts, and report their drafts in /metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ __all__ = ["fleet"]
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+DRAFT = '{"method": "draft_model", "model": "embedded", "num_speculative_tokens": 3}'
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +27,23 @@ def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
     prefill, decode = fleet.shared("prefill", "decode")
     spec_decode = fleet.spawn("decode", "--speculative-config", SPEC, name="spec-decode")
     spec_worker = fleet.spawn("worker", "--speculative-config", SPEC, name="spec-worker")
+    draft_worker = fleet.spawn("worker", "--speculative-config", DRAFT, name="draft-worker")
     spec_decode.wait_ready()
     spec_worker.wait_ready()
+    draft_worker.wait_ready()
     found = {
         "plain": fleet.gateway(prefill=[prefill], decode=[decode]),
         "disagg": fleet.gateway(prefill=[prefill], decode=[spec_decode]),
         "colocated": fleet.gateway(worker=[spec_worker]),
+        "draft-colocated": fleet.gateway(worker=[draft_worker]),
     }
     for name, gateway in found.items():
-        wait_healthy(gateway, 1 if name == "colocated" else 2)
+        wait_healthy(gateway, 1 if "colocated" in name else 2)
     yield found
     for gateway in found.values():
         gateway.kill()
-    asyncio.run(pools_free(prefill, spec_decode, spec_worker))
-    for proc in (spec_decode, spec_worker):
+    asyncio.run(pools_free(prefill, spec_decode, spec_worker, draft_worker))
+    for proc in (spec_decode, spec_worker, draft_worker):
         fleet.forget(proc)
         proc.kill()
 
@@ -64,7 +69,7 @@ def _accepted(gateway: Proc) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
-@pytest.mark.parametrize("topology", ["disagg", "colocated"])
+@pytest.mark.parametrize("topology", ["disagg", "colocated", "draft-colocated"])
 def test_greedy_text_equals_the_workers_without_speculation(
     gateways: dict[str, Proc], topology: str
 ) -> None:

@@ -1,0 +1,194 @@
+"""Speculative decoding with a draft model (method "draft_model"): a smaller model with the
+target's tokenizer, in the same worker, proposes its greedy tokens.
+
+Greedy drafting makes each draft a deterministic function of its prefix (a one-hot q), so the
+target's verifier (``sample_with_drafts``: keep a draft while it equals the target's sample at
+its position, then emit the target's sample) is exact rejection sampling, unchanged: the output
+follows the target's distribution at any temperature, and seeded requests give the text they
+give without speculation.
+
+The draft runs in ``LLMEngine._propose``, before the step is scheduled, on a ``ModelRunner`` of
+its own (same device and dtype as the target; its decode graphs on a GPU) over its own KV pool
+(``DraftTables``). A call makes one forward that feeds each proposing request the tokens the
+draft has not seen (the whole prompt the first time: on a decode worker the target's prompt KV
+came from the prefill worker, the draft's did not; after that the kept drafts and the bonus
+token) and reads the first drafts from its last rows, then K - 1 decode forwards batched over
+the requests, one draft each. Feeding is capped per call at the step's token budget: a request
+whose prompt does not fit gets the rest in later calls and no drafts until it has caught up.
+
+The pool: at most VERIFY_ROWS // 2 requests get drafts in a step (each draft rides next to its
+own decode row), so the draft keeps KV for that many sequences of max_model_len (plus their K
+drafts), never more tokens than the target's own pool holds, and on a GPU at most half the
+memory still free once the target's pool and graphs are in place. Requests past that evict the
+least recently used entries, which re-feed their tokens when they propose again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from protos.blocks import blocks_for
+from protos.sampling_params import SamplingParams
+from services.config import ConfigError, EngineConfig, ModelConfig
+from services.engine.draft_tables import DraftTables, tokens_between
+from services.engine.kv_cache import block_bytes
+from services.engine.model_config import ArchConfig
+from services.engine.model_runner import ModelRunner
+from services.engine.speculative import VERIFY_ROWS, ProposalRequest
+from services.model_files import ModelFiles, prepare_model
+from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
+
+GREEDY = SamplingParams(temperature=0, max_tokens=1)
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class _Plan:
+    request_id: str
+    start: int  # position of chunk[0]: the tokens before it are in the draft's KV
+    chunk: list[int]  # the request's tokens the draft feeds in this call
+    k: int  # drafts to propose (0: the chunk stops short of the last token)
+
+
+def _arch_of(files: ModelFiles) -> ArchConfig:
+    path = files.path if files.kind == "named" else (files.hf_dir or files.path) / "config.json"
+    return ArchConfig.from_file(path)
+
+
+def draft_num_blocks(
+    config: EngineConfig, target: ModelRunner, arch: ArchConfig, free_bytes: int | None
+) -> int:
+    """The draft pool's size in blocks (see the module docstring)."""
+    assert config.speculative is not None
+    bs, k = target.block_size, config.speculative.num_speculative_tokens
+    seqs = min(config.scheduler.max_num_seqs, VERIFY_ROWS // 2)
+    per_seq = blocks_for(target.max_model_len + k, bs)
+    n = min(seqs * per_seq, target.num_blocks + seqs * blocks_for(k, bs))
+    if free_bytes is not None:
+        n = min(n, free_bytes // 2 // block_bytes(arch, bs, target.dtype))
+    return max(n, 0)
+
+
+def check_compatible(
+    draft: ArchConfig, files: ModelFiles, target: ModelRunner, tokenizer: Any
+) -> None:
+    """Refuse a draft that cannot propose for this target: another vocabulary or tokenizer, or
+    a shorter context."""
+    name = f"the draft model {files.name!r}"
+    if draft.vocab_size != target.arch.vocab_size:
+        raise ConfigError(
+            f"{name} has a vocabulary of {draft.vocab_size} tokens, the target "
+            f"{target.arch.vocab_size}: a draft model must share the target's tokenizer"
+        )
+    if draft.max_position_embeddings < target.max_model_len:
+        raise ConfigError(
+            f"{name} handles {draft.max_position_embeddings} positions, fewer than the target's "
+            f"max_model_len {target.max_model_len}: set --max-model-len "
+            f"{draft.max_position_embeddings} or less, or use a draft with a longer context"
+        )
+    if tokenizer is None or files.kind == "named":  # random weights: token ids only
+        return
+    from services.engine.llm_engine import load_tokenizer  # the engine imports this module
+
+    if load_tokenizer(str(files.hf_dir)).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"{name} has another tokenizer than the target (same size, different tokens): a "
+            "draft model must share the target's tokenizer"
+        )
+
+
+class DraftProposer:
+    def __init__(self, config: EngineConfig, target: ModelRunner, tokenizer: Any) -> None:
+        spec = config.speculative
+        assert spec is not None and spec.model is not None
+        self.k = spec.num_speculative_tokens
+        self.budget = config.scheduler.token_budget  # tokens fed per call
+        files = prepare_model(spec.model)
+        arch = _arch_of(files)
+        check_compatible(arch, files, target, tokenizer)
+        free = None
+        if target.device.type == "cuda":
+            torch.cuda.synchronize(target.device)
+            free = torch.cuda.mem_get_info(target.device)[0]
+        num_blocks = draft_num_blocks(config, target, arch, free)
+        # random weights for the draft too when the target has them (measuring the method)
+        dummy = config.model.load_format == "dummy"
+        model = ModelConfig(
+            model=spec.model, load_format="dummy" if dummy else "auto", seed=config.model.seed,
+            dtype=DTYPE_NAMES[target.dtype], max_model_len=target.max_model_len,
+        )  # fmt: skip
+        cache = replace(config.cache, num_blocks=num_blocks, enable_prefix_caching=False,
+                        kv_offloading_gib=0.0)  # fmt: skip
+        self.runner = ModelRunner(
+            replace(config, model=model, cache=cache, speculative=None, device=str(target.device))
+        )
+        self.tables = DraftTables(self.runner.num_blocks, target.block_size)
+
+    # ---- the proposer ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_batch(self, wanted: list[ProposalRequest], room: int) -> dict[str, list[int]]:
+        plans = self._plan(wanted, room)
+        if not plans:
+            return {}
+        first = self._greedy([(p.request_id, p.chunk, p.start, p.k > 0) for p in plans])
+        proposing = [p for p in plans if p.k > 0]
+        drafts = {p.request_id: [t] for p, t in zip(proposing, first, strict=True)}
+        for j in range(1, self.k):  # draft j + 1 from draft j, one decode row per request
+            proposing = [p for p in proposing if p.k > j]
+            if not proposing:
+                break
+            rows = [
+                (p.request_id, drafts[p.request_id][-1:], p.start + len(p.chunk) + j - 1, True)
+                for p in proposing
+            ]
+            for p, t in zip(proposing, self._greedy(rows), strict=True):
+                drafts[p.request_id].append(t)
+        for p in plans:  # the last draft is never fed: its KV is not needed for proposing
+            fed = drafts.get(p.request_id, [])[:-1]
+            self.tables.record(p.request_id, p.chunk + fed, p.start + len(p.chunk))
+        return drafts
+
+    def drop(self, request_id: str) -> None:
+        self.tables.drop(request_id)
+
+    def _plan(self, wanted: list[ProposalRequest], room: int) -> list[_Plan]:
+        """Cut each request's draft KV back to what it still agrees with, pick what to feed
+        (within the token budget) and how many drafts (within ``room``), and hold the blocks."""
+        plans: list[_Plan] = []
+        budget, keep = self.budget, {w.request_id for w in wanted}
+        for w in wanted:
+            k = min(self.k, w.limit, room)
+            if room <= 0 or budget <= 0:
+                break
+            if k <= 0:
+                continue
+            rid, total = w.request_id, len(w.prompt) + len(w.output)
+            valid = self.tables.valid_prefix(rid, w.prompt, w.output)
+            self.tables.rewind(rid, valid)
+            n = min(total - valid, budget)
+            k = k if valid + n == total else 0
+            if not self.tables.reserve(rid, valid + n + max(k - 1, 0), keep):
+                continue
+            plans.append(_Plan(rid, valid, tokens_between(w.prompt, w.output, valid, valid + n), k))
+            budget -= n
+            room -= k
+        return plans
+
+    def _greedy(self, rows: list[tuple[str, list[int], int, bool]]) -> list[int]:
+        """One forward of the draft over (request, tokens, start position, wants a draft)
+        rows; the argmax after the last token of each row that wants one."""
+        tables = self.tables
+        out = SchedulerOutput(
+            [
+                ScheduledRequest(rid, tokens, start, tables.block_ids(rid), sample, GREEDY, [], [])
+                for rid, tokens, start, sample in rows
+            ]
+        )
+        logits = self.runner.forward_logits(out)  # [rows that want one, V]
+        if logits is None:
+            return []
+        (ids,) = self.runner.reader.read(logits.argmax(-1))
+        return ids

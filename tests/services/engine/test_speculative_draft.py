@@ -1,0 +1,301 @@
+"""Speculative decoding with a draft model: the same greedy and seeded text as without it (the
+embedded model as its own draft, and a tiny random draft for a tiny random target), drafts all
+kept when the draft is the target, the target's distribution at temperature 1, and drafts that
+cannot serve the target refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from protos.sampling_params import SamplingParams
+from services.config import ConfigError, SpeculativeConfig
+from services.engine import draft_proposer
+from services.engine.kv_cache import block_bytes
+from services.engine.llm import LLM
+from services.engine.llm_engine import load_tokenizer
+from services.model_files import prepare_model
+from tests.services.engine.test_speculative import COPYING, PROMPTS
+
+
+def _build(path: Path, layers: int, vocab: int, init: float, like: object = None) -> object:
+    """A tiny random Llama with the embedded model's tokenizer; ``like``: a model whose weights
+    it takes where the names match (a draft made of the target's first layers)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=init, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg)
+    if like is not None:
+        model.load_state_dict(like.state_dict(), strict=False)  # type: ignore[attr-defined]
+    model.save_pretrained(path)
+    load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 4-layer target and a draft of its first 2 layers: they agree on about a third of the
+    greedy tokens, so drafts are kept, cut after the first, the second... or all rejected."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = _build(root / "target", 4, 49152, 0.06)
+    _build(root / "draft", 2, 49152, 0.06, like=target)
+    return root / "target", root / "draft"
+
+
+def _ids(results: list) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+def _mixed_requests(seed: int, n: int, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of 3 to 300 tokens (up to 19 blocks, past a step's budget of 128) and outputs of
+    4 to 64 tokens, so requests start and finish at different steps."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(3, 300))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(4, 64), temperature=0, ignore_eos=True)
+              for _ in range(n)]  # fmt: skip
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def self_draft() -> LLM:
+    config = {"model": "embedded", "num_speculative_tokens": 3}
+    return LLM("embedded", max_num_seqs=32, speculative_config=config)
+
+
+def test_the_embedded_model_as_its_own_draft_gives_the_same_text_and_keeps_its_drafts(
+    llm: LLM, self_draft: LLM
+) -> None:
+    params = SamplingParams(max_tokens=32, temperature=0)
+    stats = self_draft.engine.spec_stats
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert _ids(self_draft.generate(PROMPTS, params)) == _ids(llm.generate(PROMPTS, params))
+    proposed, kept = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    # the draft's KV matches the target's position for position, so its argmax is the target's
+    assert proposed > 100 and kept >= 0.97 * proposed, (proposed, kept)
+    tables = self_draft.engine.proposer.tables  # type: ignore[union-attr]
+    tables.check_invariants()
+    assert tables.pool.num_free_blocks == tables.pool.num_blocks  # finished requests freed
+
+
+def test_the_draft_pool_holds_the_targets_tokens_and_the_drafts(self_draft: LLM) -> None:
+    """The CPU's default target pool is one sequence of 2048 tokens (128 blocks); the draft's
+    holds as many tokens plus a block of drafts for each of the 32 requests that may propose,
+    and on a GPU no more than half the memory left after the target."""
+    engine = self_draft.engine
+    proposer = engine.proposer
+    assert isinstance(proposer, draft_proposer.DraftProposer)
+    assert engine.runner.num_blocks == 128 and proposer.runner.num_blocks == 128 + 32
+    arch = proposer.runner.arch
+    per_block = block_bytes(arch, 16, torch.float32)
+    sized = draft_proposer.draft_num_blocks
+    assert sized(engine.config, engine.runner, arch, 100 * per_block) == 50
+    assert sized(engine.config, engine.runner, arch, 10**12) == 160
+
+
+def test_seeded_sampling_gives_the_same_text_with_the_draft(llm: LLM, self_draft: LLM) -> None:
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, logprobs=2),
+        SamplingParams(max_tokens=24, temperature=1.0, seed=3, presence_penalty=0.5),
+        SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=11, stop=["."]),
+    ]
+    prompts = COPYING[:3]
+    want, got = llm.generate(prompts, params), self_draft.generate(prompts, params)
+    assert [(r.outputs[0].token_ids, r.outputs[0].text) for r in got] == [
+        (r.outputs[0].token_ids, r.outputs[0].text) for r in want
+    ]
+
+
+def test_a_tiny_random_draft_gives_the_target_greedy_text(tiny: tuple[Path, Path]) -> None:
+    target, draft = tiny
+    prompts, params = _mixed_requests(0, 24, 49152)
+    base = LLM(str(target), max_num_seqs=32)
+    spec = LLM(str(target), max_num_seqs=32,
+               speculative_config={"model": str(draft), "num_speculative_tokens": 4})  # fmt: skip
+    assert _ids(spec.generate(prompts, params)) == _ids(base.generate(prompts, params))
+    stats = spec.engine.spec_stats
+    # drafts kept in part: some steps keep all four, others cut the run early
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_position[3] > 0
+    assert stats.accepted_per_position[0] > stats.accepted_per_position[3]
+    tables = spec.engine.proposer.tables  # type: ignore[union-attr]
+    tables.check_invariants()
+    assert tables.pool.num_free_blocks == tables.pool.num_blocks
+
+
+def test_preemption_and_a_small_draft_pool_keep_the_greedy_text(
+    tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target pool of 48 blocks for 16 requests of up to 364 tokens preempts; a draft pool of
+    33 blocks (one sequence of max_model_len, and a bit) cannot hold every proposing request:
+    entries are evicted and feed their tokens again, requests go without drafts for a step."""
+    target, draft = tiny
+    monkeypatch.setattr(draft_proposer, "draft_num_blocks", lambda *args: 33)
+    prompts, params = _mixed_requests(1, 16, 49152)
+    knobs = {"max_num_seqs": 16, "num_blocks": 48, "max_model_len": 512}
+    base = LLM(str(target), **knobs)
+    spec = LLM(str(target), **knobs,
+               speculative_config={"model": str(draft), "num_speculative_tokens": 3})  # fmt: skip
+    assert _ids(spec.generate(prompts, params)) == _ids(base.generate(prompts, params))
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    tables = spec.engine.proposer.tables  # type: ignore[union-attr]
+    assert tables.pool.num_blocks == 33 and tables.evictions > 0
+    tables.check_invariants()
+
+
+def _critical_chi2(dof: int) -> float:
+    """The chi-square value exceeded with probability 0.001 (Wilson-Hilferty)."""
+    z = 3.09
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _chi2(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom, outcomes expected < 5 times pooled."""
+    stat, rest_obs, rest_exp, bins = 0.0, 0, 0.0, 0
+    for outcome, p in probs.items():
+        if p * n >= 5:
+            stat += (counts[outcome] - p * n) ** 2 / (p * n)
+            bins += 1
+        else:
+            rest_obs, rest_exp = rest_obs + counts[outcome], rest_exp + p * n
+    if rest_exp > 0:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        bins += 1
+    return stat, bins - 1
+
+
+def test_temperature_one_keeps_the_target_distribution(tmp_path: Path) -> None:
+    """A 12-token vocabulary: the first token comes from the prefill, the next two are drafted
+    (greedy, two drafts) and verified. The joint law of (token 2, token 3) and the law of
+    token 3 match the target's exact probabilities (transformers, enumerating prefixes)."""
+    V, N = 12, 3000
+    target = _build(tmp_path / "target", 3, V, 0.5)
+    _build(tmp_path / "draft", 1, V, 0.5, like=target)
+    prompt = [3, 7, 1, 9]
+    with torch.no_grad():
+        first = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # type: ignore[operator]
+        two = torch.tensor([[*prompt, a] for a in range(V)])
+        second = target(two).logits[:, -1].softmax(-1)  # type: ignore[operator]  # [V, V]
+        three = torch.tensor([[*prompt, a, b] for a in range(V) for b in range(V)])
+        third = target(three).logits[:, -1].softmax(-1).view(V, V, V)  # type: ignore[operator]
+    p12 = first[:, None] * second  # [V, V]: P(token 1, token 2)
+    p123 = p12[:, :, None] * third  # [V, V, V]
+    p23 = p123.sum(0).double()
+    p3 = p123.sum((0, 1)).double()
+    spec = LLM(str(tmp_path / "target"), max_num_seqs=16,
+               speculative_config={"model": str(tmp_path / "draft"),
+                                   "num_speculative_tokens": 2})  # fmt: skip
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    outs = _ids(spec.generate([prompt] * N, params))
+    stats = spec.engine.spec_stats
+    assert stats.num_draft_tokens >= N and stats.num_accepted_tokens > N // 4  # really verified
+    joint = Counter((o[1], o[2]) for o in outs)
+    stat, dof = _chi2(joint, {(a, b): float(p23[a, b]) for a in range(V) for b in range(V)}, N)
+    assert stat < _critical_chi2(dof), (stat, dof)
+    stat, dof = _chi2(Counter(o[2] for o in outs), {c: float(p3[c]) for c in range(V)}, N)
+    assert stat < _critical_chi2(dof), (stat, dof)
+
+
+def test_drafts_that_cannot_serve_the_target_are_refused(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, _ = tiny
+    _build(tmp_path / "small-vocab", 1, 1000, 0.06)
+    with pytest.raises(ConfigError, match="vocabulary of 1000 tokens"):
+        LLM(str(target), speculative_config={"model": str(tmp_path / "small-vocab")})
+    with pytest.raises(ConfigError, match="fewer than the target's max_model_len"):
+        LLM("embedded", max_model_len=2048, speculative_config={"model": str(target)})
+    other = tmp_path / "other-tokenizer"
+    _build(other, 1, 49152, 0.06)
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]  # token -> id: two tokens trade ids, the size stays
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="another tokenizer than the target"):
+        LLM(str(target), speculative_config={"model": str(other)})
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"method": "draft_model", "model": 3}', 'needs "model"'),
+        ('{"model": "x", "prompt_lookup_max": 3}', 'prompt_lookup_max is for method "ngram"'),
+        ('{"method": "ngram", "model": "x"}', 'is for method "draft_model"'),
+        ('{"model": "x", "draft_tensor_parallel_size": 1}', "not supported"),
+    ],
+)
+def test_bad_draft_model_configs_are_refused(text: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        SpeculativeConfig.parse(text)
+
+
+def test_a_model_alone_means_a_draft_model() -> None:
+    config = SpeculativeConfig.parse('{"model": "embedded", "num_speculative_tokens": 5}')
+    assert config == SpeculativeConfig("draft_model", 5, model="embedded")
+
+
+def test_tandem_generate_takes_a_draft_and_exits_2_on_one_it_refuses(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, draft = tiny
+
+    def generate(spec: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "services.cli", "generate", "--model", str(target),
+               "--speculative-config", spec, "--prompt", "hello", "--max-tokens", "8", "--json"]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+    res = generate(json.dumps({"model": str(draft), "num_speculative_tokens": 2}))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(json.loads(res.stdout.splitlines()[-1])["token_ids"]) == 8
+    _build(tmp_path / "small-vocab", 1, 1000, 0.06)
+    res = generate(json.dumps({"model": str(tmp_path / "small-vocab")}))
+    assert res.returncode == 2 and "vocabulary of 1000 tokens" in res.stderr
+
+
+def test_on_a_decode_worker_the_draft_feeds_the_prompt_itself(tiny: tuple[Path, Path]) -> None:
+    """Disaggregated in one process: a prefill engine computes each prompt and its first token,
+    its KV blocks are copied into the blocks the speculating decode engine reserved, and the
+    decode engine gives the colocated engine's greedy text. The target is its own draft there:
+    nearly every draft is kept only if the draft computed the prompt's KV itself."""
+    target, _ = tiny
+    prompts, params = _mixed_requests(2, 16, 49152)
+    want = _ids(LLM(str(target), max_num_seqs=16).generate(prompts, params))
+    prefill = LLM(str(target), max_num_seqs=16).engine
+    decode = LLM(str(target), max_num_seqs=16, num_blocks=400,  # every prompt reserved at once
+                 speculative_config={"model": str(target), "num_speculative_tokens": 3}).engine  # fmt: skip
+    got: dict[str, list[int]] = {}
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        rid = f"r{i}"
+        prefill.add_request(rid, prompt, replace(sp, max_tokens=1), prefill_only=True)
+        while not (first := [o for o in prefill.step() if o.request_id == rid]):
+            pass
+        blocks = decode.reserve(rid, prompt, sp)
+        assert blocks is not None
+        src, dst = torch.tensor(prefill.block_ids(rid)), torch.tensor(blocks)
+        for theirs, ours in zip(prefill.runner.kv_caches, decode.runner.kv_caches, strict=True):
+            ours[:, dst] = theirs[:, src]
+        prefill.scheduler.release(rid)
+        got[rid] = list(first[0].token_ids)
+        assert decode.activate(rid, prompt, got[rid]) is None
+    while decode.has_unfinished:
+        for out in decode.step():
+            got[out.request_id] += out.token_ids
+    assert [got[f"r{i}"] for i in range(len(prompts))] == want
+    stats = decode.spec_stats
+    assert stats.num_draft_tokens > 100
+    assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens, stats
