@@ -16,6 +16,9 @@ from services.engine.quantization.base import QuantLinear
 
 
 class Fp8Linear(QuantLinear):
+    weight: torch.Tensor  # buffers (register_buffer), which nn.Module types as Tensor | Module
+    scale: torch.Tensor
+
     def __init__(
         self, in_features: int, out_features: int, shard_sizes: list[int], bias: bool,
         dtype: torch.dtype, weight_block: tuple[int, int] | None,

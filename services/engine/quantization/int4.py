@@ -16,6 +16,9 @@ from services.engine.quantization.base import QuantLinear
 
 
 class Int4Linear(QuantLinear):
+    qweight: torch.Tensor  # buffers (register_buffer), which nn.Module types as Tensor | Module
+    scales: torch.Tensor
+    zeros: torch.Tensor
     perm: torch.Tensor | None
 
     def __init__(
@@ -34,7 +37,7 @@ class Int4Linear(QuantLinear):
         self.register_buffer("qweight", torch.empty(k // 8, n, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(k // g, n, dtype=dtype))
         self.register_buffer("zeros", torch.empty(k // g, n, dtype=dtype))
-        self.perm = None  # [K] int64: act-order input permutation, set by finish_loading
+        self.register_buffer("perm", None)  # [K] int64: act-order input order, see finish_loading
         self.g_idx: list[torch.Tensor | None] = [None] * len(shard_sizes)
 
     def load_piece(self, piece: str, tensor: torch.Tensor, shard: int | None) -> bool:
