@@ -26,6 +26,7 @@ from kernels.quant import ref_fp8_linear, ref_w4a16_linear, scaled_mm_w8a8_linea
 
 __all__ = [
     "fp8_linear",
+    "fp8_supported",
     "gather_blocks",
     "gemv_rows",
     "linear",
@@ -102,20 +103,25 @@ FP8_GEMV_ROWS = 16
 
 
 @functools.cache
-def fp8_tensor_cores(device_index: int) -> bool:
-    """sm89+ (Ada, Hopper, Blackwell) multiply fp8 natively."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """sm89+ GPUs (Ada, Hopper, Blackwell): FP8 tensor cores, and Triton's e4m3 type."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
 
 
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return (
         scale.shape[1] == 1  # per-channel scales: _scaled_mm's rowwise mode
         and x.dtype == torch.bfloat16
         and x.shape[0] > FP8_GEMV_ROWS
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 16 == 0
-        and fp8_tensor_cores(index)
     )
 
 
@@ -126,12 +132,12 @@ def fp8_linear(
     block_k: int,
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [M, N]
-    """An FP8-weight linear layer. On CUDA: per-channel weights at batches above
+    """An FP8-weight linear layer. On an sm89+ GPU: per-channel weights at batches above
     ``FP8_GEMV_ROWS`` run W8A8 on the FP8 tensor cores (x quantized per token); everything
-    else (short batches, block scales, GPUs without FP8 tensor cores) runs the Triton kernel,
-    weight-only. Elsewhere the weight-only torch reference."""
+    else (short batches, block scales) runs the Triton kernel, weight-only. Elsewhere (the CPU,
+    older GPUs) the weight-only torch reference: the weight dequantized at every call."""
     mod = _triton("triton_quant", x)
-    if mod is None:
+    if mod is None or not fp8_supported(x.device):
         out = ref_fp8_linear(x, weight, scale, block_k)
     elif _scaled_mm_fits(x, weight, scale):
         out = scaled_mm_w8a8_linear(x, weight, scale)

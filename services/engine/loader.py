@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels import ops
 from services.config import ConfigError, ModelConfig
 from services.engine.model_config import ArchConfig
 from services.engine.models.llama import LlamaForCausalLM
@@ -190,3 +191,9 @@ def _finish_quantization(model: LlamaForCausalLM, qcfg: QuantConfig) -> None:
     if not qcfg.serialized:
         quantize_loaded(model)
     log.info(qcfg.describe())
+    device = model.lm_head.weight.device
+    if qcfg.method == "fp8" and device.type == "cuda" and not ops.fp8_supported(device):
+        log.warning(
+            "this GPU has no FP8 support (sm89+): fp8 weights are dequantized at every call "
+            "(weight-only, slower than the float model); prefer bf16 or an int4 checkpoint here"
+        )
