@@ -51,6 +51,10 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> Weights:
         w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
         for name, (n, k) in shapes.items():
             w[p + name + ".weight"] = torch.randn(n, k, generator=gen) / k**0.5
+        if cfg["model_type"] == "qwen2":  # q, k and v have biases
+            for name in ("q_proj", "k_proj", "v_proj"):
+                n = shapes[f"self_attn.{name}"][0]
+                w[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(n, generator=gen)
     return w
 
 
@@ -101,27 +105,38 @@ def fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, scale, q.float() * scale
 
 
-def fp8_checkpoint(path: Path, block: bool, seed: int = 0) -> tuple[Path, Weights]:
+def fp8_checkpoint(path: Path, scheme: str, seed: int = 0) -> tuple[Path, Weights]:
+    """scheme: "block" (HF fp8, 128x128 weight_scale_inv), "channel" (compressed-tensors
+    FP8_DYNAMIC, weight_scale [N, 1]) or "tensor" (fp8 without blocks, one weight_scale each)."""
     cfg = tiny_config(torch_dtype="bfloat16")
     w = random_weights(cfg, seed)
     tensors, deq = dict(w), dict(w)
     for name in linear_names(w):
-        quant = fp8_block if block else fp8_channel
-        q, scale, deq[name + ".weight"] = quant(w[name + ".weight"])
+        weight = w[name + ".weight"]
+        if scheme == "tensor":
+            scale = weight.abs().max() / 448.0  # a 0-dim tensor
+            q = (weight / scale).to(torch.float8_e4m3fn)
+            deq[name + ".weight"] = q.float() * scale
+        else:
+            q, scale, deq[name + ".weight"] = (fp8_block if scheme == "block" else fp8_channel)(
+                weight
+            )
         tensors[name + ".weight"] = q
-        tensors[name + (".weight_scale_inv" if block else ".weight_scale")] = scale
-    if block:
+        tensors[name + (".weight_scale_inv" if scheme == "block" else ".weight_scale")] = scale
+    if scheme == "block":
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                       "fmt": "e4m3", "weight_block_size": [G, G]}  # fmt: skip
+    elif scheme == "tensor":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     else:  # compressed-tensors, as llm-compressor writes FP8_DYNAMIC
-        scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                              "symmetric": True, "dynamic": False},
-                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                        "symmetric": True, "dynamic": True},
-                  "targets": ["Linear"]}  # fmt: skip
+        scheme_cfg = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                  "symmetric": True, "dynamic": False},
+                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                            "symmetric": True, "dynamic": True},
+                      "targets": ["Linear"]}  # fmt: skip
         cfg["quantization_config"] = {"quant_method": "compressed-tensors",
                                       "format": "float-quantized", "ignore": ["lm_head"],
-                                      "config_groups": {"group_0": scheme}}  # fmt: skip
+                                      "config_groups": {"group_0": scheme_cfg}}  # fmt: skip
     return write(path, cfg, tensors), deq
 
 
@@ -177,9 +192,10 @@ def gptq_pack_cols(z: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, C/8]: colu
 
 
 def int4_checkpoint(
-    path: Path, method: str, desc_act: bool = False, group: int = G, seed: int = 0
-) -> tuple[Path, Weights]:
-    cfg = tiny_config(torch_dtype="float16")
+    path: Path, method: str, desc_act: bool = False, group: int = G, seed: int = 0,
+    **extra: Any,
+) -> tuple[Path, Weights]:  # fmt: skip
+    cfg = tiny_config(torch_dtype="float16", **extra)
     w = random_weights(cfg, seed)
     tensors = {n: t for n, t in w.items() if not n.endswith(LINEARS_SUFFIXES)}
     deq = dict(w)
@@ -216,6 +232,9 @@ def int4_checkpoint(
     return write(path, cfg, tensors), deq
 
 
-def float_checkpoint(path: Path, weights: Weights, **extra: Any) -> Path:
-    """The reference: the same model with float32 weights (the dequantized ones)."""
-    return write(path, tiny_config(**extra), weights)
+def float_checkpoint(path: Path, weights: Weights, like: Path | None = None) -> Path:
+    """The reference: the model of ``like`` (default: the tiny Llama) with these float32
+    weights (the dequantized ones) and no quantization_config."""
+    cfg = json.loads((like / "config.json").read_text()) if like else tiny_config()
+    cfg.pop("quantization_config", None)
+    return write(path, {**cfg, "torch_dtype": "float32"}, weights)

@@ -10,6 +10,7 @@ that ignored the quantized tensors could not pass).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,27 +47,26 @@ def load(path: Path, **knobs: object) -> LlamaForCausalLM:
     return load_model(ModelConfig(model=str(path), **knobs), torch.device("cpu"), 64)[0]  # type: ignore[arg-type]
 
 
-def check_matches_dequantized(tmp_path: Path, path: Path, deq: ck.Weights, orig: ck.Weights, layer: type) -> LlamaForCausalLM:  # fmt: skip
+def check_matches_dequantized(tmp_path: Path, path: Path, deq: ck.Weights, layer: type) -> LlamaForCausalLM:  # fmt: skip
+    orig = ck.random_weights(json.loads((path / "config.json").read_text()))  # before quantizing
     model = load(path)
     assert isinstance(model.model.layers[1].self_attn.qkv_proj, layer)
     assert isinstance(model.model.layers[0].mlp.down_proj, layer)
     assert type(model.lm_head) is Linear
     out = run(model)
-    ref = run(load(ck.float_checkpoint(tmp_path / "ref", deq)))
+    ref = run(load(ck.float_checkpoint(tmp_path / "ref", deq, path)))
     torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
-    unquantized = run(load(ck.float_checkpoint(tmp_path / "float", orig)))
+    unquantized = run(load(ck.float_checkpoint(tmp_path / "float", orig, path)))
     assert (out - unquantized).abs().max() > 100 * TOL  # the quantized weights were used
     return model
 
 
-@pytest.mark.parametrize("block", [True, False], ids=["block128", "per-channel"])
-def test_fp8_checkpoints(tmp_path: Path, block: bool, caplog: pytest.LogCaptureFixture) -> None:
-    path, deq = ck.fp8_checkpoint(tmp_path / "fp8", block)
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor"])
+def test_fp8_checkpoints(tmp_path: Path, scheme: str, caplog: pytest.LogCaptureFixture) -> None:
+    path, deq = ck.fp8_checkpoint(tmp_path / "fp8", scheme)
     with caplog.at_level("INFO", logger="services.engine.loader"):
-        check_matches_dequantized(
-            tmp_path, path, deq, ck.random_weights(ck.tiny_config()), Fp8Linear
-        )
-    line = "128x128 block scales" if block else "per-channel"
+        check_matches_dequantized(tmp_path, path, deq, Fp8Linear)
+    line = "128x128 block scales" if scheme == "block" else "per-channel (or per-tensor)"
     assert line in caplog.text and "lm_head" in caplog.text
 
 
@@ -79,14 +79,22 @@ def test_fp8_checkpoints(tmp_path: Path, block: bool, caplog: pytest.LogCaptureF
 def test_int4_checkpoints(tmp_path: Path, method: str, desc_act: bool, group: int, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     path, deq = ck.int4_checkpoint(tmp_path / method, method, desc_act, group)
     with caplog.at_level("INFO", logger="services.engine.loader"):
-        model = check_matches_dequantized(
-            tmp_path, path, deq, ck.random_weights(ck.tiny_config()), Int4Linear
-        )
+        model = check_matches_dequantized(tmp_path, path, deq, Int4Linear)
     down, qkv = model.model.layers[0].mlp.down_proj, model.model.layers[0].self_attn.qkv_proj
     assert isinstance(down, Int4Linear) and isinstance(qkv, Int4Linear)
     assert (down.perm is not None) == desc_act  # K = 256: two or more groups to shuffle
     assert (qkv.perm is not None) == (desc_act and group < 128)  # K = 128: one group of 128
     assert f"{method} int4 weights (w4a16), group size {group}" in caplog.text
+
+
+def test_awq_qwen2_with_qkv_biases(tmp_path: Path) -> None:
+    """The unquantized biases of the stacked q/k/v shards land beside the packed weights."""
+    path, deq = ck.int4_checkpoint(tmp_path / "qwen2", "awq", model_type="qwen2")
+    model = check_matches_dequantized(tmp_path, path, deq, Int4Linear)
+    bias = model.model.layers[1].self_attn.qkv_proj.bias
+    assert bias is not None
+    want = [deq[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"]
+    assert torch.equal(bias, torch.cat(want))
 
 
 def test_online_fp8_quantizes_a_float_checkpoint(tmp_path: Path) -> None:
