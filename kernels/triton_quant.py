@@ -70,7 +70,7 @@ def _w4_gemv_kernel(
     tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compilation for every batch size
 def _w4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -125,7 +125,7 @@ def _fp8_gemv_kernel(
     tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
