@@ -121,7 +121,10 @@ def _load_quantized(
         module = module.replace(match.group(1), fused)
     if module not in quantized:
         return False
-    quantized[module].load(piece, tensor, shard)
+    try:
+        quantized[module].load(piece, tensor, shard)
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint tensor {name!r}: {e}") from None
     return True
 
 

@@ -156,3 +156,17 @@ def test_shards_with_different_act_order_are_refused(tmp_path: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ConfigError, match="g_idx differ"):
         load(path)
+
+
+def test_zero_biases_of_bias_free_layers_are_accepted_and_others_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path, _ = ck.int4_checkpoint(tmp_path / "gptq", "gptq")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.bias"] = torch.zeros(128)
+    save_file(tensors, str(path / "model.safetensors"))
+    load(path)
+    tensors["model.layers.0.mlp.down_proj.bias"] = torch.ones(128)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"'model\.layers\.0\.mlp\.down_proj\.bias': unexpected"):
+        load(path)
