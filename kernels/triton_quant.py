@@ -45,6 +45,19 @@ def _chunk(block_k: int, fits: int) -> int:
 
 
 @triton.jit
+def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows k0 .. k0 + BLOCK_K of the int4 weight, ``[BLOCK_K, BLOCK_N]`` int32 in 0..15: each
+    int32 is loaded once and split into its eight rows in registers."""
+    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(
+        qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :], mask=n_mask[None, :], other=0
+    )  # [BK/8, BN]
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    q = (packed[:, None, :] >> shifts) & 0xF  # [BK/8, 8, BN]: row 8p + i at [p, i]
+    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -54,13 +67,10 @@ def _w4_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    shifts = ((offs_k % 8) * 4)[:, None]  # [BK, 1]: nibble of each row in its int32
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K is a multiple of GROUP, GROUP of BLOCK_K: no masks
         ks = k0 + offs_k
-        packed = tl.load(qw_ptr + (ks // 8)[:, None].to(tl.int64) * s_qk + offs_n[None, :],
-                         mask=n_mask[None, :], other=0)  # fmt: skip
-        q = ((packed >> shifts) & 0xF).to(tl.float32)  # [BK, BN]
+        q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N).to(tl.float32)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -80,18 +90,16 @@ def _w4_gemm_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    shifts = ((offs_k % 8) * 4)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * s_xm + ks[None, :],
                     mask=m_mask[:, None], other=0.0)  # fmt: skip
-        packed = tl.load(qw_ptr + (ks // 8)[:, None].to(tl.int64) * s_qk + offs_n[None, :],
-                         mask=n_mask[None, :], other=0)  # fmt: skip
+        q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N).to(tl.float32)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        w = (((packed >> shifts) & 0xF).to(tl.float32) - z[None, :]).to(a.dtype)  # exact: |w| <= 15
+        w = (q - z[None, :]).to(a.dtype)  # exact: integers in [-15, 15]
         acc += mma(a, w, UPCAST, PRECISION) * s[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
