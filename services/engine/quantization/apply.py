@@ -39,7 +39,9 @@ def quantize_model(
         shards = stacked.get(attr, [n])
         layer: QuantLinear
         if qcfg.is_int4:
-            layer = Int4Linear(k, n, shards, bias, dtype, qcfg.method, qcfg.group_size)
+            layer = Int4Linear(
+                k, n, shards, bias, dtype, qcfg.method, qcfg.group_size, qcfg.desc_act
+            )
         else:
             layer = Fp8Linear(k, n, shards, bias, dtype, qcfg.weight_block)
         setattr(parent, attr, layer)

@@ -23,7 +23,7 @@ class Int4Linear(QuantLinear):
 
     def __init__(
         self, in_features: int, out_features: int, shard_sizes: list[int], bias: bool,
-        dtype: torch.dtype, method: str, group_size: int,
+        dtype: torch.dtype, method: str, group_size: int, desc_act: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, shard_sizes, bias, dtype)
         k, n, g = in_features, out_features, group_size
@@ -33,7 +33,8 @@ class Int4Linear(QuantLinear):
                 f"output shard of {shard_sizes} is not a multiple of 8)"
             )
         self.method, self.group_size = method, group_size
-        self.PIECES = ("qweight", "qzeros", "scales")
+        # act-order needs each shard's g_idx; without it a GPTQ g_idx is optional (trivial)
+        self.PIECES = ("qweight", "qzeros", "scales", *(("g_idx",) if desc_act else ()))
         self.register_buffer("qweight", torch.empty(k // 8, n, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(k // g, n, dtype=dtype))
         self.register_buffer("zeros", torch.empty(k // g, n, dtype=dtype))
@@ -44,6 +45,7 @@ class Int4Linear(QuantLinear):
         start, size = self.rows(shard)
         cols = slice(start, start + size)
         awq = self.method == "awq"
+        tensor = tensor.to(self.qweight.device)  # repacked where the layer lives (the GPU)
         if piece == "qweight":  # AWQ [K, n/8] by columns; GPTQ [K/8, n], already our layout
             packed = pack_rows(unpack_cols(tensor, AWQ_ORDER)) if awq else tensor
             self.qweight[:, cols].copy_(packed)

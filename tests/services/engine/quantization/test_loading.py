@@ -170,3 +170,14 @@ def test_zero_biases_of_bias_free_layers_are_accepted_and_others_refused(tmp_pat
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"'model\.layers\.0\.mlp\.down_proj\.bias': unexpected"):
         load(path)
+
+
+def test_act_order_without_g_idx_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path, _ = ck.int4_checkpoint(tmp_path / "gptq", "gptq", desc_act=True, group=32)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.o_proj.g_idx"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn\.o_proj\.g_idx#0"):
+        load(path)
