@@ -21,8 +21,11 @@ from kernels.attention import (
 )
 from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
+from kernels.quant import ref_fp8_linear, ref_w4a16_linear, scaled_mm_w8a8_linear
 
 __all__ = [
+    "fp8_linear",
+    "fp8_supported",
     "gather_blocks",
     "gemv_rows",
     "linear",
@@ -34,6 +37,7 @@ __all__ = [
     "scatter_blocks",
     "silu_and_mul",
     "triton_available",
+    "w4a16_linear",
     "write_kv",
 ]
 
@@ -83,6 +87,70 @@ def linear(
         if mod is not None:
             return mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def w4a16_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [K/8, N] int32, 4-bit, packed along K (kernels.quant)
+    scales: torch.Tensor,  # [K/G, N]
+    zeros: torch.Tensor,  # [K/G, N]
+    group_size: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """An int4 weight-only linear layer: dequantized inside the Triton kernel on CUDA."""
+    mod = _triton("triton_quant", x)
+    fn = mod.w4a16_linear if mod else ref_w4a16_linear
+    out = fn(x, qweight, scales, zeros, group_size)
+    return out if bias is None else out + bias
+
+
+# FP8 tensor cores (torch._scaled_mm) take batches above this many rows; the Triton kernel,
+# which reads the fp8 weight and multiplies in the activation dtype, takes the short ones
+FP8_GEMV_ROWS = 16
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """sm89+ GPUs (Ada, Hopper, Blackwell): FP8 tensor cores, and Triton's e4m3 type."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
+def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    return (
+        scale.shape[1] == 1  # per-channel scales: _scaled_mm's rowwise mode
+        and x.dtype == torch.bfloat16
+        and x.shape[0] > FP8_GEMV_ROWS
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 16 == 0
+    )
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N, ceil(K / block_k)] float32
+    block_k: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """An FP8-weight linear layer. On an sm89+ GPU: per-channel weights at batches above
+    ``FP8_GEMV_ROWS`` run W8A8 on the FP8 tensor cores (x quantized per token); everything
+    else (short batches, block scales) runs the Triton kernel, weight-only. Elsewhere (the CPU,
+    older GPUs) the weight-only torch reference: the weight dequantized at every call."""
+    mod = _triton("triton_quant", x)
+    if mod is None or not fp8_supported(x.device):
+        out = ref_fp8_linear(x, weight, scale, block_k)
+    elif _scaled_mm_fits(x, weight, scale):
+        out = scaled_mm_w8a8_linear(x, weight, scale)
+    else:
+        out = mod.fp8_linear(x, weight, scale, block_k)
+    return out if bias is None else out + bias
 
 
 def write_kv(

@@ -213,6 +213,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "a float16 checkpoint)",
     )
     g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["fp8", "awq", "gptq"],
+        help="quantized weights: fp8 (e4m3; a float checkpoint, or --load-format dummy, is "
+        "quantized at load time), awq or gptq (4-bit checkpoints, group size 32, 64 or 128); "
+        "default: the checkpoint's quantization_config, if any. lm_head and the embeddings stay "
+        "unquantized",
+    )
+    g.add_argument(
         "--max-model-len",
         type=_positive_int,
         default=None,

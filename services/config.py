@@ -15,6 +15,9 @@ from protos.errors import ConfigError
 from protos.roles import Role
 
 
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = "embedded"  # "embedded", an HF directory, a .gguf file or a named config
@@ -22,6 +25,8 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0  # for dummy weights
+    # fp8 | awq | gptq; None: the checkpoint's quantization_config, if any
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy", "hf", "gguf"):
@@ -34,6 +39,11 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,7 @@ def config_from_args(args: Any) -> EngineConfig:
         args.model,
         load_format=args.load_format,
         dtype=args.dtype,
+        quantization=getattr(args, "quantization", None),
         max_model_len=args.max_model_len,
         seed=args.seed,
         block_size=args.block_size,

@@ -4,6 +4,7 @@ conversion), or random weights from a config (``--load-format dummy``)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,9 +12,19 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels import ops
 from services.config import ConfigError, ModelConfig
 from services.engine.model_config import ArchConfig
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.quantization import (
+    QuantConfig,
+    QuantLinear,
+    dummy_quantized,
+    quantize_loaded,
+    quantize_model,
+    quantized_modules,
+    resolve_quantization,
+)
 from services.engine.rope import cos_sin_cache
 from services.model_files import ModelFiles, prepare_model
 
@@ -25,6 +36,8 @@ _STACKED = {  # HF name piece -> (our fused parameter, shard index)
     "up_proj": ("gate_up_proj", 1),
 }
 _NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +76,7 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
+    quantized = quantized_modules(model)  # their tensors are buffers: not in params
     arch = model.cfg
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -71,6 +85,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue
         match = _NAME.search(name)
+        if quantized and _load_quantized(quantized, name, tensor, match):
+            continue
         if match:
             fused, shard = _STACKED[match.group(1)]
             target = name.replace(match.group(1), fused)
@@ -90,6 +106,26 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise ConfigError(f"weights missing from the checkpoint: {missing[:5]} ...")
+    for module_name, module in quantized.items():
+        module.finish_loading(module_name)
+
+
+def _load_quantized(
+    quantized: dict[str, QuantLinear], name: str, tensor: torch.Tensor, match: re.Match[str] | None
+) -> bool:
+    """Hand a tensor of a quantized layer to that layer (a stacked shard with its index)."""
+    module, _, piece = name.rpartition(".")
+    shard = None
+    if match:
+        fused, shard = _STACKED[match.group(1)]
+        module = module.replace(match.group(1), fused)
+    if module not in quantized:
+        return False
+    try:
+        quantized[module].load(piece, tensor, shard)
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint tensor {name!r}: {e}") from None
+    return True
 
 
 def dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
@@ -129,16 +165,38 @@ def load_model(
     )
     arch = ArchConfig.from_file(config_path)
     dtype = resolve_dtype(config, arch, device)
+    dummy = config.load_format == "dummy" or files.kind == "named"
+    qcfg = resolve_quantization(
+        arch.quantization_config, config.quantization, has_weights=not dummy
+    )
     with torch.device("meta"), _no_param_init():
-        model = LlamaForCausalLM(arch, max_positions)
-    model = model.to(dtype).to_empty(device=device)
+        model = LlamaForCausalLM(arch, max_positions).to(dtype)
+        if qcfg is not None and qcfg.serialized:
+            stacked = {fused: _shard_sizes(arch, fused) for fused in ("qkv_proj", "gate_up_proj")}
+            quantize_model(model, qcfg, dtype, stacked)
+    model = model.to_empty(device=device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     table = cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
     model.cos_sin = table.to(device)
-    if config.load_format == "dummy" or files.kind == "named":
+    if dummy:
         dummy_weights(model, config.seed)
+        dummy_quantized(model, config.seed)
     else:
         assert files.hf_dir is not None
         load_weights(model, iter_safetensors(files.hf_dir))
+    if qcfg is not None:
+        _finish_quantization(model, qcfg)
     return model.eval(), arch, files
+
+
+def _finish_quantization(model: LlamaForCausalLM, qcfg: QuantConfig) -> None:
+    if not qcfg.serialized:
+        quantize_loaded(model)
+    log.info(qcfg.describe())
+    device = model.lm_head.weight.device
+    if qcfg.method == "fp8" and device.type == "cuda" and not ops.fp8_supported(device):
+        log.warning(
+            "this GPU has no FP8 support (sm89+): fp8 weights are dequantized at every call "
+            "(weight-only, slower than the float model); prefer bf16 or an int4 checkpoint here"
+        )

@@ -37,6 +37,7 @@ class ArchConfig:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    quantization_config: dict[str, Any] = field(default_factory=dict)  # HF's, as written
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -68,6 +69,7 @@ class ArchConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            quantization_config=dict(cfg.get("quantization_config") or {}),
         )
 
     @classmethod

@@ -2,7 +2,8 @@
 
 Tokens of all sequences in a step are flattened into one ``[T]`` batch; attention finds each
 sequence's context through the metadata's block tables. Optimizations (CUDA graphs, Triton
-kernels) are applied from outside through ``kernels.ops``.
+kernels) are applied from outside through ``kernels.ops``; quantization replaces the ``Linear``
+modules after the model is built (``services.engine.quantization``).
 """
 
 from __future__ import annotations
@@ -27,15 +28,20 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return ops.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.nq * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.d**-0.5
@@ -49,7 +55,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q = q.reshape(T, self.nq, self.d)
         k = k.reshape(T, self.nkv, self.d)
@@ -61,7 +67,7 @@ class Attention(nn.Module):
         # one launch: rotate q (into a new tensor) and k, write k and v into their slots
         q = ops.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return ops.linear(o.reshape(T, self.nq * self.d), self.o_proj.weight)
+        return self.o_proj(o.reshape(T, self.nq * self.d))  # [T, hidden]
 
 
 def paged_attention(
@@ -97,12 +103,12 @@ def paged_attention(
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj.weight)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        return self.down_proj(ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -143,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # the rotary table, [max_positions, head_dim]: the loader fills it (services.engine.loader)
@@ -168,4 +174,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V] fp32
-        return ops.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,175 @@
+"""Quantized-weight linear layers against the roofline: int4 (w4a16) and fp8 against bf16.
+
+    python -m kernels.bench.quant [--rows 1 4 16] [--json-out quant.json]
+
+Shapes are Llama-3.1-8B's decode projections. At batch 1-16 a linear layer is bound by the bytes
+of its weight, so each row reports GB/s of what the kernel must read (the packed weight, its
+scales and zeros, x and the output written) against the device copy bandwidth, and the time
+against the time bf16 weights take (cuBLAS). The napkin math for one 4096 x 14336 layer on an
+H100 (~3 TB/s copy): bf16 117 MB -> ~39 us; fp8 59 MB + 1.8 MB of row scales -> ~20 us; int4
+29 MB + 1.8 MB of scales and zeros at group 128 -> ~10 us. Each Triton kernel's best launch of
+a small sweep is reported; every launch is checked against the torch reference first. Times are
+``do_bench`` medians with L2 flushed between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name -> (N, K)
+    "qkv 4096->6144": (6144, 4096),
+    "o 4096->4096": (4096, 4096),
+    "gate_up 4096->28672": (28672, 4096),
+    "down 14336->4096": (4096, 14336),
+}
+GROUP = 128  # int4 group size and fp8 block
+GEMV_CONFIGS = {
+    "int4": [(bn, bk, w) for bn, bk, w in itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8))
+             if bn * bk <= 16384],
+    "fp8": [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))
+            if bn * bk <= 16384],
+}  # fmt: skip
+GEMM_CONFIGS = [(16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), (32, 128, 128, 8)]
+
+
+@dataclass
+class Case:
+    """One layer's inputs in every format: bf16, int4 (serving layout) and fp8 (block scales
+    expanded to rows, as the engine keeps them)."""
+
+    x: torch.Tensor  # [M, K]
+    w: torch.Tensor  # [N, K] in x's dtype
+    qweight: torch.Tensor  # [K/8, N] int32
+    scales: torch.Tensor  # [K/G, N]
+    zeros: torch.Tensor  # [K/G, N]
+    fp8: torch.Tensor  # [N, K] float8_e4m3fn
+    fp8_scale: torch.Tensor  # [N, ceil(K/G)] float32
+
+    def bytes(self, fmt: str) -> int:
+        """Bytes a kernel must move: its weight format, x read and the output written."""
+        io = self.x.numel() * self.x.element_size() * (1 + self.w.shape[0] / self.w.shape[1])
+        weight = {
+            "bf16": [self.w],
+            "int4": [self.qweight, self.scales, self.zeros],
+            "fp8": [self.fp8, self.fp8_scale],
+        }[fmt]
+        return int(io) + sum(t.numel() * t.element_size() for t in weight)
+
+
+def build(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Case:  # fmt: skip
+    from kernels.quant import expand_block_scales, pack_rows
+
+    gen = torch.Generator().manual_seed(0)
+    g = k // GROUP
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(0, 16, (g, n), generator=gen).to(dtype)
+    scales = (torch.rand(g, n, generator=gen) * 0.004).to(dtype)
+    blocks = torch.rand(-(-n // GROUP), -(-k // GROUP), generator=gen) * 1e-4
+    fp8 = torch.randn(n, k, generator=gen).mul(100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return Case(
+        x=torch.randn(m, k, generator=gen).to(device=device, dtype=dtype),
+        w=(torch.randn(n, k, generator=gen) * 0.02).to(device=device, dtype=dtype),
+        qweight=pack_rows(q).to(device), scales=scales.to(device), zeros=zeros.to(device),
+        fp8=fp8.to(device), fp8_scale=expand_block_scales(blocks, n, GROUP).to(device),
+    )  # fmt: skip
+
+
+def runners(case: Case, config: tuple[int, ...] | None = None) -> dict[str, tuple[Any, Any]]:
+    """format -> (the Triton call, its torch reference)."""
+    from kernels import quant, triton_quant
+
+    c = case
+    return {
+        "int4": (
+            functools.partial(
+                triton_quant.w4a16_linear, c.x, c.qweight, c.scales, c.zeros, GROUP, config=config
+            ),
+            functools.partial(quant.ref_w4a16_linear, c.x, c.qweight, c.scales, c.zeros, GROUP),
+        ),
+        "fp8": (
+            functools.partial(
+                triton_quant.fp8_linear, c.x, c.fp8, c.fp8_scale, GROUP, config=config
+            ),
+            functools.partial(quant.ref_fp8_linear, c.x, c.fp8, c.fp8_scale, GROUP),
+        ),
+    }
+
+
+def check(fmt: str, case: Case, config: tuple[int, ...] | None) -> float:
+    """Relative error of one launch against the reference; raises SystemExit past 1e-2."""
+    fn, ref_fn = runners(case, config)[fmt]
+    out, ref = fn().float(), ref_fn().float()
+    err = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+    if not err < 1e-2:
+        raise SystemExit(f"{fmt} config {config}: relative error {err:.2e}")
+    return err
+
+
+def _configs(fmt: str, m: int) -> list[tuple[int, ...] | None]:
+    from kernels.triton_quant import GEMV_ROWS
+
+    return [None, *(GEMV_CONFIGS[fmt] if m <= GEMV_ROWS else GEMM_CONFIGS)]
+
+
+def bench_shape(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any]:
+    from kernels.bench.roofline import median_ms
+
+    case = build(m, n, k, torch.device("cuda"))
+    bf16_ms = median_ms(functools.partial(F.linear, case.x, case.w))
+    row: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "copy_gbs": copy,
+                           "bf16_ms": bf16_ms, "bf16_gbs": case.bytes("bf16") / bf16_ms / 1e6}  # fmt: skip
+    for fmt in ("int4", "fp8"):
+        best: tuple[tuple[int, ...] | None, float] | None = None
+        for cfg in _configs(fmt, m):
+            check(fmt, case, cfg)
+            ms = median_ms(runners(case, cfg)[fmt][0])
+            if best is None or ms < best[1]:
+                best = (cfg, ms)
+        assert best is not None
+        gbs = case.bytes(fmt) / best[1] / 1e6
+        row.update({f"{fmt}_ms": best[1], f"{fmt}_gbs": gbs, f"{fmt}_pct_of_copy": 100 * gbs / copy,
+                    f"{fmt}_speedup_vs_bf16": bf16_ms / best[1], f"{fmt}_config": best[0]})  # fmt: skip
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kernels.bench.roofline import copy_bandwidth
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="batch sizes (M)")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels.bench.quant needs a CUDA GPU")
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    rows = []
+    for m in args.rows:
+        for name, (n, k) in SHAPES.items():
+            r = bench_shape(name, n, k, m, copy)
+            rows.append(r)
+            print(
+                f"M={m:<3d} {name:22s} bf16 {r['bf16_ms'] * 1e3:7.1f} us | int4 "
+                f"{r['int4_ms'] * 1e3:7.1f} us {r['int4_gbs']:5.0f} GB/s "
+                f"({r['int4_pct_of_copy']:3.0f}%) | fp8 {r['fp8_ms'] * 1e3:7.1f} us "
+                f"{r['fp8_gbs']:5.0f} GB/s ({r['fp8_pct_of_copy']:3.0f}%)",
+                flush=True,
+            )
+    if args.json_out:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "copy_gb_per_s": copy, "group": GROUP, "rows": rows}  # fmt: skip
+        with open(args.json_out, "w") as fh:
+            json.dump(meta, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,261 @@
+"""Quantized-weight linear layers in Triton: int4 (w4a16) and fp8 weights, dequantized in-kernel.
+
+A decode step at batch 1-16 reads each weight once and does a few FLOP per byte: the time is the
+bytes of the quantized weight (0.5 B per element for int4 plus 1/16 B of scales and zeros at
+group 128; 1 B for fp8 plus 4 B per scale row chunk). The weights never exist dequantized in
+memory: each program loads a packed tile, unpacks it in registers and multiplies.
+
+- **GEMV** (M <= ``GEMV_ROWS``): one program per ``BLOCK_N`` output columns and row of x, fp32
+  partial products per element, reduced once at the end (as ``kernels.triton_gemv``).
+- **GEMM** (larger M): ``tl.dot`` tiles. The integer part of the weight (``q - z`` for int4,
+  the e4m3 value for fp8) is exact in the activation dtype, so the dot runs on it and the
+  scale, constant over a chunk of K, multiplies the fp32 partial product afterwards.
+
+A chunk of K never straddles a scale group: ``BLOCK_K`` divides the int4 group size and the fp8
+``block_k`` (or the whole row, for per-channel scales).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_tensor,
+    dot_precision,
+    dot_upcast,
+    mma,
+)
+
+GEMV_ROWS = 8  # batches of at most this many rows take the GEMV
+# (BLOCK_N, BLOCK_K, num_warps) for the GEMVs; (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for GEMMs
+W4_GEMV_CONFIG = (64, 128, 4)
+FP8_GEMV_CONFIG = (8, 512, 4)
+GEMM_CONFIG = (32, 64, 64, 4)
+
+
+def _chunk(block_k: int, fits: int) -> int:
+    """The largest power of two <= ``block_k`` that divides ``fits`` (at least 16)."""
+    while block_k > 16 and fits % block_k:
+        block_k //= 2
+    return block_k
+
+
+@triton.jit
+def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows k0 .. k0 + BLOCK_K of the int4 weight, ``[BLOCK_K, BLOCK_N]`` int32 in 0..15: each
+    int32 is loaded once and split into its eight rows in registers."""
+    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(
+        qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :], mask=n_mask[None, :], other=0
+    )  # [BK/8, BN]
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    q = (packed[:, None, :] >> shifts) & 0xF  # [BK/8, 8, BN]: row 8p + i at [p, i]
+    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _w4_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, s_xm, s_qk, s_sg, s_om,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of GROUP, GROUP of BLOCK_K: no masks
+        ks = k0 + offs_k
+        q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N).to(tl.float32)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + m * s_xm + ks).to(tl.float32)
+        acc += (q - z[None, :]) * s[None, :] * xv[:, None]
+    out = tl.sum(acc, axis=0)
+    tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compilation for every batch size
+def _w4_gemm_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, s_xm, s_qk, s_sg, s_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * s_xm + ks[None, :],
+                    mask=m_mask[:, None], other=0.0)  # fmt: skip
+        q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N).to(tl.float32)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        w = (q - z[None, :]).to(a.dtype)  # exact: integers in [-15, 15]
+        acc += mma(a, w, UPCAST, PRECISION) * s[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, N, K, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
+    s_rows = s_ptr + offs_n.to(tl.int64) * s_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            xv = tl.load(x_ptr + m * s_xm + ks)
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = ks < K
+            xv = tl.load(x_ptr + m * s_xm + ks, mask=k_mask, other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        s = tl.load(s_rows + k0 // BLOCK_SCALE, mask=n_mask, other=0.0)  # [BN] fp32
+        acc += w.to(tl.float32) * s[:, None] * xv.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * s_xm + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        w = tl.load(
+            w_ptr + offs_n[None, :].to(tl.int64) * s_wn + ks[:, None],
+            mask=n_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )  # [BK, BN]
+        s = tl.load(s_ptr + offs_n.to(tl.int64) * s_sn + k0 // BLOCK_SCALE, mask=n_mask, other=0.0)
+        acc += mma(a, w.to(a.dtype), UPCAST, PRECISION) * s[None, :]  # e4m3 -> bf16 is exact
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _check_x(x: torch.Tensor, k: int) -> tuple[int, int]:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features but the weight expects {k}")
+    return x.shape[0], k
+
+
+def w4a16_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [K/8, N] int32, packed along K
+    scales: torch.Tensor,  # [K/G, N]
+    zeros: torch.Tensor,  # [K/G, N]
+    group_size: int,
+    *,
+    config: tuple[int, ...] | None = None,
+) -> torch.Tensor:  # [M, N]
+    """Triton version of :func:`kernels.quant.ref_w4a16_linear`; ``config`` is
+    (BLOCK_N, BLOCK_K, warps) for M <= ``GEMV_ROWS``, else (BLOCK_M, BLOCK_N, BLOCK_K, warps)."""
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
+    check_tensor("scales", scales, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("zeros", zeros, ndim=2, dtypes=FLOAT_DTYPES)
+    n = qweight.shape[1]
+    m, k = _check_x(x, qweight.shape[0] * 8)
+    if group_size < 16 or group_size & (group_size - 1) or k % group_size:
+        raise ValueError(f"group_size {group_size} must be a power of two >= 16 dividing K={k}")
+    if scales.shape != (k // group_size, n) or zeros.shape != scales.shape:
+        raise ValueError(
+            f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must be "
+            f"{(k // group_size, n)}"
+        )
+    if scales.stride() != zeros.stride():
+        raise ValueError("scales and zeros must have the same strides")
+    check_devices(x=x, qweight=qweight, scales=scales, zeros=zeros)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    args = (x, qweight, scales, zeros, out)
+    if m <= GEMV_ROWS:
+        bn, bk, warps = config or W4_GEMV_CONFIG
+        bk = min(bk, group_size)
+        _w4_gemv_kernel[(triton.cdiv(n, bn), m)](
+            *args, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+            GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        )  # fmt: skip
+        return out
+    bm, bn, bk, warps = config or GEMM_CONFIG
+    bk = min(bk, group_size)
+    _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        *args, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
+        PRECISION=dot_precision(x.dtype), num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N, ceil(K / block_k)] float32
+    block_k: int,
+    *,
+    config: tuple[int, ...] | None = None,
+) -> torch.Tensor:  # [M, N]
+    """Triton version of :func:`kernels.quant.ref_fp8_linear` (weight-only); ``config`` as
+    :func:`w4a16_linear`'s."""
+    check_tensor("weight", weight, ndim=2, dtypes=(torch.float8_e4m3fn,))
+    check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), inner_contiguous=False)
+    n, k = weight.shape
+    m, _ = _check_x(x, k)
+    if block_k < 1 or scale.shape != (n, -(-k // block_k)):
+        raise ValueError(
+            f"scale {tuple(scale.shape)} must be [N, ceil(K / block_k)] = {(n, -(-k // block_k))}"
+        )
+    if block_k < k and block_k % 16:
+        raise ValueError(f"block_k {block_k} must be a multiple of 16 (or cover the whole row)")
+    check_devices(x=x, weight=weight, scale=scale)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    if m <= GEMV_ROWS:
+        bn, bk, warps = config or FP8_GEMV_CONFIG
+        bk = min(bk, triton.next_power_of_2(k))
+        bk = _chunk(bk, block_k) if block_k < k else bk
+        _fp8_gemv_kernel[(triton.cdiv(n, bn), m)](
+            x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
+            out.stride(0), block_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, num_warps=warps,
+        )  # fmt: skip
+        return out
+    bm, bn, bk, warps = config or GEMM_CONFIG
+    bk = max(16, min(bk, triton.next_power_of_2(k)))
+    bk = _chunk(bk, block_k) if block_k < k else bk
+    _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
+        out.stride(0), block_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        UPCAST=dot_upcast(x.dtype), PRECISION=dot_precision(x.dtype), num_warps=warps,
+    )  # fmt: skip
+    return out

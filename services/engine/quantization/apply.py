@@ -1,0 +1,65 @@
+"""Quantization applied from outside the model: swap its ``Linear`` modules for quantized ones.
+
+The decoder layers' projections are quantized; embed_tokens and lm_head stay in the model's
+dtype. A quantized checkpoint's layers are swapped in before the weights are loaded (on the
+meta device, so nothing of the float layers is ever allocated); ``--quantization fp8`` on a
+float checkpoint quantizes each layer once its float weights are loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.engine.quantization.base import QuantLinear
+from services.engine.quantization.config import QuantConfig
+from services.engine.quantization.fp8 import Fp8Linear
+from services.engine.quantization.int4 import Int4Linear
+
+QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) of every linear layer that gets quantized."""
+    return [
+        (parent, attr, child)
+        for parent in model.modules()
+        for attr, child in parent.named_children()
+        if attr in QUANTIZED and isinstance(child, nn.Linear)
+    ]
+
+
+def quantize_model(
+    model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, stacked: dict[str, list[int]]
+) -> None:
+    """Replace the layers with empty quantized ones that the loader fills; ``stacked`` gives
+    the output rows of each shard of a fused layer (``qkv_proj``: q, k, v)."""
+    for parent, attr, linear in _targets(model):
+        n, k, bias = linear.out_features, linear.in_features, linear.bias is not None
+        shards = stacked.get(attr, [n])
+        layer: QuantLinear
+        if qcfg.is_int4:
+            layer = Int4Linear(
+                k, n, shards, bias, dtype, qcfg.method, qcfg.group_size, qcfg.desc_act
+            )
+        else:
+            layer = Fp8Linear(k, n, shards, bias, dtype, qcfg.weight_block)
+        setattr(parent, attr, layer)
+
+
+def quantize_loaded(model: nn.Module) -> None:
+    """Quantize the loaded float layers to fp8 (per-channel scales), one at a time."""
+    for parent, attr, linear in _targets(model):
+        setattr(parent, attr, Fp8Linear.from_linear(linear))
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def dummy_quantized(model: nn.Module, seed: int) -> None:
+    """Random packed weights for int4 layers under ``--load-format dummy``."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in quantized_modules(model).values():
+        if isinstance(module, Int4Linear):
+            module.fill_dummy(gen)

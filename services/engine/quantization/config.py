@@ -1,0 +1,178 @@
+"""Which quantization to serve: from the checkpoint's ``quantization_config`` or ``--quantization``.
+
+Torch-free. Everything this engine cannot run exactly as the checkpoint means it is refused here
+with a ``ConfigError`` that says what to change, never silently served differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.config import QUANTIZATION_METHODS, ConfigError
+
+INT4_GROUP_SIZES = (32, 64, 128)  # the w4a16 kernel's chunk of K divides the group
+UNQUANTIZED = "embed_tokens, lm_head and the norms stay unquantized"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # fp8 | awq | gptq
+    serialized: bool = True  # False: fp8 weights quantized at load time from a float checkpoint
+    group_size: int = 128  # awq/gptq: input rows sharing one scale and zero point
+    desc_act: bool = False  # gptq act-order: g_idx shuffles the groups
+    # fp8: (block_n, block_k) scales (weight_scale_inv); None: per-channel or per-tensor
+    # weight_scale
+    weight_block: tuple[int, int] | None = None
+
+    @property
+    def is_int4(self) -> bool:
+        return self.method in ("awq", "gptq")
+
+    def describe(self) -> str:
+        """The start-up line: what is loaded and what stays unquantized."""
+        if self.is_int4:
+            order = ", act-order" if self.desc_act else ""
+            what = f"{self.method} int4 weights (w4a16), group size {self.group_size}{order}"
+        elif not self.serialized:
+            what = "fp8 e4m3 weights quantized at load time, per-channel scales"
+        elif self.weight_block is not None:
+            bn, bk = self.weight_block
+            what = f"fp8 e4m3 weights, {bn}x{bk} block scales"
+        else:
+            what = "fp8 e4m3 weights, per-channel (or per-tensor) scales"
+        return f"quantization: {what}; {UNQUANTIZED}"
+
+
+def resolve_quantization(
+    checkpoint: dict[str, Any] | None, flag: str | None, *, has_weights: bool = True
+) -> QuantConfig | None:
+    """The checkpoint's ``quantization_config`` (``checkpoint``) and ``--quantization`` (``flag``)
+    reconciled; ``has_weights`` False for random weights (``--load-format dummy``, named configs),
+    where any method can be made up."""
+    if flag is not None and flag not in QUANTIZATION_METHODS:
+        raise ConfigError(
+            f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {flag!r}"
+        )
+    if not checkpoint:
+        if flag is None:
+            return None
+        if flag == "fp8":
+            return QuantConfig("fp8", serialized=False)
+        if has_weights:
+            raise ConfigError(
+                f"--quantization {flag} needs a {flag.upper()} checkpoint (its config.json has "
+                "no quantization_config); --quantization fp8 quantizes a float checkpoint at "
+                "load time"
+            )
+        return QuantConfig(flag)
+    found = _from_checkpoint(checkpoint)
+    if flag is not None and flag != found.method:
+        raise ConfigError(
+            f"--quantization {flag} does not match the checkpoint, which is quantized with "
+            f"{found.method}: drop --quantization or pass --quantization {found.method}"
+        )
+    if not has_weights and found.method == "fp8":
+        return QuantConfig("fp8", serialized=False)  # random weights: quantized as they are made
+    return found
+
+
+def _from_checkpoint(q: dict[str, Any]) -> QuantConfig:
+    method = str(q.get("quant_method", "")).lower()
+    _refuse_unconverted(q)
+    if method == "fp8":
+        return _fp8(q)
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
+    if method in ("awq", "gptq"):
+        return _int4(method, q)
+    raise ConfigError(
+        f"quantization_config quant_method {method!r} is not supported; supported: fp8, "
+        "compressed-tensors (fp8), awq, gptq"
+    )
+
+
+def _refuse_unconverted(q: dict[str, Any]) -> None:
+    """Only lm_head may be left out of quantization (mixed-precision layers are not served)."""
+    names = q.get("modules_to_not_convert") or q.get("ignore") or []
+    others = [n for n in names if n != "lm_head" and not str(n).endswith("lm_head")]
+    if others:
+        raise ConfigError(
+            f"quantization_config leaves {others[:3]} unquantized; checkpoints with unquantized "
+            "layers other than lm_head are not supported"
+        )
+    if q.get("lm_head") is True:
+        raise ConfigError("quantization_config has a quantized lm_head, which is not supported")
+
+
+def _fp8(q: dict[str, Any]) -> QuantConfig:
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(
+            f"fp8 activation_scheme {scheme!r} (static input scales) is not supported; only "
+            "dynamic per-token activation scales are"
+        )
+    block = q.get("weight_block_size")
+    if block is None:
+        return QuantConfig("fp8")
+    if len(block) != 2 or min(block) < 1:
+        raise ConfigError(f"fp8 weight_block_size must be [block_n, block_k], got {block}")
+    bn, bk = int(block[0]), int(block[1])
+    if bk % 16:
+        raise ConfigError(f"fp8 weight_block_size block_k must be a multiple of 16, got {bk}")
+    return QuantConfig("fp8", weight_block=(bn, bk))
+
+
+def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
+    """compressed-tensors FP8: per-channel (or per-tensor) e4m3 weights, dynamic per-token
+    activations (or none: weight-only)."""
+    fmt = q.get("format")
+    groups = list((q.get("config_groups") or {}).values())
+    if fmt not in ("float-quantized", "naive-quantized") or len(groups) != 1:
+        raise ConfigError(
+            f"compressed-tensors format {fmt!r} with {len(groups)} config group(s) is not "
+            "supported; only one float-quantized (fp8) group is"
+        )
+    weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise ConfigError("compressed-tensors weights must be 8-bit float (fp8) to be served")
+    strategy = weights.get("strategy")
+    if strategy == "block":
+        block = weights.get("block_structure") or [128, 128]
+        return _fp8({"weight_block_size": block})
+    if strategy not in ("channel", "tensor"):
+        raise ConfigError(f"compressed-tensors weight strategy {strategy!r} is not supported")
+    if acts is not None and not (acts.get("dynamic") and acts.get("strategy") in ("token", None)):
+        raise ConfigError(
+            "compressed-tensors static input_activations scales are not supported; only "
+            "dynamic per-token ones"
+        )
+    return QuantConfig("fp8")
+
+
+def _int4(method: str, q: dict[str, Any]) -> QuantConfig:
+    bits = q.get("bits", q.get("w_bit"))
+    if bits != 4:
+        raise ConfigError(f"{method} with {bits} bits is not supported; only 4-bit checkpoints")
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    if group not in INT4_GROUP_SIZES:
+        raise ConfigError(
+            f"{method} group_size {group} is not supported; supported: "
+            f"{', '.join(map(str, INT4_GROUP_SIZES))} (re-quantize with group_size 128)"
+        )
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm" or q.get("zero_point", True) is not True:
+            raise ConfigError(
+                f"awq version {version!r} (zero_point={q.get('zero_point', True)}) is not "
+                "supported; only GEMM packing with zero points"
+            )
+        return QuantConfig("awq", group_size=group)
+    fmt = q.get("checkpoint_format", "gptq")
+    if fmt != "gptq":
+        raise ConfigError(
+            f"gptq checkpoint_format {fmt!r} is not supported; only the v1 'gptq' format"
+        )
+    if q.get("static_groups"):
+        raise ConfigError("gptq static_groups is not supported")
+    return QuantConfig("gptq", group_size=group, desc_act=bool(q.get("desc_act", False)))

@@ -1,0 +1,101 @@
+"""4-bit weight-only linear layers (w4a16) loaded from AWQ or GPTQ checkpoints.
+
+Each shard is converted into the serving layout of ``kernels.quant`` as it arrives (qweight
+packed along K, zeros unpacked), in the checkpoint's row order; an act-order GPTQ layer's rows
+are then sorted by group once, and x's columns are permuted to match at every call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import ops
+from kernels.quant import AWQ_ORDER, pack_rows, unpack_cols, unpack_rows
+from services.config import ConfigError
+from services.engine.quantization.base import QuantLinear
+
+
+class Int4Linear(QuantLinear):
+    qweight: torch.Tensor  # buffers (register_buffer), which nn.Module types as Tensor | Module
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    perm: torch.Tensor | None
+
+    def __init__(
+        self, in_features: int, out_features: int, shard_sizes: list[int], bias: bool,
+        dtype: torch.dtype, method: str, group_size: int, desc_act: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, shard_sizes, bias, dtype)
+        k, n, g = in_features, out_features, group_size
+        if k % g or any(size % 8 for size in shard_sizes):
+            raise ConfigError(
+                f"{method} group_size {g} does not divide a layer's {k} input features (or an "
+                f"output shard of {shard_sizes} is not a multiple of 8)"
+            )
+        self.method, self.group_size = method, group_size
+        # act-order needs each shard's g_idx; without it a GPTQ g_idx is optional (trivial)
+        self.PIECES = ("qweight", "qzeros", "scales", *(("g_idx",) if desc_act else ()))
+        self.register_buffer("qweight", torch.empty(k // 8, n, dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(k // g, n, dtype=dtype))
+        self.register_buffer("zeros", torch.empty(k // g, n, dtype=dtype))
+        self.register_buffer("perm", None)  # [K] int64: act-order input order, see finish_loading
+        self.g_idx: list[torch.Tensor | None] = [None] * len(shard_sizes)
+
+    def load_piece(self, piece: str, tensor: torch.Tensor, shard: int | None) -> bool:
+        start, size = self.rows(shard)
+        cols = slice(start, start + size)
+        awq = self.method == "awq"
+        tensor = tensor.to(self.qweight.device)  # repacked where the layer lives (the GPU)
+        if piece == "qweight":  # AWQ [K, n/8] by columns; GPTQ [K/8, n], already our layout
+            packed = pack_rows(unpack_cols(tensor, AWQ_ORDER)) if awq else tensor
+            self.qweight[:, cols].copy_(packed)
+        elif piece == "qzeros":  # [K/G, n/8]; GPTQ (v1) stores each zero point minus one
+            zeros = unpack_cols(tensor, AWQ_ORDER) if awq else unpack_cols(tensor) + 1
+            self.zeros[:, cols].copy_(zeros)
+        elif piece == "scales":
+            self.scales[:, cols].copy_(tensor)
+        elif piece == "g_idx" and not awq:
+            self.g_idx[shard or 0] = tensor.to(torch.int64).cpu()
+        else:
+            return False
+        return True
+
+    def finish_loading(self, name: str) -> None:
+        super().finish_loading(name)
+        given = [g for g in self.g_idx if g is not None]
+        if not given:
+            return
+        if len(given) != len(self.g_idx) or any(not torch.equal(g, given[0]) for g in given):
+            raise ConfigError(f"{name}: the stacked shards' g_idx differ (or some lack one)")
+        g_idx = given[0]
+        if torch.equal(g_idx, torch.arange(self.in_features) // self.group_size):
+            return  # groups already contiguous: nothing to permute
+        counts = torch.bincount(g_idx, minlength=self.in_features // self.group_size)
+        if (
+            counts.numel() != self.in_features // self.group_size
+            or (counts != self.group_size).any()
+        ):
+            raise ConfigError(f"{name}: g_idx does not give every group {self.group_size} rows")
+        perm = torch.argsort(g_idx, stable=True)
+        q = unpack_rows(self.qweight)  # [K, N]
+        self.qweight.copy_(pack_rows(q[perm.to(q.device)]))
+        self.perm = perm.to(self.qweight.device)
+
+    def fill_dummy(self, gen: torch.Generator) -> None:
+        """Random weights of realistic scale for ``--load-format dummy``: W in about +-0.02."""
+        bits = torch.randint(-(2**31), 2**31 - 1, tuple(self.qweight.shape), generator=gen)
+        self.qweight.copy_(bits.to(torch.int32))
+        self.zeros.fill_(8)
+        self.scales.fill_(0.0025)
+        if self.bias is not None:
+            self.bias.zero_()
+        self.received = {
+            (p, s) for p in ("bias", *self.PIECES) for s in range(len(self.shard_sizes))
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.perm is not None:
+            x = x[:, self.perm]
+        return ops.w4a16_linear(
+            x, self.qweight, self.scales, self.zeros, self.group_size, self.bias
+        )

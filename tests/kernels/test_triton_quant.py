@@ -1,0 +1,96 @@
+"""The quantized-weight linear layers (Triton) against their references.
+
+Tolerances: outputs are divided by sqrt(K) (sums of K products of unit-scale terms) and then
+held to the dtype's element-wise tolerance (fp32 1e-4, bf16 2e-2, fp16 5e-3): the kernels
+accumulate in fp32 exactly as the references do, in a different order, and round once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.quant import pack_rows, quantize_fp8_rows, ref_fp8_linear, ref_w4a16_linear
+from kernels.triton_quant import fp8_linear, w4a16_linear
+from tests.kernels.paged import assert_matches, rand
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def int4_weight(k: int, n: int, g: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    qweight = pack_rows(torch.randint(0, 16, (k, n), generator=gen))
+    zeros = torch.randint(0, 16, (k // g, n), generator=gen).to(dtype)
+    scales = (0.5 + torch.rand(k // g, n, generator=gen)).to(dtype) / 8
+    return qweight.to(device), scales.to(device), zeros.to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "g"),
+    [(1, 64, 128, 128), (1, 40, 256, 128), (3, 24, 512, 64), (8, 8, 128, 32), (9, 16, 128, 128),
+     (17, 72, 256, 128), (33, 200, 384, 128), (1, 8, 32, 32)],
+)  # fmt: skip
+@pytest.mark.parametrize("config", [None, "small"])
+def test_w4a16_matches_the_reference(
+    dtype: torch.dtype, m: int, n: int, k: int, g: int, config: str | None,
+    gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """GEMV (M <= 8) and GEMM (odd M, M = 17, 33) paths; N not a multiple of the tile."""
+    qweight, scales, zeros = int4_weight(k, n, g, dtype, gen, device)
+    x = rand((m, k), dtype, gen, device)
+    cfg = None if config is None else ((16, 32, 2) if m <= 8 else (16, 32, 32, 2))
+    out = w4a16_linear(x, qweight, scales, zeros, g, config=cfg)
+    ref = ref_w4a16_linear(x, qweight, scales, zeros, g)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_matches(out / k**0.5, ref / k**0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block_k"),
+    [(1, 64, 256, 128), (1, 37, 200, 200), (5, 130, 300, 128), (8, 5, 96, 96), (1, 1, 16, 16),
+     (9, 48, 256, 128), (17, 96, 256, 128), (33, 40, 200, 200), (20, 33, 136, 64)],
+)  # fmt: skip
+@pytest.mark.parametrize("config", [None, "small"])
+def test_fp8_matches_the_reference(
+    dtype: torch.dtype, m: int, n: int, k: int, block_k: int, config: str | None,
+    gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """Block scales (K not a multiple of the block: a partial last block) and per-channel
+    scales (block_k = K, K not a power of two); GEMV and GEMM paths."""
+    weight, _ = quantize_fp8_rows(torch.randn(n, k, generator=gen))
+    scale = torch.rand(n, -(-k // block_k), generator=gen) + 0.5
+    x = rand((m, k), dtype, gen, device)
+    cfg = None if config is None else ((4, 64, 2) if m <= 8 else (16, 32, 32, 2))
+    out = fp8_linear(x, weight.to(device), scale.to(device), block_k, config=cfg)
+    ref = ref_fp8_linear(x, weight.to(device), scale.to(device), block_k)
+    assert out.shape == (m, n) and out.dtype == dtype
+    scale_out = 448 * k**0.5  # |e4m3| up to 448
+    assert_matches(out / scale_out, ref / scale_out)
+
+
+def test_strided_rows_of_x(gen: torch.Generator, device: torch.device) -> None:
+    big = rand((6, 512), torch.float32, gen, device)
+    x = big[::2, :256]
+    qweight, scales, zeros = int4_weight(256, 32, 128, torch.float32, gen, device)
+    ref = ref_w4a16_linear(x, qweight, scales, zeros, 128)
+    assert_matches(w4a16_linear(x, qweight, scales, zeros, 128) / 16, ref / 16)
+    weight, s = quantize_fp8_rows(torch.randn(24, 256, generator=gen))
+    w, s = weight.to(device), s.to(device)
+    assert_matches(fp8_linear(x, w, s, 256) / 16 / 448, ref_fp8_linear(x, w, s, 256) / 16 / 448)
+
+
+def test_errors(gen: torch.Generator, device: torch.device) -> None:
+    qweight, scales, zeros = int4_weight(128, 16, 64, torch.float32, gen, device)
+    x = rand((1, 128), torch.float32, gen, device)
+    with pytest.raises(ValueError, match="expects 128"):
+        w4a16_linear(rand((1, 120), torch.float32, gen, device), qweight, scales, zeros, 64)
+    with pytest.raises(ValueError, match="must be"):
+        w4a16_linear(x, qweight, scales, zeros, 128)  # scales are for groups of 64
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        w4a16_linear(x, qweight, scales, zeros, 48)
+    weight, s = quantize_fp8_rows(torch.randn(16, 128, generator=gen))
+    with pytest.raises(ValueError, match="ceil"):
+        fp8_linear(x, weight.to(device), s.to(device), 64)  # one scale column, blocks of 64
+    with pytest.raises(ValueError, match="dtype"):
+        fp8_linear(x, weight.float().to(device), s.to(device), 128)

@@ -1,0 +1,240 @@
+"""Tiny random Llama checkpoints in each quantized on-disk format, written the way the real
+quantizers write them (packing done here independently of kernels.quant), each with the float
+weights it dequantizes to, for a reference model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+G = 128  # group size (int4) and block size (fp8)
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+# which projections read the same input (and so share a GPTQ act-order permutation)
+SAME_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
+              "mlp.up_proj": "mlp.gate_proj"}  # fmt: skip
+Weights = dict[str, torch.Tensor]
+
+
+def tiny_config(**extra: Any) -> dict[str, Any]:
+    """K of every projection a multiple of 128 (hidden 128, intermediate 256); k/v shards of
+    64 rows, so a 128-row fp8 block straddles no shard but covers half of one."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
+        "eos_token_id": 2, **extra,
+    }  # fmt: skip
+
+
+def random_weights(cfg: dict[str, Any], seed: int = 0) -> Weights:
+    gen = torch.Generator().manual_seed(seed)
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q),
+              "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}  # fmt: skip
+    w: Weights = {
+        "model.embed_tokens.weight": torch.randn(cfg["vocab_size"], h, generator=gen),
+        "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
+        "lm_head.weight": torch.randn(cfg["vocab_size"], h, generator=gen) / h**0.5,
+    }
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        w[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+        w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+        for name, (n, k) in shapes.items():
+            w[p + name + ".weight"] = torch.randn(n, k, generator=gen) / k**0.5
+        if cfg["model_type"] == "qwen2":  # q, k and v have biases
+            for name in ("q_proj", "k_proj", "v_proj"):
+                n = shapes[f"self_attn.{name}"][0]
+                w[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(n, generator=gen)
+    return w
+
+
+def linear_names(weights: Weights) -> list[str]:
+    """``model.layers.L.self_attn.q_proj`` etc.: the layers that get quantized."""
+    return [n.removesuffix(".weight") for n in weights if n.endswith(LINEARS_SUFFIXES)]
+
+
+LINEARS_SUFFIXES = tuple(f"{name}.weight" for name in LINEARS)
+
+
+def write(path: Path, cfg: dict[str, Any], tensors: Weights) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def _to_int32(packed: torch.Tensor) -> torch.Tensor:
+    """int64 holding 32 bits -> int32 with the same bits (what the int32 packers store)."""
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+# --- fp8 ---------------------------------------------------------------------------------------
+
+
+def fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """128x128 blocks, scale_inv = amax / 448 per block (what HF's FP8 quantizer stores)."""
+    n, k = w.shape
+    bn, bk = -(-n // G), -(-k // G)
+    scale = torch.empty(bn, bk)
+    deq = torch.empty(n, k)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for r in range(bn):
+        for c in range(bk):
+            block = w[r * G : (r + 1) * G, c * G : (c + 1) * G]
+            s = block.abs().max() / 448.0
+            qb = (block / s).to(torch.float8_e4m3fn)
+            scale[r, c] = s
+            q[r * G : (r + 1) * G, c * G : (c + 1) * G] = qb
+            deq[r * G : (r + 1) * G, c * G : (c + 1) * G] = qb.float() * s
+    return q, scale, deq
+
+
+def fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1, keepdim=True) / 448.0  # [N, 1]
+    q = (w / scale).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * scale
+
+
+def fp8_checkpoint(path: Path, scheme: str, seed: int = 0) -> tuple[Path, Weights]:
+    """scheme: "block" (HF fp8, 128x128 weight_scale_inv), "channel" (compressed-tensors
+    FP8_DYNAMIC, weight_scale [N, 1]) or "tensor" (fp8 without blocks, one weight_scale each)."""
+    cfg = tiny_config(torch_dtype="bfloat16")
+    w = random_weights(cfg, seed)
+    tensors, deq = dict(w), dict(w)
+    for name in linear_names(w):
+        weight = w[name + ".weight"]
+        if scheme == "tensor":
+            scale = weight.abs().max() / 448.0  # a 0-dim tensor
+            q = (weight / scale).to(torch.float8_e4m3fn)
+            deq[name + ".weight"] = q.float() * scale
+        else:
+            q, scale, deq[name + ".weight"] = (fp8_block if scheme == "block" else fp8_channel)(
+                weight
+            )
+        tensors[name + ".weight"] = q
+        tensors[name + (".weight_scale_inv" if scheme == "block" else ".weight_scale")] = scale
+    if scheme == "block":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "fmt": "e4m3", "weight_block_size": [G, G]}  # fmt: skip
+    elif scheme == "tensor":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    else:  # compressed-tensors, as llm-compressor writes FP8_DYNAMIC
+        scheme_cfg = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                  "symmetric": True, "dynamic": False},
+                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                            "symmetric": True, "dynamic": True},
+                      "targets": ["Linear"]}  # fmt: skip
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors",
+                                      "format": "float-quantized", "ignore": ["lm_head"],
+                                      "config_groups": {"group_0": scheme_cfg}}  # fmt: skip
+    return write(path, cfg, tensors), deq
+
+
+# --- int4 --------------------------------------------------------------------------------------
+
+
+def int4_groups(
+    wt: torch.Tensor, g_idx: torch.Tensor, sym: bool, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``wt [K, N]`` (input rows first) -> (q [K, N], zeros [K/G, N], fp16 scales [K/G, N],
+    dequantized [K, N]); row k in group g_idx[k]. Asymmetric: min/max over 15 steps (AWQ);
+    symmetric: zero point 8 (GPTQ sym)."""
+    k, n = wt.shape
+    groups = k // group
+    zeros = torch.empty(groups, n, dtype=torch.int64)
+    scales = torch.empty(groups, n, dtype=torch.float16)
+    for g in range(groups):
+        rows = wt[g_idx == g]
+        if sym:
+            s = (2 * rows.abs().amax(0) / 15).clamp(min=1e-5)
+            z = torch.full((n,), 8)
+        else:
+            lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+            s = ((hi - lo) / 15).clamp(min=1e-5)
+            z = (-lo / s).round().clamp(0, 15).long()
+        scales[g], zeros[g] = s.half(), z
+    s_rows, z_rows = scales[g_idx].float(), zeros[g_idx]
+    q = ((wt / s_rows).round() + z_rows).clamp(0, 15).long()
+    return q, zeros, scales, (q - z_rows).float() * s_rows
+
+
+def awq_pack(q: torch.Tensor) -> torch.Tensor:
+    """[R, C] -> [R, C/8] int32: nibble i of each int32 holds column [0,2,4,6,1,3,5,7][i] of its
+    eight (AutoAWQ's GEMM packing)."""
+    out = torch.zeros(q.shape[0], q.shape[1] // 8, dtype=torch.int64)
+    for i, col in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+        out |= q[:, col::8] << (4 * i)
+    return _to_int32(out)
+
+
+def gptq_pack_rows(q: torch.Tensor) -> torch.Tensor:  # [K, N] -> [K/8, N]: row 8r+i in nibble i
+    out = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64)
+    for i in range(8):
+        out |= q[i::8, :] << (4 * i)
+    return _to_int32(out)
+
+
+def gptq_pack_cols(z: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, C/8]: column 8c+i in nibble i
+    out = torch.zeros(z.shape[0], z.shape[1] // 8, dtype=torch.int64)
+    for i in range(8):
+        out |= (z[:, i::8] & 0xF) << (4 * i)
+    return _to_int32(out)
+
+
+def int4_checkpoint(
+    path: Path, method: str, desc_act: bool = False, group: int = G, seed: int = 0,
+    **extra: Any,
+) -> tuple[Path, Weights]:  # fmt: skip
+    cfg = tiny_config(torch_dtype="float16", **extra)
+    w = random_weights(cfg, seed)
+    tensors = {n: t for n, t in w.items() if not n.endswith(LINEARS_SUFFIXES)}
+    deq = dict(w)
+    gen = torch.Generator().manual_seed(seed + 1)
+    perms: dict[str, torch.Tensor] = {}
+    for name in linear_names(w):
+        wt = w[name + ".weight"].T.contiguous()  # [K, N]
+        k = wt.shape[0]
+        layer, proj = name.rsplit(".", 2)[0], name.split(".", 3)[3]
+        key = layer + "." + SAME_INPUT.get(proj, proj)
+        if desc_act:  # act-order: groups follow a permutation of the input rows
+            perm = perms.setdefault(key, torch.randperm(k, generator=gen))
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[perm] = torch.arange(k) // group
+        else:
+            g_idx = torch.arange(k) // group
+        q, zeros, scales, wt_deq = int4_groups(wt, g_idx, method == "gptq", group)
+        deq[name + ".weight"] = wt_deq.T.contiguous()
+        tensors[name + ".scales"] = scales
+        if method == "awq":
+            tensors[name + ".qweight"] = awq_pack(q)
+            tensors[name + ".qzeros"] = awq_pack(zeros)
+        else:
+            tensors[name + ".qweight"] = gptq_pack_rows(q)
+            tensors[name + ".qzeros"] = gptq_pack_cols(zeros - 1)  # v1: zero points minus one
+            tensors[name + ".g_idx"] = g_idx.to(torch.int32)
+    if method == "awq":
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                      "zero_point": True, "version": "gemm"}  # fmt: skip
+    else:
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                      "desc_act": desc_act, "sym": True,
+                                      "checkpoint_format": "gptq"}  # fmt: skip
+    return write(path, cfg, tensors), deq
+
+
+def float_checkpoint(path: Path, weights: Weights, like: Path | None = None) -> Path:
+    """The reference: the model of ``like`` (default: the tiny Llama) with these float32
+    weights (the dequantized ones) and no quantization_config."""
+    cfg = json.loads((like / "config.json").read_text()) if like else tiny_config()
+    cfg.pop("quantization_config", None)
+    return write(path, {**cfg, "torch_dtype": "float32"}, weights)
