@@ -58,13 +58,20 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
     """The Triton module to use for tensor ``t``, or None for the reference path."""
     if t.device.type != "cuda" or not triton_available():
         return None
-    from kernels import triton_attention, triton_block_copy, triton_gemv, triton_layers
+    from kernels import (
+        triton_attention,
+        triton_block_copy,
+        triton_gemv,
+        triton_layers,
+        triton_quant,
+    )
 
     modules = {
         "triton_attention": triton_attention,
         "triton_block_copy": triton_block_copy,
         "triton_gemv": triton_gemv,
         "triton_layers": triton_layers,
+        "triton_quant": triton_quant,
     }
     return modules[module]
 

@@ -14,7 +14,6 @@ from protos.auth import token_from
 from protos.errors import ConfigError
 from protos.roles import Role
 
-
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from protos.sampling_params import SamplingParams
 from services.engine.llm import LLM
 from services.engine.quantization.fp8 import Fp8Linear
-from services.scheduling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
