@@ -5,8 +5,12 @@ bytes of the quantized weight (0.5 B per element for int4 plus 1/16 B of scales 
 group 128; 1 B for fp8 plus 4 B per scale row chunk). The weights never exist dequantized in
 memory: each program loads a packed tile, unpacks it in registers and multiplies.
 
-- **GEMV** (M <= ``GEMV_ROWS``): one program per ``BLOCK_N`` output columns and row of x, fp32
-  partial products per element, reduced once at the end (as ``kernels.triton_gemv``).
+- **GEMV** (M <= ``GEMV_ROWS``): one program per ``BLOCK_N`` output columns, row of x and
+  slice of K, fp32 partial products reduced once at the end.
+- **Split-K**: a decode projection has few output tiles (64 for a 4096-wide int4 layer at
+  ``BLOCK_N`` 64) for 132 SMs, so both kernels also split K (``SPLIT`` programs per tile, each
+  a run of whole chunks) until there are about two programs per SM; the fp32 partials go to a
+  ``[SPLIT, M, N]`` buffer that one more kernel sums in a fixed order (deterministic, no atomics).
 - **GEMM** (larger M): ``tl.dot`` tiles. The integer part of the weight (``q - z`` for int4,
   the e4m3 value for fp8) is exact in the activation dtype, so the dot runs on it and the
   scale, constant over a chunk of K, multiplies the fp32 partial product afterwards.
@@ -16,6 +20,8 @@ A chunk of K never straddles a scale group: ``BLOCK_K`` divides the int4 group s
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -31,10 +37,65 @@ from kernels.triton_common import (
 )
 
 GEMV_ROWS = 8  # batches of at most this many rows take the GEMV
-# (BLOCK_N, BLOCK_K, num_warps) for the GEMVs; (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for GEMMs
-W4_GEMV_CONFIG = (64, 128, 4)
+# (BLOCK_N, BLOCK_K, num_warps[, SPLIT]) for the GEMVs; (BLOCK_M, BLOCK_N, BLOCK_K, num_warps[,
+# SPLIT]) for GEMMs; SPLIT 0 or left out: enough slices of K for two programs per SM
+W4_GEMV_CONFIG = (128, 128, 4)
 FP8_GEMV_CONFIG = (8, 512, 4)
 GEMM_CONFIG = (32, 64, 64, 4)
+PROGRAMS_PER_SM = 2
+MAX_SPLIT = 16
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: split only when a config asks
+    return _cached_sm_count(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
+@functools.cache
+def _cached_sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _split(asked: int, tiles: int, chunks: int, device: torch.device) -> tuple[int, int]:
+    """(SPLIT, chunks per slice): ``asked`` if given (> 0), else enough slices of K for
+    ``PROGRAMS_PER_SM`` programs per SM; never more slices than chunks of K."""
+    split = asked
+    if split <= 0:
+        want = PROGRAMS_PER_SM * _sm_count(device)
+        split = 1
+        while tiles * split < want and split < MAX_SPLIT:
+            split *= 2
+    split = max(1, min(split, chunks))
+    per = -(-chunks // split)
+    return -(-chunks // per), per
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over s of part[s, i], in order s = 0, 1, ...; cast to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _target(out: torch.Tensor, split: int) -> torch.Tensor:
+    """Where the kernel writes: ``out`` itself, or an fp32 [SPLIT, M, N] buffer of partials."""
+    if split == 1:
+        return out
+    return torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+
+
+def _finish(target: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor:
+    if split > 1:
+        mn = out.numel()
+        _sum_splits_kernel[(triton.cdiv(mn, 1024),)](target, out, mn, SPLIT=split, BLOCK=1024)
+    return out
 
 
 def _chunk(block_k: int, fits: int) -> int:
@@ -59,39 +120,47 @@ def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl
 
 @triton.jit
 def _w4_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, s_xm, s_qk, s_sg, s_om,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K is a multiple of GROUP, GROUP of BLOCK_K: no masks
-        ks = k0 + offs_k
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
+    # K is a multiple of GROUP, GROUP of BLOCK_K, K_PER of BLOCK_K: no masks along K, and one
+    # scale and zero per chunk: sum (q - z) s x = s (sum q x - z sum x)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N).to(tl.float32)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + m * s_xm + ks).to(tl.float32)
-        acc += (q - z[None, :]) * s[None, :] * xv[:, None]
-    out = tl.sum(acc, axis=0)
-    tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+        xv = tl.load(x_ptr + m * s_xm + k0 + offs_k).to(tl.float32)
+        acc += s * (tl.sum(q * xv[:, None], axis=0) - z * tl.sum(xv, axis=0))
+    if SPLIT == 1:
+        tl.store(out_ptr + m * s_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, acc, mask=n_mask)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compilation for every batch size
 def _w4_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, s_xm, s_qk, s_sg, s_om,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(2)
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         ks = k0 + offs_k
         a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * s_xm + ks[None, :],
                     mask=m_mask[:, None], other=0.0)  # fmt: skip
@@ -101,24 +170,39 @@ def _w4_gemm_kernel(
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         w = (q - z[None, :]).to(a.dtype)  # exact: integers in [-15, 15]
         acc += mma(a, w, UPCAST, PRECISION) * s[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, pid_k, M, N, s_om, SPLIT)
+
+
+@triton.jit
+def _store_tile(
+    out_ptr, acc, offs_m, offs_n, m_mask, n_mask, pid_k, M, N, s_om, SPLIT: tl.constexpr
+):
+    """A GEMM tile: into ``out`` (one slice of K) or as fp32 partials into [SPLIT, M, N]."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT == 1:
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        rows = (pid_k * M + offs_m).to(tl.int64)
+        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, N, K, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * s_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         ks = k0 + offs_k
         if EVEN_K:
             xv = tl.load(x_ptr + m * s_xm + ks)
@@ -130,21 +214,26 @@ def _fp8_gemv_kernel(
         s = tl.load(s_rows + k0 // BLOCK_SCALE, mask=n_mask, other=0.0)  # [BN] fp32
         acc += w.to(tl.float32) * s[:, None] * xv.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if SPLIT == 1:
+        tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, out, mask=n_mask)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(2)
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * s_xm + ks[None, :],
@@ -156,8 +245,7 @@ def _fp8_gemm_kernel(
         )  # [BK, BN]
         s = tl.load(s_ptr + offs_n.to(tl.int64) * s_sn + k0 // BLOCK_SCALE, mask=n_mask, other=0.0)
         acc += mma(a, w.to(a.dtype), UPCAST, PRECISION) * s[None, :]  # e4m3 -> bf16 is exact
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, pid_k, M, N, s_om, SPLIT)
 
 
 def _check_x(x: torch.Tensor, k: int) -> tuple[int, int]:
@@ -177,7 +265,8 @@ def w4a16_linear(
     config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:  # [M, N]
     """Triton version of :func:`kernels.quant.ref_w4a16_linear`; ``config`` is
-    (BLOCK_N, BLOCK_K, warps) for M <= ``GEMV_ROWS``, else (BLOCK_M, BLOCK_N, BLOCK_K, warps)."""
+    (BLOCK_N, BLOCK_K, warps[, SPLIT]) for M <= ``GEMV_ROWS``, else (BLOCK_M, BLOCK_N, BLOCK_K,
+    warps[, SPLIT])."""
     check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
     check_tensor("scales", scales, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("zeros", zeros, ndim=2, dtypes=FLOAT_DTYPES)
@@ -196,23 +285,37 @@ def w4a16_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    args = (x, qweight, scales, zeros, out)
+    strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     if m <= GEMV_ROWS:
-        bn, bk, warps = config or W4_GEMV_CONFIG
+        bn, bk, warps, asked = _with_split(config or W4_GEMV_CONFIG, 3)
         bk = min(bk, group_size)
-        _w4_gemv_kernel[(triton.cdiv(n, bn), m)](
-            *args, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-            GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        split, per = _split(asked, triton.cdiv(n, bn) * m, k // bk, x.device)
+        target = _target(out, split)
+        _w4_gemv_kernel[(triton.cdiv(n, bn), split, m)](
+            x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
+            GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
         )  # fmt: skip
-        return out
-    bm, bn, bk, warps = config or GEMM_CONFIG
+        return _finish(target, out, split)
+    bm, bn, bk, warps, asked = _with_split(config or GEMM_CONFIG, 4)
     bk = min(bk, group_size)
-    _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        *args, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+    split, per = _split(asked, triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk, x.device)
+    target = _target(out, split)
+    _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
-        PRECISION=dot_precision(x.dtype), num_warps=warps,
+        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps,
     )  # fmt: skip
-    return out
+    return _finish(target, out, split)
+
+
+def _with_split(config: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """A launch config of ``size`` entries with its SPLIT appended (0: chosen by :func:`_split`)
+    unless it already ends with one."""
+    if len(config) == size:
+        return (*config, 0)
+    if len(config) != size + 1:
+        raise ValueError(f"a launch config has {size} entries and an optional SPLIT, got {config}")
+    return config
 
 
 def fp8_linear(
@@ -241,21 +344,28 @@ def fp8_linear(
         return out
     if k == 0:
         return out.zero_()
+    strides = (x.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
     if m <= GEMV_ROWS:
-        bn, bk, warps = config or FP8_GEMV_CONFIG
+        bn, bk, warps, asked = _with_split(config or FP8_GEMV_CONFIG, 3)
         bk = min(bk, triton.next_power_of_2(k))
         bk = _chunk(bk, block_k) if block_k < k else bk
-        _fp8_gemv_kernel[(triton.cdiv(n, bn), m)](
-            x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
-            out.stride(0), block_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, num_warps=warps,
+        split, per = _split(asked, triton.cdiv(n, bn) * m, triton.cdiv(k, bk), x.device)
+        target = _target(out, split)
+        _fp8_gemv_kernel[(triton.cdiv(n, bn), split, m)](
+            x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
+            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, num_warps=warps,
         )  # fmt: skip
-        return out
-    bm, bn, bk, warps = config or GEMM_CONFIG
+        return _finish(target, out, split)
+    bm, bn, bk, warps, asked = _with_split(config or GEMM_CONFIG, 4)
     bk = max(16, min(bk, triton.next_power_of_2(k)))
     bk = _chunk(bk, block_k) if block_k < k else bk
-    _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
-        out.stride(0), block_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=dot_upcast(x.dtype), PRECISION=dot_precision(x.dtype), num_warps=warps,
+    split, per = _split(
+        asked, triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk), x.device
+    )
+    target = _target(out, split)
+    _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
+        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps,
     )  # fmt: skip
-    return out
+    return _finish(target, out, split)

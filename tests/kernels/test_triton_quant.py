@@ -30,7 +30,7 @@ def int4_weight(k: int, n: int, g: int, dtype: torch.dtype, gen: torch.Generator
     [(1, 64, 128, 128), (1, 40, 256, 128), (3, 24, 512, 64), (8, 8, 128, 32), (9, 16, 128, 128),
      (17, 72, 256, 128), (33, 200, 384, 128), (1, 8, 32, 32)],
 )  # fmt: skip
-@pytest.mark.parametrize("config", [None, "small"])
+@pytest.mark.parametrize("config", [None, "small", "split"])
 def test_w4a16_matches_the_reference(
     dtype: torch.dtype, m: int, n: int, k: int, g: int, config: str | None,
     gen: torch.Generator, device: torch.device, poison_empty: None,
@@ -39,6 +39,8 @@ def test_w4a16_matches_the_reference(
     qweight, scales, zeros = int4_weight(k, n, g, dtype, gen, device)
     x = rand((m, k), dtype, gen, device)
     cfg = None if config is None else ((16, 32, 2) if m <= 8 else (16, 32, 32, 2))
+    if config == "split":  # three slices of K summed by the second kernel (odd on purpose)
+        cfg = (16, 32, 2, 3) if m <= 8 else (16, 32, 32, 2, 3)
     out = w4a16_linear(x, qweight, scales, zeros, g, config=cfg)
     ref = ref_w4a16_linear(x, qweight, scales, zeros, g)
     assert out.shape == (m, n) and out.dtype == dtype
@@ -51,7 +53,7 @@ def test_w4a16_matches_the_reference(
     [(1, 64, 256, 128), (1, 37, 200, 200), (5, 130, 300, 128), (8, 5, 96, 96), (1, 1, 16, 16),
      (9, 48, 256, 128), (17, 96, 256, 128), (33, 40, 200, 200), (20, 33, 136, 64)],
 )  # fmt: skip
-@pytest.mark.parametrize("config", [None, "small"])
+@pytest.mark.parametrize("config", [None, "small", "split"])
 def test_fp8_matches_the_reference(
     dtype: torch.dtype, m: int, n: int, k: int, block_k: int, config: str | None,
     gen: torch.Generator, device: torch.device, poison_empty: None,
@@ -62,6 +64,8 @@ def test_fp8_matches_the_reference(
     scale = torch.rand(n, -(-k // block_k), generator=gen) + 0.5
     x = rand((m, k), dtype, gen, device)
     cfg = None if config is None else ((4, 64, 2) if m <= 8 else (16, 32, 32, 2))
+    if config == "split":
+        cfg = (4, 32, 2, 3) if m <= 8 else (16, 32, 32, 2, 3)
     out = fp8_linear(x, weight.to(device), scale.to(device), block_k, config=cfg)
     ref = ref_fp8_linear(x, weight.to(device), scale.to(device), block_k)
     assert out.shape == (m, n) and out.dtype == dtype
