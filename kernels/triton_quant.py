@@ -8,9 +8,10 @@ memory: each program loads a packed tile, unpacks it in registers and multiplies
 - **GEMV** (M <= ``GEMV_ROWS``): one program per ``BLOCK_N`` output columns, row of x and
   slice of K, fp32 partial products reduced once at the end.
 - **Split-K**: a decode projection has few output tiles (64 for a 4096-wide int4 layer at
-  ``BLOCK_N`` 64) for 132 SMs, so both kernels also split K (``SPLIT`` programs per tile, each
-  a run of whole chunks) until there are about two programs per SM; the fp32 partials go to a
+  ``BLOCK_N`` 64) for 132 SMs, so the GEMVs also split K (``SPLIT`` programs per tile, each a
+  run of whole chunks) until there are about two programs per SM; the fp32 partials go to a
   ``[SPLIT, M, N]`` buffer that one more kernel sums in a fixed order (deterministic, no atomics).
+  The GEMMs split only when a config asks: automatic splitting made batch 16 slower on an H100.
 - **GEMM** (larger M): ``tl.dot`` tiles. The integer part of the weight (``q - z`` for int4,
   the e4m3 value for fp8) is exact in the activation dtype, so the dot runs on it and the
   scale, constant over a chunk of K, multiplies the fp32 partial product afterwards.
@@ -128,19 +129,28 @@ def _w4_gemv_kernel(
     m = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
     # K is a multiple of GROUP, GROUP of BLOCK_K, K_PER of BLOCK_K: no masks along K, and one
     # scale and zero per chunk: sum (q - z) s x = s (sum q x - z sum x)
+    # the packed rows stay [BK/8, 8, BN] (row 8p + i at [p, i]) and x is read in the same shape:
+    # no reshape, which would move the tile through shared memory
+    rows = tl.arange(0, BLOCK_K // 8)
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    x_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BK/8, 8]
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N).to(tl.float32)
+        packed = tl.load(
+            qw_ptr + (k0 // 8 + rows)[:, None].to(tl.int64) * s_qk + offs_n[None, :],
+            mask=n_mask[None, :], other=0,
+        )  # fmt: skip
+        q = ((packed[:, None, :] >> shifts) & 0xF).to(tl.float32)  # [BK/8, 8, BN]
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + m * s_xm + k0 + offs_k).to(tl.float32)
-        acc += s * (tl.sum(q * xv[:, None], axis=0) - z * tl.sum(xv, axis=0))
+        xv = tl.load(x_ptr + m * s_xm + k0 + x_offs).to(tl.float32)  # [BK/8, 8]
+        qx = tl.sum(tl.sum(q * xv[:, :, None], axis=1), axis=0)  # [BN]
+        acc += s * (qx - z * tl.sum(tl.sum(xv, axis=1), axis=0))
     if SPLIT == 1:
         tl.store(out_ptr + m * s_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
@@ -298,7 +308,7 @@ def w4a16_linear(
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or GEMM_CONFIG, 4)
     bk = min(bk, group_size)
-    split, per = _split(asked, triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk, x.device)
+    split, per = _split(asked or 1, triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk, x.device)
     target = _target(out, split)
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
