@@ -46,8 +46,11 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy protos services kernels deploy gateway kvtransfer
 
+# One torch thread per process: the in-process engines of the tests share the machine's cores
+# with the worker processes they start (which get OMP_NUM_THREADS=1 too, tests/services/procs.py);
+# torch's default of one thread per core oversubscribes them and made tiny-model tests ~9x slower.
 test: venv lint typecheck lm-eval-venv
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25
 
 serve: serve-venv
 	$(VENV)/bin/tandem up --port $(PORT) --model $(MODEL) $(ARGS)
