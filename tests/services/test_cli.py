@@ -225,3 +225,61 @@ def test_dummy_weight_seed_help_says_what_it_is(help_of: HelpOf) -> None:
 def test_parse_args_still_returns_the_namespace() -> None:
     args = build_parser().parse_args(["bench", "serve", "--num-prompts", "3"])
     assert (args.command, args.bench, args.num_prompts) == ("bench", "serve", 3)
+
+
+# every command's handler and the function it imports when it runs
+HANDLER_TARGETS = {
+    "up": ("deploy.launcher", "main"),
+    "prefill": ("services.prefill.server", "main"),
+    "decode": ("services.decode.server", "main"),
+    "worker": ("services.worker.server", "main"),
+    "compose": ("deploy.compose", "main"),
+    "generate": ("services.engine.offline_cli", "main"),
+    "bench serve": ("gateway.bench.serve", "main"),
+    "bench offline": ("services.engine.bench.in_process", "main_offline"),
+    "bench latency": ("services.engine.bench.in_process", "main_latency"),
+    "bench disagg": ("deploy.bench.disagg", "main"),
+    "bench kernels": ("kernels.bench.roofline", "main"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(HANDLER_TARGETS))
+def test_each_command_runs_its_module(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handlers import their module by name when they run (no importlib, nothing at import
+    of the CLI): each one reaches the function it names, with the parsed flags."""
+    import importlib
+
+    from services.cli import HANDLERS
+
+    module_name, func = HANDLER_TARGETS[command]
+    module = importlib.import_module(module_name)
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(module, func, lambda args: seen.append(args) or 0)
+    args = argparse.Namespace(command=command)
+    assert HANDLERS[command](args) == 0
+    assert seen == [args]
+
+
+def test_the_gateway_command_resolves_its_tokenizer_and_name(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gateway imports nothing of services: `tandem gateway` resolves the tokenizer
+    directory and the served name first, and a model without a tokenizer is a clean exit 2."""
+    import gateway.http.server
+    from services.cli import HANDLERS
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        gateway.http.server, "main", lambda args, tok, name: calls.append((tok, name)) or 0
+    )
+    model = tmp_path / "My-Model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    args = argparse.Namespace(model=str(model), tokenizer=None)
+    assert HANDLERS["gateway"](args) == 0
+    assert calls == [(str(model), str(model))]
+    missing = argparse.Namespace(model=str(tmp_path / "nothing"), tokenizer=None)
+    assert HANDLERS["gateway"](missing) == 2
+    assert "cannot find a tokenizer for --model" in capsys.readouterr().err
+    assert len(calls) == 1
