@@ -154,11 +154,19 @@ def main_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """What a decode step reads of the model: its parameters and the buffers quantized layers
+    keep their packed weights and scales in (the rotary table aside)."""
+    tensors: list[torch.Tensor] = list(model.parameters())
+    tensors += [b for name, b in model.named_buffers() if not name.endswith("cos_sin")]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def main_latency(args: argparse.Namespace) -> int:
     engine = LLMEngine(config_from_args(args))
     rows = []
     a = engine.runner.arch
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    weight_bytes = _weight_bytes(engine.runner.model)
     weight_bytes -= a.vocab_size * a.hidden_size * engine.runner.model.lm_head.weight.element_size()
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)
