@@ -30,7 +30,7 @@ def int4_weight(k: int, n: int, g: int, dtype: torch.dtype, gen: torch.Generator
     [(1, 64, 128, 128), (1, 40, 256, 128), (3, 24, 512, 64), (8, 8, 128, 32), (9, 16, 128, 128),
      (17, 72, 256, 128), (33, 200, 384, 128), (1, 8, 32, 32)],
 )  # fmt: skip
-@pytest.mark.parametrize("config", [None, "small", "split"])
+@pytest.mark.parametrize("config", [None, "small"])
 def test_w4a16_matches_the_reference(
     dtype: torch.dtype, m: int, n: int, k: int, g: int, config: str | None,
     gen: torch.Generator, device: torch.device, poison_empty: None,
@@ -39,8 +39,6 @@ def test_w4a16_matches_the_reference(
     qweight, scales, zeros = int4_weight(k, n, g, dtype, gen, device)
     x = rand((m, k), dtype, gen, device)
     cfg = None if config is None else ((16, 32, 2) if m <= 8 else (16, 32, 32, 2))
-    if config == "split":  # three slices of K summed by the second kernel (odd on purpose)
-        cfg = (16, 32, 2, 3) if m <= 8 else (16, 32, 32, 2, 3)
     out = w4a16_linear(x, qweight, scales, zeros, g, config=cfg)
     ref = ref_w4a16_linear(x, qweight, scales, zeros, g)
     assert out.shape == (m, n) and out.dtype == dtype
@@ -53,7 +51,7 @@ def test_w4a16_matches_the_reference(
     [(1, 64, 256, 128), (1, 37, 200, 200), (5, 130, 300, 128), (8, 5, 96, 96), (1, 1, 16, 16),
      (9, 48, 256, 128), (17, 96, 256, 128), (33, 40, 200, 200), (20, 33, 136, 64)],
 )  # fmt: skip
-@pytest.mark.parametrize("config", [None, "small", "split"])
+@pytest.mark.parametrize("config", [None, "small"])
 def test_fp8_matches_the_reference(
     dtype: torch.dtype, m: int, n: int, k: int, block_k: int, config: str | None,
     gen: torch.Generator, device: torch.device, poison_empty: None,
@@ -64,13 +62,43 @@ def test_fp8_matches_the_reference(
     scale = torch.rand(n, -(-k // block_k), generator=gen) + 0.5
     x = rand((m, k), dtype, gen, device)
     cfg = None if config is None else ((4, 64, 2) if m <= 8 else (16, 32, 32, 2))
-    if config == "split":
-        cfg = (4, 32, 2, 3) if m <= 8 else (16, 32, 32, 2, 3)
     out = fp8_linear(x, weight.to(device), scale.to(device), block_k, config=cfg)
     ref = ref_fp8_linear(x, weight.to(device), scale.to(device), block_k)
     assert out.shape == (m, n) and out.dtype == dtype
     scale_out = 448 * k**0.5  # |e4m3| up to 448
     assert_matches(out / scale_out, ref / scale_out)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "g"), [(1, 40, 256, 64), (3, 24, 512, 64), (17, 72, 256, 32), (1, 8, 32, 32)]
+)
+def test_w4a16_split_k_matches_the_reference(
+    m: int, n: int, k: int, g: int, gen: torch.Generator, device: torch.device, poison_empty: None
+) -> None:
+    """K in three slices (odd on purpose; fewer chunks than slices in the last shape), the fp32
+    partials summed by the second kernel; GEMV and GEMM. The dtype plays no part in the split."""
+    qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
+    x = rand((m, k), torch.bfloat16, gen, device)
+    cfg = (16, 32, 2, 3) if m <= 8 else (16, 32, 32, 2, 3)
+    out = w4a16_linear(x, qweight, scales, zeros, g, config=cfg)
+    assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block_k"), [(1, 37, 200, 200), (5, 130, 300, 128), (17, 96, 256, 128)]
+)
+def test_fp8_split_k_matches_the_reference(
+    m: int, n: int, k: int, block_k: int, gen: torch.Generator, device: torch.device,
+    poison_empty: None,
+) -> None:  # fmt: skip
+    """Block and per-channel scales with K in three slices (a partial last chunk masked)."""
+    weight, _ = quantize_fp8_rows(torch.randn(n, k, generator=gen))
+    scale = torch.rand(n, -(-k // block_k), generator=gen) + 0.5
+    x = rand((m, k), torch.bfloat16, gen, device)
+    cfg = (4, 32, 2, 3) if m <= 8 else (16, 32, 32, 2, 3)
+    out = fp8_linear(x, weight.to(device), scale.to(device), block_k, config=cfg)
+    ref = ref_fp8_linear(x, weight.to(device), scale.to(device), block_k)
+    assert_matches(out / (k**0.5 * 448), ref / (k**0.5 * 448))
 
 
 def test_strided_rows_of_x(gen: torch.Generator, device: torch.device) -> None:
