@@ -48,9 +48,9 @@ class Draining(Exception):
 class Reservation:
     """KV blocks held for one request until its KV has landed and a Decode call claims it.
 
-    Its one deadline lives here (``deadline``, on the event loop's clock, and the ``timer`` that
-    fires at it): the receiver expects the KV with no clock of its own, and a Decode call that
-    claims the reservation only brings the deadline forward to its own patience for the KV.
+    Its one deadline lives here, as the ``timer`` on the event loop (``timer.when()``): the
+    receiver expects the KV with no clock of its own, and a Decode call that claims the
+    reservation only brings the deadline forward to its own patience for the KV.
     When the timer fires, the reservation is freed wherever it stands: the receiver stops
     expecting the KV (a sender still sending is refused, and its prefill worker frees its
     blocks), the engine frees the blocks, and a Decode call waiting for the KV fails."""
@@ -58,7 +58,6 @@ class Reservation:
     request_id: str
     num_prompt_tokens: int
     handle: Any  # kvtransfer.TransferHandle
-    deadline: float  # loop.time() at which it is freed unless its KV landed and Decode claimed it
     timer: asyncio.TimerHandle
     owner: str = ""  # the gateway whose lease keeps it (services.common.leases)
     claimed: bool = False
@@ -159,10 +158,9 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         nblk = blocks_for(n, self.rt.engine.config.cache.block_size)
         handle = self.receiver.expect(rid, blocks[:nblk])  # no clock there: ours is the one
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + ttl
-        timer = loop.call_at(deadline, self._expire, rid)
+        timer = loop.call_later(ttl, self._expire, rid)
         self.rt.leases.renew(request.owner)
-        self.reservations[rid] = Reservation(rid, n, handle, deadline, timer, request.owner)
+        self.reservations[rid] = Reservation(rid, n, handle, timer, request.owner)
         self._watch_leases(loop)
         handle.add_done_callback(lambda result: self._on_transfer_end(loop, rid, handle, result))
         return kv_control_pb2.ReserveResponse(
@@ -233,10 +231,9 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
     def _bring_deadline_forward(self, res: Reservation, within_s: float) -> None:
         loop = asyncio.get_running_loop()
-        if loop.time() + within_s < res.deadline:
-            res.deadline = loop.time() + within_s
+        if loop.time() + within_s < res.timer.when():
             res.timer.cancel()
-            res.timer = loop.call_at(res.deadline, self._expire, res.request_id)
+            res.timer = loop.call_later(within_s, self._expire, res.request_id)
 
     def _cancel(self, rid: str, reason: str = "reservation cancelled") -> bool:
         res = self.reservations.pop(rid, None)
