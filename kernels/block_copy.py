@@ -78,3 +78,24 @@ class RefBlockCopier:
         for layer in range(shape[0]):  # ids are distinct: index_copy_ is the same as indexing
             cache = self._caches[first + layer]
             cache.index_copy_(1, ids, buffer[layer].to(cache.dtype))
+
+    def copy_from(
+        self,
+        src: RefBlockCopier,
+        src_ids: torch.Tensor,
+        dst_ids: torch.Tensor,
+        first: int = 0,
+        last: int | None = None,
+    ) -> None:
+        """Blocks ``src_ids`` of ``src``'s caches into blocks ``dst_ids`` of these, layers
+        [first, last) (``dst_ids`` distinct)."""
+        last = self.buffer_shape(0, first, last)[0] + first
+        src.buffer_shape(0, first, last)
+        if src_ids.shape != dst_ids.shape:
+            raise ValueError(
+                f"{src_ids.shape[0]} source ids for {dst_ids.shape[0]} destination ids"
+            )
+        sids, dids = src_ids.long(), dst_ids.long()
+        for layer in range(first, last):
+            cache = self._caches[layer]
+            cache.index_copy_(1, dids, src._caches[layer].index_select(1, sids).to(cache.dtype))

@@ -1,7 +1,8 @@
 """Gather/scatter of paged KV blocks to and from one contiguous buffer, in Triton.
 
 Same semantics as :mod:`kernels.block_copy`: per-layer caches ``[2, num_blocks, block_size, Hkv,
-D]``, buffer ``[num_layers, 2, n, block_size, Hkv, D]``. One launch copies every layer: the
+D]``, buffer ``[num_layers, 2, n, block_size, Hkv, D]``; :meth:`BlockCopier.copy_from` moves blocks
+from another list of caches straight into these (no buffer: each byte is read and written once). One launch copies every layer: the
 kernel gets the lowest-addressed cache as its base pointer plus each layer's element offset
 from it, so the layers may be separate allocations. A block is ``block_size * Hkv * D``
 contiguous elements; programs copy ``CHUNK`` of them each.
@@ -51,6 +52,25 @@ def _block_copy_kernel(
     else:
         x = tl.load(buf_ptr + buf_off + offs, mask=mask)
         tl.store(cache_ptr + cache_off + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _block_move_kernel(
+    src_ptr, src_off_ptr, src_ids_ptr, dst_ptr, dst_off_ptr, dst_ids_ptr, num_ids,
+    s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # over (layer, kv, i)
+    i = pid % num_ids
+    layer = pid // num_ids // 2
+    kv = (pid // num_ids) % 2
+    src_blk = tl.load(src_ids_ptr + i).to(tl.int64)
+    dst_blk = tl.load(dst_ids_ptr + i).to(tl.int64)
+    src_off = tl.load(src_off_ptr + layer) + kv * s_kv_src + src_blk * s_blk_src
+    dst_off = tl.load(dst_off_ptr + layer) + kv * s_kv_dst + dst_blk * s_blk_dst
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_elems
+    x = tl.load(src_ptr + src_off + offs, mask=mask)
+    tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def _layout(cache: torch.Tensor) -> tuple[object, ...]:
@@ -193,6 +213,35 @@ class BlockCopier:
         _check_buffer("buffer", buffer, shape, self._base)
         if buffer.numel() > 0:
             _launch(self._base, shape[0], buffer, block_ids, self._offsets[first:], gather=False)
+
+    def copy_from(self, src: BlockCopier, src_ids: torch.Tensor, dst_ids: torch.Tensor, first: int = 0, last: int | None = None) -> None:  # fmt: skip
+        """Blocks ``src_ids`` of ``src``'s caches into blocks ``dst_ids`` of these, layers
+        [first, last), in one launch (``dst_ids`` distinct; the two lists may live in different
+        allocations, e.g. another process's pool opened through CUDA IPC)."""
+        last = self._check_range(first, last)
+        src._check_range(first, last)
+        if src.block_shape != self.block_shape or src.device != self.device:
+            raise ValueError(
+                f"source blocks {src.block_shape} on {src.device} do not fit "
+                f"{self.block_shape} on {self.device}"
+            )
+        _check_ids(src_ids, src._base)
+        _check_ids(dst_ids, self._base)
+        if src_ids.shape != dst_ids.shape:
+            raise ValueError(
+                f"{src_ids.shape[0]} source ids for {dst_ids.shape[0]} destination ids"
+            )
+        n = src_ids.shape[0]
+        if n == 0:
+            return
+        block_elems = self._base[0, 0].numel()
+        chunk = min(CHUNK, next_pow2(block_elems))
+        grid = ((last - first) * 2 * n, triton.cdiv(block_elems, chunk))
+        _block_move_kernel[grid](
+            src._base, src._offsets[first:], src_ids, self._base, self._offsets[first:], dst_ids,
+            n, src._base.stride(0), src._base.stride(1), self._base.stride(0),
+            self._base.stride(1), block_elems, CHUNK=chunk, num_warps=4,
+        )  # fmt: skip
 
     def _check_range(self, first: int, last: int | None) -> int:
         last = self.num_layers if last is None else last

@@ -8,7 +8,7 @@ check their arguments on every call.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -32,6 +32,15 @@ class Copier(Protocol):
 
     def scatter(
         self, buffer: torch.Tensor, block_ids: torch.Tensor, first: int = 0, last: int | None = None
+    ) -> None: ...
+
+    def copy_from(
+        self,
+        src: Any,  # a copier of the same kind over another list of caches
+        src_ids: torch.Tensor,
+        dst_ids: torch.Tensor,
+        first: int = 0,
+        last: int | None = None,
     ) -> None: ...
 
 

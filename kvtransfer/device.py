@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 GLOO = "gloo"
 NCCL = "nccl"
+IPC = "cuda_ipc"  # one GPU: the receiver copies straight out of the sender's pool (kvtransfer.shared_pool)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class DeviceInfo:
     index: int = -1
     uuid: str = ""
     nccl: bool = False  # whether this process can build a ProcessGroupNCCL
+    ipc: bool = False  # whether this process can share its caches through CUDA IPC
 
     @classmethod
     def of(cls, device: torch.device) -> DeviceInfo:
@@ -29,7 +31,7 @@ class DeviceInfo:
             return cls("cpu")
         index = device.index if device.index is not None else torch.cuda.current_device()
         uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
-        return cls("cuda", index, uuid, dist.is_nccl_available())
+        return cls("cuda", index, uuid, dist.is_nccl_available(), ipc=True)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -39,19 +41,24 @@ class DeviceInfo:
         if not isinstance(data, dict) or data.get("type") not in ("cpu", "cuda"):
             raise ValueError(f"bad device description {data!r}")
         index, uuid, nccl = data.get("index", -1), data.get("uuid", ""), data.get("nccl", False)
-        if not isinstance(index, int) or not isinstance(uuid, str) or not isinstance(nccl, bool):
+        ipc = data.get("ipc", False)
+        if not isinstance(index, int) or not isinstance(uuid, str):
             raise ValueError(f"bad device description {data!r}")
-        return cls(data["type"], index, uuid[:128], nccl)
+        if not isinstance(nccl, bool) or not isinstance(ipc, bool):
+            raise ValueError(f"bad device description {data!r}")
+        return cls(data["type"], index, uuid[:128], nccl, ipc)
 
 
 def choose_backend(sender: DeviceInfo, receiver: DeviceInfo) -> str:
-    """NCCL when both ends are CUDA on *different* GPUs and both can use it, else Gloo.
-
-    Two processes on one GPU cannot form an NCCL pair, so that case (and CPU or mixed pairs)
-    goes through Gloo with host staging.
-    """
+    """NCCL when both ends are CUDA on *different* GPUs and both can use it; CUDA IPC when both
+    are on the *same* GPU (two processes on one GPU cannot form an NCCL pair: the receiver opens
+    the sender's pool and copies GPU to GPU); else (CPU or mixed pairs, or an end that cannot
+    share) Gloo with host staging. The receiver falls back to Gloo if opening the pool fails."""
     both_cuda = sender.type == receiver.type == "cuda"
-    distinct = bool(sender.uuid) and bool(receiver.uuid) and sender.uuid != receiver.uuid
+    known = bool(sender.uuid) and bool(receiver.uuid)
+    if both_cuda and known and sender.uuid == receiver.uuid and sender.ipc and receiver.ipc:
+        return IPC
+    distinct = known and sender.uuid != receiver.uuid
     return NCCL if both_cuda and distinct and sender.nccl and receiver.nccl else GLOO
 
 

@@ -77,3 +77,11 @@ class LayerReady:
                     raise LayerReadyError(f"layer {layer} was not written before the deadline")
                 self._cond.wait(remaining)
             return next(event for recorded, event in self._events if recorded >= layer)
+
+    def latest(self, layer: int, deadline: float) -> tuple[int, torch.cuda.Event | None]:
+        """Like :meth:`wait`, but returns the last layer recorded so far (>= ``layer``) and the
+        event that says when it (so every layer before it) is computed."""
+        self.wait(layer, deadline)
+        with self._cond:
+            recorded, event = self._events[-1]
+            return recorded, event

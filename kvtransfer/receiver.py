@@ -113,6 +113,11 @@ class KvReceiver:
         with self._lock:
             return sorted(sid for sid, pair in self._pairs.items() if pair.alive)
 
+    def backends(self) -> dict[str, str]:
+        """The transport of each live pair, by sender id: cuda_ipc, nccl or gloo."""
+        with self._lock:
+            return {sid: pair.backend for sid, pair in self._pairs.items() if pair.alive}
+
     def stats(self) -> TransferCounters:
         return self._counters.snapshot()
 

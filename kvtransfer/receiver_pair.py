@@ -7,7 +7,12 @@ its chunks (always, even for unknown, cancelled or mismatched transfers, so the 
 step; a receive posted ``LOOKAHEAD`` chunks ahead keeps the wire busy), writing each chunk into
 the registered blocks as it lands -> wait for the writes -> resolve the handle -> acknowledge.
 The sender sends nothing between its header and our ack: a message or a hang-up meanwhile
-means it gave up on the transfer (a streamed KV whose prefill failed). A broken stream (peer
+means it gave up on the transfer (a streamed KV whose prefill failed).
+
+On one GPU (``cuda_ipc``) the handshake opens the sender's pool instead of building a group, and
+a transfer copies the header's source blocks of each written layer range straight into the
+registered blocks (one kernel per range, on our stream, under the expectation's write lock as
+any write), as the sender's :class:`Ready` messages say more layers are written. A broken stream (peer
 death, giving up, timeout, protocol error) fails the transfer in flight and ends the thread;
 the sender rebuilds the pair under a new generation. A sender that hangs up while idle ends
 the thread at once.
@@ -16,6 +21,7 @@ the thread at once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -27,16 +33,17 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.auth import welcome_proof
-from kvtransfer.blockcopy import Copier
+from kvtransfer.blockcopy import Copier, make_copier
 from kvtransfer.chunks import LayerRange, layer_ranges
 from kvtransfer.config import ReceiverOptions
 from kvtransfer.control import ConnectionClosed, ControlConn
-from kvtransfer.device import DeviceInfo, on_stream
+from kvtransfer.device import GLOO, IPC, DeviceInfo, on_stream
 from kvtransfer.expectations import Expectation, ExpectationRegistry
 from kvtransfer.landing import BlockWriter, Landing
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import RECEIVER_RANK, PairChannel, precise_sleeps
 from kvtransfer.results import CounterBox, TransferResult
+from kvtransfer.shared_pool import check_pool, open_pool
 from kvtransfer.staging import DeviceIds, HostStaging
 from kvtransfer.stores import clone
 from kvtransfer.wire import (
@@ -44,6 +51,9 @@ from kvtransfer.wire import (
     Control,
     Header,
     Hello,
+    Opened,
+    Ready,
+    Share,
     Trailer,
     Welcome,
     WireError,
@@ -78,9 +88,47 @@ class ReceiverContext:
 Admit = Callable[["ReceiverPair", Hello], tuple[str, str]]
 
 
+@dataclass
+class RemotePool:
+    """A sender's pool opened through CUDA IPC (one GPU)."""
+
+    copier: Copier
+    num_blocks: int
+
+
+class IpcWriter:
+    """Copies one transfer's source blocks out of a shared pool into the registered blocks."""
+
+    def __init__(self, ctx: ReceiverContext, remote: RemotePool, src: torch.Tensor, dst: torch.Tensor) -> None:  # fmt: skip
+        self._ctx, self._remote, self._src, self._dst = ctx, remote, src, dst
+
+    def copy(self, first: int, last: int) -> None:
+        with on_stream(self._ctx.stream):
+            self._ctx.copier.copy_from(self._remote.copier, self._src, self._dst, first, last)
+
+    def flush(self) -> None:
+        if self._ctx.stream is not None:
+            self._ctx.stream.synchronize()
+
+    def compare(self, transfer_id: str) -> str:
+        """Checksums of what the sender holds and what we hold now ('' if they agree)."""
+        with on_stream(self._ctx.stream):
+            theirs = checksum_tensor(
+                self._remote.copier.gather(self._src).view(-1).view(torch.uint8)
+            )
+            ours = checksum_tensor(self._ctx.copier.gather(self._dst).view(-1).view(torch.uint8))
+        if checksum_value(theirs) == checksum_value(ours):
+            return ""
+        return (
+            f"KV checksum mismatch for transfer {transfer_id!r}: the blocks copied out of the "
+            "sender's pool differ from its own"
+        )
+
+
 class ReceiverPair:
     def __init__(self, conn: ControlConn, store: dist.TCPStore, ctx: ReceiverContext, admit: Admit):
         self.sender_id = ""  # known once the hello arrived
+        self.backend = ""  # known once the handshake settled it
         self._conn = conn
         # its own store connection (made here, so the pair never holds the server object)
         self._group_store = clone(store, timedelta(seconds=ctx.options.connect_timeout_s))
@@ -89,6 +137,8 @@ class ReceiverPair:
         self._staging = HostStaging()
         self._ids = DeviceIds(ctx.caches[0].device)
         self._next_seq = 1
+        self._remote: RemotePool | None = None  # cuda_ipc: the sender's pool
+        self._src_ids = DeviceIds(ctx.caches[0].device)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-recv-pair", daemon=True)
 
@@ -118,7 +168,7 @@ class ReceiverPair:
             self._conn.close()
             return
         try:
-            if channel is not None:
+            if channel is not None or self._remote is not None:
                 self._serve(channel)
         except ConnectionClosed:
             if not self._stopping.is_set():
@@ -144,6 +194,11 @@ class ReceiverPair:
         if error:
             return None
         self._thread.name = f"kv-recv-{hello.sender_id}"
+        if backend == IPC:
+            backend = self._open_pool(deadline)
+        self.backend = backend
+        if backend == IPC:
+            return None
         store = dist.PrefixStore(pair_prefix(hello.sender_id, hello.gen), self._group_store)
         return PairChannel.open(
             store,
@@ -155,7 +210,26 @@ class ReceiverPair:
             gloo_interface=opts.gloo_interface,
         )
 
-    def _serve(self, channel: PairChannel) -> None:
+    def _open_pool(self, deadline: float) -> str:
+        """Open the pool a sender on our GPU shares; returns the backend of the pair from now
+        on (gloo, told to the sender, if the pool cannot be opened here)."""
+        ctx = self._ctx
+        share = self._conn.recv(max(deadline - time.monotonic(), 0.001))
+        if not isinstance(share, Share):
+            raise WireError(f"expected the sender's pool, got {share!r}")
+        try:
+            blocks = check_pool(list(share.pool), ctx.layout)
+            caches = open_pool(list(share.pool), ctx.layout, ctx.caches[0].device)
+            self._remote = RemotePool(make_copier(caches), blocks)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            log.warning("cannot open the pool of KV sender %s (%s): Gloo", self.sender_id, error)
+            self._conn.send(Opened(GLOO, error))
+            return GLOO
+        self._conn.send(Opened(IPC))
+        return IPC
+
+    def _serve(self, channel: PairChannel | None) -> None:
         while not self._stopping.is_set():
             msg = self._conn.recv()
             if isinstance(msg, Control):
@@ -163,7 +237,60 @@ class ReceiverPair:
             if not isinstance(msg, Header) or msg.seq != self._next_seq:
                 raise WireError(f"expected header #{self._next_seq}, got {msg!r}")
             self._next_seq += 1
-            self._transfer(msg, channel)
+            if self._remote is not None:
+                self._transfer_ipc(msg, self._remote)
+            else:
+                assert channel is not None
+                self._transfer(msg, channel)
+
+    def _transfer_ipc(self, header: Header, remote: RemotePool) -> None:
+        """One transfer out of a shared pool; raises (ending the pair) if the sender broke the
+        conversation or gave up."""
+        ctx = self._ctx
+        start = time.monotonic()
+        num_layers = ctx.layout.num_layers
+        if not header.src_blocks:
+            raise WireError(f"header #{header.seq} of a shared-GPU pair names no source blocks")
+        claim = ctx.registry.claim(header.transfer_id, ctx.options.unknown_grace_s)
+        exp = claim if isinstance(claim, Expectation) else None
+        problem = claim if isinstance(claim, str) else self._validate(header, claim)
+        if not problem and any(not 0 <= b < remote.num_blocks for b in header.src_blocks):
+            problem = f"transfer {header.transfer_id!r} names blocks outside the sender's pool"
+        writer = None
+        if exp is not None and not problem:
+            with on_stream(ctx.stream):
+                src = self._src_ids.upload(list(header.src_blocks))
+                dst = self._ids.upload(list(exp.handle.block_ids))
+            writer = IpcWriter(ctx, remote, src, dst)
+            exp.flush = writer.flush
+        done, ready = 0, header.ready
+        deadline = time.monotonic() + ctx.options.io_timeout_s
+        try:
+            while True:
+                if ready > done:
+                    if exp is not None and writer is not None:
+                        exp.issue_write(functools.partial(writer.copy, done, ready))
+                    done = ready
+                if done >= num_layers:
+                    break
+                msg = self._conn.recv(max(deadline - time.monotonic(), 0.001))
+                if isinstance(msg, Control):
+                    raise WireError("the sender gave up on the transfer")
+                if not isinstance(msg, Ready) or msg.seq != header.seq:
+                    raise WireError(f"expected more layers of #{header.seq}, got {msg!r}")
+                if not done < msg.layers <= num_layers:
+                    raise WireError(f"layers {msg.layers} after {done} of {num_layers}")
+                ready = msg.layers
+        except Exception as e:
+            error = f"KV stream from sender {self.sender_id} broke: {e}"
+            self._finish(exp, header, start, error)
+            with contextlib.suppress(Exception):  # tell a live sender to rebuild
+                self._conn.send(Ack(header.seq, False, error, broken=True))
+            raise
+        if writer is not None and header.trailer and ctx.options.verify_checksums:
+            problem = writer.compare(header.transfer_id)
+        result = self._finish(exp, header, start, problem, writer)
+        self._conn.send(Ack(header.seq, result.ok, result.error))
 
     def _transfer(self, header: Header, channel: PairChannel) -> None:
         """Handle one transfer; raises (ending the pair) if the byte stream broke."""
@@ -291,7 +418,7 @@ class ReceiverPair:
         header: Header,
         start: float,
         problem: str,
-        writer: BlockWriter | None = None,
+        writer: BlockWriter | IpcWriter | None = None,
     ) -> TransferResult:
         """Resolve the transfer: finish the writes and succeed, or fail; counts it either way."""
         ctx = self._ctx

@@ -8,11 +8,16 @@ post the chunk's send (gathers overlap earlier chunks on the wire; NCCL runs on 
 which waits for each gather), then wait for the receiver's :class:`Ack`, which also proves every
 send completed. With a :class:`LayerReady`, a chunk is gathered once its layers are written:
 the gather stream waits on the producer's event, the host only for the producer's ``record``.
+On one GPU (``cuda_ipc``) the handshake shares this sender's pool instead of building a group,
+and a transfer is a header naming our blocks, :class:`Ready` messages as their layers are
+written (the host waits for each layer's event: the receiver is another process), and the ack:
+the receiver copies the blocks itself.
 Not thread-safe: each pair belongs to the one thread of its ``send_queue.PairQueue``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -28,17 +33,21 @@ from kvtransfer.auth import hello_proof, proven, welcome_proof
 from kvtransfer.blockcopy import Copier
 from kvtransfer.chunks import LayerRange, plan_layers
 from kvtransfer.control import ConnectionClosed, ControlConn
-from kvtransfer.device import DeviceInfo, local_address_towards, on_stream
+from kvtransfer.device import GLOO, IPC, DeviceInfo, local_address_towards, on_stream
 from kvtransfer.layout import KvLayout
-from kvtransfer.pair import SENDER_RANK, PairChannel
+from kvtransfer.pair import SENDER_RANK, PairChannel, precise_sleeps
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import TransferError
+from kvtransfer.shared_pool import export_pool
 from kvtransfer.staging import DeviceIds, HostStaging, to_wire
 from kvtransfer.wire import (
     Ack,
     Control,
     Header,
     Hello,
+    Opened,
+    Ready,
+    Share,
     Trailer,
     Welcome,
     WireError,
@@ -46,6 +55,8 @@ from kvtransfer.wire import (
     checksum_value,
     pair_prefix,
 )
+
+log = logging.getLogger(__name__)
 
 
 class TransferRejected(TransferError):
@@ -81,6 +92,20 @@ def _seconds(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
 
+_EVENT_POLL_S = 20e-6  # how often the host looks at a layer's event (cuda_ipc)
+
+
+def _host_wait(event: torch.cuda.Event | None, deadline: float) -> None:
+    """Return once ``event`` (None: nothing) is done on the GPU; TransferError at the deadline.
+    Polls instead of blocking in the driver, which would spin a core for a whole prefill."""
+    if event is None:
+        return
+    while not event.query():
+        if time.monotonic() >= deadline:
+            raise TransferError("the KV was not computed before the transfer's deadline")
+        time.sleep(_EVENT_POLL_S)
+
+
 def _offsets(sizes: tuple[int, ...]) -> list[int]:
     return [sum(sizes[:k]) for k in range(len(sizes))]
 
@@ -94,13 +119,21 @@ class SenderPair:
         self._ids = DeviceIds(ctx.caches[0].device)
         self._channel: PairChannel | None = None
         self._conn: ControlConn | None = None
+        self._ipc = False  # the receiver copies out of our shared pool (one GPU)
         self._seq = 0
         # test hook: sees each chunk as gathered, after its checksum, before it is sent
         self.after_gather: Callable[[torch.Tensor], None] | None = None
 
     @property
     def connected(self) -> bool:
-        return self._channel is not None
+        return self._conn is not None
+
+    @property
+    def backend(self) -> str:
+        """The pair's transport once connected: cuda_ipc, nccl or gloo ('' before)."""
+        if self._ipc:
+            return IPC
+        return self._channel.backend if self._channel is not None else ""
 
     def connect(self, deadline: float) -> None:
         ctx = self._ctx
@@ -119,12 +152,19 @@ class SenderPair:
                     f"KV receiver at {self.endpoint} did not prove the internal token: "
                     "no KV is sent to it"
                 )
+            backend = welcome.backend
+            if backend == IPC:
+                backend = self._share(conn, deadline)
+            if backend == IPC:
+                precise_sleeps()  # this pair's thread polls layer events with short sleeps
+                self._ipc, self._conn, self._seq = True, conn, 0
+                return
             timeout = timedelta(seconds=_seconds(deadline))
             client = dist.TCPStore(self.host, welcome.store_port, None, False, timeout)
             self._channel = PairChannel.open(
                 dist.PrefixStore(pair_prefix(ctx.sender_id, gen), client),
                 SENDER_RANK,
-                welcome.backend,
+                backend,
                 ctx.caches[0].device,
                 deadline,
                 gloo_address=local_address_towards(self.host, self.port),
@@ -135,6 +175,20 @@ class SenderPair:
             raise
         self._conn = conn
         self._seq = 0
+
+    def _share(self, conn: ControlConn, deadline: float) -> str:
+        """Share our pool with a receiver on the same GPU; returns the backend it settled on
+        (gloo when it could not open the pool)."""
+        conn.send(Share(tuple(export_pool(self._ctx.caches))))
+        opened = conn.recv(_seconds(deadline))
+        if not isinstance(opened, Opened):
+            raise WireError(f"expected the receiver's answer to our pool, got {opened!r}")
+        if opened.backend == GLOO:
+            log.warning(
+                "KV receiver at %s could not open our pool through CUDA IPC (%s): using Gloo "
+                "through host memory", self.endpoint, opened.error,
+            )  # fmt: skip
+        return opened.backend
 
     def transfer(
         self,
@@ -148,6 +202,10 @@ class SenderPair:
         """Ship the blocks; returns the bytes acknowledged. Raises TransferRejected if the
         receiver refused them (the pair stays usable), anything else if the pair broke."""
         ctx, channel, conn = self._ctx, self._channel, self._conn
+        if conn is not None and self._ipc:
+            return self._transfer_ipc(
+                conn, transfer_id, block_ids, deadline, ready, after_header, computed
+            )
         if channel is None or conn is None:
             raise TransferError("not connected")
         self._seq += 1
@@ -188,6 +246,49 @@ class SenderPair:
         if sums:  # every send is posted: reading the sums waits for the gathers only
             conn.send(Trailer(header.seq, tuple(map(checksum_value, sums))))
         return self._await_ack(conn, header, deadline)
+
+    def _transfer_ipc(
+        self,
+        conn: ControlConn,
+        transfer_id: str,
+        block_ids: list[int],
+        deadline: float,
+        ready: LayerReady | None,
+        after_header: Callable[[], None] | None,
+        computed: torch.cuda.Event | None,
+    ) -> int:
+        """One GPU: tell the receiver which of our blocks to copy, and (streaming) when each
+        layer is written; it copies them out of our pool."""
+        layout = self._ctx.layout
+        num_layers = layout.num_layers
+        nbytes = layout.block_bytes * len(block_ids)
+        done = 0
+        if ready is None:  # computed before submit, on the submitting thread's stream
+            _host_wait(computed, deadline)
+            done = num_layers
+        else:
+            done = self._written(ready, 0, deadline)
+        self._seq += 1
+        header = Header(
+            self._seq, transfer_id, len(block_ids), layout, nbytes, (nbytes,),
+            self._ctx.use_checksum, tuple(block_ids), done,
+        )  # fmt: skip
+        conn.send(header)
+        if after_header is not None:
+            after_header()
+        while done < num_layers:
+            assert ready is not None
+            done = self._written(ready, done, deadline)
+            conn.send(Ready(header.seq, done))
+        return self._await_ack(conn, header, deadline)
+
+    @staticmethod
+    def _written(ready: LayerReady, done: int, deadline: float) -> int:
+        """Wait until layer ``done`` is written on the GPU; returns how many layers are (layers
+        recorded meanwhile come along: one message covers them)."""
+        upto, event = ready.latest(done, deadline)
+        _host_wait(event, deadline)
+        return upto + 1
 
     def _gather(
         self,
@@ -232,6 +333,7 @@ class SenderPair:
         """Drop the pair; with ``farewell``, tell the receiver so its pair thread ends."""
         channel, conn = self._channel, self._conn
         self._channel = self._conn = None
+        self._ipc = False
         if conn is not None:
             if farewell:
                 with suppress(OSError):  # a receiver that is gone needs no goodbye

@@ -8,6 +8,13 @@ Conversation of one pair: sender -> :class:`Hello`; receiver -> :class:`Welcome`
 the port of the store both ends build their group over, under ``pair_prefix(sender, gen)``);
 then per transfer: sender -> :class:`Header`, KV bytes through the group, (with checksums) sender
 -> :class:`Trailer`, receiver -> :class:`Ack`. :class:`Control` ("bye") ends the pair.
+
+On one GPU (backend ``cuda_ipc``) no group is built: after the welcome the sender -> :class:`Share`
+(its pool, :mod:`kvtransfer.shared_pool`), receiver -> :class:`Opened` (``cuda_ipc``, or ``gloo``
+when it could not open the pool: the pair then builds a Gloo group as above). Per transfer the
+header names the sender's blocks and how many layers are already written; the receiver copies
+them out of the shared pool, the sender -> :class:`Ready` as more layers are written, receiver ->
+:class:`Ack` once every layer is copied.
 """
 
 from __future__ import annotations
@@ -20,11 +27,11 @@ from typing import Any
 
 import torch
 
-from kvtransfer.device import GLOO, NCCL, DeviceInfo
+from kvtransfer.device import GLOO, IPC, NCCL, DeviceInfo
 from kvtransfer.layout import KvLayout
 
-PROTOCOL_VERSION = 3  # 3: per-chunk checksums in a Trailer after the data
-MAX_MESSAGE_BYTES = 64 * 1024
+PROTOCOL_VERSION = 4  # 3: per-chunk checksums in a Trailer after the data; 4: CUDA IPC
+MAX_MESSAGE_BYTES = 1 << 20  # a header of a shared-GPU transfer names every source block
 MAX_TRANSFER_ID_LEN = 512
 MAX_CHUNKS = 1024
 _NAME = re.compile(r"^[A-Za-z0-9._:@+-]{1,128}$")
@@ -76,6 +83,32 @@ class Header:
     nbytes: int
     chunks: tuple[int, ...]
     trailer: bool = False  # a Trailer with a checksum of each chunk follows the data
+    # cuda_ipc only: the sender's blocks to copy (in order), and layers [0, ready) written
+    src_blocks: tuple[int, ...] = ()
+    ready: int = 0
+
+
+@dataclass(frozen=True)
+class Share:
+    """The sender's KV pool, one descriptor per layer (:func:`kvtransfer.shared_pool.export_pool`)."""
+
+    pool: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The receiver's answer to a :class:`Share`: the backend the pair uses from now on."""
+
+    backend: str  # cuda_ipc, or gloo when the pool could not be opened (``error`` says why)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """cuda_ipc: layers [0, ``layers``) of transfer ``seq`` are written on the sender."""
+
+    seq: int
+    layers: int
 
 
 @dataclass(frozen=True)
@@ -100,7 +133,7 @@ class Ack:
     broken: bool = False  # the receiver tore its side of the pair down: rebuild it
 
 
-Message = Hello | Welcome | Header | Trailer | Control | Ack
+Message = Hello | Welcome | Header | Trailer | Control | Ack | Share | Opened | Ready
 
 
 def encode(msg: Message) -> bytes:
@@ -136,6 +169,15 @@ def encode(msg: Message) -> bytes:
             "chunks": list(msg.chunks),
             "trailer": msg.trailer,
         }
+        if msg.src_blocks:
+            doc["src_runs"] = to_runs(msg.src_blocks)
+            doc["ready"] = msg.ready
+    elif isinstance(msg, Share):
+        doc = {"t": "share", "pool": list(msg.pool)}
+    elif isinstance(msg, Opened):
+        doc = {"t": "opened", "backend": msg.backend, "error": msg.error}
+    elif isinstance(msg, Ready):
+        doc = {"t": "ready", "seq": msg.seq, "layers": msg.layers}
     elif isinstance(msg, Trailer):
         doc = {"t": "trailer", "seq": msg.seq, "checksums": list(msg.checksums)}
     elif isinstance(msg, Control):
@@ -185,7 +227,7 @@ def _hello(doc: dict[str, Any]) -> Hello:
 
 def _welcome(doc: dict[str, Any]) -> Welcome:
     backend = doc["backend"]
-    if backend not in (GLOO, NCCL, ""):
+    if backend not in (GLOO, NCCL, IPC, ""):
         raise WireError(f"unknown backend {backend!r}")
     device = DeviceInfo.from_json(doc["device"]) if doc["device"] is not None else None
     proof = _str(doc, "proof", 128) if "proof" in doc else ""
@@ -205,9 +247,60 @@ def _header(doc: dict[str, Any]) -> Header:
     if sum(sizes) != nbytes:
         raise WireError(f"chunk sizes add up to {sum(sizes)}, not nbytes {nbytes}")
     layout = KvLayout.from_json(doc["layout"])
-    return Header(
-        _int(doc, "seq", 1), tid, _int(doc, "num_blocks", 1), layout, nbytes, sizes, trailer
-    )
+    num_blocks = _int(doc, "num_blocks", 1)
+    src: tuple[int, ...] = ()
+    ready = 0
+    if "src_runs" in doc:
+        src = from_runs(doc["src_runs"], num_blocks)
+        ready = _int(doc, "ready")
+        if ready > layout.num_layers:
+            raise WireError(f"ready {ready} is beyond the layout's {layout.num_layers} layers")
+    return Header(_int(doc, "seq", 1), tid, num_blocks, layout, nbytes, sizes, trailer, src, ready)
+
+
+def to_runs(ids: tuple[int, ...]) -> list[list[int]]:
+    """Block ids as ``[first, count]`` runs of consecutive ids (a pool hands out long runs)."""
+    runs: list[list[int]] = []
+    for b in ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    return runs
+
+
+def from_runs(runs: Any, expected: int) -> tuple[int, ...]:
+    """Inverse of :func:`to_runs`; exactly ``expected`` ids, else WireError."""
+    if not isinstance(runs, list) or not 0 < len(runs) <= expected:
+        raise WireError(f"src_runs must be a list of 1 to {expected} runs")
+    ids: list[int] = []
+    for run in runs:
+        if not isinstance(run, list) or len(run) != 2:
+            raise WireError("each src run must be [first, count]")
+        first, count = _int({"first": run[0]}, "first"), _int({"count": run[1]}, "count", 1)
+        if len(ids) + count > expected:
+            raise WireError(f"src_runs name more than the header's {expected} blocks")
+        ids.extend(range(first, first + count))
+    if len(ids) != expected:
+        raise WireError(f"src_runs name {len(ids)} blocks, the header {expected}")
+    return tuple(ids)
+
+
+def _share(doc: dict[str, Any]) -> Share:
+    pool = doc["pool"]
+    if not isinstance(pool, list) or not pool or not all(isinstance(d, dict) for d in pool):
+        raise WireError("pool must be a non-empty list of objects")
+    return Share(tuple(pool))  # checked against the layout by kvtransfer.shared_pool.check_pool
+
+
+def _opened(doc: dict[str, Any]) -> Opened:
+    if doc["backend"] not in (GLOO, IPC):
+        raise WireError(f"unknown backend {doc['backend']!r} after a share")
+    return Opened(doc["backend"], _str(doc, "error", 4096))
+
+
+def _ready(doc: dict[str, Any]) -> Ready:
+    return Ready(_int(doc, "seq", 1), _int(doc, "layers", 1))
 
 
 def _trailer(doc: dict[str, Any]) -> Trailer:
@@ -229,6 +322,9 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "header": _header,
     "trailer": _trailer,
     "ack": _ack,
+    "share": _share,
+    "opened": _opened,
+    "ready": _ready,
     "bye": lambda _doc: Control("bye"),
 }
 

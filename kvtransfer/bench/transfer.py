@@ -1,4 +1,4 @@
-"""KV transfer benchmark: GPU0 -> GPU1 over NCCL, one GPU over Gloo, raw NCCL for comparison.
+"""KV transfer benchmark: GPU0 -> GPU1 over NCCL, two processes on one GPU (CUDA IPC), raw NCCL.
 
     python -m kvtransfer.bench.transfer --json-out kv.json            # needs 2 GPUs for the NCCL rows
     python -m kvtransfer.bench.transfer --cpu --tokens 16 --iters 2    # smoke run on CPU (Gloo)
@@ -22,6 +22,11 @@ Before the changes of issue #7, on 2 x H200 (NV18, torch 2.11, NCCL 2.28), media
 The time went to per-call CPU cost: cache checks and a blocking host-to-device copy in every
 gather and scatter call (0.1-0.2 ms each), receives posted behind the engine's stream, ~60 us
 poll granularity on the receiver, and one chunk (no pipelining) at 1024 tokens.
+
+On one GPU the pair now shares the sender's pool through CUDA IPC and the receiver copies the
+blocks GPU to GPU with one kernel ("move" row: that kernel alone, in one process, against the
+copy roofline of reading and writing every byte once); the "ttft" rows run there too, so the
+tail left after the prefill's last layer can be compared with a whole transfer.
 """
 
 from __future__ import annotations
@@ -96,6 +101,22 @@ def timed_copy(caches: list[torch.Tensor], ids: list[int], iters: int, gather: b
     return statistics.median(times)
 
 
+def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> float:
+    """Median seconds of one block-to-block copy of ``ids`` into as many other blocks of the
+    same pool (the kernel a receiver runs on a shared GPU)."""
+    copier = make_copier(caches)
+    src = torch.tensor(ids, device=caches[0].device)
+    dst = src + len(ids)
+    times = []
+    for _ in range(iters + 1):
+        _sync(caches[0].device)
+        start = time.perf_counter()
+        copier.copy_from(copier, src, dst)
+        _sync(caches[0].device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def raw_send_recv(rank: int, port: int, nbytes: int, iters: int, device: torch.device) -> float:
     """Seconds per back-to-back send/recv of ``nbytes`` over a bare pairwise group."""
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120))
@@ -165,6 +186,10 @@ class Child:
             return digest(self.caches, args[0])
         if op == "copy":
             return timed_copy(self.caches, args[0], args[1], gather=self.role == "sender")
+        if op == "move":
+            return timed_move(self.caches, args[0], args[1])
+        if op == "backend":
+            return self.rx.backends() if self.rx is not None else {}
         if op == "raw":
             self.close_sender()  # one NCCL communicator at a time
             rank = 0 if self.role == "sender" else 1
@@ -370,7 +395,7 @@ def run_pair(name: str, tx: str, rx: str, args: argparse.Namespace, full: bool) 
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     log(f"{name}: starting the sender ({tx}) and receiver ({rx}) processes")
-    pair = Pair(tx, rx, num_blocks=2 * max(args.tokens) // BLOCK)
+    pair = Pair(tx, rx, num_blocks=2 * max(*args.tokens, *args.ttft_tokens) // BLOCK)
 
     def section(what: str, fn: Any) -> None:
         log(f"{name}: {what}")
@@ -402,11 +427,19 @@ def run_pair(name: str, tx: str, rx: str, args: argparse.Namespace, full: bool) 
                         _row(f"{name} scatter", tokens, [scatter_s])]  # fmt: skip
 
             section(f"gather/scatter, {tokens} tokens", copy)
+            if tx == rx:  # one GPU: the receiver's block-to-block copy out of the shared pool
+
+                def move(tokens: int = tokens, ids: list[int] = ids) -> dict[str, Any]:
+                    seconds = pair.call("receiver", "move", ids, args.iters)
+                    return _row(f"{name} move (kernel)", tokens, [seconds])
+
+                section(f"block move, {tokens} tokens", move)
         for chunk_mb in args.chunk_mb if full else [SenderOptions().chunk_bytes / 2**20]:
             for tokens in args.tokens:
                 section(f"e2e, {tokens} tokens, {chunk_mb:g} MiB chunks",
                         lambda t=tokens, c=chunk_mb: bench_e2e(pair, name, t, args, c))  # fmt: skip
-        for tokens in args.tokens if full and not args.no_ttft else []:
+        log(f"{name}: transports {pair.call('receiver', 'backend')}")
+        for tokens in args.ttft_tokens if not args.no_ttft else []:
             section(f"ttft, {tokens} tokens", lambda t=tokens: bench_ttft(pair, t, args))
     except Exception as e:  # a child died or hung: the pair is unusable
         errors.append(f"{name}: {type(e).__name__}: {e}")
@@ -459,9 +492,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream-chunk-mb", type=float, default=8.0,
                         help="chunk size of the layer-by-layer (overlapped) transfers")  # fmt: skip
     parser.add_argument("--no-ttft", action="store_true", help="skip the added-TTFT section")
+    parser.add_argument("--ttft-tokens", type=int, nargs="+", default=None,
+                        help="prompt lengths of the added-TTFT section (default: --tokens)")  # fmt: skip
     parser.add_argument("--skip-same-gpu", action="store_true")
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0 or any(t < BLOCK or t % BLOCK for t in args.tokens):
+    args.ttft_tokens = args.tokens if args.ttft_tokens is None else args.ttft_tokens
+    lengths = [*args.tokens, *args.ttft_tokens]
+    if args.iters < 1 or args.warmup < 0 or any(t < BLOCK or t % BLOCK for t in lengths):
         parser.error(f"--iters >= 1, --warmup >= 0, --tokens multiples of {BLOCK}")
     started = time.monotonic()
     gpus = 0 if args.cpu else torch.cuda.device_count()
@@ -473,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     if gpus >= 2:
         runs.append(("gpu0->gpu1 nccl", "cuda:0", "cuda:1", True))
     if gpus >= 1 and not args.skip_same_gpu:
-        runs.append(("same-gpu gloo", "cuda:0", "cuda:0", False))
+        runs.append(("same-gpu", "cuda:0", "cuda:0", False))
     if not runs:
         raise SystemExit("no GPU found: run with --cpu for a smoke run")
     for name, tx, rx, full in runs:

@@ -121,6 +121,23 @@ def test_copier_rejects_bad_ranges_buffers_and_ids(gen: torch.Generator, device:
         BlockCopier([])
 
 
+@pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
+def test_copy_from_moves_blocks_between_pools_like_the_reference(copier, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    src = views_of_one_pool(4, torch.bfloat16, gen, device)
+    dst = separate_layers(4, torch.bfloat16, gen, device)  # another allocation, another layout
+    want = [c.clone() for c in dst]
+    src_ids = torch.tensor([7, 0, 11], device=device)
+    dst_ids = torch.tensor([2, 9, 4], dtype=torch.int32, device=device)
+    for first, last in ((1, 3), (3, 4)):  # a range of layers at a time, as a streamed KV lands
+        copier(dst).copy_from(copier(src), src_ids, dst_ids, first, last)
+    ref_scatter_blocks(ref_gather_blocks(src[1:], src_ids), want[1:], dst_ids)
+    assert all(torch.equal(a, b) for a, b in zip(dst, want, strict=True))  # layer 0 intact
+    with pytest.raises(ValueError, match="destination ids"):
+        copier(dst).copy_from(copier(src), src_ids, dst_ids[:2])
+    with pytest.raises(ValueError, match="range"):
+        copier(dst).copy_from(copier(src[:2]), src_ids, dst_ids, 0, 3)
+
+
 @pytest.mark.gpu
 def test_gpu_llama_layers() -> None:
     gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
@@ -138,3 +155,6 @@ def test_gpu_llama_layers() -> None:
     assert torch.equal(out, buf)
     plan.scatter(out[8:16], torch.flip(ids, (0,)), 8, 16)
     assert torch.equal(ref_gather_blocks(caches[8:16], torch.flip(ids, (0,))), buf[8:16])
+    moved = [torch.zeros_like(c) for c in caches]
+    BlockCopier(moved).copy_from(plan, ids, torch.flip(ids, (0,)))
+    assert torch.equal(ref_gather_blocks(moved, torch.flip(ids, (0,))), buf)

@@ -1,5 +1,7 @@
-"""KV transfer on GPUs: NCCL between two GPUs (with a sender killed mid-transfer), and two
-ends on one GPU (Gloo with host staging). Skipped without the GPUs."""
+"""KV transfer on GPUs: NCCL between two GPUs (with a sender killed mid-transfer), two processes
+on one GPU (CUDA IPC: GPU to GPU, also streamed layer by layer, and a sender killed meanwhile),
+two ends in one process (IPC cannot open its own pool: Gloo with host staging). Skipped without
+the GPUs."""
 
 from __future__ import annotations
 
@@ -78,7 +80,41 @@ def test_nccl_pair_round_trips_and_survives_a_sender_killed_mid_transfer():
 
 
 @pytest.mark.skipif(GPUS < 1, reason="needs a GPU")
-def test_two_ends_on_one_gpu_go_through_host_staging():
+def test_two_processes_on_one_gpu_copy_gpu_to_gpu_through_cuda_ipc():
+    rx_caches = on("cuda:0", make_caches(0, 16, zero=True))
+    options = ReceiverOptions(io_timeout_s=3, connect_timeout_s=60)
+    peer, successor = Peer("sender"), Peer("sender")
+    with KvReceiver(rx_caches, options) as rx:
+        try:
+            add_sender(peer.started(), "ipc-pf", seed=4, device="cuda:0")
+            handle = rx.expect("i1", [0, 5, 2], deadline_s=60)
+            reply = peer.call(op="send", id="ipc-pf", endpoint=rx.endpoint, transfer_id="i1",
+                              blocks=[3, 7, 1], timeout=60)  # fmt: skip
+            assert reply["ok"], reply
+            assert handle.wait(5).ok and rx.backends() == {"ipc-pf": "cuda_ipc"}
+            got = [c.cpu() for c in blocks(rx_caches, [0, 5, 2])]
+            assert_blocks_equal(got, blocks(make_caches(4, 12), [3, 7, 1]))
+            handle = rx.expect("i2", [4], deadline_s=60)
+            peer.write(op="send", id="ipc-pf", endpoint=rx.endpoint, transfer_id="i2",
+                       blocks=[2], timeout=60, pause_after_header=60)  # fmt: skip
+            assert peer.read(30) == {"event": "header_sent"}
+            peer.kill()  # after its header (the whole KV was written: the copy may be done)
+            assert handle.wait(30) is not None  # resolved either way, never left pending
+            add_sender(successor.started(), "ipc-pf", seed=5, device="cuda:0")
+            handle = rx.expect("i3", [6], deadline_s=60)
+            reply = successor.call(op="send", id="ipc-pf", endpoint=rx.endpoint,
+                                   transfer_id="i3", blocks=[8], timeout=60)  # fmt: skip
+            assert reply["ok"], reply
+            assert handle.wait(5).ok
+            got = [c.cpu() for c in blocks(rx_caches, [6])]
+            assert_blocks_equal(got, blocks(make_caches(5, 12), [8]))
+        finally:
+            peer.close()
+            successor.close()
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a GPU")
+def test_two_ends_in_one_process_on_one_gpu_fall_back_to_host_staging():
     src = make_caches(3, 12)
     rx_caches = on("cuda:0", make_caches(0, 16, zero=True))
     with (

@@ -1,0 +1,234 @@
+"""The one-GPU path (cuda_ipc) of a pair, on the CPU: the protocol and the receiver's copies.
+
+CUDA IPC itself needs a GPU (tests/kvtransfer/test_gpu.py); here both ends run in this process,
+the backend choice is forced to cuda_ipc and "opening" the shared pool hands the receiver the
+sender's own tensors, so everything else (handshake, headers naming source blocks, layers
+streamed with Ready messages, cancels, checksums, a sender giving up, the Gloo fallback) runs
+as it does between two processes on one GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvtransfer import (
+    KvReceiver,
+    KvSender,
+    LayerReady,
+    ReceiverOptions,
+    SenderOptions,
+    receiver_pair,
+    sender_pair,
+)
+from kvtransfer import receiver as receiver_mod
+from kvtransfer.device import IPC
+from kvtransfer.layout import KvLayout
+from kvtransfer.results import TransferError
+from kvtransfer.wire import Header, Opened, Ready, Share, WireError, decode, encode, from_runs
+from tests.kvtransfer.conftest import assert_blocks_equal, blocks
+from tests.kvtransfer.peer import LAYOUT, make_caches
+
+LAYERS = LAYOUT["num_layers"]
+
+
+class FakeIpc:
+    """Stands in for CUDA IPC: the sender "exports" a key, the receiver "opens" its tensors."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, list[torch.Tensor]] = {}
+        self.fail_open = ""
+
+    def export(self, caches: list[torch.Tensor]) -> list[dict[str, Any]]:
+        key = str(len(self.pools))
+        self.pools[key] = caches
+        return [{"key": key, "layer": i} for i in range(len(caches))]
+
+    def check(self, pool: list[dict[str, Any]], layout: Any) -> int:
+        if self.fail_open:
+            raise RuntimeError(self.fail_open)
+        return self.pools[pool[0]["key"]][0].shape[1]
+
+    def open(self, pool: list[dict[str, Any]], layout: Any, device: Any) -> list[torch.Tensor]:
+        return self.pools[pool[0]["key"]]
+
+
+@pytest.fixture
+def ipc(monkeypatch: pytest.MonkeyPatch) -> FakeIpc:
+    fake = FakeIpc()
+    monkeypatch.setattr(receiver_mod, "choose_backend", lambda _s, _r: IPC)
+    monkeypatch.setattr(sender_pair, "export_pool", fake.export)
+    monkeypatch.setattr(receiver_pair, "check_pool", fake.check)
+    monkeypatch.setattr(receiver_pair, "open_pool", fake.open)
+    return fake
+
+
+@pytest.fixture
+def rx(ipc: FakeIpc) -> Iterator[tuple[KvReceiver, list[torch.Tensor]]]:
+    caches = make_caches(0, 16, zero=True)
+    with KvReceiver(caches, ReceiverOptions(io_timeout_s=5, unknown_grace_s=0.2)) as receiver:
+        yield receiver, caches
+
+
+def _pair_backend(sender: KvSender) -> str:
+    queues = list(sender._queues.values())
+    return queues[0].pair.backend if queues else ""
+
+
+def test_a_computed_kv_is_copied_out_of_the_shared_pool(rx, ipc: FakeIpc) -> None:
+    receiver, rx_caches = rx
+    src = make_caches(1, 12)
+    with KvSender(src, "one-gpu") as tx:
+        for k, (s, d) in enumerate((([4, 5, 6, 11], [9, 1, 2, 3]), ([0], [15]))):
+            handle = receiver.expect(f"t{k}", d)
+            stats = tx.send(receiver.endpoint, f"t{k}", s, timeout_s=10)
+            assert stats.bytes == tx.layout.block_bytes * len(s)
+            assert handle.wait(5).ok
+            assert_blocks_equal(blocks(rx_caches, d), blocks(src, s))
+        assert _pair_backend(tx) == IPC  # one pair, no process group
+        assert receiver.backends() == {"one-gpu": IPC}
+    assert receiver.stats().transfers == 2
+    assert list(ipc.pools) == ["0"]  # the pool is shared once per pair
+
+
+def test_layers_stream_as_they_are_written_and_land_before_the_last_one(rx) -> None:
+    receiver, rx_caches = rx
+    src = make_caches(2, 12)
+    ready = LayerReady(LAYERS)
+    handle = receiver.expect("s", [7, 8])
+    with KvSender(src, "stream") as tx:
+        future = tx.submit(receiver.endpoint, "s", [3, 4], timeout_s=10, ready=ready)
+        for layer in range(LAYERS - 1):
+            ready.record(layer)
+            deadline = time.monotonic() + 5
+            while not torch.equal(rx_caches[layer][:, [7, 8]], src[layer][:, [3, 4]]):
+                assert time.monotonic() < deadline, f"layer {layer} was not copied once written"
+                time.sleep(0.005)
+        assert not handle.done() and torch.all(rx_caches[LAYERS - 1] == 0)  # not yet written
+        ready.record(LAYERS - 1)
+        assert future.result(10).bytes > 0
+    assert handle.wait(5).ok
+    assert_blocks_equal(blocks(rx_caches, [7, 8]), blocks(src, [3, 4]))
+
+
+def test_a_failed_prefill_fails_the_transfer_and_the_pair_is_rebuilt(rx, ipc: FakeIpc) -> None:
+    receiver, rx_caches = rx
+    src = make_caches(3, 12)
+    ready = LayerReady(LAYERS)
+    handle = receiver.expect("f", [1])
+    with KvSender(src, "fails") as tx:
+        future = tx.submit(receiver.endpoint, "f", [2], timeout_s=10, ready=ready)
+        ready.record(0)
+        ready.fail("the forward raised")
+        with pytest.raises(TransferError, match="the forward raised"):
+            future.result(10)
+        result = handle.wait(5)
+        assert result is not None and not result.ok and "gave up" in result.error
+        again = receiver.expect("g", [1])
+        tx.send(receiver.endpoint, "g", [2], timeout_s=10)  # a new pair, a new share
+        assert again.wait(5).ok and len(ipc.pools) == 2
+    assert_blocks_equal(blocks(rx_caches, [1]), blocks(src, [2]))
+
+
+def test_a_cancel_mid_stream_stops_the_copies_and_the_sender_is_told(rx) -> None:
+    receiver, rx_caches = rx
+    src = make_caches(4, 12)
+    ready = LayerReady(LAYERS)
+    handle = receiver.expect("c", [5])
+    with KvSender(src, "cancelled") as tx:
+        future = tx.submit(receiver.endpoint, "c", [6], timeout_s=10, ready=ready)
+        ready.record(0)
+        deadline = time.monotonic() + 5
+        while not torch.equal(rx_caches[0][:, [5]], src[0][:, [6]]):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert receiver.cancel("c", "client went away")  # the blocks are the caller's again
+        for layer in range(1, LAYERS):
+            ready.record(layer)
+        with pytest.raises(TransferError, match="client went away"):
+            future.result(10)
+    assert not handle.wait(0).ok
+    assert all(torch.all(rx_caches[layer][:, 5] == 0) for layer in range(1, LAYERS))
+
+
+def test_checksums_compare_the_copy_with_the_senders_blocks(rx, monkeypatch) -> None:
+    receiver, rx_caches = rx
+    src = make_caches(5, 12)
+    with KvSender(src, "sums", SenderOptions(checksum=True)) as tx:
+        ok = receiver.expect("ok", [2, 3])
+        tx.send(receiver.endpoint, "ok", [0, 1], timeout_s=10)
+        assert ok.wait(5).ok
+
+        real = receiver_pair.IpcWriter.copy
+
+        def corrupting(self: Any, first: int, last: int) -> None:
+            real(self, first, last)
+            rx_caches[first][0, 2, 0, 0, 0] += 1.0  # a bad copy
+
+        monkeypatch.setattr(receiver_pair.IpcWriter, "copy", corrupting)
+        bad = receiver.expect("bad", [2, 3])
+        with pytest.raises(TransferError, match="checksum mismatch"):
+            tx.send(receiver.endpoint, "bad", [0, 1], timeout_s=10)
+        result = bad.wait(5)
+        assert result is not None and "checksum mismatch" in result.error
+    assert receiver.stats().failures == 1
+
+
+def test_refusals_keep_the_pair(rx) -> None:
+    receiver, _ = rx
+    with KvSender(make_caches(6, 12), "refused") as tx:
+        with pytest.raises(TransferError, match="not expected"):
+            tx.send(receiver.endpoint, "nobody", [0], timeout_s=10)
+        receiver.expect("short", [1, 2])
+        with pytest.raises(TransferError, match="2 were reserved"):
+            tx.send(receiver.endpoint, "short", [0], timeout_s=10)
+        assert receiver.senders() == ["refused"]  # same pair throughout
+
+
+def test_a_receiver_that_cannot_open_the_pool_falls_back_to_gloo(rx, ipc: FakeIpc) -> None:
+    receiver, rx_caches = rx
+    ipc.fail_open = "cudaIpcOpenMemHandle: invalid argument"
+    src = make_caches(7, 12)
+    with KvSender(src, "fallback") as tx:
+        handle = receiver.expect("t", [4])
+        tx.send(receiver.endpoint, "t", [9], timeout_s=10)
+        assert handle.wait(5).ok and _pair_backend(tx) == "gloo"
+        assert receiver.backends() == {"fallback": "gloo"}
+    assert_blocks_equal(blocks(rx_caches, [4]), blocks(src, [9]))
+
+
+def test_messages_of_the_shared_path_round_trip_and_bad_ones_are_refused() -> None:
+    layout = KvLayout.of(make_caches(0, 2))
+    header = Header(3, "t", 5, layout, 5 * layout.block_bytes, (5 * layout.block_bytes,), False,
+                    (7, 8, 9, 2, 3), 1)  # fmt: skip
+    assert decode(encode(header)) == header
+    for msg in (Share(({"a": 1},)), Opened(IPC), Opened("gloo", "why"), Ready(3, 2)):
+        assert decode(encode(msg)) == msg
+    assert from_runs([[0, 3], [10, 1]], 4) == (0, 1, 2, 10)
+    for runs in ([[0, 3]], [[0, 5]], [[0, 0], [1, 4]], [[-1, 4]], "0-4", []):
+        with pytest.raises(WireError):
+            from_runs(runs, 4)
+    with pytest.raises(WireError):
+        decode(b'{"t": "opened", "backend": "nccl", "error": ""}')
+    with pytest.raises(WireError):
+        decode(b'{"t": "ready", "seq": 1, "layers": 0}')
+
+
+def test_a_stalled_stream_fails_at_the_receivers_io_timeout(ipc: FakeIpc) -> None:
+    caches = make_caches(0, 4, zero=True)
+    opts = ReceiverOptions(io_timeout_s=0.3, unknown_grace_s=0.2)
+    with KvReceiver(caches, opts) as receiver, KvSender(make_caches(8, 4), "slow") as tx:
+        ready = LayerReady(LAYERS)
+        handle = receiver.expect("t", [0])
+        future = tx.submit(receiver.endpoint, "t", [1], timeout_s=10, ready=ready)
+        ready.record(0)  # and nothing more: the prefill hangs
+        result = handle.wait(5)
+        assert result is not None and not result.ok and "broke" in result.error
+        threading.Thread(target=ready.fail, args=("stopped",), daemon=True).start()
+        with pytest.raises(TransferError):
+            future.result(10)
