@@ -138,7 +138,6 @@ class ReceiverPair:
         self._ids = DeviceIds(ctx.caches[0].device)
         self._next_seq = 1
         self._remote: RemotePool | None = None  # cuda_ipc: the sender's pool
-        self._src_ids = DeviceIds(ctx.caches[0].device)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-recv-pair", daemon=True)
 
@@ -258,10 +257,10 @@ class ReceiverPair:
             problem = f"transfer {header.transfer_id!r} names blocks outside the sender's pool"
         writer = None
         if exp is not None and not problem:
-            with on_stream(ctx.stream):
-                src = self._src_ids.upload(list(header.src_blocks))
-                dst = self._ids.upload(list(exp.handle.block_ids))
-            writer = IpcWriter(ctx, remote, src, dst)
+            n = len(header.src_blocks)
+            with on_stream(ctx.stream):  # one upload for both lists
+                ids = self._ids.upload([*header.src_blocks, *exp.handle.block_ids])
+            writer = IpcWriter(ctx, remote, ids[:n], ids[n:])
             exp.flush = writer.flush
         done, ready = 0, header.ready
         deadline = time.monotonic() + ctx.options.io_timeout_s
@@ -399,7 +398,7 @@ class ReceiverPair:
 
     def _validate(self, header: Header, exp: Expectation) -> str:
         expected = self._ctx.layout
-        if diff := header.layout.mismatch(expected):
+        if header.layout != expected and (diff := header.layout.mismatch(expected)):
             tid = header.transfer_id
             return f"KV layout mismatch for transfer {tid!r} (sender != receiver): {diff}"
         reserved = len(exp.handle.block_ids)

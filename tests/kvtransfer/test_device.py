@@ -11,7 +11,7 @@ CPU = DeviceInfo("cpu")
 GPU0 = DeviceInfo("cuda", 0, "GPU-0", True)
 GPU1 = DeviceInfo("cuda", 1, "GPU-1", True)
 GPU1_OTHER_PROCESS = DeviceInfo("cuda", 0, "GPU-1", True)  # same GPU seen under another index
-GPU1_IPC = DeviceInfo("cuda", 1, "GPU-1", True, ipc=True)
+GPU1_IPC = DeviceInfo("cuda", 1, "GPU-1", True, ipc=True, process="a")
 
 
 @pytest.mark.parametrize(
@@ -20,7 +20,8 @@ GPU1_IPC = DeviceInfo("cuda", 1, "GPU-1", True, ipc=True)
         (CPU, CPU, GLOO),
         (GPU0, GPU1, NCCL),
         (GPU1, GPU1_OTHER_PROCESS, GLOO),  # one GPU cannot host both ends of an NCCL pair
-        (GPU1_IPC, DeviceInfo("cuda", 0, "GPU-1", True, ipc=True), IPC),  # ... but shares a pool
+        (GPU1_IPC, DeviceInfo("cuda", 0, "GPU-1", True, ipc=True, process="b"), IPC),  # a pool
+        (GPU1_IPC, GPU1_IPC, GLOO),  # one process: CUDA does not open its own IPC handles
         (GPU1_IPC, GPU1_OTHER_PROCESS, GLOO),  # an end without IPC (an older peer)
         (DeviceInfo("cuda", 0, "", ipc=True), DeviceInfo("cuda", 1, "", ipc=True), GLOO),
         (GPU0, CPU, GLOO),
