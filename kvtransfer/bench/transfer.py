@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 import traceback
@@ -251,9 +252,43 @@ class Child:
             self.rx.close()
 
 
+def _profiled(cls: Any, name: str, role: str) -> None:
+    """TANDEM_KV_PROFILE=1: profile every call of ``cls.name`` (on whichever thread runs it)
+    and print the top functions when the process ends (where a transfer's time goes)."""
+    import atexit
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    inner = getattr(cls, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        prof.enable()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    setattr(cls, name, wrapper)
+
+    def report() -> None:
+        print(f"--- profile of the {role}'s {cls.__name__}.{name}", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+    atexit.register(report)
+
+
 def _child(conn: Connection, role: str, device_name: str, num_blocks: int) -> None:
     """A sender or receiver process, serving commands from the parent until "exit"; every
     reply is ("ok", value) or ("error", traceback)."""
+    if os.environ.get("TANDEM_KV_PROFILE") == "1":
+        from kvtransfer.receiver_pair import ReceiverPair
+        from kvtransfer.sender_pair import SenderPair
+
+        if role == "receiver":
+            _profiled(ReceiverPair, "_transfer_ipc", role)
+        else:
+            _profiled(SenderPair, "transfer", role)
     try:
         device = torch.device(device_name)
         if device.type == "cuda":

@@ -15,12 +15,12 @@ stages="${1:-tests,kv}"
 has() { [[ ",$stages," == *",$1,"* ]]; }
 if has tests; then
   echo "== tests" >&2
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kvtransfer/test_gpu.py \
+  TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kvtransfer/test_gpu.py \
     tests/kernels/test_triton_block_copy.py ${EXTRA_TESTS:-} >"$out/tests.txt" 2>&1 || true; tail -15 "$out/tests.txt"; grep -n "Fatal\|File \"/work" "$out/tests.txt" | head -20
 fi
 if has kv; then
   echo "== kv" >&2
-  timeout 420 python3 -m kvtransfer.bench.transfer --tokens 1024 4096 32768 --ttft-tokens 4096 \
+  timeout 420 python3 -m kvtransfer.bench.transfer --tokens ${KV_TOKENS:-1024 4096 32768} --ttft-tokens 4096 \
     --iters 20 --json-out "$out/kv-same-gpu.json" 2>&1 | tail -30 | tee "$out/kv.txt" || true
 fi
 if has w4; then
