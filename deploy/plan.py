@@ -164,8 +164,9 @@ def build_plan(
     gateway += ["--model", args.model]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
-    if getattr(args, "max_local_prefill_tokens", 0):
-        gateway += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
+    for flag in ("max_local_prefill_tokens", "local_prefill_queue"):
+        if getattr(args, flag, 0):
+            gateway += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "enable_auto_tool_choice", False):
         gateway.append("--enable-auto-tool-choice")
     for flag in ("tool_call_parser", "reasoning_parser"):

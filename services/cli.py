@@ -171,6 +171,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (0 usually turns something off)."""
+    value = _int(text, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     """argparse type: a number of seconds > 0."""
     try:
@@ -491,10 +499,19 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     add_output_parser_args(p)
     p.add_argument(
         "--max-local-prefill-tokens",
-        type=int,
+        type=_non_negative_int,
         default=0,
         help="conditional disaggregation: prompts of at most this many tokens are prefilled by "
         "the decode worker itself (no prefill worker, no KV transfer); 0 always disaggregates",
+    )
+    p.add_argument(
+        "--local-prefill-queue",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="conditional disaggregation: while every healthy prefill worker has at least N "
+        "requests waiting or in prefill, any prompt is prefilled by the decode worker itself; "
+        "0: off",
     )
     p.add_argument(
         "--api-key",
@@ -578,10 +595,19 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-local-prefill-tokens",
-        type=int,
+        type=_non_negative_int,
         default=0,
         help="conditional disaggregation (passed to the gateway): prompts of at most this many "
         "tokens are prefilled by the decode worker itself; 0 always disaggregates",
+    )
+    p.add_argument(
+        "--local-prefill-queue",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="conditional disaggregation (passed to the gateway): while every prefill worker has "
+        "at least N requests waiting or in prefill, prompts are prefilled by the decode worker "
+        "itself; 0: off",
     )
     add_output_parser_args(p, "(passed to the gateway) ")
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")

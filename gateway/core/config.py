@@ -85,6 +85,9 @@ class GatewayConfig:
     # conditional disaggregation: a prompt of at most this many tokens is prefilled by the decode
     # worker it was admitted to (no prefill worker, no KV transfer); 0: always disaggregate
     max_local_prefill_tokens: int = 0
+    # ... and any prompt while every healthy prefill worker has at least this many requests
+    # waiting or in prefill (gateway.workers.prefill_choice); 0: off
+    local_prefill_queue: int = 0
     drain_timeout_s: float = 30.0
     prefix_blocks: int = 4  # leading blocks hashed for prefix-cache affinity
     max_fanout: int = 256  # n x number of prompts
@@ -114,10 +117,13 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive, got {value}")
         if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
             raise ConfigError("--slo-ttft-ms and --slo-tpot-ms must be positive")
-        if self.max_local_prefill_tokens < 0:
-            raise ConfigError(
-                f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}"
-            )
+        at_least_zero = {
+            "--max-local-prefill-tokens": self.max_local_prefill_tokens,
+            "--local-prefill-queue": self.local_prefill_queue,
+        }
+        for name, count in at_least_zero.items():
+            if count < 0:
+                raise ConfigError(f"{name} must be >= 0, got {count}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not METRIC_NAME.fullmatch(self.metrics_prefix):
@@ -196,6 +202,7 @@ def config_from_args(
         metrics_prefix=getattr(args, "metrics_prefix", "tandem:"),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
         max_local_prefill_tokens=getattr(args, "max_local_prefill_tokens", 0),
+        local_prefill_queue=getattr(args, "local_prefill_queue", 0),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),

@@ -18,9 +18,12 @@ class Timing:
     # how the prompt was prefilled: "disagg" (a prefill worker, KV shipped), "local" (the decode
     # worker itself: conditional disaggregation), "colocated"; "" until a flow says
     mode: str = ""
+    # why a prompt was prefilled "local": "short" or "queue" (gateway.workers.prefill_choice)
+    local_reason: str = ""
 
     def merge(self, other: Timing) -> None:
         self.mode = self.mode or other.mode
+        self.local_reason = self.local_reason or other.local_reason
         self.queue_s = max(self.queue_s, other.queue_s)
         self.prefill_s = max(self.prefill_s, other.prefill_s)
         self.transfer_s = max(self.transfer_s, other.transfer_s)

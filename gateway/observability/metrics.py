@@ -226,8 +226,9 @@ class GatewayMetrics:
         self.modes = counter(
             "request_prefill_mode",
             "Finished requests by where their prompt was prefilled: disagg (a prefill worker), "
-            "local (the decode worker: conditional disaggregation) or colocated",
-            ("mode",),
+            "local (the decode worker: conditional disaggregation) or colocated; for local, the "
+            "reason: short (the prompt) or queue (every prefill worker busy)",
+            ("mode", "reason"),
         )
         self.errors = counter("request_errors", "Requests that failed", ("status",))
         self.structured = counter(
@@ -261,7 +262,7 @@ class GatewayMetrics:
         self.generation_tokens.labels(name).inc(stats.num_output_tokens)
         self.success.labels(name, finish_reason).inc()
         if stats.timing.mode:
-            self.modes.labels(name, stats.timing.mode).inc()
+            self.modes.labels(name, stats.timing.mode, stats.timing.local_reason).inc()
         if in_slo and finish_reason != "abort":
             self.goodput.labels(name).inc()
 

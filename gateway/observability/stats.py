@@ -60,7 +60,8 @@ class RequestStats:
 
     def header(self) -> str:
         """``queue=..;prefill=..;transfer=..;ttft=..;decode=..;e2e=..`` in seconds, then
-        ``mode=disagg|local|colocated`` (where the prompt was prefilled) when known."""
+        ``mode=disagg|local|colocated`` (where the prompt was prefilled) when known, and for
+        ``local`` why: ``local_reason=short|queue``."""
         t = self.timing
         parts = {
             "queue": t.queue_s,
@@ -71,7 +72,11 @@ class RequestStats:
             "e2e": self.e2e,
         }
         text = ";".join(f"{k}={v:.4f}" for k, v in parts.items())
-        return f"{text};mode={t.mode}" if t.mode else text
+        if t.mode:
+            text += f";mode={t.mode}"
+        if t.local_reason:
+            text += f";local_reason={t.local_reason}"
+        return text
 
 
 def combined(stats: list[RequestStats]) -> RequestStats:

@@ -9,6 +9,9 @@
 3. Decode on the decode worker streams the rest, over the worker's multiplexed stream
    (``DecodeService.DecodeStream``, see ``gateway.workers.multiplex``). If the first token already finished the
    request, Decode is never called and the reservation is released.
+Conditional disaggregation (``gateway.workers.prefill_choice``): when the prompt is short or
+every prefill worker is busy, 2 and 3 are one Decode with ``local_prefill`` (the decode worker
+prefills the prompt itself, no KV transfer).
 Any early exit (error, client gone, deadline) cancels the open calls and sends Abort to every
 worker that holds state for the request.
 """
@@ -29,6 +32,7 @@ from gateway.core.events import Chunk, Timing
 from gateway.observability.tracing import child_span, end_span, grpc_metadata
 from gateway.workers.client import WorkerClient
 from gateway.workers.convert import WorkerReportedError, chunk_from_pb, sampling_to_pb
+from gateway.workers.prefill_choice import local_prefill_reason
 from gateway.workers.router import least_queued, rank_decode
 from gateway.workers.rpc_errors import UpstreamError, stream_ended, worker_failed
 from gateway.workers.work import FlowContext, WorkItem, rpc_failure
@@ -232,11 +236,11 @@ class _Run:
             self._end(self.prefill_span)
             self.prefill_span = None
 
-    def start_local(self) -> None:
+    def start_local(self, reason: str) -> None:
         """Conditional disaggregation: the decode worker prefills the prompt itself."""
         assert self.decode is not None and self.reservation is not None
         item, decode = self.item, self.decode
-        self.transfer.mode = "local"
+        self.transfer.mode, self.transfer.local_reason = "local", reason
         self.decode_span = self._span("Decode (local prefill)", decode)
         request = decode_pb2.DecodeRequest(
             request_id=item.request_id,
@@ -331,18 +335,24 @@ class _Run:
 
 async def disaggregated(
     ctx: FlowContext,
-    prefill: WorkerClient,
+    prefills: Sequence[WorkerClient],
     decodes: Sequence[WorkerClient],
     item: WorkItem,
     parent: Span,
 ) -> AsyncGenerator[Chunk, None]:
-    run = _Run(ctx, item, parent, prefill)
+    """``prefills``: the candidate prefill workers, best first; the request goes to the first
+    unless it is prefilled locally (``gateway.workers.prefill_choice``), which reads them all."""
+    run = _Run(ctx, item, parent, prefills[0])
     finished, error = False, "cancelled"
     try:
         await run.reserve(decodes)
-        if len(item.prompt_ids) <= ctx.config.max_local_prefill_tokens:
+        healthy = [p for p in prefills if p.healthy]  # read now: the Reserve may have waited
+        limits = (ctx.config.max_local_prefill_tokens, ctx.config.local_prefill_queue)
+        reason = local_prefill_reason(len(item.prompt_ids), healthy, *limits)
+        if reason is not None:
             parent.set_attribute("tandem.mode", "local")
-            run.start_local()  # every token, the first included, comes from the decode worker
+            parent.set_attribute("tandem.local_reason", reason)
+            run.start_local(reason)  # every token, the first included, comes from the decode worker
         else:
             run.transfer.mode = "disagg"
             first = await run.unless_decode_lost(run.first_token())

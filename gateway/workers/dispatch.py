@@ -51,13 +51,13 @@ class Dispatcher:
         if not workers:
             raise UpstreamError(unavailable(self.unavailable_reason() or "no worker left"), False)
         key = prefix_key(item.prompt_ids, workers[0].block_size, self.ctx.config.prefix_blocks)
-        worker = rank_by_affinity(workers, key)[0]
+        ranked = rank_by_affinity(workers, key)
         parent.set_attribute("tandem.mode", "disaggregated" if role == "prefill" else "colocated")
         if role == "prefill":
             return disaggregated(
-                self.ctx, worker, self.ctx.registry.healthy("decode"), item, parent
+                self.ctx, ranked, self.ctx.registry.healthy("decode"), item, parent
             )
-        return generate(self.ctx, worker, item, parent)
+        return generate(self.ctx, ranked[0], item, parent)
 
     def _can_retry(self, error: UpstreamError, emitted: bool, failed: set[str]) -> bool:
         if emitted or not error.retryable or not error.address:

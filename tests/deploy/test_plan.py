@@ -81,12 +81,13 @@ def test_kv_checksum_reaches_the_prefill_workers_only() -> None:
     assert all("--kv-checksum" not in w.spec.argv for w in plan_for().workers)
 
 
-def test_conditional_disaggregation_is_the_gateways_setting() -> None:
-    plan = plan_for("--max-local-prefill-tokens", "256")
-    at = plan.gateway_argv.index("--max-local-prefill-tokens")
+@pytest.mark.parametrize("flag", ["--max-local-prefill-tokens", "--local-prefill-queue"])
+def test_conditional_disaggregation_is_the_gateways_setting(flag: str) -> None:
+    plan = plan_for(flag, "256")
+    at = plan.gateway_argv.index(flag)
     assert plan.gateway_argv[at + 1] == "256"
-    assert all("--max-local-prefill-tokens" not in w.spec.argv for w in plan.workers)
-    assert "--max-local-prefill-tokens" not in plan_for().gateway_argv
+    assert all(flag not in w.spec.argv for w in plan.workers)
+    assert flag not in plan_for().gateway_argv
 
 
 def test_tool_and_reasoning_parsers_go_to_the_gateway() -> None:

@@ -50,6 +50,7 @@ class Behavior:
     max_model_len: int = 2048
     vocab_size: int = 49152
     cached_tokens: int = 0
+    num_waiting: int = 0  # what GetLoad reports waiting (the gateway reads it at its next poll)
 
 
 @dataclass
@@ -155,7 +156,7 @@ class FakeEngine:
         b = self.behavior
         return common_pb2.WorkerLoad(
             worker_id=f"fake-{self.role}", role=self.role, model="embedded",
-            max_model_len=b.max_model_len, block_size=16, num_running=0, num_waiting=0,
+            max_model_len=b.max_model_len, block_size=16, num_running=0, num_waiting=b.num_waiting,
             free_blocks=TOTAL_BLOCKS - reserved, total_blocks=TOTAL_BLOCKS,
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
             kv_transfer_bytes=1234, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,

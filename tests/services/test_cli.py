@@ -72,6 +72,21 @@ def test_positive_int_errors_read_well(value: str, capsys: pytest.CaptureFixture
     assert "_positive_int" not in err
 
 
+@pytest.mark.parametrize("command", ["up", "gateway"])
+@pytest.mark.parametrize("flag", ["--local-prefill-queue", "--max-local-prefill-tokens"])
+@pytest.mark.parametrize("value", ["-1", "x", "2.5"])
+def test_conditional_disaggregation_flags_take_counts_from_zero(
+    command: str, flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected an integer >= 0, got '{value}'" in err
+    assert "Traceback" not in err
+    assert getattr(build_parser().parse_args([command, flag, "0"]), flag[2:].replace("-", "_")) == 0
+
+
 def test_help_names_each_worker_role_once(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])

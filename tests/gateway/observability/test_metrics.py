@@ -321,7 +321,7 @@ def test_finished_requests_are_counted_by_where_their_prompt_was_prefilled(
 ) -> None:
     for stack, mode in ((disagg, "disagg"), (colocated, "colocated")):
         name = "tandem:request_prefill_mode_total"
-        before = value(scrape(stack), name, mode=mode)
+        before = value(scrape(stack), name, mode=mode, reason="")
         body = {"prompt": "Hello world", "max_tokens": 2}
         assert httpx.post(f"{stack.base_url}/v1/completions", json=body).status_code == 200
-        assert value(scrape(stack), name, mode=mode) == before + 1
+        assert value(scrape(stack), name, mode=mode, reason="") == before + 1
