@@ -78,10 +78,16 @@ class LayerReady:
                 self._cond.wait(remaining)
             return next(event for recorded, event in self._events if recorded >= layer)
 
-    def latest(self, layer: int, deadline: float) -> tuple[int, torch.cuda.Event | None]:
-        """Like :meth:`wait`, but returns the last layer recorded so far (>= ``layer``) and the
-        event that says when it (so every layer before it) is computed."""
-        self.wait(layer, deadline)
+    def latest(self, layer: int, deadline: float) -> tuple[int, torch.cuda.Event | None] | None:
+        """Like :meth:`wait`, but returns the last layer recorded so far (>= ``layer``) with the
+        event that says when it (so every layer before it) is computed, and None (no raise) if
+        the deadline passes first."""
         with self._cond:
-            recorded, event = self._events[-1]
-            return recorded, event
+            while self._upto < layer:
+                if self._failed:
+                    raise LayerReadyError(f"layer {layer} will not be written: {self._failed}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            return self._events[-1]

@@ -9,10 +9,11 @@ the registered blocks as it lands -> wait for the writes -> resolve the handle -
 The sender sends nothing between its header and our ack: a message or a hang-up meanwhile
 means it gave up on the transfer (a streamed KV whose prefill failed).
 
-On one GPU (``cuda_ipc``) the handshake opens the sender's pool instead of building a group, and
-a transfer copies the header's source blocks of each written layer range straight into the
-registered blocks (one kernel per range, on our stream, under the expectation's write lock as
-any write), as the sender's :class:`Ready` messages say more layers are written. A broken stream (peer
+On one GPU (``cuda_ipc``) the handshake shares our pool with the sender instead of building a
+group, and a transfer is: header -> claim and validate -> :class:`Go` with the registered blocks
+(or a refusing ack) -> the sender copies into them on its own stream -> its :class:`Done` ->
+compare checksums -> resolve -> ack. A cancel meanwhile sends :class:`Stop` and waits for the
+sender's (stopped) :class:`Done`: only then are the blocks the caller's again. A broken stream (peer
 death, giving up, timeout, protocol error) fails the transfer in flight and ends the thread;
 the sender rebuilds the pair under a new generation. A sender that hangs up while idle ends
 the thread at once.
@@ -21,7 +22,6 @@ the thread at once.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.auth import welcome_proof
-from kvtransfer.blockcopy import Copier, make_copier
+from kvtransfer.blockcopy import Copier
 from kvtransfer.chunks import LayerRange, layer_ranges
 from kvtransfer.config import ReceiverOptions
 from kvtransfer.control import ConnectionClosed, ControlConn
@@ -43,17 +43,20 @@ from kvtransfer.landing import BlockWriter, Landing
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import RECEIVER_RANK, PairChannel, precise_sleeps
 from kvtransfer.results import CounterBox, TransferResult
-from kvtransfer.shared_pool import check_pool, open_pool
+from kvtransfer.shared_pool import export_pool
 from kvtransfer.staging import DeviceIds, HostStaging
 from kvtransfer.stores import clone
 from kvtransfer.wire import (
     Ack,
     Control,
+    Done,
+    Go,
     Header,
     Hello,
+    Message,
     Opened,
-    Ready,
     Share,
+    Stop,
     Trailer,
     Welcome,
     WireError,
@@ -88,41 +91,23 @@ class ReceiverContext:
 Admit = Callable[["ReceiverPair", Hello], tuple[str, str]]
 
 
-@dataclass
-class RemotePool:
-    """A sender's pool opened through CUDA IPC (one GPU)."""
+class PushedKv:
+    """cuda_ipc: one transfer the sender is copying into our blocks. ``flush`` (what a cancel
+    waits for under the expectation's write lock) tells the sender to stop and waits for its
+    Done, so once it returns nothing writes the blocks any more."""
 
-    copier: Copier
-    num_blocks: int
-
-
-class IpcWriter:
-    """Copies one transfer's source blocks out of a shared pool into the registered blocks."""
-
-    def __init__(self, ctx: ReceiverContext, remote: RemotePool, src: torch.Tensor, dst: torch.Tensor) -> None:  # fmt: skip
-        self._ctx, self._remote, self._src, self._dst = ctx, remote, src, dst
-
-    def copy(self, first: int, last: int) -> None:
-        with on_stream(self._ctx.stream):
-            self._ctx.copier.copy_from(self._remote.copier, self._src, self._dst, first, last)
+    def __init__(self, pair: ReceiverPair, seq: int) -> None:
+        self._pair, self._seq = pair, seq
+        self.ended = threading.Event()  # the sender's Done arrived, or the pair broke
 
     def flush(self) -> None:
-        if self._ctx.stream is not None:
-            self._ctx.stream.synchronize()
-
-    def compare(self, transfer_id: str) -> str:
-        """Checksums of what the sender holds and what we hold now ('' if they agree)."""
-        with on_stream(self._ctx.stream):
-            theirs = checksum_tensor(
-                self._remote.copier.gather(self._src).view(-1).view(torch.uint8)
-            )
-            ours = checksum_tensor(self._ctx.copier.gather(self._dst).view(-1).view(torch.uint8))
-        if checksum_value(theirs) == checksum_value(ours):
-            return ""
-        return (
-            f"KV checksum mismatch for transfer {transfer_id!r}: the blocks copied out of the "
-            "sender's pool differ from its own"
-        )
+        if self.ended.is_set():
+            return
+        with contextlib.suppress(OSError):  # a sender that is gone writes nothing
+            self._pair._send(Stop(self._seq))
+        if not self.ended.wait(self._pair._ctx.options.io_timeout_s):
+            log.warning("KV sender %s did not confirm it stopped transfer #%d",
+                        self._pair.sender_id, self._seq)  # fmt: skip
 
 
 class ReceiverPair:
@@ -137,7 +122,8 @@ class ReceiverPair:
         self._staging = HostStaging()
         self._ids = DeviceIds(ctx.caches[0].device)
         self._next_seq = 1
-        self._remote: RemotePool | None = None  # cuda_ipc: the sender's pool
+        self._ipc = False  # cuda_ipc: the sender copies into our shared pool
+        self._send_lock = threading.Lock()  # the pair thread and a cancelling thread both send
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-recv-pair", daemon=True)
 
@@ -167,7 +153,7 @@ class ReceiverPair:
             self._conn.close()
             return
         try:
-            if channel is not None or self._remote is not None:
+            if channel is not None or self._ipc:
                 self._serve(channel)
         except ConnectionClosed:
             if not self._stopping.is_set():
@@ -194,7 +180,7 @@ class ReceiverPair:
             return None
         self._thread.name = f"kv-recv-{hello.sender_id}"
         if backend == IPC:
-            backend = self._open_pool(deadline)
+            backend = self._share_pool(deadline)
         self.backend = backend
         if backend == IPC:
             return None
@@ -209,24 +195,22 @@ class ReceiverPair:
             gloo_interface=opts.gloo_interface,
         )
 
-    def _open_pool(self, deadline: float) -> str:
-        """Open the pool a sender on our GPU shares; returns the backend of the pair from now
-        on (gloo, told to the sender, if the pool cannot be opened here)."""
-        ctx = self._ctx
-        share = self._conn.recv(max(deadline - time.monotonic(), 0.001))
-        if not isinstance(share, Share):
-            raise WireError(f"expected the sender's pool, got {share!r}")
-        try:
-            blocks = check_pool(list(share.pool), ctx.layout)
-            caches = open_pool(list(share.pool), ctx.layout, ctx.caches[0].device)
-            self._remote = RemotePool(make_copier(caches), blocks)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-            log.warning("cannot open the pool of KV sender %s (%s): Gloo", self.sender_id, error)
-            self._conn.send(Opened(GLOO, error))
-            return GLOO
-        self._conn.send(Opened(IPC))
-        return IPC
+    def _share_pool(self, deadline: float) -> str:
+        """Share our pool with a sender on our GPU; returns the backend of the pair from now on
+        (gloo if the sender could not open it)."""
+        self._send(Share(tuple(export_pool(self._ctx.caches))))
+        opened = self._conn.recv(max(deadline - time.monotonic(), 0.001))
+        if not isinstance(opened, Opened):
+            raise WireError(f"expected the sender's answer to our pool, got {opened!r}")
+        if opened.backend == GLOO:
+            log.warning("KV sender %s cannot open our pool through CUDA IPC (%s): Gloo",
+                        self.sender_id, opened.error)  # fmt: skip
+        self._ipc = opened.backend == IPC
+        return opened.backend
+
+    def _send(self, msg: Message) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
 
     def _serve(self, channel: PairChannel | None) -> None:
         while not self._stopping.is_set():
@@ -236,60 +220,62 @@ class ReceiverPair:
             if not isinstance(msg, Header) or msg.seq != self._next_seq:
                 raise WireError(f"expected header #{self._next_seq}, got {msg!r}")
             self._next_seq += 1
-            if self._remote is not None:
-                self._transfer_ipc(msg, self._remote)
+            if self._ipc:
+                self._transfer_ipc(msg)
             else:
                 assert channel is not None
                 self._transfer(msg, channel)
 
-    def _transfer_ipc(self, header: Header, remote: RemotePool) -> None:
-        """One transfer out of a shared pool; raises (ending the pair) if the sender broke the
-        conversation or gave up."""
+    def _transfer_ipc(self, header: Header) -> None:
+        """One transfer the sender copies into our shared pool; raises (ending the pair) if it
+        broke the conversation, gave up or went silent."""
         ctx = self._ctx
         start = time.monotonic()
-        num_layers = ctx.layout.num_layers
-        if not header.src_blocks:
-            raise WireError(f"header #{header.seq} of a shared-GPU pair names no source blocks")
         claim = ctx.registry.claim(header.transfer_id, ctx.options.unknown_grace_s)
         exp = claim if isinstance(claim, Expectation) else None
         problem = claim if isinstance(claim, str) else self._validate(header, claim)
-        if not problem and any(not 0 <= b < remote.num_blocks for b in header.src_blocks):
-            problem = f"transfer {header.transfer_id!r} names blocks outside the sender's pool"
-        writer = None
-        if exp is not None and not problem:
-            n = len(header.src_blocks)
-            with on_stream(ctx.stream):  # one upload for both lists
-                ids = self._ids.upload([*header.src_blocks, *exp.handle.block_ids])
-            writer = IpcWriter(ctx, remote, ids[:n], ids[n:])
-            exp.flush = writer.flush
-        done, ready = 0, header.ready
-        deadline = time.monotonic() + ctx.options.io_timeout_s
+        if exp is None or problem:
+            result = self._finish(exp, header, start, problem)
+            self._send(Ack(header.seq, False, result.error))
+            return
+        pushed = PushedKv(self, header.seq)
+        with self._send_lock:  # a Stop (exp.flush) can only follow our Go
+            exp.flush = pushed.flush
+            self._conn.send(Go(header.seq, exp.handle.block_ids))
         try:
-            while True:
-                if ready > done:
-                    if exp is not None and writer is not None:
-                        exp.issue_write(functools.partial(writer.copy, done, ready))
-                    done = ready
-                if done >= num_layers:
-                    break
-                msg = self._conn.recv(max(deadline - time.monotonic(), 0.001))
-                if isinstance(msg, Control):
-                    raise WireError("the sender gave up on the transfer")
-                if not isinstance(msg, Ready) or msg.seq != header.seq:
-                    raise WireError(f"expected more layers of #{header.seq}, got {msg!r}")
-                if not done < msg.layers <= num_layers:
-                    raise WireError(f"layers {msg.layers} after {done} of {num_layers}")
-                ready = msg.layers
+            done = self._conn.recv(ctx.options.io_timeout_s)
+            if isinstance(done, Control):
+                raise WireError("the sender gave up on the transfer")
+            if not isinstance(done, Done) or done.seq != header.seq:
+                raise WireError(f"expected the end of #{header.seq}, got {done!r}")
         except Exception as e:
+            pushed.ended.set()  # the pair ends: a sender that broke it writes nothing more
             error = f"KV stream from sender {self.sender_id} broke: {e}"
             self._finish(exp, header, start, error)
             with contextlib.suppress(Exception):  # tell a live sender to rebuild
-                self._conn.send(Ack(header.seq, False, error, broken=True))
+                self._send(Ack(header.seq, False, error, broken=True))
             raise
-        if writer is not None and header.trailer and ctx.options.verify_checksums:
-            problem = writer.compare(header.transfer_id)
-        result = self._finish(exp, header, start, problem, writer)
-        self._conn.send(Ack(header.seq, result.ok, result.error))
+        pushed.ended.set()
+        if done.stopped:
+            problem = exp.cancel_reason or f"the sender stopped transfer {header.transfer_id!r}"
+        elif header.trailer and ctx.options.verify_checksums:
+            problem = self._compare_copy(header, exp, done)
+        result = self._finish(exp, header, start, problem, pushed)
+        self._send(Ack(header.seq, result.ok, result.error))
+
+    def _compare_copy(self, header: Header, exp: Expectation, done: Done) -> str:
+        """The checksum of our blocks now against the sender's of the blocks it copied."""
+        ctx = self._ctx
+        with on_stream(ctx.stream):
+            ids = self._ids.upload(list(exp.handle.block_ids))
+            ours = ctx.copier.gather(ids).view(-1).view(torch.uint8)
+            value = checksum_value(checksum_tensor(ours))
+        if len(done.checksums) == 1 and done.checksums[0] == value:
+            return ""
+        return (
+            f"KV checksum mismatch for transfer {header.transfer_id!r}: the blocks copied into "
+            "this receiver's pool differ from the sender's"
+        )
 
     def _transfer(self, header: Header, channel: PairChannel) -> None:
         """Handle one transfer; raises (ending the pair) if the byte stream broke."""
@@ -417,7 +403,7 @@ class ReceiverPair:
         header: Header,
         start: float,
         problem: str,
-        writer: BlockWriter | IpcWriter | None = None,
+        writer: BlockWriter | PushedKv | None = None,
     ) -> TransferResult:
         """Resolve the transfer: finish the writes and succeed, or fail; counts it either way."""
         ctx = self._ctx

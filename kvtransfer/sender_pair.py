@@ -8,10 +8,13 @@ post the chunk's send (gathers overlap earlier chunks on the wire; NCCL runs on 
 which waits for each gather), then wait for the receiver's :class:`Ack`, which also proves every
 send completed. With a :class:`LayerReady`, a chunk is gathered once its layers are written:
 the gather stream waits on the producer's event, the host only for the producer's ``record``.
-On one GPU (``cuda_ipc``) the handshake shares this sender's pool instead of building a group,
-and a transfer is a header naming our blocks, :class:`Ready` messages as their layers are
-written (the host waits for each layer's event: the receiver is another process), and the ack:
-the receiver copies the blocks itself.
+On one GPU (``cuda_ipc``) the handshake opens the receiver's pool instead of building a group,
+and a transfer is: header -> the receiver's :class:`Go` (its blocks) -> we copy our blocks into
+its pool with one kernel per range of written layers, on our stream, right after the prefill
+that writes them (the copy runs in the producer's own GPU context: no other process is
+scheduled in between) -> :class:`Done` -> ack. Layers are copied once the host has seen them
+computed, so at most one range is ever queued: a :class:`Stop` (the receiver cancelled) is
+honoured within microseconds.
 Not thread-safe: each pair belongs to the one thread of its ``send_queue.PairQueue``.
 """
 
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.auth import hello_proof, proven, welcome_proof
-from kvtransfer.blockcopy import Copier
+from kvtransfer.blockcopy import Copier, make_copier
 from kvtransfer.chunks import LayerRange, plan_layers
 from kvtransfer.control import ConnectionClosed, ControlConn
 from kvtransfer.device import GLOO, IPC, DeviceInfo, local_address_towards, on_stream
@@ -38,16 +41,18 @@ from kvtransfer.layout import KvLayout
 from kvtransfer.pair import SENDER_RANK, PairChannel, precise_sleeps
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import TransferError
-from kvtransfer.shared_pool import export_pool
+from kvtransfer.shared_pool import check_pool, open_pool
 from kvtransfer.staging import DeviceIds, HostStaging, to_wire
 from kvtransfer.wire import (
     Ack,
     Control,
+    Done,
+    Go,
     Header,
     Hello,
     Opened,
-    Ready,
     Share,
+    Stop,
     Trailer,
     Welcome,
     WireError,
@@ -93,17 +98,7 @@ def _seconds(deadline: float) -> float:
 
 
 _EVENT_POLL_S = 20e-6  # how often the host looks at a layer's event (cuda_ipc)
-
-
-def _host_wait(event: torch.cuda.Event | None, deadline: float) -> None:
-    """Return once ``event`` (None: nothing) is done on the GPU; TransferError at the deadline.
-    Polls instead of blocking in the driver, which would spin a core for a whole prefill."""
-    if event is None:
-        return
-    while not event.query():
-        if time.monotonic() >= deadline:
-            raise TransferError("the KV was not computed before the transfer's deadline")
-        time.sleep(_EVENT_POLL_S)
+_STOP_CHECK_S = 2e-3  # how often it looks for a Stop while the next layer is not recorded
 
 
 def _offsets(sizes: tuple[int, ...]) -> list[int]:
@@ -119,7 +114,9 @@ class SenderPair:
         self._ids = DeviceIds(ctx.caches[0].device)
         self._channel: PairChannel | None = None
         self._conn: ControlConn | None = None
-        self._ipc = False  # the receiver copies out of our shared pool (one GPU)
+        self._ipc = False  # we copy into the receiver's shared pool (one GPU)
+        self._remote: Copier | None = None  # its pool, opened here
+        self._remote_blocks = 0
         self._seq = 0
         # test hook: sees each chunk as gathered, after its checksum, before it is sent
         self.after_gather: Callable[[torch.Tensor], None] | None = None
@@ -154,7 +151,7 @@ class SenderPair:
                 )
             backend = welcome.backend
             if backend == IPC:
-                backend = self._share(conn, deadline)
+                backend = self._open_pool(conn, deadline)
             if backend == IPC:
                 precise_sleeps()  # this pair's thread polls layer events with short sleeps
                 self._ipc, self._conn, self._seq = True, conn, 0
@@ -176,19 +173,25 @@ class SenderPair:
         self._conn = conn
         self._seq = 0
 
-    def _share(self, conn: ControlConn, deadline: float) -> str:
-        """Share our pool with a receiver on the same GPU; returns the backend it settled on
-        (gloo when it could not open the pool)."""
-        conn.send(Share(tuple(export_pool(self._ctx.caches))))
-        opened = conn.recv(_seconds(deadline))
-        if not isinstance(opened, Opened):
-            raise WireError(f"expected the receiver's answer to our pool, got {opened!r}")
-        if opened.backend == GLOO:
-            log.warning(
-                "KV receiver at %s could not open our pool through CUDA IPC (%s): using Gloo "
-                "through host memory", self.endpoint, opened.error,
-            )  # fmt: skip
-        return opened.backend
+    def _open_pool(self, conn: ControlConn, deadline: float) -> str:
+        """Open the pool a receiver on our GPU shares; returns the backend of the pair from
+        now on (gloo, told to the receiver, if it cannot be opened here)."""
+        ctx = self._ctx
+        share = conn.recv(_seconds(deadline))
+        if not isinstance(share, Share):
+            raise WireError(f"expected the receiver's pool, got {share!r}")
+        try:
+            self._remote_blocks = check_pool(list(share.pool), ctx.layout)
+            caches = open_pool(list(share.pool), ctx.layout, ctx.caches[0].device)
+            self._remote = make_copier(caches)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            log.warning("cannot open the pool of the KV receiver at %s (%s): using Gloo "
+                        "through host memory", self.endpoint, error)  # fmt: skip
+            conn.send(Opened(GLOO, error))
+            return GLOO
+        conn.send(Opened(IPC))
+        return IPC
 
     def transfer(
         self,
@@ -257,38 +260,89 @@ class SenderPair:
         after_header: Callable[[], None] | None,
         computed: torch.cuda.Event | None,
     ) -> int:
-        """One GPU: tell the receiver which of our blocks to copy, and (streaming) when each
-        layer is written; it copies them out of our pool."""
-        layout = self._ctx.layout
-        num_layers = layout.num_layers
-        nbytes = layout.block_bytes * len(block_ids)
-        done = 0
-        if ready is None:  # computed before submit, on the submitting thread's stream
-            _host_wait(computed, deadline)
-            done = num_layers
-        else:
-            done = self._written(ready, 0, deadline)
+        """One GPU: copy our blocks into the receiver's, each range of layers once written."""
+        ctx, remote = self._ctx, self._remote
+        assert remote is not None
+        num_layers, n = ctx.layout.num_layers, len(block_ids)
         self._seq += 1
-        header = Header(
-            self._seq, transfer_id, len(block_ids), layout, nbytes, (nbytes,),
-            self._ctx.use_checksum, tuple(block_ids), done,
-        )  # fmt: skip
-        conn.send(header)
+        header = Header(self._seq, transfer_id, n, ctx.layout, ctx.layout.block_bytes * n,
+                        (ctx.layout.block_bytes * n,), ctx.use_checksum)  # fmt: skip
+        conn.send(header)  # first of all: the receiver claims its blocks while we wait
         if after_header is not None:
             after_header()
-        while done < num_layers:
+        go = conn.recv(_seconds(deadline))
+        if isinstance(go, Ack):  # refused (unknown, cancelled, layout): the pair is fine
+            return self._check_ack(go, header)
+        if not isinstance(go, Go) or go.seq != header.seq or len(go.blocks) != n:
+            raise WireError(f"expected the receiver's {n} blocks for #{header.seq}, got {go!r}")
+        if any(not 0 <= b < self._remote_blocks for b in go.blocks):
+            raise WireError(f"the receiver's blocks for #{header.seq} are outside its pool")
+        stream = ctx.stream
+        with on_stream(stream):
+            ids = self._ids.upload([*block_ids, *go.blocks])
+        src, dst = ids[:n], ids[n:]
+        done, stopped = 0, False
+        if ready is None:  # computed before submit, on the submitting thread's stream
+            if stream is not None and computed is not None:
+                stream.wait_event(computed)
+            done = num_layers
+            with on_stream(stream):
+                remote.copy_from(ctx.copier, src, dst)
+        while done < num_layers and not stopped:
             assert ready is not None
-            done = self._written(ready, done, deadline)
-            conn.send(Ready(header.seq, done))
+            upto = self._computed(conn, header.seq, ready, done, deadline)
+            stopped = upto < 0
+            if not stopped:
+                with on_stream(stream):
+                    remote.copy_from(ctx.copier, src, dst, done, upto)
+                done = upto
+        copied = stream.record_event() if stream is not None else None
+        stopped = self._until(conn, header.seq, copied, deadline) or stopped
+        sums: tuple[int, ...] = ()
+        if ctx.use_checksum and not stopped:
+            with on_stream(stream):
+                ours = ctx.copier.gather(src).view(-1).view(torch.uint8)
+                sums = (checksum_value(checksum_tensor(ours)),)
+        conn.send(Done(header.seq, stopped, sums))
         return self._await_ack(conn, header, deadline)
 
+    def _computed(
+        self, conn: ControlConn, seq: int, ready: LayerReady, done: int, deadline: float
+    ) -> int:
+        """Wait until layer ``done`` is computed on the GPU; returns how many layers are (layers
+        recorded meanwhile come along), or -1 if the receiver said Stop meanwhile."""
+        while True:
+            got = ready.latest(done, min(deadline, time.monotonic() + _STOP_CHECK_S))
+            if got is not None:
+                upto, event = got
+                return -1 if self._until(conn, seq, event, deadline) else upto + 1
+            if self._stop_asked(conn, seq):
+                return -1
+            if time.monotonic() >= deadline:
+                raise TransferError("the KV was not computed before the transfer's deadline")
+
+    def _until(
+        self, conn: ControlConn, seq: int, event: torch.cuda.Event | None, deadline: float
+    ) -> bool:
+        """Poll until ``event`` is done on the GPU (the host must not block in the driver: it
+        would spin a core for a whole prefill); True if the receiver said Stop meanwhile (the
+        work queued before the event still finishes: it is at most one range of layers)."""
+        stop = False
+        while event is not None and not event.query():
+            stop = stop or self._stop_asked(conn, seq)
+            if time.monotonic() >= deadline:
+                raise TransferError("the KV was not computed before the transfer's deadline")
+            time.sleep(_EVENT_POLL_S)
+        return stop or self._stop_asked(conn, seq)
+
     @staticmethod
-    def _written(ready: LayerReady, done: int, deadline: float) -> int:
-        """Wait until layer ``done`` is written on the GPU; returns how many layers are (layers
-        recorded meanwhile come along: one message covers them)."""
-        upto, event = ready.latest(done, deadline)
-        _host_wait(event, deadline)
-        return upto + 1
+    def _stop_asked(conn: ControlConn, seq: int) -> bool:
+        if conn.idle():
+            return False
+        msg = conn.recv(1.0)
+        if isinstance(msg, Stop) and msg.seq == seq:
+            return True
+        raise WireError(f"expected nothing or a stop of #{seq}, got {msg!r}")
 
     def _gather(
         self,
@@ -312,12 +366,17 @@ class SenderPair:
     def _await_ack(self, conn: ControlConn, header: Header, deadline: float) -> int:
         try:
             ack = conn.recv(_seconds(deadline))
+            while isinstance(ack, Stop) and ack.seq == header.seq:  # came after our Done
+                ack = conn.recv(_seconds(deadline))
         except TimeoutError:
             raise TransferError(
                 f"no acknowledgement from the KV receiver at {self.endpoint} within the deadline"
             ) from None
         except ConnectionClosed as e:
             raise TransferError(f"KV receiver at {self.endpoint} is gone: {e}") from None
+        return self._check_ack(ack, header)
+
+    def _check_ack(self, ack: object, header: Header) -> int:
         if not isinstance(ack, Ack) or ack.seq != header.seq:
             raise WireError(f"expected ack #{header.seq}, got {ack!r}")
         if ack.broken:
@@ -333,7 +392,7 @@ class SenderPair:
         """Drop the pair; with ``farewell``, tell the receiver so its pair thread ends."""
         channel, conn = self._channel, self._conn
         self._channel = self._conn = None
-        self._ipc = False
+        self._ipc, self._remote = False, None
         if conn is not None:
             if farewell:
                 with suppress(OSError):  # a receiver that is gone needs no goodbye

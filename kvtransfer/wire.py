@@ -9,12 +9,14 @@ the port of the store both ends build their group over, under ``pair_prefix(send
 then per transfer: sender -> :class:`Header`, KV bytes through the group, (with checksums) sender
 -> :class:`Trailer`, receiver -> :class:`Ack`. :class:`Control` ("bye") ends the pair.
 
-On one GPU (backend ``cuda_ipc``) no group is built: after the welcome the sender -> :class:`Share`
-(its pool, :mod:`kvtransfer.shared_pool`), receiver -> :class:`Opened` (``cuda_ipc``, or ``gloo``
-when it could not open the pool: the pair then builds a Gloo group as above). Per transfer the
-header names the sender's blocks and how many layers are already written; the receiver copies
-them out of the shared pool, the sender -> :class:`Ready` as more layers are written, receiver ->
-:class:`Ack` once every layer is copied.
+On one GPU (backend ``cuda_ipc``) no group is built: after the welcome the receiver ->
+:class:`Share` (its pool, :mod:`kvtransfer.shared_pool`), sender -> :class:`Opened` (``cuda_ipc``,
+or ``gloo`` when it could not open the pool: the pair then builds a Gloo group as above). Per
+transfer: sender -> :class:`Header`; receiver -> :class:`Go` (the blocks it registered) or a
+refusing :class:`Ack`; the sender copies its blocks into those, layer by layer as they are
+written, on its own GPU stream; sender -> :class:`Done` (with checksums); receiver -> :class:`Ack`.
+A receiver that cancels meanwhile -> :class:`Stop`: the sender stops copying and -> a stopped
+:class:`Done`, after which the receiver's blocks are never written again.
 """
 
 from __future__ import annotations
@@ -83,32 +85,46 @@ class Header:
     nbytes: int
     chunks: tuple[int, ...]
     trailer: bool = False  # a Trailer with a checksum of each chunk follows the data
-    # cuda_ipc only: the sender's blocks to copy (in order), and layers [0, ready) written
-    src_blocks: tuple[int, ...] = ()
-    ready: int = 0
 
 
 @dataclass(frozen=True)
 class Share:
-    """The sender's KV pool, one descriptor per layer (:func:`kvtransfer.shared_pool.export_pool`)."""
+    """The receiver's KV pool, one descriptor per layer (:func:`kvtransfer.shared_pool.export_pool`)."""
 
     pool: tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True)
 class Opened:
-    """The receiver's answer to a :class:`Share`: the backend the pair uses from now on."""
+    """The sender's answer to a :class:`Share`: the backend the pair uses from now on."""
 
     backend: str  # cuda_ipc, or gloo when the pool could not be opened (``error`` says why)
     error: str = ""
 
 
 @dataclass(frozen=True)
-class Ready:
-    """cuda_ipc: layers [0, ``layers``) of transfer ``seq`` are written on the sender."""
+class Go:
+    """cuda_ipc: the receiver's blocks transfer ``seq`` is to be copied into, in order."""
 
     seq: int
-    layers: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Done:
+    """cuda_ipc: the sender's copies of transfer ``seq`` are finished (``stopped``: it stopped on a
+    :class:`Stop`, and writes nothing more); with checksums, those of what it copied from."""
+
+    seq: int
+    stopped: bool = False
+    checksums: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stop:
+    """cuda_ipc: the receiver cancelled transfer ``seq``: copy nothing more into its blocks."""
+
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -133,7 +149,7 @@ class Ack:
     broken: bool = False  # the receiver tore its side of the pair down: rebuild it
 
 
-Message = Hello | Welcome | Header | Trailer | Control | Ack | Share | Opened | Ready
+Message = Hello | Welcome | Header | Trailer | Control | Ack | Share | Opened | Go | Done | Stop
 
 
 def encode(msg: Message) -> bytes:
@@ -169,15 +185,21 @@ def encode(msg: Message) -> bytes:
             "chunks": list(msg.chunks),
             "trailer": msg.trailer,
         }
-        if msg.src_blocks:
-            doc["src_runs"] = to_runs(msg.src_blocks)
-            doc["ready"] = msg.ready
     elif isinstance(msg, Share):
         doc = {"t": "share", "pool": list(msg.pool)}
     elif isinstance(msg, Opened):
         doc = {"t": "opened", "backend": msg.backend, "error": msg.error}
-    elif isinstance(msg, Ready):
-        doc = {"t": "ready", "seq": msg.seq, "layers": msg.layers}
+    elif isinstance(msg, Go):
+        doc = {"t": "go", "seq": msg.seq, "runs": to_runs(msg.blocks)}
+    elif isinstance(msg, Done):
+        doc = {
+            "t": "done",
+            "seq": msg.seq,
+            "stopped": msg.stopped,
+            "checksums": list(msg.checksums),
+        }
+    elif isinstance(msg, Stop):
+        doc = {"t": "stop", "seq": msg.seq}
     elif isinstance(msg, Trailer):
         doc = {"t": "trailer", "seq": msg.seq, "checksums": list(msg.checksums)}
     elif isinstance(msg, Control):
@@ -247,15 +269,9 @@ def _header(doc: dict[str, Any]) -> Header:
     if sum(sizes) != nbytes:
         raise WireError(f"chunk sizes add up to {sum(sizes)}, not nbytes {nbytes}")
     layout = KvLayout.from_json(doc["layout"])
-    num_blocks = _int(doc, "num_blocks", 1)
-    src: tuple[int, ...] = ()
-    ready = 0
-    if "src_runs" in doc:
-        src = from_runs(doc["src_runs"], num_blocks)
-        ready = _int(doc, "ready")
-        if ready > layout.num_layers:
-            raise WireError(f"ready {ready} is beyond the layout's {layout.num_layers} layers")
-    return Header(_int(doc, "seq", 1), tid, num_blocks, layout, nbytes, sizes, trailer, src, ready)
+    return Header(
+        _int(doc, "seq", 1), tid, _int(doc, "num_blocks", 1), layout, nbytes, sizes, trailer
+    )
 
 
 def to_runs(ids: tuple[int, ...]) -> list[list[int]]:
@@ -269,20 +285,21 @@ def to_runs(ids: tuple[int, ...]) -> list[list[int]]:
     return runs
 
 
-def from_runs(runs: Any, expected: int) -> tuple[int, ...]:
-    """Inverse of :func:`to_runs`; exactly ``expected`` ids, else WireError."""
-    if not isinstance(runs, list) or not 0 < len(runs) <= expected:
-        raise WireError(f"src_runs must be a list of 1 to {expected} runs")
+MAX_BLOCKS = 1 << 20  # blocks one Go may name
+
+
+def from_runs(runs: Any) -> tuple[int, ...]:
+    """Inverse of :func:`to_runs`; raises WireError."""
+    if not isinstance(runs, list) or not runs:
+        raise WireError("runs must be a non-empty list")
     ids: list[int] = []
     for run in runs:
         if not isinstance(run, list) or len(run) != 2:
-            raise WireError("each src run must be [first, count]")
+            raise WireError("each run must be [first, count]")
         first, count = _int({"first": run[0]}, "first"), _int({"count": run[1]}, "count", 1)
-        if len(ids) + count > expected:
-            raise WireError(f"src_runs name more than the header's {expected} blocks")
+        if len(ids) + count > MAX_BLOCKS:
+            raise WireError(f"runs name more than {MAX_BLOCKS} blocks")
         ids.extend(range(first, first + count))
-    if len(ids) != expected:
-        raise WireError(f"src_runs name {len(ids)} blocks, the header {expected}")
     return tuple(ids)
 
 
@@ -299,8 +316,16 @@ def _opened(doc: dict[str, Any]) -> Opened:
     return Opened(doc["backend"], _str(doc, "error", 4096))
 
 
-def _ready(doc: dict[str, Any]) -> Ready:
-    return Ready(_int(doc, "seq", 1), _int(doc, "layers", 1))
+def _go(doc: dict[str, Any]) -> Go:
+    return Go(_int(doc, "seq", 1), from_runs(doc["runs"]))
+
+
+def _done(doc: dict[str, Any]) -> Done:
+    sums = doc["checksums"]
+    if not isinstance(doc["stopped"], bool) or not isinstance(sums, list) or len(sums) > 1:
+        raise WireError("stopped must be a boolean and checksums a list of at most one")
+    checksums = tuple(_int({"checksum": c}, "checksum") for c in sums)
+    return Done(_int(doc, "seq", 1), doc["stopped"], checksums)
 
 
 def _trailer(doc: dict[str, Any]) -> Trailer:
@@ -324,7 +349,9 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "ack": _ack,
     "share": _share,
     "opened": _opened,
-    "ready": _ready,
+    "go": _go,
+    "done": _done,
+    "stop": lambda doc: Stop(_int(doc, "seq", 1)),
     "bye": lambda _doc: Control("bye"),
 }
 

@@ -23,10 +23,10 @@ The time went to per-call CPU cost: cache checks and a blocking host-to-device c
 gather and scatter call (0.1-0.2 ms each), receives posted behind the engine's stream, ~60 us
 poll granularity on the receiver, and one chunk (no pipelining) at 1024 tokens.
 
-On one GPU the pair now shares the sender's pool through CUDA IPC and the receiver copies the
-blocks GPU to GPU with one kernel ("move" row: that kernel alone, in one process, against the
-copy roofline of reading and writing every byte once); the "ttft" rows run there too, so the
-tail left after the prefill's last layer can be compared with a whole transfer.
+On one GPU the receiver shares its pool through CUDA IPC and the sender copies the blocks into
+it GPU to GPU, one kernel per range of written layers ("move" row: that kernel alone, in one
+process; the copy roofline reads and writes every byte once); the "ttft" rows run there too, so
+the tail left after the prefill's last layer can be compared with a whole transfer.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def timed_copy(caches: list[torch.Tensor], ids: list[int], iters: int, gather: b
 
 def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> float:
     """Median seconds of one block-to-block copy of ``ids`` into as many other blocks of the
-    same pool (the kernel a receiver runs on a shared GPU)."""
+    same pool (the kernel a sender runs into a shared pool on one GPU)."""
     copier = make_copier(caches)
     src = torch.tensor(ids, device=caches[0].device)
     dst = src + len(ids)
@@ -472,7 +472,7 @@ def run_pair(name: str, tx: str, rx: str, args: argparse.Namespace, full: bool) 
                         _row(f"{name} scatter", tokens, [scatter_s])]  # fmt: skip
 
             section(f"gather/scatter, {tokens} tokens", copy)
-            if tx == rx:  # one GPU: the receiver's block-to-block copy out of the shared pool
+            if tx == rx != "cpu":  # one GPU: the block-to-block copy into the shared pool
 
                 def move(tokens: int = tokens, ids: list[int] = ids) -> dict[str, Any]:
                     seconds = pair.call("receiver", "move", ids, args.iters)

@@ -1,10 +1,10 @@
 """The one-GPU path (cuda_ipc) of a pair, on the CPU: the protocol and the receiver's copies.
 
 CUDA IPC itself needs a GPU (tests/kvtransfer/test_gpu.py); here both ends run in this process,
-the backend choice is forced to cuda_ipc and "opening" the shared pool hands the receiver the
-sender's own tensors, so everything else (handshake, headers naming source blocks, layers
-streamed with Ready messages, cancels, checksums, a sender giving up, the Gloo fallback) runs
-as it does between two processes on one GPU.
+the backend choice is forced to cuda_ipc and "opening" the shared pool hands the sender the
+receiver's own tensors, so everything else (handshake, Go with the receiver's blocks, layers
+copied as they are written, cancels with Stop, checksums, a sender giving up, the Gloo
+fallback) runs as it does between two processes on one GPU.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from kvtransfer import (
 )
 from kvtransfer import receiver as receiver_mod
 from kvtransfer.device import IPC
-from kvtransfer.layout import KvLayout
 from kvtransfer.results import TransferError
-from kvtransfer.wire import Header, Opened, Ready, Share, WireError, decode, encode, from_runs
+from kvtransfer.wire import Done, Go, Opened, Share, Stop, WireError, decode, encode, from_runs
 from tests.kvtransfer.conftest import assert_blocks_equal, blocks
 from tests.kvtransfer.peer import LAYOUT, make_caches
 
@@ -38,7 +37,7 @@ LAYERS = LAYOUT["num_layers"]
 
 
 class FakeIpc:
-    """Stands in for CUDA IPC: the sender "exports" a key, the receiver "opens" its tensors."""
+    """Stands in for CUDA IPC: the receiver "exports" a key, the sender "opens" its tensors."""
 
     def __init__(self) -> None:
         self.pools: dict[str, list[torch.Tensor]] = {}
@@ -62,9 +61,9 @@ class FakeIpc:
 def ipc(monkeypatch: pytest.MonkeyPatch) -> FakeIpc:
     fake = FakeIpc()
     monkeypatch.setattr(receiver_mod, "choose_backend", lambda _s, _r: IPC)
-    monkeypatch.setattr(sender_pair, "export_pool", fake.export)
-    monkeypatch.setattr(receiver_pair, "check_pool", fake.check)
-    monkeypatch.setattr(receiver_pair, "open_pool", fake.open)
+    monkeypatch.setattr(receiver_pair, "export_pool", fake.export)
+    monkeypatch.setattr(sender_pair, "check_pool", fake.check)
+    monkeypatch.setattr(sender_pair, "open_pool", fake.open)
     return fake
 
 
@@ -96,7 +95,7 @@ def test_a_computed_kv_is_copied_out_of_the_shared_pool(rx, ipc: FakeIpc) -> Non
     assert list(ipc.pools) == ["0"]  # the pool is shared once per pair
 
 
-def test_layers_stream_as_they_are_written_and_land_before_the_last_one(rx) -> None:
+def test_layers_are_copied_as_they_are_written_and_land_before_the_last_one(rx) -> None:
     receiver, rx_caches = rx
     src = make_caches(2, 12)
     ready = LayerReady(LAYERS)
@@ -157,6 +156,8 @@ def test_a_cancel_mid_stream_stops_the_copies_and_the_sender_is_told(rx) -> None
 
 
 def test_checksums_compare_the_copy_with_the_senders_blocks(rx, monkeypatch) -> None:
+    from kernels.block_copy import RefBlockCopier
+
     receiver, rx_caches = rx
     src = make_caches(5, 12)
     with KvSender(src, "sums", SenderOptions(checksum=True)) as tx:
@@ -164,13 +165,13 @@ def test_checksums_compare_the_copy_with_the_senders_blocks(rx, monkeypatch) -> 
         tx.send(receiver.endpoint, "ok", [0, 1], timeout_s=10)
         assert ok.wait(5).ok
 
-        real = receiver_pair.IpcWriter.copy
+        real = RefBlockCopier.copy_from
 
-        def corrupting(self: Any, first: int, last: int) -> None:
-            real(self, first, last)
-            rx_caches[first][0, 2, 0, 0, 0] += 1.0  # a bad copy
+        def corrupting(self: Any, *args: Any) -> None:
+            real(self, *args)
+            rx_caches[0][0, 2, 0, 0, 0] += 1.0  # a bad copy
 
-        monkeypatch.setattr(receiver_pair.IpcWriter, "copy", corrupting)
+        monkeypatch.setattr(RefBlockCopier, "copy_from", corrupting)
         bad = receiver.expect("bad", [2, 3])
         with pytest.raises(TransferError, match="checksum mismatch"):
             tx.send(receiver.endpoint, "bad", [0, 1], timeout_s=10)
@@ -203,20 +204,19 @@ def test_a_receiver_that_cannot_open_the_pool_falls_back_to_gloo(rx, ipc: FakeIp
 
 
 def test_messages_of_the_shared_path_round_trip_and_bad_ones_are_refused() -> None:
-    layout = KvLayout.of(make_caches(0, 2))
-    header = Header(3, "t", 5, layout, 5 * layout.block_bytes, (5 * layout.block_bytes,), False,
-                    (7, 8, 9, 2, 3), 1)  # fmt: skip
-    assert decode(encode(header)) == header
-    for msg in (Share(({"a": 1},)), Opened(IPC), Opened("gloo", "why"), Ready(3, 2)):
+    for msg in (Share(({"a": 1},)), Opened(IPC), Opened("gloo", "why"), Go(3, (7, 8, 9, 2, 3)),
+                Done(3), Done(4, True), Done(5, False, (12345,)), Stop(3)):  # fmt: skip
         assert decode(encode(msg)) == msg
-    assert from_runs([[0, 3], [10, 1]], 4) == (0, 1, 2, 10)
-    for runs in ([[0, 3]], [[0, 5]], [[0, 0], [1, 4]], [[-1, 4]], "0-4", []):
+    assert encode(Go(1, (4, 5, 6, 9))).count(b"[") == 3  # runs, not every id
+    assert from_runs([[0, 3], [10, 1]]) == (0, 1, 2, 10)
+    for runs in ([[0, 0], [1, 4]], [[-1, 4]], "0-4", [], [[1]]):
         with pytest.raises(WireError):
-            from_runs(runs, 4)
-    with pytest.raises(WireError):
-        decode(b'{"t": "opened", "backend": "nccl", "error": ""}')
-    with pytest.raises(WireError):
-        decode(b'{"t": "ready", "seq": 1, "layers": 0}')
+            from_runs(runs)
+    for bad in (b'{"t": "opened", "backend": "nccl", "error": ""}',
+                b'{"t": "done", "seq": 1, "stopped": 1, "checksums": []}',
+                b'{"t": "go", "seq": 0, "runs": [[0, 1]]}'):  # fmt: skip
+        with pytest.raises(WireError):
+            decode(bad)
 
 
 def test_a_stalled_stream_fails_at_the_receivers_io_timeout(ipc: FakeIpc) -> None:
