@@ -214,7 +214,7 @@ class BlockCopier:
         if buffer.numel() > 0:
             _launch(self._base, shape[0], buffer, block_ids, self._offsets[first:], gather=False)
 
-    def copy_from(self, src: BlockCopier, src_ids: torch.Tensor, dst_ids: torch.Tensor, first: int = 0, last: int | None = None) -> None:  # fmt: skip
+    def copy_from(self, src: BlockCopier, src_ids: torch.Tensor, dst_ids: torch.Tensor, first: int = 0, last: int | None = None, *, chunk: int = CHUNK, num_warps: int = 4) -> None:  # fmt: skip
         """Blocks ``src_ids`` of ``src``'s caches into blocks ``dst_ids`` of these, layers
         [first, last), in one launch (``dst_ids`` distinct; the two lists may live in different
         allocations, e.g. another process's pool opened through CUDA IPC)."""
@@ -235,12 +235,12 @@ class BlockCopier:
         if n == 0:
             return
         block_elems = self._base[0, 0].numel()
-        chunk = min(CHUNK, next_pow2(block_elems))
+        chunk = min(chunk, next_pow2(block_elems))
         grid = ((last - first) * 2 * n, triton.cdiv(block_elems, chunk))
         _block_move_kernel[grid](
             src._base, src._offsets[first:], src_ids, self._base, self._offsets[first:], dst_ids,
             n, src._base.stride(0), src._base.stride(1), self._base.stride(0),
-            self._base.stride(1), block_elems, CHUNK=chunk, num_warps=4,
+            self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
         )  # fmt: skip
 
     def _check_range(self, first: int, last: int | None) -> int:

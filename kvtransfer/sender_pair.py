@@ -97,7 +97,6 @@ def _seconds(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
 
-_EVENT_POLL_S = 20e-6  # how often the host looks at a layer's event (cuda_ipc)
 _STOP_CHECK_S = 2e-3  # how often it looks for a Stop while the next layer is not recorded
 
 
@@ -296,7 +295,10 @@ class SenderPair:
                 with on_stream(stream):
                     remote.copy_from(ctx.copier, src, dst, done, upto)
                 done = upto
-        copied = stream.record_event() if stream is not None else None
+        copied = None
+        if stream is not None:
+            copied = torch.cuda.Event(blocking=True)
+            copied.record(stream)
         stopped = self._until(conn, header.seq, copied, deadline) or stopped
         sums: tuple[int, ...] = ()
         if ctx.use_checksum and not stopped:
@@ -324,16 +326,15 @@ class SenderPair:
     def _until(
         self, conn: ControlConn, seq: int, event: torch.cuda.Event | None, deadline: float
     ) -> bool:
-        """Poll until ``event`` is done on the GPU (the host must not block in the driver: it
-        would spin a core for a whole prefill); True if the receiver said Stop meanwhile (the
-        work queued before the event still finishes: it is at most one range of layers)."""
-        stop = False
-        while event is not None and not event.query():
-            stop = stop or self._stop_asked(conn, seq)
+        """Wait until ``event`` is done on the GPU; True if the receiver said Stop meanwhile
+        (the work queued before the event still finishes: at most one range of layers). The
+        event is a blocking one (LayerReady's, or ours): the thread sleeps in the driver with
+        the GIL released, so the prefill thread of this process keeps launching meanwhile."""
+        if event is not None and not event.query():
             if time.monotonic() >= deadline:
                 raise TransferError("the KV was not computed before the transfer's deadline")
-            time.sleep(_EVENT_POLL_S)
-        return stop or self._stop_asked(conn, seq)
+            event.synchronize()
+        return self._stop_asked(conn, seq)
 
     @staticmethod
     def _stop_asked(conn: ControlConn, seq: int) -> bool:

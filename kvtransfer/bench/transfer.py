@@ -107,20 +107,27 @@ def timed_copy(caches: list[torch.Tensor], ids: list[int], iters: int, gather: b
     return statistics.median(times)
 
 
-def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> float:
+MOVE_VARIANTS = ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16))  # (chunk, warps)
+
+
+def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> dict[str, float]:
     """Median seconds of one block-to-block copy of ``ids`` into as many other blocks of the
-    same pool (the kernel a sender runs into a shared pool on one GPU)."""
+    same pool (the kernel a sender runs into a shared pool on one GPU), per kernel variant
+    (elements per program, warps); the first is the default."""
     copier = make_copier(caches)
     src = torch.tensor(ids, device=caches[0].device)
     dst = src + len(ids)
-    times = []
-    for _ in range(iters + 1):
-        _sync(caches[0].device)
-        start = time.perf_counter()
-        copier.copy_from(copier, src, dst)
-        _sync(caches[0].device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    out = {}
+    for chunk, warps in MOVE_VARIANTS:
+        times = []
+        for _ in range(iters + 1):
+            _sync(caches[0].device)
+            start = time.perf_counter()
+            copier.copy_from(copier, src, dst, chunk=chunk, num_warps=warps)  # type: ignore[call-arg]
+            _sync(caches[0].device)
+            times.append(time.perf_counter() - start)
+        out[f"{chunk}x{warps}"] = statistics.median(times[1:])
+    return out
 
 
 def raw_send_recv(rank: int, port: int, nbytes: int, iters: int, device: torch.device) -> float:
@@ -474,9 +481,9 @@ def run_pair(name: str, tx: str, rx: str, args: argparse.Namespace, full: bool) 
             section(f"gather/scatter, {tokens} tokens", copy)
             if tx == rx != "cpu":  # one GPU: the block-to-block copy into the shared pool
 
-                def move(tokens: int = tokens, ids: list[int] = ids) -> dict[str, Any]:
-                    seconds = pair.call("receiver", "move", ids, args.iters)
-                    return _row(f"{name} move (kernel)", tokens, [seconds])
+                def move(tokens: int = tokens, ids: list[int] = ids) -> list[dict[str, Any]]:
+                    variants = pair.call("receiver", "move", ids, args.iters)
+                    return [_row(f"{name} move {v}", tokens, [sec]) for v, sec in variants.items()]
 
                 section(f"block move, {tokens} tokens", move)
         for chunk_mb in args.chunk_mb if full else [SenderOptions().chunk_bytes / 2**20]:
