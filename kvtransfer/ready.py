@@ -47,8 +47,7 @@ class LayerReady:
         default the current one, is done)."""
         event = None
         if self.device.type == "cuda":
-            # a waiting host sleeps until it is done (no spinning core, the GIL released)
-            event = torch.cuda.Event(blocking=True)
+            event = torch.cuda.Event()
             event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         with self._cond:
             if not self._upto < layer < self.num_layers:

@@ -12,9 +12,10 @@ On one GPU (``cuda_ipc``) the handshake opens the receiver's pool instead of bui
 and a transfer is: header -> the receiver's :class:`Go` (its blocks) -> we copy our blocks into
 its pool with one kernel per range of written layers, on our stream, right after the prefill
 that writes them (the copy runs in the producer's own GPU context: no other process is
-scheduled in between) -> :class:`Done` -> ack. Layers are copied once the host has seen them
-computed, so at most one range is ever queued: a :class:`Stop` (the receiver cancelled) is
-honoured within microseconds.
+scheduled in between; the copy stream waits on each range's event, the host never syncs
+mid-forward) -> :class:`Done` -> ack. A :class:`Stop` (the receiver cancelled) ends the copying:
+no more ranges are queued, and the Done (stopped) follows once those queued have run, which can
+be as late as the end of the forward computing them.
 Not thread-safe: each pair belongs to the one thread of its ``send_queue.PairQueue``.
 """
 
@@ -98,6 +99,7 @@ def _seconds(deadline: float) -> float:
 
 
 _STOP_CHECK_S = 2e-3  # how often it looks for a Stop while the next layer is not recorded
+_POLL_S, _POLL_FINE_S, _POLL_MAX_S = 20e-6, 1e-3, 200e-6  # waiting for our copies (cuda_ipc)
 
 
 def _offsets(sizes: tuple[int, ...]) -> list[int]:
@@ -289,16 +291,20 @@ class SenderPair:
                 remote.copy_from(ctx.copier, src, dst)
         while done < num_layers and not stopped:
             assert ready is not None
-            upto = self._computed(conn, header.seq, ready, done, deadline)
-            stopped = upto < 0
-            if not stopped:
+            got = ready.latest(done, min(deadline, time.monotonic() + _STOP_CHECK_S))
+            if got is not None:  # layers [done, upto] are recorded: copy them once computed
+                upto, event = got
+                if event is not None and stream is not None:
+                    stream.wait_event(event)  # the GPU waits; this thread never syncs mid-forward
+                elif event is not None:
+                    event.synchronize()
                 with on_stream(stream):
-                    remote.copy_from(ctx.copier, src, dst, done, upto)
-                done = upto
-        copied = None
-        if stream is not None:
-            copied = torch.cuda.Event(blocking=True)
-            copied.record(stream)
+                    remote.copy_from(ctx.copier, src, dst, done, upto + 1)
+                done = upto + 1
+            elif time.monotonic() >= deadline:
+                raise TransferError("the KV was not computed before the transfer's deadline")
+            stopped = self._stop_asked(conn, header.seq)
+        copied = stream.record_event() if stream is not None else None
         stopped = self._until(conn, header.seq, copied, deadline) or stopped
         sums: tuple[int, ...] = ()
         if ctx.use_checksum and not stopped:
@@ -308,33 +314,23 @@ class SenderPair:
         conn.send(Done(header.seq, stopped, sums))
         return self._await_ack(conn, header, deadline)
 
-    def _computed(
-        self, conn: ControlConn, seq: int, ready: LayerReady, done: int, deadline: float
-    ) -> int:
-        """Wait until layer ``done`` is computed on the GPU; returns how many layers are (layers
-        recorded meanwhile come along), or -1 if the receiver said Stop meanwhile."""
-        while True:
-            got = ready.latest(done, min(deadline, time.monotonic() + _STOP_CHECK_S))
-            if got is not None:
-                upto, event = got
-                return -1 if self._until(conn, seq, event, deadline) else upto + 1
-            if self._stop_asked(conn, seq):
-                return -1
-            if time.monotonic() >= deadline:
-                raise TransferError("the KV was not computed before the transfer's deadline")
-
     def _until(
         self, conn: ControlConn, seq: int, event: torch.cuda.Event | None, deadline: float
     ) -> bool:
-        """Wait until ``event`` is done on the GPU; True if the receiver said Stop meanwhile
-        (the work queued before the event still finishes: at most one range of layers). The
-        event is a blocking one (LayerReady's, or ours): the thread sleeps in the driver with
-        the GIL released, so the prefill thread of this process keeps launching meanwhile."""
-        if event is not None and not event.query():
-            if time.monotonic() >= deadline:
-                raise TransferError("the KV was not computed before the transfer's deadline")
-            event.synchronize()
-        return self._stop_asked(conn, seq)
+        """Poll until our copies (``event``) are done; True if the receiver said Stop meanwhile
+        (what is queued still finishes). Polling, not a driver wait: a blocking event wakes
+        ~0.3 ms late, a spinning one holds a core; the first millisecond is polled finely,
+        then less often, so a long wait does not take the GIL from the engine thread."""
+        stop, pause, start = False, _POLL_S, time.monotonic()
+        while event is not None and not event.query():
+            stop = stop or self._stop_asked(conn, seq)
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferError("the KV was not copied before the transfer's deadline")
+            time.sleep(pause)
+            if now - start > _POLL_FINE_S:
+                pause = min(pause * 2, _POLL_MAX_S)
+        return stop or self._stop_asked(conn, seq)
 
     @staticmethod
     def _stop_asked(conn: ControlConn, seq: int) -> bool:

@@ -288,6 +288,11 @@ def _profiled(cls: Any, name: str, role: str) -> None:
 def _child(conn: Connection, role: str, device_name: str, num_blocks: int) -> None:
     """A sender or receiver process, serving commands from the parent until "exit"; every
     reply is ("ok", value) or ("error", traceback)."""
+    if os.environ.get("TANDEM_KV_DIAG") == "nocopy" and role == "sender":
+        # what a transfer costs without its copies (a diagnosis: the data then never lands)
+        from kernels.triton_block_copy import BlockCopier
+
+        BlockCopier.copy_from = lambda *_a, **_k: None  # type: ignore[method-assign]
     if os.environ.get("TANDEM_KV_PROFILE") == "1":
         from kvtransfer.receiver_pair import ReceiverPair
         from kvtransfer.sender_pair import SenderPair
