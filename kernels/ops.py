@@ -20,10 +20,12 @@ from kernels.attention import (
     ref_write_kv,
 )
 from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
+from kernels.checksum import ref_checksum
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
 from kernels.quant import ref_fp8_linear, ref_w4a16_linear, scaled_mm_w8a8_linear
 
 __all__ = [
+    "checksum",
     "fp8_linear",
     "fp8_supported",
     "gather_blocks",
@@ -61,6 +63,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
     from kernels import (
         triton_attention,
         triton_block_copy,
+        triton_checksum,
         triton_gemv,
         triton_layers,
         triton_quant,
@@ -69,6 +72,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
     modules = {
         "triton_attention": triton_attention,
         "triton_block_copy": triton_block_copy,
+        "triton_checksum": triton_checksum,
         "triton_gemv": triton_gemv,
         "triton_layers": triton_layers,
         "triton_quant": triton_quant,
@@ -250,3 +254,10 @@ def scatter_blocks(
 ) -> None:
     mod = _triton("triton_block_copy", buffer)
     (mod.scatter_blocks if mod else ref_scatter_blocks)(buffer, kv_caches, block_ids)
+
+
+def checksum(data: torch.Tensor) -> torch.Tensor:  # [N] uint8 -> [] int64
+    """The KV-transfer checksum of a byte buffer, left on its device (:mod:`kernels.checksum`):
+    the same bits from the Triton kernel and the reference, so either end may use either."""
+    mod = _triton("triton_checksum", data)
+    return (mod.checksum if mod else ref_checksum)(data)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kernels import ops
 from kvtransfer.device import GLOO, IPC, NCCL, DeviceInfo
 from kvtransfer.layout import KvLayout
 
@@ -355,28 +356,17 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "bye": lambda _doc: Control("bye"),
 }
 
-_CHECKSUM_CHUNK = 1 << 22  # int32 words per step: bounds the temporary int64 tensors
 CHECKSUM_MOD = (1 << 61) - 1
-_weights: dict[torch.device, torch.Tensor] = {}
 
 
 def checksum_tensor(data: torch.Tensor) -> torch.Tensor:
     """A position-sensitive checksum of a 1-D uint8 tensor, as an int64 tensor on its device
     (computed on the current stream; nothing waits for it): the sum of its int32 words times a
-    repeating weight, each 4M-word piece once more times its index. int64 wrap-around is the
-    same on both ends (integer addition is associative), so sender and receiver agree on any
-    device. :func:`checksum` makes it a number."""
-    dev = data.device
-    weights = _weights.get(dev)
-    if weights is None:
-        weights = _weights[dev] = torch.arange(_CHECKSUM_CHUNK, device=dev) % 65521 + 1
-    words = data[: data.numel() // 4 * 4].view(torch.int32)
-    tail = data[words.numel() * 4 :].to(torch.int64)
-    total = (tail * (torch.arange(tail.numel(), device=dev) + 1_000_003)).sum()
-    for i, start in enumerate(range(0, words.numel(), _CHECKSUM_CHUNK)):
-        piece = words[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-        total = total + (piece * weights[: piece.numel()]).sum() * (i + 1)
-    return total
+    repeating weight, each 4M-word piece once more times its index (:mod:`kernels.checksum`;
+    one Triton pass over the bytes on a GPU). int64 wrap-around is the same on both ends
+    (integer addition is associative), so sender and receiver agree on any device.
+    :func:`checksum` makes it a number."""
+    return ops.checksum(data)
 
 
 def checksum_value(total: torch.Tensor) -> int:

@@ -11,8 +11,10 @@ from collections.abc import Callable
 import torch
 
 from kernels import attention, block_copy, layers
+from kernels import checksum as kv_checksum
 from kernels import triton_attention as ta
 from kernels import triton_block_copy as tb
+from kernels import triton_checksum as tc
 from kernels import triton_layers as tl_
 from kernels.bench.cases import paged
 
@@ -93,12 +95,22 @@ def check_block_copy() -> float:
     return 0.0 if ok else float("inf")
 
 
+def check_checksum() -> float:
+    """Bit-exact: aligned and unaligned slices across the 4M-word piece boundary, with a tail."""
+    data = torch.randint(0, 256, ((1 << 24) + 4099,), dtype=torch.uint8, device="cuda")
+    ok = all(
+        int(tc.checksum(data[a:])) == int(kv_checksum.ref_checksum(data[a:])) for a in (0, 1, 4, 7)
+    )
+    return 0.0 if ok else float("inf")
+
+
 CHECKS: dict[str, Callable[[], float]] = {
     "paged_decode_attention": check_decode,
     "prefill_attention": check_prefill,
     "write_kv": check_write_kv,
     "rms_norm / silu_and_mul / rotary": check_layers,
     "gather_blocks / scatter_blocks": check_block_copy,
+    "kv checksum": check_checksum,
 }
 
 

@@ -2,7 +2,8 @@
 
 Measures the device copy bandwidth first (one large device-to-device copy, bytes read + written)
 and reports every memory-bound kernel as a fraction of it: paged decode attention (K/V read once
-+ q + out), the element-wise layers, KV writes and block gathers. Prefill attention is reported
++ q + out), the element-wise layers, KV writes, block gathers and the KV-transfer checksum (its
+bytes read once; ``python -m kernels.bench.checksum`` sweeps it). Prefill attention is reported
 in TFLOP/s (causal pairs only). Times are ``triton.testing.do_bench`` medians, which flush L2
 between runs. ``--check`` runs a correctness pass against the torch references instead.
 """
@@ -125,7 +126,7 @@ def bench_prefill() -> list[dict[str, Any]]:
 
 
 def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:
-    from kernels import triton_attention, triton_block_copy, triton_layers
+    from kernels import triton_attention, triton_block_copy, triton_checksum, triton_layers
 
     t, h, inter, dt = 4096, 4096, 14336, torch.bfloat16
     x, r, w = (torch.randn(s, device="cuda", dtype=dt) for s in ((t, h), (t, h), (h,)))
@@ -140,6 +141,7 @@ def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:
     caches = [torch.randn((2, 512, 16, 8, 128), device="cuda", dtype=dt) for _ in range(32)]
     ids = torch.randperm(512, device="cuda")[:64]
     e = 2  # bytes per bf16 element
+    kv = torch.randint(0, 256, (1024 * 32 * 2 * 8 * 128 * e,), dtype=torch.uint8, device="cuda")
     cases = [
         (
             "rms_norm + residual",
@@ -170,6 +172,12 @@ def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:
             "32 layers x 64 blocks",
             lambda: triton_block_copy.gather_blocks(caches, ids),
             2 * 32 * 2 * 64 * 16 * 8 * 128 * e,
+        ),
+        (
+            "kv checksum",
+            "1024 tokens (134 MB)",
+            lambda: triton_checksum.checksum(kv),
+            kv.numel(),  # read once, nothing written but the per-program sums
         ),
     ]
     return [measure(n, s, fn, nbytes=b, copy_gbps=copy_gbps) for n, s, fn, b in cases]

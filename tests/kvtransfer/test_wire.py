@@ -10,6 +10,7 @@ import torch
 from kvtransfer.device import DeviceInfo
 from kvtransfer.layout import KvLayout
 from kvtransfer.wire import (
+    CHECKSUM_MOD,
     Ack,
     Control,
     Header,
@@ -98,3 +99,11 @@ def test_checksum_sees_reordered_and_changed_bytes():
     changed = data.clone()
     changed[-1] ^= 1
     assert len({checksum(data), checksum(swapped), checksum(changed)}) == 3
+
+
+def test_checksum_values_stay_what_older_senders_send():
+    """Pinned: a receiver on this version verifies what an older sender (or a CPU one) sent."""
+    assert checksum((torch.arange(4099) * 7919 % 251).to(torch.uint8)) == 9447460755143
+    words_then_tail = torch.tensor([255, 255, 255, 255, 7], dtype=torch.uint8)  # -1, then 7
+    assert checksum(words_then_tail) == (-1 + 7 * 1_000_003) % CHECKSUM_MOD
+    assert checksum(torch.arange(9, dtype=torch.uint8)[1:]) == checksum(torch.arange(1, 9, dtype=torch.uint8))  # fmt: skip
