@@ -91,3 +91,21 @@ class LayerReady:
                     return None
                 self._cond.wait(remaining)
             return self._events[-1]
+
+    def ranges(self, first: int, last: int) -> list[tuple[int, int, torch.cuda.Event | None]]:
+        """Layers [first, last) (all recorded) as ranges that became computed together, in
+        order: (start, end, the event that says so). A producer recording every layer gives one
+        range per layer, so a consumer can follow the forward layer by layer on the GPU."""
+        out: list[tuple[int, int, torch.cuda.Event | None]] = []
+        start = first
+        with self._cond:
+            if last - 1 > self._upto:
+                raise ValueError(f"layers up to {last - 1} are not recorded yet")
+            for recorded, event in self._events:
+                if recorded >= start:
+                    end = min(recorded + 1, last)
+                    out.append((start, end, event))
+                    start = end
+                    if start >= last:
+                        break
+        return out

@@ -292,15 +292,15 @@ class SenderPair:
         while done < num_layers and not stopped:
             assert ready is not None
             got = ready.latest(done, min(deadline, time.monotonic() + _STOP_CHECK_S))
-            if got is not None:  # layers [done, upto] are recorded: copy them once computed
-                upto, event = got
-                if event is not None and stream is not None:
-                    stream.wait_event(event)  # the GPU waits; this thread never syncs mid-forward
-                elif event is not None:
-                    event.synchronize()
-                with on_stream(stream):
-                    remote.copy_from(ctx.copier, src, dst, done, upto + 1)
-                done = upto + 1
+            if got is not None:  # layers [done, upto] are recorded: copy each once computed
+                for first, last, event in ready.ranges(done, got[0] + 1):
+                    if event is not None and stream is not None:
+                        stream.wait_event(event)  # the GPU waits; the host never syncs mid-forward
+                    elif event is not None:
+                        event.synchronize()
+                    with on_stream(stream):
+                        remote.copy_from(ctx.copier, src, dst, first, last)
+                done = got[0] + 1
             elif time.monotonic() >= deadline:
                 raise TransferError("the KV was not computed before the transfer's deadline")
             stopped = self._stop_asked(conn, header.seq)

@@ -116,3 +116,11 @@ def test_a_producer_failure_fails_both_ends_at_once_and_the_next_send_works():
 def test_a_send_refuses_readiness_for_another_layer_count():
     with KvSender(make_caches(24, 4), "count") as tx, pytest.raises(ValueError, match="layers"):
         tx.send("127.0.0.1:1", "t", [0], ready=LayerReady(5))
+
+
+def test_ranges_follow_what_the_producer_recorded():
+    ready = LayerReady(6)
+    for layer in (0, 2, 3, 5):  # layer 1 comes with 2, layer 4 with 5
+        ready.record(layer)
+    assert [(a, b) for a, b, _ in ready.ranges(0, 6)] == [(0, 1), (1, 3), (3, 4), (4, 6)]
+    assert [(a, b) for a, b, _ in ready.ranges(2, 5)] == [(2, 3), (3, 4), (4, 5)]
