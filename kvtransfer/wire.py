@@ -295,12 +295,14 @@ def from_runs(runs: Any) -> tuple[int, ...]:
         raise WireError("runs must be a non-empty list")
     ids: list[int] = []
     for run in runs:
-        if not isinstance(run, list) or len(run) != 2:
+        if type(run) is not list or len(run) != 2:
             raise WireError("each run must be [first, count]")
-        first, count = _int({"first": run[0]}, "first"), _int({"count": run[1]}, "count", 1)
-        if len(ids) + count > MAX_BLOCKS:
-            raise WireError(f"runs name more than {MAX_BLOCKS} blocks")
+        first, count = run
+        if type(first) is not int or type(count) is not int or first < 0 or count < 1:
+            raise WireError(f"a run must be two integers [first >= 0, count >= 1], got {run!r}")
         ids.extend(range(first, first + count))
+        if len(ids) > MAX_BLOCKS:
+            raise WireError(f"runs name more than {MAX_BLOCKS} blocks")
     return tuple(ids)
 
 
