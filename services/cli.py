@@ -842,6 +842,14 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
         help="the disagg-local topology's --max-local-prefill-tokens: prompts of at most this "
         "many tokens are prefilled by the decode worker (default: 1024; only with disagg-local)",
     )
+    g.add_argument(
+        "--local-prefill-queue",
+        type=int,
+        default=None,
+        help="the disagg-local topology's --local-prefill-queue: while every prefill worker has "
+        "this many requests, prompts are prefilled by the decode worker (default: off; only "
+        "with disagg-local)",
+    )
     g.add_argument("--workloads", default="1024:128,4096:256", help="INPUT:OUTPUT,... lengths")
     g.add_argument(
         "--rates",

@@ -280,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
         workloads = parse_workloads(args.workloads)
         rate_map = parse_rates(args.rates, workloads)
         names = parse_topologies(args.topologies)
-        check_local_prefill_tokens(args.local_prefill_tokens, names)
+        check_local_prefill_tokens(args.local_prefill_tokens, names, args.local_prefill_queue)
     except ValueError as exc:
         print(f"tandem bench disagg: {exc}", file=sys.stderr)
         return 2
@@ -313,7 +313,14 @@ def main(args: argparse.Namespace) -> int:
     try:
         with sigterm_unwinds():
             topologies = [
-                topology(n, gpus, args.workers, args.prefill_workers, args.local_prefill_tokens)
+                topology(
+                    n,
+                    gpus,
+                    args.workers,
+                    args.prefill_workers,
+                    args.local_prefill_tokens,
+                    args.local_prefill_queue,
+                )
                 for n in names
             ]
             parts = len(topologies) + (1 if args.gateway_overhead else 0)

@@ -117,24 +117,29 @@ class Topology:
         return " ".join(self.up_flags) + (f" --gpus {','.join(self.gpus)}" if self.gpus else "")
 
 
-def check_local_prefill_tokens(tokens: int | None, names: Sequence[str]) -> None:
-    """--local-prefill-tokens shapes only the disagg-local topology: refused without it."""
-    if tokens is None:
-        return
-    if "disagg-local" not in names:
-        raise ValueError("--local-prefill-tokens needs the disagg-local topology in --topologies")
-    if tokens < 1:
-        raise ValueError(f"--local-prefill-tokens must be at least 1, got {tokens}")
+def check_local_prefill_tokens(
+    tokens: int | None, names: Sequence[str], queue: int | None = None
+) -> None:
+    """--local-prefill-tokens and --local-prefill-queue shape only the disagg-local topology:
+    refused without it."""
+    for flag, value in (("--local-prefill-tokens", tokens), ("--local-prefill-queue", queue)):
+        if value is None:
+            continue
+        if "disagg-local" not in names:
+            raise ValueError(f"{flag} needs the disagg-local topology in --topologies")
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
 
 
 def topology(
     name: str, gpus: Sequence[str], workers: int, prefill_workers: int | None,
-    local_prefill_tokens: int | None = None,
+    local_prefill_tokens: int | None = None, local_prefill_queue: int | None = None,
 ) -> Topology:  # fmt: skip
     """``disagg``: prefill on the first GPUs, decode on the rest (one worker per GPU; without GPUs
     ``workers`` processes); ``colocated``: as many colocated workers; ``disagg-local``: disagg
     with conditional disaggregation (prompts of at most ``local_prefill_tokens`` tokens are
-    prefilled by the decode worker)."""
+    prefilled by the decode worker, and with ``local_prefill_queue`` so are all prompts that
+    arrive while every prefill worker has that many requests)."""
     n = max(len(gpus), 1) if gpus else workers
     if name == "colocated":
         return Topology(name, ["--colocated", str(n)], list(gpus))
@@ -144,6 +149,8 @@ def topology(
     flags = ["--prefill", str(prefill), "--decode", str(n - prefill)]
     if name == "disagg-local":
         flags += ["--max-local-prefill-tokens", str(local_prefill_tokens or LOCAL_PREFILL_TOKENS)]
+        if local_prefill_queue:
+            flags += ["--local-prefill-queue", str(local_prefill_queue)]
     return Topology(name, flags, list(gpus))
 
 

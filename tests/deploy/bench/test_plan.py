@@ -75,6 +75,11 @@ def test_topologies_split_the_gpus() -> None:
         check_local_prefill_tokens(512, ["disagg", "colocated"])  # never silently unused
     with pytest.raises(ValueError, match="at least 1"):
         check_local_prefill_tokens(0, ["disagg-local"])
+    check_local_prefill_tokens(None, ["disagg-local"], 2)
+    with pytest.raises(ValueError, match="--local-prefill-queue needs the disagg-local"):
+        check_local_prefill_tokens(None, ["disagg"], 2)
+    with pytest.raises(ValueError, match="--local-prefill-queue must be at least 1"):
+        check_local_prefill_tokens(None, ["disagg-local"], 0)
 
 
 def test_budget_shares_what_is_left() -> None:

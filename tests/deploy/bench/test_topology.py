@@ -36,9 +36,10 @@ def test_up_argv_forwards_engine_flags_and_the_shape(tmp_path: Path) -> None:
         "cuda",
     )
     assert up.max_local_prefill_tokens == 0  # disagg: always disaggregate
-    local = topology("disagg-local", ["0", "1"], 2, None, 256)
+    local = topology("disagg-local", ["0", "1"], 2, None, 256, 3)
     up = build_parser().parse_args(up_argv(args, local, tmp_path, {}))
     assert (up.prefill, up.decode, up.max_local_prefill_tokens) == (1, 1, 256)
+    assert up.local_prefill_queue == 3
 
 
 def test_a_sigterm_landing_inside_an_asyncio_task_still_unwinds() -> None:
