@@ -58,7 +58,9 @@ def load_tokenizer(hf_dir: str) -> Any:
         finally:
             hf_logging.set_verbosity(level)
         return AutoTokenizer.from_pretrained(hf_dir, config=config)
-    except (OSError, ValueError, KeyError):  # no or an unusual config.json: the usual way
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        # no or an unusual config.json (some transformers releases cannot build a plain
+        # PreTrainedConfig from a Llama 3 one: AttributeError): the usual way
         return AutoTokenizer.from_pretrained(hf_dir)
 
 
