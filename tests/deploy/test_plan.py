@@ -81,6 +81,14 @@ def test_kv_checksum_reaches_the_prefill_workers_only() -> None:
     assert all("--kv-checksum" not in w.spec.argv for w in plan_for().workers)
 
 
+def test_kv_streaming_off_reaches_the_prefill_workers_only() -> None:
+    for worker in plan_for("--kv-streaming", "off", "--prefill", "2").workers:
+        args = reparse(worker.spec.argv)
+        assert getattr(args, "kv_streaming", None) == ("off" if worker.role == "prefill" else None)
+    for worker in plan_for().workers:  # on by default, in tandem up and in the workers
+        assert getattr(reparse(worker.spec.argv), "kv_streaming", "on") == "on"
+
+
 def test_conditional_disaggregation_is_the_gateways_setting() -> None:
     plan = plan_for("--max-local-prefill-tokens", "256")
     at = plan.gateway_argv.index("--max-local-prefill-tokens")
