@@ -154,6 +154,8 @@ def build_plan(
         argv += ["--host", LOOPBACK, "--port", "0", "--worker-id", name]
         if role == "prefill" and getattr(args, "kv_checksum", False):
             argv.append("--kv-checksum")
+        if role == "prefill" and getattr(args, "kv_streaming", "on") != "on":
+            argv += ["--kv-streaming", args.kv_streaming]
         ready = run_dir / f"{name}.json"
         env = _worker_env(placed, len(names), cpu_count, environ)
         workers.append(

@@ -377,6 +377,13 @@ KV_CHECKSUM_HELP = (
     "kv_transfer_failures). Costs a pass over the KV on each end"
 )
 
+KV_STREAMING = ["on", "off"]
+KV_STREAMING_HELP = (
+    "on: each prompt's KV leaves for the decode worker layer by layer while prefill computes "
+    "its last chunk, so little is left to move after the first token; off: the whole KV is "
+    "sent after the first token"
+)
+
 
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
@@ -409,6 +416,7 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a KV transfer may take")
     if role == "prefill":
         g.add_argument("--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP)
+        g.add_argument("--kv-streaming", choices=KV_STREAMING, default="on", help=KV_STREAMING_HELP)
     g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
 
 
@@ -593,6 +601,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP + " (prefill workers)"
     )
+    p.add_argument("--kv-streaming", choices=KV_STREAMING, default="on",
+                   help=KV_STREAMING_HELP + " (prefill workers)")  # fmt: skip
     p.add_argument(
         "--max-local-prefill-tokens",
         type=_non_negative_int,

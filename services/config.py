@@ -243,6 +243,9 @@ class WorkerConfig:
     kv_port: int = 0
     kv_timeout_s: float = 10.0  # a KV transfer's I/O timeout; a Decode call's default KV wait
     kv_checksum: bool = False
+    # prefill: ship each prompt's KV layer by layer while its last chunk is computed (False:
+    # the whole KV after the first token)
+    kv_streaming: bool = True
 
     @classmethod
     def from_args(cls, args: Any, role: Role, engine: EngineConfig) -> WorkerConfig:
@@ -262,4 +265,5 @@ class WorkerConfig:
             kv_port=getattr(args, "kv_port", 0) or 0,
             kv_timeout_s=args.kv_timeout,
             kv_checksum=getattr(args, "kv_checksum", False),
+            kv_streaming=getattr(args, "kv_streaming", "on") == "on",
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,10 @@ class AttentionMetadata:
     # [B - num_decodes + 1] int32: query_start_loc of the prefill sequences, counted from their
     # first token (None when every sequence decodes)
     prefill_start_loc: torch.Tensor | None = None
+    # told each layer's index right after the layer's KV write, when a prefill hand-off streams
+    # the KV out while this forward runs (``services.engine.kv_handoff``); None on every other
+    # step, and in CUDA graphs, which would not run it
+    on_kv_written: Callable[[int], None] | None = None
 
     @property
     def num_seqs(self) -> int:

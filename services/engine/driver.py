@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from protos.sampling_params import SamplingParams
+from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
 from services.engine.llm_engine import EngineStats, LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.structured import CompiledOutput
@@ -176,6 +177,21 @@ class EngineDriver:
     async def block_ids(self, request_id: str) -> list[int]:
         """The KV blocks a request holds, in order (a prefill worker ships these)."""
         return await self.acall(lambda e: e.block_ids(request_id))
+
+    def on_final_chunks(self, hook: FinalChunkHook) -> Future[None]:
+        """Before the forward of each step that computes the last prompt chunk of prefill-only
+        requests, ``hook`` gets their blocks on the engine thread and answers where that
+        forward records each layer's KV write (``services.engine.kv_handoff``). A hook that
+        raises is logged and records nothing: its caller falls back to waiting for the token."""
+
+        def guarded(finals: list[FinalChunk]) -> LayerSink | None:
+            try:
+                return hook(finals)
+            except Exception:  # the step itself must go on
+                log.exception("final-chunk hook failed")
+                return None
+
+        return self.call(lambda e: setattr(e, "on_final_chunks", guarded))
 
     def release(self, request_id: str) -> Future[bool]:
         """A finished or failed request's blocks back to the pool (into the prefix cache), or

@@ -9,12 +9,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from protos.blocks import blocks_for
 from protos.logprobs import PositionLogprobs, TokenLogprob
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from protos.token_bytes import TokenBytes
 from services.config import EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.draft_proposer import DraftProposer
+from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
 from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.outputs import RequestOutput
 from services.engine.speculative import (
@@ -140,6 +142,8 @@ class LLMEngine:
         self.generation_tokens = 0
         self.last_step_shape = (0, 0)  # (tokens, sequences) of the last step (benchmarks)
         self.step_tokens = TokenHistogram()  # tokens computed per step that ran (not idle ones)
+        # a prefill worker streaming KV out as it is written (services.engine.kv_handoff)
+        self.on_final_chunks: FinalChunkHook | None = None
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -322,7 +326,13 @@ class LLMEngine:
         self.step_tokens.observe(out.num_tokens)
         min_stop = self._min_token_stop_ids(out.requests)
         score = self._prompt_scoring(out.requests)
-        sampled = self.runner.execute(out, min_stop, self.grammars, score)
+        layers = self._layer_sink(out) if self.on_final_chunks is not None else None
+        try:
+            sampled = self.runner.execute(out, min_stop, self.grammars, score, layers=layers)
+        except BaseException as exc:
+            if layers is not None:  # the KV streaming out of this forward will never be whole
+                layers.fail(f"the forward failed: {type(exc).__name__}: {exc}")
+            raise
         if score:
             self._keep_prompt_scores(self.runner.score_prompts(out, score))
         if self.proposer is not None:
@@ -335,6 +345,20 @@ class LLMEngine:
                 if outputs[-1].finished:
                     done.add(u.request_id)
         return outputs
+
+    def _layer_sink(self, out: SchedulerOutput) -> LayerSink | None:
+        """The prefill-only requests whose last prompt chunk this step computes, handed to
+        ``on_final_chunks`` before the forward; where that forward records its layers."""
+        assert self.on_final_chunks is not None
+        finals = []
+        for sr in out.requests:
+            req = self.scheduler.requests.get(sr.request_id)
+            prefill_only = req is not None and req.hold_blocks_on_finish
+            if prefill_only and sr.sample and not sr.output_token_ids:
+                n = len(sr.prompt_token_ids)
+                blocks = sr.block_ids[: blocks_for(n, self.config.cache.block_size)]
+                finals.append(FinalChunk(sr.request_id, blocks, n))
+        return self.on_final_chunks(finals) if finals else None
 
     # ---- speculative decoding ----------------------------------------------------------------
     def _propose(self) -> None:

@@ -24,6 +24,7 @@ from services.engine.kv_cache import (
     check_fits,
     plan_num_blocks,
 )
+from services.engine.kv_handoff import LayerSink
 from services.engine.loader import load_model
 from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
@@ -257,14 +258,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def forward_logits(self, out: SchedulerOutput, eager: bool = False) -> torch.Tensor | None:
+    def forward_logits(
+        self, out: SchedulerOutput, eager: bool = False, layers: LayerSink | None = None
+    ) -> torch.Tensor | None:
         """Run the step's forward; fp32 logits of its sampling requests ([S, V]) or None.
-        ``eager`` (prompt logprobs to score): no CUDA graph, the hidden states kept."""
+        ``eager`` (prompt logprobs to score): no CUDA graph, the hidden states kept. ``layers``:
+        told each layer's KV write as the forward goes (never a graph: it would not tell)."""
         self._hidden = None
-        logits = None if eager else self._graph_logits(out)
+        logits = None if eager or layers is not None else self._graph_logits(out)
         if logits is not None:
             return logits
         inputs = self.prepare(out)
+        if layers is not None:
+            inputs.meta.on_kv_written = layers.record
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if eager:
             self._hidden, self._starts = hidden, inputs.starts
@@ -276,18 +282,21 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, min_token_stop_ids: dict[str, list[int]],
         grammars: GrammarBatch | None = None, score: dict[str, int] | None = None,
+        layers: LayerSink | None = None,
     ) -> dict[str, list[SampledToken]]:  # fmt: skip
         """Each sampling request's new tokens: one, or with drafts the kept ones and one more.
         ``grammars``: the constrained requests; their bitmask is filled on the host while the
         forward runs on the device, and applied before sampling. ``score``: requests whose
-        prompt tokens in this step get logprobs (top-N each): ``score_prompts`` then reads them."""
+        prompt tokens in this step get logprobs (top-N each): ``score_prompts`` then reads them.
+        ``layers``: told each layer's KV write during the forward (``kv_handoff``)."""
         if self.host_kv is not None:  # before the forward, which may overwrite evicted blocks
             self.host_kv.move(self.kv_caches, out.kv_offloads, out.kv_restores)
         sampling = [r for r in out.requests if r.sample]
         rids = [r.request_id for r in sampling]
         constrained = grammars is not None and grammars.constrains(rids)
         if (
-            not constrained
+            layers is None  # a final chunk of one token looks like a decode: no graph for it
+            and not constrained
             and not score
             and len(sampling) == len(out.requests)
             and all(
@@ -299,7 +308,7 @@ class ModelRunner:
             if ran is not None:  # the graph's own argmax is the token: one read, no sampler
                 (ids,) = self.reader.read(ran[1])
                 return keep_drafts(sampling, [SampledToken(t) for t in ids])
-        logits = self.forward_logits(out, eager=bool(score))
+        logits = self.forward_logits(out, eager=bool(score), layers=layers)
         if logits is None or not sampling:
             return {}
         allowed = grammars.fill(rids) if grammars is not None and constrained else None

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
+from opentelemetry.trace import Span
 
 from protos import common_pb2, kv_control_pb2, prefill_pb2, prefill_pb2_grpc
 from protos.blocks import blocks_for
@@ -18,33 +20,42 @@ from services.common.convert import output_to_chunk, transfer_fields
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import parse_sampling, submit
 from services.common.tracing import child_span, end_span, start_server_span
+from services.engine.driver import EngineDriver
+
+if TYPE_CHECKING:
+    from services.prefill.handoff import Handoff, Handoffs
 
 
 class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        self.sender: Any = None  # a kvtransfer.KvSender once the model is loaded
+        self.handoffs: Handoffs | None = None  # once the model is loaded
 
     def start_sender(self) -> None:
         from kvtransfer import KvSender, SenderOptions
+        from services.prefill.handoff import Handoffs
 
-        assert self.rt.engine is not None
+        assert self.rt.engine is not None and self.rt.driver is not None
+        config = self.rt.config
         caches = self.rt.engine.runner.kv_caches
         opts = SenderOptions(
-            timeout_s=self.rt.config.kv_timeout_s,
-            checksum=self.rt.config.kv_checksum,
+            timeout_s=config.kv_timeout_s,
+            checksum=config.kv_checksum,
             auth_token=self.rt.internal_token,
         )
-        self.sender = KvSender(caches, sender_id=self.rt.worker_id, options=opts)
+        sender = KvSender(caches, sender_id=self.rt.worker_id, options=opts)
+        self.handoffs = Handoffs(sender, caches[0].device, config.kv_timeout_s)
+        if config.kv_streaming:  # each prompt's KV leaves as its last chunk's forward writes it
+            self.rt.driver.on_final_chunks(self.handoffs.on_final_chunks).result()
 
     def stop_sender(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+        if self.handoffs is not None:
+            self.handoffs.sender.close()
 
     def transfer_load(self) -> dict[str, object]:
-        if self.sender is None:
+        if self.handoffs is None:
             return {}
-        return transfer_fields(self.sender.stats())
+        return transfer_fields(self.handoffs.sender.stats())
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -56,17 +67,24 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         target = (
             request.target if request.HasField("target") and request.target.kv_endpoint else None
         )
+        handoff = await self._open(rid, target, context) if target is not None else None
         first_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         started = time.monotonic()
-        stream = await submit(driver, context, rid, prompt, first_params, request.priority,
-                              prefill_only=target is not None)  # fmt: skip
+        try:
+            stream = await submit(driver, context, rid, prompt, first_params, request.priority,
+                                  prefill_only=target is not None)  # fmt: skip
+        except BaseException:
+            if handoff is not None:  # a request added meanwhile was aborted by the driver
+                self._finish(handoff, None)
+            raise
         self.rt.inflight += 1
         span = start_server_span(context, "prefill", {"tandem.request_id": rid,
                                                       "gen_ai.usage.input_tokens": len(prompt)})  # fmt: skip
         error: str | None = None
         try:
             out = await stream.queue.get()
-            prefill_s = time.monotonic() - started
+            first_at = time.monotonic()
+            prefill_s = first_at - started
             engine = self.rt.engine
             assert engine is not None
             done = (out.finish_reason != "length" or params.max_tokens == 1
@@ -75,54 +93,111 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
                 queue_s=out.queue_s, prefill_s=max(prefill_s - out.queue_s, 0.0)
             )
             yield prefill_pb2.PrefillEvent(first=output_to_chunk(out, finished=done, timing=timing))
-            if done or target is None:
-                return
-            transfer = child_span(span, "kv transfer", {"tandem.kv.endpoint": target.kv_endpoint})
-            try:
-                event = await self._transfer(rid, len(prompt), target, context)
-            except BaseException as exc:
-                end_span(transfer, repr(exc))
-                raise
-            transfer.set_attribute("tandem.kv.bytes", event.done.bytes)
-            end_span(transfer)
-            yield event
+            if handoff is not None and done:
+                await self._unneeded(handoff)
+            elif handoff is not None:
+                yield await self._traced_transfer(span, handoff, len(prompt), first_at, context)
         except BaseException as exc:
             error = repr(exc)
             raise
         finally:
             end_span(span, error)
             self.rt.inflight -= 1
-            driver.release(rid)  # its KV has left (or never will): blocks into the prefix cache
+            if handoff is not None:  # its KV has left (or never will): into the prefix cache
+                self._finish(handoff, driver)
+            else:
+                driver.release(rid)
 
-    async def _transfer(
-        self, rid: str, num_prompt: int, target: kv_control_pb2.KvTarget,
+    async def _open(
+        self, rid: str, target: kv_control_pb2.KvTarget, context: grpc.aio.ServicerContext
+    ) -> Handoff:
+        if self.handoffs is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.rt.worker_id} is starting")
+        assert self.handoffs is not None
+        handoff = self.handoffs.open(rid, target.kv_endpoint, target.reservation_id)
+        if handoff is None:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
+        assert handoff is not None
+        return handoff
+
+    def _finish(self, handoff: Handoff, driver: EngineDriver | None) -> None:
+        """The call is over: its blocks go back once no transfer reads them."""
+        assert self.handoffs is not None
+        rid = handoff.request_id
+        self.handoffs.finish(handoff, (lambda: driver.release(rid)) if driver else lambda: None)
+
+    async def _traced_transfer(
+        self, span: Span, handoff: Handoff, num_prompt: int, first_at: float,
         context: grpc.aio.ServicerContext,
     ) -> prefill_pb2.PrefillEvent:  # fmt: skip
+        transfer = child_span(span, "kv transfer", {"tandem.kv.endpoint": handoff.endpoint,
+                                                    "tandem.kv.streamed": handoff.streamed})  # fmt: skip
+        try:
+            event = await self._transfer(handoff, num_prompt, first_at, context)
+        except BaseException as exc:
+            end_span(transfer, repr(exc))
+            raise
+        transfer.set_attribute("tandem.kv.bytes", event.done.bytes)
+        end_span(transfer)
+        return event
+
+    @staticmethod
+    async def _unneeded(handoff: Handoff) -> None:
+        """The first token ended the request: its streamed transfer is cancelled if it still
+        waits for its turn, or else allowed to end before the call does (the gateway releases
+        the reservation it writes into once the call has ended: not a failed transfer)."""
+        future = handoff.future
+        if future is not None and not future.cancel():
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(future)
+
+    async def _transfer(
+        self, handoff: Handoff, num_prompt: int, first_at: float,
+        context: grpc.aio.ServicerContext,
+    ) -> prefill_pb2.PrefillEvent:  # fmt: skip
+        """Await the KV transfer: streamed, it was submitted before the last chunk's forward;
+        otherwise the whole KV is submitted now. A cancelled call cancels a transfer still
+        waiting for its turn; one running ends before the blocks are released (``_finish``)."""
         from kvtransfer import TransferError
 
-        assert self.rt.driver is not None and self.rt.engine is not None and self.sender is not None
-        blocks = await self.rt.driver.block_ids(rid)
+        assert self.rt.driver is not None and self.rt.engine is not None
+        assert self.handoffs is not None
         n = blocks_for(num_prompt, self.rt.engine.config.cache.block_size)
-        try:  # waits for its turn on the pair to the receiver; its timeout starts then
-            future = self.sender.submit(target.kv_endpoint, target.reservation_id, blocks[:n],
-                                        self.rt.config.kv_timeout_s)  # fmt: skip
-            waiter = asyncio.wrap_future(future)
-            try:
-                stats = await asyncio.shield(waiter)
-            except asyncio.CancelledError:
-                # a transfer still queued never starts; a running one still reads these
-                # blocks, so they are freed only once it is done
-                future.cancel()
-                await asyncio.wait([waiter])
-                raise
+        future = handoff.future
+        try:
+            if future is None:  # off, or the hook could not submit it: the whole KV, now
+                blocks = await self.rt.driver.block_ids(handoff.request_id)
+                future = self.handoffs.submit_whole(handoff, blocks[:n])
+            if future is None:  # an Abort closed it meanwhile
+                await context.abort(grpc.StatusCode.CANCELLED, "the request was aborted")
+            assert future is not None
+            # waits for its turn on the pair to the receiver; its timeout starts then
+            stats = await asyncio.wrap_future(future)
         except TransferError as exc:
             # ABORTED, not UNAVAILABLE: the decode side failed, this prefill worker is fine
             await context.abort(
-                grpc.StatusCode.ABORTED, f"KV transfer to {target.kv_endpoint} failed: {exc}"
+                grpc.StatusCode.ABORTED, f"KV transfer to {handoff.endpoint} failed: {exc}"
             )
             raise
-        done = kv_control_pb2.TransferDone(bytes=stats.bytes, seconds=stats.seconds, num_blocks=n)
+        # what the hand-off added after the first token (a streamed one overlapped the prefill)
+        seconds = min(stats.seconds, time.monotonic() - first_at)
+        done = kv_control_pb2.TransferDone(bytes=stats.bytes, seconds=seconds, num_blocks=n)
         return prefill_pb2.PrefillEvent(done=done)
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        """As every role's, but the blocks of a request whose KV is on its way are released
+        only once that transfer has ended (one still waiting for its turn is cancelled)."""
+        driver, rid = self.rt.driver, request.request_id
+        handoffs = self.handoffs
+        if (
+            driver is not None
+            and handoffs is not None
+            and handoffs.close(rid, lambda: driver.abort(rid))
+        ):
+            return common_pb2.AbortResponse(found=True)
+        return await super().Abort(request, context)
 
 
 def build(runtime: WorkerRuntime) -> list[str]:
@@ -131,6 +206,7 @@ def build(runtime: WorkerRuntime) -> list[str]:
     runtime.on_ready.append(servicer.start_sender)
     runtime.on_stop.append(servicer.stop_sender)
     runtime.extra_load = servicer.transfer_load
+    runtime.ready_extra = lambda: {"kv_streaming": runtime.config.kv_streaming}
     return [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name]
 
 

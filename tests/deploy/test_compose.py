@@ -149,8 +149,10 @@ def test_workers_are_pinned_to_distinct_gpus(services: dict[str, dict[str, Any]]
 
 def test_workers_share_the_engine_configuration(services: dict[str, dict[str, Any]]) -> None:
     per_worker = {name: vars(args) for name, args in workers(services).items()}
-    # decode-only flags (kv_host, kv_port, lease_timeout) and prefill-only ones (kv_checksum) too
-    skip = {"command", "worker_id", "kv_host", "kv_port", "lease_timeout", "kv_checksum"}
+    # decode-only flags (kv_host, kv_port, lease_timeout) and prefill-only ones (kv_checksum,
+    # kv_streaming) too
+    skip = {"command", "worker_id", "kv_host", "kv_port", "lease_timeout", "kv_checksum",
+            "kv_streaming"}  # fmt: skip
     shared = [{k: v for k, v in d.items() if k not in skip} for d in per_worker.values()]
     assert all(s == shared[0] for s in shared)
     assert command(services["gateway"]).model == shared[0]["model"]
@@ -227,7 +229,8 @@ def test_compose_for_8_gpus_pins_each_worker_and_the_gateway_knows_them_all() ->
     assert services["gateway"]["depends_on"] == {n: {"condition": "service_healthy"} for n in names}
     assert services["gateway"]["ports"] == ["${TANDEM_PORT:-8000}:8000"]
     # the same engine configuration everywhere, and the same as the shipped file's
-    skip = {"command", "worker_id", "kv_host", "kv_port", "lease_timeout", "kv_checksum"}
+    skip = {"command", "worker_id", "kv_host", "kv_port", "lease_timeout", "kv_checksum",
+            "kv_streaming"}  # fmt: skip
     shipped = next(iter(workers(load(COMPOSE)["services"]).values()))
     for args in parsed.values():
         assert {k: v for k, v in vars(args).items() if k not in skip} == {

@@ -81,10 +81,19 @@ def test_kv_checksum_reaches_the_prefill_workers_only() -> None:
     assert all("--kv-checksum" not in w.spec.argv for w in plan_for().workers)
 
 
+def test_kv_streaming_off_reaches_the_prefill_workers_only() -> None:
+    for worker in plan_for("--kv-streaming", "off", "--prefill", "2").workers:
+        args = reparse(worker.spec.argv)
+        assert getattr(args, "kv_streaming", None) == ("off" if worker.role == "prefill" else None)
+    for worker in plan_for().workers:  # on by default, in tandem up and in the workers
+        assert getattr(reparse(worker.spec.argv), "kv_streaming", "on") == "on"
+
+
 @pytest.mark.parametrize("flag", ["--max-local-prefill-tokens", "--local-prefill-queue"])
 def test_conditional_disaggregation_is_the_gateways_setting(flag: str) -> None:
     plan = plan_for(flag, "256")
     at = plan.gateway_argv.index(flag)
+
     assert plan.gateway_argv[at + 1] == "256"
     assert all(flag not in w.spec.argv for w in plan.workers)
     assert flag not in plan_for().gateway_argv

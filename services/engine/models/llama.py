@@ -66,6 +66,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # one launch: rotate q (into a new tensor) and k, write k and v into their slots
         q = ops.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        if meta.on_kv_written is not None:  # this layer's KV can leave now (a prefill hand-off)
+            meta.on_kv_written(self.layer)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.nq * self.d))  # [T, hidden]
 

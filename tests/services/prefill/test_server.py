@@ -1,6 +1,7 @@
 """``tandem prefill`` as a real process, driven over gRPC beside a real decode worker:
-greedy parity with the offline engine, its prefix cache, bad input, and a decode worker that
-dies while the KV is on its way."""
+greedy parity with the offline engine (the KV streamed layer by layer, the default, and shipped
+whole after the first token), its prefix cache, bad input, and a decode worker that dies while
+the KV is on its way."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ MAX_TOKENS = 24
 
 async def test_disaggregated_greedy_output_equals_the_offline_engine(fleet: Fleet) -> None:
     prefill, decode = fleet.shared("prefill", "decode")
+    assert prefill.ready["kv_streaming"] is True  # the default: the KV leaves layer by layer
     prompts = parity_prompts()
     expected = greedy_reference(prompts, MAX_TOKENS)
     async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
@@ -48,6 +50,55 @@ async def test_disaggregated_greedy_output_equals_the_offline_engine(fleet: Flee
         load = await p.load()
         # the three chats share a 3-block system prompt: the 2nd and 3rd find it cached
         assert load.prefix_cache_hits - hits_before >= 2 * 3 * 16
+        assert_idle(await wait_pool_free([p, d]))
+    log = prefill.log_path.read_text()  # no streamed transfer fell back to the whole-KV path
+    assert "not submitted" not in log and "hook failed" not in log
+
+
+async def test_the_whole_kv_after_the_first_token_gives_the_same_output(fleet: Fleet) -> None:
+    """--kv-streaming off: the KV leaves after the first token, all at once. Same tokens as the
+    streamed path and the offline engine, for a prompt of several chunks and for one cached up
+    to its last token (the second time, only that token is computed and streams the KV)."""
+    whole = fleet.spawn("prefill", "--kv-streaming", "off", name="whole-prefill")
+    try:
+        streamed, decode = fleet.shared("prefill", "decode")
+        cached = long_prompt(16 * 20 + 1)  # the second time, all of it but its last token
+        prompts = [parity_prompts()[4], cached, cached]
+        expected = greedy_reference(prompts, 8)  # while it loads
+        assert whole.wait_ready().ready["kv_streaming"] is False
+        async with (
+            Conn(streamed.address, "prefill") as s,
+            Conn(whole.address, "prefill") as w,
+            Conn(decode.address, "decode") as d,
+        ):
+            for name, p in (("streamed", s), ("whole", w)):
+                hits = (await p.load()).prefix_cache_hits
+                got = [await disagg(p, d, f"{name}-{i}", ids, 8)
+                       for i, ids in enumerate(prompts)]  # fmt: skip
+                assert [g.token_ids for g in got] == [e.token_ids for e in expected], name
+                assert (await p.load()).prefix_cache_hits - hits >= 20 * 16
+                assert_idle(await wait_pool_free([p, d]))
+    finally:
+        whole.kill()
+
+
+async def test_a_first_token_that_ends_the_request_leaves_nothing_behind(fleet: Fleet) -> None:
+    """max_tokens 1: no KV is needed. A streamed transfer, submitted before the first token,
+    is cancelled or allowed to end before the blocks are freed; the gateway then frees the
+    reservation. Both pools end whole, and the pair still works."""
+    prefill, decode = fleet.shared("prefill", "decode")
+    ids = long_prompt(300)
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        for i in range(3):
+            res = await reserve(d, f"one-{i}", len(ids), 1)
+            events = [ev async for ev in prefill_call(p, f"one-{i}", ids, greedy(1), res)]
+            assert [ev.WhichOneof("event") for ev in events] == ["first"]
+            assert events[0].first.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert await d.abort(f"one-{i}")  # the gateway, once the prefill call ended
+        assert_idle(await wait_pool_free([p, d], timeout_s=5.0))
+        prompt = chat_ids("What is the capital of France?")
+        got = await disagg(p, d, "after-one", prompt, 8)
+        assert got.token_ids == greedy_reference([prompt], 8)[0].token_ids
         assert_idle(await wait_pool_free([p, d]))
 
 
