@@ -12,10 +12,10 @@ On one GPU (``cuda_ipc``) the handshake opens the receiver's pool instead of bui
 and a transfer is: header -> the receiver's :class:`Go` (its blocks) -> we copy our blocks into
 its pool with one kernel per range of written layers, on our stream, right after the prefill
 that writes them (the copy runs in the producer's own GPU context: no other process is
-scheduled in between; the copy stream waits on each range's event, and the host only waits
-when it is more than a few ranges ahead of the GPU) -> :class:`Done` -> ack. A :class:`Stop`
-(the receiver cancelled) ends the copying: no more ranges are queued, and the Done (stopped)
-follows once those queued have run, a few layers of the forward at most.
+scheduled in between; the copy stream waits on each range's event, the host never syncs
+mid-forward) -> :class:`Done` -> ack. A :class:`Stop` (the receiver cancelled) ends the copying:
+no more ranges are queued, and the Done (stopped) follows once those queued have run, which can
+be as late as the end of the forward computing them.
 Not thread-safe: each pair belongs to the one thread of its ``send_queue.PairQueue``.
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -100,7 +99,6 @@ def _seconds(deadline: float) -> float:
 
 
 _STOP_CHECK_S = 2e-3  # how often it looks for a Stop while the next layer is not recorded
-_AHEAD = 4  # layer ranges a streamed copy may queue before the GPU has computed them
 _POLL_S, _POLL_FINE_S, _POLL_MAX_S = 20e-6, 1e-3, 200e-6  # waiting for our copies (cuda_ipc)
 
 
@@ -291,32 +289,21 @@ class SenderPair:
             done = num_layers
             with on_stream(stream):
                 remote.copy_from(ctx.copier, src, dst)
-        chained: deque[torch.cuda.Event | None] = deque()  # the ranges queued, oldest first
         while done < num_layers and not stopped:
             assert ready is not None
             got = ready.latest(done, min(deadline, time.monotonic() + _STOP_CHECK_S))
             if got is not None:  # layers [done, upto] are recorded: copy each once computed
                 for first, last, event in ready.ranges(done, got[0] + 1):
-                    # at most _AHEAD ranges queued before the GPU reaches them, so a Stop waits
-                    # for a few layers of the forward, not all of it (the wait releases the GIL)
-                    while len(chained) >= _AHEAD:
-                        oldest = chained.popleft()
-                        if oldest is not None:
-                            oldest.synchronize()
                     if event is not None and stream is not None:
-                        stream.wait_event(event)  # the GPU waits for the layer, not the host
+                        stream.wait_event(event)  # the GPU waits; the host never syncs mid-forward
                     elif event is not None:
                         event.synchronize()
                     with on_stream(stream):
                         remote.copy_from(ctx.copier, src, dst, first, last)
-                    chained.append(event)
-                    done = last
-                    if self._stop_asked(conn, header.seq):
-                        stopped = True
-                        break
+                done = got[0] + 1
             elif time.monotonic() >= deadline:
                 raise TransferError("the KV was not computed before the transfer's deadline")
-            stopped = stopped or self._stop_asked(conn, header.seq)
+            stopped = self._stop_asked(conn, header.seq)
         copied = stream.record_event() if stream is not None else None
         stopped = self._until(conn, header.seq, copied, deadline) or stopped
         sums: tuple[int, ...] = ()
