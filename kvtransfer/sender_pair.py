@@ -15,7 +15,9 @@ that writes them (the copy runs in the producer's own GPU context: no other proc
 scheduled in between; the copy stream waits on each range's event, the host never syncs
 mid-forward) -> :class:`Done` -> ack. A :class:`Stop` (the receiver cancelled) ends the copying:
 no more ranges are queued, and the Done (stopped) follows once those queued have run, which can
-be as late as the end of the forward computing them.
+be as late as the end of the forward computing them (the receiver's cancel waits that long;
+holding the host back to a few layers ahead of the GPU instead made the tail after the last
+layer 3.7 ms instead of 0.8 on an H100).
 Not thread-safe: each pair belongs to the one thread of its ``send_queue.PairQueue``.
 """
 
