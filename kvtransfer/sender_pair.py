@@ -266,7 +266,7 @@ class SenderPair:
         """One GPU: copy our blocks into the receiver's, each range of layers once written."""
         ctx, remote = self._ctx, self._remote
         assert remote is not None
-        num_layers, n = ctx.layout.num_layers, len(block_ids)
+        n = len(block_ids)
         self._seq += 1
         header = Header(self._seq, transfer_id, n, ctx.layout, ctx.layout.block_bytes * n,
                         (ctx.layout.block_bytes * n,), ctx.use_checksum)  # fmt: skip
@@ -284,6 +284,37 @@ class SenderPair:
         with on_stream(stream):
             ids = self._ids.upload([*block_ids, *go.blocks])
         src, dst = ids[:n], ids[n:]
+        try:
+            stopped = self._copy(conn, header.seq, src, dst, ready, computed, deadline)
+        except BaseException:
+            # the pair breaks and the receiver frees its blocks once it sees that: our copies
+            # already queued must have landed first (they wait only on layers recorded)
+            if stream is not None:
+                stream.synchronize()
+            raise
+        sums: tuple[int, ...] = ()
+        if ctx.use_checksum and not stopped:
+            with on_stream(stream):
+                ours = ctx.copier.gather(src).view(-1).view(torch.uint8)
+                sums = (checksum_value(checksum_tensor(ours)),)
+        conn.send(Done(header.seq, stopped, sums))
+        return self._await_ack(conn, header, deadline)
+
+    def _copy(
+        self,
+        conn: ControlConn,
+        seq: int,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        ready: LayerReady | None,
+        computed: torch.cuda.Event | None,
+        deadline: float,
+    ) -> bool:
+        """Queue the copies (each range once its layers are recorded, chained on their event)
+        and wait for them; True if the receiver said Stop meanwhile."""
+        ctx, remote, stream = self._ctx, self._remote, self._ctx.stream
+        assert remote is not None
+        num_layers = ctx.layout.num_layers
         done, stopped = 0, False
         if ready is None:  # computed before submit, on the submitting thread's stream
             if stream is not None and computed is not None:
@@ -305,16 +336,9 @@ class SenderPair:
                 done = got[0] + 1
             elif time.monotonic() >= deadline:
                 raise TransferError("the KV was not computed before the transfer's deadline")
-            stopped = self._stop_asked(conn, header.seq)
+            stopped = self._stop_asked(conn, seq)
         copied = stream.record_event() if stream is not None else None
-        stopped = self._until(conn, header.seq, copied, deadline) or stopped
-        sums: tuple[int, ...] = ()
-        if ctx.use_checksum and not stopped:
-            with on_stream(stream):
-                ours = ctx.copier.gather(src).view(-1).view(torch.uint8)
-                sums = (checksum_value(checksum_tensor(ours)),)
-        conn.send(Done(header.seq, stopped, sums))
-        return self._await_ack(conn, header, deadline)
+        return self._until(conn, seq, copied, deadline) or stopped
 
     def _until(
         self, conn: ControlConn, seq: int, event: torch.cuda.Event | None, deadline: float
