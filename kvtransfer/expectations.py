@@ -91,6 +91,9 @@ class Expectation:
         self.cancel_reason = ""
         self.write_lock = threading.Lock()  # held while issuing writes into the blocks
         self.flush: Callable[[], None] | None = None  # waits for writes issued (set by the writer)
+        # whether flush would wait on another process (a sender still copying into the blocks
+        # on a shared GPU): a cancel then resolves on a thread of its own (set by the writer)
+        self.busy: Callable[[], bool] | None = None
 
     @property
     def transfer_id(self) -> str:
@@ -140,11 +143,51 @@ class ExpectationRegistry:
             self._cond.notify_all()
         return handle
 
-    def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> bool:
-        """End a pending or in-flight transfer; idempotent. True if this call ended it."""
+    def cancel(
+        self,
+        transfer_id: str,
+        reason: str = "cancelled by the receiver",
+        on_free: Callable[[], None] | None = None,
+    ) -> bool:
+        """End a pending or in-flight transfer; idempotent. True if this call ended it.
+
+        Without ``on_free`` it returns once nothing writes the blocks any more. With it, it
+        returns at once and ``on_free()`` runs when nothing writes them any more: right here in
+        the usual case, on a thread of its own when a sender on the same GPU is still copying
+        (it is told to stop, and the copies it queued finish first)."""
         with self._cond:
             exp = self._pending.get(transfer_id)
-        return exp is not None and self._cancel_exact(exp, reason)
+        if exp is None:
+            if on_free is not None:
+                on_free()
+            return False
+        if on_free is None or exp.busy is None or not exp.busy():
+            ended = self._cancel_exact(exp, reason)
+            if on_free is not None:
+                on_free()
+            return ended
+        with self._cond:
+            if self._pending.get(exp.transfer_id) is not exp:
+                ended = False
+            else:
+                del self._pending[exp.transfer_id]
+                exp.cancel_reason = reason
+                self._bury(exp.transfer_id, reason)
+                ended = True
+
+        def resolve() -> None:
+            try:
+                if ended:
+                    self._resolve(exp, TransferResult(exp.transfer_id, False, reason))
+                else:  # someone else is ending it: wait for its writes all the same
+                    with exp.write_lock:
+                        if exp.flush is not None:
+                            exp.flush()
+            finally:
+                on_free()
+
+        threading.Thread(target=resolve, name="kv-cancel", daemon=True).start()
+        return ended
 
     def claim(self, transfer_id: str, grace_s: float) -> Expectation | str:
         """Take an expectation for an arriving header, waiting up to ``grace_s`` for ``expect``.

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -99,11 +100,19 @@ class KvReceiver:
         check_block_ids(block_ids, self._num_blocks)
         return self._registry.expect(transfer_id, block_ids, deadline_s)
 
-    def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> bool:
-        """Stop expecting ``transfer_id``; True if it was still pending or in flight. May block
-        briefly: it returns once the block writes already issued for it have finished. A sender
-        still sending it is told ``reason``."""
-        return self._registry.cancel(transfer_id, reason)
+    def cancel(
+        self,
+        transfer_id: str,
+        reason: str = "cancelled by the receiver",
+        on_free: Callable[[], None] | None = None,
+    ) -> bool:
+        """Stop expecting ``transfer_id``; True if it was still pending or in flight. A sender
+        still sending it is told ``reason``. Without ``on_free`` it returns once the block
+        writes already issued for it have finished (briefly, except while a sender on the same
+        GPU still copies into them: up to the rest of the forward computing them). With it, it
+        never waits: ``on_free()`` runs once the blocks are the caller's again (at once in the
+        usual case, else on another thread)."""
+        return self._registry.cancel(transfer_id, reason, on_free)
 
     def pending(self) -> int:
         return self._registry.pending_count()

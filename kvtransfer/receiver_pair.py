@@ -241,6 +241,7 @@ class ReceiverPair:
         pushed = PushedKv(self, header.seq)
         with self._send_lock:  # a Stop (exp.flush) can only follow our Go
             exp.flush = pushed.flush
+            exp.busy = lambda: not pushed.ended.is_set()
             self._conn.send(Go(header.seq, exp.handle.block_ids))
         try:
             done = self._conn.recv(ctx.options.io_timeout_s)

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -240,10 +241,29 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         if res is None:
             return False
         res.timer.cancel()
-        self.receiver.cancel(rid, reason)  # no more writes into the blocks once this returns
+        # the blocks are freed once nothing writes them: at once, or (a sender on this GPU
+        # still copying into them) from the receiver's thread, never blocking this loop
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the event loop (shutdown): wait here instead
+            self.receiver.cancel(rid, reason)
+            self._free_reservation(rid)
+            return True
+        thread = threading.get_ident()
+
+        def free() -> None:
+            if threading.get_ident() == thread:
+                self._free_reservation(rid)
+            else:
+                with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                    loop.call_soon_threadsafe(self._free_reservation, rid)
+
+        self.receiver.cancel(rid, reason, on_free=free)
+        return True
+
+    def _free_reservation(self, rid: str) -> None:
         if self.rt.driver is not None:
             self.rt.driver.cancel_reservation(rid)
-        return True
 
     # ---- generation --------------------------------------------------------------------------
     async def Decode(

@@ -232,3 +232,33 @@ def test_a_stalled_stream_fails_at_the_receivers_io_timeout(ipc: FakeIpc) -> Non
         threading.Thread(target=ready.fail, args=("stopped",), daemon=True).start()
         with pytest.raises(TransferError):
             future.result(10)
+
+
+def test_a_cancel_with_on_free_never_waits_for_a_sender_still_copying(rx) -> None:
+    """The decode worker cancels on its event loop: while a sender on the same GPU is still
+    copying, cancel returns at once and on_free runs from another thread once it stopped."""
+    receiver, rx_caches = rx
+    src = make_caches(9, 12)
+    ready = LayerReady(LAYERS)
+    handle = receiver.expect("d", [5])
+    freed: list[int] = []
+    with KvSender(src, "deferred") as tx:
+        future = tx.submit(receiver.endpoint, "d", [6], timeout_s=10, ready=ready)
+        ready.record(0)
+        deadline = time.monotonic() + 5
+        while not torch.equal(rx_caches[0][:, [5]], src[0][:, [6]]):  # it is copying
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        done = threading.Event()
+        assert receiver.cancel("d", "client went away", on_free=lambda: (
+            freed.append(threading.get_ident()), done.set()))  # fmt: skip
+        assert done.wait(5) and freed != [threading.get_ident()]
+        for layer in range(1, LAYERS):
+            ready.record(layer)
+        with pytest.raises(TransferError, match="client went away"):
+            future.result(10)
+    assert not handle.wait(0).ok
+    assert all(torch.all(rx_caches[layer][:, 5] == 0) for layer in range(1, LAYERS))
+    immediate: list[int] = []
+    assert not receiver.cancel("nobody", on_free=lambda: immediate.append(1))
+    assert immediate == [1]  # nothing to wait for: freed right here
