@@ -166,14 +166,7 @@ class ExpectationRegistry:
             if on_free is not None:
                 on_free()
             return ended
-        with self._cond:
-            if self._pending.get(exp.transfer_id) is not exp:
-                ended = False
-            else:
-                del self._pending[exp.transfer_id]
-                exp.cancel_reason = reason
-                self._bury(exp.transfer_id, reason)
-                ended = True
+        ended = self._withdraw(exp, reason)
 
         def resolve() -> None:
             try:
@@ -250,13 +243,19 @@ class ExpectationRegistry:
         self._janitor.join(timeout=5)
 
     def _cancel_exact(self, exp: Expectation, reason: str) -> bool:
+        if not self._withdraw(exp, reason):
+            return False
+        return self._resolve(exp, TransferResult(exp.transfer_id, False, reason))
+
+    def _withdraw(self, exp: Expectation, reason: str) -> bool:
+        """Mark ``exp`` cancelled and stop expecting it; False if it already ended."""
         with self._cond:
             if self._pending.get(exp.transfer_id) is not exp:
                 return False
             del self._pending[exp.transfer_id]
             exp.cancel_reason = reason
             self._bury(exp.transfer_id, reason)
-        return self._resolve(exp, TransferResult(exp.transfer_id, False, reason))
+            return True
 
     def _forget(self, exp: Expectation, reason: str) -> None:
         with self._cond:

@@ -69,13 +69,8 @@ class LayerReady:
         is computed (None: it already is). Raises LayerReadyError on fail() or the deadline
         (``time.monotonic()`` seconds)."""
         with self._cond:
-            while self._upto < layer:
-                if self._failed:
-                    raise LayerReadyError(f"layer {layer} will not be written: {self._failed}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise LayerReadyError(f"layer {layer} was not written before the deadline")
-                self._cond.wait(remaining)
+            if not self._recorded(layer, deadline):
+                raise LayerReadyError(f"layer {layer} was not written before the deadline")
             return next(event for recorded, event in self._events if recorded >= layer)
 
     def latest(self, layer: int, deadline: float) -> tuple[int, torch.cuda.Event | None] | None:
@@ -83,14 +78,19 @@ class LayerReady:
         event that says when it (so every layer before it) is computed, and None (no raise) if
         the deadline passes first."""
         with self._cond:
-            while self._upto < layer:
-                if self._failed:
-                    raise LayerReadyError(f"layer {layer} will not be written: {self._failed}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._cond.wait(remaining)
-            return self._events[-1]
+            return self._events[-1] if self._recorded(layer, deadline) else None
+
+    def _recorded(self, layer: int, deadline: float) -> bool:
+        """Under the lock: wait until ``layer`` is recorded (True) or the deadline passes
+        (False); raises LayerReadyError on fail()."""
+        while self._upto < layer:
+            if self._failed:
+                raise LayerReadyError(f"layer {layer} will not be written: {self._failed}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._cond.wait(remaining)
+        return True
 
     def ranges(self, first: int, last: int) -> list[tuple[int, int, torch.cuda.Event | None]]:
         """Layers [first, last) (all recorded) as ranges that became computed together, in

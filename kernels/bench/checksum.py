@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from typing import Any
 
 import torch
@@ -78,7 +77,7 @@ def bench_size(name: str, nbytes: int, offset: int, copy_gbps: float) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.bench.roofline import copy_bandwidth
+    from kernels.bench.roofline import copy_bandwidth, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json-out", default=None)
@@ -99,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json_out:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "copy_gb_per_s": copy, "rows": rows}  # fmt: skip
-        with open(args.json_out, "w") as fh:
-            json.dump(meta, fh, indent=1)
+        write_results(args.json_out, copy, rows)
     return 0
 
 

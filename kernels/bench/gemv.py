@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ CONFIGS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.bench.roofline import copy_bandwidth, median_ms
+    from kernels.bench.roofline import copy_bandwidth, median_ms, write_results
     from kernels.triton_gemv import gemv
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -68,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json_out:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "copy_gb_per_s": copy, "rows": rows}  # fmt: skip
-        with open(args.json_out, "w") as fh:
-            json.dump(meta, fh, indent=1)
+        write_results(args.json_out, copy, rows)
     return 0
 
 

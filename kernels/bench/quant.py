@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,7 +140,7 @@ def bench_shape(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.bench.roofline import copy_bandwidth
+    from kernels.bench.roofline import copy_bandwidth, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="batch sizes (M)")
@@ -164,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     if args.json_out:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "copy_gb_per_s": copy, "group": GROUP, "rows": rows}  # fmt: skip
-        with open(args.json_out, "w") as fh:
-            json.dump(meta, fh, indent=1)
+        write_results(args.json_out, copy, rows, group=GROUP)
     return 0
 
 

@@ -35,6 +35,14 @@ def median_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
+def write_results(path: str, copy_gbps: float, rows: list[dict[str, Any]], **extra: Any) -> None:
+    """A kernel bench's JSON: the device, torch, the copy bandwidth, ``extra`` and its rows."""
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "copy_gb_per_s": copy_gbps, **extra, "rows": rows}  # fmt: skip
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+
+
 def copy_bandwidth() -> float:
     """GB/s of a 1 GiB device-to-device copy, counting bytes read and written."""
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)

@@ -74,6 +74,15 @@ def rx(ipc: FakeIpc) -> Iterator[tuple[KvReceiver, list[torch.Tensor]]]:
         yield receiver, caches
 
 
+def landed(rx: torch.Tensor, dst: list[int], tx: torch.Tensor, src: list[int], what: str) -> None:
+    """Wait (5 s at most) until blocks ``dst`` of the receiver's layer ``rx`` hold blocks
+    ``src`` of the sender's ``tx``."""
+    deadline = time.monotonic() + 5
+    while not torch.equal(rx[:, dst], tx[:, src]):
+        assert time.monotonic() < deadline, f"{what} was not copied once written"
+        time.sleep(0.005)
+
+
 def _pair_backend(sender: KvSender) -> str:
     queues = list(sender._queues.values())
     return queues[0].pair.backend if queues else ""
@@ -104,10 +113,7 @@ def test_layers_are_copied_as_they_are_written_and_land_before_the_last_one(rx) 
         future = tx.submit(receiver.endpoint, "s", [3, 4], timeout_s=10, ready=ready)
         for layer in range(LAYERS - 1):
             ready.record(layer)
-            deadline = time.monotonic() + 5
-            while not torch.equal(rx_caches[layer][:, [7, 8]], src[layer][:, [3, 4]]):
-                assert time.monotonic() < deadline, f"layer {layer} was not copied once written"
-                time.sleep(0.005)
+            landed(rx_caches[layer], [7, 8], src[layer], [3, 4], f"layer {layer}")
         assert not handle.done() and torch.all(rx_caches[LAYERS - 1] == 0)  # not yet written
         ready.record(LAYERS - 1)
         assert future.result(10).bytes > 0
@@ -142,10 +148,7 @@ def test_a_cancel_mid_stream_stops_the_copies_and_the_sender_is_told(rx) -> None
     with KvSender(src, "cancelled") as tx:
         future = tx.submit(receiver.endpoint, "c", [6], timeout_s=10, ready=ready)
         ready.record(0)
-        deadline = time.monotonic() + 5
-        while not torch.equal(rx_caches[0][:, [5]], src[0][:, [6]]):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        landed(rx_caches[0], [5], src[0], [6], "layer 0")
         assert receiver.cancel("c", "client went away")  # the blocks are the caller's again
         for layer in range(1, LAYERS):
             ready.record(layer)
@@ -245,10 +248,7 @@ def test_a_cancel_with_on_free_never_waits_for_a_sender_still_copying(rx) -> Non
     with KvSender(src, "deferred") as tx:
         future = tx.submit(receiver.endpoint, "d", [6], timeout_s=10, ready=ready)
         ready.record(0)
-        deadline = time.monotonic() + 5
-        while not torch.equal(rx_caches[0][:, [5]], src[0][:, [6]]):  # it is copying
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        landed(rx_caches[0], [5], src[0], [6], "layer 0")  # it is copying
         done = threading.Event()
         assert receiver.cancel("d", "client went away", on_free=lambda: (
             freed.append(threading.get_ident()), done.set()))  # fmt: skip
