@@ -72,6 +72,7 @@ from deploy.bench.report import Recorder, environment, markdown, plot
 from deploy.bench.topology import (
     Running,
     _Interrupted,
+    raise_if_interrupted,
     sigterm_unwinds,
     start_topology,
     stop_topology,
@@ -133,6 +134,7 @@ def run_workload(
     drain_s = max(2.0, 1.5 * warm_tail) if warm_tail else 5.0 + 0.05 * wl.output_len
     stop_reason = ""
     for ri, rate in enumerate(rates):
+        raise_if_interrupted()
         n = prompts_for_rate(rate, args.num_prompts, args.min_prompts, args.duration_s)
         estimate = estimate_run_s(rate, n, drain_s)
         if not stop_reason and (dead := running.dead_child()):
@@ -171,6 +173,7 @@ def run_workload(
             log(f"{name} {wl.label} rate {rate_label(rate)}: timed out after {timeout:.0f} s")
             rec.save()
             continue
+        raise_if_interrupted()  # a rate a SIGTERM cut short is not a measurement
         wall = time.monotonic() - t0
         result.update(cpu_per_token(before, running.cpu(), result["total_output_tokens"]))
         result["num_prompts"] = n

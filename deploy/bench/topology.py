@@ -35,14 +35,30 @@ class _Interrupted(KeyboardInterrupt):
     task, so a SIGTERM during a rate was lost and the benchmark ran on and exited 0)."""
 
 
+# The signal the handler saw, kept as well as raised: Python drops an exception raised where it
+# cannot propagate (a __del__, a weakref or GC callback: "Exception ignored in ..."), and a SIGTERM
+# that lands there would be lost. The benchmark calls raise_if_interrupted() between rates, and
+# sigterm_unwinds() calls it on the way out.
+_received: list[int] = []
+
+
+def raise_if_interrupted() -> None:
+    """Raise _Interrupted if a SIGTERM arrived under sigterm_unwinds() and its exception was lost."""
+    if _received:
+        raise _Interrupted(_received[0])
+
+
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
     def on_term(signum: int, frame: FrameType | None) -> None:
+        _received.append(signum)
         raise _Interrupted(signum)
 
+    _received.clear()
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
+        raise_if_interrupted()
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deploy.bench.plan import topology
-from deploy.bench.topology import sigterm_unwinds, up_argv
+from deploy.bench.topology import raise_if_interrupted, sigterm_unwinds, up_argv
 from services.cli import build_parser
 from tests.deploy.conftest import disagg_args
 
@@ -57,3 +57,24 @@ def test_a_sigterm_landing_inside_an_asyncio_task_still_unwinds() -> None:
 
     with pytest.raises(KeyboardInterrupt), sigterm_unwinds():
         asyncio.run(main())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_sigterm_whose_exception_python_drops_still_interrupts() -> None:
+    """Raised inside a __del__, the handler's exception is printed and dropped by Python; the
+    signal is kept, so the next check between rates (and the way out) still interrupts."""
+
+    class Dropper:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here; Python drops its raise
+
+    checked: list[str] = []
+    with pytest.raises(KeyboardInterrupt), sigterm_unwinds():
+        Dropper()  # collected at once
+        checked.append("ran on past the dropped exception")
+        raise_if_interrupted()
+    assert checked == ["ran on past the dropped exception"]
+    with pytest.raises(KeyboardInterrupt), sigterm_unwinds():
+        Dropper()  # nothing checks inside: the way out does
+    with sigterm_unwinds():
+        raise_if_interrupted()  # a new scope starts clean
