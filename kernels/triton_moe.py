@@ -1,7 +1,8 @@
 """The fused Mixture-of-Experts MLP in Triton: tokens grouped by expert, two grouped GEMMs.
 
-Same signature and rounding as :func:`kernels.moe.ref_fused_moe`. Three launches, no host sync
-(so a CUDA graph can hold them; every size is known from the shapes alone):
+Same signature and rounding as :func:`kernels.moe.ref_fused_moe`. A grouping in torch, then three
+Triton launches; no host sync anywhere (so a CUDA graph can hold them: every size is known from
+the shapes alone):
 
 1. **Group** (torch ops in :func:`align_to_blocks`): the ``T * top_k`` (token, slot) pairs are
    sorted by expert and each expert's run is padded to a multiple of ``BLOCK_M``, so every block
@@ -79,7 +80,7 @@ def align_to_blocks(
     return sorted_pairs, block_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one compilation for every batch size
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K, s_xt, s_we, s_wn,
     s_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -119,7 +120,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, (act * up).to(dt), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K, s_at,
     s_we, s_wn, s_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
