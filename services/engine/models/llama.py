@@ -119,9 +119,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        moe = cfg.moe
-        sparse = moe is not None and layer in moe.layers
-        self.mlp = SparseMoeBlock(moe, cfg.hidden_size) if moe and sparse else MLP(cfg)
+        moe = cfg.moe  # a sparse MLP on the layers it names, the dense one elsewhere
+        self.mlp = SparseMoeBlock(moe, cfg.hidden_size) if moe and layer in moe.layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
