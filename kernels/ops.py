@@ -22,15 +22,18 @@ from kernels.attention import (
 from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
 from kernels.checksum import ref_checksum
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
+from kernels.moe import ref_fused_moe, ref_moe_routing
 from kernels.quant import ref_fp8_linear, ref_w4a16_linear, scaled_mm_w8a8_linear
 
 __all__ = [
     "checksum",
     "fp8_linear",
     "fp8_supported",
+    "fused_moe",
     "gather_blocks",
     "gemv_rows",
     "linear",
+    "moe_routing",
     "paged_decode_attention",
     "prefill_attention",
     "rms_norm",
@@ -66,6 +69,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         triton_checksum,
         triton_gemv,
         triton_layers,
+        triton_moe,
         triton_quant,
     )
 
@@ -75,6 +79,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         "triton_checksum": triton_checksum,
         "triton_gemv": triton_gemv,
         "triton_layers": triton_layers,
+        "triton_moe": triton_moe,
         "triton_quant": triton_quant,
     }
     return modules[module]
@@ -242,6 +247,27 @@ def rotary_embedding(
 ) -> None:
     mod = _triton("triton_layers", q)
     (mod.rotary_embedding if mod else ref_rotary_embedding)(positions, q, k, cos_sin_cache)
+
+
+def moe_routing(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, top_k] float32 weights, [T, top_k] int64 ids)
+    """The router's choice: torch everywhere (softmax and top-k over E values per token)."""
+    return ref_moe_routing(router_logits, top_k, renormalize)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, top_k]
+    topk_ids: torch.Tensor,  # [T, top_k]
+) -> torch.Tensor:  # [T, H]
+    """The experts' SiLU-gated MLPs, weighted and summed (:mod:`kernels.moe`)."""
+    mod = _triton("triton_moe", x)
+    return (mod.fused_moe if mod else ref_fused_moe)(x, w13, w2, topk_weights, topk_ids)
 
 
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,16 @@ _STACKED = {  # HF name piece -> (our fused parameter, shard index)
     "up_proj": ("gate_up_proj", 1),
 }
 _NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+# one expert's tensor (Qwen3-MoE's names, or Mixtral's w1/w3/w2 once block_sparse_moe is mlp)
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PIECES = {  # -> (our stacked parameter, shard of its rows; None: all of them)
+    "gate_proj": ("gate_up_proj", 0),
+    "w1": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "w3": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w2": ("down_proj", None),
+}
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +95,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             continue
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse MLP
+        expert = _EXPERT.search(name)
+        if expert:
+            loaded.add(_load_expert(params, arch, name, expert, tensor))
+            continue
         match = _NAME.search(name)
         if quantized and _load_quantized(quantized, name, tensor, match):
             continue
@@ -99,15 +115,47 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
         params[name].data.copy_(tensor)
         loaded.add(name)
-    missing = [
-        n for n in params if n not in loaded and not any(k.startswith(n + "#") for k in loaded)
-    ]
+    shards = Counter(k.partition("#")[0] for k in loaded if "#" in k)
+    missing = [n for n in params if n not in loaded and shards[n] < _num_shards(arch, n)]
     if arch.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise ConfigError(f"weights missing from the checkpoint: {missing[:5]} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)
+
+
+def _load_expert(
+    params: dict[str, torch.nn.Parameter], arch: ArchConfig, name: str, match: re.Match[str],
+    tensor: torch.Tensor,
+) -> str:  # fmt: skip
+    """Copy one expert's tensor into its slice of the stacked parameter; returns the shard key."""
+    expert, (stacked, shard) = int(match.group(1)), _EXPERT_PIECES[match.group(2)]
+    target = f"{name[: match.start()]}.mlp.experts.{stacked}"
+    if target not in params or arch.moe is None or expert >= arch.moe.num_experts:
+        raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
+    rows = params[target].data[expert]  # [2I, H] or [H, I]
+    if shard is not None:
+        size = arch.moe.intermediate_size
+        rows = rows[shard * size : (shard + 1) * size]
+    if tensor.shape != rows.shape:
+        raise ConfigError(
+            f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, expected {tuple(rows.shape)}"
+        )
+    rows.copy_(tensor)
+    return f"{target}#{expert}.{shard}"
+
+
+def _num_shards(arch: ArchConfig, param: str) -> int:
+    """How many pieces of the checkpoint make up one of our stacked parameters."""
+    experts = arch.moe.num_experts if arch.moe else 0
+    if param.endswith("experts.gate_up_proj"):
+        return 2 * experts
+    if param.endswith("experts.down_proj"):
+        return experts
+    if ".qkv_proj." in param:
+        return 3
+    return 2 if ".gate_up_proj." in param else 1
 
 
 def _load_quantized(
@@ -169,6 +217,8 @@ def load_model(
     qcfg = resolve_quantization(
         arch.quantization_config, config.quantization, has_weights=not dummy
     )
+    if qcfg is not None and arch.moe is not None:
+        raise ConfigError(f"quantized {arch.model_type} (Mixture-of-Experts) is not supported yet")
     with torch.device("meta"), _no_param_init():
         model = LlamaForCausalLM(arch, max_positions).to(dtype)
         if qcfg is not None and qcfg.serialized:

@@ -14,7 +14,25 @@ SUPPORTED = {
     "mistral": "Mistral",
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3-MoE",
+    "mixtral": "Mixtral",
 }
+MOE_TYPES = ("qwen3_moe", "mixtral")
+# keys of MoE variants this engine does not implement: refused rather than served wrong
+_SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a Mixture-of-Experts model: ``top_k`` of ``num_experts`` SiLU-gated
+    experts per token, routed by a softmax over the router's logits."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool  # the top-k weights divided by their sum (Mixtral; Qwen3 norm_topk_prob)
+    layers: tuple[int, ...]  # the decoder layers with a sparse block; the others are dense
+    weights_in_model_dtype: bool  # Qwen3-MoE rounds the router weights to it, Mixtral keeps fp32
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,7 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     quantization_config: dict[str, Any] = field(default_factory=dict)  # HF's, as written
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -65,11 +84,12 @@ class ArchConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             quantization_config=dict(cfg.get("quantization_config") or {}),
+            moe=_moe_config(model_type, cfg) if model_type in MOE_TYPES else None,
         )
 
     @classmethod
@@ -78,3 +98,37 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
+    """Qwen3-MoE (``num_experts``, saved by transformers as ``num_local_experts``; a layer is
+    sparse unless in ``mlp_only_layers`` or off the ``decoder_sparse_step``) or Mixtral (every
+    layer sparse, ``intermediate_size`` per expert, always renormalized); refuses what differs."""
+    for key in _SHARED_EXPERT_KEYS:
+        if cfg.get(key):
+            raise ConfigError(f"{model_type}: shared experts ({key}={cfg[key]}) are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{model_type}: hidden_act {cfg['hidden_act']!r}; only silu is supported")
+    if cfg.get("use_sliding_window") or (
+        model_type == "mixtral"
+        and cfg.get("sliding_window") is not None
+        and int(cfg["sliding_window"]) < int(cfg.get("max_position_embeddings", 4096))
+    ):
+        raise ConfigError(f"{model_type}: sliding-window attention is not supported")
+    layers = int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if model_type == "mixtral":
+        size, renormalize, sparse = int(cfg["intermediate_size"]), True, list(range(layers))
+    else:
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ConfigError(f"qwen3_moe: decoder_sparse_step {step} must be at least 1")
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+        size, renormalize = int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob"))
+    if experts == 0 or not sparse:
+        return None  # no sparse layer: a dense model
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"{model_type}: num_experts_per_tok {top_k} of {experts} experts")
+    return MoeConfig(experts, top_k, size, renormalize, tuple(sparse), model_type == "qwen3_moe")

@@ -103,3 +103,14 @@ def test_batch_one_linear_goes_through_the_triton_gemv(monkeypatch: pytest.Monke
     ops.linear(x4, w)  # a batch of 4: cuBLAS (default TANDEM_GEMV_ROWS=1)
     assert calls == [1]
     assert_matches(out / 64, ref_gemv(x1, w) / 64)
+
+
+def test_cpu_moe_dispatch_is_the_reference(gen: torch.Generator) -> None:
+    from kernels.moe import ref_fused_moe
+
+    cpu = torch.device("cpu")
+    x, w13, w2 = (rand(s, torch.float32, gen, cpu) for s in ((5, 16), (4, 24, 16), (4, 16, 12)))
+    weights, ids = ops.moe_routing(rand((5, 4), torch.float32, gen, cpu), 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5))
+    out = ops.fused_moe(x, w13, w2, weights, ids)
+    assert torch.equal(out, ref_fused_moe(x, w13, w2, weights, ids))

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) in plain PyTorch over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) in plain PyTorch over a paged KV cache,
+and its Mixture-of-Experts variants (Qwen3-MoE, Mixtral): the same layers with a sparse MLP.
 
 Tokens of all sequences in a step are flattened into one ``[T]`` batch; attention finds each
 sequence's context through the metadata's block tables. Optimizations (CUDA graphs, Triton
@@ -14,6 +15,7 @@ from torch import nn
 from kernels import ops
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.model_config import ArchConfig
+from services.engine.models.moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -117,7 +119,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        moe = cfg.moe  # a sparse MLP on the layers it names, the dense one elsewhere
+        self.mlp = SparseMoeBlock(moe, cfg.hidden_size) if moe and layer in moe.layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

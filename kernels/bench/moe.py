@@ -1,0 +1,138 @@
+"""The fused MoE (Triton) against the roofline and against a per-expert torch loop.
+
+    python -m kernels.bench.moe [--tokens 1 16 256 4096] [--json-out moe.json]
+
+Shapes are Qwen3-30B-A3B's (H 2048, I 768, 128 experts, top-8) and Mixtral-8x7B's (H 4096,
+I 14336, 8 experts, top-2) MoE layers in bf16. Napkin math: every expert some token chose is read
+once (3 * H * I weights: gate, up, down), so at batch 1 the floor is bytes / copy bandwidth:
+8 x 9.4 MB = 75 MB for Qwen3-30B-A3B (~25 us at ~3 TB/s), 2 x 352 MB = 704 MB for Mixtral
+(~235 us). At large batch the layer does 6 * T * top_k * H * I FLOP (two GEMMs over the
+gate/up rows, one over down): 4096 tokens are 309 GFLOP for Qwen3-30B-A3B, ~0.3 ms at ~1 PFLOP/s
+of dense bf16. Each row reports GB/s of expert weights read against the copy bandwidth and
+TFLOP/s; the best launch of a small sweep is kept, every launch first checked against the torch
+reference. Times are ``do_bench`` medians with L2 flushed between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MODELS = {  # name -> (H, I, experts, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+}
+CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps); None: the launcher's own choice
+    None, (16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4),
+    (64, 128, 64, 8), (128, 128, 64, 8),
+]  # fmt: skip
+
+
+@dataclass
+class Case:
+    """One MoE layer's inputs, routed by a random router (softmax, top-k, renormalized)."""
+
+    x: torch.Tensor  # [T, H]
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    weights: torch.Tensor  # [T, top_k]
+    ids: torch.Tensor  # [T, top_k]
+
+    def bytes(self) -> int:
+        """The experts some token chose, read once; x read and the output written."""
+        touched = int(self.ids.unique().numel())
+        per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        return touched * per_expert + 2 * self.x.numel() * self.x.element_size()
+
+    def flops(self) -> float:
+        _, two_i, h = self.w13.shape
+        return 2.0 * self.ids.numel() * h * (two_i + two_i // 2)  # = 6 T top_k H I
+
+
+def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Case:  # fmt: skip
+    from kernels.moe import ref_moe_routing
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    weights, ids = ref_moe_routing(torch.randn((tokens, experts), generator=gen), top_k, True)
+    return Case(rand(tokens, h), rand(experts, 2 * inter, h, scale=h**-0.5),
+                rand(experts, h, inter, scale=inter**-0.5), weights.to(device), ids.to(device))  # fmt: skip
+
+
+def run(case: Case, config: tuple[int, int, int, int] | None) -> torch.Tensor:
+    from kernels.triton_moe import fused_moe
+
+    return fused_moe(case.x, case.w13, case.w2, case.weights, case.ids, config=config)
+
+
+def check(case: Case, config: tuple[int, int, int, int] | None) -> float:
+    """Relative error of one launch against the reference; raises SystemExit past 1e-2."""
+    from kernels.moe import ref_fused_moe
+
+    out = run(case, config).float()
+    ref = ref_fused_moe(case.x, case.w13, case.w2, case.weights, case.ids).float()
+    err = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+    if not err < 1e-2:
+        raise SystemExit(f"fused_moe config {config}: relative error {err:.2e}")
+    return err
+
+
+def bench_shape(model: str, tokens: int, copy: float) -> dict[str, Any]:
+    from kernels.bench.roofline import median_ms
+    from kernels.moe import ref_fused_moe
+
+    h, inter, experts, top_k = MODELS[model]
+    case = build(tokens, h, inter, experts, top_k, torch.device("cuda"))
+    best: tuple[tuple[int, int, int, int] | None, float] | None = None
+    for cfg in CONFIGS:
+        check(case, cfg)
+        ms = median_ms(functools.partial(run, case, cfg))
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    assert best is not None
+    loop_ms = median_ms(
+        functools.partial(ref_fused_moe, case.x, case.w13, case.w2, case.weights, case.ids)
+    )
+    gbs = case.bytes() / best[1] / 1e6
+    return {"model": model, "tokens": tokens, "triton_ms": best[1], "config": best[0],
+            "gb_per_s": gbs, "pct_of_copy": 100 * gbs / copy,
+            "tflop_per_s": case.flops() / best[1] / 1e9, "torch_loop_ms": loop_ms}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kernels.bench.roofline import copy_bandwidth, write_results
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels.bench.moe needs a CUDA GPU")
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    rows = []
+    for model in MODELS:
+        for tokens in args.tokens:
+            r = bench_shape(model, tokens, copy)
+            rows.append(r)
+            print(
+                f"{model:14s} T={tokens:<5d} Triton {r['triton_ms'] * 1e3:8.1f} us "
+                f"{r['gb_per_s']:6.0f} GB/s ({r['pct_of_copy']:3.0f}% of copy) "
+                f"{r['tflop_per_s']:6.1f} TFLOP/s | torch loop {r['torch_loop_ms'] * 1e3:8.1f} us "
+                f"{r['config']}",
+                flush=True,
+            )
+    if args.json_out:
+        write_results(args.json_out, copy, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,230 @@
+"""The fused Mixture-of-Experts MLP in Triton: tokens grouped by expert, two grouped GEMMs.
+
+Same signature and rounding as :func:`kernels.moe.ref_fused_moe`. A grouping in torch, then three
+Triton launches; no host sync anywhere (so a CUDA graph can hold them: every size is known from
+the shapes alone):
+
+1. **Group** (torch ops in :func:`align_to_blocks`): the ``T * top_k`` (token, slot) pairs are
+   sorted by expert and each expert's run is padded to a multiple of ``BLOCK_M``, so every block
+   of ``BLOCK_M`` rows belongs to one expert. ``block_expert`` names it (-1: a block past the last
+   expert's run, which exits at once). Experts that receive no token own no block.
+2. **Gate/up + SiLU-and-mul**: each program multiplies one block of rows of x (gathered through
+   the sorted pair ids) by ``BLOCK_N`` columns of its expert's gate and up weights, applies
+   ``silu(gate) * up`` in registers and writes the ``[T * top_k, I]`` intermediate.
+3. **Down + weight**: the same grouping over the intermediate and the expert's down projection;
+   the product times the pair's router weight goes to ``[T * top_k, H]``.
+4. **Combine**: each token's ``top_k`` rows added in ascending expert order (the launcher sorts
+   each token's experts first), rounding after each add as transformers' ``index_add_`` does.
+
+Napkin math: at batch 1 the layer reads ``top_k`` experts' weights once (3 * H * I elements
+each) and does 2 FLOP per element: bandwidth-bound, like a GEMV, with 1/``BLOCK_M`` of the rows
+of each block real. At large batch each expert sees ``T * top_k / E`` rows on average: a grouped
+GEMM bound by FLOPs (``6 * T * top_k * H * I``), wasting at most ``BLOCK_M - 1`` padded rows
+per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe import check_moe_shapes, sort_by_expert
+from kernels.triton_common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_tensor,
+    dot_precision,
+    dot_upcast,
+    mma,
+    next_pow2,
+)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); BLOCK_M chosen per call from the rows per expert
+DEFAULT_TILES = (64, 64, 4)  # (BLOCK_N, BLOCK_K, num_warps)
+COMBINE_BLOCK = 1024
+
+
+def pick_block_m(pairs: int, experts: int) -> int:
+    """Rows per block: 16 (tl.dot's least) while experts see few rows each (decode), more as the
+    average run grows, so fewer padded rows are multiplied than real ones."""
+    avg = pairs / max(experts, 1)
+    return 16 if avg <= 16 else 32 if avg <= 64 else 64
+
+
+def align_to_blocks(
+    topk_ids: torch.Tensor,  # [T, top_k], each row ascending
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([P_pad] int32 pair ids, [P_pad / BLOCK_M] int32 experts)
+    """The pairs ``t * top_k + j`` sorted by expert, each expert's run padded with the sentinel
+    ``T * top_k`` to a multiple of ``block_m``; and each block's expert (-1 past the end).
+    The padded length is the most any routing can need: P + min(E, P) * (block_m - 1)."""
+    flat = topk_ids.reshape(-1).long()  # [P]
+    pairs, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no bincount: it syncs on CUDA
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = padded.cumsum(0)  # [E]
+    order = torch.argsort(flat, stable=True)  # [P] pair ids, grouped by expert
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[expert_of]
+    dest = (padded_end - padded)[expert_of] + rank
+    size = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.full((size,), pairs, dtype=torch.int32, device=dev)
+    sorted_pairs[dest] = order.to(torch.int32)
+    starts = torch.arange(0, size, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, starts, right=True)  # E past the last run
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # one compilation for every batch size
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K, s_xt, s_we, s_wn,
+    s_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_mask = pair < num_pairs
+    token = pair // TOP_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    # w13[expert] is [2N, K]: gate rows n, up rows N + n; tiles loaded as [BLOCK_K, BLOCK_N]
+    w_gate = w_ptr + expert * s_we + offs_n.to(tl.int64)[None, :] * s_wn
+    w_up = w_gate + N * s_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        a = tl.load(x_ptr + token[:, None] * s_xt + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+        acc_gate += mma(a, wg, UPCAST, PRECISION)
+        acc_up += mma(a, wu, UPCAST, PRECISION)
+    dt = out_ptr.dtype.element_ty
+    # as the reference: the projection rounded, silu rounded, then the product rounded
+    gate = acc_gate.to(dt).to(tl.float32)
+    up = acc_up.to(dt).to(tl.float32)
+    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dt).to(tl.float32)
+    out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
+    tl.store(out_ptrs, (act * up).to(dt), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(
+    a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K, s_at,
+    s_we, s_wn, s_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_mask = pair < num_pairs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + expert * s_we + offs_n.to(tl.int64)[None, :] * s_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        a = tl.load(a_ptr + pair[:, None] * s_at + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_rows + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += mma(a, w, UPCAST, PRECISION)
+    dt = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
+    out = acc.to(dt).to(tl.float32) * weight[:, None]  # the projection rounded, then weighted
+    out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
+    tl.store(out_ptrs, out.to(dt), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(c_ptr, out_ptr, H, s_ct, s_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    dt = out_ptr.dtype.element_ty
+    row = c_ptr + t * TOP_K * s_ct + offs
+    acc = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, TOP_K):
+        nxt = tl.load(row + j * s_ct, mask=mask, other=0.0).to(tl.float32)
+        acc = (acc + nxt).to(dt).to(tl.float32)  # as index_add_ in the activation dtype
+    tl.store(out_ptr + t * s_ot + offs, acc.to(dt), mask=mask)
+
+
+def _check(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> tuple[int, int, int, int]:  # fmt: skip
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,))
+    check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,))
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, inner_contiguous=False)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, inner_contiguous=False)
+    check_devices(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    if w13.stride(1) != w13.shape[2] or w2.stride(1) != w2.shape[2]:
+        raise ValueError("w13 and w2 must be contiguous within each expert")
+    return check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, top_k] float
+    topk_ids: torch.Tensor,  # [T, top_k] int32/int64, in [0, E)
+    *,
+    config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K, warps)
+) -> torch.Tensor:  # [T, H]
+    """Triton version of :func:`kernels.moe.ref_fused_moe`. Expert ids out of range are not
+    checked (that would sync with the GPU): the router produces them."""
+    t, h, e, inter = _check(x, w13, w2, topk_weights, topk_ids)
+    top_k = topk_ids.shape[1]
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0:
+        return out
+    if top_k == 0 or inter == 0:
+        return out.zero_()
+    pairs = t * top_k
+    bm, bn, bk, warps = config or (pick_block_m(pairs, e), *DEFAULT_TILES)
+    weights, ids = sort_by_expert(topk_weights, topk_ids)
+    sorted_pairs, block_expert = align_to_blocks(ids, e, bm)
+    blocks = block_expert.numel()
+    dots = {"UPCAST": dot_upcast(x.dtype), "PRECISION": dot_precision(x.dtype)}
+    inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
+    bn1, bk1 = _fit(bn, inter), _fit(bk, h)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
+        x, w13, inter_act, sorted_pairs, block_expert, pairs, inter, h, x.stride(0),
+        w13.stride(0), w13.stride(1), inter_act.stride(0),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps, **dots,
+    )  # fmt: skip
+    contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
+    bn2, bk2 = _fit(bn, h), _fit(bk, inter)
+    _down_kernel[(blocks, triton.cdiv(h, bn2))](
+        inter_act, w2, contrib, sorted_pairs, block_expert, weights.reshape(-1), pairs, h, inter,
+        inter_act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps, **dots,
+    )  # fmt: skip
+    block = min(COMBINE_BLOCK, next_pow2(h))
+    _combine_kernel[(t, triton.cdiv(h, block))](
+        contrib, out, h, contrib.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block
+    )
+    return out
+
+
+def _fit(block: int, size: int) -> int:
+    """A tile no wider than the next power of two of ``size``, and at least 16 (tl.dot's least)."""
+    return max(16, min(block, next_pow2(size)))

@@ -1,0 +1,36 @@
+"""The sparse MLP of Mixture-of-Experts models (Qwen3-MoE, Mixtral) in plain PyTorch.
+
+A router picks ``top_k`` experts per token; the experts' SiLU-gated MLPs run as one fused op
+(``kernels.ops.fused_moe``) over weights stacked per expert: the loader stacks the checkpoint's
+per-expert tensors into them (``services.engine.loader``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from services.engine.model_config import MoeConfig
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # [E, H, I]
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, moe: MoeConfig, hidden: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)  # the router
+        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        logits = ops.linear(x, self.gate.weight)  # [T, E]
+        weights, ids = ops.moe_routing(logits, self.moe.top_k, self.moe.renormalize)  # [T, k]
+        if self.moe.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)

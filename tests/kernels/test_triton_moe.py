@@ -1,0 +1,127 @@
+"""The fused MoE (Triton) against the reference: one token, many, experts with no tokens,
+top-1 to top-8, sizes that are no power of two, every float dtype.
+
+float32 within 1e-5 of the output's size. 16-bit outputs against the reference's arithmetic
+rounded the way the kernel rounds (``tests.kernels.rounding``: Triton's interpreter truncates to
+bf16; truncation at the five rounding points biases a bf16 result by ~2% against torch's
+round-to-nearest), within one unit in the last place of the output's size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.moe import ref_fused_moe, ref_moe_routing, sort_by_expert
+from kernels.triton_moe import align_to_blocks, fused_moe
+from tests.kernels.paged import assert_matches, rand
+from tests.kernels.rounding import Rounder, kernel_rounding
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def _inputs(t: int, h: int, e: int, inter: int, top_k: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """x, weights scaled so every projection is O(1), and the router's choice of top_k."""
+    x = rand((t, h), dtype, gen, device)
+    w13 = (rand((e, 2 * inter, h), torch.float32, gen, device) / h**0.5).to(dtype)
+    w2 = (rand((e, h, inter), torch.float32, gen, device) / inter**0.5).to(dtype)
+    weights, ids = ref_moe_routing(rand((t, e), torch.float32, gen, device), top_k, True)
+    return x, w13, w2, weights, ids
+
+
+def _ref_rounded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, rnd: Rounder) -> torch.Tensor:  # fmt: skip
+    """``ref_fused_moe``'s arithmetic, each rounding done by ``rnd``; fp32 values out."""
+    dt, inter = x.dtype, w2.shape[2]
+    weights, ids = sort_by_expert(topk_weights, topk_ids.long())
+    out = torch.zeros(x.shape, device=x.device)
+    for j in range(ids.shape[1]):
+        e = ids[:, j]
+        gate_up = rnd(torch.einsum("th,tnh->tn", x.float(), w13[e].float()), dt)  # [T, 2I]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        act = rnd(rnd(torch.nn.functional.silu(gate), dt) * up, dt)  # [T, I]
+        down = rnd(torch.einsum("ti,thi->th", act, w2[e].float()), dt)  # [T, H]
+        c = rnd(down * weights[:, j, None].float(), dt)
+        out = c if j == 0 else rnd(out + c, dt)
+    return out
+
+
+def _assert_close(out: torch.Tensor, args: tuple[torch.Tensor, ...]) -> None:
+    ref = ref_fused_moe(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if out.dtype != torch.float32:
+        ref = _ref_rounded(*args, kernel_rounding(out.device))
+    assert not torch.isnan(out).any(), "unwritten output"
+    scale = ref.float().abs().max().clamp(min=1.0)
+    tol = TOLERANCE[out.dtype]
+    torch.testing.assert_close(out.float() / scale, ref.float() / scale, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("t", "h", "e", "inter", "top_k"),
+    [
+        (1, 64, 8, 32, 2),  # decode: one token, two experts, six idle
+        (1, 40, 16, 24, 8),  # one token, top-8 of 16
+        (37, 40, 16, 24, 8),
+        (37, 96, 16, 80, 2),  # most experts see a few rows, some none
+        (130, 72, 6, 40, 1),  # top-1, long runs per expert
+        (64, 64, 8, 48, 8),  # top-8 of 8: every expert sees every token
+    ],
+)
+def test_matches_the_reference(t: int, h: int, e: int, inter: int, top_k: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    args = _inputs(t, h, e, inter, top_k, dtype, gen, device)
+    _assert_close(fused_moe(*args), args)
+
+
+@pytest.mark.parametrize("config", [(16, 16, 16, 1), (16, 64, 32, 4), (64, 32, 64, 4)])
+def test_launch_configs(config: tuple[int, int, int, int], gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Blocks smaller and larger than the runs, tiles narrower and wider than H and I."""
+    args = _inputs(30, 72, 5, 56, 2, torch.float32, gen, device)
+    _assert_close(fused_moe(*args, config=config), args)
+
+
+def test_experts_receiving_no_tokens(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Only experts 3 and 11 of 16 are chosen (int32 ids, bf16 router weights)."""
+    x, w13, w2, _, _ = _inputs(37, 64, 16, 32, 2, torch.float32, gen, device)
+    ids = torch.tensor([[3, 11], [11, 3]] * 18 + [[11, 3]], dtype=torch.int32, device=device)
+    weights = torch.rand((37, 2), generator=gen).to(device=device, dtype=torch.bfloat16)
+    _assert_close(fused_moe(x, w13, w2, weights, ids), (x, w13, w2, weights, ids))
+
+
+def test_every_token_to_one_expert(gen: torch.Generator, device: torch.device) -> None:
+    x, w13, w2, _, _ = _inputs(20, 48, 4, 32, 1, torch.float32, gen, device)
+    ids = torch.full((20, 1), 2, dtype=torch.int64, device=device)
+    weights = torch.ones((20, 1), device=device)
+    _assert_close(fused_moe(x, w13, w2, weights, ids), (x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize(
+    ("t", "top_k", "e", "block_m"), [(1, 2, 8, 16), (37, 2, 16, 16), (130, 8, 8, 64)]
+)
+def test_alignment_groups_every_pair_once_by_expert(t: int, top_k: int, e: int, block_m: int, gen: torch.Generator) -> None:  # fmt: skip
+    _, ids = ref_moe_routing(torch.randn((t, e), generator=gen), top_k, False)
+    ids = ids.sort(dim=-1).values
+    pairs, blocks = align_to_blocks(ids, e, block_m)
+    flat = ids.reshape(-1)
+    assert pairs.numel() == blocks.numel() * block_m
+    real = pairs[pairs < t * top_k].long()
+    assert sorted(real.tolist()) == list(range(t * top_k))  # each pair exactly once
+    for b, expert in enumerate(blocks.tolist()):
+        rows = pairs[b * block_m : (b + 1) * block_m].long()
+        rows = rows[rows < t * top_k]
+        if expert < 0:
+            assert rows.numel() == 0  # past the last run
+        else:
+            assert rows.numel() > 0 and (flat[rows] == expert).all()
+
+
+def test_no_tokens_and_errors(gen: torch.Generator, device: torch.device) -> None:
+    x, w13, w2, weights, ids = _inputs(3, 32, 4, 16, 2, torch.float32, gen, device)
+    assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe(x, w13, w2[:, :, :8], weights, ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_moe(x, w13, w2, weights, ids[:2])
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe(x, w13.half(), w2, weights, ids)
+    assert_matches(fused_moe(x, w13, w2, weights, ids), ref_fused_moe(x, w13, w2, weights, ids))

@@ -1,0 +1,75 @@
+"""Loading MoE checkpoints: per-expert tensors (Qwen3-MoE's names, Mixtral's w1/w3/w2) stacked
+into one tensor per layer, transformers' own stacked layout accepted too, and a checkpoint that
+lacks an expert, or a quantized MoE, refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.config import ConfigError, ModelConfig
+from services.engine.loader import iter_safetensors, load_model, load_weights
+from services.engine.model_config import ArchConfig
+from services.engine.models.llama import LlamaForCausalLM
+
+TINY = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 64}  # fmt: skip
+ARCHS = {
+    "qwen3_moe": {"intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 4,
+                  "num_experts_per_tok": 2, "head_dim": 16, "mlp_only_layers": [1]},
+    "mixtral": {"intermediate_size": 24, "num_local_experts": 3, "num_experts_per_tok": 2},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:  # fmt: skip
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(request.param, **TINY, **ARCHS[request.param])
+    hf = AutoModelForCausalLM.from_config(cfg)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)  # per-expert tensors, as on the Hub
+    return path, hf
+
+
+def _empty_model(path: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM(ArchConfig.from_file(path / "config.json"), 64)
+
+
+def test_per_expert_tensors_are_stacked(checkpoint: tuple[Path, Any]) -> None:
+    path, hf = checkpoint
+    names = [name for name, _ in iter_safetensors(path)]
+    assert any(".experts.0." in n for n in names)  # the Hub's layout, not transformers' memory
+    model = _empty_model(path)
+    load_weights(model, iter_safetensors(path))
+    ours, theirs = model.state_dict(), hf.state_dict()
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+                 "model.layers.0.mlp.gate.weight"):  # fmt: skip
+        assert torch.equal(ours[name], theirs[name])
+
+
+def test_transformers_stacked_layout_loads_too(checkpoint: tuple[Path, Any]) -> None:
+    path, hf = checkpoint
+    model = _empty_model(path)
+    load_weights(model, iter(hf.state_dict().items()))
+    assert torch.equal(
+        model.model.layers[0].mlp.experts.gate_up_proj,
+        hf.model.layers[0].mlp.experts.gate_up_proj,
+    )
+
+
+def test_a_missing_expert_is_refused(checkpoint: tuple[Path, Any]) -> None:
+    path, _ = checkpoint
+    weights = ((n, t) for n, t in iter_safetensors(path) if ".experts.1." not in n)
+    with pytest.raises(ConfigError, match="missing"):
+        load_weights(_empty_model(path), weights)
+
+
+def test_quantized_moe_is_refused(checkpoint: tuple[Path, Any]) -> None:
+    path, _ = checkpoint
+    with pytest.raises(ConfigError, match="Mixture-of-Experts"):
+        load_model(ModelConfig(str(path), quantization="fp8"), torch.device("cpu"), 64)

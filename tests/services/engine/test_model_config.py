@@ -1,0 +1,71 @@
+"""Architecture facts from config.json: the sparse layers of MoE models, and the MoE variants
+this engine does not implement refused with a message instead of served wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.config import ConfigError
+from services.engine.model_config import ArchConfig
+
+BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+def _qwen3_moe(**extra: Any) -> dict[str, Any]:
+    return {**BASE, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 8,
+            "num_experts_per_tok": 2, **extra}  # fmt: skip
+
+
+def test_qwen3_moe_sparse_layers_follow_mlp_only_layers_and_the_sparse_step() -> None:
+    arch = ArchConfig.from_dict(_qwen3_moe(mlp_only_layers=[0], norm_topk_prob=True))
+    assert arch.moe is not None and arch.qk_norm
+    assert arch.moe.layers == (1, 2, 3)
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.intermediate_size) == (8, 2, 32)
+    assert arch.moe.renormalize and arch.moe.weights_in_model_dtype
+    stepped = ArchConfig.from_dict(_qwen3_moe(decoder_sparse_step=2))
+    assert stepped.moe is not None and stepped.moe.layers == (1, 3)
+    assert not stepped.moe.renormalize
+
+
+def test_transformers_saves_num_experts_as_num_local_experts() -> None:
+    cfg = _qwen3_moe()
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    arch = ArchConfig.from_dict(cfg)
+    assert arch.moe is not None and arch.moe.num_experts == 8
+
+
+def test_qwen3_moe_without_sparse_layers_is_dense() -> None:
+    assert ArchConfig.from_dict(_qwen3_moe(mlp_only_layers=[0, 1, 2, 3])).moe is None
+    assert ArchConfig.from_dict(_qwen3_moe(num_experts=0)).moe is None
+
+
+def test_mixtral_every_layer_sparse_and_renormalized() -> None:
+    cfg = {**BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+           "sliding_window": None}  # fmt: skip
+    arch = ArchConfig.from_dict(cfg)
+    assert arch.moe is not None and not arch.qk_norm
+    assert arch.moe.layers == (0, 1, 2, 3) and arch.moe.intermediate_size == 96
+    assert arch.moe.renormalize and not arch.moe.weights_in_model_dtype
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (_qwen3_moe(shared_expert_intermediate_size=64), "shared experts"),
+        (_qwen3_moe(n_shared_experts=1), "shared experts"),
+        (_qwen3_moe(hidden_act="gelu"), "only silu"),
+        (_qwen3_moe(use_sliding_window=True, sliding_window=128), "sliding-window"),
+        (_qwen3_moe(num_experts_per_tok=9), "num_experts_per_tok 9 of 8"),
+        (_qwen3_moe(decoder_sparse_step=0), "decoder_sparse_step"),
+        ({**BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+          "sliding_window": 64, "max_position_embeddings": 4096}, "sliding-window"),
+        ({**_qwen3_moe(), "model_type": "qwen2_moe"}, "not supported"),
+        ({**_qwen3_moe(), "model_type": "deepseek_v3"}, "not supported"),
+    ],
+)  # fmt: skip
+def test_unsupported_moe_variants_are_refused(cfg: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ArchConfig.from_dict(cfg)
