@@ -17,6 +17,17 @@ import torch
 
 from kernels.layers import ref_rotary_embedding
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+E4M3_MAX = 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """K or V as a cache of ``dtype`` stores it: an FP8 cache holds ``x / scale`` rounded to the
+    nearest e4m3 value (saturated at +-448); any other cache, ``x`` cast to its dtype."""
+    if dtype in FP8_KV_DTYPES:
+        return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(dtype)
+    return x.to(dtype)
+
 
 def ref_write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
@@ -24,15 +35,22 @@ def ref_write_kv(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K/V into its slot of the paged cache (slots < 0 are skipped)."""
+    """Write each token's K/V into its slot of the paged cache (slots < 0 are skipped); an FP8
+    cache stores ``k / k_scale`` and ``v / v_scale`` (:func:`to_cache_dtype`). Readers multiply
+    by the scales (folded into the softmax scale and the output: ``models.llama.Attention``)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     n, bs, h, d = k_cache.shape
     slots = slot_mapping.long()
-    k_cache.view(n * bs, h, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(n * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        new = to_cache_dtype(x, cache.dtype, scale)
+        if cache.dtype in FP8_KV_DTYPES:  # no index_copy_ for float8 on the CPU: copy the bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.view(n * bs, h, d).index_copy_(0, slots, new)
 
 
 def ref_rotary_write_kv(
@@ -44,6 +62,8 @@ def ref_rotary_write_kv(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D], contiguous
     """Rotary embedding and the KV write in one: returns the rotated q (a new contiguous tensor)
     and writes the rotated k and v into their slots. q, k, v are read only (views of a fused
@@ -51,7 +71,7 @@ def ref_rotary_write_kv(
     ``apply_rotary_pos_emb`` in q's / k's dtype); the rotated k is then cast to the cache's dtype."""
     q_out, k_rot = q.contiguous().clone(), k.contiguous().clone()
     ref_rotary_embedding(positions, q_out, k_rot, cos_sin_cache)
-    ref_write_kv(k_rot, v, k_cache, v_cache, slot_mapping)
+    ref_write_kv(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q_out
 
 

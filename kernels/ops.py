@@ -175,9 +175,11 @@ def write_kv(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    k_scale: float = 1.0,  # an FP8 cache stores k / k_scale and v / v_scale
+    v_scale: float = 1.0,
 ) -> None:
     mod = _triton("triton_attention", k)
-    (mod.write_kv if mod else ref_write_kv)(k, v, k_cache, v_cache, slot_mapping)
+    (mod.write_kv if mod else ref_write_kv)(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def rotary_write_kv(
@@ -189,10 +191,12 @@ def rotary_write_kv(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    k_scale: float = 1.0,  # an FP8 cache stores k / k_scale and v / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D] rotated q
     mod = _triton("triton_attention", q)
     fn = mod.rotary_write_kv if mod else ref_rotary_write_kv
-    return fn(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return fn(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode_attention(

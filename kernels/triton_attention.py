@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import FP8_KV_DTYPES
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -18,6 +19,7 @@ from kernels.triton_common import (
     check_kv_cache,
     check_tensor,
     next_pow2,
+    to_kv,
 )
 from kernels.triton_decode import paged_decode_attention
 from kernels.triton_layers import rotate_half_pair
@@ -28,10 +30,10 @@ __all__ = ["paged_decode_attention", "prefill_attention", "rotary_write_kv", "wr
 
 @triton.jit(do_not_specialize=["slot_ptr"])  # a per-step staging slice
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale, v_scale,
     s_kt, s_kh, s_vt, s_vh, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -45,8 +47,8 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=mask)
     kc = kc_ptr + blk * s_kcn + off * s_kcb + offs_h[:, None] * s_kch + offs_d[None, :]
     vc = vc_ptr + blk * s_vcn + off * s_vcb + offs_h[:, None] * s_vch + offs_d[None, :]
-    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, to_kv(k, k_scale, FP8).to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, to_kv(v, v_scale, FP8).to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(
@@ -55,6 +57,8 @@ def write_kv(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton version of :func:`kernels.attention.ref_write_kv` (slots are not bounds-checked)."""
     check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
@@ -76,18 +80,19 @@ def write_kv(
         return
     block_h, block_d = next_pow2(hkv), next_pow2(d)
     _write_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=bs,
+        FP8=k_cache.dtype in FP8_KV_DTYPES,
         num_warps=4 if block_h * block_d >= 2048 else 1,
     )  # fmt: skip
 
 
 @triton.jit
 def _rotate_into(
-    src_ptr, s_src_h, dst_ptr, s_dst_h, num_heads, cos, sin, gate,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    src_ptr, s_src_h, dst_ptr, s_dst_h, num_heads, cos, sin, gate, dst_scale,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
@@ -98,21 +103,21 @@ def _rotate_into(
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = dst_ptr + offs_h[:, None] * s_dst_h + offs[None, :]
     # round like the reference: rotate in the source dtype (as transformers does), store in it,
-    # then cast to the cache's
+    # then cast to the cache's (an FP8 cache: scaled and rounded to e4m3 first)
     o1, o2 = rotate_half_pair(x1, x2, cos[None, :], sin[None, :], src_ptr.dtype.element_ty)
-    o1 = o1.to(src_ptr.dtype.element_ty)
-    o2 = o2.to(src_ptr.dtype.element_ty)
+    o1 = to_kv(o1.to(src_ptr.dtype.element_ty), dst_scale, FP8)
+    o2 = to_kv(o2.to(src_ptr.dtype.element_ty), dst_scale, FP8)
     tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])  # per-step staging slices
 def _rotary_write_kv_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
+    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale, v_scale,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cs, s_ot, s_oh,
     s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -121,15 +126,15 @@ def _rotary_write_kv_kernel(
     cos = tl.load(cs_ptr + pos * s_cs + offs, mask=cmask, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=cmask, other=0.0).to(tl.float32)
     _rotate_into(
-        q_ptr + t * s_qt, s_qh, qo_ptr + t * s_ot, s_oh, num_q_heads, cos, sin, t,
-        HALF, BLOCK_HQ, BLOCK_HALF,
+        q_ptr + t * s_qt, s_qh, qo_ptr + t * s_ot, s_oh, num_q_heads, cos, sin, t, 1.0,
+        HALF, BLOCK_HQ, BLOCK_HALF, False,
     )  # fmt: skip
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     _rotate_into(
         k_ptr + t * s_kt, s_kh, kc_ptr + blk * s_kcn + off * s_kcb, s_kch, num_kv_heads, cos, sin,
-        slot, HALF, BLOCK_HK, BLOCK_HALF,
+        slot, k_scale, HALF, BLOCK_HK, BLOCK_HALF, FP8,
     )  # fmt: skip
     offs_h = tl.arange(0, BLOCK_HK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -137,7 +142,7 @@ def _rotary_write_kv_kernel(
     vmask = v_heads[:, None] & (offs_d < HEAD_DIM)[None, :]
     v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=vmask)
     vc = vc_ptr + blk * s_vcn + off * s_vcb + offs_h[:, None] * s_vch + offs_d[None, :]
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=vmask)
+    tl.store(vc, to_kv(v, v_scale, FP8).to(vc_ptr.dtype.element_ty), mask=vmask)
 
 
 def rotary_write_kv(
@@ -149,6 +154,8 @@ def rotary_write_kv(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_rotary_write_kv`: one launch instead of
     rotary + three contiguous copies + the KV write (a decode step's per-layer launch count is
@@ -186,11 +193,12 @@ def rotary_write_kv(
     tile = next_pow2(hq) * next_pow2(half)
     _rotary_write_kv_kernel[(t,)](
         positions, q, k, v, cos_sin_cache, out, k_cache, v_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        float(k_scale), float(v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], hq, hkv,
         HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),
         BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
-        num_warps=4 if tile >= 2048 else 1, enable_fp_fusion=False,
+        FP8=k_cache.dtype in FP8_KV_DTYPES, num_warps=4 if tile >= 2048 else 1,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out

@@ -14,8 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import FP8_KV_DTYPES
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# a KV cache holds the model's dtype, or FP8 (e4m3) under --kv-cache-dtype fp8
+KV_DTYPES = FLOAT_DTYPES + FP8_KV_DTYPES
 
 
 def interpreting() -> bool:
@@ -114,10 +118,34 @@ def mma(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def round_to_e4m3(x):
+    """float32 ``x`` rounded to the nearest e4m3fn value (ties to even), saturated at +-448, as
+    float32: the cast to ``tl.float8e4nv`` after it is then exact. The same as torch's
+    ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``, in plain float arithmetic: Triton's
+    interpreter casts float -> fp8 wrongly when rounding carries into the exponent (1.98 -> 1.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(x), 448.0)
+    exp = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # -6: subnormals
+    quantum = ((exp + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exp - 3): 3 mantissa bits
+    r = ((a / quantum + 8388608.0) - 8388608.0) * quantum  # + 2^23 - 2^23: round half to even
+    return tl.where(bits < 0, -r, r)  # bits, not x < 0: -0.0 keeps its sign
+
+
+@triton.jit
+def to_kv(x, scale, FP8: tl.constexpr):
+    """A K or V value as the cache stores it: ``x / scale`` rounded to e4m3 for an FP8 cache
+    (cast to the cache's dtype after), ``x`` unchanged otherwise."""
+    if FP8:
+        return round_to_e4m3(x.to(tl.float32) / scale)
+    else:
+        return x
+
+
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Paged caches ``[num_blocks, block_size, Hkv, D]``; returns (num_blocks, block_size, Hkv, D)."""
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_DTYPES)
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape"
@@ -128,6 +156,12 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     if bs < 1 or hkv < 1 or d < 1:
         raise ValueError(f"empty KV cache shape {tuple(k_cache.shape)}")
     return n, bs, hkv, d
+
+
+def check_q_for_cache(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Attention reads the cache in q's dtype: the same dtype, or FP8 converted on load."""
+    if q.dtype != k_cache.dtype and k_cache.dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} != KV cache dtype {k_cache.dtype}")
 
 
 def check_heads(q_heads: int, kv_heads: int, q_dim: int, kv_dim: int) -> int:

@@ -26,6 +26,7 @@ from kernels.triton_common import (
     check_heads,
     check_kv_cache,
     check_out,
+    check_q_for_cache,
     check_tensor,
     dot_precision,
     dot_upcast,
@@ -80,7 +81,8 @@ def _decode_kernel(
         off = pos % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = k_ptr + blk * s_kn + off * s_kb + kvh * s_kh
-        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        # an FP8 cache is read in q's dtype (exact: every e4m3 value is a bf16/fp16 value)
+        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION) * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -89,7 +91,7 @@ def _decode_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
-        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         m_i = m_new
 
@@ -179,8 +181,7 @@ def paged_decode_attention(
     check_tensor("context_lens", context_lens, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
     batch, hq, qd = q.shape
     group = check_heads(hq, hkv, qd, d)
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != KV cache dtype {k_cache.dtype}")
+    check_q_for_cache(q, k_cache)
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
     if context_lens.shape[0] != batch:

@@ -31,6 +31,7 @@ from kernels.triton_common import (
     check_heads,
     check_kv_cache,
     check_out,
+    check_q_for_cache,
     check_tensor,
     dot_precision,
     dot_upcast,
@@ -67,7 +68,7 @@ def _attend_tile(
         blk = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
     off = pos % BLOCK_SIZE
     k_rows = k_ptr + blk * s_kn + off * s_kb + kvh * s_kh
-    k = _load_rows(k_rows, offs_d, kv_mask, LOAD_MASK)
+    k = _load_rows(k_rows, offs_d, kv_mask, LOAD_MASK).to(q.dtype)  # FP8 caches: exact
     s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION) * scale_log2e
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & (pos < ctx)[None, :]
@@ -78,7 +79,7 @@ def _attend_tile(
     p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
-    v = _load_rows(v_rows, offs_d, kv_mask, LOAD_MASK)
+    v = _load_rows(v_rows, offs_d, kv_mask, LOAD_MASK).to(q.dtype)
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -185,8 +186,7 @@ def prefill_attention(
     t, hq, qd = q.shape
     group = check_heads(hq, hkv, qd, d)
     batch = context_lens.shape[0]
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != KV cache dtype {k_cache.dtype}")
+    check_q_for_cache(q, k_cache)
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
     if query_start_loc.shape[0] != batch + 1:
