@@ -115,7 +115,9 @@ def test_an_input_past_the_context_is_a_400(embed: Stack) -> None:
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert "maximum context length is 8 tokens" in error["message"] and "input[1]" in error["message"]
+    assert (
+        "maximum context length is 8 tokens" in error["message"] and "input[1]" in error["message"]
+    )
 
 
 def test_an_unknown_model_is_a_404(embed: Stack) -> None:

@@ -3,6 +3,8 @@ every way of cutting the prompt into prefill chunks (a restart after preemption 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def _chunked(pooler: Pooler, rid: str, hidden: torch.Tensor, params: PoolingPara
              cuts: list[int]) -> torch.Tensor:  # fmt: skip
     bounds = [0, *cuts, hidden.shape[0]]
     out = None
-    for a, b in zip(bounds, bounds[1:], strict=False):
+    for a, b in itertools.pairwise(bounds):
         final = b == hidden.shape[0]
         out = pooler.add(rid, params, hidden[a:b], a, hidden.shape[0], final)
         assert (out is not None) == final
