@@ -37,8 +37,10 @@ async def embeddings(request: Request) -> Response:
     response_id = f"embd-{uuid.uuid4().hex}"
     deadline = time.monotonic() + state.config.request_timeout_s
     work = EmbedWork(response_id, ids, req.normalize, req.priority, deadline)
+    prompt_tokens = sum(len(x) for x in ids)
     span = start_request_span(state.tracer, "embeddings", state.model_name, request.headers)
     span.set_attribute("gen_ai.request.encoding_formats", [req.encoding_format])
+    span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
     error: str | None = None
     try:
         vectors = await until_disconnect(request, state.dispatcher.embed(work, span))
@@ -50,8 +52,6 @@ async def embeddings(request: Request) -> Response:
         raise e.api_error from e
     finally:
         end_span(span, error)
-    prompt_tokens = sum(len(x) for x in ids)
-    span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
     data: list[dict[str, Any]] = [
         {"object": "embedding", "index": i,
          "embedding": encode_vector(v.values, req.encoding_format)}
