@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 from opentelemetry.trace import Span
 
-from gateway.core.errors import APIError, unavailable
+from gateway.core.errors import unavailable
 from gateway.core.events import Chunk, Embedding, EmbedWork
 from gateway.workers.client import WorkerClient
 from gateway.workers.colocated import generate
 from gateway.workers.disagg import disaggregated
-from gateway.workers.embedding import embed
+from gateway.workers.embedding import embed_batch
 from gateway.workers.router import prefix_key, rank_by_affinity
 from gateway.workers.rpc_errors import UpstreamError
 from gateway.workers.work import FlowContext, WorkItem
@@ -72,33 +71,8 @@ class Dispatcher:
         return bool(workers)
 
     async def embed(self, work: EmbedWork, parent: Span) -> list[Embedding]:
-        """The inputs' vectors from a worker started with ``--task embed`` (prefix affinity on
-        the first input); once more on another such worker after a retryable failure."""
-        failed: set[str] = set()
-        for attempt in range(MAX_ATTEMPTS):
-            workers = [
-                w for w in self.ctx.registry.healthy(Role.COLOCATED)
-                if w.task == "embed" and w.address not in failed
-            ]  # fmt: skip
-            if not workers:
-                reason = "no healthy worker started with --task embed is left"
-                raise UpstreamError(unavailable(reason), retryable=False)
-            key = prefix_key(work.inputs[0], workers[0].block_size, self.ctx.config.prefix_blocks)
-            worker = rank_by_affinity(workers, key)[0]
-            left = work.deadline - time.monotonic()
-            if left <= 0:
-                api = APIError(504, "the request ran past --request-timeout",
-                               code="deadline_exceeded")  # fmt: skip
-                raise UpstreamError(api, retryable=False)
-            rid = work.request_id if attempt == 0 else f"{work.request_id}-retry{attempt}"
-            try:
-                return await embed(self.ctx, worker, replace(work, request_id=rid), left, parent)
-            except UpstreamError as e:
-                if attempt + 1 >= MAX_ATTEMPTS or not e.retryable:
-                    raise
-                log.warning("retrying %s on another worker: %s", work.request_id, e)
-                failed.add(worker.address)
-        raise AssertionError("unreachable")
+        """The inputs' vectors from the workers started with ``--task embed``."""
+        return await embed_batch(self.ctx, work, parent)
 
     async def stream(self, item: WorkItem, parent: Span) -> AsyncGenerator[Chunk, None]:
         """The request's chunks; raises UpstreamError when it cannot be served."""

@@ -149,3 +149,14 @@ def test_a_worker_refusal_is_a_400_and_a_dead_worker_a_retry(embed: Stack) -> No
     embed.workers[0].behavior.fail_before_first = 1  # UNAVAILABLE: no other embed worker left
     r = post(embed, {"input": "a"})
     assert r.status_code == 503
+
+
+def test_a_large_batch_travels_in_parts_and_comes_back_in_order(embed: Stack) -> None:
+    inputs = [[i + 1, i + 2] for i in range(600)]
+    r = post(embed, {"input": inputs})
+    assert r.status_code == 200, r.text
+    assert [d["embedding"][1] for d in r.json()["data"]] == [i + 1 for i in range(600)]
+    assert [d["index"] for d in r.json()["data"]] == list(range(600))
+    calls = embed.workers[0].records.embeds
+    assert sorted(len(c.inputs) for c in calls) == [88, 256, 256]
+    assert len({c.request_id for c in calls}) == 3
