@@ -35,7 +35,8 @@ async def embeddings(request: Request) -> Response:
     check_inputs(ids, max_model_len, vocab or state.tokenizer.vocab_size)
     state.check_serving()
     response_id = f"embd-{uuid.uuid4().hex}"
-    deadline = time.monotonic() + state.config.request_timeout_s
+    started = time.monotonic()
+    deadline = started + state.config.request_timeout_s
     work = EmbedWork(response_id, ids, req.normalize, req.priority, deadline)
     prompt_tokens = sum(len(x) for x in ids)
     span = start_request_span(state.tracer, "embeddings", state.model_name, request.headers)
@@ -52,6 +53,7 @@ async def embeddings(request: Request) -> Response:
         raise e.api_error from e
     finally:
         end_span(span, error)
+    state.metrics.observe_embeddings(len(ids), prompt_tokens, time.monotonic() - started)
     data: list[dict[str, Any]] = [
         {"object": "embedding", "index": i,
          "embedding": encode_vector(v.values, req.encoding_format)}

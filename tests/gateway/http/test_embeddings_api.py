@@ -160,3 +160,21 @@ def test_a_large_batch_travels_in_parts_and_comes_back_in_order(embed: Stack) ->
     calls = embed.workers[0].records.embeds
     assert sorted(len(c.inputs) for c in calls) == [88, 256, 256]
     assert len({c.request_id for c in calls}) == 3
+
+
+def test_metrics_count_the_prompt_tokens_and_one_success_per_input(embed: Stack) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{embed.base_url}/metrics", timeout=10).text
+        wanted = (
+            "tandem:prompt_tokens_total{",
+            'tandem:request_success_total{finished_reason="stop"',
+        )
+        return {
+            name: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name))
+            for name in wanted
+        }
+
+    before = scrape()
+    assert post(embed, {"input": [[1, 2, 3], [4, 5]]}).status_code == 200
+    after = scrape()
+    assert [after[k] - before[k] for k in before] == [5, 2]
