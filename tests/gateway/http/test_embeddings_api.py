@@ -178,3 +178,19 @@ def test_metrics_count_the_prompt_tokens_and_one_success_per_input(embed: Stack)
     assert post(embed, {"input": [[1, 2, 3], [4, 5]]}).status_code == 200
     after = scrape()
     assert [after[k] - before[k] for k in before] == [5, 2]
+
+
+def test_a_mixed_fleet_routes_each_endpoint_to_its_task(tokenizer_dir: str) -> None:
+    stack = Stack(tokenizer_dir, ["colocated", "colocated"]).start()
+    try:
+        generator, embedder = stack.workers
+        embedder.behavior.task = "embed"
+        stack.run(stack.state.registry.poll_all())
+        for i in range(4):
+            assert post(stack, {"input": f"text {i}"}).status_code == 200
+            client(stack).completions.create(model="embedded", prompt=f"text {i}", max_tokens=2)
+        assert len(embedder.records.embeds) == 4 and not generator.records.embeds
+        # requests: every call noted; the embed worker saw only its 4 Embed calls
+        assert len(generator.records.requests) == 4 and len(embedder.records.requests) == 4
+    finally:
+        stack.stop()
