@@ -75,10 +75,25 @@ def engine_flags(
     return out
 
 
+def task_flags(args: argparse.Namespace) -> list[str]:
+    """``--task`` and ``--pooler-config`` when they differ from the defaults."""
+    out = []
+    if getattr(args, "task", "generate") != "generate":
+        out += ["--task", args.task]
+    if getattr(args, "pooler_config", None):
+        out += ["--pooler-config", args.pooler_config]
+    return out
+
+
 def role_names(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(name, role) of every worker, prefill before decode."""
     if args.colocated > 0:
         return [(f"worker-{i}", "worker") for i in range(args.colocated)]
+    if getattr(args, "task", "generate") == "embed":
+        raise ConfigError(
+            "--task embed is served by colocated workers: add --colocated N (an embedding is "
+            "one prefill, with nothing to hand to a decode worker)"
+        )
     if args.prefill < 1 or args.decode < 1:
         raise ConfigError("--prefill and --decode must both be >= 1 (or use --colocated N)")
     return [(f"prefill-{i}", "prefill") for i in range(args.prefill)] + [
@@ -152,6 +167,7 @@ def build_plan(
         overrides = _memory_overrides(args, users[placed[0]] if placed else 1)
         argv = [*program, role, *engine_flags(args, overrides), "--device", device]
         argv += ["--host", LOOPBACK, "--port", "0", "--worker-id", name]
+        argv += task_flags(args)
         if role == "prefill" and getattr(args, "kv_checksum", False):
             argv.append("--kv-checksum")
         if role == "prefill" and getattr(args, "kv_streaming", "on") != "on":

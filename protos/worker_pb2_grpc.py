@@ -45,6 +45,11 @@ class WorkerServiceStub(object):
                 request_serializer=protos_dot_worker__pb2.GenerateStreamItem.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.ChunkBatch.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.v1.WorkerService/Embed',
+                request_serializer=protos_dot_worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.WorkerService/Abort',
                 request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
@@ -75,6 +80,14 @@ class WorkerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """All inputs of one /v1/embeddings request, run concurrently; INVALID_ARGUMENT on a worker
+        started with --task generate (and Generate answers it on one started with --task embed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -99,6 +112,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=protos_dot_worker__pb2.GenerateStreamItem.FromString,
                     response_serializer=protos_dot_common__pb2.ChunkBatch.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_worker__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.EmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -165,6 +183,33 @@ class WorkerService(object):
             '/tandem.v1.WorkerService/GenerateStream',
             protos_dot_worker__pb2.GenerateStreamItem.SerializeToString,
             protos_dot_common__pb2.ChunkBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.WorkerService/Embed',
+            protos_dot_worker__pb2.EmbedRequest.SerializeToString,
+            protos_dot_worker__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

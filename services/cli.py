@@ -267,6 +267,39 @@ def _speculative_config(text: str) -> str:
     return text
 
 
+def _pooler_config(text: str) -> str:
+    """Checked when parsed (so tandem up refuses it before starting anything); kept as JSON."""
+    from services.config import ConfigError, PoolerConfig
+
+    try:
+        PoolerConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--pooler-config ")) from None
+    return text
+
+
+def add_task_args(p: argparse._ActionsContainer, colocated_only: str = "") -> None:
+    """``--task`` and ``--pooler-config``: what a worker serves (vLLM's names)."""
+    p.add_argument(
+        "--task",
+        choices=["generate", "embed"],
+        default="generate",
+        help="generate: /v1/completions and /v1/chat/completions; embed: /v1/embeddings (each "
+        "prompt is prefilled and its final hidden states pooled into one vector; the other "
+        f"endpoints answer 400){colocated_only}",
+    )
+    p.add_argument(
+        "--pooler-config",
+        type=_pooler_config,
+        default=None,
+        metavar="JSON",
+        help='how --task embed pools, as vLLM takes it: \'{"pooling_type": "LAST", '
+        "\"normalize\": true}' (the default for a causal LM: the last token's final hidden "
+        "state, L2-normalized); pooling_type LAST, MEAN or CLS (the first token); MEAN and CLS "
+        "compute every prompt whole (no prefix-cache hits)",
+    )
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     g = p.add_argument_group("engine")
@@ -387,6 +420,8 @@ KV_STREAMING_HELP = (
 
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
+    only = "" if role == "worker" else " (embed: colocated workers only, refused here)"
+    add_task_args(p.add_argument_group("task"), only)
     g = p.add_argument_group("server")
     g.add_argument(
         "--host", default="127.0.0.1", help="gRPC bind address (0.0.0.0: every interface)"
@@ -598,6 +633,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    add_task_args(p, " (embed needs --colocated N: an embedding has no decode to disaggregate)")
     p.add_argument(
         "--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP + " (prefill workers)"
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from protos.auth import token_from
 from protos.errors import ConfigError
+from protos.pooling_params import POOLING_TYPES, TASKS
 from protos.roles import Role
 
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
@@ -202,6 +203,51 @@ class SpeculativeConfig:
         return cls(**data)
 
 
+_POOLER_KEYS = ("pooling_type", "normalize")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's ``--pooler-config`` of an embedding worker (``--task embed``): how the final
+    hidden states of a prompt become one vector. vLLM's defaults for a causal LM: the last
+    token, L2-normalized."""
+
+    pooling_type: str = "last"  # last | mean | cls
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ConfigError(
+                f"--pooler-config pooling_type must be one of {', '.join(POOLING_TYPES)} (any "
+                f"case), got {self.pooling_type!r}"
+            )
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any] | None) -> PoolerConfig:
+        """From the flag's JSON (or a dict); the defaults for no flag. Unknown keys are refused."""
+        if text is None or text == "":
+            return cls()
+        try:
+            data = json.loads(text) if isinstance(text, str) else text
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--pooler-config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("--pooler-config must be a JSON object")
+        unknown = sorted(set(data) - set(_POOLER_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"--pooler-config key(s) not supported: {', '.join(unknown)} (supported: "
+                f"{', '.join(_POOLER_KEYS)})"
+            )
+        kind = data.get("pooling_type", cls.pooling_type)
+        normalize = data.get("normalize", cls.normalize)
+        if not isinstance(kind, str):
+            raise ConfigError("--pooler-config pooling_type must be a string (LAST, MEAN, CLS)")
+        if not isinstance(normalize, bool):
+            raise ConfigError("--pooler-config normalize must be true or false")
+        return cls(pooling_type=kind.lower(), normalize=normalize)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
@@ -210,10 +256,18 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     enforce_eager: bool = False  # no CUDA graphs
     speculative: SpeculativeConfig | None = None
+    # generate: completions and chats; embed: prefill only, a pooled vector per prompt
+    task: str = "generate"
+    pooler: PoolerConfig = PoolerConfig()  # how an embed worker pools
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.task not in TASKS:
+            raise ConfigError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.task == "embed" and self.speculative is not None:
+            raise ConfigError("--speculative-config drafts tokens to decode: it does not apply "
+                              "to --task embed")  # fmt: skip
 
 
 def with_device_defaults(config: EngineConfig, device_type: str) -> EngineConfig:
@@ -246,6 +300,14 @@ class WorkerConfig:
     # prefill: ship each prompt's KV layer by layer while its last chunk is computed (False:
     # the whole KV after the first token)
     kv_streaming: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine.task == "embed" and self.role is not Role.COLOCATED:
+            raise ConfigError(
+                f"--task embed is served by a colocated worker (tandem worker --task embed, or "
+                f"tandem up --colocated N --task embed), not by a {self.role} worker: an "
+                "embedding is one prefill, with nothing to hand to a decode worker"
+            )
 
     @classmethod
     def from_args(cls, args: Any, role: Role, engine: EngineConfig) -> WorkerConfig:

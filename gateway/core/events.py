@@ -46,6 +46,26 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Embedding:
+    """One input's pooled vector, as a worker's Embed returned it."""
+
+    values: tuple[float, ...]
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EmbedWork:
+    """The inputs of one embeddings request, tokenized: one Embed call on one worker."""
+
+    request_id: str
+    inputs: tuple[tuple[int, ...], ...]
+    normalize: bool | None = None  # None: the worker's --pooler-config
+    priority: int = 0
+    deadline: float = float("inf")  # time.monotonic() by which it must be done
+
+
+@dataclass(frozen=True)
 class Histogram:
     """A cumulative histogram a worker reported: counts[i] observations <= bounds[i], count all."""
 
@@ -88,5 +108,6 @@ class WorkerLoadInfo:
     vocab_size: int = 0
     draining: bool = False
     num_reserved: int = 0
+    task: str = ""  # generate | embed ("" from workers older than --task: generate)
     iteration_tokens: Histogram = field(default_factory=Histogram)  # tokens per engine step
     grammar_compile_seconds: Histogram = field(default_factory=Histogram)  # per grammar compiled

@@ -21,7 +21,7 @@ from gateway.core.config import GatewayConfig
 from gateway.core.errors import APIError
 from gateway.flows.tokenizer import GatewayTokenizer
 from gateway.flows.unsupported import not_found_message
-from gateway.http import admin_api, openai_api
+from gateway.http import admin_api, embeddings_api, openai_api
 from gateway.http.state import GatewayState, gateway_state
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ def build_app(
     routes = [
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
         Route("/v1/models", admin_api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", admin_api.model, methods=["GET"]),
         Route("/health", admin_api.health, methods=["GET"]),

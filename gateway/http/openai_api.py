@@ -56,6 +56,7 @@ def _start(
     default_max_tokens: int | None,
 ) -> Generation:
     """Settles max_tokens, checks capacity, and builds the Generation with its span."""
+    state.check_task("generate")
     max_model_len, count = _check_prompts(state, prompts, common)
     if count * common.n > state.config.max_fanout:
         raise invalid(

@@ -104,6 +104,21 @@ class GatewayState:
                 code="model_not_found",
             )
 
+    def check_task(self, task: str) -> None:
+        """A 400 when the workers serve the other task (``--task``): nothing here could run it."""
+        tasks = self.registry.tasks()
+        if not tasks or task in tasks:
+            return  # no healthy worker: check_serving's 503
+        if task == "embed":
+            raise invalid(
+                "this model is served for generation; start it with --task embed to serve "
+                "/v1/embeddings", "model", code="wrong_task"
+            )  # fmt: skip
+        raise invalid(
+            "this model is served for embeddings (--task embed): use /v1/embeddings, or start it "
+            "with --task generate for completions and chats", "model", code="wrong_task"
+        )  # fmt: skip
+
     def check_serving(self) -> None:
         """Raises 503 while draining or when no topology has healthy workers."""
         if self.draining:

@@ -266,6 +266,14 @@ class GatewayMetrics:
         if in_slo and finish_reason != "abort":
             self.goodput.labels(name).inc()
 
+    def observe_embeddings(self, num_inputs: int, num_prompt_tokens: int, e2e_s: float) -> None:
+        """An embeddings request served: its prompt tokens, one success per input (as vLLM
+        counts a pooling request; finished_reason stop) and its latency."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        self.success.labels(name, "stop").inc(num_inputs)
+        self.e2e.labels(name).observe(e2e_s)
+
     def observe_prompt_finished(self, n: int, max_generated: int) -> None:
         """Every choice of one prompt has finished: its n, and the most tokens one generated."""
         self.params_n.labels(self.model_name).observe(n)

@@ -82,6 +82,11 @@ class WorkerClient:
         return self.spec.address
 
     @property
+    def task(self) -> str:
+        """What the worker serves: generate or embed (a prefill or decode worker: generate)."""
+        return (self.load.task if self.load else "") or "generate"
+
+    @property
     def queue_depth(self) -> int:
         reported = self.load.num_running + self.load.num_waiting if self.load else 0
         return max(self.inflight, reported)

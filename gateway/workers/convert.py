@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from gateway.core.events import Chunk, Histogram, Timing, WorkerLoadInfo
-from protos import common_pb2
+from gateway.core.events import Chunk, Embedding, EmbedWork, Histogram, Timing, WorkerLoadInfo
+from protos import common_pb2, worker_pb2
 from protos.logprobs import PositionLogprobs, TokenLogprob
 from protos.sampling_params import SamplingParams
 
@@ -55,6 +55,23 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
             )
         )  # fmt: skip
     return msg
+
+
+def embed_request_to_pb(work: EmbedWork) -> worker_pb2.EmbedRequest:
+    msg = worker_pb2.EmbedRequest(
+        request_id=work.request_id,
+        inputs=[worker_pb2.EmbedInput(token_ids=ids) for ids in work.inputs],
+        priority=work.priority,
+    )
+    if work.normalize is not None:
+        msg.normalize = work.normalize
+    return msg
+
+
+def embeddings_from_pb(msg: worker_pb2.EmbedResponse) -> list[Embedding]:
+    return [
+        Embedding(tuple(e.values), e.num_prompt_tokens, e.num_cached_tokens) for e in msg.embeddings
+    ]
 
 
 def _logprob(msg: common_pb2.TokenLogprob) -> TokenLogprob:

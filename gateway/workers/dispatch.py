@@ -11,10 +11,11 @@ from dataclasses import replace
 from opentelemetry.trace import Span
 
 from gateway.core.errors import unavailable
-from gateway.core.events import Chunk
+from gateway.core.events import Chunk, Embedding, EmbedWork
 from gateway.workers.client import WorkerClient
 from gateway.workers.colocated import generate
 from gateway.workers.disagg import disaggregated
+from gateway.workers.embedding import embed_batch
 from gateway.workers.router import prefix_key, rank_by_affinity
 from gateway.workers.rpc_errors import UpstreamError
 from gateway.workers.work import FlowContext, WorkItem
@@ -44,7 +45,8 @@ class Dispatcher:
         prefills = [w for w in reg.healthy("prefill") if w.address not in exclude]
         if prefills and reg.healthy("decode"):
             return prefills, "prefill"
-        return [w for w in reg.healthy(Role.COLOCATED) if w.address not in exclude], Role.COLOCATED
+        colocated = [w for w in reg.healthy(Role.COLOCATED) if w.task == "generate"]
+        return [w for w in colocated if w.address not in exclude], Role.COLOCATED
 
     def _flow(self, item: WorkItem, parent: Span, exclude: set[str]) -> AsyncGenerator[Chunk, None]:
         workers, role = self._front_workers(exclude)
@@ -67,6 +69,10 @@ class Dispatcher:
             return False  # decode admission already tried several workers
         workers, _ = self._front_workers(failed | {error.address})
         return bool(workers)
+
+    async def embed(self, work: EmbedWork, parent: Span) -> list[Embedding]:
+        """The inputs' vectors from the workers started with ``--task embed``."""
+        return await embed_batch(self.ctx, work, parent)
 
     async def stream(self, item: WorkItem, parent: Span) -> AsyncGenerator[Chunk, None]:
         """The request's chunks; raises UpstreamError when it cannot be served."""

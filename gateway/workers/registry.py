@@ -138,6 +138,13 @@ class WorkerRegistry:
             self.healthy("prefill") and self.healthy("decode")
         )
 
+    def tasks(self) -> set[str]:
+        """What the healthy workers serve (generate, embed); a prefill/decode pair generates."""
+        tasks = {c.task for c in self.healthy(Role.COLOCATED)}
+        if self.healthy("prefill") and self.healthy("decode"):
+            tasks.add("generate")
+        return tasks
+
     def limits(self) -> tuple[int | None, int | None]:
         """(max_model_len, vocab_size): the smallest any known worker reported."""
         healthy = [c.load for c in self.clients if c.healthy and c.load]

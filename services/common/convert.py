@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from protos import common_pb2
+from protos import common_pb2, worker_pb2
 from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.pooling_params import PoolingParams
 from protos.sampling_params import (
     SamplingParams,
     StructuredOutput,
     logit_bias_pairs,
 )
+from services.config import PoolerConfig
 from services.engine.llm_engine import EngineStats
 from services.engine.outputs import RequestOutput
 from services.engine.step_stats import HistogramSnapshot
@@ -55,6 +57,19 @@ def structured_from_pb(msg: common_pb2.StructuredOutput) -> StructuredOutput:
         kind=msg.kind, spec=msg.spec, any_whitespace=msg.any_whitespace,
         reasoning_start=msg.reasoning_start, reasoning_end=msg.reasoning_end,
         reasoning_open=msg.reasoning_open,
+    )  # fmt: skip
+
+
+def pooling_from_pb(msg: worker_pb2.EmbedRequest, pooler: PoolerConfig) -> PoolingParams:
+    """The worker's ``--pooler-config``, with the request's ``normalize`` where it set one."""
+    normalize = msg.normalize if msg.HasField("normalize") else pooler.normalize
+    return PoolingParams(pooler.pooling_type, normalize)
+
+
+def embedding_to_pb(out: RequestOutput) -> worker_pb2.Embedding:
+    return worker_pb2.Embedding(
+        values=out.embedding or [], num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
     )  # fmt: skip
 
 

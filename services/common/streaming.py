@@ -9,6 +9,7 @@ import grpc
 from opentelemetry.trace import Span
 
 from protos import common_pb2
+from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.common.convert import output_to_chunk, sampling_from_pb
 from services.common.runtime import WorkerRuntime
@@ -34,6 +35,19 @@ async def submit(
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
     try:
         return await driver.submit(request_id, prompt, params, priority, prefill_only)
+    except InvalidRequestError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except ValueError as exc:  # a request id that is in use
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+    raise AssertionError("unreachable")
+
+
+async def submit_embedding(
+    driver: EngineDriver, context: grpc.aio.ServicerContext, request_id: str, prompt: list[int],
+    pooling: PoolingParams, priority: int,
+) -> Stream:  # fmt: skip
+    try:
+        return await driver.submit_embedding(request_id, prompt, pooling, priority)
     except InvalidRequestError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     except ValueError as exc:  # a request id that is in use

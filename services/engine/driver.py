@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
 from services.engine.llm_engine import EngineStats, LLMEngine
@@ -107,6 +108,23 @@ class EngineDriver:
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params, priority, prefill_only, grammar)
+            self._streams[request_id] = stream
+            added.append(True)
+
+        await self._until_done(add, request_id, added)
+        return stream
+
+    async def submit_embedding(
+        self, request_id: str, prompt: list[int], pooling: PoolingParams | None = None,
+        priority: int = 0,
+    ) -> Stream:  # fmt: skip
+        """Queue an embedding; its one output carries the vector. InvalidRequestError for bad
+        input (or an engine that serves generation)."""
+        stream = Stream(request_id, asyncio.get_running_loop())
+        added: list[bool] = []
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_embedding(request_id, prompt, pooling, priority)
             self._streams[request_id] = stream
             added.append(True)
 

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from protos.logprobs import PositionLogprobs
+from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 from services.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -41,6 +43,16 @@ class GenerationResult:
     num_cached_tokens: int = 0
     # prompt_logprobs: None for the first position, then each prompt token's (vLLM's layout)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclass
+class EmbeddingResult:
+    """vLLM's ``EmbeddingRequestOutput``, flattened: the prompt and its pooled vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0
 
 
 Prompt = str | list[int] | dict[str, Any]
@@ -111,6 +123,25 @@ class LLM:
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
         return list(results.values())
 
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None
+    ) -> list[EmbeddingResult]:
+        """Each prompt's pooled final hidden state (an engine built with ``task="embed"``;
+        ``pooling``: the engine's ``pooler_config`` when not given)."""
+        plist: list[Prompt] = [prompts] if _is_one_prompt(prompts) else list(prompts)
+        results: dict[str, EmbeddingResult] = {}
+        for prompt in plist:
+            rid = f"embed-{next(self._ids)}"
+            ids = self.encode(prompt)
+            results[rid] = EmbeddingResult(rid, ids, [])
+            self.engine.add_embedding(rid, ids, pooling)
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                res = results[out.request_id]
+                res.embedding = out.embedding or []
+                res.num_cached_tokens = out.num_cached_tokens
+        return list(results.values())
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -131,6 +162,9 @@ def build_config(model: str = "embedded", **knobs: Any) -> EngineConfig:
     for key, value in knobs.items():
         if key == "speculative_config":  # vLLM's name: a dict (or its JSON)
             top["speculative"] = SpeculativeConfig.parse(value)
+            continue
+        if key == "pooler_config":
+            top["pooler"] = PoolerConfig.parse(value)
             continue
         key = {
             "max_num_batched_tokens": "max_num_batched_tokens",
@@ -179,4 +213,6 @@ def config_from_args(args: Any) -> EngineConfig:
         device=args.device,
         enforce_eager=args.enforce_eager,
         speculative_config=getattr(args, "speculative_config", None),
+        task=getattr(args, "task", "generate"),
+        pooler_config=getattr(args, "pooler_config", None),
     )

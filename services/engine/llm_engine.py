@@ -11,6 +11,7 @@ from typing import Any
 
 from protos.blocks import blocks_for
 from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from protos.token_bytes import TokenBytes
 from services.config import EngineConfig, with_device_defaults
@@ -112,6 +113,7 @@ class LLMEngine:
         self.model_name = config.model.model if files.kind != "gguf" else files.name
         self.vocab_size = self.runner.arch.vocab_size
         self.max_model_len = self.runner.max_model_len
+        self.task = config.task  # generate | embed: the one kind of request this engine takes
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if files.kind != "named" else None
         self.eos_token_ids = frozenset(self.runner.arch.eos_token_ids) | (
             {tok_eos} if tok_eos is not None else set()
@@ -146,14 +148,17 @@ class LLMEngine:
         self.on_final_chunks: FinalChunkHook | None = None
 
     # ---- requests ----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _validate_ids(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
         if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
+            raise InvalidRequestError("the prompt is empty: give at least one token", param)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param
             )
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._validate_ids(prompt_token_ids)
         bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bias:
             raise InvalidRequestError(
@@ -181,9 +186,23 @@ class LLMEngine:
             param,
         )
 
+    def _check_task(self, task: str) -> None:
+        if task == self.task:
+            return
+        if self.task == "generate":
+            raise InvalidRequestError(
+                "this model is served for generation; start it with --task embed to serve "
+                "embeddings", "model"
+            )  # fmt: skip
+        raise InvalidRequestError(
+            "this model is served for embeddings (--task embed); start it with --task generate "
+            "to serve completions and chats", "model"
+        )  # fmt: skip
+
     def _request(
         self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, hold: bool
     ) -> Request:
+        self._check_task("generate")
         self.validate(prompt, params)
         return Request(
             request_id=request_id,
@@ -197,7 +216,7 @@ class LLMEngine:
 
     def _track(self, req: Request) -> None:
         sp = req.sampling_params
-        if not self.detokenize:
+        if not self.detokenize or req.pooling is not None:
             return
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, sp.stop, sp.include_stop_str_in_output,
@@ -238,8 +257,36 @@ class LLMEngine:
         self._track(req)
         self.prompt_tokens += len(prompt_token_ids)
 
+    def add_embedding(
+        self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams | None = None,
+        priority: int = 0,
+    ) -> None:  # fmt: skip
+        """Queue an embedding (``--task embed``): the prompt is prefilled (chunked, from the
+        prefix cache where its pooling allows) and finishes as one pooled vector
+        (``RequestOutput.embedding``); its blocks are freed as it finishes."""
+        self._check_task("embed")
+        if pooling is None:
+            pooler = self.config.pooler
+            pooling = PoolingParams(pooler.pooling_type, pooler.normalize)
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        self._validate_ids(prompt_token_ids, "input")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(prompt_token_ids)} tokens in the input for embedding "
+                "generation. Please reduce the length of the input.", "input"
+            )  # fmt: skip
+        req = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+            eos_token_ids=self.eos_token_ids, priority=priority,
+            max_model_len=self.max_model_len, pooling=pooling,
+        )  # fmt: skip
+        self.scheduler.add(req)
+        self.prompt_tokens += len(prompt_token_ids)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
+        self.runner.pooler.drop(request_id)
         self.grammars.drop(request_id)
         self._forget(request_id)
         self._prompt_lp.pop(request_id, None)
@@ -335,12 +382,15 @@ class LLMEngine:
             raise
         if score:
             self._keep_prompt_scores(self.runner.score_prompts(out, score))
+        pooled = self.runner.pool(out) if self.task == "embed" else {}
         if self.proposer is not None:
             self._record_acceptance(out, sampled)
         updates = self.scheduler.update(out, sampled)
         outputs, done = [], set()
         for u in updates:
-            if u.request_id not in done:  # a stop string ends a kept run early
+            if u.token is None:  # an embedding's last chunk
+                outputs.append(self._emit_embedding(u, pooled[u.request_id]))
+            elif u.request_id not in done:  # a stop string ends a kept run early
                 outputs.append(self._emit(u))
                 if outputs[-1].finished:
                     done.add(u.request_id)
@@ -483,6 +533,14 @@ class LLMEngine:
             queue_s=u.queue_s,
             prompt_logprobs=self._prompt_lp.pop(u.request_id, []),
         )
+
+    @staticmethod
+    def _emit_embedding(u: StepUpdate, vector: list[float]) -> RequestOutput:
+        return RequestOutput(
+            request_id=u.request_id, token_ids=[], text="", finished=True, finish_reason="stop",
+            num_prompt_tokens=u.num_prompt_tokens, num_cached_tokens=u.num_cached_tokens,
+            queue_s=u.queue_s, embedding=vector,
+        )  # fmt: skip
 
     def _logprobs(self, u: StepUpdate) -> list[PositionLogprobs]:
         tok = u.token

@@ -26,6 +26,7 @@ from services.engine.kv_cache import (
 )
 from services.engine.kv_handoff import LayerSink
 from services.engine.loader import load_model
+from services.engine.pooler import Pooler
 from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
 from services.engine.structured import GrammarBatch
@@ -102,9 +103,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._hidden: torch.Tensor | None = None  # the last eager forward's, when scoring
         self._starts: list[int] = []
+        self.pooler = Pooler()  # embeddings' running state between prefill chunks
         if self.device.type == "cuda":
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # an embedding worker never decodes: no decode graphs to capture
+        if self.device.type == "cuda" and not config.enforce_eager and config.task == "generate":
             # a verify step of a decode with drafts replays the same graphs, one row per token:
             # drafts only fill rows up to VERIFY_ROWS (LLMEngine._propose)
             spec = config.speculative
@@ -164,7 +167,7 @@ class ModelRunner:
         nd = sum(1 for r in reqs if r.num_new_tokens == 1)
         T = sum(r.num_new_tokens for r in reqs)
         B, W = len(reqs), self._max_blocks(out)
-        S = sum(1 + r.num_spec for r in reqs if r.sample)
+        S = sum(1 + r.num_spec for r in reqs if r.samples_token)
         h64, h32 = self.staging.begin([T, T, T, S], [B, B + 1, B - nd + 1, B * W])
         ids, pos, slots, rows = h64
         ctx, qsl, pqsl, tables = h32[0], h32[1], h32[2], h32[3].reshape(B, W)
@@ -191,7 +194,7 @@ class ModelRunner:
         rows[:] = [
             last_row[i] - j
             for i, r in enumerate(reqs)
-            if r.sample
+            if r.samples_token
             for j in range(r.num_spec, -1, -1)
         ]
         d64, d32 = self.staging.upload()
@@ -241,12 +244,12 @@ class ModelRunner:
         if ran is None:
             return None
         logits, reqs = ran[0], out.requests
-        if all(r.sample for r in reqs):
+        if all(r.samples_token for r in reqs):
             return logits
         keep: list[int] = []
         at = 0
         for r in reqs:
-            if r.sample:
+            if r.samples_token:
                 keep += range(at, at + r.num_new_tokens)
             at += r.num_new_tokens
         return logits[torch.tensor(keep, device=logits.device)]
@@ -262,8 +265,9 @@ class ModelRunner:
         self, out: SchedulerOutput, eager: bool = False, layers: LayerSink | None = None
     ) -> torch.Tensor | None:
         """Run the step's forward; fp32 logits of its sampling requests ([S, V]) or None.
-        ``eager`` (prompt logprobs to score): no CUDA graph, the hidden states kept. ``layers``:
-        told each layer's KV write as the forward goes (never a graph: it would not tell)."""
+        ``eager`` (prompt logprobs to score, embeddings to pool): no CUDA graph, the hidden
+        states kept. ``layers``: told each layer's KV write as the forward goes (never a graph:
+        it would not tell)."""
         self._hidden = None
         logits = None if eager or layers is not None else self._graph_logits(out)
         if logits is not None:
@@ -291,7 +295,7 @@ class ModelRunner:
         ``layers``: told each layer's KV write during the forward (``kv_handoff``)."""
         if self.host_kv is not None:  # before the forward, which may overwrite evicted blocks
             self.host_kv.move(self.kv_caches, out.kv_offloads, out.kv_restores)
-        sampling = [r for r in out.requests if r.sample]
+        sampling = [r for r in out.requests if r.samples_token]
         rids = [r.request_id for r in sampling]
         constrained = grammars is not None and grammars.constrains(rids)
         if (
@@ -308,7 +312,8 @@ class ModelRunner:
             if ran is not None:  # the graph's own argmax is the token: one read, no sampler
                 (ids,) = self.reader.read(ran[1])
                 return keep_drafts(sampling, [SampledToken(t) for t in ids])
-        logits = self.forward_logits(out, eager=bool(score), layers=layers)
+        pooling = any(r.pooling is not None for r in out.requests)
+        logits = self.forward_logits(out, eager=bool(score) or pooling, layers=layers)
         if logits is None or not sampling:
             return {}
         allowed = grammars.fill(rids) if grammars is not None and constrained else None
@@ -326,6 +331,26 @@ class ModelRunner:
             allowed=allowed,
         )
         return {r.request_id: [tok] for r, tok in zip(sampling, tokens, strict=True)}
+
+    @torch.inference_mode()
+    def pool(self, out: SchedulerOutput) -> dict[str, list[float]]:
+        """After ``execute(out, ...)``: each embedding's chunk in this step goes to the pooler;
+        the vectors of those whose prompt this step finished (float32 values)."""
+        hidden = self._hidden
+        if hidden is None:
+            return {}
+        done: dict[str, torch.Tensor] = {}
+        for i, r in enumerate(out.requests):
+            if r.pooling is None:
+                continue
+            rows = hidden[self._starts[i] : self._starts[i] + r.num_new_tokens]  # [n, H]
+            vec = self.pooler.add(r.request_id, r.pooling, rows, r.start_pos,
+                                  len(r.prompt_token_ids), final=r.sample)  # fmt: skip
+            if vec is not None:
+                done[r.request_id] = vec
+        if not done:
+            return {}
+        return dict(zip(done, self.reader.read(*done.values()), strict=True))
 
     @torch.inference_mode()
     def score_prompts(

@@ -24,6 +24,7 @@ class RequestOutput:
     queue_s: float = 0.0  # seconds from arrival in this engine to first scheduled
     # prompt_logprobs: prompt positions 1.. (position 0 has none), with the first token only
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's pooled vector, when finished
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta (a stream that
@@ -41,4 +42,5 @@ class RequestOutput:
             error=later.error or self.error,
             queue_s=max(self.queue_s, later.queue_s),
             prompt_logprobs=self.prompt_logprobs + later.prompt_logprobs,
+            embedding=later.embedding if later.embedding is not None else self.embedding,
         )

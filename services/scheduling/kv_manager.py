@@ -66,8 +66,8 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the last position has logits.
         """
-        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every position's logits: compute the whole prompt
+        if not self.pool.enable_caching or not request.reads_prefix_cache:
+            return []  # prompt logprobs (or mean pooling) need every position: compute it whole
         limit = request.num_tokens - 1
         hashes = self._block_hashes(request, limit)
         hit: list[Block] = []
@@ -80,7 +80,7 @@ class KVCacheManager:
 
     def find_host_prefix(self, request: Request, num_device_blocks: int) -> list[BlockHash]:
         """The blocks after a device hit of ``num_device_blocks`` that the host tier holds."""
-        if self.host is None or request.sampling_params.prompt_logprobs is not None:
+        if self.host is None or not request.reads_prefix_cache:
             return []
         limit = request.num_tokens - 1
         hashes = self._block_hashes(request, limit)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 
 
@@ -20,6 +21,14 @@ class ScheduledRequest:
     # speculative decoding: the last num_spec of token_ids are draft tokens; every one of them
     # (and the token before them) gets logits, and the runner keeps the drafts it samples
     num_spec: int = 0
+    # an embedding: its chunks feed the pooler, and the one with ``sample`` set finishes it
+    # with a vector instead of a token (no logits, no sampling)
+    pooling: PoolingParams | None = None
+
+    @property
+    def samples_token(self) -> bool:
+        """This step ends with a token to sample for it (not an embedding's last chunk)."""
+        return self.sample and self.pooling is None
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -72,7 +81,8 @@ class PromptTokenScore:
 @dataclass(frozen=True)
 class StepUpdate:
     """One request's news after a step: a token (if it sampled), finished or not. A request
-    whose drafts were kept gets one update per token, in order."""
+    whose drafts were kept gets one update per token, in order. An embedding's last chunk is
+    an update without a token, finished (its vector is the runner's)."""
 
     request_id: str
     token: SampledToken | None

@@ -13,6 +13,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 
 
@@ -56,6 +57,16 @@ class Request:
     first_scheduled_time: float | None = None
     queued_time: float = field(default_factory=time.monotonic)  # joined this engine's queue
     seq: int = field(default_factory=lambda: next(_arrival_order))
+    # an embedding (--task embed): prefill only, finished by its last prompt chunk, which
+    # yields a pooled vector instead of a token
+    pooling: PoolingParams | None = None
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Prompt logprobs and mean or first-token pooling need every position computed."""
+        if self.sampling_params.prompt_logprobs is not None:
+            return False
+        return self.pooling is None or self.pooling.reads_prefix_cache
 
     @property
     def num_prompt_tokens(self) -> int:

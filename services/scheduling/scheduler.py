@@ -251,6 +251,7 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             prompt_token_ids=req.prompt_token_ids,
             num_spec=num_spec,
+            pooling=req.pooling,
         )
 
     # ---- update ------------------------------------------------------------------------------
@@ -268,6 +269,9 @@ class Scheduler:
             tokens = sampled.get(sr.request_id, ()) if sr.sample else ()
             kept = max(len(tokens) - 1, 0) if sr.num_spec else 0
             req.num_computed_tokens += sr.num_new_tokens - sr.num_spec + kept
+            if sr.sample and req.pooling is not None:
+                updates.append(self._pooled(req))
+                continue
             if sr.num_spec > kept:  # blocks that held only rejected drafts go back
                 self.kv.trim(req, req.num_computed_tokens + 1)  # + the token still to compute
             for token in tokens:
@@ -290,6 +294,15 @@ class Scheduler:
                 if reason is not None:
                     break  # the rest of a kept run is past the end
         return updates
+
+    def _pooled(self, req: Request) -> StepUpdate:
+        """An embedding whose whole prompt is computed: done, its blocks freed (or cached)."""
+        self._finish(req, FinishReason.STOP)
+        return StepUpdate(
+            request_id=req.request_id, token=None, finished=True, finish_reason="stop",
+            stop_reason=None, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens, queue_s=req.queue_s,
+        )  # fmt: skip
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

@@ -227,3 +227,18 @@ def test_the_gateway_gets_the_drain_timeout_the_launcher_waits_for(
     # SIGKILL only after the gateway's whole drain, so streams end with finish_reason and [DONE]
     assert shutdown_grace(plan.drain_timeout_s, floor_s=15.0) == drain + DRAIN_MARGIN_S
     assert shutdown_grace(plan.drain_timeout_s, floor_s=drain + 60) == drain + 60  # env floor
+
+
+def test_task_embed_and_the_pooler_reach_the_colocated_workers() -> None:
+    pooler = '{"pooling_type": "MEAN"}'
+    plan = plan_for("--colocated", "2", "--task", "embed", "--pooler-config", pooler)
+    for worker in plan.workers:
+        args = reparse(worker.spec.argv)
+        assert (args.task, args.pooler_config) == ("embed", pooler)
+    for worker in plan_for("--colocated", "1").workers:  # generate, the default, goes unsaid
+        assert "--task" not in worker.spec.argv and "--pooler-config" not in worker.spec.argv
+
+
+def test_task_embed_in_a_disaggregated_topology_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--task embed is served by colocated workers"):
+        plan_for("--task", "embed")

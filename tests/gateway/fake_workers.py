@@ -22,6 +22,7 @@ from protos import (
     kv_control_pb2,
     prefill_pb2,
     prefill_pb2_grpc,
+    worker_pb2,
     worker_pb2_grpc,
 )
 from services.common.multiplex import multiplex
@@ -51,6 +52,7 @@ class Behavior:
     vocab_size: int = 49152
     cached_tokens: int = 0
     num_waiting: int = 0  # what GetLoad reports waiting (the gateway reads it at its next poll)
+    task: str = "generate"  # a colocated worker's --task: embed answers Embed, generate refuses it
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Records:
     decode_calls: list[str] = field(default_factory=list)
     local_prefills: list[str] = field(default_factory=list)  # Decode calls with local_prefill
     samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
+    embeds: list[worker_pb2.EmbedRequest] = field(default_factory=list)
 
 
 class FakeEngine:
@@ -160,6 +163,7 @@ class FakeEngine:
             free_blocks=TOTAL_BLOCKS - reserved, total_blocks=TOTAL_BLOCKS,
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
             kv_transfer_bytes=1234, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
+            task=b.task if self.role == "colocated" else "",
         )  # fmt: skip
 
 
@@ -207,6 +211,24 @@ class Worker(worker_pb2_grpc.WorkerServiceServicer):
     async def GenerateStream(self, request_iterator, context):
         async for batch in multiplex(request_iterator, "generate", self.Generate):
             yield batch
+
+    async def Embed(self, request, context):
+        """Input i's vector: [its length, its first id, its last id, 0.5] (normalize ignored)."""
+        self.e._note(request.request_id, context)
+        self.e.records.embeds.append(request)
+        await _guard(context, self.e.behavior)
+        if self.e.behavior.task != "embed":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake worker: --task generate")
+        await asyncio.sleep(self.e.behavior.first_delay_s)
+        return worker_pb2.EmbedResponse(
+            embeddings=[
+                worker_pb2.Embedding(
+                    values=[len(x.token_ids), x.token_ids[0], x.token_ids[-1], 0.5],
+                    num_prompt_tokens=len(x.token_ids),
+                )
+                for x in request.inputs
+            ]
+        )
 
     async def Abort(self, request, context):
         self.e.records.aborts.append(request.request_id)

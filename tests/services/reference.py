@@ -42,9 +42,8 @@ def greedy_reference(prompts: list[list[int]], max_tokens: int) -> list[Expected
 _HF: Any = None
 
 
-def transformers_logprobs(ids: list[int]) -> Any:
-    """transformers' log-softmax over the embedded model's forward pass (float32, CPU): a
-    [len(ids), vocab] tensor; row q is the distribution of the token at q + 1."""
+def _hf() -> Any:
+    """transformers' model of the embedded GGUF, float32 on the CPU (loaded once)."""
     global _HF
     import torch
 
@@ -61,5 +60,21 @@ def transformers_logprobs(ids: list[int]) -> Any:
         _HF = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(spec.origin), gguf_file=EMBEDDED_GGUF, dtype=torch.float32
         ).eval()
+    return _HF
+
+
+def transformers_logprobs(ids: list[int]) -> Any:
+    """transformers' log-softmax over the embedded model's forward pass (float32, CPU): a
+    [len(ids), vocab] tensor; row q is the distribution of the token at q + 1."""
+    import torch
+
     with torch.no_grad():
-        return _HF(torch.tensor([ids])).logits[0].log_softmax(-1)
+        return _hf()(torch.tensor([ids])).logits[0].log_softmax(-1)
+
+
+def transformers_hidden(ids: list[int]) -> Any:
+    """The base model's ``last_hidden_state`` (after the final RMSNorm), [len(ids), hidden]."""
+    import torch
+
+    with torch.no_grad():
+        return _hf().model(input_ids=torch.tensor([ids])).last_hidden_state[0]

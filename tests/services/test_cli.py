@@ -298,3 +298,25 @@ def test_the_gateway_command_resolves_its_tokenizer_and_name(
     assert HANDLERS["gateway"](missing) == 2
     assert "cannot find a tokenizer for --model" in capsys.readouterr().err
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--task", "embed"], "--task embed is served by colocated workers"),
+        (["prefill", "--port", "0", "--task", "embed"], "served by a colocated worker"),
+    ],
+)
+def test_task_embed_outside_a_colocated_worker_exits_2(argv: list[str], message: str) -> None:
+    """Refused before anything starts or loads, with one line that says what to do."""
+    done = subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stdout + done.stderr
+
+
+def test_a_bad_pooler_config_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["worker", "--port", "0", "--pooler-config", '{"x": 1}'])
+    assert exit_.value.code == 2
+    assert "key(s) not supported: x" in capsys.readouterr().err

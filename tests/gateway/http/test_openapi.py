@@ -32,11 +32,13 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def contract_stack(tokenizer_dir: str) -> Iterator[Stack]:
-    # a short context and a small fan-out keep every generated request cheap
-    stack = Stack(tokenizer_dir, ["prefill", "decode"], max_fanout=8)
+    # a short context and a small fan-out keep every generated request cheap; the colocated
+    # worker serves /v1/embeddings (--task embed), the pair everything else
+    stack = Stack(tokenizer_dir, ["prefill", "decode", "colocated"], max_fanout=8)
     stack.start()
     for w in stack.workers:
         w.behavior.max_model_len = 64
+    stack.role("colocated")[0].behavior.task = "embed"
     stack.run(stack.state.registry.poll_all())
     try:
         yield stack
@@ -69,7 +71,8 @@ def _checker(operation: Any, mode: GenerationMode) -> Callable[[], None]:
 def test_api_conforms_to_its_openapi_document(contract_stack: Stack) -> None:
     operations = _operations(contract_stack.base_url)
     labels = {op.label for op in operations}  # schemathesis skips /openapi.json itself
-    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize"} <= labels
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings",
+            "POST /tokenize"} <= labels  # fmt: skip
     for operation, mode in itertools.product(operations, GenerationMode):
         if mode == GenerationMode.NEGATIVE and operation.method.upper() != "POST":
             continue  # nothing to get wrong in a GET without parameters

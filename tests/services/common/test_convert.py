@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from gateway.workers.convert import sampling_to_pb
-from protos import common_pb2
+from gateway.core.events import Embedding, EmbedWork
+from gateway.workers.convert import (
+    embed_request_to_pb,
+    embeddings_from_pb,
+    load_from_pb,
+    sampling_to_pb,
+)
+from protos import common_pb2, worker_pb2
 from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.pooling_params import PoolingParams
 from protos.sampling_params import (
     InvalidRequestError,
     SamplingParams,
     StructuredOutput,
 )
-from services.common.convert import histogram_to_pb, output_to_chunk, sampling_from_pb
+from services.common.convert import (
+    embedding_to_pb,
+    histogram_to_pb,
+    output_to_chunk,
+    pooling_from_pb,
+    sampling_from_pb,
+)
+from services.config import PoolerConfig
 from services.engine.outputs import RequestOutput
 from services.engine.step_stats import TokenHistogram
 
@@ -129,3 +145,29 @@ def test_a_malformed_histogram_is_dropped(bad: common_pb2.Histogram) -> None:
     from gateway.workers.convert import histogram_from_pb
 
     assert histogram_from_pb(bad) == Histogram()
+
+
+def test_an_embed_request_and_its_vectors_survive_the_wire() -> None:
+    """Gateway -> worker -> gateway: inputs in order, normalize only where the client set it,
+    float32 values exact; the worker's --pooler-config fills what the request leaves out."""
+    work = EmbedWork("embd-1", ((1, 2, 3), (9,)), normalize=False, priority=-2)
+    msg = worker_pb2.EmbedRequest.FromString(embed_request_to_pb(work).SerializeToString())
+    assert [list(x.token_ids) for x in msg.inputs] == [[1, 2, 3], [9]]
+    assert (msg.request_id, msg.priority) == ("embd-1", -2)
+    pooler = PoolerConfig("mean", normalize=True)
+    assert pooling_from_pb(msg, pooler) == PoolingParams("mean", normalize=False)
+    unset = embed_request_to_pb(replace(work, normalize=None))
+    assert not unset.HasField("normalize")
+    assert pooling_from_pb(unset, pooler) == PoolingParams("mean", normalize=True)
+    values = [0.5, -1.25, 2.0**-30, 1234.5]  # float32-exact
+    outs = [RequestOutput(f"embd-1-{i}", [], "", True, "stop", num_prompt_tokens=n,
+                          num_cached_tokens=c, embedding=values[i:])
+            for i, (n, c) in enumerate([(3, 0), (1, 1)])]  # fmt: skip
+    reply = worker_pb2.EmbedResponse(embeddings=[embedding_to_pb(o) for o in outs])
+    back = embeddings_from_pb(worker_pb2.EmbedResponse.FromString(reply.SerializeToString()))
+    assert back == [Embedding(tuple(values), 3, 0), Embedding(tuple(values[1:]), 1, 1)]
+
+
+def test_the_worker_task_reaches_the_gateway() -> None:
+    assert load_from_pb(common_pb2.WorkerLoad(task="embed")).task == "embed"
+    assert load_from_pb(common_pb2.WorkerLoad()).task == ""  # an older worker: generate

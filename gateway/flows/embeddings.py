@@ -1,0 +1,125 @@
+"""OpenAI's embeddings request parsed and checked, and its vectors encoded for the response.
+
+``input`` is a string, a list of strings, a list of token ids or a list of such lists (OpenAI's
+four shapes); ``encoding_format`` float or base64 (the ``openai`` client asks for base64 unless
+told otherwise: little-endian float32 bytes). As on the other routes, unknown fields are ignored
+and the fields of ``EMBEDDING`` that ask for something not implemented are a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.core.errors import invalid
+from gateway.flows.fields import INT32_MAX, Fields, check_int, require_object
+from gateway.flows.prepare import check_vocab
+from gateway.flows.unsupported import NEUTRAL, refuse_unsupported
+
+MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
+ENCODING_FORMATS = ("float", "base64")
+Input = str | tuple[int, ...]
+
+EMBEDDING: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "dimensions": (
+        "this model does not support dimensions: its embeddings have the size of its hidden "
+        "state (drop the field)",
+        (None,),
+    ),
+    "truncate_prompt_tokens": ("input truncation is not implemented; shorten the input", NEUTRAL),
+    "embed_dtype": ("embeddings are float32", (None, "float32")),
+    "encoding_type": ("embeddings are float32", (None, "float32")),
+    "mm_processor_kwargs": ("multimodal input is not implemented yet", NEUTRAL),
+    "lora_request": ("LoRA adapters are not implemented yet", NEUTRAL),
+    "cache_salt": ("per-request prefix-cache salts are not implemented", NEUTRAL),
+}
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    model: str | None
+    inputs: tuple[Input, ...]
+    encoding_format: str  # float | base64
+    normalize: bool | None  # vLLM's per-request override of the worker's --pooler-config
+    add_special_tokens: bool
+    priority: int
+    user: str | None
+
+
+def _inputs(value: Any) -> tuple[Input, ...]:
+    shapes = (
+        "input must be a non-empty string, a list of strings, a list of token ids or a list of "
+        "lists of token ids"
+    )
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise invalid(shapes, "input")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        value = [value]
+    if len(value) > MAX_INPUTS:
+        raise invalid(f"at most {MAX_INPUTS} inputs per request, got {len(value)}", "input")
+    out: list[Input] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list):
+            out.append(tuple(check_int(t, f"input[{i}]", 0, INT32_MAX) for t in item))
+        else:
+            raise invalid(shapes, "input")
+        if len(out[-1]) == 0:
+            raise invalid(f"input[{i}] is empty: every input needs at least one token", "input")
+    if len({type(x) for x in out}) > 1:
+        raise invalid("input must not mix strings and token ids in one list", "input")
+    return tuple(out)
+
+
+def parse_embedding(body: Any) -> EmbeddingRequest:
+    f = Fields(require_object(body))
+    refuse_unsupported(f.body, EMBEDDING)
+    if f.get("input") is None:
+        raise invalid("input is required", "input")
+    fmt = f.get_str("encoding_format", "float")
+    if fmt not in ENCODING_FORMATS:
+        raise invalid(f"encoding_format must be float or base64, got {fmt!r}", "encoding_format")
+    normalize = f.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise invalid("normalize must be true or false", "normalize")
+    return EmbeddingRequest(
+        model=f.get_str("model", None),
+        inputs=_inputs(f.get("input")),
+        encoding_format=fmt or "float",
+        normalize=normalize,
+        add_special_tokens=f.get_bool("add_special_tokens", True),
+        priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
+        user=f.get_str("user", None, 1024),
+    )
+
+
+def check_inputs(ids: Sequence[Sequence[int]], max_model_len: int | None, vocab_size: int) -> None:
+    """Each tokenized input: not empty, in the vocabulary, within the context (400s)."""
+    for i, one in enumerate(ids):
+        if not one:
+            raise invalid(f"input[{i}] has no tokens", "input")
+        check_vocab(one, vocab_size, "input")
+        if max_model_len is not None and len(one) > max_model_len:
+            raise invalid(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"input[{i}] has {len(one)} tokens. Please reduce the length of the input.",
+                "input",
+                code="context_length_exceeded",
+            )
+
+
+def encode_vector(values: Sequence[float], encoding_format: str) -> list[float] | str:
+    """A vector as the response carries it: numbers, or base64 of little-endian float32."""
+    if encoding_format == "float":
+        return list(values)
+    packed = array.array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
