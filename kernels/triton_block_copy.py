@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
+    KV_DTYPES,
     check_devices,
     check_tensor,
     next_pow2,
@@ -78,7 +78,7 @@ def _layout(cache: torch.Tensor) -> tuple[object, ...]:
 
 
 def _check_layer(i: int, cache: torch.Tensor, first: torch.Tensor) -> None:
-    check_tensor(f"kv_caches[{i}]", cache, ndim=5, dtypes=FLOAT_DTYPES)
+    check_tensor(f"kv_caches[{i}]", cache, ndim=5, dtypes=KV_DTYPES)
     if cache.shape[0] != 2:
         raise ValueError(
             f"kv_caches[{i}] must be [2, blocks, bs, Hkv, D], got {tuple(cache.shape)}"
@@ -127,7 +127,7 @@ def _check_caches(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> tor
 
 
 def _check_buffer(name: str, buffer: torch.Tensor, expected: tuple[int, ...], cache: torch.Tensor) -> None:  # fmt: skip
-    check_tensor(name, buffer, ndim=6, dtypes=FLOAT_DTYPES)
+    check_tensor(name, buffer, ndim=6, dtypes=KV_DTYPES)
     if tuple(buffer.shape) != expected:
         raise ValueError(f"{name} shape {tuple(buffer.shape)} != expected {expected}")
     if not buffer.is_contiguous():

@@ -339,6 +339,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "memory on a GPU; 0: off)",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV cache element type: auto (the model's dtype) or fp8 (e4m3, scale 1.0: twice "
+        "the blocks of a 16-bit cache in the same memory; a GPU needs compute capability 8.9+). "
+        "Prefill and decode workers must agree",
+    )
+    g.add_argument(
         "--num-blocks",
         type=_positive_int,
         default=None,

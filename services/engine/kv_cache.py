@@ -20,6 +20,20 @@ CPU_DEFAULT_MAX_MODEL_LEN = 2048
 CPU_DEFAULT_KV_SEQS = 1
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``--kv-cache-dtype``: auto keeps the model's dtype; fp8 stores e4m3 (the attention layers
+    scale and round what they write and read it back in the model's dtype: kernels.attention)."""
+    if name == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(
+            f"--kv-cache-dtype {name} needs FP8 conversions (compute capability 8.9+: Ada, Hopper "
+            f"or later); this GPU is {major}.{minor}: drop the flag"
+        )
+    return torch.float8_e4m3fn
+
+
 def block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     return arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
 

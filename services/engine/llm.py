@@ -205,6 +205,7 @@ def config_from_args(args: Any) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_gib=args.kv_cache_gib,
         kv_offloading_gib=getattr(args, "kv_offloading_gib", 0.0),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         num_blocks=args.num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,

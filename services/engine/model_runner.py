@@ -22,6 +22,7 @@ from services.engine.kv_cache import (
     HostKV,
     allocate_kv_caches,
     check_fits,
+    kv_cache_dtype,
     plan_num_blocks,
 )
 from services.engine.kv_handoff import LayerSink
@@ -72,6 +73,7 @@ class ModelRunner:
         max_pos = 1 << 17
         self.model, self.arch, self.files = load_model(config.model, self.device, max_pos)
         self.dtype = self.model.lm_head.weight.dtype
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         limit = self.arch.max_position_embeddings
         default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos
         self.max_model_len = config.model.max_model_len or min(limit, max_pos, default_len)
@@ -84,12 +86,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = self._plan_blocks()
         self.kv_caches = allocate_kv_caches(
-            self.arch, self.num_blocks, self.block_size, self.dtype, self.device
+            self.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
         gib = config.cache.kv_offloading_gib
-        self.num_host_slots = HostKV.slots_for(gib, self.arch, self.block_size, self.dtype)
+        self.num_host_slots = HostKV.slots_for(gib, self.arch, self.block_size, self.kv_dtype)
         self.host_kv = (
-            HostKV(self.arch, self.num_host_slots, self.block_size, self.dtype, self.device)
+            HostKV(self.arch, self.num_host_slots, self.block_size, self.kv_dtype, self.device)
             if self.num_host_slots > 0
             else None
         )
@@ -143,7 +145,7 @@ class ModelRunner:
                 int(total * self.config.cache.gpu_memory_utilization) - used - reserve_activations
             )
         n = plan_num_blocks(
-            self.config.cache, self.arch, self.dtype, self.device, self.max_model_len, free
+            self.config.cache, self.arch, self.kv_dtype, self.device, self.max_model_len, free
         )
         hint = (
             "--gpu-memory-utilization or --num-blocks"

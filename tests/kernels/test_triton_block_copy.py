@@ -21,7 +21,7 @@ def views_of_one_pool(n: int, dtype: torch.dtype, gen: torch.Generator, device: 
 
 
 @pytest.mark.parametrize("make", [separate_layers, views_of_one_pool])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_gather_then_scatter_round_trip(make, dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
     src = make(3, dtype, gen, device)
     ids = torch.tensor([7, 0, 11, 3], device=device)

@@ -47,6 +47,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.d**-0.5
+        # an FP8 KV cache holds k / k_scale and v / v_scale (--kv-cache-dtype fp8: 1.0, as vLLM
+        # without calibrated scales); reading multiplies them back, folded into the softmax scale
+        # and the output. A 16-bit cache ignores them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -67,10 +72,16 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.d))[0].view(T, self.nkv, self.d)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # one launch: rotate q (into a new tensor) and k, write k and v into their slots
-        q = ops.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        q = ops.rotary_write_kv(
+            positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
+            self.k_scale, self.v_scale,
+        )  # fmt: skip
         if meta.on_kv_written is not None:  # this layer's KV can leave now (a prefill hand-off)
             meta.on_kv_written(self.layer)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        scaled = k_cache.element_size() == 1  # FP8: the scales apply
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale * (self.k_scale if scaled else 1))
+        if scaled and self.v_scale != 1.0:
+            o = o * self.v_scale
         return self.o_proj(o.reshape(T, self.nq * self.d))  # [T, hidden]
 
 
