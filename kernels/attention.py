@@ -13,6 +13,9 @@ have the same signatures and are tested against them.
 
 from __future__ import annotations
 
+import functools
+import struct
+
 import torch
 
 from kernels.layers import ref_rotary_embedding
@@ -21,11 +24,19 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 E4M3_MAX = 448.0
 
 
+@functools.cache
+def inverse_scale(scale: float) -> float:
+    """``1 / scale`` rounded to float32: what the FP8 writes multiply by (kernels too)."""
+    return float(struct.unpack("f", struct.pack("f", 1.0 / scale))[0])
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """K or V as a cache of ``dtype`` stores it: an FP8 cache holds ``x / scale`` rounded to the
-    nearest e4m3 value (saturated at +-448); any other cache, ``x`` cast to its dtype."""
+    """K or V as a cache of ``dtype`` stores it: an FP8 cache holds ``x / scale`` (computed as
+    ``x * inverse_scale(scale)`` in float32) rounded to the nearest e4m3 value, saturated at
+    +-448; any other cache, ``x`` cast to its dtype."""
     if dtype in FP8_KV_DTYPES:
-        return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(dtype)
+        inv = torch.tensor(inverse_scale(scale), dtype=torch.float32, device=x.device)
+        return (x.float() * inv).clamp(-E4M3_MAX, E4M3_MAX).to(dtype)
     return x.to(dtype)
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import FP8_KV_DTYPES
+from kernels.attention import FP8_KV_DTYPES, inverse_scale
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -30,7 +30,7 @@ __all__ = ["paged_decode_attention", "prefill_attention", "rotary_write_kv", "wr
 
 @triton.jit(do_not_specialize=["slot_ptr"])  # a per-step staging slice
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale, v_scale,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv,
     s_kt, s_kh, s_vt, s_vh, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
@@ -47,8 +47,8 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=mask)
     kc = kc_ptr + blk * s_kcn + off * s_kcb + offs_h[:, None] * s_kch + offs_d[None, :]
     vc = vc_ptr + blk * s_vcn + off * s_vcb + offs_h[:, None] * s_vch + offs_d[None, :]
-    tl.store(kc, to_kv(k, k_scale, FP8).to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, to_kv(v, v_scale, FP8).to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, to_kv(k, k_inv, FP8).to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, to_kv(v, v_inv, FP8).to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(
@@ -80,7 +80,7 @@ def write_kv(
         return
     block_h, block_d = next_pow2(hkv), next_pow2(d)
     _write_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
+        k, v, k_cache, v_cache, slot_mapping, inverse_scale(k_scale), inverse_scale(v_scale),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=bs,
@@ -91,7 +91,7 @@ def write_kv(
 
 @triton.jit
 def _rotate_into(
-    src_ptr, s_src_h, dst_ptr, s_dst_h, num_heads, cos, sin, gate, dst_scale,
+    src_ptr, s_src_h, dst_ptr, s_dst_h, num_heads, cos, sin, gate, dst_inv,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)
@@ -105,15 +105,15 @@ def _rotate_into(
     # round like the reference: rotate in the source dtype (as transformers does), store in it,
     # then cast to the cache's (an FP8 cache: scaled and rounded to e4m3 first)
     o1, o2 = rotate_half_pair(x1, x2, cos[None, :], sin[None, :], src_ptr.dtype.element_ty)
-    o1 = to_kv(o1.to(src_ptr.dtype.element_ty), dst_scale, FP8)
-    o2 = to_kv(o2.to(src_ptr.dtype.element_ty), dst_scale, FP8)
+    o1 = to_kv(o1.to(src_ptr.dtype.element_ty), dst_inv, FP8)
+    o2 = to_kv(o2.to(src_ptr.dtype.element_ty), dst_inv, FP8)
     tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])  # per-step staging slices
 def _rotary_write_kv_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale, v_scale,
+    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cs, s_ot, s_oh,
     s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
@@ -134,7 +134,7 @@ def _rotary_write_kv_kernel(
     off = slot % BLOCK_SIZE
     _rotate_into(
         k_ptr + t * s_kt, s_kh, kc_ptr + blk * s_kcn + off * s_kcb, s_kch, num_kv_heads, cos, sin,
-        slot, k_scale, HALF, BLOCK_HK, BLOCK_HALF, FP8,
+        slot, k_inv, HALF, BLOCK_HK, BLOCK_HALF, FP8,
     )  # fmt: skip
     offs_h = tl.arange(0, BLOCK_HK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -142,7 +142,7 @@ def _rotary_write_kv_kernel(
     vmask = v_heads[:, None] & (offs_d < HEAD_DIM)[None, :]
     v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=vmask)
     vc = vc_ptr + blk * s_vcn + off * s_vcb + offs_h[:, None] * s_vch + offs_d[None, :]
-    tl.store(vc, to_kv(v, v_scale, FP8).to(vc_ptr.dtype.element_ty), mask=vmask)
+    tl.store(vc, to_kv(v, v_inv, FP8).to(vc_ptr.dtype.element_ty), mask=vmask)
 
 
 def rotary_write_kv(
@@ -193,7 +193,7 @@ def rotary_write_kv(
     tile = next_pow2(hq) * next_pow2(half)
     _rotary_write_kv_kernel[(t,)](
         positions, q, k, v, cos_sin_cache, out, k_cache, v_cache, slot_mapping,
-        float(k_scale), float(v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        inverse_scale(k_scale), inverse_scale(v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], hq, hkv,
         HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),

@@ -124,20 +124,24 @@ def round_to_e4m3(x):
     float32: the cast to ``tl.float8e4nv`` after it is then exact. The same as torch's
     ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``, in plain float arithmetic: Triton's
     interpreter casts float -> fp8 wrongly when rounding carries into the exponent (1.98 -> 1.0)."""
-    bits = x.to(tl.int32, bitcast=True)
     a = tl.minimum(tl.abs(x), 448.0)
     exp = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # -6: subnormals
     quantum = ((exp + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exp - 3): 3 mantissa bits
-    r = ((a / quantum + 8388608.0) - 8388608.0) * quantum  # + 2^23 - 2^23: round half to even
-    return tl.where(bits < 0, -r, r)  # bits, not x < 0: -0.0 keeps its sign
+    inverse = ((130 - exp) << 23).to(tl.float32, bitcast=True)  # 1 / quantum, exactly
+    r = ((a * inverse + 8388608.0) - 8388608.0) * quantum  # + 2^23 - 2^23: round half to even
+    # x's sign bit on r (a negation would turn -0.0 into +0.0 on the GPU)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def to_kv(x, scale, FP8: tl.constexpr):
-    """A K or V value as the cache stores it: ``x / scale`` rounded to e4m3 for an FP8 cache
-    (cast to the cache's dtype after), ``x`` unchanged otherwise."""
+def to_kv(x, inv_scale, FP8: tl.constexpr):
+    """A K or V value as the cache stores it: ``x * inv_scale`` (float32) rounded to e4m3 for an
+    FP8 cache (cast to the cache's dtype after), ``x`` unchanged otherwise. A product, not a
+    quotient: float division is approximate in compiled Triton and in torch's CUDA kernels alike,
+    while a float32 product rounds the same everywhere."""
     if FP8:
-        return round_to_e4m3(x.to(tl.float32) / scale)
+        return round_to_e4m3(x.to(tl.float32) * inv_scale)
     else:
         return x
 
