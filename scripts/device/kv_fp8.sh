@@ -26,7 +26,7 @@ if has latency; then
     python3 -m services.cli bench latency --model llama-3.1-8b --load-format dummy \
       --dtype bfloat16 --kv-cache-dtype "$kv" --batch-sizes 1,64 --input-len 1024 \
       --output-len 64 --max-model-len 2048 >"$out/latency-$kv.out" 2>"$out/latency-$kv.err" \
-      && tail -1 "$out/latency-$kv.out" >"$out/latency-$kv.json" \
+      && sed -n '/^{/,$p' "$out/latency-$kv.out" >"$out/latency-$kv.json" \
       || echo "latency $kv failed: $(tail -3 "$out/latency-$kv.err")"
   done
 fi
