@@ -49,12 +49,12 @@ typecheck: venv
 # One torch thread per process: the in-process engines of the tests share the machine's cores
 # with the worker processes they start (which get OMP_NUM_THREADS=1 too, tests/services/procs.py);
 # torch's default of one thread per core oversubscribes them and made tiny-model tests ~9x slower.
-# Two pytest-xdist workers, one per core of a CI machine; tests/conftest.py keeps every test that
-# starts serving processes in one group, run one at a time (memory). TEST_WORKERS=0: no xdist.
+# Two pytest-xdist workers, one per core of a CI machine; tests/conftest.py's scheduler keeps
+# every test that starts serving processes in one unit, run one at a time (memory).
+# TEST_WORKERS=0: no xdist.
 TEST_WORKERS ?= 2
 test: venv lint typecheck lm-eval-venv
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25 \
-		-n $(TEST_WORKERS) --dist loadgroup
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS)
 
 serve: serve-venv
 	$(VENV)/bin/tandem up --port $(PORT) --model $(MODEL) $(ARGS)

@@ -1,36 +1,65 @@
 """How the suite shares the machine: `make test` runs it on two pytest-xdist workers
-(``-n 2 --dist loadgroup``, one per core of a CI machine).
+(``-n 2``, one per core of a CI machine), scheduled by :class:`OneServingModuleAtATime`.
 
-Every test that starts serving processes (workers, gateways, ``tandem up``: ~2 GiB each) goes to one
-xdist group, ``processes``, so those tests run one at a time as they would without xdist: memory stays
-where it was, and the session fleet of ``tests/services/procs.py`` is started once, in one xdist
-worker. Every other test module is a group of its own, so its module fixtures (a loaded model, a
-started fake stack) are set up once. Without xdist (a plain ``pytest``) the groups mean nothing.
+Every module that starts serving processes (workers, gateways, ``tandem up``: ~2 GiB each) is in
+:data:`SERVING_MODULES`, and they all form one unit of work, run one test at a time in one xdist
+worker as they would without xdist: memory stays where it was, and the session fleet of
+``tests/services/procs.py`` is started once. Every other module is a unit of its own, so its
+module fixtures (a loaded model, a fake stack) are set up once. Without xdist (a plain
+``pytest``) nothing here applies.
+
+(xdist's own ``--dist loadgroup`` cannot do this under pytest 9: it renames items through
+``Item._nodeid``, which pytest 9 no longer reads, so every test became a group of its own and
+two xdist workers started two fleets.)
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 PROCESSES = "processes"
 
-# Modules whose tests start real serving processes without the `fleet` fixture (which marks the
-# others: tests/services/procs.py).
+# Modules whose tests start real serving processes: the users of the `fleet` fixture
+# (tests/services/procs.py; test_the_serving_modules_are_all_listed keeps this list complete),
+# and those that start `tandem up` or `tandem bench disagg` themselves.
 SERVING_MODULES = frozenset(
     {
+        "tests/deploy/bench/test_disagg.py",
         "tests/deploy/test_up_e2e.py",
         "tests/deploy/test_up_scale_e2e.py",
-        "tests/deploy/bench/test_disagg.py",
+        "tests/gateway/test_e2e_embeddings.py",
+        "tests/gateway/test_e2e_lm_eval.py",
+        "tests/gateway/test_e2e_prompt_logprobs.py",
+        "tests/gateway/test_e2e_real.py",
+        "tests/gateway/test_e2e_speculative.py",
+        "tests/gateway/test_e2e_structured.py",
+        "tests/protos/test_auth.py",
+        "tests/services/common/test_server.py",
+        "tests/services/decode/test_server.py",
+        "tests/services/prefill/test_server.py",
+        "tests/services/test_gpu_disagg.py",
+        "tests/services/worker/test_server.py",
     }
 )
 
 
-def starts_serving_processes(item: pytest.Item) -> bool:
-    path = item.nodeid.split("::", 1)[0]
-    return "fleet" in getattr(item, "fixturenames", ()) or path in SERVING_MODULES
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: every serving module together, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return PROCESSES if module in SERVING_MODULES else module
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        group = PROCESSES if starts_serving_processes(item) else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneServingModuleAtATime(LoadScopeScheduling):
+        """xdist's per-module scheduling, with every serving module in one unit (run first:
+        units go out largest first, and it is by far the largest)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return OneServingModuleAtATime(config, log)
