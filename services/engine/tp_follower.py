@@ -61,7 +61,10 @@ def main(rank: int, size: int, port: int) -> int:
 if __name__ == "__main__":
     logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"))
     try:
-        sys.exit(main(*(int(a) for a in sys.argv[1:4])))
+        code = main(*(int(a) for a in sys.argv[1:4]))
     except Exception:  # rank 0 notices the exit at its next collective and names this rank
         traceback.print_exc()
-        sys.exit(1)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown (torch's takes seconds): rank 0 waits for this exit

@@ -58,3 +58,11 @@ def test_an_unsupported_architecture_is_a_clean_error(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr[-2000:]
     assert "model_type 'gpt_neox' is not supported" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_heads_that_cannot_be_split_over_the_ranks_are_a_clean_error() -> None:
+    """SmolLM2's 9 query and 3 KV heads over 4 ranks: refused before any rank starts."""
+    res = _tandem("--tensor-parallel-size", "4", "--prompt", "hi", timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--tensor-parallel-size 4: 3 KV heads and 9 query heads cannot be split" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -10,18 +10,12 @@ from services.config import ConfigError
 from services.engine.model_config import ArchConfig, MoeConfig
 from services.engine.tp_layout import CheckpointSlice, TPLayout, split
 
+# SmolLM2-135M's shapes
 ARCH = ArchConfig(
-    model_type="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=2,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rms_norm_eps=1e-5,
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
     rope_theta=1e4,
-)  # fmt: skip  (SmolLM2-135M's heads)
+)  # fmt: skip
 
 
 def _layouts(arch: ArchConfig, size: int) -> list[TPLayout]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,23 +36,42 @@ PROMPT_LENS = [1, 5, 23, 150]  # 150 > the CPU's 128-token step: a chunked prefi
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def no_rank_left() -> Iterator[None]:
-    yield
+    yield  # after the module's engines are closed
     assert rank_processes() == [], "a tensor-parallel rank outlived its engine"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    cache: dict[str, Path] = {}
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, int], LLM]]:
+    """``engine(name, size)``: the model's engine on ``size`` ranks, kept for the next test
+    that asks for it; one engine of several ranks at a time, closed gracefully when the next
+    one starts (every rank took the stop message and exited 0)."""
+    paths: dict[str, str] = {}
+    engines: dict[tuple[str, int], LLM] = {}
 
-    def get(name: str) -> Path:
-        if name not in cache:
+    def close(key: tuple[str, int]) -> None:
+        llm = engines.pop(key)
+        ranks = llm.engine.runner.ranks
+        llm.close()
+        if ranks is not None:
+            assert [p.returncode for p in ranks.procs] == [0] * (key[1] - 1)
+
+    def get(name: str, size: int) -> LLM:
+        if name not in paths:
             model_type, config = MODELS[name]
-            cache[name] = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
-        return cache[name]
+            path = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
+            paths[name] = str(path)
+        if (name, size) not in engines:
+            if size > 1:
+                for key in [k for k in engines if k[1] > 1]:
+                    close(key)
+            engines[name, size] = LLM(paths[name], tensor_parallel_size=size)
+        return engines[name, size]
 
-    return get
+    yield get
+    for key in list(engines):
+        close(key)
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -65,58 +83,34 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
     return [r.outputs[0] for r in llm.generate(prompts, params)]
 
 
-def _tp(model: str, size: int, **knobs: Any) -> LLM:
-    llm = LLM(model, tensor_parallel_size=size, **knobs)
-    assert llm.engine.runner.ranks is not None
-    assert len(llm.engine.runner.ranks.procs) == size - 1
-    return llm
-
-
-def _close(llm: LLM) -> None:
-    """Stopped gracefully: every rank took the stop message and exited 0."""
-    ranks = llm.engine.runner.ranks
-    assert ranks is not None
-    llm.close()
-    assert [p.returncode for p in ranks.procs] == [0] * len(ranks.procs)
-
-
 @pytest.mark.parametrize(
     ("name", "size"),
     [
         ("llama-2kv", 2),
         ("llama-4kv", 2),
         ("llama-3kv-uneven", 2),
-        ("qwen3-2kv", 2),
         pytest.param("llama-2kv", 4, id="llama-2kv-tp4-kv-replicated"),
+        ("qwen3-2kv", 2),  # last: the next test goes on with its engine
     ],
 )
 def test_greedy_tokens_equal_one_rank(
-    name: str, size: int, checkpoint: Callable[[str], Path]
+    name: str, size: int, engine: Callable[[str, int], LLM]
 ) -> None:
-    path, prompts = str(checkpoint(name)), _prompts(len(name))
-    want = [o.token_ids for o in _generate(LLM(path), prompts, GREEDY)]
-    llm = _tp(path, size)
-    try:
-        got = [o.token_ids for o in _generate(llm, prompts, GREEDY)]
-    finally:
-        _close(llm)
+    prompts = _prompts(len(name))
+    want = [o.token_ids for o in _generate(engine(name, 1), prompts, GREEDY)]
+    got = [o.token_ids for o in _generate(engine(name, size), prompts, GREEDY)]
     assert got == want
 
 
-def test_logprobs_and_seeded_sampling_equal_one_rank(checkpoint: Callable[[str], Path]) -> None:
+def test_logprobs_and_seeded_sampling_equal_one_rank(engine: Callable[[str, int], LLM]) -> None:
     """Rank 0 samples from the gathered logits; prompt logprobs are scored through them too."""
-    path, prompts = str(checkpoint("qwen3-2kv")), _prompts(3)[1:3]
+    prompts = _prompts(3)[1:3]
     params = [
         SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2),
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
     ]
-    one = LLM(path)
-    want = [one.generate(prompts, p) for p in params]
-    llm = _tp(path, 2)
-    try:
-        got = [llm.generate(prompts, p) for p in params]
-    finally:
-        _close(llm)
+    want = [engine("qwen3-2kv", 1).generate(prompts, p) for p in params]
+    got = [engine("qwen3-2kv", 2).generate(prompts, p) for p in params]
     for w, g in zip(want[1], got[1], strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
     for w, g in zip(want[0], got[0], strict=True):
@@ -132,11 +126,8 @@ def test_logprobs_and_seeded_sampling_equal_one_rank(checkpoint: Callable[[str],
 
 def test_embedded_model_two_ranks_equal_one(llm: LLM, chat_ids: list[list[int]]) -> None:
     """SmolLM2-135M (float32): 3 KV heads over 2 ranks (2 + 1), tied embeddings."""
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    want = [o.token_ids for o in _generate(llm, chat_ids[:3], params)]
-    tp = _tp("embedded", 2)
-    try:
-        got = _generate(tp, chat_ids[:3], params)
-    finally:
-        _close(tp)
-    assert [o.token_ids for o in got] == want
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    want = [o.token_ids for o in _generate(llm, chat_ids[:2], params)]
+    with LLM("embedded", tensor_parallel_size=2) as tp:
+        got = [o.token_ids for o in _generate(tp, chat_ids[:2], params)]
+    assert got == want

@@ -74,10 +74,11 @@ def test_a_rank_that_dies_fails_the_step_and_stops_the_others(model: str) -> Non
 
 
 RANK_ZERO = """
-import os, sys
-from services.engine.llm import LLM
-llm = LLM(sys.argv[1], tensor_parallel_size=2)
-print(llm.engine.runner.ranks.procs[0].pid, flush=True)
+import sys
+from services.engine.llm import build_config
+from services.engine.model_runner import ModelRunner
+runner = ModelRunner(build_config(sys.argv[1], tensor_parallel_size=2))
+print(runner.ranks.procs[0].pid, flush=True)
 sys.stdin.readline()
 """
 
