@@ -78,6 +78,8 @@ class ModelRunner:
         starts the other ranks (``tp_ranks``) and sends them every step."""
         self.config = config
         self.device = device or resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.ranks: Ranks | None = None
         if tp is None and config.tensor_parallel_size > 1:
             # refused here, before any rank starts, when the heads cannot be split
@@ -92,8 +94,6 @@ class ModelRunner:
             raise
 
     def _build(self, config: EngineConfig) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         max_pos = 1 << 17
         self.model, self.arch, self.files = load_model(config.model, self.device, max_pos, self.tp)
         self.kv_arch = self.model.cfg  # this rank's KV heads (all of them without TP)

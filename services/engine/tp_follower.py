@@ -17,6 +17,7 @@ import sys
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from services.config import EngineConfig
@@ -42,6 +43,8 @@ def main(rank: int, size: int, port: int) -> int:
     _follow_parent()
     config: EngineConfig = pickle.loads(sys.stdin.buffer.read())
     device = rank_device(config, resolve_device(config.device), rank)
+    if device.type == "cuda":  # before the NCCL group exists
+        torch.cuda.set_device(device)
     store = dist.TCPStore(
         "127.0.0.1", port, size, False, timeout=timedelta(seconds=START_TIMEOUT_S)
     )
