@@ -126,7 +126,7 @@ def test_logprobs_and_seeded_sampling_equal_one_rank(engine: Callable[[str, int]
 
 def test_embedded_model_two_ranks_equal_one(llm: LLM, chat_ids: list[list[int]]) -> None:
     """SmolLM2-135M (float32): 3 KV heads over 2 ranks (2 + 1), tied embeddings."""
-    params = SamplingParams(temperature=0.0, max_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
     want = [o.token_ids for o in _generate(llm, chat_ids[:2], params)]
     with LLM("embedded", tensor_parallel_size=2) as tp:
         got = [o.token_ids for o in _generate(tp, chat_ids[:2], params)]
