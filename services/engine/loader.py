@@ -192,14 +192,30 @@ def _load_quantized(
     return True
 
 
-def dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights of realistic scale (never zeros), norms at one."""
+def dummy_weights(
+    model: LlamaForCausalLM, seed: int, layout: TPLayout | None = None,
+    arch: ArchConfig | None = None,
+) -> None:  # fmt: skip
+    """Random weights of realistic scale (never zeros), norms at one. A tensor-parallel rank
+    (``layout`` of the whole model's ``arch``) draws each tensor whole and keeps its part."""
     for i, (name, p) in enumerate(model.named_parameters()):
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
             continue
         gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
-        p.data.uniform_(-0.02, 0.02, generator=gen)
+        cut = layout.param_slice(name, arch) if layout is not None and arch is not None else None
+        if cut is None:
+            p.data.uniform_(-0.02, 0.02, generator=gen)
+            continue
+        dim, whole, spans = cut
+        shape = list(p.shape)
+        shape[dim] = whole
+        drawn = torch.empty(shape, dtype=p.dtype, device=p.device).uniform_(
+            -0.02, 0.02, generator=gen
+        )
+        part = torch.cat([drawn.narrow(dim, a, b - a) for a, b in spans], dim)
+        p.data.zero_()  # a padded vocabulary shard's last rows
+        p.data.narrow(dim, 0, part.shape[dim]).copy_(part)
 
 
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "ones_", "zeros_")
@@ -256,7 +272,7 @@ def load_model(
     table = cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
     model.cos_sin = table.to(device)
     if dummy:
-        dummy_weights(model, config.seed)
+        dummy_weights(model, config.seed, layout, arch)
         dummy_quantized(model, config.seed)
     else:
         assert files.hf_dir is not None

@@ -117,3 +117,25 @@ class TPLayout:
             "mlp": self.intermediate,
         }[span]
         return CheckpointSlice(dim, start, end)
+
+    def param_slice(self, name: str, arch: ArchConfig) -> tuple[int, int, list[Span]] | None:
+        """Where this rank's part of our (fused) parameter ``name`` lies in the whole model's
+        (``arch``): the dimension, the whole size along it, the spans to concatenate; None: all
+        of it. Random ``--load-format dummy`` weights are drawn whole and cut here, so N ranks
+        hold the weights of one."""
+        d, nq, nkv, inter = arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.intermediate_size
+        q = (self.q_heads[0] * d, self.q_heads[1] * d)
+        kv = (self.kv_heads[0] * d, self.kv_heads[1] * d)
+        mlp = self.intermediate
+        if name in _VOCAB:
+            return 0, arch.vocab_size, [self.vocab]
+        if ".qkv_proj." in name:
+            k, v = nq * d, (nq + nkv) * d
+            return 0, (nq + 2 * nkv) * d, [q, (k + kv[0], k + kv[1]), (v + kv[0], v + kv[1])]
+        if name.endswith(".o_proj.weight"):
+            return 1, nq * d, [q]
+        if ".gate_up_proj." in name:
+            return 0, 2 * inter, [mlp, (inter + mlp[0], inter + mlp[1])]
+        if name.endswith(".down_proj.weight"):
+            return 1, inter, [mlp]
+        return None

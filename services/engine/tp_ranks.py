@@ -93,13 +93,14 @@ class Ranks:
         )  # fmt: skip
         self.procs = [self._spawn(config, rank, size) for rank in range(1, size)]
         self._finalizer = weakref.finalize(self, _kill, list(self.procs))
-        self._between_steps = True  # no collective is half done: a stop message can be sent
+        self._between_steps = False  # True: the ranks wait for a step, a stop message can go
         try:
             self._wait_joined()
             self.group = TPGroup(self._store, 0, size, device)
         except BaseException:
             self.close(graceful=False)
             raise
+        self._between_steps = True
 
     def _spawn(self, config: EngineConfig, rank: int, size: int) -> subprocess.Popen[bytes]:
         root = str(Path(services.__file__).resolve().parents[1])
@@ -163,8 +164,7 @@ class Ranks:
     def close(self, graceful: bool = True) -> None:
         """Stop the ranks: ``graceful`` and between two steps, by telling them (None as the
         step) and waiting a moment; then (or at once) by killing whatever is left."""
-        graceful = graceful and self._between_steps and hasattr(self, "group")
-        if graceful and not self.dead():
+        if graceful and self._between_steps and not self.dead():
             with contextlib.suppress(RuntimeError):
                 self.group.broadcast(None)
             deadline = time.monotonic() + STOP_TIMEOUT_S

@@ -85,3 +85,14 @@ def test_checkpoint_slices_cut_rows_of_column_parallel_and_columns_of_row_parall
     assert b.checkpoint_slice(f"{layer}.mlp.down_proj.weight") == CheckpointSlice(1, 768, 1536)
     assert b.checkpoint_slice(f"{layer}.input_layernorm.weight") is None
     assert b.checkpoint_slice(f"{layer}.self_attn.q_norm.weight") is None
+
+
+def test_fused_parameters_are_cut_per_piece() -> None:
+    """Our qkv_proj and gate_up_proj stack pieces: a rank's rows are its part of each piece."""
+    b = TPLayout.of(ARCH, 1, 2)
+    qkv = b.param_slice("model.layers.0.self_attn.qkv_proj.weight", ARCH)
+    assert qkv == (0, 960, [(384, 576), (576 + 128, 576 + 192), (768 + 128, 768 + 192)])
+    gate_up = b.param_slice("model.layers.0.mlp.gate_up_proj.weight", ARCH)
+    assert gate_up == (0, 3072, [(768, 1536), (2304, 3072)])
+    assert b.param_slice("model.layers.0.mlp.down_proj.weight", ARCH) == (1, 1536, [(768, 1536)])
+    assert b.param_slice("model.norm.weight", ARCH) is None

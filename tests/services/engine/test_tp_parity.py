@@ -43,11 +43,23 @@ def no_rank_left() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, int], LLM]]:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    paths: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            model_type, config = MODELS[name]
+            paths[name] = str(tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config))
+        return paths[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Callable[[str], str]) -> Iterator[Callable[[str, int], LLM]]:
     """``engine(name, size)``: the model's engine on ``size`` ranks, kept for the next test
     that asks for it; one engine of several ranks at a time, closed gracefully when the next
     one starts (every rank took the stop message and exited 0)."""
-    paths: dict[str, str] = {}
     engines: dict[tuple[str, int], LLM] = {}
 
     def close(key: tuple[str, int]) -> None:
@@ -58,15 +70,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, 
             assert [p.returncode for p in ranks.procs] == [0] * (key[1] - 1)
 
     def get(name: str, size: int) -> LLM:
-        if name not in paths:
-            model_type, config = MODELS[name]
-            path = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
-            paths[name] = str(path)
         if (name, size) not in engines:
             if size > 1:
                 for key in [k for k in engines if k[1] > 1]:
                     close(key)
-            engines[name, size] = LLM(paths[name], tensor_parallel_size=size)
+            engines[name, size] = LLM(checkpoint(name), tensor_parallel_size=size)
         return engines[name, size]
 
     yield get
@@ -122,6 +130,17 @@ def test_logprobs_and_seeded_sampling_equal_one_rank(engine: Callable[[str, int]
             assert a is not None and b is not None
             assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
             assert b.chosen.logprob == pytest.approx(a.chosen.logprob, abs=1e-4)
+
+
+def test_dummy_weights_of_two_ranks_are_those_of_one(checkpoint: Callable[[str], str]) -> None:
+    """--load-format dummy: each rank draws every tensor whole and keeps its part (uneven KV
+    heads and MLP rows here), so the random model is the same on any number of ranks."""
+    path = checkpoint("llama-3kv-uneven")
+    prompts = _prompts(5)
+    want = _generate(LLM(path, load_format="dummy"), prompts, GREEDY)
+    with LLM(path, load_format="dummy", tensor_parallel_size=2) as tp:
+        got = _generate(tp, prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 def test_embedded_model_two_ranks_equal_one(llm: LLM, chat_ids: list[list[int]]) -> None:
