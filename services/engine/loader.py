@@ -124,12 +124,12 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             target = name.replace(match.group(1), fused)
             sizes = _shard_sizes(arch, fused)
             start = sum(sizes[:shard])
-            params[target].data[start : start + sizes[shard]].copy_(tensor)
+            _copy(name, tensor, params[target].data[start : start + sizes[shard]])
             loaded.add(f"{target}#{shard}")
             continue
         if name not in params:
             raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
-        params[name].data.copy_(tensor)
+        _copy(name, tensor, params[name].data)
         loaded.add(name)
     shards = Counter(k.partition("#")[0] for k in loaded if "#" in k)
     missing = [n for n in params if n not in loaded and shards[n] < _num_shards(arch, n)]
@@ -139,6 +139,14 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         raise ConfigError(f"weights missing from the checkpoint: {missing[:5]} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)
+
+
+def _copy(name: str, tensor: torch.Tensor, dst: torch.Tensor) -> None:
+    if tensor.shape != dst.shape:  # with tensor parallelism: the rank's slice of it
+        raise ConfigError(
+            f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(tensor)
 
 
 def _load_expert(

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.config import EngineConfig
+from services.config import ConfigError, EngineConfig
 from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.tp_group import TPGroup
 from services.engine.tp_ranks import PARENT_PID_ENV, START_TIMEOUT_S, rank_device
@@ -53,8 +53,10 @@ def main(rank: int, size: int, port: int) -> int:
     try:
         runner = ModelRunner(config, tp=group, device=device)
     except Exception as exc:
-        if not group.agreed:  # rank 0 hears of it in the agreement; nothing to print twice
+        if not group.agreed:  # rank 0 raises it, named by rank
             group.agree(None, f"{type(exc).__name__}: {exc}")
+        elif not isinstance(exc, ConfigError):  # not the agreement's own error: printed here
+            raise
         return 1
     while (step := group.broadcast()) is not None:
         runner.follow(step)

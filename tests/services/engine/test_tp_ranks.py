@@ -4,6 +4,8 @@ rank that dies (the step fails, the others stop), rank 0 dying (the others follo
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from protos.sampling_params import SamplingParams
 from services.config import ConfigError
@@ -53,6 +56,24 @@ def test_a_rank_short_of_kv_memory_is_named(model: str) -> None:
     with pytest.raises(ConfigError, match="tensor-parallel rank 0: max_model_len 256") as err:
         LLM(model, tensor_parallel_size=2, kv_cache_gib=gib, max_model_len=256)
     assert "rank 1" not in str(err.value)
+
+
+def test_a_start_up_error_of_another_rank_is_raised_by_rank_zero_with_its_rank(
+    model: str, tmp_path: Path
+) -> None:
+    """A checkpoint whose k_proj of layer 1 lacks its third KV head: rank 0 (heads 0-1) loads
+    fine, rank 1 (head 2) fails; rank 0 raises rank 1's error and rank 1 is gone."""
+    for f in Path(model).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors = load_file(next(Path(model).glob("*.safetensors")))
+    tensors[name] = tensors[name][:32].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    want = f"tensor-parallel rank 1: ConfigError: checkpoint tensor '{name}' is (0, 96), expected"
+    with pytest.raises(ConfigError, match=re.escape(want)) as err:
+        LLM(str(tmp_path), tensor_parallel_size=2)
+    assert "rank 0" not in str(err.value)
 
 
 def test_a_rank_that_dies_fails_the_step_and_stops_the_others(model: str) -> None:
