@@ -383,7 +383,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         type=_positive_int,
         default=1,
-        help="GPUs per worker; only 1 works today (larger is refused: run more workers instead)",
+        help="ranks (GPUs, or processes on the CPU) that split the model; more than 1 works in "
+        "`tandem generate` only so far (the workers refuse it: run more workers instead)",
     )
     g.add_argument(
         "--enforce-eager",

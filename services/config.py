@@ -271,6 +271,7 @@ class EngineConfig:
     # generate: completions and chats; embed: prefill only, a pooled vector per prompt
     task: str = "generate"
     pooler: PoolerConfig = PoolerConfig()  # how an embed worker pools
+    tensor_parallel_size: int = 1  # ranks (processes, GPUs) that split the model
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -280,6 +281,14 @@ class EngineConfig:
         if self.task == "embed" and self.speculative is not None:
             raise ConfigError("--speculative-config drafts tokens to decode: it does not apply "
                               "to --task embed")  # fmt: skip
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size must be at least 1")
+        spec = self.speculative
+        if self.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
+            raise ConfigError(
+                "--tensor-parallel-size > 1 with a draft model is not supported yet; use "
+                '"method": "ngram" or one rank'
+            )
 
 
 def with_device_defaults(config: EngineConfig, device_type: str) -> EngineConfig:
@@ -319,6 +328,11 @@ class WorkerConfig:
                 f"--task embed is served by a colocated worker (tandem worker --task embed, or "
                 f"tandem up --colocated N --task embed), not by a {self.role} worker: an "
                 "embedding is one prefill, with nothing to hand to a decode worker"
+            )
+        if self.engine.tensor_parallel_size > 1:
+            raise ConfigError(
+                "--tensor-parallel-size > 1 works in `tandem generate` (the offline engine) "
+                "only so far; run more workers instead"
             )
 
     @classmethod

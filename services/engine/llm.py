@@ -73,6 +73,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (nothing to do with one)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, dict) and "messages" in prompt:
             return self.apply_chat_template(prompt["messages"])
@@ -188,12 +198,6 @@ def build_config(model: str = "embedded", **knobs: Any) -> EngineConfig:
 
 def config_from_args(args: Any) -> EngineConfig:
     """An EngineConfig from the CLI's engine flags (services.cli.add_engine_args)."""
-    if getattr(args, "tensor_parallel_size", 1) != 1:
-        from services.config import ConfigError
-
-        raise ConfigError(
-            "--tensor-parallel-size > 1 is not supported yet; run more workers instead"
-        )
     return build_config(
         args.model,
         load_format=args.load_format,
@@ -216,4 +220,5 @@ def config_from_args(args: Any) -> EngineConfig:
         speculative_config=getattr(args, "speculative_config", None),
         task=getattr(args, "task", "generate"),
         pooler_config=getattr(args, "pooler_config", None),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )

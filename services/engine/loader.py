@@ -27,6 +27,9 @@ from services.engine.quantization import (
     resolve_quantization,
 )
 from services.engine.rope import cos_sin_cache
+from services.engine.tp_group import TPGroup
+from services.engine.tp_layers import apply_tp
+from services.engine.tp_layout import TPLayout
 from services.model_files import ModelFiles, prepare_model
 
 _STACKED = {  # HF name piece -> (our fused parameter, shard index)
@@ -75,14 +78,27 @@ def _shard_sizes(arch: ArchConfig, fused: str) -> list[int]:
     return [arch.intermediate_size, arch.intermediate_size]
 
 
-def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    directory: Path, layout: TPLayout | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; with a tensor-parallel ``layout``, only the rank's slice
+    of each, read from the file as a slice (the whole tensor never exists in this process)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors weights in {directory}")
     for file in files:
         with safe_open(str(file), framework="pt") as fh:
             for name in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, fh.get_tensor(name)
+                cut = layout.checkpoint_slice(name) if layout is not None else None
+                if cut is None:
+                    yield name, fh.get_tensor(name)
+                    continue
+                part = fh.get_slice(name)
+                tensor = part[cut.start : cut.end] if cut.dim == 0 else part[:, cut.start : cut.end]
+                if cut.pad_to is not None and tensor.shape[0] < cut.pad_to:  # the last shard
+                    pad = tensor.new_zeros(cut.pad_to - tensor.shape[0], *tensor.shape[1:])
+                    tensor = torch.cat([tensor, pad])
+                yield name, tensor
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -108,12 +124,12 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
             target = name.replace(match.group(1), fused)
             sizes = _shard_sizes(arch, fused)
             start = sum(sizes[:shard])
-            params[target].data[start : start + sizes[shard]].copy_(tensor)
+            _copy(name, tensor, params[target].data[start : start + sizes[shard]])
             loaded.add(f"{target}#{shard}")
             continue
         if name not in params:
             raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
-        params[name].data.copy_(tensor)
+        _copy(name, tensor, params[name].data)
         loaded.add(name)
     shards = Counter(k.partition("#")[0] for k in loaded if "#" in k)
     missing = [n for n in params if n not in loaded and shards[n] < _num_shards(arch, n)]
@@ -123,6 +139,14 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         raise ConfigError(f"weights missing from the checkpoint: {missing[:5]} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)
+
+
+def _copy(name: str, tensor: torch.Tensor, dst: torch.Tensor) -> None:
+    if tensor.shape != dst.shape:  # with tensor parallelism: the rank's slice of it
+        raise ConfigError(
+            f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(tensor)
 
 
 def _load_expert(
@@ -176,14 +200,30 @@ def _load_quantized(
     return True
 
 
-def dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights of realistic scale (never zeros), norms at one."""
+def dummy_weights(
+    model: LlamaForCausalLM, seed: int, layout: TPLayout | None = None,
+    arch: ArchConfig | None = None,
+) -> None:  # fmt: skip
+    """Random weights of realistic scale (never zeros), norms at one. A tensor-parallel rank
+    (``layout`` of the whole model's ``arch``) draws each tensor whole and keeps its part."""
     for i, (name, p) in enumerate(model.named_parameters()):
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
             continue
         gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
-        p.data.uniform_(-0.02, 0.02, generator=gen)
+        cut = layout.param_slice(name, arch) if layout is not None and arch is not None else None
+        if cut is None:
+            p.data.uniform_(-0.02, 0.02, generator=gen)
+            continue
+        dim, whole, spans = cut
+        shape = list(p.shape)
+        shape[dim] = whole
+        drawn = torch.empty(shape, dtype=p.dtype, device=p.device).uniform_(
+            -0.02, 0.02, generator=gen
+        )
+        part = torch.cat([drawn.narrow(dim, a, b - a) for a, b in spans], dim)
+        p.data.zero_()  # a padded vocabulary shard's last rows
+        p.data.narrow(dim, 0, part.shape[dim]).copy_(part)
 
 
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "ones_", "zeros_")
@@ -204,23 +244,33 @@ def _no_param_init() -> Iterator[None]:
             setattr(torch.nn.init, name, fn)
 
 
-def load_model(
-    config: ModelConfig, device: torch.device, max_positions: int
-) -> tuple[LlamaForCausalLM, ArchConfig, ModelFiles]:
+def read_arch(config: ModelConfig) -> tuple[ModelFiles, ArchConfig]:
     files = prepare_model(config.model)
     config_path = (
         files.path if files.kind == "named" else (files.hf_dir or files.path) / "config.json"
     )
-    arch = ArchConfig.from_file(config_path)
+    return files, ArchConfig.from_file(config_path)
+
+
+def load_model(
+    config: ModelConfig, device: torch.device, max_positions: int, tp: TPGroup | None = None
+) -> tuple[LlamaForCausalLM, ArchConfig, ModelFiles]:
+    """The model (with ``tp``, this rank's shard of it) and the whole model's ArchConfig."""
+    files, arch = read_arch(config)
     dtype = resolve_dtype(config, arch, device)
     dummy = config.load_format == "dummy" or files.kind == "named"
     qcfg = resolve_quantization(
         arch.quantization_config, config.quantization, has_weights=not dummy
     )
-    if qcfg is not None and arch.moe is not None:
-        raise ConfigError(f"quantized {arch.model_type} (Mixture-of-Experts) is not supported yet")
+    if qcfg is not None and (arch.moe is not None or tp is not None):
+        what = "tensor-parallel" if tp is not None else f"{arch.model_type} (Mixture-of-Experts)"
+        raise ConfigError(f"quantized {what} models are not supported yet")
+    layout = TPLayout.of(arch, tp.rank, tp.size) if tp is not None else None
     with torch.device("meta"), _no_param_init():
-        model = LlamaForCausalLM(arch, max_positions).to(dtype)
+        model = LlamaForCausalLM(layout.local_arch(arch) if layout else arch, max_positions)
+        if tp is not None and layout is not None:
+            apply_tp(model, tp, layout, arch.vocab_size)
+        model = model.to(dtype)
         if qcfg is not None and qcfg.serialized:
             stacked = {fused: _shard_sizes(arch, fused) for fused in ("qkv_proj", "gate_up_proj")}
             quantize_model(model, qcfg, dtype, stacked)
@@ -230,11 +280,11 @@ def load_model(
     table = cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
     model.cos_sin = table.to(device)
     if dummy:
-        dummy_weights(model, config.seed)
+        dummy_weights(model, config.seed, layout, arch)
         dummy_quantized(model, config.seed)
     else:
         assert files.hf_dir is not None
-        load_weights(model, iter_safetensors(files.hf_dir))
+        load_weights(model, iter_safetensors(files.hf_dir, layout))
     if qcfg is not None:
         _finish_quantization(model, qcfg)
     return model.eval(), arch, files

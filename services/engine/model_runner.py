@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 
 from protos.blocks import blocks_for
 from protos.sampling_params import SamplingParams
-from services.config import EngineConfig
+from services.config import ConfigError, EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.gpu_wait import GpuReader
@@ -26,11 +27,14 @@ from services.engine.kv_cache import (
     plan_num_blocks,
 )
 from services.engine.kv_handoff import LayerSink
-from services.engine.loader import load_model
+from services.engine.loader import load_model, read_arch
 from services.engine.pooler import Pooler
 from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
 from services.engine.structured import GrammarBatch
+from services.engine.tp_group import TPGroup
+from services.engine.tp_layout import TPLayout
+from services.engine.tp_ranks import Ranks, RankStep
 from services.engine.warmup import warmup_steps
 from services.scheduling.outputs import (
     PromptTokenScore,
@@ -65,33 +69,50 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_model_len_hint: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, max_model_len_hint: int | None = None,
+        tp: TPGroup | None = None, device: torch.device | None = None,
+    ) -> None:  # fmt: skip
+        """``tp``: this process is a tensor-parallel rank other than 0 (``tp_follower``) on
+        ``device``; with ``config.tensor_parallel_size`` > 1 and no ``tp``, this is rank 0, which
+        starts the other ranks (``tp_ranks``) and sends them every step."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = device or resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.ranks: Ranks | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            # refused here, before any rank starts, when the heads cannot be split
+            TPLayout.of(read_arch(config.model)[1], 0, config.tensor_parallel_size)
+            self.ranks = Ranks(config, self.device)
+            tp = self.ranks.group
+        self.tp = tp
+        try:
+            self._build(config)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         max_pos = 1 << 17
-        self.model, self.arch, self.files = load_model(config.model, self.device, max_pos)
+        self.model, self.arch, self.files = load_model(config.model, self.device, max_pos, self.tp)
+        self.kv_arch = self.model.cfg  # this rank's KV heads (all of them without TP)
         self.dtype = self.model.lm_head.weight.dtype
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         limit = self.arch.max_position_embeddings
         default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos
         self.max_model_len = config.model.max_model_len or min(limit, max_pos, default_len)
         if self.max_model_len > max_pos:
-            from services.config import ConfigError
-
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds {max_pos} positions")
         # rotary rows for the positions this worker can reach, not the 128k it was built for
         self.model.cos_sin = self.model.cos_sin[: self.max_model_len].clone()
         self.block_size = config.cache.block_size
-        self.num_blocks = self._plan_blocks()
+        self.num_blocks, self.num_host_slots = self._plan_blocks()
         self.kv_caches = allocate_kv_caches(
-            self.arch, self.num_blocks, self.block_size, self.kv_dtype, self.device
+            self.kv_arch, self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
-        gib = config.cache.kv_offloading_gib
-        self.num_host_slots = HostKV.slots_for(gib, self.arch, self.block_size, self.kv_dtype)
         self.host_kv = (
-            HostKV(self.arch, self.num_host_slots, self.block_size, self.kv_dtype, self.device)
+            HostKV(self.kv_arch, self.num_host_slots, self.block_size, self.kv_dtype, self.device)
             if self.num_host_slots > 0
             else None
         )
@@ -106,10 +127,12 @@ class ModelRunner:
         self._hidden: torch.Tensor | None = None  # the last eager forward's, when scoring
         self._starts: list[int] = []
         self.pooler = Pooler()  # embeddings' running state between prefill chunks
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.rank == 0:  # the other ranks follow its steps
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
-        # an embedding worker never decodes: no decode graphs to capture
-        if self.device.type == "cuda" and not config.enforce_eager and config.task == "generate":
+        # an embedding worker never decodes: no decode graphs to capture; tensor parallelism
+        # runs eagerly so far (capturing its collectives is to come)
+        generates = config.task == "generate"
+        if self.device.type == "cuda" and not config.enforce_eager and generates and not self.tp:
             # a verify step of a decode with drafts replays the same graphs, one row per token:
             # drafts only fill rows up to VERIFY_ROWS (LLMEngine._propose)
             spec = config.speculative
@@ -132,7 +155,28 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _plan_blocks(self) -> int:
+    @property
+    def rank(self) -> int:
+        return self.tp.rank if self.tp is not None else 0
+
+    def _plan_blocks(self) -> tuple[int, int]:
+        """KV blocks and host-tier slots: what this rank's memory holds of its own KV heads,
+        agreed with the other ranks (the least of them; the scheduler plans one pool for all)."""
+        blocks, error = 0, None
+        try:
+            blocks = self._plan_rank_blocks()
+        except ConfigError as exc:
+            if self.tp is None:
+                raise
+            error = str(exc)
+        gib = self.config.cache.kv_offloading_gib
+        slots = HostKV.slots_for(gib, self.kv_arch, self.block_size, self.kv_dtype)
+        if self.tp is None:
+            return blocks, slots
+        agreed = self.tp.agree((blocks, slots), error)
+        return min(b for b, _ in agreed), min(s for _, s in agreed)
+
+    def _plan_rank_blocks(self) -> int:
         free = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -145,7 +189,7 @@ class ModelRunner:
                 int(total * self.config.cache.gpu_memory_utilization) - used - reserve_activations
             )
         n = plan_num_blocks(
-            self.config.cache, self.arch, self.kv_dtype, self.device, self.max_model_len, free
+            self.config.cache, self.kv_arch, self.kv_dtype, self.device, self.max_model_len, free
         )
         hint = (
             "--gpu-memory-utilization or --num-blocks"
@@ -256,6 +300,28 @@ class ModelRunner:
             at += r.num_new_tokens
         return logits[torch.tensor(keep, device=logits.device)]
 
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; nothing to do otherwise)."""
+        if self.ranks is not None:
+            self.ranks.close(graceful)
+
+    def _collective(self) -> contextlib.AbstractContextManager[None]:
+        """Around rank 0's forward calls: a rank that died is named, the others are stopped."""
+        return self.ranks.guard() if self.ranks is not None else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def follow(self, step: RankStep) -> None:
+        """A rank other than 0: the forward calls rank 0 makes in ``execute`` and, with prompt
+        logprobs, ``score_prompts``, in the same order (their collectives pair up); no sampling."""
+        out = step.out
+        if self.host_kv is not None:
+            self.host_kv.move(self.kv_caches, out.kv_offloads, out.kv_restores)
+        if step.graph and self._graph_forward(out) is not None:
+            return
+        self.forward_logits(out, eager=step.eager)
+        if step.score:
+            self.score_prompts(out, step.score)
+
     def release_kv_cache(self) -> None:
         """Give the KV pool and graphs back (benchmarks that hand the GPU to another engine)."""
         self.graphs = None
@@ -300,7 +366,7 @@ class ModelRunner:
         sampling = [r for r in out.requests if r.samples_token]
         rids = [r.request_id for r in sampling]
         constrained = grammars is not None and grammars.constrains(rids)
-        if (
+        graph = (
             layers is None  # a final chunk of one token looks like a decode: no graph for it
             and not constrained
             and not score
@@ -309,13 +375,18 @@ class ModelRunner:
                 _plain_greedy(r.sampling_params) and r.request_id not in min_token_stop_ids
                 for r in sampling
             )
-        ):
-            ran = self._graph_forward(out)
-            if ran is not None:  # the graph's own argmax is the token: one read, no sampler
-                (ids,) = self.reader.read(ran[1])
-                return keep_drafts(sampling, [SampledToken(t) for t in ids])
-        pooling = any(r.pooling is not None for r in out.requests)
-        logits = self.forward_logits(out, eager=bool(score) or pooling, layers=layers)
+        )
+        # prompt logprobs to score, embeddings to pool: the hidden states are kept
+        eager = bool(score) or any(r.pooling is not None for r in out.requests)
+        with self._collective():
+            if self.ranks is not None:  # the other ranks make the same forward calls (follow)
+                no_graph = eager or layers is not None
+                self.ranks.send(RankStep.of(out, graph, no_graph, score or {}))
+            ran = self._graph_forward(out) if graph else None
+            logits = None if ran is not None else self.forward_logits(out, eager, layers)
+        if ran is not None:  # the graph's own argmax is the token: one read, no sampler
+            (ids,) = self.reader.read(ran[1])
+            return keep_drafts(sampling, [SampledToken(t) for t in ids])
         if logits is None or not sampling:
             return {}
         allowed = grammars.fill(rids) if grammars is not None and constrained else None
@@ -364,6 +435,12 @@ class ModelRunner:
         hidden = self._hidden
         if hidden is None:
             return {}
+        with self._collective():
+            return self._score(hidden, out, wanted)
+
+    def _score(
+        self, hidden: torch.Tensor, out: SchedulerOutput, wanted: dict[str, int]
+    ) -> dict[str, list[PromptTokenScore]]:
         rows: list[int] = []
         owners: list[tuple[str, int, int, int]] = []  # request, position, token, top-N
         for i, r in enumerate(out.requests):

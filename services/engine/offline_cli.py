@@ -43,11 +43,11 @@ def main(args: argparse.Namespace) -> int:
         )  # fmt: skip
         prompts = _load_prompts(args)
         config = config_from_args(args)
-        llm = LLM(config=config)
-        ids = [llm.encode(p) for p in prompts]
-        for prompt_ids in ids:  # the gateway's 400 for the same request; no silent truncation
-            llm.engine.check_context(len(prompt_ids), params.max_tokens)
-        results = llm.generate(ids, params)
+        with LLM(config=config) as llm:
+            ids = [llm.encode(p) for p in prompts]
+            for prompt_ids in ids:  # the gateway's 400 for the same request; no truncation
+                llm.engine.check_context(len(prompt_ids), params.max_tokens)
+            results = llm.generate(ids, params)
     except (InvalidRequestError, ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

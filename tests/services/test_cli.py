@@ -320,3 +320,16 @@ def test_a_bad_pooler_config_is_an_argparse_error(capsys: pytest.CaptureFixture[
         build_parser().parse_args(["worker", "--port", "0", "--pooler-config", '{"x": 1}'])
     assert exit_.value.code == 2
     assert "key(s) not supported: x" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "worker"])
+def test_workers_refuse_tensor_parallelism_for_now(
+    role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only the offline engine (`tandem generate`) runs several ranks so far: a worker says so
+    and exits 2 before loading anything."""
+    from services.cli import HANDLERS
+
+    args = build_parser().parse_args([role, "--port", "0", "--tensor-parallel-size", "2"])
+    assert HANDLERS[role](args) == 2
+    assert "--tensor-parallel-size > 1 works in `tandem generate`" in capsys.readouterr().out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,3 +58,35 @@ def hf_greedy(hf_model: tuple) -> Callable[[list[int], int], list[int]]:
         return cache[key]
 
     return run
+
+
+def tiny_checkpoint(path: Path, model_type: str, **config: Any) -> Path:
+    """A seeded random float32 HF checkpoint (with the embedded tokenizer) at ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from services.engine.llm_engine import load_tokenizer
+    from services.model_files import prepare_model
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=49152, max_position_embeddings=1024, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, **config,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
+    return path
+
+
+def rank_processes() -> list[int]:
+    """Pids of this process's tensor-parallel rank children still alive (zombies included)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        # a zombie (exited, never waited for) has no command line left
+        if int(ppid) == os.getpid() and (b"tp_follower" in cmdline or state == "Z"):
+            pids.append(int(stat.parent.name))
+    return pids

@@ -58,3 +58,28 @@ def test_an_unsupported_architecture_is_a_clean_error(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr[-2000:]
     assert "model_type 'gpt_neox' is not supported" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_heads_that_cannot_be_split_over_the_ranks_are_a_clean_error() -> None:
+    """SmolLM2's 9 query and 3 KV heads over 4 ranks: refused before any rank starts."""
+    res = _tandem("--tensor-parallel-size", "4", "--prompt", "hi", timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--tensor-parallel-size 4: 3 KV heads and 9 query heads cannot be split" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_two_ranks_generate_what_one_does(tmp_path: Path) -> None:
+    """`tandem generate --tensor-parallel-size 2` on a tiny random Llama: the tokens of one
+    rank, and a clean exit (the rank process stopped)."""
+    from protos.sampling_params import SamplingParams
+    from services.engine.llm import LLM
+    from tests.services.engine.conftest import tiny_checkpoint
+
+    model = str(tiny_checkpoint(tmp_path, "llama", num_hidden_layers=2, hidden_size=64,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=64))  # fmt: skip
+    want = LLM(model).generate(["The sky is"], SamplingParams(temperature=0.0, max_tokens=6))
+    res = _tandem("--model", model, "--tensor-parallel-size", "2", "--prompt", "The sky is",
+                  "--max-tokens", "6", "--json", timeout=180)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.splitlines()[-1])["token_ids"] == want[0].outputs[0].token_ids

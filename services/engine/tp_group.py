@@ -1,0 +1,95 @@
+"""The tensor-parallel ranks of one engine: their own process group and its collectives.
+
+Built straight from a TCPStore (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructors, as
+``kvtransfer.pair`` does), never through ``init_process_group``: no global default group exists,
+so the same process can also hold KV-transfer pairs. The step plans travel as pickled bytes over
+a Gloo group on the host; activations over the device group (NCCL on GPUs, the same Gloo group
+on the CPU). A peer that dies makes the next collective raise (Gloo: "connection closed by
+peer") instead of hanging; a stuck one, the group's timeout.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.config import ConfigError
+
+TIMEOUT = timedelta(minutes=10)  # a stuck peer; a dead one fails at once
+
+
+def _gloo(store: Any, rank: int, size: int) -> Any:
+    opts: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = TIMEOUT
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+class TPGroup:
+    """One rank's view of the group: the collectives the model and the runner use."""
+
+    def __init__(self, store: Any, rank: int, size: int, device: torch.device) -> None:
+        self.rank, self.size = rank, size
+        self.host = _gloo(dist.PrefixStore("host", store), self.rank, self.size)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = TIMEOUT
+            self.device_group: Any = dist.ProcessGroupNCCL(
+                dist.PrefixStore("device", store), self.rank, self.size, opts
+            )
+        else:
+            self.device_group = self.host
+        self.agreed = False  # the start-up agreement took place
+
+    def agree(self, value: Any, error: str | None = None) -> list[Any]:
+        """The start-up agreement: every rank's ``value`` in rank order, or (on every rank) a
+        ConfigError naming each rank that failed (``error``) and why."""
+        self.agreed = True
+        got = self.exchange((value, error))
+        failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(got) if e is not None]
+        if failed:
+            raise ConfigError("tensor-parallel " + "; ".join(failed))
+        return [v for v, _ in got]
+
+    # ---- activations (every rank calls these in the same order) ------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place."""
+        self.device_group.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [B, n] -> [B, size * n]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.device_group.allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    # ---- plain data over the host group ------------------------------------------------------
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (the others pass nothing)."""
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.host.broadcast(size, 0).wait()
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.rank == 0
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
+        self.host.broadcast(buf, 0).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+    def exchange(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        data = pickle.dumps(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.host.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        n = max(int(s) for s in sizes)
+        buf = torch.zeros(n, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(n, dtype=torch.uint8) for _ in range(self.size)]
+        self.host.allgather([parts], [buf]).wait()
+        return [
+            pickle.loads(p[: int(s)].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)
+        ]

@@ -1,0 +1,72 @@
+"""Tensor parallelism applied from outside the plain model (gpt-fast's ``apply_tp``).
+
+The model is built from the rank's local ``ArchConfig`` (``TPLayout.local_arch``): its
+attention has the rank's heads, its MLP the rank's intermediate rows, its embedding and
+lm_head the rank's vocabulary shard, so qkv_proj and gate_up_proj are column-parallel as
+built. :func:`apply_tp` then swaps, on the meta device before any weight exists, the layers
+whose outputs need the other ranks: o_proj and down_proj all-reduce their partial sums, the
+embedding looks up only its own rows (zeros elsewhere) and all-reduces, lm_head all-gathers
+the logits. The swapped modules keep their parameter names, so the loader fills them as usual
+with the rank's slices (``TPLayout.checkpoint_slice``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from services.engine.models.llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
+from services.engine.tp_group import TPGroup
+from services.engine.tp_layout import TPLayout
+
+
+class RowParallelLinear(Linear):
+    """Input features split by rank; the partial products are summed over the ranks."""
+
+    def __init__(self, linear: nn.Linear, group: TPGroup) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        y = self.group.all_reduce(ops.linear(x, self.weight, None))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the vocabulary; a token outside them is a zero row before the sum."""
+
+    def __init__(self, embedding: nn.Embedding, group: TPGroup, rows: tuple[int, int]) -> None:
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim)
+        self.group = group
+        self.start, self.end = rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        mine = (ids >= self.start) & (ids < self.end)  # [T]
+        x = nn.functional.embedding((ids - self.start) * mine, self.weight)  # [T, hidden]
+        return self.group.all_reduce(x * mine[:, None].to(x.dtype))
+
+
+class GatheredLMHead(Linear):
+    """This rank's vocabulary rows; every rank gets the whole logits, padding rows cut off."""
+
+    def __init__(self, linear: nn.Linear, group: TPGroup, vocab_size: int) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False)
+        self.group = group
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V]
+        part = ops.linear(x, self.weight, None)  # [B, V / tp]
+        return self.group.all_gather(part)[:, : self.vocab_size]
+
+
+def apply_tp(model: LlamaForCausalLM, group: TPGroup, layout: TPLayout, vocab_size: int) -> None:
+    """Swap the layers that talk to the other ranks (call on the meta device, before loading)."""
+    for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MLP)  # no MoE (layout)
+        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
+    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group, layout.vocab)
+    model.lm_head = GatheredLMHead(model.lm_head, group, vocab_size)
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight

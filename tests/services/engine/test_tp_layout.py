@@ -1,0 +1,98 @@
+"""Which heads, MLP rows and vocabulary rows each tensor-parallel rank holds."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from services.config import ConfigError
+from services.engine.model_config import ArchConfig, MoeConfig
+from services.engine.tp_layout import CheckpointSlice, TPLayout, split
+
+# SmolLM2-135M's shapes
+ARCH = ArchConfig(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+    rope_theta=1e4,
+)  # fmt: skip
+
+
+def _layouts(arch: ArchConfig, size: int) -> list[TPLayout]:
+    return [TPLayout.of(arch, rank, size) for rank in range(size)]
+
+
+def test_split_covers_everything_once_longer_runs_first() -> None:
+    assert [split(10, 4, i) for i in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [split(8, 4, i) for i in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def test_uneven_kv_heads_go_with_their_query_groups() -> None:
+    """SmolLM2's 3 KV heads over 2 ranks: 2 + 1, each with its 3 query heads."""
+    a, b = _layouts(ARCH, 2)
+    assert (a.kv_heads, a.q_heads) == ((0, 2), (0, 6))
+    assert (b.kv_heads, b.q_heads) == ((2, 3), (6, 9))
+    assert a.local_arch(ARCH).num_heads == 6 and b.local_arch(ARCH).num_kv_heads == 1
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them() -> None:
+    arch = replace(ARCH, num_heads=8, num_kv_heads=2)
+    layouts = _layouts(arch, 4)
+    assert [t.kv_heads for t in layouts] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [t.q_heads for t in layouts] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert {t.local_arch(arch).num_kv_heads for t in layouts} == {1}
+
+
+@pytest.mark.parametrize(
+    ("heads", "size", "needle"),
+    [
+        ((9, 3), 4, "cannot be split over 4 ranks"),  # KV heads replicated, query heads not
+        ((8, 2), 3, "cannot be split over 3 ranks"),
+        ((9, 2), 2, "not a multiple of 2 KV heads"),
+    ],
+)
+def test_heads_that_cannot_be_split_are_refused(
+    heads: tuple[int, int], size: int, needle: str
+) -> None:
+    arch = replace(ARCH, num_heads=heads[0], num_kv_heads=heads[1])
+    with pytest.raises(ConfigError, match=needle) as err:
+        TPLayout.of(arch, 0, size)
+    assert f"--tensor-parallel-size {size}" in str(err.value)
+
+
+def test_moe_and_quantized_models_are_refused() -> None:
+    moe = MoeConfig(4, 2, 32, True, (0,), True)
+    with pytest.raises(ConfigError, match="Mixture-of-Experts"):
+        TPLayout.of(replace(ARCH, moe=moe), 0, 2)
+    with pytest.raises(ConfigError, match="quantized"):
+        TPLayout.of(replace(ARCH, quantization_config={"quant_method": "fp8"}), 0, 2)
+
+
+def test_vocabulary_shards_are_equal_the_last_one_padded() -> None:
+    layouts = _layouts(replace(ARCH, vocab_size=10, num_heads=8, num_kv_heads=4), 4)
+    assert [t.vocab for t in layouts] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert {t.vocab_shard for t in layouts} == {3}
+    assert layouts[3].checkpoint_slice("lm_head.weight") == CheckpointSlice(0, 9, 10, pad_to=3)
+
+
+def test_checkpoint_slices_cut_rows_of_column_parallel_and_columns_of_row_parallel() -> None:
+    b = TPLayout.of(ARCH, 1, 2)  # KV head 2, query heads 6..8; MLP rows 768..1535
+    layer = "model.layers.3"
+    assert b.checkpoint_slice(f"{layer}.self_attn.q_proj.weight") == CheckpointSlice(0, 384, 576)
+    assert b.checkpoint_slice(f"{layer}.self_attn.k_proj.bias") == CheckpointSlice(0, 128, 192)
+    assert b.checkpoint_slice(f"{layer}.self_attn.o_proj.weight") == CheckpointSlice(1, 384, 576)
+    assert b.checkpoint_slice(f"{layer}.mlp.up_proj.weight") == CheckpointSlice(0, 768, 1536)
+    assert b.checkpoint_slice(f"{layer}.mlp.down_proj.weight") == CheckpointSlice(1, 768, 1536)
+    assert b.checkpoint_slice(f"{layer}.input_layernorm.weight") is None
+    assert b.checkpoint_slice(f"{layer}.self_attn.q_norm.weight") is None
+
+
+def test_fused_parameters_are_cut_per_piece() -> None:
+    """Our qkv_proj and gate_up_proj stack pieces: a rank's rows are its part of each piece."""
+    b = TPLayout.of(ARCH, 1, 2)
+    qkv = b.param_slice("model.layers.0.self_attn.qkv_proj.weight", ARCH)
+    assert qkv == (0, 960, [(384, 576), (576 + 128, 576 + 192), (768 + 128, 768 + 192)])
+    gate_up = b.param_slice("model.layers.0.mlp.gate_up_proj.weight", ARCH)
+    assert gate_up == (0, 3072, [(768, 1536), (2304, 3072)])
+    assert b.param_slice("model.layers.0.mlp.down_proj.weight", ARCH) == (1, 1536, [(768, 1536)])
+    assert b.param_slice("model.norm.weight", ARCH) is None

@@ -1,0 +1,152 @@
+"""Tensor parallelism on the CPU (Gloo): N ranks give the tokens of one, token for token, in
+float32 greedy decoding, on tiny random Llama and Qwen3 checkpoints and the embedded model."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from protos.sampling_params import SamplingParams
+from services.engine.llm import LLM
+from tests.services.engine.conftest import rank_processes, tiny_checkpoint
+
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-2kv": ("llama", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "intermediate_size": 96,
+    }),
+    "llama-4kv": ("llama", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "intermediate_size": 80,
+    }),
+    # 3 KV heads over 2 ranks (2 + 1, as SmolLM2's) and an odd MLP (51 + 50 rows)
+    "llama-3kv-uneven": ("llama", {
+        "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
+        "num_key_value_heads": 3, "intermediate_size": 101,
+    }),
+    "qwen3-2kv": ("qwen3", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+    }),
+}  # fmt: skip
+PROMPT_LENS = [1, 5, 23, 150]  # 150 > the CPU's 128-token step: a chunked prefill
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_rank_left() -> Iterator[None]:
+    yield  # after the module's engines are closed
+    assert rank_processes() == [], "a tensor-parallel rank outlived its engine"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    paths: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            model_type, config = MODELS[name]
+            paths[name] = str(tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config))
+        return paths[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Callable[[str], str]) -> Iterator[Callable[[str, int], LLM]]:
+    """``engine(name, size)``: the model's engine on ``size`` ranks, kept for the next test
+    that asks for it; one engine of several ranks at a time, closed gracefully when the next
+    one starts (every rank took the stop message and exited 0)."""
+    engines: dict[tuple[str, int], LLM] = {}
+
+    def close(key: tuple[str, int]) -> None:
+        llm = engines.pop(key)
+        ranks = llm.engine.runner.ranks
+        llm.close()
+        if ranks is not None:
+            assert [p.returncode for p in ranks.procs] == [0] * (key[1] - 1)
+
+    def get(name: str, size: int) -> LLM:
+        if (name, size) not in engines:
+            if size > 1:
+                for key in [k for k in engines if k[1] > 1]:
+                    close(key)
+            engines[name, size] = LLM(checkpoint(name), tensor_parallel_size=size)
+        return engines[name, size]
+
+    yield get
+    for key in list(engines):
+        close(key)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(49152) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]:
+    return [r.outputs[0] for r in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(
+    ("name", "size"),
+    [
+        ("llama-2kv", 2),
+        ("llama-4kv", 2),
+        ("llama-3kv-uneven", 2),
+        pytest.param("llama-2kv", 4, id="llama-2kv-tp4-kv-replicated"),
+        ("qwen3-2kv", 2),  # last: the next test goes on with its engine
+    ],
+)
+def test_greedy_tokens_equal_one_rank(
+    name: str, size: int, engine: Callable[[str, int], LLM]
+) -> None:
+    prompts = _prompts(len(name))
+    want = [o.token_ids for o in _generate(engine(name, 1), prompts, GREEDY)]
+    got = [o.token_ids for o in _generate(engine(name, size), prompts, GREEDY)]
+    assert got == want
+
+
+def test_logprobs_and_seeded_sampling_equal_one_rank(engine: Callable[[str, int], LLM]) -> None:
+    """Rank 0 samples from the gathered logits; prompt logprobs are scored through them too."""
+    prompts = _prompts(3)[1:3]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
+    ]
+    want = [engine("qwen3-2kv", 1).generate(prompts, p) for p in params]
+    got = [engine("qwen3-2kv", 2).generate(prompts, p) for p in params]
+    for w, g in zip(want[1], got[1], strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    for w, g in zip(want[0], got[0], strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert w.prompt_logprobs is not None and g.prompt_logprobs is not None
+        pairs = [*zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True),
+                 *zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True)]  # fmt: skip
+        for a, b in pairs:
+            assert a is not None and b is not None
+            assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+            assert b.chosen.logprob == pytest.approx(a.chosen.logprob, abs=1e-4)
+
+
+def test_dummy_weights_of_two_ranks_are_those_of_one(checkpoint: Callable[[str], str]) -> None:
+    """--load-format dummy: each rank draws every tensor whole and keeps its part (uneven KV
+    heads and MLP rows here), so the random model is the same on any number of ranks."""
+    path = checkpoint("llama-3kv-uneven")
+    prompts = _prompts(5)
+    want = _generate(LLM(path, load_format="dummy"), prompts, GREEDY)
+    with LLM(path, load_format="dummy", tensor_parallel_size=2) as tp:
+        got = _generate(tp, prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_embedded_model_two_ranks_equal_one(llm: LLM, chat_ids: list[list[int]]) -> None:
+    """SmolLM2-135M (float32): 3 KV heads over 2 ranks (2 + 1), tied embeddings."""
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    want = [o.token_ids for o in _generate(llm, chat_ids[:2], params)]
+    with LLM("embedded", tensor_parallel_size=2) as tp:
+        got = [o.token_ids for o in _generate(tp, chat_ids[:2], params)]
+    assert got == want
