@@ -90,7 +90,7 @@ def test_a_rank_that_dies_fails_the_step_and_stops_the_others(model: str) -> Non
     t0 = time.monotonic()
     with pytest.raises(RankFailedError, match="rank 1 exited with status -9"):
         llm.generate([[4, 5, 6]], GREEDY)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # a hang guard: the Gloo group would wait 10 minutes
     assert ranks.procs[1].poll() is not None  # rank 2 did not stay behind
 
 
@@ -114,7 +114,7 @@ def test_the_ranks_die_with_rank_zero(model: str) -> None:
     rank1 = int(proc.stdout.readline())
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while _alive(rank1) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(rank1), "rank 1 outlived rank 0"
