@@ -179,9 +179,10 @@ async def test_bad_reservations_and_decodes_are_invalid_argument(fleet: Fleet) -
             t0 = time.monotonic()
             call = decode_call(d, f"bad-{i}", ids, first, sampling, kv_wait_s=10)
             assert await rpc_code(call) == grpc.StatusCode.INVALID_ARGUMENT, i
-            assert time.monotonic() - t0 < 1.0
-            assert (await d.load()).num_reserved == 0
-        assert_idle(await wait_pool_free([d]))
+            assert time.monotonic() - t0 < 5.0  # not after the 10 s KV wait
+            # the reservation is freed on the engine thread right after the reply: on a busy
+            # machine a load read at once can still count it (CI saw 1), so wait for it
+            assert_idle(await wait_pool_free([d], timeout_s=10))
         assert (await d.status()) == 1
 
 
