@@ -52,12 +52,8 @@ typecheck: venv
 # Two pytest-xdist workers, one per core of a CI machine; tests/conftest.py's scheduler keeps
 # every test that starts serving processes in one unit, run one at a time (memory).
 # TEST_WORKERS=0: no xdist.
-# The two venvs install side by side (one mostly unpacks local wheels, the other downloads),
-# then lint and typecheck run side by side.
 TEST_WORKERS ?= 2
-test:
-	$(MAKE) -j2 venv lm-eval-venv
-	$(MAKE) -j2 lint typecheck
+test: venv lint typecheck lm-eval-venv
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS)
 
 serve: serve-venv
