@@ -18,7 +18,7 @@ from typing import Any
 from gateway.core.errors import invalid
 from gateway.flows.fields import INT32_MAX, Fields, check_int, require_object
 from gateway.flows.prepare import check_vocab
-from gateway.flows.unsupported import NEUTRAL, refuse_unsupported
+from gateway.flows.unsupported import NEUTRAL, refuse_unknown, refuse_unsupported
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 ENCODING_FORMATS = ("float", "base64")
@@ -89,7 +89,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     normalize = f.get("normalize")
     if normalize is not None and not isinstance(normalize, bool):
         raise invalid("normalize must be true or false", "normalize")
-    return EmbeddingRequest(
+    request = EmbeddingRequest(
         model=f.get_str("model", None),
         inputs=_inputs(f.get("input")),
         encoding_format=fmt or "float",
@@ -98,6 +98,8 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
         priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
         user=f.get_str("user", None, 1024),
     )
+    refuse_unknown(f, EMBEDDING)
+    return request
 
 
 def check_inputs(ids: Sequence[Sequence[int]], max_model_len: int | None, vocab_size: int) -> None:

@@ -12,24 +12,31 @@ INT64_MAX = 2**63 - 1
 
 
 class Fields:
-    """A request body (a JSON object). ``null`` reads as "not given"."""
+    """A request body (a JSON object). ``null`` reads as "not given". Every name read is kept in
+    :attr:`read`, so that what no parser looked at can be refused (``refuse_unknown``)."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
+    def __init__(self, body: dict[str, Any], read: set[str] | None = None) -> None:
         self.body = body
+        self.read: set[str] = set() if read is None else read
+
+    def updated(self, **values: Any) -> Fields:
+        """The body with ``values`` put in, sharing what was read so far."""
+        return Fields({**self.body, **values}, self.read)
 
     def get(self, name: str) -> Any:
+        self.read.add(name)
         return self.body.get(name)
 
     def get_int(
         self, name: str, default: int | None, lo: int = -INT64_MAX, hi: int = INT64_MAX
     ) -> int | None:
-        value = self.body.get(name)
+        value = self.get(name)
         if value is None:
             return default
         return check_int(value, name, lo, hi)
 
     def get_float(self, name: str, default: float, lo: float, hi: float) -> float:
-        value = self.body.get(name)
+        value = self.get(name)
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -39,7 +46,7 @@ class Fields:
         return float(value)
 
     def get_bool(self, name: str, default: bool) -> bool:
-        value = self.body.get(name)
+        value = self.get(name)
         if value is None:
             return default
         if not isinstance(value, bool):
@@ -47,7 +54,7 @@ class Fields:
         return value
 
     def get_str(self, name: str, default: str | None, max_len: int = 256) -> str | None:
-        value = self.body.get(name)
+        value = self.get(name)
         if value is None:
             return default
         if not isinstance(value, str):
@@ -57,7 +64,7 @@ class Fields:
         return value
 
     def get_dict(self, name: str) -> dict[str, Any]:
-        value = self.body.get(name)
+        value = self.get(name)
         if value is None:
             return {}
         if not isinstance(value, dict):
@@ -66,7 +73,7 @@ class Fields:
 
     def str_list(self, name: str, max_items: int, max_len: int) -> tuple[str, ...]:
         """A string or a list of strings (``stop``)."""
-        value = self.body.get(name)
+        value = self.get(name)
         if value is None:
             return ()
         items = [value] if isinstance(value, str) else value
@@ -79,7 +86,7 @@ class Fields:
         return tuple(items)
 
     def int_list(self, name: str, max_items: int) -> tuple[int, ...]:
-        value = self.body.get(name)
+        value = self.get(name)
         if value is None:
             return ()
         if not isinstance(value, list):

@@ -14,7 +14,13 @@ from gateway.core.errors import invalid
 from gateway.flows.fields import INT32_MAX, INT64_MAX, Fields, check_int, require_object
 from gateway.flows.structured import parse_structured
 from gateway.flows.tools import ToolPlan, parse_tools
-from gateway.flows.unsupported import CHAT, COMPLETION, SAMPLING, refuse_unsupported
+from gateway.flows.unsupported import (
+    CHAT,
+    COMPLETION,
+    SAMPLING,
+    refuse_unknown,
+    refuse_unsupported,
+)
 from protos.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
@@ -37,6 +43,7 @@ class CommonOptions:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats
     max_tokens: int | None  # None: the endpoint's default
     sampling: SamplingParams  # max_tokens still to be set per prompt
     priority: int
@@ -63,6 +70,10 @@ class ChatRequest:
     top_logprobs: int
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: ToolPlan | None = None  # None: no tools offered
+
+
+# OpenAI's include_usage and vLLM's continuous_usage_stats (usage so far in every chunk)
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 
 def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -109,14 +120,19 @@ def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: boo
     options = f.get_dict("stream_options")
     if f.get("stream_options") is not None and not stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool | None):
-        raise invalid("stream_options.include_usage must be true or false", "stream_options")
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            raise invalid(f"stream_options.{key} is not supported (known: "
+                          f"{', '.join(STREAM_OPTIONS)})", "stream_options")  # fmt: skip
+        if not isinstance(value, bool | None):
+            raise invalid(f"stream_options.{key} must be true or false", "stream_options")
+    include_usage = options.get("include_usage")
     return CommonOptions(
         model=f.get_str("model", None),
         n=f.get_int("n", 1, 1, MAX_N) or 1,
         stream=stream,
         include_usage=bool(include_usage),
+        continuous_usage=bool(options.get("continuous_usage_stats")),
         max_tokens=max_tokens,
         sampling=_sampling(f, max_tokens, logprobs),
         priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
@@ -180,7 +196,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise invalid("max_tokens 0 needs echo: it scores the prompt without generating",
                       "max_tokens")  # fmt: skip
     if score_only:  # one token is generated and dropped: the workers always sample one
-        f = Fields({**f.body, "max_tokens": 1})
+        f = f.updated(max_tokens=1)
     common = _common(f, "max_tokens", logprobs, special=True)
     if echo and logprobs is not None:  # the echoed prompt's tokens get their logprobs too
         wanted = max(logprobs, common.sampling.prompt_logprobs or 0)
@@ -192,7 +208,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise invalid("echo with logprobs is not supported in a stream yet: drop stream, or "
                       "use prompt_logprobs (sent with the first chunk)", "stream")  # fmt: skip
     _check_unsupported_completion(f, common.n)
-    return CompletionRequest(
+    request = CompletionRequest(
         common=common,
         prompts=_prompts(f.get("prompt")),
         echo=echo,
@@ -200,6 +216,8 @@ def parse_completion(body: Any) -> CompletionRequest:
         score_only=score_only,
         prompt_logprobs=f.get("prompt_logprobs") is not None,
     )
+    refuse_unknown(f, SAMPLING, COMPLETION)
+    return request
 
 
 def _content(message: dict[str, Any], index: int, role: str) -> str:
@@ -294,9 +312,11 @@ def parse_chat(body: Any) -> ChatRequest:
     top = f.get_int("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and top > 0 and not logprobs:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
-    max_field = (
-        "max_completion_tokens" if f.get("max_completion_tokens") is not None else "max_tokens"
-    )
+    # max_completion_tokens wins over the deprecated max_tokens; both are checked
+    given = [name for name in ("max_completion_tokens", "max_tokens") if f.get(name) is not None]
+    for name in given:
+        f.get_int(name, None, 1, MAX_TOKENS_LIMIT)
+    max_field = given[0] if given else "max_tokens"
     reserved = ("messages", "add_generation_prompt", "documents")
     kwargs = {k: v for k, v in f.get_dict("chat_template_kwargs").items() if k not in reserved}
     common, tools = _with_tools(
@@ -304,7 +324,7 @@ def parse_chat(body: Any) -> ChatRequest:
     )
     if tools is not None:
         kwargs = {"tools": f.get("tools"), **kwargs}
-    return ChatRequest(
+    request = ChatRequest(
         common=common,
         messages=messages,
         add_generation_prompt=f.get_bool("add_generation_prompt", True),
@@ -313,3 +333,5 @@ def parse_chat(body: Any) -> ChatRequest:
         template_kwargs=kwargs,
         tools=tools,
     )
+    refuse_unknown(f, SAMPLING, CHAT)
+    return request

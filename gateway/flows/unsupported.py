@@ -3,8 +3,10 @@
 A request field listed here that asks for something (a value other than its neutral ones: null,
 false, an empty string, list or object, or the field's documented default) is a 400 that names
 the field and says it is not supported, since a 200 that quietly behaves otherwise is worse than
-an error. Fields the parsers implement are validated there; fields in neither place are ignored,
-as OpenAI does. A row goes when its feature lands.
+an error. Fields the parsers implement are validated there. A field in neither place, and not one
+of the few that change nothing a response says (:data:`NO_EFFECT`), is refused too, as OpenAI
+refuses it ("Unrecognized request argument supplied"): a misspelt ``max_token`` or a vLLM
+extension Tandem does not know must not quietly do nothing. A row goes when its feature lands.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.core.errors import invalid
+from gateway.flows.fields import Fields
 
 _TOOLS = "the deprecated functions API is not supported: send tools and tool_choice"
 
@@ -56,6 +59,9 @@ CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
     "web_search_options": ("web search is not supported", NEUTRAL),
     "reasoning_effort": ("reasoning effort is not supported", NEUTRAL),
     "media_io_kwargs": ("multimodal input is not implemented yet", NEUTRAL),
+    "store": ("stored completions are not supported", NEUTRAL),
+    "verbosity": ("verbosity is not supported (ask for brevity in the messages)", NEUTRAL),
+    "service_tier": ("service tiers are not supported", (None, "auto", "default")),
 }
 COMPLETION: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prompt_embeds": ("prompt embeddings are not supported", NEUTRAL),
@@ -65,6 +71,24 @@ COMPLETION: dict[str, tuple[str, tuple[Any, ...]]] = {
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     # type-strict: 0 asks for something (prompt_logprobs=0) where False does not
     return any(value == v and type(value) is type(v) for v in neutral)
+
+
+# OpenAI fields that change nothing the response says, so that honouring them is doing nothing:
+# routing hints and labels for OpenAI's own storage and abuse tracking
+NO_EFFECT = frozenset({"metadata", "prompt_cache_key", "safety_identifier"})
+
+
+def refuse_unknown(f: Fields, *tables: dict[str, tuple[str, tuple[Any, ...]]]) -> None:
+    """A 400 naming the first field of the body that no parser read, no table lists and that
+    is not one of :data:`NO_EFFECT`. Call it after the whole body was parsed."""
+    listed = set().union(*tables)
+    for name in f.body:
+        if name not in f.read and name not in listed and name not in NO_EFFECT:
+            raise invalid(
+                f"Unrecognized request argument supplied: {name} (this server refuses the "
+                "fields it does not implement rather than ignore them; drop it)",
+                name,
+            )
 
 
 def refuse_unsupported(body: dict[str, Any], table: dict[str, tuple[str, tuple[Any, ...]]]) -> None:

@@ -16,6 +16,7 @@ from gateway.core.errors import APIError, invalid
 from gateway.flows.fields import Fields, require_object
 from gateway.flows.prepare import check_vocab
 from gateway.flows.protocol import parse_messages
+from gateway.flows.unsupported import refuse_unknown
 from gateway.http.state import gateway_state
 from gateway.http.transport import read_json
 
@@ -89,6 +90,7 @@ async def tokenize(request: Request) -> Response:
         if prompt is None:
             raise invalid("send prompt (a string) or messages", "prompt")
         ids = await state.off_loop(tok.encode, prompt, f.get_bool("add_special_tokens", True))
+    refuse_unknown(f)
     max_model_len, _ = state.registry.limits()
     if len(ids) <= _INLINE_TOKENS:
         return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids})
@@ -115,6 +117,7 @@ async def detokenize(request: Request) -> Response:
     if f.get("tokens") is None:
         raise invalid("tokens (a list of token ids) is required", "tokens")
     ids = f.int_list("tokens", max_items=1 << 20)
+    refuse_unknown(f)
     _, vocab = state.registry.limits()
     check_vocab(ids, vocab or state.tokenizer.vocab_size, "tokens")
     return JSONResponse({"prompt": await state.off_loop(state.tokenizer.decode, ids)})

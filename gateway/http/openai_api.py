@@ -140,7 +140,8 @@ async def completions(request: Request) -> Response:
                  COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
     info = StreamInfo(gen.response_id, "text_completion", int(time.time()), state.model_name,
                       req.common.include_usage, req.logprobs is not None, req.echo,
-                      prompt_logprobs=req.prompt_logprobs)  # fmt: skip
+                      prompt_logprobs=req.prompt_logprobs,
+                      continuous_usage=req.common.continuous_usage)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
         if req.score_only:
@@ -217,7 +218,8 @@ async def chat_completions(request: Request) -> Response:
     gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], common, None)
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
                       state.model_name, common.include_usage, req.logprobs, plan=plan,
-                      prompt_logprobs=common.sampling.prompt_logprobs is not None)  # fmt: skip
+                      prompt_logprobs=common.sampling.prompt_logprobs is not None,
+                      continuous_usage=common.continuous_usage)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
         logprobs = formats.chat_logprobs(c.logprobs) if req.logprobs else None

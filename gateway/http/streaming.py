@@ -1,7 +1,7 @@
 """SSE event streams for completions and chat completions.
 
 Frames: ``data: {chunk}`` per piece of text; with include_usage a last chunk with
-``choices: []`` and usage; an error mid-stream is one ``data: {"error": ...}`` frame. Just
+``choices: []`` and usage; with continuous_usage_stats (vLLM's) the usage so far in every chunk; an error mid-stream is one ``data: {"error": ...}`` frame. Just
 before ``data: [DONE]`` comes the SSE comment ``: x-tandem-timing queue=..;prefill=..;...``
 (clients ignore comments; it mirrors the non-streaming ``x-tandem-timing`` header).
 """
@@ -37,15 +37,23 @@ class StreamInfo:
     echo: bool = False
     plan: OutputPlan | None = None  # chat: tool calls or reasoning to read out of the text
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: a frame of their own, first
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
 
 
-def _frame(info: StreamInfo, choices: list[dict[str, Any]]) -> bytes:
-    return sse(formats.envelope(info.response_id, info.object, info.created, info.model, choices))
+Body = dict[str, Any]  # one chunk, before it is framed
 
 
-def _usage_frame(info: StreamInfo, gen: Generation) -> bytes:
-    body = formats.envelope(info.response_id, info.object, info.created, info.model, [])
-    body["usage"] = formats.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+def _frame(info: StreamInfo, choices: list[dict[str, Any]]) -> Body:
+    return formats.envelope(info.response_id, info.object, info.created, info.model, choices)
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    return formats.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+
+
+def _emit(info: StreamInfo, gen: Generation, body: Body) -> bytes:
+    if info.continuous_usage:
+        body["usage"] = _usage(gen)
     return sse(body)
 
 
@@ -57,25 +65,26 @@ def _timing_comment(gen: Generation) -> bytes:
 
 def _completion_piece(
     info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk
-) -> bytes:
+) -> list[Body]:
     logprobs = None
     if info.logprobs:
         logprobs = formats.completion_logprobs(chunk.logprobs, offsets.get(choice.index, 0))
     offsets[choice.index] = offsets.get(choice.index, 0) + len(chunk.text)
-    return _frame(
-        info, [formats.completion_choice(choice.index, chunk.text, logprobs, chunk.finish_reason)]
-    )
+    piece = formats.completion_choice(choice.index, chunk.text, logprobs, chunk.finish_reason)
+    return [_frame(info, [piece])]
 
 
-def _chat_piece(info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk) -> bytes:
+def _chat_piece(
+    info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk
+) -> list[Body]:
     logprobs = formats.chat_logprobs(chunk.logprobs) if info.logprobs else None
     delta = {"content": chunk.text} if chunk.text else {}
-    return _frame(info, [formats.chat_delta(choice.index, delta, logprobs, chunk.finish_reason)])
+    return [_frame(info, [formats.chat_delta(choice.index, delta, logprobs, chunk.finish_reason)])]
 
 
 def _parsed_chat_piece(
     info: StreamInfo, outputs: dict[int, ChoiceOutput], choice: Choice, chunk: Chunk
-) -> bytes:
+) -> list[Body]:
     """Chat with tool calls or reasoning: the text becomes OpenAI's typed deltas (content,
     reasoning_content, tool_calls); the chunk's logprobs ride on the first, its finish on the last."""
     out = outputs[choice.index]
@@ -88,14 +97,14 @@ def _parsed_chat_piece(
     if not deltas and (finish is not None or logprobs is not None):
         deltas = [{}]
     last = len(deltas) - 1
-    return b"".join(
+    return [
         _frame(info, [formats.chat_delta(choice.index, delta, logprobs if i == 0 else None,
                                          finish if i == last else None)])
         for i, delta in enumerate(deltas)
-    )  # fmt: skip
+    ]  # fmt: skip
 
 
-def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> bytes:
+def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> Body:
     """vLLM's prompt_logprobs, when the first chunk brings them: in the choice (completions) or
     beside the choices (chat)."""
     scores = formats.prompt_logprobs(chunk.prompt_logprobs)
@@ -103,12 +112,12 @@ def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> by
         body = formats.envelope(info.response_id, info.object, info.created, info.model,
                                 [formats.chat_delta(choice.index, {}, None, None)])  # fmt: skip
         body["prompt_logprobs"] = scores
-        return sse(body)
+        return body
     piece = {**formats.completion_choice(choice.index, "", None, None), "prompt_logprobs": scores}
     return _frame(info, [piece])
 
 
-def _openings(info: StreamInfo, gen: Generation) -> list[bytes]:
+def _openings(info: StreamInfo, gen: Generation) -> list[Body]:
     """Chat: the assistant role first. Completions with echo: the prompt first."""
     if info.object == "chat.completion.chunk":
         delta = {"role": "assistant", "content": ""}
@@ -129,17 +138,17 @@ async def stream_events(
     if info.plan is not None and not info.plan.plain:
         piece, state = _parsed_chat_piece, {c.index: ChoiceOutput(info.plan) for c in gen.choices}
     try:
-        for frame in _openings(info, gen):
-            yield frame
+        for body in _openings(info, gen):
+            yield _emit(info, gen, body)
         async for choice, chunk in gen.events():
             if info.prompt_logprobs and chunk.prompt_logprobs:
-                yield _prompt_logprobs_frame(info, choice, chunk)
+                yield _emit(info, gen, _prompt_logprobs_frame(info, choice, chunk))
             if chunk.text or chunk.finish_reason is not None or (info.logprobs and chunk.logprobs):
-                frame = piece(info, state, choice, chunk)
-                if frame:
-                    yield frame
+                bodies = piece(info, state, choice, chunk)
+                if bodies:
+                    yield b"".join(_emit(info, gen, body) for body in bodies)
         if info.include_usage:
-            yield _usage_frame(info, gen)
+            yield sse({**_frame(info, []), "usage": _usage(gen)})
         yield _timing_comment(gen)
     except (UpstreamError, APIError) as e:
         error = e.api_error if isinstance(e, UpstreamError) else e

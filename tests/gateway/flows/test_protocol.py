@@ -218,7 +218,7 @@ def test_params_of_errors_name_the_field(colocated: Stack) -> None:
 
 
 def test_parse_completion_defaults_and_nulls() -> None:
-    req = parse_completion({"prompt": "hi", "temperature": None, "stop": "x", "extra": [1]})
+    req = parse_completion({"prompt": "hi", "temperature": None, "stop": "x"})
     assert req.prompts == ("hi",) and req.common.max_tokens is None
     assert req.common.sampling.temperature == 1.0 and req.common.sampling.stop == ("x",)
     assert req.common.n == 1 and not req.common.stream and req.common.add_special_tokens

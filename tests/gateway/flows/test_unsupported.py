@@ -3,14 +3,19 @@ when it does not; unsupported endpoints are OpenAI-shaped 404s that say so."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from gateway.core.errors import APIError
+from gateway.flows.embeddings import parse_embedding
 from gateway.flows.protocol import parse_chat, parse_completion
-from gateway.flows.unsupported import CHAT, COMPLETION, ENDPOINTS, NEUTRAL, SAMPLING
+from gateway.flows.unsupported import CHAT, COMPLETION, ENDPOINTS, NEUTRAL, NO_EFFECT, SAMPLING
+from gateway.http.admin_api import SPEC_PATH
 from tests.gateway.stack import Stack
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -43,6 +48,9 @@ ASKING: dict[str, Any] = {
     "web_search_options": {"search_context_size": "low"},
     "reasoning_effort": "low",
     "media_io_kwargs": {"a": 1},
+    "store": True,
+    "verbosity": "low",
+    "service_tier": "flex",
     "prompt_embeds": "AAAA",
 }
 
@@ -87,8 +95,65 @@ def test_neutral_values_are_type_strict() -> None:
     parse_completion({"prompt": "hi", "truncate_prompt_tokens": None})
 
 
-def test_fields_outside_both_lists_are_ignored() -> None:
-    parse_chat({"messages": MESSAGES, "store": True, "metadata": {"a": "b"}, "whatever": 1})
+@pytest.mark.parametrize("endpoint", ["chat", "completion", "embedding"])
+@pytest.mark.parametrize("name", ["max_token", "frobnicate", "request_id", "guided_jsn"])
+def test_a_field_no_parser_reads_is_a_400_naming_it(name: str, endpoint: str) -> None:
+    # a misspelt field, or a vLLM extension Tandem does not know, must not quietly do nothing
+    with pytest.raises(APIError) as err:
+        if endpoint == "embedding":
+            parse_embedding({"input": "hi", name: 1})
+        else:
+            _parse(endpoint, {name: 1})
+    assert err.value.status == 400 and err.value.param == name
+    assert f"Unrecognized request argument supplied: {name}" in err.value.message
+
+
+def test_scoring_the_prompt_keeps_what_was_read() -> None:
+    # max_tokens 0 with echo re-reads the body with max_tokens 1: what was read before counts
+    parse_completion({"prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 0})
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_token": 4}),
+        ("/tokenize", {"prompt": "hi", "add_bos": True}),
+        ("/detokenize", {"tokens": [1], "skip": True}),
+    ],
+)
+def test_an_unknown_field_is_an_openai_shaped_400(
+    colocated: Stack, path: str, body: dict[str, Any]
+) -> None:
+    r = httpx.post(f"{colocated.base_url}{path}", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    unknown = next(name for name in body if name not in ("messages", "prompt", "tokens"))
+    assert error["param"] == unknown and "Unrecognized request argument" in error["message"]
+
+
+@pytest.mark.parametrize("name", sorted(NO_EFFECT))
+def test_fields_that_change_nothing_pass(name: str) -> None:
+    parse_chat({"messages": MESSAGES, name: "x"})
+    parse_completion({"prompt": "hi", name: "x"})
+
+
+@pytest.mark.parametrize(
+    ("schema", "parse", "required"),
+    [
+        ("ChatCompletionRequest", parse_chat, {"messages": MESSAGES}),
+        ("CompletionRequest", parse_completion, {"prompt": "hi"}),
+        ("EmbeddingRequest", parse_embedding, {"input": "hi"}),
+    ],
+)
+def test_every_documented_field_is_known(
+    schema: str, parse: Callable[[Any], Any], required: dict[str, Any]
+) -> None:
+    # the OpenAPI document lists what the server takes: each of its fields, given as null
+    # ("not given"), passes the unknown-field check
+    spec = json.loads(Path(SPEC_PATH).read_text())["components"]["schemas"][schema]
+    assert spec["additionalProperties"] is False
+    for name in spec["properties"]:
+        parse({**required, name: None} if name not in required else required)
 
 
 def test_a_custom_whitespace_pattern_is_a_400_and_runs_nothing(colocated: Stack) -> None:

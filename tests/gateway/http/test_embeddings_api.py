@@ -104,8 +104,10 @@ def test_bad_requests_are_400s_naming_the_field(
     assert not embed.workers[0].records.embeds
 
 
-def test_unknown_fields_are_ignored_as_on_the_other_routes(embed: Stack) -> None:
-    assert post(embed, {"input": "a", "x_custom": 1, "user": "me"}).status_code == 200
+def test_unknown_fields_are_refused_as_on_the_other_routes(embed: Stack) -> None:
+    assert post(embed, {"input": "a", "user": "me"}).status_code == 200
+    r = post(embed, {"input": "a", "x_custom": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x_custom"
 
 
 def test_an_input_past_the_context_is_a_400(embed: Stack) -> None:

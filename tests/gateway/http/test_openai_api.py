@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import openai
@@ -65,6 +66,32 @@ def test_streaming_completion_with_usage(disagg: Stack) -> None:
     assert text == "Hello world, this is"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_counts_every_chunk(disagg: Stack, endpoint: str) -> None:
+    # vLLM's continuous_usage_stats (guidellm sends it): the usage so far in every chunk
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "chat":
+        stream: Any = client(disagg).chat.completions.create(
+            model="embedded", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            stream=True, stream_options=options,
+        )  # fmt: skip
+    else:
+        stream = client(disagg).completions.create(
+            model="embedded", prompt=PROMPT, max_tokens=5, stream=True, stream_options=options
+        )
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] < 5
+    assert {c.usage.prompt_tokens for c in chunks} == {31 if endpoint == "chat" else 10}
+
+
+def test_an_unknown_stream_option_is_a_400(disagg: Stack) -> None:
+    body = {"prompt": PROMPT, "stream": True, "stream_options": {"include_usag": True}}
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json=body)
+    assert r.status_code == 400 and "stream_options.include_usag" in r.json()["error"]["message"]
 
 
 def test_streaming_chat_role_first_then_content(colocated: Stack) -> None:
@@ -207,7 +234,7 @@ def test_sampling_fields_are_forwarded(colocated: Stack) -> None:
         "prompt": PROMPT, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
         "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
         "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [9], "ignore_eos": True,
-        "priority": 3, "user": "u", "some_unknown_field": {"x": 1},
+        "priority": 3, "user": "u",
     }).raise_for_status()  # fmt: skip
     sp = colocated.workers[0].records.samplings[-1]
     assert (sp.temperature, sp.top_k, sp.min_tokens, list(sp.stop_token_ids)) == (0.5, 5, 2, [9])
