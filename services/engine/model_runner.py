@@ -35,7 +35,7 @@ from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
 from services.engine.structured import GrammarBatch
 from services.engine.tp_group import TPGroup
-from services.engine.tp_kv import AfterPeers, shards
+from services.engine.tp_kv import AfterPeers, ShardedCopier
 from services.engine.tp_layout import TPLayout
 from services.engine.tp_ranks import Ranks, RankStep
 from services.engine.warmup import warmup_steps
@@ -84,7 +84,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.ranks: Ranks | None = None
-        self._kv_shards: KvShards | None = None
+        self._sharded: ShardedCopier | None = None  # rank 0's KV copier over the ranks' heads
         if tp is None and config.tensor_parallel_size > 1:
             # refused here, before any rank starts, when the heads cannot be split
             TPLayout.of(read_arch(config.model)[1], 0, config.tensor_parallel_size)
@@ -309,18 +309,20 @@ class ModelRunner:
         of every rank's heads (``services.engine.tp_kv``); None with one rank."""
         if self.ranks is None:
             return None
-        if self._kv_shards is None:
+        if self._sharded is None:
             size = self.config.tensor_parallel_size
             spans = [TPLayout.of(self.arch, r, size).kv_heads for r in range(size)]
-            local = KvLayout.of(self.kv_caches)
-            whole = replace(local, num_kv_heads=self.arch.num_kv_heads)
-            group = self.ranks.group.kv
-            self._kv_shards = shards(make_copier(self.kv_caches), group, spans, whole, self.device)
-        return self._kv_shards
+            whole = replace(KvLayout.of(self.kv_caches), num_kv_heads=self.arch.num_kv_heads)
+            local = make_copier(self.kv_caches)
+            self._sharded = ShardedCopier(local, self.ranks.group.kv, spans, whole, self.device)
+        return KvShards(self._sharded, self._sharded.layout)
 
     def close(self, graceful: bool = True) -> None:
         """Stop the other tensor-parallel ranks (rank 0; nothing to do otherwise)."""
         if self.ranks is not None:
+            if graceful and self._sharded is not None and not self.ranks.dead():
+                with contextlib.suppress(RuntimeError):  # the ranks' KV loops end first
+                    self._sharded.close()
             self.ranks.close(graceful)
 
     def _collective(self) -> contextlib.AbstractContextManager[None]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer import Copier, KvLayout, KvShards
+from kvtransfer import Copier, KvLayout
 from services.engine.kv_handoff import LayerSink
 from services.engine.tp_group import broadcast_object
 from services.engine.tp_layout import Span
@@ -110,21 +110,23 @@ class ShardedCopier:
                 done = torch.zeros(1, dtype=torch.uint8)
                 self._group.recv([done], rank, 0).wait()
 
+    def close(self) -> None:
+        """End the other ranks' KV loops (a graceful stop, once rank 0's transfers are over;
+        one still holding the ranks after a few seconds is left to the ranks' own stop)."""
+        if self._lock.acquire(timeout=5.0):
+            try:
+                broadcast_object(self._group, 0, None)
+            finally:
+                self._lock.release()
+
     def copy_from(self, src: Any, src_ids: torch.Tensor, dst_ids: torch.Tensor,
                   first: int = 0, last: int | None = None) -> None:  # fmt: skip
         raise NotImplementedError("a sharded pool is never shared over CUDA IPC")
 
 
-def shards(
-    local: Copier, group: Any, spans: list[Span], layout: KvLayout, device: torch.device
-) -> KvShards:
-    """What a worker's KvSender/KvReceiver get on rank 0 (``layout``: a whole block's)."""
-    return KvShards(ShardedCopier(local, group, spans, layout, device), layout)
-
-
 def serve_kv(group: Any, rank: int, local: Copier, layout: KvLayout) -> None:
     """A rank other than 0 (``layout``: its own pool's, its heads only): run rank 0's gathers
-    and scatters until the process ends. Any failure ends the process (rank 0's transfer and next step then fail and
+    and scatters until rank 0 sends None (``ShardedCopier.close``). Any failure ends the process (rank 0's transfer and next step then fail and
     name this rank) rather than leave rank 0 waiting for bytes that never come."""
     try:
         while (cmd := broadcast_object(group, rank)) is not None:
