@@ -16,10 +16,10 @@ from kvtransfer.sender import KvSender
 
 __all__ = [
     "Copier",
-    "KvShards",
     "KvLayout",
     "KvReceiver",
     "KvSender",
+    "KvShards",
     "LayerReady",
     "LayerReadyError",
     "ReceiverOptions",
