@@ -1008,6 +1008,13 @@ def add_compose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--colocated", type=int, default=0, help="colocated workers instead of prefill/decode"
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="ranks per worker: each worker gets N GPUs of --gpus (its own)",
+    )
     p.add_argument("--port", type=_port, default=8000, help="the gateway's published HTTP port")
     p.add_argument(
         "--image", default="tandem:latest", help="image to run (TANDEM_IMAGE overrides it)"

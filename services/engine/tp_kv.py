@@ -128,10 +128,13 @@ def serve_kv(group: Any, rank: int, local: Copier, layout: KvLayout) -> None:
     """A rank other than 0 (``layout``: its own pool's, its heads only): run rank 0's gathers
     and scatters until rank 0 sends None (``ShardedCopier.close``). Any failure ends the process (rank 0's transfer and next step then fail and
     name this rank) rather than leave rank 0 waiting for bytes that never come."""
+    device = local_device(local)
     try:
+        if device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(device)
         while (cmd := broadcast_object(group, rank)) is not None:
             op, ids, first, last = cmd
-            dev_ids = torch.tensor(ids, dtype=torch.int64, device=local_device(local))
+            dev_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             shape = layout.buffer_shape(len(ids))[1:]
             if op == _GATHER:
                 group.send([_flat(local.gather(dev_ids, first, last))], 0, 0).wait()
