@@ -116,6 +116,15 @@ def test_greedy_output_equals_the_offline_engine(stack: Stack, expected: list[st
     assert got == expected
 
 
+def test_kv_cache_usage_is_one_number_per_worker(stack: Stack) -> None:
+    """The ranks' pools are one pool to the scheduler: one gauge per worker, not per rank."""
+    text = httpx.get(stack.url.removesuffix("/v1") + "/metrics", timeout=10).text
+    usage = [ln for ln in text.splitlines() if ln.startswith("tandem:kv_cache_usage_perc{")]
+    roles, _ = workers_and_followers(stack.up.proc.pid)
+    assert len(usage) == len(roles) - 1, usage  # every worker, not the gateway
+    assert all(0.0 <= float(ln.rsplit(" ", 1)[1]) <= 1.0 for ln in usage)
+
+
 class Streams:
     """Streaming completions running in threads: each one's frames and how it ended."""
 
@@ -167,14 +176,14 @@ def check_in_flight_requests_fail(stack: Stack, follower: int) -> None:
     assert worst < 30  # a hang guard; the figure is printed above
 
 
-def test_a_killed_follower_rank_fails_its_requests_and_the_worker_comes_back(
+def test_a_killed_follower_rank_ends_its_worker_which_comes_back(
     stack: Stack, expected: list[str]
 ) -> None:
     """kill -9 of the follower rank: under load where the worker decodes (the requests in
     flight there end with an error, no hang), idle on a prefill worker (noticed between steps);
-    the worker and its follower exit, and `tandem up` starts the worker again (that part is
-    checked where the worker decodes: a restart costs ~10 s here), which then serves the same
-    tokens. Last in the module for each topology (it restarts a worker)."""
+    the worker and its follower exit, and `tandem up` starts the worker again (checked for the
+    decode worker, whose prefill peer must pair with the new one; a restart costs ~10 s here),
+    which then serves the same tokens. Last in the module for each topology."""
     roles, followers = workers_and_followers(stack.up.proc.pid)
     (follower,) = followers
     worker = roles[stack.tp_role]
@@ -186,7 +195,7 @@ def test_a_killed_follower_rank_fails_its_requests_and_the_worker_comes_back(
     while alive(worker) or alive(follower):
         assert time.monotonic() < deadline, "the worker or its follower did not exit"
         time.sleep(0.1)
-    while stack.tp_role != "prefill":  # tandem up starts it again on its port; it serves again
+    while stack.tp_role == "decode":  # tandem up starts it again on its port; it serves again
         roles, followers = workers_and_followers(stack.up.proc.pid)
         back = roles.get(stack.tp_role)
         if back and list(followers.values()) == [back]:
