@@ -73,6 +73,8 @@ class ShardedCopier:
         """Whole blocks: [layers, 2, n, block_size, all KV heads, head_dim]."""
         last = self.layout.num_layers if last is None else last
         ids = [int(b) for b in block_ids.tolist()]
+        if self.device.type == "cuda":  # what the stream waits for (a layer's event) is done:
+            torch.cuda.current_stream(self.device).synchronize()  # so is every rank's write
         with self._lock:
             broadcast_object(self._group, 0, (_GATHER, ids, first, last))
             parts = [self._local.gather(block_ids, first, last).to("cpu")]
