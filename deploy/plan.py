@@ -209,7 +209,7 @@ def build_plan(
         if role == "prefill" and getattr(args, "kv_streaming", "on") != "on":
             argv += ["--kv-streaming", args.kv_streaming]
         ready = run_dir / f"{name}.json"
-        env = _worker_env(placed, len(names), cpu_count, environ)
+        env = _worker_env(placed, sum(sizes), cpu_count, environ)  # threads per rank
         workers.append(
             Worker(ChildSpec(name, [*argv, "--ready-file", str(ready)], env, ready), role, placed)
         )

@@ -255,6 +255,9 @@ def test_prefill_and_decode_may_differ_in_tensor_parallel_size() -> None:
     cpu = plan_for("--decode-tensor-parallel-size", "2", "--tensor-parallel-size", "3")
     assert [reparse(w.spec.argv).tensor_parallel_size for w in cpu.workers] == [3, 2]
     assert all(w.gpus == () for w in cpu.workers)
+    # on the CPU the cores are split between ranks (each rank's process inherits the setting)
+    cores = plan_for("--prefill-tensor-parallel-size", "3", cpus=16)
+    assert [w.spec.env["OMP_NUM_THREADS"] for w in cores.workers] == ["4", "4"]
 
 
 def test_a_workers_ranks_never_share_a_gpu() -> None:
