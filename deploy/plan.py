@@ -101,14 +101,34 @@ def role_names(args: argparse.Namespace) -> list[tuple[str, str]]:
     ]
 
 
+def tensor_parallel_sizes(args: argparse.Namespace, roles: Sequence[str]) -> list[int]:
+    """Each worker's --tensor-parallel-size: its role's own flag, else the common one."""
+    common = getattr(args, "tensor_parallel_size", 1)
+    own = {r: getattr(args, f"{r}_tensor_parallel_size", None) for r in ("prefill", "decode")}
+    if args.colocated > 0 and any(v is not None for v in own.values()):
+        raise ConfigError(
+            "--prefill-tensor-parallel-size and --decode-tensor-parallel-size are for "
+            "disaggregated workers; colocated ones take --tensor-parallel-size"
+        )
+    return [own.get(r) or common for r in roles]
+
+
 def _round_robin(n: int, slots: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
     return [slots[i % len(slots)] for i in range(n)]
 
 
-def assign_gpus(roles: Sequence[str], gpus: Sequence[str], tp: int = 1) -> list[tuple[str, ...]]:
-    """GPUs per worker: prefill and decode get disjoint GPUs when there are at least two slots."""
+def assign_gpus(
+    roles: Sequence[str], gpus: Sequence[str], tp: int | Sequence[int] = 1
+) -> list[tuple[str, ...]]:
+    """GPUs per worker (``tp``: each worker's ranks, one GPU each): prefill and decode get
+    disjoint GPUs when there are at least two slots; workers of different sizes take the
+    GPUs in turn, each its own ``tp`` distinct ones."""
     if not gpus:
         return [() for _ in roles]
+    sizes = [tp] * len(roles) if isinstance(tp, int) else list(tp)
+    if len(set(sizes)) > 1:
+        return _in_turn(sizes, gpus)
+    tp = sizes[0] if sizes else 1
     slots = [tuple(gpus[i : i + tp]) for i in range(0, len(gpus) - tp + 1, tp)]
     if not slots:
         raise ConfigError(
@@ -122,6 +142,19 @@ def assign_gpus(roles: Sequence[str], gpus: Sequence[str], tp: int = 1) -> list[
         placed = iter(_round_robin(n_prefill, slots[:k]) + _round_robin(n_decode, slots[k:]))
         return [next(placed) for _ in roles]
     return _round_robin(len(roles), slots)
+
+
+def _in_turn(sizes: Sequence[int], gpus: Sequence[str]) -> list[tuple[str, ...]]:
+    out, at = [], 0
+    for size in sizes:
+        if size > len(gpus):
+            raise ConfigError(
+                f"--tensor-parallel-size {size} needs {size} GPUs per worker but only "
+                f"{len(gpus)} are available ({','.join(gpus)})"
+            )
+        out.append(tuple(gpus[(at + i) % len(gpus)] for i in range(size)))
+        at = (at + size) % len(gpus)
+    return out
 
 
 def _resolve_device(requested: str, gpus: Sequence[str]) -> tuple[str, Sequence[str]]:
@@ -160,11 +193,14 @@ def build_plan(
     environ = {} if environ is None else environ
     device, gpus = _resolve_device(args.device, gpus)
     names = role_names(args)
-    placement = assign_gpus([r for _, r in names], gpus, args.tensor_parallel_size)
-    users = Counter(p[0] for p in placement if p)
+    roles = [r for _, r in names]
+    sizes = tensor_parallel_sizes(args, roles)
+    placement = assign_gpus(roles, gpus, sizes)
+    users = Counter(g for p in placement for g in p)
     workers = []
-    for (name, role), placed in zip(names, placement, strict=True):
-        overrides = _memory_overrides(args, users[placed[0]] if placed else 1)
+    for (name, role), placed, tp in zip(names, placement, sizes, strict=True):
+        overrides = _memory_overrides(args, max((users[g] for g in placed), default=1))
+        overrides["tensor_parallel_size"] = tp
         argv = [*program, role, *engine_flags(args, overrides), "--device", device]
         argv += ["--host", LOOPBACK, "--port", "0", "--worker-id", name]
         argv += task_flags(args)
@@ -173,7 +209,7 @@ def build_plan(
         if role == "prefill" and getattr(args, "kv_streaming", "on") != "on":
             argv += ["--kv-streaming", args.kv_streaming]
         ready = run_dir / f"{name}.json"
-        env = _worker_env(placed, len(names), cpu_count, environ)
+        env = _worker_env(placed, sum(sizes), cpu_count, environ)  # threads per rank
         workers.append(
             Worker(ChildSpec(name, [*argv, "--ready-file", str(ready)], env, ready), role, placed)
         )

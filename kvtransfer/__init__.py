@@ -5,6 +5,7 @@ a prefill worker runs a :class:`KvSender`. See ``kvtransfer.receiver`` and
 ``kvtransfer.sender`` for the contracts.
 """
 
+from kvtransfer.blockcopy import Copier, KvShards
 from kvtransfer.config import ReceiverOptions, SenderOptions
 from kvtransfer.expectations import TransferHandle
 from kvtransfer.layout import KvLayout
@@ -14,9 +15,11 @@ from kvtransfer.results import TransferCounters, TransferError, TransferResult, 
 from kvtransfer.sender import KvSender
 
 __all__ = [
+    "Copier",
     "KvLayout",
     "KvReceiver",
     "KvSender",
+    "KvShards",
     "LayerReady",
     "LayerReadyError",
     "ReceiverOptions",

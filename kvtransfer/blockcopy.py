@@ -8,12 +8,14 @@ check their arguments on every call.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
 
 from kernels import ops
 from kernels.block_copy import RefBlockCopier
+from kvtransfer.layout import KvLayout
 
 GatherFn = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 ScatterFn = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], None]
@@ -42,6 +44,16 @@ class Copier(Protocol):
         first: int = 0,
         last: int | None = None,
     ) -> None: ...
+
+
+@dataclass(frozen=True)
+class KvShards:
+    """Caches that hold part of each block (a tensor-parallel rank's KV heads): ``copier``
+    gathers and scatters whole blocks (the other parts through their owners) and ``layout`` is
+    the layout of a whole block, which is what travels."""
+
+    copier: Copier
+    layout: KvLayout
 
 
 def make_copier(kv_caches: list[torch.Tensor]) -> Copier:

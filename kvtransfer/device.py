@@ -29,12 +29,14 @@ class DeviceInfo:
     process: str = ""  # random per process: CUDA cannot open its own IPC handles
 
     @classmethod
-    def of(cls, device: torch.device) -> DeviceInfo:
+    def of(cls, device: torch.device, shared: bool = True) -> DeviceInfo:
+        """``shared`` False: the pool may not be shared over CUDA IPC (it holds part of each
+        block, see ``KvShards``)."""
         if device.type != "cuda":
             return cls("cpu")
         index = device.index if device.index is not None else torch.cuda.current_device()
         uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
-        return cls("cuda", index, uuid, dist.is_nccl_available(), ipc=True, process=_PROCESS)
+        return cls("cuda", index, uuid, dist.is_nccl_available(), ipc=shared, process=_PROCESS)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,6 +15,8 @@ Contract:
 - Only registered blocks are ever written, so the engine may keep using the others meanwhile.
 - A sender reconnecting under the same sender id (a restarted prefill worker) replaces its old
   pair; the transfer in flight on the old pair, if any, fails.
+- ``shards``: as for ``KvSender``, caches that hold part of each block (whole blocks on the
+  wire, scattered over the parts by its copier; no CUDA IPC).
 - ``close()`` fails everything pending, stops all threads (bounded by the I/O timeout when a
   sender stalls mid-transfer over Gloo) and closes the listener and the store.
 """
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.auth import HelloChecker
-from kvtransfer.blockcopy import make_copier
+from kvtransfer.blockcopy import KvShards, make_copier
 from kvtransfer.config import ReceiverOptions
 from kvtransfer.control import ControlConn, listen
 from kvtransfer.device import DeviceInfo, choose_backend
@@ -46,10 +48,14 @@ log = logging.getLogger(__name__)
 
 
 class KvReceiver:
-    def __init__(self, kv_caches: list[torch.Tensor], options: ReceiverOptions | None = None):
+    def __init__(
+        self, kv_caches: list[torch.Tensor], options: ReceiverOptions | None = None,
+        shards: KvShards | None = None,
+    ) -> None:  # fmt: skip
         self.options = opts = options or ReceiverOptions()
-        self.layout = KvLayout.of(kv_caches)
-        copier = make_copier(kv_caches)  # checks the caches once, before anything starts
+        self.layout = shards.layout if shards is not None else KvLayout.of(kv_caches)
+        # checks the caches once, before anything starts
+        copier = shards.copier if shards is not None else make_copier(kv_caches)
         self._num_blocks = kv_caches[0].shape[1]
         device = kv_caches[0].device
         self._counters = CounterBox()
@@ -65,7 +71,7 @@ class KvReceiver:
         self._ctx = ReceiverContext(
             kv_caches,
             self.layout,
-            DeviceInfo.of(device),
+            DeviceInfo.of(device, shared=shards is None),
             self._registry,
             self._counters,
             opts,

@@ -26,6 +26,9 @@ Contract:
   event instead of the stream (``LayerReady.written(n)``: computed and synchronized, wait for
   nothing). If the producer fails, the transfer fails and the pair is rebuilt.
 - ``close()`` tears every pair down and tells the receivers.
+- ``shards`` (a :class:`KvShards`): the caches hold part of each block (one tensor-parallel
+  rank's KV heads); its copier gathers whole blocks and its layout is the whole model's, so the
+  wire carries whole blocks and the pool is never shared over CUDA IPC.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kvtransfer.blockcopy import make_copier
+from kvtransfer.blockcopy import KvShards, make_copier
 from kvtransfer.config import SenderOptions
 from kvtransfer.device import DeviceInfo
 from kvtransfer.layout import KvLayout, check_block_ids
@@ -53,20 +56,22 @@ log = logging.getLogger(__name__)
 
 class KvSender:
     def __init__(
-        self, kv_caches: list[torch.Tensor], sender_id: str, options: SenderOptions | None = None
-    ) -> None:
+        self, kv_caches: list[torch.Tensor], sender_id: str, options: SenderOptions | None = None,
+        shards: KvShards | None = None,
+    ) -> None:  # fmt: skip
         self.options = options or SenderOptions()
         self.sender_id = check_name("sender_id", sender_id)
-        self.layout = KvLayout.of(kv_caches)
+        self.layout = shards.layout if shards is not None else KvLayout.of(kv_caches)
         self._num_blocks = kv_caches[0].shape[1]
         device = kv_caches[0].device
-        copier = make_copier(kv_caches)  # checks the caches once
+        # checks the caches once
+        copier = shards.copier if shards is not None else make_copier(kv_caches)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ctx = SenderContext(
             kv_caches,
             self.layout,
             self.sender_id,
-            DeviceInfo.of(device),
+            DeviceInfo.of(device, shared=shards is None),
             stream,
             self.options.checksum,
             self.options.gloo_interface,

@@ -383,8 +383,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         type=_positive_int,
         default=1,
-        help="ranks (GPUs, or processes on the CPU) that split the model; more than 1 works in "
-        "`tandem generate` only so far (the workers refuse it: run more workers instead)",
+        help="ranks (GPUs, or processes on the CPU) that split the model: rank 0 is the worker "
+        "(or `tandem generate`) process, the others its child processes; a worker's KV "
+        "transfers carry whole blocks, so prefill and decode workers may differ in it",
     )
     g.add_argument(
         "--enforce-eager",
@@ -683,6 +684,15 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help="number of colocated workers (replaces prefill/decode when > 0)",
     )
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids to spread workers over")
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=_positive_int,
+            default=None,
+            metavar="N",
+            help=f"--tensor-parallel-size of the {role} workers only (default: "
+            "--tensor-parallel-size)",
+        )
     p.add_argument(
         "--api-key",
         default=None,
@@ -997,6 +1007,13 @@ def add_compose_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--colocated", type=int, default=0, help="colocated workers instead of prefill/decode"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="ranks per worker: each worker gets N GPUs of --gpus (its own)",
     )
     p.add_argument("--port", type=_port, default=8000, help="the gateway's published HTTP port")
     p.add_argument(

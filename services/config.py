@@ -329,11 +329,6 @@ class WorkerConfig:
                 f"tandem up --colocated N --task embed), not by a {self.role} worker: an "
                 "embedding is one prefill, with nothing to hand to a decode worker"
             )
-        if self.engine.tensor_parallel_size > 1:
-            raise ConfigError(
-                "--tensor-parallel-size > 1 works in `tandem generate` (the offline engine) "
-                "only so far; run more workers instead"
-            )
 
     @classmethod
     def from_args(cls, args: Any, role: Role, engine: EngineConfig) -> WorkerConfig:

@@ -29,6 +29,7 @@ from services.engine.driver import EngineDriver
 from services.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
+RANK_CHECK_S = 0.5  # how often a tensor-parallel worker looks for ranks that died
 
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -65,6 +66,7 @@ class WorkerRuntime:
         self.on_drain: list[Callable[[], None]] = []  # on the event loop, as draining starts
         self.leases = Leases(config.lease_timeout_s)
         self.ready_extra: Callable[[], dict[str, Any]] = dict
+        self.fatal = ""  # why the engine cannot go on (a tensor-parallel rank died)
 
     # ---- for servicers -----------------------------------------------------------------------
     async def ready_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:
@@ -122,6 +124,7 @@ class WorkerRuntime:
         try:
             self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
             self.driver = EngineDriver(self.engine)
+            self.driver.on_fatal.append(lambda exc: self._fatal(loop, stop, str(exc)))
             self.driver.start()
             for hook in self.on_ready:
                 await asyncio.to_thread(hook)
@@ -134,9 +137,47 @@ class WorkerRuntime:
         self._write_ready(self.ready_extra())
         print(f"{self.worker_id} ({self.role}) serving on {self.config.host}:{self.port} "
               f"after {time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
+        watch = asyncio.create_task(self._watch_ranks(loop, stop))
         await stop.wait()
+        watch.cancel()
+        if self.fatal:
+            await self._die(service_names)
+            return 1
         await self.drain(service_names)
         return 0
+
+    def _fatal(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event, why: str) -> None:
+        """The engine cannot go on (a tensor-parallel rank died): the worker exits (status 1),
+        and whoever started it (``tandem up``) starts it again. Any thread."""
+        self.fatal = self.fatal or why
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(stop.set)
+
+    async def _watch_ranks(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        """A rank that dies between steps (an idle worker) is noticed here, not at the next
+        request; one that dies during a step fails the step first (``EngineDriver.on_fatal``)."""
+        ranks = self.engine.runner.ranks if self.engine is not None else None
+        while ranks is not None:
+            await asyncio.sleep(RANK_CHECK_S)
+            dead = ranks.dead()
+            if dead:
+                await asyncio.sleep(RANK_CHECK_S)  # a step in progress fails and says so first
+                what = ", ".join(f"rank {r} exited with status {c}" for r, c in dead)
+                self._fatal(loop, stop, f"tensor-parallel {what}")
+                return
+
+    async def _die(self, service_names: list[str]) -> None:
+        """After a fatal engine error: every request was failed; stop at once, no draining."""
+        log.error("%s: %s; the worker exits", self.worker_id, self.fatal)
+        print(f"{self.worker_id}: {self.fatal}; the worker exits", flush=True)
+        self.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
+        await self.server.stop(grace=1.0)
+        for hook in self.on_stop:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.to_thread(hook), 5.0)
+        if self.engine is not None:
+            self.engine.close(graceful=False)
 
     async def _set_health(self, status: int, names: list[str]) -> None:
         for name in ["", *names]:
@@ -160,6 +201,8 @@ class WorkerRuntime:
                 await asyncio.to_thread(hook)
         if self.driver is not None:
             self.driver.stop()
+        if self.engine is not None:  # the other tensor-parallel ranks, told to stop
+            self.engine.close()
 
 
 class WorkerRpcs:

@@ -101,7 +101,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         opts = ReceiverOptions(host=c.kv_host or c.host, port=c.kv_port, io_timeout_s=c.kv_timeout_s,
                                advertise_host=c.kv_host,
                                auth_token=self.rt.internal_token)  # fmt: skip
-        self.receiver = KvReceiver(self.rt.engine.runner.kv_caches, opts)
+        runner = self.rt.engine.runner  # with TP, whole blocks scattered over the ranks' heads
+        self.receiver = KvReceiver(runner.kv_caches, opts, shards=runner.kv_shards())
         assert self.rt.driver is not None
         self.rt.driver.after_work.append(
             lambda e: self.admission.on_blocks_freed(e.kv.num_free_blocks)

@@ -22,6 +22,7 @@ from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
 from services.engine.llm_engine import EngineStats, LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.structured import CompiledOutput
+from services.engine.tp_ranks import RankFailedError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +66,11 @@ class EngineDriver:
         # run on the engine thread after each batch of commands and each step (blocks may
         # have been freed): cheap, and they must not raise
         self.after_work: list[Callable[[LLMEngine], None]] = []
+        # called (on the engine thread) when a step fails in a way the engine cannot go on from
+        # (a tensor-parallel rank died): every request has been failed, the thread ends
+        self.on_fatal: list[Callable[[BaseException], None]] = []
+        self.fatal: BaseException | None = None
+        self._gate = threading.Lock()  # no command is queued once ``fatal`` is set
 
     def start(self) -> None:
         self._thread.start()
@@ -91,7 +97,11 @@ class EngineDriver:
             if wanted:
                 fut.set_result(result)
 
-        self._commands.put(run)
+        with self._gate:
+            if self.fatal is None:
+                self._commands.put(run)
+                return fut
+        fut.set_exception(RuntimeError(f"the engine stopped: {self.fatal}"))
         return fut
 
     async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -274,11 +284,31 @@ class EngineDriver:
             except Exception as exc:  # a bug or a device error: fail what was running, go on
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {exc}")
+                if isinstance(exc, RankFailedError):  # the ranks are gone: nothing can run
+                    self._die(exc)
+                    return
                 self._after_work()
                 continue
             self.steps += 1
             self._deliver(outputs)
             self._after_work()
+
+    def _die(self, exc: BaseException) -> None:
+        with self._gate:
+            self.fatal = exc
+        self._stop.set()
+        while True:  # the commands queued before: their callers are answered, not left waiting
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            self._run(cmd)
+        self._fail_all(f"engine step failed: {exc}")
+        for hook in self.on_fatal:
+            try:
+                hook(exc)
+            except Exception:
+                log.exception("fatal-error hook failed")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not per output

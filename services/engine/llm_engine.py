@@ -557,9 +557,10 @@ class LLMEngine:
         text = self.tokenizer.decode([token_id])
         return TokenLogprob(token_id, logprob, text, self._token_bytes(token_id, text), rank)
 
-    def close(self) -> None:
-        """Stop the other tensor-parallel ranks (``--tensor-parallel-size`` > 1)."""
-        self.runner.close()
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other tensor-parallel ranks (``--tensor-parallel-size`` > 1): told to, or
+        (not ``graceful``) killed."""
+        self.runner.close(graceful)
 
     @property
     def has_unfinished(self) -> bool:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from kvtransfer import KvLayout, KvShards
+from kvtransfer.blockcopy import make_copier
 from protos.blocks import blocks_for
 from protos.sampling_params import SamplingParams
 from services.config import ConfigError, EngineConfig
@@ -33,6 +35,7 @@ from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
 from services.engine.structured import GrammarBatch
 from services.engine.tp_group import TPGroup
+from services.engine.tp_kv import AfterPeers, ShardedCopier
 from services.engine.tp_layout import TPLayout
 from services.engine.tp_ranks import Ranks, RankStep
 from services.engine.warmup import warmup_steps
@@ -81,6 +84,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.ranks: Ranks | None = None
+        self._sharded: ShardedCopier | None = None  # rank 0's KV copier over the ranks' heads
         if tp is None and config.tensor_parallel_size > 1:
             # refused here, before any rank starts, when the heads cannot be split
             TPLayout.of(read_arch(config.model)[1], 0, config.tensor_parallel_size)
@@ -300,9 +304,25 @@ class ModelRunner:
             at += r.num_new_tokens
         return logits[torch.tensor(keep, device=logits.device)]
 
+    def kv_shards(self) -> KvShards | None:
+        """Rank 0 of several: what a worker's KV sender or receiver needs to ship whole blocks
+        of every rank's heads (``services.engine.tp_kv``); None with one rank."""
+        if self.ranks is None:
+            return None
+        if self._sharded is None:
+            size = self.config.tensor_parallel_size
+            spans = [TPLayout.of(self.arch, r, size).kv_heads for r in range(size)]
+            whole = replace(KvLayout.of(self.kv_caches), num_kv_heads=self.arch.num_kv_heads)
+            local = make_copier(self.kv_caches)
+            self._sharded = ShardedCopier(local, self.ranks.group.kv, spans, whole, self.device)
+        return KvShards(self._sharded, self._sharded.layout)
+
     def close(self, graceful: bool = True) -> None:
         """Stop the other tensor-parallel ranks (rank 0; nothing to do otherwise)."""
         if self.ranks is not None:
+            if graceful and self._sharded is not None and not self.ranks.dead():
+                with contextlib.suppress(RuntimeError):  # the ranks' KV loops end first
+                    self._sharded.close()
             self.ranks.close(graceful)
 
     def _collective(self) -> contextlib.AbstractContextManager[None]:
@@ -341,9 +361,14 @@ class ModelRunner:
         if logits is not None:
             return logits
         inputs = self.prepare(out)
+        peers = None
+        if layers is not None and self.ranks is not None:  # a layer counts once every rank wrote it
+            layers = peers = AfterPeers(layers, self.kv_arch.num_layers)
         if layers is not None:
             inputs.meta.on_kv_written = layers.record
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if peers is not None:
+            peers.finish()
         if eager:
             self._hidden, self._starts = hidden, inputs.starts
         if inputs.logits_rows.shape[0] == 0:

@@ -2,7 +2,9 @@
 the engine's config pickled on stdin; started by ``services.engine.tp_ranks``).
 
 It loads its shard, takes part in the start-up agreement (its error, if any, travels to rank 0
-there), then runs each step rank 0 broadcasts until rank 0 sends None, or dies with rank 0.
+there), then runs each step rank 0 broadcasts until rank 0 sends None, or dies with rank 0; a
+thread of its own serves rank 0's gathers and scatters of its KV heads (a serving worker's KV
+transfers, ``services.engine.tp_kv``).
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from kvtransfer import KvLayout
+from kvtransfer.blockcopy import make_copier
 from services.config import ConfigError, EngineConfig
 from services.engine.model_runner import ModelRunner, resolve_device
 from services.engine.tp_group import TPGroup
+from services.engine.tp_kv import serve_kv
 from services.engine.tp_ranks import PARENT_PID_ENV, START_TIMEOUT_S, rank_device
 
 _PR_SET_PDEATHSIG = 1
@@ -58,6 +64,11 @@ def main(rank: int, size: int, port: int) -> int:
         elif not isinstance(exc, ConfigError):  # not the agreement's own error: printed here
             raise
         return 1
+    kv = threading.Thread(
+        target=serve_kv, name="tp-kv", daemon=True,
+        args=(group.kv, rank, make_copier(runner.kv_caches), KvLayout.of(runner.kv_caches)),
+    )  # fmt: skip
+    kv.start()  # a worker's KV transfers: this rank's heads of the blocks (services.engine.tp_kv)
     while (step := group.broadcast()) is not None:
         runner.follow(step)
     return 0

@@ -4,7 +4,9 @@ Built straight from a TCPStore (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` cons
 ``kvtransfer.pair`` does), never through ``init_process_group``: no global default group exists,
 so the same process can also hold KV-transfer pairs. The step plans travel as pickled bytes over
 a Gloo group on the host; activations over the device group (NCCL on GPUs, the same Gloo group
-on the CPU). A peer that dies makes the next collective raise (Gloo: "connection closed by
+on the CPU). A third group, ``kv`` (Gloo), carries the KV blocks a worker ships or receives
+(``services.engine.tp_kv``) between rank 0's transfer threads and each rank's KV thread, so
+they never interleave with the step's collectives. A peer that dies makes the next collective raise (Gloo: "connection closed by
 peer") instead of hanging; a stuck one, the group's timeout.
 """
 
@@ -43,6 +45,7 @@ class TPGroup:
             )
         else:
             self.device_group = self.host
+        self.kv = _gloo(dist.PrefixStore("kv", store), self.rank, self.size)
         self.agreed = False  # the start-up agreement took place
 
     def agree(self, value: Any, error: str | None = None) -> list[Any]:
@@ -69,16 +72,7 @@ class TPGroup:
     # ---- plain data over the host group ------------------------------------------------------
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others pass nothing)."""
-        data = pickle.dumps(obj) if self.rank == 0 else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        self.host.broadcast(size, 0).wait()
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if self.rank == 0
-            else torch.empty(int(size), dtype=torch.uint8)
-        )
-        self.host.broadcast(buf, 0).wait()
-        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+        return broadcast_object(self.host, self.rank, obj)
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
@@ -93,3 +87,17 @@ class TPGroup:
         return [
             pickle.loads(p[: int(s)].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)
         ]
+
+
+def broadcast_object(group: Any, rank: int, obj: Any = None) -> Any:
+    """Rank 0's ``obj`` (pickled) on every rank of ``group`` (the others pass nothing)."""
+    data = pickle.dumps(obj) if rank == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    group.broadcast(size, 0).wait()
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if rank == 0
+        else torch.empty(int(size), dtype=torch.uint8)
+    )
+    group.broadcast(buf, 0).wait()
+    return obj if rank == 0 else pickle.loads(buf.numpy().tobytes())

@@ -43,7 +43,9 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
             checksum=config.kv_checksum,
             auth_token=self.rt.internal_token,
         )
-        sender = KvSender(caches, sender_id=self.rt.worker_id, options=opts)
+        # tensor parallelism: whole blocks gathered from every rank's heads (services.engine.tp_kv)
+        shards = self.rt.engine.runner.kv_shards()
+        sender = KvSender(caches, sender_id=self.rt.worker_id, options=opts, shards=shards)
         self.handoffs = Handoffs(sender, caches[0].device, config.kv_timeout_s)
         if config.kv_streaming:  # each prompt's KV leaves as its last chunk's forward writes it
             self.rt.driver.on_final_chunks(self.handoffs.on_final_chunks).result()

@@ -255,6 +255,7 @@ def test_compose_takes_ranges_ids_and_colocated_workers() -> None:
     "flags, message",
     [
         (["--gpus", "2", "--prefill", "2", "--decode", "2"], "4 workers need 4 GPUs"),
+        (["--gpus", "3", "--tensor-parallel-size", "2"], "2 workers need 4 GPUs (2 each)"),
         (["--gpus", "4", "--prefill", "0"], "--prefill >= 1 and --decode >= 1"),
         (["--gpus", "4", "--colocated", "2", "--prefill", "1"], "replaces --prefill/--decode"),
         (["--gpus", "5-3"], "runs backwards"),
@@ -270,3 +271,17 @@ def test_compose_refuses_impossible_shapes_with_exit_2(
     assert main(build_parser().parse_args(["compose", *flags])) == 2
     err = capsys.readouterr().err
     assert err.startswith("tandem compose: error: ") and message in err and "Traceback" not in err
+
+
+def test_compose_with_tensor_parallelism_gives_each_worker_its_own_gpus() -> None:
+    """`--tensor-parallel-size 2`: each worker reserves two GPUs of its own and runs two ranks."""
+    text, doc = rendered("--gpus", "4", "--tensor-parallel-size", "2")
+    assert "--tensor-parallel-size 2" in text.splitlines()[0]
+    schema = json.loads(SCHEMA.read_text())
+    assert not list(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    services = doc["services"]
+    parsed = workers(services)
+    assert {n: a.tensor_parallel_size for n, a in parsed.items()} == {"prefill-0": 2, "decode-0": 2}
+    ids = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+           for n in parsed]  # fmt: skip
+    assert ids == [["0", "1"], ["2", "3"]]

@@ -242,3 +242,31 @@ def test_task_embed_and_the_pooler_reach_the_colocated_workers() -> None:
 def test_task_embed_in_a_disaggregated_topology_is_refused() -> None:
     with pytest.raises(ConfigError, match="--task embed is served by colocated workers"):
         plan_for("--task", "embed")
+
+
+def test_prefill_and_decode_may_differ_in_tensor_parallel_size() -> None:
+    """Each role's own flag reaches its workers (the KV hand-off regroups the heads); with
+    GPUs, every worker gets as many distinct ones as it has ranks."""
+    flags = ("--prefill-tensor-parallel-size", "2", "--decode", "2")
+    plan = plan_for(*flags, gpus=("0", "1", "2", "3"))
+    tp = {w.spec.name: reparse(w.spec.argv).tensor_parallel_size for w in plan.workers}
+    assert tp == {"prefill-0": 2, "decode-0": 1, "decode-1": 1}
+    assert [w.gpus for w in plan.workers] == [("0", "1"), ("2",), ("3",)]
+    cpu = plan_for("--decode-tensor-parallel-size", "2", "--tensor-parallel-size", "3")
+    assert [reparse(w.spec.argv).tensor_parallel_size for w in cpu.workers] == [3, 2]
+    assert all(w.gpus == () for w in cpu.workers)
+    # on the CPU the cores are split between ranks (each rank's process inherits the setting)
+    cores = plan_for("--prefill-tensor-parallel-size", "3", cpus=16)
+    assert [w.spec.env["OMP_NUM_THREADS"] for w in cores.workers] == ["4", "4"]
+
+
+def test_a_workers_ranks_never_share_a_gpu() -> None:
+    plan = plan_for("--decode-tensor-parallel-size", "2", "--prefill", "2", gpus=("0", "1", "2"))
+    assert all(len(set(w.gpus)) == len(w.gpus) for w in plan.workers)
+    with pytest.raises(ConfigError, match="needs 4 GPUs per worker but only 3"):
+        plan_for("--decode-tensor-parallel-size", "4", gpus=("0", "1", "2"))
+
+
+def test_role_tensor_parallel_sizes_are_refused_for_colocated_workers() -> None:
+    with pytest.raises(ConfigError, match="colocated ones take --tensor-parallel-size"):
+        plan_for("--colocated", "1", "--decode-tensor-parallel-size", "2")

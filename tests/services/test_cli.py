@@ -323,13 +323,14 @@ def test_a_bad_pooler_config_is_an_argparse_error(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "worker"])
-def test_workers_refuse_tensor_parallelism_for_now(
+def test_a_worker_whose_model_cannot_be_split_exits_2_naming_the_cause(
     role: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Only the offline engine (`tandem generate`) runs several ranks so far: a worker says so
-    and exits 2 before loading anything."""
+    """Workers run several ranks; one whose heads do not split over them (the embedded model:
+    3 KV heads, 9 query heads over 4 ranks) says why and exits 2 before any rank starts."""
     from services.cli import HANDLERS
 
-    args = build_parser().parse_args([role, "--port", "0", "--tensor-parallel-size", "2"])
+    args = build_parser().parse_args([role, "--port", "0", "--tensor-parallel-size", "4"])
     assert HANDLERS[role](args) == 2
-    assert "--tensor-parallel-size > 1 works in `tandem generate`" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--tensor-parallel-size 4: 3 KV heads and 9 query heads cannot be split" in out

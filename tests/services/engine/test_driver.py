@@ -32,3 +32,40 @@ def test_one_wake_up_per_loop_per_step_and_finished_streams_leave() -> None:
     assert [loop.calls for loop in loops] == [1, 1]
     assert [s.queue.qsize() for s in streams.values()] == [1, 1, 1, 1, 1]
     assert "r3" not in driver._streams and len(driver._streams) == 4
+
+
+class _DyingEngine:
+    """One request in flight; its step finds a tensor-parallel rank dead."""
+
+    has_unfinished = True
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def step(self) -> list[RequestOutput]:
+        from services.engine.tp_ranks import RankFailedError
+
+        raise RankFailedError("tensor-parallel rank 1 exited with status -9 during a step")
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_a_dead_rank_fails_every_request_stops_the_engine_and_refuses_later_calls() -> None:
+    engine = _DyingEngine()
+    driver = EngineDriver(engine=engine)  # type: ignore[arg-type]
+    loop = _Loop()
+    stream = Stream("r0", loop, asyncio.Queue())  # type: ignore[arg-type]
+    driver._streams["r0"] = stream
+    fatal: list[str] = []
+    driver.on_fatal.append(lambda exc: fatal.append(str(exc)))
+    driver.start()
+    driver._thread.join(10)
+    assert not driver._thread.is_alive(), "the engine thread went on after a rank died"
+    out = stream.queue.get_nowait()
+    assert (out.finished, out.finish_reason) == (True, "error")
+    assert out.error is not None and "rank 1 exited with status -9" in out.error
+    assert engine.aborted == ["r0"]
+    assert fatal == ["tensor-parallel rank 1 exited with status -9 during a step"]
+    later = driver.call(lambda e: None)
+    assert "the engine stopped" in str(later.exception(timeout=1))
