@@ -70,6 +70,8 @@ def engine_flags(
             out.append(flag if value else "--no-" + flag[2:])
         elif isinstance(action, argparse._StoreTrueAction):
             out.append(flag)
+        elif isinstance(value, list | tuple):  # nargs="+" (--lora-modules)
+            out += [flag, *map(str, value)]
         else:
             out += [flag, str(value)]
     return out

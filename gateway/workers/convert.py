@@ -38,6 +38,7 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=sp.skip_special_tokens,
         logit_bias=dict(sp.logit_bias),
+        lora_name=sp.lora_name,
     )
     if sp.seed is not None:
         msg.seed = sp.seed
