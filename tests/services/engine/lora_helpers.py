@@ -51,7 +51,9 @@ def make_adapters(root: Path) -> dict[str, Path]:
     }
 
 
-def peft_greedy(adapter: Path | None, prompts: list[list[int]], n: int, eos: int) -> list[list[int]]:
+def peft_greedy(
+    adapter: Path | None, prompts: list[list[int]], n: int, eos: int
+) -> list[list[int]]:
     """Greedy tokens of peft's merged model (float32; None: the base model), cut after EOS."""
     from peft import PeftModel
 
