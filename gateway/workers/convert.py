@@ -133,6 +133,7 @@ def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
             "iteration_tokens",
             "grammar_compile_seconds",
             "spec_decode_num_accepted_tokens_per_pos",
+            "lora_names",
         )
     }
     return WorkerLoadInfo(
@@ -140,4 +141,13 @@ def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
         iteration_tokens=histogram_from_pb(msg.iteration_tokens),
         grammar_compile_seconds=histogram_from_pb(msg.grammar_compile_seconds),
         spec_decode_num_accepted_tokens_per_pos=tuple(msg.spec_decode_num_accepted_tokens_per_pos),
+        lora_names=tuple(msg.lora_names),
     )
+
+
+def load_lora_to_pb(name: str, path: str) -> common_pb2.LoadLoRARequest:
+    return common_pb2.LoadLoRARequest(lora_name=name, lora_path=path)
+
+
+def unload_lora_to_pb(name: str) -> common_pb2.UnloadLoRARequest:
+    return common_pb2.UnloadLoRARequest(lora_name=name)

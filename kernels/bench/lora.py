@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 K, N, RANK, SHARDS, SLOTS, ADAPTERS = 4096, 6144, 16, 3, 8, 4
+T = torch.Tensor
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Case:
     slots: torch.Tensor  # [G]
     longest: int
 
-    def args(self) -> tuple[object, ...]:
+    def args(self) -> tuple[T, T, T, T, T, T, T, int]:
         return (self.y, self.x, self.a, self.b, self.starts, self.lens, self.slots, self.longest)
 
     def bytes(self) -> int:
@@ -71,9 +72,12 @@ def check(case: Case) -> float:
     from kernels.lora import ref_add_lora
     from kernels.triton_lora import add_lora
 
-    base = case.y.float()
-    out = add_lora(case.y.clone(), *case.args()[1:]).float() - base
-    ref = ref_add_lora(case.y.clone(), *case.args()[1:]).float() - base
+    y = case.y
+    base = y.float()
+    out = add_lora(y.clone(), case.x, case.a, case.b, case.starts, case.lens, case.slots,
+                   case.longest).float() - base  # fmt: skip
+    ref = ref_add_lora(y.clone(), case.x, case.a, case.b, case.starts, case.lens, case.slots,
+                       case.longest).float() - base  # fmt: skip
     err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
     if not err < 1e-2:
         raise SystemExit(f"batched LoRA: relative error {err:.2e} against the reference")

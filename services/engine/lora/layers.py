@@ -77,7 +77,8 @@ class LoRALinear(nn.Module):
 def _shards(parent: nn.Module, attr: str, layer: nn.Module) -> list[int]:
     out = int(getattr(layer, "out_features"))  # noqa: B009
     if attr == "qkv_proj":
-        return [parent.nq * parent.d, parent.nkv * parent.d, parent.nkv * parent.d]
+        nq, nkv, d = (int(getattr(parent, a)) for a in ("nq", "nkv", "d"))
+        return [nq * d, nkv * d, nkv * d]
     if attr == "gate_up_proj":
         return [out // 2, out // 2]
     return [out]
@@ -90,8 +91,10 @@ def apply_lora(
     """Wrap every decoder layer's projections; (layer index, our layer name) -> the wrapper.
     A Mixture-of-Experts layer's sparse MLP is not wrapped (adapters on it are refused)."""
     wrapped: dict[tuple[int, str], LoRALinear] = {}
-    for i, decoder in enumerate(model.model.layers):  # type: ignore[union-attr]
-        for parent in (decoder.self_attn, decoder.mlp):
+    decoders: nn.ModuleList = model.model.layers  # type: ignore[union-attr,assignment]
+    for i, decoder in enumerate(decoders):
+        parents = (decoder.get_submodule("self_attn"), decoder.get_submodule("mlp"))
+        for parent in parents:
             for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 base = getattr(parent, attr, None)
                 if base is None:
