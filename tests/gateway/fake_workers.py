@@ -189,6 +189,11 @@ async def _stream(
         await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: died mid-stream")
 
 
+async def _no_lora_updates(context: grpc.aio.ServicerContext) -> None:
+    """As a worker started without --allow-runtime-lora-updating answers."""
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "runtime LoRA updates are off")
+
+
 class Worker(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine: FakeEngine) -> None:
         self.e = engine
@@ -238,6 +243,12 @@ class Worker(worker_pb2_grpc.WorkerServiceServicer):
     async def GetLoad(self, request, context):
         return self.e.load()
 
+    async def LoadLoRA(self, request, context):
+        await _no_lora_updates(context)
+
+    async def UnloadLoRA(self, request, context):
+        await _no_lora_updates(context)
+
 
 class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, engine: FakeEngine) -> None:
@@ -273,6 +284,12 @@ class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def GetLoad(self, request, context):
         return self.e.load()
+
+    async def LoadLoRA(self, request, context):
+        await _no_lora_updates(context)
+
+    async def UnloadLoRA(self, request, context):
+        await _no_lora_updates(context)
 
 
 class Decode(decode_pb2_grpc.DecodeServiceServicer):
@@ -331,6 +348,12 @@ class Decode(decode_pb2_grpc.DecodeServiceServicer):
 
     async def GetLoad(self, request, context):
         return self.e.load(reserved=len(self.e.records.reservations))
+
+    async def LoadLoRA(self, request, context):
+        await _no_lora_updates(context)
+
+    async def UnloadLoRA(self, request, context):
+        await _no_lora_updates(context)
 
 
 class Health(health_pb2_grpc.HealthServicer):
