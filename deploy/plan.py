@@ -15,7 +15,7 @@ from pathlib import Path
 
 from deploy.supervisor import ChildSpec
 from services.cli import add_engine_args
-from services.config import ConfigError
+from services.config import ConfigError, LoRAConfig
 
 DEFAULT_PROGRAM = (sys.executable, "-m", "services.cli")
 LOOPBACK = "127.0.0.1"
@@ -160,6 +160,7 @@ def build_plan(
     environ: Mapping[str, str] | None = None,
 ) -> Plan:
     environ = {} if environ is None else environ
+    LoRAConfig.from_args(args)  # bad LoRA flags end here, not in every worker
     device, gpus = _resolve_device(args.device, gpus)
     names = role_names(args)
     placement = assign_gpus([r for _, r in names], gpus, args.tensor_parallel_size)

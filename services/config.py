@@ -287,6 +287,23 @@ class LoRAConfig:
         if dup:
             raise ConfigError(f"--lora-modules names an adapter twice: {', '.join(dup)}")
 
+    @classmethod
+    def from_args(cls, args: Any) -> LoRAConfig | None:
+        """The LoRA flags (``services.cli.add_lora_args``); None without --enable-lora."""
+        modules = getattr(args, "lora_modules", None)
+        runtime = getattr(args, "allow_runtime_lora_updating", False)
+        if not getattr(args, "enable_lora", False):
+            if modules or runtime:
+                flag = "--lora-modules" if modules else "--allow-runtime-lora-updating"
+                raise ConfigError(f"{flag} needs --enable-lora")
+            return None
+        return cls(
+            modules=cls.parse_modules(modules),
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            allow_runtime_updating=runtime,
+        )
+
     @staticmethod
     def parse_modules(items: list[str] | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
         """``--lora-modules name=path ...`` as (name, path) pairs."""

@@ -12,7 +12,6 @@ from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 from services.config import (
     CacheConfig,
-    ConfigError,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -228,22 +227,5 @@ def config_from_args(args: Any) -> EngineConfig:
         task=getattr(args, "task", "generate"),
         pooler_config=getattr(args, "pooler_config", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        lora_config=lora_config_from_args(args),
-    )
-
-
-def lora_config_from_args(args: Any) -> LoRAConfig | None:
-    """The LoRA flags (``services.cli.add_lora_args``); None without --enable-lora."""
-    modules = getattr(args, "lora_modules", None)
-    runtime = getattr(args, "allow_runtime_lora_updating", False)
-    if not getattr(args, "enable_lora", False):
-        if modules or runtime:
-            flag = "--lora-modules" if modules else "--allow-runtime-lora-updating"
-            raise ConfigError(f"{flag} needs --enable-lora")
-        return None
-    return LoRAConfig(
-        modules=LoRAConfig.parse_modules(modules),
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        allow_runtime_updating=runtime,
+        lora_config=LoRAConfig.from_args(args),
     )

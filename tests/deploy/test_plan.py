@@ -242,3 +242,18 @@ def test_task_embed_and_the_pooler_reach_the_colocated_workers() -> None:
 def test_task_embed_in_a_disaggregated_topology_is_refused() -> None:
     with pytest.raises(ConfigError, match="--task embed is served by colocated workers"):
         plan_for("--task", "embed")
+
+
+def test_lora_flags_reach_every_worker_and_parse_there() -> None:
+    plan = plan_for("--enable-lora", "--lora-modules", "a=/ad/a", "b=/ad/b", "--max-loras", "2",
+                    "--allow-runtime-lora-updating")  # fmt: skip
+    assert {w.role for w in plan.workers} == {"prefill", "decode"}
+    for w in plan.workers:
+        args = reparse(w.spec.argv)
+        assert args.enable_lora and args.allow_runtime_lora_updating
+        assert args.lora_modules == ["a=/ad/a", "b=/ad/b"] and args.max_loras == 2
+
+
+def test_lora_modules_without_enable_lora_is_refused_before_any_worker_starts() -> None:
+    with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
+        plan_for("--lora-modules", "a=/ad/a")
