@@ -767,6 +767,12 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         help="seed of sampling, for the same output on every run at temperature > 0 (prompt i "
         "uses seed + i; default: none, a fresh draw each run)",
     )
+    p.add_argument(
+        "--lora-name",
+        default=None,
+        metavar="NAME",
+        help="generate under this adapter of --lora-modules (default: the base model)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
 
