@@ -59,7 +59,10 @@ class Dispatcher:
         lora = item.sampling.lora_name
         workers, role = self._front_workers(exclude, lora)
         if not workers:
-            raise UpstreamError(unavailable(self.unavailable_reason() or "no worker left"), False)
+            left = (
+                f"no healthy worker serves the LoRA adapter {lora!r}" if lora else "no worker left"
+            )
+            raise UpstreamError(unavailable(self.unavailable_reason() or left), False)
         key = prefix_key(item.prompt_ids, workers[0].block_size, self.ctx.config.prefix_blocks)
         ranked = rank_by_affinity(workers, key)
         parent.set_attribute("tandem.mode", "disaggregated" if role == "prefill" else "colocated")

@@ -53,6 +53,7 @@ class Behavior:
     cached_tokens: int = 0
     num_waiting: int = 0  # what GetLoad reports waiting (the gateway reads it at its next poll)
     task: str = "generate"  # a colocated worker's --task: embed answers Embed, generate refuses it
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters GetLoad reports
 
 
 @dataclass
@@ -163,7 +164,7 @@ class FakeEngine:
             free_blocks=TOTAL_BLOCKS - reserved, total_blocks=TOTAL_BLOCKS,
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
             kv_transfer_bytes=1234, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
-            task=b.task if self.role == "colocated" else "",
+            task=b.task if self.role == "colocated" else "", lora_names=list(b.lora_names),
         )  # fmt: skip
 
 
