@@ -15,7 +15,7 @@ from pathlib import Path
 
 from deploy.supervisor import ChildSpec
 from services.cli import add_engine_args
-from services.config import ConfigError
+from services.config import ConfigError, LoRAConfig
 
 DEFAULT_PROGRAM = (sys.executable, "-m", "services.cli")
 LOOPBACK = "127.0.0.1"
@@ -70,6 +70,8 @@ def engine_flags(
             out.append(flag if value else "--no-" + flag[2:])
         elif isinstance(action, argparse._StoreTrueAction):
             out.append(flag)
+        elif isinstance(value, list | tuple):  # nargs="+" (--lora-modules)
+            out += [flag, *map(str, value)]
         else:
             out += [flag, str(value)]
     return out
@@ -191,6 +193,7 @@ def build_plan(
     environ: Mapping[str, str] | None = None,
 ) -> Plan:
     environ = {} if environ is None else environ
+    LoRAConfig.from_args(args)  # bad LoRA flags end here, not in every worker
     device, gpus = _resolve_device(args.device, gpus)
     names = role_names(args)
     roles = [r for _, r in names]

@@ -22,10 +22,12 @@ from kernels.attention import (
 from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
 from kernels.checksum import ref_checksum
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
+from kernels.lora import ref_add_lora
 from kernels.moe import ref_fused_moe, ref_moe_routing
 from kernels.quant import ref_fp8_linear, ref_w4a16_linear, scaled_mm_w8a8_linear
 
 __all__ = [
+    "add_lora",
     "checksum",
     "fp8_linear",
     "fp8_supported",
@@ -69,6 +71,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         triton_checksum,
         triton_gemv,
         triton_layers,
+        triton_lora,
         triton_moe,
         triton_quant,
     )
@@ -79,6 +82,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         "triton_checksum": triton_checksum,
         "triton_gemv": triton_gemv,
         "triton_layers": triton_layers,
+        "triton_lora": triton_lora,
         "triton_moe": triton_moe,
         "triton_quant": triton_quant,
     }
@@ -291,3 +295,19 @@ def checksum(data: torch.Tensor) -> torch.Tensor:  # [N] uint8 -> [] int64
     the same bits from the Triton kernel and the reference, so either end may use either."""
     mod = _triton("triton_checksum", data)
     return (mod.checksum if mod else ref_checksum)(data)
+
+
+def add_lora(
+    y: torch.Tensor,  # [T, N], updated in place
+    x: torch.Tensor,  # [T, K]
+    lora_a: torch.Tensor,  # [S, R, K]
+    lora_b: torch.Tensor,  # [S, N, R]
+    seg_starts: torch.Tensor,  # [G]
+    seg_lens: torch.Tensor,  # [G]
+    seg_slots: torch.Tensor,  # [G]
+    max_seg_len: int,
+) -> torch.Tensor:  # y
+    """Each segment's adapter update added to its rows of ``y`` (``kernels.lora``)."""
+    mod = _triton("triton_lora", x)
+    fn = mod.add_lora if mod is not None else ref_add_lora
+    return fn(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots, max_seg_len)

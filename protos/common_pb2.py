@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\ttandem.v1\"\xd9\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12/\n\nstructured\x18\x13 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x8e\x01\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x16\n\x0e\x61ny_whitespace\x18\x03 \x01(\x08\x12\x17\n\x0freasoning_start\x18\x04 \x01(\t\x12\x15\n\rreasoning_end\x18\x05 \x01(\t\x12\x16\n\x0ereasoning_open\x18\x06 \x01(\x08\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"a\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"R\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\"\xe8\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12!\n\x06timing\x18\t \x01(\x0b\x32\x11.tandem.v1.Timing\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x13\n\x0bstatus_code\x18\x0b \x01(\x05\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\"3\n\nChunkBatch\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenChunk\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1c\n\x0bLoadRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"G\n\tHistogram\x12\x0e\n\x06\x62ounds\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x03\x12\x0b\n\x03sum\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"\x88\x07\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\t \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x15\n\rprompt_tokens\x18\x0b \x01(\x03\x12\x19\n\x11generation_tokens\x18\x0c \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x10 \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\x11 \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x12 \x01(\x03\x12\x12\n\nvocab_size\x18\x13 \x01(\x05\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\x12\x14\n\x0cnum_reserved\x18\x15 \x01(\x05\x12.\n\x10iteration_tokens\x18\x16 \x01(\x0b\x32\x14.tandem.v1.Histogram\x12\x35\n\x17grammar_compile_seconds\x18\x17 \x01(\x0b\x32\x14.tandem.v1.Histogram\x12 \n\x18kv_offload_stored_blocks\x18\x18 \x01(\x03\x12\"\n\x1akv_offload_restored_blocks\x18\x19 \x01(\x03\x12!\n\x19kv_offload_evicted_blocks\x18\x1a \x01(\x03\x12\x1e\n\x16prefix_cache_host_hits\x18\x1b \x01(\x03\x12\x1e\n\x16spec_decode_num_drafts\x18\x1c \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x1d \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x1e \x01(\x03\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x1f \x03(\x03\x12\x0c\n\x04task\x18  \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\ttandem.v1\"\xec\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12/\n\nstructured\x18\x13 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12\x11\n\tlora_name\x18\x14 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x8e\x01\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x16\n\x0e\x61ny_whitespace\x18\x03 \x01(\x08\x12\x17\n\x0freasoning_start\x18\x04 \x01(\t\x12\x15\n\rreasoning_end\x18\x05 \x01(\t\x12\x16\n\x0ereasoning_open\x18\x06 \x01(\x08\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"a\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"R\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\"\xe8\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12!\n\x06timing\x18\t \x01(\x0b\x32\x11.tandem.v1.Timing\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x13\n\x0bstatus_code\x18\x0b \x01(\x05\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\"3\n\nChunkBatch\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenChunk\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1c\n\x0bLoadRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"G\n\tHistogram\x12\x0e\n\x06\x62ounds\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x03\x12\x0b\n\x03sum\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"\xbb\x07\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\t \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x15\n\rprompt_tokens\x18\x0b \x01(\x03\x12\x19\n\x11generation_tokens\x18\x0c \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x10 \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\x11 \x01(\x01\x12\x1c\n\x14kv_transfer_failures\x18\x12 \x01(\x03\x12\x12\n\nvocab_size\x18\x13 \x01(\x05\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\x12\x14\n\x0cnum_reserved\x18\x15 \x01(\x05\x12.\n\x10iteration_tokens\x18\x16 \x01(\x0b\x32\x14.tandem.v1.Histogram\x12\x35\n\x17grammar_compile_seconds\x18\x17 \x01(\x0b\x32\x14.tandem.v1.Histogram\x12 \n\x18kv_offload_stored_blocks\x18\x18 \x01(\x03\x12\"\n\x1akv_offload_restored_blocks\x18\x19 \x01(\x03\x12!\n\x19kv_offload_evicted_blocks\x18\x1a \x01(\x03\x12\x1e\n\x16prefix_cache_host_hits\x18\x1b \x01(\x03\x12\x1e\n\x16spec_decode_num_drafts\x18\x1c \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x1d \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x1e \x01(\x03\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x1f \x03(\x03\x12\x0c\n\x04task\x18  \x01(\t\x12\x12\n\nlora_names\x18! \x03(\t\x12\x1d\n\x15lora_runtime_updating\x18\" \x01(\x08\"7\n\x0fLoadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"&\n\x11UnloadLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"(\n\x12LoRAUpdateResponse\x12\x12\n\nlora_names\x18\x01 \x03(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2562
-  _globals['_FINISHREASON']._serialized_end=2707
+  _globals['_FINISHREASON']._serialized_start=2771
+  _globals['_FINISHREASON']._serialized_end=2916
   _globals['_SAMPLINGPARAMS']._serialized_start=35
-  _globals['_SAMPLINGPARAMS']._serialized_end=636
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=546
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=594
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=639
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=781
-  _globals['_TOKENLOGPROB']._serialized_start=783
-  _globals['_TOKENLOGPROB']._serialized_end=882
-  _globals['_POSITIONLOGPROBS']._serialized_start=884
-  _globals['_POSITIONLOGPROBS']._serialized_end=981
-  _globals['_TIMING']._serialized_start=983
-  _globals['_TIMING']._serialized_end=1065
-  _globals['_TOKENCHUNK']._serialized_start=1068
-  _globals['_TOKENCHUNK']._serialized_end=1428
-  _globals['_CHUNKBATCH']._serialized_start=1430
-  _globals['_CHUNKBATCH']._serialized_end=1481
-  _globals['_ABORTREQUEST']._serialized_start=1483
-  _globals['_ABORTREQUEST']._serialized_end=1517
-  _globals['_ABORTRESPONSE']._serialized_start=1519
-  _globals['_ABORTRESPONSE']._serialized_end=1549
-  _globals['_LOADREQUEST']._serialized_start=1551
-  _globals['_LOADREQUEST']._serialized_end=1579
-  _globals['_HISTOGRAM']._serialized_start=1581
-  _globals['_HISTOGRAM']._serialized_end=1652
-  _globals['_WORKERLOAD']._serialized_start=1655
-  _globals['_WORKERLOAD']._serialized_end=2559
+  _globals['_SAMPLINGPARAMS']._serialized_end=655
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=565
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=613
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=658
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=800
+  _globals['_TOKENLOGPROB']._serialized_start=802
+  _globals['_TOKENLOGPROB']._serialized_end=901
+  _globals['_POSITIONLOGPROBS']._serialized_start=903
+  _globals['_POSITIONLOGPROBS']._serialized_end=1000
+  _globals['_TIMING']._serialized_start=1002
+  _globals['_TIMING']._serialized_end=1084
+  _globals['_TOKENCHUNK']._serialized_start=1087
+  _globals['_TOKENCHUNK']._serialized_end=1447
+  _globals['_CHUNKBATCH']._serialized_start=1449
+  _globals['_CHUNKBATCH']._serialized_end=1500
+  _globals['_ABORTREQUEST']._serialized_start=1502
+  _globals['_ABORTREQUEST']._serialized_end=1536
+  _globals['_ABORTRESPONSE']._serialized_start=1538
+  _globals['_ABORTRESPONSE']._serialized_end=1568
+  _globals['_LOADREQUEST']._serialized_start=1570
+  _globals['_LOADREQUEST']._serialized_end=1598
+  _globals['_HISTOGRAM']._serialized_start=1600
+  _globals['_HISTOGRAM']._serialized_end=1671
+  _globals['_WORKERLOAD']._serialized_start=1674
+  _globals['_WORKERLOAD']._serialized_end=2629
+  _globals['_LOADLORAREQUEST']._serialized_start=2631
+  _globals['_LOADLORAREQUEST']._serialized_end=2686
+  _globals['_UNLOADLORAREQUEST']._serialized_start=2688
+  _globals['_UNLOADLORAREQUEST']._serialized_end=2726
+  _globals['_LORAUPDATERESPONSE']._serialized_start=2728
+  _globals['_LORAUPDATERESPONSE']._serialized_end=2768
 # @@protoc_insertion_point(module_scope)

@@ -100,6 +100,9 @@ class SamplingParams:
     # logprobs of the prompt's own tokens with this many alternatives (vLLM's prompt_logprobs);
     # such a request computes its whole prompt (no prefix-cache hits)
     prompt_logprobs: int | None = None
+    # the LoRA adapter the request runs under ("" = the base model): the gateway sets it from
+    # the request's model; it travels with the other per-request options to every worker
+    lora_name: str = ""
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

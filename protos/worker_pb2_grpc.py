@@ -60,6 +60,16 @@ class WorkerServiceStub(object):
                 request_serializer=protos_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/tandem.v1.WorkerService/LoadLoRA',
+                request_serializer=protos_dot_common__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.LoRAUpdateResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/tandem.v1.WorkerService/UnloadLoRA',
+                request_serializer=protos_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.LoRAUpdateResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer(object):
@@ -100,6 +110,18 @@ class WorkerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +149,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_common__pb2.WorkerLoad.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=protos_dot_common__pb2.LoadLoRARequest.FromString,
+                    response_serializer=protos_dot_common__pb2.LoRAUpdateResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=protos_dot_common__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=protos_dot_common__pb2.LoRAUpdateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +296,60 @@ class WorkerService(object):
             '/tandem.v1.WorkerService/GetLoad',
             protos_dot_common__pb2.LoadRequest.SerializeToString,
             protos_dot_common__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.WorkerService/LoadLoRA',
+            protos_dot_common__pb2.LoadLoRARequest.SerializeToString,
+            protos_dot_common__pb2.LoRAUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.WorkerService/UnloadLoRA',
+            protos_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+            protos_dot_common__pb2.LoRAUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

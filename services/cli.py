@@ -407,6 +407,46 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "drafting off from N decoding requests. Default: off",
     )
 
+    add_lora_args(p)
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags (every engine: workers, tandem up, tandem generate)."""
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters beside the base model: a request's model field names one "
+        "(GET /v1/models lists them); a step may mix adapters and the base model",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters to serve, each a peft adapter directory (adapter_config.json and "
+        "adapter_model.safetensors) under the name requests use (needs --enable-lora)",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=1,
+        help="adapters resident on the device at once, and the most distinct adapters in one "
+        "step; more may be registered (they take turns)",
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=_positive_int,
+        default=16,
+        help="the largest adapter rank served (an adapter of a higher rank is refused at load)",
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: they are refused",
+    )
+
 
 INTERNAL_TOKEN_HELP = (
     "shared secret of the workers' gRPC API and KV rendezvous (default: $TANDEM_INTERNAL_TOKEN; "
@@ -736,6 +776,12 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="seed of sampling, for the same output on every run at temperature > 0 (prompt i "
         "uses seed + i; default: none, a fresh draw each run)",
+    )
+    p.add_argument(
+        "--lora-name",
+        default=None,
+        metavar="NAME",
+        help="generate under this adapter of --lora-modules (default: the base model)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
 

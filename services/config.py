@@ -102,6 +102,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     policy: str = "fcfs"  # fcfs | priority
     long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
+    # --max-loras: the most distinct adapters in one step (the device's slots); 0: no LoRA
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -261,6 +263,60 @@ class PoolerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA flags: ``--enable-lora`` serves peft adapters beside the base model, the
+    request's ``model`` naming one; ``modules``: (name, directory) of ``--lora-modules``;
+    ``max_loras`` adapters are resident on the device at once (slots, and the most distinct
+    adapters in one step); ``max_lora_rank`` the largest rank a slot holds."""
+
+    modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    allow_runtime_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras must be at least 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ConfigError(f"--max-lora-rank must be in [1, 512], got {self.max_lora_rank}")
+        names = [name for name, _ in self.modules]
+        for name, path in self.modules:
+            if not name or not path:
+                raise ConfigError(f"--lora-modules takes NAME=PATH, got {name!r}={path!r}")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"--lora-modules names an adapter twice: {', '.join(dup)}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> LoRAConfig | None:
+        """The LoRA flags (``services.cli.add_lora_args``); None without --enable-lora."""
+        modules = getattr(args, "lora_modules", None)
+        runtime = getattr(args, "allow_runtime_lora_updating", False)
+        if not getattr(args, "enable_lora", False):
+            if modules or runtime:
+                flag = "--lora-modules" if modules else "--allow-runtime-lora-updating"
+                raise ConfigError(f"{flag} needs --enable-lora")
+            return None
+        return cls(
+            modules=cls.parse_modules(modules),
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            allow_runtime_updating=runtime,
+        )
+
+    @staticmethod
+    def parse_modules(items: list[str] | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
+        """``--lora-modules name=path ...`` as (name, path) pairs."""
+        pairs = []
+        for item in items or ():
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"--lora-modules takes NAME=PATH entries, got {item!r}")
+            pairs.append((name.strip(), path.strip()))
+        return tuple(pairs)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
@@ -272,8 +328,10 @@ class EngineConfig:
     task: str = "generate"
     pooler: PoolerConfig = PoolerConfig()  # how an embed worker pools
     tensor_parallel_size: int = 1  # ranks (processes, GPUs) that split the model
+    lora: LoRAConfig | None = None  # --enable-lora: adapters served beside the base model
 
     def __post_init__(self) -> None:
+        self._check_lora()
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.task not in TASKS:
@@ -289,6 +347,18 @@ class EngineConfig:
                 "--tensor-parallel-size > 1 with a draft model is not supported yet; use "
                 '"method": "ngram" or one rank'
             )
+
+    def _check_lora(self) -> None:
+        if self.lora is None:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        if self.task != "generate":
+            raise ConfigError("--enable-lora serves generation adapters: not with --task embed")
+        if self.speculative is not None:
+            raise ConfigError("--enable-lora with --speculative-config is not supported yet")
+        if self.scheduler.max_loras != self.lora.max_loras:
+            raise ConfigError("the scheduler's max_loras must be --max-loras")
 
 
 def with_device_defaults(config: EngineConfig, device_type: str) -> EngineConfig:

@@ -28,6 +28,7 @@ SERVING_MODULES = frozenset(
     {
         "tests/deploy/bench/test_disagg.py",
         "tests/deploy/test_up_e2e.py",
+        "tests/deploy/test_up_lora_e2e.py",
         "tests/deploy/test_up_scale_e2e.py",
         "tests/deploy/test_up_tp_e2e.py",
         "tests/gateway/test_e2e_embeddings.py",

@@ -109,5 +109,7 @@ class WorkerLoadInfo:
     draining: bool = False
     num_reserved: int = 0
     task: str = ""  # generate | embed ("" from workers older than --task: generate)
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves (--enable-lora)
+    lora_runtime_updating: bool = False  # it takes runtime adapter loads and unloads
     iteration_tokens: Histogram = field(default_factory=Histogram)  # tokens per engine step
     grammar_compile_seconds: Histogram = field(default_factory=Histogram)  # per grammar compiled

@@ -65,14 +65,23 @@ def _card(request: Request) -> dict[str, Any]:
     }
 
 
+def _adapter_card(request: Request, name: str) -> dict[str, Any]:
+    """A LoRA adapter's card, as vLLM lists one: its parent is the base model."""
+    base = _card(request)
+    return {**base, "id": name, "root": name, "parent": base["id"]}
+
+
 async def models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_card(request)]})
+    adapters = sorted(gateway_state(request).registry.lora_names())
+    cards = [_card(request), *(_adapter_card(request, name) for name in adapters)]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def model(request: Request) -> Response:
-    """``GET /v1/models/{model}``: the served model by its name (or its path); 404 otherwise."""
-    gateway_state(request).accepts(request.path_params["model"])
-    return JSONResponse(_card(request))
+    """``GET /v1/models/{model}``: the served model by its name (or its path), or one of its
+    LoRA adapters; 404 otherwise."""
+    lora = gateway_state(request).accepts(request.path_params["model"])
+    return JSONResponse(_adapter_card(request, lora) if lora else _card(request))
 
 
 async def tokenize(request: Request) -> Response:

@@ -21,7 +21,7 @@ from gateway.core.config import GatewayConfig
 from gateway.core.errors import APIError
 from gateway.flows.tokenizer import GatewayTokenizer
 from gateway.flows.unsupported import not_found_message
-from gateway.http import admin_api, embeddings_api, openai_api
+from gateway.http import admin_api, embeddings_api, lora_api, openai_api
 from gateway.http.state import GatewayState, gateway_state
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,8 @@ def build_app(
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
         Route("/v1/models", admin_api.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", lora_api.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", lora_api.unload_lora_adapter, methods=["POST"]),
         Route("/v1/models/{model:path}", admin_api.model, methods=["GET"]),
         Route("/health", admin_api.health, methods=["GET"]),
         Route("/metrics", admin_api.metrics, methods=["GET"]),

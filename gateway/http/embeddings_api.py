@@ -9,6 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.core.errors import invalid
 from gateway.core.events import EmbedWork
 from gateway.flows.embeddings import EmbeddingRequest, check_inputs, encode_vector, parse_embedding
 from gateway.flows.tokenizer import GatewayTokenizer
@@ -28,7 +29,8 @@ def _input_ids(tok: GatewayTokenizer, req: EmbeddingRequest) -> tuple[tuple[int,
 async def embeddings(request: Request) -> Response:
     state = gateway_state(request)
     req = parse_embedding(await read_json(request, state.config.max_body_bytes))
-    state.accepts(req.model)
+    if state.accepts(req.model):
+        raise invalid("LoRA adapters serve completions and chats, not embeddings", "model")
     state.check_task("embed")
     ids = await state.off_loop(_input_ids, state.tokenizer, req)
     max_model_len, vocab = state.registry.limits()

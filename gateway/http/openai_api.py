@@ -127,10 +127,16 @@ def _completion_prompts(tok: GatewayTokenizer, req: CompletionRequest) -> list[P
     ]
 
 
+def with_adapter(common: CommonOptions, lora: str) -> CommonOptions:
+    """The request runs under the LoRA adapter its model named ("" = the base model)."""
+    return replace(common, sampling=replace(common.sampling, lora_name=lora)) if lora else common
+
+
 async def completions(request: Request) -> Response:
     state = gateway_state(request)
     req = parse_completion(await read_json(request, state.config.max_body_bytes))
-    state.accepts(req.common.model)
+    lora = state.accepts(req.common.model)
+    req = replace(req, common=with_adapter(req.common, lora))
     tok = state.tokenizer
     prompts = await state.off_loop(_completion_prompts, tok, req)
     if any(not p.ids for p in prompts):
@@ -138,7 +144,7 @@ async def completions(request: Request) -> Response:
     state.metrics.observe_structured(req.common.sampling.structured, None)
     gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
                  COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
-    info = StreamInfo(gen.response_id, "text_completion", int(time.time()), state.model_name,
+    info = StreamInfo(gen.response_id, "text_completion", int(time.time()), lora or state.model_name,
                       req.common.include_usage, req.logprobs is not None, req.echo,
                       prompt_logprobs=req.prompt_logprobs,
                       continuous_usage=req.common.continuous_usage)  # fmt: skip
@@ -202,7 +208,8 @@ def _thinking_free(common: CommonOptions, plan: OutputPlan, prompt_text: str) ->
 async def chat_completions(request: Request) -> Response:
     state = gateway_state(request)
     req = parse_chat(await read_json(request, state.config.max_body_bytes))
-    state.accepts(req.common.model)
+    lora = state.accepts(req.common.model)
+    req = replace(req, common=with_adapter(req.common, lora))
     plan = _output_plan(state, req)
     ids_list, text = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.common.add_special_tokens,
@@ -217,7 +224,7 @@ async def chat_completions(request: Request) -> Response:
     )
     gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], common, None)
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
-                      state.model_name, common.include_usage, req.logprobs, plan=plan,
+                      lora or state.model_name, common.include_usage, req.logprobs, plan=plan,
                       prompt_logprobs=common.sampling.prompt_logprobs is not None,
                       continuous_usage=common.continuous_usage)  # fmt: skip
 

@@ -94,15 +94,22 @@ class GatewayState:
     def model_name(self) -> str:
         return self.config.model_name
 
-    def accepts(self, model: str | None) -> None:
-        """Raises 404 for a model this gateway does not serve."""
-        if model is not None and model not in (self.model_name, self.config.model):
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist. This gateway serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+    def accepts(self, model: str | None) -> str:
+        """The LoRA adapter ``model`` names ("" for the base model); 404 for a model this
+        gateway does not serve (the adapters are the ones its workers report)."""
+        if model is None or model in (self.model_name, self.config.model):
+            return ""
+        adapters = self.registry.lora_names()
+        if model in adapters:
+            return model
+        also = f" and the LoRA adapters {', '.join(f'`{a}`' for a in sorted(adapters))}"
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. This gateway serves `{self.model_name}`"
+            f"{also if adapters else ''}.",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_task(self, task: str) -> None:
         """A 400 when the workers serve the other task (``--task``): nothing here could run it."""

@@ -87,6 +87,14 @@ class WorkerClient:
         return (self.load.task if self.load else "") or "generate"
 
     @property
+    def lora_names(self) -> frozenset[str]:
+        """The LoRA adapters the worker serves (--enable-lora), as of its last load report."""
+        return frozenset(self.load.lora_names) if self.load else frozenset()
+
+    def serves(self, lora: str) -> bool:
+        return not lora or lora in self.lora_names
+
+    @property
     def queue_depth(self) -> int:
         reported = self.load.num_running + self.load.num_waiting if self.load else 0
         return max(self.inflight, reported)

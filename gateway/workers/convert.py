@@ -38,6 +38,7 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=sp.skip_special_tokens,
         logit_bias=dict(sp.logit_bias),
+        lora_name=sp.lora_name,
     )
     if sp.seed is not None:
         msg.seed = sp.seed
@@ -132,6 +133,7 @@ def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
             "iteration_tokens",
             "grammar_compile_seconds",
             "spec_decode_num_accepted_tokens_per_pos",
+            "lora_names",
         )
     }
     return WorkerLoadInfo(
@@ -139,4 +141,13 @@ def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
         iteration_tokens=histogram_from_pb(msg.iteration_tokens),
         grammar_compile_seconds=histogram_from_pb(msg.grammar_compile_seconds),
         spec_decode_num_accepted_tokens_per_pos=tuple(msg.spec_decode_num_accepted_tokens_per_pos),
+        lora_names=tuple(msg.lora_names),
     )
+
+
+def load_lora_to_pb(name: str, path: str) -> common_pb2.LoadLoRARequest:
+    return common_pb2.LoadLoRARequest(lora_name=name, lora_path=path)
+
+
+def unload_lora_to_pb(name: str) -> common_pb2.UnloadLoRARequest:
+    return common_pb2.UnloadLoRARequest(lora_name=name)

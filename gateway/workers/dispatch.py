@@ -40,34 +40,43 @@ class Dispatcher:
             counts.append(f"{len(reg.healthy(role))} of {total} {role}")
         return "no healthy worker can serve requests (" + ", ".join(counts) + " workers healthy)"
 
-    def _front_workers(self, exclude: set[str]) -> tuple[list[WorkerClient], str]:
+    def _decode_workers(self, lora: str) -> list[WorkerClient]:
+        return [w for w in self.ctx.registry.healthy("decode") if w.serves(lora)]
+
+    def _front_workers(self, exclude: set[str], lora: str) -> tuple[list[WorkerClient], str]:
+        """Prefill (or colocated) workers for a request under adapter ``lora`` ("" = base):
+        only those serving it (a decode worker too, for the prefill path)."""
         reg = self.ctx.registry
-        prefills = [w for w in reg.healthy("prefill") if w.address not in exclude]
-        if prefills and reg.healthy("decode"):
+        prefills = [
+            w for w in reg.healthy("prefill") if w.address not in exclude and w.serves(lora)
+        ]
+        if prefills and self._decode_workers(lora):
             return prefills, "prefill"
         colocated = [w for w in reg.healthy(Role.COLOCATED) if w.task == "generate"]
-        return [w for w in colocated if w.address not in exclude], Role.COLOCATED
+        return [w for w in colocated if w.address not in exclude and w.serves(lora)], Role.COLOCATED
 
     def _flow(self, item: WorkItem, parent: Span, exclude: set[str]) -> AsyncGenerator[Chunk, None]:
-        workers, role = self._front_workers(exclude)
+        lora = item.sampling.lora_name
+        workers, role = self._front_workers(exclude, lora)
         if not workers:
-            raise UpstreamError(unavailable(self.unavailable_reason() or "no worker left"), False)
+            left = (
+                f"no healthy worker serves the LoRA adapter {lora!r}" if lora else "no worker left"
+            )
+            raise UpstreamError(unavailable(self.unavailable_reason() or left), False)
         key = prefix_key(item.prompt_ids, workers[0].block_size, self.ctx.config.prefix_blocks)
         ranked = rank_by_affinity(workers, key)
         parent.set_attribute("tandem.mode", "disaggregated" if role == "prefill" else "colocated")
         if role == "prefill":
-            return disaggregated(
-                self.ctx, ranked, self.ctx.registry.healthy("decode"), item, parent
-            )
+            return disaggregated(self.ctx, ranked, self._decode_workers(lora), item, parent)
         return generate(self.ctx, ranked[0], item, parent)
 
-    def _can_retry(self, error: UpstreamError, emitted: bool, failed: set[str]) -> bool:
+    def _can_retry(self, error: UpstreamError, emitted: bool, failed: set[str], lora: str) -> bool:
         if emitted or not error.retryable or not error.address:
             return False
         roles = {c.role for c in self.ctx.registry.clients if c.address == error.address}
         if not roles & {Role.PREFILL, Role.COLOCATED}:
             return False  # decode admission already tried several workers
-        workers, _ = self._front_workers(failed | {error.address})
+        workers, _ = self._front_workers(failed | {error.address}, lora)
         return bool(workers)
 
     async def embed(self, work: EmbedWork, parent: Span) -> list[Embedding]:
@@ -88,7 +97,9 @@ class Dispatcher:
                         yield chunk
                 return
             except UpstreamError as e:
-                if attempt + 1 >= MAX_ATTEMPTS or not self._can_retry(e, emitted, failed):
+                if attempt + 1 >= MAX_ATTEMPTS or not self._can_retry(
+                    e, emitted, failed, item.sampling.lora_name
+                ):
                     raise
                 log.warning("retrying %s on another worker: %s", item.request_id, e)
                 parent.add_event("retry", {"tandem.failed_worker": e.address})

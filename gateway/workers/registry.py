@@ -145,6 +145,10 @@ class WorkerRegistry:
             tasks.add("generate")
         return tasks
 
+    def lora_names(self) -> set[str]:
+        """The LoRA adapters some healthy worker serves (each request goes to one that does)."""
+        return {name for c in self.clients if c.healthy for name in c.lora_names}
+
     def limits(self) -> tuple[int | None, int | None]:
         """(max_model_len, vocab_size): the smallest any known worker reported."""
         healthy = [c.load for c in self.clients if c.healthy and c.load]

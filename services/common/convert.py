@@ -49,6 +49,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=logit_bias_pairs(msg.logit_bias),
         structured=structured_from_pb(msg.structured) if msg.HasField("structured") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        lora_name=msg.lora_name,
     )
 
 

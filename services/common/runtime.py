@@ -24,7 +24,7 @@ from protos.auth import server_interceptors
 from protos.roles import Role
 from services.common.convert import stats_to_load
 from services.common.leases import Leases
-from services.config import WorkerConfig
+from services.config import ConfigError, WorkerConfig
 from services.engine.driver import EngineDriver
 from services.engine.llm_engine import LLMEngine
 
@@ -67,6 +67,7 @@ class WorkerRuntime:
         self.leases = Leases(config.lease_timeout_s)
         self.ready_extra: Callable[[], dict[str, Any]] = dict
         self.fatal = ""  # why the engine cannot go on (a tensor-parallel rank died)
+        self.lora_names: list[str] = []  # the adapters served, as of the last update
 
     # ---- for servicers -----------------------------------------------------------------------
     async def ready_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:
@@ -92,6 +93,9 @@ class WorkerRuntime:
             vocab_size=e.vocab_size, draining=self.draining, task=e.task, **self.extra_load(),
         )  # fmt: skip
         load.num_waiting += self.num_queued()
+        load.lora_names.extend(self.lora_names)
+        lora = self.config.engine.lora
+        load.lora_runtime_updating = lora is not None and lora.allow_runtime_updating
         return load
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -125,6 +129,7 @@ class WorkerRuntime:
             self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
             self.driver = EngineDriver(self.engine)
             self.driver.on_fatal.append(lambda exc: self._fatal(loop, stop, str(exc)))
+            self.lora_names = self.engine.lora_names()
             self.driver.start()
             for hook in self.on_ready:
                 await asyncio.to_thread(hook)
@@ -223,6 +228,42 @@ class WorkerRpcs:
     ) -> common_pb2.WorkerLoad:
         self.rt.leases.renew(request.owner)  # the owner's poll is its heartbeat
         return self.rt.load()
+
+    async def LoadLoRA(
+        self, request: common_pb2.LoadLoRARequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoRAUpdateResponse:
+        name, path = request.lora_name, request.lora_path
+        return await self._update_lora(context, name, lambda e: e.load_lora(name, path))
+
+    async def UnloadLoRA(
+        self, request: common_pb2.UnloadLoRARequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoRAUpdateResponse:
+        name = request.lora_name
+        return await self._update_lora(context, name, lambda e: e.unload_lora(name))
+
+    async def _update_lora(
+        self, context: grpc.aio.ServicerContext, name: str,
+        update: Callable[[LLMEngine], list[str]],
+    ) -> common_pb2.LoRAUpdateResponse:  # fmt: skip
+        """A runtime adapter update on the engine thread (between steps)."""
+        lora = self.rt.config.engine.lora
+        if lora is None or not lora.allow_runtime_updating:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "runtime LoRA updates are off: start the workers with --enable-lora "
+                "--allow-runtime-lora-updating",
+            )
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name is empty")
+        driver = await self.rt.ready_driver(context)
+        try:
+            names = await driver.acall(update)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {name!r} is not loaded")
+        except ConfigError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.rt.lora_names = names
+        return common_pb2.LoRAUpdateResponse(lora_names=names)
 
 
 def fewer_malloc_arenas(device: str) -> None:

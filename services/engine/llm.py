@@ -13,6 +13,7 @@ from protos.sampling_params import SamplingParams
 from services.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     PoolerConfig,
     SchedulerConfig,
@@ -176,6 +177,11 @@ def build_config(model: str = "embedded", **knobs: Any) -> EngineConfig:
         if key == "pooler_config":
             top["pooler"] = PoolerConfig.parse(value)
             continue
+        if key == "lora_config":  # a LoRAConfig (--enable-lora), or None
+            top["lora"] = value
+            if value is not None:
+                groups[SchedulerConfig]["max_loras"] = value.max_loras
+            continue
         key = {
             "max_num_batched_tokens": "max_num_batched_tokens",
             "scheduling_policy": "policy",
@@ -221,4 +227,5 @@ def config_from_args(args: Any) -> EngineConfig:
         task=getattr(args, "task", "generate"),
         pooler_config=getattr(args, "pooler_config", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        lora_config=LoRAConfig.from_args(args),
     )

@@ -14,7 +14,7 @@ from protos.logprobs import PositionLogprobs, TokenLogprob
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from protos.token_bytes import TokenBytes
-from services.config import EngineConfig, with_device_defaults
+from services.config import ConfigError, EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.draft_proposer import DraftProposer
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
@@ -159,6 +159,11 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._validate_ids(prompt_token_ids)
+        if params.lora_name and params.lora_name not in self.lora_names():
+            raise InvalidRequestError(
+                f"LoRA adapter {params.lora_name!r} is not served here (serving: "
+                f"{', '.join(self.lora_names()) or 'none; start with --enable-lora'})", "model"
+            )  # fmt: skip
         bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bias:
             raise InvalidRequestError(
@@ -212,7 +217,13 @@ class LLMEngine:
             priority=priority,
             max_model_len=self.max_model_len,
             hold_blocks_on_finish=hold,
+            cache_salt=self._cache_salt(params),
         )
+
+    def _cache_salt(self, params: SamplingParams) -> str:
+        """A LoRA request's prefix-cache salt: its adapter (as loaded now)."""
+        lora = self.runner.lora
+        return lora.salts.get(params.lora_name, "") if lora is not None else ""
 
     def _track(self, req: Request) -> None:
         sp = req.sampling_params
@@ -335,6 +346,7 @@ class LLMEngine:
         self._constrain(request_id, params, grammar, output_token_ids)
         reserved.prompt_token_ids = list(prompt_token_ids)
         reserved.sampling_params = params
+        reserved.cache_salt = self._cache_salt(params)
         req = self.scheduler.activate(request_id, output_token_ids)
         last = output_token_ids[-1] if output_token_ids else None
         if not req.finished and last is not None and self.grammars.ends_with(request_id, last):
@@ -556,6 +568,31 @@ class LLMEngine:
             return TokenLogprob(token_id, logprob, "", rank=rank)
         text = self.tokenizer.decode([token_id])
         return TokenLogprob(token_id, logprob, text, self._token_bytes(token_id, text), rank)
+
+    # ---- LoRA adapters (--enable-lora) ---------------------------------------------------------
+    def lora_names(self) -> list[str]:
+        lora = self.runner.lora
+        return lora.names() if lora is not None else []
+
+    def load_lora(self, name: str, path: str) -> list[str]:
+        """Register an adapter at runtime; ConfigError if it cannot be served (or the name is
+        taken). The adapters served after it."""
+        if self.runner.lora is None:
+            raise ConfigError("this worker serves no LoRA adapters: start it with --enable-lora")
+        self.runner.lora.add(name, path)
+        return self.lora_names()
+
+    def unload_lora(self, name: str) -> list[str]:
+        """Unregister an adapter no request runs under; KeyError if it is not served."""
+        if name not in self.lora_names():
+            raise KeyError(name)
+        s = self.scheduler
+        queued = [*s.requests.values(), *s.reserved.values(), *s.held.values()]
+        if any(r.sampling_params.lora_name == name for r in queued):
+            raise ConfigError(f"LoRA adapter {name!r} has requests in flight: unload it later")
+        assert self.runner.lora is not None
+        self.runner.lora.remove(name)
+        return self.lora_names()
 
     def close(self, graceful: bool = True) -> None:
         """Stop the other tensor-parallel ranks (``--tensor-parallel-size`` > 1): told to, or

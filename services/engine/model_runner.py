@@ -30,6 +30,7 @@ from services.engine.kv_cache import (
 )
 from services.engine.kv_handoff import LayerSink
 from services.engine.loader import load_model, read_arch
+from services.engine.lora.manager import LoRAManager
 from services.engine.pooler import Pooler
 from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
@@ -102,6 +103,10 @@ class ModelRunner:
         self.model, self.arch, self.files = load_model(config.model, self.device, max_pos, self.tp)
         self.kv_arch = self.model.cfg  # this rank's KV heads (all of them without TP)
         self.dtype = self.model.lm_head.weight.dtype
+        # LoRA wraps the projections from outside the model, before any step runs
+        self.lora = (
+            LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
+        )
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         limit = self.arch.max_position_embeddings
         default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos
@@ -136,7 +141,9 @@ class ModelRunner:
         # an embedding worker never decodes: no decode graphs to capture; tensor parallelism
         # runs eagerly so far (capturing its collectives is to come)
         generates = config.task == "generate"
-        if self.device.type == "cuda" and not config.enforce_eager and generates and not self.tp:
+        # LoRA steps run eagerly: a step's segments are host-built launch sizes a graph would fix
+        eager = config.enforce_eager or self.lora is not None
+        if self.device.type == "cuda" and not eager and generates and not self.tp:
             # a verify step of a decode with drafts replays the same graphs, one row per token:
             # drafts only fill rows up to VERIFY_ROWS (LLMEngine._propose)
             spec = config.speculative
@@ -222,6 +229,9 @@ class ModelRunner:
         ids, pos, slots, rows = h64
         ctx, qsl, pqsl, tables = h32[0], h32[1], h32[2], h32[3].reshape(B, W)
         tables.fill(0)
+        if self.lora is not None:  # each request's rows under its adapter, in this layout
+            self.lora.begin_step([(reqs[i].sampling_params.lora_name, reqs[i].num_new_tokens)
+                                  for i in order])  # fmt: skip
         bs = self.block_size
         last_row, starts = [0] * B, [0] * B
         t = 0

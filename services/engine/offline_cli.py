@@ -40,6 +40,7 @@ def main(args: argparse.Namespace) -> int:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.sampling_seed, max_tokens=args.max_tokens,
+            lora_name=getattr(args, "lora_name", None) or "",
         )  # fmt: skip
         prompts = _load_prompts(args)
         config = config_from_args(args)

@@ -24,6 +24,13 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     return h.digest()
 
 
+def salt_root(salt: str) -> BlockHash | None:
+    """The parent of a salted request's first block (None: unsalted, the plain root)."""
+    if not salt:
+        return None
+    return hashlib.blake2b(b"salt:" + salt.encode(), digest_size=16).digest()
+
+
 def hash_prefix_blocks(tokens: Sequence[int], block_size: int) -> list[BlockHash]:
     """Chained hashes of every full block of ``tokens``."""
     hashes: list[BlockHash] = []

@@ -7,7 +7,7 @@ into slot mappings and block tables.
 from __future__ import annotations
 
 from protos.blocks import blocks_for
-from services.scheduling.block_pool import Block, BlockHash, BlockPool, hash_block
+from services.scheduling.block_pool import Block, BlockHash, BlockPool, hash_block, salt_root
 from services.scheduling.host_tier import HostTier
 from services.scheduling.request import Request
 
@@ -55,9 +55,10 @@ class KVCacheManager:
         """Chained hashes of the request's full blocks among its first ``upto_tokens`` tokens."""
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
+        root = salt_root(request.cache_salt)
         while (len(hashes) + 1) * bs <= upto_tokens:
             start = len(hashes) * bs
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             hashes.append(hash_block(parent, request.token_ids(start, start + bs)))
         return hashes
 

@@ -60,6 +60,9 @@ class Request:
     # an embedding (--task embed): prefill only, finished by its last prompt chunk, which
     # yields a pooled vector instead of a token
     pooling: PoolingParams | None = None
+    # keys the prefix cache beside the tokens: equal prompts under different LoRA adapters (or
+    # two loads of one adapter name) compute different KV, so they never share blocks
+    cache_salt: str = ""
 
     @property
     def reads_prefix_cache(self) -> bool:
@@ -67,6 +70,11 @@ class Request:
         if self.sampling_params.prompt_logprobs is not None:
             return False
         return self.pooling is None or self.pooling.reads_prefix_cache
+
+    @property
+    def lora_name(self) -> str:
+        """The adapter the request runs under ("" = the base model)."""
+        return self.sampling_params.lora_name
 
     @property
     def num_prompt_tokens(self) -> int:

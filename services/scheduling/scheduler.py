@@ -3,7 +3,9 @@
 Each step spends a token budget (max-num-batched-tokens) over at most max-num-seqs requests:
 running requests first (their next token, or the next chunk of their prompt), then waiting ones
 in policy order. When blocks run out, the lowest-priority running request is preempted: its
-blocks are freed and it is recomputed later (it keeps its generated tokens).
+blocks are freed and it is recomputed later (it keeps its generated tokens). With LoRA
+(max_loras > 0) a step holds requests of at most max_loras distinct adapters (the device's
+slots) besides the base model's: a request of another adapter waits for a later step.
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.token_budget
         scheduled: list[tuple[Request, int]] = []
+        adapters: set[str] = set()  # the LoRA adapters this step runs so far
         self.running.sort(key=self._order_key)
         # a token of budget is kept for each running decode, so no (re)prefill starves them
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
@@ -162,6 +165,8 @@ class Scheduler:
                 continue
             is_decode = req.num_tokens - req.num_computed_tokens == 1
             decodes_left -= is_decode
+            if not self._adapter_fits(req, adapters):
+                continue
             n = self._num_new_tokens(req, budget if is_decode else budget - decodes_left)
             if n <= 0:
                 continue
@@ -175,7 +180,7 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
         if not out.preempted:
-            budget = self._admit_waiting(budget, scheduled, out.preempted)
+            budget = self._admit_waiting(budget, scheduled, out.preempted, adapters)
         scheduled = self._add_drafts(scheduled, budget)
         out.requests = [self._to_scheduled(req, n) for req, n in scheduled]
         return out
@@ -201,12 +206,27 @@ class Scheduler:
             out.append((req, n))
         return out
 
+    def _adapter_fits(self, req: Request, adapters: set[str]) -> bool:
+        """Whether ``req`` may join a step running ``adapters`` (added to them if so)."""
+        name = req.lora_name
+        if not name or self.config.max_loras == 0 or name in adapters:
+            return True
+        if len(adapters) >= self.config.max_loras:
+            return False
+        adapters.add(name)
+        return True
+
     def _admit_waiting(
-        self, budget: int, scheduled: list[tuple[Request, int]], preempted: list[str]
-    ) -> int:
+        self, budget: int, scheduled: list[tuple[Request, int]], preempted: list[str],
+        adapters: set[str],
+    ) -> int:  # fmt: skip
         self.waiting.sort(key=self._order_key)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        i = 0  # requests of adapters the step has no slot for are passed over, in place
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
+            if not self._adapter_fits(req, adapters):
+                i += 1
+                continue
             fresh = req.num_computed_tokens == 0
             cached = self.kv.find_cached_prefix(req) if fresh else []
             host = self.kv.find_host_prefix(req, len(cached)) if fresh else []
@@ -216,14 +236,14 @@ class Scheduler:
                 n = min(n, self.config.long_prefill_token_threshold)
             if not self.kv.allocate(req, n, cached, restore=host):
                 # requests queued behind the head may hold KV (activated): free theirs first
-                holders = [r for r in self.waiting[1:] if r.num_computed_tokens > 0]
+                holders = [r for r in self.waiting[i + 1 :] if r.num_computed_tokens > 0]
                 if not holders:
                     break
                 victim = max(holders, key=self._order_key)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.kv.record_prefix_query(req, num_cached, len(host) * self.kv.block_size)
             if req.num_preemptions == 0:  # a recompute's hits are not prompt-cache hits
                 req.num_cached_tokens = num_cached

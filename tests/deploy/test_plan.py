@@ -270,3 +270,18 @@ def test_a_workers_ranks_never_share_a_gpu() -> None:
 def test_role_tensor_parallel_sizes_are_refused_for_colocated_workers() -> None:
     with pytest.raises(ConfigError, match="colocated ones take --tensor-parallel-size"):
         plan_for("--colocated", "1", "--decode-tensor-parallel-size", "2")
+
+
+def test_lora_flags_reach_every_worker_and_parse_there() -> None:
+    plan = plan_for("--enable-lora", "--lora-modules", "a=/ad/a", "b=/ad/b", "--max-loras", "2",
+                    "--allow-runtime-lora-updating")  # fmt: skip
+    assert {w.role for w in plan.workers} == {"prefill", "decode"}
+    for w in plan.workers:
+        args = reparse(w.spec.argv)
+        assert args.enable_lora and args.allow_runtime_lora_updating
+        assert args.lora_modules == ["a=/ad/a", "b=/ad/b"] and args.max_loras == 2
+
+
+def test_lora_modules_without_enable_lora_is_refused_before_any_worker_starts() -> None:
+    with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
+        plan_for("--lora-modules", "a=/ad/a")

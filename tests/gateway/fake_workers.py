@@ -53,6 +53,7 @@ class Behavior:
     cached_tokens: int = 0
     num_waiting: int = 0  # what GetLoad reports waiting (the gateway reads it at its next poll)
     task: str = "generate"  # a colocated worker's --task: embed answers Embed, generate refuses it
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters GetLoad reports
 
 
 @dataclass
@@ -163,7 +164,7 @@ class FakeEngine:
             free_blocks=TOTAL_BLOCKS - reserved, total_blocks=TOTAL_BLOCKS,
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
             kv_transfer_bytes=1234, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
-            task=b.task if self.role == "colocated" else "",
+            task=b.task if self.role == "colocated" else "", lora_names=list(b.lora_names),
         )  # fmt: skip
 
 
@@ -187,6 +188,11 @@ async def _stream(
             yield wrap(chunk) if wrap else chunk
     except _Broken:
         await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: died mid-stream")
+
+
+async def _no_lora_updates(context: grpc.aio.ServicerContext) -> None:
+    """As a worker started without --allow-runtime-lora-updating answers."""
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "runtime LoRA updates are off")
 
 
 class Worker(worker_pb2_grpc.WorkerServiceServicer):
@@ -238,6 +244,12 @@ class Worker(worker_pb2_grpc.WorkerServiceServicer):
     async def GetLoad(self, request, context):
         return self.e.load()
 
+    async def LoadLoRA(self, request, context):
+        await _no_lora_updates(context)
+
+    async def UnloadLoRA(self, request, context):
+        await _no_lora_updates(context)
+
 
 class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, engine: FakeEngine) -> None:
@@ -273,6 +285,12 @@ class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def GetLoad(self, request, context):
         return self.e.load()
+
+    async def LoadLoRA(self, request, context):
+        await _no_lora_updates(context)
+
+    async def UnloadLoRA(self, request, context):
+        await _no_lora_updates(context)
 
 
 class Decode(decode_pb2_grpc.DecodeServiceServicer):
@@ -331,6 +349,12 @@ class Decode(decode_pb2_grpc.DecodeServiceServicer):
 
     async def GetLoad(self, request, context):
         return self.e.load(reserved=len(self.e.records.reservations))
+
+    async def LoadLoRA(self, request, context):
+        await _no_lora_updates(context)
+
+    async def UnloadLoRA(self, request, context):
+        await _no_lora_updates(context)
 
 
 class Health(health_pb2_grpc.HealthServicer):

@@ -52,3 +52,27 @@ def test_only_a_colocated_worker_embeds(role: Role) -> None:
     with pytest.raises(ConfigError, match="--task embed is served by a colocated worker"):
         WorkerConfig(role=role, engine=EngineConfig(task="embed"), worker_id="w")
     WorkerConfig(role=Role.COLOCATED, engine=EngineConfig(task="embed"), worker_id="w")
+
+
+def test_lora_flags_become_a_lora_config_or_a_clear_refusal() -> None:
+    from services.cli import build_parser
+    from services.config import ConfigError, LoRAConfig
+    from services.engine.llm import config_from_args
+
+    def config(*flags: str) -> LoRAConfig | None:
+        args = build_parser().parse_args(["worker", "--port", "0", *flags])
+        return config_from_args(args).lora
+
+    assert config() is None
+    lora = config("--enable-lora", "--lora-modules", "sql=/a/sql", "--max-loras", "3")
+    assert lora == LoRAConfig(modules=(("sql", "/a/sql"),), max_loras=3, max_lora_rank=16)
+    with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
+        config("--lora-modules", "sql=/a/sql")
+    with pytest.raises(ConfigError, match="--allow-runtime-lora-updating needs --enable-lora"):
+        config("--allow-runtime-lora-updating")
+    with pytest.raises(ConfigError, match="NAME=PATH entries, got 'sql'"):
+        config("--enable-lora", "--lora-modules", "sql")
+    with pytest.raises(ConfigError, match="names an adapter twice: a"):
+        config("--enable-lora", "--lora-modules", "a=/x", "a=/y")
+    with pytest.raises(ConfigError, match="--tensor-parallel-size > 1 is not supported"):
+        config("--enable-lora", "--tensor-parallel-size", "2")

@@ -376,3 +376,24 @@ def test_max_local_prefill_tokens_must_not_be_negative() -> None:
 
     with pytest.raises(ConfigError, match="--max-local-prefill-tokens"):
         GatewayConfig(tokenizer="t", max_local_prefill_tokens=-1)
+
+
+def test_a_lora_request_goes_only_to_workers_serving_its_adapter(disagg: Stack) -> None:
+    serving, other = disagg.role("prefill")
+    serving.behavior.lora_names = ("sql",)
+    disagg.role("decode")[0].behavior.lora_names = ("sql",)
+    disagg.run(disagg.state.registry.poll_all())
+    for i in range(4):  # prefix affinity would spread these prompts over both prefill workers
+        body = {"model": "sql", "prompt": f"{i} {PROMPT}", "max_tokens": 2}
+        r = httpx.post(f"{disagg.base_url}/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["model"] == "sql", r.text
+    assert [s.lora_name for s in serving.records.samplings] == ["sql"] * 4
+    assert not other.records.requests
+    models = httpx.get(f"{disagg.base_url}/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in models][1:] == [("sql", models[0]["id"])]
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"model": "sq1", "prompt": "x"})
+    assert r.status_code == 404 and "`sql`" in r.json()["error"]["message"]
+    disagg.role("decode")[0].behavior.lora_names = ()  # no decode worker has it any more
+    disagg.run(disagg.state.registry.poll_all())
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json={"model": "sql", "prompt": "x"})
+    assert r.status_code == 503 and "serves the LoRA adapter 'sql'" in r.text, r.text

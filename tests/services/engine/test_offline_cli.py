@@ -83,3 +83,17 @@ def test_two_ranks_generate_what_one_does(tmp_path: Path) -> None:
                   "--max-tokens", "6", "--json", timeout=180)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout.splitlines()[-1])["token_ids"] == want[0].outputs[0].token_ids
+
+
+def test_lora_errors_are_clean(tmp_path: Path) -> None:
+    """An adapter above --max-lora-rank stops the start (exit 2, the reason, no traceback);
+    an adapter name nothing serves is refused."""
+    from tests.services.engine.lora.test_adapter import write
+
+    adapter = write(tmp_path / "big", r=32)
+    res = _tandem("--prompt", "hi", "--enable-lora", "--lora-modules", f"big={adapter}")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "LoRA adapter 'big': rank 32 exceeds --max-lora-rank 16" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = _tandem("--prompt", "hi", "--lora-name", "sql", "--max-tokens", "2")
+    assert res.returncode == 2 and "LoRA adapter 'sql' is not served here" in res.stderr

@@ -1,0 +1,148 @@
+"""Batched LoRA in Triton: a segmented shrink (``x @ A^T``) then a segmented expand
+(``y += xa @ B^T``), the SGMV shape of Punica and vLLM's LoRA kernels.
+
+Both grids are (segment, row block[, column block]); a program whose row block lies past its
+segment's end returns at once, so the grid's rows are the longest segment's. The shrink keeps
+its [T, R] result in fp32 for the expand; R (all of a fused layer's shard ranks, stacked) is
+padded to one power-of-two tile of at least 16 (tl.dot's least), which the zero-padded weights
+make harmless. The rank is small (<= 3 x 64 here), so the shrink is a thin GEMM bound by
+reading x and A, the expand by reading B and writing y.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_devices,
+    check_tensor,
+    dot_precision,
+    dot_upcast,
+    mma,
+)
+
+BLOCK_M = 16
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, xa_ptr, starts_ptr, lens_ptr, slots_ptr, K, R,
+    s_xm, s_as, s_ar, s_xam,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    length = tl.load(lens_ptr + g)
+    if pid_m * BLOCK_M >= length:
+        return
+    start = tl.load(starts_ptr + g)
+    slot = tl.load(slots_ptr + g).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = (start + offs_m).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        xv = tl.load(x_ptr + rows[:, None] * s_xm + ks[None, :],
+                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        at = tl.load(a_ptr + slot * s_as + offs_r[None, :] * s_ar + ks[:, None],
+                     mask=r_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]  # fmt: skip
+        acc += mma(xv, at, UPCAST, PRECISION)
+    tl.store(xa_ptr + rows[:, None] * s_xam + offs_r[None, :], acc,
+             mask=m_mask[:, None] & r_mask[None, :])  # fmt: skip
+
+
+@triton.jit
+def _expand_kernel(
+    xa_ptr, b_ptr, y_ptr, starts_ptr, lens_ptr, slots_ptr, N, R,
+    s_xam, s_bs, s_bn, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    length = tl.load(lens_ptr + g)
+    if pid_m * BLOCK_M >= length:
+        return
+    start = tl.load(starts_ptr + g)
+    slot = tl.load(slots_ptr + g).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = (start + offs_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    xa = tl.load(xa_ptr + rows[:, None] * s_xam + offs_r[None, :],
+                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R] fp32  # fmt: skip
+    bt = tl.load(b_ptr + slot * s_bs + offs_n[None, :] * s_bn + offs_r[:, None],
+                 mask=n_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]  # fmt: skip
+    delta = tl.dot(xa, bt.to(tl.float32), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+    out = y_ptr + rows[:, None] * s_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(out, mask=mask, other=0.0)
+    tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_lora(
+    y: torch.Tensor,  # [T, N], updated in place
+    x: torch.Tensor,  # [T, K]
+    lora_a: torch.Tensor,  # [S, R, K]
+    lora_b: torch.Tensor,  # [S, N, R]
+    seg_starts: torch.Tensor,  # [G]
+    seg_lens: torch.Tensor,  # [G]
+    seg_slots: torch.Tensor,  # [G]
+    max_seg_len: int,
+) -> torch.Tensor:  # y
+    """Triton version of :func:`kernels.lora.ref_add_lora`."""
+    check_tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("lora_a", lora_a, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES)
+    for name, t in (("seg_starts", seg_starts), ("seg_lens", seg_lens), ("seg_slots", seg_slots)):
+        check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES)
+    t_rows, k = x.shape
+    s, r, ka = lora_a.shape
+    n = y.shape[1]
+    if y.shape[0] != t_rows:
+        raise ValueError(f"y has {y.shape[0]} rows but x has {t_rows}")
+    if ka != k:
+        raise ValueError(f"x has {k} features but lora_a {tuple(lora_a.shape)} expects {ka}")
+    if tuple(lora_b.shape) != (s, n, r):
+        raise ValueError(f"lora_b must be {(s, n, r)} (slots, N, R), got {tuple(lora_b.shape)}")
+    if not seg_starts.shape == seg_lens.shape == seg_slots.shape:
+        raise ValueError("seg_starts, seg_lens and seg_slots must have one entry per segment")
+    if lora_a.dtype != x.dtype:
+        raise ValueError(f"lora_a is {lora_a.dtype} but x is {x.dtype}: load adapters in x's dtype")
+    if lora_a.stride(2) != 1 or lora_b.stride(2) != 1:
+        raise ValueError("lora_a and lora_b must be contiguous in their last dim")
+    check_devices(y=y, x=x, lora_a=lora_a, lora_b=lora_b, seg_starts=seg_starts,
+                  seg_lens=seg_lens, seg_slots=seg_slots)  # fmt: skip
+    groups = seg_starts.shape[0]
+    if groups == 0 or max_seg_len == 0 or n == 0 or r == 0:
+        return y
+    xa = torch.empty((t_rows, r), dtype=torch.float32, device=x.device)  # [T, R]
+    block_r = max(16, triton.next_power_of_2(r))
+    block_k = max(16, min(64, triton.next_power_of_2(k)))
+    m_blocks = triton.cdiv(max_seg_len, BLOCK_M)
+    _shrink_kernel[(groups, m_blocks)](
+        x, lora_a, xa, seg_starts, seg_lens, seg_slots, k, r,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), xa.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
+        UPCAST=dot_upcast(x.dtype), PRECISION=dot_precision(x.dtype),
+    )  # fmt: skip
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    _expand_kernel[(groups, m_blocks, triton.cdiv(n, block_n))](
+        xa, lora_b, y, seg_starts, seg_lens, seg_slots, n, r,
+        xa.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,129 @@
+"""A peft LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``),
+read and checked against the served model: what cannot be served exactly is refused, with a
+message that says what, never silently dropped.
+
+Served: plain LoRA (``r``, ``lora_alpha``, ``use_rslora``) on the decoder's q/k/v/o and
+gate/up/down projections. Refused: a rank above ``--max-lora-rank``, other target modules
+(embeddings, lm_head, MoE experts), DoRA, ``modules_to_save``, trained biases, per-module rank
+or alpha patterns, and weights whose shapes do not fit the base model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protos.errors import ConfigError
+from services.engine.lora.layers import PEFT_MODULES
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """One adapter's weights on the CPU: (layer, peft module) -> (A [r, in], B [out, r]) with
+    the scaling (alpha / r, or alpha / sqrt(r) under rsLoRA) folded into B."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _refuse(name: str, why: str) -> ConfigError:
+    return ConfigError(f"LoRA adapter {name!r}: {why}")
+
+
+def _read_config(name: str, root: Path) -> dict[str, Any]:
+    if not (root / CONFIG_FILE).is_file():
+        raise _refuse(name, f"{root} is not a peft adapter directory (no {CONFIG_FILE})")
+    if not (root / WEIGHTS_FILE).is_file():
+        raise _refuse(name, f"{root} has no {WEIGHTS_FILE} (save the adapter with safetensors)")
+    try:
+        cfg = json.loads((root / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise _refuse(name, f"cannot read {CONFIG_FILE}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise _refuse(name, f"{CONFIG_FILE} is not a JSON object")
+    return cfg
+
+
+def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) of a LoRA adapter we can serve; ConfigError otherwise."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _refuse(name, f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora"):
+        raise _refuse(name, "DoRA adapters (use_dora) are not supported")
+    if cfg.get("modules_to_save"):
+        raise _refuse(name, f"modules_to_save {cfg['modules_to_save']} is not supported: only "
+                      "LoRA weights are served, not fully trained modules")  # fmt: skip
+    if cfg.get("bias", "none") != "none":
+        raise _refuse(name, f"bias {cfg['bias']!r} is not supported (only bias 'none')")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise _refuse(name, f"{key} (a rank or alpha per module) is not supported")
+    if cfg.get("fan_in_fan_out"):
+        raise _refuse(name, "fan_in_fan_out (Conv1D models) is not supported")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        bad = sorted(set(targets) - set(PEFT_MODULES))
+        if bad:
+            raise _refuse(name, f"target module(s) {', '.join(bad)} are not supported (LoRA "
+                          f"serves {', '.join(PEFT_MODULES)}; not embeddings or lm_head)")  # fmt: skip
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, int | float):
+        raise _refuse(name, f"r must be a positive integer and lora_alpha a number, got {r!r}, "
+                      f"{alpha!r}")  # fmt: skip
+    if r > max_rank:
+        raise _refuse(name, f"rank {r} exceeds --max-lora-rank {max_rank} (raise --max-lora-rank "
+                      f"to at least {r})")  # fmt: skip
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    return r, scaling
+
+
+def read_adapter(
+    name: str, path: str, max_rank: int,
+    shape_of: Callable[[int, str], tuple[int, int] | None],
+) -> LoRAAdapter:  # fmt: skip
+    """Read and check an adapter; ``shape_of(layer, peft module)``: the (in, out) features the
+    base model has there, None where it has no such projection."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    r, scaling = _check_config(name, _read_config(name, root), max_rank)
+    tensors = load_file(str(root / WEIGHTS_FILE))
+    pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m.group(2) not in PEFT_MODULES:
+            raise _refuse(name, f"weight {key} is not a LoRA weight of a served projection "
+                          f"({', '.join(PEFT_MODULES)}; not embeddings or lm_head)")  # fmt: skip
+        pieces.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
+    if not pieces:
+        raise _refuse(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+    weights = {}
+    for (layer, module), ab in sorted(pieces.items()):
+        where = f"layer {layer} {module}"
+        shape = shape_of(layer, module)
+        if shape is None:
+            raise _refuse(name, f"{where}: the base model has no such projection")
+        if set(ab) != {"A", "B"}:
+            raise _refuse(name, f"{where}: lora_A and lora_B must both be present")
+        a, b = ab["A"], ab["B"]
+        (k, n) = shape
+        if tuple(a.shape) != (r, k) or tuple(b.shape) != (n, r):
+            raise _refuse(name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
+                          f"not fit the base model (expected {(r, k)} and {(n, r)}): an adapter "
+                          "of another model?")  # fmt: skip
+        weights[(layer, module)] = (a.float(), b.float() * scaling)
+    return LoRAAdapter(name, str(root), r, weights)

@@ -1,0 +1,107 @@
+"""LoRA applied from outside the model: each decoder projection is wrapped in a ``LoRALinear``
+that adds its tokens' adapter updates to the base layer's output.
+
+A fused projection (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up) holds one adapter's
+shards side by side: shard i's A rows at ``[i * max_rank, i * max_rank + r)`` of the stacked A
+and its B block at its own output rows and those columns, zeros elsewhere, so one shrink and one
+expand serve every shard. The model file knows nothing of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import ops
+
+# peft's module name -> (our layer, shard index in it)
+PEFT_MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}  # fmt: skip
+
+
+@dataclass
+class LoRABatch:
+    """This step's segments (runs of rows of one adapter), set by the runner before a forward
+    and read by every ``LoRALinear``; None: no row of the step has an adapter."""
+
+    segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus each segment's ``(x A^T) B^T`` (``ops.add_lora``)."""
+
+    lora_a: torch.Tensor  # [S, shards * max_rank, K] (buffers)
+    lora_b: torch.Tensor  # [S, N, shards * max_rank], scaling folded in
+
+    def __init__(
+        self, base: nn.Module, in_features: int, shard_sizes: list[int], slots: int,
+        max_rank: int, batch: LoRABatch, dtype: torch.dtype, device: torch.device,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.base, self.batch = base, batch
+        self.in_features, self.shard_sizes, self.max_rank = in_features, shard_sizes, max_rank
+        self.offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
+        r = len(shard_sizes) * max_rank
+        zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        self.register_buffer("lora_a", zeros(slots, r, in_features), persistent=False)
+        self.register_buffer("lora_b", zeros(slots, sum(shard_sizes), r), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        y = self.base(x)
+        segments = self.batch.segments
+        if segments is None:
+            return y
+        return ops.add_lora(y, x, self.lora_a, self.lora_b, *segments)
+
+    def set_slot(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Slot ``slot`` holds these shards (index -> (A [r, K], scaled B [n_i, r])), zeros
+        for the shards the adapter does not target."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for i, (a, b) in shards.items():
+            cols = slice(i * self.max_rank, i * self.max_rank + a.shape[0])
+            rows = slice(self.offsets[i], self.offsets[i] + self.shard_sizes[i])
+            self.lora_a[slot, cols] = a.to(self.lora_a.dtype)
+            self.lora_b[slot, rows, cols] = b.to(self.lora_b.dtype)
+
+    def shard_shape(self, shard: int) -> tuple[int, int]:
+        """(in, out) features of one shard: the shapes an adapter's A and B must match."""
+        return self.in_features, self.shard_sizes[shard]
+
+
+def _shards(parent: nn.Module, attr: str, layer: nn.Module) -> list[int]:
+    out = int(getattr(layer, "out_features"))  # noqa: B009
+    if attr == "qkv_proj":
+        nq, nkv, d = (int(getattr(parent, a)) for a in ("nq", "nkv", "d"))
+        return [nq * d, nkv * d, nkv * d]
+    if attr == "gate_up_proj":
+        return [out // 2, out // 2]
+    return [out]
+
+
+def apply_lora(
+    model: nn.Module, slots: int, max_rank: int, batch: LoRABatch, dtype: torch.dtype,
+    device: torch.device,
+) -> dict[tuple[int, str], LoRALinear]:  # fmt: skip
+    """Wrap every decoder layer's projections; (layer index, our layer name) -> the wrapper.
+    A Mixture-of-Experts layer's sparse MLP is not wrapped (adapters on it are refused)."""
+    wrapped: dict[tuple[int, str], LoRALinear] = {}
+    decoders: nn.ModuleList = model.model.layers  # type: ignore[union-attr,assignment]
+    for i, decoder in enumerate(decoders):
+        parents = (decoder.get_submodule("self_attn"), decoder.get_submodule("mlp"))
+        for parent in parents:
+            for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                base = getattr(parent, attr, None)
+                if base is None:
+                    continue
+                k = int(base.in_features)
+                shards = _shards(parent, attr, base)
+                lora = LoRALinear(base, k, shards, slots, max_rank, batch, dtype, device)
+                setattr(parent, attr, lora)
+                wrapped[(i, attr)] = lora
+    return wrapped

@@ -1,0 +1,114 @@
+"""The adapters a worker serves and the device slots they take turns in.
+
+Any number of adapters may be registered (read once, kept on the CPU); ``--max-loras`` of them
+are resident in the wrapped layers' slots at a time. Before each forward, ``begin_step`` makes
+the step's adapters resident (loading into free slots, else into those of adapters the step does
+not use, least recently used first: the scheduler never puts more distinct adapters in a step
+than there are slots) and hands the layers the step's segments.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from protos.errors import ConfigError
+from services.config import LoRAConfig
+from services.engine.lora.adapter import LoRAAdapter, read_adapter
+from services.engine.lora.layers import PEFT_MODULES, LoRABatch, apply_lora
+
+
+class LoRAManager:
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.config, self.device = config, device
+        self.batch = LoRABatch()
+        self.layers = apply_lora(model, config.max_loras, config.max_lora_rank, self.batch,
+                                 dtype, device)  # fmt: skip
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.slots: list[str | None] = [None] * config.max_loras  # the adapter in each slot
+        self._last_used = [0] * config.max_loras
+        self._clock = itertools.count(1)
+        self._loads = itertools.count()
+        self.salts: dict[str, str] = {}  # prefix-cache salt per adapter: unique per load
+        for name, path in config.modules:
+            self.add(name, path)
+
+    # ---- registry ----------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self.adapters)
+
+    def _shape_of(self, layer: int, module: str) -> tuple[int, int] | None:
+        ours, shard = PEFT_MODULES[module]
+        wrapped = self.layers.get((layer, ours))
+        return wrapped.shard_shape(shard) if wrapped is not None else None
+
+    def add(self, name: str, path: str) -> None:
+        """Register an adapter; ConfigError for a name in use or an adapter we cannot serve."""
+        if name in self.adapters:
+            raise ConfigError(f"LoRA adapter {name!r} is already loaded")
+        adapter = read_adapter(name, path, self.config.max_lora_rank, self._shape_of)
+        self.adapters[name] = adapter
+        self.salts[name] = f"lora:{name}:{next(self._loads)}"
+
+    def remove(self, name: str) -> None:
+        """Unregister an adapter (the caller checked no request runs under it)."""
+        if name not in self.adapters:
+            raise KeyError(name)
+        del self.adapters[name]
+        del self.salts[name]
+        for slot, held in enumerate(self.slots):
+            if held == name:
+                self.slots[slot] = None
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        by_layer: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (layer, module), (a, b) in adapter.weights.items():
+            ours, shard = PEFT_MODULES[module]
+            by_layer.setdefault((layer, ours), {})[shard] = (a.to(self.device), b.to(self.device))
+        for key, wrapped in self.layers.items():
+            wrapped.set_slot(slot, by_layer.get(key, {}))
+        self.slots[slot] = adapter.name
+
+    def _resident(self, wanted: set[str]) -> dict[str, int]:
+        """Slot of each wanted adapter, loading those not resident."""
+        if len(wanted) > len(self.slots):
+            raise RuntimeError(f"{len(wanted)} adapters in one step, {len(self.slots)} slots")
+        slot_of = {name: s for s, name in enumerate(self.slots) if name in wanted}
+        for name in sorted(wanted - set(slot_of)):
+            free = [s for s, held in enumerate(self.slots) if held is None or held not in wanted]
+            slot = min(free, key=lambda s: (self.slots[s] is not None, self._last_used[s]))
+            self._load(slot, self.adapters[name])
+            slot_of[name] = slot
+        now = next(self._clock)
+        for slot in slot_of.values():
+            self._last_used[slot] = now
+        return slot_of
+
+    def begin_step(self, runs: Sequence[tuple[str, int]]) -> None:
+        """``runs``: (adapter, tokens) of each request in the step's row order ("" = base)."""
+        wanted = {name for name, _ in runs if name}
+        if not wanted:
+            self.batch.segments = None
+            return
+        slot_of = self._resident(wanted)
+        starts: list[int] = []
+        lens: list[int] = []
+        slots: list[int] = []
+        at = 0
+        for name, n in runs:
+            if name and n:
+                if slots and slots[-1] == slot_of[name] and starts[-1] + lens[-1] == at:
+                    lens[-1] += n  # the same adapter's rows, right after: one segment
+                else:
+                    starts.append(at)
+                    lens.append(n)
+                    slots.append(slot_of[name])
+            at += n
+        idx = torch.tensor([starts, lens, slots], dtype=torch.int32).to(self.device)  # [3, G]
+        self.batch.segments = (idx[0], idx[1], idx[2], max(lens))

@@ -1,0 +1,70 @@
+"""Random peft LoRA adapters on the embedded model, and peft's merged model as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.model_files import prepare_model
+
+# (name, peft LoraConfig fields): attention-only at rank 8; MLP + q at rank 16 under rsLoRA
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "attn-r8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "mlp-r16": {"r": 16, "lora_alpha": 32, "use_rslora": True,
+                "target_modules": ["gate_proj", "up_proj", "down_proj", "q_proj"]},
+}  # fmt: skip
+
+
+def base_hf_dir() -> Path:
+    hf_dir = prepare_model("embedded").hf_dir
+    assert hf_dir is not None
+    return hf_dir
+
+
+def _base_model() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base_hf_dir(), dtype=torch.float32).eval()
+
+
+def make_adapter(path: Path, seed: int, **lora: Any) -> Path:
+    """A peft adapter with random A and B (a fresh adapter's B is zero: a no-op that no test
+    could tell from the base model), saved as peft saves one."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(_base_model(), LoraConfig(lora_dropout=0.0, **lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return path
+
+
+def make_adapters(root: Path) -> dict[str, Path]:
+    return {
+        name: make_adapter(root / name, seed, **cfg)
+        for seed, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+
+
+def peft_greedy(
+    adapter: Path | None, prompts: list[list[int]], n: int, eos: int
+) -> list[list[int]]:
+    """Greedy tokens of peft's merged model (float32; None: the base model), cut after EOS."""
+    from peft import PeftModel
+
+    model = _base_model()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+            got = out[0, len(ids) :].tolist()
+            outs.append(got[: got.index(eos) + 1] if eos in got else got)
+    return outs

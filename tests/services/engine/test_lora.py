@@ -1,0 +1,117 @@
+"""LoRA in the engine against peft's merged models (transformers, float32, greedy) on the
+embedded SmolLM2: a batch mixing two adapters and the base model, adapters taking turns in
+one slot, the prefix cache kept apart per adapter, runtime load and unload."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from protos.errors import ConfigError
+from protos.sampling_params import InvalidRequestError, SamplingParams
+from services.config import LoRAConfig
+from services.engine.llm import LLM
+from tests.services.engine.lora_helpers import make_adapters, peft_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
+PROMPTS = ["Tell me a story about a dragon.", "What is the capital of France?"]
+NAMES = ["attn-r8", "", "mlp-r16"]  # "" is the base model
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_adapters(tmp_path_factory.mktemp("adapters"))
+
+
+def serving(adapters: dict[str, Path], max_loras: int = 2, **knobs: object) -> LLM:
+    modules = tuple((name, str(path)) for name, path in adapters.items())
+    lora = LoRAConfig(modules=modules, max_loras=max_loras, max_lora_rank=16)
+    return LLM("embedded", lora_config=lora, max_num_seqs=8, **knobs)
+
+
+@pytest.fixture(scope="module")
+def llm(adapters: dict[str, Path]) -> LLM:
+    return serving(adapters)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm: LLM) -> list[list[int]]:
+    return [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def expected(adapters: dict[str, Path], prompts: list[list[int]], llm: LLM) -> dict[str, list[list[int]]]:  # fmt: skip
+    eos = llm.engine.tokenizer.eos_token_id
+    refs = {name: peft_greedy(adapters[name] if name else None, prompts, GREEDY.max_tokens, eos)
+            for name in NAMES}  # fmt: skip
+    assert refs["attn-r8"] != refs[""] != refs["mlp-r16"], "an adapter that changes nothing"
+    return refs
+
+
+def mixed(llm: LLM, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+    """Every prompt under every adapter and the base model, in one generate call (one batch)."""
+    jobs = [(name, ids) for ids in prompts for name in NAMES]
+    params = [replace(GREEDY, lora_name=name) for name, _ in jobs]
+    results = llm.generate([ids for _, ids in jobs], params)
+    got: dict[str, list[list[int]]] = {name: [] for name in NAMES}
+    for (name, _), res in zip(jobs, results, strict=True):
+        got[name].append(res.outputs[0].token_ids)
+    return got
+
+
+def test_a_batch_of_two_adapters_and_the_base_model_matches_peft(
+    llm: LLM, prompts: list[list[int]], expected: dict[str, list[list[int]]]
+) -> None:
+    assert mixed(llm, prompts) == expected
+
+
+def test_one_slot_serves_both_adapters_in_turns(
+    adapters: dict[str, Path], prompts: list[list[int]], expected: dict[str, list[list[int]]]
+) -> None:
+    with serving(adapters, max_loras=1, max_num_batched_tokens=32) as one_slot:
+        assert mixed(one_slot, prompts) == expected
+
+
+def test_an_adapter_never_reads_the_base_models_cached_prefix(llm: LLM) -> None:
+    # plain text: nothing in common with the chat prompts other tests ran under the adapter
+    ids = llm.encode("Once upon a time, in a land far away from every city, there lived a")
+    short = replace(GREEDY, max_tokens=6)
+    base = llm.generate([ids], short)[0]
+    under = llm.generate([ids], replace(short, lora_name="attn-r8"))[0]
+    again = llm.generate([ids], replace(short, lora_name="attn-r8"))[0]
+    assert under.num_cached_tokens == 0, "the adapter's prompt hit the base model's KV blocks"
+    assert again.num_cached_tokens > 0, "the adapter's own prefix missed"
+    assert again.outputs[0].token_ids == under.outputs[0].token_ids
+    assert under.outputs[0].token_ids != base.outputs[0].token_ids
+
+
+def test_an_unknown_adapter_is_refused(llm: LLM, prompts: list[list[int]]) -> None:
+    with pytest.raises(InvalidRequestError, match="'nope' is not served here"):
+        llm.engine.add_request("x", prompts[0], replace(GREEDY, lora_name="nope"))
+
+
+def test_an_adapter_above_the_max_rank_is_refused_at_load(adapters: dict[str, Path]) -> None:
+    lora = LoRAConfig(modules=(("mlp-r16", str(adapters["mlp-r16"])),), max_lora_rank=8)
+    with pytest.raises(ConfigError, match="rank 16 exceeds --max-lora-rank 8"):
+        LLM("embedded", lora_config=lora)
+
+
+def test_runtime_load_and_unload(
+    llm: LLM, adapters: dict[str, Path], prompts: list[list[int]],
+    expected: dict[str, list[list[int]]],
+) -> None:  # fmt: skip
+    engine = llm.engine
+    assert engine.load_lora("again", str(adapters["mlp-r16"])) == ["again", "attn-r8", "mlp-r16"]
+    got = llm.generate([prompts[1]], replace(GREEDY, lora_name="again"))[0]
+    assert got.outputs[0].token_ids == expected["mlp-r16"][1]
+    with pytest.raises(ConfigError, match="already loaded"):
+        engine.load_lora("again", str(adapters["attn-r8"]))
+    engine.add_request("busy", prompts[1], replace(GREEDY, lora_name="again"))
+    with pytest.raises(ConfigError, match="requests in flight"):
+        engine.unload_lora("again")
+    engine.abort("busy")
+    assert engine.unload_lora("again") == ["attn-r8", "mlp-r16"]
+    with pytest.raises(InvalidRequestError, match="not served here"):
+        engine.add_request("gone", prompts[1], replace(GREEDY, lora_name="again"))
