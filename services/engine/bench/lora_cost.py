@@ -2,7 +2,8 @@
 against the same batch on the base model (issue 22: at most 15% at batch 64, 4 adapters of
 rank 16).
 
-Each variant runs in an engine of its own, one after the other in this process: the base model
+Each variant runs in a process of its own (two engines of the 8B shape do not fit one GPU side
+by side, and a fresh process is a clean peer), one after the other: the base model
 without ``--enable-lora`` (CUDA graphs on, as users run it), then ``--enable-lora`` with the
 batch's requests spread round-robin over the adapters (which run eagerly: LoRA steps take no
 CUDA graphs yet). The adapters are random (seeded) peft directories on every projection of the
@@ -17,8 +18,9 @@ the ratio. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -72,7 +74,8 @@ def throughput(llm: LLM, prompts: list[list[int]], params: list[SamplingParams])
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> float:
+    """Output tokens per second of ``args.variant`` (base or lora), in this process."""
     knobs: dict[str, Any] = dict(dtype=args.dtype, load_format=args.load_format,
                                  max_model_len=args.input_len + args.output_len + 16,
                                  max_num_seqs=args.batch, device=args.device)  # fmt: skip
@@ -80,11 +83,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, arch.vocab_size - 100, (args.input_len,), generator=gen).tolist()
                for _ in range(args.batch)]  # fmt: skip
-    plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    with LLM(args.model, **knobs) as llm:
-        base = throughput(llm, prompts, [plain] * args.batch)
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.variant == "base":
+        plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        with LLM(args.model, **knobs) as llm:
+            return throughput(llm, prompts, [plain] * args.batch)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"lora{i}" for i in range(args.adapters)]
         modules = tuple((n, str(write_adapter(Path(tmp) / n, arch, args.rank, i)))
@@ -93,7 +95,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                                  lora_name=names[i % len(names)]) for i in range(args.batch)]  # fmt: skip
         with LLM(args.model, lora_config=lora, **knobs) as llm:
-            with_lora = throughput(llm, prompts, params)
+            return throughput(llm, prompts, params)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    tok_s = {}
+    for variant in ("base", "lora"):
+        cmd = [sys.executable, "-m", "services.engine.bench.lora_cost", *argv, "--variant", variant]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        tok_s[variant] = json.loads(out.strip().splitlines()[-1])["tok_s"]
+    base, with_lora = tok_s["base"], tok_s["lora"]
     return {"model": args.model, "dtype": args.dtype, "batch": args.batch,
             "input_len": args.input_len, "output_len": args.output_len,
             "adapters": args.adapters, "rank": args.rank,
@@ -114,8 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json-out")
+    ap.add_argument("--variant", choices=("base", "lora"), help=argparse.SUPPRESS)  # a child
     args = ap.parse_args(argv)
-    result = run(args)
+    if args.variant:
+        print(json.dumps({"tok_s": measure(args)}))
+        return 0
+    forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
+    if args.json_out:  # the children print; only the parent writes the file
+        i = forwarded.index("--json-out")
+        del forwarded[i : i + 2]
+    result = run(args, forwarded)
     text = json.dumps(result)
     print(text)
     if args.json_out:
