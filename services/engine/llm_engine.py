@@ -6,11 +6,13 @@ Single-threaded by design; the gRPC servers drive it from one thread (``services
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from protos.blocks import blocks_for
 from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.multimodal import ImageItem, VisionSpec
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from protos.token_bytes import TokenBytes
@@ -19,6 +21,7 @@ from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.draft_proposer import DraftProposer
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
 from services.engine.model_runner import ModelRunner, resolve_device
+from services.engine.mrope import rope_delta
 from services.engine.outputs import RequestOutput
 from services.engine.speculative import (
     VERIFY_ROWS,
@@ -114,6 +117,10 @@ class LLMEngine:
         self.vocab_size = self.runner.arch.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.task = config.task  # generate | embed: the one kind of request this engine takes
+        # how images become placeholder tokens (None: a text-only model)
+        self.vision_spec = (
+            VisionSpec.of_model_dir(files.hf_dir) if files.hf_dir is not None else None
+        )
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if files.kind != "named" else None
         self.eos_token_ids = frozenset(self.runner.arch.eos_token_ids) | (
             {tok_eos} if tok_eos is not None else set()
@@ -199,11 +206,36 @@ class LLMEngine:
             "to serve completions and chats", "model"
         )  # fmt: skip
 
+    def _check_images(self, prompt: list[int], images: Sequence[ImageItem]) -> int:
+        """Refuse images a text-only model cannot take and image tokens without an image;
+        returns the request's position offset (M-RoPE)."""
+        vision = self.runner.arch.vision
+        if vision is None:
+            if images:
+                raise InvalidRequestError(
+                    f"{self.model_name} is a text-only model: it takes no images; send text "
+                    "only, or serve a vision-language model (Qwen2-VL)", "messages"
+                )  # fmt: skip
+            return 0
+        pad = vision.image_token_id
+        covered = sum(im.num_tokens for im in images)
+        found = sum(1 for t in prompt if t == pad)
+        bad = any(im.end > len(prompt) or any(t != pad for t in prompt[im.offset : im.end])
+                  for im in images)  # fmt: skip
+        if found != covered or bad:
+            raise InvalidRequestError(
+                f"the prompt has {found} image tokens but its images need {covered} at their "
+                "offsets: expand each image's placeholder to its token count", "messages"
+            )  # fmt: skip
+        return rope_delta(images, vision.spatial_merge_size)
+
     def _request(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, hold: bool
-    ) -> Request:
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, hold: bool,
+        images: Sequence[ImageItem] = (),
+    ) -> Request:  # fmt: skip
         self._check_task("generate")
         self.validate(prompt, params)
+        offset = self._check_images(prompt, images)
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -212,6 +244,8 @@ class LLMEngine:
             priority=priority,
             max_model_len=self.max_model_len,
             hold_blocks_on_finish=hold,
+            images=tuple(images),
+            position_offset=offset,
         )
 
     def _track(self, req: Request) -> None:
@@ -244,10 +278,12 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, prefill_only: bool = False, grammar: CompiledOutput | None = None,
+        images: Sequence[ImageItem] = (),
     ) -> None:  # fmt: skip
         """Queue a request. ``prefill_only`` keeps its blocks after the first token (see release);
-        ``grammar``: ``compile_grammar(params)``, compiled here if not given."""
-        req = self._request(request_id, prompt_token_ids, params, priority, prefill_only)
+        ``grammar``: ``compile_grammar(params)``, compiled here if not given; ``images``: the
+        prompt's images, their placeholders already expanded (``protos.multimodal``)."""
+        req = self._request(request_id, prompt_token_ids, params, priority, prefill_only, images)
         self._constrain(request_id, params, grammar, [])
         try:
             self.scheduler.add(req)
@@ -305,9 +341,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        images: Sequence[ImageItem] = (),
     ) -> list[int] | None:
-        """Decode side: hold blocks for a prompt whose KV will arrive; None if they don't fit."""
-        req = self._request(request_id, prompt_token_ids, params, priority, False)
+        """Decode side: hold blocks for a prompt whose KV will arrive; None if they don't fit.
+        ``images``: the prompt's images (their bytes may be left out: the KV arrives computed)."""
+        req = self._request(request_id, prompt_token_ids, params, priority, False, images)
         return self.kv.block_ids(request_id) if self.scheduler.reserve(req) else None
 
     def reserve_for(

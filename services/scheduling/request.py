@@ -13,6 +13,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from protos.multimodal import ImageItem
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 
@@ -60,6 +61,10 @@ class Request:
     # an embedding (--task embed): prefill only, finished by its last prompt chunk, which
     # yields a pooled vector instead of a token
     pooling: PoolingParams | None = None
+    # a vision-language prompt's images (their tokens' KV is keyed by the image content too)
+    images: tuple[ImageItem, ...] = ()
+    # position minus index of the tokens after the prompt's images (M-RoPE: <= 0)
+    position_offset: int = 0
 
     @property
     def reads_prefix_cache(self) -> bool:
