@@ -21,6 +21,7 @@ from protos.sampling_params import InvalidRequestError
 
 VL_MODEL_TYPES = ("qwen2_vl",)
 MAX_ASPECT_RATIO = 200  # the image processor refuses a more elongated image
+MAX_IMAGE_PIXELS = 8192 * 8192  # a larger image is refused before it is decoded (memory)
 
 
 @dataclass(frozen=True)
@@ -159,15 +160,21 @@ def image_size(data: bytes) -> tuple[int, int]:
 
     try:
         with Image.open(io.BytesIO(data)) as img:
-            img.verify()  # a truncated or corrupt file fails here, before any worker sees it
             width, height = img.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+            img.verify()  # a truncated or corrupt file fails here, before any worker sees it
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
+            Image.DecompressionBombError) as exc:  # fmt: skip
         raise InvalidRequestError(
             f"an image could not be decoded ({type(exc).__name__}: {exc}); send a PNG, JPEG, "
             "WebP or GIF image", "messages"
         ) from None  # fmt: skip
     if width < 1 or height < 1:
         raise InvalidRequestError(f"an image of {width}x{height} pixels is empty", "messages")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidRequestError(
+            f"an image of {width}x{height} pixels is larger than the "
+            f"{MAX_IMAGE_PIXELS // 10**6} megapixels allowed: scale it down", "messages"
+        )  # fmt: skip
     return width, height
 
 

@@ -206,9 +206,12 @@ class LLMEngine:
             "to serve completions and chats", "model"
         )  # fmt: skip
 
-    def _check_images(self, prompt: list[int], images: Sequence[ImageItem]) -> int:
-        """Refuse images a text-only model cannot take and image tokens without an image;
-        returns the request's position offset (M-RoPE)."""
+    def _check_images(
+        self, prompt: list[int], images: Sequence[ImageItem], need_data: bool = True
+    ) -> int:
+        """Refuse images a text-only model cannot take, image tokens without an image and (when
+        the prompt is computed here: ``need_data``) an image without its bytes; returns the
+        request's position offset (M-RoPE)."""
         vision = self.runner.arch.vision
         if vision is None:
             if images:
@@ -222,6 +225,8 @@ class LLMEngine:
         found = sum(1 for t in prompt if t == pad)
         bad = any(im.end > len(prompt) or any(t != pad for t in prompt[im.offset : im.end])
                   for im in images)  # fmt: skip
+        if need_data and any(not im.data for im in images):
+            raise InvalidRequestError("an image came without its data", "images")
         if found != covered or bad:
             raise InvalidRequestError(
                 f"the prompt has {found} image tokens but its images need {covered} at their "
@@ -341,11 +346,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
-        images: Sequence[ImageItem] = (),
     ) -> list[int] | None:
-        """Decode side: hold blocks for a prompt whose KV will arrive; None if they don't fit.
-        ``images``: the prompt's images (their bytes may be left out: the KV arrives computed)."""
-        req = self._request(request_id, prompt_token_ids, params, priority, False, images)
+        """Decode side: hold blocks for a prompt whose KV will arrive; None if they don't fit
+        (its images, if any, come with ``activate``)."""
+        req = self._request(request_id, prompt_token_ids, params, priority, False)
         return self.kv.block_ids(request_id) if self.scheduler.reserve(req) else None
 
     def reserve_for(
@@ -357,8 +361,11 @@ class LLMEngine:
     def activate(
         self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
         params: SamplingParams | None = None, grammar: CompiledOutput | None = None,
+        images: Sequence[ImageItem] = (),
     ) -> RequestOutput | None:  # fmt: skip
-        """The reserved prompt's KV has arrived; returns a final output if nothing is left to do."""
+        """The reserved prompt's KV has arrived; returns a final output if nothing is left to do.
+        ``images``: the prompt's (their bytes may be left out): its decode positions follow them
+        (M-RoPE) and its blocks are cached under their content."""
         reserved = self.scheduler.reserved.get(request_id)
         if reserved is None:
             raise KeyError(f"no reservation {request_id!r}")
@@ -371,8 +378,10 @@ class LLMEngine:
         params = params or reserved.sampling_params
         # the prefill worker's tokens advance the grammar: it goes on from where it stopped
         self._constrain(request_id, params, grammar, output_token_ids)
+        offset = self._check_images(prompt_token_ids, images, need_data=False)
         reserved.prompt_token_ids = list(prompt_token_ids)
         reserved.sampling_params = params
+        reserved.images, reserved.position_offset = tuple(images), offset
         req = self.scheduler.activate(request_id, output_token_ids)
         last = output_token_ids[-1] if output_token_ids else None
         if not req.finished and last is not None and self.grammars.ends_with(request_id, last):
