@@ -46,21 +46,25 @@ def image_from_part(part: dict[str, Any], param: str) -> bytes:
         raise invalid(f"{param}: the image data URL is not valid base64", param) from None
 
 
-def images_in_prompt(
-    ids: Sequence[int], images: Sequence[bytes], spec: VisionSpec | None, limit: int | None,
-    model: str,
-) -> tuple[list[int], tuple[ImageItem, ...]]:  # fmt: skip
-    """The prompt with its images placed; a 400 for what cannot be served."""
+def check_images(count: int, spec: VisionSpec | None, limit: int | None, model: str) -> None:
+    """A 400 for images the model cannot take, or more than ``--limit-mm-per-prompt``."""
     if spec is None:
         raise invalid(
             f"the model {model!r} is text-only and takes no images: drop the image_url parts, "
             "or serve a vision-language model (Qwen2-VL)", "messages"
         )  # fmt: skip
-    if limit is not None and len(images) > limit:
+    if limit is not None and count > limit:
         raise invalid(
-            f"the prompt has {len(images)} images but at most {limit} are allowed per prompt "
+            f"the prompt has {count} images but at most {limit} are allowed per prompt "
             "(--limit-mm-per-prompt)", "messages"
         )  # fmt: skip
+
+
+def images_in_prompt(
+    ids: Sequence[int], images: Sequence[bytes], spec: VisionSpec
+) -> tuple[list[int], tuple[ImageItem, ...]]:
+    """The prompt with its images placed (each placeholder expanded); a 400 for an image that
+    does not decode or a placeholder count that does not match."""
     try:
         return place_images(ids, spec, images)
     except InvalidRequestError as e:

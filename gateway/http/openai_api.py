@@ -15,7 +15,7 @@ from gateway.core.errors import invalid
 from gateway.flows import reasoning, tool_parsers
 from gateway.flows.chat_output import ChoiceOutput, OutputPlan
 from gateway.flows.generation import Choice, Generation
-from gateway.flows.images import images_in_prompt
+from gateway.flows.images import check_images, images_in_prompt
 from gateway.flows.prepare import PromptIds, build_choices, check_vocab, settle_max_tokens
 from gateway.flows.protocol import (
     ChatRequest,
@@ -205,16 +205,18 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat(await read_json(request, state.config.max_body_bytes))
     state.accepts(req.common.model)
     plan = _output_plan(state, req)
+    if req.images:
+        check_images(len(req.images), state.vision, state.config.limit_mm_per_prompt,
+                     state.model_name)  # fmt: skip
     ids_list, text = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.common.add_special_tokens,
         **req.template_kwargs,
     )  # fmt: skip
     images: tuple[ImageItem, ...] = ()
-    if req.images:
+    if req.images and state.vision is not None:
         ids_list, images = await state.off_loop(
-            images_in_prompt, ids_list, req.images, state.vision,
-            state.config.limit_mm_per_prompt, state.model_name,
-        )  # fmt: skip
+            images_in_prompt, ids_list, req.images, state.vision
+        )
     ids = tuple(ids_list)
     if not ids:
         raise invalid("the messages render to an empty prompt", "messages")

@@ -94,6 +94,11 @@ class VisionInputs:
         cached = self.cache.get(image.content_hash)
         if cached is not None:
             return cached
+        if not image.data:  # a decode worker got the KV, not the image: it cannot recompute it
+            raise RuntimeError(
+                "an image's tokens must be recomputed (the request was preempted) but this "
+                "worker never received the image's bytes"
+            )
         dev = self.model.lm_head.weight.device
         pixels = torch.from_numpy(preprocess(self.processor, image)).to(dev)
         out = self.model.encode_image(pixels, image.grid)
