@@ -876,6 +876,14 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
         )
         if name == "offline":
             b.add_argument(
+                "--image-size",
+                type=_positive_int,
+                default=None,
+                metavar="PIXELS",
+                help="a vision-language model (Qwen2-VL): each prompt opens with its own random "
+                "PIXELS x PIXELS image (448: W1 with images); its tokens add to --input-len",
+            )
+            b.add_argument(
                 "--compare-transformers",
                 action="store_true",
                 help="also time transformers generate, each batch size in its own fresh process "
