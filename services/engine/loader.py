@@ -121,7 +121,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         if expert:
             loaded.add(_load_expert(params, arch, name, expert, tensor))
             continue
-        match = _NAME.search(name)
+        # the vision tower's tensors load as they are (Qwen2.5-VL's gate_proj is not stacked)
+        match = None if name.startswith("visual.") else _NAME.search(name)
         if quantized and _load_quantized(quantized, name, tensor, match):
             continue
         if match:

@@ -17,7 +17,9 @@ SUPPORTED = {
     "qwen3_moe": "Qwen3-MoE",
     "mixtral": "Mixtral",
     "qwen2_vl": "Qwen2-VL (images)",
+    "qwen2_5_vl": "Qwen2.5-VL (images)",
 }
+VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
@@ -52,6 +54,15 @@ class VisionConfig:
     out_hidden_size: int  # the language model's width
     image_token_id: int
     mrope_section: tuple[int, ...]  # frequencies rotated by t, h, w positions
+    # Qwen2.5-VL: RMSNorm and a gated SiLU MLP of this width, attention within windows of
+    # window_size pixels except in the full-attention blocks; 0 / () for Qwen2-VL
+    intermediate_size: int = 0
+    window_size: int = 0
+    full_attention_blocks: tuple[int, ...] = ()
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_size > 0
 
 
 @dataclass(frozen=True)
@@ -85,8 +96,8 @@ class ArchConfig:
             known = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
         vision = None
-        if model_type == "qwen2_vl":
-            vision = _vision_config(cfg)
+        if model_type in VL_TYPES:
+            vision = _vision_config(model_type, cfg)
             cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
         heads = int(cfg["num_attention_heads"])
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -107,7 +118,7 @@ class ArchConfig:
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_vl"))),
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", *VL_TYPES))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
@@ -159,7 +170,7 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
     return MoeConfig(experts, top_k, size, renormalize, tuple(sparse), model_type == "qwen3_moe")
 
 
-def _vision_config(cfg: dict[str, Any]) -> VisionConfig:
+def _vision_config(model_type: str, cfg: dict[str, Any]) -> VisionConfig:
     vis = cfg.get("vision_config") or {}
     text = cfg.get("text_config") or cfg
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
@@ -168,19 +179,28 @@ def _vision_config(cfg: dict[str, Any]) -> VisionConfig:
         text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])
     )
     if sum(section) * 2 != head_dim:
-        raise ConfigError(f"qwen2_vl: mrope_section {list(section)} must sum to head_dim / 2")
-    if vis.get("hidden_act", "quick_gelu") != "quick_gelu":
-        raise ConfigError(f"qwen2_vl: vision hidden_act {vis['hidden_act']!r}; only quick_gelu")
+        raise ConfigError(f"{model_type}: mrope_section {list(section)} must sum to head_dim / 2")
+    v25 = model_type == "qwen2_5_vl"
+    act = vis.get("hidden_act", "silu" if v25 else "quick_gelu")
+    if act != ("silu" if v25 else "quick_gelu"):
+        raise ConfigError(f"{model_type}: vision hidden_act {act!r} is not supported")
     return VisionConfig(
         depth=int(vis.get("depth", 32)),
-        embed_dim=int(vis.get("embed_dim", 1280)),
+        embed_dim=int(vis.get("hidden_size" if v25 else "embed_dim", 1280)),
         num_heads=int(vis.get("num_heads", 16)),
         mlp_ratio=int(vis.get("mlp_ratio", 4)),
         in_channels=int(vis.get("in_channels", 3)),
         patch_size=int(vis.get("patch_size", 14)),
         temporal_patch_size=int(vis.get("temporal_patch_size", 2)),
         spatial_merge_size=int(vis.get("spatial_merge_size", 2)),
-        out_hidden_size=int(vis.get("hidden_size") or text["hidden_size"]),
+        out_hidden_size=int(
+            vis.get("out_hidden_size" if v25 else "hidden_size") or text["hidden_size"]
+        ),
         image_token_id=int(cfg["image_token_id"]),
         mrope_section=section,
+        intermediate_size=int(vis.get("intermediate_size", 3420)) if v25 else 0,
+        window_size=int(vis.get("window_size", 112)) if v25 else 0,
+        full_attention_blocks=tuple(int(i) for i in vis.get("fullatt_block_indexes") or ())
+        if v25
+        else (),
     )

@@ -29,9 +29,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(path: Path) -> Any:
-    """Writes the checkpoint, tokenizer and processor into ``path``; returns transformers' model."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def build(path: Path, kind: str = "qwen2_vl") -> Any:
+    """Writes the checkpoint, tokenizer and processor into ``path``; returns transformers' model.
+    ``kind``: qwen2_vl, or qwen2_5_vl (windows of 2x2 merged patches, block 1 of 3 full)."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -47,14 +53,19 @@ def build(path: Path) -> Any:
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                             "mrope_section": [2, 3, 3]},
     }  # fmt: skip
-    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2}
-    cfg = Qwen2VLConfig(
+    vision: dict[str, Any] = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2}
+    config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    if kind == "qwen2_5_vl":
+        vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                  "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1]}  # fmt: skip
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    cfg = config_class(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], initializer_range=0.2,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    model = model_class(cfg).eval()
     model.save_pretrained(path)
     tok.save_pretrained(path)
     proc = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})

@@ -1,10 +1,11 @@
-"""Qwen2-VL in plain PyTorch: the vision transformer beside the Qwen2 language model of
-``llama.py``, whose embeddings it replaces at the image placeholder tokens, and the multimodal
-rotary table (M-RoPE) those tokens are rotated with.
+"""Qwen2-VL and Qwen2.5-VL in plain PyTorch: the vision transformer beside the Qwen2 language
+model of ``llama.py``, whose embeddings it replaces at the image placeholder tokens, and the
+multimodal rotary table (M-RoPE) those tokens are rotated with.
 
-The vision tower runs eagerly, one image at a time, with full (bidirectional) attention over
-each image's patches; it is small next to the language model and runs once per image (its output
-is cached by the runner, ``services.engine.vision``).
+The vision tower runs eagerly, one image at a time, with bidirectional attention over each
+image's patches (Qwen2.5-VL: within windows of merged patches, but in its full-attention
+blocks); it is small next to the language model and runs once per image (its output is cached
+by the runner, ``services.engine.vision``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,36 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(outs))  # [N, E]
 
 
+class VisionRMSNorm(nn.Module):
+    """Qwen2.5-VL's norm: computed in float32, the weight applied in the input's dtype."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+def _norm(cfg: VisionConfig, size: int) -> nn.Module:
+    return VisionRMSNorm(size) if cfg.windowed else nn.LayerNorm(size, eps=1e-6)
+
+
+class GatedVisionMlp(nn.Module):
+    """Qwen2.5-VL's MLP: SiLU-gated, with biases."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, E]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class VisionMlp(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -82,10 +113,14 @@ class PatchEmbed(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm1 = _norm(cfg, cfg.embed_dim)
+        self.norm2 = _norm(cfg, cfg.embed_dim)
         self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
-        self.mlp = VisionMlp(cfg.embed_dim, cfg.embed_dim * cfg.mlp_ratio)
+        self.mlp: nn.Module = (
+            GatedVisionMlp(cfg.embed_dim, cfg.intermediate_size)
+            if cfg.windowed
+            else VisionMlp(cfg.embed_dim, cfg.embed_dim * cfg.mlp_ratio)
+        )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]
@@ -101,7 +136,7 @@ class PatchMerger(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.width = cfg.embed_dim * cfg.spatial_merge_size**2
-        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.ln_q = _norm(cfg, cfg.embed_dim)
         self.mlp = nn.Sequential(
             nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.out_hidden_size)
         )
@@ -123,7 +158,7 @@ class VisionTransformer(nn.Module):
         merge windows in raster order, raster order inside each."""
         t, h, w = grid
         m = self.cfg.spatial_merge_size
-        dev = self.merger.ln_q.weight.device
+        dev = self.merger.mlp[0].weight.device
         half = self.cfg.embed_dim // self.cfg.num_heads // 2  # h and w: a quarter of a head each
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, half, 2, dtype=torch.float) / half))
         inv_freq = inv_freq.to(dev)  # [D/4]
@@ -139,12 +174,39 @@ class VisionTransformer(nn.Module):
     def forward(
         self, pixels: torch.Tensor, grid: tuple[int, int, int]
     ) -> torch.Tensor:  # [t*h*w, C*tp*p*p] -> [t*h*w / merge^2, hidden]
+        cfg = self.cfg
         x = self.patch_embed(pixels)  # [N, E]
         cos, sin = self._rotary(grid)
-        seqlens = [grid[1] * grid[2]] * grid[0]  # one attention segment per frame
-        for block in self.blocks:
-            x = block(x, cos, sin, seqlens)
-        return self.merger(x)
+        full = [grid[1] * grid[2]] * grid[0]  # one attention segment per frame
+        if not cfg.windowed:
+            for block in self.blocks:
+                x = block(x, cos, sin, full)
+            return self.merger(x)
+        m = cfg.spatial_merge_size
+        order, windows = window_order(grid, m, cfg.window_size // cfg.patch_size)
+        order = order.to(x.device)  # [N / m^2]: merged patches, window by window
+        perm = (order[:, None] * m * m + torch.arange(m * m, device=x.device)).flatten()  # [N]
+        x, cos, sin = x[perm], cos[perm], sin[perm]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full if i in cfg.full_attention_blocks else windows)
+        return self.merger(x)[torch.argsort(order)]  # back to raster order
+
+
+def window_order(
+    grid: tuple[int, int, int], merge: int, window_patches: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows: the merged patches in window order (windows of
+    ``window_patches / merge`` merged patches a side, raster order within and between them, the
+    last row and column of windows cut short), and each window's count of patches."""
+    t, h, w = grid
+    gh, gw, side = h // merge, w // merge, window_patches // merge
+    nh, nw = -(-gh // side), -(-gw // side)
+    index = torch.arange(t * gh * gw).reshape(t, gh, gw)
+    padded = F.pad(index, (0, nw * side - gw, 0, nh * side - gh), value=-1)
+    padded = padded.reshape(t, nh, side, nw, side).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, -1)
+    counts = (padded >= 0).sum(-1).tolist()  # merged patches per window
+    order = padded.flatten()
+    return order[order >= 0], [c * merge * merge for c in counts if c > 0]
 
 
 def mrope_table(

@@ -1,6 +1,7 @@
-"""Qwen2-VL with images in our engine against transformers (float32, a tiny random checkpoint):
-greedy, token for token, with one and two images per prompt, batched and chunked; the prefix
-cache keyed by image content; images refused where they cannot be served."""
+"""Qwen2-VL and Qwen2.5-VL (windowed vision attention) with images in our engine against
+transformers (float32, tiny random checkpoints): greedy, token for token, with one and two images
+per prompt, batched and chunked; the prefix cache keyed by image content; images refused where
+they cannot be served."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("qwen2_vl")
-    return path, build(path)
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def built(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp(request.param)
+    return path, build(path, request.param)
 
 
 @pytest.fixture(scope="module")
