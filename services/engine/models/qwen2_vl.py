@@ -158,7 +158,7 @@ class VisionTransformer(nn.Module):
         merge windows in raster order, raster order inside each."""
         t, h, w = grid
         m = self.cfg.spatial_merge_size
-        dev = self.merger.mlp[0].weight.device
+        dev = self.patch_embed.proj.weight.device
         half = self.cfg.embed_dim // self.cfg.num_heads // 2  # h and w: a quarter of a head each
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, half, 2, dtype=torch.float) / half))
         inv_freq = inv_freq.to(dev)  # [D/4]
