@@ -30,11 +30,15 @@ CACHE_TOKENS = 16384  # image tokens of encoder output kept (LRU)
 def load_image_processor(model_dir: Path) -> Any:
     """transformers' PIL/numpy image processor of Qwen2-VL (the torchvision one is not usable
     beside this torch build), configured from the model's preprocessor_config.json."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    return Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Processor,
+        )
+    except ImportError:  # transformers before the PIL backend's own module: the slow class
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import (  # type: ignore[assignment,no-redef]
+            Qwen2VLImageProcessor as Processor,
+        )
+    return Processor.from_pretrained(str(model_dir))
 
 
 def preprocess(processor: Any, image: ImageItem) -> np.ndarray:  # [patches, C*tp*p*p] float32
