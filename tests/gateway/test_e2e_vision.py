@@ -184,3 +184,18 @@ def test_more_images_than_the_limit_are_a_400(served: tuple[str, str]) -> None:
     images = [png(i) for i in range(3)]
     with pytest.raises(openai.BadRequestError, match="at most 2 are allowed"):
         _chat(url, name, _messages(("<image>", "<image>", "<image>"), images))
+
+
+def test_image_tokens_count_against_the_context(served: tuple[str, str]) -> None:
+    """A 112x112 image is 16 prompt tokens: usage counts them, and the context-length check
+    refuses a completion that fits only if they were not counted."""
+    url, name = served
+    messages = _messages(("<image>", "hi"), [png(41, 112, 112)])
+    text_only = [{"role": "user", "content": "hi"}]
+    client = _client(url)
+    with_image = client.chat.completions.create(model=name, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    plain = client.chat.completions.create(model=name, messages=text_only, max_tokens=1)  # type: ignore[arg-type]
+    prompt = with_image.usage.prompt_tokens
+    assert prompt == plain.usage.prompt_tokens + 2 + 16  # vision start/end and 16 image tokens
+    with pytest.raises(openai.BadRequestError, match=f"{prompt} in the messages"):
+        client.chat.completions.create(model=name, messages=messages, max_tokens=512 - prompt + 1)  # type: ignore[arg-type]
