@@ -104,6 +104,9 @@ class EngineDriver:
     ) -> Stream:  # fmt: skip
         """Queue a request; raises InvalidRequestError for bad input."""
         grammar = await self._compile(params)
+        if images:  # resized and patched on a pool thread: never inside an engine step
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.engine.prepare_images, images)
         stream = Stream(request_id, asyncio.get_running_loop())
         added: list[bool] = []
 

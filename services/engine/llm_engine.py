@@ -234,6 +234,14 @@ class LLMEngine:
             )  # fmt: skip
         return rope_delta(images, vision.spatial_merge_size)
 
+    def prepare_images(self, images: Sequence[ImageItem]) -> None:
+        """Preprocess a request's images (InvalidRequestError for one that does not decode or
+        does not match its placeholder count); thread-safe, so the serving path does it off
+        the engine thread before ``add_request``."""
+        vision = self.runner.vision
+        if vision is not None and images:
+            vision.prepare(tuple(images))
+
     def _request(
         self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, hold: bool,
         images: Sequence[ImageItem] = (),
@@ -289,6 +297,7 @@ class LLMEngine:
         ``grammar``: ``compile_grammar(params)``, compiled here if not given; ``images``: the
         prompt's images, their placeholders already expanded (``protos.multimodal``)."""
         req = self._request(request_id, prompt_token_ids, params, priority, prefill_only, images)
+        self.prepare_images(images)  # a no-op for images the driver prepared already
         self._constrain(request_id, params, grammar, [])
         try:
             self.scheduler.add(req)
@@ -376,9 +385,9 @@ class LLMEngine:
             )  # fmt: skip
         self.validate(prompt_token_ids, params or reserved.sampling_params)
         params = params or reserved.sampling_params
+        offset = self._check_images(prompt_token_ids, images, need_data=False)
         # the prefill worker's tokens advance the grammar: it goes on from where it stopped
         self._constrain(request_id, params, grammar, output_token_ids)
-        offset = self._check_images(prompt_token_ids, images, need_data=False)
         reserved.prompt_token_ids = list(prompt_token_ids)
         reserved.sampling_params = params
         reserved.images, reserved.position_offset = tuple(images), offset

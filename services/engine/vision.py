@@ -2,14 +2,17 @@
 one) turns an image's bytes into patches, the vision tower encodes them, and each step gets
 the embeddings of the image tokens it computes and their 3-D rotary positions.
 
-Encoder outputs are kept by content hash (``EncoderCache``) while an image's prompt is
-prefilled in chunks, and for a while after, so a chunk never encodes an image again; an image
-whose tokens the prefix cache already holds is never encoded at all (no chunk covers it).
+Images are preprocessed when their request is added (``prepare``: off the engine thread on the
+serving path, so a bad image is refused alone and resizing never stalls a step); encoder outputs
+are kept by content hash (``EncoderCache``) while an image's prompt is prefilled in chunks, and
+for a while after, so a chunk never encodes an image again; an image whose tokens the prefix
+cache already holds is never encoded at all (no chunk covers it).
 """
 
 from __future__ import annotations
 
 import io
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from services.engine.mrope import mrope_positions
 from services.scheduling.outputs import ScheduledRequest
 
 CACHE_TOKENS = 16384  # image tokens of encoder output kept (LRU)
+PENDING_IMAGES = 32  # preprocessed images waiting for their first encode (LRU)
 
 
 def load_image_processor(model_dir: Path) -> Any:
@@ -71,6 +75,9 @@ class EncoderCache:
         self._tokens = 0
         self.encoded = 0  # images run through the vision tower (tests, stats)
 
+    def __contains__(self, key: bytes) -> bool:  # no LRU update: safe from any thread
+        return key in self._items
+
     def get(self, key: bytes) -> torch.Tensor | None:
         value = self._items.get(key)
         if value is not None:
@@ -93,6 +100,27 @@ class VisionInputs:
         self.cfg = cfg
         self.processor = load_image_processor(model_dir)
         self.cache = EncoderCache()
+        self._pixels: OrderedDict[bytes, np.ndarray] = OrderedDict()  # by content hash
+        self._lock = threading.Lock()  # prepare runs on the callers' threads
+
+    def prepare(self, images: tuple[ImageItem, ...]) -> None:
+        """Preprocess each image not yet encoded (InvalidRequestError for a bad one); any
+        thread. Images without bytes (a decode worker's) are left alone."""
+        for image in images:
+            key = image.content_hash
+            with self._lock:
+                if not image.data or key in self._pixels or key in self.cache:
+                    continue
+            pixels = preprocess(self.processor, image)
+            with self._lock:
+                self._pixels[key] = pixels
+                while len(self._pixels) > PENDING_IMAGES:
+                    self._pixels.popitem(last=False)
+
+    def _pixels_of(self, image: ImageItem) -> np.ndarray:
+        with self._lock:
+            pixels = self._pixels.pop(image.content_hash, None)
+        return pixels if pixels is not None else preprocess(self.processor, image)
 
     def _embeds_of(self, image: ImageItem) -> torch.Tensor:  # [num_tokens, hidden]
         cached = self.cache.get(image.content_hash)
@@ -104,7 +132,7 @@ class VisionInputs:
                 "worker never received the image's bytes"
             )
         dev = self.model.lm_head.weight.device
-        pixels = torch.from_numpy(preprocess(self.processor, image)).to(dev)
+        pixels = torch.from_numpy(self._pixels_of(image)).to(dev)
         out = self.model.encode_image(pixels, image.grid)
         if out.shape[0] != image.num_tokens:
             raise InvalidRequestError(

@@ -110,3 +110,24 @@ def test_a_text_only_model_refuses_images() -> None:
     text = LLM("embedded", max_model_len=256)
     with pytest.raises(InvalidRequestError, match="takes no images"):
         text.generate({"prompt": "hi", "multi_modal_data": {"image": [png(1)]}}, GREEDY)
+
+
+def test_an_image_is_checked_when_added_not_in_a_step(llm: LLM) -> None:
+    """What reaches the engine without the gateway's checks (a gRPC client of a worker): an
+    image that does not decode, or whose grid is not the one its tokens were counted for, is
+    refused as the request is added; the engine goes on serving."""
+    from dataclasses import replace
+
+    from protos.multimodal import content_hash
+
+    prompt = _prompt(llm, ("<image>", "hi"), [(51, 56, 56)])
+    ids, (image,) = llm.encode_with_images(prompt)
+    junk = replace(image, data=b"junk", content_hash=content_hash(b"junk"))
+    with pytest.raises(InvalidRequestError, match="could not be decoded"):
+        llm.engine.add_request("junk", ids, GREEDY, images=[junk])
+    other = png(52, 112, 112)  # 4x4 merged patches, not the 2x2 of the placeholders
+    wrong = replace(image, data=other, content_hash=content_hash(other))
+    with pytest.raises(InvalidRequestError, match="patch grid"):
+        llm.engine.add_request("wrong", ids, GREEDY, images=[wrong])
+    assert not llm.engine.has_unfinished
+    assert llm.generate(prompt, GREEDY)[0].outputs[0].finish_reason == "length"
