@@ -46,6 +46,10 @@ from services.scheduling.request import FinishReason, Request
 from services.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+IMAGES_LOST = (
+    "the request was preempted on a decode worker, which holds its images' KV but not the "
+    "images themselves, so it cannot recompute them: send the request again"
+)
 
 
 def load_tokenizer(hf_dir: str) -> Any:
@@ -426,6 +430,11 @@ class LLMEngine:
                 self.proposer.drop(rid)
         if out.empty:
             return []
+        lost = self._images_lost(out)
+        if lost:
+            out.requests = [r for r in out.requests if r.request_id not in lost]
+            if out.empty:
+                return list(lost.values())
         self.step_tokens.observe(out.num_tokens)
         min_stop = self._min_token_stop_ids(out.requests)
         score = self._prompt_scoring(out.requests)
@@ -442,7 +451,7 @@ class LLMEngine:
         if self.proposer is not None:
             self._record_acceptance(out, sampled)
         updates = self.scheduler.update(out, sampled)
-        outputs, done = [], set()
+        outputs, done = list(lost.values()), set()
         for u in updates:
             if u.token is None:  # an embedding's last chunk
                 outputs.append(self._emit_embedding(u, pooled[u.request_id]))
@@ -451,6 +460,24 @@ class LLMEngine:
                 if outputs[-1].finished:
                     done.add(u.request_id)
         return outputs
+
+    def _images_lost(self, out: SchedulerOutput) -> dict[str, RequestOutput]:
+        """Requests this step would recompute image tokens of without the image's bytes (a
+        decode worker gets only their KV; preempted, it cannot recompute them): each fails
+        alone, with an error, instead of the step."""
+        vision = self.runner.vision
+        if vision is None:
+            return {}
+        lost: dict[str, RequestOutput] = {}
+        for r in out.requests:
+            lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
+            if any(not im.data and im.offset < hi and im.end > lo
+                   and im.content_hash not in vision.cache for im in r.images):  # fmt: skip
+                self.abort(r.request_id)
+                lost[r.request_id] = RequestOutput(
+                    r.request_id, [], "", True, "error", error=IMAGES_LOST
+                )
+        return lost
 
     def _layer_sink(self, out: SchedulerOutput) -> LayerSink | None:
         """The prefill-only requests whose last prompt chunk this step computes, handed to

@@ -131,3 +131,20 @@ def test_an_image_is_checked_when_added_not_in_a_step(llm: LLM) -> None:
         llm.engine.add_request("wrong", ids, GREEDY, images=[wrong])
     assert not llm.engine.has_unfinished
     assert llm.generate(prompt, GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_a_decode_side_request_that_lost_its_image_kv_fails_alone(llm: LLM) -> None:
+    """A decode worker holds an image's KV, not its bytes: preempted (its KV freed), the
+    request cannot be recomputed and ends with an error; the engine goes on."""
+    from dataclasses import replace
+
+    engine = llm.engine
+    ids, (image,) = llm.encode_with_images(_prompt(llm, ("<image>", "hi"), [(61, 84, 84)]))
+    assert engine.reserve_for("dec", len(ids), GREEDY) is not None
+    engine.activate("dec", ids, [5], GREEDY, images=[replace(image, data=b"")])
+    engine.scheduler._preempt(engine.scheduler.requests["dec"])  # as KV pressure would
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("dec", "error")]
+    assert "cannot recompute" in (outputs[0].error or "")
+    assert not engine.has_unfinished
+    assert llm.generate(_prompt(llm, ("<image>", "hi"), [(62, 84, 84)]), GREEDY)[0].outputs
