@@ -226,7 +226,7 @@ def build_plan(
             gateway += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "enable_auto_tool_choice", False):
         gateway.append("--enable-auto-tool-choice")
-    for flag in ("tool_call_parser", "reasoning_parser"):
+    for flag in ("tool_call_parser", "reasoning_parser", "limit_mm_per_prompt"):
         if getattr(args, flag, None):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     drain_timeout_s = float(args.drain_timeout)

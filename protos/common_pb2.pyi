@@ -20,6 +20,20 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
+class Image(_message.Message):
+    __slots__ = ("offset", "num_tokens", "grid", "content_hash", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    num_tokens: int
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    content_hash: bytes
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid: _Optional[_Iterable[int]] = ..., content_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "logit_bias", "structured", "lora_name")
     class LogitBiasEntry(_message.Message):

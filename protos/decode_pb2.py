@@ -26,7 +26,7 @@ from protos import common_pb2 as protos_dot_common__pb2
 from protos import kv_control_pb2 as protos_dot_kv__control__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\ttandem.v1\x1a\x13protos/common.proto\x1a\x17protos/kv_control.proto\"\xd8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x11\n\tkv_wait_s\x18\x07 \x01(\x01\x12\x15\n\rlocal_prefill\x18\x08 \x01(\x08\"\xf1\x01\n\x10\x44\x65\x63odeStreamItem\x12*\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x18.tandem.v1.DecodeRequestH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.tandem.v1.AbortRequestH\x00\x12;\n\x08metadata\x18\x03 \x03(\x0b\x32).tandem.v1.DecodeStreamItem.MetadataEntry\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04item2\xde\x03\n\rDecodeService\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12;\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12\x46\n\x0c\x44\x65\x63odeStream\x12\x1b.tandem.v1.DecodeStreamItem\x1a\x15.tandem.v1.ChunkBatch(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\ttandem.v1\x1a\x13protos/common.proto\x1a\x17protos/kv_control.proto\"\xfa\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x11\n\tkv_wait_s\x18\x07 \x01(\x01\x12\x15\n\rlocal_prefill\x18\x08 \x01(\x08\x12 \n\x06images\x18\t \x03(\x0b\x32\x10.tandem.v1.Image\"\xf1\x01\n\x10\x44\x65\x63odeStreamItem\x12*\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x18.tandem.v1.DecodeRequestH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.tandem.v1.AbortRequestH\x00\x12;\n\x08metadata\x18\x03 \x03(\x0b\x32).tandem.v1.DecodeStreamItem.MetadataEntry\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04item2\xde\x03\n\rDecodeService\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12;\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12\x46\n\x0c\x44\x65\x63odeStream\x12\x1b.tandem.v1.DecodeStreamItem\x1a\x15.tandem.v1.ChunkBatch(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODESTREAMITEM_METADATAENTRY']._loaded_options = None
   _globals['_DECODESTREAMITEM_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_DECODEREQUEST']._serialized_start=81
-  _globals['_DECODEREQUEST']._serialized_end=297
-  _globals['_DECODESTREAMITEM']._serialized_start=300
-  _globals['_DECODESTREAMITEM']._serialized_end=541
-  _globals['_DECODESTREAMITEM_METADATAENTRY']._serialized_start=486
-  _globals['_DECODESTREAMITEM_METADATAENTRY']._serialized_end=533
-  _globals['_DECODESERVICE']._serialized_start=544
-  _globals['_DECODESERVICE']._serialized_end=1022
+  _globals['_DECODEREQUEST']._serialized_end=331
+  _globals['_DECODESTREAMITEM']._serialized_start=334
+  _globals['_DECODESTREAMITEM']._serialized_end=575
+  _globals['_DECODESTREAMITEM_METADATAENTRY']._serialized_start=520
+  _globals['_DECODESTREAMITEM_METADATAENTRY']._serialized_end=567
+  _globals['_DECODESERVICE']._serialized_start=578
+  _globals['_DECODESERVICE']._serialized_end=1056
 # @@protoc_insertion_point(module_scope)

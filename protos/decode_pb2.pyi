@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "kv_wait_s", "local_prefill")
+    __slots__ = ("request_id", "reservation_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "kv_wait_s", "local_prefill", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DecodeRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -26,7 +27,8 @@ class DecodeRequest(_message.Message):
     priority: int
     kv_wait_s: float
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., local_prefill: bool = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.Image]
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., local_prefill: bool = ..., images: _Optional[_Iterable[_Union[_common_pb2.Image, _Mapping]]] = ...) -> None: ...
 
 class DecodeStreamItem(_message.Message):
     __slots__ = ("decode", "abort", "metadata", "timeout_s")

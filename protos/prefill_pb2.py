@@ -26,7 +26,7 @@ from protos import common_pb2 as protos_dot_common__pb2
 from protos import kv_control_pb2 as protos_dot_kv__control__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\ttandem.v1\x1a\x13protos/common.proto\x1a\x17protos/kv_control.proto\"\xa2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12#\n\x06target\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KvTarget\"h\n\x0cPrefillEvent\x12&\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent2\xd9\x02\n\x0ePrefillService\x12?\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\ttandem.v1\x1a\x13protos/common.proto\x1a\x17protos/kv_control.proto\"\xc4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12#\n\x06target\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KvTarget\x12 \n\x06images\x18\x06 \x03(\x0b\x32\x10.tandem.v1.Image\"h\n\x0cPrefillEvent\x12&\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent2\xd9\x02\n\x0ePrefillService\x12?\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillEvent0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.prefill_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=82
-  _globals['_PREFILLREQUEST']._serialized_end=244
-  _globals['_PREFILLEVENT']._serialized_start=246
-  _globals['_PREFILLEVENT']._serialized_end=350
-  _globals['_PREFILLSERVICE']._serialized_start=353
-  _globals['_PREFILLSERVICE']._serialized_end=698
+  _globals['_PREFILLREQUEST']._serialized_end=278
+  _globals['_PREFILLEVENT']._serialized_start=280
+  _globals['_PREFILLEVENT']._serialized_end=384
+  _globals['_PREFILLSERVICE']._serialized_start=387
+  _globals['_PREFILLSERVICE']._serialized_end=732
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\ttandem.v1\x1a\x13protos/common.proto\"~\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"\xf9\x01\n\x12GenerateStreamItem\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequestH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.tandem.v1.AbortRequestH\x00\x12=\n\x08metadata\x18\x03 \x03(\x0b\x32+.tandem.v1.GenerateStreamItem.MetadataEntry\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04item\"\x1f\n\nEmbedInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x81\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.tandem.v1.EmbedInput\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x42\x0c\n\n_normalize\"Q\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"9\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.tandem.v1.Embedding2\xe0\x03\n\rWorkerService\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12J\n\x0eGenerateStream\x12\x1d.tandem.v1.GenerateStreamItem\x1a\x15.tandem.v1.ChunkBatch(\x01\x30\x01\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\ttandem.v1\x1a\x13protos/common.proto\"\xa0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12 \n\x06images\x18\x05 \x03(\x0b\x32\x10.tandem.v1.Image\"\xf9\x01\n\x12GenerateStreamItem\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequestH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.tandem.v1.AbortRequestH\x00\x12=\n\x08metadata\x18\x03 \x03(\x0b\x32+.tandem.v1.GenerateStreamItem.MetadataEntry\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04item\"\x1f\n\nEmbedInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x81\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.tandem.v1.EmbedInput\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x42\x0c\n\n_normalize\"Q\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"9\n\rEmbedResponse\x12(\n\nembeddings\x18\x01 \x03(\x0b\x32\x14.tandem.v1.Embedding2\xe0\x03\n\rWorkerService\x12?\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x12J\n\x0eGenerateStream\x12\x1d.tandem.v1.GenerateStreamItem\x1a\x15.tandem.v1.ChunkBatch(\x01\x30\x01\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.WorkerLoad\x12\x45\n\x08LoadLoRA\x12\x1a.tandem.v1.LoadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponse\x12I\n\nUnloadLoRA\x12\x1c.tandem.v1.UnloadLoRARequest\x1a\x1d.tandem.v1.LoRAUpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATESTREAMITEM_METADATAENTRY']._loaded_options = None
   _globals['_GENERATESTREAMITEM_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_GENERATEREQUEST']._serialized_start=55
-  _globals['_GENERATEREQUEST']._serialized_end=181
-  _globals['_GENERATESTREAMITEM']._serialized_start=184
-  _globals['_GENERATESTREAMITEM']._serialized_end=433
-  _globals['_GENERATESTREAMITEM_METADATAENTRY']._serialized_start=378
-  _globals['_GENERATESTREAMITEM_METADATAENTRY']._serialized_end=425
-  _globals['_EMBEDINPUT']._serialized_start=435
-  _globals['_EMBEDINPUT']._serialized_end=466
-  _globals['_EMBEDREQUEST']._serialized_start=469
-  _globals['_EMBEDREQUEST']._serialized_end=598
-  _globals['_EMBEDDING']._serialized_start=600
-  _globals['_EMBEDDING']._serialized_end=681
-  _globals['_EMBEDRESPONSE']._serialized_start=683
-  _globals['_EMBEDRESPONSE']._serialized_end=740
-  _globals['_WORKERSERVICE']._serialized_start=743
-  _globals['_WORKERSERVICE']._serialized_end=1223
+  _globals['_GENERATEREQUEST']._serialized_start=56
+  _globals['_GENERATEREQUEST']._serialized_end=216
+  _globals['_GENERATESTREAMITEM']._serialized_start=219
+  _globals['_GENERATESTREAMITEM']._serialized_end=468
+  _globals['_GENERATESTREAMITEM_METADATAENTRY']._serialized_start=413
+  _globals['_GENERATESTREAMITEM_METADATAENTRY']._serialized_end=460
+  _globals['_EMBEDINPUT']._serialized_start=470
+  _globals['_EMBEDINPUT']._serialized_end=501
+  _globals['_EMBEDREQUEST']._serialized_start=504
+  _globals['_EMBEDREQUEST']._serialized_end=633
+  _globals['_EMBEDDING']._serialized_start=635
+  _globals['_EMBEDDING']._serialized_end=716
+  _globals['_EMBEDRESPONSE']._serialized_start=718
+  _globals['_EMBEDRESPONSE']._serialized_end=775
+  _globals['_WORKERSERVICE']._serialized_start=778
+  _globals['_WORKERSERVICE']._serialized_end=1258
 # @@protoc_insertion_point(module_scope)

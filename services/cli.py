@@ -530,6 +530,16 @@ def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None
     )
 
 
+def add_mm_limit_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        metavar="JSON",
+        help=f"{passed}at most this many images per prompt, as vLLM's JSON: '{{\"image\": 2}}' "
+        "(default: as many as fit the context); more get a 400",
+    )
+
+
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: every interface)"
@@ -545,6 +555,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct)",
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
+    add_mm_limit_arg(p)
     p.add_argument(
         "--allow-special-tokens-in-messages",
         action="store_true",
@@ -706,6 +717,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "itself; 0: off",
     )
     add_output_parser_args(p, "(passed to the gateway) ")
+    add_mm_limit_arg(p, "(passed to the gateway) ")
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument(
@@ -919,6 +931,14 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
             "sizes to sweep (each in its own process)",
         )
         if name == "offline":
+            b.add_argument(
+                "--image-size",
+                type=_positive_int,
+                default=None,
+                metavar="PIXELS",
+                help="a vision-language model (Qwen2-VL): each prompt opens with its own random "
+                "PIXELS x PIXELS image (448: W1 with images); its tokens add to --input-len",
+            )
             b.add_argument(
                 "--compare-transformers",
                 action="store_true",

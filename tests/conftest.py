@@ -37,6 +37,7 @@ SERVING_MODULES = frozenset(
         "tests/gateway/test_e2e_real.py",
         "tests/gateway/test_e2e_speculative.py",
         "tests/gateway/test_e2e_structured.py",
+        "tests/gateway/test_e2e_vision.py",
         "tests/protos/test_auth.py",
         "tests/services/common/test_server.py",
         "tests/services/decode/test_server.py",

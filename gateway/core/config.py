@@ -58,6 +58,7 @@ class GatewayConfig:
     chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template
     # a special token typed in a message acts as one (else it is text, as OpenAI treats it)
     allow_special_tokens_in_messages: bool = False
+    limit_mm_per_prompt: int | None = None  # images per prompt (None: as many as fit)
     workers: tuple[WorkerSpec, ...] = ()
     # DNS names listing workers (a Kubernetes headless Service), resolved every interval
     discover: tuple[DiscoverySpec, ...] = ()
@@ -177,6 +178,25 @@ def workers_from_args(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
     return tuple(dict.fromkeys(specs))
 
 
+def parse_mm_limit(text: str | None) -> int | None:
+    """``--limit-mm-per-prompt`` (vLLM's JSON, e.g. '{"image": 2}'): images per prompt."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--limit-mm-per-prompt must be JSON like '{{\"image\": 2}}': {e}") from e
+    if not isinstance(value, dict) or set(value) - {"image"}:
+        raise ConfigError(
+            "--limit-mm-per-prompt takes only an image limit, e.g. '{\"image\": 2}' (video and "
+            f"audio are not supported), got {text!r}"
+        )
+    limit = value.get("image", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ConfigError(f"--limit-mm-per-prompt image must be a count >= 0, got {limit!r}")
+    return limit
+
+
 def config_from_args(
     args: argparse.Namespace, tokenizer_dir: str, default_name: str | None = None
 ) -> GatewayConfig:
@@ -186,6 +206,7 @@ def config_from_args(
         served_model_name=args.served_model_name or default_name,
         chat_template=args.chat_template,
         allow_special_tokens_in_messages=getattr(args, "allow_special_tokens_in_messages", False),
+        limit_mm_per_prompt=parse_mm_limit(getattr(args, "limit_mm_per_prompt", None)),
         workers=workers_from_args(args),
         discover=tuple(DiscoverySpec.parse(d) for d in getattr(args, "discover", None) or ()),
         discover_interval_s=getattr(args, "discover_interval", 5.0),

@@ -11,6 +11,7 @@ from gateway.core.errors import APIError, invalid
 from gateway.flows.generation import Choice
 from gateway.flows.protocol import CommonOptions
 from gateway.workers.work import WorkItem
+from protos.multimodal import ImageItem
 from protos.sampling_params import InvalidRequestError
 
 
@@ -18,6 +19,7 @@ from protos.sampling_params import InvalidRequestError
 class PromptIds:
     ids: tuple[int, ...]
     text: str  # what echo shows
+    images: tuple[ImageItem, ...] = ()  # placed: their placeholders expanded in ids
 
 
 def check_vocab(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
@@ -90,6 +92,7 @@ def build_choices(
                 sampling=sampling,
                 priority=common.priority,
                 deadline=deadline,
+                images=prompt.images,
             )
             choices.append(
                 Choice(index, item, prompt_text=prompt.text, counts_prompt=j == 0, n=common.n)

@@ -12,6 +12,7 @@ from typing import Any
 
 from gateway.core.errors import invalid
 from gateway.flows.fields import INT32_MAX, INT64_MAX, Fields, check_int, require_object
+from gateway.flows.images import image_from_part
 from gateway.flows.structured import parse_structured
 from gateway.flows.tools import ToolPlan, parse_tools
 from gateway.flows.unsupported import (
@@ -70,6 +71,7 @@ class ChatRequest:
     top_logprobs: int
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: ToolPlan | None = None  # None: no tools offered
+    images: tuple[bytes, ...] = ()  # of the image_url parts, in order (encoded bytes)
 
 
 # OpenAI's include_usage and vLLM's continuous_usage_stats (usage so far in every chunk)
@@ -220,7 +222,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     return request
 
 
-def _content(message: dict[str, Any], index: int, role: str) -> str:
+def _content(
+    message: dict[str, Any], index: int, role: str, images: list[bytes]
+) -> str | list[dict[str, Any]]:
+    """The content as templates read it: a string, or (with images) the parts with each image
+    as ``{"type": "image"}``; the images' bytes are appended to ``images``."""
     content = message.get("content")
     param = f"messages[{index}].content"
     if role != "assistant" and (content is None or content == []):
@@ -231,21 +237,39 @@ def _content(message: dict[str, Any], index: int, role: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"{param} must be a string or a list of text parts", param)
-    texts = []
+        raise invalid(f"{param} must be a string or a list of text and image_url parts", param)
+    parts: list[dict[str, Any]] = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise invalid(f"{param}: only text parts are supported", param)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url" and role == "user":
+            images.append(image_from_part(part, param))
+            parts.append({"type": "image"})
+            continue
+        if kind != "text":
+            raise invalid(f"{param}: only text parts (and image_url parts in a user message) "
+                          "are supported", param)  # fmt: skip
         if not isinstance(part.get("text"), str):
             raise invalid(f"{param}: a text part needs a 'text' string", param)
-        texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """The messages of a request that takes no images (a 400 if they hold any)."""
+    messages, images = parse_chat_messages(value)
+    if images:
+        raise invalid("this endpoint does not take images: send text parts only", "messages")
+    return messages
+
+
+def parse_chat_messages(value: Any) -> tuple[list[dict[str, Any]], tuple[bytes, ...]]:
+    """The messages as chat templates read them, and the images of their image_url parts."""
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
+    images: list[bytes] = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise invalid(f"messages[{i}] must be an object", "messages")
@@ -257,11 +281,11 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 "messages",
             )
-        content = _content(message, i, role)
+        content = _content(message, i, role, images)
         # OpenAI's newer name for system; chat templates only know system
         role = "system" if role == "developer" else role
         out.append(_tool_call_message({**message, "role": role, "content": content}, i))
-    return out
+    return out, tuple(images)
 
 
 def _tool_call_message(message: dict[str, Any], index: int) -> dict[str, Any]:
@@ -305,7 +329,7 @@ def _with_tools(f: Fields, common: CommonOptions) -> tuple[CommonOptions, ToolPl
 
 def parse_chat(body: Any) -> ChatRequest:
     f = Fields(require_object(body))
-    messages = parse_messages(f.get("messages"))
+    messages, images = parse_chat_messages(f.get("messages"))
     refuse_unsupported(f.body, SAMPLING)
     refuse_unsupported(f.body, CHAT)
     logprobs = f.get_bool("logprobs", False)
@@ -332,6 +356,7 @@ def parse_chat(body: Any) -> ChatRequest:
         top_logprobs=top or 0,
         template_kwargs=kwargs,
         tools=tools,
+        images=images,
     )
     refuse_unknown(f, SAMPLING, CHAT)
     return request

@@ -15,6 +15,7 @@ from gateway.core.errors import invalid
 from gateway.flows import reasoning, tool_parsers
 from gateway.flows.chat_output import ChoiceOutput, OutputPlan
 from gateway.flows.generation import Choice, Generation
+from gateway.flows.images import check_images, images_in_prompt
 from gateway.flows.prepare import PromptIds, build_choices, check_vocab, settle_max_tokens
 from gateway.flows.protocol import (
     ChatRequest,
@@ -31,6 +32,7 @@ from gateway.http.transport import ClientGone, SSEResponse, read_json, until_dis
 from gateway.observability.stats import combined
 from gateway.observability.tracing import set_request_attributes, start_request_span
 from gateway.workers.rpc_errors import UpstreamError
+from protos.multimodal import ImageItem
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -211,10 +213,18 @@ async def chat_completions(request: Request) -> Response:
     lora = state.accepts(req.common.model)
     req = replace(req, common=with_adapter(req.common, lora))
     plan = _output_plan(state, req)
+    if req.images:
+        check_images(len(req.images), state.vision, state.config.limit_mm_per_prompt,
+                     state.model_name)  # fmt: skip
     ids_list, text = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.common.add_special_tokens,
         **req.template_kwargs,
     )  # fmt: skip
+    images: tuple[ImageItem, ...] = ()
+    if req.images and state.vision is not None:
+        ids_list, images = await state.off_loop(
+            images_in_prompt, ids_list, req.images, state.vision
+        )
     ids = tuple(ids_list)
     if not ids:
         raise invalid("the messages render to an empty prompt", "messages")
@@ -222,7 +232,8 @@ async def chat_completions(request: Request) -> Response:
     state.metrics.observe_structured(
         common.sampling.structured, req.tools.choice if req.tools else None
     )
-    gen = _start(state, request, "chat", "chatcmpl", [PromptIds(ids, text)], common, None)
+    prompt = PromptIds(ids, text, images)
+    gen = _start(state, request, "chat", "chatcmpl", [prompt], common, None)
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
                       lora or state.model_name, common.include_usage, req.logprobs, plan=plan,
                       prompt_logprobs=common.sampling.prompt_logprobs is not None,

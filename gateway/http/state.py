@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 from opentelemetry.metrics import MeterProvider
@@ -28,6 +29,7 @@ from gateway.observability.tracing import build_tracer_provider, get_tracer
 from gateway.workers.dispatch import Dispatcher
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.work import FlowContext
+from protos.multimodal import VisionSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +47,8 @@ class GatewayState:
         check_parser_flags(config)
         self.config = config
         self.tokenizer = tokenizer or GatewayTokenizer(config.tokenizer, config.chat_template)
+        # how images become placeholder tokens (None: a text-only model)
+        self.vision = VisionSpec.of_model_dir(Path(config.tokenizer))
         self._own_provider = tracer_provider is None
         self.tracer_provider = tracer_provider or build_tracer_provider(config.otlp_endpoint)
         self.tracer = get_tracer(self.tracer_provider)

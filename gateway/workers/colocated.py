@@ -11,7 +11,12 @@ from opentelemetry.trace import Span
 from gateway.core.events import Chunk
 from gateway.observability.tracing import child_span, end_span, grpc_metadata
 from gateway.workers.client import WorkerClient
-from gateway.workers.convert import WorkerReportedError, chunk_from_pb, sampling_to_pb
+from gateway.workers.convert import (
+    WorkerReportedError,
+    chunk_from_pb,
+    images_to_pb,
+    sampling_to_pb,
+)
 from gateway.workers.rpc_errors import UpstreamError, stream_ended, worker_failed
 from gateway.workers.work import FlowContext, WorkItem, rpc_failure
 from protos import worker_pb2
@@ -28,6 +33,7 @@ async def generate(
         prompt_token_ids=item.prompt_ids,
         sampling=sampling_to_pb(item.sampling),
         priority=item.priority,
+        images=images_to_pb(item.images),
     )
     call = worker.stream().start(request, grpc_metadata(span), timeout)
     worker.inflight += 1

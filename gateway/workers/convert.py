@@ -8,6 +8,7 @@ from typing import Any
 from gateway.core.events import Chunk, Embedding, EmbedWork, Histogram, Timing, WorkerLoadInfo
 from protos import common_pb2, worker_pb2
 from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.multimodal import ImageItem
 from protos.sampling_params import SamplingParams
 
 FINISH_REASONS = {
@@ -19,6 +20,17 @@ FINISH_REASONS = {
 
 class WorkerReportedError(RuntimeError):
     """A worker ended a request with FINISH_REASON_ERROR."""
+
+
+def images_to_pb(images: tuple[ImageItem, ...], with_data: bool = True) -> list[common_pb2.Image]:
+    """A prompt's images; ``with_data=False``: without their bytes (a decode worker, whose KV
+    arrives computed, needs only where they sit and what they hash to)."""
+    out = []
+    for im in images:
+        data = im.data if with_data else b""
+        out.append(common_pb2.Image(offset=im.offset, num_tokens=im.num_tokens, grid=im.grid,
+                                    content_hash=im.content_hash, data=data))  # fmt: skip
+    return out
 
 
 def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:

@@ -31,7 +31,12 @@ from gateway.core.errors import APIError
 from gateway.core.events import Chunk, Timing
 from gateway.observability.tracing import child_span, end_span, grpc_metadata
 from gateway.workers.client import WorkerClient
-from gateway.workers.convert import WorkerReportedError, chunk_from_pb, sampling_to_pb
+from gateway.workers.convert import (
+    WorkerReportedError,
+    chunk_from_pb,
+    images_to_pb,
+    sampling_to_pb,
+)
 from gateway.workers.prefill_choice import local_prefill_reason
 from gateway.workers.router import least_queued, rank_decode
 from gateway.workers.rpc_errors import UpstreamError, stream_ended, worker_failed
@@ -190,6 +195,7 @@ class _Run:
             sampling=sampling_to_pb(item.sampling),
             priority=item.priority,
             target=target,
+            images=images_to_pb(item.images),
         )
         self.prefill_call = self.prefill.stub.Prefill(
             request, timeout=self.ctx.time_left(item), metadata=grpc_metadata(span)
@@ -249,6 +255,7 @@ class _Run:
             sampling=sampling_to_pb(item.sampling),
             priority=item.priority,
             local_prefill=True,
+            images=images_to_pb(item.images),  # prefilled there: the bytes too
         )
         self.decode_call = decode.stream().start(
             request, grpc_metadata(self.decode_span), self.ctx.time_left(item)
@@ -266,6 +273,7 @@ class _Run:
             sampling=sampling_to_pb(item.sampling),
             priority=item.priority,
             kv_wait_s=self.ctx.config.kv_wait_s,
+            images=images_to_pb(item.images, with_data=False),  # only the KV crossed
         )
         self.decode_call = decode.stream().start(
             request, grpc_metadata(self.decode_span), self.ctx.time_left(item)

@@ -13,6 +13,7 @@ from gateway.core.errors import APIError
 from gateway.workers.client import WorkerClient
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.rpc_errors import UpstreamError, from_rpc_error
+from protos.multimodal import ImageItem
 from protos.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class WorkItem:
     sampling: SamplingParams
     priority: int = 0
     deadline: float = float("inf")  # time.monotonic() by which it must be done
+    images: tuple[ImageItem, ...] = ()  # a vision-language prompt's, placeholders expanded
 
 
 @dataclass(frozen=True)

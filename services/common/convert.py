@@ -6,8 +6,10 @@ from typing import Any
 
 from protos import common_pb2, worker_pb2
 from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.multimodal import ImageItem, content_hash
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import (
+    InvalidRequestError,
     SamplingParams,
     StructuredOutput,
     logit_bias_pairs,
@@ -51,6 +53,22 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         lora_name=msg.lora_name,
     )
+
+
+def images_from_pb(msgs: Any) -> tuple[ImageItem, ...]:
+    """A request's images (``repeated Image``); InvalidRequestError for a malformed one."""
+    out = []
+    for m in msgs:
+        if len(m.grid) != 3 or m.num_tokens < 1 or m.offset < 0 or len(m.content_hash) != 16:
+            raise InvalidRequestError(
+                "an image needs an offset, a token count, a (t, h, w) grid and a 16-byte "
+                "content hash", "images"
+            )  # fmt: skip
+        if m.data and content_hash(m.data) != m.content_hash:
+            raise InvalidRequestError("an image's content_hash is not its data's", "images")
+        grid = (int(m.grid[0]), int(m.grid[1]), int(m.grid[2]))
+        out.append(ImageItem(m.offset, m.num_tokens, grid, bytes(m.content_hash), bytes(m.data)))
+    return tuple(out)
 
 
 def structured_from_pb(msg: common_pb2.StructuredOutput) -> StructuredOutput:

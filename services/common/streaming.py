@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from opentelemetry.trace import Span
@@ -11,7 +12,7 @@ from opentelemetry.trace import Span
 from protos import common_pb2
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
-from services.common.convert import output_to_chunk, sampling_from_pb
+from services.common.convert import images_from_pb, output_to_chunk, sampling_from_pb
 from services.common.runtime import WorkerRuntime
 from services.common.tracing import end_span
 from services.engine.driver import EngineDriver, Stream
@@ -29,12 +30,14 @@ async def parse_sampling(
 
 async def submit(
     driver: EngineDriver, context: grpc.aio.ServicerContext, request_id: str, prompt: list[int],
-    params: SamplingParams, priority: int, prefill_only: bool = False,
+    params: SamplingParams, priority: int, prefill_only: bool = False, images: Any = (),
 ) -> Stream:  # fmt: skip
+    """``images``: the request's ``repeated Image`` (protobuf), converted here."""
     if not request_id:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
     try:
-        return await driver.submit(request_id, prompt, params, priority, prefill_only)
+        items = images_from_pb(images)
+        return await driver.submit(request_id, prompt, params, priority, prefill_only, items)
     except InvalidRequestError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     except ValueError as exc:  # a request id that is in use

@@ -19,7 +19,7 @@ from protos import common_pb2, decode_pb2, decode_pb2_grpc, kv_control_pb2
 from protos.blocks import blocks_for
 from protos.roles import Role
 from protos.sampling_params import InvalidRequestError, SamplingParams
-from services.common.convert import sampling_from_pb, transfer_fields
+from services.common.convert import images_from_pb, sampling_from_pb, transfer_fields
 from services.common.multiplex import multiplex
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import stream_chunks
@@ -303,7 +303,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         res.timer.cancel()  # the KV landed: the reservation becomes a request in the engine
         try:
             stream = await driver.activate(rid, list(request.prompt_token_ids),
-                                           list(request.output_token_ids), params)  # fmt: skip
+                                           list(request.output_token_ids), params,
+                                           images_from_pb(request.images))  # fmt: skip
         except asyncio.CancelledError:  # not activated (else the driver aborts it): free
             driver.cancel_reservation(rid)
             raise
@@ -326,7 +327,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         self._cancel(rid)
         try:
             stream = await driver.submit(rid, list(request.prompt_token_ids), params,
-                                         priority=request.priority)  # fmt: skip
+                                         priority=request.priority,
+                                         images=images_from_pb(request.images))  # fmt: skip
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         attrs = {"tandem.request_id": request.request_id, "tandem.local_prefill": True}

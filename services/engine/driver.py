@@ -11,11 +11,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from protos.multimodal import ImageItem
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
@@ -109,15 +110,18 @@ class EngineDriver:
 
     async def submit(
         self, request_id: str, prompt: list[int], params: SamplingParams,
-        priority: int = 0, prefill_only: bool = False,
+        priority: int = 0, prefill_only: bool = False, images: Sequence[ImageItem] = (),
     ) -> Stream:  # fmt: skip
         """Queue a request; raises InvalidRequestError for bad input."""
         grammar = await self._compile(params)
+        if images:  # resized and patched on a pool thread: never inside an engine step
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.engine.prepare_images, images)
         stream = Stream(request_id, asyncio.get_running_loop())
         added: list[bool] = []
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params, priority, prefill_only, grammar)
+            engine.add_request(request_id, prompt, params, priority, prefill_only, grammar, images)
             self._streams[request_id] = stream
             added.append(True)
 
@@ -160,8 +164,9 @@ class EngineDriver:
             raise
 
     async def activate(
-        self, request_id: str, prompt: list[int], outputs: list[int], params: SamplingParams
-    ) -> Stream:
+        self, request_id: str, prompt: list[int], outputs: list[int], params: SamplingParams,
+        images: Sequence[ImageItem] = (),
+    ) -> Stream:  # fmt: skip
         grammar = await self._compile(params)
         stream = Stream(request_id, asyncio.get_running_loop())
         added: list[bool] = []
@@ -169,7 +174,7 @@ class EngineDriver:
         def act(engine: LLMEngine) -> None:
             self._streams[request_id] = stream
             try:
-                done = engine.activate(request_id, prompt, outputs, params, grammar)
+                done = engine.activate(request_id, prompt, outputs, params, grammar, images)
             except BaseException:
                 self._streams.pop(request_id, None)
                 raise

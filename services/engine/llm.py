@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from protos.logprobs import PositionLogprobs
+from protos.multimodal import ImageItem, place_images
 from protos.pooling_params import PoolingParams
-from protos.sampling_params import SamplingParams
+from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import (
     CacheConfig,
     EngineConfig,
@@ -96,6 +97,21 @@ class LLM:
             return list(self.tokenizer.encode(text_or_ids))
         return list(text_or_ids)
 
+    def encode_with_images(self, prompt: Prompt) -> tuple[list[int], tuple[ImageItem, ...]]:
+        """The prompt's ids with each image placeholder expanded, and its images: a dict prompt
+        may carry ``multi_modal_data={"image": [encoded image bytes, ...]}`` (vLLM's key)."""
+        ids = self.encode(prompt)
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        images = list((data or {}).get("image") or [])
+        if isinstance(data, dict) and isinstance(data.get("image"), bytes):
+            images = [data["image"]]
+        if not images:
+            return ids, ()
+        spec = self.engine.vision_spec
+        if spec is None:
+            raise InvalidRequestError(f"{self.engine.model_name} takes no images", "prompt")
+        return place_images(ids, spec, images)
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         enc = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_dict=True
@@ -114,12 +130,12 @@ class LLM:
         sub: dict[str, tuple[GenerationResult, CompletionOutput]] = {}
         for prompt, sp in zip(plist, per, strict=True):
             rid = str(next(self._ids))
-            ids = self.encode(prompt)
+            ids, images = self.encode_with_images(prompt)
             res = GenerationResult(rid, ids, [CompletionOutput(i) for i in range(sp.n)])
             results[rid] = res
             for i in range(sp.n):
                 seeded = sp if sp.seed is None else replace(sp, seed=sp.seed + i)
-                self.engine.add_request(f"{rid}-{i}", ids, replace(seeded, n=1))
+                self.engine.add_request(f"{rid}-{i}", ids, replace(seeded, n=1), images=images)
                 sub[f"{rid}-{i}"] = (res, res.outputs[i])
         while self.engine.has_unfinished:
             for out in self.engine.step():

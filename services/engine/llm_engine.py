@@ -6,11 +6,13 @@ Single-threaded by design; the gRPC servers drive it from one thread (``services
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from protos.blocks import blocks_for
 from protos.logprobs import PositionLogprobs, TokenLogprob
+from protos.multimodal import ImageItem, VisionSpec
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from protos.token_bytes import TokenBytes
@@ -19,6 +21,7 @@ from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.draft_proposer import DraftProposer
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
 from services.engine.model_runner import ModelRunner, resolve_device
+from services.engine.mrope import rope_delta
 from services.engine.outputs import RequestOutput
 from services.engine.speculative import (
     VERIFY_ROWS,
@@ -43,6 +46,10 @@ from services.scheduling.request import FinishReason, Request
 from services.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+IMAGES_LOST = (
+    "the request was preempted on a decode worker, which holds its images' KV but not the "
+    "images themselves, so it cannot recompute them: send the request again"
+)
 
 
 def load_tokenizer(hf_dir: str) -> Any:
@@ -114,6 +121,10 @@ class LLMEngine:
         self.vocab_size = self.runner.arch.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.task = config.task  # generate | embed: the one kind of request this engine takes
+        # how images become placeholder tokens (None: a text-only model)
+        self.vision_spec = (
+            VisionSpec.of_model_dir(files.hf_dir) if files.hf_dir is not None else None
+        )
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if files.kind != "named" else None
         self.eos_token_ids = frozenset(self.runner.arch.eos_token_ids) | (
             {tok_eos} if tok_eos is not None else set()
@@ -204,11 +215,49 @@ class LLMEngine:
             "to serve completions and chats", "model"
         )  # fmt: skip
 
+    def _check_images(
+        self, prompt: list[int], images: Sequence[ImageItem], need_data: bool = True
+    ) -> int:
+        """Refuse images a text-only model cannot take, image tokens without an image and (when
+        the prompt is computed here: ``need_data``) an image without its bytes; returns the
+        request's position offset (M-RoPE)."""
+        vision = self.runner.arch.vision
+        if vision is None:
+            if images:
+                raise InvalidRequestError(
+                    f"{self.model_name} is a text-only model: it takes no images; send text "
+                    "only, or serve a vision-language model (Qwen2-VL, Qwen2.5-VL)", "messages"
+                )  # fmt: skip
+            return 0
+        pad = vision.image_token_id
+        covered = sum(im.num_tokens for im in images)
+        found = sum(1 for t in prompt if t == pad)
+        bad = any(im.end > len(prompt) or any(t != pad for t in prompt[im.offset : im.end])
+                  for im in images)  # fmt: skip
+        if need_data and any(not im.data for im in images):
+            raise InvalidRequestError("an image came without its data", "images")
+        if found != covered or bad:
+            raise InvalidRequestError(
+                f"the prompt has {found} image tokens but its images need {covered} at their "
+                "offsets: expand each image's placeholder to its token count", "messages"
+            )  # fmt: skip
+        return rope_delta(images, vision.spatial_merge_size)
+
+    def prepare_images(self, images: Sequence[ImageItem]) -> None:
+        """Preprocess a request's images (InvalidRequestError for one that does not decode or
+        does not match its placeholder count); thread-safe, so the serving path does it off
+        the engine thread before ``add_request``."""
+        vision = self.runner.vision
+        if vision is not None and images:
+            vision.prepare(tuple(images))
+
     def _request(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, hold: bool
-    ) -> Request:
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int, hold: bool,
+        images: Sequence[ImageItem] = (),
+    ) -> Request:  # fmt: skip
         self._check_task("generate")
         self.validate(prompt, params)
+        offset = self._check_images(prompt, images)
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -218,6 +267,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             hold_blocks_on_finish=hold,
             cache_salt=self._cache_salt(params),
+            images=tuple(images),
+            position_offset=offset,
         )
 
     def _cache_salt(self, params: SamplingParams) -> str:
@@ -255,10 +306,13 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, prefill_only: bool = False, grammar: CompiledOutput | None = None,
+        images: Sequence[ImageItem] = (),
     ) -> None:  # fmt: skip
         """Queue a request. ``prefill_only`` keeps its blocks after the first token (see release);
-        ``grammar``: ``compile_grammar(params)``, compiled here if not given."""
-        req = self._request(request_id, prompt_token_ids, params, priority, prefill_only)
+        ``grammar``: ``compile_grammar(params)``, compiled here if not given; ``images``: the
+        prompt's images, their placeholders already expanded (``protos.multimodal``)."""
+        req = self._request(request_id, prompt_token_ids, params, priority, prefill_only, images)
+        self.prepare_images(images)  # a no-op for images the driver prepared already
         self._constrain(request_id, params, grammar, [])
         try:
             self.scheduler.add(req)
@@ -317,7 +371,8 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> list[int] | None:
-        """Decode side: hold blocks for a prompt whose KV will arrive; None if they don't fit."""
+        """Decode side: hold blocks for a prompt whose KV will arrive; None if they don't fit
+        (its images, if any, come with ``activate``)."""
         req = self._request(request_id, prompt_token_ids, params, priority, False)
         return self.kv.block_ids(request_id) if self.scheduler.reserve(req) else None
 
@@ -330,8 +385,11 @@ class LLMEngine:
     def activate(
         self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
         params: SamplingParams | None = None, grammar: CompiledOutput | None = None,
+        images: Sequence[ImageItem] = (),
     ) -> RequestOutput | None:  # fmt: skip
-        """The reserved prompt's KV has arrived; returns a final output if nothing is left to do."""
+        """The reserved prompt's KV has arrived; returns a final output if nothing is left to do.
+        ``images``: the prompt's (their bytes may be left out): its decode positions follow them
+        (M-RoPE) and its blocks are cached under their content."""
         reserved = self.scheduler.reserved.get(request_id)
         if reserved is None:
             raise KeyError(f"no reservation {request_id!r}")
@@ -342,11 +400,13 @@ class LLMEngine:
             )  # fmt: skip
         self.validate(prompt_token_ids, params or reserved.sampling_params)
         params = params or reserved.sampling_params
+        offset = self._check_images(prompt_token_ids, images, need_data=False)
         # the prefill worker's tokens advance the grammar: it goes on from where it stopped
         self._constrain(request_id, params, grammar, output_token_ids)
         reserved.prompt_token_ids = list(prompt_token_ids)
         reserved.sampling_params = params
         reserved.cache_salt = self._cache_salt(params)
+        reserved.images, reserved.position_offset = tuple(images), offset
         req = self.scheduler.activate(request_id, output_token_ids)
         last = output_token_ids[-1] if output_token_ids else None
         if not req.finished and last is not None and self.grammars.ends_with(request_id, last):
@@ -382,6 +442,11 @@ class LLMEngine:
                 self.proposer.drop(rid)
         if out.empty:
             return []
+        lost = self._images_lost(out)
+        if lost:
+            out.requests = [r for r in out.requests if r.request_id not in lost]
+            if out.empty:
+                return list(lost.values())
         self.step_tokens.observe(out.num_tokens)
         min_stop = self._min_token_stop_ids(out.requests)
         score = self._prompt_scoring(out.requests)
@@ -398,7 +463,7 @@ class LLMEngine:
         if self.proposer is not None:
             self._record_acceptance(out, sampled)
         updates = self.scheduler.update(out, sampled)
-        outputs, done = [], set()
+        outputs, done = list(lost.values()), set()
         for u in updates:
             if u.token is None:  # an embedding's last chunk
                 outputs.append(self._emit_embedding(u, pooled[u.request_id]))
@@ -407,6 +472,24 @@ class LLMEngine:
                 if outputs[-1].finished:
                     done.add(u.request_id)
         return outputs
+
+    def _images_lost(self, out: SchedulerOutput) -> dict[str, RequestOutput]:
+        """Requests this step would recompute image tokens of without the image's bytes (a
+        decode worker gets only their KV; preempted, it cannot recompute them): each fails
+        alone, with an error, instead of the step."""
+        vision = self.runner.vision
+        if vision is None:
+            return {}
+        lost: dict[str, RequestOutput] = {}
+        for r in out.requests:
+            lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
+            if any(not im.data and im.offset < hi and im.end > lo
+                   and im.content_hash not in vision.cache for im in r.images):  # fmt: skip
+                self.abort(r.request_id)
+                lost[r.request_id] = RequestOutput(
+                    r.request_id, [], "", True, "error", error=IMAGES_LOST
+                )
+        return lost
 
     def _layer_sink(self, out: SchedulerOutput) -> LayerSink | None:
         """The prefill-only requests whose last prompt chunk this step computes, handed to

@@ -17,6 +17,7 @@ from kernels import ops
 from services.config import ConfigError, ModelConfig
 from services.engine.model_config import ArchConfig
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.quantization import (
     QuantConfig,
     QuantLinear,
@@ -112,11 +113,16 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse MLP
+        if arch.vision is not None:  # transformers 5's names of a VL checkpoint, or the older
+            name = name.replace("model.language_model.", "model.").replace(
+                "model.visual.", "visual."
+            )
         expert = _EXPERT.search(name)
         if expert:
             loaded.add(_load_expert(params, arch, name, expert, tensor))
             continue
-        match = _NAME.search(name)
+        # the vision tower's tensors load as they are (Qwen2.5-VL's gate_proj is not stacked)
+        match = None if name.startswith("visual.") else _NAME.search(name)
         if quantized and _load_quantized(quantized, name, tensor, match):
             continue
         if match:
@@ -262,12 +268,16 @@ def load_model(
     qcfg = resolve_quantization(
         arch.quantization_config, config.quantization, has_weights=not dummy
     )
-    if qcfg is not None and (arch.moe is not None or tp is not None):
+    if qcfg is not None and (arch.moe is not None or tp is not None or arch.vision is not None):
         what = "tensor-parallel" if tp is not None else f"{arch.model_type} (Mixture-of-Experts)"
+        what = what if arch.vision is None else f"{arch.model_type} (vision-language)"
         raise ConfigError(f"quantized {what} models are not supported yet")
+    if tp is not None and arch.vision is not None:
+        raise ConfigError(f"{arch.model_type}: --tensor-parallel-size > 1 is not supported yet")
     layout = TPLayout.of(arch, tp.rank, tp.size) if tp is not None else None
+    model_class = Qwen2VLForCausalLM if arch.vision is not None else LlamaForCausalLM
     with torch.device("meta"), _no_param_init():
-        model = LlamaForCausalLM(layout.local_arch(arch) if layout else arch, max_positions)
+        model = model_class(layout.local_arch(arch) if layout else arch, max_positions)
         if tp is not None and layout is not None:
             apply_tp(model, tp, layout, arch.vocab_size)
         model = model.to(dtype)

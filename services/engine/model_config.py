@@ -16,7 +16,10 @@ SUPPORTED = {
     "qwen3": "Qwen3",
     "qwen3_moe": "Qwen3-MoE",
     "mixtral": "Mixtral",
+    "qwen2_vl": "Qwen2-VL (images)",
+    "qwen2_5_vl": "Qwen2.5-VL (images)",
 }
+VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
@@ -33,6 +36,33 @@ class MoeConfig:
     renormalize: bool  # the top-k weights divided by their sum (Mixtral; Qwen3 norm_topk_prob)
     layers: tuple[int, ...]  # the decoder layers with a sparse block; the others are dense
     weights_in_model_dtype: bool  # Qwen3-MoE rounds the router weights to it, Mixtral keeps fp32
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a Qwen2-VL model (``vision_config``) and how its output meets the
+    language model: the image placeholder token and the M-RoPE split of the rotary frequencies."""
+
+    depth: int
+    embed_dim: int
+    num_heads: int
+    mlp_ratio: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int  # the language model's width
+    image_token_id: int
+    mrope_section: tuple[int, ...]  # frequencies rotated by t, h, w positions
+    # Qwen2.5-VL: RMSNorm and a gated SiLU MLP of this width, attention within windows of
+    # window_size pixels except in the full-attention blocks; 0 / () for Qwen2-VL
+    intermediate_size: int = 0
+    window_size: int = 0
+    full_attention_blocks: tuple[int, ...] = ()
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_size > 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +87,7 @@ class ArchConfig:
     bos_token_id: int | None = None
     quantization_config: dict[str, Any] = field(default_factory=dict)  # HF's, as written
     moe: MoeConfig | None = None
+    vision: VisionConfig | None = None  # a vision-language model's tower
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -64,6 +95,10 @@ class ArchConfig:
         if model_type not in SUPPORTED:
             known = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
+        vision = None
+        if model_type in VL_TYPES:
+            vision = _vision_config(model_type, cfg)
+            cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
         heads = int(cfg["num_attention_heads"])
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -83,13 +118,14 @@ class ArchConfig:
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", *VL_TYPES))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             quantization_config=dict(cfg.get("quantization_config") or {}),
             moe=_moe_config(model_type, cfg) if model_type in MOE_TYPES else None,
+            vision=vision,
         )
 
     @classmethod
@@ -132,3 +168,39 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
     if not 1 <= top_k <= experts:
         raise ConfigError(f"{model_type}: num_experts_per_tok {top_k} of {experts} experts")
     return MoeConfig(experts, top_k, size, renormalize, tuple(sparse), model_type == "qwen3_moe")
+
+
+def _vision_config(model_type: str, cfg: dict[str, Any]) -> VisionConfig:
+    vis = cfg.get("vision_config") or {}
+    text = cfg.get("text_config") or cfg
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = tuple(int(n) for n in rope.get("mrope_section") or ())
+    head_dim = int(
+        text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])
+    )
+    if sum(section) * 2 != head_dim:
+        raise ConfigError(f"{model_type}: mrope_section {list(section)} must sum to head_dim / 2")
+    v25 = model_type == "qwen2_5_vl"
+    act = vis.get("hidden_act", "silu" if v25 else "quick_gelu")
+    if act != ("silu" if v25 else "quick_gelu"):
+        raise ConfigError(f"{model_type}: vision hidden_act {act!r} is not supported")
+    return VisionConfig(
+        depth=int(vis.get("depth", 32)),
+        embed_dim=int(vis.get("hidden_size" if v25 else "embed_dim", 1280)),
+        num_heads=int(vis.get("num_heads", 16)),
+        mlp_ratio=int(vis.get("mlp_ratio", 4)),
+        in_channels=int(vis.get("in_channels", 3)),
+        patch_size=int(vis.get("patch_size", 14)),
+        temporal_patch_size=int(vis.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(vis.get("spatial_merge_size", 2)),
+        out_hidden_size=int(
+            vis.get("out_hidden_size" if v25 else "hidden_size") or text["hidden_size"]
+        ),
+        image_token_id=int(cfg["image_token_id"]),
+        mrope_section=section,
+        intermediate_size=int(vis.get("intermediate_size", 3420)) if v25 else 0,
+        window_size=int(vis.get("window_size", 112)) if v25 else 0,
+        full_attention_blocks=tuple(int(i) for i in vis.get("fullatt_block_indexes") or ())
+        if v25
+        else (),
+    )

@@ -31,6 +31,7 @@ from services.engine.kv_cache import (
 from services.engine.kv_handoff import LayerSink
 from services.engine.loader import load_model, read_arch
 from services.engine.lora.manager import LoRAManager
+from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
 from services.engine.sampler import keep_drafts, sample, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
@@ -39,6 +40,7 @@ from services.engine.tp_group import TPGroup
 from services.engine.tp_kv import AfterPeers, ShardedCopier
 from services.engine.tp_layout import TPLayout
 from services.engine.tp_ranks import Ranks, RankStep
+from services.engine.vision import VisionInputs
 from services.engine.warmup import warmup_steps
 from services.scheduling.outputs import (
     PromptTokenScore,
@@ -136,6 +138,12 @@ class ModelRunner:
         self._hidden: torch.Tensor | None = None  # the last eager forward's, when scoring
         self._starts: list[int] = []
         self.pooler = Pooler()  # embeddings' running state between prefill chunks
+        self.vision: VisionInputs | None = None
+        if isinstance(self.model, Qwen2VLForCausalLM) and self.arch.vision is not None:
+            assert self.files.hf_dir is not None or self.files.kind == "named"
+            self.vision = VisionInputs(
+                self.model, self.arch.vision, self.files.hf_dir or self.files.path
+            )
         if self.device.type == "cuda" and self.rank == 0:  # the other ranks follow its steps
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
         # an embedding worker never decodes: no decode graphs to capture; tensor parallelism
@@ -242,7 +250,7 @@ class ModelRunner:
             starts[i] = t
             ids[t : t + n] = r.token_ids
             span = np.arange(start, start + n)
-            pos[t : t + n] = span
+            pos[t : t + n] = span + r.position_offset
             slots[t : t + n] = np.asarray(bids, dtype=np.int64)[span // bs] * bs + span % bs
             t += n
             qsl[j + 1] = t
@@ -276,6 +284,8 @@ class ModelRunner:
         # own (the drafts before it are written by the same step, before any attention reads)
         if graphs is None or any(r.num_new_tokens != 1 + r.num_spec for r in reqs):
             return None
+        if any(r.images and r.start_pos < max(im.end for im in r.images) for r in reqs):
+            return None  # an image token (a one-token final chunk): its embedding, 3-D position
         n, W = out.num_tokens, self._max_blocks(out)
         b = graphs.bucket(n)
         if b is None or graphs.max_blocks < W:
@@ -291,7 +301,7 @@ class ModelRunner:
             bids = r.block_ids
             for j, token in enumerate(r.token_ids):
                 p = r.start_pos + j
-                ids[i], pos[i], ctx[i] = token, p, p + 1
+                ids[i], pos[i], ctx[i] = token, p + r.position_offset, p + 1
                 slots[i] = bids[p // bs] * bs + p % bs
                 tables[i, : len(bids)] = bids
                 i += 1
@@ -376,7 +386,13 @@ class ModelRunner:
             layers = peers = AfterPeers(layers, self.kv_arch.num_layers)
         if layers is not None:
             inputs.meta.on_kv_written = layers.record
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        embeds = rope = None
+        if self.vision is not None:
+            embeds = self.vision.embeds(out.requests, inputs.starts)
+            rope = self.vision.rope_table(out.requests, inputs.starts, inputs.positions)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, embeds, rope
+        )
         if peers is not None:
             peers.finish()
         if eager:

@@ -74,7 +74,7 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         started = time.monotonic()
         try:
             stream = await submit(driver, context, rid, prompt, first_params, request.priority,
-                                  prefill_only=target is not None)  # fmt: skip
+                                  prefill_only=target is not None, images=request.images)  # fmt: skip
         except BaseException:
             if handoff is not None:  # a request added meanwhile was aborted by the driver
                 self._finish(handoff, None)

@@ -17,10 +17,16 @@ from dataclasses import dataclass
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+def hash_block(
+    parent: BlockHash | None, tokens: Sequence[int], extra: Sequence[bytes] = ()
+) -> BlockHash:
+    """``extra``: the content hashes of the images whose tokens the block holds (their
+    placeholder ids are the same for every image)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(array("q", tokens).tobytes())
+    for key in extra:
+        h.update(key)
     return h.digest()
 
 

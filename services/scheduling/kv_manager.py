@@ -59,7 +59,9 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= upto_tokens:
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else root
-            hashes.append(hash_block(parent, request.token_ids(start, start + bs)))
+            images = [im.content_hash for im in request.images
+                      if im.offset < start + bs and im.end > start]  # fmt: skip
+            hashes.append(hash_block(parent, request.token_ids(start, start + bs), images))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[Block]:

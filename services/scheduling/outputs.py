@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protos.multimodal import ImageItem
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 
@@ -24,6 +25,9 @@ class ScheduledRequest:
     # an embedding: its chunks feed the pooler, and the one with ``sample`` set finishes it
     # with a vector instead of a token (no logits, no sampling)
     pooling: PoolingParams | None = None
+    # the prompt's images: the runner encodes those this step's tokens reach into
+    images: tuple[ImageItem, ...] = ()
+    position_offset: int = 0  # added to the index of a token past the images (M-RoPE)
 
     @property
     def samples_token(self) -> bool:

@@ -13,6 +13,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from protos.multimodal import ImageItem
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import SamplingParams
 
@@ -63,6 +64,10 @@ class Request:
     # keys the prefix cache beside the tokens: equal prompts under different LoRA adapters (or
     # two loads of one adapter name) compute different KV, so they never share blocks
     cache_salt: str = ""
+    # a vision-language prompt's images (their tokens' KV is keyed by the image content too)
+    images: tuple[ImageItem, ...] = ()
+    # position minus index of the tokens after the prompt's images (M-RoPE: <= 0)
+    position_offset: int = 0
 
     @property
     def reads_prefix_cache(self) -> bool:

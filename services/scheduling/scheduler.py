@@ -272,6 +272,8 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             num_spec=num_spec,
             pooling=req.pooling,
+            images=req.images,
+            position_offset=req.position_offset,
         )
 
     # ---- update ------------------------------------------------------------------------------

@@ -111,6 +111,14 @@ def test_tool_and_reasoning_parsers_go_to_the_gateway() -> None:
     assert not {"--tool-call-parser", "--enable-auto-tool-choice"} & set(plan_for().gateway_argv)
 
 
+def test_the_image_limit_goes_to_the_gateway_only() -> None:
+    plan = plan_for("--limit-mm-per-prompt", '{"image": 2}')
+    argv = plan.gateway_argv
+    assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"image": 2}'
+    assert all("--limit-mm-per-prompt" not in w.spec.argv for w in plan.workers)
+    assert "--limit-mm-per-prompt" not in plan_for().gateway_argv
+
+
 def test_default_engine_flags_are_left_out_of_the_command_line() -> None:
     argv = plan_for().workers[0].spec.argv
     assert (

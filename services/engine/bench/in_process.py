@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from protos.errors import ConfigError
+from protos.multimodal import ImageItem, place_images
 from protos.sampling_params import SamplingParams
 from services.engine.bench import hf_peer
 from services.engine.bench.hf_peer import random_prompts
@@ -26,15 +28,19 @@ def _sync() -> None:
 
 
 def run_engine(
-    engine: LLMEngine, prompts: list[list[int]], output_len: int, steps: list | None = None
-) -> float:
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, steps: list | None = None,
+    images: list[tuple[ImageItem, ...]] | None = None,
+) -> float:  # fmt: skip
     """Seconds to serve every prompt; ``steps`` collects (seconds, tokens, sequences) per step
-    (each step ends by reading its sampled tokens, so its wall time covers its GPU work)."""
+    (each step ends by reading its sampled tokens, so its wall time covers its GPU work).
+    ``images``: each prompt's (placeholders expanded in it), preprocessed and encoded in the
+    timed run as a server would."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     _sync()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
+        pics = images[i] if images is not None else ()
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params, images=pics)
     last = t0
     while engine.has_unfinished:
         engine.step()
@@ -44,6 +50,34 @@ def run_engine(
             last = now
     _sync()
     return time.perf_counter() - t0
+
+
+def image_prompts(
+    engine: LLMEngine, prompts: list[list[int]], size: int, seed: int = 0
+) -> tuple[list[list[int]], list[tuple[ImageItem, ...]]]:
+    """W1 with images: each prompt opens with its own random ``size`` x ``size`` image (a
+    distinct one each, so neither the prefix cache nor the encoder cache helps)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    spec = engine.vision_spec
+    if spec is None:
+        raise ConfigError(f"--image-size needs a vision-language model; {engine.model_name} is not")
+    special = {spec.image_token_id, spec.vision_start_id, spec.vision_end_id}
+    rng = np.random.default_rng(seed)
+    out_ids, out_images = [], []
+    for prompt in prompts:
+        buf = io.BytesIO()
+        pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buf, format="PNG")
+        text = [100 if t in special else t for t in prompt]
+        head = [spec.vision_start_id, spec.image_token_id, spec.vision_end_id]
+        ids, items = place_images(head + text, spec, [buf.getvalue()])
+        out_ids.append(ids)
+        out_images.append(items)
+    return out_ids, out_images
 
 
 def step_profile(steps: list[tuple[float, int, int]]) -> dict[str, Any]:
@@ -121,17 +155,27 @@ def floor_seconds(engine: LLMEngine, n: int, inp: int, out: int) -> float | None
 
 def main_offline(args: argparse.Namespace) -> int:
     peer = None
+    if args.compare_transformers and args.image_size:
+        raise ConfigError("--compare-transformers does not take --image-size (no image peer yet)")
     if args.compare_transformers:  # first, while the GPU holds nothing of ours
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         peer = hf_peer.sweep(args, batch_sizes)
     engine = LLMEngine(config_from_args(args))
     prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size)
-    run_engine(engine, prompts[: min(4, len(prompts))], 4)  # warm up
+    images = None
+    if args.image_size:
+        warm = random_prompts(1, args.input_len, engine.vocab_size, seed=1)
+        warm_ids, warm_images = image_prompts(engine, warm, args.image_size, seed=1)
+        run_engine(engine, warm_ids, 4, images=warm_images)  # warm up, the vision tower too
+        prompts, images = image_prompts(engine, prompts, args.image_size)
+    else:
+        run_engine(engine, prompts[: min(4, len(prompts))], 4)  # warm up
     steps: list[tuple[float, int, int]] = []
-    secs = run_engine(engine, prompts, args.output_len, steps)
-    total = args.num_prompts * (args.input_len + args.output_len)
+    secs = run_engine(engine, prompts, args.output_len, steps, images)
+    total = sum(len(p) for p in prompts) + args.num_prompts * args.output_len
     res: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
                            "output_len": args.output_len, "device": str(engine.runner.device),
+                           "image_size": args.image_size,
                            "tandem": {"seconds": secs, "total_tok_s": total / secs,
                                       "output_tok_s": args.num_prompts * args.output_len / secs,
                                       "steps": step_profile(steps)}}  # fmt: skip

@@ -178,15 +178,22 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope_table: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        """``embeds``: (rows [n], values [n, hidden]) that replace those rows' token embeddings
+        (an image's); ``rope_table``: each token's own cos/sin row [T, D] (M-RoPE)."""
         x = self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         residual: torch.Tensor | None = None
-        rope_pos, rope_table = positions, self.cos_sin
-        if not input_ids.is_cuda:  # gather cos/sin once per step, not once per layer
-            rope_table = self.cos_sin[positions]  # [T, D]
+        rope_pos, table = positions, self.cos_sin
+        if rope_table is not None or not input_ids.is_cuda:
+            # gather cos/sin once per step, not once per layer
+            table = self.cos_sin[positions] if rope_table is None else rope_table  # [T, D]
             rope_pos = torch.arange(positions.shape[0], device=positions.device)
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope_pos, rope_table, cache, meta)
+            x, residual = layer(x, residual, rope_pos, table, cache, meta)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V] fp32

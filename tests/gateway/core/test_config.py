@@ -101,3 +101,25 @@ def test_tandem_gateway_with_a_bad_prefix_exits_2_without_a_traceback(
     assert "'1bad'" in caplog.text
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err + captured.out + caplog.text
+
+
+def test_limit_mm_per_prompt_reads_vllms_json() -> None:
+    args = build_parser().parse_args(["gateway", "--limit-mm-per-prompt", '{"image": 2}'])
+    assert config_from_args(args, "/tok").limit_mm_per_prompt == 2
+    default = build_parser().parse_args(["gateway"])
+    assert config_from_args(default, "/tok").limit_mm_per_prompt is None
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [("image=2", "must be JSON"), ('{"video": 1}', "takes only an image limit"),
+     ('{"image": -1}', "count >= 0"), ('{"image": true}', "count >= 0")],
+)  # fmt: skip
+def test_a_bad_limit_mm_per_prompt_is_a_config_error(
+    tmp_path, caplog: pytest.LogCaptureFixture, value: str, words: str
+) -> None:
+    from services.cli import main
+
+    argv = ["gateway", "--tokenizer", str(tmp_path), "--limit-mm-per-prompt", value]
+    assert main(argv) == 2
+    assert words in caplog.text

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# a 1x1 PNG as a data URL
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="}}  # fmt: skip
 
 # (endpoint, body: dict -> JSON, bytes -> raw, headers, words the message must contain)
 CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
@@ -90,7 +92,15 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, {}, "cannot be combined with tool_choice"),
     (CHAT, {"messages": [*MSGS, {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]}, {}, "function.arguments is not valid JSON"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, {}, "messages[0].content must be a string"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, "only text parts"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, {}, "only text parts"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, "needs image_url.url"),
+    (CHAT, {"messages": [{"role": "assistant", "content": [IMAGE]}, *MSGS]}, {}, "image_url parts in a user message"),
+    (CHAT, {"messages": [{"role": "user", "content": [IMAGE]}]}, {}, "is text-only and takes no images"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}, {}, "from http(s) URLs is not implemented"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}]}]}, {}, "not an image"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}]}]}, {}, "not valid base64"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png,raw"}}]}]}, {}, "must be base64"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///a.png"}}]}]}, {}, "must be a data: URL"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 3000}, {}, "(31 in the messages, 3000 in the completion)"),
     (CHAT, {"messages": [{"role": "user", "content": "hi " * 2100}]}, {}, "However, your request has"),
     (CHAT, {"messages": MSGS, "top_logprobs": 3}, {}, "top_logprobs needs logprobs set to true"),

@@ -171,3 +171,26 @@ def test_an_embed_request_and_its_vectors_survive_the_wire() -> None:
 def test_the_worker_task_reaches_the_gateway() -> None:
     assert load_from_pb(common_pb2.WorkerLoad(task="embed")).task == "embed"
     assert load_from_pb(common_pb2.WorkerLoad()).task == ""  # an older worker: generate
+
+
+def test_images_survive_the_wire_and_a_decode_worker_gets_no_bytes() -> None:
+    from gateway.workers.convert import images_to_pb
+    from protos.multimodal import ImageItem, content_hash
+    from services.common.convert import images_from_pb
+
+    data = b"\x89PNG pretend"
+    items = (ImageItem(3, 16, (1, 8, 8), content_hash(data), data),)
+    assert images_from_pb(images_to_pb(items)) == items
+    placed = images_from_pb(images_to_pb(items, with_data=False))
+    assert placed == (ImageItem(3, 16, (1, 8, 8), content_hash(data), b""),)
+
+
+def test_a_malformed_image_is_refused() -> None:
+    from protos.multimodal import content_hash
+    from services.common.convert import images_from_pb
+
+    good = {"offset": 0, "num_tokens": 4, "grid": [1, 4, 4], "content_hash": content_hash(b"x")}
+    for bad in ({"grid": [4, 4]}, {"content_hash": b"short"}, {"num_tokens": 0},
+                {"data": b"not x"}):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match="image"):
+            images_from_pb([common_pb2.Image(**{**good, **bad})])

@@ -1,0 +1,195 @@
+"""Images in a prompt, as plain data both sides share (torch-free).
+
+A Qwen2-VL prompt holds each image as a run of ``<|image_pad|>`` tokens, one per merged patch
+of the resized image. The gateway counts them (``VisionSpec.num_image_tokens``: the image
+processor's ``smart_resize`` arithmetic) to expand the chat template's single placeholder and to
+check the context length; the worker's image processor must arrive at the same grid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protos.errors import ConfigError
+from protos.sampling_params import InvalidRequestError
+
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+MAX_ASPECT_RATIO = 200  # the image processor refuses a more elongated image
+MAX_IMAGE_PIXELS = 8192 * 8192  # a larger image is refused before it is decoded (memory)
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    """One image of a prompt: where its placeholder tokens sit, its patch grid and its bytes."""
+
+    offset: int  # index of its first ``<|image_pad|>`` token in the prompt
+    num_tokens: int
+    grid: tuple[int, int, int]  # (t, h, w) in patches, before the spatial merge
+    content_hash: bytes  # of the encoded image: the prefix cache's key for its tokens
+    data: bytes  # the encoded image (PNG, JPEG, ...), as the client sent it
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+def content_hash(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """The image processor's target size: both sides multiples of ``factor``, the area within
+    ``[min_pixels, max_pixels]``, the aspect ratio kept as well as that allows."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidRequestError(
+            f"an image of {width}x{height} pixels is too elongated: the aspect ratio must be at "
+            f"most {MAX_ASPECT_RATIO}", "messages"
+        )  # fmt: skip
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What turns an image into placeholder tokens: read from a model directory's
+    ``config.json`` and ``preprocessor_config.json``."""
+
+    image_token_id: int
+    vision_start_id: int
+    vision_end_id: int
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+
+    @classmethod
+    def from_dicts(cls, config: dict[str, Any], processor: dict[str, Any]) -> VisionSpec:
+        vision = config.get("vision_config") or {}
+        size = processor.get("size") or {}
+        return cls(
+            image_token_id=int(config["image_token_id"]),
+            vision_start_id=int(config["vision_start_token_id"]),
+            vision_end_id=int(config["vision_end_token_id"]),
+            patch_size=int(processor.get("patch_size") or vision.get("patch_size", 14)),
+            merge_size=int(processor.get("merge_size") or vision.get("spatial_merge_size", 2)),
+            temporal_patch_size=int(
+                processor.get("temporal_patch_size") or vision.get("temporal_patch_size", 2)
+            ),
+            min_pixels=int(
+                processor.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels
+            ),
+            max_pixels=int(
+                processor.get("max_pixels") or size.get("longest_edge") or cls.max_pixels
+            ),
+        )
+
+    @classmethod
+    def of_model_dir(cls, directory: Path) -> VisionSpec | None:
+        """The directory's spec; None for a text-only model."""
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            return None
+        config = json.loads(config_path.read_text())
+        if config.get("model_type") not in VL_MODEL_TYPES:
+            return None
+        pre = directory / "preprocessor_config.json"
+        if not pre.is_file():
+            raise ConfigError(
+                f"{directory} is a vision-language model without preprocessor_config.json"
+            )
+        return cls.from_dicts(config, json.loads(pre.read_text()))
+
+    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """(t, h, w) patches of an image of ``height`` x ``width`` pixels once resized."""
+        factor = self.patch_size * self.merge_size
+        h, w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def tokens_of(self, grid: tuple[int, int, int]) -> int:
+        t, h, w = grid
+        return t * h * w // (self.merge_size**2)
+
+
+def expand_placeholders(
+    prompt: Sequence[int], image_token_id: int, counts: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """Each single ``image_token_id`` of ``prompt`` repeated its image's token count; returns the
+    expanded prompt and each image's offset in it. The placeholders must match the images."""
+    found = sum(1 for t in prompt if t == image_token_id)
+    if found != len(counts):
+        raise InvalidRequestError(
+            f"the prompt has {found} image placeholders but {len(counts)} images were given",
+            "messages",
+        )
+    out: list[int] = []
+    offsets: list[int] = []
+    images = iter(counts)
+    for token in prompt:
+        if token == image_token_id:
+            offsets.append(len(out))
+            out.extend([image_token_id] * next(images))
+        else:
+            out.append(token)
+    return out, offsets
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of an encoded image, read with PIL (torch-free), refusing what does not
+    decode as an image."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            img.verify()  # a truncated or corrupt file fails here, before any worker sees it
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
+            Image.DecompressionBombError) as exc:  # fmt: skip
+        raise InvalidRequestError(
+            f"an image could not be decoded ({type(exc).__name__}: {exc}); send a PNG, JPEG, "
+            "WebP or GIF image", "messages"
+        ) from None  # fmt: skip
+    if width < 1 or height < 1:
+        raise InvalidRequestError(f"an image of {width}x{height} pixels is empty", "messages")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidRequestError(
+            f"an image of {width}x{height} pixels is larger than the "
+            f"{MAX_IMAGE_PIXELS // 10**6} megapixels allowed: scale it down", "messages"
+        )  # fmt: skip
+    return width, height
+
+
+def place_images(
+    prompt: Sequence[int], spec: VisionSpec, images: Sequence[bytes]
+) -> tuple[list[int], tuple[ImageItem, ...]]:
+    """The prompt with each image's placeholder expanded to its token count, and the images."""
+    grids = []
+    for data in images:
+        width, height = image_size(data)
+        grids.append(spec.grid(height, width))
+    counts = [spec.tokens_of(g) for g in grids]
+    ids, offsets = expand_placeholders(prompt, spec.image_token_id, counts)
+    items = tuple(
+        ImageItem(o, n, g, content_hash(d), d)
+        for o, n, g, d in zip(offsets, counts, grids, images, strict=True)
+    )
+    return ids, items

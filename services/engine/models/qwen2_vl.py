@@ -1,0 +1,234 @@
+"""Qwen2-VL and Qwen2.5-VL in plain PyTorch: the vision transformer beside the Qwen2 language
+model of ``llama.py``, whose embeddings it replaces at the image placeholder tokens, and the
+multimodal rotary table (M-RoPE) those tokens are rotated with.
+
+The vision tower runs eagerly, one image at a time, with bidirectional attention over each
+image's patches (Qwen2.5-VL: within windows of merged patches, but in its full-attention
+blocks); it is small next to the language model and runs once per image (its output is cached
+by the runner, ``services.engine.vision``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.model_config import ArchConfig, VisionConfig
+from services.engine.models.llama import LlamaForCausalLM
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, E]
+        cos: torch.Tensor,  # [N, D] float32
+        sin: torch.Tensor,
+        seqlens: list[int],  # the patches of each frame: attention stays within one
+    ) -> torch.Tensor:
+        N = x.shape[0]
+        q, k, v = self.qkv(x).reshape(N, 3, self.num_heads, -1).unbind(1)  # [N, H, D] each
+        c, s = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
+        q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
+        k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
+        outs = []
+        for qs, ks, vs in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens), strict=True):
+            o = F.scaled_dot_product_attention(  # [H, n, D]
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)
+            )
+            outs.append(o.transpose(0, 1).reshape(qs.shape[0], -1))  # [n, E]
+        return self.proj(torch.cat(outs))  # [N, E]
+
+
+class VisionRMSNorm(nn.Module):
+    """Qwen2.5-VL's norm: computed in float32, the weight applied in the input's dtype."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+def _norm(cfg: VisionConfig, size: int) -> nn.Module:
+    return VisionRMSNorm(size) if cfg.windowed else nn.LayerNorm(size, eps=1e-6)
+
+
+class GatedVisionMlp(nn.Module):
+    """Qwen2.5-VL's MLP: SiLU-gated, with biases."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, E]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionMlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, E]
+        return self.fc2(_quick_gelu(self.fc1(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        p, tp = cfg.patch_size, cfg.temporal_patch_size
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, (tp, p, p), (tp, p, p), bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, C*tp*p*p] -> [N, E]
+        cfg = self.cfg
+        x = pixels.to(self.proj.weight.dtype).view(
+            -1, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size
+        )
+        return self.proj(x).view(-1, cfg.embed_dim)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = _norm(cfg, cfg.embed_dim)
+        self.norm2 = _norm(cfg, cfg.embed_dim)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
+        self.mlp: nn.Module = (
+            GatedVisionMlp(cfg.embed_dim, cfg.intermediate_size)
+            if cfg.windowed
+            else VisionMlp(cfg.embed_dim, cfg.embed_dim * cfg.mlp_ratio)
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]
+    ) -> torch.Tensor:  # [N, E]
+        x = x + self.attn(self.norm1(x), cos, sin, seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Each ``merge x merge`` window of patches (adjacent rows in the processor's order) into one
+    token of the language model's width."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.width = cfg.embed_dim * cfg.spatial_merge_size**2
+        self.ln_q = _norm(cfg, cfg.embed_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.out_hidden_size)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N / merge^2, hidden]
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+
+    def _rotary(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [t*h*w, D] of each patch's (row, column) in the processor's order:
+        merge windows in raster order, raster order inside each."""
+        t, h, w = grid
+        m = self.cfg.spatial_merge_size
+        dev = self.patch_embed.proj.weight.device
+        half = self.cfg.embed_dim // self.cfg.num_heads // 2  # h and w: a quarter of a head each
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+        inv_freq = inv_freq.to(dev)  # [D/4]
+        rows = torch.arange(h, device=dev)[:, None].expand(h, w)
+        cols = torch.arange(w, device=dev)[None, :].expand(h, w)
+        order = (h // m, m, w // m, m)
+        rows = rows.reshape(order).transpose(1, 2).flatten().repeat(t)  # [N]
+        cols = cols.reshape(order).transpose(1, 2).flatten().repeat(t)
+        freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], -1)
+        freqs = torch.cat([freqs, freqs], -1)  # [N, D] float32
+        return freqs.cos(), freqs.sin()
+
+    def forward(
+        self, pixels: torch.Tensor, grid: tuple[int, int, int]
+    ) -> torch.Tensor:  # [t*h*w, C*tp*p*p] -> [t*h*w / merge^2, hidden]
+        cfg = self.cfg
+        x = self.patch_embed(pixels)  # [N, E]
+        cos, sin = self._rotary(grid)
+        full = [grid[1] * grid[2]] * grid[0]  # one attention segment per frame
+        if not cfg.windowed:
+            for block in self.blocks:
+                x = block(x, cos, sin, full)
+            return self.merger(x)
+        m = cfg.spatial_merge_size
+        order, windows = window_order(grid, m, cfg.window_size // cfg.patch_size)
+        order = order.to(x.device)  # [N / m^2]: merged patches, window by window
+        perm = (order[:, None] * m * m + torch.arange(m * m, device=x.device)).flatten()  # [N]
+        x, cos, sin = x[perm], cos[perm], sin[perm]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full if i in cfg.full_attention_blocks else windows)
+        return self.merger(x)[torch.argsort(order)]  # back to raster order
+
+
+def window_order(
+    grid: tuple[int, int, int], merge: int, window_patches: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows: the merged patches in window order (windows of
+    ``window_patches / merge`` merged patches a side, raster order within and between them, the
+    last row and column of windows cut short), and each window's count of patches."""
+    t, h, w = grid
+    gh, gw, side = h // merge, w // merge, window_patches // merge
+    nh, nw = -(-gh // side), -(-gw // side)
+    index = torch.arange(t * gh * gw).reshape(t, gh, gw)
+    padded = F.pad(index, (0, nw * side - gw, 0, nh * side - gh), value=-1)
+    padded = padded.reshape(t, nh, side, nw, side).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, -1)
+    counts = (padded >= 0).sum(-1).tolist()  # merged patches per window
+    order = padded.flatten()
+    return order[order >= 0], [c * merge * merge for c in counts if c > 0]
+
+
+def mrope_table(
+    cos_sin: torch.Tensor,  # [max_pos, D]: cos halves then sin halves
+    positions: torch.Tensor,  # [3, T]: t, h, w
+    section: tuple[int, ...],  # frequencies of each axis, summing to D / 2
+) -> torch.Tensor:  # [T, D]: each frequency's cos and sin at its own axis' position
+    rows = cos_sin[positions]  # [3, T, D]
+    half = cos_sin.shape[1] // 2
+    axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)]).to(
+        positions.device
+    )  # [D/2]
+    axis = torch.cat([axis, axis])  # cos and sin halves pick alike
+    cols = torch.arange(2 * half, device=positions.device)
+    return rows[axis, :, cols].T  # [T, D]
+
+
+class Qwen2VLForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        assert cfg.vision is not None
+        self.visual = VisionTransformer(cfg.vision)
+
+    def encode_image(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        return self.visual(pixels, grid)  # [tokens, hidden]

@@ -1,0 +1,183 @@
+"""The worker's side of image input: the model's own image processor (transformers' numpy/PIL
+one) turns an image's bytes into patches, the vision tower encodes them, and each step gets
+the embeddings of the image tokens it computes and their 3-D rotary positions.
+
+Images are preprocessed when their request is added (``prepare``: off the engine thread on the
+serving path, so a bad image is refused alone and resizing never stalls a step); encoder outputs
+are kept by content hash (``EncoderCache``) while an image's prompt is prefilled in chunks, and
+for a while after, so a chunk never encodes an image again; an image whose tokens the prefix
+cache already holds is never encoded at all (no chunk covers it).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from protos.multimodal import ImageItem
+from protos.sampling_params import InvalidRequestError
+from services.engine.model_config import VisionConfig
+from services.engine.models.qwen2_vl import Qwen2VLForCausalLM, mrope_table
+from services.engine.mrope import mrope_positions
+from services.scheduling.outputs import ScheduledRequest
+
+CACHE_TOKENS = 16384  # image tokens of encoder output kept (LRU)
+PENDING_IMAGES = 32  # preprocessed images waiting for their first encode (LRU)
+
+
+def load_image_processor(model_dir: Path) -> Any:
+    """transformers' PIL/numpy image processor of Qwen2-VL (the torchvision one is not usable
+    beside this torch build), configured from the model's preprocessor_config.json."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Processor,
+        )
+    except ImportError:  # transformers before the PIL backend's own module: the slow class
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import (  # type: ignore[assignment,no-redef]
+            Qwen2VLImageProcessor as Processor,
+        )
+    return Processor.from_pretrained(str(model_dir))
+
+
+def preprocess(processor: Any, image: ImageItem) -> np.ndarray:  # [patches, C*tp*p*p] float32
+    """The image's patches; refused if it does not decode or its grid is not the one its
+    placeholder tokens were counted for."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(image.data)) as img:
+            rgb = img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InvalidRequestError(f"an image could not be decoded: {exc}", "messages") from None
+    feat = processor(images=[rgb], return_tensors="np")
+    grid = tuple(int(v) for v in feat["image_grid_thw"][0])
+    if grid != image.grid:
+        raise InvalidRequestError(
+            f"an image's patch grid is {grid} but its placeholder tokens were counted for "
+            f"{image.grid}: the gateway and the worker read different image settings",
+            "messages",
+        )
+    return np.asarray(feat["pixel_values"], dtype=np.float32)
+
+
+class EncoderCache:
+    """Vision-tower outputs by image content hash, least recently used dropped first."""
+
+    def __init__(self, max_tokens: int = CACHE_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self._items: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._tokens = 0
+        self.encoded = 0  # images run through the vision tower (tests, stats)
+
+    def __contains__(self, key: bytes) -> bool:  # no LRU update: safe from any thread
+        return key in self._items
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key: bytes, value: torch.Tensor) -> None:
+        self._items[key] = value
+        self._tokens += value.shape[0]
+        while self._tokens > self.max_tokens and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            self._tokens -= old.shape[0]
+
+
+class VisionInputs:
+    """What a step of a vision-language model needs beyond token ids."""
+
+    def __init__(self, model: Qwen2VLForCausalLM, cfg: VisionConfig, model_dir: Path) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.processor = load_image_processor(model_dir)
+        self.cache = EncoderCache()
+        self._pixels: OrderedDict[bytes, np.ndarray] = OrderedDict()  # by content hash
+        self._lock = threading.Lock()  # prepare runs on the callers' threads
+
+    def prepare(self, images: tuple[ImageItem, ...]) -> None:
+        """Preprocess each image not yet encoded (InvalidRequestError for a bad one); any
+        thread. Images without bytes (a decode worker's) are left alone."""
+        for image in images:
+            key = image.content_hash
+            with self._lock:
+                if not image.data or key in self._pixels or key in self.cache:
+                    continue
+            pixels = preprocess(self.processor, image)
+            with self._lock:
+                self._pixels[key] = pixels
+                while len(self._pixels) > PENDING_IMAGES:
+                    self._pixels.popitem(last=False)
+
+    def _pixels_of(self, image: ImageItem) -> np.ndarray:
+        with self._lock:
+            pixels = self._pixels.pop(image.content_hash, None)
+        return pixels if pixels is not None else preprocess(self.processor, image)
+
+    def _embeds_of(self, image: ImageItem) -> torch.Tensor:  # [num_tokens, hidden]
+        cached = self.cache.get(image.content_hash)
+        if cached is not None:
+            return cached
+        if not image.data:  # a decode worker got the KV, not the image: it cannot recompute it
+            raise RuntimeError(
+                "an image's tokens must be recomputed (the request was preempted) but this "
+                "worker never received the image's bytes"
+            )
+        dev = self.model.lm_head.weight.device
+        pixels = torch.from_numpy(self._pixels_of(image)).to(dev)
+        out = self.model.encode_image(pixels, image.grid)
+        if out.shape[0] != image.num_tokens:
+            raise InvalidRequestError(
+                f"an image encodes to {out.shape[0]} tokens, not {image.num_tokens}", "messages"
+            )
+        self.cache.put(image.content_hash, out)
+        self.cache.encoded += 1
+        return out
+
+    def embeds(
+        self, reqs: list[ScheduledRequest], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the step [n], their image embeddings [n, hidden]) for every image token the
+        step computes; None when it computes none."""
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for r, at in zip(reqs, starts, strict=True):
+            lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
+            for image in r.images:
+                a, b = max(lo, image.offset), min(hi, image.end)
+                if a >= b:
+                    continue
+                emb = self._embeds_of(image)
+                parts.append(emb[a - image.offset : b - image.offset])
+                rows.extend(range(at + a - lo, at + b - lo))
+        if not rows:
+            return None
+        dev = parts[0].device
+        return torch.tensor(rows, device=dev), torch.cat(parts)
+
+    def rope_table(
+        self, reqs: list[ScheduledRequest], starts: list[int], positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The step's [T, D] rotary rows when a chunk reaches into a prompt's images (3-D
+        positions there); None when every token's three positions are equal."""
+        chunks = [
+            (r, at)
+            for r, at in zip(reqs, starts, strict=True)
+            if r.images and r.start_pos < max(im.end for im in r.images)
+        ]
+        if not chunks:
+            return None
+        pos3 = positions[None, :].expand(3, -1).clone()  # [3, T]
+        for r, at in chunks:
+            p = mrope_positions(r.images, self.cfg.spatial_merge_size, r.start_pos,
+                                r.num_new_tokens)  # fmt: skip
+            pos3[:, at : at + r.num_new_tokens] = torch.from_numpy(p).to(pos3.device)
+        return mrope_table(self.model.cos_sin, pos3, self.cfg.mrope_section)

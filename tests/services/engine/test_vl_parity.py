@@ -1,0 +1,150 @@
+"""Qwen2-VL and Qwen2.5-VL (windowed vision attention) with images in our engine against
+transformers (float32, tiny random checkpoints): greedy, token for token, with one and two images
+per prompt, batched and chunked; the prefix cache keyed by image content; images refused where
+they cannot be served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protos.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.llm import LLM
+from tests.services.vl_model import build, hf_greedy, png
+
+NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+def _chat(*parts: str) -> list[dict[str, Any]]:
+    content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+# (chat parts, the images' (seed, width, height))
+CASES = [
+    (("<image>", "What is in the picture?"), [(1, 64, 48)]),
+    (("Describe", "<image>", "briefly."), [(2, 30, 200)]),  # tall: a 1-D-ish grid
+    (("<image>", "and", "<image>", "differ how?"), [(3, 64, 64), (4, 100, 40)]),
+    (("Compare", "<image>", "<image>"), [(5, 56, 56), (5, 56, 56)]),  # one image twice
+]
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def built(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp(request.param)
+    return path, build(path, request.param)
+
+
+@pytest.fixture(scope="module")
+def llm(built: tuple[Path, Any]) -> LLM:
+    # a 16-token step budget: the prompts are prefilled in chunks that cut through images
+    return LLM(str(built[0]), max_num_batched_tokens=16, enable_prefix_caching=True)
+
+
+def _prompt(llm: LLM, parts: tuple[str, ...], images: list[tuple[int, int, int]]) -> dict:
+    return {
+        "prompt_token_ids": llm.apply_chat_template(_chat(*parts)),
+        "multi_modal_data": {"image": [png(s, w, h) for s, w, h in images]},
+    }
+
+
+def _reference(built: tuple[Path, Any], llm: LLM, prompt: dict) -> list[int]:
+    ids, _ = llm.encode_with_images(prompt)
+    return hf_greedy(built[1], built[0], ids, prompt["multi_modal_data"]["image"], NEW)
+
+
+def test_greedy_equals_transformers_batched_and_chunked(built: tuple[Path, Any], llm: LLM) -> None:
+    prompts = [_prompt(llm, parts, images) for parts, images in CASES]
+    results = llm.generate(prompts, GREEDY)  # all four in one batch
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.outputs[0].token_ids == _reference(built, llm, prompt)
+
+
+def test_the_image_decides_the_output(llm: LLM) -> None:
+    a = llm.generate(_prompt(llm, ("<image>", "Hi"), [(11, 64, 48)]), GREEDY)
+    b = llm.generate(_prompt(llm, ("<image>", "Hi"), [(12, 64, 48)]), GREEDY)
+    assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids
+
+
+def test_prefix_cache_keys_image_blocks_by_content(built: tuple[Path, Any], llm: LLM) -> None:
+    """Two images of one size give the same placeholder ids: the second must not read the
+    first's KV; the first again hits the cache and is not encoded again."""
+    first = _prompt(llm, ("<image>", "Say something long about it."), [(21, 112, 112)])
+    other = _prompt(llm, ("<image>", "Say something long about it."), [(22, 112, 112)])
+    _, items = llm.encode_with_images(first)
+    assert items[0].num_tokens >= llm.engine.kv.block_size  # whole blocks of image tokens
+    a = llm.generate(first, GREEDY)[0]
+    b = llm.generate(other, GREEDY)[0]
+    assert b.num_cached_tokens == 0
+    assert b.outputs[0].token_ids == _reference(built, llm, other)
+    vision = llm.engine.runner.vision
+    assert vision is not None
+    encoded = vision.cache.encoded
+    hits = llm.engine.stats().prefix_cache_hits
+    again = llm.generate(first, GREEDY)[0]
+    assert again.num_cached_tokens >= items[0].end  # the image's blocks came from the cache
+    assert llm.engine.stats().prefix_cache_hits - hits == again.num_cached_tokens
+    assert vision.cache.encoded == encoded  # not encoded again
+    assert again.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_bad_image_input_is_refused(llm: LLM, built: tuple[Path, Any]) -> None:
+    ids = llm.apply_chat_template(_chat("<image>", "hi"))
+    with pytest.raises(InvalidRequestError, match="could not be decoded"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [b"not a png"]}})
+    with pytest.raises(InvalidRequestError, match="1 image placeholders but 2 images"):
+        llm.generate(
+            {"prompt_token_ids": ids, "multi_modal_data": {"image": [png(1), png(2)]}}, GREEDY
+        )
+    # placeholder tokens that no image covers
+    with pytest.raises(InvalidRequestError, match="image tokens"):
+        llm.generate(ids, GREEDY)
+
+
+def test_a_text_only_model_refuses_images() -> None:
+    text = LLM("embedded", max_model_len=256)
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        text.generate({"prompt": "hi", "multi_modal_data": {"image": [png(1)]}}, GREEDY)
+
+
+def test_an_image_is_checked_when_added_not_in_a_step(llm: LLM) -> None:
+    """What reaches the engine without the gateway's checks (a gRPC client of a worker): an
+    image that does not decode, or whose grid is not the one its tokens were counted for, is
+    refused as the request is added; the engine goes on serving."""
+    from dataclasses import replace
+
+    from protos.multimodal import content_hash
+
+    prompt = _prompt(llm, ("<image>", "hi"), [(51, 56, 56)])
+    ids, (image,) = llm.encode_with_images(prompt)
+    junk = replace(image, data=b"junk", content_hash=content_hash(b"junk"))
+    with pytest.raises(InvalidRequestError, match="could not be decoded"):
+        llm.engine.add_request("junk", ids, GREEDY, images=[junk])
+    other = png(52, 112, 112)  # 4x4 merged patches, not the 2x2 of the placeholders
+    wrong = replace(image, data=other, content_hash=content_hash(other))
+    with pytest.raises(InvalidRequestError, match="patch grid"):
+        llm.engine.add_request("wrong", ids, GREEDY, images=[wrong])
+    assert not llm.engine.has_unfinished
+    assert llm.generate(prompt, GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_a_decode_side_request_that_lost_its_image_kv_fails_alone(llm: LLM) -> None:
+    """A decode worker holds an image's KV, not its bytes: preempted (its KV freed), the
+    request cannot be recomputed and ends with an error; the engine goes on."""
+    from dataclasses import replace
+
+    engine = llm.engine
+    ids, (image,) = llm.encode_with_images(_prompt(llm, ("<image>", "hi"), [(61, 84, 84)]))
+    assert engine.reserve_for("dec", len(ids), GREEDY) is not None
+    engine.activate("dec", ids, [5], GREEDY, images=[replace(image, data=b"")])
+    engine.scheduler._preempt(engine.scheduler.requests["dec"])  # as KV pressure would
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("dec", "error")]
+    assert "cannot recompute" in (outputs[0].error or "")
+    assert not engine.has_unfinished
+    assert llm.generate(_prompt(llm, ("<image>", "hi"), [(62, 84, 84)]), GREEDY)[0].outputs
