@@ -17,10 +17,21 @@ from protos.sampling_params import InvalidRequestError
 _DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<payload>.*)", re.DOTALL)
 
 
+# OpenAI's image_url.detail: "low" asks for a 512-pixel downscale, which is not done here
+DETAILS = (None, "auto", "high")
+
+
 def image_from_part(part: dict[str, Any], param: str) -> bytes:
     """The encoded image of an ``{"type": "image_url", "image_url": {"url": ...}}`` part."""
     ref = part.get("image_url")
     url = ref.get("url") if isinstance(ref, dict) else ref
+    detail = ref.get("detail") if isinstance(ref, dict) else None
+    if detail not in DETAILS:
+        raise invalid(
+            f"{param}: image_url.detail {detail!r} is not supported: images are processed at "
+            "their own resolution within the model's pixel bounds (send 'auto' or 'high', or "
+            "resize the image yourself)", param
+        )  # fmt: skip
     if not isinstance(url, str) or not url:
         raise invalid(f"{param}: an image_url part needs image_url.url (a data: URL)", param)
     if url.startswith(("http://", "https://")):

@@ -49,6 +49,16 @@ def test_urls_that_cannot_be_served_are_a_400(url: str, words: str) -> None:
     assert e.value.status == 400
 
 
+def test_detail_low_is_refused_and_auto_or_high_pass() -> None:
+    url = "data:image/png;base64," + base64.b64encode(_png(3, 2)).decode()
+    for detail in ("auto", "high", None):
+        part = {"type": "image_url", "image_url": {"url": url, "detail": detail}}
+        assert image_from_part(part, "p") == _png(3, 2)
+    with pytest.raises(APIError, match="detail 'low' is not supported") as e:
+        image_from_part({"type": "image_url", "image_url": {"url": url, "detail": "low"}}, "p")
+    assert e.value.status == 400
+
+
 def test_placeholders_expand_to_the_image_token_counts() -> None:
     ids, items = images_in_prompt([1, 7, 9, 8, 2, 7, 9, 8], [_png(64, 48), _png(112, 112)], SPEC)
     assert [(i.offset, i.num_tokens, i.grid) for i in items] == [
