@@ -23,8 +23,8 @@ class WorkerReportedError(RuntimeError):
 
 
 def images_to_pb(images: tuple[ImageItem, ...], with_data: bool = True) -> list[common_pb2.Image]:
-    """A prompt's images; ``with_data=False``: without their bytes (a decode worker, whose KV
-    arrives computed, needs only where they sit and what they hash to)."""
+    """A prompt's images; ``with_data=False``: without their bytes (where they sit and what they
+    hash to: a decode worker so served cannot recompute them if the request is preempted)."""
     out = []
     for im in images:
         data = im.data if with_data else b""

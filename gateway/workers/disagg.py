@@ -273,7 +273,10 @@ class _Run:
             sampling=sampling_to_pb(item.sampling),
             priority=item.priority,
             kv_wait_s=self.ctx.config.kv_wait_s,
-            images=images_to_pb(item.images, with_data=False),  # only the KV crossed
+            # the bytes too, though the KV crossed: preempted under KV pressure, the decode
+            # worker recomputes the images' tokens instead of failing the request (it
+            # preprocesses an image only then)
+            images=images_to_pb(item.images),
         )
         self.decode_call = decode.stream().start(
             request, grpc_metadata(self.decode_span), self.ctx.time_left(item)

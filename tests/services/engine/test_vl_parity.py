@@ -133,6 +133,29 @@ def test_an_image_is_checked_when_added_not_in_a_step(llm: LLM) -> None:
     assert llm.generate(prompt, GREEDY)[0].outputs[0].finish_reason == "length"
 
 
+def test_preempted_on_a_decode_worker_that_has_the_bytes_it_recomputes(
+    built: tuple[Path, Any],
+) -> None:
+    """The gateway sends a decode worker the images' bytes too (not preprocessed unless
+    needed): preempted, the request recomputes its images' tokens and ends as it would have."""
+    # no prefix cache: the reservation's blocks never got real KV here (no prefill worker)
+    with LLM(str(built[0]), enable_prefix_caching=False) as dec:
+        prompt = _prompt(dec, ("<image>", "hi"), [(63, 84, 84)])
+        want = dec.generate(prompt, GREEDY)[0].outputs[0].token_ids
+        ids, (image,) = dec.encode_with_images(prompt)
+        engine = dec.engine
+        assert engine.reserve_for("dec", len(ids), GREEDY) is not None
+        assert engine.activate("dec", ids, want[:1], GREEDY, images=[image]) is None
+        engine.scheduler._preempt(engine.scheduler.requests["dec"])  # as KV pressure would
+        got, reasons = list(want[:1]), []
+        while engine.has_unfinished:
+            for out in engine.step():
+                got += out.token_ids
+                reasons.append(out.finish_reason)
+        assert reasons[-1] == "length" and "error" not in reasons
+        assert got == want
+
+
 def test_a_decode_side_request_that_lost_its_image_kv_fails_alone(llm: LLM) -> None:
     """A decode worker holds an image's KV, not its bytes: preempted (its KV freed), the
     request cannot be recomputed and ends with an error; the engine goes on."""
