@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.supervisor import ChildSpec
+from gateway.core.config import parse_mm_limit
 from services.cli import add_engine_args
 from services.config import ConfigError, LoRAConfig
 
@@ -193,11 +194,16 @@ def build_plan(
     environ: Mapping[str, str] | None = None,
 ) -> Plan:
     environ = {} if environ is None else environ
-    LoRAConfig.from_args(args)  # bad LoRA flags end here, not in every worker
+    lora = LoRAConfig.from_args(args)  # bad LoRA flags end here, not in every worker
+    parse_mm_limit(getattr(args, "limit_mm_per_prompt", None))  # nor the gateway's
     device, gpus = _resolve_device(args.device, gpus)
     names = role_names(args)
     roles = [r for _, r in names]
     sizes = tensor_parallel_sizes(args, roles)
+    if lora is not None:
+        speculative = getattr(args, "speculative_config", None) is not None
+        lora.check_with(max(sizes), getattr(args, "task", "generate"), speculative)
+        lora.check_directories()
     placement = assign_gpus(roles, gpus, sizes)
     users = Counter(g for p in placement for g in p)
     workers = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from protos.auth import token_from
@@ -304,6 +305,23 @@ class LoRAConfig:
             allow_runtime_updating=runtime,
         )
 
+    def check_with(self, tensor_parallel_size: int, task: str, speculative: bool) -> None:
+        """What LoRA serving cannot be combined with yet: ConfigError. Torch-free, so that
+        ``tandem up`` refuses it before it starts a worker."""
+        if tensor_parallel_size > 1:
+            raise ConfigError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        if task != "generate":
+            raise ConfigError("--enable-lora serves generation adapters: not with --task embed")
+        if speculative:
+            raise ConfigError("--enable-lora with --speculative-config is not supported yet")
+
+    def check_directories(self) -> None:
+        """Each ``--lora-modules`` path is a peft adapter directory on this machine."""
+        for name, path in self.modules:
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise ConfigError(f"LoRA adapter {name!r}: {path} is not a peft adapter "
+                                  "directory (no adapter_config.json)")  # fmt: skip
+
     @staticmethod
     def parse_modules(items: list[str] | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
         """``--lora-modules name=path ...`` as (name, path) pairs."""
@@ -351,12 +369,7 @@ class EngineConfig:
     def _check_lora(self) -> None:
         if self.lora is None:
             return
-        if self.tensor_parallel_size > 1:
-            raise ConfigError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
-        if self.task != "generate":
-            raise ConfigError("--enable-lora serves generation adapters: not with --task embed")
-        if self.speculative is not None:
-            raise ConfigError("--enable-lora with --speculative-config is not supported yet")
+        self.lora.check_with(self.tensor_parallel_size, self.task, self.speculative is not None)
         if self.scheduler.max_loras != self.lora.max_loras:
             raise ConfigError("the scheduler's max_loras must be --max-loras")
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -280,14 +281,43 @@ def test_role_tensor_parallel_sizes_are_refused_for_colocated_workers() -> None:
         plan_for("--colocated", "1", "--decode-tensor-parallel-size", "2")
 
 
-def test_lora_flags_reach_every_worker_and_parse_there() -> None:
-    plan = plan_for("--enable-lora", "--lora-modules", "a=/ad/a", "b=/ad/b", "--max-loras", "2",
+def _adapter_dirs(root: Path, *names: str) -> list[str]:
+    for name in names:
+        (root / name).mkdir()
+        (root / name / "adapter_config.json").write_text("{}")
+    return [f"{name}={root / name}" for name in names]
+
+
+def test_lora_flags_reach_every_worker_and_parse_there(tmp_path: Path) -> None:
+    modules = _adapter_dirs(tmp_path, "a", "b")
+    plan = plan_for("--enable-lora", "--lora-modules", *modules, "--max-loras", "2",
                     "--allow-runtime-lora-updating")  # fmt: skip
     assert {w.role for w in plan.workers} == {"prefill", "decode"}
     for w in plan.workers:
         args = reparse(w.spec.argv)
         assert args.enable_lora and args.allow_runtime_lora_updating
-        assert args.lora_modules == ["a=/ad/a", "b=/ad/b"] and args.max_loras == 2
+        assert args.lora_modules == modules and args.max_loras == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--lora-modules", "a=/no/such/adapter"), "'a': /no/such/adapter is not a peft adapter"),
+        (("--decode-tensor-parallel-size", "2"), "--enable-lora with --tensor-parallel-size"),
+        (("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
+         "--enable-lora with --speculative-config"),
+    ],
+)
+def test_lora_that_no_worker_could_serve_is_refused_before_any_starts(
+    flags: tuple[str, ...], words: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        plan_for("--enable-lora", *flags)
+
+
+def test_a_bad_image_limit_is_refused_before_any_process_starts() -> None:
+    with pytest.raises(ConfigError, match="--limit-mm-per-prompt must be JSON"):
+        plan_for("--limit-mm-per-prompt", "{bad")
 
 
 def test_lora_modules_without_enable_lora_is_refused_before_any_worker_starts() -> None:
