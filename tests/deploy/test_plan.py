@@ -304,8 +304,10 @@ def test_lora_flags_reach_every_worker_and_parse_there(tmp_path: Path) -> None:
     [
         (("--lora-modules", "a=/no/such/adapter"), "'a': /no/such/adapter is not a peft adapter"),
         (("--decode-tensor-parallel-size", "2"), "--enable-lora with --tensor-parallel-size"),
-        (("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
-         "--enable-lora with --speculative-config"),
+        (
+            ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
+            "--enable-lora with --speculative-config",
+        ),
     ],
 )
 def test_lora_that_no_worker_could_serve_is_refused_before_any_starts(
