@@ -284,6 +284,8 @@ def load_model(
         if qcfg is not None and qcfg.serialized:
             stacked = {fused: _shard_sizes(arch, fused) for fused in ("qkv_proj", "gate_up_proj")}
             quantize_model(model, qcfg, dtype, stacked)
+    if device.type == "cpu":
+        check_host_memory(model, config.model, dtype)
     model = model.to_empty(device=device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -298,6 +300,35 @@ def load_model(
     if qcfg is not None:
         _finish_quantization(model, qcfg)
     return model.eval(), arch, files
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(model: torch.nn.Module, name: str, dtype: torch.dtype) -> None:
+    """ConfigError, before any weight is allocated, when the model (still on the meta device)
+    would not fit the host's available memory: the kernel's OOM killer would end the process
+    half-way through with no word of why (an 8B model in float32 is 32 GB)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    avail = available_host_bytes()
+    if avail is None or need <= avail:
+        return
+    gib = 1 << 30
+    raise ConfigError(
+        f"model {name!r} needs {need / gib:.1f} GiB for its weights in {dtype} on the CPU, but "
+        f"only {avail / gib:.1f} GiB of memory are available: serve a smaller model, a 16-bit "
+        "--dtype (bfloat16 halves float32), or use a GPU (--device cuda)"
+    )
 
 
 def _finish_quantization(model: LlamaForCausalLM, qcfg: QuantConfig) -> None:

@@ -4,6 +4,7 @@ lacks an expert, or a quantized MoE, refused."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +74,26 @@ def test_quantized_moe_is_refused(checkpoint: tuple[Path, Any]) -> None:
     path, _ = checkpoint
     with pytest.raises(ConfigError, match="Mixture-of-Experts"):
         load_model(ModelConfig(str(path), quantization="fp8"), torch.device("cpu"), 64)
+
+
+def test_a_model_that_cannot_fit_the_host_is_refused_before_loading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the 8B shape in float32 is 32 GB: the OOM killer would end a CPU worker with no word
+    from services.engine import loader
+
+    monkeypatch.setattr(loader, "available_host_bytes", lambda: 24 << 30)
+    config = ModelConfig(model="llama-3.1-8b", dtype="float32")
+    with pytest.raises(ConfigError, match=r"needs 29\.\d GiB .* only 24\.0 GiB .* available"):
+        loader.load_model(config, torch.device("cpu"), 64)
+    monkeypatch.setattr(loader, "available_host_bytes", lambda: 1 << 20)
+    with pytest.raises(ConfigError, match="smaller model"):
+        loader.load_model(ModelConfig(model="smollm2-135m"), torch.device("cpu"), 64)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo is Linux's")
+def test_the_available_memory_is_read_on_linux() -> None:
+    from services.engine.loader import available_host_bytes
+
+    avail = available_host_bytes()
+    assert avail is not None and 0 < avail < 1 << 50
