@@ -59,8 +59,11 @@ test: venv lint typecheck lm-eval-venv
 serve: serve-venv
 	$(VENV)/bin/tandem up --port $(PORT) --model $(MODEL) $(ARGS)
 
+# grpcio-tools pinned (protos/build.py says why), in a folder of its own beside the venv
+PROTOS_TOOLS ?= .protos-tools
 protos: venv
-	$(PY) -m protos.build
+	test -d $(PROTOS_TOOLS)/grpc_tools || $(PY) -m pip install -q --target $(PROTOS_TOOLS) "grpcio-tools==1.73.1"
+	PYTHONPATH=$(PROTOS_TOOLS):. $(PY) -m protos.build
 
 clean:
 	rm -rf $(VENV) $(LMEVAL_VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -15,8 +15,19 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTOS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "protos").glob("*.proto"))
 
 
+TOOLS_VERSION = "1.73.1"
+
+
 def main() -> int:
+    from importlib.metadata import version
+
     from grpc_tools import protoc
+
+    found = version("grpcio-tools")
+    if found != TOOLS_VERSION:  # a newer one writes gencode older protobuf runtimes refuse
+        print(f"protos/build.py: grpcio-tools {found} found, {TOOLS_VERSION} needed (make "
+              "protos installs it beside the venv)", file=sys.stderr)  # fmt: skip
+        return 2
 
     args = ["protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--pyi_out={ROOT}"]
     args += [f"--grpc_python_out={ROOT}", *PROTOS]
