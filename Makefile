@@ -53,7 +53,10 @@ typecheck: venv
 # every test that starts serving processes in one unit, run one at a time (memory).
 # TEST_WORKERS=0: no xdist.
 TEST_WORKERS ?= 2
-test: venv lint typecheck lm-eval-venv
+# The checks and the lm-eval venv's install side by side (mypy is a minute of CPU, the install
+# mostly downloads; only one pip runs at a time, as two broke each other once).
+test: venv
+	$(MAKE) -j2 lint typecheck lm-eval-venv
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS)
 
 serve: serve-venv
