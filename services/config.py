@@ -263,6 +263,21 @@ class PoolerConfig:
         return cls(pooling_type=kind.lower(), normalize=normalize)
 
 
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def check_adapter_dir(name: str, root: Path) -> None:
+    """ConfigError unless ``root`` holds a peft adapter's two files; torch-free, so that
+    ``tandem up`` checks before it starts a worker, and the worker's reader as it loads."""
+    if not (root / ADAPTER_CONFIG).is_file():
+        raise ConfigError(
+            f"LoRA adapter {name!r}: {root} is not a peft adapter directory (no {ADAPTER_CONFIG})"
+        )
+    if not (root / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"LoRA adapter {name!r}: {root} has no {ADAPTER_WEIGHTS} (save the "
+                          "adapter with safetensors)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """vLLM's LoRA flags: ``--enable-lora`` serves peft adapters beside the base model, the
@@ -318,9 +333,7 @@ class LoRAConfig:
     def check_directories(self) -> None:
         """Each ``--lora-modules`` path is a peft adapter directory on this machine."""
         for name, path in self.modules:
-            if not (Path(path) / "adapter_config.json").is_file():
-                raise ConfigError(f"LoRA adapter {name!r}: {path} is not a peft adapter "
-                                  "directory (no adapter_config.json)")  # fmt: skip
+            check_adapter_dir(name, Path(path))
 
     @staticmethod
     def parse_modules(items: list[str] | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:

@@ -285,6 +285,7 @@ def _adapter_dirs(root: Path, *names: str) -> list[str]:
     for name in names:
         (root / name).mkdir()
         (root / name / "adapter_config.json").write_text("{}")
+        (root / name / "adapter_model.safetensors").write_bytes(b"")
     return [f"{name}={root / name}" for name in names]
 
 

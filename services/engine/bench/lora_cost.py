@@ -33,9 +33,10 @@ from protos.sampling_params import SamplingParams
 from services.config import LoRAConfig, ModelConfig
 from services.engine.llm import LLM
 from services.engine.loader import read_arch
+from services.engine.lora.layers import PEFT_MODULES
 from services.engine.model_config import ArchConfig
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = tuple(PEFT_MODULES)  # every projection LoRA serves
 PREFIX = "base_model.model.model.layers"
 
 

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from protos.errors import ConfigError
+from services.config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter_dir
 from services.engine.lora.layers import PEFT_MODULES
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
@@ -45,16 +45,13 @@ def _refuse(name: str, why: str) -> ConfigError:
 
 
 def _read_config(name: str, root: Path) -> dict[str, Any]:
-    if not (root / CONFIG_FILE).is_file():
-        raise _refuse(name, f"{root} is not a peft adapter directory (no {CONFIG_FILE})")
-    if not (root / WEIGHTS_FILE).is_file():
-        raise _refuse(name, f"{root} has no {WEIGHTS_FILE} (save the adapter with safetensors)")
+    check_adapter_dir(name, root)
     try:
-        cfg = json.loads((root / CONFIG_FILE).read_text())
+        cfg = json.loads((root / ADAPTER_CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise _refuse(name, f"cannot read {CONFIG_FILE}: {e}") from None
+        raise _refuse(name, f"cannot read {ADAPTER_CONFIG}: {e}") from None
     if not isinstance(cfg, dict):
-        raise _refuse(name, f"{CONFIG_FILE} is not a JSON object")
+        raise _refuse(name, f"{ADAPTER_CONFIG} is not a JSON object")
     return cfg
 
 
@@ -101,7 +98,7 @@ def read_adapter(
 
     root = Path(path)
     r, scaling = _check_config(name, _read_config(name, root), max_rank)
-    tensors = load_file(str(root / WEIGHTS_FILE))
+    tensors = load_file(str(root / ADAPTER_WEIGHTS))
     pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
@@ -110,7 +107,7 @@ def read_adapter(
                           f"({', '.join(PEFT_MODULES)}; not embeddings or lm_head)")  # fmt: skip
         pieces.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
     if not pieces:
-        raise _refuse(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+        raise _refuse(name, f"{ADAPTER_WEIGHTS} holds no LoRA weights")
     weights = {}
     for (layer, module), ab in sorted(pieces.items()):
         where = f"layer {layer} {module}"
