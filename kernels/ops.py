@@ -167,7 +167,7 @@ def fp8_linear(
     if mod is None or not fp8_supported(x.device):
         out = ref_fp8_linear(x, weight, scale, block_k)
     elif _scaled_mm_fits(x, weight, scale):
-        out = scaled_mm_w8a8_linear(x, weight, scale)
+        out = scaled_mm_w8a8_linear(x, weight, scale, mod.per_token_quant_fp8)
     else:
         out = mod.fp8_linear(x, weight, scale, block_k)
     return out if bias is None else out + bias

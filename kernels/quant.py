@@ -21,6 +21,8 @@ against them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i]
@@ -135,8 +137,13 @@ def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ref_per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic activation scales, one per token (row): ``[M, K]`` -> (fp8, fp32 ``[M, 1]``)."""
-    return quantize_fp8_rows(x)
+    """Dynamic activation scales, one per token (row): ``[M, K]`` -> (fp8, fp32 ``[M, 1]``).
+    ``scale = max(amax / 448, 1e-12)``, each element ``x * (1 / scale)`` rounded to e4m3: a
+    product by a correctly rounded reciprocal, which a kernel reproduces bit for bit (a float
+    quotient is approximate in compiled Triton)."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    q = (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def ref_fp8_w8a8_linear(
@@ -153,10 +160,12 @@ def scaled_mm_w8a8_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     scale: torch.Tensor,  # [N, 1] float32
+    quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = ref_per_token_quant_fp8,
 ) -> torch.Tensor:  # [M, N]
     """:func:`ref_fp8_w8a8_linear` through ``torch._scaled_mm`` (FP8 tensor cores on sm89+;
-    rowwise scales: per token for x, per channel for the weight)."""
-    xq, xs = ref_per_token_quant_fp8(x)
+    rowwise scales: per token for x, per channel for the weight); ``quant`` quantizes x (the
+    Triton kernel on a GPU: one pass instead of torch's five)."""
+    xq, xs = quant(x)
     return torch._scaled_mm(
         xq, weight.T, scale_a=xs, scale_b=scale.float().T.contiguous(), out_dtype=x.dtype
     )

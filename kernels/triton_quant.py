@@ -16,6 +16,11 @@ memory: each program loads a packed tile, unpacks it in registers and multiplies
   the e4m3 value for fp8) is exact in the activation dtype, so the dot runs on it and the
   scale, constant over a chunk of K, multiplies the fp32 partial product afterwards.
 
+- **Per-token activation quantization** (W8A8 on FP8 tensor cores): one program per row reads
+  it twice (the amax, then the e4m3 values; the second read comes from L2) and writes the fp8
+  row and its scale, where torch needs five passes over the activation (abs, amax, product,
+  clamp, cast).
+
 A chunk of K never straddles a scale group: ``BLOCK_K`` divides the int4 group size and the fp8
 ``block_k`` (or the whole row, for per-channel scales).
 """
@@ -35,6 +40,7 @@ from kernels.triton_common import (
     dot_precision,
     dot_upcast,
     mma,
+    round_to_e4m3,
 )
 
 GEMV_ROWS = 8  # batches of at most this many rows take the GEMV
@@ -389,3 +395,65 @@ def fp8_linear(
         PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps,
     )  # fmt: skip
     return _finish(target, out, split)
+
+
+QUANT_BLOCK = 1024  # elements of a row per iteration of the per-token quantization
+
+
+@triton.jit
+def _per_token_quant_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row, q_row = x_ptr + row * s_xm, q_ptr + row * s_qm
+    if ONE_PASS:  # the whole row in registers: read once
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + offs
+            xv = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(xv))
+        amax = tl.max(amax, axis=0)
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+    inv = tl.math.div_rn(1.0, scale)  # correctly rounded, as torch's reciprocal
+    tl.store(s_ptr + row, scale)
+    if ONE_PASS:
+        q = round_to_e4m3(x * inv)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + offs
+            k_mask = ks < K
+            xv = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
+            q = round_to_e4m3(xv * inv)
+            tl.store(q_row + ks, q.to(q_ptr.dtype.element_ty), mask=k_mask)
+
+
+def per_token_quant_fp8(
+    x: torch.Tensor,  # [M, K]
+    *,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (fp8 [M, K], fp32 [M, 1])
+    """Triton version of :func:`kernels.quant.ref_per_token_quant_fp8`, bit for bit: a row of
+    up to 16,384 elements in one read (``block`` forces the chunked two-pass loop)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_devices(x=x)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    if k == 0:
+        return q, scale.fill_(1e-12)
+    whole = triton.next_power_of_2(k)
+    one_pass = block is None and whole <= 16384
+    bl = whole if one_pass else min(block or QUANT_BLOCK, whole)
+    _per_token_quant_fp8_kernel[(m,)](
+        x, q, scale, k, x.stride(0), q.stride(0), BLOCK=bl, ONE_PASS=one_pass,
+        num_warps=8 if bl >= 4096 else 4,
+    )  # fmt: skip
+    return q, scale

@@ -1,6 +1,6 @@
 """Quantized-weight linear layers against the roofline: int4 (w4a16) and fp8 against bf16.
 
-    python -m kernels.bench.quant [--rows 1 4 16] [--json-out quant.json]
+    python -m kernels.bench.quant [--rows 1 4 16] [--w8a8-rows 256 8192] [--json-out quant.json]
 
 Shapes are Llama-3.1-8B's decode projections. At batch 1-16 a linear layer is bound by the bytes
 of its weight, so each row reports GB/s of what the kernel must read (the packed weight, its
@@ -10,6 +10,11 @@ H100 (~3 TB/s copy): bf16 117 MB -> ~39 us; fp8 59 MB + 1.8 MB of row scales -> 
 29 MB + 1.8 MB of scales and zeros at group 128 -> ~10 us. Each Triton kernel's best launch of
 a small sweep is reported; every launch is checked against the torch reference first. Times are
 ``do_bench`` medians with L2 flushed between runs.
+
+``--w8a8-rows`` times the large-batch FP8 path (prefill, big decode batches) the engine takes
+above ``kernels.ops.FP8_GEMV_ROWS``: x quantized per token (torch's five passes against the one
+Triton kernel, each against the bytes it must move: read x, write the fp8 copy and the scales),
+``torch._scaled_mm`` on the FP8 tensor cores, and the whole layer against bf16 cuBLAS in TFLOP/s.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,11 +145,67 @@ def bench_shape(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any
     return row
 
 
+def bench_w8a8(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any]:
+    """The W8A8 layer at a large batch: its quantization step and its GEMM, against bf16."""
+    from kernels import quant, triton_quant
+    from kernels.bench.roofline import median_ms
+
+    gen = torch.Generator().manual_seed(0)
+    dev = torch.device("cuda")
+    x = torch.randn(m, k, generator=gen).to(device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(device=dev, dtype=torch.bfloat16)
+    wq, ws = quant.quantize_fp8_rows(w)
+    ref_q, ref_s = quant.ref_per_token_quant_fp8(x)
+    q, s = triton_quant.per_token_quant_fp8(x)
+    if not (torch.equal(s, ref_s) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))):
+        raise SystemExit(f"per_token_quant_fp8 differs from its reference at {m} x {k}")
+    xq, xs = q, s
+    scale_b = ws.float().T.contiguous()
+    gemm = functools.partial(
+        torch._scaled_mm, xq, wq.T, scale_a=xs, scale_b=scale_b, out_dtype=torch.bfloat16
+    )
+    whole = functools.partial(
+        quant.scaled_mm_w8a8_linear, x, wq, ws, triton_quant.per_token_quant_fp8
+    )
+    out, ref = whole().float(), F.linear(x, w).float()
+    err = ((out - ref).norm() / ref.norm()).item()
+    if not err < 5e-2:
+        raise SystemExit(f"W8A8 {name} at M={m}: relative error {err:.2e} against bf16")
+    quant_bytes = m * k * (x.element_size() + 1) + 4 * m
+    flop = 2 * m * n * k
+    r: dict[str, Any] = {
+        "shape": name,
+        "m": m,
+        "n": n,
+        "k": k,
+        "copy_gbs": copy,
+        "rel_err_vs_bf16": err,
+    }
+    timed: dict[str, Callable[[], object]] = {
+        "bf16_linear": functools.partial(F.linear, x, w),
+        "quant_torch": functools.partial(quant.ref_per_token_quant_fp8, x),
+        "quant_triton": functools.partial(triton_quant.per_token_quant_fp8, x),
+        "scaled_mm": gemm,
+        "w8a8_linear": whole,
+    }
+    for key, fn in timed.items():
+        r[f"{key}_ms"] = median_ms(fn)
+    for key in ("quant_torch", "quant_triton"):
+        r[f"{key}_pct_of_copy"] = 100 * quant_bytes / r[f"{key}_ms"] / 1e6 / copy
+    for key in ("bf16_linear", "scaled_mm", "w8a8_linear"):
+        r[f"{key}_tflops"] = flop / r[f"{key}_ms"] / 1e9
+    r["w8a8_speedup_vs_bf16"] = r["bf16_linear_ms"] / r["w8a8_linear_ms"]
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     from kernels.bench.roofline import copy_bandwidth, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="batch sizes (M)")
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16], help="batch sizes (M)")
+    p.add_argument(
+        "--w8a8-rows", type=int, nargs="*", default=[], help="large batches (M) for W8A8"
+    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -160,6 +222,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['int4_ms'] * 1e3:7.1f} us {r['int4_gbs']:5.0f} GB/s "
                 f"({r['int4_pct_of_copy']:3.0f}%) | fp8 {r['fp8_ms'] * 1e3:7.1f} us "
                 f"{r['fp8_gbs']:5.0f} GB/s ({r['fp8_pct_of_copy']:3.0f}%)",
+                flush=True,
+            )
+    for m in args.w8a8_rows:
+        for name, (n, k) in SHAPES.items():
+            r = bench_w8a8(name, n, k, m, copy)
+            rows.append(r)
+            print(
+                f"W8A8 M={m:<5d} {name:22s} bf16 {r['bf16_linear_ms'] * 1e3:7.1f} us "
+                f"({r['bf16_linear_tflops']:4.0f} TFLOP/s) | quant torch "
+                f"{r['quant_torch_ms'] * 1e3:6.1f} us, triton {r['quant_triton_ms'] * 1e3:6.1f} us "
+                f"({r['quant_triton_pct_of_copy']:3.0f}% of copy) | scaled_mm "
+                f"{r['scaled_mm_ms'] * 1e3:7.1f} us | layer {r['w8a8_linear_ms'] * 1e3:7.1f} us "
+                f"({r['w8a8_speedup_vs_bf16']:.2f}x bf16)",
                 flush=True,
             )
     if args.json_out:

@@ -3,6 +3,8 @@
 # variant in its own process, one after the other:
 #   kernels  the quantized linear layers against the roofline (python -m kernels.bench.quant:
 #            each launch is checked against its torch reference before it is timed)
+#   w8a8     the large-batch FP8 layer: per-token quantization (torch against the Triton
+#            kernel) and torch._scaled_mm against bf16, at 256, 2048 and 8192 rows
 #   latency  the batch-1 and batch-16 decode step: bf16, --quantization fp8, awq, gptq
 #   w1       W1 (256 prompts x 1024 tokens -> 128): bf16 against fp8 throughput
 #   draft    speculative decoding with a draft of the SmolLM2-135M shape (given the 8B's
@@ -28,6 +30,10 @@ run() {  # name, then the command; its stdout's last line is its JSON
 }
 if has kernels; then
   run kernels python3 -m kernels.bench.quant --rows 1 4 16 --json-out "$out/kernels-full.json"
+fi
+if has w8a8; then
+  run w8a8 python3 -m kernels.bench.quant --rows --w8a8-rows 256 2048 8192 \
+    --json-out "$out/w8a8-full.json"
 fi
 if has latency; then
   for q in none fp8 awq gptq; do

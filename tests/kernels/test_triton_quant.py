@@ -126,3 +126,48 @@ def test_errors(gen: torch.Generator, device: torch.device) -> None:
         fp8_linear(x, weight.to(device), s.to(device), 64)  # one scale column, blocks of 64
     with pytest.raises(ValueError, match="dtype"):
         fp8_linear(x, weight.float().to(device), s.to(device), 128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("m", "k", "block"),
+    [(1, 16, None), (3, 200, None), (5, 4096, None), (2, 300, 128), (4, 1000, 256), (1, 17000, None)],
+)  # fmt: skip
+def test_per_token_quant_fp8_is_the_reference_bit_for_bit(
+    dtype: torch.dtype, m: int, k: int, block: int | None,
+    gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """One read per row (K up to 16,384) and the chunked two-pass loop (a partial last chunk;
+    K = 17,000 takes it by itself); rows of very different magnitudes, an all-zero row (the
+    1e-12 floor) and values on e4m3 rounding ties after scaling."""
+    from kernels.quant import ref_per_token_quant_fp8
+    from kernels.triton_quant import per_token_quant_fp8
+
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m).unsqueeze(1)
+    if m > 2:
+        x[1] = 0.0
+        x[2] = torch.randn(k, generator=gen).clamp(-4.0, 4.0)  # amax 448 below: scale 1
+        x[2, : min(k, 8)] = torch.tensor([448.0, 1.0625, -1.0625, 3.25, 0.5, -0.0, 13.0, 1e-3])[
+            : min(k, 8)
+        ]
+    x = x.to(dtype).to(device)
+    q, s = per_token_quant_fp8(x, block=block)
+    rq, rs = ref_per_token_quant_fp8(x)
+    assert q.shape == (m, k) and q.dtype == torch.float8_e4m3fn and s.shape == (m, 1)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+def test_per_token_quant_fp8_strided_and_empty(gen: torch.Generator, device: torch.device) -> None:
+    from kernels.quant import ref_per_token_quant_fp8
+    from kernels.triton_quant import per_token_quant_fp8
+
+    base = torch.randn(4, 96, generator=gen).to(device)
+    x = base[:, :64]  # row stride 96
+    q, s = per_token_quant_fp8(x)
+    rq, rs = ref_per_token_quant_fp8(x)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    q0, s0 = per_token_quant_fp8(base[:0])
+    assert q0.shape == (0, 96) and s0.shape == (0, 1)
+    with pytest.raises(ValueError, match="dims"):
+        per_token_quant_fp8(base[0])
