@@ -27,6 +27,7 @@ import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i]
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to float32 where it multiplies a float32 tensor
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
 
 
@@ -138,10 +139,11 @@ def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ref_per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation scales, one per token (row): ``[M, K]`` -> (fp8, fp32 ``[M, 1]``).
-    ``scale = max(amax / 448, 1e-12)``, each element ``x * (1 / scale)`` rounded to e4m3: a
-    product by a correctly rounded reciprocal, which a kernel reproduces bit for bit (a float
-    quotient is approximate in compiled Triton)."""
-    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    ``scale = max(amax * float32(1 / 448), 1e-12)``, each element ``x * (1 / scale)`` rounded to
+    e4m3: products and a correctly rounded reciprocal, which a kernel reproduces bit for bit on
+    every device (a float quotient is approximate in compiled Triton, and torch on CUDA divides
+    by a scalar as a product by its reciprocal while the CPU divides)."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) * INV_FP8_MAX).clamp(min=1e-12)
     q = (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

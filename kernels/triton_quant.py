@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant import INV_FP8_MAX
 from kernels.triton_common import (
     FLOAT_DTYPES,
     check_devices,
@@ -402,7 +403,8 @@ QUANT_BLOCK = 1024  # elements of a row per iteration of the per-token quantizat
 
 @triton.jit
 def _per_token_quant_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, INV_MAX: tl.constexpr, BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -418,7 +420,7 @@ def _per_token_quant_fp8_kernel(
             xv = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(xv))
         amax = tl.max(amax, axis=0)
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+    scale = tl.maximum(amax * INV_MAX, 1e-12)
     inv = tl.math.div_rn(1.0, scale)  # correctly rounded, as torch's reciprocal
     tl.store(s_ptr + row, scale)
     if ONE_PASS:
@@ -453,7 +455,7 @@ def per_token_quant_fp8(
     one_pass = block is None and whole <= 16384
     bl = whole if one_pass else min(block or QUANT_BLOCK, whole)
     _per_token_quant_fp8_kernel[(m,)](
-        x, q, scale, k, x.stride(0), q.stride(0), BLOCK=bl, ONE_PASS=one_pass,
+        x, q, scale, k, x.stride(0), q.stride(0), INV_MAX=INV_FP8_MAX, BLOCK=bl, ONE_PASS=one_pass,
         num_warps=8 if bl >= 4096 else 4,
     )  # fmt: skip
     return q, scale

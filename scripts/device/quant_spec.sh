@@ -23,7 +23,9 @@ run() {  # name, then the command; its stdout's last line is its JSON
   shift
   echo "== $name" >&2
   if "$@" >"$out/$name.out" 2>"$out/$name.err"; then
-    tail -1 "$out/$name.out" >"$out/$name.json"
+    # a one-line JSON result last: kept apart (the lent machine returns few files)
+    if tail -1 "$out/$name.out" | grep -q '^{'; then tail -1 "$out/$name.out" >"$out/$name.json"; fi
+    [ -s "$out/$name.err" ] || rm -f "$out/$name.err"
   else
     echo "$name failed: $(tail -3 "$out/$name.err" | tr '\n' ' ')" | tee -a "$out/notes.txt"
   fi
