@@ -131,9 +131,15 @@ def ref_fp8_linear(
     return (x.float() @ ref_dequant_fp8(weight, scale, block_k).T).to(x.dtype)
 
 
-def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (per-channel) e4m3 quantization: ``[N, K]`` -> (fp8 ``[N, K]``, fp32 ``[N, 1]``)."""
-    scale = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+def quantize_fp8_rows(
+    w: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-channel) e4m3 quantization: ``[N, K]`` -> (fp8 ``[N, K]``, fp32 ``[N, 1]``).
+    ``amax`` ``[N, 1]``: each row's largest magnitude when ``w`` is part of longer rows (a
+    tensor-parallel rank's columns), so that the scales are those of the whole rows."""
+    if amax is None:
+        amax = w.float().abs().amax(dim=1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 

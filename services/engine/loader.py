@@ -90,11 +90,14 @@ def iter_safetensors(
     for file in files:
         with safe_open(str(file), framework="pt") as fh:
             for name in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
-                cut = layout.checkpoint_slice(name) if layout is not None else None
+                part = fh.get_slice(name)
+                shape = tuple(part.get_shape())
+                cut = layout.checkpoint_slice(name, shape) if layout is not None else None
                 if cut is None:
                     yield name, fh.get_tensor(name)
                     continue
-                part = fh.get_slice(name)
+                if cut.skip:
+                    continue
                 tensor = part[cut.start : cut.end] if cut.dim == 0 else part[:, cut.start : cut.end]
                 if cut.pad_to is not None and tensor.shape[0] < cut.pad_to:  # the last shard
                     pad = tensor.new_zeros(cut.pad_to - tensor.shape[0], *tensor.shape[1:])
@@ -258,6 +261,20 @@ def read_arch(config: ModelConfig) -> tuple[ModelFiles, ArchConfig]:
     return files, ArchConfig.from_file(config_path)
 
 
+def _quantization(config: ModelConfig, files: ModelFiles, arch: ArchConfig) -> QuantConfig | None:
+    dummy = config.load_format == "dummy" or files.kind == "named"
+    return resolve_quantization(
+        arch.quantization_config, config.quantization, has_weights=not dummy
+    )
+
+
+def check_tp_split(config: ModelConfig, size: int) -> None:
+    """ConfigError, before any rank starts, when the model cannot be split over ``size``
+    ranks (its heads, or a quantized checkpoint's blocks or groups)."""
+    files, arch = read_arch(config)
+    TPLayout.of(arch, 0, size, _quantization(config, files, arch))
+
+
 def load_model(
     config: ModelConfig, device: torch.device, max_positions: int, tp: TPGroup | None = None
 ) -> tuple[LlamaForCausalLM, ArchConfig, ModelFiles]:
@@ -265,16 +282,14 @@ def load_model(
     files, arch = read_arch(config)
     dtype = resolve_dtype(config, arch, device)
     dummy = config.load_format == "dummy" or files.kind == "named"
-    qcfg = resolve_quantization(
-        arch.quantization_config, config.quantization, has_weights=not dummy
-    )
-    if qcfg is not None and (arch.moe is not None or tp is not None or arch.vision is not None):
-        what = "tensor-parallel" if tp is not None else f"{arch.model_type} (Mixture-of-Experts)"
+    qcfg = _quantization(config, files, arch)
+    if qcfg is not None and (arch.moe is not None or arch.vision is not None):
+        what = f"{arch.model_type} (Mixture-of-Experts)"
         what = what if arch.vision is None else f"{arch.model_type} (vision-language)"
         raise ConfigError(f"quantized {what} models are not supported yet")
     if tp is not None and arch.vision is not None:
         raise ConfigError(f"{arch.model_type}: --tensor-parallel-size > 1 is not supported yet")
-    layout = TPLayout.of(arch, tp.rank, tp.size) if tp is not None else None
+    layout = TPLayout.of(arch, tp.rank, tp.size, qcfg) if tp is not None else None
     model_class = Qwen2VLForCausalLM if arch.vision is not None else LlamaForCausalLM
     with torch.device("meta"), _no_param_init():
         model = model_class(layout.local_arch(arch) if layout else arch, max_positions)
@@ -282,7 +297,8 @@ def load_model(
             apply_tp(model, tp, layout, arch.vocab_size)
         model = model.to(dtype)
         if qcfg is not None and qcfg.serialized:
-            stacked = {fused: _shard_sizes(arch, fused) for fused in ("qkv_proj", "gate_up_proj")}
+            local = layout.local_arch(arch) if layout else arch  # a rank's shards are its own
+            stacked = {fused: _shard_sizes(local, fused) for fused in ("qkv_proj", "gate_up_proj")}
             quantize_model(model, qcfg, dtype, stacked)
     if device.type == "cpu":
         check_host_memory(model, config.model, dtype)

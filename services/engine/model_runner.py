@@ -29,7 +29,7 @@ from services.engine.kv_cache import (
     plan_num_blocks,
 )
 from services.engine.kv_handoff import LayerSink
-from services.engine.loader import load_model, read_arch
+from services.engine.loader import check_tp_split, load_model
 from services.engine.lora.manager import LoRAManager
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
@@ -90,7 +90,7 @@ class ModelRunner:
         self._sharded: ShardedCopier | None = None  # rank 0's KV copier over the ranks' heads
         if tp is None and config.tensor_parallel_size > 1:
             # refused here, before any rank starts, when the heads cannot be split
-            TPLayout.of(read_arch(config.model)[1], 0, config.tensor_parallel_size)
+            check_tp_split(config.model, config.tensor_parallel_size)
             self.ranks = Ranks(config, self.device)
             tp = self.ranks.group
         self.tp = tp

@@ -64,6 +64,13 @@ class TPGroup:
         self.device_group.allreduce([x]).wait()
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of ``x`` over the ranks, in place."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.device_group.allreduce([x], opts).wait()
+        return x
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [B, n] -> [B, size * n]
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.device_group.allgather([parts], [x.contiguous()]).wait()

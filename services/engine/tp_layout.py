@@ -7,6 +7,14 @@ with fewer KV heads than ranks, each KV head is replicated on ``size / Hkv`` ran
 its query heads. The MLP's intermediate rows split the same way (column-parallel gate/up,
 row-parallel down); the vocabulary is split into equal shards of ``ceil(V / size)`` rows, the
 last one padded, so the logits gather is one equal-sized all-gather.
+
+Quantized checkpoints split the same way: each piece of a quantized layer (an fp8 weight and its
+block or per-channel scales; AWQ's and GPTQ's packed weights, zero points and group scales) is
+cut where the float weight would be, its own dimension and packing taken into account (a block
+of 128 rows, 8 values to an int32, a group of input rows). A rank's span must then start and end
+on those units: ``TPLayout.of`` refuses, naming the layer and the unit, a model whose heads or
+MLP rows do not. GPTQ act-order checkpoints are refused (their groups run across every rank's
+input rows).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from services.config import ConfigError
 from services.engine.model_config import ArchConfig
+from services.engine.quantization.config import QuantConfig
 
 Span = tuple[int, int]  # [start, end)
 
@@ -29,8 +38,56 @@ _SLICES = {
     "up_proj": ("mlp", 0),
     "down_proj": ("mlp", 1),
 }
-_PIECE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.(weight|bias)$")
+_PIECE = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
+    r"(weight|bias|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+)
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class PieceCut:
+    """Where one checkpoint piece holds a float weight's output rows (``rows``) and input
+    columns (``cols``): (the piece's dimension, units of the weight per entry along it); None:
+    the piece is whole on every rank along that axis (a per-channel scale's columns)."""
+
+    rows: tuple[int, int] | None
+    cols: tuple[int, int] | None
+
+
+def piece_cuts(piece: str, qcfg: QuantConfig | None) -> PieceCut | None:
+    """How ``piece`` of a projection is laid out; None: the rank does not load it at all."""
+    if piece in ("weight", "bias") or qcfg is None:
+        return PieceCut((0, 1), (1, 1))
+    if qcfg.method == "fp8":
+        if piece == "weight_scale_inv" and qcfg.weight_block is not None:
+            bn, bk = qcfg.weight_block
+            return PieceCut((0, bn), (1, bk))
+        return PieceCut((0, 1), None)  # weight_scale: per channel [N, 1] (or one per tensor)
+    group, awq = qcfg.group_size, qcfg.method == "awq"
+    if piece == "qweight":  # AWQ [K, N/8]; GPTQ [K/8, N]
+        return PieceCut((1, 8), (0, 1)) if awq else PieceCut((1, 1), (0, 8))
+    if piece == "qzeros":  # [K/G, N/8]
+        return PieceCut((1, 8), (0, group))
+    if piece == "scales":  # [K/G, N]
+        return PieceCut((1, 1), (0, group))
+    return None  # g_idx without act-order: the trivial order, not needed
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _alignment(qcfg: QuantConfig | None) -> tuple[int, int]:
+    """(rows, columns) of the float weight a rank's span must be a multiple of."""
+    if qcfg is None:
+        return 1, 1
+    if qcfg.method == "fp8":
+        return qcfg.weight_block or (1, 1)
+    return 8, qcfg.group_size
 
 
 def split(n: int, parts: int, index: int) -> Span:
@@ -46,6 +103,7 @@ class CheckpointSlice:
     start: int
     end: int
     pad_to: int | None = None  # rows the rank's parameter has (a padded vocabulary shard)
+    skip: bool = False  # the rank does not load this tensor
 
 
 @dataclass(frozen=True)
@@ -58,16 +116,24 @@ class TPLayout:
     vocab: Span  # the real rows of this rank's vocabulary shard
     vocab_shard: int  # rows of every rank's shard (the last one padded)
     head_dim: int
+    quant: QuantConfig | None = None  # a quantized checkpoint's format (None: float weights)
 
     @classmethod
-    def of(cls, arch: ArchConfig, rank: int, size: int) -> TPLayout:
-        """This rank's part; ConfigError naming the cause when the model cannot be split."""
+    def of(
+        cls, arch: ArchConfig, rank: int, size: int, quant: QuantConfig | None = None
+    ) -> TPLayout:
+        """This rank's part; ConfigError naming the cause when the model cannot be split.
+        ``quant``: the quantization of the checkpoint as loaded (None for float weights, and
+        for fp8 quantized at load time, which quantizes each rank's float slice)."""
         nq, nkv = arch.num_heads, arch.num_kv_heads
         where = f"--tensor-parallel-size {size}"
         if arch.moe is not None:
             raise ConfigError(f"{where}: Mixture-of-Experts models are not split yet; use 1")
-        if arch.quantization_config:
-            raise ConfigError(f"{where}: quantized checkpoints are not split yet; use 1")
+        if quant is not None and quant.desc_act:
+            raise ConfigError(
+                f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
+                "mix every rank's input rows); use 1, or a checkpoint without act-order"
+            )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
         if nkv >= size:
@@ -88,7 +154,36 @@ class TPLayout:
         shard = -(-arch.vocab_size // size)
         vocab = (min(rank * shard, arch.vocab_size), min((rank + 1) * shard, arch.vocab_size))
         mlp = split(arch.intermediate_size, size, rank)
-        return cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim)
+        layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant)
+        if size > 1 and quant is not None and quant.serialized:
+            layout._check_alignment(arch, where)
+        return layout
+
+    def _check_alignment(self, arch: ArchConfig, where: str) -> None:
+        """Every rank's cut of a quantized layer lands on its format's units (any rank: the
+        spans of all ranks are checked, so every rank refuses alike)."""
+        assert self.quant is not None
+        rows, cols = _alignment(self.quant)
+        d = arch.head_dim
+        what = {"fp8": "fp8 block", "awq": "AWQ", "gptq": "GPTQ"}[self.quant.method]
+        for r in range(self.size):
+            other = TPLayout.of(arch, r, self.size)
+            q = (other.q_heads[0] * d, other.q_heads[1] * d, arch.num_heads * d)
+            kv = (other.kv_heads[0] * d, other.kv_heads[1] * d, arch.num_kv_heads * d)
+            mlp = (*other.intermediate, arch.intermediate_size)
+            checks = [  # (what is cut, its span, the unit it must fall on, along which axis)
+                ("q_proj rows", q, rows, "rows"), ("o_proj input columns", q, cols, "columns"),
+                ("k_proj and v_proj rows", kv, rows, "rows"),
+                ("gate_proj and up_proj rows", mlp, rows, "rows"),
+                ("down_proj input columns", mlp, cols, "columns"),
+            ]  # fmt: skip
+            for name, (start, end, whole), unit, axis in checks:
+                if start % unit or (end % unit and end != whole):
+                    raise ConfigError(
+                        f"{where}: rank {r}'s {name} [{start}, {end}) do not fall on the {what} "
+                        f"unit of {unit} {axis}; use a tensor-parallel size that cuts them on "
+                        "whole units (or 1)"
+                    )
 
     def local_arch(self, arch: ArchConfig) -> ArchConfig:
         """The plain model this rank builds: its heads, its MLP rows, its vocabulary shard."""
@@ -100,23 +195,36 @@ class TPLayout:
             vocab_size=self.vocab_shard,
         )
 
-    def checkpoint_slice(self, name: str) -> CheckpointSlice | None:
-        """The part of an HF checkpoint tensor this rank loads; None: all of it (norms)."""
+    def checkpoint_slice(
+        self, name: str, shape: tuple[int, ...] | None = None
+    ) -> CheckpointSlice | None:
+        """The part of an HF checkpoint tensor (of ``shape``) this rank loads; None: all of it
+        (norms, and a per-tensor scale)."""
         if name in _VOCAB:
             return CheckpointSlice(0, *self.vocab, pad_to=self.vocab_shard)
         match = _PIECE.search(name)
         if match is None:
             return None
         span, dim = _SLICES[match.group(1)]
-        if match.group(2) == "bias" and dim == 1:
+        piece = match.group(2)
+        if piece == "bias" and dim == 1:
             return None  # a row-parallel bias is added once, after the all-reduce
+        cuts = piece_cuts(piece, self.quant)
+        if cuts is None:
+            return CheckpointSlice(0, 0, 0, skip=True)
+        if piece == "weight_scale" and shape is not None and _numel(shape) == 1:
+            return None  # one scale for the whole tensor
+        cut = cuts.rows if dim == 0 else cuts.cols
+        if cut is None:
+            return None
         d = self.head_dim
         start, end = {
             "q": (self.q_heads[0] * d, self.q_heads[1] * d),
             "kv": (self.kv_heads[0] * d, self.kv_heads[1] * d),
             "mlp": self.intermediate,
         }[span]
-        return CheckpointSlice(dim, start, end)
+        tensor_dim, unit = cut
+        return CheckpointSlice(tensor_dim, start // unit, -(-end // unit))
 
     def param_slice(self, name: str, arch: ArchConfig) -> tuple[int, int, list[Span]] | None:
         """Where this rank's part of our (fused) parameter ``name`` lies in the whole model's

@@ -8,6 +8,8 @@ float checkpoint quantizes each layer once its float weights are loaded.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,6 +17,7 @@ from services.engine.quantization.base import QuantLinear
 from services.engine.quantization.config import QuantConfig
 from services.engine.quantization.fp8 import Fp8Linear
 from services.engine.quantization.int4 import Int4Linear
+from services.engine.tp_layers import RowParallelLinear
 
 QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -44,13 +47,24 @@ def quantize_model(
             )
         else:
             layer = Fp8Linear(k, n, shards, bias, dtype, qcfg.weight_block)
+        layer.group = _row_parallel_group(linear)
         setattr(parent, attr, layer)
 
 
 def quantize_loaded(model: nn.Module) -> None:
-    """Quantize the loaded float layers to fp8 (per-channel scales), one at a time."""
+    """Quantize the loaded float layers to fp8 (per-channel scales), one at a time. On a
+    tensor-parallel rank each layer is the rank's slice; a row-parallel layer's scales are
+    those of its whole rows (agreed over the ranks)."""
     for parent, attr, linear in _targets(model):
-        setattr(parent, attr, Fp8Linear.from_linear(linear))
+        group = _row_parallel_group(linear)
+        layer = Fp8Linear.from_linear(linear, group)
+        layer.group = group
+        setattr(parent, attr, layer)
+
+
+def _row_parallel_group(linear: nn.Linear) -> Any:
+    """The tensor-parallel group a row-parallel layer sums over (None: any other layer)."""
+    return linear.group if isinstance(linear, RowParallelLinear) else None
 
 
 def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:

@@ -3,6 +3,8 @@ checkpoint tensors have arrived, and the optional bias."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -34,6 +36,19 @@ class QuantLinear(nn.Module):
         else:
             self.bias = None
         self.received: set[tuple[str, int]] = set()
+        # a row-parallel layer of a tensor-parallel rank: its partial products are summed over
+        # the ranks (the group's all_reduce) before the bias, which is added once
+        self.group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.group is None:
+            return self.matmul(x, self.bias)
+        y = self.group.all_reduce(self.matmul(x, None))
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` in this layer's format."""
+        raise NotImplementedError
 
     def rows(self, shard: int | None) -> tuple[int, int]:
         """(first output row, row count) of a shard in the fused layer."""

@@ -7,6 +7,8 @@ any size land in place and the kernels find ``W[n, k]``'s scale at ``scale[n, k 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -36,12 +38,18 @@ class Fp8Linear(QuantLinear):
         self.register_buffer("scale", torch.empty(out_features, scale_cols, dtype=torch.float32))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        """Quantize a loaded float layer, one scale per output row (``--quantization fp8``)."""
+    def from_linear(cls, linear: nn.Linear, group: Any = None) -> Fp8Linear:
+        """Quantize a loaded float layer, one scale per output row (``--quantization fp8``).
+        ``group``: the tensor-parallel group of a row-parallel layer, whose ranks each hold
+        part of every row; the rows' magnitudes are then agreed over it, so that each rank
+        gets the scales one rank would have (and N ranks the model of one)."""
         n, k = linear.weight.shape
         with torch.device(linear.weight.device):
             layer = cls(k, n, [n], linear.bias is not None, linear.weight.dtype, None)
-        weight, scale = quantize_fp8_rows(linear.weight.data)
+        amax = None
+        if group is not None:
+            amax = group.all_reduce_max(linear.weight.data.float().abs().amax(dim=1, keepdim=True))
+        weight, scale = quantize_fp8_rows(linear.weight.data, amax)
         layer.weight.copy_(weight)
         layer.scale.copy_(scale)
         if linear.bias is not None and layer.bias is not None:
@@ -62,5 +70,5 @@ class Fp8Linear(QuantLinear):
             return False
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        return ops.fp8_linear(x, self.weight, self.scale, self.block_k, self.bias)
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return ops.fp8_linear(x, self.weight, self.scale, self.block_k, bias)

@@ -93,9 +93,7 @@ class Int4Linear(QuantLinear):
             (p, s) for p in ("bias", *self.PIECES) for s in range(len(self.shard_sizes))
         }
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
             x = x[:, self.perm]
-        return ops.w4a16_linear(
-            x, self.qweight, self.scales, self.zeros, self.group_size, self.bias
-        )
+        return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias)

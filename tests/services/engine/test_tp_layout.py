@@ -8,6 +8,7 @@ import pytest
 
 from services.config import ConfigError
 from services.engine.model_config import ArchConfig, MoeConfig
+from services.engine.quantization.config import QuantConfig
 from services.engine.tp_layout import CheckpointSlice, TPLayout, split
 
 # SmolLM2-135M's shapes
@@ -60,12 +61,58 @@ def test_heads_that_cannot_be_split_are_refused(
     assert f"--tensor-parallel-size {size}" in str(err.value)
 
 
-def test_moe_and_quantized_models_are_refused() -> None:
+def test_moe_models_and_act_order_checkpoints_are_refused() -> None:
     moe = MoeConfig(4, 2, 32, True, (0,), True)
     with pytest.raises(ConfigError, match="Mixture-of-Experts"):
         TPLayout.of(replace(ARCH, moe=moe), 0, 2)
-    with pytest.raises(ConfigError, match="quantized"):
-        TPLayout.of(replace(ARCH, quantization_config={"quant_method": "fp8"}), 0, 2)
+    with pytest.raises(ConfigError, match="act-order"):
+        TPLayout.of(ARCH, 0, 2, QuantConfig("gptq", desc_act=True))
+
+
+@pytest.mark.parametrize(
+    ("quant", "needle"),
+    [
+        # head_dim 32, 4 heads over 2 ranks: a rank's 64 query rows cut a 128-row block
+        (QuantConfig("fp8", weight_block=(128, 128)), r"rank 0's q_proj rows \[0, 64\) .* 128 rows"),
+        # MLP 208 rows: rank 0's down_proj columns end at 104, inside a 64-column group
+        (QuantConfig("awq", group_size=64), r"rank 0's down_proj input columns \[0, 104\)"),
+    ],
+)  # fmt: skip
+def test_quantized_cuts_off_their_units_are_refused(quant: QuantConfig, needle: str) -> None:
+    arch = replace(ARCH, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=208)
+    with pytest.raises(ConfigError, match=needle):
+        TPLayout.of(arch, 1, 2, quant)  # every rank is checked, whichever asks
+    TPLayout.of(arch, 1, 2, QuantConfig("fp8", serialized=False))  # quantized per rank: no units
+
+
+def test_quantized_pieces_are_cut_along_their_own_layout() -> None:
+    """Rank 1 of SmolLM2's shape: q rows [384, 576), MLP rows [768, 1536)."""
+    layer = "model.layers.0"
+    fp8 = TPLayout.of(ARCH, 1, 2, QuantConfig("fp8", weight_block=(64, 128)))
+    assert fp8.checkpoint_slice(f"{layer}.self_attn.q_proj.weight_scale_inv") == CheckpointSlice(
+        0, 6, 9
+    )
+    assert fp8.checkpoint_slice(f"{layer}.mlp.down_proj.weight_scale_inv") == CheckpointSlice(
+        1, 6, 12
+    )
+    channel = TPLayout.of(ARCH, 1, 2, QuantConfig("fp8"))
+    assert channel.checkpoint_slice(
+        f"{layer}.mlp.up_proj.weight_scale", (1536, 1)
+    ) == CheckpointSlice(0, 768, 1536)
+    assert channel.checkpoint_slice(f"{layer}.mlp.down_proj.weight_scale", (576, 1)) is None
+    assert channel.checkpoint_slice(f"{layer}.mlp.up_proj.weight_scale", ()) is None  # per tensor
+    awq = TPLayout.of(ARCH, 1, 2, QuantConfig("awq", group_size=64))
+    assert awq.checkpoint_slice(f"{layer}.mlp.up_proj.qweight") == CheckpointSlice(1, 96, 192)
+    assert awq.checkpoint_slice(f"{layer}.mlp.down_proj.qweight") == CheckpointSlice(0, 768, 1536)
+    assert awq.checkpoint_slice(f"{layer}.mlp.down_proj.qzeros") == CheckpointSlice(0, 12, 24)
+    assert awq.checkpoint_slice(f"{layer}.mlp.up_proj.scales") == CheckpointSlice(1, 768, 1536)
+    gptq = TPLayout.of(ARCH, 1, 2, QuantConfig("gptq", group_size=64))
+    assert gptq.checkpoint_slice(f"{layer}.mlp.down_proj.qweight") == CheckpointSlice(0, 96, 192)
+    assert gptq.checkpoint_slice(f"{layer}.mlp.up_proj.qweight") == CheckpointSlice(1, 768, 1536)
+    assert gptq.checkpoint_slice(f"{layer}.mlp.up_proj.qzeros") == CheckpointSlice(1, 96, 192)
+    assert gptq.checkpoint_slice(f"{layer}.mlp.down_proj.g_idx") == CheckpointSlice(
+        0, 0, 0, skip=True
+    )
 
 
 def test_vocabulary_shards_are_equal_the_last_one_padded() -> None:

@@ -105,10 +105,10 @@ def fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, scale, q.float() * scale
 
 
-def fp8_checkpoint(path: Path, scheme: str, seed: int = 0) -> tuple[Path, Weights]:
+def fp8_checkpoint(path: Path, scheme: str, seed: int = 0, **extra: Any) -> tuple[Path, Weights]:
     """scheme: "block" (HF fp8, 128x128 weight_scale_inv), "channel" (compressed-tensors
     FP8_DYNAMIC, weight_scale [N, 1]) or "tensor" (fp8 without blocks, one weight_scale each)."""
-    cfg = tiny_config(torch_dtype="bfloat16")
+    cfg = tiny_config(torch_dtype="bfloat16", **extra)
     w = random_weights(cfg, seed)
     tensors, deq = dict(w), dict(w)
     for name in linear_names(w):

@@ -1,0 +1,94 @@
+"""Quantized checkpoints split over tensor-parallel ranks (Gloo on the CPU): two ranks give the
+greedy tokens of one, for every on-disk format that can be split and for fp8 quantized at load
+time; what cannot be split is refused before any rank starts, naming the cause."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protos.sampling_params import SamplingParams
+from services.config import ConfigError
+from services.engine.llm import LLM
+from tests.services.engine.conftest import rank_processes
+from tests.services.engine.quantization import checkpoints as ck
+
+# head_dim 128: a rank's 2 query heads (256 rows), its KV head (128 rows) and its half of the
+# 512 MLP rows all fall on 128-row fp8 blocks and int4 groups of 128 input columns
+SPLITTABLE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 128}  # fmt: skip
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_rank_left() -> Iterator[None]:
+    yield
+    assert rank_processes() == [], "a tensor-parallel rank outlived its engine"
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 9, 40)]
+
+
+def _checkpoint(root: Path, fmt: str, **config: Any) -> Path:
+    config = config or SPLITTABLE
+    if fmt.startswith("fp8-"):
+        path = ck.fp8_checkpoint(root / fmt, fmt.removeprefix("fp8-"), **config)[0]
+    elif fmt == "float":
+        cfg = ck.tiny_config(**config)
+        path = ck.write(root / fmt, cfg, ck.random_weights(cfg))
+    else:
+        path = ck.int4_checkpoint(root / fmt, fmt, **config)[0]
+    _tokenizer().save_pretrained(path)  # the engine detokenizes (ids < 256 stay ids)
+    return path
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    from services.engine.llm_engine import load_tokenizer
+    from services.model_files import prepare_model
+
+    return load_tokenizer(str(prepare_model("embedded").hf_dir))
+
+
+def _tokens(path: Path, size: int, **knobs: Any) -> list[list[int]]:
+    with LLM(str(path), dtype="float32", tensor_parallel_size=size, **knobs) as llm:
+        return [r.outputs[0].token_ids for r in llm.generate(_prompts(), GREEDY)]
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "fp8-tensor", "awq", "gptq"])
+def test_two_ranks_give_the_tokens_of_one(fmt: str, tmp_path: Path) -> None:
+    """Each rank reads its slice of the packed weights, zero points and scales straight from
+    the file; the row-parallel layers (o_proj, down_proj) sum their partial products."""
+    path = _checkpoint(tmp_path, fmt)
+    assert _tokens(path, 2) == _tokens(path, 1)
+
+
+def test_fp8_quantized_at_load_time_on_two_ranks(tmp_path: Path) -> None:
+    """--quantization fp8 quantizes each rank's float slice: the column-parallel layers get the
+    per-channel scales of one rank as they are, a row-parallel layer's ranks agree on each
+    row's magnitude first, so two ranks hold the fp8 model of one."""
+    path = _checkpoint(tmp_path, "float")
+    one = _tokens(path, 1, quantization="fp8")
+    assert one != _tokens(path, 1)  # the fp8 weights were used
+    assert _tokens(path, 2, quantization="fp8") == one
+
+
+def test_what_cannot_be_split_is_refused_before_a_rank_starts(tmp_path: Path) -> None:
+    """head_dim 32: a rank's 64 query rows cut a 128-row fp8 block; GPTQ act-order groups
+    mix every rank's input columns."""
+    block = _checkpoint(tmp_path, "fp8-block", head_dim=32)
+    with pytest.raises(ConfigError, match=r"q_proj rows \[0, 64\) .* fp8 block unit of 128 rows"):
+        LLM(str(block), dtype="float32", tensor_parallel_size=2)
+    act_order = ck.int4_checkpoint(tmp_path / "act", "gptq", desc_act=True, **SPLITTABLE)[0]
+    _tokenizer().save_pretrained(act_order)
+    assert json.loads((act_order / "config.json").read_text())["quantization_config"]["desc_act"]
+    with pytest.raises(ConfigError, match="act-order"):
+        LLM(str(act_order), dtype="float32", tensor_parallel_size=2)
