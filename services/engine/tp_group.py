@@ -67,7 +67,7 @@ class TPGroup:
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """The element-wise maximum of ``x`` over the ranks, in place."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         self.device_group.allreduce([x], opts).wait()
         return x
 
