@@ -303,10 +303,11 @@ class ModelRunner:
         plan = None
         if self.lora is not None:  # the step's adapters made resident, their rows in segments
             plan = self.lora.plan([(r.sampling_params.lora_name, r.num_new_tokens) for r in reqs])
-        lora_size = [graphs.lora.size(b)] if plan is not None and graphs.lora is not None else []
-        h64, h32 = self.staging.begin([3 * b], [b, b * W, *lora_size])
-        if plan is not None and graphs.lora is not None:
-            graphs.lora.fill(h32[2], plan, b)
+        lora = graphs.lora if plan is not None else None
+        assert plan is None or lora is not None, "graphs captured without the runner's LoRA"
+        h64, h32 = self.staging.begin([3 * b], [b, b * W, *([lora.size(b)] if lora else [])])
+        if plan is not None and lora is not None:
+            lora.fill(h32[2], plan, b)
         ids, pos, slots = h64[0].reshape(3, b)
         ctx, tables = h32[0], h32[1].reshape(b, W)
         ids[n:], pos[n:], slots[n:], ctx[n:] = 0, 0, -1, 1  # padding rows: write no KV
@@ -322,10 +323,10 @@ class ModelRunner:
                 tables[i, : len(bids)] = bids
                 i += 1
         d64, d32 = self.staging.upload()
-        lora = d32[2] if lora_size else None
-        logits, argmax = graphs.run(d64[0], d32[0], d32[1].view(b, W), b, lora)
+        segments = d32[2] if lora is not None else None
+        logits, argmax = graphs.run(d64[0], d32[0], d32[1].view(b, W), b, segments)
         self.forwards.graph += 1
-        self.forwards.graph_lora += lora is not None
+        self.forwards.graph_lora += segments is not None
         return logits[:n], argmax[:n]
 
     def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
