@@ -42,25 +42,29 @@ def test_graph_replayed_lora_decode_equals_eager(
     under = [([*names, ""])[i % (ADAPTERS + 1)] for i in range(BATCH)]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, lora_name=n)
               for n in under]  # fmt: skip
+    plain = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * BATCH
+    # no prefix hits (the second run would prefill less); a short max_model_len keeps the
+    # graphs' decode attention unsplit, as the eager steps' is at these contexts
     with LLM(MODEL, load_format="dummy", dtype=dtype, lora_config=lora, max_num_seqs=BATCH,
-             max_model_len=256, num_blocks=512, enable_prefix_caching=False) as llm:  # fmt: skip
+             max_model_len=128, num_blocks=256, enable_prefix_caching=False) as llm:  # fmt: skip
         runner = llm.engine.runner
 
         def tokens(p: list[SamplingParams]) -> list[list[int]]:
             return [r.outputs[0].token_ids for r in llm.generate(prompts, p)]
 
         assert runner.graphs is not None and runner.graphs.lora_graphs, "no LoRA graphs captured"
-        graphed = tokens(params)
+        graphed, base_graphed = tokens(params), tokens(plain)
         replays = runner.forwards.graph_lora
         graphs, runner.graphs = runner.graphs, None
-        eager = tokens(params)
-        base = tokens([SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * BATCH)
+        eager, base = tokens(params), tokens(plain)
         runner.graphs = graphs
-    assert replays >= 20, f"only {replays} LoRA decode steps replayed a graph"
+    assert replays >= 16, f"only {replays} LoRA decode steps replayed a graph"
     assert runner.forwards.graph_lora == replays, "a step with graphs set aside replayed one"
     differ = [i for i, n in enumerate(under) if n and eager[i] != base[i]]
     assert len(differ) >= BATCH // 2, (
         "the adapters barely change the tokens: a test that can't fail"
     )
     parted = [i for i in range(BATCH) if graphed[i] != eager[i]]
-    assert not parted, f"graph-replayed LoRA decode parts from eager on rows {parted}"
+    base_parted = [i for i in range(BATCH) if base_graphed[i] != base[i]]
+    assert not parted, (f"graph-replayed LoRA decode parts from eager on rows {parted} (under "
+                        f"{[under[i] for i in parted]}); base-model graphs part on {base_parted}")  # fmt: skip
