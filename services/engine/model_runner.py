@@ -305,7 +305,9 @@ class ModelRunner:
             plan = self.lora.plan([(r.sampling_params.lora_name, r.num_new_tokens) for r in reqs])
         lora = graphs.lora if plan is not None else None
         assert plan is None or lora is not None, "graphs captured without the runner's LoRA"
-        h64, h32 = self.staging.begin([3 * b], [b, b * W, *([lora.size(b)] if lora else [])])
+        h64, h32 = self.staging.begin(
+            [3 * b], [b, b * W, *([lora.size(b)] if lora is not None else [])]
+        )
         if plan is not None and lora is not None:
             lora.fill(h32[2], plan, b)
         ids, pos, slots = h64[0].reshape(3, b)
