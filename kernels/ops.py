@@ -302,6 +302,7 @@ def add_lora(
     x: torch.Tensor,  # [T, K]
     lora_a: torch.Tensor,  # [S, R, K]
     lora_b: torch.Tensor,  # [S, N, R]
+    seg_rows: torch.Tensor,  # [P]
     seg_starts: torch.Tensor,  # [G]
     seg_lens: torch.Tensor,  # [G]
     seg_slots: torch.Tensor,  # [G]
@@ -310,4 +311,4 @@ def add_lora(
     """Each segment's adapter update added to its rows of ``y`` (``kernels.lora``)."""
     mod = _triton("triton_lora", x)
     fn = mod.add_lora if mod is not None else ref_add_lora
-    return fn(y, x, lora_a, lora_b, seg_starts, seg_lens, seg_slots, max_seg_len)
+    return fn(y, x, lora_a, lora_b, seg_rows, seg_starts, seg_lens, seg_slots, max_seg_len)

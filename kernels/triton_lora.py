@@ -1,12 +1,17 @@
 """Batched LoRA in Triton: a segmented shrink (``x @ A^T``) then a segmented expand
 (``y += xa @ B^T``), the SGMV shape of Punica and vLLM's LoRA kernels.
 
-Both grids are (segment, row block[, column block]); a program whose row block lies past its
-segment's end returns at once, so the grid's rows are the longest segment's. The shrink keeps
-its [T, R] result in fp32 for the expand; R (all of a fused layer's shard ranks, stacked) is
-padded to one power-of-two tile of at least 16 (tl.dot's least), which the zero-padded weights
-make harmless. The rank is small (<= 3 x 64 here), so the shrink is a thin GEMM bound by
-reading x and A, the expand by reading B and writing y.
+A segment is a run of entries of ``seg_rows``, the rows of ``x`` and ``y`` it covers (one
+adapter's rows, wherever they lie in the batch). Both grids are (segment, row block[, column
+block]); a program whose row block lies past its segment's end returns at once, so the grid's
+rows are ``max_seg_len``'s. The grid and every buffer depend only on the shapes and on
+``max_seg_len``, never on the index tensors' values: a CUDA graph captured over fixed-size index
+buffers (segments of zero length for the slots a step leaves empty) replays any step's values
+that fit them. The shrink keeps its [P, R] result (one row per entry of ``seg_rows``) in fp32
+for the expand; R (all of a fused layer's shard ranks, stacked) is padded to one power-of-two
+tile of at least 16 (tl.dot's least), which the zero-padded weights make harmless. The rank is
+small (<= 3 x 64 here), so the shrink is a thin GEMM bound by reading x and A, the expand by
+reading B and writing y.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ BLOCK_M = 16
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, xa_ptr, starts_ptr, lens_ptr, slots_ptr, K, R,
+    x_ptr, a_ptr, xa_ptr, rows_ptr, starts_ptr, lens_ptr, slots_ptr, K, R,
     s_xm, s_as, s_ar, s_xam, K_PER,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
@@ -45,7 +50,8 @@ def _shrink_kernel(
     slot = tl.load(slots_ptr + g).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < length
-    rows = (start + offs_m).to(tl.int64)
+    entries = (start + offs_m).to(tl.int64)  # this block's entries of seg_rows (and xa's rows)
+    rows = tl.load(rows_ptr + entries, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -58,7 +64,7 @@ def _shrink_kernel(
         at = tl.load(a_ptr + slot * s_as + offs_r[None, :] * s_ar + ks[:, None],
                      mask=r_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]  # fmt: skip
         acc += mma(xv, at, UPCAST, PRECISION)
-    xa_ptrs = xa_ptr + rows[:, None] * s_xam + offs_r[None, :]
+    xa_ptrs = xa_ptr + entries[:, None] * s_xam + offs_r[None, :]
     if SPLIT == 1:
         tl.store(xa_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
     else:  # the slices of K add up in xa (zeroed by the launcher)
@@ -67,7 +73,7 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    xa_ptr, b_ptr, y_ptr, starts_ptr, lens_ptr, slots_ptr, N, R,
+    xa_ptr, b_ptr, y_ptr, rows_ptr, starts_ptr, lens_ptr, slots_ptr, N, R,
     s_xam, s_bs, s_bn, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
@@ -81,12 +87,13 @@ def _expand_kernel(
     slot = tl.load(slots_ptr + g).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < length
-    rows = (start + offs_m).to(tl.int64)
+    entries = (start + offs_m).to(tl.int64)  # this block's entries of seg_rows (and xa's rows)
+    rows = tl.load(rows_ptr + entries, mask=m_mask, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    xa = tl.load(xa_ptr + rows[:, None] * s_xam + offs_r[None, :],
+    xa = tl.load(xa_ptr + entries[:, None] * s_xam + offs_r[None, :],
                  mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R] fp32  # fmt: skip
     bt = tl.load(b_ptr + slot * s_bs + offs_n[None, :] * s_bn + offs_r[:, None],
                  mask=n_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]  # fmt: skip
@@ -102,6 +109,7 @@ def add_lora(
     x: torch.Tensor,  # [T, K]
     lora_a: torch.Tensor,  # [S, R, K]
     lora_b: torch.Tensor,  # [S, N, R]
+    seg_rows: torch.Tensor,  # [P]
     seg_starts: torch.Tensor,  # [G]
     seg_lens: torch.Tensor,  # [G]
     seg_slots: torch.Tensor,  # [G]
@@ -112,7 +120,9 @@ def add_lora(
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("lora_a", lora_a, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES)
-    for name, t in (("seg_starts", seg_starts), ("seg_lens", seg_lens), ("seg_slots", seg_slots)):
+    index = {"seg_rows": seg_rows, "seg_starts": seg_starts, "seg_lens": seg_lens,
+             "seg_slots": seg_slots}  # fmt: skip
+    for name, t in index.items():
         check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES)
     t_rows, k = x.shape
     s, r, ka = lora_a.shape
@@ -129,9 +139,10 @@ def add_lora(
         raise ValueError(f"lora_a is {lora_a.dtype} but x is {x.dtype}: load adapters in x's dtype")
     if lora_a.stride(2) != 1 or lora_b.stride(2) != 1:
         raise ValueError("lora_a and lora_b must be contiguous in their last dim")
-    check_devices(y=y, x=x, lora_a=lora_a, lora_b=lora_b, seg_starts=seg_starts,
-                  seg_lens=seg_lens, seg_slots=seg_slots)  # fmt: skip
-    groups = seg_starts.shape[0]
+    if max_seg_len > seg_rows.shape[0]:
+        raise ValueError(f"max_seg_len {max_seg_len} exceeds seg_rows' {seg_rows.shape[0]} entries")
+    check_devices(y=y, x=x, lora_a=lora_a, lora_b=lora_b, **index)
+    groups, entries = seg_starts.shape[0], seg_rows.shape[0]
     if groups == 0 or max_seg_len == 0 or n == 0 or r == 0:
         return y
     block_r = max(16, triton.next_power_of_2(r))
@@ -145,16 +156,16 @@ def add_lora(
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per)
     alloc = torch.zeros if split > 1 else torch.empty
-    xa = alloc((t_rows, r), dtype=torch.float32, device=x.device)  # [T, R]
+    xa = alloc((entries, r), dtype=torch.float32, device=x.device)  # [P, R]
     _shrink_kernel[(groups, m_blocks, split)](
-        x, lora_a, xa, seg_starts, seg_lens, seg_slots, k, r,
+        x, lora_a, xa, seg_rows, seg_starts, seg_lens, seg_slots, k, r,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), xa.stride(0), k_per,
         BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PRECISION=dot_precision(x.dtype), SPLIT=split,
     )  # fmt: skip
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     _expand_kernel[(groups, m_blocks, triton.cdiv(n, block_n))](
-        xa, lora_b, y, seg_starts, seg_lens, seg_slots, n, r,
+        xa, lora_b, y, seg_rows, seg_starts, seg_lens, seg_slots, n, r,
         xa.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
     )  # fmt: skip

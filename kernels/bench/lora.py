@@ -3,7 +3,8 @@
     python -m kernels.bench.lora [--tokens 1 16 256 4096] [--json-out lora.json]
 
 Shape: Llama-3.1-8B's fused qkv projection (K 4096, N 6144) with rank-16 adapters on q, k and v
-(R 48), bf16, the tokens split evenly over 4 adapters of 8 slots. Napkin math: the shrink reads
+(R 48), bf16, the tokens split evenly over 4 adapters of 8 slots, each adapter's rows
+interleaved with the others' (gathered by ``seg_rows``). Napkin math: the shrink reads
 x (T x K) and each touched adapter's A (R x K); the expand reads B (N x R) per touched adapter
 and reads and writes y (T x N). At decode sizes that is bytes-bound: 4 adapters' A and B are
 4 x (48 x 4096 + 6144 x 48) x 2 B = 4 MB, ~1.3 us at ~3 TB/s, plus y. FLOPs are
@@ -31,13 +32,15 @@ class Case:
     x: torch.Tensor  # [T, K]
     a: torch.Tensor  # [S, R, K]
     b: torch.Tensor  # [S, N, R]
+    rows: torch.Tensor  # [T]
     starts: torch.Tensor  # [G]
     lens: torch.Tensor  # [G]
     slots: torch.Tensor  # [G]
     longest: int
 
-    def args(self) -> tuple[T, T, T, T, T, T, T, int]:
-        return (self.y, self.x, self.a, self.b, self.starts, self.lens, self.slots, self.longest)
+    def args(self) -> tuple[T, T, T, T, T, T, T, T, int]:
+        return (self.y, self.x, self.a, self.b, self.rows, self.starts, self.lens, self.slots,
+                self.longest)  # fmt: skip
 
     def bytes(self) -> int:
         """x read, y read and written, and each touched adapter's A and B read once."""
@@ -54,7 +57,8 @@ class Case:
 
 def build(tokens: int, k: int, n: int, rank: int, slots: int, adapters: int,
           device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Case:  # fmt: skip
-    """``tokens`` split into ``adapters`` segments (slot i for segment i), every slot filled."""
+    """``tokens`` split into ``adapters`` segments (slot i for segment i), every slot filled; the
+    adapters' rows interleaved (round robin, as a batch of requests spread over them lies)."""
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -63,9 +67,10 @@ def build(tokens: int, k: int, n: int, rank: int, slots: int, adapters: int,
     groups = min(adapters, tokens)
     lens = [tokens // groups + (i < tokens % groups) for i in range(groups)]
     starts = [sum(lens[:i]) for i in range(groups)]
+    rows = [t for g in range(groups) for t in range(g, tokens, groups)]
     idx = functools.partial(torch.tensor, dtype=torch.int32, device=device)
     return Case(rand(tokens, n), rand(tokens, k), rand(slots, rank, k, scale=k**-0.5),
-                rand(slots, n, rank, scale=rank**-0.5), idx(starts), idx(lens),
+                rand(slots, n, rank, scale=rank**-0.5), idx(rows), idx(starts), idx(lens),
                 idx(list(range(groups))), max(lens))  # fmt: skip
 
 
@@ -76,10 +81,8 @@ def check(case: Case) -> float:
 
     y = case.y
     base = y.float()
-    out = add_lora(y.clone(), case.x, case.a, case.b, case.starts, case.lens, case.slots,
-                   case.longest).float() - base  # fmt: skip
-    ref = ref_add_lora(y.clone(), case.x, case.a, case.b, case.starts, case.lens, case.slots,
-                       case.longest).float() - base  # fmt: skip
+    out = add_lora(y.clone(), *case.args()[1:]).float() - base
+    ref = ref_add_lora(y.clone(), *case.args()[1:]).float() - base
     err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
     if not err < 1e-2:
         raise SystemExit(f"batched LoRA: relative error {err:.2e} against the reference")

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Issue 22 on one GPU (H100):
 #   tests   the LoRA and fused-MoE Triton kernels compiled (TRITON_INTERPRET=0) against their
-#           torch references
+#           torch references; LoRA decode replayed from CUDA graphs against the same steps run
+#           eagerly, token for token (tests/services/engine/lora/test_gpu_graphs.py)
 #   kernels python -m kernels.bench.lora and kernels.bench.moe: achieved bandwidth / FLOP/s
 #   cost    python -m services.engine.bench.lora_cost: the 8B shape (dummy weights, bf16), batch
-#           64, 4 adapters of rank 16 on every projection, against the base model
+#           64, 4 adapters of rank 16 on every projection, against the base model; its JSON
+#           says whether the LoRA variant's decode steps replayed graphs (lora_graphs)
 # Needs .whl (device_wheels.sh).
 #   bash scripts/device/lora_moe.sh tests,kernels,cost   -> $OUT/*.json (or ./gpu-out)
 set -uo pipefail
@@ -13,9 +15,9 @@ source scripts/device/lent_env.sh
 stages="${1:-tests,kernels,cost}"
 has() { [[ ",$stages," == *",$1,"* ]]; }
 if has tests; then
-  TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_triton_lora.py tests/kernels/test_triton_moe.py 2>&1 | tail -8 \
-    | tee "$out/tests.txt"
+  TRITON_INTERPRET=0 timeout 420 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_triton_lora.py tests/kernels/test_triton_moe.py \
+    tests/services/engine/lora/test_gpu_graphs.py 2>&1 | tail -12 | tee "$out/tests.txt"
 fi
 if has kernels; then
   timeout 120 python3 -m kernels.bench.lora --json-out "$out/lora-kernel.json" >"$out/lora-kernel.out" \

@@ -74,6 +74,16 @@ class StepInputs:
     starts: list[int]  # where each request's tokens start in the step (``out.requests`` order)
 
 
+@dataclass
+class ForwardCounts:
+    """Forwards run since start, by path (what a benchmark reads to tell which path ran)."""
+
+    graph: int = 0  # decode steps through the CUDA graphs (replayed, or eager on the CPU)
+    graph_lora: int = 0  # of those, steps with adapter rows
+    eager: int = 0  # steps through the eager forward (warm-up included)
+    eager_lora: int = 0  # of those, steps with adapter rows
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, max_model_len_hint: int | None = None,
@@ -135,6 +145,7 @@ class ModelRunner:
         )  # fmt: skip
         self.reader = GpuReader(self.device)
         self.graphs: DecodeGraphs | None = None
+        self.forwards = ForwardCounts()
         self._hidden: torch.Tensor | None = None  # the last eager forward's, when scoring
         self._starts: list[int] = []
         self.pooler = Pooler()  # embeddings' running state between prefill chunks
@@ -149,16 +160,15 @@ class ModelRunner:
         # an embedding worker never decodes: no decode graphs to capture; tensor parallelism
         # runs eagerly so far (capturing its collectives is to come)
         generates = config.task == "generate"
-        # LoRA steps run eagerly: a step's segments are host-built launch sizes a graph would fix
-        eager = config.enforce_eager or self.lora is not None
-        if self.device.type == "cuda" and not eager and generates and not self.tp:
+        if self.device.type == "cuda" and not config.enforce_eager and generates and not self.tp:
             # a verify step of a decode with drafts replays the same graphs, one row per token:
             # drafts only fill rows up to VERIFY_ROWS (LLMEngine._propose)
             spec = config.speculative
             rows = sched.max_num_seqs
             if spec is not None:
                 rows = max(rows, min(VERIFY_ROWS, rows * (1 + spec.num_speculative_tokens)))
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, rows, max_blocks, self.device)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, rows, max_blocks, self.device,
+                                       self.lora)  # fmt: skip
             self.graphs.capture()
 
     def warmup(self) -> float:
@@ -290,7 +300,16 @@ class ModelRunner:
         b = graphs.bucket(n)
         if b is None or graphs.max_blocks < W:
             return None
-        h64, h32 = self.staging.begin([3 * b], [b, b * W])
+        plan = None
+        if self.lora is not None:  # the step's adapters made resident, their rows in segments
+            plan = self.lora.plan([(r.sampling_params.lora_name, r.num_new_tokens) for r in reqs])
+        lora = graphs.lora if plan is not None else None
+        assert plan is None or lora is not None, "graphs captured without the runner's LoRA"
+        h64, h32 = self.staging.begin(
+            [3 * b], [b, b * W, *([lora.size(b)] if lora is not None else [])]
+        )
+        if plan is not None and lora is not None:
+            lora.fill(h32[2], plan, b)
         ids, pos, slots = h64[0].reshape(3, b)
         ctx, tables = h32[0], h32[1].reshape(b, W)
         ids[n:], pos[n:], slots[n:], ctx[n:] = 0, 0, -1, 1  # padding rows: write no KV
@@ -306,7 +325,10 @@ class ModelRunner:
                 tables[i, : len(bids)] = bids
                 i += 1
         d64, d32 = self.staging.upload()
-        logits, argmax = graphs.run(d64[0], d32[0], d32[1].view(b, W), b)
+        segments = d32[2] if lora is not None else None
+        logits, argmax = graphs.run(d64[0], d32[0], d32[1].view(b, W), b, segments)
+        self.forwards.graph += 1
+        self.forwards.graph_lora += segments is not None
         return logits[:n], argmax[:n]
 
     def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
@@ -381,6 +403,8 @@ class ModelRunner:
         if logits is not None:
             return logits
         inputs = self.prepare(out)
+        self.forwards.eager += 1
+        self.forwards.eager_lora += self.lora is not None and self.lora.batch.segments is not None
         peers = None
         if layers is not None and self.ranks is not None:  # a layer counts once every rank wrote it
             layers = peers = AfterPeers(layers, self.kv_arch.num_layers)

@@ -5,11 +5,14 @@ rank 16).
 Each variant runs in a process of its own (two engines of the 8B shape do not fit one GPU side
 by side, and a fresh process is a clean peer), one after the other: the base model
 without ``--enable-lora`` (CUDA graphs on, as users run it), then ``--enable-lora`` with the
-batch's requests spread round-robin over the adapters (which run eagerly: LoRA steps take no
-CUDA graphs yet). The adapters are random (seeded) peft directories on every projection of the
-model (q, k, v, o, gate, up, down), written into a temporary folder; the base model may be
-``--load-format dummy``. Output tokens per second over the whole batch (prefill included), and
-the ratio. Prints one JSON object.
+batch's requests spread round-robin over the adapters (CUDA graphs on too: decode steps with
+adapters replay the LoRA twin of each batch size's graph). The adapters are random (seeded) peft
+directories on every projection of the model (q, k, v, o, gate, up, down), written into a
+temporary folder; the base model may be ``--load-format dummy``. Output tokens per second over
+the whole batch (prefill included), and the ratio; each variant's forwards by path (the runner's
+``ForwardCounts``: steps replayed from graphs, with adapters or not, and eager steps), so the
+result says whether the LoRA variant's decode steps did replay graphs (``lora_graphs``). Prints
+one JSON object.
 
     python -m services.engine.bench.lora_cost --model llama-3.1-8b --load-format dummy \
         --dtype bfloat16 --adapters 4 --rank 16 --batch 64 --input-len 512 --output-len 128
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +71,20 @@ def write_adapter(path: Path, arch: ArchConfig, rank: int, seed: int) -> Path:
     return path
 
 
-def throughput(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> float:
+def throughput(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
+    """Output tokens per second of the batch, and the forwards it ran by path."""
     llm.generate(prompts[:2], params[:2])  # warm-up: kernels compiled, graphs captured
+    before = asdict(llm.engine.runner.forwards)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    after = asdict(llm.engine.runner.forwards)
+    forwards = {k: after[k] - before[k] for k in after}
+    return {"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall, "forwards": forwards}
 
 
-def measure(args: argparse.Namespace) -> float:
-    """Output tokens per second of ``args.variant`` (base or lora), in this process."""
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``throughput`` of ``args.variant`` (base or lora), in this process."""
     knobs: dict[str, Any] = dict(dtype=args.dtype, load_format=args.load_format,
                                  max_model_len=args.input_len + args.output_len + 16,
                                  max_num_seqs=args.batch, device=args.device)  # fmt: skip
@@ -100,17 +108,19 @@ def measure(args: argparse.Namespace) -> float:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    tok_s = {}
+    got = {}
     for variant in ("base", "lora"):
         cmd = [sys.executable, "-m", "services.engine.bench.lora_cost", *argv, "--variant", variant]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        tok_s[variant] = json.loads(out.strip().splitlines()[-1])["tok_s"]
-    base, with_lora = tok_s["base"], tok_s["lora"]
+        got[variant] = json.loads(out.strip().splitlines()[-1])
+    base, with_lora = got["base"]["tok_s"], got["lora"]["tok_s"]
     return {"model": args.model, "dtype": args.dtype, "batch": args.batch,
             "input_len": args.input_len, "output_len": args.output_len,
             "adapters": args.adapters, "rank": args.rank,
             "base_tok_s": round(base, 1), "lora_tok_s": round(with_lora, 1),
             "cost": round(1 - with_lora / base, 4),
+            "lora_graphs": got["lora"]["forwards"]["graph_lora"] > 0,
+            "base_forwards": got["base"]["forwards"], "lora_forwards": got["lora"]["forwards"],
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}  # fmt: skip
 
 
@@ -129,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=("base", "lora"), help=argparse.SUPPRESS)  # a child
     args = ap.parse_args(argv)
     if args.variant:
-        print(json.dumps({"tok_s": measure(args)}))
+        print(json.dumps(measure(args)))
         return 0
     forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
     if args.json_out:  # the children print; only the parent writes the file

@@ -24,12 +24,18 @@ PEFT_MODULES: dict[str, tuple[str, int]] = {
 }  # fmt: skip
 
 
+# ops.add_lora's index arguments: seg_rows [P], seg_starts [G], seg_lens [G], seg_slots [G],
+# max_seg_len
+Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
 @dataclass
 class LoRABatch:
-    """This step's segments (runs of rows of one adapter), set by the runner before a forward
-    and read by every ``LoRALinear``; None: no row of the step has an adapter."""
+    """This step's segments (each adapter's rows), set before a forward and read by every
+    ``LoRALinear``: the step's own tensors (eager), or views of a decode graph's fixed-size
+    buffers while it is captured (``graph_inputs``); None: no row of the step has an adapter."""
 
-    segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+    segments: Segments | None = None
 
 
 class LoRALinear(nn.Module):

@@ -4,13 +4,16 @@ Any number of adapters may be registered (read once, kept on the CPU); ``--max-l
 are resident in the wrapped layers' slots at a time. Before each forward, ``begin_step`` makes
 the step's adapters resident (loading into free slots, else into those of adapters the step does
 not use, least recently used first: the scheduler never puts more distinct adapters in a step
-than there are slots) and hands the layers the step's segments.
+than there are slots) and hands the layers the step's segments: one per adapter, its rows
+gathered wherever they lie. A decode step replayed from a CUDA graph takes the same plan
+(``plan``) into the graph's fixed-size buffers instead (``graph_inputs``).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,6 +22,19 @@ from protos.errors import ConfigError
 from services.config import LoRAConfig
 from services.engine.lora.adapter import LoRAAdapter, read_adapter
 from services.engine.lora.layers import PEFT_MODULES, LoRABatch, apply_lora
+
+
+@dataclass(frozen=True)
+class StepSegments:
+    """A step's adapter rows as plain data, one segment per slot the step uses (slot order): the
+    segment's rows are ``rows[starts[i] : starts[i] + lens[i]]``, wherever they lie in the
+    batch, so requests of one adapter share one segment and each adapter's weights are read once
+    per row block."""
+
+    rows: list[int]
+    starts: list[int]
+    lens: list[int]
+    slots: list[int]
 
 
 class LoRAManager:
@@ -90,25 +106,36 @@ class LoRAManager:
             self._last_used[slot] = now
         return slot_of
 
-    def begin_step(self, runs: Sequence[tuple[str, int]]) -> None:
-        """``runs``: (adapter, tokens) of each request in the step's row order ("" = base)."""
+    def plan(self, runs: Sequence[tuple[str, int]]) -> StepSegments | None:
+        """The step's segments, its adapters made resident; None when no row has an adapter.
+        ``runs``: (adapter, tokens) of each request in the step's row order ("" = base)."""
         wanted = {name for name, _ in runs if name}
         if not wanted:
-            self.batch.segments = None
-            return
+            return None
         slot_of = self._resident(wanted)
-        starts: list[int] = []
-        lens: list[int] = []
-        slots: list[int] = []
+        by_slot: dict[int, list[int]] = {}
         at = 0
         for name, n in runs:
-            if name and n:
-                if slots and slots[-1] == slot_of[name] and starts[-1] + lens[-1] == at:
-                    lens[-1] += n  # the same adapter's rows, right after: one segment
-                else:
-                    starts.append(at)
-                    lens.append(n)
-                    slots.append(slot_of[name])
+            if name:
+                by_slot.setdefault(slot_of[name], []).extend(range(at, at + n))
             at += n
-        idx = torch.tensor([starts, lens, slots], dtype=torch.int32).to(self.device)  # [3, G]
-        self.batch.segments = (idx[0], idx[1], idx[2], max(lens))
+        segments = StepSegments([], [], [], [])
+        for slot, rows in sorted(by_slot.items()):
+            if rows:
+                segments.starts.append(len(segments.rows))
+                segments.lens.append(len(rows))
+                segments.slots.append(slot)
+                segments.rows.extend(rows)
+        return segments if segments.rows else None
+
+    def begin_step(self, runs: Sequence[tuple[str, int]]) -> None:
+        """An eager step: its segments (``plan``) uploaded and handed to the layers."""
+        plan = self.plan(runs)
+        if plan is None:
+            self.batch.segments = None
+            return
+        p, g = len(plan.rows), len(plan.lens)
+        idx = torch.tensor([*plan.rows, *plan.starts, *plan.lens, *plan.slots],
+                           dtype=torch.int32).to(self.device)  # [P + 3 G]  # fmt: skip
+        seg = idx[p:].view(3, g)
+        self.batch.segments = (idx[:p], seg[0], seg[1], seg[2], max(plan.lens))

@@ -116,3 +116,30 @@ def test_runtime_load_and_unload(
     assert engine.unload_lora("again") == ["attn-r8", "mlp-r16"]
     with pytest.raises(InvalidRequestError, match="not served here"):
         engine.add_request("gone", prompts[1], replace(GREEDY, lora_name="again"))
+
+
+def test_decode_steps_through_the_graph_buffers_match_eager_steps(
+    llm: LLM, prompts: list[list[int]], expected: dict[str, list[list[int]]]
+) -> None:
+    """The CUDA-graph path on the CPU: decode steps go through ``DecodeGraphs.run`` (the step's
+    inputs and segments in the fixed-size buffers, padded to a bucket, then the forward a graph
+    would capture), mixed with the base model and alone, and give peft's tokens."""
+    from protos.blocks import blocks_for
+    from services.engine.cuda_graphs import DecodeGraphs
+
+    runner = llm.engine.runner
+    assert runner.graphs is None, "the CPU captures no graphs"
+    max_blocks = blocks_for(runner.max_model_len, runner.block_size)
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, max_blocks, runner.device,
+                                 runner.lora)  # fmt: skip
+    before = replace(runner.forwards)
+    try:
+        assert mixed(llm, prompts) == expected  # 6 rows in a graph of 8, then fewer
+        base = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
+    finally:
+        runner.graphs = None
+    assert base == expected[""]
+    graph, graph_lora = (runner.forwards.graph - before.graph,
+                         runner.forwards.graph_lora - before.graph_lora)  # fmt: skip
+    assert graph_lora > 0, "no decode step with adapters went through the graph buffers"
+    assert graph > graph_lora, "no base-only decode step went through the graphs without LoRA"

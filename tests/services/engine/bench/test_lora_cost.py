@@ -27,6 +27,10 @@ def test_a_tiny_run_reports_both_throughputs(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["base_tok_s"] > 0 and doc["lora_tok_s"] > 0 and doc["adapters"] == 2
     assert abs(doc["cost"] - (1 - doc["lora_tok_s"] / doc["base_tok_s"])) < 1e-3
+    # the CPU captures no graphs: every step of the measured batch ran eagerly, with adapters
+    assert doc["lora_graphs"] is False and doc["lora_forwards"]["graph"] == 0
+    assert doc["lora_forwards"]["eager_lora"] == doc["lora_forwards"]["eager"] > 0
+    assert doc["base_forwards"]["eager_lora"] == 0
 
 
 def test_the_written_adapter_is_served_and_changes_the_output(tmp_path: Path) -> None:

@@ -65,7 +65,8 @@ def test_slots_are_reused_least_recently_used_first(tmp_path: Path) -> None:
     assert sorted(n for n in m.slots if n) == ["a", "c"]
     m.begin_step([("c", 3), ("c", 2), ("", 1)])  # one adapter's neighbouring rows: one segment
     assert m.batch.segments is not None
-    starts, lens, _, longest = m.batch.segments
-    assert starts.tolist() == [0] and lens.tolist() == [5] and longest == 5
+    rows, starts, lens, _, longest = m.batch.segments
+    assert rows.tolist() == [0, 1, 2, 3, 4] and starts.tolist() == [0] and lens.tolist() == [5]
+    assert longest == 5
     m.remove("c")
     assert "c" not in m.slots and m.names() == ["a", "b"]
