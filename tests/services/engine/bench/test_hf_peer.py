@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,28 @@ def test_w1_refuses_what_it_cannot_measure_before_the_peer_runs(tmp_path: Path) 
         run("--image-size", "448", "--compare-transformers")
     with pytest.raises(ConfigError, match="give --compare-transformers"):
         run("--peer-num-prompts", "2")
+
+
+def test_a_batch_size_out_of_memory_is_recorded_and_the_sweep_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The 30B MoE shape leaves transformers ~15 GB of an 80 GB GPU: a large batch runs out of
+    memory in its process (the traceback names it) and the next batch size still runs."""
+
+    def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        bs = int(cmd[cmd.index("--batch-size") + 1])
+        if bs == 64:
+            return subprocess.CompletedProcess(
+                cmd, 1, "", "torch.OutOfMemoryError: CUDA out of memory"
+            )
+        line = json.dumps({"batch_size": bs, "seconds": 2.0, "total_tok_s": 100.0})
+        return subprocess.CompletedProcess(cmd, 0, line + "\n", "")
+
+    monkeypatch.setattr(hf_peer.subprocess, "run", run)
+    args = argparse.Namespace(
+        model="qwen3-30b-a3b", load_format="dummy", dtype="bfloat16",
+        num_prompts=256, input_len=1024, output_len=128, peer_num_prompts=64,
+    )  # fmt: skip
+    out = hf_peer.sweep(args, [64, 32])
+    assert out["runs"]["bs64"] == {"batch_size": 64, "error": "out of memory"}
+    assert out["best"] == out["runs"]["bs32"] and out["best"]["batch_size"] == 32
