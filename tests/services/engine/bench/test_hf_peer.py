@@ -121,24 +121,46 @@ def test_a_vl_model_runs_w1_with_images_beside_its_peer(
     assert _check_peer_run(res, 2 * 14)["image_size"] == 56
 
 
-def test_a_named_vl_config_is_a_directory_both_sides_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A named vision-language config (configs/<name>/ with config.json and
-    preprocessor_config.json, as qwen2-vl-7b): our engine and the peer find its image settings."""
-    from services import model_files
-    from tests.services.vl_model import build
+# the published configs' own keys and layout (flat text keys, rope_scaling type mrope, in_chans),
+# only the sizes shrunk to run on a CPU
+SHRINK = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+SHRINK_MOE = {**SHRINK, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+              "num_experts_per_tok": 2}  # fmt: skip
+SHRINK_VL = {**SHRINK, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+SHRINK_VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "hidden_size": 64}
 
-    build(tmp_path / "vl")
-    named = tmp_path / "configs" / "tiny-vl"
-    named.mkdir(parents=True)
-    for name in ("config.json", "preprocessor_config.json"):
-        shutil.copy(tmp_path / "vl" / name, named / name)
-    monkeypatch.setattr(model_files, "NAMED_CONFIGS_DIR", tmp_path / "configs")
-    ours = _offline(tmp_path, "tiny-vl", "--image-size", "56")
-    assert ours["prompt_tokens"] == 4 * 14 and ours["tandem"]["output_tokens"] == 4 * 3
-    argv = ["--model", "tiny-vl", "--load-format", "dummy", "--num-prompts", "4",
-            "--input-len", "8", "--output-len", "3", "--batch-size", "4", "--image-size", "56"]  # fmt: skip
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen2-vl-7b"])
+def test_the_published_configs_shrunk_run_in_our_engine_and_the_peer(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The named configs as published (qwen2-vl-7b a directory with its preprocessor_config.json),
+    only smaller: our engine and the peer read them alike, and count the same prompt tokens
+    (the same ids, the VL one with the same placeholders for its 56x56 images)."""
+    from services import model_files
+
+    files = model_files.resolve_model(name)
+    raw = json.loads(files.path.read_text())
+    configs = tmp_path / "configs"
+    if name == "qwen2-vl-7b":
+        raw |= SHRINK_VL
+        raw["vision_config"] |= SHRINK_VISION
+        (configs / "tiny").mkdir(parents=True)
+        shutil.copy(files.path.parent / "preprocessor_config.json", configs / "tiny")
+        (configs / "tiny" / "config.json").write_text(json.dumps(raw))
+        extra = ["--image-size", "56"]
+    else:
+        configs.mkdir()
+        (configs / "tiny.json").write_text(json.dumps(raw | SHRINK_MOE))
+        extra = []
+    monkeypatch.setattr(model_files, "NAMED_CONFIGS_DIR", configs)
+    ours = _offline(tmp_path, "tiny", *extra)
+    assert ours["tandem"]["output_tokens"] == 4 * 3
+    # 56x56 at min_pixels 3136: 4x4 patches, 4 image tokens, between vision start and end
+    assert ours["prompt_tokens"] == 4 * (8 + (6 if extra else 0))
+    argv = ["--model", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
+            "--output-len", "3", "--batch-size", "4", *extra]  # fmt: skip
     assert hf_peer.main(argv) == 0
     peer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert peer["prompt_tokens"] == ours["prompt_tokens"] and peer["output_tokens"] == 4 * 3
