@@ -182,27 +182,30 @@ def build_peer(model: str, load_format: str, dtype_name: str) -> Any:
     return hf.eval()
 
 
+def _workload(
+    args: argparse.Namespace, vocab: int
+) -> tuple[list[list[int]], list[tuple[ImageItem, ...]] | None, Any]:
+    """(our prompts, each one's images, the image processor) for ``args``."""
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab)
+    if not args.image_size:
+        return prompts, None, None
+    from services.engine.vision import load_image_processor
+
+    spec = vision_spec(args.model)
+    if spec is None:
+        raise SystemExit(f"--image-size needs a vision-language model; {args.model} is not")
+    prompts, images = image_prompts(spec, prompts, args.image_size)
+    return prompts, images, load_image_processor(model_dir(args.model))
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import transformers
 
     hf = build_peer(args.model, args.load_format, args.dtype)
-    vocab = hf.config.get_text_config().vocab_size
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab)
-    images, processor, warm_images = None, None, None
-    if args.image_size:
-        from services.engine.vision import load_image_processor
-
-        spec = vision_spec(args.model)
-        if spec is None:
-            raise SystemExit(f"--image-size needs a vision-language model; {args.model} is not")
-        processor = load_image_processor(model_dir(args.model))
-        warm = random_prompts(1, args.input_len, vocab, seed=1)
-        warm, warm_images = image_prompts(spec, warm, args.image_size, seed=1)
-        prompts, images = image_prompts(spec, prompts, args.image_size)
-    else:
-        warm = prompts[: min(args.batch_size, 4)]
-    run_hf(hf, warm, 4, args.batch_size, warm_images, processor)  # warm-up
+    prompts, images, processor = _workload(args, hf.config.get_text_config().vocab_size)
+    warm = min(args.batch_size, 4)  # transformers caches nothing between calls: same prompts
+    run_hf(hf, prompts[:warm], 4, args.batch_size, images[:warm] if images else None, processor)
     generated: list[int] = []
     try:
         seconds = run_hf(
