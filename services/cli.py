@@ -945,6 +945,14 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
                 help="also time transformers generate, each batch size in its own fresh process "
                 "before our engine starts; report the speed-up over its best",
             )
+            b.add_argument(
+                "--peer-num-prompts",
+                type=_positive_int,
+                default=None,
+                metavar="N",
+                help="with --compare-transformers: the peer times only the first N prompts "
+                "(rounded up to whole batches; default: --num-prompts), to bound its sweep",
+            )
         b.add_argument(
             "--json-out",
             default=None,

@@ -66,7 +66,19 @@ def embedded_gguf_path() -> Path:
 
 
 def named_configs() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(NAMED_CONFIGS_DIR.glob("*.json"))}
+    """Each named config's config.json: ``<name>.json``, or ``<name>/config.json`` where the
+    model needs more of its published files (a vision-language model's preprocessor_config.json
+    beside it: the directory is then read as a model directory without weights)."""
+    flat = {p.stem: p for p in NAMED_CONFIGS_DIR.glob("*.json")}
+    dirs = {p.parent.name: p for p in NAMED_CONFIGS_DIR.glob("*/config.json")}
+    return dict(sorted({**flat, **dirs}.items()))
+
+
+def named_model_dir(files: ModelFiles) -> Path | None:
+    """The directory of a named config's published files, for those kept as one."""
+    if files.kind == "named" and files.path.name == "config.json":
+        return files.path.parent
+    return None
 
 
 def _gguf_cache_dir(gguf: Path, name: str) -> Path:

@@ -33,7 +33,7 @@ from services.engine.speculative import (
 )
 from services.engine.step_stats import HistogramSnapshot, TokenHistogram
 from services.engine.structured import CompiledOutput, GrammarBatch, GrammarCompiler
-from services.model_files import ModelFiles
+from services.model_files import ModelFiles, named_model_dir
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.outputs import (
     PromptTokenScore,
@@ -122,9 +122,8 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.task = config.task  # generate | embed: the one kind of request this engine takes
         # how images become placeholder tokens (None: a text-only model)
-        self.vision_spec = (
-            VisionSpec.of_model_dir(files.hf_dir) if files.hf_dir is not None else None
-        )
+        model_dir = files.hf_dir or named_model_dir(files)
+        self.vision_spec = VisionSpec.of_model_dir(model_dir) if model_dir is not None else None
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if files.kind != "named" else None
         self.eos_token_ids = frozenset(self.runner.arch.eos_token_ids) | (
             {tok_eos} if tok_eos is not None else set()

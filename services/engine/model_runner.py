@@ -42,6 +42,7 @@ from services.engine.tp_layout import TPLayout
 from services.engine.tp_ranks import Ranks, RankStep
 from services.engine.vision import VisionInputs
 from services.engine.warmup import warmup_steps
+from services.model_files import named_model_dir
 from services.scheduling.outputs import (
     PromptTokenScore,
     SampledToken,
@@ -151,10 +152,13 @@ class ModelRunner:
         self.pooler = Pooler()  # embeddings' running state between prefill chunks
         self.vision: VisionInputs | None = None
         if isinstance(self.model, Qwen2VLForCausalLM) and self.arch.vision is not None:
-            assert self.files.hf_dir is not None or self.files.kind == "named"
-            self.vision = VisionInputs(
-                self.model, self.arch.vision, self.files.hf_dir or self.files.path
-            )
+            model_dir = self.files.hf_dir or named_model_dir(self.files)
+            if model_dir is None:
+                raise ConfigError(
+                    f"{self.files.name}: a named vision-language config is a directory with "
+                    "its config.json and preprocessor_config.json"
+                )
+            self.vision = VisionInputs(self.model, self.arch.vision, model_dir)
         if self.device.type == "cuda" and self.rank == 0:  # the other ranks follow its steps
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
         # an embedding worker never decodes: no decode graphs to capture; tensor parallelism

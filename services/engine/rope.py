@@ -38,6 +38,8 @@ def cos_sin_cache(
 ) -> torch.Tensor:  # [max_pos, head_dim] float32: cos halves then sin halves
     scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind == "mrope":  # Qwen2-VL's published config: default frequencies, split 3-D elsewhere
+        kind = "default"
     inv_freq = _default_inv_freq(head_dim, theta)
     if kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)

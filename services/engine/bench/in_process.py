@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from protos.errors import ConfigError
-from protos.multimodal import ImageItem, place_images
+from protos.multimodal import ImageItem
 from protos.sampling_params import SamplingParams
 from services.engine.bench import hf_peer
 from services.engine.bench.hf_peer import random_prompts
@@ -55,29 +55,11 @@ def run_engine(
 def image_prompts(
     engine: LLMEngine, prompts: list[list[int]], size: int, seed: int = 0
 ) -> tuple[list[list[int]], list[tuple[ImageItem, ...]]]:
-    """W1 with images: each prompt opens with its own random ``size`` x ``size`` image (a
-    distinct one each, so neither the prefix cache nor the encoder cache helps)."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
+    """W1 with images (``hf_peer.image_prompts``, which the peer builds its prompts with too)."""
     spec = engine.vision_spec
     if spec is None:
         raise ConfigError(f"--image-size needs a vision-language model; {engine.model_name} is not")
-    special = {spec.image_token_id, spec.vision_start_id, spec.vision_end_id}
-    rng = np.random.default_rng(seed)
-    out_ids, out_images = [], []
-    for prompt in prompts:
-        buf = io.BytesIO()
-        pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(buf, format="PNG")
-        text = [100 if t in special else t for t in prompt]
-        head = [spec.vision_start_id, spec.image_token_id, spec.vision_end_id]
-        ids, items = place_images(head + text, spec, [buf.getvalue()])
-        out_ids.append(ids)
-        out_images.append(items)
-    return out_ids, out_images
+    return hf_peer.image_prompts(spec, prompts, size, seed)
 
 
 def step_profile(steps: list[tuple[float, int, int]]) -> dict[str, Any]:
@@ -147,7 +129,11 @@ def floor_seconds(engine: LLMEngine, n: int, inp: int, out: int) -> float | None
         return None
     a = engine.runner.arch
     params = sum(p.numel() for p in engine.runner.model.parameters()) - a.vocab_size * a.hidden_size
-    flops = 2 * params * n * inp + 4 * a.num_layers * a.num_heads * a.head_dim * n * inp * inp / 2
+    active = params  # a token's FLOPs; a decode step still reads every expert some token picked
+    if a.moe is not None:
+        expert = 3 * a.hidden_size * a.moe.intermediate_size
+        active -= len(a.moe.layers) * (a.moe.num_experts - a.moe.top_k) * expert
+    flops = 2 * active * n * inp + 4 * a.num_layers * a.num_heads * a.head_dim * n * inp * inp / 2
     kv_tok = a.kv_bytes_per_token(2)
     decode = sum((2 * params + n * kv_tok * (inp + s)) / 3.0e12 for s in range(out - 1))
     return flops / 780e12 + decode
@@ -155,8 +141,12 @@ def floor_seconds(engine: LLMEngine, n: int, inp: int, out: int) -> float | None
 
 def main_offline(args: argparse.Namespace) -> int:
     peer = None
-    if args.compare_transformers and args.image_size:
-        raise ConfigError("--compare-transformers does not take --image-size (no image peer yet)")
+    if args.image_size and hf_peer.vision_spec(args.model) is None:  # before the peer runs
+        raise ConfigError(f"--image-size needs a vision-language model; {args.model} is not")
+    if args.peer_num_prompts and not args.compare_transformers:
+        raise ConfigError(
+            "--peer-num-prompts is the transformers peer's: give --compare-transformers"
+        )
     if args.compare_transformers:  # first, while the GPU holds nothing of ours
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         peer = hf_peer.sweep(args, batch_sizes)
@@ -171,15 +161,20 @@ def main_offline(args: argparse.Namespace) -> int:
     else:
         run_engine(engine, prompts[: min(4, len(prompts))], 4)  # warm up
     steps: list[tuple[float, int, int]] = []
+    before = engine.generation_tokens
     secs = run_engine(engine, prompts, args.output_len, steps, images)
+    generated = engine.generation_tokens - before
     total = sum(len(p) for p in prompts) + args.num_prompts * args.output_len
     res: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
                            "output_len": args.output_len, "device": str(engine.runner.device),
                            "image_size": args.image_size,
+                           "prompt_tokens": sum(len(p) for p in prompts),
                            "tandem": {"seconds": secs, "total_tok_s": total / secs,
+                                      "output_tokens": generated,
                                       "output_tok_s": args.num_prompts * args.output_len / secs,
                                       "steps": step_profile(steps)}}  # fmt: skip
-    floor = floor_seconds(engine, args.num_prompts, args.input_len, args.output_len)
+    mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))  # image tokens included
+    floor = floor_seconds(engine, args.num_prompts, mean_prompt, args.output_len)
     if floor:
         res["floor_seconds"], res["fraction_of_floor"] = floor, floor / secs
     prof = res["tandem"]["steps"]

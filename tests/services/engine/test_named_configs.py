@@ -1,0 +1,103 @@
+"""The named configs of services/engine/configs: the published shapes, built on the meta device
+(no memory), as the engine reads them and as the transformers peer does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from protos.multimodal import VisionSpec
+from services.engine.loader import _no_param_init
+from services.engine.model_config import ArchConfig
+from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
+from services.engine.rope import cos_sin_cache
+from services.model_files import named_configs, named_model_dir, resolve_model
+
+
+def _params(arch: ArchConfig) -> dict[str, int]:
+    cls = Qwen2VLForCausalLM if arch.vision is not None else LlamaForCausalLM
+    with torch.device("meta"), _no_param_init():
+        model = cls(arch, 64)
+    return {name: p.numel() for name, p in model.named_parameters()}
+
+
+def test_every_named_config_is_listed_and_reads() -> None:
+    names = named_configs()
+    assert {"llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen2-vl-7b"} <= set(names)
+    for path in names.values():
+        ArchConfig.from_file(path)
+
+
+def test_qwen3_30b_a3b_has_the_published_shape() -> None:
+    files = resolve_model("qwen3-30b-a3b")
+    arch = ArchConfig.from_file(files.path)
+    assert files.kind == "named" and named_model_dir(files) is None
+    assert (arch.model_type, arch.hidden_size, arch.num_layers) == ("qwen3_moe", 2048, 48)
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (32, 4, 128)
+    assert (arch.vocab_size, arch.rope_theta, arch.qk_norm) == (151936, 1e6, True)
+    moe = arch.moe
+    assert moe is not None and moe.layers == tuple(range(48))
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize) == (
+        128,
+        8,
+        768,
+        True,
+    )
+    params = _params(arch)
+    total = sum(params.values())
+    experts = sum(n for name, n in params.items() if ".experts." in name)
+    active = total - experts + experts * moe.top_k // moe.num_experts
+    assert total == pytest.approx(30.53e9, rel=2e-3)  # "30.5B in total, 3.3B activated"
+    assert active == pytest.approx(3.35e9, rel=1e-2)
+    assert total * 2 / 1e9 == pytest.approx(61.1, abs=0.1)  # GB in bf16: an 80 GB GPU holds it
+
+
+def test_qwen2_vl_7b_is_a_directory_with_its_preprocessor_config() -> None:
+    files = resolve_model("qwen2-vl-7b")
+    directory = named_model_dir(files)
+    assert files.kind == "named" and directory is not None
+    arch = ArchConfig.from_file(files.path)
+    assert (arch.model_type, arch.hidden_size, arch.num_layers, arch.vocab_size) == (
+        "qwen2_vl", 3584, 28, 152064,
+    )  # fmt: skip
+    assert (arch.num_heads, arch.num_kv_heads, arch.intermediate_size) == (28, 4, 18944)
+    vis = arch.vision
+    assert vis is not None and (vis.depth, vis.embed_dim, vis.num_heads) == (32, 1280, 16)
+    assert (vis.image_token_id, vis.mrope_section) == (151655, (16, 24, 24))
+    assert sum(_params(arch).values()) == pytest.approx(8.29e9, rel=2e-3)
+    # the published rope_scaling {"type": "mrope"}: default frequencies, split 3-D elsewhere
+    default = cos_sin_cache(arch.head_dim, 8, arch.rope_theta)
+    assert torch.equal(cos_sin_cache(arch.head_dim, 8, arch.rope_theta, arch.rope_scaling), default)
+    spec = VisionSpec.of_model_dir(directory)
+    assert spec is not None
+    assert (spec.image_token_id, spec.vision_start_id, spec.vision_end_id) == (
+        151655,
+        151652,
+        151653,
+    )
+    assert (spec.patch_size, spec.merge_size, spec.temporal_patch_size) == (14, 2, 2)
+    assert (spec.min_pixels, spec.max_pixels) == (3136, 12845056)
+    grid = spec.grid(448, 448)
+    assert grid == (1, 32, 32) and spec.tokens_of(grid) == 256  # W1 with images: 256 per prompt
+    pre = json.loads((directory / "preprocessor_config.json").read_text())
+    assert pre["image_mean"][0] == pytest.approx(0.48145466)
+
+
+def test_qwen2_vl_7b_preprocesses_a_448_image_into_the_grid_its_tokens_were_counted_for() -> None:
+    from services.engine.bench.hf_peer import image_prompts
+    from services.engine.vision import load_image_processor, preprocess
+
+    directory = named_model_dir(resolve_model("qwen2-vl-7b"))
+    assert directory is not None
+    spec = VisionSpec.of_model_dir(directory)
+    assert spec is not None
+    prompts, images = image_prompts(spec, [[151655, 5, 6]], 448)
+    ((image,),), (ids,) = images, prompts
+    assert image.grid == (1, 32, 32) and (image.offset, image.num_tokens) == (1, 256)
+    assert ids[0] == spec.vision_start_id and ids[257] == spec.vision_end_id
+    assert ids.count(spec.image_token_id) == 256 and ids[258:] == [100, 5, 6]  # no stray image id
+    pixels = preprocess(load_image_processor(directory), image)
+    assert pixels.shape == (32 * 32, 3 * 2 * 14 * 14)
