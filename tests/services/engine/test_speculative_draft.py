@@ -369,7 +369,7 @@ def test_the_drafts_after_a_catch_up_are_the_drafts_from_scratch(tiny: tuple[Pat
     prompt = [rng.randrange(49152) for _ in range(10)]  # all of it within a budget of 128
     for end in (4, 8, 10):  # the target's chunks, as the engine hands them over
         proposer.prefill([PromptChunk("a", prompt, [], end)])
-    output, drafts = [rng.randrange(49152)], []
+    output, drafts = [rng.randrange(49152)], list[int]()
     for step, grow in enumerate([None, 2, 9, 99]):
         if grow is not None:  # keep the first draft, reject the rest, then more tokens
             output += [drafts[0], *(rng.randrange(49152) for _ in range(grow))]
