@@ -9,7 +9,8 @@
 #   w1       W1 (256 prompts x 1024 tokens -> 128): bf16 against fp8 throughput
 #   draft    speculative decoding with a draft of the SmolLM2-135M shape (given the 8B's
 #            vocabulary, so that it can propose for it): TPOT and acceptance at batch 1 and 64,
-#            against no speculation (random weights: the method's cost, not its quality)
+#            against no speculation (random weights: the method's cost, not its quality);
+#            draft-cost.json: the TPOT cost per batch size and where the draft's time went
 # Needs .whl (device_wheels.sh).
 #   bash scripts/device/quant_spec.sh kernels,latency   -> $OUT/*.json (or ./gpu-out)
 set -euo pipefail
@@ -71,5 +72,27 @@ PY
       --input-len 1024 --batch 1,64 --max-tokens 128 --max-model-len 2048 \
       ${s:+--speculative-config "$s"}
   done
+  # the cost of failed drafting per batch size (TPOT with / without - 1; the bound is 5%) and
+  # where the draft's time went: one JSON line, also on stderr for the log
+  if [ -s "$out/draft-off.json" ] && [ -s "$out/draft-on.json" ]; then
+    python3 - "$out/draft-off.json" "$out/draft-on.json" >"$out/draft-cost.json" <<'PY'
+import json, sys
+off, on = (json.load(open(p)) for p in sys.argv[1:3])
+rows = []
+for a, b in zip(off["results"], on["results"]):
+    spent = b["speculation"]
+    rows.append({
+        "batch": a["batch"], "tpot_ms_off": a["tpot_ms_mean"], "tpot_ms_on": b["tpot_ms_mean"],
+        "cost_pct": 100 * (b["tpot_ms_mean"] / a["tpot_ms_mean"] - 1),
+        "ttft_ms_off": a["ttft_ms_mean"], "ttft_ms_on": b["ttft_ms_mean"],
+        "verify_steps": b["verify_steps"], "draft_tokens": b["draft_tokens"],
+        "accepted_tokens": b["accepted_tokens"], "same_tokens": a["outputs_sha256"] == b["outputs_sha256"],
+        "speculation": spent,
+    })
+line = json.dumps({"draft_cost": rows})
+print(line)
+print(line, file=sys.stderr)
+PY
+  fi
 fi
 ls "$out"

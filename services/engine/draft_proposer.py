@@ -7,14 +7,24 @@ its position, then emit the target's sample) is exact rejection sampling, unchan
 follows the target's distribution at any temperature, and seeded requests give the text they
 give without speculation.
 
-The draft runs in ``LLMEngine._propose``, before the step is scheduled, on a ``ModelRunner`` of
-its own (same device and dtype as the target; its decode graphs on a GPU) over its own KV pool
-(``DraftTables``). A call makes one forward that feeds each proposing request the tokens the
-draft has not seen (the whole prompt the first time: on a decode worker the target's prompt KV
-came from the prefill worker, the draft's did not; after that the kept drafts and the bonus
-token) and reads the first drafts from its last rows, then K - 1 decode forwards batched over
-the requests, one draft each. Feeding is capped per call at the step's token budget: a request
-whose prompt does not fit gets the rest in later calls and no drafts until it has caught up.
+The draft keeps its KV current where that costs least (see docs/architecture.md, "Speculative
+decoding with a draft model"):
+- The prompt: ``prefill`` feeds the draft each prompt chunk the target computes, in the same
+  engine step and before the target's forward, so the draft's prefill lands in the time to the
+  first token, not between tokens. It takes free blocks only (never evicts); a request it misses
+  (a decode worker gets the target's prompt KV from the prefill worker, the draft's it does not;
+  a full pool) catches up when it proposes.
+- After that, lazily: ``propose_batch`` (in ``LLMEngine._propose``, before the step is
+  scheduled) makes one forward that feeds each proposing request the tokens the draft has not
+  seen (the kept drafts and the bonus token; after a pause, the tokens of the pause) and reads
+  the first drafts from its last rows, then K - 1 decode forwards batched over the requests, one
+  draft each. A request that sits out (adaptivity) costs the draft nothing until it proposes
+  again, and its catch-up then rides in the forward that makes its first draft. Feeding is
+  capped per call at the step's token budget: a request whose tokens do not fit gets the rest in
+  later calls and no drafts until it has caught up.
+- On a GPU each forward of at most VERIFY_ROWS tokens replays the draft's decode graphs, one
+  row per token (as the target's verify step does); a catch-up after the longest pause
+  (``DRAFT_ADAPTIVITY``) fits one.
 
 The pool: at most VERIFY_ROWS // 2 requests get drafts in a step (each draft rides next to its
 own decode row), so the draft keeps KV for that many sequences of max_model_len (plus their K
@@ -25,7 +35,7 @@ least recently used entries, which re-feed their tokens when they propose again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,7 +47,12 @@ from services.engine.draft_tables import DraftTables, tokens_between
 from services.engine.kv_cache import block_bytes
 from services.engine.model_config import ArchConfig
 from services.engine.model_runner import ModelRunner
-from services.engine.speculative import VERIFY_ROWS, ProposalRequest
+from services.engine.speculative import (
+    DRAFT_ADAPTIVITY,
+    VERIFY_ROWS,
+    PromptChunk,
+    ProposalRequest,
+)
 from services.model_files import ModelFiles, prepare_model
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
 
@@ -51,6 +66,20 @@ class _Plan:
     start: int  # position of chunk[0]: the tokens before it are in the draft's KV
     chunk: list[int]  # the request's tokens the draft feeds in this call
     k: int  # drafts to propose (0: the chunk stops short of the last token)
+
+
+@dataclass
+class DraftStats:
+    """What the draft ran: forwards and tokens, while proposing and beside the target's
+    prefill (benchmarks read these)."""
+
+    proposals: int = 0  # propose_batch calls that ran a forward
+    forwards: int = 0  # forwards while proposing (catch-up + first draft, then one per draft)
+    catchup_tokens: int = 0  # known tokens fed while proposing (not drafts)
+    prefill_forwards: int = 0
+    prefill_tokens: int = 0
+    graph_forwards: int = 0  # forwards short enough for the draft's decode graphs
+    drafts_by_k: dict[int, int] = field(default_factory=dict)  # proposals of each length
 
 
 def _arch_of(files: ModelFiles) -> ArchConfig:
@@ -101,6 +130,8 @@ def check_compatible(
 
 
 class DraftProposer:
+    adaptivity = DRAFT_ADAPTIVITY
+
     def __init__(self, config: EngineConfig, target: ModelRunner, tokenizer: Any) -> None:
         spec = config.speculative
         assert spec is not None and spec.model is not None
@@ -122,10 +153,15 @@ class DraftProposer:
         )  # fmt: skip
         cache = replace(config.cache, num_blocks=num_blocks, enable_prefix_caching=False,
                         kv_offloading_gib=0.0)  # fmt: skip
+        # graphs (on a GPU) for forwards of up to VERIFY_ROWS tokens: catch-ups, one row a token
+        sched = replace(config.scheduler,
+                        max_num_seqs=max(config.scheduler.max_num_seqs, VERIFY_ROWS))  # fmt: skip
         self.runner = ModelRunner(
-            replace(config, model=model, cache=cache, speculative=None, device=str(target.device))
-        )
+            replace(config, model=model, cache=cache, scheduler=sched, speculative=None,
+                    device=str(target.device))
+        )  # fmt: skip
         self.tables = DraftTables(self.runner.num_blocks, target.block_size)
+        self.stats = DraftStats()
 
     # ---- the proposer ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,6 +169,8 @@ class DraftProposer:
         plans = self._plan(wanted, room)
         if not plans:
             return {}
+        self.stats.proposals += 1
+        self.stats.catchup_tokens += sum(len(p.chunk) for p in plans)
         first = self._greedy([(p.request_id, p.chunk, p.start, p.k > 0) for p in plans])
         proposing = [p for p in plans if p.k > 0]
         drafts = {p.request_id: [t] for p, t in zip(proposing, first, strict=True)}
@@ -149,7 +187,36 @@ class DraftProposer:
         for p in plans:  # the last draft is never fed: its KV is not needed for proposing
             fed = drafts.get(p.request_id, [])[:-1]
             self.tables.record(p.request_id, p.chunk + fed, p.start + len(p.chunk))
+        for d in drafts.values():
+            self.stats.drafts_by_k[len(d)] = self.stats.drafts_by_k.get(len(d), 0) + 1
         return drafts
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PromptChunk]) -> None:
+        """Feed the draft the target's prompt chunks of this step (from where its KV stops, up
+        to each chunk's end, within the token budget and the pool's free blocks); no logits."""
+        rows: list[tuple[str, list[int], int, bool]] = []
+        budget, tables = self.budget, self.tables
+        for c in chunks:
+            if budget <= 0:
+                break
+            rid = c.request_id
+            valid = tables.valid_prefix(rid, c.prompt, c.output)
+            end = min(c.end, valid + budget)
+            if end <= valid:
+                continue
+            tables.rewind(rid, valid)
+            if not tables.reserve(rid, end, (), evict=False):
+                continue  # the pool is full: it catches up when it proposes
+            rows.append((rid, tokens_between(c.prompt, c.output, valid, end), valid, False))
+            budget -= end - valid
+        if not rows:
+            return
+        self._forward(rows)
+        for rid, tokens, start, _ in rows:
+            tables.record(rid, tokens, start + len(tokens))
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += sum(len(r[1]) for r in rows)
 
     def drop(self, request_id: str) -> None:
         self.tables.drop(request_id)
@@ -180,15 +247,36 @@ class DraftProposer:
     def _greedy(self, rows: list[tuple[str, list[int], int, bool]]) -> list[int]:
         """One forward of the draft over (request, tokens, start position, wants a draft)
         rows; the argmax after the last token of each row that wants one."""
-        tables = self.tables
-        out = SchedulerOutput(
-            [
-                ScheduledRequest(rid, tokens, start, tables.block_ids(rid), sample, GREEDY, [], [])
-                for rid, tokens, start, sample in rows
-            ]
-        )
-        logits = self.runner.forward_logits(out)  # [rows that want one, V]
-        if logits is None:
+        self.stats.forwards += 1
+        logits = self._forward(rows)  # [the rows' logits rows, V]
+        if logits is None or logits.shape[0] == 0:
             return []
+        ends, at = [], 0
+        for _, tokens, _, sample in rows:
+            if sample:
+                at += len(tokens) if self._graphed(rows) else 1
+                ends.append(at - 1)
+        if len(ends) < logits.shape[0]:
+            logits = logits[torch.tensor(ends, device=logits.device)]
         (ids,) = self.runner.reader.read(logits.argmax(-1))
         return ids
+
+    @staticmethod
+    def _graphed(rows: list[tuple[str, list[int], int, bool]]) -> bool:
+        """A forward of at most VERIFY_ROWS tokens goes as one row per token, every row with
+        logits: the shape the decode graphs take (a verify step's), not an eager prefill's."""
+        return sum(len(r[1]) for r in rows) <= VERIFY_ROWS
+
+    def _forward(self, rows: list[tuple[str, list[int], int, bool]]) -> torch.Tensor | None:
+        """The draft's forward over the rows: fp32 logits of every token of the rows that want
+        one when ``_graphed``, else of their last token (None: no row wants one)."""
+        graphed, tables = self._graphed(rows), self.tables
+        if graphed:
+            self.stats.graph_forwards += 1
+        out = SchedulerOutput()
+        for rid, tokens, start, sample in rows:
+            spec = len(tokens) - 1 if graphed else 0
+            ids = tables.block_ids(rid)
+            sr = ScheduledRequest(rid, tokens, start, ids, sample, GREEDY, [], [], num_spec=spec)
+            out.requests.append(sr)
+        return self.runner.forward_logits(out)

@@ -7,6 +7,7 @@ proposed. Before the next proposal the entry is cut back to the longest prefix t
 still agrees with (drafts the target rejected, or a bonus token the draft never saw, end it),
 and only the rest is fed again. When the pool runs out, entries of requests that are not
 proposing this step are dropped, least recently used first: they re-feed their tokens later.
+Prompt chunks fed beside the target's prefill never evict: they take free blocks or wait.
 """
 
 from __future__ import annotations
@@ -61,16 +62,21 @@ class DraftTables:
             del entry.blocks[keep:], entry.ids[keep:]
             self.pool.free(reversed(extra))
 
-    def reserve(self, request_id: str, num_tokens: int, keep: Collection[str]) -> bool:
+    def reserve(
+        self, request_id: str, num_tokens: int, keep: Collection[str], evict: bool = True
+    ) -> bool:
         """Blocks for ``num_tokens`` tokens in the request's table, dropping other entries (not
-        in ``keep``) least recently used first if the pool is short; False if they don't fit."""
+        in ``keep``; none unless ``evict``) least recently used first if the pool is short;
+        False if they don't fit."""
         entry = self._entries.setdefault(request_id, _Entry())
         self._entries.move_to_end(request_id)
         need = blocks_for(num_tokens, self.block_size) - len(entry.blocks)
         if need <= 0:
             return True
         while self.pool.num_free_blocks < need:
-            victim = next((r for r in self._entries if r not in keep and r != request_id), None)
+            victim = None
+            if evict:
+                victim = next((r for r in self._entries if r not in keep and r != request_id), None)
             if victim is None:
                 return False
             self.drop(victim)

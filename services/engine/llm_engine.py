@@ -27,6 +27,7 @@ from services.engine.speculative import (
     VERIFY_ROWS,
     Acceptance,
     NgramProposer,
+    PromptChunk,
     ProposalRequest,
     Proposer,
     SpecStats,
@@ -447,6 +448,8 @@ class LLMEngine:
             if out.empty:
                 return list(lost.values())
         self.step_tokens.observe(out.num_tokens)
+        if self.proposer is not None:  # the draft's prefill rides in the target's prefill step
+            self._feed_prompts(out)
         min_stop = self._min_token_stop_ids(out.requests)
         score = self._prompt_scoring(out.requests)
         layers = self._layer_sink(out) if self.on_final_chunks is not None else None
@@ -505,40 +508,73 @@ class LLMEngine:
         return self.on_final_chunks(finals) if finals else None
 
     # ---- speculative decoding ----------------------------------------------------------------
+    def _spec_room(self, decodes: int) -> int:
+        """Drafts a step may carry (0: none). Drafts ride in the rows a decode step has to
+        spare: a step of few decodes is bound by reading the weights, so up to VERIFY_ROWS rows
+        cost about what one does; past that every draft row costs, so a large batch decodes
+        without drafts. The batch counts the requests about to decode too (running prompts and
+        those waiting, up to max_num_seqs): drafting for the first few of a batch that is
+        filling up buys a few steps and costs each of them."""
+        assert self.config.speculative is not None
+        s = self.scheduler
+        batch = min(len(s.running) + len(s.waiting), self.config.scheduler.max_num_seqs)
+        off_at = self.config.speculative.disable_by_batch_size
+        if batch >= VERIFY_ROWS or (off_at is not None and decodes >= off_at):
+            return 0
+        return VERIFY_ROWS - decodes
+
+    def _may_speculate(self, req: Request) -> bool:
+        """Not constrained, not a prefill worker's request (it stops at its first token)."""
+        return req.request_id not in self.grammars.states and not req.hold_blocks_on_finish
+
     def _propose(self) -> None:
-        """Draft tokens for each running decode that speculation suits (not constrained, past
-        min_tokens, not sitting out after rejections), within max_tokens and the context."""
+        """Draft tokens for each running decode that speculation suits (see _may_speculate; past
+        min_tokens, not sitting out after rejections), within max_tokens, the context and the
+        request's own adaptive length (Acceptance.k)."""
         assert self.proposer is not None and self.config.speculative is not None
         for req in self.scheduler.running:  # a step that did not run last time's drafts
             req.spec_token_ids = []
         decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
-        # drafts ride in the rows a decode step has to spare: a step of few decodes is bound by
-        # reading the weights, so up to VERIFY_ROWS rows cost about what one does; past that
-        # every draft row costs, so a large batch decodes without drafts
-        room = VERIFY_ROWS - len(decodes)
-        off_at = self.config.speculative.disable_by_batch_size
-        if room <= 0 or (off_at is not None and len(decodes) >= off_at):
+        room = self._spec_room(len(decodes))
+        if room <= 0:
             return
+        k = self.config.speculative.num_speculative_tokens
         wanted = []
         for req in decodes:
             sp = req.sampling_params
-            if (
-                req.num_output_tokens < sp.min_tokens
-                or req.request_id in self.grammars.states
-                or req.hold_blocks_on_finish
-            ):
+            if req.num_output_tokens < sp.min_tokens or not self._may_speculate(req):
                 continue
-            acceptance = self._acceptance.setdefault(req.request_id, Acceptance())
+            acceptance = self._acceptance.get(req.request_id)
+            if acceptance is None:
+                acceptance = Acceptance(self.proposer.adaptivity, k)
+                self._acceptance[req.request_id] = acceptance
             if not acceptance.wants_proposal():
                 continue
             limit = min(sp.max_tokens - req.num_output_tokens - 1,
-                        self.max_model_len - req.num_tokens - 1)  # fmt: skip
+                        self.max_model_len - req.num_tokens - 1, acceptance.k)  # fmt: skip
             wanted.append(
                 ProposalRequest(req.request_id, req.prompt_token_ids, req.output_token_ids, limit)
             )
         drafts = self.proposer.propose_batch(wanted, room)
         for req in decodes:
             req.spec_token_ids = drafts.get(req.request_id, [])
+
+    def _feed_prompts(self, out: SchedulerOutput) -> None:
+        """Hand the proposer this step's prompt chunks of requests that may propose later."""
+        assert self.proposer is not None
+        decodes = sum(1 for r in out.requests if r.num_new_tokens == 1 + r.num_spec)
+        if self._spec_room(decodes) <= 0:
+            return
+        chunks = []
+        for sr in out.requests:
+            req = self.scheduler.requests.get(sr.request_id)
+            if req is None or sr.num_new_tokens == 1 + sr.num_spec or sr.pooling is not None:
+                continue  # a decode (or a one-token chunk: the catch-up takes it)
+            if req.sampling_params.max_tokens > 1 and self._may_speculate(req):
+                chunks.append(PromptChunk(sr.request_id, req.prompt_token_ids,
+                                          req.output_token_ids, sr.context_len))  # fmt: skip
+        if chunks:
+            self.proposer.prefill(chunks)
 
     def _record_acceptance(
         self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]

@@ -13,7 +13,10 @@ residual distribution (p - q)+ normalised. Seeded requests draw each position's 
 
 A request whose drafts keep being rejected stops getting proposals for a while (``Acceptance``):
 a verify pass costs more than a decode step, and speculation must never make a request much
-slower than without it.
+slower than without it. How quickly it backs off is the proposer's (``Adaptivity``): an n-gram
+lookup costs nothing, so only a low average pauses it; a draft model's probe costs forwards of
+its own, so one verify step that keeps nothing pauses it, the pauses double, and the next
+proposal is one draft longer than what was kept last time (one after a miss).
 """
 
 from __future__ import annotations
@@ -33,23 +36,51 @@ MAX_PAUSE = 256
 VERIFY_ROWS = 64
 
 
+@dataclass(frozen=True)
+class Adaptivity:
+    """How a proposer's requests back off when their drafts fail."""
+
+    pause_on_miss: bool = False  # a verify step that keeps no draft pauses the request
+    adaptive_k: bool = False  # propose one more draft than were kept last time (1 after a miss)
+    first_pause: int = PAUSE_STEPS
+    max_pause: int = MAX_PAUSE
+
+
+NGRAM_ADAPTIVITY = Adaptivity()
+# a draft model's probe costs its forwards; the longest pause is capped so that the tokens to
+# catch up on after it (the pause plus the bonus token) fit one CUDA-graph replay of the draft
+DRAFT_ADAPTIVITY = Adaptivity(pause_on_miss=True, adaptive_k=True, max_pause=VERIFY_ROWS - 1)
+
+
 @dataclass
 class Acceptance:
-    """One request's record: proposals made and kept, and whether it sits out for a while."""
+    """One request's record: proposals made and kept, whether it sits out for a while, and how
+    many drafts it takes next."""
 
+    policy: Adaptivity = NGRAM_ADAPTIVITY
+    k: int = 16  # most drafts of its next proposal (the engine caps it at K)
     rate: float = 1.0  # exponential average of kept / proposed over its verify steps
     pause: int = 0  # decode steps left without proposals
     next_pause: int = PAUSE_STEPS
 
+    def __post_init__(self) -> None:
+        self.next_pause = self.policy.first_pause
+
     def record(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
+        policy = self.policy
         self.rate = (1 - EMA_WEIGHT) * self.rate + EMA_WEIGHT * (accepted / proposed)
-        if self.rate < ACCEPT_FLOOR:
-            self.pause, self.next_pause = self.next_pause, min(self.next_pause * 2, MAX_PAUSE)
-            self.rate = ACCEPT_FLOOR  # one more chance after the pause, not a permanent ban
+        if policy.adaptive_k:
+            self.k = accepted + 1
+        missed = policy.pause_on_miss and accepted == 0
+        if self.rate < ACCEPT_FLOOR or missed:
+            self.pause = self.next_pause
+            self.next_pause = min(self.next_pause * 2, policy.max_pause)
+            # one more chance after the pause, not a permanent ban
+            self.rate = max(self.rate, ACCEPT_FLOOR)
         elif accepted == proposed:
-            self.next_pause = PAUSE_STEPS
+            self.next_pause = policy.first_pause
 
     def wants_proposal(self) -> bool:
         if self.pause > 0:
@@ -84,10 +115,27 @@ class ProposalRequest:
     request_id: str
     prompt: list[int]
     output: list[int]
-    limit: int  # most drafts it can take (max_tokens and the context)
+    limit: int  # most drafts it can take (max_tokens, the context and its Acceptance.k)
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A prompt chunk the target computes this step, for a request that may propose later:
+    tokens up to ``end`` of prompt + output (a recompute after preemption has output)."""
+
+    request_id: str
+    prompt: list[int]
+    output: list[int]
+    end: int
 
 
 class Proposer(Protocol):
+    adaptivity: Adaptivity
+
+    def prefill(self, chunks: list[PromptChunk]) -> None:
+        """See the target's prompt chunks as the target computes them (in the same step)."""
+        ...
+
     def propose_batch(self, wanted: list[ProposalRequest], room: int) -> dict[str, list[int]]:
         """Drafts for some of ``wanted`` (in order), ``room`` drafts in all at most."""
         ...
@@ -108,6 +156,7 @@ class NgramProposer:
     MAX_CANDIDATES places are tried."""
 
     MAX_CANDIDATES = 64
+    adaptivity = NGRAM_ADAPTIVITY
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
@@ -163,6 +212,9 @@ class NgramProposer:
                 out[w.request_id] = drafts
                 room -= len(drafts)
         return out
+
+    def prefill(self, chunks: list[PromptChunk]) -> None:
+        pass  # the index grows from the request's tokens when it proposes
 
     def drop(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

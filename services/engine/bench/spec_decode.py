@@ -3,8 +3,15 @@
 One engine per process: run it once without ``--speculative-config`` and once with it, then
 compare the JSON lines. Each batch of ``--batch`` requests starts together; a request's TPOT is
 (time of its last token - time of its first) / (tokens - 1), taken as tokens come out of
-``LLMEngine.step`` (with drafts, several tokens arrive in one step). The output token ids are
-recorded so the two runs can be checked equal (greedy).
+``LLMEngine.step`` (with drafts, several tokens arrive in one step), its TTFT the time from the
+batch's start to its first token. The output token ids are recorded so the two runs can be
+checked equal (greedy).
+
+Where speculation's time goes, per batch size: engine steps and verify steps (a request's step
+that carried drafts), the proposer's wall time (``propose_s``: a draft model's proposal ends on
+reading its drafts back, so on a GPU that is the draft's forwards) and with a draft model its
+forwards and tokens (``DraftStats``: catch-ups while proposing, prompt chunks fed beside the
+target's prefill, timed to a synchronize, which lands in TTFT).
 
 Prompt sets, fixed before measuring:
 - ``copy``: chat prompts whose answers copy from the prompt (editing code, extracting fields,
@@ -74,16 +81,67 @@ def _prompts(llm: LLM, kind: str, n: int, input_len: int) -> list[list[int]]:
     return [torch.randint(100, vocab, (input_len,), generator=gen).tolist() for _ in range(n)]
 
 
+class ProposerClock:
+    """Wall time spent in the engine's proposer (measurement only: wraps its methods)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.propose_s = self.prefill_s = 0.0
+        self.steps = 0
+        proposer = llm.engine.proposer
+        if proposer is None:
+            return
+        propose, prefill = proposer.propose_batch, proposer.prefill
+        cuda = llm.engine.runner.device.type == "cuda"
+
+        def timed_propose(wanted: Any, room: int) -> dict[str, list[int]]:
+            t0 = time.perf_counter()
+            try:
+                return propose(wanted, room)
+            finally:
+                self.propose_s += time.perf_counter() - t0
+
+        def timed_prefill(chunks: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                prefill(chunks)
+                if cuda:  # the draft's prefill launches without reading anything back
+                    torch.cuda.synchronize()
+            finally:
+                self.prefill_s += time.perf_counter() - t0
+
+        proposer.propose_batch = timed_propose  # type: ignore[method-assign]
+        proposer.prefill = timed_prefill  # type: ignore[method-assign]
+
+    def snapshot(self, llm: LLM) -> dict[str, Any]:
+        draft = getattr(llm.engine.proposer, "stats", None)
+        out = {"steps": self.steps, "propose_s": self.propose_s, "prefill_s": self.prefill_s}
+        if draft is not None:
+            out |= {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(draft).items()}
+        return out
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in after.items():
+        if isinstance(value, dict):
+            out[key] = {k: v - before[key].get(k, 0) for k, v in value.items()}
+        else:
+            out[key] = value - before[key]
+    return out
+
+
 def _run_batch(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str, clock: ProposerClock
 ) -> list[dict[str, Any]]:
     engine = llm.engine
     times: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
+    start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     while engine.has_unfinished:
         outs = engine.step()
+        clock.steps += 1
         now = time.perf_counter()
         for o in outs:
             for t in o.token_ids:
@@ -94,8 +152,9 @@ def _run_batch(
         rid = f"{tag}-{i}"
         ts, ids = times.get(rid, []), tokens.get(rid, [])
         tpot = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else None
+        ttft = (ts[0] - start) * 1e3 if ts else None
         rows.append({"request": i, "tokens": len(ids), "tpot_ms": tpot and tpot * 1e3,
-                     "token_ids": ids})  # fmt: skip
+                     "ttft_ms": ttft, "token_ids": ids})  # fmt: skip
     return rows
 
 
@@ -112,9 +171,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             ignore_eos=args.prompts == "random")  # fmt: skip
     n_max = max(args.batch) * args.rounds
     prompts = _prompts(llm, args.prompts, max(n_max, len(COPY_PROMPTS)), args.input_len)
-    _run_batch(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), "warm")
+    clock = ProposerClock(llm)
+    _run_batch(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), "warm", clock)
     results = []
     for batch in args.batch:
+        spent0 = clock.snapshot(llm)
         stats0 = llm.engine.spec_stats
         drafts0, accepted0 = stats0.num_draft_tokens, stats0.num_accepted_tokens
         steps0 = stats0.num_drafts
@@ -127,10 +188,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         for r in range(rounds):
             chunk = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
-            rows += _run_batch(llm, chunk, params, f"b{batch}-r{r}")
+            rows += _run_batch(llm, chunk, params, f"b{batch}-r{r}", clock)
         wall = time.perf_counter() - t0
         stats = llm.engine.spec_stats
         tpots = [row["tpot_ms"] for row in rows if row["tpot_ms"] is not None]
+        ttfts = [row["ttft_ms"] for row in rows if row["ttft_ms"] is not None]
+        spent = _delta(clock.snapshot(llm), spent0)
         drafts = stats.num_draft_tokens - drafts0
         accepted = stats.num_accepted_tokens - accepted0
         verify_steps = stats.num_drafts - steps0
@@ -142,6 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens": out_tokens,
             "tpot_ms_mean": statistics.fmean(tpots) if tpots else None,
             "tpot_ms_median": statistics.median(tpots) if tpots else None,
+            "ttft_ms_mean": statistics.fmean(ttfts) if ttfts else None,
             "wall_s": wall,
             "output_tok_s": out_tokens / wall,
             "draft_tokens": drafts,
@@ -150,6 +214,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "acceptance_rate": accepted / drafts if drafts else None,
             # tokens per verify step: the kept drafts plus the step's own token
             "acceptance_length": 1 + accepted / verify_steps if verify_steps else None,
+            # where speculation's time went: engine steps, the proposer's time, the draft's work
+            "speculation": spent | {
+                "propose_ms_per_step": 1e3 * spent["propose_s"] / max(spent["steps"], 1),
+                "propose_ms_per_verify_step": (
+                    1e3 * spent["propose_s"] / verify_steps if verify_steps else None
+                ),
+            },
             "outputs_sha256": digest,
             "token_ids": [row["token_ids"] for row in rows],
         })  # fmt: skip

@@ -54,3 +54,15 @@ def test_a_full_pool_evicts_the_least_recently_used_entry_not_a_proposing_one() 
     assert not t.reserve("new", 16, keep={"mid", "new"})
     assert "mid" in t and len(t.block_ids("new")) == 1
     t.check_invariants()
+
+
+def test_a_prompt_chunk_takes_free_blocks_only_never_evicting() -> None:
+    """What the draft prefills beside the target waits for room; a proposing request evicts."""
+    t = DraftTables(num_blocks=4, block_size=4)
+    assert t.reserve("a", 12, keep=(), evict=False)  # three blocks: free ones
+    t.record("a", list(range(12)), known=12)
+    assert not t.reserve("b", 8, keep=(), evict=False)  # two needed, one free: "a" stays
+    assert t.block_ids("a") and t.pool.num_free_blocks == 1
+    assert t.reserve("b", 8, keep={"b"})  # a proposal may evict "a"
+    assert "a" not in t and t.evictions == 1
+    t.check_invariants()

@@ -4,6 +4,7 @@ really kept; the rejection rule keeps the target distribution; the proposer and 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 
 import pytest
@@ -14,7 +15,14 @@ from services.cli import build_parser
 from services.config import ConfigError, SpeculativeConfig
 from services.engine.llm import LLM
 from services.engine.sampler import sample_with_drafts
-from services.engine.speculative import ACCEPT_FLOOR, PAUSE_STEPS, Acceptance, NgramProposer
+from services.engine.speculative import (
+    ACCEPT_FLOOR,
+    DRAFT_ADAPTIVITY,
+    PAUSE_STEPS,
+    VERIFY_ROWS,
+    Acceptance,
+    NgramProposer,
+)
 from services.scheduling.outputs import ScheduledRequest
 
 COPYING = [
@@ -177,6 +185,47 @@ def test_a_request_whose_drafts_fail_sits_out_longer_each_time() -> None:
     acc.record(4, 4)
     acc.record(4, 4)
     assert acc.wants_proposal() and acc.rate > ACCEPT_FLOOR
+
+
+def _probes(acc: Acceptance, tokens: int, k: int = 4) -> list[tuple[int, int]]:
+    """(token index, drafts) of each proposal over ``tokens`` decode steps, all rejected."""
+    probes = []
+    for t in range(tokens):
+        if acc.wants_proposal():
+            drafts = min(k, acc.k)
+            probes.append((t, drafts))
+            acc.record(drafts, 0)
+    return probes
+
+
+def test_a_draft_models_request_backs_off_after_each_miss_and_proposes_one_draft() -> None:
+    """Drafts that always fail: proposals at tokens 0, 9, 26, 59, 123 (pauses of 8, 16, 32 and
+    then 63, capped so that the catch-up fits one graph replay of VERIFY_ROWS rows); only the
+    first proposes K drafts, every later one a single draft."""
+    probes = _probes(Acceptance(DRAFT_ADAPTIVITY, 4), 128)
+    assert probes == [(0, 4), (9, 1), (26, 1), (59, 1), (123, 1)]
+    long = _probes(Acceptance(DRAFT_ADAPTIVITY, 4), 1024)
+    assert len(long) <= 5 + (1024 - 123) // VERIFY_ROWS + 1
+    gaps = {b[0] - a[0] for a, b in itertools.pairwise(long[4:])}
+    assert gaps == {VERIFY_ROWS}  # a probe every VERIFY_ROWS tokens: the pause plus the probe
+
+
+def test_a_kept_draft_lengthens_the_next_proposal_and_ends_the_backoff() -> None:
+    acc = Acceptance(DRAFT_ADAPTIVITY, 4)
+    acc.record(4, 0)
+    acc.record(1, 0)  # after the first pause
+    assert (acc.k, acc.pause, acc.next_pause) == (1, 16, 32)
+    acc.pause = 0
+    acc.record(1, 1)  # kept: one more draft next time, and the next miss pauses briefly
+    assert (acc.k, acc.pause, acc.next_pause) == (2, 0, PAUSE_STEPS)
+    acc.record(2, 1)  # one of two kept: no pause, two drafts next time
+    assert (acc.k, acc.pause) == (2, 0) and acc.wants_proposal()
+
+
+def test_ngram_keeps_its_drafts_length_and_its_patience() -> None:
+    acc = Acceptance()
+    acc.record(4, 0)
+    assert acc.pause == 0 and acc.k >= 4  # one miss: an n-gram lookup costs nothing
 
 
 @pytest.mark.parametrize(

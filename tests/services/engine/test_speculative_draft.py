@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,17 +23,20 @@ from services.config import ConfigError, SpeculativeConfig
 from services.engine import draft_proposer
 from services.engine.kv_cache import block_bytes
 from services.engine.llm import LLM
-from services.engine.llm_engine import load_tokenizer
+from services.engine.llm_engine import LLMEngine, load_tokenizer
+from services.engine.speculative import VERIFY_ROWS, PromptChunk, ProposalRequest
 from services.model_files import prepare_model
 from tests.services.engine.test_speculative import COPYING, PROMPTS
 
 
-def _build(path: Path, layers: int, vocab: int, init: float, like: object = None) -> object:
+def _build(
+    path: Path, layers: int, vocab: int, init: float, like: object = None, seed: int = 0
+) -> object:
     """A tiny random Llama with the embedded model's tokenizer; ``like``: a model whose weights
     it takes where the names match (a draft made of the target's first layers)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -54,6 +58,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     target = _build(root / "target", 4, 49152, 0.06)
     _build(root / "draft", 2, 49152, 0.06, like=target)
     return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def stranger(tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-layer draft of other random weights: it (nearly) never agrees with the target."""
+    path = tmp_path_factory.mktemp("stranger") / "draft"
+    _build(path, 1, 49152, 0.06, seed=1)
+    return path
 
 
 def _ids(results: list) -> list[list[int]]:
@@ -299,3 +311,124 @@ def test_on_a_decode_worker_the_draft_feeds_the_prompt_itself(tiny: tuple[Path, 
     stats = decode.spec_stats
     assert stats.num_draft_tokens > 100
     assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens, stats
+
+
+def _proposer(engine: LLMEngine) -> draft_proposer.DraftProposer:
+    proposer = engine.proposer
+    assert isinstance(proposer, draft_proposer.DraftProposer)
+    return proposer
+
+
+def test_a_draft_that_always_fails_costs_few_probes_and_keeps_the_text(
+    tiny: tuple[Path, Path], stranger: Path
+) -> None:
+    """Batch 1, 128 tokens, nothing kept: 5 verify steps (tokens 0, 9, 26, 59, 123), the first
+    with 4 drafts and the rest with one; the prompt was fed beside the target's prefill, so the
+    first proposal catches up on one token, and no later one on more than VERIFY_ROWS."""
+    target, _ = tiny
+    prompt = [random.Random(5).randrange(49152) for _ in range(200)]
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    want = _ids(LLM(str(target), max_num_seqs=4).generate([prompt], params))
+    spec = LLM(str(target), max_num_seqs=4,
+               speculative_config={"model": str(stranger), "num_speculative_tokens": 4})  # fmt: skip
+    assert _ids(spec.generate([prompt], params)) == want
+    stats, draft = spec.engine.spec_stats, _proposer(spec.engine).stats
+    assert stats.num_accepted_tokens == 0
+    assert (stats.num_drafts, stats.num_draft_tokens) == (5, 4 + 4)
+    assert draft.prefill_tokens == 200 and draft.proposals == 5
+    assert draft.forwards == 4 + 4  # K forwards for the first proposal, one for each other
+    assert draft.catchup_tokens == 1 + 9 + 17 + 33 + 64  # a pause's tokens and the bonus token
+    assert draft.graph_forwards == draft.forwards  # every proposal's forward fits a graph
+
+
+def _hf_model(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_greedy(model: Any, tokens: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``tokens``: the draft run from scratch."""
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(tokens) :].tolist()
+
+
+def test_the_drafts_after_a_catch_up_are_the_drafts_from_scratch(tiny: tuple[Path, Path]) -> None:
+    """One request fed in prompt chunks, then proposing after kept, rejected and paused-over
+    tokens (catch-ups of 1, 2, 9 and 99 tokens: the last past VERIFY_ROWS, not graphed); at
+    each point its drafts equal those of a fresh request given the same tokens in one go, and
+    the greedy tokens of the draft in transformers."""
+    target, draft = tiny
+    engine = LLM(str(target), max_num_seqs=4,
+                 speculative_config={"model": str(draft), "num_speculative_tokens": 4}).engine  # fmt: skip
+    proposer, rng = _proposer(engine), random.Random(3)
+    reference = _hf_model(draft)
+    prompt = [rng.randrange(49152) for _ in range(10)]  # all of it within a budget of 128
+    for end in (4, 8, 10):  # the target's chunks, as the engine hands them over
+        proposer.prefill([PromptChunk("a", prompt, [], end)])
+    output, drafts = [rng.randrange(49152)], list[int]()
+    for step, grow in enumerate([None, 2, 9, 99]):
+        if grow is not None:  # keep the first draft, reject the rest, then more tokens
+            output += [drafts[0], *(rng.randrange(49152) for _ in range(grow))]
+        before = proposer.stats.catchup_tokens
+        drafts = proposer.propose_batch([ProposalRequest("a", prompt, output, 4)], 4)["a"]
+        assert proposer.stats.catchup_tokens - before == (1, 2, 9, 99)[step]
+        scratch = ProposalRequest(f"scratch-{step}", prompt, output, 4)
+        assert proposer.propose_batch([scratch], 4)[scratch.request_id] == drafts, step
+        proposer.drop(scratch.request_id)
+        assert _hf_greedy(reference, prompt + output, 4) == drafts, step
+    assert VERIFY_ROWS < 99
+    proposer.tables.check_invariants()
+    proposer.drop("a")
+    assert proposer.tables.pool.num_free_blocks == proposer.tables.pool.num_blocks
+
+
+def test_aborts_mid_stream_and_finished_requests_leave_no_draft_kv(
+    tiny: tuple[Path, Path],
+) -> None:
+    """Requests aborted while their prompt is being fed (chunked past the budget of 128) and
+    while decoding with drafts, beside others that finish: the draft's pool is whole again and
+    no adaptivity record is left."""
+    target, draft = tiny
+    engine = LLM(str(target), max_num_seqs=8,
+                 speculative_config={"model": str(draft), "num_speculative_tokens": 3}).engine  # fmt: skip
+    prompts, params = _mixed_requests(4, 8, 49152)
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, replace(sp, max_tokens=40))
+    tables = _proposer(engine).tables
+    aborted: set[str] = set()
+    while engine.has_unfinished:
+        engine.step()
+        running = {r.request_id: r for r in engine.scheduler.running}
+        for rid, req in running.items():
+            mid_prompt = 0 < req.num_computed_tokens < req.num_prompt_tokens
+            decoding = req.num_output_tokens >= 3
+            if rid in tables and len(aborted) < 4 and (mid_prompt or decoding):
+                engine.abort(rid)
+                aborted.add(rid)
+        tables.check_invariants()
+    assert len(aborted) == 4 and engine.spec_stats.num_drafts > 0
+    assert tables.pool.num_free_blocks == tables.pool.num_blocks
+    assert not tables._entries and not engine._acceptance
+
+
+def test_a_batch_too_large_for_drafts_gets_no_draft_work(tiny: tuple[Path, Path]) -> None:
+    """VERIFY_ROWS requests at once: the batch leaves no rows to spare once it decodes, so the
+    draft neither prefills nor proposes while it fills (the first requests decode while the
+    last prompts wait), up to the first request that finishes."""
+    target, draft = tiny
+    spec = LLM(str(target), max_num_seqs=VERIFY_ROWS,
+               speculative_config={"model": str(draft), "num_speculative_tokens": 3}).engine  # fmt: skip
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for i in range(VERIFY_ROWS):
+        spec.add_request(f"r{i}", [random.Random(i).randrange(49152) for _ in range(40)], params)
+    decoded = 0
+    while not any(out.finished for out in spec.step()):
+        decoded = max(decoded, *(r.num_output_tokens for r in spec.scheduler.running))
+    stats = _proposer(spec).stats
+    assert decoded > 10  # the first requests decoded for a while beside the filling batch
+    assert spec.spec_stats.num_drafts == 0
+    assert stats.prefill_tokens == 0 and stats.proposals == 0
