@@ -221,7 +221,7 @@ def mrope_table(
     )  # [D/2]
     axis = torch.cat([axis, axis])  # cos and sin halves pick alike
     cols = torch.arange(2 * half, device=positions.device)
-    return rows[axis, :, cols].T  # [T, D]
+    return rows[axis, :, cols].T.contiguous()  # [T, D] (the rotary kernel reads rows whole)
 
 
 class Qwen2VLForCausalLM(LlamaForCausalLM):
