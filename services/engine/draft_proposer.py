@@ -21,7 +21,11 @@ decoding with a draft model"):
   draft each. A request that sits out (adaptivity) costs the draft nothing until it proposes
   again, and its catch-up then rides in the forward that makes its first draft. Feeding is
   capped per call at the step's token budget: a request whose tokens do not fit gets the rest in
-  later calls and no drafts until it has caught up.
+  later calls and no drafts until it has caught up. At most one catch-up longer than one graph
+  (the draft missed the prompt: a decode worker's requests, a big batch draining to where
+  drafting starts again) is made per call: each is an eager prefill of a whole context, and
+  many at once (49k tokens in 6 calls as a 64-request batch drained) cost more TPOT than their
+  few steps of drafts could win back; the others wait for later calls.
 - On a GPU each forward of at most VERIFY_ROWS tokens replays the draft's decode graphs, one
   row per token (as the target's verify step does); a catch-up after the longest pause
   (``DRAFT_ADAPTIVITY``) fits one.
@@ -58,6 +62,9 @@ from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+LONG_CATCHUPS_PER_CALL = 1  # catch-ups longer than one graph (whole contexts) per forward
 
 
 @dataclass
@@ -226,6 +233,7 @@ class DraftProposer:
         (within the token budget) and how many drafts (within ``room``), and hold the blocks."""
         plans: list[_Plan] = []
         budget, keep = self.budget, {w.request_id for w in wanted}
+        long_catchups = 0
         for w in wanted:
             k = min(self.k, w.limit, room)
             if room <= 0 or budget <= 0:
@@ -234,6 +242,10 @@ class DraftProposer:
                 continue
             rid, total = w.request_id, len(w.prompt) + len(w.output)
             valid = self.tables.valid_prefix(rid, w.prompt, w.output)
+            if total - valid > VERIFY_ROWS:
+                if long_catchups >= LONG_CATCHUPS_PER_CALL:
+                    continue  # a later call (see the module's docstring)
+                long_catchups += 1
             self.tables.rewind(rid, valid)
             n = min(total - valid, budget)
             k = k if valid + n == total else 0

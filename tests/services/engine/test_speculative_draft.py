@@ -432,3 +432,30 @@ def test_a_batch_too_large_for_drafts_gets_no_draft_work(tiny: tuple[Path, Path]
     assert decoded > 10  # the first requests decoded for a while beside the filling batch
     assert spec.spec_stats.num_drafts == 0
     assert stats.prefill_tokens == 0 and stats.proposals == 0
+
+
+def test_one_catch_up_past_a_graph_per_call(tiny: tuple[Path, Path]) -> None:
+    """Three requests whose prompts the draft never saw (a decode worker's, or a big batch
+    draining): each call feeds one whole context and drafts for it, the others wait; requests
+    already caught up are not held back by them."""
+    target, draft = tiny
+    engine = LLM(str(target), max_num_seqs=8,
+                 speculative_config={"model": str(draft), "num_speculative_tokens": 2}).engine  # fmt: skip
+    proposer, rng = _proposer(engine), random.Random(5)
+    asks = [
+        ProposalRequest(f"r{i}", [rng.randrange(49152) for _ in range(VERIFY_ROWS + 20)], [7], 2)
+        for i in range(3)
+    ]
+    short = ProposalRequest("short", [rng.randrange(49152) for _ in range(5)], [9], 2)
+    proposer.prefill([PromptChunk("short", short.prompt, [], len(short.prompt))])
+    got, fed = [], []
+    for _ in range(3):
+        before = proposer.stats.catchup_tokens
+        got.append(set(proposer.propose_batch([*asks, short], 8)))
+        fed.append(proposer.stats.catchup_tokens - before)
+    assert got == [{"r0", "short"}, {"r0", "r1", "short"}, {"r0", "r1", "r2", "short"}]
+    whole = VERIFY_ROWS + 21  # one request's prompt and output
+    assert all(whole <= n < whole + VERIFY_ROWS for n in fed), fed  # one whole context a call
+    for rid in ("r0", "r1", "r2", "short"):
+        proposer.drop(rid)
+    assert proposer.tables.pool.num_free_blocks == proposer.tables.pool.num_blocks
