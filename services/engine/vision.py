@@ -126,21 +126,30 @@ class VisionInputs:
         cached = self.cache.get(image.content_hash)
         if cached is not None:
             return cached
-        if not image.data:  # a decode worker got the KV, not the image: it cannot recompute it
-            raise RuntimeError(
-                "an image's tokens must be recomputed (the request was preempted) but this "
-                "worker never received the image's bytes"
-            )
+        return self._encode([image])[image.content_hash]
+
+    def _encode(self, images: list[ImageItem]) -> dict[bytes, torch.Tensor]:
+        """Encode these (distinct, uncached) images in one pass of the vision tower; their
+        embeddings by content hash, each also cached."""
+        for image in images:
+            if not image.data:  # a decode worker got the KV, not the image: cannot recompute
+                raise RuntimeError(
+                    "an image's tokens must be recomputed (the request was preempted) but this "
+                    "worker never received the image's bytes"
+                )
         dev = self.model.lm_head.weight.device
-        pixels = torch.from_numpy(self._pixels_of(image)).to(dev)
-        out = self.model.encode_image(pixels, image.grid)
-        if out.shape[0] != image.num_tokens:
-            raise InvalidRequestError(
-                f"an image encodes to {out.shape[0]} tokens, not {image.num_tokens}", "messages"
-            )
-        self.cache.put(image.content_hash, out)
-        self.cache.encoded += 1
-        return out
+        batch = [(torch.from_numpy(self._pixels_of(i)).to(dev), i.grid) for i in images]
+        outs = self.model.encode_images(batch)
+        for image, out in zip(images, outs, strict=True):
+            if out.shape[0] != image.num_tokens:
+                raise InvalidRequestError(
+                    f"an image encodes to {out.shape[0]} tokens, not {image.num_tokens}",
+                    "messages",
+                )
+        for image, out in zip(images, outs, strict=True):
+            self.cache.put(image.content_hash, out)
+            self.cache.encoded += 1
+        return {image.content_hash: out for image, out in zip(images, outs, strict=True)}
 
     def embeds(
         self, reqs: list[ScheduledRequest], starts: list[int]
@@ -149,13 +158,23 @@ class VisionInputs:
         step computes; None when it computes none."""
         rows: list[int] = []
         parts: list[torch.Tensor] = []
+        missing: dict[bytes, ImageItem] = {}  # encoded together, before the step's rows
+        for r in reqs:
+            lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
+            for image in r.images:
+                touched = max(lo, image.offset) < min(hi, image.end)
+                if touched and image.content_hash not in self.cache:
+                    missing.setdefault(image.content_hash, image)
+        # the step's own: a cache smaller than the step's images may drop some of them again
+        encoded = self._encode(list(missing.values())) if missing else {}
         for r, at in zip(reqs, starts, strict=True):
             lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
             for image in r.images:
                 a, b = max(lo, image.offset), min(hi, image.end)
                 if a >= b:
                     continue
-                emb = self._embeds_of(image)
+                emb = encoded.get(image.content_hash)
+                emb = self._embeds_of(image) if emb is None else emb
                 parts.append(emb[a - image.offset : b - image.offset])
                 rows.extend(range(at + a - lo, at + b - lo))
         if not rows:

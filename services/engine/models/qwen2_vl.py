@@ -2,10 +2,13 @@
 model of ``llama.py``, whose embeddings it replaces at the image placeholder tokens, and the
 multimodal rotary table (M-RoPE) those tokens are rotated with.
 
-The vision tower runs eagerly, one image at a time, with bidirectional attention over each
-image's patches (Qwen2.5-VL: within windows of merged patches, but in its full-attention
-blocks); it is small next to the language model and runs once per image (its output is cached
-by the runner, ``services.engine.vision``).
+The vision tower runs eagerly, once per step over every image the step needs encoded (their
+patches concatenated: one launch per layer for all of them), with bidirectional attention
+within each image's patches (Qwen2.5-VL: within windows of merged patches, but in its
+full-attention blocks; equal-length segments go to one batched attention call). Its output is
+cached by the runner (``services.engine.vision``). On a GPU the patch embedding runs as the
+matmul it is (a convolution whose kernel is its stride and its input: cuDNN's conv3d took 7 ms
+an image for it on an H100); elsewhere as the model's own Conv3d.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class VisionAttention(nn.Module):
         c, s = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
+        if len(set(seqlens)) == 1:  # segments of one length (images of one size): one call
+            n, h = seqlens[0], self.num_heads
+            q, k, v = (t.view(len(seqlens), n, h, -1).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v)  # [B, H, n, D]
+            return self.proj(o.transpose(1, 2).reshape(N, -1))
         outs = []
         for qs, ks, vs in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens), strict=True):
             o = F.scaled_dot_product_attention(  # [H, n, D]
@@ -104,9 +112,10 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, C*tp*p*p] -> [N, E]
         cfg = self.cfg
-        x = pixels.to(self.proj.weight.dtype).view(
-            -1, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size
-        )
+        x = pixels.to(self.proj.weight.dtype)
+        if x.is_cuda:  # the same products as the convolution: one patch, one row
+            return F.linear(x.view(x.shape[0], -1), self.proj.weight.view(cfg.embed_dim, -1))
+        x = x.view(-1, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         return self.proj(x).view(-1, cfg.embed_dim)
 
 
@@ -174,22 +183,39 @@ class VisionTransformer(nn.Module):
     def forward(
         self, pixels: torch.Tensor, grid: tuple[int, int, int]
     ) -> torch.Tensor:  # [t*h*w, C*tp*p*p] -> [t*h*w / merge^2, hidden]
-        cfg = self.cfg
-        x = self.patch_embed(pixels)  # [N, E]
-        cos, sin = self._rotary(grid)
-        full = [grid[1] * grid[2]] * grid[0]  # one attention segment per frame
+        return self.forward_many([(pixels, grid)])[0]
+
+    def forward_many(
+        self, images: list[tuple[torch.Tensor, tuple[int, int, int]]]
+    ) -> list[torch.Tensor]:
+        """Several images in one pass: their patches concatenated, attention kept within each
+        image's segments (frames; Qwen2.5-VL's windows), each image's tokens in raster order."""
+        cfg, m = self.cfg, self.cfg.spatial_merge_size
+        x = self.patch_embed(torch.cat([p for p, _ in images]))  # [N, E], every image's patches
+        rotary = [self._rotary(grid) for _, grid in images]
+        cos, sin = torch.cat([c for c, _ in rotary]), torch.cat([s for _, s in rotary])
+        full = [g[1] * g[2] for _, g in images for _ in range(g[0])]  # one segment per frame
+        merged = [g[0] * g[1] * g[2] // (m * m) for _, g in images]  # tokens of each image
         if not cfg.windowed:
             for block in self.blocks:
                 x = block(x, cos, sin, full)
-            return self.merger(x)
-        m = cfg.spatial_merge_size
-        order, windows = window_order(grid, m, cfg.window_size // cfg.patch_size)
-        order = order.to(x.device)  # [N / m^2]: merged patches, window by window
-        perm = (order[:, None] * m * m + torch.arange(m * m, device=x.device)).flatten()  # [N]
+            return list(self.merger(x).split(merged))
+        orders, windows, perms, start = [], [], [], 0
+        for (_, grid), n in zip(images, merged, strict=True):
+            order, wins = window_order(grid, m, cfg.window_size // cfg.patch_size)
+            order = order.to(x.device)  # [n]: merged patches, window by window
+            orders.append(order)
+            windows += wins
+            perms.append(
+                start + (order[:, None] * m * m + torch.arange(m * m, device=x.device)).flatten()
+            )
+            start += n * m * m
+        perm = torch.cat(perms)  # [N]
         x, cos, sin = x[perm], cos[perm], sin[perm]
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full if i in cfg.full_attention_blocks else windows)
-        return self.merger(x)[torch.argsort(order)]  # back to raster order
+        out = self.merger(x).split(merged)
+        return [o[torch.argsort(order)] for o, order in zip(out, orders, strict=True)]  # raster
 
 
 def window_order(
@@ -232,3 +258,8 @@ class Qwen2VLForCausalLM(LlamaForCausalLM):
 
     def encode_image(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         return self.visual(pixels, grid)  # [tokens, hidden]
+
+    def encode_images(
+        self, images: list[tuple[torch.Tensor, tuple[int, int, int]]]
+    ) -> list[torch.Tensor]:
+        return self.visual.forward_many(images)  # [tokens, hidden] each
