@@ -21,11 +21,13 @@ decoding with a draft model"):
   draft each. A request that sits out (adaptivity) costs the draft nothing until it proposes
   again, and its catch-up then rides in the forward that makes its first draft. Feeding is
   capped per call at the step's token budget: a request whose tokens do not fit gets the rest in
-  later calls and no drafts until it has caught up. At most one catch-up longer than one graph
-  (the draft missed the prompt: a decode worker's requests, a big batch draining to where
-  drafting starts again) is made per call: each is an eager prefill of a whole context, and
-  many at once (49k tokens in 6 calls as a 64-request batch drained) cost more TPOT than their
-  few steps of drafts could win back; the others wait for later calls.
+  later calls and no drafts until it has caught up. A catch-up longer than one graph (the
+  draft missed the prompt: a decode worker's requests, a big batch draining to where drafting
+  starts again) is an eager forward over a whole context that stalls the whole batch (29 ms
+  for the 135M-shaped draft on an H100, whatever its length): it is made only for a request
+  with at least ``LONG_CATCHUP_MIN_REMAINING`` tokens still to produce, at most one per call.
+  As a 64-request batch drained, catch-ups for requests a few tokens from their end cost 9-15%
+  of TPOT for drafts that could not win it back.
 - On a GPU each forward of at most VERIFY_ROWS tokens replays the draft's decode graphs, one
   row per token (as the target's verify step does); a catch-up after the longest pause
   (``DRAFT_ADAPTIVITY``) fits one.
@@ -65,6 +67,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 LONG_CATCHUPS_PER_CALL = 1  # catch-ups longer than one graph (whole contexts) per forward
+LONG_CATCHUP_MIN_REMAINING = 16  # tokens a request must still produce to get one
 
 
 @dataclass
@@ -242,9 +245,11 @@ class DraftProposer:
                 continue
             rid, total = w.request_id, len(w.prompt) + len(w.output)
             valid = self.tables.valid_prefix(rid, w.prompt, w.output)
-            if total - valid > VERIFY_ROWS:
+            if total - valid > VERIFY_ROWS:  # see the module's docstring
                 if long_catchups >= LONG_CATCHUPS_PER_CALL:
-                    continue  # a later call (see the module's docstring)
+                    continue  # a later call
+                if w.remaining < LONG_CATCHUP_MIN_REMAINING:
+                    continue  # too close to its end to win the stall back
                 long_catchups += 1
             self.tables.rewind(rid, valid)
             n = min(total - valid, budget)

@@ -550,11 +550,11 @@ class LLMEngine:
                 self._acceptance[req.request_id] = acceptance
             if not acceptance.wants_proposal():
                 continue
-            limit = min(sp.max_tokens - req.num_output_tokens - 1,
-                        self.max_model_len - req.num_tokens - 1, acceptance.k)  # fmt: skip
-            wanted.append(
-                ProposalRequest(req.request_id, req.prompt_token_ids, req.output_token_ids, limit)
-            )
+            remaining = min(sp.max_tokens - req.num_output_tokens,
+                            self.max_model_len - req.num_tokens)  # fmt: skip
+            limit = min(remaining - 1, acceptance.k)
+            wanted.append(ProposalRequest(req.request_id, req.prompt_token_ids,
+                                          req.output_token_ids, limit, remaining))  # fmt: skip
         drafts = self.proposer.propose_batch(wanted, room)
         for req in decodes:
             req.spec_token_ids = drafts.get(req.request_id, [])

@@ -116,6 +116,7 @@ class ProposalRequest:
     prompt: list[int]
     output: list[int]
     limit: int  # most drafts it can take (max_tokens, the context and its Acceptance.k)
+    remaining: int = 1 << 30  # tokens it may still produce (max_tokens and the context)
 
 
 @dataclass(frozen=True)

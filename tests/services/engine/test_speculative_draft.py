@@ -437,7 +437,7 @@ def test_a_batch_too_large_for_drafts_gets_no_draft_work(tiny: tuple[Path, Path]
 def test_one_catch_up_past_a_graph_per_call(tiny: tuple[Path, Path]) -> None:
     """Three requests whose prompts the draft never saw (a decode worker's, or a big batch
     draining): each call feeds one whole context and drafts for it, the others wait; requests
-    already caught up are not held back by them."""
+    already caught up are not held back by them; one near its end is never caught up."""
     target, draft = tiny
     engine = LLM(str(target), max_num_seqs=8,
                  speculative_config={"model": str(draft), "num_speculative_tokens": 2}).engine  # fmt: skip
@@ -448,11 +448,13 @@ def test_one_catch_up_past_a_graph_per_call(tiny: tuple[Path, Path]) -> None:
     ]
     short = ProposalRequest("short", [rng.randrange(49152) for _ in range(5)], [9], 2)
     proposer.prefill([PromptChunk("short", short.prompt, [], len(short.prompt))])
+    ending = ProposalRequest("ending", asks[0].prompt[::-1], [7], 2, remaining=10)
     got, fed = [], []
     for _ in range(3):
         before = proposer.stats.catchup_tokens
-        got.append(set(proposer.propose_batch([*asks, short], 8)))
+        got.append(set(proposer.propose_batch([ending, *asks, short], 8)))
         fed.append(proposer.stats.catchup_tokens - before)
+    # "ending" is 10 tokens from its end: a whole context fed for it would not pay back
     assert got == [{"r0", "short"}, {"r0", "r1", "short"}, {"r0", "r1", "r2", "short"}]
     whole = VERIFY_ROWS + 21  # one request's prompt and output
     assert all(whole <= n < whole + VERIFY_ROWS for n in fed), fed  # one whole context a call
