@@ -59,6 +59,9 @@ CASES = {  # name -> (slot of each row, slots, rank, K, N)
     "interleaved (round robin)": ([i % 3 for i in range(37)], 3, 16, 80, 48),
     "one adapter, every row": (runs((24, 1)), 2, 16, 64, 64),
     "every slot its own adapter": (EVERY_SLOT, 8, 8, 48, 40),
+    # a prefill chunk's segments (>= LONG_SEGMENT rows: row blocks of 64, expand columns of
+    # 128), lengths off the block, N off the column block
+    "long segments": (runs((300, 0), (40, -1), (259, 1)), 2, 16, 64, 200),
 }
 
 
