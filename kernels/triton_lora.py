@@ -31,7 +31,6 @@ from kernels.triton_common import (
 )
 
 BLOCK_M = 16
-LONG_SEGMENT = 256  # segments this long (or longer) get row blocks of 4 * BLOCK_M
 
 
 @triton.jit
@@ -148,11 +147,7 @@ def add_lora(
         return y
     block_r = max(16, triton.next_power_of_2(r))
     block_k = max(16, min(64, triton.next_power_of_2(k)))
-    # long segments (a prefill chunk's rows): row blocks of 64, so the shrink reads each
-    # adapter's A and the expand its B once per 64 rows, not per 16 (a decode step's few rows
-    # per adapter keep 16: less padding)
-    block_m = BLOCK_M if max_seg_len < LONG_SEGMENT else 4 * BLOCK_M
-    m_blocks = triton.cdiv(max_seg_len, block_m)
+    m_blocks = triton.cdiv(max_seg_len, BLOCK_M)
     # split K so that a few segments of few rows still fill the GPU: with one program per
     # (segment, row block), a decode step's shrink of an 8B qkv (4 adapters) ran on 4 SMs,
     # each reading its adapter's 0.4 MB of A alone (~17 us at one SM's ~25 GB/s, against a
@@ -165,14 +160,14 @@ def add_lora(
     _shrink_kernel[(groups, m_blocks, split)](
         x, lora_a, xa, seg_rows, seg_starts, seg_lens, seg_slots, k, r,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), xa.stride(0), k_per,
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PRECISION=dot_precision(x.dtype), SPLIT=split,
     )  # fmt: skip
-    block_n = max(16, min(64 if block_m == BLOCK_M else 128, triton.next_power_of_2(n)))
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
     _expand_kernel[(groups, m_blocks, triton.cdiv(n, block_n))](
         xa, lora_b, y, seg_rows, seg_starts, seg_lens, seg_slots, n, r,
         xa.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
     )  # fmt: skip
     return y
 
