@@ -72,8 +72,11 @@ def write_adapter(path: Path, arch: ArchConfig, rank: int, seed: int) -> Path:
 
 
 def throughput(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
-    """Output tokens per second of the batch, and the forwards it ran by path."""
-    llm.generate(prompts[:2], params[:2])  # warm-up: kernels compiled, graphs captured
+    """Output tokens per second of the batch, and the forwards it ran by path. The warm-up
+    runs the whole batch once: a Triton kernel compiles a variant per launch shape (a LoRA
+    shrink over 4 segments of 2048 rows is not one over 2 of 512), and a compile inside the
+    timed run would be counted as LoRA's cost."""
+    llm.generate(prompts, params)  # warm-up: every kernel variant compiled, graphs captured
     before = asdict(llm.engine.runner.forwards)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
