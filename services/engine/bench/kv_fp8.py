@@ -5,6 +5,8 @@ The embedded SmolLM2 in bf16 (CUDA graphs, batched), greedy 32 tokens of the 56 
 how many continuations are equal to the end, and vLLM's near-tie check (where the two first
 part, each side's token is in the other's top 5). Then the pool: at the same
 ``--gpu-memory-utilization``, how many blocks each cache dtype gets. Prints one JSON line.
+``--compare weights`` checks online FP8 weights (``--quantization fp8``, bf16 cache) the same
+way against the bf16 model instead (no pool figures).
 
     python -m services.engine.bench.kv_fp8 --json-out kv_fp8.json   (CUDA and the embedded GGUF)
 """
@@ -23,15 +25,17 @@ from services.engine.bench.parity_study import STUDY_PROMPTS, equal_rate
 from services.engine.llm import LLM
 
 
-def _engine(kv_cache_dtype: str, device: str, **pool: Any) -> LLM:
+def _engine(kv_cache_dtype: str, device: str, **knobs: Any) -> LLM:
     return LLM("embedded", dtype="bfloat16", max_model_len=2048, max_num_seqs=16,
-               device=device, kv_cache_dtype=kv_cache_dtype, **pool)  # fmt: skip
+               device=device, kv_cache_dtype=kv_cache_dtype, **knobs)  # fmt: skip
 
 
-def _greedy(kind: str, device: str, texts: list[str]) -> tuple[list[list[int]], list[Any]]:
+def _greedy(
+    kind: str, device: str, texts: list[str], quantization: str | None = None
+) -> tuple[list[list[int]], list[Any]]:
     """The chat prompts' ids and their greedy continuations with top-5, in an engine of its own
     (gone, with its pool, when this returns)."""
-    llm = _engine(kind, device, num_blocks=2048)
+    llm = _engine(kind, device, num_blocks=2048, quantization=quantization)
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
     return prompts, pr.ours_greedy_top(llm, prompts)
 
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the point), or cpu to try the script")
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts (a dry run)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--compare", choices=("kv", "weights"), default="kv",
+                    help="kv: an FP8 cache; weights: --quantization fp8 (online), bf16 cache")  # fmt: skip
     args = ap.parse_args(argv)
     pr.DEVICE = args.device
     texts = pr.PROMPTS + STUDY_PROMPTS
@@ -59,14 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         texts = texts[: args.limit]
     prompts, auto = _greedy("auto", args.device, texts)
     _collect()
-    _, fp8 = _greedy("fp8", args.device, texts)
+    weights = args.compare == "weights"
+    _, fp8 = _greedy("auto" if weights else "fp8", args.device, texts, "fp8" if weights else None)
     _collect()
     quality = {
+        "compare": args.compare,
         "vs_bf16_cache": equal_rate([c.token_ids for c in fp8], [c.token_ids for c in auto]),
         "near_ties": {k: v for k, v in pr.close(fp8, auto).items() if k != "prompts"},
     }
     blocks: dict[str, int] = {}
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda") and not weights:
         for kind in ("auto", "fp8"):
             blocks[kind] = _blocks(kind, args.device, args.gpu_memory_utilization)
             _collect()
