@@ -188,6 +188,37 @@ def test_importing_the_gateway_loads_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
+@pytest.mark.parametrize(
+    "module",
+    ["services.engine.tp_layout", "services.engine.speculative", "services.engine.draft_tables",
+     "services.engine.mrope", "services.config", "services.model_files"],
+)  # fmt: skip
+def test_torch_free_engine_modules_import_alone(module: str) -> None:
+    """The engine's plain-data modules import first and alone in a fresh interpreter (a
+    tensor-parallel rank's child process unpickles through them): without torch, and without
+    an import cycle (tp_layout importing the quantization package, which imports the TP
+    layers, which import tp_layout, failed only in such a child, and its parent then waited
+    for it in Gloo)."""
+    code = (
+        f"import sys\nimport {module}\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        "assert not loaded, loaded[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["services.engine.tp_follower", "services.engine.tp_kv", "services.engine.tp_group",
+     "services.engine.quantization.apply", "services.engine.lora.manager",
+     "services.engine.draft_proposer"],
+)  # fmt: skip
+def test_modules_a_child_process_starts_from_import_first(module: str) -> None:
+    """No import cycle hides behind the order the tests happen to import in: the modules a
+    rank's child process (or a test's) starts from import first in a fresh interpreter."""
+    subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, check=True, timeout=120)
+
+
 # the gateway's subpackages, top layer first: a module may import its own subpackage and those
 # listed after it, never one listed before it (the HTTP surface sits on the request flows, the
 # flows on the worker connections, everything on observability and the shared core)

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from services.config import ConfigError
 from services.engine.model_config import ArchConfig
-from services.engine.quantization.config import QuantConfig
+
+if TYPE_CHECKING:  # torch-free here; the package imports the quantized layers (and torch)
+    from services.engine.quantization.config import QuantConfig
 
 Span = tuple[int, int]  # [start, end)
 
