@@ -45,6 +45,16 @@ from protos import decode_pb2, kv_control_pb2, prefill_pb2
 from protos.blocks import blocks_for
 
 T = TypeVar("T")
+
+
+def _kv_bound_failure(work: asyncio.Future[Any]) -> bool:
+    """The prefill worker ended the call with ABORTED: its KV could not reach the decode side."""
+    if work.cancelled():
+        return False
+    exc = work.exception()
+    return isinstance(exc, UpstreamError) and exc.status == "ABORTED"
+
+
 MAX_RESERVE_TRIES = 3
 WAIT_MARGIN_S = 0.2  # a waiting Reserve is answered this long before the request's deadline
 
@@ -162,12 +172,18 @@ class _Run:
         lost = asyncio.ensure_future(decode.until_lost())
         try:
             await asyncio.wait((work, lost), return_when=asyncio.FIRST_COMPLETED)
+            if work.done() and _kv_bound_failure(work):
+                # the prefill worker may hear of the death first (its KV transfer refused)
+                # while the gateway's health poll has yet to see it: give the poll its turn,
+                # so the client hears that the decode worker is gone
+                await asyncio.wait((lost,), timeout=2 * self.ctx.config.health_interval_s)
         finally:
             lost.cancel()
             if not work.done():
                 work.cancel()
-        if work.done() and not work.cancelled():
-            return work.result()
+        decode_gone = lost.done() and not lost.cancelled()
+        if work.done() and not work.cancelled() and not (decode_gone and _kv_bound_failure(work)):
+            return work.result()  # its value, or its own error
         raise UpstreamError(
             APIError(
                 503,

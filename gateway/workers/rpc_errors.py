@@ -21,13 +21,15 @@ class UpstreamError(Exception):
     """A worker call failed; ``api_error`` is what the client gets."""
 
     def __init__(
-        self, api_error: APIError, retryable: bool, worker_down: bool = False, address: str = ""
-    ) -> None:
+        self, api_error: APIError, retryable: bool, worker_down: bool = False, address: str = "",
+        status: str = "",
+    ) -> None:  # fmt: skip
         super().__init__(api_error.message)
         self.api_error = api_error
         self.retryable = retryable
         self.worker_down = worker_down
         self.address = address
+        self.status = status  # the gRPC status code's name, when a call failed with one
 
 
 def _code(err: grpc.RpcError) -> grpc.StatusCode:
@@ -59,8 +61,9 @@ def from_rpc_error(err: grpc.RpcError, address: str, call: str) -> UpstreamError
     else:
         api = APIError(502, f"{where} failed ({code.name}): {details}", code="worker_error")
     return UpstreamError(
-        api, retryable=code in _RETRYABLE, worker_down=code in _WORKER_DOWN, address=address
-    )
+        api, retryable=code in _RETRYABLE, worker_down=code in _WORKER_DOWN, address=address,
+        status=code.name,
+    )  # fmt: skip
 
 
 def worker_failed(address: str, message: str) -> UpstreamError:

@@ -80,7 +80,12 @@ async def test_openai_client_batch_equals_transformers_in_both_encodings(
         assert out.usage.prompt_tokens == out.usage.total_tokens == sum(map(len, ids))
         _check([d.embedding for d in out.data], ids)
     for a, b in zip(floats.data, packed.data, strict=True):
-        assert a.embedding == b.embedding  # base64 carries the same float32 values
+        # base64 carries float32 values: the same vectors. Two requests, so not bit for bit:
+        # the second may read the first's prompt blocks from the prefix cache, or share its
+        # steps with other rows, and float32 sums then round differently (~1e-7)
+        torch.testing.assert_close(
+            torch.tensor(b.embedding), torch.tensor(a.embedding), rtol=1e-5, atol=1e-6
+        )
     async with Conn(worker.address, "worker") as w:
         assert_idle(await wait_pool_free([w]))
 
