@@ -64,13 +64,16 @@ def main(rank: int, size: int, port: int) -> int:
         elif not isinstance(exc, ConfigError):  # not the agreement's own error: printed here
             raise
         return 1
+    stopping = threading.Event()  # rank 0 said stop: the KV thread's peers may go first
     kv = threading.Thread(
         target=serve_kv, name="tp-kv", daemon=True,
-        args=(group.kv, rank, make_copier(runner.kv_caches), KvLayout.of(runner.kv_caches)),
+        args=(group.kv, rank, make_copier(runner.kv_caches), KvLayout.of(runner.kv_caches),
+              stopping),
     )  # fmt: skip
     kv.start()  # a worker's KV transfers: this rank's heads of the blocks (services.engine.tp_kv)
     while (step := group.broadcast()) is not None:
         runner.follow(step)
+    stopping.set()
     return 0
 
 

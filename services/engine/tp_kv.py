@@ -31,6 +31,8 @@ from services.engine.kv_handoff import LayerSink
 from services.engine.tp_group import broadcast_object
 from services.engine.tp_layout import Span
 
+STOP_GRACE_S = 2.0  # how long a failed KV thread waits for its rank's stop before exiting 1
+
 _GATHER, _SCATTER = "gather", "scatter"
 
 
@@ -126,10 +128,16 @@ class ShardedCopier:
         raise NotImplementedError("a sharded pool is never shared over CUDA IPC")
 
 
-def serve_kv(group: Any, rank: int, local: Copier, layout: KvLayout) -> None:
+def serve_kv(
+    group: Any, rank: int, local: Copier, layout: KvLayout,
+    stopping: threading.Event | None = None,
+) -> None:  # fmt: skip
     """A rank other than 0 (``layout``: its own pool's, its heads only): run rank 0's gathers
     and scatters until rank 0 sends None (``ShardedCopier.close``). Any failure ends the process (rank 0's transfer and next step then fail and
-    name this rank) rather than leave rank 0 waiting for bytes that never come."""
+    name this rank) rather than leave rank 0 waiting for bytes that never come. A failure
+    while the rank is stopping (``stopping`` set, or set within ``STOP_GRACE_S``: rank 0 told
+    the ranks to stop, and a rank that left first closed its side of this group) ends it with
+    status 0, as the stop does."""
     device = local_device(local)
     try:
         if device.type == "cuda":  # the current device is per thread
@@ -148,6 +156,8 @@ def serve_kv(group: Any, rank: int, local: Copier, layout: KvLayout) -> None:
                 torch.cuda.synchronize(dev_ids.device)
             group.send([torch.ones(1, dtype=torch.uint8)], 0, 0).wait()
     except BaseException:
+        if stopping is not None and stopping.wait(STOP_GRACE_S):
+            os._exit(0)
         traceback.print_exc()
         os._exit(1)
 

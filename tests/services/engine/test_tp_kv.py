@@ -129,3 +129,31 @@ def test_a_streamed_layer_counts_once_every_rank_has_written_it() -> None:
     assert inner.recorded == [0, 1, 2]
     sink.fail("boom")
     assert inner.failed == "boom"
+
+
+def _serve_with_a_broken_group(stopping: bool) -> None:
+    """A follower's KV thread whose group fails at once (a peer closed its side)."""
+    import threading
+
+    from services.engine import tp_kv
+
+    class Closed:
+        def broadcast(self, *args: Any) -> Any:
+            raise RuntimeError("Connection closed by peer")
+
+    tp_kv.STOP_GRACE_S = 0.2
+    event = threading.Event()
+    if stopping:
+        event.set()
+    pool = _pool(1, (0, 1))
+    serve_kv(Closed(), 1, make_copier(pool), KvLayout.of(pool), event)
+
+
+@pytest.mark.parametrize(("stopping", "status"), [(True, 0), (False, 1)])
+def test_a_kv_thread_failing_while_its_rank_stops_exits_0(stopping: bool, status: int) -> None:
+    """At a graceful stop the ranks leave in any order: a KV thread whose group breaks then
+    is part of the stop (status 0, which rank 0 checks); otherwise it is a failure (1)."""
+    proc = mp.get_context("spawn").Process(target=_serve_with_a_broken_group, args=(stopping,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == status
