@@ -47,16 +47,16 @@ from protos.blocks import blocks_for
 T = TypeVar("T")
 
 
+MAX_RESERVE_TRIES = 3
+WAIT_MARGIN_S = 0.2  # a waiting Reserve is answered this long before the request's deadline
+
+
 def _kv_bound_failure(work: asyncio.Future[Any]) -> bool:
     """The prefill worker ended the call with ABORTED: its KV could not reach the decode side."""
     if work.cancelled():
         return False
     exc = work.exception()
     return isinstance(exc, UpstreamError) and exc.status == "ABORTED"
-
-
-MAX_RESERVE_TRIES = 3
-WAIT_MARGIN_S = 0.2  # a waiting Reserve is answered this long before the request's deadline
 
 
 class _Run:
@@ -172,7 +172,8 @@ class _Run:
         lost = asyncio.ensure_future(decode.until_lost())
         try:
             await asyncio.wait((work, lost), return_when=asyncio.FIRST_COMPLETED)
-            if work.done() and _kv_bound_failure(work):
+            kv_bound = work.done() and _kv_bound_failure(work)
+            if kv_bound:
                 # the prefill worker may hear of the death first (its KV transfer refused)
                 # while the gateway's health poll has yet to see it: give the poll its turn,
                 # so the client hears that the decode worker is gone
@@ -182,7 +183,7 @@ class _Run:
             if not work.done():
                 work.cancel()
         decode_gone = lost.done() and not lost.cancelled()
-        if work.done() and not work.cancelled() and not (decode_gone and _kv_bound_failure(work)):
+        if work.done() and not work.cancelled() and not (decode_gone and kv_bound):
             return work.result()  # its value, or its own error
         raise UpstreamError(
             APIError(

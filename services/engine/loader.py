@@ -261,8 +261,12 @@ def read_arch(config: ModelConfig) -> tuple[ModelFiles, ArchConfig]:
     return files, ArchConfig.from_file(config_path)
 
 
-def _quantization(config: ModelConfig, files: ModelFiles, arch: ArchConfig) -> QuantConfig | None:
-    dummy = config.load_format == "dummy" or files.kind == "named"
+def _random_weights(config: ModelConfig, files: ModelFiles) -> bool:
+    """``--load-format dummy``, or a named config (which has no weights)."""
+    return config.load_format == "dummy" or files.kind == "named"
+
+
+def _quantization(config: ModelConfig, arch: ArchConfig, dummy: bool) -> QuantConfig | None:
     return resolve_quantization(
         arch.quantization_config, config.quantization, has_weights=not dummy
     )
@@ -272,7 +276,7 @@ def check_tp_split(config: ModelConfig, size: int) -> None:
     """ConfigError, before any rank starts, when the model cannot be split over ``size``
     ranks (its heads, or a quantized checkpoint's blocks or groups)."""
     files, arch = read_arch(config)
-    TPLayout.of(arch, 0, size, _quantization(config, files, arch))
+    TPLayout.of(arch, 0, size, _quantization(config, arch, _random_weights(config, files)))
 
 
 def load_model(
@@ -281,8 +285,8 @@ def load_model(
     """The model (with ``tp``, this rank's shard of it) and the whole model's ArchConfig."""
     files, arch = read_arch(config)
     dtype = resolve_dtype(config, arch, device)
-    dummy = config.load_format == "dummy" or files.kind == "named"
-    qcfg = _quantization(config, files, arch)
+    dummy = _random_weights(config, files)
+    qcfg = _quantization(config, arch, dummy)
     if qcfg is not None and (arch.moe is not None or arch.vision is not None):
         what = f"{arch.model_type} (Mixture-of-Experts)"
         what = what if arch.vision is None else f"{arch.model_type} (vision-language)"

@@ -19,6 +19,7 @@ input rows).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -77,17 +78,8 @@ def piece_cuts(piece: str, qcfg: QuantConfig | None) -> PieceCut | None:
     return None  # g_idx without act-order: the trivial order, not needed
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
-
-def _alignment(qcfg: QuantConfig | None) -> tuple[int, int]:
+def _alignment(qcfg: QuantConfig) -> tuple[int, int]:
     """(rows, columns) of the float weight a rank's span must be a multiple of."""
-    if qcfg is None:
-        return 1, 1
     if qcfg.method == "fp8":
         return qcfg.weight_block or (1, 1)
     return 8, qcfg.group_size
@@ -215,7 +207,7 @@ class TPLayout:
         cuts = piece_cuts(piece, self.quant)
         if cuts is None:
             return CheckpointSlice(0, 0, 0, skip=True)
-        if piece == "weight_scale" and shape is not None and _numel(shape) == 1:
+        if piece == "weight_scale" and shape is not None and math.prod(shape) == 1:
             return None  # one scale for the whole tensor
         cut = cuts.rows if dim == 0 else cuts.cols
         if cut is None:

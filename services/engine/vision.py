@@ -122,12 +122,6 @@ class VisionInputs:
             pixels = self._pixels.pop(image.content_hash, None)
         return pixels if pixels is not None else preprocess(self.processor, image)
 
-    def _embeds_of(self, image: ImageItem) -> torch.Tensor:  # [num_tokens, hidden]
-        cached = self.cache.get(image.content_hash)
-        if cached is not None:
-            return cached
-        return self._encode([image])[image.content_hash]
-
     def _encode(self, images: list[ImageItem]) -> dict[bytes, torch.Tensor]:
         """Encode these (distinct, uncached) images in one pass of the vision tower; their
         embeddings by content hash, each also cached."""
@@ -156,27 +150,26 @@ class VisionInputs:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of the step [n], their image embeddings [n, hidden]) for every image token the
         step computes; None when it computes none."""
-        rows: list[int] = []
-        parts: list[torch.Tensor] = []
-        missing: dict[bytes, ImageItem] = {}  # encoded together, before the step's rows
-        for r in reqs:
-            lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
-            for image in r.images:
-                touched = max(lo, image.offset) < min(hi, image.end)
-                if touched and image.content_hash not in self.cache:
-                    missing.setdefault(image.content_hash, image)
-        # the step's own: a cache smaller than the step's images may drop some of them again
-        encoded = self._encode(list(missing.values())) if missing else {}
+        spans: list[tuple[int, ImageItem, int, int]] = []  # (row of token 0, image, a, b)
+        needed: dict[bytes, ImageItem] = {}
         for r, at in zip(reqs, starts, strict=True):
             lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
             for image in r.images:
                 a, b = max(lo, image.offset), min(hi, image.end)
-                if a >= b:
-                    continue
-                emb = encoded.get(image.content_hash)
-                emb = self._embeds_of(image) if emb is None else emb
-                parts.append(emb[a - image.offset : b - image.offset])
-                rows.extend(range(at + a - lo, at + b - lo))
+                if a < b:
+                    spans.append((at - lo, image, a, b))
+                    needed.setdefault(image.content_hash, image)
+        # the step's embeddings, read or encoded (all missing ones in one pass) before any is
+        # used: a cache smaller than the step's images may drop some of them again meanwhile
+        embeds = {h: e for h in needed if (e := self.cache.get(h)) is not None}
+        missing = [image for h, image in needed.items() if h not in embeds]
+        if missing:
+            embeds.update(self._encode(missing))
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for shift, image, a, b in spans:
+            parts.append(embeds[image.content_hash][a - image.offset : b - image.offset])
+            rows.extend(range(shift + a, shift + b))
         if not rows:
             return None
         dev = parts[0].device

@@ -256,9 +256,6 @@ class Qwen2VLForCausalLM(LlamaForCausalLM):
         assert cfg.vision is not None
         self.visual = VisionTransformer(cfg.vision)
 
-    def encode_image(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        return self.visual(pixels, grid)  # [tokens, hidden]
-
     def encode_images(
         self, images: list[tuple[torch.Tensor, tuple[int, int, int]]]
     ) -> list[torch.Tensor]:
