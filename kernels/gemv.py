@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import torch
 
+# the Triton GEMV's rows at most (one program per row): longer batches are a GEMM's
+GEMV_MAX_ROWS = 8
+
 
 def ref_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] x [N, K] -> [M, N]
     """``x @ weight.T`` with fp32 accumulation, rounded once to x's dtype (what cuBLAS does)."""

@@ -21,6 +21,7 @@ from kernels.attention import (
 )
 from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
 from kernels.checksum import ref_checksum
+from kernels.gemv import GEMV_MAX_ROWS
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
 from kernels.lora import ref_add_lora
 from kernels.moe import ref_fused_moe, ref_moe_routing
@@ -96,13 +97,34 @@ def gemv_rows() -> int:
     return int(os.environ.get("TANDEM_GEMV_ROWS", "1"))
 
 
+# Batches of at most this many rows compute every row as a batch of one would, bit for bit:
+# linear layers through the Triton GEMV (one program per row, whatever the batch), decode
+# attention split as for one sequence. Set by the engine (``set_row_invariant``) when it
+# verifies drafts: a verify step's rows then equal the steps of plain decoding they replace.
+_row_invariant = 0
+
+
+def set_row_invariant(rows: int) -> None:
+    """Make batches of up to ``rows`` rows (at most the GEMV's 8) row-invariant; 0: off."""
+    global _row_invariant
+    if not 0 <= rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"row-invariant batches take 0 to {GEMV_MAX_ROWS} rows, got {rows}")
+    _row_invariant = rows
+
+
+def row_invariant() -> int:
+    return _row_invariant
+
+
 def linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [M, N]
-    """A linear layer: the Triton GEMV for batch-1 decode on CUDA, cuBLAS otherwise."""
-    if bias is None and x.dim() == 2 and 0 < x.shape[0] <= gemv_rows():
+    """A linear layer: the Triton GEMV for batch-1 decode on CUDA (and for the short batches
+    made row-invariant), cuBLAS otherwise."""
+    rows = max(gemv_rows(), _row_invariant)
+    if bias is None and x.dim() == 2 and 0 < x.shape[0] <= rows:
         mod = _triton("triton_gemv", x)
         if mod is not None:
             return mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
@@ -213,8 +235,17 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D] to write into
 ) -> torch.Tensor:  # [B, Hq, D]
     mod = _triton("triton_attention", q)
-    fn = mod.paged_decode_attention if mod else ref_paged_decode_attention
-    return fn(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+    if mod is None:
+        return ref_paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+        )
+    splits = None
+    if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1
+        width = block_tables.shape[1] * k_cache.shape[1]
+        splits = mod.choose_num_splits(1, k_cache.shape[2], width, q.device)
+    return mod.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits, out=out
+    )
 
 
 def prefill_attention(

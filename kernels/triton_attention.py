@@ -21,11 +21,17 @@ from kernels.triton_common import (
     next_pow2,
     to_kv,
 )
-from kernels.triton_decode import paged_decode_attention
+from kernels.triton_decode import choose_num_splits, paged_decode_attention
 from kernels.triton_layers import rotate_half_pair
 from kernels.triton_prefill import prefill_attention
 
-__all__ = ["paged_decode_attention", "prefill_attention", "rotary_write_kv", "write_kv"]
+__all__ = [
+    "choose_num_splits",
+    "paged_decode_attention",
+    "prefill_attention",
+    "rotary_write_kv",
+    "write_kv",
+]
 
 
 @triton.jit(do_not_specialize=["slot_ptr"])  # a per-step staging slice

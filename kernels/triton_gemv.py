@@ -7,7 +7,11 @@ while a kernel that gives each program a few output rows fills the machine. Each
 ``BLOCK_N`` rows of the weight, streams them along K in ``BLOCK_K`` chunks (16-byte loads along
 the contiguous dim), keeps an fp32 partial product per element and reduces once at the end:
 no split-K, so the result is deterministic and does not depend on the launch configuration's
-reduction order beyond the chunking. Rows of x are handled one program column each (M <= 8).
+reduction order beyond the chunking. Each row of x gets its own programs (M <= 8), which run
+the same code whatever M is: a row's result is bit for bit the one it gets in a batch of 1 (what a
+speculative verify step needs to match plain decoding). The grid is one-dimensional with the row
+fastest, so the M programs that read one weight tile run side by side and the tile is read from
+HBM about once, the other rows hitting L2.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv import GEMV_MAX_ROWS as MAX_ROWS
 from kernels.triton_common import FLOAT_DTYPES, check_devices, check_tensor
 
-MAX_ROWS = 8
 # (BLOCK_N, BLOCK_K, num_warps): the launch used unless a caller picks another
 DEFAULT_CONFIG = (8, 512, 4)
 
@@ -36,11 +40,12 @@ def pick_config(n: int, k: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, N, K, s_xm, s_wn, s_om,
+    x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0)
+    pid_n = pid // M
+    m = (pid % M).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -83,8 +88,8 @@ def gemv(
         return out.zero_()
     block_n, block_k, warps = config or DEFAULT_CONFIG
     block_k = min(block_k, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, block_n), m)](
-        x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    _gemv_kernel[(triton.cdiv(n, block_n) * m,)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
     )  # fmt: skip
     return out

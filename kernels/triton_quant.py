@@ -217,6 +217,7 @@ def _store_tile(
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -237,9 +238,14 @@ def _fp8_gemv_kernel(
             k_mask = ks < K
             xv = tl.load(x_ptr + m * s_xm + ks, mask=k_mask, other=0.0)
             w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        s = tl.load(s_rows + k0 // BLOCK_SCALE, mask=n_mask, other=0.0)  # [BN] fp32
-        acc += w.to(tl.float32) * s[:, None] * xv.to(tl.float32)[None, :]
+        if ROW_SCALE:  # one scale per row: applied once, after the sum
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        else:
+            s = tl.load(s_rows + k0 // BLOCK_SCALE, mask=n_mask, other=0.0)  # [BN] fp32
+            acc += w.to(tl.float32) * s[:, None] * xv.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
+    if ROW_SCALE:
+        out = out * tl.load(s_rows, mask=n_mask, other=0.0)
     if SPLIT == 1:
         tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
@@ -380,7 +386,8 @@ def fp8_linear(
         target = _target(out, split)
         _fp8_gemv_kernel[(triton.cdiv(n, bn), split, m)](
             x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
-            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, num_warps=warps,
+            BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
+            num_warps=warps,
         )  # fmt: skip
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or GEMM_CONFIG, 4)

@@ -41,6 +41,11 @@ GEMV_CONFIGS = {
              if bn * bk <= 16384],
     "fp8": [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))
             if bn * bk <= 16384],
+    # per-channel scales (what --quantization fp8 makes at load): chunks of K not bound by a
+    # scale block, so longer ones
+    "fp8-row": [(bn, bk, w) for bn, bk, w in
+                itertools.product((2, 4, 8, 16, 32), (512, 1024, 2048, 4096), (4, 8))
+                if 2048 <= bn * bk <= 32768],
 }  # fmt: skip
 GEMM_CONFIGS = [(16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), (32, 128, 128, 8)]
 
@@ -57,6 +62,7 @@ class Case:
     zeros: torch.Tensor  # [K/G, N]
     fp8: torch.Tensor  # [N, K] float8_e4m3fn
     fp8_scale: torch.Tensor  # [N, ceil(K/G)] float32
+    fp8_row_scale: torch.Tensor  # [N, 1] float32: per-channel scales
 
     def bytes(self, fmt: str) -> int:
         """Bytes a kernel must move: its weight format, x read and the output written."""
@@ -65,6 +71,7 @@ class Case:
             "bf16": [self.w],
             "int4": [self.qweight, self.scales, self.zeros],
             "fp8": [self.fp8, self.fp8_scale],
+            "fp8-row": [self.fp8, self.fp8_row_scale],
         }[fmt]
         return int(io) + sum(t.numel() * t.element_size() for t in weight)
 
@@ -84,6 +91,7 @@ def build(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = tor
         w=(torch.randn(n, k, generator=gen) * 0.02).to(device=device, dtype=dtype),
         qweight=pack_rows(q).to(device), scales=scales.to(device), zeros=zeros.to(device),
         fp8=fp8.to(device), fp8_scale=expand_block_scales(blocks, n, GROUP).to(device),
+        fp8_row_scale=(torch.rand(n, 1, generator=gen) * 1e-4).to(device),
     )  # fmt: skip
 
 
@@ -92,6 +100,7 @@ def runners(case: Case, config: tuple[int, ...] | None = None) -> dict[str, tupl
     from kernels import quant, triton_quant
 
     c = case
+    k = c.x.shape[1]
     return {
         "int4": (
             functools.partial(
@@ -104,6 +113,12 @@ def runners(case: Case, config: tuple[int, ...] | None = None) -> dict[str, tupl
                 triton_quant.fp8_linear, c.x, c.fp8, c.fp8_scale, GROUP, config=config
             ),
             functools.partial(quant.ref_fp8_linear, c.x, c.fp8, c.fp8_scale, GROUP),
+        ),
+        "fp8-row": (
+            functools.partial(
+                triton_quant.fp8_linear, c.x, c.fp8, c.fp8_row_scale, k, config=config
+            ),
+            functools.partial(quant.ref_fp8_linear, c.x, c.fp8, c.fp8_row_scale, k),
         ),
     }
 
@@ -131,7 +146,7 @@ def bench_shape(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any
     bf16_ms = median_ms(functools.partial(F.linear, case.x, case.w))
     row: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "copy_gbs": copy,
                            "bf16_ms": bf16_ms, "bf16_gbs": case.bytes("bf16") / bf16_ms / 1e6}  # fmt: skip
-    for fmt in ("int4", "fp8"):
+    for fmt in ("int4", "fp8", "fp8-row"):
         best: tuple[tuple[int, ...] | None, float] | None = None
         for cfg in _configs(fmt, m):
             check(fmt, case, cfg)
@@ -221,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"M={m:<3d} {name:22s} bf16 {r['bf16_ms'] * 1e3:7.1f} us | int4 "
                 f"{r['int4_ms'] * 1e3:7.1f} us {r['int4_gbs']:5.0f} GB/s "
                 f"({r['int4_pct_of_copy']:3.0f}%) | fp8 {r['fp8_ms'] * 1e3:7.1f} us "
-                f"{r['fp8_gbs']:5.0f} GB/s ({r['fp8_pct_of_copy']:3.0f}%)",
+                f"{r['fp8_gbs']:5.0f} GB/s ({r['fp8_pct_of_copy']:3.0f}%) | fp8 per channel "
+                f"{r['fp8-row_ms'] * 1e3:7.1f} us {r['fp8-row_gbs']:5.0f} GB/s "
+                f"({r['fp8-row_pct_of_copy']:3.0f}%) {r['fp8-row_config']}",
                 flush=True,
             )
     for m in args.w8a8_rows:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kernels import ops
 from protos.blocks import blocks_for
 from protos.logprobs import PositionLogprobs, TokenLogprob
 from protos.multimodal import ImageItem, VisionSpec
@@ -114,6 +115,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config = with_device_defaults(config, resolve_device(config.device).type)
         self.config = config
+        ops.set_row_invariant(0)  # a runner with drafts to verify turns it on (ModelRunner)
         self.runner = ModelRunner(config)
         files = self.runner.files
         self.tokenizer = _tokenizer_for(files)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from kernels import ops
+from kernels.gemv import GEMV_MAX_ROWS
 from kvtransfer import KvLayout, KvShards
 from kvtransfer.blockcopy import make_copier
 from protos.blocks import blocks_for
@@ -113,6 +115,12 @@ class ModelRunner:
 
     def _build(self, config: EngineConfig) -> None:
         max_pos = 1 << 17
+        if config.speculative is not None:
+            # a verify step's rows must be what the plain decode steps they stand for would
+            # compute, bit for bit (a bf16 near-tie would otherwise part the two): short batches
+            # (a verify graph of 8 rows, batch-1 decodes) run row-invariant kernels. Set before
+            # any graph is captured; the draft model's runner (no speculation of its own) keeps it
+            ops.set_row_invariant(GEMV_MAX_ROWS)
         self.model, self.arch, self.files = load_model(config.model, self.device, max_pos, self.tp)
         self.kv_arch = self.model.cfg  # this rank's KV heads (all of them without TP)
         self.dtype = self.model.lm_head.weight.dtype

@@ -105,6 +105,37 @@ def test_batch_one_linear_goes_through_the_triton_gemv(monkeypatch: pytest.Monke
     assert_matches(out / 64, ref_gemv(x1, w) / 64)
 
 
+def test_row_invariance_takes_at_most_the_gemv_rows() -> None:
+    with pytest.raises(ValueError, match="0 to 8 rows"):
+        ops.set_row_invariant(9)
+    assert ops.row_invariant() == 0
+
+
+@pytest.mark.gpu
+def test_row_invariant_batches_compute_each_row_as_alone() -> None:
+    """With drafts, the engine makes short batches row-invariant: a linear layer and decode
+    attention give a batch of 8 the bits of 8 batches of one (cuBLAS and the batch-dependent
+    split of the context would not)."""
+    gen, cuda, dt = torch.Generator().manual_seed(0), torch.device("cuda"), torch.bfloat16
+    x, w = rand((8, 2048), dt, gen, cuda), rand((6144, 2048), dt, gen, cuda)
+    lens = [3000, 17, 1, 4096, 900, 2500, 64, 1500]
+    k_cache, v_cache, tables = paged_kv(lens, 16, 2, 64, dt, gen, cuda)
+    q, ctx = rand((8, 8, 64), dt, gen, cuda), torch.tensor(lens, dtype=torch.int32, device=cuda)
+    try:
+        ops.set_row_invariant(8)
+        whole = ops.linear(x, w)
+        attn = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125)
+        for i in range(8):
+            one = slice(i, i + 1)
+            assert torch.equal(ops.linear(x[one], w), whole[one])
+            alone = ops.paged_decode_attention(
+                q[one], k_cache, v_cache, tables[one], ctx[one], 0.125
+            )
+            assert torch.equal(alone, attn[one])
+    finally:
+        ops.set_row_invariant(0)
+
+
 def test_cpu_moe_dispatch_is_the_reference(gen: torch.Generator) -> None:
     from kernels.moe import ref_fused_moe
 

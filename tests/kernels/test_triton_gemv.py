@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.gemv import ref_gemv
-from kernels.triton_gemv import gemv
+from kernels.triton_gemv import gemv, pick_config
 from tests.kernels.paged import assert_matches, rand
 
 
@@ -27,6 +27,21 @@ def test_matches_the_reference(
     assert out.shape == (m, n) and out.dtype == dtype
     scale = max(1.0, k**0.5)  # sums of k products: tolerance relative to their size
     assert_matches(out / scale, ref / scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_row_computes_the_same_bits_in_any_batch(
+    dtype: torch.dtype, gen: torch.Generator, device: torch.device
+) -> None:
+    """A speculative verify step's rows must equal the batch-1 steps they stand for, bit for
+    bit: every prefix of a batch, and every row alone, gives the same rows as the whole."""
+    x, w = rand((8, 1000), dtype, gen, device), rand((300, 1000), dtype, gen, device)
+    config = pick_config(300, 1000)
+    whole = gemv(x, w, config=config)
+    for m in range(1, 8):
+        assert torch.equal(gemv(x[:m], w, config=config), whole[:m])
+    for i in range(8):
+        assert torch.equal(gemv(x[i : i + 1], w, config=config), whole[i : i + 1])
 
 
 def test_strided_rows_of_x(gen: torch.Generator, device: torch.device) -> None:

@@ -21,9 +21,10 @@ def test_bytes_are_the_formats_sizes(device: torch.device) -> None:
     assert case.bytes("bf16") == io + 256 * 512 * 2
     assert case.bytes("int4") == io + 256 * 512 // 2 + 2 * (512 // 128) * 256 * 2
     assert case.bytes("fp8") == io + 256 * 512 + 256 * (512 // 128) * 4
+    assert case.bytes("fp8-row") == io + 256 * 512 + 256 * 4
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp8-row"])
 @pytest.mark.parametrize("m", [1, 17])
 def test_every_swept_launch_matches_the_reference(fmt: str, m: int, device: torch.device) -> None:
     case = quant.build(m, 256, 256, device)
