@@ -17,7 +17,7 @@ log="$out/spec_decode.jsonl"
 bench() { python3 -m services.engine.bench.spec_decode "$@" 2>"$out/stderr-$RANDOM.txt" | tail -1 | tee -a "$log"; }
 if [ -n "$gguf" ]; then
   export TANDEM_EMBEDDED_GGUF=$gguf
-  for dtype in bfloat16 float32; do  # float32: are differences numerics of bf16, or the method?
+  for dtype in ${SPEC_DTYPES:-bfloat16 float32}; do  # float32: numerics of bf16, or the method?
     for s in "" "$spec"; do
       bench --model embedded --dtype $dtype --prompts copy --batch 1 --max-tokens 256 \
         ${s:+--speculative-config "$s"}
