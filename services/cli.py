@@ -572,8 +572,8 @@ def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
         type=_positive_int,
         default=MEDIA_MAX_BYTES,
         metavar="BYTES",
-        help=f"{passed}largest image fetched from a URL, in bytes (default 20 MiB; the download "
-        "stops there, a 400)",
+        help=f"{passed}largest image fetched from a URL, in bytes (20 MiB; past it the download "
+        "stops and the request gets a 400)",
     )
 
 

@@ -91,14 +91,14 @@ class ImageFetcher:
             host = _host(parsed)
         except (httpx.InvalidURL, UnicodeError) as e:
             raise invalid(f"{param}: {what} is not a valid URL ({e})", param) from None
+        if parsed.userinfo:  # checked first: the messages below repeat the URL
+            raise invalid(f"{param}: image URLs must not carry credentials (user:password@): "
+                          "drop them, or send the image as a data URL", param)  # fmt: skip
         schemes = ("https", "http") if policy.allow_http else ("https",)
         if parsed.scheme not in schemes:
             also = "" if policy.allow_http else " (http needs the gateway's --media-allow-http)"
             raise invalid(f"{param}: {what} is not an https URL; image URLs must be https{also}, "
                           "or send the image as a data URL", param)  # fmt: skip
-        if parsed.userinfo:
-            raise invalid(f"{param}: image URLs must not carry credentials (user:password@): "
-                          "drop them, or send the image as a data URL", param)  # fmt: skip
         if not host or not policy.allows_host(host):
             raise invalid(
                 f"{param}: {what} is on host {host!r}, not one the gateway may fetch images from "
