@@ -21,8 +21,8 @@ from gateway.core.config import GatewayConfig
 from gateway.core.errors import APIError, invalid
 
 MAX_REDIRECTS = 5
-# images are compressed already; asking for no transfer encoding keeps the byte limit about
-# what crosses the network, not what a gzip stream expands to
+# images are compressed already; asking for no content encoding keeps the byte limit about what
+# crosses the network, not what a gzip stream expands to
 HEADERS = {"accept": "image/*", "accept-encoding": "identity", "user-agent": "tandem-gateway"}
 # answers that may hold an image without saying so: PIL decides (a non-image fails to decode)
 UNLABELLED = ("", "application/octet-stream", "binary/octet-stream")
@@ -71,9 +71,8 @@ class ImageFetcher:
     """Fetches image URLs under a FetchPolicy; one connection pool for the gateway's life
     (opened at the first fetch, closed by ``aclose``)."""
 
-    def __init__(self, policy: FetchPolicy, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(self, policy: FetchPolicy) -> None:
         self.policy = policy
-        self._transport = transport
         self._client: httpx.AsyncClient | None = None
 
     def check(self, url: str, param: str, redirected_from: str | None = None) -> httpx.URL:
@@ -190,7 +189,7 @@ class ImageFetcher:
             # .netrc are not read (a fetch goes where the URL says, with no credentials)
             self._client = httpx.AsyncClient(
                 headers=HEADERS, follow_redirects=False, trust_env=False,
-                timeout=self.policy.timeout_s, transport=self._transport,
+                timeout=self.policy.timeout_s,
             )  # fmt: skip
         return self._client
 
