@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.supervisor import ChildSpec
-from gateway.core.config import parse_mm_limit
+from gateway.core.config import (
+    MEDIA_FETCH_TIMEOUT_S,
+    MEDIA_MAX_BYTES,
+    media_domain,
+    parse_mm_limit,
+)
 from services.cli import add_engine_args
 from services.config import ConfigError, LoRAConfig
 
@@ -185,6 +190,22 @@ def _memory_overrides(args: argparse.Namespace, sharing: int) -> dict[str, objec
     return {}
 
 
+def _media_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's image URL fetching flags, those given."""
+    flags = []
+    domains = getattr(args, "allowed_media_domains", None)
+    if domains:
+        flags += ["--allowed-media-domains", *domains]
+    if getattr(args, "media_allow_http", False):
+        flags.append("--media-allow-http")
+    defaults = {"media_fetch_timeout": MEDIA_FETCH_TIMEOUT_S, "media_max_bytes": MEDIA_MAX_BYTES}
+    for name, default in defaults.items():
+        value = getattr(args, name, default)
+        if value != default:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
 def build_plan(
     args: argparse.Namespace,
     gpus: Sequence[str],
@@ -196,6 +217,8 @@ def build_plan(
     environ = {} if environ is None else environ
     lora = LoRAConfig.from_args(args)  # bad LoRA flags end here, not in every worker
     parse_mm_limit(getattr(args, "limit_mm_per_prompt", None))  # nor the gateway's
+    for domain in getattr(args, "allowed_media_domains", None) or ():
+        media_domain(domain)
     device, gpus = _resolve_device(args.device, gpus)
     names = role_names(args)
     roles = [r for _, r in names]
@@ -235,6 +258,7 @@ def build_plan(
     for flag in ("tool_call_parser", "reasoning_parser", "limit_mm_per_prompt"):
         if getattr(args, flag, None):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    gateway += _media_flags(args)
     drain_timeout_s = float(args.drain_timeout)
     gateway += ["--drain-timeout", str(drain_timeout_s)]
     gateway += ["--ready-file", str(gateway_ready)]

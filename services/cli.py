@@ -530,13 +530,50 @@ def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None
     )
 
 
-def add_mm_limit_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
+MEDIA_MAX_BYTES = 20 * 1024 * 1024  # gateway.core.config's MEDIA_MAX_BYTES (not imported here)
+
+
+def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """Image input limits and image URL fetching: the gateway's flags (``tandem up`` passes them
+    on)."""
     p.add_argument(
         "--limit-mm-per-prompt",
         default=None,
         metavar="JSON",
         help=f"{passed}at most this many images per prompt, as vLLM's JSON: '{{\"image\": 2}}' "
         "(default: as many as fit the context); more get a 400",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="HOST",
+        help=f"{passed}fetch image_url parts given as https URLs from these hosts only (exact "
+        "names or IP addresses, *.example.com for its subdomains, * for any host); each "
+        "redirect's target must be allowed too. Default: none, image URLs are refused (data "
+        "URLs always work)",
+    )
+    p.add_argument(
+        "--media-allow-http",
+        action="store_true",
+        help=f"{passed}fetch plain http image URLs too (default: https only)",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=_positive_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help=f"{passed}seconds fetching one image URL may take in all, redirects included "
+        "(else a 400)",
+    )
+    p.add_argument(
+        "--media-max-bytes",
+        type=_positive_int,
+        default=MEDIA_MAX_BYTES,
+        metavar="BYTES",
+        help=f"{passed}largest image fetched from a URL, in bytes (20 MiB; past it the download "
+        "stops and the request gets a 400)",
     )
 
 
@@ -555,7 +592,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct)",
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
-    add_mm_limit_arg(p)
+    add_media_args(p)
     p.add_argument(
         "--allow-special-tokens-in-messages",
         action="store_true",
@@ -717,7 +754,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "itself; 0: off",
     )
     add_output_parser_args(p, "(passed to the gateway) ")
-    add_mm_limit_arg(p, "(passed to the gateway) ")
+    add_media_args(p, "(passed to the gateway) ")
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument(

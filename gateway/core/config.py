@@ -15,6 +15,8 @@ from protos.roles import Role
 
 # a Prometheus metric name; a --metrics-prefix must be one, so every prefixed name is one too
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+MEDIA_FETCH_TIMEOUT_S = 5.0
+MEDIA_MAX_BYTES = 20 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,12 @@ class GatewayConfig:
     # a special token typed in a message acts as one (else it is text, as OpenAI treats it)
     allow_special_tokens_in_messages: bool = False
     limit_mm_per_prompt: int | None = None  # images per prompt (None: as many as fit)
+    # image URLs the gateway fetches (gateway.flows.image_fetch): hosts (exact, "*.suffix" for
+    # its subdomains, "*" for any); none: http(s) image URLs are refused, only data URLs serve
+    allowed_media_domains: tuple[str, ...] = ()
+    media_allow_http: bool = False  # https only unless set
+    media_fetch_timeout_s: float = MEDIA_FETCH_TIMEOUT_S  # per image, redirects included
+    media_max_bytes: int = MEDIA_MAX_BYTES  # per fetched image
     workers: tuple[WorkerSpec, ...] = ()
     # DNS names listing workers (a Kubernetes headless Service), resolved every interval
     discover: tuple[DiscoverySpec, ...] = ()
@@ -112,6 +120,8 @@ class GatewayConfig:
             "kv wait": self.kv_wait_s,
             "prefix blocks": self.prefix_blocks,
             "max fanout": self.max_fanout,
+            "--media-fetch-timeout": self.media_fetch_timeout_s,
+            "--media-max-bytes": self.media_max_bytes,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -127,6 +137,8 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be >= 0, got {count}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        domains = tuple(dict.fromkeys(media_domain(d) for d in self.allowed_media_domains))
+        object.__setattr__(self, "allowed_media_domains", domains)
         if not METRIC_NAME.fullmatch(self.metrics_prefix):
             raise ConfigError(
                 "--metrics-prefix must be a Prometheus metric name: a letter, '_' or ':' first, "
@@ -197,6 +209,26 @@ def parse_mm_limit(text: str | None) -> int | None:
     return limit
 
 
+def media_domain(entry: str) -> str:
+    """One ``--allowed-media-domains`` entry, normalized as the fetcher compares hosts: lower
+    case, no trailing dot, an IPv6 literal without brackets. A URL, a port or a path is refused:
+    the list names hosts (the scheme is --media-allow-http's, any port is allowed)."""
+    host = entry.strip().lower().rstrip(".")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    bad = not host or not host.isascii() or any(c in host for c in "/@?#[] \t")
+    wildcard = host.startswith("*.") and "*" not in host[2:] and len(host) > 2
+    if host == "*" or wildcard:
+        return host
+    if bad or "*" in host or host.count(":") == 1:
+        raise ConfigError(
+            "--allowed-media-domains takes host names (images.example.com, *.example.com for "
+            "its subdomains, an IP address, or * for any host; IDNs in their xn-- form), not "
+            f"URLs or host:port, got {entry!r}"
+        )
+    return host
+
+
 def config_from_args(
     args: argparse.Namespace, tokenizer_dir: str, default_name: str | None = None
 ) -> GatewayConfig:
@@ -207,6 +239,10 @@ def config_from_args(
         chat_template=args.chat_template,
         allow_special_tokens_in_messages=getattr(args, "allow_special_tokens_in_messages", False),
         limit_mm_per_prompt=parse_mm_limit(getattr(args, "limit_mm_per_prompt", None)),
+        allowed_media_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
+        media_allow_http=getattr(args, "media_allow_http", False),
+        media_fetch_timeout_s=getattr(args, "media_fetch_timeout", MEDIA_FETCH_TIMEOUT_S),
+        media_max_bytes=getattr(args, "media_max_bytes", MEDIA_MAX_BYTES),
         workers=workers_from_args(args),
         discover=tuple(DiscoverySpec.parse(d) for d in getattr(args, "discover", None) or ()),
         discover_interval_s=getattr(args, "discover_interval", 5.0),

@@ -1,4 +1,5 @@
-"""Images in chat messages: OpenAI's ``image_url`` content parts, decoded and checked here;
+"""Images in chat messages: OpenAI's ``image_url`` content parts, decoded and checked here (an
+http(s) URL is kept for ``gateway.flows.image_fetch``, which fetches it when the gateway allows);
 placed into the prompt (each placeholder expanded to the image's token count) by
 ``place_images``. Torch-free: PIL reads the image's size."""
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.core.errors import invalid
+from gateway.flows.image_fetch import ImageURL
 from protos.multimodal import ImageItem, VisionSpec, place_images
 from protos.sampling_params import InvalidRequestError
 
@@ -21,8 +23,9 @@ _DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<payload
 DETAILS = (None, "auto", "high")
 
 
-def image_from_part(part: dict[str, Any], param: str) -> bytes:
-    """The encoded image of an ``{"type": "image_url", "image_url": {"url": ...}}`` part."""
+def image_from_part(part: dict[str, Any], param: str) -> bytes | ImageURL:
+    """The encoded image of an ``{"type": "image_url", "image_url": {"url": ...}}`` part, or
+    its http(s) URL (fetched, if the gateway allows, once the request is parsed)."""
     ref = part.get("image_url")
     url = ref.get("url") if isinstance(ref, dict) else ref
     detail = ref.get("detail") if isinstance(ref, dict) else None
@@ -34,15 +37,12 @@ def image_from_part(part: dict[str, Any], param: str) -> bytes:
         )  # fmt: skip
     if not isinstance(url, str) or not url:
         raise invalid(f"{param}: an image_url part needs image_url.url (a data: URL)", param)
-    if url.startswith(("http://", "https://")):
-        raise invalid(
-            f"{param}: fetching images from http(s) URLs is not implemented (no flag enables it "
-            "yet); send the image inline as a data URL: data:image/png;base64,...", param
-        )  # fmt: skip
+    if url[:8].lower().startswith(("http://", "https://")):
+        return ImageURL(url, param)
     match = _DATA_URL.fullmatch(url)
     if match is None:
-        raise invalid(f"{param}: image_url.url must be a data: URL (data:image/png;base64,...)",
-                      param)  # fmt: skip
+        raise invalid(f"{param}: image_url.url must be a data: URL (data:image/png;base64,...) "
+                      "or, where the gateway fetches images, an https URL", param)  # fmt: skip
     if not match["mime"].startswith("image/"):
         raise invalid(
             f"{param}: the data URL holds {match['mime'] or 'text/plain'!r}, not an image "

@@ -12,6 +12,7 @@ from typing import Any
 
 from gateway.core.errors import invalid
 from gateway.flows.fields import INT32_MAX, INT64_MAX, Fields, check_int, require_object
+from gateway.flows.image_fetch import ImageURL
 from gateway.flows.images import image_from_part
 from gateway.flows.structured import parse_structured
 from gateway.flows.tools import ToolPlan, parse_tools
@@ -71,7 +72,8 @@ class ChatRequest:
     top_logprobs: int
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: ToolPlan | None = None  # None: no tools offered
-    images: tuple[bytes, ...] = ()  # of the image_url parts, in order (encoded bytes)
+    # of the image_url parts, in order: encoded bytes, or an http(s) URL still to fetch
+    images: tuple[bytes | ImageURL, ...] = ()
 
 
 # OpenAI's include_usage and vLLM's continuous_usage_stats (usage so far in every chunk)
@@ -223,7 +225,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 
 
 def _content(
-    message: dict[str, Any], index: int, role: str, images: list[bytes]
+    message: dict[str, Any], index: int, role: str, images: list[bytes | ImageURL]
 ) -> str | list[dict[str, Any]]:
     """The content as templates read it: a string, or (with images) the parts with each image
     as ``{"type": "image"}``; the images' bytes are appended to ``images``."""
@@ -264,12 +266,14 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def parse_chat_messages(value: Any) -> tuple[list[dict[str, Any]], tuple[bytes, ...]]:
+def parse_chat_messages(
+    value: Any,
+) -> tuple[list[dict[str, Any]], tuple[bytes | ImageURL, ...]]:
     """The messages as chat templates read them, and the images of their image_url parts."""
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
-    images: list[bytes] = []
+    images: list[bytes | ImageURL] = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise invalid(f"messages[{i}] must be an object", "messages")

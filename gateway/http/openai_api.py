@@ -15,6 +15,7 @@ from gateway.core.errors import invalid
 from gateway.flows import reasoning, tool_parsers
 from gateway.flows.chat_output import ChoiceOutput, OutputPlan
 from gateway.flows.generation import Choice, Generation
+from gateway.flows.image_fetch import ImageURL
 from gateway.flows.images import check_images, images_in_prompt
 from gateway.flows.prepare import PromptIds, build_choices, check_vocab, settle_max_tokens
 from gateway.flows.protocol import (
@@ -213,18 +214,23 @@ async def chat_completions(request: Request) -> Response:
     lora = state.accepts(req.common.model)
     req = replace(req, common=with_adapter(req.common, lora))
     plan = _output_plan(state, req)
+    encoded: tuple[bytes, ...] = ()
     if req.images:
         check_images(len(req.images), state.vision, state.config.limit_mm_per_prompt,
                      state.model_name)  # fmt: skip
+        fetch = state.image_fetcher.fetch_all(req.images)  # those given as URLs downloaded
+        try:  # a client that leaves cancels the downloads
+            urls = any(isinstance(image, ImageURL) for image in req.images)
+            encoded = await (until_disconnect(request, fetch) if urls else fetch)
+        except ClientGone:
+            return Response(status_code=499)
     ids_list, text = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.common.add_special_tokens,
         **req.template_kwargs,
     )  # fmt: skip
     images: tuple[ImageItem, ...] = ()
-    if req.images and state.vision is not None:
-        ids_list, images = await state.off_loop(
-            images_in_prompt, ids_list, req.images, state.vision
-        )
+    if encoded and state.vision is not None:
+        ids_list, images = await state.off_loop(images_in_prompt, ids_list, encoded, state.vision)
     ids = tuple(ids_list)
     if not ids:
         raise invalid("the messages render to an empty prompt", "messages")

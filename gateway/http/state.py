@@ -21,6 +21,7 @@ from gateway.core.errors import APIError, invalid, unavailable
 from gateway.flows.chat_output import check_parser_flags
 from gateway.flows.chat_template import ChatTemplateError
 from gateway.flows.generation import Generation
+from gateway.flows.image_fetch import FetchPolicy, ImageFetcher
 from gateway.flows.tokenizer import GatewayTokenizer, SpecialTokenInMessage
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.otel_metrics import GenAiMetrics, build_meter_provider
@@ -49,6 +50,7 @@ class GatewayState:
         self.tokenizer = tokenizer or GatewayTokenizer(config.tokenizer, config.chat_template)
         # how images become placeholder tokens (None: a text-only model)
         self.vision = VisionSpec.of_model_dir(Path(config.tokenizer))
+        self.image_fetcher = ImageFetcher(FetchPolicy.of(config))  # image_url parts' http(s) URLs
         self._own_provider = tracer_provider is None
         self.tracer_provider = tracer_provider or build_tracer_provider(config.otlp_endpoint)
         self.tracer = get_tracer(self.tracer_provider)
@@ -157,6 +159,7 @@ class GatewayState:
 
     async def close(self) -> None:
         await self.registry.close()
+        await self.image_fetcher.aclose()
         self._text_pool.shutdown(wait=False, cancel_futures=True)
         if self._own_provider:
             self.tracer_provider.shutdown()

@@ -120,6 +120,24 @@ def test_the_image_limit_goes_to_the_gateway_only() -> None:
     assert "--limit-mm-per-prompt" not in plan_for().gateway_argv
 
 
+def test_image_url_fetching_flags_go_to_the_gateway_only() -> None:
+    plan = plan_for("--allowed-media-domains", "a.example.com", "*.cdn.net", "--media-allow-http",
+                    "--media-fetch-timeout", "2", "--media-max-bytes", "1000")  # fmt: skip
+    args = reparse(plan.gateway_argv)
+    assert args.allowed_media_domains == ["a.example.com", "*.cdn.net"]
+    assert args.media_allow_http
+    assert (args.media_fetch_timeout, args.media_max_bytes) == (2.0, 1000)
+    media = ("--allowed-media-domains", "--media-allow-http", "--media-fetch-timeout",
+             "--media-max-bytes")  # fmt: skip
+    assert not any(f in w.spec.argv for w in plan.workers for f in media)
+    assert not any(f in plan_for().gateway_argv for f in media)  # defaults: nothing to pass
+
+
+def test_a_bad_allowed_media_domain_is_refused_before_any_process_starts() -> None:
+    with pytest.raises(ConfigError, match="--allowed-media-domains takes host names"):
+        plan_for("--allowed-media-domains", "https://a.example.com")
+
+
 def test_default_engine_flags_are_left_out_of_the_command_line() -> None:
     argv = plan_for().workers[0].spec.argv
     assert (

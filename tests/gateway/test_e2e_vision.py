@@ -2,8 +2,9 @@
 ``image_url`` data URLs to `tandem up` serving a tiny random Qwen2-VL checkpoint on the CPU,
 colocated and disaggregated (the decode worker gets only the KV and the images' placement).
 Greedy tokens equal transformers' (float32) with one and two images; a repeated image is served
-from the prefix cache (counted), a different image of the same size is not; bad images get a
-400 that says what to fix (slow)."""
+from the prefix cache (counted), a different image of the same size is not; an image given as
+an http URL (the gateway fetches from 127.0.0.1 here) answers as its data URL does; bad images
+get a 400 that says what to fix (slow)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from protos.multimodal import VisionSpec, place_images
 from protos.token_bytes import TokenBytes
 from services.engine.llm_engine import load_tokenizer
 from tests.deploy.test_launcher import Up
+from tests.gateway.image_server import ImageServer
 from tests.services.vl_model import build, hf_greedy, png
 
 pytestmark = pytest.mark.slow
@@ -68,7 +70,7 @@ def served(
     request: pytest.FixtureRequest, model: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str]]:  # fmt: skip
     flags = ["--model", str(model[0]), "--max-model-len", "512", "--limit-mm-per-prompt",
-             '{"image": 2}']  # fmt: skip
+             '{"image": 2}', "--allowed-media-domains", "127.0.0.1", "--media-allow-http"]  # fmt: skip
     if request.param == "colocated":
         flags += ["--colocated", "1"]
     up = Up(tmp_path_factory.mktemp("logs"), *flags, program=TANDEM_UP)
@@ -128,6 +130,29 @@ def test_greedy_tokens_equal_transformers(served: tuple[str, str], model: tuple[
         assert got == _expected(model, i, images), (i, parts)
 
 
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[ImageServer]:
+    specs = CASES[0][1]
+    with ImageServer({"/case0.png": png(*specs[0])}) as server:
+        yield server
+
+
+def test_an_image_url_answers_as_its_data_url_does(
+    served: tuple[str, str], model: tuple[Path, Any], image_server: ImageServer
+) -> None:
+    """The gateway fetches it (127.0.0.1 is allowed here); the same bytes, the same tokens."""
+    url, name = served
+    parts, specs = CASES[0]
+    content = [{"type": "image_url", "image_url": {"url": image_server.url("/case0.png")}}
+               if p == "<image>" else {"type": "text", "text": p} for p in parts]  # fmt: skip
+    out = _chat(url, name, [{"role": "user", "content": content}], logprobs=True)
+    got = [entry.bytes for entry in out.choices[0].logprobs.content]
+    assert got == _expected(model, 0, [png(*specs[0])])
+    missing = {"type": "image_url", "image_url": {"url": image_server.url("/none.png")}}
+    with pytest.raises(openai.BadRequestError, match="answered HTTP 404"):
+        _chat(url, name, [{"role": "user", "content": [missing]}])
+
+
 def _hits(url: str) -> float:
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
     return sum(float(m) for m in re.findall(r"^tandem:prefix_cache_hits_total\{[^}]*\} (\S+)$",
@@ -170,7 +195,7 @@ def test_a_repeated_image_hits_the_prefix_cache_and_another_does_not(
     [
         ({"type": "image_url", "image_url": {"url": _url(b"\x89PNG broken")}}, "could not be decoded"),
         ({"type": "image_url", "image_url": {"url": _url(b"hello", "text/plain")}}, "not an image"),
-        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "data URL"),
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "host 'example.com', not one"),
     ],
 )  # fmt: skip
 def test_bad_images_are_a_400(served: tuple[str, str], content: dict, message: str) -> None:

@@ -123,3 +123,31 @@ def test_a_bad_limit_mm_per_prompt_is_a_config_error(
     argv = ["gateway", "--tokenizer", str(tmp_path), "--limit-mm-per-prompt", value]
     assert main(argv) == 2
     assert words in caplog.text
+
+
+def test_image_url_fetching_is_off_by_default_and_its_flags_reach_the_config() -> None:
+    default = config_from_args(build_parser().parse_args(["gateway"]), "/tok")
+    assert default.allowed_media_domains == () and not default.media_allow_http
+    assert (default.media_fetch_timeout_s, default.media_max_bytes) == (5.0, 20 * 1024 * 1024)
+    argv = ["gateway", "--allowed-media-domains", "Img.Example.COM.", "*.cdn.net", "[::1]",
+            "--media-allow-http", "--media-fetch-timeout", "2.5", "--media-max-bytes", "1000"]  # fmt: skip
+    config = config_from_args(build_parser().parse_args(argv), "/tok")
+    assert config.allowed_media_domains == ("img.example.com", "*.cdn.net", "::1")
+    assert config.media_allow_http
+    assert (config.media_fetch_timeout_s, config.media_max_bytes) == (2.5, 1000)
+
+
+@pytest.mark.parametrize(
+    "domain", ["https://img.example.com", "img.example.com:443", "example.com/images", "",
+               "a.*.com", "u@example.com", "bücher.de"],
+)  # fmt: skip
+def test_an_allowed_media_domain_that_is_not_a_host_is_a_config_error(domain: str) -> None:
+    with pytest.raises(ConfigError, match="--allowed-media-domains takes host names"):
+        GatewayConfig(tokenizer="/t", allowed_media_domains=(domain,))
+
+
+@pytest.mark.parametrize("flag", ["--media-fetch-timeout", "--media-max-bytes"])
+def test_a_media_limit_that_is_not_positive_exits_2(flag: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["gateway", flag, "0"])
+    assert e.value.code == 2

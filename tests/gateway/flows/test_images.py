@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from gateway.core.errors import APIError
+from gateway.flows.image_fetch import ImageURL
 from gateway.flows.images import check_images, image_from_part, images_in_prompt
 from protos.multimodal import VisionSpec
 
@@ -34,13 +35,18 @@ def test_a_data_url_gives_back_the_image_bytes() -> None:
     assert image_from_part({"type": "image_url", "image_url": url}, "p") == data  # a bare string
 
 
+def test_an_http_url_is_kept_for_the_fetcher() -> None:
+    """Parsing does not know the gateway's flags: gateway.flows.image_fetch decides."""
+    for url in ("https://example.com/cat.png", "HTTP://example.com/cat.png"):
+        assert image_from_part(_part(url), "p") == ImageURL(url, "p")
+
+
 @pytest.mark.parametrize(
     ("url", "words"),
     [
-        ("https://example.com/cat.png", "send the image inline as a data URL"),
         ("data:application/pdf;base64,AAAA", "not an image"),
         ("data:image/png;base64,!!!", "not valid base64"),
-        ("ftp://x", "must be a data: URL"),
+        ("ftp://x", "must be a data: URL .* or, where the gateway fetches images, an https URL"),
     ],
 )
 def test_urls_that_cannot_be_served_are_a_400(url: str, words: str) -> None:

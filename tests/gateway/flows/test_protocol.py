@@ -96,7 +96,7 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, "needs image_url.url"),
     (CHAT, {"messages": [{"role": "assistant", "content": [IMAGE]}, *MSGS]}, {}, "image_url parts in a user message"),
     (CHAT, {"messages": [{"role": "user", "content": [IMAGE]}]}, {}, "is text-only and takes no images"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}, {}, "from http(s) URLs is not implemented"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}, {}, "is text-only and takes no images"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}]}]}, {}, "not an image"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}]}]}, {}, "not valid base64"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png,raw"}}]}]}, {}, "must be base64"),
