@@ -19,7 +19,7 @@ from typing import Any
 from protos.errors import ConfigError
 from protos.sampling_params import InvalidRequestError
 
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 MAX_ASPECT_RATIO = 200  # the image processor refuses a more elongated image
 MAX_IMAGE_PIXELS = 8192 * 8192  # a larger image is refused before it is decoded (memory)
 

@@ -62,7 +62,7 @@ def check_images(count: int, spec: VisionSpec | None, limit: int | None, model: 
     if spec is None:
         raise invalid(
             f"the model {model!r} is text-only and takes no images: drop the image_url parts, "
-            "or serve a vision-language model (Qwen2-VL, Qwen2.5-VL)", "messages"
+            "or serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)", "messages"
         )  # fmt: skip
     if limit is not None and count > limit:
         raise invalid(

@@ -4,6 +4,7 @@
 #        parameters, 61 GB in bf16, random weights), 256 prompts x 1024 tokens in -> 128 out
 #   vl   issue 26 acceptance 3: Qwen2-VL-7B's shape (named config qwen2-vl-7b, 8.3B), the same
 #        W1 with one random 448x448 image per prompt (256 image tokens: 1282-token prompts)
+#   vl3  the same on Qwen3-VL-8B's shape (named config qwen3-vl-8b, 8.77B; 196 image tokens)
 # Each is `tandem bench offline --compare-transformers`: transformers generate first, each batch
 # size in a fresh process of its own (services/engine/bench/hf_peer.py: the same config, random
 # bf16 weights, the same prompt ids, placeholders and images), then our engine on all 256 prompts.
@@ -44,13 +45,20 @@ if has vl; then
     || echo "vl failed ($?): $(tail -5 "$out/vl-w1.err")"
   grep -E "tok/s|speedup" "$out/vl-w1.out"
 fi
+if has vl3; then  # the same W1 on Qwen3-VL-8B's shape (8.77B; 448x448: 196 image tokens)
+  echo "=== vl3 $(date +%T)"
+  timeout 290 "${w1[@]}" --model qwen3-vl-8b --image-size 448 --batch-sizes 64,128 \
+    --peer-num-prompts 128 --json-out "$out/vl3-w1.json" >"$out/vl3-w1.out" 2>"$out/vl3-w1.err" \
+    || echo "vl3 failed ($?): $(tail -5 "$out/vl3-w1.err")"
+  grep -E "tok/s|speedup" "$out/vl3-w1.out"
+fi
 echo "=== done $(date +%T)"
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 
 out = pathlib.Path(sys.argv[1])
 print(f"{'stage':5} {'engine':34} {'prompts':>7} {'seconds':>8} {'total tok/s':>12}")
-for stage in ("moe", "vl"):
+for stage in ("moe", "vl", "vl3"):
     f = out / f"{stage}-w1.json"
     if not f.exists():
         continue

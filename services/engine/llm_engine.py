@@ -228,7 +228,8 @@ class LLMEngine:
             if images:
                 raise InvalidRequestError(
                     f"{self.model_name} is a text-only model: it takes no images; send text "
-                    "only, or serve a vision-language model (Qwen2-VL, Qwen2.5-VL)", "messages"
+                    "only, or serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)",
+                    "messages",
                 )  # fmt: skip
             return 0
         pad = vision.image_token_id

@@ -18,6 +18,7 @@ from services.config import ConfigError, ModelConfig
 from services.engine.model_config import ArchConfig
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
+from services.engine.models.qwen3_vl import Qwen3VLForCausalLM
 from services.engine.quantization import (
     QuantConfig,
     QuantLinear,
@@ -294,7 +295,9 @@ def load_model(
     if tp is not None and arch.vision is not None:
         raise ConfigError(f"{arch.model_type}: --tensor-parallel-size > 1 is not supported yet")
     layout = TPLayout.of(arch, tp.rank, tp.size, qcfg) if tp is not None else None
-    model_class = Qwen2VLForCausalLM if arch.vision is not None else LlamaForCausalLM
+    model_class: type[LlamaForCausalLM] = LlamaForCausalLM
+    if arch.vision is not None:
+        model_class = Qwen3VLForCausalLM if arch.vision.qwen3 else Qwen2VLForCausalLM
     with torch.device("meta"), _no_param_init():
         model = model_class(layout.local_arch(arch) if layout else arch, max_positions)
         if tp is not None and layout is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ SUPPORTED = {
     "mixtral": "Mixtral",
     "qwen2_vl": "Qwen2-VL (images)",
     "qwen2_5_vl": "Qwen2.5-VL (images)",
+    "qwen3_vl": "Qwen3-VL (images)",
 }
-VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
@@ -59,10 +61,23 @@ class VisionConfig:
     intermediate_size: int = 0
     window_size: int = 0
     full_attention_blocks: tuple[int, ...] = ()
+    model_type: str = "qwen2_vl"  # or qwen2_5_vl, qwen3_vl
+    # Qwen3-VL: learned patch positions (a square table of this many, resampled to each grid),
+    # the rotary frequencies' axes interleaved (t, h, w, t, h, w, ...) rather than in sections,
+    # and DeepStack: the outputs of these vision blocks, each through its own merger, added to
+    # the image tokens' hidden states after decoder layers 0, 1, ...
+    num_position_embeddings: int = 0
+    mrope_interleaved: bool = False
+    deepstack_blocks: tuple[int, ...] = ()
+    vision_rope_theta: float = 10000.0
 
     @property
     def windowed(self) -> bool:
         return self.window_size > 0
+
+    @property
+    def qwen3(self) -> bool:
+        return self.model_type == "qwen3_vl"
 
 
 @dataclass(frozen=True)
@@ -118,8 +133,10 @@ class ArchConfig:
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", *VL_TYPES))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            attention_bias=bool(
+                cfg.get("attention_bias", model_type in ("qwen2", "qwen2_vl", "qwen2_5_vl"))
+            ),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -180,27 +197,56 @@ def _vision_config(model_type: str, cfg: dict[str, Any]) -> VisionConfig:
     )
     if sum(section) * 2 != head_dim:
         raise ConfigError(f"{model_type}: mrope_section {list(section)} must sum to head_dim / 2")
-    v25 = model_type == "qwen2_5_vl"
-    act = vis.get("hidden_act", "silu" if v25 else "quick_gelu")
-    if act != ("silu" if v25 else "quick_gelu"):
+    v25, v3 = model_type == "qwen2_5_vl", model_type == "qwen3_vl"
+    want_act = "gelu_pytorch_tanh" if v3 else "silu" if v25 else "quick_gelu"
+    act = vis.get("hidden_act", want_act)
+    if act != want_act:
         raise ConfigError(f"{model_type}: vision hidden_act {act!r} is not supported")
+    mlp_width = int(vis.get("intermediate_size", 4304 if v3 else 3420)) if v25 or v3 else 0
+    windows = tuple(int(i) for i in vis.get("fullatt_block_indexes") or ()) if v25 else ()
     return VisionConfig(
-        depth=int(vis.get("depth", 32)),
-        embed_dim=int(vis.get("hidden_size" if v25 else "embed_dim", 1280)),
+        model_type=model_type,
+        depth=int(vis.get("depth", 27 if v3 else 32)),
+        embed_dim=int(vis.get("embed_dim" if model_type == "qwen2_vl" else "hidden_size", 1280)),
         num_heads=int(vis.get("num_heads", 16)),
         mlp_ratio=int(vis.get("mlp_ratio", 4)),
         in_channels=int(vis.get("in_channels", 3)),
-        patch_size=int(vis.get("patch_size", 14)),
+        patch_size=int(vis.get("patch_size", 16 if v3 else 14)),
         temporal_patch_size=int(vis.get("temporal_patch_size", 2)),
         spatial_merge_size=int(vis.get("spatial_merge_size", 2)),
         out_hidden_size=int(
-            vis.get("out_hidden_size" if v25 else "hidden_size") or text["hidden_size"]
+            vis.get("hidden_size" if model_type == "qwen2_vl" else "out_hidden_size")
+            or text["hidden_size"]
         ),
         image_token_id=int(cfg["image_token_id"]),
         mrope_section=section,
-        intermediate_size=int(vis.get("intermediate_size", 3420)) if v25 else 0,
+        intermediate_size=mlp_width,
         window_size=int(vis.get("window_size", 112)) if v25 else 0,
-        full_attention_blocks=tuple(int(i) for i in vis.get("fullatt_block_indexes") or ())
-        if v25
-        else (),
+        full_attention_blocks=windows,
+        **(_qwen3_vl_fields(text, vis) if v3 else {}),
     )
+
+
+def _qwen3_vl_fields(text: dict[str, Any], vis: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-VL's own VisionConfig fields; what its configuration allows but this engine does
+    not implement is refused rather than served wrong."""
+    if text.get("attention_bias"):  # transformers' o_proj has a bias then; ours never does
+        raise ConfigError("qwen3_vl: attention_bias is not supported")
+    if text.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"qwen3_vl: hidden_act {text['hidden_act']!r} is not supported")
+    rope = dict(vis.get("rope_parameters") or {})
+    if rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(f"qwen3_vl: vision rope_type {rope['rope_type']!r} is not supported")
+    positions = int(vis.get("num_position_embeddings", 2304))
+    if math.isqrt(positions) ** 2 != positions:
+        raise ConfigError("qwen3_vl: num_position_embeddings must be a square")
+    blocks = tuple(int(i) for i in vis.get("deepstack_visual_indexes", (8, 16, 24)))
+    if any(not 0 <= i < int(vis.get("depth", 27)) for i in blocks):
+        raise ConfigError(f"qwen3_vl: deepstack_visual_indexes {blocks} outside the vision tower")
+    return {
+        "num_position_embeddings": positions,
+        # transformers' Qwen3-VL interleaves whatever its config's mrope_interleaved says
+        "mrope_interleaved": True,
+        "deepstack_blocks": blocks,
+        "vision_rope_theta": float(rope.get("rope_theta", 10000.0)),
+    }

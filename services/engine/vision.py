@@ -99,7 +99,8 @@ class VisionInputs:
         self.model = model
         self.cfg = cfg
         self.processor = load_image_processor(model_dir)
-        self.cache = EncoderCache()
+        # Qwen3-VL's rows carry its DeepStack levels beside the embeddings: as many bytes kept
+        self.cache = EncoderCache(CACHE_TOKENS // (1 + len(cfg.deepstack_blocks)))
         self._pixels: OrderedDict[bytes, np.ndarray] = OrderedDict()  # by content hash
         self._lock = threading.Lock()  # prepare runs on the callers' threads
 
@@ -192,4 +193,6 @@ class VisionInputs:
             p = mrope_positions(r.images, self.cfg.spatial_merge_size, r.start_pos,
                                 r.num_new_tokens)  # fmt: skip
             pos3[:, at : at + r.num_new_tokens] = torch.from_numpy(p).to(pos3.device)
-        return mrope_table(self.model.cos_sin, pos3, self.cfg.mrope_section)
+        return mrope_table(
+            self.model.cos_sin, pos3, self.cfg.mrope_section, self.cfg.mrope_interleaved
+        )

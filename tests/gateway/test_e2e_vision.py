@@ -1,10 +1,10 @@
 """Images end to end (issue 26): the official ``openai`` client sends chat messages with
 ``image_url`` data URLs to `tandem up` serving a tiny random Qwen2-VL checkpoint on the CPU,
-colocated and disaggregated (the decode worker gets only the KV and the images' placement).
-Greedy tokens equal transformers' (float32) with one and two images; a repeated image is served
-from the prefix cache (counted), a different image of the same size is not; an image given as
-an http URL (the gateway fetches from 127.0.0.1 here) answers as its data URL does; bad images
-get a 400 that says what to fix (slow)."""
+colocated and disaggregated (the decode worker gets only the KV and the images' placement), and
+a Qwen3-VL one disaggregated. Greedy tokens equal transformers' (float32) with one and two
+images; a repeated image is served from the prefix cache (counted), a different image of the
+same size is not; an image given as an http URL (the gateway fetches from 127.0.0.1 here)
+answers as its data URL does; bad images get a 400 that says what to fix (slow)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from tests.deploy.test_launcher import Up
 from tests.gateway.image_server import ImageServer
 from tests.services.vl_model import build, hf_greedy, png
 
-pytestmark = pytest.mark.slow
 TANDEM_UP = (sys.executable, "-m", "services.cli", "up")
 READY = re.compile(r"^Tandem is ready: (http://\S+/v1) \(gateway \+ .+, model (.+)\)$")
 NEW = 8
@@ -59,19 +58,30 @@ def _messages(parts: tuple[str, ...], images: list[bytes]) -> list[dict[str, Any
     return [{"role": "user", "content": content}]
 
 
+# Qwen3-VL once, disaggregated (its serving path is Qwen2-VL's; one more topology, ~20 s)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.parametrize(
+        ("family", "topology"),
+        [("qwen2_vl", "colocated"), ("qwen2_vl", "disaggregated"), ("qwen3_vl", "disaggregated")],
+        scope="module",
+    ),
+]
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("qwen2_vl")
-    return path, build(path)
+def model(family: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp(family)
+    return path, build(path, family)
 
 
-@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+@pytest.fixture(scope="module")
 def served(
-    request: pytest.FixtureRequest, model: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory
+    topology: str, model: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str]]:  # fmt: skip
     flags = ["--model", str(model[0]), "--max-model-len", "512", "--limit-mm-per-prompt",
              '{"image": 2}', "--allowed-media-domains", "127.0.0.1", "--media-allow-http"]  # fmt: skip
-    if request.param == "colocated":
+    if topology == "colocated":
         flags += ["--colocated", "1"]
     up = Up(tmp_path_factory.mktemp("logs"), *flags, program=TANDEM_UP)
     try:
@@ -99,13 +109,13 @@ def _chat(url: str, name: str, messages: list[dict[str, Any]], logprobs: bool = 
     )  # fmt: skip
 
 
-REFERENCE: dict[int, list[list[int]]] = {}
+REFERENCE: dict[tuple[Path, int], list[list[int]]] = {}
 
 
 def _expected(model: tuple[Path, Any], case: int, images: list[bytes]) -> list[list[int]]:
     """transformers' greedy tokens of a case, each as the bytes chat logprobs report for it
     (computed once for both topologies)."""
-    if case not in REFERENCE:
+    if (model[0], case) not in REFERENCE:
         path, hf = model
         tok = load_tokenizer(str(path))
         content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
@@ -117,8 +127,8 @@ def _expected(model: tuple[Path, Any], case: int, images: list[bytes]) -> list[l
         full, _ = place_images(ids, spec, images)
         tokens = hf_greedy(hf, path, full, images, NEW)
         as_bytes = TokenBytes.of(tok)
-        REFERENCE[case] = [list(as_bytes(t, tok.decode([t]))) for t in tokens]
-    return REFERENCE[case]
+        REFERENCE[model[0], case] = [list(as_bytes(t, tok.decode([t]))) for t in tokens]
+    return REFERENCE[model[0], case]
 
 
 def test_greedy_tokens_equal_transformers(served: tuple[str, str], model: tuple[Path, Any]) -> None:

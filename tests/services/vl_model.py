@@ -31,12 +31,16 @@ CHAT_TEMPLATE = (
 
 def build(path: Path, kind: str = "qwen2_vl") -> Any:
     """Writes the checkpoint, tokenizer and processor into ``path``; returns transformers' model.
-    ``kind``: qwen2_vl, or qwen2_5_vl (windows of 2x2 merged patches, block 1 of 3 full)."""
+    ``kind``: qwen2_vl, qwen2_5_vl (windows of 2x2 merged patches, block 1 of 3 full), or
+    qwen3_vl (16-pixel patches, a 4x4 table of learned positions, DeepStack from blocks 0 and 1
+    into decoder layers 0 and 1 of 3, interleaved M-RoPE)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -55,10 +59,25 @@ def build(path: Path, kind: str = "qwen2_vl") -> Any:
     }  # fmt: skip
     vision: dict[str, Any] = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2}
     config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    pixels: dict[str, Any] = {
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    }  # of the image processor
     if kind == "qwen2_5_vl":
         vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
                   "out_hidden_size": 64, "window_size": 56, "fullatt_block_indexes": [1]}  # fmt: skip
         config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    if kind == "qwen3_vl":
+        # transformers' Qwen3-VL takes each part's initializer_range from that part's config
+        text = {**text, "num_hidden_layers": 3, "head_dim": 16, "initializer_range": 0.2,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                    "mrope_section": [4, 2, 2], "mrope_interleaved": True}}  # fmt: skip
+        vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                  "out_hidden_size": 64, "num_position_embeddings": 16,
+                  "deepstack_visual_indexes": [0, 1], "initializer_range": 0.2}  # fmt: skip
+        config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+        area = 32 * 32  # one merged token: 2x2 patches of 16 pixels
+        pixels = {"size": {"shortest_edge": area * 4, "longest_edge": area * 24}, "patch_size": 16,
+                  "image_mean": [0.5] * 3, "image_std": [0.5] * 3}  # fmt: skip
     cfg = config_class(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -68,8 +87,7 @@ def build(path: Path, kind: str = "qwen2_vl") -> Any:
     model = model_class(cfg).eval()
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    proc = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
-    proc.save_pretrained(path)
+    Qwen2VLImageProcessorPil(**pixels).save_pretrained(path)
     return model
 
 

@@ -182,18 +182,26 @@ class LlamaForCausalLM(nn.Module):
         rope_table: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         """``embeds``: (rows [n], values [n, hidden]) that replace those rows' token embeddings
-        (an image's); ``rope_table``: each token's own cos/sin row [T, D] (M-RoPE)."""
+        (an image's); values [n, hidden * (1 + k)] carry k DeepStack levels after them (Qwen3-VL),
+        added to those rows' hidden states after decoder layers 0 .. k-1. ``rope_table``: each
+        token's own cos/sin row [T, D] (M-RoPE)."""
         x = self.model.embed_tokens(input_ids)
+        deepstack = None
         if embeds is not None:
-            x[embeds[0]] = embeds[1].to(x.dtype)
+            rows = embeds[0]
+            values = embeds[1].to(x.dtype).reshape(rows.shape[0], -1, x.shape[1])  # [n, 1 + k, h]
+            x[rows] = values[:, 0]
+            deepstack = values[:, 1:]  # [n, k, hidden]
         residual: torch.Tensor | None = None
         rope_pos, table = positions, self.cos_sin
         if rope_table is not None or not input_ids.is_cuda:
             # gather cos/sin once per step, not once per layer
             table = self.cos_sin[positions] if rope_table is None else rope_table  # [T, D]
             rope_pos = torch.arange(positions.shape[0], device=positions.device)
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, rope_pos, table, cache, meta)
+            if deepstack is not None and i < deepstack.shape[1]:
+                x.index_add_(0, rows, deepstack[:, i])  # the residual stream is x + residual
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V] fp32

@@ -108,13 +108,15 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.cfg = cfg
         p, tp = cfg.patch_size, cfg.temporal_patch_size
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, (tp, p, p), (tp, p, p), bias=False)
+        shape = (tp, p, p)  # Qwen3-VL's has a bias
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, shape, shape, bias=cfg.qwen3)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, C*tp*p*p] -> [N, E]
         cfg = self.cfg
         x = pixels.to(self.proj.weight.dtype)
         if x.is_cuda:  # the same products as the convolution: one patch, one row
-            return F.linear(x.view(x.shape[0], -1), self.proj.weight.view(cfg.embed_dim, -1))
+            w = self.proj.weight.view(cfg.embed_dim, -1)
+            return F.linear(x.view(x.shape[0], -1), w, self.proj.bias)
         x = x.view(-1, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         return self.proj(x).view(-1, cfg.embed_dim)
 
@@ -160,25 +162,11 @@ class VisionTransformer(nn.Module):
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg)
+        self.merger: nn.Module = PatchMerger(cfg)
 
     def _rotary(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [t*h*w, D] of each patch's (row, column) in the processor's order:
-        merge windows in raster order, raster order inside each."""
-        t, h, w = grid
-        m = self.cfg.spatial_merge_size
         dev = self.patch_embed.proj.weight.device
-        half = self.cfg.embed_dim // self.cfg.num_heads // 2  # h and w: a quarter of a head each
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        inv_freq = inv_freq.to(dev)  # [D/4]
-        rows = torch.arange(h, device=dev)[:, None].expand(h, w)
-        cols = torch.arange(w, device=dev)[None, :].expand(h, w)
-        order = (h // m, m, w // m, m)
-        rows = rows.reshape(order).transpose(1, 2).flatten().repeat(t)  # [N]
-        cols = cols.reshape(order).transpose(1, 2).flatten().repeat(t)
-        freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], -1)
-        freqs = torch.cat([freqs, freqs], -1)  # [N, D] float32
-        return freqs.cos(), freqs.sin()
+        return vision_rotary(grid, self.cfg, dev)
 
     def forward(
         self, pixels: torch.Tensor, grid: tuple[int, int, int]
@@ -218,6 +206,34 @@ class VisionTransformer(nn.Module):
         return [o[torch.argsort(order)] for o, order in zip(out, orders, strict=True)]  # raster
 
 
+def patch_rows_cols(
+    grid: tuple[int, int, int], merge: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:  # [t*h*w] each
+    """Each patch's (row, column) in the processor's order: merge windows in raster order,
+    raster order inside each, frame after frame."""
+    t, h, w = grid
+    rows = torch.arange(h, device=device)[:, None].expand(h, w)
+    cols = torch.arange(w, device=device)[None, :].expand(h, w)
+    order = (h // merge, merge, w // merge, merge)
+    rows = rows.reshape(order).transpose(1, 2).flatten().repeat(t)
+    cols = cols.reshape(order).transpose(1, 2).flatten().repeat(t)
+    return rows, cols
+
+
+def vision_rotary(
+    grid: tuple[int, int, int], cfg: VisionConfig, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos and sin [t*h*w, D] float32
+    """The 2-D rotary of each patch: a quarter of a head's frequencies by its row, a quarter by
+    its column (then both again for the second half)."""
+    half = cfg.embed_dim // cfg.num_heads // 2
+    exponent = torch.arange(0, half, 2, dtype=torch.float) / half
+    inv_freq = (1.0 / (cfg.vision_rope_theta**exponent)).to(device)  # [D/4]
+    rows, cols = patch_rows_cols(grid, cfg.spatial_merge_size, device)
+    freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], -1)
+    freqs = torch.cat([freqs, freqs], -1)  # [N, D] float32
+    return freqs.cos(), freqs.sin()
+
+
 def window_order(
     grid: tuple[int, int, int], merge: int, window_patches: int
 ) -> tuple[torch.Tensor, list[int]]:
@@ -235,16 +251,27 @@ def window_order(
     return order[order >= 0], [c * merge * merge for c in counts if c > 0]
 
 
+def mrope_axes(section: tuple[int, ...], interleaved: bool) -> torch.Tensor:  # [D/2] long
+    """The position axis (0: t, 1: h, 2: w) that rotates each rotary frequency: ``section[i]``
+    frequencies in a row for each axis (Qwen2-VL), or (Qwen3-VL) h and w on every third
+    frequency from the second and third up to three times their section, t on the rest."""
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+    axis = torch.zeros(sum(section), dtype=torch.long)
+    for a in (1, 2):
+        axis[a : 3 * section[a] : 3] = a
+    return axis
+
+
 def mrope_table(
     cos_sin: torch.Tensor,  # [max_pos, D]: cos halves then sin halves
     positions: torch.Tensor,  # [3, T]: t, h, w
     section: tuple[int, ...],  # frequencies of each axis, summing to D / 2
+    interleaved: bool = False,
 ) -> torch.Tensor:  # [T, D]: each frequency's cos and sin at its own axis' position
     rows = cos_sin[positions]  # [3, T, D]
     half = cos_sin.shape[1] // 2
-    axis = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)]).to(
-        positions.device
-    )  # [D/2]
+    axis = mrope_axes(section, interleaved).to(positions.device)  # [D/2]
     axis = torch.cat([axis, axis])  # cos and sin halves pick alike
     cols = torch.arange(2 * half, device=positions.device)
     return rows[axis, :, cols].T.contiguous()  # [T, D] (the rotary kernel reads rows whole)
@@ -254,9 +281,14 @@ class Qwen2VLForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
         super().__init__(cfg, max_positions)
         assert cfg.vision is not None
-        self.visual = VisionTransformer(cfg.vision)
+        self.visual = self.vision_tower(cfg.vision)
+
+    def vision_tower(self, cfg: VisionConfig) -> VisionTransformer:
+        return VisionTransformer(cfg)
 
     def encode_images(
         self, images: list[tuple[torch.Tensor, tuple[int, int, int]]]
     ) -> list[torch.Tensor]:
-        return self.visual.forward_many(images)  # [tokens, hidden] each
+        """Each image's embeddings [tokens, hidden] (Qwen3-VL: [tokens, hidden * (1 + DeepStack
+        levels)], the levels' features after the embeddings)."""
+        return self.visual.forward_many(images)

@@ -1,5 +1,6 @@
-"""Architecture facts from config.json: the sparse layers of MoE models, and the MoE variants
-this engine does not implement refused with a message instead of served wrong."""
+"""Architecture facts from config.json: the sparse layers of MoE models and Qwen3-VL's tower,
+and the MoE and Qwen3-VL variants this engine does not implement refused with a message instead
+of served wrong."""
 
 from __future__ import annotations
 
@@ -67,5 +68,40 @@ def test_mixtral_every_layer_sparse_and_renormalized() -> None:
     ],
 )  # fmt: skip
 def test_unsupported_moe_variants_are_refused(cfg: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ArchConfig.from_dict(cfg)
+
+
+def _qwen3_vl(text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None) -> dict:
+    return {"model_type": "qwen3_vl", "image_token_id": 9,
+            "text_config": {**BASE, "head_dim": 16, "rope_parameters": {"rope_theta": 1e4,
+                            "mrope_section": [4, 2, 2], "mrope_interleaved": True}, **(text or {})},
+            "vision_config": {"depth": 4, "hidden_size": 32, "num_heads": 2,
+                              "deepstack_visual_indexes": [1, 2], **(vision or {})}}  # fmt: skip
+
+
+def test_qwen3_vl_reads_as_qwen3_text_with_an_interleaved_deepstack_tower() -> None:
+    arch = ArchConfig.from_dict(_qwen3_vl())
+    assert (arch.model_type, arch.qk_norm, arch.attention_bias, arch.head_dim) == (
+        "qwen3_vl", True, False, 16,
+    )  # fmt: skip
+    vis = arch.vision
+    assert vis is not None and vis.qwen3 and vis.mrope_interleaved
+    assert (vis.patch_size, vis.deepstack_blocks, vis.num_position_embeddings) == (16, (1, 2), 2304)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (_qwen3_vl(text={"attention_bias": True}), "attention_bias"),
+        (_qwen3_vl(text={"hidden_act": "gelu"}), "hidden_act"),
+        (_qwen3_vl(vision={"hidden_act": "silu"}), "vision hidden_act"),
+        (_qwen3_vl(vision={"deepstack_visual_indexes": [4]}), "outside the vision tower"),
+        (_qwen3_vl(vision={"num_position_embeddings": 50}), "a square"),
+        (_qwen3_vl(vision={"rope_parameters": {"rope_type": "default"}}), "rope_type"),
+        ({**_qwen3_vl(), "model_type": "qwen3_vl_moe"}, "not supported"),
+    ],
+)  # fmt: skip
+def test_unsupported_qwen3_vl_variants_are_refused(cfg: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ArchConfig.from_dict(cfg)

@@ -13,12 +13,15 @@ from services.engine.loader import _no_param_init
 from services.engine.model_config import ArchConfig
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
+from services.engine.models.qwen3_vl import Qwen3VLForCausalLM
 from services.engine.rope import cos_sin_cache
 from services.model_files import named_configs, named_model_dir, resolve_model
 
 
 def _params(arch: ArchConfig) -> dict[str, int]:
-    cls = Qwen2VLForCausalLM if arch.vision is not None else LlamaForCausalLM
+    cls: type[LlamaForCausalLM] = LlamaForCausalLM
+    if arch.vision is not None:
+        cls = Qwen3VLForCausalLM if arch.vision.qwen3 else Qwen2VLForCausalLM
     with torch.device("meta"), _no_param_init():
         model = cls(arch, 64)
     return {name: p.numel() for name, p in model.named_parameters()}
@@ -26,7 +29,7 @@ def _params(arch: ArchConfig) -> dict[str, int]:
 
 def test_every_named_config_is_listed_and_reads() -> None:
     names = named_configs()
-    assert {"llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen2-vl-7b"} <= set(names)
+    assert {"llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen2-vl-7b", "qwen3-vl-8b"} <= set(names)
     for path in names.values():
         ArchConfig.from_file(path)
 
@@ -101,3 +104,31 @@ def test_qwen2_vl_7b_preprocesses_a_448_image_into_the_grid_its_tokens_were_coun
     assert ids.count(spec.image_token_id) == 256 and ids[258:] == [100, 5, 6]  # no stray image id
     pixels = preprocess(load_image_processor(directory), image)
     assert pixels.shape == (32 * 32, 3 * 2 * 14 * 14)
+
+
+def test_qwen3_vl_8b_has_the_published_shape() -> None:
+    from services.engine.bench.hf_peer import image_prompts
+    from services.engine.vision import load_image_processor, preprocess
+
+    files = resolve_model("qwen3-vl-8b")
+    directory = named_model_dir(files)
+    assert files.kind == "named" and directory is not None
+    arch = ArchConfig.from_file(files.path)
+    assert (arch.model_type, arch.hidden_size, arch.num_layers, arch.vocab_size) == (
+        "qwen3_vl", 4096, 36, 151936,
+    )  # fmt: skip
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (32, 8, 128)
+    assert (arch.rope_theta, arch.qk_norm, arch.attention_bias) == (5e6, True, False)
+    vis = arch.vision
+    assert vis is not None and (vis.depth, vis.embed_dim, vis.num_heads) == (27, 1152, 16)
+    assert (vis.mrope_section, vis.mrope_interleaved) == ((24, 20, 20), True)
+    assert (vis.deepstack_blocks, vis.num_position_embeddings) == ((8, 16, 24), 2304)
+    assert sum(_params(arch).values()) == pytest.approx(8.77e9, rel=2e-3)  # "8.77B"
+    spec = VisionSpec.of_model_dir(directory)
+    assert spec is not None and (spec.patch_size, spec.min_pixels) == (16, 65536)
+    prompts, images = image_prompts(spec, [[151655, 5, 6]], 448)
+    ((image,),), (ids,) = images, prompts
+    assert image.grid == (1, 28, 28) and image.num_tokens == 196  # 448 / 32 = 14 a side
+    assert ids.count(spec.image_token_id) == 196
+    pixels = preprocess(load_image_processor(directory), image)
+    assert pixels.shape == (28 * 28, 3 * 2 * 16 * 16)

@@ -1,7 +1,7 @@
-"""Qwen2-VL and Qwen2.5-VL (windowed vision attention) with images in our engine against
-transformers (float32, tiny random checkpoints): greedy, token for token, with one and two images
-per prompt, batched and chunked; the prefix cache keyed by image content; images refused where
-they cannot be served."""
+"""Qwen2-VL, Qwen2.5-VL (windowed vision attention) and Qwen3-VL (learned patch positions,
+DeepStack, interleaved M-RoPE) with images in our engine against transformers (float32, tiny
+random checkpoints): greedy, token for token, with one and two images per prompt, batched and
+chunked; the prefix cache keyed by image content; images refused where they cannot be served."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def built(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Any]:

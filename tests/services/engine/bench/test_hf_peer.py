@@ -129,23 +129,35 @@ SHRINK_MOE = {**SHRINK, "head_dim": 16, "moe_intermediate_size": 32, "num_expert
               "num_experts_per_tok": 2}  # fmt: skip
 SHRINK_VL = {**SHRINK, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
 SHRINK_VISION = {"depth": 2, "embed_dim": 32, "num_heads": 2, "hidden_size": 64}
+# Qwen3-VL's published layout: the text keys under text_config, DeepStack from both blocks
+SHRINK_V3_TEXT = {**SHRINK, "head_dim": 16, "rope_scaling": {
+    "mrope_interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default"}}  # fmt: skip
+SHRINK_V3_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                    "out_hidden_size": 64, "deepstack_visual_indexes": [0, 1]}  # fmt: skip
+# a 56x56 image's tokens: Qwen2-VL's min_pixels keep it at 2x2 merged patches, Qwen3-VL's
+# (256x256) scale it up to 8x8
+IMAGE_TOKENS = {"qwen2-vl-7b": 4, "qwen3-vl-8b": 64}
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen2-vl-7b"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen2-vl-7b", "qwen3-vl-8b"])
 def test_the_published_configs_shrunk_run_in_our_engine_and_the_peer(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The named configs as published (qwen2-vl-7b a directory with its preprocessor_config.json),
-    only smaller: our engine and the peer read them alike, and count the same prompt tokens
+    """The named configs as published (the VL ones directories with their
+    preprocessor_config.json), only smaller: our engine and the peer read them alike, and count the same prompt tokens
     (the same ids, the VL one with the same placeholders for its 56x56 images)."""
     from services import model_files
 
     files = model_files.resolve_model(name)
     raw = json.loads(files.path.read_text())
     configs = tmp_path / "configs"
-    if name == "qwen2-vl-7b":
-        raw |= SHRINK_VL
-        raw["vision_config"] |= SHRINK_VISION
+    if name in IMAGE_TOKENS:
+        if name == "qwen2-vl-7b":
+            raw |= SHRINK_VL
+            raw["vision_config"] |= SHRINK_VISION
+        else:
+            raw["text_config"] |= SHRINK_V3_TEXT
+            raw["vision_config"] |= SHRINK_V3_VISION
         (configs / "tiny").mkdir(parents=True)
         shutil.copy(files.path.parent / "preprocessor_config.json", configs / "tiny")
         (configs / "tiny" / "config.json").write_text(json.dumps(raw))
@@ -157,8 +169,8 @@ def test_the_published_configs_shrunk_run_in_our_engine_and_the_peer(
     monkeypatch.setattr(model_files, "NAMED_CONFIGS_DIR", configs)
     ours = _offline(tmp_path, "tiny", *extra)
     assert ours["tandem"]["output_tokens"] == 4 * 3
-    # 56x56 at min_pixels 3136: 4x4 patches, 4 image tokens, between vision start and end
-    assert ours["prompt_tokens"] == 4 * (8 + (6 if extra else 0))
+    # each prompt's image tokens between vision start and end
+    assert ours["prompt_tokens"] == 4 * (8 + (IMAGE_TOKENS[name] + 2 if extra else 0))
     argv = ["--model", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
             "--output-len", "3", "--batch-size", "4", *extra]  # fmt: skip
     assert hf_peer.main(argv) == 0
