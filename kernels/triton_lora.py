@@ -221,7 +221,8 @@ def _expand_ext_kernel(
                          mask=n_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]  # fmt: skip
             acc += mma(xa, bt, UPCAST, PRECISION)
     adapted = (slots >= 0) & (slots < S)
-    out = tl.where(adapted[:, None], (y.to(tl.float32) + acc).to(y.dtype), y)  # a copy elsewhere
+    dtype = out_ptr.dtype.element_ty
+    out = tl.where(adapted[:, None], (y.to(tl.float32) + acc).to(dtype), y)  # a copy elsewhere
     tl.store(out_ptr + rows[:, None] * s_om + offs_n[None, :], out, mask=mask)
 
 
