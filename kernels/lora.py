@@ -6,6 +6,14 @@ adapter's slot of the stacked weights: ``y[rows] += (x[rows] @ A[slot]^T) @ B[sl
 the adapter's scaling folded into ``B`` when it was loaded. Rows in no segment (requests of the
 base model, a CUDA graph's padding rows) are left as they are; slots no segment names are never
 read, and neither are entries of ``seg_rows`` past every segment (a fixed-size buffer's tail).
+
+``ref_expand_lora`` is the second half of the fused path: the shrink of every slot came out of
+the base layer's own GEMM (its weight extended by the slots' stacked A), so a row's update needs
+only its slot (``row_slots``), and the output is a new tensor: the base columns copied, each
+adapter row's update added. That shrink is rounded to the activation dtype by the GEMM (bf16 on
+the GPU: a relative error of up to 2^-9 in ``x A^T``, against fp32 in ``ref_add_lora``), so
+the update carries that relative error too: within one bf16 unit of ``y`` while the update is
+no larger than ``y``. In float32 (the CPU tests) both paths are fp32 throughout.
 """
 
 from __future__ import annotations
@@ -36,3 +44,23 @@ def ref_add_lora(
         delta = xa @ lora_b[slot].float().T  # [n, N]
         y[rows] = (y[rows].float() + delta).to(y.dtype)
     return y
+
+
+def ref_expand_lora(
+    y_ext: torch.Tensor,  # [T, N + S * R]: the base output, then every slot's x @ A^T
+    lora_b: torch.Tensor,  # [S, N, R] scaling folded in
+    row_slots: torch.Tensor,  # [T] int32, each row's slot; outside [0, S): no adapter
+) -> torch.Tensor:  # [T, N], a new contiguous tensor
+    """The expand of a base GEMM whose weight carried every slot's A below its own rows (the
+    fused path of ``LoRALinear``): row ``t`` under slot ``s`` gets ``y_ext[t, :N]`` plus its
+    ``x A_s^T`` (columns ``N + s R`` on) times ``B_s^T``, in fp32, rounded once; a row with no
+    adapter gets ``y_ext[t, :N]`` unchanged."""
+    s, n, r = lora_b.shape
+    out = y_ext[:, :n].clone(memory_format=torch.contiguous_format)
+    for slot in row_slots.unique().tolist():
+        if not 0 <= slot < s:
+            continue
+        rows = (row_slots == slot).nonzero()[:, 0]
+        xa = y_ext[rows, n + slot * r : n + (slot + 1) * r].float()  # [n_rows, R]
+        out[rows] = (out[rows].float() + xa @ lora_b[slot].float().T).to(out.dtype)
+    return out

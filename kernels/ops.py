@@ -23,13 +23,14 @@ from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
 from kernels.checksum import ref_checksum
 from kernels.gemv import GEMV_MAX_ROWS
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
-from kernels.lora import ref_add_lora
+from kernels.lora import ref_add_lora, ref_expand_lora
 from kernels.moe import ref_fused_moe, ref_moe_routing
 from kernels.quant import ref_fp8_linear, ref_w4a16_linear, scaled_mm_w8a8_linear
 
 __all__ = [
     "add_lora",
     "checksum",
+    "expand_lora",
     "fp8_linear",
     "fp8_supported",
     "fused_moe",
@@ -343,3 +344,15 @@ def add_lora(
     mod = _triton("triton_lora", x)
     fn = mod.add_lora if mod is not None else ref_add_lora
     return fn(y, x, lora_a, lora_b, seg_rows, seg_starts, seg_lens, seg_slots, max_seg_len)
+
+
+def expand_lora(
+    y_ext: torch.Tensor,  # [T, N + S * R]: base output, then every slot's x @ A^T
+    lora_b: torch.Tensor,  # [S, N, R]
+    row_slots: torch.Tensor,  # [T] int32, -1: no adapter
+) -> torch.Tensor:  # [T, N], new
+    """The fused path's expand: each adapter row's update added to a copy of the base columns
+    (``kernels.lora.ref_expand_lora``)."""
+    mod = _triton("triton_lora", y_ext)
+    fn = mod.expand_lora if mod is not None else ref_expand_lora
+    return fn(y_ext, lora_b, row_slots)

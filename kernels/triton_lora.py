@@ -12,6 +12,11 @@ for the expand; R (all of a fused layer's shard ranks, stacked) is padded to one
 tile of at least 16 (tl.dot's least), which the zero-padded weights make harmless. The rank is
 small (<= 3 x 64 here), so the shrink is a thin GEMM bound by reading x and A, the expand by
 reading B and writing y.
+
+``expand_lora`` serves a projection whose base GEMM already did the shrink (its weight extended
+by every slot's A, ``LoRALinear``): its grid is (row block, column block) over the batch in
+order, each row's slot read from ``row_slots``; a program adds one dot per slot its rows use
+and writes a new output, the base columns copied where a row has no adapter.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kernels.triton_common import (
     dot_precision,
     dot_upcast,
     mma,
+    sm_count,
 )
 
 BLOCK_M = 16
@@ -181,3 +187,79 @@ def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> int:
     if device.type != "cuda" or programs >= TARGET_PROGRAMS:
         return 1
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(k, 2 * block_k)))
+
+
+@triton.jit
+def _expand_ext_kernel(
+    y_ptr, b_ptr, out_ptr, slots_ptr, T, N, R, S,
+    s_ym, s_bs, s_bn, s_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < T
+    rows = offs_m.to(tl.int64)
+    slots = tl.load(slots_ptr + rows, mask=m_mask, other=-1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptr + rows[:, None] * s_ym + offs_n[None, :], mask=mask, other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # one dot per slot this block's rows use, each row's x A^T masked to its own slot's: a
+    # decode batch's rows interleave adapters, so a block holds several
+    for s in range(0, S):
+        hit = slots == s
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
+            cols = N + s * R + offs_r
+            xa = tl.load(y_ptr + rows[:, None] * s_ym + cols[None, :],
+                         mask=hit[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]  # fmt: skip
+            bt = tl.load(b_ptr + s * s_bs + offs_n[None, :] * s_bn + offs_r[:, None],
+                         mask=n_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]  # fmt: skip
+            acc += mma(xa, bt, UPCAST, PRECISION)
+    adapted = (slots >= 0) & (slots < S)
+    dtype = out_ptr.dtype.element_ty
+    out = tl.where(adapted[:, None], (y.to(tl.float32) + acc).to(dtype), y)  # a copy elsewhere
+    tl.store(out_ptr + rows[:, None] * s_om + offs_n[None, :], out, mask=mask)
+
+
+def expand_lora(
+    y_ext: torch.Tensor,  # [T, N + S * R]
+    lora_b: torch.Tensor,  # [S, N, R]
+    row_slots: torch.Tensor,  # [T]
+) -> torch.Tensor:  # [T, N]
+    """Triton version of :func:`kernels.lora.ref_expand_lora`: one launch writes every row of
+    the output (a base-model or padding row is a copy), so a projection under LoRA is the base
+    GEMM and this, two graph nodes."""
+    check_tensor("y_ext", y_ext, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("row_slots", row_slots, ndim=1, dtypes=INDEX_DTYPES)
+    t_rows, width = y_ext.shape
+    s, n, r = lora_b.shape
+    if width != n + s * r:
+        raise ValueError(f"y_ext has {width} columns; lora_b {tuple(lora_b.shape)} needs "
+                         f"N + S * R = {n + s * r}")  # fmt: skip
+    if row_slots.shape[0] != t_rows:
+        raise ValueError(f"row_slots has {row_slots.shape[0]} entries but y_ext {t_rows} rows")
+    if lora_b.dtype != y_ext.dtype:
+        raise ValueError(f"lora_b is {lora_b.dtype} but y_ext is {y_ext.dtype}")
+    check_devices(y_ext=y_ext, lora_b=lora_b, row_slots=row_slots)
+    out = torch.empty((t_rows, n), dtype=y_ext.dtype, device=y_ext.device)
+    if t_rows == 0 or n == 0:
+        return out
+    block_r = max(16, triton.next_power_of_2(r))
+    # rows per block: at decode sizes the whole batch in one or two blocks, so each slot's B
+    # is read once per column block; fewer where the stacked rank makes the tiles large
+    block_m = max(16, min(64 if block_r <= 64 else 32, triton.next_power_of_2(t_rows)))
+    m_blocks = triton.cdiv(t_rows, block_m)
+    block_n = 64 if m_blocks * triton.cdiv(n, 64) >= sm_count(y_ext.device) else 32
+    _expand_ext_kernel[(m_blocks, triton.cdiv(n, block_n))](
+        y_ext, lora_b, out, row_slots, t_rows, n, r, s,
+        y_ext.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        UPCAST=dot_upcast(y_ext.dtype), PRECISION=dot_precision(y_ext.dtype),
+    )  # fmt: skip
+    return out

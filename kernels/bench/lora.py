@@ -12,17 +12,26 @@ and reads and writes y (T x N). At decode sizes that is bytes-bound: 4 adapters'
 each row reports GB/s against the copy bandwidth. Times are ``do_bench`` medians of eager calls
 (Python launches included: at decode sizes the host, not the GPU, sets them) and of CUDA-graph
 replays (the kernels' own time; GB/s are computed from it), and the host's microseconds per call.
+
+The fused path (``LoRALinear`` over a plain base): the base GEMM over the weight extended by
+every slot's A (N + S R rows), then ``expand_lora``. Each row also times, in CUDA graphs, the
+whole projection both ways against the base GEMM alone (``gemm_us``): ``proj_us`` (GEMM, then
+``add_lora``'s shrink and expand) and ``fused_proj_us`` (extended GEMM, then the expand); their
+excess over ``gemm_us`` is what LoRA costs the projection. The expand alone (``expand_us``)
+reads y's N columns and each row's R columns of x A^T, reads each touched adapter's B once and
+writes the output: ``expand_gb_per_s`` against the copy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-K, N, RANK, SHARDS, SLOTS, ADAPTERS = 4096, 6144, 16, 3, 8, 4
+K, N, RANK, SHARDS, SLOTS, ADAPTERS = 4096, 6144, 16, 3, 4, 4  # slots: lora_cost's --max-loras
 T = torch.Tensor
 
 
@@ -37,6 +46,7 @@ class Case:
     lens: torch.Tensor  # [G]
     slots: torch.Tensor  # [G]
     longest: int
+    row_slots: torch.Tensor  # [T], each row's slot (the fused path's index)
 
     def args(self) -> tuple[T, T, T, T, T, T, T, T, int]:
         return (self.y, self.x, self.a, self.b, self.rows, self.starts, self.lens, self.slots,
@@ -48,6 +58,13 @@ class Case:
         size = self.x.element_size()
         adapters = touched * (self.a[0].numel() + self.b[0].numel()) * size
         return adapters + (self.x.numel() + 2 * self.y.numel()) * size
+
+    def expand_bytes(self) -> int:
+        """The fused expand: y's N columns and each row's R columns of x A^T read, the output
+        written, each touched adapter's B read once."""
+        touched = len(set(self.slots.tolist()))
+        t, n, r = self.y.shape[0], self.b.shape[1], self.b.shape[2]
+        return (touched * self.b[0].numel() + t * (2 * n + r)) * self.y.element_size()
 
     def flops(self) -> float:
         t, k = self.x.shape
@@ -71,7 +88,7 @@ def build(tokens: int, k: int, n: int, rank: int, slots: int, adapters: int,
     idx = functools.partial(torch.tensor, dtype=torch.int32, device=device)
     return Case(rand(tokens, n), rand(tokens, k), rand(slots, rank, k, scale=k**-0.5),
                 rand(slots, n, rank, scale=rank**-0.5), idx(rows), idx(starts), idx(lens),
-                idx(list(range(groups))), max(lens))  # fmt: skip
+                idx(list(range(groups))), max(lens), idx([t % groups for t in range(tokens)]))  # fmt: skip
 
 
 def check(case: Case) -> float:
@@ -89,6 +106,37 @@ def check(case: Case) -> float:
     return err
 
 
+def projections(case: Case, base: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The projection ``base`` [N, K] three ways: the GEMM alone, with ``add_lora``, fused."""
+    from kernels import ops
+
+    s, r, k = case.a.shape
+    ext = torch.cat([base, case.a.reshape(s * r, k)])  # [N + S R, K]
+    x, lora = case.x, case.args()[2:]
+    return {
+        "gemm": lambda: ops.linear(x, base),
+        "proj": lambda: ops.add_lora(ops.linear(x, base), x, *lora),
+        "fused_proj": lambda: ops.expand_lora(ops.linear(x, ext), case.b, case.row_slots),
+    }
+
+
+def check_fused(case: Case) -> float:
+    """Relative error of the fused path's update against the reference's (its x A^T rounded
+    to the activation dtype by the GEMM); SystemExit past 1e-2."""
+    from kernels import ops
+    from kernels.lora import ref_add_lora
+
+    s, r, k = case.a.shape
+    zero = torch.zeros(case.b.shape[1], k, dtype=case.x.dtype, device=case.x.device)  # y = 0
+    y_ext = ops.linear(case.x, torch.cat([zero, case.a.reshape(s * r, k)]))
+    out = ops.expand_lora(y_ext, case.b, case.row_slots).float()
+    ref = ref_add_lora(torch.zeros_like(case.y), *case.args()[1:]).float()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    if not err < 1e-2:
+        raise SystemExit(f"fused LoRA expand: relative error {err:.2e} against the reference")
+    return err
+
+
 def main(argv: list[str] | None = None) -> int:
     from kernels.bench.roofline import copy_bandwidth, graph_ms, host_us, median_ms, write_results
 
@@ -99,24 +147,36 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_lora needs a CUDA GPU")
     from kernels.lora import ref_add_lora
-    from kernels.triton_lora import add_lora
+    from kernels.triton_lora import add_lora, expand_lora
 
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows = []
+    device = torch.device("cuda")
+    base = (torch.randn(N, K, device=device) * K**-0.5).to(torch.bfloat16)
     for tokens in args.tokens:
-        case = build(tokens, K, N, RANK * SHARDS, SLOTS, ADAPTERS, torch.device("cuda"))
+        case = build(tokens, K, N, RANK * SHARDS, SLOTS, ADAPTERS, device)
         check(case)
+        check_fused(case)
         fn = functools.partial(add_lora, *case.args())
         ms, gms, cpu = median_ms(fn), graph_ms(fn), host_us(fn)
         torch_ms = median_ms(lambda c=case: ref_add_lora(*c.args()))  # type: ignore[misc]
         gbs, floor_us = case.bytes() / gms / 1e6, case.bytes() / copy / 1e3
+        s, r = case.a.shape[:2]
+        y_ext = torch.randn(tokens, N + s * r, device=device).to(torch.bfloat16)
+        ems = graph_ms(lambda c=case, y=y_ext: expand_lora(y, c.b, c.row_slots))  # type: ignore[misc]
+        proj = {f"{name}_us": graph_ms(f) * 1e3 for name, f in projections(case, base).items()}
         rows.append({"tokens": tokens, "triton_ms": ms, "graph_ms": gms, "host_us": cpu,
                      "torch_ms": torch_ms, "gb_per_s": gbs, "tflops": case.flops() / gms / 1e9,
-                     "floor_us": floor_us})  # fmt: skip
+                     "floor_us": floor_us, "expand_us": ems * 1e3,
+                     "expand_gb_per_s": case.expand_bytes() / ems / 1e6,
+                     "expand_floor_us": case.expand_bytes() / copy / 1e3, **proj})  # fmt: skip
         print(f"T={tokens:5d} Triton {gms * 1e3:8.1f} us in a graph, {gbs:6.0f} GB/s (floor "
               f"{floor_us:6.1f} us); eager {ms * 1e3:8.1f} us, host {cpu:6.1f} us | torch loop "
-              f"{torch_ms * 1e3:8.1f} us", flush=True)  # fmt: skip
+              f"{torch_ms * 1e3:8.1f} us | fused expand {ems * 1e3:7.1f} us, "
+              f"{rows[-1]['expand_gb_per_s']:6.0f} GB/s | projection: GEMM "
+              f"{proj['gemm_us']:7.1f} us, + add_lora {proj['proj_us']:7.1f} us, fused "
+              f"{proj['fused_proj_us']:7.1f} us", flush=True)  # fmt: skip
     if args.json_out:
         write_results(args.json_out, copy, rows)
     return 0

@@ -6,7 +6,10 @@
 #   kernels python -m kernels.bench.lora and kernels.bench.moe: achieved bandwidth / FLOP/s
 #   cost    python -m services.engine.bench.lora_cost: the 8B shape (dummy weights, bf16), batch
 #           64, 4 adapters of rank 16 on every projection, against the base model; its JSON
-#           says whether the LoRA variant's decode steps replayed graphs (lora_graphs)
+#           says whether the LoRA variant's decode steps replayed graphs (lora_graphs) and how
+#           many projections took the fused path (lora_fused: the shrink in the base GEMM)
+#   cost-addlora  the same with TANDEM_LORA_FUSED=0 (every projection on add_lora's separate
+#           shrink and expand, as before the fused path): not in the default stages
 # Needs .whl (device_wheels.sh).
 #   bash scripts/device/lora_moe.sh tests,kernels,cost   -> $OUT/*.json (or ./gpu-out)
 set -uo pipefail
@@ -31,5 +34,11 @@ if has cost; then
     --json-out "$out/lora-cost.json" >"$out/lora-cost.out" 2>"$out/lora-cost.err" \
     || echo "lora cost failed: $(tail -5 "$out/lora-cost.err")"
 fi
+if has cost-addlora; then
+  TANDEM_LORA_FUSED=0 timeout 300 python3 -m services.engine.bench.lora_cost --model llama-3.1-8b \
+    --load-format dummy --dtype bfloat16 --adapters 4 --rank 16 --batch 64 --input-len 512 \
+    --output-len 128 --json-out "$out/lora-cost-addlora.json" >"$out/lora-cost-addlora.out" \
+    2>"$out/lora-cost-addlora.err" || echo "lora cost (add_lora) failed: $(tail -5 "$out/lora-cost-addlora.err")"
+fi
 tail -30 "$out/lora-kernel.out" "$out/moe-kernel.out" 2>/dev/null
-cat "$out/lora-cost.json" 2>/dev/null || true
+cat "$out/lora-cost.json" "$out/lora-cost-addlora.json" 2>/dev/null || true

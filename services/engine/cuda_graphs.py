@@ -65,7 +65,7 @@ class DecodeGraphs:
 
     def _step(self, b: int, with_lora: bool) -> torch.Tensor:
         if self.lora is not None:  # the wrappers read the graph's buffers, or skip LoRA
-            self.lora.batch.segments = self.lora.segments(b) if with_lora else None
+            self.lora.use(b if with_lora else None)
         hidden = self.model(self.i64[0, :b], self.i64[1, :b], self.kv, self._meta(b))
         return self.model.compute_logits(hidden)
 
@@ -83,7 +83,7 @@ class DecodeGraphs:
                     argmax = logits.argmax(dim=-1)  # greedy rows need nothing else
                 (self.lora_graphs if with_lora else self.graphs)[b] = (graph, logits, argmax)
         if self.lora is not None:
-            self.lora.batch.segments = None  # the next eager step sets its own
+            self.lora.use(None)  # the next eager step sets its own
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets,
                  " (each without and with LoRA)" if self.lora is not None else "")  # fmt: skip
@@ -114,7 +114,7 @@ class DecodeGraphs:
         if captured is None:  # not captured (the CPU): the same forward over the same buffers
             logits = self._step(b, with_lora)
             if self.lora is not None:
-                self.lora.batch.segments = None
+                self.lora.use(None)
             return logits, logits.argmax(dim=-1)
         graph, logits, argmax = captured
         graph.replay()

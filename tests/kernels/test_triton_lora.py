@@ -2,7 +2,8 @@
 gathered from anywhere in the batch, base-model rows left untouched, one token, ranks 8 to 64
 (and fused layers' stacked ranks), empty slots; and the fixed-size index buffers a CUDA graph
 reads (padding rows, segments of length 0, ``max_seg_len`` the whole batch) giving the very
-update of the step's own compact segments."""
+update of the step's own compact segments. The fused path's expand (the shrink done by the base
+GEMM over an extended weight) against its reference and against shrink-then-expand."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from kernels import triton_lora
-from kernels.lora import ref_add_lora
-from kernels.triton_lora import add_lora
+from kernels.lora import ref_add_lora, ref_expand_lora
+from kernels.triton_lora import add_lora, expand_lora
 from tests.kernels.paged import assert_matches, rand
 
 Index = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -173,3 +174,75 @@ def test_errors(gen: torch.Generator, device: torch.device) -> None:
         add_lora(y, x, a, b, rows, starts, lens, slots, 4)
     with pytest.raises(ValueError, match="seg_rows must have 1 dims"):
         add_lora(y, x, a, b, rows.view(1, 3), starts, lens, slots, longest)
+
+
+EXPAND_CASES = {  # name -> (slot of each row, slots, rank per shard, shards, K, N)
+    "no adapter rows": (runs((9, -1)), 2, 16, 1, 64, 48),
+    "one row": ([1], 2, 8, 1, 32, 40),
+    "base rows between": (runs((4, -1), (9, 1), (2, -1), (1, 0), (6, -1)), 3, 8, 2, 64, 72),
+    "interleaved (round robin), a slot unused": ([i % 3 for i in range(37)], 4, 16, 3, 64, 96),
+    "many rows, blocks off the edge": (runs((70, 0), (3, -1), (77, 1)), 2, 16, 1, 48, 200),
+    "rank 64, three shards": (runs((5, 1), (11, 0)), 2, 64, 3, 64, 100),
+    "every slot its own adapter": (EVERY_SLOT, 8, 8, 1, 48, 33),
+}
+
+
+def extended_gemm(
+    x: torch.Tensor, w: torch.Tensor, a: torch.Tensor
+) -> torch.Tensor:  # [T, N + S R]
+    """What ``LoRALinear`` computes on the fused path: one GEMM over the base weight with every
+    slot's A stacked below it (rounded to x's dtype, as the GPU's GEMM rounds)."""
+    s, r, k = a.shape
+    ext = torch.cat([w, a.reshape(s * r, k)]).float()
+    return (x.float() @ ext.T).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(EXPAND_CASES))
+def test_expand_from_the_extended_output_matches_the_reference(
+    case: str, dtype: torch.dtype, gen: torch.Generator, device: torch.device,
+    poison_empty: None,
+) -> None:  # fmt: skip
+    slot_of_row, num_slots, rank, shards, k, n = EXPAND_CASES[case]
+    rows = len(slot_of_row)
+    x = rand((rows, k), dtype, gen, device)
+    w = rand((n, k), dtype, gen, device) * k**-0.5
+    a, b = weights(num_slots, rank * shards, k, n, dtype, gen, device)
+    y_ext = extended_gemm(x, w, a)
+    row_slots = torch.tensor(slot_of_row, dtype=torch.int32, device=device)
+    out = expand_lora(y_ext, b, row_slots)
+    assert out.shape == (rows, n) and out.is_contiguous()
+    assert out.data_ptr() != y_ext.data_ptr(), "the output must be a tensor of its own"
+    check(out, ref_expand_lora(y_ext, b, row_slots), y_ext[:, :n], slot_of_row)
+    if dtype == torch.float32:  # the same update as the shrink-then-expand kernels give
+        y0 = y_ext[:, :n].contiguous()
+        ref = ref_add_lora(y0.clone(), x, a, b, *segments(slot_of_row, device))
+        assert_matches(out, ref)
+
+
+def test_expand_reads_only_each_rows_own_slot(gen: torch.Generator, device: torch.device) -> None:
+    """Every other slot's columns of the extended output poisoned (NaN): a row must not touch
+    them, nor the B of a slot none of its block uses."""
+    slot_of_row = [1, -1, 1, 1, -1, 1]
+    _, b = weights(3, 16, 32, 24, torch.float32, gen, device)
+    y_ext = rand((6, 24 + 3 * 16), torch.float32, gen, device)
+    y_ext[:, 24 : 24 + 16] = float("nan")  # slot 0's x A^T
+    y_ext[:, 24 + 32 :] = float("nan")  # slot 2's
+    b[0], b[2] = float("nan"), float("nan")
+    row_slots = torch.tensor(slot_of_row, dtype=torch.int64, device=device)
+    out = expand_lora(y_ext, b, row_slots)
+    check(out, ref_expand_lora(y_ext, b, row_slots), y_ext[:, :24], slot_of_row)
+
+
+def test_expand_errors(gen: torch.Generator, device: torch.device) -> None:
+    b = rand((2, 12, 8), torch.float32, gen, device)
+    y_ext = rand((3, 12 + 16), torch.float32, gen, device)
+    slots = torch.zeros(3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="needs N"):
+        expand_lora(y_ext[:, :27], b, slots)
+    with pytest.raises(ValueError, match="row_slots has 2 entries"):
+        expand_lora(y_ext, b, slots[:2])
+    with pytest.raises(ValueError, match=r"lora_b is torch\.bfloat16"):
+        expand_lora(y_ext, b.bfloat16(), slots)
+    with pytest.raises(ValueError, match="row_slots has dtype"):
+        expand_lora(y_ext, b, slots.float())

@@ -11,8 +11,9 @@ directories on every projection of the model (q, k, v, o, gate, up, down), writt
 temporary folder; the base model may be ``--load-format dummy``. Output tokens per second over
 the whole batch (prefill included), and the ratio; each variant's forwards by path (the runner's
 ``ForwardCounts``: steps replayed from graphs, with adapters or not, and eager steps), so the
-result says whether the LoRA variant's decode steps did replay graphs (``lora_graphs``). Prints
-one JSON object.
+result says whether the LoRA variant's decode steps did replay graphs (``lora_graphs``), and how
+many projections took the fused path (``lora_fused``: the shrink in the base GEMM; none under
+``TANDEM_LORA_FUSED=0``, which the children inherit). Prints one JSON object.
 
     python -m services.engine.bench.lora_cost --model llama-3.1-8b --load-format dummy \
         --dtype bfloat16 --adapters 4 --rank 16 --batch 64 --input-len 512 --output-len 128
@@ -113,7 +114,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                                  lora_name=names[i % len(names)]) for i in range(args.batch)]  # fmt: skip
         with LLM(args.model, lora_config=lora, **knobs) as llm:
-            return throughput(llm, prompts, params, warmup)
+            manager = llm.engine.runner.lora
+            assert manager is not None
+            # how many projections take the fused path (TANDEM_LORA_FUSED=0: none)
+            wrapped = manager.layers.values()
+            fused = {"fused": sum(w.fused for w in wrapped), "projections": len(wrapped)}
+            return {**throughput(llm, prompts, params, warmup), "lora_fused": fused}
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -129,6 +135,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "base_tok_s": round(base, 1), "lora_tok_s": round(with_lora, 1),
             "cost": round(1 - with_lora / base, 4),
             "lora_graphs": got["lora"]["forwards"]["graph_lora"] > 0,
+            "lora_fused": got["lora"]["lora_fused"],
             "base_forwards": got["base"]["forwards"], "lora_forwards": got["lora"]["forwards"],
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}  # fmt: skip
 

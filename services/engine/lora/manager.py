@@ -36,6 +36,14 @@ class StepSegments:
     lens: list[int]
     slots: list[int]
 
+    def row_slots(self, total: int) -> list[int]:
+        """Each of ``total`` rows' slot, -1 for a row in no segment (the fused path's index)."""
+        out = [-1] * total
+        for start, n, slot in zip(self.starts, self.lens, self.slots, strict=True):
+            for row in self.rows[start : start + n]:
+                out[row] = slot
+        return out
+
 
 class LoRAManager:
     def __init__(
@@ -132,10 +140,12 @@ class LoRAManager:
         """An eager step: its segments (``plan``) uploaded and handed to the layers."""
         plan = self.plan(runs)
         if plan is None:
-            self.batch.segments = None
+            self.batch.clear()
             return
         p, g = len(plan.rows), len(plan.lens)
-        idx = torch.tensor([*plan.rows, *plan.starts, *plan.lens, *plan.slots],
-                           dtype=torch.int32).to(self.device)  # [P + 3 G]  # fmt: skip
-        seg = idx[p:].view(3, g)
+        row_slots = plan.row_slots(sum(n for _, n in runs))
+        idx = torch.tensor([*plan.rows, *plan.starts, *plan.lens, *plan.slots, *row_slots],
+                           dtype=torch.int32).to(self.device)  # [P + 3 G + T]  # fmt: skip
+        seg = idx[p : p + 3 * g].view(3, g)
         self.batch.segments = (idx[:p], seg[0], seg[1], seg[2], max(plan.lens))
+        self.batch.row_slots = idx[p + 3 * g :]

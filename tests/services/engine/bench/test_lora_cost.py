@@ -31,6 +31,7 @@ def test_a_tiny_run_reports_both_throughputs(tmp_path: Path) -> None:
     assert doc["lora_graphs"] is False and doc["lora_forwards"]["graph"] == 0
     assert doc["lora_forwards"]["eager_lora"] == doc["lora_forwards"]["eager"] > 0
     assert doc["base_forwards"]["eager_lora"] == 0
+    assert doc["lora_fused"] == {"fused": 8, "projections": 8}, "2 layers x 4 plain projections"
 
 
 def test_the_written_adapter_is_served_and_changes_the_output(tmp_path: Path) -> None:

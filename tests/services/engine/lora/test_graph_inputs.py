@@ -35,11 +35,17 @@ def test_fill_lays_rows_then_every_slots_segment_out() -> None:
     host = np.full(inputs.size(8), 99, dtype=np.int32)  # stale values of a previous step
     inputs.fill(host, StepSegments([0, 3, 2], [0, 2], [2, 1], [1, 3]), 8)
     assert host[:8].tolist() == [0, 3, 2, 0, 0, 0, 0, 0]
-    assert host[8:].reshape(3, 4).tolist() == [[0, 2, 0, 0], [2, 1, 0, 0], [1, 3, 0, 0]]
+    assert host[8:16].tolist() == [1, -1, 3, 1, -1, -1, -1, -1], "each row's slot, -1: none"
+    assert host[16:].reshape(3, 4).tolist() == [[0, 2, 0, 0], [2, 1, 0, 0], [1, 3, 0, 0]]
     inputs.load(torch.from_numpy(host), 8)
     rows, starts, lens, slots, longest = inputs.segments(8)
     assert rows.tolist() == host[:8].tolist() and longest == 8
-    assert [starts.tolist(), lens.tolist(), slots.tolist()] == host[8:].reshape(3, 4).tolist()
+    assert [starts.tolist(), lens.tolist(), slots.tolist()] == host[16:].reshape(3, 4).tolist()
+    inputs.use(8)
+    assert inputs.batch.row_slots is not None
+    assert inputs.batch.row_slots.tolist() == host[8:16].tolist()
+    inputs.use(None)
+    assert inputs.batch.segments is None and inputs.batch.row_slots is None
     with pytest.raises(ValueError, match="do not fit"):
         inputs.fill(np.zeros(inputs.size(2), np.int32), StepSegments([0, 1, 2], [0], [3], [0]), 2)
     with pytest.raises(ValueError, match="do not fit"):
@@ -47,12 +53,15 @@ def test_fill_lays_rows_then_every_slots_segment_out() -> None:
         inputs.fill(np.zeros(inputs.size(8), np.int32), five, 8)
 
 
+# 3 slots: qkv's stacked A rows (3 x 12) outnumber its 32, so it keeps add_lora; gate_up is fused
+@pytest.mark.parametrize(("proj", "fused"), [("qkv_proj", False), ("gate_up_proj", True)])
 @pytest.mark.parametrize("step", [STEP, [("a", 1)] * 5, [("", 1)] * 5, [("c", 1), ("a", 1)]])
 def test_a_projection_fed_from_the_buffers_matches_the_eager_step(
-    tmp_path: Path, step: list[tuple[str, int]]
+    tmp_path: Path, step: list[tuple[str, int]], proj: str, fused: bool
 ) -> None:
     m = manager(tmp_path, slots=3)
-    qkv = m.layers[(1, "qkv_proj")]
+    qkv = m.layers[(1, proj)]
+    assert qkv.fused == fused
     n, b = len(step), 8  # a graph of 8 rows: the rows past n are padding
     x = torch.randn(b, 16)
     m.begin_step(step)
@@ -65,7 +74,7 @@ def test_a_projection_fed_from_the_buffers_matches_the_eager_step(
     if plan is not None:
         inputs.fill(host, plan, b)
     inputs.load(torch.from_numpy(host), b)
-    m.batch.segments = inputs.segments(b)
+    inputs.use(b)
     graphed = qkv(x)
     torch.testing.assert_close(graphed[:n], eager)
     assert torch.equal(graphed[n:], base[n:]), "a padding row got an adapter's update"
