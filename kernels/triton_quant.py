@@ -6,7 +6,9 @@ group 128; 1 B for fp8 plus 4 B per scale row chunk). The weights never exist de
 memory: each program loads a packed tile, unpacks it in registers and multiplies.
 
 - **GEMV** (M <= ``GEMV_ROWS``): one program per ``BLOCK_N`` output columns, row of x and
-  slice of K, fp32 partial products reduced once at the end.
+  slice of K, fp32 partial products reduced once at the end. The rows of x are the grid's
+  fastest index, so the M programs of one weight tile run side by side and read it from HBM
+  about once (with M the slowest, a batch of 4 read every weight 4 times).
 - **Split-K**: a decode projection has few output tiles (64 for a 4096-wide int4 layer at
   ``BLOCK_N`` 64) for 132 SMs, so the GEMVs also split K (``SPLIT`` programs per tile, each a
   run of whole chunks) until there are about two programs per SM; the fp32 partials go to a
@@ -140,9 +142,10 @@ def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
+    pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
+    pid_n = pid // M
+    m = (pid % M).to(tl.int64)
     pid_k = tl.program_id(1)
-    m = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -219,9 +222,10 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
+    pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
+    pid_n = pid // M
+    m = (pid % M).to(tl.int64)
     pid_k = tl.program_id(1)
-    m = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -323,7 +327,7 @@ def w4a16_linear(
         bk = min(bk, group_size)
         split, per = _split(asked, triton.cdiv(n, bn) * m, k // bk, x.device)
         target = _target(out, split)
-        _w4_gemv_kernel[(triton.cdiv(n, bn), split, m)](
+        _w4_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
             GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
         )  # fmt: skip
@@ -349,6 +353,21 @@ def _with_split(config: tuple[int, ...], size: int) -> tuple[int, ...]:
     if len(config) != size + 1:
         raise ValueError(f"a launch config has {size} entries and an optional SPLIT, got {config}")
     return config
+
+
+def fp8_gemv_config(n: int, k: int, block_k: int) -> tuple[int, int, int]:
+    """The GEMV launch for an [n, k] fp8 weight. Per-channel scales (``--quantization fp8``)
+    take the fastest launch per Llama-3.1-8B shape of ``kernels.bench.quant``'s sweep on an H100
+    (2026-11-25), by shape: long rows (k >= 8192) 2 rows of 2048-long chunks, square or narrow
+    outputs 8 rows of 1024 on 8 warps, wide ones 8 rows of 512; block scales keep chunks within
+    a scale block (FP8_GEMV_CONFIG)."""
+    if block_k < k:
+        return FP8_GEMV_CONFIG
+    if k >= 8192:
+        return (2, 2048, 4)
+    if n <= k:
+        return (8, 1024, 8)
+    return (8, 512, 4)
 
 
 def fp8_linear(
@@ -379,12 +398,12 @@ def fp8_linear(
         return out.zero_()
     strides = (x.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
     if m <= GEMV_ROWS:
-        bn, bk, warps, asked = _with_split(config or FP8_GEMV_CONFIG, 3)
+        bn, bk, warps, asked = _with_split(config or fp8_gemv_config(n, k, block_k), 3)
         bk = min(bk, triton.next_power_of_2(k))
         bk = _chunk(bk, block_k) if block_k < k else bk
         split, per = _split(asked, triton.cdiv(n, bn) * m, triton.cdiv(k, bk), x.device)
         target = _target(out, split)
-        _fp8_gemv_kernel[(triton.cdiv(n, bn), split, m)](
+        _fp8_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
             num_warps=warps,

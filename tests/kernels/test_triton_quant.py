@@ -49,7 +49,8 @@ def test_w4a16_matches_the_reference(
 @pytest.mark.parametrize(
     ("m", "n", "k", "block_k"),
     [(1, 64, 256, 128), (1, 37, 200, 200), (5, 130, 300, 128), (8, 5, 96, 96), (1, 1, 16, 16),
-     (9, 48, 256, 128), (17, 96, 256, 128), (33, 40, 200, 200), (20, 33, 136, 64)],
+     (9, 48, 256, 128), (17, 96, 256, 128), (33, 40, 200, 200), (20, 33, 136, 64),
+     (3, 9, 8200, 8200)],  # per channel, a long row: the default launch's 2048-long chunks
 )  # fmt: skip
 @pytest.mark.parametrize("config", [None, "small"])
 def test_fp8_matches_the_reference(
