@@ -7,11 +7,13 @@ while a kernel that gives each program a few output rows fills the machine. Each
 ``BLOCK_N`` rows of the weight, streams them along K in ``BLOCK_K`` chunks (16-byte loads along
 the contiguous dim), keeps an fp32 partial product per element and reduces once at the end:
 no split-K, so the result is deterministic and does not depend on the launch configuration's
-reduction order beyond the chunking. Each row of x gets its own programs (M <= 8), which run
-the same code whatever M is: a row's result is bit for bit the one it gets in a batch of 1 (what a
-speculative verify step needs to match plain decoding). The grid is one-dimensional with the row
-fastest, so the M programs that read one weight tile run side by side and the tile is read from
-HBM about once, the other rows hitting L2.
+reduction order beyond the chunking.
+
+Short batches (M <= 8): a program takes a group of 1, 2 or 4 rows of x, loads each weight
+chunk once for all of them and keeps one accumulator per row; the groups of one weight tile are
+neighbours in the grid, so the tile comes from HBM about once. Each row's sums are the same
+operations in the same order whatever the group and the batch: a row's result is bit for bit
+the one it gets in a batch of 1 (what a speculative verify step needs to match plain decoding).
 """
 
 from __future__ import annotations
@@ -39,30 +41,76 @@ def pick_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _row_ptrs(x_ptr, out_ptr, row, M, s_xm, s_om):
+    """Row ``row`` of x and of the output, and whether the batch has it: a group's rows past
+    the batch read its last row (unmasked loads) and store nothing."""
+    r = tl.minimum(row, M - 1).to(tl.int64)
+    return x_ptr + r * s_xm, out_ptr + r * s_om, tl.full([1], row, tl.int32) < M
+
+
+@triton.jit
+def _load_x(x_row, ks, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_row + ks).to(tl.float32)
+    return tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, GROUPS,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    pid_n = pid // M
-    m = (pid % M).to(tl.int64)
+    pid = tl.program_id(0)  # the row groups of one weight tile side by side: one HBM read
+    pid_n = pid // GROUPS
+    row0 = (pid % GROUPS) * ROWS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # one accumulator per row (ROWS of them live; the rest are never touched and vanish): the
+    # weight chunk is loaded once for all of the group's rows, and each row's sums are the
+    # same operations in the same order as in a group of one
+    x0, o0, l0 = _row_ptrs(x_ptr, out_ptr, row0, M, s_xm, s_om)
+    x1, o1, l1 = _row_ptrs(x_ptr, out_ptr, row0 + 1, M, s_xm, s_om)
+    x2, o2, l2 = _row_ptrs(x_ptr, out_ptr, row0 + 2, M, s_xm, s_om)
+    x3, o3, l3 = _row_ptrs(x_ptr, out_ptr, row0 + 3, M, s_xm, s_om)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         if EVEN_K:
-            xv = tl.load(x_ptr + m * s_xm + ks)
             w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
         else:
-            k_mask = ks < K
-            xv = tl.load(x_ptr + m * s_xm + ks, mask=k_mask, other=0.0)
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0)
+        w = w.to(tl.float32)
+        acc0 += w * _load_x(x0, ks, K, EVEN_K)[None, :]
+        if ROWS > 1:
+            acc1 += w * _load_x(x1, ks, K, EVEN_K)[None, :]
+        if ROWS > 2:
+            acc2 += w * _load_x(x2, ks, K, EVEN_K)[None, :]
+            acc3 += w * _load_x(x3, ks, K, EVEN_K)[None, :]
+    ty = out_ptr.dtype.element_ty
+    tl.store(o0 + offs_n, tl.sum(acc0, axis=1).to(ty), mask=n_mask & l0)
+    if ROWS > 1:
+        tl.store(o1 + offs_n, tl.sum(acc1, axis=1).to(ty), mask=n_mask & l1)
+    if ROWS > 2:
+        tl.store(o2 + offs_n, tl.sum(acc2, axis=1).to(ty), mask=n_mask & l2)
+        tl.store(o3 + offs_n, tl.sum(acc3, axis=1).to(ty), mask=n_mask & l3)
+
+
+# fp32 accumulator registers a thread may spend on a group's rows; past it, fewer rows a group
+ACC_REGISTERS = 64
+
+
+def rows_per_program(m: int, block_n: int, block_k: int, num_warps: int) -> int:
+    """1, 2 or 4 rows of x per program: as many as the accumulators' registers allow."""
+    per_row = max(1, block_n * block_k // (32 * num_warps))
+    rows = 1
+    while rows < 4 and rows < m and 2 * rows * per_row <= ACC_REGISTERS:
+        rows *= 2
+    return rows
 
 
 def gemv(
@@ -88,8 +136,10 @@ def gemv(
         return out.zero_()
     block_n, block_k, warps = config or DEFAULT_CONFIG
     block_k = min(block_k, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, block_n) * m,)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
+    rows = rows_per_program(m, block_n, block_k, warps)
+    groups = triton.cdiv(m, rows)
+    _gemv_kernel[(triton.cdiv(n, block_n) * groups,)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
+        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
     )  # fmt: skip
     return out
