@@ -30,9 +30,16 @@ DEFAULT_CONFIG = (8, 512, 4)
 
 
 def pick_config(n: int, k: int) -> tuple[int, int, int]:
-    """The launch for an [n, k] weight: the fastest of 30 configurations per Llama-3.1-8B shape
-    on an H100 (kernels/bench/gemv.py, 2026-11-22), generalised by shape: long rows (k >= 8192)
-    take 16 rows per program, wide or square outputs 4, the rest 8; 1024-wide chunks, 8 warps."""
+    """The launch for an [n, k] weight. Rows of 2048 or more: the fastest of 30 configurations
+    per Llama-3.1-8B shape on an H100 (kernels/bench/gemv.py, 2026-11-22), generalised by
+    shape: long rows (k >= 8192) take 16 rows per program, wide or square outputs 4, the rest 8;
+    1024-wide chunks, 8 warps. Shorter rows (a small model's, SmolLM2-135M's 576 and 1536; H100,
+    2026-11-25) take short chunks and few warps, which also keep a verify step's 8 rows cheap
+    (the wide 8-warp launches ran a 49152 x 576 lm_head at 8 rows in 213 us against 53 us)."""
+    if k < 2048:
+        if n >= 2 * k:
+            return (4, 128, 1)
+        return (8, 256, 2) if k <= 1024 else (8, 512, 4)
     if k >= 8192:
         return (16, 1024, 8)
     if n >= 16384 or n <= k:
