@@ -72,13 +72,28 @@ def test_fp8_row_quantization_keeps_three_mantissa_bits(gen: torch.Generator) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_scaled_mm_matches_its_reference(dtype: torch.dtype, gen: torch.Generator) -> None:
-    """torch._scaled_mm (its CPU kernel here, FP8 tensor cores on a GPU) against the reference;
-    and W8A8 stays within the activation rounding (3 mantissa bits) of weight-only."""
-    x = torch.randn(17, 64, generator=gen).to(dtype)
-    w, s = quantize_fp8_rows(torch.randn(48, 64, generator=gen))
+def test_w8a8_scaled_mm_matches_its_reference(
+    dtype: torch.dtype, gen: torch.Generator, device: torch.device
+) -> None:
+    """torch._scaled_mm (its CPU kernel under the interpreter, FP8 tensor cores on a GPU) against
+    the reference; and W8A8 stays within the activation rounding (3 mantissa bits) of
+    weight-only. The engine calls it on CUDA only; torch's CPU kernel took row-wise scales from
+    2.13 (2.11's asserts per-tensor scales), so an older CPU torch skips."""
+    x = torch.randn(17, 64, generator=gen).to(dtype).to(device)
+    w, s = (t.to(device) for t in quantize_fp8_rows(torch.randn(48, 64, generator=gen)))
+    if device.type == "cpu":
+        try:
+            scaled_mm_w8a8_linear(x[:1], w, s)
+        except RuntimeError as exc:
+            if "per-tensor" not in str(exc):
+                raise
+            pytest.skip(
+                f"this torch's CPU _scaled_mm takes per-tensor scales only ({torch.__version__})"
+            )
     ref = ref_fp8_w8a8_linear(x, w, s)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    # the CPU kernel sums the fp8 products exactly in fp32; the FP8 tensor cores do not (an H100
+    # parted from the reference by 5e-4 of the output's scale at K = 64)
+    tol = 1e-4 if dtype == torch.float32 and device.type == "cpu" else 2e-2
     torch.testing.assert_close(scaled_mm_w8a8_linear(x, w, s).float(), ref.float(), rtol=tol, atol=tol)  # fmt: skip
     weight_only = ref_fp8_linear(x, w, s, 64).float()
     assert ((ref.float() - weight_only).norm() / weight_only.norm()).item() < 0.05
