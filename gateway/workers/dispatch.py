@@ -63,7 +63,8 @@ class Dispatcher:
                 f"no healthy worker serves the LoRA adapter {lora!r}" if lora else "no worker left"
             )
             raise UpstreamError(unavailable(self.unavailable_reason() or left), False)
-        key = prefix_key(item.prompt_ids, workers[0].block_size, self.ctx.config.prefix_blocks)
+        key = prefix_key(item.prompt_ids, workers[0].block_size, self.ctx.config.prefix_blocks,
+                         item.images, lora or "")  # fmt: skip
         ranked = rank_by_affinity(workers, key)
         parent.set_attribute("tandem.mode", "disaggregated" if role == "prefill" else "colocated")
         if role == "prefill":

@@ -15,6 +15,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
+from protos.multimodal import ImageItem
+
 
 class Candidate(Protocol):
     @property
@@ -30,11 +32,24 @@ class Candidate(Protocol):
 C = TypeVar("C", bound=Candidate)
 
 
-def prefix_key(prompt_ids: Sequence[int], block_size: int, max_blocks: int) -> bytes:
-    """A hash of the first ``max_blocks`` full blocks (the whole prompt if shorter than one)."""
+def prefix_key(
+    prompt_ids: Sequence[int], block_size: int, max_blocks: int,
+    images: Sequence[ImageItem] = (), lora: str = "",
+) -> bytes:  # fmt: skip
+    """A hash of the first ``max_blocks`` full blocks (the whole prompt if shorter than one), of
+    the content of the images whose placeholders start in them, and of the LoRA adapter: what
+    the workers' prefix cache keys those blocks by (an image's placeholder ids are the same for
+    every image; an adapter's KV is its own), so two prompts share a key only where they could
+    share cached blocks."""
     full = min(len(prompt_ids) // block_size, max_blocks) * block_size
     head = prompt_ids[: full or len(prompt_ids)]
-    return hashlib.blake2b(array("q", head).tobytes(), digest_size=16).digest()
+    h = hashlib.blake2b(array("q", head).tobytes(), digest_size=16)
+    for image in images:
+        if image.offset < len(head):
+            h.update(image.content_hash)
+    if lora:
+        h.update(b"\0lora:" + lora.encode())
+    return h.digest()
 
 
 def _unit(key: bytes, address: str) -> float:

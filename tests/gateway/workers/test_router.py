@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gateway.workers.router import prefix_key, rank_by_affinity, rank_decode
 from protos.blocks import blocks_for
+from protos.multimodal import ImageItem, content_hash
 
 
 @dataclass
@@ -25,6 +26,24 @@ def test_prefix_key_covers_the_leading_blocks_only() -> None:
     assert prefix_key(shared, 16, 4) != prefix_key([7, *shared[1:]], 16, 4)
     assert prefix_key([1, 2, 3], 16, 4) != prefix_key([1, 2, 4], 16, 4)  # short: whole prompt
     assert prefix_key(list(range(20)), 16, 4) == prefix_key([*range(16), 0, 0, 0, 0], 16, 4)
+
+
+def test_prefix_key_tells_images_and_adapters_apart() -> None:
+    """An image's placeholder ids are the same whatever the image: its content decides whether
+    cached blocks can be shared, and so does the adapter."""
+
+    def image(offset: int, data: bytes) -> ImageItem:
+        return ImageItem(offset, 8, (1, 4, 4), content_hash(data), data)
+
+    ids = [1, 2, *[151655] * 8, *range(40)]  # an image's placeholders in the first block
+    cat, dog = image(2, b"cat"), image(2, b"dog")
+    assert prefix_key(ids, 16, 4, (cat,)) != prefix_key(ids, 16, 4, (dog,))
+    assert prefix_key(ids, 16, 4, (cat,)) == prefix_key(ids, 16, 4, (image(2, b"cat"),))
+    assert prefix_key(ids, 16, 4, (cat,)) != prefix_key(ids, 16, 4)
+    late = image(70, b"cat")  # past the leading blocks the key covers: no effect
+    assert prefix_key([*ids, *range(30)], 16, 4, (late,)) == prefix_key([*ids, *range(30)], 16, 4)
+    assert prefix_key(ids, 16, 4, lora="sql") != prefix_key(ids, 16, 4)
+    assert prefix_key(ids, 16, 4, lora="sql") != prefix_key(ids, 16, 4, lora="chat")
 
 
 def test_same_prefix_same_worker_and_keys_spread_evenly() -> None:
