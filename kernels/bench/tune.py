@@ -1,7 +1,8 @@
 """Sweep of the attention kernels' tile knobs on the GPU (``python -m kernels.bench.tune``).
 
 Prints, per benchmark shape, each configuration's time and the fraction of copy bandwidth
-(decode) or TFLOP/s (prefill), best first. The defaults in ``triton_decode`` and
+(decode) or TFLOP/s (prefill, with torch SDPA's rate on the same prompts where it has a peer),
+best first. The defaults in ``triton_decode`` and
 ``triton_prefill`` come from this sweep; rerun it on a new GPU before changing them.
 """
 
@@ -10,19 +11,20 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+from collections.abc import Callable
 
 import torch
 import triton.testing
 
 from kernels.bench.cases import DECODE_CASES, PREFILL_CASES, paged, prefill_flops
-from kernels.bench.roofline import copy_bandwidth
+from kernels.bench.roofline import copy_bandwidth, sdpa_prefill
 from kernels.triton_decode import paged_decode_attention
 from kernels.triton_prefill import prefill_attention
 
 GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
 
 
-def median_ms(fn: functools.partial) -> float:
+def median_ms(fn: Callable[[], object]) -> float:
     if GRAPH:
         return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
@@ -54,6 +56,15 @@ def tune_decode(copy_gbps: float) -> None:
         torch.cuda.empty_cache()
 
 
+# (BLOCK_M rows, BLOCK_N, num_warps, num_stages, pack): 128-row tiles skip 32-key steps (too
+# little work per K/V tile); pack stacks a GQA group's heads in one tile
+PREFILL_KNOBS = [
+    tiles
+    for tiles in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (True, False))
+    if tiles[:2] != (128, 32)
+]
+
+
 def tune_prefill() -> None:
     for name, ctx_lens, q_lens in PREFILL_CASES:
         p = paged(ctx_lens, q_lens)
@@ -68,7 +79,7 @@ def tune_prefill() -> None:
             p.scale,
         )
         rows = []
-        for tiles in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        for tiles in PREFILL_KNOBS:
             try:
                 ms = median_ms(functools.partial(prefill_attention, *args, tiles=tiles))
             except Exception as exc:
@@ -77,10 +88,16 @@ def tune_prefill() -> None:
             rows.append((ms, tiles))
         rows.sort()
         print(f"prefill {name}")
+        sdpa = sdpa_prefill(p, ctx_lens, q_lens)
+        if sdpa is not None:
+            ms = median_ms(sdpa)
+            print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  torch sdpa (contiguous KV)")
         for ms, tiles in rows[:8]:
             print(
-                f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  tiles(M, N, warps, stages)={tiles}"
+                f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  tiles(M, N, warps, stages, pack)={tiles}"
             )
+        del p, args
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
