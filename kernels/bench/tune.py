@@ -2,8 +2,8 @@
 
 Prints, per benchmark shape, each configuration's time and the fraction of copy bandwidth
 (decode) or TFLOP/s (prefill, with torch SDPA's rate on the same prompts where it has a peer),
-best first. The defaults in ``triton_decode`` and
-``triton_prefill`` come from this sweep; rerun it on a new GPU before changing them.
+best first. The defaults in ``triton_decode`` and ``triton_prefill`` come from this sweep; rerun
+it on a new GPU before changing them.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from collections.abc import Callable
 import torch
 import triton.testing
 
+from kernels.attention import ref_prefill_attention
 from kernels.bench.cases import DECODE_CASES, PREFILL_CASES, paged, prefill_flops
 from kernels.bench.roofline import copy_bandwidth, sdpa_prefill
 from kernels.triton_decode import paged_decode_attention
-from kernels.triton_prefill import prefill_attention
+from kernels.triton_prefill import Tiles, prefill_attention
 
 GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
 
@@ -58,7 +59,7 @@ def tune_decode(copy_gbps: float) -> None:
 
 # (BLOCK_M rows, BLOCK_N, num_warps, num_stages, pack): 128-row tiles skip 32-key steps (too
 # little work per K/V tile); pack stacks a GQA group's heads in one tile
-PREFILL_KNOBS = [
+PREFILL_KNOBS: list[Tiles] = [
     tiles
     for tiles in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (True, False))
     if tiles[:2] != (128, 32)
@@ -66,26 +67,28 @@ PREFILL_KNOBS = [
 
 
 def tune_prefill() -> None:
+    """Each case's fastest knobs, then the knobs with the least total time over all cases (the
+    candidate for ``triton_prefill.TILE_CHOICES[0]``). Knobs whose output strays from the
+    reference by more than bf16's tolerance are dropped, so a fast wrong build cannot win."""
+    times: dict[Tiles, list[float]] = {}
     for name, ctx_lens, q_lens in PREFILL_CASES:
         p = paged(ctx_lens, q_lens)
         flops = prefill_flops(ctx_lens, q_lens)
-        args = (
-            p.q,
-            p.k_cache,
-            p.v_cache,
-            p.block_tables,
-            p.query_start_loc,
-            p.context_lens,
-            p.scale,
-        )
+        args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
+        ref = ref_prefill_attention(*args).float()
         rows = []
         for tiles in PREFILL_KNOBS:
             try:
+                err = (prefill_attention(*args, tiles=tiles).float() - ref).abs().max().item()
                 ms = median_ms(functools.partial(prefill_attention, *args, tiles=tiles))
-            except Exception as exc:
+            except Exception as exc:  # out of shared memory and the like
                 print(f"  skip tiles={tiles}: {type(exc).__name__}")
                 continue
+            if not err <= 2e-2:
+                print(f"  drop tiles={tiles}: max error {err:.3g} against the reference")
+                continue
             rows.append((ms, tiles))
+            times.setdefault(tiles, []).append(ms)
         rows.sort()
         print(f"prefill {name}")
         sdpa = sdpa_prefill(p, ctx_lens, q_lens)
@@ -93,11 +96,13 @@ def tune_prefill() -> None:
             ms = median_ms(sdpa)
             print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  torch sdpa (contiguous KV)")
         for ms, tiles in rows[:8]:
-            print(
-                f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  tiles(M, N, warps, stages, pack)={tiles}"
-            )
-        del p, args
+            print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  tiles(M, N, warps, stages, pack)={tiles}")  # fmt: skip
+        del p, args, ref
         torch.cuda.empty_cache()
+    totals = [(sum(ms), t) for t, ms in times.items() if len(ms) == len(PREFILL_CASES)]
+    print("prefill, least total time over every case (the default to take):")
+    for ms, tiles in sorted(totals)[:5]:
+        print(f"  {ms:8.4f} ms  tiles={tiles}")
 
 
 if __name__ == "__main__":
