@@ -58,12 +58,14 @@ def tune_decode(copy_gbps: float) -> None:
 
 
 # (BLOCK_M rows, BLOCK_N, num_warps, num_stages, pack): 128-row tiles skip 32-key steps (too
-# little work per K/V tile); pack stacks a GQA group's heads in one tile
+# little work per K/V tile); pack stacks a GQA group's heads in one tile. A K/V tile feeds
+# BLOCK_M rows: at 64 rows and ~400 TFLOP/s the K/V reads from L2 alone run at ~6 TB/s, so
+# 256-row tiles of packed groups (64 tokens of 4 heads, one warpgroup per 64 rows) are tried too
 PREFILL_KNOBS: list[Tiles] = [
     tiles
     for tiles in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (True, False))
     if tiles[:2] != (128, 32)
-]
+] + list(itertools.product((256,), (32, 64), (8, 16), (2, 3), (True,)))
 
 
 def tune_prefill() -> None:

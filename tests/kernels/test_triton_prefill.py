@@ -60,7 +60,7 @@ def test_groups_that_do_not_divide_the_tile(group: int, gen: torch.Generator, de
     run_case([23, 40], [23, 9], group, torch.float32, gen, device, kv_heads=1)
 
 
-@pytest.mark.parametrize(("head_dim", "tiles"), [(64, (32, 32, 4, 2, True)), (80, SMALL_TILES), (128, (64, 32, 4, 2, True))])  # fmt: skip
+@pytest.mark.parametrize(("head_dim", "tiles"), [(64, (32, 32, 4, 2, True)), (80, SMALL_TILES), (128, (64, 32, 4, 2, True)), (128, (256, 64, 16, 2, True))])  # fmt: skip
 def test_model_head_dims_after_a_prefix(head_dim: int, tiles: triton_prefill.Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     # a prompt over several tiles of 4-head groups, and a chunk after a prefix
     run_case([37, 70], [37, 30], 4, torch.bfloat16, gen, device, head_dim=head_dim, tiles=tiles)
