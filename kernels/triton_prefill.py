@@ -180,15 +180,17 @@ TILE_CHOICES: tuple[Tiles, ...] = (
 )
 
 
-def default_tiles(d: int, dtype: torch.dtype, device: torch.device) -> Tiles:
-    """Largest tiles whose pipelined K/V stages plus the Q tile fit in ~85% of shared memory."""
-    budget = 0.85 * max_shared_memory(device)
+def tiles_fit(tiles: Tiles, d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the pipelined K/V stages plus the Q tile fit in ~85% of shared memory."""
+    m, n, _, stages, _ = tiles
     elem = torch.finfo(dtype).bits // 8
     block_d = max(16, next_pow2(d))
-    for m, n, warps, stages, pack in TILE_CHOICES:
-        if stages * 2 * n * block_d * elem + m * block_d * elem <= budget:
-            return m, n, warps, stages, pack
-    return TILE_CHOICES[-1]
+    return (stages * 2 * n + m) * block_d * elem <= 0.85 * max_shared_memory(device)
+
+
+def default_tiles(d: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+    """The first (fastest) of ``TILE_CHOICES`` that fits the device."""
+    return next((t for t in TILE_CHOICES if tiles_fit(t, d, dtype, device)), TILE_CHOICES[-1])
 
 
 def heads_per_tile(block_m: int, group: int, pack: bool) -> int:

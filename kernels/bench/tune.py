@@ -17,10 +17,17 @@ import torch
 import triton.testing
 
 from kernels.attention import ref_prefill_attention
-from kernels.bench.cases import DECODE_CASES, PREFILL_CASES, paged, prefill_flops
+from kernels.bench.cases import (
+    DECODE_CASES,
+    DTYPE,
+    HEAD_DIM,
+    PREFILL_CASES,
+    paged,
+    prefill_flops,
+)
 from kernels.bench.roofline import copy_bandwidth, sdpa_prefill
 from kernels.triton_decode import paged_decode_attention
-from kernels.triton_prefill import Tiles, prefill_attention
+from kernels.triton_prefill import Tiles, prefill_attention, tiles_fit
 
 GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
 
@@ -101,8 +108,14 @@ def tune_prefill() -> None:
             print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  tiles(M, N, warps, stages, pack)={tiles}")  # fmt: skip
         del p, args, ref
         torch.cuda.empty_cache()
-    totals = [(sum(ms), t) for t, ms in times.items() if len(ms) == len(PREFILL_CASES)]
-    print("prefill, least total time over every case (the default to take):")
+    dev = torch.device("cuda")
+    totals = [
+        (sum(ms), t)
+        for t, ms in times.items()
+        if len(ms) == len(PREFILL_CASES) and tiles_fit(t, HEAD_DIM, DTYPE, dev)
+    ]
+    print("prefill, least total time over every case, within default_tiles' shared-memory budget")
+    print("(the first is the default to take: triton_prefill.TILE_CHOICES[0]):")
     for ms, tiles in sorted(totals)[:5]:
         print(f"  {ms:8.4f} ms  tiles={tiles}")
 
