@@ -3,7 +3,9 @@
 Prints, per benchmark shape, each configuration's time and the fraction of copy bandwidth
 (decode) or TFLOP/s (prefill, with torch SDPA's rate on the same prompts where it has a peer),
 best first. The defaults in ``triton_decode`` and ``triton_prefill`` come from this sweep; rerun
-it on a new GPU before changing them.
+it on a new GPU before changing them. Arguments: ``prefill`` or ``decode`` runs one half,
+``graph`` times CUDA-graph replays, ``m64 m128 m256`` restrict the prefill sweep to tiles of
+those many rows (to split it over runs).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from kernels.triton_decode import paged_decode_attention
 from kernels.triton_prefill import Tiles, prefill_attention, tiles_fit
 
 GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
+# "m128" and the like: only prefill tiles of that many rows (to split the sweep over runs)
+ROWS = [int(a[1:]) for a in sys.argv[1:] if a[:1] == "m" and a[1:].isdigit()]
 
 
 def median_ms(fn: Callable[[], object]) -> float:
@@ -87,6 +91,8 @@ def tune_prefill() -> None:
         ref = ref_prefill_attention(*args).float()
         rows = []
         for tiles in PREFILL_KNOBS:
+            if ROWS and tiles[0] not in ROWS:
+                continue
             try:
                 err = (prefill_attention(*args, tiles=tiles).float() - ref).abs().max().item()
                 ms = median_ms(functools.partial(prefill_attention, *args, tiles=tiles))
