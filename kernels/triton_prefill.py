@@ -7,10 +7,11 @@ visible to every row and need no mask; only the diagonal stretch is masked, and 
 tile's last query are never read.
 
 GQA packing: a tile's rows are (token, head) pairs, the ``HEADS`` query heads of one KV head
-side by side for ``BLOCK_M // HEADS`` tokens. Every K/V tile read from the cache then feeds
-``BLOCK_M`` rows whatever the group size (the K/V traffic of a KV head is read once, not once per
-query head), and a tile spans ``HEADS`` times fewer positions, so less of the causal diagonal is
-computed and thrown away. ``HEADS = 1`` is one query head per program.
+side by side for ``TOKENS = BLOCK_M // HEADS`` tokens. Every K/V tile read from the cache feeds
+``BLOCK_M`` rows even when a chunk has fewer tokens than that (a 1-token row reads its context
+once per KV head, not once per query head), and a tile spans ``HEADS`` times fewer positions,
+so with ``BLOCK_N`` near ``TOKENS`` less of the causal diagonal is computed and thrown away.
+``HEADS = 1`` is one query head per program.
 
 The grid is sized without a device sync: sequence ``b`` owns the tiles starting at
 ``query_start_loc[b] // TOKENS + b`` (these ranges never overlap), so ``T // TOKENS + B`` tiles
@@ -28,7 +29,8 @@ attention sees.
 
 Napkin math: 4 * D FLOP per visible (query, key) pair per head. A K/V tile of ``BLOCK_N`` keys
 (2 * BLOCK_N * D elements from L2) feeds 4 * BLOCK_M * BLOCK_N * D FLOP: at 64 rows an H100's
-tensor cores would want ~15 TB/s of L2 reads, at 128 rows about half, hence the large tiles.
+tensor cores (~990 TFLOP/s dense bf16) would want ~15 TB/s of L2 reads, at 128 rows about
+half, hence the large tiles.
 """
 
 from __future__ import annotations
