@@ -116,21 +116,28 @@ def bench_prefill() -> list[dict[str, Any]]:
     from kernels.bench.cases import PREFILL_CASES, paged, prefill_flops
     from kernels.triton_prefill import prefill_attention
 
-    f = torch.nn.functional
     rows = []
     for name, ctx_lens, q_lens in PREFILL_CASES:
         p = paged(ctx_lens, q_lens)
         flops = prefill_flops(ctx_lens, q_lens)
         fn = functools.partial(prefill_attention, p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
         rows.append(measure("prefill attention", name, fn, flops=flops))
-        if ctx_lens == q_lens and len(set(q_lens)) == 1:  # the peer: causal SDPA, contiguous KV
-            b, n = len(q_lens), q_lens[0]
-            q = p.q.view(b, n, -1, p.q.shape[-1]).transpose(1, 2)
-            k = torch.randn((b, p.k_cache.shape[2], n, p.q.shape[-1]), device="cuda", dtype=p.q.dtype)  # fmt: skip
-            v = torch.randn_like(k)
-            sdpa = functools.partial(f.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True)  # fmt: skip
+        sdpa = sdpa_prefill(p, ctx_lens, q_lens)
+        if sdpa is not None:
             rows.append(measure("  torch sdpa (contiguous KV)", name, sdpa, flops=flops))
     return rows
+
+
+def sdpa_prefill(p: Any, ctx_lens: list[int], q_lens: list[int]) -> Callable[[], object] | None:
+    """The peer for equal whole prompts: causal SDPA on contiguous K/V (None for other cases)."""
+    if ctx_lens != q_lens or len(set(q_lens)) != 1:
+        return None
+    b, n = len(q_lens), q_lens[0]
+    q = p.q.view(b, n, -1, p.q.shape[-1]).transpose(1, 2)
+    k = torch.randn((b, p.k_cache.shape[2], n, p.q.shape[-1]), device="cuda", dtype=p.q.dtype)
+    v = torch.randn_like(k)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return functools.partial(sdpa, q, k, v, is_causal=True, enable_gqa=True)
 
 
 def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:

@@ -10,7 +10,9 @@ from kernels.attention import ref_prefill_attention
 from kernels.triton_prefill import prefill_attention
 from tests.kernels.paged import assert_matches, paged_kv, rand
 
-SMALL_TILES = (16, 16, 4, 1)  # several query tiles and unmasked key tiles even at tiny lengths
+# several query tiles and unmasked key tiles even at tiny lengths; GQA groups packed in a tile
+SMALL_TILES = (16, 16, 4, 1, True)
+UNPACKED = (16, 16, 4, 1, False)  # one query head per tile
 
 
 def run_case(
@@ -24,7 +26,7 @@ def run_case(
     block_size: int = 16,
     head_dim: int = 32,
     kv_heads: int = 2,
-    tiles: tuple[int, int, int, int] | None = SMALL_TILES,
+    tiles: triton_prefill.Tiles | None = SMALL_TILES,
 ) -> None:
     k_cache, v_cache, tables = paged_kv(
         ctx_lens, block_size, kv_heads, head_dim, dtype, gen, device
@@ -43,16 +45,31 @@ def run_case(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("tiles", [SMALL_TILES, UNPACKED])
 def test_pure_prefill_of_different_lengths(
-    dtype: torch.dtype, group: int, gen: torch.Generator, device: torch.device, poison_empty: None
+    dtype: torch.dtype, group: int, tiles: triton_prefill.Tiles, gen: torch.Generator, device: torch.device, poison_empty: None
 ) -> None:  # fmt: skip
     lens = [1, 16, 17, 40]  # one token, exactly one block, one past it, several tiles
-    run_case(lens, lens, group, dtype, gen, device)
+    run_case(lens, lens, group, dtype, gen, device, tiles=tiles)
+
+
+@pytest.mark.parametrize("group", [3, 6, 32])
+def test_groups_that_do_not_divide_the_tile(group: int, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    # 16 rows hold 5 tokens of 3 heads (one padding row) or 2 tokens of 6 (four); a group of 32
+    # does not fit 16 rows and runs one head per tile
+    run_case([23, 40], [23, 9], group, torch.float32, gen, device, kv_heads=1)
+
+
+@pytest.mark.parametrize(("head_dim", "tiles"), [(64, (32, 32, 4, 2, True)), (80, SMALL_TILES), (128, (64, 32, 4, 2, True)), (128, (256, 64, 16, 2, True))])  # fmt: skip
+def test_model_head_dims_after_a_prefix(head_dim: int, tiles: triton_prefill.Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    # a prompt over several tiles of 4-head groups, and a chunk after a prefix
+    run_case([37, 70], [37, 30], 4, torch.bfloat16, gen, device, head_dim=head_dim, tiles=tiles)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefix_short_chunk(dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
-    run_case([100], [5], 4, dtype, gen, device)
+@pytest.mark.parametrize("tiles", [SMALL_TILES, UNPACKED])
+def test_long_prefix_short_chunk(dtype: torch.dtype, tiles: triton_prefill.Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    run_case([100], [5], 4, dtype, gen, device, tiles=tiles)
 
 
 def test_chunks_after_prefixes_mixed_with_decode_tokens(
@@ -129,6 +146,12 @@ class TestErrors:
         with pytest.raises(ValueError, match="differ in shape"):
             prefill_attention(**args)
 
+    def test_scale_not_positive(self, device: torch.device, gen: torch.Generator) -> None:
+        args = self.inputs(device, gen)
+        args["scale"] = -0.25
+        with pytest.raises(ValueError, match="scale must be positive"):
+            prefill_attention(**args)
+
     def test_head_counts_not_divisible(self, device: torch.device, gen: torch.Generator) -> None:
         args = self.inputs(device, gen)
         args["q"] = rand((7, 5, 16), torch.float32, gen, device)
@@ -148,8 +171,9 @@ def test_gpu_llama_shapes(ctx_lens: list[int], q_lens: list[int]) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_default_tiles_fit_shared_memory(smem_kib: int, dtype: torch.dtype, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setattr(triton_prefill, "max_shared_memory", lambda device: smem_kib * 1024)
-    m, n, _, stages = triton_prefill.default_tiles(head_dim, dtype, torch.device("cpu"))
+    tiles = triton_prefill.default_tiles(head_dim, dtype, torch.device("cpu"))
+    m, n, _, stages, _ = tiles
     elem = torch.finfo(dtype).bits // 8
     assert (stages * 2 * n + m) * head_dim * elem <= smem_kib * 1024
     if smem_kib == 227 and dtype == torch.bfloat16 and head_dim == 128:
-        assert (m, n, stages) == (64, 64, 3)  # the tuned H100 choice
+        assert tiles == triton_prefill.TILE_CHOICES[0]  # the tuned H100 choice
