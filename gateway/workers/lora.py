@@ -121,8 +121,9 @@ def _load_failed(
     name: str, failed: list[_Outcome], loaded: list[_Outcome], left: list[_Outcome]
 ) -> APIError:
     """A bad adapter (a 4xx on any worker) before a worker's trouble (503, 504, 502)."""
-    first = min(failed, key=lambda o: (not 400 <= o.error.status < 500, failed.index(o)))  # type: ignore[union-attr]
-    assert first.error is not None
+    bad = [o for o in failed if o.error is not None and 400 <= o.error.status < 500]
+    first = (bad or failed)[0].error
+    assert first is not None
     causes = "; ".join(f"{o.where()}: {o.error.message}" for o in failed if o.error)
     message = f"LoRA adapter {name!r} was not loaded: {causes}"
     undone = len(loaded) - len(left)
@@ -133,7 +134,7 @@ def _load_failed(
         where = ", ".join(f"{o.where()} ({o.error.message})" for o in left if o.error)
         message += (f". It could not be unloaded from {where}: unload it with POST "
                     "/v1/unload_lora_adapter")  # fmt: skip
-    return APIError(first.error.status, message, param=first.error.param, code=first.error.code)
+    return APIError(first.status, message, param=first.param, code=first.code)
 
 
 async def unload_adapter(registry: WorkerRegistry, name: str, timeout_s: float) -> list[str]:
