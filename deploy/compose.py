@@ -9,21 +9,29 @@ one image, the model cache volume, gRPC health checks, the internal token from t
 with as many prefill, decode or colocated workers as asked, each pinned to its own GPU, and a
 gateway that lists every one of them and starts once they are all healthy. Engine knobs stay
 environment variables (TANDEM_MODEL, TANDEM_DTYPE, ...), as in the shipped file.
+
+LoRA (``--enable-lora --lora-modules NAME=PATH ...``, vLLM's flags): PATH is a directory on the
+host, which no container sees; each worker mounts it read-only at ``/lora/NAME`` and serves it
+from there, so the file names container paths only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from services.config import ConfigError
+from services.config import ConfigError, LoRAConfig
 
 GRPC_PORT = 50051
 KV_PORT = 50061
 HTTP_PORT = 8000
+LORA_DIR = "/lora"  # each --lora-modules directory, mounted read-only in every worker
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def parse_gpus(text: str) -> list[str]:
@@ -56,6 +64,7 @@ class ComposeSpec:
     port: int = HTTP_PORT
     image: str = "tandem:latest"
     tensor_parallel_size: int = 1  # ranks (GPUs) per worker
+    lora: LoRAConfig | None = None  # --enable-lora; its modules' paths are the host's
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -73,12 +82,28 @@ class ComposeSpec:
                 f"{len(self.workers)} workers need {len(self.workers) * tp} GPUs ({each}), "
                 f"--gpus gives {len(self.gpus)}"
             )
+        if self.lora is not None:  # refused here, not by every container at its start
+            self.lora.check_with(tp, "generate", speculative=False)
+            self.lora.check_directories()
 
     @property
     def placement(self) -> list[tuple[str, ...]]:
         """Each worker's GPUs (``tensor_parallel_size`` of them, none shared)."""
         tp = self.tensor_parallel_size
         return [self.gpus[i * tp : (i + 1) * tp] for i in range(len(self.workers))]
+
+    @property
+    def lora_mounts(self) -> list[tuple[str, str, str]]:
+        """(adapter, host directory, directory in the container) of each --lora-modules."""
+        if self.lora is None:
+            return []
+        out = []
+        for i, (name, path) in enumerate(self.lora.modules):
+            safe = _UNSAFE.sub("_", name)
+            if safe != name or safe.startswith("."):  # not a plain file name: numbered
+                safe = f"{i}-{safe}"
+            out.append((name, str(Path(path).resolve()), f"{LORA_DIR}/{safe}"))
+        return out
 
     @property
     def workers(self) -> list[tuple[str, str]]:
@@ -134,6 +159,11 @@ x-worker: &worker
 services:
 """
 
+_RUNTIME_LORA = """\
+# Runtime LoRA loads (POST /v1/load_lora_adapter) name a directory the workers' containers see:
+# put the adapter under TANDEM_MODELS_DIR and load it as /models/local/<its directory>.
+"""
+
 _ENGINE = [
     "--model=${TANDEM_MODEL:-embedded}",
     "--load-format=${TANDEM_LOAD_FORMAT:-auto}",
@@ -146,8 +176,43 @@ _ENGINE = [
 ]
 
 
-def _worker(name: str, role: str, gpus: tuple[str, ...]) -> str:
-    args = [role, *_ENGINE, "--host=0.0.0.0", f"--port={GRPC_PORT}"]
+def _literal(text: str) -> str:
+    """``text`` as a YAML scalar Compose reads back unchanged (quoted, no interpolation)."""
+    return json.dumps(text.replace("$", "$$"))
+
+
+def _lora_args(spec: ComposeSpec) -> list[str]:
+    if spec.lora is None:
+        return []
+    args = ["--enable-lora"]
+    if spec.lora.modules:
+        args += [
+            "--lora-modules",
+            *(_literal(f"{n}={inside}") for n, _, inside in spec.lora_mounts),
+        ]
+    args += [f"--max-loras={spec.lora.max_loras}", f"--max-lora-rank={spec.lora.max_lora_rank}"]
+    if spec.lora.allow_runtime_updating:
+        args.append("--allow-runtime-lora-updating")
+    return args
+
+
+def _volumes(spec: ComposeSpec) -> str:
+    """The anchor's volumes and a read-only bind of each adapter directory (a service's own
+    ``volumes`` replaces the merged list, so the anchor's are repeated)."""
+    if not spec.lora_mounts:
+        return ""
+    binds = "".join(
+        f"      - type: bind\n        source: {_literal(host)}\n        target: {inside}\n"
+        "        read_only: true\n"
+        for _, host, inside in spec.lora_mounts
+    )
+    return ("    volumes:  # the model volumes, and each LoRA adapter directory (read-only)\n"
+            "      - model-cache:/models/cache\n"
+            "      - ${TANDEM_MODELS_DIR:-./models}:/models/local:ro\n" + binds)  # fmt: skip
+
+
+def _worker(name: str, role: str, gpus: tuple[str, ...], spec: ComposeSpec) -> str:
+    args = [role, *_ENGINE, *_lora_args(spec), "--host=0.0.0.0", f"--port={GRPC_PORT}"]
     if len(gpus) > 1:  # rank r on the r-th GPU the container sees
         args.append(f"--tensor-parallel-size={len(gpus)}")
     expose = ""
@@ -158,7 +223,7 @@ def _worker(name: str, role: str, gpus: tuple[str, ...]) -> str:
     command = "".join(f"      - {a}\n" for a in args)
     ids = ", ".join(f'"{g}"' for g in gpus)
     return (
-        f"  {name}:\n    <<: *worker\n{expose}    command:\n{command}"
+        f"  {name}:\n    <<: *worker\n{expose}{_volumes(spec)}    command:\n{command}"
         "    deploy:\n      resources:\n        reservations:\n          devices:\n"
         f"            - driver: nvidia\n              device_ids: [{ids}]\n"
         "              capabilities: [gpu]\n\n"
@@ -197,9 +262,11 @@ def render(spec: ComposeSpec, argv: str = "") -> str:
         else f"{spec.tensor_parallel_size} GPUs (tensor parallel)",
     )  # fmt: skip
     body = "".join(
-        _worker(name, role, gpus)
+        _worker(name, role, gpus, spec)
         for (name, role), gpus in zip(spec.workers, spec.placement, strict=True)
     )
+    if spec.lora is not None and spec.lora.allow_runtime_updating:
+        head = head.replace("\nname: tandem", _RUNTIME_LORA + "\nname: tandem", 1)
     return head + body + _gateway(spec) + "volumes:\n  model-cache:\n"
 
 
@@ -216,6 +283,7 @@ def main(args: argparse.Namespace) -> int:
             port=args.port,
             image=args.image,
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            lora=LoRAConfig.from_args(args),
         )
     except ConfigError as e:
         print(f"tandem compose: error: {e}", file=sys.stderr)
@@ -228,5 +296,9 @@ def main(args: argparse.Namespace) -> int:
     argv = f"--gpus {args.gpus} {shape}"
     if spec.tensor_parallel_size > 1:
         argv += f" --tensor-parallel-size {spec.tensor_parallel_size}"
+    if spec.lora is not None:
+        argv += " --enable-lora"
+        if spec.lora.modules:
+            argv += " --lora-modules " + " ".join(f"{n}={p}" for n, p in spec.lora.modules)
     sys.stdout.write(render(spec, argv))
     return 0

@@ -1130,6 +1130,9 @@ def add_compose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--image", default="tandem:latest", help="image to run (TANDEM_IMAGE overrides it)"
     )
+    # every worker serves the adapters; each --lora-modules directory (the host's) is mounted
+    # read-only into the workers at /lora/NAME
+    add_lora_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,15 +2,23 @@
 one update sent to every healthy generating worker, so that any of them can serve the adapter
 (prefill and decode workers alike: both run a request under its adapter).
 
+A load is all or nothing: if any worker fails it (a bad adapter, a worker gone, no answer in
+time), it is unloaded again from every worker that loaded it (and from those whose outcome is
+unknown: a timed-out load may still land, and the worker runs the unload after it), and the
+client gets the failing workers and their causes. Otherwise a prefill worker could serve an
+adapter no decode worker has: listed in /v1/models, yet every request under it a 503.
+
 A worker started without ``--allow-runtime-lora-updating`` refuses (FAILED_PRECONDITION, a
 400 here). The gateway's view of each worker's adapters is updated from the answers at once,
-not at the next load poll, so a request right after a load finds its adapter.
+not at the next load poll, so a request right after a load finds its adapter; a load that
+fails never enters that view.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+import logging
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -20,6 +28,34 @@ from gateway.workers.convert import load_lora_to_pb, unload_lora_to_pb
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.rpc_errors import from_rpc_error
 
+log = logging.getLogger(__name__)
+
+# failures after which the worker surely did not apply the update (it answered a refusal)
+_REFUSED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """One worker's answer to an update: the adapters it serves after it, or why it failed."""
+
+    client: WorkerClient
+    names: tuple[str, ...] = ()
+    error: APIError | None = None
+    status: grpc.StatusCode | None = None  # the failure's gRPC code
+
+    @property
+    def maybe_applied(self) -> bool:
+        """Applied, or failed without an answer that says it was not (timeout, crash)."""
+        return self.error is None or self.status not in _REFUSED
+
+    def where(self) -> str:
+        return f"{self.client.role} worker {self.client.address}"
+
 
 def _targets(registry: WorkerRegistry) -> list[WorkerClient]:
     workers = [c for c in registry.clients if c.healthy and c.task == "generate"]
@@ -28,36 +64,86 @@ def _targets(registry: WorkerRegistry) -> list[WorkerClient]:
     return workers
 
 
-async def _update(
-    registry: WorkerRegistry, call: str, request: object, timeout_s: float
-) -> list[str]:
-    """``call`` on every target worker; the adapters the last one serves after it."""
+async def _call(client: WorkerClient, call: str, request: object, timeout_s: float) -> _Outcome:
+    try:
+        reply = await getattr(client.stub, call)(request, timeout=timeout_s)
+    except grpc.RpcError as err:
+        code = err.code()  # type: ignore[attr-defined]
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            api = APIError(400, err.details() or "runtime LoRA updates are off",  # type: ignore[attr-defined]
+                           code="lora_updates_off")  # fmt: skip
+        else:
+            api = from_rpc_error(err, client.address, call).api_error
+        return _Outcome(client, error=api, status=code)
+    return _Outcome(client, names=tuple(reply.lora_names))
 
-    async def one(client: WorkerClient) -> list[str]:
-        try:
-            reply = await getattr(client.stub, call)(request, timeout=timeout_s)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
-                raise APIError(400, err.details() or "runtime LoRA updates are off",  # type: ignore[attr-defined]
-                               code="lora_updates_off") from None  # fmt: skip
-            raise from_rpc_error(err, client.address, call).api_error from None
-        names = list(reply.lora_names)
-        if client.load is not None:
-            client.load = replace(client.load, lora_names=tuple(names))
-        return names
 
-    results = await asyncio.gather(*(one(c) for c in _targets(registry)), return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return list(results[-1])  # type: ignore[arg-type]
+def _note(outcome: _Outcome) -> None:
+    """The gateway's view of the worker's adapters, from its answer."""
+    client = outcome.client
+    if client.load is not None:
+        client.load = replace(client.load, lora_names=outcome.names)
 
 
 async def load_adapter(
     registry: WorkerRegistry, name: str, path: str, timeout_s: float
 ) -> list[str]:
-    return await _update(registry, "LoadLoRA", load_lora_to_pb(name, path), timeout_s)
+    """Load on every target worker, or on none (APIError naming the failing workers)."""
+    request = load_lora_to_pb(name, path)
+    outcomes = await asyncio.gather(*(_call(c, "LoadLoRA", request, timeout_s)
+                                      for c in _targets(registry)))  # fmt: skip
+    failed = [o for o in outcomes if o.error is not None]
+    if not failed:
+        for o in outcomes:
+            _note(o)
+        return list(outcomes[-1].names)
+    undo = [o for o in outcomes if o.maybe_applied]
+    left = await asyncio.gather(*(_roll_back(o, name, timeout_s) for o in undo))
+    raise _load_failed(name, failed, [o for o in undo if o.error is None],
+                       [o for o in left if o is not None])  # fmt: skip
+
+
+async def _roll_back(loaded: _Outcome, name: str, timeout_s: float) -> _Outcome | None:
+    """Unload from a worker that loaded (or may have loaded) the adapter; the unload's failure
+    where the worker surely still holds it, else None."""
+    undone = await _call(loaded.client, "UnloadLoRA", unload_lora_to_pb(name), timeout_s)
+    if undone.error is None:
+        _note(undone)
+        return None
+    if loaded.error is not None or undone.status == grpc.StatusCode.NOT_FOUND:
+        log.warning("LoRA adapter %r: unloading it from %s after a failed load: %s", name,
+                    loaded.where(), undone.error.message)  # fmt: skip
+        return None
+    return undone
+
+
+def _load_failed(
+    name: str, failed: list[_Outcome], loaded: list[_Outcome], left: list[_Outcome]
+) -> APIError:
+    """A bad adapter (a 4xx on any worker) before a worker's trouble (503, 504, 502)."""
+    bad = [o for o in failed if o.error is not None and 400 <= o.error.status < 500]
+    first = (bad or failed)[0].error
+    assert first is not None
+    causes = "; ".join(f"{o.where()}: {o.error.message}" for o in failed if o.error)
+    message = f"LoRA adapter {name!r} was not loaded: {causes}"
+    undone = len(loaded) - len(left)
+    if undone:
+        message += (f". It was unloaded again from the {undone} worker(s) that had loaded it "
+                    "(a load is all or nothing)")  # fmt: skip
+    if left:
+        where = ", ".join(f"{o.where()} ({o.error.message})" for o in left if o.error)
+        message += (f". It could not be unloaded from {where}: unload it with POST "
+                    "/v1/unload_lora_adapter")  # fmt: skip
+    return APIError(first.status, message, param=first.param, code=first.code)
 
 
 async def unload_adapter(registry: WorkerRegistry, name: str, timeout_s: float) -> list[str]:
-    return await _update(registry, "UnloadLoRA", unload_lora_to_pb(name), timeout_s)
+    outcomes = await asyncio.gather(*(_call(c, "UnloadLoRA", unload_lora_to_pb(name), timeout_s)
+                                      for c in _targets(registry)))  # fmt: skip
+    for o in outcomes:
+        if o.error is None:
+            _note(o)
+    for o in outcomes:
+        if o.error is not None:
+            raise o.error
+    return list(outcomes[-1].names)

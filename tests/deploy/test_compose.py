@@ -261,6 +261,15 @@ def test_compose_takes_ranges_ids_and_colocated_workers() -> None:
         (["--gpus", "5-3"], "runs backwards"),
         (["--gpus", "0,0"], "distinct ids"),
         (["--gpus", "0"], "at least one GPU"),
+        (["--gpus", "2", "--lora-modules", "sql=/x"], "--lora-modules needs --enable-lora"),
+        (
+            ["--gpus", "2", "--enable-lora", "--lora-modules", "sql=/nonexistent/sql"],
+            "/nonexistent/sql is not a peft adapter directory",
+        ),
+        (
+            ["--gpus", "4", "--tensor-parallel-size", "2", "--enable-lora"],
+            "--enable-lora with --tensor-parallel-size > 1 is not supported yet",
+        ),
     ],
 )
 def test_compose_refuses_impossible_shapes_with_exit_2(
@@ -285,3 +294,49 @@ def test_compose_with_tensor_parallelism_gives_each_worker_its_own_gpus() -> Non
     ids = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
            for n in parsed]  # fmt: skip
     assert ids == [["0", "1"], ["2", "3"]]
+
+
+def test_compose_mounts_each_lora_adapter_read_only_and_serves_it_from_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--lora-modules NAME=HOST_PATH`: the containers cannot see the host's path, so each
+    worker binds it read-only at /lora/NAME and its command names that path."""
+    for d in ("adapters/sql", "odd dir $1"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "adapter_config.json").write_text("{}")
+        (tmp_path / d / "adapter_model.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)  # a relative path: the compose file's directory may differ
+    text, doc = rendered("--gpus", "3", "--decode", "2", "--enable-lora", "--lora-modules",
+                         "sql=adapters/sql", f"we/ird={tmp_path / 'odd dir $1'}",
+                         "--max-loras", "2", "--allow-runtime-lora-updating")  # fmt: skip
+    schema = json.loads(SCHEMA.read_text())
+    assert not list(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    services = doc["services"]
+    parsed = workers(services)
+    assert list(parsed) == ["prefill-0", "decode-0", "decode-1"]
+    hosts = {
+        "/lora/sql": str(tmp_path / "adapters/sql"),
+        "/lora/1-we_ird": str(tmp_path / "odd dir $1"),
+    }
+    for name, args in parsed.items():
+        assert (args.enable_lora, args.max_loras, args.allow_runtime_lora_updating) == (
+            True,
+            2,
+            True,
+        )
+        assert args.lora_modules == ["sql=/lora/sql", "we/ird=/lora/1-we_ird"]
+        volumes = services[name]["volumes"]
+        assert volumes[:2] == [
+            "model-cache:/models/cache",
+            "${TANDEM_MODELS_DIR:-./models}:/models/local:ro",
+        ]
+        binds = {v["target"]: v for v in volumes[2:]}
+        assert set(binds) == set(hosts)
+        for inside, bind in binds.items():  # $$ is Compose's escape for a literal $
+            assert bind["type"] == "bind" and bind["read_only"] is True
+            assert bind["source"].replace("$$", "$") == hosts[inside]
+        assert not any(str(tmp_path) in part for part in services[name]["command"])
+    assert "volumes" not in services["gateway"] or "/lora" not in str(
+        services["gateway"]["volumes"]
+    )
+    assert "load it as /models/local/" in text  # where runtime loads find their adapters

@@ -4,7 +4,8 @@ official ``openai`` client. Requests of both adapters and of the base model, sen
 the workers batch them, each get exactly the greedy tokens of peft's merged model
 (transformers, float32); /v1/models lists the adapters under their parent; an unknown adapter
 is a 404; runtime adapter updates work with --allow-runtime-lora-updating (the colocated
-topology) and are a 400 without it (the disaggregated one)."""
+topology; a load of a bad directory is a 400 naming the worker, registering nothing) and are a
+400 without it (the disaggregated one)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,12 @@ def test_runtime_updates_work_only_with_the_flag(
         return
     assert loaded.status_code == 200, loaded.text
     assert "late" in {m.id for m in client(url).models.list().data}  # at once, no poll
+    missing = {"lora_name": "broken", "lora_path": str(adapters["attn-r8"].parent / "missing")}
+    refused = httpx.post(f"{base}/v1/load_lora_adapter", json=missing, timeout=60)
+    assert refused.status_code == 400, refused.text  # the worker named, nothing registered
+    message = refused.json()["error"]["message"]
+    assert "colocated worker 127.0.0.1:" in message and "not a peft adapter directory" in message
+    assert "broken" not in {m.id for m in client(url).models.list().data}
     out = client(url).completions.create(model="late", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                          temperature=0)  # fmt: skip
     assert out.choices[0].text == expected[("attn-r8", 0)]

@@ -54,6 +54,9 @@ class Behavior:
     num_waiting: int = 0  # what GetLoad reports waiting (the gateway reads it at its next poll)
     task: str = "generate"  # a colocated worker's --task: embed answers Embed, generate refuses it
     lora_names: tuple[str, ...] = ()  # the LoRA adapters GetLoad reports
+    lora_updates: bool = False  # LoadLoRA/UnloadLoRA change lora_names (else: refused, as off)
+    lora_load_code: grpc.StatusCode | None = None  # LoadLoRA fails with this code
+    lora_unload_code: grpc.StatusCode | None = None  # UnloadLoRA fails with this code
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Records:
     local_prefills: list[str] = field(default_factory=list)  # Decode calls with local_prefill
     samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
     embeds: list[worker_pb2.EmbedRequest] = field(default_factory=list)
+    lora_updates: list[str] = field(default_factory=list)  # "load NAME" / "unload NAME"
 
 
 class FakeEngine:
@@ -195,7 +199,39 @@ async def _no_lora_updates(context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "runtime LoRA updates are off")
 
 
-class Worker(worker_pb2_grpc.WorkerServiceServicer):
+class LoRAUpdates:
+    """LoadLoRA and UnloadLoRA as a worker with --allow-runtime-lora-updating answers them
+    (``Behavior.lora_updates``; ``lora_load_code`` and ``lora_unload_code`` make them fail),
+    else refused."""
+
+    e: FakeEngine
+
+    async def LoadLoRA(self, request, context):
+        b, name = self.e.behavior, request.lora_name
+        if not b.lora_updates:
+            await _no_lora_updates(context)
+        self.e.records.lora_updates.append(f"load {name}")
+        if b.lora_load_code is not None:
+            await context.abort(b.lora_load_code, f"fake worker: cannot load {name!r}")
+        if name in b.lora_names:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name!r} is already loaded")
+        b.lora_names = (*b.lora_names, name)
+        return common_pb2.LoRAUpdateResponse(lora_names=sorted(b.lora_names))
+
+    async def UnloadLoRA(self, request, context):
+        b, name = self.e.behavior, request.lora_name
+        if not b.lora_updates:
+            await _no_lora_updates(context)
+        self.e.records.lora_updates.append(f"unload {name}")
+        if b.lora_unload_code is not None:
+            await context.abort(b.lora_unload_code, f"fake worker: cannot unload {name!r}")
+        if name not in b.lora_names:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{name!r} is not loaded")
+        b.lora_names = tuple(n for n in b.lora_names if n != name)
+        return common_pb2.LoRAUpdateResponse(lora_names=sorted(b.lora_names))
+
+
+class Worker(LoRAUpdates, worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine: FakeEngine) -> None:
         self.e = engine
 
@@ -244,14 +280,8 @@ class Worker(worker_pb2_grpc.WorkerServiceServicer):
     async def GetLoad(self, request, context):
         return self.e.load()
 
-    async def LoadLoRA(self, request, context):
-        await _no_lora_updates(context)
 
-    async def UnloadLoRA(self, request, context):
-        await _no_lora_updates(context)
-
-
-class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
+class Prefill(LoRAUpdates, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, engine: FakeEngine) -> None:
         self.e = engine
 
@@ -286,14 +316,8 @@ class Prefill(prefill_pb2_grpc.PrefillServiceServicer):
     async def GetLoad(self, request, context):
         return self.e.load()
 
-    async def LoadLoRA(self, request, context):
-        await _no_lora_updates(context)
 
-    async def UnloadLoRA(self, request, context):
-        await _no_lora_updates(context)
-
-
-class Decode(decode_pb2_grpc.DecodeServiceServicer):
+class Decode(LoRAUpdates, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, engine: FakeEngine) -> None:
         self.e = engine
 
@@ -349,12 +373,6 @@ class Decode(decode_pb2_grpc.DecodeServiceServicer):
 
     async def GetLoad(self, request, context):
         return self.e.load(reserved=len(self.e.records.reservations))
-
-    async def LoadLoRA(self, request, context):
-        await _no_lora_updates(context)
-
-    async def UnloadLoRA(self, request, context):
-        await _no_lora_updates(context)
 
 
 class Health(health_pb2_grpc.HealthServicer):

@@ -94,11 +94,15 @@ def read_adapter(
 ) -> LoRAAdapter:  # fmt: skip
     """Read and check an adapter; ``shape_of(layer, peft module)``: the (in, out) features the
     base model has there, None where it has no such projection."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     root = Path(path)
     r, scaling = _check_config(name, _read_config(name, root), max_rank)
-    tensors = load_file(str(root / ADAPTER_WEIGHTS))
+    try:
+        tensors = load_file(str(root / ADAPTER_WEIGHTS))
+    except (OSError, SafetensorError) as e:  # a torn or foreign file: the adapter's fault
+        raise _refuse(name, f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
     pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)

@@ -75,6 +75,7 @@ class LoRAManager:
         """Register an adapter; ConfigError for a name in use or an adapter we cannot serve."""
         if name in self.adapters:
             raise ConfigError(f"LoRA adapter {name!r} is already loaded")
+        # read and checked in full before the name is registered: a refusal registers nothing
         adapter = read_adapter(name, path, self.config.max_lora_rank, self._shape_of)
         self.adapters[name] = adapter
         self.salts[name] = f"lora:{name}:{next(self._loads)}"
@@ -91,6 +92,10 @@ class LoRAManager:
 
     # ---- slots ---------------------------------------------------------------------------------
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        # the slot names no adapter while its layers are rewritten: a copy that fails halfway
+        # (out of device memory) leaves it empty, not holding one adapter's weights in some
+        # layers and another's in the rest under the old adapter's name
+        self.slots[slot] = None
         by_layer: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), (a, b) in adapter.weights.items():
             ours, shard = PEFT_MODULES[module]

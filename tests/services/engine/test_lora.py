@@ -4,6 +4,7 @@ one slot, the prefix cache kept apart per adapter, runtime load and unload."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,6 +117,42 @@ def test_runtime_load_and_unload(
     assert engine.unload_lora("again") == ["attn-r8", "mlp-r16"]
     with pytest.raises(InvalidRequestError, match="not served here"):
         engine.add_request("gone", prompts[1], replace(GREEDY, lora_name="again"))
+
+
+def test_a_torn_weights_file_is_refused_and_registers_nothing(
+    llm: LLM, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    torn = tmp_path / "torn"
+    shutil.copytree(adapters["attn-r8"], torn)
+    weights = torn / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    before = llm.engine.lora_names()
+    with pytest.raises(ConfigError, match=r"'torn': cannot read adapter_model\.safetensors"):
+        llm.engine.load_lora("torn", str(torn))
+    assert llm.engine.lora_names() == before
+
+
+def test_a_slot_copy_failing_halfway_leaves_the_slot_empty(
+    llm: LLM, prompts: list[list[int]], expected: dict[str, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Out of device memory while an adapter's weights go into a slot: the adapter that held
+    the slot must not keep its name over a mix of both adapters' weights."""
+    lora = llm.engine.runner.lora
+    assert lora is not None
+    slot = lora._resident({"attn-r8"})["attn-r8"]
+    *_, last = lora.layers.values()
+
+    def out_of_memory(slot: int, shards: object) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(last, "set_slot", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        lora._load(slot, lora.adapters["mlp-r16"])  # every layer but the last rewritten
+    monkeypatch.undo()
+    assert lora.slots[slot] is None
+    got = llm.generate([prompts[0]], replace(GREEDY, lora_name="attn-r8"))[0]
+    assert got.outputs[0].token_ids == expected["attn-r8"][0]
 
 
 def test_decode_steps_through_the_graph_buffers_match_eager_steps(

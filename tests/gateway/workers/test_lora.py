@@ -1,0 +1,83 @@
+"""Runtime LoRA loads through the gateway (fake workers): all or nothing over the workers."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from tests.gateway.stack import Stack
+
+LOAD = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+
+
+def models(stack: Stack) -> list[str]:
+    return [m["id"] for m in httpx.get(f"{stack.base_url}/v1/models").json()["data"]]
+
+
+def load(stack: Stack) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}/v1/load_lora_adapter", json=LOAD, timeout=30)
+
+
+@pytest.fixture
+def updatable(disagg: Stack) -> Stack:
+    """Two prefill workers and a decode worker that take runtime LoRA updates."""
+    for w in disagg.workers:
+        w.behavior.lora_updates = True
+    return disagg
+
+
+def test_a_load_reaches_every_worker_and_models_lists_it_at_once(updatable: Stack) -> None:
+    r = load(updatable)
+    assert r.status_code == 200, r.text
+    assert [w.behavior.lora_names for w in updatable.workers] == [("sql",)] * 3
+    assert models(updatable)[1:] == ["sql"]
+
+
+@pytest.mark.parametrize(
+    "code, status, cause",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "cannot load 'sql'"),  # a bad adapter
+        (grpc.StatusCode.UNAVAILABLE, 503, "is unavailable"),  # the worker is gone
+    ],
+)
+def test_a_load_one_worker_fails_is_undone_on_the_others(
+    updatable: Stack, code: grpc.StatusCode, status: int, cause: str
+) -> None:
+    before = models(updatable)
+    (decode,) = updatable.role("decode")
+    decode.behavior.lora_load_code = code
+    r = load(updatable)
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    assert f"decode worker {decode.address}: " in message and cause in message
+    assert "unloaded again from the 2 worker(s)" in message
+    for w in updatable.role("prefill"):  # loaded, then unloaded: no prefill-only adapter
+        assert w.records.lora_updates == ["load sql", "unload sql"]
+        assert w.behavior.lora_names == ()
+    assert models(updatable) == before
+    r = httpx.post(f"{updatable.base_url}/v1/completions", json={"model": "sql", "prompt": "x"})
+    assert r.status_code == 404, r.text
+
+
+def test_a_refused_load_leaves_an_adapter_loaded_before_in_place(updatable: Stack) -> None:
+    assert load(updatable).status_code == 200
+    again = load(updatable)
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    for w in updatable.workers:  # no rollback: this load changed nothing
+        assert w.records.lora_updates == ["load sql", "load sql"]
+        assert w.behavior.lora_names == ("sql",)
+    assert models(updatable)[1:] == ["sql"]
+
+
+def test_a_worker_that_cannot_unload_it_again_is_named(updatable: Stack) -> None:
+    first, second = updatable.role("prefill")
+    updatable.role("decode")[0].behavior.lora_load_code = grpc.StatusCode.INVALID_ARGUMENT
+    second.behavior.lora_unload_code = grpc.StatusCode.FAILED_PRECONDITION  # say, in flight
+    r = load(updatable)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "unloaded again from the 1 worker(s)" in message
+    assert f"could not be unloaded from prefill worker {second.address} (" in message
+    assert "POST /v1/unload_lora_adapter" in message
+    assert first.behavior.lora_names == () and second.behavior.lora_names == ("sql",)
