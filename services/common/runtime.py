@@ -297,6 +297,7 @@ def run_worker(
     logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     from services.config import ConfigError
+    from services.engine.tp_ranks import RankFailedError
     from services.model_files import ModelNotFoundError
 
     async def main(config: WorkerConfig) -> int:  # the server is created on the loop that runs it
@@ -315,3 +316,6 @@ def run_worker(
     except (ConfigError, ModelNotFoundError) as exc:
         print(f"error: {exc}", flush=True)
         return 2
+    except RankFailedError as exc:  # a tensor-parallel rank died or hung starting: no traceback
+        print(f"error: {exc}", flush=True)
+        return 1

@@ -108,7 +108,8 @@ class ModelRunner:
             tp = self.ranks.group
         self.tp = tp
         try:
-            self._build(config)
+            with self._collective("while starting"):  # the agreement, fp8's scale agreement
+                self._build(config)
         except BaseException:
             self.close(graceful=False)
             raise
@@ -379,9 +380,9 @@ class ModelRunner:
                     self._sharded.close()
             self.ranks.close(graceful)
 
-    def _collective(self) -> contextlib.AbstractContextManager[None]:
+    def _collective(self, when: str = "during a step") -> contextlib.AbstractContextManager[None]:
         """Around rank 0's forward calls: a rank that died is named, the others are stopped."""
-        return self.ranks.guard() if self.ranks is not None else contextlib.nullcontext()
+        return self.ranks.guard(when) if self.ranks is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
     def follow(self, step: RankStep) -> None:

@@ -35,6 +35,7 @@ def _load_prompts(args: argparse.Namespace) -> list[Any]:
 
 def main(args: argparse.Namespace) -> int:
     from services.engine.llm import LLM, config_from_args
+    from services.engine.tp_ranks import RankFailedError
 
     try:
         params = SamplingParams(
@@ -52,6 +53,9 @@ def main(args: argparse.Namespace) -> int:
     except (InvalidRequestError, ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RankFailedError as exc:  # a tensor-parallel rank died: its rank and cause, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     for res in results:
         out = res.outputs[0]
         if args.json:

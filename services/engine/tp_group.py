@@ -7,12 +7,16 @@ a Gloo group on the host; activations over the device group (NCCL on GPUs, the s
 on the CPU). A third group, ``kv`` (Gloo), carries the KV blocks a worker ships or receives
 (``services.engine.tp_kv``) between rank 0's transfer threads and each rank's KV thread, so
 they never interleave with the step's collectives. A peer that dies makes the next collective raise (Gloo: "connection closed by
-peer") instead of hanging; a stuck one, the group's timeout.
+peer") instead of hanging; a stuck one, the group's timeout. Rank 0 forms its groups with a short
+rendezvous timeout (it enters the rendezvous only once every rank has joined the store) and sets
+the collectives' afterwards. Each other rank marks the store as it enters the start-up agreement,
+so that rank 0 can watch their processes until then (``tp_ranks``) instead of blocking.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,19 +28,25 @@ from services.config import ConfigError
 TIMEOUT = timedelta(minutes=10)  # a stuck peer; a dead one fails at once
 
 
-def _gloo(store: Any, rank: int, size: int) -> Any:
+def _gloo(store: Any, rank: int, size: int, form_timeout: timedelta = TIMEOUT) -> Any:
     opts: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    opts._timeout = TIMEOUT
+    opts._timeout = form_timeout  # the rendezvous
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return dist.ProcessGroupGloo(store, rank, size, opts)
+    group = dist.ProcessGroupGloo(store, rank, size, opts)
+    group._set_default_timeout(TIMEOUT)  # the collectives
+    return group
 
 
 class TPGroup:
     """One rank's view of the group: the collectives the model and the runner use."""
 
-    def __init__(self, store: Any, rank: int, size: int, device: torch.device) -> None:
+    def __init__(
+        self, store: Any, rank: int, size: int, device: torch.device,
+        form_timeout: timedelta = TIMEOUT,
+    ) -> None:  # fmt: skip
         self.rank, self.size = rank, size
-        self.host = _gloo(dist.PrefixStore("host", store), self.rank, self.size)
+        self.store = store
+        self.host = _gloo(dist.PrefixStore("host", store), self.rank, self.size, form_timeout)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = TIMEOUT
@@ -45,13 +55,20 @@ class TPGroup:
             )
         else:
             self.device_group = self.host
-        self.kv = _gloo(dist.PrefixStore("kv", store), self.rank, self.size)
+        self.kv = _gloo(dist.PrefixStore("kv", store), self.rank, self.size, form_timeout)
         self.agreed = False  # the start-up agreement took place
+        # rank 0's wait, before the agreement, for every other rank to enter it (tp_ranks
+        # watches their processes there instead of blocking in the collective)
+        self.start_watch: Callable[[], None] = lambda: None
 
     def agree(self, value: Any, error: str | None = None) -> list[Any]:
         """The start-up agreement: every rank's ``value`` in rank order, or (on every rank) a
         ConfigError naming each rank that failed (``error``) and why."""
         self.agreed = True
+        if self.rank == 0:
+            self.start_watch()
+        else:
+            self.store.set(f"agreeing/{self.rank}", "1")
         got = self.exchange((value, error))
         failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(got) if e is not None]
         if failed:

@@ -8,6 +8,13 @@ binds to a port the kernel picks (port 0), and die with rank 0 (PR_SET_PDEATHSIG
 the follower itself; the signal follows the thread that started them, which is the engine's).
 A rank that dies makes rank 0's next collective fail: :meth:`Ranks.guard` turns that into a
 ``RankFailedError`` that names the rank and its exit status, and stops the others.
+
+Start-up is watched rather than waited on: until every rank has reached the start-up agreement
+(its shard loaded), rank 0 polls the other ranks' processes instead of blocking in a store or
+Gloo wait, so a rank that exits there fails the start-up at once, naming the rank, its exit
+status and the last lines it wrote on stderr. A rank that is alive but stuck is judged by its
+progress, not by the wall time a big shard takes to load: no CPU time, page fault or read for
+``START_STALL_S`` fails the start-up too.
 """
 
 from __future__ import annotations
@@ -16,14 +23,18 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -36,8 +47,13 @@ from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 PARENT_PID_ENV = "TANDEM_TP_PARENT_PID"
-START_TIMEOUT_S = 300.0  # until every rank has joined the store (imports, not loading)
+START_TIMEOUT_S = 300.0  # a store wait of a follower (rank 0 is alive: it killed it otherwise)
+# A starting rank with no CPU time, page fault or byte read for this long is stuck (a shard read
+# from a slow disk still faults pages in; a 70B shard takes minutes, but never a silent minute)
+START_STALL_S = 60.0
+FORM_TIMEOUT = timedelta(seconds=60)  # rank 0's Gloo rendezvous, entered once all ranks joined
 STOP_TIMEOUT_S = 10.0
+TAIL_LINES = 20  # of a rank's stderr, kept for the error that names it
 _PLAIN = SamplingParams()
 
 
@@ -87,6 +103,7 @@ class Ranks:
         size = config.tensor_parallel_size
         for rank in range(size):  # too few GPUs: refused before anything starts
             rank_device(config, device, rank)
+        self._tails: list[_Tail] = []  # each rank's last stderr lines, also passed through
         self._store = dist.TCPStore(
             "127.0.0.1", 0, size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
             wait_for_workers=False,
@@ -95,8 +112,9 @@ class Ranks:
         self._finalizer = weakref.finalize(self, _kill, list(self.procs))
         self._between_steps = False  # True: the ranks wait for a step, a stop message can go
         try:
-            self._wait_joined()
-            self.group = TPGroup(self._store, 0, size, device)
+            self._watch(lambda r: self._store.check([f"joined/{r}"]), "while starting")
+            self.group = self._formed(size, device)
+            self.group.start_watch = self._until_agreeing
         except BaseException:
             self.close(graceful=False)
             raise
@@ -111,21 +129,59 @@ class Ranks:
         }
         argv = [sys.executable, "-m", "services.engine.tp_follower",
                 str(rank), str(size), str(self._store.port)]  # fmt: skip
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
-        assert proc.stdin is not None
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert proc.stdin is not None and proc.stderr is not None
+        tail = _Tail(proc.stderr)
+        self._tails.append(tail)
         proc.stdin.write(pickle.dumps(config))
         proc.stdin.close()
         return proc
 
-    def _wait_joined(self) -> None:
-        """Until every rank has said it is up (a rank that exits first is an error at once)."""
-        keys = [f"joined/{p}" for p in range(1, len(self.procs) + 1)]
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._store.check(keys):
-            self.raise_if_dead("while starting")
-            if time.monotonic() > deadline:
-                raise RankFailedError(f"tensor-parallel ranks not up after {START_TIMEOUT_S:.0f} s")
-            time.sleep(0.02)
+    def _formed(self, size: int, device: torch.device) -> TPGroup:
+        """The group, formed on a thread while this one watches the ranks: a rank that dies in
+        the rendezvous would hold rank 0 there for the whole Gloo timeout. The thread, if left
+        behind, gives up after FORM_TIMEOUT."""
+        got: list[TPGroup] = []
+        failed: list[BaseException] = []
+        done = threading.Event()
+
+        def form() -> None:
+            try:
+                got.append(TPGroup(self._store, 0, size, device, FORM_TIMEOUT))
+            except BaseException as exc:
+                failed.append(exc)
+            done.set()
+
+        threading.Thread(target=form, name="tp-form", daemon=True).start()
+        self._watch(lambda r: done.is_set(), "while forming the group")
+        if failed:
+            raise failed[0]
+        return got[0]
+
+    def _until_agreeing(self) -> None:
+        """Until every rank has loaded its shard and entered the start-up agreement (which
+        the runner's build runs under :meth:`guard`)."""
+        self._watch(lambda r: self._store.check([f"agreeing/{r}"]), "while loading its shard")
+
+    def _watch(self, ready: Callable[[int], bool], when: str) -> None:
+        """Until ``ready(r)`` for every other rank r; one that exits first, or makes no progress
+        for START_STALL_S before it is ready, fails the start-up (the caller stops the rest)."""
+        seen: dict[int, tuple[tuple[int, ...] | None, float]] = {}
+        while waiting := [r for r in range(1, len(self.procs) + 1) if not ready(r)]:
+            self.raise_if_dead(when)
+            now = time.monotonic()
+            for r in waiting:
+                mark = _progress(self.procs[r - 1].pid)
+                last = seen.get(r)
+                if last is None or mark is None or mark != last[0]:  # no /proc: never stuck
+                    seen[r] = (mark, now)
+                elif now - last[1] > START_STALL_S:
+                    raise RankFailedError(
+                        f"tensor-parallel rank {r} made no progress for {START_STALL_S:.0f} s "
+                        f"{when} (no CPU time, page faults or reads); the engine stops"
+                        + self._tails[r - 1].text()
+                    )
+            time.sleep(0.05)
 
     def dead(self) -> list[tuple[int, int]]:
         """(rank, exit status) of every rank that exited."""
@@ -134,14 +190,16 @@ class Ranks:
     def raise_if_dead(self, when: str) -> None:
         dead = self.dead()
         if dead:
-            what = ", ".join(f"rank {r} exited with status {code}" for r, code in dead)
-            raise RankFailedError(f"tensor-parallel {what} {when}; the engine stops")
+            what = ", ".join(f"rank {r} exited with {_status(code)}" for r, code in dead)
+            tail = self._tails[dead[0][0] - 1]
+            tail.done.wait(1.0)  # its last lines are still in the pipe a moment after the exit
+            raise RankFailedError(f"tensor-parallel {what} {when}; the engine stops" + tail.text())
 
     def send(self, step: RankStep) -> None:
         self.group.broadcast(step)
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
+    def guard(self, when: str = "during a step") -> Iterator[None]:
         """Collectives that fail because a rank died raise RankFailedError and stop the rest."""
         self._between_steps = False
         try:
@@ -155,7 +213,7 @@ class Ranks:
                     break
                 time.sleep(0.02)
             try:
-                self.raise_if_dead("during a step")
+                self.raise_if_dead(when)
             finally:
                 self.close(graceful=False)
             raise
@@ -172,6 +230,52 @@ class Ranks:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(max(deadline - time.monotonic(), 0.01))
         self._finalizer()
+
+
+class _Tail:
+    """A rank's stderr, passed through to ours line by line; its last lines kept for errors."""
+
+    def __init__(self, pipe: IO[bytes]) -> None:
+        self.lines: deque[str] = deque(maxlen=TAIL_LINES)
+        self.done = threading.Event()  # the rank's stderr closed (it exited)
+        threading.Thread(target=self._pump, args=(pipe,), name="tp-stderr", daemon=True).start()
+
+    def _pump(self, pipe: IO[bytes]) -> None:
+        with pipe:
+            for raw in pipe:
+                line = raw.decode(errors="replace")
+                self.lines.append(line.rstrip())
+                with contextlib.suppress(OSError, ValueError):  # our stderr closed
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+        self.done.set()
+
+    def text(self) -> str:
+        lines = [line for line in self.lines if line]
+        return "; its last output:\n  " + "\n  ".join(lines) if lines else ""
+
+
+def _status(code: int) -> str:
+    if code >= 0:
+        return f"status {code}"
+    with contextlib.suppress(ValueError):
+        return f"status {code} ({signal.Signals(-code).name})"
+    return f"status {code}"
+
+
+def _progress(pid: int) -> tuple[int, ...] | None:
+    """What grows while a process does anything: its page faults, CPU time and bytes read
+    (Linux /proc; None elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    io: list[str] = []
+    with contextlib.suppress(OSError):  # some containers hide it; faults and CPU time remain
+        io = Path(f"/proc/{pid}/io").read_text().split()
+    # fields 10, 12, 14 and 15 of stat: minflt, majflt, utime, stime; rchar of io
+    marks = [int(stat[i]) for i in (7, 9, 11, 12)]
+    return (*marks, int(io[io.index("rchar:") + 1]) if "rchar:" in io else 0)
 
 
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -9,8 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from protos.sampling_params import SamplingParams
 from services.config import ConfigError
+from services.engine import tp_ranks
 from services.engine.kv_cache import GIB
 from services.engine.llm import LLM
 from services.engine.tp_ranks import RankFailedError
@@ -92,6 +95,106 @@ def test_a_rank_that_dies_fails_the_step_and_stops_the_others(model: str) -> Non
         llm.generate([[4, 5, 6]], GREEDY)
     assert time.monotonic() - t0 < 60  # a hang guard: the Gloo group would wait 10 minutes
     assert ranks.procs[1].poll() is not None  # rank 2 did not stay behind
+
+
+# put on the PYTHONPATH the ranks inherit: a follower rank (they alone have the parent pid in
+# their environment) finds MODULE's NAME replaced by a function that writes a line to stderr and
+# exits with status 7
+DIE_AT = """
+import os, sys, time
+from importlib.machinery import PathFinder
+if os.environ.get("TANDEM_TP_PARENT_PID"):
+    def die(*args, **kwargs):
+        print("cannot go on", file=sys.stderr, flush=True)
+        with open(os.path.join(os.path.dirname(__file__), "died"), "w") as f:
+            f.write(repr(time.time()))
+        os._exit(7)
+
+    class Finder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name != MODULE:
+                return None
+            spec = PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+            def exec_module(module):
+                run(module)
+                setattr(module, NAME, die)
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder)
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "when"),
+    [
+        ("services.engine.tp_group", "TPGroup", "while forming the group"),
+        ("services.engine.loader", "load_model", "while loading its shard"),
+    ],
+)
+def test_a_rank_that_dies_starting_fails_the_start_up_at_once(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, name: str, when: str
+) -> None:
+    """Rank 1 has joined the store when it dies, before the Gloo rendezvous or before the
+    agreement (its shard): rank 0 fails at once, not after the group's 10-minute timeout,
+    naming the rank, its status and its last words; a rendezvous thread left behind ends."""
+    (tmp_path / "sitecustomize.py").write_text(f"MODULE, NAME = {module!r}, {name!r}" + DIE_AT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(tp_ranks, "FORM_TIMEOUT", timedelta(seconds=2))
+    want = rf"tensor-parallel rank 1 exited with status 7 {when}; .*\n  cannot go on"
+    with pytest.raises(RankFailedError, match=want):
+        LLM(model, tensor_parallel_size=2)
+    assert time.time() - float((tmp_path / "died").read_text()) < 5
+    deadline = time.monotonic() + 10
+    while any(t.name == "tp-form" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the rendezvous thread outlived FORM_TIMEOUT"
+        time.sleep(0.05)
+
+
+def test_the_worker_exits_with_the_rank_s_error_and_no_traceback(
+    model: str, tmp_path: Path
+) -> None:
+    """What `tandem up` shows as the worker's start-up failure (the tail of its log)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        'MODULE, NAME = "services.engine.loader", "load_model"' + DIE_AT
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path)))}
+    argv = [sys.executable, "-m", "services.cli", "worker", "--model", model, "--device", "cpu",
+            "--port", "0", "--tensor-parallel-size", "2"]  # fmt: skip
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-2000:]
+    assert "error: tensor-parallel rank 1 exited with status 7 while loading its shard" in out
+    assert "Traceback" not in out
+
+
+def test_a_rank_that_makes_no_progress_fails_the_start_up(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 stopped (SIGSTOP) somewhere in its start-up: no CPU time, faults or reads for
+    START_STALL_S fail the start-up, and the stopped rank is killed."""
+    monkeypatch.setattr(tp_ranks, "START_STALL_S", 1.0)
+    stopped: list[int] = []
+    done = threading.Event()
+
+    def stop_rank_one() -> None:
+        while not done.is_set() and not stopped:
+            for pid in rank_processes():
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            time.sleep(0.01)
+
+    stopper = threading.Thread(target=stop_rank_one)
+    stopper.start()
+    try:
+        with pytest.raises(RankFailedError, match="rank 1 made no progress for 1 s"):
+            LLM(model, tensor_parallel_size=2)
+    finally:
+        done.set()
+        stopper.join()
+    assert stopped and not _alive(stopped[0])
 
 
 RANK_ZERO = """
