@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 
@@ -16,6 +15,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from tests.gateway.threaded_server import ThreadedServer
 
 LIMIT = 64 * 1024  # /big.png is one byte more
 
@@ -29,7 +30,7 @@ def _png(width: int, height: int) -> bytes:
 CAT, DOG = _png(3, 2), _png(5, 4)
 
 
-class ImageServer:
+class ImageServer(ThreadedServer):
     """Serves PNGs and every way an image URL can go wrong; ``hung`` and ``left`` tell the test
     when a hanging request arrived and when its client closed the connection."""
 
@@ -51,11 +52,8 @@ class ImageServer:
             Route("/loop", lambda r: RedirectResponse("/loop")),
             *(Route(path, self._file(data)) for path, data in (files or {}).items()),
         ]
-        config = uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=0,
-                                log_level="warning")  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=asyncio.run, args=(self.server.serve(),))
-        self.port = 0
+        super().__init__(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=0,
+                                        log_level="warning"))  # fmt: skip
 
     @staticmethod
     def _file(data: bytes) -> Callable[[Request], Response]:
@@ -93,15 +91,3 @@ class ImageServer:
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
-
-    def __enter__(self) -> ImageServer:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)

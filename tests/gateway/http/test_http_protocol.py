@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -16,6 +14,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from gateway.http.http_protocol import HttpLimits, guarded_protocol
+from tests.gateway.threaded_server import ThreadedServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,11 +23,10 @@ LIMITS = HttpLimits(
 )
 
 
-class Served:
+class Served(ThreadedServer):
     def __init__(self, limits: HttpLimits) -> None:
         self.disconnects = 0
         self.bodies: list[int] = []
-        self.port = 0
 
         async def echo(request: Request) -> PlainTextResponse:
             try:
@@ -44,20 +42,7 @@ class Served:
             app, host="127.0.0.1", port=0, log_level="warning", http=guarded_protocol(limits),
             timeout_keep_alive=30,
         )  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=asyncio.run, args=(self.server.serve(),))
-
-    def __enter__(self) -> Served:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().__init__(config)
 
     def connect(self) -> socket.socket:
         s = socket.create_connection(("127.0.0.1", self.port), timeout=10)

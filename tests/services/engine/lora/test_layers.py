@@ -12,6 +12,7 @@ from torch import nn
 from services.engine.lora.layers import LoRABatch, LoRALinear, apply_lora
 from services.engine.lora.manager import StepSegments
 from services.engine.models.llama import Linear, LlamaForCausalLM
+from tests.kernels.test_triton_lora import segments
 from tests.services.engine.lora.test_manager import ARCH
 
 SHARDS = [16, 8, 8]  # a qkv-like layer: 32 outputs in three shards
@@ -30,17 +31,10 @@ def wrapped(base: nn.Module, batch: LoRABatch, fuse: bool, slots: int = 2) -> Lo
 
 def step(batch: LoRABatch, slot_of_row: list[int]) -> None:
     """The step's segments and row slots, as ``LoRAManager.begin_step`` sets them."""
-    rows, starts, lens, slots = [], [], [], []
-    for slot in sorted({s for s in slot_of_row if s >= 0}):
-        mine = [i for i, s in enumerate(slot_of_row) if s == slot]
-        starts.append(len(rows))
-        lens.append(len(mine))
-        slots.append(slot)
-        rows += mine
+    batch.segments = segments(slot_of_row, torch.device("cpu"))
+    rows, starts, lens, slots = (t.tolist() for t in batch.segments[:4])
     plan = StepSegments(rows, starts, lens, slots)
-    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    batch.segments = (t(rows), t(starts), t(lens), t(slots), max(lens))
-    batch.row_slots = t(plan.row_slots(len(slot_of_row)))
+    batch.row_slots = torch.tensor(plan.row_slots(len(slot_of_row)), dtype=torch.int32)
 
 
 @pytest.mark.parametrize("bias", [False, True])
