@@ -18,7 +18,7 @@ from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from protos.token_bytes import TokenBytes
 from services.config import ConfigError, EngineConfig, with_device_defaults
-from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from services.engine.draft_proposer import DraftProposer
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
 from services.engine.model_runner import ModelRunner, resolve_device
@@ -119,6 +119,7 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         files = self.runner.files
         self.tokenizer = _tokenizer_for(files)
+        self._decoder = fast_decoder(self.tokenizer)  # the detokenizers' (twice a token)
         self._token_bytes = TokenBytes.of(self.tokenizer) if self.tokenizer is not None else None
         self.model_name = config.model.model if files.kind != "gguf" else files.name
         self.vocab_size = self.runner.arch.vocab_size
@@ -284,7 +285,7 @@ class LLMEngine:
         if not self.detokenize or req.pooling is not None:
             return
         self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, sp.stop, sp.include_stop_str_in_output,
+            self._decoder, req.prompt_token_ids, sp.stop, sp.include_stop_str_in_output,
             sp.skip_special_tokens,
         )  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 
 
 class ByteDecoder:
@@ -48,3 +48,28 @@ def test_include_stop_string() -> None:
     det = IncrementalDetokenizer(ByteDecoder(), [], stop=("END",), include_stop=True)
     shown, matched = _feed(det, "xyEND more")
     assert shown == "xyEND" and matched == "END"
+
+
+def test_the_fast_decoder_decodes_as_the_tokenizer_does() -> None:
+    """The engine's detokenizers call the fast tokenizer's backend directly (twice a token): the
+    same text as ``tokenizer.decode`` for any ids (special ones included, skipped or not), and
+    the tokenizer itself where a clean-up step would make them differ."""
+    import random
+
+    from services.engine.llm_engine import load_tokenizer
+    from services.model_files import prepare_model
+
+    tok = load_tokenizer(str(prepare_model("embedded").hf_dir))
+    fast = fast_decoder(tok)
+    assert fast is not tok
+    rng = random.Random(0)
+    specials = list(tok.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 12))]
+        ids[rng.randrange(len(ids))] = rng.choice(specials)
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip
+            )
+    tok.clean_up_tokenization_spaces = True
+    assert fast_decoder(tok) is tok
