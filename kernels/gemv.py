@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-# the Triton GEMV's rows at most (one program per row): longer batches are a GEMM's
+# the Triton GEMV's rows at most (a program holds 1, 2 or 4 of them): longer batches are a GEMM's
 GEMV_MAX_ROWS = 8
 
 

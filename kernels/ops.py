@@ -99,7 +99,7 @@ def gemv_rows() -> int:
 
 
 # Batches of at most this many rows compute every row as a batch of one would, bit for bit:
-# linear layers through the Triton GEMV (one program per row, whatever the batch), decode
+# linear layers through the Triton GEMV (each row's sums the same whatever the batch), decode
 # attention split as for one sequence. Set by the engine (``set_row_invariant``) when it
 # verifies drafts: a verify step's rows then equal the steps of plain decoding they replace.
 _row_invariant = 0

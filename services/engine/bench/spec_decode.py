@@ -71,12 +71,12 @@ COPY_PROMPTS = [
 ]
 
 
-def _prompts(llm: LLM, kind: str, n: int, input_len: int) -> list[list[int]]:
+def _prompts(llm: LLM, kind: str, n: int, input_len: int, seed: int = 0) -> list[list[int]]:
     if kind == "copy":
         chats = [{"messages": [{"role": "user", "content": p}]} for p in COPY_PROMPTS]
         ids = [llm.encode(c) for c in chats]
         return [ids[i % len(ids)] for i in range(n)]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     vocab = min(llm.engine.vocab_size, 32000)
     return [torch.randint(100, vocab, (input_len,), generator=gen).tolist() for _ in range(n)]
 
@@ -176,9 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # at a time) would otherwise be reused from the prefix cache by the measured requests, and
     # with and without drafts those blocks hold different bf16 bits (cuBLAS at batch 2 against
     # the row-invariant GEMV), which parts outputs on a near-tie for reasons not speculation's
-    warm_gen = torch.Generator().manual_seed(1)
-    warm = [torch.randint(100, min(llm.engine.vocab_size, 32000), (48,), generator=warm_gen).tolist()
-            for _ in range(2)]  # fmt: skip
+    warm = _prompts(llm, "random", 2, 48, seed=1)
     _run_batch(llm, warm, SamplingParams(temperature=0.0, max_tokens=16), "warm", clock)
     results = []
     for batch in args.batch:

@@ -90,15 +90,17 @@ class LoRALinear(nn.Module):
         zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.weight_ext: torch.Tensor | None = None  # [N + S R, K] on the fused path
         self.bias_ext: torch.Tensor | None = None  # [N + S R], zeros past N
-        self.fused = (
-            fuse and isinstance(base, nn.Linear) and _extendable(base, slots * r, dtype, device)
-        )
-        if self.fused and isinstance(base, nn.Linear):
+        if fuse and isinstance(base, nn.Linear) and _extendable(base, slots * r, dtype, device):
             a = self._extend(base, slots * r)
         else:
             a = zeros(slots, r, in_features)
         self.register_buffer("lora_a", a.view(slots, r, in_features), persistent=False)
         self.register_buffer("lora_b", zeros(slots, sum(shard_sizes), r), persistent=False)
+
+    @property
+    def fused(self) -> bool:
+        """On the fused path: the shrink rides the base GEMM (``weight_ext``)."""
+        return self.weight_ext is not None
 
     @torch.no_grad()
     def _extend(self, base: nn.Linear, extra: int) -> torch.Tensor:  # the A rows [S R, K]
