@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvtransfer.results import CounterBox, TransferResult
 
@@ -217,7 +218,7 @@ class ExpectationRegistry:
                     exp.transfer_id, False, exp.cancel_reason
                 )
             write()
-            won = exp.handle._set(result)
+            won = exp.handle._set(replace(result, finished=time.monotonic()))
         self._forget(exp, "already received")
         if won:
             exp.handle._fire()
@@ -225,7 +226,7 @@ class ExpectationRegistry:
 
     def fail(self, exp: Expectation, result: TransferResult) -> TransferResult:
         self._forget(exp, result.error)
-        self._resolve(exp, result)
+        self._resolve(exp, replace(result, finished=time.monotonic()))
         return exp.handle.result or result
 
     def pending_count(self) -> int:

@@ -11,8 +11,9 @@ means it gave up on the transfer (a streamed KV whose prefill failed).
 
 On one GPU (``cuda_ipc``) the handshake shares our pool with the sender instead of building a
 group, and a transfer is: header -> claim and validate -> :class:`Go` with the registered blocks
-(or a refusing ack) -> the sender copies into them on its own stream -> its :class:`Done` ->
-compare checksums -> resolve -> ack. A cancel meanwhile sends :class:`Stop` and waits for the
+(or a refusing ack) -> the sender copies into them on its own stream -> its :class:`Done`, sent
+once its copies are queued (``pending``): we poll the event it shared at the handshake, which it
+records after them, until they have run -> compare checksums -> resolve -> ack. A cancel meanwhile sends :class:`Stop` and waits for the
 sender's (stopped) :class:`Done`: only then are the blocks the caller's again. A broken stream (peer
 death, giving up, timeout, protocol error) fails the transfer in flight and ends the thread;
 the sender rebuilds the pair under a new generation. A sender that hangs up while idle ends
@@ -43,7 +44,7 @@ from kvtransfer.landing import BlockWriter, Landing
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import RECEIVER_RANK, PairChannel, precise_sleeps
 from kvtransfer.results import CounterBox, TransferResult
-from kvtransfer.shared_pool import export_pool
+from kvtransfer.shared_pool import export_pool, open_event
 from kvtransfer.staging import DeviceIds, HostStaging
 from kvtransfer.stores import clone
 from kvtransfer.wire import (
@@ -67,6 +68,8 @@ from kvtransfer.wire import (
 
 log = logging.getLogger(__name__)
 LOOKAHEAD = 3  # receives posted ahead: the wire stays busy while we write a landed chunk
+# waiting for a cuda_ipc sender's copies: finely for the first 5 ms, then backing off
+_POLL_S, _POLL_FINE_S, _POLL_MAX_S = 20e-6, 5e-3, 200e-6
 
 
 @dataclass
@@ -123,6 +126,7 @@ class ReceiverPair:
         self._ids = DeviceIds(ctx.caches[0].device)
         self._next_seq = 1
         self._ipc = False  # cuda_ipc: the sender copies into our shared pool
+        self._copied: torch.cuda.Event | None = None  # cuda_ipc: the sender's, after its copies
         self._send_lock = threading.Lock()  # the pair thread and a cancelling thread both send
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-recv-pair", daemon=True)
@@ -206,6 +210,10 @@ class ReceiverPair:
             log.warning("KV sender %s cannot open our pool through CUDA IPC (%s): Gloo",
                         self.sender_id, opened.error)  # fmt: skip
         self._ipc = opened.backend == IPC
+        if self._ipc:
+            if not opened.event:
+                raise WireError("a cuda_ipc sender must share the event its copies record")
+            self._copied = open_event(self._ctx.caches[0].device, opened.event)
         return opened.backend
 
     def _send(self, msg: Message) -> None:
@@ -249,6 +257,8 @@ class ReceiverPair:
                 raise WireError("the sender gave up on the transfer")
             if not isinstance(done, Done) or done.seq != header.seq:
                 raise WireError(f"expected the end of #{header.seq}, got {done!r}")
+            if done.pending:
+                self._await_copies()
         except Exception as e:
             pushed.ended.set()  # the pair ends: a sender that broke it writes nothing more
             error = f"KV stream from sender {self.sender_id} broke: {e}"
@@ -263,6 +273,26 @@ class ReceiverPair:
             problem = self._compare_copy(header, exp, done)
         result = self._finish(exp, header, start, problem, pushed)
         self._send(Ack(header.seq, result.ok, result.error))
+
+    def _await_copies(self) -> None:
+        """Poll the sender's event until the copies it queued before its Done have run. It
+        sends that Done once they are near their end, so the first milliseconds are polled
+        finely (a sleeping thread would wake late), then less often; raises if the sender
+        hangs up or the copies outlast the I/O timeout."""
+        event = self._copied
+        assert event is not None
+        start = time.monotonic()
+        deadline, pause, checked = start + self._ctx.options.io_timeout_s, _POLL_S, start
+        while not event.query():
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError("the sender's copies did not finish within the I/O timeout")
+            if now - checked > _POLL_FINE_S:  # a hang-up now means the copies may never end
+                checked = now
+                if not self._conn.idle():
+                    raise WireError("the sender sent or hung up before we acknowledged")
+                pause = min(pause * 2, _POLL_MAX_S)
+            time.sleep(pause)
 
     def _compare_copy(self, header: Header, exp: Expectation, done: Done) -> str:
         """The checksum of our blocks now against the sender's of the blocks it copied."""

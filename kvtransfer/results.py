@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class TransferError(RuntimeError):
@@ -37,6 +37,9 @@ class TransferResult:
     bytes: int = 0
     seconds: float = 0.0
     sender_id: str = ""
+    # when it ended: time.monotonic(), one clock for every process of a host (so a sender on
+    # the same host can tell how long after its last write the KV was in place); 0: unknown
+    finished: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)

@@ -105,3 +105,21 @@ def open_pool(
         cache.set_(storage, doc["elem_offset"], shape, stride)
         caches.append(cache)
     return caches
+
+
+def share_event(device: torch.device) -> tuple[torch.cuda.Event, str]:
+    """An interprocess event on ``device`` (recorded once: CUDA shares only a recorded event)
+    and its IPC handle as hex, for :func:`open_event` in another process on the same GPU."""
+    event = torch.cuda.Event(interprocess=True)
+    with torch.cuda.device(device):
+        event.record()
+    return event, bytes(event.ipc_handle()).hex()
+
+
+def open_event(device: torch.device, handle: str) -> torch.cuda.Event:
+    """The event another process shared with :func:`share_event`: querying it here says whether
+    the work that process queued before its latest ``record`` has run."""
+    raw = bytes.fromhex(handle)
+    if len(raw) > _MAX_HANDLE:
+        raise ValueError("shared event: the handle is too long")
+    return torch.cuda.Event.from_ipc_handle(device, raw)

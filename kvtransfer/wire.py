@@ -33,7 +33,9 @@ from kernels import ops
 from kvtransfer.device import GLOO, IPC, NCCL, DeviceInfo
 from kvtransfer.layout import KvLayout
 
-PROTOCOL_VERSION = 4  # 3: per-chunk checksums in a Trailer after the data; 4: CUDA IPC
+# 3: per-chunk checksums in a Trailer after the data; 4: CUDA IPC; 5: a Done sent before the
+# copies end, the receiver waiting for them on the sender's shared event
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20  # a header of a shared-GPU transfer names every source block
 MAX_TRANSFER_ID_LEN = 512
 MAX_CHUNKS = 1024
@@ -101,6 +103,9 @@ class Opened:
 
     backend: str  # cuda_ipc, or gloo when the pool could not be opened (``error`` says why)
     error: str = ""
+    # cuda_ipc: the IPC handle (hex) of the event the sender records after each transfer's
+    # copies, so that the receiver can tell when they are done without another message
+    event: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,11 +119,14 @@ class Go:
 @dataclass(frozen=True)
 class Done:
     """cuda_ipc: the sender's copies of transfer ``seq`` are finished (``stopped``: it stopped on a
-    :class:`Stop`, and writes nothing more); with checksums, those of what it copied from."""
+    :class:`Stop`, and writes nothing more); with checksums, those of what it copied from.
+    ``pending``: they are queued, not finished; they are once the pair's shared event (see
+    :class:`Opened`) has completed, which the receiver waits for before it uses the blocks."""
 
     seq: int
     stopped: bool = False
     checksums: tuple[int, ...] = ()
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,7 +197,7 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Share):
         doc = {"t": "share", "pool": list(msg.pool)}
     elif isinstance(msg, Opened):
-        doc = {"t": "opened", "backend": msg.backend, "error": msg.error}
+        doc = {"t": "opened", "backend": msg.backend, "error": msg.error, "event": msg.event}
     elif isinstance(msg, Go):
         doc = {"t": "go", "seq": msg.seq, "runs": to_runs(msg.blocks)}
     elif isinstance(msg, Done):
@@ -198,6 +206,7 @@ def encode(msg: Message) -> bytes:
             "seq": msg.seq,
             "stopped": msg.stopped,
             "checksums": list(msg.checksums),
+            "pending": msg.pending,
         }
     elif isinstance(msg, Stop):
         doc = {"t": "stop", "seq": msg.seq}
@@ -316,7 +325,10 @@ def _share(doc: dict[str, Any]) -> Share:
 def _opened(doc: dict[str, Any]) -> Opened:
     if doc["backend"] not in (GLOO, IPC):
         raise WireError(f"unknown backend {doc['backend']!r} after a share")
-    return Opened(doc["backend"], _str(doc, "error", 4096))
+    event = _str(doc, "event", 256)
+    if event and (doc["backend"] != IPC or any(c not in "0123456789abcdef" for c in event)):
+        raise WireError("event must be the hex IPC handle of a cuda_ipc pair's event")
+    return Opened(doc["backend"], _str(doc, "error", 4096), event)
 
 
 def _go(doc: dict[str, Any]) -> Go:
@@ -325,10 +337,13 @@ def _go(doc: dict[str, Any]) -> Go:
 
 def _done(doc: dict[str, Any]) -> Done:
     sums = doc["checksums"]
-    if not isinstance(doc["stopped"], bool) or not isinstance(sums, list) or len(sums) > 1:
-        raise WireError("stopped must be a boolean and checksums a list of at most one")
+    stopped, pending = doc["stopped"], doc["pending"]
+    if not isinstance(stopped, bool) or not isinstance(pending, bool):
+        raise WireError("stopped and pending must be booleans")
+    if not isinstance(sums, list) or len(sums) > 1:
+        raise WireError("checksums must be a list of at most one")
     checksums = tuple(_int({"checksum": c}, "checksum") for c in sums)
-    return Done(_int(doc, "seq", 1), doc["stopped"], checksums)
+    return Done(_int(doc, "seq", 1), stopped, checksums, pending)
 
 
 def _trailer(doc: dict[str, Any]) -> Trailer:

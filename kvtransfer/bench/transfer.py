@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvtransfer.bench import timeline
 from kvtransfer.bench.sim_prefill import SimPrefill, slots_of
 from kvtransfer.blockcopy import make_copier
 from kvtransfer.config import ReceiverOptions, SenderOptions
@@ -55,6 +56,7 @@ from kvtransfer.sender import KvSender
 from kvtransfer.stores import serve_store
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+TIMELINE = os.environ.get("TANDEM_KV_TIMELINE") == "1"  # kvtransfer.bench.timeline
 REPLY_S = 120.0  # the longest any one command to a child may take
 IO_S = 30.0  # sender and receiver timeouts
 
@@ -186,10 +188,11 @@ class Child:
             tids, ids = args
             self.handles.update({tid: self.rx.expect(tid, ids, REPLY_S) for tid in tids})
             return True
-        if op == "wait":  # each transfer's error ('' if ok) and the receiver's seconds
+        if op == "wait":  # each transfer's error ('' if ok), the receiver's seconds, and
+            # when it had the KV (time.monotonic(): the sender's clock too, on one host)
             results = [self.handles.pop(tid).wait(IO_S) for tid in args[0]]
-            return [(r.error if not r.ok else "", r.seconds) if r else ("no result", 0.0)
-                    for r in results]  # fmt: skip
+            return [(r.error if not r.ok else "", r.seconds, r.finished) if r
+                    else ("no result", 0.0, 0.0) for r in results]  # fmt: skip
         if op == "send":
             endpoint, tids, ids, chunk = args
             sender = self._sender(SenderOptions(timeout_s=IO_S, chunk_bytes=chunk))
@@ -202,6 +205,8 @@ class Child:
             return timed_copy(self.caches, args[0], args[1], gather=self.role == "sender")
         if op == "move":
             return timed_move(self.caches, args[0], args[1])
+        if op == "timeline":
+            return timeline.take()
         if op == "backend":
             return self.rx.backends() if self.rx is not None else {}
         if op == "raw":
@@ -222,7 +227,7 @@ class Child:
                 self.model = SimPrefill(self.device)
         model, slots = self.model, slots_of(ids, BLOCK, tokens, self.device)
         times: dict[str, list[float]] = {"prefill": [], "sequential": [], "overlapped": [],
-                                         "threaded": [], "tail": []}  # fmt: skip
+                                         "threaded": [], "tail": [], "computed_at": []}  # fmt: skip
         for it, (tid_b, tid_c) in enumerate(tids):
             x = model.tokens(tokens, seed=3 * it)
             _sync(self.device)
@@ -259,9 +264,11 @@ class Child:
                 last = ready.latest(LAYERS - 1, time.monotonic() + IO_S)
                 if last is None:
                     raise RuntimeError("the simulated prefill did not record its last layer")
-                while last[1] is not None and not last[1].query():
-                    pass  # spin: when the last layer is computed, to the microsecond
+                if last[1] is not None:  # the driver's wait, without the GIL: a Python spin
+                    last[1].synchronize()  # would hold it from the transfer's own thread
                 computed = time.perf_counter()
+                times["computed_at"].append(time.monotonic())
+                timeline.mark("last layer computed")
                 future.result(IO_S)
                 times["tail"].append(time.perf_counter() - computed)
             finally:
@@ -312,6 +319,8 @@ def _child(conn: Connection, role: str, device_name: str, num_blocks: int) -> No
         from kernels.triton_block_copy import BlockCopier
 
         BlockCopier.copy_from = lambda *_a, **_k: None  # type: ignore[method-assign]
+    if TIMELINE:
+        timeline.install(role)
     if os.environ.get("TANDEM_KV_PROFILE") == "1":
         from kvtransfer.receiver_pair import ReceiverPair
         from kvtransfer.sender_pair import SenderPair
@@ -431,18 +440,30 @@ def _exact(pair: Pair, src: list[int], dst: list[int]) -> bool:
     return bool(pair.call("sender", "digest", src) == pair.call("receiver", "digest", dst))
 
 
+def _timeline(pair: Pair, title: str, skip: int, **how: Any) -> dict[str, Any]:
+    """TANDEM_KV_TIMELINE=1: both sides' events since the last call, split by transfer."""
+    tx, rx = pair.call("sender", "timeline"), pair.call("receiver", "timeline")
+    if not TIMELINE or not title:
+        return {}
+    steps = timeline.breakdown(tx, rx, skip, **how)
+    timeline.print_breakdown(title, steps)
+    return {"timeline": steps}
+
+
 def bench_e2e(pair: Pair, name: str, tokens: int, args: argparse.Namespace, chunk_mb: float) -> dict[str, Any]:  # fmt: skip
     src, dst = _ids(tokens)
     tids = _tids(f"e2e-{tokens}", args.warmup + args.iters)
     pair.call("receiver", "expect", tids, dst)
+    _timeline(pair, "", 0)  # forget what came before
     seconds = pair.call("sender", "send", pair.endpoint, tids, src, int(chunk_mb * 2**20))
     waited = pair.call("receiver", "wait", tids)
-    errors = [e for e, _ in waited if e]
+    errors = [e for e, _, _ in waited if e]
     ok = not errors and _exact(pair, src, dst)
     # the receiver's part: from its header to its ack (the rest is the round trip around it)
-    rx_ms = statistics.median(s for _, s in waited[args.warmup :]) * 1e3
+    rx_ms = statistics.median(s for _, s, _ in waited[args.warmup :]) * 1e3
+    title = f"{name} e2e, {tokens} tokens"
     row = _row(f"{name} e2e {chunk_mb:g}MB", tokens, seconds[args.warmup :], ok=ok,
-               receiver_ms=rx_ms)  # fmt: skip
+               receiver_ms=rx_ms, **_timeline(pair, title, args.warmup))  # fmt: skip
     return {**row, "errors": errors[:3]} if errors else row
 
 
@@ -452,20 +473,28 @@ def bench_ttft(pair: Pair, tokens: int, args: argparse.Namespace) -> dict[str, A
     tids = list(zip(_tids(f"seq-{tokens}", count), _tids(f"ovl-{tokens}", count), strict=True))
     pair.call("receiver", "expect", [t for both in tids for t in both], dst)
     stream = int(args.stream_chunk_mb * 2**20)
+    _timeline(pair, "", 0)
     times = pair.call("sender", "ttft", pair.endpoint, tids, src, tokens, stream)
-    errors = [e for e, _ in pair.call("receiver", "wait", [t for b in tids for t in b]) if e]
+    tail = _timeline(pair, f"the streamed tail, {tokens} tokens", args.warmup,
+                     anchor="last layer computed", window_ms=20.0)  # fmt: skip
+    waited = pair.call("receiver", "wait", [t for b in tids for t in b])
+    errors = [e for e, _, _ in waited if e]
     ok = not errors and _exact(pair, src, dst)  # the last transfer was an overlapped one
+    # the issue's tail: from the last layer computed to the decode side having all the KV (the
+    # receiver resolved the transfer; one clock on one host), not to the sender's ack
+    landed = [finished for _, _, finished in waited[1::2]]
+    times["tail_rx"] = [f - c for f, c in zip(landed, times.pop("computed_at"), strict=True)]
     med = {mode: statistics.median(t[args.warmup :]) * 1e3 for mode, t in times.items()}
     p90 = {m: sorted(t[args.warmup :])[int(0.9 * (args.iters - 1))] * 1e3 for m, t in times.items()}
     return {"path": "ttft", "tokens": tokens, "bytes": kv_bytes(tokens), "ok": ok,
             "prefill_ms": med["prefill"], "sequential_ms": med["sequential"],
             "overlapped_ms": med["overlapped"], "threaded_ms": med["threaded"],
-            # from the last layer computed to the transfer acknowledged (issue 15: at most 15%
-            # of a whole transfer of the same KV)
-            "tail_ms": med["tail"],
+            # from the last layer computed to the decode side having the KV (issue 15: at
+            # most 15% of a whole transfer of the same KV), and to the sender's acknowledgement
+            "tail_ms": med["tail_rx"], "tail_to_ack_ms": med["tail"],
             "added_sequential_ms": med["sequential"] - med["prefill"],
             "added_overlapped_ms": med["overlapped"] - med["prefill"],
-            "p90_ms": p90, "stream_chunk_mb": args.stream_chunk_mb,
+            "p90_ms": p90, "stream_chunk_mb": args.stream_chunk_mb, **tail,
             **({"errors": errors[:3]} if errors else {})}  # fmt: skip
 
 
@@ -549,13 +578,16 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         print(
             "\nadded TTFT: (a) prefill alone, (b) prefill then transfer, (c) overlapped per layer"
         )
+        print("tail: from the last layer computed to the decode side having all the KV "
+              "(and to the sender's ack)")  # fmt: skip
         print(f"{'tokens':>7}{'(a) ms':>10}{'(b) ms':>10}{'(b)-(a)':>10}{'(c) ms':>10}"
-              f"{'(c)-(a)':>10}{'tail':>9}  ok")  # fmt: skip
+              f"{'(c)-(a)':>10}{'tail':>9}{'to ack':>9}  ok")  # fmt: skip
         for r in ttft:
             print(
                 f"{r['tokens']:>7}{r['prefill_ms']:>10.3f}{r['sequential_ms']:>10.3f}"
                 f"{r['added_sequential_ms']:>+10.3f}{r['overlapped_ms']:>10.3f}"
-                f"{r['added_overlapped_ms']:>+10.3f}{r.get('tail_ms', 0.0):>9.3f}  {r['ok']}"
+                f"{r['added_overlapped_ms']:>+10.3f}{r.get('tail_ms', 0.0):>9.3f}"
+                f"{r.get('tail_to_ack_ms', 0.0):>9.3f}  {r['ok']}"
             )
 
 

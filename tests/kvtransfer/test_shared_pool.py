@@ -36,12 +36,42 @@ from tests.kvtransfer.peer import LAYOUT, make_caches
 LAYERS = LAYOUT["num_layers"]
 
 
+class FakeEvent:
+    """Stands in for the sender's interprocess event: CPU copies are done once queued, unless
+    a test holds them (``held``: query() says they are still running)."""
+
+    def __init__(self) -> None:
+        self.held = threading.Event()
+        self.records = 0
+        self.queries = 0
+
+    def record(self, stream: Any = None) -> None:
+        self.records += 1
+
+    def query(self) -> bool:
+        self.queries += 1
+        return not self.held.is_set()
+
+    def synchronize(self) -> None:
+        while self.held.is_set():
+            time.sleep(0.001)
+
+
 class FakeIpc:
     """Stands in for CUDA IPC: the receiver "exports" a key, the sender "opens" its tensors."""
 
     def __init__(self) -> None:
         self.pools: dict[str, list[torch.Tensor]] = {}
         self.fail_open = ""
+        self.events: dict[str, FakeEvent] = {}
+
+    def share_event(self, device: Any) -> tuple[FakeEvent, str]:
+        handle = f"{len(self.events):04x}"
+        self.events[handle] = FakeEvent()
+        return self.events[handle], handle
+
+    def open_event(self, device: Any, handle: str) -> FakeEvent:
+        return self.events[handle]
 
     def export(self, caches: list[torch.Tensor]) -> list[dict[str, Any]]:
         key = str(len(self.pools))
@@ -64,6 +94,8 @@ def ipc(monkeypatch: pytest.MonkeyPatch) -> FakeIpc:
     monkeypatch.setattr(receiver_pair, "export_pool", fake.export)
     monkeypatch.setattr(sender_pair, "check_pool", fake.check)
     monkeypatch.setattr(sender_pair, "open_pool", fake.open)
+    monkeypatch.setattr(sender_pair, "share_event", fake.share_event)
+    monkeypatch.setattr(receiver_pair, "open_event", fake.open_event)
     return fake
 
 
@@ -102,6 +134,30 @@ def test_a_computed_kv_is_copied_out_of_the_shared_pool(rx, ipc: FakeIpc) -> Non
         assert receiver.backends() == {"one-gpu": IPC}
     assert receiver.stats().transfers == 2
     assert list(ipc.pools) == ["0"]  # the pool is shared once per pair
+
+
+def test_the_receiver_waits_for_copies_still_running_after_the_senders_done(rx, ipc) -> None:
+    """Done comes once the copies are queued: until the sender's event says they ran, the
+    receiver neither resolves the transfer nor acknowledges it."""
+    receiver, rx_caches = rx
+    src = make_caches(10, 12)
+    with KvSender(src, "pending") as tx:
+        first = receiver.expect("warm", [0])
+        tx.send(receiver.endpoint, "warm", [1], timeout_s=10)  # builds the pair
+        assert first.wait(5).ok
+        (event,) = ipc.events.values()
+        event.held.set()  # the next copies "run" until released
+        handle = receiver.expect("held", [2, 3])
+        future = tx.submit(receiver.endpoint, "held", [4, 5], timeout_s=10)
+        deadline = time.monotonic() + 5
+        while event.queries < 3:  # the receiver got the Done and polls the event
+            assert time.monotonic() < deadline, "the receiver never waited on the event"
+            time.sleep(0.005)
+        assert not handle.done() and not future.done()
+        event.held.clear()
+        assert future.result(10).bytes > 0
+        assert handle.wait(5).ok and event.records == 2  # once a transfer, after its copies
+    assert_blocks_equal(blocks(rx_caches, [2, 3]), blocks(src, [4, 5]))
 
 
 def test_layers_are_copied_as_they_are_written_and_land_before_the_last_one(rx) -> None:
@@ -208,7 +264,8 @@ def test_a_receiver_that_cannot_open_the_pool_falls_back_to_gloo(rx, ipc: FakeIp
 
 def test_messages_of_the_shared_path_round_trip_and_bad_ones_are_refused() -> None:
     for msg in (Share(({"a": 1},)), Opened(IPC), Opened("gloo", "why"), Go(3, (7, 8, 9, 2, 3)),
-                Done(3), Done(4, True), Done(5, False, (12345,)), Stop(3)):  # fmt: skip
+                Opened(IPC, event="00ff"), Done(3), Done(4, True), Done(5, False, (12345,)),
+                Done(6, pending=True), Stop(3)):  # fmt: skip
         assert decode(encode(msg)) == msg
     assert encode(Go(1, (4, 5, 6, 9))).count(b"[") == 3  # runs, not every id
     assert from_runs([[0, 3], [10, 1]]) == (0, 1, 2, 10)
@@ -216,7 +273,10 @@ def test_messages_of_the_shared_path_round_trip_and_bad_ones_are_refused() -> No
         with pytest.raises(WireError):
             from_runs(runs)
     for bad in (b'{"t": "opened", "backend": "nccl", "error": ""}',
-                b'{"t": "done", "seq": 1, "stopped": 1, "checksums": []}',
+                b'{"t": "done", "seq": 1, "stopped": 1, "checksums": [], "pending": false}',
+                b'{"t": "done", "seq": 1, "stopped": false, "checksums": [], "pending": 0}',
+                b'{"t": "opened", "backend": "cuda_ipc", "error": "", "event": "zz"}',
+                b'{"t": "opened", "backend": "gloo", "error": "", "event": "00"}',
                 b'{"t": "go", "seq": 0, "runs": [[0, 1]]}'):  # fmt: skip
         with pytest.raises(WireError):
             decode(bad)
