@@ -338,7 +338,7 @@ class SenderPair:
         if ready is None:  # computed before submit, on the submitting thread's stream
             if stream is not None and computed is not None:
                 stream.wait_event(computed)
-            done = num_layers
+            done, near = num_layers, computed  # the Done waits for the KV to be computed
             with on_stream(stream):
                 remote.copy_from(ctx.copier, src, dst)
         last: torch.cuda.Event | None = None
