@@ -46,30 +46,34 @@ class IncrementalDetokenizer:
     include_stop: bool = False
     skip_special: bool = True
     ids: list[int] = field(default_factory=list)
+    # decoded text not released yet: what a stop string may still claim (the released text is
+    # not kept: appending to the whole output would copy it every token)
     text: str = ""
-    sent: int = 0  # characters of ``text`` already released
     _prefix: int = 0
     _read: int = 0
+    _longest_stop: int = 0
 
     def __post_init__(self) -> None:
         self.ids = list(self.prompt_tail[-_CONTEXT:])
         self._prefix = 0
         self._read = len(self.ids)
+        self._longest_stop = max(map(len, self.stop), default=0)
 
     def _dec(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, token_id: int) -> str | None:
         """Append a token; returns the matched stop string if the output must stop here."""
-        self.ids.append(token_id)
-        before = self._dec(self.ids[self._prefix : self._read])
-        after = self._dec(self.ids[self._prefix :])
+        ids = self.ids
+        ids.append(token_id)
+        before = self._dec(ids[self._prefix : self._read])
+        after = self._dec(ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             new = after[len(before) :]
-            self._prefix, self._read = self._read, len(self.ids)
-            start = max(len(self.text) - max((len(s) for s in self.stop), default=0), 0)
+            self._prefix, self._read = self._read, len(ids)
+            start = max(len(self.text) - self._longest_stop, 0)
             self.text += new
-            return self._check_stop(start)
+            return self._check_stop(start) if self.stop else None
         return None
 
     def _check_stop(self, search_from: int) -> str | None:
@@ -82,8 +86,7 @@ class IncrementalDetokenizer:
 
     def release(self, finished: bool) -> str:
         """New text safe to show now (everything, once finished)."""
-        hold = 0 if finished or not self.stop else max(len(s) for s in self.stop) - 1
-        end = max(len(self.text) - hold, self.sent)
-        delta = self.text[self.sent : end]
-        self.sent = end
+        hold = 0 if finished or not self.stop else self._longest_stop - 1
+        end = max(len(self.text) - hold, 0)
+        delta, self.text = self.text[:end], self.text[end:]
         return delta

@@ -9,6 +9,9 @@ On the CPU the "device" buffers are the host buffers themselves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -71,3 +74,37 @@ def _split(buf, sizes: list[int]) -> list:  # type: ignore[no-untyped-def]
         out.append(buf[at : at + n])
         at += n
     return out
+
+
+# ---- a step's layout, built with whole-array numpy ops: one Python pass per field over the
+# requests (np.fromiter), never a numpy call per request (~1 us each, hundreds a step)
+
+
+def fill_tables(tables: np.ndarray, block_ids: Sequence[list[int]]) -> None:
+    """Row i of ``tables`` [B, W] gets ``block_ids[i]``, zeros after it (and in the rows
+    past ``len(block_ids)``)."""
+    tables.fill(0)
+    B = len(block_ids)
+    if B <= 16:  # a few rows: one assignment each beats the masked fill's fixed cost
+        for i, ids in enumerate(block_ids):
+            tables[i, : len(ids)] = ids
+        return
+    lens = np.fromiter(map(len, block_ids), np.int64, B)  # [B]
+    flat = np.fromiter(chain.from_iterable(block_ids), np.int64, int(lens.sum()))
+    tables[:B][np.arange(tables.shape[1]) < lens[:, None]] = flat  # row-major: row by row
+
+
+def token_spans(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Request ``i`` computes positions ``starts[i] ..`` for ``lens[i]`` tokens, laid out one
+    request after another: each token's request (row) and position, [sum(lens)] each."""
+    total = int(lens.sum())
+    row = np.repeat(np.arange(len(lens)), lens)  # [T]
+    first = np.cumsum(lens) - lens  # [B] where each request's tokens begin
+    return row, starts[row] + (np.arange(total) - first[row])
+
+
+def slot_mapping(
+    tables: np.ndarray, row: np.ndarray, pos: np.ndarray, block_size: int
+) -> np.ndarray:
+    """The cache slot of each token: its block (from its request's table row) and offset."""
+    return tables[row, pos // block_size].astype(np.int64) * block_size + pos % block_size

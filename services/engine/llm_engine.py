@@ -440,7 +440,8 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         out = self.scheduler.schedule()
-        self.last_step_shape = (out.num_tokens, len(out.requests))
+        num_tokens = out.num_tokens
+        self.last_step_shape = (num_tokens, len(out.requests))
         if self.proposer is not None:
             for rid in out.preempted:  # recomputed later: the draft's KV goes back too
                 self.proposer.drop(rid)
@@ -451,7 +452,8 @@ class LLMEngine:
             out.requests = [r for r in out.requests if r.request_id not in lost]
             if out.empty:
                 return list(lost.values())
-        self.step_tokens.observe(out.num_tokens)
+            num_tokens = out.num_tokens
+        self.step_tokens.observe(num_tokens)
         if self.proposer is not None:  # the draft's prefill rides in the target's prefill step
             self._feed_prompts(out)
         min_stop = self._min_token_stop_ids(out.requests)
@@ -637,11 +639,12 @@ class LLMEngine:
         self.generation_tokens += 1
         det = self._detok.get(u.request_id)
         finished, reason, stop_reason = u.finished, u.finish_reason, u.stop_reason
-        if not finished and self.grammars.ends_with(u.request_id, u.token.token_id):
-            self.scheduler.finish(u.request_id, FinishReason.STOP)  # under ignore_eos too
-            finished, reason, stop_reason = True, "stop", u.token.token_id
-        elif not finished:  # the matcher takes it during the next step's forward
-            self.grammars.push(u.request_id, u.token.token_id)
+        if not finished and u.request_id in self.grammars.states:  # constrained
+            if self.grammars.ends_with(u.request_id, u.token.token_id):
+                self.scheduler.finish(u.request_id, FinishReason.STOP)  # under ignore_eos too
+                finished, reason, stop_reason = True, "stop", u.token.token_id
+            else:  # the matcher takes it during the next step's forward
+                self.grammars.push(u.request_id, u.token.token_id)
         if det is not None:
             matched = det.add(u.token.token_id)
             if matched is not None and not finished:
@@ -665,7 +668,7 @@ class LLMEngine:
             num_cached_tokens=u.num_cached_tokens,
             logprobs=self._logprobs(u),
             queue_s=u.queue_s,
-            prompt_logprobs=self._prompt_lp.pop(u.request_id, []),
+            prompt_logprobs=self._prompt_lp.pop(u.request_id, []) if self._prompt_lp else [],
         )
 
     @staticmethod

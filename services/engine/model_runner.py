@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
+from itertools import chain
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from services.config import ConfigError, EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.gpu_wait import GpuReader
-from services.engine.input_staging import InputStaging
+from services.engine.input_staging import InputStaging, fill_tables, slot_mapping, token_spans
 from services.engine.kv_cache import (
     CPU_DEFAULT_MAX_MODEL_LEN,
     GIB,
@@ -252,35 +253,30 @@ class ModelRunner:
         """
         reqs = out.requests
         order = sorted(range(len(reqs)), key=lambda i: reqs[i].num_new_tokens != 1)  # stable
-        nd = sum(1 for r in reqs if r.num_new_tokens == 1)
-        T = sum(r.num_new_tokens for r in reqs)
+        laid = [reqs[i] for i in order]
         B, W = len(reqs), self._max_blocks(out)
+        lens = np.fromiter([r.num_new_tokens for r in laid], np.int64, B)  # [B]
+        nd, T = int(np.count_nonzero(lens == 1)), int(lens.sum())
         S = sum(1 + r.num_spec for r in reqs if r.samples_token)
         h64, h32 = self.staging.begin([T, T, T, S], [B, B + 1, B - nd + 1, B * W])
         ids, pos, slots, rows = h64
         ctx, qsl, pqsl, tables = h32[0], h32[1], h32[2], h32[3].reshape(B, W)
-        tables.fill(0)
         if self.lora is not None:  # each request's rows under its adapter, in this layout
-            self.lora.begin_step([(reqs[i].sampling_params.lora_name, reqs[i].num_new_tokens)
-                                  for i in order])  # fmt: skip
-        bs = self.block_size
-        last_row, starts = [0] * B, [0] * B
-        t = 0
+            self.lora.begin_step([(r.sampling_params.lora_name, r.num_new_tokens) for r in laid])
+        fill_tables(tables, [r.block_ids for r in laid])
+        starts = np.fromiter([r.start_pos for r in laid], np.int64, B)  # [B]
+        row, p = token_spans(starts, lens)  # [T] each
+        ids[:] = np.fromiter(chain.from_iterable([r.token_ids for r in laid]), np.int64, T)
+        pos[:] = p + np.fromiter([r.position_offset for r in laid], np.int64, B)[row]
+        slots[:] = slot_mapping(tables, row, p, self.block_size)
+        ctx[:] = starts + lens
         qsl[0] = 0
-        for j, i in enumerate(order):
-            r = reqs[i]
-            n, start, bids = r.num_new_tokens, r.start_pos, r.block_ids
-            starts[i] = t
-            ids[t : t + n] = r.token_ids
-            span = np.arange(start, start + n)
-            pos[t : t + n] = span + r.position_offset
-            slots[t : t + n] = np.asarray(bids, dtype=np.int64)[span // bs] * bs + span % bs
-            t += n
-            qsl[j + 1] = t
-            last_row[i] = t - 1
-            ctx[j] = r.context_len
-            tables[j, : len(bids)] = bids
+        qsl[1:] = np.cumsum(lens)
         pqsl[:] = qsl[nd:] - nd
+        # where each request's tokens start and its last row, in the order of ``out.requests``
+        first, last = np.empty(B, np.int64), np.empty(B, np.int64)
+        first[order], last[order] = qsl[:-1], qsl[1:] - 1
+        last_row = last.tolist()
         # a sampling request's last row, and with drafts the rows before it, one per draft
         rows[:] = [
             last_row[i] - j
@@ -297,7 +293,7 @@ class ModelRunner:
             num_decodes=nd,
             prefill_start_loc=d32[2] if nd < B else None,
         )
-        return StepInputs(d64[0], d64[1], meta, d64[3], starts)
+        return StepInputs(d64[0], d64[1], meta, d64[3], first.tolist())
 
     def _graph_forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode-only step through its captured graph: (logits [n, V], argmax [n]) of every
@@ -326,17 +322,21 @@ class ModelRunner:
         ids, pos, slots = h64[0].reshape(3, b)
         ctx, tables = h32[0], h32[1].reshape(b, W)
         ids[n:], pos[n:], slots[n:], ctx[n:] = 0, 0, -1, 1  # padding rows: write no KV
-        tables.fill(0)
+        # one row per token (a request with drafts: 1 + num_spec rows), filled from lists in
+        # one pass: numpy's per-call cost would be paid per token otherwise
+        tok, posl, slotl, ctxl, rows = [], [], [], [], []
         bs = self.block_size
-        i = 0
         for r in reqs:
-            bids = r.block_ids
-            for j, token in enumerate(r.token_ids):
-                p = r.start_pos + j
-                ids[i], pos[i], ctx[i] = token, p + r.position_offset, p + 1
-                slots[i] = bids[p // bs] * bs + p % bs
-                tables[i, : len(bids)] = bids
-                i += 1
+            bids, p, offset = r.block_ids, r.start_pos, r.position_offset
+            for token in r.token_ids:
+                tok.append(token)
+                posl.append(p + offset)
+                slotl.append(bids[p // bs] * bs + p % bs)
+                p += 1
+                ctxl.append(p)
+                rows.append(bids)
+        ids[:n], pos[:n], slots[:n], ctx[:n] = tok, posl, slotl, ctxl
+        fill_tables(tables, rows)
         d64, d32 = self.staging.upload()
         segments = d32[2] if lora is not None else None
         logits, argmax = graphs.run(d64[0], d32[0], d32[1].view(b, W), b, segments)
@@ -474,6 +474,8 @@ class ModelRunner:
             logits = None if ran is not None else self.forward_logits(out, eager, layers)
         if ran is not None:  # the graph's own argmax is the token: one read, no sampler
             (ids,) = self.reader.read(ran[1])
+            if len(ids) == len(sampling):  # no drafts: a token each
+                return {r.request_id: [SampledToken(t)] for r, t in zip(sampling, ids, strict=True)}
             return keep_drafts(sampling, [SampledToken(t) for t in ids])
         if logits is None or not sampling:
             return {}

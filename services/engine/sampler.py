@@ -63,16 +63,18 @@ def _mask_top_k_top_p(
 
 
 def _noise(probs: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    seeded = [i for i, sp in enumerate(params) if sp.seed is not None]
+    if not seeded:  # the same draws as the rows gathered below, without the gather
+        return torch.empty_like(probs).exponential_()
     q = torch.empty_like(probs)
     unseeded = [i for i, sp in enumerate(params) if sp.seed is None]
     if unseeded:
         q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
-    for i, sp in enumerate(params):
-        if sp.seed is not None:
-            gen = torch.Generator(device=probs.device).manual_seed(
-                _position_seed(sp.seed, positions[i])
-            )
-            q[i].exponential_(generator=gen)
+    for i in seeded:
+        seed = params[i].seed
+        assert seed is not None
+        gen = torch.Generator(device=probs.device).manual_seed(_position_seed(seed, positions[i]))
+        q[i].exponential_(generator=gen)
     return q
 
 
@@ -98,8 +100,13 @@ def sample(
     for i, ids in enumerate(stop_ids_for_min_tokens):
         if ids:
             logits[i, ids] = _NEG_INF
-    tokens = logits.argmax(dim=-1)
     random_rows = [i for i, sp in enumerate(params) if not sp.greedy]
+    if len(random_rows) == len(params):  # every row sampled: no argmax, gather nor scatter
+        return _package(
+            _sample_rows(logits, params, [len(o) for o in outputs]), raw, want_logprobs,
+            read or _tolist,
+        )  # fmt: skip
+    tokens = logits.argmax(dim=-1)
     if random_rows:
         tokens[random_rows] = _sample_rows(
             logits[random_rows],

@@ -133,6 +133,13 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid)
+        if table is not None and not cached and not restore:  # most steps: room in its blocks
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(table) * self.block_size:
+                # (a block fills once every block_size tokens: the registered count says when)
+                if register and total // self.block_size > self._registered.get(rid, 0):
+                    self._cache_full_blocks(request, table, total)
+                return True
         have = len(table) if table is not None else 0
         cached, restore = cached or [], restore or []
         hit = len(cached) + len(restore)

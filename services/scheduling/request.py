@@ -115,12 +115,14 @@ class Request:
 
     def check_stop(self, new_token: int) -> FinishReason | None:
         """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""
-        sp = self.sampling_params
-        if self.num_output_tokens >= sp.max_tokens:
+        sp, num_output = self.sampling_params, len(self.output_token_ids)
+        if num_output >= sp.max_tokens:
             return FinishReason.LENGTH
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and (
+            len(self.prompt_token_ids) + num_output >= self.max_model_len
+        ):
             return FinishReason.LENGTH
-        if self.num_output_tokens < sp.min_tokens:
+        if num_output < sp.min_tokens:
             return None
         if not sp.ignore_eos and new_token in self.eos_token_ids:
             self.stop_reason = new_token

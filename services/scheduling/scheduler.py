@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 from services.config import SchedulerConfig
 from services.scheduling.kv_manager import KVCacheManager
@@ -29,6 +30,12 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # finished prefill-only requests keeping their blocks
         self.reserved: dict[str, Request] = {}  # decode side: blocks held for KV in flight
         self.num_preemptions = 0
+        # the policy's order (lowest first), an attrgetter: it keys a sort of every running
+        # request every step
+        fields = ("arrival_time", "seq")
+        self._order_key = attrgetter(
+            *(("priority", *fields) if config.policy == "priority" else fields)
+        )
 
     # ---- admission and removal -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -116,13 +123,9 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- schedule ----------------------------------------------------------------------------
-    def _order_key(self, req: Request) -> tuple[int, float, int]:
-        if self.config.policy == "priority":
-            return (req.priority, req.arrival_time, req.seq)
-        return (0, req.arrival_time, req.seq)
-
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = req.num_tokens - req.num_computed_tokens
+    def _num_new_tokens(self, left: int, budget: int) -> int:
+        """Of the ``left`` tokens a running request has to compute, this step's share."""
+        n = left
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
@@ -163,11 +166,12 @@ class Scheduler:
             # preempted earlier in this loop (status checked: list membership is O(n) per call)
             if req.status is not RequestStatus.RUNNING or budget <= 0:
                 continue
-            is_decode = req.num_tokens - req.num_computed_tokens == 1
+            left = req.num_tokens - req.num_computed_tokens
+            is_decode = left == 1
             decodes_left -= is_decode
-            if not self._adapter_fits(req, adapters):
+            if self.config.max_loras and not self._adapter_fits(req, adapters):
                 continue
-            n = self._num_new_tokens(req, budget if is_decode else budget - decodes_left)
+            n = self._num_new_tokens(left, budget if is_decode else budget - decodes_left)
             if n <= 0:
                 continue
             while not self.kv.allocate(req, n):
@@ -191,6 +195,8 @@ class Scheduler:
         """Draft tokens (speculative decoding) after the decodes that carry them, from what is
         left once every request, running or admitted, has its share: the step's budget and
         free blocks. Drafts never take a block or a token another request needs."""
+        if not any(req.spec_token_ids for req, _ in scheduled):
+            return scheduled
         out = []
         for req, n in scheduled:
             drafts = len(req.spec_token_ids)
@@ -257,16 +263,19 @@ class Scheduler:
         return budget
 
     def _to_scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        known = min(start + n, req.num_tokens)
+        start, total = req.num_computed_tokens, req.num_tokens
+        known = min(start + n, total)
         num_spec = start + n - known  # draft tokens after the known ones
-        drafts, req.spec_token_ids = req.spec_token_ids[:num_spec], []
+        token_ids = req.token_ids(start, known)
+        if req.spec_token_ids:
+            token_ids += req.spec_token_ids[:num_spec]
+            req.spec_token_ids = []
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids(start, known) + drafts,
+            token_ids=token_ids,
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=known == req.num_tokens,
+            sample=known == total,
             sampling_params=req.sampling_params,
             output_token_ids=req.output_token_ids,
             prompt_token_ids=req.prompt_token_ids,

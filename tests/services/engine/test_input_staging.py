@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from services.engine.input_staging import InputStaging
+from services.engine.input_staging import InputStaging, fill_tables, slot_mapping, token_spans
 
 
 def test_views_are_laid_out_back_to_back_and_come_back_in_order() -> None:
@@ -36,3 +37,26 @@ def test_empty_parts() -> None:
     b[:] = [9, 8]
     (da, db), () = st.upload()
     assert da.numel() == 0 and db.tolist() == [9, 8]
+
+
+@pytest.mark.parametrize("num_seqs", [3, 40])  # a row at a time, and the masked fill
+def test_step_layout_matches_a_request_by_request_reference(num_seqs: int) -> None:
+    rng = np.random.default_rng(num_seqs)
+    bs, width = 16, 9
+    lens = rng.integers(1, 40, num_seqs)
+    starts = rng.integers(0, 90, num_seqs)
+    tables_in = [list(rng.permutation(500)[: (s + n + bs - 1) // bs]) for s, n in zip(starts, lens, strict=True)]  # fmt: skip
+    tables = np.full((num_seqs + 2, width), 7, np.int32)  # rows past the requests: zeroed
+    fill_tables(tables, tables_in)
+    row, pos = token_spans(starts, lens)
+    slots = slot_mapping(tables, row, pos, bs)
+    want_rows, want_pos, want_slots = [], [], []
+    for i, (s, n, ids) in enumerate(zip(starts, lens, tables_in, strict=True)):
+        assert tables[i].tolist() == ids + [0] * (width - len(ids))
+        for p in range(s, s + n):
+            want_rows.append(i)
+            want_pos.append(p)
+            want_slots.append(ids[p // bs] * bs + p % bs)
+    assert not tables[num_seqs:].any()
+    assert row.tolist() == want_rows and pos.tolist() == want_pos
+    assert slots.tolist() == want_slots and slots.dtype == np.int64

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from protos.blocks import blocks_for
 from protos.sampling_params import SamplingParams
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
@@ -58,3 +60,25 @@ def test_decode_rows_go_first_and_logits_keep_the_scheduler_order(engine: LLMEng
         ]
     assert mixed is not None and all(x is not None for x in alone)
     torch.testing.assert_close(mixed, torch.cat(alone), rtol=1e-4, atol=1e-4)  # type: ignore[arg-type]
+
+
+def test_decode_graph_rows_compute_what_the_eager_step_does(engine: LLMEngine) -> None:
+    """The graph path lays its inputs out on its own (one row per token, padded to a bucket):
+    on the CPU an uncaptured DecodeGraphs runs the same forward over them."""
+    runner = engine.runner
+    b, d = _prompt(9, 5), _prompt(17, 6)
+    runner.forward_logits(
+        SchedulerOutput([_req("b", b[:-1], 0, [40]), _req("d", d[:-1], 0, [41, 42])])
+    )
+    step = SchedulerOutput([_req("b", b, 8, [40]), _req("d", d, 16, [41, 42])])
+    max_blocks = blocks_for(runner.max_model_len, runner.block_size)
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, max_blocks, runner.device)
+    try:
+        with torch.inference_mode():
+            graph = runner.forward_logits(step)
+            forwards = runner.forwards.graph
+            eager = runner.forward_logits(step, eager=True)
+    finally:
+        runner.graphs = None
+    assert forwards > 0 and graph is not None and eager is not None
+    torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
