@@ -9,6 +9,8 @@ memory without blocking, then one wait on a CUDA event (torch releases the GIL i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -17,10 +19,23 @@ class GpuReader:
         self.device = device
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
+        self._while: Callable[[], None] | None = None
+
+    def while_waiting(self, work: Callable[[], None]) -> None:
+        """Run ``work`` once, at the next :meth:`read`, after the copies are queued and before
+        the host waits for the GPU: host work that overlaps the step's GPU time."""
+        self._while = work
+
+    def run_pending(self) -> None:
+        """Run the work :meth:`while_waiting` left, if no read ran it (a step that read nothing)."""
+        work, self._while = self._while, None
+        if work is not None:
+            work()
 
     def read(self, *tensors: torch.Tensor) -> list[list]:
         """Each tensor's values as (nested) Python lists, once the GPU has produced them."""
         if self._event is None:
+            self.run_pending()
             return [t.tolist() for t in tensors]
         need: dict[torch.dtype, int] = {}
         for t in tensors:
@@ -37,5 +52,6 @@ class GpuReader:
             view.copy_(t, non_blocking=True)
             views.append(view)
         self._event.record(torch.cuda.current_stream(self.device))  # the copies' stream
+        self.run_pending()
         self._event.synchronize()
         return [v.tolist() for v in views]

@@ -152,6 +152,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # prompt_logprobs, position by position, until the request's first token goes out
         self._prompt_lp: dict[str, list[PositionLogprobs]] = {}
+        # the last step's token updates, turned into outputs (detokenized, stop strings checked)
+        # while the next step's forward runs: off the path between two steps (see step())
+        self._pending: list[StepUpdate] = []
         # a named config with random weights has no tokenizer of its own: token ids only
         self.detokenize = files.kind != "named"
         self.prompt_tokens = 0
@@ -354,6 +357,9 @@ class LLMEngine:
         self.prompt_tokens += len(prompt_token_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        dropped = [u for u in self._pending if u.request_id == request_id]
+        if dropped:  # its last tokens are not streamed after the abort's end
+            self._pending = [u for u in self._pending if u.request_id != request_id]
         req = self.scheduler.abort(request_id)
         self.runner.pooler.drop(request_id)
         self.grammars.drop(request_id)
@@ -362,6 +368,10 @@ class LLMEngine:
         if req is None and self.scheduler.cancel_reservation(request_id):
             return None
         self._detok.pop(request_id, None)
+        if req is None and dropped:  # it finished, its last output not made yet: aborted now
+            u = dropped[-1]
+            return RequestOutput(request_id, [], "", True, "abort", None, u.num_prompt_tokens,
+                                 u.num_cached_tokens)  # fmt: skip
         if req is None:
             return None
         return RequestOutput(request_id, [], "", True, "abort", None, req.num_prompt_tokens,
@@ -437,6 +447,10 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. The outputs returned are those of the step before (its
+        tokens detokenized and checked for stop strings while this step's forward ran) and,
+        when nothing is left to run, this step's own. A stop string found that late finishes
+        its request after one more token was computed for it, which nobody sees."""
         if self.proposer is not None:
             self._propose()
         out = self.scheduler.schedule()
@@ -446,12 +460,12 @@ class LLMEngine:
             for rid in out.preempted:  # recomputed later: the draft's KV goes back too
                 self.proposer.drop(rid)
         if out.empty:
-            return []
+            return self._emit_all(self._take_pending())
         lost = self._images_lost(out)
         if lost:
             out.requests = [r for r in out.requests if r.request_id not in lost]
             if out.empty:
-                return list(lost.values())
+                return [*lost.values(), *self._emit_all(self._take_pending())]
             num_tokens = out.num_tokens
         self.step_tokens.observe(num_tokens)
         if self.proposer is not None:  # the draft's prefill rides in the target's prefill step
@@ -459,23 +473,58 @@ class LLMEngine:
         min_stop = self._min_token_stop_ids(out.requests)
         score = self._prompt_scoring(out.requests)
         layers = self._layer_sink(out) if self.on_final_chunks is not None else None
+        earlier: list[RequestOutput] = []
+        pending = self._take_pending()
+        if pending:  # the last step's outputs, made while this forward runs on the device
+            self.runner.reader.while_waiting(lambda: earlier.extend(self._emit_all(pending)))
         try:
             sampled = self.runner.execute(out, min_stop, self.grammars, score, layers=layers)
         except BaseException as exc:
             if layers is not None:  # the KV streaming out of this forward will never be whole
                 layers.fail(f"the forward failed: {type(exc).__name__}: {exc}")
+            self.runner.reader.while_waiting(lambda: None)  # not run: dropped with the step
             raise
+        self.runner.reader.run_pending()  # a step that read nothing back
         if score:
             self._keep_prompt_scores(self.runner.score_prompts(out, score))
         pooled = self.runner.pool(out) if self.task == "embed" else {}
         if self.proposer is not None:
             self._record_acceptance(out, sampled)
         updates = self.scheduler.update(out, sampled)
-        outputs, done = list(lost.values()), set()
+        outputs = [*lost.values(), *earlier]
+        tokens = []
         for u in updates:
             if u.token is None:  # an embedding's last chunk
                 outputs.append(self._emit_embedding(u, pooled[u.request_id]))
-            elif u.request_id not in done:  # a stop string ends a kept run early
+            else:
+                tokens.append(u)
+        if self._may_defer(tokens):
+            self._pending = tokens
+        else:
+            outputs.extend(self._emit_all(tokens))
+        return outputs
+
+    def _may_defer(self, updates: list[StepUpdate]) -> bool:
+        """Whether these tokens' outputs may wait for the next step's forward: not when the
+        engine has nothing more to run (nobody would call again), nor under a grammar (its
+        matcher must take the token before the next step's bitmask) or drafts (proposed from
+        the outputs)."""
+        return (
+            bool(updates)
+            and self.proposer is None
+            and self.scheduler.has_unfinished
+            and not self.grammars.constrains([u.request_id for u in updates])
+        )
+
+    def _take_pending(self) -> list[StepUpdate]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _emit_all(self, updates: list[StepUpdate]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        done: set[str] = set()
+        for u in updates:
+            if u.request_id not in done:  # a stop string ends a kept run early
                 outputs.append(self._emit(u))
                 if outputs[-1].finished:
                     done.add(u.request_id)
@@ -726,7 +775,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._pending)
 
     def stats(self) -> EngineStats:
         s, host = self.scheduler, self.kv.host

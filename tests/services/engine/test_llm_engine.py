@@ -144,3 +144,74 @@ def test_every_step_counts_its_tokens_in_the_iteration_histogram(llm: LLM) -> No
     grew = [a - b for a, b in zip(after.counts, before.counts, strict=True)]
     assert dict(zip(after.bounds, grew, strict=True))[1.0] == 3  # the decode steps
     assert dict(zip(after.bounds, grew, strict=True))[32.0] == 4  # and the prompt's
+
+
+def test_outputs_made_during_the_next_forward_are_those_made_at_once(
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's tokens become outputs (detokenized, stop strings checked) while the next step's
+    forward runs; a stop string found then ends its request one computed token late, which
+    nobody sees: the same results as outputs made at once, and every block free after."""
+    engine = llm.engine
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, stop=["the", "."]),
+        SamplingParams(temperature=0, max_tokens=3),
+        SamplingParams(temperature=0, max_tokens=40, stop=[" is"], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    prompts = chat_ids[:4]
+    deferred = 0
+    take = type(engine)._take_pending
+
+    def counting(self: object) -> list:
+        nonlocal deferred
+        pending = take(self)  # type: ignore[arg-type]
+        deferred += bool(pending)
+        return pending
+
+    monkeypatch.setattr(type(engine), "_take_pending", counting)
+    late = llm.generate(prompts, params)
+    assert deferred > 5  # the outputs of most steps were made during the next one
+    monkeypatch.setattr(type(engine), "_may_defer", lambda self, updates: False)
+    at_once = llm.generate(prompts, params)
+    for a, b in zip(late, at_once, strict=True):
+        (oa,), (ob,) = a.outputs, b.outputs
+        assert (oa.token_ids, oa.text, oa.finish_reason, oa.stop_reason) == (
+            ob.token_ids, ob.text, ob.finish_reason, ob.stop_reason)  # fmt: skip
+    assert {o.outputs[0].finish_reason for o in late} == {"stop", "length"}
+    assert engine.stats().free_blocks == engine.stats().total_blocks
+
+
+def test_an_abort_while_the_last_output_waits_ends_the_request_as_aborted(
+    llm: LLM, chat_ids: list[list[int]]
+) -> None:
+    engine = llm.engine
+    engine.add_request("short", chat_ids[0], SamplingParams(temperature=0, max_tokens=2))
+    engine.add_request("long", chat_ids[1], SamplingParams(temperature=0, max_tokens=50))
+    seen: list = []
+    while not any(u.request_id == "short" and u.finished for u in engine._pending):
+        seen += engine.step()
+    assert not any(o.request_id == "short" and o.finished for o in seen)
+    out = engine.abort("short")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert out.num_prompt_tokens == len(chat_ids[0])
+    assert engine.abort("long") is not None
+    while engine.has_unfinished:
+        assert all(o.request_id not in ("short", "long") for o in engine.step())
+    assert engine.stats().free_blocks == engine.stats().total_blocks
+
+
+def test_a_last_output_still_waiting_is_delivered_when_nothing_else_runs(
+    llm: LLM, chat_ids: list[list[int]]
+) -> None:
+    engine = llm.engine
+    engine.add_request("done", chat_ids[2], SamplingParams(temperature=0, max_tokens=2))
+    engine.add_request("other", chat_ids[3], SamplingParams(temperature=0, max_tokens=50))
+    while not any(u.request_id == "done" and u.finished for u in engine._pending):
+        engine.step()
+    assert engine.abort("other") is not None  # nothing is left to run...
+    assert engine.has_unfinished  # ...but an output is still to be made
+    (last,) = engine.step()
+    assert last.request_id == "done" and last.finished and last.finish_reason == "length"
+    assert not engine.has_unfinished
+    assert engine.stats().free_blocks == engine.stats().total_blocks
