@@ -74,6 +74,8 @@ class EngineDriver:
         self._gate = threading.Lock()  # no command is queued once ``fatal`` is set
 
     def start(self) -> None:
+        # a step's outputs are made while the next step's forward runs: streamed from there
+        self.engine.deliver_early = self._deliver
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:

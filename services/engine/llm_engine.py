@@ -6,7 +6,7 @@ Single-threaded by design; the gRPC servers drive it from one thread (``services
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -155,6 +155,9 @@ class LLMEngine:
         # the last step's token updates, turned into outputs (detokenized, stop strings checked)
         # while the next step's forward runs: off the path between two steps (see step())
         self._pending: list[StepUpdate] = []
+        # where those outputs go at once (the serving driver streams them while the forward
+        # runs); None: the step returns them (one step later than they were made)
+        self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
         # a named config with random weights has no tokenizer of its own: token ids only
         self.detokenize = files.kind != "named"
         self.prompt_tokens = 0
@@ -476,7 +479,7 @@ class LLMEngine:
         earlier: list[RequestOutput] = []
         pending = self._take_pending()
         if pending:  # the last step's outputs, made while this forward runs on the device
-            self.runner.reader.while_waiting(lambda: earlier.extend(self._emit_all(pending)))
+            self.runner.reader.while_waiting(lambda: self._early(pending, earlier))
         try:
             sampled = self.runner.execute(out, min_stop, self.grammars, score, layers=layers)
         except BaseException as exc:
@@ -515,6 +518,13 @@ class LLMEngine:
             and self.scheduler.has_unfinished
             and not self.grammars.constrains([u.request_id for u in updates])
         )
+
+    def _early(self, pending: list[StepUpdate], into: list[RequestOutput]) -> None:
+        outputs = self._emit_all(pending)
+        if self.deliver_early is not None:
+            self.deliver_early(outputs)
+        else:
+            into.extend(outputs)
 
     def _take_pending(self) -> list[StepUpdate]:
         pending, self._pending = self._pending, []
