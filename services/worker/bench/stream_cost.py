@@ -2,16 +2,16 @@
 
 A worker process runs the real colocated servicer (``WorkerService.GenerateStream``, the
 multiplexed stream the gateway uses) and the real :class:`EngineDriver`, in front of a fake
-engine whose step "runs the GPU" by sleeping ``--gpu-ms`` with the GIL released and does
-``--host-ms`` of pure-Python work holding it, then emits one token (and a short text piece) per
-running request. This process is the gateway: ``--requests`` requests of ``--max-tokens`` each
+engine whose step does ``--host-ms`` of pure-Python work holding the GIL, half of it before and
+half after it "runs the GPU" by sleeping ``--gpu-ms`` with the GIL released, and emits one token
+(and a short text piece) per running request. This process is the gateway: ``--requests`` requests of ``--max-tokens`` each
 go out at once through the gateway's own ``StreamMux``.
 
 With nothing else in the worker, a step takes gpu + host ms (the ideal); every microsecond of
 Python the event loop spends per token competes with the engine thread for the GIL and shows up
 as slower steps. Reported (one JSON object): steps/s against the ideal, and the worker's CPU per
-token over the run: all of it, the engine thread's (the fake host work included) and the rest
-(the event loop and grpc's threads).
+token over the run: all of it, the engine thread's inside steps (the fake host work), the rest
+(serving: the event loop, grpc's threads, the driver's hand-off) and the event loop's alone.
 
     python -m services.worker.bench.stream_cost --requests 256 --max-tokens 64 \
         --gpu-ms 20 --host-ms 4 [--profile 30]
@@ -93,9 +93,12 @@ class FakeEngine:
         return RequestOutput(request_id, [], "", True, "abort")
 
     def step(self) -> list[RequestOutput]:
-        cpu0 = time.thread_time()
-        _busy(self.host_s)
+        """Half the host work before the GPU (scheduling, inputs), half after it (sampling,
+        detokenizing: the outputs built here count towards it)."""
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        _busy_until(t0 + self.host_s / 2)
         time.sleep(self.gpu_s)
+        t1 = time.perf_counter()
         outputs = []
         for rid, req in list(self.running.items()):
             tok = req.produced % 1000
@@ -105,6 +108,7 @@ class FakeEngine:
                                          num_prompt_tokens=16))  # fmt: skip
             if done:
                 del self.running[rid]
+        _busy_until(t1 + self.host_s / 2)
         self.steps += 1
         self.tokens += len(outputs)
         self.step_times.append(time.monotonic())
@@ -112,9 +116,8 @@ class FakeEngine:
         return outputs
 
 
-def _busy(seconds: float) -> None:
-    """Pure-Python work (the GIL held, switchable like any bytecode) for ``seconds``."""
-    end = time.perf_counter() + seconds
+def _busy_until(end: float) -> None:
+    """Pure-Python work (the GIL held, switchable like any bytecode) until ``end``."""
     x = 0
     while time.perf_counter() < end:
         for i in range(50):
@@ -149,7 +152,7 @@ async def _serve(cfg: BenchConfig, conn: Connection) -> None:
     while (cmd := await loop.run_in_executor(None, conn.recv)) != "exit":
         if cmd == "start":
             base = (engine.steps, engine.tokens, engine.thread_cpu, len(engine.step_times))
-            cpu0, wall0 = time.process_time(), time.monotonic()
+            cpu0, loop0, wall0 = time.process_time(), time.thread_time(), time.monotonic()
             prof = cProfile.Profile() if cfg.profile else None
             if prof is not None:
                 prof.enable()  # this thread only: the event loop's side
@@ -158,12 +161,13 @@ async def _serve(cfg: BenchConfig, conn: Connection) -> None:
             if prof is not None:
                 prof.disable()
             cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+            loop_cpu = time.thread_time() - loop0  # this thread runs the event loop
             steps, tokens = engine.steps - base[0], engine.tokens - base[1]
             times = engine.step_times[base[3] :]
             span = times[-1] - times[0] if len(times) > 1 else 0.0
             conn.send({
                 "steps": steps, "tokens": tokens, "wall_s": wall, "cpu_s": cpu,
-                "engine_cpu_s": engine.thread_cpu - base[2],
+                "engine_cpu_s": engine.thread_cpu - base[2], "loop_cpu_s": loop_cpu,
                 "steps_per_s": (len(times) - 1) / span if span > 0 else 0.0,
                 "profile": _top(prof, cfg.profile) if prof is not None else "",
             })  # fmt: skip
@@ -237,6 +241,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         "worker_cpu_us_per_token": round(got["cpu_s"] / tokens * 1e6, 1),
         "engine_thread_cpu_us_per_token": round(got["engine_cpu_s"] / tokens * 1e6, 1),
         "serving_cpu_us_per_token": round(rest / tokens * 1e6, 1),
+        "loop_thread_cpu_us_per_token": round(got["loop_cpu_s"] / tokens * 1e6, 1),
         "profile": got["profile"],
     }
 
