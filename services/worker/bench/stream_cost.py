@@ -11,7 +11,8 @@ With nothing else in the worker, a step takes gpu + host ms (the ideal); every m
 Python the event loop spends per token competes with the engine thread for the GIL and shows up
 as slower steps. Reported (one JSON object): steps/s against the ideal, and the worker's CPU per
 token over the run: all of it, the engine thread's inside steps (the fake host work), the rest
-(serving: the event loop, grpc's threads, the driver's hand-off) and the event loop's alone.
+(serving: the event loop, grpc's threads, the driver's hand-off) and the event loop's alone; and
+the client's (the gateway's ``StreamMux`` reading every request's chunks).
 
     python -m services.worker.bench.stream_cost --requests 256 --max-tokens 64 \
         --gpu-ms 20 --host-ms 4 [--profile 30]
@@ -216,9 +217,9 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         asyncio.run(_drive(port, min(cfg.requests, 8), 4, "warm"))
         parent.send("start")
         parent.recv()
-        t0 = time.monotonic()
+        t0, client0 = time.monotonic(), time.process_time()
         streamed = asyncio.run(_drive(port, cfg.requests, cfg.max_tokens, "run"))
-        wall = time.monotonic() - t0
+        wall, client_cpu = time.monotonic() - t0, time.process_time() - client0
         parent.send("stop")
         got = parent.recv()
         parent.send("exit")
@@ -242,6 +243,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         "engine_thread_cpu_us_per_token": round(got["engine_cpu_s"] / tokens * 1e6, 1),
         "serving_cpu_us_per_token": round(rest / tokens * 1e6, 1),
         "loop_thread_cpu_us_per_token": round(got["loop_cpu_s"] / tokens * 1e6, 1),
+        "client_cpu_us_per_token": round(client_cpu / max(streamed, 1) * 1e6, 1),
         "profile": got["profile"],
     }
 

@@ -136,6 +136,20 @@ def test_a_partial_characters_bytes_reach_the_gateways_chat_logprobs() -> None:
     ]
 
 
+def test_the_gateway_reads_a_last_chunk_whole_and_a_plain_one_with_defaults() -> None:
+    from gateway.core.events import Chunk, Timing
+    from gateway.workers.convert import chunk_from_pb
+
+    lp = PositionLogprobs(TokenLogprob(9, -0.5, "a"), (TokenLogprob(3, -2.0, "b"),))  # exact
+    last = RequestOutput("r", [9], "a", True, "stop", "END", 5, 2, [lp], prompt_logprobs=[lp])
+    timing = common_pb2.Timing(queue_s=0.5, prefill_s=0.25, transfer_s=0.125, decode_s=1.0)
+    assert chunk_from_pb(output_to_chunk(last, timing=timing)) == Chunk(
+        (9,), "a", (lp,), "stop", "END", 5, 2, Timing(0.5, 0.25, 0.125, 1.0), (lp,)
+    )
+    plain = chunk_from_pb(output_to_chunk(RequestOutput("r", [4], "x", False)))
+    assert plain == Chunk((4,), "x") and plain.timing is not Chunk().timing
+
+
 def test_logit_bias_survives_the_wire() -> None:
     sp = SamplingParams(logit_bias={"7042": -100, 5: 2.5})  # type: ignore[arg-type]
     assert sampling_from_pb(sampling_to_pb(sp)).logit_bias == ((5, 2.5), (7042, -100.0))
