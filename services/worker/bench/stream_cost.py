@@ -4,15 +4,17 @@ A worker process runs the real colocated servicer (``WorkerService.GenerateStrea
 multiplexed stream the gateway uses) and the real :class:`EngineDriver`, in front of a fake
 engine whose step does ``--host-ms`` of pure-Python work holding the GIL, half of it before and
 half after it "runs the GPU" by sleeping ``--gpu-ms`` with the GIL released, and emits one token
-(and a short text piece) per running request. This process is the gateway: ``--requests`` requests of ``--max-tokens`` each
-go out at once through the gateway's own ``StreamMux``.
+(and a short text piece) per running request. This process is the gateway: ``--requests``
+requests of ``--max-tokens`` each go out at once through the gateway's own ``StreamMux``.
 
 With nothing else in the worker, a step takes gpu + host ms (the ideal); every microsecond of
 Python the event loop spends per token competes with the engine thread for the GIL and shows up
 as slower steps. Reported (one JSON object): steps/s against the ideal, and the worker's CPU per
 token over the run: all of it, the engine thread's inside steps (the fake host work), the rest
 (serving: the event loop, grpc's threads, the driver's hand-off) and the event loop's alone; and
-the client's (the gateway's ``StreamMux`` reading every request's chunks).
+the client's (the gateway's ``StreamMux`` reading every request's chunks). Where the steps lost
+time goes beside it: how late the engine thread got going again after the GPU's sleep (the GIL
+held by the event loop, or no core free) and the driver's time between two steps.
 
     python -m services.worker.bench.stream_cost --requests 256 --max-tokens 64 \
         --gpu-ms 20 --host-ms 4 [--profile 30]
@@ -75,6 +77,11 @@ class FakeEngine:
         self.tokens = 0
         self.step_times: list[float] = []  # monotonic end of each step
         self.thread_cpu = 0.0  # the engine thread's CPU seconds inside steps
+        # where steps lose time: the GIL (and a core) won back after the GPU's sleep, and the
+        # driver's work between two steps (the hand-off, commands, hooks)
+        self.wake_late_s = 0.0
+        self.between_s = 0.0
+        self._ended: float | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -97,9 +104,13 @@ class FakeEngine:
         """Half the host work before the GPU (scheduling, inputs), half after it (sampling,
         detokenizing: the outputs built here count towards it)."""
         cpu0, t0 = time.thread_time(), time.perf_counter()
+        if self._ended is not None and self.running:
+            self.between_s += t0 - self._ended
         _busy_until(t0 + self.host_s / 2)
+        slept = time.perf_counter()
         time.sleep(self.gpu_s)
         t1 = time.perf_counter()
+        self.wake_late_s += t1 - slept - self.gpu_s
         outputs = []
         for rid, req in list(self.running.items()):
             tok = req.produced % 1000
@@ -114,6 +125,7 @@ class FakeEngine:
         self.tokens += len(outputs)
         self.step_times.append(time.monotonic())
         self.thread_cpu += time.thread_time() - cpu0
+        self._ended = time.perf_counter()
         return outputs
 
 
@@ -152,7 +164,8 @@ async def _serve(cfg: BenchConfig, conn: Connection) -> None:
     loop = asyncio.get_running_loop()
     while (cmd := await loop.run_in_executor(None, conn.recv)) != "exit":
         if cmd == "start":
-            base = (engine.steps, engine.tokens, engine.thread_cpu, len(engine.step_times))
+            base = (engine.steps, engine.tokens, engine.thread_cpu, len(engine.step_times),
+                    engine.wake_late_s, engine.between_s)  # fmt: skip
             cpu0, loop0, wall0 = time.process_time(), time.thread_time(), time.monotonic()
             prof = cProfile.Profile() if cfg.profile else None
             if prof is not None:
@@ -169,6 +182,7 @@ async def _serve(cfg: BenchConfig, conn: Connection) -> None:
             conn.send({
                 "steps": steps, "tokens": tokens, "wall_s": wall, "cpu_s": cpu,
                 "engine_cpu_s": engine.thread_cpu - base[2], "loop_cpu_s": loop_cpu,
+                "wake_late_s": engine.wake_late_s - base[4], "between_s": engine.between_s - base[5],
                 "steps_per_s": (len(times) - 1) / span if span > 0 else 0.0,
                 "profile": _top(prof, cfg.profile) if prof is not None else "",
             })  # fmt: skip
@@ -239,6 +253,8 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         "steps_per_s": round(got["steps_per_s"], 2),
         "ideal_steps_per_s": round(ideal, 2),
         "ratio": round(got["steps_per_s"] / ideal, 3) if ideal else 0.0,
+        "gpu_wake_late_ms_per_step": round(got["wake_late_s"] / max(got["steps"], 1) * 1e3, 3),
+        "between_steps_ms": round(got["between_s"] / max(got["steps"], 1) * 1e3, 3),
         "worker_cpu_us_per_token": round(got["cpu_s"] / tokens * 1e6, 1),
         "engine_thread_cpu_us_per_token": round(got["engine_cpu_s"] / tokens * 1e6, 1),
         "serving_cpu_us_per_token": round(rest / tokens * 1e6, 1),
