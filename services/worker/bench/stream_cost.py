@@ -17,7 +17,7 @@ time goes beside it: how late the engine thread got going again after the GPU's 
 held by the event loop, or no core free) and the driver's time between two steps.
 
     python -m services.worker.bench.stream_cost --requests 256 --max-tokens 64 \
-        --gpu-ms 20 --host-ms 4 [--profile 30]
+        --gpu-ms 20 --host-ms 4 [--profile 30] [--switch-interval-ms 20]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import cProfile
 import io
 import json
 import multiprocessing as mp
+import os
 import pstats
 import sys
 import threading
@@ -53,10 +54,13 @@ class BenchConfig:
     gpu_ms: float = 20.0
     host_ms: float = 4.0
     profile: int = 0  # lines of the event loop's cProfile to print (0: no profile)
+    switch_interval_ms: float = 0.0  # the worker's TANDEM_SWITCH_INTERVAL_MS (0: Python's)
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.max_tokens < 1 or self.gpu_ms < 0 or self.host_ms < 0:
             raise ValueError("--requests and --max-tokens must be >= 1, the times >= 0")
+        if not 0 <= self.switch_interval_ms <= 1000:
+            raise ValueError("--switch-interval-ms must be in [0, 1000]")
 
 
 @dataclass
@@ -106,10 +110,10 @@ class FakeEngine:
         cpu0, t0 = time.thread_time(), time.perf_counter()
         if self._ended is not None and self.running:
             self.between_s += t0 - self._ended
-        _busy_until(t0 + self.host_s / 2)
+        _busy_until(cpu0 + self.host_s / 2)
         slept = time.perf_counter()
         time.sleep(self.gpu_s)
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.thread_time()
         self.wake_late_s += t1 - slept - self.gpu_s
         outputs = []
         for rid, req in list(self.running.items()):
@@ -120,7 +124,7 @@ class FakeEngine:
                                          num_prompt_tokens=16))  # fmt: skip
             if done:
                 del self.running[rid]
-        _busy_until(t1 + self.host_s / 2)
+        _busy_until(cpu1 + self.host_s / 2)
         self.steps += 1
         self.tokens += len(outputs)
         self.step_times.append(time.monotonic())
@@ -130,15 +134,22 @@ class FakeEngine:
 
 
 def _busy_until(end: float) -> None:
-    """Pure-Python work (the GIL held, switchable like any bytecode) until ``end``."""
+    """Pure-Python work (the GIL held, switchable like any bytecode) until this thread's CPU
+    time reaches ``end``: a fixed amount of work, which the event loop holding the GIL delays
+    as it would the engine's own (a wall-clock bound would absorb the time it took)."""
     x = 0
-    while time.perf_counter() < end:
+    while time.thread_time() < end:
         for i in range(50):
             x += i * i
 
 
 # ---- the worker process ----------------------------------------------------------------------
 def _worker_main(cfg: BenchConfig, conn: Connection) -> None:
+    from services.common.runtime import SWITCH_INTERVAL_ENV, gil_switch_interval
+
+    if cfg.switch_interval_ms:
+        os.environ[SWITCH_INTERVAL_ENV] = str(cfg.switch_interval_ms)
+    gil_switch_interval()  # as run_worker does
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -272,10 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host-ms", type=float, default=4.0, help="a step's Python, GIL held")
     p.add_argument("--profile", type=int, default=0, metavar="LINES",
                    help="print the event loop thread's cProfile, top LINES by own time")  # fmt: skip
+    p.add_argument("--switch-interval-ms", type=float, default=0.0,
+                   help="the worker's TANDEM_SWITCH_INTERVAL_MS (0: Python's 5 ms)")  # fmt: skip
     p.add_argument("--json-out", default="", help="also write the report here")
     args = p.parse_args(argv)
     try:
-        cfg = BenchConfig(args.requests, args.max_tokens, args.gpu_ms, args.host_ms, args.profile)
+        cfg = BenchConfig(args.requests, args.max_tokens, args.gpu_ms, args.host_ms, args.profile,
+                          args.switch_interval_ms)  # fmt: skip
     except ValueError as exc:
         p.error(str(exc))
     report = run(cfg)
