@@ -43,6 +43,7 @@ SERVING_MODULES = frozenset(
         "tests/services/decode/test_server.py",
         "tests/services/prefill/test_server.py",
         "tests/services/test_gpu_disagg.py",
+        "tests/services/worker/bench/test_stream_cost.py",
         "tests/services/worker/test_server.py",
     }
 )

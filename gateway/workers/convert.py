@@ -111,19 +111,20 @@ def timing_from_pb(msg: common_pb2.Timing) -> Timing:
 
 
 def chunk_from_pb(msg: common_pb2.TokenChunk) -> Chunk:
-    """Raises WorkerReportedError for an error chunk."""
+    """Raises WorkerReportedError for an error chunk. Called for every token of every request:
+    what a chunk leaves out (logprobs, timing: all but the last) is not converted."""
     if msg.finish_reason == common_pb2.FINISH_REASON_ERROR:
         raise WorkerReportedError(msg.error or "the worker failed this request")
     return Chunk(
         token_ids=tuple(msg.token_ids),
         text=msg.text,
-        logprobs=_positions(msg.logprobs),
-        prompt_logprobs=_positions(msg.prompt_logprobs),
+        logprobs=_positions(msg.logprobs) if msg.logprobs else (),
+        prompt_logprobs=_positions(msg.prompt_logprobs) if msg.prompt_logprobs else (),
         finish_reason=FINISH_REASONS.get(msg.finish_reason),
         stop_reason=msg.stop_reason,
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
-        timing=timing_from_pb(msg.timing),
+        timing=timing_from_pb(msg.timing) if msg.HasField("timing") else Timing(),
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -36,27 +36,43 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+_EXPIRED = object()  # what a call's deadline puts into its inbox
+
+
 class MuxCall:
-    """One request of a multiplexed stream, read like a server-streaming call."""
+    """One request of a multiplexed stream, read like a server-streaming call.
 
-    def __init__(self, mux: StreamMux, request_id: str, deadline: float) -> None:
-        self._mux, self.request_id, self._deadline = mux, request_id, deadline
-        self._inbox: asyncio.Queue[common_pb2.TokenChunk | BaseException] = asyncio.Queue()
+    Its chunks wait in a deque with at most one reader's future (an ``asyncio.Queue`` costs twice
+    that per token) and its deadline is one timer for the whole call, not one per ``read``.
+    """
+
+    def __init__(self, mux: StreamMux, request_id: str, timeout: float) -> None:
+        self._mux, self.request_id = mux, request_id
+        self._inbox: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._done = False
+        self._timer = asyncio.get_running_loop().call_later(timeout, self.deliver, _EXPIRED)
 
-    def deliver(self, item: common_pb2.TokenChunk | BaseException) -> None:
-        self._inbox.put_nowait(item)
+    def deliver(self, item: Any) -> None:
+        """A chunk, a stream's error or ``_EXPIRED``, in the order read() gets them."""
+        self._inbox.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def read(self) -> Any:
         """The next chunk, ``grpc.aio.EOF`` after the last one; raises ``grpc.RpcError``."""
         if self._done:
             return grpc.aio.EOF
-        try:
-            async with asyncio.timeout(self._left()):
-                item = await self._inbox.get()
-        except TimeoutError:
+        while not self._inbox:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._inbox.popleft()
+        if item is _EXPIRED:
             self.cancel()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if isinstance(item, BaseException):
             self._finish()
             raise item
@@ -68,15 +84,14 @@ class MuxCall:
             self._finish()
         return item
 
-    def _left(self) -> float:
-        return max(self._deadline - time.monotonic(), 0.0)
+    def __aiter__(self) -> MuxCall:
+        return self
 
-    def __aiter__(self) -> AsyncIterator[common_pb2.TokenChunk]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[common_pb2.TokenChunk]:
-        while (item := await self.read()) is not grpc.aio.EOF:
-            yield item
+    async def __anext__(self) -> common_pb2.TokenChunk:
+        item = await self.read()
+        if item is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return item  # type: ignore[no-any-return]
 
     def cancel(self) -> bool:
         """Stop the request on the worker (an ``abort`` item); False if it had already ended."""
@@ -88,6 +103,7 @@ class MuxCall:
 
     def _finish(self) -> None:
         self._done = True
+        self._timer.cancel()
         self._mux.forget(self)
 
 
@@ -113,7 +129,7 @@ class StreamMux:
         old = self._calls.get(rid)
         if old is not None:  # the flows retry under a new id; an old attempt's late chunks
             old.cancel()  # would reach the new call, so the id is not reused while it runs
-        call = MuxCall(self, rid, time.monotonic() + timeout)
+        call = MuxCall(self, rid, timeout)
         self._calls[rid] = call
         self._send(
             self._make_item(**{self._kind: request}, metadata=dict(metadata), timeout_s=timeout)

@@ -6,6 +6,11 @@ with the engine thread that time comes straight out of the GPU's. On a multiplex
 request runs the very handler its own call would run (``Generate`` / ``Decode``), and what all of
 them produced since the last send leaves as one ``ChunkBatch``: one message per engine step.
 
+A handler may also hand its engine outputs straight to the stream (``RequestContext.put_output``,
+what ``services.common.streaming.stream_chunks`` does here): each is written into the batch being
+built, or appended to the request's chunk in it, as it arrives, so a token costs neither a task
+wake-up nor a queue hand-off nor a chunk copied into the batch.
+
 A request that its own call would end with a status (``context.abort``) ends here with an error
 chunk carrying that status code; an ``abort`` item, the request's timeout or the end of the
 stream stops the handler, whose cleanup aborts the request in the engine as a cancelled call's
@@ -18,12 +23,15 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
 
 from protos import common_pb2
+from services.common.convert import add_output, merge_output
+from services.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 1024  # chunks per ChunkBatch
@@ -38,16 +46,24 @@ class RequestAborted(Exception):
 
 
 class RequestContext:
-    """The part of ``grpc.aio.ServicerContext`` the handlers use, for one request of a stream."""
+    """The part of ``grpc.aio.ServicerContext`` the handlers use, for one request of a stream,
+    and the way to hand it outputs without yielding a chunk each."""
 
-    def __init__(self, metadata: Mapping[str, str]) -> None:
+    def __init__(self, metadata: Mapping[str, str], outbox: _Outbox, request_id: str) -> None:
         self._metadata = tuple(metadata.items())
+        self._outbox, self.request_id = outbox, request_id
+        self.finished = False  # a finishing output went out through put_output
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise RequestAborted(code, details)
+
+    def put_output(self, out: RequestOutput, timing: common_pb2.Timing | None = None) -> None:
+        """Send ``out`` (on the loop; it does not raise)."""
+        self._outbox.put_output(self.request_id, out, timing)
+        self.finished = self.finished or out.finished
 
 
 def _error(request_id: str, code: grpc.StatusCode | None, message: str) -> common_pb2.TokenChunk:
@@ -59,15 +75,35 @@ def _error(request_id: str, code: grpc.StatusCode | None, message: str) -> commo
 
 
 class _Outbox:
-    """Chunks waiting to be sent, and the requests still running."""
+    """Batches waiting to be sent (the last one still filling), and the requests still running."""
 
     def __init__(self) -> None:
-        self.chunks: list[common_pb2.TokenChunk] = []
+        self.batches: deque[common_pb2.ChunkBatch] = deque()
+        self.open: dict[str, common_pb2.TokenChunk] = {}  # each request's chunk in the last batch
         self.wake = asyncio.Event()
         self.running: dict[str, asyncio.Task[None]] = {}
 
+    def _filling(self) -> Any:
+        """The last batch's chunks; a new batch once it holds MAX_BATCH (a backlog leaves in
+        several messages, each well under the gateway's message size limit)."""
+        if not self.batches or len(self.batches[-1].chunks) >= MAX_BATCH:
+            self.batches.append(common_pb2.ChunkBatch())
+            self.open = {}
+        return self.batches[-1].chunks
+
     def put(self, chunk: common_pb2.TokenChunk) -> None:
-        self.chunks.append(chunk)
+        self._filling().append(chunk)
+        self.open.pop(chunk.request_id, None)  # a later output must not go in before it
+        self.wake.set()
+
+    def put_output(
+        self, rid: str, out: RequestOutput, timing: common_pb2.Timing | None = None
+    ) -> None:
+        chunk = self.open.get(rid)
+        if chunk is None:
+            self.open[rid] = add_output(self._filling(), rid, out, timing)
+        else:  # not sent since its last output: one chunk, as a stream that fell behind sends
+            merge_output(chunk, out, timing)
         self.wake.set()
 
     def finished(self, rid: str, task: asyncio.Task[None]) -> None:
@@ -75,18 +111,21 @@ class _Outbox:
             del self.running[rid]
         self.wake.set()
 
-    def take(self) -> list[common_pb2.TokenChunk]:
-        """The next batch: at most MAX_BATCH chunks (a backlog leaves in several messages, each
-        well under the gateway's message size limit)."""
-        batch, self.chunks = self.chunks[:MAX_BATCH], self.chunks[MAX_BATCH:]
-        if self.chunks:
+    def take(self) -> common_pb2.ChunkBatch:
+        """The next batch to send; nothing writes into it afterwards."""
+        batch = self.batches.popleft()
+        if self.batches:
             self.wake.set()
+        else:
+            self.open = {}
         return batch
 
 
 async def _run_one(
-    outbox: _Outbox, rid: str, chunks: AsyncIterator[common_pb2.TokenChunk], timeout_s: float
-) -> None:
+    outbox: _Outbox, context: RequestContext, chunks: AsyncIterator[common_pb2.TokenChunk],
+    timeout_s: float,
+) -> None:  # fmt: skip
+    rid = context.request_id
     finished = False
     try:
         async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
@@ -94,11 +133,13 @@ async def _run_one(
                 chunk.request_id = rid  # the key the caller routes by, whatever the handler set
                 finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 outbox.put(chunk)
-        if not finished:  # what an own call's early end of stream tells its caller
+        if not (finished or context.finished):  # what an own call's early end tells its caller
             outbox.put(_error(rid, None, f"request {rid} ended before it finished"))
     except RequestAborted as exc:
         outbox.put(_error(rid, exc.code, exc.details))
     except TimeoutError:
+        if context.finished:  # its last chunk is out already
+            return
         outbox.put(_error(rid, grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} timed out"))
     except asyncio.CancelledError:
         pass  # aborted by the caller or the stream ended: nobody waits for a chunk
@@ -128,8 +169,9 @@ async def _read_items(
             why = "request_id must not be empty" if not rid else f"request {rid} is running"
             outbox.put(_error(rid, grpc.StatusCode.INVALID_ARGUMENT, why))
             continue
-        chunks = handler(request, RequestContext(dict(item.metadata)))
-        task = asyncio.ensure_future(_run_one(outbox, rid, chunks, item.timeout_s))
+        context = RequestContext(item.metadata, outbox, rid)
+        chunks = handler(request, context)
+        task = asyncio.ensure_future(_run_one(outbox, context, chunks, item.timeout_s))
         outbox.running[rid] = task
         task.add_done_callback(functools.partial(outbox.finished, rid))  # also if never run
 
@@ -147,9 +189,9 @@ async def multiplex(
         while True:
             await outbox.wake.wait()
             outbox.wake.clear()
-            if outbox.chunks:
-                yield common_pb2.ChunkBatch(chunks=outbox.take())
-            if reader.done() and not outbox.running and not outbox.chunks:
+            if outbox.batches:
+                yield outbox.take()
+            if reader.done() and not outbox.running and not outbox.batches:
                 reader.result()  # a broken request stream ends the call with its error
                 return
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,9 +14,11 @@ from protos import common_pb2
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.common.convert import images_from_pb, output_to_chunk, sampling_from_pb
+from services.common.multiplex import RequestContext
 from services.common.runtime import WorkerRuntime
 from services.common.tracing import end_span
 from services.engine.driver import EngineDriver, Stream
+from services.engine.outputs import RequestOutput
 
 
 async def parse_sampling(
@@ -58,43 +61,73 @@ async def submit_embedding(
     raise AssertionError("unreachable")
 
 
+class _Tally:
+    """What a request has streamed so far: its usage, and the timing its last chunk carries."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.first: float | None = None
+        self.finished = False
+        self.num_tokens = 0
+        self.reason: str | None = None
+        self.queue_s = 0.0
+
+    def add(self, out: RequestOutput) -> common_pb2.Timing | None:
+        """Count ``out``; the request's timing if it finished it."""
+        now = time.monotonic()
+        first = self.first = self.first or now
+        self.finished = out.finished
+        self.num_tokens += len(out.token_ids)
+        self.reason = out.finish_reason
+        self.queue_s = max(self.queue_s, out.queue_s)
+        if not out.finished:
+            return None
+        return common_pb2.Timing(queue_s=self.queue_s, decode_s=now - first,
+                                 prefill_s=max(first - self.started - self.queue_s, 0.0))  # fmt: skip
+
+
 async def stream_chunks(
     runtime: WorkerRuntime, driver: EngineDriver, stream: Stream, started: float | None = None,
-    span: Span | None = None,
+    span: Span | None = None, context: Any = None,
 ) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
     """Yield the request's outputs; a cancelled or broken call aborts it in the engine.
 
+    On a multiplexed stream (``context`` a ``RequestContext``) nothing is yielded: each output
+    goes to the stream as the engine delivers it, and this waits for the last one.
     ``span`` (the RPC's server span) is ended here, with the output token count and finish reason.
     """
-    started = started or time.monotonic()
-    first: float | None = None
-    finished = False
-    num_tokens = 0
-    reason: str | None = None
-    queue_s = 0.0
+    tally = _Tally(started or time.monotonic())
     runtime.inflight += 1
     try:
-        while not finished:
+        if isinstance(context, RequestContext):
+            await _send_directly(stream, tally, context)
+        while not tally.finished:
             out = await stream.queue.get()
             while not out.finished and not stream.queue.empty():  # fell behind: one message
                 out = out.merged(stream.queue.get_nowait())
-            now = time.monotonic()
-            first = first or now
-            finished = out.finished
-            num_tokens += len(out.token_ids)
-            reason = out.finish_reason
-            queue_s = max(queue_s, out.queue_s)
-            timing = None
-            if finished:
-                timing = common_pb2.Timing(queue_s=queue_s, prefill_s=max(first - started - queue_s, 0.0),
-                                           decode_s=now - first)  # fmt: skip
-            yield output_to_chunk(out, timing=timing)
+            yield output_to_chunk(out, timing=tally.add(out))
     finally:
         runtime.inflight -= 1
-        if not finished:
+        stream.attach(None)
+        if not tally.finished:
             driver.abort(stream.request_id)
         if span is not None:
-            span.set_attribute("gen_ai.usage.output_tokens", num_tokens)
-            if reason:
-                span.set_attribute("gen_ai.response.finish_reasons", [reason])
-            end_span(span, None if finished else "the call ended before the request finished")
+            span.set_attribute("gen_ai.usage.output_tokens", tally.num_tokens)
+            if tally.reason:
+                span.set_attribute("gen_ai.response.finish_reasons", [tally.reason])
+            end_span(span, None if tally.finished else "the call ended before the request finished")
+
+
+async def _send_directly(stream: Stream, tally: _Tally, context: RequestContext) -> None:
+    """Hand each output to the multiplexed stream on arrival; return once the last one went."""
+    done = asyncio.get_running_loop().create_future()
+
+    def send(out: RequestOutput) -> None:
+        if tally.finished:  # an abort racing the last output: the request has ended
+            return
+        context.put_output(out, tally.add(out))
+        if tally.finished and not done.done():
+            done.set_result(None)
+
+    stream.attach(send)
+    await done

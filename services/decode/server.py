@@ -312,7 +312,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             driver.cancel_reservation(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         span = start_server_span(context, "decode", {"tandem.request_id": request.request_id})
-        async for chunk in stream_chunks(self.rt, driver, stream, span=span):
+        async for chunk in stream_chunks(self.rt, driver, stream, span=span, context=context):
             yield chunk
 
     async def _prefill_here(
@@ -333,7 +333,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         attrs = {"tandem.request_id": request.request_id, "tandem.local_prefill": True}
         span = start_server_span(context, "decode", attrs)
-        async for chunk in stream_chunks(self.rt, driver, stream, span=span):
+        async for chunk in stream_chunks(self.rt, driver, stream, span=span, context=context):
             yield chunk
 
     async def DecodeStream(

@@ -39,21 +39,42 @@ class Reserved:
 
 @dataclass
 class Stream:
-    """One request's outputs, delivered on the caller's event loop."""
+    """One request's outputs, delivered on the caller's event loop: into ``queue``, or, once a
+    consumer has attached a sink, straight to it."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
+    sink: Callable[[RequestOutput], None] | None = None
 
     def put(self, out: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        self.loop.call_soon_threadsafe(self.take, out)
+
+    def take(self, out: RequestOutput) -> None:
+        """On the loop: one output to the sink, or into the queue."""
+        if self.sink is None:
+            self.queue.put_nowait(out)
+        else:
+            self.sink(out)
+
+    def attach(self, sink: Callable[[RequestOutput], None] | None) -> None:
+        """On the loop: from now on every output goes to ``sink`` (None: to the queue again),
+        the ones queued already first. A sink must not raise. It spares a consumer that takes
+        each output as it comes an ``asyncio.Queue`` hand-off and a task wake-up per token."""
+        if sink is not None:
+            while not self.queue.empty():
+                sink(self.queue.get_nowait())
+        self.sink = sink
 
 
 def _put_all(batch: list[tuple[Stream, RequestOutput]]) -> None:
     for stream, out in batch:
-        stream.queue.put_nowait(out)
+        try:
+            stream.take(out)
+        except Exception:  # a broken sink must not cost the other requests their outputs
+            log.exception("delivering an output of %s failed", stream.request_id)
 
 
 class EngineDriver:

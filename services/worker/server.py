@@ -34,7 +34,7 @@ class WorkerServicer(WorkerRpcs, worker_pb2_grpc.WorkerServiceServicer):
         stream = await submit(driver, context, request.request_id, list(request.prompt_token_ids),
                               params, request.priority, images=request.images)  # fmt: skip
         span = start_server_span(context, "generate", {"tandem.request_id": request.request_id})
-        async for chunk in stream_chunks(self.rt, driver, stream, span=span):
+        async for chunk in stream_chunks(self.rt, driver, stream, span=span, context=context):
             yield chunk
 
     async def GenerateStream(

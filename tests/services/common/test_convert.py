@@ -22,8 +22,10 @@ from protos.sampling_params import (
     StructuredOutput,
 )
 from services.common.convert import (
+    add_output,
     embedding_to_pb,
     histogram_to_pb,
+    merge_output,
     output_to_chunk,
     pooling_from_pb,
     sampling_from_pb,
@@ -95,6 +97,29 @@ def test_a_final_output_carries_its_reason_and_logprobs() -> None:
     assert output_to_chunk(out, finished=False).stop_reason == ""
 
 
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_chunk_built_in_a_batch_equals_the_one_built_alone(finished: bool) -> None:
+    lp = PositionLogprobs(TokenLogprob(9, -0.1, "a"), (TokenLogprob(3, -2.0, "b"),))
+    reason = "stop" if finished else None
+    out = RequestOutput("r", [9], "a", finished, reason, "END" if finished else None, 5, 2, [lp],
+                        prompt_logprobs=[lp])  # fmt: skip
+    timing = common_pb2.Timing(queue_s=0.5, decode_s=1.0) if finished else None
+    batch = common_pb2.ChunkBatch()
+    add_output(batch.chunks, "r", out, timing)
+    assert batch.chunks[0] == output_to_chunk(out, timing=timing)
+
+
+def test_outputs_merged_into_a_chunk_equal_the_merged_output() -> None:
+    lp = PositionLogprobs(TokenLogprob(9, -0.1, "a"))
+    first = RequestOutput("r", [9], "a", False, None, None, 5, 2, [lp])
+    last = RequestOutput("r", [10, 11], "bc", True, "length", None, 0, 3, [lp, lp], error="x")
+    timing = common_pb2.Timing(decode_s=2.0)
+    batch = common_pb2.ChunkBatch()
+    chunk = add_output(batch.chunks, "r", first)
+    merge_output(chunk, last, timing)
+    assert batch.chunks[0] == output_to_chunk(first.merged(last), timing=timing)
+
+
 def test_a_partial_characters_bytes_reach_the_gateways_chat_logprobs() -> None:
     from gateway.http.formats import chat_logprobs
     from gateway.workers.convert import chunk_from_pb
@@ -109,6 +134,20 @@ def test_a_partial_characters_bytes_reach_the_gateways_chat_logprobs() -> None:
         [0x20, 0xF0, 0x9F, 0x98],
         list(b" and"),
     ]
+
+
+def test_the_gateway_reads_a_last_chunk_whole_and_a_plain_one_with_defaults() -> None:
+    from gateway.core.events import Chunk, Timing
+    from gateway.workers.convert import chunk_from_pb
+
+    lp = PositionLogprobs(TokenLogprob(9, -0.5, "a"), (TokenLogprob(3, -2.0, "b"),))  # exact
+    last = RequestOutput("r", [9], "a", True, "stop", "END", 5, 2, [lp], prompt_logprobs=[lp])
+    timing = common_pb2.Timing(queue_s=0.5, prefill_s=0.25, transfer_s=0.125, decode_s=1.0)
+    assert chunk_from_pb(output_to_chunk(last, timing=timing)) == Chunk(
+        (9,), "a", (lp,), "stop", "END", 5, 2, Timing(0.5, 0.25, 0.125, 1.0), (lp,)
+    )
+    plain = chunk_from_pb(output_to_chunk(RequestOutput("r", [4], "x", False)))
+    assert plain == Chunk((4,), "x") and plain.timing is not Chunk().timing
 
 
 def test_logit_bias_survives_the_wire() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from protos import common_pb2, worker_pb2
 from services.common.multiplex import multiplex
+from services.engine.outputs import RequestOutput
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -152,6 +153,31 @@ async def test_a_backlog_leaves_in_bounded_batches(monkeypatch: pytest.MonkeyPat
     batches = [b async for b in multiplex(_items([_gen("b")]), "generate", burst)]
     assert max(len(b.chunks) for b in batches) <= 4
     assert [t for b in batches for c in b.chunks for t in c.token_ids] == list(range(9))
+
+
+async def test_outputs_handed_over_directly_share_batches_and_merge_until_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import services.common.multiplex as mx
+
+    monkeypatch.setattr(mx, "MAX_BATCH", 2)
+
+    async def direct(request: Any, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:
+        n = request.prompt_token_ids[0]
+        for i in range(n):  # all before the stream sends: one chunk per request per batch
+            context.put_output(RequestOutput(request.request_id, [i], f"t{i}", i == n - 1,
+                                             "length" if i == n - 1 else None))  # fmt: skip
+        await asyncio.sleep(0.05)  # past its deadline, finished already: no error follows
+        return
+        yield
+
+    items = [_gen("a", 3, timeout_s=0.01), _gen("b", 2), _gen("c", 1)]
+    batches = [b async for b in multiplex(_items(items), "generate", direct)]
+    assert max(len(b.chunks) for b in batches) <= 2
+    got = _by_request(batches)
+    assert [(list(c.token_ids), c.text) for c in got["a"]] == [([0, 1, 2], "t0t1t2")]
+    assert [list(c.token_ids) for c in got["b"] + got["c"]] == [[0, 1], [0]]
+    assert all(cs[-1].finish_reason == LENGTH and not cs[-1].error for cs in got.values())
 
 
 LENGTH = common_pb2.FINISH_REASON_LENGTH

@@ -1,13 +1,16 @@
-"""A request's stream: what piled up while the consumer was behind goes out as one chunk."""
+"""A request's stream: what piled up while the consumer was behind goes out as one chunk; on a
+multiplexed stream each output goes into the batch being built as it arrives."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from protos import common_pb2
+from protos import common_pb2, worker_pb2
 from protos.logprobs import PositionLogprobs, TokenLogprob
+from services.common.multiplex import multiplex
 from services.common.streaming import stream_chunks
 from services.engine.driver import Stream
 from services.engine.outputs import RequestOutput
@@ -73,3 +76,56 @@ def test_merged_keeps_the_later_finish_and_the_earlier_counts() -> None:
         [5, 6], "ab", True, "stop", "</s>",
     )  # fmt: skip
     assert (m.num_prompt_tokens, m.num_cached_tokens) == (3, 1)
+
+
+def _mux_handler(stream: Stream, runtime: Any, driver: _Driver) -> Any:
+    async def handler(request: Any, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:
+        async for chunk in stream_chunks(runtime, driver, stream, context=context):
+            yield chunk
+
+    return handler
+
+
+async def test_on_a_multiplexed_stream_outputs_go_into_the_batch_as_they_arrive() -> None:
+    stream = Stream("r", asyncio.get_running_loop())
+    stream.queue.put_nowait(_out(1, "t1"))  # delivered before the handler attached
+    runtime, driver = SimpleNamespace(inflight=0), _Driver()
+    item = worker_pb2.GenerateStreamItem(generate=worker_pb2.GenerateRequest(request_id="r"))
+    mux = multiplex(_items([item]), "generate", _mux_handler(stream, runtime, driver))
+    first = await mux.__anext__()
+    assert [list(c.token_ids) for c in first.chunks] == [[1]]
+    stream.take(_out(2, "t2"))  # a step's outputs before the next send: merged into one chunk
+    stream.take(_out(3, "t3", finished=True))
+    rest = [b async for b in mux]
+    (chunk,) = [c for b in rest for c in b.chunks]
+    assert list(chunk.token_ids) == [2, 3] and chunk.text == "t2t3" and chunk.request_id == "r"
+    assert [p.chosen.token_id for p in chunk.logprobs] == [2, 3]
+    assert chunk.finish_reason == common_pb2.FINISH_REASON_LENGTH and chunk.HasField("timing")
+    assert runtime.inflight == 0 and driver.aborted == [] and stream.sink is None
+
+
+async def test_an_aborted_multiplexed_request_is_aborted_in_the_engine_and_detached() -> None:
+    stream = Stream("r", asyncio.get_running_loop())
+    runtime, driver = SimpleNamespace(inflight=0), _Driver()
+    gen = worker_pb2.GenerateStreamItem(generate=worker_pb2.GenerateRequest(request_id="r"))
+    abort = worker_pb2.GenerateStreamItem(abort=common_pb2.AbortRequest(request_id="r"))
+    sent = asyncio.Event()
+
+    async def items() -> AsyncIterator[Any]:
+        yield gen
+        await sent.wait()
+        yield abort
+
+    mux = multiplex(items(), "generate", _mux_handler(stream, runtime, driver))
+    stream.queue.put_nowait(_out(1, "t1"))
+    assert [list(c.token_ids) for c in (await mux.__anext__()).chunks] == [[1]]
+    sent.set()
+    assert [b async for b in mux] == []
+    assert driver.aborted == ["r"] and runtime.inflight == 0 and stream.sink is None
+    stream.take(_out(2, "t2"))  # a late output: nobody reads it, nothing breaks
+    assert stream.queue.qsize() == 1
+
+
+async def _items(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item

@@ -69,3 +69,23 @@ def test_a_dead_rank_fails_every_request_stops_the_engine_and_refuses_later_call
     assert fatal == ["tensor-parallel rank 1 exited with status -9 during a step"]
     later = driver.call(lambda e: None)
     assert "the engine stopped" in str(later.exception(timeout=1))
+
+
+def test_a_sink_gets_what_was_queued_first_then_every_output_and_a_broken_one_is_contained() -> (
+    None
+):
+    loop = _Loop()
+    stream = Stream("r", loop, asyncio.Queue())  # type: ignore[arg-type]
+    broken = Stream("b", loop, asyncio.Queue())  # type: ignore[arg-type]
+    driver = EngineDriver(engine=None)  # type: ignore[arg-type]
+    driver._streams.update(r=stream, b=broken)
+    driver._deliver([RequestOutput("r", [1], "", False)])
+    got: list[int] = []
+    stream.attach(lambda out: got.extend(out.token_ids))
+    broken.attach(lambda out: 1 / 0)
+    driver._deliver([RequestOutput("b", [7], "", False), RequestOutput("r", [2], "", False)])
+    stream.put(RequestOutput("r", [3], "", True))  # an abort's or activate's output
+    assert got == [1, 2, 3] and stream.queue.empty()
+    stream.attach(None)
+    driver._deliver([RequestOutput("r", [4], "", False)])
+    assert got == [1, 2, 3] and stream.queue.qsize() == 1
