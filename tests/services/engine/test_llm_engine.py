@@ -215,3 +215,35 @@ def test_a_last_output_still_waiting_is_delivered_when_nothing_else_runs(
     assert last.request_id == "done" and last.finished and last.finish_reason == "length"
     assert not engine.has_unfinished
     assert engine.stats().free_blocks == engine.stats().total_blocks
+
+
+def test_two_hundred_aborts_mid_stream_leave_every_block_free(
+    llm: LLM, chat_ids: list[list[int]]
+) -> None:
+    """Aborts land between steps at every point of a request's life (waiting, prefilling,
+    decoding, its last output still to be made): each request ends exactly once, nothing
+    streams after its abort, and the pool is whole again."""
+    import random
+
+    engine, rng = llm.engine, random.Random(7)
+    live: set[str] = set()
+    ended: dict[str, str] = {}
+    for i in range(200):
+        stop = ["."] if i % 3 == 0 else []
+        engine.add_request(f"a{i}", chat_ids[i % len(chat_ids)],
+                           SamplingParams(temperature=0, max_tokens=4 + i % 9, stop=stop))  # fmt: skip
+        live.add(f"a{i}")
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id in live, f"{out.request_id} streamed after it ended"
+            if out.finished:
+                live.discard(out.request_id)
+                ended[out.request_id] = out.finish_reason or ""
+        for rid in rng.sample(sorted(live), min(len(live), rng.randint(0, 12))):
+            out = engine.abort(rid)
+            assert out is not None and out.finished and out.finish_reason == "abort"
+            live.discard(rid)
+            ended[rid] = "abort"
+    assert not live and len(ended) == 200
+    assert 20 < list(ended.values()).count("abort") < 200  # aborts and natural ends both
+    assert engine.stats().free_blocks == engine.stats().total_blocks
