@@ -322,3 +322,32 @@ def test_a_cancel_with_on_free_never_waits_for_a_sender_still_copying(rx) -> Non
     immediate: list[int] = []
     assert not receiver.cancel("nobody", on_free=lambda: immediate.append(1))
     assert immediate == [1]  # nothing to wait for: freed right here
+
+
+def test_a_sender_gone_while_its_copies_are_awaited_fails_the_transfer(ipc: FakeIpc) -> None:
+    """The receiver polls the sender's event after a pending Done: a sender that hangs up
+    meanwhile (its copies may never finish) fails the transfer at once, not at the I/O timeout
+    (a minute here)."""
+    caches = make_caches(0, 8, zero=True)
+    opts = ReceiverOptions(io_timeout_s=60, unknown_grace_s=0.2)
+    with KvReceiver(caches, opts) as receiver, KvSender(make_caches(11, 8), "vanishing") as tx:
+        first = receiver.expect("warm", [0])
+        tx.send(receiver.endpoint, "warm", [1], timeout_s=10)
+        assert first.wait(5).ok
+        (event,) = ipc.events.values()
+        event.held.set()
+        handle = receiver.expect("lost", [2])
+        future = tx.submit(receiver.endpoint, "lost", [3], timeout_s=30)
+        deadline = time.monotonic() + 5
+        while event.queries < 3:
+            assert time.monotonic() < deadline, "the receiver never waited on the event"
+            time.sleep(0.005)
+        (queue,) = tx._queues.values()
+        conn = queue.pair._conn
+        assert conn is not None
+        conn.shutdown()  # the sender's end goes away mid-wait
+        result = handle.wait(10)
+        assert result is not None and not result.ok and "broke" in result.error
+        event.held.clear()
+        with pytest.raises(TransferError):
+            future.result(10)
