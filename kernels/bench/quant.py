@@ -134,9 +134,10 @@ def check(fmt: str, case: Case, config: tuple[int, ...] | None) -> float:
 
 
 def _configs(fmt: str, m: int) -> list[tuple[int, ...] | None]:
-    from kernels.triton_quant import GEMV_ROWS
+    from kernels.triton_quant import GEMV_ROWS, W4_GEMV_ROWS
 
-    return [None, *(GEMV_CONFIGS[fmt] if m <= GEMV_ROWS else GEMM_CONFIGS)]
+    rows = W4_GEMV_ROWS if fmt == "int4" else GEMV_ROWS
+    return [None, *(GEMV_CONFIGS[fmt] if m <= rows else GEMM_CONFIGS)]
 
 
 def bench_shape(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any]:

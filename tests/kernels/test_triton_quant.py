@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.quant import pack_rows, quantize_fp8_rows, ref_fp8_linear, ref_w4a16_linear
-from kernels.triton_quant import fp8_linear, w4a16_linear
+from kernels.triton_quant import W4_GEMV_ROWS, fp8_linear, w4a16_linear
 from tests.kernels.paged import assert_matches, rand
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -27,18 +27,18 @@ def int4_weight(k: int, n: int, g: int, dtype: torch.dtype, gen: torch.Generator
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("m", "n", "k", "g"),
-    [(1, 64, 128, 128), (1, 40, 256, 128), (3, 24, 512, 64), (8, 8, 128, 32), (9, 16, 128, 128),
-     (17, 72, 256, 128), (33, 200, 384, 128), (1, 8, 32, 32)],
+    [(1, 64, 128, 128), (1, 40, 256, 128), (2, 24, 512, 64), (3, 24, 512, 64), (8, 8, 128, 32),
+     (9, 16, 128, 128), (17, 72, 256, 128), (33, 200, 384, 128), (1, 8, 32, 32)],
 )  # fmt: skip
 @pytest.mark.parametrize("config", [None, "small"])
 def test_w4a16_matches_the_reference(
     dtype: torch.dtype, m: int, n: int, k: int, g: int, config: str | None,
     gen: torch.Generator, device: torch.device, poison_empty: None,
 ) -> None:  # fmt: skip
-    """GEMV (M <= 8) and GEMM (odd M, M = 17, 33) paths; N not a multiple of the tile."""
+    """GEMV (M <= W4_GEMV_ROWS) and GEMM (M = 3 to 33) paths; N not a multiple of the tile."""
     qweight, scales, zeros = int4_weight(k, n, g, dtype, gen, device)
     x = rand((m, k), dtype, gen, device)
-    cfg = None if config is None else ((16, 32, 2) if m <= 8 else (16, 32, 32, 2))
+    cfg = None if config is None else ((16, 32, 2) if m <= W4_GEMV_ROWS else (16, 32, 32, 2))
     out = w4a16_linear(x, qweight, scales, zeros, g, config=cfg)
     ref = ref_w4a16_linear(x, qweight, scales, zeros, g)
     assert out.shape == (m, n) and out.dtype == dtype
@@ -80,7 +80,7 @@ def test_w4a16_split_k_matches_the_reference(
     partials summed by the second kernel; GEMV and GEMM. The dtype plays no part in the split."""
     qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
     x = rand((m, k), torch.bfloat16, gen, device)
-    cfg = (16, 32, 2, 3) if m <= 8 else (16, 32, 32, 2, 3)
+    cfg = (16, 32, 2, 3) if m <= W4_GEMV_ROWS else (16, 32, 32, 2, 3)
     out = w4a16_linear(x, qweight, scales, zeros, g, config=cfg)
     assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
 
