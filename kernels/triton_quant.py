@@ -5,8 +5,8 @@ bytes of the quantized weight (0.5 B per element for int4 plus 1/16 B of scales 
 group 128; 1 B for fp8 plus 4 B per scale row chunk). The weights never exist dequantized in
 memory: each program loads a packed tile, unpacks it in registers and multiplies.
 
-- **GEMV** (M <= ``GEMV_ROWS`` for fp8, ``W4_GEMV_ROWS`` for int4, whose unpacking is redone
-  per row: from 3 rows the int4 GEMM is faster): one program per ``BLOCK_N`` output columns, row of x and
+- **GEMV** (M <= ``GEMV_ROWS`` for fp8, ``W4_GEMV_ROWS`` for int4: the conversion and unpacking
+  are redone per row, so from 3 rows the GEMM is faster): one program per ``BLOCK_N`` output columns, row of x and
   slice of K, fp32 partial products reduced once at the end. The rows of x are the grid's
   fastest index, so the M programs of one weight tile run side by side and read it from HBM
   about once (with M the slowest, a batch of 4 read every weight 4 times).
@@ -47,7 +47,10 @@ from kernels.triton_common import (
     round_to_e4m3,
 )
 
-GEMV_ROWS = 8  # fp8: batches of at most this many rows take the GEMV
+# fp8: batches of at most this many rows take the GEMV. It reads each weight tile once per row
+# of x (from L2 after the first) and converts it again: the 8B FP8 decode step on an H100 took
+# 8.25 ms at 4 rows and 14.05 at 8 against 6.81 at 16 (the GEMM), so from 3 rows the GEMM
+GEMV_ROWS = 2
 # int4: the GEMV unpacks the weight once per row of x, the GEMM once per tile for up to 16 rows;
 # from 3 rows the GEMM is faster (one H100, the four Llama-3.1-8B projections together: 284
 # against 358 us at 4 rows, 226 against 499 at 8), so only 1 or 2 rows take the GEMV
