@@ -292,7 +292,7 @@ class SenderPair:
         if n and not (min(go.blocks) >= 0 and max(go.blocks) < self._remote_blocks):
             raise WireError(f"the receiver's blocks for #{header.seq} are outside its pool")
         with on_stream(stream):
-            dst = self._dst_ids.upload(list(go.blocks))
+            dst = self._dst_ids.upload(go.blocks)
         try:
             stopped, near = self._copy(conn, header.seq, src, dst, ready, computed, deadline)
             copied.record(stream)  # after every copy queued: the receiver waits for it

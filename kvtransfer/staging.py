@@ -6,6 +6,8 @@ CUDA/CPU pair) stages through a reusable pinned host buffer. NCCL pairs and CPU 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -63,7 +65,7 @@ class DeviceIds:
         self._view: np.ndarray | None = None  # the host buffer, filled from the list directly
         self._copied: torch.cuda.Event | None = None
 
-    def upload(self, block_ids: list[int]) -> torch.Tensor:  # [n] int64 on the device
+    def upload(self, block_ids: Sequence[int]) -> torch.Tensor:  # [n] int64 on the device
         if self._device.type != "cuda":
             return torch.tensor(block_ids, dtype=torch.int64)
         n = len(block_ids)

@@ -21,9 +21,10 @@ class GpuReader:
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
         self._while: Callable[[], None] | None = None
 
-    def while_waiting(self, work: Callable[[], None]) -> None:
+    def while_waiting(self, work: Callable[[], None] | None) -> None:
         """Run ``work`` once, at the next :meth:`read`, after the copies are queued and before
-        the host waits for the GPU: host work that overlaps the step's GPU time."""
+        the host waits for the GPU: host work that overlaps the step's GPU time (None: forget
+        the work left, unrun)."""
         self._while = work
 
     def run_pending(self) -> None:

@@ -485,7 +485,7 @@ class LLMEngine:
         except BaseException as exc:
             if layers is not None:  # the KV streaming out of this forward will never be whole
                 layers.fail(f"the forward failed: {type(exc).__name__}: {exc}")
-            self.runner.reader.while_waiting(lambda: None)  # not run: dropped with the step
+            self.runner.reader.while_waiting(None)  # not run: dropped with the step
             raise
         self.runner.reader.run_pending()  # a step that read nothing back
         if score:
@@ -516,7 +516,9 @@ class LLMEngine:
             bool(updates)
             and self.proposer is None
             and self.scheduler.has_unfinished
-            and not self.grammars.constrains([u.request_id for u in updates])
+            and not (  # the ids listed only when some request has a grammar
+                self.grammars.states and self.grammars.constrains([u.request_id for u in updates])
+            )
         )
 
     def _early(self, pending: list[StepUpdate], into: list[RequestOutput]) -> None:

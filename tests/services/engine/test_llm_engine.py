@@ -10,6 +10,8 @@ from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import CacheConfig, ConfigError
 from services.engine.kv_cache import CPU_DEFAULT_MAX_MODEL_LEN, plan_num_blocks
 from services.engine.llm import LLM
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
 
 
 def test_seeded_sampling_ignores_batch_composition(llm: LLM, chat_ids: list[list[int]]) -> None:
@@ -182,15 +184,24 @@ def test_outputs_made_during_the_next_forward_are_those_made_at_once(
     assert engine.stats().free_blocks == engine.stats().total_blocks
 
 
+def _until_last_output_waits(
+    engine: LLMEngine, short: str, short_ids: list[int], long: str, long_ids: list[int]
+) -> list[RequestOutput]:
+    """Run ``short`` (2 tokens) beside ``long`` (50) until ``short``'s last output waits for the
+    next step's forward; the outputs returned meanwhile."""
+    engine.add_request(short, short_ids, SamplingParams(temperature=0, max_tokens=2))
+    engine.add_request(long, long_ids, SamplingParams(temperature=0, max_tokens=50))
+    seen: list[RequestOutput] = []
+    while not any(u.request_id == short and u.finished for u in engine._pending):
+        seen += engine.step()
+    return seen
+
+
 def test_an_abort_while_the_last_output_waits_ends_the_request_as_aborted(
     llm: LLM, chat_ids: list[list[int]]
 ) -> None:
     engine = llm.engine
-    engine.add_request("short", chat_ids[0], SamplingParams(temperature=0, max_tokens=2))
-    engine.add_request("long", chat_ids[1], SamplingParams(temperature=0, max_tokens=50))
-    seen: list = []
-    while not any(u.request_id == "short" and u.finished for u in engine._pending):
-        seen += engine.step()
+    seen = _until_last_output_waits(engine, "short", chat_ids[0], "long", chat_ids[1])
     assert not any(o.request_id == "short" and o.finished for o in seen)
     out = engine.abort("short")
     assert out is not None and out.finished and out.finish_reason == "abort"
@@ -205,10 +216,7 @@ def test_a_last_output_still_waiting_is_delivered_when_nothing_else_runs(
     llm: LLM, chat_ids: list[list[int]]
 ) -> None:
     engine = llm.engine
-    engine.add_request("done", chat_ids[2], SamplingParams(temperature=0, max_tokens=2))
-    engine.add_request("other", chat_ids[3], SamplingParams(temperature=0, max_tokens=50))
-    while not any(u.request_id == "done" and u.finished for u in engine._pending):
-        engine.step()
+    _until_last_output_waits(engine, "done", chat_ids[2], "other", chat_ids[3])
     assert engine.abort("other") is not None  # nothing is left to run...
     assert engine.has_unfinished  # ...but an output is still to be made
     (last,) = engine.step()
