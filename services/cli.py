@@ -373,6 +373,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "multi-turn chat); --no-enable-prefix-caching turns it off",
     )
     g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and queue the next decode step while the GPU runs this one (plain "
+        "greedy decodes; sampled or constrained requests run step by step); "
+        "--no-async-scheduling waits for each step's tokens first",
+    )
+    g.add_argument(
         "--scheduling-policy",
         default="fcfs",
         choices=["fcfs", "priority"],

@@ -10,8 +10,17 @@ memory without blocking, then one wait on a CUDA event (torch releases the GIL i
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A read under way (:meth:`GpuReader.start`): the host copy, or on the CPU the values."""
+
+    view: torch.Tensor | None = None
+    values: list | None = None
 
 
 class GpuReader:
@@ -20,6 +29,10 @@ class GpuReader:
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
         self._while: Callable[[], None] | None = None
+        # a launched step's tokens on their way to the host (start/finish): their own buffer
+        # and event, apart from read()'s
+        self._ahead_event = torch.cuda.Event() if device.type == "cuda" else None
+        self._ahead: torch.Tensor | None = None
 
     def while_waiting(self, work: Callable[[], None] | None) -> None:
         """Run ``work`` once, at the next :meth:`read`, after the copies are queued and before
@@ -56,3 +69,25 @@ class GpuReader:
         self.run_pending()
         self._event.synchronize()
         return [v.tolist() for v in views]
+
+    def start(self, t: torch.Tensor) -> Ticket:
+        """Queue a 1-D tensor's copy to the host behind the work already queued, without
+        waiting: :meth:`finish` returns its values. One ticket at a time: the next ``start``
+        reuses the buffer, so it comes after the last ticket's ``finish``."""
+        if self._ahead_event is None:
+            return Ticket(values=t.tolist())  # the CPU: the step has already run
+        if self._ahead is None or self._ahead.numel() < t.numel() or self._ahead.dtype != t.dtype:
+            self._ahead = torch.empty(max(t.numel(), 1024), dtype=t.dtype, pin_memory=True)
+        view = self._ahead[: t.numel()]
+        view.copy_(t, non_blocking=True)
+        self._ahead_event.record(torch.cuda.current_stream(self.device))
+        return Ticket(view=view)
+
+    def finish(self, ticket: Ticket) -> list:
+        """A started read's values, after the pending host work (:meth:`while_waiting`) ran."""
+        self.run_pending()
+        if ticket.values is not None:
+            return ticket.values
+        assert ticket.view is not None and self._ahead_event is not None
+        self._ahead_event.synchronize()
+        return ticket.view.tolist()

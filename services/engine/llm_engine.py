@@ -21,7 +21,7 @@ from services.config import ConfigError, EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from services.engine.draft_proposer import DraftProposer
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
-from services.engine.model_runner import ModelRunner, resolve_device
+from services.engine.model_runner import Launched, ModelRunner, plain_greedy, resolve_device
 from services.engine.mrope import rope_delta
 from services.engine.outputs import RequestOutput
 from services.engine.speculative import (
@@ -158,6 +158,15 @@ class LLMEngine:
         # where those outputs go at once (the serving driver streams them while the forward
         # runs); None: the step returns them (one step later than they were made)
         self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
+        # async scheduling: plain greedy decode steps are queued on the device before the step
+        # before them is read (see _advance); the one queued and not read yet
+        self.async_decode = (
+            config.scheduler.async_scheduling
+            and self.proposer is None
+            and self.task == "generate"
+            and self.runner.launches_ahead
+        )
+        self._launched: Launched | None = None
         # a named config with random weights has no tokenizer of its own: token ids only
         self.detokenize = files.kind != "named"
         self.prompt_tokens = 0
@@ -453,7 +462,13 @@ class LLMEngine:
         """Schedule, execute, update. The outputs returned are those of the step before (its
         tokens detokenized and checked for stop strings while this step's forward ran) and,
         when nothing is left to run, this step's own. A stop string found that late finishes
-        its request after one more token was computed for it, which nobody sees."""
+        its request after one more token was computed for it, which nobody sees.
+
+        Async scheduling: a plain greedy decode step is launched, not read; the next one is
+        scheduled and launched behind it before its tokens come back (see :meth:`_advance`),
+        so the host's work between two steps overlaps the device's."""
+        if self._launched is not None:
+            return self._advance(self._launched)
         if self.proposer is not None:
             self._propose()
         out = self.scheduler.schedule()
@@ -476,6 +491,10 @@ class LLMEngine:
         min_stop = self._min_token_stop_ids(out.requests)
         score = self._prompt_scoring(out.requests)
         layers = self._layer_sink(out) if self.on_final_chunks is not None else None
+        if self._may_launch(out, min_stop, score, layers):
+            launched = self.runner.launch(out)
+            self.runner.start_read(launched)
+            return [*lost.values(), *self._advance(launched)]
         earlier: list[RequestOutput] = []
         pending = self._take_pending()
         if pending:  # the last step's outputs, made while this forward runs on the device
@@ -506,6 +525,65 @@ class LLMEngine:
         else:
             outputs.extend(self._emit_all(tokens))
         return outputs
+
+    def _may_launch(
+        self, out: SchedulerOutput, min_stop: dict[str, list[int]], score: dict[str, int],
+        layers: LayerSink | None,
+    ) -> bool:  # fmt: skip
+        """Whether this step may run launched (its tokens read after the next step is queued):
+        plain greedy decodes only, nothing for the sampler or a grammar to do on the host."""
+        if not self.async_decode or layers is not None or score or min_stop:
+            return False
+        for r in out.requests:
+            if r.num_new_tokens != 1 or r.num_spec or not r.samples_token:
+                return False
+            if not plain_greedy(r.sampling_params):
+                return False
+        return not (
+            self.grammars.states and self.grammars.constrains([r.request_id for r in out.requests])
+        )
+
+    def _advance(self, cur: Launched) -> list[RequestOutput]:
+        """Finish the launched step ``cur``: first schedule and launch the decode step after it
+        when the scheduler can say what runs without ``cur``'s tokens (they are its input ids,
+        on the device), then read ``cur``'s tokens and update. ``cur``'s outputs are made while
+        the next step runs; without one they may wait for the next call, as in :meth:`step`."""
+        self._launched, nxt = None, None
+        s = self.scheduler
+        running = frozenset(r.request_id for r in cur.out.requests)
+        earlier: list[RequestOutput] = []
+        try:
+            ahead = s.schedule_ahead(cur.out)
+            if ahead is not None:
+                nxt = self.runner.launch(ahead[0], cur, ahead[1])
+                s.settle(running | {r.request_id for r in nxt.out.requests})
+            pending = self._take_pending()
+            if pending:  # the last step's outputs, made while the device computes
+                self.runner.reader.while_waiting(lambda: self._early(pending, earlier))
+            ids = self.runner.finish(cur)
+        except BaseException:
+            self.runner.reader.while_waiting(None)
+            s.settle(frozenset())
+            raise
+        queued: frozenset[str] = frozenset()
+        if nxt is not None:
+            self.runner.start_read(nxt)
+            self._launched = nxt
+            queued = frozenset(r.request_id for r in nxt.out.requests)
+            self.last_step_shape = (len(queued), len(queued))
+            self.step_tokens.observe(len(queued))
+        sampled = {
+            r.request_id: [SampledToken(t)] for r, t in zip(cur.out.requests, ids, strict=True)
+        }
+        updates = s.update(cur.out, sampled)
+        if nxt is not None:
+            s.register_ahead(nxt.out)
+        s.settle(queued)  # what ``cur`` finished and ``nxt`` does not write: freed
+        if nxt is None and self._may_defer(updates):
+            self._pending = updates
+        else:
+            earlier.extend(self._emit_all(updates))
+        return earlier
 
     def _may_defer(self, updates: list[StepUpdate]) -> bool:
         """Whether these tokens' outputs may wait for the next step's forward: not when the
@@ -787,7 +865,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._pending)
+        # a launched step whose requests all finished is still read (its blocks then freed)
+        return self.scheduler.has_unfinished or bool(self._pending) or self._launched is not None
 
     def stats(self) -> EngineStats:
         s, host = self.scheduler, self.kv.host

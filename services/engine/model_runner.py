@@ -20,7 +20,7 @@ from protos.sampling_params import SamplingParams
 from services.config import ConfigError, EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.cuda_graphs import DecodeGraphs
-from services.engine.gpu_wait import GpuReader
+from services.engine.gpu_wait import GpuReader, Ticket
 from services.engine.input_staging import InputStaging, fill_tables, slot_mapping, token_spans
 from services.engine.kv_cache import (
     CPU_DEFAULT_MAX_MODEL_LEN,
@@ -76,6 +76,16 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [S] index of the last token of each sampling request
     starts: list[int]  # where each request's tokens start in the step (``out.requests`` order)
+
+
+@dataclass(slots=True)
+class Launched:
+    """A plain greedy decode step queued on the device whose tokens the host has not read yet
+    (async scheduling: the engine schedules and queues the next step meanwhile)."""
+
+    out: SchedulerOutput
+    tokens: torch.Tensor  # [n] each request's greedy token, on the device, in request order
+    ticket: Ticket | None = None  # their copy to the host, once started
 
 
 @dataclass
@@ -245,11 +255,13 @@ class ModelRunner:
     def _max_blocks(self, out: SchedulerOutput) -> int:
         return max(len(r.block_ids) for r in out.requests)
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, dev_ids: torch.Tensor | None = None) -> StepInputs:
         """The eager path's inputs: every step's ids, positions, slots, tables in two uploads.
 
         Sequences with one new token (decodes) are laid out first, the prefill chunks after
         them (see ``AttentionMetadata``); the logits rows stay in the order of ``out.requests``.
+        ``dev_ids``: a decode-only step's token ids on the device (the launched step's tokens
+        before it, see :meth:`launch`), in place of the placeholders in ``out``.
         """
         reqs = out.requests
         order = sorted(range(len(reqs)), key=lambda i: reqs[i].num_new_tokens != 1)  # stable
@@ -285,6 +297,9 @@ class ModelRunner:
             for j in range(r.num_spec, -1, -1)
         ]
         d64, d32 = self.staging.upload()
+        if dev_ids is not None:  # a decode-only step: laid out in request order
+            assert nd == B == dev_ids.shape[0], "device ids are for decode-only steps"
+            d64[0].copy_(dev_ids)
         meta = AttentionMetadata(
             slot_mapping=d64[2],
             block_tables=d32[3].view(B, W),
@@ -295,9 +310,11 @@ class ModelRunner:
         )
         return StepInputs(d64[0], d64[1], meta, d64[3], first.tolist())
 
-    def _graph_forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _graph_forward(
+        self, out: SchedulerOutput, dev_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode-only step through its captured graph: (logits [n, V], argmax [n]) of every
-        row; None when no graph fits the step."""
+        row; None when no graph fits the step. ``dev_ids``: as :meth:`prepare`'s."""
         graphs, reqs = self.graphs, out.requests
         # a decode with drafts is one row per token: row j attends to the positions up to its
         # own (the drafts before it are written by the same step, before any attention reads)
@@ -338,14 +355,18 @@ class ModelRunner:
         ids[:n], pos[:n], slots[:n], ctx[:n] = tok, posl, slotl, ctxl
         fill_tables(tables, rows)
         d64, d32 = self.staging.upload()
+        if dev_ids is not None:  # the token ids never pass through the host
+            d64[0][:n].copy_(dev_ids)
         segments = d32[2] if lora is not None else None
         logits, argmax = graphs.run(d64[0], d32[0], d32[1].view(b, W), b, segments)
         self.forwards.graph += 1
         self.forwards.graph_lora += segments is not None
         return logits[:n], argmax[:n]
 
-    def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
-        ran = self._graph_forward(out)
+    def _graph_logits(
+        self, out: SchedulerOutput, dev_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        ran = self._graph_forward(out, dev_ids)
         if ran is None:
             return None
         logits, reqs = ran[0], out.requests
@@ -405,17 +426,18 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def forward_logits(
-        self, out: SchedulerOutput, eager: bool = False, layers: LayerSink | None = None
-    ) -> torch.Tensor | None:
+        self, out: SchedulerOutput, eager: bool = False, layers: LayerSink | None = None,
+        dev_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
         """Run the step's forward; fp32 logits of its sampling requests ([S, V]) or None.
         ``eager`` (prompt logprobs to score, embeddings to pool): no CUDA graph, the hidden
         states kept. ``layers``: told each layer's KV write as the forward goes (never a graph:
-        it would not tell)."""
+        it would not tell). ``dev_ids``: as :meth:`prepare`'s."""
         self._hidden = None
-        logits = None if eager or layers is not None else self._graph_logits(out)
+        logits = None if eager or layers is not None else self._graph_logits(out, dev_ids)
         if logits is not None:
             return logits
-        inputs = self.prepare(out)
+        inputs = self.prepare(out, dev_ids)
         self.forwards.eager += 1
         self.forwards.eager_lora += self.lora is not None and self.lora.batch.segments is not None
         peers = None
@@ -437,6 +459,49 @@ class ModelRunner:
         if inputs.logits_rows.shape[0] == 0:
             return None
         return self.model.compute_logits(hidden[inputs.logits_rows])
+
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether decode steps may be queued before the last one's tokens are read: not with
+        tensor-parallel ranks (they follow the steps one by one), a host KV tier (its copies
+        run before a step, from the host) or LoRA (adapter slots are planned per step)."""
+        return self.ranks is None and self.host_kv is None and self.lora is None
+
+    @torch.inference_mode()
+    def launch(
+        self, out: SchedulerOutput, after: Launched | None = None, rows: list[int] | None = None
+    ) -> Launched:
+        """Queue a plain greedy decode step (one token per request, the argmax) without reading
+        its tokens. ``after``: the launched step whose tokens are this one's input ids,
+        ``rows[i]`` the row of request ``i`` there; they stay on the device."""
+        assert self.launches_ahead
+        ids = None
+        if after is not None:
+            assert rows is not None and len(rows) == len(out.requests)
+            if rows == list(range(len(rows))):
+                ids = after.tokens[: len(rows)]
+            else:  # some requests of the step before end with it
+                index = torch.tensor(rows)
+                if after.tokens.is_cuda:  # from pinned memory: no wait for the queued step
+                    index = index.pin_memory()
+                ids = after.tokens.index_select(0, index.to(after.tokens.device, non_blocking=True))
+        ran = self._graph_forward(out, ids)
+        if ran is not None:
+            return Launched(out, ran[1])
+        logits = self.forward_logits(out, dev_ids=ids)
+        assert logits is not None
+        return Launched(out, logits.argmax(dim=-1))
+
+    def start_read(self, step: Launched) -> None:
+        """Queue the launched step's tokens' copy to the host (after the previous one's
+        :meth:`finish`: one buffer serves them in turn)."""
+        step.ticket = self.reader.start(step.tokens)
+
+    def finish(self, step: Launched) -> list[int]:
+        """The launched step's tokens, once the device has them (``reader.while_waiting``'s
+        work runs first)."""
+        assert step.ticket is not None, "start_read first"
+        return self.reader.finish(step.ticket)
 
     @torch.inference_mode()
     def execute(
@@ -460,7 +525,7 @@ class ModelRunner:
             and not score
             and len(sampling) == len(out.requests)
             and all(
-                _plain_greedy(r.sampling_params) and r.request_id not in min_token_stop_ids
+                plain_greedy(r.sampling_params) and r.request_id not in min_token_stop_ids
                 for r in sampling
             )
         )
@@ -571,6 +636,6 @@ class ModelRunner:
         return list(zip(lp, rk, ids, vals, strict=True))
 
 
-def _plain_greedy(sp: SamplingParams) -> bool:
+def plain_greedy(sp: SamplingParams) -> bool:
     """Greedy with nothing for the sampler to do: no logprobs, no penalties, no logit_bias."""
     return sp.greedy and sp.logprobs is None and not sp.adjusts_logits

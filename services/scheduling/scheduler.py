@@ -30,6 +30,10 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # finished prefill-only requests keeping their blocks
         self.reserved: dict[str, Request] = {}  # decode side: blocks held for KV in flight
         self.num_preemptions = 0
+        # async scheduling: the requests of the steps queued on the device and not read yet;
+        # one of them that finishes keeps its blocks (``_unsettled``) until ``settle``
+        self._in_flight: frozenset[str] = frozenset()
+        self._unsettled: dict[str, Request] = {}
         # the policy's order (lowest first), an attrgetter: it keys a sort of every running
         # request every step
         fields = ("arrival_time", "seq")
@@ -38,9 +42,16 @@ class Scheduler:
         )
 
     # ---- admission and removal -------------------------------------------------------------
+    def _in_use(self, rid: str) -> bool:
+        return (
+            rid in self.requests
+            or rid in self.held
+            or rid in self.reserved
+            or (rid in self._unsettled)
+        )
+
     def add(self, request: Request) -> None:
-        rid = request.request_id
-        if rid in self.requests or rid in self.held or rid in self.reserved:
+        if self._in_use(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -68,7 +79,7 @@ class Scheduler:
     def reserve(self, request: Request) -> bool:
         """Hold blocks for a prompt whose KV another worker will write; False if they don't fit."""
         rid = request.request_id
-        if rid in self.requests or rid in self.held or rid in self.reserved:
+        if self._in_use(rid):
             raise ValueError(f"request id {rid!r} is already in use")
         # not registered as a prefix: the KV is not there until activate()
         if not self.kv.allocate(request, request.num_prompt_tokens, register=False):
@@ -115,6 +126,8 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         if req.hold_blocks_on_finish and reason is not FinishReason.ABORT:
             self.held[req.request_id] = req
+        elif req.request_id in self._in_flight:  # a queued step still writes its KV
+            self._unsettled[req.request_id] = req
         else:
             self.kv.free(req)
 
@@ -284,6 +297,74 @@ class Scheduler:
             images=req.images,
             position_offset=req.position_offset,
         )
+
+    # ---- async scheduling --------------------------------------------------------------------
+    def schedule_ahead(self, running: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
+        """The decode step after ``running`` (a decode-only step on the device, not read yet),
+        scheduled without its tokens: the same requests, one token each, whose ids are
+        ``running``'s outputs (placeholders here). Also the rows of ``running`` they come from.
+        None when only the synchronous ``schedule`` may say what runs next: requests waiting
+        for a seat, a running request not in ``running``, a request that would need the
+        sampler's host work (``min_tokens``), or blocks that are not free (no preemption here).
+        A request that ``running`` finishes by length is left out; one that it ends with a stop
+        token is in, and its token is dropped by ``update``."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None  # a waiting request could be admitted: the full schedule decides
+        picked: list[tuple[Request, int]] = []
+        live = 0
+        for i, sr in enumerate(running.requests):
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted since
+            live += 1
+            if req.num_computed_tokens != sr.start_pos or req.spec_token_ids:
+                return None
+            sp, n_out = req.sampling_params, len(req.output_token_ids) + 1  # after ``running``
+            if n_out >= sp.max_tokens or (
+                req.max_model_len is not None and req.num_tokens + 1 >= req.max_model_len
+            ):
+                continue  # ends with ``running``
+            if n_out < sp.min_tokens:
+                return None  # its stop tokens are masked by the sampler
+            picked.append((req, i))
+        if not picked or live != len(self.running) or len(picked) > self.config.token_budget:
+            return None
+        for req, _ in picked:
+            # ``running``'s token and this step's; registered in the prefix cache once known
+            if not self.kv.allocate(req, 2, register=False):
+                return None  # what is taken stays: the next steps need it anyway
+        out = SchedulerOutput()
+        for req, _ in picked:
+            out.requests.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    token_ids=[0],  # ``running``'s token: on the device
+                    start_pos=req.num_computed_tokens + 1,
+                    block_ids=self.kv.block_ids(req.request_id),
+                    sample=True,
+                    sampling_params=req.sampling_params,
+                    output_token_ids=req.output_token_ids,
+                    prompt_token_ids=req.prompt_token_ids,
+                    images=req.images,
+                    position_offset=req.position_offset,
+                )
+            )
+        return out, [i for _, i in picked]
+
+    def settle(self, in_flight: frozenset[str]) -> None:
+        """The requests of the steps now queued on the device and not read: those finished
+        and no longer among them give their blocks back."""
+        self._in_flight = in_flight
+        for rid in [r for r in self._unsettled if r not in in_flight]:
+            self.kv.free(self._unsettled.pop(rid))
+
+    def register_ahead(self, out: SchedulerOutput) -> None:
+        """After the step before ``out`` was read: ``out``'s requests' blocks that are now full
+        of known tokens join the prefix cache (``schedule_ahead`` could not hash them)."""
+        for sr in out.requests:
+            req = self.requests.get(sr.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self.kv.allocate(req, 1)  # within its blocks: registers, allocates nothing
 
     # ---- update ------------------------------------------------------------------------------
     def update(

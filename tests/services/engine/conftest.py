@@ -13,6 +13,7 @@ import torch
 
 from services.engine.bench.parity_report import PROMPTS
 from services.engine.llm import LLM
+from services.engine.llm_engine import LLMEngine
 from services.model_files import EMBEDDED_GGUF
 
 CHAT_PROMPTS = PROMPTS  # the 8 chat prompts every parity check uses
@@ -90,3 +91,16 @@ def rank_processes() -> list[int]:
         if int(ppid) == os.getpid() and (b"tp_follower" in cmdline or state == "Z"):
             pids.append(int(stat.parent.name))
     return pids
+
+
+def count_launches(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter of steps launched behind a step whose tokens were not read yet."""
+    counter = [0]
+    launch = type(engine.runner).launch
+
+    def counted(self, out, after=None, rows=None):  # type: ignore[no-untyped-def]
+        counter[0] += after is not None
+        return launch(self, out, after, rows)
+
+    monkeypatch.setattr(type(engine.runner), "launch", counted)
+    return counter

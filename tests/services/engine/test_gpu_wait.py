@@ -23,3 +23,21 @@ def test_reads_several_tensors_of_several_dtypes(device: str) -> None:
         assert got == [ids.tolist(), vals.tolist(), top.tolist()]
     big = torch.arange(5000, device=device)  # grows past the first buffer
     assert reader.read(big, ids) == [big.tolist(), ids.tolist()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_started_read_returns_its_values_after_the_pending_work(device: str) -> None:
+    """start() queues a launched step's tokens' copy; finish() runs the host work left by
+    while_waiting, then returns them. The next start reuses the buffer (and grows it)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reader = GpuReader(torch.device(device))
+    ran: list[str] = []
+    for n in (3, 2000):
+        tokens = torch.arange(n, device=device) * 3
+        ticket = reader.start(tokens)
+        reader.while_waiting(lambda: ran.append("work"))
+        assert reader.finish(ticket) == tokens.tolist()
+    assert ran == ["work", "work"]
+    other = torch.arange(4, device=device, dtype=torch.int32)
+    assert reader.finish(reader.start(other)) == [0, 1, 2, 3]

@@ -12,6 +12,7 @@ from services.engine.kv_cache import CPU_DEFAULT_MAX_MODEL_LEN, plan_num_blocks
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
+from tests.services.engine.conftest import count_launches
 
 
 def test_seeded_sampling_ignores_batch_composition(llm: LLM, chat_ids: list[list[int]]) -> None:
@@ -155,6 +156,7 @@ def test_outputs_made_during_the_next_forward_are_those_made_at_once(
     forward runs; a stop string found then ends its request one computed token late, which
     nobody sees: the same results as outputs made at once, and every block free after."""
     engine = llm.engine
+    monkeypatch.setattr(engine, "async_decode", False)  # launched steps emit at once
     params = [
         SamplingParams(temperature=0, max_tokens=24, stop=["the", "."]),
         SamplingParams(temperature=0, max_tokens=3),
@@ -198,9 +200,10 @@ def _until_last_output_waits(
 
 
 def test_an_abort_while_the_last_output_waits_ends_the_request_as_aborted(
-    llm: LLM, chat_ids: list[list[int]]
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = llm.engine
+    monkeypatch.setattr(engine, "async_decode", False)  # outputs wait only without launches
     seen = _until_last_output_waits(engine, "short", chat_ids[0], "long", chat_ids[1])
     assert not any(o.request_id == "short" and o.finished for o in seen)
     out = engine.abort("short")
@@ -213,9 +216,10 @@ def test_an_abort_while_the_last_output_waits_ends_the_request_as_aborted(
 
 
 def test_a_last_output_still_waiting_is_delivered_when_nothing_else_runs(
-    llm: LLM, chat_ids: list[list[int]]
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = llm.engine
+    monkeypatch.setattr(engine, "async_decode", False)
     _until_last_output_waits(engine, "done", chat_ids[2], "other", chat_ids[3])
     assert engine.abort("other") is not None  # nothing is left to run...
     assert engine.has_unfinished  # ...but an output is still to be made
@@ -226,14 +230,15 @@ def test_a_last_output_still_waiting_is_delivered_when_nothing_else_runs(
 
 
 def test_two_hundred_aborts_mid_stream_leave_every_block_free(
-    llm: LLM, chat_ids: list[list[int]]
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Aborts land between steps at every point of a request's life (waiting, prefilling,
-    decoding, its last output still to be made): each request ends exactly once, nothing
-    streams after its abort, and the pool is whole again."""
+    decoding, its last output still to be made, a decode step queued ahead of it): each
+    request ends exactly once, nothing streams after its abort, and the pool is whole again."""
     import random
 
     engine, rng = llm.engine, random.Random(7)
+    launches = count_launches(engine, monkeypatch)
     live: set[str] = set()
     ended: dict[str, str] = {}
     for i in range(200):
@@ -254,4 +259,5 @@ def test_two_hundred_aborts_mid_stream_leave_every_block_free(
             ended[rid] = "abort"
     assert not live and len(ended) == 200
     assert 20 < list(ended.values()).count("abort") < 200  # aborts and natural ends both
+    assert launches[0] > 0  # async scheduling (the default) launched steps ahead
     assert engine.stats().free_blocks == engine.stats().total_blocks

@@ -1,0 +1,101 @@
+"""Async scheduling in the engine: a plain greedy decode step is queued on the device before the
+step before it is read (its input ids are that step's tokens, on the device). The outputs must
+be those of step-by-step scheduling, under stop strings, stop tokens, length limits, requests
+that need the sampler, preemption and aborts, with every block free at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos.sampling_params import SamplingParams
+from services.engine.llm import LLM
+from tests.services.engine.conftest import count_launches
+
+
+def _results(res: list) -> list[tuple]:
+    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for r in res for o in r.outputs]
+
+
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24, stop=["the", "."]),
+    SamplingParams(temperature=0, max_tokens=3),
+    SamplingParams(temperature=0, max_tokens=40, stop=[" is"], include_stop_str_in_output=True),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=64),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=5),  # sampled: its steps run one by one
+    SamplingParams(temperature=0, max_tokens=10, min_tokens=6),  # the sampler masks EOS first
+    SamplingParams(temperature=0, max_tokens=8, logprobs=2),  # logprobs: not plain greedy
+]
+
+
+def test_launched_steps_give_the_outputs_of_step_by_step(
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = llm.engine
+    assert engine.async_decode  # the default
+    launches = count_launches(engine, monkeypatch)
+    ahead = llm.generate(chat_ids[:8], PARAMS)
+    assert launches[0] > 10, "most decode steps were meant to be launched ahead"
+    assert not engine.has_unfinished
+    assert engine.stats().free_blocks == engine.stats().total_blocks
+    monkeypatch.setattr(engine, "async_decode", False)
+    before = launches[0]
+    one_by_one = llm.generate(chat_ids[:8], PARAMS)
+    assert launches[0] == before
+    assert _results(ahead) == _results(one_by_one)
+    assert ahead[7].outputs[0].logprobs == one_by_one[7].outputs[0].logprobs
+    assert {r.outputs[0].finish_reason for r in ahead} == {"stop", "length"}
+
+
+def test_a_tiny_pool_preempts_between_launched_steps(
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """10 blocks of 16 for 8 requests of ~60 tokens: steps ahead cannot always get a block, the
+    full schedule then preempts; the tokens are those of a big pool, step by step."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    monkeypatch.setattr(llm.engine, "async_decode", False)
+    reference = [r.outputs[0].token_ids for r in llm.generate(chat_ids, params)]
+    monkeypatch.undo()
+    tiny = LLM("embedded", num_blocks=10, max_model_len=160, enable_prefix_caching=False)
+    launches = count_launches(tiny.engine, monkeypatch)
+    assert [r.outputs[0].token_ids for r in tiny.generate(chat_ids, params)] == reference
+    stats = tiny.engine.stats()
+    assert stats.num_preemptions > 0 and launches[0] > 0
+    assert stats.free_blocks == stats.total_blocks
+    tiny.engine.scheduler.check_invariants()
+
+
+def test_aborts_of_requests_in_a_launched_step_free_their_blocks_once_it_is_read(
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Aborts land between steps while a decode step launched ahead still computes the aborted
+    requests: each ends once, nothing streams after its abort, its blocks stay held until the
+    step is read (a queued step writes them) and the pool is whole at the end."""
+    import random
+
+    engine, rng = llm.engine, random.Random(11)
+    launches = count_launches(engine, monkeypatch)
+    live: set[str] = set()
+    for i in range(24):
+        engine.add_request(f"q{i}", chat_ids[i % len(chat_ids)],
+                           SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True))  # fmt: skip
+        live.add(f"q{i}")
+    under_launch = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id in live, f"{out.request_id} streamed after it ended"
+            if out.finished:
+                live.discard(out.request_id)
+        launched = engine._launched
+        for rid in rng.sample(sorted(live), min(len(live), rng.randint(0, 2))):
+            free = engine.stats().free_blocks
+            ahead = launched is not None and rid in {r.request_id for r in launched.out.requests}
+            out = engine.abort(rid)
+            assert out is not None and out.finish_reason == "abort"
+            live.discard(rid)
+            if ahead:  # held for the queued step
+                under_launch += 1
+                assert engine.stats().free_blocks == free
+    assert not live and launches[0] > 10 and under_launch >= 3
+    assert engine.stats().free_blocks == engine.stats().total_blocks
+    engine.scheduler.check_invariants()

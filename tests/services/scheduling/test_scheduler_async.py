@@ -1,0 +1,115 @@
+"""Async scheduling: the decode step after a running one, scheduled before its tokens are known."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduling.outputs import SampledToken, SchedulerOutput
+from services.scheduling.request import Request, RequestStatus
+from services.scheduling.scheduler import Scheduler
+from tests.services.scheduling.conftest import fake_token, make_request, make_scheduler
+
+
+def _decoding(sched: Scheduler, *reqs: Request) -> SchedulerOutput:
+    """Prefill ``reqs`` (one step, tokens sampled and read) and schedule their first decode."""
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    sched.update(
+        out, {sr.request_id: [SampledToken(fake_token(sr.request_id, 0))] for sr in out.requests}
+    )
+    decode = sched.schedule()
+    assert all(sr.num_new_tokens == 1 for sr in decode.requests)
+    return decode
+
+
+def _read(sched: Scheduler, out: SchedulerOutput, token: int = 1) -> None:
+    sched.update(out, {sr.request_id: [SampledToken(token)] for sr in out.requests})
+
+
+def test_the_step_ahead_computes_the_token_after_the_running_one() -> None:
+    sched = make_scheduler()
+    a, b = make_request("a", 6, max_tokens=8), make_request("b", 9, max_tokens=8)
+    running = _decoding(sched, a, b)
+    ahead = sched.schedule_ahead(running)
+    assert ahead is not None
+    nxt, rows = ahead
+    assert rows == [0, 1]
+    for sr, before in zip(nxt.requests, running.requests, strict=True):
+        assert sr.start_pos == before.start_pos + 1 and sr.num_new_tokens == 1 and sr.sample
+    _read(sched, running)  # the running step's tokens arrive after the next was scheduled
+    # its blocks cover the position it writes
+    for sr in nxt.requests:
+        assert len(sched.kv.block_ids(sr.request_id)) * 4 >= sr.start_pos + 1
+    _read(sched, nxt)
+    assert a.num_computed_tokens == 6 + 2 and len(a.output_token_ids) == 3
+    sched.check_invariants()
+
+
+def test_a_request_the_running_step_ends_by_length_is_left_out() -> None:
+    sched = make_scheduler()
+    short, long = make_request("s", 5, max_tokens=2), make_request("l", 5, max_tokens=8)
+    running = _decoding(sched, short, long)
+    ahead = sched.schedule_ahead(running)
+    assert ahead is not None
+    assert [sr.request_id for sr in ahead[0].requests] == ["l"] and ahead[1] == [1]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["waiting-with-a-seat", "min-tokens", "no-free-blocks", "aborted-only"],
+)
+def test_only_the_full_schedule_decides_when(case: str) -> None:
+    sched = make_scheduler(num_blocks=5 if case == "no-free-blocks" else 64)
+    req = make_request("a", 7 if case == "no-free-blocks" else 6, max_tokens=12,
+                       min_tokens=5 if case == "min-tokens" else 0)  # fmt: skip
+    running = _decoding(sched, req)
+    if case == "waiting-with-a-seat":
+        sched.add(make_request("w", 4))
+    if case == "no-free-blocks":  # 2 blocks of 4 hold its 8 tokens, the 9th needs a 3rd
+        assert sched.kv.allocate(make_request("x", 4), 12)
+    if case == "aborted-only":
+        sched.abort("a")
+    assert sched.schedule_ahead(running) is None
+
+
+def test_blocks_of_a_request_ending_under_a_queued_step_wait_for_it() -> None:
+    """A request finished (or aborted) while a queued step still writes its KV keeps its
+    blocks, and its id, until that step is read: a reservation cannot take them meanwhile."""
+    sched = make_scheduler(num_blocks=8)
+    running = _decoding(sched, make_request("a", 8, max_tokens=20))
+    ahead = sched.schedule_ahead(running)
+    assert ahead is not None
+    nxt = ahead[0]
+    sched.settle(frozenset({"a"}))
+    held = set(sched.kv.block_ids("a"))
+    free = sched.kv.num_free_blocks
+    sched.abort("a")
+    assert sched.kv.num_free_blocks == free  # not yet
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add(make_request("a", 4))
+    other = make_request("r", 4 * free)
+    assert sched.reserve(other)
+    assert not held & set(sched.kv.block_ids("r"))
+    _read(sched, running)
+    _read(sched, nxt)  # the dropped token: the request is gone
+    assert sched.kv.num_free_blocks == 0
+    sched.settle(frozenset())
+    assert sched.kv.num_free_blocks == len(held)
+    assert sched.cancel_reservation("r") and sched.kv.all_free()
+    sched.check_invariants()
+
+
+def test_a_stop_token_in_the_running_step_drops_the_step_ahead_token() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 6, max_tokens=10, stop_token_ids=(7,))
+    running = _decoding(sched, req)
+    ahead = sched.schedule_ahead(running)
+    assert ahead is not None
+    sched.settle(frozenset({"a"}))
+    _read(sched, running, token=7)
+    assert req.status is RequestStatus.FINISHED and req.output_token_ids[-1] == 7
+    assert sched.update(ahead[0], {"a": [SampledToken(3)]}) == []
+    assert req.output_token_ids[-1] == 7
+    sched.settle(frozenset())
+    assert sched.kv.all_free()
