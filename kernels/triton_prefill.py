@@ -27,10 +27,25 @@ place that holds the rotated keys (the qkv activation holds them before RoPE), e
 KV head is ``D`` contiguous elements in either layout, and an FP8 cache's rounding must be what
 attention sees.
 
+Tiles by the step's shape (:func:`step_tiles`): the launcher takes the first of ``LARGE_TILES``
+(256 rows: 64 tokens of a 4-head group) whose whole tiles, ``ceil(T / TOKENS)`` per head set,
+give at least ~2 programs per SM, else the first of ``TILE_CHOICES`` (64 rows) that fits shared
+memory. Large tiles read each K/V tile for 4x the rows; on a short chunk they leave SMs idle
+(a 512-token chunk fills 64 programs of 256 rows on 132 SMs). Only host-side shapes decide (no
+device sync), and only between these few fixed configurations: nothing about the batch becomes
+a compile-time constant. ``tiles=`` overrides the choice.
+
+Kernel variants (:class:`Tiles`' knobs, constexpr; all off by default, the sweep times them):
+``narrow`` keeps int64 math to each key's block base and hoists the int32 in-block offsets out
+of the loop; ``block_reads`` reads one block-table entry per KV block instead of one per key;
+``k_transposed`` loads K as a [D, BLOCK_N] tile; ``warp_specialize`` asks Triton to split the
+unmasked loop into producer and consumer warps. The first two apply when BLOCK_SIZE divides
+BLOCK_N (a tile then starts on a block boundary), else the per-key path runs.
+
 Napkin math: 4 * D FLOP per visible (query, key) pair per head. A K/V tile of ``BLOCK_N`` keys
-(2 * BLOCK_N * D elements from L2) feeds 4 * BLOCK_M * BLOCK_N * D FLOP: at 64 rows an H100's
-tensor cores (~990 TFLOP/s dense bf16) would want ~15 TB/s of L2 reads, at 128 rows about
-half, hence the large tiles.
+(2 * BLOCK_N * D elements from L2) feeds 4 * BLOCK_M * BLOCK_N * D FLOP, so bf16 reads one L2
+byte per BLOCK_M FLOP: at 64 rows an H100's tensor cores (~990 TFLOP/s dense bf16) would want
+~15 TB/s of L2 reads, at 128 rows ~7.7, at 256 ~3.9, hence the large tiles.
 """
 
 from __future__ import annotations
