@@ -84,13 +84,14 @@ def _row_blocks(table, n0, ctx, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     """The cache block of each of the tile's ``BLOCK_N`` keys (int64, 0 past ``ctx``)."""
     pos = n0 + tl.arange(0, BLOCK_N)
     if BLOCK_READS:  # one table entry per KV block, repeated for its BLOCK_SIZE keys
-        NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
-        entry = n0 // BLOCK_SIZE + tl.arange(0, NB)
+        entry = n0 // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
         if MASKED:
             blk = tl.load(table + entry, mask=entry * BLOCK_SIZE < ctx, other=0).to(tl.int64)
         else:
             blk = tl.load(table + entry).to(tl.int64)
-        return tl.reshape(tl.broadcast_to(blk[:, None], (NB, BLOCK_SIZE)), (BLOCK_N,))
+        return tl.reshape(
+            tl.broadcast_to(blk[:, None], (BLOCK_N // BLOCK_SIZE, BLOCK_SIZE)), (BLOCK_N,)
+        )
     else:
         if MASKED:
             return tl.load(table + pos // BLOCK_SIZE, mask=pos < ctx, other=0).to(tl.int64)
