@@ -27,13 +27,32 @@ place that holds the rotated keys (the qkv activation holds them before RoPE), e
 KV head is ``D`` contiguous elements in either layout, and an FP8 cache's rounding must be what
 attention sees.
 
+Tiles by the step's shape (:func:`step_tiles`): the launcher takes the first of ``LARGE_TILES``
+(256 rows: 64 tokens of a 4-head group) whose whole tiles, ``ceil(T / TOKENS)`` per head set,
+give at least ~2 programs per SM, else the first of ``TILE_CHOICES`` (64 rows) that fits shared
+memory. Large tiles read each K/V tile for 4x the rows; on a short chunk they leave SMs idle
+(a 512-token chunk fills 64 programs of 256 rows on 132 SMs). Only host-side shapes decide (no
+device sync), and only between these few fixed configurations: nothing about the batch becomes
+a compile-time constant. ``tiles=`` overrides the choice.
+
+Kernel variants (:class:`Tiles`' knobs, constexpr; all off by default, the sweep times them):
+``narrow`` keeps int64 math to each key's block base and hoists the int32 in-block offsets out
+of the loop; ``block_reads`` reads one block-table entry per KV block instead of one per key;
+``k_transposed`` loads K as a [D, BLOCK_N] tile; ``warp_specialize`` asks Triton to split the
+unmasked loop into producer and consumer warps. The first two apply when BLOCK_SIZE divides
+BLOCK_N (a tile then starts on a block boundary), else the per-key path runs.
+
 Napkin math: 4 * D FLOP per visible (query, key) pair per head. A K/V tile of ``BLOCK_N`` keys
-(2 * BLOCK_N * D elements from L2) feeds 4 * BLOCK_M * BLOCK_N * D FLOP: at 64 rows an H100's
-tensor cores (~990 TFLOP/s dense bf16) would want ~15 TB/s of L2 reads, at 128 rows about
-half, hence the large tiles.
+(2 * BLOCK_N * D elements from L2) feeds 4 * BLOCK_M * BLOCK_N * D FLOP, so bf16 reads one L2
+byte per BLOCK_M FLOP: at 64 rows an H100's tensor cores (~990 TFLOP/s dense bf16) would want
+~15 TB/s of L2 reads, at 128 rows ~7.7, at 256 ~3.9, hence the large tiles.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -53,38 +72,83 @@ from kernels.triton_common import (
     max_shared_memory,
     mma,
     next_pow2,
+    sm_count,
 )
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_rows(row_ptrs, offs_d, mask, USE_MASK: tl.constexpr):
-    if USE_MASK:
-        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0)
+def _row_blocks(table, n0, ctx, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr, BLOCK_READS: tl.constexpr):  # fmt: skip
+    """The cache block of each of the tile's ``BLOCK_N`` keys (int64, 0 past ``ctx``)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if BLOCK_READS:  # one table entry per KV block, repeated for its BLOCK_SIZE keys
+        entry = n0 // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+        if MASKED:
+            blk = tl.load(table + entry, mask=entry * BLOCK_SIZE < ctx, other=0).to(tl.int64)
+        else:
+            blk = tl.load(table + entry).to(tl.int64)
+        return tl.reshape(
+            tl.broadcast_to(blk[:, None], (BLOCK_N // BLOCK_SIZE, BLOCK_SIZE)), (BLOCK_N,)
+        )
     else:
-        return tl.load(row_ptrs[:, None] + offs_d[None, :])
+        if MASKED:
+            return tl.load(table + pos // BLOCK_SIZE, mask=pos < ctx, other=0).to(tl.int64)
+        else:  # every key of the tile is in range
+            return tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _kv_tile(base, blk, n0, ctx, s_n, s_b, inner, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LOAD_MASK: tl.constexpr,
+             NARROW: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+    """One KV head's ``BLOCK_N`` keys (or values) from the cache: [BLOCK_N, BLOCK_D], or
+    [BLOCK_D, BLOCK_N] when ``TRANSPOSED``. ``NARROW``: only the block base is int64 math per
+    iteration; ``inner`` holds the loop-invariant int32 in-block offsets (in the tile's layout)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    if NARROW:
+        rows = base + blk * s_n
+    else:
+        rows = base + blk * s_n + (pos % BLOCK_SIZE) * s_b
+    if TRANSPOSED:
+        if NARROW:
+            ptrs = rows[None, :] + inner
+        else:
+            ptrs = rows[None, :] + offs_d[:, None]
+        mask = (offs_d < HEAD_DIM)[:, None] & (pos < ctx)[None, :]
+    else:
+        if NARROW:
+            ptrs = rows[:, None] + inner
+        else:
+            ptrs = rows[:, None] + offs_d[None, :]
+        mask = (pos < ctx)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if LOAD_MASK:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, table, k_ptr, v_ptr, n0, q_pos, ctx, kvh,
-    s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, scale_log2e,
+    q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
+    s_kn, s_kb, s_vn, s_vb, scale_log2e,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOAD_MASK: tl.constexpr,
+    NARROW: tl.constexpr, BLOCK_READS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    offs_d = tl.arange(0, BLOCK_D)
     pos = n0 + tl.arange(0, BLOCK_N)
-    kv_mask = (pos < ctx)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    if MASKED:
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=pos < ctx, other=0).to(tl.int64)
-    else:  # every key of the tile is in range
-        blk = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
-    off = pos % BLOCK_SIZE
-    k_rows = k_ptr + blk * s_kn + off * s_kb + kvh * s_kh
-    k = _load_rows(k_rows, offs_d, kv_mask, LOAD_MASK).to(q.dtype)  # FP8 caches: exact
-    s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)  # raw scores: scaled inside the exp2
+    blk = _row_blocks(table, n0, ctx, BLOCK_SIZE, BLOCK_N, MASKED, BLOCK_READS)
+    k = _kv_tile(
+        k_base, blk, n0, ctx, s_kn, s_kb, k_inner, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        LOAD_MASK, NARROW, K_TRANSPOSED,
+    ).to(q.dtype)  # fmt: skip  # FP8 caches: exact
+    if K_TRANSPOSED:
+        s = mma(q, k, DOT_UPCAST, DOT_PRECISION)  # raw scores: scaled inside the exp2
+    else:
+        s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & (pos < ctx)[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -95,8 +159,10 @@ def _attend_tile(
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s * scale_log2e - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
-    v = _load_rows(v_rows, offs_d, kv_mask, LOAD_MASK).to(q.dtype)
+    v = _kv_tile(
+        v_base, blk, n0, ctx, s_vn, s_vb, v_inner, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        LOAD_MASK, NARROW, False,
+    ).to(q.dtype)  # fmt: skip
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -109,8 +175,9 @@ def _prefill_kernel(
     s_qt, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ot, s_oh,
     HEAD_SETS: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_PADDED: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
+    NARROW: tl.constexpr, BLOCK_READS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     h0 = (pid % HEAD_SETS) * HEADS  # the tile's first query head
@@ -146,6 +213,18 @@ def _prefill_kernel(
     q_pos = prefix + tok
     table = bt_ptr + b.to(tl.int64) * s_btb
 
+    k_base = k_ptr + kvh * s_kh
+    v_base = v_ptr + kvh * s_vh
+    k_inner = 0
+    v_inner = 0
+    if NARROW:  # a tile starts on a block boundary: its keys' in-block offsets never change
+        in_blk = tl.arange(0, BLOCK_N) % BLOCK_SIZE
+        if K_TRANSPOSED:
+            k_inner = (in_blk * s_kb)[None, :] + offs_d[:, None]
+        else:
+            k_inner = (in_blk * s_kb)[:, None] + offs_d[None, :]
+        v_inner = (in_blk * s_vb)[:, None] + offs_d[None, :]
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -153,41 +232,90 @@ def _prefill_kernel(
     # so each row (padding rows included: their positions lie past it) sees its first key
     full_end = (prefix + m0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(prefix + m0 + TOKENS, ctx)
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, table, k_ptr, v_ptr, n0, q_pos, ctx, kvh,
-            s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, scale_log2e,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, D_PADDED, DOT_UPCAST, DOT_PRECISION,
-        )  # fmt: skip
+    if WARP_SPECIALIZE:
+        for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=True):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
+                s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
+                s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
+            )  # fmt: skip
     for n0 in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, table, k_ptr, v_ptr, n0, q_pos, ctx, kvh,
-            s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, scale_log2e,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, DOT_UPCAST, DOT_PRECISION,
+            q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
+            s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+            True, True, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
         )  # fmt: skip
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-Tiles = tuple[int, int, int, int, bool]  # (BLOCK_M rows, BLOCK_N, num_warps, num_stages, pack)
+class Tiles(NamedTuple):
+    """A launch configuration: the tile shape, then the kernel variants (constexpr knobs).
+
+    Plain 5-tuples ``(block_m, block_n, num_warps, num_stages, pack)`` are accepted wherever a
+    ``Tiles`` is, with every knob off. The knobs change how K/V tiles are addressed and loaded,
+    never the arithmetic: every variant computes the same result.
+    """
+
+    block_m: int  # rows: (token, head) pairs when ``pack`` stacks a GQA group
+    block_n: int  # keys per K/V tile
+    num_warps: int
+    num_stages: int
+    pack: bool  # a GQA group's heads share one tile
+    # int64 math only for each key's block base; the in-block offsets (key row, head, dim) are
+    # int32 and loop-invariant, computed once per program (needs BLOCK_SIZE | block_n)
+    narrow: bool = False
+    # one block-table entry per KV block, broadcast to its keys, instead of one per key
+    # (needs BLOCK_SIZE | block_n)
+    block_reads: bool = False
+    k_transposed: bool = False  # K loaded as a [D, block_n] tile (no tl.trans before QK^T)
+    # ``tl.range(..., warp_specialize=True)`` on the unmasked loop: producer warps load, consumer
+    # warps compute (a build without support fails to compile; the sweep skips it)
+    warp_specialize: bool = False
+
+    def code(self) -> str:
+        """The Python literal, knobs only when on: what to paste into the defaults."""
+        knobs = "".join(f", {k}=True" for k in self._fields[5:] if getattr(self, k))
+        return f"Tiles{tuple(self[:5])}"[:-1] + knobs + ")"
+
+
+TilesLike = Tiles | tuple[int, int, int, int, bool]  # a plain 5-tuple: every knob off
+
 
 # fastest first (swept on an H100 with ``python -m kernels.bench.tune prefill``); the first whose
-# tiles fit the device's shared memory is used. ``pack``: a GQA group's heads share one tile.
+# tiles fit the device's shared memory is used when the grid is too small for ``LARGE_TILES``.
 TILE_CHOICES: tuple[Tiles, ...] = (
-    (64, 64, 4, 3, True),
-    (64, 32, 4, 2, True),
-    (32, 32, 4, 2, True),
-    (16, 16, 4, 1, True),
+    Tiles(64, 64, 4, 3, True),
+    Tiles(64, 32, 4, 2, True),
+    Tiles(32, 32, 4, 2, True),
+    Tiles(16, 16, 4, 1, True),
 )
+# (tiles, the least grid programs per SM to take them): large tiles feed each K/V tile to more
+# rows (less L2 traffic per FLOP) but cut the grid; below ~2 programs per SM the tail and idle
+# SMs cost more than the reads save (a 512-token chunk after a long prefix fills 64 programs of 256
+# rows for 132 SMs, ~10% slower than 264 programs of 64). The first that fits and fills is used.
+LARGE_TILES: tuple[tuple[Tiles, float], ...] = ((Tiles(256, 64, 16, 2, True), 2.0),)
 
 
-def tiles_fit(tiles: Tiles, d: int, dtype: torch.dtype, device: torch.device) -> bool:
+def tiles_fit(tiles: TilesLike, d: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the pipelined K/V stages plus the Q tile fit in ~85% of shared memory."""
-    m, n, _, stages, _ = tiles
+    return fits_in(Tiles(*tiles), d, dtype, max_shared_memory(device))
+
+
+def fits_in(tiles: Tiles, d: int, dtype: torch.dtype, smem_bytes: int) -> bool:
     elem = torch.finfo(dtype).bits // 8
     block_d = max(16, next_pow2(d))
-    return (stages * 2 * n + m) * block_d * elem <= 0.85 * max_shared_memory(device)
+    return (
+        tiles.num_stages * 2 * tiles.block_n + tiles.block_m
+    ) * block_d * elem <= 0.85 * smem_bytes
 
 
 def default_tiles(d: int, dtype: torch.dtype, device: torch.device) -> Tiles:
@@ -200,6 +328,41 @@ def heads_per_tile(block_m: int, group: int, pack: bool) -> int:
     return group if pack and group <= block_m else 1
 
 
+def filled_programs(tiles: Tiles, tokens: int, q_heads: int, group: int) -> int:
+    """Programs that ``tokens`` new tokens fill: whole tiles per head set. The grid adds up to
+    one partial tile per sequence, not counted: many short rows give a big grid of near-empty
+    tiles, and a large tile would only multiply their wasted rows."""
+    heads = heads_per_tile(tiles.block_m, group, tiles.pack)
+    return triton.cdiv(tokens, tiles.block_m // heads) * (q_heads // heads)
+
+
+def choose_tiles(
+    tokens: int, q_heads: int, group: int, sms: int, fits: Callable[[Tiles], bool]
+) -> Tiles:
+    """The step's tiles from its shape (host-side, no device sync): the first of ``LARGE_TILES``
+    that fits and whose :func:`filled_programs` still give every SM its share, else the first of
+    ``TILE_CHOICES`` that fits. Only which of these few configurations runs depends on the batch,
+    never a compile-time constant, so a new batch compiles nothing once each has run."""
+    for tiles, per_sm in LARGE_TILES:
+        if fits(tiles) and filled_programs(tiles, tokens, q_heads, group) >= per_sm * sms:
+            return tiles
+    return next((t for t in TILE_CHOICES if fits(t)), TILE_CHOICES[-1])
+
+
+def step_tiles(
+    tokens: int,
+    q_heads: int,
+    group: int,
+    d: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tiles:
+    """:func:`choose_tiles` for ``device`` (its SM count; a nominal one under the interpreter)."""
+    smem = max_shared_memory(device)
+    fits = functools.partial(fits_in, d=d, dtype=dtype, smem_bytes=smem)
+    return choose_tiles(tokens, q_heads, group, sm_count(device), fits)
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, Hq, D], the new tokens of every sequence, concatenated
     k_cache: torch.Tensor,  # [N, bs, Hkv, D], already holding the new tokens' K/V
@@ -210,12 +373,13 @@ def prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,  # [T, Hq, D] to write into (e.g. a slice of a larger one)
-    tiles: Tiles | None = None,
+    tiles: TilesLike | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_prefill_attention`.
 
-    ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages, pack) overrides the defaults (for
-    tuning); BLOCK_M counts rows, which are (token, head) pairs when ``pack`` stacks a GQA group.
+    ``tiles`` (a :class:`Tiles`, or a plain (BLOCK_M, BLOCK_N, num_warps, num_stages, pack)) overrides
+    :func:`step_tiles`' choice (for tuning); BLOCK_M counts rows, which are (token, head) pairs when
+    ``pack`` stacks a GQA group.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
@@ -241,18 +405,21 @@ def prefill_attention(
     out = check_out(out, (t, hq, d), q.dtype, device)
     if t == 0 or batch == 0:
         return out
-    block_m, block_n, num_warps, num_stages, pack = tiles or default_tiles(d, q.dtype, device)
-    heads = heads_per_tile(block_m, group, pack)
-    tokens = block_m // heads
+    cfg = Tiles(*tiles) if tiles else step_tiles(t, hq, group, d, q.dtype, device)
+    heads = heads_per_tile(cfg.block_m, group, cfg.pack)
+    tokens = cfg.block_m // heads
     num_tiles = triton.cdiv(t, tokens) + batch
+    whole_blocks = cfg.block_n % bs == 0  # a K/V tile starts on a block boundary
     _prefill_kernel[(num_tiles * (hq // heads),)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         float(scale) * LOG2E, batch, num_tiles,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_SETS=hq // heads, HEADS=heads, GROUP=group, TOKENS=tokens, HEAD_DIM=d,
-        BLOCK_D=max(16, next_pow2(d)), BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        D_PADDED=next_pow2(d) != d or d < 16, DOT_UPCAST=dot_upcast(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_D=max(16, next_pow2(d)), BLOCK_SIZE=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        D_PADDED=next_pow2(d) != d or d < 16, NARROW=cfg.narrow and whole_blocks,
+        BLOCK_READS=cfg.block_reads and whole_blocks, K_TRANSPOSED=cfg.k_transposed,
+        WARP_SPECIALIZE=cfg.warp_specialize, DOT_UPCAST=dot_upcast(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

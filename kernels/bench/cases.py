@@ -68,5 +68,7 @@ def prefill_flops(ctx_lens: list[int], q_lens: list[int]) -> float:
 DECODE_CASES = [(64, 4096), (1, 32768), (256, 512)]  # (batch, context)
 PREFILL_CASES = [  # (name, context lengths, query lengths)
     ("8 x 1024 prompts", [1024] * 8, [1024] * 8),
+    # 1.9 programs per SM with 256-row tiles, just under the shape rule's bound for them
+    ("4 x 512 prompts", [512] * 4, [512] * 4),
     ("512 chunk after 4096 prefix", [4096 + 512], [512]),
 ]

@@ -6,30 +6,48 @@ best first. The defaults in ``triton_decode`` and ``triton_prefill`` come from t
 it on a new GPU before changing them. Arguments: ``prefill`` or ``decode`` runs one half,
 ``graph`` times CUDA-graph replays, ``m64 m128 m256`` restrict the prefill sweep to tiles of
 those many rows (to split it over runs).
+
+The prefill sweep times tile shapes with every kernel variant off, then the variants
+(``Tiles``' knobs) on the leading shapes, then what the launcher's own shape rule picks for each
+case, and prints the candidates for ``TILE_CHOICES[0]`` and ``LARGE_TILES[0]`` as ``Tiles(...)``
+literals to paste. Warp-specialized builds are first compiled in a child process
+(``python -m kernels.bench.tune probe <Tiles literals>``): a compiler abort there skips them
+instead of ending the sweep.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import subprocess
 import sys
 from collections.abc import Callable
 
 import torch
 import triton.testing
 
+from kernels import triton_prefill
 from kernels.attention import ref_prefill_attention
 from kernels.bench.cases import (
     DECODE_CASES,
     DTYPE,
     HEAD_DIM,
+    KV_HEADS,
     PREFILL_CASES,
+    Q_HEADS,
     paged,
     prefill_flops,
 )
 from kernels.bench.roofline import copy_bandwidth, sdpa_prefill
+from kernels.triton_common import sm_count
 from kernels.triton_decode import paged_decode_attention
-from kernels.triton_prefill import Tiles, prefill_attention, tiles_fit
+from kernels.triton_prefill import (
+    Tiles,
+    filled_programs,
+    prefill_attention,
+    step_tiles,
+    tiles_fit,
+)
 
 GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
 # "m128" and the like: only prefill tiles of that many rows (to split the sweep over runs)
@@ -71,62 +89,159 @@ def tune_decode(copy_gbps: float) -> None:
 # (BLOCK_M rows, BLOCK_N, num_warps, num_stages, pack): 128-row tiles skip 32-key steps (too
 # little work per K/V tile); pack stacks a GQA group's heads in one tile. A K/V tile feeds
 # BLOCK_M rows: at 64 rows and ~400 TFLOP/s the K/V reads from L2 alone run at ~6 TB/s, so
-# 256-row tiles of packed groups (64 tokens of 4 heads, one warpgroup per 64 rows) are tried too
-PREFILL_KNOBS: list[Tiles] = [
-    tiles
-    for tiles in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (True, False))
-    if tiles[:2] != (128, 32)
-] + list(itertools.product((256,), (32, 64), (8, 16), (2, 3), (True,)))
+# 256-row tiles of packed groups (64 tokens of 4 heads, one warpgroup per 64 rows) are tried too.
+# Four stages never beat three by more than noise (2026-11-25 sweep), so they are left out.
+TILE_SHAPES: list[Tiles] = [
+    Tiles(*t)
+    for t in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3), (True, False))
+    if t[:2] != (128, 32)
+] + [Tiles(*t) for t in itertools.product((256,), (32, 64), (8, 16), (2, 3), (True,))]
+# the kernel variants, tried on the shapes that led the 2026-11-25 sweep (and the launcher's
+# own choices): each knob alone, the addressing knobs together, and everything at once
+VARIANT_SHAPES: list[Tiles] = [
+    Tiles(256, 64, 16, 2, True),
+    Tiles(256, 64, 8, 3, True),
+    Tiles(128, 64, 8, 3, True),
+    Tiles(128, 128, 8, 3, False),
+    Tiles(64, 64, 4, 3, True),
+    Tiles(64, 32, 4, 2, True),
+]
+VARIANTS: list[dict[str, bool]] = [
+    {"narrow": True},
+    {"block_reads": True},
+    {"k_transposed": True},
+    {"warp_specialize": True},
+    {"narrow": True, "block_reads": True},
+    {"narrow": True, "block_reads": True, "k_transposed": True},
+    {"narrow": True, "block_reads": True, "k_transposed": True, "warp_specialize": True},
+]
+PREFILL_KNOBS: list[Tiles] = TILE_SHAPES + [
+    shape._replace(**knobs) for shape in VARIANT_SHAPES for knobs in VARIANTS
+]
+
+
+def probe_compiles(candidates: list[Tiles]) -> set[Tiles]:
+    """The warp-specialized builds that compile, found in a child process: Triton's warp
+    specialization pass has died on an assertion (an abort, not an exception) for some shapes,
+    which would end the whole sweep. The child prints each index as it passes."""
+    probe = subprocess.run(
+        [sys.executable, "-m", "kernels.bench.tune", "probe", *(t.code() for t in candidates)],
+        capture_output=True,
+        text=True,
+    )
+    ok = {int(line.split()[1]) for line in probe.stdout.splitlines() if line.startswith("ok ")}
+    for i, tiles in enumerate(candidates):
+        if i not in ok:
+            print(f"  skip {tiles.code()}: does not compile (probe exit {probe.returncode})")
+    return {candidates[i] for i in ok}
+
+
+def run_probe(codes: list[str]) -> None:
+    p = paged([300], [300])
+    args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
+    for i, code in enumerate(codes):
+        try:
+            prefill_attention(*args, tiles=eval(code, {"Tiles": Tiles}))
+            torch.cuda.synchronize()
+        except Exception:
+            continue
+        print(f"ok {i}", flush=True)
+
+
+def time_case(args: tuple, ref: torch.Tensor, knobs: list[Tiles]) -> list[tuple[float, Tiles]]:
+    """(ms, tiles) of every candidate whose output matches the reference, fastest first."""
+    rows = []
+    for tiles in knobs:
+        try:
+            err = (prefill_attention(*args, tiles=tiles).float() - ref).abs().max().item()
+            ms = median_ms(functools.partial(prefill_attention, *args, tiles=tiles))
+        except Exception as exc:  # out of shared memory and the like
+            print(f"  skip {tiles.code()}: {type(exc).__name__}")
+            continue
+        if not err <= 2e-2:
+            print(f"  drop {tiles.code()}: max error {err:.3g} against the reference")
+            continue
+        rows.append((ms, tiles))
+    return sorted(rows)
 
 
 def tune_prefill() -> None:
-    """Each case's fastest knobs, then the knobs with the least total time over all cases (the
-    candidate for ``triton_prefill.TILE_CHOICES[0]``). Knobs whose output strays from the
-    reference by more than bf16's tolerance are dropped, so a fast wrong build cannot win."""
+    """Each case's fastest knobs, then what the launcher's shape rule (``step_tiles``) picks for
+    each case beside SDPA, and the candidates for its two tables: ``LARGE_TILES[0]`` (the cases
+    the rule gives large tiles) and ``TILE_CHOICES[0]`` (the others). Knobs whose output strays
+    from the reference by more than bf16's tolerance are dropped, so a fast wrong build cannot win."""
+    knobs = [t for t in PREFILL_KNOBS if not ROWS or t.block_m in ROWS]
+    specialized = [t for t in knobs if t.warp_specialize]
+    compiled = probe_compiles(specialized) if specialized else set()
+    knobs = [t for t in knobs if not t.warp_specialize or t in compiled]
+    print(f"prefill: {len(knobs)} configurations per case")
     times: dict[Tiles, list[float]] = {}
+    summary = []
     for name, ctx_lens, q_lens in PREFILL_CASES:
         p = paged(ctx_lens, q_lens)
         flops = prefill_flops(ctx_lens, q_lens)
         args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
         ref = ref_prefill_attention(*args).float()
-        rows = []
-        for tiles in PREFILL_KNOBS:
-            if ROWS and tiles[0] not in ROWS:
-                continue
-            try:
-                err = (prefill_attention(*args, tiles=tiles).float() - ref).abs().max().item()
-                ms = median_ms(functools.partial(prefill_attention, *args, tiles=tiles))
-            except Exception as exc:  # out of shared memory and the like
-                print(f"  skip tiles={tiles}: {type(exc).__name__}")
-                continue
-            if not err <= 2e-2:
-                print(f"  drop tiles={tiles}: max error {err:.3g} against the reference")
-                continue
-            rows.append((ms, tiles))
+        rows = time_case(args, ref, knobs)
+        for ms, tiles in rows:
             times.setdefault(tiles, []).append(ms)
-        rows.sort()
         print(f"prefill {name}")
+        sdpa_ms = None
         sdpa = sdpa_prefill(p, ctx_lens, q_lens)
         if sdpa is not None:
-            ms = median_ms(sdpa)
-            print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  torch sdpa (contiguous KV)")
-        for ms, tiles in rows[:8]:
-            print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  tiles(M, N, warps, stages, pack)={tiles}")  # fmt: skip
+            sdpa_ms = median_ms(sdpa)
+            print(f"  {sdpa_ms:8.4f} ms {flops / sdpa_ms / 1e9:6.1f} TFLOP/s  torch sdpa (contiguous KV)")  # fmt: skip
+        for ms, tiles in rows[:12]:
+            print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  {tiles.code()}")
+        chosen = step_tiles(p.q.shape[0], Q_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, DTYPE, p.q.device)  # fmt: skip
+        chosen_ms = median_ms(functools.partial(prefill_attention, *args))  # tiles=None: the rule
+        summary.append((name, q_lens, flops, chosen, chosen_ms, sdpa_ms, rows[0] if rows else None))
         del p, args, ref
         torch.cuda.empty_cache()
+    print_rule(summary, times)
+
+
+def print_rule(summary: list[tuple], times: dict[Tiles, list[float]]) -> None:
     dev = torch.device("cuda")
-    totals = [
-        (sum(ms), t)
-        for t, ms in times.items()
-        if len(ms) == len(PREFILL_CASES) and tiles_fit(t, HEAD_DIM, DTYPE, dev)
-    ]
-    print("prefill, least total time over every case, within default_tiles' shared-memory budget")
-    print("(the first is the default to take: triton_prefill.TILE_CHOICES[0]):")
-    for ms, tiles in sorted(totals)[:5]:
-        print(f"  {ms:8.4f} ms  tiles={tiles}")
+    sms = sm_count(dev)
+    group = Q_HEADS // KV_HEADS
+    print(f"\nprefill, the launcher's choice (step_tiles; {sms} SMs, LARGE_TILES needs", end="")
+    print(f" {triton_prefill.LARGE_TILES[0][1]} programs/SM) beside SDPA and the sweep's best:")
+    large_cases: list[int] = []
+    small_cases: list[int] = []
+    for i, (name, q_lens, flops, chosen, ms, sdpa_ms, best) in enumerate(summary):
+        per_sm = {m: filled_programs(Tiles(m, 64, 4, 2, True), sum(q_lens), Q_HEADS, group) / sms for m in (64, 256)}  # fmt: skip
+        large = any(chosen == t for t, _ in triton_prefill.LARGE_TILES)
+        (large_cases if large else small_cases).append(i)
+        rate = flops / ms / 1e9
+        vs = (
+            f"= {100 * sdpa_ms / ms:5.1f}% of SDPA's {flops / sdpa_ms / 1e9:6.1f}"
+            if sdpa_ms
+            else "(no SDPA peer)"
+        )
+        print(f"  {name}: programs/SM {per_sm[64]:.1f} at 64 rows, {per_sm[256]:.1f} at 256")
+        print(f"    rule  {rate:6.1f} TFLOP/s {vs}  {chosen.code()}")
+        if best is not None:
+            print(f"    best  {flops / best[0] / 1e9:6.1f} TFLOP/s  {best[1].code()}")
+    n = len(summary)
+    fits = [t for t, ms in times.items() if len(ms) == n and tiles_fit(t, HEAD_DIM, DTYPE, dev)]
+    for label, cases in (("LARGE_TILES[0]", large_cases), ("TILE_CHOICES[0]", small_cases)):
+        if not cases:
+            continue
+        ranked = sorted((sum(times[t][i] for i in cases), t) for t in fits)
+        names = ", ".join(summary[i][0] for i in cases)
+        print(f"candidates for triton_prefill.{label} (least total time over: {names}):")
+        for ms, tiles in ranked[:5]:
+            print(f"  {ms:8.4f} ms  {tiles.code()}")
+    print("least total time over every case (one default for all):")
+    for ms, tiles in sorted((sum(times[t]), t) for t in fits)[:5]:
+        print(f"  {ms:8.4f} ms  {tiles.code()}")
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["probe"]:
+        run_probe(sys.argv[2:])
+        sys.exit(0)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     gbps = copy_bandwidth()

@@ -7,7 +7,7 @@ import torch
 
 from kernels import triton_prefill
 from kernels.attention import ref_prefill_attention
-from kernels.triton_prefill import prefill_attention
+from kernels.triton_prefill import TILE_CHOICES, Tiles, choose_tiles, prefill_attention
 from tests.kernels.paged import assert_matches, paged_kv, rand
 
 # several query tiles and unmasked key tiles even at tiny lengths; GQA groups packed in a tile
@@ -26,7 +26,7 @@ def run_case(
     block_size: int = 16,
     head_dim: int = 32,
     kv_heads: int = 2,
-    tiles: triton_prefill.Tiles | None = SMALL_TILES,
+    tiles: triton_prefill.TilesLike | None = SMALL_TILES,
 ) -> None:
     k_cache, v_cache, tables = paged_kv(
         ctx_lens, block_size, kv_heads, head_dim, dtype, gen, device
@@ -70,6 +70,27 @@ def test_model_head_dims_after_a_prefix(head_dim: int, tiles: triton_prefill.Til
 @pytest.mark.parametrize("tiles", [SMALL_TILES, UNPACKED])
 def test_long_prefix_short_chunk(dtype: torch.dtype, tiles: triton_prefill.Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     run_case([100], [5], 4, dtype, gen, device, tiles=tiles)
+
+
+# each kernel variant alone and all together: 16-key tiles of two 8-key blocks (block_reads and
+# narrow addressing apply), and 32-key blocks that a 16-key tile does not span (they fall back to
+# per-key addressing); the unmasked loop runs for the 70-token prompt and the chunk after its prefix
+KNOBS = ("narrow", "block_reads", "k_transposed", "warp_specialize")
+
+
+@pytest.mark.parametrize(
+    ("knobs", "block_size", "dtype"),
+    [((k,), 8, torch.float32) for k in KNOBS]
+    + [(KNOBS, 8, torch.float32), (KNOBS, 8, torch.bfloat16), (KNOBS, 32, torch.float32)],
+)
+def test_kernel_variants_match_the_reference(knobs: tuple[str, ...], block_size: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    tiles = Tiles(32, 16, 4, 1, True)._replace(**dict.fromkeys(knobs, True))
+    run_case([37, 70], [37, 30], 4, dtype, gen, device, block_size=block_size, tiles=tiles)
+
+
+def test_unpacked_variants_match_the_reference(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    tiles = Tiles(16, 16, 4, 1, False, narrow=True, block_reads=True, k_transposed=True)
+    run_case([100, 9], [5, 9], 2, torch.float32, gen, device, block_size=8, tiles=tiles)
 
 
 def test_chunks_after_prefixes_mixed_with_decode_tokens(
@@ -172,8 +193,50 @@ def test_gpu_llama_shapes(ctx_lens: list[int], q_lens: list[int]) -> None:
 def test_default_tiles_fit_shared_memory(smem_kib: int, dtype: torch.dtype, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setattr(triton_prefill, "max_shared_memory", lambda device: smem_kib * 1024)
     tiles = triton_prefill.default_tiles(head_dim, dtype, torch.device("cpu"))
-    m, n, _, stages, _ = tiles
     elem = torch.finfo(dtype).bits // 8
-    assert (stages * 2 * n + m) * head_dim * elem <= smem_kib * 1024
+    assert (
+        tiles.num_stages * 2 * tiles.block_n + tiles.block_m
+    ) * head_dim * elem <= smem_kib * 1024
     if smem_kib == 227 and dtype == torch.bfloat16 and head_dim == 128:
         assert tiles == triton_prefill.TILE_CHOICES[0]  # the tuned H100 choice
+
+
+LARGE = triton_prefill.LARGE_TILES[0][0]
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "expected"),
+    [
+        ([1024] * 8, LARGE),  # 8 prompts of 1024: 1024 programs of 256 rows for 132 SMs
+        ([512], TILE_CHOICES[0]),  # one 512-token chunk: 64 programs of 256 rows, too few
+        ([1] * 64, TILE_CHOICES[0]),  # single tokens: mostly empty tiles, whatever their count
+        ([4096, 1], LARGE),  # one long prompt beside a decode-like row
+    ],
+)
+def test_step_tiles_follow_the_grid(q_lens: list[int], expected: Tiles) -> None:
+    # Llama-8B heads (32 query heads in groups of 4) on an H100's 132 SMs
+    got = choose_tiles(sum(q_lens), 32, 4, sms=132, fits=lambda t: True)
+    assert got == expected
+
+
+def test_step_tiles_take_the_large_tiles_from_two_programs_per_sm() -> None:
+    per_sm = triton_prefill.LARGE_TILES[0][1]
+    # 64 tokens (of 4 heads) per 256-row tile, times 8 head sets
+    tokens = int(per_sm * 132 // 8) * 64
+    assert choose_tiles(tokens, 32, 4, 132, lambda t: True) == LARGE
+    assert choose_tiles(tokens - 64, 32, 4, 132, lambda t: True) == TILE_CHOICES[0]
+
+
+def test_step_tiles_respect_shared_memory() -> None:
+    # a device whose shared memory holds only 64-key tiles of 32 rows or fewer
+    def small(t: Tiles) -> bool:
+        return t.block_m <= 32
+
+    assert choose_tiles(8192, 32, 4, 132, small) == TILE_CHOICES[2]
+
+
+def test_tiles_print_as_code() -> None:
+    assert Tiles(64, 64, 4, 3, True).code() == "Tiles(64, 64, 4, 3, True)"
+    tiles = Tiles(256, 64, 16, 2, True, narrow=True, warp_specialize=True)
+    assert tiles.code() == "Tiles(256, 64, 16, 2, True, narrow=True, warp_specialize=True)"
+    assert eval(tiles.code(), {"Tiles": Tiles}) == tiles
