@@ -292,7 +292,11 @@ TilesLike = Tiles | tuple[int, int, int, int, bool]  # a plain 5-tuple: every kn
 
 # fastest first (swept on an H100 with ``python -m kernels.bench.tune prefill``); the first whose
 # tiles fit the device's shared memory is used when the grid is too small for ``LARGE_TILES``.
+# The first: the least total time over "4 x 512 prompts" and "512 chunk after 4096 prefix" in the
+# 2026-11-25 sweep (0.164 ms against 0.189 for the same tiles without the knobs: 4 x 512 at
+# 175 TFLOP/s instead of ~165; the chunk within noise), docs/benchmarks.md
 TILE_CHOICES: tuple[Tiles, ...] = (
+    Tiles(64, 64, 4, 3, True, narrow=True, block_reads=True, k_transposed=True),
     Tiles(64, 64, 4, 3, True),
     Tiles(64, 32, 4, 2, True),
     Tiles(32, 32, 4, 2, True),

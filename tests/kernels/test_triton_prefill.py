@@ -232,7 +232,8 @@ def test_step_tiles_respect_shared_memory() -> None:
     def small(t: Tiles) -> bool:
         return t.block_m <= 32
 
-    assert choose_tiles(8192, 32, 4, 132, small) == TILE_CHOICES[2]
+    assert choose_tiles(8192, 32, 4, 132, small) == Tiles(32, 32, 4, 2, True)
+    assert TILE_CHOICES[0].block_m > 32
 
 
 def test_tiles_print_as_code() -> None:
