@@ -38,9 +38,10 @@ a compile-time constant. ``tiles=`` overrides the choice.
 Kernel variants (:class:`Tiles`' knobs, constexpr; all off by default, the sweep times them):
 ``narrow`` keeps int64 math to each key's block base and hoists the int32 in-block offsets out
 of the loop; ``block_reads`` reads one block-table entry per KV block instead of one per key;
-``k_transposed`` loads K as a [D, BLOCK_N] tile; ``warp_specialize`` asks Triton to split the
-unmasked loop into producer and consumer warps. The first two apply when BLOCK_SIZE divides
-BLOCK_N (a tile then starts on a block boundary), else the per-key path runs.
+``k_transposed`` loads K as a [D, BLOCK_N] tile. The first two apply when BLOCK_SIZE divides
+BLOCK_N (a tile then starts on a block boundary), else the per-key path runs. (Warp
+specialization of the unmasked loop, ``tl.range(..., warp_specialize=True)``, was tried on an
+H100 with Triton 3.6: no faster at 8 and 16 warps, and it does not compile at 4.)
 
 Napkin math: 4 * D FLOP per visible (query, key) pair per head. A K/V tile of ``BLOCK_N`` keys
 (2 * BLOCK_N * D elements from L2) feeds 4 * BLOCK_M * BLOCK_N * D FLOP, so bf16 reads one L2
@@ -177,7 +178,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
     NARROW: tl.constexpr, BLOCK_READS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     h0 = (pid % HEAD_SETS) * HEADS  # the tile's first query head
@@ -232,20 +233,12 @@ def _prefill_kernel(
     # so each row (padding rows included: their positions lie past it) sees its first key
     full_end = (prefix + m0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(prefix + m0 + TOKENS, ctx)
-    if WARP_SPECIALIZE:
-        for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=True):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
-                s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
-            )  # fmt: skip
-    else:
-        for n0 in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
-                s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
-            )  # fmt: skip
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
+            s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+            False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
+        )  # fmt: skip
     for n0 in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
@@ -277,9 +270,6 @@ class Tiles(NamedTuple):
     # (needs BLOCK_SIZE | block_n)
     block_reads: bool = False
     k_transposed: bool = False  # K loaded as a [D, block_n] tile (no tl.trans before QK^T)
-    # ``tl.range(..., warp_specialize=True)`` on the unmasked loop: producer warps load, consumer
-    # warps compute (a build without support fails to compile; the sweep skips it)
-    warp_specialize: bool = False
 
     def code(self) -> str:
         """The Python literal, knobs only when on: what to paste into the defaults."""
@@ -423,7 +413,7 @@ def prefill_attention(
         BLOCK_D=max(16, next_pow2(d)), BLOCK_SIZE=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         D_PADDED=next_pow2(d) != d or d < 16, NARROW=cfg.narrow and whole_blocks,
         BLOCK_READS=cfg.block_reads and whole_blocks, K_TRANSPOSED=cfg.k_transposed,
-        WARP_SPECIALIZE=cfg.warp_specialize, DOT_UPCAST=dot_upcast(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -10,16 +10,13 @@ those many rows (to split it over runs).
 The prefill sweep times tile shapes with every kernel variant off, then the variants
 (``Tiles``' knobs) on the leading shapes, then what the launcher's own shape rule picks for each
 case, and prints the candidates for ``TILE_CHOICES[0]`` and ``LARGE_TILES[0]`` as ``Tiles(...)``
-literals to paste. Warp-specialized builds are first compiled in a child process
-(``python -m kernels.bench.tune probe <Tiles literals>``): a compiler abort there skips them
-instead of ending the sweep.
+literals to paste.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import subprocess
 import sys
 from collections.abc import Callable
 
@@ -110,42 +107,12 @@ VARIANTS: list[dict[str, bool]] = [
     {"narrow": True},
     {"block_reads": True},
     {"k_transposed": True},
-    {"warp_specialize": True},
     {"narrow": True, "block_reads": True},
     {"narrow": True, "block_reads": True, "k_transposed": True},
-    {"narrow": True, "block_reads": True, "k_transposed": True, "warp_specialize": True},
 ]
 PREFILL_KNOBS: list[Tiles] = TILE_SHAPES + [
     shape._replace(**knobs) for shape in VARIANT_SHAPES for knobs in VARIANTS
 ]
-
-
-def probe_compiles(candidates: list[Tiles]) -> set[Tiles]:
-    """The warp-specialized builds that compile, found in a child process: Triton's warp
-    specialization pass has died on an assertion (an abort, not an exception) for some shapes,
-    which would end the whole sweep. The child prints each index as it passes."""
-    probe = subprocess.run(
-        [sys.executable, "-m", "kernels.bench.tune", "probe", *(t.code() for t in candidates)],
-        capture_output=True,
-        text=True,
-    )
-    ok = {int(line.split()[1]) for line in probe.stdout.splitlines() if line.startswith("ok ")}
-    for i, tiles in enumerate(candidates):
-        if i not in ok:
-            print(f"  skip {tiles.code()}: does not compile (probe exit {probe.returncode})")
-    return {candidates[i] for i in ok}
-
-
-def run_probe(codes: list[str]) -> None:
-    p = paged([300], [300])
-    args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
-    for i, code in enumerate(codes):
-        try:
-            prefill_attention(*args, tiles=eval(code, {"Tiles": Tiles}))
-            torch.cuda.synchronize()
-        except Exception:
-            continue
-        print(f"ok {i}", flush=True)
 
 
 def time_case(args: tuple, ref: torch.Tensor, knobs: list[Tiles]) -> list[tuple[float, Tiles]]:
@@ -171,9 +138,6 @@ def tune_prefill() -> None:
     the rule gives large tiles) and ``TILE_CHOICES[0]`` (the others). Knobs whose output strays
     from the reference by more than bf16's tolerance are dropped, so a fast wrong build cannot win."""
     knobs = [t for t in PREFILL_KNOBS if not ROWS or t.block_m in ROWS]
-    specialized = [t for t in knobs if t.warp_specialize]
-    compiled = probe_compiles(specialized) if specialized else set()
-    knobs = [t for t in knobs if not t.warp_specialize or t in compiled]
     print(f"prefill: {len(knobs)} configurations per case")
     times: dict[Tiles, list[float]] = {}
     summary = []
@@ -239,9 +203,6 @@ def print_rule(summary: list[tuple], times: dict[Tiles, list[float]]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["probe"]:
-        run_probe(sys.argv[2:])
-        sys.exit(0)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     gbps = copy_bandwidth()

@@ -75,7 +75,7 @@ def test_long_prefix_short_chunk(dtype: torch.dtype, tiles: triton_prefill.Tiles
 # each kernel variant alone and all together: 16-key tiles of two 8-key blocks (block_reads and
 # narrow addressing apply), and 32-key blocks that a 16-key tile does not span (they fall back to
 # per-key addressing); the unmasked loop runs for the 70-token prompt and the chunk after its prefix
-KNOBS = ("narrow", "block_reads", "k_transposed", "warp_specialize")
+KNOBS = ("narrow", "block_reads", "k_transposed")
 
 
 @pytest.mark.parametrize(
@@ -238,6 +238,6 @@ def test_step_tiles_respect_shared_memory() -> None:
 
 def test_tiles_print_as_code() -> None:
     assert Tiles(64, 64, 4, 3, True).code() == "Tiles(64, 64, 4, 3, True)"
-    tiles = Tiles(256, 64, 16, 2, True, narrow=True, warp_specialize=True)
-    assert tiles.code() == "Tiles(256, 64, 16, 2, True, narrow=True, warp_specialize=True)"
+    tiles = Tiles(256, 64, 16, 2, True, narrow=True, k_transposed=True)
+    assert tiles.code() == "Tiles(256, 64, 16, 2, True, narrow=True, k_transposed=True)"
     assert eval(tiles.code(), {"Tiles": Tiles}) == tiles

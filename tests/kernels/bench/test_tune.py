@@ -21,6 +21,6 @@ def test_prefill_sweep_times_the_launchers_own_choices_and_every_knob() -> None:
         assert any(getattr(t, knob) for t in swept), knob
 
 
-def test_sweep_entries_print_as_code_the_probe_can_read_back() -> None:
+def test_sweep_entries_print_as_code_that_reads_back() -> None:
     for tiles in tune.PREFILL_KNOBS:
         assert eval(tiles.code(), {"Tiles": Tiles}) == tiles
