@@ -376,8 +376,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="schedule and queue the next decode step while the GPU runs this one (plain "
-        "greedy decodes; sampled or constrained requests run step by step); "
+        help="schedule and queue the next decode step while the GPU runs this one (steps "
+        "with logprobs, penalties, logit_bias, min_tokens or a grammar run step by step); "
         "--no-async-scheduling waits for each step's tokens first",
     )
     g.add_argument(

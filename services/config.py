@@ -105,7 +105,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget
     # --max-loras: the most distinct adapters in one step (the device's slots); 0: no LoRA
     max_loras: int = 0
-    # --async-scheduling: a plain greedy decode step is scheduled and queued on the device
+    # --async-scheduling: a decode step is scheduled and queued on the device
     # while the one before it runs (its tokens are the input ids, never read in between)
     async_scheduling: bool = True
 

@@ -1,13 +1,15 @@
 """The batch-1 Triton GEMV as a decode step runs it: back to back inside one CUDA graph.
 
-    python -m kernels.bench.gemv_graph [--json-out gemv_graph.json]
+    python -m kernels.bench.gemv_graph [--fp8] [--json-out gemv_graph.json]
 
 ``kernels.bench.gemv`` times one launch at a time with L2 flushed, which charges each call its
 launch and ramp. Here each shape's GEMV runs over ``REPS`` distinct weights (so no weight is in
 L2) in one captured graph, as the decode graph replays its 32 layers: the time per call against
 the weight bytes at the copy bandwidth says what is left to gain in the GEMV itself. Shapes are
 Llama-3.1-8B's projections (bf16); the default launch (``pick_config``), cuBLAS, and a few
-others (one chunk spanning the whole row, pipelining stages) are timed.
+others (one chunk spanning the whole row, pipelining stages) are timed. ``--fp8``: the FP8
+weight-only GEMV of ``--quantization fp8`` (e4m3 weights, one scale per output channel) over its
+launches (rows per program, chunk, warps, K slices), against its own weight bytes.
 """
 
 from __future__ import annotations
@@ -86,11 +88,59 @@ def time_shape(name: str, n: int, k: int, copy: float) -> dict:
             "best_us": timed[best], "all_us": timed}  # fmt: skip
 
 
+FP8_LAUNCHES = [(1, 4096, 4), (1, 4096, 8), (2, 4096, 4), (2, 4096, 8), (4, 4096, 8),
+                (4, 2048, 4), (8, 1024, 8), (8, 512, 4), (2, 2048, 4), (4, 1024, 4),
+                (16, 512, 8), (16, 1024, 8)]  # fmt: skip
+FP8_CONFIGS = [(*launch, split) for launch in FP8_LAUNCHES for split in (1, 2)]
+
+
+def time_fp8_shape(name: str, n: int, k: int, copy: float) -> dict:
+    """The FP8 GEMV (per-channel scales) at its default launch and the others, in a graph."""
+    from kernels.triton_quant import fp8_gemv_config, fp8_linear
+
+    ws = [
+        torch.randn(n, k, device="cuda").clamp(-400, 400).to(torch.float8_e4m3fn)
+        for _ in range(REPS)
+    ]
+    scale = torch.rand(n, 1, device="cuda") + 0.5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = fp8_linear(x, ws[0], scale, k).float()
+
+    def launch(config: tuple[int, ...] | None) -> Callable[[], None]:
+        def run() -> None:
+            for w in ws:
+                fp8_linear(x, w, scale, k, config=config)
+
+        return run
+
+    default = fp8_gemv_config(n, k, k)
+    timed = {"default": graph_us(launch(None))}
+    for c in FP8_CONFIGS:
+        if c[1] > k:
+            continue
+        got = fp8_linear(x, ws[0], scale, k, config=c).float()
+        if not torch.allclose(got, ref, rtol=2e-2, atol=1e-1):
+            print(f"  {name} {c}: differs from the default launch", flush=True)
+            continue
+        timed[str(c)] = graph_us(launch(c))
+    best = min(timed, key=lambda key: timed[key])
+    floor_us = n * k / copy / 1e3
+    print(f"{name:8s} fp8 floor {floor_us:6.1f} us  default {default} {timed['default']:6.1f} us "
+          f"({100 * floor_us / timed['default']:5.1f}% of copy)  best {best} {timed[best]:6.1f} us "
+          f"({100 * floor_us / timed[best]:5.1f}%)", flush=True)  # fmt: skip
+    top = sorted(timed.items(), key=lambda kv: kv[1])[:5]
+    print("          " + "  ".join(f"{c} {us:.1f}" for c, us in top), flush=True)
+    return {"shape": name, "n": n, "k": k, "dtype": "float8_e4m3fn", "floor_us": floor_us,
+            "default": default, "default_us": timed["default"], "best": best,
+            "best_us": timed[best], "all_us": timed}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     from kernels.bench.roofline import copy_bandwidth, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json-out", default=None)
+    p.add_argument("--fp8", action="store_true", help="the FP8 weight-only GEMV instead")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gemv_graph needs a CUDA GPU")
@@ -98,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows = []
     for name, (n, k) in SHAPES.items():
-        rows.append(time_shape(name, n, k, copy))
+        rows.append((time_fp8_shape if args.fp8 else time_shape)(name, n, k, copy))
         torch.cuda.empty_cache()
     if args.json_out:
         write_results(args.json_out, copy, rows, reps=REPS)

@@ -21,7 +21,7 @@ from services.config import ConfigError, EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from services.engine.draft_proposer import DraftProposer
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
-from services.engine.model_runner import Launched, ModelRunner, plain_greedy, resolve_device
+from services.engine.model_runner import Launched, ModelRunner, launchable, resolve_device
 from services.engine.mrope import rope_delta
 from services.engine.outputs import RequestOutput
 from services.engine.speculative import (
@@ -158,7 +158,7 @@ class LLMEngine:
         # where those outputs go at once (the serving driver streams them while the forward
         # runs); None: the step returns them (one step later than they were made)
         self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
-        # async scheduling: plain greedy decode steps are queued on the device before the step
+        # async scheduling: decode steps are queued on the device before the step
         # before them is read (see _advance); the one queued and not read yet
         self.async_decode = (
             config.scheduler.async_scheduling
@@ -464,7 +464,7 @@ class LLMEngine:
         when nothing is left to run, this step's own. A stop string found that late finishes
         its request after one more token was computed for it, which nobody sees.
 
-        Async scheduling: a plain greedy decode step is launched, not read; the next one is
+        Async scheduling: a decode step is launched, not read; the next one is
         scheduled and launched behind it before its tokens come back (see :meth:`_advance`),
         so the host's work between two steps overlaps the device's."""
         if self._launched is not None:
@@ -531,13 +531,13 @@ class LLMEngine:
         layers: LayerSink | None,
     ) -> bool:  # fmt: skip
         """Whether this step may run launched (its tokens read after the next step is queued):
-        plain greedy decodes only, nothing for the sampler or a grammar to do on the host."""
+        decodes only, with nothing for the sampler or a grammar to do on the host."""
         if not self.async_decode or layers is not None or score or min_stop:
             return False
         for r in out.requests:
             if r.num_new_tokens != 1 or r.num_spec or not r.samples_token:
                 return False
-            if not plain_greedy(r.sampling_params):
+            if not launchable(r.sampling_params):
                 return False
         return not (
             self.grammars.states and self.grammars.constrains([r.request_id for r in out.requests])

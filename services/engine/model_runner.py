@@ -36,7 +36,7 @@ from services.engine.loader import check_tp_split, load_model
 from services.engine.lora.manager import LoRAManager
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
-from services.engine.sampler import keep_drafts, sample, sample_with_drafts
+from services.engine.sampler import keep_drafts, sample, sample_tokens, sample_with_drafts
 from services.engine.speculative import VERIFY_ROWS
 from services.engine.structured import GrammarBatch
 from services.engine.tp_group import TPGroup
@@ -471,9 +471,10 @@ class ModelRunner:
     def launch(
         self, out: SchedulerOutput, after: Launched | None = None, rows: list[int] | None = None
     ) -> Launched:
-        """Queue a plain greedy decode step (one token per request, the argmax) without reading
-        its tokens. ``after``: the launched step whose tokens are this one's input ids,
-        ``rows[i]`` the row of request ``i`` there; they stay on the device."""
+        """Queue a decode step (one token per request, nothing for the host in the sampling:
+        see :func:`launchable`) without reading its tokens. ``after``: the launched step whose
+        tokens are this one's input ids, ``rows[i]`` the row of request ``i`` there; they stay
+        on the device."""
         assert self.launches_ahead
         ids = None
         if after is not None:
@@ -485,12 +486,15 @@ class ModelRunner:
                 if after.tokens.is_cuda:  # from pinned memory: no wait for the queued step
                     index = index.pin_memory()
                 ids = after.tokens.index_select(0, index.to(after.tokens.device, non_blocking=True))
+        reqs = out.requests
         ran = self._graph_forward(out, ids)
-        if ran is not None:
-            return Launched(out, ran[1])
-        logits = self.forward_logits(out, dev_ids=ids)
+        if ran is not None and all(plain_greedy(r.sampling_params) for r in reqs):
+            return Launched(out, ran[1])  # the graph's own argmax
+        logits = ran[0] if ran is not None else self.forward_logits(out, dev_ids=ids)
         assert logits is not None
-        return Launched(out, logits.argmax(dim=-1))
+        # each row's output index: a decode samples the token after its start position
+        positions = [r.start_pos + 1 - len(r.prompt_token_ids) for r in reqs]
+        return Launched(out, sample_tokens(logits, [r.sampling_params for r in reqs], positions))
 
     def start_read(self, step: Launched) -> None:
         """Queue the launched step's tokens' copy to the host (after the previous one's
@@ -638,4 +642,10 @@ class ModelRunner:
 
 def plain_greedy(sp: SamplingParams) -> bool:
     """Greedy with nothing for the sampler to do: no logprobs, no penalties, no logit_bias."""
-    return sp.greedy and sp.logprobs is None and not sp.adjusts_logits
+    return sp.greedy and launchable(sp)
+
+
+def launchable(sp: SamplingParams) -> bool:
+    """Sampling the device does alone (greedy or drawn, with temperature, top-k/p, min-p and
+    seeds): no logprobs to read back, no penalties or logit_bias over the host's token lists."""
+    return sp.logprobs is None and not sp.adjusts_logits

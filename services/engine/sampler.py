@@ -100,20 +100,37 @@ def sample(
     for i, ids in enumerate(stop_ids_for_min_tokens):
         if ids:
             logits[i, ids] = _NEG_INF
+    tokens = sample_tokens(logits, params, [len(o) for o in outputs])
+    return _package(tokens, raw, want_logprobs, read or _tolist)
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [B, V] float32, penalties and masks already applied
+    params: list[SamplingParams],
+    positions: list[int],  # each row's output index (the seeded noise's position)
+) -> torch.Tensor:  # [B] int64, on the logits' device
+    """Each row's token, left on the device: the argmax for greedy rows, a draw for the others.
+    Nothing here waits for the device (a launched step's tokens are sampled this way before the
+    step before it is read)."""
     random_rows = [i for i, sp in enumerate(params) if not sp.greedy]
     if len(random_rows) == len(params):  # every row sampled: no argmax, gather nor scatter
-        return _package(
-            _sample_rows(logits, params, [len(o) for o in outputs]), raw, want_logprobs,
-            read or _tolist,
-        )  # fmt: skip
+        return _sample_rows(logits, params, positions)
     tokens = logits.argmax(dim=-1)
     if random_rows:
-        tokens[random_rows] = _sample_rows(
-            logits[random_rows],
-            [params[i] for i in random_rows],
-            [len(outputs[i]) for i in random_rows],
+        rows = _to_device(random_rows, torch.long, logits.device)
+        tokens[rows] = _sample_rows(
+            logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows]
         )
-    return _package(tokens, raw, want_logprobs, read or _tolist)
+    return tokens
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a stream sync (a plain ``torch.tensor(...,
+    device=...)`` copies from pageable memory and waits for the device)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def sample_with_drafts(
@@ -170,15 +187,15 @@ def _sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
 ) -> torch.Tensor:
     dev = logits.device
-    temp = torch.tensor([sp.temperature for sp in params], device=dev)
+    temp = _to_device([sp.temperature for sp in params], torch.float32, dev)
     logits = logits / temp[:, None]
     if any(sp.top_k > 0 or sp.top_p < 1.0 for sp in params):  # decided on the host: no sync
-        top_k = torch.tensor([max(sp.top_k, 0) for sp in params], device=dev)
-        top_p = torch.tensor([sp.top_p for sp in params], device=dev)
+        top_k = _to_device([max(sp.top_k, 0) for sp in params], torch.long, dev)
+        top_p = _to_device([sp.top_p for sp in params], torch.float32, dev)
         logits = _mask_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
     if any(sp.min_p > 0 for sp in params):
-        min_p = torch.tensor([sp.min_p for sp in params], device=dev)
+        min_p = _to_device([sp.min_p for sp in params], torch.float32, dev)
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = probs.masked_fill(probs < cutoff, 0.0)
     return (probs / _noise(probs, params, positions)).argmax(dim=-1)

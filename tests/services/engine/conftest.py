@@ -94,12 +94,15 @@ def rank_processes() -> list[int]:
 
 
 def count_launches(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A counter of steps launched behind a step whose tokens were not read yet."""
-    counter = [0]
+    """Counters of steps launched behind a step whose tokens were not read yet: [all of them,
+    those with drawn (non-greedy) rows]."""
+    counter = [0, 0]
     launch = type(engine.runner).launch
 
     def counted(self, out, after=None, rows=None):  # type: ignore[no-untyped-def]
-        counter[0] += after is not None
+        if after is not None:
+            counter[0] += 1
+            counter[1] += any(not r.sampling_params.greedy for r in out.requests)
         return launch(self, out, after, rows)
 
     monkeypatch.setattr(type(engine.runner), "launch", counted)

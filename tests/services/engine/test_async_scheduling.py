@@ -22,9 +22,12 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=40, stop=[" is"], include_stop_str_in_output=True),
     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=64),
-    SamplingParams(temperature=0.8, seed=3, max_tokens=5),  # sampled: its steps run one by one
+    # drawn on the device too: the seeded noise's position is the step's, not the host's list's
+    SamplingParams(temperature=0.8, seed=3, max_tokens=30),
+    SamplingParams(temperature=1.0, top_p=0.9, top_k=40, min_p=0.05, seed=5, max_tokens=36),
     SamplingParams(temperature=0, max_tokens=10, min_tokens=6),  # the sampler masks EOS first
-    SamplingParams(temperature=0, max_tokens=8, logprobs=2),  # logprobs: not plain greedy
+    SamplingParams(temperature=0, max_tokens=8, logprobs=2),  # logprobs: read back each step
+    SamplingParams(temperature=0.7, seed=9, max_tokens=12, presence_penalty=0.5),  # penalties
 ]
 
 
@@ -34,16 +37,18 @@ def test_launched_steps_give_the_outputs_of_step_by_step(
     engine = llm.engine
     assert engine.async_decode  # the default
     launches = count_launches(engine, monkeypatch)
-    ahead = llm.generate(chat_ids[:8], PARAMS)
+    prompts = (chat_ids * 2)[: len(PARAMS)]
+    ahead = llm.generate(prompts, PARAMS)
     assert launches[0] > 10, "most decode steps were meant to be launched ahead"
+    assert launches[1] > 5, "steps with drawn rows were meant to be launched ahead too"
     assert not engine.has_unfinished
     assert engine.stats().free_blocks == engine.stats().total_blocks
     monkeypatch.setattr(engine, "async_decode", False)
     before = launches[0]
-    one_by_one = llm.generate(chat_ids[:8], PARAMS)
+    one_by_one = llm.generate(prompts, PARAMS)
     assert launches[0] == before
     assert _results(ahead) == _results(one_by_one)
-    assert ahead[7].outputs[0].logprobs == one_by_one[7].outputs[0].logprobs
+    assert ahead[8].outputs[0].logprobs == one_by_one[8].outputs[0].logprobs
     assert {r.outputs[0].finish_reason for r in ahead} == {"stop", "length"}
 
 
