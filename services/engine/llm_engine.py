@@ -563,7 +563,10 @@ class LLMEngine:
             ids = self.runner.finish(cur)
         except BaseException:
             self.runner.reader.while_waiting(None)
-            s.settle(frozenset())
+            try:  # the launched steps are dropped unread: their writes end before blocks free
+                self.runner.wait_idle()
+            finally:
+                s.settle(frozenset())
             raise
         queued: frozenset[str] = frozenset()
         if nxt is not None:

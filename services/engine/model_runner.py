@@ -496,6 +496,12 @@ class ModelRunner:
         positions = [r.start_pos + 1 - len(r.prompt_token_ids) for r in reqs]
         return Launched(out, sample_tokens(logits, [r.sampling_params for r in reqs], positions))
 
+    def wait_idle(self) -> None:
+        """Wait until the device has run everything queued (a launched step dropped unread
+        after an error must not write blocks that are freed and handed out again)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def start_read(self, step: Launched) -> None:
         """Queue the launched step's tokens' copy to the host (after the previous one's
         :meth:`finish`: one buffer serves them in turn)."""

@@ -68,8 +68,9 @@ def _noise(probs: torch.Tensor, params: list[SamplingParams], positions: list[in
         return torch.empty_like(probs).exponential_()
     q = torch.empty_like(probs)
     unseeded = [i for i, sp in enumerate(params) if sp.seed is None]
-    if unseeded:
-        q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
+    if unseeded:  # the index from pinned memory: a list index would sync the stream
+        rows = _to_device(unseeded, torch.long, probs.device)
+        q[rows] = torch.empty_like(probs[rows]).exponential_()
     for i in seeded:
         seed = params[i].seed
         assert seed is not None

@@ -308,8 +308,6 @@ class Scheduler:
         sampler's host work (``min_tokens``), or blocks that are not free (no preemption here).
         A request that ``running`` finishes by length is left out; one that it ends with a stop
         token is in, and its token is dropped by ``update``."""
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
-            return None  # a waiting request could be admitted: the full schedule decides
         picked: list[tuple[Request, int]] = []
         live = 0
         for i, sr in enumerate(running.requests):
@@ -318,6 +316,8 @@ class Scheduler:
                 continue  # aborted since
             live += 1
             if req.num_computed_tokens != sr.start_pos or req.spec_token_ids:
+                return None
+            if req.hold_blocks_on_finish:  # its blocks outlive it: never under a queued step
                 return None
             sp, n_out = req.sampling_params, len(req.output_token_ids) + 1  # after ``running``
             if n_out >= sp.max_tokens or (
@@ -329,6 +329,8 @@ class Scheduler:
             picked.append((req, i))
         if not picked or live != len(self.running) or len(picked) > self.config.token_budget:
             return None
+        if self.waiting and len(picked) < self.config.max_num_seqs:
+            return None  # a seat is free, or opens with ``running``: the full schedule admits
         for req, _ in picked:
             # ``running``'s token and this step's; registered in the prefix cache once known
             if not self.kv.allocate(req, 2, register=False):

@@ -104,3 +104,38 @@ def test_aborts_of_requests_in_a_launched_step_free_their_blocks_once_it_is_read
     assert not live and launches[0] > 10 and under_launch >= 3
     assert engine.stats().free_blocks == engine.stats().total_blocks
     engine.scheduler.check_invariants()
+
+
+def test_an_error_between_launch_and_read_waits_for_the_device_before_freeing(
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step fails after the next one was launched: both are dropped unread, so the engine
+    waits for the device before any of their blocks can be handed out again."""
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"e{i}", chat_ids[i], SamplingParams(temperature=0, max_tokens=20))
+    while engine._launched is None:
+        engine.step()
+    order: list[str] = []
+    runner = type(engine.runner)
+    finish, settle = runner.finish, type(engine.scheduler).settle
+
+    def failing(self, step):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the device fell over")
+
+    def settling(self, in_flight):  # type: ignore[no-untyped-def]
+        if not in_flight:
+            order.append("settle")
+        settle(self, in_flight)
+
+    monkeypatch.setattr(runner, "finish", failing)
+    monkeypatch.setattr(runner, "wait_idle", lambda self: order.append("wait"))
+    monkeypatch.setattr(type(engine.scheduler), "settle", settling)
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.step()
+    assert order == ["wait", "settle"] and engine._launched is None
+    monkeypatch.setattr(runner, "finish", finish)
+    for i in range(3):
+        engine.abort(f"e{i}")
+    assert not engine.has_unfinished
+    assert engine.stats().free_blocks == engine.stats().total_blocks

@@ -57,12 +57,13 @@ def test_a_request_the_running_step_ends_by_length_is_left_out() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["waiting-with-a-seat", "min-tokens", "no-free-blocks", "aborted-only"],
+    ["waiting-with-a-seat", "min-tokens", "no-free-blocks", "aborted-only", "holds-its-blocks"],
 )
 def test_only_the_full_schedule_decides_when(case: str) -> None:
     sched = make_scheduler(num_blocks=5 if case == "no-free-blocks" else 64)
     req = make_request("a", 7 if case == "no-free-blocks" else 6, max_tokens=12,
-                       min_tokens=5 if case == "min-tokens" else 0)  # fmt: skip
+                       min_tokens=5 if case == "min-tokens" else 0,
+                       hold=case == "holds-its-blocks")  # fmt: skip
     running = _decoding(sched, req)
     if case == "waiting-with-a-seat":
         sched.add(make_request("w", 4))
@@ -113,3 +114,27 @@ def test_a_stop_token_in_the_running_step_drops_the_step_ahead_token() -> None:
     assert req.output_token_ids[-1] == 7
     sched.settle(frozenset())
     assert sched.kv.all_free()
+
+
+def test_a_seat_the_running_step_frees_by_length_goes_to_the_waiting_request() -> None:
+    """Every seat taken, a request waiting, and one running request that ``running`` ends by
+    length: the step after it is the full schedule's, which admits the waiting request."""
+    sched = make_scheduler(max_num_seqs=2)
+    running = _decoding(
+        sched, make_request("s", 5, max_tokens=2), make_request("l", 5, max_tokens=9)
+    )
+    sched.add(make_request("w", 4))
+    assert sched.schedule_ahead(running) is None
+    _read(sched, running)
+    admitted = sched.schedule()
+    assert {sr.request_id for sr in admitted.requests} == {"l", "w"}
+
+
+def test_with_every_seat_kept_a_waiting_request_does_not_stop_the_step_ahead() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    running = _decoding(
+        sched, make_request("a", 5, max_tokens=9), make_request("b", 5, max_tokens=9)
+    )
+    sched.add(make_request("w", 4))
+    ahead = sched.schedule_ahead(running)
+    assert ahead is not None and [sr.request_id for sr in ahead[0].requests] == ["a", "b"]
