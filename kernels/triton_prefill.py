@@ -313,8 +313,12 @@ def fits_in(tiles: Tiles, d: int, dtype: torch.dtype, smem_bytes: int) -> bool:
 
 
 def default_tiles(d: int, dtype: torch.dtype, device: torch.device) -> Tiles:
-    """The first (fastest) of ``TILE_CHOICES`` that fits the device."""
-    return next((t for t in TILE_CHOICES if tiles_fit(t, d, dtype, device)), TILE_CHOICES[-1])
+    """The first (fastest) of ``TILE_CHOICES`` that fits the device (a small grid's tiles)."""
+    return _first_fitting(functools.partial(tiles_fit, d=d, dtype=dtype, device=device))
+
+
+def _first_fitting(fits: Callable[[Tiles], bool]) -> Tiles:
+    return next((t for t in TILE_CHOICES if fits(t)), TILE_CHOICES[-1])
 
 
 def heads_per_tile(block_m: int, group: int, pack: bool) -> int:
@@ -340,7 +344,7 @@ def choose_tiles(
     for tiles, per_sm in LARGE_TILES:
         if fits(tiles) and filled_programs(tiles, tokens, q_heads, group) >= per_sm * sms:
             return tiles
-    return next((t for t in TILE_CHOICES if fits(t)), TILE_CHOICES[-1])
+    return _first_fitting(fits)
 
 
 def step_tiles(

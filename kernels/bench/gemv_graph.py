@@ -28,27 +28,9 @@ REPS = 48
 
 def graph_us(fn: Callable[[], object]) -> float:
     """Microseconds per call of ``fn``'s REPS launches, replayed from one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and settle outside the capture
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[2] * 1e3 / REPS
+    from kernels.bench.roofline import graph_ms
+
+    return graph_ms(fn) * 1e3 / REPS
 
 
 def time_shape(name: str, n: int, k: int, copy: float) -> dict:

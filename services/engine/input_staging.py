@@ -16,6 +16,16 @@ import numpy as np
 import torch
 
 
+def list_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a stream sync: through pinned memory and a
+    non-blocking copy (a plain ``torch.tensor(..., device=...)`` copies from pageable memory and
+    waits for the device, which a step queued ahead of its reads must not do)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class InputStaging:
     def __init__(self, n64: int, n32: int, device: torch.device) -> None:
         self.device = device

@@ -539,9 +539,7 @@ class LLMEngine:
                 return False
             if not launchable(r.sampling_params):
                 return False
-        return not (
-            self.grammars.states and self.grammars.constrains([r.request_id for r in out.requests])
-        )
+        return not self._constrained([r.request_id for r in out.requests])
 
     def _advance(self, cur: Launched) -> list[RequestOutput]:
         """Finish the launched step ``cur``: first schedule and launch the decode step after it
@@ -549,6 +547,7 @@ class LLMEngine:
         on the device), then read ``cur``'s tokens and update. ``cur``'s outputs are made while
         the next step runs; without one they may wait for the next call, as in :meth:`step`."""
         self._launched, nxt = None, None
+        queued: frozenset[str] = frozenset()  # the requests of ``nxt``
         s = self.scheduler
         running = frozenset(r.request_id for r in cur.out.requests)
         earlier: list[RequestOutput] = []
@@ -556,7 +555,8 @@ class LLMEngine:
             ahead = s.schedule_ahead(cur.out)
             if ahead is not None:
                 nxt = self.runner.launch(ahead[0], cur, ahead[1])
-                s.settle(running | {r.request_id for r in nxt.out.requests})
+                queued = frozenset(r.request_id for r in nxt.out.requests)
+                s.settle(running | queued)
             pending = self._take_pending()
             if pending:  # the last step's outputs, made while the device computes
                 self.runner.reader.while_waiting(lambda: self._early(pending, earlier))
@@ -568,11 +568,9 @@ class LLMEngine:
             finally:
                 s.settle(frozenset())
             raise
-        queued: frozenset[str] = frozenset()
         if nxt is not None:
             self.runner.start_read(nxt)
             self._launched = nxt
-            queued = frozenset(r.request_id for r in nxt.out.requests)
             self.last_step_shape = (len(queued), len(queued))
             self.step_tokens.observe(len(queued))
         sampled = {
@@ -597,10 +595,13 @@ class LLMEngine:
             bool(updates)
             and self.proposer is None
             and self.scheduler.has_unfinished
-            and not (  # the ids listed only when some request has a grammar
-                self.grammars.states and self.grammars.constrains([u.request_id for u in updates])
-            )
+            and not self._constrained([u.request_id for u in updates])
         )
+
+    def _constrained(self, request_ids: list[str]) -> bool:
+        """Whether a grammar constrains any of these requests (checked only when some request
+        has one)."""
+        return bool(self.grammars.states) and self.grammars.constrains(request_ids)
 
     def _early(self, pending: list[StepUpdate], into: list[RequestOutput]) -> None:
         outputs = self._emit_all(pending)

@@ -21,7 +21,13 @@ from services.config import ConfigError, EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.gpu_wait import GpuReader, Ticket
-from services.engine.input_staging import InputStaging, fill_tables, slot_mapping, token_spans
+from services.engine.input_staging import (
+    InputStaging,
+    fill_tables,
+    list_to_device,
+    slot_mapping,
+    token_spans,
+)
 from services.engine.kv_cache import (
     CPU_DEFAULT_MAX_MODEL_LEN,
     GIB,
@@ -80,11 +86,11 @@ class StepInputs:
 
 @dataclass(slots=True)
 class Launched:
-    """A plain greedy decode step queued on the device whose tokens the host has not read yet
-    (async scheduling: the engine schedules and queues the next step meanwhile)."""
+    """A decode step queued on the device whose tokens the host has not read yet (async
+    scheduling: the engine schedules and queues the next step meanwhile)."""
 
     out: SchedulerOutput
-    tokens: torch.Tensor  # [n] each request's greedy token, on the device, in request order
+    tokens: torch.Tensor  # [n] each request's sampled token, on the device, in request order
     ticket: Ticket | None = None  # their copy to the host, once started
 
 
@@ -482,10 +488,8 @@ class ModelRunner:
             if rows == list(range(len(rows))):
                 ids = after.tokens[: len(rows)]
             else:  # some requests of the step before end with it
-                index = torch.tensor(rows)
-                if after.tokens.is_cuda:  # from pinned memory: no wait for the queued step
-                    index = index.pin_memory()
-                ids = after.tokens.index_select(0, index.to(after.tokens.device, non_blocking=True))
+                index = list_to_device(rows, torch.long, after.tokens.device)
+                ids = after.tokens.index_select(0, index)
         reqs = out.requests
         ran = self._graph_forward(out, ids)
         if ran is not None and all(plain_greedy(r.sampling_params) for r in reqs):

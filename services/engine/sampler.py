@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from protos.sampling_params import SamplingParams
+from services.engine.input_staging import list_to_device
 from services.engine.structured import apply_bitmask
 from services.scheduling.outputs import SampledToken, ScheduledRequest
 
@@ -69,7 +70,7 @@ def _noise(probs: torch.Tensor, params: list[SamplingParams], positions: list[in
     q = torch.empty_like(probs)
     unseeded = [i for i, sp in enumerate(params) if sp.seed is None]
     if unseeded:  # the index from pinned memory: a list index would sync the stream
-        rows = _to_device(unseeded, torch.long, probs.device)
+        rows = list_to_device(unseeded, torch.long, probs.device)
         q[rows] = torch.empty_like(probs[rows]).exponential_()
     for i in seeded:
         seed = params[i].seed
@@ -118,20 +119,11 @@ def sample_tokens(
         return _sample_rows(logits, params, positions)
     tokens = logits.argmax(dim=-1)
     if random_rows:
-        rows = _to_device(random_rows, torch.long, logits.device)
+        rows = list_to_device(random_rows, torch.long, logits.device)
         tokens[rows] = _sample_rows(
             logits[rows], [params[i] for i in random_rows], [positions[i] for i in random_rows]
         )
     return tokens
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without a stream sync (a plain ``torch.tensor(...,
-    device=...)`` copies from pageable memory and waits for the device)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def sample_with_drafts(
@@ -188,15 +180,15 @@ def _sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
 ) -> torch.Tensor:
     dev = logits.device
-    temp = _to_device([sp.temperature for sp in params], torch.float32, dev)
+    temp = list_to_device([sp.temperature for sp in params], torch.float32, dev)
     logits = logits / temp[:, None]
     if any(sp.top_k > 0 or sp.top_p < 1.0 for sp in params):  # decided on the host: no sync
-        top_k = _to_device([max(sp.top_k, 0) for sp in params], torch.long, dev)
-        top_p = _to_device([sp.top_p for sp in params], torch.float32, dev)
+        top_k = list_to_device([max(sp.top_k, 0) for sp in params], torch.long, dev)
+        top_p = list_to_device([sp.top_p for sp in params], torch.float32, dev)
         logits = _mask_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
     if any(sp.min_p > 0 for sp in params):
-        min_p = _to_device([sp.min_p for sp in params], torch.float32, dev)
+        min_p = list_to_device([sp.min_p for sp in params], torch.float32, dev)
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = probs.masked_fill(probs < cutoff, 0.0)
     return (probs / _noise(probs, params, positions)).argmax(dim=-1)

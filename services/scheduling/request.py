@@ -113,14 +113,19 @@ class Request:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
+    def ends_by_length(self, num_output: int) -> bool:
+        """Whether ``num_output`` generated tokens reach max_tokens or the model's length: known
+        before the last of them is (async scheduling leaves such a request out of a step ahead)."""
+        if num_output >= self.sampling_params.max_tokens:
+            return True
+        return self.max_model_len is not None and (
+            len(self.prompt_token_ids) + num_output >= self.max_model_len
+        )
+
     def check_stop(self, new_token: int) -> FinishReason | None:
         """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""
         sp, num_output = self.sampling_params, len(self.output_token_ids)
-        if num_output >= sp.max_tokens:
-            return FinishReason.LENGTH
-        if self.max_model_len is not None and (
-            len(self.prompt_token_ids) + num_output >= self.max_model_len
-        ):
+        if self.ends_by_length(num_output):
             return FinishReason.LENGTH
         if num_output < sp.min_tokens:
             return None

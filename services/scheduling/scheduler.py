@@ -43,12 +43,8 @@ class Scheduler:
 
     # ---- admission and removal -------------------------------------------------------------
     def _in_use(self, rid: str) -> bool:
-        return (
-            rid in self.requests
-            or rid in self.held
-            or rid in self.reserved
-            or (rid in self._unsettled)
-        )
+        """Whether ``rid`` names a request this scheduler still tracks (its blocks included)."""
+        return any(rid in d for d in (self.requests, self.held, self.reserved, self._unsettled))
 
     def add(self, request: Request) -> None:
         if self._in_use(request.request_id):
@@ -319,12 +315,10 @@ class Scheduler:
                 return None
             if req.hold_blocks_on_finish:  # its blocks outlive it: never under a queued step
                 return None
-            sp, n_out = req.sampling_params, len(req.output_token_ids) + 1  # after ``running``
-            if n_out >= sp.max_tokens or (
-                req.max_model_len is not None and req.num_tokens + 1 >= req.max_model_len
-            ):
+            n_out = len(req.output_token_ids) + 1  # after ``running``
+            if req.ends_by_length(n_out):
                 continue  # ends with ``running``
-            if n_out < sp.min_tokens:
+            if n_out < req.sampling_params.min_tokens:
                 return None  # its stop tokens are masked by the sampler
             picked.append((req, i))
         if not picked or live != len(self.running) or len(picked) > self.config.token_budget:

@@ -23,6 +23,13 @@ def _decoding(sched: Scheduler, *reqs: Request) -> SchedulerOutput:
     return decode
 
 
+def _ahead(sched: Scheduler, running: SchedulerOutput) -> tuple[SchedulerOutput, list[int]]:
+    """The step ahead of ``running``, which the case expects there to be."""
+    ahead = sched.schedule_ahead(running)
+    assert ahead is not None, "no step ahead was scheduled"
+    return ahead
+
+
 def _read(sched: Scheduler, out: SchedulerOutput, token: int = 1) -> None:
     sched.update(out, {sr.request_id: [SampledToken(token)] for sr in out.requests})
 
@@ -31,9 +38,7 @@ def test_the_step_ahead_computes_the_token_after_the_running_one() -> None:
     sched = make_scheduler()
     a, b = make_request("a", 6, max_tokens=8), make_request("b", 9, max_tokens=8)
     running = _decoding(sched, a, b)
-    ahead = sched.schedule_ahead(running)
-    assert ahead is not None
-    nxt, rows = ahead
+    nxt, rows = _ahead(sched, running)
     assert rows == [0, 1]
     for sr, before in zip(nxt.requests, running.requests, strict=True):
         assert sr.start_pos == before.start_pos + 1 and sr.num_new_tokens == 1 and sr.sample
@@ -50,8 +55,7 @@ def test_a_request_the_running_step_ends_by_length_is_left_out() -> None:
     sched = make_scheduler()
     short, long = make_request("s", 5, max_tokens=2), make_request("l", 5, max_tokens=8)
     running = _decoding(sched, short, long)
-    ahead = sched.schedule_ahead(running)
-    assert ahead is not None
+    ahead = _ahead(sched, running)
     assert [sr.request_id for sr in ahead[0].requests] == ["l"] and ahead[1] == [1]
 
 
@@ -79,8 +83,7 @@ def test_blocks_of_a_request_ending_under_a_queued_step_wait_for_it() -> None:
     blocks, and its id, until that step is read: a reservation cannot take them meanwhile."""
     sched = make_scheduler(num_blocks=8)
     running = _decoding(sched, make_request("a", 8, max_tokens=20))
-    ahead = sched.schedule_ahead(running)
-    assert ahead is not None
+    ahead = _ahead(sched, running)
     nxt = ahead[0]
     sched.settle(frozenset({"a"}))
     held = set(sched.kv.block_ids("a"))
@@ -105,8 +108,7 @@ def test_a_stop_token_in_the_running_step_drops_the_step_ahead_token() -> None:
     sched = make_scheduler()
     req = make_request("a", 6, max_tokens=10, stop_token_ids=(7,))
     running = _decoding(sched, req)
-    ahead = sched.schedule_ahead(running)
-    assert ahead is not None
+    ahead = _ahead(sched, running)
     sched.settle(frozenset({"a"}))
     _read(sched, running, token=7)
     assert req.status is RequestStatus.FINISHED and req.output_token_ids[-1] == 7
@@ -136,5 +138,4 @@ def test_with_every_seat_kept_a_waiting_request_does_not_stop_the_step_ahead() -
         sched, make_request("a", 5, max_tokens=9), make_request("b", 5, max_tokens=9)
     )
     sched.add(make_request("w", 4))
-    ahead = sched.schedule_ahead(running)
-    assert ahead is not None and [sr.request_id for sr in ahead[0].requests] == ["a", "b"]
+    assert [sr.request_id for sr in _ahead(sched, running)[0].requests] == ["a", "b"]
