@@ -19,6 +19,8 @@ from kernels.triton_common import (
     check_kv_cache,
     check_tensor,
     next_pow2,
+    pdl,
+    pdl_enter,
     to_kv,
 )
 from kernels.triton_decode import choose_num_splits, paged_decode_attention
@@ -40,7 +42,9 @@ def _write_kv_kernel(
     s_kt, s_kh, s_vt, s_vh, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // BLOCK_SIZE
@@ -91,7 +95,7 @@ def write_kv(
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=bs,
         FP8=k_cache.dtype in FP8_KV_DTYPES,
-        num_warps=4 if block_h * block_d >= 2048 else 1,
+        num_warps=4 if block_h * block_d >= 2048 else 1, **pdl(k.device),
     )  # fmt: skip
 
 
@@ -124,7 +128,9 @@ def _rotary_write_kv_kernel(
     s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -205,6 +211,6 @@ def rotary_write_kv(
         HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),
         BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
         FP8=k_cache.dtype in FP8_KV_DTYPES, num_warps=4 if tile >= 2048 else 1,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl(q.device),
     )  # fmt: skip
     return out

@@ -33,6 +33,8 @@ from kernels.triton_common import (
     max_shared_memory,
     mma,
     next_pow2,
+    pdl,
+    pdl_enter,
     sm_count,
 )
 
@@ -50,7 +52,9 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,8 +115,9 @@ def _decode_kernel(
 def _merge_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, s_ob, s_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -220,13 +225,13 @@ def paged_decode_attention(
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl(device),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(batch, hq)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
             BLOCK_S=max(MAX_SPLITS, next_pow2(num_splits)),  # one variant for every default split
-            num_warps=4,
+            num_warps=4, **pdl(device),
         )  # fmt: skip
     return out

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import GEMV_MAX_ROWS as MAX_ROWS
-from kernels.triton_common import FLOAT_DTYPES, check_devices, check_tensor
+from kernels.triton_common import FLOAT_DTYPES, check_devices, check_tensor, pdl, pdl_enter
 
 # (BLOCK_N, BLOCK_K, num_warps): the launch used unless a caller picks another
 DEFAULT_CONFIG = (8, 512, 4)
@@ -63,9 +63,20 @@ def _load_x(x_row, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def load_w_chunk(w_rows, k0, offs_k, n_mask, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight chunk at ``k0`` (``k0`` past the row: the last chunk again, never used)."""
+    if EVEN_K:
+        ks = tl.minimum(k0, K - BLOCK_K) + offs_k
+        return tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
+    ks = k0 + offs_k
+    return tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, GROUPS,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # the row groups of one weight tile side by side: one HBM read
     pid_n = pid // GROUPS
@@ -74,6 +85,11 @@ def _gemv_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
+    # the weight is no earlier kernel's output: its first chunk loads before the wait, while
+    # the kernel before this one (a norm, an attention) still runs; each step then loads the
+    # next chunk before it uses the one in hand
+    w_next = load_w_chunk(w_rows, 0, offs_k, n_mask, K, BLOCK_K, EVEN_K)
+    pdl_enter(USE_PDL)
     # one accumulator per row (ROWS of them live; the rest are never touched and vanish): the
     # weight chunk is loaded once for all of the group's rows, and each row's sums are the
     # same operations in the same order as in a group of one
@@ -87,11 +103,8 @@ def _gemv_kernel(
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0)
-        w = w.to(tl.float32)
+        w = w_next.to(tl.float32)
+        w_next = load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, K, BLOCK_K, EVEN_K)
         acc0 += w * _load_x(x0, ks, K, EVEN_K)[None, :]
         if ROWS > 1:
             acc1 += w * _load_x(x1, ks, K, EVEN_K)[None, :]
@@ -148,5 +161,6 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n) * groups,)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
+        **pdl(x.device),
     )  # fmt: skip
     return out

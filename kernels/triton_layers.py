@@ -20,6 +20,8 @@ from kernels.triton_common import (
     check_devices,
     check_tensor,
     next_pow2,
+    pdl,
+    pdl_enter,
 )
 
 MAX_NORM_WIDTH = 65536
@@ -28,8 +30,9 @@ MAX_NORM_WIDTH = 65536
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, s_x, s_r, s_o, s_ro, width, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < width
@@ -47,7 +50,10 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, s_x, s_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -133,7 +139,7 @@ def rms_norm(
         x.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), res_out.stride(0), width, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl(x.device),
     )  # fmt: skip
     return out, res_out
 
@@ -159,6 +165,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
             BLOCK=block,
             num_warps=_row_warps(block),
             enable_fp_fusion=False,
+            **pdl(x.device),
         )
     return out.view(*x.shape[:-1], inter)
 

@@ -44,8 +44,11 @@ from kernels.triton_common import (
     dot_precision,
     dot_upcast,
     mma,
+    pdl,
+    pdl_enter,
     round_to_e4m3,
 )
+from kernels.triton_gemv import load_w_chunk
 
 # fp8: batches of at most this many rows take the GEMV. It reads each weight tile once per row
 # of x (from L2 after the first) and converts it again: the 8B FP8 decode step on an H100 took
@@ -96,8 +99,11 @@ def _split(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     """out[i] = sum over s of part[s, i], in order s = 0, 1, ...; cast to out's dtype."""
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -122,7 +128,9 @@ def _target(out: torch.Tensor, split: int) -> torch.Tensor:
 def _finish(target: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor:
     if split > 1:
         mn = out.numel()
-        _sum_splits_kernel[(triton.cdiv(mn, 1024),)](target, out, mn, SPLIT=split, BLOCK=1024)
+        _sum_splits_kernel[(triton.cdiv(mn, 1024),)](
+            target, out, mn, SPLIT=split, BLOCK=1024, **pdl(out.device)
+        )
     return out
 
 
@@ -150,7 +158,9 @@ def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl
 def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
     pid_n = pid // M
     m = (pid % M).to(tl.int64)
@@ -189,8 +199,9 @@ def _w4_gemv_kernel(
 def _w4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -229,7 +240,7 @@ def _store_tile(
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
+    ROW_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
     pid_n = pid // M
@@ -242,15 +253,18 @@ def _fp8_gemv_kernel(
     s_rows = s_ptr + offs_n.to(tl.int64) * s_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_lo = pid_k * K_PER
+    # the weight's first chunk loads before the wait (see kernels.triton_gemv), the next one
+    # before each chunk is used
+    w_next = load_w_chunk(w_rows, k_lo, offs_k, n_mask, K, BLOCK_K, EVEN_K)
+    pdl_enter(USE_PDL)
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         ks = k0 + offs_k
+        w = w_next
+        w_next = load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, K, BLOCK_K, EVEN_K)
         if EVEN_K:
             xv = tl.load(x_ptr + m * s_xm + ks)
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
         else:
-            k_mask = ks < K
-            xv = tl.load(x_ptr + m * s_xm + ks, mask=k_mask, other=0.0)
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xv = tl.load(x_ptr + m * s_xm + ks, mask=ks < K, other=0.0)
         if ROW_SCALE:  # one scale per row: applied once, after the sum
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         else:
@@ -339,6 +353,7 @@ def w4a16_linear(
         _w4_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
             GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
+            **pdl(x.device),
         )  # fmt: skip
         return _finish(target, out, split)
     default = W4_SMALL_GEMM_CONFIG if m <= 16 else GEMM_CONFIG
@@ -350,7 +365,7 @@ def w4a16_linear(
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
-        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps,
+        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps, **pdl(x.device),
     )  # fmt: skip
     return _finish(target, out, split)
 
@@ -416,7 +431,7 @@ def fp8_linear(
         _fp8_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
-            num_warps=warps,
+            num_warps=warps, **pdl(x.device),
         )  # fmt: skip
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or GEMM_CONFIG, 4)
@@ -440,8 +455,9 @@ QUANT_BLOCK = 1024  # elements of a row per iteration of the per-token quantizat
 @triton.jit
 def _per_token_quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, INV_MAX: tl.constexpr, BLOCK: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row, q_row = x_ptr + row * s_xm, q_ptr + row * s_qm
@@ -492,6 +508,6 @@ def per_token_quant_fp8(
     bl = whole if one_pass else min(block or QUANT_BLOCK, whole)
     _per_token_quant_fp8_kernel[(m,)](
         x, q, scale, k, x.stride(0), q.stride(0), INV_MAX=INV_FP8_MAX, BLOCK=bl, ONE_PASS=one_pass,
-        num_warps=8 if bl >= 4096 else 4,
+        num_warps=8 if bl >= 4096 else 4, **pdl(x.device),
     )  # fmt: skip
     return q, scale

@@ -35,6 +35,7 @@ def graph_us(fn: Callable[[], object]) -> float:
 
 def time_shape(name: str, n: int, k: int, copy: float) -> dict:
     """One projection's default launch, cuBLAS and the other launches, per call in a graph."""
+    from kernels.triton_common import pdl
     from kernels.triton_gemv import _gemv_kernel, pick_config
 
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(REPS)]
@@ -47,7 +48,7 @@ def time_shape(name: str, n: int, k: int, copy: float) -> dict:
                 _gemv_kernel[(triton.cdiv(n, bn),)](
                     x, w, out, 1, n, k, x.stride(0), w.stride(0), out.stride(0), 1,
                     ROWS=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, num_warps=warps,
-                    num_stages=stages,
+                    num_stages=stages, **pdl(x.device),
                 )  # fmt: skip
 
         return run
