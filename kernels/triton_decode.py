@@ -39,7 +39,8 @@ from kernels.triton_common import (
 )
 
 MAX_SPLITS = 64
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 64  # one tile of keys: batch-1 8B decode at context 1024, 2048-token table,
+# 0.07 ms a step faster than with 256 (H100; 128: 0.04, 32: no gain)
 LOG2E = 1.4426950408889634
 
 
@@ -155,7 +156,8 @@ def default_block_n(block_d: int, elem: int, num_stages: int, device: torch.devi
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
     """Split only when (sequence, KV head) programs number under 2 per SM; then aim for ~4 per SM
-    with at least 256 keys per split (on H100/H200, B=1 ctx 32k: 64 splits beat 32 by ~3%)."""
+    with at least ``MIN_KEYS_PER_SPLIT`` keys per split (on H100/H200, B=1 ctx 32k: 64 splits
+    beat 32 by ~3%)."""
     programs = batch * kv_heads
     sms = sm_count(device)
     if programs >= 2 * sms:

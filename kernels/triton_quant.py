@@ -253,14 +253,15 @@ def _fp8_gemv_kernel(
     s_rows = s_ptr + offs_n.to(tl.int64) * s_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
     # the weight's first chunk loads before the wait (see kernels.triton_gemv), the next one
     # before each chunk is used
-    w_next = load_w_chunk(w_rows, k_lo, offs_k, n_mask, K, BLOCK_K, EVEN_K)
+    w_next = load_w_chunk(w_rows, k_lo, offs_k, n_mask, k_hi)
     pdl_enter(USE_PDL)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         w = w_next
-        w_next = load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, K, BLOCK_K, EVEN_K)
+        w_next = load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, k_hi)
         if EVEN_K:
             xv = tl.load(x_ptr + m * s_xm + ks)
         else:

@@ -41,7 +41,7 @@ for step in ${*:-tests profile w2 quant}; do
         done
       done ;;
     quant)
-      for q in fp8 awq; do
+      for q in ${QUANTS:-fp8 awq}; do
         for p in 0 1; do
           TANDEM_PDL=$p timeout 200 python3 -m services.cli bench latency --model llama-3.1-8b \
             --load-format dummy --dtype bfloat16 --quantization $q --batch-sizes 1,8 \

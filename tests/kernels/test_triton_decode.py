@@ -7,7 +7,12 @@ import torch
 
 from kernels import triton_decode
 from kernels.attention import ref_paged_decode_attention
-from kernels.triton_decode import choose_num_splits, default_block_n, paged_decode_attention
+from kernels.triton_decode import (
+    MIN_KEYS_PER_SPLIT,
+    choose_num_splits,
+    default_block_n,
+    paged_decode_attention,
+)
 from tests.kernels.paged import assert_matches, paged_kv, rand
 
 # one token, exactly one block, one past a block boundary, and longer contexts
@@ -95,7 +100,8 @@ def test_split_choice_follows_batch_and_context(device: torch.device) -> None:
     assert choose_num_splits(256, 8, 512, device) == 1
     long_single = choose_num_splits(1, 8, 32768, device)
     assert 16 <= long_single <= 64
-    assert choose_num_splits(1, 8, 300, device) == 1  # too little work to split
+    assert choose_num_splits(1, 8, 60, device) == 1  # under one tile of keys: nothing to split
+    assert choose_num_splits(1, 8, 300, device) == 300 // MIN_KEYS_PER_SPLIT  # a tile a split
 
 
 @pytest.mark.parametrize("smem_kib", [99, 227])
