@@ -95,7 +95,7 @@ def write_kv(
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=bs,
         FP8=k_cache.dtype in FP8_KV_DTYPES,
-        num_warps=4 if block_h * block_d >= 2048 else 1, **pdl(k.device),
+        num_warps=4 if block_h * block_d >= 2048 else 1, **pdl(k.device, k.shape[0]),
     )  # fmt: skip
 
 
@@ -211,6 +211,6 @@ def rotary_write_kv(
         HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),
         BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
         FP8=k_cache.dtype in FP8_KV_DTYPES, num_warps=4 if tile >= 2048 else 1,
-        enable_fp_fusion=False, **pdl(q.device),
+        enable_fp_fusion=False, **pdl(q.device, t),
     )  # fmt: skip
     return out

@@ -227,13 +227,13 @@ def paged_decode_attention(
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **pdl(device),
+        num_warps=num_warps, num_stages=num_stages, **pdl(device, batch),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(batch, hq)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
             BLOCK_S=max(MAX_SPLITS, next_pow2(num_splits)),  # one variant for every default split
-            num_warps=4, **pdl(device),
+            num_warps=4, **pdl(device, batch),
         )  # fmt: skip
     return out

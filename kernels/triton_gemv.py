@@ -159,6 +159,6 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n) * groups,)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
-        **pdl(x.device),
+        **pdl(x.device, m),
     )  # fmt: skip
     return out

@@ -139,7 +139,7 @@ def rms_norm(
         x.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), res_out.stride(0), width, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
-        enable_fp_fusion=False, **pdl(x.device),
+        enable_fp_fusion=False, **pdl(x.device, rows),
     )  # fmt: skip
     return out, res_out
 
@@ -165,7 +165,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
             BLOCK=block,
             num_warps=_row_warps(block),
             enable_fp_fusion=False,
-            **pdl(x.device),
+            **pdl(x.device, x2.shape[0]),
         )
     return out.view(*x.shape[:-1], inter)
 

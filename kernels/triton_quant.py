@@ -48,7 +48,6 @@ from kernels.triton_common import (
     pdl_enter,
     round_to_e4m3,
 )
-from kernels.triton_gemv import load_w_chunk
 
 # fp8: batches of at most this many rows take the GEMV. It reads each weight tile once per row
 # of x (from L2 after the first) and converts it again: the 8B FP8 decode step on an H100 took
@@ -129,7 +128,7 @@ def _finish(target: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor
     if split > 1:
         mn = out.numel()
         _sum_splits_kernel[(triton.cdiv(mn, 1024),)](
-            target, out, mn, SPLIT=split, BLOCK=1024, **pdl(out.device)
+            target, out, mn, SPLIT=split, BLOCK=1024, **pdl(out.device, out.shape[0])
         )
     return out
 
@@ -253,19 +252,18 @@ def _fp8_gemv_kernel(
     s_rows = s_ptr + offs_n.to(tl.int64) * s_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_lo = pid_k * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
-    # the weight's first chunk loads before the wait (see kernels.triton_gemv), the next one
-    # before each chunk is used
-    w_next = load_w_chunk(w_rows, k_lo, offs_k, n_mask, k_hi)
+    # no weight prefetch before the wait here (as the bf16 GEMV has): holding a second chunk
+    # slowed these launches by 10-25% in a graph on an H100
     pdl_enter(USE_PDL)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         ks = k0 + offs_k
-        w = w_next
-        w_next = load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, k_hi)
         if EVEN_K:
             xv = tl.load(x_ptr + m * s_xm + ks)
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
         else:
-            xv = tl.load(x_ptr + m * s_xm + ks, mask=ks < K, other=0.0)
+            k_mask = ks < K
+            xv = tl.load(x_ptr + m * s_xm + ks, mask=k_mask, other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if ROW_SCALE:  # one scale per row: applied once, after the sum
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         else:
@@ -354,7 +352,7 @@ def w4a16_linear(
         _w4_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
             GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
-            **pdl(x.device),
+            **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     default = W4_SMALL_GEMM_CONFIG if m <= 16 else GEMM_CONFIG
@@ -366,7 +364,7 @@ def w4a16_linear(
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
-        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps, **pdl(x.device),
+        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps, **pdl(x.device, m),
     )  # fmt: skip
     return _finish(target, out, split)
 
@@ -432,7 +430,7 @@ def fp8_linear(
         _fp8_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
-            num_warps=warps, **pdl(x.device),
+            num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or GEMM_CONFIG, 4)
@@ -509,6 +507,6 @@ def per_token_quant_fp8(
     bl = whole if one_pass else min(block or QUANT_BLOCK, whole)
     _per_token_quant_fp8_kernel[(m,)](
         x, q, scale, k, x.stride(0), q.stride(0), INV_MAX=INV_FP8_MAX, BLOCK=bl, ONE_PASS=one_pass,
-        num_warps=8 if bl >= 4096 else 4, **pdl(x.device),
+        num_warps=8 if bl >= 4096 else 4, **pdl(x.device, m),
     )  # fmt: skip
     return q, scale

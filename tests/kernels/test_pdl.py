@@ -11,7 +11,7 @@ from kernels.triton_common import pdl
 
 
 def test_off_on_the_cpu_and_under_the_interpreter() -> None:
-    assert pdl(torch.device("cpu")) == {"USE_PDL": False}
+    assert pdl(torch.device("cpu"), 1) == {"USE_PDL": False}
 
 
 def _layer_chain(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -64,7 +64,8 @@ def test_a_graph_of_pdl_launches_gives_the_plain_bits(monkeypatch: pytest.Monkey
     outs = []
     for on in (False, True):
         monkeypatch.setattr(triton_common, "_PDL_ENV", on)
-        assert pdl(dev).get("USE_PDL") is on
+        assert pdl(dev, 1).get("USE_PDL") is on
+        assert pdl(dev, triton_common.PDL_MAX_ROWS + 1) == {"USE_PDL": False}
         w["kc"], w["vc"] = kv[0].clone(), kv[1].clone()
         _layer_chain(x, res, w)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
