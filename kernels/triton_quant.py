@@ -364,7 +364,7 @@ def w4a16_linear(
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
-        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps, **pdl(x.device, m),
+        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps, USE_PDL=False,
     )  # fmt: skip
     return _finish(target, out, split)
 
