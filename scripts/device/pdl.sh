@@ -6,7 +6,9 @@
 #            graph                         -> $out/profile-pdl<0|1>.json, gemv-graph-pdl<0|1>.json
 #   w2       decode step time, batch 1, 64, 256 at context 1024   -> $out/w2-pdl<0|1>-<run>.json
 #   quant    FP8 and AWQ batch-1 and batch-8 steps                -> $out/<q>-pdl<0|1>.json
-#   bash scripts/device/pdl.sh [tests] [profile] [w2] [quant]   (default: all)
+#   ablate   the batch-1 graph without each kind of small kernel (PDL on): what fusing it saves
+#            at most (services.engine.bench.ablate_step)          -> $out/ablate-<kind>.json
+#   bash scripts/device/pdl.sh [tests] [profile] [w2] [quant] [ablate]   (default: all but ablate)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
@@ -49,6 +51,12 @@ for step in ${*:-tests profile w2 quant}; do
             --json-out "$out/$q-pdl$p.json" 2>&1 |
             grep -E "^batch|Error|error" | sed "s/^/$q pdl=$p: /"
         done
+      done ;;
+    ablate)
+      for kind in none silu norm rotary merge; do
+        timeout 150 python3 -m services.engine.bench.ablate_step --skip $kind --model llama-3.1-8b \
+          --batch 1 --context 1024 --json-out "$out/ablate-$kind.json" 2>&1 | tail -1 |
+          sed "s/^/without $kind: /"
       done ;;
   esac
 done
