@@ -243,7 +243,7 @@ def paged_decode_attention(
     splits = None
     if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1
         width = block_tables.shape[1] * k_cache.shape[1]
-        splits = mod.choose_num_splits(1, k_cache.shape[2], width, q.device)
+        splits = mod.choose_num_splits(1, k_cache.shape[2], width, q.device, k_cache.element_size())
     return mod.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits, out=out
     )

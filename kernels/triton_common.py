@@ -67,11 +67,13 @@ _PDL_ENV = os.environ.get("TANDEM_PDL", "1").strip().lower() not in ("0", "false
 
 @functools.cache
 def _pdl_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-# rows (tokens) of a launch up to which it is programmatic: a short batch's matmuls are the
-# Triton GEMVs (kernels.gemv.GEMV_MAX_ROWS), a longer one's are cuBLAS's
+# rows (tokens) of a launch up to which it is programmatic: the Triton GEMVs' most
+# (kernels.gemv.GEMV_MAX_ROWS). bf16 batches of 2-8 run cuBLAS GEMMs unless TANDEM_GEMV_ROWS
+# says otherwise, and FP8/int4 batches up to 8 our GEMVs and GEMMs; on one H100 bf16 batches 4
+# and 8 took the same time either way (6.60 / 6.83 ms plain, 6.61 / 6.82 programmatic)
 PDL_MAX_ROWS = 8
 
 
@@ -84,7 +86,7 @@ def pdl(device: torch.device, rows: int) -> dict[str, bool]:
     writes and before it writes anything at all. Off on older GPUs, in the interpreter, and for
     launches of more than ``PDL_MAX_ROWS`` rows: there the matmuls between our kernels are
     cuBLAS's, which let a dependent launch early, and our programs waiting on the device took
-    SMs from them (the 8B decode step at batch 64: 9.46 -> 9.60 ms on an H100)."""
+    SMs from them (the 8B decode step at batch 64: 9.46 -> 9.60 ms on an H100). Off on ROCm."""
     if device.type != "cuda" or not _PDL_ENV or rows > PDL_MAX_ROWS or interpreting():
         return {"USE_PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -154,15 +154,20 @@ def default_block_n(block_d: int, elem: int, num_stages: int, device: torch.devi
     return block_n
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+def choose_num_splits(
+    batch: int, kv_heads: int, max_context: int, device: torch.device, elem: int = 2
+) -> int:
     """Split only when (sequence, KV head) programs number under 2 per SM; then aim for ~4 per SM
-    with at least ``MIN_KEYS_PER_SPLIT`` keys per split (on H100/H200, B=1 ctx 32k: 64 splits
-    beat 32 by ~3%)."""
+    with at least one key tile per split: ``MIN_KEYS_PER_SPLIT``, twice that for a cache of
+    ``elem`` = 1 byte (FP8, whose tiles are 128 keys: a split is rounded up to whole tiles, so
+    smaller ones would leave programs empty). On H100/H200, B=1 ctx 32k: 64 splits beat 32 by
+    ~3%."""
     programs = batch * kv_heads
     sms = sm_count(device)
     if programs >= 2 * sms:
         return 1
-    by_work = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    min_keys = MIN_KEYS_PER_SPLIT * (2 if elem == 1 else 1)
+    by_work = max(1, max_context // min_keys)
     return max(1, min(math.ceil(4 * sms / programs), by_work, MAX_SPLITS))
 
 
@@ -203,7 +208,9 @@ def paged_decode_attention(
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(batch, hkv, block_tables.shape[1] * bs, device)
+        num_splits = choose_num_splits(
+            batch, hkv, block_tables.shape[1] * bs, device, k_cache.element_size()
+        )
     if not (1 <= num_splits <= 1024):
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
     block_d = max(16, next_pow2(d))

@@ -137,7 +137,11 @@ def gemv(
     *,
     config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """Triton version of :func:`kernels.gemv.ref_gemv` for short batches (M <= 8)."""
+    """Triton version of :func:`kernels.gemv.ref_gemv` for short batches (M <= 8).
+
+    Under programmatic launch the kernel reads its first weight chunk before it waits for the
+    kernel before it: the weight must not be the output of the kernel launched just before
+    (model weights, LoRA slots written between steps and TP shards never are)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     m, k = x.shape

@@ -41,7 +41,33 @@ def _layer_chain(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor])
 
 
 @pytest.mark.gpu
+def test_the_gemv_waits_on_the_device_before_it_stores() -> None:
+    """The compiled GEMV is launched programmatically and waits (griddepcontrol.wait) after its
+    first weight load and before any store: what the launch's correctness rests on."""
+    from kernels.triton_gemv import _gemv_kernel
+
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    x = torch.randn(1, 256, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(1, 64, device=dev, dtype=torch.bfloat16)
+    kernel = _gemv_kernel[(8,)](
+        x, w, out, 1, 64, 256, x.stride(0), w.stride(0), out.stride(0), 1,
+        ROWS=1, BLOCK_N=8, BLOCK_K=128, EVEN_K=True, num_warps=4, **pdl(dev, 1),
+    )  # fmt: skip
+    ptx = kernel.asm["ptx"]
+    assert getattr(kernel.metadata, "launch_pdl", None) is True
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("ld.global") < wait < ptx.index("griddepcontrol.launch_dependents")
+    assert wait < ptx.index("st.global")
+    torch.testing.assert_close(out.float(), (x.float() @ w.float().T), rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.gpu
 def test_a_graph_of_pdl_launches_gives_the_plain_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph captured with programmatic launches, replayed on new inputs each time (so a read
+    before a wait would see the last replay's values), against plain eager launches."""
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev)[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
@@ -60,21 +86,26 @@ def test_a_graph_of_pdl_launches_gives_the_plain_bits(monkeypatch: pytest.Monkey
         "slot": torch.tensor([ctx - 1], device=dev),
     }  # fmt: skip
     kv = rand(2, 32, bs, hkv, d)
-    x, res = rand(1, hidden), rand(1, hidden)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(triton_common, "_PDL_ENV", on)
-        assert pdl(dev, 1).get("USE_PDL") is on
-        assert pdl(dev, triton_common.PDL_MAX_ROWS + 1) == {"USE_PDL": False}
-        w["kc"], w["vc"] = kv[0].clone(), kv[1].clone()
-        _layer_chain(x, res, w)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        w["kc"], w["vc"] = kv[0].clone(), kv[1].clone()
-        with torch.cuda.graph(graph):
-            out = _layer_chain(x, res, w)
-        for _ in range(3):  # replays rewrite the same KV slot: the same result each time
-            graph.replay()
+    x, res = rand(1, hidden), rand(1, hidden)  # the graph's inputs, refilled before each replay
+    monkeypatch.setattr(triton_common, "_PDL_ENV", True)
+    assert pdl(dev, 1).get("USE_PDL") is True
+    assert pdl(dev, triton_common.PDL_MAX_ROWS + 1) == {"USE_PDL": False}
+    w["kc"], w["vc"] = kv[0].clone(), kv[1].clone()
+    _layer_chain(x, res, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _layer_chain(x, res, w)
+    for _ in range(3):
+        x.copy_(rand(1, hidden))
+        res.copy_(rand(1, hidden))
+        w["kc"].copy_(kv[0])
+        w["vc"].copy_(kv[1])
+        graph.replay()
+        got = (out.clone(), w["kc"].clone(), w["vc"].clone())
+        monkeypatch.setattr(triton_common, "_PDL_ENV", False)
+        plain = dict(w, kc=kv[0].clone(), vc=kv[1].clone())
+        want = (_layer_chain(x.clone(), res.clone(), plain), plain["kc"], plain["vc"])
+        monkeypatch.setattr(triton_common, "_PDL_ENV", True)
         torch.cuda.synchronize()
-        outs.append((out.clone(), w["kc"].clone(), w["vc"].clone()))
-    for plain, launched in zip(outs[0], outs[1], strict=True):
-        assert torch.equal(plain, launched)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)

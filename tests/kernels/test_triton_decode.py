@@ -102,6 +102,8 @@ def test_split_choice_follows_batch_and_context(device: torch.device) -> None:
     assert 16 <= long_single <= 64
     assert choose_num_splits(1, 8, 60, device) == 1  # under one tile of keys: nothing to split
     assert choose_num_splits(1, 8, 300, device) == 300 // MIN_KEYS_PER_SPLIT  # a tile a split
+    # an FP8 cache's tiles are 128 keys: no split smaller than one
+    assert choose_num_splits(1, 8, 300, device, 1) == 300 // (2 * MIN_KEYS_PER_SPLIT)
 
 
 @pytest.mark.parametrize("smem_kib", [99, 227])
