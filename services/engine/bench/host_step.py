@@ -9,7 +9,8 @@ engine's decode graphs are the uncaptured ``DecodeGraphs``, which run the forwar
 would replay over the same buffers, and the model's forward and logits are stubs that hand
 back precomputed logits at once: what remains is the host's share of a step, through the
 same path a GPU decode step takes (``ModelRunner._graph_forward``), sampling included
-(greedy: the graph's argmax; ``--sampled``: the sampler, temperature and top-p). The stub's
+(greedy: the graph's argmax; ``--sampled``: the sampler, temperature and top-p;
+``--penalties``: repetition, frequency and presence penalties on every row). The stub's
 logits are ``--vocab`` wide (a few kinds of rows, cycled, so tokens vary): the sampler's
 tensor work over a real vocabulary is the device's, and on the CPU it would swamp the host's.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import pstats
 import statistics
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--vocab", type=int, default=1024, help="width of the stub's logits")
     p.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.95")
+    p.add_argument("--penalties", action="store_true", help="repetition 1.1, frequency 0.2 and "
+                   "presence 0.1 on every request (such steps run one at a time)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="cProfile's top 30, two orders")
     p.add_argument("--no-gc-freeze", action="store_true", help="measure without the worker's "
                    "gc.freeze (services.common.runtime): what it saves")  # fmt: skip
@@ -138,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sampled:
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens,
                                 ignore_eos=True)  # fmt: skip
+    if args.penalties:
+        params = dataclasses.replace(params, repetition_penalty=1.1, frequency_penalty=0.2,
+                                     presence_penalty=0.1)  # fmt: skip
     profile = cProfile.Profile() if args.profile else None
     with torch.inference_mode():
         times = decode_ms(engine, params, args.batch, args.prompt_len, args.steps, profile)
@@ -146,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for order in ("cumulative", "tottime"):
             pstats.Stats(profile).sort_stats(order).print_stats(30)
     median = statistics.median(times)
-    kind = "sampled" if args.sampled else "greedy"
+    kind = ("sampled" if args.sampled else "greedy") + (" with penalties" if args.penalties else "")
     print(
         f"batch {args.batch} {kind}: {median:.3f} ms/step (median of {len(times)}; mean "
         f"{statistics.fmean(times):.3f}), {1e3 * median / args.batch:.2f} us/token; of it the "

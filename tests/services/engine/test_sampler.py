@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from protos.sampling_params import SamplingParams
-from services.engine.sampler import _mask_top_k_top_p, apply_penalties, sample
+from services.engine.sampler import _mask_top_k_top_p, apply_penalties, mask_ids, sample
 
 
 def test_greedy_takes_argmax_and_min_tokens_masks_stop_ids() -> None:
@@ -61,3 +61,64 @@ def test_logit_bias_shifts_the_biased_tokens_only() -> None:
     lp = sample(logits[:1], [SamplingParams(temperature=0, logprobs=0, logit_bias={1: -100})],
                 [[]], [[0]], [[]])[0]  # fmt: skip
     assert lp.token_id == 2 and lp.logprob == torch.log_softmax(logits[0], -1)[2].item()
+
+
+def _one_row_at_a_time(
+    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+    prompts: list[list[int]],
+) -> None:  # fmt: skip
+    """The penalties row by row, as the sampler applied them before they were batched."""
+    for i, (sp, out) in enumerate(zip(params, outputs, strict=True)):
+        row = logits[i]
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompts[i]) | set(out)), dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty
+            )
+        if sp.logit_bias:
+            biased, bias = zip(*sp.logit_bias, strict=True)
+            row[list(biased)] += torch.tensor(bias, dtype=row.dtype)
+        if (sp.presence_penalty or sp.frequency_penalty) and out:
+            ids = torch.tensor(out, dtype=torch.long)
+            counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
+            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def test_batched_penalties_give_the_bits_of_one_row_at_a_time() -> None:
+    """Rows asking for every mix of the penalties and logit_bias, or none; empty prompts and
+    outputs, repeated tokens: the batched penalties equal the row-by-row ones bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 50, 40
+    params, outputs, prompts = [], [], []
+    for r in range(rows):
+        kinds = r % 8
+        params.append(SamplingParams(
+            repetition_penalty=1.0 + 0.3 * (kinds & 1) * (1 + r % 3) * (1 if r % 4 == 1 else -1),
+            presence_penalty=0.3 * ((kinds >> 1) & 1) * (r % 4 - 1.5),
+            frequency_penalty=0.17 * ((kinds >> 1) & 1) * (1 + r % 2),
+            logit_bias={int(t): float(b) for t, b in zip(
+                torch.randint(0, vocab, (3,), generator=gen).tolist(),
+                (torch.randn(3, generator=gen) * 5).tolist(), strict=True)} if kinds & 4 else {},
+        ))  # fmt: skip
+        n_out, n_prompt = (r * 7) % 13, (r * 5) % 11  # some of each empty
+        outputs.append(torch.randint(0, vocab, (n_out,), generator=gen).tolist())
+        prompts.append(torch.randint(0, vocab, (n_prompt,), generator=gen).tolist())
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    want = logits.clone()
+    _one_row_at_a_time(want, params, outputs, prompts)
+    apply_penalties(logits, params, outputs, prompts)
+    assert torch.equal(logits, want)
+    assert any(sp.adjusts_logits for sp in params) and not all(sp.adjusts_logits for sp in params)
+
+
+def test_min_tokens_masks_each_rows_own_stop_ids() -> None:
+    logits = torch.zeros(3, 5)
+    mask_ids(logits, [[1, 3], [], [0, 0, 4]])
+    assert torch.isinf(logits).tolist() == [
+        [False, True, False, True, False],
+        [False] * 5,
+        [True, False, False, False, True],
+    ]
+    mask_ids(logits, [[], [], []])  # nothing to mask: no launch, no change
+    assert torch.isinf(logits).sum() == 4
