@@ -87,10 +87,12 @@ def build_engine(batch: int, prompt_len: int, max_tokens: int, model: str) -> LL
 
 
 def decode_ms(engine: LLMEngine, params: SamplingParams, batch: int, prompt_len: int,
-              steps: int, profile: cProfile.Profile | None = None) -> list[float]:  # fmt: skip
-    """Milliseconds of each of ``steps`` decode-only steps with ``batch`` requests running."""
+              steps: int, profile: cProfile.Profile | None = None,
+              prompt_vocab: int | None = None) -> list[float]:  # fmt: skip
+    """Milliseconds of each of ``steps`` decode-only steps with ``batch`` requests running;
+    prompt ids below ``prompt_vocab`` (penalties index the stub's logits with them)."""
     gen = torch.Generator().manual_seed(0)
-    vocab = min(engine.vocab_size, 32000)
+    vocab = min(engine.vocab_size, 32000, prompt_vocab or 32000)
     for i in range(batch):
         prompt = torch.randint(100, vocab, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"host-{time.monotonic_ns()}-{i}", prompt, params)
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                                      presence_penalty=0.1)  # fmt: skip
     profile = cProfile.Profile() if args.profile else None
     with torch.inference_mode():
-        times = decode_ms(engine, params, args.batch, args.prompt_len, args.steps, profile)
+        times = decode_ms(engine, params, args.batch, args.prompt_len, args.steps, profile,
+                          args.vocab if args.penalties else None)  # fmt: skip
     gc.unfreeze()  # (a caller in the same process, a test, collects as before)
     if profile is not None:
         for order in ("cumulative", "tottime"):
