@@ -9,7 +9,7 @@ temperature).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
+from itertools import chain
 
 import torch
 
@@ -30,14 +30,17 @@ def _flat_index(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Ragged rows of ids as (row, id) index tensors on ``device`` (each list's position
     repeated, its ids in order), uploaded without a sync; None when every list is empty."""
-    rows: list[int] = []
-    ids: list[int] = []
-    for r, values in enumerate(lists):
-        rows.extend(repeat(r, len(values)))
-        ids.extend(values)
-    if not ids:
+    lengths = [len(values) for values in lists]
+    total = sum(lengths)
+    if total == 0:
         return None
-    return list_to_device(rows, torch.long, device), list_to_device(ids, torch.long, device)
+    ids = list_to_device(list(chain.from_iterable(lists)), torch.long, device)
+    rows = torch.repeat_interleave(
+        torch.arange(len(lists), device=device),
+        list_to_device(lengths, torch.long, device),
+        output_size=total,  # known here: no sync for the device to count it
+    )
+    return rows, ids
 
 
 def apply_penalties(

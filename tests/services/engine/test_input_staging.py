@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.input_staging import InputStaging, fill_tables, slot_mapping, token_spans
+from services.engine.input_staging import (
+    InputStaging,
+    fill_tables,
+    list_to_device,
+    slot_mapping,
+    token_spans,
+)
 
 
 def test_views_are_laid_out_back_to_back_and_come_back_in_order() -> None:
@@ -60,3 +66,23 @@ def test_step_layout_matches_a_request_by_request_reference(num_seqs: int) -> No
     assert not tables[num_seqs:].any()
     assert row.tolist() == want_rows and pos.tolist() == want_pos
     assert slots.tolist() == want_slots and slots.dtype == np.int64
+
+
+@pytest.mark.parametrize("n", [0, 3, 64, 65, 5000])
+def test_a_host_list_arrives_as_torch_would_make_it(n: int) -> None:
+    """Short lists through torch.tensor, long ones through numpy: the same values and dtype
+    (floats rounded to float32 the same way, int64 beyond 32 bits, negative ints)."""
+    ints = [(i * 2_654_435_761) % (1 << 40) - (1 << 39) for i in range(n)]
+    floats = [i / 7 - 3.3 for i in range(n)]
+    cpu = torch.device("cpu")
+    for values, dtype in (
+        (ints, torch.long),
+        (ints[: n // 2], torch.int32),
+        (floats, torch.float32),
+    ):
+        if dtype == torch.int32:
+            values = [v % (1 << 31) for v in values]
+        got = list_to_device(values, dtype, cpu)
+        want = torch.tensor(values, dtype=dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(list_to_device(tuple(ints), torch.long, cpu), torch.tensor(ints))
