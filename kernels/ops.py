@@ -45,7 +45,6 @@ __all__ = [
     "rotary_write_kv",
     "scatter_blocks",
     "silu_and_mul",
-    "silu_and_mul_linear",
     "triton_available",
     "w4a16_linear",
     "write_kv",
@@ -131,24 +130,6 @@ def linear(
         if mod is not None:
             return mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
     return torch.nn.functional.linear(x, weight, bias)
-
-
-def silu_and_mul_linear(
-    gate_up: torch.Tensor,  # [M, 2K]: gate, then up
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N]
-    """``linear(silu_and_mul(gate_up), weight, bias)``: an MLP's activation and down projection.
-    Where :func:`linear` takes the Triton GEMV, one launch computes both (the activation
-    recomputed per chunk from the gate and up halves, rounded as the SiLU kernel rounds it, so
-    the bits are the same), saving the SiLU kernel's launch in a batch-1 decode step."""
-    rows = max(gemv_rows(), _row_invariant)
-    if bias is None and gate_up.dim() == 2 and 0 < gate_up.shape[0] <= rows:
-        mod = _triton("triton_gemv", gate_up)
-        if mod is not None:
-            config = mod.pick_config(weight.shape[0], weight.shape[1])
-            return mod.gemv(gate_up, weight, config=config, silu=True)
-    return linear(silu_and_mul(gate_up), weight, bias)
 
 
 def w4a16_linear(

@@ -56,23 +56,10 @@ def _row_ptrs(x_ptr, out_ptr, row, M, s_xm, s_om):
 
 
 @triton.jit
-def _load_x(x_row, ks, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
-    """x's chunk at ``ks`` in fp32. ``SILU``: the row holds gate then up (2K values) and x is
-    ``silu(gate) * up`` rounded as :func:`kernels.layers.ref_silu_and_mul` (and the SiLU kernel
-    of ``kernels.triton_layers``) rounds it: silu rounded to x's dtype, then the product."""
+def _load_x(x_row, ks, K, EVEN_K: tl.constexpr):
     if EVEN_K:
-        x = tl.load(x_row + ks).to(tl.float32)
-    else:
-        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-    if SILU:
-        dt = x_row.dtype.element_ty
-        if EVEN_K:
-            up = tl.load(x_row + K + ks).to(tl.float32)
-        else:
-            up = tl.load(x_row + K + ks, mask=ks < K, other=0.0).to(tl.float32)
-        act = tl.div_rn(x, 1.0 + tl.exp(-x)).to(dt).to(tl.float32)
-        x = (act * up).to(dt).to(tl.float32)
-    return x
+        return tl.load(x_row + ks).to(tl.float32)
+    return tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -87,7 +74,7 @@ def load_w_chunk(w_rows, k0, offs_k, n_mask, k_end):
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, GROUPS,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SILU: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # the row groups of one weight tile side by side: one HBM read
     pid_n = pid // GROUPS
@@ -116,12 +103,12 @@ def _gemv_kernel(
         ks = k0 + offs_k
         w = w_next.to(tl.float32)
         w_next = load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, K)
-        acc0 += w * _load_x(x0, ks, K, EVEN_K, SILU)[None, :]
+        acc0 += w * _load_x(x0, ks, K, EVEN_K)[None, :]
         if ROWS > 1:
-            acc1 += w * _load_x(x1, ks, K, EVEN_K, SILU)[None, :]
+            acc1 += w * _load_x(x1, ks, K, EVEN_K)[None, :]
         if ROWS > 2:
-            acc2 += w * _load_x(x2, ks, K, EVEN_K, SILU)[None, :]
-            acc3 += w * _load_x(x3, ks, K, EVEN_K, SILU)[None, :]
+            acc2 += w * _load_x(x2, ks, K, EVEN_K)[None, :]
+            acc3 += w * _load_x(x3, ks, K, EVEN_K)[None, :]
     ty = out_ptr.dtype.element_ty
     tl.store(o0 + offs_n, tl.sum(acc0, axis=1).to(ty), mask=n_mask & l0)
     if ROWS > 1:
@@ -149,13 +136,8 @@ def gemv(
     weight: torch.Tensor,  # [N, K]
     *,
     config: tuple[int, int, int] | None = None,
-    silu: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """Triton version of :func:`kernels.gemv.ref_gemv` for short batches (M <= 8).
-
-    ``silu``: x is an MLP's gate and up projections side by side, ``[M, 2K]``, and the product
-    is ``silu_and_mul(x) @ weight.T`` in one launch (an MLP's down projection without the SiLU
-    kernel before it), bit for bit what the two kernels give.
 
     Under programmatic launch the kernel reads its first weight chunk before it waits for the
     kernel before it: the weight must not be the output of the kernel launched just before
@@ -164,10 +146,6 @@ def gemv(
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     m, k = x.shape
     n, wk = weight.shape
-    if silu:
-        if k % 2:
-            raise ValueError(f"silu needs gate and up halves, x has an odd width {k}")
-        k //= 2
     if wk != k:
         raise ValueError(f"x has {k} features but weight {tuple(weight.shape)} expects {wk}")
     if m > MAX_ROWS:
@@ -184,7 +162,7 @@ def gemv(
     groups = triton.cdiv(m, rows)
     _gemv_kernel[(triton.cdiv(n, block_n) * groups,)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
-        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU=silu,
-        num_warps=warps, **pdl(x.device, m),
+        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
+        **pdl(x.device, m),
     )  # fmt: skip
     return out

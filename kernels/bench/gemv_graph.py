@@ -47,7 +47,7 @@ def time_shape(name: str, n: int, k: int, copy: float) -> dict:
             for w in ws:
                 _gemv_kernel[(triton.cdiv(n, bn),)](
                     x, w, out, 1, n, k, x.stride(0), w.stride(0), out.stride(0), 1,
-                    ROWS=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SILU=False, num_warps=warps,
+                    ROWS=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, num_warps=warps,
                     num_stages=stages, **pdl(x.device, 1),
                 )  # fmt: skip
 

@@ -43,6 +43,11 @@ def _flat_index(
     return rows, ids
 
 
+# rows per batched penalty launch: bounds the [rows, vocab] fp32 temporaries (a few at a time:
+# 32 rows of a 152k vocabulary are ~19 MB each) while keeping the launches few
+PENALTY_ROWS = 32
+
+
 def apply_penalties(
     logits: torch.Tensor,  # [B, V] float32, changed in place
     params: list[SamplingParams],
@@ -52,20 +57,22 @@ def apply_penalties(
     """Each row as vLLM applies them: the repetition penalty on every token of the prompt and
     the output so far (divided if positive, multiplied if not), then ``logit_bias``, then the
     presence and frequency penalties on the output's tokens. Batched over the rows that ask for
-    each: one index upload per kind, through pinned memory (no stream sync; one row at a time,
-    each row's ``torch.tensor(..., device=...)`` waited for the device), and the same
-    operations per element as one row at a time."""
+    each (``PENALTY_ROWS`` at a time): one index upload per kind through pinned memory, no
+    stream sync (one row at a time, each row's ``torch.tensor(..., device=...)`` waited for the
+    device). The same operations per element as one row at a time, so the same bits on the CPU;
+    on CUDA the repetition penalty's division is a true division by a float32 tensor (as vLLM's),
+    where torch divides by a Python float as a multiply by its reciprocal (1 ulp apart at times)."""
     dev, vocab = logits.device, logits.shape[1]
     rep = [i for i, sp in enumerate(params) if sp.repetition_penalty != 1.0]
-    if rep:
-        seen = torch.zeros((len(rep), vocab), dtype=torch.bool, device=dev)
-        index = _flat_index([prompts[i] + outputs[i] for i in rep], dev)
+    for at in range(0, len(rep), PENALTY_ROWS):
+        part = rep[at : at + PENALTY_ROWS]
+        seen = torch.zeros((len(part), vocab), dtype=torch.bool, device=dev)
+        index = _flat_index([[*prompts[i], *outputs[i]] for i in part], dev)
         if index is not None:
             seen[index] = True
-        pen = list_to_device([params[i].repetition_penalty for i in rep], logits.dtype, dev)[
-            :, None
-        ]
-        rows = list_to_device(rep, torch.long, dev)
+        pen = list_to_device([params[i].repetition_penalty for i in part], logits.dtype, dev)
+        pen = pen[:, None]
+        rows = list_to_device(part, torch.long, dev)
         sub = logits[rows]
         logits[rows] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
     biased = [(i, tok, val) for i, sp in enumerate(params) for tok, val in sp.logit_bias]
@@ -81,14 +88,15 @@ def apply_penalties(
         for i, sp in enumerate(params)
         if (sp.presence_penalty or sp.frequency_penalty) and outputs[i]
     ]
-    if counted:
-        index = _flat_index([outputs[i] for i in counted], dev)  # each output non-empty
+    for at in range(0, len(counted), PENALTY_ROWS):
+        part = counted[at : at + PENALTY_ROWS]
+        index = _flat_index([outputs[i] for i in part], dev)  # each output non-empty
         assert index is not None
-        counts = torch.zeros((len(counted), vocab), dtype=logits.dtype, device=dev)
+        counts = torch.zeros((len(part), vocab), dtype=logits.dtype, device=dev)
         counts.index_put_(index, torch.ones_like(index[1], dtype=logits.dtype), accumulate=True)
-        freq = list_to_device([params[i].frequency_penalty for i in counted], logits.dtype, dev)
-        pres = list_to_device([params[i].presence_penalty for i in counted], logits.dtype, dev)
-        rows = list_to_device(counted, torch.long, dev)
+        freq = list_to_device([params[i].frequency_penalty for i in part], logits.dtype, dev)
+        pres = list_to_device([params[i].presence_penalty for i in part], logits.dtype, dev)
+        rows = list_to_device(part, torch.long, dev)
         logits[rows] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(logits.dtype)
 
 

@@ -88,37 +88,6 @@ def test_linear_on_cpu_is_torch_linear(gen: torch.Generator) -> None:
     assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
-def test_silu_and_mul_linear_on_cpu_is_the_two_references(gen: torch.Generator) -> None:
-    gate_up, w, b = (torch.randn(3, 32, generator=gen), torch.randn(8, 16, generator=gen),
-                     torch.randn(8, generator=gen))  # fmt: skip
-    for bias in (None, b):
-        want = ops.linear(ops.silu_and_mul(gate_up), w, bias)
-        assert torch.equal(ops.silu_and_mul_linear(gate_up, w, bias), want)
-
-
-@pytest.mark.gpu
-def test_batch_one_mlp_down_projection_is_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At batch 1 the down projection takes the SiLU into the GEMV (the same bits as the two
-    kernels); at batch 4 (cuBLAS) it stays two steps."""
-    import kernels.triton_layers as tl_layers
-
-    calls: list[int] = []
-    real = tl_layers.silu_and_mul
-
-    def counted(x: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x)
-
-    monkeypatch.setattr(tl_layers, "silu_and_mul", counted)
-    gen, cuda, dt = torch.Generator().manual_seed(0), torch.device("cuda"), torch.bfloat16
-    gate_up, w = rand((4, 2 * 1024), dt, gen, cuda) * 4, rand((512, 1024), dt, gen, cuda)
-    one = ops.silu_and_mul_linear(gate_up[:1], w)
-    assert calls == []
-    assert torch.equal(one, ops.linear(real(gate_up[:1]), w))
-    ops.silu_and_mul_linear(gate_up, w)
-    assert calls == [4]
-
-
 @pytest.mark.gpu
 def test_batch_one_linear_goes_through_the_triton_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
     import kernels.triton_gemv as tg

@@ -54,7 +54,7 @@ def test_the_gemv_waits_on_the_device_before_it_stores() -> None:
     out = torch.empty(1, 64, device=dev, dtype=torch.bfloat16)
     kernel = _gemv_kernel[(8,)](
         x, w, out, 1, 64, 256, x.stride(0), w.stride(0), out.stride(0), 1,
-        ROWS=1, BLOCK_N=8, BLOCK_K=128, EVEN_K=True, SILU=False, num_warps=4, **pdl(dev, 1),
+        ROWS=1, BLOCK_N=8, BLOCK_K=128, EVEN_K=True, num_warps=4, **pdl(dev, 1),
     )  # fmt: skip
     ptx = kernel.asm["ptx"]
     assert getattr(kernel.metadata, "launch_pdl", None) is True

@@ -5,8 +5,7 @@
 
 Replaces one kind of kernel by a no-op before the engine captures its CUDA graphs, then times
 one decode step's graph replay as :mod:`services.engine.bench.profile_step` does. The step's
-numbers are then wrong (only its time means anything): ``silu`` passes the gate half through (also where the
-down projection's GEMV computes it: then only that work goes),
+numbers are then wrong (only its time means anything): ``silu`` passes the gate half through,
 ``norm`` returns its input (and the residual unchanged), ``rotary`` returns q unrotated and
 writes no KV, ``merge`` skips the decode attention's split merge. ``none`` is the step as it
 is. Each kind in its own process (the engine's graphs are captured once).
@@ -30,16 +29,7 @@ class _NoLaunch:
 
 
 def _skip_silu() -> None:
-    def gate(x: torch.Tensor) -> torch.Tensor:
-        return x[..., : x.shape[-1] // 2]
-
-    def down(
-        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return ops.linear(gate(x), weight, bias)
-
-    ops.silu_and_mul = gate  # type: ignore[assignment]
-    ops.silu_and_mul_linear = down  # type: ignore[assignment]
+    ops.silu_and_mul = lambda x: x[..., : x.shape[-1] // 2]  # type: ignore[assignment]
 
 
 def _skip_norm() -> None:

@@ -123,8 +123,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if type(self.down_proj) is Linear:  # not replaced (quantized, LoRA, TP): one launch
-            return ops.silu_and_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(ops.silu_and_mul(gate_up))
 
 

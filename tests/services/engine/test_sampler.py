@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from protos.sampling_params import SamplingParams
-from services.engine.sampler import _mask_top_k_top_p, apply_penalties, mask_ids, sample
+from services.engine.sampler import (
+    PENALTY_ROWS,
+    _mask_top_k_top_p,
+    apply_penalties,
+    mask_ids,
+    sample,
+)
 
 
 def test_greedy_takes_argmax_and_min_tokens_masks_stop_ids() -> None:
@@ -87,9 +93,11 @@ def _one_row_at_a_time(
 
 def test_batched_penalties_give_the_bits_of_one_row_at_a_time() -> None:
     """Rows asking for every mix of the penalties and logit_bias, or none; empty prompts and
-    outputs, repeated tokens: the batched penalties equal the row-by-row ones bit for bit."""
+    outputs, repeated tokens: the batched penalties equal the row-by-row ones bit for bit (on
+    the CPU; see apply_penalties for CUDA's division)."""
     gen = torch.Generator().manual_seed(0)
-    vocab, rows = 50, 40
+    vocab, rows = 50, 40  # more rows than PENALTY_ROWS: several launches of each kind
+    assert rows > PENALTY_ROWS
     params, outputs, prompts = [], [], []
     for r in range(rows):
         kinds = r % 8
