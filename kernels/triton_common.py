@@ -61,6 +61,11 @@ def check_devices(**tensors: torch.Tensor) -> torch.device:
     return device
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 # TANDEM_PDL=0 launches every kernel plainly (for measuring what programmatic launch saves)
 _PDL_ENV = os.environ.get("TANDEM_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
 
@@ -89,8 +94,7 @@ def pdl(device: torch.device, rows: int) -> dict[str, bool]:
     SMs from them (the 8B decode step at batch 64: 9.46 -> 9.60 ms on an H100). Off on ROCm."""
     if device.type != "cuda" or not _PDL_ENV or rows > PDL_MAX_ROWS or interpreting():
         return {"USE_PDL": False}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if not _pdl_capable(index):
+    if not _pdl_capable(cuda_index(device)):
         return {"USE_PDL": False}
     return {"USE_PDL": True, "launch_pdl": True}
 
@@ -118,7 +122,7 @@ def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors on ``device`` (a nominal 132 under the interpreter)."""
     if device.type != "cuda":
         return 132
-    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return num_sms(cuda_index(device))
 
 
 SMALL_SMEM = 99 * 1024  # the least any recent GPU offers a block (Ada); used when unknown
@@ -139,7 +143,7 @@ def max_shared_memory(device: torch.device) -> int:
     """Bytes of shared memory one program may use on ``device`` (opt-in limit)."""
     if device.type != "cuda":
         return SMALL_SMEM
-    return _max_smem(device.index if device.index is not None else torch.cuda.current_device())
+    return _max_smem(cuda_index(device))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -63,7 +63,7 @@ def _load_x(x_row, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def load_w_chunk(w_rows, k0, offs_k, n_mask, k_end):
+def _load_w_chunk(w_rows, k0, offs_k, n_mask, k_end):
     """The weight chunk at ``k0``, its columns from ``k_end`` on masked (a prefetch past the
     program's share of K reads nothing)."""
     ks = k0 + offs_k
@@ -86,7 +86,7 @@ def _gemv_kernel(
     # the weight is no earlier kernel's output: its first chunk loads before the wait, while
     # the kernel before this one (a norm, an attention) still runs; each step then loads the
     # next chunk before it uses the one in hand
-    w_next = load_w_chunk(w_rows, 0, offs_k, n_mask, K)
+    w_next = _load_w_chunk(w_rows, 0, offs_k, n_mask, K)
     pdl_enter(USE_PDL)
     # one accumulator per row (ROWS of them live; the rest are never touched and vanish): the
     # weight chunk is loaded once for all of the group's rows, and each row's sums are the
@@ -102,7 +102,7 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         w = w_next.to(tl.float32)
-        w_next = load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, K)
+        w_next = _load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, K)
         acc0 += w * _load_x(x0, ks, K, EVEN_K)[None, :]
         if ROWS > 1:
             acc1 += w * _load_x(x1, ks, K, EVEN_K)[None, :]

@@ -41,6 +41,7 @@ from kernels.triton_common import (
     FLOAT_DTYPES,
     check_devices,
     check_tensor,
+    cuda_index,
     dot_precision,
     dot_upcast,
     mma,
@@ -71,9 +72,7 @@ GEMM_SLICE_K = 4096
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: split only when a config asks
-    return _cached_sm_count(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
+    return _cached_sm_count(cuda_index(device))
 
 
 @functools.cache
@@ -198,9 +197,10 @@ def _w4_gemv_kernel(
 def _w4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)
+    # launched plainly (no programmatic launch): with it AWQ's batch-8 step took 8.24 ms
+    # against 7.84 on an H100
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pid_k = tl.program_id(2)
@@ -364,7 +364,7 @@ def w4a16_linear(
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
-        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps, USE_PDL=False,
+        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps,
     )  # fmt: skip
     return _finish(target, out, split)
 
