@@ -106,7 +106,7 @@ async def test_a_reserve_that_may_wait_queues_until_blocks_free(fleet: Fleet) ->
         t0 = time.monotonic()
         assert await d.abort("fill-0")
         assert (await queued).num_blocks == 63
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 10.0  # granted by the abort, not after its 30 s wait
         load = await d.load()
         assert (load.num_reserved, load.num_waiting) == (4, 0)
         for rid in ("fill-1", "fill-2", "fill-3", "queued"):
@@ -119,7 +119,7 @@ async def test_a_reserve_that_may_wait_queues_until_blocks_free(fleet: Fleet) ->
         assert (
             await rpc_code(d.stub.Reserve(short, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         )
-        assert 0.3 <= time.monotonic() - t0 < 3.0
+        assert 0.3 <= time.monotonic() - t0 < 4.5  # the RPC deadline is 5 s
         for i in range(4):
             assert await d.abort(f"again-{i}")
         assert_idle(await wait_pool_free([d]))
@@ -248,7 +248,9 @@ async def test_a_transfer_the_receiver_refuses_frees_both_sides_at_once(fleet: F
         assert (await p.load()).kv_transfer_failures == failures + 1
 
 
-async def test_cancelling_a_decode_stream_frees_both_sides_within_a_second(fleet: Fleet) -> None:
+async def test_cancelling_a_decode_stream_frees_both_sides_promptly(fleet: Fleet) -> None:
+    """Within 3 s of the cancel, on a loaded machine; the 400 tokens it would otherwise go on
+    decoding take far longer on the CPU."""
     prefill, decode = fleet.shared("prefill", "decode")
     ids = chat_ids("Tell me a very long story about a parcel.")
     sampling = greedy(400, ignore_eos=True)
@@ -261,8 +263,8 @@ async def test_cancelling_a_decode_stream_frees_both_sides_within_a_second(fleet
         assert (await d.load()).num_running == 1
         call.cancel()
         t0 = time.monotonic()
-        assert_idle(await wait_pool_free([p, d], timeout_s=1.0))
-        assert time.monotonic() - t0 < 1.0
+        assert_idle(await wait_pool_free([p, d], timeout_s=3.0))
+        assert time.monotonic() - t0 < 3.0
 
 
 async def test_cancelling_a_prefill_mid_prompt_frees_both_sides_within_a_second(

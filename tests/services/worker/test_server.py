@@ -131,7 +131,7 @@ async def test_sigterm_drains_then_exits_cleanly(fleet: Fleet) -> None:
         t0 = time.monotonic()
         os.killpg(worker.pid, signal.SIGTERM)  # what `tandem up` and Kubernetes send
         while await w.status() != NOT_SERVING:
-            assert time.monotonic() - t0 < 1.0
+            assert time.monotonic() - t0 < 2.5  # at once: not after the 3 s drain
             await asyncio.sleep(0.02)
         code = await rpc_code(generate_call(w, "late", [1, 2, 3], greedy(4)))
         assert code == grpc.StatusCode.UNAVAILABLE
