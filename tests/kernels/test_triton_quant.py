@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.quant import pack_rows, quantize_fp8_rows, ref_fp8_linear, ref_w4a16_linear
-from kernels.triton_quant import GEMV_ROWS, W4_GEMV_ROWS, fp8_linear, w4a16_linear
+from kernels.triton_quant import (
+    GEMV_ROWS,
+    W4_GEMV_ROWS,
+    _nibbles,
+    fp8_linear,
+    w4a16_linear,
+)
 from tests.kernels.paged import assert_matches, rand
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -22,6 +30,35 @@ def int4_weight(k: int, n: int, g: int, dtype: torch.dtype, gen: torch.Generator
     zeros = torch.randint(0, 16, (k // g, n), generator=gen).to(dtype)
     scales = (0.5 + torch.rand(k // g, n, generator=gen)).to(dtype) / 8
     return qweight.to(device), scales.to(device), zeros.to(device)
+
+
+@triton.jit
+def _nibbles_kernel(packed_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    packed = tl.load(packed_ptr + offs)
+    shifts = (tl.arange(0, 8) * 4)[None, :]
+    q = _nibbles(packed[:, None], shifts)  # [N, 8]
+    tl.store(out_ptr + offs[:, None] * 8 + tl.arange(0, 8)[None, :], q)
+
+
+def test_nibbles_are_the_integer_conversion_bit_for_bit(
+    gen: torch.Generator, device: torch.device
+) -> None:
+    """Every value 0..15 at every one of the eight positions, words with the sign bit set
+    (the arithmetic shift drags it into the top nibble, the mask must drop it), 0 and -1."""
+    words = [sum(v << (4 * i) for i in range(8)) for v in range(16)]  # v in every nibble
+    words += [sum(((v + i) % 16) << (4 * i) for i in range(8)) for v in range(16)]
+    words += [0, -1, -(2**31), 2**31 - 1, 0x76543210, -0x76543211]
+    as_int32 = [w - 2**32 if w >= 2**31 else w for w in words]
+    random = torch.randint(-(2**31), 2**31, (128 - len(as_int32),), generator=gen)
+    packed = torch.cat([torch.tensor(as_int32, dtype=torch.int32), random.to(torch.int32)])
+    packed = packed.to(device)
+    out = torch.empty((packed.numel(), 8), dtype=torch.float32, device=device)
+    _nibbles_kernel[(1,)](packed, out, N=packed.numel())
+    shifts = torch.arange(0, 32, 4, device=device, dtype=torch.int32)
+    expected = ((packed[:, None] >> shifts) & 0xF).to(torch.float32)
+    assert torch.equal(out, expected)
+    assert torch.equal(out[:16, 0], torch.arange(16, dtype=torch.float32, device=device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
