@@ -118,24 +118,29 @@ def time_fp8_shape(name: str, n: int, k: int, copy: float) -> dict:
             "best_us": timed[best], "all_us": timed}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def sweep(time_fn: Callable[[str, int, int, float], dict], json_out: str | None) -> int:
+    """``time_fn(name, n, k, copy GB/s)`` over the 8B projections; the rows to ``json_out``."""
     from kernels.bench.roofline import copy_bandwidth, write_results
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json-out", default=None)
-    p.add_argument("--fp8", action="store_true", help="the FP8 weight-only GEMV instead")
-    args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("gemv_graph needs a CUDA GPU")
+        raise SystemExit("this benchmark needs a CUDA GPU")
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows = []
     for name, (n, k) in SHAPES.items():
-        rows.append((time_fp8_shape if args.fp8 else time_shape)(name, n, k, copy))
+        rows.append(time_fn(name, n, k, copy))
         torch.cuda.empty_cache()
-    if args.json_out:
-        write_results(args.json_out, copy, rows, reps=REPS)
+    if json_out:
+        write_results(json_out, copy, rows, reps=REPS)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--fp8", action="store_true", help="the FP8 weight-only GEMV instead")
+    args = p.parse_args(argv)
+    return sweep(time_fp8_shape if args.fp8 else time_shape, args.json_out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 #   quant    FP8 and AWQ batch-1 and batch-8 steps                -> $out/<q>-pdl<0|1>.json
 #   ablate   the batch-1 graph without each kind of small kernel (PDL on): what fusing it saves
 #            at most (services.engine.bench.ablate_step)          -> $out/ablate-<kind>.json
-#   bash scripts/device/pdl.sh [tests] [profile] [w2] [quant] [ablate]   (default: all but ablate)
+#   w4       the batch-1 int4 GEMV with and without integer-to-float conversions, in a graph
+#            (kernels.bench.w4_unpack)                            -> $out/w4-unpack.json
+#   bash scripts/device/pdl.sh [tests] [profile] [w2] [quant] [ablate] [w4]   (default: tests profile w2 quant)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
@@ -21,7 +23,7 @@ for step in ${*:-tests profile w2 quant}; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_pdl.py \
         tests/kernels/test_triton_layers.py tests/kernels/test_triton_gemv.py \
         tests/kernels/test_triton_decode.py tests/kernels/test_triton_attention.py \
-        tests/kernels/test_triton_quant.py 2>&1 | tail -3
+        tests/kernels/test_triton_quant.py tests/kernels/bench/test_w4_unpack.py 2>&1 | tail -3
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/services/engine/test_gpu_async.py tests/services/engine/test_gpu_engine.py 2>&1 |
         tail -3 ;;
@@ -52,6 +54,9 @@ for step in ${*:-tests profile w2 quant}; do
             grep -E "^batch|Error|error" | sed "s/^/$q pdl=$p: /"
         done
       done ;;
+    w4)
+      timeout 300 python3 -m kernels.bench.w4_unpack --json-out "$out/w4-unpack.json" 2>&1 |
+        tail -6 ;;
     ablate)
       for kind in none silu norm rotary merge; do
         timeout 150 python3 -m services.engine.bench.ablate_step --skip $kind --model llama-3.1-8b \

@@ -1,0 +1,132 @@
+"""The batch-1 int4 GEMV with and without integer-to-float conversions, side by side in one run.
+
+    python -m kernels.bench.w4_unpack [--json-out w4_unpack.json]
+
+``kernels.triton_quant`` turns nibbles into floats with the 2^23 mantissa trick (no
+integer-to-float conversion, which Hopper runs at an eighth of the fp32 rate). This keeps the
+GEMV as it was before that change (each nibble shifted, masked and converted with ``.to``) so
+the two are timed in the same process on the same weights: each of Llama-3.1-8B's projections
+over ``REPS`` distinct AWQ-shaped weights (group 128) back to back in one CUDA graph, as a decode
+step runs them, against the bytes of the int4 weights, scales and zeros at the copy bandwidth.
+Both launches use the default tile and split of ``w4a16_linear``; their outputs are checked
+against each other first.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128
+
+
+@triton.jit
+def _w4_gemv_convert_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The int4 GEMV before the mantissa trick: the baseline of this benchmark."""
+    pid = tl.program_id(0)
+    pid_n = pid // M
+    m = (pid % M).to(tl.int64)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * K_PER
+    rows = tl.arange(0, BLOCK_K // 8)
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    x_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        packed = tl.load(
+            qw_ptr + (k0 // 8 + rows)[:, None].to(tl.int64) * s_qk + offs_n[None, :],
+            mask=n_mask[None, :], other=0,
+        )  # fmt: skip
+        q = ((packed[:, None, :] >> shifts) & 0xF).to(tl.float32)  # the conversion timed here
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + m * s_xm + k0 + x_offs).to(tl.float32)
+        qx = tl.sum(tl.sum(q * xv[:, :, None], axis=1), axis=0)
+        acc += s * (qx - z * tl.sum(tl.sum(xv, axis=1), axis=0))
+    if SPLIT == 1:
+        tl.store(out_ptr + m * s_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, acc, mask=n_mask)
+
+
+def convert_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """``w4a16_linear`` for 1 or 2 rows of x through the baseline kernel, at the default launch."""
+    from kernels.triton_quant import W4_GEMV_CONFIG, _finish, _split, _target
+
+    m, k = x.shape
+    n = qweight.shape[1]
+    bn, bk, warps = W4_GEMV_CONFIG
+    bk = min(bk, group_size)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split, per = _split(0, triton.cdiv(n, bn) * m, k // bk, x.device)
+    target = _target(out, split)
+    _w4_gemv_convert_kernel[(triton.cdiv(n, bn) * m, split)](
+        x, qweight, scales, zeros, target, m, n, k, per * bk, x.stride(0), qweight.stride(0),
+        scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
+        num_warps=warps,
+    )  # fmt: skip
+    return _finish(target, out, split)
+
+
+def time_shape(name: str, n: int, k: int, copy: float) -> dict:
+    from kernels.bench.gemv_graph import REPS, graph_us
+    from kernels.quant import ref_w4a16_linear
+    from kernels.triton_quant import w4a16_linear
+
+    dev = torch.device("cuda")
+    weights = [
+        (
+            torch.randint(-(2**31), 2**31, (k // 8, n), dtype=torch.int32, device=dev),
+            (torch.rand(k // GROUP, n, device=dev) / 8 + 0.01).to(torch.bfloat16),
+            torch.randint(0, 16, (k // GROUP, n), device=dev).to(torch.bfloat16),
+        )
+        for _ in range(REPS)
+    ]
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    ref = ref_w4a16_linear(x, *weights[0], GROUP).float()
+    scale = ref.abs().max().item() + 1e-6
+    for fn in (w4a16_linear, convert_gemv):
+        err = (fn(x, *weights[0], GROUP).float() - ref).abs().max().item() / scale
+        if err > 2e-2:
+            raise SystemExit(f"{name}: {fn.__name__} differs from the reference ({err:.3g})")
+
+    def run(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def launches() -> None:
+            for qw, s, z in weights:
+                fn(x, qw, s, z, GROUP)
+
+        return launches
+
+    nbytes = k * n // 2 + 2 * (k // GROUP) * n * 2  # int4 weights, bf16 scales and zeros
+    floor_us = nbytes / copy / 1e3
+    trick, convert = graph_us(run(w4a16_linear)), graph_us(run(convert_gemv))
+    print(f"{name:8s} floor {floor_us:6.1f} us  converting {convert:6.1f} us "
+          f"({100 * floor_us / convert:5.1f}% of copy)  mantissa trick {trick:6.1f} us "
+          f"({100 * floor_us / trick:5.1f}%)", flush=True)  # fmt: skip
+    return {"shape": name, "n": n, "k": k, "group": GROUP, "bytes": nbytes,
+            "floor_us": floor_us, "convert_us": convert, "trick_us": trick}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kernels.bench.gemv_graph import sweep
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json-out", default=None)
+    return sweep(time_shape, p.parse_args(argv).json_out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
