@@ -23,8 +23,10 @@ import triton
 import triton.language as tl
 
 GROUP = 128
-# (BLOCK_N, BLOCK_K, warps) of the GEMV, K split automatically
-LAUNCHES = [(bn, 128, w) for bn in (16, 32, 64, 128, 256) for w in (2, 4, 8)]
+# (BLOCK_N, BLOCK_K, warps, SPLIT) of the GEMV: K split automatically (0) or not at all (1,
+# which spares the launch that sums the slices)
+LAUNCHES = [(bn, 128, w, split) for bn in (16, 32, 64, 128, 256) for w in (2, 4, 8)
+            for split in (0, 1)]  # fmt: skip
 
 
 @triton.jit

@@ -41,9 +41,9 @@ def test_a_shape_is_timed_checked_and_reported(monkeypatch: pytest.MonkeyPatch, 
 
     monkeypatch.setattr(gemv_graph, "REPS", 2)
     monkeypatch.setattr(gemv_graph, "graph_us", one_us)
-    monkeypatch.setattr(w4_unpack, "LAUNCHES", [(16, 128, 2), (32, 128, 4)])
+    monkeypatch.setattr(w4_unpack, "LAUNCHES", [(16, 128, 2, 0), (32, 128, 4, 1)])
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device="cpu")
     assert row["bytes"] == 256 * 48 // 2 + 2 * 2 * 48 * 2
     assert (row["convert_us"], row["trick_us"]) == (1.0, 1.0)
-    assert set(row["launches_us"]) == {"(16, 128, 2)", "(32, 128, 4)"}
+    assert set(row["launches_us"]) == {"(16, 128, 2, 0)", "(32, 128, 4, 1)"}
     assert len(calls) == 4 and "tiny" in capsys.readouterr().out
