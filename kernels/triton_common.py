@@ -166,6 +166,26 @@ def mma(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         return tl.dot(a, b, input_precision=PRECISION)
 
 
+def rounds_bf16_in_kernel(dtype: torch.dtype) -> bool:
+    """Whether a kernel writing ``dtype`` must round to bf16 itself (:func:`round_to_bf16`):
+    Triton's interpreter truncates its float32 -> bfloat16 casts (1.005 -> 1.0, seen with triton
+    3.9) where the GPU's cast and torch's round to nearest even."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+@triton.jit
+def round_to_bf16(x, ROUND: tl.constexpr):
+    """float32 ``x`` rounded to the nearest bf16 value (ties to even), still as float32, when
+    ``ROUND`` (:func:`rounds_bf16_in_kernel`); the cast to bf16 after it is then exact. ``x``
+    itself otherwise. For finite values (a carry into the exponent is the right rounding)."""
+    if ROUND:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
 @triton.jit
 def round_to_e4m3(x):
     """float32 ``x`` rounded to the nearest e4m3fn value (ties to even), saturated at +-448, as

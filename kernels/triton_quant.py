@@ -3,21 +3,27 @@
 A decode step at batch 1-16 reads each weight once and does a few FLOP per byte: the time is the
 bytes of the quantized weight (0.5 B per element for int4 plus 1/16 B of scales and zeros at
 group 128; 1 B for fp8 plus 4 B per scale row chunk). The weights never exist dequantized in
-memory: each program loads a packed tile, unpacks it in registers and multiplies.
+memory: each program loads a packed tile, unpacks it in registers and multiplies (long int4
+batches excepted, below).
 
-- **GEMV** (M <= ``GEMV_ROWS`` for fp8, ``W4_GEMV_ROWS`` for int4: the conversion and unpacking
-  are redone per row, so from 3 rows the GEMM is faster): one program per ``BLOCK_N`` output columns, row of x and
-  slice of K, fp32 partial products reduced once at the end. The rows of x are the grid's
-  fastest index, so the M programs of one weight tile run side by side and read it from HBM
-  about once (with M the slowest, a batch of 4 read every weight 4 times).
+- **GEMV** (M <= ``GEMV_ROWS`` for fp8, ``W4_GEMV_ROWS`` for int4: the conversion and
+  unpacking are redone per row, so from 3 rows the GEMM is faster): one program per ``BLOCK_N``
+  output columns, row of x and slice of K, fp32 partial products reduced once at the end. The
+  rows of x are the grid's fastest index, so the M programs of one weight tile run side by side
+  and read it from HBM about once (with M the slowest, a batch of 4 read every weight 4 times).
 - **Split-K**: a decode projection has few output tiles (64 for a 4096-wide int4 layer at
   ``BLOCK_N`` 64) for 132 SMs, so the GEMVs also split K (``SPLIT`` programs per tile, each a
   run of whole chunks) until there are about two programs per SM; the fp32 partials go to a
   ``[SPLIT, M, N]`` buffer that one more kernel sums in a fixed order (deterministic, no atomics).
   The GEMMs split automatically only a long K (at least ``GEMM_SLICE_K`` per slice).
-- **GEMM** (larger M): ``tl.dot`` tiles. The integer part of the weight (``q - z`` for int4,
-  the e4m3 value for fp8) is exact in the activation dtype, so the dot runs on it and the
-  scale, constant over a chunk of K, multiplies the fp32 partial product afterwards.
+- **Dequantize, then cuBLAS** (M > ``W4_DEQUANT_ROWS``: prefill chunks, large decode batches):
+  the GEMM would unpack each weight tile once per ``BLOCK_M`` rows, so its CUDA-core work grows
+  with M; a dequantized copy of the weight (in column slices of bounded size) costs a fixed
+  ~4.5 bytes of traffic per element and the matmul then runs at cuBLAS's rate.
+- **GEMM** (from 3 rows; for int4 up to ``W4_DEQUANT_ROWS``): ``tl.dot`` tiles. The integer
+  part of the weight (``q - z`` for int4, the e4m3 value for fp8) is exact in the activation
+  dtype, so the dot runs on it and the scale, constant over a chunk of K, multiplies the fp32
+  partial product afterwards.
 
 - **Per-token activation quantization** (W8A8 on FP8 tensor cores): one program per row reads
   it twice (the amax, then the e4m3 values; the second read comes from L2) and writes the fp8
@@ -26,8 +32,8 @@ memory: each program loads a packed tile, unpacks it in registers and multiplies
 
 - **Unpacking int4** without an integer-to-float conversion (16 a clock per SM on Hopper, an
   eighth of the fp32 rate: at eight per 4 bytes of weight it alone caps an int4 GEMV near 2 TB/s
-  on an H100): a nibble is OR-ed into the
-  mantissa of 2^23 and 2^23 subtracted (:func:`_nibbles`, :func:`_in_place`), exact.
+  on an H100): a nibble is OR-ed into the mantissa of 2^23 and 2^23 subtracted
+  (:func:`_nibbles`, :func:`_in_place`), exact.
 
 A chunk of K never straddles a scale group: ``BLOCK_K`` divides the int4 group size and the fp8
 ``block_k`` (or the whole row, for per-channel scales).
@@ -52,7 +58,9 @@ from kernels.triton_common import (
     mma,
     pdl,
     pdl_enter,
+    round_to_bf16,
     round_to_e4m3,
+    rounds_bf16_in_kernel,
 )
 
 # fp8: batches of at most this many rows take the GEMV. It reads each weight tile once per row
@@ -64,6 +72,16 @@ GEMV_ROWS = 2
 # against 358 us at 4 rows, 226 against 499 at 8), so only 1 or 2 rows take the GEMV
 W4_GEMV_ROWS = 2
 W4_SMALL_GEMM_CONFIG = (16, 64, 128, 4)  # int4 GEMMs of up to 16 rows (the same sweep's best)
+# int4 above this many rows: the weight is dequantized to x's dtype (in slices of at most
+# W4_DEQUANT_SLICE_BYTES) and multiplied by cuBLAS. The GEMM unpacks each weight tile once per
+# BLOCK_M rows of x (~4 integer and float instructions per element on CUDA cores), so its
+# unpacking grows with M while a dequantized copy costs ~4.5 bytes of traffic per element once:
+# by that count they cross near 128 rows on an H100, and an 8192-token prefill chunk would spend
+# ~6x its tensor-core time unpacking (vLLM's AWQ takes the same dequantize-then-GEMM route for
+# long batches)
+W4_DEQUANT_ROWS = 128
+W4_DEQUANT_SLICE_BYTES = 256 << 20
+W4_DEQUANT_CONFIG = (64, 128, 4)  # BLOCK_K, BLOCK_N, warps
 # (BLOCK_N, BLOCK_K, num_warps[, SPLIT]) for the GEMVs; (BLOCK_M, BLOCK_N, BLOCK_K, num_warps[,
 # SPLIT]) for GEMMs; SPLIT 0 or left out: enough slices of K for two programs per SM
 W4_GEMV_CONFIG = (128, 128, 4)
@@ -228,6 +246,64 @@ def _w4_gemv_kernel(
         tl.store(out_ptr + (pid_k * M + m) * N + offs_n, acc, mask=n_mask)
 
 
+@triton.jit
+def _w4_dequant_kernel(
+    qw_ptr, s_ptr, z_ptr, out_ptr, N, N0, s_qk, s_sg, s_ok,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """Columns N0 .. N of the int4 weight as ``(q - z) s`` in out's dtype, ``out[k, n - N0]``:
+    the product in fp32, rounded once (as ``ref_dequant_int4(...).to(dtype)``). BLOCK_K divides
+    GROUP: one scale and zero per column of a tile. ``ROUND``: see ``round_to_bf16``."""
+    k0 = tl.program_id(0) * BLOCK_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # within the slice
+    offs_n = N0 + cols
+    n_mask = offs_n < N
+    q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N)
+    g = k0 // GROUP
+    s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    w = round_to_bf16((q - z[None, :]) * s[None, :], ROUND)
+    rows = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+    tl.store(out_ptr + rows[:, None] * s_ok + cols[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=n_mask[None, :])  # fmt: skip
+
+
+def w4_dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    dtype: torch.dtype, first: int = 0, last: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Columns ``first:last`` of the int4 weight as a ``[K, last - first]`` tensor of ``dtype``
+    (arguments as :func:`w4a16_linear` checks them)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    last = n if last is None else last
+    out = torch.empty((k, last - first), dtype=dtype, device=qweight.device)
+    bk, bn, warps = W4_DEQUANT_CONFIG
+    bk = min(bk, group_size)
+    _w4_dequant_kernel[(k // bk, triton.cdiv(last - first, bn))](
+        qweight, scales, zeros, out, last, first, qweight.stride(0), scales.stride(0),
+        out.stride(0), GROUP=group_size, BLOCK_K=bk, BLOCK_N=bn,
+        ROUND=rounds_bf16_in_kernel(dtype), num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def _dequant_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int, out: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``out = x @ W`` through dequantized slices of W's columns and torch's matmul."""
+    k, n = x.shape[1], out.shape[1]
+    bn = W4_DEQUANT_CONFIG[1]
+    cols = max(bn, W4_DEQUANT_SLICE_BYTES // (k * x.element_size()) // bn * bn)
+    if cols >= n:
+        return torch.mm(x, w4_dequantize(qweight, scales, zeros, group_size, x.dtype), out=out)
+    for first in range(0, n, cols):
+        last = min(first + cols, n)
+        w = w4_dequantize(qweight, scales, zeros, group_size, x.dtype, first, last)
+        out[:, first:last] = torch.mm(x, w)
+    return out
+
+
 @triton.jit(do_not_specialize=["M"])  # one compilation for every batch size
 def _w4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
@@ -357,9 +433,11 @@ def w4a16_linear(
     *,
     config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """Triton version of :func:`kernels.quant.ref_w4a16_linear`; ``config`` is
-    (BLOCK_N, BLOCK_K, warps[, SPLIT]) for M <= ``W4_GEMV_ROWS``, else (BLOCK_M, BLOCK_N,
-    BLOCK_K, warps[, SPLIT])."""
+    """Triton version of :func:`kernels.quant.ref_w4a16_linear`: the GEMV up to
+    ``W4_GEMV_ROWS`` rows, the GEMM up to ``W4_DEQUANT_ROWS``, above that the weight dequantized
+    to x's dtype and torch's matmul. ``config`` picks the Triton launch (and keeps larger M on
+    the GEMM): (BLOCK_N, BLOCK_K, warps[, SPLIT]) for the GEMV, else (BLOCK_M, BLOCK_N, BLOCK_K,
+    warps[, SPLIT])."""
     check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
     check_tensor("scales", scales, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("zeros", zeros, ndim=2, dtypes=FLOAT_DTYPES)
@@ -378,6 +456,8 @@ def w4a16_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if m > W4_DEQUANT_ROWS and config is None:
+        return _dequant_matmul(x, qweight, scales, zeros, group_size, out)
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     if m <= W4_GEMV_ROWS:
         bn, bk, warps, asked = _with_split(config or W4_GEMV_CONFIG, 3)

@@ -12,12 +12,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import pack_rows, quantize_fp8_rows, ref_fp8_linear, ref_w4a16_linear
+from kernels import triton_quant
+from kernels.quant import (
+    pack_rows,
+    quantize_fp8_rows,
+    ref_dequant_int4,
+    ref_fp8_linear,
+    ref_w4a16_linear,
+)
 from kernels.triton_quant import (
     GEMV_ROWS,
+    W4_DEQUANT_ROWS,
     W4_GEMV_ROWS,
     _nibbles,
     fp8_linear,
+    w4_dequantize,
     w4a16_linear,
 )
 from tests.kernels.paged import assert_matches, rand
@@ -80,6 +89,54 @@ def test_w4a16_matches_the_reference(
     ref = ref_w4a16_linear(x, qweight, scales, zeros, g)
     assert out.shape == (m, n) and out.dtype == dtype
     assert_matches(out / k**0.5, ref / k**0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k", "g", "cols"), [(40, 256, 128, None), (300, 128, 32, (8, 299)), (8, 64, 16, (0, 8))])  # fmt: skip
+def test_dequantize_is_the_reference_bit_for_bit(
+    dtype: torch.dtype, n: int, k: int, g: int, cols: tuple[int, int] | None,
+    gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """Whole weights and column slices (a slice not a multiple of the tile), rounded once."""
+    qweight, scales, zeros = int4_weight(k, n, g, dtype, gen, device)
+    first, last = cols or (0, n)
+    got = w4_dequantize(qweight, scales, zeros, g, dtype, first, last)
+    ref = ref_dequant_int4(qweight, scales, zeros, g).to(dtype)[:, first:last]
+    assert got.shape == (k, last - first) and got.dtype == dtype
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slice_bytes", [None, 1024])  # 1 KiB: 8-column slices at K=64
+def test_long_batches_dequantize_then_multiply(
+    dtype: torch.dtype, slice_bytes: int | None, gen: torch.Generator, device: torch.device,
+    poison_empty: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Above W4_DEQUANT_ROWS rows: one dequantized weight, or column slices of it."""
+    if slice_bytes is not None:
+        monkeypatch.setattr(triton_quant, "W4_DEQUANT_SLICE_BYTES", slice_bytes)
+        monkeypatch.setattr(triton_quant, "W4_DEQUANT_CONFIG", (16, 8, 2))
+    m, n, k, g = W4_DEQUANT_ROWS + 3, 36, 64, 32
+    qweight, scales, zeros = int4_weight(k, n, g, dtype, gen, device)
+    x = rand((2 * m, k), dtype, gen, device)[::2]  # strided rows
+    calls: list[tuple[int, int]] = []
+    real = triton_quant.w4_dequantize
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        calls.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(triton_quant, "w4_dequantize", counted)
+    out = w4a16_linear(x, qweight, scales, zeros, g)
+    ref = ref_w4a16_linear(x, qweight, scales, zeros, g)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_matches(out / k**0.5, ref / k**0.5)
+    widths = [c for _, c in calls]
+    assert sum(widths) == n and (widths == [n] if slice_bytes is None else len(widths) == 5)
+    calls.clear()  # an explicit launch keeps the GEMM, which never dequantizes
+    w4a16_linear(x, qweight, scales, zeros, g, config=(16, 32, 32, 2))
+    assert not calls
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
