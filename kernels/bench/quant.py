@@ -1,6 +1,7 @@
 """Quantized-weight linear layers against the roofline: int4 (w4a16) and fp8 against bf16.
 
-    python -m kernels.bench.quant [--rows 1 4 16] [--w8a8-rows 256 8192] [--json-out quant.json]
+    python -m kernels.bench.quant [--rows 1 4 16] [--w8a8-rows 256 8192] [--w4-rows 64 256 8192]
+                                  [--json-out quant.json]
 
 Shapes are Llama-3.1-8B's decode projections. At batch 1-16 a linear layer is bound by the bytes
 of its weight, so each row reports GB/s of what the kernel must read (the packed weight, its
@@ -15,6 +16,11 @@ a small sweep is reported; every launch is checked against the torch reference f
 above ``kernels.ops.FP8_GEMV_ROWS``: x quantized per token (torch's five passes against the one
 Triton kernel, each against the bytes it must move: read x, write the fp8 copy and the scales),
 ``torch._scaled_mm`` on the FP8 tensor cores, and the whole layer against bf16 cuBLAS in TFLOP/s.
+
+``--w4-rows`` times int4 at larger batches both ways: the Triton GEMM (at its default tiles and
+at 128 x 128 ones) and the weight dequantized to bf16 then torch's matmul (what the engine does
+above ``kernels.triton_quant.W4_DEQUANT_ROWS``), against bf16 cuBLAS; and the dequantization
+alone against the bytes it moves (the packed weight, scales and zeros read, bf16 written).
 """
 
 from __future__ import annotations
@@ -215,6 +221,44 @@ def bench_w8a8(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any]
     return r
 
 
+W4_GEMM_TILES = {"gemm": (32, 64, 64, 4), "gemm 128x128": (128, 128, 64, 8)}
+
+
+def bench_w4_rows(
+    name: str, n: int, k: int, m: int, copy: float, device: str = "cuda"
+) -> dict[str, Any]:
+    """int4 at a larger batch: the Triton GEMM against dequantize-then-matmul and bf16."""
+    from kernels import triton_quant
+    from kernels.bench import roofline
+
+    median_ms = roofline.median_ms
+    c = build(m, n, k, torch.device(device))
+    ref = runners(c)["int4"][1]().float()
+    timed: dict[str, Callable[[], object]] = {"bf16": functools.partial(F.linear, c.x, c.w)}
+    for label, tiles in W4_GEMM_TILES.items():
+        timed[label] = functools.partial(
+            triton_quant.w4a16_linear, c.x, c.qweight, c.scales, c.zeros, GROUP, config=tiles
+        )
+    timed["dequant+matmul"] = functools.partial(
+        triton_quant._dequant_matmul, c.x, c.qweight, c.scales, c.zeros, GROUP,
+        torch.empty(m, n, dtype=c.x.dtype, device=c.x.device),
+    )  # fmt: skip
+    timed["dequant"] = functools.partial(
+        triton_quant.w4_dequantize, c.qweight, c.scales, c.zeros, GROUP, c.x.dtype
+    )
+    r: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "copy_gbs": copy}
+    for label, fn in timed.items():
+        if label not in ("bf16", "dequant"):
+            out = fn().float()  # type: ignore[attr-defined]
+            err = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+            if not err < 1e-2:
+                raise SystemExit(f"int4 {label} at M={m}: relative error {err:.2e}")
+        r[f"{label}_ms"] = median_ms(fn)
+    moved = sum(t.numel() * t.element_size() for t in (c.qweight, c.scales, c.zeros)) + k * n * 2
+    r["dequant_pct_of_copy"] = 100 * moved / r["dequant_ms"] / 1e6 / copy
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     from kernels.bench.roofline import copy_bandwidth, write_results
 
@@ -223,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--w8a8-rows", type=int, nargs="*", default=[], help="large batches (M) for W8A8"
     )
+    p.add_argument("--w4-rows", type=int, nargs="*", default=[], help="larger batches (M) for int4")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -256,6 +301,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"({r['w8a8_speedup_vs_bf16']:.2f}x bf16)",
                 flush=True,
             )
+    for m in args.w4_rows:
+        for name, (n, k) in SHAPES.items():
+            r = bench_w4_rows(name, n, k, m, copy)
+            rows.append(r)
+            times = " | ".join(
+                f"{label} {r[f'{label}_ms'] * 1e3:7.1f} us"
+                for label in ("bf16", *W4_GEMM_TILES, "dequant+matmul")
+            )
+            print(f"int4 M={m:<5d} {name:22s} {times} | dequant alone "
+                  f"{r['dequant_ms'] * 1e3:6.1f} us ({r['dequant_pct_of_copy']:3.0f}% of copy)",
+                  flush=True)  # fmt: skip
     if args.json_out:
         write_results(args.json_out, copy, rows, group=GROUP)
     return 0

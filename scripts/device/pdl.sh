@@ -9,7 +9,9 @@
 #   ablate   the batch-1 graph without each kind of small kernel (PDL on): what fusing it saves
 #            at most (services.engine.bench.ablate_step)          -> $out/ablate-<kind>.json
 #   w4       the batch-1 int4 GEMV with and without integer-to-float conversions, in a graph
-#            (kernels.bench.w4_unpack)                            -> $out/w4-unpack.json
+#            (kernels.bench.w4_unpack), and int4 at 64-8192 rows: the Triton GEMM against
+#            dequantize-then-matmul (kernels.bench.quant --w4-rows)
+#                                                -> $out/w4-unpack.json, $out/w4-rows.json
 #   bash scripts/device/pdl.sh [tests] [profile] [w2] [quant] [ablate] [w4]   (default: tests profile w2 quant)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,7 +58,9 @@ for step in ${*:-tests profile w2 quant}; do
       done ;;
     w4)
       timeout 300 python3 -m kernels.bench.w4_unpack --json-out "$out/w4-unpack.json" 2>&1 |
-        tail -6 ;;
+        tail -6
+      timeout 300 python3 -m kernels.bench.quant --rows --w4-rows 64 128 256 2048 8192 \
+        --json-out "$out/w4-rows.json" 2>&1 | grep -E "^int4|Error|error" ;;
     ablate)
       for kind in none silu norm rotary merge; do
         timeout 150 python3 -m services.engine.bench.ablate_step --skip $kind --model llama-3.1-8b \

@@ -30,3 +30,17 @@ def test_every_swept_launch_matches_the_reference(fmt: str, m: int, device: torc
     case = quant.build(m, 256, 256, device)
     for cfg in quant._configs(fmt, m):
         assert quant.check(fmt, case, cfg) < 1e-2
+
+
+def test_the_int4_rows_bench_checks_and_times_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own path on the CPU (under the interpreter), each call timed as 1 ms."""
+    from kernels.bench import roofline
+
+    timed: list[object] = []
+    monkeypatch.setattr(roofline, "median_ms", lambda fn: (timed.append(fn()), 1.0)[1])
+    r = quant.bench_w4_rows("tiny", 256, 256, 20, 1000.0, device="cpu")
+    labels = ["bf16", *quant.W4_GEMM_TILES, "dequant+matmul", "dequant"]
+    assert [f"{label}_ms" for label in labels] == [key for key in r if key.endswith("_ms")]
+    assert len(timed) == len(labels)
+    moved = 256 * 256 // 2 + 2 * 2 * 256 * 2 + 256 * 256 * 2
+    assert r["dequant_pct_of_copy"] == pytest.approx(100 * moved / 1e6 / 1000.0)
