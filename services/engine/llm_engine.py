@@ -531,20 +531,36 @@ class LLMEngine:
         layers: LayerSink | None,
     ) -> bool:  # fmt: skip
         """Whether this step may run launched (its tokens read after the next step is queued):
-        decodes only, with nothing for the sampler or a grammar to do on the host."""
+        nothing for the sampler or a grammar to do on the host, in this step or in a later
+        chunk of a prompt it holds (its last chunk may run launched ahead), no drafts, no
+        embeddings, no KV streamed out as it is written."""
         if not self.async_decode or layers is not None or score or min_stop:
             return False
         for r in out.requests:
-            if r.num_new_tokens != 1 or r.num_spec or not r.samples_token:
+            sp = r.sampling_params
+            if r.num_spec or r.pooling is not None or not launchable(sp):
                 return False
-            if not launchable(r.sampling_params):
-                return False
+            if not r.sample and len(r.output_token_ids) < sp.min_tokens:
+                return False  # its last chunk samples with its stop tokens masked
         return not self._constrained([r.request_id for r in out.requests])
 
+    def _may_admit(self, req: Request) -> bool:
+        """Whether a waiting request may be admitted into a step scheduled ahead: its first
+        chunk then runs launched (see :meth:`_may_launch`)."""
+        sp = req.sampling_params
+        return (
+            launchable(sp)
+            and len(req.output_token_ids) >= sp.min_tokens
+            and (sp.prompt_logprobs is None or bool(req.output_token_ids))
+            and not req.images
+            and not req.hold_blocks_on_finish
+            and not self._constrained([req.request_id])
+        )
+
     def _advance(self, cur: Launched) -> list[RequestOutput]:
-        """Finish the launched step ``cur``: first schedule and launch the decode step after it
-        when the scheduler can say what runs without ``cur``'s tokens (they are its input ids,
-        on the device), then read ``cur``'s tokens and update. ``cur``'s outputs are made while
+        """Finish the launched step ``cur``: first schedule and launch the step after it when
+        the scheduler can say what runs without ``cur``'s tokens (those it decodes are input
+        ids there, on the device), then read ``cur``'s tokens and update. ``cur``'s outputs are made while
         the next step runs; without one they may wait for the next call, as in :meth:`step`."""
         self._launched, nxt = None, None
         queued: frozenset[str] = frozenset()  # the requests of ``nxt``
@@ -552,7 +568,7 @@ class LLMEngine:
         running = frozenset(r.request_id for r in cur.out.requests)
         earlier: list[RequestOutput] = []
         try:
-            ahead = s.schedule_ahead(cur.out)
+            ahead = s.schedule_ahead(cur.out, self._may_admit)
             if ahead is not None:
                 nxt = self.runner.launch(ahead[0], cur, ahead[1])
                 queued = frozenset(r.request_id for r in nxt.out.requests)
@@ -571,11 +587,10 @@ class LLMEngine:
         if nxt is not None:
             self.runner.start_read(nxt)
             self._launched = nxt
-            self.last_step_shape = (len(queued), len(queued))
-            self.step_tokens.observe(len(queued))
-        sampled = {
-            r.request_id: [SampledToken(t)] for r, t in zip(cur.out.requests, ids, strict=True)
-        }
+            self.last_step_shape = (nxt.out.num_tokens, len(queued))
+            self.step_tokens.observe(nxt.out.num_tokens)
+        sampling = [r for r in cur.out.requests if r.samples_token]
+        sampled = {r.request_id: [SampledToken(t)] for r, t in zip(sampling, ids, strict=True)}
         updates = s.update(cur.out, sampled)
         if nxt is not None:
             s.register_ahead(nxt.out)

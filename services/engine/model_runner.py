@@ -86,11 +86,12 @@ class StepInputs:
 
 @dataclass(slots=True)
 class Launched:
-    """A decode step queued on the device whose tokens the host has not read yet (async
-    scheduling: the engine schedules and queues the next step meanwhile)."""
+    """A step queued on the device whose tokens the host has not read yet (async scheduling:
+    the engine schedules and queues the next step meanwhile)."""
 
     out: SchedulerOutput
-    tokens: torch.Tensor  # [n] each request's sampled token, on the device, in request order
+    # [S] the token of each request that samples one (in request order), on the device
+    tokens: torch.Tensor
     ticket: Ticket | None = None  # their copy to the host, once started
 
 
@@ -261,13 +262,18 @@ class ModelRunner:
     def _max_blocks(self, out: SchedulerOutput) -> int:
         return max(len(r.block_ids) for r in out.requests)
 
-    def prepare(self, out: SchedulerOutput, dev_ids: torch.Tensor | None = None) -> StepInputs:
+    def prepare(
+        self, out: SchedulerOutput, dev_ids: torch.Tensor | None = None,
+        dev_at: list[int] | None = None,
+    ) -> StepInputs:  # fmt: skip
         """The eager path's inputs: every step's ids, positions, slots, tables in two uploads.
 
         Sequences with one new token (decodes) are laid out first, the prefill chunks after
         them (see ``AttentionMetadata``); the logits rows stay in the order of ``out.requests``.
-        ``dev_ids``: a decode-only step's token ids on the device (the launched step's tokens
-        before it, see :meth:`launch`), in place of the placeholders in ``out``.
+        ``dev_ids``: token ids on the device (the launched step's tokens before it, see
+        :meth:`launch`) in place of placeholders in ``out``: a decode-only step's, in request
+        order, or with ``dev_at`` the first input id of each of those requests (indices into
+        ``out.requests``).
         """
         reqs = out.requests
         order = sorted(range(len(reqs)), key=lambda i: reqs[i].num_new_tokens != 1)  # stable
@@ -303,9 +309,12 @@ class ModelRunner:
             for j in range(r.num_spec, -1, -1)
         ]
         d64, d32 = self.staging.upload()
-        if dev_ids is not None:  # a decode-only step: laid out in request order
+        if dev_ids is not None and dev_at is None:  # a decode-only step: laid out in order
             assert nd == B == dev_ids.shape[0], "device ids are for decode-only steps"
             d64[0].copy_(dev_ids)
+        elif dev_ids is not None and dev_at is not None:
+            at = list_to_device([int(first[i]) for i in dev_at], torch.long, d64[0].device)
+            d64[0].index_copy_(0, at, dev_ids)
         meta = AttentionMetadata(
             slot_mapping=d64[2],
             block_tables=d32[3].view(B, W),
@@ -433,17 +442,18 @@ class ModelRunner:
 
     def forward_logits(
         self, out: SchedulerOutput, eager: bool = False, layers: LayerSink | None = None,
-        dev_ids: torch.Tensor | None = None,
+        dev_ids: torch.Tensor | None = None, dev_at: list[int] | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Run the step's forward; fp32 logits of its sampling requests ([S, V]) or None.
         ``eager`` (prompt logprobs to score, embeddings to pool): no CUDA graph, the hidden
         states kept. ``layers``: told each layer's KV write as the forward goes (never a graph:
-        it would not tell). ``dev_ids``: as :meth:`prepare`'s."""
+        it would not tell). ``dev_ids``, ``dev_at``: as :meth:`prepare`'s."""
         self._hidden = None
-        logits = None if eager or layers is not None else self._graph_logits(out, dev_ids)
+        graph = not eager and layers is None and dev_at is None
+        logits = self._graph_logits(out, dev_ids) if graph else None
         if logits is not None:
             return logits
-        inputs = self.prepare(out, dev_ids)
+        inputs = self.prepare(out, dev_ids, dev_at)
         self.forwards.eager += 1
         self.forwards.eager_lora += self.lora is not None and self.lora.batch.segments is not None
         peers = None
@@ -477,28 +487,42 @@ class ModelRunner:
     def launch(
         self, out: SchedulerOutput, after: Launched | None = None, rows: list[int] | None = None
     ) -> Launched:
-        """Queue a decode step (one token per request, nothing for the host in the sampling:
-        see :func:`launchable`) without reading its tokens. ``after``: the launched step whose
-        tokens are this one's input ids, ``rows[i]`` the row of request ``i`` there; they stay
-        on the device."""
+        """Queue a step (nothing for the host in its sampling: see :func:`launchable`) without
+        reading its tokens. ``after``: the launched step before it, whose sampled tokens are
+        input ids here: ``rows[i]`` is the row of ``after.tokens`` that is request ``i``'s input
+        id (a decode of the token sampled there), -1 where its ids are known (a prompt chunk,
+        a request admitted ahead). Those ids stay on the device."""
         assert self.launches_ahead
-        ids = None
-        if after is not None:
-            assert rows is not None and len(rows) == len(out.requests)
-            if rows == list(range(len(rows))):
-                ids = after.tokens[: len(rows)]
-            else:  # some requests of the step before end with it
-                index = list_to_device(rows, torch.long, after.tokens.device)
-                ids = after.tokens.index_select(0, index)
         reqs = out.requests
-        ran = self._graph_forward(out, ids)
-        if ran is not None and all(plain_greedy(r.sampling_params) for r in reqs):
-            return Launched(out, ran[1])  # the graph's own argmax
-        logits = ran[0] if ran is not None else self.forward_logits(out, dev_ids=ids)
-        assert logits is not None
-        # each row's output index: a decode samples the token after its start position
-        positions = [r.start_pos + 1 - len(r.prompt_token_ids) for r in reqs]
-        return Launched(out, sample_tokens(logits, [r.sampling_params for r in reqs], positions))
+        ids, at = None, None
+        if after is not None:
+            assert rows is not None and len(rows) == len(reqs)
+            at = [i for i, r in enumerate(rows) if r >= 0]
+            src = [rows[i] for i in at]
+            if src == list(range(len(src))):
+                ids = after.tokens[: len(src)]
+            else:  # some requests of the step before end with it, or prefill in it
+                index = list_to_device(src, torch.long, after.tokens.device)
+                ids = after.tokens.index_select(0, index)
+            if len(at) == len(reqs):
+                at = None  # every input id is one: the decode-only layout
+            elif not at:
+                ids, at = None, None
+        sampling = [r for r in reqs if r.samples_token]
+        logits = None
+        if at is None and len(sampling) == len(reqs):
+            ran = self._graph_forward(out, ids)
+            if ran is not None and all(plain_greedy(r.sampling_params) for r in reqs):
+                return Launched(out, ran[1])  # the graph's own argmax
+            logits = ran[0] if ran is not None else None
+        if logits is None:
+            logits = self.forward_logits(out, dev_ids=ids, dev_at=at)
+        if logits is None:  # a step of prompt chunks only: nothing to sample
+            return Launched(out, torch.empty(0, dtype=torch.long, device=self.device))
+        # each sampled token's output index: the token after the step's last position
+        positions = [r.start_pos + r.num_new_tokens - len(r.prompt_token_ids) for r in sampling]
+        params = [r.sampling_params for r in sampling]
+        return Launched(out, sample_tokens(logits, params, positions))
 
     def wait_idle(self) -> None:
         """Wait until the device has run everything queued (a launched step dropped unread

@@ -11,7 +11,7 @@ slots) besides the base model's: a request of another adapter waits for a later 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 
 from services.config import SchedulerConfig
@@ -295,57 +295,102 @@ class Scheduler:
         )
 
     # ---- async scheduling --------------------------------------------------------------------
-    def schedule_ahead(self, running: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
-        """The decode step after ``running`` (a decode-only step on the device, not read yet),
-        scheduled without its tokens: the same requests, one token each, whose ids are
-        ``running``'s outputs (placeholders here). Also the rows of ``running`` they come from.
-        None when only the synchronous ``schedule`` may say what runs next: requests waiting
-        for a seat, a running request not in ``running``, a request that would need the
-        sampler's host work (``min_tokens``), or blocks that are not free (no preemption here).
-        A request that ``running`` finishes by length is left out; one that it ends with a stop
-        token is in, and its token is dropped by ``update``."""
-        picked: list[tuple[Request, int]] = []
-        live = 0
-        for i, sr in enumerate(running.requests):
+    def schedule_ahead(
+        self, running: SchedulerOutput, may_admit: Callable[[Request], bool] | None = None
+    ) -> tuple[SchedulerOutput, list[int]] | None:
+        """The step after ``running`` (a step on the device, not read yet), scheduled without its
+        sampled tokens: a request ``running`` samples for decodes that token (a placeholder
+        here: its id stays on the device), one it prefills a chunk of goes on with its next
+        chunk (known tokens), and waiting requests take free seats as the full schedule would
+        (only if ``may_admit`` accepts every one waiting: what the device cannot run alone waits
+        for the full schedule). Also, per request of the new step, the row of ``running``'s
+        sampled tokens that is its input id (-1: its tokens are known here).
+        None when only the synchronous ``schedule`` may say what runs next: a running request
+        not in ``running``, one that would need the sampler's host work (``min_tokens``), drafts,
+        images in a chunk, blocks that are not free (no preemption here), or a seat that
+        ``running`` frees by length while requests wait. A request that ``running`` finishes by
+        length is left out; one that it ends with a stop token is in, and its token is dropped
+        by ``update``."""
+        decodes: list[tuple[Request, ScheduledRequest, int]] = []
+        chunks: list[tuple[Request, ScheduledRequest]] = []
+        live, row, frees_a_seat = 0, -1, False
+        for sr in running.requests:
+            row += sr.samples_token  # rows of ``running``'s sampled tokens, in request order
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted since
             live += 1
-            if req.num_computed_tokens != sr.start_pos or req.spec_token_ids:
+            if req.num_computed_tokens != sr.start_pos or req.spec_token_ids or sr.num_spec:
                 return None
             if req.hold_blocks_on_finish:  # its blocks outlive it: never under a queued step
                 return None
+            if not sr.samples_token:
+                if req.images:  # a chunk's image embeddings: the full schedule's checks
+                    return None
+                chunks.append((req, sr))
+                continue
             n_out = len(req.output_token_ids) + 1  # after ``running``
             if req.ends_by_length(n_out):
+                frees_a_seat = True
                 continue  # ends with ``running``
             if n_out < req.sampling_params.min_tokens:
                 return None  # its stop tokens are masked by the sampler
-            picked.append((req, i))
-        if not picked or live != len(self.running) or len(picked) > self.config.token_budget:
+            decodes.append((req, sr, row))
+        if live != len(self.running):
             return None
-        if self.waiting and len(picked) < self.config.max_num_seqs:
-            return None  # a seat is free, or opens with ``running``: the full schedule admits
-        for req, _ in picked:
+        admit = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        if self.waiting and not admit and frees_a_seat:
+            return None  # the seat opens with ``running``: the full schedule admits
+        if admit and (may_admit is None or not all(may_admit(r) for r in self.waiting)):
+            return None
+        budget = self.config.token_budget - len(decodes)
+        if budget < 0:
+            return None
+        out, rows = SchedulerOutput(), []
+        for req, sr, r in decodes:
             # ``running``'s token and this step's; registered in the prefix cache once known
-            if not self.kv.allocate(req, 2, register=False):
+            if not self.kv.allocate(req, sr.num_new_tokens + 1, register=False):
                 return None  # what is taken stays: the next steps need it anyway
-        out = SchedulerOutput()
-        for req, _ in picked:
-            out.requests.append(
-                ScheduledRequest(
-                    request_id=req.request_id,
-                    token_ids=[0],  # ``running``'s token: on the device
-                    start_pos=req.num_computed_tokens + 1,
-                    block_ids=self.kv.block_ids(req.request_id),
-                    sample=True,
-                    sampling_params=req.sampling_params,
-                    output_token_ids=req.output_token_ids,
-                    prompt_token_ids=req.prompt_token_ids,
-                    images=req.images,
-                    position_offset=req.position_offset,
-                )
-            )
-        return out, [i for _, i in picked]
+            out.requests.append(self._ahead(req, sr.start_pos + sr.num_new_tokens, [0], True))
+            rows.append(r)
+        for req, sr in chunks:
+            start = sr.start_pos + sr.num_new_tokens
+            n = self._num_new_tokens(req.num_tokens - start, budget)
+            if n <= 0:
+                continue  # no budget left: it waits for a later step, as in ``schedule``
+            last = start + n == req.num_tokens
+            if last and len(req.output_token_ids) < req.sampling_params.min_tokens:
+                return None
+            if not self.kv.allocate(req, sr.num_new_tokens + n, register=False):
+                return None
+            out.requests.append(self._ahead(req, start, req.token_ids(start, start + n), last))
+            rows.append(-1)
+            budget -= n
+        if admit and budget > 0:
+            admitted: list[tuple[Request, int]] = []
+            self._admit_waiting(budget, admitted, out.preempted, set())
+            for req, n in admitted:
+                out.requests.append(self._to_scheduled(req, n))
+                rows.append(-1)
+        if not out.requests:
+            return None
+        return out, rows
+
+    def _ahead(
+        self, req: Request, start: int, token_ids: list[int], sample: bool
+    ) -> ScheduledRequest:
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=token_ids,
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=sample,
+            sampling_params=req.sampling_params,
+            output_token_ids=req.output_token_ids,
+            prompt_token_ids=req.prompt_token_ids,
+            images=req.images,
+            position_offset=req.position_offset,
+        )
 
     def settle(self, in_flight: frozenset[str]) -> None:
         """The requests of the steps now queued on the device and not read: those finished
@@ -360,7 +405,8 @@ class Scheduler:
         for sr in out.requests:
             req = self.requests.get(sr.request_id)
             if req is not None and req.status is RequestStatus.RUNNING:
-                self.kv.allocate(req, 1)  # within its blocks: registers, allocates nothing
+                # within its blocks: registers, allocates nothing
+                self.kv.allocate(req, sr.num_new_tokens)
 
     # ---- update ------------------------------------------------------------------------------
     def update(

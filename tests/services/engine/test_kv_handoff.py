@@ -151,9 +151,9 @@ def test_without_a_hook_nothing_is_recorded(engine: LLMEngine) -> None:
     seen: list[object] = []
     original = engine.runner.forward_logits
 
-    def spy(out: object, eager: bool = False, layers: object = None) -> object:
+    def spy(out: object, eager: bool = False, layers: object = None, **dev: object) -> object:
         seen.append(layers)
-        return original(out, eager, layers)  # type: ignore[arg-type]
+        return original(out, eager, layers, **dev)  # type: ignore[arg-type]
 
     engine.runner.forward_logits = spy  # type: ignore[method-assign,assignment]
     try:

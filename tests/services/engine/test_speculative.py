@@ -59,10 +59,35 @@ def _ids(results: list) -> list[list[int]]:
     return [r.outputs[0].token_ids for r in results]
 
 
+def assert_same_but_near_ties(got: list, want: list, top: int, most: int = 1) -> None:
+    """The same greedy tokens, except that a sequence may part at a float32 near-tie: where it
+    first does, each side's token is in the other's top ``top`` and the two are within 1e-4 of
+    each other in both distributions (after that the texts go their own ways). At most
+    ``most`` sequences part."""
+    parted = 0
+    for x, y in zip(got, want, strict=True):
+        a, b = x.outputs[0], y.outputs[0]
+        if a.token_ids == b.token_ids:
+            continue
+        pairs = zip(a.token_ids, b.token_ids, strict=False)
+        i = next((i for i, (s, t) in enumerate(pairs) if s != t), None)
+        assert i is not None, "one stopped before the other with the same tokens"
+        la = {t.token_id: t.logprob for t in a.logprobs[i].top[:top]}
+        lb = {t.token_id: t.logprob for t in b.logprobs[i].top[:top]}
+        mine, theirs = a.token_ids[i], b.token_ids[i]
+        assert theirs in la and mine in lb, f"parted at {i} on no near-tie: {la} / {lb}"
+        assert abs(la[mine] - la[theirs]) < 1e-4 and abs(lb[mine] - lb[theirs]) < 1e-4
+        parted += 1
+    assert parted <= most, f"{parted} sequences parted"
+
+
 def test_greedy_output_equals_the_engine_without_speculation(llm: LLM, spec_llm: LLM) -> None:
-    params = SamplingParams(max_tokens=40, temperature=0)
+    """Verifying drafts computes several positions in one step, so float32 sums differ in
+    their last bits from one token a step: the same tokens but at a near-tie (one of these
+    prompts has one, 4e-6 apart, at its 33rd token on the CPU)."""
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=5)
     before = spec_llm.engine.spec_stats.num_accepted_tokens
-    assert _ids(spec_llm.generate(PROMPTS, params)) == _ids(llm.generate(PROMPTS, params))
+    assert_same_but_near_ties(spec_llm.generate(PROMPTS, params), llm.generate(PROMPTS, params), 5)
     stats = spec_llm.engine.spec_stats
     assert stats.num_accepted_tokens - before > 20  # drafts were really kept, not only proposed
     assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1]

@@ -139,3 +139,68 @@ def test_with_every_seat_kept_a_waiting_request_does_not_stop_the_step_ahead() -
     )
     sched.add(make_request("w", 4))
     assert [sr.request_id for sr in _ahead(sched, running)[0].requests] == ["a", "b"]
+
+
+def _sampled(out: SchedulerOutput, token: int = 1) -> dict[str, list[SampledToken]]:
+    return {sr.request_id: [SampledToken(token)] for sr in out.requests if sr.samples_token}
+
+
+def test_a_prompt_chunk_goes_on_with_its_next_chunk_beside_the_decodes() -> None:
+    """A 40-token prompt in 16-token chunks beside a decode: the step ahead holds the decode
+    (its input id row 0 of the running step's sampled tokens) and the prompt's next chunk
+    (known tokens); then the last chunk, which samples; the tokens are the full schedule's."""
+    sched = make_scheduler(max_num_batched_tokens=17, long_prefill_token_threshold=16)
+    _read(sched, _decoding(sched, make_request("d", 6, max_tokens=12)))
+    long = make_request("p", 40, max_tokens=4)
+    sched.add(long)
+    first = sched.schedule()  # the full schedule admits it: d's decode and p's first chunk
+    assert [(sr.request_id, sr.num_new_tokens) for sr in first.requests] == [("d", 1), ("p", 16)]
+    nxt, rows = _ahead(sched, first)
+    assert [(sr.request_id, sr.start_pos, sr.num_new_tokens, sr.sample)
+            for sr in nxt.requests] == [("d", 8, 1, True), ("p", 16, 16, False)]  # fmt: skip
+    assert rows == [0, -1] and nxt.requests[1].token_ids == long.prompt_token_ids[16:32]
+    sched.update(first, _sampled(first))
+    sched.register_ahead(nxt)
+    last, rows = _ahead(sched, nxt)
+    assert [(sr.request_id, sr.start_pos, sr.num_new_tokens, sr.sample)
+            for sr in last.requests] == [("d", 9, 1, True), ("p", 32, 8, True)]  # fmt: skip
+    assert rows == [0, -1]
+    sched.update(nxt, _sampled(nxt))
+    after, rows = _ahead(sched, last)  # both decode: p's first token is row 1
+    assert [(sr.request_id, sr.start_pos) for sr in after.requests] == [("d", 10), ("p", 40)]
+    assert rows == [0, 1]
+    sched.update(last, _sampled(last, 5))
+    assert long.num_computed_tokens == 40 and long.output_token_ids == [5]
+    sched.check_invariants()
+
+
+def test_waiting_requests_take_free_seats_ahead_only_if_each_may_be() -> None:
+    sched = make_scheduler(max_num_seqs=4)
+    running = _decoding(sched, make_request("a", 6, max_tokens=12))
+    sched.add(make_request("w1", 8))
+    sched.add(make_request("w2", 8))
+    assert sched.schedule_ahead(running, may_admit=lambda r: r.request_id != "w2") is None
+    nxt, rows = _ahead_admitting(sched, running)
+    assert [(sr.request_id, sr.num_new_tokens, sr.sample) for sr in nxt.requests] == [
+        ("a", 1, True), ("w1", 8, True), ("w2", 8, True)]  # fmt: skip
+    assert rows == [0, -1, -1] and not sched.waiting
+    _read(sched, running)
+    sched.update(nxt, _sampled(nxt))
+    assert [len(r.output_token_ids) for r in sched.running] == [3, 1, 1]
+    sched.check_invariants()
+
+
+def _ahead_admitting(
+    sched: Scheduler, running: SchedulerOutput
+) -> tuple[SchedulerOutput, list[int]]:
+    ahead = sched.schedule_ahead(running, may_admit=lambda r: True)
+    assert ahead is not None
+    return ahead
+
+
+def test_a_last_chunk_under_min_tokens_is_the_full_schedules() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=16)
+    sched.add(make_request("p", 24, max_tokens=8, min_tokens=2))
+    first = sched.schedule()
+    assert first.requests[0].num_new_tokens == 16 and not first.requests[0].sample
+    assert sched.schedule_ahead(first) is None  # its last chunk samples with EOS masked

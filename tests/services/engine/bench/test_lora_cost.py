@@ -26,7 +26,10 @@ def test_a_tiny_run_reports_both_throughputs(tmp_path: Path) -> None:
     assert lora_cost.main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["base_tok_s"] > 0 and doc["lora_tok_s"] > 0 and doc["adapters"] == 2
-    assert abs(doc["cost"] - (1 - doc["lora_tok_s"] / doc["base_tok_s"])) < 1e-3
+    # both throughputs are rounded to 0.1 tok/s and the cost to 1e-4: allow what that moves
+    base, lora = doc["base_tok_s"], doc["lora_tok_s"]
+    rounding = 0.05 / base + 0.05 * (lora + 0.05) / base / (base - 0.05) + 1e-4
+    assert abs(doc["cost"] - (1 - lora / base)) <= rounding
     # the CPU captures no graphs: every step of the measured batch ran eagerly, with adapters
     assert doc["lora_graphs"] is False and doc["lora_forwards"]["graph"] == 0
     assert doc["lora_forwards"]["eager_lora"] == doc["lora_forwards"]["eager"] > 0
