@@ -177,3 +177,34 @@ def test_prompt_chunks_and_admissions_run_launched_with_the_outputs_of_step_by_s
     monkeypatch.setattr(engine, "async_decode", False)
     one_by_one = small.generate(prompts, params)
     assert _results(ahead) == _results(one_by_one)
+
+
+def test_aborts_under_chunked_prompts_and_admissions_ahead_leave_the_pool_whole(
+    chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random aborts between steps while prompt chunks and admitted requests run launched: each
+    request ends once, nothing streams after its abort, every block is free at the end."""
+    import random
+
+    small = LLM("embedded", max_num_seqs=6, max_num_batched_tokens=40)
+    engine, rng = small.engine, random.Random(5)
+    launches = count_launches(engine, monkeypatch)
+    live: set[str] = set()
+    for i in range(16):
+        engine.add_request(f"c{i}", chat_ids[i % len(chat_ids)],
+                           SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True))  # fmt: skip
+        live.add(f"c{i}")
+    mixed = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id in live, f"{out.request_id} streamed after it ended"
+            if out.finished:
+                live.discard(out.request_id)
+        launched = engine._launched
+        mixed += launched is not None and any(r.num_new_tokens > 1 for r in launched.out.requests)
+        for rid in rng.sample(sorted(live), min(len(live), rng.randint(0, 1))):
+            assert engine.abort(rid) is not None
+            live.discard(rid)
+    assert not live and launches[0] > 5 and mixed > 2
+    assert engine.stats().free_blocks == engine.stats().total_blocks
+    engine.scheduler.check_invariants()
