@@ -560,8 +560,9 @@ class LLMEngine:
     def _advance(self, cur: Launched) -> list[RequestOutput]:
         """Finish the launched step ``cur``: first schedule and launch the step after it when
         the scheduler can say what runs without ``cur``'s tokens (those it decodes are input
-        ids there, on the device), then read ``cur``'s tokens and update. ``cur``'s outputs are made while
-        the next step runs; without one they may wait for the next call, as in :meth:`step`."""
+        ids there, on the device), then read ``cur``'s tokens and update. ``cur``'s outputs are
+        made while the next step runs; without one they may wait for the next call, as in
+        :meth:`step`."""
         self._launched, nxt = None, None
         queued: frozenset[str] = frozenset()  # the requests of ``nxt``
         s = self.scheduler
