@@ -54,16 +54,21 @@ def stack(fleet: Fleet) -> Any:
 
 def both_topologies(fleet: Fleet) -> Iterator[dict[str, Proc]]:
     """A gateway in front of the shared prefill + decode workers and one in front of the shared
-    colocated worker, for a module's fixture; killed after, the workers' pools checked free."""
+    colocated worker, for a module's fixture. After it the workers' pools must be free while the
+    gateways still run (a request that its first token ends has its reservation released in the
+    background once the prefill is done: a gateway killed first would leave that to the
+    reservation's lease), then the gateways are killed."""
     prefill, decode, worker = fleet.shared("prefill", "decode", "worker")
     disagg = fleet.gateway(prefill=[prefill], decode=[decode])
     colocated = fleet.gateway(worker=[worker])
     wait_healthy(disagg, 2)
     wait_healthy(colocated, 1)
     yield {"disagg": disagg, "colocated": colocated}
-    disagg.kill()
-    colocated.kill()
-    asyncio.run(pools_free(prefill, decode, worker))
+    try:
+        asyncio.run(pools_free(prefill, decode, worker, timeout_s=10.0))
+    finally:
+        disagg.kill()
+        colocated.kill()
 
 
 def workers(gateway: Proc) -> list[dict[str, Any]]:

@@ -40,9 +40,11 @@ def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
     for name, gateway in found.items():
         wait_healthy(gateway, 1 if "colocated" in name else 2)
     yield found
-    for gateway in found.values():
-        gateway.kill()
-    asyncio.run(pools_free(prefill, spec_decode, spec_worker, draft_worker))
+    try:  # while the gateways run: they release what their last requests held (see both_topologies)
+        asyncio.run(pools_free(prefill, spec_decode, spec_worker, draft_worker, timeout_s=10.0))
+    finally:
+        for gateway in found.values():
+            gateway.kill()
     for proc in (spec_decode, spec_worker, draft_worker):
         fleet.forget(proc)
         proc.kill()
