@@ -313,7 +313,7 @@ class ModelRunner:
             assert nd == B == dev_ids.shape[0], "device ids are for decode-only steps"
             d64[0].copy_(dev_ids)
         elif dev_ids is not None and dev_at is not None:
-            at = list_to_device([int(first[i]) for i in dev_at], torch.long, d64[0].device)
+            at = list_to_device(first[dev_at].tolist(), torch.long, d64[0].device)
             d64[0].index_copy_(0, at, dev_ids)
         meta = AttentionMetadata(
             slot_mapping=d64[2],

@@ -279,12 +279,17 @@ class Scheduler:
         if req.spec_token_ids:
             token_ids += req.spec_token_ids[:num_spec]
             req.spec_token_ids = []
+        return self._scheduled(req, start, token_ids, known == total, num_spec)
+
+    def _scheduled(
+        self, req: Request, start: int, token_ids: list[int], sample: bool, num_spec: int = 0
+    ) -> ScheduledRequest:
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=token_ids,
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=known == total,
+            sample=sample,
             sampling_params=req.sampling_params,
             output_token_ids=req.output_token_ids,
             prompt_token_ids=req.prompt_token_ids,
@@ -351,7 +356,7 @@ class Scheduler:
             # ``running``'s token and this step's; registered in the prefix cache once known
             if not self.kv.allocate(req, sr.num_new_tokens + 1, register=False):
                 return None  # what is taken stays: the next steps need it anyway
-            out.requests.append(self._ahead(req, sr.start_pos + sr.num_new_tokens, [0], True))
+            out.requests.append(self._scheduled(req, sr.start_pos + sr.num_new_tokens, [0], True))
             rows.append(r)
         for req, sr in chunks:
             start = sr.start_pos + sr.num_new_tokens
@@ -363,7 +368,7 @@ class Scheduler:
                 return None
             if not self.kv.allocate(req, sr.num_new_tokens + n, register=False):
                 return None
-            out.requests.append(self._ahead(req, start, req.token_ids(start, start + n), last))
+            out.requests.append(self._scheduled(req, start, req.token_ids(start, start + n), last))
             rows.append(-1)
             budget -= n
         if admit and budget > 0:
@@ -375,22 +380,6 @@ class Scheduler:
         if not out.requests:
             return None
         return out, rows
-
-    def _ahead(
-        self, req: Request, start: int, token_ids: list[int], sample: bool
-    ) -> ScheduledRequest:
-        return ScheduledRequest(
-            request_id=req.request_id,
-            token_ids=token_ids,
-            start_pos=start,
-            block_ids=self.kv.block_ids(req.request_id),
-            sample=sample,
-            sampling_params=req.sampling_params,
-            output_token_ids=req.output_token_ids,
-            prompt_token_ids=req.prompt_token_ids,
-            images=req.images,
-            position_offset=req.position_offset,
-        )
 
     def settle(self, in_flight: frozenset[str]) -> None:
         """The requests of the steps now queued on the device and not read: those finished

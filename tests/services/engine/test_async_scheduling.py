@@ -9,6 +9,7 @@ import pytest
 
 from protos.sampling_params import SamplingParams
 from services.engine.llm import LLM
+from services.engine.llm_engine import LLMEngine
 from tests.services.engine.conftest import count_launches
 
 
@@ -76,29 +77,32 @@ def test_a_tiny_pool_preempts_between_launched_steps(
     tiny.engine.scheduler.check_invariants()
 
 
-def test_aborts_of_requests_in_a_launched_step_free_their_blocks_once_it_is_read(
-    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Aborts land between steps while a decode step launched ahead still computes the aborted
-    requests: each ends once, nothing streams after its abort, its blocks stay held until the
-    step is read (a queued step writes them) and the pool is whole at the end."""
+def _abort_at_random(
+    engine: LLMEngine, chat_ids: list[list[int]], count: int, most: int, seed: int,
+    tokens: int,
+) -> tuple[int, int]:  # fmt: skip
+    """``count`` requests (``tokens`` + i tokens each, EOS ignored), stepped to the end with up
+    to ``most`` live ones aborted after each step: each ends once, nothing streams after its
+    abort, a request the launched step computes keeps its blocks until that step is read (a
+    queued step writes them), and the pool is whole at the end. Returns (aborts of requests in
+    a launched step, launched steps holding a prompt chunk)."""
     import random
 
-    engine, rng = llm.engine, random.Random(11)
-    launches = count_launches(engine, monkeypatch)
+    rng = random.Random(seed)
     live: set[str] = set()
-    for i in range(24):
+    for i in range(count):
         engine.add_request(f"q{i}", chat_ids[i % len(chat_ids)],
-                           SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True))  # fmt: skip
+                           SamplingParams(temperature=0, max_tokens=tokens + i, ignore_eos=True))  # fmt: skip
         live.add(f"q{i}")
-    under_launch = 0
+    under_launch = mixed = 0
     while engine.has_unfinished:
         for out in engine.step():
             assert out.request_id in live, f"{out.request_id} streamed after it ended"
             if out.finished:
                 live.discard(out.request_id)
         launched = engine._launched
-        for rid in rng.sample(sorted(live), min(len(live), rng.randint(0, 2))):
+        mixed += launched is not None and any(r.num_new_tokens > 1 for r in launched.out.requests)
+        for rid in rng.sample(sorted(live), min(len(live), rng.randint(0, most))):
             free = engine.stats().free_blocks
             ahead = launched is not None and rid in {r.request_id for r in launched.out.requests}
             out = engine.abort(rid)
@@ -107,9 +111,20 @@ def test_aborts_of_requests_in_a_launched_step_free_their_blocks_once_it_is_read
             if ahead:  # held for the queued step
                 under_launch += 1
                 assert engine.stats().free_blocks == free
-    assert not live and launches[0] > 10 and under_launch >= 3
+    assert not live
     assert engine.stats().free_blocks == engine.stats().total_blocks
     engine.scheduler.check_invariants()
+    return under_launch, mixed
+
+
+def test_aborts_of_requests_in_a_launched_step_free_their_blocks_once_it_is_read(
+    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Aborts land between steps while a decode step launched ahead still computes the aborted
+    requests (see :func:`_abort_at_random`)."""
+    launches = count_launches(llm.engine, monkeypatch)
+    under_launch, _ = _abort_at_random(llm.engine, chat_ids, 24, 2, 11, 6)
+    assert launches[0] > 10 and under_launch >= 3
 
 
 def test_an_error_between_launch_and_read_waits_for_the_device_before_freeing(
@@ -182,29 +197,9 @@ def test_prompt_chunks_and_admissions_run_launched_with_the_outputs_of_step_by_s
 def test_aborts_under_chunked_prompts_and_admissions_ahead_leave_the_pool_whole(
     chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Random aborts between steps while prompt chunks and admitted requests run launched: each
-    request ends once, nothing streams after its abort, every block is free at the end."""
-    import random
-
+    """Random aborts between steps while prompt chunks and admitted requests run launched (see
+    :func:`_abort_at_random`)."""
     small = LLM("embedded", max_num_seqs=6, max_num_batched_tokens=40)
-    engine, rng = small.engine, random.Random(5)
-    launches = count_launches(engine, monkeypatch)
-    live: set[str] = set()
-    for i in range(16):
-        engine.add_request(f"c{i}", chat_ids[i % len(chat_ids)],
-                           SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True))  # fmt: skip
-        live.add(f"c{i}")
-    mixed = 0
-    while engine.has_unfinished:
-        for out in engine.step():
-            assert out.request_id in live, f"{out.request_id} streamed after it ended"
-            if out.finished:
-                live.discard(out.request_id)
-        launched = engine._launched
-        mixed += launched is not None and any(r.num_new_tokens > 1 for r in launched.out.requests)
-        for rid in rng.sample(sorted(live), min(len(live), rng.randint(0, 1))):
-            assert engine.abort(rid) is not None
-            live.discard(rid)
-    assert not live and launches[0] > 5 and mixed > 2
-    assert engine.stats().free_blocks == engine.stats().total_blocks
-    engine.scheduler.check_invariants()
+    launches = count_launches(small.engine, monkeypatch)
+    _, mixed = _abort_at_random(small.engine, chat_ids, 16, 1, 5, 4)
+    assert launches[0] > 5 and mixed > 2
