@@ -85,6 +85,7 @@ W4_DEQUANT_CONFIG = (64, 128, 4)  # BLOCK_K, BLOCK_N, warps
 # (BLOCK_N, BLOCK_K, num_warps[, SPLIT]) for the GEMVs; (BLOCK_M, BLOCK_N, BLOCK_K, num_warps[,
 # SPLIT]) for GEMMs; SPLIT 0 or left out: enough slices of K for two programs per SM
 W4_GEMV_CONFIG = (128, 128, 4)
+W4_GEMV_PREFETCH = False  # the int4 GEMV loads the next chunk's words before this one's arithmetic
 FP8_GEMV_CONFIG = (8, 512, 4)
 GEMM_CONFIG = (32, 64, 64, 4)
 PROGRAMS_PER_SM = 2
@@ -199,7 +200,7 @@ def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl
 def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
@@ -224,11 +225,17 @@ def _w4_gemv_kernel(
     masks = (0xF << (quarter * 4))[None, :, None]  # [1, 4, 1]
     down = ((127 - 4 * quarter) << 23).to(tl.float32, bitcast=True)[None, :]  # 16^-i, exactly
     x_offs = rows[:, None] * 8 + quarter[None, :]  # [BK/8, 4]: the low halves' rows
+    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
+    # PREFETCH: the next chunk's words are loaded before this chunk's arithmetic, so each
+    # program keeps two tiles in flight (the last chunk loads itself again, from L2)
+    if PREFETCH:
+        packed = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        packed = tl.load(
-            qw_ptr + (k0 // 8 + rows)[:, None].to(tl.int64) * s_qk + offs_n[None, :],
-            mask=n_mask[None, :], other=0,
-        )  # fmt: skip
+        if PREFETCH:
+            ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
+            following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
+        else:
+            packed = tl.load(qw_tile + (k0 // 8) * s_qk, mask=n_mask[None, :], other=0)
         q_lo = _in_place(packed[:, None, :], masks)  # [BK/8, 4, BN]: q 16^i of row 8p + i
         q_hi = _in_place((packed >> 16)[:, None, :], masks)  # of row 8p + 4 + i
         g = k0 // GROUP
@@ -240,6 +247,8 @@ def _w4_gemv_kernel(
         hi = tl.sum(q_hi * (x_hi * down)[:, :, None], axis=1)
         qx = tl.sum(lo + hi, axis=0)  # [BN]
         acc += s * (qx - z * tl.sum(tl.sum(x_lo + x_hi, axis=1), axis=0))
+        if PREFETCH:
+            packed = following
     if SPLIT == 1:
         tl.store(out_ptr + m * s_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
@@ -466,8 +475,8 @@ def w4a16_linear(
         target = _target(out, split)
         _w4_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
-            GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
-            **pdl(x.device, m),
+            GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, PREFETCH=W4_GEMV_PREFETCH,
+            num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     default = W4_SMALL_GEMM_CONFIG if m <= 16 else GEMM_CONFIG

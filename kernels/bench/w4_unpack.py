@@ -15,18 +15,21 @@ other tiles (``LAUNCHES``); every output is checked against the reference first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
 import triton.language as tl
 
 GROUP = 128
-# (BLOCK_N, BLOCK_K, warps, SPLIT) of the GEMV: K split automatically (0) or not at all (1,
-# which spares the launch that sums the slices)
-LAUNCHES = [(bn, 128, w, split) for bn in (16, 32, 64, 128, 256) for w in (2, 4, 8)
-            for split in (0, 1)]  # fmt: skip
+# ((BLOCK_N, BLOCK_K, warps, SPLIT), PREFETCH) of the GEMV: K split automatically (0, about
+# two programs per SM) or into more slices, so that more programs keep weight tiles in flight
+# (an H100 run of 2026-11-25 found every launch at 25-47% of the copy bandwidth, with no split,
+# 1, far slower), and with or without loading the next chunk ahead (``W4_GEMV_PREFETCH``)
+LAUNCHES = [((bn, 128, w, split), prefetch) for bn in (64, 128, 256) for w in (2, 4, 8)
+            for split in (0, 8, 16, 32) for prefetch in (False, True)]  # fmt: skip
 
 
 @triton.jit
@@ -86,6 +89,19 @@ def convert_gemv(
     return _finish(target, out, split)
 
 
+@contextlib.contextmanager
+def _prefetch(on: bool) -> Iterator[None]:
+    """``kernels.triton_quant.W4_GEMV_PREFETCH`` set to ``on`` while launches are captured."""
+    from kernels import triton_quant
+
+    was = triton_quant.W4_GEMV_PREFETCH
+    triton_quant.W4_GEMV_PREFETCH = on
+    try:
+        yield
+    finally:
+        triton_quant.W4_GEMV_PREFETCH = was
+
+
 def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> dict:
     from kernels.bench import gemv_graph
     from kernels.quant import ref_w4a16_linear
@@ -121,11 +137,12 @@ def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> 
     trick, convert = graph_us(run(w4a16_linear)), graph_us(run(convert_gemv))
     # the default launch was chosen while the kernel was bound by its conversions: the others
     launches: dict[str, float] = {}
-    for config in LAUNCHES:
+    for config, prefetch in LAUNCHES:
         fn = functools.partial(w4a16_linear, config=config)
-        err = (fn(x, *weights[0], GROUP).float() - ref).abs().max().item() / scale
-        if err <= 2e-2:
-            launches[str(config)] = graph_us(run(fn))
+        with _prefetch(prefetch):
+            err = (fn(x, *weights[0], GROUP).float() - ref).abs().max().item() / scale
+            if err <= 2e-2:
+                launches[f"{config}{' prefetch' if prefetch else ''}"] = graph_us(run(fn))
     best = min(launches, key=lambda c: launches[c]) if launches else "default"
     best_us = launches.get(best, trick)
     print(f"{name:8s} floor {floor_us:6.1f} us  converting {convert:6.1f} us "

@@ -164,6 +164,23 @@ def test_fp8_matches_the_reference(
     assert_matches(out / scale_out, ref / scale_out)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "g"), [(1, 40, 256, 64), (2, 24, 512, 128), (1, 8, 32, 32)]
+)
+def test_w4a16_gemv_loading_ahead_matches_the_reference(
+    m: int, n: int, k: int, g: int, split: int, gen: torch.Generator, device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The GEMV with ``W4_GEMV_PREFETCH``: slices of 1 to 8 chunks (a one-chunk slice loads its
+    chunk twice), a partial last column tile."""
+    monkeypatch.setattr(triton_quant, "W4_GEMV_PREFETCH", True)
+    qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
+    x = rand((m, k), torch.bfloat16, gen, device)
+    out = w4a16_linear(x, qweight, scales, zeros, g, config=(16, 32, 2, split))
+    assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
+
+
 @pytest.mark.parametrize(
     ("m", "n", "k", "g"), [(1, 40, 256, 64), (3, 24, 512, 64), (17, 72, 256, 32), (1, 8, 32, 32)]
 )

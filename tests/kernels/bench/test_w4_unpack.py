@@ -28,7 +28,9 @@ def test_the_converting_baseline_equals_the_reference_and_the_served_gemv(
     assert_matches(baseline / k**0.5, w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
 
 
-def test_a_shape_is_timed_checked_and_reported(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_a_shape_is_timed_checked_and_reported(
+    monkeypatch: pytest.MonkeyPatch, capsys, device: torch.device
+) -> None:
     """The benchmark's own path on the CPU under the interpreter, with a call counted as 1 us:
     both kernels and every launch pass the reference check and land in the row."""
     from kernels.bench import gemv_graph, w4_unpack
@@ -41,9 +43,10 @@ def test_a_shape_is_timed_checked_and_reported(monkeypatch: pytest.MonkeyPatch, 
 
     monkeypatch.setattr(gemv_graph, "REPS", 2)
     monkeypatch.setattr(gemv_graph, "graph_us", one_us)
-    monkeypatch.setattr(w4_unpack, "LAUNCHES", [(16, 128, 2, 0), (32, 128, 4, 1)])
-    row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device="cpu")
+    launches = [((16, 128, 2, 0), False), ((32, 128, 4, 1), True)]
+    monkeypatch.setattr(w4_unpack, "LAUNCHES", launches)
+    row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device))
     assert row["bytes"] == 256 * 48 // 2 + 2 * 2 * 48 * 2
     assert (row["convert_us"], row["trick_us"]) == (1.0, 1.0)
-    assert set(row["launches_us"]) == {"(16, 128, 2, 0)", "(32, 128, 4, 1)"}
+    assert set(row["launches_us"]) == {"(16, 128, 2, 0)", "(32, 128, 4, 1) prefetch"}
     assert len(calls) == 4 and "tiny" in capsys.readouterr().out
