@@ -30,10 +30,10 @@ batches excepted, below).
   row and its scale, where torch needs five passes over the activation (abs, amax, product,
   clamp, cast).
 
-- **Unpacking int4** without an integer-to-float conversion (16 a clock per SM on Hopper, an
-  eighth of the fp32 rate: at eight per 4 bytes of weight it alone caps an int4 GEMV near 2 TB/s
-  on an H100): a nibble is OR-ed into the mantissa of 2^23 and 2^23 subtracted
-  (:func:`_nibbles`, :func:`_in_place`), exact.
+- **Unpacking int4** for the GEMM and the dequantization without an integer-to-float
+  conversion (16 a clock per SM on Hopper, an eighth of the fp32 rate): a nibble is OR-ed into
+  the mantissa of 2^23 and 2^23 subtracted (:func:`_nibbles`), exact. The GEMV keeps the
+  conversion: the trick measured slower there (``kernels.bench.w4_unpack``).
 
 A chunk of K never straddles a scale group: ``BLOCK_K`` divides the int4 group size and the fp8
 ``block_k`` (or the whole row, for per-channel scales).
@@ -74,12 +74,12 @@ W4_GEMV_ROWS = 2
 W4_SMALL_GEMM_CONFIG = (16, 64, 128, 4)  # int4 GEMMs of up to 16 rows (the same sweep's best)
 # int4 above this many rows: the weight is dequantized to x's dtype (in slices of at most
 # W4_DEQUANT_SLICE_BYTES) and multiplied by cuBLAS. The GEMM unpacks each weight tile once per
-# BLOCK_M rows of x (~4 integer and float instructions per element on CUDA cores), so its
-# unpacking grows with M while a dequantized copy costs ~4.5 bytes of traffic per element once:
-# by that count they cross near 128 rows on an H100, and an 8192-token prefill chunk would spend
-# ~6x its tensor-core time unpacking (vLLM's AWQ takes the same dequantize-then-GEMM route for
-# long batches)
-W4_DEQUANT_ROWS = 128
+# BLOCK_M rows of x on CUDA cores, so its unpacking grows with M while a dequantized copy costs
+# ~4.5 bytes of traffic per element once. One H100, the four Llama-3.1-8B projections together
+# (kernels.bench.quant --w4-rows, 2026-11-25): at 64 rows the GEMM 375 us, dequantize-then-matmul
+# 392; at 128 rows 589 against 408; at 2048 rows 8205 against 1435 (vLLM's AWQ takes the same
+# dequantize-then-GEMM route for long batches)
+W4_DEQUANT_ROWS = 64
 W4_DEQUANT_SLICE_BYTES = 256 << 20
 W4_DEQUANT_CONFIG = (64, 128, 4)  # BLOCK_K, BLOCK_N, warps
 # (BLOCK_N, BLOCK_K, num_warps[, SPLIT]) for the GEMVs; (BLOCK_M, BLOCK_N, BLOCK_K, num_warps[,
@@ -175,15 +175,6 @@ def _nibbles(packed, shifts):
 
 
 @triton.jit
-def _in_place(word, masks):
-    """``word & masks`` (each mask one nibble, 0xF << 4i, of the low 16 bits) as exact float32
-    q 16^i, by the same mantissa trick as :func:`_nibbles` without its shift: q 16^i < 2^16
-    fits the mantissa of 2^23."""
-    bits = (word & masks) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows k0 .. k0 + BLOCK_K of the int4 weight, ``[BLOCK_K, BLOCK_N]`` float32 in 0..15:
     each int32 is loaded once and split into its eight rows in registers."""
@@ -214,17 +205,14 @@ def _w4_gemv_kernel(
     k_hi = tl.minimum(k_lo + K_PER, K)
     # K is a multiple of GROUP, GROUP of BLOCK_K, K_PER of BLOCK_K: no masks along K, and one
     # scale and zero per chunk: sum (q - z) s x = s (sum q x - z sum x)
-    # Each int32 holds rows 8p .. 8p + 7 of a column: the low half's four nibbles (rows 8p + i)
-    # and, after one shift of the word, the high half's (rows 8p + 4 + i) are masked in place,
-    # so nibble i of a half is q 16^i, made float as in _nibbles (one LOP3 and one add each, no
-    # per-element shift) and multiplied by x 16^-i (exact: powers of two), which is q x. The
-    # tiles stay [BK/8, 4, BN] and x is read in the same shape: no reshape, which would move
-    # the tile through shared memory.
+    # the packed rows stay [BK/8, 8, BN] (row 8p + i at [p, i]) and x is read in the same shape:
+    # no reshape, which would move the tile through shared memory. The nibbles are converted
+    # with .to: the 2^23 mantissa trick of _nibbles (no integer-to-float conversion) measured
+    # slower here on an H100 (kernels.bench.w4_unpack, 2026-11-25: 58-68 against 47 us for the
+    # 8B gate_up projection)
     rows = tl.arange(0, BLOCK_K // 8)
-    quarter = tl.arange(0, 4)
-    masks = (0xF << (quarter * 4))[None, :, None]  # [1, 4, 1]
-    down = ((127 - 4 * quarter) << 23).to(tl.float32, bitcast=True)[None, :]  # 16^-i, exactly
-    x_offs = rows[:, None] * 8 + quarter[None, :]  # [BK/8, 4]: the low halves' rows
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    x_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BK/8, 8]
     qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
     # PREFETCH: the next chunk's words are loaded before this chunk's arithmetic, so each
     # program keeps two tiles in flight (the last chunk loads itself again, from L2)
@@ -236,17 +224,13 @@ def _w4_gemv_kernel(
             following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
         else:
             packed = tl.load(qw_tile + (k0 // 8) * s_qk, mask=n_mask[None, :], other=0)
-        q_lo = _in_place(packed[:, None, :], masks)  # [BK/8, 4, BN]: q 16^i of row 8p + i
-        q_hi = _in_place((packed >> 16)[:, None, :], masks)  # of row 8p + 4 + i
+        q = ((packed[:, None, :] >> shifts) & 0xF).to(tl.float32)  # [BK/8, 8, BN]
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        x_lo = tl.load(x_ptr + m * s_xm + k0 + x_offs).to(tl.float32)  # [BK/8, 4]
-        x_hi = tl.load(x_ptr + m * s_xm + k0 + 4 + x_offs).to(tl.float32)
-        lo = tl.sum(q_lo * (x_lo * down)[:, :, None], axis=1)  # [BK/8, BN]
-        hi = tl.sum(q_hi * (x_hi * down)[:, :, None], axis=1)
-        qx = tl.sum(lo + hi, axis=0)  # [BN]
-        acc += s * (qx - z * tl.sum(tl.sum(x_lo + x_hi, axis=1), axis=0))
+        xv = tl.load(x_ptr + m * s_xm + k0 + x_offs).to(tl.float32)  # [BK/8, 8]
+        qx = tl.sum(tl.sum(q * xv[:, :, None], axis=1), axis=0)  # [BN]
+        acc += s * (qx - z * tl.sum(tl.sum(xv, axis=1), axis=0))
         if PREFETCH:
             packed = following
     if SPLIT == 1:
