@@ -84,7 +84,10 @@ W4_DEQUANT_SLICE_BYTES = 256 << 20
 W4_DEQUANT_CONFIG = (64, 128, 4)  # BLOCK_K, BLOCK_N, warps
 # (BLOCK_N, BLOCK_K, num_warps[, SPLIT]) for the GEMVs; (BLOCK_M, BLOCK_N, BLOCK_K, num_warps[,
 # SPLIT]) for GEMMs; SPLIT 0 or left out: enough slices of K for two programs per SM
-W4_GEMV_CONFIG = (128, 128, 4)
+# int4: 16 slices of K, many more programs than two per SM: on one H100 (kernels.bench.w4_unpack,
+# 2026-11-25) the four 8B projections took 83.5 us per layer against 89.1 at (128, 128, 4) and
+# the automatic split, the best of 36 launches; loading the next chunk ahead gained nothing
+W4_GEMV_CONFIG = (64, 128, 2, 16)
 W4_GEMV_PREFETCH = False  # the int4 GEMV loads the next chunk's words before this one's arithmetic
 FP8_GEMV_CONFIG = (8, 512, 4)
 GEMM_CONFIG = (32, 64, 64, 4)

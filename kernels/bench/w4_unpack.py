@@ -91,14 +91,14 @@ def trick_gemv(
 ) -> torch.Tensor:  # fmt: skip
     """``w4a16_linear`` for 1 or 2 rows of x through the mantissa-trick kernel, at the default
     launch."""
-    from kernels.triton_quant import W4_GEMV_CONFIG, _finish, _split, _target
+    from kernels.triton_quant import W4_GEMV_CONFIG, _finish, _split, _target, _with_split
 
     m, k = x.shape
     n = qweight.shape[1]
-    bn, bk, warps = W4_GEMV_CONFIG
+    bn, bk, warps, asked = _with_split(W4_GEMV_CONFIG, 3)
     bk = min(bk, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split, per = _split(0, triton.cdiv(n, bn) * m, k // bk, x.device)
+    split, per = _split(asked, triton.cdiv(n, bn) * m, k // bk, x.device)
     target = _target(out, split)
     _w4_gemv_trick_kernel[(triton.cdiv(n, bn) * m, split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, x.stride(0), qweight.stride(0),
