@@ -1,11 +1,15 @@
-"""Where a decode step's GPU time goes: the kernels of one step, by total time.
+"""Where a step's GPU time goes: the kernels of one step, by total time.
 
     python -m services.engine.bench.profile_step --model llama-3.1-8b --batch 1 --context 1024
+    python -m services.engine.bench.profile_step --model llama-3.1-8b --batch 8 --context 1024 \
+        --prefill
 
 Runs one eager decode forward (+ logits) of ``--batch`` sequences at ``--context`` tokens under
 the torch profiler and prints each kernel's count, total and mean time, then the sum of kernel
 time against the CUDA-graph replay time of the same step: what the graph spends beyond the
-kernels themselves is launch gaps and tails between dependent kernels.
+kernels themselves is launch gaps and tails between dependent kernels. With ``--prefill`` the
+step is ``--batch`` whole prompts of ``--context`` tokens (nothing cached, as W1's prefill steps),
+timed as it runs (prefill takes no graph).
 """
 
 from __future__ import annotations
@@ -54,6 +58,30 @@ def decode_step(engine: LLMEngine, batch: int, context: int) -> SchedulerOutput:
     return out
 
 
+def prefill_step(engine: LLMEngine, batch: int, context: int) -> SchedulerOutput:
+    """A synthetic prefill step: ``batch`` prompts of ``context`` tokens, nothing cached, each
+    sampling its first token."""
+    bs = engine.runner.block_size
+    nblk = blocks_for(context + 1, bs)
+    if batch * nblk > engine.runner.num_blocks:
+        raise SystemExit(
+            f"{batch} x {context} tokens do not fit in {engine.runner.num_blocks} blocks"
+        )
+    gen = torch.Generator().manual_seed(0)
+    out = SchedulerOutput()
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for b in range(batch):
+        tokens = torch.randint(0, engine.vocab_size, (context,), generator=gen).tolist()
+        out.requests.append(
+            ScheduledRequest(
+                request_id=f"p{b}", token_ids=tokens, start_pos=0,
+                block_ids=list(range(b * nblk, (b + 1) * nblk)), sample=True,
+                sampling_params=params, output_token_ids=[], prompt_token_ids=tokens,
+            )
+        )  # fmt: skip
+    return out
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -62,16 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--prefill", action="store_true", help="whole prompts instead of decodes")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_step needs a CUDA GPU")
     engine = LLMEngine(
         build_config(args.model, load_format="dummy", max_model_len=args.max_model_len,
-                     max_num_seqs=max(args.batch, 1))
+                     max_num_seqs=max(args.batch, 1),
+                     max_num_batched_tokens=max(8192, args.batch * args.context))
     )  # fmt: skip
     runner = engine.runner
-    step = decode_step(engine, args.batch, args.context)
+    make = prefill_step if args.prefill else decode_step
+    step = make(engine, args.batch, args.context)
     for _ in range(3):
         runner.forward_logits(step)  # graph path (warm)
     torch.cuda.synchronize()
@@ -107,14 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['total_ms']:8.3f} ms {r['count']:5d} x {r['mean_us']:8.2f} us  {r['kernel'][:90]}"
         )
+    kind = "prefill" if args.prefill else "batch"
     print(
-        f"batch {args.batch} context {args.context}: {launches} kernels, {busy:.3f} ms busy; "
-        f"graph replay {graph_ms:.3f} ms (gaps {graph_ms - busy:.3f} ms)",
+        f"{kind} {args.batch} context {args.context}: {launches} kernels, {busy:.3f} ms busy; "
+        f"{'step' if args.prefill else 'graph replay'} {graph_ms:.3f} ms "
+        f"(gaps {graph_ms - busy:.3f} ms)",
         flush=True,
     )
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"batch": args.batch, "context": args.context, "graph_ms": graph_ms,
+            json.dump({"batch": args.batch, "context": args.context, "prefill": args.prefill,
+                       "graph_ms": graph_ms,
                        "kernel_busy_ms": busy, "kernels": rows}, fh, indent=1)  # fmt: skip
     return 0
 
