@@ -11,6 +11,7 @@ between runs. ``--check`` runs a correctness pass against the torch references i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -49,6 +50,44 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def matmul_flops() -> float:
+    """FLOP/s of an 8192^3 bf16 matrix product on random data (zeros run faster)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    return 2 * 8192**3 / median_ms(lambda: a @ b) * 1e3
+
+
+# The two ceilings as measured on these GPUs in this workplace (targets.md and the lent-GPU notes:
+# a 1 GiB device-to-device copy counting bytes read and written; an 8192^3 bf16 product on random
+# data). The H200 has the H100's tensor cores and 1.43x its copy bandwidth, so a floor computed
+# with the H100's bandwidth on an H200 is too high and its "fraction of floor" above 1.
+KNOWN_CEILINGS: dict[str, tuple[float, float]] = {
+    "NVIDIA H100 80GB HBM3": (3.0e12, 780e12),
+    "NVIDIA H200": (4.3e12, 788e12),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """What a floor is computed against: bytes/s of a device-to-device copy and bf16 FLOP/s."""
+
+    device: str
+    copy_bytes_per_s: float
+    bf16_flops_per_s: float
+    measured_now: bool  # False: KNOWN_CEILINGS' figures for this device
+
+
+@functools.cache
+def device_ceilings() -> Ceilings:
+    """The current GPU's ceilings: the known figures for a GPU in :data:`KNOWN_CEILINGS`, else
+    measured now (about a second, ~1.4 GB of device memory)."""
+    name = torch.cuda.get_device_name()
+    known = KNOWN_CEILINGS.get(name)
+    if known is not None:
+        return Ceilings(name, *known, measured_now=False)
+    return Ceilings(name, copy_bandwidth() * 1e9, matmul_flops(), measured_now=True)
 
 
 def graph_ms(fn: Callable[[], object]) -> float:

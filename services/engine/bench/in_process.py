@@ -7,12 +7,14 @@ GPU. ``hf_twin`` (a transformers model on our very weight tensors) serves the GP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any
 
 import torch
 
+from kernels.bench.roofline import Ceilings, device_ceilings
 from protos.errors import ConfigError
 from protos.multimodal import ImageItem
 from protos.sampling_params import SamplingParams
@@ -123,10 +125,15 @@ def hf_twin(engine: LLMEngine) -> Any:
     return hf.eval()
 
 
-def floor_seconds(engine: LLMEngine, n: int, inp: int, out: int) -> float | None:
-    """Napkin floor on an H100 (targets.md): prefill FLOPs at 780 TFLOP/s + decode bytes at 3 TB/s."""
+def floor_seconds(
+    engine: LLMEngine, n: int, inp: int, out: int, ceilings: Ceilings | None = None
+) -> float | None:
+    """Napkin floor (targets.md): prefill FLOPs at the GPU's bf16 matmul rate + decode bytes at
+    its copy bandwidth (``ceilings``, by default :func:`device_ceilings`: 780 TFLOP/s and 3 TB/s
+    on an H100); None off a GPU."""
     if engine.runner.device.type != "cuda":
         return None
+    c = ceilings or device_ceilings()
     a = engine.runner.arch
     params = sum(p.numel() for p in engine.runner.model.parameters()) - a.vocab_size * a.hidden_size
     active = params  # a token's FLOPs; a decode step still reads every expert some token picked
@@ -135,8 +142,8 @@ def floor_seconds(engine: LLMEngine, n: int, inp: int, out: int) -> float | None
         active -= len(a.moe.layers) * (a.moe.num_experts - a.moe.top_k) * expert
     flops = 2 * active * n * inp + 4 * a.num_layers * a.num_heads * a.head_dim * n * inp * inp / 2
     kv_tok = a.kv_bytes_per_token(2)
-    decode = sum((2 * params + n * kv_tok * (inp + s)) / 3.0e12 for s in range(out - 1))
-    return flops / 780e12 + decode
+    decode = sum((2 * params + n * kv_tok * (inp + s)) for s in range(out - 1))
+    return flops / c.bf16_flops_per_s + decode / c.copy_bytes_per_s
 
 
 def main_offline(args: argparse.Namespace) -> int:
@@ -177,6 +184,7 @@ def main_offline(args: argparse.Namespace) -> int:
     floor = floor_seconds(engine, args.num_prompts, mean_prompt, args.output_len)
     if floor:
         res["floor_seconds"], res["fraction_of_floor"] = floor, floor / secs
+        res["ceilings"] = dataclasses.asdict(device_ceilings())
     prof = res["tandem"]["steps"]
     print(f"tandem: {secs:.2f} s, {total / secs:,.0f} total tok/s; "
           f"{prof['prefill_or_mixed']['steps']} prefill/mixed steps "
@@ -207,6 +215,7 @@ def main_latency(args: argparse.Namespace) -> int:
     a = engine.runner.arch
     weight_bytes = _weight_bytes(engine.runner.model)
     weight_bytes -= a.vocab_size * a.hidden_size * engine.runner.model.lm_head.weight.element_size()
+    ceilings = device_ceilings() if engine.runner.device.type == "cuda" else None
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)
         # every request must still be running while the measured steps run: the early ones keep
@@ -251,7 +260,7 @@ def main_latency(args: argparse.Namespace) -> int:
         graph_ms = _graph_replay_ms(engine, bs)
         context = sum(contexts) / len(contexts)
         kv = bs * a.kv_bytes_per_token(engine.runner.model.lm_head.weight.element_size()) * context
-        floor = (weight_bytes + kv) / 3.0e12 if engine.runner.device.type == "cuda" else None
+        floor = (weight_bytes + kv) / ceilings.copy_bytes_per_s if ceilings else None
         rows.append({"batch": bs, "context": args.input_len, "mean_context": context,
                      "steps": len(times), "step_ms": med * 1e3, "graph_replay_ms": graph_ms,
                      "preemptions": engine.scheduler.num_preemptions,
@@ -264,7 +273,10 @@ def main_latency(args: argparse.Namespace) -> int:
             + f"  ({len(contexts)} steps at batch {bs}, mean context {context:.0f})",
             flush=True,
         )
-    _emit({"model": args.model, "device": str(engine.runner.device), "rows": rows}, args.json_out)
+    res: dict[str, Any] = {"model": args.model, "device": str(engine.runner.device), "rows": rows}
+    if ceilings:
+        res["ceilings"] = dataclasses.asdict(ceilings)
+    _emit(res, args.json_out)
     return 0
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 
-from services.engine.bench.in_process import _weight_bytes
+from kernels.bench.roofline import KNOWN_CEILINGS, Ceilings
+from services.engine.bench.in_process import _weight_bytes, floor_seconds
 
 
 class _Packed(torch.nn.Module):
@@ -23,6 +27,44 @@ def test_buffers_of_packed_layers_count_and_the_rotary_table_does_not() -> None:
     model.proj = _Packed()
     model.register_buffer("cos_sin", torch.zeros(100, 64))  # not weights
     assert _weight_bytes(model) == 256 + 256 + 32
+
+
+def _engine_8b() -> Any:
+    """What floor_seconds reads of an engine serving the Llama-3.1-8B shape on a GPU."""
+    arch = SimpleNamespace(
+        vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, head_dim=128, moe=None,
+        kv_bytes_per_token=lambda size: 2 * 32 * 8 * 128 * size,
+    )  # fmt: skip
+    weights = [torch.empty(8_030_261_248, device="meta")]  # the 8B model's parameter count
+    model = SimpleNamespace(parameters=lambda: iter(weights))
+    return SimpleNamespace(
+        runner=SimpleNamespace(device=torch.device("cuda"), arch=arch, model=model)
+    )
+
+
+def test_w1_floor_follows_the_gpu() -> None:
+    """W1's floor on an H100 is the 7.31 s its runs reported (targets.md's napkin math); on an
+    H200 the decode part, bytes, shrinks by its copy bandwidth and the prefill part stays."""
+    engine = _engine_8b()
+    h100 = Ceilings("H100", *KNOWN_CEILINGS["NVIDIA H100 80GB HBM3"], measured_now=False)
+    h200 = Ceilings("H200", *KNOWN_CEILINGS["NVIDIA H200"], measured_now=False)
+    on_h100 = floor_seconds(engine, 256, 1024, 128, h100)
+    assert on_h100 == pytest.approx(7.3142, abs=1e-3)
+    bytes_only = Ceilings("x", 1.0, float("inf"), measured_now=False)
+    flops_only = Ceilings("x", float("inf"), 1.0, measured_now=False)
+    decode_bytes = floor_seconds(engine, 256, 1024, 128, bytes_only)
+    prefill_flops = floor_seconds(engine, 256, 1024, 128, flops_only)
+    assert decode_bytes is not None and prefill_flops is not None
+    assert floor_seconds(engine, 256, 1024, 128, h200) == pytest.approx(
+        prefill_flops / 788e12 + decode_bytes / 4.3e12
+    )
+    assert prefill_flops / 780e12 > 4.5  # the prefill is most of it (targets.md: ~4.8 s)
+
+
+def test_no_floor_off_a_gpu() -> None:
+    engine = _engine_8b()
+    engine.runner.device = torch.device("cpu")
+    assert floor_seconds(engine, 1, 8, 8) is None
 
 
 def test_offline_with_images_runs_a_tiny_vl_model_with_dummy_weights(tmp_path) -> None:
