@@ -171,7 +171,9 @@ class LLMEngine:
         self.detokenize = files.kind != "named"
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.last_step_shape = (0, 0)  # (tokens, sequences) of the last step (benchmarks)
+        # (tokens, sequences) of the step whose tokens the last call read (benchmarks time a
+        # call as that step's: under async scheduling it returns once that step is done)
+        self.last_step_shape = (0, 0)
         self.step_tokens = TokenHistogram()  # tokens computed per step that ran (not idle ones)
         # a prefill worker streaming KV out as it is written (services.engine.kv_handoff)
         self.on_final_chunks: FinalChunkHook | None = None
@@ -588,8 +590,8 @@ class LLMEngine:
         if nxt is not None:
             self.runner.start_read(nxt)
             self._launched = nxt
-            self.last_step_shape = (nxt.out.num_tokens, len(queued))
             self.step_tokens.observe(nxt.out.num_tokens)
+        self.last_step_shape = (cur.out.num_tokens, len(cur.out.requests))
         sampling = [r for r in cur.out.requests if r.samples_token]
         sampled = {r.request_id: [SampledToken(t)] for r, t in zip(sampling, ids, strict=True)}
         updates = s.update(cur.out, sampled)

@@ -203,3 +203,32 @@ def test_aborts_under_chunked_prompts_and_admissions_ahead_leave_the_pool_whole(
     launches = count_launches(small.engine, monkeypatch)
     _, mixed = _abort_at_random(small.engine, chat_ids, 16, 1, 5, 4)
     assert launches[0] > 5 and mixed > 2
+
+
+def test_each_call_reports_the_shape_of_the_step_it_read(
+    chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Benchmarks time a ``step()`` call as the step whose tokens it read (``last_step_shape``).
+    Under async scheduling a call returns once the step launched before it is done, so the shapes
+    call by call are step-by-step scheduling's: prompt chunks, then decodes (they used to be the
+    shapes of the step launched behind it, one step late: W1 counted a prefill step as a decode)."""
+    small = LLM("embedded", max_num_seqs=6, max_num_batched_tokens=40, enable_prefix_caching=False)
+    engine = small.engine
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    def shapes(tag: str) -> list[tuple[int, int]]:
+        for i, ids in enumerate(chat_ids[:8]):
+            engine.add_request(f"{tag}-{i}", ids, params)
+        seen = []
+        while engine.has_unfinished:
+            engine.step()
+            seen.append(engine.last_step_shape)
+        return seen
+
+    launches = count_launches(engine, monkeypatch)
+    ahead = shapes("ahead")
+    assert launches[0] > 5
+    monkeypatch.setattr(engine, "async_decode", False)
+    one_by_one = shapes("one-by-one")
+    assert ahead == one_by_one
+    assert sum(tokens > seqs for tokens, seqs in one_by_one) >= 3  # prompt chunks were in it
