@@ -6,7 +6,9 @@
 Two processes (sender on GPU0, receiver on GPU1) hold Llama-3.1-8B-shaped caches (32 layers,
 8 KV heads, head_dim 128, bf16, block size 16). "e2e" is one ``KvSender.send`` of a KV already
 computed: gather the blocks, header, send, receiver scatters + synchronizes, acknowledgement;
-one row per pipeline chunk size. "ttft" simulates the prefill that writes the KV
+one row per pipeline chunk size. Its "landed" column is the hand-off as the decode side sees it:
+from ``send()`` called to the receiver resolving the transfer (every block written), without the
+acknowledgement's way back to the sender. "ttft" simulates the prefill that writes the KV
 (:mod:`kvtransfer.bench.sim_prefill`, Llama-3.1-8B layer compute over N tokens on GPU0) and times
 (a) the prefill alone, (b) the prefill then the transfer, (c) the two overlapped layer by layer
 (``send(..., ready=LayerReady)`` while the prefill runs on another thread); added TTFT = (b)-(a)
@@ -193,10 +195,14 @@ class Child:
             results = [self.handles.pop(tid).wait(IO_S) for tid in args[0]]
             return [(r.error if not r.ok else "", r.seconds, r.finished) if r
                     else ("no result", 0.0, 0.0) for r in results]  # fmt: skip
-        if op == "send":
+        if op == "send":  # per transfer: its seconds to the ack, and when send() was called
             endpoint, tids, ids, chunk = args
             sender = self._sender(SenderOptions(timeout_s=IO_S, chunk_bytes=chunk))
-            return [sender.send(endpoint, tid, ids).seconds for tid in tids]
+            out = []
+            for tid in tids:
+                called = time.monotonic()
+                out.append((sender.send(endpoint, tid, ids).seconds, called))
+            return out
         if op == "ttft":
             return self.ttft(*args)
         if op == "digest":
@@ -455,15 +461,19 @@ def bench_e2e(pair: Pair, name: str, tokens: int, args: argparse.Namespace, chun
     tids = _tids(f"e2e-{tokens}", args.warmup + args.iters)
     pair.call("receiver", "expect", tids, dst)
     _timeline(pair, "", 0)  # forget what came before
-    seconds = pair.call("sender", "send", pair.endpoint, tids, src, int(chunk_mb * 2**20))
+    sent = pair.call("sender", "send", pair.endpoint, tids, src, int(chunk_mb * 2**20))
     waited = pair.call("receiver", "wait", tids)
     errors = [e for e, _, _ in waited if e]
     ok = not errors and _exact(pair, src, dst)
     # the receiver's part: from its header to its ack (the rest is the round trip around it)
     rx_ms = statistics.median(s for _, s, _ in waited[args.warmup :]) * 1e3
+    # the hand-off as the decode side sees it: from send() called to the receiver resolving the
+    # transfer (all KV in its blocks; one clock on one host), without the ack's way back
+    landed = [w[2] - s[1] for s, w in zip(sent, waited, strict=True)][args.warmup :]
     title = f"{name} e2e, {tokens} tokens"
-    row = _row(f"{name} e2e {chunk_mb:g}MB", tokens, seconds[args.warmup :], ok=ok,
-               receiver_ms=rx_ms, **_timeline(pair, title, args.warmup))  # fmt: skip
+    row = _row(f"{name} e2e {chunk_mb:g}MB", tokens, [s for s, _ in sent[args.warmup :]],
+               ok=ok, receiver_ms=rx_ms, landed_ms=statistics.median(landed) * 1e3,
+               **_timeline(pair, title, args.warmup))  # fmt: skip
     return {**row, "errors": errors[:3]} if errors else row
 
 
@@ -566,12 +576,15 @@ def _nccl_version() -> str:
 
 
 def print_tables(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'path':<32}{'tokens':>7}{'MB':>9}{'median ms':>11}{'p90 ms':>9}{'GB/s':>9}  ok")
+    print("\ne2e: to the sender's ack; landed: from send() to the decode side having the KV")
+    print(f"{'path':<32}{'tokens':>7}{'MB':>9}{'median ms':>11}{'p90 ms':>9}{'GB/s':>9}"
+          f"{'landed':>9}  ok")  # fmt: skip
     for r in rows:
         if r["path"] != "ttft":
+            landed = f"{r['landed_ms']:>9.3f}" if "landed_ms" in r else f"{'':>9}"
             print(
                 f"{r['path']:<32}{r['tokens']:>7}{r['bytes'] / 1e6:>9.1f}{r['median_ms']:>11.3f}"
-                f"{r['p90_ms']:>9.3f}{r['gbps']:>9.1f}  {r.get('ok', '')}"
+                f"{r['p90_ms']:>9.3f}{r['gbps']:>9.1f}{landed}  {r.get('ok', '')}"
             )
     ttft = [r for r in rows if r["path"] == "ttft"]
     if ttft:
