@@ -3,6 +3,8 @@
     python -m services.engine.bench.profile_step --model llama-3.1-8b --batch 1 --context 1024
     python -m services.engine.bench.profile_step --model llama-3.1-8b --batch 8 --context 1024 \
         --prefill
+    python -m services.engine.bench.profile_step --batch 224 --context 1100 --max-model-len 1200 \
+        --quantization fp8 --kv-cache-dtype fp8
 
 Runs one eager decode forward (+ logits) of ``--batch`` sequences at ``--context`` tokens under
 the torch profiler and prints each kernel's count, total and mean time, then the sum of kernel
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--prefill", action="store_true", help="whole prompts instead of decodes")
+    p.add_argument("--quantization", choices=("fp8", "awq", "gptq"), default=None,
+                   help="quantized weights (dummy, as tandem bench latency makes them)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -98,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(
         build_config(args.model, load_format="dummy", max_model_len=args.max_model_len,
                      max_num_seqs=max(args.batch, 1),
-                     max_num_batched_tokens=max(8192, args.batch * args.context))
+                     max_num_batched_tokens=max(8192, args.batch * args.context),
+                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     )  # fmt: skip
     runner = engine.runner
     make = prefill_step if args.prefill else decode_step
