@@ -93,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--prefill", action="store_true", help="whole prompts instead of decodes")
-    p.add_argument("--quantization", choices=("fp8", "awq", "gptq"), default=None,
-                   help="quantized weights (dummy, as tandem bench latency makes them)")
+    p.add_argument(
+        "--quantization",
+        choices=("fp8", "awq", "gptq"),
+        default=None,
+        help="quantized weights (dummy, as tandem bench latency makes them)",
+    )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
