@@ -1,16 +1,18 @@
 """A worker's KV pool shared with another process on the same GPU through CUDA IPC.
 
-The sender exports its per-layer caches once per pair (:func:`export_pool`: one descriptor per
-layer, plain JSON-able data: the allocation's IPC handle, where the layer starts in it, and the
-producer's reference counter); the receiver opens them (:func:`open_pool`) into tensors of its
-own process that alias the sender's memory, and copies blocks straight out of them with one
-block-to-block kernel per range of layers. No byte goes through host memory or a process group.
+The receiver (decode side) exports its per-layer caches once per pair (:func:`export_pool`: one
+descriptor per layer, plain JSON-able data: the allocation's IPC handle, where the layer starts
+in it, and the owner's reference counter); the sender opens them (:func:`open_pool`) into tensors
+of its own process that alias the receiver's memory, and copies its blocks straight into the
+reserved ones with one block-to-block kernel per range of layers, after an interprocess event
+(:func:`share_event`, :func:`open_event`) the receiver polls to know they have run. No byte goes
+through host memory or a process group.
 
-What the sender shares is its whole pool: only a receiver that proved the internal token (when
-one is set) gets it, and CUDA IPC works only between processes on the same machine and GPU. The
-sender keeps its caches for its lifetime, so the memory never goes away under an open pool; the
-receiver drops its tensors when the pair ends (torch's IPC reference counter then lets the
-sender's allocator reuse it).
+What the receiver shares is its whole pool: only a sender whose hello proved the internal token
+(when one is set) gets it, and CUDA IPC works only between processes on the same machine and
+GPU. The receiver keeps its caches for its lifetime, so the memory never goes away under an open
+pool; the sender drops its tensors when the pair ends (torch's IPC reference counter then lets
+the receiver's allocator reuse it).
 """
 
 from __future__ import annotations
