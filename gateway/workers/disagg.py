@@ -192,7 +192,7 @@ class _Run:
                 f"way to it ({decode.last_error})",
                 code="worker_unavailable",
             ),
-            retryable=False,
+            retryable=True,  # on another decode worker, if no token reached the client yet
             worker_down=True,
             address=decode.address,
         )

@@ -1,5 +1,6 @@
-"""Picks the flow (disaggregated or colocated) and the workers, and retries a request once on
-another prefill (or colocated) worker when it failed before its first token."""
+"""Picks the flow (disaggregated or colocated) and the workers, and retries a request once when
+it failed before its first token: on another prefill (or colocated) worker when that one failed,
+on another decode worker when the one holding (or asked for) its KV went away."""
 
 from __future__ import annotations
 
@@ -40,8 +41,13 @@ class Dispatcher:
             counts.append(f"{len(reg.healthy(role))} of {total} {role}")
         return "no healthy worker can serve requests (" + ", ".join(counts) + " workers healthy)"
 
-    def _decode_workers(self, lora: str) -> list[WorkerClient]:
-        return [w for w in self.ctx.registry.healthy("decode") if w.serves(lora)]
+    def _decode_workers(self, lora: str, exclude: set[str] | None = None) -> list[WorkerClient]:
+        gone = exclude or set()
+        return [
+            w
+            for w in self.ctx.registry.healthy("decode")
+            if w.serves(lora) and w.address not in gone
+        ]
 
     def _front_workers(self, exclude: set[str], lora: str) -> tuple[list[WorkerClient], str]:
         """Prefill (or colocated) workers for a request under adapter ``lora`` ("" = base):
@@ -50,7 +56,7 @@ class Dispatcher:
         prefills = [
             w for w in reg.healthy("prefill") if w.address not in exclude and w.serves(lora)
         ]
-        if prefills and self._decode_workers(lora):
+        if prefills and self._decode_workers(lora, exclude):
             return prefills, "prefill"
         colocated = [w for w in reg.healthy(Role.COLOCATED) if w.task == "generate"]
         return [w for w in colocated if w.address not in exclude and w.serves(lora)], Role.COLOCATED
@@ -68,16 +74,18 @@ class Dispatcher:
         ranked = rank_by_affinity(workers, key)
         parent.set_attribute("tandem.mode", "disaggregated" if role == "prefill" else "colocated")
         if role == "prefill":
-            return disaggregated(self.ctx, ranked, self._decode_workers(lora), item, parent)
+            decodes = self._decode_workers(lora, exclude)
+            return disaggregated(self.ctx, ranked, decodes, item, parent)
         return generate(self.ctx, ranked[0], item, parent)
 
     def _can_retry(self, error: UpstreamError, emitted: bool, failed: set[str], lora: str) -> bool:
         if emitted or not error.retryable or not error.address:
             return False
         roles = {c.role for c in self.ctx.registry.clients if c.address == error.address}
-        if not roles & {Role.PREFILL, Role.COLOCATED}:
-            return False  # decode admission already tried several workers
-        workers, _ = self._front_workers(failed | {error.address}, lora)
+        gone = failed | {error.address}
+        if Role.DECODE in roles and not self._decode_workers(lora, gone):
+            return False  # no other decode worker to hold the KV
+        workers, _ = self._front_workers(gone, lora)
         return bool(workers)
 
     async def embed(self, work: EmbedWork, parent: Span) -> list[Embedding]:

@@ -397,3 +397,78 @@ def test_a_lora_request_goes_only_to_workers_serving_its_adapter(disagg: Stack) 
     disagg.run(disagg.state.registry.poll_all())
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"model": "sql", "prompt": "x"})
     assert r.status_code == 503 and "serves the LoRA adapter 'sql'" in r.text, r.text
+
+
+def test_a_decode_worker_gone_before_the_first_token_hands_the_request_to_another(
+    tokenizer_dir: str,
+) -> None:
+    """No decode worker has room, so the request waits in one's admission queue; that worker
+    dies before the request had a token. Nothing reached the client yet, so it is retried with
+    the other decode worker and completes (it used to end in 503 "Reserve ... unavailable")."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode", "decode"]).start()
+    try:
+        doomed, other = stack.role("decode")
+        doomed.behavior.full_for_s = 60.0  # full: a Reserve that may wait waits here
+        other.behavior.full_for_s = 0.3  # full now, room for one that waits 0.3 s
+        other.behavior.num_waiting = 5  # the longer queue: the request waits with ``doomed``
+        clients = {c.address: c for c in stack.state.registry.clients}
+        assert wait_for(lambda: clients[other.address].queue_depth == 5)
+        body = {"prompt": PROMPT, "max_tokens": 3}
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
+                                timeout=30)  # fmt: skip
+            assert wait_for(lambda: any(w > 1.0 for w in doomed.records.reserve_waits))
+            stack.run(doomed.stop())
+            r = reply.result(30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "Hello world,"
+        assert [rid for rid in other.records.decode_calls if rid.endswith("-retry1")]
+        assert not doomed.records.decode_calls
+    finally:
+        stack.stop()
+
+
+def test_with_no_other_decode_worker_the_request_fails_clearly(tokenizer_dir: str) -> None:
+    """The same death with one decode worker: nothing to retry on, one clear 503."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode"]).start()
+    try:
+        (decode,) = stack.role("decode")
+        decode.behavior.full_for_s = 60.0
+        body = {"prompt": PROMPT, "max_tokens": 3}
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
+                                timeout=30)  # fmt: skip
+            assert wait_for(lambda: any(w > 1.0 for w in decode.records.reserve_waits))
+            stack.run(decode.stop())
+            r = reply.result(30)
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "worker_unavailable", r.text
+    finally:
+        stack.stop()
+
+
+def test_a_decode_worker_gone_while_the_prompt_is_in_prefill_hands_it_to_another(
+    tokenizer_dir: str,
+) -> None:
+    """The decode worker holding the reservation dies while the prompt is in prefill, before its
+    first token: the prefill is aborted and the request runs again with the other decode worker."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode", "decode"]).start()
+    try:
+        (prefill,) = stack.role("prefill")
+        prefill.behavior.first_delay_s = 60.0
+        body = {"prompt": PROMPT, "max_tokens": 3}
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
+                                timeout=30)  # fmt: skip
+            assert wait_for(lambda: bool(prefill.records.requests))
+            doomed = next(d for d in stack.role("decode") if d.records.reservations)
+            stack.run(doomed.stop())
+            prefill.behavior.first_delay_s = 0.0  # the retry's prefill answers at once
+            r = reply.result(30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "Hello world,"
+        other = next(d for d in stack.role("decode") if d is not doomed)
+        assert [rid for rid in other.records.decode_calls if rid.endswith("-retry1")]
+        assert wait_for(lambda: prefill.records.requests[0] in prefill.records.aborts)
+    finally:
+        stack.stop()
