@@ -13,7 +13,8 @@ Conditional disaggregation (``gateway.workers.prefill_choice``): when the prompt
 every prefill worker is busy, 2 and 3 are one Decode with ``local_prefill`` (the decode worker
 prefills the prompt itself, no KV transfer).
 Any early exit (error, client gone, deadline) cancels the open calls and sends Abort to every
-worker that holds state for the request.
+worker that holds state for the request. A request whose worker died after some of its tokens
+reached the client goes on with another decode worker (:func:`resumed`).
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ def _kv_bound_failure(work: asyncio.Future[Any]) -> bool:
 
 
 class _Run:
-    def __init__(self, ctx: FlowContext, item: WorkItem, parent: Span, prefill: WorkerClient):
-        self.ctx, self.item, self.parent, self.prefill = ctx, item, parent, prefill
+    def __init__(
+        self, ctx: FlowContext, item: WorkItem, parent: Span, prefill: WorkerClient | None
+    ) -> None:
+        self.ctx, self.item, self.parent = ctx, item, parent
+        self._prefill = prefill  # None: a resumed request, prefilled by its decode worker
         self.decode: WorkerClient | None = None
         self.decode_counted = False  # this request is in self.decode's inflight count
         self.reservation: kv_control_pb2.ReserveResponse | None = None
@@ -72,6 +76,11 @@ class _Run:
         self.transfer = Timing()
         self.done: kv_control_pb2.TransferDone | None = None
         self.open_spans: list[Span] = []
+
+    @property
+    def prefill(self) -> WorkerClient:
+        assert self._prefill is not None, "a resumed request has no prefill worker"
+        return self._prefill
 
     def _span(self, name: str, worker: WorkerClient) -> Span:
         span = child_span(self.ctx.tracer, name, self.parent, **{"tandem.worker": worker.address})
@@ -259,8 +268,9 @@ class _Run:
             self._end(self.prefill_span)
             self.prefill_span = None
 
-    def start_local(self, reason: str) -> None:
-        """Conditional disaggregation: the decode worker prefills the prompt itself."""
+    def start_local(self, reason: str, outputs: Sequence[int] = ()) -> None:
+        """Conditional disaggregation: the decode worker prefills the prompt itself (and
+        ``outputs``, the tokens already sent of a request resumed there)."""
         assert self.decode is not None and self.reservation is not None
         item, decode = self.item, self.decode
         self.transfer.mode, self.transfer.local_reason = "local", reason
@@ -269,6 +279,7 @@ class _Run:
             request_id=item.request_id,
             reservation_id=self.reservation.reservation_id,
             prompt_token_ids=item.prompt_ids,
+            output_token_ids=outputs,
             sampling=sampling_to_pb(item.sampling),
             priority=item.priority,
             local_prefill=True,
@@ -392,6 +403,35 @@ async def disaggregated(
                 return
             await run.unless_decode_lost(run.transfer_done())
             run.start_decode(first)
+        while not finished:
+            chunk = await run.next_decode_chunk()
+            finished = chunk.finish_reason is not None
+            yield chunk
+    except UpstreamError as e:
+        error = e.api_error.message
+        raise
+    finally:
+        if not finished:
+            run.abort_all(error)
+
+
+async def resumed(
+    ctx: FlowContext,
+    decodes: Sequence[WorkerClient],
+    item: WorkItem,
+    outputs: Sequence[int],
+    parent: Span,
+) -> AsyncGenerator[Chunk, None]:
+    """A request whose worker died after some of its tokens reached the client, moved to a
+    decode worker: its prompt and ``outputs`` (the tokens already sent) are prefilled there, as a
+    local prefill, and its stream goes on from the next token (``mode=local``,
+    ``local_reason=resumed`` in its timing)."""
+    run = _Run(ctx, item, parent, None)
+    finished, error = False, "cancelled"
+    try:
+        await run.reserve(decodes)
+        parent.set_attribute("tandem.resumed_after_tokens", len(outputs))
+        run.start_local("resumed", outputs)
         while not finished:
             chunk = await run.next_decode_chunk()
             finished = chunk.finish_reason is not None

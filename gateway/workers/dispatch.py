@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
 
 from opentelemetry.trace import Span
@@ -15,7 +15,7 @@ from gateway.core.errors import unavailable
 from gateway.core.events import Chunk, Embedding, EmbedWork
 from gateway.workers.client import WorkerClient
 from gateway.workers.colocated import generate
-from gateway.workers.disagg import disaggregated
+from gateway.workers.disagg import disaggregated, resumed
 from gateway.workers.embedding import embed_batch
 from gateway.workers.router import prefix_key, rank_by_affinity
 from gateway.workers.rpc_errors import UpstreamError
@@ -61,8 +61,14 @@ class Dispatcher:
         colocated = [w for w in reg.healthy(Role.COLOCATED) if w.task == "generate"]
         return [w for w in colocated if w.address not in exclude and w.serves(lora)], Role.COLOCATED
 
-    def _flow(self, item: WorkItem, parent: Span, exclude: set[str]) -> AsyncGenerator[Chunk, None]:
+    def _flow(
+        self, item: WorkItem, parent: Span, exclude: set[str], sent: Sequence[int] = ()
+    ) -> AsyncGenerator[Chunk, None]:
         lora = item.sampling.lora_name
+        if sent:  # resumed: prompt and sent tokens prefilled on a decode worker
+            once = replace(item.sampling, prompt_logprobs=None)  # the client has them
+            resume = replace(item, sampling=once)
+            return resumed(self.ctx, self._decode_workers(lora, exclude), resume, sent, parent)
         workers, role = self._front_workers(exclude, lora)
         if not workers:
             left = (
@@ -88,28 +94,47 @@ class Dispatcher:
         workers, _ = self._front_workers(gone, lora)
         return bool(workers)
 
+    def _can_resume(
+        self, error: UpstreamError, sent: Sequence[int], failed: set[str], lora: str
+    ) -> bool:
+        """After tokens reached the client: a worker that failed retryably (died, broke its
+        stream) hands the request to another decode worker, where its prompt and ``sent`` are
+        prefilled; not without one."""
+        if not error.retryable or not error.address:
+            return False
+        return bool(self._decode_workers(lora, failed | {error.address}))
+
     async def embed(self, work: EmbedWork, parent: Span) -> list[Embedding]:
         """The inputs' vectors from the workers started with ``--task embed``."""
         return await embed_batch(self.ctx, work, parent)
 
     async def stream(self, item: WorkItem, parent: Span) -> AsyncGenerator[Chunk, None]:
-        """The request's chunks; raises UpstreamError when it cannot be served."""
+        """The request's chunks; raises UpstreamError when it cannot be served. A worker that
+        fails it before its first token: the request runs again elsewhere (:meth:`_can_retry`).
+        One that dies after some tokens reached the client: the request resumes on another
+        decode worker from the next token (:meth:`_can_resume`), one stream to the client."""
         failed: set[str] = set()
+        sent: list[int] = []  # the token ids of the chunks the client got
         for attempt in range(MAX_ATTEMPTS):
             request_id = item.request_id if attempt == 0 else f"{item.request_id}-retry{attempt}"
             emitted = False
             try:
-                flow = self._flow(replace(item, request_id=request_id), parent, failed)
+                flow = self._flow(replace(item, request_id=request_id), parent, failed, sent)
                 async with contextlib.aclosing(flow):
                     async for chunk in flow:
                         emitted = True
+                        sent.extend(chunk.token_ids)
                         yield chunk
                 return
             except UpstreamError as e:
-                if attempt + 1 >= MAX_ATTEMPTS or not self._can_retry(
-                    e, emitted, failed, item.sampling.lora_name
+                lora = item.sampling.lora_name
+                if attempt + 1 >= MAX_ATTEMPTS or not (
+                    self._can_resume(e, sent, failed, lora)
+                    if sent
+                    else self._can_retry(e, emitted, failed, lora)
                 ):
                     raise
-                log.warning("retrying %s on another worker: %s", item.request_id, e)
-                parent.add_event("retry", {"tandem.failed_worker": e.address})
+                how = "resuming" if sent else "retrying"
+                log.warning("%s %s on another worker: %s", how, item.request_id, e)
+                parent.add_event(how.removesuffix("ing"), {"tandem.failed_worker": e.address})
                 failed.add(e.address)

@@ -322,13 +322,15 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         """Conditional disaggregation: no KV is coming; the prompt is prefilled by this engine
         (chunked, mixed into its decode batches, its prefix cache used) and every token streams
         from here. The reservation was the admission: its blocks go back to the pool now and the
-        request allocates its own."""
+        request allocates its own. With ``output_token_ids`` the request moved here from a decode
+        worker that died mid-stream: those are prefilled too and the stream goes on after them."""
         rid = request.reservation_id
         self._cancel(rid)
         try:
             stream = await driver.submit(rid, list(request.prompt_token_ids), params,
                                          priority=request.priority,
-                                         images=images_from_pb(request.images))  # fmt: skip
+                                         images=images_from_pb(request.images),
+                                         outputs=list(request.output_token_ids))  # fmt: skip
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         attrs = {"tandem.request_id": request.request_id, "tandem.local_prefill": True}
@@ -355,12 +357,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                 "prompt_token_ids",
             )
         engine.validate(prompt, params)  # plain checks against the vocabulary and context
-        if request.local_prefill:
-            if outputs:
-                raise InvalidRequestError(
-                    "output_token_ids must be empty with local_prefill (nothing was prefilled)",
-                    "output_token_ids",
-                )
+        if request.local_prefill:  # outputs: a request moved here mid-stream (checked on add)
             return
         if not outputs or not all(0 <= t < engine.vocab_size for t in outputs):
             raise InvalidRequestError(

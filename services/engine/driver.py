@@ -134,8 +134,10 @@ class EngineDriver:
     async def submit(
         self, request_id: str, prompt: list[int], params: SamplingParams,
         priority: int = 0, prefill_only: bool = False, images: Sequence[ImageItem] = (),
+        outputs: Sequence[int] = (),
     ) -> Stream:  # fmt: skip
-        """Queue a request; raises InvalidRequestError for bad input."""
+        """Queue a request (``outputs``: its tokens made elsewhere, see
+        ``LLMEngine.add_request``); raises InvalidRequestError for bad input."""
         grammar = await self._compile(params)
         if images:  # resized and patched on a pool thread: never inside an engine step
             loop = asyncio.get_running_loop()
@@ -144,7 +146,9 @@ class EngineDriver:
         added: list[bool] = []
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params, priority, prefill_only, grammar, images)
+            engine.add_request(
+                request_id, prompt, params, priority, prefill_only, grammar, images, outputs
+            )
             self._streams[request_id] = stream
             added.append(True)
 

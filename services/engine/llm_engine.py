@@ -327,21 +327,49 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, prefill_only: bool = False, grammar: CompiledOutput | None = None,
-        images: Sequence[ImageItem] = (),
+        images: Sequence[ImageItem] = (), output_token_ids: Sequence[int] = (),
     ) -> None:  # fmt: skip
         """Queue a request. ``prefill_only`` keeps its blocks after the first token (see release);
         ``grammar``: ``compile_grammar(params)``, compiled here if not given; ``images``: the
-        prompt's images, their placeholders already expanded (``protos.multimodal``)."""
+        prompt's images, their placeholders already expanded (``protos.multimodal``).
+        ``output_token_ids``: tokens this request already generated elsewhere (it moved here
+        from a worker that died mid-stream): the prompt and they are prefilled, generation goes
+        on after them as if they were this engine's own (max_tokens, min_tokens, penalties,
+        seeds by output position, stop strings, a grammar), and their text is not sent again."""
         req = self._request(request_id, prompt_token_ids, params, priority, prefill_only, images)
+        outputs = list(output_token_ids)
+        if outputs:
+            self._check_resumed(req, outputs)
+            req.output_token_ids = outputs
         self.prepare_images(images)  # a no-op for images the driver prepared already
-        self._constrain(request_id, params, grammar, [])
+        self._constrain(request_id, params, grammar, outputs)
         try:
             self.scheduler.add(req)
         except BaseException:
             self.grammars.drop(request_id)
             raise
         self._track(req)
+        det = self._detok.get(request_id)
+        if det is not None and outputs:
+            for t in outputs:
+                det.add(t)
+            det.release(False)  # their text was sent by the worker that made them
         self.prompt_tokens += len(prompt_token_ids)
+
+    def _check_resumed(self, req: Request, outputs: list[int]) -> None:
+        """What a request moved here with its earlier tokens must satisfy: ids in the
+        vocabulary, and room left to generate (else it had finished where it was)."""
+        self._validate_ids(outputs, "output_token_ids")
+        if req.hold_blocks_on_finish:
+            raise InvalidRequestError(
+                "a prefill-only request has no earlier output tokens", "output_token_ids"
+            )
+        if req.ends_by_length(len(outputs)):
+            raise InvalidRequestError(
+                f"{len(outputs)} earlier output tokens leave nothing to generate under max_tokens "
+                f"{req.sampling_params.max_tokens} and max_model_len {self.max_model_len}",
+                "output_token_ids",
+            )  # fmt: skip
 
     def add_embedding(
         self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams | None = None,

@@ -1,5 +1,6 @@
-"""`tandem up --prefill 2 --decode 2` for real: load spreads over all four workers, and
-`tandem bench serve` against it writes its JSON and plot (slow: five processes on the CPU)."""
+"""`tandem up --prefill 2 --decode 2` for real: load spreads over all four workers,
+`tandem bench serve` against it writes its JSON and plot, and a stream outlives the decode
+worker serving it (slow: five processes on the CPU)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,74 @@ def _wait_for_load(url: str, deadline_s: float = 10) -> list[dict]:
         ):
             return ws
         time.sleep(0.5)
+
+
+def _sse_text(url: str, body: dict, on_chunk: Callable[[int], None]) -> tuple[str, list[dict]]:
+    """A streamed completion's text and its error frames; ``on_chunk(n)`` after the n-th."""
+    req = urllib.request.Request(url + "/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    text, errors, n = "", [], 0
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            frame = json.loads(line[len("data: ") :])
+            if "error" in frame:
+                errors.append(frame)
+                continue
+            text += "".join(c["text"] for c in frame["choices"])
+            n += 1
+            on_chunk(n)
+    return text, errors
+
+
+def _kill_the_busy_decode_worker(url: str, started: set[int]) -> int:
+    """SIGKILL the decode worker that has a request running (its load says so); its pid."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        busy = [w["name"] for w in _workers(url)
+                if w["role"] == "decode" and w["load"] and w["load"]["num_running"] > 0]  # fmt: skip
+        if busy:
+            for pid in started:
+                with contextlib.suppress(OSError):
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if (
+                        b"--worker-id" in argv
+                        and argv[argv.index(b"--worker-id") + 1] == busy[0].encode()
+                    ):
+                        os.kill(pid, signal.SIGKILL)
+                        return pid
+        time.sleep(0.1)
+    raise AssertionError("no decode worker reported the request running")
+
+
+def _stream_outlives_its_decode_worker(url: str, model: str, started: set[int]) -> None:
+    """A greedy stream whose decode worker is killed after 8 chunks resumes on the other
+    decode worker: one stream, no error frame, the text of a run nobody killed, and most of
+    its chunks came after the kill (the stream was not over when it happened)."""
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    whole, errors = _sse_text(url, body, lambda n: None)
+    assert not errors and whole
+    deadline = time.monotonic() + 20  # the loads polled after that run: the next busy one is ours
+    while any(w["load"]["num_running"] for w in _workers(url) if w["role"] == "decode"):
+        assert time.monotonic() < deadline, "a decode worker still reports a request running"
+        time.sleep(0.1)
+    killed_at: list[int] = []
+    chunks: list[int] = []
+
+    def kill_at(n: int) -> None:
+        chunks.append(n)
+        if n == 8:
+            _kill_the_busy_decode_worker(url, started)
+            killed_at.append(n)
+
+    text, errors = _sse_text(url, body, kill_at)
+    assert killed_at, "the stream ended before its decode worker could be killed"
+    assert not errors, errors
+    assert text == whole
+    assert chunks[-1] - killed_at[0] > 100  # streamed on by the other decode worker
 
 
 def test_up_two_by_two_spreads_load_and_bench_serve_reports(tmp_path: Path) -> None:
@@ -94,6 +164,8 @@ def test_up_two_by_two_spreads_load_and_bench_serve_reports(tmp_path: Path) -> N
                 assert key in row
             assert 0 < row["mean_ttft_ms"] <= row["mean_e2el_ms"]
         assert plot.stat().st_size > 1000
+
+        _stream_outlives_its_decode_worker(url, model, started)
 
         up.proc.send_signal(signal.SIGTERM)
         assert up.finish(timeout_s=120) == 0

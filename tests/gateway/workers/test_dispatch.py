@@ -82,17 +82,27 @@ def test_non_streaming_failure_after_tokens_is_a_5xx(disagg: Stack) -> None:
     assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
 
 
-def test_transfer_failure_aborts_both_sides(disagg: Stack) -> None:
+def test_transfer_failure_aborts_both_sides_and_the_stream_resumes(disagg: Stack) -> None:
+    """The KV transfer fails after the first token reached the client: both sides of that
+    attempt are aborted (decode never runs on KV that did not arrive), and the request resumes
+    on the decode worker as a local prefill of the prompt and that token: one stream, whole."""
+    url = f"{disagg.base_url}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+    whole = httpx.post(url, json={**body, "stream": False}).json()["choices"][0]["text"]
+    decode = disagg.role("decode")[0]
+    decode.records.aborts.clear()
     prefill = chosen_prefill(disagg, PROMPT)
     prefill.behavior.fail_transfer = True
-    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
-    with httpx.stream("POST", f"{disagg.base_url}/v1/completions", json=body) as r:
+    with httpx.stream("POST", url, json=body) as r:
         frames = list(sse_lines(r))
     assert json.loads(frames[0])["choices"][0]["text"] == "Hello"  # the first token got out
-    assert "error" in json.loads(frames[-2]) and frames[-1] == "[DONE]"
-    decode = disagg.role("decode")[0]
-    assert wait_for(lambda: len(decode.records.aborts) == 1 and len(prefill.records.aborts) == 1)
-    assert decode.records.decode_calls == []
+    assert frames[-1] == "[DONE]" and not [f for f in frames[:-1] if "error" in json.loads(f)]
+    text = "".join(json.loads(f)["choices"][0]["text"] for f in frames[:-1])
+    assert text == whole
+    first = prefill.records.requests[-1]
+    assert wait_for(lambda: first in decode.records.aborts and first in prefill.records.aborts)
+    assert first not in decode.records.decode_calls  # no Decode on the KV that did not arrive
+    assert decode.records.local_prefills == [f"{first}-retry1"]
 
 
 @pytest.mark.parametrize("phase", ["prefill", "transfer"])
@@ -472,3 +482,52 @@ def test_a_decode_worker_gone_while_the_prompt_is_in_prefill_hands_it_to_another
         assert wait_for(lambda: prefill.records.requests[0] in prefill.records.aborts)
     finally:
         stack.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_decode_worker_dying_mid_stream_hands_the_stream_to_another(
+    tokenizer_dir: str, stream: bool
+) -> None:
+    """The decode worker streaming a request dies after 3 of its 8 tokens reached the client:
+    the request resumes on the other decode worker (its prompt and those 3 tokens prefilled
+    there) and the client gets the whole text in one stream, no error frame."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode", "decode"]).start()
+    try:
+        doomed, other = stack.role("decode")
+        other.behavior.num_waiting = 5  # the longer queue: the request goes to ``doomed``
+        clients = {c.address: c for c in stack.state.registry.clients}
+        assert wait_for(lambda: clients[other.address].queue_depth == 5)
+        body = {"prompt": PROMPT, "max_tokens": 8, "stream": stream}
+        url = f"{stack.base_url}/v1/completions"
+        whole = httpx.post(url, json={**body, "stream": False}).json()["choices"][0]["text"]
+        doomed.behavior.fail_after_tokens = 3  # the first token came from prefill
+        if stream:
+            with httpx.stream("POST", url, json=body) as r:
+                frames = list(sse_lines(r))
+            assert frames[-1] == "[DONE]"
+            chunks = [json.loads(f) for f in frames[:-1]]
+            assert not [c for c in chunks if "error" in c]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            r = httpx.post(url, json=body)
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["text"]
+            assert r.json()["usage"]["completion_tokens"] == 8
+        assert text == whole and len(whole) > len("Hello world,")
+        resumed = [rid for rid in other.records.local_prefills if rid.endswith("-retry1")]
+        assert len(resumed) == 1
+        assert wait_for(lambda: not doomed.records.reservations)
+    finally:
+        stack.stop()
+
+
+def test_without_another_decode_worker_a_mid_stream_death_is_an_error_frame(
+    disagg: Stack,
+) -> None:
+    """One decode worker: nothing to resume on, the stream ends with an error frame (as before)."""
+    disagg.role("decode")[0].behavior.fail_after_tokens = 3
+    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{disagg.base_url}/v1/completions", json=body) as r:
+        frames = list(sse_lines(r))
+    assert frames[-1] == "[DONE]" and "error" in json.loads(frames[-2])

@@ -333,7 +333,10 @@ async def test_prefill_killed_mid_transfer_fails_fast_and_a_new_prefill_works(
 
 async def test_a_local_prefill_on_the_decode_worker_equals_the_offline_engine(fleet: Fleet) -> None:
     """Conditional disaggregation: Decode with local_prefill (no KV comes) prefills the prompt
-    on the decode worker; greedy output as the offline engine's; its blocks all free after."""
+    on the decode worker; greedy output as the offline engine's; its blocks all free after. With
+    output_token_ids (a request moved here from a decode worker that died mid-stream) those are
+    prefilled too and the worker streams the tokens after them; outputs that leave nothing to
+    generate are refused."""
     (decode,) = fleet.shared("decode")
     prompts = [chat_ids("What is the capital of France?"), chat_ids("Name three colours.")]
     expected = greedy_reference(prompts, 12)
@@ -347,10 +350,18 @@ async def test_a_local_prefill_on_the_decode_worker_equals_the_offline_engine(fl
             )  # fmt: skip
             tokens = [t async for chunk in d.stub.Decode(req, timeout=60) for t in chunk.token_ids]
             assert tokens == exp.token_ids
+            await reserve(d, f"{rid}-resumed", len(ids), 12)
+            resumed = decode_pb2.DecodeRequest(
+                request_id=f"{rid}-resumed", reservation_id=f"{rid}-resumed",
+                prompt_token_ids=ids, output_token_ids=exp.token_ids[:5], sampling=greedy(12),
+                local_prefill=True,
+            )  # fmt: skip
+            rest = [t async for c in d.stub.Decode(resumed, timeout=60) for t in c.token_ids]
+            assert rest == exp.token_ids[5:]
         await reserve(d, "local-bad", len(prompts[0]), 4)
         bad = decode_pb2.DecodeRequest(
             request_id="local-bad", reservation_id="local-bad", prompt_token_ids=prompts[0],
-            output_token_ids=[5], sampling=greedy(4), local_prefill=True,
+            output_token_ids=[5, 6, 7, 8], sampling=greedy(4), local_prefill=True,
         )  # fmt: skip
         assert await rpc_code(d.stub.Decode(bad, timeout=60)) == grpc.StatusCode.INVALID_ARGUMENT
         assert_idle(await wait_pool_free([d]))

@@ -261,3 +261,55 @@ def test_two_hundred_aborts_mid_stream_leave_every_block_free(
     assert 20 < list(ended.values()).count("abort") < 200  # aborts and natural ends both
     assert launches[0] > 0  # async scheduling (the default) launched steps ahead
     assert engine.stats().free_blocks == engine.stats().total_blocks
+
+
+def _deltas(engine: LLMEngine, rid: str) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished:
+        outs.extend(o for o in engine.step() if o.request_id == rid)
+    return outs
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=24, stop=["ZZZ"]),  # holds back text
+        SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24),
+    ],
+    ids=["greedy-stop-strings", "seeded"],
+)
+def test_a_request_resumed_with_its_sent_tokens_goes_on_as_if_never_moved(
+    llm: LLM, chat_ids: list[list[int]], params: SamplingParams
+) -> None:
+    """A request whose decode worker died mid-stream is added again with the tokens the client
+    got (``output_token_ids``): it generates the tokens the first run went on with (greedy, and
+    seeded by output position), the text already sent is not sent again and none is lost (a
+    stop string holds some back), and max_tokens counts the earlier tokens."""
+    engine = llm.engine
+    engine.add_request("whole", chat_ids[2], params)
+    whole = _deltas(engine, "whole")
+    tokens = [t for o in whole for t in o.token_ids]
+    assert len(tokens) == 24
+    k = 0
+    sent_text = ""
+    for o in whole:  # the client got the deltas up to some step
+        if k >= 7:
+            break
+        k += len(o.token_ids)
+        sent_text += o.text
+    engine.add_request("resumed", chat_ids[2], params, output_token_ids=tokens[:k])
+    rest = _deltas(engine, "resumed")
+    assert [t for o in rest for t in o.token_ids] == tokens[k:]
+    assert sent_text + "".join(o.text for o in rest) == "".join(o.text for o in whole)
+    assert rest[-1].finish_reason == "length"
+    assert engine.stats().free_blocks == engine.stats().total_blocks
+
+
+def test_a_resumed_request_must_have_something_left_to_generate(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(InvalidRequestError, match="nothing to generate") as e:
+        llm.engine.add_request("done", [1, 2, 3], params, output_token_ids=[5, 6, 7])
+    assert e.value.param == "output_token_ids"
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.engine.add_request("bad", [1, 2, 3], params, output_token_ids=[10**7])
+    assert not llm.engine.has_unfinished
