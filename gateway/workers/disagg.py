@@ -372,7 +372,35 @@ class _Run:
         self._uncount_decode()
 
 
-async def disaggregated(
+async def _aborted_unless_finished(
+    run: _Run, chunks: AsyncGenerator[Chunk, None]
+) -> AsyncGenerator[Chunk, None]:
+    """``chunks``, and on any exit before the last of them (an error, the client gone, a
+    deadline) every call of ``run`` cancelled and everything it holds aborted."""
+    finished, error = False, "cancelled"
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                finished = chunk.finish_reason is not None
+                yield chunk
+    except UpstreamError as e:
+        error = e.api_error.message
+        raise
+    finally:
+        if not finished:
+            run.abort_all(error)
+
+
+async def _decode_rest(run: _Run) -> AsyncGenerator[Chunk, None]:
+    """The decode worker's chunks up to the last."""
+    finished = False
+    while not finished:
+        chunk = await run.next_decode_chunk()
+        finished = chunk.finish_reason is not None
+        yield chunk
+
+
+def disaggregated(
     ctx: FlowContext,
     prefills: Sequence[WorkerClient],
     decodes: Sequence[WorkerClient],
@@ -382,40 +410,36 @@ async def disaggregated(
     """``prefills``: the candidate prefill workers, best first; the request goes to the first
     unless it is prefilled locally (``gateway.workers.prefill_choice``), which reads them all."""
     run = _Run(ctx, item, parent, prefills[0])
-    finished, error = False, "cancelled"
-    try:
-        await run.reserve(decodes)
-        healthy = [p for p in prefills if p.healthy]  # read now: the Reserve may have waited
-        limits = (ctx.config.max_local_prefill_tokens, ctx.config.local_prefill_queue)
-        reason = local_prefill_reason(len(item.prompt_ids), healthy, *limits)
-        if reason is not None:
-            parent.set_attribute("tandem.mode", "local")
-            parent.set_attribute("tandem.local_reason", reason)
-            run.start_local(reason)  # every token, the first included, comes from the decode worker
-        else:
-            run.transfer.mode = "disagg"
-            first = await run.unless_decode_lost(run.first_token())
-            finished = first.finish_reason is not None
-            if finished:
-                run.finish_early()
+    return _aborted_unless_finished(run, _disaggregated(run, prefills, decodes))
+
+
+async def _disaggregated(
+    run: _Run, prefills: Sequence[WorkerClient], decodes: Sequence[WorkerClient]
+) -> AsyncGenerator[Chunk, None]:
+    ctx, item, parent = run.ctx, run.item, run.parent
+    await run.reserve(decodes)
+    healthy = [p for p in prefills if p.healthy]  # read now: the Reserve may have waited
+    limits = (ctx.config.max_local_prefill_tokens, ctx.config.local_prefill_queue)
+    reason = local_prefill_reason(len(item.prompt_ids), healthy, *limits)
+    if reason is not None:
+        parent.set_attribute("tandem.mode", "local")
+        parent.set_attribute("tandem.local_reason", reason)
+        run.start_local(reason)  # every token, the first included, comes from the decode worker
+    else:
+        run.transfer.mode = "disagg"
+        first = await run.unless_decode_lost(run.first_token())
+        if first.finish_reason is not None:
+            run.finish_early()
             yield first
-            if finished:
-                return
-            await run.unless_decode_lost(run.transfer_done())
-            run.start_decode(first)
-        while not finished:
-            chunk = await run.next_decode_chunk()
-            finished = chunk.finish_reason is not None
-            yield chunk
-    except UpstreamError as e:
-        error = e.api_error.message
-        raise
-    finally:
-        if not finished:
-            run.abort_all(error)
+            return
+        yield first
+        await run.unless_decode_lost(run.transfer_done())
+        run.start_decode(first)
+    async for chunk in _decode_rest(run):
+        yield chunk
 
 
-async def resumed(
+def resumed(
     ctx: FlowContext,
     decodes: Sequence[WorkerClient],
     item: WorkItem,
@@ -427,18 +451,14 @@ async def resumed(
     local prefill, and its stream goes on from the next token (``mode=local``,
     ``local_reason=resumed`` in its timing)."""
     run = _Run(ctx, item, parent, None)
-    finished, error = False, "cancelled"
-    try:
-        await run.reserve(decodes)
-        parent.set_attribute("tandem.resumed_after_tokens", len(outputs))
-        run.start_local("resumed", outputs)
-        while not finished:
-            chunk = await run.next_decode_chunk()
-            finished = chunk.finish_reason is not None
-            yield chunk
-    except UpstreamError as e:
-        error = e.api_error.message
-        raise
-    finally:
-        if not finished:
-            run.abort_all(error)
+    return _aborted_unless_finished(run, _resumed(run, decodes, outputs))
+
+
+async def _resumed(
+    run: _Run, decodes: Sequence[WorkerClient], outputs: Sequence[int]
+) -> AsyncGenerator[Chunk, None]:
+    await run.reserve(decodes)
+    run.parent.set_attribute("tandem.resumed_after_tokens", len(outputs))
+    run.start_local("resumed", outputs)
+    async for chunk in _decode_rest(run):
+        yield chunk
