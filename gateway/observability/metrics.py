@@ -227,7 +227,8 @@ class GatewayMetrics:
             "request_prefill_mode",
             "Finished requests by where their prompt was prefilled: disagg (a prefill worker), "
             "local (the decode worker: conditional disaggregation) or colocated; for local, the "
-            "reason: short (the prompt) or queue (every prefill worker busy)",
+            "reason: short (the prompt) or queue (every prefill worker busy); resumed: a request "
+            "that went on with another decode worker after its worker died mid-stream",
             ("mode", "reason"),
         )
         self.errors = counter("request_errors", "Requests that failed", ("status",))
