@@ -519,7 +519,7 @@ def test_a_decode_worker_dying_mid_stream_hands_the_stream_to_another(
         assert len(resumed) == 1
         assert wait_for(lambda: not doomed.records.reservations)
         metrics = httpx.get(f"{stack.base_url}/metrics").text
-        assert 'tandem:request_prefill_mode_total{' in metrics and 'reason="resumed"' in metrics
+        assert "tandem:request_prefill_mode_total{" in metrics and 'reason="resumed"' in metrics
     finally:
         stack.stop()
 
