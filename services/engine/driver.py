@@ -146,9 +146,8 @@ class EngineDriver:
         added: list[bool] = []
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(
-                request_id, prompt, params, priority, prefill_only, grammar, images, outputs
-            )
+            engine.add_request(request_id, prompt, params, priority, prefill_only, grammar,
+                               images, output_token_ids=outputs)  # fmt: skip
             self._streams[request_id] = stream
             added.append(True)
 

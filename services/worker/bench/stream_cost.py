@@ -94,7 +94,10 @@ class FakeEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, prefill_only: bool = False, grammar: Any = None, images: Any = (),
+        output_token_ids: Any = (),
     ) -> None:  # fmt: skip
+        if output_token_ids:
+            raise ValueError("the stand-in engine does not resume requests")
         if request_id in self.running:
             raise ValueError(f"request {request_id} is running")
         self.running[request_id] = _Running(params)
@@ -252,6 +255,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     finally:
         if proc.is_alive():
             proc.kill()
+        proc.join(10)  # reaped: a failed run leaves no zombie behind
     ideal = 1000.0 / (cfg.gpu_ms + cfg.host_ms) if cfg.gpu_ms + cfg.host_ms > 0 else 0.0
     tokens = max(got["tokens"], 1)
     rest = got["cpu_s"] - got["engine_cpu_s"]
