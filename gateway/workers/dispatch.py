@@ -94,12 +94,10 @@ class Dispatcher:
         workers, _ = self._front_workers(gone, lora)
         return bool(workers)
 
-    def _can_resume(
-        self, error: UpstreamError, sent: Sequence[int], failed: set[str], lora: str
-    ) -> bool:
+    def _can_resume(self, error: UpstreamError, failed: set[str], lora: str) -> bool:
         """After tokens reached the client: a worker that failed retryably (died, broke its
-        stream) hands the request to another decode worker, where its prompt and ``sent`` are
-        prefilled; not without one."""
+        stream) hands the request to another decode worker, where its prompt and the tokens
+        sent are prefilled; not without one."""
         if not error.retryable or not error.address:
             return False
         return bool(self._decode_workers(lora, failed | {error.address}))
@@ -129,12 +127,12 @@ class Dispatcher:
             except UpstreamError as e:
                 lora = item.sampling.lora_name
                 if attempt + 1 >= MAX_ATTEMPTS or not (
-                    self._can_resume(e, sent, failed, lora)
+                    self._can_resume(e, failed, lora)
                     if sent
                     else self._can_retry(e, emitted, failed, lora)
                 ):
                     raise
-                how = "resuming" if sent else "retrying"
+                how = "resume" if sent else "retry"
                 log.warning("%s %s on another worker: %s", how, item.request_id, e)
-                parent.add_event(how.removesuffix("ing"), {"tandem.failed_worker": e.address})
+                parent.add_event(how, {"tandem.failed_worker": e.address})
                 failed.add(e.address)
