@@ -14,6 +14,7 @@ import pytest
 
 from gateway.core.config import WorkerSpec
 from gateway.workers.router import prefix_key, rank_by_affinity
+from tests.gateway.fake_workers import FakeWorker
 from tests.gateway.stack import Stack, dead_address
 
 pytestmark = pytest.mark.timeout(60)
@@ -409,6 +410,18 @@ def test_a_lora_request_goes_only_to_workers_serving_its_adapter(disagg: Stack) 
     assert r.status_code == 503 and "serves the LoRA adapter 'sql'" in r.text, r.text
 
 
+def _stopped_while_queued(stack: Stack, decode: FakeWorker) -> httpx.Response:
+    """A 3-token completion's reply when ``decode``, in whose admission queue the request
+    waits, stops before the request had a token."""
+    body = {"prompt": PROMPT, "max_tokens": 3}
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
+                            timeout=30)  # fmt: skip
+        assert wait_for(lambda: any(w > 1.0 for w in decode.records.reserve_waits))
+        stack.run(decode.stop())
+        return reply.result(30)
+
+
 def test_a_decode_worker_gone_before_the_first_token_hands_the_request_to_another(
     tokenizer_dir: str,
 ) -> None:
@@ -423,13 +436,7 @@ def test_a_decode_worker_gone_before_the_first_token_hands_the_request_to_anothe
         other.behavior.num_waiting = 5  # the longer queue: the request waits with ``doomed``
         clients = {c.address: c for c in stack.state.registry.clients}
         assert wait_for(lambda: clients[other.address].queue_depth == 5)
-        body = {"prompt": PROMPT, "max_tokens": 3}
-        with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
-                                timeout=30)  # fmt: skip
-            assert wait_for(lambda: any(w > 1.0 for w in doomed.records.reserve_waits))
-            stack.run(doomed.stop())
-            r = reply.result(30)
+        r = _stopped_while_queued(stack, doomed)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == "Hello world,"
         assert [rid for rid in other.records.decode_calls if rid.endswith("-retry1")]
@@ -444,13 +451,7 @@ def test_with_no_other_decode_worker_the_request_fails_clearly(tokenizer_dir: st
     try:
         (decode,) = stack.role("decode")
         decode.behavior.full_for_s = 60.0
-        body = {"prompt": PROMPT, "max_tokens": 3}
-        with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
-                                timeout=30)  # fmt: skip
-            assert wait_for(lambda: any(w > 1.0 for w in decode.records.reserve_waits))
-            stack.run(decode.stop())
-            r = reply.result(30)
+        r = _stopped_while_queued(stack, decode)
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "worker_unavailable", r.text
     finally:
