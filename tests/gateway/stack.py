@@ -110,6 +110,12 @@ class Stack:
             await self.serve_task
             for w in self.workers:
                 await w.stop()
+            # what the stopped servers left (an RPC a stop cut, a health poll in flight) ends
+            # here: destroyed pending with the loop, it logged into whichever test ran next
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
 
         try:
             self.run(_stop())
