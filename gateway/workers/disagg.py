@@ -201,7 +201,7 @@ class _Run:
                 f"way to it ({decode.last_error})",
                 code="worker_unavailable",
             ),
-            retryable=True,  # on another decode worker, if no token reached the client yet
+            retryable=True,  # with another decode worker: retried, or resumed after tokens
             worker_down=True,
             address=decode.address,
         )
