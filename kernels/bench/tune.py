@@ -5,8 +5,9 @@ Prints, per benchmark shape, each configuration's time and the fraction of copy 
 best first. The defaults in ``triton_decode`` and ``triton_prefill`` come from this sweep; rerun
 it on a new GPU before changing them. Arguments: ``prefill`` or ``decode`` runs one half,
 ``graph`` times CUDA-graph replays, ``m64 m128 m256`` restrict the prefill sweep to tiles of
-those many rows (to split it over runs), ``fp8`` sweeps decode over an e4m3 KV cache, ``b1``
-only its batch-1 case, ``b64`` only the batched ones.
+those many rows (to split it over runs), ``fp8`` sweeps decode over an e4m3 KV cache (read as
+bf16 and as fp16: ``f16_read``), ``b1`` only its batch-1 case, ``b64`` only the batched ones,
+``w1`` adds W1's decode steps (224 sequences at 1100 tokens).
 
 The prefill sweep times tile shapes with every kernel variant off, then the variants
 (``Tiles``' knobs) on the leading shapes, then what the launcher's own shape rule picks for each
@@ -61,7 +62,7 @@ def median_ms(fn: Callable[[], object]) -> float:
 def tune_decode(copy_gbps: float) -> None:
     """``fp8``: an e4m3 KV cache (``--kv-cache-dtype fp8``: half the bytes per key, so the
     sweep adds 256-key tiles)."""
-    cases = DECODE_CASES
+    cases = DECODE_CASES + ([(224, 1100)] if "w1" in sys.argv[1:] else [])
     if "b1" in sys.argv[1:]:
         cases = [c for c in cases if c[0] == 1]
     if "b64" in sys.argv[1:]:  # the batched cases only
@@ -75,25 +76,33 @@ def tune_decode(copy_gbps: float) -> None:
         args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
         splits = [None] if batch >= 64 else [None, 16, 24, 48, 64, 96, 128]
         tiles = (32, 64, 128, 256) if fp8 else (32, 64, 128)
+        reads = (False, True) if fp8 else (False,)
         rows = []
-        for block_n, warps, stages, s in itertools.product(tiles, (4, 8), (2, 3, 4), splits):
+        for block_n, warps, stages, s, f16 in itertools.product(
+            tiles, (4, 8), (2, 3, 4), splits, reads
+        ):
             try:
-                fn = functools.partial(paged_decode_attention, *args, num_splits=s, block_n=block_n, num_warps=warps, num_stages=stages)  # fmt: skip
+                fn = functools.partial(paged_decode_attention, *args, num_splits=s, block_n=block_n, num_warps=warps, num_stages=stages, f16_read=f16)  # fmt: skip
                 ms = median_ms(fn)
             except Exception as exc:  # out of shared memory and the like
                 print(
                     f"  skip block_n={block_n} warps={warps} stages={stages}: {type(exc).__name__}"
                 )
                 continue
-            rows.append((ms, block_n, warps, stages, s))
+            rows.append((ms, block_n, warps, stages, s, f16))
         rows.sort()
         print(f"decode B={batch} ctx={ctx}" + (" fp8 KV" if fp8 else ""))
         ms = median_ms(functools.partial(paged_decode_attention, *args))
         pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
         print(f"  {ms:8.4f} ms {pct:5.1f}% copy  the launcher's default")
-        for ms, block_n, warps, stages, s in rows[:8]:
+        if fp8:  # the launcher's tiles, read each way
+            for f16 in reads:
+                ms = median_ms(functools.partial(paged_decode_attention, *args, f16_read=f16))
+                pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
+                print(f"  {ms:8.4f} ms {pct:5.1f}% copy  the launcher's tiles, f16_read={f16}")
+        for ms, block_n, warps, stages, s, f16 in rows[:8]:
             pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
-            print(f"  {ms:8.4f} ms {pct:5.1f}% copy  block_n={block_n} warps={warps} stages={stages} splits={s}")  # fmt: skip
+            print(f"  {ms:8.4f} ms {pct:5.1f}% copy  block_n={block_n} warps={warps} stages={stages} splits={s} f16_read={f16}")  # fmt: skip
         del p, args
         torch.cuda.empty_cache()
 

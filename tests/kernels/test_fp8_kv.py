@@ -115,6 +115,39 @@ def test_decode_attention_reads_an_fp8_cache(dtype: torch.dtype, num_splits: int
     assert_matches(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("magnitude", [1.0, 1e5])
+def test_an_fp8_cache_read_as_fp16_or_bf16_matches_the_reference(dtype: torch.dtype, num_splits: int, magnitude: float, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    # the fp16 read (the default for 16-bit queries) folds the softmax scale into q before
+    # rounding it to fp16: bf16 queries past fp16's 65504 stay finite and match
+    k_cache, v_cache, tables = paged_kv(MIXED_LENS, 16, 2, 32, torch.float32, gen, device)
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    q = rand((len(MIXED_LENS), 8, 32), torch.float32, gen, device)
+    top = min(magnitude, 6e4 if dtype == torch.float16 else magnitude)  # what fp16 q holds
+    q = (q * top / q.abs().amax()).to(dtype)
+    lens = torch.tensor(MIXED_LENS, dtype=torch.int32, device=device)
+    ref = ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
+    assert torch.isfinite(ref).all()
+    outs = [
+        paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, 32**-0.5, num_splits=num_splits, f16_read=f16
+        )
+        for f16 in (False, True)
+    ]
+    for out in outs:
+        assert out.dtype == dtype
+        assert_matches(out, ref)
+
+
+def test_the_fp16_read_is_for_fp8_caches_only(gen: torch.Generator, device: torch.device) -> None:
+    k_cache, v_cache, tables = paged_kv([3], 16, 2, 32, torch.bfloat16, gen, device)
+    q = rand((1, 4, 32), torch.bfloat16, gen, device)
+    lens = torch.tensor([3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="f16_read reads an FP8 cache"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, f16_read=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_reads_an_fp8_cache(dtype: torch.dtype, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
     q_lens, ctx = [5, 16, 1, 33], [5, 40, 17, 33]  # plain prompts and chunks after prefixes

@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(
         build_config(args.model, load_format="dummy", max_model_len=args.max_model_len,
                      max_num_seqs=max(args.batch, 1),
-                     max_num_batched_tokens=max(8192, args.batch * args.context),
+                     # a decode step schedules one token per sequence: a budget of batch x
+                     # context would size the activations of a prefill that never runs
+                     max_num_batched_tokens=max(
+                         8192, args.batch * (args.context if args.prefill else 1)),
                      quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     )  # fmt: skip
     runner = engine.runner
