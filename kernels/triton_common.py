@@ -203,6 +203,19 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def to_e4m3(x, SOFT: tl.constexpr):
+    """float32 ``x`` as e4m3fn, rounded to nearest even and saturated at +-448, as torch's
+    ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``: one hardware conversion on a GPU; with
+    ``SOFT`` (Triton's interpreter, see :func:`round_to_e4m3`) rounded in float arithmetic
+    first, about a dozen more instructions an element."""
+    if SOFT:
+        return round_to_e4m3(x).to(tl.float8e4nv)
+    else:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def to_kv(x, inv_scale, FP8: tl.constexpr):
     """A K or V value as the cache stores it: ``x * inv_scale`` (float32) rounded to e4m3 for an
     FP8 cache (cast to the cache's dtype after), ``x`` unchanged otherwise. A product, not a

@@ -55,12 +55,13 @@ from kernels.triton_common import (
     cuda_index,
     dot_precision,
     dot_upcast,
+    interpreting,
     mma,
     pdl,
     pdl_enter,
     round_to_bf16,
-    round_to_e4m3,
     rounds_bf16_in_kernel,
+    to_e4m3,
 )
 
 # fp8: batches of at most this many rows take the GEMV. It reads each weight tile once per row
@@ -565,7 +566,7 @@ QUANT_BLOCK = 1024  # elements of a row per iteration of the per-token quantizat
 @triton.jit
 def _per_token_quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, INV_MAX: tl.constexpr, BLOCK: tl.constexpr,
-    ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr,
+    ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr, SOFT_FP8: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -586,15 +587,13 @@ def _per_token_quant_fp8_kernel(
     inv = tl.math.div_rn(1.0, scale)  # correctly rounded, as torch's reciprocal
     tl.store(s_ptr + row, scale)
     if ONE_PASS:
-        q = round_to_e4m3(x * inv)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + offs, to_e4m3(x * inv, SOFT_FP8), mask=mask)
     else:
         for k0 in range(0, K, BLOCK):
             ks = k0 + offs
             k_mask = ks < K
             xv = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
-            q = round_to_e4m3(xv * inv)
-            tl.store(q_row + ks, q.to(q_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(q_row + ks, to_e4m3(xv * inv, SOFT_FP8), mask=k_mask)
 
 
 def per_token_quant_fp8(
@@ -618,6 +617,6 @@ def per_token_quant_fp8(
     bl = whole if one_pass else min(block or QUANT_BLOCK, whole)
     _per_token_quant_fp8_kernel[(m,)](
         x, q, scale, k, x.stride(0), q.stride(0), INV_MAX=INV_FP8_MAX, BLOCK=bl, ONE_PASS=one_pass,
-        num_warps=8 if bl >= 4096 else 4, **pdl(x.device, m),
+        num_warps=8 if bl >= 4096 else 4, SOFT_FP8=interpreting(), **pdl(x.device, m),
     )  # fmt: skip
     return q, scale

@@ -16,7 +16,7 @@ from kernels.attention import (
     ref_write_kv,
     to_cache_dtype,
 )
-from kernels.triton_common import round_to_e4m3
+from kernels.triton_common import interpreting, round_to_e4m3, to_e4m3
 from kernels.triton_decode import paged_decode_attention
 from kernels.triton_prefill import prefill_attention
 from tests.kernels.paged import assert_matches, paged_kv, rand
@@ -43,12 +43,24 @@ def every_e4m3_value_and_the_midpoints() -> torch.Tensor:
     return torch.cat([finite, mids, beside, extra])
 
 
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, to_e4m3(tl.load(x_ptr + offs, mask=mask), SOFT), mask=mask)
+
+
 def test_the_kernel_rounding_equals_torch_bit_for_bit(device: torch.device) -> None:
     x = every_e4m3_value_and_the_midpoints().to(device)
     out = torch.empty(x.shape, dtype=FP8, device=device)
     _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
     ref = x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+    # to_e4m3: the hardware conversion when compiled (the float rounding under the interpreter)
+    cast = torch.empty_like(out)
+    grid = (triton.cdiv(x.numel(), 1024),)
+    _cast_kernel[grid](x, cast, x.numel(), BLOCK=1024, SOFT=interpreting())
+    assert torch.equal(cast.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(to_cache_dtype(x, FP8).view(torch.uint8), ref.view(torch.uint8))
     assert out.float().abs().max().item() == E4M3_MAX  # saturated, never NaN
 
@@ -115,17 +127,20 @@ def test_decode_attention_reads_an_fp8_cache(dtype: torch.dtype, num_splits: int
     assert_matches(out, ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# bf16 queries past fp16's range; fp16 ones of ordinary size (for those f16_read only adds a
+# rounding of q * scale: it is off by default, since their keys are converted to fp16 anyway)
+Q_CASES = [(torch.bfloat16, 1.0), (torch.bfloat16, 1e5), (torch.float16, 1.0)]
+
+
+@pytest.mark.parametrize(("dtype", "magnitude"), Q_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("magnitude", [1.0, 1e5])
 def test_an_fp8_cache_read_as_fp16_or_bf16_matches_the_reference(dtype: torch.dtype, num_splits: int, magnitude: float, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
-    # the fp16 read (the default for 16-bit queries) folds the softmax scale into q before
+    # the fp16 read (the default for bf16 queries) folds the softmax scale into q before
     # rounding it to fp16: bf16 queries past fp16's 65504 stay finite and match
     k_cache, v_cache, tables = paged_kv(MIXED_LENS, 16, 2, 32, torch.float32, gen, device)
     k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
     q = rand((len(MIXED_LENS), 8, 32), torch.float32, gen, device)
-    top = min(magnitude, 6e4 if dtype == torch.float16 else magnitude)  # what fp16 q holds
-    q = (q * top / q.abs().amax()).to(dtype)
+    q = (q * magnitude / q.abs().amax()).to(dtype)
     lens = torch.tensor(MIXED_LENS, dtype=torch.int32, device=device)
     ref = ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
     assert torch.isfinite(ref).all()
@@ -159,6 +174,25 @@ def test_prefill_attention_reads_an_fp8_cache(dtype: torch.dtype, gen: torch.Gen
     out = prefill_attention(q, k_cache, v_cache, tables, starts.to(device), lens, 32**-0.5)
     ref = ref_prefill_attention(q, k_cache, v_cache, tables, starts.to(device), lens, 32**-0.5)
     assert_matches(out, ref)
+
+
+@pytest.mark.parametrize(("dtype", "magnitude"), Q_CASES)
+def test_prefill_reads_an_fp8_cache_as_fp16_or_bf16(dtype: torch.dtype, magnitude: float, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    q_lens, ctx = [5, 16, 1, 33], [5, 40, 17, 33]
+    k_cache, v_cache, tables = paged_kv(ctx, 16, 2, 32, torch.float32, gen, device)
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    q = rand((sum(q_lens), 4, 32), torch.float32, gen, device)
+    q = (q * magnitude / q.abs().amax()).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    starts, lens = starts.to(device), torch.tensor(ctx, dtype=torch.int32, device=device)
+    ref = ref_prefill_attention(q, k_cache, v_cache, tables, starts, lens, 32**-0.5)
+    assert torch.isfinite(ref).all()
+    for f16 in (False, True):
+        out = prefill_attention(q, k_cache, v_cache, tables, starts, lens, 32**-0.5, f16_read=f16)
+        assert_matches(out, ref)
+    with pytest.raises(ValueError, match="f16_read reads an FP8 cache"):
+        prefill_attention(q, k_cache.float().to(dtype), v_cache.float().to(dtype), tables, starts,
+                          lens, 32**-0.5, f16_read=True)  # fmt: skip
 
 
 def test_a_16_bit_cache_still_needs_q_in_its_dtype(
