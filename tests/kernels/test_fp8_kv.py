@@ -176,25 +176,6 @@ def test_prefill_attention_reads_an_fp8_cache(dtype: torch.dtype, gen: torch.Gen
     assert_matches(out, ref)
 
 
-@pytest.mark.parametrize(("dtype", "magnitude"), Q_CASES)
-def test_prefill_reads_an_fp8_cache_as_fp16_or_bf16(dtype: torch.dtype, magnitude: float, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
-    q_lens, ctx = [5, 16, 1, 33], [5, 40, 17, 33]
-    k_cache, v_cache, tables = paged_kv(ctx, 16, 2, 32, torch.float32, gen, device)
-    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
-    q = rand((sum(q_lens), 4, 32), torch.float32, gen, device)
-    q = (q * magnitude / q.abs().amax()).to(dtype)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    starts, lens = starts.to(device), torch.tensor(ctx, dtype=torch.int32, device=device)
-    ref = ref_prefill_attention(q, k_cache, v_cache, tables, starts, lens, 32**-0.5)
-    assert torch.isfinite(ref).all()
-    for f16 in (False, True):
-        out = prefill_attention(q, k_cache, v_cache, tables, starts, lens, 32**-0.5, f16_read=f16)
-        assert_matches(out, ref)
-    with pytest.raises(ValueError, match="f16_read reads an FP8 cache"):
-        prefill_attention(q, k_cache.float().to(dtype), v_cache.float().to(dtype), tables, starts,
-                          lens, 32**-0.5, f16_read=True)  # fmt: skip
-
-
 def test_a_16_bit_cache_still_needs_q_in_its_dtype(
     gen: torch.Generator, device: torch.device
 ) -> None:
