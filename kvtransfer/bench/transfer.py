@@ -5,8 +5,11 @@
 
 Two processes (sender on GPU0, receiver on GPU1) hold Llama-3.1-8B-shaped caches (32 layers,
 8 KV heads, head_dim 128, bf16, block size 16). "e2e" is one ``KvSender.send`` of a KV already
-computed: gather the blocks, header, send, receiver scatters + synchronizes, acknowledgement;
-one row per pipeline chunk size. Its "landed" column is the hand-off as the decode side sees it:
+computed, from the call to its return: the hand-off to the pair's thread, gather the blocks,
+header, send, receiver scatters + synchronizes, acknowledgement; one row per pipeline chunk
+size ("pair" keeps the older measure, from the pair's thread taking the job to the ack, which
+left out ~0.1 ms of submit and hand-off on an H200 host; rows before 2026-11-28 are that one).
+Its "landed" column is the hand-off as the decode side sees it:
 from ``send()`` called to the receiver resolving the transfer (every block written), without the
 acknowledgement's way back to the sender. "ttft" simulates the prefill that writes the KV
 (:mod:`kvtransfer.bench.sim_prefill`, Llama-3.1-8B layer compute over N tokens on GPU0) and times
@@ -201,7 +204,8 @@ class Child:
             out = []
             for tid in tids:
                 called = time.monotonic()
-                out.append((sender.send(endpoint, tid, ids).seconds, called))
+                pair_s = sender.send(endpoint, tid, ids).seconds
+                out.append((time.monotonic() - called, called, pair_s))
             return out
         if op == "ttft":
             return self.ttft(*args)
@@ -470,10 +474,11 @@ def bench_e2e(pair: Pair, name: str, tokens: int, args: argparse.Namespace, chun
     # the hand-off as the decode side sees it: from send() called to the receiver resolving the
     # transfer (all KV in its blocks; one clock on one host), without the ack's way back
     landed = [w[2] - s[1] for s, w in zip(sent, waited, strict=True)][args.warmup :]
+    pair_ms = statistics.median(s[2] for s in sent[args.warmup :]) * 1e3
     title = f"{name} e2e, {tokens} tokens"
-    row = _row(f"{name} e2e {chunk_mb:g}MB", tokens, [s for s, _ in sent[args.warmup :]],
+    row = _row(f"{name} e2e {chunk_mb:g}MB", tokens, [s[0] for s in sent[args.warmup :]],
                ok=ok, receiver_ms=rx_ms, landed_ms=statistics.median(landed) * 1e3,
-               **_timeline(pair, title, args.warmup))  # fmt: skip
+               pair_ms=pair_ms, **_timeline(pair, title, args.warmup))  # fmt: skip
     return {**row, "errors": errors[:3]} if errors else row
 
 
@@ -576,7 +581,8 @@ def _nccl_version() -> str:
 
 
 def print_tables(rows: list[dict[str, Any]]) -> None:
-    print("\ne2e: to the sender's ack; landed: from send() to the decode side having the KV")
+    print("\ne2e: send() called to returned (the ack); landed: from send() to the decode side "
+          "having the KV")  # fmt: skip
     print(f"{'path':<32}{'tokens':>7}{'MB':>9}{'median ms':>11}{'p90 ms':>9}{'GB/s':>9}"
           f"{'landed':>9}  ok")  # fmt: skip
     for r in rows:
