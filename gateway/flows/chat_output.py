@@ -90,6 +90,7 @@ class ChoiceOutput:
         self._array = _ArrayCalls() if choice == "required" else None
         self._named_id: str | None = None
         self._content: list[str] = []
+        self._held = ""  # auto: whitespace not streamed yet (see _content_delta)
         self._reasoning: list[str] = []
 
     # ---- streaming ---------------------------------------------------------------------------
@@ -107,6 +108,9 @@ class ChoiceOutput:
         if self._auto is not None:
             end = self._auto.finish()
             deltas += self._content_delta(end.content) + self._calls(end.tool_calls)
+            if self._held and not self.tool_calls:  # plain text after all: all of it
+                deltas.append({"content": self._held})
+            self._held = ""
         return deltas
 
     def _with_reasoning(self, reasoning: str, content: str) -> list[Delta]:
@@ -127,10 +131,19 @@ class ChoiceOutput:
         return self._content_delta(text)
 
     def _content_delta(self, text: str) -> list[Delta]:
+        """Under auto tool parsing, trailing whitespace waits for what follows it: text after
+        it sends it along, and at the end it is dropped if the turn called tools, as the whole
+        message strips its content then (the newlines around and between calls are no content).
+        Leading whitespace before text is sent: a stream cannot know yet that calls will come."""
         if not text:
             return []
         self._content.append(text)
-        return [{"content": text}]
+        if self._auto is None:
+            return [{"content": text}]
+        text = self._held + text
+        kept = text.rstrip()
+        self._held = text[len(kept) :]
+        return [{"content": kept}] if kept else []
 
     def _named_arguments(self, text: str) -> list[Delta]:
         """A named function's arguments stream as they are generated, as OpenAI sends them."""

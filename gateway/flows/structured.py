@@ -10,6 +10,7 @@ INVALID_ARGUMENT comes back as a 400 with the library's message.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from gateway.core.errors import invalid
@@ -21,6 +22,7 @@ BACKENDS = (None, "", "auto", "xgrammar")
 _SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _SO_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what OpenAI takes as a json_schema name
 _GUIDED = {
     "guided_json": "json",
     "guided_regex": "regex",
@@ -77,6 +79,13 @@ def _response_format(f: Fields) -> StructuredOutput | None:
             "response_format json_schema needs a json_schema object: "
             '{"name": ..., "schema": {...}}',
             "response_format",
+        )
+    name = body.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise invalid(  # as OpenAI: the name is required
+            "response_format json_schema needs a name: 1 to 64 letters, digits, '_' or '-' "
+            f"(got {name!r})",
+            "response_format.json_schema.name",
         )
     if body.get("schema") is None:  # OpenAI: the schema is optional; then any JSON object
         return StructuredOutput("json_object")
@@ -139,7 +148,9 @@ def _guided(f: Fields) -> StructuredOutput | None:
             f"guided_decoding_backend {backend!r} is not available: this server uses xgrammar",
             "guided_decoding_backend",
         )
-    given = [(name, kind) for name, kind in _GUIDED.items() if f.get(name) not in (None, "", [])]
+    # an empty guided_choice, guided_regex or guided_grammar asks for a constraint it does not
+    # give: a 400 (as structured_outputs' empty ones), never free output
+    given = [(name, kind) for name, kind in _GUIDED.items() if f.get(name) is not None]
     if not given:
         return None
     if len(given) > 1:

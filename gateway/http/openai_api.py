@@ -144,6 +144,16 @@ async def completions(request: Request) -> Response:
     prompts = await state.off_loop(_completion_prompts, tok, req)
     if any(not p.ids for p in prompts):
         raise invalid("prompt must not be empty (it has no tokens)", "prompt")
+    max_model_len = state.registry.limits()[0]
+    if req.score_only and max_model_len is not None:
+        longest = max(len(p.ids) for p in prompts)
+        if longest >= max_model_len:  # the workers sample one token beside the prompt's scores
+            raise invalid(
+                f"This model's maximum context length is {max_model_len} tokens: a prompt "
+                f"scored with max_tokens 0 may have at most {max_model_len - 1} (the workers "
+                f"compute one token beside its logprobs, then drop it); this one has {longest}",
+                "prompt", code="context_length_exceeded",
+            )  # fmt: skip
     state.metrics.observe_structured(req.common.sampling.structured, None)
     gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
                  COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip

@@ -64,12 +64,16 @@ def _timing_comment(gen: Generation) -> bytes:
 
 
 def _completion_piece(
-    info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk
+    info: StreamInfo, offsets: dict[int, Any], choice: Choice, chunk: Chunk
 ) -> list[Body]:
+    """``offsets``: per choice, where its text starts (the echoed prompt's length), then its
+    tokens' offsets so far (one count over the whole stream, as a whole response counts)."""
     logprobs = None
     if info.logprobs:
-        logprobs = formats.completion_logprobs(chunk.logprobs, offsets.get(choice.index, 0))
-    offsets[choice.index] = offsets.get(choice.index, 0) + len(chunk.text)
+        where = offsets.get(choice.index, 0)
+        if isinstance(where, int):  # the choice's first chunk
+            where = offsets[choice.index] = formats.text_offsets(where)
+        logprobs = formats.completion_logprobs(chunk.logprobs, where)
     piece = formats.completion_choice(choice.index, chunk.text, logprobs, chunk.finish_reason)
     return [_frame(info, [piece])]
 

@@ -7,6 +7,7 @@ so a stream never shows part of a stop string that is then cut away.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +37,14 @@ def fast_decoder(tokenizer: Any) -> Decoder:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return tokenizer  # type: ignore[no-any-return]
     return _BackendDecoder(backend)
+
+
+def held_back(stop: Sequence[str]) -> int:
+    """How many trailing characters of a request's text, unfinished, wait until they can no
+    longer begin one of its ``stop`` strings: the longest one's length less one (0 without).
+    Whoever sends part of a request's text (a prefill worker its first token) holds back as
+    many, so that the worker going on with it (which starts from the same tokens) sends them."""
+    return max(map(len, stop), default=1) - 1
 
 
 @dataclass
@@ -86,7 +95,7 @@ class IncrementalDetokenizer:
 
     def release(self, finished: bool) -> str:
         """New text safe to show now (everything, once finished)."""
-        hold = 0 if finished or not self.stop else self._longest_stop - 1
+        hold = 0 if finished else held_back(self.stop)
         end = max(len(self.text) - hold, 0)
         delta, self.text = self.text[:end], self.text[end:]
         return delta

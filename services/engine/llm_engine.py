@@ -472,7 +472,9 @@ class LLMEngine:
         if det is not None:
             for t in output_token_ids:
                 det.add(t)
-            det.release(True)  # the prefill worker already sent this text
+            # the prefill worker sent this text but for what may begin a stop string: that is
+            # held here too (the same rule on the same tokens), to be matched or sent from here
+            det.release(False)
         if req.finished:
             self._detok.pop(request_id, None)
             self.grammars.drop(request_id)

@@ -104,6 +104,32 @@ def test_auto_reads_calls_with_the_parser_and_keeps_the_content(size: int) -> No
     assert plain.finish_reason("stop") == "stop"
 
 
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+        '\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n\n',
+        'Sure.\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\nDone. ',
+        "No tools needed. \n",
+        "   ",
+    ],
+)
+def test_auto_streams_the_content_the_whole_message_has(text: str, size: int) -> None:
+    """Whitespace around and between calls is no content in either form (it was streamed as a
+    content delta that the whole message stripped); plain text keeps all of it in both."""
+    plan = OutputPlan(ToolPlan(FUNCS, "auto"), tool_parsers.get_parser("hermes"))
+    message = ChoiceOutput(plan).message(text)
+    deltas, _ = _stream(plan, _pieces(text, size))
+    assembled = _assemble(deltas)
+    assert assembled["content"] == (message["content"] or "")
+    assert [c["name"] for c in assembled["tool_calls"].values()] == [
+        c["function"]["name"] for c in message.get("tool_calls", [])
+    ]
+    assert all(d.get("content") != "" for d in deltas)
+
+
 @pytest.mark.parametrize("size", [1, 2, 1000])
 def test_reasoning_is_split_off_in_both_forms(size: int) -> None:
     plan = OutputPlan(reasoning=reasoning.get_parser("qwen3"))

@@ -47,7 +47,7 @@ def test_every_form_reads_into_one_structured_output(body: dict, kind: str, spec
 
 def test_nothing_asked_is_none_and_free_whitespace_is_opt_in() -> None:
     assert _parse() is None and _parse(response_format={"type": "text"}) is None
-    assert _parse(guided_json=None, guided_regex="", structured_outputs={}) is None
+    assert _parse(guided_json=None, guided_regex=None, structured_outputs={}) is None
     so = _parse(structured_outputs={"json": SCHEMA, "disable_any_whitespace": False})
     assert so is not None and so.any_whitespace
 
@@ -57,10 +57,15 @@ def test_nothing_asked_is_none_and_free_whitespace_is_opt_in() -> None:
     [
         ({"response_format": {"type": "xml"}}, "response_format", "got 'xml'"),
         ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format", "needs a json_schema object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema.name", "needs a name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}}}, "response_format.json_schema.name", "needs a name"),
         ({"guided_json": "{bad"}, "guided_json", "not valid JSON"),
         ({"guided_json": [1]}, "guided_json", "must be a JSON schema"),
         ({"guided_regex": 5}, "guided_regex", "non-empty string"),
         ({"guided_choice": [1]}, "guided_choice", "non-empty list of strings"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+        ({"guided_regex": ""}, "guided_regex", "non-empty string"),
+        ({"guided_grammar": ""}, "guided_grammar", "non-empty string"),
         ({"guided_choice": ["a", ""]}, "guided_choice", "empty strings"),
         ({"guided_decoding_backend": "lm-format-enforcer", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
         ({"guided_regex": "a", "guided_grammar": "b"}, "guided_grammar", "give one of"),

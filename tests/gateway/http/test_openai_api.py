@@ -160,6 +160,16 @@ def test_completion_echo_with_logprobs_scores_the_prompt(colocated: Stack) -> No
     assert choice.text == "Hello world" and choice.finish_reason == "length"
     assert choice.logprobs.token_logprobs == [None, -0.25]
     assert scored.usage.completion_tokens == 0
+    # a prompt as long as the context cannot be scored (one token is sampled beside it): a 400
+    # that says so, not "you requested 2049 tokens (... 1 in the completion)" for max_tokens 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 may have at most 2047"):
+        client(colocated).completions.create(
+            model="embedded", prompt=[5] * 2048, max_tokens=0, echo=True
+        )
+    longest = client(colocated).completions.create(
+        model="embedded", prompt=[5] * 2047, max_tokens=0, echo=True
+    )
+    assert longest.usage.prompt_tokens == 2047 and longest.usage.completion_tokens == 0
     out = client(colocated).completions.create(  # logprobs alone: the generated tokens only
         model="embedded", prompt="Hello world", max_tokens=2, logprobs=2
     )

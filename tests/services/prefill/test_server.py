@@ -102,6 +102,42 @@ async def test_a_first_token_that_ends_the_request_leaves_nothing_behind(fleet: 
         assert_idle(await wait_pool_free([p, d]))
 
 
+async def test_a_stop_string_that_begins_in_the_first_token_is_found_across_the_hand_off(
+    fleet: Fleet,
+) -> None:
+    """The prefill worker's first token may begin a stop string the decode worker's tokens end:
+    the prefill worker holds that text back, the decode worker holds it too, matches the stop
+    string across the two, and the client gets the text before it (it got the whole first token
+    and then the text to max_tokens: the stop string was never seen)."""
+    prefill, decode = fleet.shared("prefill", "decode")
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        found = 0
+        for i, ids in enumerate(parity_prompts()):
+            plain = await disagg(p, d, f"plain-{i}", ids, 12)
+            res = await reserve(d, f"first-{i}", len(ids), 12)
+            events = [ev async for ev in prefill_call(p, f"first-{i}", ids, greedy(12), res)]
+            assert await d.abort(f"first-{i}")
+            first = events[0].first.text
+            cut = len(first) - 1  # the stop string: the first token's last character and two more
+            stop = plain.text[cut : cut + 3]
+            if cut < 0 or len(stop) < 3 or plain.text.find(stop) != cut:
+                continue
+            found += 1
+            got = await disagg(p, d, f"stop-{i}", ids, 12, stop=[stop])
+            assert got.text == plain.text[:cut], (stop, plain.text)
+            assert got.finish_reason == common_pb2.FINISH_REASON_STOP
+            assert got.token_ids == plain.token_ids[: len(got.token_ids)]
+            # what the prefill worker sent first: its token's text but for the last two
+            # characters (the longest stop string's length less one), which may begin one
+            res = await reserve(d, f"held-{i}", len(ids), 12)
+            sampling = greedy(12, stop=[stop])
+            events = [ev async for ev in prefill_call(p, f"held-{i}", ids, sampling, res)]
+            assert await d.abort(f"held-{i}")
+            assert events[0].first.text == first[: max(len(first) - 2, 0)]
+        assert found >= 3, "too few prompts whose text allows such a stop string"
+        assert_idle(await wait_pool_free([p, d]))
+
+
 async def test_first_token_arrives_before_the_transfer_is_done(fleet: Fleet) -> None:
     prefill, decode = fleet.shared("prefill", "decode")
     ids = chat_ids("Tell me a long story about a parcel. " * 20)

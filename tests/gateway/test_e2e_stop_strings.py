@@ -1,0 +1,97 @@
+"""Stop strings through the gateway against REAL workers (the embedded model on the CPU), in both
+topologies: a stop string that begins in the first token (which a disaggregated request gets from
+its prefill worker) ends the text where the colocated worker ends it, and a streamed completion's
+logprobs count ``text_offset`` as the whole response does while the workers hold text back for a
+stop string."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.test_e2e_real import both_topologies
+from tests.services.procs import Fleet, Proc, fleet
+
+__all__ = ["fleet"]
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "My favourite colour is", "Once upon a time, there"]
+
+
+@pytest.fixture(scope="module")
+def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
+    yield from both_topologies(fleet)
+
+
+def complete(gateway: Proc, prompt: str, **kw: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, **kw}
+    r = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice: dict[str, Any] = r.json()["choices"][0]
+    return choice
+
+
+def streamed(gateway: Proc, prompt: str, **kw: Any) -> dict[str, Any]:
+    """The stream's choice put together: text, finish reason, and its logprobs' lists."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True,
+            **kw}  # fmt: skip
+    text, finish, lists = "", None, {"tokens": [], "text_offset": []}
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+                for key in lists:
+                    lists[key] += (choice.get("logprobs") or {}).get(key, [])
+    return {"text": text, "finish_reason": finish, "logprobs": lists}
+
+
+def test_a_stop_string_that_begins_in_the_first_token_ends_the_text_in_both_topologies(
+    gateways: dict[str, Proc],
+) -> None:
+    checked = 0
+    for prompt in PROMPTS:
+        plain = complete(gateways["colocated"], prompt, logprobs=0)
+        first = plain["logprobs"]["tokens"][0]
+        cut = len(first) - 1  # the first token's last character and the two after it
+        stop = plain["text"][cut : cut + 3]
+        if cut < 0 or len(stop) < 3 or plain["text"].find(stop) != cut:
+            continue
+        checked += 1
+        for topology, gateway in gateways.items():
+            for got in (complete(gateway, prompt, stop=[stop]),
+                        streamed(gateway, prompt, stop=[stop])):  # fmt: skip
+                assert got["text"] == plain["text"][:cut], (topology, stop, plain["text"])
+                assert got["finish_reason"] == "stop", topology
+    assert checked >= 2, "too few prompts whose text allows such a stop string"
+
+
+@pytest.mark.parametrize("topology", ["disagg", "colocated"])
+def test_streamed_text_offsets_equal_the_whole_responses_under_a_stop_string(
+    gateways: dict[str, Proc], topology: str
+) -> None:
+    gateway = gateways[topology]
+    checked = 0
+    for prompt in PROMPTS:
+        text = complete(gateway, prompt)["text"]
+        # a stop string first found late in the text: most tokens come before it
+        late = [k for k in range(len(text) // 2, len(text) - 3) if text.find(text[k : k + 3]) == k]
+        if not late:
+            continue
+        checked += 1
+        stop = text[late[0] : late[0] + 3]
+        whole = complete(gateway, prompt, logprobs=1, stop=[stop])
+        got = streamed(gateway, prompt, logprobs=1, stop=[stop])
+        assert got["text"] == whole["text"]
+        assert got["logprobs"]["tokens"] == whole["logprobs"]["tokens"]
+        assert got["logprobs"]["text_offset"] == whole["logprobs"]["text_offset"], prompt
+        offsets = whole["logprobs"]["text_offset"]
+        assert offsets == sorted(offsets) and len(offsets) > 2 and offsets[-1] > 0
+    assert checked >= 2, "too few prompts whose text allows such a stop string"
