@@ -130,6 +130,10 @@ def _describe(plan: Plan) -> str:
         parts.append(
             f"{w.spec.name} on {where}" + (f" (OMP_NUM_THREADS={threads})" if threads else "")
         )
+    argv = plan.gateway_argv
+    if "--local-prefill-queue" in argv:  # conditional disaggregation: say it is on
+        n = argv[argv.index("--local-prefill-queue") + 1]
+        parts.append(f"prompts prefilled by the decode worker while prefill has {n}+ queued")
     return ", ".join(parts)
 
 

@@ -755,11 +755,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--local-prefill-queue",
         type=_non_negative_int,
-        default=0,
+        default=None,
         metavar="N",
         help="conditional disaggregation (passed to the gateway): while every prefill worker has "
         "at least N requests waiting or in prefill, prompts are prefilled by the decode worker "
-        "itself; 0: off",
+        "itself; 0: off. Default: 1 when each decode worker shares its GPU with a prefill "
+        "worker, else 0",
     )
     add_output_parser_args(p, "(passed to the gateway) ")
     add_media_args(p, "(passed to the gateway) ")

@@ -100,6 +100,28 @@ def test_conditional_disaggregation_is_the_gateways_setting(flag: str) -> None:
     assert flag not in plan_for().gateway_argv
 
 
+def _queue(plan: Plan) -> int:
+    argv = plan.gateway_argv
+    return (
+        int(argv[argv.index("--local-prefill-queue") + 1]) if "--local-prefill-queue" in argv else 0
+    )
+
+
+def test_prefill_and_decode_on_one_gpu_prefill_locally_while_prefill_is_busy() -> None:
+    """The queue rule defaults on where each decode worker shares its GPU with a prefill worker
+    (measured: the pair's goodput at 8 req/s of 4096-token prompts on one H200, 0.15x colocated
+    without it, 0.84x with it) and off where decode has a GPU of its own or on the CPU; what the
+    user sets wins."""
+    assert _queue(plan_for(gpus=("0",))) == 1
+    assert _queue(plan_for("--prefill", "2", "--decode", "2", gpus=("0",))) == 1
+    assert _queue(plan_for(gpus=("0", "1"))) == 0  # decode on a GPU of its own
+    assert _queue(plan_for()) == 0  # the CPU
+    assert _queue(plan_for("--colocated", "1", gpus=("0",))) == 0  # no decode worker
+    assert _queue(plan_for("--local-prefill-queue", "0", gpus=("0",))) == 0
+    assert _queue(plan_for("--local-prefill-queue", "3", gpus=("0", "1"))) == 3
+    assert all("--local-prefill-queue" not in w.spec.argv for w in plan_for(gpus=("0",)).workers)
+
+
 def test_tool_and_reasoning_parsers_go_to_the_gateway() -> None:
     flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
              "--reasoning-parser", "qwen3")  # fmt: skip
