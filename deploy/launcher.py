@@ -77,7 +77,9 @@ def prepare_model(argv: list[str]) -> str:
     echo.join(timeout=5)
     if code != 0 or not lines:
         detail = "\n".join(errors) or "\n".join(lines) or "(no output)"
-        raise ChildFailedError(f"preparing the model failed (exit code {code}):\n{detail}")
+        raise ChildFailedError(
+            f"preparing the model failed (exit code {code}):\n{detail}", 2 if code == 2 else 1
+        )
     return lines[-1]
 
 
@@ -153,7 +155,7 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise ChildFailedError(
-                f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port"
+                f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port", 2
             ) from exc
 
 
@@ -264,7 +266,7 @@ def run(
         return 0
     except ChildFailedError as exc:
         say(f"tandem up: {exc}", error=True)
-        return 1
+        return exc.exit_code
     finally:
         stopping = True
         if sup.children:
@@ -290,6 +292,6 @@ def main(args: argparse.Namespace) -> int:
         code = 2
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    if code == 0 and not args.log_dir:
+    if not args.log_dir and (code == 0 or not any(log_dir.iterdir())):  # kept: child logs
         shutil.rmtree(log_dir, ignore_errors=True)
     return code

@@ -7,6 +7,7 @@ gateway targets) is unit-tested without spawning anything.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from gateway.core.config import (
     media_domain,
     parse_mm_limit,
 )
+from gateway.flows import reasoning, tool_parsers
 from services.cli import add_engine_args
 from services.config import ConfigError, LoRAConfig
 
@@ -225,6 +227,25 @@ def local_prefill_queue(requested: int | None, device: str, workers: Sequence[Wo
     return SHARED_GPU_LOCAL_PREFILL_QUEUE if shared else 0
 
 
+def _check_gateway_flags(args: argparse.Namespace) -> None:
+    """What the gateway would refuse, refused before any model loads (exit 2, as it would)."""
+    drain = float(getattr(args, "drain_timeout", 30.0))
+    if not 0 <= drain < math.inf:
+        raise ConfigError(f"--drain-timeout must be a finite number of seconds >= 0, got {drain}")
+    for flag, name, known in (
+        ("--tool-call-parser", getattr(args, "tool_call_parser", None), tool_parsers.PARSERS),
+        ("--reasoning-parser", getattr(args, "reasoning_parser", None), reasoning.PARSERS),
+    ):
+        if name is not None and name not in known:
+            raise ConfigError(f"{flag} must be one of {', '.join(known)}, got {name!r}")
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(
+        args, "tool_call_parser", None
+    ):
+        raise ConfigError(
+            f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})"
+        )
+
+
 def build_plan(
     args: argparse.Namespace,
     gpus: Sequence[str],
@@ -236,6 +257,7 @@ def build_plan(
     environ = {} if environ is None else environ
     lora = LoRAConfig.from_args(args)  # bad LoRA flags end here, not in every worker
     parse_mm_limit(getattr(args, "limit_mm_per_prompt", None))  # nor the gateway's
+    _check_gateway_flags(args)
     for domain in getattr(args, "allowed_media_domains", None) or ():
         media_domain(domain)
     device, gpus = _resolve_device(args.device, gpus)

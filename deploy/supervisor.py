@@ -27,7 +27,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 class ChildFailedError(RuntimeError):
-    """A child exited or never became ready; the message carries the tail of its log."""
+    """A child exited or never became ready; the message carries the tail of its log.
+    ``exit_code``: what the launcher exits with: 2 when the child refused its input (it exited
+    2, the CLI's status for bad input), else 1."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,8 @@ class Supervisor:
 
     def failure(self, child: Child, what: str) -> ChildFailedError:
         return ChildFailedError(
-            f"{child.name} {what}; last lines of {child.log_path}:\n{log_tail(child.log_path)}"
+            f"{child.name} {what}; last lines of {child.log_path}:\n{log_tail(child.log_path)}",
+            2 if child.proc.poll() == 2 else 1,
         )
 
     def first_exited(self) -> Child | None:

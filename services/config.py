@@ -6,6 +6,7 @@ Torch-free, so the gateway, the CLI and the scheduler can all read it.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,11 +72,13 @@ class CacheConfig:
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            raise ConfigError(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
+        if self.kv_cache_gib is not None and not 0 < self.kv_cache_gib < math.inf:
+            raise ConfigError(
+                f"--kv-cache-gib must be a positive, finite number of GiB, got {self.kv_cache_gib}"
+            )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
-        if self.kv_offloading_gib < 0:
+        if not 0 <= self.kv_offloading_gib < math.inf:
             raise ConfigError(f"--kv-offloading-size must be >= 0, got {self.kv_offloading_gib}")
         if self.kv_cache_dtype == "fp8_e5m2":
             raise ConfigError("--kv-cache-dtype fp8_e5m2 is not supported: use fp8 (e4m3), which "

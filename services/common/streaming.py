@@ -64,8 +64,9 @@ async def submit_embedding(
 class _Tally:
     """What a request has streamed so far: its usage, and the timing its last chunk carries."""
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, prefills: bool = True) -> None:
         self.started = started
+        self.prefills = prefills  # False: the prompt was prefilled elsewhere (its KV came here)
         self.first: float | None = None
         self.finished = False
         self.num_tokens = 0
@@ -82,21 +83,26 @@ class _Tally:
         self.queue_s = max(self.queue_s, out.queue_s)
         if not out.finished:
             return None
+        if not self.prefills:  # the first token here is a decode step's, as every later one
+            decode_s = max(now - self.started - self.queue_s, 0.0)
+            return common_pb2.Timing(queue_s=self.queue_s, decode_s=decode_s)
         return common_pb2.Timing(queue_s=self.queue_s, decode_s=now - first,
                                  prefill_s=max(first - self.started - self.queue_s, 0.0))  # fmt: skip
 
 
 async def stream_chunks(
     runtime: WorkerRuntime, driver: EngineDriver, stream: Stream, started: float | None = None,
-    span: Span | None = None, context: Any = None,
+    span: Span | None = None, context: Any = None, prefills: bool = True,
 ) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
     """Yield the request's outputs; a cancelled or broken call aborts it in the engine.
+    ``prefills`` False: a decode worker's request whose KV a prefill worker computed; its timing
+    then has no prefill part (the time to its first token here is a decode step's).
 
     On a multiplexed stream (``context`` a ``RequestContext``) nothing is yielded: each output
     goes to the stream as the engine delivers it, and this waits for the last one.
     ``span`` (the RPC's server span) is ended here, with the output token count and finish reason.
     """
-    tally = _Tally(started or time.monotonic())
+    tally = _Tally(started or time.monotonic(), prefills)
     runtime.inflight += 1
     try:
         if isinstance(context, RequestContext):

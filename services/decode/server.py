@@ -312,7 +312,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             driver.cancel_reservation(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         span = start_server_span(context, "decode", {"tandem.request_id": request.request_id})
-        async for chunk in stream_chunks(self.rt, driver, stream, span=span, context=context):
+        async for chunk in stream_chunks(self.rt, driver, stream, span=span, context=context,
+                                         prefills=False):  # fmt: skip
             yield chunk
 
     async def _prefill_here(

@@ -147,7 +147,20 @@ class ArchConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> ArchConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A checkpoint's config.json; ConfigError (naming the file) if it is not valid JSON,
+        not an object, or lacks a field the architecture needs or holds one of the wrong type."""
+        try:
+            cfg = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path} is not a readable JSON model config: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
+        try:
+            return cls.from_dict(cfg)
+        except KeyError as e:
+            raise ConfigError(f"{path} lacks {e.args[0]!r}, which the model needs") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ConfigError(f"{path} has a field of the wrong type or value: {e}") from None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

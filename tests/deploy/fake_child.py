@@ -3,7 +3,7 @@
 Run as ``python -m tests.deploy.fake_child ROLE [flags]``. It binds a real port, prints one JSON line
 (pid, argv, env) to its log, writes its ready file atomically and sleeps until signalled. The
 gateway role also answers GET /v1/models. Behaviour switches come from the environment:
-FAKE_FAIL_ROLE (exit 3 before ready), FAKE_IGNORE_TERM (role that ignores SIGTERM),
+FAKE_FAIL_ROLE (exit 3 before ready, or FAKE_FAIL_CODE), FAKE_IGNORE_TERM (role that ignores SIGTERM),
 FAKE_GRANDCHILD (role that spawns a sleeping grandchild), FAKE_PREPARE_FAIL, FAKE_TERM_LOG
 (a file each child appends its role to when SIGTERM arrives).
 """
@@ -84,7 +84,7 @@ def main() -> int:
         signal.signal(signal.SIGTERM, lambda *_: _note_term(role))
     if os.environ.get("FAKE_FAIL_ROLE") == role:
         print(f"boom: {role} failed to load", flush=True)
-        return 3
+        return int(os.environ.get("FAKE_FAIL_CODE", "3"))
     info: dict[str, object] = {
         "pid": os.getpid(),
         "argv": sys.argv[1:],

@@ -225,9 +225,17 @@ def test_stubborn_workers_and_grandchildren_are_killed_after_the_grace_period(st
     assert all_gone([grandchild, *(c["pid"] for c in children.values())])
 
 
+def test_a_worker_that_refuses_its_flags_makes_tandem_up_exit_2(start) -> None:
+    """A child that exits 2 (the CLI's status for bad input: a flag only the engine checks)
+    makes tandem up exit 2 as well, as a bad flag of its own would."""
+    up = start(FAKE_FAIL_ROLE="prefill", FAKE_FAIL_CODE="2")
+    assert up.finish() == 2
+    assert "prefill-0 exited with code 2" in "\n".join(up.lines)
+
+
 def test_a_failed_model_preparation_starts_no_worker(start) -> None:
     up = start(FAKE_PREPARE_FAIL="1")
-    assert up.finish() == 1
+    assert up.finish() == 2  # the model was not found: bad input
     output = "\n".join(up.lines)
     assert "preparing the model failed" in output and "model 'nope' not found" in output
     assert up.children() == {}
@@ -254,6 +262,6 @@ def test_a_busy_gateway_port_fails_before_any_model_loads(start) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         up = start("--port", str(busy.getsockname()[1]))
-        assert up.finish() == 1
+        assert up.finish() == 2
     assert "choose another --port" in "\n".join(up.lines)
     assert up.children() == {}

@@ -122,6 +122,24 @@ def test_prefill_and_decode_on_one_gpu_prefill_locally_while_prefill_is_busy() -
     assert all("--local-prefill-queue" not in w.spec.argv for w in plan_for(gpus=("0",)).workers)
 
 
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (
+            ["--tool-call-parser", "nope", "--enable-auto-tool-choice"],
+            "--tool-call-parser must be one of",
+        ),
+        (["--reasoning-parser", "nope"], "--reasoning-parser must be one of"),
+        (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+        (["--drain-timeout", "-5"], "--drain-timeout must be"),
+        (["--drain-timeout", "nan"], "--drain-timeout must be"),
+    ],
+)
+def test_gateway_flags_are_checked_before_any_model_loads(flags: list[str], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        plan_for(*flags)
+
+
 def test_tool_and_reasoning_parsers_go_to_the_gateway() -> None:
     flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
              "--reasoning-parser", "qwen3")  # fmt: skip

@@ -115,6 +115,22 @@ async def test_openai_chat_equals_the_offline_engine(stack: Any) -> None:
     await pools_free(prefill, decode)
 
 
+def test_the_timing_header_puts_prefill_within_ttft(stack: Any) -> None:
+    """Disaggregated: the prefill part is the prefill worker's; the decode worker's time to its
+    first token (a decode step) was reported as prefill too and won the merge (prefill=0.30 beside
+    ttft=0.20 for 8 tokens)."""
+    _, _, gateway = stack
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    for _ in range(3):
+        r = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        parts = dict(kv.split("=") for kv in r.headers["x-tandem-timing"].split(";"))
+        assert parts["mode"] == "disagg"
+        assert 0 < float(parts["prefill"]) <= float(parts["ttft"]), parts
+        assert float(parts["decode"]) > 0, parts
+
+
 @dataclass
 class SSE:
     frames: list[dict[str, Any]] = field(default_factory=list)

@@ -76,3 +76,22 @@ def test_lora_flags_become_a_lora_config_or_a_clear_refusal() -> None:
         config("--enable-lora", "--lora-modules", "a=/x", "a=/y")
     with pytest.raises(ConfigError, match="--tensor-parallel-size > 1 is not supported"):
         config("--enable-lora", "--tensor-parallel-size", "2")
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"kv_cache_gib": float("nan")}, "--kv-cache-gib must be a positive, finite"),
+        ({"kv_cache_gib": float("inf")}, "--kv-cache-gib must be a positive, finite"),
+        ({"kv_cache_gib": 0.0}, "--kv-cache-gib must be a positive, finite"),
+        ({"kv_offloading_gib": float("nan")}, "--kv-offloading-size must be >= 0"),
+        ({"kv_offloading_gib": float("inf")}, "--kv-offloading-size must be >= 0"),
+    ],
+)
+def test_kv_sizes_that_are_not_finite_positive_numbers_are_refused(kw: dict, words: str) -> None:
+    """NaN and infinity passed the old `<= 0` checks and crashed the block plan with a
+    traceback (cannot convert float NaN to integer)."""
+    from services.config import CacheConfig
+
+    with pytest.raises(ConfigError, match=words):
+        CacheConfig(**kw)

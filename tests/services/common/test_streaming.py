@@ -129,3 +129,22 @@ async def test_an_aborted_multiplexed_request_is_aborted_in_the_engine_and_detac
 async def _items(items: list[Any]) -> AsyncIterator[Any]:
     for item in items:
         yield item
+
+
+def test_a_request_prefilled_elsewhere_reports_no_prefill_time() -> None:
+    """A decode worker's request whose KV came from a prefill worker: its first token here is a
+    decode step's, so all its time is decode time (it was reported as prefill time, which the
+    gateway's timing kept over the prefill worker's: prefill=0.30 beside ttft=0.20)."""
+    import time
+
+    from services.common.streaming import _Tally
+
+    started = time.monotonic() - 0.5
+    here = _Tally(started, prefills=True)
+    assert here.add(_out(1, "a")) is None
+    timing = here.add(_out(2, "b", finished=True))
+    assert timing is not None and timing.prefill_s >= 0.5 and timing.decode_s < 0.5
+    elsewhere = _Tally(started, prefills=False)
+    assert elsewhere.add(_out(1, "a")) is None
+    timing = elsewhere.add(_out(2, "b", finished=True))
+    assert timing is not None and timing.prefill_s == 0.0 and timing.decode_s >= 0.5

@@ -105,3 +105,25 @@ def test_qwen3_vl_reads_as_qwen3_text_with_an_interleaved_deepstack_tower() -> N
 def test_unsupported_qwen3_vl_variants_are_refused(cfg: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ArchConfig.from_dict(cfg)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('{"model_type": "llama", "num_attention_heads', "not a readable JSON model config"),
+        ("", "not a readable JSON model config"),
+        ("[1, 2]", "must hold a JSON object, got list"),
+        ('{"model_type": "llama"}', "lacks 'num_attention_heads'"),
+        ('{"model_type": "llama", "num_attention_heads": "x"}', "wrong type or value"),
+    ],
+)
+def test_a_broken_config_file_is_a_config_error_naming_it(
+    tmp_path: Any, text: str, words: str
+) -> None:
+    """A truncated, empty, non-object or incomplete config.json: a clean error (exit 2 from the
+    CLI), not a JSONDecodeError, AttributeError or KeyError traceback."""
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words) as info:
+        ArchConfig.from_file(path)
+    assert str(path) in str(info.value)
