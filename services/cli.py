@@ -69,15 +69,25 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
+    from protos.errors import ConfigError
     from services.engine.bench.in_process import main_offline
 
-    return main_offline(args)
+    try:
+        return main_offline(args)
+    except ConfigError as e:
+        print(f"tandem bench offline: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _bench_latency(args: argparse.Namespace) -> int:
+    from protos.errors import ConfigError
     from services.engine.bench.in_process import main_latency
 
-    return main_latency(args)
+    try:
+        return main_latency(args)
+    except ConfigError as e:
+        print(f"tandem bench latency: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _bench_disagg(args: argparse.Namespace) -> int:
@@ -188,6 +198,19 @@ def _positive_seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
+
+
+def _batch_sizes(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers (1,64,256)."""
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas (e.g. 1,64,256), got {text!r}"
+        )
+    return sizes
 
 
 def _port(text: str) -> int:
@@ -777,7 +800,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument(
         "--colocated",
-        type=int,
+        type=_non_negative_int,
         default=0,
         help="number of colocated workers (replaces prefill/decode when > 0)",
     )
@@ -972,9 +995,12 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
         )
         b.add_argument(
             "--batch-sizes",
-            default="1,64,256",
-            help="latency: the decode batches to time; offline: the transformers peer's batch "
-            "sizes to sweep (each in its own process)",
+            type=_batch_sizes,
+            default=None if offline else "1,64,256",
+            help="with --compare-transformers: the transformers peer's batch sizes to sweep, "
+            "each in its own process (default: 1,64,256)"
+            if offline
+            else "the decode batches to time, comma-separated",
         )
         if name == "offline":
             b.add_argument(
@@ -1161,12 +1187,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `tandem up` flags of the prefill/decode topology, which --colocated N replaces
+DISAGGREGATED_ONLY = (
+    "prefill", "decode", "kv_checksum", "kv_streaming", "max_local_prefill_tokens",
+    "local_prefill_queue",
+)  # fmt: skip
+
+
+def check_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """Why ``tandem up``'s flags do not go together (None when they do): a prefill/decode flag
+    set away from its default beside --colocated N would be ignored."""
+    if args.colocated == 0:
+        return None
+    given = [
+        "--" + dest.replace("_", "-")
+        for dest in DISAGGREGATED_ONLY
+        if getattr(args, dest) != parser.get_default(dest)
+    ]
+    if not given:
+        return None
+    return (
+        f"--colocated replaces --prefill/--decode: {', '.join(given)} "
+        f"{'is' if len(given) == 1 else 'are'} for prefill and decode workers only; give one "
+        "or the other"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from deploy.supervisor import follow_parent
 
     follow_parent()  # a child of `tandem up` (or of a test) ends with its parent
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     key = f"bench {args.bench}" if args.command == "bench" else args.command
+    if key == "up":
+        up = selected(parser, args)
+        problem = check_up(args, up)
+        if problem:
+            up.error(problem)  # usage and the error on stderr, exit status 2
     return int(HANDLERS[key](args) or 0)
 
 

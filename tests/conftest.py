@@ -15,6 +15,8 @@ two xdist workers started two fleets.)
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -68,3 +70,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return unit_of(nodeid)
 
     return OneServingModuleAtATime(config, log)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])

@@ -29,6 +29,8 @@ class WorkerSpec:
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ConfigError(f"worker address must be HOST:PORT, got {self.address!r}")
+        if not 0 < int(port) < 65536:
+            raise ConfigError(f"worker port must be 1-65535, got {self.address!r}")
 
 
 @dataclass(frozen=True)
@@ -151,22 +153,46 @@ class GatewayConfig:
         return self.served_model_name or self.model
 
 
+WORKER_FILE_KEYS = ("prefill", "decode", "worker", "workers")
+
+
 def load_worker_file(path: str) -> list[WorkerSpec]:
     """Workers from YAML or JSON: ``{prefill: [HOST:PORT], decode: [...], worker: [...]}``
     or ``{workers: [{role, address}, ...]}``."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from e
     data: Any
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml  # optional: only YAML worker files need it
         except ImportError as e:
             raise ConfigError(f"{path}: YAML needs pyyaml (pip install pyyaml) or use JSON") from e
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:  # its text spans lines: the problem and where, in one
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            problem = getattr(e, "problem", None) or " ".join(str(e).split())
+            raise ConfigError(f"--config {path} is not valid YAML: {problem}{where}") from e
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config {path} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of roles to worker addresses")
+    unknown = [str(key) for key in data if key not in WORKER_FILE_KEYS]
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
+            f"{', '.join(WORKER_FILE_KEYS)}"
+        )
+    for key in WORKER_FILE_KEYS:
+        if data.get(key) is not None and not isinstance(data[key], list):
+            raise ConfigError(f"{path}: {key!r} must be a list, got {data[key]!r}")
     specs = [
         WorkerSpec(role=Role.parse(key), address=str(address))
         for key in ("prefill", "decode", "worker")
@@ -188,6 +214,30 @@ def workers_from_args(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
     if args.config:
         specs += load_worker_file(args.config)
     return tuple(dict.fromkeys(specs))
+
+
+def check_topology(config: GatewayConfig) -> None:
+    """ConfigError when the fixed worker list can serve no request: a colocated worker serves
+    alone; a prefill worker needs a decode worker to hand its KV to, and a decode worker
+    serves only requests a prefill worker began. With --discover the lists change as workers
+    come and go: nothing to check at start."""
+    if config.discover:
+        return
+    roles = {spec.role for spec in config.workers}
+    if Role.COLOCATED in roles or {Role.PREFILL, Role.DECODE} <= roles:
+        return
+    if not roles:
+        raise ConfigError(
+            "no workers: give --worker HOST:PORT (colocated), or --prefill and --decode, "
+            "or --config FILE or --discover ROLE=HOST:PORT"
+        )
+    have, missing = (
+        (Role.PREFILL, Role.DECODE) if Role.PREFILL in roles else (Role.DECODE, Role.PREFILL)
+    )
+    raise ConfigError(
+        f"{have} workers but no {missing} worker: a disaggregated request needs both (add "
+        f"--{missing} HOST:PORT, or use colocated workers: --worker HOST:PORT)"
+    )
 
 
 def parse_mm_limit(text: str | None) -> int | None:

@@ -78,8 +78,12 @@ class GatewayTokenizer:
     @staticmethod
     def _load_template(directory: str, config: dict[str, Any], override: str | None) -> str | None:
         if override:
-            with open(override, encoding="utf-8") as f:
-                return f.read()
+            try:
+                with open(override, encoding="utf-8") as f:
+                    return f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+                raise ConfigError(f"--chat-template {override}: cannot read it ({why})") from e
         jinja_file = os.path.join(directory, "chat_template.jinja")
         if os.path.exists(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:

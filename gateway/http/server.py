@@ -20,12 +20,13 @@ from typing import Any
 
 import uvicorn
 
-from gateway.core.config import GatewayConfig, config_from_args
+from gateway.core.config import GatewayConfig, check_topology, config_from_args
 from gateway.flows.chat_output import check_parser_flags
 from gateway.http.app import build_app
 from gateway.http.http_protocol import HttpLimits, guarded_protocol
 from gateway.http.state import GatewayState
 from protos.errors import ConfigError
+from protos.ports import check_port_free
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,15 @@ def main(args: argparse.Namespace, tokenizer_dir: str, model_name: str) -> int:
     try:
         config = config_from_args(args, tokenizer_dir, model_name)
         check_parser_flags(config)
+        if config.tool_call_parser and not config.enable_auto_tool_choice:
+            # the parser reads calls only under tool_choice "auto", which that flag turns on
+            raise ConfigError("--tool-call-parser is used only with --enable-auto-tool-choice")
+        check_topology(config)
+        check_port_free(args.host, args.port)
+        # the tokenizer and the chat template load in serve (build_app): a bad one is a
+        # ConfigError before uvicorn starts
+        _run(serve(config, args.host, args.port, args.ready_file))
     except ConfigError as e:
         log.error("%s", e)
         return 2
-    _run(serve(config, args.host, args.port, args.ready_file))
     return 0

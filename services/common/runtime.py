@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import common_pb2
 from protos.auth import server_interceptors
+from protos.ports import check_port_free
 from protos.roles import Role
 from services.common.convert import stats_to_load
 from services.common.leases import Leases
@@ -41,6 +42,9 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # a second worker on a port already served fails to bind, not shares the port (and the
+    # gateway's requests) with the first, as gRPC's default SO_REUSEPORT would let it
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -118,7 +122,15 @@ class WorkerRuntime:
             reflection.enable_server_reflection(
                 [*service_names, reflection.SERVICE_NAME, "grpc.health.v1.Health"], self.server
             )
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        host, port = self.config.host, self.config.port
+        check_port_free(host, port)
+        bare = host.strip("[]")
+        try:  # an IPv6 address in brackets, as gRPC reads HOST:PORT
+            self.port = self.server.add_insecure_port(
+                f"[{bare}]:{port}" if ":" in bare else f"{host}:{port}"
+            )
+        except RuntimeError as e:  # taken since the check
+            raise ConfigError(f"cannot listen on {host}:{port}: check --host and --port") from e
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
         stop = asyncio.Event()
@@ -348,8 +360,8 @@ def run_worker(
             uvloop.install()
         return asyncio.run(main(config))
     except (ConfigError, ModelNotFoundError) as exc:
-        print(f"error: {exc}", flush=True)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except RankFailedError as exc:  # a tensor-parallel rank died or hung starting: no traceback
-        print(f"error: {exc}", flush=True)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

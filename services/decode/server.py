@@ -17,6 +17,7 @@ import grpc
 
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, kv_control_pb2
 from protos.blocks import blocks_for
+from protos.ports import check_port_free
 from protos.roles import Role
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.common.convert import images_from_pb, sampling_from_pb, transfer_fields
@@ -380,6 +381,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
 
 def build(runtime: WorkerRuntime) -> list[str]:
+    c = runtime.config  # the KV receiver listens once the model is loaded: a busy port is said now
+    check_port_free(c.kv_host or c.host, c.kv_port, "--kv-port")
     servicer = DecodeServicer(runtime)
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, runtime.server)
     runtime.on_ready.append(servicer.start_receiver)

@@ -332,5 +332,86 @@ def test_a_worker_whose_model_cannot_be_split_exits_2_naming_the_cause(
 
     args = build_parser().parse_args([role, "--port", "0", "--tensor-parallel-size", "4"])
     assert HANDLERS[role](args) == 2
-    out = capsys.readouterr().out
-    assert "--tensor-parallel-size 4: 3 KV heads and 9 query heads cannot be split" in out
+    err = capsys.readouterr().err  # an error, on stderr
+    assert "--tensor-parallel-size 4: 3 KV heads and 9 query heads cannot be split" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--prefill", "3"], "--prefill is"),
+        (["--decode", "2", "--kv-checksum"], "--decode, --kv-checksum are"),
+        (["--kv-streaming", "off"], "--kv-streaming is"),
+        (["--max-local-prefill-tokens", "64"], "--max-local-prefill-tokens is"),
+        (["--local-prefill-queue", "0"], "--local-prefill-queue is"),
+    ],
+)
+def test_up_refuses_prefill_and_decode_flags_beside_colocated(
+    extra: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["up", "--colocated", "1", *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tandem up [-h]")
+    assert f"tandem up: error: --colocated replaces --prefill/--decode: {named} for prefill" in err
+
+
+def test_up_with_colocated_alone_passes_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    import deploy.launcher
+    from services.cli import main
+
+    seen: list[argparse.Namespace] = []
+
+    def launch(args: argparse.Namespace) -> int:
+        seen.append(args)
+        return 0
+
+    monkeypatch.setattr(deploy.launcher, "main", launch)
+    assert main(["up", "--colocated", "2", "--max-num-seqs", "8"]) == 0
+    assert main(["up", "--prefill", "2", "--kv-checksum"]) == 0
+    assert [a.colocated for a in seen] == [2, 0]
+
+
+def test_up_colocated_takes_a_count_from_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["up", "--colocated", "-1"])
+    assert exc.value.code == 2
+    assert "argument --colocated: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["latency", "offline"])
+@pytest.mark.parametrize("value", ["0", "abc", "-4", "1,,2", ""])
+def test_batch_sizes_are_positive_integers(
+    command: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", command, "--batch-sizes", value])
+    assert exc.value.code == 2
+    assert "expected positive integers separated by commas" in capsys.readouterr().err
+
+
+def test_batch_sizes_parse_to_a_list() -> None:
+    latency = build_parser().parse_args(["bench", "latency", "--batch-sizes", "1,8"])
+    assert latency.batch_sizes == [1, 8]
+    assert build_parser().parse_args(["bench", "latency"]).batch_sizes == [1, 64, 256]
+    assert build_parser().parse_args(["bench", "offline"]).batch_sizes is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--batch-sizes", "2"], "--batch-sizes is the transformers peer's"),
+        (["--peer-num-prompts", "2"], "--peer-num-prompts is the transformers peer's"),
+    ],
+)
+def test_offline_peer_flags_without_the_peer_exit_2(
+    flags: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    assert main(["bench", "offline", *flags]) == 2  # before any engine is built
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem bench offline: error: {words}") and "Traceback" not in err

@@ -23,6 +23,8 @@ from services.engine.bench.hf_peer import random_prompts
 from services.engine.llm import config_from_args
 from services.engine.llm_engine import LLMEngine
 
+PEER_BATCH_SIZES = (1, 64, 256)  # --compare-transformers without --batch-sizes
+
 
 def _sync() -> None:
     if torch.cuda.is_available():
@@ -154,9 +156,13 @@ def main_offline(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--peer-num-prompts is the transformers peer's: give --compare-transformers"
         )
+    if args.batch_sizes is not None and not args.compare_transformers:
+        raise ConfigError(
+            "--batch-sizes is the transformers peer's (our engine takes every prompt at once): "
+            "give --compare-transformers"
+        )
     if args.compare_transformers:  # first, while the GPU holds nothing of ours
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-        peer = hf_peer.sweep(args, batch_sizes)
+        peer = hf_peer.sweep(args, args.batch_sizes or list(PEER_BATCH_SIZES))
     engine = LLMEngine(config_from_args(args))
     prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size)
     images = None
@@ -216,7 +222,7 @@ def main_latency(args: argparse.Namespace) -> int:
     weight_bytes = _weight_bytes(engine.runner.model)
     weight_bytes -= a.vocab_size * a.hidden_size * engine.runner.model.lm_head.weight.element_size()
     ceilings = device_ceilings() if engine.runner.device.type == "cuda" else None
-    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+    for bs in args.batch_sizes:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)
         # every request must still be running while the measured steps run: the early ones keep
         # decoding while later prompts prefill, so give them room for those steps too

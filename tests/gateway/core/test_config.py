@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from gateway.core.config import GatewayConfig, WorkerSpec, config_from_args, load_worker_file
+from gateway.core.config import (
+    GatewayConfig,
+    WorkerSpec,
+    check_topology,
+    config_from_args,
+    load_worker_file,
+)
 from protos.roles import Role
 from services.cli import build_parser
 from services.config import ConfigError
@@ -48,6 +54,8 @@ def test_json_worker_file(tmp_path) -> None:
         ("gpu", "h:1", "worker role must be one of"),
         ("colocated", "nohost", "HOST:PORT"),
         ("colocated", "h:x", "HOST:PORT"),
+        ("prefill", "h:99999", "worker port must be 1-65535, got 'h:99999'"),
+        ("decode", "h:0", "worker port must be 1-65535"),
     ],
 )
 def test_bad_worker_specs(role: str, address: str, words: str) -> None:
@@ -151,3 +159,69 @@ def test_a_media_limit_that_is_not_positive_exits_2(flag: str) -> None:
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["gateway", flag, "0"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "words"),
+    [
+        ("w.yaml", "prefill: [a\n  b: :\n", r"w.yaml is not valid YAML: .* \(line 2, column 4\)"),
+        ("w.json", '{"worker": ["h:1"],', "w.json is not valid JSON"),
+        ("w.yaml", "foo: 1\ncolocated: ['h:1']\n",
+         "unknown key\\(s\\) 'foo', 'colocated'; the keys are prefill, decode, worker, workers"),
+        ("w.yaml", "decode: h:1\n", "'decode' must be a list"),
+    ],
+)  # fmt: skip
+def test_a_bad_worker_file_is_a_one_line_config_error(
+    tmp_path, name: str, text: str, words: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words) as info:
+        load_worker_file(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_a_missing_worker_file_is_a_config_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot read it \\(No such file or directory\\)"):
+        load_worker_file(str(tmp_path / "nothing.yaml"))
+
+
+def _workers(*specs: tuple[str, str]) -> tuple[WorkerSpec, ...]:
+    return tuple(WorkerSpec(Role.parse(role), address) for role, address in specs)
+
+
+@pytest.mark.parametrize(
+    "workers",
+    [
+        _workers(("colocated", "h:1")),
+        _workers(("prefill", "h:1"), ("decode", "h:2")),
+        _workers(("prefill", "h:1"), ("colocated", "h:2")),
+    ],
+)
+def test_a_topology_that_can_serve_passes(workers: tuple[WorkerSpec, ...]) -> None:
+    check_topology(GatewayConfig(tokenizer="/t", workers=workers))
+
+
+@pytest.mark.parametrize(
+    ("workers", "words"),
+    [
+        ((), "no workers: give --worker HOST:PORT"),
+        (_workers(("prefill", "h:1")), "prefill workers but no decode worker.*--decode HOST:PORT"),
+        (_workers(("decode", "h:1")), "decode workers but no prefill worker.*--prefill HOST:PORT"),
+    ],
+)
+def test_a_topology_that_cannot_serve_is_refused_naming_the_missing_role(
+    workers: tuple[WorkerSpec, ...], words: str
+) -> None:
+    with pytest.raises(ConfigError, match=words):
+        check_topology(GatewayConfig(tokenizer="/t", workers=workers))
+
+
+def test_with_discovery_any_start_is_valid() -> None:
+    """Discovered lists change as pods come and go: nothing to refuse at start."""
+    from gateway.core.config import DiscoverySpec
+
+    discover = (DiscoverySpec.parse("decode=decode.svc:50051"),)
+    check_topology(GatewayConfig(tokenizer="/t", discover=discover))
+    prefill_only = _workers(("prefill", "h:1"))
+    check_topology(GatewayConfig(tokenizer="/t", workers=prefill_only, discover=discover))

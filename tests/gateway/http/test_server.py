@@ -95,3 +95,57 @@ def test_ready_file_holds_the_port_and_sigint_exits(
     assert proc.wait(20) == 0
     output = proc.stdout.read()
     assert f"gateway listening on {url}" in output
+
+
+def _gateway_exits_2(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
+    """``tandem gateway ARGV`` refused at start: exit 2, one log line, no traceback."""
+    from services.cli import main
+
+    assert main(["gateway", *argv]) == 2
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is None, caplog.text
+    assert "Traceback" not in caplog.text
+    return errors[0].getMessage()
+
+
+def test_a_port_in_use_is_refused_before_anything_loads(
+    busy_port: int, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    argv = ["--tokenizer", str(tmp_path), "--worker", "127.0.0.1:1", "--port", str(busy_port)]
+    message = _gateway_exits_2(argv, caplog)
+    assert message == f"port {busy_port} on 127.0.0.1 is in use: choose another --port"
+
+
+def test_a_missing_chat_template_exits_2(
+    tokenizer_dir: str, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = str(tmp_path / "nothing.jinja")
+    argv = ["--tokenizer", tokenizer_dir, "--worker", "127.0.0.1:1", "--port", "0",
+            "--chat-template", missing]  # fmt: skip
+    message = _gateway_exits_2(argv, caplog)
+    assert message == f"--chat-template {missing}: cannot read it (No such file or directory)"
+
+
+def test_a_model_directory_without_a_tokenizer_exits_2(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model", str(tmp_path), "--worker", "127.0.0.1:1", "--port", "0"]
+    assert "no tokenizer.json in" in _gateway_exits_2(argv, caplog)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        ([], "no workers: give --worker HOST:PORT (colocated), or --prefill and --decode"),
+        (["--prefill", "127.0.0.1:2"], "prefill workers but no decode worker"),
+        (["--worker", "127.0.0.1:1", "--tool-call-parser", "hermes"],
+         "--tool-call-parser is used only with --enable-auto-tool-choice"),
+        (["--config", "/nonexistent.yaml"], "--config /nonexistent.yaml: cannot read it"),
+    ],
+)  # fmt: skip
+def test_flags_that_leave_nothing_to_serve_or_do_nothing_exit_2(
+    argv: list[str], words: str, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    message = _gateway_exits_2(["--tokenizer", str(tmp_path), "--port", "0", *argv], caplog)
+    assert words in message
