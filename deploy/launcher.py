@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from typing import IO, TextIO
 from deploy.gpus import detect_gpus
 from deploy.plan import Plan, build_plan, gateway_spec
 from deploy.supervisor import Child, ChildFailedError, ChildSpec, Supervisor, parent_death_env
+from protos import ports
 from protos.auth import TOKEN_ENV
 from services.config import ConfigError
 
@@ -146,17 +146,10 @@ def _progress(pending: list[Child], elapsed: float) -> None:
 
 def check_port_free(host: str, port: int) -> None:
     """Fail before minutes of model loading if the gateway could not bind its port anyway."""
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise ChildFailedError(
-                f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port", 2
-            ) from exc
+    try:
+        ports.check_port_free(host, port)
+    except ConfigError as exc:
+        raise ChildFailedError(str(exc), 2) from exc
 
 
 def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str, dict[str, int]]:

@@ -7,7 +7,6 @@ gateway targets) is unit-tested without spawning anything.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -18,10 +17,11 @@ from deploy.supervisor import ChildSpec
 from gateway.core.config import (
     MEDIA_FETCH_TIMEOUT_S,
     MEDIA_MAX_BYTES,
+    check_drain_timeout,
     media_domain,
     parse_mm_limit,
 )
-from gateway.flows import reasoning, tool_parsers
+from gateway.flows.chat_output import check_parser_flags
 from services.cli import add_engine_args
 from services.config import ConfigError, LoRAConfig
 
@@ -229,21 +229,8 @@ def local_prefill_queue(requested: int | None, device: str, workers: Sequence[Wo
 
 def _check_gateway_flags(args: argparse.Namespace) -> None:
     """What the gateway would refuse, refused before any model loads (exit 2, as it would)."""
-    drain = float(getattr(args, "drain_timeout", 30.0))
-    if not 0 <= drain < math.inf:
-        raise ConfigError(f"--drain-timeout must be a finite number of seconds >= 0, got {drain}")
-    for flag, name, known in (
-        ("--tool-call-parser", getattr(args, "tool_call_parser", None), tool_parsers.PARSERS),
-        ("--reasoning-parser", getattr(args, "reasoning_parser", None), reasoning.PARSERS),
-    ):
-        if name is not None and name not in known:
-            raise ConfigError(f"{flag} must be one of {', '.join(known)}, got {name!r}")
-    if getattr(args, "enable_auto_tool_choice", False) and not getattr(
-        args, "tool_call_parser", None
-    ):
-        raise ConfigError(
-            f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})"
-        )
+    check_drain_timeout(float(getattr(args, "drain_timeout", 30.0)))
+    check_parser_flags(args)
 
 
 def build_plan(

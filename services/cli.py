@@ -68,26 +68,27 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return main(args)
 
 
-def _bench_offline(args: argparse.Namespace) -> int:
+def _bad_input_exits_2(command: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:  # fmt: skip
+    """``run(args)``, with a ConfigError it raises as ``command: error: ...`` and status 2."""
     from protos.errors import ConfigError
-    from services.engine.bench.in_process import main_offline
 
     try:
-        return main_offline(args)
+        return run(args)
     except ConfigError as e:
-        print(f"tandem bench offline: error: {e}", file=sys.stderr)
+        print(f"{command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from services.engine.bench.in_process import main_offline
+
+    return _bad_input_exits_2("tandem bench offline", main_offline, args)
 
 
 def _bench_latency(args: argparse.Namespace) -> int:
-    from protos.errors import ConfigError
     from services.engine.bench.in_process import main_latency
 
-    try:
-        return main_latency(args)
-    except ConfigError as e:
-        print(f"tandem bench latency: error: {e}", file=sys.stderr)
-        return 2
+    return _bad_input_exits_2("tandem bench latency", main_latency, args)
 
 
 def _bench_disagg(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -137,8 +138,7 @@ class GatewayConfig:
         for name, count in at_least_zero.items():
             if count < 0:
                 raise ConfigError(f"{name} must be >= 0, got {count}")
-        if self.drain_timeout_s < 0:
-            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        check_drain_timeout(self.drain_timeout_s)
         domains = tuple(dict.fromkeys(media_domain(d) for d in self.allowed_media_domains))
         object.__setattr__(self, "allowed_media_domains", domains)
         if not METRIC_NAME.fullmatch(self.metrics_prefix):
@@ -151,6 +151,12 @@ class GatewayConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def check_drain_timeout(seconds: float) -> None:
+    """``--drain-timeout``: a finite number of seconds >= 0 (NaN would never end a drain)."""
+    if not 0 <= seconds < math.inf:
+        raise ConfigError(f"--drain-timeout must be a finite number of seconds >= 0, got {seconds}")
 
 
 WORKER_FILE_KEYS = ("prefill", "decode", "worker", "workers")

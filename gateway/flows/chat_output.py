@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from gateway.core.config import GatewayConfig
 from gateway.flows import reasoning, tool_parsers
 from gateway.flows.reasoning import ReasoningParser, ReasoningStream
 from gateway.flows.tool_parsers import ToolCall, ToolParser, ToolStream, as_tool_call
@@ -195,16 +194,31 @@ class ChoiceOutput:
         return "tool_calls" if reason == "stop" and self.tool_calls else reason
 
 
-def check_parser_flags(config: GatewayConfig) -> None:
-    """The output-parser flags name parsers that exist (checked at start, with the other flags)."""
-    if config.enable_auto_tool_choice and not config.tool_call_parser:
+class ParserFlags(Protocol):
+    """The output-parser flags, as a GatewayConfig or `tandem up`'s parsed arguments hold them."""
+
+    @property
+    def enable_auto_tool_choice(self) -> bool: ...
+    @property
+    def tool_call_parser(self) -> str | None: ...
+    @property
+    def reasoning_parser(self) -> str | None: ...
+
+
+def check_parser_flags(flags: ParserFlags) -> None:
+    """The output-parser flags name parsers that exist, and a tool-call parser has the flag that
+    uses it (checked at start, with the other flags: the gateway's and `tandem up`'s)."""
+    if flags.enable_auto_tool_choice and not flags.tool_call_parser:
         raise ConfigError(
             "--enable-auto-tool-choice needs --tool-call-parser "
             f"({', '.join(tool_parsers.PARSERS)})"
         )
     for flag, name, known in (
-        ("--tool-call-parser", config.tool_call_parser, tool_parsers.PARSERS),
-        ("--reasoning-parser", config.reasoning_parser, reasoning.PARSERS),
+        ("--tool-call-parser", flags.tool_call_parser, tool_parsers.PARSERS),
+        ("--reasoning-parser", flags.reasoning_parser, reasoning.PARSERS),
     ):
         if name is not None and name not in known:
             raise ConfigError(f"{flag} must be one of {', '.join(known)}, got {name!r}")
+    if flags.tool_call_parser and not flags.enable_auto_tool_choice:
+        # the parser reads calls only under tool_choice "auto", which that flag turns on
+        raise ConfigError("--tool-call-parser is used only with --enable-auto-tool-choice")

@@ -38,7 +38,7 @@ def _legacy_token(text: str, raw: bytes) -> str:
 _CONTINUATION = bytes(range(0x80, 0xC0))  # a UTF-8 byte that continues a character
 
 
-class _TextOffsets:
+class TextOffsets:
     """Where each token starts, in characters of the text the tokens spell: the characters that
     all earlier tokens' bytes complete. The pieces of one split character all point at where that
     character starts, and no offset passes the text's end.
@@ -66,24 +66,19 @@ class _TextOffsets:
         return at
 
 
-def text_offsets(start: int) -> _TextOffsets:
-    """Offsets of a choice's tokens from ``start`` on, for :func:`completion_logprobs` to go on
-    with over a stream's chunks: counted from the tokens' bytes, not from the text a chunk
-    released (with stop strings a worker holds text back, so the text lags the tokens)."""
-    return _TextOffsets(start)
-
-
 def completion_logprobs(
     entries: Sequence[PositionLogprobs],
-    offset: int | _TextOffsets,
+    offset: int | TextOffsets,
     prompt_tokens: Sequence[str | bytes] = (),
     prompt_scores: Sequence[PositionLogprobs] = (),
 ) -> dict[str, Any]:
     """``{tokens, token_logprobs, top_logprobs, text_offset}``; echoed prompt tokens (their text,
     or their raw bytes) come first, with their logprobs from ``prompt_scores`` (positions 1..;
     the first token has none: null). ``offset`` is where the first token starts in the choice's
-    text, or the offsets of the tokens before (:func:`text_offsets`, advanced by these);
-    ``text_offset`` counts characters of that text (see _TextOffsets)."""
+    text, or the offsets of the tokens before it (a :class:`TextOffsets` a stream carries over
+    its chunks, advanced by these: counted from the tokens' bytes, not from the text a chunk
+    released, which lags the tokens while a worker holds text back for a stop string);
+    ``text_offset`` counts characters of that text (see TextOffsets)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = [None] * len(prompt_tokens)
     top: list[dict[str, float] | None] = [None] * len(prompt_tokens)
@@ -91,7 +86,7 @@ def completion_logprobs(
         token_logprobs[j] = score.chosen.logprob
         top[j] = {_legacy_token(t.token, t.token_bytes): t.logprob for t in score.top}
     offsets: list[int] = []
-    where = offset if isinstance(offset, _TextOffsets) else _TextOffsets(offset)
+    where = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
     for p in prompt_tokens:
         raw = p if isinstance(p, bytes) else p.encode("utf-8")
         text = p.decode("utf-8", errors="replace") if isinstance(p, bytes) else p

@@ -126,9 +126,6 @@ def main(args: argparse.Namespace, tokenizer_dir: str, model_name: str) -> int:
     try:
         config = config_from_args(args, tokenizer_dir, model_name)
         check_parser_flags(config)
-        if config.tool_call_parser and not config.enable_auto_tool_choice:
-            # the parser reads calls only under tool_choice "auto", which that flag turns on
-            raise ConfigError("--tool-call-parser is used only with --enable-auto-tool-choice")
         check_topology(config)
         check_port_free(args.host, args.port)
         # the tokenizer and the chat template load in serve (build_app): a bad one is a

@@ -64,22 +64,19 @@ def _timing_comment(gen: Generation) -> bytes:
 
 
 def _completion_piece(
-    info: StreamInfo, offsets: dict[int, Any], choice: Choice, chunk: Chunk
+    info: StreamInfo, offsets: dict[int, formats.TextOffsets], choice: Choice, chunk: Chunk
 ) -> list[Body]:
-    """``offsets``: per choice, where its text starts (the echoed prompt's length), then its
-    tokens' offsets so far (one count over the whole stream, as a whole response counts)."""
+    """``offsets``: per choice, its tokens' offsets so far, one count over the whole stream (as
+    a whole response counts), from where its text starts (after the echoed prompt)."""
     logprobs = None
     if info.logprobs:
-        where = offsets.get(choice.index, 0)
-        if isinstance(where, int):  # the choice's first chunk
-            where = offsets[choice.index] = formats.text_offsets(where)
-        logprobs = formats.completion_logprobs(chunk.logprobs, where)
+        logprobs = formats.completion_logprobs(chunk.logprobs, offsets[choice.index])
     piece = formats.completion_choice(choice.index, chunk.text, logprobs, chunk.finish_reason)
     return [_frame(info, [piece])]
 
 
 def _chat_piece(
-    info: StreamInfo, offsets: dict[int, int], choice: Choice, chunk: Chunk
+    info: StreamInfo, offsets: dict[int, formats.TextOffsets], choice: Choice, chunk: Chunk
 ) -> list[Body]:
     logprobs = formats.chat_logprobs(chunk.logprobs) if info.logprobs else None
     delta = {"content": chunk.text} if chunk.text else {}
@@ -138,7 +135,9 @@ async def stream_events(
     metrics: GatewayMetrics,
 ) -> AsyncGenerator[bytes, None]:
     piece: Any = _chat_piece if info.object == "chat.completion.chunk" else _completion_piece
-    state: Any = {c.index: len(c.prompt_text) for c in gen.choices} if info.echo else {}
+    state: Any = {
+        c.index: formats.TextOffsets(len(c.prompt_text) if info.echo else 0) for c in gen.choices
+    }
     if info.plan is not None and not info.plan.plain:
         piece, state = _parsed_chat_piece, {c.index: ChoiceOutput(info.plan) for c in gen.choices}
     try:

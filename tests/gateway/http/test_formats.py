@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.http.formats import completion_logprobs, text_offsets
+from gateway.http.formats import TextOffsets, completion_logprobs
 from protos.logprobs import PositionLogprobs, TokenLogprob
 
 EMOJI = "😀".encode()  # f0 9f 98 80: one character, here split over two tokens
@@ -62,11 +62,11 @@ def test_echoed_prompt_tokens_come_first_and_share_the_offsets() -> None:
 
 def test_offsets_carried_over_a_streams_chunks_equal_the_whole_responses() -> None:
     """However the tokens fall into chunks (and whatever text each chunk released), one
-    ``text_offsets`` carried from chunk to chunk gives the whole response's offsets."""
+    ``TextOffsets`` carried from chunk to chunk gives the whole response's offsets."""
     entries = [*_split_emoji_entries(), _pos(_tok(" end")), _pos(_tok("!"))]
     whole = completion_logprobs(entries, 0)["text_offset"]
     for cuts in ([1], [2], [1, 3], [2, 3, 4], list(range(1, len(entries)))):
-        where, got = text_offsets(0), []
+        where, got = TextOffsets(0), []
         for a, b in zip([0, *cuts], [*cuts, len(entries)], strict=True):
             got += completion_logprobs(entries[a:b], where)["text_offset"]
         assert got == whole, cuts
