@@ -25,6 +25,15 @@ def ref_scatter_blocks(
         cache[:, ids] = buffer[layer].to(cache.dtype)
 
 
+def ref_fence_cas(word: torch.Tensor, expected: int, new: int) -> int:
+    """Compare-and-swap of ``word[0]`` (int64): set it to ``new`` if it holds ``expected``;
+    returns what it held. The GPU version is one atomic, against a push running beside it."""
+    old = int(word[0])
+    if old == expected:
+        word[0] = new
+    return old
+
+
 class RefBlockCopier:
     """Reference of :class:`kernels.triton_block_copy.BlockCopier`: gather/scatter over one
     fixed list of caches, any range of layers [first, last), gathering into ``out`` if given."""
@@ -99,3 +108,33 @@ class RefBlockCopier:
         for layer in range(first, last):
             cache = self._caches[layer]
             cache.index_copy_(1, dids, src._caches[layer].index_select(1, sids).to(cache.dtype))
+
+    def push_from(self, src: RefBlockCopier, meta: torch.Tensor, fence: torch.Tensor) -> None:
+        """:meth:`copy_from` of every layer, fenced: a copy into blocks another party granted
+        (``kvtransfer.grants``) and may take back before it runs.
+
+        ``meta`` is int64 ``[token, src ids..., dst ids...]``; ``fence`` the grant's int64
+        ``[state, count]``. The copy runs only if ``state`` is ``token`` (granted: it is claimed,
+        ``token + 1``) or ``token + 1`` (claimed); afterwards ``state`` is ``token + 2`` (landed).
+        In any other state (revoked, or granted to another transfer) nothing is written.
+        ``count`` is the implementation's own progress counter (the Triton kernel counts its
+        programs in it and the last one marks the copy landed)."""
+        if (
+            meta.dtype != torch.int64
+            or meta.dim() != 1
+            or meta.shape[0] < 3
+            or meta.shape[0] % 2 != 1
+        ):
+            raise ValueError("meta must be int64 [token, n source ids, n destination ids], n >= 1")  # fmt: skip
+        if fence.dtype != torch.int64 or tuple(fence.shape) != (2,):
+            raise ValueError(f"fence must be an int64 [state, count], got {tuple(fence.shape)}")
+        if src.num_layers != self.num_layers:
+            raise ValueError(f"{src.num_layers} source layers for {self.num_layers}")
+        n = (meta.shape[0] - 1) // 2
+        token = int(meta[0])
+        state = ref_fence_cas(fence, token, token + 1)
+        if state not in (token, token + 1):
+            return
+        self.copy_from(src, meta[1 : 1 + n], meta[1 + n :])
+        fence[1] += 1
+        ref_fence_cas(fence, token + 1, token + 2)

@@ -19,7 +19,7 @@ from kernels.attention import (
     ref_rotary_write_kv,
     ref_write_kv,
 )
-from kernels.block_copy import ref_gather_blocks, ref_scatter_blocks
+from kernels.block_copy import ref_fence_cas, ref_gather_blocks, ref_scatter_blocks
 from kernels.checksum import ref_checksum
 from kernels.gemv import GEMV_MAX_ROWS
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
@@ -31,6 +31,7 @@ __all__ = [
     "add_lora",
     "checksum",
     "expand_lora",
+    "fence_cas",
     "fp8_linear",
     "fp8_supported",
     "fused_moe",
@@ -320,6 +321,13 @@ def scatter_blocks(
 ) -> None:
     mod = _triton("triton_block_copy", buffer)
     (mod.scatter_blocks if mod else ref_scatter_blocks)(buffer, kv_caches, block_ids)
+
+
+def fence_cas(word: torch.Tensor, expected: int, new: int) -> int:
+    """Atomic compare-and-swap of ``word[0]`` (int64), returning what it held; on a GPU one
+    atomic against a fenced block push running beside it (waits for the device)."""
+    mod = _triton("triton_block_copy", word)
+    return (mod.fence_cas if mod else ref_fence_cas)(word, expected, new)
 
 
 def checksum(data: torch.Tensor) -> torch.Tensor:  # [N] uint8 -> [] int64

@@ -73,6 +73,50 @@ def _block_move_kernel(
     tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _block_push_kernel(
+    src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, fence_ptr, num_ids,
+    s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # meta: [token, src ids (num_ids), dst ids (num_ids)]; fence: [state, programs done]
+    token = tl.load(meta_ptr)
+    state = tl.load(fence_ptr, volatile=True)
+    if state == token:  # granted, not yet claimed: claim it (unless revoked meanwhile)
+        state = tl.atomic_cas(fence_ptr, token, token + 1)
+    if (state == token) | (state == token + 1):  # claimed, by this program or another one
+        pid = tl.program_id(0)  # over (layer, kv, i)
+        i = pid % num_ids
+        layer = pid // num_ids // 2
+        kv = (pid // num_ids) % 2
+        src_blk = tl.load(meta_ptr + 1 + i)
+        dst_blk = tl.load(meta_ptr + 1 + num_ids + i)
+        src_off = tl.load(src_off_ptr + layer) + kv * s_kv_src + src_blk * s_blk_src
+        dst_off = tl.load(dst_off_ptr + layer) + kv * s_kv_dst + dst_blk * s_blk_dst
+        offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+        mask = offs < block_elems
+        x = tl.load(src_ptr + src_off + offs, mask=mask)
+        tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        # the last program to finish marks the transfer landed (acq_rel: after every store)
+        done = tl.atomic_add(fence_ptr + 1, 1)
+        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.atomic_cas(fence_ptr, token + 1, token + 2)
+
+
+@triton.jit
+def _fence_cas_kernel(word_ptr, args_ptr, out_ptr):
+    old = tl.atomic_cas(word_ptr, tl.load(args_ptr), tl.load(args_ptr + 1))
+    tl.store(out_ptr, old)
+
+
+def fence_cas(word: torch.Tensor, expected: int, new: int) -> int:
+    """Triton version of :func:`kernels.block_copy.ref_fence_cas` (waits for the device)."""
+    check_tensor("word", word, ndim=1, dtypes=(torch.int64,))
+    args = torch.tensor([expected, new], dtype=torch.int64).to(word.device)
+    out = torch.empty(1, dtype=torch.int64, device=word.device)
+    _fence_cas_kernel[(1,)](word, args, out, num_warps=1)
+    return int(out.item())
+
+
 def _layout(cache: torch.Tensor) -> tuple[object, ...]:
     return (cache.shape, cache.stride(), cache.dtype, cache.device)
 
@@ -118,6 +162,18 @@ def _check_cache_list(kv_caches: list[torch.Tensor]) -> torch.Tensor:
 def _check_ids(block_ids: torch.Tensor, cache: torch.Tensor) -> None:
     check_tensor("block_ids", block_ids, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
     check_devices(block_ids=block_ids, kv_caches=cache)
+
+
+def _check_push(meta: torch.Tensor, fence: torch.Tensor, cache: torch.Tensor) -> int:
+    """Checks :meth:`BlockCopier.push_from`'s ``meta`` and ``fence``; returns the block count."""
+    check_tensor("meta", meta, ndim=1, dtypes=(torch.int64,))
+    check_tensor("fence", fence, ndim=1, dtypes=(torch.int64,))
+    check_devices(meta=meta, fence=fence, kv_caches=cache)
+    if meta.shape[0] < 3 or meta.shape[0] % 2 != 1:
+        raise ValueError(f"meta must be [token, n source ids, n destination ids], n >= 1, got {meta.shape[0]} entries")  # fmt: skip
+    if fence.shape[0] != 2 or not fence.is_contiguous():
+        raise ValueError(f"fence must be a contiguous [state, count], got {tuple(fence.shape)}")
+    return (meta.shape[0] - 1) // 2
 
 
 def _check_caches(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
@@ -240,6 +296,27 @@ class BlockCopier:
         _block_move_kernel[grid](
             src._base, src._offsets[first:], src_ids, self._base, self._offsets[first:], dst_ids,
             n, src._base.stride(0), src._base.stride(1), self._base.stride(0),
+            self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
+        )  # fmt: skip
+
+    def push_from(self, src: BlockCopier, meta: torch.Tensor, fence: torch.Tensor, *, chunk: int = CHUNK, num_warps: int = 4) -> None:  # fmt: skip
+        """:meth:`copy_from` of every layer, fenced (see
+        :meth:`kernels.block_copy.RefBlockCopier.push_from`): ``meta`` is int64 ``[token,
+        src ids..., dst ids...]`` and ``fence`` this transfer's int64 ``[state, count]``."""
+        n = _check_push(meta, fence, self._base)
+        if src.block_shape != self.block_shape or src.device != self.device:
+            raise ValueError(
+                f"source blocks {src.block_shape} on {src.device} do not fit "
+                f"{self.block_shape} on {self.device}"
+            )
+        if src.num_layers != self.num_layers:
+            raise ValueError(f"{src.num_layers} source layers for {self.num_layers}")
+        block_elems = self._base[0, 0].numel()
+        chunk = min(chunk, next_pow2(block_elems))
+        grid = (self.num_layers * 2 * n, triton.cdiv(block_elems, chunk))
+        _block_push_kernel[grid](
+            src._base, src._offsets, self._base, self._offsets, meta, fence, n,
+            src._base.stride(0), src._base.stride(1), self._base.stride(0),
             self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
         )  # fmt: skip
 

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
+from kvtransfer.grants import Grant
 from kvtransfer.results import CounterBox, TransferResult
 
 Callback = Callable[[TransferResult], None]
@@ -34,9 +35,17 @@ class TransferHandle:
     ``loop.call_soon_threadsafe``.
     """
 
-    def __init__(self, transfer_id: str, block_ids: tuple[int, ...], cancel: Callable[[], bool]):
+    def __init__(
+        self,
+        transfer_id: str,
+        block_ids: tuple[int, ...],
+        cancel: Callable[[], bool],
+        grant: Grant | None = None,
+    ) -> None:
         self.transfer_id = transfer_id
         self.block_ids = block_ids
+        # the blocks granted ahead to a sender on the same GPU (pass it to KvSender.submit)
+        self.grant = grant
         self._cancel = cancel
         self._lock = threading.Lock()
         self._event = threading.Event()
@@ -85,16 +94,25 @@ class TransferHandle:
 class Expectation:
     """Registry-internal state of one transfer."""
 
-    def __init__(self, handle: TransferHandle, deadline: float) -> None:
+    def __init__(
+        self, handle: TransferHandle, deadline: float, settle: Callable[[], None] | None = None
+    ) -> None:
         self.handle = handle
         self.deadline = deadline
         self.receiving = False
         self.cancel_reason = ""
         self.write_lock = threading.Lock()  # held while issuing writes into the blocks
-        self.flush: Callable[[], None] | None = None  # waits for writes issued (set by the writer)
+        # waits for writes issued (set by the writer); with a grant, until then: takes the
+        # grant back or waits for the copy that claimed it (kvtransfer.grants)
+        self.flush: Callable[[], None] | None = settle
         # whether flush would wait on another process (a sender still copying into the blocks
-        # on a shared GPU): a cancel then resolves on a thread of its own (set by the writer)
-        self.busy: Callable[[], bool] | None = None
+        # on a shared GPU): a cancel then resolves on a thread of its own (set by the writer;
+        # with a grant, taking it back is a GPU round trip: off the cancelling thread)
+        self.busy: Callable[[], bool] | None = (lambda: True) if settle is not None else None
+
+    @property
+    def grant(self) -> Grant | None:
+        return self.handle.grant
 
     @property
     def transfer_id(self) -> str:
@@ -124,14 +142,23 @@ class ExpectationRegistry:
         self._janitor.start()
 
     def expect(
-        self, transfer_id: str, block_ids: list[int], deadline_s: float | None = None
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        deadline_s: float | None = None,
+        grant: Grant | None = None,
+        settle: Callable[[], None] | None = None,
     ) -> TransferHandle:
-        """``deadline_s`` None: no deadline here; whoever owns the blocks cancels it."""
+        """``deadline_s`` None: no deadline here; whoever owns the blocks cancels it. With a
+        ``grant``, ``settle`` makes sure no copy of it writes any more (it is the flush until a
+        pair takes the transfer over)."""
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
-        handle = TransferHandle(transfer_id, tuple(block_ids), lambda: self.cancel(transfer_id))
+        handle = TransferHandle(
+            transfer_id, tuple(block_ids), lambda: self.cancel(transfer_id), grant
+        )
         deadline = float("inf") if deadline_s is None else time.monotonic() + deadline_s
-        exp = Expectation(handle, deadline)
+        exp = Expectation(handle, deadline, settle if grant is not None else None)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the KV receiver is closed")

@@ -9,7 +9,10 @@ Contract:
   (after reserving ``block_ids``) and returns a :class:`TransferHandle`. The handle resolves ok
   only once every byte arrived, the layout and block count matched (and every chunk's checksum,
   when the sender sends them) and the blocks were written (CUDA writes synchronized on a dedicated stream). It
-  resolves with an error on cancel, deadline, layout mismatch or a broken sender.
+  resolves with an error on cancel, deadline, layout mismatch or a broken sender. With
+  ``grant=True`` on a GPU, ``handle.grant`` hands the blocks to a sender on the same GPU ahead
+  (``kvtransfer.grants``): it copies into them without asking first, fenced on the GPU so that
+  a cancel still wins or waits for the copy.
 - ``cancel(transfer_id)`` is idempotent; once it returns, the receiver never writes those
   blocks again, so the caller may free them.
 - Only registered blocks are ever written, so the engine may keep using the others meanwhile.
@@ -38,6 +41,7 @@ from kvtransfer.config import ReceiverOptions
 from kvtransfer.control import ControlConn, listen
 from kvtransfer.device import DeviceInfo, choose_backend
 from kvtransfer.expectations import ExpectationRegistry, TransferHandle
+from kvtransfer.grants import GrantTable
 from kvtransfer.layout import KvLayout, check_block_ids
 from kvtransfer.receiver_pair import ReceiverContext, ReceiverPair
 from kvtransfer.results import CounterBox, TransferCounters
@@ -45,6 +49,7 @@ from kvtransfer.stores import serve_store
 from kvtransfer.wire import PROTOCOL_VERSION, Hello
 
 log = logging.getLogger(__name__)
+MAX_GRANTS = 65536  # fence slots: transfers granted ahead at once
 
 
 class KvReceiver:
@@ -66,6 +71,8 @@ class KvReceiver:
         self._listener = listen(opts.host, opts.port)
         self.port: int = self._listener.getsockname()[1]
         cuda = device.type == "cuda"
+        # blocks granted ahead to senders on this GPU (only where the pool can be shared)
+        self._grants = GrantTable(device, min(self._num_blocks, MAX_GRANTS)) if cuda and shards is None else None  # fmt: skip
         stream = torch.cuda.Stream(device) if cuda else None
         post_stream = torch.cuda.Stream(device) if cuda else None
         self._ctx = ReceiverContext(
@@ -79,6 +86,7 @@ class KvReceiver:
             store_port,
             copier,
             post_stream,
+            self._grants,
         )
         self._lock = threading.Lock()
         self._pairs: dict[str, ReceiverPair] = {}  # admitted, by sender id
@@ -98,13 +106,36 @@ class KvReceiver:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def expect(
-        self, transfer_id: str, block_ids: list[int], deadline_s: float | None = None
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        deadline_s: float | None = None,
+        *,
+        grant: bool = False,
     ) -> TransferHandle:
         """Register a transfer of ``len(block_ids)`` blocks into ``block_ids`` (see module doc).
         Without ``deadline_s`` it is expected until cancelled: the owner of the blocks keeps
-        the one clock (the decode worker's reservation does)."""
+        the one clock (the decode worker's reservation does).
+
+        ``grant``: also grant the blocks ahead (``handle.grant``, None where this receiver
+        cannot: its pool is not on a GPU it may share, or every fence slot is taken); a sender
+        on the same GPU given it (``KvSender.submit(grant=...)``) copies without asking first.
+        Costs one small synchronous GPU write here."""
         check_block_ids(block_ids, self._num_blocks)
-        return self._registry.expect(transfer_id, block_ids, deadline_s)
+        table = self._grants
+        given = table.grant(block_ids) if grant and table is not None else None
+        if given is None or table is None:
+            return self._registry.expect(transfer_id, block_ids, deadline_s)
+        timeout = self.options.io_timeout_s
+        try:
+            handle = self._registry.expect(transfer_id, block_ids, deadline_s, given,
+                                           lambda: table.settle(given, timeout))  # fmt: skip
+        except BaseException:
+            table.release(given)  # never handed out: no copy can hold its token
+            raise
+        # resolving waits for the settle (or the landed copy): the slot is free after it
+        handle.add_done_callback(lambda _result: table.release(given))
+        return handle
 
     def cancel(
         self,

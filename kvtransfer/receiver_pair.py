@@ -40,11 +40,12 @@ from kvtransfer.config import ReceiverOptions
 from kvtransfer.control import ConnectionClosed, ControlConn
 from kvtransfer.device import GLOO, IPC, DeviceInfo, on_stream
 from kvtransfer.expectations import Expectation, ExpectationRegistry
+from kvtransfer.grants import CLAIMED, LANDED, GrantTable
 from kvtransfer.landing import BlockWriter, Landing
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import RECEIVER_RANK, PairChannel, precise_sleeps
 from kvtransfer.results import CounterBox, TransferResult
-from kvtransfer.shared_pool import export_pool, open_event
+from kvtransfer.shared_pool import export_fence, export_pool, open_event
 from kvtransfer.staging import DeviceIds, HostStaging
 from kvtransfer.stores import clone
 from kvtransfer.wire import (
@@ -56,6 +57,7 @@ from kvtransfer.wire import (
     Hello,
     Message,
     Opened,
+    Pushed,
     Share,
     Stop,
     Trailer,
@@ -88,6 +90,7 @@ class ReceiverContext:
     # receives are posted with this idle stream current: NCCL's stream waits on the current
     # one, and neither the decode engine's work nor our writes should hold a receive back
     post_stream: torch.cuda.Stream | None
+    grants: GrantTable | None = None  # blocks granted ahead (one GPU; kvtransfer.grants)
 
 
 # the receiver's decision on a hello: (backend, "") to admit, ("", reason) to refuse
@@ -111,6 +114,13 @@ class PushedKv:
         if not self.ended.wait(self._pair._ctx.options.io_timeout_s):
             log.warning("KV sender %s did not confirm it stopped transfer #%d",
                         self._pair.sender_id, self._seq)  # fmt: skip
+
+
+class _Landed:
+    """The writes of a pushed transfer: they have run before it is resolved."""
+
+    def flush(self) -> None:
+        return None
 
 
 class ReceiverPair:
@@ -202,7 +212,10 @@ class ReceiverPair:
     def _share_pool(self, deadline: float) -> str:
         """Share our pool with a sender on our GPU; returns the backend of the pair from now on
         (gloo if the sender could not open it)."""
-        self._send(Share(tuple(export_pool(self._ctx.caches))))
+        grants = self._ctx.grants
+        fence = export_fence(grants.fence) if grants is not None else None
+        pool = tuple(export_pool(self._ctx.caches))
+        self._send(Share(pool, fence, grants.pool if grants is not None else ""))
         opened = self._conn.recv(max(deadline - time.monotonic(), 0.001))
         if not isinstance(opened, Opened):
             raise WireError(f"expected the sender's answer to our pool, got {opened!r}")
@@ -225,6 +238,10 @@ class ReceiverPair:
             msg = self._conn.recv()
             if isinstance(msg, Control):
                 return
+            if isinstance(msg, Pushed) and self._ipc and msg.seq == self._next_seq:
+                self._next_seq += 1
+                self._transfer_pushed(msg)
+                continue
             if not isinstance(msg, Header) or msg.seq != self._next_seq:
                 raise WireError(f"expected header #{self._next_seq}, got {msg!r}")
             self._next_seq += 1
@@ -241,7 +258,8 @@ class ReceiverPair:
         start = time.monotonic()
         claim = ctx.registry.claim(header.transfer_id, ctx.options.unknown_grace_s)
         exp = claim if isinstance(claim, Expectation) else None
-        problem = claim if isinstance(claim, str) else self._validate(header, claim)
+        problem = claim if isinstance(claim, str) else self._take_back(claim)
+        problem = problem or (self._validate(header, exp) if exp is not None else "")
         if exp is None or problem:
             result = self._finish(exp, header, start, problem)
             self._send(Ack(header.seq, False, result.error))
@@ -270,9 +288,58 @@ class ReceiverPair:
         if done.stopped:
             problem = exp.cancel_reason or f"the sender stopped transfer {header.transfer_id!r}"
         elif header.trailer and ctx.options.verify_checksums:
-            problem = self._compare_copy(header, exp, done)
+            problem = self._compare_copy(header.transfer_id, exp, done.checksums)
         result = self._finish(exp, header, start, problem, pushed)
         self._send(Ack(header.seq, result.ok, result.error))
+
+    def _take_back(self, exp: Expectation) -> str:
+        """A transfer that comes with a header takes the blocks the usual way: a grant of them
+        is revoked first (or refused, if a copy already claimed it: then it stays that copy's)."""
+        grants, grant = self._ctx.grants, exp.grant
+        if grants is None or grant is None or grants.revoke(grant) != CLAIMED:
+            return ""
+        return (
+            f"transfer {exp.transfer_id!r} is already being copied into its blocks "
+            "(its grant was used by another transfer)"
+        )
+
+    def _transfer_pushed(self, msg: Pushed) -> None:
+        """A transfer the sender copied into blocks we granted ahead, without asking (see
+        :mod:`kvtransfer.grants`): once its copies have run (the shared event, as for a pending
+        Done), check that it used this transfer's grant and resolve it."""
+        ctx, start = self._ctx, time.monotonic()
+        try:
+            self._await_copies()
+        except Exception as e:
+            error = f"KV stream from sender {self.sender_id} broke: {e}"
+            with contextlib.suppress(Exception):
+                self._send(Ack(msg.seq, False, error, broken=True))
+            raise
+        claim = ctx.registry.claim(msg.transfer_id, ctx.options.unknown_grace_s)
+        exp = claim if isinstance(claim, Expectation) else None
+        problem = claim if isinstance(claim, str) else self._check_pushed(msg, claim)
+        if not problem and msg.checksums and ctx.options.verify_checksums:
+            assert exp is not None
+            problem = self._compare_copy(msg.transfer_id, exp, msg.checksums)
+        # the copy has run: resolving settles the grant (landed, or revoked if it never was)
+        result = self._finish(exp, msg, start, problem, _Landed() if exp is not None else None)
+        self._send(Ack(msg.seq, result.ok, result.error))
+
+    def _check_pushed(self, msg: Pushed, exp: Expectation) -> str:
+        grant = exp.grant
+        if grant is None or (msg.slot, msg.token) != (grant.slot, grant.token):
+            return (
+                f"transfer {msg.transfer_id!r} was pushed under a grant this receiver did not "
+                "give it"
+            )
+        problem = self._validate_blocks(msg.transfer_id, msg.layout, msg.num_blocks, exp)
+        if problem:
+            return problem
+        grants = self._ctx.grants
+        assert grants is not None
+        if grants.phase(grant) != LANDED:  # revoked before it ran (a header took it back)
+            return f"transfer {msg.transfer_id!r}: the copy into its granted blocks did not run"
+        return ""
 
     def _await_copies(self) -> None:
         """Poll the sender's event until the copies it queued before its Done have run. It
@@ -294,17 +361,17 @@ class ReceiverPair:
                 pause = min(pause * 2, _POLL_MAX_S)
             time.sleep(pause)
 
-    def _compare_copy(self, header: Header, exp: Expectation, done: Done) -> str:
+    def _compare_copy(self, transfer_id: str, exp: Expectation, checksums: tuple[int, ...]) -> str:
         """The checksum of our blocks now against the sender's of the blocks it copied."""
         ctx = self._ctx
         with on_stream(ctx.stream):
             ids = self._ids.upload(list(exp.handle.block_ids))
             ours = ctx.copier.gather(ids).view(-1).view(torch.uint8)
             value = checksum_value(checksum_tensor(ours))
-        if len(done.checksums) == 1 and done.checksums[0] == value:
+        if len(checksums) == 1 and checksums[0] == value:
             return ""
         return (
-            f"KV checksum mismatch for transfer {header.transfer_id!r}: the blocks copied into "
+            f"KV checksum mismatch for transfer {transfer_id!r}: the blocks copied into "
             "this receiver's pool differ from the sender's"
         )
 
@@ -314,7 +381,8 @@ class ReceiverPair:
         start = time.monotonic()
         claim = ctx.registry.claim(header.transfer_id, ctx.options.unknown_grace_s)
         exp = claim if isinstance(claim, Expectation) else None
-        problem = claim if isinstance(claim, str) else self._validate(header, claim)
+        problem = claim if isinstance(claim, str) else self._take_back(claim)
+        problem = problem or (self._validate(header, exp) if exp is not None else "")
         layers = layer_ranges(
             header.chunks, header.nbytes // header.layout.num_layers, header.layout.num_layers
         )
@@ -414,27 +482,32 @@ class ReceiverPair:
             exp.issue_write(lambda: writer.write(chunk, layers))
 
     def _validate(self, header: Header, exp: Expectation) -> str:
+        problem = self._validate_blocks(header.transfer_id, header.layout, header.num_blocks, exp)
+        if problem:
+            return problem
         expected = self._ctx.layout
-        if header.layout != expected and (diff := header.layout.mismatch(expected)):
-            tid = header.transfer_id
-            return f"KV layout mismatch for transfer {tid!r} (sender != receiver): {diff}"
-        reserved = len(exp.handle.block_ids)
-        if header.num_blocks != reserved:
-            return (
-                f"transfer {header.transfer_id!r} carries {header.num_blocks} blocks but "
-                f"{reserved} were reserved"
-            )
         if header.nbytes != expected.block_bytes * header.num_blocks:
             return f"transfer {header.transfer_id!r}: {header.nbytes} bytes do not match its layout"
+        return ""
+
+    def _validate_blocks(
+        self, tid: str, layout: KvLayout, num_blocks: int, exp: Expectation
+    ) -> str:
+        expected = self._ctx.layout
+        if layout != expected and (diff := layout.mismatch(expected)):
+            return f"KV layout mismatch for transfer {tid!r} (sender != receiver): {diff}"
+        reserved = len(exp.handle.block_ids)
+        if num_blocks != reserved:
+            return f"transfer {tid!r} carries {num_blocks} blocks but {reserved} were reserved"
         return ""
 
     def _finish(
         self,
         exp: Expectation | None,
-        header: Header,
+        header: Header | Pushed,
         start: float,
         problem: str,
-        writer: BlockWriter | PushedKv | None = None,
+        writer: BlockWriter | PushedKv | _Landed | None = None,
     ) -> TransferResult:
         """Resolve the transfer: finish the writes and succeed, or fail; counts it either way."""
         ctx = self._ctx

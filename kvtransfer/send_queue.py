@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtransfer.grants import Grant
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import TransferError, TransferStats
 from kvtransfer.sender_pair import SenderPair
@@ -45,6 +46,7 @@ class SendJob:
     timeout_s: float  # counted from the start of its turn, not from submission
     ready: LayerReady | None = None
     computed: torch.cuda.Event | None = None  # CUDA: the KV is written once this event is
+    grant: Grant | None = None  # the receiver's blocks, granted ahead (kvtransfer.grants)
     future: Future[TransferStats] = field(default_factory=Future)
 
 

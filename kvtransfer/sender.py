@@ -25,6 +25,12 @@ Contract:
   is shipped once the producer has recorded its last layer, the GPU waiting on the producer's
   event instead of the stream (``LayerReady.written(n)``: computed and synchronized, wait for
   nothing). If the producer fails, the transfer fails and the pair is rebuilt.
+- ``grant`` (a :class:`kvtransfer.grants.Grant`, from the receiver's ``expect(..., grant=True)``,
+  carried here with the reservation): on a pair over CUDA IPC with that receiver's pool, a KV
+  computed before ``submit`` is copied into the granted blocks at once, without asking for them
+  first (the copy is fenced on the GPU: a grant the receiver took back writes nothing); elsewhere
+  (another transport, a streamed KV, a grant of another pool) it is ignored and the blocks are
+  asked for as usual.
 - ``close()`` tears every pair down and tells the receivers.
 - ``shards`` (a :class:`KvShards`): the caches hold part of each block (one tensor-parallel
   rank's KV heads); its copier gathers whole blocks and its layout is the whole model's, so the
@@ -44,6 +50,7 @@ import torch
 from kvtransfer.blockcopy import KvShards, make_copier
 from kvtransfer.config import SenderOptions
 from kvtransfer.device import DeviceInfo
+from kvtransfer.grants import Grant
 from kvtransfer.layout import KvLayout, check_block_ids
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import CounterBox, TransferCounters, TransferError, TransferStats
@@ -98,6 +105,7 @@ class KvSender:
         timeout_s: float | None = None,
         *,
         ready: LayerReady | None = None,
+        grant: Grant | None = None,
     ) -> Future[TransferStats]:
         timeout = self.options.timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
@@ -112,7 +120,9 @@ class KvSender:
         computed = None
         if ready is None and self._ctx.stream is not None:  # the KV comes from this thread's stream
             computed = torch.cuda.current_stream(self._ctx.stream.device).record_event()
-        job = SendJob(transfer_id, list(block_ids), timeout, ready, computed)
+        if grant is not None and len(grant.blocks) != len(block_ids):
+            raise ValueError(f"the grant is for {len(grant.blocks)} blocks, not {len(block_ids)}")
+        job = SendJob(transfer_id, list(block_ids), timeout, ready, computed, grant)
         while True:
             queue = self._queue(endpoint)
             try:
@@ -131,8 +141,10 @@ class KvSender:
         timeout_s: float | None = None,
         *,
         ready: LayerReady | None = None,
+        grant: Grant | None = None,
     ) -> TransferStats:
-        return self.submit(endpoint, transfer_id, block_ids, timeout_s, ready=ready).result()
+        future = self.submit(endpoint, transfer_id, block_ids, timeout_s, ready=ready, grant=grant)
+        return future.result()
 
     def stats(self) -> TransferCounters:
         return self._counters.snapshot()
@@ -181,7 +193,7 @@ class KvSender:
             pair.after_gather = self._after_gather
             nbytes = pair.transfer(
                 job.transfer_id, job.block_ids, deadline, job.ready, self._after_header,
-                job.computed,
+                job.computed, job.grant,
             )  # fmt: skip
             seconds = time.monotonic() - start
             self._counters.add_ok(nbytes, seconds)

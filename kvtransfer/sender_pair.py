@@ -44,11 +44,12 @@ from kvtransfer.blockcopy import Copier, make_copier
 from kvtransfer.chunks import LayerRange, plan_layers
 from kvtransfer.control import ConnectionClosed, ControlConn
 from kvtransfer.device import GLOO, IPC, DeviceInfo, local_address_towards, on_stream
+from kvtransfer.grants import Grant
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import SENDER_RANK, PairChannel, precise_sleeps
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import TransferError
-from kvtransfer.shared_pool import check_pool, open_pool, share_event
+from kvtransfer.shared_pool import check_pool, open_fence, open_pool, share_event
 from kvtransfer.staging import DeviceIds, HostStaging, to_wire
 from kvtransfer.wire import (
     Ack,
@@ -58,6 +59,7 @@ from kvtransfer.wire import (
     Header,
     Hello,
     Opened,
+    Pushed,
     Share,
     Stop,
     Trailer,
@@ -126,6 +128,8 @@ class SenderPair:
         self._remote: Copier | None = None  # its pool, opened here
         self._remote_blocks = 0
         self._copied: torch.cuda.Event | None = None  # cuda_ipc: shared with the receiver
+        self._fence: torch.Tensor | None = None  # cuda_ipc: the receiver's grant fence, opened
+        self._grants = ""  # the name of the receiver's grants that fence guards
         self._seq = 0
         # test hook: sees each chunk as gathered, after its checksum, before it is sent
         self.after_gather: Callable[[torch.Tensor], None] | None = None
@@ -194,11 +198,15 @@ class SenderPair:
             caches = open_pool(list(share.pool), ctx.layout, ctx.caches[0].device)
             self._remote = make_copier(caches)
             self._copied, handle = share_event(ctx.caches[0].device)
+            self._fence, self._grants = None, ""
+            if share.fence is not None:
+                self._fence = open_fence(share.fence, ctx.caches[0].device)
+                self._grants = share.grants
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             log.warning("cannot open the pool of the KV receiver at %s (%s): using Gloo "
                         "through host memory", self.endpoint, error)  # fmt: skip
-            self._remote = self._copied = None
+            self._remote = self._copied = self._fence = None
             conn.send(Opened(GLOO, error))
             return GLOO
         conn.send(Opened(IPC, event=handle))
@@ -212,10 +220,14 @@ class SenderPair:
         ready: LayerReady | None = None,
         after_header: Callable[[], None] | None = None,
         computed: torch.cuda.Event | None = None,
+        grant: Grant | None = None,
     ) -> int:
         """Ship the blocks; returns the bytes acknowledged. Raises TransferRejected if the
         receiver refused them (the pair stays usable), anything else if the pair broke."""
         ctx, channel, conn = self._ctx, self._channel, self._conn
+        if conn is not None and self._ipc and ready is None and self._granted(grant, block_ids):
+            assert grant is not None
+            return self._push(conn, transfer_id, block_ids, grant, deadline, computed)
         if conn is not None and self._ipc:
             return self._transfer_ipc(
                 conn, transfer_id, block_ids, deadline, ready, after_header, computed
@@ -314,6 +326,53 @@ class SenderPair:
             # the pair breaks and the receiver frees its blocks once it sees that: our copies
             # already queued must have landed first (they wait only on layers recorded)
             if stream is not None:
+                stream.synchronize()
+            raise
+
+    def _granted(self, grant: Grant | None, block_ids: list[int]) -> bool:
+        """Whether ``grant`` can be used on this pair: blocks of the pool we opened, as many."""
+        fence = self._fence
+        if grant is None or fence is None or grant.pool != self._grants:
+            return False
+        return (
+            grant.slot < fence.shape[0]
+            and len(grant.blocks) == len(block_ids)
+            and 0 <= min(grant.blocks) <= max(grant.blocks) < self._remote_blocks
+        )
+
+    def _push(
+        self,
+        conn: ControlConn,
+        transfer_id: str,
+        block_ids: list[int],
+        grant: Grant,
+        deadline: float,
+        computed: torch.cuda.Event | None,
+    ) -> int:
+        """One GPU, blocks granted ahead: copy into them at once, fenced (the receiver may
+        have taken the grant back: the kernel then writes nothing), then tell the receiver."""
+        ctx, remote, copied, fence = self._ctx, self._remote, self._copied, self._fence
+        assert remote is not None and copied is not None and fence is not None
+        self._seq += 1
+        n, stream = len(block_ids), ctx.stream
+        if stream is not None and computed is not None:
+            stream.wait_event(computed)
+        with on_stream(stream):
+            meta = self._ids.upload([grant.token, *block_ids, *grant.blocks])
+            remote.push_from(ctx.copier, meta, fence[grant.slot])
+        copied.record(stream)  # the receiver waits for it before it reads the fence
+        try:
+            sums: tuple[int, ...] = ()
+            if ctx.use_checksum:
+                with on_stream(stream):
+                    ours = ctx.copier.gather(meta[1 : 1 + n]).view(-1).view(torch.uint8)
+                    sums = (checksum_value(checksum_tensor(ours)),)
+            conn.send(Pushed(self._seq, transfer_id, n, ctx.layout, grant.slot, grant.token, sums))
+            header = Header(self._seq, transfer_id, n, ctx.layout, ctx.layout.block_bytes * n,
+                            (ctx.layout.block_bytes * n,), ctx.use_checksum)  # fmt: skip
+            return self._await_ack(conn, header, deadline)
+        except BaseException:
+            if stream is not None:  # as in _transfer_ipc: our copy lands before the pair ends
                 stream.synchronize()
             raise
 
@@ -438,7 +497,7 @@ class SenderPair:
         """Drop the pair; with ``farewell``, tell the receiver so its pair thread ends."""
         channel, conn = self._channel, self._conn
         self._channel = self._conn = None
-        self._ipc, self._remote = False, None
+        self._ipc, self._remote, self._fence = False, None, None
         if conn is not None:
             if farewell:
                 with suppress(OSError):  # a receiver that is gone needs no goodbye

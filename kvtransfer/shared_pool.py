@@ -45,22 +45,67 @@ def _int(doc: dict[str, Any], key: str) -> int:
     return value
 
 
+def _export(t: torch.Tensor) -> dict[str, Any]:
+    """The IPC descriptor of CUDA tensor ``t``'s storage, and where ``t`` starts in it."""
+    (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = (
+        t.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
+    )
+    return {
+        "device": int(device), "handle": _b64(handle), "size": int(size),
+        "offset": int(offset), "ref_handle": _b64(ref_handle), "ref_offset": int(ref_offset),
+        "event": _b64(event), "event_sync": bool(event_sync), "elem_offset": t.storage_offset(),
+    }  # fmt: skip
+
+
 def export_pool(caches: list[torch.Tensor]) -> list[dict[str, Any]]:
     """One descriptor per layer of CUDA ``caches`` (each contiguous ``[2, blocks, bs, H, D]``)."""
     out = []
     for i, cache in enumerate(caches):
         if not cache.is_cuda or not cache.is_contiguous():
             raise ValueError(f"caches[{i}] must be a contiguous CUDA tensor to be shared")
-        (device, handle, size, offset, ref_handle, ref_offset, event, event_sync) = (
-            cache.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
-        )
-        out.append({
-            "device": int(device), "handle": _b64(handle), "size": int(size),
-            "offset": int(offset), "ref_handle": _b64(ref_handle), "ref_offset": int(ref_offset),
-            "event": _b64(event), "event_sync": bool(event_sync),
-            "elem_offset": cache.storage_offset(), "num_blocks": cache.shape[1],
-        })  # fmt: skip
+        out.append({**_export(cache), "num_blocks": cache.shape[1]})
     return out
+
+
+def export_fence(fence: torch.Tensor) -> dict[str, Any]:
+    """The descriptor of a receiver's grant fence (``kvtransfer.grants``: int64 ``[slots, 2]``)."""
+    if not fence.is_cuda or not fence.is_contiguous() or fence.dtype != torch.int64:
+        raise ValueError("the fence must be a contiguous int64 CUDA tensor to be shared")
+    return {**_export(fence), "slots": fence.shape[0]}
+
+
+def _check_storage(doc: Any) -> None:
+    if not isinstance(doc, dict):
+        raise ValueError("shared pool: each descriptor must be an object")
+    for key in ("device", "size", "offset", "ref_offset", "elem_offset"):
+        _int(doc, key)
+    for key in ("handle", "ref_handle", "event"):
+        _raw(doc, key)
+    if not isinstance(doc["event_sync"], bool):
+        raise ValueError("shared pool: event_sync must be a boolean")
+
+
+def _open(doc: dict[str, Any], index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+        index, _raw(doc, "handle"), doc["size"], doc["offset"],
+        _raw(doc, "ref_handle"), doc["ref_offset"], _raw(doc, "event") or None,
+        doc["event_sync"],
+    )  # fmt: skip
+    t = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
+    stride = torch.empty(shape, device="meta").stride()
+    t.set_(storage, doc["elem_offset"], shape, stride)
+    return t
+
+
+def open_fence(doc: Any, device: torch.device) -> torch.Tensor:
+    """A receiver's fence (:func:`export_fence`) as a tensor of this process on ``device``;
+    raises ValueError for a malformed descriptor."""
+    _check_storage(doc)
+    slots = _int(doc, "slots")
+    if not 0 < slots <= 1 << 24 or (doc["elem_offset"] + 2 * slots) * 8 > doc["size"]:
+        raise ValueError("shared pool: the fence does not fit its storage")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _open(doc, index, (slots, 2), torch.int64)
 
 
 def check_pool(descriptors: Any, layout: KvLayout) -> int:
@@ -70,14 +115,8 @@ def check_pool(descriptors: Any, layout: KvLayout) -> int:
         raise ValueError(f"shared pool: expected {layout.num_layers} layer descriptors")
     sizes = set()
     for doc in descriptors:
-        if not isinstance(doc, dict):
-            raise ValueError("shared pool: each descriptor must be an object")
-        for key in ("device", "size", "offset", "ref_offset", "elem_offset", "num_blocks"):
-            _int(doc, key)
-        for key in ("handle", "ref_handle", "event"):
-            _raw(doc, key)
-        if not isinstance(doc["event_sync"], bool):
-            raise ValueError("shared pool: event_sync must be a boolean")
+        _check_storage(doc)
+        _int(doc, "num_blocks")
         blocks, itemsize = doc["num_blocks"], layout.torch_dtype.itemsize
         block_elems = layout.block_bytes // layout.num_layers // itemsize  # K and V of one layer
         if blocks < 1 or (doc["elem_offset"] + blocks * block_elems) * itemsize > doc["size"]:
@@ -94,19 +133,8 @@ def open_pool(
     """The sender's caches as tensors of this process, on ``device`` (this process's index of
     the GPU both share: the sender's own index may differ); call :func:`check_pool` first."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    caches = []
-    for doc in descriptors:
-        storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
-            index, _raw(doc, "handle"), doc["size"], doc["offset"],
-            _raw(doc, "ref_handle"), doc["ref_offset"], _raw(doc, "event") or None,
-            doc["event_sync"],
-        )  # fmt: skip
-        shape = (2, doc["num_blocks"], layout.block_size, layout.num_kv_heads, layout.head_dim)
-        cache = torch.empty(0, dtype=layout.torch_dtype, device=torch.device("cuda", index))
-        stride = torch.empty(shape, device="meta").stride()
-        cache.set_(storage, doc["elem_offset"], shape, stride)
-        caches.append(cache)
-    return caches
+    shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return [_open(doc, index, (2, doc["num_blocks"], *shape), layout.torch_dtype) for doc in descriptors]  # fmt: skip
 
 
 def share_event(device: torch.device) -> tuple[torch.cuda.Event, str]:

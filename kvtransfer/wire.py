@@ -16,7 +16,10 @@ transfer: sender -> :class:`Header`; receiver -> :class:`Go` (the blocks it regi
 refusing :class:`Ack`; the sender copies its blocks into those, layer by layer as they are
 written, on its own GPU stream; sender -> :class:`Done` (with checksums); receiver -> :class:`Ack`.
 A receiver that cancels meanwhile -> :class:`Stop`: the sender stops copying and -> a stopped
-:class:`Done`, after which the receiver's blocks are never written again.
+:class:`Done`, after which the receiver's blocks are never written again. A transfer whose blocks
+the receiver granted ahead (:mod:`kvtransfer.grants`: the caller passed the grant to the sender)
+skips the header and the Go: the sender copies at once, fenced, then -> :class:`Pushed`;
+receiver -> :class:`Ack`.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from kvtransfer.device import GLOO, IPC, NCCL, DeviceInfo
 from kvtransfer.layout import KvLayout
 
 # 3: per-chunk checksums in a Trailer after the data; 4: CUDA IPC; 5: a Done sent before the
-# copies end, the receiver waiting for them on the sender's shared event
-PROTOCOL_VERSION = 5
+# copies end, the receiver waiting for them on the sender's shared event; 6: blocks granted
+# ahead (a fence shared with the pool, Pushed)
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20  # a header of a shared-GPU transfer names every source block
 MAX_TRANSFER_ID_LEN = 512
 MAX_CHUNKS = 1024
@@ -95,6 +99,10 @@ class Share:
     """The receiver's KV pool, one descriptor per layer (:func:`kvtransfer.shared_pool.export_pool`)."""
 
     pool: tuple[dict[str, Any], ...]
+    # its grant fence (kvtransfer.grants, :func:`kvtransfer.shared_pool.export_fence`) and the
+    # name its grants carry; None / "" when it grants nothing
+    fence: dict[str, Any] | None = None
+    grants: str = ""
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,26 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Pushed:
+    """cuda_ipc, blocks granted ahead (:mod:`kvtransfer.grants`): transfer ``seq`` was copied
+    into the blocks of grant (``slot``, ``token``) without a header or a :class:`Go`; the copy
+    is queued, done once the pair's shared event has completed (as a pending :class:`Done`).
+    With checksums, that of the blocks it copied from."""
+
+    seq: int
+    transfer_id: str
+    num_blocks: int
+    layout: KvLayout
+    slot: int
+    token: int
+    checksums: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.block_bytes * self.num_blocks
+
+
+@dataclass(frozen=True)
 class Stop:
     """cuda_ipc: the receiver cancelled transfer ``seq``: copy nothing more into its blocks."""
 
@@ -158,7 +186,9 @@ class Ack:
     broken: bool = False  # the receiver tore its side of the pair down: rebuild it
 
 
-Message = Hello | Welcome | Header | Trailer | Control | Ack | Share | Opened | Go | Done | Stop
+Message = (
+    Hello | Welcome | Header | Trailer | Control | Ack | Share | Opened | Go | Done | Stop | Pushed
+)
 
 
 def encode(msg: Message) -> bytes:
@@ -195,7 +225,7 @@ def encode(msg: Message) -> bytes:
             "trailer": msg.trailer,
         }
     elif isinstance(msg, Share):
-        doc = {"t": "share", "pool": list(msg.pool)}
+        doc = {"t": "share", "pool": list(msg.pool), "fence": msg.fence, "grants": msg.grants}
     elif isinstance(msg, Opened):
         doc = {"t": "opened", "backend": msg.backend, "error": msg.error, "event": msg.event}
     elif isinstance(msg, Go):
@@ -210,6 +240,17 @@ def encode(msg: Message) -> bytes:
         }
     elif isinstance(msg, Stop):
         doc = {"t": "stop", "seq": msg.seq}
+    elif isinstance(msg, Pushed):
+        doc = {
+            "t": "pushed",
+            "seq": msg.seq,
+            "transfer_id": msg.transfer_id,
+            "num_blocks": msg.num_blocks,
+            "layout": msg.layout.to_json(),
+            "slot": msg.slot,
+            "token": msg.token,
+            "checksums": list(msg.checksums),
+        }
     elif isinstance(msg, Trailer):
         doc = {"t": "trailer", "seq": msg.seq, "checksums": list(msg.checksums)}
     elif isinstance(msg, Control):
@@ -319,7 +360,11 @@ def _share(doc: dict[str, Any]) -> Share:
     pool = doc["pool"]
     if not isinstance(pool, list) or not pool or not all(isinstance(d, dict) for d in pool):
         raise WireError("pool must be a non-empty list of objects")
-    return Share(tuple(pool))  # checked against the layout by kvtransfer.shared_pool.check_pool
+    fence, grants = doc.get("fence"), _str(doc, "grants", 64) if "grants" in doc else ""
+    if fence is not None and (not isinstance(fence, dict) or not grants):
+        raise WireError("fence must be an object, with the name of the grants it guards")
+    # checked against the layout by kvtransfer.shared_pool.check_pool (the fence by open_fence)
+    return Share(tuple(pool), fence, grants if fence is not None else "")
 
 
 def _opened(doc: dict[str, Any]) -> Opened:
@@ -346,6 +391,21 @@ def _done(doc: dict[str, Any]) -> Done:
     return Done(_int(doc, "seq", 1), stopped, checksums, pending)
 
 
+def _pushed(doc: dict[str, Any]) -> Pushed:
+    sums = doc["checksums"]
+    if not isinstance(sums, list) or len(sums) > 1:
+        raise WireError("checksums must be a list of at most one")
+    return Pushed(
+        _int(doc, "seq", 1),
+        _str(doc, "transfer_id", MAX_TRANSFER_ID_LEN),
+        _int(doc, "num_blocks", 1),
+        KvLayout.from_json(doc["layout"]),
+        _int(doc, "slot"),
+        _int(doc, "token"),
+        tuple(_int({"checksum": c}, "checksum") for c in sums),
+    )
+
+
 def _trailer(doc: dict[str, Any]) -> Trailer:
     sums = doc["checksums"]
     if not isinstance(sums, list) or not 0 < len(sums) <= MAX_CHUNKS:
@@ -370,6 +430,7 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], Message]] = {
     "go": _go,
     "done": _done,
     "stop": lambda doc: Stop(_int(doc, "seq", 1)),
+    "pushed": _pushed,
     "bye": lambda _doc: Control("bye"),
 }
 

@@ -30,8 +30,11 @@ poll granularity on the receiver, and one chunk (no pipelining) at 1024 tokens.
 
 On one GPU the receiver shares its pool through CUDA IPC and the sender copies the blocks into
 it GPU to GPU, one kernel per range of written layers ("move" row: that kernel alone, in one
-process; the copy roofline reads and writes every byte once); the "ttft" rows run there too, so
-the tail left after the prefill's last layer can be compared with a whole transfer.
+process; the copy roofline reads and writes every byte once; "push": the fenced copy of blocks
+granted ahead); the "ttft" rows run there too, so the tail left after the prefill's last layer
+can be compared with a whole transfer. "e2e granted" is the hand-off when the receiver granted
+its blocks with the reservation (``expect(..., grant=True)``, ``send(..., grant=...)``,
+:mod:`kvtransfer.grants`): the sender copies at once, without the header and ``Go`` round trip.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from kvtransfer.bench import timeline
 from kvtransfer.bench.sim_prefill import SimPrefill, slots_of
 from kvtransfer.blockcopy import make_copier
 from kvtransfer.config import ReceiverOptions, SenderOptions
+from kvtransfer.grants import Grant
 from kvtransfer.ready import LayerReady
 from kvtransfer.receiver import KvReceiver
 from kvtransfer.sender import KvSender
@@ -134,6 +138,20 @@ def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> dict[s
             _sync(caches[0].device)
             times.append(time.perf_counter() - start)
         out[f"{chunk}x{warps}"] = statistics.median(times[1:])
+    # the fenced copy a sender runs into blocks granted ahead (kvtransfer.grants), default tiles
+    meta = torch.tensor([4, *ids, *(i + len(ids) for i in ids)], device=caches[0].device)
+    fence = torch.zeros(2, dtype=torch.int64, device=caches[0].device)
+    times = []
+    for _ in range(iters + 1):
+        fence.copy_(torch.tensor([4, 0]))
+        _sync(caches[0].device)
+        start = time.perf_counter()
+        copier.push_from(copier, meta, fence)
+        _sync(caches[0].device)
+        times.append(time.perf_counter() - start)
+    if int(fence[0]) != 6:
+        raise RuntimeError(f"the fenced copy did not land: fence state {int(fence[0])}")
+    out["push"] = statistics.median(times[1:])
     return out
 
 
@@ -189,22 +207,24 @@ class Child:
             self.sender = None
 
     def handle(self, op: str, args: list[Any]) -> Any:
-        if op == "expect" and self.rx is not None:
-            tids, ids = args
-            self.handles.update({tid: self.rx.expect(tid, ids, REPLY_S) for tid in tids})
-            return True
+        if op == "expect" and self.rx is not None:  # each transfer's grant (or None), if asked
+            tids, ids, grant = args
+            self.handles.update({tid: self.rx.expect(tid, ids, REPLY_S, grant=grant) for tid in tids})  # fmt: skip
+            grants = {tid: self.handles[tid].grant for tid in tids}
+            return {tid: g.to_json() if g is not None else None for tid, g in grants.items()}
         if op == "wait":  # each transfer's error ('' if ok), the receiver's seconds, and
             # when it had the KV (time.monotonic(): the sender's clock too, on one host)
             results = [self.handles.pop(tid).wait(IO_S) for tid in args[0]]
             return [(r.error if not r.ok else "", r.seconds, r.finished) if r
                     else ("no result", 0.0, 0.0) for r in results]  # fmt: skip
         if op == "send":  # per transfer: its seconds to the ack, and when send() was called
-            endpoint, tids, ids, chunk = args
+            endpoint, tids, ids, chunk, grants = args
             sender = self._sender(SenderOptions(timeout_s=IO_S, chunk_bytes=chunk))
+            given = {tid: Grant.from_json(g) for tid, g in grants.items() if g is not None}
             out = []
             for tid in tids:
                 called = time.monotonic()
-                pair_s = sender.send(endpoint, tid, ids).seconds
+                pair_s = sender.send(endpoint, tid, ids, grant=given.get(tid)).seconds
                 out.append((time.monotonic() - called, called, pair_s))
             return out
         if op == "ttft":
@@ -460,12 +480,16 @@ def _timeline(pair: Pair, title: str, skip: int, **how: Any) -> dict[str, Any]:
     return {"timeline": steps}
 
 
-def bench_e2e(pair: Pair, name: str, tokens: int, args: argparse.Namespace, chunk_mb: float) -> dict[str, Any]:  # fmt: skip
+def bench_e2e(pair: Pair, name: str, tokens: int, args: argparse.Namespace, chunk_mb: float, granted: bool = False) -> dict[str, Any]:  # fmt: skip
+    """``granted``: the receiver grants its blocks with the reservation and the sender copies
+    without asking for them (kvtransfer.grants; one GPU only)."""
     src, dst = _ids(tokens)
     tids = _tids(f"e2e-{tokens}", args.warmup + args.iters)
-    pair.call("receiver", "expect", tids, dst)
+    grants = pair.call("receiver", "expect", tids, dst, granted)
+    if granted and not all(grants.values()):
+        raise ChildFailed("the receiver granted no blocks")
     _timeline(pair, "", 0)  # forget what came before
-    sent = pair.call("sender", "send", pair.endpoint, tids, src, int(chunk_mb * 2**20))
+    sent = pair.call("sender", "send", pair.endpoint, tids, src, int(chunk_mb * 2**20), grants)
     waited = pair.call("receiver", "wait", tids)
     errors = [e for e, _, _ in waited if e]
     ok = not errors and _exact(pair, src, dst)
@@ -475,8 +499,9 @@ def bench_e2e(pair: Pair, name: str, tokens: int, args: argparse.Namespace, chun
     # transfer (all KV in its blocks; one clock on one host), without the ack's way back
     landed = [w[2] - s[1] for s, w in zip(sent, waited, strict=True)][args.warmup :]
     pair_ms = statistics.median(s[2] for s in sent[args.warmup :]) * 1e3
-    title = f"{name} e2e, {tokens} tokens"
-    row = _row(f"{name} e2e {chunk_mb:g}MB", tokens, [s[0] for s in sent[args.warmup :]],
+    how = "granted" if granted else f"{chunk_mb:g}MB"
+    title = f"{name} e2e {how}, {tokens} tokens"
+    row = _row(f"{name} e2e {how}", tokens, [s[0] for s in sent[args.warmup :]],
                ok=ok, receiver_ms=rx_ms, landed_ms=statistics.median(landed) * 1e3,
                pair_ms=pair_ms, **_timeline(pair, title, args.warmup))  # fmt: skip
     return {**row, "errors": errors[:3]} if errors else row
@@ -486,7 +511,7 @@ def bench_ttft(pair: Pair, tokens: int, args: argparse.Namespace) -> dict[str, A
     src, dst = _ids(tokens)
     count = args.warmup + args.iters
     tids = list(zip(_tids(f"seq-{tokens}", count), _tids(f"ovl-{tokens}", count), strict=True))
-    pair.call("receiver", "expect", [t for both in tids for t in both], dst)
+    pair.call("receiver", "expect", [t for both in tids for t in both], dst, False)
     stream = int(args.stream_chunk_mb * 2**20)
     _timeline(pair, "", 0)
     times = pair.call("sender", "ttft", pair.endpoint, tids, src, tokens, stream)
@@ -561,6 +586,9 @@ def run_pair(name: str, tx: str, rx: str, args: argparse.Namespace, full: bool) 
             for tokens in args.tokens:
                 section(f"e2e, {tokens} tokens, {chunk_mb:g} MiB chunks",
                         lambda t=tokens, c=chunk_mb: bench_e2e(pair, name, t, args, c))  # fmt: skip
+        for tokens in args.tokens if tx == rx != "cpu" else []:  # one GPU: blocks granted ahead
+            section(f"e2e granted, {tokens} tokens",
+                    lambda t=tokens: bench_e2e(pair, name, t, args, 0.0, granted=True))  # fmt: skip
         log(f"{name}: transports {pair.call('receiver', 'backend')}")
         for tokens in args.ttft_tokens if not args.no_ttft else []:
             section(f"ttft, {tokens} tokens", lambda t=tokens: bench_ttft(pair, t, args))

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_copy import RefBlockCopier, ref_gather_blocks, ref_scatter_blocks
-from kernels.triton_block_copy import BlockCopier, gather_blocks, scatter_blocks
+from kernels.block_copy import (
+    RefBlockCopier,
+    ref_fence_cas,
+    ref_gather_blocks,
+    ref_scatter_blocks,
+)
+from kernels.triton_block_copy import BlockCopier, fence_cas, gather_blocks, scatter_blocks
 from tests.kernels.paged import assert_same_rounding, rand
 
 SHAPE = (2, 12, 4, 2, 16)  # [K/V, blocks, block_size, Hkv, D]
@@ -158,3 +163,58 @@ def test_gpu_llama_layers() -> None:
     moved = [torch.zeros_like(c) for c in caches]
     BlockCopier(moved).copy_from(plan, ids, torch.flip(ids, (0,)))
     assert torch.equal(ref_gather_blocks(moved, torch.flip(ids, (0,))), plan.gather(ids))
+
+
+def _meta(token: int, src: list[int], dst: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([token, *src, *dst], dtype=torch.int64, device=device)
+
+
+@pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
+@pytest.mark.parametrize(
+    ("state", "copies", "after"),
+    [
+        (40, True, 42),  # granted: claimed, copied, landed
+        (41, True, 42),  # already claimed (an earlier launch of the same grant): copies too
+        (43, False, 43),  # revoked before it ran: writes nothing
+        (44, False, 44),  # the slot granted again, to another transfer: writes nothing
+        (0, False, 0),  # never granted
+    ],
+)
+def test_push_copies_only_what_the_fence_grants(copier, state: int, copies: bool, after: int, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    src = views_of_one_pool(3, torch.bfloat16, gen, device)
+    dst = separate_layers(3, torch.bfloat16, gen, device)
+    before = [c.clone() for c in dst]
+    fence = torch.tensor([state, 0], dtype=torch.int64, device=device)
+    copier(dst).push_from(copier(src), _meta(40, [7, 0, 11], [2, 9, 4], device), fence)
+    want = [c.clone() for c in before]
+    if copies:
+        ref_scatter_blocks(ref_gather_blocks(src, torch.tensor([7, 0, 11])), want, torch.tensor([2, 9, 4]))  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(dst, want, strict=True))
+    assert int(fence[0]) == after
+
+
+@pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
+def test_push_rejects_bad_meta_and_fence(copier, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    src = views_of_one_pool(2, torch.float32, gen, device)
+    dst = separate_layers(2, torch.float32, gen, device)
+    fence = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="meta"):
+        copier(dst).push_from(copier(src), _meta(4, [1, 2], [3], device), fence)
+    with pytest.raises(ValueError, match="meta"):
+        copier(dst).push_from(copier(src), _meta(4, [1], [3], device).int(), fence)
+    with pytest.raises(ValueError, match="fence"):
+        copier(dst).push_from(copier(src), _meta(4, [1], [3], device), fence[:1])
+    with pytest.raises(ValueError, match="layers"):
+        copier(dst).push_from(copier(src[:1]), _meta(4, [1], [3], device), fence)
+
+
+@pytest.mark.parametrize("cas", [fence_cas, ref_fence_cas])
+def test_fence_cas_swaps_only_the_expected_value(cas, device: torch.device) -> None:
+    word = torch.tensor([40, 7], dtype=torch.int64, device=device)
+    assert cas(word, 40, 43) == 40
+    assert word.tolist() == [43, 7]
+    assert cas(word, 40, 99) == 43  # not what it holds: left alone
+    assert word.tolist() == [43, 7]
+    big = 1 << 60  # tokens are 64-bit
+    word[0] = big
+    assert cas(word, big, big + 3) == big and int(word[0]) == big + 3

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvtransfer import KvReceiver, KvSender, ReceiverOptions, SenderOptions
+from kvtransfer.grants import Grant
 
 LAYOUT = {"num_layers": 3, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
 
@@ -49,8 +50,10 @@ def _send(senders: dict[str, KvSender], cmd: dict[str, Any]) -> dict[str, Any]:
         time.sleep(pause)
 
     sender._after_header = after_header if pause else None
+    grant = Grant.from_json(cmd["grant"]) if cmd.get("grant") else None
     try:
-        stats = sender.send(cmd["endpoint"], cmd["transfer_id"], cmd["blocks"], cmd.get("timeout"))
+        stats = sender.send(cmd["endpoint"], cmd["transfer_id"], cmd["blocks"], cmd.get("timeout"),
+                            grant=grant)  # fmt: skip
     except Exception as e:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     return {"ok": True, "bytes": stats.bytes}

@@ -114,6 +114,48 @@ def test_two_processes_on_one_gpu_copy_gpu_to_gpu_through_cuda_ipc():
 
 
 @pytest.mark.skipif(GPUS < 1, reason="needs a GPU")
+def test_blocks_granted_ahead_are_copied_without_asking_and_a_revoked_grant_writes_nothing():
+    rx_caches = on("cuda:0", make_caches(0, 16, zero=True))
+    options = ReceiverOptions(io_timeout_s=3, connect_timeout_s=60)
+    peer = Peer("sender")
+    with KvReceiver(rx_caches, options) as rx:
+        try:
+            add_sender(peer.started(), "grant-pf", seed=4, device="cuda:0")
+            warm = rx.expect("g0", [9], deadline_s=60)  # builds the pair (no grant used)
+            reply = peer.call(op="send", id="grant-pf", endpoint=rx.endpoint, transfer_id="g0",
+                              blocks=[0], timeout=60)  # fmt: skip
+            assert reply["ok"] and warm.wait(5).ok, reply
+            handle = rx.expect("g1", [0, 5, 2], deadline_s=60, grant=True)
+            assert handle.grant is not None and handle.grant.blocks == (0, 5, 2)
+            reply = peer.call(op="send", id="grant-pf", endpoint=rx.endpoint, transfer_id="g1",
+                              blocks=[3, 7, 1], timeout=60, grant=handle.grant.to_json())  # fmt: skip
+            assert reply["ok"], reply
+            assert handle.wait(5).ok and rx.stats().transfers == 2
+            got = [c.cpu() for c in blocks(rx_caches, [0, 5, 2])]
+            assert_blocks_equal(got, blocks(make_caches(4, 12), [3, 7, 1]))
+
+            # cancelled before the copy: the grant is taken back, the copy writes nothing
+            stale = rx.expect("g2", [4, 6], deadline_s=60, grant=True)
+            assert stale.grant is not None
+            assert rx.cancel("g2") and not stale.wait(5).ok
+            reply = peer.call(op="send", id="grant-pf", endpoint=rx.endpoint, transfer_id="g2",
+                              blocks=[3, 7], timeout=60, grant=stale.grant.to_json())  # fmt: skip
+            assert not reply["ok"] and "no longer expected" in reply["error"], reply
+            assert all(not c.any() for c in blocks(rx_caches, [4, 6]))
+
+            # granted, but sent the usual way (no grant): the header takes the grant back
+            usual = rx.expect("g3", [8], deadline_s=60, grant=True)
+            reply = peer.call(op="send", id="grant-pf", endpoint=rx.endpoint, transfer_id="g3",
+                              blocks=[2], timeout=60)  # fmt: skip
+            assert reply["ok"] and usual.wait(5).ok, reply
+            assert_blocks_equal([c.cpu() for c in blocks(rx_caches, [8])],
+                                blocks(make_caches(4, 12), [2]))  # fmt: skip
+            assert rx.pending() == 0
+        finally:
+            peer.close()
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a GPU")
 def test_two_ends_in_one_process_on_one_gpu_fall_back_to_host_staging():
     src = make_caches(3, 12)
     rx_caches = on("cuda:0", make_caches(0, 16, zero=True))

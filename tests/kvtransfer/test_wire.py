@@ -15,6 +15,8 @@ from kvtransfer.wire import (
     Control,
     Header,
     Hello,
+    Pushed,
+    Share,
     Trailer,
     Welcome,
     WireError,
@@ -39,6 +41,9 @@ LAYOUT = KvLayout(32, 16, 8, 128, "bfloat16")
         Control("bye"),
         Ack(3, False, "layout mismatch"),
         Ack(4, False, "stream broke", broken=True),
+        Pushed(5, "req-2", 3, LAYOUT, slot=7, token=1 << 40, checksums=(99,)),
+        Share(({"device": 0},), {"device": 0, "slots": 4}, "pool-a"),
+        Share(({"device": 0},)),
     ],
 )
 def test_messages_round_trip(msg):
@@ -47,6 +52,12 @@ def test_messages_round_trip(msg):
 
 def header_doc(**override: object) -> bytes:
     doc = json.loads(encode(Header(1, "t", 1, LAYOUT, LAYOUT.block_bytes, (LAYOUT.block_bytes,))))
+    doc.update(override)
+    return json.dumps(doc).encode()
+
+
+def pushed_doc(**override: object) -> bytes:
+    doc = json.loads(encode(Pushed(1, "t", 1, LAYOUT, 0, 4)))
     doc.update(override)
     return json.dumps(doc).encode()
 
@@ -83,6 +94,12 @@ def hello_doc(**override: object) -> bytes:
         hello_doc(device={"type": "tpu"}),
         hello_doc(gen=""),
         b" " * 100_000,
+        pushed_doc(token=-4),
+        pushed_doc(slot="1"),
+        pushed_doc(checksums=[1, 2]),
+        pushed_doc(num_blocks=0),
+        b'{"t": "share", "pool": [{}], "fence": {"slots": 1}, "grants": ""}',
+        b'{"t": "share", "pool": [{}], "fence": [1], "grants": "p"}',
     ],
 )
 def test_malformed_messages_are_refused(raw):
