@@ -47,7 +47,10 @@ def install(role: str) -> None:
     _wrap(ControlConn, "recv", "recv", what=True)
     _wrap(DeviceIds, "upload", "ids uploaded", enter=True)
     if role == "receiver":
+        from kvtransfer.receiver_pair import ReceiverPair
+
         _wrap(ExpectationRegistry, "claim", "claimed")
+        _wrap(ReceiverPair, "_await_copies", "copies seen", enter=True)
         _wrap(ExpectationRegistry, "complete", "completed")
         return
     from kvtransfer.sender import KvSender
@@ -62,6 +65,7 @@ def install(role: str) -> None:
     except ImportError:  # no Triton: the reference copier has no copy launch to time
         return
     _wrap(BlockCopier, "copy_from", "copy launched", enter=True)
+    _wrap(BlockCopier, "push_from", "push launched", enter=True)
 
 
 def take() -> list[Event]:

@@ -15,6 +15,9 @@
 #            (kernels.bench.tune decode fp8 graph b64 w1)              -> $out/fp8tune.txt
 #   kvtl     the one-GPU hand-off of a 1024-token KV with its time line (TANDEM_KV_TIMELINE)
 #                                                                            -> $out/kv-tl.json
+#   kvgrant  the KV transfer GPU tests, then the one-GPU hand-off of 1024 and 32k tokens asked
+#            for (header, Go) and granted ahead (kvtransfer.grants), with the time line
+#                                                              -> $out/kv-granted.{json,txt}
 #   w1q      W1 with bf16, FP8 weights, FP8 weights + FP8 KV, one after another
 #                                                        -> $out/w1-{none,fp8,fp8-fp8kv}.json
 #   peer256  the transformers peer at batch 256 in its own process, then ours (W1)
@@ -70,6 +73,12 @@ for step in ${*:-tests w1 w2 prefill awq}; do
       line=$(TANDEM_KV_TIMELINE=1 timeout 150 python3 -m kvtransfer.bench.transfer --tokens 1024 \
         --iters 30 --json-out "$out/kv-tl.json" 2>&1 | tee "$out/kv-tl.txt" | grep -E "e2e" |
         tail -3 | tr '\n' ';') ;;
+    kvgrant)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtransfer/test_gpu.py \
+        tests/kernels/test_triton_block_copy.py 2>&1 | tee "$out/kv-gpu-tests.txt" | tail -3
+      line=$(TANDEM_KV_TIMELINE=1 timeout 240 python3 -m kvtransfer.bench.transfer --tokens 1024 \
+        32768 --iters 30 --no-ttft --json-out "$out/kv-granted.json" 2>&1 |
+        tee "$out/kv-granted.txt" | grep -E "e2e|push|passed|failed" | tr '\n' ';') ;;
     w1q)
       line=""
       for q in none fp8 fp8-fp8kv; do
