@@ -30,6 +30,14 @@ from kernels.triton_common import (
 )
 
 CHUNK = 4096
+PUSH_PROGRAMS_PER_SM = 8  # the fenced push's programs (each loops over blocks)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: a few programs, so that each one loops
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @triton.jit
@@ -75,30 +83,33 @@ def _block_move_kernel(
 
 @triton.jit
 def _block_push_kernel(
-    src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, fence_ptr, num_ids,
+    src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, fence_ptr, num_ids, num_units, chunks,
     s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    # meta: [token, src ids (num_ids), dst ids (num_ids)]; fence: [state, programs done]
+    # meta: [token, src ids (num_ids), dst ids (num_ids)]; fence: [state, programs done]. A
+    # fixed number of programs, each looping over units (layer, kv, block, chunk): one claim
+    # check and one count per program, not per unit (same-address atomics serialize)
     token = tl.load(meta_ptr)
     state = tl.load(fence_ptr, volatile=True)
     if state == token:  # granted, not yet claimed: claim it (unless revoked meanwhile)
         state = tl.atomic_cas(fence_ptr, token, token + 1)
     if (state == token) | (state == token + 1):  # claimed, by this program or another one
-        pid = tl.program_id(0)  # over (layer, kv, i)
-        i = pid % num_ids
-        layer = pid // num_ids // 2
-        kv = (pid // num_ids) % 2
-        src_blk = tl.load(meta_ptr + 1 + i)
-        dst_blk = tl.load(meta_ptr + 1 + num_ids + i)
-        src_off = tl.load(src_off_ptr + layer) + kv * s_kv_src + src_blk * s_blk_src
-        dst_off = tl.load(dst_off_ptr + layer) + kv * s_kv_dst + dst_blk * s_blk_dst
-        offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-        mask = offs < block_elems
-        x = tl.load(src_ptr + src_off + offs, mask=mask)
-        tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        for u in range(tl.program_id(0), num_units, tl.num_programs(0)):
+            row = u // chunks  # over (layer, kv, i)
+            i = row % num_ids
+            layer = row // num_ids // 2
+            kv = (row // num_ids) % 2
+            src_blk = tl.load(meta_ptr + 1 + i)
+            dst_blk = tl.load(meta_ptr + 1 + num_ids + i)
+            src_off = tl.load(src_off_ptr + layer) + kv * s_kv_src + src_blk * s_blk_src
+            dst_off = tl.load(dst_off_ptr + layer) + kv * s_kv_dst + dst_blk * s_blk_dst
+            offs = (u % chunks) * CHUNK + tl.arange(0, CHUNK)
+            mask = offs < block_elems
+            x = tl.load(src_ptr + src_off + offs, mask=mask)
+            tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
         # the last program to finish marks the transfer landed (acq_rel: after every store)
         done = tl.atomic_add(fence_ptr + 1, 1)
-        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+        if done == tl.num_programs(0) - 1:
             tl.atomic_cas(fence_ptr, token + 1, token + 2)
 
 
@@ -299,10 +310,11 @@ class BlockCopier:
             self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
         )  # fmt: skip
 
-    def push_from(self, src: BlockCopier, meta: torch.Tensor, fence: torch.Tensor, *, chunk: int = CHUNK, num_warps: int = 4) -> None:  # fmt: skip
+    def push_from(self, src: BlockCopier, meta: torch.Tensor, fence: torch.Tensor, *, chunk: int = CHUNK, num_warps: int = 4, per_sm: int = PUSH_PROGRAMS_PER_SM) -> None:  # fmt: skip
         """:meth:`copy_from` of every layer, fenced (see
         :meth:`kernels.block_copy.RefBlockCopier.push_from`): ``meta`` is int64 ``[token,
-        src ids..., dst ids...]`` and ``fence`` this transfer's int64 ``[state, count]``."""
+        src ids..., dst ids...]`` and ``fence`` this transfer's int64 ``[state, count]``.
+        ``per_sm`` programs per multiprocessor loop over the blocks."""
         n = _check_push(meta, fence, self._base)
         if src.block_shape != self.block_shape or src.device != self.device:
             raise ValueError(
@@ -313,9 +325,11 @@ class BlockCopier:
             raise ValueError(f"{src.num_layers} source layers for {self.num_layers}")
         block_elems = self._base[0, 0].numel()
         chunk = min(chunk, next_pow2(block_elems))
-        grid = (self.num_layers * 2 * n, triton.cdiv(block_elems, chunk))
+        chunks = triton.cdiv(block_elems, chunk)
+        units = self.num_layers * 2 * n * chunks
+        grid = (min(units, per_sm * _multiprocessors(self.device)),)
         _block_push_kernel[grid](
-            src._base, src._offsets, self._base, self._offsets, meta, fence, n,
+            src._base, src._offsets, self._base, self._offsets, meta, fence, n, units, chunks,
             src._base.stride(0), src._base.stride(1), self._base.stride(0),
             self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
         )  # fmt: skip

@@ -101,8 +101,10 @@ def check_block_ids(block_ids: list[int], num_blocks: int) -> None:
     """Raise ValueError unless ``block_ids`` are distinct indices into a pool of ``num_blocks``."""
     if not block_ids:
         raise ValueError("block_ids must not be empty")
-    for b in block_ids:
-        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
-            raise ValueError(f"block id {b!r} is outside the pool [0, {num_blocks})")
+    # the common case at C speed (a transfer's hot path): plain ints, all in range
+    if set(map(type, block_ids)) != {int} or not 0 <= min(block_ids) <= max(block_ids) < num_blocks:  # fmt: skip
+        for b in block_ids:
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
+                raise ValueError(f"block id {b!r} is outside the pool [0, {num_blocks})")
     if len(set(block_ids)) != len(block_ids):
         raise ValueError("block_ids must be distinct")

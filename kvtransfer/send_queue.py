@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,9 @@ class SendJob:
     ready: LayerReady | None = None
     computed: torch.cuda.Event | None = None  # CUDA: the KV is written once this event is
     grant: Grant | None = None  # the receiver's blocks, granted ahead (kvtransfer.grants)
+    # started on the submitting thread (PairQueue.run_inline): what that start returned, or the
+    # exception it raised; the pair's thread finishes the job from there
+    inline: Any = None
     future: Future[TransferStats] = field(default_factory=Future)
 
 
@@ -71,6 +75,8 @@ class PairQueue:
         self._on_retired = on_retired  # the owner forgets a queue that retired when idle
         self._cond = threading.Condition()
         self._jobs: deque[SendJob] = deque()
+        self._running = False  # the thread is running a job
+        self._inline = False  # a submitting thread is starting one (run_inline)
         self._closed = False
         self._retired = False
         self._thread = threading.Thread(
@@ -89,6 +95,27 @@ class PairQueue:
             self._jobs.append(job)
             self._cond.notify()
 
+    def run_inline(self, job: SendJob, start: Callable[[SenderPair], Any]) -> bool:
+        """Start ``job`` on the calling thread when the pair is idle (no job running or
+        waiting): ``job.inline = start(pair)`` (or the exception it raised; None: it could not
+        start here), then the job joins the queue first and the thread finishes it. Saves the
+        hand-off to the thread on the way out. False, with nothing run, when not idle."""
+        with self._cond:
+            if self._closed or self._running or self._inline or self._jobs:
+                return False
+            if not job.future.set_running_or_notify_cancel():
+                return True  # cancelled already: nothing to do
+            self._inline = True
+        try:
+            job.inline = start(self.pair)
+        except BaseException as e:  # the thread fails the job and rebuilds the pair
+            job.inline = e
+        with self._cond:
+            self._inline = False
+            self._jobs.appendleft(job)  # before any job put meanwhile: it started first
+            self._cond.notify()
+        return True
+
     def close(self, timeout_s: float) -> None:
         """Fail what waits, let the transfer in flight end (within its deadline), then the
         thread says goodbye to the receiver and exits."""
@@ -100,7 +127,9 @@ class PairQueue:
 
     def _loop(self) -> None:
         while (job := self._next()) is not None:
-            if not job.future.set_running_or_notify_cancel():
+            started = job.future.running()  # run_inline set it running
+            if not started and not job.future.set_running_or_notify_cancel():
+                self._idle()
                 continue  # its caller gave up while it waited: nothing was sent
             try:
                 job.future.set_result(self._run(self.pair, job))
@@ -109,24 +138,34 @@ class PairQueue:
                 self._fail_waiting(exc)
             except BaseException as exc:
                 job.future.set_exception(exc)
+            self._idle()
         self.pair.close(farewell=True)
         if self._retired:
             self._on_retired(self)
 
+    def _idle(self) -> None:
+        with self._cond:
+            self._running = False
+
     def _next(self) -> SendJob | None:
         with self._cond:
-            while not self._jobs and not self._closed:
-                if not self._cond.wait(self._idle_s) and not self._jobs:
+            while (not self._jobs or self._inline) and not self._closed:
+                if not self._cond.wait(self._idle_s) and not self._jobs and not self._inline:
                     self._closed = self._retired = True  # idle: put() now refuses
                     log.info(
                         "KV pair to %s idle for %.0f s: closed", self.pair.endpoint, self._idle_s
                     )
-            return None if self._closed else self._jobs.popleft()
+            if self._closed and not (self._jobs and self._jobs[0].future.running()):
+                return None  # (a job started by run_inline is in flight: it still finishes)
+            self._running = True
+            return self._jobs.popleft()
 
     def _fail_waiting(self, exc: TransferError) -> None:
+        """Fail every job that has not started (one started by run_inline stays: in flight)."""
         with self._cond:
-            jobs = list(self._jobs)
-            self._jobs.clear()
+            jobs = [job for job in self._jobs if not job.future.running()]
+            started = [job for job in self._jobs if job.future.running()]
+            self._jobs = deque(started)
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 self._on_dropped()

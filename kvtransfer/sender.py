@@ -39,6 +39,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -56,7 +57,7 @@ from kvtransfer.ready import LayerReady
 from kvtransfer.results import CounterBox, TransferCounters, TransferError, TransferStats
 from kvtransfer.send_queue import PairQueue, QueueClosed, ReceiverUnreachable, SendJob
 from kvtransfer.sender_pair import SenderContext, SenderPair, TransferRejected
-from kvtransfer.wire import MAX_TRANSFER_ID_LEN, check_name
+from kvtransfer.wire import MAX_TRANSFER_ID_LEN, Header, check_name
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,13 @@ class KvSender:
         while True:
             queue = self._queue(endpoint)
             try:
+                if grant is not None and ready is None and computed is not None:
+                    # granted on one GPU: launch the copy from here when the pair is idle
+                    start = functools.partial(SenderPair.start_push, transfer_id=transfer_id,
+                                              block_ids=job.block_ids, grant=grant,
+                                              computed=computed)  # fmt: skip
+                    if queue.run_inline(job, start):
+                        return job.future
                 queue.put(job)
                 return job.future
             except QueueClosed:
@@ -191,10 +199,15 @@ class KvSender:
             if not pair.connected:
                 self._connect(pair, deadline)
             pair.after_gather = self._after_gather
-            nbytes = pair.transfer(
-                job.transfer_id, job.block_ids, deadline, job.ready, self._after_header,
-                job.computed, job.grant,
-            )  # fmt: skip
+            if isinstance(job.inline, BaseException):  # its start on the submitting thread
+                raise job.inline
+            if isinstance(job.inline, Header):  # started there: the ack is left
+                nbytes = pair.finish_push(job.inline, deadline)
+            else:
+                nbytes = pair.transfer(
+                    job.transfer_id, job.block_ids, deadline, job.ready, self._after_header,
+                    job.computed, job.grant,
+                )  # fmt: skip
             seconds = time.monotonic() - start
             self._counters.add_ok(nbytes, seconds)
             return TransferStats(nbytes, seconds)

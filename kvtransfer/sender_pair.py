@@ -351,6 +351,32 @@ class SenderPair:
     ) -> int:
         """One GPU, blocks granted ahead: copy into them at once, fenced (the receiver may
         have taken the grant back: the kernel then writes nothing), then tell the receiver."""
+        header = self._start_push(conn, transfer_id, block_ids, grant, computed)
+        return self.finish_push(header, deadline)
+
+    def start_push(
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        grant: Grant,
+        computed: torch.cuda.Event | None,
+    ) -> Header | None:
+        """The first half of a granted transfer (launch the copy, tell the receiver), run by
+        the submitting thread while the pair's own thread is idle (``PairQueue.run_inline``);
+        None when this pair cannot use the grant (the thread then sends the usual way)."""
+        conn = self._conn
+        if conn is None or not self._ipc or not self._granted(grant, block_ids):
+            return None
+        return self._start_push(conn, transfer_id, block_ids, grant, computed)
+
+    def _start_push(
+        self,
+        conn: ControlConn,
+        transfer_id: str,
+        block_ids: list[int],
+        grant: Grant,
+        computed: torch.cuda.Event | None,
+    ) -> Header:
         ctx, remote, copied, fence = self._ctx, self._remote, self._copied, self._fence
         assert remote is not None and copied is not None and fence is not None
         self._seq += 1
@@ -360,7 +386,7 @@ class SenderPair:
         with on_stream(stream):
             meta = self._ids.upload([grant.token, *block_ids, *grant.blocks])
             remote.push_from(ctx.copier, meta, fence[grant.slot])
-        copied.record(stream)  # the receiver waits for it before it reads the fence
+        copied.record(stream)  # the receiver waits for it before it uses the blocks
         try:
             sums: tuple[int, ...] = ()
             if ctx.use_checksum:
@@ -368,13 +394,27 @@ class SenderPair:
                     ours = ctx.copier.gather(meta[1 : 1 + n]).view(-1).view(torch.uint8)
                     sums = (checksum_value(checksum_tensor(ours)),)
             conn.send(Pushed(self._seq, transfer_id, n, ctx.layout, grant.slot, grant.token, sums))
-            header = Header(self._seq, transfer_id, n, ctx.layout, ctx.layout.block_bytes * n,
-                            (ctx.layout.block_bytes * n,), ctx.use_checksum)  # fmt: skip
+        except BaseException:
+            self._sync()
+            raise
+        nbytes = ctx.layout.block_bytes * n
+        return Header(self._seq, transfer_id, n, ctx.layout, nbytes, (nbytes,), ctx.use_checksum)
+
+    def finish_push(self, header: Header, deadline: float) -> int:
+        """The second half of a granted transfer: the receiver's ack."""
+        conn = self._conn
+        try:
+            if conn is None:
+                raise TransferError("the pair closed before the transfer's acknowledgement")
             return self._await_ack(conn, header, deadline)
         except BaseException:
-            if stream is not None:  # as in _transfer_ipc: our copy lands before the pair ends
-                stream.synchronize()
+            self._sync()
             raise
+
+    def _sync(self) -> None:
+        """Before a pair breaks: our copies already queued land first (as in _transfer_ipc)."""
+        if self._ctx.stream is not None:
+            self._ctx.stream.synchronize()
 
     def _copy(
         self,

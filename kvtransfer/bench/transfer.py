@@ -119,6 +119,7 @@ def timed_copy(caches: list[torch.Tensor], ids: list[int], iters: int, gather: b
 
 
 MOVE_VARIANTS = ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16))  # (chunk, warps)
+PUSH_VARIANTS = (4, 8, 16, 32)  # the fenced push's programs per multiprocessor
 
 
 def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> dict[str, float]:
@@ -141,17 +142,18 @@ def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> dict[s
     # the fenced copy a sender runs into blocks granted ahead (kvtransfer.grants), default tiles
     meta = torch.tensor([4, *ids, *(i + len(ids) for i in ids)], device=caches[0].device)
     fence = torch.zeros(2, dtype=torch.int64, device=caches[0].device)
-    times = []
-    for _ in range(iters + 1):
-        fence.copy_(torch.tensor([4, 0]))
-        _sync(caches[0].device)
-        start = time.perf_counter()
-        copier.push_from(copier, meta, fence)
-        _sync(caches[0].device)
-        times.append(time.perf_counter() - start)
-    if int(fence[0]) != 6:
-        raise RuntimeError(f"the fenced copy did not land: fence state {int(fence[0])}")
-    out["push"] = statistics.median(times[1:])
+    for per_sm in PUSH_VARIANTS:
+        times = []
+        for _ in range(iters + 1):
+            fence.copy_(torch.tensor([4, 0]))
+            _sync(caches[0].device)
+            start = time.perf_counter()
+            copier.push_from(copier, meta, fence, per_sm=per_sm)  # type: ignore[call-arg]
+            _sync(caches[0].device)
+            times.append(time.perf_counter() - start)
+        if int(fence[0]) != 6:
+            raise RuntimeError(f"the fenced copy did not land: fence state {int(fence[0])}")
+        out[f"push {per_sm}/SM"] = statistics.median(times[1:])
     return out
 
 
@@ -219,6 +221,7 @@ class Child:
                     else ("no result", 0.0, 0.0) for r in results]  # fmt: skip
         if op == "send":  # per transfer: its seconds to the ack, and when send() was called
             endpoint, tids, ids, chunk, grants = args
+            chunk = chunk or SenderOptions().chunk_bytes  # 0: the default (a granted push: unused)
             sender = self._sender(SenderOptions(timeout_s=IO_S, chunk_bytes=chunk))
             given = {tid: Grant.from_json(g) for tid, g in grants.items() if g is not None}
             out = []

@@ -10,6 +10,8 @@ import time
 import pytest
 
 from kvtransfer import KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransferError
+from kvtransfer.results import TransferStats
+from kvtransfer.send_queue import PairQueue, SendJob
 from tests.kvtransfer.conftest import assert_blocks_equal, blocks
 from tests.kvtransfer.peer import make_caches
 
@@ -125,3 +127,78 @@ def test_an_idle_pair_retires_and_the_next_transfer_builds_a_new_one(receiver: K
         assert sender.send(receiver.endpoint, "after", [1], timeout_s=5).bytes > 0
         assert (sender.stats().transfers, sender.stats().failures) == (2, 0)
     assert not send_threads()
+
+
+class _Pair:
+    """A stand-in pair: PairQueue only names its endpoint and closes it."""
+
+    endpoint = "fake:1"
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+    def close(self, farewell: bool = True) -> None:
+        self.closed.set()
+
+
+def _queue(run) -> tuple[PairQueue, _Pair]:  # type: ignore[no-untyped-def]
+    pair = _Pair()
+    return PairQueue(pair, run, lambda: None, idle_s=60), pair  # type: ignore[arg-type]
+
+
+def test_a_job_started_on_the_submitting_thread_is_finished_by_the_queue_first() -> None:
+    order: list[str] = []
+    gate = threading.Event()
+
+    def run(pair: object, job: SendJob) -> TransferStats:
+        if job.transfer_id == "busy":
+            gate.wait(10)
+        order.append(f"{job.transfer_id}:{job.inline}")
+        return TransferStats(1, 0.0)
+
+    queue, _ = _queue(run)
+    callers: list[int] = []
+
+    def start(pair: object) -> str:
+        callers.append(threading.get_ident())
+        return "launched"
+
+    first = SendJob("a", [0], 5.0)
+    assert queue.run_inline(first, start)  # idle: runs here, at once
+    assert callers == [threading.get_ident()] and first.future.running()
+    assert first.future.result(timeout=10).bytes == 1
+    busy = SendJob("busy", [0], 5.0)
+    queue.put(busy)
+    while not busy.future.running():
+        time.sleep(0.001)
+    late = SendJob("b", [1], 5.0)
+    assert not queue.run_inline(late, start)  # a job is running: not started here
+    assert late.inline is None and callers == [threading.get_ident()]
+    queue.put(late)
+    gate.set()
+    assert late.future.result(timeout=10).bytes == 1
+    assert order == ["a:launched", "busy:None", "b:None"]
+    queue.close(5)
+
+
+def test_a_start_that_raised_fails_its_job_on_the_queue_and_closing_waits_for_started_jobs() -> None:  # fmt: skip
+    def run(pair: object, job: SendJob) -> TransferStats:
+        if isinstance(job.inline, BaseException):
+            raise TransferError(f"started badly: {job.inline}")
+        return TransferStats(2, 0.0)
+
+    queue, pair = _queue(run)
+
+    def boom(pair: object) -> None:
+        raise RuntimeError("launch failed")
+
+    failed = SendJob("x", [0], 5.0)
+    assert queue.run_inline(failed, boom)
+    with pytest.raises(TransferError, match="launch failed"):
+        failed.future.result(timeout=10)
+    cancelled = SendJob("y", [0], 5.0)
+    assert cancelled.future.cancel()
+    assert queue.run_inline(cancelled, boom) and cancelled.inline is None  # never started
+    queue.close(5)
+    assert pair.closed.wait(5)
+    assert not queue.run_inline(SendJob("z", [0], 5.0), boom)  # closed
