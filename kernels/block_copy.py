@@ -113,28 +113,28 @@ class RefBlockCopier:
         """:meth:`copy_from` of every layer, fenced: a copy into blocks another party granted
         (``kvtransfer.grants``) and may take back before it runs.
 
-        ``meta`` is int64 ``[token, src ids..., dst ids...]``; ``fence`` the grant's int64
-        ``[state, count]``. The copy runs only if ``state`` is ``token`` (granted: it is claimed,
-        ``token + 1``) or ``token + 1`` (claimed); afterwards ``state`` is ``token + 2`` (landed).
-        In any other state (revoked, or granted to another transfer) nothing is written.
-        ``count`` is the implementation's own progress counter (the Triton kernel counts its
-        programs in it and the last one marks the copy landed)."""
-        if (
-            meta.dtype != torch.int64
-            or meta.dim() != 1
-            or meta.shape[0] < 3
-            or meta.shape[0] % 2 != 1
-        ):
-            raise ValueError("meta must be int64 [token, n source ids, n destination ids], n >= 1")  # fmt: skip
-        if fence.dtype != torch.int64 or tuple(fence.shape) != (2,):
-            raise ValueError(f"fence must be an int64 [state, count], got {tuple(fence.shape)}")
+        ``meta`` is int64 ``[token, slot, n, src ids (n)..., dst ids (n)...]`` (room for more is
+        ignored: the GPU version reads ``n`` on the device, so that one captured launch serves
+        any transfer); ``fence`` the grant table, int64 ``[slots, 2]`` of ``[state, count]``.
+        The copy runs only if the slot's ``state`` is ``token`` (granted: it is claimed,
+        ``token + 1``) or ``token + 1`` (claimed); afterwards ``state`` is ``token + 2``
+        (landed). In any other state (revoked, or granted to another transfer) nothing is
+        written. ``count`` is the implementation's own progress counter (the Triton kernel counts
+        its programs in it and the last one marks the copy landed)."""
+        if meta.dtype != torch.int64 or meta.dim() != 1 or meta.shape[0] < 3:
+            raise ValueError("meta must be int64 [token, slot, n, n source ids, n destination ids]")  # fmt: skip
+        if fence.dtype != torch.int64 or fence.dim() != 2 or fence.shape[1] != 2:
+            raise ValueError(f"fence must be an int64 [slots, 2], got {tuple(fence.shape)}")
         if src.num_layers != self.num_layers:
             raise ValueError(f"{src.num_layers} source layers for {self.num_layers}")
-        n = (meta.shape[0] - 1) // 2
-        token = int(meta[0])
-        state = ref_fence_cas(fence, token, token + 1)
+        token, slot, n = (int(v) for v in meta[:3])
+        if 3 + 2 * n > meta.shape[0]:
+            raise ValueError(f"meta holds fewer than the {n} blocks it names")
+        row = fence[slot]
+        state = ref_fence_cas(row, token, token + 1)
         if state not in (token, token + 1):
             return
-        self.copy_from(src, meta[1 : 1 + n], meta[1 + n :])
-        fence[1] += 1
-        ref_fence_cas(fence, token + 1, token + 2)
+        if n:
+            self.copy_from(src, meta[3 : 3 + n], meta[3 + n : 3 + 2 * n])
+        row[1] += 1
+        ref_fence_cas(row, token + 1, token + 2)

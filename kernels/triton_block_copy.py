@@ -83,24 +83,27 @@ def _block_move_kernel(
 
 @triton.jit
 def _block_push_kernel(
-    src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, fence_ptr, num_ids, num_units, chunks,
+    src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, fence_ptr, num_layers, chunks,
     s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    # meta: [token, src ids (num_ids), dst ids (num_ids)]; fence: [state, programs done]. A
-    # fixed number of programs, each looping over units (layer, kv, block, chunk): one claim
-    # check and one count per program, not per unit (same-address atomics serialize)
+    # meta: [token, slot, n, src ids (n), dst ids (n)], read here so that one launch (or one
+    # captured graph) serves any transfer; fence: [slots, 2] of [state, programs done]. A fixed
+    # number of programs, each looping over units (layer, kv, block, chunk): one claim check
+    # and one count per program, not per unit (same-address atomics serialize)
     token = tl.load(meta_ptr)
-    state = tl.load(fence_ptr, volatile=True)
+    state_ptr = fence_ptr + 2 * tl.load(meta_ptr + 1)
+    num_ids = tl.load(meta_ptr + 2)
+    state = tl.load(state_ptr, volatile=True)
     if state == token:  # granted, not yet claimed: claim it (unless revoked meanwhile)
-        state = tl.atomic_cas(fence_ptr, token, token + 1)
+        state = tl.atomic_cas(state_ptr, token, token + 1)
     if (state == token) | (state == token + 1):  # claimed, by this program or another one
-        for u in range(tl.program_id(0), num_units, tl.num_programs(0)):
+        for u in range(tl.program_id(0), num_layers * 2 * num_ids * chunks, tl.num_programs(0)):
             row = u // chunks  # over (layer, kv, i)
             i = row % num_ids
             layer = row // num_ids // 2
             kv = (row // num_ids) % 2
-            src_blk = tl.load(meta_ptr + 1 + i)
-            dst_blk = tl.load(meta_ptr + 1 + num_ids + i)
+            src_blk = tl.load(meta_ptr + 3 + i)
+            dst_blk = tl.load(meta_ptr + 3 + num_ids + i)
             src_off = tl.load(src_off_ptr + layer) + kv * s_kv_src + src_blk * s_blk_src
             dst_off = tl.load(dst_off_ptr + layer) + kv * s_kv_dst + dst_blk * s_blk_dst
             offs = (u % chunks) * CHUNK + tl.arange(0, CHUNK)
@@ -108,9 +111,9 @@ def _block_push_kernel(
             x = tl.load(src_ptr + src_off + offs, mask=mask)
             tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
         # the last program to finish marks the transfer landed (acq_rel: after every store)
-        done = tl.atomic_add(fence_ptr + 1, 1)
+        done = tl.atomic_add(state_ptr + 1, 1)
         if done == tl.num_programs(0) - 1:
-            tl.atomic_cas(fence_ptr, token + 1, token + 2)
+            tl.atomic_cas(state_ptr, token + 1, token + 2)
 
 
 @triton.jit
@@ -176,15 +179,16 @@ def _check_ids(block_ids: torch.Tensor, cache: torch.Tensor) -> None:
 
 
 def _check_push(meta: torch.Tensor, fence: torch.Tensor, cache: torch.Tensor) -> int:
-    """Checks :meth:`BlockCopier.push_from`'s ``meta`` and ``fence``; returns the block count."""
+    """Checks :meth:`BlockCopier.push_from`'s ``meta`` and ``fence``; returns how many blocks
+    ``meta`` has room for (the count itself is read on the device)."""
     check_tensor("meta", meta, ndim=1, dtypes=(torch.int64,))
-    check_tensor("fence", fence, ndim=1, dtypes=(torch.int64,))
+    check_tensor("fence", fence, ndim=2, dtypes=(torch.int64,))
     check_devices(meta=meta, fence=fence, kv_caches=cache)
-    if meta.shape[0] < 3 or meta.shape[0] % 2 != 1:
-        raise ValueError(f"meta must be [token, n source ids, n destination ids], n >= 1, got {meta.shape[0]} entries")  # fmt: skip
-    if fence.shape[0] != 2 or not fence.is_contiguous():
-        raise ValueError(f"fence must be a contiguous [state, count], got {tuple(fence.shape)}")
-    return (meta.shape[0] - 1) // 2
+    if meta.shape[0] < 3 or not meta.is_contiguous():
+        raise ValueError(f"meta must be a contiguous [token, slot, n, n source ids, n destination ids], got {meta.shape[0]} entries")  # fmt: skip
+    if fence.shape[1] != 2 or not fence.is_contiguous():
+        raise ValueError(f"fence must be a contiguous [slots, 2], got {tuple(fence.shape)}")
+    return (meta.shape[0] - 3) // 2
 
 
 def _check_caches(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
@@ -312,10 +316,11 @@ class BlockCopier:
 
     def push_from(self, src: BlockCopier, meta: torch.Tensor, fence: torch.Tensor, *, chunk: int = CHUNK, num_warps: int = 4, per_sm: int = PUSH_PROGRAMS_PER_SM) -> None:  # fmt: skip
         """:meth:`copy_from` of every layer, fenced (see
-        :meth:`kernels.block_copy.RefBlockCopier.push_from`): ``meta`` is int64 ``[token,
-        src ids..., dst ids...]`` and ``fence`` this transfer's int64 ``[state, count]``.
-        ``per_sm`` programs per multiprocessor loop over the blocks."""
-        n = _check_push(meta, fence, self._base)
+        :meth:`kernels.block_copy.RefBlockCopier.push_from`): ``meta`` is int64 ``[token, slot,
+        n, src ids..., dst ids...]`` (read on the device: any ``n`` that fits, so one captured
+        launch serves every transfer) and ``fence`` the grant table, int64 ``[slots, 2]``.
+        ``per_sm`` programs per multiprocessor loop over the blocks. No synchronization."""
+        capacity = _check_push(meta, fence, self._base)
         if src.block_shape != self.block_shape or src.device != self.device:
             raise ValueError(
                 f"source blocks {src.block_shape} on {src.device} do not fit "
@@ -326,10 +331,10 @@ class BlockCopier:
         block_elems = self._base[0, 0].numel()
         chunk = min(chunk, next_pow2(block_elems))
         chunks = triton.cdiv(block_elems, chunk)
-        units = self.num_layers * 2 * n * chunks
-        grid = (min(units, per_sm * _multiprocessors(self.device)),)
+        units = self.num_layers * 2 * capacity * chunks
+        grid = (max(1, min(units, per_sm * _multiprocessors(self.device))),)
         _block_push_kernel[grid](
-            src._base, src._offsets, self._base, self._offsets, meta, fence, n, units, chunks,
+            src._base, src._offsets, self._base, self._offsets, meta, fence, self.num_layers, chunks,
             src._base.stride(0), src._base.stride(1), self._base.stride(0),
             self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
         )  # fmt: skip

@@ -47,6 +47,7 @@ from kvtransfer.device import GLOO, IPC, DeviceInfo, local_address_towards, on_s
 from kvtransfer.grants import Grant
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import SENDER_RANK, PairChannel, precise_sleeps
+from kvtransfer.pusher import Pusher
 from kvtransfer.ready import LayerReady
 from kvtransfer.results import TransferError
 from kvtransfer.shared_pool import check_pool, open_fence, open_pool, share_event
@@ -129,6 +130,7 @@ class SenderPair:
         self._remote_blocks = 0
         self._copied: torch.cuda.Event | None = None  # cuda_ipc: shared with the receiver
         self._fence: torch.Tensor | None = None  # cuda_ipc: the receiver's grant fence, opened
+        self._pusher: Pusher | None = None  # cuda_ipc: our copies into its granted blocks
         self._grants = ""  # the name of the receiver's grants that fence guards
         self._seq = 0
         # test hook: sees each chunk as gathered, after its checksum, before it is sent
@@ -198,15 +200,17 @@ class SenderPair:
             caches = open_pool(list(share.pool), ctx.layout, ctx.caches[0].device)
             self._remote = make_copier(caches)
             self._copied, handle = share_event(ctx.caches[0].device)
-            self._fence, self._grants = None, ""
+            self._fence, self._grants, self._pusher = None, "", None
             if share.fence is not None:
                 self._fence = open_fence(share.fence, ctx.caches[0].device)
+                self._pusher = Pusher(self._remote, ctx.copier, self._fence, ctx.stream,
+                                      ctx.caches[0].shape[1])  # fmt: skip
                 self._grants = share.grants
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             log.warning("cannot open the pool of the KV receiver at %s (%s): using Gloo "
                         "through host memory", self.endpoint, error)  # fmt: skip
-            self._remote = self._copied = self._fence = None
+            self._remote = self._copied = self._fence = self._pusher = None
             conn.send(Opened(GLOO, error))
             return GLOO
         conn.send(Opened(IPC, event=handle))
@@ -332,7 +336,7 @@ class SenderPair:
     def _granted(self, grant: Grant | None, block_ids: list[int]) -> bool:
         """Whether ``grant`` can be used on this pair: blocks of the pool we opened, as many."""
         fence = self._fence
-        if grant is None or fence is None or grant.pool != self._grants:
+        if grant is None or fence is None or self._pusher is None or grant.pool != self._grants:
             return False
         return (
             grant.slot < fence.shape[0]
@@ -377,21 +381,19 @@ class SenderPair:
         grant: Grant,
         computed: torch.cuda.Event | None,
     ) -> Header:
-        ctx, remote, copied, fence = self._ctx, self._remote, self._copied, self._fence
-        assert remote is not None and copied is not None and fence is not None
+        ctx, copied, pusher = self._ctx, self._copied, self._pusher
+        assert copied is not None and pusher is not None
         self._seq += 1
         n, stream = len(block_ids), ctx.stream
         if stream is not None and computed is not None:
             stream.wait_event(computed)
-        with on_stream(stream):
-            meta = self._ids.upload([grant.token, *block_ids, *grant.blocks])
-            remote.push_from(ctx.copier, meta, fence[grant.slot])
+        src = pusher.push(grant.token, grant.slot, block_ids, grant.blocks)
         copied.record(stream)  # the receiver waits for it before it uses the blocks
         try:
             sums: tuple[int, ...] = ()
             if ctx.use_checksum:
                 with on_stream(stream):
-                    ours = ctx.copier.gather(meta[1 : 1 + n]).view(-1).view(torch.uint8)
+                    ours = ctx.copier.gather(src).view(-1).view(torch.uint8)
                     sums = (checksum_value(checksum_tensor(ours)),)
             conn.send(Pushed(self._seq, transfer_id, n, ctx.layout, grant.slot, grant.token, sums))
         except BaseException:
@@ -537,7 +539,7 @@ class SenderPair:
         """Drop the pair; with ``farewell``, tell the receiver so its pair thread ends."""
         channel, conn = self._channel, self._conn
         self._channel = self._conn = None
-        self._ipc, self._remote, self._fence = False, None, None
+        self._ipc, self._remote, self._fence, self._pusher = False, None, None, None
         if conn is not None:
             if farewell:
                 with suppress(OSError):  # a receiver that is gone needs no goodbye

@@ -140,19 +140,19 @@ def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> dict[s
             times.append(time.perf_counter() - start)
         out[f"{chunk}x{warps}"] = statistics.median(times[1:])
     # the fenced copy a sender runs into blocks granted ahead (kvtransfer.grants), default tiles
-    meta = torch.tensor([4, *ids, *(i + len(ids) for i in ids)], device=caches[0].device)
-    fence = torch.zeros(2, dtype=torch.int64, device=caches[0].device)
+    meta = torch.tensor([4, 0, len(ids), *ids, *(i + len(ids) for i in ids)], device=caches[0].device)  # fmt: skip
+    fence = torch.zeros((1, 2), dtype=torch.int64, device=caches[0].device)
     for per_sm in PUSH_VARIANTS:
         times = []
         for _ in range(iters + 1):
-            fence.copy_(torch.tensor([4, 0]))
+            fence.copy_(torch.tensor([[4, 0]]))
             _sync(caches[0].device)
             start = time.perf_counter()
             copier.push_from(copier, meta, fence, per_sm=per_sm)  # type: ignore[call-arg]
             _sync(caches[0].device)
             times.append(time.perf_counter() - start)
-        if int(fence[0]) != 6:
-            raise RuntimeError(f"the fenced copy did not land: fence state {int(fence[0])}")
+        if int(fence[0, 0]) != 6:
+            raise RuntimeError(f"the fenced copy did not land: fence state {int(fence[0, 0])}")
         out[f"push {per_sm}/SM"] = statistics.median(times[1:])
     return out
 

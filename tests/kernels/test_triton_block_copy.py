@@ -165,8 +165,9 @@ def test_gpu_llama_layers() -> None:
     assert torch.equal(ref_gather_blocks(moved, torch.flip(ids, (0,))), plan.gather(ids))
 
 
-def _meta(token: int, src: list[int], dst: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([token, *src, *dst], dtype=torch.int64, device=device)
+def _meta(token: int, src: list[int], dst: list[int], device: torch.device, slot: int = 1, room: int = 0) -> torch.Tensor:  # fmt: skip
+    pad = [-1] * (2 * room)  # room for more blocks than this transfer names: never read
+    return torch.tensor([token, slot, len(src), *src, *dst, *pad], dtype=torch.int64, device=device)  # fmt: skip
 
 
 @pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
@@ -184,28 +185,42 @@ def test_push_copies_only_what_the_fence_grants(copier, state: int, copies: bool
     src = views_of_one_pool(3, torch.bfloat16, gen, device)
     dst = separate_layers(3, torch.bfloat16, gen, device)
     before = [c.clone() for c in dst]
-    fence = torch.tensor([state, 0], dtype=torch.int64, device=device)
-    copier(dst).push_from(copier(src), _meta(40, [7, 0, 11], [2, 9, 4], device), fence)
+    fence = torch.tensor([[40, 0], [state, 0], [40, 0]], dtype=torch.int64, device=device)
+    copier(dst).push_from(copier(src), _meta(40, [7, 0, 11], [2, 9, 4], device, room=2), fence)
     want = [c.clone() for c in before]
     if copies:
         ref_scatter_blocks(ref_gather_blocks(src, torch.tensor([7, 0, 11])), want, torch.tensor([2, 9, 4]))  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(dst, want, strict=True))
-    assert int(fence[0]) == after
+    assert fence[:, 0].tolist() == [40, after, 40]  # only its own slot
 
 
 @pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
 def test_push_rejects_bad_meta_and_fence(copier, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
     src = views_of_one_pool(2, torch.float32, gen, device)
     dst = separate_layers(2, torch.float32, gen, device)
-    fence = torch.zeros(2, dtype=torch.int64, device=device)
+    fence = torch.zeros((2, 2), dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="meta"):
-        copier(dst).push_from(copier(src), _meta(4, [1, 2], [3], device), fence)
+        copier(dst).push_from(copier(src), _meta(4, [1], [3], device)[:2], fence)
     with pytest.raises(ValueError, match="meta"):
         copier(dst).push_from(copier(src), _meta(4, [1], [3], device).int(), fence)
     with pytest.raises(ValueError, match="fence"):
-        copier(dst).push_from(copier(src), _meta(4, [1], [3], device), fence[:1])
+        copier(dst).push_from(copier(src), _meta(4, [1], [3], device), fence[0])
     with pytest.raises(ValueError, match="layers"):
         copier(dst).push_from(copier(src[:1]), _meta(4, [1], [3], device), fence)
+
+
+@pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
+def test_push_of_no_blocks_or_a_token_never_granted_writes_nothing(copier, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    src = views_of_one_pool(2, torch.float32, gen, device)
+    dst = separate_layers(2, torch.float32, gen, device)
+    before = [c.clone() for c in dst]
+    fence = torch.tensor([[0, 0], [8, 0]], dtype=torch.int64, device=device)
+    # what a sender warms its launch up with: a negative token matches no state
+    copier(dst).push_from(copier(src), _meta(-4, [], [], device, slot=0, room=3), fence)
+    assert fence.tolist() == [[0, 0], [8, 0]]
+    copier(dst).push_from(copier(src), _meta(8, [], [], device, room=3), fence)  # n = 0
+    assert int(fence[1, 0]) == 10  # claimed and landed, nothing to copy
+    assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
 
 
 @pytest.mark.parametrize("cas", [fence_cas, ref_fence_cas])

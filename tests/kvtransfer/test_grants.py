@@ -24,8 +24,8 @@ def pools() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def push(table: GrantTable, grant: Grant, src: list[torch.Tensor], dst: list[torch.Tensor], ids: list[int]) -> None:  # fmt: skip
-    meta = torch.tensor([grant.token, *ids, *grant.blocks], dtype=torch.int64)
-    RefBlockCopier(dst).push_from(RefBlockCopier(src), meta, table.fence[grant.slot])
+    meta = torch.tensor([grant.token, grant.slot, len(ids), *ids, *grant.blocks])
+    RefBlockCopier(dst).push_from(RefBlockCopier(src), meta, table.fence)
 
 
 def test_a_grant_lands_once_and_a_late_copy_of_it_writes_nothing() -> None:
