@@ -60,6 +60,12 @@ def install(role: str) -> None:
     _wrap(KvSender, "send", "send()")
     _wrap(SenderPair, "transfer", "pair transfer", enter=True)
     _wrap(SenderPair, "_until", "copies done", enter=True)
+    _wrap(SenderPair, "_start_push", "push started", enter=True)
+    from kvtransfer.pusher import Pusher
+    from kvtransfer.send_queue import PairQueue
+
+    _wrap(Pusher, "push", "push queued", enter=True)
+    _wrap(PairQueue, "run_inline", "inline run", enter=True)
     try:
         from kernels.triton_block_copy import BlockCopier
     except ImportError:  # no Triton: the reference copier has no copy launch to time
