@@ -131,14 +131,20 @@ class PairQueue:
             if not started and not job.future.set_running_or_notify_cancel():
                 self._idle()
                 continue  # its caller gave up while it waited: nothing was sent
+            # idle before the caller hears: its next submit may start on its own thread
             try:
-                job.future.set_result(self._run(self.pair, job))
+                result = self._run(self.pair, job)
             except ReceiverUnreachable as exc:
-                job.future.set_exception(exc)
                 self._fail_waiting(exc)
-            except BaseException as exc:
+                self._idle()
                 job.future.set_exception(exc)
+                continue
+            except BaseException as exc:
+                self._idle()
+                job.future.set_exception(exc)
+                continue
             self._idle()
+            job.future.set_result(result)
         self.pair.close(farewell=True)
         if self._retired:
             self._on_retired(self)
