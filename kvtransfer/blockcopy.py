@@ -45,8 +45,6 @@ class Copier(Protocol):
         last: int | None = None,
     ) -> None: ...
 
-    def push_from(self, src: Any, meta: torch.Tensor, fence: torch.Tensor) -> None: ...
-
 
 @dataclass(frozen=True)
 class KvShards:
