@@ -148,7 +148,7 @@ def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> dict[s
             fence.copy_(torch.tensor([[4, 0]]))
             _sync(caches[0].device)
             start = time.perf_counter()
-            copier.push_from(copier, meta, fence, per_sm=per_sm)  # type: ignore[call-arg]
+            copier.push_from(copier, meta, fence, per_sm=per_sm)  # type: ignore[attr-defined]
             _sync(caches[0].device)
             times.append(time.perf_counter() - start)
         if int(fence[0, 0]) != 6:
