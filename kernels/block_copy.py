@@ -119,8 +119,7 @@ class RefBlockCopier:
         The copy runs only if the slot's ``state`` is ``token`` (granted: it is claimed,
         ``token + 1``) or ``token + 1`` (claimed); afterwards ``state`` is ``token + 2``
         (landed). In any other state (revoked, or granted to another transfer) nothing is
-        written. ``count`` is the implementation's own progress counter (the Triton kernel counts
-        its programs in it and the last one marks the copy landed)."""
+        written. The second word of each slot is left as it is (room for later use)."""
         if meta.dtype != torch.int64 or meta.dim() != 1 or meta.shape[0] < 3:
             raise ValueError("meta must be int64 [token, slot, n, n source ids, n destination ids]")  # fmt: skip
         if fence.dtype != torch.int64 or fence.dim() != 2 or fence.shape[1] != 2:
@@ -136,5 +135,4 @@ class RefBlockCopier:
             return
         if n:
             self.copy_from(src, meta[3 : 3 + n], meta[3 + n : 3 + 2 * n])
-        row[1] += 1
         ref_fence_cas(row, token + 1, token + 2)

@@ -30,14 +30,6 @@ from kernels.triton_common import (
 )
 
 CHUNK = 4096
-PUSH_PROGRAMS_PER_SM = 8  # the fenced push's programs (each loops over blocks)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":  # the interpreter: a few programs, so that each one loops
-        return 1
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @triton.jit
@@ -83,37 +75,43 @@ def _block_move_kernel(
 
 @triton.jit
 def _block_push_kernel(
-    src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, fence_ptr, num_layers, chunks,
+    src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, fence_ptr, capacity,
     s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # meta: [token, slot, n, src ids (n), dst ids (n)], read here so that one launch (or one
-    # captured graph) serves any transfer; fence: [slots, 2] of [state, programs done]. A fixed
-    # number of programs, each looping over units (layer, kv, block, chunk): one claim check
-    # and one count per program, not per unit (same-address atomics serialize)
-    token = tl.load(meta_ptr)
-    state_ptr = fence_ptr + 2 * tl.load(meta_ptr + 1)
+    # captured graph) serves every transfer of up to ``capacity`` blocks; fence: [slots, 2] of
+    # [state, unused]. Programs over (layer, kv, i < capacity) x chunks; those past n exit.
+    pid = tl.program_id(0)
+    i = pid % capacity
     num_ids = tl.load(meta_ptr + 2)
-    state = tl.load(state_ptr, volatile=True)
-    if state == token:  # granted, not yet claimed: claim it (unless revoked meanwhile)
-        state = tl.atomic_cas(state_ptr, token, token + 1)
-    if (state == token) | (state == token + 1):  # claimed, by this program or another one
-        for u in range(tl.program_id(0), num_layers * 2 * num_ids * chunks, tl.num_programs(0)):
-            row = u // chunks  # over (layer, kv, i)
-            i = row % num_ids
-            layer = row // num_ids // 2
-            kv = (row // num_ids) % 2
+    if i < num_ids:
+        token = tl.load(meta_ptr)
+        state_ptr = fence_ptr + 2 * tl.load(meta_ptr + 1)
+        state = tl.load(state_ptr, volatile=True)
+        if state == token:  # granted, not yet claimed: claim it (unless revoked meanwhile)
+            state = tl.atomic_cas(state_ptr, token, token + 1)
+        if (state == token) | (state == token + 1):  # claimed, by this program or another
+            layer = pid // capacity // 2
+            kv = (pid // capacity) % 2
             src_blk = tl.load(meta_ptr + 3 + i)
             dst_blk = tl.load(meta_ptr + 3 + num_ids + i)
             src_off = tl.load(src_off_ptr + layer) + kv * s_kv_src + src_blk * s_blk_src
             dst_off = tl.load(dst_off_ptr + layer) + kv * s_kv_dst + dst_blk * s_blk_dst
-            offs = (u % chunks) * CHUNK + tl.arange(0, CHUNK)
+            offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
             mask = offs < block_elems
             x = tl.load(src_ptr + src_off + offs, mask=mask)
             tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
-        # the last program to finish marks the transfer landed (acq_rel: after every store)
-        done = tl.atomic_add(state_ptr + 1, 1)
-        if done == tl.num_programs(0) - 1:
-            tl.atomic_cas(state_ptr, token + 1, token + 2)
+
+
+@triton.jit
+def _fence_land_kernel(meta_ptr, fence_ptr):
+    # after the push, in stream order: every program has run. Claimed -> landed; still granted
+    # (no blocks to copy) -> landed too; revoked or another grant's: left alone
+    token = tl.load(meta_ptr)
+    state_ptr = fence_ptr + 2 * tl.load(meta_ptr + 1)
+    old = tl.atomic_cas(state_ptr, token + 1, token + 2)
+    if old == token:
+        tl.atomic_cas(state_ptr, token, token + 2)
 
 
 @triton.jit
@@ -314,12 +312,13 @@ class BlockCopier:
             self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
         )  # fmt: skip
 
-    def push_from(self, src: BlockCopier, meta: torch.Tensor, fence: torch.Tensor, *, chunk: int = CHUNK, num_warps: int = 4, per_sm: int = PUSH_PROGRAMS_PER_SM) -> None:  # fmt: skip
+    def push_from(self, src: BlockCopier, meta: torch.Tensor, fence: torch.Tensor, *, chunk: int = CHUNK, num_warps: int = 4) -> None:  # fmt: skip
         """:meth:`copy_from` of every layer, fenced (see
         :meth:`kernels.block_copy.RefBlockCopier.push_from`): ``meta`` is int64 ``[token, slot,
         n, src ids..., dst ids...]`` (read on the device: any ``n`` that fits, so one captured
         launch serves every transfer) and ``fence`` the grant table, int64 ``[slots, 2]``.
-        ``per_sm`` programs per multiprocessor loop over the blocks. No synchronization."""
+        Two launches (the copy, then the landing mark), no synchronization: the grid is sized
+        for as many blocks as ``meta`` has room for, so size it near the transfer."""
         capacity = _check_push(meta, fence, self._base)
         if src.block_shape != self.block_shape or src.device != self.device:
             raise ValueError(
@@ -330,14 +329,14 @@ class BlockCopier:
             raise ValueError(f"{src.num_layers} source layers for {self.num_layers}")
         block_elems = self._base[0, 0].numel()
         chunk = min(chunk, next_pow2(block_elems))
-        chunks = triton.cdiv(block_elems, chunk)
-        units = self.num_layers * 2 * capacity * chunks
-        grid = (max(1, min(units, per_sm * _multiprocessors(self.device))),)
-        _block_push_kernel[grid](
-            src._base, src._offsets, self._base, self._offsets, meta, fence, self.num_layers, chunks,
-            src._base.stride(0), src._base.stride(1), self._base.stride(0),
-            self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
-        )  # fmt: skip
+        if capacity:
+            grid = (self.num_layers * 2 * capacity, triton.cdiv(block_elems, chunk))
+            _block_push_kernel[grid](
+                src._base, src._offsets, self._base, self._offsets, meta, fence, capacity,
+                src._base.stride(0), src._base.stride(1), self._base.stride(0),
+                self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
+            )  # fmt: skip
+        _fence_land_kernel[(1,)](meta, fence, num_warps=1)
 
     def _check_range(self, first: int, last: int | None) -> int:
         last = self.num_layers if last is None else last

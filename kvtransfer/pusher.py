@@ -3,11 +3,12 @@ low host cost: the hot path of the one-GPU hand-off (:mod:`kvtransfer.grants`).
 
 The copy kernel reads its whole description from one int64 buffer on the device (token, slot,
 block count, source and destination ids: ``BlockCopier.push_from``), so one launch of it serves
-every transfer. It is captured once in a CUDA graph; a transfer then writes its ids into a
+every transfer of up to as many blocks as its grid covers. It is captured in a CUDA graph per
+power-of-two block count (on first use: a few per pair); a transfer then writes its ids into a
 pinned host buffer (numpy, no tensor op), copies them into the device buffer on the sender's
 stream and replays the graph: two calls into the driver instead of a host-to-device upload of
-a fresh tensor plus a Triton launch with its argument checks (about 0.1 ms of Python per transfer
-on an H200's host). Where the capture fails it launches the kernel itself, the same way.
+a fresh tensor plus two Triton launches with their argument checks (about 0.1 ms of Python per
+transfer on an H200's host). Where the capture fails it launches the kernels itself.
 """
 
 from __future__ import annotations
@@ -36,43 +37,33 @@ class Pusher:
         stream: torch.cuda.Stream | None,
         capacity: int,  # the most blocks one transfer carries (our pool's size)
     ) -> None:
-        size = 3 + 2 * capacity
+        self._remote, self._local, self._fence = remote, local, fence
         self._stream = stream
+        self._capacity = capacity
+        size = 3 + 2 * capacity
         self._meta = torch.zeros(size, dtype=torch.int64, device=fence.device)
         self._host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
         self._view: np.ndarray = self._host.numpy()
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(fence.device))
-        self._graph: torch.cuda.CUDAGraph | None = None
-
-        def launch() -> None:
-            remote.push_from(local, self._meta, fence)
-
-        self._launch = launch
-        with on_stream(stream):  # compiles the kernel; matches no grant, so writes nothing
-            self._meta[0] = _NO_GRANT
-            launch()
-        if stream is not None:
-            stream.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                launch()
-            self._graph = graph
-        except Exception as e:  # launches it directly: the same copy, more host time
-            log.info("the KV push is launched without a CUDA graph: %s", e)
+        # one graph per power-of-two block count: the grid covers that many blocks
+        self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
 
     @property
-    def graphed(self) -> bool:
-        return self._graph is not None
+    def graphs(self) -> dict[int, bool]:
+        """Block-count buckets seen so far, and whether each runs from a captured graph."""
+        return {bucket: graph is not None for bucket, graph in self._graphs.items()}
 
     def push(self, token: int, slot: int, src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:
         """Queue the copy of blocks ``src`` (ours) into ``dst`` (the grant's) on the stream;
         returns the device buffer's source ids (valid until the next push)."""
         n = len(src)
         end = 3 + 2 * n
-        if end > self._view.shape[0]:
-            raise ValueError(f"{n} blocks is more than this sender's pool holds")
+        if not 0 < n <= self._capacity:
+            raise ValueError(f"a push carries 1 to {self._capacity} blocks, not {n}")
+        bucket = min(1 << (n - 1).bit_length(), self._capacity)
+        if bucket not in self._graphs:
+            self._graphs[bucket] = self._capture(bucket)
         self._copied.synchronize()  # the last push's ids are out of the host buffer (long ago)
         view = self._view
         view[0], view[1], view[2] = token, slot, n
@@ -81,8 +72,28 @@ class Pusher:
         with on_stream(self._stream):
             self._meta[:end].copy_(self._host[:end], non_blocking=True)
             self._copied.record()
-            if self._graph is not None:
-                self._graph.replay()
+            graph = self._graphs[bucket]
+            if graph is not None:
+                graph.replay()
             else:
-                self._launch()
+                self._launch(bucket)
         return self._meta[3 : 3 + n]
+
+    def _launch(self, bucket: int) -> None:
+        self._remote.push_from(self._local, self._meta[: 3 + 2 * bucket], self._fence)
+
+    def _capture(self, bucket: int) -> torch.cuda.CUDAGraph | None:
+        """The push of up to ``bucket`` blocks as a graph (None: launched directly)."""
+        with on_stream(self._stream):  # compiles the kernel; matches no grant: writes nothing
+            self._meta[0] = _NO_GRANT
+            self._launch(bucket)
+        if self._stream is not None:
+            self._stream.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._launch(bucket)
+        except Exception as e:  # the same copy, launched each time: more host time
+            log.info("the KV push of %d blocks is launched without a CUDA graph: %s", bucket, e)
+            return None
+        return graph

@@ -119,7 +119,6 @@ def timed_copy(caches: list[torch.Tensor], ids: list[int], iters: int, gather: b
 
 
 MOVE_VARIANTS = ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16))  # (chunk, warps)
-PUSH_VARIANTS = (4, 8, 16, 32)  # the fenced push's programs per multiprocessor
 
 
 def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> dict[str, float]:
@@ -142,18 +141,18 @@ def timed_move(caches: list[torch.Tensor], ids: list[int], iters: int) -> dict[s
     # the fenced copy a sender runs into blocks granted ahead (kvtransfer.grants), default tiles
     meta = torch.tensor([4, 0, len(ids), *ids, *(i + len(ids) for i in ids)], device=caches[0].device)  # fmt: skip
     fence = torch.zeros((1, 2), dtype=torch.int64, device=caches[0].device)
-    for per_sm in PUSH_VARIANTS:
+    for chunk, warps in MOVE_VARIANTS[:3]:
         times = []
         for _ in range(iters + 1):
             fence.copy_(torch.tensor([[4, 0]]))
             _sync(caches[0].device)
             start = time.perf_counter()
-            copier.push_from(copier, meta, fence, per_sm=per_sm)  # type: ignore[attr-defined]
+            copier.push_from(copier, meta, fence, chunk=chunk, num_warps=warps)  # type: ignore[attr-defined]
             _sync(caches[0].device)
             times.append(time.perf_counter() - start)
         if int(fence[0, 0]) != 6:
             raise RuntimeError(f"the fenced copy did not land: fence state {int(fence[0, 0])}")
-        out[f"push {per_sm}/SM"] = statistics.median(times[1:])
+        out[f"push {chunk}x{warps}"] = statistics.median(times[1:])
     return out
 
 
