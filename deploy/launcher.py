@@ -136,6 +136,9 @@ def _describe(plan: Plan) -> str:
     if "--local-prefill-queue" in argv:  # conditional disaggregation: say it is on
         n = argv[argv.index("--local-prefill-queue") + 1]
         parts.append(f"prompts prefilled by the decode worker while prefill has {n}+ queued")
+    if "--local-prefill-decode-load" in argv:
+        n = argv[argv.index("--local-prefill-decode-load") + 1]
+        parts.append(f"and while the decode worker has {n}+ other requests")
     return ", ".join(parts)
 
 

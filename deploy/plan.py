@@ -213,6 +213,16 @@ def _media_flags(args: argparse.Namespace) -> list[str]:
 # 0.15x without; 1024:128 at 16 / 32 req/s 1.00x / 0.96x (docs/benchmarks.md, W4). Two engines
 # that take turns on one GPU prefill faster in the decode worker, whose decodes ride along.
 SHARED_GPU_LOCAL_PREFILL_QUEUE = 1
+# --local-prefill-decode-load there too: a prompt is prefilled by its decode worker while that
+# worker has another request (gateway.workers.prefill_choice says why)
+SHARED_GPU_LOCAL_PREFILL_DECODE_LOAD = 1
+
+
+def _shared_gpu(device: str, workers: Sequence[Worker]) -> bool:
+    """Whether every decode worker shares a GPU with a prefill worker."""
+    prefill_gpus = {g for w in workers if w.role == "prefill" for g in w.gpus}
+    decodes = [w for w in workers if w.role == "decode"]
+    return device == "cuda" and bool(decodes) and all(set(w.gpus) & prefill_gpus for w in decodes)
 
 
 def local_prefill_queue(requested: int | None, device: str, workers: Sequence[Worker]) -> int:
@@ -221,10 +231,14 @@ def local_prefill_queue(requested: int | None, device: str, workers: Sequence[Wo
     disaggregate: on its own GPU a decode worker keeps decode steps free of prefill)."""
     if requested is not None:
         return requested
-    prefill_gpus = {g for w in workers if w.role == "prefill" for g in w.gpus}
-    decodes = [w for w in workers if w.role == "decode"]
-    shared = device == "cuda" and bool(decodes) and all(set(w.gpus) & prefill_gpus for w in decodes)
-    return SHARED_GPU_LOCAL_PREFILL_QUEUE if shared else 0
+    return SHARED_GPU_LOCAL_PREFILL_QUEUE if _shared_gpu(device, workers) else 0
+
+
+def local_prefill_decode_load(requested: int | None, device: str, workers: Sequence[Worker]) -> int:
+    """The gateway's --local-prefill-decode-load, chosen as :func:`local_prefill_queue` is."""
+    if requested is not None:
+        return requested
+    return SHARED_GPU_LOCAL_PREFILL_DECODE_LOAD if _shared_gpu(device, workers) else 0
 
 
 def _check_gateway_flags(args: argparse.Namespace) -> None:
@@ -283,6 +297,9 @@ def build_plan(
     queue = local_prefill_queue(getattr(args, "local_prefill_queue", 0), device, workers)
     if queue:
         gateway += ["--local-prefill-queue", str(queue)]
+    load = local_prefill_decode_load(getattr(args, "local_prefill_decode_load", 0), device, workers)  # fmt: skip
+    if load:
+        gateway += ["--local-prefill-decode-load", str(load)]
     if getattr(args, "enable_auto_tool_choice", False):
         gateway.append("--enable-auto-tool-choice")
     for flag in ("tool_call_parser", "reasoning_parser", "limit_mm_per_prompt"):

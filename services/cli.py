@@ -687,6 +687,15 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "0: off",
     )
     p.add_argument(
+        "--local-prefill-decode-load",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="conditional disaggregation: while a request's decode worker has at least N other "
+        "requests running or waiting, its prompt is prefilled by that decode worker itself "
+        "(for decode workers that share their GPU with the prefill workers); 0: off",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on the API (default: $TANDEM_API_KEY; none: "
@@ -785,6 +794,16 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "at least N requests waiting or in prefill, prompts are prefilled by the decode worker "
         "itself; 0: off. Default: 1 when each decode worker shares its GPU with a prefill "
         "worker, else 0",
+    )
+    p.add_argument(
+        "--local-prefill-decode-load",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="conditional disaggregation (passed to the gateway): while a request's decode "
+        "worker has at least N other requests running or waiting, its prompt is prefilled by "
+        "that decode worker; 0: off. Default: 1 when each decode worker shares its GPU with a "
+        "prefill worker (a prefill on the same GPU takes it from the decodes either way), else 0",
     )
     add_output_parser_args(p, "(passed to the gateway) ")
     add_media_args(p, "(passed to the gateway) ")
@@ -1191,7 +1210,7 @@ def build_parser() -> argparse.ArgumentParser:
 # `tandem up` flags of the prefill/decode topology, which --colocated N replaces
 DISAGGREGATED_ONLY = (
     "prefill", "decode", "kv_checksum", "kv_streaming", "max_local_prefill_tokens",
-    "local_prefill_queue",
+    "local_prefill_queue", "local_prefill_decode_load",
 )  # fmt: skip
 
 

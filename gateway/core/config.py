@@ -100,6 +100,8 @@ class GatewayConfig:
     # ... and any prompt while every healthy prefill worker has at least this many requests
     # waiting or in prefill (gateway.workers.prefill_choice); 0: off
     local_prefill_queue: int = 0
+    # ... and any prompt while its decode worker has at least this many other requests; 0: off
+    local_prefill_decode_load: int = 0
     drain_timeout_s: float = 30.0
     prefix_blocks: int = 4  # leading blocks hashed for prefix-cache affinity
     max_fanout: int = 256  # n x number of prompts
@@ -134,6 +136,7 @@ class GatewayConfig:
         at_least_zero = {
             "--max-local-prefill-tokens": self.max_local_prefill_tokens,
             "--local-prefill-queue": self.local_prefill_queue,
+            "--local-prefill-decode-load": self.local_prefill_decode_load,
         }
         for name, count in at_least_zero.items():
             if count < 0:
@@ -316,6 +319,7 @@ def config_from_args(
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
         max_local_prefill_tokens=getattr(args, "max_local_prefill_tokens", 0),
         local_prefill_queue=getattr(args, "local_prefill_queue", 0),
+        local_prefill_decode_load=getattr(args, "local_prefill_decode_load", 0),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),

@@ -61,7 +61,7 @@ class RequestStats:
     def header(self) -> str:
         """``queue=..;prefill=..;transfer=..;ttft=..;decode=..;e2e=..`` in seconds, then
         ``mode=disagg|local|colocated`` (where the prompt was prefilled) when known, and for
-        ``local`` why: ``local_reason=short|queue`` (``resumed``: moved to a decode worker
+        ``local`` why: ``local_reason=short|queue|decode_load`` (``resumed``: moved to a decode worker
         mid-stream)."""
         t = self.timing
         parts = {

@@ -95,9 +95,14 @@ class WorkerClient:
         return not lora or lora in self.lora_names
 
     @property
+    def reported_depth(self) -> int:
+        """Requests running or waiting on the worker as of its last load report (every
+        gateway's; a reservation not yet decoding is not one)."""
+        return self.load.num_running + self.load.num_waiting if self.load else 0
+
+    @property
     def queue_depth(self) -> int:
-        reported = self.load.num_running + self.load.num_waiting if self.load else 0
-        return max(self.inflight, reported)
+        return max(self.inflight, self.reported_depth)
 
     @property
     def free_blocks(self) -> int:

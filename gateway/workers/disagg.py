@@ -419,8 +419,11 @@ async def _disaggregated(
     ctx, item, parent = run.ctx, run.item, run.parent
     await run.reserve(decodes)
     healthy = [p for p in prefills if p.healthy]  # read now: the Reserve may have waited
-    limits = (ctx.config.max_local_prefill_tokens, ctx.config.local_prefill_queue)
-    reason = local_prefill_reason(len(item.prompt_ids), healthy, *limits)
+    config = ctx.config
+    reason = local_prefill_reason(
+        len(item.prompt_ids), healthy, config.max_local_prefill_tokens,
+        config.local_prefill_queue, run.decode, config.local_prefill_decode_load,
+    )  # fmt: skip
     if reason is not None:
         parent.set_attribute("tandem.mode", "local")
         parent.set_attribute("tandem.local_reason", reason)

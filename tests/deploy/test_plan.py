@@ -90,7 +90,9 @@ def test_kv_streaming_off_reaches_the_prefill_workers_only() -> None:
         assert getattr(reparse(worker.spec.argv), "kv_streaming", "on") == "on"
 
 
-@pytest.mark.parametrize("flag", ["--max-local-prefill-tokens", "--local-prefill-queue"])
+@pytest.mark.parametrize(
+    "flag", ["--max-local-prefill-tokens", "--local-prefill-queue", "--local-prefill-decode-load"]
+)
 def test_conditional_disaggregation_is_the_gateways_setting(flag: str) -> None:
     plan = plan_for(flag, "256")
     at = plan.gateway_argv.index(flag)
@@ -100,11 +102,9 @@ def test_conditional_disaggregation_is_the_gateways_setting(flag: str) -> None:
     assert flag not in plan_for().gateway_argv
 
 
-def _queue(plan: Plan) -> int:
+def _queue(plan: Plan, flag: str = "--local-prefill-queue") -> int:
     argv = plan.gateway_argv
-    return (
-        int(argv[argv.index("--local-prefill-queue") + 1]) if "--local-prefill-queue" in argv else 0
-    )
+    return int(argv[argv.index(flag) + 1]) if flag in argv else 0
 
 
 def test_prefill_and_decode_on_one_gpu_prefill_locally_while_prefill_is_busy() -> None:
@@ -120,6 +120,19 @@ def test_prefill_and_decode_on_one_gpu_prefill_locally_while_prefill_is_busy() -
     assert _queue(plan_for("--local-prefill-queue", "0", gpus=("0",))) == 0
     assert _queue(plan_for("--local-prefill-queue", "3", gpus=("0", "1"))) == 3
     assert all("--local-prefill-queue" not in w.spec.argv for w in plan_for(gpus=("0",)).workers)
+
+
+def test_prefill_and_decode_on_one_gpu_prefill_locally_while_decode_is_busy() -> None:
+    """The decode-load rule defaults on where each decode worker shares its GPU with a prefill
+    worker and off elsewhere, as the queue rule; what the user sets wins."""
+    flag = "--local-prefill-decode-load"
+    assert _queue(plan_for(gpus=("0",)), flag) == 1
+    assert _queue(plan_for("--prefill", "2", "--decode", "2", gpus=("0",)), flag) == 1
+    assert _queue(plan_for(gpus=("0", "1")), flag) == 0  # decode on a GPU of its own
+    assert _queue(plan_for(), flag) == 0  # the CPU
+    assert _queue(plan_for("--colocated", "1", gpus=("0",)), flag) == 0
+    assert _queue(plan_for(flag, "0", gpus=("0",)), flag) == 0
+    assert _queue(plan_for(flag, "4", gpus=("0", "1")), flag) == 4
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,9 @@ def test_positive_int_errors_read_well(value: str, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize("command", ["up", "gateway"])
-@pytest.mark.parametrize("flag", ["--local-prefill-queue", "--max-local-prefill-tokens"])
+@pytest.mark.parametrize(
+    "flag", ["--local-prefill-queue", "--max-local-prefill-tokens", "--local-prefill-decode-load"]
+)
 @pytest.mark.parametrize("value", ["-1", "x", "2.5"])
 def test_conditional_disaggregation_flags_take_counts_from_zero(
     command: str, flag: str, value: str, capsys: pytest.CaptureFixture[str]
@@ -344,6 +346,7 @@ def test_a_worker_whose_model_cannot_be_split_exits_2_naming_the_cause(
         (["--kv-streaming", "off"], "--kv-streaming is"),
         (["--max-local-prefill-tokens", "64"], "--max-local-prefill-tokens is"),
         (["--local-prefill-queue", "0"], "--local-prefill-queue is"),
+        (["--local-prefill-decode-load", "2"], "--local-prefill-decode-load is"),
     ],
 )
 def test_up_refuses_prefill_and_decode_flags_beside_colocated(

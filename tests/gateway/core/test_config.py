@@ -70,12 +70,16 @@ def test_bad_values_name_the_flag() -> None:
         GatewayConfig(tokenizer="/t", slo_ttft_ms=-1)
     with pytest.raises(ConfigError, match="--local-prefill-queue must be >= 0, got -1"):
         GatewayConfig(tokenizer="/t", local_prefill_queue=-1)
+    with pytest.raises(ConfigError, match="--local-prefill-decode-load must be >= 0, got -2"):
+        GatewayConfig(tokenizer="/t", local_prefill_decode_load=-2)
 
 
 def test_conditional_disaggregation_flags_reach_the_config() -> None:
-    argv = ["gateway", "--max-local-prefill-tokens", "256", "--local-prefill-queue", "4"]
+    argv = ["gateway", "--max-local-prefill-tokens", "256", "--local-prefill-queue", "4",
+            "--local-prefill-decode-load", "2"]  # fmt: skip
     config = config_from_args(build_parser().parse_args(argv), "/tok")
     assert (config.max_local_prefill_tokens, config.local_prefill_queue) == (256, 4)
+    assert config.local_prefill_decode_load == 2
     default = config_from_args(build_parser().parse_args(["gateway"]), "/tok")
     assert (default.max_local_prefill_tokens, default.local_prefill_queue) == (0, 0)
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.workers.prefill_choice import QUEUE, SHORT, local_prefill_reason
+from gateway.workers.prefill_choice import DECODE_LOAD, QUEUE, SHORT, local_prefill_reason
 from tests.gateway.stack import Stack
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,6 +51,33 @@ def test_the_rules(
 ) -> None:
     prefills = [Prefill(d) for d in depths]
     assert local_prefill_reason(prompt_len, prefills, max_tokens, min_queue) == reason
+
+
+@dataclass
+class Decode:
+    inflight: int  # this gateway's, the request being placed included
+    reported_depth: int = 0  # every gateway's running or waiting, at the last poll
+
+
+@pytest.mark.parametrize(
+    "decode, min_load, depths, reason",
+    [
+        (Decode(1), 1, [0], None),  # only this request on it: idle otherwise
+        (Decode(2), 1, [0], DECODE_LOAD),  # one other request of this gateway
+        (Decode(1, 1), 1, [0], DECODE_LOAD),  # one of another gateway, as reported
+        (Decode(3, 2), 3, [0], None),  # two others, the threshold is three
+        (Decode(9), 0, [0], None),  # the rule is off
+        (Decode(5), 1, [4], QUEUE),  # the prefill queue says it first
+    ],
+)
+def test_the_decode_load_rule(
+    decode: Decode, min_load: int, depths: list[int], reason: str | None
+) -> None:
+    prefills = [Prefill(d) for d in depths]
+    assert local_prefill_reason(100, prefills, 16, 4, decode, min_load) == reason
+    assert local_prefill_reason(100, prefills, 16, 4, None, min_load) == (
+        QUEUE if reason == QUEUE else None
+    )
 
 
 def complete(stack: Stack, prompt: str) -> tuple[str, dict[str, str]]:
@@ -124,5 +151,24 @@ def test_requests_open_on_the_prefill_worker_count_before_its_load_says_so(
         assert (timing["mode"], timing["local_reason"]) == ("local", "queue")
         assert first_timing["mode"] == "disagg" and first_text == text
         assert len(prefill.records.requests) == 1
+    finally:
+        stack.stop()
+
+
+def test_a_busy_decode_worker_prefills_the_next_prompt_itself(tokenizer_dir: str) -> None:
+    """--local-prefill-decode-load 1: while a request decodes on the decode worker (its load as
+    this gateway counts it), the next long prompt is prefilled there too; alone, a prompt goes
+    to the prefill worker."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode"], local_prefill_decode_load=1).start()
+    try:
+        prefill, decode = stack.role("prefill")[0], stack.role("decode")[0]
+        text, timing = complete(stack, LONG_PROMPT)
+        assert timing["mode"] == "disagg" and len(prefill.records.requests) == 1
+        decode.behavior.num_waiting = 1  # another gateway's request is queued there
+        stack.run(stack.state.registry.poll_all())
+        local_text, timing = complete(stack, LONG_PROMPT)
+        assert (timing["mode"], timing["local_reason"]) == ("local", "decode_load")
+        assert local_text == text and len(prefill.records.requests) == 1
+        assert mode_counts(stack)[("local", "decode_load")] == 1.0
     finally:
         stack.stop()
