@@ -214,7 +214,9 @@ def _media_flags(args: argparse.Namespace) -> list[str]:
 # that take turns on one GPU prefill faster in the decode worker, whose decodes ride along.
 SHARED_GPU_LOCAL_PREFILL_QUEUE = 1
 # --local-prefill-decode-load there too: a prompt is prefilled by its decode worker while that
-# worker has another request (gateway.workers.prefill_choice says why)
+# worker has another request (gateway.workers.prefill_choice says why). With both, one H200:
+# 1.00x / 0.99x colocated's goodput at 4 / 8 req/s of 4096:256, 1.00x at 4-32 req/s of
+# 1024:128 (docs/benchmarks.md, W4)
 SHARED_GPU_LOCAL_PREFILL_DECODE_LOAD = 1
 
 
