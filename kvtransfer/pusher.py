@@ -5,10 +5,11 @@ The copy kernel reads its whole description from one int64 buffer on the device 
 block count, source and destination ids: ``BlockCopier.push_from``), so one launch of it serves
 every transfer of up to as many blocks as its grid covers. It is captured in a CUDA graph per
 power-of-two block count (on first use: a few per pair); a transfer then writes its ids into a
-pinned host buffer (numpy, no tensor op), copies them into the device buffer on the sender's
-stream and replays the graph: two calls into the driver instead of a host-to-device upload of
-a fresh tensor plus two Triton launches with their argument checks (about 0.1 ms of Python per
-transfer on an H200's host). Where the capture fails it launches the kernels itself.
+pinned host buffer (numpy, no tensor op) and replays the graph on the sender's stream, which
+copies them to the device buffer and runs the kernels: one call into the driver instead of a
+host-to-device upload of a fresh tensor plus two Triton launches with their argument checks
+(about 0.1 ms of Python per transfer on an H200's host). Where the capture fails it does the
+same three steps itself.
 """
 
 from __future__ import annotations
@@ -70,22 +71,24 @@ class Pusher:
         view[3 : 3 + n] = src
         view[3 + n : end] = dst
         with on_stream(self._stream):
-            self._meta[:end].copy_(self._host[:end], non_blocking=True)
-            self._copied.record()
             graph = self._graphs[bucket]
-            if graph is not None:
+            if graph is not None:  # the ids' copy to the device is in the graph too
                 graph.replay()
             else:
                 self._launch(bucket)
+            self._copied.record()  # the host buffer is read once this has run
         return self._meta[3 : 3 + n]
 
     def _launch(self, bucket: int) -> None:
-        self._remote.push_from(self._local, self._meta[: 3 + 2 * bucket], self._fence)
+        size = 3 + 2 * bucket
+        self._meta[:size].copy_(self._host[:size], non_blocking=True)
+        self._remote.push_from(self._local, self._meta[:size], self._fence)
 
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph | None:
         """The push of up to ``bucket`` blocks as a graph (None: launched directly)."""
-        with on_stream(self._stream):  # compiles the kernel; matches no grant: writes nothing
-            self._meta[0] = _NO_GRANT
+        self._copied.synchronize()
+        self._view[0] = _NO_GRANT  # a token no slot holds: the warm-up writes nothing
+        with on_stream(self._stream):  # compiles the kernels
             self._launch(bucket)
         if self._stream is not None:
             self._stream.synchronize()

@@ -75,7 +75,7 @@ for step in ${*:-tests w1 w2 prefill awq}; do
         tail -3 | tr '\n' ';') ;;
     kvgrant)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kvtransfer/test_gpu.py \
-        tests/kernels/test_triton_block_copy.py 2>&1 | tee "$out/kv-gpu-tests.txt" | tail -3
+        tests/kvtransfer/test_pusher.py tests/kernels/test_triton_block_copy.py 2>&1 | tee "$out/kv-gpu-tests.txt" | tail -3
       line=$(TANDEM_KV_TIMELINE=1 timeout 240 python3 -m kvtransfer.bench.transfer --tokens 1024 \
         32768 --iters 30 --no-ttft --json-out "$out/kv-granted.json" 2>&1 |
         tee "$out/kv-granted.txt" | grep -E "e2e|push|passed|failed" | tr '\n' ';') ;;
