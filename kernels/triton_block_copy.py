@@ -55,22 +55,32 @@ def _block_copy_kernel(
 
 
 @triton.jit
-def _block_move_kernel(
-    src_ptr, src_off_ptr, src_ids_ptr, dst_ptr, dst_off_ptr, dst_ids_ptr, num_ids,
+def _move_chunk(
+    src_ptr, src_off_ptr, src_blk, dst_ptr, dst_off_ptr, dst_blk, layer, kv,
     s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)  # over (layer, kv, i)
-    i = pid % num_ids
-    layer = pid // num_ids // 2
-    kv = (pid // num_ids) % 2
-    src_blk = tl.load(src_ids_ptr + i).to(tl.int64)
-    dst_blk = tl.load(dst_ids_ptr + i).to(tl.int64)
+    """Chunk ``program_id(1)`` of block ``src_blk`` (K or V of ``layer``) into ``dst_blk``."""
     src_off = tl.load(src_off_ptr + layer) + kv * s_kv_src + src_blk * s_blk_src
     dst_off = tl.load(dst_off_ptr + layer) + kv * s_kv_dst + dst_blk * s_blk_dst
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     mask = offs < block_elems
     x = tl.load(src_ptr + src_off + offs, mask=mask)
     tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _block_move_kernel(
+    src_ptr, src_off_ptr, src_ids_ptr, dst_ptr, dst_off_ptr, dst_ids_ptr, num_ids,
+    s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # over (layer, kv, i)
+    i = pid % num_ids
+    src_blk = tl.load(src_ids_ptr + i).to(tl.int64)
+    dst_blk = tl.load(dst_ids_ptr + i).to(tl.int64)
+    _move_chunk(
+        src_ptr, src_off_ptr, src_blk, dst_ptr, dst_off_ptr, dst_blk, pid // num_ids // 2,
+        (pid // num_ids) % 2, s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -91,16 +101,13 @@ def _block_push_kernel(
         if state == token:  # granted, not yet claimed: claim it (unless revoked meanwhile)
             state = tl.atomic_cas(state_ptr, token, token + 1)
         if (state == token) | (state == token + 1):  # claimed, by this program or another
-            layer = pid // capacity // 2
-            kv = (pid // capacity) % 2
             src_blk = tl.load(meta_ptr + 3 + i)
             dst_blk = tl.load(meta_ptr + 3 + num_ids + i)
-            src_off = tl.load(src_off_ptr + layer) + kv * s_kv_src + src_blk * s_blk_src
-            dst_off = tl.load(dst_off_ptr + layer) + kv * s_kv_dst + dst_blk * s_blk_dst
-            offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-            mask = offs < block_elems
-            x = tl.load(src_ptr + src_off + offs, mask=mask)
-            tl.store(dst_ptr + dst_off + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+            _move_chunk(
+                src_ptr, src_off_ptr, src_blk, dst_ptr, dst_off_ptr, dst_blk,
+                pid // capacity // 2, (pid // capacity) % 2, s_kv_src, s_blk_src, s_kv_dst,
+                s_blk_dst, block_elems, CHUNK,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -289,11 +296,7 @@ class BlockCopier:
         allocations, e.g. another process's pool opened through CUDA IPC)."""
         last = self._check_range(first, last)
         src._check_range(first, last)
-        if src.block_shape != self.block_shape or src.device != self.device:
-            raise ValueError(
-                f"source blocks {src.block_shape} on {src.device} do not fit "
-                f"{self.block_shape} on {self.device}"
-            )
+        self._check_source(src)
         _check_ids(src_ids, src._base)
         _check_ids(dst_ids, self._base)
         if src_ids.shape != dst_ids.shape:
@@ -320,11 +323,7 @@ class BlockCopier:
         Two launches (the copy, then the landing mark), no synchronization: the grid is sized
         for as many blocks as ``meta`` has room for, so size it near the transfer."""
         capacity = _check_push(meta, fence, self._base)
-        if src.block_shape != self.block_shape or src.device != self.device:
-            raise ValueError(
-                f"source blocks {src.block_shape} on {src.device} do not fit "
-                f"{self.block_shape} on {self.device}"
-            )
+        self._check_source(src)
         if src.num_layers != self.num_layers:
             raise ValueError(f"{src.num_layers} source layers for {self.num_layers}")
         block_elems = self._base[0, 0].numel()
@@ -337,6 +336,13 @@ class BlockCopier:
                 self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
             )  # fmt: skip
         _fence_land_kernel[(1,)](meta, fence, num_warps=1)
+
+    def _check_source(self, src: BlockCopier) -> None:
+        if src.block_shape != self.block_shape or src.device != self.device:
+            raise ValueError(
+                f"source blocks {src.block_shape} on {src.device} do not fit "
+                f"{self.block_shape} on {self.device}"
+            )
 
     def _check_range(self, first: int, last: int | None) -> int:
         last = self.num_layers if last is None else last
