@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/kv_control.proto\x12\ttandem.v1\"\x93\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05owner\x18\x07 \x01(\t\"l\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\"Q\n\x08KvTarget\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\"B\n\x0cTransferDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/kv_control.proto\x12\ttandem.v1\"\xa2\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05owner\x18\x07 \x01(\t\x12\r\n\x05grant\x18\x08 \x01(\x08\"~\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12\x10\n\x08kv_grant\x18\x05 \x01(\t\"c\n\x08KvTarget\x12\x13\n\x0bkv_endpoint\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x10\n\x08kv_grant\x18\x04 \x01(\t\"B\n\x0cTransferDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kv_control_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESERVEREQUEST']._serialized_start=39
-  _globals['_RESERVEREQUEST']._serialized_end=186
-  _globals['_RESERVERESPONSE']._serialized_start=188
-  _globals['_RESERVERESPONSE']._serialized_end=296
-  _globals['_KVTARGET']._serialized_start=298
-  _globals['_KVTARGET']._serialized_end=379
-  _globals['_TRANSFERDONE']._serialized_start=381
-  _globals['_TRANSFERDONE']._serialized_end=447
+  _globals['_RESERVEREQUEST']._serialized_end=201
+  _globals['_RESERVERESPONSE']._serialized_start=203
+  _globals['_RESERVERESPONSE']._serialized_end=329
+  _globals['_KVTARGET']._serialized_start=331
+  _globals['_KVTARGET']._serialized_end=430
+  _globals['_TRANSFERDONE']._serialized_start=432
+  _globals['_TRANSFERDONE']._serialized_end=498
 # @@protoc_insertion_point(module_scope)

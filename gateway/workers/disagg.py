@@ -131,6 +131,9 @@ class _Run:
             wait_s=max(left - WAIT_MARGIN_S, 0.0) if wait else 0.0,
             priority=item.priority,
             owner=self.ctx.registry.owner,  # freed soon after this gateway dies
+            # a prefill worker that ships the whole KV copies it into blocks granted now without
+            # asking for them (one GPU; a decode worker that cannot grant ignores this)
+            grant=bool(self._prefill and self._prefill.load and self._prefill.load.kv_whole),
         )
         timeout = left if wait else min(self.ctx.config.rpc_timeout_s, left)
         # counted on the worker from the choice on: a burst ranks before any reply comes back
@@ -214,6 +217,7 @@ class _Run:
             kv_endpoint=res.kv_endpoint,
             reservation_id=res.reservation_id,
             decode_worker_id=res.decode_worker_id,
+            kv_grant=res.kv_grant,
         )
         request = prefill_pb2.PrefillRequest(
             request_id=item.request_id,

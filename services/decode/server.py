@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -159,16 +160,19 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         assert self.rt.engine is not None and blocks is not None
         ttl = reservation_ttl(request.ttl_s, request.owner)
         nblk = blocks_for(n, self.rt.engine.config.cache.block_size)
-        handle = self.receiver.expect(rid, blocks[:nblk])  # no clock there: ours is the one
+        # no clock there: ours is the one. A grant (asked for by a gateway whose prefill worker
+        # ships whole KV) lets a sender on this GPU copy without asking for the blocks
+        handle = self.receiver.expect(rid, blocks[:nblk], grant=request.grant)
         loop = asyncio.get_running_loop()
         timer = loop.call_later(ttl, self._expire, rid)
         self.rt.leases.renew(request.owner)
         self.reservations[rid] = Reservation(rid, n, handle, timer, request.owner)
         self._watch_leases(loop)
         handle.add_done_callback(lambda result: self._on_transfer_end(loop, rid, handle, result))
+        grant = json.dumps(handle.grant.to_json()) if handle.grant is not None else ""
         return kv_control_pb2.ReserveResponse(
             reservation_id=rid, num_blocks=nblk, kv_endpoint=self.receiver.endpoint,
-            decode_worker_id=self.rt.worker_id,
+            decode_worker_id=self.rt.worker_id, kv_grant=grant,
         )  # fmt: skip
 
     async def _reserve_or_wait(

@@ -7,7 +7,8 @@ transfer submitted at once, all of them sharing one ``LayerReady`` that the forw
 by layer, so the KV leaves while the last chunk and the first token are still being computed:
 when the last layer is written, at most its chunk is left to move. Otherwise (off, or nothing
 was submitted because the hook failed) the servicer ships the whole KV after the first token
-(:meth:`Handoffs.submit_whole`), as before streaming existed.
+(:meth:`Handoffs.submit_whole`), as before streaming existed; with the blocks granted by the
+decode worker with its reservation (``KvTarget.kv_grant``, on one GPU), without asking for them.
 
 Blocks go back to the engine only once no transfer reads them: :meth:`Handoffs.close` (the call
 ended, or an ``Abort`` came) cancels a transfer still waiting for its turn, which then never
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer import KvSender, LayerReady, TransferStats
+from kvtransfer.grants import Grant
 from services.engine.kv_handoff import FinalChunk
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class Handoff:
     request_id: str
     endpoint: str  # the decode worker's KV receiver
     transfer_id: str  # its reservation id
+    grant: Grant | None = None  # its blocks, granted with the reservation (whole sends use it)
     future: Future[TransferStats] | None = None  # the transfer, once submitted
     streamed: bool = False  # submitted before the forward that writes the last chunk
     closed: bool = False  # no transfer may start any more
@@ -52,12 +55,15 @@ class Handoffs:
         self._lock = threading.Lock()  # the engine thread submits, the event loop closes
         self._open: dict[str, Handoff] = {}
 
-    def open(self, request_id: str, endpoint: str, transfer_id: str) -> Handoff | None:
+    def open(
+        self, request_id: str, endpoint: str, transfer_id: str, grant: Grant | None = None
+    ) -> Handoff | None:
         """Register a call's KV target; None if a call with this request id is open."""
         with self._lock:
             if request_id in self._open:
                 return None
-            handoff = self._open[request_id] = Handoff(request_id, endpoint, transfer_id)
+            handoff = Handoff(request_id, endpoint, transfer_id, grant)
+            self._open[request_id] = handoff
             return handoff
 
     def on_final_chunks(self, finals: list[FinalChunk]) -> LayerReady | None:
@@ -85,8 +91,11 @@ class Handoffs:
         with self._lock:
             if handoff.closed:
                 return None
+            grant = handoff.grant
+            if grant is not None and len(grant.blocks) != len(block_ids):
+                grant = None  # not this KV's blocks: asked for as usual (the receiver says why)
             handoff.future = self.sender.submit(
-                handoff.endpoint, handoff.transfer_id, block_ids, self._timeout_s
+                handoff.endpoint, handoff.transfer_id, block_ids, self._timeout_s, grant=grant
             )
             return handoff.future
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -56,9 +57,12 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
             self.handoffs.sender.close()
 
     def transfer_load(self) -> dict[str, object]:
+        # kv_whole: without streaming each KV goes whole after the first token, where blocks
+        # granted with the reservation save a round trip (the gateway asks for them)
+        whole: dict[str, object] = {"kv_whole": not self.rt.config.kv_streaming}
         if self.handoffs is None:
-            return {}
-        return transfer_fields(self.handoffs.sender.stats())
+            return whole
+        return {**transfer_fields(self.handoffs.sender.stats()), **whole}
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -122,7 +126,16 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         if self.handoffs is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.rt.worker_id} is starting")
         assert self.handoffs is not None
-        handoff = self.handoffs.open(rid, target.kv_endpoint, target.reservation_id)
+        grant = None
+        if target.kv_grant:
+            from kvtransfer.grants import Grant
+
+            try:
+                grant = Grant.from_json(json.loads(target.kv_grant))
+            except ValueError as exc:  # json's errors are ValueErrors too
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"target.kv_grant is not a KV grant: {exc}")  # fmt: skip
+        handoff = self.handoffs.open(rid, target.kv_endpoint, target.reservation_id, grant)
         if handoff is None:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is in use")
         assert handoff is not None

@@ -52,6 +52,7 @@ class Behavior:
     vocab_size: int = 49152
     cached_tokens: int = 0
     num_waiting: int = 0  # what GetLoad reports waiting (the gateway reads it at its next poll)
+    kv_whole: bool = False  # prefill: GetLoad says it ships whole KV (--kv-streaming off)
     task: str = "generate"  # a colocated worker's --task: embed answers Embed, generate refuses it
     lora_names: tuple[str, ...] = ()  # the LoRA adapters GetLoad reports
     lora_updates: bool = False  # LoadLoRA/UnloadLoRA change lora_names (else: refused, as off)
@@ -67,6 +68,8 @@ class Records:
     reservations: dict[str, str] = field(default_factory=dict)  # request id -> reservation
     reserve_ttls: list[float] = field(default_factory=list)  # ttl_s of each Reserve call
     reserve_waits: list[float] = field(default_factory=list)  # wait_s of each Reserve call
+    reserve_grants: list[bool] = field(default_factory=list)  # grant of each Reserve call
+    kv_grants: list[str] = field(default_factory=list)  # target.kv_grant of each Prefill call
     decode_calls: list[str] = field(default_factory=list)
     local_prefills: list[str] = field(default_factory=list)  # Decode calls with local_prefill
     samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
@@ -169,6 +172,7 @@ class FakeEngine:
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
             kv_transfer_bytes=1234, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
             task=b.task if self.role == "colocated" else "", lora_names=list(b.lora_names),
+            kv_whole=b.kv_whole,
         )  # fmt: skip
 
 
@@ -289,6 +293,7 @@ class Prefill(LoRAUpdates, prefill_pb2_grpc.PrefillServiceServicer):
         e = self.e
         e._note(request.request_id, context)
         e.records.samplings.append(request.sampling)
+        e.records.kv_grants.append(request.target.kv_grant)
         await _guard(context, e.behavior)
         first = None
         done = kv_control_pb2.TransferDone(bytes=4096, seconds=0.004, num_blocks=2)
@@ -325,6 +330,7 @@ class Decode(LoRAUpdates, decode_pb2_grpc.DecodeServiceServicer):
         e = self.e
         e.records.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
         e.records.reserve_waits.append(request.wait_s)
+        e.records.reserve_grants.append(request.grant)
         if e.behavior.reserve_code is not None:
             await context.abort(e.behavior.reserve_code, "fake decode: cannot reserve")
         full_for = e.behavior.full_for_s
@@ -341,6 +347,8 @@ class Decode(LoRAUpdates, decode_pb2_grpc.DecodeServiceServicer):
             num_blocks=3,
             kv_endpoint="127.0.0.1:1",
             decode_worker_id="fake-decode",
+            # as a decode worker that can grant (one GPU) answers a request for a grant
+            kv_grant=f'{{"fake-grant": "{reservation}"}}' if request.grant else "",
         )
 
     async def Decode(self, request, context):

@@ -108,24 +108,30 @@ def assert_idle(loads: list[common_pb2.WorkerLoad]) -> None:
         ), f"{ld.worker_id} still holds KV or requests:\n{ld}"  # fmt: skip
 
 
-async def reserve(decode: Conn, rid: str, num_prompt: int, max_tokens: int, ttl_s: float = 60.0
-                  ) -> kv_control_pb2.ReserveResponse:  # fmt: skip
+async def reserve(decode: Conn, rid: str, num_prompt: int, max_tokens: int, ttl_s: float = 60.0,
+                  grant: bool = False) -> kv_control_pb2.ReserveResponse:  # fmt: skip
     """A reservation as the gateway asks for it: by default for as long as a request may take
-    (its ``--reserve-ttl`` default), so a prefill slowed by a busy machine does not outlive it."""
+    (its ``--reserve-ttl`` default), so a prefill slowed by a busy machine does not outlive it.
+    ``grant``: the blocks granted ahead too (the gateway asks for a whole-KV prefill worker)."""
     req = kv_control_pb2.ReserveRequest(
-        request_id=rid, num_prompt_tokens=num_prompt, max_tokens=max_tokens, ttl_s=ttl_s
-    )
+        request_id=rid, num_prompt_tokens=num_prompt, max_tokens=max_tokens, ttl_s=ttl_s,
+        grant=grant,
+    )  # fmt: skip
     reply: kv_control_pb2.ReserveResponse = await decode.stub.Reserve(req, timeout=5)
     return reply
 
 
 def prefill_call(prefill: Conn, rid: str, ids: list[int], sampling: common_pb2.SamplingParams,
-                 res: kv_control_pb2.ReserveResponse | None, timeout: float = 60) -> Any:  # fmt: skip
+                 res: kv_control_pb2.ReserveResponse | None, timeout: float = 60,
+                 kv_grant: str | None = None) -> Any:  # fmt: skip
+    """``kv_grant``: what the target carries instead of the reservation's grant."""
     target = None
     if res is not None:
+        grant = res.kv_grant if kv_grant is None else kv_grant
         target = kv_control_pb2.KvTarget(kv_endpoint=res.kv_endpoint,
                                          reservation_id=res.reservation_id,
-                                         decode_worker_id=res.decode_worker_id)  # fmt: skip
+                                         decode_worker_id=res.decode_worker_id,
+                                         kv_grant=grant)  # fmt: skip
     req = prefill_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=ids, sampling=sampling, target=target
     )
@@ -141,14 +147,16 @@ def decode_call(decode: Conn, rid: str, ids: list[int], first: list[int],
 
 
 async def disagg(prefill: Conn, decode: Conn, rid: str, ids: list[int], max_tokens: int,
-                 **kw: Any) -> Result:  # fmt: skip
+                 grant: bool = False, kv_grant: str | None = None, **kw: Any) -> Result:  # fmt: skip
     """One request as the gateway runs it: reserve, prefill (first token, then TransferDone),
-    decode. On any failure the decode reservation is aborted (as the gateway does)."""
+    decode. On any failure the decode reservation is aborted (as the gateway does). ``grant``:
+    the blocks granted with the reservation, as for a whole-KV prefill worker; ``kv_grant``: a
+    grant to pass instead of the reservation's."""
     sampling = greedy(max_tokens, **kw)
     result = Result()
-    res = await reserve(decode, rid, len(ids), max_tokens)
+    res = await reserve(decode, rid, len(ids), max_tokens, grant=grant)
     try:
-        events = [ev async for ev in prefill_call(prefill, rid, ids, sampling, res)]
+        events = [ev async for ev in prefill_call(prefill, rid, ids, sampling, res, kv_grant=kv_grant)]  # fmt: skip
         kinds = [ev.WhichOneof("event") for ev in events]
         result.add(events[0].first)
         if result.finish_reason:

@@ -534,3 +534,24 @@ def test_without_another_decode_worker_a_mid_stream_death_is_an_error_frame(
     with httpx.stream("POST", f"{disagg.base_url}/v1/completions", json=body) as r:
         frames = list(sse_lines(r))
     assert frames[-1] == "[DONE]" and "error" in json.loads(frames[-2])
+
+
+def test_blocks_are_granted_for_a_prefill_worker_that_ships_whole_kv(tokenizer_dir: str) -> None:
+    """The gateway asks the decode worker to grant its blocks with the reservation only for a
+    prefill worker that ships the whole KV (--kv-streaming off: it reports kv_whole), and passes
+    the grant on in the Prefill call's target; a streaming one is asked nothing."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode"]).start()
+    try:
+        prefill, decode = stack.role("prefill")[0], stack.role("decode")[0]
+        r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
+        assert decode.records.reserve_grants == [False] and prefill.records.kv_grants == [""]
+        prefill.behavior.kv_whole = True
+        stack.run(stack.state.registry.poll_all())
+        r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
+        assert decode.records.reserve_grants == [False, True]
+        rid = prefill.records.requests[1]  # the second request's grant reached its prefill
+        assert prefill.records.kv_grants[1] == f'{{"fake-grant": "res-{rid}"}}'
+    finally:
+        stack.stop()

@@ -5,6 +5,7 @@ the KV is on its way."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -58,7 +59,10 @@ async def test_disaggregated_greedy_output_equals_the_offline_engine(fleet: Flee
 async def test_the_whole_kv_after_the_first_token_gives_the_same_output(fleet: Fleet) -> None:
     """--kv-streaming off: the KV leaves after the first token, all at once. Same tokens as the
     streamed path and the offline engine, for a prompt of several chunks and for one cached up
-    to its last token (the second time, only that token is computed and streams the KV)."""
+    to its last token (the second time, only that token is computed and streams the KV). The
+    whole-KV worker says so in its load (the gateway then asks for blocks granted ahead); a
+    grant its pair cannot use (this CPU decode worker grants nothing; one of another pool) is
+    ignored and the blocks asked for as usual, and one that is not a grant is refused."""
     whole = fleet.spawn("prefill", "--kv-streaming", "off", name="whole-prefill")
     try:
         streamed, decode = fleet.shared("prefill", "decode")
@@ -71,13 +75,22 @@ async def test_the_whole_kv_after_the_first_token_gives_the_same_output(fleet: F
             Conn(whole.address, "prefill") as w,
             Conn(decode.address, "decode") as d,
         ):
+            assert (await w.load()).kv_whole and not (await s.load()).kv_whole
             for name, p in (("streamed", s), ("whole", w)):
                 hits = (await p.load()).prefix_cache_hits
-                got = [await disagg(p, d, f"{name}-{i}", ids, 8)
+                got = [await disagg(p, d, f"{name}-{i}", ids, 8, grant=name == "whole")
                        for i, ids in enumerate(prompts)]  # fmt: skip
                 assert [g.token_ids for g in got] == [e.token_ids for e in expected], name
                 assert (await p.load()).prefix_cache_hits - hits >= 20 * 16
                 assert_idle(await wait_pool_free([p, d]))
+            foreign = json.dumps({"pool": "elsewhere", "slot": 0, "token": 4, "blocks": [1, 2]})
+            got1 = await disagg(w, d, "whole-foreign", prompts[0], 8, kv_grant=foreign)
+            assert got1.token_ids == expected[0].token_ids
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await disagg(w, d, "whole-bad", prompts[0], 8, kv_grant='{"pool": 1}')
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "target.kv_grant is not a KV grant" in (info.value.details() or "")
+            assert_idle(await wait_pool_free([w, d]))
     finally:
         whole.kill()
 
