@@ -519,7 +519,7 @@ class ReceiverPair:
         else:
             result = ctx.registry.complete(exp, writer.flush, result)
         if result.ok:
-            ctx.counters.add_ok(result.bytes, result.seconds)
+            ctx.counters.add_ok(result.bytes, result.seconds, isinstance(header, Pushed))
         else:
             ctx.counters.add_failure()
         return result

@@ -50,6 +50,7 @@ class TransferCounters:
     seconds: float = 0.0
     transfers: int = 0
     failures: int = 0
+    granted: int = 0  # of ``transfers``: copied into blocks granted ahead (kvtransfer.grants)
 
 
 class CounterBox:
@@ -61,12 +62,14 @@ class CounterBox:
         self._seconds = 0.0
         self._transfers = 0
         self._failures = 0
+        self._granted = 0
 
-    def add_ok(self, nbytes: int, seconds: float) -> None:
+    def add_ok(self, nbytes: int, seconds: float, granted: bool = False) -> None:
         with self._lock:
             self._bytes += nbytes
             self._seconds += seconds
             self._transfers += 1
+            self._granted += granted
 
     def add_failure(self) -> None:
         with self._lock:
@@ -74,4 +77,6 @@ class CounterBox:
 
     def snapshot(self) -> TransferCounters:
         with self._lock:
-            return TransferCounters(self._bytes, self._seconds, self._transfers, self._failures)
+            return TransferCounters(
+                self._bytes, self._seconds, self._transfers, self._failures, self._granted
+            )

@@ -97,6 +97,7 @@ class WorkerLoadInfo:
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
+    kv_transfer_granted: int = 0  # of those received, copied into blocks granted ahead
     kv_offload_stored_blocks: int = 0  # the prefix cache's host tier (--kv-offloading-size)
     kv_offload_restored_blocks: int = 0
     kv_offload_evicted_blocks: int = 0

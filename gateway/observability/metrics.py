@@ -63,6 +63,11 @@ _WORKER_COUNTERS = {
     "kv_transfer_bytes": ("KV bytes transferred", lambda x: x.kv_transfer_bytes),
     "kv_transfer_seconds": ("Seconds spent transferring KV", lambda x: x.kv_transfer_seconds),
     "kv_transfer_failures": ("Failed KV transfers", lambda x: x.kv_transfer_failures),
+    "kv_transfer_granted": (
+        "KV transfers received into blocks granted with their reservation (one GPU: copied "
+        "without asking for the blocks)",
+        lambda x: x.kv_transfer_granted,
+    ),
     "prefix_cache_host_hits": (
         "Prefix-cache hits served from the host tier (tokens; prefix_cache_hits counts the "
         "device pool's)",

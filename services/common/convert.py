@@ -202,4 +202,5 @@ def histogram_to_pb(h: HistogramSnapshot) -> common_pb2.Histogram:
 def transfer_fields(counters: Any) -> dict[str, object]:
     """WorkerLoad's KV-transfer fields from a kvtransfer.TransferCounters."""
     return {"kv_transfer_bytes": counters.bytes, "kv_transfer_seconds": counters.seconds,
-            "kv_transfer_failures": counters.failures}  # fmt: skip
+            "kv_transfer_failures": counters.failures,
+            "kv_transfer_granted": counters.granted}  # fmt: skip

@@ -170,7 +170,7 @@ class FakeEngine:
             max_model_len=b.max_model_len, block_size=16, num_running=0, num_waiting=b.num_waiting,
             free_blocks=TOTAL_BLOCKS - reserved, total_blocks=TOTAL_BLOCKS,
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
-            kv_transfer_bytes=1234, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
+            kv_transfer_bytes=1234, kv_transfer_granted=5, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
             task=b.task if self.role == "colocated" else "", lora_names=list(b.lora_names),
             kv_whole=b.kv_whole,
         )  # fmt: skip

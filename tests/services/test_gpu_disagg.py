@@ -90,6 +90,9 @@ def test_disaggregated_parity_on_gpus(
                 loads = [await p.load(), await d.load()]
                 assert loads[0].prefix_cache_hits > 0  # the repeated prefix hit the prefill cache
                 assert loads[1].kv_transfer_bytes > 0 and loads[1].kv_transfer_failures == 0
+                # whole KV on one GPU: every transfer into blocks granted with its reservation
+                granted = len(prompts) if kv_streaming == "off" and devices[0] == devices[1] else 0
+                assert loads[1].kv_transfer_granted == granted
                 return got, secs
 
         got, secs = asyncio.run(run())

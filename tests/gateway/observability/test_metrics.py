@@ -140,6 +140,7 @@ def test_worker_metrics_come_from_get_load(disagg: Stack) -> None:
     decode = disagg.role("decode")[0]
     labels = {"role": "decode", "worker": "decode-0"}
     assert value(samples, "tandem:kv_transfer_bytes_total", **labels) == 1234
+    assert value(samples, "tandem:kv_transfer_granted_total", **labels) == 5
     # /metrics is open: it names workers by role and index, never by address
     assert decode.address not in httpx.get(f"{disagg.base_url}/metrics").text
     listed = httpx.get(f"{disagg.base_url}/workers").json()["workers"]  # behind the API key
