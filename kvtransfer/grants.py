@@ -116,7 +116,8 @@ class GrantTable:
         return self._phase(grant, old)
 
     def phase(self, grant: Grant) -> int:
-        return self._phase(grant, int(self.fence[grant.slot, 0]))
+        with on_stream(self._stream):  # read on our stream: never behind the engine's work
+            return self._phase(grant, int(self.fence[grant.slot, 0]))
 
     def settle(self, grant: Grant, timeout_s: float) -> None:
         """Once this returns, no copy of ``grant`` writes any more: revoke it, or wait until
