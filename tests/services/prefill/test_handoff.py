@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvtransfer import LayerReady
+from kvtransfer.grants import Grant
 from services.engine.kv_handoff import FinalChunk
 from services.prefill.handoff import Handoffs
 
@@ -25,13 +26,15 @@ class FakeLayout:
 class FakeSender:
     layout: FakeLayout = field(default_factory=FakeLayout)
     sent: list[tuple[str, str, list[int], Any]] = field(default_factory=list)
+    grants: list[Grant | None] = field(default_factory=list)
     futures: list[Future[Any]] = field(default_factory=list)
 
     def submit(
         self, endpoint: str, transfer_id: str, block_ids: list[int], timeout_s: float,
-        ready: LayerReady | None = None,
+        ready: LayerReady | None = None, grant: Grant | None = None,
     ) -> Future[Any]:  # fmt: skip
         self.sent.append((endpoint, transfer_id, block_ids, ready))
+        self.grants.append(grant)
         self.futures.append(Future())
         return self.futures[-1]
 
@@ -103,3 +106,17 @@ def test_the_whole_kv_is_submitted_without_readiness() -> None:
     future = handoffs.submit_whole(handoff, [8, 9])
     assert future is sender.futures[0] and sender.sent == [("host:1", "res-o", [8, 9], None)]
     assert not handoff.streamed
+    assert sender.grants == [None]
+
+
+def test_a_whole_kv_goes_with_its_grant_when_the_grant_fits() -> None:
+    """Blocks granted with the reservation reach the sender with the whole KV; a grant of
+    another block count (the decode side reserved for another length) is not passed on."""
+    handoffs, sender = _handoffs()
+    grant = Grant("pool", 3, 8, (5, 6))
+    fits = handoffs.open("g", "host:1", "res-g", grant)
+    other = handoffs.open("h", "host:1", "res-h", grant)
+    assert fits is not None and other is not None
+    handoffs.submit_whole(fits, [8, 9])
+    handoffs.submit_whole(other, [8, 9, 10])
+    assert sender.grants == [grant, None]
