@@ -227,20 +227,16 @@ def _shared_gpu(device: str, workers: Sequence[Worker]) -> bool:
     return device == "cuda" and bool(decodes) and all(set(w.gpus) & prefill_gpus for w in decodes)
 
 
-def local_prefill_queue(requested: int | None, device: str, workers: Sequence[Worker]) -> int:
-    """The gateway's --local-prefill-queue: what the user asked for, else (None) the shared-GPU
-    default when every decode worker shares a GPU with a prefill worker, else 0 (always
-    disaggregate: on its own GPU a decode worker keeps decode steps free of prefill)."""
+def shared_gpu_rule(
+    requested: int | None, shared_default: int, device: str, workers: Sequence[Worker]
+) -> int:
+    """A conditional-disaggregation threshold for the gateway (--local-prefill-queue,
+    --local-prefill-decode-load): what the user asked for, else (None) ``shared_default`` when
+    every decode worker shares a GPU with a prefill worker, else 0 (always disaggregate: on its
+    own GPU a decode worker keeps decode steps free of prefill)."""
     if requested is not None:
         return requested
-    return SHARED_GPU_LOCAL_PREFILL_QUEUE if _shared_gpu(device, workers) else 0
-
-
-def local_prefill_decode_load(requested: int | None, device: str, workers: Sequence[Worker]) -> int:
-    """The gateway's --local-prefill-decode-load, chosen as :func:`local_prefill_queue` is."""
-    if requested is not None:
-        return requested
-    return SHARED_GPU_LOCAL_PREFILL_DECODE_LOAD if _shared_gpu(device, workers) else 0
+    return shared_default if _shared_gpu(device, workers) else 0
 
 
 def _check_gateway_flags(args: argparse.Namespace) -> None:
@@ -296,12 +292,13 @@ def build_plan(
         gateway += ["--served-model-name", args.served_model_name]
     if getattr(args, "max_local_prefill_tokens", 0):
         gateway += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
-    queue = local_prefill_queue(getattr(args, "local_prefill_queue", 0), device, workers)
-    if queue:
-        gateway += ["--local-prefill-queue", str(queue)]
-    load = local_prefill_decode_load(getattr(args, "local_prefill_decode_load", 0), device, workers)  # fmt: skip
-    if load:
-        gateway += ["--local-prefill-decode-load", str(load)]
+    for flag, shared_default in (
+        ("local_prefill_queue", SHARED_GPU_LOCAL_PREFILL_QUEUE),
+        ("local_prefill_decode_load", SHARED_GPU_LOCAL_PREFILL_DECODE_LOAD),
+    ):
+        value = shared_gpu_rule(getattr(args, flag, 0), shared_default, device, workers)
+        if value:
+            gateway += ["--" + flag.replace("_", "-"), str(value)]
     if getattr(args, "enable_auto_tool_choice", False):
         gateway.append("--enable-auto-tool-choice")
     for flag in ("tool_call_parser", "reasoning_parser", "limit_mm_per_prompt"):

@@ -115,7 +115,7 @@ class RefBlockCopier:
 
         ``meta`` is int64 ``[token, slot, n, src ids (n)..., dst ids (n)...]`` (room for more is
         ignored: the GPU version reads ``n`` on the device, so that one captured launch serves
-        any transfer); ``fence`` the grant table, int64 ``[slots, 2]`` of ``[state, count]``.
+        any transfer); ``fence`` the grant table, int64 ``[slots, 2]`` of ``[state, unused]``.
         The copy runs only if the slot's ``state`` is ``token`` (granted: it is claimed,
         ``token + 1``) or ``token + 1`` (claimed); afterwards ``state`` is ``token + 2``
         (landed). In any other state (revoked, or granted to another transfer) nothing is

@@ -9,10 +9,11 @@ sender copies at once and then tells the receiver (``Pushed``).
 The danger of blocks handed out ahead is a copy that lands after the receiver took them back
 (a cancel, a deadline) and gave them to another request. The fence prevents it on the GPU,
 where the copy runs, not on the host, where it is queued: each grant owns a slot of a small
-int64 table in the receiver's GPU memory, shared with the senders like the pool, holding
-``[state, count]``. ``state`` is the grant's ``token`` while granted; the copy kernel claims it
-(``token + 1``) with one compare-and-swap before writing anything, and its last program marks
-it landed (``token + 2``; ``kernels.triton_block_copy``). The receiver takes a grant back with
+int64 table in the receiver's GPU memory, shared with the senders like the pool, whose first
+word per slot is the state (the second is unused). The state is the grant's ``token`` while
+granted; the copy kernel claims it (``token + 1``) with one compare-and-swap before writing
+anything, and a one-program kernel after it, in stream order, marks it landed (``token + 2``;
+``kernels.triton_block_copy``). The receiver takes a grant back with
 the same compare-and-swap, ``token -> token + 3``: if it wins, no copy of that grant will ever
 write (a queued one finds ``token + 3`` and exits); if it loses, a copy has claimed the blocks
 and the receiver waits until it has landed before it frees them. Tokens never repeat, so a copy

@@ -319,12 +319,7 @@ class SenderPair:
                 self._until(conn, header.seq, copied, deadline)
                 conn.send(Done(header.seq, stopped=True))
             else:
-                sums: tuple[int, ...] = ()
-                if ctx.use_checksum:
-                    with on_stream(stream):
-                        ours = ctx.copier.gather(src).view(-1).view(torch.uint8)
-                        sums = (checksum_value(checksum_tensor(ours)),)
-                conn.send(Done(header.seq, checksums=sums, pending=True))
+                conn.send(Done(header.seq, checksums=self._checksums(src), pending=True))
             return self._await_ack(conn, header, deadline)
         except BaseException:
             # the pair breaks and the receiver frees its blocks once it sees that: our copies
@@ -390,11 +385,7 @@ class SenderPair:
         src = pusher.push(grant.token, grant.slot, block_ids, grant.blocks)
         copied.record(stream)  # the receiver waits for it before it uses the blocks
         try:
-            sums: tuple[int, ...] = ()
-            if ctx.use_checksum:
-                with on_stream(stream):
-                    ours = ctx.copier.gather(src).view(-1).view(torch.uint8)
-                    sums = (checksum_value(checksum_tensor(ours)),)
+            sums = self._checksums(src)
             conn.send(Pushed(self._seq, transfer_id, n, ctx.layout, grant.slot, grant.token, sums))
         except BaseException:
             self._sync()
@@ -412,6 +403,15 @@ class SenderPair:
         except BaseException:
             self._sync()
             raise
+
+    def _checksums(self, src: torch.Tensor) -> tuple[int, ...]:
+        """cuda_ipc: the checksum of our blocks ``src`` that were copied (none without
+        --kv-checksum), computed on our stream after the copies; waits for it."""
+        if not self._ctx.use_checksum:
+            return ()
+        with on_stream(self._ctx.stream):
+            ours = self._ctx.copier.gather(src).view(-1).view(torch.uint8)
+            return (checksum_value(checksum_tensor(ours)),)
 
     def _sync(self) -> None:
         """Before a pair breaks: our copies already queued land first (as in _transfer_ipc)."""

@@ -10,22 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from kvtransfer.bench.host_costs import median_us
 from kvtransfer.grants import GrantTable
-
-
-def _median_us(fn: Callable[[], object], iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,13 +35,13 @@ def main(argv: list[str] | None = None) -> None:
         assert grant is not None
         given.append(grant)
 
-    rows = {"grant (expect, grant=True)": _median_us(give, args.iters)}
+    rows = {"grant (expect, grant=True)": median_us(give, args.iters)}
     pending = iter(list(given))
-    rows["revoke a granted one (cancel, header claim)"] = _median_us(
+    rows["revoke a granted one (cancel, header claim)"] = median_us(
         lambda: table.revoke(next(pending)), args.iters
     )
     landed = iter(list(given))
-    rows["phase read"] = _median_us(lambda: table.phase(next(landed)), args.iters)
+    rows["phase read"] = median_us(lambda: table.phase(next(landed)), args.iters)
     for grant in given:
         table.release(grant)
     print(f"{'operation':<46}{'median us':>10}")

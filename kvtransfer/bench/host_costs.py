@@ -20,7 +20,7 @@ from kvtransfer.blockcopy import make_copier
 from kvtransfer.staging import DeviceIds
 
 
-def _median_us(fn: Callable[[], object], iters: int) -> float:
+def median_us(fn: Callable[[], object], iters: int) -> float:
     out = []
     for _ in range(iters):
         start = time.perf_counter()
@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> None:
     with torch.cuda.stream(stream):
         for n in args.blocks:
             ids = list(range(n))
-            up = _median_us(partial(uploads.upload, ids), args.iters)
+            up = median_us(partial(uploads.upload, ids), args.iters)
             x = uploads.upload(ids)
             torch.cuda.synchronize()
-            launch = _median_us(partial(dst.copy_from, src, x, x), args.iters // 4)
+            launch = median_us(partial(dst.copy_from, src, x, x), args.iters // 4)
             torch.cuda.synchronize()
-            rec = _median_us(lambda: event.record(stream), args.iters)
-            tensor = _median_us(partial(torch.tensor, ids), args.iters)
+            rec = median_us(lambda: event.record(stream), args.iters)
+            tensor = median_us(partial(torch.tensor, ids), args.iters)
             print(f"{n} blocks: upload {up:.1f} us, copy launch {launch:.1f} us, event record "
                   f"{rec:.1f} us, torch.tensor(ids) {tensor:.1f} us")  # fmt: skip
 
