@@ -31,7 +31,7 @@ from types import FrameType
 from typing import IO, TextIO
 
 from deploy.gpus import detect_gpus
-from deploy.plan import Plan, build_plan, gateway_spec
+from deploy.plan import Plan, Worker, build_plan, fill_utilization, gateway_spec, with_flag
 from deploy.supervisor import Child, ChildFailedError, ChildSpec, Supervisor, parent_death_env
 from protos import ports
 from protos.auth import TOKEN_ENV
@@ -162,14 +162,36 @@ def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str,
     say(f"tandem up: preparing model {plan.model}")
     tokenizer_dir = prepare_model(plan.prepare_argv)
     say(f"tandem up: starting {_describe(plan)}; logs in {sup.log_dir}")
-    workers = [sup.start(w.spec) for w in plan.workers]
+    workers = [sup.start(w.spec) for w in plan.workers if not w.fill_after]
     sup.wait_ready(workers, ready_timeout_s, _progress)
+    late = [w for w in plan.workers if w.fill_after]
+    if late:  # decode workers sized from what the prefill workers on their GPUs hold
+        ready = {c.name: c.ready or {} for c in workers}
+        specs = [late_spec(w, plan.workers, ready) for w in late]
+        late_children = [sup.start(s) for s in specs]
+        sup.wait_ready(late_children, ready_timeout_s, _progress)
+        workers += late_children
     ports = {c.name: int((c.ready or {})["port"]) for c in workers}
     say("tandem up: workers ready (" + ", ".join(f"{n} :{p}" for n, p in ports.items()) + ")")
     gateway = sup.start(gateway_spec(plan, ports, tokenizer_dir))
     sup.wait_ready([gateway], ready_timeout_s, _progress)
     port = int((gateway.ready or {}).get("port", plan.port))
     return public_url(plan.host, port), {**ports, gateway.name: port}
+
+
+def late_spec(worker: Worker, workers: list[Worker], ready: dict[str, dict]) -> ChildSpec:
+    """A decode worker's spec once the prefill workers on its GPUs are ready: its
+    --gpu-memory-utilization set to what they leave (the plan's even split if they reported
+    nothing)."""
+    util = fill_utilization(worker, workers, ready)
+    if util is None:
+        return worker.spec
+    holds = ", ".join(
+        f"{n} {ready[n]['gpu_bytes'] / 2**30:.1f} GiB" for n in worker.fill_after if n in ready
+    )
+    say(f"tandem up: {worker.spec.name} takes --gpu-memory-utilization {util:g} ({holds} held)")
+    argv = with_flag(worker.spec.argv, "--gpu-memory-utilization", f"{util:g}")
+    return dataclasses.replace(worker.spec, argv=argv)
 
 
 def shutdown_grace(drain_timeout_s: float, floor_s: float = GRACE_S) -> float:

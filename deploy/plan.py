@@ -7,6 +7,7 @@ gateway targets) is unit-tested without spawning anything.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ from gateway.core.config import (
 )
 from gateway.flows.chat_output import check_parser_flags
 from services.cli import add_engine_args
-from services.config import ConfigError, LoRAConfig
+from services.config import GPU_TOKEN_BUDGET, ConfigError, LoRAConfig
 
 DEFAULT_PROGRAM = (sys.executable, "-m", "services.cli")
 LOOPBACK = "127.0.0.1"
@@ -35,6 +36,11 @@ class Worker:
     spec: ChildSpec
     role: str  # prefill | decode | worker
     gpus: tuple[str, ...]  # CUDA_VISIBLE_DEVICES entries; empty on the CPU
+    # a decode worker sharing its GPU with prefill workers: started once these are ready, its
+    # --gpu-memory-utilization then set to what they leave of the GPU (fill_utilization),
+    # split between the ``fill_share`` decode workers on that GPU
+    fill_after: tuple[str, ...] = ()
+    fill_share: int = 1
 
 
 @dataclass(frozen=True)
@@ -185,11 +191,88 @@ def _worker_env(
     return {"OMP_NUM_THREADS": str(max(1, cpu_count // max(1, n_workers)))}
 
 
+GPU_MEMORY_CEILING = 0.9  # --gpu-memory-utilization's default: what workers of a GPU share
+# a prefill worker sharing its GPU with a decode worker keeps this many steps' tokens of KV
+# (--max-total-tokens; never less than one --max-model-len sequence): prompts in flight until
+# their KV has moved, and a prefix cache. 8B shape, 8192-token steps: 32k tokens, 4.3 GB of the
+# ~43 GB an even split gave it; the decode worker, whose pool bounds how many requests run,
+# gets the rest (docs/benchmarks.md, W4)
+PREFILL_POOL_STEPS = 4
+
+
 def _memory_overrides(args: argparse.Namespace, sharing: int) -> dict[str, object]:
-    default_util = 0.9
-    if sharing > 1 and args.gpu_memory_utilization == default_util:
-        return {"gpu_memory_utilization": round(default_util / sharing, 3)}
+    if sharing > 1 and args.gpu_memory_utilization == GPU_MEMORY_CEILING:
+        return {"gpu_memory_utilization": round(GPU_MEMORY_CEILING / sharing, 3)}
     return {}
+
+
+def _memory_flags_default(args: argparse.Namespace) -> bool:
+    """Whether the user left every KV-pool sizing flag alone (then tandem up may size pools)."""
+    return (
+        args.gpu_memory_utilization == GPU_MEMORY_CEILING
+        and getattr(args, "kv_cache_gib", None) is None
+        and getattr(args, "num_blocks", None) is None
+        and getattr(args, "max_total_tokens", None) is None
+    )
+
+
+def fill_plan(
+    roles: Sequence[str], placement: Sequence[tuple[str, ...]], names: Sequence[str]
+) -> dict[int, tuple[tuple[str, ...], int]]:
+    """Decode workers that share a GPU with prefill workers: index -> (the prefill workers
+    on its GPUs, the most decode workers on one of its GPUs)."""
+    out = {}
+    for i, (role, placed) in enumerate(zip(roles, placement, strict=True)):
+        if role != "decode" or not placed:
+            continue
+        before = tuple(
+            names[j]
+            for j, r in enumerate(roles)
+            if r == "prefill" and set(placement[j]) & set(placed)
+        )
+        if before:
+            share = max(
+                sum(r == "decode" and g in p for r, p in zip(roles, placement, strict=True))
+                for g in placed
+            )
+            out[i] = (before, share)
+    return out
+
+
+def fill_utilization(
+    worker: Worker, workers: Sequence[Worker], ready: Mapping[str, Mapping[str, object]]
+) -> float | None:
+    """A late decode worker's --gpu-memory-utilization: on each of its GPUs, what
+    ``GPU_MEMORY_CEILING`` of it the ready prefill workers there leave (their ready files'
+    ``gpu_bytes`` of ``gpu_total_bytes``), split between the ``fill_share`` decode workers; the
+    least over its GPUs. None when a prefill worker reported no figures (keep the plan's split)."""
+    by_name = {w.spec.name: w for w in workers}
+    lefts = []
+    for gpu in worker.gpus:
+        used, total = 0, 0
+        for name in worker.fill_after:
+            if gpu not in by_name[name].gpus:
+                continue
+            facts = ready.get(name) or {}
+            got, size = facts.get("gpu_bytes"), facts.get("gpu_total_bytes")
+            if not isinstance(got, int) or not isinstance(size, int) or size <= 0:
+                return None
+            used, total = used + got, size
+        if total:
+            lefts.append((GPU_MEMORY_CEILING - used / total) / worker.fill_share)
+    if not lefts:
+        return None
+    return max(0.001, min(GPU_MEMORY_CEILING, math.floor(min(lefts) * 1000) / 1000))
+
+
+def with_flag(argv: Sequence[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag``'s value set to ``value`` (replaced where present, else added)."""
+    out = list(argv)
+    if flag in out[:-1]:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
 
 
 def _media_flags(args: argparse.Namespace) -> list[str]:
@@ -269,10 +352,16 @@ def build_plan(
         lora.check_directories()
     placement = assign_gpus(roles, gpus, sizes)
     users = Counter(g for p in placement for g in p)
+    fills = fill_plan(roles, placement, [n for n, _ in names])
+    fill = device == "cuda" and _memory_flags_default(args)
+    feeds = {p for before, _ in fills.values() for p in before} if fill else set()
+    budget = getattr(args, "max_num_batched_tokens", None) or GPU_TOKEN_BUDGET
     workers = []
-    for (name, role), placed, tp in zip(names, placement, sizes, strict=True):
+    for i, ((name, role), placed, tp) in enumerate(zip(names, placement, sizes, strict=True)):
         overrides = _memory_overrides(args, max((users[g] for g in placed), default=1))
         overrides["tensor_parallel_size"] = tp
+        if name in feeds:
+            overrides["max_total_tokens"] = PREFILL_POOL_STEPS * budget
         argv = [*program, role, *engine_flags(args, overrides), "--device", device]
         argv += ["--host", LOOPBACK, "--port", "0", "--worker-id", name]
         argv += task_flags(args)
@@ -282,9 +371,9 @@ def build_plan(
             argv += ["--kv-streaming", args.kv_streaming]
         ready = run_dir / f"{name}.json"
         env = _worker_env(placed, sum(sizes), cpu_count, environ)  # threads per rank
-        workers.append(
-            Worker(ChildSpec(name, [*argv, "--ready-file", str(ready)], env, ready), role, placed)
-        )
+        after, share = fills.get(i, ((), 1)) if fill else ((), 1)
+        spec = ChildSpec(name, [*argv, "--ready-file", str(ready)], env, ready)
+        workers.append(Worker(spec, role, placed, after, share))
     gateway_ready = run_dir / "gateway.json"
     gateway = [*program, "gateway", "--host", args.host, "--port", str(args.port)]
     gateway += ["--model", args.model]

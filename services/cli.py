@@ -377,6 +377,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="exact number of KV blocks; overrides --kv-cache-gib and --gpu-memory-utilization",
     )
     g.add_argument(
+        "--max-total-tokens",
+        type=_positive_int,
+        default=None,
+        help="at most this many tokens in the KV pool, whatever --gpu-memory-utilization or "
+        "--kv-cache-gib would give (never fewer than one --max-model-len sequence; --num-blocks "
+        "overrides it). tandem up sets it on a prefill worker that shares a GPU with a decode "
+        "worker, which then gets the memory the prefill worker leaves",
+    )
+    g.add_argument(
         "--max-num-seqs",
         type=_positive_int,
         default=256,

@@ -55,6 +55,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the GPU the worker may use
     kv_cache_gib: float | None = None  # explicit KV pool size (CPU default: one max_model_len)
     num_blocks: int | None = None  # explicit block count, overrides the two above
+    # at most this many tokens in the pool (SGLang's --max-total-tokens), never fewer than one
+    # sequence of max_model_len; --num-blocks overrides it. tandem up caps a prefill worker that
+    # shares its GPU with a decode worker, so the decode worker gets the memory
+    max_total_tokens: int | None = None
     enable_prefix_caching: bool = True
     # the prefix cache's host tier: blocks the device pool evicts are kept in this much host
     # memory and copied back on a later hit (0: off)
@@ -78,6 +82,8 @@ class CacheConfig:
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ConfigError(f"--max-total-tokens must be positive, got {self.max_total_tokens}")
         if not 0 <= self.kv_offloading_gib < math.inf:
             raise ConfigError(f"--kv-offloading-size must be >= 0, got {self.kv_offloading_gib}")
         if self.kv_cache_dtype == "fp8_e5m2":

@@ -158,7 +158,8 @@ class WorkerRuntime:
                 self.driver.stop()
             raise
         await self._set_health(health_pb2.HealthCheckResponse.SERVING, service_names)
-        self._write_ready(self.ready_extra())
+        memory = self.engine.device_memory() if self.engine is not None else {}
+        self._write_ready({**memory, **self.ready_extra()})
         print(f"{self.worker_id} ({self.role}) serving on {self.config.host}:{self.port} "
               f"after {time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
         watch = asyncio.create_task(self._watch_ranks(loop, stop))

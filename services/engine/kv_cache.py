@@ -53,10 +53,15 @@ def plan_num_blocks(
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_gib is not None:
-        return max(int(cache.kv_cache_gib * GIB) // per_block, 0)
-    if device.type == "cpu" or free_bytes_after_profile is None:
-        return CPU_DEFAULT_KV_SEQS * blocks_for(max_model_len, cache.block_size)
-    return max(free_bytes_after_profile // per_block, 0)
+        n = max(int(cache.kv_cache_gib * GIB) // per_block, 0)
+    elif device.type == "cpu" or free_bytes_after_profile is None:
+        n = CPU_DEFAULT_KV_SEQS * blocks_for(max_model_len, cache.block_size)
+    else:
+        n = max(free_bytes_after_profile // per_block, 0)
+    if cache.max_total_tokens is not None:  # a cap, but one longest sequence always fits
+        cap = blocks_for(max(cache.max_total_tokens, max_model_len), cache.block_size)
+        n = min(n, cap)
+    return n
 
 
 def check_fits(num_blocks: int, block_size: int, max_model_len: int, knob_hint: str) -> None:

@@ -233,6 +233,7 @@ def config_from_args(args: Any) -> EngineConfig:
         kv_offloading_gib=getattr(args, "kv_offloading_gib", 0.0),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         num_blocks=args.num_blocks,
+        max_total_tokens=getattr(args, "max_total_tokens", None),
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

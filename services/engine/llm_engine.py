@@ -179,6 +179,10 @@ class LLMEngine:
         self.on_final_chunks: FinalChunkHook | None = None
 
     # ---- requests ----------------------------------------------------------------------------
+    def device_memory(self) -> dict[str, int]:
+        """:meth:`ModelRunner.device_memory`: the worker's ready file carries it."""
+        return self.runner.device_memory()
+
     def _validate_ids(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param)

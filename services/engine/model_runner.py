@@ -105,6 +105,11 @@ class ForwardCounts:
     eager_lora: int = 0  # of those, steps with adapter rows
 
 
+# the CUDA context, loaded kernels and the driver's own buffers: outside the caching
+# allocator's count (~0.5 GiB on an H100 / H200 with torch 2.11; rounded up)
+CUDA_CONTEXT_BYTES = 1 * GIB
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, max_model_len_hint: int | None = None,
@@ -218,6 +223,17 @@ class ModelRunner:
     @property
     def rank(self) -> int:
         return self.tp.rank if self.tp is not None else 0
+
+    def device_memory(self) -> dict[str, int]:
+        """What this process holds of its GPU once loaded (the caching allocator's reserve, which
+        holds weights, KV pool and graphs, plus ``CUDA_CONTEXT_BYTES`` for the context and
+        kernels), and the GPU's size; empty on the CPU. ``tandem up`` sizes a decode worker
+        that shares the GPU from a prefill worker's figures."""
+        if self.device.type != "cuda":
+            return {}
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        used = torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
+        return {"gpu_bytes": int(used), "gpu_total_bytes": int(total)}
 
     def _plan_blocks(self) -> tuple[int, int]:
         """KV blocks and host-tier slots: what this rank's memory holds of its own KV heads,

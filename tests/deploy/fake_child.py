@@ -5,7 +5,8 @@ Run as ``python -m tests.deploy.fake_child ROLE [flags]``. It binds a real port,
 gateway role also answers GET /v1/models. Behaviour switches come from the environment:
 FAKE_FAIL_ROLE (exit 3 before ready, or FAKE_FAIL_CODE), FAKE_IGNORE_TERM (role that ignores SIGTERM),
 FAKE_GRANDCHILD (role that spawns a sleeping grandchild), FAKE_PREPARE_FAIL, FAKE_TERM_LOG
-(a file each child appends its role to when SIGTERM arrives).
+(a file each child appends its role to when SIGTERM arrives), FAKE_GPU_BYTES (``ROLE:USED:TOTAL``:
+that role's ready file reports holding USED of a GPU of TOTAL bytes, as a real worker's does).
 """
 
 from __future__ import annotations
@@ -96,9 +97,14 @@ def main() -> int:
             [sys.executable, "-c", "import time; time.sleep(600)"]
         ).pid
     print(json.dumps(info), flush=True)
+    gpu_role, _, sizes = os.environ.get("FAKE_GPU_BYTES", "").partition(":")
+    ready = dict(info)
+    if gpu_role == role:
+        used, total = sizes.split(":")
+        ready.update(gpu_bytes=int(used), gpu_total_bytes=int(total))
     tmp = args.ready_file + ".tmp"
     with open(tmp, "w") as fh:
-        json.dump(info, fh)
+        json.dump(ready, fh)
     os.replace(tmp, args.ready_file)
     while True:
         time.sleep(3600)

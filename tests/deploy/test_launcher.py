@@ -141,6 +141,20 @@ def test_gpus_are_pinned_per_worker(start) -> None:
     assert "cuda" in children["decode-0"]["argv"]
 
 
+def test_a_decode_worker_sharing_a_gpu_gets_what_the_prefill_worker_leaves(start) -> None:
+    # the prefill worker reports 36 of 144 GB held: the decode worker, started after it, may use
+    # 0.9 - 0.25 of the GPU; the prefill worker's pool is capped at 4 steps' tokens
+    up = start("--gpus", "0", FAKE_GPU_BYTES="prefill:36000000000:144000000000")
+    up.wait_for(READY)
+    children = up.children()
+    prefill, decode = children["prefill-0"]["argv"], children["decode-0"]["argv"]
+    assert prefill[prefill.index("--max-total-tokens") + 1] == "32768"
+    assert prefill[prefill.index("--gpu-memory-utilization") + 1] == "0.45"
+    assert decode[decode.index("--gpu-memory-utilization") + 1] == "0.65"
+    assert "--max-total-tokens" not in decode
+    assert any("decode-0 takes --gpu-memory-utilization 0.65" in line for line in up.lines)
+
+
 def test_a_worker_that_fails_to_start_stops_everything_with_its_log(start) -> None:
     up = start(FAKE_FAIL_ROLE="decode")
     assert up.finish() == 1

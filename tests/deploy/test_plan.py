@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from deploy.plan import Plan, assign_gpus, build_plan, gateway_spec
+from deploy.plan import (
+    Plan,
+    Worker,
+    assign_gpus,
+    build_plan,
+    fill_plan,
+    fill_utilization,
+    gateway_spec,
+    with_flag,
+)
+from deploy.supervisor import ChildSpec
 from services.cli import build_parser
 from services.config import ConfigError
 
@@ -232,6 +242,85 @@ def test_one_gpu_is_shared_with_lower_memory_utilization_each() -> None:
     plan = plan_for(gpus=("0",))
     assert [w.gpus for w in plan.workers] == [("0",), ("0",)]
     assert {reparse(w.spec.argv).gpu_memory_utilization for w in plan.workers} == {0.45}
+
+
+def test_a_shared_gpu_caps_the_prefill_pool_and_starts_decode_after_it() -> None:
+    prefill, decode = plan_for(gpus=("0",)).workers
+    assert reparse(prefill.spec.argv).max_total_tokens == 4 * 8192  # 4 steps of the GPU default
+    assert reparse(decode.spec.argv).max_total_tokens is None
+    assert (prefill.fill_after, decode.fill_after, decode.fill_share) == ((), ("prefill-0",), 1)
+    steps = plan_for("--max-num-batched-tokens", "2048", gpus=("0",)).workers[0]
+    assert reparse(steps.spec.argv).max_total_tokens == 4 * 2048
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--gpu-memory-utilization", "0.8"),
+        ("--kv-cache-gib", "10"),
+        ("--num-blocks", "1000"),
+        ("--max-total-tokens", "50000"),
+    ],
+)
+def test_a_user_sized_pool_is_left_as_given_on_a_shared_gpu(flags: tuple[str, str]) -> None:
+    prefill, decode = plan_for(*flags, gpus=("0",)).workers
+    assert not decode.fill_after
+    given = reparse(prefill.spec.argv).max_total_tokens
+    assert given == (50000 if flags[0] == "--max-total-tokens" else None)
+
+
+def test_no_fill_without_sharing_or_on_the_cpu() -> None:
+    for plan in (plan_for(gpus=("0", "1")), plan_for(), plan_for("--colocated", "2", gpus=("0",))):
+        assert not any(w.fill_after for w in plan.workers)
+        assert all(reparse(w.spec.argv).max_total_tokens is None for w in plan.workers)
+
+
+def test_fill_plan_counts_the_decode_workers_of_the_most_shared_gpu() -> None:
+    roles = ["prefill", "prefill", "decode", "decode", "decode"]
+    placement = [("0",), ("1",), ("0",), ("0",), ("1",)]
+    names = ["p0", "p1", "d0", "d1", "d2"]
+    assert fill_plan(roles, placement, names) == {
+        2: (("p0",), 2),
+        3: (("p0",), 2),
+        4: (("p1",), 1),
+    }
+    assert fill_plan(["prefill", "decode"], [(), ()], ["p", "d"]) == {}  # the CPU
+
+
+def _worker(name: str, role: str, gpus: tuple[str, ...], after=(), share=1) -> Worker:
+    return Worker(ChildSpec(name, []), role, gpus, after, share)
+
+
+def test_fill_utilization_is_what_the_prefill_workers_leave_of_the_ceiling() -> None:
+    p0, p1 = _worker("p0", "prefill", ("0",)), _worker("p1", "prefill", ("0",))
+    d = _worker("d", "decode", ("0",), ("p0", "p1"), 2)
+    ready = {
+        "p0": {"gpu_bytes": 20, "gpu_total_bytes": 100},
+        "p1": {"gpu_bytes": 10, "gpu_total_bytes": 100},
+    }
+    assert fill_utilization(d, [p0, p1, d], ready) == 0.3  # (0.9 - 0.3) / 2
+    ready["p1"] = {"port": 1}  # a worker that reported no figures: keep the plan's split
+    assert fill_utilization(d, [p0, p1, d], ready) is None
+
+
+def test_fill_utilization_takes_the_least_over_the_workers_gpus() -> None:
+    a, b = _worker("a", "prefill", ("0",)), _worker("b", "prefill", ("1",))
+    d = _worker("d", "decode", ("0", "1"), ("a", "b"))
+    ready = {
+        "a": {"gpu_bytes": 25, "gpu_total_bytes": 100},
+        "b": {"gpu_bytes": 47, "gpu_total_bytes": 100},
+    }
+    assert fill_utilization(d, [a, b, d], ready) == 0.43  # GPU 1: 0.9 - 0.47
+
+
+def test_with_flag_replaces_or_adds() -> None:
+    argv = ["x", "--gpu-memory-utilization", "0.45", "--port", "0"]
+    assert with_flag(argv, "--gpu-memory-utilization", "0.7") == [
+        "x", "--gpu-memory-utilization", "0.7", "--port", "0"
+    ]  # fmt: skip
+    assert with_flag(["x"], "--gpu-memory-utilization", "0.7")[-2:] == [
+        "--gpu-memory-utilization", "0.7"
+    ]  # fmt: skip
 
 
 def test_an_explicit_memory_utilization_is_kept_even_when_sharing() -> None:
