@@ -28,5 +28,5 @@ if has w4; then
   timeout 560 python3 -m services.cli bench disagg --model llama-3.1-8b --max-model-len 4608 \
     --gpus 0 --topologies "${W4_TOPOLOGIES:-colocated,disagg,disagg-local}" \
     --workloads "${W4_WORKLOAD:-1024:128}" --rates "${W4_RATES:-4,8,16,32}" \
-    --num-prompts "${W4_PROMPTS:-200}" --time-budget-s 540 ${W4_EXTRA:-} --out-dir "$out/w4" 2>&1 | tail -40 | tee "$out/w4.txt" || true
+    --num-prompts "${W4_PROMPTS:-200}" --time-budget-s 540 ${W4_EXTRA:-} --out-dir "$out/w4" 2>&1 | tee "$out/w4-full.txt" | tail -40 | tee "$out/w4.txt" || true
 fi
