@@ -45,6 +45,8 @@ RESTART_WINDOW_S = 300.0
 MAX_BACKOFF_S = float(os.environ.get("TANDEM_UP_MAX_BACKOFF", "30"))
 DRAIN_MARGIN_S = 5.0  # past the gateway's --drain-timeout, for its last frames and exit
 WILDCARDS = ("0.0.0.0", "::", "")
+# below this fraction of the GPU a decode worker could not even hold its weights' share
+MIN_FILL_UTILIZATION = 0.02
 
 
 class _Stop(KeyboardInterrupt):
@@ -162,6 +164,7 @@ def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str,
     say(f"tandem up: preparing model {plan.model}")
     tokenizer_dir = prepare_model(plan.prepare_argv)
     say(f"tandem up: starting {_describe(plan)}; logs in {sup.log_dir}")
+    deadline = time.monotonic() + ready_timeout_s  # one for both phases
     workers = [sup.start(w.spec) for w in plan.workers if not w.fill_after]
     sup.wait_ready(workers, ready_timeout_s, _progress)
     late = [w for w in plan.workers if w.fill_after]
@@ -169,7 +172,7 @@ def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str,
         ready = {c.name: c.ready or {} for c in workers}
         specs = [late_spec(w, plan.workers, ready) for w in late]
         late_children = [sup.start(s) for s in specs]
-        sup.wait_ready(late_children, ready_timeout_s, _progress)
+        sup.wait_ready(late_children, max(1.0, deadline - time.monotonic()), _progress)
         workers += late_children
     ports = {c.name: int((c.ready or {})["port"]) for c in workers}
     say("tandem up: workers ready (" + ", ".join(f"{n} :{p}" for n, p in ports.items()) + ")")
@@ -189,6 +192,13 @@ def late_spec(worker: Worker, workers: list[Worker], ready: dict[str, dict]) -> 
     holds = ", ".join(
         f"{n} {ready[n]['gpu_bytes'] / 2**30:.1f} GiB" for n in worker.fill_after if n in ready
     )
+    if util < MIN_FILL_UTILIZATION:
+        raise ChildFailedError(
+            f"tandem up: the prefill workers sharing {worker.spec.name}'s GPU hold {holds}, which "
+            f"leaves it {max(util, 0):g} of the GPU: give them less (--max-total-tokens) or set "
+            "--gpu-memory-utilization for every worker yourself",
+            2,
+        )
     say(f"tandem up: {worker.spec.name} takes --gpu-memory-utilization {util:g} ({holds} held)")
     argv = with_flag(worker.spec.argv, "--gpu-memory-utilization", f"{util:g}")
     return dataclasses.replace(worker.spec, argv=argv)

@@ -193,11 +193,21 @@ def _worker_env(
 
 GPU_MEMORY_CEILING = 0.9  # --gpu-memory-utilization's default: what workers of a GPU share
 # a prefill worker sharing its GPU with a decode worker keeps this many steps' tokens of KV
-# (--max-total-tokens; never less than one --max-model-len sequence): prompts in flight until
-# their KV has moved, and a prefix cache. 8B shape, 8192-token steps: 32k tokens, 4.3 GB of the
-# ~43 GB an even split gave it; the decode worker, whose pool bounds how many requests run,
-# gets the rest (docs/benchmarks.md, W4)
+# (--max-total-tokens): prompts in flight until their KV has moved, and a prefix cache. The
+# engine never makes a pool smaller than one --max-model-len sequence, and tandem up asks at
+# least a full step beside one block per seat (the warm-up's largest step runs then, so the
+# memory the prefill worker reports holds its activation peak). 8B shape, --max-model-len 4608,
+# 8192-token steps: 32k tokens, 4.3 GB of the ~43 GB an even split gave it (at the model's own
+# 131072 it is one such sequence, 16 GiB); the decode worker, whose pool bounds how many
+# requests run, gets the rest (docs/benchmarks.md, W4)
 PREFILL_POOL_STEPS = 4
+
+
+def prefill_pool_tokens(args: argparse.Namespace) -> int:
+    """The --max-total-tokens of a prefill worker that shares its GPU with a decode worker."""
+    budget = getattr(args, "max_num_batched_tokens", None) or GPU_TOKEN_BUDGET
+    seats = getattr(args, "max_num_seqs", 256) * getattr(args, "block_size", 16)
+    return max(PREFILL_POOL_STEPS * budget, budget + seats)
 
 
 def _memory_overrides(args: argparse.Namespace, sharing: int) -> dict[str, object]:
@@ -245,7 +255,9 @@ def fill_utilization(
     """A late decode worker's --gpu-memory-utilization: on each of its GPUs, what
     ``GPU_MEMORY_CEILING`` of it the ready prefill workers there leave (their ready files'
     ``gpu_bytes`` of ``gpu_total_bytes``), split between the ``fill_share`` decode workers; the
-    least over its GPUs. None when a prefill worker reported no figures (keep the plan's split)."""
+    least over its GPUs (0 or less: nothing is left). None when a prefill worker reported no
+    figures (keep the plan's split). A tensor-parallel prefill worker reports its first rank's
+    figures for each of its GPUs."""
     by_name = {w.spec.name: w for w in workers}
     lefts = []
     for gpu in worker.gpus:
@@ -262,7 +274,7 @@ def fill_utilization(
             lefts.append((GPU_MEMORY_CEILING - used / total) / worker.fill_share)
     if not lefts:
         return None
-    return max(0.001, min(GPU_MEMORY_CEILING, math.floor(min(lefts) * 1000) / 1000))
+    return min(GPU_MEMORY_CEILING, math.floor(min(lefts) * 1000) / 1000)
 
 
 def with_flag(argv: Sequence[str], flag: str, value: str) -> list[str]:
@@ -355,13 +367,12 @@ def build_plan(
     fills = fill_plan(roles, placement, [n for n, _ in names])
     fill = device == "cuda" and _memory_flags_default(args)
     feeds = {p for before, _ in fills.values() for p in before} if fill else set()
-    budget = getattr(args, "max_num_batched_tokens", None) or GPU_TOKEN_BUDGET
     workers = []
     for i, ((name, role), placed, tp) in enumerate(zip(names, placement, sizes, strict=True)):
         overrides = _memory_overrides(args, max((users[g] for g in placed), default=1))
         overrides["tensor_parallel_size"] = tp
         if name in feeds:
-            overrides["max_total_tokens"] = PREFILL_POOL_STEPS * budget
+            overrides["max_total_tokens"] = prefill_pool_tokens(args)
         argv = [*program, role, *engine_flags(args, overrides), "--device", device]
         argv += ["--host", LOOPBACK, "--port", "0", "--worker-id", name]
         argv += task_flags(args)

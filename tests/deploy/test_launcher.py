@@ -155,6 +155,17 @@ def test_a_decode_worker_sharing_a_gpu_gets_what_the_prefill_worker_leaves(start
     assert any("decode-0 takes --gpu-memory-utilization 0.65" in line for line in up.lines)
 
 
+def test_a_prefill_worker_holding_the_whole_gpu_stops_tandem_up_with_what_to_change(
+    start,
+) -> None:
+    up = start("--gpus", "0", FAKE_GPU_BYTES="prefill:140000000000:144000000000")
+    assert up.finish() == 2
+    text = "\n".join(up.lines)
+    assert "prefill workers sharing decode-0's GPU hold prefill-0 130.4 GiB" in text
+    assert "--max-total-tokens" in text and "Traceback" not in text
+    assert "decode-0" not in up.children()  # never started
+
+
 def test_a_worker_that_fails_to_start_stops_everything_with_its_log(start) -> None:
     up = start(FAKE_FAIL_ROLE="decode")
     assert up.finish() == 1

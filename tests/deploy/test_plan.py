@@ -251,6 +251,9 @@ def test_a_shared_gpu_caps_the_prefill_pool_and_starts_decode_after_it() -> None
     assert (prefill.fill_after, decode.fill_after, decode.fill_share) == ((), ("prefill-0",), 1)
     steps = plan_for("--max-num-batched-tokens", "2048", gpus=("0",)).workers[0]
     assert reparse(steps.spec.argv).max_total_tokens == 4 * 2048
+    # never less than a full step beside a block for each seat: the warm-up's largest step runs
+    wide = plan_for("--block-size", "128", gpus=("0",)).workers[0]
+    assert reparse(wide.spec.argv).max_total_tokens == 8192 + 256 * 128
 
 
 @pytest.mark.parametrize(
@@ -301,6 +304,8 @@ def test_fill_utilization_is_what_the_prefill_workers_leave_of_the_ceiling() -> 
     assert fill_utilization(d, [p0, p1, d], ready) == 0.3  # (0.9 - 0.3) / 2
     ready["p1"] = {"port": 1}  # a worker that reported no figures: keep the plan's split
     assert fill_utilization(d, [p0, p1, d], ready) is None
+    ready["p1"] = {"gpu_bytes": 75, "gpu_total_bytes": 100}  # nothing left: said, not hidden
+    assert fill_utilization(d, [p0, p1, d], ready) == -0.025
 
 
 def test_fill_utilization_takes_the_least_over_the_workers_gpus() -> None:

@@ -82,3 +82,31 @@ def test_decode_graph_rows_compute_what_the_eager_step_does(engine: LLMEngine) -
         runner.graphs = None
     assert forwards > 0 and graph is not None and eager is not None
     torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_device_memory_is_empty_on_the_cpu_and_counts_the_context_on_a_gpu(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from services.engine import model_runner
+
+    assert engine.device_memory() == {}  # what a CPU worker's ready file gets: nothing
+    props = SimpleNamespace(total_memory=144 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * 2**30)
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    assert model_runner.ModelRunner.device_memory(gpu) == {  # type: ignore[arg-type]
+        "gpu_bytes": 30 * 2**30 + model_runner.CUDA_CONTEXT_BYTES,
+        "gpu_total_bytes": 144 * 2**30,
+    }
+
+
+def test_max_total_tokens_reaches_the_cache_config_from_the_cli() -> None:
+    from services.cli import build_parser
+    from services.engine.llm import config_from_args
+
+    args = build_parser().parse_args(["decode", "--port", "0", "--max-total-tokens", "40960"])
+    assert config_from_args(args).cache.max_total_tokens == 40960
+    plain = build_parser().parse_args(["decode", "--port", "0"])
+    assert config_from_args(plain).cache.max_total_tokens is None
