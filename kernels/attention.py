@@ -75,15 +75,34 @@ def ref_rotary_write_kv(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    k_out: torch.Tensor | None = None,  # [T, Hkv, D] of k's dtype: the rotated keys, also here
 ) -> torch.Tensor:  # [T, Hq, D], contiguous
     """Rotary embedding and the KV write in one: returns the rotated q (a new contiguous tensor)
-    and writes the rotated k and v into their slots. q, k, v are read only (views of a fused
-    qkv projection are fine). Rotation rounds as :func:`ref_rotary_embedding` does (transformers'
-    ``apply_rotary_pos_emb`` in q's / k's dtype); the rotated k is then cast to the cache's dtype."""
+    and writes the rotated k and v into their slots (and the rotated k into ``k_out`` when
+    given: what prefill attention reads as the new tokens' keys). q, k, v are read only (views of
+    a fused qkv projection are fine). Rotation rounds as :func:`ref_rotary_embedding` does
+    (transformers' ``apply_rotary_pos_emb`` in q's / k's dtype); the rotated k is then cast to
+    the cache's dtype."""
+    check_k_out(k_out, k)
     q_out, k_rot = q.contiguous().clone(), k.contiguous().clone()
     ref_rotary_embedding(positions, q_out, k_rot, cos_sin_cache)
     ref_write_kv(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if k_out is not None:
+        k_out.copy_(k_rot)
     return q_out
+
+
+def check_k_out(k_out: torch.Tensor | None, k: torch.Tensor) -> None:
+    """``k_out`` (when given) has k's shape, dtype and device, unit last stride."""
+    if k_out is None:
+        return
+    if k_out.shape != k.shape or k_out.dtype != k.dtype or k_out.device != k.device:
+        raise ValueError(
+            f"k_out {tuple(k_out.shape)} {k_out.dtype} on {k_out.device} must match k "
+            f"{tuple(k.shape)} {k.dtype} on {k.device}"
+        )
+    if k_out.shape[-1] > 1 and k_out.stride(-1) != 1:
+        raise ValueError(f"k_out must be contiguous in its last dim, strides {k_out.stride()}")
 
 
 def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -140,13 +159,20 @@ def ref_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,  # [T, Hq, D] to write into
+    k_new: torch.Tensor | None = None,  # [T, Hkv, D]: the new tokens' keys, row for row with q
+    v_new: torch.Tensor | None = None,  # [T, Hkv, D]
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its whole paged context (written into
     ``out`` when given, which is then returned).
 
     Query ``i`` of sequence ``b`` sits at position ``context_lens[b] - q_len + i`` and sees
-    keys ``0 ..= that position`` (earlier chunks and prefix-cache hits included).
+    keys ``0 ..= that position`` (earlier chunks and prefix-cache hits included). With ``k_new``
+    and ``v_new`` the new tokens' own keys and values come from them (the same values the cache
+    holds for a cache of q's dtype: the Triton kernel then reads them contiguously), the
+    earlier ones from the cache.
     """
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together")
     out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -158,8 +184,12 @@ def ref_prefill_attention(
         # falls back to the math path, which materializes every [q_len, n] score (on the CPU a
         # 4k-token prompt spent 80% of its prefill there)
         qb = q[s:e].float().transpose(0, 1)[None]
-        k = _gather_seq(k_cache, block_tables[b], n).float().transpose(0, 1)[None]
-        v = _gather_seq(v_cache, block_tables[b], n).float().transpose(0, 1)[None]
+        k = _gather_seq(k_cache, block_tables[b], n).float()
+        v = _gather_seq(v_cache, block_tables[b], n).float()
+        if k_new is not None and v_new is not None:
+            k = torch.cat([k[: n - (e - s)], k_new[s:e].float()])
+            v = torch.cat([v[: n - (e - s)], v_new[s:e].float()])
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if n == e - s:  # no earlier tokens: plain causal, which skips the masked half
             o = torch.nn.functional.scaled_dot_product_attention(
                 qb, k, v, is_causal=True, scale=scale, enable_gqa=True

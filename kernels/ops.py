@@ -221,10 +221,14 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
     k_scale: float = 1.0,  # an FP8 cache stores k / k_scale and v / v_scale
     v_scale: float = 1.0,
+    k_out: torch.Tensor | None = None,  # [T, Hkv, D]: the rotated keys in k's dtype, also here
 ) -> torch.Tensor:  # [T, Hq, D] rotated q
     mod = _triton("triton_attention", q)
     fn = mod.rotary_write_kv if mod else ref_rotary_write_kv
-    return fn(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return fn(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        k_out=k_out,
+    )  # fmt: skip
 
 
 def paged_decode_attention(
@@ -259,10 +263,15 @@ def prefill_attention(
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D] to write into
+    k_new: torch.Tensor | None = None,  # [T, Hkv, D]: the new tokens' keys, read contiguously
+    v_new: torch.Tensor | None = None,  # [T, Hkv, D]
 ) -> torch.Tensor:  # [T, Hq, D]
     mod = _triton("triton_attention", q)
     fn = mod.prefill_attention if mod else ref_prefill_attention
-    return fn(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, out=out)
+    return fn(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, out=out,
+        k_new=k_new, v_new=v_new,
+    )  # fmt: skip
 
 
 def rms_norm(

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import FP8_KV_DTYPES, inverse_scale
+from kernels.attention import FP8_KV_DTYPES, check_k_out, inverse_scale
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -123,12 +123,12 @@ def _rotate_into(
 
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])  # per-step staging slices
 def _rotary_write_kv_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cs, s_ot, s_oh,
+    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, ko_ptr, k_inv, v_inv,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_cs, s_ot, s_oh, s_kot, s_koh,
     s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    K_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -148,6 +148,11 @@ def _rotary_write_kv_kernel(
         k_ptr + t * s_kt, s_kh, kc_ptr + blk * s_kcn + off * s_kcb, s_kch, num_kv_heads, cos, sin,
         slot, k_inv, HALF, BLOCK_HK, BLOCK_HALF, FP8,
     )  # fmt: skip
+    if K_OUT:  # the rotated keys in the model's dtype, row for row (prefill attention reads them)
+        _rotate_into(
+            k_ptr + t * s_kt, s_kh, ko_ptr + t * s_kot, s_koh, num_kv_heads, cos, sin, t, 1.0,
+            HALF, BLOCK_HK, BLOCK_HALF, False,
+        )  # fmt: skip
     offs_h = tl.arange(0, BLOCK_HK)
     offs_d = tl.arange(0, BLOCK_D)
     v_heads = (offs_h < num_kv_heads) & ((offs_h * 0 + slot) >= 0)
@@ -168,6 +173,7 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    k_out: torch.Tensor | None = None,  # [T, Hkv, D] of k's dtype: the rotated keys, also here
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_rotary_write_kv`: one launch instead of
     rotary + three contiguous copies + the KV write (a decode step's per-layer launch count is
@@ -198,19 +204,22 @@ def rotary_write_kv(
         positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
         v_cache=v_cache, slot_mapping=slot_mapping,
     )  # fmt: skip
+    check_k_out(k_out, k)
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     half = d // 2
     tile = next_pow2(hq) * next_pow2(half)
+    ko = k_out if k_out is not None else out
     _rotary_write_kv_kernel[(t,)](
-        positions, q, k, v, cos_sin_cache, out, k_cache, v_cache, slot_mapping,
+        positions, q, k, v, cos_sin_cache, out, k_cache, v_cache, slot_mapping, ko,
         inverse_scale(k_scale), inverse_scale(v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin_cache.stride(0), out.stride(0), out.stride(1),
+        cos_sin_cache.stride(0), out.stride(0), out.stride(1), ko.stride(0), ko.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], hq, hkv,
         HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),
         BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
-        FP8=k_cache.dtype in FP8_KV_DTYPES, num_warps=4 if tile >= 2048 else 1,
+        FP8=k_cache.dtype in FP8_KV_DTYPES, K_OUT=k_out is not None,
+        num_warps=4 if tile >= 2048 else 1,
         enable_fp_fusion=False, **pdl(q.device, t),
     )  # fmt: skip
     return out

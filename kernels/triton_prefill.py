@@ -132,6 +132,59 @@ def _kv_tile(base, blk, n0, ctx, s_n, s_b, inner, BLOCK_D: tl.constexpr, HEAD_DI
 
 
 @triton.jit
+def _softmax_update(s, m_i, l_i, scale_log2e):
+    """One tile's online-softmax step on raw scores ``s``: (new row max, the factor that
+    rescales what was summed so far, the tile's probabilities, the new row sums)."""
+    # the scale is positive, so the row max scales with it; the exponent is then one FMA per
+    # score. Never -inf: every row sees the first key the tile walks (see the loops' bounds), so
+    # no guard against -inf - -inf is needed
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s * scale_log2e - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _attend_contig(
+    q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt, scale_log2e,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    LOAD_MASK: tl.constexpr, K_TRANSPOSED: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of the chunk's own keys, read from the contiguous new K/V (``k_new``): rows
+    ``j0 .. j0 + BLOCK_N`` of the sequence's chunk, no block table."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = j.to(tl.int64)
+    in_range = j < q_len
+    if K_TRANSPOSED:
+        k_ptrs = kn_base + rows[None, :] * s_knt + offs_d[:, None]
+        k_mask = (offs_d < HEAD_DIM)[:, None] & in_range[None, :]
+    else:
+        k_ptrs = kn_base + rows[:, None] * s_knt + offs_d[None, :]
+        k_mask = in_range[:, None] & (offs_d < HEAD_DIM)[None, :]
+    v_ptrs = vn_base + rows[:, None] * s_vnt + offs_d[None, :]
+    v_mask = in_range[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if LOAD_MASK:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if K_TRANSPOSED:
+        s = mma(q, k, DOT_UPCAST, DOT_PRECISION)
+    else:
+        s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
+    if MASKED:
+        s = tl.where((j[None, :] <= tok[:, None]) & in_range[None, :], s, float("-inf"))
+    m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e)
+    if LOAD_MASK:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
     s_kn, s_kb, s_vn, s_vb, scale_log2e,
@@ -155,13 +208,7 @@ def _attend_tile(
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & (pos < ctx)[None, :]
         s = tl.where(visible, s, float("-inf"))
-    # the scale is positive, so the row max scales with it; the exponent is then one FMA per
-    # score. Never -inf: every row sees the first key the tile walks (see the loops' bounds), so
-    # no guard against -inf - -inf is needed
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s * scale_log2e - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e)
     v = _kv_tile(
         v_base, blk, n0, ctx, s_vn, s_vb, v_inner, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
         LOAD_MASK, NARROW, False,
@@ -174,13 +221,14 @@ def _attend_tile(
 # the step's staging buffer would otherwise compile a new kernel for some batch sizes)
 @triton.jit(do_not_specialize=["bt_ptr", "qsl_ptr", "lens_ptr", "num_seqs", "num_tiles", "s_btb"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale_log2e, num_seqs, num_tiles,
-    s_qt, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ot, s_oh,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, kn_ptr, vn_ptr, scale_log2e,
+    num_seqs, num_tiles, s_qt, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ot, s_oh,
+    s_knt, s_knh, s_vnt, s_vnh,
     HEAD_SETS: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
     NARROW: tl.constexpr, BLOCK_READS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONTIG: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     h0 = (pid % HEAD_SETS) * HEADS  # the tile's first query head
@@ -231,22 +279,55 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # keys every row sees; the first masked tile starts at or before the tile's first position,
-    # so each row (padding rows included: their positions lie past it) sees its first key
-    full_end = (prefix + m0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(prefix + m0 + TOKENS, ctx)
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
-            s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-            False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-    for n0 in range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
-            s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-            True, True, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
-        )  # fmt: skip
+    if CONTIG:
+        # the cached prefix through the block table (every row sees all of it; the last tile
+        # stops at the prefix's end), then the chunk's own keys from the contiguous new K/V.
+        # Whichever comes first holds key 0, which every row sees
+        pre_full = prefix // BLOCK_N * BLOCK_N
+        for n0 in range(0, pre_full, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, prefix,
+                s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+        if pre_full < prefix:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, pre_full, q_pos,
+                prefix, s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                BLOCK_N, True, True, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+        kn_base = kn_ptr + q_start.to(tl.int64) * s_knt + kvh * s_knh
+        vn_base = vn_ptr + q_start.to(tl.int64) * s_vnt + kvh * s_vnh
+        chunk_full = m0 // BLOCK_N * BLOCK_N  # chunk keys every row of the tile sees
+        for j0 in range(0, chunk_full, BLOCK_N):
+            m_i, l_i, acc = _attend_contig(
+                q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt, scale_log2e,
+                HEAD_DIM, BLOCK_D, BLOCK_N, False, D_PADDED, K_TRANSPOSED, DOT_UPCAST,
+                DOT_PRECISION,
+            )  # fmt: skip
+        for j0 in range(chunk_full, tl.minimum(m0 + TOKENS, q_len), BLOCK_N):
+            m_i, l_i, acc = _attend_contig(
+                q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt, scale_log2e,
+                HEAD_DIM, BLOCK_D, BLOCK_N, True, True, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        # keys every row sees; the first masked tile starts at or before the tile's first
+        # position, so each row (padding rows included: their positions lie past it) sees its
+        # first key
+        full_end = (prefix + m0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(prefix + m0 + TOKENS, ctx)
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
+                s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+        for n0 in range(full_end, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
+                s_kn, s_kb, s_vn, s_vb, scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                True, True, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION,
+            )  # fmt: skip
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -363,6 +444,28 @@ def step_tiles(
     return choose_tiles(tokens, q_heads, group, sm_count(device), fits)
 
 
+def _check_new_kv(
+    k_new: torch.Tensor | None, v_new: torch.Tensor | None, q: torch.Tensor, k_cache: torch.Tensor
+) -> bool:
+    """Whether the chunk's keys come from ``k_new``/``v_new``; refuses what the kernel cannot
+    read as the cache's values."""
+    if k_new is None and v_new is None:
+        return False
+    if k_new is None or v_new is None:
+        raise ValueError("k_new and v_new go together")
+    want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        check_tensor(name, x, ndim=3, dtypes=FLOAT_DTYPES)
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} {tuple(x.shape)} must be [T, Hkv, D] = {want}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} on {q.device}, like q")
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"k_new needs a cache of q's dtype ({q.dtype}), not {k_cache.dtype}: "
+                         "attention must see the cache's rounding")  # fmt: skip
+    return True
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, Hq, D], the new tokens of every sequence, concatenated
     k_cache: torch.Tensor,  # [N, bs, Hkv, D], already holding the new tokens' K/V
@@ -374,8 +477,15 @@ def prefill_attention(
     *,
     out: torch.Tensor | None = None,  # [T, Hq, D] to write into (e.g. a slice of a larger one)
     tiles: TilesLike | None = None,
+    k_new: torch.Tensor | None = None,  # [T, Hkv, D], the new tokens' rotated keys, row for row
+    v_new: torch.Tensor | None = None,  # [T, Hkv, D] (may be strided views, e.g. of qkv)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_prefill_attention`.
+
+    ``k_new``/``v_new``: the chunk's own keys and values are read from these contiguous rows
+    instead of through the block table (the prefix still is): 30-40% faster on whole prompts
+    (docs/benchmarks.md, W3). Only for a cache of q's dtype: an FP8 cache's rounding must be
+    what attention sees.
 
     ``tiles`` (a :class:`Tiles`, or a plain (BLOCK_M, BLOCK_N, num_warps, num_stages, pack)) overrides
     :func:`step_tiles`' choice (for tuning); BLOCK_M counts rows, which are (token, head) pairs when
@@ -403,6 +513,7 @@ def prefill_attention(
     if not scale > 0:  # the kernel takes the row max before scaling
         raise ValueError(f"scale must be positive, got {scale}")
     out = check_out(out, (t, hq, d), q.dtype, device)
+    contig = _check_new_kv(k_new, v_new, q, k_cache)
     if t == 0 or batch == 0:
         return out
     cfg = Tiles(*tiles) if tiles else step_tiles(t, hq, group, d, q.dtype, device)
@@ -410,16 +521,18 @@ def prefill_attention(
     tokens = cfg.block_m // heads
     num_tiles = triton.cdiv(t, tokens) + batch
     whole_blocks = cfg.block_n % bs == 0  # a K/V tile starts on a block boundary
+    kn, vn = (k_new, v_new) if k_new is not None and v_new is not None else (q, q)
     _prefill_kernel[(num_tiles * (hq // heads),)](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, kn, vn,
         float(scale) * LOG2E, batch, num_tiles,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), kn.stride(0), kn.stride(1),
+        vn.stride(0), vn.stride(1),
         HEAD_SETS=hq // heads, HEADS=heads, GROUP=group, TOKENS=tokens, HEAD_DIM=d,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_SIZE=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         D_PADDED=next_pow2(d) != d or d < 16, NARROW=cfg.narrow and whole_blocks,
         BLOCK_READS=cfg.block_reads and whole_blocks, K_TRANSPOSED=cfg.k_transposed,
-        DOT_UPCAST=dot_upcast(q.dtype),
+        CONTIG=contig, DOT_UPCAST=dot_upcast(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -59,6 +59,19 @@ def paged(ctx_lens: list[int], q_lens: list[int] | None = None, seed: int = 0) -
     return Paged(q, k_cache, v_cache, tables, lens, qsl, HEAD_DIM**-0.5)
 
 
+def new_kv(p: Paged, ctx_lens: list[int], q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens' keys and values as the engine hands them to prefill attention
+    (``k_new``/``v_new``, [T, Hkv, D], row for row with the queries): copies of their slots."""
+    rows = []
+    for b, (n, m) in enumerate(zip(ctx_lens, q_lens, strict=True)):
+        pos = torch.arange(n - m, n, device=p.q.device)
+        blocks = p.block_tables[b].long()[pos // BLOCK_SIZE]
+        rows.append((blocks, pos % BLOCK_SIZE))
+    blk = torch.cat([r[0] for r in rows])
+    off = torch.cat([r[1] for r in rows])
+    return p.k_cache[blk, off].contiguous(), p.v_cache[blk, off].contiguous()
+
+
 def prefill_flops(ctx_lens: list[int], q_lens: list[int]) -> float:
     """QK^T and PV over the causally visible pairs: 4 * D FLOP per pair per query head."""
     pairs = sum(q * (n - q) + q * (q + 1) // 2 for n, q in zip(ctx_lens, q_lens, strict=True))

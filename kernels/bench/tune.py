@@ -7,7 +7,8 @@ it on a new GPU before changing them. Arguments: ``prefill`` or ``decode`` runs 
 ``graph`` times CUDA-graph replays, ``m64 m128 m256`` restrict the prefill sweep to tiles of
 those many rows (to split it over runs), ``fp8`` sweeps decode over an e4m3 KV cache (read as
 bf16 and as fp16: ``f16_read``), ``b1`` only its batch-1 case, ``b64`` only the batched ones,
-``w1`` adds W1's decode steps (224 sequences at 1100 tokens).
+``w1`` adds W1's decode steps (224 sequences at 1100 tokens), ``contig`` passes the prefill
+cases' new K/V contiguously (``k_new``/``v_new``, the engine's path on a GPU).
 
 The prefill sweep times tile shapes with every kernel variant off, then the variants
 (``Tiles``' knobs) on the leading shapes, then what the launcher's own shape rule picks for each
@@ -34,6 +35,7 @@ from kernels.bench.cases import (
     KV_HEADS,
     PREFILL_CASES,
     Q_HEADS,
+    new_kv,
     paged,
     prefill_flops,
 )
@@ -49,6 +51,8 @@ from kernels.triton_prefill import (
 )
 
 GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
+# "contig": the chunk's own K/V passed contiguously (k_new/v_new), as the engine does on a GPU
+CONTIG = "contig" in sys.argv[1:]
 # "m128" and the like: only prefill tiles of that many rows (to split the sweep over runs)
 ROWS = [int(a[1:]) for a in sys.argv[1:] if a[:1] == "m" and a[1:].isdigit()]
 
@@ -116,7 +120,7 @@ TILE_SHAPES: list[Tiles] = [
     Tiles(*t)
     for t in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3), (True, False))
     if t[:2] != (128, 32)
-] + [Tiles(*t) for t in itertools.product((256,), (32, 64), (8, 16), (2, 3), (True,))]
+] + [Tiles(*t) for t in itertools.product((256,), (32, 64), (8, 16), (2, 3, 4), (True,))]
 # the kernel variants, tried on the shapes that led the 2026-11-25 sweep (and the launcher's
 # own choices): each knob alone, the addressing knobs together, and everything at once
 VARIANT_SHAPES: list[Tiles] = [
@@ -139,13 +143,18 @@ PREFILL_KNOBS: list[Tiles] = TILE_SHAPES + [
 ]
 
 
-def time_case(args: tuple, ref: torch.Tensor, knobs: list[Tiles]) -> list[tuple[float, Tiles]]:
-    """(ms, tiles) of every candidate whose output matches the reference, fastest first."""
+def time_case(
+    args: tuple, ref: torch.Tensor, knobs: list[Tiles], new: tuple | None = None
+) -> list[tuple[float, Tiles]]:
+    """(ms, tiles) of every candidate whose output matches the reference, fastest first
+    (``new``: the chunks' K/V, read contiguously)."""
+    k_new, v_new = new if new is not None else (None, None)
     rows = []
     for tiles in knobs:
+        run = functools.partial(prefill_attention, *args, tiles=tiles, k_new=k_new, v_new=v_new)
         try:
-            err = (prefill_attention(*args, tiles=tiles).float() - ref).abs().max().item()
-            ms = median_ms(functools.partial(prefill_attention, *args, tiles=tiles))
+            err = (run().float() - ref).abs().max().item()
+            ms = median_ms(run)
         except Exception as exc:  # out of shared memory and the like
             print(f"  skip {tiles.code()}: {type(exc).__name__}")
             continue
@@ -170,7 +179,8 @@ def tune_prefill() -> None:
         flops = prefill_flops(ctx_lens, q_lens)
         args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
         ref = ref_prefill_attention(*args).float()
-        rows = time_case(args, ref, knobs)
+        new = new_kv(p, ctx_lens, q_lens) if CONTIG else None
+        rows = time_case(args, ref, knobs, new)
         for ms, tiles in rows:
             times.setdefault(tiles, []).append(ms)
         print(f"prefill {name}")
@@ -182,7 +192,9 @@ def tune_prefill() -> None:
         for ms, tiles in rows[:12]:
             print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  {tiles.code()}")
         chosen = step_tiles(p.q.shape[0], Q_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, DTYPE, p.q.device)  # fmt: skip
-        chosen_ms = median_ms(functools.partial(prefill_attention, *args))  # tiles=None: the rule
+        k_new, v_new = new if new is not None else (None, None)
+        rule = functools.partial(prefill_attention, *args, k_new=k_new, v_new=v_new)
+        chosen_ms = median_ms(rule)  # tiles=None: the launcher's rule
         summary.append((name, q_lens, flops, chosen, chosen_ms, sdpa_ms, rows[0] if rows else None))
         del p, args, ref
         torch.cuda.empty_cache()

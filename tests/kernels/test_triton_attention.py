@@ -89,12 +89,18 @@ def test_rotary_write_kv_matches_rotary_then_write(
     rnd = kernel_rounding(device)
     want_q = rotate(positions, q, cos_sin, rnd)
     ref_write_kv(rnd(rotate(positions, k, cos_sin, rnd), cache_dtype).to(cache_dtype), v, want_k, want_v, slots)  # fmt: skip
-    out = ta.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    k_out = torch.full((6, hkv, d), float("nan"), dtype=dtype, device=device)
+    out = ta.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots, k_out=k_out)
     assert out.is_contiguous() and out.shape == (6, hq, d)
     assert_rotated(out, want_q, dtype)  # in fp32, compiled kernels may fuse multiply-adds
     assert_rotated(k_cache, want_k, dtype)
     assert_same_rounding(v_cache, ref_v)  # v is copied, never computed
     assert torch.equal(qkv, before)  # the projection itself is read only
+    # k_out: every row's rotated key in k's dtype, the skipped slot's too
+    assert_rotated(k_out, rotate(positions, k, cos_sin, rnd), dtype)
+    ref_out = torch.empty_like(k_out)
+    ref_rotary_write_kv(positions, q, k, v, cos_sin, ref_k.clone(), ref_v.clone(), slots, k_out=ref_out)  # fmt: skip
+    assert torch.equal(ref_out.float(), rotate(positions, k, cos_sin, torch_rounding))
 
 
 def test_rotary_write_kv_single_token(gen: torch.Generator, device: torch.device) -> None:
@@ -126,3 +132,5 @@ def test_rotary_write_kv_errors(gen: torch.Generator, device: torch.device) -> N
         ta.rotary_write_kv(pos, q, q, q, cs, k_cache, v_cache, pos)
     with pytest.raises(ValueError, match="cos_sin_cache width"):
         ta.rotary_write_kv(pos, q, k, k, cs[:, :16], k_cache, v_cache, pos)
+    with pytest.raises(ValueError, match="k_out .* must match k"):
+        ta.rotary_write_kv(pos, q, k, k, cs, k_cache, v_cache, pos, k_out=q)

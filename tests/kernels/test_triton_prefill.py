@@ -136,6 +136,60 @@ def test_writes_into_the_given_out_and_nothing_else(gen: torch.Generator, device
         prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.25, out=big)
 
 
+def new_kv_case(
+    ctx_lens: list[int],
+    q_lens: list[int],
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    device: torch.device,
+    tiles: triton_prefill.TilesLike | None,
+    *,
+    block_size: int = 8,
+    head_dim: int = 32,
+    group: int = 4,
+) -> None:
+    """The chunk's keys read from ``k_new``/``v_new`` (strided views of one qkv-like buffer):
+    the cache's slots for the new tokens are overwritten with NaN first, so reading them there
+    fails the check; the result must equal the reference over the untouched cache."""
+    kv_heads = 2
+    k_cache, v_cache, tables = paged_kv(ctx_lens, block_size, kv_heads, head_dim, dtype, gen, device)  # fmt: skip
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    t = int(starts[-1])
+    q = rand((t, kv_heads * group, head_dim), dtype, gen, device)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    qsl = starts.to(device)
+    want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
+    qkv = torch.empty((t, 3 * kv_heads, head_dim), dtype=dtype, device=device)
+    k_new, v_new = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
+    for b, (n, m) in enumerate(zip(ctx_lens, q_lens, strict=True)):
+        s = int(starts[b])
+        for i, pos in enumerate(range(n - m, n)):
+            blk, off = int(tables[b, pos // block_size]), pos % block_size
+            k_new[s + i], v_new[s + i] = k_cache[blk, off], v_cache[blk, off]
+            k_cache[blk, off] = float("nan")
+            v_cache[blk, off] = float("nan")
+    args = (q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
+    got = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new)
+    assert_matches(got, want)
+    assert_matches(ref_prefill_attention(*args, k_new=k_new, v_new=v_new), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tiles",
+    [SMALL_TILES, UNPACKED, Tiles(32, 16, 4, 1, True, narrow=True, block_reads=True, k_transposed=True)],
+)  # fmt: skip
+def test_new_tokens_read_from_contiguous_kv(dtype: torch.dtype, tiles: Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    # whole prompts (1 token, one block, several tiles), a chunk after a prefix that ends inside
+    # a key tile, one after a prefix on a tile boundary, a single token after a prefix
+    run_lens = ([1, 16, 17, 40, 45, 32, 21], [1, 16, 17, 40, 7, 16, 1])
+    new_kv_case(*run_lens, dtype, gen, device, tiles)
+
+
+def test_new_kv_with_the_default_tiles_and_wide_heads(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    new_kv_case([70, 9, 100], [70, 4, 33], torch.bfloat16, gen, device, None, head_dim=128, block_size=16)  # fmt: skip
+
+
 class TestErrors:
     def inputs(self, device: torch.device, gen: torch.Generator) -> dict:
         k_cache, v_cache, tables = paged_kv([5, 9], 8, 2, 16, torch.float32, gen, device)
@@ -173,6 +227,24 @@ class TestErrors:
         with pytest.raises(ValueError, match="scale must be positive"):
             prefill_attention(**args)
 
+    def test_new_kv_must_come_in_pairs_and_fit(self, device: torch.device, gen: torch.Generator) -> None:  # fmt: skip
+        args = self.inputs(device, gen)
+        k_new = rand((7, 2, 16), torch.float32, gen, device)
+        with pytest.raises(ValueError, match="k_new and v_new go together"):
+            prefill_attention(**args, k_new=k_new)
+        with pytest.raises(ValueError, match=r"v_new \(7, 1, 16\) must be \[T, Hkv, D\]"):
+            prefill_attention(**args, k_new=k_new, v_new=k_new[:, :1])
+        with pytest.raises(ValueError, match=r"v_new must be torch\.float32 on .*, like q"):
+            prefill_attention(**args, k_new=k_new, v_new=k_new.to(torch.bfloat16))
+
+    def test_new_kv_refuses_an_fp8_cache(self, device: torch.device, gen: torch.Generator) -> None:
+        args = self.inputs(device, gen)
+        args["k_cache"] = args["k_cache"].to(torch.float8_e4m3fn)
+        args["v_cache"] = args["v_cache"].to(torch.float8_e4m3fn)
+        k_new = rand((7, 2, 16), torch.float32, gen, device)
+        with pytest.raises(ValueError, match="needs a cache of q's dtype"):
+            prefill_attention(**args, k_new=k_new, v_new=k_new)
+
     def test_head_counts_not_divisible(self, device: torch.device, gen: torch.Generator) -> None:
         args = self.inputs(device, gen)
         args["q"] = rand((7, 5, 16), torch.float32, gen, device)
@@ -185,6 +257,7 @@ class TestErrors:
 def test_gpu_llama_shapes(ctx_lens: list[int], q_lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
     run_case(ctx_lens, q_lens, 4, torch.bfloat16, gen, torch.device("cuda"), head_dim=128, kv_heads=8, tiles=None)  # fmt: skip
+    new_kv_case(ctx_lens, q_lens, torch.bfloat16, gen, torch.device("cuda"), None, head_dim=128, block_size=16)  # fmt: skip
 
 
 @pytest.mark.parametrize("smem_kib", [99, 163, 227])  # Ada, A100, H100

@@ -71,15 +71,24 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.d))[0].view(T, self.nq, self.d)
             k = self.k_norm(k.reshape(-1, self.d))[0].view(T, self.nkv, self.d)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        scaled = k_cache.element_size() == 1  # FP8: the scales apply
+        # prompt chunks on a GPU read their own keys and values contiguously, not through the
+        # block table (30-40% faster prefill attention); an FP8 cache's rounding must be what
+        # attention sees, so it reads them from the cache
+        k_new = None
+        if x.is_cuda and not meta.decode_only and k_cache.dtype == q.dtype:
+            k_new = torch.empty((T, self.nkv, self.d), dtype=k.dtype, device=k.device)
         # one launch: rotate q (into a new tensor) and k, write k and v into their slots
         q = ops.rotary_write_kv(
             positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
-            self.k_scale, self.v_scale,
+            self.k_scale, self.v_scale, k_out=k_new,
         )  # fmt: skip
         if meta.on_kv_written is not None:  # this layer's KV can leave now (a prefill hand-off)
             meta.on_kv_written(self.layer)
-        scaled = k_cache.element_size() == 1  # FP8: the scales apply
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale * (self.k_scale if scaled else 1))
+        scale = self.scale * (self.k_scale if scaled else 1)
+        o = paged_attention(
+            q, k_cache, v_cache, meta, scale, k_new, v if k_new is not None else None
+        )
         if scaled and self.v_scale != 1.0:
             o = o * self.v_scale
         return self.o_proj(o.reshape(T, self.nq * self.d))  # [T, hidden]
@@ -91,8 +100,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_new: torch.Tensor | None = None,  # [T, Hkv, D]: every row's rotated key (prefill reads)
+    v_new: torch.Tensor | None = None,  # [T, Hkv, D]
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Decode rows through the decode kernel, prefill rows through the prefill kernel."""
+    """Decode rows through the decode kernel, prefill rows through the prefill kernel (which
+    reads the chunks' own keys and values from ``k_new``/``v_new`` when given)."""
     nd = meta.num_decodes
     if meta.decode_only:
         return ops.paged_decode_attention(
@@ -100,8 +112,9 @@ def paged_attention(
         )
     if nd == 0:
         return ops.prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale
-        )
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+            scale, k_new=k_new, v_new=v_new,
+        )  # fmt: skip
     assert meta.prefill_start_loc is not None
     o = torch.empty_like(q)
     ops.paged_decode_attention(
@@ -111,6 +124,8 @@ def paged_attention(
     ops.prefill_attention(
         q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
         meta.context_lens[nd:], scale, out=o[nd:],
+        k_new=k_new[nd:] if k_new is not None else None,
+        v_new=v_new[nd:] if v_new is not None else None,
     )  # fmt: skip
     return o
 
