@@ -161,6 +161,7 @@ def ref_prefill_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D] to write into
     k_new: torch.Tensor | None = None,  # [T, Hkv, D]: the new tokens' keys, row for row with q
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
+    no_prefix: bool = False,  # the caller says no sequence has a cached prefix (checked here)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its whole paged context (written into
     ``out`` when given, which is then returned).
@@ -180,6 +181,8 @@ def ref_prefill_attention(
         s, e, n = starts[b], starts[b + 1], lens[b]
         if e == s:
             continue
+        if no_prefix and n != e - s:
+            raise ValueError(f"no_prefix, but sequence {b} has {n - (e - s)} cached tokens")
         # 4-D [1, heads, len, D]: torch's fused (flash) kernels take nothing else; a 3-D call
         # falls back to the math path, which materializes every [q_len, n] score (on the CPU a
         # 4k-token prompt spent 80% of its prefill there)

@@ -254,6 +254,13 @@ def paged_decode_attention(
     )
 
 
+# whole prompts read their own K/V contiguously (prefill_attention's k_new, no_prefix) from
+# this many prefill tokens in a step: 8 x 1024 prompts 374 against 303 TFLOP/s through the block
+# table on an H200, but 4 x 512 no faster (193 against 199) while the launch costs more host time
+# (docs/benchmarks.md, W3)
+NEW_KV_MIN_TOKENS = 4096
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -265,12 +272,13 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D] to write into
     k_new: torch.Tensor | None = None,  # [T, Hkv, D]: the new tokens' keys, read contiguously
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
+    no_prefix: bool = False,  # no sequence has a cached prefix (the caller knows it)
 ) -> torch.Tensor:  # [T, Hq, D]
     mod = _triton("triton_attention", q)
     fn = mod.prefill_attention if mod else ref_prefill_attention
     return fn(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, out=out,
-        k_new=k_new, v_new=v_new,
+        k_new=k_new, v_new=v_new, no_prefix=no_prefix,
     )  # fmt: skip
 
 

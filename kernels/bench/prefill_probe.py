@@ -6,7 +6,7 @@ varlen search, no masks on loads) beside the paged kernel and SDPA, so the gap t
 and the gap that is Triton's own show apart. ``tiles`` sweeps tile shapes with plain loads and
 TMA tensor descriptors; ``variants`` takes the best tiles and adds lazy rescaling (the running max
 moves only when a row's grows by more than 2^8) and warp specialization of the unmasked loop.
-Each configuration is checked against SDPA first. On a GPU::
+Each configuration is checked against SDPA first and timed as CUDA-graph replays. On a GPU::
 
     python -m kernels.bench.prefill_probe tiles|variants    # JSON to $OUT/prefill_probe.json
 """
@@ -159,20 +159,50 @@ def variant_configs() -> list[tuple]:
     ]
 
 
-def ms(fn, reps=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(a.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
+# the probe configurations that led the variants sweep in graph timing (2026-11-29)
+ENGINE_PEERS = [
+    (128, 64, 4, 2, 4, True, False),
+    (256, 64, 8, 3, 4, True, False),
+    (256, 64, 8, 3, 4, False, False),
+    (128, 64, 8, 3, 4, False, False),
+]
+
+
+def engine_rows(p, n: int, b: int, flops: float) -> list[tuple[str, float, float]]:
+    """The engine's prefill kernel reading the chunk's K/V contiguously (``k_new``/``v_new``),
+    with and without TMA and the no-prefix hint, over a few tiles; checked against the paged
+    call's output."""
+    from kernels.bench.cases import new_kv
+    from kernels.triton_prefill import Tiles, prefill_attention
+
+    args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)
+    want = prefill_attention(*args).float()
+    k_new, v_new = new_kv(p, [n] * b, [n] * b)
+    rows = []
+    tiles_list = [None, Tiles(256, 64, 8, 3, True), Tiles(128, 64, 4, 2, True),
+                  Tiles(256, 64, 16, 2, True), Tiles(256, 32, 16, 3, True)]  # fmt: skip
+    for tiles, tma, whole in itertools.product(tiles_list, (False, True), (False, True)):
+        name = f"engine k_new {tiles.code() if tiles else 'rule'} tma={tma} no_prefix={whole}"
+        run = functools.partial(prefill_attention, *args, tiles=tiles, k_new=k_new, v_new=v_new,
+                                tma=tma, no_prefix=whole)  # fmt: skip
+        try:
+            err = (run().float() - want).abs().max().item()
+            t = ms(run)
+        except Exception as exc:  # a configuration Triton cannot compile here
+            print(name, "failed:", str(exc).splitlines()[0][:200], flush=True)
+            continue
+        rows.append((name, t, err))
+        print(name, f"{t:.3f} ms {flops / t / 1e9:.1f} TFLOP/s err {err:.3g}", flush=True)
+    return rows
+
+
+def ms(fn):
+    """Median GPU time of CUDA-graph replays: what the kernel costs, not its launcher (each
+    eager call here would be timed from before the launcher's argument checks, and the paged
+    kernel's launcher checks much more than the probe's)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
 
 
 def main() -> None:
@@ -205,8 +235,12 @@ def main() -> None:
         *(p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale),
     )
     rows.append(("paged (rule)", ms(fn), 0.0))
+    if "engine" in sys.argv[1:]:
+        rows += engine_rows(p, n, b, flops)
     out = torch.empty_like(q)
     configs = tile_configs() if "variants" not in sys.argv[1:] else variant_configs()
+    if "engine" in sys.argv[1:]:  # the probe's own best four of the variants sweep beside them
+        configs = [c for c in variant_configs() if c[:7] in ENGINE_PEERS]
     only = os.environ.get("PROBE_ONLY")
     for cfg in configs:
         if only and only not in str(cfg):

@@ -161,10 +161,11 @@ def bench_prefill() -> list[dict[str, Any]]:
         flops = prefill_flops(ctx_lens, q_lens)
         fn = functools.partial(prefill_attention, p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
         rows.append(measure("prefill attention", name, fn, flops=flops))
-        # as the engine calls it on a GPU: the chunk's own K/V read contiguously
-        k_new, v_new = new_kv(p, ctx_lens, q_lens)
-        contig = functools.partial(fn, k_new=k_new, v_new=v_new)
-        rows.append(measure("prefill attention, new K/V contiguous", name, contig, flops=flops))
+        if ctx_lens == q_lens:  # whole prompts, as the engine runs them on a GPU: the new K/V
+            # read contiguously, nothing paged compiled in (k_new, no_prefix)
+            k_new, v_new = new_kv(p, ctx_lens, q_lens)
+            whole = functools.partial(fn, k_new=k_new, v_new=v_new, no_prefix=True)
+            rows.append(measure("prefill attention, whole prompts", name, whole, flops=flops))
         sdpa = sdpa_prefill(p, ctx_lens, q_lens)
         if sdpa is not None:
             rows.append(measure("  torch sdpa (contiguous KV)", name, sdpa, flops=flops))

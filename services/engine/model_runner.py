@@ -338,6 +338,7 @@ class ModelRunner:
             query_start_loc=d32[1],
             num_decodes=nd,
             prefill_start_loc=d32[2] if nd < B else None,
+            prefill_no_prefix=nd < B and not bool(starts[nd:].any()),
         )
         return StepInputs(d64[0], d64[1], meta, d64[3], first.tolist())
 

@@ -132,5 +132,5 @@ def test_rotary_write_kv_errors(gen: torch.Generator, device: torch.device) -> N
         ta.rotary_write_kv(pos, q, q, q, cs, k_cache, v_cache, pos)
     with pytest.raises(ValueError, match="cos_sin_cache width"):
         ta.rotary_write_kv(pos, q, k, k, cs[:, :16], k_cache, v_cache, pos)
-    with pytest.raises(ValueError, match="k_out .* must match k"):
+    with pytest.raises(ValueError, match=r"k_out .* must match k"):
         ta.rotary_write_kv(pos, q, k, k, cs, k_cache, v_cache, pos, k_out=q)

@@ -147,6 +147,7 @@ def new_kv_case(
     block_size: int = 8,
     head_dim: int = 32,
     group: int = 4,
+    tma: bool | None = None,
 ) -> None:
     """The chunk's keys read from ``k_new``/``v_new`` (strided views of one qkv-like buffer):
     the cache's slots for the new tokens are overwritten with NaN first, so reading them there
@@ -169,8 +170,11 @@ def new_kv_case(
             k_cache[blk, off] = float("nan")
             v_cache[blk, off] = float("nan")
     args = (q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
-    got = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new)
+    got = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma)
     assert_matches(got, want)
+    if ctx_lens == q_lens:  # whole prompts: the caller may say so, and the paged loops go
+        whole = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma, no_prefix=True)  # fmt: skip
+        assert_matches(whole, want)
     assert_matches(ref_prefill_attention(*args, k_new=k_new, v_new=v_new), want)
 
 
@@ -186,8 +190,26 @@ def test_new_tokens_read_from_contiguous_kv(dtype: torch.dtype, tiles: Tiles, ge
     new_kv_case(*run_lens, dtype, gen, device, tiles)
 
 
+@pytest.mark.parametrize("tiles", [SMALL_TILES, Tiles(32, 16, 4, 2, True), UNPACKED])
+def test_new_kv_through_tma_descriptors(tiles: Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    new_kv_case([1, 16, 17, 40, 45, 21], [1, 16, 17, 40, 7, 1], torch.float32, gen, device, tiles, tma=True)  # fmt: skip
+    new_kv_case([40, 33], [40, 33], torch.bfloat16, gen, device, tiles, tma=True)
+
+
 def test_new_kv_with_the_default_tiles_and_wide_heads(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     new_kv_case([70, 9, 100], [70, 4, 33], torch.bfloat16, gen, device, None, head_dim=128, block_size=16)  # fmt: skip
+    # whole prompts: with no_prefix the whole-prompt tiles run (and TMA where forced)
+    new_kv_case([70, 9, 33], [70, 9, 33], torch.bfloat16, gen, device, None, head_dim=128, block_size=16)  # fmt: skip
+    new_kv_case([70, 9, 33], [70, 9, 33], torch.bfloat16, gen, device, None, head_dim=128, block_size=16, tma=True)  # fmt: skip
+
+
+def test_the_reference_refuses_no_prefix_for_a_chunk_after_a_prefix(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    k_cache, v_cache, tables = paged_kv([20, 9], 8, 2, 16, torch.float32, gen, device)
+    qsl = torch.tensor([0, 4, 13], dtype=torch.int32, device=device)
+    q = rand((13, 4, 16), torch.float32, gen, device)
+    lens = torch.tensor([20, 9], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="no_prefix, but sequence 0 has 16 cached tokens"):
+        ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.25, no_prefix=True)
 
 
 class TestErrors:

@@ -72,11 +72,13 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.d))[0].view(T, self.nkv, self.d)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         scaled = k_cache.element_size() == 1  # FP8: the scales apply
-        # prompt chunks on a GPU read their own keys and values contiguously, not through the
-        # block table (30-40% faster prefill attention); an FP8 cache's rounding must be what
-        # attention sees, so it reads them from the cache
+        # whole prompts on a GPU (no cached prefix in the step, enough of them) read their own
+        # keys and values contiguously, not through the block table: 91% of SDPA's rate against
+        # 74% on an H200 (docs/benchmarks.md, W3); an FP8 cache's rounding must be what attention
+        # sees, so it reads them from the cache
         k_new = None
-        if x.is_cuda and not meta.decode_only and k_cache.dtype == q.dtype:
+        whole = meta.prefill_no_prefix and T - meta.num_decodes >= ops.NEW_KV_MIN_TOKENS
+        if x.is_cuda and whole and k_cache.dtype == q.dtype:
             k_new = torch.empty((T, self.nkv, self.d), dtype=k.dtype, device=k.device)
         # one launch: rotate q (into a new tensor) and k, write k and v into their slots
         q = ops.rotary_write_kv(
@@ -113,7 +115,7 @@ def paged_attention(
     if nd == 0:
         return ops.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-            scale, k_new=k_new, v_new=v_new,
+            scale, k_new=k_new, v_new=v_new, no_prefix=k_new is not None,
         )  # fmt: skip
     assert meta.prefill_start_loc is not None
     o = torch.empty_like(q)
@@ -125,7 +127,7 @@ def paged_attention(
         q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
         meta.context_lens[nd:], scale, out=o[nd:],
         k_new=k_new[nd:] if k_new is not None else None,
-        v_new=v_new[nd:] if v_new is not None else None,
+        v_new=v_new[nd:] if v_new is not None else None, no_prefix=k_new is not None,
     )  # fmt: skip
     return o
 

@@ -51,6 +51,11 @@ def test_decode_rows_go_first_and_logits_keep_the_scheduler_order(engine: LLMEng
     assert meta.query_start_loc.tolist() == [0, 1, 2, 22, 34]
     assert meta.prefill_start_loc is not None and meta.prefill_start_loc.tolist() == [0, 20, 32]
     assert inputs.logits_rows.tolist() == [21, 0, 1]  # a's last token, then b, then d
+    assert meta.prefill_no_prefix  # a and c start at 0: whole prompts beside the decodes
+    after = runner.prepare(SchedulerOutput([_req("a", a, 0, [0, 1]), _req("c", c, 12, [30])]))
+    assert not after.meta.prefill_no_prefix  # c's chunk comes after 12 cached tokens
+    decodes = runner.prepare(SchedulerOutput([_req("b", b, 8, [10])]))
+    assert decodes.meta.decode_only and not decodes.meta.prefill_no_prefix
     with torch.inference_mode():
         mixed = runner.forward_logits(step)
         alone = [
