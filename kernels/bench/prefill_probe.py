@@ -27,6 +27,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, kd, vd, row0, n0, kvh, s_kt, s_vt, D: tl.constexpr,
+             BLOCK_N: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """Keys and values ``n0 .. n0 + BLOCK_N`` of one KV head: TMA descriptors or plain loads."""
+    if TMA:
+        return kd.load([row0 + n0, kvh * D]), vd.load([row0 + n0, kvh * D])
+    else:
+        rows = (row0 + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+        cols = kvh * D + tl.arange(0, D)[None, :]
+        return tl.load(k_ptr + rows * s_kt + cols), tl.load(v_ptr + rows * s_vt + cols)
+
+
+@triton.jit
 def _contig_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qd, kd, vd, od, scale_log2e, N,
                    s_qt, s_kt, s_vt, s_ot,
                    HQ: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
@@ -58,16 +70,7 @@ def _contig_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qd, kd, vd, od, scale_log2e, N,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     full_end = m0 // BLOCK_N * BLOCK_N
     for n0 in tl.range(0, full_end, BLOCK_N, num_stages=STAGES, warp_specialize=WS):
-        if TMA:
-            k = kd.load([row0 + n0, kvh * D])
-            v = vd.load([row0 + n0, kvh * D])
-        else:
-            pos = n0 + tl.arange(0, BLOCK_N)
-            kp = (row0 + pos).to(tl.int64)[:, None] * s_kt + kvh * D + offs_d[None, :]
-            k = tl.load(k_ptr + kp)
-            v = tl.load(
-                v_ptr + (row0 + pos).to(tl.int64)[:, None] * s_vt + kvh * D + offs_d[None, :]
-            )
+        k, v = _load_kv(k_ptr, v_ptr, kd, vd, row0, n0, kvh, s_kt, s_vt, D, BLOCK_N, TMA)
         s = tl.dot(q, tl.trans(k))
         if LAZY:
             # the running max moves only when a row's grows by more than 2^8: p stays <= 256
@@ -89,15 +92,7 @@ def _contig_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qd, kd, vd, od, scale_log2e, N,
             m_i = m_new
     for n0 in tl.range(full_end, m0 + TOKENS, BLOCK_N, num_stages=STAGES):
         pos = n0 + tl.arange(0, BLOCK_N)
-        if TMA:
-            k = kd.load([row0 + n0, kvh * D])
-            v = vd.load([row0 + n0, kvh * D])
-        else:
-            kp = (row0 + pos).to(tl.int64)[:, None] * s_kt + kvh * D + offs_d[None, :]
-            k = tl.load(k_ptr + kp)
-            v = tl.load(
-                v_ptr + (row0 + pos).to(tl.int64)[:, None] * s_vt + kvh * D + offs_d[None, :]
-            )
+        k, v = _load_kv(k_ptr, v_ptr, kd, vd, row0, n0, kvh, s_kt, s_vt, D, BLOCK_N, TMA)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(pos[None, :] <= tok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
