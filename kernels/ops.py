@@ -261,6 +261,12 @@ def paged_decode_attention(
 NEW_KV_MIN_TOKENS = 4096
 
 
+def reads_new_kv(device: torch.device) -> bool:
+    """Whether the model hands prefill attention the new K/V on this device (the Triton kernel
+    reads them contiguously; on the CPU the reference would only copy them)."""
+    return device.type == "cuda"
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]

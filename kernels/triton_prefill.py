@@ -164,6 +164,9 @@ def _attend_contig(
         s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
         if MASKED:
             s = tl.where((j[None, :] <= tok[:, None]) & (j < q_len)[None, :], s, float("-inf"))
+            # rows past the sequence are the next one's values: zero them, so an inf there
+            # cannot become 0 * inf = NaN in this one's output
+            v = tl.where((j < q_len)[:, None], v, 0.0)
         m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         return m_new, l_i, acc
@@ -476,6 +479,19 @@ def step_tiles(
 TMA_MIN_TOKENS = 4096
 
 
+def _tma_layout(x: torch.Tensor, d: int) -> bool:
+    """Whether ``x`` ([T, Hkv, D]) reads as the 2-D [T, Hkv * D] tensor a descriptor needs: heads
+    side by side, a power-of-two D, base and row stride 16-byte aligned (else plain loads)."""
+    elem = x.element_size()
+    return (
+        d == max(16, next_pow2(d))
+        and x.stride(2) == 1
+        and x.stride(1) == d
+        and x.data_ptr() % 16 == 0
+        and x.stride(0) * elem % 16 == 0
+    )
+
+
 def _tma_ok(device: torch.device, tokens: int) -> bool:
     """Whether K/V tiles load through TMA tensor descriptors: compute capability 9+ and a chunk
     large enough (``TMA_MIN_TOKENS``)."""
@@ -520,8 +536,11 @@ def prefill_attention(
     k_new: torch.Tensor | None = None,  # [T, Hkv, D], the new tokens' rotated keys, row for row
     v_new: torch.Tensor | None = None,  # [T, Hkv, D] (may be strided views, e.g. of qkv)
     no_prefix: bool = False,  # the caller knows no sequence has a cached prefix (k_new only:
-    # the paged loops are then not compiled in, and the whole-prompt tiles run)
-    tma: bool | None = None,  # read k_new/v_new through TMA descriptors (default: see _tma_ok)
+    # the paged loops are then not compiled in, and the whole-prompt tiles run). Not checked
+    # here (that would need a device sync): set it from host-side facts, as the engine's
+    # AttentionMetadata.prefill_no_prefix does; the reference checks it
+    tma: bool | None = None,  # read k_new/v_new through TMA descriptors (default: _tma_ok;
+    # plain loads wherever their layout does not suit a descriptor, see _tma_layout)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_prefill_attention`.
 
@@ -571,7 +590,9 @@ def prefill_attention(
     whole_blocks = cfg.block_n % bs == 0  # a K/V tile starts on a block boundary
     kn, vn = (k_new, v_new) if k_new is not None and v_new is not None else (q, q)
     use_tma = (
-        contig and (tma if tma is not None else _tma_ok(device, t)) and d == max(16, next_pow2(d))
+        contig
+        and (tma if tma is not None else _tma_ok(device, t))
+        and all(_tma_layout(x, d) for x in (kn, vn))
     )
     kd = vd = 0
     if use_tma:

@@ -203,6 +203,33 @@ def test_new_kv_with_the_default_tiles_and_wide_heads(gen: torch.Generator, devi
     new_kv_case([70, 9, 33], [70, 9, 33], torch.bfloat16, gen, device, None, head_dim=128, block_size=16, tma=True)  # fmt: skip
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_an_inf_in_one_prompt_stays_in_that_prompt(tma: bool, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    # the last tile of prompt 0 spans into prompt 1's rows: their values must not reach it
+    k_cache, v_cache, tables = paged_kv([20, 12], 8, 2, 32, torch.float32, gen, device)
+    qsl = torch.tensor([0, 20, 32], dtype=torch.int32, device=device)
+    lens = torch.tensor([20, 12], dtype=torch.int32, device=device)
+    q = rand((32, 8, 32), torch.float32, gen, device)
+    k_new, v_new = rand((32, 2, 32), torch.float32, gen, device), rand((32, 2, 32), torch.float32, gen, device)  # fmt: skip
+    want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.2, k_new=k_new, v_new=v_new)  # fmt: skip
+    v_new[21], k_new[22] = float("inf"), float("nan")
+    got = prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.2, k_new=k_new, v_new=v_new, no_prefix=True, tma=tma, tiles=Tiles(32, 16, 4, 1, True))  # fmt: skip
+    assert_matches(got[:20], want[:20])
+
+
+def test_a_layout_a_descriptor_cannot_read_falls_back_to_plain_loads(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    # heads interleaved with other data (stride(1) = 2 * D): TMA asked, plain loads run
+    k_cache, v_cache, tables = paged_kv([24], 8, 2, 32, torch.float32, gen, device)
+    qsl = torch.tensor([0, 24], dtype=torch.int32, device=device)
+    lens = torch.tensor([24], dtype=torch.int32, device=device)
+    q = rand((24, 8, 32), torch.float32, gen, device)
+    wide = rand((24, 4, 32), torch.float32, gen, device)
+    k_new, v_new = wide[:, 0::2], wide[:, 1::2]
+    want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.2, k_new=k_new, v_new=v_new)  # fmt: skip
+    got = prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.2, k_new=k_new, v_new=v_new, no_prefix=True, tma=True)  # fmt: skip
+    assert_matches(got, want)
+
+
 def test_the_reference_refuses_no_prefix_for_a_chunk_after_a_prefix(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
     k_cache, v_cache, tables = paged_kv([20, 9], 8, 2, 16, torch.float32, gen, device)
     qsl = torch.tensor([0, 4, 13], dtype=torch.int32, device=device)
@@ -275,7 +302,7 @@ class TestErrors:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("ctx_lens", "q_lens"), [([1024, 1000, 3], [1024, 1000, 3]), ([4096 + 512], [512])])  # fmt: skip
+@pytest.mark.parametrize(("ctx_lens", "q_lens"), [([1024, 1000, 3], [1024, 1000, 3]), ([4096 + 512], [512]), ([1024] * 4 + [77], [1024] * 4 + [77])])  # fmt: skip
 def test_gpu_llama_shapes(ctx_lens: list[int], q_lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
     run_case(ctx_lens, q_lens, 4, torch.bfloat16, gen, torch.device("cuda"), head_dim=128, kv_heads=8, tiles=None)  # fmt: skip

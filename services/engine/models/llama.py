@@ -78,7 +78,7 @@ class Attention(nn.Module):
         # sees, so it reads them from the cache
         k_new = None
         whole = meta.prefill_no_prefix and T - meta.num_decodes >= ops.NEW_KV_MIN_TOKENS
-        if x.is_cuda and whole and k_cache.dtype == q.dtype:
+        if ops.reads_new_kv(x.device) and whole and k_cache.dtype == q.dtype:
             k_new = torch.empty((T, self.nkv, self.d), dtype=k.dtype, device=k.device)
         # one launch: rotate q (into a new tensor) and k, write k and v into their slots
         q = ops.rotary_write_kv(

@@ -67,6 +67,39 @@ def test_decode_rows_go_first_and_logits_keep_the_scheduler_order(engine: LLMEng
     torch.testing.assert_close(mixed, torch.cat(alone), rtol=1e-4, atol=1e-4)  # type: ignore[arg-type]
 
 
+def test_a_mixed_step_with_the_new_kv_path_computes_what_the_paged_path_does(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode rows first, then whole prompts: the rows of k_new/v_new handed to prefill
+    attention (sliced past the decodes) line up with the queries. On a GPU this path runs from
+    ops.NEW_KV_MIN_TOKENS prefill tokens; here it is forced, and the reference takes it."""
+    from kernels import ops
+
+    runner = engine.runner
+    a, b, c = _prompt(20, 7), _prompt(9, 8), _prompt(30, 9)
+    runner.forward_logits(SchedulerOutput([_req("b", b[:-1], 0, [50])]))
+    step = SchedulerOutput([
+        _req("a", a, 0, [51, 52]), _req("b", b, 8, [50]), _req("c", c[:12], 0, [53], sample=False),
+    ])  # fmt: skip
+    assert runner.prepare(step).meta.prefill_no_prefix
+    with torch.inference_mode():
+        paged = runner.forward_logits(step)
+        calls = []
+        real = ops.prefill_attention
+
+        def spy(*args, **kw):
+            calls.append(kw.get("k_new") is not None and kw.get("no_prefix"))
+            return real(*args, **kw)
+
+        monkeypatch.setattr(ops, "reads_new_kv", lambda device: True)
+        monkeypatch.setattr(ops, "NEW_KV_MIN_TOKENS", 1)
+        monkeypatch.setattr(ops, "prefill_attention", spy)
+        contiguous = runner.forward_logits(step)
+    assert calls and all(calls)  # every layer took the new-K/V path
+    assert paged is not None and contiguous is not None
+    assert torch.equal(paged, contiguous)
+
+
 def test_decode_graph_rows_compute_what_the_eager_step_does(engine: LLMEngine) -> None:
     """The graph path lays its inputs out on its own (one row per token, padded to a bucket):
     on the CPU an uncaptured DecodeGraphs runs the same forward over them."""
