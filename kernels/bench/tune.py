@@ -7,8 +7,9 @@ it on a new GPU before changing them. Arguments: ``prefill`` or ``decode`` runs 
 ``graph`` times CUDA-graph replays, ``m64 m128 m256`` restrict the prefill sweep to tiles of
 those many rows (to split it over runs), ``fp8`` sweeps decode over an e4m3 KV cache (read as
 bf16 and as fp16: ``f16_read``), ``b1`` only its batch-1 case, ``b64`` only the batched ones,
-``w1`` adds W1's decode steps (224 sequences at 1100 tokens), ``contig`` passes the prefill
-cases' new K/V contiguously (``k_new``/``v_new``, the engine's path on a GPU).
+``w1`` adds W1's decode steps (224 sequences at 1100 tokens), ``contig`` runs the whole-prompt
+cases as the engine does on a GPU (their new K/V contiguous, ``k_new``/``v_new``, and
+``no_prefix``); the cases after a prefix stay paged, as there.
 
 The prefill sweep times tile shapes with every kernel variant off, then the variants
 (``Tiles``' knobs) on the leading shapes, then what the launcher's own shape rule picks for each
@@ -22,6 +23,7 @@ import functools
 import itertools
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton.testing
@@ -51,7 +53,7 @@ from kernels.triton_prefill import (
 )
 
 GRAPH = "graph" in sys.argv[1:]  # time CUDA-graph replays: GPU time without Python launches
-# "contig": the chunk's own K/V passed contiguously (k_new/v_new), as the engine does on a GPU
+# "contig": whole prompts' K/V passed contiguously with no_prefix, as the engine does on a GPU
 CONTIG = "contig" in sys.argv[1:]
 # "m128" and the like: only prefill tiles of that many rows (to split the sweep over runs)
 ROWS = [int(a[1:]) for a in sys.argv[1:] if a[:1] == "m" and a[1:].isdigit()]
@@ -144,14 +146,13 @@ PREFILL_KNOBS: list[Tiles] = TILE_SHAPES + [
 
 
 def time_case(
-    args: tuple, ref: torch.Tensor, knobs: list[Tiles], new: tuple | None = None
+    call: Callable[..., torch.Tensor], ref: torch.Tensor, knobs: list[Tiles]
 ) -> list[tuple[float, Tiles]]:
     """(ms, tiles) of every candidate whose output matches the reference, fastest first
-    (``new``: the chunks' K/V, read contiguously)."""
-    k_new, v_new = new if new is not None else (None, None)
+    (``call``: prefill attention with the case's arguments, ``tiles=`` left to add)."""
     rows = []
     for tiles in knobs:
-        run = functools.partial(prefill_attention, *args, tiles=tiles, k_new=k_new, v_new=v_new)
+        run = functools.partial(call, tiles=tiles)
         try:
             err = (run().float() - ref).abs().max().item()
             ms = median_ms(run)
@@ -179,8 +180,12 @@ def tune_prefill() -> None:
         flops = prefill_flops(ctx_lens, q_lens)
         args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.query_start_loc, p.context_lens, p.scale)  # fmt: skip
         ref = ref_prefill_attention(*args).float()
-        new = new_kv(p, ctx_lens, q_lens) if CONTIG else None
-        rows = time_case(args, ref, knobs, new)
+        whole: dict[str, Any] = {}
+        if CONTIG and ctx_lens == q_lens:
+            k_new, v_new = new_kv(p, ctx_lens, q_lens)
+            whole = {"k_new": k_new, "v_new": v_new, "no_prefix": True}
+        call = functools.partial(prefill_attention, *args, **whole)
+        rows = time_case(call, ref, knobs)
         for ms, tiles in rows:
             times.setdefault(tiles, []).append(ms)
         print(f"prefill {name}")
@@ -191,10 +196,12 @@ def tune_prefill() -> None:
             print(f"  {sdpa_ms:8.4f} ms {flops / sdpa_ms / 1e9:6.1f} TFLOP/s  torch sdpa (contiguous KV)")  # fmt: skip
         for ms, tiles in rows[:12]:
             print(f"  {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s  {tiles.code()}")
-        chosen = step_tiles(p.q.shape[0], Q_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, DTYPE, p.q.device)  # fmt: skip
-        k_new, v_new = new if new is not None else (None, None)
-        rule = functools.partial(prefill_attention, *args, k_new=k_new, v_new=v_new)
-        chosen_ms = median_ms(rule)  # tiles=None: the launcher's rule
+        chosen = (
+            triton_prefill.WHOLE_PROMPT_TILES
+            if whole
+            else step_tiles(p.q.shape[0], Q_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, DTYPE, p.q.device)
+        )
+        chosen_ms = median_ms(call)  # tiles=None: the launcher's rule
         summary.append((name, q_lens, flops, chosen, chosen_ms, sdpa_ms, rows[0] if rows else None))
         del p, args, ref
         torch.cuda.empty_cache()

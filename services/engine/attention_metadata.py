@@ -23,8 +23,8 @@ class AttentionMetadata:
     # first token (None when every sequence decodes)
     prefill_start_loc: torch.Tensor | None = None
     # every prefill sequence starts at position 0 (whole prompts, no cached prefix): the prefill
-    # kernel may then read their K/V contiguously with nothing paged compiled in (92% of SDPA on
-    # an H200 against 76% through the block table, docs/benchmarks.md W3)
+    # kernel may then read their K/V contiguously with nothing paged compiled in (91% of SDPA on
+    # an H200 against 74% through the block table, docs/benchmarks.md W3)
     prefill_no_prefix: bool = False
     # told each layer's index right after the layer's KV write, when a prefill hand-off streams
     # the KV out while this forward runs (``services.engine.kv_handoff``); None on every other
