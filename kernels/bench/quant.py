@@ -204,18 +204,35 @@ def bench_w8a8(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any]
         "copy_gbs": copy,
         "rel_err_vs_bf16": err,
     }
+    # the GEMM's other modes at the same shapes: fast accumulation (the tensor cores' own
+    # accumulator over the whole K loop, no promotion to fp32 every few steps) and one scale
+    # per tensor for each side (cuBLASLt instead of CUTLASS's row-wise kernel)
+    one = torch.ones((), device=dev)
+    fast = functools.partial(gemm, use_fast_accum=True)
+    tensorwise = functools.partial(
+        torch._scaled_mm, xq, wq.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+    )
+    fast_err = ((fast().float() - gemm().float()).norm() / gemm().float().norm()).item()
+    r_extra = {"fast_accum_rel_err_vs_scaled_mm": fast_err}
     timed: dict[str, Callable[[], object]] = {
         "bf16_linear": functools.partial(F.linear, x, w),
         "quant_torch": functools.partial(quant.ref_per_token_quant_fp8, x),
         "quant_triton": functools.partial(triton_quant.per_token_quant_fp8, x),
         "scaled_mm": gemm,
+        "scaled_mm_fast_accum": fast,
+        "scaled_mm_tensorwise": tensorwise,
+        "scaled_mm_tensorwise_fast_accum": functools.partial(tensorwise, use_fast_accum=True),
         "w8a8_linear": whole,
     }
     for key, fn in timed.items():
         r[f"{key}_ms"] = median_ms(fn)
     for key in ("quant_torch", "quant_triton"):
         r[f"{key}_pct_of_copy"] = 100 * quant_bytes / r[f"{key}_ms"] / 1e6 / copy
-    for key in ("bf16_linear", "scaled_mm", "w8a8_linear"):
+    r.update(r_extra)
+    for key in (
+        "bf16_linear", "scaled_mm", "scaled_mm_fast_accum", "scaled_mm_tensorwise",
+        "scaled_mm_tensorwise_fast_accum", "w8a8_linear",
+    ):  # fmt: skip
         r[f"{key}_tflops"] = flop / r[f"{key}_ms"] / 1e9
     r["w8a8_speedup_vs_bf16"] = r["bf16_linear_ms"] / r["w8a8_linear_ms"]
     return r
@@ -297,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"({r['bf16_linear_tflops']:4.0f} TFLOP/s) | quant torch "
                 f"{r['quant_torch_ms'] * 1e3:6.1f} us, triton {r['quant_triton_ms'] * 1e3:6.1f} us "
                 f"({r['quant_triton_pct_of_copy']:3.0f}% of copy) | scaled_mm "
-                f"{r['scaled_mm_ms'] * 1e3:7.1f} us | layer {r['w8a8_linear_ms'] * 1e3:7.1f} us "
-                f"({r['w8a8_speedup_vs_bf16']:.2f}x bf16)",
+                f"{r['scaled_mm_ms'] * 1e3:7.1f} us, fast accum "
+                f"{r['scaled_mm_fast_accum_ms'] * 1e3:7.1f} us, per tensor "
+                f"{r['scaled_mm_tensorwise_ms'] * 1e3:7.1f} / "
+                f"{r['scaled_mm_tensorwise_fast_accum_ms'] * 1e3:7.1f} us | layer "
+                f"{r['w8a8_linear_ms'] * 1e3:7.1f} us ({r['w8a8_speedup_vs_bf16']:.2f}x bf16)",
                 flush=True,
             )
     for m in args.w4_rows:

@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--json-out", default=None)
+    p.add_argument(
+        "--trace-out",
+        default=None,
+        help="a Chrome trace (host and GPU) of two steps as they are timed: where the gaps are",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_step needs a CUDA GPU")
@@ -136,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         runner.forward_logits(step)
         torch.cuda.synchronize()
     runner.graphs = graphs
+    if args.trace_out:  # two steps back to back, as the timed loop runs them
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as traced:
+            for _ in range(2):
+                runner.forward_logits(step)
+            torch.cuda.synchronize()
+        traced.export_chrome_trace(args.trace_out)
     kernels: dict[str, list[float]] = defaultdict(list)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:

@@ -38,8 +38,11 @@ def test_the_steps_cover_the_budget_a_mixed_step_and_single_decodes() -> None:
     shapes = [(s.num_tokens, [r.num_new_tokens for r in s.requests]) for s in steps]
     assert shapes[0][0] == 8192  # the largest step a worker can run
     assert shapes[0][1][0] % 2 == 1 and max(shapes[0][1]) <= 2047
-    mixed = shapes[1][1]
-    assert mixed.count(1) == 3 and max(mixed) > 1 and shapes[1][0] % 16 != 0
+    assert all(r.start_pos == 0 for r in steps[0].requests)
+    # the budget again after a cached prefix: the paged prefill path's large-step tiles
+    assert shapes[1][0] == 8192 and all(r.start_pos == 16 for r in steps[1].requests)
+    mixed = shapes[2][1]
+    assert mixed.count(1) == 3 and max(mixed) > 1 and shapes[2][0] % 16 != 0
     assert (1, [1]) in shapes and (3, [1, 1, 1]) in shapes
 
 
