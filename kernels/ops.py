@@ -25,13 +25,19 @@ from kernels.gemv import GEMV_MAX_ROWS
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
 from kernels.lora import ref_add_lora, ref_expand_lora
 from kernels.moe import ref_fused_moe, ref_moe_routing
-from kernels.quant import ref_fp8_linear, ref_w4a16_linear, scaled_mm_w8a8_linear
+from kernels.quant import (
+    ref_fp8_linear,
+    ref_per_token_quant_fp8,
+    ref_w4a16_linear,
+    scaled_mm_w8a8_linear,
+)
 
 __all__ = [
     "add_lora",
     "checksum",
     "expand_lora",
     "fence_cas",
+    "fp8_input_linear",
     "fp8_linear",
     "fp8_supported",
     "fused_moe",
@@ -42,10 +48,13 @@ __all__ = [
     "paged_decode_attention",
     "prefill_attention",
     "rms_norm",
+    "rms_norm_fp8",
     "rotary_embedding",
     "rotary_write_kv",
     "scatter_blocks",
     "silu_and_mul",
+    "silu_and_mul_fp8",
+    "takes_w8a8",
     "triton_available",
     "w4a16_linear",
     "write_kv",
@@ -176,6 +185,31 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
     )
 
 
+def takes_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether :func:`fp8_linear` runs ``x`` on the FP8 tensor cores (W8A8, x quantized per
+    token): a layer before it may then hand it the quantized input (:func:`fp8_input_linear`)."""
+    return (
+        triton_available()
+        and x.dim() == 2
+        and fp8_supported(x.device)
+        and _scaled_mm_fits(x, weight, scale)
+    )
+
+
+def fp8_input_linear(
+    xq: torch.Tensor,  # [M, K] float8_e4m3fn, quantized per token
+    x_scale: torch.Tensor,  # [M, 1] float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N, 1] float32, per channel
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """The W8A8 layer of :func:`fp8_linear` for an input already quantized per token (by
+    :func:`rms_norm_fp8` or :func:`silu_and_mul_fp8`)."""
+    out = scaled_mm_w8a8_linear(xq, weight, scale, lambda _: (xq, x_scale), out_dtype)
+    return out if bias is None else out + bias
+
+
 def fp8_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
@@ -301,6 +335,31 @@ def rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     mod = _triton("triton_layers", x)
     return (mod.silu_and_mul if mod else ref_silu_and_mul)(x)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` with its output quantized per token for an FP8 W8A8 layer: (e4m3
+    [T, H], float32 scales [T, 1], x + residual); one kernel on a GPU."""
+    mod = _triton("triton_layers", x)
+    if mod is not None:
+        return mod.rms_norm_fp8(x, weight, eps, residual)
+    y, res = ref_rms_norm(x, weight, eps, residual)
+    q, s = ref_per_token_quant_fp8(y)
+    return q, s, res
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, 2I]
+    """:func:`silu_and_mul` quantized per token for an FP8 W8A8 layer: (e4m3 [T, I], float32
+    scales [T, 1]); one kernel on a GPU."""
+    mod = _triton("triton_layers", x)
+    if mod is not None:
+        return mod.silu_and_mul_fp8(x)
+    return ref_per_token_quant_fp8(ref_silu_and_mul(x))
 
 
 def rotary_embedding(

@@ -169,6 +169,7 @@ def scaled_mm_w8a8_linear(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     scale: torch.Tensor,  # [N, 1] float32
     quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = ref_per_token_quant_fp8,
+    out_dtype: torch.dtype | None = None,  # x's dtype unless given (an already quantized x)
 ) -> torch.Tensor:  # [M, N]
     """:func:`ref_fp8_w8a8_linear` through ``torch._scaled_mm`` (FP8 tensor cores on sm89+;
     rowwise scales: per token for x, per channel for the weight); ``quant`` quantizes x (the
@@ -180,6 +181,6 @@ def scaled_mm_w8a8_linear(
     FP8 rounding's own 3.8e-2 against bf16 (``python -m kernels.bench.quant --w8a8-rows``)."""
     xq, xs = quant(x)
     return torch._scaled_mm(
-        xq, weight.T, scale_a=xs, scale_b=scale.float().T.contiguous(), out_dtype=x.dtype,
-        use_fast_accum=True,
+        xq, weight.T, scale_a=xs, scale_b=scale.float().T.contiguous(),
+        out_dtype=out_dtype or x.dtype, use_fast_accum=True,
     )  # fmt: skip

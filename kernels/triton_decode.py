@@ -235,13 +235,16 @@ def paged_decode_attention(
         block_n = default_block_n(block_d, k_cache.element_size(), num_stages, device)
     if block_n < 16 or block_n != next_pow2(block_n):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    # one workspace for the split partials: [rows, D] acc, then [rows] max and [rows] sum
+    # one workspace for the split partials: [rows, D] acc, then [rows] max and [rows] sum, each
+    # part starting 16-byte aligned (Triton specializes pointers on it: a part at an odd offset
+    # would build another variant of both kernels, on a request, for batches of odd rows)
     rows = batch * hq * num_splits if num_splits > 1 else 1
-    work = torch.empty(rows * (d + 2), dtype=torch.float32, device=device)
+    pad = -(-rows // 4) * 4
+    work = torch.empty(pad * (d + 2), dtype=torch.float32, device=device)
     part_acc, part_m, part_l = (
         work[: rows * d],
-        work[rows * d : rows * (d + 1)],
-        work[rows * (d + 1) :],
+        work[pad * d : pad * d + rows],
+        work[pad * (d + 1) : pad * (d + 1) + rows],
     )
     _decode_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,

@@ -1,5 +1,10 @@
 """Element-wise layers of the Llama family in Triton: fused add + RMSNorm, SiLU-and-mul, RoPE.
 
+``rms_norm_fp8`` and ``silu_and_mul_fp8`` end with the per-token FP8 quantization of an FP8
+W8A8 layer's input (``kernels.quant.ref_per_token_quant_fp8`` of the 16-bit output, bit for bit
+the two kernels run one after the other): the layer's input is written once, in e4m3, instead of
+written in 16 bits and read back by a quantization kernel.
+
 Same signatures and semantics as :mod:`kernels.layers`. All three are memory-bound: each reads
 its inputs and writes its outputs once, with fp32 arithmetic in registers, rounded to the
 activation dtype where the references (and transformers' Llama code) round:
@@ -14,23 +19,37 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant import INV_FP8_MAX
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_devices,
     check_tensor,
+    interpreting,
     next_pow2,
     pdl,
     pdl_enter,
+    to_e4m3,
 )
 
 MAX_NORM_WIDTH = 65536
 
 
 @triton.jit
+def _quantize_row(y, q_row, s_ptr, row, offs, mask, INV_MAX: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """A whole row held in registers (float32, zero where masked), quantized per token as
+    ``kernels.triton_quant.per_token_quant_fp8`` does: its scale to ``s_ptr[row]``, e4m3 to
+    ``q_row``."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * INV_MAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    tl.store(q_row + offs, to_e4m3(y * tl.math.div_rn(1.0, scale), SOFT_FP8), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, s_x, s_r, s_o, s_ro, width, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, s_ptr, s_x, s_r, s_o, s_ro, width, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr,
+    INV_MAX: tl.constexpr, SOFT_FP8: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -44,9 +63,24 @@ def _rms_norm_kernel(
         x = x_io.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, 0) / width + eps)
     # as LlamaRMSNorm: round the normalized value to x's dtype, then weight * it, rounded once
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * s_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (w * normed).to(x_ptr.dtype.element_ty)
+    if FP8:  # out_ptr is the e4m3 copy: the 16-bit values quantized per token
+        _quantize_row(y.to(tl.float32), out_ptr + row * s_o, s_ptr, row, offs, mask, INV_MAX,
+                      SOFT_FP8)  # fmt: skip
+    else:
+        tl.store(out_ptr + row * s_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _silu_mul(x_row, offs, mask, inter, DTYPE: tl.constexpr):
+    """``act_fn(gate) * up`` of one row's ``offs``, in x's dtype: silu rounded to it, then the
+    product rounded (as the reference)."""
+    gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(DTYPE).to(tl.float32)
+    return (act * up).to(DTYPE)
 
 
 @triton.jit
@@ -57,11 +91,39 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    gate = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * s_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    # as act_fn(gate) * up in x's dtype: silu rounded to it, then the product rounded
-    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * s_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _silu_mul(x_ptr + row * s_x, offs, mask, inter, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * s_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, s_x, s_q, inter, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr, INV_MAX: tl.constexpr, SOFT_FP8: tl.constexpr,
+):  # fmt: skip
+    """One program a row: the row's products, their largest magnitude, then e4m3. A row wider
+    than one block is computed twice (its input read twice) rather than stored in 16 bits."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row, q_row = x_ptr + row * s_x, q_ptr + row * s_q
+    if ONE_PASS:
+        mask = offs < inter
+        y = _silu_mul(x_row, offs, mask, inter, x_ptr.dtype.element_ty).to(tl.float32)
+        _quantize_row(y, q_row, s_ptr, row, offs, mask, INV_MAX, SOFT_FP8)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK):
+            ks = k0 + offs
+            y = _silu_mul(x_row, ks, ks < inter, inter, x_ptr.dtype.element_ty).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.max(amax, axis=0) * INV_MAX, 1e-12)
+        inv = tl.math.div_rn(1.0, scale)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, inter, BLOCK):
+            ks = k0 + offs
+            k_mask = ks < inter
+            y = _silu_mul(x_row, ks, k_mask, inter, x_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(q_row + ks, to_e4m3(y * inv, SOFT_FP8), mask=k_mask)
 
 
 @triton.jit
@@ -115,9 +177,17 @@ def rms_norm(
     residual: torch.Tensor | None = None,  # [T, H]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`kernels.layers.ref_rms_norm`: (norm(x + residual), x + residual)."""
+    _check_rms_norm(x, weight, residual)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res_out = torch.empty_like(out) if residual is not None else x
+    _launch_rms_norm(x, weight, eps, residual, out, res_out, None)
+    return out, res_out
+
+
+def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES)
-    rows, width = x.shape
+    width = x.shape[1]
     if weight.shape[0] != width:
         raise ValueError(f"weight has {weight.shape[0]} entries for width {width}")
     if width > MAX_NORM_WIDTH:
@@ -129,19 +199,46 @@ def rms_norm(
         check_devices(x=x, weight=weight, residual=residual)
     else:
         check_devices(x=x, weight=weight)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    res_out = torch.empty_like(out) if residual is not None else x
+
+
+def _launch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+    out: torch.Tensor, res_out: torch.Tensor, scale: torch.Tensor | None,
+) -> None:  # fmt: skip
+    rows, width = x.shape
     if rows == 0:
-        return out, res_out
+        return
     block = next_pow2(width)
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, res_out,
+        scale if scale is not None else x,
         x.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), res_out.stride(0), width, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
+        FP8=scale is not None, INV_MAX=INV_FP8_MAX, SOFT_FP8=interpreting(),
         enable_fp_fusion=False, **pdl(x.device, rows),
     )  # fmt: skip
-    return out, res_out
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` whose output is quantized per token in the same kernel: (e4m3 [T, H],
+    float32 scales [T, 1], x + residual), what ``per_token_quant_fp8`` makes of its output."""
+    _check_rms_norm(x, weight, residual)
+    rows, width = x.shape
+    q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    res_out = (
+        torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    )
+    if width == 0:
+        return q, scale.fill_(1e-12), res_out
+    _launch_rms_norm(x, weight, eps, residual, q, res_out, scale)
+    return q, scale, res_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
@@ -168,6 +265,50 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
             **pdl(x.device, x2.shape[0]),
         )
     return out.view(*x.shape[:-1], inter)
+
+
+# SiLU-and-mul quantized per token, one program a row: a step of at most ``FP8_ONE_PASS_ROWS``
+# rows holds each row in registers (16 warps; a short grid wants wide programs), a longer one
+# walks rows ``FP8_TWO_PASS_BLOCK`` outputs at a time, computing them twice (their largest
+# magnitude, then e4m3). On an H200 at 14336 outputs a row: 8192 rows 252 us against 330 (one
+# pass, 16 warps) and 282 us for SiLU then the quantization kernel; 2048 rows 73 against 90
+# and 105; 224 rows one pass 16 us against 31 (kernels.bench.quant --fused-rows, do_bench).
+FP8_ONE_PASS_ROWS = 1024
+FP8_TWO_PASS_BLOCK = 2048
+FP8_ROW_BLOCK = 16384  # the widest row one program holds
+
+
+def silu_and_mul_fp8(
+    x: torch.Tensor,  # [T, 2I]
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [T, I], float32 [T, 1])
+    """:func:`silu_and_mul` quantized per token in the same kernel, bit for bit
+    ``per_token_quant_fp8(silu_and_mul(x))``. ``block`` and ``num_warps`` override the launch
+    chosen above (``block`` forces the two-pass loop; for tests and tuning)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[1] % 2 != 0:
+        raise ValueError(f"x's last dim must be even, shape {tuple(x.shape)}")
+    check_devices(x=x)
+    rows, inter = x.shape[0], x.shape[1] // 2
+    q = torch.empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    if inter == 0:
+        return q, scale.fill_(1e-12)
+    whole = next_pow2(inter)
+    one_pass = block is None and whole <= FP8_ROW_BLOCK
+    one_pass &= rows <= FP8_ONE_PASS_ROWS or whole <= FP8_TWO_PASS_BLOCK
+    bl = whole if one_pass else min(block or FP8_TWO_PASS_BLOCK, whole)
+    warps = num_warps or (_row_warps(bl) if one_pass else 8)
+    _silu_and_mul_fp8_kernel[(rows,)](
+        x, q, scale, x.stride(0), q.stride(0), inter, BLOCK=bl, ONE_PASS=one_pass,
+        INV_MAX=INV_FP8_MAX, SOFT_FP8=interpreting(), num_warps=warps,
+        enable_fp_fusion=False, **pdl(x.device, rows),
+    )  # fmt: skip
+    return q, scale
 
 
 def rotary_embedding(

@@ -1,7 +1,7 @@
 """Quantized-weight linear layers against the roofline: int4 (w4a16) and fp8 against bf16.
 
     python -m kernels.bench.quant [--rows 1 4 16] [--w8a8-rows 256 8192] [--w4-rows 64 256 8192]
-                                  [--json-out quant.json]
+                                  [--fused-rows 224 8192] [--json-out quant.json]
 
 Shapes are Llama-3.1-8B's decode projections. At batch 1-16 a linear layer is bound by the bytes
 of its weight, so each row reports GB/s of what the kernel must read (the packed weight, its
@@ -16,6 +16,10 @@ a small sweep is reported; every launch is checked against the torch reference f
 above ``kernels.ops.FP8_GEMV_ROWS``: x quantized per token (torch's five passes against the one
 Triton kernel, each against the bytes it must move: read x, write the fp8 copy and the scales),
 ``torch._scaled_mm`` on the FP8 tensor cores, and the whole layer against bf16 cuBLAS in TFLOP/s.
+
+``--fused-rows`` times the kernels that hand a W8A8 layer its input quantized (the RMSNorm with
+the residual add, the SiLU-and-mul, each ending in the per-token quantization) against the two
+kernels they replace.
 
 ``--w4-rows`` times int4 at larger batches both ways: the Triton GEMM (at its default tiles and
 at 128 x 128 ones) and the weight dequantized to bf16 then torch's matmul (what the engine does
@@ -238,6 +242,45 @@ def bench_w8a8(name: str, n: int, k: int, m: int, copy: float) -> dict[str, Any]
     return r
 
 
+def bench_fused_inputs(m: int, hidden: int, inter: int, copy: float) -> dict[str, Any]:
+    """A W8A8 layer's input made by the kernel before it (``rms_norm_fp8``, ``silu_and_mul_fp8``)
+    against that kernel then ``per_token_quant_fp8``: microseconds and % of copy bandwidth of
+    the fused kernel's bytes (read its input, write e4m3 and the scales)."""
+    from kernels import triton_layers, triton_quant
+    from kernels.bench.roofline import median_ms
+
+    gen = torch.Generator().manual_seed(0)
+    dev = torch.device("cuda")
+    x = torch.randn(m, hidden, generator=gen).to(device=dev, dtype=torch.bfloat16)
+    res = torch.randn(m, hidden, generator=gen).to(device=dev, dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device=dev, dtype=torch.bfloat16)
+    gu = torch.randn(m, 2 * inter, generator=gen).to(device=dev, dtype=torch.bfloat16)
+
+    def norm_then_quant() -> object:
+        return triton_quant.per_token_quant_fp8(triton_layers.rms_norm(x, w, 1e-5, res)[0])
+
+    def silu_then_quant() -> object:
+        return triton_quant.per_token_quant_fp8(triton_layers.silu_and_mul(gu))
+
+    r: dict[str, Any] = {"shape": "fused inputs", "m": m, "hidden": hidden, "inter": inter,
+                         "copy_gbs": copy}  # fmt: skip
+    timed: dict[str, Callable[[], object]] = {
+        "norm_then_quant": norm_then_quant,
+        "rms_norm_fp8": functools.partial(triton_layers.rms_norm_fp8, x, w, 1e-5, res),
+        "silu_then_quant": silu_then_quant,
+        "silu_and_mul_fp8": functools.partial(triton_layers.silu_and_mul_fp8, gu),
+    }
+    for key, fn in timed.items():
+        r[f"{key}_ms"] = median_ms(fn)
+    moved = {  # bytes the fused kernel must move: its inputs read, e4m3 and scales written
+        "rms_norm_fp8": m * hidden * (2 + 2 + 2 + 1) + 4 * m,  # x, residual in; residual, q out
+        "silu_and_mul_fp8": m * inter * (4 + 1) + 4 * m,
+    }
+    for key, nbytes in moved.items():
+        r[f"{key}_pct_of_copy"] = 100 * nbytes / r[f"{key}_ms"] / 1e6 / copy
+    return r
+
+
 W4_GEMM_TILES = {"gemm": (32, 64, 64, 4), "gemm 128x128": (128, 128, 64, 8)}
 
 
@@ -285,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         "--w8a8-rows", type=int, nargs="*", default=[], help="large batches (M) for W8A8"
     )
     p.add_argument("--w4-rows", type=int, nargs="*", default=[], help="larger batches (M) for int4")
+    p.add_argument("--fused-rows", type=int, nargs="*", default=[],
+                   help="batches (M) for the norm and SiLU kernels that quantize for W8A8")  # fmt: skip
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -332,6 +377,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"int4 M={m:<5d} {name:22s} {times} | dequant alone "
                   f"{r['dequant_ms'] * 1e3:6.1f} us ({r['dequant_pct_of_copy']:3.0f}% of copy)",
                   flush=True)  # fmt: skip
+    for m in args.fused_rows:
+        r = bench_fused_inputs(m, 4096, 14336, copy)
+        rows.append(r)
+        print(f"fused M={m:<5d} norm then quant {r['norm_then_quant_ms'] * 1e3:6.1f} us, "
+              f"rms_norm_fp8 {r['rms_norm_fp8_ms'] * 1e3:6.1f} us "
+              f"({r['rms_norm_fp8_pct_of_copy']:3.0f}% of copy) | silu then quant "
+              f"{r['silu_then_quant_ms'] * 1e3:6.1f} us, silu_and_mul_fp8 "
+              f"{r['silu_and_mul_fp8_ms'] * 1e3:6.1f} us "
+              f"({r['silu_and_mul_fp8_pct_of_copy']:3.0f}% of copy)", flush=True)  # fmt: skip
     if args.json_out:
         write_results(args.json_out, copy, rows, group=GROUP)
     return 0

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Issue 20: where an FP8 step's time goes, the FP8 GEMM's modes at W1's shapes, W1 and quality.
 #   tests    the compiled GPU tests of the prefill kernel (its TMA case at D = 128)
+#   fused    the compiled tests of the layer kernels (the norm and SiLU that quantize for W8A8)
+#            and the warm-up's (serving after it builds no kernel); their timing against the
+#            two kernels each replaces (kernels.bench.quant --fused-rows)
 #   gemm     kernels.bench.quant --w8a8-rows: row-wise _scaled_mm against fast accumulation and
 #            per-tensor scales, the activation quantization, bf16 cuBLAS
-#   profile  profile_step: an FP8 and a bf16 prefill step (8 x 1024) with Chrome traces of two
-#            steps back to back (where the gaps are), W1's FP8 decode step (224 x 1100)
-#   w1       W1 in bf16, FP8 weights, FP8 weights + FP8 KV, one process each
+#   profile  profile_step: an FP8 and a bf16 prefill step (8 x 1024) (TRACE=1: with Chrome traces
+#            of two steps back to back, where the gaps are), W1's FP8 decode step (224 x 1100)
+#   w1       W1 in bf16, FP8 weights, FP8 weights + FP8 KV, one process each (W1_ROUNDS times)
 #   quality  (the GGUF assembled: scripts/device/device_gguf.sh) kv_fp8 --compare weights
 # Needs .whl (device_wheels.sh). bash scripts/device/fp8_gemm.sh gemm,profile -> $OUT/*
 set -uo pipefail
@@ -19,6 +22,16 @@ if has tests; then
     tests/kernels/test_triton_prefill.py >"$out/tests.txt" 2>&1
   tail -3 "$out/tests.txt"
 fi
+if has fused; then
+  echo "== fused $(date +%T)"
+  TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_triton_layers.py tests/services/engine/test_gpu_warmup.py \
+    >"$out/tests-fused.txt" 2>&1
+  grep -E "passed|failed|Error" "$out/tests-fused.txt" | tail -4
+  timeout 120 python3 -m kernels.bench.quant --rows --fused-rows 224 2048 8192 \
+    --json-out "$out/fused.json" >"$out/fused.txt" 2>&1
+  tail -3 "$out/fused.txt"
+fi
 if has gemm; then
   echo "== gemm $(date +%T)"
   timeout 200 python3 -m kernels.bench.quant --rows --w8a8-rows ${ROWS:-224 2048 8192} \
@@ -29,11 +42,12 @@ if has profile; then
   for q in fp8 bf16; do
     echo "== $q prefill step $(date +%T)"
     flags=""; [ "$q" = fp8 ] && flags="--quantization fp8"
+    [ "${TRACE:-0}" = 1 ] && flags="$flags --trace-out $out/prefill-$q.trace.json"
     timeout 120 python3 -m services.engine.bench.profile_step --model llama-3.1-8b --batch 8 \
       --context 1024 --prefill $flags --top 8 --json-out "$out/prefill-$q.json" \
-      --trace-out "$out/prefill-$q.trace.json" >"$out/prefill-$q.txt" 2>&1
+      >"$out/prefill-$q.txt" 2>&1
     tail -9 "$out/prefill-$q.txt"
-    gzip -f "$out/prefill-$q.trace.json"
+    [ -f "$out/prefill-$q.trace.json" ] && gzip -f "$out/prefill-$q.trace.json"
   done
   echo "== fp8 decode step $(date +%T)"
   timeout 120 python3 -m services.engine.bench.profile_step --model llama-3.1-8b --batch 224 \
@@ -41,14 +55,18 @@ if has profile; then
     --json-out "$out/decode.json" >"$out/decode.txt" 2>&1
   tail -9 "$out/decode.txt"
 fi
-if has w1; then
-  for q in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8"; do
-    echo "== w1 $q $(date +%T)"
-    tag=$(echo "bf16 $q" | tr -s ' -' '_')
-    timeout 150 python3 -m services.cli bench offline --model llama-3.1-8b --max-model-len 2048 \
-      --num-prompts 256 --input-len 1024 --output-len 128 $q \
-      --json-out "$out/w1$tag.json" 2>&1 | grep -E "^tandem|Error|error" | tail -2
+if has w1; then  # one JSON file of every run (the lent machine returns a few files only)
+  mkdir -p /tmp/w1
+  for round in $(seq "${W1_ROUNDS:-1}"); do
+    for q in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8"; do
+      tag=$(echo "bf16 $q" | tr -s ' -' '_')
+      echo "== w1 round $round $tag $(date +%T)"
+      timeout 150 python3 -m services.cli bench offline --model llama-3.1-8b \
+        --max-model-len 2048 --num-prompts 256 --input-len 1024 --output-len 128 $q \
+        --json-out "/tmp/w1/$round$tag.json" 2>&1 | grep -E "^tandem|Error|error" | tail -2
+    done
   done
+  python3 -c 'import json, pathlib, sys; print(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path("/tmp/w1").glob("*.json"))}))' >"$out/w1.json"
 fi
 if has quality; then
   echo "== quality $(date +%T)"

@@ -23,6 +23,7 @@ from services.engine.quantization import (
     QuantConfig,
     QuantLinear,
     dummy_quantized,
+    fuse_fp8_inputs,
     quantize_loaded,
     quantize_model,
     quantized_modules,
@@ -357,6 +358,8 @@ def check_host_memory(model: torch.nn.Module, name: str, dtype: torch.dtype) -> 
 def _finish_quantization(model: LlamaForCausalLM, qcfg: QuantConfig) -> None:
     if not qcfg.serialized:
         quantize_loaded(model)
+    if qcfg.method == "fp8":
+        fuse_fp8_inputs(model)
     log.info(qcfg.describe())
     device = model.lm_head.weight.device
     if qcfg.method == "fp8" and device.type == "cuda" and not ops.fp8_supported(device):

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
-from kernels.triton_layers import rms_norm, rotary_embedding, silu_and_mul
+from kernels.quant import ref_per_token_quant_fp8
+from kernels.triton_layers import (
+    rms_norm,
+    rms_norm_fp8,
+    rotary_embedding,
+    silu_and_mul,
+    silu_and_mul_fp8,
+)
+from kernels.triton_quant import per_token_quant_fp8
 from tests.kernels.paged import assert_matches, assert_same_rounding, rand
 from tests.kernels.rounding import assert_rotated, kernel_rounding, rotate, torch_rounding
 
@@ -50,6 +58,72 @@ def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Gen
 def test_silu_and_mul_needs_an_even_width(gen: torch.Generator, device: torch.device) -> None:
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(rand((2, 7), torch.float32, gen, device))
+
+
+def _same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+    assert got[0].dtype == torch.float8_e4m3fn and got[1].dtype == torch.float32
+    assert got[1].shape == want[1].shape and torch.equal(got[1], want[1])
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(("rows", "width"), [(1, 48), (5, 100), (3, 1000)])
+def test_rms_norm_fp8_is_the_norm_then_the_quantization(dtype: torch.dtype, with_residual: bool, rows: int, width: int, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    x = rand((rows, width), dtype, gen, device) * 4
+    x[0, 0] = 0.0
+    weight = rand((width,), dtype, gen, device)
+    residual = rand((rows, width), dtype, gen, device) if with_residual else None
+    q, scales, res = rms_norm_fp8(x, weight, 1e-5, residual)
+    y, ref_res = rms_norm(x, weight, 1e-5, residual)
+    # bit for bit the two kernels one after the other, and the reference's quantization of them
+    _same_fp8((q, scales), per_token_quant_fp8(y))
+    _same_fp8((q, scales), ref_per_token_quant_fp8(y))
+    assert torch.equal(res, ref_res)
+    if residual is None:
+        assert res is x  # as rms_norm: the residual stream is x itself
+    # and within the e4m3 rounding of the torch reference's norm
+    ref = ref_rms_norm(x, weight, 1e-5, residual)[0].float()
+    assert torch.allclose(q.float() * scales, ref, rtol=0.07, atol=1e-6 + 0.07 * ref.abs().max())
+
+
+def test_rms_norm_fp8_of_zero_rows_and_a_zero_row(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    w = rand((32,), torch.bfloat16, gen, device)
+    q, s, _ = rms_norm_fp8(torch.zeros((0, 32), dtype=torch.bfloat16, device=device), w, 1e-6)
+    assert q.shape == (0, 32) and s.shape == (0, 1)
+    q, s, _ = rms_norm_fp8(torch.zeros((2, 32), dtype=torch.bfloat16, device=device), w, 1e-6)
+    assert torch.equal(s, torch.full((2, 1), 1e-12, device=device)) and not q.float().any()
+    with pytest.raises(ValueError, match="weight has 4 entries for width 32"):
+        rms_norm_fp8(rand((2, 32), torch.bfloat16, gen, device), w[:4], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("rows", "inter", "block"), [(1, 24, None), (4, 100, None), (3, 300, 64), (2, 256, 128)])  # fmt: skip
+def test_silu_and_mul_fp8_is_the_product_then_the_quantization(dtype: torch.dtype, rows: int, inter: int, block: int | None, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    x = rand((rows, 2 * inter), dtype, gen, device) * 3
+    got = silu_and_mul_fp8(x, block=block)  # block: the two-pass loop over a wide row
+    y = silu_and_mul(x)
+    _same_fp8(got, per_token_quant_fp8(y))
+    _same_fp8(got, ref_per_token_quant_fp8(y))
+    # a strided view of a wider tensor (a step's rows of a larger buffer)
+    wide = rand((rows, 2 * inter + 8), dtype, gen, device)[:, : 2 * inter]
+    _same_fp8(silu_and_mul_fp8(wide, block=block), per_token_quant_fp8(silu_and_mul(wide)))
+
+
+def test_silu_and_mul_fp8_takes_two_passes_over_long_steps(gen: torch.Generator, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import kernels.triton_layers as layers
+
+    monkeypatch.setattr(layers, "FP8_ONE_PASS_ROWS", 2)  # a "long" step of 3 rows
+    monkeypatch.setattr(layers, "FP8_TWO_PASS_BLOCK", 64)  # rows of 100 outputs: two blocks
+    x = rand((3, 200), torch.bfloat16, gen, device) * 3
+    _same_fp8(silu_and_mul_fp8(x), per_token_quant_fp8(silu_and_mul(x)))
+
+
+def test_silu_and_mul_fp8_edges(gen: torch.Generator, device: torch.device) -> None:
+    q, s = silu_and_mul_fp8(torch.zeros((0, 8), dtype=torch.bfloat16, device=device))
+    assert q.shape == (0, 4) and s.shape == (0, 1)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul_fp8(rand((2, 7), torch.bfloat16, gen, device))
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
@@ -112,6 +186,9 @@ def test_gpu_llama_shapes() -> None:
     assert_matches(rms_norm(x, w, 1e-5, r)[0], ref_rms_norm(x, w, 1e-5, r)[0])
     y = rand((512, 2 * 14336), torch.bfloat16, gen, cuda)
     assert_matches(silu_and_mul(y), ref_silu_and_mul(y))
+    # the FP8 W8A8 inputs at the 8B shapes, compiled: the fused kernels against the two in turn
+    _same_fp8(silu_and_mul_fp8(y), per_token_quant_fp8(silu_and_mul(y)))
+    _same_fp8(rms_norm_fp8(x, w, 1e-5, r)[:2], per_token_quant_fp8(rms_norm(x, w, 1e-5, r)[0]))
     q, k = (
         rand((512, 32, 128), torch.bfloat16, gen, cuda),
         rand((512, 8, 128), torch.bfloat16, gen, cuda),

@@ -9,6 +9,8 @@ modules after the model is built (``services.engine.quantization``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -137,10 +139,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn: Callable[[torch.Tensor], torch.Tensor] = ops.silu_and_mul  # [T, 2I] -> [T, I]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        return self.down_proj(ops.silu_and_mul(gate_up))
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -3,6 +3,7 @@ plain model from outside (``apply.quantize_model``)."""
 
 from services.engine.quantization.apply import (
     dummy_quantized,
+    fuse_fp8_inputs,
     quantize_loaded,
     quantize_model,
     quantized_modules,
@@ -14,6 +15,7 @@ __all__ = [
     "QuantConfig",
     "QuantLinear",
     "dummy_quantized",
+    "fuse_fp8_inputs",
     "quantize_loaded",
     "quantize_model",
     "quantized_modules",

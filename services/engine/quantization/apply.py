@@ -8,14 +8,16 @@ float checkpoint quantizes each layer once its float weights are loaded.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
+from services.engine.models.llama import MLP, DecoderLayer
 from services.engine.quantization.base import QuantLinear
 from services.engine.quantization.config import QuantConfig
-from services.engine.quantization.fp8 import Fp8Linear
+from services.engine.quantization.fp8 import Fp8InputNorm, Fp8Linear, Fp8SiluAndMul
 from services.engine.quantization.int4 import Int4Linear
 from services.engine.tp_layers import RowParallelLinear
 
@@ -60,6 +62,23 @@ def quantize_loaded(model: nn.Module) -> None:
         layer = Fp8Linear.from_linear(linear, group)
         layer.group = group
         setattr(parent, attr, layer)
+
+
+def fuse_fp8_inputs(model: nn.Module) -> None:
+    """Let the norms and the SiLU-and-mul before FP8 layers quantize their outputs for them
+    (``quantization.fp8``'s docstring): each decoder layer's two norms and its MLP's activation,
+    the consumer looked up at every call."""
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, MLP):
+            continue  # a sparse MLP's experts are not Fp8Linear layers
+        attn, mlp = layer.self_attn, layer.mlp
+        for norm, parent, taker in (
+            ("input_layernorm", attn, "qkv_proj"),
+            ("post_attention_layernorm", mlp, "gate_up_proj"),
+        ):
+            get = functools.partial(getattr, parent, taker)
+            setattr(layer, norm, Fp8InputNorm(getattr(layer, norm), get))
+        mlp.act_fn = Fp8SiluAndMul(functools.partial(getattr, mlp, "down_proj"))
 
 
 def _row_parallel_group(linear: nn.Linear) -> Any:

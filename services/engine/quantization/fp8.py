@@ -3,10 +3,19 @@ or per-tensor ones) or quantized from a float layer at load time (per-channel).
 
 Scales are kept one row per output row (blocks repeated down their rows), so stacked shards of
 any size land in place and the kernels find ``W[n, k]``'s scale at ``scale[n, k // block_k]``.
+
+A W8A8 layer (per-channel scales, a batch above ``kernels.ops.FP8_GEMV_ROWS`` rows on an FP8 GPU)
+quantizes its input per token. Where that input is an RMSNorm's or the SiLU-and-mul's output,
+:class:`Fp8InputNorm` and :class:`Fp8SiluAndMul` (swapped in from outside the model by
+``quantization.apply.fuse_fp8_inputs``) do it in the same kernel and hand the layer e4m3 values
+with their scales attached (:func:`with_scales`): the input is written once, in one byte, and no
+quantization kernel runs. Whether to is decided at every call from the layer that will take the
+tensor, so a wrapper put around it later (LoRA, which reads the 16-bit input) turns it off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +23,7 @@ from torch import nn
 
 from kernels import ops
 from kernels.quant import expand_block_scales, quantize_fp8_rows
+from services.engine.models.llama import RMSNorm
 from services.engine.quantization.base import QuantLinear
 
 
@@ -71,4 +81,65 @@ class Fp8Linear(QuantLinear):
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype == torch.float8_e4m3fn:  # quantized by the layer before (module docstring)
+            return ops.fp8_input_linear(x, scales_of(x), self.weight, self.scale, self.dtype, bias)
         return ops.fp8_linear(x, self.weight, self.scale, self.block_k, bias)
+
+    def takes_fp8(self, x: torch.Tensor) -> bool:
+        """Whether this layer would quantize ``x`` per token itself (W8A8), so may be handed it
+        quantized instead."""
+        return x.dtype == self.dtype and ops.takes_w8a8(x, self.weight, self.scale)
+
+
+def with_scales(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 activations ``q`` [T, K] carrying their per-token scales [T, 1] to the next layer."""
+    q.fp8_scales = scales  # type: ignore[attr-defined]
+    return q
+
+
+def scales_of(q: torch.Tensor) -> torch.Tensor:
+    scales = getattr(q, "fp8_scales", None)
+    if scales is None:
+        raise ValueError("an FP8 activation reached a linear layer without its per-token scales")
+    return scales
+
+
+def _taker(get: Callable[[], nn.Module], x: torch.Tensor) -> bool:
+    layer = get()
+    return isinstance(layer, Fp8Linear) and layer.takes_fp8(x)
+
+
+class Fp8InputNorm(nn.Module):
+    """An RMSNorm whose output only an FP8 layer reads (``layer()``: the decoder layer's
+    ``qkv_proj`` or ``gate_up_proj``, looked up at each call): normalized and quantized per
+    token in one kernel when that layer runs W8A8, the plain norm otherwise."""
+
+    weight: torch.Tensor
+
+    def __init__(self, norm: RMSNorm, layer: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.weight = norm.weight  # the same parameter: the checkpoint's name is unchanged
+        self.eps = norm.eps
+        self._layer = layer  # a function, not a submodule: the model's tree stays a tree
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if _taker(self._layer, x):
+            q, scales, res = ops.rms_norm_fp8(x, self.weight, self.eps, residual)
+            return with_scales(q, scales), res
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Fp8SiluAndMul(nn.Module):
+    """The MLP's activation when its ``down_proj`` (``layer()``) is an FP8 layer: SiLU-and-mul
+    and the per-token quantization in one kernel when that layer runs W8A8."""
+
+    def __init__(self, layer: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self._layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        if x.dim() == 2 and _taker(self._layer, x[:, : x.shape[1] // 2]):
+            return with_scales(*ops.silu_and_mul_fp8(x))
+        return ops.silu_and_mul(x)

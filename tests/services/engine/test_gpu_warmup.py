@@ -4,6 +4,7 @@ built; a compilation there would land on a request (a second or more of TTFT).""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -28,12 +29,13 @@ def test_serving_after_warmup_builds_no_new_kernel(
     if not hasattr(knobs.runtime, "jit_cache_hook"):
         pytest.skip("this Triton has no jit_cache_hook")
     llm = LLM("smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              max_num_seqs=64, max_num_batched_tokens=8192,
+              max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.3,
               kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     built: list[str] = []
 
     def hook(**kw: Any) -> bool:  # called on a kernel variant this process has not built yet
-        built.append(str(kw["repr"])[:160])
+        constants = kw["compile"]["constants"]
+        built.append(f"{kw['repr'][:60]} {constants} {kw['compile']['configs']}")
         return False  # go on and build it
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
@@ -41,6 +43,11 @@ def test_serving_after_warmup_builds_no_new_kernel(
     lens = torch.randint(200, 1800, (48,), generator=gen).tolist()
     prompts = [torch.randint(10, 40000, (n,), generator=gen).tolist() for n in lens]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:  # the GPU's memory back for the next engine, whatever happened
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     assert [len(o.outputs[0].token_ids) for o in outs] == [24] * len(prompts)
     assert built == [], f"kernels built while serving, after the warm-up: {built}"

@@ -28,8 +28,9 @@ TOL = 1e-4
 PROMPT = [1, 17, 200, 3, 99, 45, 45, 128, 7, 250, 64]  # 11 tokens: an odd M
 
 
-def run(model: LlamaForCausalLM) -> torch.Tensor:  # [T, V] logits of one prefill of PROMPT
-    arch, t = model.cfg, len(PROMPT)
+def run(model: LlamaForCausalLM, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """[T, V] logits of one prefill of ``prompt`` (at most 32 tokens)."""
+    arch, t = model.cfg, len(prompt)
     caches = [
         torch.zeros(2, 2, 16, arch.num_kv_heads, arch.head_dim) for _ in range(arch.num_layers)
     ]
@@ -39,7 +40,7 @@ def run(model: LlamaForCausalLM) -> torch.Tensor:  # [T, V] logits of one prefil
         query_start_loc=torch.tensor([0, t], dtype=torch.int32), num_decodes=0,
     )  # fmt: skip
     with torch.no_grad():
-        hidden = model(torch.tensor(PROMPT), torch.arange(t), caches, meta)
+        hidden = model(torch.tensor(prompt), torch.arange(t), caches, meta)
         return model.compute_logits(hidden)
 
 
