@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 20: where an FP8 step's time goes, the FP8 GEMM's modes at W1's shapes, W1 and quality.
 #   tests    the compiled GPU tests of the prefill kernel (its TMA case at D = 128)
-#   fused    the compiled tests of the layer kernels (the norm and SiLU that quantize for W8A8)
-#            and the warm-up's (serving after it builds no kernel); their timing against the
+#   fused    the compiled tests of the layer kernels (the norm and SiLU that quantize for W8A8),
+#            decode attention's, the quantized models' and the warm-up's (serving after it builds
+#            no kernel); the fused kernels' timing against the
 #            two kernels each replaces (kernels.bench.quant --fused-rows)
 #   gemm     kernels.bench.quant --w8a8-rows: row-wise _scaled_mm against fast accumulation and
 #            per-tensor scales, the activation quantization, bf16 cuBLAS
@@ -25,7 +26,8 @@ fi
 if has fused; then
   echo "== fused $(date +%T)"
   TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_triton_layers.py tests/services/engine/test_gpu_warmup.py \
+    tests/kernels/test_triton_layers.py tests/kernels/test_triton_decode.py \
+    tests/services/engine/test_gpu_warmup.py tests/services/engine/quantization \
     >"$out/tests-fused.txt" 2>&1
   grep -E "passed|failed|Error" "$out/tests-fused.txt" | tail -4
   timeout 120 python3 -m kernels.bench.quant --rows --fused-rows 224 2048 8192 \
