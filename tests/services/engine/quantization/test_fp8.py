@@ -3,8 +3,9 @@
 their own inputs, only where the layer that takes the tensor would run W8A8.
 
 The CPU has no FP8 GPU path, so these tests stand one in: ``ops.takes_w8a8`` says yes to what
-it would take on one (bf16, more than ``FP8_GEMV_ROWS`` rows, per-channel scales) and the layers
-that quantize their own inputs run ``torch._scaled_mm`` as they would there. The fused kernels
+it would take on one (bf16, more than ``FP8_GEMV_ROWS`` rows, per-channel scales), the layers
+that quantize their own inputs take the W8A8 path as they would there, and ``torch._scaled_mm``
+is a float32 product of the scaled operands (row-wise scales on the CPU vary by torch version). The fused kernels
 themselves are checked bit for bit in tests/kernels/test_triton_layers.py.
 """
 
@@ -51,6 +52,11 @@ def _stand_in_fp8_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         taken.append("took a quantized input")
         return real_input(*args, **kwargs)  # type: ignore[arg-type]
 
+    def scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype, **_: object) -> torch.Tensor:  # fmt: skip
+        # row-wise scales, which torch's CPU _scaled_mm takes only in some versions
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     monkeypatch.setattr(ops, "takes_w8a8", takes)
     monkeypatch.setattr(ops, "fp8_linear", fp8_linear)
     monkeypatch.setattr(ops, "fp8_input_linear", fp8_input_linear)
