@@ -29,7 +29,7 @@ def test_serving_after_warmup_builds_no_new_kernel(
     if not hasattr(knobs.runtime, "jit_cache_hook"):
         pytest.skip("this Triton has no jit_cache_hook")
     llm = LLM("smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              max_num_seqs=64, max_num_batched_tokens=8192, gpu_memory_utilization=0.3,
+              max_num_seqs=64, max_num_batched_tokens=8192, num_blocks=2048,
               kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     built: list[str] = []
 
