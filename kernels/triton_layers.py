@@ -39,10 +39,14 @@ MAX_NORM_WIDTH = 65536
 def _quantize_row(y, q_row, s_ptr, row, offs, mask, INV_MAX: tl.constexpr, SOFT_FP8: tl.constexpr):
     """A whole row held in registers (float32, zero where masked), quantized per token as
     ``kernels.triton_quant.per_token_quant_fp8`` does: its scale to ``s_ptr[row]``, e4m3 to
-    ``q_row``."""
+    ``q_row``. The e4m3 store is declared contiguous in runs of 8 only: left alone, the compiler
+    gives each thread 16 one-byte elements for it, and that layout then reorders the RMSNorm's
+    sum of squares against the 16-bit kernel's 8 (its rstd an ulp apart, a few e4m3 values a
+    step apart on a GPU)."""
     scale = tl.maximum(tl.max(tl.abs(y), axis=0) * INV_MAX, 1e-12)
     tl.store(s_ptr + row, scale)
-    tl.store(q_row + offs, to_e4m3(y * tl.math.div_rn(1.0, scale), SOFT_FP8), mask=mask)
+    q = to_e4m3(y * tl.math.div_rn(1.0, scale), SOFT_FP8)
+    tl.store(q_row + tl.max_contiguous(offs, 8), q, mask=mask)
 
 
 @triton.jit
@@ -298,6 +302,8 @@ def silu_and_mul_fp8(
         return q, scale
     if inter == 0:
         return q, scale.fill_(1e-12)
+    if block is not None and (block < 1 or block & (block - 1)):
+        raise ValueError(f"block must be a power of two, got {block}")
     whole = next_pow2(inter)
     one_pass = block is None and whole <= FP8_ROW_BLOCK
     one_pass &= rows <= FP8_ONE_PASS_ROWS or whole <= FP8_TWO_PASS_BLOCK

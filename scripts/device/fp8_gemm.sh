@@ -10,6 +10,8 @@
 #   profile  profile_step: an FP8 and a bf16 prefill step (8 x 1024) (TRACE=1: with Chrome traces
 #            of two steps back to back, where the gaps are), W1's FP8 decode step (224 x 1100)
 #   w1       W1 in bf16, FP8 weights, FP8 weights + FP8 KV, one process each (W1_ROUNDS times)
+#   exact    the compiled GPU tests of the fused FP8 forms at 8192 rows (4 seeds) and of the
+#            warm-up (16-bit and FP8 caches, FP8 weights); the fused kernels at 8192 rows
 #   quality  (the GGUF assembled: scripts/device/device_gguf.sh) kv_fp8 --compare weights
 # Needs .whl (device_wheels.sh). bash scripts/device/fp8_gemm.sh gemm,profile -> $OUT/*
 set -uo pipefail
@@ -77,4 +79,13 @@ if has quality; then
   TANDEM_EMBEDDED_GGUF=$gguf timeout 300 python3 -m services.engine.bench.kv_fp8 \
     --compare weights --json-out "$out/fp8-weights-quality.json" >"$out/quality.txt" 2>&1
   tail -8 "$out/quality.txt"
+fi
+if has exact; then  # the fused FP8 forms against the two kernels in turn, compiled; warm-up cases
+  echo "== exact $(date +%T)"
+  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels/test_triton_layers.py tests/services/engine/test_gpu_warmup.py \
+    >"$out/tests-exact.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests-exact.txt" | cut -c1-300 | tail -8
+  timeout 60 python3 -m kernels.bench.quant --rows --fused-rows 8192 >"$out/fused-exact.txt" 2>&1
+  tail -1 "$out/fused-exact.txt"
 fi

@@ -4,9 +4,9 @@ Triton compiles a kernel the first time it meets a new combination of compile-ti
 integer specializations (a value of 1, a multiple of 16). Without a warm-up those compilations
 (about a second each) land on the first requests that happen to need them: a TTFT of seconds, or
 a benchmark that times the compiler. The steps below cover what serving meets: a full prefill
-step at the token budget (whole prompts, then chunks after a cached prefix), a mixed step (decodes first, then a prefill chunk after a cached
-prefix) of a token count that is not a multiple of 16, and decode-only steps of one and of three
-sequences. The full-budget step also runs the largest activations a step can have, so a KV pool
+step at the token budget (whole prompts, then chunks after a cached prefix), a mixed step
+(decodes first, then a prefill chunk after a cached prefix) of a token count that is not a
+multiple of 16, and decode-only steps of one and of three sequences. The full-budget step also runs the largest activations a step can have, so a KV pool
 sized too greedily fails at start-up instead of under load.
 
 Plain data only: the steps are ordinary ``SchedulerOutput`` objects over blocks of the (still
@@ -65,13 +65,16 @@ def warmup_steps(
         # the budget again as chunks after a cached prefix: a GPU with a 16-bit cache runs whole
         # prompts (above) on the contiguous path, and prompt chunks after a prefix on the paged
         # one, whose large-step tiles nothing else here would compile (kernels.triton_prefill)
-        blocks, left = _Blocks(block_size), cap
+        chunk = longest - block_size  # the most a sequence after one cached block can add
+        left = min(cap, chunk * max_num_seqs)
+        per = max(left // 2 + 1, -(-left // max_num_seqs))
+        blocks = _Blocks(block_size)
         after: list[ScheduledRequest] = []
-        while left > 0 and longest > block_size:
-            n = min(left, longest - block_size, per)
+        while left > 0:  # at most max_num_seqs chunks: each of ``per`` tokens but the last
+            n = min(left, chunk, per)
             after.append(_request(f"warm-p{len(after)}", block_size, n, blocks, vocab_size))
             left -= n
-        if after and len(after) <= max_num_seqs and blocks.next <= num_blocks:
+        if after and blocks.next <= num_blocks:
             steps.append(SchedulerOutput(after))
     mixed = [(16, 1), (32, 1), (39, 1), (20, 37)][-max_num_seqs:]  # (cached, new) tokens
     if sum(s + n for s, n in mixed) <= (num_blocks - 8) * block_size and max_model_len > 60:

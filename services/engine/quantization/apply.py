@@ -8,7 +8,7 @@ float checkpoint quantizes each layer once its float weights are loaded.
 
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import Any
 
 import torch
@@ -76,9 +76,21 @@ def fuse_fp8_inputs(model: nn.Module) -> None:
             ("input_layernorm", attn, "qkv_proj"),
             ("post_attention_layernorm", mlp, "gate_up_proj"),
         ):
-            get = functools.partial(getattr, parent, taker)
-            setattr(layer, norm, Fp8InputNorm(getattr(layer, norm), get))
-        mlp.act_fn = Fp8SiluAndMul(functools.partial(getattr, mlp, "down_proj"))
+            setattr(layer, norm, Fp8InputNorm(getattr(layer, norm), _Child(parent, taker)))
+        mlp.act_fn = Fp8SiluAndMul(_Child(mlp, "down_proj"))
+
+
+class _Child:
+    """``parent.name``, looked up at each call through a weak reference: the activation is the
+    MLP's own submodule, and a strong one would make a cycle that keeps the MLP's weights (most
+    of the model) alive after the model is dropped, until the cycle collector runs."""
+
+    def __init__(self, parent: nn.Module, name: str) -> None:
+        self.parent, self.name = weakref.ref(parent), name
+
+    def __call__(self) -> nn.Module | None:
+        parent = self.parent()
+        return None if parent is None else getattr(parent, self.name)
 
 
 def _row_parallel_group(linear: nn.Linear) -> Any:

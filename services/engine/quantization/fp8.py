@@ -104,7 +104,7 @@ def scales_of(q: torch.Tensor) -> torch.Tensor:
     return scales
 
 
-def _taker(get: Callable[[], nn.Module], x: torch.Tensor) -> bool:
+def _taker(get: Callable[[], nn.Module | None], x: torch.Tensor) -> bool:
     layer = get()
     return isinstance(layer, Fp8Linear) and layer.takes_fp8(x)
 
@@ -116,7 +116,7 @@ class Fp8InputNorm(nn.Module):
 
     weight: torch.Tensor
 
-    def __init__(self, norm: RMSNorm, layer: Callable[[], nn.Module]) -> None:
+    def __init__(self, norm: RMSNorm, layer: Callable[[], nn.Module | None]) -> None:
         super().__init__()
         self.weight = norm.weight  # the same parameter: the checkpoint's name is unchanged
         self.eps = norm.eps
@@ -135,7 +135,7 @@ class Fp8SiluAndMul(nn.Module):
     """The MLP's activation when its ``down_proj`` (``layer()``) is an FP8 layer: SiLU-and-mul
     and the per-token quantization in one kernel when that layer runs W8A8."""
 
-    def __init__(self, layer: Callable[[], nn.Module]) -> None:
+    def __init__(self, layer: Callable[[], nn.Module | None]) -> None:
         super().__init__()
         self._layer = layer
 

@@ -1,6 +1,7 @@
 """On a GPU: once the start-up warm-up has run, serving a W1-like mix (whole prompts, chunks after
 a cached prefix, decodes beside prompt chunks) meets no Triton kernel variant it has not already
-built; a compilation there would land on a request (a second or more of TTFT)."""
+built; a compilation there would land on a request (a second or more of TTFT). With a 16-bit and
+an FP8 KV cache, and with FP8 weights (whose W8A8 inputs come from the fused norm and SiLU)."""
 
 from __future__ import annotations
 
@@ -16,21 +17,23 @@ from services.engine.llm import LLM
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"), [(None, "auto"), (None, "fp8"), ("fp8", "auto")]
+)
 def test_serving_after_warmup_builds_no_new_kernel(
-    monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
+    monkeypatch: pytest.MonkeyPatch, quantization: str | None, kv_cache_dtype: str
 ) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    if kv_cache_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("an FP8 cache needs sm89+")
+    if "fp8" in (quantization, kv_cache_dtype) and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm89+")
     from triton import knobs
 
     if not hasattr(knobs.runtime, "jit_cache_hook"):
         pytest.skip("this Triton has no jit_cache_hook")
     llm = LLM("smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=2048,
               max_num_seqs=64, max_num_batched_tokens=8192, num_blocks=2048,
-              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     built: list[str] = []
 
     def hook(**kw: Any) -> bool:  # called on a kernel variant this process has not built yet

@@ -33,6 +33,26 @@ def test_steps_stay_within_the_pool_the_model_and_the_limits(
         assert len(blocks) == len(set(blocks)), "two sequences of one step share a block"
 
 
+@pytest.mark.parametrize(
+    ("budget", "max_len", "max_seqs"), [(8192, 2048, 64), (8192, 2048, 4), (8192, 4096, 2),
+                                        (8192, 2048, 1), (512, 300, 3)],
+)  # fmt: skip
+def test_the_budget_after_a_prefix_runs_whatever_the_batch_limit(budget: int, max_len: int, max_seqs: int) -> None:  # fmt: skip
+    steps = warmup_steps(budget, max_len, max_seqs, 16, 100_000, vocab_size=1000)
+    after = [s for s in steps if s.requests and all(r.start_pos == 16 for r in s.requests)]
+    assert len(after) == 1, "one step of prompt chunks after a cached prefix"
+    step = after[0]
+    assert len(step.requests) <= max_seqs
+    # the budget, or as much of it as the batch limit lets chunks of max_len - 1 - 16 tokens be
+    assert step.num_tokens == min(budget, (max_len - 1 - 16) * max_seqs)
+    assert all(r.context_len <= max_len for r in step.requests)
+
+
+def test_no_prefix_step_when_a_sequence_is_at_most_a_block() -> None:
+    steps = warmup_steps(64, 17, 4, 16, 100, vocab_size=1000)
+    assert not any(r.start_pos == 16 for s in steps for r in s.requests)
+
+
 def test_the_steps_cover_the_budget_a_mixed_step_and_single_decodes() -> None:
     steps = warmup_steps(8192, 2048, 256, 16, 10_000, vocab_size=50_000)
     shapes = [(s.num_tokens, [r.num_new_tokens for r in s.requests]) for s in steps]

@@ -11,6 +11,8 @@ themselves are checked bit for bit in tests/kernels/test_triton_layers.py.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,16 @@ def test_an_fp8_input_without_scales_is_refused(tmp_path: Path) -> None:
     q = torch.zeros(20, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="without its per-token scales"):
         model.model.layers[0].self_attn.qkv_proj(q)
+
+
+def test_the_swapped_modules_make_no_cycle(tmp_path: Path) -> None:
+    """Dropping the model frees its MLPs at once (their weights are most of a model's memory),
+    not when the cycle collector happens to run."""
+    model = _load(tmp_path)
+    mlp = weakref.ref(model.model.layers[0].mlp)
+    gc.disable()
+    try:
+        del model
+        assert mlp() is None
+    finally:
+        gc.enable()
