@@ -76,7 +76,8 @@ def test_rms_norm_fp8_is_the_norm_then_the_quantization(dtype: torch.dtype, with
     residual = rand((rows, width), dtype, gen, device) if with_residual else None
     q, scales, res = rms_norm_fp8(x, weight, 1e-5, residual)
     y, ref_res = rms_norm(x, weight, 1e-5, residual)
-    # bit for bit the two kernels one after the other, and the reference's quantization of them
+    # bit for bit the two kernels one after the other under the interpreter (compiled: within a
+    # step, test_gpu_fp8_forms_against_the_two_kernels), and the reference's quantization of them
     _same_fp8((q, scales), per_token_quant_fp8(y))
     _same_fp8((q, scales), ref_per_token_quant_fp8(y))
     assert torch.equal(res, ref_res)
@@ -188,7 +189,7 @@ def test_gpu_llama_shapes() -> None:
     assert_matches(silu_and_mul(y), ref_silu_and_mul(y))
     # the FP8 W8A8 inputs at the 8B shapes, compiled: the fused kernels against the two in turn
     _same_fp8(silu_and_mul_fp8(y), per_token_quant_fp8(silu_and_mul(y)))
-    _same_fp8(rms_norm_fp8(x, w, 1e-5, r)[:2], per_token_quant_fp8(rms_norm(x, w, 1e-5, r)[0]))
+    _within_a_step(rms_norm_fp8(x, w, 1e-5, r)[:2], per_token_quant_fp8(rms_norm(x, w, 1e-5, r)[0]))
     q, k = (
         rand((512, 32, 128), torch.bfloat16, gen, cuda),
         rand((512, 8, 128), torch.bfloat16, gen, cuda),
@@ -204,19 +205,38 @@ def test_gpu_llama_shapes() -> None:
     assert_rotated(k, rk, k.dtype)
 
 
+def _within_a_step(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+    """The fused norm compiled: its normalized values may sit a bf16 step from rms_norm's (the
+    sum of squares in another order, module docstring of kernels.triton_layers), so a rare e4m3
+    value a step away (at most 1/8 of its magnitude, or a subnormal step), a rare scale a bf16
+    step of its row's largest value away."""
+    q, s = got[0].float(), got[1]
+    want_q, want_s = want[0].float(), want[1]
+    assert torch.allclose(s, want_s, rtol=2**-7, atol=0)
+    same_row = (s == want_s).squeeze(1)
+    assert same_row.float().mean().item() >= 1 - 1e-3
+    apart = (q != want_q) & same_row[:, None]
+    assert apart.float().mean().item() <= 1e-5
+    assert ((q - want_q).abs() <= want_q.abs() / 8 + 2**-9)[apart].all()
+    # a row whose scale moved: its values dequantized agree within e4m3's rounding
+    dq, want_dq = q * s, want_q * want_s
+    close = (dq - want_dq).abs() <= want_dq.abs() / 8 + 2**-9 * want_s
+    assert close[~same_row].all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
-def test_gpu_fp8_forms_are_the_two_kernels_bit_for_bit(seed: int) -> None:
-    """Compiled at the 8B shapes of a W1 prefill step (8192 rows): a different reduction order
-    in the fused norm (its layout chosen for a one-byte store) moved a few e4m3 values a step
-    in a run of 4 seeds, while 512 rows of one seed showed nothing."""
+def test_gpu_fp8_forms_against_the_two_kernels(seed: int) -> None:
+    """Compiled at the 8B shapes of a W1 prefill step (8192 rows). The SiLU's form is bit for
+    bit; the norm's within a step on the rare values its summation order moves (0 to 9 of the
+    33.5 M values of a call on an H200, where 512 rows of one seed had shown none)."""
     gen, cuda = torch.Generator().manual_seed(seed), torch.device("cuda")
     x, r = (rand((8192, 4096), torch.bfloat16, gen, cuda) * 3 for _ in range(2))
     w = rand((4096,), torch.bfloat16, gen, cuda)
     for residual in (None, r):
         q, scales, res = rms_norm_fp8(x, w, 1e-5, residual)
         y, want_res = rms_norm(x, w, 1e-5, residual)
-        _same_fp8((q, scales), per_token_quant_fp8(y))
+        _within_a_step((q, scales), per_token_quant_fp8(y))
         assert torch.equal(res, want_res)
     gu = rand((2048, 2 * 14336), torch.bfloat16, gen, cuda) * 3
     _same_fp8(silu_and_mul_fp8(gu), per_token_quant_fp8(silu_and_mul(gu)))

@@ -5,8 +5,9 @@ their own inputs, only where the layer that takes the tensor would run W8A8.
 The CPU has no FP8 GPU path, so these tests stand one in: ``ops.takes_w8a8`` says yes to what
 it would take on one (bf16, more than ``FP8_GEMV_ROWS`` rows, per-channel scales), the layers
 that quantize their own inputs take the W8A8 path as they would there, and ``torch._scaled_mm``
-is a float32 product of the scaled operands (row-wise scales on the CPU vary by torch version). The fused kernels
-themselves are checked bit for bit in tests/kernels/test_triton_layers.py.
+is a float32 product of the scaled operands (row-wise scales on the CPU vary by torch version).
+The fused kernels themselves are checked against the two kernels they replace in
+tests/kernels/test_triton_layers.py.
 """
 
 from __future__ import annotations
