@@ -82,6 +82,32 @@ def test_cuda_tensors_go_through_triton(monkeypatch: pytest.MonkeyPatch) -> None
     assert_matches(out, ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1))
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k", "scale_cols"), [(64, 128, 1), (64, 128, 2), (72, 128, 1), (64, 120, 1)])  # fmt: skip
+def test_takes_w8a8_says_what_fp8_linear_does(monkeypatch: pytest.MonkeyPatch, rows: int, dtype: torch.dtype, n: int, k: int, scale_cols: int) -> None:  # fmt: skip
+    """A layer before an FP8 one hands it a quantized input exactly when the layer would have
+    quantized it itself (W8A8): the two decisions must not drift apart."""
+    from types import SimpleNamespace
+
+    taken: list[str] = []
+    fake = SimpleNamespace(
+        per_token_quant_fp8=None,
+        fp8_linear=lambda *a, **kw: taken.append("weight-only") or torch.zeros(rows, n),
+    )
+    monkeypatch.setattr(ops, "_triton", lambda module, t: fake)  # an FP8 GPU, stood in for
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(ops, "fp8_supported", lambda device: True)
+    monkeypatch.setattr(
+        ops, "scaled_mm_w8a8_linear", lambda *a, **kw: taken.append("w8a8") or torch.zeros(rows, n)
+    )
+    x = torch.zeros(rows, k, dtype=dtype)
+    w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(n, scale_cols)
+    ops.fp8_linear(x, w, scale, k // scale_cols)
+    assert taken == ["w8a8" if ops.takes_w8a8(x, w, scale) else "weight-only"]
+
+
 def test_linear_on_cpu_is_torch_linear(gen: torch.Generator) -> None:
     x, w, b = torch.randn(1, 16, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(8)
     assert torch.equal(ops.linear(x, w), torch.nn.functional.linear(x, w))
