@@ -119,10 +119,12 @@ def ready_message(plan: Plan, url: str, model_id: str, api_key: str | None) -> s
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
         }
     )
+    # the key itself stays out of the terminal's scrollback: the line reads it from the env
+    key_note = "  (export TANDEM_API_KEY=<the key given to --api-key> first)\n" if api_key else ""
     return (
         f"Tandem is ready: {url} ({plan.summary()}, model {model_id})\n"
         f"  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
-        "Press Ctrl-C to stop."
+        f"{key_note}Press Ctrl-C to stop."
     )
 
 

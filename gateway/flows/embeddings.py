@@ -33,8 +33,8 @@ EMBEDDING: dict[str, tuple[str, tuple[Any, ...]]] = {
     "truncate_prompt_tokens": ("input truncation is not implemented; shorten the input", NEUTRAL),
     "embed_dtype": ("embeddings are float32", (None, "float32")),
     "encoding_type": ("embeddings are float32", (None, "float32")),
-    "mm_processor_kwargs": ("multimodal input is not implemented yet", NEUTRAL),
-    "lora_request": ("LoRA adapters are not implemented yet", NEUTRAL),
+    "mm_processor_kwargs": ("embeddings take text or token ids only, no images", NEUTRAL),
+    "lora_request": ("embeddings come from the base model; no adapter applies", NEUTRAL),
     "cache_salt": ("per-request prefix-cache salts are not implemented", NEUTRAL),
 }
 

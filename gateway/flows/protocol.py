@@ -156,6 +156,12 @@ def _prompts(value: Any) -> tuple[Prompt, ...]:
         )
     if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
         value = [value]
+    elif not (all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value)):
+        raise invalid(  # OpenAI's four forms; a list mixing them is none of them
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+            "of token ids, not a list mixing them",
+            "prompt",
+        )
     if len(value) > MAX_PROMPTS:
         raise invalid(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}", "prompt")
     prompts: list[Prompt] = []
@@ -231,9 +237,16 @@ def _content(
     as ``{"type": "image"}``; the images' bytes are appended to ``images``."""
     content = message.get("content")
     param = f"messages[{index}].content"
-    if role != "assistant" and (content is None or content == []):
-        # only an assistant turn (one carrying tool calls) may come without content
-        raise invalid(f"{param} is required for a {role} message (a string or text parts)", param)
+    if (content is None or content == []) and (
+        role != "assistant" or not message.get("tool_calls")
+    ):
+        # only an assistant turn carrying tool calls may come without content (as OpenAI)
+        what = (
+            "an assistant message without tool_calls"
+            if role == "assistant"
+            else f"a {role} message"
+        )
+        raise invalid(f"{param} is required for {what} (a string or text parts)", param)
     if content is None:  # an assistant turn with tool calls only; templates expect a string
         return ""
     if isinstance(content, str):

@@ -87,6 +87,12 @@ def _response_format(f: Fields) -> StructuredOutput | None:
             f"(got {name!r})",
             "response_format.json_schema.name",
         )
+    strict = body.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(
+            f"response_format.json_schema.strict must be a boolean, got {strict!r}",
+            "response_format.json_schema.strict",
+        )
     if body.get("schema") is None:  # OpenAI: the schema is optional; then any JSON object
         return StructuredOutput("json_object")
     return StructuredOutput("json", _schema_text(body["schema"], "response_format.json_schema"))

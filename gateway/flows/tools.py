@@ -26,7 +26,7 @@ CHOICES = ("none", "auto", "required")
 @dataclass(frozen=True)
 class Function:
     name: str
-    parameters: dict[str, Any]  # its JSON schema ({"type": "object"} when not given)
+    parameters: dict[str, Any]  # its JSON schema (the empty object's when not given)
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,8 @@ def _function(tool: Any, i: int) -> Function:
             "tools",
         )
     params = fn.get("parameters")
-    if params is None:
-        params = {"type": "object"}
+    if params is None:  # the OpenAI API: "omitting parameters defines an empty parameter list"
+        params = {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(params, dict):
         raise invalid(f"{param}.function.parameters must be a JSON schema object", "tools")
     return Function(name, params)

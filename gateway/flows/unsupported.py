@@ -43,8 +43,16 @@ SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
     "kv_transfer_params": ("external KV transfer parameters are not supported", NEUTRAL),
     "cache_salt": ("per-request prefix-cache salts are not implemented", NEUTRAL),
     "vllm_xargs": ("vLLM extension arguments are not supported", NEUTRAL),
-    "mm_processor_kwargs": ("multimodal input is not implemented yet", NEUTRAL),
-    "lora_request": ("LoRA adapters are not implemented yet", NEUTRAL),
+    "mm_processor_kwargs": (
+        "per-request image processor options are not supported (send images as image_url "
+        "content parts; they are processed as the model's processor config says)",
+        NEUTRAL,
+    ),
+    "lora_request": (
+        "an adapter is chosen by its name in 'model' (one of --lora-modules or loaded with "
+        "POST /v1/load_lora_adapter), not by a lora_request",
+        NEUTRAL,
+    ),
 }
 CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
     "functions": (_TOOLS, NEUTRAL),
@@ -58,7 +66,11 @@ CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prediction": ("predicted outputs are not supported", NEUTRAL),
     "web_search_options": ("web search is not supported", NEUTRAL),
     "reasoning_effort": ("reasoning effort is not supported", NEUTRAL),
-    "media_io_kwargs": ("multimodal input is not implemented yet", NEUTRAL),
+    "media_io_kwargs": (
+        "per-request media loading options are not supported (send images as image_url "
+        "content parts)",
+        NEUTRAL,
+    ),
     "store": ("stored completions are not supported", NEUTRAL),
     "verbosity": ("verbosity is not supported (ask for brevity in the messages)", NEUTRAL),
     "service_tier": ("service tiers are not supported", (None, "auto", "default")),
@@ -82,12 +94,30 @@ def refuse_unknown(f: Fields, *tables: dict[str, tuple[str, tuple[Any, ...]]]) -
     """A 400 naming the first field of the body that no parser read, no table lists and that
     is not one of :data:`NO_EFFECT`. Call it after the whole body was parsed."""
     listed = set().union(*tables)
+    _check_metadata(f.body.get("metadata"))
     for name in f.body:
         if name not in f.read and name not in listed and name not in NO_EFFECT:
             raise invalid(
                 f"Unrecognized request argument supplied: {name} (this server refuses the "
                 "fields it does not implement rather than ignore them; drop it)",
                 name,
+            )
+
+
+def _check_metadata(value: Any) -> None:
+    """OpenAI's ``metadata``: at most 16 string values under keys of at most 64 characters,
+    values of at most 512 (null: none). It changes nothing here, but a body the API would
+    refuse gets the 400 it would."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or len(value) > 16:
+        raise invalid("metadata must be an object of at most 16 string values", "metadata")
+    for key, v in value.items():
+        if len(key) > 64 or not isinstance(v, str) or len(v) > 512:
+            raise invalid(
+                "metadata keys must be at most 64 characters and its values strings of at most "
+                f"512 (key {key[:70]!r})",
+                "metadata",
             )
 
 

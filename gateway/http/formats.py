@@ -84,7 +84,7 @@ def completion_logprobs(
     top: list[dict[str, float] | None] = [None] * len(prompt_tokens)
     for j, score in enumerate(prompt_scores[: max(len(prompt_tokens) - 1, 0)], start=1):
         token_logprobs[j] = score.chosen.logprob
-        top[j] = {_legacy_token(t.token, t.token_bytes): t.logprob for t in score.top}
+        top[j] = _legacy_top(score)
     offsets: list[int] = []
     where = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
     for p in prompt_tokens:
@@ -97,13 +97,24 @@ def completion_logprobs(
         offsets.append(where.next(chosen.token_bytes or chosen.token.encode("utf-8")))
         tokens.append(_legacy_token(chosen.token, chosen.token_bytes))
         token_logprobs.append(chosen.logprob)
-        top.append({_legacy_token(t.token, t.token_bytes): t.logprob for t in entry.top})
+        top.append(_legacy_top(entry))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
         "text_offset": offsets,
     }
+
+
+def _legacy_top(entry: PositionLogprobs) -> dict[str, float]:
+    """A position's ``top_logprobs``: the ``logprobs`` most likely tokens and, as the OpenAI API
+    and vLLM always include it, the chosen one (up to ``logprobs + 1`` entries; with
+    ``logprobs=0`` the chosen one alone)."""
+    top = {_legacy_token(t.token, t.token_bytes): t.logprob for t in entry.top}
+    top.setdefault(
+        _legacy_token(entry.chosen.token, entry.chosen.token_bytes), entry.chosen.logprob
+    )
+    return top
 
 
 def completion_choice(

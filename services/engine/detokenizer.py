@@ -54,6 +54,9 @@ class IncrementalDetokenizer:
     stop: tuple[str, ...] = ()
     include_stop: bool = False
     skip_special: bool = True
+    # stop strings count from this many output tokens on (vLLM's min_tokens: before it neither a
+    # stop token nor a stop string ends the output; the sampler masks the tokens)
+    min_tokens: int = 0
     ids: list[int] = field(default_factory=list)
     # decoded text not released yet: what a stop string may still claim (the released text is
     # not kept: appending to the whole output would copy it every token)
@@ -61,6 +64,7 @@ class IncrementalDetokenizer:
     _prefix: int = 0
     _read: int = 0
     _longest_stop: int = 0
+    _outputs: int = 0  # output tokens added
 
     def __post_init__(self) -> None:
         self.ids = list(self.prompt_tail[-_CONTEXT:])
@@ -75,6 +79,7 @@ class IncrementalDetokenizer:
         """Append a token; returns the matched stop string if the output must stop here."""
         ids = self.ids
         ids.append(token_id)
+        self._outputs += 1
         before = self._dec(ids[self._prefix : self._read])
         after = self._dec(ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -82,7 +87,9 @@ class IncrementalDetokenizer:
             self._prefix, self._read = self._read, len(ids)
             start = max(len(self.text) - self._longest_stop, 0)
             self.text += new
-            return self._check_stop(start) if self.stop else None
+            if not self.stop or self._outputs < self.min_tokens:
+                return None
+            return self._check_stop(start)
         return None
 
     def _check_stop(self, search_from: int) -> str | None:

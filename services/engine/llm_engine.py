@@ -307,7 +307,7 @@ class LLMEngine:
             return
         self._detok[req.request_id] = IncrementalDetokenizer(
             self._decoder, req.prompt_token_ids, sp.stop, sp.include_stop_str_in_output,
-            sp.skip_special_tokens,
+            sp.skip_special_tokens, sp.min_tokens,
         )  # fmt: skip
 
     def compile_grammar(self, params: SamplingParams) -> CompiledOutput | None:

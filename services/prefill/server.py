@@ -75,7 +75,12 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
             request.target if request.HasField("target") and request.target.kv_endpoint else None
         )
         handoff = await self._open(rid, target, context) if target is not None else None
-        first_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        # the first token only; a stop string in it counts only if min_tokens allows one there
+        # (else the decode worker, counting from it, matches across the tokens after it)
+        first_params = replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1),
+            stop=params.stop if params.min_tokens <= 1 else (),
+        )  # fmt: skip
         started = time.monotonic()
         try:
             stream = await submit(driver, context, rid, prompt, first_params, request.priority,

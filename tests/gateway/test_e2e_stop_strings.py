@@ -95,3 +95,25 @@ def test_streamed_text_offsets_equal_the_whole_responses_under_a_stop_string(
         offsets = whole["logprobs"]["text_offset"]
         assert offsets == sorted(offsets) and len(offsets) > 2 and offsets[-1] > 0
     assert checked >= 2, "too few prompts whose text allows such a stop string"
+
+
+def test_min_tokens_holds_back_stop_strings_in_both_topologies(gateways: dict[str, Proc]) -> None:
+    """vLLM's min_tokens: a stop string met in the first min_tokens tokens (here one the first
+    token holds, which a disaggregated request gets from its prefill worker) does not end the
+    output; the same greedy text goes on past it."""
+    m = 6
+    checked = 0
+    for prompt in PROMPTS:
+        plain = complete(gateways["colocated"], prompt, logprobs=0)
+        stop = plain["logprobs"]["tokens"][0].strip()
+        if not stop:
+            continue
+        checked += 1
+        for topology, gateway in gateways.items():
+            cut = complete(gateway, prompt, stop=[stop], logprobs=0)
+            assert len(cut["logprobs"]["tokens"]) == 1 and cut["finish_reason"] == "stop"
+            for got in (complete(gateway, prompt, stop=[stop], min_tokens=m, logprobs=0),
+                        streamed(gateway, prompt, stop=[stop], min_tokens=m, logprobs=0)):  # fmt: skip
+                assert len(got["logprobs"]["tokens"]) >= m, (topology, stop, got)
+                assert plain["text"].startswith(got["text"]), (topology, stop, got["text"])
+    assert checked >= 2, "too few prompts whose first token holds a stop string"

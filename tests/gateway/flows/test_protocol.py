@@ -261,6 +261,32 @@ def test_parse_chat_rejects(body: Any) -> None:
     assert info.value.status == 400
 
 
+@pytest.mark.parametrize(
+    ("parse", "body", "param"),
+    [
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+         "messages[1].content"),
+        (parse_chat, {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
+         "messages[0].content"),
+        (parse_completion, {"prompt": ["a", [1, 2]]}, "prompt"),
+        (parse_completion, {"prompt": [[1, 2], "a"]}, "prompt"),
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}], "metadata": "x"}, "metadata"),
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}], "metadata": {"k": 1}},
+         "metadata"),
+        (parse_completion, {"prompt": "hi", "metadata": {f"k{i}": "v" for i in range(17)}},
+         "metadata"),
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "yes"}}},
+         "response_format.json_schema.strict"),
+    ],
+)  # fmt: skip
+def test_what_openai_refuses_is_a_400_naming_the_field(parse: Any, body: dict[str, Any], param: str) -> None:  # fmt: skip
+    with pytest.raises(APIError) as info:
+        parse(body)
+    assert info.value.status == 400 and getattr(info.value, "param", None) == param
+
+
 def test_error_body_shape() -> None:
     body = APIError(400, "m", param="p", code="c").body()
     assert json.loads(json.dumps(body)) == {
@@ -283,6 +309,10 @@ def test_what_openai_accepts_stays_accepted() -> None:
     req = parse_completion({"prompt": "hi", "suffix": "", "best_of": 1})
     assert req.common.n == 1
     parse_completion({"prompt": "hi", "suffix": None, "best_of": None, "stream_options": None})
+    parse_completion({"prompt": "hi", "metadata": {"team": "a", "run": "7"}})
+    parse_completion({"prompt": "hi", "metadata": None})
+    parse_chat({"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": True}}})  # fmt: skip
     req = parse_completion(
         {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
     )

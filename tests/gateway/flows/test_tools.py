@@ -52,7 +52,12 @@ def test_a_named_choice_constrains_to_that_functions_arguments() -> None:
     jsonschema.validate({"city": "Oslo"}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({}, schema)
-    assert _schema(_plan(tools=[NOARGS], tool_choice={"type": "function", "function": {"name": "ping"}})) == {"type": "object"}  # fmt: skip
+    # a function declared without parameters takes the empty object (OpenAI: "an empty
+    # parameter list"), not any object
+    noargs = _schema(_plan(tools=[NOARGS], tool_choice={"type": "function", "function": {"name": "ping"}}))  # fmt: skip
+    jsonschema.validate({}, noargs)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "ping"}, noargs)
 
 
 def test_required_is_a_non_empty_array_of_calls_to_the_offered_functions() -> None:

@@ -82,3 +82,16 @@ def test_streamed_chunks_that_split_a_character() -> None:
     )
     assert second["tokens"][0] == "bytes:\\x98\\x80"
     assert second["text_offset"] == [1, 2, 3]  # chunk text '😀bc' at 1
+
+
+def test_top_logprobs_always_hold_the_chosen_token() -> None:
+    """OpenAI's legacy completions (and vLLM): up to logprobs + 1 entries a position, the chosen
+    token among them even when it is not one of the most likely; logprobs=0: it alone."""
+    a, b = _tok("a", logprob=-0.1), _tok("b", logprob=-1.0)
+    unlikely, likely = _pos(_tok("z", logprob=-4.0), a, b), _pos(a, a, b)
+    alone = _pos(_tok("c", logprob=-2.0))
+    out = completion_logprobs([unlikely, likely, alone], 0)
+    assert out["top_logprobs"] == [{"a": -0.1, "b": -1.0, "z": -4.0}, {"a": -0.1, "b": -1.0},
+                                   {"c": -2.0}]  # fmt: skip
+    echoed = completion_logprobs([], 0, ["p", "q"], [unlikely])
+    assert echoed["top_logprobs"] == [None, {"a": -0.1, "b": -1.0, "z": -4.0}]

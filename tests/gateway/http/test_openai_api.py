@@ -150,7 +150,10 @@ def test_completion_echo_with_logprobs_scores_the_prompt(colocated: Stack) -> No
     lp = out.choices[0].logprobs
     assert out.choices[0].text.startswith("Hello world")
     assert lp.tokens[:2] == ["Hello", " world"] and lp.token_logprobs[:2] == [None, -0.25]
-    assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) == 2
+    # the two most likely and, as OpenAI and vLLM always add it, the prompt's own token
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) == 3
+    assert lp.top_logprobs[1][" world"] == -0.25
+    assert all(lp.tokens[i] in lp.top_logprobs[i] for i in range(1, 4))
     assert len(lp.tokens) == 4 and lp.token_logprobs[2:] == [-0.5, -0.5]
     assert colocated.workers[0].records.samplings[-1].prompt_logprobs == 2
     scored = client(colocated).completions.create(

@@ -44,6 +44,19 @@ def test_partial_stop_prefix_is_released_once_it_cannot_match() -> None:
     assert shown == "a STO b" and matched is None
 
 
+def test_stop_strings_count_from_min_tokens_on() -> None:
+    """vLLM's min_tokens: a stop string inside the first min_tokens tokens does not end the
+    output; one that completes at or after the min_tokens-th token does."""
+    det = IncrementalDetokenizer(ByteDecoder(), [], stop=(".",), min_tokens=6)
+    shown, matched = _feed(det, "a.b.c.d.e")  # "." at tokens 2 and 4: too early; 6: counts
+    assert shown == "a.b.c" and matched == "."
+    det = IncrementalDetokenizer(ByteDecoder(), [], stop=("ab",), min_tokens=3)
+    shown, matched = _feed(det, "abxab")  # the first "ab" ends at token 2, the second at 5
+    assert shown == "abx" and matched == "ab"
+    det = IncrementalDetokenizer(ByteDecoder(), [], stop=("STOP",), min_tokens=100)
+    assert _feed(det, "x STOP y") == ("x STOP y", None)
+
+
 def test_include_stop_string() -> None:
     det = IncrementalDetokenizer(ByteDecoder(), [], stop=("END",), include_stop=True)
     shown, matched = _feed(det, "xyEND more")
