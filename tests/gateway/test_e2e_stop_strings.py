@@ -112,8 +112,10 @@ def test_min_tokens_holds_back_stop_strings_in_both_topologies(gateways: dict[st
         for topology, gateway in gateways.items():
             cut = complete(gateway, prompt, stop=[stop], logprobs=0)
             assert len(cut["logprobs"]["tokens"]) == 1 and cut["finish_reason"] == "stop"
+            # the same greedy text without the stop string (min_tokens holds back EOS too)
+            free = complete(gateway, prompt, min_tokens=m)["text"]
             for got in (complete(gateway, prompt, stop=[stop], min_tokens=m, logprobs=0),
                         streamed(gateway, prompt, stop=[stop], min_tokens=m, logprobs=0)):  # fmt: skip
                 assert len(got["logprobs"]["tokens"]) >= m, (topology, stop, got)
-                assert plain["text"].startswith(got["text"]), (topology, stop, got["text"])
+                assert free.startswith(got["text"]), (topology, stop, got["text"], free)
     assert checked >= 2, "too few prompts whose first token holds a stop string"
