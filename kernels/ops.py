@@ -29,6 +29,7 @@ from kernels.quant import (
     ref_fp8_linear,
     ref_per_token_quant_fp8,
     ref_w4a16_linear,
+    scaled_mm_fp8,
     scaled_mm_w8a8_linear,
 )
 
@@ -206,7 +207,7 @@ def fp8_input_linear(
 ) -> torch.Tensor:  # [M, N]
     """The W8A8 layer of :func:`fp8_linear` for an input already quantized per token (by
     :func:`rms_norm_fp8` or :func:`silu_and_mul_fp8`)."""
-    out = scaled_mm_w8a8_linear(xq, weight, scale, lambda _: (xq, x_scale), out_dtype)
+    out = scaled_mm_fp8(xq, x_scale, weight, scale, out_dtype)
     return out if bias is None else out + bias
 
 

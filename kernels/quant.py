@@ -164,23 +164,33 @@ def ref_fp8_w8a8_linear(
     return ((xq.float() * xs) @ (weight.float() * scale.float()).T).to(x.dtype)
 
 
+def scaled_mm_fp8(
+    xq: torch.Tensor,  # [M, K] float8_e4m3fn, quantized per token
+    x_scale: torch.Tensor,  # [M, 1] float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N, 1] float32, per channel
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N]
+    """``torch._scaled_mm`` of an input already quantized per token and a per-channel weight
+    (FP8 tensor cores on sm89+, row-wise scales).
+
+    Fast accumulation (the tensor cores' own accumulator over the whole K loop, as vLLM's
+    CUTLASS FP8 kernels do): 5-13% faster at W1's shapes on an H200 (1,300 against 1,160
+    TFLOP/s at 8192 rows), 2.3e-3 relative to the fp32-promoted product (3.7e-3 at K = 14336),
+    a sixteenth to a tenth of the FP8 rounding's own 3.8e-2 against bf16 (``python -m
+    kernels.bench.quant --w8a8-rows``)."""
+    return torch._scaled_mm(
+        xq, weight.T, scale_a=x_scale, scale_b=scale.float().T.contiguous(),
+        out_dtype=out_dtype, use_fast_accum=True,
+    )  # fmt: skip
+
+
 def scaled_mm_w8a8_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     scale: torch.Tensor,  # [N, 1] float32
     quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = ref_per_token_quant_fp8,
-    out_dtype: torch.dtype | None = None,  # x's dtype unless given (an already quantized x)
 ) -> torch.Tensor:  # [M, N]
-    """:func:`ref_fp8_w8a8_linear` through ``torch._scaled_mm`` (FP8 tensor cores on sm89+;
-    rowwise scales: per token for x, per channel for the weight); ``quant`` quantizes x (the
-    Triton kernel on a GPU: one pass instead of torch's five).
-
-    Fast accumulation (the tensor cores' own accumulator over the whole K loop, as vLLM's
-    CUTLASS FP8 kernels do): 5-13% faster at W1's shapes on an H200 (1,300 against 1,160
-    TFLOP/s at 8192 rows), 2.3e-3 relative to the fp32-promoted product, a sixteenth of the
-    FP8 rounding's own 3.8e-2 against bf16 (``python -m kernels.bench.quant --w8a8-rows``)."""
-    xq, xs = quant(x)
-    return torch._scaled_mm(
-        xq, weight.T, scale_a=xs, scale_b=scale.float().T.contiguous(),
-        out_dtype=out_dtype or x.dtype, use_fast_accum=True,
-    )  # fmt: skip
+    """:func:`ref_fp8_w8a8_linear` through :func:`scaled_mm_fp8`; ``quant`` quantizes x per
+    token (the Triton kernel on a GPU: one pass instead of torch's five)."""
+    return scaled_mm_fp8(*quant(x), weight, scale, x.dtype)

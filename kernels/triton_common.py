@@ -216,6 +216,32 @@ def to_e4m3(x, SOFT: tl.constexpr):
 
 
 @triton.jit
+def fp8_row_scale(amax, s_ptr, row, INV_MAX: tl.constexpr):
+    """A row's per-token FP8 scale from its largest magnitude (float32), as
+    ``kernels.quant.ref_per_token_quant_fp8``: ``max(amax * INV_MAX, 1e-12)``, stored at
+    ``s_ptr[row]``; returns its correctly rounded reciprocal (as torch's), the values' factor."""
+    scale = tl.maximum(amax * INV_MAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    return tl.math.div_rn(1.0, scale)
+
+
+@triton.jit
+def quantize_row(y, q_row, s_ptr, row, offs, mask, INV_MAX: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """A whole row held in registers (float32, zero where masked) quantized per token: its
+    scale to ``s_ptr[row]``, e4m3 to ``q_row``."""
+    inv = fp8_row_scale(tl.max(tl.abs(y), axis=0), s_ptr, row, INV_MAX)
+    tl.store(q_row + offs, to_e4m3(y * inv, SOFT_FP8), mask=mask)
+
+
+def fp8_rows(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of a per-token FP8 quantization: e4m3 ``[rows, width]`` and float32 scales
+    ``[rows, 1]``, the scales already those of empty rows (1e-12) when ``width`` is 0."""
+    q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=device)
+    return q, scale.fill_(1e-12) if width == 0 else scale
+
+
+@triton.jit
 def to_kv(x, inv_scale, FP8: tl.constexpr):
     """A K or V value as the cache stores it: ``x * inv_scale`` (float32) rounded to e4m3 for an
     FP8 cache (cast to the cache's dtype after), ``x`` unchanged otherwise. A product, not a

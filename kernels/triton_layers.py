@@ -29,24 +29,17 @@ from kernels.triton_common import (
     INDEX_DTYPES,
     check_devices,
     check_tensor,
+    fp8_row_scale,
+    fp8_rows,
     interpreting,
     next_pow2,
     pdl,
     pdl_enter,
+    quantize_row,
     to_e4m3,
 )
 
 MAX_NORM_WIDTH = 65536
-
-
-@triton.jit
-def _quantize_row(y, q_row, s_ptr, row, offs, mask, INV_MAX: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """A whole row held in registers (float32, zero where masked), quantized per token as
-    ``kernels.triton_quant.per_token_quant_fp8`` does: its scale to ``s_ptr[row]``, e4m3 to
-    ``q_row``."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * INV_MAX, 1e-12)
-    tl.store(s_ptr + row, scale)
-    tl.store(q_row + offs, to_e4m3(y * tl.math.div_rn(1.0, scale), SOFT_FP8), mask=mask)
 
 
 @triton.jit
@@ -71,7 +64,7 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (w * normed).to(x_ptr.dtype.element_ty)
     if FP8:  # out_ptr is the e4m3 copy: the 16-bit values quantized per token
-        _quantize_row(y.to(tl.float32), out_ptr + row * s_o, s_ptr, row, offs, mask, INV_MAX,
+        quantize_row(y.to(tl.float32), out_ptr + row * s_o, s_ptr, row, offs, mask, INV_MAX,
                       SOFT_FP8)  # fmt: skip
     else:
         tl.store(out_ptr + row * s_o + offs, y, mask=mask)
@@ -113,16 +106,14 @@ def _silu_and_mul_fp8_kernel(
     if ONE_PASS:
         mask = offs < inter
         y = _silu_mul(x_row, offs, mask, inter, x_ptr.dtype.element_ty).to(tl.float32)
-        _quantize_row(y, q_row, s_ptr, row, offs, mask, INV_MAX, SOFT_FP8)
+        quantize_row(y, q_row, s_ptr, row, offs, mask, INV_MAX, SOFT_FP8)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK):
             ks = k0 + offs
             y = _silu_mul(x_row, ks, ks < inter, inter, x_ptr.dtype.element_ty).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(y))
-        scale = tl.maximum(tl.max(amax, axis=0) * INV_MAX, 1e-12)
-        inv = tl.math.div_rn(1.0, scale)
-        tl.store(s_ptr + row, scale)
+        inv = fp8_row_scale(tl.max(amax, axis=0), s_ptr, row, INV_MAX)
         for k0 in range(0, inter, BLOCK):
             ks = k0 + offs
             k_mask = ks < inter
@@ -235,14 +226,12 @@ def rms_norm_fp8(
     the summation order of the module docstring."""
     _check_rms_norm(x, weight, residual)
     rows, width = x.shape
-    q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    q, scale = fp8_rows(rows, width, x.device)
     res_out = (
         torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     )
-    if width == 0:
-        return q, scale.fill_(1e-12), res_out
-    _launch_rms_norm(x, weight, eps, residual, q, res_out, scale)
+    if width > 0:
+        _launch_rms_norm(x, weight, eps, residual, q, res_out, scale)
     return q, scale, res_out
 
 
@@ -297,12 +286,9 @@ def silu_and_mul_fp8(
         raise ValueError(f"x's last dim must be even, shape {tuple(x.shape)}")
     check_devices(x=x)
     rows, inter = x.shape[0], x.shape[1] // 2
-    q = torch.empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows == 0:
+    q, scale = fp8_rows(rows, inter, x.device)
+    if rows == 0 or inter == 0:
         return q, scale
-    if inter == 0:
-        return q, scale.fill_(1e-12)
     if block is not None and (block < 1 or block & (block - 1)):
         raise ValueError(f"block must be a power of two, got {block}")
     whole = next_pow2(inter)

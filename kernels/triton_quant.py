@@ -55,10 +55,13 @@ from kernels.triton_common import (
     cuda_index,
     dot_precision,
     dot_upcast,
+    fp8_row_scale,
+    fp8_rows,
     interpreting,
     mma,
     pdl,
     pdl_enter,
+    quantize_row,
     round_to_bf16,
     rounds_bf16_in_kernel,
     to_e4m3,
@@ -575,20 +578,14 @@ def _per_token_quant_fp8_kernel(
     if ONE_PASS:  # the whole row in registers: read once
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
+        quantize_row(x, q_row, s_ptr, row, offs, mask, INV_MAX, SOFT_FP8)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             ks = k0 + offs
             xv = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(xv))
-        amax = tl.max(amax, axis=0)
-    scale = tl.maximum(amax * INV_MAX, 1e-12)
-    inv = tl.math.div_rn(1.0, scale)  # correctly rounded, as torch's reciprocal
-    tl.store(s_ptr + row, scale)
-    if ONE_PASS:
-        tl.store(q_row + offs, to_e4m3(x * inv, SOFT_FP8), mask=mask)
-    else:
+        inv = fp8_row_scale(tl.max(amax, axis=0), s_ptr, row, INV_MAX)
         for k0 in range(0, K, BLOCK):
             ks = k0 + offs
             k_mask = ks < K
@@ -606,12 +603,9 @@ def per_token_quant_fp8(
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_devices(x=x)
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m == 0:
+    q, scale = fp8_rows(m, k, x.device)
+    if m == 0 or k == 0:
         return q, scale
-    if k == 0:
-        return q, scale.fill_(1e-12)
     whole = triton.next_power_of_2(k)
     one_pass = block is None and whole <= 16384
     bl = whole if one_pass else min(block or QUANT_BLOCK, whole)

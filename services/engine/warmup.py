@@ -44,6 +44,22 @@ def _request(rid: str, start: int, new: int, blocks: _Blocks, vocab_size: int) -
     )  # fmt: skip
 
 
+def _budget_step(
+    tag: str, start: int, tokens: int, most: int, max_num_seqs: int, blocks: _Blocks,
+    vocab_size: int,
+) -> list[ScheduledRequest]:  # fmt: skip
+    """``tokens`` new tokens (at most ``most * max_num_seqs``) after ``start`` cached ones each, in
+    at most ``max_num_seqs`` requests of at most ``most`` tokens: the first of an odd length when
+    the total is even, the rest as long as the batch limit allows."""
+    per = max(tokens // 2 + 1, -(-tokens // max_num_seqs))
+    out: list[ScheduledRequest] = []
+    while tokens > 0:
+        n = min(tokens, most, per)
+        out.append(_request(f"{tag}{len(out)}", start, n, blocks, vocab_size))
+        tokens -= n
+    return out
+
+
 def warmup_steps(
     max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int,
     num_blocks: int, vocab_size: int,
@@ -54,26 +70,15 @@ def warmup_steps(
     cap = min(cap, longest * max_num_seqs)
     steps: list[SchedulerOutput] = []
     if cap >= 1:
-        blocks, left = _Blocks(block_size), cap
-        full: list[ScheduledRequest] = []
-        per = max(cap // 2 + 1, -(-cap // max_num_seqs))  # odd first length for an even budget
-        while left > 0:
-            n = min(left, longest, per)
-            full.append(_request(f"warm-{len(full)}", 0, n, blocks, vocab_size))
-            left -= n
-        steps.append(SchedulerOutput(full))
+        steps.append(SchedulerOutput(_budget_step("warm-", 0, cap, longest, max_num_seqs,
+                                                  _Blocks(block_size), vocab_size)))  # fmt: skip
         # the budget again as chunks after a cached prefix: a GPU with a 16-bit cache runs whole
         # prompts (above) on the contiguous path, and prompt chunks after a prefix on the paged
         # one, whose large-step tiles nothing else here would compile (kernels.triton_prefill)
         chunk = longest - block_size  # the most a sequence after one cached block can add
-        left = min(cap, chunk * max_num_seqs)
-        per = max(left // 2 + 1, -(-left // max_num_seqs))
         blocks = _Blocks(block_size)
-        after: list[ScheduledRequest] = []
-        while left > 0:  # at most max_num_seqs chunks: each of ``per`` tokens but the last
-            n = min(left, chunk, per)
-            after.append(_request(f"warm-p{len(after)}", block_size, n, blocks, vocab_size))
-            left -= n
+        after = _budget_step("warm-p", block_size, min(cap, chunk * max_num_seqs), chunk,
+                             max_num_seqs, blocks, vocab_size)  # fmt: skip
         if after and blocks.next <= num_blocks:
             steps.append(SchedulerOutput(after))
     mixed = [(16, 1), (32, 1), (39, 1), (20, 37)][-max_num_seqs:]  # (cached, new) tokens
