@@ -2,8 +2,10 @@
 # The runs that need two GPUs of one host (nvidia-h200-x2), stage by stage, each under its own
 # time limit, skipped when the call's time left (BUDGET_S, default 560 s) would not hold it:
 #   smoke    GPUs, their links (nvidia-smi topo -m), an NCCL all-reduce
+#   tests    the GPU tests of the KV transfer and of disaggregation (their two-GPU cases)
 #   w5       python -m kvtransfer.bench.transfer: GPU 0 -> GPU 1 over NCCL, 1024/4096 tokens of the
-#            8B shape (whole transfers, chunk sizes, the tail a layer-by-layer transfer leaves)
+#            8B shape (whole transfers, chunk sizes, the tail a layer-by-layer transfer leaves;
+#            TIMELINE=1: where each transfer's time goes, kvtransfer.bench.timeline)
 #   tp       scripts/device/tp_workers.py on the float32 checkpoint $TINY (offline TP 2 == TP 1,
 #            `tandem up --gpus 0,1` with TP on either side and colocated, a follower killed)
 #   parity   services.engine.bench.tp_parity: 8B shape, random weights, bf16, TP 2 against TP 1
@@ -40,24 +42,33 @@ row() { table+=("$1 | $2 | $((SECONDS - $3)) s"); }
 
 if has smoke && stage smoke 30; then
   t=$SECONDS
-  { nvidia-smi -L; nvidia-smi topo -m; python3 - <<'EOF'; } >"$raw/smoke.txt" 2>&1
-import os, torch, torch.multiprocessing as mp, torch.distributed as dist
+  cat >/tmp/nccl_smoke.py <<'EOF'
+import torch, torch.multiprocessing as mp, torch.distributed as dist
 def f(rank):
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=2)
     x = torch.full((1 << 20,), float(rank + 1), device=f"cuda:{rank}")
     dist.all_reduce(x)
     assert float(x[0]) == 3.0
     dist.destroy_process_group()
-print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())
-mp.spawn(f, nprocs=2)
-print("nccl all-reduce ok")
+if __name__ == "__main__":
+    print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())
+    mp.spawn(f, nprocs=2)
+    print("nccl all-reduce ok")
 EOF
+  { nvidia-smi -L; nvidia-smi topo -m; python3 /tmp/nccl_smoke.py; } >"$raw/smoke.txt" 2>&1
   row smoke "$(grep -c GPU "$raw/smoke.txt") lines; $(tail -1 "$raw/smoke.txt")" "$t"
+fi
+
+if has tests && stage tests 160; then
+  t=$SECONDS
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/kvtransfer/test_gpu.py tests/services/test_gpu_disagg.py >"$raw/tests.txt" 2>&1
+  row tests "rc $? $(tail -1 "$raw/tests.txt")" "$t"
 fi
 
 if has w5 && stage w5 150; then
   t=$SECONDS
-  timeout 140 python3 -m kvtransfer.bench.transfer --tokens 1024 4096 --ttft-tokens 1024 4096 \
+  TANDEM_KV_TIMELINE=${TIMELINE:-0} timeout 140 python3 -m kvtransfer.bench.transfer --tokens 1024 4096 --ttft-tokens 1024 4096 \
     --iters 10 --chunk-mb 8 32 4096 --skip-same-gpu --json-out "$raw/w5.json" >"$raw/w5.txt" 2>&1
   row w5 "rc $? $(grep -E "e2e|landed" "$raw/w5.txt" | head -3 | tr -s ' ' | tr '\n' ';' | cut -c1-200)" "$t"
 fi

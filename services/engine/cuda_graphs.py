@@ -71,6 +71,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """One graph per bucket, largest first. With tensor parallelism every rank captures its
+        own at once (``ModelRunner.capture_graphs``): the warm-up steps' collectives run eagerly
+        paired up, the captured ones (NCCL) pair up at each replay. On the CPU: nothing to
+        capture (``run`` runs the forward eagerly over the same buffers)."""
+        if self.i64.device.type != "cuda":
+            return
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
             for with_lora in self._kinds():

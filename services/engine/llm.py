@@ -74,10 +74,20 @@ class LLM:
         self.engine = LLMEngine(config or build_config(model, **knobs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._closed = False
 
     def close(self) -> None:
-        """Stop the engine's other tensor-parallel ranks (nothing to do with one)."""
+        """Stop the engine's other tensor-parallel ranks and give its KV pool and decode graphs
+        back to the GPU at once, whatever still refers to this object (an engine made next in
+        the same process sizes its pool from the memory free then). The LLM cannot generate
+        after this."""
         self.engine.close()
+        self.engine.runner.release_kv_cache()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM was closed (its KV pool is given back): make a new one")
 
     def __enter__(self) -> LLM:
         return self
@@ -123,6 +133,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
+        self._check_open()
         plist: list[Prompt] = [prompts] if _is_one_prompt(prompts) else list(prompts)
         params = params or SamplingParams()
         per = params if isinstance(params, list) else [params] * len(plist)
@@ -155,6 +166,7 @@ class LLM:
     ) -> list[EmbeddingResult]:
         """Each prompt's pooled final hidden state (an engine built with ``task="embed"``;
         ``pooling``: the engine's ``pooler_config`` when not given)."""
+        self._check_open()
         plist: list[Prompt] = [prompts] if _is_one_prompt(prompts) else list(prompts)
         results: dict[str, EmbeddingResult] = {}
         for prompt in plist:

@@ -48,7 +48,7 @@ from services.engine.structured import GrammarBatch
 from services.engine.tp_group import TPGroup
 from services.engine.tp_kv import AfterPeers, ShardedCopier
 from services.engine.tp_layout import TPLayout
-from services.engine.tp_ranks import Ranks, RankStep
+from services.engine.tp_ranks import CaptureGraphs, Ranks, RankStep
 from services.engine.vision import VisionInputs
 from services.engine.warmup import warmup_steps
 from services.model_files import named_model_dir
@@ -193,19 +193,31 @@ class ModelRunner:
             self.vision = VisionInputs(self.model, self.arch.vision, model_dir)
         if self.device.type == "cuda" and self.rank == 0:  # the other ranks follow its steps
             log.info("warm-up steps (kernel compilation) took %.1f s", self.warmup())
-        # an embedding worker never decodes: no decode graphs to capture; tensor parallelism
-        # runs eagerly so far (capturing its collectives is to come)
+        # an embedding worker never decodes: no decode graphs to capture. Rank 0 of several
+        # has the other ranks capture theirs with it (capture_graphs)
         generates = config.task == "generate"
-        if self.device.type == "cuda" and not config.enforce_eager and generates and not self.tp:
-            # a verify step of a decode with drafts replays the same graphs, one row per token:
-            # drafts only fill rows up to VERIFY_ROWS (LLMEngine._propose)
-            spec = config.speculative
-            rows = sched.max_num_seqs
-            if spec is not None:
-                rows = max(rows, min(VERIFY_ROWS, rows * (1 + spec.num_speculative_tokens)))
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, rows, max_blocks, self.device,
-                                       self.lora)  # fmt: skip
-            self.graphs.capture()
+        if self.device.type == "cuda" and not config.enforce_eager and generates and self.rank == 0:
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (on the CPU: their buffers only, run eagerly). Rank 0 of
+        several tells the other ranks first, and each captures its own in the same order: the
+        eager warm-up forwards before each capture run their collectives paired up, and every
+        graph holds the same collectives as its peers'. A step then replays a graph on every
+        rank or on none: ``follow``'s ``_graph_forward`` picks from the same step what rank 0's
+        did."""
+        if self.ranks is not None:
+            self.ranks.send(CaptureGraphs())
+        # a verify step of a decode with drafts replays the same graphs, one row per token:
+        # drafts only fill rows up to VERIFY_ROWS (LLMEngine._propose)
+        spec = self.config.speculative
+        rows = self.config.scheduler.max_num_seqs
+        if spec is not None:
+            rows = max(rows, min(VERIFY_ROWS, rows * (1 + spec.num_speculative_tokens)))
+        max_blocks = blocks_for(self.max_model_len, self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, rows, max_blocks, self.device,
+                                   self.lora)  # fmt: skip
+        self.graphs.capture()
 
     def warmup(self) -> float:
         """Run the synthetic start-up steps of ``services.engine.warmup``; seconds taken."""
@@ -438,9 +450,13 @@ class ModelRunner:
         return self.ranks.guard(when) if self.ranks is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
-    def follow(self, step: RankStep) -> None:
+    def follow(self, step: RankStep | CaptureGraphs) -> None:
         """A rank other than 0: the forward calls rank 0 makes in ``execute`` and, with prompt
-        logprobs, ``score_prompts``, in the same order (their collectives pair up); no sampling."""
+        logprobs, ``score_prompts``, in the same order (their collectives pair up); no sampling.
+        Or, once at start-up, the decode graphs' capture with rank 0 (``capture_graphs``)."""
+        if isinstance(step, CaptureGraphs):
+            self.capture_graphs()
+            return
         out = step.out
         if self.host_kv is not None:
             self.host_kv.move(self.kv_caches, out.kv_offloads, out.kv_restores)

@@ -76,6 +76,12 @@ class RankStep:
         return cls(replace(out, requests=reqs), graph, eager, score)
 
 
+@dataclass(frozen=True)
+class CaptureGraphs:
+    """Sent once, at start-up, before rank 0 captures its decode graphs: every rank captures its
+    own with it (``ModelRunner.capture_graphs``)."""
+
+
 def _slim(r: ScheduledRequest, scored: bool) -> ScheduledRequest:
     """What the forward reads of a request (and, when it is scored, its prompt)."""
     prompt = r.prompt_token_ids if scored else []
@@ -195,7 +201,7 @@ class Ranks:
             tail.done.wait(1.0)  # its last lines are still in the pipe a moment after the exit
             raise RankFailedError(f"tensor-parallel {what} {when}; the engine stops" + tail.text())
 
-    def send(self, step: RankStep) -> None:
+    def send(self, step: RankStep | CaptureGraphs) -> None:
         self.group.broadcast(step)
 
     @contextlib.contextmanager

@@ -313,3 +313,15 @@ def test_a_resumed_request_must_have_something_left_to_generate(llm: LLM) -> Non
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         llm.engine.add_request("bad", [1, 2, 3], params, output_token_ids=[10**7])
     assert not llm.engine.has_unfinished
+
+
+def test_a_closed_llm_gives_its_pool_back_and_refuses_to_generate() -> None:
+    """close() frees the KV pool at once (an engine made next in the process sizes its pool from
+    the memory left), whatever still refers to the old LLM; using it then is a clear error."""
+    llm = LLM("embedded", num_blocks=8, max_model_len=128)
+    assert llm.engine.runner.kv_caches
+    with llm:
+        pass
+    assert llm.engine.runner.kv_caches == [] and llm.engine.runner.graphs is None
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("hello", SamplingParams(max_tokens=2))

@@ -132,6 +132,31 @@ def test_logprobs_and_seeded_sampling_equal_one_rank(engine: Callable[[str, int]
             assert b.chosen.logprob == pytest.approx(a.chosen.logprob, abs=1e-4)
 
 
+def test_decode_graphs_are_built_on_every_rank_and_give_the_tokens_of_one(
+    engine: Callable[[str, int], LLM],
+) -> None:
+    """On a GPU rank 0 has the other ranks capture their decode graphs with it, then replays
+    them where they do; on the CPU the same buffers run eagerly: the follower's pick of the
+    graph path, fed by the step rank 0 sent, must be rank 0's, or its collectives would not pair
+    up (a hang, or another rank's rows)."""
+    prompts = _prompts(11)
+    want = [o.token_ids for o in _generate(engine("qwen3-2kv", 1), prompts, GREEDY)]
+    runner = engine("qwen3-2kv", 2).engine.runner
+    runner.capture_graphs()
+    try:
+        before = runner.forwards.graph
+        got = [o.token_ids for o in _generate(engine("qwen3-2kv", 2), prompts, GREEDY)]
+        # the seeded sampling of the test above takes the same graphs (its logits) too
+        params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+        sampled = [o.token_ids for o in _generate(engine("qwen3-2kv", 2), prompts, params)]
+        # every decode step of both batches (each prompt's first token comes from its prefill)
+        assert runner.forwards.graph - before == GREEDY.max_tokens - 1 + params.max_tokens - 1
+    finally:
+        runner.graphs = None  # rank 0 only: its steps take the plain path again, and so do theirs
+    assert got == want
+    assert sampled == [o.token_ids for o in _generate(engine("qwen3-2kv", 1), prompts, params)]
+
+
 def test_dummy_weights_of_two_ranks_are_those_of_one(checkpoint: Callable[[str], str]) -> None:
     """--load-format dummy: each rank draws every tensor whole and keeps its part (uneven KV
     heads and MLP rows here), so the random model is the same on any number of ranks."""
