@@ -12,6 +12,19 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 
+def _pin_gpus(args: argparse.Namespace) -> None:
+    """A worker on ``--device cuda:N`` sees its GPUs only (services.device_pin), before torch."""
+    import os
+
+    from services.device_pin import pin_device
+
+    args.device, visible = pin_device(
+        args.device, getattr(args, "tensor_parallel_size", 1), os.environ
+    )
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
 def _up(args: argparse.Namespace) -> int:
     from deploy.launcher import main
 
@@ -19,18 +32,21 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _prefill(args: argparse.Namespace) -> int:
+    _pin_gpus(args)
     from services.prefill.server import main
 
     return main(args)
 
 
 def _decode(args: argparse.Namespace) -> int:
+    _pin_gpus(args)
     from services.decode.server import main
 
     return main(args)
 
 
 def _worker(args: argparse.Namespace) -> int:
+    _pin_gpus(args)
     from services.worker.server import main
 
     return main(args)

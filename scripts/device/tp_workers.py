@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 READY = re.compile(r"^Tandem is ready: (http://\S+/v1) \(gateway \+ (.+), model (.+)\)$")
+READY_S = 150.0  # a topology not ready by then: its last lines are printed
 PROMPTS = [[(7 * i + 3) % 49000 + 17 for i in range(n)] for n in (3, 24, 150)]
 TOPOLOGIES = {
     "prefill-tp2-decode-tp1": ["--prefill-tensor-parallel-size", "2"],
@@ -60,14 +61,20 @@ def up(model: str, flags: list[str], expected: list[str], kill: bool) -> None:
             "--max-model-len", "256", "--port", "0", "--gpus", "0,1", *flags]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    url = served = ""
     lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line.rstrip())
-        if m := READY.match(line.strip()):
-            url, _, served = m.groups()
-            break
-    threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
+    ready: list[tuple[str, str]] = []
+    got_ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout or ():
+            lines.append(line.rstrip())
+            if m := READY.match(line.strip()):
+                ready.append((m.group(1), m.group(3)))
+                got_ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    got_ready.wait(READY_S)
+    url, served = ready[0] if ready else ("", "")
     try:
         if not url:
             print(json.dumps({"check": flags, "ok": False, "log": lines[-30:]}), flush=True)

@@ -11,6 +11,7 @@
 #   parity   services.engine.bench.tp_parity: 8B shape, random weights, bf16, TP 2 against TP 1
 #   real     the same on the embedded model's real weights and chat prompts (the GGUF assembled
 #            by scripts/device/device_gguf.sh: carry .gguf-a with one call, .gguf-b the next)
+#   tpdiag   bench latency at TP 2 only, every rank's stacks dumped if it is not done in 90 s
 #   w2       bench latency, 8B shape, batch 1 and 64 at TP 1 and TP 2 (each its own process)
 #   w1       bench offline W1 (256 x 1024 -> 128) at TP 1 and TP 2 (each its own process)
 #   w4       tandem bench disagg --gpus 0,1: W4_TOPOLOGIES at W4_WORKLOAD and W4_RATES
@@ -39,6 +40,12 @@ stage() {
   return 0
 }
 row() { table+=("$1 | $2 | $((SECONDS - $3)) s"); }
+# what a stage cut short by its time limit may leave: `tandem up` and its workers
+reap() {
+  pkill -TERM -f "services\.cli (up|prefill|decode|worker|gateway)" && sleep 5
+  pkill -KILL -f "services\.cli (up|prefill|decode|worker|gateway)|tp_follower"
+  return 0
+}
 
 if has smoke && stage smoke 30; then
   t=$SECONDS
@@ -62,7 +69,7 @@ fi
 if has tests && stage tests 160; then
   t=$SECONDS
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/kvtransfer/test_gpu.py tests/services/test_gpu_disagg.py >"$raw/tests.txt" 2>&1
+    tests/kvtransfer/test_gpu.py tests/services/test_gpu_disagg.py ${TESTS_ARGS:-} >"$raw/tests.txt" 2>&1
   row tests "rc $? $(tail -1 "$raw/tests.txt")" "$t"
 fi
 
@@ -73,11 +80,19 @@ if has w5 && stage w5 150; then
   row w5 "rc $? $(grep -E "e2e|landed" "$raw/w5.txt" | head -3 | tr -s ' ' | tr '\n' ';' | cut -c1-200)" "$t"
 fi
 
-if has tp && stage tp 170; then
+if has tpdiag && stage tpdiag 110; then
+  # TP 2 under CUDA graphs, traced: faulthandler stacks of every rank if it is not done in 90 s
   t=$SECONDS
-  timeout 160 python3 scripts/device/tp_workers.py "$tiny" >"$raw/tp_workers.jsonl" 2>"$raw/tp_workers.err"
-  rc=$?
-  row tp "rc $rc; ok $(grep -c '"ok": true' "$raw/tp_workers.jsonl") of $(grep -c '"ok"' "$raw/tp_workers.jsonl"); $(grep -o '"after_kill".*' "$raw/tp_workers.jsonl" | cut -c1-120)" "$t"
+  PYTHONFAULTHANDLER=1 TANDEM_LOG_LEVEL=INFO python3 -m services.cli bench latency --model llama-3.1-8b \
+    --load-format dummy --dtype bfloat16 --tensor-parallel-size 2 --batch-sizes 1,64 --input-len 512 \
+    --output-len 32 --max-model-len 1024 --json-out "$raw/w2-tp2.json" >"$raw/w2-tp2.txt" 2>&1 &
+  pid=$!
+  for _ in $(seq 90); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  if kill -0 $pid 2>/dev/null; then
+    pkill -ABRT -f tp_follower; sleep 2; kill -ABRT $pid; sleep 3; kill -9 $pid 2>/dev/null
+  fi
+  wait $pid
+  row tpdiag "rc $? $(grep -E '^batch' "$raw/w2-tp2.txt" | tr '\n' ';')" "$t"
 fi
 
 if has parity && stage parity 160; then
@@ -124,6 +139,14 @@ if has w1; then
   done
 fi
 
+if has tp && stage tp 230; then
+  t=$SECONDS
+  timeout 220 python3 scripts/device/tp_workers.py "$tiny" >"$raw/tp_workers.jsonl" 2>"$raw/tp_workers.err"
+  rc=$?
+  reap
+  row tp "rc $rc; ok $(grep -c '"ok": true' "$raw/tp_workers.jsonl") of $(grep -c '"ok"' "$raw/tp_workers.jsonl"); $(grep -o '"after_kill".*' "$raw/tp_workers.jsonl" | cut -c1-120)" "$t"
+fi
+
 if has w4 && stage w4 200; then
   t=$SECONDS
   w4_budget=$(($(left) - 25))
@@ -133,6 +156,7 @@ if has w4 && stage w4 200; then
     --num-prompts "${W4_PROMPTS:-200}" --duration-s "${W4_DURATION_S:-20}" \
     --time-budget-s "$w4_budget" ${W4_EXTRA:-} --out-dir "$raw/w4" >"$raw/w4.txt" 2>&1
   row w4 "rc $? $(grep -c 'failed' "$raw/w4.txt") lines naming failures" "$t"
+  reap
   tail -45 "$raw/w4.txt"
 fi
 
