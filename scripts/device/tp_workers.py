@@ -1,6 +1,7 @@
 """Issue 19 on a lent machine with 2 GPUs: tensor-parallel workers through `tandem up`.
 
     python3 scripts/device/tp_workers.py MODEL_DIR   (a float32 checkpoint with a tokenizer)
+    TP_TOPOLOGIES=name,name (of TOPOLOGIES): only those, the follower killed in the last
 
 The offline engine's greedy text on one GPU, then `tandem up --gpus 0,1` with prefill TP 2 ->
 decode TP 1, prefill TP 1 -> decode TP 2, and one colocated TP 2 worker: each completion must
@@ -130,7 +131,7 @@ def killed(url: str, served: str) -> None:
 def main() -> None:
     model = sys.argv[1]
     expected = offline(model)
-    names = list(TOPOLOGIES)
+    names = [n for n in os.environ.get("TP_TOPOLOGIES", ",".join(TOPOLOGIES)).split(",") if n]
     for name in names:
         up(model, TOPOLOGIES[name], expected, kill=name == names[-1])
 

@@ -288,10 +288,12 @@ def main_latency(args: argparse.Namespace) -> int:
 
 def _graph_replay_ms(engine: LLMEngine, batch: int, iters: int = 20) -> float | None:
     """GPU time of one captured decode step (forward + logits) alone, by CUDA events: the step
-    time minus this is host work (scheduling, input upload, sampling, output handling)."""
+    time minus this is host work (scheduling, input upload, sampling, output handling). None
+    with tensor-parallel ranks: their graphs hold collectives, which rank 0 replaying its own
+    alone would wait on forever."""
     graphs = engine.runner.graphs
     b = graphs.bucket(batch) if graphs is not None else None
-    if graphs is None or b is None:
+    if graphs is None or b is None or engine.runner.ranks is not None:
         return None
     graphs.i64[2].fill_(-1)  # the replays write no KV: the blocks belong to nobody now
     graph = graphs.graphs[b][0]
