@@ -35,10 +35,12 @@ class SenderOptions:
     timeout_s: float = 10.0  # default deadline of one send(), connecting included
     checksum: bool = False  # send each chunk's checksum after the data (--kv-checksum)
     gloo_interface: str = ""  # network interface for Gloo (default: the route to the receiver)
-    # pipeline granularity (whole layers, at least one per chunk) of a KV computed before send:
-    # small enough that gather, wire and scatter overlap, large enough that the per-chunk CPU
-    # cost (a gather launch and an NCCL op on each end) stays under a chunk's time on the wire
-    chunk_bytes: int = 32 << 20
+    # pipeline granularity (whole layers, at least one per chunk) of a KV computed before send.
+    # Each chunk costs each end ~0.1 ms of host work (a gather or scatter launch and an NCCL
+    # op), far more than a 32 MiB chunk's 0.09 ms on an NVLink: between two H200s (2026-11-29,
+    # docs/benchmarks.md) an 8B KV of 1024 / 4096 tokens took 2.1 / 5.1 ms in 32 MiB chunks and
+    # 1.6 / 3.2 ms in one. So a KV of up to 1 GiB (~7,800 tokens of an 8B model) goes whole
+    chunk_bytes: int = 1 << 30
     # the same for a KV streamed out layer by layer as prefill writes it (send with ready=):
     # what is left to ship after the last layer is written is one chunk, so keep it small
     streaming_chunk_bytes: int = 8 << 20
