@@ -1089,7 +1089,9 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--topologies",
         default="disagg,colocated",
-        help="disagg, colocated, disagg-local (disagg with --local-prefill-tokens) or none",
+        help="disagg, colocated, disagg-local (disagg with --local-prefill-tokens), "
+        "disagg-whole (disagg with --kv-streaming off: the whole KV after the first token) or "
+        "none",
     )
     g.add_argument(
         "--local-prefill-tokens",

@@ -151,7 +151,7 @@ if has w4 && stage w4 200; then
   t=$SECONDS
   w4_budget=$(($(left) - 25))
   timeout $((w4_budget + 15)) python3 -m services.cli bench disagg --model llama-3.1-8b \
-    --max-model-len 4608 --gpus 0,1 --topologies "${W4_TOPOLOGIES:-colocated,disagg,disagg-local}" \
+    --max-model-len 4608 --gpus 0,1 --topologies "${W4_TOPOLOGIES:-colocated,disagg,disagg-whole}" \
     --workloads "${W4_WORKLOAD:-1024:128}" --rates "${W4_RATES:-4,8,16,32}" \
     --num-prompts "${W4_PROMPTS:-200}" --duration-s "${W4_DURATION_S:-20}" \
     --time-budget-s "$w4_budget" ${W4_EXTRA:-} --out-dir "$raw/w4" >"$raw/w4.txt" 2>&1

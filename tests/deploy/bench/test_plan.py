@@ -69,6 +69,10 @@ def test_topologies_split_the_gpus() -> None:
         "--prefill", "1", "--decode", "1", "--max-local-prefill-tokens", "512"
     ]  # fmt: skip
     assert topology("disagg-local", two, 2, None).up_flags[-1] == "1024"
+    # the whole KV after the first token instead of streamed while the prompt is computed
+    assert topology("disagg-whole", two, 2, None).up_flags == [
+        "--prefill", "1", "--decode", "1", "--kv-streaming", "off"
+    ]  # fmt: skip
     check_local_prefill_tokens(None, ["disagg"])
     check_local_prefill_tokens(512, ["disagg", "disagg-local"])
     with pytest.raises(ValueError, match="needs the disagg-local topology"):
