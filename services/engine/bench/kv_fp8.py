@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 from typing import Any
 
 import torch
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     quality = {
         "compare": args.compare,
         "vs_bf16_cache": equal_rate([c.token_ids for c in fp8], [c.token_ids for c in auto]),
-        "near_ties": {k: v for k, v in pr.close(fp8, auto).items() if k != "prompts"},
+        "near_ties": pr.near_ties(fp8, auto),
     }
     blocks: dict[str, int] = {}
     if args.device.startswith("cuda") and not weights:
@@ -87,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocks": blocks,
         "blocks_ratio": blocks["fp8"] / blocks["auto"] if blocks else None,
     }
-    print(json.dumps(doc), flush=True)
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(doc, fh, indent=2)
+    pr.emit(doc, args.json_out)
     return 0
 
 

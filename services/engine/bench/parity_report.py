@@ -162,6 +162,19 @@ def close(ours: list[Continuation], ref: list[Continuation]) -> dict[str, Any]:
     return summarize([logprobs_close(a, b) for a, b in zip(ours, ref, strict=True)])
 
 
+def near_ties(ours: list[Continuation], ref: list[Continuation]) -> dict[str, Any]:
+    """``close``'s counts and margins, without the per-prompt detail."""
+    return {k: v for k, v in close(ours, ref).items() if k != "prompts"}
+
+
+def emit(doc: dict[str, Any], json_out: str | None) -> None:
+    """A bench's result: one JSON line on stdout, and the same, indented, in ``json_out``."""
+    print(json.dumps(doc), flush=True)
+    if json_out:
+        with open(json_out, "w") as fh:
+            json.dump(doc, fh, indent=2)
+
+
 def logit_error(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
     rel = ((got - want).norm() / want.norm()).item()
     return {

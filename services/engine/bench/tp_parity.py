@@ -119,14 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         doc["runs"][str(size)] = {
             **got,
             "vs_tp1": equal_rate([c.token_ids for c in outs], [c.token_ids for c in ref]),
-            "near_ties": {k: v for k, v in pr.close(outs, ref).items() if k != "prompts"},
+            "near_ties": pr.near_ties(outs, ref),
             "first_step_max_logprob_diff": round(first_step_diff(outs, ref), 5),
         }
         print(f"TP {size} vs TP 1: {json.dumps(doc['runs'][str(size)])}", flush=True)
-    print(json.dumps(doc), flush=True)
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(doc, fh, indent=2)
+    pr.emit(doc, args.json_out)
     return 0
 
 
