@@ -18,9 +18,10 @@ def _pin_gpus(args: argparse.Namespace) -> None:
 
     from services.device_pin import pin_device
 
-    args.device, visible = pin_device(
-        args.device, getattr(args, "tensor_parallel_size", 1), os.environ
-    )
+    device = getattr(args, "device", None)
+    if device is None:  # parsed without the engine flags: nothing to pin
+        return
+    args.device, visible = pin_device(device, getattr(args, "tensor_parallel_size", 1), os.environ)
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
