@@ -33,6 +33,10 @@ _TAG = 17  # one ordered stream per pair; chunk k of a transfer uses _TAG + k
 _POLL_S = 10e-6
 _POLL_FINE_S = 0.05
 _POLL_MAX_S = 1e-3
+# a wait whose end nothing is waiting on (a streamed chunk before the last): each wake takes
+# the GIL from the engine thread of the same process, and 10 us sleeps all through a prefill
+# made a Python loop beside it 1.5-2.8x slower (CPU, kvtransfer/bench/poll_cost.py)
+COARSE_POLL_S = 0.5e-3
 _ALIVE_CHECK_S = 0.01
 _PR_SET_TIMERSLACK = 29
 
@@ -128,10 +132,13 @@ class PairChannel:
         deadline: float,
         what: str = "recv",
         alive: Callable[[], bool] | None = None,
+        pause: float = _POLL_S,
     ) -> None:
         """Wait for a posted work; raises ChannelError if it failed, the deadline passed or
-        (NCCL, checked every few ms) ``alive()`` turned False: NCCL never notices a dead peer."""
-        self._complete(work, deadline, what, alive)
+        (NCCL, checked every few ms) ``alive()`` turned False: NCCL never notices a dead peer.
+        ``pause``: the first polls' sleep (NCCL): short where the wait's end is on the critical
+        path, ``COARSE_POLL_S`` where it is not."""
+        self._complete(work, deadline, what, alive, pause)
 
     def send(self, buf: torch.Tensor, deadline: float) -> None:
         self._complete(self.post_send(buf), deadline, "send")
@@ -164,11 +171,12 @@ class PairChannel:
             self.recv(byte, deadline)
 
     def _complete(
-        self, work: Any, deadline: float, what: str, alive: Callable[[], bool] | None = None
-    ) -> None:
+        self, work: Any, deadline: float, what: str, alive: Callable[[], bool] | None = None,
+        pause: float = _POLL_S,
+    ) -> None:  # fmt: skip
         error = ""
         try:
-            self._wait(work, deadline, alive)
+            self._wait(work, deadline, alive, pause)
         except Exception as e:
             error = f"{self.backend} {what} failed: {_tidy(str(e))}"
         if error:
@@ -177,12 +185,13 @@ class PairChannel:
             del work
             raise ChannelError(error)
 
-    def _wait(self, work: Any, deadline: float, alive: Callable[[], bool] | None) -> None:
+    def _wait(
+        self, work: Any, deadline: float, alive: Callable[[], bool] | None, pause: float
+    ) -> None:
         if self.backend == GLOO:
             work.wait(timedelta(seconds=_remaining(deadline)))  # Gloo notices a dead peer
             return
         start = next_check = time.monotonic()
-        pause = _POLL_S
         while not work.is_completed():
             now = time.monotonic()
             if now >= deadline:
