@@ -204,8 +204,8 @@ class ModelRunner:
         several tells the other ranks first, and each captures its own in the same order: the
         eager warm-up forwards before each capture run their collectives paired up, and every
         graph holds the same collectives as its peers'. A step then replays a graph on every
-        rank or on none: ``follow``'s ``_graph_forward`` picks from the same step what rank 0's
-        did."""
+        rank or on none: rank 0 decides (``RankStep.graph``) and the others follow, failing
+        loudly if they cannot."""
         if self.ranks is not None:
             self.ranks.send(CaptureGraphs())
         # a verify step of a decode with drafts replays the same graphs, one row per token:
@@ -354,11 +354,8 @@ class ModelRunner:
         )
         return StepInputs(d64[0], d64[1], meta, d64[3], first.tolist())
 
-    def _graph_forward(
-        self, out: SchedulerOutput, dev_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A decode-only step through its captured graph: (logits [n, V], argmax [n]) of every
-        row; None when no graph fits the step. ``dev_ids``: as :meth:`prepare`'s."""
+    def _graph_bucket(self, out: SchedulerOutput) -> int | None:
+        """The captured batch size that would replay this step, or None: no graph fits it."""
         graphs, reqs = self.graphs, out.requests
         # a decode with drafts is one row per token: row j attends to the positions up to its
         # own (the drafts before it are written by the same step, before any attention reads)
@@ -366,10 +363,21 @@ class ModelRunner:
             return None
         if any(r.images and r.start_pos < max(im.end for im in r.images) for r in reqs):
             return None  # an image token (a one-token final chunk): its embedding, 3-D position
-        n, W = out.num_tokens, self._max_blocks(out)
-        b = graphs.bucket(n)
-        if b is None or graphs.max_blocks < W:
+        b = graphs.bucket(out.num_tokens)
+        if b is None or graphs.max_blocks < self._max_blocks(out):
             return None
+        return b
+
+    def _graph_forward(
+        self, out: SchedulerOutput, dev_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode-only step through its captured graph: (logits [n, V], argmax [n]) of every
+        row; None when no graph fits the step. ``dev_ids``: as :meth:`prepare`'s."""
+        graphs, reqs = self.graphs, out.requests
+        b = self._graph_bucket(out)
+        if graphs is None or b is None:
+            return None
+        n, W = out.num_tokens, self._max_blocks(out)
         plan = None
         if self.lora is not None:  # the step's adapters made resident, their rows in segments
             plan = self.lora.plan([(r.sampling_params.lora_name, r.num_new_tokens) for r in reqs])
@@ -460,9 +468,14 @@ class ModelRunner:
         out = step.out
         if self.host_kv is not None:
             self.host_kv.move(self.kv_caches, out.kv_offloads, out.kv_restores)
-        if step.graph and self._graph_forward(out) is not None:
+        if step.graph:  # rank 0 replays its graph: so must this rank, or nothing pairs up
+            if self._graph_forward(out) is None:
+                raise RuntimeError(
+                    f"tensor-parallel rank {self.rank}: rank 0 replayed a decode graph of "
+                    f"{out.num_tokens} rows that this rank did not capture"
+                )
             return
-        self.forward_logits(out, eager=step.eager)
+        self.forward_logits(out, eager=step.eager, allow_graph=False)
         if step.score:
             self.score_prompts(out, step.score)
 
@@ -476,13 +489,15 @@ class ModelRunner:
     def forward_logits(
         self, out: SchedulerOutput, eager: bool = False, layers: LayerSink | None = None,
         dev_ids: torch.Tensor | None = None, dev_at: list[int] | None = None,
+        allow_graph: bool = True,
     ) -> torch.Tensor | None:  # fmt: skip
         """Run the step's forward; fp32 logits of its sampling requests ([S, V]) or None.
         ``eager`` (prompt logprobs to score, embeddings to pool): no CUDA graph, the hidden
         states kept. ``layers``: told each layer's KV write as the forward goes (never a graph:
-        it would not tell). ``dev_ids``, ``dev_at``: as :meth:`prepare`'s."""
+        it would not tell). ``dev_ids``, ``dev_at``: as :meth:`prepare`'s. ``allow_graph``
+        False: eager whatever fits (tensor-parallel ranks follow rank 0's choice)."""
         self._hidden = None
-        graph = not eager and layers is None and dev_at is None
+        graph = allow_graph and not eager and layers is None and dev_at is None
         logits = self._graph_logits(out, dev_ids) if graph else None
         if logits is not None:
             return logits
@@ -590,7 +605,8 @@ class ModelRunner:
         sampling = [r for r in out.requests if r.samples_token]
         rids = [r.request_id for r in sampling]
         constrained = grammars is not None and grammars.constrains(rids)
-        graph = (
+        # the graph's own argmax is every row's token (plain greedy rows only)
+        graph_argmax = (
             layers is None  # a final chunk of one token looks like a decode: no graph for it
             and not constrained
             and not score
@@ -602,12 +618,18 @@ class ModelRunner:
         )
         # prompt logprobs to score, embeddings to pool: the hidden states are kept
         eager = bool(score) or any(r.pooling is not None for r in out.requests)
+        # whether the forward replays a decode graph: decided here once, for every rank
+        replay = not eager and layers is None and self._graph_bucket(out) is not None
         with self._collective():
             if self.ranks is not None:  # the other ranks make the same forward calls (follow)
                 no_graph = eager or layers is not None
-                self.ranks.send(RankStep.of(out, graph, no_graph, score or {}))
-            ran = self._graph_forward(out) if graph else None
-            logits = None if ran is not None else self.forward_logits(out, eager, layers)
+                self.ranks.send(RankStep.of(out, replay, no_graph, score or {}))
+            ran = self._graph_forward(out) if graph_argmax and replay else None
+            logits = (
+                None
+                if ran is not None
+                else self.forward_logits(out, eager, layers, allow_graph=replay)
+            )
         if ran is not None:  # the graph's own argmax is the token: one read, no sampler
             (ids,) = self.reader.read(ran[1])
             if len(ids) == len(sampling):  # no drafts: a token each

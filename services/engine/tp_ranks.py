@@ -66,7 +66,7 @@ class RankStep:
     """One engine step as the other ranks run it: the same forward calls, in rank 0's order."""
 
     out: SchedulerOutput  # without what only sampling reads (prompts, outputs, parameters)
-    graph: bool  # rank 0 tried the decode graphs first
+    graph: bool  # the forward replays the decode graph (rank 0's choice: every rank's too)
     eager: bool  # no graph, hidden states kept (prompt scoring, a KV hand-off)
     score: dict[str, int]  # requests whose prompt logprobs follow the forward
 

@@ -151,9 +151,15 @@ def test_decode_graphs_are_built_on_every_rank_and_give_the_tokens_of_one(
         sampled = [o.token_ids for o in _generate(engine("qwen3-2kv", 2), prompts, params)]
         # every decode step of both batches (each prompt's first token comes from its prefill)
         assert runner.forwards.graph - before == GREEDY.max_tokens - 1 + params.max_tokens - 1
+        # rank 0 without its graphs (release_kv_cache drops them): it decides each step's
+        # path and sends it, so the others run eagerly too, their graphs unused
+        # (3 rows: a padded bucket of 4 on a rank that replays, 3 rows on one that does not)
+        runner.graphs = None
+        again = [o.token_ids for o in _generate(engine("qwen3-2kv", 2), prompts[:3], GREEDY)]
+        alone = [o.token_ids for o in _generate(engine("qwen3-2kv", 1), prompts[:3], GREEDY)]
     finally:
-        runner.graphs = None  # rank 0 only: its steps take the plain path again, and so do theirs
-    assert got == want
+        runner.graphs = None
+    assert got == want and again == alone
     assert sampled == [o.token_ids for o in _generate(engine("qwen3-2kv", 1), prompts, params)]
 
 
