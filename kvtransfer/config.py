@@ -37,10 +37,11 @@ class SenderOptions:
     gloo_interface: str = ""  # network interface for Gloo (default: the route to the receiver)
     # pipeline granularity (whole layers, at least one per chunk) of a KV computed before send.
     # Each chunk costs each end ~0.1 ms of host work (a gather or scatter launch and an NCCL
-    # op), far more than a 32 MiB chunk's 0.09 ms on an NVLink: between two H200s (2026-11-29,
-    # docs/benchmarks.md) an 8B KV of 1024 / 4096 tokens took 2.1 / 5.1 ms in 32 MiB chunks and
-    # 1.6 / 3.2 ms in one. So a KV of up to 1 GiB (~7,800 tokens of an 8B model) goes whole
-    chunk_bytes: int = 1 << 30
+    # op): between two H200s an 8B KV of 1024 / 4096 tokens took 2.1 / 5.1 ms in 32 MiB chunks
+    # and 1.6 / 3.2 ms in one (2026-11-29), while 64-128 MiB chunks had beaten one chunk at
+    # 4096 tokens (2.4 against 2.7 ms, 2026-11-22; docs/benchmarks.md W5). 128 MiB: one chunk
+    # up to 1024 tokens of an 8B model, a few beyond
+    chunk_bytes: int = 128 << 20
     # the same for a KV streamed out layer by layer as prefill writes it (send with ready=):
     # what is left to ship after the last layer is written is one chunk, so keep it small
     streaming_chunk_bytes: int = 8 << 20

@@ -35,8 +35,9 @@ _POLL_FINE_S = 0.05
 _POLL_MAX_S = 1e-3
 # a wait whose end nothing is waiting on (a streamed chunk before the last): each wake takes
 # the GIL from the engine thread of the same process, and 10 us sleeps all through a prefill
-# made a Python loop beside it 1.5-2.8x slower (CPU, kvtransfer/bench/poll_cost.py)
-COARSE_POLL_S = 0.5e-3
+# made a Python loop beside it much slower (kvtransfer/bench/poll_cost.py). 0.1 ms: a chunk
+# still arriving as the last layer is computed is noticed at most that late
+COARSE_POLL_S = 0.1e-3
 _ALIVE_CHECK_S = 0.01
 _PR_SET_TIMERSLACK = 29
 

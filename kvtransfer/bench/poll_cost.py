@@ -63,7 +63,7 @@ def measure(steps: int, pauses: list[float], precise: bool = True) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--pauses", type=float, nargs="+", default=[10e-6, 0.5e-3])
+    ap.add_argument("--pauses", type=float, nargs="+", default=[10e-6, 0.1e-3, 1e-3])
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

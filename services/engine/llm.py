@@ -77,12 +77,15 @@ class LLM:
         self._closed = False
 
     def close(self) -> None:
-        """Stop the engine's other tensor-parallel ranks and give its KV pool and decode graphs
-        back to the GPU at once, whatever still refers to this object (an engine made next in
-        the same process sizes its pool from the memory free then). The LLM cannot generate
-        after this."""
+        """Stop the engine's other tensor-parallel ranks and give its KV pools (a draft
+        model's too) and decode graphs back to the GPU at once, whatever still refers to this
+        object (an engine made next in the same process sizes its pool from the memory free
+        then). The LLM cannot generate after this."""
         self.engine.close()
         self.engine.runner.release_kv_cache()
+        draft = getattr(self.engine.proposer, "runner", None)  # a draft model's own pool
+        if draft is not None:
+            draft.release_kv_cache()
         self._closed = True
 
     def _check_open(self) -> None:
