@@ -16,14 +16,17 @@ def _pin_gpus(args: argparse.Namespace) -> None:
     """A worker on ``--device cuda:N`` sees its GPUs only (services.device_pin), before torch."""
     import os
 
-    from services.device_pin import pin_device
+    from services.device_pin import gpu_count, pin_device
 
     device = getattr(args, "device", None)
     if device is None:  # parsed without the engine flags: nothing to pin
         return
-    args.device, visible = pin_device(device, getattr(args, "tensor_parallel_size", 1), os.environ)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    args.device, visible = pin_device(device, tp, os.environ, gpu_count())
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        print(f"tandem {args.command}: --device {device}: this worker sees only GPU "
+              f"{visible} (CUDA_VISIBLE_DEVICES), as {args.device}", file=sys.stderr)  # fmt: skip
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -72,6 +72,7 @@ def up(model: str, flags: list[str], expected: list[str], kill: bool) -> None:
             if m := READY.match(line.strip()):
                 ready.append((m.group(1), m.group(3)))
                 got_ready.set()
+        got_ready.set()  # `tandem up` exited: no need to wait out READY_S
 
     threading.Thread(target=read, daemon=True).start()
     got_ready.wait(READY_S)
