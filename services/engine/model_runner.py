@@ -354,8 +354,9 @@ class ModelRunner:
         )
         return StepInputs(d64[0], d64[1], meta, d64[3], first.tolist())
 
-    def _graph_bucket(self, out: SchedulerOutput) -> int | None:
-        """The captured batch size that would replay this step, or None: no graph fits it."""
+    def _graph_bucket(self, out: SchedulerOutput) -> tuple[int, int] | None:
+        """The captured batch size that would replay this step and its widest block table, or
+        None: no graph fits it."""
         graphs, reqs = self.graphs, out.requests
         # a decode with drafts is one row per token: row j attends to the positions up to its
         # own (the drafts before it are written by the same step, before any attention reads)
@@ -363,21 +364,20 @@ class ModelRunner:
             return None
         if any(r.images and r.start_pos < max(im.end for im in r.images) for r in reqs):
             return None  # an image token (a one-token final chunk): its embedding, 3-D position
-        b = graphs.bucket(out.num_tokens)
-        if b is None or graphs.max_blocks < self._max_blocks(out):
+        b, W = graphs.bucket(out.num_tokens), self._max_blocks(out)
+        if b is None or graphs.max_blocks < W:
             return None
-        return b
+        return b, W
 
     def _graph_forward(
         self, out: SchedulerOutput, dev_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode-only step through its captured graph: (logits [n, V], argmax [n]) of every
         row; None when no graph fits the step. ``dev_ids``: as :meth:`prepare`'s."""
-        graphs, reqs = self.graphs, out.requests
-        b = self._graph_bucket(out)
-        if graphs is None or b is None:
+        graphs, reqs, fit = self.graphs, out.requests, self._graph_bucket(out)
+        if graphs is None or fit is None:
             return None
-        n, W = out.num_tokens, self._max_blocks(out)
+        (b, W), n = fit, out.num_tokens
         plan = None
         if self.lora is not None:  # the step's adapters made resident, their rows in segments
             plan = self.lora.plan([(r.sampling_params.lora_name, r.num_new_tokens) for r in reqs])
@@ -618,8 +618,11 @@ class ModelRunner:
         )
         # prompt logprobs to score, embeddings to pool: the hidden states are kept
         eager = bool(score) or any(r.pooling is not None for r in out.requests)
-        # whether the forward replays a decode graph: decided here once, for every rank
-        replay = not eager and layers is None and self._graph_bucket(out) is not None
+        # with other ranks, whether the forward replays a decode graph is decided here once, for
+        # all of them (alone, the forward tries the graphs itself)
+        replay = self.ranks is None or (
+            not eager and layers is None and self._graph_bucket(out) is not None
+        )
         with self._collective():
             if self.ranks is not None:  # the other ranks make the same forward calls (follow)
                 no_graph = eager or layers is not None
