@@ -30,7 +30,7 @@ RECEIVER_RANK = 1
 _TAG = 17  # one ordered stream per pair; chunk k of a transfer uses _TAG + k
 # NCCL completion polling: fine-grained for as long as a streamed chunk may take to come (the
 # receiver notices the last chunk that much later), then backing off
-_POLL_S = 10e-6
+POLL_S = 10e-6
 _POLL_FINE_S = 0.05
 _POLL_MAX_S = 1e-3
 # a wait whose end nothing is waiting on (a streamed chunk before the last): each wake takes
@@ -133,7 +133,7 @@ class PairChannel:
         deadline: float,
         what: str = "recv",
         alive: Callable[[], bool] | None = None,
-        pause: float = _POLL_S,
+        pause: float = POLL_S,
     ) -> None:
         """Wait for a posted work; raises ChannelError if it failed, the deadline passed or
         (NCCL, checked every few ms) ``alive()`` turned False: NCCL never notices a dead peer.
@@ -173,7 +173,7 @@ class PairChannel:
 
     def _complete(
         self, work: Any, deadline: float, what: str, alive: Callable[[], bool] | None = None,
-        pause: float = _POLL_S,
+        pause: float = POLL_S,
     ) -> None:  # fmt: skip
         error = ""
         try:

@@ -45,6 +45,7 @@ from kvtransfer.grants import CLAIMED, GrantTable
 from kvtransfer.landing import BlockWriter, Landing
 from kvtransfer.layout import KvLayout
 from kvtransfer.pair import COARSE_POLL_S, RECEIVER_RANK, PairChannel, precise_sleeps
+from kvtransfer.pair import POLL_S as NCCL_POLL_S
 from kvtransfer.results import CounterBox, TransferResult
 from kvtransfer.shared_pool import export_fence, export_pool, open_event
 from kvtransfer.staging import DeviceIds, HostStaging
@@ -72,7 +73,6 @@ from kvtransfer.wire import (
 log = logging.getLogger(__name__)
 # waiting for a cuda_ipc sender's copies: finely for the first 5 ms, then backing off
 _POLL_S, _POLL_FINE_S, _POLL_MAX_S = 20e-6, 5e-3, 200e-6
-_CHUNK_POLL_S = 10e-6  # waiting for a transfer's last chunk (the NCCL channel's own default)
 
 
 @dataclass
@@ -462,7 +462,7 @@ class ReceiverPair:
         for k in range(n):
             # only the last chunk's landing is waited on by anyone (the decode side, as soon as
             # it is written): the others are polled coarsely, off the engine thread's GIL
-            pause = _CHUNK_POLL_S if k == n - 1 else COARSE_POLL_S
+            pause = NCCL_POLL_S if k == n - 1 else COARSE_POLL_S
             with on_stream(ctx.stream):  # orders the writes after the receive
                 channel.wait(works.pop(k), deadline, alive=self._sender_quiet, pause=pause)
             if sums is not None:
