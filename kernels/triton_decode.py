@@ -53,7 +53,7 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, F16_READ: tl.constexpr,
+    USE_PDL: tl.constexpr, F16_READ: tl.constexpr, KEY_ROWS: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -81,7 +81,11 @@ def _decode_kernel(
     table = bt_ptr + b.to(tl.int64) * s_btb
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if KEY_ROWS:  # transposed products: the keys (values) are the dot's first operand
+        q_t = tl.trans(q)  # [BLOCK_D, BLOCK_G]
+        acc_t = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
@@ -89,21 +93,38 @@ def _decode_kernel(
         off = pos % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = k_ptr + blk * s_kn + off * s_kb + kvh * s_kh
+        v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
         # an FP8 cache is read in q's dtype (exact: every e4m3 value is a bf16/fp16 value)
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
-        if not F16_READ:
-            s = s * scale_log2e
-        s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
-        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+        if KEY_ROWS:
+            s_t = mma(k, q_t, DOT_UPCAST, DOT_PRECISION)  # [BLOCK_N, BLOCK_G]
+            if not F16_READ:
+                s_t = s_t * scale_log2e
+            s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p_t = tl.math.exp2(s_t - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            vt_ptrs = v_rows[None, :] + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
+            v_t = tl.load(vt_ptrs, mask=tl.trans(kv_mask), other=0.0).to(q.dtype)
+            pv = mma(v_t, p_t.to(v_t.dtype), DOT_UPCAST, DOT_PRECISION)
+            acc_t = acc_t * alpha[None, :] + pv
+        else:
+            s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
+            if not F16_READ:
+                s = s * scale_log2e
+            s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         m_i = m_new
+    if KEY_ROWS:
+        acc = tl.trans(acc_t)
 
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -189,6 +210,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     f16_read: bool | None = None,
+    key_rows: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton version of :func:`kernels.attention.ref_paged_decode_attention`.
@@ -255,7 +277,7 @@ def paged_decode_attention(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype) and not f16_read,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-        F16_READ=f16_read, **pdl(device, batch),
+        F16_READ=f16_read, KEY_ROWS=bool(key_rows), **pdl(device, batch),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(batch, hq)](

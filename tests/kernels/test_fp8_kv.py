@@ -144,12 +144,14 @@ def test_an_fp8_cache_read_as_fp16_or_bf16_matches_the_reference(dtype: torch.dt
     lens = torch.tensor(MIXED_LENS, dtype=torch.int32, device=device)
     ref = ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
     assert torch.isfinite(ref).all()
-    outs = [
+    outs = [  # each read, with the scores as [group, keys] tiles and as [keys, group] ones
         paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, 32**-0.5, num_splits=num_splits, f16_read=f16
+            q, k_cache, v_cache, tables, lens, 32**-0.5, num_splits=num_splits, f16_read=f16,
+            key_rows=rows,
         )
         for f16 in (False, True)
-    ]
+        for rows in (False, True)
+    ]  # fmt: skip
     for out in outs:
         assert out.dtype == dtype
         assert_matches(out, ref)
