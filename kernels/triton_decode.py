@@ -42,6 +42,12 @@ MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 64  # one tile of keys: batch-1 8B decode at context 1024, 2048-token table,
 # 0.07 ms a step faster than with 256 (H100; 128: 0.04, 32: no gain)
 LOG2E = 1.4426950408889634
+# registers a thread for the FP8 cache's kernel: uncapped it takes 197 (the e4m3 tiles converted
+# to fp16 in registers), so two programs fit on a multiprocessor and it issues too few
+# instructions to keep the loads coming (ncu, H200: 12.5% occupancy, 46% of DRAM bandwidth);
+# capped at 128, 0.224 -> 0.190 ms at 224 sequences x 1100 keys (H200; 168: 0.188, but no gain
+# at 64 x 4096: 0.232 -> 0.230 against 0.191 with 128). A 16-bit cache's kernel takes 93.
+FP8_MAX_REGISTERS = 128
 
 
 # per-step values and index arrays: not specialized, so no step compiles a new kernel
@@ -53,7 +59,7 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, F16_READ: tl.constexpr, KEY_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr, F16_READ: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -81,11 +87,7 @@ def _decode_kernel(
     table = bt_ptr + b.to(tl.int64) * s_btb
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    if KEY_ROWS:  # transposed products: the keys (values) are the dot's first operand
-        q_t = tl.trans(q)  # [BLOCK_D, BLOCK_G]
-        acc_t = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
@@ -93,38 +95,21 @@ def _decode_kernel(
         off = pos % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = k_ptr + blk * s_kn + off * s_kb + kvh * s_kh
-        v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
         # an FP8 cache is read in q's dtype (exact: every e4m3 value is a bf16/fp16 value)
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if KEY_ROWS:
-            s_t = mma(k, q_t, DOT_UPCAST, DOT_PRECISION)  # [BLOCK_N, BLOCK_G]
-            if not F16_READ:
-                s_t = s_t * scale_log2e
-            s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p_t = tl.math.exp2(s_t - m_safe[None, :])
-            l_i = l_i * alpha + tl.sum(p_t, 0)
-            vt_ptrs = v_rows[None, :] + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
-            v_t = tl.load(vt_ptrs, mask=tl.trans(kv_mask), other=0.0).to(q.dtype)
-            pv = mma(v_t, p_t.to(v_t.dtype), DOT_UPCAST, DOT_PRECISION)
-            acc_t = acc_t * alpha[None, :] + pv
-        else:
-            s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
-            if not F16_READ:
-                s = s * scale_log2e
-            s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+        s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
+        if not F16_READ:
+            s = s * scale_log2e
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
+        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         m_i = m_new
-    if KEY_ROWS:
-        acc = tl.trans(acc_t)
 
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -210,7 +195,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     f16_read: bool | None = None,
-    key_rows: bool | None = None,
+    max_registers: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton version of :func:`kernels.attention.ref_paged_decode_attention`.
@@ -220,9 +205,10 @@ def paged_decode_attention(
     ``f16_read`` (default: on for an FP8 cache and bf16 queries) converts the e4m3 keys and
     values to fp16, not to q's bf16, with the softmax scale folded into q: on an H200 0.224
     against 0.243 ms at 224 sequences x 1100 keys, 0.231 against 0.282 ms at 64 x 4096
-    (``python -m kernels.bench.tune decode fp8 graph b64 w1``). Even so an FP8 cache is read at
-    ~54% of the copy bandwidth where a bf16 one reaches ~95%: the kernel is bound by the work per
-    key, not by its bytes.
+    (``python -m kernels.bench.tune decode fp8 graph b64 w1``). ``max_registers`` caps the
+    registers a thread (default: :data:`FP8_MAX_REGISTERS` for an FP8 cache on a GPU, else none;
+    0: none): with the cap an FP8 cache is read at ~63-66% of the copy bandwidth on an H200,
+    ~53-55% without, where a bf16 one reaches ~95%.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
@@ -246,6 +232,10 @@ def paged_decode_attention(
         f16_read = fp8 and q.dtype == torch.bfloat16
     if f16_read and not fp8:
         raise ValueError("f16_read reads an FP8 cache; this one is " + str(k_cache.dtype))
+    if max_registers is None:
+        max_registers = FP8_MAX_REGISTERS if fp8 and device.type == "cuda" else 0
+    if max_registers < 0:
+        raise ValueError(f"max_registers must be 0 (no cap) or more, got {max_registers}")
     if num_splits is None:
         num_splits = choose_num_splits(
             batch, hkv, block_tables.shape[1] * bs, device, k_cache.element_size()
@@ -277,7 +267,8 @@ def paged_decode_attention(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype) and not f16_read,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-        F16_READ=f16_read, KEY_ROWS=bool(key_rows), **pdl(device, batch),
+        F16_READ=f16_read, **pdl(device, batch),
+        **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(batch, hq)](

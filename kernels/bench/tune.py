@@ -7,9 +7,11 @@ it on a new GPU before changing them. Arguments: ``prefill`` or ``decode`` runs 
 ``graph`` times CUDA-graph replays, ``m64 m128 m256`` restrict the prefill sweep to tiles of
 those many rows (to split it over runs), ``fp8`` sweeps decode over an e4m3 KV cache (read as
 bf16 and as fp16: ``f16_read``), ``b1`` only its batch-1 case, ``b64`` only the batched ones,
-``w1`` adds W1's decode steps (224 sequences at 1100 tokens), ``keyrows`` times each decode
-configuration with ``key_rows`` too (the K and V tiles as the dots' first operand), ``quick``
-leaves 32-key tiles and 4 stages out of the decode sweep (they never led it), ``contig`` runs the whole-prompt
+``w1`` adds W1's decode steps (224 sequences at 1100 tokens), ``maxreg`` times each decode
+configuration uncapped and with the registers capped at 168 and 128 a thread (``max_registers``:
+more programs a multiprocessor), ``quick`` leaves
+32-key tiles, 4 stages and the FP8 cache's bf16 read out of the decode sweep (they never led it),
+``contig`` runs the whole-prompt
 cases as the engine does on a GPU (their new K/V contiguous, ``k_new``/``v_new``, and
 ``no_prefix``); the cases after a prefix stay paged, as there.
 
@@ -83,25 +85,23 @@ def tune_decode(copy_gbps: float) -> None:
             p.v_cache = p.v_cache.to(torch.float8_e4m3fn)
         args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
         splits = [None] if batch >= 64 else [None, 16, 24, 48, 64, 96, 128]
-        tiles = (32, 64, 128, 256) if fp8 else (32, 64, 128)
-        stage_counts = (2, 3, 4)
+        tiles: tuple[int, ...] = (32, 64, 128, 256) if fp8 else (32, 64, 128)
+        stage_counts: tuple[int, ...] = (2, 3, 4)
+        reads: tuple[bool, ...] = (False, True) if fp8 else (False,)
         if "quick" in sys.argv[1:]:
-            tiles, stage_counts = tiles[1:], (2, 3)
-        reads = (False, True) if fp8 else (False,)
-        orders = (False, True) if "keyrows" in sys.argv[1:] else (False,)
+            tiles, stage_counts, reads = tiles[1:], (2, 3), reads[-1:]
+        reg_caps: tuple[int | None, ...] = (0, 168, 128) if "maxreg" in sys.argv[1:] else (None,)
         rows = []
-        for block_n, warps, stages, s, f16, kr in itertools.product(
-            tiles, (4, 8), stage_counts, splits, reads, orders
+        for block_n, warps, stages, s, f16, regs in itertools.product(
+            tiles, (4, 8), stage_counts, splits, reads, reg_caps
         ):
             try:
-                fn = functools.partial(paged_decode_attention, *args, num_splits=s, block_n=block_n, num_warps=warps, num_stages=stages, f16_read=f16, key_rows=kr)  # fmt: skip
+                fn = functools.partial(paged_decode_attention, *args, num_splits=s, block_n=block_n, num_warps=warps, num_stages=stages, f16_read=f16, max_registers=regs)  # fmt: skip
                 ms = median_ms(fn)
             except Exception as exc:  # out of shared memory and the like
-                print(
-                    f"  skip block_n={block_n} warps={warps} stages={stages}: {type(exc).__name__}"
-                )
+                print(f"  skip block_n={block_n} warps={warps} stages={stages} max_registers={regs}: {type(exc).__name__}")  # fmt: skip
                 continue
-            rows.append((ms, block_n, warps, stages, s, f16, kr))
+            rows.append((ms, block_n, warps, stages, s, f16, regs))
         rows.sort()
         print(f"decode B={batch} ctx={ctx}" + (" fp8 KV" if fp8 else ""))
         ms = median_ms(functools.partial(paged_decode_attention, *args))
@@ -112,15 +112,14 @@ def tune_decode(copy_gbps: float) -> None:
                 ms = median_ms(functools.partial(paged_decode_attention, *args, f16_read=f16))
                 pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
                 print(f"  {ms:8.4f} ms {pct:5.1f}% copy  the launcher's tiles, f16_read={f16}")
-        for ms, block_n, warps, stages, s, f16, kr in rows[:8]:
+        for ms, block_n, warps, stages, s, f16, regs in rows[:8]:
             pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
-            print(f"  {ms:8.4f} ms {pct:5.1f}% copy  block_n={block_n} warps={warps} stages={stages} splits={s} f16_read={f16} key_rows={kr}")  # fmt: skip
-        if len(orders) > 1:  # each order's best, so the two compare even when one leads
-            for kr in orders:
-                best = next((r for r in rows if r[6] == kr), None)
-                if best is not None:
-                    pct = 100 * p.io_bytes() / best[0] / 1e6 / copy_gbps
-                    print(f"  best with key_rows={kr}: {best[0]:8.4f} ms {pct:5.1f}% copy {best[1:6]}")  # fmt: skip
+            print(f"  {ms:8.4f} ms {pct:5.1f}% copy  block_n={block_n} warps={warps} stages={stages} splits={s} f16_read={f16} max_registers={regs}")  # fmt: skip
+        for regs in reg_caps if len(reg_caps) > 1 else ():  # each cap's best, to compare
+            best = next((r for r in rows if r[6] == regs), None)
+            if best is not None:
+                pct = 100 * p.io_bytes() / best[0] / 1e6 / copy_gbps
+                print(f"  best with max_registers={regs}: {best[0]:8.4f} ms {pct:5.1f}% copy {best[1:6]}")  # fmt: skip
         del p, args
         torch.cuda.empty_cache()
 

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Decode attention over an FP8 KV cache (issue 20): the scores as [keys, heads] tiles
-# (key_rows: the converted K and V tiles are the dots' first operand) against [heads, keys].
-#   tests    the compiled decode-attention and FP8-KV kernel tests (key_rows included)
-#   tune     python -m kernels.bench.tune decode [fp8] graph b64 w1 keyrows quick: the tiles
-#            and both orders at batch 64 x 4096, 256 x 512 and W1's 224 x 1100, FP8 and bf16
+# Decode attention over an FP8 KV cache (issue 20): why it reads at about half the copy
+# bandwidth where a bf16 cache's reaches ~95%, and the register cap that helps.
+#   tests    the compiled decode-attention and FP8-KV kernel tests
+#   tune     python -m kernels.bench.tune decode [fp8] graph b64 w1 maxreg quick: the tiles,
+#            uncapped and with registers capped, at batch 64 x 4096, 256 x 512 and W1's
+#            224 x 1100 (TUNE_KV: fp8, bf16 or both)
 #   b1       the same at batch 1 x 32768 (split-K), FP8 and bf16
 #   profile  profile_step: W1's decode step (224 x 1100) with FP8 weights and FP8 KV, and with
 #            FP8 weights and a bf16 cache
+#   ncu      Nsight Compute on one decode-attention call at W1's shape (224 x 1100), FP8 cache
+#            (the default cap and none) and bf16: speed of light, memory, warp stalls, source counters; and
+#            the Triton IR and PTX of each variant (ncu.tgz)
 #   w1       W1 in bf16, FP8 weights, FP8 weights + FP8 KV, one process each (W1_ROUNDS times)
 # Needs .whl (device_wheels.sh). bash scripts/device/decode_fp8.sh tests,tune -> $OUT/*
 set -uo pipefail
@@ -21,10 +25,10 @@ if has tests; then
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.txt" | cut -c1-300 | tail -6
 fi
 if has tune; then
-  for kv in fp8 bf16; do
+  for kv in ${TUNE_KV:-fp8 bf16}; do
     echo "== tune $kv $(date +%T)"
     arg=""; [ "$kv" = fp8 ] && arg=fp8
-    timeout 300 python3 -m kernels.bench.tune decode $arg graph b64 w1 keyrows quick \
+    timeout 300 python3 -m kernels.bench.tune decode $arg graph b64 w1 maxreg quick \
       >"$out/tune-$kv.txt" 2>&1
     grep -E "^decode|default|best with|tiles" "$out/tune-$kv.txt" | tail -16
   done
@@ -33,10 +37,43 @@ if has b1; then
   for kv in fp8 bf16; do
     echo "== b1 $kv $(date +%T)"
     arg=""; [ "$kv" = fp8 ] && arg=fp8
-    timeout 200 python3 -m kernels.bench.tune decode $arg graph b1 keyrows quick \
+    timeout 200 python3 -m kernels.bench.tune decode $arg graph b1 maxreg quick \
       >"$out/b1-$kv.txt" 2>&1
     grep -E "^decode|default|best with|tiles" "$out/b1-$kv.txt" | tail -8
   done
+fi
+if has ncu; then
+  echo "== ncu $(date +%T)"
+  mkdir -p /tmp/ncu && export TRITON_CACHE_DIR=/tmp/ncu/cache
+  cat >/tmp/ncu/one.py <<'PY'
+import sys, torch
+from kernels.bench.cases import paged
+from kernels.triton_decode import paged_decode_attention
+kv, cap = sys.argv[1], (None if sys.argv[2] == "default" else 0)
+p = paged([1100] * 224)
+if kv == "fp8":
+    p.k_cache, p.v_cache = p.k_cache.to(torch.float8_e4m3fn), p.v_cache.to(torch.float8_e4m3fn)
+args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+for _ in range(3):
+    paged_decode_attention(*args, max_registers=cap)
+torch.cuda.synchronize()
+PY
+  for v in "fp8 default" "fp8 uncapped" "bf16 default"; do
+    tag=$(echo "$v" | tr ' ' '-')
+    timeout 120 ncu --clock-control none -k regex:_decode_kernel -s 2 -c 1 --set full \
+      --import-source yes --page details --print-details all \
+      python3 /tmp/ncu/one.py $v >"/tmp/ncu/$tag.txt" 2>&1
+    timeout 60 ncu --clock-control none -k regex:_decode_kernel -s 2 -c 1 --set full \
+      --page source --csv --print-source sass python3 /tmp/ncu/one.py $v \
+      >"/tmp/ncu/$tag-sass.csv" 2>&1
+    echo "-- $tag"
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Stall|Issue Slots Busy|Executed Ipc A" \
+      "/tmp/ncu/$tag.txt" | head -16
+  done
+  for f in $(find /tmp/ncu/cache -name "_decode_kernel.ttgir" -o -name "_decode_kernel.ptx"); do
+    cp "$f" "/tmp/ncu/$(basename "$(dirname "$f")" | cut -c1-12)-$(basename "$f")"
+  done
+  tar -czf "$out/ncu.tgz" -C /tmp/ncu --exclude cache .
 fi
 if has profile; then
   for kv in fp8 auto; do

@@ -144,17 +144,34 @@ def test_an_fp8_cache_read_as_fp16_or_bf16_matches_the_reference(dtype: torch.dt
     lens = torch.tensor(MIXED_LENS, dtype=torch.int32, device=device)
     ref = ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
     assert torch.isfinite(ref).all()
-    outs = [  # each read, with the scores as [group, keys] tiles and as [keys, group] ones
+    outs = [
         paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, 32**-0.5, num_splits=num_splits, f16_read=f16,
-            key_rows=rows,
+            q, k_cache, v_cache, tables, lens, 32**-0.5, num_splits=num_splits, f16_read=f16
         )
         for f16 in (False, True)
-        for rows in (False, True)
-    ]  # fmt: skip
+    ]
     for out in outs:
         assert out.dtype == dtype
         assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("max_registers", [0, 128])
+def test_a_register_cap_changes_nothing_but_speed(max_registers: int, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    # an FP8 cache's kernel runs with its registers capped on a GPU by default (more programs a
+    # multiprocessor); capped or not, it computes the same attention
+    k_cache, v_cache, tables = paged_kv(MIXED_LENS, 16, 2, 32, torch.float32, gen, device)
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    q = rand((len(MIXED_LENS), 8, 32), torch.bfloat16, gen, device)
+    lens = torch.tensor(MIXED_LENS, dtype=torch.int32, device=device)
+    ref = ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
+    for splits in (1, 3):
+        out = paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, 32**-0.5, num_splits=splits,
+            max_registers=max_registers,
+        )  # fmt: skip
+        assert_matches(out, ref)
+    with pytest.raises(ValueError, match="max_registers must be 0"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, max_registers=-1)
 
 
 def test_the_fp16_read_is_for_fp8_caches_only(gen: torch.Generator, device: torch.device) -> None:

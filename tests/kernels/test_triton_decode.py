@@ -30,14 +30,13 @@ def run_case(
     head_dim: int = 32,
     kv_heads: int = 2,
     num_splits: int | None = None,
-    key_rows: bool = False,
 ) -> None:
     k_cache, v_cache, tables = paged_kv(lens, block_size, kv_heads, head_dim, dtype, gen, device)
     q = rand((len(lens), kv_heads * group, head_dim), dtype, gen, device)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = paged_decode_attention(
-        q, k_cache, v_cache, tables, context_lens, scale, num_splits=num_splits, key_rows=key_rows
+        q, k_cache, v_cache, tables, context_lens, scale, num_splits=num_splits
     )
     ref = ref_paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
     assert out.shape == ref.shape and out.dtype == q.dtype
@@ -51,17 +50,6 @@ def test_mixed_lengths_gqa_and_split_k(
     dtype: torch.dtype, group: int, num_splits: int, gen: torch.Generator, device: torch.device, poison_empty: None
 ) -> None:  # fmt: skip
     run_case(MIXED_LENS, group, dtype, gen, device, num_splits=num_splits)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("group", "num_splits"), [(1, 1), (4, 3), (6, 2)])
-def test_keys_as_the_first_operand(
-    dtype: torch.dtype, group: int, num_splits: int, gen: torch.Generator, device: torch.device, poison_empty: None
-) -> None:  # fmt: skip
-    # ``key_rows``: the scores as [keys, heads] tiles (K @ q^T, then V^T @ P^T), so the K and V
-    # tiles are the dots' first operand: the same attention
-    run_case(MIXED_LENS, group, dtype, gen, device, num_splits=num_splits, key_rows=True)
-    run_case([5, 33], group, dtype, gen, device, head_dim=24, kv_heads=1, key_rows=True)
 
 
 @pytest.mark.parametrize(("block_size", "head_dim"), [(8, 16), (16, 64), (32, 32)])

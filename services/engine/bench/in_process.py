@@ -22,6 +22,8 @@ from services.engine.bench import hf_peer
 from services.engine.bench.hf_peer import random_prompts
 from services.engine.llm import config_from_args
 from services.engine.llm_engine import LLMEngine
+from services.engine.quantization.base import QuantLinear
+from services.engine.quantization.fp8 import Fp8Linear
 
 PEER_BATCH_SIZES = (1, 64, 256)  # --compare-transformers without --batch-sizes
 
@@ -130,22 +132,40 @@ def hf_twin(engine: LLMEngine) -> Any:
 def floor_seconds(
     engine: LLMEngine, n: int, inp: int, out: int, ceilings: Ceilings | None = None
 ) -> float | None:
-    """Napkin floor (targets.md): prefill FLOPs at the GPU's bf16 matmul rate + decode bytes at
-    its copy bandwidth (``ceilings``, by default :func:`device_ceilings`: 780 TFLOP/s and 3 TB/s
-    on an H100); None off a GPU."""
+    """Napkin floor (targets.md): prefill FLOPs at the GPU's matmul rate + decode bytes at its
+    copy bandwidth (``ceilings``, by default :func:`device_ceilings`: 780 TFLOP/s and 3 TB/s on
+    an H100); None off a GPU. FP8 layers multiply at twice the bf16 rate (the FP8 tensor cores'
+    rate; INT4 ones are dequantized and multiply at the bf16 rate) and a decode step reads the
+    weights as they are stored (:func:`_weight_bytes`) and the KV cache in its own dtype."""
     if engine.runner.device.type != "cuda":
         return None
     c = ceilings or device_ceilings()
     a = engine.runner.arch
-    params = sum(p.numel() for p in engine.runner.model.parameters()) - a.vocab_size * a.hidden_size
-    active = params  # a token's FLOPs; a decode step still reads every expert some token picked
-    if a.moe is not None:
+    model = engine.runner.model
+    fp8 = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Fp8Linear))
+    other = sum(
+        m.in_features * m.out_features
+        for m in model.modules()
+        if isinstance(m, QuantLinear) and not isinstance(m, Fp8Linear)
+    )
+    # a token's multiply-adds: the float weights but the embedding table, and the quantized
+    params = sum(p.numel() for p in model.parameters()) - a.vocab_size * a.hidden_size + other
+    if a.moe is not None:  # a token's experts only (a decode step reads every expert picked)
         expert = 3 * a.hidden_size * a.moe.intermediate_size
-        active -= len(a.moe.layers) * (a.moe.num_experts - a.moe.top_k) * expert
-    flops = 2 * active * n * inp + 4 * a.num_layers * a.num_heads * a.head_dim * n * inp * inp / 2
-    kv_tok = a.kv_bytes_per_token(2)
-    decode = sum((2 * params + n * kv_tok * (inp + s)) for s in range(out - 1))
+        params -= len(a.moe.layers) * (a.moe.num_experts - a.moe.top_k) * expert
+    attention = 4 * a.num_layers * a.num_heads * a.head_dim * n * inp * inp / 2
+    flops = 2 * params * n * inp + attention + 2 * fp8 * n * inp / 2  # FP8 at twice the rate
+    weights = _weight_bytes(model) - a.vocab_size * a.hidden_size * _embedding_bytes(model)
+    kv_tok = a.kv_bytes_per_token(engine.runner.kv_dtype.itemsize)
+    decode = sum((weights + n * kv_tok * (inp + s)) for s in range(out - 1))
     return flops / c.bf16_flops_per_s + decode / c.copy_bytes_per_s
+
+
+def _embedding_bytes(model: Any) -> int:
+    """Bytes of one element of the embedding table (a decode step reads only its tokens' rows)."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    return weight.element_size() if weight is not None else 2
 
 
 def main_offline(args: argparse.Namespace) -> int:
@@ -220,7 +240,7 @@ def main_latency(args: argparse.Namespace) -> int:
     rows = []
     a = engine.runner.arch
     weight_bytes = _weight_bytes(engine.runner.model)
-    weight_bytes -= a.vocab_size * a.hidden_size * engine.runner.model.lm_head.weight.element_size()
+    weight_bytes -= a.vocab_size * a.hidden_size * _embedding_bytes(engine.runner.model)
     ceilings = device_ceilings() if engine.runner.device.type == "cuda" else None
     for bs in args.batch_sizes:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)
@@ -265,7 +285,7 @@ def main_latency(args: argparse.Namespace) -> int:
         med = times[len(times) // 2]
         graph_ms = _graph_replay_ms(engine, bs)
         context = sum(contexts) / len(contexts)
-        kv = bs * a.kv_bytes_per_token(engine.runner.model.lm_head.weight.element_size()) * context
+        kv = bs * a.kv_bytes_per_token(engine.runner.kv_dtype.itemsize) * context
         floor = (weight_bytes + kv) / ceilings.copy_bytes_per_s if ceilings else None
         rows.append({"batch": bs, "context": args.input_len, "mean_context": context,
                      "steps": len(times), "step_ms": med * 1e3, "graph_replay_ms": graph_ms,
