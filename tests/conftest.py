@@ -25,7 +25,7 @@ PROCESSES = "processes"
 
 # Modules whose tests start real serving processes: the users of the `fleet` fixture
 # (tests/services/procs.py; test_the_serving_modules_are_all_listed keeps this list complete),
-# and those that start `tandem up` or `tandem bench disagg` themselves.
+# and those that start `tandem up`, `tandem bench disagg` or workers of their own.
 SERVING_MODULES = frozenset(
     {
         "tests/deploy/bench/test_disagg.py",
@@ -42,6 +42,7 @@ SERVING_MODULES = frozenset(
         "tests/gateway/test_e2e_structured.py",
         "tests/gateway/test_e2e_vision.py",
         "tests/protos/test_auth.py",
+        "tests/services/common/test_runtime.py",
         "tests/services/common/test_server.py",
         "tests/services/decode/test_server.py",
         "tests/services/prefill/test_server.py",

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -331,6 +331,20 @@ def gil_switch_interval() -> None:
     sys.setswitchinterval(ms / 1000)
 
 
+def exit_now(code: int) -> NoReturn:
+    """Leave after a fatal engine error (a tensor-parallel rank died), skipping Python's own
+    teardown. The engine thread may still wait on the device in a collective whose peer is gone
+    (NCCL does not notice a dead peer), and a stop hook (a KV channel's shutdown) on it: the
+    teardown would then wait too, ``asyncio.run`` joining its executor's threads (for ever on
+    Python 3.11, five minutes on 3.12) and the CUDA and NCCL destructors the device. By now
+    every request was answered, the server stopped and the other ranks were killed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def run_worker(
     args: argparse.Namespace, build: Callable[[WorkerRuntime], list[str]], role: Role
 ) -> int:
@@ -348,7 +362,10 @@ def run_worker(
 
     async def main(config: WorkerConfig) -> int:  # the server is created on the loop that runs it
         runtime = WorkerRuntime(config)
-        return await runtime.serve(build(runtime))
+        code = await runtime.serve(build(runtime))
+        if runtime.fatal:
+            exit_now(code)
+        return code
 
     try:
         from services.engine.llm import config_from_args

@@ -1,19 +1,25 @@
 """The worker process's GIL switch interval, from ``TANDEM_SWITCH_INTERVAL_MS``; its port
-checks and start-up errors."""
+checks and start-up errors; its exit after a tensor-parallel rank died."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from deploy.procfs import descendants
 from services.common.runtime import SERVER_OPTIONS, SWITCH_INTERVAL_ENV, gil_switch_interval
 from services.config import ConfigError
+from tests.services.engine.conftest import tiny_checkpoint
+from tests.services.procs import Fleet
 
 
 @pytest.fixture(autouse=True)
@@ -95,3 +101,69 @@ def test_a_missing_model_is_an_error_on_stderr(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "error: model" in done.stderr and "not found" in done.stderr
     assert "error" not in done.stdout
+
+
+# a sitecustomize for the worker process alone (its follower ranks have the parent pid in their
+# environment): the decode role's stop hook that shuts the KV receiver down never returns, as
+# one waiting on the device for a peer that is gone would
+STOP_HOOK_HANGS = """
+import os, sys, time
+from importlib.machinery import PathFinder
+if not os.environ.get("TANDEM_TP_PARENT_PID"):
+    class Finder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name != "services.decode.server":
+                return None
+            spec = PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+            def exec_module(module):
+                run(module)
+                def stop_receiver(self):
+                    open(os.environ["HANG_FLAG"], "w").close()
+                    while True:
+                        time.sleep(1)
+                module.DecodeServicer.stop_receiver = stop_receiver
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_whose_rank_died_exits_though_a_stop_hook_hangs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill -9 of a decode worker's follower rank: the worker fails, stops its server, gives
+    each stop hook 5 s and exits with status 1, though a hook never returns. Before, Python's
+    teardown joined the hung hook's thread (``asyncio.run``: for ever on 3.11), and the worker
+    never exited; `tandem up` could neither stop nor restart it."""
+    model = tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=2, hidden_size=64,
+                            num_attention_heads=8, num_key_value_heads=2, intermediate_size=96)  # fmt: skip
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STOP_HOOK_HANGS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("HANG_FLAG", str(tmp_path / "hung"))
+    fleet = Fleet(tmp_path / "fleet")
+    try:
+        proc = fleet.start("decode", "--model", str(model), "--device", "cpu", "--dtype",
+                           "float32", "--tensor-parallel-size", "2")  # fmt: skip
+        followers = [
+            pid for pid in descendants(proc.pid)
+            if b"services.engine.tp_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]  # fmt: skip
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            code = proc.popen.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the worker did not exit:\n" + proc.log_path.read_text()[-2000:])
+        log = proc.log_path.read_text()
+        print(f"the worker exited {time.monotonic() - killed:.1f} s after its rank's kill")
+        assert (tmp_path / "hung").exists(), log[-2000:]  # the hook ran, and hung
+        assert code == 1, log[-2000:]
+        assert "tensor-parallel rank 1 exited with status -9; the worker exits" in log
+    finally:
+        fleet.close()
