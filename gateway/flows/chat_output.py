@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from gateway.flows import reasoning, tool_parsers
 from gateway.flows.reasoning import ReasoningParser, ReasoningStream
-from gateway.flows.tool_parsers import ToolCall, ToolParser, ToolStream, as_tool_call
+from gateway.flows.tool_parsers import ToolCall, ToolParser, ToolStream
 from gateway.flows.tools import ToolPlan
 from protos.errors import ConfigError
 
@@ -48,28 +48,103 @@ def _call_json(call: ToolCall, call_id: str) -> dict[str, Any]:
 
 class _ArrayCalls:
     """``tool_choice: required``: the grammar makes the output a JSON array of
-    ``{"name", "arguments"}``; each element is a call once its object is complete."""
+    ``{"name", "arguments"}`` objects. A call is announced as soon as its name has been read, and
+    its arguments stream as they are generated (their JSON text as the model wrote it, as a named
+    function's do), so a stream and the whole message agree, also for an output cut short inside
+    a call. :meth:`feed` returns ``("call", name)`` and ``("arguments", text)`` events."""
 
     def __init__(self) -> None:
         self.text = ""
-        self._pos = 0
-        self._decoder = json.JSONDecoder()
+        self._depth = 0  # arrays and objects open: 1 in the array, 2 in a call object
+        self._in_string = False
+        self._escaped = False
+        self._token: list[str] | None = None  # a string read at depth 2 (a key or the name)
+        self._expect_key = False
+        self._key: str | None = None  # the key whose value is read at depth 2
+        self._named = False  # the current call's name was read (and announced)
+        self._in_arguments = False
+        self._arguments_begun = False
+        self._held: list[str] = []  # arguments' whitespace outside strings, until more follows
+        self._pending: list[str] = []  # arguments read before the name
 
-    def feed(self, delta: str) -> list[ToolCall]:
+    def feed(self, delta: str) -> list[tuple[str, str]]:
         self.text += delta
-        calls: list[ToolCall] = []
-        while True:
-            i = self._pos
-            while i < len(self.text) and self.text[i] in " \t\r\n,[":
-                i += 1
-            try:
-                value, end = self._decoder.raw_decode(self.text, i)
-            except json.JSONDecodeError:
-                return calls
-            self._pos = end
-            call = as_tool_call(value)
-            if call is not None:
-                calls.append(call)
+        events: list[tuple[str, str]] = []
+        for ch in delta:
+            if self._in_arguments and self._argument_char(ch, events):
+                continue
+            self._structure_char(ch, events)
+        return events
+
+    def _string_char(self, ch: str) -> None:
+        if self._escaped:
+            self._escaped = False
+        elif ch == "\\":
+            self._escaped = True
+        elif ch == '"':
+            self._in_string = False
+
+    def _argument_char(self, ch: str, events: list[tuple[str, str]]) -> bool:
+        """Take ``ch`` into the arguments; False when it ends them (a comma or the call's brace)."""
+        if self._in_string:
+            self._string_char(ch)
+        elif ch.isspace():
+            if self._arguments_begun:
+                self._held.append(ch)
+            return True
+        elif self._depth == 2 and ch in ",}":
+            self._in_arguments = False
+            self._held.clear()
+            return False
+        elif ch in "{[":
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+        elif ch == '"':
+            self._in_string = True
+        self._arguments_begun = True
+        text = "".join(self._held) + ch
+        self._held.clear()
+        if self._named:
+            events.append(("arguments", text))
+        else:
+            self._pending.append(text)
+        return True
+
+    def _structure_char(self, ch: str, events: list[tuple[str, str]]) -> None:
+        if self._in_string:
+            self._string_char(ch)
+            if self._token is not None:
+                if self._in_string:
+                    self._token.append(ch)
+                else:
+                    self._string_read(json.loads('"' + "".join(self._token) + '"'), events)
+                    self._token = None
+            return
+        if ch == '"':
+            self._in_string = True
+            self._token = [] if self._depth == 2 else None
+        elif ch in "{[":
+            self._depth += 1
+            if self._depth == 2 and ch == "{":  # a call begins
+                self._expect_key, self._key, self._named = True, None, False
+                self._pending.clear()
+        elif ch in "}]":
+            self._depth -= 1
+        elif self._depth == 2 and ch == ",":
+            self._expect_key = True
+        elif self._depth == 2 and ch == ":" and self._key == "arguments":
+            self._in_arguments, self._arguments_begun = True, False
+
+    def _string_read(self, value: str, events: list[tuple[str, str]]) -> None:
+        if self._expect_key:
+            self._key, self._expect_key = value, False
+        elif self._key == "name" and not self._named:
+            self._named = True
+            events.append(("call", value))
+            if self._pending:
+                events.append(("arguments", "".join(self._pending)))
+                self._pending.clear()
 
 
 class ChoiceOutput:
@@ -87,6 +162,7 @@ class ChoiceOutput:
             plan.parser.stream() if choice == "auto" and plan.parser is not None else None
         )
         self._array = _ArrayCalls() if choice == "required" else None
+        self._array_full = False
         self._named_id: str | None = None
         self._content: list[str] = []
         self._held = ""  # auto: whitespace not streamed yet (see _content_delta)
@@ -110,6 +186,8 @@ class ChoiceOutput:
             if self._held and not self.tool_calls:  # plain text after all: all of it
                 deltas.append({"content": self._held})
             self._held = ""
+        if self._array is not None and not self.tool_calls and self._array.text:
+            deltas += self._content_delta(self._array.text)  # cut short before a call's name
         return deltas
 
     def _with_reasoning(self, reasoning: str, content: str) -> list[Delta]:
@@ -123,7 +201,7 @@ class ChoiceOutput:
         if self._choice == "function":
             return self._named_arguments(text)
         if self._array is not None:
-            return self._calls(self._array.feed(text))
+            return self._array_deltas(self._array.feed(text))
         if self._auto is not None:
             step = self._auto.feed(text)
             return self._content_delta(step.content) + self._calls(step.tool_calls)
@@ -158,6 +236,25 @@ class ChoiceOutput:
             deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
         return deltas
 
+    def _array_deltas(self, events: list[tuple[str, str]]) -> list[Delta]:
+        deltas: list[Delta] = []
+        for kind, value in events:
+            if self._array_full:
+                break
+            if kind == "call":
+                if self.tool_calls and self.plan.tools is not None and not self.plan.tools.parallel:
+                    self._array_full = True  # parallel_tool_calls false: the first call only
+                    break
+                call, call_id = ToolCall(value, ""), _call_id()
+                self.tool_calls.append(_call_json(call, call_id))
+                index = len(self.tool_calls) - 1
+                deltas.append({"tool_calls": [{"index": index, **_call_json(call, call_id)}]})
+            else:
+                self.tool_calls[-1]["function"]["arguments"] += value
+                index = len(self.tool_calls) - 1
+                deltas.append({"tool_calls": [{"index": index, "function": {"arguments": value}}]})
+        return deltas
+
     def _calls(self, calls: tuple[ToolCall, ...] | list[ToolCall]) -> list[Delta]:
         deltas = []
         for call in calls:
@@ -176,8 +273,6 @@ class ChoiceOutput:
         self.feed(text)
         self.finish()
         content = "".join(self._content)
-        if self._choice == "required" and not self.tool_calls:
-            content = self._array.text if self._array is not None else content  # cut short
         if self._choice in ("required", "function", "auto") and self.tool_calls:
             content = content.strip()
         out: dict[str, Any] = {"role": "assistant", "content": content or None}

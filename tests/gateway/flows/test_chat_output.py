@@ -62,28 +62,77 @@ def test_a_named_choice_is_one_call_whose_arguments_stream(size: int) -> None:
 
 
 @pytest.mark.parametrize("size", [1, 5, 1000])
-def test_required_calls_come_out_as_each_object_completes(size: int) -> None:
+def test_required_calls_are_announced_by_name_and_their_arguments_stream(size: int) -> None:
     plan = OutputPlan(ToolPlan(FUNCS, "required"))
-    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "ping", "arguments": {}}]'
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo", "note": "a \\"}, {x\\""}}, {"name": "ping", "arguments": {}}]'
     message = ChoiceOutput(plan).message(text)
-    calls = [
-        (c["function"]["name"], json.loads(c["function"]["arguments"]))
-        for c in message["tool_calls"]
-    ]
-    assert calls == [("get_weather", {"city": "Oslo"}), ("ping", {})] and message["content"] is None
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    # the arguments as the model wrote them (a named function's are too)
+    assert calls == [("get_weather", '{"city": "Oslo", "note": "a \\"}, {x\\""}'), ("ping", "{}")]
+    assert json.loads(calls[0][1]) == {"city": "Oslo", "note": 'a "}, {x"'}
+    assert message["content"] is None
     ids = [c["id"] for c in message["tool_calls"]]
     assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+    deltas, _ = _stream(plan, _pieces(text, size))
+    assembled = _assemble(deltas)
+    assert [(c["name"], c["arguments"]) for c in assembled["tool_calls"].values()] == calls
+    assert assembled["content"] == ""
+    if size == 1:  # the first call is out before its arguments end, and they come in pieces
+        first = [d for d in deltas if d["tool_calls"][0]["index"] == 0]
+        assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+        assert len(first) > 10
+
+
+def test_whitespace_around_the_arguments_is_not_theirs() -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "required"))
+    text = '[ {\n  "name" : "ping" ,\n  "arguments" :  { "a" : [1, 2] }  \n} ]'
+    for size in (1, 1000):
+        deltas, _ = _stream(plan, _pieces(text, size))
+        assert _assemble(deltas)["tool_calls"][0]["arguments"] == '{ "a" : [1, 2] }'
+    (call,) = ChoiceOutput(plan).message(text)["tool_calls"]
+    assert call["function"] == {"name": "ping", "arguments": '{ "a" : [1, 2] }'}
+
+
+@pytest.mark.parametrize("size", [1, 1000])
+def test_a_required_output_cut_short_reads_as_a_named_one_does(size: int) -> None:
+    """Cut inside a call's arguments: the call with the arguments so far, as a named function
+    cut short gives, in the whole message and in the stream alike; finish_reason "length"."""
+    plan = OutputPlan(ToolPlan(FUNCS, "required"))
+    text = '[{"name": "get_weather", "arguments": {"city": "Os'
+    out = ChoiceOutput(plan)
+    message = out.message(text)
+    assert message["content"] is None and out.finish_reason("length") == "length"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city": "Os')
+    ]
+    named = ChoiceOutput(OutputPlan(ToolPlan(FUNCS, "function", "get_weather")))
+    assert named.message('{"city": "Os')["tool_calls"][0]["function"]["arguments"] == '{"city": "Os'
     assembled = _assemble(_stream(plan, _pieces(text, size))[0])
-    assert [
-        (c["name"], json.loads(c["arguments"])) for c in assembled["tool_calls"].values()
-    ] == calls
+    assert assembled["tool_calls"][0]["name"] == "get_weather"
+    assert assembled["tool_calls"][0]["arguments"] == '{"city": "Os' and assembled["content"] == ""
 
 
-def test_a_required_output_cut_short_keeps_its_text_and_finish_reason() -> None:
-    out = ChoiceOutput(OutputPlan(ToolPlan(FUNCS, "required")))
-    message = out.message('[{"name": "get_weather", "argu')
-    assert "tool_calls" not in message and message["content"] == '[{"name": "get_weather", "argu'
+@pytest.mark.parametrize("size", [1, 1000])
+def test_cut_short_before_a_name_the_text_is_the_content_both_ways(size: int) -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "required"))
+    text = '[{"name": "get_wea'
+    out = ChoiceOutput(plan)
+    message = out.message(text)
+    assert "tool_calls" not in message and message["content"] == text
     assert out.finish_reason("length") == "length"
+    assembled = _assemble(_stream(plan, _pieces(text, size))[0])
+    assert assembled["content"] == text and not assembled["tool_calls"]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only() -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "required", parallel=False))
+    text = (
+        '[{"name": "ping", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "X"}}]'
+    )
+    for size in (1, 1000):
+        deltas, out = _stream(plan, _pieces(text, size))
+        assert [c["function"]["name"] for c in out.tool_calls] == ["ping"]
+        assert list(_assemble(deltas)["tool_calls"]) == [0] and _assemble(deltas)["content"] == ""
 
 
 @pytest.mark.parametrize("size", [1, 4, 1000])
