@@ -48,6 +48,11 @@ LOG2E = 1.4426950408889634
 # capped at 128, 0.224 -> 0.190 ms at 224 sequences x 1100 keys (H200; 168: 0.188, but no gain
 # at 64 x 4096: 0.232 -> 0.230 against 0.191 with 128). A 16-bit cache's kernel takes 93.
 FP8_MAX_REGISTERS = 128
+# ... but only for programs that walk at least this many key tiles: the cap spills a little, and
+# a program of one tile pays that without the occupancy to gain (H200, batch 1 x 1024 keys in 8
+# splits: 6.6 against 6.3 us; x 8192 in 64: 13.6 against 12.8 us; x 32768 in 64 splits of 4
+# tiles: 33.3 against 36.4 us, `python -m kernels.bench.tune cap graph`)
+FP8_CAP_MIN_TILES = 2
 
 
 # per-step values and index arrays: not specialized, so no step compiles a new kernel
@@ -206,9 +211,10 @@ def paged_decode_attention(
     values to fp16, not to q's bf16, with the softmax scale folded into q: on an H200 0.224
     against 0.243 ms at 224 sequences x 1100 keys, 0.231 against 0.282 ms at 64 x 4096
     (``python -m kernels.bench.tune decode fp8 graph b64 w1``). ``max_registers`` caps the
-    registers a thread (default: :data:`FP8_MAX_REGISTERS` for an FP8 cache on a GPU, else none;
-    0: none): with the cap an FP8 cache is read at ~63-66% of the copy bandwidth on an H200,
-    ~53-55% without, where a bf16 one reaches ~95%.
+    registers a thread (default: :data:`FP8_MAX_REGISTERS` for an FP8 cache on a GPU where each
+    program walks at least :data:`FP8_CAP_MIN_TILES` key tiles, else none; 0: none): with the
+    cap an FP8 cache is read at ~63-66% of the copy bandwidth on an H200, ~53-55% without,
+    where a bf16 one reaches ~95%.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
@@ -232,10 +238,7 @@ def paged_decode_attention(
         f16_read = fp8 and q.dtype == torch.bfloat16
     if f16_read and not fp8:
         raise ValueError("f16_read reads an FP8 cache; this one is " + str(k_cache.dtype))
-    if max_registers is None:
-        max_registers = FP8_MAX_REGISTERS if fp8 and device.type == "cuda" else 0
-    if max_registers < 0:
-        raise ValueError(f"max_registers must be 0 (no cap) or more, got {max_registers}")
+
     if num_splits is None:
         num_splits = choose_num_splits(
             batch, hkv, block_tables.shape[1] * bs, device, k_cache.element_size()
@@ -247,6 +250,12 @@ def paged_decode_attention(
         block_n = default_block_n(block_d, k_cache.element_size(), num_stages, device)
     if block_n < 16 or block_n != next_pow2(block_n):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if max_registers is None:  # the context bound known without a sync: the table's width
+        tiles = block_tables.shape[1] * bs / num_splits / block_n
+        capped = fp8 and device.type == "cuda" and tiles >= FP8_CAP_MIN_TILES
+        max_registers = FP8_MAX_REGISTERS if capped else 0
+    if max_registers < 0:
+        raise ValueError(f"max_registers must be 0 (no cap) or more, got {max_registers}")
     # one workspace for the split partials: [rows, D] acc, then [rows] max and [rows] sum, each
     # part starting 16-byte aligned (Triton specializes pointers on it: a part at an odd offset
     # would build another variant of both kernels, on a request, for batches of odd rows)

@@ -11,7 +11,8 @@ bf16 and as fp16: ``f16_read``), ``b1`` only its batch-1 case, ``b64`` only the 
 configuration uncapped and with the registers capped at 168 and 128 a thread (``max_registers``:
 more programs a multiprocessor), ``quick`` leaves
 32-key tiles, 4 stages and the FP8 cache's bf16 read out of the decode sweep (they never led it),
-``contig`` runs the whole-prompt
+``cap`` only times the FP8 cache's
+register cap against none at batch 1 to 256 (``check_cap``), ``contig`` runs the whole-prompt
 cases as the engine does on a GPU (their new K/V contiguous, ``k_new``/``v_new``, and
 ``no_prefix``); the cases after a prefix stay paged, as there.
 
@@ -67,6 +68,27 @@ def median_ms(fn: Callable[[], object]) -> float:
     if GRAPH:
         return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+CAP_CASES = [(1, 1024), (1, 8192), (1, 32768), (8, 4096), (64, 4096), (224, 1100), (256, 512)]
+
+
+def check_cap(copy_gbps: float) -> None:
+    """``cap``: decode attention over an FP8 cache with the launcher's defaults (its register
+    cap) against the same call uncapped, at batch 1 (split-K) to 256: the cap must not cost
+    anywhere it was not swept."""
+    print("decode over an FP8 cache: the launcher's default (capped) / uncapped")
+    for batch, ctx in CAP_CASES:
+        p = paged([ctx] * batch)
+        p.k_cache = p.k_cache.to(torch.float8_e4m3fn)
+        p.v_cache = p.v_cache.to(torch.float8_e4m3fn)
+        args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+        capped = median_ms(functools.partial(paged_decode_attention, *args))
+        free = median_ms(functools.partial(paged_decode_attention, *args, max_registers=0))
+        pct = [100 * p.io_bytes() / ms / 1e6 / copy_gbps for ms in (capped, free)]
+        print(f"  B={batch:3d} ctx={ctx:5d}: {capped:8.4f} ms ({pct[0]:5.1f}%) / {free:8.4f} ms ({pct[1]:5.1f}%)  {free / capped:5.2f}x")  # fmt: skip
+        del p, args
+        torch.cuda.empty_cache()
 
 
 def tune_decode(copy_gbps: float) -> None:
@@ -261,6 +283,9 @@ if __name__ == "__main__":
         sys.exit("needs a CUDA GPU")
     gbps = copy_bandwidth()
     print(f"copy {gbps:.0f} GB/s")
+    if "cap" in sys.argv[1:]:
+        check_cap(gbps)
+        sys.exit(0)
     if "prefill" not in sys.argv[1:]:
         tune_decode(gbps)
     if "decode" not in sys.argv[1:]:

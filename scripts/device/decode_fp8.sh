@@ -6,6 +6,8 @@
 #            uncapped and with registers capped, at batch 64 x 4096, 256 x 512 and W1's
 #            224 x 1100 (TUNE_KV: fp8, bf16 or both)
 #   b1       the same at batch 1 x 32768 (split-K), FP8 and bf16
+#   cap      the FP8 cache's default register cap against none, batch 1 (split-K) to 256
+#   warmup   the compiled warm-up test (serving after it builds no kernel; FP8 KV included)
 #   profile  profile_step: W1's decode step (224 x 1100) with FP8 weights and FP8 KV, and with
 #            FP8 weights and a bf16 cache
 #   ncu      Nsight Compute on one decode-attention call at W1's shape (224 x 1100), FP8 cache
@@ -41,6 +43,17 @@ if has b1; then
       >"$out/b1-$kv.txt" 2>&1
     grep -E "^decode|default|best with|tiles" "$out/b1-$kv.txt" | tail -8
   done
+fi
+if has cap; then
+  echo "== cap $(date +%T)"
+  timeout 200 python3 -m kernels.bench.tune cap graph >"$out/cap.txt" 2>&1
+  tail -9 "$out/cap.txt"
+fi
+if has warmup; then
+  echo "== warmup $(date +%T)"
+  TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/services/engine/test_gpu_warmup.py >"$out/warmup.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/warmup.txt" | cut -c1-300 | tail -6
 fi
 if has ncu; then
   echo "== ncu $(date +%T)"
