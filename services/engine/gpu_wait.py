@@ -33,6 +33,10 @@ class GpuReader:
         # and event, apart from read()'s
         self._ahead_event = torch.cuda.Event() if device.type == "cuda" else None
         self._ahead: torch.Tensor | None = None
+        # called once the values are on the host, before they are returned: raises if they
+        # cannot be trusted (a tensor-parallel rank died and the step's collectives were
+        # aborted: ``Ranks.raise_if_aborted``)
+        self.check: Callable[[], None] | None = None
 
     def while_waiting(self, work: Callable[[], None] | None) -> None:
         """Run ``work`` once, at the next :meth:`read`, after the copies are queued and before
@@ -50,7 +54,9 @@ class GpuReader:
         """Each tensor's values as (nested) Python lists, once the GPU has produced them."""
         if self._event is None:
             self.run_pending()
-            return [t.tolist() for t in tensors]
+            values = [t.tolist() for t in tensors]
+            self._checked()
+            return values
         need: dict[torch.dtype, int] = {}
         for t in tensors:
             need[t.dtype] = need.get(t.dtype, 0) + t.numel()
@@ -68,6 +74,7 @@ class GpuReader:
         self._event.record(torch.cuda.current_stream(self.device))  # the copies' stream
         self.run_pending()
         self._event.synchronize()
+        self._checked()
         return [v.tolist() for v in views]
 
     def start(self, t: torch.Tensor) -> Ticket:
@@ -87,7 +94,13 @@ class GpuReader:
         """A started read's values, after the pending host work (:meth:`while_waiting`) ran."""
         self.run_pending()
         if ticket.values is not None:
+            self._checked()
             return ticket.values
         assert ticket.view is not None and self._ahead_event is not None
         self._ahead_event.synchronize()
+        self._checked()
         return ticket.view.tolist()
+
+    def _checked(self) -> None:
+        if self.check is not None:
+            self.check()

@@ -177,6 +177,8 @@ class ModelRunner:
             max_blocks, self.device,
         )  # fmt: skip
         self.reader = GpuReader(self.device)
+        if self.ranks is not None:  # tokens of a step whose collectives were aborted: refused
+            self.reader.check = self.ranks.raise_if_aborted
         self.graphs: DecodeGraphs | None = None
         self.forwards = ForwardCounts()
         self._hidden: torch.Tensor | None = None  # the last eager forward's, when scoring

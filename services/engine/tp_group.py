@@ -15,6 +15,7 @@ so that rank 0 can watch their processes until then (``tp_ranks``) instead of bl
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections.abc import Callable
 from datetime import timedelta
@@ -94,6 +95,15 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
     # ---- plain data over the host group ------------------------------------------------------
+    def abort_device(self) -> None:
+        """Abort the device group's collectives (NCCL's ``abort``, not itself a collective):
+        one that waits on a rank that died then returns, or raises (NCCL does not notice a dead
+        peer: it would wait for the group's timeout). Gloo notices one (its next collective
+        raises), so on the CPU this does nothing."""
+        if self.device_group is not self.host:
+            with contextlib.suppress(Exception):
+                self.device_group.abort()
+
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others pass nothing)."""
         return broadcast_object(self.host, self.rank, obj)

@@ -7,7 +7,11 @@ agreement and then run every step rank 0 sends them. They meet over a TCPStore t
 binds to a port the kernel picks (port 0), and die with rank 0 (PR_SET_PDEATHSIG, asked for by
 the follower itself; the signal follows the thread that started them, which is the engine's).
 A rank that dies makes rank 0's next collective fail: :meth:`Ranks.guard` turns that into a
-``RankFailedError`` that names the rank and its exit status, and stops the others.
+``RankFailedError`` that names the rank and its exit status, and stops the others. On GPUs a
+collective does not fail by itself (NCCL waits for a dead peer until its timeout): a monitor
+thread polls the ranks' processes every ``MONITOR_S`` and, on a death, aborts the device group,
+so that rank 0's step comes back, and what it computed after the death is refused: the guard
+and every read of the step's tokens (``GpuReader.check``) raise ``RankFailedError``.
 
 Start-up is watched rather than waited on: until every rank has reached the start-up agreement
 (its shard loaded), rank 0 polls the other ranks' processes instead of blocking in a store or
@@ -53,6 +57,7 @@ START_TIMEOUT_S = 300.0  # a store wait of a follower (rank 0 is alive: it kille
 START_STALL_S = 60.0
 FORM_TIMEOUT = timedelta(seconds=60)  # rank 0's Gloo rendezvous, entered once all ranks joined
 STOP_TIMEOUT_S = 10.0
+MONITOR_S = 0.1  # how often rank 0's monitor looks for a rank that died
 TAIL_LINES = 20  # of a rank's stderr, kept for the error that names it
 _PLAIN = SamplingParams()
 
@@ -110,6 +115,8 @@ class Ranks:
         for rank in range(size):  # too few GPUs: refused before anything starts
             rank_device(config, device, rank)
         self._tails: list[_Tail] = []  # each rank's last stderr lines, also passed through
+        self._closing = threading.Event()
+        self._aborted = threading.Event()  # a rank died: the device group's collectives aborted
         self._store = dist.TCPStore(
             "127.0.0.1", 0, size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
             wait_for_workers=False,
@@ -125,6 +132,26 @@ class Ranks:
             self.close(graceful=False)
             raise
         self._between_steps = True
+        threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
+
+    def _monitor(self) -> None:
+        """Until the ranks are stopped: a rank that died aborts the device group's
+        collectives (rank 0 may be waiting in one on the GPU, which would not end by itself)."""
+        while not self._closing.wait(MONITOR_S):
+            if self.dead():
+                self._aborted.set()
+                log.error("tensor-parallel rank died: aborting the device group's collectives")
+                self.group.abort_device()
+                return
+
+    def raise_if_aborted(self, when: str = "during a step") -> None:
+        """Raise RankFailedError (and stop the other ranks) if a rank died and the device
+        group was aborted: what rank 0 computed since may be garbage."""
+        if self._aborted.is_set():
+            try:
+                self.raise_if_dead(when)
+            finally:
+                self.close(graceful=False)
 
     def _spawn(self, config: EngineConfig, rank: int, size: int) -> subprocess.Popen[bytes]:
         root = str(Path(services.__file__).resolve().parents[1])
@@ -223,11 +250,13 @@ class Ranks:
             finally:
                 self.close(graceful=False)
             raise
+        self.raise_if_aborted(when)  # the step returned because its collectives were aborted
         self._between_steps = True
 
     def close(self, graceful: bool = True) -> None:
         """Stop the ranks: ``graceful`` and between two steps, by telling them (None as the
         step) and waiting a moment; then (or at once) by killing whatever is left."""
+        self._closing.set()
         if graceful and self._between_steps and not self.dead():
             with contextlib.suppress(RuntimeError):
                 self.group.broadcast(None)

@@ -41,3 +41,32 @@ def test_a_started_read_returns_its_values_after_the_pending_work(device: str) -
     assert ran == ["work", "work"]
     other = torch.arange(4, device=device, dtype=torch.int32)
     assert reader.finish(reader.start(other)) == [0, 1, 2, 3]
+
+
+class _Refused(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_values_the_check_refuses_are_not_returned(device: str) -> None:
+    """``check`` runs once the values are on the host, before either read returns them (a
+    tensor-parallel step whose collectives were aborted: its tokens are garbage)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reader = GpuReader(torch.device(device))
+    tokens = torch.arange(4, device=device)
+    assert reader.read(tokens) == [[0, 1, 2, 3]]  # no check
+    calls: list[int] = []
+
+    def refuse() -> None:
+        calls.append(1)
+        raise _Refused("aborted")
+
+    reader.check = refuse
+    with pytest.raises(_Refused):
+        reader.read(tokens)
+    with pytest.raises(_Refused):
+        reader.finish(reader.start(tokens))
+    assert len(calls) == 2
+    reader.check = lambda: None
+    assert reader.finish(reader.start(tokens)) == [0, 1, 2, 3]

@@ -1,5 +1,6 @@
 """The tensor-parallel ranks' life: per-rank KV memory, start-up errors that name the rank, a
-rank that dies (the step fails, the others stop), rank 0 dying (the others follow it)."""
+rank that dies (the step fails, the others stop; also while rank 0 waits in a collective that
+would not notice, as NCCL's), rank 0 dying (the others follow it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from protos.sampling_params import SamplingParams
@@ -95,6 +97,59 @@ def test_a_rank_that_dies_fails_the_step_and_stops_the_others(model: str) -> Non
         llm.generate([[4, 5, 6]], GREEDY)
     assert time.monotonic() - t0 < 60  # a hang guard: the Gloo group would wait 10 minutes
     assert ranks.procs[1].poll() is not None  # rank 2 did not stay behind
+
+
+def test_a_rank_that_dies_while_rank_zero_waits_in_a_collective_fails_the_step(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On GPUs a collective does not fail when a peer dies (NCCL waits for the group's 10-minute
+    timeout), and an aborted one returns without an error. Here rank 0's collectives stand in
+    for that: they wait until the device group is aborted, then return what they were given.
+    The monitor sees the kill and aborts; the step then fails with the rank's exit status
+    instead of returning tokens computed after the death, and the other rank is stopped."""
+    llm = LLM(model, tensor_parallel_size=3, max_model_len=256)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    llm.generate([[1, 2, 3]], GREEDY)
+    group = ranks.group
+    released = threading.Event()
+    aborted: list[float] = []
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        released.wait(30)  # without the monitor: 30 s, then the step would return its tokens
+        return x
+
+    def all_gather(x: torch.Tensor) -> torch.Tensor:
+        released.wait(30)
+        return torch.cat([x] * group.size, dim=-1)
+
+    def abort_device() -> None:
+        aborted.append(time.monotonic())
+        released.set()
+
+    monkeypatch.setattr(group, "all_reduce", all_reduce)
+    monkeypatch.setattr(group, "all_gather", all_gather)
+    monkeypatch.setattr(group, "abort_device", abort_device)
+    killed: list[float] = []
+
+    def kill_rank_one() -> None:
+        killed.append(time.monotonic())
+        ranks.procs[0].kill()
+
+    timer = threading.Timer(0.5, kill_rank_one)  # while rank 0 waits in the step's first
+    timer.start()
+    try:
+        with pytest.raises(
+            RankFailedError, match=r"rank 1 exited with status -9 \(SIGKILL\) during a step"
+        ):
+            llm.generate([[4, 5, 6]], GREEDY)
+    finally:
+        timer.cancel()
+    assert len(aborted) == 1 and aborted[0] - killed[0] < 5  # polled every MONITOR_S
+    deadline = time.monotonic() + 10
+    while ranks.procs[1].poll() is None:  # rank 2 stopped too
+        assert time.monotonic() < deadline, "rank 2 outlived the failed step"
+        time.sleep(0.05)
 
 
 # put on the PYTHONPATH the ranks inherit: a follower rank (they alone have the parent pid in
