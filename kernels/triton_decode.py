@@ -48,11 +48,13 @@ LOG2E = 1.4426950408889634
 # capped at 128, 0.224 -> 0.190 ms at 224 sequences x 1100 keys (H200; 168: 0.188, but no gain
 # at 64 x 4096: 0.232 -> 0.230 against 0.191 with 128). A 16-bit cache's kernel takes 93.
 FP8_MAX_REGISTERS = 128
-# ... but only for programs that walk at least this many key tiles: the cap spills a little, and
-# a program of one tile pays that without the occupancy to gain (H200, batch 1 x 1024 keys in 8
-# splits: 6.6 against 6.3 us; x 8192 in 64: 13.6 against 12.8 us; x 32768 in 64 splits of 4
-# tiles: 33.3 against 36.4 us, `python -m kernels.bench.tune cap graph`)
-FP8_CAP_MIN_TILES = 2
+# Every FP8 call is capped, also the programs of one key tile that gain nothing from it (batch 1
+# x 1024 keys in 8 splits: 6.6 against 6.3 us; x 8192 in 64: 13.6 against 12.8; x 32768 in 64
+# splits of 4 tiles: 33.3 against 36.4 us, `python -m kernels.bench.tune cap graph`, H200): a cap
+# chosen by the context would compile another kernel variant, and a captured decode graph and an
+# eager step of the same batch see different contexts (the graph's table is max_model_len wide),
+# so one would be built while serving a request. Not on ROCm (Triton's HIP options have no
+# maxnreg).
 
 
 # per-step values and index arrays: not specialized, so no step compiles a new kernel
@@ -211,10 +213,9 @@ def paged_decode_attention(
     values to fp16, not to q's bf16, with the softmax scale folded into q: on an H200 0.224
     against 0.243 ms at 224 sequences x 1100 keys, 0.231 against 0.282 ms at 64 x 4096
     (``python -m kernels.bench.tune decode fp8 graph b64 w1``). ``max_registers`` caps the
-    registers a thread (default: :data:`FP8_MAX_REGISTERS` for an FP8 cache on a GPU where each
-    program walks at least :data:`FP8_CAP_MIN_TILES` key tiles, else none; 0: none): with the
-    cap an FP8 cache is read at ~63-66% of the copy bandwidth on an H200, ~53-55% without,
-    where a bf16 one reaches ~95%.
+    registers a thread (default: :data:`FP8_MAX_REGISTERS` for an FP8 cache on an NVIDIA GPU,
+    else none; 0: none): with the cap an FP8 cache is read at ~63-66% of the copy bandwidth on
+    an H200, ~53-55% without, where a bf16 one reaches ~95%.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
@@ -250,9 +251,8 @@ def paged_decode_attention(
         block_n = default_block_n(block_d, k_cache.element_size(), num_stages, device)
     if block_n < 16 or block_n != next_pow2(block_n):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if max_registers is None:  # the context bound known without a sync: the table's width
-        tiles = block_tables.shape[1] * bs / num_splits / block_n
-        capped = fp8 and device.type == "cuda" and tiles >= FP8_CAP_MIN_TILES
+    if max_registers is None:
+        capped = fp8 and device.type == "cuda" and torch.version.hip is None
         max_registers = FP8_MAX_REGISTERS if capped else 0
     if max_registers < 0:
         raise ValueError(f"max_registers must be 0 (no cap) or more, got {max_registers}")

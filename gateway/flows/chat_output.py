@@ -105,10 +105,12 @@ class _ArrayCalls:
         self._arguments_begun = True
         text = "".join(self._held) + ch
         self._held.clear()
-        if self._named:
-            events.append(("arguments", text))
-        else:
+        if not self._named:
             self._pending.append(text)
+        elif events and events[-1][0] == "arguments":  # one event a feed, not one a character
+            events[-1] = ("arguments", events[-1][1] + text)
+        else:
+            events.append(("arguments", text))
         return True
 
     def _structure_char(self, ch: str, events: list[tuple[str, str]]) -> None:

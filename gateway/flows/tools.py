@@ -104,7 +104,16 @@ def _function(tool: Any, i: int) -> Function:
         params = {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(params, dict):
         raise invalid(f"{param}.function.parameters must be a JSON schema object", "tools")
-    return Function(name, params)
+    # the arguments are an object (OpenAI's function.arguments): a schema that names no type
+    # ({} allows any value) is held to one, one that names another type is refused
+    kind = params.get("type", "object")
+    if kind != "object":
+        raise invalid(
+            f"{param}.function.parameters must describe an object (type 'object'), got type "
+            f"{kind!r}",
+            "tools",
+        )
+    return Function(name, {**params, "type": "object"})
 
 
 def _functions(value: Any) -> tuple[Function, ...]:

@@ -33,6 +33,8 @@ from services.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 RANK_CHECK_S = 0.5  # how often a tensor-parallel worker looks for ranks that died
+STOP_HOOK_S = 30.0  # a stop hook (a KV channel's shutdown) when draining
+FATAL_STOP_HOOK_S = 5.0  # the same after a fatal engine error
 
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -73,6 +75,7 @@ class WorkerRuntime:
         self.leases = Leases(config.lease_timeout_s)
         self.ready_extra: Callable[[], dict[str, Any]] = dict
         self.fatal = ""  # why the engine cannot go on (a tensor-parallel rank died)
+        self.hung = False  # a stop hook did not return while draining
         self.lora_names: list[str] = []  # the adapters served, as of the last update
 
     # ---- for servicers -----------------------------------------------------------------------
@@ -200,7 +203,7 @@ class WorkerRuntime:
         await self.server.stop(grace=1.0)
         for hook in self.on_stop:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.to_thread(hook), 5.0)
+                await asyncio.wait_for(asyncio.to_thread(hook), FATAL_STOP_HOOK_S)
         if self.engine is not None:
             self.engine.close(graceful=False)
 
@@ -222,8 +225,13 @@ class WorkerRuntime:
                 await asyncio.wait_for(asyncio.wrap_future(self.driver.abort_all()), 5.0)
         await self.server.stop(grace=2.0)
         for hook in self.on_stop:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(hook)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(hook), STOP_HOOK_S)
+            except TimeoutError:  # its thread would hold Python's teardown: leave without it
+                log.error("%s: a stop hook did not return in %.0f s", self.worker_id, STOP_HOOK_S)
+                self.hung = True
+            except Exception:
+                log.exception("%s: a stop hook failed", self.worker_id)
         if self.driver is not None:
             self.driver.stop()
         if self.engine is not None:  # the other tensor-parallel ranks, told to stop
@@ -338,6 +346,9 @@ def exit_now(code: int) -> NoReturn:
     teardown would then wait too, ``asyncio.run`` joining its executor's threads (for ever on
     Python 3.11, five minutes on 3.12) and the CUDA and NCCL destructors the device. By now
     every request was answered, the server stopped and the other ranks were killed."""
+    from services.common.tracing import flush_tracing
+
+    flush_tracing()  # the failed requests' spans, which atexit would have exported
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -363,8 +374,8 @@ def run_worker(
     async def main(config: WorkerConfig) -> int:  # the server is created on the loop that runs it
         runtime = WorkerRuntime(config)
         code = await runtime.serve(build(runtime))
-        if runtime.fatal:
-            exit_now(code)
+        if runtime.fatal or runtime.hung:  # a thread may still wait on the device: see exit_now
+            exit_now(code or 1)
         return code
 
     try:

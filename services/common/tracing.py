@@ -3,6 +3,7 @@ metadata). Export is opt-in: OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -31,6 +32,15 @@ def setup_tracing(service_name: str) -> None:
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
+
+
+def flush_tracing(timeout_s: float = 2.0, provider: trace.TracerProvider | None = None) -> None:
+    """Export the spans still batched (before a process leaves without its atexit handlers);
+    ``provider``: the global one unless given."""
+    flush = getattr(provider or trace.get_tracer_provider(), "force_flush", None)
+    if flush is not None:
+        with contextlib.suppress(Exception):
+            flush(int(timeout_s * 1000))
 
 
 def start_server_span(

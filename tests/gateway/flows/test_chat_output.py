@@ -77,6 +77,8 @@ def test_required_calls_are_announced_by_name_and_their_arguments_stream(size: i
     assembled = _assemble(deltas)
     assert [(c["name"], c["arguments"]) for c in assembled["tool_calls"].values()] == calls
     assert assembled["content"] == ""
+    if size == 1000:  # one feed: each call's announcement, then its arguments in one delta
+        assert len(deltas) == 4
     if size == 1:  # the first call is out before its arguments end, and they come in pieces
         first = [d for d in deltas if d["tool_calls"][0]["index"] == 0]
         assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}

@@ -60,6 +60,22 @@ def test_a_named_choice_constrains_to_that_functions_arguments() -> None:
         jsonschema.validate({"name": "ping"}, noargs)
 
 
+def test_parameters_that_name_no_type_still_take_an_object() -> None:
+    """``parameters: {}`` allows any JSON value as a schema; OpenAI's arguments are an object,
+    so the grammar holds a forced call to one (the rest of the schema kept)."""
+    anything = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    sized = {"type": "function", "function": {"name": "g", "parameters": {"minProperties": 1}}}
+    named = _schema(_plan(tools=[anything], tool_choice={"type": "function", "function": {"name": "f"}}))  # fmt: skip
+    jsonschema.validate({"x": [1]}, named)
+    required = _schema(_plan(tools=[anything, sized], tool_choice="required"))
+    jsonschema.validate([{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"a": 1}}], required)  # fmt: skip
+    for schema, bad in ((named, None), (named, 5), (named, "{}"), (named, [1]),
+                        (required, [{"name": "f", "arguments": None}]),
+                        (required, [{"name": "g", "arguments": {}}])):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
 def test_required_is_a_non_empty_array_of_calls_to_the_offered_functions() -> None:
     schema = _schema(_plan(tools=[WEATHER, NOARGS], tool_choice="required"))
     jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Rome"}},
@@ -84,6 +100,8 @@ def test_required_is_a_non_empty_array_of_calls_to_the_offered_functions() -> No
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "1 to 64"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
          "tools", "parameters must be a JSON schema object"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+         "tools", "parameters must describe an object (type 'object'), got type 'string'"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "got 'always'"),

@@ -105,7 +105,8 @@ def test_a_missing_model_is_an_error_on_stderr(tmp_path: Path) -> None:
 
 # a sitecustomize for the worker process alone (its follower ranks have the parent pid in their
 # environment): the decode role's stop hook that shuts the KV receiver down never returns, as
-# one waiting on the device for a peer that is gone would
+# one waiting on the device for a peer that is gone would; a draining worker gives a stop hook
+# 2 s instead of STOP_HOOK_S
 STOP_HOOK_HANGS = """
 import os, sys, time
 from importlib.machinery import PathFinder
@@ -113,12 +114,15 @@ if not os.environ.get("TANDEM_TP_PARENT_PID"):
     class Finder:
         @staticmethod
         def find_spec(name, path=None, target=None):
-            if name != "services.decode.server":
+            if name not in ("services.decode.server", "services.common.runtime"):
                 return None
             spec = PathFinder.find_spec(name, path)
             run = spec.loader.exec_module
             def exec_module(module):
                 run(module)
+                if name == "services.common.runtime":
+                    module.STOP_HOOK_S = 2.0
+                    return
                 def stop_receiver(self):
                     open(os.environ["HANG_FLAG"], "w").close()
                     while True:
@@ -165,5 +169,34 @@ def test_a_worker_whose_rank_died_exits_though_a_stop_hook_hangs(
         assert (tmp_path / "hung").exists(), log[-2000:]  # the hook ran, and hung
         assert code == 1, log[-2000:]
         assert "tensor-parallel rank 1 exited with status -9; the worker exits" in log
+    finally:
+        fleet.close()
+
+
+@pytest.mark.slow
+def test_a_draining_worker_whose_stop_hook_hangs_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM: the worker drains and runs its stop hooks, each for STOP_HOOK_S at most; one
+    that does not return makes it leave at once with status 1 (it would otherwise wait for the
+    hook's thread for ever) and say so."""
+    model = tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=1, hidden_size=64,
+                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)  # fmt: skip
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STOP_HOOK_HANGS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("HANG_FLAG", str(tmp_path / "hung"))
+    fleet = Fleet(tmp_path / "fleet")
+    try:
+        proc = fleet.start("decode", "--model", str(model), "--device", "cpu", "--dtype", "float32")
+        proc.popen.send_signal(signal.SIGTERM)
+        try:
+            code = proc.popen.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the worker did not exit:\n" + proc.log_path.read_text()[-2000:])
+        log = proc.log_path.read_text()
+        assert (tmp_path / "hung").exists(), log[-2000:]
+        assert code == 1, log[-2000:]
+        assert "a stop hook did not return in 2 s" in log
     finally:
         fleet.close()

@@ -1,13 +1,14 @@
-"""Worker spans continue the caller's W3C trace carried in gRPC metadata."""
+"""Worker spans continue the caller's W3C trace carried in gRPC metadata; batched spans are
+exported before a worker leaves without its atexit handlers."""
 
 from __future__ import annotations
 
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services.common.tracing import child_span, end_span, start_server_span
+from services.common.tracing import child_span, end_span, flush_tracing, start_server_span
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -51,3 +52,14 @@ def test_without_traceparent_a_new_trace_starts() -> None:
     end_span(start_server_span(FakeContext(()), "decode", provider=provider))  # type: ignore[arg-type]
     (span,) = exporter.get_finished_spans()
     assert span.parent is None and span.context.trace_id != 0
+
+
+def test_flush_exports_the_spans_still_batched() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=600_000))
+    end_span(start_server_span(FakeContext(()), "decode", provider=provider))  # type: ignore[arg-type]
+    assert exporter.get_finished_spans() == ()  # waits for the batch
+    flush_tracing(provider=provider)
+    assert [s.name for s in exporter.get_finished_spans()] == ["decode"]
+    provider.shutdown()
