@@ -141,7 +141,9 @@ def floor_seconds(
         return None
     c = ceilings or device_ceilings()
     a = engine.runner.arch
+    rank = getattr(engine.runner, "kv_arch", a)  # this rank's heads (all of them without TP)
     model = engine.runner.model
+    embed = _embedding_numel(model, a)  # this rank's rows of it under TP
     fp8 = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Fp8Linear))
     other = sum(
         m.in_features * m.out_features
@@ -149,16 +151,22 @@ def floor_seconds(
         if isinstance(m, QuantLinear) and not isinstance(m, Fp8Linear)
     )
     # a token's multiply-adds: the float weights but the embedding table, and the quantized
-    params = sum(p.numel() for p in model.parameters()) - a.vocab_size * a.hidden_size + other
+    params = sum(p.numel() for p in model.parameters()) - embed + other
     if a.moe is not None:  # a token's experts only (a decode step reads every expert picked)
         expert = 3 * a.hidden_size * a.moe.intermediate_size
         params -= len(a.moe.layers) * (a.moe.num_experts - a.moe.top_k) * expert
-    attention = 4 * a.num_layers * a.num_heads * a.head_dim * n * inp * inp / 2
+    attention = 4 * a.num_layers * rank.num_heads * a.head_dim * n * inp * inp / 2
     flops = 2 * params * n * inp + attention + 2 * fp8 * n * inp / 2  # FP8 at twice the rate
-    weights = _weight_bytes(model) - a.vocab_size * a.hidden_size * _embedding_bytes(model)
-    kv_tok = a.kv_bytes_per_token(engine.runner.kv_dtype.itemsize)
+    weights = _weight_bytes(model) - embed * _embedding_bytes(model)
+    kv_tok = rank.kv_bytes_per_token(engine.runner.kv_dtype.itemsize)
     decode = sum((weights + n * kv_tok * (inp + s)) for s in range(out - 1))
     return flops / c.bf16_flops_per_s + decode / c.copy_bytes_per_s
+
+
+def _embedding_numel(model: Any, arch: Any) -> int:
+    """Elements of the embedding table this process holds (a rank's rows under TP)."""
+    weight = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    return int(weight.numel()) if weight is not None else arch.vocab_size * arch.hidden_size
 
 
 def _embedding_bytes(model: Any) -> int:
@@ -240,7 +248,7 @@ def main_latency(args: argparse.Namespace) -> int:
     rows = []
     a = engine.runner.arch
     weight_bytes = _weight_bytes(engine.runner.model)
-    weight_bytes -= a.vocab_size * a.hidden_size * _embedding_bytes(engine.runner.model)
+    weight_bytes -= _embedding_numel(engine.runner.model, a) * _embedding_bytes(engine.runner.model)
     ceilings = device_ceilings() if engine.runner.device.type == "cuda" else None
     for bs in args.batch_sizes:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)
@@ -285,7 +293,9 @@ def main_latency(args: argparse.Namespace) -> int:
         med = times[len(times) // 2]
         graph_ms = _graph_replay_ms(engine, bs)
         context = sum(contexts) / len(contexts)
-        kv = bs * a.kv_bytes_per_token(engine.runner.kv_dtype.itemsize) * context
+        kv = (
+            bs * engine.runner.kv_arch.kv_bytes_per_token(engine.runner.kv_dtype.itemsize) * context
+        )
         floor = (weight_bytes + kv) / ceilings.copy_bytes_per_s if ceilings else None
         rows.append({"batch": bs, "context": args.input_len, "mean_context": context,
                      "steps": len(times), "step_ms": med * 1e3, "graph_replay_ms": graph_ms,
