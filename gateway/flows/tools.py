@@ -105,9 +105,10 @@ def _function(tool: Any, i: int) -> Function:
     if not isinstance(params, dict):
         raise invalid(f"{param}.function.parameters must be a JSON schema object", "tools")
     # the arguments are an object (OpenAI's function.arguments): a schema that names no type
-    # ({} allows any value) is held to one, one that names another type is refused
+    # ({} allows any value) or several (["object", "null"]) is held to one, one that names
+    # no object type is refused
     kind = params.get("type", "object")
-    if kind != "object":
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise invalid(
             f"{param}.function.parameters must describe an object (type 'object'), got type "
             f"{kind!r}",

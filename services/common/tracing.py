@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from typing import Any
 
 import grpc
@@ -38,9 +39,18 @@ def flush_tracing(timeout_s: float = 2.0, provider: trace.TracerProvider | None 
     """Export the spans still batched (before a process leaves without its atexit handlers);
     ``provider``: the global one unless given."""
     flush = getattr(provider or trace.get_tracer_provider(), "force_flush", None)
-    if flush is not None:
+    if flush is None:
+        return
+
+    def run() -> None:
         with contextlib.suppress(Exception):
             flush(int(timeout_s * 1000))
+
+    # the SDK's batch processor exports synchronously whatever the timeout says: waited for
+    # on a thread of its own, at most timeout_s
+    done = threading.Thread(target=run, name="trace-flush", daemon=True)
+    done.start()
+    done.join(timeout_s)
 
 
 def start_server_span(

@@ -73,8 +73,7 @@ class GpuReader:
             views.append(view)
         self._event.record(torch.cuda.current_stream(self.device))  # the copies' stream
         self.run_pending()
-        self._event.synchronize()
-        self._checked()
+        self._synchronize(self._event)
         return [v.tolist() for v in views]
 
     def start(self, t: torch.Tensor) -> Ticket:
@@ -97,9 +96,18 @@ class GpuReader:
             self._checked()
             return ticket.values
         assert ticket.view is not None and self._ahead_event is not None
-        self._ahead_event.synchronize()
-        self._checked()
+        self._synchronize(self._ahead_event)
         return ticket.view.tolist()
+
+    def _synchronize(self, event: torch.cuda.Event) -> None:
+        """Wait for ``event``, then the check; also when the wait fails (an aborted collective
+        may raise a plain error: the check names the rank that died)."""
+        try:
+            event.synchronize()
+        except BaseException:
+            self._checked()
+            raise
+        self._checked()
 
     def _checked(self) -> None:
         if self.check is not None:

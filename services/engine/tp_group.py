@@ -15,7 +15,7 @@ so that rank 0 can watch their processes until then (``tp_ranks``) instead of bl
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import pickle
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from services.config import ConfigError
 
+log = logging.getLogger(__name__)
 TIMEOUT = timedelta(minutes=10)  # a stuck peer; a dead one fails at once
 
 
@@ -101,8 +102,10 @@ class TPGroup:
         peer: it would wait for the group's timeout). Gloo notices one (its next collective
         raises), so on the CPU this does nothing."""
         if self.device_group is not self.host:
-            with contextlib.suppress(Exception):
+            try:
                 self.device_group.abort()
+            except Exception:  # rank 0 may then wait for the group's timeout: say why
+                log.exception("could not abort the tensor-parallel device group")
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others pass nothing)."""

@@ -117,6 +117,7 @@ class Ranks:
         self._tails: list[_Tail] = []  # each rank's last stderr lines, also passed through
         self._closing = threading.Event()
         self._aborted = threading.Event()  # a rank died: the device group's collectives aborted
+        self._abort_lock = threading.Lock()  # the monitor's abort against close()
         self._store = dist.TCPStore(
             "127.0.0.1", 0, size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
             wait_for_workers=False,
@@ -132,17 +133,23 @@ class Ranks:
             self.close(graceful=False)
             raise
         self._between_steps = True
-        threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
+        # the thread holds the Ranks weakly: one dropped unclosed is still collected, and its
+        # finalizer still kills the ranks
+        threading.Thread(
+            target=_monitor, args=(weakref.ref(self), self._closing), name="tp-monitor",
+            daemon=True,
+        ).start()  # fmt: skip
 
-    def _monitor(self) -> None:
-        """Until the ranks are stopped: a rank that died aborts the device group's
-        collectives (rank 0 may be waiting in one on the GPU, which would not end by itself)."""
-        while not self._closing.wait(MONITOR_S):
-            if self.dead():
-                self._aborted.set()
-                log.error("tensor-parallel rank died: aborting the device group's collectives")
-                self.group.abort_device()
-                return
+    def _abort_if_dead(self) -> bool:
+        """The monitor's check: a rank that died aborts the device group's collectives (rank 0
+        may be waiting in one on the GPU, which would not end by itself). True once done."""
+        with self._abort_lock:  # not once close() began: its own stopping is no death
+            if self._closing.is_set() or not self.dead():
+                return self._closing.is_set()
+            self._aborted.set()
+        log.error("tensor-parallel rank died: aborting the device group's collectives")
+        self.group.abort_device()
+        return True
 
     def raise_if_aborted(self, when: str = "during a step") -> None:
         """Raise RankFailedError (and stop the other ranks) if a rank died and the device
@@ -256,7 +263,8 @@ class Ranks:
     def close(self, graceful: bool = True) -> None:
         """Stop the ranks: ``graceful`` and between two steps, by telling them (None as the
         step) and waiting a moment; then (or at once) by killing whatever is left."""
-        self._closing.set()
+        with self._abort_lock:
+            self._closing.set()
         if graceful and self._between_steps and not self.dead():
             with contextlib.suppress(RuntimeError):
                 self.group.broadcast(None)
@@ -265,6 +273,15 @@ class Ranks:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(max(deadline - time.monotonic(), 0.01))
         self._finalizer()
+
+
+def _monitor(ranks: weakref.ref[Ranks], closing: threading.Event) -> None:
+    """Rank 0's monitor thread: every MONITOR_S until the ranks are stopped or collected."""
+    while not closing.wait(MONITOR_S):
+        live = ranks()
+        if live is None or live._abort_if_dead():
+            return
+        del live
 
 
 class _Tail:

@@ -64,6 +64,11 @@ def test_parameters_that_name_no_type_still_take_an_object() -> None:
     """``parameters: {}`` allows any JSON value as a schema; OpenAI's arguments are an object,
     so the grammar holds a forced call to one (the rest of the schema kept)."""
     anything = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    nullable = {"type": "function", "function": {"name": "h", "parameters": {"type": ["object", "null"]}}}  # fmt: skip
+    schema = _schema(_plan(tools=[nullable], tool_choice={"type": "function", "function": {"name": "h"}}))  # fmt: skip
+    jsonschema.validate({}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(None, schema)
     sized = {"type": "function", "function": {"name": "g", "parameters": {"minProperties": 1}}}
     named = _schema(_plan(tools=[anything], tool_choice={"type": "function", "function": {"name": "f"}}))  # fmt: skip
     jsonschema.validate({"x": [1]}, named)

@@ -70,3 +70,26 @@ def test_values_the_check_refuses_are_not_returned(device: str) -> None:
     assert len(calls) == 2
     reader.check = lambda: None
     assert reader.finish(reader.start(tokens)) == [0, 1, 2, 3]
+
+
+def test_a_failed_wait_is_checked_too() -> None:
+    """An aborted collective may make the wait itself raise a plain error: the check runs then
+    as well, so the caller gets the check's error (the rank that died), not the plain one."""
+    from services.engine.gpu_wait import Ticket
+
+    class FailingEvent:
+        def synchronize(self) -> None:
+            raise RuntimeError("NCCL communicator was aborted")
+
+    reader = GpuReader(torch.device("cpu"))
+    reader._ahead_event = FailingEvent()  # type: ignore[assignment]
+
+    def refuse() -> None:
+        raise _Refused("rank 1 exited")
+
+    reader.check = refuse
+    with pytest.raises(_Refused):
+        reader.finish(Ticket(view=torch.zeros(2)))
+    reader.check = None
+    with pytest.raises(RuntimeError, match="aborted"):
+        reader.finish(Ticket(view=torch.zeros(2)))

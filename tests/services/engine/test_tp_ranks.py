@@ -152,6 +152,34 @@ def test_a_rank_that_dies_while_rank_zero_waits_in_a_collective_fails_the_step(
         time.sleep(0.05)
 
 
+def test_ranks_dropped_unclosed_are_stopped_and_a_close_is_no_death(model: str) -> None:
+    """The monitor thread holds the ranks weakly: an engine dropped without close() is still
+    collected, its ranks killed and its monitor ended. A graceful close, whose ranks exit, is
+    not taken for a death (nothing aborted)."""
+    import gc
+
+    before = {t for t in threading.enumerate() if t.name == "tp-monitor"}
+    llm = LLM(model, tensor_parallel_size=3, max_model_len=256)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    llm.generate([[1, 2, 3]], GREEDY)
+    procs = list(ranks.procs)
+    (monitor,) = {t for t in threading.enumerate() if t.name == "tp-monitor"} - before
+    del llm, ranks
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while any(p.poll() is None for p in procs) or monitor.is_alive():
+        assert time.monotonic() < deadline, "an unclosed engine's ranks or monitor outlived it"
+        gc.collect()
+        time.sleep(0.05)
+    llm = LLM(model, tensor_parallel_size=3, max_model_len=256)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    llm.close()
+    time.sleep(3 * tp_ranks.MONITOR_S)
+    assert not ranks._aborted.is_set()
+
+
 # put on the PYTHONPATH the ranks inherit: a follower rank (they alone have the parent pid in
 # their environment) finds MODULE's NAME replaced by a function that writes a line to stderr and
 # exits with status 7
