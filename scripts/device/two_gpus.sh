@@ -2,7 +2,8 @@
 # The runs that need two GPUs of one host (nvidia-h200-x2), stage by stage, each under its own
 # time limit, skipped when the call's time left (BUDGET_S, default 560 s) would not hold it:
 #   smoke    GPUs, their links (nvidia-smi topo -m), an NCCL all-reduce
-#   tests    the GPU tests of the KV transfer and of disaggregation (their two-GPU cases)
+#   tests    the GPU tests of the KV transfer, of disaggregation (their two-GPU cases) and of a
+#            tensor-parallel rank killed while decoding (NCCL abort)
 #   w5       python -m kvtransfer.bench.transfer: GPU 0 -> GPU 1 over NCCL, 1024/4096 tokens of the
 #            8B shape (whole transfers, chunk sizes, the tail a layer-by-layer transfer leaves;
 #            TIMELINE=1: where each transfer's time goes, kvtransfer.bench.timeline)
@@ -69,7 +70,8 @@ fi
 if has tests && stage tests 160; then
   t=$SECONDS
   TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/kvtransfer/test_gpu.py tests/services/test_gpu_disagg.py ${TESTS_ARGS:-} >"$raw/tests.txt" 2>&1
+    tests/kvtransfer/test_gpu.py tests/services/test_gpu_disagg.py \
+    tests/services/engine/test_tp_ranks.py ${TESTS_ARGS:-} >"$raw/tests.txt" 2>&1
   row tests "rc $? $(tail -1 "$raw/tests.txt")" "$t"
 fi
 

@@ -180,6 +180,38 @@ def test_ranks_dropped_unclosed_are_stopped_and_a_close_is_no_death(model: str) 
     assert not ranks._aborted.is_set()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_a_rank_killed_while_decoding_ends_the_step_at_once(tmp_path: Path) -> None:
+    """NCCL does not notice a dead peer: without the monitor's abort, rank 0 would wait in the
+    step's collectives (CUDA-graph replays) for the group's 10-minute timeout. Steps run back
+    to back until the follower is killed; the step under way then fails within seconds."""
+    path = tiny_checkpoint(tmp_path / "m", "llama", num_hidden_layers=2, hidden_size=64,
+                           num_attention_heads=8, num_key_value_heads=2, intermediate_size=96)  # fmt: skip
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=512)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None and llm.engine.runner.device.type == "cuda"
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    killed: list[float] = []
+
+    def kill() -> None:
+        killed.append(time.monotonic())
+        ranks.procs[0].kill()
+
+    timer = threading.Timer(2.0, kill)
+    timer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankFailedError, match="rank 1 exited with status -9"):
+            while time.monotonic() - start < 60:
+                llm.generate([[5, 6, 7]] * 16, params)
+    finally:
+        timer.cancel()
+        llm.close()
+    print(f"the step failed {time.monotonic() - killed[0]:.2f} s after the kill")
+    assert time.monotonic() - killed[0] < 20
+
+
 # put on the PYTHONPATH the ranks inherit: a follower rank (they alone have the parent pid in
 # their environment) finds MODULE's NAME replaced by a function that writes a line to stderr and
 # exits with status 7
