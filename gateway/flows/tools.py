@@ -107,14 +107,27 @@ def _function(tool: Any, i: int) -> Function:
     # the arguments are an object (OpenAI's function.arguments): a schema that names no type
     # ({} allows any value) or several (["object", "null"]) is held to one, one that names
     # no object type is refused
-    kind = params.get("type", "object")
+    return Function(name, _object_schema(params, f"{param}.function.parameters"))
+
+
+def _object_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
+    """``schema`` held to objects: ``type`` set to "object" where it names none (or several,
+    one of them "object"), also in each top-level ``anyOf``/``oneOf`` branch (a grammar backend
+    reads the branches alone, not the type beside them); a type without "object" is a 400."""
+    kind = schema.get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise invalid(
-            f"{param}.function.parameters must describe an object (type 'object'), got type "
-            f"{kind!r}",
-            "tools",
+            f"{where} must describe an object (type 'object'), got type {kind!r}", "tools"
         )
-    return Function(name, {**params, "type": "object"})
+    out = {**schema, "type": "object"}
+    for key in ("anyOf", "oneOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list):
+            out[key] = [
+                _object_schema(b, f"{where}.{key}[{i}]") if isinstance(b, dict) else b
+                for i, b in enumerate(branches)
+            ]
+    return out
 
 
 def _functions(value: Any) -> tuple[Function, ...]:

@@ -81,6 +81,24 @@ def test_parameters_that_name_no_type_still_take_an_object() -> None:
             jsonschema.validate(bad, schema)
 
 
+def test_top_level_branches_are_held_to_objects_too() -> None:
+    """A grammar backend reads a top-level anyOf's branches and not the type beside them
+    (xgrammar: {"type": "object", "anyOf": [{}]} accepts 5): each branch gets the type too, and
+    one of another type is a 400 that names it."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    either = {"anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": either}}
+    schema = _schema(_plan(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}))  # fmt: skip
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+    assert accepts(grammar, '{"a": 1}') and accepts(grammar, "{}")
+    assert not any(accepts(grammar, bad) for bad in ("5", '"x"', "null", "[1]"))
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"oneOf": [{}, {"type": "string"}]}}}  # fmt: skip
+    with pytest.raises(APIError, match=r"parameters.oneOf\[1\] must describe an object"):
+        _plan(tools=[bad])
+
+
 def test_required_is_a_non_empty_array_of_calls_to_the_offered_functions() -> None:
     schema = _schema(_plan(tools=[WEATHER, NOARGS], tool_choice="required"))
     jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Rome"}},
