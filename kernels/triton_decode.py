@@ -239,7 +239,6 @@ def paged_decode_attention(
         f16_read = fp8 and q.dtype == torch.bfloat16
     if f16_read and not fp8:
         raise ValueError("f16_read reads an FP8 cache; this one is " + str(k_cache.dtype))
-
     if num_splits is None:
         num_splits = choose_num_splits(
             batch, hkv, block_tables.shape[1] * bs, device, k_cache.element_size()

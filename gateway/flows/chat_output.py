@@ -244,13 +244,11 @@ class ChoiceOutput:
             if self._array_full:
                 break
             if kind == "call":
-                if self.tool_calls and self.plan.tools is not None and not self.plan.tools.parallel:
-                    self._array_full = True  # parallel_tool_calls false: the first call only
+                announced = self._calls([ToolCall(value, "")])
+                if not announced:  # parallel_tool_calls false: the first call only
+                    self._array_full = True
                     break
-                call, call_id = ToolCall(value, ""), _call_id()
-                self.tool_calls.append(_call_json(call, call_id))
-                index = len(self.tool_calls) - 1
-                deltas.append({"tool_calls": [{"index": index, **_call_json(call, call_id)}]})
+                deltas += announced
             else:
                 self.tool_calls[-1]["function"]["arguments"] += value
                 index = len(self.tool_calls) - 1

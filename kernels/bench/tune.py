@@ -42,6 +42,7 @@ from kernels.bench.cases import (
     KV_HEADS,
     PREFILL_CASES,
     Q_HEADS,
+    Paged,
     new_kv,
     paged,
     prefill_flops,
@@ -70,6 +71,16 @@ def median_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
+def _decode_case(batch: int, ctx: int, fp8: bool) -> tuple[Paged, tuple[Any, ...]]:
+    """``batch`` sequences of ``ctx`` keys (an e4m3 cache with ``fp8``) and the decode call's
+    positional arguments."""
+    p = paged([ctx] * batch)
+    if fp8:
+        p.k_cache = p.k_cache.to(torch.float8_e4m3fn)
+        p.v_cache = p.v_cache.to(torch.float8_e4m3fn)
+    return p, (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+
+
 CAP_CASES = [(1, 1024), (1, 8192), (1, 32768), (8, 4096), (64, 4096), (224, 1100), (256, 512)]
 
 
@@ -79,10 +90,7 @@ def check_cap(copy_gbps: float) -> None:
     anywhere it was not swept."""
     print("decode over an FP8 cache: the launcher's default (capped) / uncapped")
     for batch, ctx in CAP_CASES:
-        p = paged([ctx] * batch)
-        p.k_cache = p.k_cache.to(torch.float8_e4m3fn)
-        p.v_cache = p.v_cache.to(torch.float8_e4m3fn)
-        args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+        p, args = _decode_case(batch, ctx, fp8=True)
         capped = median_ms(functools.partial(paged_decode_attention, *args))
         free = median_ms(functools.partial(paged_decode_attention, *args, max_registers=0))
         pct = [100 * p.io_bytes() / ms / 1e6 / copy_gbps for ms in (capped, free)]
@@ -101,11 +109,7 @@ def tune_decode(copy_gbps: float) -> None:
         cases = [c for c in cases if c[0] >= 64]
     fp8 = "fp8" in sys.argv[1:]
     for batch, ctx in cases:
-        p = paged([ctx] * batch)
-        if fp8:
-            p.k_cache = p.k_cache.to(torch.float8_e4m3fn)
-            p.v_cache = p.v_cache.to(torch.float8_e4m3fn)
-        args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+        p, args = _decode_case(batch, ctx, fp8)
         splits = [None] if batch >= 64 else [None, 16, 24, 48, 64, 96, 128]
         tiles: tuple[int, ...] = (32, 64, 128, 256) if fp8 else (32, 64, 128)
         stage_counts: tuple[int, ...] = (2, 3, 4)

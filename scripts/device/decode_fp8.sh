@@ -97,16 +97,7 @@ if has profile; then
     grep -v Warning "$out/decode-$kv.txt" | grep -v _warn_once | tail -9
   done
 fi
-if has w1; then  # one JSON file of every run (the lent machine returns a few files only)
-  mkdir -p /tmp/w1
-  for round in $(seq "${W1_ROUNDS:-1}"); do
-    for q in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8" "--kv-cache-dtype fp8"; do
-      tag=$(echo "bf16 $q" | tr -s ' -' '_')
-      echo "== w1 round $round $tag $(date +%T)"
-      timeout 150 python3 -m services.cli bench offline --model llama-3.1-8b \
-        --max-model-len 2048 --num-prompts 256 --input-len 1024 --output-len 128 $q \
-        --json-out "/tmp/w1/$round$tag.json" 2>&1 | grep -E "^tandem|Error|error" | tail -2
-    done
-  done
-  python3 -c 'import json, pathlib, sys; print(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path("/tmp/w1").glob("*.json"))}))' >"$out/w1.json"
+if has w1; then  # fp8_gemm.sh's W1 stage, with bf16 weights + FP8 KV too
+  W1_VARIANTS=" ;--quantization fp8;--quantization fp8 --kv-cache-dtype fp8;--kv-cache-dtype fp8" \
+    bash scripts/device/fp8_gemm.sh w1
 fi

@@ -9,7 +9,8 @@
 #            per-tensor scales, the activation quantization, bf16 cuBLAS
 #   profile  profile_step: an FP8 and a bf16 prefill step (8 x 1024) (TRACE=1: with Chrome traces
 #            of two steps back to back, where the gaps are), W1's FP8 decode step (224 x 1100)
-#   w1       W1 in bf16, FP8 weights, FP8 weights + FP8 KV, one process each (W1_ROUNDS times)
+#   w1       W1 in bf16, FP8 weights, FP8 weights + FP8 KV, one process each (W1_ROUNDS times;
+#            W1_VARIANTS: other flag sets, separated by ';')
 #   exact    the compiled GPU tests of the fused FP8 forms at 8192 rows (4 seeds) and of the
 #            warm-up (16-bit and FP8 caches, FP8 weights); the fused kernels at 8192 rows
 #   quality  (the GGUF assembled: scripts/device/device_gguf.sh) kv_fp8 --compare weights
@@ -62,7 +63,8 @@ fi
 if has w1; then  # one JSON file of every run (the lent machine returns a few files only)
   mkdir -p /tmp/w1
   for round in $(seq "${W1_ROUNDS:-1}"); do
-    for q in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8"; do
+    IFS=';' read -ra variants <<<"${W1_VARIANTS:- ;--quantization fp8;--quantization fp8 --kv-cache-dtype fp8}"
+    for q in "${variants[@]}"; do
       tag=$(echo "bf16 $q" | tr -s ' -' '_')
       echo "== w1 round $round $tag $(date +%T)"
       timeout 150 python3 -m services.cli bench offline --model llama-3.1-8b \

@@ -201,11 +201,21 @@ class WorkerRuntime:
         self.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
         await self.server.stop(grace=1.0)
-        for hook in self.on_stop:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.to_thread(hook), FATAL_STOP_HOOK_S)
+        await self._run_stop_hooks(FATAL_STOP_HOOK_S)
         if self.engine is not None:
             self.engine.close(graceful=False)
+
+    async def _run_stop_hooks(self, timeout_s: float) -> None:
+        """Each stop hook on a thread, for ``timeout_s`` at most: one that does not return
+        marks the worker ``hung`` (its thread would hold Python's teardown: leave without it)."""
+        for hook in self.on_stop:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(hook), timeout_s)
+            except TimeoutError:
+                log.error("%s: a stop hook did not return in %.0f s", self.worker_id, timeout_s)
+                self.hung = True
+            except Exception:
+                log.exception("%s: a stop hook failed", self.worker_id)
 
     async def _set_health(self, status: int, names: list[str]) -> None:
         for name in ["", *names]:
@@ -224,14 +234,7 @@ class WorkerRuntime:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.wrap_future(self.driver.abort_all()), 5.0)
         await self.server.stop(grace=2.0)
-        for hook in self.on_stop:
-            try:
-                await asyncio.wait_for(asyncio.to_thread(hook), STOP_HOOK_S)
-            except TimeoutError:  # its thread would hold Python's teardown: leave without it
-                log.error("%s: a stop hook did not return in %.0f s", self.worker_id, STOP_HOOK_S)
-                self.hung = True
-            except Exception:
-                log.exception("%s: a stop hook failed", self.worker_id)
+        await self._run_stop_hooks(STOP_HOOK_S)
         if self.driver is not None:
             self.driver.stop()
         if self.engine is not None:  # the other tensor-parallel ranks, told to stop

@@ -143,7 +143,7 @@ def floor_seconds(
     a = engine.runner.arch
     rank = getattr(engine.runner, "kv_arch", a)  # this rank's heads (all of them without TP)
     model = engine.runner.model
-    embed = _embedding_numel(model, a)  # this rank's rows of it under TP
+    embed, embed_size = _embedding(model, a)  # this rank's rows of it under TP
     fp8 = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Fp8Linear))
     other = sum(
         m.in_features * m.out_features
@@ -157,23 +157,19 @@ def floor_seconds(
         params -= len(a.moe.layers) * (a.moe.num_experts - a.moe.top_k) * expert
     attention = 4 * a.num_layers * rank.num_heads * a.head_dim * n * inp * inp / 2
     flops = 2 * params * n * inp + attention + 2 * fp8 * n * inp / 2  # FP8 at twice the rate
-    weights = _weight_bytes(model) - embed * _embedding_bytes(model)
+    weights = _weight_bytes(model) - embed * embed_size
     kv_tok = rank.kv_bytes_per_token(engine.runner.kv_dtype.itemsize)
     decode = sum((weights + n * kv_tok * (inp + s)) for s in range(out - 1))
     return flops / c.bf16_flops_per_s + decode / c.copy_bytes_per_s
 
 
-def _embedding_numel(model: Any, arch: Any) -> int:
-    """Elements of the embedding table this process holds (a rank's rows under TP)."""
+def _embedding(model: Any, arch: Any) -> tuple[int, int]:
+    """(elements, bytes an element) of the embedding table this process holds (a rank's rows
+    under TP; a decode step reads only its tokens' rows of it)."""
     weight = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
-    return int(weight.numel()) if weight is not None else arch.vocab_size * arch.hidden_size
-
-
-def _embedding_bytes(model: Any) -> int:
-    """Bytes of one element of the embedding table (a decode step reads only its tokens' rows)."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(embed, "weight", None)
-    return weight.element_size() if weight is not None else 2
+    if weight is None:
+        return arch.vocab_size * arch.hidden_size, 2
+    return int(weight.numel()), weight.element_size()
 
 
 def main_offline(args: argparse.Namespace) -> int:
@@ -248,7 +244,8 @@ def main_latency(args: argparse.Namespace) -> int:
     rows = []
     a = engine.runner.arch
     weight_bytes = _weight_bytes(engine.runner.model)
-    weight_bytes -= _embedding_numel(engine.runner.model, a) * _embedding_bytes(engine.runner.model)
+    embed, embed_size = _embedding(engine.runner.model, a)
+    weight_bytes -= embed * embed_size
     ceilings = device_ceilings() if engine.runner.device.type == "cuda" else None
     for bs in args.batch_sizes:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)

@@ -19,7 +19,7 @@ from deploy.procfs import descendants
 from services.common.runtime import SERVER_OPTIONS, SWITCH_INTERVAL_ENV, gil_switch_interval
 from services.config import ConfigError
 from tests.services.engine.conftest import tiny_checkpoint
-from tests.services.procs import Fleet
+from tests.services.procs import Fleet, Proc
 
 
 @pytest.fixture(autouse=True)
@@ -135,68 +135,67 @@ if not os.environ.get("TANDEM_TP_PARENT_PID"):
 """
 
 
+@pytest.fixture
+def hanging_hook_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
+    """A fleet whose decode workers' KV-receiver stop hook never returns (STOP_HOOK_HANGS; the
+    flag file ``hung`` marks that it ran), and the model they serve at ``tmp_path / "model"``."""
+    tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=2, hidden_size=64,
+                    num_attention_heads=8, num_key_value_heads=2, intermediate_size=96)  # fmt: skip
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STOP_HOOK_HANGS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("HANG_FLAG", str(tmp_path / "hung"))
+    fleet = Fleet(tmp_path / "fleet")
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
+def _exit_and_log(proc: Proc, hung_flag: Path) -> tuple[int, str]:
+    """The worker's exit status (within 60 s) and log, once its stop hook ran and hung."""
+    try:
+        code = proc.popen.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the worker did not exit:\n" + proc.log_path.read_text()[-2000:])
+    log = proc.log_path.read_text()
+    assert hung_flag.exists(), log[-2000:]  # the hook ran, and hung
+    return code, log
+
+
 @pytest.mark.slow
 def test_a_worker_whose_rank_died_exits_though_a_stop_hook_hangs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hanging_hook_fleet: Fleet
 ) -> None:
     """kill -9 of a decode worker's follower rank: the worker fails, stops its server, gives
     each stop hook 5 s and exits with status 1, though a hook never returns. Before, Python's
     teardown joined the hung hook's thread (``asyncio.run``: for ever on 3.11), and the worker
     never exited; `tandem up` could neither stop nor restart it."""
-    model = tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=2, hidden_size=64,
-                            num_attention_heads=8, num_key_value_heads=2, intermediate_size=96)  # fmt: skip
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(STOP_HOOK_HANGS)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
-    monkeypatch.setenv("HANG_FLAG", str(tmp_path / "hung"))
-    fleet = Fleet(tmp_path / "fleet")
-    try:
-        proc = fleet.start("decode", "--model", str(model), "--device", "cpu", "--dtype",
-                           "float32", "--tensor-parallel-size", "2")  # fmt: skip
-        followers = [
-            pid for pid in descendants(proc.pid)
-            if b"services.engine.tp_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]  # fmt: skip
-        assert len(followers) == 1
-        os.kill(followers[0], signal.SIGKILL)
-        killed = time.monotonic()
-        try:
-            code = proc.popen.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the worker did not exit:\n" + proc.log_path.read_text()[-2000:])
-        log = proc.log_path.read_text()
-        print(f"the worker exited {time.monotonic() - killed:.1f} s after its rank's kill")
-        assert (tmp_path / "hung").exists(), log[-2000:]  # the hook ran, and hung
-        assert code == 1, log[-2000:]
-        assert "tensor-parallel rank 1 exited with status -9; the worker exits" in log
-    finally:
-        fleet.close()
+    proc = hanging_hook_fleet.start("decode", "--model", str(tmp_path / "model"), "--device",
+                                    "cpu", "--dtype", "float32", "--tensor-parallel-size", "2")  # fmt: skip
+    followers = [
+        pid for pid in descendants(proc.pid)
+        if b"services.engine.tp_follower" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]  # fmt: skip
+    assert len(followers) == 1
+    os.kill(followers[0], signal.SIGKILL)
+    killed = time.monotonic()
+    code, log = _exit_and_log(proc, tmp_path / "hung")
+    print(f"the worker exited {time.monotonic() - killed:.1f} s after its rank's kill")
+    assert code == 1, log[-2000:]
+    assert "tensor-parallel rank 1 exited with status -9; the worker exits" in log
 
 
 @pytest.mark.slow
 def test_a_draining_worker_whose_stop_hook_hangs_exits_1(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hanging_hook_fleet: Fleet
 ) -> None:
     """SIGTERM: the worker drains and runs its stop hooks, each for STOP_HOOK_S at most; one
     that does not return makes it leave at once with status 1 (it would otherwise wait for the
     hook's thread for ever) and say so."""
-    model = tiny_checkpoint(tmp_path / "model", "llama", num_hidden_layers=1, hidden_size=64,
-                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)  # fmt: skip
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(STOP_HOOK_HANGS)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
-    monkeypatch.setenv("HANG_FLAG", str(tmp_path / "hung"))
-    fleet = Fleet(tmp_path / "fleet")
-    try:
-        proc = fleet.start("decode", "--model", str(model), "--device", "cpu", "--dtype", "float32")
-        proc.popen.send_signal(signal.SIGTERM)
-        try:
-            code = proc.popen.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the worker did not exit:\n" + proc.log_path.read_text()[-2000:])
-        log = proc.log_path.read_text()
-        assert (tmp_path / "hung").exists(), log[-2000:]
-        assert code == 1, log[-2000:]
-        assert "a stop hook did not return in 2 s" in log
-    finally:
-        fleet.close()
+    proc = hanging_hook_fleet.start("decode", "--model", str(tmp_path / "model"), "--device",
+                                    "cpu", "--dtype", "float32")  # fmt: skip
+    proc.popen.send_signal(signal.SIGTERM)
+    code, log = _exit_and_log(proc, tmp_path / "hung")
+    assert code == 1, log[-2000:]
+    assert "a stop hook did not return in 2 s" in log
