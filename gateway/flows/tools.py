@@ -110,10 +110,19 @@ def _function(tool: Any, i: int) -> Function:
     return Function(name, _object_schema(params, f"{param}.function.parameters"))
 
 
-def _object_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
+def _object_schema(
+    schema: dict[str, Any],
+    where: str,
+    root: dict[str, Any] | None = None,
+    trail: frozenset[str] = frozenset(),
+) -> dict[str, Any]:
     """``schema`` held to objects: ``type`` set to "object" where it names none (or several,
-    one of them "object"), also in each top-level ``anyOf``/``oneOf`` branch (a grammar backend
-    reads the branches alone, not the type beside them); a type without "object" is a 400."""
+    one of them "object"), also in each top-level ``anyOf``/``oneOf`` branch and through a
+    top-level local ``$ref`` (a grammar backend reads the branches and the schema a reference
+    names alone, not the type beside them); a type without "object" is a 400. ``trail``: the
+    references inlined on the way here (one met again is a loop)."""
+    root = schema if root is None else root
+    schema, trail = _inline_ref(schema, root, where, trail)
     kind = schema.get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise invalid(
@@ -124,10 +133,67 @@ def _object_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
         branches = schema.get(key)
         if isinstance(branches, list):
             out[key] = [
-                _object_schema(b, f"{where}.{key}[{i}]") if isinstance(b, dict) else b
+                _object_schema(b, f"{where}.{key}[{i}]", root, trail) if isinstance(b, dict) else b
                 for i, b in enumerate(branches)
             ]
     return out
+
+
+# keywords beside a $ref that constrain nothing (a grammar backend drops the others unread)
+_REF_NEIGHBOURS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title",
+                   "description", "type"}  # fmt: skip
+
+
+def _inline_ref(
+    schema: dict[str, Any], root: dict[str, Any], where: str, trail: frozenset[str]
+) -> tuple[dict[str, Any], frozenset[str]]:
+    """``schema`` with a ``$ref`` of its own replaced by the schema it names in ``root``
+    (``#/$defs/X``, ``#/definitions/X``, any local JSON pointer), the root's definitions kept
+    for the references within (a ``type`` beside the reference must allow an object too, and
+    so must the named schema's). A reference that leaves the
+    document, names nothing, loops, or has constraints beside it (which the grammar would
+    drop) is a 400. Returns the schema and ``trail`` with the references it followed."""
+    while "$ref" in schema:
+        ref = schema["$ref"]
+        beside = sorted(set(schema) - _REF_NEIGHBOURS)
+        if beside:
+            raise invalid(
+                f"{where}: keywords beside $ref ({', '.join(beside)}) are not supported; "
+                "move them into the schema it names",
+                "tools",
+            )
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise invalid(f"{where}.$ref must be a local reference ('#/$defs/...'), got {ref!r}",
+                          "tools")  # fmt: skip
+        if ref in trail:
+            raise invalid(f"{where}.$ref {ref!r} refers to itself", "tools")
+        trail |= {ref}
+        target = _pointer(root, ref[1:])
+        if not isinstance(target, dict):
+            raise invalid(f"{where}.$ref {ref!r} names no schema in the document", "tools")
+        if "type" in schema:  # beside the reference: it must allow an object too
+            _object_schema({"type": schema["type"]}, where)
+        schema = {**target, **{k: schema[k] for k in ("$defs", "definitions") if k in schema}}
+    return schema, trail
+
+
+def _pointer(doc: Any, pointer: str) -> Any:
+    """The value at a JSON pointer (RFC 6901: ``/a/0/b``, ``~1`` for '/', ``~0`` for '~') in
+    ``doc``, or None where it names nothing."""
+    if pointer == "":
+        return doc
+    if not pointer.startswith("/"):
+        return None
+    node = doc
+    for part in pointer[1:].split("/"):
+        key = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
 
 
 def _functions(value: Any) -> tuple[Function, ...]:

@@ -99,6 +99,63 @@ def test_top_level_branches_are_held_to_objects_too() -> None:
         _plan(tools=[bad])
 
 
+def test_a_top_level_reference_is_held_to_objects_too() -> None:
+    """A grammar backend follows a top-level $ref and drops the type beside it (xgrammar:
+    {"type": "object", "$ref": "#/$defs/A", "$defs": {"A": {}}} accepts 5): the named schema
+    is inlined and held to objects, named and required calls alike."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    args = {"properties": {"a": {"$ref": "#/definitions/Int"}}, "required": ["a"]}
+    cases = (
+        {"type": "object", "$ref": "#/$defs/Any", "$defs": {"Any": {}}},
+        {"$ref": "#/$defs/Args", "$defs": {"Args": args}, "definitions": {"Int": {"type": "integer"}}},
+        {"anyOf": [{"$ref": "#/$defs/Args"}], "$defs": {"Args": args}, "definitions": {"Int": {"type": "integer"}}},
+        {"$ref": "#/$defs/Next", "$defs": {"Next": {"$ref": "#/$defs/Any"}, "Any": {}}},  # a chain
+    )  # fmt: skip
+    for i, parameters in enumerate(cases):
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        named = _schema(_plan(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}))  # fmt: skip
+        required = _schema(_plan(tools=[tool], tool_choice="required"))
+        args_text = '{"a": 1}' if i in (1, 2) else "{}"  # xgrammar: no properties, no keys
+        for schema, good, bads in (
+            (named, args_text, ("5", '"x"', "null", "[1]")),
+            (required, f'[{{"name": "f", "arguments": {args_text}}}]', ('[{"name": "f", "arguments": 5}]',)),
+        ):  # fmt: skip
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+            assert accepts(grammar, good), (i, schema)
+            assert not any(accepts(grammar, bad) for bad in bads), (i, schema)
+        if i in (1, 2):  # the named schema's constraints hold: "a" is required, an integer
+            grammar = xgr.Grammar.from_json_schema(json.dumps(named))
+            assert not accepts(grammar, "{}") and not accepts(grammar, '{"a": "x"}')
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"$ref": "#/$defs/S", "$defs": {"S": {"type": "string"}}},
+         r"parameters must describe an object \(type 'object'\), got type 'string'"),
+        ({"type": "string", "$ref": "#/$defs/O", "$defs": {"O": {"type": "object"}}},
+         "got type 'string'"),
+        ({"oneOf": [{"$ref": "#/$defs/S"}], "$defs": {"S": {"type": "array"}}},
+         r"parameters.oneOf\[0\] must describe an object"),
+        ({"$ref": "https://example.com/schema.json"}, "must be a local reference"),
+        ({"$ref": "#/$defs/Nope", "$defs": {}}, "names no schema"),
+        ({"$ref": "#"}, "refers to itself"),
+        ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, "refers to itself"),
+        ({"anyOf": [{"$ref": "#"}]}, "refers to itself"),
+        ({"$ref": "#/$defs/A", "$defs": {"A": {}}, "required": ["x"]},
+         r"keywords beside \$ref \(required\)"),
+    ],
+)  # fmt: skip
+def test_a_top_level_reference_that_cannot_be_held_is_a_400(
+    parameters: dict[str, Any], message: str
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with pytest.raises(APIError, match=message):
+        _plan(tools=[tool])
+
+
 def test_required_is_a_non_empty_array_of_calls_to_the_offered_functions() -> None:
     schema = _schema(_plan(tools=[WEATHER, NOARGS], tool_choice="required"))
     jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Rome"}},
