@@ -22,6 +22,10 @@ SUPPORTED = {
     "qwen3_vl": "Qwen3-VL (images)",
 }
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# families whose config turns sliding-window attention on with use_sliding_window (for the layers
+# from max_window_layers on, or as layer_types says); Mistral's and Mixtral's sliding_window
+# applies to every layer when set
+_QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", *VL_TYPES)
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
@@ -103,6 +107,10 @@ class ArchConfig:
     quantization_config: dict[str, Any] = field(default_factory=dict)  # HF's, as written
     moe: MoeConfig | None = None
     vision: VisionConfig | None = None  # a vision-language model's tower
+    # keys a query sees in some layer (itself included), as transformers' sliding-window mask;
+    # None: every layer attends to the whole context. The engine does not implement the window:
+    # it serves at most this many tokens, where the window changes nothing (model_runner)
+    sliding_window: int | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -143,6 +151,7 @@ class ArchConfig:
             quantization_config=dict(cfg.get("quantization_config") or {}),
             moe=_moe_config(model_type, cfg) if model_type in MOE_TYPES else None,
             vision=vision,
+            sliding_window=_sliding_window(model_type, cfg),
         )
 
     @classmethod
@@ -166,6 +175,31 @@ class ArchConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+def _sliding_window(model_type: str, cfg: dict[str, Any]) -> int | None:
+    """The window of the layers that attend through one, as transformers reads the config:
+    Mistral and Mixtral window every layer when ``sliding_window`` is set; the Qwen families only
+    with ``use_sliding_window``, and then the layers ``layer_types`` names (else those from
+    ``max_window_layers`` on). Llama never windows."""
+    window = cfg.get("sliding_window")
+    if window is None or model_type == "llama":
+        return None
+    if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window"):
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:
+        windowed = "sliding_attention" in types
+    elif model_type in _QWEN_TYPES:
+        # transformers' default max_window_layers is 28 in each of these configs
+        windowed = int(cfg.get("max_window_layers", 28)) < int(cfg["num_hidden_layers"])
+    else:
+        windowed = True
+    if not windowed:
+        return None
+    if int(window) < 1:
+        raise ConfigError(f"{model_type}: sliding_window {window} must be at least 1")
+    return int(window)
+
+
 def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
     """Qwen3-MoE (``num_experts``, saved by transformers as ``num_local_experts``; a layer is
     sparse unless in ``mlp_only_layers`` or off the ``decoder_sparse_step``) or Mixtral (every
@@ -175,12 +209,6 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
             raise ConfigError(f"{model_type}: shared experts ({key}={cfg[key]}) are not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{model_type}: hidden_act {cfg['hidden_act']!r}; only silu is supported")
-    if cfg.get("use_sliding_window") or (
-        model_type == "mixtral"
-        and cfg.get("sliding_window") is not None
-        and int(cfg["sliding_window"]) < int(cfg.get("max_position_embeddings", 4096))
-    ):
-        raise ConfigError(f"{model_type}: sliding-window attention is not supported")
     layers = int(cfg["num_hidden_layers"])
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)

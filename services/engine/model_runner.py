@@ -156,6 +156,22 @@ class ModelRunner:
         limit = self.arch.max_position_embeddings
         default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos
         self.max_model_len = config.model.max_model_len or min(limit, max_pos, default_len)
+        window = self.arch.sliding_window
+        if window is not None and self.max_model_len > window:
+            # attention over a window is not implemented; within one token count it is
+            # attention over the whole context, so serve at most that many, never a wrong answer
+            if config.model.max_model_len:
+                raise ConfigError(
+                    f"--max-model-len {self.max_model_len}: {self.files.name} attends through a "
+                    f"sliding window of {window} tokens, which this engine does not implement; "
+                    f"serve at most {window} tokens (--max-model-len {window} or less)"
+                )
+            log.warning(
+                "%s attends through a sliding window of %d tokens, which this engine does not "
+                "implement: serving at most %d tokens of context (the window then changes "
+                "nothing)", self.files.name, window, window,
+            )  # fmt: skip
+            self.max_model_len = window
         if self.max_model_len > max_pos:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds {max_pos} positions")
         # rotary rows for the positions this worker can reach, not the 128k it was built for

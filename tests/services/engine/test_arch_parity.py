@@ -1,5 +1,6 @@
-"""Mixture-of-Experts models in our engine against transformers: tiny random Qwen3-MoE and
-Mixtral checkpoints (float32, seeded), greedy, token for token."""
+"""Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
+Qwen3, Qwen3-MoE and Mixtral checkpoints (float32, seeded), greedy, token for token. A model that
+attends through a sliding window is served up to the window, where the window changes nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from kernels import ops
 from protos.sampling_params import SamplingParams
+from services.config import ConfigError
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
 from services.model_files import prepare_model
@@ -25,6 +27,13 @@ COMMON = {
     "eos_token_id": None,
 }  # fmt: skip
 CONFIGS = {
+    "llama": ("llama", {"num_hidden_layers": 2, "intermediate_size": 96}),
+    # no window here (transformers' default is 4096): the windowed one is its own test below
+    "mistral": ("mistral", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 32, "sliding_window": None,
+    }),
+    "qwen2": ("qwen2", {"num_hidden_layers": 2, "intermediate_size": 96}),  # q/k/v biases
+    "qwen3": ("qwen3", {"num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16}),
     # layer 1 dense (mlp_only_layers), the router's top-2 weights left unnormalized
     "qwen3_moe-dense-layer": ("qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 96,
@@ -57,9 +66,9 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
     return model.eval()
 
 
-def _prompts(seed: int) -> list[list[int]]:
+def _prompts(seed: int, lens: list[int] = PROMPT_LENS) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
 
 
 def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
@@ -87,9 +96,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
     return get
 
 
-def _assert_greedy_matches(name: str, path: Path, hf: Any) -> None:
-    prompts = _prompts(len(name))
-    ours = LLM(str(path)).generate(
+def _assert_greedy_matches(
+    name: str, path: Path, hf: Any, lens: list[int] = PROMPT_LENS, **knobs: Any
+) -> None:
+    prompts = _prompts(len(name), lens)
+    ours = LLM(str(path), **knobs).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     )
     for prompt, got in zip(prompts, ours, strict=True):
@@ -116,3 +127,33 @@ def test_greedy_matches_transformers_through_the_triton_kernel(
 
     monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
     _assert_greedy_matches(name, *built(name))
+
+
+WINDOW = 40  # keys a query sees (itself included), as transformers' mask counts them
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    path = tmp_path_factory.mktemp("mistral-window")
+    extra = {"num_hidden_layers": 2, "intermediate_size": 96, "sliding_window": WINDOW}
+    return path, _build(path, "mistral", extra)
+
+
+def test_a_sliding_window_model_is_served_up_to_its_window(windowed: Built) -> None:
+    """The engine attends to the whole context: it serves at most the window's tokens, where
+    that is what the window gives (transformers' own model, window and all, is the reference)."""
+    path, hf = windowed
+    llm = LLM(str(path))
+    assert llm.engine.max_model_len == WINDOW
+    llm.close()
+    # up to 23 + 16 = 39 tokens: every key within the window
+    _assert_greedy_matches("mistral-window", path, hf, [1, 9, 23])
+
+
+def test_a_context_past_the_window_is_refused(windowed: Built) -> None:
+    """Not served wrong: a longer --max-model-len would attend past the window."""
+    with pytest.raises(ConfigError, match=f"sliding window of {WINDOW} tokens.*--max-model-len"):
+        LLM(str(windowed[0]), max_model_len=WINDOW + 1)
+    llm = LLM(str(windowed[0]), max_model_len=WINDOW // 2)  # within it: served
+    assert llm.engine.max_model_len == WINDOW // 2
+    llm.close()

@@ -1,6 +1,6 @@
-"""Architecture facts from config.json: the sparse layers of MoE models and Qwen3-VL's tower,
-and the MoE and Qwen3-VL variants this engine does not implement refused with a message instead
-of served wrong."""
+"""Architecture facts from config.json: the sparse layers of MoE models, Qwen3-VL's tower and
+the sliding window, and the MoE and Qwen3-VL variants this engine does not implement refused with
+a message instead of served wrong."""
 
 from __future__ import annotations
 
@@ -58,11 +58,8 @@ def test_mixtral_every_layer_sparse_and_renormalized() -> None:
         (_qwen3_moe(shared_expert_intermediate_size=64), "shared experts"),
         (_qwen3_moe(n_shared_experts=1), "shared experts"),
         (_qwen3_moe(hidden_act="gelu"), "only silu"),
-        (_qwen3_moe(use_sliding_window=True, sliding_window=128), "sliding-window"),
         (_qwen3_moe(num_experts_per_tok=9), "num_experts_per_tok 9 of 8"),
         (_qwen3_moe(decoder_sparse_step=0), "decoder_sparse_step"),
-        ({**BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
-          "sliding_window": 64, "max_position_embeddings": 4096}, "sliding-window"),
         ({**_qwen3_moe(), "model_type": "qwen2_moe"}, "not supported"),
         ({**_qwen3_moe(), "model_type": "deepseek_v3"}, "not supported"),
     ],
@@ -70,6 +67,45 @@ def test_mixtral_every_layer_sparse_and_renormalized() -> None:
 def test_unsupported_moe_variants_are_refused(cfg: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ArchConfig.from_dict(cfg)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "window"),
+    [
+        ({"model_type": "llama", "sliding_window": 64}, None),  # Llama never windows
+        ({"model_type": "mistral", "sliding_window": 64}, 64),
+        ({"model_type": "mistral", "sliding_window": None}, None),
+        ({"model_type": "mistral"}, None),
+        ({"model_type": "mixtral", "sliding_window": 64, "num_local_experts": 4,
+          "num_experts_per_tok": 2}, 64),
+        # the Qwen families window only with use_sliding_window...
+        ({"model_type": "qwen2", "sliding_window": 64}, None),
+        ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": False}, None),
+        # ...and then the layers from max_window_layers on (transformers' default: 28)
+        ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, None),
+        ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+          "max_window_layers": 2}, 64),
+        ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
+          "max_window_layers": 4}, None),
+        # or those layer_types names
+        ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
+          "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, 64),
+        ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
+          "max_window_layers": 0, "layer_types": ["full_attention"] * 4}, None),
+        (_qwen3_moe(use_sliding_window=True, sliding_window=128, max_window_layers=1), 128),
+    ],
+)  # fmt: skip
+def test_the_sliding_window_is_read_as_transformers_reads_it(
+    cfg: dict[str, Any], window: int | None
+) -> None:
+    """The engine serves at most this many tokens (the window then changes nothing): a window
+    missed would serve longer contexts wrong, one made up would shorten them for nothing."""
+    assert ArchConfig.from_dict({**BASE, **cfg}).sliding_window == window
+
+
+def test_a_window_under_one_token_is_refused() -> None:
+    with pytest.raises(ConfigError, match="sliding_window 0"):
+        ArchConfig.from_dict({**BASE, "model_type": "mistral", "sliding_window": 0})
 
 
 def _qwen3_vl(text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None) -> dict:
