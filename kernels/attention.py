@@ -105,6 +105,12 @@ def check_k_out(k_out: torch.Tensor | None, k: torch.Tensor) -> None:
         raise ValueError(f"k_out must be contiguous in its last dim, strides {k_out.stride()}")
 
 
+def check_window(window: int) -> None:
+    """A sliding window is >= 0 (0: none)."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no window), got {window}")
+
+
 def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
     bs = cache.shape[1]
     nblk = (n + bs - 1) // bs
@@ -127,9 +133,16 @@ def ref_paged_decode_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,  # [B, Hq, D] to write into
+    window: int = 0,  # sliding window: the query sees its last ``window`` positions (0: all)
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence attending to its first ``context_lens[b]`` cached tokens
-    (written into ``out`` when given, which is then returned)."""
+    (written into ``out`` when given, which is then returned).
+
+    The query sits at position ``context_lens[b] - 1``. ``window`` > 0 is a sliding window as
+    transformers defines it: the query at position ``p`` sees keys ``p - window < j <= p``, so
+    only the last ``window`` tokens (itself included); 0 is no window.
+    """
+    check_window(window)
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -143,6 +156,8 @@ def ref_paged_decode_attention(
     scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [B, Hkv, g, L]
     pos = torch.arange(max_len, device=q.device)
     mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]
+    if window:
+        mask |= pos[None, :] <= context_lens[:, None].long() - 1 - window
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     v = v.masked_fill(mask[:, None, :, None], 0.0)  # unwritten slots may hold NaN
     o = torch.matmul(torch.softmax(scores, dim=-1), v).reshape(B, Hq, D)  # [B, Hkv, g, D] flat
@@ -162,6 +177,7 @@ def ref_prefill_attention(
     k_new: torch.Tensor | None = None,  # [T, Hkv, D]: the new tokens' keys, row for row with q
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
     no_prefix: bool = False,  # the caller says no sequence has a cached prefix (checked here)
+    window: int = 0,  # sliding window: each query sees its last ``window`` positions (0: all)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its whole paged context (written into
     ``out`` when given, which is then returned).
@@ -171,7 +187,12 @@ def ref_prefill_attention(
     and ``v_new`` the new tokens' own keys and values come from them (the same values the cache
     holds for a cache of q's dtype: the Triton kernel then reads them contiguously), the
     earlier ones from the cache.
+
+    ``window`` > 0 is a sliding window as transformers defines it: the query at position ``p``
+    sees keys ``p - window < j <= p`` (``window`` of them, itself included, once
+    ``p >= window - 1``); 0 is no window, plain causal.
     """
+    check_window(window)
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together")
     out = torch.empty_like(q) if out is None else out
@@ -193,13 +214,16 @@ def ref_prefill_attention(
             k = torch.cat([k[: n - (e - s)], k_new[s:e].float()])
             v = torch.cat([v[: n - (e - s)], v_new[s:e].float()])
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if n == e - s:  # no earlier tokens: plain causal, which skips the masked half
+        if n == e - s and not window:  # a whole prompt: plain causal, skips the masked half
             o = torch.nn.functional.scaled_dot_product_attention(
                 qb, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:  # query i sits at n - q_len + i: causal aligned to the end of the context
             qpos = torch.arange(n - (e - s), n, device=q.device)
-            mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [q_len, n]
+            kpos = torch.arange(n, device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]  # [q_len, n]
+            if window:
+                mask &= kpos[None, :] > qpos[:, None] - window
             o = torch.nn.functional.scaled_dot_product_attention(
                 qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )

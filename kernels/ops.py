@@ -274,19 +274,21 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B] int32, >= 1
     scale: float,
     out: torch.Tensor | None = None,  # [B, Hq, D] to write into
+    window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
 ) -> torch.Tensor:  # [B, Hq, D]
     mod = _triton("triton_attention", q)
     if mod is None:
         return ref_paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, out=out
+            q, k_cache, v_cache, block_tables, context_lens, scale, out=out, window=window
         )
     splits = None
     if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1
         width = block_tables.shape[1] * k_cache.shape[1]
         splits = mod.choose_num_splits(1, k_cache.shape[2], width, q.device, k_cache.element_size())
     return mod.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits, out=out
-    )
+        q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits, out=out,
+        window=window,
+    )  # fmt: skip
 
 
 # whole prompts read their own K/V contiguously (prefill_attention's k_new, no_prefix) from
@@ -314,12 +316,13 @@ def prefill_attention(
     k_new: torch.Tensor | None = None,  # [T, Hkv, D]: the new tokens' keys, read contiguously
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
     no_prefix: bool = False,  # no sequence has a cached prefix (the caller knows it)
+    window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
 ) -> torch.Tensor:  # [T, Hq, D]
     mod = _triton("triton_attention", q)
     fn = mod.prefill_attention if mod else ref_prefill_attention
     return fn(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, out=out,
-        k_new=k_new, v_new=v_new, no_prefix=no_prefix,
+        k_new=k_new, v_new=v_new, no_prefix=no_prefix, window=window,
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import check_window
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -39,6 +40,7 @@ from kernels.triton_common import (
 )
 
 MAX_SPLITS = 64
+NO_WINDOW = 2**31 - 1  # the kernel's window when there is none: longer than any context
 MIN_KEYS_PER_SPLIT = 64  # one tile of keys: batch-1 8B decode at context 1024, 2048-token table,
 # 0.07 ms a step faster than with 256 (H100; 128: 0.04, 32: no gain)
 LOG2E = 1.4426950408889634
@@ -57,24 +59,37 @@ FP8_MAX_REGISTERS = 128
 # maxnreg).
 
 
+@triton.jit
+def _mma_acc(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + mma(a, b)`` as one ``tl.dot`` accumulating into ``acc`` (fp32): the MMA adds into
+    its own accumulator registers, no second [M, N] tile for the product."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
 # per-step values and index arrays: not specialized, so no step compiles a new kernel
-@triton.jit(do_not_specialize=["bt_ptr", "lens_ptr", "num_splits", "s_btb"])
+@triton.jit(do_not_specialize=["bt_ptr", "lens_ptr", "num_splits", "s_btb", "window"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2e, num_splits,
+    scale_log2e, num_splits, window,
     s_qb, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ob, s_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, F16_READ: tl.constexpr,
+    USE_PDL: tl.constexpr, F16_READ: tl.constexpr, HALF_D: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # a sliding window: the query (at ctx - 1) sees the last `window` keys; without one the
+    # launcher passes a window longer than any context, so lo is 0. The splits share [lo, ctx)
+    lo = tl.maximum(ctx - window, 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -83,18 +98,34 @@ def _decode_kernel(
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_G, BLOCK_D]
-    if F16_READ:  # an FP8 cache read as fp16 (one hardware conversion; bf16 takes more): q
-        # carries the softmax scale, so it stays far inside fp16's range
-        q = (q.to(tl.float32) * scale_log2e).to(tl.float16)
+    if HALF_D:  # the head dim in two halves, columns offs_h and HALF + offs_h (half_d)
+        HALF: tl.constexpr = BLOCK_D // 2
+        offs_h = tl.arange(0, HALF)
+        lo_mask = offs_h < HEAD_DIM
+        hi_mask = offs_h + HALF < HEAD_DIM  # never empty: HEAD_DIM > BLOCK_D / 2
+        q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + offs_h[None, :]
+        q_lo = tl.load(q_row, mask=g_mask[:, None] & lo_mask[None, :], other=0.0)
+        q_hi = tl.load(q_row + HALF, mask=g_mask[:, None] & hi_mask[None, :], other=0.0)
+        if F16_READ:  # as below
+            q_lo = (q_lo.to(tl.float32) * scale_log2e).to(tl.float16)
+            q_hi = (q_hi.to(tl.float32) * scale_log2e).to(tl.float16)
+    else:
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_G, BLOCK_D]
+        if F16_READ:  # an FP8 cache read as fp16 (one hardware conversion; bf16 takes more): q
+            # carries the softmax scale, so it stays far inside fp16's range
+            q = (q.to(tl.float32) * scale_log2e).to(tl.float16)
     table = bt_ptr + b.to(tl.int64) * s_btb
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if HALF_D:
+        acc_lo = tl.zeros([BLOCK_G, HALF], tl.float32)
+        acc_hi = tl.zeros([BLOCK_G, HALF], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
@@ -102,9 +133,19 @@ def _decode_kernel(
         off = pos % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = k_ptr + blk * s_kn + off * s_kb + kvh * s_kh
-        # an FP8 cache is read in q's dtype (exact: every e4m3 value is a bf16/fp16 value)
-        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
+        if HALF_D:  # each half of K converted and multiplied as soon as it is loaded: one
+            # [BLOCK_N, HALF] tile in registers at a time, not [BLOCK_N, BLOCK_D]
+            lo_kv = n_mask[:, None] & lo_mask[None, :]
+            hi_kv = n_mask[:, None] & hi_mask[None, :]
+            k_half = k_rows[:, None] + offs_h[None, :]
+            k_lo = tl.load(k_half, mask=lo_kv, other=0.0).to(q_lo.dtype)
+            s = mma(q_lo, tl.trans(k_lo), DOT_UPCAST, DOT_PRECISION)
+            k_hi = tl.load(k_half + HALF, mask=hi_kv, other=0.0).to(q_lo.dtype)
+            s = _mma_acc(q_hi, tl.trans(k_hi), s, DOT_UPCAST, DOT_PRECISION)
+        else:
+            # an FP8 cache is read in q's dtype (exact: every e4m3 value is a bf16/fp16 value)
+            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
         if not F16_READ:
             s = s * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
@@ -114,20 +155,42 @@ def _decode_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
-        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+        if HALF_D:  # likewise V: p converted once, each half accumulated into its own acc
+            p = p.to(q_lo.dtype)
+            v_half = v_rows[:, None] + offs_h[None, :]
+            v_lo = tl.load(v_half, mask=lo_kv, other=0.0).to(q_lo.dtype)
+            acc_lo = _mma_acc(p, v_lo, acc_lo * alpha[:, None], DOT_UPCAST, DOT_PRECISION)
+            v_hi = tl.load(v_half + HALF, mask=hi_kv, other=0.0).to(q_lo.dtype)
+            acc_hi = _mma_acc(p, v_hi, acc_hi * alpha[:, None], DOT_UPCAST, DOT_PRECISION)
+        else:
+            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         m_i = m_new
 
     if not SPLIT:
-        out = acc / l_i[:, None]
-        o_ptrs = out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        if HALF_D:
+            o_half = out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_h[None, :]
+            out_lo = (acc_lo / l_i[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(o_half, out_lo, mask=g_mask[:, None] & lo_mask[None, :])
+            out_hi = (acc_hi / l_i[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(o_half + HALF, out_hi, mask=g_mask[:, None] & hi_mask[None, :])
+        else:
+            out = acc / l_i[:, None]
+            o_ptrs = out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :]
+            tl.store(
+                o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :]
+            )
     else:
         row = (b.to(tl.int64) * NUM_Q_HEADS + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
-        a_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(a_ptrs, acc, mask=g_mask[:, None] & d_mask[None, :])
+        if HALF_D:
+            a_half = part_acc_ptr + row[:, None] * HEAD_DIM + offs_h[None, :]
+            tl.store(a_half, acc_lo, mask=g_mask[:, None] & lo_mask[None, :])
+            tl.store(a_half + HALF, acc_hi, mask=g_mask[:, None] & hi_mask[None, :])
+        else:
+            a_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(a_ptrs, acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -203,6 +266,8 @@ def paged_decode_attention(
     num_stages: int = 2,
     f16_read: bool | None = None,
     max_registers: int | None = None,
+    half_d: bool | None = None,
+    window: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton version of :func:`kernels.attention.ref_paged_decode_attention`.
@@ -216,6 +281,21 @@ def paged_decode_attention(
     registers a thread (default: :data:`FP8_MAX_REGISTERS` for an FP8 cache on an NVIDIA GPU,
     else none; 0: none): with the cap an FP8 cache is read at ~63-66% of the copy bandwidth on
     an H200, ~53-55% without, where a bf16 one reaches ~95%.
+
+    ``half_d`` (default: on wherever the padded head dim ``BLOCK_D`` is 32 or more, so that
+    each half is a dot of 16 columns or more) works on the head dimension in two halves: q, the
+    K and V tiles and the accumulator as two ``[.., BLOCK_D // 2]`` halves, each K/V half
+    converted and multiplied as soon as it is loaded, so fewer registers hold converted tiles
+    at once. The same MMAs in the same order: the output is bit for bit the whole-width
+    kernel's. On an H200 (``python -m kernels.bench.tune decode fp8 graph b64 w1 maxreg quick
+    halfd``, and each case timed both ways): over an FP8 cache, capped at 128 registers,
+    ptxas's spill stores 18 -> 2 bytes and 0.187 -> 0.172 ms at 64 sequences x 4096 keys (68 ->
+    74% of the copy bandwidth) and at 224 x 1100, 1.03-1.11x at batch 1 to 8; over a bf16 cache
+    1.01-1.02x at batch 64 to 256, 1.15x at 8 x 4096, 1.01-1.12x at batch 1.
+
+    ``window`` (0: none) is a sliding window: each query sees only the last ``window`` keys of
+    its context, itself included (transformers' ``sliding_window``); the splits share that
+    range, and the kernel is the same for every window (a runtime argument).
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
@@ -239,9 +319,11 @@ def paged_decode_attention(
         f16_read = fp8 and q.dtype == torch.bfloat16
     if f16_read and not fp8:
         raise ValueError("f16_read reads an FP8 cache; this one is " + str(k_cache.dtype))
+    check_window(window)
     if num_splits is None:
+        width = block_tables.shape[1] * bs  # the context bound known without a device sync
         num_splits = choose_num_splits(
-            batch, hkv, block_tables.shape[1] * bs, device, k_cache.element_size()
+            batch, hkv, min(width, window) if window else width, device, k_cache.element_size()
         )
     if not (1 <= num_splits <= 1024):
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
@@ -250,6 +332,10 @@ def paged_decode_attention(
         block_n = default_block_n(block_d, k_cache.element_size(), num_stages, device)
     if block_n < 16 or block_n != next_pow2(block_n):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if half_d is None:
+        half_d = block_d >= 32
+    if half_d and block_d < 32:  # each half a dot of 16 columns or more (tl.dot's least)
+        raise ValueError(f"half_d needs a head_dim over 16 (BLOCK_D >= 32), got head_dim {d}")
     if max_registers is None:
         capped = fp8 and device.type == "cuda" and torch.version.hip is None
         max_registers = FP8_MAX_REGISTERS if capped else 0
@@ -268,14 +354,14 @@ def paged_decode_attention(
     )
     _decode_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
-        float(scale) * LOG2E, num_splits,
+        float(scale) * LOG2E, num_splits, window or NO_WINDOW,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype) and not f16_read,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-        F16_READ=f16_read, **pdl(device, batch),
+        F16_READ=f16_read, HALF_D=half_d, **pdl(device, batch),
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     if num_splits > 1:

@@ -9,10 +9,12 @@ those many rows (to split it over runs), ``fp8`` sweeps decode over an e4m3 KV c
 bf16 and as fp16: ``f16_read``), ``b1`` only its batch-1 case, ``b64`` only the batched ones,
 ``w1`` adds W1's decode steps (224 sequences at 1100 tokens), ``maxreg`` times each decode
 configuration uncapped and with the registers capped at 168 and 128 a thread (``max_registers``:
-more programs a multiprocessor), ``quick`` leaves
+more programs a multiprocessor), ``halfd`` times each decode configuration with the kernel
+working on the head dim in halves (the default) and whole (``half_d``), ``quick`` leaves
 32-key tiles, 4 stages and the FP8 cache's bf16 read out of the decode sweep (they never led it),
 ``cap`` only times the FP8 cache's
-register cap against none at batch 1 to 256 (``check_cap``), ``contig`` runs the whole-prompt
+register cap against none at batch 1 to 256 (``check_default``), ``halves`` the head dim in
+halves against whole over both caches, ``contig`` runs the whole-prompt
 cases as the engine does on a GPU (their new K/V contiguous, ``k_new``/``v_new``, and
 ``no_prefix``); the cases after a prefix stay paged, as there.
 
@@ -84,19 +86,26 @@ def _decode_case(batch: int, ctx: int, fp8: bool) -> tuple[Paged, tuple[Any, ...
 CAP_CASES = [(1, 1024), (1, 8192), (1, 32768), (8, 4096), (64, 4096), (224, 1100), (256, 512)]
 
 
-def check_cap(copy_gbps: float) -> None:
-    """``cap``: decode attention over an FP8 cache with the launcher's defaults (its register
-    cap) against the same call uncapped, at batch 1 (split-K) to 256: the cap must not cost
-    anywhere it was not swept."""
-    print("decode over an FP8 cache: the launcher's default (capped) / uncapped")
-    for batch, ctx in CAP_CASES:
-        p, args = _decode_case(batch, ctx, fp8=True)
-        capped = median_ms(functools.partial(paged_decode_attention, *args))
-        free = median_ms(functools.partial(paged_decode_attention, *args, max_registers=0))
-        pct = [100 * p.io_bytes() / ms / 1e6 / copy_gbps for ms in (capped, free)]
-        print(f"  B={batch:3d} ctx={ctx:5d}: {capped:8.4f} ms ({pct[0]:5.1f}%) / {free:8.4f} ms ({pct[1]:5.1f}%)  {free / capped:5.2f}x")  # fmt: skip
-        del p, args
-        torch.cuda.empty_cache()
+def check_default(copy_gbps: float, other: dict[str, Any], caches: tuple[bool, ...]) -> None:
+    """Decode attention with the launcher's defaults against the same call with ``other``
+    knobs, at batch 1 (split-K) to 256, over an FP8 cache and/or a bf16 one (``caches``: fp8 or
+    not): a default must not cost anywhere it was not swept. ``cap``: the FP8 cache's register
+    cap against none; ``halves``: the head dim in halves against whole (also the largest
+    difference between the two outputs, which should be 0)."""
+    knobs = " ".join(f"{k}={v}" for k, v in other.items())
+    for fp8 in caches:
+        print(
+            f"decode over {'an FP8' if fp8 else 'a bf16'} cache: the launcher's default / {knobs}"
+        )
+        for batch, ctx in CAP_CASES:
+            p, args = _decode_case(batch, ctx, fp8)
+            default = median_ms(functools.partial(paged_decode_attention, *args))
+            ms = median_ms(functools.partial(paged_decode_attention, *args, **other))
+            diff = (paged_decode_attention(*args) - paged_decode_attention(*args, **other)).abs()
+            pct = [100 * p.io_bytes() / t / 1e6 / copy_gbps for t in (default, ms)]
+            print(f"  B={batch:3d} ctx={ctx:5d}: {default:8.4f} ms ({pct[0]:5.1f}%) / {ms:8.4f} ms ({pct[1]:5.1f}%)  {ms / default:5.2f}x  max|diff| {diff.max().item():.2e}")  # fmt: skip
+            del p, args
+            torch.cuda.empty_cache()
 
 
 def tune_decode(copy_gbps: float) -> None:
@@ -117,17 +126,18 @@ def tune_decode(copy_gbps: float) -> None:
         if "quick" in sys.argv[1:]:
             tiles, stage_counts, reads = tiles[1:], (2, 3), reads[-1:]
         reg_caps: tuple[int | None, ...] = (0, 168, 128) if "maxreg" in sys.argv[1:] else (None,)
+        halves: tuple[bool | None, ...] = (False, True) if "halfd" in sys.argv[1:] else (None,)
         rows = []
-        for block_n, warps, stages, s, f16, regs in itertools.product(
-            tiles, (4, 8), stage_counts, splits, reads, reg_caps
+        for block_n, warps, stages, s, f16, regs, half in itertools.product(
+            tiles, (4, 8), stage_counts, splits, reads, reg_caps, halves
         ):
             try:
-                fn = functools.partial(paged_decode_attention, *args, num_splits=s, block_n=block_n, num_warps=warps, num_stages=stages, f16_read=f16, max_registers=regs)  # fmt: skip
+                fn = functools.partial(paged_decode_attention, *args, num_splits=s, block_n=block_n, num_warps=warps, num_stages=stages, f16_read=f16, max_registers=regs, half_d=half)  # fmt: skip
                 ms = median_ms(fn)
             except Exception as exc:  # out of shared memory and the like
-                print(f"  skip block_n={block_n} warps={warps} stages={stages} max_registers={regs}: {type(exc).__name__}")  # fmt: skip
+                print(f"  skip block_n={block_n} warps={warps} stages={stages} max_registers={regs} half_d={half}: {type(exc).__name__}")  # fmt: skip
                 continue
-            rows.append((ms, block_n, warps, stages, s, f16, regs))
+            rows.append((ms, block_n, warps, stages, s, f16, regs, half))
         rows.sort()
         print(f"decode B={batch} ctx={ctx}" + (" fp8 KV" if fp8 else ""))
         ms = median_ms(functools.partial(paged_decode_attention, *args))
@@ -138,14 +148,23 @@ def tune_decode(copy_gbps: float) -> None:
                 ms = median_ms(functools.partial(paged_decode_attention, *args, f16_read=f16))
                 pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
                 print(f"  {ms:8.4f} ms {pct:5.1f}% copy  the launcher's tiles, f16_read={f16}")
-        for ms, block_n, warps, stages, s, f16, regs in rows[:8]:
+        if len(halves) > 1:  # the launcher's tiles, the head dim whole
+            ms = median_ms(functools.partial(paged_decode_attention, *args, half_d=False))
             pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
-            print(f"  {ms:8.4f} ms {pct:5.1f}% copy  block_n={block_n} warps={warps} stages={stages} splits={s} f16_read={f16} max_registers={regs}")  # fmt: skip
+            print(f"  {ms:8.4f} ms {pct:5.1f}% copy  the launcher's tiles, half_d=False")
+        for ms, block_n, warps, stages, s, f16, regs, half in rows[:8]:
+            pct = 100 * p.io_bytes() / ms / 1e6 / copy_gbps
+            print(f"  {ms:8.4f} ms {pct:5.1f}% copy  block_n={block_n} warps={warps} stages={stages} splits={s} f16_read={f16} max_registers={regs} half_d={half}")  # fmt: skip
         for regs in reg_caps if len(reg_caps) > 1 else ():  # each cap's best, to compare
             best = next((r for r in rows if r[6] == regs), None)
             if best is not None:
                 pct = 100 * p.io_bytes() / best[0] / 1e6 / copy_gbps
-                print(f"  best with max_registers={regs}: {best[0]:8.4f} ms {pct:5.1f}% copy {best[1:6]}")  # fmt: skip
+                print(f"  best with max_registers={regs}: {best[0]:8.4f} ms {pct:5.1f}% copy {best[1:6] + best[7:]}")  # fmt: skip
+        for half in halves if len(halves) > 1 else ():  # the best of each kernel variant
+            best = next((r for r in rows if r[7] == half), None)
+            if best is not None:
+                pct = 100 * p.io_bytes() / best[0] / 1e6 / copy_gbps
+                print(f"  best with half_d={half}: {best[0]:8.4f} ms {pct:5.1f}% copy {best[1:7]}")  # fmt: skip
         del p, args
         torch.cuda.empty_cache()
 
@@ -287,8 +306,11 @@ if __name__ == "__main__":
         sys.exit("needs a CUDA GPU")
     gbps = copy_bandwidth()
     print(f"copy {gbps:.0f} GB/s")
-    if "cap" in sys.argv[1:]:
-        check_cap(gbps)
+    if "cap" in sys.argv[1:] or "halves" in sys.argv[1:]:
+        if "cap" in sys.argv[1:]:
+            check_default(gbps, {"max_registers": 0}, (True,))
+        if "halves" in sys.argv[1:]:
+            check_default(gbps, {"half_d": False}, (True, False))
         sys.exit(0)
     if "prefill" not in sys.argv[1:]:
         tune_decode(gbps)

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Decode attention over an FP8 KV cache (issue 20): why it reads at about half the copy
-# bandwidth where a bf16 cache's reaches ~95%, and the register cap that helps.
+# bandwidth where a bf16 cache's reaches ~95%, and the register cap and the head dim in halves
+# that help.
 #   tests    the compiled decode-attention and FP8-KV kernel tests
 #   tune     python -m kernels.bench.tune decode [fp8] graph b64 w1 maxreg quick: the tiles,
 #            uncapped and with registers capped, at batch 64 x 4096, 256 x 512 and W1's
 #            224 x 1100 (TUNE_KV: fp8, bf16 or both)
 #   b1       the same at batch 1 x 32768 (split-K), FP8 and bf16
 #   cap      the FP8 cache's default register cap against none, batch 1 (split-K) to 256
+#   halves   the head dim in halves (the default) against whole, FP8 and bf16 caches, batch 1
+#            to 256, and the largest difference between their outputs
+#   prefill  the compiled prefill-attention kernel tests (the sliding window's included)
 #   warmup   the compiled warm-up test (serving after it builds no kernel; FP8 KV included)
 #   profile  profile_step: W1's decode step (224 x 1100) with FP8 weights and FP8 KV, and with
 #            FP8 weights and a bf16 cache
@@ -48,6 +52,17 @@ if has cap; then
   echo "== cap $(date +%T)"
   timeout 200 python3 -m kernels.bench.tune cap graph >"$out/cap.txt" 2>&1
   tail -9 "$out/cap.txt"
+fi
+if has halves; then
+  echo "== halves $(date +%T)"
+  timeout 200 python3 -m kernels.bench.tune halves graph >"$out/halves.txt" 2>&1
+  tail -16 "$out/halves.txt"
+fi
+if has prefill; then
+  echo "== prefill tests $(date +%T)"
+  TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_triton_prefill.py >"$out/prefill-tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/prefill-tests.txt" | cut -c1-300 | tail -6
 fi
 if has warmup; then
   echo "== warmup $(date +%T)"

@@ -30,17 +30,26 @@ def run_case(
     head_dim: int = 32,
     kv_heads: int = 2,
     num_splits: int | None = None,
-) -> None:
+    half_d: bool | None = None,
+    cache_dtype: torch.dtype | None = None,
+    window: int = 0,
+) -> torch.Tensor:
     k_cache, v_cache, tables = paged_kv(lens, block_size, kv_heads, head_dim, dtype, gen, device)
+    if cache_dtype is not None:  # an FP8 cache: the spare blocks stay NaN
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     q = rand((len(lens), kv_heads * group, head_dim), dtype, gen, device)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = paged_decode_attention(
-        q, k_cache, v_cache, tables, context_lens, scale, num_splits=num_splits
+        q, k_cache, v_cache, tables, context_lens, scale, num_splits=num_splits, half_d=half_d,
+        window=window,
+    )  # fmt: skip
+    ref = ref_paged_decode_attention(
+        q, k_cache, v_cache, tables, context_lens, scale, window=window
     )
-    ref = ref_paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert_matches(out, ref)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,6 +83,65 @@ def test_more_splits_than_keys_leaves_empty_splits_harmless(
 
 def test_mqa_non_power_of_two_head_dim(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     run_case([5, 33], 6, torch.float32, gen, device, kv_heads=1, head_dim=24, num_splits=2)
+
+
+# the kernel's two variants, the head dim in two halves (half_d, the default from 32) and whole:
+# GQA groups, split-K, head dims padded to a power of two (24, 80, 96: the high half partly
+# masked) and FP8 caches, read as fp16 (bf16 queries) and in q's dtype (fp32 ones)
+HALF_D_CASES = [
+    (torch.float32, None, 1, 1, 32, 2),
+    (torch.bfloat16, None, 4, 3, 32, 2),
+    (torch.float32, None, 8, 3, 80, 2),
+    (torch.bfloat16, None, 4, 1, 96, 2),
+    (torch.float32, None, 6, 2, 24, 1),
+    (torch.bfloat16, torch.float8_e4m3fn, 4, 1, 32, 2),
+    (torch.bfloat16, torch.float8_e4m3fn, 8, 3, 80, 2),
+    (torch.float32, torch.float8_e4m3fn, 4, 3, 96, 1),
+]
+
+
+@pytest.mark.parametrize("half_d", [True, False])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype", "group", "num_splits", "head_dim", "kv_heads"), HALF_D_CASES
+)
+def test_each_kernel_variant_matches_the_reference(
+    dtype: torch.dtype, cache_dtype: torch.dtype | None, group: int, num_splits: int, head_dim: int, kv_heads: int,
+    half_d: bool, gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    run_case(
+        MIXED_LENS, group, dtype, gen, device, head_dim=head_dim, kv_heads=kv_heads,
+        num_splits=num_splits, half_d=half_d, cache_dtype=cache_dtype,
+    )  # fmt: skip
+
+
+# a sliding window: one key (the query's own), fewer keys than a block, one block, more than
+# some contexts, more than all of them; the splits share the window's range
+@pytest.mark.parametrize("window", [1, 7, 16, 45, 1000])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_sliding_window_matches_the_reference(
+    window: int, num_splits: int, gen: torch.Generator, device: torch.device, poison_empty: None
+) -> None:
+    run_case([*MIXED_LENS, 200], 4, torch.float32, gen, device, num_splits=num_splits,
+             window=window)  # fmt: skip
+
+
+@pytest.mark.parametrize("half_d", [True, False])
+def test_a_sliding_window_over_an_fp8_cache(
+    half_d: bool, gen: torch.Generator, device: torch.device, poison_empty: None
+) -> None:
+    run_case([*MIXED_LENS, 200], 4, torch.bfloat16, gen, device, num_splits=2, half_d=half_d,
+             cache_dtype=torch.float8_e4m3fn, window=33)  # fmt: skip
+
+
+def test_a_window_beyond_every_context_is_no_window(
+    gen: torch.Generator, device: torch.device
+) -> None:
+    k_cache, v_cache, tables = paged_kv(MIXED_LENS, 16, 2, 32, torch.float32, gen, device)
+    q = rand((len(MIXED_LENS), 4, 32), torch.float32, gen, device)
+    lens = torch.tensor(MIXED_LENS, dtype=torch.int32, device=device)
+    args = (q, k_cache, v_cache, tables, lens, 0.2)
+    whole = paged_decode_attention(*args, num_splits=1)
+    assert torch.equal(paged_decode_attention(*args, num_splits=1, window=100), whole)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -160,6 +228,13 @@ class TestErrors:
         with pytest.raises(ValueError, match="context_lens has 1 entries for 2"):
             paged_decode_attention(**args)
 
+    def test_half_d_needs_two_halves_of_16(
+        self, device: torch.device, gen: torch.Generator
+    ) -> None:
+        args = self.inputs(device, gen)  # head_dim 16: one tile of 16 columns, no halves
+        with pytest.raises(ValueError, match="half_d needs a head_dim over 16"):
+            paged_decode_attention(**args, half_d=True)
+
     def test_cpu_tensors_rejected_outside_the_interpreter(
         self, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -175,3 +250,41 @@ def test_gpu_llama_shapes(batch: int, ctx: int) -> None:
     gen = torch.Generator().manual_seed(0)
     lens = [ctx - 3 * i for i in range(batch)]
     run_case(lens, 4, torch.bfloat16, gen, torch.device("cuda"), head_dim=128, kv_heads=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("batch", "ctx"), [(4, 4096), (1, 32768), (64, 700)])
+def test_gpu_both_variants_give_the_same_bits(
+    batch: int, ctx: int, cache_dtype: torch.dtype | None
+) -> None:
+    """The head dim in halves runs the whole-width kernel's MMAs in the same order: compiled,
+    its output is bit for bit the same (so it changes no greedy token anywhere)."""
+    lens = [ctx - 3 * i for i in range(batch)]
+    cuda = torch.device("cuda")
+    outs = [
+        run_case(
+            lens,
+            4,
+            torch.bfloat16,
+            torch.Generator().manual_seed(0),
+            cuda,
+            head_dim=128,
+            kv_heads=8,
+            half_d=half_d,
+            cache_dtype=cache_dtype,
+        )
+        for half_d in (True, False)
+    ]
+    assert torch.equal(*outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("batch", "ctx", "window"), [(4, 4096, 4096), (1, 32768, 4096), (64, 700, 100)]
+)
+def test_gpu_sliding_window_llama_shapes(batch: int, ctx: int, window: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    lens = [ctx - 3 * i for i in range(batch)]
+    run_case(lens, 4, torch.bfloat16, gen, torch.device("cuda"), head_dim=128, kv_heads=8,
+             window=window)  # fmt: skip

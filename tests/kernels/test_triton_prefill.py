@@ -27,6 +27,7 @@ def run_case(
     head_dim: int = 32,
     kv_heads: int = 2,
     tiles: triton_prefill.TilesLike | None = SMALL_TILES,
+    window: int = 0,
 ) -> None:
     k_cache, v_cache, tables = paged_kv(
         ctx_lens, block_size, kv_heads, head_dim, dtype, gen, device
@@ -36,9 +37,11 @@ def run_case(
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = prefill_attention(
-        q, k_cache, v_cache, tables, starts.to(device), lens, scale, tiles=tiles
+        q, k_cache, v_cache, tables, starts.to(device), lens, scale, tiles=tiles, window=window
     )
-    ref = ref_prefill_attention(q, k_cache, v_cache, tables, starts.to(device), lens, scale)
+    ref = ref_prefill_attention(
+        q, k_cache, v_cache, tables, starts.to(device), lens, scale, window=window
+    )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, ref)
 
@@ -148,6 +151,7 @@ def new_kv_case(
     head_dim: int = 32,
     group: int = 4,
     tma: bool | None = None,
+    window: int = 0,
 ) -> None:
     """The chunk's keys read from ``k_new``/``v_new`` (strided views of one qkv-like buffer):
     the cache's slots for the new tokens are overwritten with NaN first, so reading them there
@@ -159,7 +163,7 @@ def new_kv_case(
     q = rand((t, kv_heads * group, head_dim), dtype, gen, device)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     qsl = starts.to(device)
-    want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
+    want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5, window=window)  # fmt: skip
     qkv = torch.empty((t, 3 * kv_heads, head_dim), dtype=dtype, device=device)
     k_new, v_new = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
     for b, (n, m) in enumerate(zip(ctx_lens, q_lens, strict=True)):
@@ -170,12 +174,12 @@ def new_kv_case(
             k_cache[blk, off] = float("nan")
             v_cache[blk, off] = float("nan")
     args = (q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
-    got = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma)
+    got = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma, window=window)  # fmt: skip
     assert_matches(got, want)
     if ctx_lens == q_lens:  # whole prompts: the caller may say so, and the paged loops go
-        whole = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma, no_prefix=True)  # fmt: skip
+        whole = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma, no_prefix=True, window=window)  # fmt: skip
         assert_matches(whole, want)
-    assert_matches(ref_prefill_attention(*args, k_new=k_new, v_new=v_new), want)
+    assert_matches(ref_prefill_attention(*args, k_new=k_new, v_new=v_new, window=window), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -239,6 +243,91 @@ def test_the_reference_refuses_no_prefix_for_a_chunk_after_a_prefix(gen: torch.G
         ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, 0.25, no_prefix=True)
 
 
+# sliding windows (transformers' definition: position p sees keys p - window < j <= p): whole
+# prompts of 1, 16, 17 and 40 tokens, a 30-token chunk after a 70-token prefix (longer than most
+# windows), a decode-like token after 56 and a 9-token chunk after 21. Windows: each query sees
+# only itself (1), narrower than a key tile (5), exactly one (16), a multiple of neither the tile
+# nor the block (23), wide enough that tiles between the window's edge and the diagonal need no
+# mask (40), and wider than every context (the same as none)
+WINDOW_CTX, WINDOW_NEW = [1, 16, 17, 40, 100, 57, 30], [1, 16, 17, 40, 30, 1, 9]
+WINDOWS = [1, 5, 16, 23, 40, 1000]
+WINDOW_KNOBS = Tiles(32, 16, 4, 1, True, narrow=True, block_reads=True, k_transposed=True)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("tiles", [SMALL_TILES, UNPACKED])
+def test_sliding_window_matches_the_reference(window: int, tiles: triton_prefill.Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    run_case(WINDOW_CTX, WINDOW_NEW, 4, torch.float32, gen, device, tiles=tiles, window=window)
+
+
+@pytest.mark.parametrize(("group", "kv_heads", "dtype"), [(1, 2, torch.float32), (3, 1, torch.float32), (8, 2, torch.bfloat16)])  # fmt: skip
+def test_sliding_window_of_other_groups(group: int, kv_heads: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    # one head per row, 5 tokens of 3 heads (a padding row), 2 tokens of 8 heads
+    run_case(WINDOW_CTX, WINDOW_NEW, group, dtype, gen, device, kv_heads=kv_heads, window=23)
+
+
+# 32 tokens a tile over 16-key tiles: with a narrow window the tile's later rows see no key of the
+# first key tile it walks (the online softmax must stay NaN-free there)
+@pytest.mark.parametrize("window", [1, 5, 16])
+@pytest.mark.parametrize("tiles", [Tiles(32, 16, 4, 1, False), Tiles(128, 16, 4, 1, True)])
+def test_sliding_window_narrower_than_a_tile_of_queries(window: int, tiles: Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    run_case([70, 45], [70, 38], 4, torch.float32, gen, device, tiles=tiles, window=window)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "block_size", "window", "dtype"),
+    [(KNOBS, 8, 5, torch.float32), (KNOBS, 8, 23, torch.float32), (KNOBS, 8, 23, torch.bfloat16)]
+    + [((k,), 8, 9, torch.float32) for k in KNOBS]
+    + [(KNOBS, 32, 23, torch.float32)],
+)
+def test_sliding_window_kernel_variants(knobs: tuple[str, ...], block_size: int, window: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    tiles = Tiles(32, 16, 4, 1, True)._replace(**dict.fromkeys(knobs, True))
+    run_case(WINDOW_CTX, WINDOW_NEW, 4, dtype, gen, device, block_size=block_size, tiles=tiles, window=window)  # fmt: skip
+
+
+def test_sliding_window_with_the_default_tiles(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    # 64-key tiles, a window narrower than one, after a prefix and in a whole prompt
+    run_case([150, 9], [70, 9], 2, torch.float32, gen, device, head_dim=16, tiles=None, window=20)
+    new_kv_case([150, 9], [70, 9], torch.float32, gen, device, None, head_dim=16, window=20)
+    new_kv_case([90, 9], [90, 9], torch.float32, gen, device, None, head_dim=16, window=20)
+
+
+@pytest.mark.parametrize("window", [1, 5, 23, 40, 1000])
+@pytest.mark.parametrize("tiles", [SMALL_TILES, UNPACKED, WINDOW_KNOBS])
+def test_sliding_window_with_contiguous_new_kv(window: int, tiles: Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    new_kv_case(WINDOW_CTX, WINDOW_NEW, torch.float32, gen, device, tiles, window=window)
+    # whole prompts: with no_prefix too
+    new_kv_case(WINDOW_NEW[:4], WINDOW_NEW[:4], torch.float32, gen, device, tiles, window=window)
+
+
+@pytest.mark.parametrize("tiles", [SMALL_TILES, Tiles(32, 16, 4, 2, True), UNPACKED])
+def test_sliding_window_through_tma_descriptors(tiles: Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    new_kv_case(WINDOW_CTX, WINDOW_NEW, torch.float32, gen, device, tiles, tma=True, window=5)
+    new_kv_case([40, 33], [40, 33], torch.bfloat16, gen, device, tiles, tma=True, window=23)
+
+
+@pytest.mark.parametrize("contig", [False, True])
+@pytest.mark.parametrize("tiles", [SMALL_TILES, UNPACKED, WINDOW_KNOBS])
+def test_keys_below_every_window_are_never_read(contig: bool, tiles: Tiles, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    # a 20-token chunk after an 80-token prefix (longer than the window of 24): the first query
+    # (position 80) sees keys 57 ..= 80, so no tile reads below 48 (57 rounded down to a 16-key
+    # tile); NaN in the blocks before must not reach the output
+    k_cache, v_cache, tables = paged_kv([100], 8, 2, 32, torch.float32, gen, device)
+    qsl = torch.tensor([0, 20], dtype=torch.int32, device=device)
+    lens = torch.tensor([100], dtype=torch.int32, device=device)
+    q = rand((20, 8, 32), torch.float32, gen, device)
+    args = (q, k_cache, v_cache, tables, qsl, lens, 0.2)
+    want = ref_prefill_attention(*args, window=24)
+    new = {}
+    if contig:  # positions 80 ..< 100: blocks 10 ..= 12
+        blocks = tables[0, 10:13].long()
+        new = {"k_new": k_cache[blocks].flatten(0, 1)[:20].clone(), "v_new": v_cache[blocks].flatten(0, 1)[:20].clone()}  # fmt: skip
+    below = tables[0, : 48 // 8].long()
+    k_cache[below], v_cache[below] = float("nan"), float("nan")
+    got = prefill_attention(*args, tiles=tiles, window=24, **new)
+    assert_matches(got, want)
+
+
 class TestErrors:
     def inputs(self, device: torch.device, gen: torch.Generator) -> dict:
         k_cache, v_cache, tables = paged_kv([5, 9], 8, 2, 16, torch.float32, gen, device)
@@ -276,6 +365,13 @@ class TestErrors:
         with pytest.raises(ValueError, match="scale must be positive"):
             prefill_attention(**args)
 
+    def test_window_negative(self, device: torch.device, gen: torch.Generator) -> None:
+        args = self.inputs(device, gen)
+        with pytest.raises(ValueError, match="window must be >= 0"):
+            prefill_attention(**args, window=-1)
+        with pytest.raises(ValueError, match="window must be >= 0"):
+            ref_prefill_attention(**args, window=-1)
+
     def test_new_kv_must_come_in_pairs_and_fit(self, device: torch.device, gen: torch.Generator) -> None:  # fmt: skip
         args = self.inputs(device, gen)
         k_new = rand((7, 2, 16), torch.float32, gen, device)
@@ -307,6 +403,29 @@ def test_gpu_llama_shapes(ctx_lens: list[int], q_lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
     run_case(ctx_lens, q_lens, 4, torch.bfloat16, gen, torch.device("cuda"), head_dim=128, kv_heads=8, tiles=None)  # fmt: skip
     new_kv_case(ctx_lens, q_lens, torch.bfloat16, gen, torch.device("cuda"), None, head_dim=128, block_size=16)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("ctx_lens", "q_lens", "window"), [([1024, 1000, 3], [1024, 1000, 3], 256), ([4096 + 512], [512], 4096), ([4096 + 512], [512], 1000), ([5000, 77], [5000, 77], 4096)])  # fmt: skip
+def test_gpu_sliding_window_shapes(ctx_lens: list[int], q_lens: list[int], window: int) -> None:
+    # Mistral's 4096 and narrower windows; the whole prompts of over TMA_MIN_TOKENS read k_new
+    # through TMA descriptors
+    gen = torch.Generator().manual_seed(0)
+    cuda = torch.device("cuda")
+    run_case(ctx_lens, q_lens, 4, torch.bfloat16, gen, cuda, head_dim=128, kv_heads=8, tiles=None, window=window)  # fmt: skip
+    new_kv_case(ctx_lens, q_lens, torch.bfloat16, gen, cuda, None, head_dim=128, block_size=16, window=window)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_window_sizes_share_one_compiled_kernel() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cuda = torch.device("cuda")
+    kernels = triton_prefill._prefill_kernel.device_caches[torch.cuda.current_device()][0]
+    run_case([300, 40], [100, 40], 4, torch.bfloat16, gen, cuda, tiles=None, window=1)
+    compiled = len(kernels)
+    for window in (5, 16, 64, 4096, 2**40):
+        run_case([300, 40], [100, 40], 4, torch.bfloat16, gen, cuda, tiles=None, window=window)
+    assert len(kernels) == compiled
 
 
 @pytest.mark.parametrize("smem_kib", [99, 163, 227])  # Ada, A100, H100
