@@ -107,10 +107,16 @@ class ArchConfig:
     quantization_config: dict[str, Any] = field(default_factory=dict)  # HF's, as written
     moe: MoeConfig | None = None
     vision: VisionConfig | None = None  # a vision-language model's tower
-    # keys a query sees in some layer (itself included), as transformers' sliding-window mask;
-    # None: every layer attends to the whole context. The engine does not implement the window:
-    # it serves at most this many tokens, where the window changes nothing (model_runner)
+    # keys a query sees (itself included) in the layers of sliding_layers, as transformers'
+    # sliding-window mask; None (and no layers): every layer attends to the whole context
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        """The keys a query of ``layer`` sees, itself included; 0: the whole context."""
+        if self.sliding_window is None or layer not in self.sliding_layers:
+            return 0
+        return self.sliding_window
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -123,6 +129,7 @@ class ArchConfig:
             vision = _vision_config(model_type, cfg)
             cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
         heads = int(cfg["num_attention_heads"])
+        window, windowed = _sliding_layers(model_type, cfg)
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         eos = cfg.get("eos_token_id")
@@ -151,7 +158,8 @@ class ArchConfig:
             quantization_config=dict(cfg.get("quantization_config") or {}),
             moe=_moe_config(model_type, cfg) if model_type in MOE_TYPES else None,
             vision=vision,
-            sliding_window=_sliding_window(model_type, cfg),
+            sliding_window=window,
+            sliding_layers=windowed,
         )
 
     @classmethod
@@ -175,29 +183,34 @@ class ArchConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def _sliding_window(model_type: str, cfg: dict[str, Any]) -> int | None:
-    """The window of the layers that attend through one, as transformers reads the config:
+def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """The window and the layers that attend through it, as transformers reads the config:
     Mistral and Mixtral window every layer when ``sliding_window`` is set; the Qwen families only
     with ``use_sliding_window``, and then the layers ``layer_types`` names (else those from
-    ``max_window_layers`` on). Llama never windows."""
+    ``max_window_layers`` on). Llama never windows. (None, ()) when no layer does."""
     window = cfg.get("sliding_window")
     if window is None or model_type == "llama":
-        return None
+        return None, ()
     if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window"):
-        return None
+        return None, ()
+    layers = range(int(cfg["num_hidden_layers"]))
     types = cfg.get("layer_types")
     if types is not None:
-        windowed = "sliding_attention" in types
+        if len(types) != len(layers):
+            raise ConfigError(
+                f"{model_type}: layer_types names {len(types)} of {len(layers)} layers"
+            )
+        windowed = tuple(i for i in layers if types[i] == "sliding_attention")
     elif model_type in _QWEN_TYPES:
         # transformers' default max_window_layers is 28 in each of these configs
-        windowed = int(cfg.get("max_window_layers", 28)) < int(cfg["num_hidden_layers"])
+        windowed = tuple(i for i in layers if i >= int(cfg.get("max_window_layers", 28)))
     else:
-        windowed = True
+        windowed = tuple(layers)
     if not windowed:
-        return None
+        return None, ()
     if int(window) < 1:
         raise ConfigError(f"{model_type}: sliding_window {window} must be at least 1")
-    return int(window)
+    return int(window), windowed
 
 
 def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:

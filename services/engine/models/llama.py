@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.d**-0.5
+        self.window = cfg.window(layer)  # a sliding window's keys (Mistral v0.1); 0: all
         # an FP8 KV cache holds k / k_scale and v / v_scale (--kv-cache-dtype fp8: 1.0, as vLLM
         # without calibrated scales); reading multiplies them back, folded into the softmax scale
         # and the output. A 16-bit cache ignores them.
@@ -91,7 +92,7 @@ class Attention(nn.Module):
             meta.on_kv_written(self.layer)
         scale = self.scale * (self.k_scale if scaled else 1)
         o = paged_attention(
-            q, k_cache, v_cache, meta, scale, k_new, v if k_new is not None else None
+            q, k_cache, v_cache, meta, scale, k_new, v if k_new is not None else None, self.window
         )
         if scaled and self.v_scale != 1.0:
             o = o * self.v_scale
@@ -106,30 +107,32 @@ def paged_attention(
     scale: float,
     k_new: torch.Tensor | None = None,  # [T, Hkv, D]: every row's rotated key (prefill reads)
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
+    window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
 ) -> torch.Tensor:  # [T, Hq, D]
     """Decode rows through the decode kernel, prefill rows through the prefill kernel (which
     reads the chunks' own keys and values from ``k_new``/``v_new`` when given)."""
     nd = meta.num_decodes
     if meta.decode_only:
         return ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window
         )
     if nd == 0:
         return ops.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-            scale, k_new=k_new, v_new=v_new, no_prefix=k_new is not None,
+            scale, k_new=k_new, v_new=v_new, no_prefix=k_new is not None, window=window,
         )  # fmt: skip
     assert meta.prefill_start_loc is not None
     o = torch.empty_like(q)
     ops.paged_decode_attention(
         q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
-        out=o[:nd],
+        out=o[:nd], window=window,
     )  # fmt: skip
     ops.prefill_attention(
         q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
         meta.context_lens[nd:], scale, out=o[nd:],
         k_new=k_new[nd:] if k_new is not None else None,
         v_new=v_new[nd:] if v_new is not None else None, no_prefix=k_new is not None,
+        window=window,
     )  # fmt: skip
     return o
 

@@ -69,43 +69,50 @@ def test_unsupported_moe_variants_are_refused(cfg: dict[str, Any], message: str)
         ArchConfig.from_dict(cfg)
 
 
+ALL = (0, 1, 2, 3)  # BASE's layers
+
+
 @pytest.mark.parametrize(
-    ("cfg", "window"),
+    ("cfg", "window", "layers"),
     [
-        ({"model_type": "llama", "sliding_window": 64}, None),  # Llama never windows
-        ({"model_type": "mistral", "sliding_window": 64}, 64),
-        ({"model_type": "mistral", "sliding_window": None}, None),
-        ({"model_type": "mistral"}, None),
+        ({"model_type": "llama", "sliding_window": 64}, None, ()),  # Llama never windows
+        ({"model_type": "mistral", "sliding_window": 64}, 64, ALL),
+        ({"model_type": "mistral", "sliding_window": None}, None, ()),
+        ({"model_type": "mistral"}, None, ()),
         ({"model_type": "mixtral", "sliding_window": 64, "num_local_experts": 4,
-          "num_experts_per_tok": 2}, 64),
+          "num_experts_per_tok": 2}, 64, ALL),
         # the Qwen families window only with use_sliding_window...
-        ({"model_type": "qwen2", "sliding_window": 64}, None),
-        ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": False}, None),
+        ({"model_type": "qwen2", "sliding_window": 64}, None, ()),
+        ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": False}, None, ()),
         # ...and then the layers from max_window_layers on (transformers' default: 28)
-        ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, None),
+        ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, None, ()),
         ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
-          "max_window_layers": 2}, 64),
+          "max_window_layers": 2}, 64, (2, 3)),
         ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
-          "max_window_layers": 4}, None),
+          "max_window_layers": 4}, None, ()),
         # or those layer_types names
         ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
-          "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, 64),
+          "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, 64, (3,)),
         ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
-          "max_window_layers": 0, "layer_types": ["full_attention"] * 4}, None),
-        (_qwen3_moe(use_sliding_window=True, sliding_window=128, max_window_layers=1), 128),
+          "max_window_layers": 0, "layer_types": ["full_attention"] * 4}, None, ()),
+        (_qwen3_moe(use_sliding_window=True, sliding_window=128, max_window_layers=1), 128, (1, 2, 3)),
     ],
 )  # fmt: skip
 def test_the_sliding_window_is_read_as_transformers_reads_it(
-    cfg: dict[str, Any], window: int | None
+    cfg: dict[str, Any], window: int | None, layers: tuple[int, ...]
 ) -> None:
-    """The engine serves at most this many tokens (the window then changes nothing): a window
-    missed would serve longer contexts wrong, one made up would shorten them for nothing."""
-    assert ArchConfig.from_dict({**BASE, **cfg}).sliding_window == window
+    """A window missed would attend past it; one made up would drop keys the model sees."""
+    arch = ArchConfig.from_dict({**BASE, **cfg})
+    assert (arch.sliding_window, arch.sliding_layers) == (window, layers)
+    assert [arch.window(i) for i in ALL] == [window if i in layers else 0 for i in ALL]
 
 
-def test_a_window_under_one_token_is_refused() -> None:
+def test_a_window_under_one_token_or_layer_types_of_another_depth_are_refused() -> None:
     with pytest.raises(ConfigError, match="sliding_window 0"):
         ArchConfig.from_dict({**BASE, "model_type": "mistral", "sliding_window": 0})
+    with pytest.raises(ConfigError, match="layer_types names 2 of 4 layers"):
+        ArchConfig.from_dict({**BASE, "model_type": "qwen3", "sliding_window": 8,
+                              "use_sliding_window": True, "layer_types": ["full_attention"] * 2})  # fmt: skip
 
 
 def _qwen3_vl(text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None) -> dict:
