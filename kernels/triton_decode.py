@@ -279,7 +279,7 @@ def paged_decode_attention(
     against 0.243 ms at 224 sequences x 1100 keys, 0.231 against 0.282 ms at 64 x 4096
     (``python -m kernels.bench.tune decode fp8 graph b64 w1``). ``max_registers`` caps the
     registers a thread (default: :data:`FP8_MAX_REGISTERS` for an FP8 cache on an NVIDIA GPU,
-    else none; 0: none): with the cap an FP8 cache is read at ~63-66% of the copy bandwidth on
+    else none; 0: none): with the cap (and the halves below) an FP8 cache is read at ~65-72% of the copy bandwidth on
     an H200, ~53-55% without, where a bf16 one reaches ~95%.
 
     ``half_d`` (default: on wherever the padded head dim ``BLOCK_D`` is 32 or more, so that
