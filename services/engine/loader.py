@@ -313,7 +313,10 @@ def load_model(
     model = model.to_empty(device=device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    table = cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+    table = cos_sin_cache(
+        arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling,
+        arch.max_position_embeddings,
+    )  # fmt: skip
     model.cos_sin = table.to(device)
     if dummy:
         dummy_weights(model, config.seed, layout, arch)

@@ -22,6 +22,7 @@ SUPPORTED = {
     "qwen3_vl": "Qwen3-VL (images)",
 }
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")  # rope scaling (services.engine.rope)
 # families whose config turns sliding-window attention on with use_sliding_window (for the layers
 # from max_window_layers on, or as layer_types says); Mistral's and Mixtral's sliding_window
 # applies to every layer when set
@@ -29,6 +30,14 @@ _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", *VL_TYPES)
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+
+
+def scaling_kind(scaling: dict[str, Any] | None) -> str:
+    """The rope scaling's kind as transformers names it (``mrope``, Qwen2-VL's published name
+    for its default frequencies, reads as default)."""
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    return "default" if kind == "mrope" else str(kind)
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,16 @@ class ArchConfig:
         window, windowed = _sliding_layers(model_type, cfg)
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if scaling_kind(rope) not in SUPPORTED_SCALING:
+            raise ConfigError(
+                f"{model_type}: rope scaling {scaling_kind(rope)!r} is not supported "
+                f"({', '.join(SUPPORTED_SCALING)} are)"
+            )
+        if scaling_kind(rope) != "default" and not isinstance(rope.get("factor"), int | float):
+            raise ConfigError(f"{model_type}: rope scaling {scaling_kind(rope)!r} needs a factor")
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise ConfigError(f"{model_type}: partial_rotary_factor {partial} is not supported")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(

@@ -1,4 +1,5 @@
-"""Rotary position embedding tables, with the rope scaling variants of the Llama family.
+"""Rotary position embedding tables, with the rope scaling variants of the Llama family (linear,
+llama3) and YaRN (Qwen2.5/Qwen3's long-context setting).
 
 The table holds the same float32 values as transformers' ``LlamaRotaryEmbedding`` (5.x) computes
 before casting cos/sin to the activation dtype: ``inv_freq`` in float32 by the same expressions
@@ -11,6 +12,8 @@ import math
 from typing import Any
 
 import torch
+
+from services.engine.model_config import SUPPORTED_SCALING, scaling_kind
 
 
 def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # [D/2] float32
@@ -33,20 +36,70 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_mid, mid, scaled)
 
 
+def _yarn_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any], max_position_embeddings: int | None
+) -> tuple[torch.Tensor, float]:
+    """transformers' ``_compute_yarn_parameters`` (YaRN: the high frequencies kept, the low ones
+    interpolated by ``factor``, a linear ramp between, and cos/sin scaled by the attention
+    factor), expression for expression (float32): (inv_freq, attention factor)."""
+    old_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    if old_len is None:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+    factor = scaling["factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (
+            float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        )
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singular ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation = 1 - ramp  # the share of each frequency kept as it was
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention)
+
+
 def cos_sin_cache(
-    head_dim: int, max_pos: int, theta: float, scaling: dict[str, Any] | None = None
+    head_dim: int,
+    max_pos: int,
+    theta: float,
+    scaling: dict[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
 ) -> torch.Tensor:  # [max_pos, head_dim] float32: cos halves then sin halves
+    """``max_position_embeddings``: the config's, which YaRN falls back on where its own
+    parameters leave a length out."""
     scaling = scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if kind == "mrope":  # Qwen2-VL's published config: default frequencies, split 3-D elsewhere
-        kind = "default"
+    kind = scaling_kind(scaling)
     inv_freq = _default_inv_freq(head_dim, theta)
+    attention = 1.0  # default, linear and llama3 use cos and sin as computed
     if kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]  # transformers scales inv_freq, not positions
+    elif kind == "yarn":
+        inv_freq, attention = _yarn_inv_freq(head_dim, theta, scaling, max_position_embeddings)
     elif kind != "default":
-        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
-    # the attention scaling of these three kinds is 1.0: cos and sin are used as computed
+        raise ValueError(
+            f"rope scaling {kind!r} is not supported ({', '.join(SUPPORTED_SCALING)} are)"
+        )
     freqs = torch.arange(max_pos, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return table * attention if attention != 1.0 else table

@@ -1,5 +1,6 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3, Qwen3-MoE and Mixtral checkpoints (float32, seeded), greedy, token for token. A model that
+Qwen3 (also with YaRN rope scaling), Qwen3-MoE and Mixtral checkpoints (float32, seeded), greedy,
+token for token. A model that
 attends through a sliding window is served up to the window, where the window changes nothing."""
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ CONFIGS = {
     }),
     "qwen2": ("qwen2", {"num_hidden_layers": 2, "intermediate_size": 96}),  # q/k/v biases
     "qwen3": ("qwen3", {"num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16}),
+    # YaRN as Qwen's long-context setting turns it on (over a short original length, so the
+    # prompts here reach the interpolated frequencies)
+    "qwen3-yarn": ("qwen3", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 32},
+    }),
     # layer 1 dense (mlp_only_layers), the router's top-2 weights left unnormalized
     "qwen3_moe-dense-layer": ("qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 96,
