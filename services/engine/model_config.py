@@ -28,6 +28,7 @@ SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")  # rope scaling (ser
 # applies to every layer when set
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", *VL_TYPES)
 MOE_TYPES = ("qwen3_moe", "mixtral")
+_O_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe")  # attention_bias biases o_proj too
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
@@ -108,7 +109,9 @@ class ArchConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k and v projections
+    o_proj_bias: bool = False  # Llama's and Qwen3's attention_bias biases o_proj too
+    mlp_bias: bool = False  # Llama's mlp_bias: the gate, up and down projections
     qk_norm: bool = False
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
@@ -139,6 +142,16 @@ class ArchConfig:
             cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
         heads = int(cfg["num_attention_heads"])
         window, windowed = _sliding_layers(model_type, cfg)
+        # as transformers builds each family: Qwen2's q/k/v always have biases, Mistral's and
+        # Mixtral's never, the others' as attention_bias says
+        if model_type in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
+            qkv_bias = True
+        else:
+            qkv_bias = model_type not in ("mistral", "mixtral") and bool(cfg.get("attention_bias"))
+        if model_type not in MOE_TYPES and cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(
+                f"{model_type}: hidden_act {cfg['hidden_act']!r}; only silu is supported"
+            )
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         if scaling_kind(rope) not in SUPPORTED_SCALING:
@@ -167,9 +180,9 @@ class ArchConfig:
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(
-                cfg.get("attention_bias", model_type in ("qwen2", "qwen2_vl", "qwen2_5_vl"))
-            ),
+            attention_bias=qkv_bias,
+            o_proj_bias=qkv_bias and model_type in _O_BIAS_TYPES,
+            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
@@ -303,7 +316,7 @@ def _vision_config(model_type: str, cfg: dict[str, Any]) -> VisionConfig:
 def _qwen3_vl_fields(text: dict[str, Any], vis: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-VL's own VisionConfig fields; what its configuration allows but this engine does
     not implement is refused rather than served wrong."""
-    if text.get("attention_bias"):  # transformers' o_proj has a bias then; ours never does
+    if text.get("attention_bias"):  # q/k/v and o biases: not built for the VL model (untested)
         raise ConfigError("qwen3_vl: attention_bias is not supported")
     if text.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"qwen3_vl: hidden_act {text['hidden_act']!r} is not supported")

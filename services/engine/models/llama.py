@@ -45,7 +45,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.attention_bias
         )
-        self.o_proj = Linear(self.nq * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.nq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.d**-0.5
@@ -140,8 +140,8 @@ def paged_attention(
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = ops.silu_and_mul  # [T, 2I] -> [T, I]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

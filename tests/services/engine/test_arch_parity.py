@@ -28,6 +28,10 @@ COMMON = {
 }  # fmt: skip
 CONFIGS = {
     "llama": ("llama", {"num_hidden_layers": 2, "intermediate_size": 96}),
+    # attention_bias (q, k, v and o) and mlp_bias (gate, up, down)
+    "llama-biases": ("llama", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "attention_bias": True, "mlp_bias": True,
+    }),
     # no window here (transformers' default is 4096): the windowed one is its own test below
     "mistral": ("mistral", {
         "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 32, "sliding_window": None,
@@ -68,6 +72,10 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **COMMON, **extra)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # transformers starts biases at 0: a bias left out would go unseen
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
     return model.eval()

@@ -107,6 +107,32 @@ def test_the_sliding_window_is_read_as_transformers_reads_it(
     assert [arch.window(i) for i in ALL] == [window if i in layers else 0 for i in ALL]
 
 
+@pytest.mark.parametrize(
+    ("cfg", "biases"),
+    [
+        ({"model_type": "llama"}, (False, False, False)),
+        ({"model_type": "llama", "attention_bias": True, "mlp_bias": True}, (True, True, True)),
+        ({"model_type": "qwen3", "attention_bias": True, "mlp_bias": True}, (True, True, False)),
+        ({"model_type": "qwen2"}, (True, False, False)),  # always, as transformers builds it
+        ({"model_type": "qwen2", "attention_bias": False}, (True, False, False)),
+        ({"model_type": "mistral", "attention_bias": True}, (False, False, False)),  # never
+    ],
+)  # fmt: skip
+def test_projection_biases_follow_each_family(
+    cfg: dict[str, Any], biases: tuple[bool, bool, bool]
+) -> None:
+    """(q/k/v, o, MLP) biases as transformers' modelling code builds each family, whatever the
+    config's flags say where that code ignores them."""
+    arch = ArchConfig.from_dict({**BASE, **cfg})
+    assert (arch.attention_bias, arch.o_proj_bias, arch.mlp_bias) == biases
+
+
+def test_an_activation_other_than_silu_is_refused() -> None:
+    """Not served as SiLU: the model would compute another function than the checkpoint's."""
+    with pytest.raises(ConfigError, match="hidden_act 'gelu'; only silu"):
+        ArchConfig.from_dict({**BASE, "model_type": "llama", "hidden_act": "gelu"})
+
+
 def test_a_window_under_one_token_or_layer_types_of_another_depth_are_refused() -> None:
     with pytest.raises(ConfigError, match="sliding_window 0"):
         ArchConfig.from_dict({**BASE, "model_type": "mistral", "sliding_window": 0})
