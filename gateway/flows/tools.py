@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from gateway.core.errors import invalid
 from gateway.flows.fields import Fields
@@ -107,22 +108,50 @@ def _function(tool: Any, i: int) -> Function:
     # the arguments are an object (OpenAI's function.arguments): a schema that names no type
     # ({} allows any value) or several (["object", "null"]) is held to one, one that names
     # no object type is refused
-    return Function(name, _object_schema(params, f"{param}.function.parameters"))
+    return Function(name, _hold_parameters(params, f"{param}.function.parameters"))
+
+
+# a function's parameters: references followed on one path, branches nested, and definitions
+# held to objects at most (a 400 beyond: the walk runs on the gateway's event loop)
+MAX_REF_PATH = 32
+MAX_BRANCH_DEPTH = 32
+MAX_HELD = 128
+HELD_PREFIX = "tandem_object_"  # the names of the held definitions in $defs
+
+
+@dataclass
+class _Walk:
+    """One function's parameters held to objects: the document its references point into, the
+    definitions made of the branch targets held to objects, and which reference each became."""
+
+    root: dict[str, Any]
+    where: str
+    held: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> schema
+    names: dict[str, str] = field(default_factory=dict)  # reference -> name
+
+
+def _hold_parameters(params: dict[str, Any], where: str) -> dict[str, Any]:
+    """``params`` held to objects: ``type`` set to "object" where it names none (or several,
+    one of them "object"), a type without "object" a 400, through what a grammar backend reads
+    alone (xgrammar takes the branches of a top-level ``anyOf``/``oneOf`` and the schema a
+    ``$ref`` names, not the type beside them): a top-level local ``$ref`` is inlined; a branch
+    that is a reference points at a copy of its target held to objects, made once however many
+    branches share it (no copy per path: shared references would grow it exponentially)."""
+    walk = _Walk(params, where)
+    out = _object_schema(params, where, walk, frozenset(), 0)
+    if walk.held:
+        out["$defs"] = {**out.get("$defs", {}), **walk.held}
+    return out
 
 
 def _object_schema(
-    schema: dict[str, Any],
-    where: str,
-    root: dict[str, Any] | None = None,
-    trail: frozenset[str] = frozenset(),
+    schema: dict[str, Any], where: str, walk: _Walk, trail: frozenset[str], depth: int
 ) -> dict[str, Any]:
-    """``schema`` held to objects: ``type`` set to "object" where it names none (or several,
-    one of them "object"), also in each top-level ``anyOf``/``oneOf`` branch and through a
-    top-level local ``$ref`` (a grammar backend reads the branches and the schema a reference
-    names alone, not the type beside them); a type without "object" is a 400. ``trail``: the
-    references inlined on the way here (one met again is a loop)."""
-    root = schema if root is None else root
-    schema, trail = _inline_ref(schema, root, where, trail)
+    """``schema`` held to objects (``_hold_parameters``); ``trail``: the references followed on
+    the way here (one met again is a loop), ``depth``: the branches nested."""
+    if depth > MAX_BRANCH_DEPTH:
+        raise invalid(f"{where} nests anyOf/oneOf more than {MAX_BRANCH_DEPTH} deep", "tools")
+    schema, trail = _inline_ref(schema, where, walk, trail)
     kind = schema.get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise invalid(
@@ -133,53 +162,86 @@ def _object_schema(
         branches = schema.get(key)
         if isinstance(branches, list):
             out[key] = [
-                _object_schema(b, f"{where}.{key}[{i}]", root, trail) if isinstance(b, dict) else b
+                _branch(b, f"{where}.{key}[{i}]", walk, trail, depth + 1)
+                if isinstance(b, dict)
+                else b
                 for i, b in enumerate(branches)
             ]
     return out
 
 
+def _branch(
+    branch: dict[str, Any], where: str, walk: _Walk, trail: frozenset[str], depth: int
+) -> dict[str, Any]:
+    """A top-level branch held to objects: a reference becomes one to its target's held copy."""
+    if "$ref" not in branch:
+        return _object_schema(branch, where, walk, trail, depth)
+    ref = _checked_ref(branch, where, trail)
+    if ref not in walk.names:
+        if len(walk.names) >= MAX_HELD:
+            raise invalid(f"{walk.where} refers to more than {MAX_HELD} schemas", "tools")
+        name = walk.names[ref] = f"{HELD_PREFIX}{len(walk.names)}"
+        target = _pointer(walk.root, ref[1:])
+        if not isinstance(target, dict):
+            raise invalid(f"{where}.$ref {ref!r} names no schema in the document", "tools")
+        walk.held[name] = _object_schema(target, where, walk, trail | {ref}, depth)
+    return {"$ref": f"#/$defs/{walk.names[ref]}"}
+
+
 # keywords beside a $ref that constrain nothing (a grammar backend drops the others unread)
-_REF_NEIGHBOURS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title",
-                   "description", "type"}  # fmt: skip
+_REF_NEIGHBOURS = {"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$comment",
+                   "title", "description", "type", "default", "examples", "deprecated",
+                   "readOnly", "writeOnly"}  # fmt: skip
+
+
+def _checked_ref(schema: dict[str, Any], where: str, trail: frozenset[str]) -> str:
+    """``schema``'s ``$ref``, if it is local, has only annotations (and a ``type`` that allows
+    an object) beside it, is no loop and leaves the path short enough; else a 400."""
+    ref = schema["$ref"]
+    beside = sorted(k for k in set(schema) - _REF_NEIGHBOURS if not k.startswith("x-"))
+    if beside:
+        raise invalid(
+            f"{where}: keywords beside $ref ({', '.join(beside)}) are not supported; "
+            "move them into the schema it names",
+            "tools",
+        )
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        raise invalid(f"{where}.$ref must be a local reference ('#/$defs/...'), got {ref!r}",
+                      "tools")  # fmt: skip
+    if ref in trail:
+        raise invalid(f"{where}.$ref {ref!r} loops back to a schema that refers to it", "tools")
+    if len(trail) >= MAX_REF_PATH:
+        raise invalid(f"{where} follows more than {MAX_REF_PATH} references", "tools")
+    if "type" in schema:  # beside the reference: it must allow an object too
+        _object_schema({"type": schema["type"]}, where, _Walk({}, where), frozenset(), 0)
+    return ref
 
 
 def _inline_ref(
-    schema: dict[str, Any], root: dict[str, Any], where: str, trail: frozenset[str]
+    schema: dict[str, Any], where: str, walk: _Walk, trail: frozenset[str]
 ) -> tuple[dict[str, Any], frozenset[str]]:
-    """``schema`` with a ``$ref`` of its own replaced by the schema it names in ``root``
-    (``#/$defs/X``, ``#/definitions/X``, any local JSON pointer), the root's definitions kept
-    for the references within (a ``type`` beside the reference must allow an object too, and
-    so must the named schema's). A reference that leaves the
-    document, names nothing, loops, or has constraints beside it (which the grammar would
-    drop) is a 400. Returns the schema and ``trail`` with the references it followed."""
+    """``schema`` with a ``$ref`` of its own replaced by the schema it names in the document
+    (``#/$defs/X``, ``#/definitions/X``, any local JSON pointer), the definitions beside the
+    reference kept for the references within. A reference that leaves the document, names
+    nothing, loops, or has constraints beside it (which the grammar would drop) is a 400.
+    Returns the schema and ``trail`` with the references it followed."""
     while "$ref" in schema:
-        ref = schema["$ref"]
-        beside = sorted(set(schema) - _REF_NEIGHBOURS)
-        if beside:
-            raise invalid(
-                f"{where}: keywords beside $ref ({', '.join(beside)}) are not supported; "
-                "move them into the schema it names",
-                "tools",
-            )
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise invalid(f"{where}.$ref must be a local reference ('#/$defs/...'), got {ref!r}",
-                          "tools")  # fmt: skip
-        if ref in trail:
-            raise invalid(f"{where}.$ref {ref!r} refers to itself", "tools")
+        ref = _checked_ref(schema, where, trail)
         trail |= {ref}
-        target = _pointer(root, ref[1:])
+        target = _pointer(walk.root, ref[1:])
         if not isinstance(target, dict):
             raise invalid(f"{where}.$ref {ref!r} names no schema in the document", "tools")
-        if "type" in schema:  # beside the reference: it must allow an object too
-            _object_schema({"type": schema["type"]}, where)
         schema = {**target, **{k: schema[k] for k in ("$defs", "definitions") if k in schema}}
     return schema, trail
 
 
+_INDEX = re.compile(r"^(0|[1-9][0-9]*)$")
+
+
 def _pointer(doc: Any, pointer: str) -> Any:
-    """The value at a JSON pointer (RFC 6901: ``/a/0/b``, ``~1`` for '/', ``~0`` for '~') in
-    ``doc``, or None where it names nothing."""
+    """The value at a URI-fragment JSON pointer (RFC 6901: ``/a/0/b``, percent-decoded, then
+    ``~1`` for '/', ``~0`` for '~') in ``doc``, or None where it names nothing."""
+    pointer = unquote(pointer)
     if pointer == "":
         return doc
     if not pointer.startswith("/"):
@@ -189,7 +251,7 @@ def _pointer(doc: Any, pointer: str) -> Any:
         key = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and key in node:
             node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+        elif isinstance(node, list) and _INDEX.match(key) and int(key) < len(node):
             node = node[int(key)]
         else:
             return None

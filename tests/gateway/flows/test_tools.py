@@ -99,6 +99,18 @@ def test_top_level_branches_are_held_to_objects_too() -> None:
         _plan(tools=[bad])
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(depth):
+        schema = {"anyOf": [schema]}
+    return schema
+
+
+def _chain(hops: int) -> dict[str, Any]:
+    defs = {f"D{i}": {"anyOf": [{"$ref": f"#/$defs/D{i + 1}"}]} for i in range(hops)}
+    return {"$ref": "#/$defs/D0", "$defs": {**defs, f"D{hops}": {"type": "object"}}}
+
+
 def test_a_top_level_reference_is_held_to_objects_too() -> None:
     """A grammar backend follows a top-level $ref and drops the type beside it (xgrammar:
     {"type": "object", "$ref": "#/$defs/A", "$defs": {"A": {}}} accepts 5): the named schema
@@ -130,6 +142,34 @@ def test_a_top_level_reference_is_held_to_objects_too() -> None:
             assert not accepts(grammar, "{}") and not accepts(grammar, '{"a": "x"}')
 
 
+def test_annotations_beside_a_reference_and_percent_encoded_pointers_are_accepted() -> None:
+    defs = {"a b": {"properties": {"x": {"type": "integer"}}}}
+    for parameters in (
+        {"$ref": "#/$defs/a%20b", "$defs": defs, "default": {}, "examples": [{}], "x-note": 1},
+        {"$ref": "#/%24defs/a%20b", "$defs": defs, "deprecated": False},
+    ):
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        schema = _schema(_plan(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}))  # fmt: skip
+        assert schema["properties"] == defs["a b"]["properties"] and schema["type"] == "object"
+
+
+def test_branches_that_share_references_are_held_once_not_per_path() -> None:
+    """Two branches at each of 30 levels, both pointing at the next level's definition: held
+    per path, that is 2^30 copies (a 1 KB request stalling the gateway); held once per
+    reference, 30 definitions."""
+    levels = 30
+    defs = {f"D{i}": {"anyOf": [{"$ref": f"#/$defs/D{i + 1}"}] * 2} for i in range(levels)}
+    defs[f"D{levels}"] = {"properties": {"a": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/D0", "$defs": defs}}}  # fmt: skip
+    schema = _schema(_plan(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}))  # fmt: skip
+    assert len(json.dumps(schema)) < 20_000
+    held = {k: v for k, v in schema["$defs"].items() if k.startswith("tandem_object_")}
+    assert len(held) == levels  # one per definition, each branch a reference to one of them
+    assert all(b["$ref"].removeprefix("#/$defs/") in held for b in schema["anyOf"])
+    assert held["tandem_object_28"]["anyOf"] == [{"$ref": "#/$defs/tandem_object_29"}] * 2
+    jsonschema.validate({"a": 1}, schema)  # (a value it refuses would try all 2^30 paths)
+
+
 @pytest.mark.parametrize(
     ("parameters", "message"),
     [
@@ -141,9 +181,16 @@ def test_a_top_level_reference_is_held_to_objects_too() -> None:
          r"parameters.oneOf\[0\] must describe an object"),
         ({"$ref": "https://example.com/schema.json"}, "must be a local reference"),
         ({"$ref": "#/$defs/Nope", "$defs": {}}, "names no schema"),
-        ({"$ref": "#"}, "refers to itself"),
-        ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, "refers to itself"),
-        ({"anyOf": [{"$ref": "#"}]}, "refers to itself"),
+        ({"$ref": "#"}, "loops back"),
+        ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, "loops back"),
+        ({"anyOf": [{"$ref": "#"}]}, "loops back"),
+        ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}},
+         "loops back"),
+        # a pointer's array index is ASCII digits (int() would take "²" and fail: a 500)
+        ({"$ref": "#/$defs/A/anyOf/\u00b2", "$defs": {"A": {"anyOf": [{}]}}}, "names no schema"),
+        # deep nesting and long chains stop at a bound (a RecursionError would be a 500)
+        (_nested(200), "nests anyOf/oneOf more than"),
+        (_chain(200), "follows more than"),
         ({"$ref": "#/$defs/A", "$defs": {"A": {}}, "required": ["x"]},
          r"keywords beside \$ref \(required\)"),
     ],
