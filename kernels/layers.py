@@ -36,6 +36,31 @@ def ref_rms_norm(
     return (weight.float() * normed.float()).to(x.dtype), x
 
 
+def ref_gemma_rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H], stored as an offset from 1
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm fused with the residual add, (norm(x + residual), x + residual): as
+    ``Gemma3RMSNorm``, the weight applies as ``1 + weight`` and the product is taken in fp32
+    before the one rounding to x's dtype (Llama rounds the normalized x first)."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype), x
+
+
+def ref_gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """GELU (tanh approximation, transformers' ``gelu_pytorch_tanh``) of the first half times
+    the second half, as ``act_fn(gate) * up`` in x's dtype: the activation rounded to x's dtype,
+    then the product rounded."""
+    gate, up = x.chunk(2, dim=-1)
+    act = torch.nn.functional.gelu(gate.float(), approximate="tanh").to(x.dtype)
+    return (act.float() * up.float()).to(x.dtype)
+
+
 def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """SiLU of the first half times the second half (gate, up), as ``act_fn(gate) * up`` in x's
     dtype: silu rounded to x's dtype, then the product rounded."""

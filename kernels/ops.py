@@ -22,7 +22,13 @@ from kernels.attention import (
 from kernels.block_copy import ref_fence_cas, ref_gather_blocks, ref_scatter_blocks
 from kernels.checksum import ref_checksum
 from kernels.gemv import GEMV_MAX_ROWS
-from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
+from kernels.layers import (
+    ref_gelu_tanh_and_mul,
+    ref_gemma_rms_norm,
+    ref_rms_norm,
+    ref_rotary_embedding,
+    ref_silu_and_mul,
+)
 from kernels.lora import ref_add_lora, ref_expand_lora
 from kernels.moe import ref_fused_moe, ref_moe_routing
 from kernels.quant import (
@@ -284,6 +290,7 @@ def paged_decode_attention(
     splits = None
     if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1
         width = block_tables.shape[1] * k_cache.shape[1]
+        width = min(width, window) if window else width  # the keys a query can see
         splits = mod.choose_num_splits(1, k_cache.shape[2], width, q.device, k_cache.element_size())
     return mod.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits, out=out,
@@ -339,6 +346,21 @@ def rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     mod = _triton("triton_layers", x)
     return (mod.silu_and_mul if mod else ref_silu_and_mul)(x)
+
+
+# Gemma's norm and activation run their torch references on every device (no Triton kernel yet:
+# a few more launches a layer, captured by the decode graphs like the rest)
+def gemma_rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H], an offset from 1
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return ref_gemma_rms_norm(x, weight, eps, residual)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    return ref_gelu_tanh_and_mul(x)
 
 
 def rms_norm_fp8(

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from kernels import ops
 from services.config import ConfigError, ModelConfig
 from services.engine.model_config import ArchConfig
+from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.models.qwen3_vl import Qwen3VLForCausalLM
@@ -293,12 +294,16 @@ def load_model(
         what = f"{arch.model_type} (Mixture-of-Experts)"
         what = what if arch.vision is None else f"{arch.model_type} (vision-language)"
         raise ConfigError(f"quantized {what} models are not supported yet")
-    if tp is not None and arch.vision is not None:
+    if qcfg is not None and arch.gemma is not None:  # its norms and GELU MLP: not fused yet
+        raise ConfigError(f"quantized {arch.model_type} models are not supported yet")
+    if tp is not None and (arch.vision is not None or arch.gemma is not None):
         raise ConfigError(f"{arch.model_type}: --tensor-parallel-size > 1 is not supported yet")
     layout = TPLayout.of(arch, tp.rank, tp.size, qcfg) if tp is not None else None
     model_class: type[LlamaForCausalLM] = LlamaForCausalLM
     if arch.vision is not None:
         model_class = Qwen3VLForCausalLM if arch.vision.qwen3 else Qwen2VLForCausalLM
+    if arch.gemma is not None:
+        model_class = Gemma3ForCausalLM
     with torch.device("meta"), _no_param_init():
         model = model_class(layout.local_arch(arch) if layout else arch, max_positions)
         if tp is not None and layout is not None:
@@ -318,6 +323,9 @@ def load_model(
         arch.max_position_embeddings,
     )  # fmt: skip
     model.cos_sin = table.to(device)
+    if isinstance(model, Gemma3ForCausalLM) and arch.gemma is not None:  # the sliding layers'
+        local_table = cos_sin_cache(arch.head_dim, max_positions, arch.gemma.local_rope_theta)
+        model.cos_sin_local = local_table.to(device)
     if dummy:
         dummy_weights(model, config.seed, layout, arch)
         dummy_quantized(model, config.seed)

@@ -20,15 +20,15 @@ SUPPORTED = {
     "qwen2_vl": "Qwen2-VL (images)",
     "qwen2_5_vl": "Qwen2.5-VL (images)",
     "qwen3_vl": "Qwen3-VL (images)",
+    "gemma3_text": "Gemma 3 (text)",
 }
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")  # rope scaling (services.engine.rope)
-# families whose config turns sliding-window attention on with use_sliding_window (for the layers
-# from max_window_layers on, or as layer_types says); Mistral's and Mixtral's sliding_window
-# applies to every layer when set
-_QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", *VL_TYPES)
+# families whose config turns sliding-window attention on with use_sliding_window
+# (_sliding_layers says for which layers)
+_QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
 MOE_TYPES = ("qwen3_moe", "mixtral")
-_O_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe")  # attention_bias biases o_proj too
+_O_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe", "gemma3_text")  # attention_bias biases o_proj too
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
@@ -39,6 +39,18 @@ def scaling_kind(scaling: dict[str, Any] | None) -> str:
     scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     return "default" if kind == "mrope" else str(kind)
+
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    """What Gemma 3 adds to the Llama layout: RMSNorms whose weight applies as ``1 + weight``
+    (the product in fp32), a norm after attention and around the MLP (four a layer), a GELU
+    (tanh) MLP, token embeddings scaled by ``sqrt(hidden_size)``, the softmax scale from
+    ``query_pre_attn_scalar``, and the sliding layers' own rotary base (default frequencies)."""
+
+    embed_scale: float
+    query_scale: float
+    local_rope_theta: float
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,7 @@ class ArchConfig:
     quantization_config: dict[str, Any] = field(default_factory=dict)  # HF's, as written
     moe: MoeConfig | None = None
     vision: VisionConfig | None = None  # a vision-language model's tower
+    gemma: GemmaConfig | None = None  # Gemma 3's differences from the Llama layout
     # keys a query sees (itself included) in the layers of sliding_layers, as transformers'
     # sliding-window mask; None (and no layers): every layer attends to the whole context
     sliding_window: int | None = None
@@ -136,7 +149,9 @@ class ArchConfig:
         if model_type not in SUPPORTED:
             known = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
-        vision = None
+        vision, gemma = None, None
+        if model_type == "gemma3_text":
+            cfg, gemma = _gemma3(cfg)
         if model_type in VL_TYPES:
             vision = _vision_config(model_type, cfg)
             cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
@@ -148,7 +163,8 @@ class ArchConfig:
             qkv_bias = True
         else:
             qkv_bias = model_type not in ("mistral", "mixtral") and bool(cfg.get("attention_bias"))
-        if model_type not in MOE_TYPES and cfg.get("hidden_act", "silu") != "silu":
+        silu = model_type not in MOE_TYPES and gemma is None
+        if silu and cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(
                 f"{model_type}: hidden_act {cfg['hidden_act']!r}; only silu is supported"
             )
@@ -179,17 +195,18 @@ class ArchConfig:
             rope_theta=theta,
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma is not None)),
             attention_bias=qkv_bias,
             o_proj_bias=qkv_bias and model_type in _O_BIAS_TYPES,
             mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             quantization_config=dict(cfg.get("quantization_config") or {}),
             moe=_moe_config(model_type, cfg) if model_type in MOE_TYPES else None,
             vision=vision,
+            gemma=gemma,
             sliding_window=window,
             sliding_layers=windowed,
         )
@@ -215,27 +232,74 @@ class ArchConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
+    """Gemma 3's config read as transformers 5 reads it (``rope_parameters`` per layer type, or
+    the older ``rope_theta``, ``rope_local_base_freq`` and ``rope_scaling`` for the global
+    layers; ``layer_types``, or every ``sliding_window_pattern``-th layer global), with its
+    rope and window in the keys the common reader takes; what it does not implement refused."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"gemma3_text: {key} {cfg[key]} (soft-capping) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("gemma3_text: bidirectional attention (EmbeddingGemma) is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"gemma3_text: hidden_activation {act!r}; only gelu_pytorch_tanh is")
+    params = dict(cfg.get("rope_parameters") or {})
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:  # the older keys: rope_scaling applies to the global layers
+        full = {**(cfg.get("rope_scaling") or {}), **params}
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    if scaling_kind(local) != "default":
+        raise ConfigError(f"gemma3_text: rope scaling {scaling_kind(local)!r} on the sliding "
+                          "layers is not supported")  # fmt: skip
+    layers = int(cfg["num_hidden_layers"])
+    pattern = int(cfg.get("sliding_window_pattern") or 6)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    gemma = GemmaConfig(
+        embed_scale=float(cfg["hidden_size"]) ** 0.5,
+        query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        local_rope_theta=float(local.get("rope_theta", 10_000.0)),
+    )
+    read = {**cfg, "rope_parameters": full, "rope_scaling": None, "layer_types": types,
+            "sliding_window": cfg.get("sliding_window", 4096)}  # fmt: skip
+    return read, gemma
+
+
 def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
-    """The window and the layers that attend through it, as transformers reads the config:
-    Mistral and Mixtral window every layer when ``sliding_window`` is set; the Qwen families only
-    with ``use_sliding_window``, and then the layers ``layer_types`` names (else those from
-    ``max_window_layers`` on). Llama never windows. (None, ()) when no layer does."""
-    window = cfg.get("sliding_window")
-    if window is None or model_type == "llama":
+    """The window and the layers that attend through it, as transformers 5's modelling code
+    decides for each family: Mistral (``sliding_window``, 4096 when the key is absent) and
+    Mixtral window every layer (``layer_types`` ignored), Qwen3-MoE every layer with
+    ``use_sliding_window``; Qwen2, Qwen3 and Qwen2(.5)-VL with ``use_sliding_window`` the layers
+    ``layer_types`` names, else those from ``max_window_layers`` on (its default: 28, 80 for the
+    VL models); Gemma 3 the ``layer_types`` ones; Llama and Qwen3-VL never. (None, ()) when no
+    layer does."""
+    layers = range(int(cfg["num_hidden_layers"]))
+    if model_type in ("llama", "qwen3_vl"):
         return None, ()
     if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window"):
         return None, ()
-    layers = range(int(cfg["num_hidden_layers"]))
+    window = cfg.get("sliding_window", 4096 if model_type != "mixtral" else None)
+    if window is None:
+        return None, ()
     types = cfg.get("layer_types")
-    if types is not None:
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):
+        windowed = tuple(layers)
+    elif types is not None:
         if len(types) != len(layers):
             raise ConfigError(
                 f"{model_type}: layer_types names {len(types)} of {len(layers)} layers"
             )
         windowed = tuple(i for i in layers if types[i] == "sliding_attention")
     elif model_type in _QWEN_TYPES:
-        # transformers' default max_window_layers is 28 in each of these configs
-        windowed = tuple(i for i in layers if i >= int(cfg.get("max_window_layers", 28)))
+        first = int(cfg.get("max_window_layers", 80 if model_type in VL_TYPES else 28))
+        windowed = tuple(i for i in layers if i >= first)
     else:
         windowed = tuple(layers)
     if not windowed:

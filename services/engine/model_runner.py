@@ -40,6 +40,7 @@ from services.engine.kv_cache import (
 from services.engine.kv_handoff import LayerSink
 from services.engine.loader import check_tp_split, load_model
 from services.engine.lora.manager import LoRAManager
+from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import Attention
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
@@ -149,6 +150,8 @@ class ModelRunner:
         self.model, self.arch, self.files = load_model(config.model, self.device, max_pos, self.tp)
         self.kv_arch = self.model.cfg  # this rank's KV heads (all of them without TP)
         self.dtype = self.model.lm_head.weight.dtype
+        if config.lora and self.arch.gemma is not None:
+            raise ConfigError(f"{self.arch.model_type}: LoRA adapters are not supported yet")
         # LoRA wraps the projections from outside the model, before any step runs
         self.lora = (
             LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
@@ -165,6 +168,8 @@ class ModelRunner:
                 module.window = 0
         # rotary rows for the positions this worker can reach, not the 128k it was built for
         self.model.cos_sin = self.model.cos_sin[: self.max_model_len].clone()
+        if isinstance(self.model, Gemma3ForCausalLM):
+            self.model.cos_sin_local = self.model.cos_sin_local[: self.max_model_len].clone()
         self.block_size = config.cache.block_size
         self.num_blocks, self.num_host_slots = self._plan_blocks()
         self.kv_caches = allocate_kv_caches(

@@ -1,7 +1,7 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3 (also with YaRN rope scaling), Qwen3-MoE and Mixtral checkpoints (float32, seeded), greedy,
-token for token. A model that
-attends through a sliding window is served up to the window, where the window changes nothing."""
+Qwen3 (also with YaRN rope scaling), Gemma 3, Qwen3-MoE and Mixtral checkpoints (float32,
+seeded), greedy, token for token, sliding windows included (Mistral's on every layer, Qwen2's from
+max_window_layers on, Gemma 3's on its local layers)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from kernels import ops
 from protos.sampling_params import SamplingParams
+from services.config import ConfigError
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
 from services.model_files import prepare_model
@@ -37,6 +38,11 @@ CONFIGS = {
         "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 32, "sliding_window": None,
     }),
     "qwen2": ("qwen2", {"num_hidden_layers": 2, "intermediate_size": 96}),  # q/k/v biases
+    # the second layer through a 24-key window (use_sliding_window, max_window_layers 1)
+    "qwen2-window": ("qwen2", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "use_sliding_window": True,
+        "sliding_window": 24, "max_window_layers": 1,
+    }),
     "qwen3": ("qwen3", {"num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16}),
     # YaRN as Qwen's long-context setting turns it on (over a short original length, so the
     # prompts here reach the interpolated frequencies)
@@ -44,6 +50,17 @@ CONFIGS = {
         "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16,
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                             "original_max_position_embeddings": 32},
+    }),
+    # 2 sliding layers (a 24-key window and the local rotary base) and a global one (its own
+    # base, linearly scaled), the softmax scale from query_pre_attn_scalar, not head_dim
+    "gemma3": ("gemma3_text", {
+        "num_hidden_layers": 3, "intermediate_size": 96, "head_dim": 16,
+        "query_pre_attn_scalar": 32, "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        },
     }),
     # layer 1 dense (mlp_only_layers), the router's top-2 weights left unnormalized
     "qwen3_moe-dense-layer": ("qwen3_moe", {
@@ -72,10 +89,11 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **COMMON, **extra)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # transformers starts biases at 0: a bias left out would go unseen
+    with torch.no_grad():  # transformers starts biases at 0 and norm weights at 1 (Gemma's
+        # at 0, an offset from 1): a bias left out or a norm read wrong would go unseen
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.2)
+            if name.endswith(".bias") or name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
     load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
     return model.eval()
@@ -189,3 +207,18 @@ def test_a_window_no_context_outgrows_is_left_to_whole_attention(windowed: Built
         modules = llm.engine.runner.model.modules()
         assert {m.window for m in modules if isinstance(m, Attention)} == want
         llm.close()
+
+
+def test_gemma3_refuses_quantization_and_tensor_parallelism_for_now(
+    built: Callable[[str], Built],
+) -> None:
+    """Its norms and GELU MLP are not in the fused FP8 paths, nor its layers in the
+    tensor-parallel plan: refused at load, not served wrong."""
+    from services.engine.llm import build_config
+    from services.engine.loader import load_model
+
+    path = str(built("gemma3")[0])
+    with pytest.raises(ConfigError, match="quantized gemma3_text models are not supported"):
+        LLM(path, quantization="fp8")
+    with pytest.raises(ConfigError, match="gemma3_text: --tensor-parallel-size > 1"):
+        load_model(build_config(path).model, torch.device("cpu"), 64, tp=object())  # type: ignore[arg-type]

@@ -21,7 +21,13 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from kernels.attention import ref_rotary_write_kv
-from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
+from kernels.layers import (
+    ref_gelu_tanh_and_mul,
+    ref_gemma_rms_norm,
+    ref_rms_norm,
+    ref_rotary_embedding,
+    ref_silu_and_mul,
+)
 from services.engine.rope import cos_sin_cache
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -89,6 +95,32 @@ def test_silu_and_mul_equals_act_fn_times_up(dtype: torch.dtype, gen: torch.Gene
     assert torch.equal(ref_silu_and_mul(torch.cat([gate, up], dim=-1)), want)
     once = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
     assert dtype == torch.float32 or not torch.equal(once, want)  # the rounding in between matters
+
+
+# ---- Gemma 3's norm and GELU-and-mul -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_equals_gemma3_rms_norm(dtype: torch.dtype, gen: torch.Generator) -> None:
+    """``1 + weight`` in fp32 and one rounding after the product; with the residual added in
+    the model dtype first, as the Gemma 3 layer does."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    x, residual = randn((17, 192), dtype, gen, 4.0), randn((17, 192), dtype, gen, 4.0)
+    weight = randn((192,), dtype, gen, 0.3)
+    norm = Gemma3RMSNorm(192, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        assert torch.equal(ref_gemma_rms_norm(x, weight, 1e-6)[0], norm(x))
+        out, summed = ref_gemma_rms_norm(x, weight, 1e-6, residual)
+        assert torch.equal(summed, residual + x) and torch.equal(out, norm(residual + x))
+    if dtype != torch.float32:  # the Llama order (round, then the weight) differs somewhere
+        assert not torch.equal(ref_rms_norm(x, 1 + weight, 1e-6)[0], norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_equals_act_fn_times_up(dtype: torch.dtype, gen: torch.Generator) -> None:
+    gate, up = randn((31, 1536), dtype, gen, 4.0), randn((31, 1536), dtype, gen, 4.0)
+    want = ACT2FN["gelu_pytorch_tanh"](gate) * up
+    assert torch.equal(ref_gelu_tanh_and_mul(torch.cat([gate, up], dim=-1)), want)
 
 
 # ---- rotary --------------------------------------------------------------------------------

@@ -78,7 +78,10 @@ ALL = (0, 1, 2, 3)  # BASE's layers
         ({"model_type": "llama", "sliding_window": 64}, None, ()),  # Llama never windows
         ({"model_type": "mistral", "sliding_window": 64}, 64, ALL),
         ({"model_type": "mistral", "sliding_window": None}, None, ()),
-        ({"model_type": "mistral"}, None, ()),
+        ({"model_type": "mistral"}, 4096, ALL),  # transformers' default window
+        # Mistral's modelling code ignores layer_types: every layer
+        ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 4}, 64, ALL),
+        ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, None, ()),
         ({"model_type": "mixtral", "sliding_window": 64, "num_local_experts": 4,
           "num_experts_per_tok": 2}, 64, ALL),
         # the Qwen families window only with use_sliding_window...
@@ -95,7 +98,10 @@ ALL = (0, 1, 2, 3)  # BASE's layers
           "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, 64, (3,)),
         ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
           "max_window_layers": 0, "layer_types": ["full_attention"] * 4}, None, ()),
-        (_qwen3_moe(use_sliding_window=True, sliding_window=128, max_window_layers=1), 128, (1, 2, 3)),
+        # Qwen3-MoE windows every layer (its modelling code reads no max_window_layers)
+        (_qwen3_moe(use_sliding_window=True, sliding_window=128, max_window_layers=1), 128, ALL),
+        (_qwen3_moe(use_sliding_window=True), 4096, ALL),
+
     ],
 )  # fmt: skip
 def test_the_sliding_window_is_read_as_transformers_reads_it(
@@ -131,6 +137,24 @@ def test_an_activation_other_than_silu_is_refused() -> None:
     """Not served as SiLU: the model would compute another function than the checkpoint's."""
     with pytest.raises(ConfigError, match="hidden_act 'gelu'; only silu"):
         ArchConfig.from_dict({**BASE, "model_type": "llama", "hidden_act": "gelu"})
+
+
+def test_the_vision_language_models_windows() -> None:
+    """Qwen2-VL's max_window_layers defaults to 80 (so its 28 layers never window unless it is
+    set); Qwen3-VL's modelling code never windows."""
+    import json
+    from pathlib import Path
+
+    from services.engine import model_config
+
+    path = Path(model_config.__file__).parent / "configs" / "qwen2-vl-7b" / "config.json"
+    cfg = {**json.loads(path.read_text()), "use_sliding_window": True, "sliding_window": 64}
+    cfg.pop("max_window_layers", None)
+    assert ArchConfig.from_dict(cfg).sliding_layers == ()
+    arch = ArchConfig.from_dict({**cfg, "max_window_layers": 26})
+    assert (arch.sliding_window, arch.sliding_layers) == (64, (26, 27))
+    text = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}
+    assert ArchConfig.from_dict(_qwen3_vl(text=text)).sliding_window is None
 
 
 def test_a_window_under_one_token_or_layer_types_of_another_depth_are_refused() -> None:
@@ -196,3 +220,43 @@ def test_a_broken_config_file_is_a_config_error_naming_it(
     with pytest.raises(ConfigError, match=words) as info:
         ArchConfig.from_file(path)
     assert str(path) in str(info.value)
+
+
+GEMMA = {**BASE, "model_type": "gemma3_text", "head_dim": 16, "num_hidden_layers": 6}
+
+
+def test_gemma3_reads_the_older_rope_keys_and_the_sliding_pattern() -> None:
+    """Gemma 3's published configs (transformers 4.5x): rope_theta and rope_scaling for the
+    global layers, rope_local_base_freq for the sliding ones, every sliding_window_pattern-th
+    layer global; the query scale from query_pre_attn_scalar, the embeddings by sqrt(hidden)."""
+    arch = ArchConfig.from_dict({
+        **GEMMA, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window": 512,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 3,
+        "query_pre_attn_scalar": 64,
+    })  # fmt: skip
+    assert arch.gemma is not None and arch.qk_norm and arch.tie_word_embeddings
+    assert (arch.rope_theta, arch.rope_scaling["factor"], arch.gemma.local_rope_theta) == (
+        1e6,
+        8.0,
+        1e4,
+    )
+    assert (arch.sliding_window, arch.sliding_layers) == (512, (0, 1, 3, 4))
+    assert (arch.gemma.query_scale, arch.gemma.embed_scale) == (64**-0.5, 64**0.5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"use_bidirectional_attention": True}, "bidirectional"),
+        ({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
+        ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                              "full_attention": {"rope_type": "default"}}}, "on the sliding layers"),
+    ],
+)  # fmt: skip
+def test_gemma_variants_this_engine_does_not_implement_are_refused(
+    extra: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ArchConfig.from_dict({**GEMMA, **extra})

@@ -1,0 +1,100 @@
+"""Gemma 3 (text) in plain PyTorch over a paged KV cache: the Llama layers with Gemma's
+differences (``services.engine.model_config.GemmaConfig``).
+
+- RMSNorms apply their weight as ``1 + weight``, multiplied in fp32 before the one rounding
+  (``ops.gemma_rms_norm``); q and k are normed per head like Qwen3's.
+- Four norms a layer: after attention, and before and after the MLP. With this engine's fused
+  residual (a layer hands on ``(x, residual)``, the stream being their sum), the post-norms
+  take no residual and the pre-norms add it, as in the Llama layer.
+- A GELU (tanh) MLP, token embeddings scaled by ``sqrt(hidden_size)`` (rounded to the model
+  dtype, as transformers does), the softmax scale ``query_pre_attn_scalar ** -0.5``.
+- Sliding layers (5 of every 6 by default) attend through their window with their own rotary
+  table (``cos_sin_local``: default frequencies at the local base); the global layers use
+  ``cos_sin`` (the global base, with its rope scaling).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from services.engine.attention_metadata import AttentionMetadata
+from services.engine.model_config import ArchConfig
+from services.engine.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+
+
+class GemmaRMSNorm(RMSNorm):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.gemma_rms_norm(x, self.weight, self.eps, residual)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
+        super().__init__()
+        assert cfg.gemma is not None
+        self.self_attn = Attention(cfg, layer)
+        self.self_attn.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.self_attn.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.self_attn.scale = cfg.gemma.query_scale
+        self.mlp = MLP(cfg)
+        self.mlp.act_fn = ops.gelu_tanh_and_mul
+        size, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.local = layer in cfg.sliding_layers  # the local rotary table (and the window)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(x, positions, cos_sin, kv_cache, meta))[0]
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x))[0], residual
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    cos_sin_local: torch.Tensor  # the sliding layers' rotary table (a buffer)
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        assert cfg.gemma is not None
+        self.model.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_scale = cfg.gemma.embed_scale
+        table = torch.empty(max_positions, cfg.head_dim, dtype=torch.float32)
+        self.register_buffer("cos_sin_local", table, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        if embeds is not None or rope_table is not None:
+            raise ValueError("Gemma 3 (text) takes no image embeddings or M-RoPE table")
+        x = self.model.embed_tokens(input_ids)
+        # as transformers: the scale rounded to the model dtype first (a host value: no sync)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
+        residual: torch.Tensor | None = None
+        rope_pos, tables = positions, (self.cos_sin, self.cos_sin_local)
+        if not input_ids.is_cuda:  # gather cos/sin once per step, not once per layer
+            tables = (self.cos_sin[positions], self.cos_sin_local[positions])
+            rope_pos = torch.arange(positions.shape[0], device=positions.device)
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            assert isinstance(layer, Gemma3DecoderLayer)
+            x, residual = layer(x, residual, rope_pos, tables[layer.local], cache, meta)
+        return self.model.norm(x, residual)[0]
