@@ -348,17 +348,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     return (mod.silu_and_mul if mod else ref_silu_and_mul)(x)
 
 
-# Gemma's norm and activation run their torch references on every device (no Triton kernel yet:
-# a few more launches a layer, captured by the decode graphs like the rest)
 def gemma_rms_norm(
     x: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H], an offset from 1
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return ref_gemma_rms_norm(x, weight, eps, residual)
+    mod = _triton("triton_layers", x)
+    return (mod.gemma_rms_norm if mod else ref_gemma_rms_norm)(x, weight, eps, residual)
 
 
+# Gemma's GELU runs its torch reference on every device (no Triton kernel yet: a few more
+# launches a layer, captured by the decode graphs like the rest)
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     return ref_gelu_tanh_and_mul(x)
 

@@ -46,7 +46,7 @@ MAX_NORM_WIDTH = 65536
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, s_ptr, s_x, s_r, s_o, s_ro, width, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr,
-    INV_MAX: tl.constexpr, SOFT_FP8: tl.constexpr,
+    INV_MAX: tl.constexpr, SOFT_FP8: tl.constexpr, GEMMA: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -59,10 +59,12 @@ def _rms_norm_kernel(
         tl.store(rout_ptr + row * s_ro + offs, x_io, mask=mask)
         x = x_io.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, 0) / width + eps)
-    # as LlamaRMSNorm: round the normalized value to x's dtype, then weight * it, rounded once
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (w * normed).to(x_ptr.dtype.element_ty)
+    if GEMMA:  # as Gemma3RMSNorm: 1 + weight, the product in fp32, rounded once
+        y = (x * rstd * (1.0 + w)).to(x_ptr.dtype.element_ty)
+    else:  # as LlamaRMSNorm: round the normalized value to x's dtype, then weight * it, rounded once
+        normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (w * normed).to(x_ptr.dtype.element_ty)
     if FP8:  # out_ptr is the e4m3 copy: the 16-bit values quantized per token
         quantize_row(y.to(tl.float32), out_ptr + row * s_o, s_ptr, row, offs, mask, INV_MAX,
                       SOFT_FP8)  # fmt: skip
@@ -179,6 +181,21 @@ def rms_norm(
     return out, res_out
 
 
+def gemma_rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H], an offset from 1
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`kernels.layers.ref_gemma_rms_norm`: (norm(x + residual),
+    x + residual), the weight applied as ``1 + weight`` in fp32."""
+    _check_rms_norm(x, weight, residual)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res_out = torch.empty_like(out) if residual is not None else x
+    _launch_rms_norm(x, weight, eps, residual, out, res_out, None, gemma=True)
+    return out, res_out
+
+
 def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES)
@@ -198,7 +215,7 @@ def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 
 def _launch_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-    out: torch.Tensor, res_out: torch.Tensor, scale: torch.Tensor | None,
+    out: torch.Tensor, res_out: torch.Tensor, scale: torch.Tensor | None, gemma: bool = False,
 ) -> None:  # fmt: skip
     rows, width = x.shape
     if rows == 0:
@@ -211,7 +228,7 @@ def _launch_rms_norm(
         out.stride(0), res_out.stride(0), width, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
         FP8=scale is not None, INV_MAX=INV_FP8_MAX, SOFT_FP8=interpreting(),
-        enable_fp_fusion=False, **pdl(x.device, rows),
+        GEMMA=gemma, enable_fp_fusion=False, **pdl(x.device, rows),
     )  # fmt: skip
 
 

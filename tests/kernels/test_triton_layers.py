@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layers import ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
+from kernels.layers import ref_gemma_rms_norm, ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
 from kernels.quant import ref_per_token_quant_fp8
 from kernels.triton_layers import (
+    gemma_rms_norm,
     rms_norm,
     rms_norm_fp8,
     rotary_embedding,
@@ -32,6 +33,20 @@ def test_rms_norm(dtype: torch.dtype, with_residual: bool, width: int, gen: torc
     ref_out, ref_res = ref_rms_norm(x, weight, 1e-5, residual)
     assert_matches(out, ref_out)
     assert_same_rounding(res, ref_res)  # the residual stream is rounded like the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("width", [16, 96, 256])
+def test_gemma_rms_norm(dtype: torch.dtype, with_residual: bool, width: int, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Gemma's order: 1 + weight and one rounding after the fp32 product (not Llama's)."""
+    x = rand((5, width), dtype, gen, device) * 3
+    weight = rand((width,), dtype, gen, device) * 0.3
+    residual = rand((5, width), dtype, gen, device) if with_residual else None
+    out, res = gemma_rms_norm(x, weight, 1e-6, residual)
+    ref_out, ref_res = ref_gemma_rms_norm(x, weight, 1e-6, residual)
+    assert_matches(out, ref_out)
+    assert_same_rounding(res, ref_res)
 
 
 def test_rms_norm_of_a_single_token_row_view(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip

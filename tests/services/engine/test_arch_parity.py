@@ -197,6 +197,22 @@ def test_the_window_through_the_triton_attention_kernels(
     _assert_greedy_matches("mistral-window", *windowed, [9, 40], block_size=16)
 
 
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
+)
+def test_gemma3_through_the_triton_kernels(
+    built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 with its norms (the kernel's Gemma variant), rotary, KV writes and attention in
+    the Triton kernels (under the interpreter): still transformers' tokens."""
+    from kernels import triton_attention, triton_layers
+
+    kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
+    monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
+    _assert_greedy_matches("gemma3", *built("gemma3"), [9, 40], block_size=16)
+
+
 def test_a_window_no_context_outgrows_is_left_to_whole_attention(windowed: Built) -> None:
     """Where max_model_len keeps every query within its window, the layers attend without the
     kernels' window masks (the same keys, less work)."""

@@ -11,6 +11,7 @@ import torch
 from protos.multimodal import VisionSpec
 from services.engine.loader import _no_param_init
 from services.engine.model_config import ArchConfig
+from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.models.qwen3_vl import Qwen3VLForCausalLM
@@ -20,6 +21,8 @@ from services.model_files import named_configs, named_model_dir, resolve_model
 
 def _params(arch: ArchConfig) -> dict[str, int]:
     cls: type[LlamaForCausalLM] = LlamaForCausalLM
+    if arch.gemma is not None:
+        cls = Gemma3ForCausalLM
     if arch.vision is not None:
         cls = Qwen3VLForCausalLM if arch.vision.qwen3 else Qwen2VLForCausalLM
     with torch.device("meta"), _no_param_init():
@@ -32,6 +35,22 @@ def test_every_named_config_is_listed_and_reads() -> None:
     assert {"llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "qwen2-vl-7b", "qwen3-vl-8b"} <= set(names)
     for path in names.values():
         ArchConfig.from_file(path)
+
+
+def test_gemma_3_1b_has_the_published_shape() -> None:
+    """Gemma 3 1B: 26 layers, every sixth global (a 512-token window on the others), one KV
+    head of 256, 262k tied embeddings: about a billion parameters."""
+    arch = ArchConfig.from_file(resolve_model("gemma-3-1b").path)
+    assert arch.gemma is not None and arch.tie_word_embeddings and arch.qk_norm
+    assert (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (26, 4, 1, 256)
+    assert arch.sliding_window == 512
+    assert [i for i in range(26) if i not in arch.sliding_layers] == [5, 11, 17, 23]
+    assert (arch.rope_theta, arch.gemma.local_rope_theta, arch.gemma.query_scale) == (
+        1e6,
+        1e4,
+        1 / 16,
+    )
+    assert sum(_params(arch).values()) == pytest.approx(1.0e9, rel=0.01)
 
 
 def test_qwen3_30b_a3b_has_the_published_shape() -> None:
