@@ -30,7 +30,6 @@ from services.engine.quantization import (
     quantized_modules,
     resolve_quantization,
 )
-from services.engine.rope import cos_sin_cache
 from services.engine.tp_group import TPGroup
 from services.engine.tp_layers import apply_tp
 from services.engine.tp_layout import TPLayout
@@ -318,14 +317,7 @@ def load_model(
     model = model.to_empty(device=device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    table = cos_sin_cache(
-        arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling,
-        arch.max_position_embeddings,
-    )  # fmt: skip
-    model.cos_sin = table.to(device)
-    if isinstance(model, Gemma3ForCausalLM) and arch.gemma is not None:  # the sliding layers'
-        local_table = cos_sin_cache(arch.head_dim, max_positions, arch.gemma.local_rope_theta)
-        model.cos_sin_local = local_table.to(device)
+    model.fill_rope(max_positions, device)
     if dummy:
         dummy_weights(model, config.seed, layout, arch)
         dummy_quantized(model, config.seed)

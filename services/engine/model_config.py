@@ -170,13 +170,14 @@ class ArchConfig:
             )
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        if scaling_kind(rope) not in SUPPORTED_SCALING:
+        kind = scaling_kind(rope)
+        if kind not in SUPPORTED_SCALING:
             raise ConfigError(
-                f"{model_type}: rope scaling {scaling_kind(rope)!r} is not supported "
+                f"{model_type}: rope scaling {kind!r} is not supported "
                 f"({', '.join(SUPPORTED_SCALING)} are)"
             )
-        if scaling_kind(rope) != "default" and not isinstance(rope.get("factor"), int | float):
-            raise ConfigError(f"{model_type}: rope scaling {scaling_kind(rope)!r} needs a factor")
+        if kind != "default" and not isinstance(rope.get("factor"), int | float):
+            raise ConfigError(f"{model_type}: rope scaling {kind!r} needs a factor")
         partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         if partial is not None and float(partial) != 1.0:
             raise ConfigError(f"{model_type}: partial_rotary_factor {partial} is not supported")

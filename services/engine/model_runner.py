@@ -40,7 +40,6 @@ from services.engine.kv_cache import (
 from services.engine.kv_handoff import LayerSink
 from services.engine.loader import check_tp_split, load_model
 from services.engine.lora.manager import LoRAManager
-from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import Attention
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
@@ -166,10 +165,7 @@ class ModelRunner:
             # without the kernels' window masks (7-8% of 8 x 1024 prompts' attention, H200)
             if isinstance(module, Attention) and module.window >= self.max_model_len:
                 module.window = 0
-        # rotary rows for the positions this worker can reach, not the 128k it was built for
-        self.model.cos_sin = self.model.cos_sin[: self.max_model_len].clone()
-        if isinstance(self.model, Gemma3ForCausalLM):
-            self.model.cos_sin_local = self.model.cos_sin_local[: self.max_model_len].clone()
+        self.model.trim_rope(self.max_model_len)
         self.block_size = config.cache.block_size
         self.num_blocks, self.num_host_slots = self._plan_blocks()
         self.kv_caches = allocate_kv_caches(

@@ -16,9 +16,13 @@ import torch
 from services.engine.model_config import SUPPORTED_SCALING, scaling_kind
 
 
-def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # [D/2] float32
+def _pos_freqs(head_dim: int, theta: float) -> torch.Tensor:  # [D/2] float32: theta^(2i/D)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (theta**exponents)
+    return theta**exponents
+
+
+def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # [D/2] float32
+    return 1.0 / _pos_freqs(head_dim, theta)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -69,7 +73,7 @@ def _yarn_inv_freq(
     if low == high:
         high += 0.001  # as transformers: no singular ramp
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    pos_freqs = _pos_freqs(head_dim, theta)
     extrapolation = 1 - ramp  # the share of each frequency kept as it was
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
         1.0 / pos_freqs

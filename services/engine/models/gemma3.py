@@ -9,8 +9,8 @@ differences (``services.engine.model_config.GemmaConfig``).
 - A GELU (tanh) MLP, token embeddings scaled by ``sqrt(hidden_size)`` (rounded to the model
   dtype, as transformers does), the softmax scale ``query_pre_attn_scalar ** -0.5``.
 - Sliding layers (5 of every 6 by default) attend through their window with their own rotary
-  table (``cos_sin_local``: default frequencies at the local base); the global layers use
-  ``cos_sin`` (the global base, with its rope scaling).
+  table (``cos_sin_local``: default frequencies at the local base; ``rope_table`` 1); the global
+  layers use ``cos_sin`` (the global base, with its rope scaling).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kernels import ops
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.model_config import ArchConfig
 from services.engine.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from services.engine.rope import cos_sin_cache
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -46,7 +47,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.local = layer in cfg.sliding_layers  # the local rotary table (and the window)
+        self.rope_table = 1 if layer in cfg.sliding_layers else 0  # the local table (rope_tables)
 
     def forward(
         self,
@@ -72,29 +73,23 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_scale = cfg.gemma.embed_scale
+        self.local_rope_theta = cfg.gemma.local_rope_theta
         table = torch.empty(max_positions, cfg.head_dim, dtype=torch.float32)
         self.register_buffer("cos_sin_local", table, persistent=False)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-        rope_table: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # [T, hidden]
-        if embeds is not None or rope_table is not None:
-            raise ValueError("Gemma 3 (text) takes no image embeddings or M-RoPE table")
+    def fill_rope(self, max_positions: int, device: torch.device) -> None:
+        super().fill_rope(max_positions, device)  # the global layers' (their rope scaling)
+        local = cos_sin_cache(self.cfg.head_dim, max_positions, self.local_rope_theta)
+        self.cos_sin_local = local.to(device)  # default frequencies at the local base
+
+    def trim_rope(self, positions: int) -> None:
+        super().trim_rope(positions)
+        self.cos_sin_local = self.cos_sin_local[:positions].clone()
+
+    def rope_tables(self) -> tuple[torch.Tensor, ...]:
+        return (self.cos_sin, self.cos_sin_local)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         x = self.model.embed_tokens(input_ids)
         # as transformers: the scale rounded to the model dtype first (a host value: no sync)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
-        residual: torch.Tensor | None = None
-        rope_pos, tables = positions, (self.cos_sin, self.cos_sin_local)
-        if not input_ids.is_cuda:  # gather cos/sin once per step, not once per layer
-            tables = (self.cos_sin[positions], self.cos_sin_local[positions])
-            rope_pos = torch.arange(positions.shape[0], device=positions.device)
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            assert isinstance(layer, Gemma3DecoderLayer)
-            x, residual = layer(x, residual, rope_pos, tables[layer.local], cache, meta)
-        return self.model.norm(x, residual)[0]
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype).item()

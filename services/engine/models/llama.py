@@ -18,6 +18,7 @@ from kernels import ops
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.model_config import ArchConfig
 from services.engine.models.moe import SparseMoeBlock
+from services.engine.rope import cos_sin_cache
 
 
 class RMSNorm(nn.Module):
@@ -157,6 +158,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(moe, cfg.hidden_size) if moe and layer in moe.layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope_table = 0  # which of the model's rotary tables (rope_tables) it rotates by
 
     def forward(
         self,
@@ -191,9 +193,30 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # the rotary table, [max_positions, head_dim]: the loader fills it (services.engine.loader)
+        # the rotary table, [max_positions, head_dim]: the loader fills it (fill_rope)
         table = torch.empty(max_positions, cfg.head_dim, dtype=torch.float32)
         self.register_buffer("cos_sin", table, persistent=False)
+
+    def fill_rope(self, max_positions: int, device: torch.device) -> None:
+        """The rotary tables' rows for positions below ``max_positions`` (the loader, once the
+        model is on ``device``)."""
+        cfg = self.cfg
+        table = cos_sin_cache(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+            cfg.max_position_embeddings,
+        )  # fmt: skip
+        self.cos_sin = table.to(device)
+
+    def trim_rope(self, positions: int) -> None:
+        """Only the rows of the positions this worker can reach, not the 128k it was built for."""
+        self.cos_sin = self.cos_sin[:positions].clone()
+
+    def rope_tables(self) -> tuple[torch.Tensor, ...]:
+        """The rotary tables; a decoder layer's ``rope_table`` indexes them."""
+        return (self.cos_sin,)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.model.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -208,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         (an image's); values [n, hidden * (1 + k)] carry k DeepStack levels after them (Qwen3-VL),
         added to those rows' hidden states after decoder layers 0 .. k-1. ``rope_table``: each
         token's own cos/sin row [T, D] (M-RoPE)."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         deepstack = None
         if embeds is not None:
             rows = embeds[0]
@@ -216,12 +239,15 @@ class LlamaForCausalLM(nn.Module):
             x[rows] = values[:, 0]
             deepstack = values[:, 1:]  # [n, k, hidden]
         residual: torch.Tensor | None = None
-        rope_pos, table = positions, self.cos_sin
+        rope_pos, tables = positions, self.rope_tables()
         if rope_table is not None or not input_ids.is_cuda:
-            # gather cos/sin once per step, not once per layer
-            table = self.cos_sin[positions] if rope_table is None else rope_table  # [T, D]
+            # gather cos/sin once per step, not once per layer: [T, D] rows
+            tables = (
+                (rope_table,) if rope_table is not None else tuple(t[positions] for t in tables)
+            )
             rope_pos = torch.arange(positions.shape[0], device=positions.device)
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            table = tables[layer.rope_table]  # type: ignore[index]
             x, residual = layer(x, residual, rope_pos, table, cache, meta)
             if deepstack is not None and i < deepstack.shape[1]:
                 x.index_add_(0, rows, deepstack[:, i])  # the residual stream is x + residual
