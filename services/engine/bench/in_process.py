@@ -143,7 +143,7 @@ def floor_seconds(
     a = engine.runner.arch
     rank = getattr(engine.runner, "kv_arch", a)  # this rank's heads (all of them without TP)
     model = engine.runner.model
-    embed, embed_size = _embedding(model, a)  # this rank's rows of it under TP
+    embed, _ = _embedding(model, a)  # this rank's rows of it under TP
     fp8 = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Fp8Linear))
     other = sum(
         m.in_features * m.out_features
@@ -157,10 +157,20 @@ def floor_seconds(
         params -= len(a.moe.layers) * (a.moe.num_experts - a.moe.top_k) * expert
     attention = 4 * a.num_layers * rank.num_heads * a.head_dim * n * inp * inp / 2
     flops = 2 * params * n * inp + attention + 2 * fp8 * n * inp / 2  # FP8 at twice the rate
-    weights = _weight_bytes(model) - embed * embed_size
+    weights = _step_weight_bytes(model, a)
     kv_tok = rank.kv_bytes_per_token(engine.runner.kv_dtype.itemsize)
     decode = sum((weights + n * kv_tok * (inp + s)) for s in range(out - 1))
     return flops / c.bf16_flops_per_s + decode / c.copy_bytes_per_s
+
+
+def _step_weight_bytes(model: Any, arch: Any) -> int:
+    """What a decode step reads of the weights (:func:`_weight_bytes`): all of them but the
+    embedding table, of which it reads only its tokens' rows; unless the LM head is that table
+    (tied embeddings: SmolLM2, Gemma), which reads all of it."""
+    embed, size = _embedding(model, arch)
+    table = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    tied = table is not None and getattr(getattr(model, "lm_head", None), "weight", None) is table
+    return _weight_bytes(model) - (0 if tied else embed * size)
 
 
 def _embedding(model: Any, arch: Any) -> tuple[int, int]:
@@ -235,7 +245,9 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     """What a decode step reads of the model: its parameters and the buffers quantized layers
     keep their packed weights and scales in (the rotary table aside)."""
     tensors: list[torch.Tensor] = list(model.parameters())
-    tensors += [b for name, b in model.named_buffers() if not name.endswith("cos_sin")]
+    tensors += [  # not the rotary tables (cos_sin, and Gemma's cos_sin_local)
+        b for name, b in model.named_buffers() if not name.rpartition(".")[2].startswith("cos_sin")
+    ]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -243,9 +255,7 @@ def main_latency(args: argparse.Namespace) -> int:
     engine = LLMEngine(config_from_args(args))
     rows = []
     a = engine.runner.arch
-    weight_bytes = _weight_bytes(engine.runner.model)
-    embed, embed_size = _embedding(engine.runner.model, a)
-    weight_bytes -= embed * embed_size
+    weight_bytes = _step_weight_bytes(engine.runner.model, a)
     ceilings = device_ceilings() if engine.runner.device.type == "cuda" else None
     for bs in args.batch_sizes:
         prompts = random_prompts(bs, args.input_len, engine.vocab_size, seed=bs)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.bench.roofline import KNOWN_CEILINGS, Ceilings
-from services.engine.bench.in_process import _weight_bytes, floor_seconds
+from services.engine.bench.in_process import _step_weight_bytes, _weight_bytes, floor_seconds
 
 
 class _Packed(torch.nn.Module):
@@ -26,7 +26,21 @@ def test_buffers_of_packed_layers_count_and_the_rotary_table_does_not() -> None:
     model.norm = torch.nn.Linear(8, 8, bias=False)  # 64 fp32 parameters: 256 bytes
     model.proj = _Packed()
     model.register_buffer("cos_sin", torch.zeros(100, 64))  # not weights
+    model.register_buffer("cos_sin_local", torch.zeros(100, 64))  # nor Gemma's local table
     assert _weight_bytes(model) == 256 + 256 + 32
+
+
+def test_a_decode_step_reads_a_tied_embedding_table_whole() -> None:
+    """Untied, a step reads only its tokens' rows of the embedding table; tied (SmolLM2,
+    Gemma), the LM head is that table and reads all of it."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(100, 8)  # 3200 bytes
+    model.lm_head = torch.nn.Linear(8, 100, bias=False)  # 3200 bytes
+    arch = SimpleNamespace(vocab_size=100, hidden_size=8)
+    assert _step_weight_bytes(model, arch) == 3200
+    model.lm_head.weight = model.model.embed_tokens.weight
+    assert _step_weight_bytes(model, arch) == 3200
 
 
 def _engine_8b() -> Any:
