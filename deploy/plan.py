@@ -378,7 +378,7 @@ def build_plan(
         argv += task_flags(args)
         if role == "prefill" and getattr(args, "kv_checksum", False):
             argv.append("--kv-checksum")
-        if role == "prefill" and getattr(args, "kv_streaming", "on") != "on":
+        if role == "prefill" and getattr(args, "kv_streaming", "auto") != "auto":
             argv += ["--kv-streaming", args.kv_streaming]
         ready = run_dir / f"{name}.json"
         env = _worker_env(placed, sum(sizes), cpu_count, environ)  # threads per rank

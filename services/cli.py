@@ -521,11 +521,12 @@ KV_CHECKSUM_HELP = (
     "kv_transfer_failures). Costs a pass over the KV on each end"
 )
 
-KV_STREAMING = ["on", "off"]
+KV_STREAMING = ["auto", "on", "off"]
 KV_STREAMING_HELP = (
     "on: each prompt's KV leaves for the decode worker layer by layer while prefill computes "
     "its last chunk, so little is left to move after the first token; off: the whole KV is "
-    "sent after the first token"
+    "sent after the first token; auto (the default): off on a GPU (between two H200s streaming "
+    "made decode steps up to 1.7x slower and gained no TTFT: docs/benchmarks.md), on on the CPU"
 )
 
 
@@ -562,7 +563,9 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a KV transfer may take")
     if role == "prefill":
         g.add_argument("--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP)
-        g.add_argument("--kv-streaming", choices=KV_STREAMING, default="on", help=KV_STREAMING_HELP)
+        g.add_argument(
+            "--kv-streaming", choices=KV_STREAMING, default="auto", help=KV_STREAMING_HELP
+        )
     g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
 
 
@@ -805,7 +808,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP + " (prefill workers)"
     )
-    p.add_argument("--kv-streaming", choices=KV_STREAMING, default="on",
+    p.add_argument("--kv-streaming", choices=KV_STREAMING, default="auto",
                    help=KV_STREAMING_HELP + " (prefill workers)")  # fmt: skip
     p.add_argument(
         "--max-local-prefill-tokens",
@@ -1094,8 +1097,8 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
         "--topologies",
         default="disagg,colocated",
         help="disagg, colocated, disagg-local (disagg with --local-prefill-tokens), "
-        "disagg-whole (disagg with --kv-streaming off: the whole KV after the first token) or "
-        "none",
+        "disagg-whole (disagg with --kv-streaming off: the whole KV after the first token), "
+        "disagg-streamed (disagg with --kv-streaming on: the KV layer by layer) or none",
     )
     g.add_argument(
         "--local-prefill-tokens",

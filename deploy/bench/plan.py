@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-TOPOLOGIES = ("disagg", "colocated", "disagg-local", "disagg-whole")
+TOPOLOGIES = ("disagg", "colocated", "disagg-local", "disagg-whole", "disagg-streamed")
 LOCAL_PREFILL_TOKENS = 1024  # the disagg-local topology's threshold unless --local-prefill-tokens
 STOP_RESERVE_S = 20.0  # kept free at the end of a time budget to stop the last topology
 STOP_TYPICAL_S = 5.0  # what stopping a topology usually takes, kept free at the end of its share
@@ -139,9 +139,10 @@ def topology(
     ``workers`` processes); ``colocated``: as many colocated workers; ``disagg-local``: disagg
     with conditional disaggregation (prompts of at most ``local_prefill_tokens`` tokens are
     prefilled by the decode worker, and with ``local_prefill_queue`` so are all prompts that
-    arrive while every prefill worker has that many requests); ``disagg-whole``: disagg with
-    each prompt's KV sent whole after its first token (``--kv-streaming off``) instead of
-    streamed layer by layer while its last chunk is computed."""
+    arrive while every prefill worker has that many requests); ``disagg-whole`` /
+    ``disagg-streamed``: disagg with each prompt's KV sent whole after its first token
+    (``--kv-streaming off``) / streamed layer by layer while its last chunk is computed
+    (``--kv-streaming on``), whatever the default for the device (``auto``)."""
     n = max(len(gpus), 1) if gpus else workers
     if name == "colocated":
         return Topology(name, ["--colocated", str(n)], list(gpus))
@@ -153,8 +154,8 @@ def topology(
         flags += ["--max-local-prefill-tokens", str(local_prefill_tokens or LOCAL_PREFILL_TOKENS)]
         if local_prefill_queue:
             flags += ["--local-prefill-queue", str(local_prefill_queue)]
-    if name == "disagg-whole":
-        flags += ["--kv-streaming", "off"]
+    if name in ("disagg-whole", "disagg-streamed"):
+        flags += ["--kv-streaming", "off" if name == "disagg-whole" else "on"]
     return Topology(name, flags, list(gpus))
 
 

@@ -4,6 +4,8 @@
 #   smoke    GPUs, their links (nvidia-smi topo -m), an NCCL all-reduce
 #   tests    the GPU tests of the KV transfer, of disaggregation (their two-GPU cases) and of a
 #            tensor-parallel rank killed while decoding (NCCL abort)
+#   interf   python -m kvtransfer.bench.interference: what a receive pending or streaming over
+#            NCCL costs a decode step's GEMMs on the GPU it lands on, per NCCL max_ctas
 #   w5       python -m kvtransfer.bench.transfer: GPU 0 -> GPU 1 over NCCL, 1024/4096 tokens of the
 #            8B shape (whole transfers, chunk sizes, the tail a layer-by-layer transfer leaves;
 #            TIMELINE=1: where each transfer's time goes, kvtransfer.bench.timeline)
@@ -69,10 +71,18 @@ fi
 
 if has tests && stage tests 160; then
   t=$SECONDS
-  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+  TANDEM_TEST_TOKENIZER=$tiny TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/kvtransfer/test_gpu.py tests/services/test_gpu_disagg.py \
     tests/services/engine/test_tp_ranks.py ${TESTS_ARGS:-} >"$raw/tests.txt" 2>&1
   row tests "rc $? $(tail -1 "$raw/tests.txt")" "$t"
+fi
+
+if has interf && stage interf 150; then
+  t=$SECONDS
+  timeout 140 python3 -m kvtransfer.bench.interference ${INTERF_ARGS:-} \
+    --json-out "$raw/interference.json" >"$raw/interference.txt" 2>&1
+  row interf "rc $? $(grep -c '^|' "$raw/interference.txt") rows" "$t"
+  cat "$raw/interference.txt" >&2
 fi
 
 if has w5 && stage w5 150; then

@@ -32,6 +32,7 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
         self.handoffs: Handoffs | None = None  # once the model is loaded
+        self.streaming = False  # once the model is loaded: WorkerConfig.streaming_on
 
     def start_sender(self) -> None:
         from kvtransfer import KvSender, SenderOptions
@@ -49,7 +50,8 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         shards = self.rt.engine.runner.kv_shards()
         sender = KvSender(caches, sender_id=self.rt.worker_id, options=opts, shards=shards)
         self.handoffs = Handoffs(sender, caches[0].device, config.kv_timeout_s)
-        if config.kv_streaming:  # each prompt's KV leaves as its last chunk's forward writes it
+        self.streaming = config.streaming_on(caches[0].device.type)
+        if self.streaming:  # each prompt's KV leaves as its last chunk's forward writes it
             self.rt.driver.on_final_chunks(self.handoffs.on_final_chunks).result()
 
     def stop_sender(self) -> None:
@@ -59,7 +61,7 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
     def transfer_load(self) -> dict[str, object]:
         # kv_whole: without streaming each KV goes whole after the first token, where blocks
         # granted with the reservation save a round trip (the gateway asks for them)
-        whole: dict[str, object] = {"kv_whole": not self.rt.config.kv_streaming}
+        whole: dict[str, object] = {"kv_whole": not self.streaming}
         if self.handoffs is None:
             return whole
         return {**transfer_fields(self.handoffs.sender.stats()), **whole}
@@ -232,7 +234,7 @@ def build(runtime: WorkerRuntime) -> list[str]:
     runtime.on_ready.append(servicer.start_sender)
     runtime.on_stop.append(servicer.stop_sender)
     runtime.extra_load = servicer.transfer_load
-    runtime.ready_extra = lambda: {"kv_streaming": runtime.config.kv_streaming}
+    runtime.ready_extra = lambda: {"kv_streaming": servicer.streaming}
     return [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name]
 
 

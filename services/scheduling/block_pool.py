@@ -55,13 +55,19 @@ class Block:
 
 
 class BlockPool:
+    """The free queue is, head first: blocks freed with no hash (reused first, last freed
+    first), blocks never used yet (in id order), then blocks freed with a hash (LRU). A block
+    object is made the first time it is allocated, so a pool of millions of blocks (a tiny model
+    on a large GPU) costs nothing until they are used."""
+
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks: list[Block] = []  # every block made so far; blocks[i].block_id == i
+        self._front: OrderedDict[int, Block] = OrderedDict()  # freed without a hash
+        self._back: OrderedDict[int, Block] = OrderedDict()  # freed with a hash, LRU first
         self._cached: dict[BlockHash, Block] = {}
         self.queries = 0
         self.hits = 0
@@ -70,21 +76,28 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._front) + (self.num_blocks - len(self.blocks)) + len(self._back)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
     def allocate(self, n: int) -> list[Block]:
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
+        free = self.num_free_blocks
+        if n > free:
+            raise MemoryError(f"asked for {n} KV blocks, {free} free")
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            if self._front:
+                _, block = self._front.popitem(last=False)
+            elif len(self.blocks) < self.num_blocks:
+                block = Block(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                _, block = self._back.popitem(last=False)
             if block.block_hash is not None and self.on_evict is not None:
                 self.on_evict(block.block_id, block.block_hash)
             self._evict(block)
@@ -95,8 +108,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference to cached blocks (a prefix hit), pulling free ones out of the queue."""
         for block in blocks:
-            if block.ref_cnt == 0:
-                del self._free[block.block_id]
+            if block.ref_cnt == 0 and self._back.pop(block.block_id, None) is None:
+                del self._front[block.block_id]  # not cached, so queued at the front
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -107,10 +120,10 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self._free[block.block_id] = block
-                    self._free.move_to_end(block.block_id, last=False)  # uncached: reuse first
+                    self._front[block.block_id] = block
+                    self._front.move_to_end(block.block_id, last=False)  # uncached: reuse first
                 else:
-                    self._free[block.block_id] = block
+                    self._back[block.block_id] = block
 
     def cache(self, block: Block, block_hash: BlockHash) -> None:
         if not self.enable_caching or block.block_hash is not None:
@@ -138,8 +151,12 @@ class BlockPool:
             assert block.ref_cnt == expected, (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {expected}"
             )
-            assert (block.block_id in self._free) == (block.ref_cnt == 0), (
+            queued = block.block_id in self._front or block.block_id in self._back
+            assert queued == (block.ref_cnt == 0), (
                 f"block {block.block_id}: free-queue membership disagrees with ref_cnt"
             )
+        made = len(self.blocks)
+        assert all(i < made for i in held), "a block that was never allocated is held"
+        assert not set(self._front) & set(self._back), "a block is queued twice"
         for h, block in self._cached.items():
             assert block.block_hash == h, "cached block lost its hash"

@@ -96,8 +96,9 @@ def test_kv_streaming_off_reaches_the_prefill_workers_only() -> None:
     for worker in plan_for("--kv-streaming", "off", "--prefill", "2").workers:
         args = reparse(worker.spec.argv)
         assert getattr(args, "kv_streaming", None) == ("off" if worker.role == "prefill" else None)
-    for worker in plan_for().workers:  # on by default, in tandem up and in the workers
-        assert getattr(reparse(worker.spec.argv), "kv_streaming", "on") == "on"
+    for worker in plan_for().workers:  # by device by default, in tandem up and in the workers
+        assert "--kv-streaming" not in worker.spec.argv
+        assert getattr(reparse(worker.spec.argv), "kv_streaming", "auto") == "auto"
 
 
 @pytest.mark.parametrize(

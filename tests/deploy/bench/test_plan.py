@@ -73,6 +73,9 @@ def test_topologies_split_the_gpus() -> None:
     assert topology("disagg-whole", two, 2, None).up_flags == [
         "--prefill", "1", "--decode", "1", "--kv-streaming", "off"
     ]  # fmt: skip
+    assert topology("disagg-streamed", two, 2, None).up_flags == [
+        "--prefill", "1", "--decode", "1", "--kv-streaming", "on"
+    ]  # fmt: skip
     check_local_prefill_tokens(None, ["disagg"])
     check_local_prefill_tokens(512, ["disagg", "disagg-local"])
     with pytest.raises(ValueError, match="needs the disagg-local topology"):

@@ -62,7 +62,10 @@ def hf_greedy(hf_model: tuple) -> Callable[[list[int], int], list[int]]:
 
 
 def tiny_checkpoint(path: Path, model_type: str, **config: Any) -> Path:
-    """A seeded random float32 HF checkpoint (with the embedded tokenizer) at ``path``."""
+    """A seeded random float32 HF checkpoint (with the embedded tokenizer) at ``path``.
+
+    ``$TANDEM_TEST_TOKENIZER``: a folder to take the tokenizer from instead (a lent GPU machine
+    without the embedded model's GGUF: scripts/device/two_gpus.sh)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from services.engine.llm_engine import load_tokenizer
@@ -74,7 +77,8 @@ def tiny_checkpoint(path: Path, model_type: str, **config: Any) -> Path:
         bos_token_id=None, eos_token_id=None, **config,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
+    source = os.environ.get("TANDEM_TEST_TOKENIZER") or str(prepare_model("embedded").hf_dir)
+    load_tokenizer(source).save_pretrained(path)
     return path
 
 

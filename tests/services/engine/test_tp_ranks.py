@@ -188,7 +188,7 @@ def test_gpu_a_rank_killed_while_decoding_ends_the_step_at_once(tmp_path: Path) 
     to back until the follower is killed; the step under way then fails within seconds."""
     path = tiny_checkpoint(tmp_path / "m", "llama", num_hidden_layers=2, hidden_size=64,
                            num_attention_heads=8, num_key_value_heads=2, intermediate_size=96)  # fmt: skip
-    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=512)
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=512, num_blocks=1024)
     ranks = llm.engine.runner.ranks
     assert ranks is not None and llm.engine.runner.device.type == "cuda"
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

@@ -184,3 +184,37 @@ def test_check_invariants_catches_a_wrong_owner_count() -> None:
         pool.check_invariants(held_map(blocks[:1]))
     with pytest.raises(AssertionError, match="ref_cnt"):
         pool.check_invariants(held_map(blocks, blocks))
+
+
+def test_a_pool_of_a_hundred_million_blocks_makes_only_the_ones_used() -> None:
+    """A tiny model on a large GPU gets millions of blocks: making an object per block up
+    front took minutes. The queue keeps its order: blocks freed without a hash first (last
+    freed first), then never-used ones in id order, then cached ones, least recently freed
+    first."""
+    pool = BlockPool(100_000_000)
+    assert pool.num_free_blocks == 100_000_000 and pool.usage == 0.0
+    first = pool.allocate(4)
+    assert [b.block_id for b in first] == [0, 1, 2, 3] and len(pool.blocks) == 4
+    cached = cached_blocks(pool, 2)  # 4, 5
+    pool.free(cached)
+    pool.free([first[1]])
+    pool.free([first[2]])
+    assert pool.num_free_blocks == 100_000_000 - 2
+    pool.check_invariants({0: 1, 3: 1})
+    got = [b.block_id for b in pool.allocate(3)]
+    assert got == [2, 1, 6], "freed plain blocks (last freed first), then a never-used one"
+    assert all(pool.lookup(hash_of(b)) is b for b in cached)
+    pool.check_invariants({0: 1, 1: 1, 2: 1, 3: 1, 6: 1})
+    with pytest.raises(AssertionError, match="never allocated"):
+        pool.check_invariants({0: 1, 1: 1, 2: 1, 3: 1, 6: 1, 7: 1})
+
+
+def test_cached_blocks_are_evicted_only_once_every_never_used_block_is_taken() -> None:
+    pool = BlockPool(5)
+    a, b = cached_blocks(pool, 2)
+    pool.free([b, a])  # tail first: b is the older
+    assert [x.block_id for x in pool.allocate(3)] == [2, 3, 4]
+    assert pool.lookup(hash_of(a)) is a
+    assert pool.allocate(2) == [b, a]
+    with pytest.raises(MemoryError, match="asked for 1 KV blocks, 0 free"):
+        pool.allocate(1)
