@@ -74,8 +74,10 @@ def test_regex_choice_grammar_and_json_object(llm: LLM, chat_ids: list[list[int]
     assert all(re.fullmatch(r"A[0-9]{1,2}!", o.text) for o in outs)
     outs = _run(llm, chat_ids, _so("grammar", 'start: "x" NUM\nNUM: /[0-9]/'))  # Lark
     assert all(re.fullmatch(r"x[0-9]", o.text) for o in outs)
-    outs = _run(llm, chat_ids, _so("json_object"), max_tokens=200)
-    assert all(isinstance(json.loads(o.text), dict) for o in outs if o.finish_reason == "stop")
+    # a JSON object may go on for long: those done within 40 tokens parse (2 of 4 with this seed)
+    outs = _run(llm, chat_ids, _so("json_object"), max_tokens=40, temperature=1.0, seed=1)
+    done = [o for o in outs if o.finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(o.text), dict) for o in done), outs
 
 
 def test_a_mixed_batch_leaves_free_requests_unchanged(llm: LLM, chat_ids: list[list[int]]) -> None:
