@@ -46,6 +46,15 @@ def test_capital_of_france(llm: LLM) -> None:
     assert out[0].outputs[0].finish_reason == "stop"
 
 
+@pytest.fixture(scope="module")
+def knob_reference(llm: LLM, chat_ids: list[list[int]]) -> list[list[int]]:
+    """The default engine's tokens, which every knob below must give (computed once)."""
+    return _tokens(llm, chat_ids, KNOB_PARAMS)
+
+
+KNOB_PARAMS = SamplingParams(temperature=0.0, max_tokens=40)
+
+
 @pytest.mark.parametrize(
     "knobs",
     [
@@ -57,11 +66,11 @@ def test_capital_of_france(llm: LLM) -> None:
         ),
     ],
 )
-def test_same_outputs_under_engine_knobs(llm: LLM, chat_ids: list[list[int]], knobs: dict) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=40)
-    reference = _tokens(llm, chat_ids, params)
+def test_same_outputs_under_engine_knobs(
+    knob_reference: list[list[int]], chat_ids: list[list[int]], knobs: dict
+) -> None:
     other = LLM("embedded", **knobs)
-    assert _tokens(other, chat_ids, params) == reference
+    assert _tokens(other, chat_ids, KNOB_PARAMS) == knob_reference
     stats = other.engine.stats()
     if "num_blocks" in knobs:
         assert stats.num_preemptions > 0, "the tiny pool was meant to force preemption"
