@@ -242,34 +242,42 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             res.timer.cancel()
             res.timer = loop.call_later(within_s, self._expire, res.request_id)
 
-    def _cancel(self, rid: str, reason: str = "reservation cancelled") -> bool:
+    def _cancel(
+        self, rid: str, reason: str = "reservation cancelled",
+        freed: asyncio.Future[None] | None = None,
+    ) -> bool:  # fmt: skip
+        """Drop reservation ``rid`` (False: there is none). ``freed`` is resolved once its
+        blocks have been handed back to the engine (its cancel queued on the engine thread)."""
         res = self.reservations.pop(rid, None)
         if res is None:
             return False
         res.timer.cancel()
         # the blocks are freed once nothing writes them: at once, or (a sender on this GPU
-        # still copying into them) from the receiver's thread, never blocking this loop
+        # still copying into them, or a grant to take back) from the receiver's thread, never
+        # blocking this loop
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not on the event loop (shutdown): wait here instead
             self.receiver.cancel(rid, reason)
-            self._free_reservation(rid)
+            self._free_reservation(rid, freed)
             return True
         thread = threading.get_ident()
 
         def free() -> None:
             if threading.get_ident() == thread:
-                self._free_reservation(rid)
+                self._free_reservation(rid, freed)
             else:
                 with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
-                    loop.call_soon_threadsafe(self._free_reservation, rid)
+                    loop.call_soon_threadsafe(self._free_reservation, rid, freed)
 
         self.receiver.cancel(rid, reason, on_free=free)
         return True
 
-    def _free_reservation(self, rid: str) -> None:
+    def _free_reservation(self, rid: str, freed: asyncio.Future[None] | None = None) -> None:
         if self.rt.driver is not None:
             self.rt.driver.cancel_reservation(rid)
+        if freed is not None and not freed.done():
+            freed.set_result(None)
 
     # ---- generation --------------------------------------------------------------------------
     async def Decode(
@@ -331,7 +339,20 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         request allocates its own. With ``output_token_ids`` the request moved here from a decode
         worker that died mid-stream: those are prefilled too and the stream goes on after them."""
         rid = request.reservation_id
-        self._cancel(rid)
+        # the request takes the reservation's id: submit it only once the engine has dropped
+        # the reservation. A granted one is freed from the receiver's thread (the grant taken
+        # back first), so a submit at once found the id still in use (INTERNAL, on one GPU with
+        # whole KV transfers, whose reservations are granted)
+        freed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._cancel(rid, freed=freed):
+            try:
+                await asyncio.wait_for(freed, self.rt.config.kv_timeout_s)
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"reservation {rid!r}: its blocks were not freed within "
+                    f"{self.rt.config.kv_timeout_s} s (a KV copy into them still running)",
+                )
         try:
             stream = await driver.submit(rid, list(request.prompt_token_ids), params,
                                          priority=request.priority,
