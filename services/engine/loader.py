@@ -293,9 +293,9 @@ def load_model(
         what = f"{arch.model_type} (Mixture-of-Experts)"
         what = what if arch.vision is None else f"{arch.model_type} (vision-language)"
         raise ConfigError(f"quantized {what} models are not supported yet")
-    if qcfg is not None and arch.gemma is not None:  # its norms and GELU MLP: not fused yet
-        raise ConfigError(f"quantized {arch.model_type} models are not supported yet")
-    if tp is not None and (arch.vision is not None or arch.gemma is not None):
+    # Gemma 3 quantized: its layers' FP8 inputs are quantized by the layers themselves (its norms
+    # and GELU are not in the fused paths of quantization.apply.fuse_fp8_inputs)
+    if tp is not None and arch.vision is not None:
         raise ConfigError(f"{arch.model_type}: --tensor-parallel-size > 1 is not supported yet")
     layout = TPLayout.of(arch, tp.rank, tp.size, qcfg) if tp is not None else None
     model_class: type[LlamaForCausalLM] = LlamaForCausalLM

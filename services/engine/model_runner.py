@@ -149,8 +149,6 @@ class ModelRunner:
         self.model, self.arch, self.files = load_model(config.model, self.device, max_pos, self.tp)
         self.kv_arch = self.model.cfg  # this rank's KV heads (all of them without TP)
         self.dtype = self.model.lm_head.weight.dtype
-        if config.lora and self.arch.gemma is not None:
-            raise ConfigError(f"{self.arch.model_type}: LoRA adapters are not supported yet")
         # LoRA wraps the projections from outside the model, before any step runs
         self.lora = (
             LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from services.engine.models.llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
+from services.engine.models.llama import MLP, Attention, Linear, LlamaForCausalLM
 from services.engine.tp_group import TPGroup
 from services.engine.tp_layout import TPLayout
 
@@ -63,7 +63,8 @@ class GatheredLMHead(Linear):
 def apply_tp(model: LlamaForCausalLM, group: TPGroup, layout: TPLayout, vocab_size: int) -> None:
     """Swap the layers that talk to the other ranks (call on the meta device, before loading)."""
     for layer in model.model.layers:
-        assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MLP)  # no MoE (layout)
+        # Llama's layer or one built on its attention and MLP (Gemma 3's); no MoE (layout)
+        assert isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP)
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group, layout.vocab)

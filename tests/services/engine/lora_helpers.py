@@ -1,4 +1,5 @@
-"""Random peft LoRA adapters on the embedded model, and peft's merged model as the reference."""
+"""Random peft LoRA adapters on the embedded model (or another base), and peft's merged model
+as the reference."""
 
 from __future__ import annotations
 
@@ -23,19 +24,21 @@ def base_hf_dir() -> Path:
     return hf_dir
 
 
-def _base_model() -> Any:
+def _base_model(base: Path | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(base_hf_dir(), dtype=torch.float32).eval()
+    path = base or base_hf_dir()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def make_adapter(path: Path, seed: int, **lora: Any) -> Path:
+def make_adapter(path: Path, seed: int, base: Path | None = None, **lora: Any) -> Path:
     """A peft adapter with random A and B (a fresh adapter's B is zero: a no-op that no test
-    could tell from the base model), saved as peft saves one."""
+    could tell from the base model), saved as peft saves one. ``base``: a checkpoint folder
+    (default: the embedded model)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(_base_model(), LoraConfig(lora_dropout=0.0, **lora))
+    model = get_peft_model(_base_model(base), LoraConfig(lora_dropout=0.0, **lora))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -52,19 +55,21 @@ def make_adapters(root: Path) -> dict[str, Path]:
 
 
 def peft_greedy(
-    adapter: Path | None, prompts: list[list[int]], n: int, eos: int
-) -> list[list[int]]:
-    """Greedy tokens of peft's merged model (float32; None: the base model), cut after EOS."""
+    adapter: Path | None, prompts: list[list[int]], n: int, eos: int | None,
+    base: Path | None = None,
+) -> list[list[int]]:  # fmt: skip
+    """Greedy tokens of peft's merged model (float32; None: the base model), cut after EOS
+    (``eos`` None: never cut)."""
     from peft import PeftModel
 
-    model = _base_model()
+    model = _base_model(base)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
     outs = []
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+                                 eos_token_id=eos, pad_token_id=eos if eos is not None else 0)  # fmt: skip
             got = out[0, len(ids) :].tolist()
-            outs.append(got[: got.index(eos) + 1] if eos in got else got)
+            outs.append(got[: got.index(eos) + 1] if eos is not None and eos in got else got)
     return outs

@@ -16,7 +16,6 @@ import torch
 
 from kernels import ops
 from protos.sampling_params import SamplingParams
-from services.config import ConfigError
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
 from services.model_files import prepare_model
@@ -223,18 +222,3 @@ def test_a_window_no_context_outgrows_is_left_to_whole_attention(windowed: Built
         modules = llm.engine.runner.model.modules()
         assert {m.window for m in modules if isinstance(m, Attention)} == want
         llm.close()
-
-
-def test_gemma3_refuses_quantization_and_tensor_parallelism_for_now(
-    built: Callable[[str], Built],
-) -> None:
-    """Its norms and GELU MLP are not in the fused FP8 paths, nor its layers in the
-    tensor-parallel plan: refused at load, not served wrong."""
-    from services.engine.llm import build_config
-    from services.engine.loader import load_model
-
-    path = str(built("gemma3")[0])
-    with pytest.raises(ConfigError, match="quantized gemma3_text models are not supported"):
-        LLM(path, quantization="fp8")
-    with pytest.raises(ConfigError, match="gemma3_text: --tensor-parallel-size > 1"):
-        load_model(build_config(path).model, torch.device("cpu"), 64, tp=object())  # type: ignore[arg-type]

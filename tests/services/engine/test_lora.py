@@ -14,7 +14,8 @@ from protos.errors import ConfigError
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import LoRAConfig
 from services.engine.llm import LLM
-from tests.services.engine.lora_helpers import make_adapters, peft_greedy
+from tests.services.engine.conftest import tiny_checkpoint
+from tests.services.engine.lora_helpers import ADAPTERS, make_adapter, make_adapters, peft_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 PROMPTS = ["Tell me a story about a dragon.", "What is the capital of France?"]
@@ -180,3 +181,25 @@ def test_decode_steps_through_the_graph_buffers_match_eager_steps(
                          runner.forwards.graph_lora - before.graph_lora)  # fmt: skip
     assert graph_lora > 0, "no decode step with adapters went through the graph buffers"
     assert graph > graph_lora, "no base-only decode step went through the graphs without LoRA"
+
+
+def test_a_gemma3_adapter_matches_peft(tmp_path: Path) -> None:
+    """Gemma 3's layers are Llama's projections behind its own norms and GELU: an adapter on
+    every projection gives peft's merged model's tokens (a sliding layer and a global one)."""
+    base = tiny_checkpoint(tmp_path / "gemma3", "gemma3_text", num_hidden_layers=2,
+                           hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=96, query_pre_attn_scalar=16,
+                           sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                           tie_word_embeddings=False)  # fmt: skip
+    adapter = make_adapter(tmp_path / "a", 3, base, **ADAPTERS["mlp-r16"])
+    lora = LoRAConfig(modules=(("g", str(adapter)),), max_loras=1, max_lora_rank=16)
+    llm = LLM(str(base), lora_config=lora)
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 140))]  # the second passes the window
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, lora_name="g")
+    got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert got == peft_greedy(adapter, prompts, 12, None, base)
+    base_only = [
+        r.outputs[0].token_ids for r in llm.generate(prompts, replace(params, lora_name=""))
+    ]
+    assert base_only == peft_greedy(None, prompts, 12, None, base) != got
+    llm.close()

@@ -31,6 +31,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
     }),
+    # per-head q/k norms, four norms a layer, a GELU MLP, scaled tied embeddings, a sliding
+    # layer (its own rotary base) beside a global one
+    "gemma3-2kv": ("gemma3_text", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+        "query_pre_attn_scalar": 16, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 5, 23, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -98,6 +106,7 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("llama-4kv", 2),
         ("llama-3kv-uneven", 2),
         pytest.param("llama-2kv", 4, id="llama-2kv-tp4-kv-replicated"),
+        ("gemma3-2kv", 2),
         ("qwen3-2kv", 2),  # last: the next test goes on with its engine
     ],
 )

@@ -20,9 +20,20 @@ SAME_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_
 Weights = dict[str, torch.Tensor]
 
 
+# Gemma 3 (model_type="gemma3_text"): a sliding layer with its own rotary base, then a global
+# one; the softmax scale from query_pre_attn_scalar; GELU MLP; scaled tied embeddings
+GEMMA3 = {
+    "architectures": ["Gemma3ForCausalLM"], "query_pre_attn_scalar": 24, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 10000.0,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+}  # fmt: skip
+
+
 def tiny_config(**extra: Any) -> dict[str, Any]:
     """K of every projection a multiple of 128 (hidden 128, intermediate 256); k/v shards of
     64 rows, so a 128-row fp8 block straddles no shard but covers half of one."""
+    if extra.get("model_type") == "gemma3_text":
+        extra = {**GEMMA3, **extra}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -40,15 +51,25 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> Weights:
     shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
               "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q),
               "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}  # fmt: skip
+    gemma = cfg["model_type"] == "gemma3_text"
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if gemma:  # its norms scale by 1 + weight; q and k normed per head
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     w: Weights = {
         "model.embed_tokens.weight": torch.randn(cfg["vocab_size"], h, generator=gen),
         "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
-        "lm_head.weight": torch.randn(cfg["vocab_size"], h, generator=gen) / h**0.5,
     }
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = torch.randn(cfg["vocab_size"], h, generator=gen) / h**0.5
+    else:  # the head is the embedding: scaled down so the logits stay moderate
+        w["model.embed_tokens.weight"] /= h**0.5
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        w[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
-        w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+        for norm in norms:
+            w[p + norm + ".weight"] = (0 if gemma else 1) + 0.1 * torch.randn(h, generator=gen)
+        if gemma:
+            for norm in ("q_norm", "k_norm"):
+                w[p + f"self_attn.{norm}.weight"] = 0.1 * torch.randn(d, generator=gen)
         for name, (n, k) in shapes.items():
             w[p + name + ".weight"] = torch.randn(n, k, generator=gen) / k**0.5
         if cfg["model_type"] == "qwen2":  # q, k and v have biases

@@ -98,6 +98,22 @@ def test_awq_qwen2_with_qkv_biases(tmp_path: Path) -> None:
     assert torch.equal(bias, torch.cat(want))
 
 
+@pytest.mark.parametrize("method", ["fp8-block", "awq", "gptq-act-order"])
+def test_gemma3_checkpoints(tmp_path: Path, method: str) -> None:
+    """Gemma 3's layers are the Llama projections behind its own norms and GELU: the quantized
+    layers quantize their FP8 inputs themselves (not fused into its norms)."""
+    if method == "fp8-block":
+        path, deq = ck.fp8_checkpoint(tmp_path / method, "block", model_type="gemma3_text")
+        layer: type = Fp8Linear
+    else:
+        kind = method.split("-")[0]
+        path, deq = ck.int4_checkpoint(tmp_path / method, kind, kind == "gptq",
+                                       model_type="gemma3_text")  # fmt: skip
+        layer = Int4Linear
+    model = check_matches_dequantized(tmp_path, path, deq, layer)
+    assert model.cfg.gemma is not None and model.cfg.sliding_layers == (0,)
+
+
 def test_online_fp8_quantizes_a_float_checkpoint(tmp_path: Path) -> None:
     w = ck.random_weights(ck.tiny_config())
     path = ck.float_checkpoint(tmp_path / "float", w)
@@ -106,6 +122,17 @@ def test_online_fp8_quantizes_a_float_checkpoint(tmp_path: Path) -> None:
     assert type(model.lm_head) is Linear and model.lm_head.weight.dtype == torch.float32
     deq = {n: ck.fp8_channel(t)[2] if n.endswith(ck.LINEARS_SUFFIXES) else t for n, t in w.items()}
     torch.testing.assert_close(run(model), run(load(ck.float_checkpoint(tmp_path / "r", deq))), rtol=TOL, atol=TOL)  # fmt: skip
+
+
+def test_online_fp8_quantizes_a_float_gemma3(tmp_path: Path) -> None:
+    w = ck.random_weights(ck.tiny_config(model_type="gemma3_text"))
+    path = ck.float_checkpoint(tmp_path / "float", w, ck.write(tmp_path / "cfg", ck.tiny_config(model_type="gemma3_text"), {}))  # fmt: skip
+    model = load(path, quantization="fp8")
+    assert isinstance(model.model.layers[1].mlp.down_proj, Fp8Linear)
+    deq = {n: ck.fp8_channel(t)[2] if n.endswith(ck.LINEARS_SUFFIXES) else t for n, t in w.items()}
+    want = run(load(ck.float_checkpoint(tmp_path / "r", deq, path)))
+    torch.testing.assert_close(run(model), want, rtol=TOL, atol=TOL)
+    assert (run(model) - run(load(path))).abs().max() > 100 * TOL  # quantized weights were used
 
 
 def test_online_fp8_with_dummy_weights(tmp_path: Path) -> None:
