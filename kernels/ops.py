@@ -358,10 +358,10 @@ def gemma_rms_norm(
     return (mod.gemma_rms_norm if mod else ref_gemma_rms_norm)(x, weight, eps, residual)
 
 
-# Gemma's GELU runs its torch reference on every device (no Triton kernel yet: a few more
-# launches a layer, captured by the decode graphs like the rest)
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    return ref_gelu_tanh_and_mul(x)
+    """Gemma's MLP activation: GELU (tanh) of the gate times the up half."""
+    mod = _triton("triton_layers", x)
+    return (mod.gelu_tanh_and_mul if mod else ref_gelu_tanh_and_mul)(x)
 
 
 def rms_norm_fp8(

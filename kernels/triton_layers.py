@@ -73,24 +73,31 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _silu_mul(x_row, offs, mask, inter, DTYPE: tl.constexpr):
-    """``act_fn(gate) * up`` of one row's ``offs``, in x's dtype: silu rounded to it, then the
-    product rounded (as the reference)."""
+def _silu_mul(x_row, offs, mask, inter, DTYPE: tl.constexpr, GELU: tl.constexpr):
+    """``act_fn(gate) * up`` of one row's ``offs``, in x's dtype: the activation rounded to it,
+    then the product rounded (as the reference). SiLU, or with ``GELU`` transformers'
+    ``gelu_pytorch_tanh`` (Gemma's), 0.5 g (1 + tanh(u)) computed as g / (1 + exp(-2u)),
+    u = sqrt(2 / pi) (g + 0.044715 g^3): the same function, within fp32 rounding."""
     gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(DTYPE).to(tl.float32)
-    return (act * up).to(DTYPE)
+    if GELU:
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = tl.div_rn(gate, 1.0 + tl.exp(tl.minimum(-2.0 * u, 88.0)))  # no inf: e^88 < 2^128
+    else:
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate))
+    return (act.to(DTYPE).to(tl.float32) * up).to(DTYPE)
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, s_x, s_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
-):
+    x_ptr, out_ptr, s_x, s_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    GELU: tl.constexpr,
+):  # fmt: skip
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    y = _silu_mul(x_ptr + row * s_x, offs, mask, inter, out_ptr.dtype.element_ty)
+    y = _silu_mul(x_ptr + row * s_x, offs, mask, inter, out_ptr.dtype.element_ty, GELU)
     tl.store(out_ptr + row * s_o + offs, y, mask=mask)
 
 
@@ -107,19 +114,21 @@ def _silu_and_mul_fp8_kernel(
     x_row, q_row = x_ptr + row * s_x, q_ptr + row * s_q
     if ONE_PASS:
         mask = offs < inter
-        y = _silu_mul(x_row, offs, mask, inter, x_ptr.dtype.element_ty).to(tl.float32)
+        y = _silu_mul(x_row, offs, mask, inter, x_ptr.dtype.element_ty, False).to(tl.float32)
         quantize_row(y, q_row, s_ptr, row, offs, mask, INV_MAX, SOFT_FP8)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK):
             ks = k0 + offs
-            y = _silu_mul(x_row, ks, ks < inter, inter, x_ptr.dtype.element_ty).to(tl.float32)
+            y = _silu_mul(x_row, ks, ks < inter, inter, x_ptr.dtype.element_ty, False).to(
+                tl.float32
+            )
             amax = tl.maximum(amax, tl.abs(y))
         inv = fp8_row_scale(tl.max(amax, axis=0), s_ptr, row, INV_MAX)
         for k0 in range(0, inter, BLOCK):
             ks = k0 + offs
             k_mask = ks < inter
-            y = _silu_mul(x_row, ks, k_mask, inter, x_ptr.dtype.element_ty).to(tl.float32)
+            y = _silu_mul(x_row, ks, k_mask, inter, x_ptr.dtype.element_ty, False).to(tl.float32)
             tl.store(q_row + ks, to_e4m3(y * inv, SOFT_FP8), mask=k_mask)
 
 
@@ -254,6 +263,17 @@ def rms_norm_fp8(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
     """Triton version of :func:`kernels.layers.ref_silu_and_mul`."""
+    return _act_and_mul(x, gelu=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
+    """Triton version of :func:`kernels.layers.ref_gelu_tanh_and_mul` (Gemma's MLP), the same
+    kernel as :func:`silu_and_mul` with the activation switched: equal to the reference within
+    an ulp of x's dtype (the GELU's fp32 value may differ in its last bit)."""
+    return _act_and_mul(x, gelu=True)
+
+
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1 or x.shape[-1] % 2 != 0:
         raise ValueError(f"x's last dim must be even, shape {tuple(x.shape)}")
@@ -273,6 +293,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
             BLOCK=block,
             num_warps=_row_warps(block),
             enable_fp_fusion=False,
+            GELU=gelu,
             **pdl(x.device, x2.shape[0]),
         )
     return out.view(*x.shape[:-1], inter)

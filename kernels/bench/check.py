@@ -73,6 +73,7 @@ def check_layers() -> float:
     errs = [rel_err(tl_.rms_norm(x, w, 1e-5, r)[0], layers.ref_rms_norm(x, w, 1e-5, r)[0])]
     y = torch.randn((300, 2 * 14336), device=dev, dtype=dt)
     errs.append(rel_err(tl_.silu_and_mul(y), layers.ref_silu_and_mul(y)))
+    errs.append(rel_err(tl_.gelu_tanh_and_mul(y), layers.ref_gelu_tanh_and_mul(y)))
     q, k = torch.randn((300, 32, 128), device=dev, dtype=dt), torch.randn((300, 8, 128), device=dev, dtype=dt)  # fmt: skip
     cs, pos = torch.randn((4096, 128), device=dev), torch.randint(0, 4096, (300,), device=dev)
     rq, rk = q.clone(), k.clone()
@@ -108,7 +109,7 @@ CHECKS: dict[str, Callable[[], float]] = {
     "paged_decode_attention": check_decode,
     "prefill_attention": check_prefill,
     "write_kv": check_write_kv,
-    "rms_norm / silu_and_mul / rotary": check_layers,
+    "rms_norm / silu_and_mul / gelu_tanh_and_mul / rotary": check_layers,
     "gather_blocks / scatter_blocks": check_block_copy,
     "kv checksum": check_checksum,
 }

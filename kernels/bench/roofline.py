@@ -215,6 +215,12 @@ def bench_memory_bound(copy_gbps: float) -> list[dict[str, Any]]:
             3 * t * inter * e,
         ),
         (
+            "gelu_tanh_and_mul (Gemma)",
+            f"{t}x{2 * inter}",
+            lambda: triton_layers.gelu_tanh_and_mul(y),
+            3 * t * inter * e,
+        ),
+        (
             "rotary_embedding",
             f"T={t} 32+8 heads",
             lambda: triton_layers.rotary_embedding(pos, q, k, cs),

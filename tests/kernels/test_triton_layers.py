@@ -1,13 +1,20 @@
-"""RMSNorm, SiLU-and-mul and rotary embedding (Triton) against the references."""
+"""RMSNorm, SiLU-and-mul, GELU-and-mul and rotary embedding (Triton) against the references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.layers import ref_gemma_rms_norm, ref_rms_norm, ref_rotary_embedding, ref_silu_and_mul
+from kernels.layers import (
+    ref_gelu_tanh_and_mul,
+    ref_gemma_rms_norm,
+    ref_rms_norm,
+    ref_rotary_embedding,
+    ref_silu_and_mul,
+)
 from kernels.quant import ref_per_token_quant_fp8
 from kernels.triton_layers import (
+    gelu_tanh_and_mul,
     gemma_rms_norm,
     rms_norm,
     rms_norm_fp8,
@@ -68,6 +75,27 @@ def test_rms_norm_errors(gen: torch.Generator, device: torch.device) -> None:
 def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     x = rand(shape, dtype, gen, device) * 3
     assert_matches(silu_and_mul(x), ref_silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 24), (4, 3, 2 * 40)])
+def test_gelu_tanh_and_mul(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    x = rand(shape, dtype, gen, device) * 3
+    # the tails (-10: GELU ~0 from below; 10: the identity) and zero beside the random values
+    x.view(-1, shape[-1])[0, :3] = torch.tensor([-10.0, 0.0, 10.0])
+    got, want = gelu_tanh_and_mul(x), ref_gelu_tanh_and_mul(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    # float32: the activation's value differs from torch's in its last bits at most (computed
+    # as g / (1 + exp(-2u))); 16 bits: the dtype's tolerance, as for every kernel (the
+    # interpreter's bfloat16 rounding is not the GPU's)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert_matches(got, want)
+
+
+def test_gelu_is_not_silu(gen: torch.Generator, device: torch.device) -> None:
+    x = rand((2, 16), torch.float32, gen, device)
+    assert not torch.allclose(gelu_tanh_and_mul(x), silu_and_mul(x))
 
 
 def test_silu_and_mul_needs_an_even_width(gen: torch.Generator, device: torch.device) -> None:
