@@ -7,16 +7,21 @@ built. :func:`apply_tp` then swaps, on the meta device before any weight exists,
 whose outputs need the other ranks: o_proj and down_proj all-reduce their partial sums, the
 embedding looks up only its own rows (zeros elsewhere) and all-reduces, lm_head all-gathers
 the logits. The swapped modules keep their parameter names, so the loader fills them as usual
-with the rank's slices (``TPLayout.checkpoint_slice``).
+with the rank's slices (``TPLayout.checkpoint_slice``). A Mixture-of-Experts block (each rank
+every expert's share of the intermediate rows) sums its output over the ranks through a
+forward hook: the block itself is unchanged.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from kernels import ops
 from services.engine.models.llama import MLP, Attention, Linear, LlamaForCausalLM
+from services.engine.models.moe import SparseMoeBlock
 from services.engine.tp_group import TPGroup
 from services.engine.tp_layout import TPLayout
 
@@ -63,11 +68,24 @@ class GatheredLMHead(Linear):
 def apply_tp(model: LlamaForCausalLM, group: TPGroup, layout: TPLayout, vocab_size: int) -> None:
     """Swap the layers that talk to the other ranks (call on the meta device, before loading)."""
     for layer in model.model.layers:
-        # Llama's layer or one built on its attention and MLP (Gemma 3's); no MoE (layout)
-        assert isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP)
+        # Llama's layer or one built on its attention and MLP (Gemma 3's), or a sparse MLP
+        assert isinstance(layer.self_attn, Attention)
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.register_forward_hook(_summed_over(group))
+        else:
+            assert isinstance(layer.mlp, MLP)
+            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group, layout.vocab)
     model.lm_head = GatheredLMHead(model.lm_head, group, vocab_size)
     if model.cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _summed_over(group: TPGroup) -> Any:
+    """A forward hook that all-reduces a module's output (its partial sum on each rank)."""
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return group.all_reduce(out)
+
+    return hook

@@ -6,7 +6,9 @@ differ by at most one head: SmolLM2's 3 KV heads over 2 ranks are 2 + 1) and the
 with fewer KV heads than ranks, each KV head is replicated on ``size / Hkv`` ranks, which split
 its query heads. The MLP's intermediate rows split the same way (column-parallel gate/up,
 row-parallel down); the vocabulary is split into equal shards of ``ceil(V / size)`` rows, the
-last one padded, so the logits gather is one equal-sized all-gather.
+last one padded, so the logits gather is one equal-sized all-gather. A Mixture-of-Experts layer
+keeps every expert on every rank, each with its share of the expert's intermediate rows (the
+router replicated, the block's output summed over the ranks, as a row-parallel layer's).
 
 Quantized checkpoints split the same way: each piece of a quantized layer (an fp8 weight and its
 block or per-channel scales; AWQ's and GPTQ's packed weights, zero points and group scales) is
@@ -47,6 +49,9 @@ _PIECE = re.compile(
     r"(weight|bias|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
 )
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# one expert's tensor as checkpoints store them (Qwen3-MoE's names; Mixtral's w1 / w3 / w2):
+# gate and up cut along their rows, down along its columns
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,7 @@ class TPLayout:
     vocab_shard: int  # rows of every rank's shard (the last one padded)
     head_dim: int
     quant: QuantConfig | None = None  # a quantized checkpoint's format (None: float weights)
+    moe_intermediate: Span = (0, 0)  # each expert's intermediate rows this rank holds
 
     @classmethod
     def of(
@@ -122,8 +128,6 @@ class TPLayout:
         for fp8 quantized at load time, which quantizes each rank's float slice)."""
         nq, nkv = arch.num_heads, arch.num_kv_heads
         where = f"--tensor-parallel-size {size}"
-        if arch.moe is not None:
-            raise ConfigError(f"{where}: Mixture-of-Experts models are not split yet; use 1")
         if quant is not None and quant.desc_act:
             raise ConfigError(
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
@@ -149,7 +153,15 @@ class TPLayout:
         shard = -(-arch.vocab_size // size)
         vocab = (min(rank * shard, arch.vocab_size), min((rank + 1) * shard, arch.vocab_size))
         mlp = split(arch.intermediate_size, size, rank)
-        layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant)
+        experts = (0, 0)
+        if arch.moe is not None:
+            if arch.moe.intermediate_size < size:
+                raise ConfigError(
+                    f"{where}: the experts' intermediate size {arch.moe.intermediate_size} is "
+                    "too small"
+                )
+            experts = split(arch.moe.intermediate_size, size, rank)
+        layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant, experts)
         if size > 1 and quant is not None and quant.serialized:
             layout._check_alignment(arch, where)
         return layout
@@ -181,13 +193,20 @@ class TPLayout:
                     )
 
     def local_arch(self, arch: ArchConfig) -> ArchConfig:
-        """The plain model this rank builds: its heads, its MLP rows, its vocabulary shard."""
+        """The plain model this rank builds: its heads, its MLP rows (and experts' rows), its
+        vocabulary shard."""
+        moe = arch.moe
+        if moe is not None:
+            moe = replace(
+                moe, intermediate_size=self.moe_intermediate[1] - self.moe_intermediate[0]
+            )
         return replace(
             arch,
             num_heads=self.q_heads[1] - self.q_heads[0],
             num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
             intermediate_size=self.intermediate[1] - self.intermediate[0],
             vocab_size=self.vocab_shard,
+            moe=moe,
         )
 
     def checkpoint_slice(
@@ -197,6 +216,11 @@ class TPLayout:
         (norms, and a per-tensor scale)."""
         if name in _VOCAB:
             return CheckpointSlice(0, *self.vocab, pad_to=self.vocab_shard)
+        expert = _EXPERT.search(name)
+        if expert is not None:
+            return CheckpointSlice(
+                int(expert.group(1) in ("down_proj", "w2")), *self.moe_intermediate
+            )
         match = _PIECE.search(name)
         if match is None:
             return None
@@ -232,6 +256,11 @@ class TPLayout:
         mlp = self.intermediate
         if name in _VOCAB:
             return 0, arch.vocab_size, [self.vocab]
+        if name.endswith("experts.gate_up_proj") and arch.moe is not None:  # [E, 2I, H]
+            e, i = self.moe_intermediate, arch.moe.intermediate_size
+            return 1, 2 * i, [e, (i + e[0], i + e[1])]
+        if name.endswith("experts.down_proj") and arch.moe is not None:  # [E, H, I]
+            return 2, arch.moe.intermediate_size, [self.moe_intermediate]
         if ".qkv_proj." in name:
             k, v = nq * d, (nq + nkv) * d
             return 0, (nq + 2 * nkv) * d, [q, (k + kv[0], k + kv[1]), (v + kv[0], v + kv[1])]

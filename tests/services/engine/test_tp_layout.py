@@ -61,10 +61,30 @@ def test_heads_that_cannot_be_split_are_refused(
     assert f"--tensor-parallel-size {size}" in str(err.value)
 
 
-def test_moe_models_and_act_order_checkpoints_are_refused() -> None:
-    moe = MoeConfig(4, 2, 32, True, (0,), True)
-    with pytest.raises(ConfigError, match="Mixture-of-Experts"):
-        TPLayout.of(replace(ARCH, moe=moe), 0, 2)
+def test_experts_keep_every_expert_with_a_share_of_its_rows() -> None:
+    """Mixtral's and Qwen3-MoE's experts: gate and up cut along their rows, down along its
+    columns, in each expert's checkpoint tensors and in our stacked parameters (dummy weights);
+    the router is whole on every rank."""
+    moe = MoeConfig(4, 2, 33, True, (0,), True)  # 33 rows: 17 + 16
+    arch = replace(ARCH, moe=moe)
+    a, b = _layouts(arch, 2)
+    assert (a.moe_intermediate, b.moe_intermediate) == ((0, 17), (17, 33))
+    assert b.local_arch(arch).moe == replace(moe, intermediate_size=16)
+    for name, dim in [("model.layers.0.mlp.experts.3.gate_proj.weight", 0),
+                      ("model.layers.0.mlp.experts.3.down_proj.weight", 1),
+                      ("model.layers.1.block_sparse_moe.experts.0.w3.weight", 0),
+                      ("model.layers.1.block_sparse_moe.experts.0.w2.weight", 1)]:  # fmt: skip
+        assert b.checkpoint_slice(name) == CheckpointSlice(dim, 17, 33)
+    assert b.checkpoint_slice("model.layers.0.mlp.gate.weight") is None
+    assert b.param_slice("model.layers.0.mlp.experts.gate_up_proj", arch) == (
+        1, 66, [(17, 33), (50, 66)]
+    )  # fmt: skip
+    assert b.param_slice("model.layers.0.mlp.experts.down_proj", arch) == (2, 33, [(17, 33)])
+    with pytest.raises(ConfigError, match="experts' intermediate size 1 is too small"):
+        TPLayout.of(replace(ARCH, moe=replace(moe, intermediate_size=1)), 0, 2)
+
+
+def test_act_order_checkpoints_are_refused() -> None:
     with pytest.raises(ConfigError, match="act-order"):
         TPLayout.of(ARCH, 0, 2, QuantConfig("gptq", desc_act=True))
 

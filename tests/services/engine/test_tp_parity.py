@@ -39,6 +39,19 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "query_pre_attn_scalar": 16, "sliding_window": 8,
         "layer_types": ["sliding_attention", "full_attention"],
     }),
+    # every expert on both ranks, each with half its rows (33: 17 + 16); the router whole
+    "mixtral": ("mixtral", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "intermediate_size": 33, "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }),
+    # a sparse layer, then a dense one (mlp_only_layers), the top-2 weights not renormalized
+    "qwen3-moe": ("qwen3_moe", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+        "moe_intermediate_size": 33, "num_experts": 4, "num_experts_per_tok": 2,
+        "norm_topk_prob": False, "mlp_only_layers": [1],
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 5, 23, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -107,6 +120,8 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("llama-3kv-uneven", 2),
         pytest.param("llama-2kv", 4, id="llama-2kv-tp4-kv-replicated"),
         ("gemma3-2kv", 2),
+        ("mixtral", 2),
+        ("qwen3-moe", 2),
         ("qwen3-2kv", 2),  # last: the next test goes on with its engine
     ],
 )
