@@ -384,12 +384,6 @@ class EngineConfig:
                               "to --task embed")  # fmt: skip
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")
-        spec = self.speculative
-        if self.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
-            raise ConfigError(
-                "--tensor-parallel-size > 1 with a draft model is not supported yet; use "
-                '"method": "ngram" or one rank'
-            )
 
     def _check_lora(self) -> None:
         if self.lora is None:

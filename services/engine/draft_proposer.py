@@ -166,9 +166,11 @@ class DraftProposer:
         # graphs (on a GPU) for forwards of up to VERIFY_ROWS tokens: catch-ups, one row a token
         sched = replace(config.scheduler,
                         max_num_seqs=max(config.scheduler.max_num_seqs, VERIFY_ROWS))  # fmt: skip
+        # the draft is whole on rank 0 (one rank, the target's first GPU) under a
+        # tensor-parallel target: its drafts reach the other ranks as the step's tokens
         self.runner = ModelRunner(
             replace(config, model=model, cache=cache, scheduler=sched, speculative=None,
-                    device=str(target.device))
+                    device=str(target.device), tensor_parallel_size=1)
         )  # fmt: skip
         self.tables = DraftTables(self.runner.num_blocks, target.block_size)
         self.stats = DraftStats()

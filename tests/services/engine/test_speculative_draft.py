@@ -148,6 +148,27 @@ def test_a_tiny_random_draft_gives_the_target_greedy_text(tiny: tuple[Path, Path
     assert tables.pool.num_free_blocks == tables.pool.num_blocks
 
 
+def test_a_tensor_parallel_target_takes_drafts_from_a_draft_on_rank_zero(
+    tiny: tuple[Path, Path],
+) -> None:
+    """The target on two ranks (Gloo on the CPU), the draft whole on rank 0: its drafts reach
+    the other rank as the verify step's tokens, and the greedy text is the one-rank target's
+    without drafts."""
+    target, draft = tiny
+    prompts, params = _mixed_requests(3, 8, 49152)
+    want = _ids(LLM(str(target), max_num_seqs=32).generate(prompts, params))
+    spec = LLM(str(target), max_num_seqs=32, tensor_parallel_size=2,
+               speculative_config={"model": str(draft), "num_speculative_tokens": 3})  # fmt: skip
+    try:
+        proposer = spec.engine.proposer
+        assert isinstance(proposer, draft_proposer.DraftProposer)
+        assert spec.engine.runner.ranks is not None and proposer.runner.ranks is None
+        assert _ids(spec.generate(prompts, params)) == want
+        assert spec.engine.spec_stats.num_accepted_tokens > 0
+    finally:
+        spec.close()
+
+
 def test_preemption_and_a_small_draft_pool_keep_the_greedy_text(
     tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
