@@ -8,7 +8,9 @@ per-request call it replaces (``read()``, ``async for``, ``cancel()``, ``grpc.Rp
 same status codes), so the request flows keep their error handling:
 
 - a request the worker refuses (bad input, no reservation, not loaded) ends with an error chunk
-  carrying the status its own call would have had; ``read`` raises it as an ``AioRpcError``;
+  carrying the status its own call would have had; ``read`` raises it as a
+  :class:`RequestRpcError` (an ``AioRpcError``): the worker answered, on a stream that lives on,
+  so it says nothing of the worker's health whatever its code;
 - the stream itself failing (the worker died) fails every request on it with that error, and
   the next request opens a new stream;
 - ``cancel`` (client gone, error elsewhere) sends an ``abort`` item; the request's deadline is
@@ -34,6 +36,15 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class RequestRpcError(grpc.aio.AioRpcError):
+    """One request's failure that its worker reported on the live stream (an error chunk):
+    that request's, not the worker's (an INTERNAL from a bug in one request must not take the
+    worker out of rotation for every other request)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 _EXPIRED = object()  # what a call's deadline puts into its inbox
@@ -79,7 +90,7 @@ class MuxCall:
         if item.finish_reason == common_pb2.FINISH_REASON_ERROR and item.status_code:
             self._finish()
             code = _CODES.get(item.status_code, grpc.StatusCode.UNKNOWN)
-            raise rpc_error(code, item.error)
+            raise RequestRpcError(code, item.error)
         if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._finish()
         return item

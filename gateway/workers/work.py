@@ -11,6 +11,7 @@ from opentelemetry.trace import Tracer
 from gateway.core.config import GatewayConfig
 from gateway.core.errors import APIError
 from gateway.workers.client import WorkerClient
+from gateway.workers.multiplex import RequestRpcError
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.rpc_errors import UpstreamError, from_rpc_error
 from protos.multimodal import ImageItem
@@ -47,8 +48,10 @@ class FlowContext:
 
 
 def rpc_failure(worker: WorkerClient, err: grpc.RpcError, call: str) -> UpstreamError:
-    """Converts a failed call; a worker that looks dead is marked unhealthy at once."""
+    """Converts a failed call; a worker that looks dead is marked unhealthy at once. A failure
+    the worker itself reported for the one request over a live stream does not look dead (the
+    health poll still watches it)."""
     failure = from_rpc_error(err, worker.address, call)
-    if failure.worker_down:
+    if failure.worker_down and not isinstance(err, RequestRpcError):
         worker.mark_unhealthy(f"{call} failed: {failure.api_error.message}")
     return failure

@@ -9,7 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.workers.multiplex import StreamMux, rpc_error
+from gateway.workers.multiplex import RequestRpcError, StreamMux, rpc_error
+from gateway.workers.work import rpc_failure
 from protos import common_pb2, worker_pb2
 
 pytestmark = pytest.mark.timeout(30)
@@ -100,6 +101,25 @@ async def test_a_refused_request_raises_its_status() -> None:
     call = mux.start(_req("b"), [], 10.0)
     fake.send(_chunk("b", reason=ERROR, error="engine step failed"))
     assert (await call.read()).error == "engine step failed"
+    await mux.close()
+
+
+async def test_one_requests_internal_error_leaves_its_worker_healthy() -> None:
+    """A bug in one request (INTERNAL on its error chunk) fails that request, retryable; the
+    worker, still streaming every other request, stays in rotation. The same code from the
+    call itself (no answer from the worker) marks it unhealthy until its next health poll."""
+    fake = FakeStream()
+    mux = _mux(fake)
+    call = mux.start(_req("a"), [], 10.0)
+    fake.send(_chunk("a", reason=ERROR, error="internal error: ValueError()", status_code=13))
+    with pytest.raises(RequestRpcError) as info:
+        await call.read()
+    worker: Any = type("W", (), {"address": "w:1", "reasons": []})()
+    worker.mark_unhealthy = lambda reason, lost=False: worker.reasons.append(reason)
+    failure = rpc_failure(worker, info.value, "Decode")
+    assert failure.retryable and failure.api_error.status == 502 and worker.reasons == []
+    failure = rpc_failure(worker, rpc_error(grpc.StatusCode.INTERNAL, "stream broke"), "Decode")
+    assert failure.retryable and len(worker.reasons) == 1
     await mux.close()
 
 
