@@ -295,8 +295,6 @@ def load_model(
         raise ConfigError(f"quantized {what} models are not supported yet")
     # Gemma 3 quantized: its layers' FP8 inputs are quantized by the layers themselves (its norms
     # and GELU are not in the fused paths of quantization.apply.fuse_fp8_inputs)
-    if tp is not None and arch.vision is not None:
-        raise ConfigError(f"{arch.model_type}: --tensor-parallel-size > 1 is not supported yet")
     layout = TPLayout.of(arch, tp.rank, tp.size, qcfg) if tp is not None else None
     model_class: type[LlamaForCausalLM] = LlamaForCausalLM
     if arch.vision is not None:

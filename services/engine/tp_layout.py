@@ -8,7 +8,9 @@ its query heads. The MLP's intermediate rows split the same way (column-parallel
 row-parallel down); the vocabulary is split into equal shards of ``ceil(V / size)`` rows, the
 last one padded, so the logits gather is one equal-sized all-gather. A Mixture-of-Experts layer
 keeps every expert on every rank, each with its share of the expert's intermediate rows (the
-router replicated, the block's output summed over the ranks, as a row-parallel layer's).
+router replicated, the block's output summed over the ranks, as a row-parallel layer's). A
+vision-language model's vision tower is whole on every rank (each encodes the step's images;
+its language model splits as any).
 
 Quantized checkpoints split the same way: each piece of a quantized layer (an fp8 weight and its
 block or per-channel scales; AWQ's and GPTQ's packed weights, zero points and group scales) is
@@ -49,6 +51,7 @@ _PIECE = re.compile(
     r"(weight|bias|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
 )
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_VISION = ("visual.", "model.visual.")  # a vision tower's tensors: whole on every rank
 # one expert's tensor as checkpoints store them (Qwen3-MoE's names; Mixtral's w1 / w3 / w2):
 # gate and up cut along their rows, down along its columns
 _EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
@@ -213,7 +216,10 @@ class TPLayout:
         self, name: str, shape: tuple[int, ...] | None = None
     ) -> CheckpointSlice | None:
         """The part of an HF checkpoint tensor (of ``shape``) this rank loads; None: all of it
-        (norms, and a per-tensor scale)."""
+        (norms, and a per-tensor scale, a vision tower)."""
+        if name.startswith(_VISION):
+            return None
+        name = name.replace("model.language_model.", "model.")  # transformers 5's VL names
         if name in _VOCAB:
             return CheckpointSlice(0, *self.vocab, pad_to=self.vocab_shard)
         expert = _EXPERT.search(name)
@@ -254,6 +260,8 @@ class TPLayout:
         q = (self.q_heads[0] * d, self.q_heads[1] * d)
         kv = (self.kv_heads[0] * d, self.kv_heads[1] * d)
         mlp = self.intermediate
+        if name.startswith(_VISION):
+            return None
         if name in _VOCAB:
             return 0, arch.vocab_size, [self.vocab]
         if name.endswith("experts.gate_up_proj") and arch.moe is not None:  # [E, 2I, H]

@@ -88,9 +88,21 @@ class CaptureGraphs:
 
 
 def _slim(r: ScheduledRequest, scored: bool) -> ScheduledRequest:
-    """What the forward reads of a request (and, when it is scored, its prompt)."""
+    """What the forward reads of a request (and, when it is scored, its prompt). Its images
+    only when this step's tokens reach into them, and the bytes only of those the step's tokens
+    overlap (every rank encodes them): a decode step carries no image."""
     prompt = r.prompt_token_ids if scored else []
-    return replace(r, sampling_params=_PLAIN, output_token_ids=[], prompt_token_ids=prompt)
+    images = r.images
+    if images and r.start_pos >= max(im.end for im in images):
+        images = ()
+    elif images:
+        lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
+        images = tuple(
+            im if im.offset < hi and im.end > lo else replace(im, data=b"") for im in images
+        )
+    return replace(
+        r, sampling_params=_PLAIN, output_token_ids=[], prompt_token_ids=prompt, images=images
+    )
 
 
 def rank_device(config: EngineConfig, device: torch.device, rank: int) -> torch.device:

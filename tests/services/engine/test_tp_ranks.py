@@ -345,3 +345,25 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_step_sends_the_ranks_only_the_image_bytes_its_tokens_reach() -> None:
+    """Every rank encodes the images a step's tokens reach into, so their bytes go with it;
+    images the step's tokens do not overlap travel without bytes, and a step past every image
+    (a decode) carries none."""
+    from protos.multimodal import ImageItem
+    from services.scheduling.outputs import ScheduledRequest
+
+    a = ImageItem(offset=4, num_tokens=8, grid=(1, 4, 8), content_hash=b"a", data=b"A" * 99)
+    b = ImageItem(offset=20, num_tokens=8, grid=(1, 4, 8), content_hash=b"b", data=b"B" * 99)
+
+    def step(start: int, n: int) -> ScheduledRequest:
+        return ScheduledRequest("r", list(range(n)), start, [0], True, SamplingParams(), [7],
+                                [1] * 40, images=(a, b))  # fmt: skip
+
+    chunk = tp_ranks._slim(step(10, 8), scored=False)  # tokens 10..17: the end of a only
+    assert [im.data for im in chunk.images] == [a.data, b""]
+    assert chunk.prompt_token_ids == [] and chunk.output_token_ids == []
+    both = tp_ranks._slim(step(0, 32), scored=False)
+    assert [im.data for im in both.images] == [a.data, b.data]
+    assert tp_ranks._slim(step(28, 1), scored=False).images == ()  # a decode step

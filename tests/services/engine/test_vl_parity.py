@@ -65,6 +65,19 @@ def test_greedy_equals_transformers_batched_and_chunked(built: tuple[Path, Any],
         assert res.outputs[0].token_ids == _reference(built, llm, prompt)
 
 
+def test_two_ranks_give_the_tokens_of_one(built: tuple[Path, Any], llm: LLM) -> None:
+    """The language model split over two ranks (Gloo), the vision tower whole on each: every
+    rank encodes the step's images (their bytes travel with the step), the same greedy tokens
+    as one rank, through prompts whose chunks cut through images."""
+    prompts = [_prompt(llm, parts, images) for parts, images in CASES[:3]]
+    want = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
+    tp = LLM(str(built[0]), max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        assert [r.outputs[0].token_ids for r in tp.generate(prompts, GREEDY)] == want
+    finally:
+        tp.close()
+
+
 def test_the_image_decides_the_output(llm: LLM) -> None:
     a = llm.generate(_prompt(llm, ("<image>", "Hi"), [(11, 64, 48)]), GREEDY)
     b = llm.generate(_prompt(llm, ("<image>", "Hi"), [(12, 64, 48)]), GREEDY)
