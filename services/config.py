@@ -335,8 +335,12 @@ class LoRAConfig:
     def check_with(self, tensor_parallel_size: int, task: str, speculative: bool) -> None:
         """What LoRA serving cannot be combined with yet: ConfigError. Torch-free, so that
         ``tandem up`` refuses it before it starts a worker."""
-        if tensor_parallel_size > 1:
-            raise ConfigError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        if tensor_parallel_size > 1 and self.allow_runtime_updating:
+            raise ConfigError(
+                "--allow-runtime-lora-updating (adapters loaded at run time) with "
+                "--tensor-parallel-size > 1 is not supported yet: name the adapters with "
+                "--lora-modules"
+            )
         if task != "generate":
             raise ConfigError("--enable-lora serves generation adapters: not with --task embed")
         if speculative:

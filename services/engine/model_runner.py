@@ -39,7 +39,7 @@ from services.engine.kv_cache import (
 )
 from services.engine.kv_handoff import LayerSink
 from services.engine.loader import check_tp_split, load_model
-from services.engine.lora.manager import LoRAManager
+from services.engine.lora.manager import LoRAManager, RankCut
 from services.engine.models.llama import Attention
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
@@ -151,7 +151,9 @@ class ModelRunner:
         self.dtype = self.model.lm_head.weight.dtype
         # LoRA wraps the projections from outside the model, before any step runs
         self.lora = (
-            LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
+            LoRAManager(self.model, config.lora, self.dtype, self.device, self._lora_cut())
+            if config.lora
+            else None
         )
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         limit = self.arch.max_position_embeddings
@@ -437,6 +439,19 @@ class ModelRunner:
                 keep += range(at, at + r.num_new_tokens)
             at += r.num_new_tokens
         return logits[torch.tensor(keep, device=logits.device)]
+
+    def _lora_cut(self) -> RankCut | None:
+        """This rank's part of each adapter (None without tensor parallelism)."""
+        if self.tp is None:
+            return None
+        layout = TPLayout.of(self.arch, self.tp.rank, self.tp.size)
+        d, arch = self.arch.head_dim, self.arch
+        return RankCut.of(
+            (layout.q_heads[0] * d, layout.q_heads[1] * d),
+            (layout.kv_heads[0] * d, layout.kv_heads[1] * d),
+            layout.intermediate,
+            (arch.num_heads * d, arch.num_kv_heads * d, arch.intermediate_size),
+        )
 
     def kv_shards(self) -> KvShards | None:
         """Rank 0 of several: what a worker's KV sender or receiver needs to ship whole blocks

@@ -34,7 +34,15 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
-        y = self.group.all_reduce(ops.linear(x, self.weight, None))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the product (no bias): what the ranks' sum adds up."""
+        return ops.linear(x, self.weight, None)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' sum of their ``partial`` products, then the bias (added once)."""
+        y = self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -100,8 +100,9 @@ def _slim(r: ScheduledRequest, scored: bool) -> ScheduledRequest:
         images = tuple(
             im if im.offset < hi and im.end > lo else replace(im, data=b"") for im in images
         )
+    params = replace(_PLAIN, lora_name=r.sampling_params.lora_name)  # its adapter's rows
     return replace(
-        r, sampling_params=_PLAIN, output_token_ids=[], prompt_token_ids=prompt, images=images
+        r, sampling_params=params, output_token_ids=[], prompt_token_ids=prompt, images=images
     )
 
 

@@ -267,8 +267,15 @@ def test_compose_takes_ranges_ids_and_colocated_workers() -> None:
             "/nonexistent/sql is not a peft adapter directory",
         ),
         (
-            ["--gpus", "4", "--tensor-parallel-size", "2", "--enable-lora"],
-            "--enable-lora with --tensor-parallel-size > 1 is not supported yet",
+            [
+                "--gpus",
+                "4",
+                "--tensor-parallel-size",
+                "2",
+                "--enable-lora",
+                "--allow-runtime-lora-updating",
+            ],
+            "--allow-runtime-lora-updating (adapters loaded at run time) with",
         ),
     ],
 )

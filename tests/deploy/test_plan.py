@@ -470,7 +470,10 @@ def test_lora_flags_reach_every_worker_and_parse_there(tmp_path: Path) -> None:
     ("flags", "words"),
     [
         (("--lora-modules", "a=/no/such/adapter"), "'a': /no/such/adapter is not a peft adapter"),
-        (("--decode-tensor-parallel-size", "2"), "--enable-lora with --tensor-parallel-size"),
+        (
+            ("--decode-tensor-parallel-size", "2", "--allow-runtime-lora-updating"),
+            "--allow-runtime-lora-updating (adapters loaded at run time) with",
+        ),
         (
             ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
             "--enable-lora with --speculative-config",

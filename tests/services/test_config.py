@@ -74,8 +74,9 @@ def test_lora_flags_become_a_lora_config_or_a_clear_refusal() -> None:
         config("--enable-lora", "--lora-modules", "sql")
     with pytest.raises(ConfigError, match="names an adapter twice: a"):
         config("--enable-lora", "--lora-modules", "a=/x", "a=/y")
-    with pytest.raises(ConfigError, match="--tensor-parallel-size > 1 is not supported"):
-        config("--enable-lora", "--tensor-parallel-size", "2")
+    assert config("--enable-lora", "--tensor-parallel-size", "2") is not None
+    with pytest.raises(ConfigError, match=r"--allow-runtime-lora-updating .* with --tensor-para"):
+        config("--enable-lora", "--allow-runtime-lora-updating", "--tensor-parallel-size", "2")
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -129,7 +130,14 @@ class LoRALinear(nn.Module):
             assert row_slots is not None, "LoRA segments set without their row_slots"
             y_ext = ops.linear(x, self.weight_ext, self.bias_ext)  # [T, N + S R]
             return ops.expand_lora(y_ext, self.lora_b, row_slots)
-        return ops.add_lora(self.base(x), x, self.lora_a, self.lora_b, *segments)
+        base: Any = self.base
+        if getattr(base, "group", None) is not None:
+            # a row-parallel layer (tensor parallelism): this rank's input columns and its
+            # columns of A give a partial update, summed over the ranks with the base's
+            return base.reduce(
+                ops.add_lora(base.partial(x), x, self.lora_a, self.lora_b, *segments)
+            )
+        return ops.add_lora(base(x), x, self.lora_a, self.lora_b, *segments)
 
     def set_slot(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot ``slot`` holds these shards (index -> (A [r, K], scaled B [n_i, r])), zeros

@@ -7,6 +7,12 @@ not use, least recently used first: the scheduler never puts more distinct adapt
 than there are slots) and hands the layers the step's segments: one per adapter, its rows
 gathered wherever they lie. A decode step replayed from a CUDA graph takes the same plan
 (``plan``) into the graph's fixed-size buffers instead (``graph_inputs``).
+
+Under tensor parallelism every rank holds every adapter, cut as its layers are
+(:class:`RankCut`): B's rows of its heads and MLP rows where the layer is column-parallel
+(q, k, v, gate, up), A's columns of its input where it is row-parallel (o, down), whose partial
+updates the ranks' sum adds up with the base layer's. Each rank picks its own slots: a step
+names its adapters, and a slot is only this rank's.
 """
 
 from __future__ import annotations
@@ -22,6 +28,41 @@ from protos.errors import ConfigError
 from services.config import LoRAConfig
 from services.engine.lora.adapter import LoRAAdapter, read_adapter
 from services.engine.lora.layers import PEFT_MODULES, LoRABatch, apply_lora
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # peft modules whose input a rank holds a part of
+
+
+@dataclass(frozen=True)
+class RankCut:
+    """A tensor-parallel rank's part of each peft module: the span of the whole layer's output
+    rows (column-parallel) or input columns (row-parallel) it holds, and that whole size."""
+
+    spans: dict[str, tuple[int, int]]
+    whole: dict[str, int]
+
+    @classmethod
+    def of(cls, q: tuple[int, int], kv: tuple[int, int], mlp: tuple[int, int],
+           sizes: tuple[int, int, int]) -> RankCut:  # fmt: skip
+        """``q``, ``kv``: the rank's rows of the q and k / v projections (heads times head dim),
+        ``mlp`` its intermediate rows; ``sizes``: the whole model's (q rows, kv rows, MLP)."""
+        nq, nkv, inter = sizes
+        spans = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": q,
+                 "gate_proj": mlp, "up_proj": mlp, "down_proj": mlp}  # fmt: skip
+        whole = {"q_proj": nq, "k_proj": nkv, "v_proj": nkv, "o_proj": nq,
+                 "gate_proj": inter, "up_proj": inter, "down_proj": inter}  # fmt: skip
+        return cls(spans, whole)
+
+    def whole_shape(self, module: str, local: tuple[int, int]) -> tuple[int, int]:
+        """The (in, out) features of the whole layer, from the rank's."""
+        k, n = local
+        return (self.whole[module], n) if module in ROW_PARALLEL else (k, self.whole[module])
+
+    def cut(
+        self, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rank's part of an adapter's A [r, K] and B [N, r]."""
+        lo, hi = self.spans[module]
+        return (a[:, lo:hi], b) if module in ROW_PARALLEL else (a, b[lo:hi])
 
 
 @dataclass(frozen=True)
@@ -47,9 +88,11 @@ class StepSegments:
 
 class LoRAManager:
     def __init__(
-        self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.config, self.device = config, device
+        self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
+        cut: RankCut | None = None,
+    ) -> None:  # fmt: skip
+        """``cut``: this rank's part of each projection (tensor parallelism)."""
+        self.config, self.device, self.cut = config, device, cut
         self.batch = LoRABatch()
         self.layers = apply_lora(model, config.max_loras, config.max_lora_rank, self.batch,
                                  dtype, device)  # fmt: skip
@@ -69,7 +112,10 @@ class LoRAManager:
     def _shape_of(self, layer: int, module: str) -> tuple[int, int] | None:
         ours, shard = PEFT_MODULES[module]
         wrapped = self.layers.get((layer, ours))
-        return wrapped.shard_shape(shard) if wrapped is not None else None
+        if wrapped is None:
+            return None
+        local = wrapped.shard_shape(shard)
+        return self.cut.whole_shape(module, local) if self.cut is not None else local
 
     def add(self, name: str, path: str) -> None:
         """Register an adapter; ConfigError for a name in use or an adapter we cannot serve."""
@@ -99,6 +145,8 @@ class LoRAManager:
         by_layer: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), (a, b) in adapter.weights.items():
             ours, shard = PEFT_MODULES[module]
+            if self.cut is not None:
+                a, b = self.cut.cut(module, a, b)
             by_layer.setdefault((layer, ours), {})[shard] = (a.to(self.device), b.to(self.device))
         for key, wrapped in self.layers.items():
             wrapped.set_slot(slot, by_layer.get(key, {}))

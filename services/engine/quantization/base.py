@@ -43,7 +43,15 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.group is None:
             return self.matmul(x, self.bias)
-        y = self.group.all_reduce(self.matmul(x, None))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's part of the product (no bias)."""
+        return self.matmul(x, None)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' sum of their ``partial`` products, then the bias (added once)."""
+        y = self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -69,6 +69,21 @@ def test_a_batch_of_two_adapters_and_the_base_model_matches_peft(
     assert mixed(llm, prompts) == expected
 
 
+def test_two_ranks_serve_the_adapters_as_peft_does(
+    adapters: dict[str, Path], prompts: list[list[int]], expected: dict[str, list[list[int]]]
+) -> None:
+    """Tensor parallelism (two ranks, Gloo): each rank holds every adapter cut as its layers
+    are (B's rows of its heads and MLP rows, A's columns of o and down's inputs, whose partial
+    updates the ranks' sum adds up); each picks its own slots. One slot: the adapters take
+    turns on every rank."""
+    llm = serving(adapters, max_loras=1, tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.ranks is not None
+        assert mixed(llm, prompts) == expected
+    finally:
+        llm.close()
+
+
 def test_one_slot_serves_both_adapters_in_turns(
     adapters: dict[str, Path], prompts: list[list[int]], expected: dict[str, list[list[int]]]
 ) -> None:
