@@ -6,6 +6,7 @@ stop string."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,12 @@ PROMPTS = ["The capital of France is", "My favourite colour is", "Once upon a ti
 @pytest.fixture(scope="module")
 def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
     yield from both_topologies(fleet)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    with concurrent.futures.ThreadPoolExecutor(8) as executor:
+        yield executor
 
 
 def complete(gateway: Proc, prompt: str, **kw: Any) -> dict[str, Any]:
@@ -97,7 +104,9 @@ def test_streamed_text_offsets_equal_the_whole_responses_under_a_stop_string(
     assert checked >= 2, "too few prompts whose text allows such a stop string"
 
 
-def test_min_tokens_holds_back_stop_strings_in_both_topologies(gateways: dict[str, Proc]) -> None:
+def test_min_tokens_holds_back_stop_strings_in_both_topologies(
+    gateways: dict[str, Proc], pool: concurrent.futures.ThreadPoolExecutor
+) -> None:
     """vLLM's min_tokens: a stop string met in the first min_tokens tokens (here one the first
     token holds, which a disaggregated request gets from its prefill worker) does not end the
     output; the same greedy text goes on past it."""
@@ -109,13 +118,23 @@ def test_min_tokens_holds_back_stop_strings_in_both_topologies(gateways: dict[st
         if not stop:
             continue
         checked += 1
-        for topology, gateway in gateways.items():
-            cut = complete(gateway, prompt, stop=[stop], logprobs=0)
+        # each topology's four requests at once (batched by the engines: the suite's time)
+        calls = {
+            (topology, kind): pool.submit(fn, gateway, prompt, **kw)
+            for topology, gateway in gateways.items()
+            for kind, fn, kw in (
+                ("cut", complete, {"stop": [stop], "logprobs": 0}),
+                # the same greedy text without the stop string (min_tokens holds back EOS too)
+                ("free", complete, {"min_tokens": m}),
+                ("whole", complete, {"stop": [stop], "min_tokens": m, "logprobs": 0}),
+                ("stream", streamed, {"stop": [stop], "min_tokens": m, "logprobs": 0}),
+            )
+        }
+        for topology in gateways:
+            cut = calls[topology, "cut"].result()
             assert len(cut["logprobs"]["tokens"]) == 1 and cut["finish_reason"] == "stop"
-            # the same greedy text without the stop string (min_tokens holds back EOS too)
-            free = complete(gateway, prompt, min_tokens=m)["text"]
-            for got in (complete(gateway, prompt, stop=[stop], min_tokens=m, logprobs=0),
-                        streamed(gateway, prompt, stop=[stop], min_tokens=m, logprobs=0)):  # fmt: skip
+            free = calls[topology, "free"].result()["text"]
+            for got in (calls[topology, "whole"].result(), calls[topology, "stream"].result()):
                 assert len(got["logprobs"]["tokens"]) >= m, (topology, stop, got)
                 assert free.startswith(got["text"]), (topology, stop, got["text"], free)
     assert checked >= 2, "too few prompts whose first token holds a stop string"

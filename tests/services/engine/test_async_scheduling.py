@@ -165,7 +165,7 @@ def test_an_error_between_launch_and_read_waits_for_the_device_before_freeing(
 def test_prompt_chunks_and_admissions_run_launched_with_the_outputs_of_step_by_step(
     chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A 40-token budget and 6 seats for 20 requests: prompts go in chunks beside the decodes
+    """A 40-token budget and 6 seats for 12 requests: prompts go in chunks beside the decodes
     and waiting requests join steps scheduled ahead. The outputs are step-by-step's, every
     block is free at the end. (A request needing the sampler's host work keeps the steps it is
     in, and its admission, to the full schedule: the first test mixes those in.)"""
@@ -182,8 +182,8 @@ def test_prompt_chunks_and_admissions_run_launched_with_the_outputs_of_step_by_s
         return launch(self, out, after, rows)
 
     monkeypatch.setattr(type(engine.runner), "launch", counted)
-    prompts = (chat_ids * 4)[:20]
-    params = (PARAMS[:7] * 3)[:20]  # greedy and drawn, stop strings, lengths
+    prompts = (chat_ids * 2)[:12]
+    params = (PARAMS[:7] * 2)[:12]  # greedy and drawn, stop strings, lengths
     ahead = small.generate(prompts, params)
     assert seen["chunks"] > 3 and seen["admitted"] > 3, seen
     assert not engine.has_unfinished

@@ -68,7 +68,11 @@ def test_greedy_equals_transformers_batched_and_chunked(built: tuple[Path, Any],
 def test_two_ranks_give_the_tokens_of_one(built: tuple[Path, Any], llm: LLM) -> None:
     """The language model split over two ranks (Gloo), the vision tower whole on each: every
     rank encodes the step's images (their bytes travel with the step), the same greedy tokens
-    as one rank, through prompts whose chunks cut through images."""
+    as one rank, through prompts whose chunks cut through images. Qwen2.5-VL (its vision MLP
+    has the language model's projection names, never to be cut) and Qwen3-VL (DeepStack into
+    the split layers); Qwen2-VL's language model is Qwen2.5-VL's (the suite's time)."""
+    if built[1].config.model_type == "qwen2_vl":
+        pytest.skip("the language model of qwen2_5_vl's case")
     prompts = [_prompt(llm, parts, images) for parts, images in CASES[:3]]
     want = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
     tp = LLM(str(built[0]), max_num_batched_tokens=16, tensor_parallel_size=2)
