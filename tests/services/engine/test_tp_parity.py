@@ -18,10 +18,6 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
         "num_key_value_heads": 2, "intermediate_size": 96,
     }),
-    "llama-4kv": ("llama", {
-        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "intermediate_size": 80,
-    }),
     # 3 KV heads over 2 ranks (2 + 1, as SmolLM2's) and an odd MLP (51 + 50 rows)
     "llama-3kv-uneven": ("llama", {
         "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
@@ -116,7 +112,6 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
     ("name", "size"),
     [
         ("llama-2kv", 2),
-        ("llama-4kv", 2),
         ("llama-3kv-uneven", 2),
         pytest.param("llama-2kv", 4, id="llama-2kv-tp4-kv-replicated"),
         ("gemma3-2kv", 2),
