@@ -370,7 +370,7 @@ class ModelRunner:
         # own (the drafts before it are written by the same step, before any attention reads)
         if graphs is None or any(r.num_new_tokens != 1 + r.num_spec for r in reqs):
             return None
-        if any(r.images and r.start_pos < max(im.end for im in r.images) for r in reqs):
+        if any(r.before_image_end for r in reqs):
             return None  # an image token (a one-token final chunk): its embedding, 3-D position
         b, W = graphs.bucket(out.num_tokens), self._max_blocks(out)
         if b is None or graphs.max_blocks < W:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 import services
+from protos.multimodal import ImageItem
 from protos.sampling_params import SamplingParams
 from services.config import ConfigError, EngineConfig
 from services.engine.tp_group import TPGroup
@@ -92,13 +93,11 @@ def _slim(r: ScheduledRequest, scored: bool) -> ScheduledRequest:
     only when this step's tokens reach into them, and the bytes only of those the step's tokens
     overlap (every rank encodes them): a decode step carries no image."""
     prompt = r.prompt_token_ids if scored else []
-    images = r.images
-    if images and r.start_pos >= max(im.end for im in images):
-        images = ()
-    elif images:
+    images: tuple[ImageItem, ...] = ()
+    if r.before_image_end:
         lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
         images = tuple(
-            im if im.offset < hi and im.end > lo else replace(im, data=b"") for im in images
+            im if im.offset < hi and im.end > lo else replace(im, data=b"") for im in r.images
         )
     params = replace(_PLAIN, lora_name=r.sampling_params.lora_name)  # its adapter's rows
     return replace(

@@ -181,11 +181,7 @@ class VisionInputs:
     ) -> torch.Tensor | None:
         """The step's [T, D] rotary rows when a chunk reaches into a prompt's images (3-D
         positions there); None when every token's three positions are equal."""
-        chunks = [
-            (r, at)
-            for r, at in zip(reqs, starts, strict=True)
-            if r.images and r.start_pos < max(im.end for im in r.images)
-        ]
+        chunks = [(r, at) for r, at in zip(reqs, starts, strict=True) if r.before_image_end]
         if not chunks:
             return None
         pos3 = positions[None, :].expand(3, -1).clone()  # [3, T]

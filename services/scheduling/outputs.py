@@ -33,6 +33,12 @@ class ScheduledRequest:
     position_offset: int = 0  # added to the index of a token past the images (M-RoPE)
 
     @property
+    def before_image_end(self) -> bool:
+        """The step's tokens start before the end of the prompt's last image: it may reach
+        into images (encoded, 3-D positions), so it needs them."""
+        return bool(self.images) and self.start_pos < max(im.end for im in self.images)
+
+    @property
     def samples_token(self) -> bool:
         """This step ends with a token to sample for it (not an embedding's last chunk)."""
         return self.sample and self.pooling is None
