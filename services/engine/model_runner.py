@@ -444,14 +444,12 @@ class ModelRunner:
         """This rank's part of each adapter (None without tensor parallelism)."""
         if self.tp is None:
             return None
-        layout = TPLayout.of(self.arch, self.tp.rank, self.tp.size)
+        spans = TPLayout.of(self.arch, self.tp.rank, self.tp.size).row_spans()
         d, arch = self.arch.head_dim, self.arch
         return RankCut.of(
-            (layout.q_heads[0] * d, layout.q_heads[1] * d),
-            (layout.kv_heads[0] * d, layout.kv_heads[1] * d),
-            layout.intermediate,
+            spans["q"], spans["kv"], spans["mlp"],
             (arch.num_heads * d, arch.num_kv_heads * d, arch.intermediate_size),
-        )
+        )  # fmt: skip
 
     def kv_shards(self) -> KvShards | None:
         """Rank 0 of several: what a worker's KV sender or receiver needs to ship whole blocks

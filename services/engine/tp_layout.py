@@ -242,14 +242,20 @@ class TPLayout:
         cut = cuts.rows if dim == 0 else cuts.cols
         if cut is None:
             return None
+        start, end = self.row_spans()[span]
+        tensor_dim, unit = cut
+        return CheckpointSlice(tensor_dim, start // unit, -(-end // unit))
+
+    def row_spans(self) -> dict[str, Span]:
+        """This rank's rows of the whole q projection, of k and v, and of the MLP's
+        intermediate: where its column-parallel layers' outputs (and its row-parallel layers'
+        inputs) lie in the whole model's."""
         d = self.head_dim
-        start, end = {
+        return {
             "q": (self.q_heads[0] * d, self.q_heads[1] * d),
             "kv": (self.kv_heads[0] * d, self.kv_heads[1] * d),
             "mlp": self.intermediate,
-        }[span]
-        tensor_dim, unit = cut
-        return CheckpointSlice(tensor_dim, start // unit, -(-end // unit))
+        }
 
     def param_slice(self, name: str, arch: ArchConfig) -> tuple[int, int, list[Span]] | None:
         """Where this rank's part of our (fused) parameter ``name`` lies in the whole model's
