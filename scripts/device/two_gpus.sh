@@ -4,6 +4,9 @@
 #   smoke    GPUs, their links (nvidia-smi topo -m), an NCCL all-reduce
 #   tests    the GPU tests of the KV transfer, of disaggregation (their two-GPU cases) and of a
 #            tensor-parallel rank killed while decoding (NCCL abort)
+#   tpfam    the CPU tests of tensor parallelism per model family, here on two GPUs (NCCL, CUDA
+#            graphs, the compiled kernels): Gemma 3, Mixtral, Qwen3-MoE, Qwen3, FP8/AWQ/GPTQ
+#            checkpoints, vision-language, LoRA (against peft), a draft model on rank 0
 #   interf   python -m kvtransfer.bench.interference: what a receive pending or streaming over
 #            NCCL costs a decode step's GEMMs on the GPU it lands on, per NCCL max_ctas
 #   w5       python -m kvtransfer.bench.transfer: GPU 0 -> GPU 1 over NCCL, 1024/4096 tokens of the
@@ -77,6 +80,21 @@ if has tests && stage tests 160; then
   row tests "rc $? $(tail -1 "$raw/tests.txt")" "$t"
 fi
 
+if has tpfam && stage tpfam 300; then
+  t=$SECONDS
+  e=tests/services/engine
+  gguf=$(bash scripts/device/device_gguf.sh assemble)  # the LoRA case's base model
+  export TANDEM_EMBEDDED_GGUF=${gguf:-/nonexistent}
+  TANDEM_TEST_TOKENIZER=$tiny TRITON_INTERPRET=0 timeout 290 python3 -m pytest -q -p no:cacheprovider \
+    $e/test_tp_parity.py $e/quantization/test_tensor_parallel.py \
+    $e/test_vl_parity.py::test_two_ranks_give_the_tokens_of_one \
+    $e/test_lora.py::test_two_ranks_serve_the_adapters_as_peft_does \
+    $e/test_speculative_draft.py::test_a_tensor_parallel_target_takes_drafts_from_a_draft_on_rank_zero \
+    -k "not embedded" ${TPFAM_ARGS:-} >"$raw/tpfam.txt" 2>&1
+  row tpfam "rc $? $(tail -1 "$raw/tpfam.txt")" "$t"
+  grep -E "^(FAILED|ERROR)" "$raw/tpfam.txt" >&2
+fi
+
 if has interf && stage interf 150; then
   t=$SECONDS
   timeout 140 python3 -m kvtransfer.bench.interference ${INTERF_ARGS:-} \
@@ -125,7 +143,7 @@ if has real && stage real 120; then
       >"$raw/tp_parity_real.txt" 2>&1
     row real "rc $? $(grep '^TP 2' "$raw/tp_parity_real.txt" | cut -c1-220)" "$t"
   fi
-elif has stash; then
+elif has stash || has tpfam; then
   bash scripts/device/device_gguf.sh stash
 fi
 

@@ -32,6 +32,10 @@ from services.engine.tp_kv import serve_kv
 from services.engine.tp_ranks import PARENT_PID_ENV, START_TIMEOUT_S, rank_device
 
 _PR_SET_PDEATHSIG = 1
+# What this rank built, never torn down: the process ends in os._exit. Freed on main's return,
+# the model runner's CUDA graphs and its NCCL communicator (collectives captured in them) would
+# block the exit in their destructors until rank 0 kills the rank.
+_KEPT: list[object] = []
 
 
 def _follow_parent() -> None:
@@ -56,6 +60,7 @@ def main(rank: int, size: int, port: int) -> int:
     )
     store.set(f"joined/{rank}", "1")
     group = TPGroup(store, rank, size, device)
+    _KEPT.append(group)
     try:
         runner = ModelRunner(config, tp=group, device=device)
     except Exception as exc:
@@ -64,6 +69,7 @@ def main(rank: int, size: int, port: int) -> int:
         elif not isinstance(exc, ConfigError):  # not the agreement's own error: printed here
             raise
         return 1
+    _KEPT.append(runner)
     stopping = threading.Event()  # rank 0 said stop: the KV thread's peers may go first
     kv = threading.Thread(
         target=serve_kv, name="tp-kv", daemon=True,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from services.engine.llm_engine import load_tokenizer
-from services.model_files import prepare_model
+from tests.services.engine.conftest import tokenizer_dir
 
 SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 VOCAB = 49152 + 8  # the embedded tokenizer's, the special tokens after it
@@ -46,7 +46,7 @@ def build(path: Path, kind: str = "qwen2_vl") -> Any:
         Qwen2VLImageProcessorPil,
     )
 
-    tok = load_tokenizer(str(prepare_model("embedded").hf_dir))
+    tok = load_tokenizer(tokenizer_dir())
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
     tok.chat_template = CHAT_TEMPLATE
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}

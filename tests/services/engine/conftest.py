@@ -62,14 +62,11 @@ def hf_greedy(hf_model: tuple) -> Callable[[list[int], int], list[int]]:
 
 
 def tiny_checkpoint(path: Path, model_type: str, **config: Any) -> Path:
-    """A seeded random float32 HF checkpoint (with the embedded tokenizer) at ``path``.
-
-    ``$TANDEM_TEST_TOKENIZER``: a folder to take the tokenizer from instead (a lent GPU machine
-    without the embedded model's GGUF: scripts/device/two_gpus.sh)."""
+    """A seeded random float32 HF checkpoint (with the tokenizer of :func:`tokenizer_dir`) at
+    ``path``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from services.engine.llm_engine import load_tokenizer
-    from services.model_files import prepare_model
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
@@ -77,9 +74,23 @@ def tiny_checkpoint(path: Path, model_type: str, **config: Any) -> Path:
         bos_token_id=None, eos_token_id=None, **config,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    source = os.environ.get("TANDEM_TEST_TOKENIZER") or str(prepare_model("embedded").hf_dir)
-    load_tokenizer(source).save_pretrained(path)
+    load_tokenizer(tokenizer_dir()).save_pretrained(path)
     return path
+
+
+# Knobs of a test engine compared token for token with another engine or transformers in the
+# same process, for a lent GPU machine too (scripts/device/two_gpus.sh): float32 (there "auto"
+# picks bf16, whose rounding parts greedy runs at near ties) and a few KV blocks each (the
+# default, 90% of the GPU, would leave the second engine none).
+BESIDE: dict[str, Any] = {"dtype": "float32", "num_blocks": 512}
+
+
+def tokenizer_dir() -> str:
+    """The folder the tiny test checkpoints take their tokenizer from: the embedded model's, or
+    ``$TANDEM_TEST_TOKENIZER`` (a lent GPU machine without the embedded model's GGUF)."""
+    from services.model_files import prepare_model
+
+    return os.environ.get("TANDEM_TEST_TOKENIZER") or str(prepare_model("embedded").hf_dir)
 
 
 def rank_processes() -> list[int]:

@@ -14,7 +14,7 @@ from protos.errors import ConfigError
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import LoRAConfig
 from services.engine.llm import LLM
-from tests.services.engine.conftest import tiny_checkpoint
+from tests.services.engine.conftest import BESIDE, tiny_checkpoint
 from tests.services.engine.lora_helpers import ADAPTERS, make_adapter, make_adapters, peft_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
@@ -30,7 +30,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def serving(adapters: dict[str, Path], max_loras: int = 2, **knobs: object) -> LLM:
     modules = tuple((name, str(path)) for name, path in adapters.items())
     lora = LoRAConfig(modules=modules, max_loras=max_loras, max_lora_rank=16)
-    return LLM("embedded", lora_config=lora, max_num_seqs=8, **knobs)
+    return LLM("embedded", lora_config=lora, max_num_seqs=8, **BESIDE, **knobs)
 
 
 @pytest.fixture(scope="module")

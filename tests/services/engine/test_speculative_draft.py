@@ -25,7 +25,7 @@ from services.engine.kv_cache import block_bytes
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine, load_tokenizer
 from services.engine.speculative import VERIFY_ROWS, PromptChunk, ProposalRequest
-from services.model_files import prepare_model
+from tests.services.engine.conftest import BESIDE, tokenizer_dir
 from tests.services.engine.test_speculative import COPYING, PROMPTS
 
 
@@ -46,7 +46,7 @@ def _build(
     if like is not None:
         model.load_state_dict(like.state_dict(), strict=False)  # type: ignore[attr-defined]
     model.save_pretrained(path)
-    load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
+    load_tokenizer(tokenizer_dir()).save_pretrained(path)
     return model.eval()
 
 
@@ -156,8 +156,8 @@ def test_a_tensor_parallel_target_takes_drafts_from_a_draft_on_rank_zero(
     without drafts."""
     target, draft = tiny
     prompts, params = _mixed_requests(3, 8, 49152)
-    want = _ids(LLM(str(target), max_num_seqs=32).generate(prompts, params))
-    spec = LLM(str(target), max_num_seqs=32, tensor_parallel_size=2,
+    want = _ids(LLM(str(target), max_num_seqs=32, **BESIDE).generate(prompts, params))
+    spec = LLM(str(target), max_num_seqs=32, tensor_parallel_size=2, **BESIDE,
                speculative_config={"model": str(draft), "num_speculative_tokens": 3})  # fmt: skip
     try:
         proposer = spec.engine.proposer

@@ -12,6 +12,7 @@ import pytest
 
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.llm import LLM
+from tests.services.engine.conftest import BESIDE
 from tests.services.vl_model import build, hf_greedy, png
 
 NEW = 10
@@ -43,7 +44,7 @@ def built(
 @pytest.fixture(scope="module")
 def llm(built: tuple[Path, Any]) -> LLM:
     # a 16-token step budget: the prompts are prefilled in chunks that cut through images
-    return LLM(str(built[0]), max_num_batched_tokens=16, enable_prefix_caching=True)
+    return LLM(str(built[0]), max_num_batched_tokens=16, enable_prefix_caching=True, **BESIDE)
 
 
 def _prompt(llm: LLM, parts: tuple[str, ...], images: list[tuple[int, int, int]]) -> dict:
@@ -75,7 +76,7 @@ def test_two_ranks_give_the_tokens_of_one(built: tuple[Path, Any], llm: LLM) -> 
         pytest.skip("the language model of qwen2_5_vl's case")
     prompts = [_prompt(llm, parts, images) for parts, images in CASES[:3]]
     want = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
-    tp = LLM(str(built[0]), max_num_batched_tokens=16, tensor_parallel_size=2)
+    tp = LLM(str(built[0]), max_num_batched_tokens=16, tensor_parallel_size=2, **BESIDE)
     try:
         assert [r.outputs[0].token_ids for r in tp.generate(prompts, GREEDY)] == want
     finally:

@@ -16,7 +16,7 @@ import pytest
 from protos.sampling_params import SamplingParams
 from services.config import ConfigError
 from services.engine.llm import LLM
-from tests.services.engine.conftest import rank_processes
+from tests.services.engine.conftest import rank_processes, tokenizer_dir
 from tests.services.engine.quantization import checkpoints as ck
 
 # head_dim 128: a rank's 2 query heads (256 rows), its KV head (128 rows) and its half of the
@@ -53,9 +53,8 @@ def _checkpoint(root: Path, fmt: str, **config: Any) -> Path:
 @functools.cache
 def _tokenizer() -> Any:
     from services.engine.llm_engine import load_tokenizer
-    from services.model_files import prepare_model
 
-    return load_tokenizer(str(prepare_model("embedded").hf_dir))
+    return load_tokenizer(tokenizer_dir())
 
 
 def _tokens(path: Path, size: int, **knobs: Any) -> list[list[int]]:
