@@ -50,8 +50,12 @@ _MUX = {
 
 
 class WorkerClient:
-    def __init__(self, spec: WorkerSpec, internal_token: str = "", owner: str = "") -> None:
+    def __init__(
+        self, spec: WorkerSpec, internal_token: str = "", owner: str = "",
+        poll_timeout_s: float = 1.0,
+    ) -> None:  # fmt: skip
         self.spec = spec
+        self.poll_timeout_s = poll_timeout_s  # of a health poll, the registry's or check_now's
         self.name = spec.address  # the registry names it by role and index
         self.owner = owner  # this gateway's instance id: each poll renews its leases there
         self.channel = grpc.aio.insecure_channel(
@@ -65,6 +69,7 @@ class WorkerClient:
         # A fresh event once it is healthy again.
         self._lost = asyncio.Event()
         self._late_poll = False  # the last poll timed out (two in a row mark it unhealthy)
+        self._check: asyncio.Task[None] | None = None  # check_now's poll, while it runs
         self.load: WorkerLoadInfo | None = None
         self.last_error = "not checked yet"
         self.inflight = 0  # requests this gateway has open on the worker
@@ -154,6 +159,16 @@ class WorkerClient:
         if lost:
             self._lost.set()
 
+    def check_now(self, reason: str) -> None:
+        """A failed call that may be the request's or the worker's (INTERNAL or UNKNOWN: an
+        exception in the worker's handler for that one request, or a broken connection): a
+        health poll now tells them apart. The worker stays in rotation until it answers; one
+        poll at a time."""
+        if self._check is not None and not self._check.done():
+            return
+        log.info("checking worker %s (%s) now: %s", self.address, self.role, reason)
+        self._check = asyncio.get_running_loop().create_task(self.poll(self.poll_timeout_s))
+
     async def until_lost(self) -> None:
         """Returns once the worker is seen gone (now, if it already is)."""
         await self._lost.wait()
@@ -186,6 +201,8 @@ class WorkerClient:
         return self.mux
 
     async def close(self) -> None:
+        if self._check is not None:
+            self._check.cancel()
         if self.mux is not None:
             await self.mux.close()
         await self.channel.close(grace=None)

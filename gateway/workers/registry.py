@@ -38,6 +38,8 @@ class WorkerRegistry:
         self.owner = owner  # this gateway's instance id (leases on the workers)
         self._token = internal_token
         self._names: dict[str, int] = {}  # next index per role: "decode-1", never reused
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
         self.clients = [self._client(spec) for spec in specs]
         self.discover = tuple(discover)
         self.discover_interval_s = discover_interval_s
@@ -46,14 +48,12 @@ class WorkerRegistry:
         self._discovered: dict[WorkerSpec, WorkerClient] = {}
         self._resolved: dict[DiscoverySpec, list[str]] = {}  # each name's last good answer
         self._retired: set[WorkerClient] = set()  # left, closing once their requests end
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
         self._poller: asyncio.Task[None] | None = None
         self._discoverer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     def _client(self, spec: WorkerSpec) -> WorkerClient:
-        client = WorkerClient(spec, self._token, self.owner)
+        client = WorkerClient(spec, self._token, self.owner, self.timeout_s)
         # "decode-1": a name for open endpoints (/metrics, /health), which show no addresses
         role = client.role
         index = self._names.get(role, 0)

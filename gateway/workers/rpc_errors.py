@@ -13,7 +13,7 @@ _RETRYABLE = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL,
 }
-# Codes that say the worker itself is gone or broken (the health poller puts it back).
+# Codes that may say the worker itself is gone or broken (work.rpc_failure marks it or checks it).
 _WORKER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 

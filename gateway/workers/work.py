@@ -48,10 +48,16 @@ class FlowContext:
 
 
 def rpc_failure(worker: WorkerClient, err: grpc.RpcError, call: str) -> UpstreamError:
-    """Converts a failed call; a worker that looks dead is marked unhealthy at once. A failure
-    the worker itself reported for the one request over a live stream does not look dead (the
-    health poll still watches it)."""
+    """Converts a failed call. A worker that cannot be reached (UNAVAILABLE) is marked unhealthy
+    at once. INTERNAL or UNKNOWN may be one request's (an exception in the worker's handler) or
+    the worker's: it stays in rotation and is health-polled now. A failure the worker reported
+    for the one request over a live stream (:class:`RequestRpcError`) is that request's."""
     failure = from_rpc_error(err, worker.address, call)
-    if failure.worker_down and not isinstance(err, RequestRpcError):
-        worker.mark_unhealthy(f"{call} failed: {failure.api_error.message}")
+    if not failure.worker_down or isinstance(err, RequestRpcError):
+        return failure
+    reason = f"{call} failed: {failure.api_error.message}"
+    if failure.status == grpc.StatusCode.UNAVAILABLE.name:
+        worker.mark_unhealthy(reason)
+    else:
+        worker.check_now(reason)
     return failure

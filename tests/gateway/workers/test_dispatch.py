@@ -240,6 +240,34 @@ def test_one_late_health_answer_is_forgiven_two_in_a_row_are_not(tokenizer_dir: 
         stack.stop()
 
 
+def test_an_internal_error_of_one_call_has_the_worker_checked_not_dropped(
+    tokenizer_dir: str,
+) -> None:
+    """Reserve answers INTERNAL (say an exception in the worker's handler for that request):
+    the request fails, and the one decode worker, whose health check still answers, serves the
+    next request at once. Where its check fails too, that check, made at once, takes it out of
+    rotation (the regular poll is a minute away here)."""
+    stack = Stack(tokenizer_dir, ["prefill", "decode"], health_interval_s=60.0).start()
+    try:
+        decode = stack.role("decode")[0]
+        (client,) = [c for c in stack.state.registry.clients if c.role == "decode"]
+        url = f"{stack.base_url}/v1/completions"
+        decode.behavior.reserve_code = grpc.StatusCode.INTERNAL
+        r = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 3})
+        assert r.status_code == 502 and "INTERNAL" in r.json()["error"]["message"], r.text
+        decode.behavior.reserve_code = None
+        r = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert client.healthy
+        decode.behavior.reserve_code = grpc.StatusCode.INTERNAL
+        decode.behavior.serving = False
+        httpx.post(url, json={"prompt": PROMPT, "max_tokens": 3})
+        assert wait_for(lambda: not client.healthy), "the failed call did not have it checked"
+        assert "not serving" in client.last_error
+    finally:
+        stack.stop()
+
+
 def test_waiting_for_decode_blocks_past_the_deadline_is_a_504(tokenizer_dir: str) -> None:
     stack = Stack(tokenizer_dir, ["prefill", "decode"], request_timeout_s=1.0).start()
     try:

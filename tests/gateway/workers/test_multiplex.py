@@ -107,18 +107,23 @@ async def test_a_refused_request_raises_its_status() -> None:
 async def test_one_requests_internal_error_leaves_its_worker_healthy() -> None:
     """A bug in one request (INTERNAL on its error chunk) fails that request, retryable; the
     worker, still streaming every other request, stays in rotation. The same code from the
-    call itself (no answer from the worker) marks it unhealthy until its next health poll."""
+    call itself has the worker health-checked now; UNAVAILABLE (it cannot be reached) marks it
+    unhealthy until its next health poll."""
     fake = FakeStream()
     mux = _mux(fake)
     call = mux.start(_req("a"), [], 10.0)
     fake.send(_chunk("a", reason=ERROR, error="internal error: ValueError()", status_code=13))
     with pytest.raises(RequestRpcError) as info:
         await call.read()
-    worker: Any = type("W", (), {"address": "w:1", "reasons": []})()
+    worker: Any = type("W", (), {"address": "w:1", "reasons": [], "checks": []})()
     worker.mark_unhealthy = lambda reason, lost=False: worker.reasons.append(reason)
+    worker.check_now = worker.checks.append
     failure = rpc_failure(worker, info.value, "Decode")
-    assert failure.retryable and failure.api_error.status == 502 and worker.reasons == []
+    assert failure.retryable and failure.api_error.status == 502
+    assert worker.reasons == worker.checks == []
     failure = rpc_failure(worker, rpc_error(grpc.StatusCode.INTERNAL, "stream broke"), "Decode")
+    assert failure.retryable and worker.reasons == [] and len(worker.checks) == 1
+    failure = rpc_failure(worker, rpc_error(grpc.StatusCode.UNAVAILABLE, "reset"), "Decode")
     assert failure.retryable and len(worker.reasons) == 1
     await mux.close()
 
