@@ -80,8 +80,19 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[Any] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
+        """``continue_final_message``: the text ends inside the final message, so that the
+        model goes on with it (an assistant turn the client began: "prefill")."""
+        final = _final_text(messages[-1]) if continue_final_message else None
+        rendered = self._render(messages, add_generation_prompt, tools, kwargs)
+        return rendered if final is None else open_final_message(rendered, final)
+
+    def _render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+        tools: list[Any] | None, kwargs: dict[str, Any],
+    ) -> str:  # fmt: skip
         variables = {**self._special_tokens, **kwargs}
         try:
             return self._template.render(
@@ -95,6 +106,38 @@ class ChatTemplate:
             raise ChatTemplateError(str(e)) from e
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e
+
+
+def _final_text(message: Mapping[str, Any]) -> str:
+    """The text of the final message that a continuation extends: its content, or the last
+    of its text parts."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError(
+            "continue_final_message needs a final message with text to continue"
+        )
+    return content
+
+
+def open_final_message(rendered: str, text: str) -> str:
+    """``rendered`` cut right after the final message's ``text``, dropping what the template
+    closes the turn with (an end-of-turn token, a newline, a generation prompt). The text is
+    looked for from the end; its trailing whitespace is kept where the template kept it (the
+    prompt then ends as transformers' ``continue_final_message`` ends it)."""
+    core = text.strip()
+    at = rendered.rfind(core)
+    if at < 0:
+        raise ChatTemplateError(
+            "the chat template does not keep the final message's text as it is, so it cannot "
+            "be continued"
+        )
+    kept = text.lstrip()
+    return rendered[: at + (len(kept) if rendered.startswith(kept, at) else len(core))]
 
 
 def pick_template(value: Any) -> str | None:

@@ -71,6 +71,7 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continue_final_message: bool = False  # the prompt ends inside the final message
     tools: ToolPlan | None = None  # None: no tools offered
     # of the image_url parts, in order: encoded bytes, or an http(s) URL still to fetch
     images: tuple[bytes | ImageURL, ...] = ()
@@ -344,6 +345,21 @@ def _with_tools(f: Fields, common: CommonOptions) -> tuple[CommonOptions, ToolPl
     return replace(common, sampling=replace(common.sampling, structured=constraint)), plan
 
 
+def generation_prompt(f: Fields) -> tuple[bool, bool]:
+    """``add_generation_prompt`` and vLLM's ``continue_final_message``: a new assistant turn
+    after the messages, or the final message left open for the model to go on with (an answer
+    the client began). The second makes the first default to false; both true is a 400."""
+    continue_final = f.get_bool("continue_final_message", False)
+    add_generation_prompt = f.get_bool("add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise invalid(
+            "continue_final_message continues the final message and add_generation_prompt "
+            "starts a new one: set add_generation_prompt to false (or leave it out)",
+            "continue_final_message",
+        )
+    return add_generation_prompt, continue_final
+
+
 def parse_chat(body: Any) -> ChatRequest:
     f = Fields(require_object(body))
     messages, images = parse_chat_messages(f.get("messages"))
@@ -358,17 +374,19 @@ def parse_chat(body: Any) -> ChatRequest:
     for name in given:
         f.get_int(name, None, 1, MAX_TOKENS_LIMIT)
     max_field = given[0] if given else "max_tokens"
-    reserved = ("messages", "add_generation_prompt", "documents")
+    reserved = ("messages", "add_generation_prompt", "documents", "continue_final_message")
     kwargs = {k: v for k, v in f.get_dict("chat_template_kwargs").items() if k not in reserved}
     common, tools = _with_tools(
         f, _common(f, max_field, (top or 0) if logprobs else None, special=False)
     )
     if tools is not None:
         kwargs = {"tools": f.get("tools"), **kwargs}
+    add_generation_prompt, continue_final = generation_prompt(f)
     request = ChatRequest(
         common=common,
         messages=messages,
-        add_generation_prompt=f.get_bool("add_generation_prompt", True),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final,
         logprobs=logprobs,
         top_logprobs=top or 0,
         template_kwargs=kwargs,

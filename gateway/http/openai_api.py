@@ -236,7 +236,7 @@ async def chat_completions(request: Request) -> Response:
             return Response(status_code=499)
     ids_list, text = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.common.add_special_tokens,
-        **req.template_kwargs,
+        continue_final_message=req.continue_final_message, **req.template_kwargs,
     )  # fmt: skip
     images: tuple[ImageItem, ...] = ()
     if encoded and state.vision is not None:

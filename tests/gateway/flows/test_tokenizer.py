@@ -23,18 +23,34 @@ CONVERSATIONS = [
     ],
     [{"role": "user", "content": ""}],
 ]
+# continue_final_message: answers the client began (trailing space and newline kept or not as
+# the template keeps them), a final user message, the text repeated earlier in the chat
+CONTINUED = [
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "The answer is"}],
+    [{"role": "user", "content": "List two."}, {"role": "assistant", "content": "Sure: 1. "}],
+    [{"role": "user", "content": "Code?"}, {"role": "assistant", "content": "```python\n"}],
+    [{"role": "user", "content": "Finish my sentence: the sky is"}],
+    [
+        {"role": "user", "content": "Say yes"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "yes"},
+    ],
+]
 PROMPTS = ["Hello world", " leading space", "ünïcödé 🎉\n\n  code:\tx = 1", "<|im_start|>user"]
 
 _HF = """
 import json, sys
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-convs, prompts = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+convs, prompts, continued = (json.loads(a) for a in sys.argv[2:5])
 def ids(x):
     return list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x)
 out = {
     "chat": [ids(tok.apply_chat_template(c, add_generation_prompt=True)) for c in convs],
     "chat_nogen": [ids(tok.apply_chat_template(c, add_generation_prompt=False)) for c in convs],
+    "continued": [ids(tok.apply_chat_template(c, add_generation_prompt=False,
+                                              continue_final_message=True)) for c in continued],
     "prompts": [tok(p)["input_ids"] for p in prompts],
     "decoded": [tok.decode(tok(p)["input_ids"]) for p in prompts],
 }
@@ -45,7 +61,13 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def hf_ids(tokenizer_dir: str) -> dict[str, list[list[int]]]:
     result = subprocess.run(
-        [sys.executable, "-c", _HF, tokenizer_dir, json.dumps(CONVERSATIONS), json.dumps(PROMPTS)],
+        [
+            sys.executable,
+            "-c",
+            _HF,
+            tokenizer_dir,
+            *(json.dumps(x) for x in (CONVERSATIONS, PROMPTS, CONTINUED)),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -61,6 +83,21 @@ def test_chat_template_ids_match_transformers(tokenizer_dir: str, hf_ids: dict) 
         assert tok.apply_chat_template(conv, add_generation_prompt=True) == expected
     for conv, expected in zip(CONVERSATIONS, hf_ids["chat_nogen"], strict=True):
         assert tok.apply_chat_template(conv, add_generation_prompt=False) == expected
+
+
+def test_a_continued_final_message_matches_transformers(tokenizer_dir: str, hf_ids: dict) -> None:
+    """vLLM's continue_final_message: the prompt ends inside the final message, as
+    transformers' ``apply_chat_template(continue_final_message=True)`` ends it."""
+    tok = GatewayTokenizer(tokenizer_dir)
+    for conv, expected in zip(CONTINUED, hf_ids["continued"], strict=True):
+        got = tok.apply_chat_template(
+            conv, add_generation_prompt=False, continue_final_message=True
+        )
+        assert got == expected, tok.decode(got)
+    assert tok.decode(expected).endswith("yes")  # the last one: the final "yes", not the first
+    for final in ({"role": "assistant", "content": "  "}, {"role": "assistant", "content": []}):
+        with pytest.raises(ChatTemplateError, match="text to continue"):
+            tok.apply_chat_template([CONTINUED[0][0], final], False, continue_final_message=True)
 
 
 def test_prompt_ids_and_decoding_match_transformers(tokenizer_dir: str, hf_ids: dict) -> None:

@@ -40,7 +40,6 @@ ASKING: dict[str, Any] = {
     "function_call": "auto",
     "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}],
-    "continue_final_message": True,
     "echo": True,
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],

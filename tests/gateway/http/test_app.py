@@ -140,6 +140,26 @@ def test_tokenize_and_detokenize(colocated: Stack) -> None:
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
 
 
+def test_a_continued_final_message_ends_the_prompt_inside_it(colocated: Stack) -> None:
+    """continue_final_message, on /tokenize and on a chat: the prompt ends with the text of
+    the answer the client began (no end of turn, no new assistant turn after it); with
+    add_generation_prompt also true it is a 400 that says which to drop."""
+    url = colocated.base_url
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}]
+    body = {"messages": messages, "continue_final_message": True}
+    tokens = httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
+    closed = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    tok = colocated.state.tokenizer
+    assert tok.decode(tokens).endswith("<|im_start|>assistant\nIt is")
+    assert closed[: len(tokens)] == tokens and len(closed) > len(tokens)
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    both = {**body, "add_generation_prompt": True}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = httpx.post(f"{url}{path}", json=both)
+        assert r.status_code == 400 and "add_generation_prompt to false" in r.text, r.text
+
+
 def test_a_large_tokenize_is_answered_in_full_and_never_holds_the_event_loop(
     colocated: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
