@@ -18,6 +18,7 @@ from typing import Any
 from gateway.core.errors import invalid
 from gateway.flows.fields import INT32_MAX, Fields, check_int, require_object
 from gateway.flows.prepare import check_vocab
+from gateway.flows.protocol import parse_truncation
 from gateway.flows.unsupported import NEUTRAL, refuse_unknown, refuse_unsupported
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
@@ -30,7 +31,6 @@ EMBEDDING: dict[str, tuple[str, tuple[Any, ...]]] = {
         "state (drop the field)",
         (None,),
     ),
-    "truncate_prompt_tokens": ("input truncation is not implemented; shorten the input", NEUTRAL),
     "embed_dtype": ("embeddings are float32", (None, "float32")),
     "encoding_type": ("embeddings are float32", (None, "float32")),
     "mm_processor_kwargs": ("embeddings take text or token ids only, no images", NEUTRAL),
@@ -48,6 +48,7 @@ class EmbeddingRequest:
     add_special_tokens: bool
     priority: int
     user: str | None
+    truncate_prompt_tokens: int | None = None  # protocol.parse_truncation's
 
 
 def _inputs(value: Any) -> tuple[Input, ...]:
@@ -97,6 +98,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
         add_special_tokens=f.get_bool("add_special_tokens", True),
         priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
         user=f.get_str("user", None, 1024),
+        truncate_prompt_tokens=parse_truncation(f),
     )
     refuse_unknown(f, EMBEDDING)
     return request

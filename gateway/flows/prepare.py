@@ -33,6 +33,24 @@ def check_vocab(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> N
             )
 
 
+def keep_last(ids: Sequence[int], keep: int | None, max_model_len: int | None) -> tuple[int, ...]:
+    """The prompt as ``truncate_prompt_tokens`` (``keep``) leaves it: its last ``keep`` tokens
+    (-1: the model's context length); a 400 where ``keep`` exceeds that length."""
+    if keep is None:
+        return tuple(ids)
+    if keep == -1:
+        if max_model_len is None:
+            return tuple(ids)
+        keep = max_model_len
+    elif max_model_len is not None and keep > max_model_len:
+        raise invalid(
+            f"truncate_prompt_tokens ({keep}) is larger than the model's maximum context length "
+            f"({max_model_len})",
+            "truncate_prompt_tokens",
+        )
+    return tuple(ids[-keep:])
+
+
 def context_error(max_model_len: int, prompt_len: int, max_tokens: int | None) -> APIError:
     if max_tokens is None:
         return invalid(

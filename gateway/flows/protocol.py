@@ -51,6 +51,7 @@ class CommonOptions:
     priority: int
     user: str | None
     add_special_tokens: bool
+    truncate_prompt_tokens: int | None = None  # parse_truncation's
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,21 @@ def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: boo
         priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
         user=f.get_str("user", None, 1024),
         add_special_tokens=f.get_bool("add_special_tokens", special),
+        truncate_prompt_tokens=parse_truncation(f),
     )
+
+
+def parse_truncation(f: Fields) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: keep only the prompt's last N tokens (-1: as many as
+    the model's context length holds); None: the prompt as it is (prepare.keep_last)."""
+    keep = f.get_int("truncate_prompt_tokens", None, -1, INT32_MAX)
+    if keep == 0:
+        raise invalid(
+            "truncate_prompt_tokens must be at least 1 (the prompt's last N tokens are kept), "
+            "or -1 (as many as the model's context length holds)",
+            "truncate_prompt_tokens",
+        )
+    return keep
 
 
 def _prompts(value: Any) -> tuple[Prompt, ...]:

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.core.errors import invalid
 from gateway.core.events import EmbedWork
 from gateway.flows.embeddings import EmbeddingRequest, check_inputs, encode_vector, parse_embedding
+from gateway.flows.prepare import keep_last
 from gateway.flows.tokenizer import GatewayTokenizer
 from gateway.http.state import gateway_state
 from gateway.http.transport import ClientGone, read_json, until_disconnect
@@ -19,11 +20,14 @@ from gateway.observability.tracing import end_span, start_request_span
 from gateway.workers.rpc_errors import UpstreamError
 
 
-def _input_ids(tok: GatewayTokenizer, req: EmbeddingRequest) -> tuple[tuple[int, ...], ...]:
-    return tuple(
-        tuple(tok.encode(x, req.add_special_tokens)) if isinstance(x, str) else x
-        for x in req.inputs
-    )
+def _input_ids(
+    tok: GatewayTokenizer, req: EmbeddingRequest, max_model_len: int | None
+) -> tuple[tuple[int, ...], ...]:
+    keep = req.truncate_prompt_tokens
+    encoded = [
+        tok.encode(x, req.add_special_tokens) if isinstance(x, str) else x for x in req.inputs
+    ]
+    return tuple(keep_last(x, keep, max_model_len) for x in encoded)
 
 
 async def embeddings(request: Request) -> Response:
@@ -32,8 +36,8 @@ async def embeddings(request: Request) -> Response:
     if state.accepts(req.model):
         raise invalid("LoRA adapters serve completions and chats, not embeddings", "model")
     state.check_task("embed")
-    ids = await state.off_loop(_input_ids, state.tokenizer, req)
     max_model_len, vocab = state.registry.limits()
+    ids = await state.off_loop(_input_ids, state.tokenizer, req, max_model_len)
     check_inputs(ids, max_model_len, vocab or state.tokenizer.vocab_size)
     state.check_serving()
     response_id = f"embd-{uuid.uuid4().hex}"

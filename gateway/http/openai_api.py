@@ -17,7 +17,13 @@ from gateway.flows.chat_output import ChoiceOutput, OutputPlan
 from gateway.flows.generation import Choice, Generation
 from gateway.flows.image_fetch import ImageURL
 from gateway.flows.images import check_images, images_in_prompt
-from gateway.flows.prepare import PromptIds, build_choices, check_vocab, settle_max_tokens
+from gateway.flows.prepare import (
+    PromptIds,
+    build_choices,
+    check_vocab,
+    keep_last,
+    settle_max_tokens,
+)
 from gateway.flows.protocol import (
     ChatRequest,
     CommonOptions,
@@ -121,13 +127,18 @@ async def _respond(
     return JSONResponse(body, headers={"x-tandem-timing": timing})
 
 
-def _completion_prompts(tok: GatewayTokenizer, req: CompletionRequest) -> list[PromptIds]:
-    return [
-        PromptIds(tuple(tok.encode(p, req.common.add_special_tokens)), p)
-        if isinstance(p, str)
-        else PromptIds(p, tok.decode(p))
-        for p in req.prompts
-    ]
+def _completion_prompts(
+    tok: GatewayTokenizer, req: CompletionRequest, max_model_len: int | None
+) -> list[PromptIds]:
+    """Each prompt's ids and the text echo shows (of what truncate_prompt_tokens keeps)."""
+    keep = req.common.truncate_prompt_tokens
+    out = []
+    for p in req.prompts:
+        ids = tuple(tok.encode(p, req.common.add_special_tokens)) if isinstance(p, str) else p
+        kept = keep_last(ids, keep, max_model_len)
+        text = p if isinstance(p, str) and len(kept) == len(ids) else tok.decode(kept)
+        out.append(PromptIds(kept, text))
+    return out
 
 
 def with_adapter(common: CommonOptions, lora: str) -> CommonOptions:
@@ -141,10 +152,10 @@ async def completions(request: Request) -> Response:
     lora = state.accepts(req.common.model)
     req = replace(req, common=with_adapter(req.common, lora))
     tok = state.tokenizer
-    prompts = await state.off_loop(_completion_prompts, tok, req)
+    max_model_len = state.registry.limits()[0]
+    prompts = await state.off_loop(_completion_prompts, tok, req, max_model_len)
     if any(not p.ids for p in prompts):
         raise invalid("prompt must not be empty (it has no tokens)", "prompt")
-    max_model_len = state.registry.limits()[0]
     if req.score_only and max_model_len is not None:
         longest = max(len(p.ids) for p in prompts)
         if longest >= max_model_len:  # the workers sample one token beside the prompt's scores
@@ -238,6 +249,15 @@ async def chat_completions(request: Request) -> Response:
         req.messages, req.add_generation_prompt, req.common.add_special_tokens,
         continue_final_message=req.continue_final_message, **req.template_kwargs,
     )  # fmt: skip
+    kept = keep_last(ids_list, req.common.truncate_prompt_tokens, state.registry.limits()[0])
+    if len(kept) < len(ids_list):
+        if encoded:
+            raise invalid(
+                "truncate_prompt_tokens would cut the front off a prompt with images: leave it "
+                "out, or send fewer or shorter messages",
+                "truncate_prompt_tokens",
+            )
+        ids_list = list(kept)
     images: tuple[ImageItem, ...] = ()
     if encoded and state.vision is not None:
         ids_list, images = await state.off_loop(images_in_prompt, ids_list, encoded, state.vision)

@@ -28,7 +28,6 @@ ASKING: dict[str, Any] = {
     "bad_words": ["bad"],
     "allowed_token_ids": [1, 2],
     "logits_processors": ["x"],
-    "truncate_prompt_tokens": 16,
     "return_tokens_as_token_ids": True,
     "spaces_between_special_tokens": False,
     "kv_transfer_params": {"do_remote_decode": True},
@@ -90,8 +89,8 @@ def test_a_field_that_asks_for_nothing_passes(name: str, endpoint: str) -> None:
 def test_neutral_values_are_type_strict() -> None:
     assert False in NEUTRAL  # and 0 == False, yet 0 asks for something:
     with pytest.raises(APIError):
-        parse_completion({"prompt": "hi", "truncate_prompt_tokens": 0})
-    parse_completion({"prompt": "hi", "truncate_prompt_tokens": None})
+        parse_completion({"prompt": "hi", "use_beam_search": 0})
+    parse_completion({"prompt": "hi", "use_beam_search": False})
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completion", "embedding"])

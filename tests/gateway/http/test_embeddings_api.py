@@ -89,7 +89,9 @@ def test_normalize_travels_to_the_worker(embed: Stack) -> None:
         ({"input": "a", "dimensions": 32}, "dimensions", "does not support dimensions"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format", "float or base64"),
         ({"input": "a", "normalize": "yes"}, "normalize", "true or false"),
-        ({"input": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens", "truncation"),
+        ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
+        ({"input": "a", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "between"),
+        ({"input": "a", "truncate_prompt_tokens": 4096}, "truncate_prompt_tokens", "larger than"),
         ({"input": ["a"] * 2049}, "input", "at most 2048"),
     ],
 )
@@ -120,6 +122,19 @@ def test_an_input_past_the_context_is_a_400(embed: Stack) -> None:
     assert (
         "maximum context length is 8 tokens" in error["message"] and "input[1]" in error["message"]
     )
+
+
+def test_truncate_prompt_tokens_keeps_each_input_s_last_tokens(embed: Stack) -> None:
+    """vLLM's truncate_prompt_tokens: the last N tokens of every input (-1: as many as the
+    context holds); usage counts what was kept. The fake's vector is (count, first, last)."""
+    embed.workers[0].behavior.max_model_len = 8
+    embed.run(embed.state.registry.poll_all())
+    r = post(embed, {"input": [[1, 2, 3, 4, 5], [7]], "truncate_prompt_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert [d["embedding"][:3] for d in r.json()["data"]] == [[3, 3, 5], [1, 7, 7]]
+    assert r.json()["usage"]["prompt_tokens"] == 4
+    r = post(embed, {"input": list(range(1, 21)), "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["data"][0]["embedding"][:3] == [8, 13, 20]
 
 
 def test_an_unknown_model_is_a_404(embed: Stack) -> None:

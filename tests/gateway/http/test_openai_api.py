@@ -206,6 +206,34 @@ def test_prompt_logprobs_in_vllms_form(disagg: Stack) -> None:
     assert len(firsts) == 1 and firsts[0][1][world]["logprob"] == -0.25
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(colocated: Stack) -> None:
+    """vLLM's truncate_prompt_tokens on completions (echo shows what was kept) and chats (the
+    end of the rendered chat, its generation prompt, stays)."""
+    c = client(colocated)
+    tok = colocated.state.tokenizer
+    ids = tok.encode(PROMPT)
+    out = c.completions.create(
+        model="embedded", prompt=PROMPT, max_tokens=1, echo=True,
+        extra_body={"truncate_prompt_tokens": 4},
+    )  # fmt: skip
+    assert out.usage.prompt_tokens == 4
+    assert out.choices[0].text.startswith(tok.decode(ids[-4:]))
+    messages = [{"role": "user", "content": PROMPT}]
+    full = c.chat.completions.create(model="embedded", messages=messages, max_tokens=1)
+    cut = c.chat.completions.create(
+        model="embedded", messages=messages, max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 5},
+    )  # fmt: skip
+    assert cut.usage.prompt_tokens == 5 < full.usage.prompt_tokens
+    kept = c.completions.create(  # shorter than the limit: the prompt as it is
+        model="embedded", prompt=[5, 6], max_tokens=1, extra_body={"truncate_prompt_tokens": 9}
+    )
+    assert kept.usage.prompt_tokens == 2
+    r = httpx.post(f"{colocated.base_url}/v1/completions",
+                   json={"prompt": "hi", "truncate_prompt_tokens": 4096})  # fmt: skip
+    assert r.status_code == 400 and "larger than the model's maximum context length" in r.text
+
+
 def test_bad_prompt_logprobs_requests_are_400s(colocated: Stack) -> None:
     cases = [
         ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
