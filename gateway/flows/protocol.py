@@ -52,6 +52,9 @@ class CommonOptions:
     user: str | None
     add_special_tokens: bool
     truncate_prompt_tokens: int | None = None  # parse_truncation's
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (any token, even one
+    # that is part of a character, is then told apart)
+    token_id_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: boo
         user=f.get_str("user", None, 1024),
         add_special_tokens=f.get_bool("add_special_tokens", special),
         truncate_prompt_tokens=parse_truncation(f),
+        token_id_logprobs=f.get_bool("return_tokens_as_token_ids", False),
     )
 
 

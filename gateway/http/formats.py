@@ -27,6 +27,15 @@ def envelope(rid: str, obj: str, created: int, model: str, choices: list[Any]) -
 # ---- completions (legacy logprobs: parallel lists) ----
 
 
+def token_id_name(token_id: int) -> str:
+    """A token as vLLM's ``return_tokens_as_token_ids`` names it in logprobs."""
+    return f"token_id:{token_id}"
+
+
+def _legacy_name(t: TokenLogprob, by_id: bool) -> str:
+    return token_id_name(t.token_id) if by_id else _legacy_token(t.token, t.token_bytes)
+
+
 def _legacy_token(text: str, raw: bytes) -> str:
     """A token as legacy logprobs show it: its text, or, where it holds only part of a
     character (its text has U+FFFD and its bytes are known), ``bytes:\\xNN...`` as OpenAI does."""
@@ -71,6 +80,8 @@ def completion_logprobs(
     offset: int | TextOffsets,
     prompt_tokens: Sequence[str | bytes] = (),
     prompt_scores: Sequence[PositionLogprobs] = (),
+    by_id: bool = False,
+    prompt_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
     """``{tokens, token_logprobs, top_logprobs, text_offset}``; echoed prompt tokens (their text,
     or their raw bytes) come first, with their logprobs from ``prompt_scores`` (positions 1..;
@@ -78,26 +89,27 @@ def completion_logprobs(
     text, or the offsets of the tokens before it (a :class:`TextOffsets` a stream carries over
     its chunks, advanced by these: counted from the tokens' bytes, not from the text a chunk
     released, which lags the tokens while a worker holds text back for a stop string);
-    ``text_offset`` counts characters of that text (see TextOffsets)."""
+    ``text_offset`` counts characters of that text (see TextOffsets). ``by_id``: every token
+    named :func:`token_id_name` (offsets unchanged), the echoed ones by ``prompt_ids``."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = [None] * len(prompt_tokens)
     top: list[dict[str, float] | None] = [None] * len(prompt_tokens)
     for j, score in enumerate(prompt_scores[: max(len(prompt_tokens) - 1, 0)], start=1):
         token_logprobs[j] = score.chosen.logprob
-        top[j] = _legacy_top(score)
+        top[j] = _legacy_top(score, by_id)
     offsets: list[int] = []
     where = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
-    for p in prompt_tokens:
+    for i, p in enumerate(prompt_tokens):
         raw = p if isinstance(p, bytes) else p.encode("utf-8")
         text = p.decode("utf-8", errors="replace") if isinstance(p, bytes) else p
         offsets.append(where.next(raw))
-        tokens.append(_legacy_token(text, raw))
+        tokens.append(token_id_name(prompt_ids[i]) if by_id else _legacy_token(text, raw))
     for entry in entries:
         chosen = entry.chosen
         offsets.append(where.next(chosen.token_bytes or chosen.token.encode("utf-8")))
-        tokens.append(_legacy_token(chosen.token, chosen.token_bytes))
+        tokens.append(_legacy_name(chosen, by_id))
         token_logprobs.append(chosen.logprob)
-        top.append(_legacy_top(entry))
+        top.append(_legacy_top(entry, by_id))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -106,14 +118,12 @@ def completion_logprobs(
     }
 
 
-def _legacy_top(entry: PositionLogprobs) -> dict[str, float]:
+def _legacy_top(entry: PositionLogprobs, by_id: bool) -> dict[str, float]:
     """A position's ``top_logprobs``: the ``logprobs`` most likely tokens and, as the OpenAI API
     and vLLM always include it, the chosen one (up to ``logprobs + 1`` entries; with
     ``logprobs=0`` the chosen one alone)."""
-    top = {_legacy_token(t.token, t.token_bytes): t.logprob for t in entry.top}
-    top.setdefault(
-        _legacy_token(entry.chosen.token, entry.chosen.token_bytes), entry.chosen.logprob
-    )
+    top = {_legacy_name(t, by_id): t.logprob for t in entry.top}
+    top.setdefault(_legacy_name(entry.chosen, by_id), entry.chosen.logprob)
     return top
 
 
@@ -145,18 +155,21 @@ def prompt_logprobs(entries: Sequence[PositionLogprobs]) -> list[dict[str, Any] 
 # ---- chat ----
 
 
-def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
-    raw = t.token_bytes or t.token.encode("utf-8")
-    return {"token": t.token, "logprob": t.logprob, "bytes": list(raw)}
+def _chat_logprob(t: TokenLogprob, by_id: bool) -> dict[str, Any]:
+    raw = t.token_bytes or t.token.encode("utf-8")  # the token's own bytes, even named by id
+    token = token_id_name(t.token_id) if by_id else t.token
+    return {"token": token, "logprob": t.logprob, "bytes": list(raw)}
 
 
-def chat_logprobs(entries: Sequence[PositionLogprobs]) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[PositionLogprobs], by_id: bool = False) -> dict[str, Any]:
+    """``by_id``: tokens named :func:`token_id_name` (vLLM's return_tokens_as_token_ids)."""
     return {
         "content": [
-            {**_chat_logprob(e.chosen), "top_logprobs": [_chat_logprob(t) for t in e.top]}
+            {**_chat_logprob(e.chosen, by_id),
+             "top_logprobs": [_chat_logprob(t, by_id) for t in e.top]}
             for e in entries
         ]
-    }
+    }  # fmt: skip
 
 
 def chat_choice(

@@ -171,7 +171,8 @@ async def completions(request: Request) -> Response:
     info = StreamInfo(gen.response_id, "text_completion", int(time.time()), lora or state.model_name,
                       req.common.include_usage, req.logprobs is not None, req.echo,
                       prompt_logprobs=req.prompt_logprobs,
-                      continuous_usage=req.common.continuous_usage)  # fmt: skip
+                      continuous_usage=req.common.continuous_usage,
+                      token_id_logprobs=req.common.token_id_logprobs)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
         if req.score_only:
@@ -179,9 +180,12 @@ async def completions(request: Request) -> Response:
         prefix = c.prompt_text if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
-            echoed = [tok.token_bytes(t) for t in c.item.prompt_ids] if req.echo else []
+            prompt = c.item.prompt_ids if req.echo else ()
+            echoed = [tok.token_bytes(t) for t in prompt]
             scores = c.prompt_logprobs if req.echo else []
-            logprobs = formats.completion_logprobs(c.logprobs, 0, echoed, scores)
+            logprobs = formats.completion_logprobs(
+                c.logprobs, 0, echoed, scores, req.common.token_id_logprobs, prompt
+            )
         out = formats.completion_choice(
             c.index, prefix + "".join(c.text), logprobs, c.finish_reason
         )
@@ -273,10 +277,12 @@ async def chat_completions(request: Request) -> Response:
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
                       lora or state.model_name, common.include_usage, req.logprobs, plan=plan,
                       prompt_logprobs=common.sampling.prompt_logprobs is not None,
-                      continuous_usage=common.continuous_usage)  # fmt: skip
+                      continuous_usage=common.continuous_usage,
+                      token_id_logprobs=common.token_id_logprobs)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
-        logprobs = formats.chat_logprobs(c.logprobs) if req.logprobs else None
+        by_id = req.common.token_id_logprobs
+        logprobs = formats.chat_logprobs(c.logprobs, by_id) if req.logprobs else None
         if plan.plain:
             return formats.chat_choice(c.index, "".join(c.text), logprobs, c.finish_reason)
         out = ChoiceOutput(plan)

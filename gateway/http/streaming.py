@@ -38,6 +38,7 @@ class StreamInfo:
     plan: OutputPlan | None = None  # chat: tool calls or reasoning to read out of the text
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: a frame of their own, first
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
+    token_id_logprobs: bool = False  # vLLM's return_tokens_as_token_ids
 
 
 Body = dict[str, Any]  # one chunk, before it is framed
@@ -70,7 +71,9 @@ def _completion_piece(
     a whole response counts), from where its text starts (after the echoed prompt)."""
     logprobs = None
     if info.logprobs:
-        logprobs = formats.completion_logprobs(chunk.logprobs, offsets[choice.index])
+        logprobs = formats.completion_logprobs(
+            chunk.logprobs, offsets[choice.index], by_id=info.token_id_logprobs
+        )
     piece = formats.completion_choice(choice.index, chunk.text, logprobs, chunk.finish_reason)
     return [_frame(info, [piece])]
 
@@ -78,7 +81,9 @@ def _completion_piece(
 def _chat_piece(
     info: StreamInfo, offsets: dict[int, formats.TextOffsets], choice: Choice, chunk: Chunk
 ) -> list[Body]:
-    logprobs = formats.chat_logprobs(chunk.logprobs) if info.logprobs else None
+    logprobs = (
+        formats.chat_logprobs(chunk.logprobs, info.token_id_logprobs) if info.logprobs else None
+    )
     delta = {"content": chunk.text} if chunk.text else {}
     return [_frame(info, [formats.chat_delta(choice.index, delta, logprobs, chunk.finish_reason)])]
 
@@ -94,7 +99,9 @@ def _parsed_chat_piece(
     if chunk.finish_reason is not None:
         deltas += out.finish()
         finish = out.finish_reason(chunk.finish_reason)
-    logprobs = formats.chat_logprobs(chunk.logprobs) if info.logprobs else None
+    logprobs = (
+        formats.chat_logprobs(chunk.logprobs, info.token_id_logprobs) if info.logprobs else None
+    )
     if not deltas and (finish is not None or logprobs is not None):
         deltas = [{}]
     last = len(deltas) - 1

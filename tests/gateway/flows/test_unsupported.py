@@ -28,7 +28,6 @@ ASKING: dict[str, Any] = {
     "bad_words": ["bad"],
     "allowed_token_ids": [1, 2],
     "logits_processors": ["x"],
-    "return_tokens_as_token_ids": True,
     "spaces_between_special_tokens": False,
     "kv_transfer_params": {"do_remote_decode": True},
     "cache_salt": "salt",

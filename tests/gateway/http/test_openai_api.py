@@ -256,6 +256,36 @@ def test_chat_logprobs_and_top_logprobs(disagg: Stack) -> None:
     assert all(c.logprob == -0.5 and len(c.top_logprobs) == 3 for c in content)
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(colocated: Stack) -> None:
+    """vLLM's return_tokens_as_token_ids: "token_id:N" in place of each token's text, in
+    legacy logprobs (echoed prompt and top alternatives too, text offsets unchanged) and in
+    chat logprobs, streamed or not; a chat's bytes stay the token's own."""
+    c = client(colocated)
+    extra = {"return_tokens_as_token_ids": True}
+    kw = {"model": "embedded", "prompt": "Hello world", "max_tokens": 2, "logprobs": 2}
+    plain = c.completions.create(**kw, echo=True).choices[0].logprobs
+    named = c.completions.create(**kw, echo=True, extra_body=extra).choices[0]
+    assert named.logprobs.tokens[:2] == ["token_id:19556", "token_id:905"]
+    assert all(t.startswith("token_id:") for t in named.logprobs.tokens[2:])
+    assert len(named.logprobs.tokens) == len(plain.tokens)
+    assert named.logprobs.text_offset == plain.text_offset
+    for position in named.logprobs.top_logprobs[1:]:
+        assert position and all(k.startswith("token_id:") for k in position)
+    chat = {"model": "embedded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 2, "extra_body": extra}  # fmt: skip
+    content = c.chat.completions.create(**chat).choices[0].logprobs.content
+    plain_chat = c.chat.completions.create(**{**chat, "extra_body": {}}).choices[0].logprobs
+    assert [x.token for x in content] == ["token_id:1", "token_id:9690", "token_id:198"]
+    assert [x.bytes for x in content] == [x.bytes for x in plain_chat.content]
+    assert all(t.token.startswith("token_id:") for x in content for t in x.top_logprobs)
+    streamed = [x.choices[0].logprobs for x in c.chat.completions.create(**chat, stream=True)
+                if x.choices and x.choices[0].logprobs]  # fmt: skip
+    assert [t.token for lp in streamed for t in lp.content] == [x.token for x in content]
+    legacy = [x.choices[0].logprobs.tokens for x in c.completions.create(
+        **kw, stream=True, extra_body=extra) if x.choices and x.choices[0].logprobs]  # fmt: skip
+    assert [t for tokens in legacy for t in tokens] == named.logprobs.tokens[2:]
+
+
 def test_token_id_prompts_and_multiple_prompts(colocated: Stack) -> None:
     out = client(colocated).completions.create(
         model="embedded", prompt=[[19556, 905], [19556]], max_tokens=2, n=2
