@@ -103,6 +103,9 @@ class SamplingParams:
     # the LoRA adapter the request runs under ("" = the base model): the gateway sets it from
     # the request's model; it travels with the other per-request options to every worker
     lora_name: str = ""
+    # vLLM's cache_salt: the request's prefix-cache blocks are found only by requests with the
+    # same salt (one tenant cannot learn from cache hits what another's prompts were); "" = none
+    cache_salt: str = ""
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ from protos.sampling_params import (
 MAX_N = 128
 MAX_TOKENS_LIMIT = 1 << 24  # beyond any context length; the context check is stricter
 MAX_PROMPTS = 256
+MAX_CACHE_SALT = 1024  # characters
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 Prompt = str | tuple[int, ...]
@@ -108,9 +109,18 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> Sampli
             logit_bias=logit_bias_pairs(_logit_bias(f)),
             structured=parse_structured(f),
             prompt_logprobs=f.get_int("prompt_logprobs", None, 0, MAX_LOGPROBS),
+            cache_salt=_cache_salt(f),
         )
     except InvalidRequestError as e:
         raise invalid(str(e), e.param) from e
+
+
+def _cache_salt(f: Fields) -> str:
+    """vLLM's ``cache_salt``: a non-empty string when given (null: none)."""
+    salt = f.get_str("cache_salt", None, MAX_CACHE_SALT)
+    if salt == "":
+        raise invalid("cache_salt must be a non-empty string (or left out)", "cache_salt")
+    return salt or ""
 
 
 def _logit_bias(f: Fields) -> dict[str, float]:

@@ -39,7 +39,6 @@ SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
     "logits_processors": ("custom logits processors are not supported", NEUTRAL),
     "spaces_between_special_tokens": ("only the default (true) is implemented", DEFAULT_TRUE),
     "kv_transfer_params": ("external KV transfer parameters are not supported", NEUTRAL),
-    "cache_salt": ("per-request prefix-cache salts are not implemented", NEUTRAL),
     "vllm_xargs": ("vLLM extension arguments are not supported", NEUTRAL),
     "mm_processor_kwargs": (
         "per-request image processor options are not supported (send images as image_url "

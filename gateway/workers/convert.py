@@ -51,6 +51,7 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         skip_special_tokens=sp.skip_special_tokens,
         logit_bias=dict(sp.logit_bias),
         lora_name=sp.lora_name,
+        cache_salt=sp.cache_salt,
     )
     if sp.seed is not None:
         msg.seed = sp.seed

@@ -76,7 +76,7 @@ class Dispatcher:
             )
             raise UpstreamError(unavailable(self.unavailable_reason() or left), False)
         key = prefix_key(item.prompt_ids, workers[0].block_size, self.ctx.config.prefix_blocks,
-                         item.images, lora or "")  # fmt: skip
+                         item.images, lora or "", item.sampling.cache_salt)  # fmt: skip
         ranked = rank_by_affinity(workers, key)
         parent.set_attribute("tandem.mode", "disaggregated" if role == "prefill" else "colocated")
         if role == "prefill":

@@ -34,13 +34,14 @@ C = TypeVar("C", bound=Candidate)
 
 def prefix_key(
     prompt_ids: Sequence[int], block_size: int, max_blocks: int,
-    images: Sequence[ImageItem] = (), lora: str = "",
+    images: Sequence[ImageItem] = (), lora: str = "", cache_salt: str = "",
 ) -> bytes:  # fmt: skip
     """A hash of the first ``max_blocks`` full blocks (the whole prompt if shorter than one), of
-    the content of the images whose placeholders start in them, and of the LoRA adapter: what
-    the workers' prefix cache keys those blocks by (an image's placeholder ids are the same for
-    every image; an adapter's KV is its own), so two prompts share a key only where they could
-    share cached blocks."""
+    the content of the images whose placeholders start in them, of the LoRA adapter and of the
+    request's cache salt: what the workers' prefix cache keys those blocks by (an image's
+    placeholder ids are the same for every image; an adapter's KV is its own; a salt's blocks
+    are found only with that salt), so two prompts share a key only where they could share
+    cached blocks."""
     full = min(len(prompt_ids) // block_size, max_blocks) * block_size
     head = prompt_ids[: full or len(prompt_ids)]
     h = hashlib.blake2b(array("q", head).tobytes(), digest_size=16)
@@ -49,6 +50,8 @@ def prefix_key(
             h.update(image.content_hash)
     if lora:
         h.update(b"\0lora:" + lora.encode())
+    if cache_salt:
+        h.update(b"\0salt:" + cache_salt.encode())
     return h.digest()
 
 

@@ -52,6 +52,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         structured=structured_from_pb(msg.structured) if msg.HasField("structured") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         lora_name=msg.lora_name,
+        cache_salt=msg.cache_salt,
     )
 
 

@@ -297,9 +297,13 @@ class LLMEngine:
         )
 
     def _cache_salt(self, params: SamplingParams) -> str:
-        """A LoRA request's prefix-cache salt: its adapter (as loaded now)."""
+        """A request's prefix-cache salt: its LoRA adapter's (as loaded now) and its own
+        ``cache_salt``; "" for neither."""
         lora = self.runner.lora
-        return lora.salts.get(params.lora_name, "") if lora is not None else ""
+        adapter = lora.salts.get(params.lora_name, "") if lora is not None else ""
+        if not params.cache_salt:
+            return adapter
+        return f"{adapter}\0user:{params.cache_salt}"
 
     def _track(self, req: Request) -> None:
         sp = req.sampling_params

@@ -355,6 +355,7 @@ class Decode(LoRAUpdates, decode_pb2_grpc.DecodeServiceServicer):
         e = self.e
         e._note(request.request_id, context)
         e.records.decode_calls.append(request.request_id)
+        e.records.samplings.append(request.sampling)
         if request.local_prefill:
             e.records.local_prefills.append(request.request_id)
         if e.records.reservations.get(request.request_id) != request.reservation_id:

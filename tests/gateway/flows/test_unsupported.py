@@ -30,7 +30,6 @@ ASKING: dict[str, Any] = {
     "logits_processors": ["x"],
     "spaces_between_special_tokens": False,
     "kv_transfer_params": {"do_remote_decode": True},
-    "cache_salt": "salt",
     "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1},
     "lora_request": {"lora_name": "x"},

@@ -313,6 +313,19 @@ def test_sampling_fields_are_forwarded(colocated: Stack) -> None:
     assert abs(sp.top_p - 0.9) < 1e-6 and abs(sp.repetition_penalty - 1.1) < 1e-6
 
 
+def test_a_cache_salt_travels_to_the_workers_and_a_bad_one_is_a_400(disagg: Stack) -> None:
+    """vLLM's cache_salt reaches the prefill and the decode worker (both key cached blocks by
+    it); an empty or non-string salt is a 400 naming it."""
+    url = f"{disagg.base_url}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(url, json={**body, "cache_salt": "tenant-7"}).status_code == 200
+    got = [w.records.samplings[-1].cache_salt for w in disagg.workers if w.records.samplings]
+    assert got == ["tenant-7", "tenant-7"]  # the prefill worker chosen, the decode worker
+    for bad in ("", 7, "x" * 1025):
+        r = httpx.post(url, json={**body, "cache_salt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
 def test_timing_header(disagg: Stack) -> None:
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
     parts = dict(p.split("=") for p in r.headers["x-tandem-timing"].split(";"))

@@ -44,6 +44,10 @@ def test_prefix_key_tells_images_and_adapters_apart() -> None:
     assert prefix_key([*ids, *range(30)], 16, 4, (late,)) == prefix_key([*ids, *range(30)], 16, 4)
     assert prefix_key(ids, 16, 4, lora="sql") != prefix_key(ids, 16, 4)
     assert prefix_key(ids, 16, 4, lora="sql") != prefix_key(ids, 16, 4, lora="chat")
+    # a cache salt's blocks are found only with that salt: keyed apart too
+    assert prefix_key(ids, 16, 4, cache_salt="a") != prefix_key(ids, 16, 4)
+    assert prefix_key(ids, 16, 4, cache_salt="a") != prefix_key(ids, 16, 4, cache_salt="b")
+    assert prefix_key(ids, 16, 4, cache_salt="a") == prefix_key(ids, 16, 4, cache_salt="a")
 
 
 def test_same_prefix_same_worker_and_keys_spread_evenly() -> None:

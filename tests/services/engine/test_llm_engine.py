@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -58,6 +60,25 @@ def test_logprobs_are_log_probabilities(llm: LLM, chat_ids: list[list[int]]) -> 
         assert pos.chosen.token_id == tok and pos.chosen.logprob <= 0.0
         assert len(pos.top) == 3 and pos.top[0].token_id == tok  # greedy picks the best
         assert pos.top[0].logprob >= pos.top[1].logprob >= pos.top[2].logprob
+
+
+def test_a_cache_salt_keeps_prefix_cache_hits_within_its_salt(llm: LLM) -> None:
+    """vLLM's cache_salt: a prompt's cached blocks are found by the same prompt with the same
+    salt only, not by another salt or none (and unsalted blocks not by a salted request); the
+    text does not depend on it."""
+    prompt = [(37 * i) % 40000 + 100 for i in range(70)]  # 4 full blocks of 16, fresh
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def run(salt: str) -> tuple[list[int], int]:
+        out = llm.generate([prompt], replace(params, cache_salt=salt))[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    first, cached = run("tenant-a")
+    assert cached == 0
+    assert run("tenant-b") == (first, 0)
+    assert run("") == (first, 0)
+    assert run("tenant-a") == (first, 64)
+    assert run("")[1] == 64  # the unsalted run above cached its own blocks
 
 
 @pytest.mark.parametrize(
