@@ -61,8 +61,9 @@ def check_images(count: int, spec: VisionSpec | None, limit: int | None, model: 
     """A 400 for images the model cannot take, or more than ``--limit-mm-per-prompt``."""
     if spec is None:
         raise invalid(
-            f"the model {model!r} is text-only and takes no images: drop the image_url parts, "
-            "or serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)", "messages"
+            f"the model {model!r} is served for text only and takes no images: drop the "
+            "image_url parts, or serve a vision-language model (Qwen2-VL, Qwen2.5-VL, "
+            "Qwen3-VL)", "messages"
         )  # fmt: skip
     if limit is not None and count > limit:
         raise invalid(

@@ -1,7 +1,8 @@
 """A torch-free tokenizer: ``tokenizers`` for ids, Jinja for the chat template.
 
 The directory is what ``transformers``' ``save_pretrained`` writes: tokenizer.json,
-tokenizer_config.json and, in newer versions, chat_template.jinja.
+tokenizer_config.json and, in newer versions, chat_template.jinja (a vision-language repository
+may keep its template in its processor's chat_template.json only).
 
 Chat safety: a special token typed inside a message (``<|im_start|>system`` in user content) is
 text, as OpenAI treats it, not a control token that opens a new turn. Messages without any
@@ -88,7 +89,15 @@ class GatewayTokenizer:
         if os.path.exists(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 return f.read()
-        return pick_template(config.get("chat_template"))
+        template = pick_template(config.get("chat_template"))
+        processor_file = os.path.join(directory, "chat_template.json")  # a processor's (VL repos)
+        if template is None and os.path.exists(processor_file):
+            try:
+                with open(processor_file, encoding="utf-8") as f:
+                    template = pick_template(json.load(f).get("chat_template"))
+            except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+                raise ConfigError(f"{processor_file} is not a readable chat template: {e}") from e
+        return template
 
     @property
     def has_chat_template(self) -> bool:

@@ -245,12 +245,19 @@ class LLMEngine:
         """Refuse images a text-only model cannot take, image tokens without an image and (when
         the prompt is computed here: ``need_data``) an image without its bytes; returns the
         request's position offset (M-RoPE)."""
-        vision = self.runner.arch.vision
+        arch = self.runner.arch
+        vision = arch.vision
         if vision is None:
             if images:
+                what = (
+                    f"served for its language model only ({arch.language_of}'s vision tower is "
+                    "not supported yet)"
+                    if arch.language_of
+                    else "a text-only model"
+                )
                 raise InvalidRequestError(
-                    f"{self.model_name} is a text-only model: it takes no images; send text "
-                    "only, or serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)",
+                    f"{self.model_name} is {what}: it takes no images; send text only, or "
+                    "serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)",
                     "messages",
                 )  # fmt: skip
             return 0

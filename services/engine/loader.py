@@ -81,22 +81,49 @@ def _shard_sizes(arch: ArchConfig, fused: str) -> list[int]:
     return [arch.intermediate_size, arch.intermediate_size]
 
 
+# a Gemma 3 checkpoint with vision (served as its language model): its language model's
+# tensors under the names of the text-only model (as uploaded with transformers 4, and as
+# transformers 5 saves them); the vision tower's and the projector's, skipped
+_LANGUAGE_NAMES = (
+    ("language_model.model.", "model."), ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)  # fmt: skip
+_OTHER_TOWERS = (
+    "vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
+)  # fmt: skip
+
+
+def language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text-only model names it; None for a tensor
+    of another tower."""
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, plain in _LANGUAGE_NAMES:
+        if name.startswith(prefix):
+            return plain + name[len(prefix) :]
+    return name
+
+
 def iter_safetensors(
-    directory: Path, layout: TPLayout | None = None
+    directory: Path, layout: TPLayout | None = None, language_only: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint; with a tensor-parallel ``layout``, only the rank's slice
-    of each, read from the file as a slice (the whole tensor never exists in this process)."""
+    of each, read from the file as a slice (the whole tensor never exists in this process).
+    ``language_only``: a multimodal checkpoint's language model, by its text-only names."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors weights in {directory}")
     for file in files:
         with safe_open(str(file), framework="pt") as fh:
-            for name in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
-                part = fh.get_slice(name)
+            for stored in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = language_model_name(stored) if language_only else stored
+                if name is None:
+                    continue
+                part = fh.get_slice(stored)
                 shape = tuple(part.get_shape())
                 cut = layout.checkpoint_slice(name, shape) if layout is not None else None
                 if cut is None:
-                    yield name, fh.get_tensor(name)
+                    yield name, fh.get_tensor(stored)
                     continue
                 if cut.skip:
                     continue
@@ -321,7 +348,7 @@ def load_model(
         dummy_quantized(model, config.seed)
     else:
         assert files.hf_dir is not None
-        load_weights(model, iter_safetensors(files.hf_dir, layout))
+        load_weights(model, iter_safetensors(files.hf_dir, layout, bool(arch.language_of)))
     if qcfg is not None:
         _finish_quantization(model, qcfg)
     return model.eval(), arch, files

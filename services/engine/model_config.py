@@ -21,6 +21,7 @@ SUPPORTED = {
     "qwen2_5_vl": "Qwen2.5-VL (images)",
     "qwen3_vl": "Qwen3-VL (images)",
     "gemma3_text": "Gemma 3 (text)",
+    "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
 }
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")  # rope scaling (services.engine.rope)
@@ -136,6 +137,9 @@ class ArchConfig:
     # sliding-window mask; None (and no layers): every layer attends to the whole context
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # the model_type of a multimodal checkpoint of which only the language model is served
+    # ("gemma3"): its other towers' weights are skipped, and no request may carry images
+    language_of: str = ""
 
     def window(self, layer: int) -> int:
         """The keys a query of ``layer`` sees, itself included; 0: the whole context."""
@@ -149,7 +153,9 @@ class ArchConfig:
         if model_type not in SUPPORTED:
             known = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
-        vision, gemma = None, None
+        vision, gemma, language_of = None, None, ""
+        if model_type == "gemma3":
+            cfg, model_type, language_of = _gemma3_language(cfg), "gemma3_text", "gemma3"
         if model_type == "gemma3_text":
             cfg, gemma = _gemma3(cfg)
         if model_type in VL_TYPES:
@@ -210,6 +216,7 @@ class ArchConfig:
             gemma=gemma,
             sliding_window=window,
             sliding_layers=windowed,
+            language_of=language_of,
         )
 
     @classmethod
@@ -231,6 +238,24 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _gemma3_language(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a Gemma 3 checkpoint with vision (model_type ``gemma3``):
+    its ``text_config`` with the defaults transformers' ``Gemma3TextConfig`` gives the keys it
+    leaves out (the published 4B-27B configs name only a few), and the checkpoint's dtype and
+    tied embeddings."""
+    from transformers import Gemma3TextConfig
+
+    given = {k: v for k, v in (cfg.get("text_config") or {}).items() if k != "model_type"}
+    text = Gemma3TextConfig(**given).to_dict()
+    text["tie_word_embeddings"] = cfg.get(
+        "tie_word_embeddings", given.get("tie_word_embeddings", True)
+    )
+    for key in ("torch_dtype", "dtype", "quantization_config", "eos_token_id", "bos_token_id"):
+        if cfg.get(key) is not None and given.get(key) is None:
+            text[key] = cfg[key]
+    return {**text, "model_type": "gemma3_text"}
 
 
 def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:

@@ -131,6 +131,28 @@ def test_template_from_tokenizer_config_when_no_jinja_file(tokenizer_dir: str, t
     assert GatewayTokenizer(str(tmp_path)).render_chat([{"role": "user", "content": "x"}]) == "<x>"
 
 
+def test_template_from_a_processor_s_chat_template_json(tokenizer_dir: str, tmp_path) -> None:
+    """A vision-language repository may keep its template in chat_template.json only (its
+    processor's); tokenizer_config.json's, where it has one, comes first."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes(Path(tokenizer_dir, name).read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.json").write_text(
+        json.dumps({"chat_template": "[{{ messages[0].content }}]"})
+    )
+    assert GatewayTokenizer(str(tmp_path)).render_chat([{"role": "user", "content": "x"}]) == "[x]"
+    config["chat_template"] = "<{{ messages[0].content }}>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert GatewayTokenizer(str(tmp_path)).render_chat([{"role": "user", "content": "x"}]) == "<x>"
+    (tmp_path / "chat_template.json").write_text("{not json")
+    config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"chat_template\.json"):
+        GatewayTokenizer(str(tmp_path))
+
+
 def test_missing_template_is_a_clear_error(tokenizer_dir: str, tmp_path) -> None:
     (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_dir, "tokenizer.json").read_bytes())
     tok = GatewayTokenizer(str(tmp_path))

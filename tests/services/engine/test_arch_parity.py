@@ -5,6 +5,7 @@ max_window_layers on, Gemma 3's on its local layers)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Callable
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from kernels import ops
-from protos.sampling_params import SamplingParams
+from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
 from services.model_files import prepare_model
@@ -222,3 +223,76 @@ def test_a_window_no_context_outgrows_is_left_to_whole_attention(windowed: Built
         modules = llm.engine.runner.model.modules()
         assert {m.window for m in modules if isinstance(m, Attention)} == want
         llm.close()
+
+
+def _gemma3_with_vision(path: Path) -> Any:
+    """A tiny Gemma 3 checkpoint with a vision tower (model_type gemma3, as the 4B-27B ones):
+    its config.json names only the text_config keys that differ from transformers' defaults."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    _, text = CONFIGS["gemma3"]
+    cfg = Gemma3Config(
+        text_config={**COMMON, **text},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2,
+        eoi_token_index=VOCAB - 3,
+    )  # fmt: skip
+    model = Gemma3ForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():  # norms off their initial values, as in _build
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(path)
+    load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
+    return model.eval()
+
+
+def test_a_gemma3_checkpoint_with_vision_serves_its_language_model(tmp_path: Path) -> None:
+    """google/gemma-3-4b-it's layout: the language model's greedy tokens are transformers' (its
+    defaults filling the text config), from the Hub's tensor names and from those of
+    transformers' module tree; the vision tower is skipped, images refused."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _gemma3_with_vision(tmp_path)
+    # as the Hub's configs: only the text_config keys that differ from transformers' defaults
+    from transformers import Gemma3TextConfig
+
+    defaults = Gemma3TextConfig().to_dict()
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"] = {k: v for k, v in config["text_config"].items()
+                             if k == "model_type" or defaults.get(k) != v}  # fmt: skip
+    assert "num_attention_heads" in config["text_config"]
+    assert "rms_norm_eps" not in config["text_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(3, [1, 9, 61])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with torch.no_grad():
+        want = [
+            hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                        do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            for p in prompts
+        ]  # fmt: skip
+    llm = LLM(str(tmp_path))
+    assert llm.engine.runner.arch.language_of == "gemma3"
+    assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == want
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": [b"png"]}}, params)
+    llm.close()
+    # transformers saves the Hub's names (language_model.model.*, vision_tower.*); the same
+    # tensors under the names of its module tree (model.language_model.*, model.vision_tower.*)
+    (file,) = tmp_path.glob("*.safetensors")
+    stored = load_file(str(file))
+    assert any(k.startswith("language_model.model.") for k in stored)
+    assert any(k.startswith("vision_tower.") for k in stored)
+    old = {}
+    for name, tensor in stored.items():
+        if name.startswith("language_model.model."):
+            name = "model.language_model." + name.removeprefix("language_model.model.")
+        elif name.startswith(("vision_tower.", "multi_modal_projector.")):
+            name = "model." + name
+        old[name] = tensor
+    save_file(old, str(file), metadata={"format": "pt"})
+    with LLM(str(tmp_path)) as again:
+        assert [r.outputs[0].token_ids for r in again.generate(prompts, params)] == want
