@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from kernels import ops
 from services.config import ConfigError, ModelConfig
-from services.engine.model_config import ArchConfig
+from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
@@ -316,6 +316,11 @@ def load_model(
     dtype = resolve_dtype(config, arch, device)
     dummy = _random_weights(config, files)
     qcfg = _quantization(config, arch, dummy)
+    if qcfg is not None and qcfg.serialized and arch.model_type in FUSED_CHECKPOINT_TYPES:
+        raise ConfigError(
+            f"quantized {arch.model_type} checkpoints (q, k and v in one qkv_proj tensor) are not "
+            "supported yet: serve the bf16 checkpoint, with --quantization fp8 for FP8"
+        )
     if qcfg is not None and (arch.moe is not None or arch.vision is not None):
         what = f"{arch.model_type} (Mixture-of-Experts)"
         what = what if arch.vision is None else f"{arch.model_type} (vision-language)"

@@ -22,7 +22,10 @@ SUPPORTED = {
     "qwen3_vl": "Qwen3-VL (images)",
     "gemma3_text": "Gemma 3 (text)",
     "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
+    "phi3": "Phi-3, Phi-4 (default rope; not longrope or partial rotary)",
 }
+# checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
+FUSED_CHECKPOINT_TYPES = ("phi3",)
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")  # rope scaling (services.engine.rope)
 # families whose config turns sliding-window attention on with use_sliding_window
@@ -300,8 +303,9 @@ def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
 
 def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     """The window and the layers that attend through it, as transformers 5's modelling code
-    decides for each family: Mistral (``sliding_window``, 4096 when the key is absent) and
-    Mixtral window every layer (``layer_types`` ignored), Qwen3-MoE every layer with
+    decides for each family: Mistral (``sliding_window``, 4096 when the key is absent), Phi-3
+    (``sliding_window``, none when absent) and Mixtral window every layer (``layer_types``
+    ignored for Mistral and Mixtral), Qwen3-MoE every layer with
     ``use_sliding_window``; Qwen2, Qwen3 and Qwen2(.5)-VL with ``use_sliding_window`` the layers
     ``layer_types`` names, else those from ``max_window_layers`` on (its default: 28, 80 for the
     VL models); Gemma 3 the ``layer_types`` ones; Llama and Qwen3-VL never. (None, ()) when no
@@ -311,7 +315,7 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
         return None, ()
     if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window"):
         return None, ()
-    window = cfg.get("sliding_window", 4096 if model_type != "mixtral" else None)
+    window = cfg.get("sliding_window", 4096 if model_type not in ("mixtral", "phi3") else None)
     if window is None:
         return None, ()
     types = cfg.get("layer_types")

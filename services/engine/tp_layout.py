@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.config import ConfigError
-from services.engine.model_config import ArchConfig
+from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
 
 if TYPE_CHECKING:  # torch-free here; the package imports the quantized layers (and torch)
     from services.engine.quantization.config import QuantConfig
@@ -131,6 +131,11 @@ class TPLayout:
         for fp8 quantized at load time, which quantizes each rank's float slice)."""
         nq, nkv = arch.num_heads, arch.num_kv_heads
         where = f"--tensor-parallel-size {size}"
+        if arch.model_type in FUSED_CHECKPOINT_TYPES:
+            raise ConfigError(
+                f"{where}: {arch.model_type} checkpoints (q, k and v in one qkv_proj tensor) are "
+                "not split over ranks yet; use 1"
+            )
         if quant is not None and quant.desc_act:
             raise ConfigError(
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "

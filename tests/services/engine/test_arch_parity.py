@@ -1,5 +1,5 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3 (also with YaRN rope scaling), Gemma 3, Qwen3-MoE and Mixtral checkpoints (float32,
+Qwen3 (also with YaRN rope scaling), Gemma 3, Qwen3-MoE, Mixtral and Phi-3 checkpoints (float32,
 seeded), greedy, token for token, sliding windows included (Mistral's on every layer, Qwen2's from
 max_window_layers on, Gemma 3's on its local layers)."""
 
@@ -78,6 +78,8 @@ CONFIGS = {
         "num_hidden_layers": 2, "intermediate_size": 48, "num_local_experts": 4,
         "num_experts_per_tok": 2,
     }),
+    # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), every layer through a window
+    "phi3": ("phi3", {"num_hidden_layers": 2, "intermediate_size": 96, "sliding_window": 24}),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16

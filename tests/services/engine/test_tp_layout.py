@@ -84,6 +84,13 @@ def test_experts_keep_every_expert_with_a_share_of_its_rows() -> None:
         TPLayout.of(replace(ARCH, moe=replace(moe, intermediate_size=1)), 0, 2)
 
 
+def test_checkpoints_with_fused_qkv_tensors_are_refused() -> None:
+    """Phi-3 stores q, k and v as one qkv_proj tensor: a rank's rows of it are three runs,
+    which the slicer does not read yet."""
+    with pytest.raises(ConfigError, match=r"phi3 checkpoints .* not split"):
+        TPLayout.of(replace(ARCH, model_type="phi3"), 0, 2)
+
+
 def test_act_order_checkpoints_are_refused() -> None:
     with pytest.raises(ConfigError, match="act-order"):
         TPLayout.of(ARCH, 0, 2, QuantConfig("gptq", desc_act=True))

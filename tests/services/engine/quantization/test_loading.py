@@ -163,6 +163,18 @@ def test_awq_flag_on_a_float_checkpoint_is_refused(tmp_path: Path) -> None:
         load(path, quantization="awq")
 
 
+def test_a_quantized_checkpoint_with_fused_qkv_tensors_is_refused(tmp_path: Path) -> None:
+    """Phi-3's layout (q, k and v in one qkv_proj tensor) quantized: refused at start, with
+    what to serve instead, not loaded piece by piece as the unfused layout."""
+    import json
+
+    path, _ = ck.fp8_checkpoint(tmp_path / "fp8", "block")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "phi3"}))
+    with pytest.raises(ConfigError, match=r"quantized phi3 checkpoints .* --quantization fp8"):
+        load(path)
+
+
 def test_a_missing_quantized_tensor_is_named(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
