@@ -77,6 +77,9 @@ class ChatRequest:
     top_logprobs: int
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     continue_final_message: bool = False  # the prompt ends inside the final message
+    # vLLM's echo: the reply's content starts with the final message's, when that message is
+    # the assistant's (an answer the client began)
+    echo: bool = False
     tools: ToolPlan | None = None  # None: no tools offered
     # of the image_url parts, in order: encoded bytes, or an http(s) URL still to fetch
     images: tuple[bytes | ImageURL, ...] = ()
@@ -416,6 +419,7 @@ def parse_chat(body: Any) -> ChatRequest:
         messages=messages,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final,
+        echo=f.get_bool("echo", False),
         logprobs=logprobs,
         top_logprobs=top or 0,
         template_kwargs=kwargs,

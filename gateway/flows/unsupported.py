@@ -56,7 +56,6 @@ CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
     "function_call": (_TOOLS, (*NEUTRAL, "none")),
     "chat_template": ("a per-request chat template is not supported (use the gateway's)", NEUTRAL),
     "documents": ("documents (RAG templates) are not supported", NEUTRAL),
-    "echo": ("echo is not supported on chat completions", NEUTRAL),
     "audio": ("audio output is not supported", NEUTRAL),
     "modalities": ("only text output is supported", (*NEUTRAL, ["text"])),
     "prediction": ("predicted outputs are not supported", NEUTRAL),

@@ -274,19 +274,27 @@ async def chat_completions(request: Request) -> Response:
     )
     prompt = PromptIds(ids, text, images)
     gen = _start(state, request, "chat", "chatcmpl", [prompt], common, None)
+    final = req.messages[-1]
+    echoed = ""
+    if req.echo and final.get("role") == "assistant" and isinstance(final.get("content"), str):
+        echoed = final["content"]
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
                       lora or state.model_name, common.include_usage, req.logprobs, plan=plan,
                       prompt_logprobs=common.sampling.prompt_logprobs is not None,
                       continuous_usage=common.continuous_usage,
-                      token_id_logprobs=common.token_id_logprobs)  # fmt: skip
+                      token_id_logprobs=common.token_id_logprobs,
+                      echoed=echoed)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
         by_id = req.common.token_id_logprobs
         logprobs = formats.chat_logprobs(c.logprobs, by_id) if req.logprobs else None
         if plan.plain:
-            return formats.chat_choice(c.index, "".join(c.text), logprobs, c.finish_reason)
+            text = echoed + "".join(c.text)
+            return formats.chat_choice(c.index, text, logprobs, c.finish_reason)
         out = ChoiceOutput(plan)
         message = out.message("".join(c.text))
+        if echoed:
+            message = {**message, "content": echoed + (message.get("content") or "")}
         return formats.chat_message_choice(
             c.index, message, logprobs, out.finish_reason(c.finish_reason)
         )

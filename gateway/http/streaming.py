@@ -39,6 +39,7 @@ class StreamInfo:
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: a frame of their own, first
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
     token_id_logprobs: bool = False  # vLLM's return_tokens_as_token_ids
+    echoed: str = ""  # chat: the text the reply's content starts with (vLLM's echo)
 
 
 Body = dict[str, Any]  # one chunk, before it is framed
@@ -128,7 +129,7 @@ def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> Bo
 def _openings(info: StreamInfo, gen: Generation) -> list[Body]:
     """Chat: the assistant role first. Completions with echo: the prompt first."""
     if info.object == "chat.completion.chunk":
-        delta = {"role": "assistant", "content": ""}
+        delta = {"role": "assistant", "content": info.echoed}
         return [_frame(info, [formats.chat_delta(c.index, delta, None, None)]) for c in gen.choices]
     if info.echo:
         return [_frame(info, [formats.completion_choice(c.index, c.prompt_text, None, None)])

@@ -37,7 +37,6 @@ ASKING: dict[str, Any] = {
     "function_call": "auto",
     "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}],
-    "echo": True,
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},

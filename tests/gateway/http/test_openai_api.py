@@ -326,6 +326,27 @@ def test_a_cache_salt_travels_to_the_workers_and_a_bad_one_is_a_400(disagg: Stac
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
+def test_chat_echo_starts_the_reply_with_the_answer_the_client_began(colocated: Stack) -> None:
+    """vLLM's chat echo: the final message's content first, when that message is the
+    assistant's (streamed: in the first delta); a final user message is not echoed."""
+    c = client(colocated)
+    began = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    extra = {"echo": True, "continue_final_message": True}
+    plain = c.chat.completions.create(model="embedded", messages=began, max_tokens=3,
+                                      extra_body={"continue_final_message": True})  # fmt: skip
+    out = c.chat.completions.create(model="embedded", messages=began, max_tokens=3,
+                                    extra_body=extra)  # fmt: skip
+    assert out.choices[0].message.content == "Sure, " + plain.choices[0].message.content
+    stream = c.chat.completions.create(model="embedded", messages=began, max_tokens=3,
+                                       extra_body=extra, stream=True)  # fmt: skip
+    text = "".join(x.choices[0].delta.content or "" for x in stream if x.choices)
+    assert text == out.choices[0].message.content
+    asked = c.chat.completions.create(model="embedded", messages=began[:1], max_tokens=3,
+                                      extra_body={"echo": True})  # fmt: skip
+    unasked = c.chat.completions.create(model="embedded", messages=began[:1], max_tokens=3)
+    assert asked.choices[0].message.content == unasked.choices[0].message.content
+
+
 def test_timing_header(disagg: Stack) -> None:
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
     parts = dict(p.split("=") for p in r.headers["x-tandem-timing"].split(";"))
