@@ -127,6 +127,9 @@ def iter_safetensors(
                     continue
                 if cut.skip:
                     continue
+                if cut.runs:  # a fused projection: the rank's run of each piece
+                    yield name, torch.cat([part[a:b] for a, b in cut.runs])
+                    continue
                 tensor = part[cut.start : cut.end] if cut.dim == 0 else part[:, cut.start : cut.end]
                 if cut.pad_to is not None and tensor.shape[0] < cut.pad_to:  # the last shard
                     pad = tensor.new_zeros(cut.pad_to - tensor.shape[0], *tensor.shape[1:])

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.config import ConfigError
-from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
+from services.engine.model_config import ArchConfig
 
 if TYPE_CHECKING:  # torch-free here; the package imports the quantized layers (and torch)
     from services.engine.quantization.config import QuantConfig
@@ -50,6 +50,9 @@ _PIECE = re.compile(
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
     r"(weight|bias|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
 )
+# a projection a checkpoint stores fused (Phi-3's), as our layers hold it: a rank's rows of it
+# are one run per piece (q, k, v; gate, up)
+_FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(weight|bias)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _VISION = ("visual.", "model.visual.")  # a vision tower's tensors: whole on every rank
 # one expert's tensor as checkpoints store them (Qwen3-MoE's names; Mixtral's w1 / w3 / w2):
@@ -107,6 +110,7 @@ class CheckpointSlice:
     end: int
     pad_to: int | None = None  # rows the rank's parameter has (a padded vocabulary shard)
     skip: bool = False  # the rank does not load this tensor
+    runs: tuple[Span, ...] = ()  # rows of several runs, joined in order (a fused tensor)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class TPLayout:
     head_dim: int
     quant: QuantConfig | None = None  # a quantized checkpoint's format (None: float weights)
     moe_intermediate: Span = (0, 0)  # each expert's intermediate rows this rank holds
+    # the whole model's rows of q, of k (and of v), of the MLP's intermediate
+    whole_rows: tuple[int, int, int] = (0, 0, 0)
 
     @classmethod
     def of(
@@ -131,11 +137,6 @@ class TPLayout:
         for fp8 quantized at load time, which quantizes each rank's float slice)."""
         nq, nkv = arch.num_heads, arch.num_kv_heads
         where = f"--tensor-parallel-size {size}"
-        if arch.model_type in FUSED_CHECKPOINT_TYPES:
-            raise ConfigError(
-                f"{where}: {arch.model_type} checkpoints (q, k and v in one qkv_proj tensor) are "
-                "not split over ranks yet; use 1"
-            )
         if quant is not None and quant.desc_act:
             raise ConfigError(
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
@@ -169,7 +170,8 @@ class TPLayout:
                     "too small"
                 )
             experts = split(arch.moe.intermediate_size, size, rank)
-        layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant, experts)
+        whole = (nq * arch.head_dim, nkv * arch.head_dim, arch.intermediate_size)
+        layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant, experts, whole)
         if size > 1 and quant is not None and quant.serialized:
             layout._check_alignment(arch, where)
         return layout
@@ -227,6 +229,9 @@ class TPLayout:
         name = name.replace("model.language_model.", "model.")  # transformers 5's VL names
         if name in _VOCAB:
             return CheckpointSlice(0, *self.vocab, pad_to=self.vocab_shard)
+        fused = _FUSED.search(name)
+        if fused is not None:
+            return CheckpointSlice(0, 0, 0, runs=self.fused_runs(fused.group(1)))
         expert = _EXPERT.search(name)
         if expert is not None:
             return CheckpointSlice(
@@ -250,6 +255,18 @@ class TPLayout:
         start, end = self.row_spans()[span]
         tensor_dim, unit = cut
         return CheckpointSlice(tensor_dim, start // unit, -(-end // unit))
+
+    def fused_runs(self, fused: str) -> tuple[Span, ...]:
+        """This rank's rows of a whole fused projection: its q, k and v rows of ``qkv_proj``,
+        its gate and up rows of ``gate_up_proj``."""
+        spans = self.row_spans()
+        q_rows, kv_rows, mlp_rows = self.whole_rows
+        if fused == "qkv_proj":
+            (q0, q1), (k0, k1) = spans["q"], spans["kv"]
+            v = q_rows + kv_rows
+            return (q0, q1), (q_rows + k0, q_rows + k1), (v + k0, v + k1)
+        (i0, i1) = spans["mlp"]
+        return (i0, i1), (mlp_rows + i0, mlp_rows + i1)
 
     def row_spans(self) -> dict[str, Span]:
         """This rank's rows of the whole q projection, of k and v, and of the MLP's

@@ -84,11 +84,25 @@ def test_experts_keep_every_expert_with_a_share_of_its_rows() -> None:
         TPLayout.of(replace(ARCH, moe=replace(moe, intermediate_size=1)), 0, 2)
 
 
-def test_checkpoints_with_fused_qkv_tensors_are_refused() -> None:
-    """Phi-3 stores q, k and v as one qkv_proj tensor: a rank's rows of it are three runs,
-    which the slicer does not read yet."""
-    with pytest.raises(ConfigError, match=r"phi3 checkpoints .* not split"):
-        TPLayout.of(replace(ARCH, model_type="phi3"), 0, 2)
+def test_fused_checkpoint_tensors_are_cut_per_piece() -> None:
+    """Phi-3 stores q, k and v as one qkv_proj tensor and gate, up as one gate_up_proj: a
+    rank's rows of each are one run per piece, at that piece's offset in the whole tensor."""
+    arch = replace(ARCH, model_type="phi3")
+    d, nq, nkv, inter = arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.intermediate_size
+    for rank in range(2):
+        layout = TPLayout.of(arch, rank, 2)
+        spans = layout.row_spans()
+        (q0, q1), (k0, k1), (i0, i1) = spans["q"], spans["kv"], spans["mlp"]
+        qkv = layout.checkpoint_slice("model.layers.3.self_attn.qkv_proj.weight")
+        assert qkv is not None and qkv.dim == 0
+        assert qkv.runs == ((q0, q1), (nq * d + k0, nq * d + k1),
+                            ((nq + nkv) * d + k0, (nq + nkv) * d + k1))  # fmt: skip
+        gate_up = layout.checkpoint_slice("model.layers.3.mlp.gate_up_proj.weight")
+        assert gate_up is not None and gate_up.runs == ((i0, i1), (inter + i0, inter + i1))
+    # each piece's rows once over the ranks
+    rows = [r for rank in range(2) for a, b in TPLayout.of(arch, rank, 2).fused_runs("qkv_proj")
+            for r in range(a, b)]  # fmt: skip
+    assert sorted(rows) == list(range((nq + 2 * nkv) * d))
 
 
 def test_act_order_checkpoints_are_refused() -> None:

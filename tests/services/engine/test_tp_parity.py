@@ -36,6 +36,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "query_pre_attn_scalar": 16, "sliding_window": 8,
         "layer_types": ["sliding_attention", "full_attention"],
     }),
+    # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj): a rank's rows of each piece are
+    # cut out of the one tensor (3 KV heads: 2 + 1; MLP rows 51 + 50)
+    "phi3-3kv-uneven": ("phi3", {
+        "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
+        "num_key_value_heads": 3, "intermediate_size": 101,
+    }),
     # every expert on both ranks, each with half its rows (33: 17 + 16); the router whole
     "mixtral": ("mixtral", {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
@@ -116,6 +122,7 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("llama-3kv-uneven", 2),
         pytest.param("llama-2kv", 4, id="llama-2kv-tp4-kv-replicated"),
         ("gemma3-2kv", 2),
+        ("phi3-3kv-uneven", 2),
         ("mixtral", 2),
         ("qwen3-moe", 2),
         ("qwen3-2kv", 2),  # last: the next test goes on with its engine
