@@ -9,6 +9,7 @@ from typing import Any
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each value in [-100, 100]
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids (beyond any vocabulary's size)
 
 
 class InvalidRequestError(ValueError):
@@ -106,6 +107,9 @@ class SamplingParams:
     # vLLM's cache_salt: the request's prefix-cache blocks are found only by requests with the
     # same salt (one tenant cannot learn from cache hits what another's prompts were); "" = none
     cache_salt: str = ""
+    # vLLM's allowed_token_ids: only these tokens may be sampled (the others' logits -inf after
+    # the penalties and logit_bias); empty: any token
+    allowed_token_ids: tuple[int, ...] = ()
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +117,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         self.validate()
 
@@ -129,6 +134,7 @@ class SamplingParams:
             or self.presence_penalty
             or self.frequency_penalty
             or self.logit_bias
+            or self.allowed_token_ids
         )
 
     def validate(self) -> None:
@@ -188,6 +194,13 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must not be empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids must be non-negative", "allowed_token_ids")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} ids, got "
+                f"{len(self.allowed_token_ids)}", "allowed_token_ids",
+            )  # fmt: skip
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(
                 f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",

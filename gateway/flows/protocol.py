@@ -24,6 +24,7 @@ from gateway.flows.unsupported import (
     refuse_unsupported,
 )
 from protos.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     InvalidRequestError,
@@ -113,9 +114,20 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> Sampli
             structured=parse_structured(f),
             prompt_logprobs=f.get_int("prompt_logprobs", None, 0, MAX_LOGPROBS),
             cache_salt=_cache_salt(f),
+            allowed_token_ids=_allowed_token_ids(f),
         )
     except InvalidRequestError as e:
         raise invalid(str(e), e.param) from e
+
+
+def _allowed_token_ids(f: Fields) -> tuple[int, ...]:
+    """vLLM's ``allowed_token_ids``: a non-empty list when given (null: any token)."""
+    if f.get("allowed_token_ids") == []:
+        raise invalid(
+            "allowed_token_ids must list at least one token id (or be left out)",
+            "allowed_token_ids",
+        )
+    return f.int_list("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)
 
 
 def _cache_salt(f: Fields) -> str:

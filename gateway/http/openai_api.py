@@ -50,8 +50,8 @@ def _check_prompts(
     max_model_len, vocab = state.registry.limits()
     for prompt in prompts:
         check_vocab(prompt.ids, vocab or state.tokenizer.vocab_size)
-    check_vocab(common.sampling.stop_token_ids, vocab or state.tokenizer.vocab_size,
-                "stop_token_ids")  # fmt: skip
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        check_vocab(getattr(common.sampling, name), vocab or state.tokenizer.vocab_size, name)
     return max_model_len, len(prompts)
 
 

@@ -52,6 +52,7 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         logit_bias=dict(sp.logit_bias),
         lora_name=sp.lora_name,
         cache_salt=sp.cache_salt,
+        allowed_token_ids=list(sp.allowed_token_ids),
     )
     if sp.seed is not None:
         msg.seed = sp.seed

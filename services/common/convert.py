@@ -53,6 +53,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         lora_name=msg.lora_name,
         cache_salt=msg.cache_salt,
+        allowed_token_ids=tuple(msg.allowed_token_ids),
     )
 
 

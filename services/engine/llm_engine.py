@@ -199,12 +199,14 @@ class LLMEngine:
                 f"LoRA adapter {params.lora_name!r} is not served here (serving: "
                 f"{', '.join(self.lora_names()) or 'none; start with --enable-lora'})", "model"
             )  # fmt: skip
-        bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if bias:
-            raise InvalidRequestError(
-                f"logit_bias token id {bias[0]} is outside the vocabulary [0, {self.vocab_size})",
-                "logit_bias",
-            )
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids)):  # fmt: skip
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise InvalidRequestError(
+                    f"{name} token id {outside[0]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})", name,
+                )  # fmt: skip
         if len(prompt_token_ids) >= self.max_model_len:
             raise self.context_error(len(prompt_token_ids), params.max_tokens, "prompt")
 

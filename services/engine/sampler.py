@@ -55,8 +55,9 @@ def apply_penalties(
     prompts: list[list[int]],
 ) -> None:
     """Each row as vLLM applies them: the repetition penalty on every token of the prompt and
-    the output so far (divided if positive, multiplied if not), then ``logit_bias``, then the
-    presence and frequency penalties on the output's tokens. Batched over the rows that ask for
+    the output so far (divided if positive, multiplied if not), then ``logit_bias``, then
+    ``allowed_token_ids`` (the other tokens to -inf), then the presence and frequency penalties
+    on the output's tokens. Batched over the rows that ask for
     each (``PENALTY_ROWS`` at a time): one index upload per kind through pinned memory, no
     stream sync (one row at a time, each row's ``torch.tensor(..., device=...)`` waited for the
     device). The same operations per element as one row at a time, so the same bits on the CPU;
@@ -83,6 +84,14 @@ def apply_penalties(
             list_to_device(b_vals, logits.dtype, dev),
             accumulate=True,  # the ids of one row are distinct (a dict's keys): a plain +=
         )
+    only = [i for i, sp in enumerate(params) if sp.allowed_token_ids]
+    if only:  # allowed_token_ids: every other token of those rows to -inf
+        keep = torch.zeros((len(only), vocab), dtype=torch.bool, device=dev)
+        index = _flat_index([list(params[i].allowed_token_ids) for i in only], dev)
+        assert index is not None  # each row's list is non-empty
+        keep[index] = True
+        rows = list_to_device(only, torch.long, dev)
+        logits[rows] = logits[rows].masked_fill(~keep, _NEG_INF)
     counted = [
         i
         for i, sp in enumerate(params)

@@ -83,7 +83,7 @@ def test_an_undecodable_image_or_a_placeholder_mismatch_is_a_400() -> None:
 
 
 def test_a_text_only_model_or_too_many_images_is_a_400() -> None:
-    with pytest.raises(APIError, match="text-only and takes no images"):
+    with pytest.raises(APIError, match="served for text only and takes no images"):
         check_images(1, None, None, "m")
     with pytest.raises(APIError, match="3 images but at most 2"):
         check_images(3, SPEC, 2, "m")

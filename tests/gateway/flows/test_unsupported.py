@@ -26,7 +26,6 @@ ASKING: dict[str, Any] = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "bad_words": ["bad"],
-    "allowed_token_ids": [1, 2],
     "logits_processors": ["x"],
     "spaces_between_special_tokens": False,
     "kv_transfer_params": {"do_remote_decode": True},

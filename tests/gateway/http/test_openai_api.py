@@ -347,6 +347,18 @@ def test_chat_echo_starts_the_reply_with_the_answer_the_client_began(colocated: 
     assert asked.choices[0].message.content == unasked.choices[0].message.content
 
 
+def test_allowed_token_ids_travel_to_the_workers_and_bad_ones_are_400s(colocated: Stack) -> None:
+    url = f"{colocated.base_url}/v1/completions"
+    r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "allowed_token_ids": [5, 9]})
+    assert r.status_code == 200, r.text
+    assert list(colocated.workers[0].records.samplings[-1].allowed_token_ids) == [5, 9]
+    for bad, needle in (([], "at least one"), ([60000], "outside the vocabulary"),
+                        (["a"], "integer"), (5, "list")):  # fmt: skip
+        r = httpx.post(url, json={"prompt": "hi", "allowed_token_ids": bad})
+        assert r.status_code == 400 and needle in r.text, r.text
+        assert r.json()["error"]["param"] == "allowed_token_ids"
+
+
 def test_timing_header(disagg: Stack) -> None:
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
     parts = dict(p.split("=") for p in r.headers["x-tandem-timing"].split(";"))

@@ -81,6 +81,20 @@ def test_a_cache_salt_keeps_prefix_cache_hits_within_its_salt(llm: LLM) -> None:
     assert run("")[1] == 64  # the unsalted run above cached its own blocks
 
 
+def test_allowed_token_ids_restrict_what_is_sampled(llm: LLM, chat_ids: list[list[int]]) -> None:
+    """vLLM's allowed_token_ids: greedy and sampled outputs hold only those tokens; an id past
+    the vocabulary is refused when the request is added."""
+    allowed = [28, 29, 30, 216, 2]  # '=', '>', '?', a newline, the end of a turn
+    for params in (SamplingParams(temperature=0.0, max_tokens=6, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=6,
+                                  allowed_token_ids=allowed)):  # fmt: skip
+        out = llm.generate(chat_ids[:2], params)
+        for r in out:
+            assert r.outputs[0].token_ids and set(r.outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids token id 60000"):
+        llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[60000]))
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "param"),
     [

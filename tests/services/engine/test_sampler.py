@@ -69,6 +69,25 @@ def test_logit_bias_shifts_the_biased_tokens_only() -> None:
     assert lp.token_id == 2 and lp.logprob == torch.log_softmax(logits[0], -1)[2].item()
 
 
+def test_allowed_token_ids_leave_only_those_tokens() -> None:
+    """vLLM's allowed_token_ids: the best of the allowed tokens (after logit_bias), even a far
+    less likely one; sampled rows draw among them only; logprobs stay the raw model's."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, -2.0], [0.0, 5.0, 1.0, -2.0], [4.0, 0.0, 3.0, 9.0]])
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=[0, 3], logprobs=1),
+        SamplingParams(temperature=0, allowed_token_ids=[0, 3], logit_bias={3: 3.0}),
+        SamplingParams(temperature=1.0, seed=5, allowed_token_ids=[1, 2]),
+    ]
+    out = sample(logits, params, [[], [], []], [[0], [0], [0]], [[], [], []])
+    assert [t.token_id for t in out[:2]] == [0, 3]
+    assert out[0].logprob == torch.log_softmax(logits[0], -1)[0].item()
+    draws = {t.token_id for _ in range(50)
+             for t in sample(logits[2:], [SamplingParams(temperature=2.0, allowed_token_ids=[1, 2])],
+                             [[]], [[0]], [[]])}  # fmt: skip
+    assert out[2].token_id in (1, 2) and draws == {1, 2}
+    assert logits[0].tolist() == [0.0, 5.0, 1.0, -2.0]  # the caller's logits untouched
+
+
 def _one_row_at_a_time(
     logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
     prompts: list[list[int]],
