@@ -9,6 +9,7 @@ from typing import Any
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each value in [-100, 100]
+MAX_BAD_WORDS = 256
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids (beyond any vocabulary's size)
 
 
@@ -110,6 +111,11 @@ class SamplingParams:
     # vLLM's allowed_token_ids: only these tokens may be sampled (the others' logits -inf after
     # the penalties and logit_bias); empty: any token
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words: words the output must not contain. The engine tokenizes each (as it is
+    # and after a space) into bad_word_ids; a word's last token is banned wherever the output
+    # ends with the ones before it (a one-token word: everywhere)
+    bad_words: tuple[str, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +124,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(
+            self, "bad_word_ids", tuple(tuple(int(t) for t in w) for w in self.bad_word_ids)
+        )
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         self.validate()
 
@@ -135,6 +145,7 @@ class SamplingParams:
             or self.frequency_penalty
             or self.logit_bias
             or self.allowed_token_ids
+            or self.bad_word_ids
         )
 
     def validate(self) -> None:
@@ -196,6 +207,13 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
         if any(t < 0 for t in self.allowed_token_ids):
             raise InvalidRequestError("allowed_token_ids must be non-negative", "allowed_token_ids")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(
+            not w.strip() or len(w) > 256 for w in self.bad_words
+        ):
+            raise InvalidRequestError(
+                f"bad_words takes at most {MAX_BAD_WORDS} words, each with text and at most 256 "
+                "characters", "bad_words",
+            )  # fmt: skip
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
             raise InvalidRequestError(
                 f"allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} ids, got "

@@ -25,6 +25,7 @@ from gateway.flows.unsupported import (
 )
 from protos.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     InvalidRequestError,
@@ -115,6 +116,7 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> Sampli
             prompt_logprobs=f.get_int("prompt_logprobs", None, 0, MAX_LOGPROBS),
             cache_salt=_cache_salt(f),
             allowed_token_ids=_allowed_token_ids(f),
+            bad_words=f.str_list("bad_words", MAX_BAD_WORDS, 256),
         )
     except InvalidRequestError as e:
         raise invalid(str(e), e.param) from e

@@ -34,7 +34,6 @@ SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
         "length_penalty applies to beam search, which is not implemented",
         (None, 1, 1.0),
     ),
-    "bad_words": ("bad_words is not implemented yet", NEUTRAL),
     "logits_processors": ("custom logits processors are not supported", NEUTRAL),
     "spaces_between_special_tokens": ("only the default (true) is implemented", DEFAULT_TRUE),
     "kv_transfer_params": ("external KV transfer parameters are not supported", NEUTRAL),

@@ -53,6 +53,7 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         lora_name=sp.lora_name,
         cache_salt=sp.cache_salt,
         allowed_token_ids=list(sp.allowed_token_ids),
+        bad_words=list(sp.bad_words),
     )
     if sp.seed is not None:
         msg.seed = sp.seed

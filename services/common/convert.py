@@ -54,6 +54,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         lora_name=msg.lora_name,
         cache_salt=msg.cache_salt,
         allowed_token_ids=tuple(msg.allowed_token_ids),
+        bad_words=tuple(msg.bad_words),
     )
 
 

@@ -291,6 +291,7 @@ class LLMEngine:
     ) -> Request:  # fmt: skip
         self._check_task("generate")
         self.validate(prompt, params)
+        params = self._with_bad_word_ids(params)
         offset = self._check_images(prompt, images)
         return Request(
             request_id=request_id,
@@ -304,6 +305,24 @@ class LLMEngine:
             images=tuple(images),
             position_offset=offset,
         )
+
+    def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
+        """``bad_words`` as token sequences (the sampler's ``bad_word_ids``): each word as it
+        is and after a space (where it follows another word), tokenized once per request."""
+        if not params.bad_words or params.bad_word_ids:
+            return params
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "bad_words needs the model's tokenizer, which this engine was started without",
+                "bad_words",
+            )
+        sequences: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return replace(params, bad_word_ids=tuple(sequences))
 
     def _cache_salt(self, params: SamplingParams) -> str:
         """A request's prefix-cache salt: its LoRA adapter's (as loaded now) and its own
@@ -472,7 +491,7 @@ class LLMEngine:
                 "were reserved", "prompt_token_ids",
             )  # fmt: skip
         self.validate(prompt_token_ids, params or reserved.sampling_params)
-        params = params or reserved.sampling_params
+        params = self._with_bad_word_ids(params or reserved.sampling_params)
         offset = self._check_images(prompt_token_ids, images, need_data=False)
         # the prefill worker's tokens advance the grammar: it goes on from where it stopped
         self._constrain(request_id, params, grammar, output_token_ids)

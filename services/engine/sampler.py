@@ -55,7 +55,8 @@ def apply_penalties(
     prompts: list[list[int]],
 ) -> None:
     """Each row as vLLM applies them: the repetition penalty on every token of the prompt and
-    the output so far (divided if positive, multiplied if not), then ``logit_bias``, then
+    the output so far (divided if positive, multiplied if not), then ``logit_bias``, then the
+    last token of each bad word whose other tokens end the output (to -inf), then
     ``allowed_token_ids`` (the other tokens to -inf), then the presence and frequency penalties
     on the output's tokens. Batched over the rows that ask for
     each (``PENALTY_ROWS`` at a time): one index upload per kind through pinned memory, no
@@ -84,6 +85,9 @@ def apply_penalties(
             list_to_device(b_vals, logits.dtype, dev),
             accumulate=True,  # the ids of one row are distinct (a dict's keys): a plain +=
         )
+    banned = [[w[-1] for w in sp.bad_word_ids if _ends_with(outputs[i], w[:-1])]
+              for i, sp in enumerate(params)]  # fmt: skip
+    mask_ids(logits, banned)
     only = [i for i, sp in enumerate(params) if sp.allowed_token_ids]
     if only:  # allowed_token_ids: every other token of those rows to -inf
         keep = torch.zeros((len(only), vocab), dtype=torch.bool, device=dev)
@@ -107,6 +111,10 @@ def apply_penalties(
         pres = list_to_device([params[i].presence_penalty for i in part], logits.dtype, dev)
         rows = list_to_device(part, torch.long, dev)
         logits[rows] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(logits.dtype)
+
+
+def _ends_with(tokens: list[int], tail: tuple[int, ...]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and tuple(tokens[-len(tail) :]) == tail)
 
 
 def mask_ids(logits: torch.Tensor, ids_by_row: list[list[int]]) -> None:

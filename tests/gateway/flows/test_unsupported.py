@@ -25,7 +25,6 @@ ASKING: dict[str, Any] = {
     "structural_tag": "{}",
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "bad_words": ["bad"],
     "logits_processors": ["x"],
     "spaces_between_special_tokens": False,
     "kv_transfer_params": {"do_remote_decode": True},

@@ -359,6 +359,16 @@ def test_allowed_token_ids_travel_to_the_workers_and_bad_ones_are_400s(colocated
         assert r.json()["error"]["param"] == "allowed_token_ids"
 
 
+def test_bad_words_travel_to_the_workers_and_bad_ones_are_400s(colocated: Stack) -> None:
+    url = f"{colocated.base_url}/v1/completions"
+    r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "bad_words": ["foo", " bar"]})
+    assert r.status_code == 200, r.text
+    assert list(colocated.workers[0].records.samplings[-1].bad_words) == ["foo", " bar"]
+    for bad in (["  "], [1], ["x" * 257]):
+        r = httpx.post(url, json={"prompt": "hi", "bad_words": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
 def test_timing_header(disagg: Stack) -> None:
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
     parts = dict(p.split("=") for p in r.headers["x-tandem-timing"].split(";"))

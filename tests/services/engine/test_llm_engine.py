@@ -81,6 +81,17 @@ def test_a_cache_salt_keeps_prefix_cache_hits_within_its_salt(llm: LLM) -> None:
     assert run("")[1] == 64  # the unsalted run above cached its own blocks
 
 
+def test_bad_words_keep_a_word_out_of_the_output(llm: LLM, chat_ids: list[list[int]]) -> None:
+    """vLLM's bad_words: a word the greedy output holds, banned, is gone from it (as it is
+    and after a space), and the output up to the word is the same."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    text = llm.generate(chat_ids[:1], params)[0].outputs[0].text
+    word = next(w for w in text.split() if w.isalpha() and len(w) > 3)
+    again = llm.generate(chat_ids[:1], replace(params, bad_words=[word]))[0].outputs[0].text
+    assert f" {word}" not in f" {again}" and again != text
+    assert again.startswith(text[: text.index(word)].rstrip())
+
+
 def test_allowed_token_ids_restrict_what_is_sampled(llm: LLM, chat_ids: list[list[int]]) -> None:
     """vLLM's allowed_token_ids: greedy and sampled outputs hold only those tokens; an id past
     the vocabulary is refused when the request is added."""

@@ -88,6 +88,15 @@ def test_allowed_token_ids_leave_only_those_tokens() -> None:
     assert logits[0].tolist() == [0.0, 5.0, 1.0, -2.0]  # the caller's logits untouched
 
 
+def test_bad_words_ban_a_word_s_last_token_after_its_others() -> None:
+    """A one-token bad word is banned everywhere; a longer one's last token only where the
+    output ends with its other tokens."""
+    logits = torch.tensor([[0.0, 1.0, 9.0, 3.0, 2.0, 8.0]] * 2)
+    sp = SamplingParams(temperature=0, bad_word_ids=[(5,), (1, 2)])
+    out = sample(logits, [sp, sp], [[4, 1], [1, 4]], [[0], [0]], [[], []])
+    assert [t.token_id for t in out] == [3, 2]  # after 1: neither 5 nor 2; after 4: 2 allowed
+
+
 def _one_row_at_a_time(
     logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
     prompts: list[list[int]],
