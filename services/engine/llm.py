@@ -122,7 +122,16 @@ class LLM:
             return ids, ()
         spec = self.engine.vision_spec
         if spec is None:
-            raise InvalidRequestError(f"{self.engine.model_name} takes no images", "prompt")
+            arch = self.engine.runner.arch
+            why = (
+                f"is served for its language model only ({arch.language_of}'s vision tower is "
+                "not supported yet)"
+                if arch.language_of
+                else "is a text-only model"
+            )
+            raise InvalidRequestError(
+                f"{self.engine.model_name} {why}: it takes no images", "prompt"
+            )  # fmt: skip
         return place_images(ids, spec, images)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
