@@ -23,6 +23,7 @@ SUPPORTED = {
     "gemma3_text": "Gemma 3 (text)",
     "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
     "phi3": "Phi-3, Phi-4 (default rope; not longrope or partial rotary)",
+    "smollm3": "SmolLM3 (its layers without rotary embedding)",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -143,6 +144,8 @@ class ArchConfig:
     # the model_type of a multimodal checkpoint of which only the language model is served
     # ("gemma3"): its other towers' weights are skipped, and no request may carry images
     language_of: str = ""
+    # layers whose queries and keys are not rotated (SmolLM3's NoPE layers, no_rope_layers 0)
+    nope_layers: tuple[int, ...] = ()
 
     def window(self, layer: int) -> int:
         """The keys a query of ``layer`` sees, itself included; 0: the whole context."""
@@ -220,6 +223,7 @@ class ArchConfig:
             sliding_window=window,
             sliding_layers=windowed,
             language_of=language_of,
+            nope_layers=_nope_layers(model_type, cfg),
         )
 
     @classmethod
@@ -313,6 +317,15 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     layers = range(int(cfg["num_hidden_layers"]))
     if model_type in ("llama", "qwen3_vl"):
         return None, ()
+    if model_type == "smollm3":  # use_sliding_window: the layer_types ones (its NoPE layers)
+        if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+            return None, ()
+        nope = set(_nope_layers(model_type, cfg))
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i in nope else "full_attention" for i in layers
+        ]
+        windowed = tuple(i for i in layers if types[i] == "sliding_attention")
+        return (int(cfg["sliding_window"]), windowed) if windowed else (None, ())
     if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window"):
         return None, ()
     window = cfg.get("sliding_window", 4096 if model_type not in ("mixtral", "phi3") else None)
@@ -337,6 +350,21 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     if int(window) < 1:
         raise ConfigError(f"{model_type}: sliding_window {window} must be at least 1")
     return int(window), windowed
+
+
+def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary embedding: ``no_rope_layers`` (1: rotated, 0: not), or
+    every ``no_rope_layer_interval``-th layer (default 4), as transformers derives them."""
+    if model_type != "smollm3":
+        return ()
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ConfigError(f"smollm3: no_rope_layers names {len(flags)} of {layers} layers")
+    return tuple(i for i, rotated in enumerate(flags) if not rotated)
 
 
 def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:

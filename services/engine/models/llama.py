@@ -196,6 +196,10 @@ class LlamaForCausalLM(nn.Module):
         # the rotary table, [max_positions, head_dim]: the loader fills it (fill_rope)
         table = torch.empty(max_positions, cfg.head_dim, dtype=torch.float32)
         self.register_buffer("cos_sin", table, persistent=False)
+        self.cos_sin_nope: torch.Tensor | None = None  # SmolLM3's NoPE layers': no rotation
+        for i in cfg.nope_layers:
+            layer: DecoderLayer = self.model.layers[i]  # type: ignore[assignment]
+            layer.rope_table = 1
 
     def fill_rope(self, max_positions: int, device: torch.device) -> None:
         """The rotary tables' rows for positions below ``max_positions`` (the loader, once the
@@ -206,13 +210,21 @@ class LlamaForCausalLM(nn.Module):
             cfg.max_position_embeddings,
         )  # fmt: skip
         self.cos_sin = table.to(device)
+        if cfg.nope_layers:  # cos 1, sin 0: the rotation that leaves q and k as they are
+            nope = torch.zeros_like(table)
+            nope[:, : cfg.head_dim // 2] = 1.0
+            self.cos_sin_nope = nope.to(device)
 
     def trim_rope(self, positions: int) -> None:
         """Only the rows of the positions this worker can reach, not the 128k it was built for."""
         self.cos_sin = self.cos_sin[:positions].clone()
+        if self.cos_sin_nope is not None:
+            self.cos_sin_nope = self.cos_sin_nope[:positions].clone()
 
     def rope_tables(self) -> tuple[torch.Tensor, ...]:
         """The rotary tables; a decoder layer's ``rope_table`` indexes them."""
+        if self.cos_sin_nope is not None:
+            return (self.cos_sin, self.cos_sin_nope)
         return (self.cos_sin,)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]

@@ -1,7 +1,7 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3 (also with YaRN rope scaling), Gemma 3, Qwen3-MoE, Mixtral and Phi-3 checkpoints (float32,
-seeded), greedy, token for token, sliding windows included (Mistral's on every layer, Qwen2's from
-max_window_layers on, Gemma 3's on its local layers)."""
+Qwen3 (also with YaRN rope scaling), Gemma 3, Qwen3-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
+(float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
+Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,11 @@ CONFIGS = {
     }),
     # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), every layer through a window
     "phi3": ("phi3", {"num_hidden_layers": 2, "intermediate_size": 96, "sliding_window": 24}),
+    # layer 1 without rotary embedding (NoPE) and, with use_sliding_window, through a window
+    "smollm3": ("smollm3", {
+        "num_hidden_layers": 3, "intermediate_size": 96, "no_rope_layers": [1, 0, 1],
+        "use_sliding_window": True, "sliding_window": 24, "pad_token_id": None,
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16

@@ -81,6 +81,9 @@ ALL = (0, 1, 2, 3)  # BASE's layers
         ({"model_type": "mistral"}, 4096, ALL),  # transformers' default window
         ({"model_type": "phi3"}, None, ()),  # Phi-3's default: none
         ({"model_type": "phi3", "sliding_window": 64}, 64, ALL),
+        # SmolLM3: only with use_sliding_window, on its NoPE layers (every 4th by default)
+        ({"model_type": "smollm3", "sliding_window": 64}, None, ()),
+        ({"model_type": "smollm3", "sliding_window": 64, "use_sliding_window": True}, 64, (3,)),
         # Mistral's modelling code ignores layer_types: every layer
         ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 4}, 64, ALL),
         ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, None, ()),
