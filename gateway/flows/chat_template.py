@@ -81,12 +81,18 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list[Any] | None = None,
         continue_final_message: bool = False,
+        *,
+        variables: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> str:
         """``continue_final_message``: the text ends inside the final message, so that the
-        model goes on with it (an assistant turn the client began: "prefill")."""
+        model goes on with it (an assistant turn the client began: "prefill"). ``variables``:
+        the template's own (a request's chat_template_kwargs, any names, ``tools`` among them
+        overriding ``tools``), with ``kwargs`` on top."""
+        given = {**(variables or {}), **kwargs}
+        tools = given.pop("tools", tools)
         final = _final_text(messages[-1]) if continue_final_message else None
-        rendered = self._render(messages, add_generation_prompt, tools, kwargs)
+        rendered = self._render(messages, add_generation_prompt, tools, given)
         return rendered if final is None else open_final_message(rendered, final)
 
     def _render(
@@ -95,13 +101,13 @@ class ChatTemplate:
     ) -> str:  # fmt: skip
         variables = {**self._special_tokens, **kwargs}
         try:
-            return self._template.render(
-                messages=messages,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
+            return self._template.render({
                 **variables,
-            )
+                "messages": messages,
+                "tools": tools,
+                "documents": None,
+                "add_generation_prompt": add_generation_prompt,
+            })  # fmt: skip
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from e
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:

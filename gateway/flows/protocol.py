@@ -391,19 +391,48 @@ def _with_tools(f: Fields, common: CommonOptions) -> tuple[CommonOptions, ToolPl
     return replace(common, sampling=replace(common.sampling, structured=constraint)), plan
 
 
-def generation_prompt(f: Fields) -> tuple[bool, bool]:
-    """``add_generation_prompt`` and vLLM's ``continue_final_message``: a new assistant turn
-    after the messages, or the final message left open for the model to go on with (an answer
-    the client began). The second makes the first default to false; both true is a 400."""
-    continue_final = f.get_bool("continue_final_message", False)
-    add_generation_prompt = f.get_bool("add_generation_prompt", not continue_final)
+def _template_flag(f: Fields, kwargs: dict[str, Any], name: str, default: bool) -> bool:
+    """A flag of the template given as a field, or (as vLLM lets it) in chat_template_kwargs;
+    both, with different values, is a 400."""
+    field = f.get(name)
+    value = f.get_bool(name, default)
+    if name not in kwargs:
+        return value
+    given = kwargs.pop(name)
+    if not isinstance(given, bool):
+        raise invalid(f"chat_template_kwargs.{name} must be true or false", "chat_template_kwargs")
+    if field is not None and field != given:
+        raise invalid(
+            f"{name} is {str(field).lower()} but chat_template_kwargs.{name} is "
+            f"{str(given).lower()}: give it once",
+            "chat_template_kwargs",
+        )
+    return given
+
+
+def template_options(f: Fields) -> tuple[bool, bool, dict[str, Any]]:
+    """``add_generation_prompt``, vLLM's ``continue_final_message`` and the remaining
+    ``chat_template_kwargs``. The first starts a new assistant turn after the messages, the
+    second leaves the final message open for the model to go on with (an answer the client
+    began) and makes the first default to false; both true is a 400. Either may come in
+    chat_template_kwargs; ``messages`` and ``documents`` there are a 400 (the messages are the
+    request's own; documents are not supported)."""
+    kwargs = dict(f.get_dict("chat_template_kwargs"))
+    for name, why in (
+        ("messages", "the template's messages are the request's messages field"),
+        ("documents", "documents (RAG templates) are not supported"),
+    ):
+        if name in kwargs:
+            raise invalid(f"chat_template_kwargs.{name}: {why}", "chat_template_kwargs")
+    continue_final = _template_flag(f, kwargs, "continue_final_message", False)
+    add_generation_prompt = _template_flag(f, kwargs, "add_generation_prompt", not continue_final)
     if continue_final and add_generation_prompt:
         raise invalid(
             "continue_final_message continues the final message and add_generation_prompt "
             "starts a new one: set add_generation_prompt to false (or leave it out)",
             "continue_final_message",
         )
-    return add_generation_prompt, continue_final
+    return add_generation_prompt, continue_final, kwargs
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -420,14 +449,12 @@ def parse_chat(body: Any) -> ChatRequest:
     for name in given:
         f.get_int(name, None, 1, MAX_TOKENS_LIMIT)
     max_field = given[0] if given else "max_tokens"
-    reserved = ("messages", "add_generation_prompt", "documents", "continue_final_message")
-    kwargs = {k: v for k, v in f.get_dict("chat_template_kwargs").items() if k not in reserved}
+    add_generation_prompt, continue_final, kwargs = template_options(f)
     common, tools = _with_tools(
         f, _common(f, max_field, (top or 0) if logprobs else None, special=False)
     )
     if tools is not None:
         kwargs = {"tools": f.get("tools"), **kwargs}
-    add_generation_prompt, continue_final = generation_prompt(f)
     request = ChatRequest(
         common=common,
         messages=messages,

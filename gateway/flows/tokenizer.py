@@ -129,8 +129,8 @@ class GatewayTokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """The prompt text (``kwargs``: the template's variables, ``tools`` and
-        ``continue_final_message`` among them: :meth:`ChatTemplate.render`)."""
+        """The prompt text (``kwargs``: :meth:`ChatTemplate.render`'s, ``tools``,
+        ``continue_final_message`` and ``variables`` among them)."""
         if self._template is None:
             raise ChatTemplateError(
                 "this model's tokenizer has no chat template; start the gateway with "

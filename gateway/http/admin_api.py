@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.core.errors import APIError, invalid
 from gateway.flows.fields import Fields, require_object
 from gateway.flows.prepare import check_vocab
-from gateway.flows.protocol import generation_prompt, parse_messages
+from gateway.flows.protocol import parse_messages, template_options
 from gateway.flows.unsupported import refuse_unknown
 from gateway.http.state import gateway_state
 from gateway.http.transport import read_json
@@ -90,10 +90,11 @@ async def tokenize(request: Request) -> Response:
     state.accepts(f.get_str("model", None))
     tok = state.tokenizer
     if "messages" in f.body:
-        add_generation_prompt, continue_final = generation_prompt(f)
+        add_generation_prompt, continue_final, kwargs = template_options(f)
         ids, _ = await state.chat_prompt(
             parse_messages(f.get("messages")), add_generation_prompt,
             f.get_bool("add_special_tokens", False), continue_final_message=continue_final,
+            variables=kwargs,
         )  # fmt: skip
     else:
         prompt = f.get_str("prompt", None, max_len=state.config.max_body_bytes)

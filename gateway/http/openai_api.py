@@ -251,7 +251,7 @@ async def chat_completions(request: Request) -> Response:
             return Response(status_code=499)
     ids_list, text = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.common.add_special_tokens,
-        continue_final_message=req.continue_final_message, **req.template_kwargs,
+        continue_final_message=req.continue_final_message, variables=req.template_kwargs,
     )  # fmt: skip
     kept = keep_last(ids_list, req.common.truncate_prompt_tokens, state.registry.limits()[0])
     if len(kept) < len(ids_list):

@@ -7,7 +7,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -82,14 +82,18 @@ class GatewayState:
 
     async def chat_prompt(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-        add_special_tokens: bool, **template_kwargs: Any,
+        add_special_tokens: bool, *, continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], str]:  # fmt: skip
         """A chat's prompt ids and text, rendered and tokenized off the event loop; special tokens
-        typed in messages stay text unless the gateway allows them."""
+        typed in messages stay text unless the gateway allows them. ``variables``: the
+        template's (chat_template_kwargs, ``tools``), passed as one mapping so that no name of
+        theirs meets a parameter's."""
         try:
             return await self.off_loop(
                 self.tokenizer.chat_ids, messages, add_generation_prompt, add_special_tokens,
-                self.config.allow_special_tokens_in_messages, **template_kwargs,
+                self.config.allow_special_tokens_in_messages,
+                continue_final_message=continue_final_message, variables=variables,
             )  # fmt: skip
         except SpecialTokenInMessage as e:
             raise invalid(str(e), "messages") from e

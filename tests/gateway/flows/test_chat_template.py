@@ -41,6 +41,25 @@ def test_strftime_now_and_special_tokens_and_kwargs() -> None:
     assert render("{{ bos_token }}{{ extra }}", extra="!") == "<s>!"
 
 
+def test_variables_of_any_name_reach_the_template() -> None:
+    """A request's chat_template_kwargs come as one mapping: names that are also parameters
+    of the renderer (kwargs, variables, add_special_tokens) are the template's, and ``tools``
+    there overrides the tools argument."""
+    source = (
+        "{{ kwargs }}|{{ variables }}|{{ add_special_tokens }}|{{ tools }}|{{ enable_thinking }}"
+    )
+    given = {
+        "kwargs": 1,
+        "variables": 2,
+        "add_special_tokens": 3,
+        "tools": [4],
+        "enable_thinking": False,
+    }
+    assert render(source, variables=given) == "1|2|3|[4]|False"
+    assert render("{{ tools }}", tools=[1], variables={"tools": [2]}) == "[2]"
+    assert render("{{ tools }}", tools=[1]) == "[1]"
+
+
 def test_sandbox_blocks_attribute_escape() -> None:
     with pytest.raises(ChatTemplateError):
         render("{{ ''.__class__.__mro__[1].__subclasses__() }}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -245,13 +246,39 @@ def test_parse_chat_options() -> None:
     req = parse_chat({
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 7, "max_tokens": 9, "logprobs": True, "top_logprobs": 2,
-        "chat_template_kwargs": {"enable_thinking": False, "messages": "ignored"},
+        "chat_template_kwargs": {"enable_thinking": False, "add_special_tokens": 1},
         "stream": True, "stream_options": {"include_usage": True},
     })  # fmt: skip
     assert req.messages[0]["content"] == "a\nb"
     assert req.common.max_tokens == 7 and req.common.sampling.logprobs == 2
-    assert req.template_kwargs == {"enable_thinking": False}
+    assert req.template_kwargs == {"enable_thinking": False, "add_special_tokens": 1}
     assert req.common.include_usage and not req.common.add_special_tokens
+
+
+def test_template_flags_may_come_in_chat_template_kwargs() -> None:
+    """As in vLLM, add_generation_prompt and continue_final_message may be given as template
+    arguments; given twice with different values, messages or documents there: a 400."""
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    req = parse_chat({"messages": msgs, "chat_template_kwargs": {"continue_final_message": True}})
+    assert req.continue_final_message and not req.add_generation_prompt and not req.template_kwargs
+    req = parse_chat({"messages": msgs, "add_generation_prompt": False,
+                      "chat_template_kwargs": {"add_generation_prompt": False, "x": 1}})  # fmt: skip
+    assert not req.add_generation_prompt and req.template_kwargs == {"x": 1}
+    for kwargs, says in (
+        ({"messages": []}, "chat_template_kwargs.messages"),
+        ({"documents": []}, "documents (RAG templates) are not supported"),
+        ({"add_generation_prompt": "no"}, "must be true or false"),
+        (
+            {"continue_final_message": True, "add_generation_prompt": True},
+            "add_generation_prompt to false",
+        ),
+    ):
+        with pytest.raises(APIError, match=re.escape(says)) as info:
+            parse_chat({"messages": msgs, "chat_template_kwargs": kwargs})
+        assert info.value.status == 400
+    with pytest.raises(APIError, match="give it once"):
+        parse_chat({"messages": msgs, "add_generation_prompt": True,
+                    "chat_template_kwargs": {"add_generation_prompt": False}})  # fmt: skip
 
 
 @pytest.mark.parametrize("body", [None, 3, "x", {"messages": [{"role": ""}]}])

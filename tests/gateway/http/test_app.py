@@ -160,6 +160,30 @@ def test_a_continued_final_message_ends_the_prompt_inside_it(colocated: Stack) -
         assert r.status_code == 400 and "add_generation_prompt to false" in r.text, r.text
 
 
+def test_chat_template_kwargs_are_the_templates_on_a_chat_and_on_tokenize(colocated: Stack) -> None:
+    """chat_template_kwargs whose names are also the renderer's parameters reach the template
+    (a 200, not a 500); a template flag given there acts as the field would, on a chat and on
+    /tokenize alike; messages there is a 400."""
+    url = colocated.base_url
+    messages = [{"role": "user", "content": "2+2?"}]
+    odd = {"add_special_tokens": True, "self": 1, "allow_special_in_content": True, "fn": 2}
+    plain = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    r = httpx.post(f"{url}/tokenize", json={"messages": messages, "chat_template_kwargs": odd})
+    assert r.status_code == 200 and r.json()["tokens"] == plain, r.text
+    r = httpx.post(f"{url}/v1/chat/completions",
+                   json={"messages": messages, "max_tokens": 1, "chat_template_kwargs": odd})  # fmt: skip
+    assert r.status_code == 200, r.text
+    flag = {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}}
+    unprompted = httpx.post(f"{url}/tokenize", json=flag).json()["tokens"]
+    field = {"messages": messages, "add_generation_prompt": False}
+    assert unprompted == httpx.post(f"{url}/tokenize", json=field).json()["tokens"]
+    assert len(unprompted) < len(plain)
+    for path in ("/v1/chat/completions", "/tokenize"):
+        bad = {"messages": messages, "chat_template_kwargs": {"messages": []}}
+        r = httpx.post(f"{url}{path}", json=bad)
+        assert r.status_code == 400 and "chat_template_kwargs.messages" in r.text, r.text
+
+
 def test_a_large_tokenize_is_answered_in_full_and_never_holds_the_event_loop(
     colocated: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
