@@ -73,18 +73,29 @@ def ref_rotary_embedding(
     positions: torch.Tensor,  # [T] int64
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
-    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+    cos_sin_cache: torch.Tensor,  # [max_pos, R] float32: cos in [:, :R/2], sin in [:, R/2:]
 ) -> None:
     """Rotate q and k in place, NeoX style (halves rotated, as HF Llama does).
 
     As ``apply_rotary_pos_emb`` with cos/sin cast to the tensor's dtype: for each of q and k,
     ``o1 = rnd(rnd(x1 * c) - rnd(x2 * s))`` and ``o2 = rnd(rnd(x2 * c) + rnd(x1 * s))`` with
-    ``c, s = rnd(cos), rnd(sin)`` and ``rnd`` rounding to that tensor's dtype.
+    ``c, s = rnd(cos), rnd(sin)`` and ``rnd`` rounding to that tensor's dtype. A table narrower
+    than the head (R < D: partial rotary, Phi-4-mini's) rotates the first R dims of each head,
+    halves of R, and leaves the others as they are (transformers' Phi-3 ``q_pass``).
     """
-    half = q.shape[-1] // 2
+    rot = check_rotary_width(cos_sin_cache, q.shape[-1])
+    half = rot // 2
     cs = cos_sin_cache[positions.long()]
     for t in (q, k):
-        t.copy_(_rotate(t, cs[:, None, :half], cs[:, None, half:]))
+        t[..., :rot].copy_(_rotate(t[..., :rot], cs[:, None, :half], cs[:, None, half:]))
+
+
+def check_rotary_width(cos_sin_cache: torch.Tensor, head_dim: int) -> int:
+    """The rotated dims R (the table's width): even and at most the head's."""
+    rot = int(cos_sin_cache.shape[-1])
+    if rot % 2 != 0 or not 0 < rot <= head_dim:
+        raise ValueError(f"cos_sin_cache width {rot} must be even and at most head_dim {head_dim}")
+    return rot
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

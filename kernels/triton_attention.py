@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import FP8_KV_DTYPES, check_k_out, inverse_scale
+from kernels.layers import check_rotary_width
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -103,6 +104,7 @@ def write_kv(
 def _rotate_into(
     src_ptr, s_src_h, dst_ptr, s_dst_h, num_heads, cos, sin, gate, dst_inv,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
+    PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
@@ -119,6 +121,13 @@ def _rotate_into(
     o2 = to_kv(o2.to(src_ptr.dtype.element_ty), dst_inv, FP8)
     tl.store(dst, o1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, o2.to(dst_ptr.dtype.element_ty), mask=mask)
+    if PASS > 0:  # partial rotary: the dims after the rotated 2 * HALF go over as they are
+        offs_p = tl.arange(0, BLOCK_PASS)
+        pmask = head_ok[:, None] & (offs_p < PASS)[None, :]
+        rest = offs_h[:, None] * s_src_h + 2 * HALF + offs_p[None, :]
+        x = tl.load(src_ptr + rest, mask=pmask, other=0.0)
+        dst_p = dst_ptr + offs_h[:, None] * s_dst_h + 2 * HALF + offs_p[None, :]
+        tl.store(dst_p, to_kv(x, dst_inv, FP8).to(dst_ptr.dtype.element_ty), mask=pmask)
 
 
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])  # per-step staging slices
@@ -128,7 +137,7 @@ def _rotary_write_kv_kernel(
     s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-    K_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    K_OUT: tl.constexpr, USE_PDL: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -139,19 +148,19 @@ def _rotary_write_kv_kernel(
     sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=cmask, other=0.0).to(tl.float32)
     _rotate_into(
         q_ptr + t * s_qt, s_qh, qo_ptr + t * s_ot, s_oh, num_q_heads, cos, sin, t, 1.0,
-        HALF, BLOCK_HQ, BLOCK_HALF, False,
+        HALF, BLOCK_HQ, BLOCK_HALF, False, PASS, BLOCK_PASS,
     )  # fmt: skip
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     _rotate_into(
         k_ptr + t * s_kt, s_kh, kc_ptr + blk * s_kcn + off * s_kcb, s_kch, num_kv_heads, cos, sin,
-        slot, k_inv, HALF, BLOCK_HK, BLOCK_HALF, FP8,
+        slot, k_inv, HALF, BLOCK_HK, BLOCK_HALF, FP8, PASS, BLOCK_PASS,
     )  # fmt: skip
     if K_OUT:  # the rotated keys in the model's dtype, row for row (prefill attention reads them)
         _rotate_into(
             k_ptr + t * s_kt, s_kh, ko_ptr + t * s_kot, s_koh, num_kv_heads, cos, sin, t, 1.0,
-            HALF, BLOCK_HK, BLOCK_HALF, False,
+            HALF, BLOCK_HK, BLOCK_HALF, False, PASS, BLOCK_PASS,
         )  # fmt: skip
     offs_h = tl.arange(0, BLOCK_HK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -167,7 +176,7 @@ def rotary_write_kv(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+    cos_sin_cache: torch.Tensor,  # [max_pos, R] float32, R <= D (R < D: partial rotary)
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
@@ -196,10 +205,7 @@ def rotary_write_kv(
             f"positions ({positions.shape[0]}) and slot_mapping ({slot_mapping.shape[0]}) "
             f"need one entry per token ({t})"
         )
-    if d % 2 != 0 or cos_sin_cache.shape[1] != d:
-        raise ValueError(
-            f"head_dim {d} must be even and match cos_sin_cache width {cos_sin_cache.shape[1]}"
-        )
+    half = check_rotary_width(cos_sin_cache, d) // 2
     check_devices(
         positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
         v_cache=v_cache, slot_mapping=slot_mapping,
@@ -208,7 +214,6 @@ def rotary_write_kv(
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    half = d // 2
     tile = next_pow2(hq) * next_pow2(half)
     ko = k_out if k_out is not None else out
     _rotary_write_kv_kernel[(t,)](
@@ -219,6 +224,7 @@ def rotary_write_kv(
         HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),
         BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
         FP8=k_cache.dtype in FP8_KV_DTYPES, K_OUT=k_out is not None,
+        PASS=d - 2 * half, BLOCK_PASS=next_pow2(max(d - 2 * half, 1)),  # partial rotary
         num_warps=4 if tile >= 2048 else 1,
         enable_fp_fusion=False, **pdl(q.device, t),
     )  # fmt: skip

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layers import check_rotary_width
 from kernels.quant import INV_FP8_MAX
 from kernels.triton_common import (
     FLOAT_DTYPES,
@@ -346,9 +347,10 @@ def rotary_embedding(
     positions: torch.Tensor,  # [T] int64
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
-    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+    cos_sin_cache: torch.Tensor,  # [max_pos, R] float32: cos in [:, :R/2], sin in [:, R/2:]
 ) -> None:
-    """Triton version of :func:`kernels.layers.ref_rotary_embedding` (in place, NeoX halves).
+    """Triton version of :func:`kernels.layers.ref_rotary_embedding` (in place, NeoX halves of
+    the first R dims; the others untouched).
 
     q and k may be strided views (e.g. slices of a fused qkv tensor); positions are not
     bounds-checked against the cache.
@@ -362,14 +364,10 @@ def rotary_embedding(
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
     if positions.shape[0] != t:
         raise ValueError(f"positions has {positions.shape[0]} entries for {t} tokens")
-    if d % 2 != 0:
-        raise ValueError(f"head_dim must be even for NeoX rotary, got {d}")
-    if cos_sin_cache.shape[1] != d:
-        raise ValueError(f"cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim {d}")
+    half = check_rotary_width(cos_sin_cache, d) // 2
     check_devices(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
     if t == 0:
         return
-    half = d // 2
     _rope_kernel[(t,)](
         positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos_sin_cache.stride(0), hq, k.shape[1],

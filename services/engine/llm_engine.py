@@ -292,7 +292,7 @@ class LLMEngine:
         self._check_task("generate")
         self.validate(prompt, params)
         params = self._with_bad_word_ids(params)
-        offset = self._check_images(prompt, images)
+        offset = self._check_images(prompt, images) + self._long_rope_offset(prompt)
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -301,7 +301,7 @@ class LLMEngine:
             priority=priority,
             max_model_len=self.max_model_len,
             hold_blocks_on_finish=hold,
-            cache_salt=self._cache_salt(params),
+            cache_salt=self._cache_salt(params, prompt),
             images=tuple(images),
             position_offset=offset,
         )
@@ -324,14 +324,26 @@ class LLMEngine:
                     sequences.append(ids)
         return replace(params, bad_word_ids=tuple(sequences))
 
-    def _cache_salt(self, params: SamplingParams) -> str:
-        """A request's prefix-cache salt: its LoRA adapter's (as loaded now) and its own
-        ``cache_salt``; "" for neither."""
+    def _long_rope_offset(self, prompt: Sequence[int]) -> int:
+        """LongRoPE: the position offset into the model's long-factor table for a prompt longer
+        than the original length (``LlamaForCausalLM.long_rope_offset``); 0 otherwise."""
+        offset = getattr(self.runner.model, "long_rope_offset", 0)
+        if not offset:
+            return 0
+        original = self.runner.arch.rope_scaling["original_max_position_embeddings"]
+        return int(offset) if len(prompt) > original else 0
+
+    def _cache_salt(self, params: SamplingParams, prompt: Sequence[int]) -> str:
+        """A request's prefix-cache salt: its LoRA adapter's (as loaded now), LongRoPE's long
+        factors for a prompt that takes them (its keys are rotated otherwise) and its own
+        ``cache_salt``; "" for none."""
         lora = self.runner.lora
-        adapter = lora.salts.get(params.lora_name, "") if lora is not None else ""
+        salt = lora.salts.get(params.lora_name, "") if lora is not None else ""
+        if self._long_rope_offset(prompt):
+            salt = f"{salt}\0rope:long"
         if not params.cache_salt:
-            return adapter
-        return f"{adapter}\0user:{params.cache_salt}"
+            return salt
+        return f"{salt}\0user:{params.cache_salt}"
 
     def _track(self, req: Request) -> None:
         sp = req.sampling_params
@@ -493,11 +505,12 @@ class LLMEngine:
         self.validate(prompt_token_ids, params or reserved.sampling_params)
         params = self._with_bad_word_ids(params or reserved.sampling_params)
         offset = self._check_images(prompt_token_ids, images, need_data=False)
+        offset += self._long_rope_offset(prompt_token_ids)
         # the prefill worker's tokens advance the grammar: it goes on from where it stopped
         self._constrain(request_id, params, grammar, output_token_ids)
         reserved.prompt_token_ids = list(prompt_token_ids)
         reserved.sampling_params = params
-        reserved.cache_salt = self._cache_salt(params)
+        reserved.cache_salt = self._cache_salt(params, prompt_token_ids)
         reserved.images, reserved.position_offset = tuple(images), offset
         req = self.scheduler.activate(request_id, output_token_ids)
         last = output_token_ids[-1] if output_token_ids else None

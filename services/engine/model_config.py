@@ -22,13 +22,19 @@ SUPPORTED = {
     "qwen3_vl": "Qwen3-VL (images)",
     "gemma3_text": "Gemma 3 (text)",
     "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
-    "phi3": "Phi-3, Phi-4 (default rope; not longrope or partial rotary)",
+    "phi3": "Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
     "smollm3": "SmolLM3 (its layers without rotary embedding)",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")  # rope scaling (services.engine.rope)
+SUPPORTED_SCALING = (
+    "default",
+    "linear",
+    "llama3",
+    "yarn",
+    "longrope",
+)  # rope scaling (services.engine.rope)
 # families whose config turns sliding-window attention on with use_sliding_window
 # (_sliding_layers says for which layers)
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
@@ -146,6 +152,13 @@ class ArchConfig:
     language_of: str = ""
     # layers whose queries and keys are not rotated (SmolLM3's NoPE layers, no_rope_layers 0)
     nope_layers: tuple[int, ...] = ()
+    # the share of each head's dims that rotate (Phi-4-mini: 0.75); the rest pass unrotated
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each query and key head that rotary embedding turns (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def window(self, layer: int) -> int:
         """The keys a query of ``layer`` sees, itself included; 0: the whole context."""
@@ -188,11 +201,14 @@ class ArchConfig:
                 f"{model_type}: rope scaling {kind!r} is not supported "
                 f"({', '.join(SUPPORTED_SCALING)} are)"
             )
-        if kind != "default" and not isinstance(rope.get("factor"), int | float):
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        partial = _partial_rotary(model_type, cfg, rope, head_dim)
+        if kind == "longrope":
+            if model_type in (*VL_TYPES, "gemma3_text"):
+                raise ConfigError(f"{model_type}: rope scaling 'longrope' is not supported")
+            rope = _longrope_config(model_type, cfg, rope, int(head_dim * partial))
+        elif kind != "default" and not isinstance(rope.get("factor"), int | float):
             raise ConfigError(f"{model_type}: rope scaling {kind!r} needs a factor")
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if partial is not None and float(partial) != 1.0:
-            raise ConfigError(f"{model_type}: partial_rotary_factor {partial} is not supported")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -203,7 +219,7 @@ class ArchConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=rope,
@@ -224,6 +240,7 @@ class ArchConfig:
             sliding_layers=windowed,
             language_of=language_of,
             nope_layers=_nope_layers(model_type, cfg),
+            partial_rotary_factor=partial,
         )
 
     @classmethod
@@ -245,6 +262,53 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+# families whose transformers model rotates part of each head (Phi3's q_rot and q_pass)
+_PARTIAL_ROTARY_TYPES = ("phi3",)
+
+
+def _partial_rotary(
+    model_type: str, cfg: dict[str, Any], rope: dict[str, Any], head_dim: int
+) -> float:
+    """``partial_rotary_factor`` (1.0 if absent), refused for a family whose model rotates
+    whole heads or where it leaves an odd or empty rotary dim."""
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is None or float(partial) == 1.0:
+        return 1.0
+    dim = int(head_dim * float(partial))
+    if model_type not in _PARTIAL_ROTARY_TYPES:
+        raise ConfigError(f"{model_type}: partial_rotary_factor {partial} is not supported")
+    if not 0.0 < float(partial) < 1.0 or dim < 2 or dim % 2:
+        raise ConfigError(
+            f"{model_type}: partial_rotary_factor {partial} gives {dim} rotary dims of "
+            f"head_dim {head_dim}; it must give an even number between 2 and head_dim"
+        )
+    return float(partial)
+
+
+def _longrope_config(
+    model_type: str, cfg: dict[str, Any], rope: dict[str, Any], rotary_dim: int
+) -> dict[str, Any]:
+    """LongRoPE's parameters with ``original_max_position_embeddings`` in them (Phi-3 configs
+    keep it beside rope_scaling); its two factor lists must have one entry per rotated pair."""
+    old_len = rope.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings"
+    )
+    if not isinstance(old_len, int) or old_len < 1:
+        raise ConfigError(f"{model_type}: longrope needs original_max_position_embeddings")
+    for name in ("short_factor", "long_factor"):
+        factors = rope.get(name)
+        if (
+            not isinstance(factors, list)
+            or len(factors) != rotary_dim // 2
+            or not all(isinstance(f, int | float) and f > 0 for f in factors)
+        ):
+            raise ConfigError(
+                f"{model_type}: longrope's {name} must be {rotary_dim // 2} positive numbers "
+                f"(one per pair of the {rotary_dim} rotary dims)"
+            )
+    return {**rope, "original_max_position_embeddings": old_len}
 
 
 def _gemma3_language(cfg: dict[str, Any]) -> dict[str, Any]:

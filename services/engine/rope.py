@@ -1,5 +1,5 @@
 """Rotary position embedding tables, with the rope scaling variants of the Llama family (linear,
-llama3) and YaRN (Qwen2.5/Qwen3's long-context setting).
+llama3), YaRN (Qwen2.5/Qwen3's long-context setting) and LongRoPE (Phi-3.5, Phi-4-mini).
 
 The table holds the same float32 values as transformers' ``LlamaRotaryEmbedding`` (5.x) computes
 before casting cos/sin to the activation dtype: ``inv_freq`` in float32 by the same expressions
@@ -81,6 +81,53 @@ def _yarn_inv_freq(
     return inv_freq, float(attention)
 
 
+def longrope_long_table(
+    head_dim: int,
+    max_pos: int,
+    theta: float,
+    scaling: dict[str, Any],
+    max_position_embeddings: int | None = None,
+) -> torch.Tensor:  # [max_pos, head_dim] float32
+    """LongRoPE's long factors at every position: the table of a request whose prompt is
+    longer than the original length (as transformers rotates such a sequence throughout)."""
+    return _longrope(head_dim, max_pos, theta, scaling, max_position_embeddings or max_pos, 0)
+
+
+def _longrope(
+    head_dim: int,
+    max_pos: int,
+    theta: float,
+    scaling: dict[str, Any],
+    max_position_embeddings: int,
+    long_from: int | None = None,
+) -> torch.Tensor:  # [max_pos, head_dim] float32
+    """transformers' ``_compute_longrope_parameters`` (Phi-3.5, Phi-4-mini): the frequencies
+    divided by ``short_factor`` for positions below ``long_from`` (the original length), by
+    ``long_factor`` from there on, cos and sin scaled by the attention factor.
+
+    transformers picks one of the two for a whole sequence by its length: the short factors
+    while it fits the original length, the long ones once it is longer (a prompt that long at
+    once; one that grows past it in decoding has its cache computed again). The engine rotates
+    a request whose prompt is longer by :func:`longrope_long_table`, and the others by this
+    table (short, then long from the original length: a sequence that grows past it keeps
+    the keys it cached, as transformers without that recomputation would)."""
+    old_len = int(scaling["original_max_position_embeddings"])
+    long_from = old_len if long_from is None else long_from
+    factor = scaling.get("factor") or max_position_embeddings / old_len
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    shape = _pos_freqs(head_dim, theta)
+    positions = torch.arange(max_pos, dtype=torch.int64).float()[:, None]
+    tables = []
+    for name in ("short_factor", "long_factor"):
+        inv_freq = 1.0 / (torch.tensor(scaling[name], dtype=torch.float32) * shape)
+        freqs = positions * inv_freq[None, :]
+        tables.append(torch.cat([freqs.cos(), freqs.sin()], dim=-1) * float(attention))
+    short = (torch.arange(max_pos) < long_from)[:, None]
+    return torch.where(short, tables[0], tables[1])
+
+
 def cos_sin_cache(
     head_dim: int,
     max_pos: int,
@@ -88,10 +135,13 @@ def cos_sin_cache(
     scaling: dict[str, Any] | None = None,
     max_position_embeddings: int | None = None,
 ) -> torch.Tensor:  # [max_pos, head_dim] float32: cos halves then sin halves
-    """``max_position_embeddings``: the config's, which YaRN falls back on where its own
-    parameters leave a length out."""
+    """``head_dim``: the dims rotated (the rotary dim of a partial rotary model).
+    ``max_position_embeddings``: the config's, which YaRN falls back on where its own
+    parameters leave a length out, and LongRoPE's factor comes from."""
     scaling = scaling or {}
     kind = scaling_kind(scaling)
+    if kind == "longrope":
+        return _longrope(head_dim, max_pos, theta, scaling, max_position_embeddings or max_pos)
     inv_freq = _default_inv_freq(head_dim, theta)
     attention = 1.0  # default, linear and llama3 use cos and sin as computed
     if kind == "llama3":

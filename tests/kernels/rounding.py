@@ -60,17 +60,17 @@ def torch_rounding(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rotate(
     positions: torch.Tensor,  # [T]
     t: torch.Tensor,  # [T, H, D]
-    cos_sin: torch.Tensor,  # [max_pos, D]
+    cos_sin: torch.Tensor,  # [max_pos, R], R <= D: the first R dims rotate, the rest pass
     rnd: Rounder,
 ) -> torch.Tensor:  # [T, H, D] fp32, values of t's dtype
     """``ref_rotary_embedding`` for one tensor, out of place, rounding with ``rnd``."""
-    half, dt = t.shape[-1] // 2, t.dtype
+    half, dt = cos_sin.shape[-1] // 2, t.dtype
     cs = cos_sin[positions.long()].float()
     c, s = rnd(cs[:, None, :half], dt), rnd(cs[:, None, half:], dt)
-    x1, x2 = t[..., :half].float(), t[..., half:].float()
+    x1, x2 = t[..., :half].float(), t[..., half : 2 * half].float()
     o1 = rnd(rnd(x1 * c, dt) - rnd(x2 * s, dt), dt)
     o2 = rnd(rnd(x2 * c, dt) + rnd(x1 * s, dt), dt)
-    return torch.cat([o1, o2], dim=-1)
+    return torch.cat([o1, o2, t[..., 2 * half :].float()], dim=-1)
 
 
 def assert_rotated(out: torch.Tensor, expected: torch.Tensor, src_dtype: torch.dtype) -> None:

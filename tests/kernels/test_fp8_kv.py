@@ -87,7 +87,8 @@ def test_write_kv_into_an_fp8_cache(src: torch.dtype, k_scale: float, v_scale: f
     torch.testing.assert_close(got, want, rtol=2**-4, atol=2**-9 * k_scale)
 
 
-def test_rotary_write_kv_into_an_fp8_cache(gen: torch.Generator, device: torch.device) -> None:
+@pytest.mark.parametrize("rot", [32, 24])  # 24: partial rotary, 8 dims of each head pass
+def test_rotary_write_kv_into_an_fp8_cache(rot: int, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
     k_cache, v_cache = fp8_caches(gen, device)
     t, hq, hkv, d = 5, 4, 2, 32
     q = rand((t, hq, d), torch.float32, gen, device)
@@ -96,7 +97,7 @@ def test_rotary_write_kv_into_an_fp8_cache(gen: torch.Generator, device: torch.d
         rand((t, hkv, d), torch.float32, gen, device),
     )
     positions = torch.tensor([0, 3, 9, 100, 511], device=device)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
     angles = torch.arange(512, dtype=torch.float32)[:, None] * inv[None, :]
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
     slots = torch.tensor([1, 9, -1, 40, 47], dtype=torch.int64, device=device)

@@ -64,20 +64,24 @@ def test_reexports_the_attention_launchers() -> None:
     ("dtype", "cache_dtype"),
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16)],
 )  # fmt: skip
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 32), (8, 2, 64), (8, 1, 24), (32, 4, 128)])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "rot"),
+    [(4, 4, 32, 32), (8, 2, 64, 64), (8, 1, 24, 24), (32, 4, 128, 128), (4, 2, 32, 24), (8, 2, 96, 72), (4, 1, 24, 2)],
+)  # fmt: skip
 def test_rotary_write_kv_matches_rotary_then_write(
-    dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hkv: int, d: int,
+    dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hkv: int, d: int, rot: int,
     gen: torch.Generator, device: torch.device, poison_empty: None,
 ) -> None:  # fmt: skip
     """Strided q/k/v views of one fused projection (GQA 1, 4, 8); slots: first, skipped (-1),
-    last of a block, first of the next, the very last slot; a token at position 0 and repeats."""
+    last of a block, first of the next, the very last slot; a token at position 0 and repeats.
+    ``rot`` < ``d``: partial rotary (Phi-4-mini's 96 of 128), the rest of each head passes."""
     bs, nblk = 8, 6
     shape = (nblk, bs, hkv, d)
     k_cache, v_cache = rand(shape, cache_dtype, gen, device), rand(shape, cache_dtype, gen, device)
     qkv = rand((6, hq + 2 * hkv, d), dtype, gen, device)
     q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
     before = qkv.clone()
-    cos_sin = rand((50, d), torch.float32, gen, device)
+    cos_sin = rand((50, rot), torch.float32, gen, device)
     positions = torch.tensor([0, 1, 7, 8, 49, 17], device=device)
     slots = torch.tensor([0, -1, 7, 8, nblk * bs - 1, 20], dtype=torch.int64, device=device)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -130,7 +134,8 @@ def test_rotary_write_kv_errors(gen: torch.Generator, device: torch.device) -> N
         ta.rotary_write_kv(pos, q, k, k, cs, k_cache, v_cache, torch.tensor([0], device=device))
     with pytest.raises(ValueError, match="do not match the cache"):
         ta.rotary_write_kv(pos, q, q, q, cs, k_cache, v_cache, pos)
-    with pytest.raises(ValueError, match="cos_sin_cache width"):
-        ta.rotary_write_kv(pos, q, k, k, cs[:, :16], k_cache, v_cache, pos)
+    for width in (cs[:, :15], torch.cat([cs, cs], dim=1)):  # odd; wider than the head
+        with pytest.raises(ValueError, match="cos_sin_cache width"):
+            ta.rotary_write_kv(pos, q, k, k, width, k_cache, v_cache, pos)
     with pytest.raises(ValueError, match=r"k_out .* must match k"):
         ta.rotary_write_kv(pos, q, k, k, cs, k_cache, v_cache, pos, k_out=q)

@@ -171,14 +171,15 @@ def test_silu_and_mul_fp8_edges(gen: torch.Generator, device: torch.device) -> N
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 32), (8, 2, 64), (3, 1, 24)])
-def test_rotary_on_strided_qkv_views(dtype: torch.dtype, hq: int, hkv: int, d: int, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+@pytest.mark.parametrize(("hq", "hkv", "d", "rot"), [(4, 4, 32, 32), (8, 2, 64, 64), (3, 1, 24, 24), (4, 2, 32, 24), (2, 1, 96, 72)])  # fmt: skip
+def test_rotary_on_strided_qkv_views(dtype: torch.dtype, hq: int, hkv: int, d: int, rot: int, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
     """Rounded where the reference rounds (cos/sin, each product, each sum): bit for bit against
-    the reference rounding the way the kernels do (the interpreter truncates to bf16)."""
+    the reference rounding the way the kernels do (the interpreter truncates to bf16). ``rot``
+    < ``d``: partial rotary, the first ``rot`` dims of each head rotate, the others stay."""
     t = 6
     qkv = rand((t, hq + 2 * hkv, d), dtype, gen, device) * 4
     q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
-    cos_sin = rand((50, d), torch.float32, gen, device)
+    cos_sin = rand((50, rot), torch.float32, gen, device)
     positions = torch.tensor([0, 1, 2, 49, 17, 17], device=device)
     ref_q, ref_k = q.clone(), k.clone()
     untouched = qkv[:, hq + hkv :].clone()
@@ -213,8 +214,12 @@ def test_rotary_rounds_in_the_activation_dtype(gen: torch.Generator, device: tor
 def test_rotary_errors(gen: torch.Generator, device: torch.device) -> None:
     q = rand((2, 4, 32), torch.float32, gen, device)
     k = rand((2, 2, 32), torch.float32, gen, device)
-    with pytest.raises(ValueError, match="cos_sin_cache width 16 != head_dim 32"):
-        rotary_embedding(torch.tensor([0, 1]), q, k, rand((10, 16), torch.float32, gen, device))
+    with pytest.raises(
+        ValueError, match="cos_sin_cache width 48 must be even and at most head_dim 32"
+    ):
+        rotary_embedding(torch.tensor([0, 1]), q, k, rand((10, 48), torch.float32, gen, device))
+    with pytest.raises(ValueError, match="cos_sin_cache width 15"):
+        rotary_embedding(torch.tensor([0, 1]), q, k, rand((10, 15), torch.float32, gen, device))
     with pytest.raises(ValueError, match="positions has 3 entries"):
         rotary_embedding(torch.tensor([0, 1, 2]), q, k, rand((10, 32), torch.float32, gen, device))
 

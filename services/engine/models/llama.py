@@ -16,9 +16,9 @@ from torch import nn
 
 from kernels import ops
 from services.engine.attention_metadata import AttentionMetadata
-from services.engine.model_config import ArchConfig
+from services.engine.model_config import ArchConfig, scaling_kind
 from services.engine.models.moe import SparseMoeBlock
-from services.engine.rope import cos_sin_cache
+from services.engine.rope import cos_sin_cache, longrope_long_table
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +61,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T]
-        cos_sin: torch.Tensor,  # [max_pos, D]
+        cos_sin: torch.Tensor,  # [max_pos, R]: R = D but for partial rotary
         kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -193,10 +193,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # the rotary table, [max_positions, head_dim]: the loader fills it (fill_rope)
-        table = torch.empty(max_positions, cfg.head_dim, dtype=torch.float32)
+        # the rotary table, [max_positions, rotary_dim]: the loader fills it (fill_rope)
+        table = torch.empty(max_positions, cfg.rotary_dim, dtype=torch.float32)
         self.register_buffer("cos_sin", table, persistent=False)
         self.cos_sin_nope: torch.Tensor | None = None  # SmolLM3's NoPE layers': no rotation
+        # LongRoPE (Phi-3.5, Phi-4-mini): cos_sin holds two tables of this many rows each, the
+        # first short below the original length and long from it, the second long throughout;
+        # a request whose prompt is longer than the original length has its positions moved
+        # by this (its ``position_offset``) into the second. 0: one table.
+        self.long_rope_offset = 0
         for i in cfg.nope_layers:
             layer: DecoderLayer = self.model.layers[i]  # type: ignore[assignment]
             layer.rope_table = 1
@@ -206,18 +211,29 @@ class LlamaForCausalLM(nn.Module):
         model is on ``device``)."""
         cfg = self.cfg
         table = cos_sin_cache(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+            cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
             cfg.max_position_embeddings,
         )  # fmt: skip
+        if scaling_kind(cfg.rope_scaling) == "longrope":
+            long = longrope_long_table(
+                cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                cfg.max_position_embeddings,
+            )  # fmt: skip
+            table, self.long_rope_offset = torch.cat([table, long]), max_positions
         self.cos_sin = table.to(device)
         if cfg.nope_layers:  # cos 1, sin 0: the rotation that leaves q and k as they are
             nope = torch.zeros_like(table)
-            nope[:, : cfg.head_dim // 2] = 1.0
+            nope[:, : cfg.rotary_dim // 2] = 1.0
             self.cos_sin_nope = nope.to(device)
 
     def trim_rope(self, positions: int) -> None:
         """Only the rows of the positions this worker can reach, not the 128k it was built for."""
-        self.cos_sin = self.cos_sin[:positions].clone()
+        if self.long_rope_offset:  # both tables' first rows
+            start = self.long_rope_offset
+            rows = torch.cat([self.cos_sin[:positions], self.cos_sin[start : start + positions]])
+            self.cos_sin, self.long_rope_offset = rows, positions
+        else:
+            self.cos_sin = self.cos_sin[:positions].clone()
         if self.cos_sin_nope is not None:
             self.cos_sin_nope = self.cos_sin_nope[:positions].clone()
 

@@ -1,7 +1,8 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
 Qwen3 (also with YaRN rope scaling), Gemma 3, Qwen3-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
-Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones)."""
+Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
+and Phi's partial rotary and LongRoPE."""
 
 from __future__ import annotations
 
@@ -80,6 +81,18 @@ CONFIGS = {
     }),
     # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), every layer through a window
     "phi3": ("phi3", {"num_hidden_layers": 2, "intermediate_size": 96, "sliding_window": 24}),
+    # Phi-4-mini's partial rotary: 12 of each head's 16 dims rotate, 4 pass
+    "phi3-partial-rotary": ("phi3", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "partial_rotary_factor": 0.75,
+    }),
+    # Phi-3.5's LongRoPE over a 64-token original length (prompts within it rotate by the short
+    # factors, longer ones by the long factors), partial rotary
+    "phi3-longrope": ("phi3", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 4.0],
+                         "long_factor": [1.0, 1.9, 3.1, 5.0, 7.2, 12.0]},
+    }),
     # layer 1 without rotary embedding (NoPE) and, with use_sliding_window, through a window
     "smollm3": ("smollm3", {
         "num_hidden_layers": 3, "intermediate_size": 96, "no_rope_layers": [1, 0, 1],
@@ -148,9 +161,61 @@ def _assert_greedy_matches(
         assert got.outputs[0].token_ids == want, f"{name}: diverged on a {len(prompt)}-token prompt"
 
 
+# prompts that stay within LongRoPE's original length (64) with their new tokens, and longer
+# ones (150: a chunked prefill), on which transformers and the engine agree; one that grows
+# past it while decoding is the test after
+LONGROPE_LENS = [1, 9, 23, 40, 65, 150]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_transformers(name: str, built: Callable[[str], Built]) -> None:
-    _assert_greedy_matches(name, *built(name))
+    lens = LONGROPE_LENS if name == "phi3-longrope" else PROMPT_LENS
+    _assert_greedy_matches(name, *built(name), lens)
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values:FutureWarning")
+def test_a_longrope_sequence_growing_past_the_original_length(
+    built: Callable[[str], Built],
+) -> None:
+    """A 61-token prompt decoded past LongRoPE's original length (64): the keys it cached keep
+    the short factors and the positions from 64 on take the long ones, as transformers' own
+    forward passes rotate them with its cache kept (its ``generate`` for Phi-3 instead drops
+    the cache at that point and computes the sequence again with the long factors)."""
+    path, hf = built("phi3-longrope")
+    (prompt,) = _prompts(7, [61])
+    from transformers import DynamicCache
+
+    want, cache, ids = [], DynamicCache(), torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            out = hf(input_ids=ids, past_key_values=cache, use_cache=True)
+            want.append(int(out.logits[0, -1].argmax()))
+            ids, cache = torch.tensor([[want[-1]]]), out.past_key_values
+    got = LLM(str(path)).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    )
+    assert got[0].outputs[0].token_ids == want
+
+
+def test_longrope_prompts_of_both_kinds_never_share_cached_blocks(
+    built: Callable[[str], Built],
+) -> None:
+    """A prompt within LongRoPE's original length and a longer one that begins with it rotate
+    their keys by different factors: neither reuses the other's cached blocks (one engine,
+    the short prompt before and after the long one), and each gives transformers' tokens."""
+    path, hf = built("phi3-longrope")
+    (long,) = _prompts(11, [150])
+    short = long[:40]
+    llm, greedy = (
+        LLM(str(path), block_size=16),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    )
+    for prompt in (short, long, short, long):
+        (out,) = llm.generate([prompt], greedy)
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt), f"{len(prompt)} tokens"
+        cached = out.num_cached_tokens
+        assert cached in (0, len(prompt) // 16 * 16, (len(prompt) - 1) // 16 * 16), cached
+    assert cached > 0  # the second long prompt found the first's blocks
 
 
 @pytest.mark.skipif(

@@ -53,6 +53,62 @@ def test_the_table_is_transformers_cos_and_sin(rope: dict[str, Any]) -> None:
     assert torch.equal(ours[:, half:], sin[0, :, :half])
 
 
+LONG = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 4.0],
+        "long_factor": [1.0, 1.9, 3.1, 5.0, 7.2, 12.0]}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(
+    ("given", "partial"),
+    [({}, 0.75), ({"attention_factor": 1.1}, 0.75), ({"factor": 8.0}, 0.75)],
+)
+def test_longrope_is_transformers_short_below_the_original_length_long_from_it(
+    given: dict[str, Any], partial: float
+) -> None:
+    """Phi-3.5's and Phi-4-mini's LongRoPE (with Phi-4-mini's partial rotary: 12 of 16 dims):
+    the short factors where transformers' sequence fits the original length, the long ones
+    where it is longer, cos and sin scaled by the attention factor (from max/original, from
+    ``factor``, or given)."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    old_len = 64
+    cfg = Phi3Config(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=MAX_POS,
+        original_max_position_embeddings=old_len, partial_rotary_factor=partial,
+        rope_scaling={**LONG, **given},
+    )  # fmt: skip
+    arch = ArchConfig.from_dict(cfg.to_dict())
+    rot = arch.rotary_dim
+    assert rot == int(HEAD_DIM * partial)
+    ours = cos_sin_cache(rot, POSITIONS, arch.rope_theta, arch.rope_scaling, MAX_POS)
+    rope = Phi3RotaryEmbedding(cfg)
+    x = torch.zeros(1, 1, HEAD_DIM)
+    short_cos, short_sin = rope(x, torch.arange(old_len)[None])
+    long_cos, long_sin = rope(x, torch.arange(old_len, POSITIONS)[None])
+    half = rot // 2
+    assert torch.equal(ours[:old_len, :half], short_cos[0, :, :half])
+    assert torch.equal(ours[:old_len, half:], short_sin[0, :, :half])
+    assert torch.equal(ours[old_len:, :half], long_cos[0, :, :half])
+    assert torch.equal(ours[old_len:, half:], long_sin[0, :, :half])
+
+
+def test_a_published_phi_config_reads_its_longrope_and_partial_rotary() -> None:
+    """Phi-4-mini-instruct's config.json as published (rope_scaling with ``type``, the
+    original length beside it, partial_rotary_factor at the top)."""
+    cfg = {
+        "model_type": "phi3", "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "partial_rotary_factor": 0.75, "rope_theta": 10000.0, "sliding_window": 262144,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48,
+                         "long_factor": [1.5] * 48},
+    }  # fmt: skip
+    arch = ArchConfig.from_dict(cfg)
+    assert (arch.head_dim, arch.rotary_dim) == (128, 96)
+    assert arch.rope_scaling["original_max_position_embeddings"] == 4096
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -60,9 +116,42 @@ def test_the_table_is_transformers_cos_and_sin(rope: dict[str, Any]) -> None:
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
             "'dynamic' is not supported",
         ),
-        ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}}, "'longrope'"),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}},
+            "longrope needs original_max_position_embeddings",
+        ),
+        (
+            {
+                "original_max_position_embeddings": 64,
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0],
+                    "long_factor": [1.0] * 8,
+                },
+            },
+            "longrope's short_factor must be 8 positive numbers",
+        ),
+        (
+            {
+                "original_max_position_embeddings": 64,
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [0.0] * 8,
+                },
+            },
+            "long_factor must be 8 positive numbers",
+        ),
         ({"rope_scaling": {"type": "su"}}, "'su' is not supported"),
-        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ({"partial_rotary_factor": 0.5}, "llama: partial_rotary_factor 0.5 is not supported"),
+        (
+            {"model_type": "phi3", "partial_rotary_factor": 0.05},
+            "gives 0 rotary dims of head_dim 16",
+        ),
+        (
+            {"model_type": "phi3", "partial_rotary_factor": 0.1},
+            "gives 1 rotary dims of head_dim 16",
+        ),
         ({"rope_parameters": {"rope_type": "yarn"}}, "'yarn' needs a factor"),
     ],
 )
