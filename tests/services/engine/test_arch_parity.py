@@ -20,7 +20,7 @@ from kernels import ops
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
-from services.model_files import prepare_model
+from tests.services.engine.conftest import tokenizer_dir
 
 VOCAB = 49152  # the embedded tokenizer's
 COMMON = {
@@ -115,7 +115,7 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
             if name.endswith(".bias") or name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
-    load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
+    load_tokenizer(tokenizer_dir()).save_pretrained(path)
     return model.eval()
 
 
@@ -153,7 +153,7 @@ def _assert_greedy_matches(
     name: str, path: Path, hf: Any, lens: list[int] = PROMPT_LENS, **knobs: Any
 ) -> None:
     prompts = _prompts(len(name), lens)
-    ours = LLM(str(path), **knobs).generate(
+    ours = LLM(str(path), dtype="float32", **knobs).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     )
     for prompt, got in zip(prompts, ours, strict=True):
@@ -191,7 +191,7 @@ def test_a_longrope_sequence_growing_past_the_original_length(
             out = hf(input_ids=ids, past_key_values=cache, use_cache=True)
             want.append(int(out.logits[0, -1].argmax()))
             ids, cache = torch.tensor([[want[-1]]]), out.past_key_values
-    got = LLM(str(path)).generate(
+    got = LLM(str(path), dtype="float32").generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     )
     assert got[0].outputs[0].token_ids == want
@@ -207,7 +207,7 @@ def test_longrope_prompts_of_both_kinds_never_share_cached_blocks(
     (long,) = _prompts(11, [150])
     short = long[:40]
     llm, greedy = (
-        LLM(str(path), block_size=16),
+        LLM(str(path), dtype="float32", block_size=16),
         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
     )
     for prompt in (short, long, short, long):
@@ -317,7 +317,7 @@ def _gemma3_with_vision(path: Path) -> Any:
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
-    load_tokenizer(str(prepare_model("embedded").hf_dir)).save_pretrained(path)
+    load_tokenizer(tokenizer_dir()).save_pretrained(path)
     return model.eval()
 
 
