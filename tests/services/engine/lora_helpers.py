@@ -3,6 +3,7 @@ as the reference."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,14 @@ def make_adapters(root: Path) -> dict[str, Path]:
 
 
 def peft_greedy(
-    adapter: Path | None, prompts: list[list[int]], n: int, eos: int | None,
+    adapter: Path | None, prompts: list[list[int]], n: int, eos: int | Collection[int] | None,
     base: Path | None = None,
 ) -> list[list[int]]:  # fmt: skip
-    """Greedy tokens of peft's merged model (float32; None: the base model), cut after EOS
-    (``eos`` None: never cut)."""
+    """Greedy tokens of peft's merged model (float32; None: the base model), cut after the
+    first EOS (``eos``: an id or the ids the engine stops on; None: never cut)."""
     from peft import PeftModel
 
+    stops = [] if eos is None else [eos] if isinstance(eos, int) else sorted(eos)
     model = _base_model(base)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
@@ -69,7 +71,8 @@ def peft_greedy(
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos if eos is not None else 0)  # fmt: skip
+                                 eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)  # fmt: skip
             got = out[0, len(ids) :].tolist()
-            outs.append(got[: got.index(eos) + 1] if eos is not None and eos in got else got)
+            ends = [i for i, t in enumerate(got) if t in stops]
+            outs.append(got[: ends[0] + 1] if ends else got)
     return outs

@@ -20,7 +20,7 @@ from kernels import ops
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
-from tests.services.engine.conftest import tokenizer_dir
+from tests.services.engine.conftest import BESIDE, tokenizer_dir
 
 VOCAB = 49152  # the embedded tokenizer's
 COMMON = {
@@ -153,7 +153,7 @@ def _assert_greedy_matches(
     name: str, path: Path, hf: Any, lens: list[int] = PROMPT_LENS, **knobs: Any
 ) -> None:
     prompts = _prompts(len(name), lens)
-    ours = LLM(str(path), dtype="float32", **knobs).generate(
+    ours = LLM(str(path), **BESIDE, **knobs).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     )
     for prompt, got in zip(prompts, ours, strict=True):
@@ -191,7 +191,7 @@ def test_a_longrope_sequence_growing_past_the_original_length(
             out = hf(input_ids=ids, past_key_values=cache, use_cache=True)
             want.append(int(out.logits[0, -1].argmax()))
             ids, cache = torch.tensor([[want[-1]]]), out.past_key_values
-    got = LLM(str(path), dtype="float32").generate(
+    got = LLM(str(path), **BESIDE).generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     )
     assert got[0].outputs[0].token_ids == want
@@ -207,7 +207,7 @@ def test_longrope_prompts_of_both_kinds_never_share_cached_blocks(
     (long,) = _prompts(11, [150])
     short = long[:40]
     llm, greedy = (
-        LLM(str(path), dtype="float32", block_size=16),
+        LLM(str(path), **BESIDE, block_size=16),
         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
     )
     for prompt in (short, long, short, long):

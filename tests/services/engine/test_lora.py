@@ -45,7 +45,7 @@ def prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(adapters: dict[str, Path], prompts: list[list[int]], llm: LLM) -> dict[str, list[list[int]]]:  # fmt: skip
-    eos = llm.engine.tokenizer.eos_token_id
+    eos = llm.engine.eos_token_ids  # what the engine stops on
     refs = {name: peft_greedy(adapters[name] if name else None, prompts, GREEDY.max_tokens, eos)
             for name in NAMES}  # fmt: skip
     assert refs["attn-r8"] != refs[""] != refs["mlp-r16"], "an adapter that changes nothing"
