@@ -124,6 +124,19 @@ def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def check_softcap(softcap: float) -> None:
+    if not (softcap == 0 or 0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be 0 (none) or a positive number, got {softcap}")
+
+
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (transformers' order of operations); 0: as they
+    are."""
+    if not softcap:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
 def ref_paged_decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -134,15 +147,19 @@ def ref_paged_decode_attention(
     *,
     out: torch.Tensor | None = None,  # [B, Hq, D] to write into
     window: int = 0,  # sliding window: the query sees its last ``window`` positions (0: all)
+    softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence attending to its first ``context_lens[b]`` cached tokens
     (written into ``out`` when given, which is then returned).
 
     The query sits at position ``context_lens[b] - 1``. ``window`` > 0 is a sliding window as
     transformers defines it: the query at position ``p`` sees keys ``p - window < j <= p``, so
-    only the last ``window`` tokens (itself included); 0 is no window.
+    only the last ``window`` tokens (itself included); 0 is no window. ``softcap`` > 0: each
+    scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` before the mask and the softmax
+    (transformers' Gemma 2 ``attn_logit_softcapping``).
     """
     check_window(window)
+    check_softcap(softcap)
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -153,7 +170,7 @@ def ref_paged_decode_attention(
     k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
     v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
     qf = q.float().view(B, Hkv, group, D)
-    scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [B, Hkv, g, L]
+    scores = soft_cap(torch.matmul(qf, k.transpose(-1, -2)) * scale, softcap)  # [B, Hkv, g, L]
     pos = torch.arange(max_len, device=q.device)
     mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]
     if window:
@@ -178,6 +195,7 @@ def ref_prefill_attention(
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
     no_prefix: bool = False,  # the caller says no sequence has a cached prefix (checked here)
     window: int = 0,  # sliding window: each query sees its last ``window`` positions (0: all)
+    softcap: float = 0.0,  # scores soft-capped (Gemma 2): as ref_paged_decode_attention's
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its whole paged context (written into
     ``out`` when given, which is then returned).
@@ -193,6 +211,7 @@ def ref_prefill_attention(
     ``p >= window - 1``); 0 is no window, plain causal.
     """
     check_window(window)
+    check_softcap(softcap)
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together")
     out = torch.empty_like(q) if out is None else out
@@ -214,13 +233,22 @@ def ref_prefill_attention(
             k = torch.cat([k[: n - (e - s)], k_new[s:e].float()])
             v = torch.cat([v[: n - (e - s)], v_new[s:e].float()])
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if n == e - s and not window:  # a whole prompt: plain causal, skips the masked half
+        qpos = torch.arange(n - (e - s), n, device=q.device)
+        kpos = torch.arange(n, device=q.device)
+        if softcap:  # every score, capped, masked, softmaxed (SDPA takes no soft-capping)
+            mask = kpos[None, :] <= qpos[:, None]
+            if window:
+                mask &= kpos[None, :] > qpos[:, None] - window
+            group = qb.shape[1] // k.shape[1]
+            kg, vg = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            scores = soft_cap(torch.matmul(qb, kg.transpose(-1, -2)) * scale, softcap)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), vg)
+        elif n == e - s and not window:  # a whole prompt: plain causal, skips the masked half
             o = torch.nn.functional.scaled_dot_product_attention(
                 qb, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:  # query i sits at n - q_len + i: causal aligned to the end of the context
-            qpos = torch.arange(n - (e - s), n, device=q.device)
-            kpos = torch.arange(n, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]  # [q_len, n]
             if window:
                 mask &= kpos[None, :] > qpos[:, None] - window

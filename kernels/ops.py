@@ -281,12 +281,14 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [B, Hq, D] to write into
     window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
+    softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
 ) -> torch.Tensor:  # [B, Hq, D]
     mod = _triton("triton_attention", q)
     if mod is None:
         return ref_paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, out=out, window=window
-        )
+            q, k_cache, v_cache, block_tables, context_lens, scale, out=out, window=window,
+            softcap=softcap,
+        )  # fmt: skip
     splits = None
     if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1
         width = block_tables.shape[1] * k_cache.shape[1]
@@ -294,7 +296,7 @@ def paged_decode_attention(
         splits = mod.choose_num_splits(1, k_cache.shape[2], width, q.device, k_cache.element_size())
     return mod.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits, out=out,
-        window=window,
+        window=window, softcap=softcap,
     )  # fmt: skip
 
 
@@ -324,12 +326,13 @@ def prefill_attention(
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
     no_prefix: bool = False,  # no sequence has a cached prefix (the caller knows it)
     window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
+    softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
 ) -> torch.Tensor:  # [T, Hq, D]
     mod = _triton("triton_attention", q)
     fn = mod.prefill_attention if mod else ref_prefill_attention
     return fn(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, out=out,
-        k_new=k_new, v_new=v_new, no_prefix=no_prefix, window=window,
+        k_new=k_new, v_new=v_new, no_prefix=no_prefix, window=window, softcap=softcap,
     )  # fmt: skip
 
 

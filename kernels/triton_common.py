@@ -166,6 +166,18 @@ def mma(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def soft_cap_log2(s, SOFTCAP: tl.constexpr):
+    """Attention scores ``s`` in log2 units (scaled by ``scale * log2(e)``) soft-capped as
+    transformers' Gemma 2 caps the natural ones, ``cap * tanh(x / cap)``, still in log2 units
+    (``L * tanh(s / L)`` with ``L = cap * log2(e)``); -inf (a masked score) stays -inf. tanh as
+    ``1 - 2 / (exp(2t) + 1)``: exact at both ends, with no overflow."""
+    lim: tl.constexpr = SOFTCAP * 1.4426950408889634
+    t = s / lim
+    th = 1.0 - 2.0 / (tl.math.exp2(t * 2.8853900817779268) + 1.0)  # 2t * log2(e)
+    return tl.where(s == float("-inf"), s, lim * th)
+
+
 def rounds_bf16_in_kernel(dtype: torch.dtype) -> bool:
     """Whether a kernel writing ``dtype`` must round to bf16 itself (:func:`round_to_bf16`):
     Triton's interpreter truncates its float32 -> bfloat16 casts (1.005 -> 1.0, seen with triton

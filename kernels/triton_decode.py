@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import check_window
+from kernels.attention import check_softcap, check_window
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -37,6 +37,7 @@ from kernels.triton_common import (
     pdl,
     pdl_enter,
     sm_count,
+    soft_cap_log2,
 )
 
 MAX_SPLITS = 64
@@ -78,7 +79,7 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, F16_READ: tl.constexpr, HALF_D: tl.constexpr,
+    USE_PDL: tl.constexpr, F16_READ: tl.constexpr, HALF_D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -148,6 +149,8 @@ def _decode_kernel(
             s = mma(q, tl.trans(k), DOT_UPCAST, DOT_PRECISION)
         if not F16_READ:
             s = s * scale_log2e
+        if SOFTCAP > 0:  # Gemma 2: before the mask, as transformers caps them
+            s = soft_cap_log2(s, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -269,6 +272,7 @@ def paged_decode_attention(
     half_d: bool | None = None,
     window: int = 0,
     out: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton version of :func:`kernels.attention.ref_paged_decode_attention`.
 
@@ -295,7 +299,8 @@ def paged_decode_attention(
 
     ``window`` (0: none) is a sliding window: each query sees only the last ``window`` keys of
     its context, itself included (transformers' ``sliding_window``); the splits share that
-    range, and the kernel is the same for every window (a runtime argument).
+    range, and the kernel is the same for every window (a runtime argument). ``softcap`` > 0
+    caps each score (Gemma 2's ``attn_logit_softcapping``; a compiled variant per value).
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
@@ -320,6 +325,7 @@ def paged_decode_attention(
     if f16_read and not fp8:
         raise ValueError("f16_read reads an FP8 cache; this one is " + str(k_cache.dtype))
     check_window(window)
+    check_softcap(softcap)
     if num_splits is None:
         width = block_tables.shape[1] * bs  # the context bound known without a device sync
         num_splits = choose_num_splits(
@@ -361,7 +367,7 @@ def paged_decode_attention(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype) and not f16_read,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-        F16_READ=f16_read, HALF_D=half_d, **pdl(device, batch),
+        F16_READ=f16_read, HALF_D=half_d, SOFTCAP=float(softcap), **pdl(device, batch),
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     if num_splits > 1:

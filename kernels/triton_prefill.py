@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import check_window
+from kernels.attention import check_softcap, check_window
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -90,6 +90,7 @@ from kernels.triton_common import (
     mma,
     next_pow2,
     sm_count,
+    soft_cap_log2,
 )
 
 LOG2E = 1.4426950408889634
@@ -148,9 +149,13 @@ def _kv_tile(base, blk, n0, ctx, s_n, s_b, inner, BLOCK_D: tl.constexpr, HEAD_DI
 
 
 @triton.jit
-def _softmax_update(s, m_i, l_i, scale_log2e, WINDOW: tl.constexpr):
+def _softmax_update(s, m_i, l_i, scale_log2e, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """One tile's online-softmax step on raw scores ``s``: (new row max, the factor that
-    rescales what was summed so far, the tile's probabilities, the new row sums)."""
+    rescales what was summed so far, the tile's probabilities, the new row sums). ``SOFTCAP``
+    > 0: the scaled scores soft-capped first (masked ones stay -inf)."""
+    if SOFTCAP > 0:
+        s = soft_cap_log2(s * scale_log2e, SOFTCAP)
+        scale_log2e = 1.0
     # the scale is positive, so the row max scales with it; the exponent is then one FMA per
     # score. Without a window never -inf: every row sees the first key the tile walks (see the
     # loops' bounds), so no guard against -inf - -inf is needed
@@ -170,7 +175,7 @@ def _attend_contig(
     kd, vd, tma_row, tma_col, after,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     LOAD_MASK: tl.constexpr, K_TRANSPOSED: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One tile of the chunk's own keys, read from the contiguous new K/V (``k_new``): rows
     ``j0 .. j0 + BLOCK_N`` of the sequence's chunk, no block table. ``WINDOW``: row r sees only
@@ -190,7 +195,7 @@ def _attend_contig(
             v = tl.where((j < q_len)[:, None], v, 0.0)
         elif WINDOW:
             s = tl.where(j[None, :] > after[:, None], s, float("-inf"))
-        m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, WINDOW)
+        m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, WINDOW, SOFTCAP)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         return m_new, l_i, acc
     j = j0 + tl.arange(0, BLOCK_N)
@@ -220,7 +225,7 @@ def _attend_contig(
         s = tl.where(visible, s, float("-inf"))
     elif WINDOW:
         s = tl.where(j[None, :] > after[:, None], s, float("-inf"))
-    m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, WINDOW)
+    m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, WINDOW, SOFTCAP)
     if LOAD_MASK:
         v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     else:
@@ -237,6 +242,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOAD_MASK: tl.constexpr,
     NARROW: tl.constexpr, BLOCK_READS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
     DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One tile of ``BLOCK_N`` keys from ``n0`` through the block table. ``MASKED``: the causal
     mask and keys past ``ctx``; ``WINDOW``: row r sees only keys past ``after[r]``
@@ -260,7 +266,7 @@ def _attend_tile(
         s = tl.where(visible, s, float("-inf"))
     elif WINDOW:
         s = tl.where(pos[None, :] > after[:, None], s, float("-inf"))
-    m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, WINDOW)
+    m_new, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, WINDOW, SOFTCAP)
     v = _kv_tile(
         v_base, blk, n0, ctx, s_vn, s_vb, v_inner, BLOCK_D, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
         LOAD_MASK, NARROW, False,
@@ -293,7 +299,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
     NARROW: tl.constexpr, BLOCK_READS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
     CONTIG: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, NO_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    TMA: tl.constexpr, NO_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     h0 = (pid % HEAD_SETS) * HEADS  # the tile's first query head
@@ -366,7 +372,7 @@ def _prefill_kernel(
                     q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos,
                     prefix, s_kn, s_kb, s_vn, s_vb, scale_log2e, after, HEAD_DIM, BLOCK_D,
                     BLOCK_SIZE, BLOCK_N, False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED,
-                    DOT_UPCAST, DOT_PRECISION, True,
+                    DOT_UPCAST, DOT_PRECISION, True, SOFTCAP,
                 )  # fmt: skip
             pre_start = pre_cut
         if NO_PREFIX:  # the caller says no sequence has one: the paged loops are not compiled
@@ -378,7 +384,7 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, prefix,
                 s_kn, s_kb, s_vn, s_vb, scale_log2e, after, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                 BLOCK_N, False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST,
-                DOT_PRECISION, False,
+                DOT_PRECISION, False, SOFTCAP,
             )  # fmt: skip
         # with a window, only if the first row's window reaches into the prefix
         if not NO_PREFIX and pre_full < prefix and (not HAS_WINDOW or m0 + 1 < window):
@@ -386,7 +392,7 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, pre_full, q_pos,
                 prefix, s_kn, s_kb, s_vn, s_vb, scale_log2e, after, HEAD_DIM, BLOCK_D,
                 BLOCK_SIZE, BLOCK_N, True, True, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST,
-                DOT_PRECISION, HAS_WINDOW,
+                DOT_PRECISION, HAS_WINDOW, SOFTCAP,
             )  # fmt: skip
         kn_base = kn_ptr + q_start.to(tl.int64) * s_knt + kvh * s_knh
         vn_base = vn_ptr + q_start.to(tl.int64) * s_vnt + kvh * s_vnh
@@ -402,20 +408,20 @@ def _prefill_kernel(
                 m_i, l_i, acc = _attend_contig(
                     q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt,
                     scale_log2e, kd, vd, q_start, tma_col, chunk_after, HEAD_DIM, BLOCK_D,
-                    BLOCK_N, False, D_PADDED, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, True,
+                    BLOCK_N, False, D_PADDED, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, True, SOFTCAP,
                 )  # fmt: skip
             chunk_start = chunk_cut
         for j0 in range(chunk_start, chunk_full, BLOCK_N):
             m_i, l_i, acc = _attend_contig(
                 q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt, scale_log2e,
                 kd, vd, q_start, tma_col, chunk_after, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-                D_PADDED, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, False,
+                D_PADDED, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, False, SOFTCAP,
             )  # fmt: skip
         for j0 in range(chunk_full, tl.minimum(m0 + TOKENS, q_len), BLOCK_N):
             m_i, l_i, acc = _attend_contig(
                 q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt, scale_log2e,
                 kd, vd, q_start, tma_col, chunk_after, HEAD_DIM, BLOCK_D, BLOCK_N, True, True,
-                K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, HAS_WINDOW,
+                K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, HAS_WINDOW, SOFTCAP,
             )  # fmt: skip
     else:
         # keys every row sees (causal; with a window, from the cut on); the first masked tile
@@ -432,7 +438,7 @@ def _prefill_kernel(
                     q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
                     s_kn, s_kb, s_vn, s_vb, scale_log2e, after, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                     BLOCK_N, False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST,
-                    DOT_PRECISION, True,
+                    DOT_PRECISION, True, SOFTCAP,
                 )  # fmt: skip
             start = cut
         for n0 in range(start, full_end, BLOCK_N):
@@ -440,14 +446,14 @@ def _prefill_kernel(
                 q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
                 s_kn, s_kb, s_vn, s_vb, scale_log2e, after, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                 BLOCK_N, False, D_PADDED, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST,
-                DOT_PRECISION, False,
+                DOT_PRECISION, False, SOFTCAP,
             )  # fmt: skip
         for n0 in range(full_end, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
                 s_kn, s_kb, s_vn, s_vb, scale_log2e, after, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                 BLOCK_N, True, True, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST,
-                DOT_PRECISION, HAS_WINDOW,
+                DOT_PRECISION, HAS_WINDOW, SOFTCAP,
             )  # fmt: skip
     if HAS_WINDOW:  # a padding row's window may lie wholly past the context: no key, sum 0
         # (its output is not stored; 0, not 0 / 0)
@@ -643,6 +649,7 @@ def prefill_attention(
     tma: bool | None = None,  # read k_new/v_new through TMA descriptors (default: _tma_ok;
     # plain loads wherever their layout does not suit a descriptor, see _tma_layout)
     window: int = 0,  # sliding window: each query sees its last ``window`` positions (0: all)
+    softcap: float = 0.0,  # scores soft-capped (Gemma 2): ref_prefill_attention's
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_prefill_attention`.
 
@@ -685,6 +692,7 @@ def prefill_attention(
     if not scale > 0:  # the kernel takes the row max before scaling
         raise ValueError(f"scale must be positive, got {scale}")
     check_window(window)
+    check_softcap(softcap)
     out = check_out(out, (t, hq, d), q.dtype, device)
     contig = _check_new_kv(k_new, v_new, q, k_cache)
     if t == 0 or batch == 0:
@@ -725,6 +733,7 @@ def prefill_attention(
         D_PADDED=next_pow2(d) != d or d < 16, NARROW=cfg.narrow and whole_blocks,
         BLOCK_READS=cfg.block_reads and whole_blocks, K_TRANSPOSED=cfg.k_transposed,
         CONTIG=contig, TMA=use_tma, NO_PREFIX=contig and no_prefix, HAS_WINDOW=window > 0,
+        SOFTCAP=float(softcap),
         DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -20,6 +20,7 @@ SUPPORTED = {
     "qwen2_vl": "Qwen2-VL (images)",
     "qwen2_5_vl": "Qwen2.5-VL (images)",
     "qwen3_vl": "Qwen3-VL (images)",
+    "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3 (text)",
     "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
     "phi3": "Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
@@ -39,7 +40,13 @@ SUPPORTED_SCALING = (
 # (_sliding_layers says for which layers)
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
 MOE_TYPES = ("qwen3_moe", "mixtral")
-_O_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe", "gemma3_text")  # attention_bias biases o_proj too
+_O_BIAS_TYPES = (
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+)  # attention_bias biases o_proj too
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
@@ -54,14 +61,18 @@ def scaling_kind(scaling: dict[str, Any] | None) -> str:
 
 @dataclass(frozen=True)
 class GemmaConfig:
-    """What Gemma 3 adds to the Llama layout: RMSNorms whose weight applies as ``1 + weight``
-    (the product in fp32), a norm after attention and around the MLP (four a layer), a GELU
-    (tanh) MLP, token embeddings scaled by ``sqrt(hidden_size)``, the softmax scale from
-    ``query_pre_attn_scalar``, and the sliding layers' own rotary base (default frequencies)."""
+    """What Gemma 2 and 3 add to the Llama layout: RMSNorms whose weight applies as
+    ``1 + weight`` (the product in fp32), a norm after attention and around the MLP (four a
+    layer), a GELU (tanh) MLP, token embeddings scaled by ``sqrt(hidden_size)``, the softmax
+    scale from ``query_pre_attn_scalar``, and the sliding layers' own rotary base (default
+    frequencies). Gemma 2's attention scores and final logits are soft-capped (``cap *
+    tanh(x / cap)``); Gemma 3 norms q and k instead (``ArchConfig.qk_norm``)."""
 
     embed_scale: float
     query_scale: float
     local_rope_theta: float
+    attn_softcap: float = 0.0  # Gemma 2's attn_logit_softcapping; 0: none
+    final_softcap: float = 0.0  # Gemma 2's final_logit_softcapping; 0: none
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,8 @@ class ArchConfig:
             cfg, model_type, language_of = _gemma3_language(cfg), "gemma3_text", "gemma3"
         if model_type == "gemma3_text":
             cfg, gemma = _gemma3(cfg)
+        elif model_type == "gemma2":
+            cfg, gemma = _gemma2(cfg)
         if model_type in VL_TYPES:
             vision = _vision_config(model_type, cfg)
             cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
@@ -204,7 +217,7 @@ class ArchConfig:
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         partial = _partial_rotary(model_type, cfg, rope, head_dim)
         if kind == "longrope":
-            if model_type in (*VL_TYPES, "gemma3_text"):
+            if model_type in (*VL_TYPES, "gemma2", "gemma3_text"):
                 raise ConfigError(f"{model_type}: rope scaling 'longrope' is not supported")
             rope = _longrope_config(model_type, cfg, rope, int(head_dim * partial))
         elif kind != "default" and not isinstance(rope.get("factor"), int | float):
@@ -365,6 +378,41 @@ def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
         local_rope_theta=float(local.get("rope_theta", 10_000.0)),
     )
     read = {**cfg, "rope_parameters": full, "rope_scaling": None, "layer_types": types,
+            "sliding_window": cfg.get("sliding_window", 4096)}  # fmt: skip
+    return read, gemma
+
+
+def _gemma2(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
+    """Gemma 2's config as transformers reads it: every other layer (the even ones) sliding
+    unless ``layer_types`` says otherwise, a 4096-key window, one rotary base for every layer,
+    attention scores capped at ``attn_logit_softcapping`` (50) and final logits at
+    ``final_logit_softcapping`` (30) when given (None: not capped)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"gemma2: hidden_activation {act!r}; only gelu_pytorch_tanh is")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if scaling_kind(rope) != "default":
+        raise ConfigError(f"gemma2: rope scaling {scaling_kind(rope)!r} is not supported")
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+    caps = {}
+    for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        cap = cfg.get(key, default)
+        if cap is not None and not (isinstance(cap, int | float) and cap > 0):
+            raise ConfigError(f"gemma2: {key} must be a positive number or null, got {cap!r}")
+        caps[key] = float(cap or 0.0)
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+    ]
+    gemma = GemmaConfig(
+        embed_scale=float(cfg["hidden_size"]) ** 0.5,
+        query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        local_rope_theta=theta,
+        attn_softcap=caps["attn_logit_softcapping"],
+        final_softcap=caps["final_logit_softcapping"],
+    )
+    read = {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "rope_scaling": None, "layer_types": types,
             "sliding_window": cfg.get("sliding_window", 4096)}  # fmt: skip
     return read, gemma
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import triton_decode
-from kernels.attention import ref_paged_decode_attention
+from kernels.attention import ref_paged_decode_attention, ref_prefill_attention
 from kernels.triton_decode import (
     MIN_KEYS_PER_SPLIT,
     choose_num_splits,
@@ -33,6 +33,7 @@ def run_case(
     half_d: bool | None = None,
     cache_dtype: torch.dtype | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     k_cache, v_cache, tables = paged_kv(lens, block_size, kv_heads, head_dim, dtype, gen, device)
     if cache_dtype is not None:  # an FP8 cache: the spare blocks stay NaN
@@ -42,10 +43,10 @@ def run_case(
     scale = head_dim**-0.5
     out = paged_decode_attention(
         q, k_cache, v_cache, tables, context_lens, scale, num_splits=num_splits, half_d=half_d,
-        window=window,
+        window=window, softcap=softcap,
     )  # fmt: skip
     ref = ref_paged_decode_attention(
-        q, k_cache, v_cache, tables, context_lens, scale, window=window
+        q, k_cache, v_cache, tables, context_lens, scale, window=window, softcap=softcap
     )
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert_matches(out, ref)
@@ -123,6 +124,53 @@ def test_a_sliding_window_matches_the_reference(
 ) -> None:
     run_case([*MIXED_LENS, 200], 4, torch.float32, gen, device, num_splits=num_splits,
              window=window)  # fmt: skip
+
+
+# Gemma 2's soft-capped scores (a cap of 1.5 binds on these unit-variance scores): split or
+# not, both head-dim layouts, a window, bf16, and an FP8 cache (its q pre-scaled in fp16)
+@pytest.mark.parametrize(
+    ("dtype", "num_splits", "half_d", "window", "cache_dtype"),
+    [(torch.float32, 1, True, 0, None), (torch.float32, 3, False, 0, None),
+     (torch.float32, 3, True, 33, None), (torch.bfloat16, 2, True, 0, None),
+     (torch.bfloat16, 2, True, 0, torch.float8_e4m3fn)],
+)  # fmt: skip
+def test_soft_capped_scores_match_the_reference(
+    dtype: torch.dtype, num_splits: int, half_d: bool, window: int,
+    cache_dtype: torch.dtype | None, gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    same = torch.Generator().set_state(gen.get_state())  # the same inputs, uncapped
+    capped = run_case([*MIXED_LENS, 200], 4, dtype, gen, device, num_splits=num_splits,
+                      half_d=half_d, window=window, cache_dtype=cache_dtype, softcap=1.5)  # fmt: skip
+    again = run_case([*MIXED_LENS, 200], 4, dtype, same, device, num_splits=num_splits,
+                     half_d=half_d, window=window, cache_dtype=cache_dtype)  # fmt: skip
+    assert not torch.allclose(capped.float(), again.float(), atol=1e-2)  # the cap changed them
+
+
+def test_the_references_soft_cap_is_transformers_gemma2() -> None:
+    """cap * tanh(scores * scale / cap) before the mask and the softmax, in float32 (transformers'
+    eager Gemma 2 attention), for decode and prefill alike."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables = paged_kv([9, 20], 8, 1, 16, torch.float32, gen, torch.device("cpu"))
+    q = torch.randn((2, 2, 16), generator=gen) * 3
+    lens = torch.tensor([9, 20], dtype=torch.int32)
+    got = ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, softcap=2.0)
+    for b, n in enumerate((9, 20)):
+        keys = torch.cat([k_cache[int(t)] for t in tables[b]])[:n, 0]  # [n, 16]
+        values = torch.cat([v_cache[int(t)] for t in tables[b]])[:n, 0]
+        scores = torch.tanh(q[b] @ keys.T * 0.25 / 2.0) * 2.0  # [2, n]
+        want = torch.softmax(scores, -1) @ values
+        torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-6)
+    qsl = torch.tensor([0, 9, 29], dtype=torch.int32)
+    qp = torch.randn((29, 2, 16), generator=gen) * 3
+    pre = ref_prefill_attention(qp, k_cache, v_cache, tables, qsl, lens, 0.25, softcap=2.0)
+    keys = torch.cat([k_cache[int(t)] for t in tables[1]])[:20, 0]
+    values = torch.cat([v_cache[int(t)] for t in tables[1]])[:20, 0]
+    scores = torch.tanh(qp[9:].transpose(0, 1) @ keys.T * 0.25 / 2.0) * 2.0  # [2, 20, 20]
+    scores = scores.masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1), float("-inf"))
+    want = (torch.softmax(scores, -1) @ values).transpose(0, 1)
+    torch.testing.assert_close(pre[9:], want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="softcap must be 0"):
+        ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, softcap=-1.0)
 
 
 @pytest.mark.parametrize("half_d", [True, False])

@@ -28,6 +28,7 @@ def run_case(
     kv_heads: int = 2,
     tiles: triton_prefill.TilesLike | None = SMALL_TILES,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     k_cache, v_cache, tables = paged_kv(
         ctx_lens, block_size, kv_heads, head_dim, dtype, gen, device
@@ -37,11 +38,13 @@ def run_case(
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = prefill_attention(
-        q, k_cache, v_cache, tables, starts.to(device), lens, scale, tiles=tiles, window=window
-    )
+        q, k_cache, v_cache, tables, starts.to(device), lens, scale, tiles=tiles, window=window,
+        softcap=softcap,
+    )  # fmt: skip
     ref = ref_prefill_attention(
-        q, k_cache, v_cache, tables, starts.to(device), lens, scale, window=window
-    )
+        q, k_cache, v_cache, tables, starts.to(device), lens, scale, window=window,
+        softcap=softcap,
+    )  # fmt: skip
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, ref)
 
@@ -156,6 +159,7 @@ def new_kv_case(
     group: int = 4,
     tma: bool | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The chunk's keys read from ``k_new``/``v_new`` (strided views of one qkv-like buffer):
     the cache's slots for the new tokens are overwritten with NaN first, so reading them there
@@ -167,7 +171,8 @@ def new_kv_case(
     q = rand((t, kv_heads * group, head_dim), dtype, gen, device)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     qsl = starts.to(device)
-    want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5, window=window)  # fmt: skip
+    cap = {"window": window, "softcap": softcap}
+    want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5, **cap)
     qkv = torch.empty((t, 3 * kv_heads, head_dim), dtype=dtype, device=device)
     k_new, v_new = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
     for b, (n, m) in enumerate(zip(ctx_lens, q_lens, strict=True)):
@@ -178,12 +183,12 @@ def new_kv_case(
             k_cache[blk, off] = float("nan")
             v_cache[blk, off] = float("nan")
     args = (q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5)
-    got = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma, window=window)  # fmt: skip
+    got = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma, **cap)
     assert_matches(got, want)
     if ctx_lens == q_lens:  # whole prompts: the caller may say so, and the paged loops go
-        whole = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma, no_prefix=True, window=window)  # fmt: skip
+        whole = prefill_attention(*args, tiles=tiles, k_new=k_new, v_new=v_new, tma=tma, no_prefix=True, **cap)  # fmt: skip
         assert_matches(whole, want)
-    assert_matches(ref_prefill_attention(*args, k_new=k_new, v_new=v_new, window=window), want)
+    assert_matches(ref_prefill_attention(*args, k_new=k_new, v_new=v_new, **cap), want)
 
 
 # each tiling in float32, the small tiles in bf16 too
@@ -495,3 +500,16 @@ def test_tiles_print_as_code() -> None:
     tiles = Tiles(256, 64, 16, 2, True, narrow=True, k_transposed=True)
     assert tiles.code() == "Tiles(256, 64, 16, 2, True, narrow=True, k_transposed=True)"
     assert eval(tiles.code(), {"Tiles": Tiles}) == tiles
+
+
+# Gemma 2's soft-capped scores (a cap of 1.5 binds on these unit-variance scores): through the
+# block table with the small tiles and with every knob and a window, from the contiguous new
+# K/V (a chunk after a prefix, and whole prompts), in bf16 too
+@pytest.mark.parametrize(
+    ("tiles", "window", "dtype"),
+    [(SMALL_TILES, 0, torch.float32), (WINDOW_KNOBS, 23, torch.float32), (SMALL_TILES, 0, torch.bfloat16)],
+)  # fmt: skip
+def test_soft_capped_scores_match_the_reference(tiles: Tiles, window: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    run_case([40, 57, 9], [40, 20, 9], 4, dtype, gen, device, tiles=tiles, window=window, softcap=1.5)  # fmt: skip
+    new_kv_case([45, 21], [7, 21], dtype, gen, device, tiles, window=window, softcap=1.5)
+    new_kv_case([33, 9], [33, 9], dtype, gen, device, tiles, window=window, softcap=1.5)

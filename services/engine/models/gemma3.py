@@ -1,8 +1,9 @@
-"""Gemma 3 (text) in plain PyTorch over a paged KV cache: the Llama layers with Gemma's
-differences (``services.engine.model_config.GemmaConfig``).
+"""Gemma 3 (text) and Gemma 2 in plain PyTorch over a paged KV cache: the Llama layers with
+Gemma's differences (``services.engine.model_config.GemmaConfig``).
 
 - RMSNorms apply their weight as ``1 + weight``, multiplied in fp32 before the one rounding
-  (``ops.gemma_rms_norm``); q and k are normed per head like Qwen3's.
+  (``ops.gemma_rms_norm``); Gemma 3 norms q and k per head like Qwen3's, Gemma 2 soft-caps
+  the attention scores (in the attention kernels) and the final logits instead.
 - Four norms a layer: after attention, and before and after the MLP. With this engine's fused
   residual (a layer hands on ``(x, residual)``, the stream being their sum), the post-norms
   take no residual and the pre-norms add it, as in the Llama layer.
@@ -37,9 +38,11 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         assert cfg.gemma is not None
         self.self_attn = Attention(cfg, layer)
-        self.self_attn.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.self_attn.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # Gemma 3
+            self.self_attn.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.self_attn.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.self_attn.scale = cfg.gemma.query_scale
+        self.self_attn.softcap = cfg.gemma.attn_softcap
         self.mlp = MLP(cfg)
         self.mlp.act_fn = ops.gelu_tanh_and_mul
         size, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -73,6 +76,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_scale = cfg.gemma.embed_scale
+        self.final_softcap = cfg.gemma.final_softcap
         self.local_rope_theta = cfg.gemma.local_rope_theta
         table = torch.empty(max_positions, cfg.head_dim, dtype=torch.float32)
         self.register_buffer("cos_sin_local", table, persistent=False)
@@ -88,6 +92,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def rope_tables(self) -> tuple[torch.Tensor, ...]:
         return (self.cos_sin, self.cos_sin_local)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V] fp32
+        logits = self.lm_head(hidden)
+        if self.final_softcap:  # Gemma 2: in the model's dtype, as transformers caps them
+            cap = self.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         x = self.model.embed_tokens(input_ids)

@@ -1,5 +1,5 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3 (also with YaRN rope scaling), Gemma 3, Qwen3-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
+Qwen3 (also with YaRN rope scaling), Gemma 2 and 3, Qwen3-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 and Phi's partial rotary and LongRoPE."""
@@ -62,6 +62,13 @@ CONFIGS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
         },
+    }),
+    # alternating sliding (24 keys) and global layers, scores and logits soft-capped low enough
+    # to bind on these random weights, the softmax scale from query_pre_attn_scalar
+    "gemma2": ("gemma2", {
+        "num_hidden_layers": 3, "intermediate_size": 96, "head_dim": 16,
+        "query_pre_attn_scalar": 32, "sliding_window": 24, "attn_logit_softcapping": 1.5,
+        "final_logit_softcapping": 5.0,
     }),
     # layer 1 dense (mlp_only_layers), the router's top-2 weights left unnormalized
     "qwen3_moe-dense-layer": ("qwen3_moe", {
@@ -269,20 +276,42 @@ def test_the_window_through_the_triton_attention_kernels(
     _assert_greedy_matches("mistral-window", *windowed, [9, 40], block_size=16)
 
 
+def test_gemma2_prompt_logprobs_are_transformers_soft_capped_ones(
+    built: Callable[[str], Built],
+) -> None:
+    """Gemma 2's final soft-capping leaves the greedy token as it is (tanh is monotonic) but
+    not the distribution: every prompt position's log-probabilities, transformers' own."""
+    path, hf = built("gemma2")
+    (prompt,) = _prompts(5, [30])
+    res = LLM(str(path), **BESIDE).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    )[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    assert float(hf(torch.tensor([prompt])).logits.abs().max()) < 5.0  # the cap held them
+    for q in range(len(prompt) - 1):
+        entry = res.prompt_logprobs[q + 1]
+        assert entry is not None
+        assert abs(entry.chosen.logprob - ref[q, prompt[q + 1]].item()) < 1e-4
+        assert [t.token_id for t in entry.top] == ref[q].topk(3).indices.tolist()
+
+
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
 )
-def test_gemma3_through_the_triton_kernels(
-    built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_gemma_through_the_triton_kernels(
+    name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Gemma 3 with its norms (the kernel's Gemma variant), rotary, KV writes and attention in
-    the Triton kernels (under the interpreter): still transformers' tokens."""
+    """Gemma 3 and 2 with their norms (the kernel's Gemma variant), rotary, KV writes and
+    attention (Gemma 2's soft-capped) in the Triton kernels (under the interpreter): still
+    transformers' tokens."""
     from kernels import triton_attention, triton_layers
 
     kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
     monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
-    _assert_greedy_matches("gemma3", *built("gemma3"), [9, 40], block_size=16)
+    _assert_greedy_matches(name, *built(name), [9, 40], block_size=16)
 
 
 def test_a_window_no_context_outgrows_is_left_to_whole_attention(windowed: Built) -> None:

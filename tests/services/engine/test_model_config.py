@@ -265,3 +265,25 @@ def test_gemma_variants_this_engine_does_not_implement_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         ArchConfig.from_dict({**GEMMA, **extra})
+
+
+def test_gemma2_reads_transformers_defaults_and_refuses_what_it_cannot_serve() -> None:
+    """Gemma 2 as transformers builds it from a published config: every other layer sliding
+    (the even ones) over 4096 keys, scores capped at 50 and logits at 30 unless given (null:
+    not capped), one rotary base, no q/k norms, o_proj biased with attention_bias."""
+    arch = ArchConfig.from_dict({**BASE, "model_type": "gemma2", "head_dim": 16})
+    assert arch.gemma is not None and not arch.qk_norm
+    assert (arch.sliding_window, arch.sliding_layers) == (4096, (0, 2))
+    assert (arch.gemma.attn_softcap, arch.gemma.final_softcap) == (50.0, 30.0)
+    assert arch.gemma.query_scale == 256**-0.5 and arch.gemma.local_rope_theta == 10000.0
+    off = ArchConfig.from_dict({**BASE, "model_type": "gemma2", "attn_logit_softcapping": None,
+                                "final_logit_softcapping": None, "attention_bias": True})  # fmt: skip
+    assert off.gemma is not None and (off.gemma.attn_softcap, off.gemma.final_softcap) == (0, 0)
+    assert off.attention_bias and off.o_proj_bias
+    for extra, message in (
+        ({"attn_logit_softcapping": -1}, "attn_logit_softcapping must be a positive number"),
+        ({"hidden_activation": "gelu"}, "only gelu_pytorch_tanh"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            ArchConfig.from_dict({**BASE, "model_type": "gemma2", **extra})
