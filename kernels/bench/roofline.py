@@ -126,6 +126,9 @@ def measure(name: str, shape: str, fn: Callable[[], object], *, nbytes: float = 
     return out
 
 
+SOFTCAP = 50.0  # Gemma 2's attn_logit_softcapping
+
+
 def bench_decode(copy_gbps: float) -> list[dict[str, Any]]:
     from kernels.bench.cases import DECODE_CASES, KV_HEADS, paged
     from kernels.triton_decode import choose_num_splits, paged_decode_attention
@@ -137,6 +140,9 @@ def bench_decode(copy_gbps: float) -> list[dict[str, Any]]:
         fn = functools.partial(paged_decode_attention, p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)  # fmt: skip
         shape = f"B={batch} ctx={ctx}"
         rows.append(measure("decode attention", shape, fn, nbytes=p.io_bytes(), copy_gbps=copy_gbps, num_splits=splits))  # fmt: skip
+        if (batch, ctx) == DECODE_CASES[0]:  # Gemma 2's soft-capped scores: a tanh a score
+            capped = functools.partial(fn, softcap=SOFTCAP)
+            rows.append(measure("decode attention, soft-capped", shape, capped, nbytes=p.io_bytes(), copy_gbps=copy_gbps, num_splits=splits))  # fmt: skip
         rows.append(measure("  torch sdpa (contiguous KV)", shape, _sdpa_decode(p, batch, ctx), nbytes=p.io_bytes(), copy_gbps=copy_gbps))  # fmt: skip
         del p, fn
     return rows
@@ -166,6 +172,9 @@ def bench_prefill() -> list[dict[str, Any]]:
             k_new, v_new = new_kv(p, ctx_lens, q_lens)
             whole = functools.partial(fn, k_new=k_new, v_new=v_new, no_prefix=True)
             rows.append(measure("prefill attention, whole prompts", name, whole, flops=flops))
+            if name == PREFILL_CASES[0][0]:  # Gemma 2's soft-capped scores
+                capped = functools.partial(whole, softcap=SOFTCAP)
+                rows.append(measure("prefill attention, whole, soft-capped", name, capped, flops=flops))  # fmt: skip
         sdpa = sdpa_prefill(p, ctx_lens, q_lens)
         if sdpa is not None:
             rows.append(measure("  torch sdpa (contiguous KV)", name, sdpa, flops=flops))
