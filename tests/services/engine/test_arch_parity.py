@@ -115,7 +115,10 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **COMMON, **extra)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Gemma 2's soft-capping runs in the eager attention only (older transformers take SDPA,
+    # without it, unless told)
+    eager = {"attn_implementation": "eager"} if model_type == "gemma2" else {}
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **eager)
     with torch.no_grad():  # transformers starts biases at 0 and norm weights at 1 (Gemma's
         # at 0, an offset from 1): a bias left out or a norm read wrong would go unseen
         for name, param in model.named_parameters():
