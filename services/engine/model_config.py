@@ -25,6 +25,7 @@ SUPPORTED = {
     "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
     "phi3": "Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
     "smollm3": "SmolLM3 (its layers without rotary embedding)",
+    "granite": "Granite 3.x (dense)",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -46,6 +47,7 @@ _O_BIAS_TYPES = (
     "qwen3_moe",
     "gemma2",
     "gemma3_text",
+    "granite",
 )  # attention_bias biases o_proj too
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
@@ -165,6 +167,13 @@ class ArchConfig:
     nope_layers: tuple[int, ...] = ()
     # the share of each head's dims that rotate (Phi-4-mini: 0.75); the rest pass unrotated
     partial_rotary_factor: float = 1.0
+    # Granite's scalings: token embeddings times embedding_multiplier, each attention and MLP
+    # output times residual_multiplier before it joins the residual stream, the softmax scale
+    # attention_multiplier (0: head_dim ** -0.5), the logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 0.0
+    logits_scaling: float = 1.0
 
     @property
     def rotary_dim(self) -> int:
@@ -240,7 +249,7 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma is not None)),
             attention_bias=qkv_bias,
             o_proj_bias=qkv_bias and model_type in _O_BIAS_TYPES,
-            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
+            mlp_bias=model_type in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
@@ -254,6 +263,7 @@ class ArchConfig:
             language_of=language_of,
             nope_layers=_nope_layers(model_type, cfg),
             partial_rotary_factor=partial,
+            **_granite_scalings(model_type, cfg),
         )
 
     @classmethod
@@ -427,7 +437,7 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     VL models); Gemma 3 the ``layer_types`` ones; Llama and Qwen3-VL never. (None, ()) when no
     layer does."""
     layers = range(int(cfg["num_hidden_layers"]))
-    if model_type in ("llama", "qwen3_vl"):
+    if model_type in ("llama", "qwen3_vl", "granite"):
         return None, ()
     if model_type == "smollm3":  # use_sliding_window: the layer_types ones (its NoPE layers)
         if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
@@ -462,6 +472,21 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     if int(window) < 1:
         raise ConfigError(f"{model_type}: sliding_window {window} must be at least 1")
     return int(window), windowed
+
+
+def _granite_scalings(model_type: str, cfg: dict[str, Any]) -> dict[str, float]:
+    """Granite's four multipliers (transformers' defaults: 1.0 each), each a positive number;
+    none for the other families."""
+    if model_type != "granite":
+        return {}
+    out = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                "logits_scaling"):  # fmt: skip
+        value = cfg.get(key, 1.0)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise ConfigError(f"granite: {key} must be a positive number, got {value!r}")
+        out[key] = float(value)
+    return out
 
 
 def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:

@@ -49,7 +49,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.nq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.d**-0.5
+        self.scale = cfg.attention_multiplier or self.d**-0.5  # Granite's: its own
         self.window = cfg.window(layer)  # a sliding window's keys (Mistral v0.1); 0: all
         self.softcap = 0.0  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
         # an FP8 KV cache holds k / k_scale and v / v_scale (--kv-cache-dtype fp8: 1.0, as vLLM
@@ -164,6 +164,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope_table = 0  # which of the model's rotary tables (rope_tables) it rotates by
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 for the others
 
     def forward(
         self,
@@ -176,8 +177,13 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        if self.residual_multiplier != 1.0:  # each branch scaled before it joins the stream
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -249,7 +255,10 @@ class LlamaForCausalLM(nn.Module):
         return (self.cos_sin,)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        return self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        if self.cfg.embedding_multiplier != 1.0:  # Granite
+            x = x * self.cfg.embedding_multiplier
+        return x
 
     def forward(
         self,
@@ -287,4 +296,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, V] fp32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.cfg.logits_scaling != 1.0:  # Granite: in the model's dtype, as transformers
+            logits = logits / self.cfg.logits_scaling
+        return logits.float()

@@ -287,3 +287,22 @@ def test_gemma2_reads_transformers_defaults_and_refuses_what_it_cannot_serve() -
     ):
         with pytest.raises(ConfigError, match=message):
             ArchConfig.from_dict({**BASE, "model_type": "gemma2", **extra})
+
+
+def test_granite_reads_its_scalings_and_refuses_a_bad_one() -> None:
+    arch = ArchConfig.from_dict({**BASE, "model_type": "granite", "embedding_multiplier": 12,
+                                 "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                                 "logits_scaling": 16, "mlp_bias": True})  # fmt: skip
+    assert (arch.embedding_multiplier, arch.residual_multiplier) == (12.0, 0.22)
+    assert (arch.attention_multiplier, arch.logits_scaling) == (0.0078125, 16.0)
+    assert arch.mlp_bias and arch.sliding_window is None
+    plain = ArchConfig.from_dict({**BASE, "model_type": "granite"})  # transformers' defaults
+    assert (plain.embedding_multiplier, plain.logits_scaling, plain.attention_multiplier) == (
+        1,
+        1,
+        1,
+    )
+    llama = ArchConfig.from_dict({**BASE, "model_type": "llama", "logits_scaling": 16})
+    assert llama.logits_scaling == 1.0 and llama.attention_multiplier == 0.0  # Granite's only
+    with pytest.raises(ConfigError, match="logits_scaling must be a positive number"):
+        ArchConfig.from_dict({**BASE, "model_type": "granite", "logits_scaling": 0})
