@@ -20,6 +20,7 @@ SUPPORTED = {
     "qwen2_vl": "Qwen2-VL (images)",
     "qwen2_5_vl": "Qwen2.5-VL (images)",
     "qwen3_vl": "Qwen3-VL (images)",
+    "gemma": "Gemma (the first; CodeGemma)",
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3 (text)",
     "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
@@ -45,6 +46,7 @@ _O_BIAS_TYPES = (
     "llama",
     "qwen3",
     "qwen3_moe",
+    "gemma",
     "gemma2",
     "gemma3_text",
     "granite",
@@ -75,6 +77,7 @@ class GemmaConfig:
     local_rope_theta: float
     attn_softcap: float = 0.0  # Gemma 2's attn_logit_softcapping; 0: none
     final_softcap: float = 0.0  # Gemma 2's final_logit_softcapping; 0: none
+    sandwich_norms: bool = True  # four norms a layer; the first Gemma: two, as Llama's
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,8 @@ class ArchConfig:
             cfg, gemma = _gemma3(cfg)
         elif model_type == "gemma2":
             cfg, gemma = _gemma2(cfg)
+        elif model_type == "gemma":
+            cfg, gemma = _gemma1(cfg)
         if model_type in VL_TYPES:
             vision = _vision_config(model_type, cfg)
             cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
@@ -226,7 +231,7 @@ class ArchConfig:
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         partial = _partial_rotary(model_type, cfg, rope, head_dim)
         if kind == "longrope":
-            if model_type in (*VL_TYPES, "gemma2", "gemma3_text"):
+            if model_type in (*VL_TYPES, "gemma", "gemma2", "gemma3_text"):
                 raise ConfigError(f"{model_type}: rope scaling 'longrope' is not supported")
             rope = _longrope_config(model_type, cfg, rope, int(head_dim * partial))
         elif kind != "default" and not isinstance(rope.get("factor"), int | float):
@@ -392,6 +397,30 @@ def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
     return read, gemma
 
 
+def _gemma1(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
+    """The first Gemma as transformers reads it: Llama's two norms a layer (Gemma's, as
+    ``1 + weight``), a GELU-tanh MLP (``hidden_act: gelu``, the published configs' value,
+    meaning it, as transformers takes it), scaled embeddings, the softmax scale from head_dim,
+    one rotary base, no window."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu"):
+        raise ConfigError(f"gemma: hidden_activation {act!r}; only gelu_pytorch_tanh is")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if scaling_kind(rope) != "default":
+        raise ConfigError(f"gemma: rope scaling {scaling_kind(rope)!r} is not supported")
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+    head_dim = int(cfg.get("head_dim") or 256)  # transformers' default for the first Gemma
+    gemma = GemmaConfig(
+        embed_scale=float(cfg["hidden_size"]) ** 0.5,
+        query_scale=head_dim**-0.5,
+        local_rope_theta=theta,
+        sandwich_norms=False,
+    )
+    read = {**cfg, "head_dim": head_dim, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta}}  # fmt: skip
+    return read, gemma
+
+
 def _gemma2(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
     """Gemma 2's config as transformers reads it: every other layer (the even ones) sliding
     unless ``layer_types`` says otherwise, a 4096-key window, one rotary base for every layer,
@@ -437,7 +466,7 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     VL models); Gemma 3 the ``layer_types`` ones; Llama and Qwen3-VL never. (None, ()) when no
     layer does."""
     layers = range(int(cfg["num_hidden_layers"]))
-    if model_type in ("llama", "qwen3_vl", "granite"):
+    if model_type in ("llama", "qwen3_vl", "granite", "gemma"):
         return None, ()
     if model_type == "smollm3":  # use_sliding_window: the layer_types ones (its NoPE layers)
         if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:

@@ -1,5 +1,6 @@
-"""Gemma 3 (text) and Gemma 2 in plain PyTorch over a paged KV cache: the Llama layers with
-Gemma's differences (``services.engine.model_config.GemmaConfig``).
+"""Gemma 3 (text), Gemma 2 and the first Gemma in plain PyTorch over a paged KV cache: the Llama
+layers with Gemma's differences (``services.engine.model_config.GemmaConfig``; the first Gemma
+keeps Llama's two norms a layer).
 
 - RMSNorms apply their weight as ``1 + weight``, multiplied in fp32 before the one rounding
   (``ops.gemma_rms_norm``); Gemma 3 norms q and k per head like Qwen3's, Gemma 2 soft-caps
@@ -47,9 +48,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp.act_fn = ops.gelu_tanh_and_mul
         size, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)  # the first Gemma's pre-MLP one
+        self.sandwich = cfg.gemma.sandwich_norms
+        if self.sandwich:  # Gemma 2 and 3
+            self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+            self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.rope_table = 1 if layer in cfg.sliding_layers else 0  # the local table (rope_tables)
 
     def forward(
@@ -62,7 +65,11 @@ class Gemma3DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(x, positions, cos_sin, kv_cache, meta))[0]
+        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        if not self.sandwich:  # the first Gemma: Llama's two norms
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x = self.post_attention_layernorm(x)[0]
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x))[0], residual
 

@@ -1,5 +1,5 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3 (also with YaRN rope scaling), Gemma 2 and 3, Qwen3-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
+Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -63,6 +63,8 @@ CONFIGS = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
         },
     }),
+    # the first Gemma: Llama's two norms (Gemma's), GELU-tanh, scaled embeddings, head_dim 16
+    "gemma": ("gemma", {"num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16}),
     # alternating sliding (24 keys) and global layers, scores and logits soft-capped low enough
     # to bind on these random weights, the softmax scale from query_pre_attn_scalar
     "gemma2": ("gemma2", {

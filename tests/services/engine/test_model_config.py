@@ -306,3 +306,14 @@ def test_granite_reads_its_scalings_and_refuses_a_bad_one() -> None:
     assert llama.logits_scaling == 1.0 and llama.attention_multiplier == 0.0  # Granite's only
     with pytest.raises(ConfigError, match="logits_scaling must be a positive number"):
         ArchConfig.from_dict({**BASE, "model_type": "granite", "logits_scaling": 0})
+
+
+def test_the_first_gemma_takes_its_published_gelu_and_head_dim() -> None:
+    """Gemma 7B's config.json says hidden_act "gelu", which transformers takes as the tanh
+    approximation; head_dim 256 when left out; two norms a layer."""
+    arch = ArchConfig.from_dict({**BASE, "model_type": "gemma", "hidden_act": "gelu"})
+    assert arch.gemma is not None and not arch.gemma.sandwich_norms and arch.head_dim == 256
+    assert arch.gemma.query_scale == 256**-0.5 and arch.tie_word_embeddings
+    assert arch.sliding_window is None and not arch.qk_norm
+    with pytest.raises(ConfigError, match="only gelu_pytorch_tanh"):
+        ArchConfig.from_dict({**BASE, "model_type": "gemma", "hidden_act": "relu"})
