@@ -163,7 +163,15 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         if match:
             fused, shard = _STACKED[match.group(1)]
             target = name.replace(match.group(1), fused)
-            sizes = _shard_sizes(arch, fused)
+            if target not in params:
+                raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
+            # gate and up: halves of the stacked tensor (the dense MLP's, or Qwen2-MoE's shared
+            # expert's of its own width)
+            sizes = (
+                _shard_sizes(arch, fused)
+                if fused == "qkv_proj"
+                else [params[target].shape[0] // 2] * 2
+            )
             start = sum(sizes[:shard])
             _copy(name, tensor, params[target].data[start : start + sizes[shard]])
             loaded.add(f"{target}#{shard}")

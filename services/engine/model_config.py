@@ -16,6 +16,7 @@ SUPPORTED = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
     "qwen3_moe": "Qwen3-MoE",
+    "qwen2_moe": "Qwen1.5-MoE, Qwen2-MoE (with their shared expert)",
     "mixtral": "Mixtral",
     "qwen2_vl": "Qwen2-VL (images)",
     "qwen2_5_vl": "Qwen2.5-VL (images)",
@@ -41,7 +42,7 @@ SUPPORTED_SCALING = (
 # families whose config turns sliding-window attention on with use_sliding_window
 # (_sliding_layers says for which layers)
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
-MOE_TYPES = ("qwen3_moe", "mixtral")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 _O_BIAS_TYPES = (
     "llama",
     "qwen3",
@@ -91,6 +92,9 @@ class MoeConfig:
     renormalize: bool  # the top-k weights divided by their sum (Mixtral; Qwen3 norm_topk_prob)
     layers: tuple[int, ...]  # the decoder layers with a sparse block; the others are dense
     weights_in_model_dtype: bool  # Qwen3-MoE rounds the router weights to it, Mixtral keeps fp32
+    # Qwen2-MoE's shared expert: a SiLU-gated MLP of this width every token goes through, its
+    # output times sigmoid(shared_expert_gate(x)) added to the experts'; 0: none
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,8 @@ class ArchConfig:
         # Mixtral's never, the others' as attention_bias says
         if model_type in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
             qkv_bias = True
+        elif model_type == "qwen2_moe":
+            qkv_bias = bool(cfg.get("qkv_bias", True))
         else:
             qkv_bias = model_type not in ("mistral", "mixtral") and bool(cfg.get("attention_bias"))
         silu = model_type not in MOE_TYPES and gemma is None
@@ -468,6 +474,10 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     layers = range(int(cfg["num_hidden_layers"]))
     if model_type in ("llama", "qwen3_vl", "granite", "gemma"):
         return None, ()
+    if model_type == "qwen2_moe":  # its windows alternate below max_window_layers: not served
+        if cfg.get("use_sliding_window"):
+            raise ConfigError("qwen2_moe: use_sliding_window is not supported")
+        return None, ()
     if model_type == "smollm3":  # use_sliding_window: the layer_types ones (its NoPE layers)
         if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
             return None, ()
@@ -537,8 +547,13 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
     """Qwen3-MoE (``num_experts``, saved by transformers as ``num_local_experts``; a layer is
     sparse unless in ``mlp_only_layers`` or off the ``decoder_sparse_step``) or Mixtral (every
     layer sparse, ``intermediate_size`` per expert, always renormalized); refuses what differs."""
+    shared = 0
+    if model_type == "qwen2_moe":  # transformers builds its shared expert whatever its width
+        shared = int(cfg.get("shared_expert_intermediate_size", 5632))
+        if shared < 1:
+            raise ConfigError(f"qwen2_moe: shared_expert_intermediate_size {shared} must be >= 1")
     for key in _SHARED_EXPERT_KEYS:
-        if cfg.get(key):
+        if cfg.get(key) and not (model_type == "qwen2_moe" and key == _SHARED_EXPERT_KEYS[0]):
             raise ConfigError(f"{model_type}: shared experts ({key}={cfg[key]}) are not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{model_type}: hidden_act {cfg['hidden_act']!r}; only silu is supported")
@@ -550,7 +565,7 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
     else:
         step = int(cfg.get("decoder_sparse_step", 1))
         if step < 1:
-            raise ConfigError(f"qwen3_moe: decoder_sparse_step {step} must be at least 1")
+            raise ConfigError(f"{model_type}: decoder_sparse_step {step} must be at least 1")
         dense = set(cfg.get("mlp_only_layers") or [])
         sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
         size, renormalize = int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob"))
@@ -558,7 +573,15 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
         return None  # no sparse layer: a dense model
     if not 1 <= top_k <= experts:
         raise ConfigError(f"{model_type}: num_experts_per_tok {top_k} of {experts} experts")
-    return MoeConfig(experts, top_k, size, renormalize, tuple(sparse), model_type == "qwen3_moe")
+    return MoeConfig(
+        experts,
+        top_k,
+        size,
+        renormalize,
+        tuple(sparse),
+        model_type in ("qwen3_moe", "qwen2_moe"),
+        shared,
+    )
 
 
 def _vision_config(model_type: str, cfg: dict[str, Any]) -> VisionConfig:

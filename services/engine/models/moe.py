@@ -1,4 +1,5 @@
-"""The sparse MLP of Mixture-of-Experts models (Qwen3-MoE, Mixtral) in plain PyTorch.
+"""The sparse MLP of Mixture-of-Experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared
+expert) in plain PyTorch.
 
 A router picks ``top_k`` experts per token; the experts' SiLU-gated MLPs run as one fused op
 (``kernels.ops.fused_moe``) over weights stacked per expert: the loader stacks the checkpoint's
@@ -21,16 +22,41 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # [E, H, I]
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SiLU-gated MLP every token goes through (the checkpoint's
+    gate and up projections stacked into one, as the dense MLP's)."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return ops.linear(
+            ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight
+        )
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, moe: MoeConfig, hidden: int) -> None:
         super().__init__()
         self.moe = moe
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)  # the router
         self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size)
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = SharedExpert(hidden, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         logits = ops.linear(x, self.gate.weight)  # [T, E]
         weights, ids = ops.moe_routing(logits, self.moe.top_k, self.moe.renormalize)  # [T, k]
         if self.moe.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # as transformers: sigmoid(gate(x)) * shared(x), then added, each in x's dtype
+            gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))  # [T, 1]
+            out = out + gate * self.shared_expert(x)
+        return out

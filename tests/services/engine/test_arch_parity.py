@@ -1,5 +1,5 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
+Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -83,6 +83,13 @@ CONFIGS = {
         "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 80,
         "moe_intermediate_size": 24, "num_experts": 16, "num_experts_per_tok": 4,
         "norm_topk_prob": True, "decoder_sparse_step": 2,
+    }),
+    # the shared expert (its own width, gated by a sigmoid) beside top-2 of 8 experts, layer 1
+    # dense, q/k/v biased
+    "qwen2_moe": ("qwen2_moe", {
+        "num_hidden_layers": 3, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
     }),
     "mixtral": ("mixtral", {
         "num_hidden_layers": 2, "intermediate_size": 48, "num_local_experts": 4,

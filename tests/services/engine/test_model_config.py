@@ -60,7 +60,8 @@ def test_mixtral_every_layer_sparse_and_renormalized() -> None:
         (_qwen3_moe(hidden_act="gelu"), "only silu"),
         (_qwen3_moe(num_experts_per_tok=9), "num_experts_per_tok 9 of 8"),
         (_qwen3_moe(decoder_sparse_step=0), "decoder_sparse_step"),
-        ({**_qwen3_moe(), "model_type": "qwen2_moe"}, "not supported"),
+        ({**_qwen3_moe(), "model_type": "qwen2_moe", "shared_expert_intermediate_size": 0},
+         "shared_expert_intermediate_size 0 must be >= 1"),
         ({**_qwen3_moe(), "model_type": "deepseek_v3"}, "not supported"),
     ],
 )  # fmt: skip
@@ -317,3 +318,20 @@ def test_the_first_gemma_takes_its_published_gelu_and_head_dim() -> None:
     assert arch.sliding_window is None and not arch.qk_norm
     with pytest.raises(ConfigError, match="only gelu_pytorch_tanh"):
         ArchConfig.from_dict({**BASE, "model_type": "gemma", "hidden_act": "relu"})
+
+
+def test_qwen2_moe_reads_its_shared_expert_and_refuses_its_windows() -> None:
+    arch = ArchConfig.from_dict({**BASE, "model_type": "qwen2_moe", "num_experts": 8,
+                                 "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "shared_expert_intermediate_size": 48, "sliding_window": 0})  # fmt: skip
+    assert arch.moe is not None and arch.moe.shared_intermediate_size == 48
+    assert arch.attention_bias and not arch.o_proj_bias and arch.sliding_window is None
+    assert arch.moe.weights_in_model_dtype and not arch.moe.renormalize
+    with pytest.raises(ConfigError, match="use_sliding_window is not supported"):
+        ArchConfig.from_dict({**BASE, "model_type": "qwen2_moe", "num_experts": 8,
+                              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "use_sliding_window": True})  # fmt: skip
+    with pytest.raises(ConfigError, match="shared experts"):  # another family's: refused
+        ArchConfig.from_dict({**BASE, "model_type": "qwen3_moe", "num_experts": 8,
+                              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "shared_expert_intermediate_size": 48})  # fmt: skip

@@ -82,6 +82,10 @@ def test_experts_keep_every_expert_with_a_share_of_its_rows() -> None:
     assert b.param_slice("model.layers.0.mlp.experts.down_proj", arch) == (2, 33, [(17, 33)])
     with pytest.raises(ConfigError, match="experts' intermediate size 1 is too small"):
         TPLayout.of(replace(ARCH, moe=replace(moe, intermediate_size=1)), 0, 2)
+    shared = replace(ARCH, model_type="qwen2_moe", moe=replace(moe, shared_intermediate_size=48))
+    with pytest.raises(ConfigError, match="shared expert is not split over ranks yet"):
+        TPLayout.of(shared, 0, 2)
+    assert TPLayout.of(shared, 0, 1) is not None  # one rank: served
 
 
 def test_fused_checkpoint_tensors_are_cut_per_piece() -> None:
