@@ -86,14 +86,14 @@ def _contig_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qd, kd, vd, od, scale_log2e, N,
             l_i = l_i + tl.sum(p, 1)
             acc = acc + tl.dot(p.to(v.dtype), v)
         else:
-            m_i, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, False)
+            m_i, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, False, 0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     for n0 in tl.range(full_end, m0 + TOKENS, BLOCK_N, num_stages=STAGES):
         pos = n0 + tl.arange(0, BLOCK_N)
         k, v = _load_kv(k_ptr, v_ptr, kd, vd, row0, n0, kvh, s_kt, s_vt, D, BLOCK_N, TMA)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(pos[None, :] <= tok[:, None], s, float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, False)
+        m_i, alpha, p, l_i = _softmax_update(s, m_i, l_i, scale_log2e, False, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + (row0 + tok).to(tl.int64)[:, None] * s_ot + head[:, None] * D
