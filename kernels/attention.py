@@ -233,27 +233,24 @@ def ref_prefill_attention(
             k = torch.cat([k[: n - (e - s)], k_new[s:e].float()])
             v = torch.cat([v[: n - (e - s)], v_new[s:e].float()])
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        qpos = torch.arange(n - (e - s), n, device=q.device)
-        kpos = torch.arange(n, device=q.device)
-        if softcap:  # every score, capped, masked, softmaxed (SDPA takes no soft-capping)
-            mask = kpos[None, :] <= qpos[:, None]
-            if window:
-                mask &= kpos[None, :] > qpos[:, None] - window
-            group = qb.shape[1] // k.shape[1]
-            kg, vg = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            scores = soft_cap(torch.matmul(qb, kg.transpose(-1, -2)) * scale, softcap)
-            scores = scores.masked_fill(~mask, float("-inf"))
-            o = torch.matmul(torch.softmax(scores, dim=-1), vg)
-        elif n == e - s and not window:  # a whole prompt: plain causal, skips the masked half
-            o = torch.nn.functional.scaled_dot_product_attention(
+        if n == e - s and not window and not softcap:  # a whole prompt: plain causal, skips
+            o = torch.nn.functional.scaled_dot_product_attention(  # the masked half
                 qb, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:  # query i sits at n - q_len + i: causal aligned to the end of the context
+            qpos = torch.arange(n - (e - s), n, device=q.device)
+            kpos = torch.arange(n, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]  # [q_len, n]
             if window:
                 mask &= kpos[None, :] > qpos[:, None] - window
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            if softcap:  # every score, capped, masked, softmaxed (SDPA takes no soft-capping)
+                group = qb.shape[1] // k.shape[1]
+                kg, vg = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                scores = soft_cap(torch.matmul(qb, kg.transpose(-1, -2)) * scale, softcap)
+                o = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), -1), vg)
+            else:
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                )
         out[s:e] = o[0].transpose(0, 1).to(q.dtype)
     return out

@@ -292,7 +292,8 @@ class LLMEngine:
         self._check_task("generate")
         self.validate(prompt, params)
         params = self._with_bad_word_ids(params)
-        offset = self._check_images(prompt, images) + self._long_rope_offset(prompt)
+        long_rope = self._long_rope_offset(prompt)
+        offset = self._check_images(prompt, images) + long_rope
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -301,7 +302,7 @@ class LLMEngine:
             priority=priority,
             max_model_len=self.max_model_len,
             hold_blocks_on_finish=hold,
-            cache_salt=self._cache_salt(params, prompt),
+            cache_salt=self._cache_salt(params, bool(long_rope)),
             images=tuple(images),
             position_offset=offset,
         )
@@ -333,13 +334,13 @@ class LLMEngine:
         original = self.runner.arch.rope_scaling["original_max_position_embeddings"]
         return int(offset) if len(prompt) > original else 0
 
-    def _cache_salt(self, params: SamplingParams, prompt: Sequence[int]) -> str:
+    def _cache_salt(self, params: SamplingParams, long_rope: bool) -> str:
         """A request's prefix-cache salt: its LoRA adapter's (as loaded now), LongRoPE's long
-        factors for a prompt that takes them (its keys are rotated otherwise) and its own
-        ``cache_salt``; "" for none."""
+        factors for a prompt that takes them (``long_rope``: its keys are rotated otherwise)
+        and its own ``cache_salt``; "" for none."""
         lora = self.runner.lora
         salt = lora.salts.get(params.lora_name, "") if lora is not None else ""
-        if self._long_rope_offset(prompt):
+        if long_rope:
             salt = f"{salt}\0rope:long"
         if not params.cache_salt:
             return salt
@@ -504,13 +505,13 @@ class LLMEngine:
             )  # fmt: skip
         self.validate(prompt_token_ids, params or reserved.sampling_params)
         params = self._with_bad_word_ids(params or reserved.sampling_params)
-        offset = self._check_images(prompt_token_ids, images, need_data=False)
-        offset += self._long_rope_offset(prompt_token_ids)
+        long_rope = self._long_rope_offset(prompt_token_ids)
+        offset = self._check_images(prompt_token_ids, images, need_data=False) + long_rope
         # the prefill worker's tokens advance the grammar: it goes on from where it stopped
         self._constrain(request_id, params, grammar, output_token_ids)
         reserved.prompt_token_ids = list(prompt_token_ids)
         reserved.sampling_params = params
-        reserved.cache_salt = self._cache_salt(params, prompt_token_ids)
+        reserved.cache_salt = self._cache_salt(params, bool(long_rope))
         reserved.images, reserved.position_offset = tuple(images), offset
         req = self.scheduler.activate(request_id, output_token_ids)
         last = output_token_ids[-1] if output_token_ids else None

@@ -373,9 +373,7 @@ def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
             raise ConfigError(f"gemma3_text: {key} {cfg[key]} (soft-capping) is not supported")
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError("gemma3_text: bidirectional attention (EmbeddingGemma) is not supported")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise ConfigError(f"gemma3_text: hidden_activation {act!r}; only gelu_pytorch_tanh is")
+    _check_gemma_activation("gemma3_text", cfg)
     params = dict(cfg.get("rope_parameters") or {})
     if "full_attention" in params or "sliding_attention" in params:
         full = dict(params.get("full_attention") or {})
@@ -403,18 +401,31 @@ def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
     return read, gemma
 
 
+def _check_gemma_activation(
+    model_type: str, cfg: dict[str, Any], legacy_gelu: bool = False
+) -> None:
+    """Gemma's MLP is GELU-tanh; ``legacy_gelu``: the first Gemma's published ``gelu``, which
+    transformers takes as it."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh" and not (legacy_gelu and act == "gelu"):
+        raise ConfigError(f"{model_type}: hidden_activation {act!r}; only gelu_pytorch_tanh is")
+
+
+def _default_rope_theta(model_type: str, cfg: dict[str, Any]) -> float:
+    """The rotary base of a family that takes one base and no rope scaling (Gemma 1 and 2)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if scaling_kind(rope) != "default":
+        raise ConfigError(f"{model_type}: rope scaling {scaling_kind(rope)!r} is not supported")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+
+
 def _gemma1(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
     """The first Gemma as transformers reads it: Llama's two norms a layer (Gemma's, as
     ``1 + weight``), a GELU-tanh MLP (``hidden_act: gelu``, the published configs' value,
     meaning it, as transformers takes it), scaled embeddings, the softmax scale from head_dim,
     one rotary base, no window."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu"):
-        raise ConfigError(f"gemma: hidden_activation {act!r}; only gelu_pytorch_tanh is")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    if scaling_kind(rope) != "default":
-        raise ConfigError(f"gemma: rope scaling {scaling_kind(rope)!r} is not supported")
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+    _check_gemma_activation("gemma", cfg, legacy_gelu=True)
+    theta = _default_rope_theta("gemma", cfg)
     head_dim = int(cfg.get("head_dim") or 256)  # transformers' default for the first Gemma
     gemma = GemmaConfig(
         embed_scale=float(cfg["hidden_size"]) ** 0.5,
@@ -432,13 +443,8 @@ def _gemma2(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
     unless ``layer_types`` says otherwise, a 4096-key window, one rotary base for every layer,
     attention scores capped at ``attn_logit_softcapping`` (50) and final logits at
     ``final_logit_softcapping`` (30) when given (None: not capped)."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise ConfigError(f"gemma2: hidden_activation {act!r}; only gelu_pytorch_tanh is")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    if scaling_kind(rope) != "default":
-        raise ConfigError(f"gemma2: rope scaling {scaling_kind(rope)!r} is not supported")
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+    _check_gemma_activation("gemma2", cfg)
+    theta = _default_rope_theta("gemma2", cfg)
     caps = {}
     for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
         cap = cfg.get(key, default)

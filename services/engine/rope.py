@@ -81,51 +81,41 @@ def _yarn_inv_freq(
     return inv_freq, float(attention)
 
 
-def longrope_long_table(
+def longrope_tables(
     head_dim: int,
     max_pos: int,
     theta: float,
     scaling: dict[str, Any],
     max_position_embeddings: int | None = None,
-) -> torch.Tensor:  # [max_pos, head_dim] float32
-    """LongRoPE's long factors at every position: the table of a request whose prompt is
-    longer than the original length (as transformers rotates such a sequence throughout)."""
-    return _longrope(head_dim, max_pos, theta, scaling, max_position_embeddings or max_pos, 0)
-
-
-def _longrope(
-    head_dim: int,
-    max_pos: int,
-    theta: float,
-    scaling: dict[str, Any],
-    max_position_embeddings: int,
-    long_from: int | None = None,
-) -> torch.Tensor:  # [max_pos, head_dim] float32
-    """transformers' ``_compute_longrope_parameters`` (Phi-3.5, Phi-4-mini): the frequencies
-    divided by ``short_factor`` for positions below ``long_from`` (the original length), by
-    ``long_factor`` from there on, cos and sin scaled by the attention factor.
+) -> tuple[torch.Tensor, torch.Tensor]:  # two [max_pos, head_dim] float32
+    """transformers' ``_compute_longrope_parameters`` (Phi-3.5, Phi-4-mini): cos and sin of the
+    frequencies divided by ``short_factor`` or ``long_factor``, scaled by the attention
+    factor. (The short factors below ``original_max_position_embeddings`` and the long ones
+    from there on; the long ones at every position.)
 
     transformers picks one of the two for a whole sequence by its length: the short factors
     while it fits the original length, the long ones once it is longer (a prompt that long at
     once; one that grows past it in decoding has its cache computed again). The engine rotates
-    a request whose prompt is longer by :func:`longrope_long_table`, and the others by this
-    table (short, then long from the original length: a sequence that grows past it keeps
-    the keys it cached, as transformers without that recomputation would)."""
+    a request whose prompt is longer by the second table, the others by the first (a sequence
+    that grows past the original length keeps the keys it cached, as transformers without
+    that recomputation would)."""
     old_len = int(scaling["original_max_position_embeddings"])
-    long_from = old_len if long_from is None else long_from
-    factor = scaling.get("factor") or max_position_embeddings / old_len
+    factor = scaling.get("factor") or (max_position_embeddings or max_pos) / old_len
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
     shape = _pos_freqs(head_dim, theta)
     positions = torch.arange(max_pos, dtype=torch.int64).float()[:, None]
-    tables = []
-    for name in ("short_factor", "long_factor"):
+
+    def table(name: str) -> torch.Tensor:
         inv_freq = 1.0 / (torch.tensor(scaling[name], dtype=torch.float32) * shape)
         freqs = positions * inv_freq[None, :]
-        tables.append(torch.cat([freqs.cos(), freqs.sin()], dim=-1) * float(attention))
-    short = (torch.arange(max_pos) < long_from)[:, None]
-    return torch.where(short, tables[0], tables[1])
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * float(attention)
+
+    long = table("long_factor")
+    return torch.where(
+        (torch.arange(max_pos) < old_len)[:, None], table("short_factor"), long
+    ), long
 
 
 def cos_sin_cache(
@@ -140,8 +130,8 @@ def cos_sin_cache(
     parameters leave a length out, and LongRoPE's factor comes from."""
     scaling = scaling or {}
     kind = scaling_kind(scaling)
-    if kind == "longrope":
-        return _longrope(head_dim, max_pos, theta, scaling, max_position_embeddings or max_pos)
+    if kind == "longrope":  # the table of prompts within the original length
+        return longrope_tables(head_dim, max_pos, theta, scaling, max_position_embeddings)[0]
     inv_freq = _default_inv_freq(head_dim, theta)
     attention = 1.0  # default, linear and llama3 use cos and sin as computed
     if kind == "llama3":

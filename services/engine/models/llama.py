@@ -18,7 +18,7 @@ from kernels import ops
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.model_config import ArchConfig, scaling_kind
 from services.engine.models.moe import SparseMoeBlock
-from services.engine.rope import cos_sin_cache, longrope_long_table
+from services.engine.rope import cos_sin_cache, longrope_tables
 
 
 class RMSNorm(nn.Module):
@@ -221,16 +221,12 @@ class LlamaForCausalLM(nn.Module):
         """The rotary tables' rows for positions below ``max_positions`` (the loader, once the
         model is on ``device``)."""
         cfg = self.cfg
-        table = cos_sin_cache(
-            cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-            cfg.max_position_embeddings,
-        )  # fmt: skip
-        if scaling_kind(cfg.rope_scaling) == "longrope":
-            long = longrope_long_table(
-                cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                cfg.max_position_embeddings,
-            )  # fmt: skip
-            table, self.long_rope_offset = torch.cat([table, long]), max_positions
+        rope = (cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                cfg.max_position_embeddings)  # fmt: skip
+        if scaling_kind(cfg.rope_scaling) == "longrope":  # both of its tables, one buffer
+            table, self.long_rope_offset = torch.cat(longrope_tables(*rope)), max_positions
+        else:
+            table = cos_sin_cache(*rope)
         self.cos_sin = table.to(device)
         if cfg.nope_layers:  # cos 1, sin 0: the rotation that leaves q and k as they are
             nope = torch.zeros_like(table)
