@@ -129,6 +129,38 @@ def check_softcap(softcap: float) -> None:
         raise ValueError(f"softcap must be 0 (none) or a positive number, got {softcap}")
 
 
+# dtypes a sinks tensor may have: read as float32 (gpt-oss keeps them in the model's dtype)
+SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, device: torch.device) -> None:
+    """``sinks`` (when given) is a float tensor ``[num_q_heads]`` on ``device`` (q's): one
+    learned logit per query head (gpt-oss's attention sinks)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"sinks must be a torch.Tensor, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(
+            f"sinks has shape {tuple(sinks.shape)}; expected [num_q_heads] = ({num_q_heads},)"
+        )
+    if sinks.dtype not in SINK_DTYPES:
+        raise ValueError(f"sinks has dtype {sinks.dtype}; expected one of {SINK_DTYPES}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device}; expected q's device {device}")
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(scores, -1)``; with ``sinks`` (one logit per row, broadcast to
+    ``scores.shape[:-1] + (1,)``, float32) over the scores plus that extra logit, whose column is
+    then dropped: transformers' gpt-oss ``softmax(cat([scores, sinks], -1))[..., :-1]``. A row's
+    probabilities then sum to less than 1 (the sink's value vector is zero)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     """``softcap * tanh(scores / softcap)`` (transformers' order of operations); 0: as they
     are."""
@@ -148,6 +180,7 @@ def ref_paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D] to write into
     window: int = 0,  # sliding window: the query sees its last ``window`` positions (0: all)
     softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
+    sinks: torch.Tensor | None = None,  # [Hq], any float dtype: a learned logit per head (gpt-oss)
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence attending to its first ``context_lens[b]`` cached tokens
     (written into ``out`` when given, which is then returned).
@@ -157,10 +190,16 @@ def ref_paged_decode_attention(
     only the last ``window`` tokens (itself included); 0 is no window. ``softcap`` > 0: each
     scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` before the mask and the softmax
     (transformers' Gemma 2 ``attn_logit_softcapping``).
+
+    ``sinks`` (gpt-oss's attention sinks): head ``h``'s softmax runs over its visible scores
+    plus one more logit ``sinks[h]`` (read as float32, in the scaled scores' natural-log units,
+    never soft-capped) whose value vector is zero, so the weights of the keys sum to less than 1:
+    ``o = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sinks[h]))``. None: a plain softmax.
     """
     check_window(window)
     check_softcap(softcap)
     B, Hq, D = q.shape
+    check_sinks(sinks, Hq, q.device)
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
     max_len = int(context_lens.max().item()) if B else 0
@@ -177,7 +216,11 @@ def ref_paged_decode_attention(
         mask |= pos[None, :] <= context_lens[:, None].long() - 1 - window
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     v = v.masked_fill(mask[:, None, :, None], 0.0)  # unwritten slots may hold NaN
-    o = torch.matmul(torch.softmax(scores, dim=-1), v).reshape(B, Hq, D)  # [B, Hkv, g, D] flat
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # [Hq] -> [Hkv, g, 1]: row (kv head, group member) is query head kv * g + member
+        probs = softmax_with_sinks(scores, sinks.reshape(Hkv, group, 1))
+    o = torch.matmul(probs, v).reshape(B, Hq, D)  # [B, Hkv, g, D] flat
     return _into(out, o.to(q.dtype))
 
 
@@ -196,6 +239,7 @@ def ref_prefill_attention(
     no_prefix: bool = False,  # the caller says no sequence has a cached prefix (checked here)
     window: int = 0,  # sliding window: each query sees its last ``window`` positions (0: all)
     softcap: float = 0.0,  # scores soft-capped (Gemma 2): as ref_paged_decode_attention's
+    sinks: torch.Tensor | None = None,  # [Hq] (gpt-oss): as ref_paged_decode_attention's
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its whole paged context (written into
     ``out`` when given, which is then returned).
@@ -209,9 +253,13 @@ def ref_prefill_attention(
     ``window`` > 0 is a sliding window as transformers defines it: the query at position ``p``
     sees keys ``p - window < j <= p`` (``window`` of them, itself included, once
     ``p >= window - 1``); 0 is no window, plain causal.
+
+    ``sinks``: each head's softmax also counts its sink logit, as
+    :func:`ref_paged_decode_attention`'s (SDPA takes no sink: the explicit score path runs).
     """
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, q.shape[1], q.device)
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together")
     out = torch.empty_like(q) if out is None else out
@@ -233,7 +281,8 @@ def ref_prefill_attention(
             k = torch.cat([k[: n - (e - s)], k_new[s:e].float()])
             v = torch.cat([v[: n - (e - s)], v_new[s:e].float()])
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if n == e - s and not window and not softcap:  # a whole prompt: plain causal, skips
+        plain = not softcap and sinks is None  # what SDPA computes
+        if n == e - s and not window and plain:  # a whole prompt: plain causal, skips
             o = torch.nn.functional.scaled_dot_product_attention(  # the masked half
                 qb, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
@@ -243,11 +292,14 @@ def ref_prefill_attention(
             mask = kpos[None, :] <= qpos[:, None]  # [q_len, n]
             if window:
                 mask &= kpos[None, :] > qpos[:, None] - window
-            if softcap:  # every score, capped, masked, softmaxed (SDPA takes no soft-capping)
+            if not plain:  # every score, capped, masked, softmaxed (SDPA takes no soft-capping
+                # and no sink)
                 group = qb.shape[1] // k.shape[1]
                 kg, vg = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
                 scores = soft_cap(torch.matmul(qb, kg.transpose(-1, -2)) * scale, softcap)
-                o = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), -1), vg)
+                scores = scores.masked_fill(~mask, float("-inf"))  # [1, Hq, q_len, n]
+                sink = None if sinks is None else sinks.reshape(1, -1, 1, 1)  # [1, Hq, 1, 1]
+                o = torch.matmul(softmax_with_sinks(scores, sink), vg)
             else:
                 o = torch.nn.functional.scaled_dot_product_attention(
                     qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True

@@ -4,18 +4,43 @@
 against it. Each token goes through ``top_k`` experts, each a SiLU-gated MLP
 (``down(silu(gate(x)) * up(x))``), and the results are summed weighted by the router.
 
+gpt-oss's experts add two things, both optional keyword arguments: biases on both projections
+(``b13`` [E, 2I], gate half then up half like ``w13``'s rows; ``b2`` [E, H]) and its clamped
+SwiGLU (:class:`ClampedSwiGLU`) in place of ``silu(gate) * up``. Its checkpoints interleave the
+gate and up columns; the loader de-interleaves them into this stacked layout.
+
 Rounding follows transformers' ``Qwen3MoeExperts`` / ``MixtralExperts``: every projection is
 rounded to the activation dtype, the weighted contribution ``down * weight`` is rounded to it, and
 a token's contributions are added one expert at a time in ascending expert order, each sum rounded
 (``index_add_`` into a tensor of the activation dtype, experts visited in index order). In float32
 every rounding is the identity and only the order of the additions remains.
+
+With biases the rounded projection plus the bias is rounded again (``GptOssExperts`` computes
+``x @ W + b`` as two ops in the activation dtype). The clamped SwiGLU is computed in fp32 from the
+rounded projections and rounded once, as the kernel does in registers; transformers instead rounds
+each of its ops (``gate * alpha``, the sigmoid, two products, ``up + 1``) in a 16-bit dtype, so
+in bfloat16 about half the activations differ from its, by up to ~5 units in the last place. In
+float32 they agree.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.layers import ref_silu_and_mul
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation, of the gate and up projections (each [..., I]):
+    ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``. Frozen, as the constants it holds are: the
+    Triton kernel compiles ``alpha`` and ``limit`` in (one compilation per pair of values)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 def ref_moe_routing(
@@ -44,9 +69,10 @@ def sort_by_expert(
 
 def check_moe_shapes(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    topk_ids: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int]:  # fmt: skip
-    """(T, H, E, I) of a fused-MoE call; ``ValueError`` naming the argument that disagrees."""
+    """(T, H, E, I) of a fused-MoE call; ``ValueError`` naming the argument that disagrees. The
+    biases, where given, must also have x's dtype and device."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
@@ -64,6 +90,15 @@ def check_moe_shapes(
             f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} "
             f"must both be [T, top_k] with T = {t}"
         )
+    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} {tuple(bias.shape)} must be {shape}")
+        if bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(
+                f"{name} is {bias.dtype} on {bias.device}; x is {x.dtype} on {x.device}"
+            )
     return t, h, e, inter
 
 
@@ -73,18 +108,39 @@ def ref_fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, top_k] float (fp32, or x's dtype)
     topk_ids: torch.Tensor,  # [T, top_k] int, in [0, E)
+    *,
+    b13: torch.Tensor | None = None,  # [E, 2I]: gate half, then up half; x's dtype
+    b2: torch.Tensor | None = None,  # [E, H]; x's dtype
+    clamp: ClampedSwiGLU | None = None,  # None: silu(gate) * up
 ) -> torch.Tensor:  # [T, H]
     """``sum_j weight[t, j] * expert[ids[t, j]](x[t])`` with transformers' rounding."""
-    t, h, _, _ = check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+    t, h, _, _ = check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
     dt = x.dtype
     weights, ids = sort_by_expert(topk_weights, topk_ids.long())
     contrib = torch.zeros((t, ids.shape[1], h), dtype=dt, device=x.device)  # [T, top_k, H]
     for expert in ids.unique().tolist():
         rows, slots = torch.nonzero(ids == expert, as_tuple=True)
         gate_up = (x[rows].float() @ w13[expert].float().T).to(dt)  # [n, 2I]
-        down = (ref_silu_and_mul(gate_up).float() @ w2[expert].float().T).to(dt)  # [n, H]
+        if b13 is not None:
+            gate_up = (gate_up.float() + b13[expert].float()).to(dt)
+        act = ref_silu_and_mul(gate_up) if clamp is None else ref_clamped_swiglu(gate_up, clamp)
+        down = (act.float() @ w2[expert].float().T).to(dt)  # [n, H]
+        if b2 is not None:
+            down = (down.float() + b2[expert].float()).to(dt)
         contrib[rows, slots] = (down.float() * weights[rows, slots, None].float()).to(dt)
     return sum_contributions(contrib)
+
+
+def ref_clamped_swiglu(
+    gate_up: torch.Tensor,  # [n, 2I]: gate, then up
+    clamp: ClampedSwiGLU,
+) -> torch.Tensor:  # [n, I]
+    """:class:`ClampedSwiGLU` in fp32 (in ``GptOssExperts._apply_gate``'s order of ops), rounded
+    once to gate_up's dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=clamp.limit)
+    up = up.clamp(min=-clamp.limit, max=clamp.limit)
+    return ((up + 1) * (gate * torch.sigmoid(gate * clamp.alpha))).to(gate_up.dtype)
 
 
 def sum_contributions(contrib: torch.Tensor) -> torch.Tensor:  # [T, top_k, H] -> [T, H]

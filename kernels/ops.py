@@ -30,7 +30,7 @@ from kernels.layers import (
     ref_silu_and_mul,
 )
 from kernels.lora import ref_add_lora, ref_expand_lora
-from kernels.moe import ref_fused_moe, ref_moe_routing
+from kernels.moe import ClampedSwiGLU, ref_fused_moe, ref_moe_routing
 from kernels.quant import (
     ref_fp8_linear,
     ref_per_token_quant_fp8,
@@ -282,12 +282,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D] to write into
     window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
     softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
+    sinks: torch.Tensor | None = None,  # [Hq]: a learned logit per head (gpt-oss); None: none
 ) -> torch.Tensor:  # [B, Hq, D]
     mod = _triton("triton_attention", q)
     if mod is None:
         return ref_paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, out=out, window=window,
-            softcap=softcap,
+            softcap=softcap, sinks=sinks,
         )  # fmt: skip
     splits = None
     if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1
@@ -296,7 +297,7 @@ def paged_decode_attention(
         splits = mod.choose_num_splits(1, k_cache.shape[2], width, q.device, k_cache.element_size())
     return mod.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits, out=out,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -327,12 +328,14 @@ def prefill_attention(
     no_prefix: bool = False,  # no sequence has a cached prefix (the caller knows it)
     window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
     softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
+    sinks: torch.Tensor | None = None,  # [Hq]: a learned logit per head (gpt-oss); None: none
 ) -> torch.Tensor:  # [T, Hq, D]
     mod = _triton("triton_attention", q)
     fn = mod.prefill_attention if mod else ref_prefill_attention
     return fn(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, out=out,
         k_new=k_new, v_new=v_new, no_prefix=no_prefix, window=window, softcap=softcap,
+        sinks=sinks,
     )  # fmt: skip
 
 
@@ -417,10 +420,16 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, top_k]
     topk_ids: torch.Tensor,  # [T, top_k]
+    *,
+    b13: torch.Tensor | None = None,  # [E, 2I]: gate half, then up half
+    b2: torch.Tensor | None = None,  # [E, H]
+    clamp: ClampedSwiGLU | None = None,  # gpt-oss's activation; None: silu(gate) * up
 ) -> torch.Tensor:  # [T, H]
-    """The experts' SiLU-gated MLPs, weighted and summed (:mod:`kernels.moe`)."""
+    """The experts' gated MLPs, weighted and summed (:mod:`kernels.moe`)."""
     mod = _triton("triton_moe", x)
-    return (mod.fused_moe if mod else ref_fused_moe)(x, w13, w2, topk_weights, topk_ids)
+    return (mod.fused_moe if mod else ref_fused_moe)(
+        x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp
+    )
 
 
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:

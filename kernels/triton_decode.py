@@ -6,6 +6,11 @@ are walked ``BLOCK_N`` at a time (several KV blocks per step), each row fetched 
 table. With ``num_splits > 1`` each split covers an equal share of its own sequence's context and
 writes a partial (max, sum, unnormalized acc); a second kernel merges the partials.
 
+Attention sinks (gpt-oss): a head's sink is one more logit whose value is zero, so it adds to the
+softmax's sum and max only. Split 0 starts its running max at the sink and its sum at 1 (the
+sink's own term) instead of -inf and 0; the other splits start empty, so the merge counts the
+sink exactly once. ``HAS_SINKS`` is constexpr: without sinks the kernel compiles as before.
+
 Napkin math (H100, 32 q / 8 kv heads, D=128, bf16): a sequence reads 4 KiB of K/V per token and
 does ~16 FLOP per byte after padding the group to 16 rows, far below the ~260 FLOP/byte ridge, so
 the kernel is bound by memory and the target is the device copy bandwidth.
@@ -19,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import check_softcap, check_window
+from kernels.attention import check_sinks, check_softcap, check_window
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -74,12 +79,13 @@ def _mma_acc(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit(do_not_specialize=["bt_ptr", "lens_ptr", "num_splits", "s_btb", "window"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2e, num_splits, window,
+    sink_ptr, scale_log2e, num_splits, window,
     s_qb, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ob, s_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, F16_READ: tl.constexpr, HALF_D: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -122,6 +128,12 @@ def _decode_kernel(
     table = bt_ptr + b.to(tl.int64) * s_btb
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:  # gpt-oss: each head's sink logit (value 0) as if already seen, in split 0
+        # only (the merge must count it once): max = the sink in log2 units (never soft-capped),
+        # sum = its term e^0 = 1. Padding rows (past the group) load 0: they are never stored
+        sink = tl.load(sink_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink * 1.4426950408889634, m_i)  # [BLOCK_G]
+        l_i = tl.where(split == 0, 1.0, l_i)
     if HALF_D:
         acc_lo = tl.zeros([BLOCK_G, HALF], tl.float32)
         acc_hi = tl.zeros([BLOCK_G, HALF], tl.float32)
@@ -273,6 +285,7 @@ def paged_decode_attention(
     window: int = 0,
     out: torch.Tensor | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [Hq], contiguous: a learned logit per head (gpt-oss)
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton version of :func:`kernels.attention.ref_paged_decode_attention`.
 
@@ -301,6 +314,8 @@ def paged_decode_attention(
     its context, itself included (transformers' ``sliding_window``); the splits share that
     range, and the kernel is the same for every window (a runtime argument). ``softcap`` > 0
     caps each score (Gemma 2's ``attn_logit_softcapping``; a compiled variant per value).
+    ``sinks`` (gpt-oss's attention sinks, the reference's; None: none, the kernel compiled
+    without them) seed split 0's running max and sum (module docstring).
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
@@ -317,6 +332,9 @@ def paged_decode_attention(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
     )
     out = check_out(out, (batch, hq, d), q.dtype, device)
+    check_sinks(sinks, hq, device)
+    if sinks is not None:  # the kernel reads sinks[h] at sink_ptr + h
+        check_tensor("sinks", sinks, ndim=1)
     if batch == 0:
         return out
     fp8 = k_cache.element_size() == 1
@@ -360,6 +378,7 @@ def paged_decode_attention(
     )
     _decode_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
+        q if sinks is None else sinks,  # q: a stand-in pointer the kernel never reads
         float(scale) * LOG2E, num_splits, window or NO_WINDOW,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -367,7 +386,8 @@ def paged_decode_attention(
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype) and not f16_read,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-        F16_READ=f16_read, HALF_D=half_d, SOFTCAP=float(softcap), **pdl(device, batch),
+        F16_READ=f16_read, HALF_D=half_d, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
+        **pdl(device, batch),
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     if num_splits > 1:

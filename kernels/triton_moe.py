@@ -8,13 +8,18 @@ the shapes alone):
    sorted by expert and each expert's run is padded to a multiple of ``BLOCK_M``, so every block
    of ``BLOCK_M`` rows belongs to one expert. ``block_expert`` names it (-1: a block past the last
    expert's run, which exits at once). Experts that receive no token own no block.
-2. **Gate/up + SiLU-and-mul**: each program multiplies one block of rows of x (gathered through
-   the sorted pair ids) by ``BLOCK_N`` columns of its expert's gate and up weights, applies
-   ``silu(gate) * up`` in registers and writes the ``[T * top_k, I]`` intermediate.
+2. **Gate/up + activation**: each program multiplies one block of rows of x (gathered through
+   the sorted pair ids) by ``BLOCK_N`` columns of its expert's gate and up weights, adds its
+   expert's gate and up biases (``HAS_BIAS``), applies ``silu(gate) * up`` or gpt-oss's clamped
+   SwiGLU (``CLAMPED``) in registers and writes the ``[T * top_k, I]`` intermediate.
 3. **Down + weight**: the same grouping over the intermediate and the expert's down projection;
-   the product times the pair's router weight goes to ``[T * top_k, H]``.
+   the product plus the expert's down bias (``HAS_BIAS``), times the pair's router weight, goes
+   to ``[T * top_k, H]``.
 4. **Combine**: each token's ``top_k`` rows added in ascending expert order (the launcher sorts
    each token's experts first), rounding after each add as transformers' ``index_add_`` does.
+
+``HAS_BIAS`` and ``CLAMPED`` are constexpr (the clamp's constants too), so a model without biases
+runs exactly the kernels it ran before they existed.
 
 Napkin math: at batch 1 the layer reads ``top_k`` experts' weights once (3 * H * I elements
 each) and does 2 FLOP per element: bandwidth-bound, like a GEMV, with 1/``BLOCK_M`` of the rows
@@ -29,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import check_moe_shapes, sort_by_expert
+from kernels.moe import ClampedSwiGLU, check_moe_shapes, sort_by_expert
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -82,9 +87,10 @@ def align_to_blocks(
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compilation for every batch size
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K, s_xt, s_we, s_wn,
-    s_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K, s_xt, s_we,
+    s_wn, s_be, s_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -112,19 +118,32 @@ def _gate_up_kernel(
         acc_gate += mma(a, wg, UPCAST, PRECISION)
         acc_up += mma(a, wu, UPCAST, PRECISION)
     dt = out_ptr.dtype.element_ty
-    # as the reference: the projection rounded, silu rounded, then the product rounded
+    # as the reference: the projection rounded, the bias added and rounded again, then silu
+    # rounded and the product rounded, or the clamped SwiGLU in fp32 rounded once
     gate = acc_gate.to(dt).to(tl.float32)
     up = acc_up.to(dt).to(tl.float32)
-    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dt).to(tl.float32)
+    if HAS_BIAS:  # b13[expert] is [2N]: gate half, then up half
+        b_gate = b_ptr + expert * s_be + offs_n
+        bg = tl.load(b_gate, mask=n_mask, other=0.0).to(tl.float32)
+        bu = tl.load(b_gate + N, mask=n_mask, other=0.0).to(tl.float32)
+        gate = (gate + bg).to(dt).to(tl.float32)
+        up = (up + bu).to(dt).to(tl.float32)
+    if CLAMPED:  # gate clamped from above only, as gpt-oss
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        out = (up + 1.0) * tl.div_rn(gate, 1.0 + tl.exp(-(gate * ALPHA)))
+    else:
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dt).to(tl.float32)
+        out = act * up
     out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
-    tl.store(out_ptrs, (act * up).to(dt), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, out.to(dt), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K, s_at,
-    s_we, s_wn, s_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    a_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K,
+    s_at, s_we, s_wn, s_be, s_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -146,9 +165,18 @@ def _down_kernel(
         acc += mma(a, w, UPCAST, PRECISION)
     dt = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
-    out = acc.to(dt).to(tl.float32) * weight[:, None]  # the projection rounded, then weighted
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    down = acc.to(dt).to(tl.float32)  # the projection rounded
+    if HAS_BIAS:  # then the bias added and rounded again
+        # loaded for every row (the 2-D mask broadcasts it; L1 serves the repeats), so straight
+        # into the accumulator's layout: a [BLOCK_N] load broadcast afterwards took 56 registers
+        # instead of 48 on an H200 (9 resident programs per SM at 4 warps, not 10), and a second
+        # wave for gpt-oss-20b at T=16 (the down kernel 14% slower)
+        bias = tl.load(b_ptr + expert * s_be + offs_n[None, :], mask=out_mask, other=0.0)
+        down = (down + bias.to(tl.float32)).to(dt).to(tl.float32)
+    out = down * weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
-    tl.store(out_ptrs, out.to(dt), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, out.to(dt), mask=out_mask)
 
 
 @triton.jit
@@ -167,17 +195,20 @@ def _combine_kernel(c_ptr, out_ptr, H, s_ct, s_ot, TOP_K: tl.constexpr, BLOCK: t
 
 def _check(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    topk_ids: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
 ) -> tuple[int, int, int, int]:  # fmt: skip
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,))
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,))
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, inner_contiguous=False)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, inner_contiguous=False)
-    check_devices(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    biases = {name: b for name, b in (("b13", b13), ("b2", b2)) if b is not None}
+    for name, b in biases.items():
+        check_tensor(name, b, ndim=2, dtypes=(x.dtype,))
+    check_devices(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, **biases)
     if w13.stride(1) != w13.shape[2] or w2.stride(1) != w2.shape[2]:
         raise ValueError("w13 and w2 must be contiguous within each expert")
-    return check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+    return check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
 
 
 def fused_moe(
@@ -187,11 +218,15 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, top_k] float
     topk_ids: torch.Tensor,  # [T, top_k] int32/int64, in [0, E)
     *,
+    b13: torch.Tensor | None = None,  # [E, 2I]: gate half, then up half; x's dtype
+    b2: torch.Tensor | None = None,  # [E, H]; x's dtype
+    clamp: ClampedSwiGLU | None = None,  # None: silu(gate) * up
     config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K, warps)
 ) -> torch.Tensor:  # [T, H]
     """Triton version of :func:`kernels.moe.ref_fused_moe`. Expert ids out of range are not
-    checked (that would sync with the GPU): the router produces them."""
-    t, h, e, inter = _check(x, w13, w2, topk_weights, topk_ids)
+    checked (that would sync with the GPU): the router produces them. Biases are applied with
+    each of the two projections, so either may be given alone."""
+    t, h, e, inter = _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
     top_k = topk_ids.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0:
@@ -206,17 +241,22 @@ def fused_moe(
     dots = {"UPCAST": dot_upcast(x.dtype), "PRECISION": dot_precision(x.dtype)}
     inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
     bn1, bk1 = _fit(bn, inter), _fit(bk, h)
+    # an absent bias is never read (HAS_BIAS=False): its weights stand in for the pointer
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
-        x, w13, inter_act, sorted_pairs, block_expert, pairs, inter, h, x.stride(0),
-        w13.stride(0), w13.stride(1), inter_act.stride(0),
-        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps, **dots,
+        x, w13, w13 if b13 is None else b13, inter_act, sorted_pairs, block_expert, pairs, inter,
+        h, x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0),
+        inter_act.stride(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1,
+        num_warps=warps, HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
+        ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
+        **dots,
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     bn2, bk2 = _fit(bn, h), _fit(bk, inter)
     _down_kernel[(blocks, triton.cdiv(h, bn2))](
-        inter_act, w2, contrib, sorted_pairs, block_expert, weights.reshape(-1), pairs, h, inter,
-        inter_act.stride(0), w2.stride(0), w2.stride(1), contrib.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps, **dots,
+        inter_act, w2, w2 if b2 is None else b2, contrib, sorted_pairs, block_expert,
+        weights.reshape(-1), pairs, h, inter, inter_act.stride(0), w2.stride(0), w2.stride(1),
+        0 if b2 is None else b2.stride(0), contrib.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps, HAS_BIAS=b2 is not None, **dots,
     )  # fmt: skip
     block = min(COMBINE_BLOCK, next_pow2(h))
     _combine_kernel[(t, triton.cdiv(h, block))](

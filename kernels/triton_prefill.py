@@ -34,6 +34,12 @@ argument more), and every window size shares one variant. A window that never bi
 as every context) still costs ~7% on 8 x 1024 prompts, ~2% on long ones (H200, 2026-11-29):
 pass 0 when no context can outgrow it.
 
+Attention sinks (gpt-oss, ``HAS_SINKS`` constexpr): each row's online softmax starts as if it
+had already seen its head's sink logit (value vector zero): running max the sink in log2 units,
+running sum 1, instead of -inf and 0. A packed tile's rows belong to ``HEADS`` heads, so each row
+loads its own head's sink. No row's max is then ever -inf, and a row that sees no key (a padding
+row past its window) ends with sum >= 1 and output 0.
+
 The chunk's own keys are read through the block table like the prefix, unless the caller hands
 them over contiguously (``k_new``/``v_new``: the rotated keys, which the fused rotary kernel also
 writes out, and the qkv activation's values). With ``no_prefix`` (whole prompts, no cached
@@ -74,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import check_softcap, check_window
+from kernels.attention import check_sinks, check_softcap, check_window
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -291,7 +297,7 @@ def _window_cut(last_after, lo, hi, BLOCK_N: tl.constexpr):
     do_not_specialize=["bt_ptr", "qsl_ptr", "lens_ptr", "num_seqs", "num_tiles", "s_btb", "window"]
 )
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, kn_ptr, vn_ptr, scale_log2e,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, kn_ptr, vn_ptr, sink_ptr, scale_log2e,
     num_seqs, num_tiles, window, s_qt, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ot, s_oh,
     s_knt, s_knh, s_vnt, s_vnh, kd, vd,
     HEAD_SETS: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
@@ -300,6 +306,7 @@ def _prefill_kernel(
     NARROW: tl.constexpr, BLOCK_READS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
     CONTIG: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, NO_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     h0 = (pid % HEAD_SETS) * HEADS  # the tile's first query head
@@ -349,6 +356,11 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # gpt-oss: the row's head's sink logit (value 0) as if already seen, in log2
+        # units as the running max is (never soft-capped); its term e^0 = 1 in the sum. Every
+        # head of the tile is a real one (padding rows repeat the group's), so no load mask
+        m_i = tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # a sliding window: row r sees only the keys past position after[r]. Key tiles wholly below
     # the first row's window (the lowest any row sees) are skipped: the loops start there,
@@ -650,6 +662,7 @@ def prefill_attention(
     # plain loads wherever their layout does not suit a descriptor, see _tma_layout)
     window: int = 0,  # sliding window: each query sees its last ``window`` positions (0: all)
     softcap: float = 0.0,  # scores soft-capped (Gemma 2): ref_prefill_attention's
+    sinks: torch.Tensor | None = None,  # [Hq], contiguous: a learned logit per head (gpt-oss)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_prefill_attention`.
 
@@ -665,6 +678,9 @@ def prefill_attention(
     compiled without one): key tiles below a tile's windows are never read, only the tiles that
     cut a window (and the diagonal) are masked. A window that never binds still costs a few
     percent (module docstring): pass 0 when no context can be longer than it.
+
+    ``sinks`` (gpt-oss's attention sinks, the reference's; None: none, the kernel compiled
+    without them) seed each row's running max and sum (module docstring).
 
     ``tiles`` (a :class:`Tiles`, or a plain (BLOCK_M, BLOCK_N, num_warps, num_stages, pack)) overrides
     :func:`step_tiles`' choice (for tuning); BLOCK_M counts rows, which are (token, head) pairs when
@@ -693,6 +709,9 @@ def prefill_attention(
         raise ValueError(f"scale must be positive, got {scale}")
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, hq, device)
+    if sinks is not None:  # the kernel reads sinks[h] at sink_ptr + h
+        check_tensor("sinks", sinks, ndim=1)
     out = check_out(out, (t, hq, d), q.dtype, device)
     contig = _check_new_kv(k_new, v_new, q, k_cache)
     if t == 0 or batch == 0:
@@ -723,6 +742,7 @@ def prefill_attention(
         )
     _prefill_kernel[(num_tiles * (hq // heads),)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, kn, vn,
+        q if sinks is None else sinks,  # q: a stand-in pointer the kernel never reads
         float(scale) * LOG2E, batch, num_tiles, min(window, 2**31 - 1),  # an int32 (no context
         # is longer), so a huge window is one more no-op window, not a new int64 variant
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -733,7 +753,7 @@ def prefill_attention(
         D_PADDED=next_pow2(d) != d or d < 16, NARROW=cfg.narrow and whole_blocks,
         BLOCK_READS=cfg.block_reads and whole_blocks, K_TRANSPOSED=cfg.k_transposed,
         CONTIG=contig, TMA=use_tma, NO_PREFIX=contig and no_prefix, HAS_WINDOW=window > 0,
-        SOFTCAP=float(softcap),
+        SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
         DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

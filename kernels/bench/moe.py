@@ -2,18 +2,20 @@
 
     python -m kernels.bench.moe [--tokens 1 16 256 4096] [--json-out moe.json]
 
-Shapes are Qwen3-30B-A3B's (H 2048, I 768, 128 experts, top-8) and Mixtral-8x7B's (H 4096,
-I 14336, 8 experts, top-2) MoE layers in bf16. Napkin math: every expert some token chose is read
-once (3 * H * I weights: gate, up, down), so at batch 1 the floor is bytes / copy bandwidth:
-8 x 9.4 MB = 75 MB for Qwen3-30B-A3B (~25 us at ~3 TB/s), 2 x 352 MB = 704 MB for Mixtral
-(~235 us). At large batch the layer does 6 * T * top_k * H * I FLOP (two GEMMs over the
-gate/up rows, one over down): 4096 tokens are 309 GFLOP for Qwen3-30B-A3B, ~0.3 ms at ~1 PFLOP/s
-of dense bf16. Each row reports GB/s of expert weights read against the copy bandwidth and
-TFLOP/s; the best launch of a small sweep is kept, every launch first checked against the torch
-reference. Times are ``do_bench`` medians with L2 flushed between runs, of CUDA-graph replays (the
-kernels' own time, which picks the best tiles and gives GB/s and FLOP/s; a decode step replays
-the layer from a graph) beside eager calls (Python launches included) and the host's microseconds
-per call.
+Shapes are Qwen3-30B-A3B's (H 2048, I 768, 128 experts, top-8), Mixtral-8x7B's (H 4096,
+I 14336, 8 experts, top-2) and gpt-oss-20b's (H 2880, I 2880, 32 experts, top-4, with expert
+biases and the clamped SwiGLU; its checkpoint's MXFP4 experts dequantized) MoE layers in bf16.
+Napkin math: every expert some token chose is read once (3 * H * I weights: gate, up, down), so
+at batch 1 the floor is bytes / copy bandwidth: 8 x 9.4 MB = 75 MB for Qwen3-30B-A3B (~25 us at
+~3 TB/s), 2 x 352 MB = 704 MB for Mixtral (~235 us), 4 x 50 MB = 199 MB for gpt-oss-20b (~66 us;
+its biases add 0.03%). At large batch the layer does 6 * T * top_k * H * I FLOP (two GEMMs over
+the gate/up rows, one over down): 4096 tokens are 309 GFLOP for Qwen3-30B-A3B, ~0.3 ms at
+~1 PFLOP/s of dense bf16, and 815 GFLOP for gpt-oss-20b. Each row reports GB/s of expert weights
+read against the copy bandwidth and TFLOP/s; the best launch of a small sweep is kept, every
+launch first checked against the torch reference. Times are ``do_bench`` medians with L2 flushed
+between runs, of CUDA-graph replays (the kernels' own time, which picks the best tiles and gives
+GB/s and FLOP/s; a decode step replays the layer from a graph) beside eager calls (Python
+launches included) and the host's microseconds per call.
 """
 
 from __future__ import annotations
@@ -21,14 +23,19 @@ from __future__ import annotations
 import argparse
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.moe import ClampedSwiGLU
 
 MODELS = {  # name -> (H, I, experts, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
+    "gpt-oss-20b": (2880, 2880, 32, 4),
 }
+GPT_OSS = {"gpt-oss-20b"}  # experts with biases and the clamped SwiGLU
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps); None: the launcher's own choice
     None, (16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4),
     (64, 128, 64, 8), (128, 128, 64, 8),
@@ -44,11 +51,20 @@ class Case:
     w2: torch.Tensor  # [E, H, I]
     weights: torch.Tensor  # [T, top_k]
     ids: torch.Tensor  # [T, top_k]
+    b13: torch.Tensor | None = None  # [E, 2I]
+    b2: torch.Tensor | None = None  # [E, H]
+    clamp: ClampedSwiGLU | None = None
+
+    def gpt_oss(self) -> dict[str, Any]:
+        """The biases and the clamp, as fused_moe's keyword arguments."""
+        return {"b13": self.b13, "b2": self.b2, "clamp": self.clamp}
 
     def bytes(self) -> int:
-        """The experts some token chose, read once; x read and the output written."""
+        """The experts some token chose (biases included), read once; x read and the output
+        written."""
         touched = int(self.ids.unique().numel())
-        per_expert = (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        tensors = [self.w13, self.w2, *(b for b in (self.b13, self.b2) if b is not None)]
+        per_expert = sum(t[0].numel() for t in tensors) * self.w13.element_size()
         return touched * per_expert + 2 * self.x.numel() * self.x.element_size()
 
     def flops(self) -> float:
@@ -56,8 +72,10 @@ class Case:
         return 2.0 * self.ids.numel() * h * (two_i + two_i // 2)  # = 6 T top_k H I
 
 
-def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Case:  # fmt: skip
-    from kernels.moe import ref_moe_routing
+def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False) -> Case:  # fmt: skip
+    """``gpt_oss``: with O(1) biases and gpt-oss's clamp, x scaled so ~9% of the gate and up
+    values pass its limit of 7."""
+    from kernels.moe import ClampedSwiGLU, ref_moe_routing
 
     gen = torch.Generator().manual_seed(0)
 
@@ -65,14 +83,20 @@ def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: tor
         return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
     weights, ids = ref_moe_routing(torch.randn((tokens, experts), generator=gen), top_k, True)
-    return Case(rand(tokens, h), rand(experts, 2 * inter, h, scale=h**-0.5),
+    case = Case(rand(tokens, h), rand(experts, 2 * inter, h, scale=h**-0.5),
                 rand(experts, h, inter, scale=inter**-0.5), weights.to(device), ids.to(device))  # fmt: skip
+    if gpt_oss:
+        case.x *= 4
+        case.b13, case.b2, case.clamp = rand(experts, 2 * inter), rand(experts, h), ClampedSwiGLU()
+    return case
 
 
 def run(case: Case, config: tuple[int, int, int, int] | None) -> torch.Tensor:
     from kernels.triton_moe import fused_moe
 
-    return fused_moe(case.x, case.w13, case.w2, case.weights, case.ids, config=config)
+    return fused_moe(
+        case.x, case.w13, case.w2, case.weights, case.ids, config=config, **case.gpt_oss()
+    )
 
 
 def check(case: Case, config: tuple[int, int, int, int] | None) -> float:
@@ -80,7 +104,8 @@ def check(case: Case, config: tuple[int, int, int, int] | None) -> float:
     from kernels.moe import ref_fused_moe
 
     out = run(case, config).float()
-    ref = ref_fused_moe(case.x, case.w13, case.w2, case.weights, case.ids).float()
+    ref = ref_fused_moe(case.x, case.w13, case.w2, case.weights, case.ids, **case.gpt_oss())
+    ref = ref.float()
     err = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
     if not err < 1e-2:
         raise SystemExit(f"fused_moe config {config}: relative error {err:.2e}")
@@ -92,7 +117,7 @@ def bench_shape(model: str, tokens: int, copy: float) -> dict[str, Any]:
     from kernels.moe import ref_fused_moe
 
     h, inter, experts, top_k = MODELS[model]
-    case = build(tokens, h, inter, experts, top_k, torch.device("cuda"))
+    case = build(tokens, h, inter, experts, top_k, torch.device("cuda"), gpt_oss=model in GPT_OSS)
     best: tuple[tuple[int, int, int, int] | None, float] | None = None
     for cfg in CONFIGS:
         check(case, cfg)
@@ -102,7 +127,9 @@ def bench_shape(model: str, tokens: int, copy: float) -> dict[str, Any]:
     assert best is not None
     fn = functools.partial(run, case, best[0])
     loop_ms = median_ms(
-        functools.partial(ref_fused_moe, case.x, case.w13, case.w2, case.weights, case.ids)
+        functools.partial(
+            ref_fused_moe, case.x, case.w13, case.w2, case.weights, case.ids, **case.gpt_oss()
+        )
     )
     gbs = case.bytes() / best[1] / 1e6
     return {"model": model, "tokens": tokens, "graph_ms": best[1], "config": best[0],

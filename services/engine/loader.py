@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from kernels import ops
 from services.config import ConfigError, ModelConfig
+from services.engine.gpt_oss_weights import gpt_oss_tensors
 from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
@@ -142,6 +143,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     quantized = quantized_modules(model)  # their tensors are buffers: not in params
     arch = model.cfg
     loaded: set[str] = set()
+    if arch.model_type == "gpt_oss":
+        weights = gpt_oss_tensors(weights, model.lm_head.weight.dtype)
     for name, tensor in weights:
         if "rotary_emb" in name:
             continue
@@ -365,6 +368,12 @@ def load_model(
     else:
         assert files.hf_dir is not None
         load_weights(model, iter_safetensors(files.hf_dir, layout, bool(arch.language_of)))
+        if arch.moe is not None and arch.moe.mxfp4:
+            log.info(
+                "%s: the checkpoint's MXFP4 experts were dequantized to %s as they loaded (no "
+                "MXFP4 kernels yet: they hold 4x their bytes in the checkpoint)",
+                arch.model_type, str(dtype).removeprefix("torch."),
+            )  # fmt: skip
     if qcfg is not None:
         _finish_quantization(model, qcfg)
     return model.eval(), arch, files

@@ -28,6 +28,7 @@ SUPPORTED = {
     "phi3": "Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
     "smollm3": "SmolLM3 (its layers without rotary embedding)",
     "granite": "Granite 3.x (dense)",
+    "gpt_oss": "gpt-oss (its MXFP4 experts dequantized at load)",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -42,7 +43,7 @@ SUPPORTED_SCALING = (
 # families whose config turns sliding-window attention on with use_sliding_window
 # (_sliding_layers says for which layers)
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
 _O_BIAS_TYPES = (
     "llama",
     "qwen3",
@@ -51,6 +52,7 @@ _O_BIAS_TYPES = (
     "gemma2",
     "gemma3_text",
     "granite",
+    "gpt_oss",
 )  # attention_bias biases o_proj too
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
@@ -95,6 +97,15 @@ class MoeConfig:
     # Qwen2-MoE's shared expert: a SiLU-gated MLP of this width every token goes through, its
     # output times sigmoid(shared_expert_gate(x)) added to the experts'; 0: none
     shared_intermediate_size: int = 0
+    # gpt-oss: a bias on the router and on each expert's projections, and its clamped SwiGLU
+    # (gate clamped above at swiglu_limit, up to +-swiglu_limit, (up + 1) * gate *
+    # sigmoid(swiglu_alpha * gate)) instead of silu(gate) * up; swiglu_limit 0: SiLU gating
+    biases: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+    # the checkpoint stores the experts as MXFP4 blocks and scales (gpt-oss's published
+    # weights), dequantized to the model's dtype as they load
+    mxfp4: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,8 @@ class ArchConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float = 0.0
     logits_scaling: float = 1.0
+    # gpt-oss: one learned logit per query head joins each softmax (its value vector zero)
+    attention_sinks: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -208,6 +221,8 @@ class ArchConfig:
             cfg, gemma = _gemma2(cfg)
         elif model_type == "gemma":
             cfg, gemma = _gemma1(cfg)
+        elif model_type == "gpt_oss":
+            cfg = _gpt_oss(cfg)
         if model_type in VL_TYPES:
             vision = _vision_config(model_type, cfg)
             cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
@@ -265,7 +280,7 @@ class ArchConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            quantization_config=dict(cfg.get("quantization_config") or {}),
+            quantization_config=_checkpoint_quantization(model_type, cfg),
             moe=_moe_config(model_type, cfg) if model_type in MOE_TYPES else None,
             vision=vision,
             gemma=gemma,
@@ -275,6 +290,7 @@ class ArchConfig:
             nope_layers=_nope_layers(model_type, cfg),
             partial_rotary_factor=partial,
             **_granite_scalings(model_type, cfg),
+            attention_sinks=model_type == "gpt_oss",
         )
 
     @classmethod
@@ -549,6 +565,34 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i, rotated in enumerate(flags) if not rotated)
 
 
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's config with transformers' defaults for what it leaves out: every other layer
+    (the even ones) through a 128-key window, YaRN (factor 32 over 4096 positions, untruncated),
+    biased attention projections."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+    ]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096,
+    }  # fmt: skip
+    return {**cfg, "layer_types": types, "sliding_window": cfg.get("sliding_window", 128),
+            "rope_parameters": {"rope_theta": cfg.get("rope_theta", 150000.0), **rope},
+            "attention_bias": cfg.get("attention_bias", True)}  # fmt: skip
+
+
+def _checkpoint_quantization(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's ``quantization_config``, but for gpt-oss's MXFP4 experts: those are
+    dequantized as they load (``MoeConfig.mxfp4``), the model then served unquantized."""
+    q = dict(cfg.get("quantization_config") or {})
+    return {} if model_type == "gpt_oss" and _is_mxfp4(q) else q
+
+
+def _is_mxfp4(q: dict[str, Any]) -> bool:
+    return str(q.get("quant_method", "")).lower() == "mxfp4"
+
+
 def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
     """Qwen3-MoE (``num_experts``, saved by transformers as ``num_local_experts``; a layer is
     sparse unless in ``mlp_only_layers`` or off the ``decoder_sparse_step``) or Mixtral (every
@@ -566,7 +610,7 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
     layers = int(cfg["num_hidden_layers"])
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):  # gpt-oss: a softmax over the top-k logits
         size, renormalize, sparse = int(cfg["intermediate_size"]), True, list(range(layers))
     else:
         step = int(cfg.get("decoder_sparse_step", 1))
@@ -579,14 +623,22 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
         return None  # no sparse layer: a dense model
     if not 1 <= top_k <= experts:
         raise ConfigError(f"{model_type}: num_experts_per_tok {top_k} of {experts} experts")
+    oss = model_type == "gpt_oss"
+    limit, alpha = float(cfg.get("swiglu_limit", 7.0)), float(cfg.get("swiglu_alpha", 1.702))
+    if oss and not (limit > 0 and alpha > 0):
+        raise ConfigError(f"gpt_oss: swiglu_limit {limit} and swiglu_alpha {alpha} must be > 0")
     return MoeConfig(
         experts,
         top_k,
         size,
         renormalize,
         tuple(sparse),
-        model_type in ("qwen3_moe", "qwen2_moe"),
+        model_type in ("qwen3_moe", "qwen2_moe", "gpt_oss"),
         shared,
+        biases=oss,
+        swiglu_limit=limit if oss else 0.0,
+        swiglu_alpha=alpha,
+        mxfp4=oss and _is_mxfp4(dict(cfg.get("quantization_config") or {})),
     )
 
 

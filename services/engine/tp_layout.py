@@ -164,6 +164,11 @@ class TPLayout:
         mlp = split(arch.intermediate_size, size, rank)
         experts = (0, 0)
         if arch.moe is not None:
+            if arch.moe.biases and size > 1:
+                raise ConfigError(
+                    f"{where}: {arch.model_type} is not split over ranks yet (its experts' "
+                    "biases and attention sinks): serve it with --tensor-parallel-size 1"
+                )
             if arch.moe.shared_intermediate_size and size > 1:
                 raise ConfigError(
                     f"{where}: {arch.model_type}'s shared expert is not split over ranks yet: "

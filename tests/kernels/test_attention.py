@@ -1,7 +1,7 @@
 """The torch references of attention: prefill against a dense masked softmax, and on torch's fused
 SDPA kernel (a 3-D call fell back to the math path, which holds every [q_len, n] score: on the CPU
 that was 80% of a 4k-token prefill); prefill and decode with a sliding window against a softmax
-per query over the keys it sees."""
+per query over the keys it sees; attention sinks against transformers' gpt-oss softmax."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.attention import ref_paged_decode_attention, ref_prefill_attention
+from kernels.attention import ref_paged_decode_attention, ref_prefill_attention, soft_cap
 from tests.kernels.paged import assert_matches, paged_kv, rand
 
 
@@ -124,3 +124,103 @@ def test_references_refuse_a_negative_window() -> None:
         )
     with pytest.raises(ValueError, match="window must be >= 0"):
         ref_paged_decode_attention(q[:1], k_cache, v_cache, tables, ctx, 0.25, window=-1)
+
+
+def concat_softmax(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, qpos: torch.Tensor, sinks: torch.Tensor,
+    scale: float, window: int = 0, softcap: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """transformers' eager gpt-oss attention, in float64: queries [q_len, Hq, D] at positions
+    ``qpos`` over keys [n, Hkv, D] at 0 ..< n: dense (capped) scores, the causal and window
+    mask, a column of sinks concatenated, softmax, the sink column dropped, times the values."""
+    q_len, hq, _ = q.shape
+    k = keys.double().repeat_interleave(hq // keys.shape[1], dim=1)
+    v = vals.double().repeat_interleave(hq // keys.shape[1], dim=1)
+    scores = soft_cap(torch.einsum("qhd,khd->hqk", q.double(), k) * scale, softcap)
+    kpos = torch.arange(keys.shape[0])
+    allowed = kpos[None, :] <= qpos[:, None]  # [q_len, n]
+    if window:
+        allowed &= kpos[None, :] > qpos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))  # [Hq, q_len, n]
+    column = sinks.double()[:, None, None].expand(hq, q_len, 1)
+    probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v).float()
+
+
+# GQA (2 query heads a KV head), a whole prompt, a chunk after a 36-token prefix and a single
+# token (one key); sinks from far below the scores to far above (some heads' sink dominates)
+SINK_Q_LENS, SINK_LENS = [9, 5, 1], [9, 41, 1]
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (3, 0.0), (3, 2.0)])
+def test_references_with_sinks_match_transformers_concatenated_softmax(
+    window: int, softcap: float
+) -> None:
+    gen = torch.Generator().manual_seed(8)
+    hq, hkv, d, bs, scale = 4, 2, 16, 8, 16**-0.5
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables = paged_kv(SINK_LENS, bs, hkv, d, torch.float32, gen, cpu)
+    q = rand((sum(SINK_Q_LENS), hq, d), torch.float32, gen, cpu)
+    starts = torch.tensor([0, *SINK_Q_LENS]).cumsum(0).to(torch.int32)
+    ctx = torch.tensor(SINK_LENS, dtype=torch.int32)
+    sinks = torch.tensor([-3.0, 0.5, 2.0, 4.0])
+    cap = {"window": window, "softcap": softcap}
+    out = ref_prefill_attention(q, k_cache, v_cache, tables, starts, ctx, scale, sinks=sinks, **cap)  # fmt: skip
+    for b, (n, m) in enumerate(zip(SINK_LENS, SINK_Q_LENS, strict=True)):
+        keys, vals = _gather(k_cache, tables[b], n), _gather(v_cache, tables[b], n)
+        s = int(starts[b])
+        want = concat_softmax(q[s : s + m], keys, vals, torch.arange(n - m, n), sinks, scale, **cap)
+        assert_matches(out[s : s + m], want)
+    # decode, the sinks in bf16 (any float dtype, read as float32)
+    sinks16 = sinks.bfloat16()
+    qd = rand((len(SINK_LENS), hq, d), torch.float32, gen, cpu)
+    got = ref_paged_decode_attention(qd, k_cache, v_cache, tables, ctx, scale, sinks=sinks16, **cap)  # fmt: skip
+    for b, n in enumerate(SINK_LENS):
+        keys, vals = _gather(k_cache, tables[b], n), _gather(v_cache, tables[b], n)
+        want = concat_softmax(qd[b : b + 1], keys, vals, torch.tensor([n - 1]), sinks16, scale, **cap)  # fmt: skip
+        assert_matches(got[b : b + 1], want)
+
+
+def test_a_very_negative_sink_is_no_sink_and_a_large_one_shrinks_the_output() -> None:
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d, scale = 4, 2, 16, 16**-0.5
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables = paged_kv(SINK_LENS, 8, hkv, d, torch.float32, gen, cpu)
+    q = rand((sum(SINK_Q_LENS), hq, d), torch.float32, gen, cpu)
+    starts = torch.tensor([0, *SINK_Q_LENS]).cumsum(0).to(torch.int32)
+    ctx = torch.tensor(SINK_LENS, dtype=torch.int32)
+
+    def prefill(sinks: torch.Tensor | None) -> torch.Tensor:
+        return ref_prefill_attention(q, k_cache, v_cache, tables, starts, ctx, scale, sinks=sinks)
+
+    def decode(sinks: torch.Tensor | None) -> torch.Tensor:
+        return ref_paged_decode_attention(q[:3], k_cache, v_cache, tables, ctx, scale, sinks=sinks)
+
+    for run in (prefill, decode):
+        plain = run(None)
+        torch.testing.assert_close(run(torch.full((hq,), -1e4)), plain, rtol=1e-5, atol=1e-6)
+        # the keys' weights sum to Z / (Z + e^sink): each head's output scaled toward 0
+        norms = [run(torch.full((hq,), x)).norm() for x in (0.0, 3.0)]
+        assert plain.norm() > norms[0] > norms[1]
+        assert float(run(torch.full((hq,), 40.0)).abs().max()) < 1e-9
+
+
+def test_references_refuse_sinks_that_are_not_one_per_query_head() -> None:
+    gen = torch.Generator().manual_seed(10)
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables = paged_kv([5], 8, 1, 16, torch.float32, gen, cpu)
+    q = rand((5, 2, 16), torch.float32, gen, cpu)
+    ctx = torch.tensor([5], dtype=torch.int32)
+    prefill = (q, k_cache, v_cache, tables, torch.tensor([0, 5]), ctx, 0.25)
+    decode = (q[:1], k_cache, v_cache, tables, ctx, 0.25)
+    bad = [
+        (torch.zeros(3), r"sinks has shape \(3,\); expected \[num_q_heads\] = \(2,\)"),
+        (torch.zeros(1, 2), r"sinks has shape \(1, 2\)"),
+        (torch.zeros(2, dtype=torch.int32), "sinks has dtype torch.int32"),
+        (torch.zeros(2, device="meta"), "sinks is on meta; expected q's device cpu"),
+    ]
+    for sinks, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            ref_prefill_attention(*prefill, sinks=sinks)
+        with pytest.raises(ValueError, match=msg):
+            ref_paged_decode_attention(*decode, sinks=sinks)

@@ -1,12 +1,13 @@
 """The MoE references against transformers' own MoE blocks: routing and experts, bit for bit in
-float32 and bfloat16 (the rounding ``kernels.moe`` documents is transformers')."""
+float32 and bfloat16 (the rounding ``kernels.moe`` documents is transformers'); gpt-oss's experts
+(biases, clamped SwiGLU) in float32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.moe import ref_fused_moe, ref_moe_routing, sum_contributions
+from kernels.moe import ClampedSwiGLU, ref_fused_moe, ref_moe_routing, sum_contributions
 
 
 def _qwen3_block(renormalize: bool) -> torch.nn.Module:
@@ -27,6 +28,16 @@ def _mixtral_block() -> torch.nn.Module:
                         num_experts_per_tok=2)  # fmt: skip
     cfg._experts_implementation = "eager"
     return MixtralSparseMoeBlock(cfg)
+
+
+def _gpt_oss_experts() -> torch.nn.Module:
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = GptOssConfig(hidden_size=64, intermediate_size=40, num_local_experts=8,
+                       num_experts_per_tok=4)  # fmt: skip
+    cfg._experts_implementation = "eager"
+    return GptOssExperts(cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,3 +75,41 @@ def test_contributions_are_added_in_order_each_sum_rounded() -> None:
     c = torch.tensor([[[1.0], [2**-8], [2**-8]]], dtype=torch.bfloat16)  # 1 + 2^-8 rounds to 1
     assert sum_contributions(c).item() == 1.0
     assert sum_contributions(c.float()).item() == 1.0 + 2**-7
+
+
+def test_gpt_oss_experts_equal_transformers(gen: torch.Generator) -> None:
+    """Biases and the clamped SwiGLU against ``GptOssExperts`` in float32: its interleaved gate/up
+    columns ([E, H, 2I], gate at even columns) de-interleaved into the stacked [E, 2I, H]
+    layout, weights large enough that the clamp bites (gate above the limit, up past both)."""
+    experts = _gpt_oss_experts()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    x = torch.randn((23, 64), generator=gen)
+    weights, ids = ref_moe_routing(torch.randn((23, 8), generator=gen), 4, True)
+    gate_up, gate_up_bias = experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach()
+    w13 = torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], -1).transpose(1, 2)  # [E, 2I, H]
+    b13 = torch.cat([gate_up_bias[:, ::2], gate_up_bias[:, 1::2]], -1)  # [E, 2I]
+    w2 = experts.down_proj.detach().transpose(1, 2).contiguous()  # [E, H, I]
+    clamp = ClampedSwiGLU(experts.alpha, experts.limit)
+    with torch.no_grad():
+        want = experts(x, ids, weights)
+        got = ref_fused_moe(x, w13, w2, weights, ids, b13=b13,
+                            b2=experts.down_proj_bias.detach(), clamp=clamp)  # fmt: skip
+    routed = torch.einsum("th,tkhn->tkn", x, gate_up[ids]) + gate_up_bias[ids]  # [T, k, 2I]
+    gate, up = routed[..., ::2], routed[..., 1::2]
+    assert (gate > 7).any() and (gate < -7).any() and (up > 7).any() and (up < -7).any()
+    assert (routed.abs() < 7).float().mean() > 0.5  # most values pass the clamp untouched
+    scale = want.abs().max()
+    torch.testing.assert_close(got / scale, want / scale, rtol=1e-6, atol=1e-6)
+
+
+def test_bias_errors_name_the_argument() -> None:
+    x, w13, w2 = torch.zeros(3, 8), torch.zeros(4, 10, 8), torch.zeros(4, 8, 5)
+    weights, ids = torch.ones(3, 2), torch.zeros((3, 2), dtype=torch.int64)
+    b13, b2 = torch.zeros(4, 10), torch.zeros(4, 8)
+    for bad, match in (({"b13": b13[:, :5]}, "b13"), ({"b2": b2[:3]}, "b2"),
+                       ({"b13": b13.double()}, "b13"), ({"b2": b2.T}, "b2")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            ref_fused_moe(x, w13, w2, weights, ids, **{"b13": b13, "b2": b2, **bad})
+    assert ref_fused_moe(x, w13, w2, weights, ids, b13=b13, b2=b2).shape == (3, 8)

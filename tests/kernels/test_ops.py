@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import ops
-from kernels.attention import ref_paged_decode_attention
+from kernels.attention import ref_paged_decode_attention, ref_prefill_attention
 from tests.kernels.paged import assert_matches, paged_kv, rand
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,6 +53,24 @@ def test_cpu_dispatch_matches_the_reference_exactly(gen: torch.Generator) -> Non
     lens = torch.tensor([3, 20], dtype=torch.int32)
     out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
     assert torch.equal(out, ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25))
+
+
+def test_cpu_dispatch_passes_the_sinks_to_the_references(gen: torch.Generator) -> None:
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables = paged_kv([3, 20], 8, 2, 16, torch.float32, gen, cpu)
+    lens = torch.tensor([3, 20], dtype=torch.int32)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    q = rand((2, 4, 16), torch.float32, gen, cpu)
+    decode = (q, k_cache, v_cache, tables, lens, 0.25)
+    out = ops.paged_decode_attention(*decode, sinks=sinks)
+    assert torch.equal(out, ref_paged_decode_attention(*decode, sinks=sinks))
+    assert not torch.allclose(out, ops.paged_decode_attention(*decode))
+    qp = rand((13, 4, 16), torch.float32, gen, cpu)
+    qsl = torch.tensor([0, 3, 13], dtype=torch.int32)  # a whole prompt, a chunk after 10 keys
+    prefill = (qp, k_cache, v_cache, tables, qsl, lens, 0.25)
+    out = ops.prefill_attention(*prefill, window=4, sinks=sinks)
+    assert torch.equal(out, ref_prefill_attention(*prefill, window=4, sinks=sinks))
+    assert not torch.allclose(out, ops.prefill_attention(*prefill, window=4))
 
 
 def test_env_switch_forces_the_references(monkeypatch: pytest.MonkeyPatch) -> None:

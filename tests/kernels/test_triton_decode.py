@@ -34,6 +34,7 @@ def run_case(
     cache_dtype: torch.dtype | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k_cache, v_cache, tables = paged_kv(lens, block_size, kv_heads, head_dim, dtype, gen, device)
     if cache_dtype is not None:  # an FP8 cache: the spare blocks stay NaN
@@ -43,13 +44,18 @@ def run_case(
     scale = head_dim**-0.5
     out = paged_decode_attention(
         q, k_cache, v_cache, tables, context_lens, scale, num_splits=num_splits, half_d=half_d,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
     ref = ref_paged_decode_attention(
-        q, k_cache, v_cache, tables, context_lens, scale, window=window, softcap=softcap
-    )
+        q, k_cache, v_cache, tables, context_lens, scale, window=window, softcap=softcap,
+        sinks=sinks,
+    )  # fmt: skip
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert_matches(out, ref)
+    if sinks is not None:  # the sinks changed the result (the reference's own tests say how)
+        args = (q, k_cache, v_cache, tables, context_lens, scale)
+        plain = ref_paged_decode_attention(*args, window=window, softcap=softcap)
+        assert not torch.allclose(ref.float(), plain.float(), atol=1e-2)
     return out
 
 
@@ -173,6 +179,26 @@ def test_the_references_soft_cap_is_transformers_gemma2() -> None:
         ref_paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, softcap=-1.0)
 
 
+# gpt-oss's attention sinks, from far below the scores to dominating the longest context (e^6
+# against ~200 keys): one split; three splits of 64-key tiles over a 100-key window (gpt-oss's
+# sliding layers), two of them holding keys of the 200-token context, so the merge must count the
+# sink once; bf16 over an FP8 cache (q pre-scaled in fp16) in two splits, soft-capped (the sinks
+# are not capped), the sinks in bf16
+@pytest.mark.parametrize(
+    ("dtype", "num_splits", "half_d", "window", "cache_dtype", "softcap"),
+    [(torch.float32, 1, True, 0, None, 0.0), (torch.float32, 3, False, 100, None, 0.0),
+     (torch.bfloat16, 2, True, 0, torch.float8_e4m3fn, 1.5)],
+)  # fmt: skip
+def test_attention_sinks_match_the_reference(
+    dtype: torch.dtype, num_splits: int, half_d: bool, window: int,
+    cache_dtype: torch.dtype | None, softcap: float, gen: torch.Generator, device: torch.device,
+    poison_empty: None,
+) -> None:  # fmt: skip
+    sinks = torch.linspace(-2.0, 6.0, 8, device=device).to(dtype)  # 2 KV heads x 4
+    run_case([*MIXED_LENS, 200], 4, dtype, gen, device, num_splits=num_splits, half_d=half_d,
+             window=window, cache_dtype=cache_dtype, softcap=softcap, sinks=sinks)  # fmt: skip
+
+
 @pytest.mark.parametrize("half_d", [True, False])
 def test_a_sliding_window_over_an_fp8_cache(
     half_d: bool, gen: torch.Generator, device: torch.device, poison_empty: None
@@ -276,6 +302,15 @@ class TestErrors:
         with pytest.raises(ValueError, match="context_lens has 1 entries for 2"):
             paged_decode_attention(**args)
 
+    def test_sinks_one_per_query_head_contiguous(
+        self, device: torch.device, gen: torch.Generator
+    ) -> None:
+        args = self.inputs(device, gen)  # 4 query heads
+        with pytest.raises(ValueError, match=r"sinks has shape \(3,\); expected"):
+            paged_decode_attention(**args, sinks=torch.zeros(3, device=device))
+        with pytest.raises(ValueError, match="sinks must be contiguous"):
+            paged_decode_attention(**args, sinks=torch.zeros(8, device=device)[::2])
+
     def test_half_d_needs_two_halves_of_16(
         self, device: torch.device, gen: torch.Generator
     ) -> None:
@@ -336,3 +371,17 @@ def test_gpu_sliding_window_llama_shapes(batch: int, ctx: int, window: int) -> N
     lens = [ctx - 3 * i for i in range(batch)]
     run_case(lens, 4, torch.bfloat16, gen, torch.device("cuda"), head_dim=128, kv_heads=8,
              window=window)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("batch", "ctx", "window"), [(4, 4096, 0), (1, 32768, 128), (64, 700, 128)]
+)
+def test_gpu_attention_sinks_gpt_oss_shapes(batch: int, ctx: int, window: int) -> None:
+    # gpt-oss-20b's attention: 64 query heads over 8 KV heads of 64 dims, its sliding layers'
+    # 128-key window; sinks up to e^10 so that some heads' outweigh thousands of keys
+    gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
+    lens = [ctx - 3 * i for i in range(batch)]
+    sinks = torch.linspace(-2.0, 10.0, 64, device=cuda).bfloat16()
+    run_case(lens, 8, torch.bfloat16, gen, cuda, head_dim=64, kv_heads=8, window=window,
+             sinks=sinks)  # fmt: skip

@@ -1,5 +1,6 @@
 """The fused MoE (Triton) against the reference: one token, many, experts with no tokens,
-top-1 to top-8, sizes that are no power of two, every float dtype.
+top-1 to top-8, sizes that are no power of two, every float dtype; gpt-oss's biases and clamped
+SwiGLU.
 
 float32 within 1e-5 of the output's size. 16-bit outputs against the reference's arithmetic
 rounded the way the kernel rounds (``tests.kernels.rounding``: Triton's interpreter truncates to
@@ -9,10 +10,18 @@ round-to-nearest), within one unit in the last place of the output's size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from kernels.moe import ref_fused_moe, ref_moe_routing, sort_by_expert
+from kernels.moe import (
+    ClampedSwiGLU,
+    ref_clamped_swiglu,
+    ref_fused_moe,
+    ref_moe_routing,
+    sort_by_expert,
+)
 from kernels.triton_moe import align_to_blocks, fused_moe
 from tests.kernels.paged import assert_matches, rand
 from tests.kernels.rounding import Rounder, kernel_rounding
@@ -29,7 +38,7 @@ def _inputs(t: int, h: int, e: int, inter: int, top_k: int, dtype: torch.dtype, 
     return x, w13, w2, weights, ids
 
 
-def _ref_rounded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, rnd: Rounder) -> torch.Tensor:  # fmt: skip
+def _ref_rounded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, rnd: Rounder, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, clamp: ClampedSwiGLU | None = None) -> torch.Tensor:  # fmt: skip
     """``ref_fused_moe``'s arithmetic, each rounding done by ``rnd``; fp32 values out."""
     dt, inter = x.dtype, w2.shape[2]
     weights, ids = sort_by_expert(topk_weights, topk_ids.long())
@@ -37,19 +46,27 @@ def _ref_rounded(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
     for j in range(ids.shape[1]):
         e = ids[:, j]
         gate_up = rnd(torch.einsum("th,tnh->tn", x.float(), w13[e].float()), dt)  # [T, 2I]
+        if b13 is not None:
+            gate_up = rnd(gate_up + b13[e].float(), dt)
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        act = rnd(rnd(torch.nn.functional.silu(gate), dt) * up, dt)  # [T, I]
+        if clamp is None:
+            act = rnd(rnd(torch.nn.functional.silu(gate), dt) * up, dt)  # [T, I]
+        else:  # fp32 in, so unrounded out
+            act = rnd(ref_clamped_swiglu(gate_up, clamp), dt)  # [T, I]
         down = rnd(torch.einsum("ti,thi->th", act, w2[e].float()), dt)  # [T, H]
+        if b2 is not None:
+            down = rnd(down + b2[e].float(), dt)
         c = rnd(down * weights[:, j, None].float(), dt)
         out = c if j == 0 else rnd(out + c, dt)
     return out
 
 
-def _assert_close(out: torch.Tensor, args: tuple[torch.Tensor, ...]) -> None:
-    ref = ref_fused_moe(*args)
+def _assert_close(out: torch.Tensor, args: tuple[torch.Tensor, ...], **gpt_oss: Any) -> None:
+    """``gpt_oss``: the biases and clamp, passed on to the references."""
+    ref = ref_fused_moe(*args, **gpt_oss)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if out.dtype != torch.float32:
-        ref = _ref_rounded(*args, kernel_rounding(out.device))
+        ref = _ref_rounded(*args, kernel_rounding(out.device), **gpt_oss)
     assert not torch.isnan(out).any(), "unwritten output"
     scale = ref.float().abs().max().clamp(min=1.0)
     tol = TOLERANCE[out.dtype]
@@ -95,6 +112,38 @@ def test_every_token_to_one_expert(gen: torch.Generator, device: torch.device) -
     _assert_close(fused_moe(x, w13, w2, weights, ids), (x, w13, w2, weights, ids))
 
 
+def _gpt_oss(x: torch.Tensor, e: int, inter: int, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, Any]]:  # fmt: skip
+    """x scaled by 4 (exact in every dtype), so gate and up often pass the clamp's limit of 7;
+    O(1) biases of x's dtype; gpt-oss's clamp."""
+    b13 = rand((e, 2 * inter), x.dtype, gen, x.device)
+    b2 = rand((e, x.shape[1]), x.dtype, gen, x.device)
+    return x * 4, {"b13": b13, "b2": b2, "clamp": ClampedSwiGLU()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "h", "e", "inter", "top_k"),
+    [
+        (3, 64, 8, 40, 4),  # decode-like: a few tokens, top-4 (gpt-oss's)
+        (40, 48, 8, 32, 2),  # ~10 rows per expert: padded rows, blocks past the last run
+    ],
+)
+def test_gpt_oss_biases_and_clamped_swiglu(t: int, h: int, e: int, inter: int, top_k: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    x, w13, w2, weights, ids = _inputs(t, h, e, inter, top_k, dtype, gen, device)
+    x, gpt_oss = _gpt_oss(x, e, inter, gen)
+    args = (x, w13, w2, weights, ids)
+    _assert_close(fused_moe(*args, **gpt_oss), args, **gpt_oss)
+
+
+def test_biases_and_clamp_each_alone(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """HAS_BIAS and CLAMPED are independent flags; each bias applies without the other."""
+    x, w13, w2, weights, ids = _inputs(3, 64, 8, 40, 2, torch.float32, gen, device)
+    x, gpt_oss = _gpt_oss(x, 8, 40, gen)
+    args = (x, w13, w2, weights, ids)
+    for name, value in gpt_oss.items():
+        _assert_close(fused_moe(*args, **{name: value}), args, **{name: value})
+
+
 @pytest.mark.parametrize(
     ("t", "top_k", "e", "block_m"), [(1, 2, 8, 16), (37, 2, 16, 16), (130, 8, 8, 64)]
 )
@@ -124,4 +173,8 @@ def test_no_tokens_and_errors(gen: torch.Generator, device: torch.device) -> Non
         fused_moe(x, w13, w2, weights, ids[:2])
     with pytest.raises(ValueError, match="dtype"):
         fused_moe(x, w13.half(), w2, weights, ids)
+    with pytest.raises(ValueError, match="b13"):
+        fused_moe(x, w13, w2, weights, ids, b13=torch.zeros((4, 16), device=device))  # not 2I
+    with pytest.raises(ValueError, match="b2"):
+        fused_moe(x, w13, w2, weights, ids, b2=torch.zeros((4, 32), device=device).half())
     assert_matches(fused_moe(x, w13, w2, weights, ids), ref_fused_moe(x, w13, w2, weights, ids))

@@ -29,6 +29,7 @@ def run_case(
     tiles: triton_prefill.TilesLike | None = SMALL_TILES,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     k_cache, v_cache, tables = paged_kv(
         ctx_lens, block_size, kv_heads, head_dim, dtype, gen, device
@@ -39,14 +40,18 @@ def run_case(
     scale = head_dim**-0.5
     out = prefill_attention(
         q, k_cache, v_cache, tables, starts.to(device), lens, scale, tiles=tiles, window=window,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )  # fmt: skip
     ref = ref_prefill_attention(
         q, k_cache, v_cache, tables, starts.to(device), lens, scale, window=window,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )  # fmt: skip
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, ref)
+    if sinks is not None:  # the sinks changed the result (the reference's own tests say how)
+        args = (q, k_cache, v_cache, tables, starts.to(device), lens, scale)
+        plain = ref_prefill_attention(*args, window=window, softcap=softcap)
+        assert not torch.allclose(ref.float(), plain.float(), atol=1e-2)
 
 
 # every group and dtype with the small tiles; the unpacked ones (one head a tile: slow under
@@ -160,6 +165,7 @@ def new_kv_case(
     tma: bool | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The chunk's keys read from ``k_new``/``v_new`` (strided views of one qkv-like buffer):
     the cache's slots for the new tokens are overwritten with NaN first, so reading them there
@@ -171,7 +177,7 @@ def new_kv_case(
     q = rand((t, kv_heads * group, head_dim), dtype, gen, device)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     qsl = starts.to(device)
-    cap = {"window": window, "softcap": softcap}
+    cap = {"window": window, "softcap": softcap, "sinks": sinks}
     want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5, **cap)
     qkv = torch.empty((t, 3 * kv_heads, head_dim), dtype=dtype, device=device)
     k_new, v_new = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
@@ -390,6 +396,15 @@ class TestErrors:
         with pytest.raises(ValueError, match="window must be >= 0"):
             ref_prefill_attention(**args, window=-1)
 
+    def test_sinks_one_per_query_head_contiguous(
+        self, device: torch.device, gen: torch.Generator
+    ) -> None:
+        args = self.inputs(device, gen)  # 4 query heads
+        with pytest.raises(ValueError, match=r"sinks has shape \(1, 4\); expected"):
+            prefill_attention(**args, sinks=torch.zeros(1, 4, device=device))
+        with pytest.raises(ValueError, match="sinks must be contiguous"):
+            prefill_attention(**args, sinks=torch.zeros(8, device=device)[::2])
+
     def test_new_kv_must_come_in_pairs_and_fit(self, device: torch.device, gen: torch.Generator) -> None:  # fmt: skip
         args = self.inputs(device, gen)
         k_new = rand((7, 2, 16), torch.float32, gen, device)
@@ -513,3 +528,31 @@ def test_soft_capped_scores_match_the_reference(tiles: Tiles, window: int, dtype
     run_case([40, 57, 9], [40, 20, 9], 4, dtype, gen, device, tiles=tiles, window=window, softcap=1.5)  # fmt: skip
     new_kv_case([45, 21], [7, 21], dtype, gen, device, tiles, window=window, softcap=1.5)
     new_kv_case([33, 9], [33, 9], dtype, gen, device, tiles, window=window, softcap=1.5)
+
+
+# gpt-oss's attention sinks, from far below the scores to far above (each row of a packed tile
+# loads its own head's): through the block table (whole prompts, a chunk after a prefix) and
+# from the contiguous new K/V (a chunk after a prefix, whole prompts also with no_prefix); the
+# small tiles (4 tokens of 4 heads), and every knob with a window and a soft cap (the sinks are
+# not capped) in bf16, the sinks in bf16 too
+@pytest.mark.parametrize(
+    ("tiles", "window", "softcap", "dtype"),
+    [(SMALL_TILES, 0, 0.0, torch.float32), (WINDOW_KNOBS, 23, 1.5, torch.bfloat16)],
+)
+def test_attention_sinks_match_the_reference(tiles: Tiles, window: int, softcap: float, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    sinks = torch.linspace(-2.0, 4.0, 8, device=device).to(dtype)  # 2 KV heads x 4
+    cap = {"window": window, "softcap": softcap, "sinks": sinks}
+    run_case([40, 57, 9], [40, 20, 9], 4, dtype, gen, device, tiles=tiles, **cap)
+    new_kv_case([45, 21], [7, 21], dtype, gen, device, tiles, **cap)
+    new_kv_case([33, 9], [33, 9], dtype, gen, device, tiles, **cap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("ctx_lens", "q_lens", "window"), [([1024, 1000, 3], [1024, 1000, 3], 128), ([4096 + 512], [512], 128), ([5000, 77], [5000, 77], 0)])  # fmt: skip
+def test_gpu_attention_sinks_gpt_oss_shapes(ctx_lens: list[int], q_lens: list[int], window: int) -> None:  # fmt: skip
+    # gpt-oss-20b's heads (64 query heads over 8 KV heads of 64 dims) and its sliding layers'
+    # 128-key window; the whole prompts of over TMA_MIN_TOKENS read k_new through TMA descriptors
+    gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
+    sinks = torch.linspace(-2.0, 10.0, 64, device=cuda).bfloat16()
+    run_case(ctx_lens, q_lens, 8, torch.bfloat16, gen, cuda, head_dim=64, kv_heads=8, tiles=None, window=window, sinks=sinks)  # fmt: skip
+    new_kv_case(ctx_lens, q_lens, torch.bfloat16, gen, cuda, None, head_dim=64, block_size=16, group=8, window=window, sinks=sinks[:16])  # fmt: skip

@@ -52,6 +52,8 @@ class Attention(nn.Module):
         self.scale = cfg.attention_multiplier or self.d**-0.5  # Granite's: its own
         self.window = cfg.window(layer)  # a sliding window's keys (Mistral v0.1); 0: all
         self.softcap = 0.0  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
+        # gpt-oss's sinks: a learned logit per query head in every softmax, its value zero
+        self.sinks = nn.Parameter(torch.empty(self.nq)) if cfg.attention_sinks else None
         # an FP8 KV cache holds k / k_scale and v / v_scale (--kv-cache-dtype fp8: 1.0, as vLLM
         # without calibrated scales); reading multiplies them back, folded into the softmax scale
         # and the output. A 16-bit cache ignores them.
@@ -95,7 +97,7 @@ class Attention(nn.Module):
         scale = self.scale * (self.k_scale if scaled else 1)
         o = paged_attention(
             q, k_cache, v_cache, meta, scale, k_new, v if k_new is not None else None,
-            self.window, self.softcap,
+            self.window, self.softcap, self.sinks,
         )  # fmt: skip
         if scaled and self.v_scale != 1.0:
             o = o * self.v_scale
@@ -112,6 +114,7 @@ def paged_attention(
     v_new: torch.Tensor | None = None,  # [T, Hkv, D]
     window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
     softcap: float = 0.0,  # scores soft-capped (Gemma 2's attn_logit_softcapping); 0: none
+    sinks: torch.Tensor | None = None,  # [Hq]: a logit per head in each softmax (gpt-oss)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Decode rows through the decode kernel, prefill rows through the prefill kernel (which
     reads the chunks' own keys and values from ``k_new``/``v_new`` when given)."""
@@ -119,26 +122,26 @@ def paged_attention(
     if meta.decode_only:
         return ops.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window,
-            softcap=softcap,
+            softcap=softcap, sinks=sinks,
         )  # fmt: skip
     if nd == 0:
         return ops.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
             scale, k_new=k_new, v_new=v_new, no_prefix=k_new is not None, window=window,
-            softcap=softcap,
+            softcap=softcap, sinks=sinks,
         )  # fmt: skip
     assert meta.prefill_start_loc is not None
     o = torch.empty_like(q)
     ops.paged_decode_attention(
         q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
-        out=o[:nd], window=window, softcap=softcap,
+        out=o[:nd], window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
     ops.prefill_attention(
         q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
         meta.context_lens[nd:], scale, out=o[nd:],
         k_new=k_new[nd:] if k_new is not None else None,
         v_new=v_new[nd:] if v_new is not None else None, no_prefix=k_new is not None,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
     return o
 

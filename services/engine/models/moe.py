@@ -1,7 +1,7 @@
 """The sparse MLP of Mixture-of-Experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared
-expert) in plain PyTorch.
+expert, gpt-oss with its biases and clamped SwiGLU) in plain PyTorch.
 
-A router picks ``top_k`` experts per token; the experts' SiLU-gated MLPs run as one fused op
+A router picks ``top_k`` experts per token; the experts' gated MLPs run as one fused op
 (``kernels.ops.fused_moe``) over weights stacked per expert: the loader stacks the checkpoint's
 per-expert tensors into them (``services.engine.loader``).
 """
@@ -12,14 +12,20 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.moe import ClampedSwiGLU
 from services.engine.model_config import MoeConfig
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, biases: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # [E, H, I]
+        self.gate_up_proj_bias: nn.Parameter | None = None  # [E, 2I]: gate half, then up half
+        self.down_proj_bias: nn.Parameter | None = None  # [E, H]
+        if biases:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
 
 
 class SharedExpert(nn.Module):
@@ -41,8 +47,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, moe: MoeConfig, hidden: int) -> None:
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)  # the router
-        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size)
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=moe.biases)  # the router
+        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, moe.biases)
+        self.clamp = ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit) if moe.swiglu_limit else None
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_intermediate_size:
@@ -50,11 +57,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        logits = ops.linear(x, self.gate.weight)  # [T, E]
+        logits = ops.linear(x, self.gate.weight, self.gate.bias)  # [T, E]
         weights, ids = ops.moe_routing(logits, self.moe.top_k, self.moe.renormalize)  # [T, k]
         if self.moe.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        out = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        experts = self.experts
+        out = ops.fused_moe(
+            x, experts.gate_up_proj, experts.down_proj, weights, ids,
+            b13=experts.gate_up_proj_bias, b2=experts.down_proj_bias, clamp=self.clamp,
+        )  # fmt: skip
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # as transformers: sigmoid(gate(x)) * shared(x), then added, each in x's dtype
             gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))  # [T, 1]

@@ -1,5 +1,6 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3 and SmolLM3 checkpoints
+Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3, SmolLM3
+and gpt-oss checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -120,6 +121,16 @@ CONFIGS = {
         "num_hidden_layers": 3, "intermediate_size": 96, "no_rope_layers": [1, 0, 1],
         "use_sliding_window": True, "sliding_window": 24, "pad_token_id": None,
     }),
+    # gpt-oss: attention sinks, q/k/v/o biases, alternating 24-key windows, YaRN (untruncated)
+    # over a short original length, top-2 of 8 experts with router and expert biases and the
+    # clamped SwiGLU (its limit low enough to bind on these weights)
+    "gpt_oss": ("gpt_oss", {
+        "num_hidden_layers": 3, "intermediate_size": 32, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 24, "swiglu_limit": 0.6,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                            "original_max_position_embeddings": 32},
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16
@@ -137,8 +148,10 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
     with torch.no_grad():  # transformers starts biases at 0 and norm weights at 1 (Gemma's
         # at 0, an offset from 1): a bias left out or a norm read wrong would go unseen
         for name, param in model.named_parameters():
-            if name.endswith(".bias") or name.endswith("norm.weight"):
+            if name.endswith((".bias", "_bias", "norm.weight")):
                 param.add_(torch.randn_like(param) * 0.2)
+            elif name.endswith(".sinks"):  # gpt-oss's: large enough to take a share
+                param.copy_(torch.randn_like(param) * 2.0)
     model.save_pretrained(path)
     load_tokenizer(tokenizer_dir()).save_pretrained(path)
     return model.eval()
@@ -338,6 +351,25 @@ def test_gemma_through_the_triton_kernels(
     monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
     lens = [40] if name == "gemma2" else [9, 40]
     _assert_greedy_matches(name, *built(name), lens, block_size=16)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
+)
+def test_gpt_oss_through_the_triton_kernels(
+    built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss's sinks in the decode and prefill attention kernels and its biased, clamped
+    experts in the fused MoE kernel (under the interpreter): transformers' tokens on a prompt
+    past its window, chunked in 16-token blocks."""
+    from kernels import triton_attention, triton_moe
+
+    monkeypatch.setattr(
+        ops, "_triton", lambda name, x: triton_attention if name == "triton_attention" else None
+    )
+    monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
+    _assert_greedy_matches("gpt_oss", *built("gpt_oss"), [40], block_size=16)
 
 
 def test_a_window_no_context_outgrows_is_left_to_whole_attention(windowed: Built) -> None:
