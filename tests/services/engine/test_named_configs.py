@@ -151,3 +151,15 @@ def test_qwen3_vl_8b_has_the_published_shape() -> None:
     assert ids.count(spec.image_token_id) == 196
     pixels = preprocess(load_image_processor(directory), image)
     assert pixels.shape == (28 * 28, 3 * 2 * 16 * 16)
+
+
+def test_gpt_oss_20b_has_the_published_shape() -> None:
+    """gpt-oss-20b: 24 layers alternating a 128-key window and the whole context, 64 query
+    heads over 8 KV heads of 64, top-4 of 32 biased experts with the clamped SwiGLU, sinks,
+    MXFP4 experts (dequantized as they load): about 21 billion parameters."""
+    arch = ArchConfig.from_file(resolve_model("gpt-oss-20b").path)
+    assert arch.moe is not None and arch.moe.mxfp4 and arch.moe.biases and arch.attention_sinks
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.swiglu_limit) == (32, 4, 7.0)
+    assert arch.sliding_window == 128 and arch.sliding_layers == tuple(range(0, 24, 2))
+    assert arch.quantization_config == {}  # served unquantized once dequantized
+    assert sum(_params(arch).values()) == pytest.approx(20.9e9, rel=0.01)
