@@ -152,6 +152,10 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
                 param.add_(torch.randn_like(param) * 0.2)
             elif name.endswith(".sinks"):  # gpt-oss's: large enough to take a share
                 param.copy_(torch.randn_like(param) * 2.0)
+    for module in model.modules():  # transformers 5.17 (the GPU image's) builds gpt-oss's
+        if hasattr(module, "limit") and hasattr(module, "alpha"):  # experts with the published
+            module.limit = cfg.swiglu_limit  # clamp (7.0) whatever the config says: the
+            module.alpha = cfg.swiglu_alpha  # reference takes the config's, as the engine does
     model.save_pretrained(path)
     load_tokenizer(tokenizer_dir()).save_pretrained(path)
     return model.eval()
