@@ -30,10 +30,13 @@ $(STAMP): $(SERVE_STAMP)
 
 serve-venv: $(SERVE_STAMP)
 
+# under a lock: `make test` builds it in the background while its test may ask for it too
+# (tests/gateway/test_e2e_lm_eval.py runs `make lm-eval-venv`, which then waits for the build)
 $(LMEVAL_STAMP):
-	test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
-	$(LMEVAL_VENV)/bin/pip install -q "lm-eval[api]==0.4.13" "transformers>=4.46"
-	touch $(LMEVAL_STAMP)
+	flock $(LMEVAL_VENV).lock sh -c 'test -f $(LMEVAL_STAMP) || { \
+	  { test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV); } && \
+	  $(LMEVAL_VENV)/bin/pip install -q "lm-eval[api]==0.4.13" "transformers>=4.46" && \
+	  touch $(LMEVAL_STAMP); }'
 
 lm-eval-venv: $(LMEVAL_STAMP)
 
@@ -53,11 +56,14 @@ typecheck: venv
 # every test that starts serving processes in one unit, run one at a time (memory).
 # TEST_WORKERS=0: no xdist.
 TEST_WORKERS ?= 2
-# The checks and the lm-eval venv's install side by side (mypy is a minute of CPU, the install
-# mostly downloads; only one pip runs at a time, as two broke each other once).
+# The lm-eval venv installs in the background (two minutes, mostly downloads, in a venv of its
+# own: never two pips in one venv, as two broke each other once) beside the checks and the
+# suite, whose lm-eval test waits for it; the checks (mypy: a minute of CPU) before the suite.
 test: venv
-	$(MAKE) -j2 lint typecheck lm-eval-venv
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS)
+	{ $(MAKE) -s lm-eval-venv > $(LMEVAL_VENV).log 2>&1 & }; \
+	$(MAKE) -j2 lint typecheck && \
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS); \
+	rc=$$?; wait; exit $$rc
 
 serve: serve-venv
 	$(VENV)/bin/tandem up --port $(PORT) --model $(MODEL) $(ARGS)

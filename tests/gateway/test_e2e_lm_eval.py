@@ -26,6 +26,21 @@ LM_EVAL = Path(os.environ.get("TANDEM_LM_EVAL_VENV", REPO / ".lm-eval-venv")) / 
 
 
 @pytest.fixture(scope="module")
+def lm_eval() -> Path:
+    """lm_eval in its own venv. `make test` builds it in the background beside the suite: unless
+    ``$TANDEM_LM_EVAL_VENV`` names one, ``make lm-eval-venv`` waits for that build (its lock)
+    or makes the venv itself."""
+    if "TANDEM_LM_EVAL_VENV" not in os.environ:
+        done = subprocess.run(["make", "-s", "lm-eval-venv"], cwd=REPO, capture_output=True,
+                              text=True, timeout=900)  # fmt: skip
+        if done.returncode != 0:
+            pytest.fail(f"make lm-eval-venv failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    if not LM_EVAL.exists():
+        pytest.fail(f"{LM_EVAL} is missing: `make lm-eval-venv` builds it")
+    return LM_EVAL
+
+
+@pytest.fixture(scope="module")
 def gateway(fleet: Fleet) -> Iterator[Proc]:
     prefill, decode = fleet.shared("prefill", "decode")
     proc = fleet.gateway(prefill=[prefill], decode=[decode])
@@ -74,9 +89,7 @@ def _reference(context: str, continuation: str) -> float:
     return sum(logp[q - 1, whole[q]].item() for q in range(n, len(whole)))
 
 
-def test_lm_eval_scores_equal_transformers(gateway: Proc, tmp_path: Path) -> None:
-    if not LM_EVAL.exists():
-        pytest.fail(f"{LM_EVAL} is missing: `make test` builds it (make lm-eval-venv)")
+def test_lm_eval_scores_equal_transformers(lm_eval: Path, gateway: Proc, tmp_path: Path) -> None:
     samples = _run_lm_eval(gateway, tmp_path)
     assert len(samples) == 4
     for sample in samples:

@@ -210,7 +210,9 @@ def test_new_tokens_read_from_contiguous_kv(dtype: torch.dtype, tiles: Tiles, ge
     new_kv_case(*run_lens, dtype, gen, device, tiles)
 
 
-@pytest.mark.parametrize("tiles", [SMALL_TILES, Tiles(32, 16, 4, 2, True), UNPACKED])
+# (one head per tile, UNPACKED, reads as the others through a descriptor: left out for the
+# suite's time, as in the windowed case below)
+@pytest.mark.parametrize("tiles", [SMALL_TILES, Tiles(32, 16, 4, 2, True)])
 def test_new_kv_through_tma_descriptors(tiles: Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     new_kv_case([1, 16, 17, 40, 45, 21], [1, 16, 17, 40, 7, 1], torch.float32, gen, device, tiles, tma=True)  # fmt: skip
     new_kv_case([40, 33], [40, 33], torch.bfloat16, gen, device, tiles, tma=True)
@@ -311,12 +313,12 @@ def test_sliding_window_with_the_default_tiles(gen: torch.Generator, device: tor
     new_kv_case([90, 9], [90, 9], torch.float32, gen, device, None, head_dim=16, window=20)
 
 
-# every window with the knobs on; the small and unpacked tiles each with the windows that take
-# their other branches (one key, narrower than a tile, no key tile needing a mask, none at all)
+# the windows that take each branch (one key, narrower than a tile, wider than a key tile,
+# none at all) with the knobs on, the small tiles and the unpacked ones (one head a tile)
 @pytest.mark.parametrize(
     ("tiles", "window"),
-    [(WINDOW_KNOBS, w) for w in (1, 5, 23, 40, 1000)]
-    + [(SMALL_TILES, 1), (SMALL_TILES, 40), (UNPACKED, 5), (UNPACKED, 1000)],
+    [(WINDOW_KNOBS, w) for w in (1, 5, 1000)]
+    + [(SMALL_TILES, 1), (SMALL_TILES, 40), (UNPACKED, 5)],
 )
 def test_sliding_window_with_contiguous_new_kv(window: int, tiles: Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     new_kv_case(WINDOW_CTX, WINDOW_NEW, torch.float32, gen, device, tiles, window=window)
@@ -324,7 +326,7 @@ def test_sliding_window_with_contiguous_new_kv(window: int, tiles: Tiles, gen: t
     new_kv_case(WINDOW_NEW[:4], WINDOW_NEW[:4], torch.float32, gen, device, tiles, window=window)
 
 
-@pytest.mark.parametrize("tiles", [SMALL_TILES, Tiles(32, 16, 4, 2, True), UNPACKED])
+@pytest.mark.parametrize("tiles", [SMALL_TILES, Tiles(32, 16, 4, 2, True)])
 def test_sliding_window_through_tma_descriptors(tiles: Tiles, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     new_kv_case(WINDOW_CTX, WINDOW_NEW, torch.float32, gen, device, tiles, tma=True, window=5)
     new_kv_case([40, 33], [40, 33], torch.bfloat16, gen, device, tiles, tma=True, window=23)

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from kernels.bench.roofline import KNOWN_CEILINGS, Ceilings
-from services.engine.bench.in_process import _step_weight_bytes, _weight_bytes, floor_seconds
+from services.engine.bench.in_process import (
+    _step_weight_bytes,
+    _weight_bytes,
+    floor_seconds,
+    unread_expert_bytes,
+)
 
 
 class _Packed(torch.nn.Module):
@@ -41,6 +46,26 @@ def test_a_decode_step_reads_a_tied_embedding_table_whole() -> None:
     assert _step_weight_bytes(model, arch) == 3200
     model.lm_head.weight = model.model.embed_tokens.weight
     assert _step_weight_bytes(model, arch) == 3200
+
+
+def test_a_decode_step_of_few_tokens_reads_only_the_experts_they_pick() -> None:
+    """gpt-oss-20b's shape (top-4 of 32): one token reads 4 experts a layer, 28 stay unread;
+    256 tokens pick every expert (the unread share rounds to nothing)."""
+    from services.engine.loader import _no_param_init
+    from services.engine.model_config import ArchConfig
+    from services.engine.models.llama import LlamaForCausalLM
+    from services.model_files import resolve_model
+
+    arch = ArchConfig.from_file(resolve_model("gpt-oss-20b").path)
+    with torch.device("meta"), _no_param_init():
+        model = LlamaForCausalLM(arch, 64).to(torch.bfloat16)
+    assert arch.moe is not None
+    experts = model.model.layers[0].mlp.experts  # type: ignore[union-attr]
+    layer = sum(p.numel() * 2 for p in experts.parameters())
+    assert unread_expert_bytes(model, arch, 1) == pytest.approx(24 * layer * 28 / 32, rel=1e-6)
+    assert unread_expert_bytes(model, arch, 256) < 1e-6 * layer
+    dense = SimpleNamespace(moe=None)
+    assert unread_expert_bytes(model, dense, 1) == 0
 
 
 def _engine_8b() -> Any:
