@@ -154,8 +154,9 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
                 param.copy_(torch.randn_like(param) * 2.0)
     for module in model.modules():  # transformers 5.17 (the GPU image's) builds gpt-oss's
         if hasattr(module, "limit") and hasattr(module, "alpha"):  # experts with the published
-            module.limit = cfg.swiglu_limit  # clamp (7.0) whatever the config says: the
-            module.alpha = cfg.swiglu_alpha  # reference takes the config's, as the engine does
+            module.limit = getattr(cfg, "swiglu_limit", 7.0)  # clamp (7.0) whatever the
+            module.alpha = getattr(cfg, "swiglu_alpha", 1.702)  # config says: the reference
+            # takes the config's (the engine does), or its defaults where 5.17's has none
     model.save_pretrained(path)
     load_tokenizer(tokenizer_dir()).save_pretrained(path)
     return model.eval()
