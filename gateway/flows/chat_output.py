@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.flows import reasoning, tool_parsers
-from gateway.flows.reasoning import ReasoningParser, ReasoningStream
+from gateway.flows.reasoning import ReasoningParser, ReasoningStep
+from gateway.flows.text_stream import TextStream
 from gateway.flows.tool_parsers import ToolCall, ToolParser, ToolStream
 from gateway.flows.tools import ToolPlan
 from protos.errors import ConfigError
@@ -157,7 +158,7 @@ class ChoiceOutput:
         self.tool_calls: list[dict[str, Any]] = []
         choice = plan.tools.choice if plan.tools is not None else "none"
         self._choice = choice
-        self._thinking: ReasoningStream | None = (
+        self._thinking: TextStream[ReasoningStep] | None = (
             plan.reasoning.stream(plan.prompt_open) if plan.reasoning is not None else None
         )
         self._auto: ToolStream | None = (

@@ -1,4 +1,5 @@
-"""A reasoning model's output split into its thinking and its answer, whole or streamed.
+"""A reasoning model's output split into its thinking and its answer, whole or streamed:
+``<think>`` blocks (Qwen3, DeepSeek-R1), and gpt-oss's harmony channels (``openai_gptoss``).
 
 The thinking sits in a ``<think> ... </think>`` block, opened either by the model (the output
 starts with ``<think>``) or by the chat template (the rendered prompt ends inside an open block,
@@ -111,12 +112,14 @@ class ReasoningParser(ABC):
     name: str
     start: str = "<think>"
     end: str = "</think>"
+    # its markers are special tokens: requests keep them in the text it reads (then drops)
+    keeps_special_tokens: bool = False
 
     @abstractmethod
     def split(self, text: str, prompt_open: bool) -> Split: ...
 
     @abstractmethod
-    def stream(self, prompt_open: bool) -> ReasoningStream: ...
+    def stream(self, prompt_open: bool) -> TextStream[ReasoningStep]: ...
 
     def prompt_opens(self, prompt_text: str) -> bool:
         """Whether the rendered prompt ends inside an open block (a start after the last end)."""
@@ -152,7 +155,98 @@ class _DeepSeekR1(_ThinkTags):
     end_alone_closes = True
 
 
-PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (_Qwen3(), _DeepSeekR1())}
+# gpt-oss's harmony format: messages ``[<|start|>assistant]<|channel|>NAME[ header]<|message|>BODY``
+# each ended by ``<|end|>`` (``<|return|>`` or ``<|call|>`` end the turn); special tokens all,
+# so its requests keep them in the text (``keeps_special_tokens``)
+_H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+_H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_H_OPENERS = (_H_START, _H_CHANNEL)
+
+
+class HarmonyStream(TextStream[ReasoningStep]):
+    """One choice's harmony text: the ``analysis`` channel's bodies are the reasoning, every
+    other message's body (``final``, ``commentary``) the content, the markers and headers
+    dropped. An output that does not open with a message header is all content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode = "next"  # "next" (a header may open), "header", "body" or "plain"
+        self._to_reasoning = False  # the current body's channel is analysis
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+
+    def _take(self) -> ReasoningStep:
+        step = ReasoningStep("".join(self._reasoning), "".join(self._content))
+        self._reasoning.clear()
+        self._content.clear()
+        return step
+
+    def _advance(self, final: bool) -> bool:
+        if self._mode == "next":
+            if self._buf.startswith(_H_OPENERS):
+                self._mode = "header"
+                return True
+            if not final and any(m.startswith(self._buf) for m in _H_OPENERS):
+                return False  # "" or the start of a marker: not decided yet
+            self._mode = "plain"
+            return True
+        if self._mode == "plain":
+            self._emit(self._buf, reasoning=False)
+            self._buf = ""
+            return False
+        if self._mode == "header":
+            at = self._buf.find(_H_MESSAGE)
+            if at < 0:
+                if final:  # cut off inside a header: nothing of it is text
+                    self._buf = ""
+                return False
+            header = self._buf[:at]
+            channel = header.rpartition(_H_CHANNEL)[2].split("<|")[0].split()
+            self._to_reasoning = bool(channel) and channel[0] == "analysis"
+            self._buf, self._mode = self._buf[at + len(_H_MESSAGE) :], "body"
+            return True
+        ends = [(at, m) for m in _H_ENDS if (at := self._buf.find(m)) >= 0]
+        if ends:
+            at, marker = min(ends)
+            self._emit(self._buf[:at], self._to_reasoning)
+            self._buf, self._mode = self._buf[at + len(marker) :], "next"
+            return True
+        keep = 0 if final else max(held_back(self._buf, m) for m in _H_ENDS)
+        self._emit(self._buf[: len(self._buf) - keep], self._to_reasoning)
+        self._buf = self._buf[len(self._buf) - keep :]
+        return False
+
+    def _emit(self, text: str, reasoning: bool) -> None:
+        if text:
+            (self._reasoning if reasoning else self._content).append(text)
+
+
+class _Harmony(ReasoningParser):
+    """gpt-oss (vLLM's ``openai_gptoss``): the analysis channel is the reasoning, the final
+    (and commentary) channels the answer. The prompt never opens a message (the chat template
+    ends at ``<|start|>assistant``), and the format has no one tag a grammar could start after,
+    so structured outputs are refused beside it."""
+
+    name = "openai_gptoss"
+    start = _H_CHANNEL
+    end = _H_MESSAGE
+    keeps_special_tokens = True
+
+    def split(self, text: str, prompt_open: bool) -> Split:
+        stream = self.stream(prompt_open)
+        steps = [stream.feed(text), stream.finish()]
+        reasoning = "".join(s.reasoning for s in steps)
+        content = "".join(s.content for s in steps)
+        return Split(reasoning or None, content or None)
+
+    def stream(self, prompt_open: bool) -> TextStream[ReasoningStep]:
+        return HarmonyStream()
+
+    def prompt_opens(self, prompt_text: str) -> bool:
+        return False
+
+
+PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (_Qwen3(), _DeepSeekR1(), _Harmony())}
 
 
 def get_parser(name: str) -> ReasoningParser:

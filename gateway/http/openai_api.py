@@ -220,12 +220,24 @@ def _output_plan(state: GatewayState, req: ChatRequest) -> OutputPlan:
 
 
 def _thinking_free(common: CommonOptions, plan: OutputPlan, prompt_text: str) -> tuple[CommonOptions, OutputPlan]:  # fmt: skip
-    """With a reasoning parser, a grammar constrains only the answer after the thinking block."""
+    """With a reasoning parser, a grammar constrains only the answer after the thinking block;
+    a parser whose markers are special tokens (gpt-oss's harmony) reads the text with them."""
     thinking = plan.reasoning
     if thinking is None:
         return common, plan
     plan = replace(plan, prompt_open=thinking.prompt_opens(prompt_text))
     so = common.sampling.structured
+    if thinking.keeps_special_tokens:
+        if so is not None:
+            raise invalid(
+                f"a grammar (response_format, structured_outputs, or a tool_choice that "
+                f"forces a call) is not supported beside the {thinking.name} reasoning parser "
+                "yet (its answer has no one tag a grammar could start after): leave it out, or "
+                "start the gateway without --reasoning-parser",
+                "response_format",
+            )
+        sampling = replace(common.sampling, skip_special_tokens=False)
+        return replace(common, sampling=sampling), plan
     if so is None:
         return common, plan
     so = replace(so, reasoning_start=thinking.start, reasoning_end=thinking.end,

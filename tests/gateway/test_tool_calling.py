@@ -105,3 +105,31 @@ def test_a_gateway_without_the_flags_refuses_auto(colocated: Stack) -> None:
 def test_parser_flags_are_checked_at_start(kwargs: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         check_parser_flags(GatewayConfig(tokenizer="x", **kwargs))
+
+
+@pytest.fixture(scope="module")
+def harmony_stack(tokenizer_dir: str) -> Iterator[Stack]:
+    stack = Stack(tokenizer_dir, ["colocated"], reasoning_parser="openai_gptoss")
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_the_harmony_parser_reads_the_special_tokens_and_refuses_a_grammar(
+    harmony_stack: Stack,
+) -> None:
+    """gpt-oss's channel markers are special tokens: with --reasoning-parser openai_gptoss a
+    chat's tokens come back with them (then read out); a grammar beside it is a 400."""
+    url = f"{harmony_stack.base_url}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    r = httpx.post(url, json=body)
+    assert r.status_code == 200, r.text
+    assert harmony_stack.workers[0].records.samplings[-1].skip_special_tokens is False
+    message = r.json()["choices"][0]["message"]  # the echoed prompt: no harmony in it
+    assert message["content"] and message["reasoning_content"] is None
+    for extra in ({"response_format": {"type": "json_object"}},
+                  {"tools": [WEATHER], "tool_choice": "required"}):  # fmt: skip
+        r = httpx.post(url, json={**body, **extra})
+        assert r.status_code == 400 and "openai_gptoss" in r.json()["error"]["message"], r.text

@@ -1,4 +1,5 @@
-"""Thinking split from the answer: qwen3 and deepseek_r1, whole and streamed."""
+"""Thinking split from the answer: qwen3, deepseek_r1 and gpt-oss's harmony channels
+(openai_gptoss), whole and streamed."""
 
 from __future__ import annotations
 
@@ -109,21 +110,61 @@ def test_deepseek_r1_holds_unopened_output_until_it_is_decided() -> None:
 
 
 def test_every_parser_is_registered_under_its_name() -> None:
-    assert sorted(PARSERS) == ["deepseek_r1", "qwen3"]
+    assert sorted(PARSERS) == ["deepseek_r1", "openai_gptoss", "qwen3"]
     assert all(get_parser(name).name == name for name in PARSERS)
 
 
 def test_unknown_parser_name_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, openai_gptoss, qwen3"):
         get_parser("granite")
 
 
-_FRAGMENTS = ["<think>", "</think>", "<th", "</thi", "\n", "\n\n", "Hmm", "4", " ", "é"]
+_FRAGMENTS = ["<think>", "</think>", "<th", "</thi", "\n", "\n\n", "Hmm", "4", " ", "é",
+              "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>", "<|call|>",
+              "analysis", "final", "<|chan", "<|e"]  # fmt: skip
 
 
 def _texts() -> st.SearchStrategy[str]:
     pieces = st.sampled_from(_FRAGMENTS) | st.text(" \n<>/thinkab", max_size=4)
     return st.lists(pieces, max_size=10).map("".join)
+
+
+HARMONY = get_parser("openai_gptoss")
+# gpt-oss's answer to a question: its thinking, a preamble on the commentary channel, the answer
+GPT_OSS = (
+    "<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Let me add.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>It is 4."
+)
+
+
+def test_harmony_analysis_is_the_reasoning_and_the_other_channels_the_answer() -> None:
+    assert HARMONY.split(GPT_OSS, prompt_open=False) == Split(
+        "User asks 2+2. Answer 4.", "Let me add.It is 4."
+    )
+    # the turn's end token when it is in the text, and a constrained header
+    text = "<|channel|>final <|constrain|>json<|message|>{}<|return|>"
+    assert HARMONY.split(text, prompt_open=False) == Split(None, "{}")
+
+
+def test_harmony_cut_off_in_the_analysis_or_a_header_and_plain_text() -> None:
+    assert HARMONY.split("<|channel|>analysis<|message|>Hmm", False) == Split("Hmm", None)
+    cut = "<|channel|>analysis<|message|>Hmm<|end|><|start|>assistant<|chan"
+    assert HARMONY.split(cut, False) == Split("Hmm", None)
+    # a model that does not write harmony: all of it is the answer, markers and all
+    assert HARMONY.split("4<|end|>", False) == Split(None, "4<|end|>")
+    assert not HARMONY.prompt_opens("<|start|>assistant")
+
+
+def test_harmony_streams_each_channel_as_it_comes() -> None:
+    stream = HARMONY.stream(False)
+    first = stream.feed("<|channel|>analysis<|message|>User asks")
+    assert first == ReasoningStep("User asks", "")
+    assert stream.feed(" 2+2.<|e") == ReasoningStep(" 2+2.", "")  # "<|e" may open <|end|>
+    assert stream.feed("nd|><|start|>assistant<|channel|>final<|message|>4") == ReasoningStep(
+        "", "4"
+    )
+    assert stream.finish() == ReasoningStep("", "")
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))
