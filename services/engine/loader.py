@@ -138,13 +138,20 @@ def iter_safetensors(
                 yield name, tensor
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]],
+    layout: TPLayout | None = None, whole: ArchConfig | None = None,
+) -> None:  # fmt: skip
+    """The checkpoint's tensors into the model; with a tensor-parallel ``layout`` (of the
+    ``whole`` model), those read whole are cut to this rank's part here."""
     params = dict(model.named_parameters())
     quantized = quantized_modules(model)  # their tensors are buffers: not in params
     arch = model.cfg
     loaded: set[str] = set()
-    if arch.model_type == "gpt_oss":
+    if arch.model_type == "gpt_oss":  # experts and sinks read whole, cut after conversion
         weights = gpt_oss_tensors(weights, model.lm_head.weight.dtype)
+        if layout is not None and whole is not None:
+            weights = ((n, _rank_part(layout, n, t, whole)) for n, t in weights)
     for name, tensor in weights:
         if "rotary_emb" in name:
             continue
@@ -191,6 +198,22 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         raise ConfigError(f"weights missing from the checkpoint: {missing[:5]} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)
+
+
+def _rank_part(
+    layout: TPLayout, name: str, tensor: torch.Tensor, whole: ArchConfig
+) -> torch.Tensor:
+    """This rank's part of our parameter ``name`` if it was read whole (gpt-oss's experts and
+    sinks, converted to our layout first); the others were cut as they were read."""
+    if ".mlp.experts." not in name and not name.endswith(".self_attn.sinks"):
+        return tensor
+    if layout.on_one_rank(name) and layout.rank != 0:
+        return torch.zeros_like(tensor)
+    cut = layout.param_slice(name, whole)
+    if cut is None:
+        return tensor
+    dim, _, spans = cut
+    return torch.cat([tensor.narrow(dim, a, b - a) for a, b in spans], dim)
 
 
 def _copy(name: str, tensor: torch.Tensor, dst: torch.Tensor) -> None:
@@ -266,6 +289,8 @@ def dummy_weights(
         cut = layout.param_slice(name, arch) if layout is not None and arch is not None else None
         if cut is None:
             p.data.uniform_(-0.02, 0.02, generator=gen)
+            if layout is not None and layout.on_one_rank(name) and layout.rank != 0:
+                p.data.zero_()  # a bias the ranks' sum must count once
             continue
         dim, whole, spans = cut
         shape = list(p.shape)
@@ -367,7 +392,8 @@ def load_model(
         dummy_quantized(model, config.seed)
     else:
         assert files.hf_dir is not None
-        load_weights(model, iter_safetensors(files.hf_dir, layout, bool(arch.language_of)))
+        read = iter_safetensors(files.hf_dir, layout, bool(arch.language_of))
+        load_weights(model, read, layout, arch)
         if arch.moe is not None and arch.moe.mxfp4:
             log.info(
                 "%s: the checkpoint's MXFP4 experts were dequantized to %s as they loaded (no "

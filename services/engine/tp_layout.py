@@ -164,11 +164,6 @@ class TPLayout:
         mlp = split(arch.intermediate_size, size, rank)
         experts = (0, 0)
         if arch.moe is not None:
-            if arch.moe.biases and size > 1:
-                raise ConfigError(
-                    f"{where}: {arch.model_type} is not split over ranks yet (its experts' "
-                    "biases and attention sinks): serve it with --tensor-parallel-size 1"
-                )
             if arch.moe.shared_intermediate_size and size > 1:
                 raise ConfigError(
                     f"{where}: {arch.model_type}'s shared expert is not split over ranks yet: "
@@ -289,6 +284,11 @@ class TPLayout:
             "mlp": self.intermediate,
         }
 
+    def on_one_rank(self, name: str) -> bool:
+        """A bias added inside a computation the ranks sum (gpt-oss's experts' down projection
+        bias, added before the router weight): rank 0 holds it, the others zeros."""
+        return name.endswith("experts.down_proj_bias")
+
     def param_slice(self, name: str, arch: ArchConfig) -> tuple[int, int, list[Span]] | None:
         """Where this rank's part of our (fused) parameter ``name`` lies in the whole model's
         (``arch``): the dimension, the whole size along it, the spans to concatenate; None: all
@@ -307,6 +307,11 @@ class TPLayout:
             return 1, 2 * i, [e, (i + e[0], i + e[1])]
         if name.endswith("experts.down_proj") and arch.moe is not None:  # [E, H, I]
             return 2, arch.moe.intermediate_size, [self.moe_intermediate]
+        if name.endswith("experts.gate_up_proj_bias") and arch.moe is not None:  # [E, 2I]
+            e, i = self.moe_intermediate, arch.moe.intermediate_size
+            return 1, 2 * i, [e, (i + e[0], i + e[1])]
+        if name.endswith("self_attn.sinks"):  # [Hq]: one per query head
+            return 0, nq, [self.q_heads]
         if ".qkv_proj." in name:
             k, v = nq * d, (nq + nkv) * d
             return 0, (nq + 2 * nkv) * d, [q, (k + kv[0], k + kv[1]), (v + kv[0], v + kv[1])]

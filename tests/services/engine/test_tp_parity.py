@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,8 +56,32 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "moe_intermediate_size": 33, "num_experts": 4, "num_experts_per_tok": 2,
         "norm_topk_prob": False, "mlp_only_layers": [1],
     }),
+    # sinks cut by query head, the experts' gate/up biases by their rows (33: 17 + 16), the
+    # down projection's bias on rank 0 only (the ranks' sum counts it once): random biases
+    "gpt-oss": ("gpt_oss", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 33,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+    }),
 }  # fmt: skip
-PROMPT_LENS = [1, 5, 23, 150]  # 150 > the CPU's 128-token step: a chunked prefill
+PROMPT_LENS = [1, 5, 23, 150]
+
+
+def _random_biases(path: Path) -> None:
+    """transformers starts gpt-oss's expert biases at zero: a bias cut or counted wrong would
+    go unseen; these are random."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith("_bias")]:
+        tensors[name] = torch.randn(tensors[name].shape, generator=gen) * 0.5
+    save_file(
+        tensors, file, metadata={"format": "pt"}
+    )  # 150 > the CPU's 128-token step: a chunked prefill
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -73,7 +98,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]
     def get(name: str) -> str:
         if name not in paths:
             model_type, config = MODELS[name]
-            paths[name] = str(tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config))
+            path = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
+            if model_type == "gpt_oss":
+                _random_biases(path)
+            paths[name] = str(path)
         return paths[name]
 
     return get
@@ -125,6 +153,7 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("phi3-3kv-uneven", 2),
         ("mixtral", 2),
         ("qwen3-moe", 2),
+        ("gpt-oss", 2),
         ("qwen3-2kv", 2),  # last: the next test goes on with its engine
     ],
 )
@@ -192,10 +221,14 @@ def test_decode_graphs_are_built_on_every_rank_and_give_the_tokens_of_one(
     assert sampled == [o.token_ids for o in _generate(engine("qwen3-2kv", 1), prompts, params)]
 
 
-def test_dummy_weights_of_two_ranks_are_those_of_one(checkpoint: Callable[[str], str]) -> None:
+@pytest.mark.parametrize("name", ["llama-3kv-uneven", "gpt-oss"])
+def test_dummy_weights_of_two_ranks_are_those_of_one(
+    name: str, checkpoint: Callable[[str], str]
+) -> None:
     """--load-format dummy: each rank draws every tensor whole and keeps its part (uneven KV
-    heads and MLP rows here), so the random model is the same on any number of ranks."""
-    path = checkpoint("llama-3kv-uneven")
+    heads and MLP rows here; gpt-oss's sinks and expert biases, the down bias on one rank), so
+    the random model is the same on any number of ranks."""
+    path = checkpoint(name)
     prompts = _prompts(5)
     want = _generate(LLM(path, load_format="dummy", **BESIDE), prompts, GREEDY)
     with LLM(path, load_format="dummy", tensor_parallel_size=2, **BESIDE) as tp:
