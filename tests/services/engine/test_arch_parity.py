@@ -210,10 +210,12 @@ def _assert_greedy_matches(
 LONGROPE_LENS = [1, 9, 23, 40, 65, 150]
 
 
-# families whose differences lie away from the prompt's length (norms, scalings, experts):
-# one short prompt, one mid, one chunked (the suite's time)
+# families whose differences lie away from the prompt's length (norms, scalings, experts,
+# biases, rope frequencies) or whose windows are tested by others: one short prompt, one mid,
+# one chunked (the suite's time); Llama and the windowed families take every length
 FEW_LENS = [4, 23, 150]
-FEW = ("gemma", "granite", "qwen2_moe", "phi3-partial-rotary", "llama-biases")
+FEW = ("gemma", "granite", "qwen2_moe", "phi3-partial-rotary", "llama-biases", "qwen2", "qwen3",
+       "qwen3-yarn", "qwen3_moe-dense-layer", "qwen3_moe-sparse-step", "mixtral")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
