@@ -34,7 +34,22 @@ class ReasoningStep:
     content: str  # answer text safe to send now
 
 
-class ReasoningStream(TextStream[ReasoningStep]):
+class _SplitStream(TextStream[ReasoningStep]):
+    """A stream whose advances sort text into reasoning and content, handed out by ``_take``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+
+    def _take(self) -> ReasoningStep:
+        step = ReasoningStep("".join(self._reasoning), "".join(self._content))
+        self._reasoning.clear()
+        self._content.clear()
+        return step
+
+
+class ReasoningStream(_SplitStream):
     """One generated choice's text, fed piece by piece."""
 
     def __init__(self, start: str, end: str, prompt_open: bool, end_alone_closes: bool) -> None:
@@ -45,14 +60,6 @@ class ReasoningStream(TextStream[ReasoningStep]):
         self._mode = "start"  # then "think", "unsure" (a lone end tag may come) or "answer"
         self._newlines = ""  # thinking's trailing newlines: dropped if the block ends here
         self._thought = self._answered = False  # whether any text of each was sent yet
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-
-    def _take(self) -> ReasoningStep:
-        step = ReasoningStep("".join(self._reasoning), "".join(self._content))
-        self._reasoning.clear()
-        self._content.clear()
-        return step
 
     def _advance(self, final: bool) -> bool:
         """Consumes what is decided at the front of the buffer; True while there may be more."""
@@ -163,7 +170,7 @@ _H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _H_OPENERS = (_H_START, _H_CHANNEL)
 
 
-class HarmonyStream(TextStream[ReasoningStep]):
+class HarmonyStream(_SplitStream):
     """One choice's harmony text: the ``analysis`` channel's bodies are the reasoning, every
     other message's body (``final``, ``commentary``) the content, the markers and headers
     dropped. An output that does not open with a message header is all content."""
@@ -172,14 +179,6 @@ class HarmonyStream(TextStream[ReasoningStep]):
         super().__init__()
         self._mode = "next"  # "next" (a header may open), "header", "body" or "plain"
         self._to_reasoning = False  # the current body's channel is analysis
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-
-    def _take(self) -> ReasoningStep:
-        step = ReasoningStep("".join(self._reasoning), "".join(self._content))
-        self._reasoning.clear()
-        self._content.clear()
-        return step
 
     def _advance(self, final: bool) -> bool:
         if self._mode == "next":
