@@ -159,7 +159,9 @@ class ChoiceOutput:
         choice = plan.tools.choice if plan.tools is not None else "none"
         self._choice = choice
         self._thinking: TextStream[ReasoningStep] | None = (
-            plan.reasoning.stream(plan.prompt_open) if plan.reasoning is not None else None
+            plan.reasoning.stream(plan.prompt_open, read_calls=choice == "auto")
+            if plan.reasoning is not None
+            else None
         )
         self._auto: ToolStream | None = (
             plan.parser.stream() if choice == "auto" and plan.parser is not None else None
@@ -175,14 +177,12 @@ class ChoiceOutput:
     def feed(self, text: str) -> list[Delta]:
         if self._thinking is None:
             return self._answer(text)
-        step = self._thinking.feed(text)
-        return self._with_reasoning(step.reasoning, step.content)
+        return self._with_reasoning(self._thinking.feed(text))
 
     def finish(self) -> list[Delta]:
         deltas: list[Delta] = []
         if self._thinking is not None:
-            step = self._thinking.finish()
-            deltas = self._with_reasoning(step.reasoning, step.content)
+            deltas = self._with_reasoning(self._thinking.finish())
         if self._auto is not None:
             end = self._auto.finish()
             deltas += self._content_delta(end.content) + self._calls(end.tool_calls)
@@ -193,12 +193,13 @@ class ChoiceOutput:
             deltas += self._content_delta(self._array.text)  # cut short before a call's name
         return deltas
 
-    def _with_reasoning(self, reasoning: str, content: str) -> list[Delta]:
+    def _with_reasoning(self, step: ReasoningStep) -> list[Delta]:
         deltas: list[Delta] = []
-        if reasoning:
-            self._reasoning.append(reasoning)
-            deltas.append({"reasoning_content": reasoning})
-        return deltas + (self._answer(content) if content else [])
+        if step.reasoning:
+            self._reasoning.append(step.reasoning)
+            deltas.append({"reasoning_content": step.reasoning})
+        deltas += self._answer(step.content) if step.content else []
+        return deltas + self._calls(step.calls)  # a format's own calls (harmony's)
 
     def _answer(self, text: str) -> list[Delta]:
         if self._choice == "function":
@@ -304,7 +305,9 @@ class ParserFlags(Protocol):
 def check_parser_flags(flags: ParserFlags) -> None:
     """The output-parser flags name parsers that exist, and a tool-call parser has the flag that
     uses it (checked at start, with the other flags: the gateway's and `tandem up`'s)."""
-    if flags.enable_auto_tool_choice and not flags.tool_call_parser:
+    # harmony marks its calls itself: its reasoning parser reads them
+    own_calls = flags.reasoning_parser in reasoning.CALLS_READ
+    if flags.enable_auto_tool_choice and not flags.tool_call_parser and not own_calls:
         raise ConfigError(
             "--enable-auto-tool-choice needs --tool-call-parser "
             f"({', '.join(tool_parsers.PARSERS)})"

@@ -14,10 +14,12 @@ surrounding newlines, the answer its leading ones (``</think>`` is usually follo
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from gateway.flows.text_stream import TextStream, held_back
+from gateway.flows.tool_parsers import ToolCall
 
 _NEWLINES = "\r\n"
 
@@ -32,6 +34,7 @@ class Split:
 class ReasoningStep:
     reasoning: str  # reasoning text safe to send now
     content: str  # answer text safe to send now
+    calls: tuple[ToolCall, ...] = ()  # tool calls read out whole (harmony's)
 
 
 class _SplitStream(TextStream[ReasoningStep]):
@@ -41,11 +44,13 @@ class _SplitStream(TextStream[ReasoningStep]):
         super().__init__()
         self._reasoning: list[str] = []
         self._content: list[str] = []
+        self._calls: list[ToolCall] = []
 
     def _take(self) -> ReasoningStep:
-        step = ReasoningStep("".join(self._reasoning), "".join(self._content))
+        step = ReasoningStep("".join(self._reasoning), "".join(self._content), tuple(self._calls))
         self._reasoning.clear()
         self._content.clear()
+        self._calls.clear()
         return step
 
 
@@ -126,7 +131,9 @@ class ReasoningParser(ABC):
     def split(self, text: str, prompt_open: bool) -> Split: ...
 
     @abstractmethod
-    def stream(self, prompt_open: bool) -> TextStream[ReasoningStep]: ...
+    def stream(self, prompt_open: bool, read_calls: bool = False) -> TextStream[ReasoningStep]:
+        """``read_calls``: the request lets the model call its tools (tool_choice auto); a
+        parser whose format marks calls (harmony) then reads them out."""
 
     def prompt_opens(self, prompt_text: str) -> bool:
         """Whether the rendered prompt ends inside an open block (a start after the last end)."""
@@ -148,7 +155,7 @@ class _ThinkTags(ReasoningParser):
         answer = body[at + len(self.end) :].lstrip(_NEWLINES)
         return Split(body[:at].strip(_NEWLINES) or None, answer or None)
 
-    def stream(self, prompt_open: bool) -> ReasoningStream:
+    def stream(self, prompt_open: bool, read_calls: bool = False) -> ReasoningStream:
         return ReasoningStream(self.start, self.end, prompt_open, self.end_alone_closes)
 
 
@@ -168,17 +175,23 @@ class _DeepSeekR1(_ThinkTags):
 _H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 _H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _H_OPENERS = (_H_START, _H_CHANNEL)
+_H_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 class HarmonyStream(_SplitStream):
     """One choice's harmony text: the ``analysis`` channel's bodies are the reasoning, every
     other message's body (``final``, ``commentary``) the content, the markers and headers
-    dropped. An output that does not open with a message header is all content."""
+    dropped. An output that does not open with a message header is all content. With
+    ``read_calls``, a message to ``functions.NAME`` is a call of NAME whose arguments are its
+    body, read out whole when the message ends (or the output does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, read_calls: bool = False) -> None:
         super().__init__()
+        self._read_calls = read_calls
         self._mode = "next"  # "next" (a header may open), "header", "body" or "plain"
         self._to_reasoning = False  # the current body's channel is analysis
+        self._call: str | None = None  # the function the current body calls
+        self._arguments: list[str] = []
 
     def _advance(self, final: bool) -> bool:
         if self._mode == "next":
@@ -199,9 +212,7 @@ class HarmonyStream(_SplitStream):
                 if final:  # cut off inside a header: nothing of it is text
                     self._buf = ""
                 return False
-            header = self._buf[:at]
-            channel = header.rpartition(_H_CHANNEL)[2].split("<|")[0].split()
-            self._to_reasoning = bool(channel) and channel[0] == "analysis"
+            self._open(self._buf[:at])
             self._buf, self._mode = self._buf[at + len(_H_MESSAGE) :], "body"
             return True
         ends = [(at, m) for m in _H_ENDS if (at := self._buf.find(m)) >= 0]
@@ -209,14 +220,35 @@ class HarmonyStream(_SplitStream):
             at, marker = min(ends)
             self._emit(self._buf[:at], self._to_reasoning)
             self._buf, self._mode = self._buf[at + len(marker) :], "next"
+            self._close()
             return True
         keep = 0 if final else max(held_back(self._buf, m) for m in _H_ENDS)
         self._emit(self._buf[: len(self._buf) - keep], self._to_reasoning)
         self._buf = self._buf[len(self._buf) - keep :]
+        if final:
+            self._close()
         return False
 
+    def _open(self, header: str) -> None:
+        """A message's header read: where its body goes (``<|start|>assistant to=functions.f
+        <|channel|>commentary <|constrain|>json``: the recipient may sit either side)."""
+        channel = header.rpartition(_H_CHANNEL)[2].split("<|")[0].split()
+        self._to_reasoning = bool(channel) and channel[0] == "analysis"
+        recipient = _H_RECIPIENT.search(header)
+        name = recipient.group(1) if recipient else ""
+        if self._read_calls and name.startswith("functions."):
+            self._call, self._to_reasoning = name.removeprefix("functions."), False
+
+    def _close(self) -> None:
+        if self._call is not None:
+            self._calls.append(ToolCall(self._call, "".join(self._arguments).strip()))
+            self._call = None
+            self._arguments.clear()
+
     def _emit(self, text: str, reasoning: bool) -> None:
-        if text:
+        if self._call is not None:
+            self._arguments.append(text)
+        elif text:
             (self._reasoning if reasoning else self._content).append(text)
 
 
@@ -238,13 +270,15 @@ class _Harmony(ReasoningParser):
         content = "".join(s.content for s in steps)
         return Split(reasoning or None, content or None)
 
-    def stream(self, prompt_open: bool) -> TextStream[ReasoningStep]:
-        return HarmonyStream()
+    def stream(self, prompt_open: bool, read_calls: bool = False) -> TextStream[ReasoningStep]:
+        return HarmonyStream(read_calls)
 
     def prompt_opens(self, prompt_text: str) -> bool:
         return False
 
 
+# reasoning parsers that read tool calls out of their own format (no --tool-call-parser)
+CALLS_READ = ("openai_gptoss",)
 PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (_Qwen3(), _DeepSeekR1(), _Harmony())}
 
 

@@ -107,6 +107,12 @@ def test_parser_flags_are_checked_at_start(kwargs: dict[str, Any], words: str) -
         check_parser_flags(GatewayConfig(tokenizer="x", **kwargs))
 
 
+def test_harmony_reads_its_own_calls_without_a_tool_call_parser() -> None:
+    check_parser_flags(
+        GatewayConfig(tokenizer="x", enable_auto_tool_choice=True, reasoning_parser="openai_gptoss")
+    )
+
+
 @pytest.fixture(scope="module")
 def harmony_stack(tokenizer_dir: str) -> Iterator[Stack]:
     stack = Stack(tokenizer_dir, ["colocated"], reasoning_parser="openai_gptoss")

@@ -209,6 +209,40 @@ def test_reasoning_then_a_named_call() -> None:
     assert message["tool_calls"][0]["function"] == {"name": "ping", "arguments": '{"x": 1}'}
 
 
+# gpt-oss deciding to call a tool: its thinking, then a message to functions.get_weather
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Oslo"}<|call|>'
+)
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_harmony_calls_are_read_out_under_auto_in_both_forms(size: int) -> None:
+    plan = OutputPlan(ToolPlan(FUNCS, "auto"), reasoning=reasoning.get_parser("openai_gptoss"))
+    out = ChoiceOutput(plan)
+    message = out.message(HARMONY_CALL)
+    assert message["reasoning_content"] == "Need the weather." and message["content"] is None
+    (call,) = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert out.finish_reason("stop") == "tool_calls"
+    deltas, streamed = _stream(plan, _pieces(HARMONY_CALL, size))
+    assembled = _assemble(deltas)
+    assert assembled["reasoning_content"] == "Need the weather." and assembled["content"] == ""
+    assert [(c["name"], c["arguments"]) for c in assembled["tool_calls"].values()] == [
+        ("get_weather", '{"city": "Oslo"}')
+    ]
+    # the recipient before the channel, as gpt-oss also writes it
+    other = "<|start|>assistant to=functions.ping<|channel|>commentary json<|message|>{}<|call|>"
+    assert ChoiceOutput(plan).message(other)["tool_calls"][0]["function"]["name"] == "ping"
+
+
+def test_harmony_calls_stay_text_where_the_request_lets_no_tool_be_called() -> None:
+    plan = OutputPlan(reasoning=reasoning.get_parser("openai_gptoss"))
+    message = ChoiceOutput(plan).message(HARMONY_CALL)
+    assert "tool_calls" not in message and message["content"] == '{"city": "Oslo"}'
+
+
 def test_plain_plans_leave_the_text_alone() -> None:
     assert OutputPlan().plain and OutputPlan(ToolPlan(FUNCS, "none")).plain
     assert not OutputPlan(ToolPlan(FUNCS, "required")).plain

@@ -15,12 +15,16 @@ R1 = get_parser("deepseek_r1")
 BOTH = pytest.mark.parametrize("parser", [QWEN3, R1], ids=lambda p: p.name)
 
 
-def _streamed(parser: ReasoningParser, pieces: list[str], prompt_open: bool) -> Split:
-    """What the client is sent, concatenated, feeding pieces one by one ("" -> None)."""
-    stream = parser.stream(prompt_open)
+def _streamed(
+    parser: ReasoningParser, pieces: list[str], prompt_open: bool, read_calls: bool = False
+) -> Split:
+    """What the client is sent, concatenated, feeding pieces one by one ("" -> None); with
+    ``read_calls``, the calls read out as ``name(arguments)`` after the content."""
+    stream = parser.stream(prompt_open, read_calls)
     steps = [stream.feed(piece) for piece in pieces] + [stream.finish()]
     reasoning = "".join(s.reasoning for s in steps)
     content = "".join(s.content for s in steps)
+    content += "".join(f"{c.name}({c.arguments})" for s in steps for c in s.calls)
     return Split(reasoning or None, content or None)
 
 
@@ -121,7 +125,7 @@ def test_unknown_parser_name_lists_the_choices() -> None:
 
 _FRAGMENTS = ["<think>", "</think>", "<th", "</thi", "\n", "\n\n", "Hmm", "4", " ", "é",
               "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>", "<|call|>",
-              "analysis", "final", "<|chan", "<|e"]  # fmt: skip
+              "analysis", "final", "<|chan", "<|e", " to=functions.f", "{}"]  # fmt: skip
 
 
 def _texts() -> st.SearchStrategy[str]:
@@ -178,3 +182,5 @@ def test_streaming_any_split_agrees_with_the_whole_text(name: str, data: st.Data
     whole = parser.split(text, prompt_open)
     assert _streamed(parser, random_split(data, text), prompt_open) == whole
     assert _streamed(parser, list(text), prompt_open) == whole  # one character at a time
+    calls = _streamed(parser, [text], prompt_open, read_calls=True)  # harmony's, read out
+    assert _streamed(parser, random_split(data, text), prompt_open, read_calls=True) == calls
