@@ -226,7 +226,7 @@ def test_harmony_calls_are_read_out_under_auto_in_both_forms(size: int) -> None:
     (call,) = message["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert out.finish_reason("stop") == "tool_calls"
-    deltas, streamed = _stream(plan, _pieces(HARMONY_CALL, size))
+    deltas, _ = _stream(plan, _pieces(HARMONY_CALL, size))
     assembled = _assemble(deltas)
     assert assembled["reasoning_content"] == "Need the weather." and assembled["content"] == ""
     assert [(c["name"], c["arguments"]) for c in assembled["tool_calls"].values()] == [
