@@ -64,7 +64,7 @@ def test_a_tiny_pool_preempts_between_launched_steps(
 ) -> None:
     """10 blocks of 16 for 8 requests of ~60 tokens: steps ahead cannot always get a block, the
     full schedule then preempts; the tokens are those of a big pool, step by step."""
-    params = SamplingParams(temperature=0.0, max_tokens=40)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
     monkeypatch.setattr(llm.engine, "async_decode", False)
     reference = [r.outputs[0].token_ids for r in llm.generate(chat_ids, params)]
     monkeypatch.undo()

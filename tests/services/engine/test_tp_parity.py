@@ -221,14 +221,10 @@ def test_decode_graphs_are_built_on_every_rank_and_give_the_tokens_of_one(
     assert sampled == [o.token_ids for o in _generate(engine("qwen3-2kv", 1), prompts, params)]
 
 
-@pytest.mark.parametrize("name", ["llama-3kv-uneven", "gpt-oss"])
-def test_dummy_weights_of_two_ranks_are_those_of_one(
-    name: str, checkpoint: Callable[[str], str]
-) -> None:
+def test_dummy_weights_of_two_ranks_are_those_of_one(checkpoint: Callable[[str], str]) -> None:
     """--load-format dummy: each rank draws every tensor whole and keeps its part (uneven KV
-    heads and MLP rows here; gpt-oss's sinks and expert biases, the down bias on one rank), so
-    the random model is the same on any number of ranks."""
-    path = checkpoint(name)
+    heads and MLP rows here), so the random model is the same on any number of ranks."""
+    path = checkpoint("llama-3kv-uneven")
     prompts = _prompts(5)
     want = _generate(LLM(path, load_format="dummy", **BESIDE), prompts, GREEDY)
     with LLM(path, load_format="dummy", tensor_parallel_size=2, **BESIDE) as tp:
@@ -243,3 +239,35 @@ def test_embedded_model_two_ranks_equal_one(llm: LLM, chat_ids: list[list[int]])
     with LLM("embedded", tensor_parallel_size=2) as tp:
         got = [o.token_ids for o in _generate(tp, chat_ids[:2], params)]
     assert got == want
+
+
+def test_gpt_oss_dummy_weights_split_as_one_ranks_and_count_the_down_bias_once() -> None:
+    """gpt-oss with --load-format dummy on two ranks (built here without starting them): each
+    rank's sinks and gate/up biases are its slice of the one-rank draw; the experts' down bias,
+    added inside the sum the ranks all-reduce, is rank 0's alone (zeros on rank 1)."""
+    from services.engine.loader import _no_param_init, dummy_weights
+    from services.engine.model_config import ArchConfig
+    from services.engine.models.llama import LlamaForCausalLM
+    from services.engine.tp_layout import TPLayout
+
+    _, config = MODELS["gpt-oss"]
+    arch = ArchConfig.from_dict({**config, "model_type": "gpt_oss", "vocab_size": 64})
+
+    def params(rank: int, size: int) -> dict[str, torch.Tensor]:
+        layout = TPLayout.of(arch, rank, size) if size > 1 else None
+        with torch.device("meta"), _no_param_init():
+            model = LlamaForCausalLM(layout.local_arch(arch) if layout else arch, 16)
+        model = model.to_empty(device="cpu")
+        dummy_weights(model, 0, layout, arch)
+        return dict(model.named_parameters())
+
+    whole, ranks = params(0, 1), [params(r, 2) for r in (0, 1)]
+    attn, experts = "model.layers.0.self_attn.", "model.layers.0.mlp.experts."
+    assert torch.equal(torch.cat([p[attn + "sinks"] for p in ranks]), whole[attn + "sinks"])
+    i, halves = 33, [(0, 17), (17, 33)]  # each rank's rows of the gate half, then the up half
+    for p, (a, b) in zip(ranks, halves, strict=True):
+        rows = torch.cat([whole[experts + "gate_up_proj_bias"][:, a:b],
+                          whole[experts + "gate_up_proj_bias"][:, i + a : i + b]], 1)  # fmt: skip
+        assert torch.equal(p[experts + "gate_up_proj_bias"], rows)
+    assert torch.equal(ranks[0][experts + "down_proj_bias"], whole[experts + "down_proj_bias"])
+    assert not ranks[1][experts + "down_proj_bias"].any()
