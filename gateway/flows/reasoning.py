@@ -185,11 +185,13 @@ class HarmonyStream(_SplitStream):
     ``read_calls``, a message to ``functions.NAME`` is a call of NAME whose arguments are its
     body, read out whole when the message ends (or the output does)."""
 
-    def __init__(self, read_calls: bool = False) -> None:
+    def __init__(self, read_calls: bool = False, in_analysis: bool = False) -> None:
         super().__init__()
         self._read_calls = read_calls
-        self._mode = "next"  # "next" (a header may open), "header", "body" or "plain"
-        self._to_reasoning = False  # the current body's channel is analysis
+        # "next" (a header may open), "header", "body" or "plain"; a prompt that ends inside
+        # an analysis message (a server or client that primes the thinking) starts in its body
+        self._mode = "body" if in_analysis else "next"
+        self._to_reasoning = in_analysis  # the current body's channel is analysis
         self._call: str | None = None  # the function the current body calls
         self._arguments: list[str] = []
 
@@ -254,9 +256,10 @@ class HarmonyStream(_SplitStream):
 
 class _Harmony(ReasoningParser):
     """gpt-oss (vLLM's ``openai_gptoss``): the analysis channel is the reasoning, the final
-    (and commentary) channels the answer. The prompt never opens a message (the chat template
-    ends at ``<|start|>assistant``), and the format has no one tag a grammar could start after,
-    so structured outputs are refused beside it."""
+    (and commentary) channels the answer. Its chat template ends the prompt at
+    ``<|start|>assistant``; one that ends inside an analysis message starts the output in it.
+    The format has no one tag a grammar could start after, so structured outputs are refused
+    beside it."""
 
     name = "openai_gptoss"
     start = _H_CHANNEL
@@ -271,10 +274,16 @@ class _Harmony(ReasoningParser):
         return Split(reasoning or None, content or None)
 
     def stream(self, prompt_open: bool, read_calls: bool = False) -> TextStream[ReasoningStep]:
-        return HarmonyStream(read_calls)
+        return HarmonyStream(read_calls, in_analysis=prompt_open)
 
     def prompt_opens(self, prompt_text: str) -> bool:
-        return False
+        """Whether the prompt ends inside an analysis message (``...<|channel|>analysis
+        <|message|>``): the output then begins with thinking, no header before it."""
+        body = prompt_text.rfind(_H_MESSAGE)
+        if body < 0 or any(prompt_text.rfind(m) > body for m in _H_ENDS):
+            return False
+        header = prompt_text[:body].rpartition(_H_CHANNEL)[2].split("<|")[0].split()
+        return bool(header) and header[0] == "analysis"
 
 
 # reasoning parsers that read tool calls out of their own format (no --tool-call-parser)

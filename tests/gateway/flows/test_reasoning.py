@@ -160,6 +160,15 @@ def test_harmony_cut_off_in_the_analysis_or_a_header_and_plain_text() -> None:
     assert not HARMONY.prompt_opens("<|start|>assistant")
 
 
+def test_a_prompt_that_primes_the_analysis_starts_the_output_in_it() -> None:
+    primed = "<|start|>user<|message|>2+2?<|end|><|start|>assistant<|channel|>analysis<|message|>"
+    assert HARMONY.prompt_opens(primed)
+    assert not HARMONY.prompt_opens(primed + "Sum.<|end|>")
+    assert not HARMONY.prompt_opens(primed.replace("analysis", "final"))  # a continued answer
+    text = "Sum is 4.<|end|><|start|>assistant<|channel|>final<|message|>4"
+    assert HARMONY.split(text, prompt_open=True) == Split("Sum is 4.", "4")
+
+
 def test_harmony_streams_each_channel_as_it_comes() -> None:
     stream = HARMONY.stream(False)
     first = stream.feed("<|channel|>analysis<|message|>User asks")
