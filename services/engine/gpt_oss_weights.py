@@ -64,6 +64,25 @@ def dequantize_mxfp4(
     return torch.ldexp(values, exponents[..., None]).flatten(-2).to(dtype)  # [..., G * 32]
 
 
+def _dequantize_experts(
+    blocks: torch.Tensor,  # [E, out, G, 16] uint8
+    scales: torch.Tensor,  # [E, out, G] uint8
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [E, out, G * 32]
+    """A stacked MXFP4 tensor one expert at a time into one output (a layer's float experts
+    exist once: gpt-oss-120b's gate/up is 4.2 GB of bf16 a layer)."""
+    if blocks.dim() != 4 or scales.shape != blocks.shape[:-1]:
+        raise ConfigError(
+            f"MXFP4 experts' blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} must "
+            "be [E, out, G, 16] and [E, out, G]"
+        )
+    e, out_dim, groups, _ = blocks.shape
+    out = torch.empty(e, out_dim, groups * MXFP4_BLOCK, dtype=dtype)
+    for i in range(e):
+        out[i] = dequantize_mxfp4(blocks[i], scales[i], dtype)
+    return out
+
+
 def _split_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Interleaved gate/up columns (gate, up, gate, up, ...) along ``dim`` as our gate half
     then up half."""
@@ -96,12 +115,7 @@ def gpt_oss_tensors(
             pair[part] = tensor
             if len(pair) == 2:
                 del pending[f"{prefix}.{base}"]
-                deq = torch.stack(
-                    [
-                        dequantize_mxfp4(b, s, dtype)
-                        for b, s in zip(pair["blocks"], pair["scales"], strict=True)
-                    ]
-                )  # [E, out, in]
+                deq = _dequantize_experts(pair["blocks"], pair["scales"], dtype)
                 yield f"{prefix}.{base}", _ours(base, deq)
             continue
         if leaf in _EXPERT_TENSORS:  # transformers' float layout: [E, in, out]
