@@ -216,11 +216,9 @@ def ref_paged_decode_attention(
         mask |= pos[None, :] <= context_lens[:, None].long() - 1 - window
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     v = v.masked_fill(mask[:, None, :, None], 0.0)  # unwritten slots may hold NaN
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:  # [Hq] -> [Hkv, g, 1]: row (kv head, group member) is query head kv * g + member
-        probs = softmax_with_sinks(scores, sinks.reshape(Hkv, group, 1))
-    o = torch.matmul(probs, v).reshape(B, Hq, D)  # [B, Hkv, g, D] flat
+    # sinks [Hq] -> [Hkv, g, 1]: row (kv head, group member) is query head kv * g + member
+    sink = None if sinks is None else sinks.reshape(Hkv, group, 1)
+    o = torch.matmul(softmax_with_sinks(scores, sink), v).reshape(B, Hq, D)  # [B, Hkv, g, D]
     return _into(out, o.to(q.dtype))
 
 

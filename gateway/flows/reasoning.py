@@ -178,6 +178,13 @@ _H_OPENERS = (_H_START, _H_CHANNEL)
 _H_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
+def _harmony_channel(header: str) -> str:
+    """The channel a harmony message header names (its last ``<|channel|>``'s first word;
+    "" if none)."""
+    words = header.rpartition(_H_CHANNEL)[2].split("<|")[0].split()
+    return words[0] if words else ""
+
+
 class HarmonyStream(_SplitStream):
     """One choice's harmony text: the ``analysis`` channel's bodies are the reasoning, every
     other message's body (``final``, ``commentary``) the content, the markers and headers
@@ -234,8 +241,7 @@ class HarmonyStream(_SplitStream):
     def _open(self, header: str) -> None:
         """A message's header read: where its body goes (``<|start|>assistant to=functions.f
         <|channel|>commentary <|constrain|>json``: the recipient may sit either side)."""
-        channel = header.rpartition(_H_CHANNEL)[2].split("<|")[0].split()
-        self._to_reasoning = bool(channel) and channel[0] == "analysis"
+        self._to_reasoning = _harmony_channel(header) == "analysis"
         recipient = _H_RECIPIENT.search(header)
         name = recipient.group(1) if recipient else ""
         if self._read_calls and name.startswith("functions."):
@@ -282,8 +288,7 @@ class _Harmony(ReasoningParser):
         body = prompt_text.rfind(_H_MESSAGE)
         if body < 0 or any(prompt_text.rfind(m) > body for m in _H_ENDS):
             return False
-        header = prompt_text[:body].rpartition(_H_CHANNEL)[2].split("<|")[0].split()
-        return bool(header) and header[0] == "analysis"
+        return _harmony_channel(prompt_text[:body]) == "analysis"
 
 
 # reasoning parsers that read tool calls out of their own format (no --tool-call-parser)

@@ -65,12 +65,14 @@ def dequantize_mxfp4(
 
 
 def _dequantize_experts(
+    kind: str,  # gate_up_proj or down_proj
     blocks: torch.Tensor,  # [E, out, G, 16] uint8
     scales: torch.Tensor,  # [E, out, G] uint8
     dtype: torch.dtype,
-) -> torch.Tensor:  # [E, out, G * 32]
-    """A stacked MXFP4 tensor one expert at a time into one output (a layer's float experts
-    exist once: gpt-oss-120b's gate/up is 4.2 GB of bf16 a layer)."""
+) -> torch.Tensor:  # [E, out, G * 32], in our layout
+    """A stacked MXFP4 tensor one expert at a time into one output, each expert's gate/up
+    rows split as they land (a layer's float experts exist once: gpt-oss-120b's gate/up is
+    4.2 GB of bf16 a layer)."""
     if blocks.dim() != 4 or scales.shape != blocks.shape[:-1]:
         raise ConfigError(
             f"MXFP4 experts' blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} must "
@@ -79,7 +81,7 @@ def _dequantize_experts(
     e, out_dim, groups, _ = blocks.shape
     out = torch.empty(e, out_dim, groups * MXFP4_BLOCK, dtype=dtype)
     for i in range(e):
-        out[i] = dequantize_mxfp4(blocks[i], scales[i], dtype)
+        out[i] = _ours(kind, dequantize_mxfp4(blocks[i], scales[i], dtype), dim=0)
     return out
 
 
@@ -90,10 +92,11 @@ def _split_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([gate, up], dim)
 
 
-def _ours(kind: str, tensor: torch.Tensor) -> torch.Tensor:
-    """One stacked expert tensor already ``[E, out, in]`` (or a bias ``[E, out]``) in our
-    layout: gate/up halves apart."""
-    return _split_gate_up(tensor, 1) if kind.startswith("gate_up_proj") else tensor
+def _ours(kind: str, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """An expert tensor already ``[..., out, in]`` (or a bias ``[..., out]``), its out rows
+    along ``dim`` (1 for the stacked ``[E, ...]``, 0 for one expert's), in our layout: gate/up
+    halves apart."""
+    return _split_gate_up(tensor, dim) if kind.startswith("gate_up_proj") else tensor
 
 
 def gpt_oss_tensors(
@@ -115,8 +118,10 @@ def gpt_oss_tensors(
             pair[part] = tensor
             if len(pair) == 2:
                 del pending[f"{prefix}.{base}"]
-                deq = _dequantize_experts(pair["blocks"], pair["scales"], dtype)
-                yield f"{prefix}.{base}", _ours(base, deq)
+                yield (
+                    f"{prefix}.{base}",
+                    _dequantize_experts(base, pair["blocks"], pair["scales"], dtype),
+                )
             continue
         if leaf in _EXPERT_TENSORS:  # transformers' float layout: [E, in, out]
             yield name, _ours(leaf, tensor.transpose(1, 2))

@@ -210,9 +210,12 @@ def _rank_part(
     if layout.on_one_rank(name) and layout.rank != 0:
         return torch.zeros_like(tensor)
     cut = layout.param_slice(name, whole)
-    if cut is None:
-        return tensor
-    dim, _, spans = cut
+    return tensor if cut is None else _spans(tensor, cut[0], cut[2])
+
+
+def _spans(tensor: torch.Tensor, dim: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The runs ``[a, b)`` of ``tensor`` along ``dim``, concatenated: a rank's part of a whole
+    tensor (``TPLayout.param_slice``)."""
     return torch.cat([tensor.narrow(dim, a, b - a) for a, b in spans], dim)
 
 
@@ -298,7 +301,7 @@ def dummy_weights(
         drawn = torch.empty(shape, dtype=p.dtype, device=p.device).uniform_(
             -0.02, 0.02, generator=gen
         )
-        part = torch.cat([drawn.narrow(dim, a, b - a) for a, b in spans], dim)
+        part = _spans(drawn, dim, spans)
         p.data.zero_()  # a padded vocabulary shard's last rows
         p.data.narrow(dim, 0, part.shape[dim]).copy_(part)
 

@@ -403,10 +403,7 @@ def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
         raise ConfigError(f"gemma3_text: rope scaling {scaling_kind(local)!r} on the sliding "
                           "layers is not supported")  # fmt: skip
     layers = int(cfg["num_hidden_layers"])
-    pattern = int(cfg.get("sliding_window_pattern") or 6)
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-    ]
+    types = _layer_types(cfg, layers, int(cfg.get("sliding_window_pattern") or 6))
     gemma = GemmaConfig(
         embed_scale=float(cfg["hidden_size"]) ** 0.5,
         query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -468,9 +465,7 @@ def _gemma2(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:
             raise ConfigError(f"gemma2: {key} must be a positive number or null, got {cap!r}")
         caps[key] = float(cap or 0.0)
     layers = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
-    ]
+    types = _layer_types(cfg, layers, 2)
     gemma = GemmaConfig(
         embed_scale=float(cfg["hidden_size"]) ** 0.5,
         query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -565,14 +560,21 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i, rotated in enumerate(flags) if not rotated)
 
 
+def _layer_types(cfg: dict[str, Any], layers: int, every: int) -> list[str]:
+    """``layer_types``, or transformers' default for the families that alternate: every
+    ``every``-th layer global, the others sliding (Gemma 2 and gpt-oss: 2, Gemma 3: its
+    ``sliding_window_pattern``)."""
+    return cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)
+    ]
+
+
 def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss's config with transformers' defaults for what it leaves out: every other layer
     (the even ones) through a 128-key window, YaRN (factor 32 over 4096 positions, untruncated),
     biased attention projections."""
     layers = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
-    ]
+    types = _layer_types(cfg, layers, 2)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {
         "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 4096,
