@@ -112,12 +112,18 @@ def test_decode_reference_window_matches_a_softmax_per_query(window: int) -> Non
         assert_matches(out, ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale))
 
 
-def test_references_refuse_a_negative_window() -> None:
-    gen = torch.Generator().manual_seed(7)
+def _five_tokens(seed: int, q_heads: int) -> tuple[torch.Tensor, ...]:
+    """(k_cache, v_cache, tables, q, context_lens) of one 5-token sequence, one KV head of 16:
+    what the argument checks below call the references with."""
+    gen = torch.Generator().manual_seed(seed)
     cpu = torch.device("cpu")
     k_cache, v_cache, tables = paged_kv([5], 8, 1, 16, torch.float32, gen, cpu)
-    q = rand((5, 1, 16), torch.float32, gen, cpu)
-    ctx = torch.tensor([5], dtype=torch.int32)
+    q = rand((5, q_heads, 16), torch.float32, gen, cpu)
+    return k_cache, v_cache, tables, q, torch.tensor([5], dtype=torch.int32)
+
+
+def test_references_refuse_a_negative_window() -> None:
+    k_cache, v_cache, tables, q, ctx = _five_tokens(7, 1)
     with pytest.raises(ValueError, match="window must be >= 0"):
         ref_prefill_attention(
             q, k_cache, v_cache, tables, torch.tensor([0, 5]), ctx, 0.25, window=-1
@@ -206,11 +212,7 @@ def test_a_very_negative_sink_is_no_sink_and_a_large_one_shrinks_the_output() ->
 
 
 def test_references_refuse_sinks_that_are_not_one_per_query_head() -> None:
-    gen = torch.Generator().manual_seed(10)
-    cpu = torch.device("cpu")
-    k_cache, v_cache, tables = paged_kv([5], 8, 1, 16, torch.float32, gen, cpu)
-    q = rand((5, 2, 16), torch.float32, gen, cpu)
-    ctx = torch.tensor([5], dtype=torch.int32)
+    k_cache, v_cache, tables, q, ctx = _five_tokens(10, 2)
     prefill = (q, k_cache, v_cache, tables, torch.tensor([0, 5]), ctx, 0.25)
     decode = (q[:1], k_cache, v_cache, tables, ctx, 0.25)
     bad = [
