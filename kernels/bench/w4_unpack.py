@@ -12,6 +12,18 @@ one CUDA graph, as a decode step runs them, against the bytes of the int4 weight
 zeros at the copy bandwidth. Both use the default tile and split of ``w4a16_linear``, and the
 served kernel is also timed at other tiles, splits and with its next chunk loaded ahead
 (``LAUNCHES``); every output is checked against the reference first.
+
+Two more forms are timed beside them (2026-11-30), each a candidate for the served GEMV:
+
+- ``shifted``: each nibble shifted to bits 16..19 and OR-ed into the mantissa of 128.0
+  (0x43000000), so the float is ``128 + q`` with one shift and one LOP3 and no subtraction: the
+  ``128`` is taken out once per chunk with ``z`` (``sum x (128 + q) - (128 + z) sum x``), and
+  the eight nibble planes of a chunk are multiplied into one ``[BK/8, BN]`` accumulator that is
+  summed over K once, at the end (about three instructions per weight element against the
+  served kernel's four, one of them a conversion at an eighth of the rate).
+- ``planes``: the same ``128 + q`` planes made ``q - z`` (exact in bf16) and multiplied on the
+  tensor cores: plane ``j`` holds rows ``8p + j``, so a chunk is eight ``tl.dot`` of K = BK/8
+  against x's columns ``8p + j`` (no reshape of the unpacked tile), rows of x padded to 16.
 """
 
 from __future__ import annotations
@@ -20,18 +32,27 @@ import argparse
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_common import mma as _mma
+
 GROUP = 128
+SHIFTED_CONFIG = (64, 128, 2, 16)  # (BLOCK_N, BLOCK_K, warps, SPLIT): the served GEMV's
+PLANES_CONFIG = (16, 64, 128, 4)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps): the int4 GEMM's
 # ((BLOCK_N, BLOCK_K, warps, SPLIT), PREFETCH) of the GEMV: K split automatically (0, about
 # two programs per SM) or into more slices, so that more programs keep weight tiles in flight
 # (an H100 run of 2026-11-25 found every launch at 25-47% of the copy bandwidth, with no split,
 # 1, far slower), and with or without loading the next chunk ahead (``W4_GEMV_PREFETCH``)
-LAUNCHES = [((bn, 128, w, split), prefetch) for bn in (64, 128, 256) for w in (2, 4)
-            for split in (0, 8, 16) for prefetch in (False, True)]  # fmt: skip
+# (loading ahead gained nothing on the H100: only the plain loop is swept since 2026-11-30)
+LAUNCHES = [((bn, 128, w, split), False) for bn in (64, 128, 256) for w in (2, 4)
+            for split in (0, 8, 16)]  # fmt: skip
+SHIFTED_LAUNCHES = [(bn, 128, w, split) for bn in (64, 128, 256) for w in (1, 2, 4)
+                    for split in (0, 16)]  # fmt: skip
+PLANES_LAUNCHES = [(16, bn, 128, 4, split) for bn in (32, 64, 128) for split in (0, 8, 16)]
 
 
 @triton.jit
@@ -108,6 +129,151 @@ def trick_gemv(
     return _finish(target, out, split)
 
 
+@triton.jit
+def _plane(packed, J: tl.constexpr):
+    """Nibble ``J`` (rows 8p + J) of each int32 as the exact float32 ``128 + q``: shifted to
+    bits 16..19 and OR-ed into the mantissa of 128.0, whose unit is bit 16 (one LOP3)."""
+    if J < 4:
+        t = packed << (16 - 4 * J)
+    elif J > 4:
+        t = packed >> (4 * J - 16)  # arithmetic: the sign fills bits the mask drops
+    else:
+        t = packed
+    return ((t & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w4_gemv_shifted_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """The GEMV on ``128 + q`` planes: per chunk sum_j plane_j x_j into [BK/8, BN], scaled by
+    the chunk's s; the offsets (128 + z) s sum x per column; K summed once at the end."""
+    pid = tl.program_id(0)
+    pid_n = pid // M
+    m = (pid % M).to(tl.int64)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    off = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * K_PER
+    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        packed = tl.load(qw_tile + (k0 // 8) * s_qk, mask=n_mask[None, :], other=0)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        x_row = x_ptr + m * s_xm + k0 + rows * 8
+        part = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_row + j).to(tl.float32)
+            part += _plane(packed, j) * xj[:, None]
+            x_sum += xj
+        acc += part * s[None, :]
+        off += (z + 128.0) * s * tl.sum(x_sum, axis=0)
+    res = tl.sum(acc, axis=0) - off
+    if SPLIT == 1:
+        tl.store(out_ptr + m * s_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, res, mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4_planes_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Tensor cores on the nibble planes: plane j of a chunk (rows 8p + j, as q - z, exact in
+    x's dtype) times x's columns 8p + j, eight dots of K = BK/8 a chunk, then the chunk's s."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(2)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    rows = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * K_PER
+    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
+    x_tile = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + rows[None, :] * 8
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        packed = tl.load(qw_tile + (k0 // 8) * s_qk, mask=n_mask[None, :], other=0)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(8):
+            a = tl.load(x_tile + k0 + j, mask=m_mask[:, None], other=0.0)  # [BM, BK/8]
+            w = (_plane(packed, j) - (z + 128.0)[None, :]).to(a.dtype)  # q - z, exact
+            part += _mma(a, w, UPCAST, PRECISION)
+        acc += part * s[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT == 1:
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        out_rows = (pid_k * M + offs_m).to(tl.int64)
+        tl.store(out_ptr + out_rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+
+
+def _launch_gemv(
+    kernel: Any, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+    zeros: torch.Tensor, group_size: int, config: tuple[int, ...],
+) -> torch.Tensor:  # fmt: skip
+    from kernels.triton_quant import _finish, _split, _target, _with_split
+
+    m, k = x.shape
+    n = qweight.shape[1]
+    bn, bk, warps, asked = _with_split(config, 3)
+    bk = min(bk, group_size)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split, per = _split(asked, triton.cdiv(n, bn) * m, k // bk, x.device)
+    target = _target(out, split)
+    kernel[(triton.cdiv(n, bn) * m, split)](
+        x, qweight, scales, zeros, target, m, n, k, per * bk, x.stride(0), qweight.stride(0),
+        scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
+        num_warps=warps,
+    )  # fmt: skip
+    return _finish(target, out, split)
+
+
+def shifted_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int, config: tuple[int, ...] = SHIFTED_CONFIG,
+) -> torch.Tensor:  # fmt: skip
+    """``w4a16_linear`` for 1 or 2 rows of x through the ``128 + q`` plane kernel; ``config``:
+    (BLOCK_N, BLOCK_K, warps[, SPLIT])."""
+    return _launch_gemv(_w4_gemv_shifted_kernel, x, qweight, scales, zeros, group_size, config)
+
+
+def planes_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int, config: tuple[int, ...] = PLANES_CONFIG,
+) -> torch.Tensor:  # fmt: skip
+    """``w4a16_linear`` for up to 16 rows of x on the tensor cores, plane by plane; ``config``:
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps[, SPLIT])."""
+    from kernels.triton_common import dot_precision, dot_upcast
+    from kernels.triton_quant import _finish, _split, _target, _with_split
+
+    m, k = x.shape
+    n = qweight.shape[1]
+    bm, bn, bk, warps, asked = _with_split(config, 4)
+    bk = min(bk, group_size)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split, per = _split(asked, tiles, k // bk, x.device)
+    target = _target(out, split)
+    _w4_planes_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, qweight, scales, zeros, target, m, n, k, per * bk, x.stride(0), qweight.stride(0),
+        scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        UPCAST=dot_upcast(x.dtype), PRECISION=dot_precision(x.dtype), SPLIT=split,
+        num_warps=warps,
+    )  # fmt: skip
+    return _finish(target, out, split)
+
+
 @contextlib.contextmanager
 def _prefetch(on: bool) -> Iterator[None]:
     """``kernels.triton_quant.W4_GEMV_PREFETCH`` set to ``on`` while launches are captured."""
@@ -121,12 +287,34 @@ def _prefetch(on: bool) -> Iterator[None]:
         triton_quant.W4_GEMV_PREFETCH = was
 
 
+def candidates() -> dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]:
+    """Each form of the batch-1 GEMV at the launches timed: family -> [(launch, fn)]."""
+    from kernels.triton_quant import w4a16_linear
+
+    served = [(str(c) + (" prefetch" if p else ""), _with_prefetch(
+        functools.partial(w4a16_linear, config=c), p)) for c, p in LAUNCHES]  # fmt: skip
+    return {
+        "convert": [("default", w4a16_linear)],
+        "trick": [("default", trick_gemv)],
+        "served": served,
+        "shifted": [(str(c), functools.partial(shifted_gemv, config=c)) for c in SHIFTED_LAUNCHES],
+        "planes": [(str(c), functools.partial(planes_gemm, config=c)) for c in PLANES_LAUNCHES],
+    }
+
+
+def _with_prefetch(fn: Callable[..., torch.Tensor], on: bool) -> Callable[..., torch.Tensor]:
+    def call(*args: Any) -> torch.Tensor:
+        with _prefetch(on):
+            return fn(*args)
+
+    return call
+
+
 def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> dict:
     from kernels.bench import gemv_graph
     from kernels.quant import ref_w4a16_linear
-    from kernels.triton_quant import w4a16_linear
 
-    REPS, graph_us = gemv_graph.REPS, gemv_graph.graph_us
+    graph_us = gemv_graph.graph_us
     dev = torch.device(device)
     weights = [
         (
@@ -134,15 +322,11 @@ def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> 
             (torch.rand(k // GROUP, n, device=dev) / 8 + 0.01).to(torch.bfloat16),
             torch.randint(0, 16, (k // GROUP, n), device=dev).to(torch.bfloat16),
         )
-        for _ in range(REPS)
+        for _ in range(gemv_graph.REPS)
     ]
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     ref = ref_w4a16_linear(x, *weights[0], GROUP).float()
     scale = ref.abs().max().item() + 1e-6
-    for fn in (w4a16_linear, trick_gemv):
-        err = (fn(x, *weights[0], GROUP).float() - ref).abs().max().item() / scale
-        if err > 2e-2:
-            raise SystemExit(f"{name}: {fn.__name__} differs from the reference ({err:.3g})")
 
     def run(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
         def launches() -> None:
@@ -153,24 +337,23 @@ def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> 
 
     nbytes = k * n // 2 + 2 * (k // GROUP) * n * 2  # int4 weights, bf16 scales and zeros
     floor_us = nbytes / copy / 1e3
-    convert, trick = graph_us(run(w4a16_linear)), graph_us(run(trick_gemv))
-    # the served kernel at other launches
-    launches: dict[str, float] = {}
-    for config, prefetch in LAUNCHES:
-        fn = functools.partial(w4a16_linear, config=config)
-        with _prefetch(prefetch):
+    timed: dict[str, dict[str, float]] = {}
+    best: dict[str, tuple[str, float]] = {}
+    for family, launches in candidates().items():
+        for label, fn in launches:
             err = (fn(x, *weights[0], GROUP).float() - ref).abs().max().item() / scale
-            if err <= 2e-2:
-                launches[f"{config}{' prefetch' if prefetch else ''}"] = graph_us(run(fn))
-    best = min(launches, key=lambda c: launches[c]) if launches else "default"
-    best_us = launches.get(best, trick)
-    print(f"{name:8s} floor {floor_us:6.1f} us  converting {convert:6.1f} us "
-          f"({100 * floor_us / convert:5.1f}% of copy)  mantissa trick {trick:6.1f} us "
-          f"({100 * floor_us / trick:5.1f}%)  best launch {best} {best_us:6.1f} us "
-          f"({100 * floor_us / best_us:5.1f}%)", flush=True)  # fmt: skip
+            if err > 2e-2:
+                raise SystemExit(f"{name}: {family} {label} differs from the reference ({err:.3g})")
+            timed.setdefault(family, {})[label] = us = graph_us(run(fn))
+            if family not in best or us < best[family][1]:
+                best[family] = (label, us)
+    line = "  ".join(f"{f} {u:6.1f} us ({100 * floor_us / u:4.1f}%)" for f, (_, u) in best.items())
+    print(f"{name:8s} floor {floor_us:6.1f} us  best of each: {line}", flush=True)
+    for family, (label, _) in best.items():
+        print(f"    {family:8s} best launch {label}", flush=True)
     return {"shape": name, "n": n, "k": k, "group": GROUP, "bytes": nbytes,
-            "floor_us": floor_us, "convert_us": convert, "trick_us": trick, "best": best,
-            "best_us": best_us, "launches_us": launches}  # fmt: skip
+            "floor_us": floor_us, "best": {f: {"launch": b, "us": u} for f, (b, u) in best.items()},
+            "launches_us": timed}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The batch-1 int4 GEMV in its forms, on one lent GPU (issue 20's AWQ step), each step in its
+# own process:
+#   tests    the compiled tests of the int4 kernels and of kernels.bench.w4_unpack's forms
+#   bench    every form at its launches over the 8B projections, in a graph
+#                                                          -> $out/w4-forms.json
+#   latency  the AWQ and bf16 decode steps at batch 1, 2 and 8   -> $out/latency-<q>.json
+#   bash scripts/device/w4_gemv.sh [tests] [bench] [latency]   (default: tests bench)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/device/lent_env.sh
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for step in ${*:-tests bench}; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/bench/test_w4_unpack.py \
+        tests/kernels/test_triton_quant.py 2>&1 | tail -3 ;;
+    bench)
+      timeout 420 python3 -m kernels.bench.w4_unpack --json-out "$out/w4-forms.json" 2>&1 |
+        tail -30 ;;
+    latency)
+      for q in awq none; do
+        args=(); [ "$q" = none ] || args=(--quantization "$q")
+        timeout 240 python3 -m services.cli bench latency --model llama-3.1-8b \
+          --load-format dummy --dtype bfloat16 "${args[@]}" --batch-sizes 1,2,8 \
+          --input-len 512 --output-len 32 --max-model-len 2048 \
+          --json-out "$out/latency-$q.json" 2>&1 | tail -6 | sed "s/^/$q: /"
+      done ;;
+  esac
+done
