@@ -17,13 +17,16 @@ Two more forms are timed beside them (2026-11-30), each a candidate for the serv
 
 - ``shifted``: each nibble shifted to bits 16..19 and OR-ed into the mantissa of 128.0
   (0x43000000), so the float is ``128 + q`` with one shift and one LOP3 and no subtraction: the
-  ``128`` is taken out once per chunk with ``z`` (``sum x (128 + q) - (128 + z) sum x``), and
-  the eight nibble planes of a chunk are multiplied into one ``[BK/8, BN]`` accumulator that is
-  summed over K once, at the end (about three instructions per weight element against the
-  served kernel's four, one of them a conversion at an eighth of the rate).
-- ``planes``: the same ``128 + q`` planes made ``q - z`` (exact in bf16) and multiplied on the
-  tensor cores: plane ``j`` holds rows ``8p + j``, so a chunk is eight ``tl.dot`` of K = BK/8
-  against x's columns ``8p + j`` (no reshape of the unpacked tile), rows of x padded to 16.
+  ``128`` is taken out with ``z`` (``sum x (128 + q) - (128 + z) sum x``); the eight nibble
+  planes of a chunk are multiplied into one ``[BK/8, BN]`` accumulator summed over K once, at
+  the end; a chunk may span several scale groups (up to 16 KB of packed words), the next one
+  loads ahead, and a launch may leave K unsplit (one kernel, no partial sums).
+
+Measured once and dropped (one H200, 2026-11-30, the 8B projections): the same planes as
+``q - z`` on the tensor cores, eight ``tl.dot`` of K = BK/8 a chunk with x's rows padded to 16,
+took 1.3-1.5x the served kernel's time (qkv 16.2 against 11.3 us, gate_up 51.1 against 35.2);
+the ``shifted`` kernel with the served kernel's chunks (one group, 4 KB) measured within 1-13%
+of it on each projection, so the instructions per nibble are not what bounds the GEMV there.
 """
 
 from __future__ import annotations
@@ -38,11 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import mma as _mma
+from kernels.triton_common import pdl, pdl_enter
 
 GROUP = 128
 SHIFTED_CONFIG = (64, 128, 2, 16)  # (BLOCK_N, BLOCK_K, warps, SPLIT): the served GEMV's
-PLANES_CONFIG = (16, 64, 128, 4)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps): the int4 GEMM's
 # ((BLOCK_N, BLOCK_K, warps, SPLIT), PREFETCH) of the GEMV: K split automatically (0, about
 # two programs per SM) or into more slices, so that more programs keep weight tiles in flight
 # (an H100 run of 2026-11-25 found every launch at 25-47% of the copy bandwidth, with no split,
@@ -50,9 +52,9 @@ PLANES_CONFIG = (16, 64, 128, 4)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps): the int4
 # (loading ahead gained nothing on the H100: only the plain loop is swept since 2026-11-30)
 LAUNCHES = [((bn, 128, w, split), False) for bn in (64, 128, 256) for w in (2, 4)
             for split in (0, 8, 16)]  # fmt: skip
-SHIFTED_LAUNCHES = [(bn, 128, w, split) for bn in (64, 128, 256) for w in (1, 2, 4)
-                    for split in (0, 16)]  # fmt: skip
-PLANES_LAUNCHES = [(16, bn, 128, 4, split) for bn in (32, 64, 128) for split in (0, 8, 16)]
+# one chunk: 4-16 KB of packed words; split 1 (one kernel, no partial sums) or automatic
+SHIFTED_LAUNCHES = [(bn, bk, w, split) for bn, bk in ((16, 1024), (32, 512), (32, 1024),
+                    (64, 256), (64, 512), (128, 128)) for w in (4, 8) for split in (1, 0)]  # fmt: skip
 
 
 @triton.jit
@@ -146,9 +148,12 @@ def _plane(packed, J: tl.constexpr):
 def _w4_gemv_shifted_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """The GEMV on ``128 + q`` planes: per chunk sum_j plane_j x_j into [BK/8, BN], scaled by
-    the chunk's s; the offsets (128 + z) s sum x per column; K summed once at the end."""
+    """The GEMV on ``128 + q`` planes. A chunk of K may span several scale groups (row p of
+    the packed tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j, less
+    (128 + z) sum_j x_j, times s, into a [BK/8, BN] accumulator summed over K once at the end.
+    The next chunk's words load before this chunk's arithmetic, the first before the wait."""
     pid = tl.program_id(0)
     pid_n = pid // M
     m = (pid % M).to(tl.int64)
@@ -156,15 +161,20 @@ def _w4_gemv_shifted_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
-    off = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
     qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
-        packed = tl.load(qw_tile + (k0 // 8) * s_qk, mask=n_mask[None, :], other=0)
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
+    following = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        packed = following
+        ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last chunk again, from L2
+        following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
+        g0 = (k0 // GROUP) * s_sg
+        s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        zb = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32) + 128.0
         x_row = x_ptr + m * s_xm + k0 + rows * 8
         part = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
@@ -172,69 +182,31 @@ def _w4_gemv_shifted_kernel(
             xj = tl.load(x_row + j).to(tl.float32)
             part += _plane(packed, j) * xj[:, None]
             x_sum += xj
-        acc += part * s[None, :]
-        off += (z + 128.0) * s * tl.sum(x_sum, axis=0)
-    res = tl.sum(acc, axis=0) - off
+        acc += s * (part - zb * x_sum[:, None])
+    res = tl.sum(acc, axis=0)
     if SPLIT == 1:
         tl.store(out_ptr + m * s_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
         tl.store(out_ptr + (pid_k * M + m) * N + offs_n, res, mask=n_mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w4_planes_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """Tensor cores on the nibble planes: plane j of a chunk (rows 8p + j, as q - z, exact in
-    x's dtype) times x's columns 8p + j, eight dots of K = BK/8 a chunk, then the chunk's s."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pid_k = tl.program_id(2)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    rows = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = pid_k * K_PER
-    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
-    x_tile = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + rows[None, :] * 8
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
-        packed = tl.load(qw_tile + (k0 // 8) * s_qk, mask=n_mask[None, :], other=0)
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(8):
-            a = tl.load(x_tile + k0 + j, mask=m_mask[:, None], other=0.0)  # [BM, BK/8]
-            w = (_plane(packed, j) - (z + 128.0)[None, :]).to(a.dtype)  # q - z, exact
-            part += _mma(a, w, UPCAST, PRECISION)
-        acc += part * s[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT == 1:
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        out_rows = (pid_k * M + offs_m).to(tl.int64)
-        tl.store(out_ptr + out_rows[:, None] * N + offs_n[None, :], acc, mask=mask)
-
-
 def _launch_gemv(
     kernel: Any, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     zeros: torch.Tensor, group_size: int, config: tuple[int, ...],
 ) -> torch.Tensor:  # fmt: skip
-    from kernels.triton_quant import _finish, _split, _target, _with_split
+    from kernels.triton_quant import _chunk, _finish, _split, _target, _with_split
 
     m, k = x.shape
     n = qweight.shape[1]
     bn, bk, warps, asked = _with_split(config, 3)
-    bk = min(bk, group_size)
+    bk = _chunk(bk, k) if bk > group_size else bk  # whole groups, or a part of one
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split, per = _split(asked, triton.cdiv(n, bn) * m, k // bk, x.device)
     target = _target(out, split)
     kernel[(triton.cdiv(n, bn) * m, split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, x.stride(0), qweight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-        num_warps=warps,
+        num_warps=warps, **pdl(x.device, m),
     )  # fmt: skip
     return _finish(target, out, split)
 
@@ -246,32 +218,6 @@ def shifted_gemv(
     """``w4a16_linear`` for 1 or 2 rows of x through the ``128 + q`` plane kernel; ``config``:
     (BLOCK_N, BLOCK_K, warps[, SPLIT])."""
     return _launch_gemv(_w4_gemv_shifted_kernel, x, qweight, scales, zeros, group_size, config)
-
-
-def planes_gemm(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-    group_size: int, config: tuple[int, ...] = PLANES_CONFIG,
-) -> torch.Tensor:  # fmt: skip
-    """``w4a16_linear`` for up to 16 rows of x on the tensor cores, plane by plane; ``config``:
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps[, SPLIT])."""
-    from kernels.triton_common import dot_precision, dot_upcast
-    from kernels.triton_quant import _finish, _split, _target, _with_split
-
-    m, k = x.shape
-    n = qweight.shape[1]
-    bm, bn, bk, warps, asked = _with_split(config, 4)
-    bk = min(bk, group_size)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split, per = _split(asked, tiles, k // bk, x.device)
-    target = _target(out, split)
-    _w4_planes_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, qweight, scales, zeros, target, m, n, k, per * bk, x.stride(0), qweight.stride(0),
-        scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=dot_upcast(x.dtype), PRECISION=dot_precision(x.dtype), SPLIT=split,
-        num_warps=warps,
-    )  # fmt: skip
-    return _finish(target, out, split)
 
 
 @contextlib.contextmanager
@@ -298,7 +244,6 @@ def candidates() -> dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]:
         "trick": [("default", trick_gemv)],
         "served": served,
         "shifted": [(str(c), functools.partial(shifted_gemv, config=c)) for c in SHIFTED_LAUNCHES],
-        "planes": [(str(c), functools.partial(planes_gemm, config=c)) for c in PLANES_LAUNCHES],
     }
 
 
