@@ -11,10 +11,16 @@ batches excepted, below).
   output columns, row of x and slice of K, fp32 partial products reduced once at the end. The
   rows of x are the grid's fastest index, so the M programs of one weight tile run side by side
   and read it from HBM about once (with M the slowest, a batch of 4 read every weight 4 times).
-- **Split-K**: a decode projection has few output tiles (64 for a 4096-wide int4 layer at
-  ``BLOCK_N`` 64) for 132 SMs, so the GEMVs also split K (``SPLIT`` programs per tile, each a
-  run of whole chunks) until there are about two programs per SM; the fp32 partials go to a
-  ``[SPLIT, M, N]`` buffer that one more kernel sums in a fixed order (deterministic, no atomics).
+  The int4 GEMV streams long chunks of K (16 KB of packed words, several scale groups) through
+  few columns, the next chunk loaded ahead: the bytes in flight per SM, not the arithmetic,
+  bounded its earlier form (see ``kernels.bench.w4_unpack``). Each nibble becomes the float
+  ``128 + q`` with a shift and one LOP3 into the mantissa of 128.0 (no conversion, no
+  subtraction); the 128 leaves with the zero point, ``s (sum x (128 + q) - (128 + z) sum x)``.
+- **Split-K**: a decode projection has few output tiles (64 for a 4096-wide layer at
+  ``BLOCK_N`` 64) for 132 SMs, so the fp8 GEMV also splits K (``SPLIT`` programs per tile, each
+  a run of whole chunks) until there are about two programs per SM; the fp32 partials go to a
+  ``[SPLIT, M, N]`` buffer that one more kernel sums in a fixed order (deterministic, no
+  atomics). The int4 GEMV's narrow tiles leave enough programs unsplit (one kernel).
   The GEMMs split automatically only a long K (at least ``GEMM_SLICE_K`` per slice).
 - **Dequantize, then cuBLAS** (M > ``W4_DEQUANT_ROWS``: prefill chunks, large decode batches):
   the GEMM would unpack each weight tile once per ``BLOCK_M`` rows, so its CUDA-core work grows
@@ -32,11 +38,12 @@ batches excepted, below).
 
 - **Unpacking int4** for the GEMM and the dequantization without an integer-to-float
   conversion (16 a clock per SM on Hopper, an eighth of the fp32 rate): a nibble is OR-ed into
-  the mantissa of 2^23 and 2^23 subtracted (:func:`_nibbles`), exact. The GEMV keeps the
-  conversion: the trick measured slower there (``kernels.bench.w4_unpack``).
+  the mantissa of 2^23 and 2^23 subtracted (:func:`_nibbles`), exact; the GEMV's ``128 + q``
+  (:func:`_plane`) is the same idea with the 128 folded into the zero point.
 
-A chunk of K never straddles a scale group: ``BLOCK_K`` divides the int4 group size and the fp8
-``block_k`` (or the whole row, for per-channel scales).
+A chunk of K never straddles a scale group partly: ``BLOCK_K`` divides the int4 group size (or
+is a multiple of it, in the int4 GEMV) and the fp8 ``block_k`` (or the whole row, for
+per-channel scales).
 """
 
 from __future__ import annotations
@@ -88,11 +95,11 @@ W4_DEQUANT_SLICE_BYTES = 256 << 20
 W4_DEQUANT_CONFIG = (64, 128, 4)  # BLOCK_K, BLOCK_N, warps
 # (BLOCK_N, BLOCK_K, num_warps[, SPLIT]) for the GEMVs; (BLOCK_M, BLOCK_N, BLOCK_K, num_warps[,
 # SPLIT]) for GEMMs; SPLIT 0 or left out: enough slices of K for two programs per SM
-# int4: 16 slices of K, many more programs than two per SM: on one H100 (kernels.bench.w4_unpack,
-# 2026-11-25) the four 8B projections took 83.5 us per layer against 89.1 at (128, 128, 4) and
-# the automatic split, the best of 36 launches; loading the next chunk ahead gained nothing
-W4_GEMV_CONFIG = (64, 128, 2, 16)
-W4_GEMV_PREFETCH = False  # the int4 GEMV loads the next chunk's words before this one's arithmetic
+# int4: 16 rows of the packed weight's columns a program, chunks of 1024 rows of K (16 KB of
+# words, several scale groups), 8 warps, K unsplit (one kernel, no partial sums): on one H200
+# (kernels.bench.w4_unpack, 2026-11-30) the four 8B projections took 62 us a layer at the best
+# launch of each against 78 for the GEMV before (one group a chunk, 16 slices of K)
+W4_GEMV_CONFIG = (16, 1024, 8, 1)
 FP8_GEMV_CONFIG = (8, 512, 4)
 GEMM_CONFIG = (32, 64, 64, 4)
 PROGRAMS_PER_SM = 2
@@ -195,55 +202,62 @@ def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _plane(packed, J: tl.constexpr):
+    """Nibble ``J`` (rows 8p + J) of each int32 as the exact float32 ``128 + q``: shifted to
+    bits 16..19 and OR-ed into the mantissa of 128.0, whose unit is bit 16 (one LOP3)."""
+    if J < 4:
+        t = packed << (16 - 4 * J)
+    elif J > 4:
+        t = packed >> (4 * J - 16)  # arithmetic: the sign fills bits the mask drops
+    else:
+        t = packed
+    return ((t & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)
-    pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
+    """The GEMV on ``128 + q`` planes. A chunk of K may span several scale groups (row p of
+    the packed tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j, less
+    (128 + z) sum_j x_j, times s, into a [BK/8, BN] accumulator summed over K once at the end.
+    The next chunk's words load before this chunk's arithmetic, the first before the wait."""
+    pid = tl.program_id(0)
     pid_n = pid // M
     m = (pid % M).to(tl.int64)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_K // 8)
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
-    # K is a multiple of GROUP, GROUP of BLOCK_K, K_PER of BLOCK_K: no masks along K, and one
-    # scale and zero per chunk: sum (q - z) s x = s (sum q x - z sum x)
-    # the packed rows stay [BK/8, 8, BN] (row 8p + i at [p, i]) and x is read in the same shape:
-    # no reshape, which would move the tile through shared memory. The nibbles are converted
-    # with .to: the 2^23 mantissa trick of _nibbles (no integer-to-float conversion) measured
-    # slower here on an H100 (kernels.bench.w4_unpack, 2026-11-25: 58-68 against 47 us for the
-    # 8B gate_up projection)
-    rows = tl.arange(0, BLOCK_K // 8)
-    shifts = (tl.arange(0, 8) * 4)[None, :, None]
-    x_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BK/8, 8]
     qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
-    # PREFETCH: the next chunk's words are loaded before this chunk's arithmetic, so each
-    # program keeps two tiles in flight (the last chunk loads itself again, from L2)
-    if PREFETCH:
-        packed = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
+    sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
+    following = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if PREFETCH:
-            ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
-            following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
-        else:
-            packed = tl.load(qw_tile + (k0 // 8) * s_qk, mask=n_mask[None, :], other=0)
-        q = ((packed[:, None, :] >> shifts) & 0xF).to(tl.float32)  # [BK/8, 8, BN]
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + m * s_xm + k0 + x_offs).to(tl.float32)  # [BK/8, 8]
-        qx = tl.sum(tl.sum(q * xv[:, :, None], axis=1), axis=0)  # [BN]
-        acc += s * (qx - z * tl.sum(tl.sum(xv, axis=1), axis=0))
-        if PREFETCH:
-            packed = following
+        packed = following
+        ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last chunk again, from L2
+        following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
+        g0 = (k0 // GROUP) * s_sg
+        s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        zb = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32) + 128.0
+        x_row = x_ptr + m * s_xm + k0 + rows * 8
+        part = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_row + j).to(tl.float32)
+            part += _plane(packed, j) * xj[:, None]
+            x_sum += xj
+        acc += s * (part - zb * x_sum[:, None])
+    res = tl.sum(acc, axis=0)
     if SPLIT == 1:
-        tl.store(out_ptr + m * s_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(out_ptr + m * s_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, acc, mask=n_mask)
+        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, res, mask=n_mask)
 
 
 @triton.jit
@@ -461,13 +475,13 @@ def w4a16_linear(
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     if m <= W4_GEMV_ROWS:
         bn, bk, warps, asked = _with_split(config or W4_GEMV_CONFIG, 3)
-        bk = min(bk, group_size)
+        bk = _chunk(bk, k) if bk > group_size else bk  # whole groups, or a part of one
         split, per = _split(asked, triton.cdiv(n, bn) * m, k // bk, x.device)
         target = _target(out, split)
         _w4_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
-            GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, PREFETCH=W4_GEMV_PREFETCH,
-            num_warps=warps, **pdl(x.device, m),
+            GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
+            **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     default = W4_SMALL_GEMM_CONFIG if m <= 16 else GEMM_CONFIG

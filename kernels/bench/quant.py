@@ -47,8 +47,9 @@ SHAPES = {  # name -> (N, K)
 }
 GROUP = 128  # int4 group size and fp8 block
 GEMV_CONFIGS = {
-    "int4": [(bn, bk, w) for bn, bk, w in itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8))
-             if bn * bk <= 16384],
+    # int4: the GEMV's long chunks (several scale groups) through few columns (2026-11-30)
+    "int4": [(bn, bk, w) for bn, bk, w in itertools.product((8, 16, 32), (512, 1024, 2048), (4, 8))
+             if bn * bk <= 32768],
     "fp8": [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))
             if bn * bk <= 16384],
     # per-channel scales (what --quantization fp8 makes at load): chunks of K not bound by a

@@ -164,20 +164,25 @@ def test_fp8_matches_the_reference(
     assert_matches(out / scale_out, ref / scale_out)
 
 
-@pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize(
-    ("m", "n", "k", "g"), [(1, 40, 256, 64), (2, 24, 512, 128), (1, 8, 32, 32)]
+    ("m", "n", "k", "g", "config"),
+    [
+        (1, 40, 512, 64, (16, 256, 4, 1)),  # four groups a chunk, two chunks, one slice of K
+        (2, 24, 1024, 32, (8, 512, 4, 3)),  # sixteen groups a chunk, two slices of one chunk
+        (1, 8, 384, 128, (16, 1024, 8, 1)),  # K = 3 groups: chunks of one group
+        (1, 40, 576, 64, None),  # the default launch on SmolLM2's K (9 groups of 64)
+    ],
 )
-def test_w4a16_gemv_loading_ahead_matches_the_reference(
-    m: int, n: int, k: int, g: int, split: int, gen: torch.Generator, device: torch.device,
-    monkeypatch: pytest.MonkeyPatch,
+def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(
+    m: int, n: int, k: int, g: int, config: tuple[int, ...] | None, gen: torch.Generator,
+    device: torch.device, poison_empty: None,
 ) -> None:  # fmt: skip
-    """The GEMV with ``W4_GEMV_PREFETCH``: slices of 1 to 8 chunks (a one-chunk slice loads its
-    chunk twice), a partial last column tile."""
-    monkeypatch.setattr(triton_quant, "W4_GEMV_PREFETCH", True)
+    """The GEMV's chunks span whole scale groups (each row of the packed tile takes its own
+    group's scale and zero), a partial last column tile; the next chunk loaded ahead, the last
+    one again."""
     qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
     x = rand((m, k), torch.bfloat16, gen, device)
-    out = w4a16_linear(x, qweight, scales, zeros, g, config=(16, 32, 2, split))
+    out = w4a16_linear(x, qweight, scales, zeros, g, config=config)
     assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
 
 

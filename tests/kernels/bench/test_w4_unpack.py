@@ -1,5 +1,5 @@
-"""The other forms of the int4 GEMV in ``kernels.bench.w4_unpack`` compute what the serving GEMV
-computes (under the interpreter on the CPU; the timing itself needs a GPU)."""
+"""The earlier forms of the int4 GEMV in ``kernels.bench.w4_unpack`` compute what the serving
+GEMV computes (under the interpreter on the CPU; the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from kernels.bench.w4_unpack import shifted_gemv, trick_gemv
+from kernels.bench.w4_unpack import convert_gemv, trick_gemv
 from kernels.quant import ref_w4a16_linear
 from kernels.triton_quant import w4a16_linear
 from tests.kernels.paged import assert_matches, rand
@@ -16,10 +16,9 @@ from tests.kernels.test_triton_quant import int4_weight
 
 FORMS = {
     "trick": trick_gemv,
-    # split K in two: the partial sums and their offsets (128 + z) s sum x per slice
-    "shifted": functools.partial(shifted_gemv, config=(16, 64, 2, 2)),
-    # chunks of several scale groups (the whole K of the smaller cases), one slice of K
-    "shifted-groups": functools.partial(shifted_gemv, config=(16, 512, 4, 1)),
+    "convert": convert_gemv,
+    # split K in three: the partial sums of the second kernel
+    "convert-split": functools.partial(convert_gemv, config=(16, 64, 2, 3)),
 }
 
 
@@ -60,11 +59,9 @@ def test_a_shape_is_timed_checked_and_reported(
 
     monkeypatch.setattr(gemv_graph, "REPS", 2)
     monkeypatch.setattr(gemv_graph, "graph_us", one_us)
-    monkeypatch.setattr(w4_unpack, "LAUNCHES", [((16, 128, 2, 0), False), ((32, 128, 4, 1), True)])
-    monkeypatch.setattr(w4_unpack, "SHIFTED_LAUNCHES", [(16, 128, 2, 0), (16, 256, 4, 1)])
+    monkeypatch.setattr(w4_unpack, "LAUNCHES", [(16, 128, 2, 0), (16, 256, 4, 1)])
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device))
     assert row["bytes"] == 256 * 48 // 2 + 2 * 2 * 48 * 2
-    assert set(row["launches_us"]["served"]) == {"(16, 128, 2, 0)", "(32, 128, 4, 1) prefetch"}
-    assert set(row["best"]) == {"convert", "trick", "served", "shifted"}
-    assert set(row["launches_us"]["shifted"]) == {"(16, 128, 2, 0)", "(16, 256, 4, 1)"}
-    assert len(calls) == 6 and "tiny" in capsys.readouterr().out
+    assert set(row["launches_us"]["served"]) == {"default", "(16, 128, 2, 0)", "(16, 256, 4, 1)"}
+    assert set(row["best"]) == {"convert", "trick", "served"}
+    assert len(calls) == 5 and "tiny" in capsys.readouterr().out
