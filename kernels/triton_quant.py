@@ -78,9 +78,10 @@ from kernels.triton_common import (
 # of x (from L2 after the first) and converts it again: the 8B FP8 decode step on an H100 took
 # 8.25 ms at 4 rows and 14.05 at 8 against 6.81 at 16 (the GEMM), so from 3 rows the GEMM
 GEMV_ROWS = 2
-# int4: the GEMV unpacks the weight once per row of x, the GEMM once per tile for up to 16 rows;
-# from 3 rows the GEMM is faster (one H100, the four Llama-3.1-8B projections together: 284
-# against 358 us at 4 rows, 226 against 499 at 8), so only 1 or 2 rows take the GEMV
+# int4: 1 or 2 rows take the GEMV (both rows in one program, each nibble plane made once), from
+# 3 rows the GEMM (one H100, the GEMV of 2026-11-25 against it, the four Llama-3.1-8B
+# projections together: 358 against 284 us at 4 rows; one H200, 2026-11-30: the GEMV with 8
+# rows a program in 3D tensors took 3-4x the GEMM's time)
 W4_GEMV_ROWS = 2
 W4_SMALL_GEMM_CONFIG = (16, 64, 128, 4)  # int4 GEMMs of up to 16 rows (the same sweep's best)
 # int4 above this many rows: the weight is dequantized to x's dtype (in slices of at most
@@ -216,17 +217,20 @@ def _plane(packed, J: tl.constexpr):
 
 @triton.jit
 def _w4_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, GROUPS,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """The GEMV on ``128 + q`` planes. A chunk of K may span several scale groups (row p of
-    the packed tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j, less
-    (128 + z) sum_j x_j, times s, into a [BK/8, BN] accumulator summed over K once at the end.
-    The next chunk's words load before this chunk's arithmetic, the first before the wait."""
-    pid = tl.program_id(0)
-    pid_n = pid // M
-    m = (pid % M).to(tl.int64)
+    """The GEMV on ``128 + q`` planes for ``ROWS`` (1 or 2) rows of x at once: each plane is
+    made once and multiplied into each row's sums (2D tensors only: a [ROWS, BK/8, BN] form
+    measured 2-3x slower). A chunk of K may span several scale groups (row p of the packed
+    tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j, less (128 + z) sum_j x_j,
+    times s, into a [BK/8, BN] accumulator per row, summed over K once at the end. The next
+    chunk's words load before this chunk's arithmetic, the first before the wait."""
+    pid = tl.program_id(0)  # a weight tile's row groups side by side: one HBM read
+    pid_n = pid // GROUPS
+    m0 = ((pid % GROUPS) * ROWS).to(tl.int64)
+    m1 = tl.minimum(m0 + 1, M - 1)  # a second row past the batch reads the last, stores nothing
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -235,9 +239,12 @@ def _w4_gemv_kernel(
     k_hi = tl.minimum(k_lo + K_PER, K)
     qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
     sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
+    x0_row = x_ptr + m0 * s_xm + rows * 8
+    x1_row = x_ptr + m1 * s_xm + rows * 8
     following = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
     pdl_enter(USE_PDL)
-    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         packed = following
         ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last chunk again, from L2
@@ -245,19 +252,35 @@ def _w4_gemv_kernel(
         g0 = (k0 // GROUP) * s_sg
         s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
         zb = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32) + 128.0
-        x_row = x_ptr + m * s_xm + k0 + rows * 8
-        part = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
-        x_sum = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
+        part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        part1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        sum0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
+        sum1 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
         for j in tl.static_range(8):
-            xj = tl.load(x_row + j).to(tl.float32)
-            part += _plane(packed, j) * xj[:, None]
-            x_sum += xj
-        acc += s * (part - zb * x_sum[:, None])
-    res = tl.sum(acc, axis=0)
+            plane = _plane(packed, j)
+            xj = tl.load(x0_row + k0 + j).to(tl.float32)
+            part0 += plane * xj[:, None]
+            sum0 += xj
+            if ROWS > 1:
+                xj = tl.load(x1_row + k0 + j).to(tl.float32)
+                part1 += plane * xj[:, None]
+                sum1 += xj
+        acc0 += s * (part0 - zb * sum0[:, None])
+        if ROWS > 1:
+            acc1 += s * (part1 - zb * sum1[:, None])
+    _store_row(out_ptr, tl.sum(acc0, axis=0), m0, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
+    if ROWS > 1:
+        mask = n_mask & (m0 + 1 + tl.zeros([BLOCK_N], dtype=tl.int64) < M)
+        _store_row(out_ptr, tl.sum(acc1, axis=0), m1, offs_n, mask, pid_k, M, N, s_om, SPLIT)
+
+
+@triton.jit
+def _store_row(out_ptr, res, m, offs_n, mask, pid_k, M, N, s_om, SPLIT: tl.constexpr):
+    """A GEMV row: into ``out`` (one slice of K) or as fp32 partials into [SPLIT, M, N]."""
     if SPLIT == 1:
-        tl.store(out_ptr + m * s_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(out_ptr + m * s_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, res, mask=n_mask)
+        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, res, mask=mask)
 
 
 @triton.jit
@@ -476,11 +499,13 @@ def w4a16_linear(
     if m <= W4_GEMV_ROWS:
         bn, bk, warps, asked = _with_split(config or W4_GEMV_CONFIG, 3)
         bk = _chunk(bk, k) if bk > group_size else bk  # whole groups, or a part of one
-        split, per = _split(asked, triton.cdiv(n, bn) * m, k // bk, x.device)
+        rows = min(m, 2)
+        groups = triton.cdiv(m, rows)
+        split, per = _split(asked, triton.cdiv(n, bn) * groups, k // bk, x.device)
         target = _target(out, split)
-        _w4_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
-            x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
-            GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
+        _w4_gemv_kernel[(triton.cdiv(n, bn) * groups, split)](
+            x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, groups,
+            GROUP=group_size, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
             **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)

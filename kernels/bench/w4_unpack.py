@@ -1,6 +1,6 @@
 """The batch-1 int4 GEMV against its earlier forms, side by side in one run.
 
-    python -m kernels.bench.w4_unpack [--json-out w4_unpack.json]
+    python -m kernels.bench.w4_unpack [--rows 1 2 4 8] [--json-out w4_unpack.json]
 
 Each of Llama-3.1-8B's projections over ``REPS`` distinct AWQ-shaped weights (group 128) back
 to back in one CUDA graph, as a decode step runs them, against the bytes of the int4 weights,
@@ -14,6 +14,8 @@ scales and zeros at the copy bandwidth; every output is checked against the refe
 - ``trick``: the form before that (2^23 mantissa trick with nibbles masked in place and x
   scaled by 16^-i), measured slower than ``convert`` on an H100 (47 against 58 us for the 8B
   gate_up projection, 2026-11-25).
+- ``gemm`` (from 2 rows): the int4 GEMM on the tensor cores, which took batches of 3 to 16
+  rows until the GEMV made each nibble plane once for all its rows (2026-11-30).
 
 What one H200 said (2026-11-30): ``128 + q`` planes with the replaced kernel's 4 KB chunks and
 split K measured within 1-13% of ``convert`` on each projection, so the instructions per nibble
@@ -25,8 +27,9 @@ chunk, x's rows padded to 16) took 1.3-1.5x ``convert``'s time and were dropped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -169,19 +172,44 @@ def convert_gemv(
     return _launch_gemv(_w4_gemv_convert_kernel, x, qweight, scales, zeros, group_size, config)
 
 
-def candidates() -> dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]:
-    """Each form of the batch-1 GEMV at the launches timed: family -> [(launch, fn)]."""
+@contextlib.contextmanager
+def _gemv_rows(rows: int) -> Iterator[None]:
+    """``kernels.triton_quant.W4_GEMV_ROWS`` set to ``rows`` (0: every batch to the GEMM)."""
+    from kernels import triton_quant
+
+    was = triton_quant.W4_GEMV_ROWS
+    triton_quant.W4_GEMV_ROWS = rows
+    try:
+        yield
+    finally:
+        triton_quant.W4_GEMV_ROWS = was
+
+
+def _on_gemm(*args: Any) -> torch.Tensor:
+    """``w4a16_linear`` with every batch on the int4 GEMM (its default tiles)."""
     from kernels.triton_quant import w4a16_linear
 
-    return {
-        "served": [("default", w4a16_linear)]
-        + [(str(c), functools.partial(w4a16_linear, config=c)) for c in LAUNCHES],
-        "convert": [("default", convert_gemv)],
-        "trick": [("default", trick_gemv)],
-    }
+    with _gemv_rows(0):
+        return w4a16_linear(*args)
 
 
-def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> dict:
+def candidates(rows: int = 1) -> dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]:
+    """Each form of the GEMV for ``rows`` rows of x at the launches timed: family -> [(launch,
+    fn)]; at 2 rows the int4 GEMM too (which takes 3 rows and more: ``W4_GEMV_ROWS``)."""
+    from kernels.triton_quant import W4_GEMV_ROWS, w4a16_linear
+
+    Forms = dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]
+    served: list[tuple[str, Callable[..., torch.Tensor]]] = [("default", w4a16_linear)]
+    if rows <= W4_GEMV_ROWS:
+        served += [(str(c), functools.partial(w4a16_linear, config=c)) for c in LAUNCHES]
+    forms: Forms = {"served": served, "convert": [("default", convert_gemv)],
+             "trick": [("default", trick_gemv)]}  # fmt: skip
+    if 1 < rows <= W4_GEMV_ROWS:
+        forms["gemm"] = [("default", _on_gemm)]
+    return forms
+
+
+def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda", rows: int = 1) -> dict:
     from kernels.bench import gemv_graph
     from kernels.quant import ref_w4a16_linear
 
@@ -195,7 +223,7 @@ def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> 
         )
         for _ in range(gemv_graph.REPS)
     ]
-    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
     ref = ref_w4a16_linear(x, *weights[0], GROUP).float()
     scale = ref.abs().max().item() + 1e-6
 
@@ -210,7 +238,7 @@ def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> 
     floor_us = nbytes / copy / 1e3
     timed: dict[str, dict[str, float]] = {}
     best: dict[str, tuple[str, float]] = {}
-    for family, launches in candidates().items():
+    for family, launches in candidates(rows).items():
         for label, fn in launches:
             err = (fn(x, *weights[0], GROUP).float() - ref).abs().max().item() / scale
             if err > 2e-2:
@@ -219,10 +247,10 @@ def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda") -> 
             if family not in best or us < best[family][1]:
                 best[family] = (label, us)
     line = "  ".join(f"{f} {u:6.1f} us ({100 * floor_us / u:4.1f}%)" for f, (_, u) in best.items())
-    print(f"{name:8s} floor {floor_us:6.1f} us  best of each: {line}", flush=True)
+    print(f"{name:8s} x{rows} floor {floor_us:6.1f} us  best of each: {line}", flush=True)
     for family, (label, _) in best.items():
         print(f"    {family:8s} best launch {label}", flush=True)
-    return {"shape": name, "n": n, "k": k, "group": GROUP, "bytes": nbytes,
+    return {"shape": name, "rows": rows, "n": n, "k": k, "group": GROUP, "bytes": nbytes,
             "floor_us": floor_us, "best": {f: {"launch": b, "us": u} for f, (b, u) in best.items()},
             "launches_us": timed}  # fmt: skip
 
@@ -231,8 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.bench.gemv_graph import sweep
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json-out", default=None)
-    return sweep(time_shape, p.parse_args(argv).json_out)
+    p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (batch sizes)")
+    p.add_argument("--json-out", default=None, help="one file per row count: NAME-x<rows>.json")
+    args = p.parse_args(argv)
+    for rows in args.rows:
+        out = None if args.json_out is None else args.json_out.replace(".json", f"-x{rows}.json")
+        sweep(functools.partial(time_shape, rows=rows), out)
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 # The batch-1 int4 GEMV in its forms, on one lent GPU (issue 20's AWQ step), each step in its
 # own process:
 #   tests    the compiled tests of the int4 kernels and of kernels.bench.w4_unpack's forms
-#   bench    every form at its launches over the 8B projections, in a graph
-#                                                          -> $out/w4-forms.json
+#   bench    every form at its launches over the 8B projections, in a graph, for 1 and 2
+#            rows of x (from 2 rows the int4 GEMM too)      -> $out/w4-forms-x<rows>.json
 #   latency  the AWQ and bf16 decode steps at batch 1, 2 and 8   -> $out/latency-<q>.json
 #   bash scripts/device/w4_gemv.sh [tests] [bench] [latency]   (default: tests bench)
 set -uo pipefail
@@ -18,15 +18,19 @@ for step in ${*:-tests bench}; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/bench/test_w4_unpack.py \
         tests/kernels/test_triton_quant.py 2>&1 | tail -3 ;;
     bench)
-      timeout 420 python3 -m kernels.bench.w4_unpack --json-out "$out/w4-forms.json" 2>&1 |
-        tail -30 ;;
+      timeout 420 python3 -m kernels.bench.w4_unpack --rows 1 2 \
+        --json-out "$out/w4-forms.json" 2>&1 | grep -v "best launch" | tail -30 ;;
     latency)
-      for q in awq none; do
+      for q in ${W4_LATENCY:-awq none}; do
         args=(); [ "$q" = none ] || args=(--quantization "$q")
         timeout 240 python3 -m services.cli bench latency --model llama-3.1-8b \
           --load-format dummy --dtype bfloat16 "${args[@]}" --batch-sizes 1,2,8 \
           --input-len 512 --output-len 32 --max-model-len 2048 \
-          --json-out "$out/latency-$q.json" 2>&1 | tail -6 | sed "s/^/$q: /"
+          --json-out "$out/latency-$q.json" > "$out/latency-$q.log" 2>&1
+        python3 -c "import json, sys; [print(sys.argv[2], r['batch'], round(r['step_ms'], 3),
+          round(r['graph_replay_ms'] or 0, 3), round(r['floor_ms'], 3)) for r in
+          json.load(open(sys.argv[1]))['rows']]" "$out/latency-$q.json" "$q" ||
+          tail -5 "$out/latency-$q.log"
       done ;;
   esac
 done

@@ -171,6 +171,7 @@ def test_fp8_matches_the_reference(
         (2, 24, 1024, 32, (8, 512, 4, 3)),  # sixteen groups a chunk, two slices of one chunk
         (1, 8, 384, 128, (16, 1024, 8, 1)),  # K = 3 groups: chunks of one group
         (1, 40, 576, 64, None),  # the default launch on SmolLM2's K (9 groups of 64)
+        (2, 40, 576, 64, None),  # two rows in one program
     ],
 )
 def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(

@@ -64,4 +64,7 @@ def test_a_shape_is_timed_checked_and_reported(
     assert row["bytes"] == 256 * 48 // 2 + 2 * 2 * 48 * 2
     assert set(row["launches_us"]["served"]) == {"default", "(16, 128, 2, 0)", "(16, 256, 4, 1)"}
     assert set(row["best"]) == {"convert", "trick", "served"}
-    assert len(calls) == 5 and "tiny" in capsys.readouterr().out
+    assert len(calls) == 5
+    row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device), rows=2)
+    assert row["rows"] == 2 and set(row["best"]) == {"convert", "trick", "served", "gemm"}
+    assert len(calls) == 11 and "tiny" in capsys.readouterr().out
