@@ -37,12 +37,22 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import pdl, pdl_enter
+from kernels.triton_quant import _store_row
 
 GROUP = 128
 CONVERT_CONFIG = (64, 128, 2, 16)  # (BLOCK_N, BLOCK_K, warps, SPLIT): its served launch
 # the served GEMV's other launches: 4-16 KB of packed words a chunk, 8 or 16 warps, K unsplit
 LAUNCHES = [(bn, bk, w, 1) for bn, bk in ((8, 2048), (16, 1024), (16, 2048), (32, 512),
             (32, 1024)) for w in (4, 8, 16)]  # fmt: skip
+
+
+@triton.jit
+def _program(M, N, BLOCK_N: tl.constexpr):
+    """A program's row of x (the rows fastest in the grid: a weight tile's M programs run
+    together), slice of K, columns and their mask."""
+    pid = tl.program_id(0)
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (pid % M).to(tl.int64), tl.program_id(1), offs_n, offs_n < N
 
 
 @triton.jit
@@ -63,12 +73,7 @@ def _w4_gemv_trick_kernel(
     float by the 2^23 mantissa trick (one LOP3 and one add, no per-element shift) and multiplied
     by x 16^-i (exact: powers of two)."""
     pdl_enter(USE_PDL)
-    pid = tl.program_id(0)
-    pid_n = pid // M
-    m = (pid % M).to(tl.int64)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    m, pid_k, offs_n, n_mask = _program(M, N, BLOCK_N)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * K_PER
     rows = tl.arange(0, BLOCK_K // 8)
@@ -92,10 +97,7 @@ def _w4_gemv_trick_kernel(
         hi = tl.sum(q_hi * (x_hi * down)[:, :, None], axis=1)
         qx = tl.sum(lo + hi, axis=0)  # [BN]
         acc += s * (qx - z * tl.sum(tl.sum(x_lo + x_hi, axis=1), axis=0))
-    if SPLIT == 1:
-        tl.store(out_ptr + m * s_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, acc, mask=n_mask)
+    _store_row(out_ptr, acc, m, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
 
 
 def trick_gemv(
@@ -115,12 +117,7 @@ def _w4_gemv_convert_kernel(
     """The GEMV served until 2026-11-30: one scale group a chunk (4 KB of words at its launch),
     each nibble shifted, masked and converted with ``.to``, K split in 16 slices."""
     pdl_enter(USE_PDL)
-    pid = tl.program_id(0)
-    pid_n = pid // M
-    m = (pid % M).to(tl.int64)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    m, pid_k, offs_n, n_mask = _program(M, N, BLOCK_N)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * K_PER
     rows = tl.arange(0, BLOCK_K // 8)
@@ -136,10 +133,7 @@ def _w4_gemv_convert_kernel(
         xv = tl.load(x_ptr + m * s_xm + k0 + x_offs).to(tl.float32)  # [BK/8, 8]
         qx = tl.sum(tl.sum(q * xv[:, :, None], axis=1), axis=0)  # [BN]
         acc += s * (qx - z * tl.sum(tl.sum(xv, axis=1), axis=0))
-    if SPLIT == 1:
-        tl.store(out_ptr + m * s_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, acc, mask=n_mask)
+    _store_row(out_ptr, acc, m, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
 
 
 def _launch_gemv(
