@@ -57,12 +57,10 @@ typecheck: venv
 # One torch thread per process: the in-process engines of the tests share the machine's cores
 # with the worker processes they start (which get OMP_NUM_THREADS=1 too, tests/services/procs.py);
 # torch's default of one thread per core oversubscribes them and made tiny-model tests ~9x slower.
-# Three pytest-xdist workers on a CI machine's two cores: tests/conftest.py's scheduler keeps
-# every test that starts serving processes in one unit, run one at a time (memory), and that
-# unit waits on its processes part of the time; a third worker fills it (two workers kept the
-# cores 85% busy, three 97%: pytest 1,564 s against 1,673 here, 2026-11-30).
+# Two pytest-xdist workers, one per core of a CI machine; tests/conftest.py's scheduler keeps
+# every test that starts serving processes in one unit, run one at a time (memory).
 # TEST_WORKERS=0: no xdist.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 # The lm-eval venv installs in the background (two minutes, mostly downloads, in a venv of its
 # own: never two pips in one venv, as two broke each other once) beside the checks and the
 # suite, whose lm-eval test waits for it; the checks (mypy: a minute of CPU) before the suite.

@@ -1,6 +1,5 @@
-"""How the suite shares the machine: `make test` runs it on three pytest-xdist workers
-(``-n 3`` on a CI machine's two cores: the serving unit below waits on its processes part of
-the time), scheduled by :class:`OneServingModuleAtATime`.
+"""How the suite shares the machine: `make test` runs it on two pytest-xdist workers
+(``-n 2``, one per core of a CI machine), scheduled by :class:`OneServingModuleAtATime`.
 
 Every module that starts serving processes (workers, gateways, ``tandem up``: ~2 GiB each) is in
 :data:`SERVING_MODULES`, and they all form one unit of work, run one test at a time in one xdist
