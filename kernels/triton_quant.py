@@ -420,10 +420,7 @@ def _fp8_gemv_kernel(
     out = tl.sum(acc, axis=1)
     if ROW_SCALE:
         out = out * tl.load(s_rows, mask=n_mask, other=0.0)
-    if SPLIT == 1:
-        tl.store(out_ptr + m * s_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(out_ptr + (pid_k * M + m) * N + offs_n, out, mask=n_mask)
+    _store_row(out_ptr, out, m, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
 
 
 @triton.jit(do_not_specialize=["M"])
