@@ -40,6 +40,7 @@ from kernels.triton_common import pdl, pdl_enter
 from kernels.triton_quant import _store_row
 
 GROUP = 128
+Forms = dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]  # family -> [(launch, fn)]
 CONVERT_CONFIG = (64, 128, 2, 16)  # (BLOCK_N, BLOCK_K, warps, SPLIT): its served launch
 # the served GEMV's other launches: 4-16 KB of packed words a chunk, 8 or 16 warps, K unsplit
 LAUNCHES = [(bn, bk, w, 1) for bn, bk in ((8, 2048), (16, 1024), (16, 2048), (32, 512),
@@ -187,12 +188,11 @@ def _on_gemm(*args: Any) -> torch.Tensor:
         return w4a16_linear(*args)
 
 
-def candidates(rows: int = 1) -> dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]:
+def candidates(rows: int = 1) -> Forms:
     """Each form of the GEMV for ``rows`` rows of x at the launches timed: family -> [(launch,
     fn)]; at 2 rows the int4 GEMM too (which takes 3 rows and more: ``W4_GEMV_ROWS``)."""
     from kernels.triton_quant import W4_GEMV_ROWS, w4a16_linear
 
-    Forms = dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]
     served: list[tuple[str, Callable[..., torch.Tensor]]] = [("default", w4a16_linear)]
     if rows <= W4_GEMV_ROWS:
         served += [(str(c), functools.partial(w4a16_linear, config=c)) for c in LAUNCHES]
