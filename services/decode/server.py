@@ -89,6 +89,10 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         self.rt = runtime
         self.receiver: Any = None  # kvtransfer.KvReceiver once the model is loaded
         self.reservations: dict[str, Reservation] = {}
+        # Reserve calls under way (their blocks not yet recorded): an Abort for one of them
+        # cancels it, whichever of the Abort and its caller's own cancellation arrives first
+        self._reserving: dict[str, asyncio.Task[Any]] = {}
+        self._aborted: set[asyncio.Task[Any]] = set()
         self._lease_timer: asyncio.TimerHandle | None = None
         self.admission = AdmissionQueue(
             self._release_admitted, by_priority=runtime.config.engine.scheduler.policy == "priority"
@@ -140,18 +144,29 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         if not rid or n < 1 or request.wait_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id, num_prompt_tokens "
                                 ">= 1 and wait_s >= 0 are required")  # fmt: skip
-        if rid in self.reservations or rid in self.admission:
+        if rid in self.reservations or rid in self._reserving:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{rid!r} is already reserved")
         params = SamplingParams(max_tokens=max(request.max_tokens, 1))
         started = time.monotonic()
+        task = asyncio.current_task()
+        assert task is not None
+        self._reserving[rid] = task
         try:
             blocks = await self._reserve_or_wait(driver, rid, n, params, request)
+        except asyncio.CancelledError:
+            if task not in self._aborted or task.uncancel():
+                raise  # its caller went away (or the server stops)
+            await context.abort(grpc.StatusCode.CANCELLED,
+                                f"{rid!r} was aborted while it waited for KV blocks")  # fmt: skip
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except Draining as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            del self._reserving[rid]
+            self._aborted.discard(task)
         if blocks is None:
             waited = time.monotonic() - started
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -396,6 +411,11 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         if self._cancel(request.request_id):  # a reservation, not yet a request in the engine
+            return common_pb2.AbortResponse(found=True)
+        reserving = self._reserving.get(request.request_id)
+        if reserving is not None:  # still waiting for (or taking) its blocks: it keeps none
+            self._aborted.add(reserving)
+            reserving.cancel()
             return common_pb2.AbortResponse(found=True)
         return await super().Abort(request, context)
 

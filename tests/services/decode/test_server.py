@@ -103,6 +103,17 @@ async def test_a_reserve_that_may_wait_queues_until_blocks_free(fleet: Fleet) ->
         while (await d.load()).num_waiting < 2:
             await asyncio.sleep(0.02)
         gives_up.cancel()
+        # an Abort for a waiter whose caller still waits (a gateway's Abort that overtook its
+        # own cancel of the call): the waiter leaves the queue and its call ends CANCELLED
+        while (await d.load()).num_waiting != 1:  # "gives-up" has left, "aborted" not come
+            await asyncio.sleep(0.02)
+        aborted = asyncio.ensure_future(
+            rpc_code(d.stub.Reserve(_reserve_req("aborted", 1000, wait_s=30), timeout=35))
+        )
+        while (await d.load()).num_waiting < 2:
+            await asyncio.sleep(0.02)
+        assert await d.abort("aborted")
+        assert await asyncio.wait_for(aborted, 10) == grpc.StatusCode.CANCELLED
         t0 = time.monotonic()
         assert await d.abort("fill-0")
         assert (await queued).num_blocks == 63
