@@ -4,13 +4,7 @@ One program handles one (sequence, KV head, split): the ``Hq // Hkv`` query head
 KV head are packed into the rows of one tile, so every K/V byte is read once per sequence. Keys
 are walked ``BLOCK_N`` at a time (several KV blocks per step), each row fetched through the block
 table. With ``num_splits > 1`` each split covers an equal share of its own sequence's context and
-writes a partial (max, sum, unnormalized acc), and the partials are merged by the last split of
-each (sequence, KV head) to finish: each split counts itself in on a per-(sequence, KV head)
-counter once its partial is stored, and the one that counts last reads them all back and sets
-the counter to zero again for the next call. That saves the merge its own launch (a batch-1 step
-of an 8B model runs 32 of them, ~2 us each on an H100); the counters live on the device for good,
-so a captured graph replays with the same ones. Without counters to spare (more than
-``MAX_COUNTERS`` sequence x KV-head pairs) a second kernel merges the partials.
+writes a partial (max, sum, unnormalized acc); a second kernel merges the partials.
 
 Attention sinks (gpt-oss): a head's sink is one more logit whose value is zero, so it adds to the
 softmax's sum and max only. Split 0 starts its running max at the sink and its sum at 1 (the
@@ -52,7 +46,6 @@ from kernels.triton_common import (
 )
 
 MAX_SPLITS = 64
-MAX_COUNTERS = 1 << 16  # (sequence, KV head) pairs a split launch can merge in place (256 KB)
 NO_WINDOW = 2**31 - 1  # the kernel's window when there is none: longer than any context
 MIN_KEYS_PER_SPLIT = 64  # one tile of keys: batch-1 8B decode at context 1024, 2048-token table,
 # 0.07 ms a step faster than with 256 (H100; 128: 0.04, 32: no gain)
@@ -86,13 +79,13 @@ def _mma_acc(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit(do_not_specialize=["bt_ptr", "lens_ptr", "num_splits", "s_btb", "window"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    count_ptr, sink_ptr, scale_log2e, num_splits, window,
+    sink_ptr, scale_log2e, num_splits, window,
     s_qb, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ob, s_oh,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, F16_READ: tl.constexpr, HALF_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -213,46 +206,6 @@ def _decode_kernel(
         else:
             a_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
             tl.store(a_ptrs, acc, mask=g_mask[:, None] & d_mask[None, :])
-        if MERGE:  # the last split of (b, kvh) to get here merges its heads (module docstring)
-            tl.debug_barrier()  # every thread's part stored before the count says it is
-            count = count_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.debug_barrier()  # no thread reads a part before the count said all are in
-                for g in tl.static_range(GROUP):
-                    _merge_head(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b,
-                                kvh * GROUP + g, s_ob, s_oh, num_splits, NUM_Q_HEADS, HEAD_DIM,
-                                BLOCK_D, BLOCK_S, ".cg")  # fmt: skip
-                tl.store(count, 0)  # zero again for the next launch
-
-
-@triton.jit
-def _merge_head(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, b, h, s_ob, s_oh, num_splits,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """Head ``h`` of sequence ``b``: its splits' partials merged into ``out``. ``CACHE``
-    ".cg" reads them from L2 (written by other programs of the same launch: a line of them
-    this multiprocessor's L1 holds from before would be stale), "" from anywhere."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    d_mask = offs_d < HEAD_DIM
-    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_splits + offs_s
-    m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
-    l_s = tl.load(part_l_ptr + row, mask=s_mask, other=0.0, cache_modifier=CACHE)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_max)  # empty splits carry m = -inf: weight 0
-    acc = tl.load(
-        part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-        cache_modifier=CACHE,
-    )
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-    o_ptrs = out_ptr + b.to(tl.int64) * s_ob + h * s_oh + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -262,9 +215,26 @@ def _merge_splits_kernel(
     BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
-    _merge_head(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, tl.program_id(0),
-                tl.program_id(1), s_ob, s_oh, num_splits, NUM_Q_HEADS, HEAD_DIM, BLOCK_D,
-                BLOCK_S, "")  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_splits + offs_s
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # empty splits carry m = -inf: weight 0
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    o_ptrs = out_ptr + b.to(tl.int64) * s_ob + h * s_oh + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def default_block_n(block_d: int, elem: int, num_stages: int, device: torch.device) -> int:
@@ -316,7 +286,6 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,  # [Hq], contiguous: a learned logit per head (gpt-oss)
-    merge_in_place: bool | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton version of :func:`kernels.attention.ref_paged_decode_attention`.
 
@@ -347,10 +316,6 @@ def paged_decode_attention(
     caps each score (Gemma 2's ``attn_logit_softcapping``; a compiled variant per value).
     ``sinks`` (gpt-oss's attention sinks, the reference's; None: none, the kernel compiled
     without them) seed split 0's running max and sum (module docstring).
-
-    ``merge_in_place`` (default: whenever there are splits and counters for them) merges the
-    splits in the attention kernel's last program of each (sequence, KV head) instead of in a
-    kernel of its own (module docstring); the same arithmetic either way.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, bs, hkv, d = check_kv_cache(k_cache, v_cache)
@@ -411,16 +376,8 @@ def paged_decode_attention(
         work[pad * d : pad * d + rows],
         work[pad * (d + 1) : pad * (d + 1) + rows],
     )
-    pairs = batch * hkv
-    if merge_in_place is None:
-        merge_in_place = num_splits > 1 and pairs <= MAX_COUNTERS
-    if merge_in_place and not (num_splits > 1 and pairs <= MAX_COUNTERS):
-        raise ValueError(f"merge_in_place needs num_splits > 1 and at most {MAX_COUNTERS} "
-                         f"sequence x KV-head pairs, got {num_splits} and {pairs}")  # fmt: skip
-    block_s = max(MAX_SPLITS, next_pow2(num_splits))  # one variant for every default split
     _decode_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
-        arrival_counts(device) if merge_in_place else part_m,  # part_m: never read then
         q if sinks is None else sinks,  # q: a stand-in pointer the kernel never reads
         float(scale) * LOG2E, num_splits, window or NO_WINDOW,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -430,27 +387,14 @@ def paged_decode_attention(
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype) and not f16_read,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
         F16_READ=f16_read, HALF_D=half_d, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
-        MERGE=merge_in_place, BLOCK_S=block_s, **pdl(device, batch),
+        **pdl(device, batch),
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
-    if num_splits > 1 and not merge_in_place:
+    if num_splits > 1:
         _merge_splits_kernel[(batch, hq)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
-            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s,
+            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_S=max(MAX_SPLITS, next_pow2(num_splits)),  # one variant for every default split
             num_warps=4, **pdl(device, batch),
         )  # fmt: skip
     return out
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device) -> torch.Tensor:
-    """The device's ``MAX_COUNTERS`` split counters (int32): zero between launches, each
-    launch leaving those it used zero again. Made once and kept for good, so a graph captured
-    with them never replays onto freed memory. One set a device: the engine runs its decode
-    attention on one stream at a time."""
-    counts = _COUNTS.get(device)
-    if counts is None:
-        counts = _COUNTS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return counts

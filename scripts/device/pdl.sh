@@ -62,7 +62,7 @@ for step in ${*:-tests profile w2 quant}; do
       timeout 300 python3 -m kernels.bench.quant --rows --w4-rows 64 128 256 2048 8192 \
         --json-out "$out/w4-rows.json" 2>&1 | grep -E "^int4|Error|error" ;;
     ablate)
-      for kind in none silu norm rotary; do
+      for kind in none silu norm rotary merge; do
         timeout 150 python3 -m services.engine.bench.ablate_step --skip $kind --model llama-3.1-8b \
           --batch 1 --context 1024 --json-out "$out/ablate-$kind.json" 2>&1 | tail -1 |
           sed "s/^/without $kind: /"

@@ -237,39 +237,6 @@ def test_writes_into_the_given_out_and_nothing_else(
         paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, out=big[:2])
 
 
-@pytest.mark.parametrize(
-    ("cache_dtype", "window", "sinks", "num_splits"),
-    [(None, 0, False, 3), (torch.float8_e4m3fn, 33, False, 2), (None, 0, True, 8)],
-)
-def test_splits_merged_in_place_give_the_merge_kernels_bits(
-    cache_dtype: torch.dtype | None, window: int, sinks: bool, num_splits: int,
-    gen: torch.Generator, device: torch.device,
-) -> None:  # fmt: skip
-    """The last split of each (sequence, KV head) merges the partials in place: the merge
-    kernel's arithmetic (the same output, bit for bit), every counter it used zero again after
-    (the next launch, or a graph's next replay, counts from zero), and a merge in place is
-    refused where there is nothing to merge."""
-    lens = [*MIXED_LENS, 200]  # with 8 splits the short contexts leave splits empty
-    k_cache, v_cache, tables = paged_kv(lens, 16, 2, 32, torch.bfloat16, gen, device)
-    if cache_dtype is not None:
-        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    q = rand((len(lens), 8, 32), torch.bfloat16, gen, device)
-    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
-    head_sinks = torch.linspace(-2.0, 3.0, 8, device=device) if sinks else None
-    args = (q, k_cache, v_cache, tables, ctx, 0.2)
-    kw = {"num_splits": num_splits, "window": window, "sinks": head_sinks}
-    counts = triton_decode.arrival_counts(device)
-    assert not counts.any()
-    fused = paged_decode_attention(*args, **kw, merge_in_place=True)
-    assert not counts.any()
-    assert torch.equal(fused, paged_decode_attention(*args, **kw, merge_in_place=False))
-    assert torch.equal(fused, paged_decode_attention(*args, **kw))  # the default
-    ref = ref_paged_decode_attention(*args, window=window, sinks=head_sinks)
-    assert_matches(fused, ref)
-    with pytest.raises(ValueError, match="merge_in_place needs num_splits > 1"):
-        paged_decode_attention(*args, num_splits=1, merge_in_place=True)
-
-
 def test_split_choice_follows_batch_and_context(device: torch.device) -> None:
     assert choose_num_splits(64, 8, 4096, device) == 1  # 512 programs fill the GPU already
     assert choose_num_splits(256, 8, 512, device) == 1
@@ -393,35 +360,6 @@ def test_gpu_both_variants_give_the_same_bits(
         for half_d in (True, False)
     ]
     assert torch.equal(*outs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
-@pytest.mark.parametrize(("batch", "ctx"), [(1, 1024), (4, 4096), (1, 32768), (16, 2000)])
-def test_gpu_splits_merged_in_place_in_a_graph_give_the_merge_kernels_bits(
-    batch: int, ctx: int, cache_dtype: torch.dtype | None
-) -> None:
-    """Compiled, the last split to finish merges in place: the merge kernel's bits, replay
-    after replay of a captured graph on new queries (a split reading a part not yet stored, or
-    a counter left non-zero, would show), every counter zero after."""
-    cuda = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    lens = [ctx - 3 * i for i in range(batch)]
-    k_cache, v_cache, tables = paged_kv(lens, 16, 8, 128, torch.bfloat16, gen, cuda)
-    if cache_dtype is not None:
-        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    q = torch.randn(batch, 32, 128, device=cuda, dtype=torch.bfloat16)
-    args = (q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=cuda), 0.1)
-    assert triton_decode.choose_num_splits(batch, 8, ctx, cuda, k_cache.element_size()) > 1
-    out = paged_decode_attention(*args)  # compiled before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(*args, out=out, merge_in_place=True)
-    for _ in range(20):
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        assert torch.equal(out, paged_decode_attention(*args, merge_in_place=False))
-    assert not triton_decode.arrival_counts(cuda).any()
 
 
 @pytest.mark.gpu

@@ -7,9 +7,8 @@ Replaces one kind of kernel by a no-op before the engine captures its CUDA graph
 one decode step's graph replay as :mod:`services.engine.bench.profile_step` does. The step's
 numbers are then wrong (only its time means anything): ``silu`` passes the gate half through,
 ``norm`` returns its input (and the residual unchanged), ``rotary`` returns q unrotated and
-writes no KV. ``none`` is the step as it is. Each kind in its own process (the engine's graphs
-are captured once). (The decode attention's split merge, once a kind of its own, is done in the
-attention kernel now: ``kernels.triton_decode``.)
+writes no KV, ``merge`` skips the decode attention's split merge. ``none`` is the step as it
+is. Each kind in its own process (the engine's graphs are captured once).
 """
 
 from __future__ import annotations
@@ -20,6 +19,13 @@ from collections.abc import Callable
 import torch
 
 from kernels import ops
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
 
 
 def _skip_silu() -> None:
@@ -39,11 +45,18 @@ def _skip_rotary() -> None:
     ops.rotary_write_kv = lambda positions, q, *args, **kwargs: q  # type: ignore[assignment]
 
 
+def _skip_merge() -> None:
+    from kernels import triton_decode
+
+    triton_decode._merge_splits_kernel = _NoLaunch()  # type: ignore[assignment]
+
+
 SKIPS: dict[str, Callable[[], None]] = {
     "none": lambda: None,
     "silu": _skip_silu,
     "norm": _skip_norm,
     "rotary": _skip_rotary,
+    "merge": _skip_merge,
 }
 
 

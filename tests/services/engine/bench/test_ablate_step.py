@@ -11,11 +11,16 @@ from services.engine.bench import ablate_step
 
 @pytest.fixture
 def restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import triton_decode
+
     for name in ("silu_and_mul", "rms_norm", "rotary_write_kv"):
         monkeypatch.setattr(ops, name, getattr(ops, name))
+    monkeypatch.setattr(triton_decode, "_merge_splits_kernel", triton_decode._merge_splits_kernel)
 
 
 def test_each_skip_replaces_its_kernel(restored: None) -> None:
+    from kernels import triton_decode
+
     before = {n: getattr(ops, n) for n in ("silu_and_mul", "rms_norm", "rotary_write_kv")}
     ablate_step.SKIPS["none"]()
     assert {n: getattr(ops, n) for n in before} == before
@@ -29,6 +34,8 @@ def test_each_skip_replaces_its_kernel(restored: None) -> None:
     ablate_step.SKIPS["rotary"]()
     q = torch.randn(1, 2, 4)
     assert ops.rotary_write_kv(torch.zeros(1), q, q, q, x, q, q, x) is q
+    ablate_step.SKIPS["merge"]()
+    assert triton_decode._merge_splits_kernel[(1, 1)](1, 2, out=3) is None
     assert ops.rms_norm is not before["rms_norm"]  # the others stayed replaced
 
 
