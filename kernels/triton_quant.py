@@ -534,14 +534,18 @@ def fp8_gemv_config(n: int, k: int, block_k: int) -> tuple[int, int, int]:
     """The GEMV launch for an [n, k] fp8 weight. Per-channel scales (``--quantization fp8``)
     take the fastest launch per Llama-3.1-8B shape of ``kernels.bench.quant``'s sweep on an H100
     (2026-11-25), by shape: long rows (k >= 8192) 2 rows of 2048-long chunks, square or narrow
-    outputs 8 rows of 1024 on 8 warps, wide ones 8 rows of 512; block scales keep chunks within
-    a scale block (FP8_GEMV_CONFIG)."""
+    outputs 8 rows of 1024 on 8 warps, wide ones 8 rows of 512; outputs up to twice as many as
+    the inputs (qkv's) 16 rows of 512 on 8 warps, the best of ``kernels.bench.gemv_graph
+    --fp8`` in a graph on an H100 (11.3 against 11.6 us) and an H200 (8.4 against 9.4 us,
+    2026-11-30). Block scales keep chunks within a scale block (FP8_GEMV_CONFIG)."""
     if block_k < k:
         return FP8_GEMV_CONFIG
     if k >= 8192:
         return (2, 2048, 4)
     if n <= k:
         return (8, 1024, 8)
+    if n <= 2 * k:
+        return (16, 512, 8)
     return (8, 512, 4)
 
 
