@@ -76,8 +76,15 @@ from kernels.triton_common import (
 
 # fp8: batches of at most this many rows take the GEMV. It reads each weight tile once per row
 # of x (from L2 after the first) and converts it again: the 8B FP8 decode step on an H100 took
-# 8.25 ms at 4 rows and 14.05 at 8 against 6.81 at 16 (the GEMM), so from 3 rows the GEMM
-GEMV_ROWS = 2
+# 8.25 ms at 4 rows and 14.05 at 8 against 6.81 at 16 (the GEMM). At 2 rows too the GEMM at
+# FP8_SMALL_GEMM_CONFIG is faster: the four 8B projections in a graph on an H200 (python -m
+# kernels.bench.gemv_graph --fp8 --rows 2, 2026-11-30) 98 us against the GEMV's 107
+GEMV_ROWS = 1
+# fp8 GEMMs of up to 16 rows: 16 rows of x a tile (the least tl.dot takes), 32 output columns,
+# 256-long chunks of K, 4 warps, K sliced for two programs an SM. The four 8B projections in a
+# graph on an H200 at 4 / 8 / 16 rows (gemv_graph --fp8 --rows): 98 / 98 / 98 us against 130
+# / 130 / 129 at GEMM_CONFIG, every projection faster
+FP8_SMALL_GEMM_CONFIG = (16, 32, 256, 4)
 # int4: 1 or 2 rows take the GEMV (both rows in one program, each nibble plane made once), from
 # 3 rows the GEMM (one H100, the GEMV of 2026-11-25 against it, the four Llama-3.1-8B
 # projections together: 358 against 284 us at 4 rows; one H200, 2026-11-30: the GEMV with 8
@@ -588,7 +595,8 @@ def fp8_linear(
             num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
-    bm, bn, bk, warps, asked = _with_split(config or GEMM_CONFIG, 4)
+    default = FP8_SMALL_GEMM_CONFIG if m <= 16 else GEMM_CONFIG
+    bm, bn, bk, warps, asked = _with_split(config or default, 4)
     bk = max(16, min(bk, triton.next_power_of_2(k)))
     bk = _chunk(bk, block_k) if block_k < k else bk
     split, per = _split(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The batch-1 FP8 GEMV (issue 20's FP8 step) on one lent GPU, each step in its own process:
 #   tests    the compiled tests of the FP8 kernels
-#   bench    every launch over the 8B projections in a graph   -> $out/fp8-gemv-graph.json
+#   bench    every launch over the 8B projections in a graph, for FP8_ROWS rows of x (default
+#            1; from 2 the GEMM's launches too)                 -> $out/fp8-gemv-graph.json
 #   latency  the FP8 decode step at batch 1 and 2, FP8_RUNS times -> $out/latency-fp8-<i>.json
 #   bash scripts/device/fp8_gemv.sh [tests] [bench] [latency]   (default: all three)
 set -uo pipefail
@@ -16,8 +17,8 @@ for step in ${*:-tests bench latency}; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quant.py \
         -k fp8 2>&1 | tail -3 ;;
     bench)
-      timeout 400 python3 -m kernels.bench.gemv_graph --fp8 --json-out "$out/fp8-gemv-graph.json" \
-        2>&1 | tail -12 ;;
+      timeout 480 python3 -m kernels.bench.gemv_graph --fp8 --rows ${FP8_ROWS:-1} \
+        --json-out "$out/fp8-gemv-graph.json" 2>&1 | grep -v "differs" | tail -40 ;;
     latency)
       for i in $(seq ${FP8_RUNS:-1}); do
         timeout 240 python3 -m services.cli bench latency --model llama-3.1-8b \
