@@ -45,6 +45,10 @@ CONVERT_CONFIG = (64, 128, 2, 16)  # (BLOCK_N, BLOCK_K, warps, SPLIT): its serve
 # the served GEMV's other launches: 4-16 KB of packed words a chunk, 8 or 16 warps, K unsplit
 LAUNCHES = [(bn, bk, w, 1) for bn, bk in ((8, 2048), (16, 1024), (16, 2048), (32, 512),
             (32, 1024)) for w in (4, 8, 16)]  # fmt: skip
+# the int4 GEMM's launches for the rows the GEMV does not take (BLOCK_M, BLOCK_N, BLOCK_K up to
+# a scale group, warps, SPLIT; 0: the default slices of K)
+GEMM_LAUNCHES = [(16, bn, bk, w, split) for bn in (32, 64, 128, 256) for bk in (64, 128)
+                 for w in (4, 8) for split in (0, 1)]  # fmt: skip
 
 
 @triton.jit
@@ -190,12 +194,15 @@ def _on_gemm(*args: Any) -> torch.Tensor:
 
 def candidates(rows: int = 1) -> Forms:
     """Each form of the GEMV for ``rows`` rows of x at the launches timed: family -> [(launch,
-    fn)]; at 2 rows the int4 GEMM too (which takes 3 rows and more: ``W4_GEMV_ROWS``)."""
+    fn)]; at 2 rows the int4 GEMM too (which takes 3 rows and more: ``W4_GEMV_ROWS``); past
+    the GEMV's rows the served GEMM alone, at its launches."""
     from kernels.triton_quant import W4_GEMV_ROWS, w4a16_linear
 
     served: list[tuple[str, Callable[..., torch.Tensor]]] = [("default", w4a16_linear)]
-    if rows <= W4_GEMV_ROWS:
-        served += [(str(c), functools.partial(w4a16_linear, config=c)) for c in LAUNCHES]
+    launches = LAUNCHES if rows <= W4_GEMV_ROWS else GEMM_LAUNCHES
+    served += [(str(c), functools.partial(w4a16_linear, config=c)) for c in launches]
+    if rows > W4_GEMV_ROWS:
+        return {"served": served}
     forms: Forms = {"served": served, "convert": [("default", convert_gemv)],
              "trick": [("default", trick_gemv)]}  # fmt: skip
     if 1 < rows <= W4_GEMV_ROWS:

@@ -68,3 +68,9 @@ def test_a_shape_is_timed_checked_and_reported(
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device), rows=2)
     assert row["rows"] == 2 and set(row["best"]) == {"convert", "trick", "served", "gemm"}
     assert len(calls) == 11 and "tiny" in capsys.readouterr().out
+    monkeypatch.setattr(w4_unpack, "GEMM_LAUNCHES", [(16, 32, 64, 2, 0), (16, 64, 128, 4, 1)])
+    row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device), rows=3)
+    assert set(row["launches_us"]) == {"served"}  # past the GEMV's rows: the GEMM's launches
+    assert set(row["launches_us"]["served"]) == {"default", "(16, 32, 64, 2, 0)",
+                                                 "(16, 64, 128, 4, 1)"}  # fmt: skip
+    assert len(calls) == 14
