@@ -2,8 +2,9 @@
 # The batch-1 int4 GEMV in its forms, on one lent GPU (issue 20's AWQ step), each step in its
 # own process:
 #   tests    the compiled tests of the int4 kernels and of kernels.bench.w4_unpack's forms
-#   bench    every form at its launches over the 8B projections, in a graph, for 1 and 2
-#            rows of x (from 2 rows the int4 GEMM too)      -> $out/w4-forms-x<rows>.json
+#   bench    every form at its launches over the 8B projections, in a graph, for W4_ROWS rows
+#            of x (default 1 2; from 2 rows the int4 GEMM and the tensor-core planes too)
+#                                                           -> $out/w4-forms-x<rows>.json
 #   latency  the AWQ and bf16 decode steps at batch 1, 2 and 8   -> $out/latency-<q>.json
 #   bash scripts/device/w4_gemv.sh [tests] [bench] [latency]   (default: tests bench)
 set -uo pipefail
@@ -18,7 +19,7 @@ for step in ${*:-tests bench}; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/bench/test_w4_unpack.py \
         tests/kernels/test_triton_quant.py 2>&1 | tail -3 ;;
     bench)
-      timeout 420 python3 -m kernels.bench.w4_unpack --rows 1 2 \
+      timeout 480 python3 -m kernels.bench.w4_unpack --rows ${W4_ROWS:-1 2} \
         --json-out "$out/w4-forms.json" 2>&1 | grep -v "best launch" | tail -30 ;;
     latency)
       for q in ${W4_LATENCY:-awq none}; do
