@@ -68,20 +68,13 @@ def test_each_form_equals_the_reference_and_the_served_gemv(
 
 
 def test_a_shape_is_timed_checked_and_reported(
-    monkeypatch: pytest.MonkeyPatch, capsys, device: torch.device
+    graph_calls: list[object], monkeypatch: pytest.MonkeyPatch, capsys, device: torch.device
 ) -> None:
     """The benchmark's own path on the CPU under the interpreter, with a call counted as 1 us:
     every form at every launch passes the reference check and lands in the row."""
-    from kernels.bench import gemv_graph, w4_unpack
+    from kernels.bench import w4_unpack
 
-    calls: list[object] = []
-
-    def one_us(fn):  # runs the launches once, as the graph capture would
-        calls.append(fn())
-        return 1.0
-
-    monkeypatch.setattr(gemv_graph, "REPS", 2)
-    monkeypatch.setattr(gemv_graph, "graph_us", one_us)
+    calls = graph_calls
     monkeypatch.setattr(w4_unpack, "LAUNCHES", [(16, 128, 2, 0), (16, 256, 4, 1)])
     monkeypatch.setattr(w4_unpack, "PLANES_LAUNCHES", [(16, 16, 128, 4, 1)])
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device))
