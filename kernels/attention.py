@@ -114,7 +114,16 @@ def check_window(window: int) -> None:
 def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
     bs = cache.shape[1]
     nblk = (n + bs - 1) // bs
-    return cache[block_table[:nblk].long()].flatten(0, 1)[:n]  # [n, Hkv, D]
+    return gather_blocks(cache, block_table[:nblk]).flatten(0, 1)[:n]  # [n, Hkv, D]
+
+
+def gather_blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``cache[ids]``: the blocks ``ids`` (any shape, any integer dtype) of ``cache`` [N, ...],
+    as ``[*ids.shape, ...]``. Through ``index_select``, which copies whole blocks: on the CPU
+    ~8x faster than advanced indexing (16 x 8 blocks of 16 x 3 x 64 floats: 0.16 against 1.35
+    ms), which the CPU decode step spent a tenth of its time in."""
+    flat = torch.index_select(cache, 0, ids.reshape(-1).long())
+    return flat.view(*ids.shape, *cache.shape[1:])
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
@@ -204,16 +213,26 @@ def ref_paged_decode_attention(
     group = Hq // Hkv
     max_len = int(context_lens.max().item()) if B else 0
     nblk = (max_len + bs - 1) // bs
-    tables = block_tables[:, :nblk].long().clamp_min(0)
+    tables = block_tables[:, :nblk].clamp_min(0)
     # [B, Hkv, L, D]: one gather per cache, laid out for batched matmuls
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    qf = q.float().view(B, Hkv, group, D)
-    scores = soft_cap(torch.matmul(qf, k.transpose(-1, -2)) * scale, softcap)  # [B, Hkv, g, L]
+    k = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_len].transpose(1, 2).float()
+    v = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len].transpose(1, 2).float()
     pos = torch.arange(max_len, device=q.device)
-    mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]
+    mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]: True where not seen
     if window:
         mask |= pos[None, :] <= context_lens[:, None].long() - 1 - window
+    if not softcap and sinks is None:  # what torch's fused attention computes
+        # unwritten slots may hold NaN, which a zero weight does not cancel: zeroed in the
+        # gathered copies (index_select copies: the cache itself is never written)
+        k.masked_fill_(mask[:, None, :, None], 0.0)
+        v.masked_fill_(mask[:, None, :, None], 0.0)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.float().view(B, Hq, 1, D), k, v, attn_mask=~mask[:, None, None, :], scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return _into(out, o.view(B, Hq, D).to(q.dtype))
+    qf = q.float().view(B, Hkv, group, D)
+    scores = soft_cap(torch.matmul(qf, k.transpose(-1, -2)) * scale, softcap)  # [B, Hkv, g, L]
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     v = v.masked_fill(mask[:, None, :, None], 0.0)  # unwritten slots may hold NaN
     # sinks [Hq] -> [Hkv, g, 1]: row (kv head, group member) is query head kv * g + member

@@ -1,7 +1,8 @@
 """The torch references of attention: prefill against a dense masked softmax, and on torch's fused
 SDPA kernel (a 3-D call fell back to the math path, which holds every [q_len, n] score: on the CPU
-that was 80% of a 4k-token prefill); prefill and decode with a sliding window against a softmax
-per query over the keys it sees; attention sinks against transformers' gpt-oss softmax."""
+that was 80% of a 4k-token prefill); decode on the fused kernel too, NaN past each context kept
+out; prefill and decode with a sliding window against a softmax per query over the keys it sees;
+attention sinks against transformers' gpt-oss softmax."""
 
 from __future__ import annotations
 
@@ -110,6 +111,36 @@ def test_decode_reference_window_matches_a_softmax_per_query(window: int) -> Non
         assert_matches(out[b], brute_force(q[b], keys, vals, n - 1, window, scale))
     if window >= max(lens):
         assert_matches(out, ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale))
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_reference_runs_on_the_fused_kernel_and_ignores_nan_past_each_context(
+    window: int,
+) -> None:
+    """Without soft-capping or sinks the decode reference is torch's fused attention (flash, on
+    the CPU) over the gathered keys: NaN in the unwritten tail of a sequence's last block is
+    never read into the output, the cache itself is left as it was, and each row is the
+    softmax over the keys it sees."""
+    gen = torch.Generator().manual_seed(8)
+    hq, hkv, d, bs, scale = 6, 2, 16, 8, 16**-0.5
+    lens = [3, 8, 13, 30]
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables = paged_kv(lens, bs, hkv, d, torch.float32, gen, cpu)
+    for b, n in enumerate(lens):  # the slots past each context in its last block
+        last = int(tables[b, (n - 1) // bs])
+        k_cache[last, (n - 1) % bs + 1 :] = float("nan")
+        v_cache[last, (n - 1) % bs + 1 :] = float("nan")
+    kept = k_cache.clone(), v_cache.clone()
+    q = rand((len(lens), hq, d), torch.float32, gen, cpu)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises "No available kernel" off it
+        out = ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, window=window)
+    assert bool(torch.isfinite(out).all())
+    assert torch.allclose(k_cache, kept[0], equal_nan=True)
+    assert torch.allclose(v_cache, kept[1], equal_nan=True)
+    for b, n in enumerate(lens):
+        keys, vals = _gather(k_cache, tables[b], n), _gather(v_cache, tables[b], n)
+        assert_matches(out[b], brute_force(q[b], keys, vals, n - 1, window, scale))
 
 
 def _five_tokens(seed: int, q_heads: int) -> tuple[torch.Tensor, ...]:
