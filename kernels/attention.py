@@ -214,23 +214,28 @@ def ref_paged_decode_attention(
     max_len = int(context_lens.max().item()) if B else 0
     nblk = (max_len + bs - 1) // bs
     tables = block_tables[:, :nblk].clamp_min(0)
+    pos = torch.arange(max_len, device=q.device)
+    written = pos[None, :] < context_lens[:, None].long()  # [B, L]
+    mask = ~written  # True where not seen
+    if window:
+        mask |= pos[None, :] <= context_lens[:, None].long() - 1 - window
+    mergeable = k_cache.stride(0) == bs * k_cache.stride(1)  # [N * bs] slots without a copy
+    if not softcap and sinks is None and mergeable and v_cache.stride() == k_cache.stride():
+        # torch's fused attention over the slots gathered one by one: where a row has no key
+        # (past its context) it reads its own first slot instead (written: contexts are >= 1),
+        # so no unwritten slot's NaN enters, which a zero weight would not cancel
+        at = torch.where(written, pos[None, :], 0)
+        slots = (torch.gather(tables.long(), 1, at // bs) * bs + at % bs).reshape(-1)
+        k = torch.index_select(k_cache.flatten(0, 1), 0, slots).view(B, max_len, Hkv, D)
+        v = torch.index_select(v_cache.flatten(0, 1), 0, slots).view(B, max_len, Hkv, D)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.float().view(B, Hq, 1, D), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+            attn_mask=~mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return _into(out, o.view(B, Hq, D).to(q.dtype))
     # [B, Hkv, L, D]: one gather per cache, laid out for batched matmuls
     k = gather_blocks(k_cache, tables).flatten(1, 2)[:, :max_len].transpose(1, 2).float()
     v = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len].transpose(1, 2).float()
-    pos = torch.arange(max_len, device=q.device)
-    mask = pos[None, :] >= context_lens[:, None].long()  # [B, L]: True where not seen
-    if window:
-        mask |= pos[None, :] <= context_lens[:, None].long() - 1 - window
-    if not softcap and sinks is None:  # what torch's fused attention computes
-        # unwritten slots may hold NaN, which a zero weight does not cancel: zeroed in the
-        # gathered copies (index_select copies: the cache itself is never written)
-        k.masked_fill_(mask[:, None, :, None], 0.0)
-        v.masked_fill_(mask[:, None, :, None], 0.0)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.float().view(B, Hq, 1, D), k, v, attn_mask=~mask[:, None, None, :], scale=scale,
-            enable_gqa=True,
-        )  # fmt: skip
-        return _into(out, o.view(B, Hq, D).to(q.dtype))
     qf = q.float().view(B, Hkv, group, D)
     scores = soft_cap(torch.matmul(qf, k.transpose(-1, -2)) * scale, softcap)  # [B, Hkv, g, L]
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))

@@ -143,6 +143,21 @@ def test_decode_reference_runs_on_the_fused_kernel_and_ignores_nan_past_each_con
         assert_matches(out[b], brute_force(q[b], keys, vals, n - 1, window, scale))
 
 
+def test_decode_reference_takes_caches_whose_blocks_are_not_one_run_of_slots() -> None:
+    """A cache laid out [bs, N, ...] and viewed [N, bs, ...] (its slots not one run): the
+    blocks are gathered whole instead, the same output as from a contiguous copy."""
+    gen = torch.Generator().manual_seed(9)
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables = paged_kv([5, 20], 8, 2, 16, torch.float32, gen, cpu)
+    q = rand((2, 4, 16), torch.float32, gen, cpu)
+    ctx = torch.tensor([5, 20], dtype=torch.int32)
+    k_odd = k_cache.transpose(0, 1).contiguous().transpose(0, 1)
+    v_odd = v_cache.transpose(0, 1).contiguous().transpose(0, 1)
+    assert k_odd.stride(0) != k_odd.shape[1] * k_odd.stride(1)
+    want = ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.25)
+    assert_matches(ref_paged_decode_attention(q, k_odd, v_odd, tables, ctx, 0.25), want)
+
+
 def _five_tokens(seed: int, q_heads: int) -> tuple[torch.Tensor, ...]:
     """(k_cache, v_cache, tables, q, context_lens) of one 5-token sequence, one KV head of 16:
     what the argument checks below call the references with."""
