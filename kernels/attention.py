@@ -216,11 +216,12 @@ def ref_paged_decode_attention(
     tables = block_tables[:, :nblk].clamp_min(0)
     pos = torch.arange(max_len, device=q.device)
     written = pos[None, :] < context_lens[:, None].long()  # [B, L]
-    mask = ~written  # True where not seen
+    seen = written  # and, with a window, only its last `window` positions
     if window:
-        mask |= pos[None, :] <= context_lens[:, None].long() - 1 - window
-    mergeable = k_cache.stride(0) == bs * k_cache.stride(1)  # [N * bs] slots without a copy
-    if not softcap and sinks is None and mergeable and v_cache.stride() == k_cache.stride():
+        seen = seen & (pos[None, :] > context_lens[:, None].long() - 1 - window)
+    # the caches' slots as one run of N * bs rows (a view, no copy)
+    mergeable = all(c.stride(0) == bs * c.stride(1) for c in (k_cache, v_cache))
+    if not softcap and sinks is None and mergeable:
         # torch's fused attention over the slots gathered one by one: where a row has no key
         # (past its context) it reads its own first slot instead (written: contexts are >= 1),
         # so no unwritten slot's NaN enters, which a zero weight would not cancel
@@ -230,7 +231,7 @@ def ref_paged_decode_attention(
         v = torch.index_select(v_cache.flatten(0, 1), 0, slots).view(B, max_len, Hkv, D)
         o = torch.nn.functional.scaled_dot_product_attention(
             q.float().view(B, Hq, 1, D), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-            attn_mask=~mask[:, None, None, :], scale=scale, enable_gqa=True,
+            attn_mask=seen[:, None, None, :], scale=scale, enable_gqa=True,
         )  # fmt: skip
         return _into(out, o.view(B, Hq, D).to(q.dtype))
     # [B, Hkv, L, D]: one gather per cache, laid out for batched matmuls
@@ -238,8 +239,8 @@ def ref_paged_decode_attention(
     v = gather_blocks(v_cache, tables).flatten(1, 2)[:, :max_len].transpose(1, 2).float()
     qf = q.float().view(B, Hkv, group, D)
     scores = soft_cap(torch.matmul(qf, k.transpose(-1, -2)) * scale, softcap)  # [B, Hkv, g, L]
-    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    v = v.masked_fill(mask[:, None, :, None], 0.0)  # unwritten slots may hold NaN
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+    v = v.masked_fill(~seen[:, None, :, None], 0.0)  # unwritten slots may hold NaN
     # sinks [Hq] -> [Hkv, g, 1]: row (kv head, group member) is query head kv * g + member
     sink = None if sinks is None else sinks.reshape(Hkv, group, 1)
     o = torch.matmul(softmax_with_sinks(scores, sink), v).reshape(B, Hq, D)  # [B, Hkv, g, D]

@@ -7,7 +7,8 @@ memory: each program loads a packed tile, unpacks it in registers and multiplies
 batches excepted, below).
 
 - **GEMV** (M <= ``GEMV_ROWS`` for fp8, ``W4_GEMV_ROWS`` for int4: the conversion and
-  unpacking are redone per row, so from 3 rows the GEMM is faster): one program per ``BLOCK_N``
+  unpacking are redone per row, so from 2 rows (fp8) or 3 (int4) the GEMM is faster, at a tile
+  for few rows up to ``SMALL_GEMM_ROWS``): one program per ``BLOCK_N``
   output columns, row of x and slice of K, fp32 partial products reduced once at the end. The
   rows of x are the grid's fastest index, so the M programs of one weight tile run side by side
   and read it from HBM about once (with M the slowest, a batch of 4 read every weight 4 times).
@@ -85,6 +86,7 @@ GEMV_ROWS = 1
 # graph on an H200 at 4 / 8 / 16 rows (gemv_graph --fp8 --rows): 98 / 98 / 98 us against 130
 # / 130 / 129 at GEMM_CONFIG, every projection faster
 FP8_SMALL_GEMM_CONFIG = (16, 32, 256, 4)
+SMALL_GEMM_ROWS = 16  # GEMMs of at most this many rows take the *_SMALL_GEMM_CONFIG tiles
 # int4: 1 or 2 rows take the GEMV (both rows in one program, each nibble plane made once), from
 # 3 rows the GEMM (one H100, the GEMV of 2026-11-25 against it, the four Llama-3.1-8B
 # projections together: 358 against 284 us at 4 rows; one H200, 2026-11-30: the GEMV with 8
@@ -513,7 +515,7 @@ def w4a16_linear(
             **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
-    default = W4_SMALL_GEMM_CONFIG if m <= 16 else GEMM_CONFIG
+    default = W4_SMALL_GEMM_CONFIG if m <= SMALL_GEMM_ROWS else GEMM_CONFIG
     bm, bn, bk, warps, asked = _with_split(config or default, 4)
     bk = min(bk, group_size)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -556,6 +558,11 @@ def fp8_gemv_config(n: int, k: int, block_k: int) -> tuple[int, int, int]:
     return (8, 512, 4)
 
 
+def fp8_gemm_config(m: int) -> tuple[int, int, int, int]:
+    """The FP8 GEMM's tile for ``m`` rows of x (BLOCK_M, BLOCK_N, BLOCK_K, warps)."""
+    return FP8_SMALL_GEMM_CONFIG if m <= SMALL_GEMM_ROWS else GEMM_CONFIG
+
+
 def fp8_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
@@ -595,8 +602,7 @@ def fp8_linear(
             num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
-    default = FP8_SMALL_GEMM_CONFIG if m <= 16 else GEMM_CONFIG
-    bm, bn, bk, warps, asked = _with_split(config or default, 4)
+    bm, bn, bk, warps, asked = _with_split(config or fp8_gemm_config(m), 4)
     bk = max(16, min(bk, triton.next_power_of_2(k)))
     bk = _chunk(bk, block_k) if block_k < k else bk
     split, per = _split(

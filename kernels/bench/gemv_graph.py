@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Callable, Sequence
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,13 @@ def time_fp8_shape(
     """The FP8 linear (per-channel scales) at its default launch and the others, in a graph:
     for ``rows`` rows of x the GEMV's launches (up to ``GEMV_ROWS`` rows) and the GEMM's."""
     from kernels import triton_quant
-    from kernels.triton_quant import GEMM_CONFIG, GEMV_ROWS, fp8_gemv_config, fp8_linear
+    from kernels.triton_quant import (
+        GEMM_CONFIG,
+        GEMV_ROWS,
+        fp8_gemm_config,
+        fp8_gemv_config,
+        fp8_linear,
+    )
 
     ws = [
         torch.randn(n, k, device=device).clamp(-400, 400).to(torch.float8_e4m3fn)
@@ -107,7 +114,7 @@ def time_fp8_shape(
 
         return run
 
-    default = fp8_gemv_config(n, k, k) if rows <= GEMV_ROWS else GEMM_CONFIG
+    default = fp8_gemv_config(n, k, k) if rows <= GEMV_ROWS else fp8_gemm_config(rows)
     timed = {"default": graph_us(launch(None))}
     gemv = FP8_CONFIGS if rows <= GEMV_ROWS else []
     gemm = [*FP8_GEMM_CONFIGS, (*GEMM_CONFIG, 0)] if rows > 1 else []
@@ -115,15 +122,13 @@ def time_fp8_shape(
         if len(c) == 4 and c[1] > k:
             continue
         # a GEMM's launch for rows the GEMV would take: the GEMV's limit lowered meanwhile
-        triton_quant.GEMV_ROWS = min(GEMV_ROWS, rows - 1) if len(c) == 5 else GEMV_ROWS
-        try:
+        limit = min(GEMV_ROWS, rows - 1) if len(c) == 5 else GEMV_ROWS
+        with mock.patch.object(triton_quant, "GEMV_ROWS", limit):
             got = fp8_linear(x, ws[0], scale, k, config=c).float()
             if not torch.allclose(got, ref, rtol=2e-2, atol=1e-1):
                 print(f"  {name} {c}: differs from the default launch", flush=True)
                 continue
             timed[str(c)] = graph_us(launch(c))
-        finally:
-            triton_quant.GEMV_ROWS = GEMV_ROWS
     best = min(timed, key=lambda key: timed[key])
     floor_us = n * k / copy / 1e3
     print(f"{name:8s} x{rows:<3d} fp8 floor {floor_us:6.1f} us  default {default} {timed['default']:6.1f} us "

@@ -34,10 +34,10 @@ chunk, x's rows padded to 16) took 1.3-1.5x ``convert``'s time at one row (``pla
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import triton
@@ -244,24 +244,12 @@ def planes_gemm(
     return _finish(target, out, split)
 
 
-@contextlib.contextmanager
-def _gemv_rows(rows: int) -> Iterator[None]:
-    """``kernels.triton_quant.W4_GEMV_ROWS`` set to ``rows`` (0: every batch to the GEMM)."""
-    from kernels import triton_quant
-
-    was = triton_quant.W4_GEMV_ROWS
-    triton_quant.W4_GEMV_ROWS = rows
-    try:
-        yield
-    finally:
-        triton_quant.W4_GEMV_ROWS = was
-
-
 def _on_gemm(*args: Any) -> torch.Tensor:
     """``w4a16_linear`` with every batch on the int4 GEMM (its default tiles)."""
+    from kernels import triton_quant
     from kernels.triton_quant import w4a16_linear
 
-    with _gemv_rows(0):
+    with mock.patch.object(triton_quant, "W4_GEMV_ROWS", 0):
         return w4a16_linear(*args)
 
 
