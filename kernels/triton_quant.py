@@ -30,7 +30,10 @@ batches excepted, below).
 - **GEMM** (from 3 rows; for int4 up to ``W4_DEQUANT_ROWS``): ``tl.dot`` tiles. The integer
   part of the weight (``q - z`` for int4, the e4m3 value for fp8) is exact in the activation
   dtype, so the dot runs on it and the scale, constant over a chunk of K, multiplies the fp32
-  partial product afterwards.
+  partial product afterwards. The int4 GEMM's chunks of a multiple of ``W4_PLANES_K`` rows
+  (the small batches' tile) skip the reshape of the unpacked ``[BK/8, 8, BN]`` words into
+  ``[BK, BN]``: nibble plane ``j`` (rows ``8p + j``) meets x's columns ``8p + j`` in a dot of
+  its own, eight dots a chunk.
 
 - **Per-token activation quantization** (W8A8 on FP8 tensor cores): one program per row reads
   it twice (the amax, then the e4m3 values; the second read comes from L2) and writes the fp8
@@ -92,7 +95,15 @@ SMALL_GEMM_ROWS = 16  # GEMMs of at most this many rows take the *_SMALL_GEMM_CO
 # projections together: 358 against 284 us at 4 rows; one H200, 2026-11-30: the GEMV with 8
 # rows a program in 3D tensors took 3-4x the GEMM's time)
 W4_GEMV_ROWS = 2
-W4_SMALL_GEMM_CONFIG = (16, 64, 128, 4)  # int4 GEMMs of up to 16 rows (the same sweep's best)
+# int4 GEMMs of up to 16 rows: 128 output columns, chunks of one 128-long scale group on the
+# nibble planes (W4_PLANES_K), 8 warps, K in 8 slices. The four Llama-3.1-8B projections in a
+# graph on one H200 (python -m kernels.bench.w4_unpack --rows 4 8 16, 2026-11-30): 109 / 113
+# us at 4 / 8 rows against 193 for the best tile of each projection unpacked into [BK, BN]
+# (215 at the tile served before, (16, 64, 128, 4))
+W4_SMALL_GEMM_CONFIG = (16, 128, 128, 8, 8)
+# a chunk of K that is a multiple of this many rows is multiplied plane by plane: x's columns
+# 8p + j against nibble j of each packed word, one dot of K = BLOCK_K / 8 (at least 16) a plane
+W4_PLANES_K = 128
 # int4 above this many rows: the weight is dequantized to x's dtype (in slices of at most
 # W4_DEQUANT_SLICE_BYTES) and multiplied by cuBLAS. The GEMM unpacks each weight tile once per
 # BLOCK_M rows of x on CUDA cores, so its unpacking grows with M while a dequantized copy costs
@@ -354,7 +365,7 @@ def _dequant_matmul(
 def _w4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
     # launched plainly (no programmatic launch): with it AWQ's batch-8 step took 8.24 ms
     # against 7.84 on an H100
@@ -365,16 +376,30 @@ def _w4_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * K_PER
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
-        ks = k0 + offs_k
-        a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * s_xm + ks[None, :],
-                    mask=m_mask[:, None], other=0.0)  # fmt: skip
-        q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        w = (q - z[None, :]).to(a.dtype)  # exact: integers in [-15, 15]
-        acc += mma(a, w, UPCAST, PRECISION) * s[None, :]
+        if PLANES:
+            # plane j of the words (rows 8p + j) as 128 + q, less 128 + z: q - z, exact; times
+            # x's columns 8p + j, eight dots of K = BLOCK_K / 8 (no [BK/8, 8, BN] -> [BK, BN]
+            # reshape of the unpacked tile through shared memory)
+            p = tl.arange(0, BLOCK_K // 8)
+            words = (k0 // 8 + p).to(tl.int64)
+            packed = tl.load(qw_ptr + words[:, None] * s_qk + offs_n[None, :],
+                             mask=n_mask[None, :], other=0)  # fmt: skip
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(8):
+                a = tl.load(x_rows + (k0 + j + 8 * p)[None, :], mask=m_mask[:, None], other=0.0)
+                w = (_plane(packed, j) - (z + 128.0)[None, :]).to(a.dtype)
+                part += mma(a, w, UPCAST, PRECISION)
+            acc += part * s[None, :]
+        else:
+            a = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+            q = _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K, BLOCK_N)
+            w = (q - z[None, :]).to(a.dtype)  # exact: integers in [-15, 15]
+            acc += mma(a, w, UPCAST, PRECISION) * s[None, :]
     _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, pid_k, M, N, s_om, SPLIT)
 
 
@@ -524,7 +549,8 @@ def w4a16_linear(
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
-        PRECISION=dot_precision(x.dtype), SPLIT=split, num_warps=warps,
+        PRECISION=dot_precision(x.dtype), SPLIT=split, PLANES=bk % W4_PLANES_K == 0,
+        num_warps=warps,
     )  # fmt: skip
     return _finish(target, out, split)
 

@@ -14,21 +14,21 @@ scales and zeros at the copy bandwidth; every output is checked against the refe
 - ``trick``: the form before that (2^23 mantissa trick with nibbles masked in place and x
   scaled by 16^-i), measured slower than ``convert`` on an H100 (47 against 58 us for the 8B
   gate_up projection, 2026-11-25).
-- ``gemm`` (2 rows): the int4 GEMM on the tensor cores, which took batches of 2 rows until the
-  GEMV made each nibble plane once for both (2026-11-30).
-- ``planes`` (from 2 rows): a GEMM on the tensor cores without the served GEMM's reshape of each
-  unpacked ``[BK/8, BN]`` word tile into ``[BK, BN]`` (through shared memory, once for every 16
-  rows of x): plane ``j`` of the words (rows ``8p + j``) made ``q - z`` (exact in bf16) and
-  multiplied by x's columns ``8p + j``, eight ``tl.dot`` of K = BK/8 a chunk, x's rows padded
-  to 16. At one row (2026-11-30, H200) it took 110 us a layer, 1.3-1.5x the GEMV of then; the
-  served GEMM takes ~214 us at 4-16 rows, where the planes' cost should barely grow (the same
-  weight traffic, the MMA's rows padded to 16 either way): it is timed there against it.
+- ``gemm`` (2 rows): the int4 GEMM at its default tile, which took batches of 2 rows until
+  the GEMV made each nibble plane once for both (2026-11-30).
+- ``unpacked`` and ``planes`` (from 2 rows): the int4 GEMM at other tiles. Chunks of 64 rows
+  are unpacked into ``[BK/8, 8, BN]`` and reshaped to ``[BK, BN]`` (through shared memory, once
+  for every 16 rows of x) for one ``tl.dot``; chunks of 128 rows skip the reshape: plane ``j``
+  of the words (rows ``8p + j``) is made ``q - z`` (exact in bf16) and multiplied by x's
+  columns ``8p + j``, eight ``tl.dot`` of K = BK/8 a chunk, x's rows padded to 16.
 
 What one H200 said (2026-11-30): ``128 + q`` planes with the replaced kernel's 4 KB chunks and
 split K measured within 1-13% of ``convert`` on each projection, so the instructions per nibble
 were not what bounded it; with 8-16 KB chunks, 8 warps and K unsplit the same arithmetic took
-0.62-0.85x its time. The planes as ``q - z`` on the tensor cores (eight ``tl.dot`` of K = BK/8 a
-chunk, x's rows padded to 16) took 1.3-1.5x ``convert``'s time at one row (``planes`` above).
+0.62-0.85x its time. The planes on the tensor cores took 1.3-1.5x ``convert``'s time at one
+row, but at 4 and 8 rows the four 8B projections took 109 and 113 us (128 columns, 8 warps, K
+in 8 slices) against 193 for the best unpacked tile of each: the GEMM of up to 16 rows now
+runs on the planes (``W4_SMALL_GEMM_CONFIG``).
 """
 
 from __future__ import annotations
@@ -52,15 +52,12 @@ CONVERT_CONFIG = (64, 128, 2, 16)  # (BLOCK_N, BLOCK_K, warps, SPLIT): its serve
 # the served GEMV's other launches: 4-16 KB of packed words a chunk, 8 or 16 warps, K unsplit
 LAUNCHES = [(bn, bk, w, 1) for bn, bk in ((8, 2048), (16, 1024), (16, 2048), (32, 512),
             (32, 1024)) for w in (4, 8, 16)]  # fmt: skip
-# the int4 GEMM's launches for the rows the GEMV does not take (BLOCK_M, BLOCK_N, BLOCK_K up to
-# a scale group, warps, SPLIT; 0: the default slices of K)
-GEMM_LAUNCHES = [(16, bn, bk, w, split) for bn in (32, 64, 128, 256) for bk in (64, 128)
-                 for w in (4, 8) for split in (0, 1)]  # fmt: skip
-# the planes' launches (the same tuple); one H200 at one row (2026-11-30) found 64 columns of
-# 128-long chunks on 4 warps best, split by default or in 8
-PLANES_CONFIG = (16, 64, 128, 4)
-PLANES_LAUNCHES = [(16, bn, 128, w, split) for bn in (32, 64, 128) for w in (4, 8)
-                   for split in (0, 1, 8)]  # fmt: skip
+# the int4 GEMM's launches (BLOCK_M, BLOCK_N, BLOCK_K up to a scale group, warps, SPLIT; 0:
+# the default slices of K): chunks of 64 rows unpacked into [BK, BN], chunks of 128 rows on the
+# nibble planes (kernels.triton_quant.W4_PLANES_K)
+UNPACKED_LAUNCHES = [(16, bn, 64, w, 0) for bn in (32, 64, 128) for w in (4, 8)]
+PLANES_LAUNCHES = [(16, bn, 128, w, split) for bn in (64, 128, 256) for w in (4, 8)
+                   for split in (0, 8)]  # fmt: skip
 
 
 @triton.jit
@@ -183,95 +180,34 @@ def convert_gemv(
     return _launch_gemv(_w4_gemv_convert_kernel, x, qweight, scales, zeros, group_size, config)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w4_planes_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """Tensor cores on the nibble planes: plane j of a chunk (rows 8p + j of one scale group,
-    as q - z, exact in x's dtype) times x's columns 8p + j, eight dots of K = BK/8 a chunk,
-    then the chunk's scale."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pid_k = tl.program_id(2)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    rows = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = pid_k * K_PER
-    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
-    x_tile = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + rows[None, :] * 8
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
-        packed = tl.load(qw_tile + (k0 // 8) * s_qk, mask=n_mask[None, :], other=0)
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        zb = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32) + 128.0
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(8):
-            a = tl.load(x_tile + k0 + j, mask=m_mask[:, None], other=0.0)  # [BM, BK/8]
-            w = (_plane(packed, j) - zb[None, :]).to(a.dtype)  # q - z: integers in [-15, 15]
-            part += mma(a, w, UPCAST, PRECISION)
-        acc += part * s[None, :]
-    _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, pid_k, M, N, s_om, SPLIT)
-
-
-def planes_gemm(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-    group_size: int, config: tuple[int, ...] = PLANES_CONFIG,
-) -> torch.Tensor:  # fmt: skip
-    """``w4a16_linear`` on the tensor cores plane by plane, any rows of x; ``config``:
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps[, SPLIT]), BLOCK_K a multiple of 128 (a dot's K of 16)
-    within one scale group."""
-    from kernels.triton_common import dot_precision, dot_upcast
-    from kernels.triton_quant import _finish, _split, _target, _with_split
-
-    m, k = x.shape
-    n = qweight.shape[1]
-    bm, bn, bk, warps, asked = _with_split(config, 4)
-    bk = min(bk, group_size)
-    if bk % 128 or k % bk:
-        raise ValueError(f"BLOCK_K {bk} must be a multiple of 128 dividing K={k}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split, per = _split(asked, tiles, k // bk, x.device)
-    target = _target(out, split)
-    _w4_planes_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, qweight, scales, zeros, target, m, n, k, per * bk, x.stride(0), qweight.stride(0),
-        scales.stride(0), out.stride(0), GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=dot_upcast(x.dtype), PRECISION=dot_precision(x.dtype), SPLIT=split,
-        num_warps=warps,
-    )  # fmt: skip
-    return _finish(target, out, split)
-
-
-def _on_gemm(*args: Any) -> torch.Tensor:
-    """``w4a16_linear`` with every batch on the int4 GEMM (its default tiles)."""
+def _gemm(*args: Any, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``w4a16_linear`` with every batch on the int4 GEMM (its default tile, or ``config``)."""
     from kernels import triton_quant
     from kernels.triton_quant import w4a16_linear
 
     with mock.patch.object(triton_quant, "W4_GEMV_ROWS", 0):
-        return w4a16_linear(*args)
+        return w4a16_linear(*args, config=config)
 
 
 def candidates(rows: int = 1) -> Forms:
     """Each form of the GEMV for ``rows`` rows of x at the launches timed: family -> [(launch,
-    fn)]; at 2 rows the int4 GEMM and the planes too (the GEMM takes 3 rows and more:
-    ``W4_GEMV_ROWS``); past the GEMV's rows the served GEMM at its launches and the planes."""
+    fn)]; from 2 rows the int4 GEMM too (the GEMV takes up to ``W4_GEMV_ROWS``), its tiles
+    unpacked into ``[BK, BN]`` and on the nibble planes as two families."""
     from kernels.triton_quant import W4_GEMV_ROWS, w4a16_linear
 
-    served: list[tuple[str, Callable[..., torch.Tensor]]] = [("default", w4a16_linear)]
-    launches = LAUNCHES if rows <= W4_GEMV_ROWS else GEMM_LAUNCHES
-    served += [(str(c), functools.partial(w4a16_linear, config=c)) for c in launches]
-    planes: list[tuple[str, Callable[..., torch.Tensor]]] = [
-        (str(c), functools.partial(planes_gemm, config=c)) for c in PLANES_LAUNCHES
-    ]
+    gemm: Forms = {
+        family: [(str(c), functools.partial(_gemm, config=c)) for c in launches]
+        for family, launches in (("unpacked", UNPACKED_LAUNCHES), ("planes", PLANES_LAUNCHES))
+    }
     if rows > W4_GEMV_ROWS:
-        return {"served": served, "planes": planes}
+        return {"served": [("default", w4a16_linear)], **gemm}
+    served = [("default", w4a16_linear)]
+    served += [(str(c), functools.partial(w4a16_linear, config=c)) for c in LAUNCHES]
     forms: Forms = {"served": served, "convert": [("default", convert_gemv)],
              "trick": [("default", trick_gemv)]}  # fmt: skip
-    if 1 < rows <= W4_GEMV_ROWS:
-        forms["gemm"] = [("default", _on_gemm)]
-        forms["planes"] = planes
+    if rows > 1:
+        forms["gemm"] = [("default", _gemm)]
+        forms.update(gemm)
     return forms
 
 

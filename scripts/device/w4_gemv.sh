@@ -5,7 +5,9 @@
 #   bench    every form at its launches over the 8B projections, in a graph, for W4_ROWS rows
 #            of x (default 1 2; from 2 rows the int4 GEMM and the tensor-core planes too)
 #                                                           -> $out/w4-forms-x<rows>.json
-#   latency  the AWQ and bf16 decode steps at batch 1, 2 and 8   -> $out/latency-<q>.json
+#   latency  the decode steps of each of W4_LATENCY (default: awq none; awq-unpacked: AWQ with
+#            the small batches' GEMM tile served before the nibble planes) at W4_BATCHES
+#            (default 1,2,8)                                       -> $out/latency-<q>.json
 #   bash scripts/device/w4_gemv.sh [tests] [bench] [latency]   (default: tests bench)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,9 +25,11 @@ for step in ${*:-tests bench}; do
         --json-out "$out/w4-forms.json" 2>&1 | grep -v "best launch" | tail -30 ;;
     latency)
       for q in ${W4_LATENCY:-awq none}; do
-        args=(); [ "$q" = none ] || args=(--quantization "$q")
-        timeout 240 python3 -m services.cli bench latency --model llama-3.1-8b \
-          --load-format dummy --dtype bfloat16 "${args[@]}" --batch-sizes 1,2,8 \
+        args=(); [ "$q" = none ] || args=(--quantization "${q%-unpacked}")
+        patch=""; [ "$q" = awq-unpacked ] && patch="t.W4_SMALL_GEMM_CONFIG = (16, 64, 128, 4)"
+        timeout 240 python3 -c "import sys; import kernels.triton_quant as t; $patch
+from services.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --model llama-3.1-8b \
+          --load-format dummy --dtype bfloat16 "${args[@]}" --batch-sizes "${W4_BATCHES:-1,2,8}" \
           --input-len 512 --output-len 32 --max-model-len 2048 \
           --json-out "$out/latency-$q.json" > "$out/latency-$q.log" 2>&1
         python3 -c "import json, sys; [print(sys.argv[2], r['batch'], round(r['step_ms'], 3),

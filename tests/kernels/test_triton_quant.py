@@ -24,6 +24,8 @@ from kernels.triton_quant import (
     GEMV_ROWS,
     W4_DEQUANT_ROWS,
     W4_GEMV_ROWS,
+    W4_PLANES_K,
+    W4_SMALL_GEMM_CONFIG,
     _nibbles,
     fp8_linear,
     w4_dequantize,
@@ -184,6 +186,28 @@ def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(
     qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
     x = rand((m, k), torch.bfloat16, gen, device)
     out = w4a16_linear(x, qweight, scales, zeros, g, config=config)
+    assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "g", "config"),
+    [
+        (3, 64, 512, 128, (16, 64, 128, 4, 3)),  # K in three slices, partial sums
+        (5, 40, 256, 128, (16, 32, 128, 4, 1)),  # a partial tile of N
+        (17, 24, 256, 256, (16, 16, 256, 4, 1)),  # two tiles of rows; chunks of a 256 group
+        (16, 200, 1024, 128, None),  # the small batches' default tile, K in 8 slices
+    ],
+)
+def test_w4a16_gemm_on_the_nibble_planes_matches_the_reference(
+    m: int, n: int, k: int, g: int, config: tuple[int, ...] | None, gen: torch.Generator,
+    device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """The GEMM's chunks of a multiple of 128 rows: x's columns 8p + j against nibble plane j."""
+    assert W4_SMALL_GEMM_CONFIG[2] % W4_PLANES_K == 0  # the default above is on the planes
+    qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
+    x = rand((m, k), torch.bfloat16, gen, device)
+    out = w4a16_linear(x, qweight, scales, zeros, g, config=config)
+    assert out.shape == (m, n)
     assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
 
 

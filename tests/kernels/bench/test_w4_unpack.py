@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from kernels.bench.w4_unpack import convert_gemv, planes_gemm, trick_gemv
+from kernels.bench.w4_unpack import convert_gemv, trick_gemv
 from kernels.quant import ref_w4a16_linear
 from kernels.triton_quant import w4a16_linear
 from tests.kernels.paged import assert_matches, rand
@@ -20,29 +20,6 @@ FORMS = {
     # split K in three: the partial sums of the second kernel
     "convert-split": functools.partial(convert_gemv, config=(16, 64, 2, 3)),
 }
-
-
-@pytest.mark.parametrize(
-    ("m", "n", "k", "g", "config"),
-    [
-        (1, 40, 256, 128, (16, 32, 128, 4, 1)),  # one row (padded to 16), a partial tile of N
-        (3, 64, 512, 128, (16, 64, 128, 4, 3)),  # K in three slices, partial sums
-        (17, 24, 256, 256, (16, 16, 256, 4, 1)),  # two tiles of rows; chunks of a 256 group
-    ],
-)
-def test_the_planes_equal_the_reference(
-    m: int, n: int, k: int, g: int, config: tuple[int, ...], gen: torch.Generator,
-    device: torch.device,
-) -> None:  # fmt: skip
-    """The tensor-core planes (x's columns 8p + j against plane j of each chunk) compute the
-    int4 linear for any rows; a chunk shorter than 128 (a dot's K under 16) is refused."""
-    qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
-    x = rand((m, k), torch.bfloat16, gen, device)
-    out = planes_gemm(x, qweight, scales, zeros, g, config=config)
-    assert out.shape == (m, n)
-    assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        planes_gemm(x, qweight, scales, zeros, g, config=(16, 32, 64, 4))
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
@@ -76,7 +53,8 @@ def test_a_shape_is_timed_checked_and_reported(
 
     calls = graph_calls
     monkeypatch.setattr(w4_unpack, "LAUNCHES", [(16, 128, 2, 0), (16, 256, 4, 1)])
-    monkeypatch.setattr(w4_unpack, "PLANES_LAUNCHES", [(16, 16, 128, 4, 1)])
+    monkeypatch.setattr(w4_unpack, "UNPACKED_LAUNCHES", [(16, 32, 64, 2, 0)])
+    monkeypatch.setattr(w4_unpack, "PLANES_LAUNCHES", [(16, 16, 128, 4, 1), (16, 64, 128, 4, 0)])
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device))
     assert row["bytes"] == 256 * 48 // 2 + 2 * 2 * 48 * 2
     assert set(row["launches_us"]["served"]) == {"default", "(16, 128, 2, 0)", "(16, 256, 4, 1)"}
@@ -84,13 +62,13 @@ def test_a_shape_is_timed_checked_and_reported(
     assert len(calls) == 5
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device), rows=2)
     assert row["rows"] == 2
-    assert set(row["best"]) == {"convert", "trick", "served", "gemm", "planes"}
-    assert len(calls) == 12 and "tiny" in capsys.readouterr().out
-    monkeypatch.setattr(w4_unpack, "GEMM_LAUNCHES", [(16, 32, 64, 2, 0), (16, 64, 128, 4, 1)])
+    assert set(row["best"]) == {"convert", "trick", "served", "gemm", "unpacked", "planes"}
+    assert len(calls) == 14 and "tiny" in capsys.readouterr().out
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device), rows=3)
-    # past the GEMV's rows: the GEMM at its launches, and the planes
-    assert set(row["launches_us"]) == {"served", "planes"}
-    assert set(row["launches_us"]["served"]) == {"default", "(16, 32, 64, 2, 0)",
-                                                 "(16, 64, 128, 4, 1)"}  # fmt: skip
-    assert set(row["launches_us"]["planes"]) == {"(16, 16, 128, 4, 1)"}
-    assert len(calls) == 16
+    # past the GEMV's rows: the served GEMM, and its tiles of each form
+    assert row["launches_us"] == {
+        "served": {"default": 1.0},
+        "unpacked": {"(16, 32, 64, 2, 0)": 1.0},
+        "planes": {"(16, 16, 128, 4, 1)": 1.0, "(16, 64, 128, 4, 0)": 1.0},
+    }
+    assert len(calls) == 18
