@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import mma, pdl, pdl_enter
-from kernels.triton_quant import _plane, _store_row, _store_tile
+from kernels.triton_common import pdl, pdl_enter
+from kernels.triton_quant import _store_row
 
 GROUP = 128
 Forms = dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]  # family -> [(launch, fn)]
