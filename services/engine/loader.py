@@ -386,7 +386,9 @@ def load_model(
             quantize_model(model, qcfg, dtype, stacked)
     if device.type == "cpu":
         check_host_memory(model, config.model, dtype)
-    model = model.to_empty(device=device)
+    # Module.to_empty's empty_like on meta tensors goes through torch's Python reference ops,
+    # whose first call imports torch.fx's symbolic shapes and sympy: ~0.7 s of every start
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.fill_rope(max_positions, device)
