@@ -65,14 +65,20 @@ typecheck: venv
 # every test that starts serving processes in one unit, run one at a time (memory).
 # TEST_WORKERS=0: no xdist.
 TEST_WORKERS ?= 2
-# The lm-eval venv installs in the background (two minutes, mostly downloads, in a venv of its
-# own: never two pips in one venv, as two broke each other once) beside the checks and the
-# suite, whose lm-eval test waits for it; the checks (mypy: a minute of CPU) before the suite.
+# The lm-eval venv installs in the background (in a venv of its own: never two installers in
+# one venv, as two pips broke each other once), and so do the checks (mypy: a minute of one
+# core, which the suite would otherwise wait for with the other core idle), their output kept
+# in $(CHECKS_LOG) and shown after the suite; the suite's lm-eval test waits for its venv. Any
+# failure of the checks fails `make test`.
+CHECKS_LOG ?= .checks.log
 test: venv
 	{ $(MAKE) -s lm-eval-venv > $(LMEVAL_VENV).log 2>&1 & }; \
-	$(MAKE) -j2 lint typecheck && \
+	$(MAKE) -s -j2 lint typecheck > $(CHECKS_LOG) 2>&1 & checks=$$!; \
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS); \
-	rc=$$?; wait; exit $$rc
+	rc=$$?; \
+	if wait $$checks; then echo "lint and typecheck: passed"; \
+	else cat $(CHECKS_LOG); echo "lint and typecheck: FAILED"; rc=1; fi; \
+	wait; exit $$rc
 
 serve: serve-venv
 	$(VENV)/bin/tandem up --port $(PORT) --model $(MODEL) $(ARGS)
