@@ -104,6 +104,11 @@ W4_SMALL_GEMM_CONFIG = (16, 128, 128, 8, 8)
 # a chunk of K that is a multiple of this many rows is multiplied plane by plane: x's columns
 # 8p + j against nibble j of each packed word, one dot of K = BLOCK_K / 8 (at least 16) a plane
 W4_PLANES_K = 128
+# above this many rows the planes' GEMM loads x's chunk whole and splits it into its eight
+# planes in registers; up to it each plane's columns 8p + j are loaded on their own. The 8B AWQ
+# decode step on one H200 (2026-11-30), x by planes / whole: batch 4 4.59 / 4.77 ms, 8 4.86 /
+# 4.92, 12 5.69 / 5.21, 16 5.77 / 5.32
+W4_PLANES_X_WHOLE_ROWS = 8
 # int4 above this many rows: the weight is dequantized to x's dtype (in slices of at most
 # W4_DEQUANT_SLICE_BYTES) and multiplied by cuBLAS. The GEMM unpacks each weight tile once per
 # BLOCK_M rows of x on CUDA cores, so its unpacking grows with M while a dequantized copy costs
@@ -361,11 +366,18 @@ def _dequant_matmul(
     return out
 
 
+@triton.jit
+def _plane_dot(part, a, packed, J: tl.constexpr, zb, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """``part + a @ (q - z)`` for nibble plane ``J`` of ``packed`` (``zb``: 128 + z)."""
+    return part + mma(a, (_plane(packed, J) - zb).to(a.dtype), UPCAST, PRECISION)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compilation for every batch size
 def _w4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PLANES: tl.constexpr,
+    X_WHOLE: tl.constexpr,
 ):  # fmt: skip
     # launched plainly (no programmatic launch): with it AWQ's batch-8 step took 8.24 ms
     # against 7.84 on an H100
@@ -390,10 +402,31 @@ def _w4_gemm_kernel(
             packed = tl.load(qw_ptr + words[:, None] * s_qk + offs_n[None, :],
                              mask=n_mask[None, :], other=0)  # fmt: skip
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(8):
-                a = tl.load(x_rows + (k0 + j + 8 * p)[None, :], mask=m_mask[:, None], other=0.0)
-                w = (_plane(packed, j) - (z + 128.0)[None, :]).to(a.dtype)
-                part += mma(a, w, UPCAST, PRECISION)
+            zb = (z + 128.0)[None, :]
+            if X_WHOLE:
+                # x's [BM, BK] chunk as [BM, BK/8, 2, 2, 2] (k = 8p + 4a + 2b + c), split on
+                # c, then b, then a: plane j = 4a + 2b + c
+                xa = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+                c0, c1 = tl.split(tl.reshape(xa, [BLOCK_M, BLOCK_K // 8, 2, 2, 2]))
+                c0b0, c0b1 = tl.split(c0)
+                c1b0, c1b1 = tl.split(c1)
+                x0, x4 = tl.split(c0b0)
+                x2, x6 = tl.split(c0b1)
+                x1, x5 = tl.split(c1b0)
+                x3, x7 = tl.split(c1b1)
+                part = _plane_dot(part, x0, packed, 0, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x1, packed, 1, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x2, packed, 2, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x3, packed, 3, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x4, packed, 4, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x5, packed, 5, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x6, packed, 6, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x7, packed, 7, zb, UPCAST, PRECISION)
+            else:
+                for j in tl.static_range(8):
+                    a = tl.load(x_rows + (k0 + j + 8 * p)[None, :], mask=m_mask[:, None],
+                                other=0.0)  # fmt: skip
+                    part = _plane_dot(part, a, packed, j, zb, UPCAST, PRECISION)
             acc += part * s[None, :]
         else:
             a = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
@@ -550,7 +583,7 @@ def w4a16_linear(
         x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
         PRECISION=dot_precision(x.dtype), SPLIT=split, PLANES=bk % W4_PLANES_K == 0,
-        num_warps=warps,
+        X_WHOLE=m > W4_PLANES_X_WHOLE_ROWS, num_warps=warps,
     )  # fmt: skip
     return _finish(target, out, split)
 

@@ -6,7 +6,8 @@
 #            of x (default 1 2; from 2 rows the int4 GEMM and the tensor-core planes too)
 #                                                           -> $out/w4-forms-x<rows>.json
 #   latency  the decode steps of each of W4_LATENCY (default: awq none; awq-unpacked: AWQ with
-#            the small batches' GEMM tile served before the nibble planes) at W4_BATCHES
+#            the small batches' GEMM tile served before the nibble planes; awq-x-planes and
+#            awq-x-whole: x loaded plane by plane or whole at every batch) at W4_BATCHES
 #            (default 1,2,8)                                       -> $out/latency-<q>.json
 #   bash scripts/device/w4_gemv.sh [tests] [bench] [latency]   (default: tests bench)
 set -uo pipefail
@@ -25,8 +26,10 @@ for step in ${*:-tests bench}; do
         --json-out "$out/w4-forms.json" 2>&1 | grep -v "best launch" | tail -30 ;;
     latency)
       for q in ${W4_LATENCY:-awq none}; do
-        args=(); [ "$q" = none ] || args=(--quantization "${q%-unpacked}")
+        args=(); [ "$q" = none ] || args=(--quantization "${q%%-*}")
         patch=""; [ "$q" = awq-unpacked ] && patch="t.W4_SMALL_GEMM_CONFIG = (16, 64, 128, 4)"
+        [ "$q" = awq-x-planes ] && patch="t.W4_PLANES_X_WHOLE_ROWS = 16"
+        [ "$q" = awq-x-whole ] && patch="t.W4_PLANES_X_WHOLE_ROWS = 0"
         timeout 240 python3 -c "import sys; import kernels.triton_quant as t; $patch
 from services.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --model llama-3.1-8b \
           --load-format dummy --dtype bfloat16 "${args[@]}" --batch-sizes "${W4_BATCHES:-1,2,8}" \

@@ -25,6 +25,7 @@ from kernels.triton_quant import (
     W4_DEQUANT_ROWS,
     W4_GEMV_ROWS,
     W4_PLANES_K,
+    W4_PLANES_X_WHOLE_ROWS,
     W4_SMALL_GEMM_CONFIG,
     _nibbles,
     fp8_linear,
@@ -202,8 +203,10 @@ def test_w4a16_gemm_on_the_nibble_planes_matches_the_reference(
     m: int, n: int, k: int, g: int, config: tuple[int, ...] | None, gen: torch.Generator,
     device: torch.device, poison_empty: None,
 ) -> None:  # fmt: skip
-    """The GEMM's chunks of a multiple of 128 rows: x's columns 8p + j against nibble plane j."""
+    """The GEMM's chunks of a multiple of 128 rows: x's columns 8p + j against nibble plane j,
+    loaded plane by plane (3 and 5 rows) or whole and split in registers (16 and 17 rows)."""
     assert W4_SMALL_GEMM_CONFIG[2] % W4_PLANES_K == 0  # the default above is on the planes
+    assert 5 <= W4_PLANES_X_WHOLE_ROWS < 16
     qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
     x = rand((m, k), torch.bfloat16, gen, device)
     out = w4a16_linear(x, qweight, scales, zeros, g, config=config)
