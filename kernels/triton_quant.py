@@ -579,11 +579,12 @@ def w4a16_linear(
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split, per = _split(asked, tiles, k // bk, x.device, _gemm_most(k))
     target = _target(out, split)
+    planes = bk % W4_PLANES_K == 0
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
-        PRECISION=dot_precision(x.dtype), SPLIT=split, PLANES=bk % W4_PLANES_K == 0,
-        X_WHOLE=m > W4_PLANES_X_WHOLE_ROWS, num_warps=warps,
+        PRECISION=dot_precision(x.dtype), SPLIT=split, PLANES=planes,
+        X_WHOLE=planes and m > W4_PLANES_X_WHOLE_ROWS, num_warps=warps,
     )  # fmt: skip
     return _finish(target, out, split)
 
