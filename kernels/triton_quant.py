@@ -215,13 +215,20 @@ def _nibbles(packed, shifts):
 
 
 @triton.jit
+def _packed_tile(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_K / 8, BN]`` int32 words holding rows k0 .. k0 + BLOCK_K of the int4
+    weight (row 8p + j in nibble j of word p)."""
+    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    return tl.load(
+        qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :], mask=n_mask[None, :], other=0
+    )
+
+
+@triton.jit
 def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows k0 .. k0 + BLOCK_K of the int4 weight, ``[BLOCK_K, BLOCK_N]`` float32 in 0..15:
     each int32 is loaded once and split into its eight rows in registers."""
-    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(
-        qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :], mask=n_mask[None, :], other=0
-    )  # [BK/8, BN]
+    packed = _packed_tile(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K)  # [BK/8, BN]
     shifts = (tl.arange(0, 8) * 4)[None, :, None]
     q = _nibbles(packed[:, None, :], shifts)  # [BK/8, 8, BN]: row 8p + i at [p, i]
     return tl.reshape(q, (BLOCK_K, BLOCK_N))
@@ -397,10 +404,7 @@ def _w4_gemm_kernel(
             # plane j of the words (rows 8p + j) as 128 + q, less 128 + z: q - z, exact; times
             # x's columns 8p + j, eight dots of K = BLOCK_K / 8 (no [BK/8, 8, BN] -> [BK, BN]
             # reshape of the unpacked tile through shared memory)
-            p = tl.arange(0, BLOCK_K // 8)
-            words = (k0 // 8 + p).to(tl.int64)
-            packed = tl.load(qw_ptr + words[:, None] * s_qk + offs_n[None, :],
-                             mask=n_mask[None, :], other=0)  # fmt: skip
+            packed = _packed_tile(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K)
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             zb = (z + 128.0)[None, :]
             if X_WHOLE:
@@ -423,6 +427,7 @@ def _w4_gemm_kernel(
                 part = _plane_dot(part, x6, packed, 6, zb, UPCAST, PRECISION)
                 part = _plane_dot(part, x7, packed, 7, zb, UPCAST, PRECISION)
             else:
+                p = tl.arange(0, BLOCK_K // 8)
                 for j in tl.static_range(8):
                     a = tl.load(x_rows + (k0 + j + 8 * p)[None, :], mask=m_mask[:, None],
                                 other=0.0)  # fmt: skip
