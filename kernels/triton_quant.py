@@ -43,7 +43,7 @@ batches excepted, below).
 - **Unpacking int4** for the GEMM and the dequantization without an integer-to-float
   conversion (16 a clock per SM on Hopper, an eighth of the fp32 rate): a nibble is OR-ed into
   the mantissa of 2^23 and 2^23 subtracted (:func:`_nibbles`), exact; the GEMV's ``128 + q``
-  (:func:`_plane`) is the same idea with the 128 folded into the zero point.
+  (:func:`_plane_pair`) is the same idea with the offsets folded into the zero point.
 
 A chunk of K never straddles a scale group partly: ``BLOCK_K`` divides the int4 group size (or
 is a multiple of it, in the int4 GEMV) and the fp8 ``block_k`` (or the whole row, for
@@ -127,6 +127,8 @@ W4_DEQUANT_CONFIG = (64, 128, 4)  # BLOCK_K, BLOCK_N, warps
 # launch of each against 78 for the GEMV before (one group a chunk, 16 slices of K)
 W4_GEMV_CONFIG = (16, 1024, 8, 1)
 FP8_GEMV_CONFIG = (8, 512, 4)
+# the bits of 2048.0 and 128.0: a nibble OR-ed in at bits 12..15 or 16..19 adds itself
+PLANE_MAGIC_LO, PLANE_MAGIC_HI = 0x45000000, 0x43000000
 GEMM_CONFIG = (32, 64, 64, 4)
 PROGRAMS_PER_SM = 2
 MAX_SPLIT = 16
@@ -235,30 +237,38 @@ def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _plane(packed, J: tl.constexpr):
-    """Nibble ``J`` (rows 8p + J) of each int32 as the exact float32 ``128 + q``: shifted to
-    bits 16..19 and OR-ed into the mantissa of 128.0, whose unit is bit 16 (one LOP3)."""
-    if J < 4:
-        t = packed << (16 - 4 * J)
-    elif J > 4:
-        t = packed >> (4 * J - 16)  # arithmetic: the sign fills bits the mask drops
+def _plane_pair(packed, PAIR: tl.constexpr, magic_lo, magic_hi):
+    """Nibbles ``2 PAIR`` and ``2 PAIR + 1`` of each int32 (rows 8p + 2 PAIR and 8p + 2 PAIR + 1) as the exact
+    float32 ``2048 + q`` and ``128 + q``: one shift (by 12 - 8 PAIR) puts them at bits 12..15 and
+    16..19, and one LOP3 each ORs them into the mantissa of 2048.0 or 128.0, whose units are
+    bits 12 and 16. ``magic_*`` (their bits, ``PLANE_MAGIC_LO`` and ``PLANE_MAGIC_HI``) come
+    in as kernel arguments, in registers: with both the mask and the float's bits immediates,
+    ptxas made each plane an AND and an OR; with one in a register, one LOP3."""
+    if PAIR < 2:
+        t = packed << (12 - 8 * PAIR)
     else:
-        t = packed
-    return ((t & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+        t = packed >> (8 * PAIR - 12)  # arithmetic: the sign fills bits the masks drop
+    lo = ((t & 0x0000F000) | magic_lo).to(tl.float32, bitcast=True)
+    hi = ((t & 0x000F0000) | magic_hi).to(tl.float32, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
 def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, GROUPS,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    MAGIC_LO, MAGIC_HI, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """The GEMV on ``128 + q`` planes for ``ROWS`` (1 or 2) rows of x at once: each plane is
-    made once and multiplied into each row's sums (2D tensors only: a [ROWS, BK/8, BN] form
-    measured 2-3x slower). A chunk of K may span several scale groups (row p of the packed
-    tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j, less (128 + z) sum_j x_j,
-    times s, into a [BK/8, BN] accumulator per row, summed over K once at the end. The next
-    chunk's words load before this chunk's arithmetic, the first before the wait."""
+    """The GEMV on nibble planes for ``ROWS`` (1 or 2) rows of x at once: each plane is made
+    once and multiplied into each row's sums (2D tensors only: a [ROWS, BK/8, BN] form
+    measured 2-3x slower). Planes come in pairs (:func:`_plane_pair`): four shifts and eight
+    LOP3 a word, where one plane a shift took seven shifts and (with ptxas splitting each
+    LOP3 in two) sixteen: 267 instructions a chunk of eight words a thread against 359 in the
+    SASS of the 8B launch. A chunk of K may span several scale groups
+    (row p of the packed tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j,
+    less (2048 + z) times the x of the low planes and (128 + z) times the high ones', times s,
+    into a [BK/8, BN] accumulator per row, summed over K once at the end. The next chunk's
+    words load before this chunk's arithmetic, the first before the wait."""
     pid = tl.program_id(0)  # a weight tile's row groups side by side: one HBM read
     pid_n = pid // GROUPS
     m0 = ((pid % GROUPS) * ROWS).to(tl.int64)
@@ -283,23 +293,31 @@ def _w4_gemv_kernel(
         following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
         g0 = (k0 // GROUP) * s_sg
         s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
-        zb = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32) + 128.0
+        z = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
         part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         part1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
-        sum0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
-        sum1 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
-        for j in tl.static_range(8):
-            plane = _plane(packed, j)
-            xj = tl.load(x0_row + k0 + j).to(tl.float32)
-            part0 += plane * xj[:, None]
-            sum0 += xj
+        lo0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)  # x of the low (2048 + q) planes
+        hi0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)  # x of the high (128 + q) planes
+        lo1 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
+        hi1 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
+        for i in tl.static_range(4):
+            plane_lo, plane_hi = _plane_pair(packed, i, MAGIC_LO, MAGIC_HI)
+            xl = tl.load(x0_row + k0 + 2 * i).to(tl.float32)
+            xh = tl.load(x0_row + k0 + 2 * i + 1).to(tl.float32)
+            part0 += plane_lo * xl[:, None]  # two FFMAs: one sum of both products takes three
+            part0 += plane_hi * xh[:, None]
+            lo0 += xl
+            hi0 += xh
             if ROWS > 1:
-                xj = tl.load(x1_row + k0 + j).to(tl.float32)
-                part1 += plane * xj[:, None]
-                sum1 += xj
-        acc0 += s * (part0 - zb * sum0[:, None])
+                xl = tl.load(x1_row + k0 + 2 * i).to(tl.float32)
+                xh = tl.load(x1_row + k0 + 2 * i + 1).to(tl.float32)
+                part1 += plane_lo * xl[:, None]
+                part1 += plane_hi * xh[:, None]
+                lo1 += xl
+                hi1 += xh
+        acc0 += s * (part0 - (2048.0 * lo0 + 128.0 * hi0)[:, None] - z * (lo0 + hi0)[:, None])
         if ROWS > 1:
-            acc1 += s * (part1 - zb * sum1[:, None])
+            acc1 += s * (part1 - (2048.0 * lo1 + 128.0 * hi1)[:, None] - z * (lo1 + hi1)[:, None])
     _store_row(out_ptr, tl.sum(acc0, axis=0), m0, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
     if ROWS > 1:
         mask = n_mask & (m0 + 1 + tl.zeros([BLOCK_N], dtype=tl.int64) < M)
@@ -374,16 +392,20 @@ def _dequant_matmul(
 
 
 @triton.jit
-def _plane_dot(part, a, packed, J: tl.constexpr, zb, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """``part + a @ (q - z)`` for nibble plane ``J`` of ``packed`` (``zb``: 128 + z)."""
-    return part + mma(a, (_plane(packed, J) - zb).to(a.dtype), UPCAST, PRECISION)
+def _pair_dots(part, a_lo, a_hi, packed, PAIR: tl.constexpr, z, magic_lo, magic_hi,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """``part + a_lo @ (q - z) + a_hi @ (q - z)`` for nibble planes ``2 PAIR`` and ``2 PAIR + 1`` of
+    ``packed`` (:func:`_plane_pair`; ``q - z`` exact in fp32 and in x's dtype)."""
+    lo, hi = _plane_pair(packed, PAIR, magic_lo, magic_hi)
+    part += mma(a_lo, (lo - (z + 2048.0)).to(a_lo.dtype), UPCAST, PRECISION)
+    return part + mma(a_hi, (hi - (z + 128.0)).to(a_hi.dtype), UPCAST, PRECISION)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compilation for every batch size
 def _w4_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PLANES: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, MAGIC_LO,
+    MAGIC_HI, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PLANES: tl.constexpr,
     X_WHOLE: tl.constexpr,
 ):  # fmt: skip
     # launched plainly (no programmatic launch): with it AWQ's batch-8 step took 8.24 ms
@@ -401,12 +423,12 @@ def _w4_gemm_kernel(
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if PLANES:
-            # plane j of the words (rows 8p + j) as 128 + q, less 128 + z: q - z, exact; times
-            # x's columns 8p + j, eight dots of K = BLOCK_K / 8 (no [BK/8, 8, BN] -> [BK, BN]
-            # reshape of the unpacked tile through shared memory)
+            # planes 2i and 2i + 1 of the words (rows 8p + 2i, 8p + 2i + 1) made q - z, exact,
+            # times x's columns 8p + 2i and 8p + 2i + 1: eight dots of K = BLOCK_K / 8 (no
+            # [BK/8, 8, BN] -> [BK, BN] reshape of the unpacked tile through shared memory)
             packed = _packed_tile(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K)
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            zb = (z + 128.0)[None, :]
+            zr = z[None, :]
             if X_WHOLE:
                 # x's [BM, BK] chunk as [BM, BK/8, 2, 2, 2] (k = 8p + 4a + 2b + c), split on
                 # c, then b, then a: plane j = 4a + 2b + c
@@ -418,20 +440,26 @@ def _w4_gemm_kernel(
                 x2, x6 = tl.split(c0b1)
                 x1, x5 = tl.split(c1b0)
                 x3, x7 = tl.split(c1b1)
-                part = _plane_dot(part, x0, packed, 0, zb, UPCAST, PRECISION)
-                part = _plane_dot(part, x1, packed, 1, zb, UPCAST, PRECISION)
-                part = _plane_dot(part, x2, packed, 2, zb, UPCAST, PRECISION)
-                part = _plane_dot(part, x3, packed, 3, zb, UPCAST, PRECISION)
-                part = _plane_dot(part, x4, packed, 4, zb, UPCAST, PRECISION)
-                part = _plane_dot(part, x5, packed, 5, zb, UPCAST, PRECISION)
-                part = _plane_dot(part, x6, packed, 6, zb, UPCAST, PRECISION)
-                part = _plane_dot(part, x7, packed, 7, zb, UPCAST, PRECISION)
+                part = _pair_dots(
+                    part, x0, x1, packed, 0, zr, MAGIC_LO, MAGIC_HI, UPCAST, PRECISION
+                )
+                part = _pair_dots(
+                    part, x2, x3, packed, 1, zr, MAGIC_LO, MAGIC_HI, UPCAST, PRECISION
+                )
+                part = _pair_dots(
+                    part, x4, x5, packed, 2, zr, MAGIC_LO, MAGIC_HI, UPCAST, PRECISION
+                )
+                part = _pair_dots(
+                    part, x6, x7, packed, 3, zr, MAGIC_LO, MAGIC_HI, UPCAST, PRECISION
+                )
             else:
                 p = tl.arange(0, BLOCK_K // 8)
-                for j in tl.static_range(8):
-                    a = tl.load(x_rows + (k0 + j + 8 * p)[None, :], mask=m_mask[:, None],
-                                other=0.0)  # fmt: skip
-                    part = _plane_dot(part, a, packed, j, zb, UPCAST, PRECISION)
+                for i in tl.static_range(4):
+                    cols = k0 + 2 * i + 8 * p
+                    a_lo = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+                    a_hi = tl.load(x_rows + (cols + 1)[None, :], mask=m_mask[:, None], other=0.0)
+                    part = _pair_dots(part, a_lo, a_hi, packed, i, zr, MAGIC_LO, MAGIC_HI, UPCAST,
+                                      PRECISION)  # fmt: skip
             acc += part * s[None, :]
         else:
             a = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
@@ -574,8 +602,8 @@ def w4a16_linear(
         target = _target(out, split)
         _w4_gemv_kernel[(triton.cdiv(n, bn) * groups, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, groups,
-            GROUP=group_size, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
-            **pdl(x.device, m),
+            PLANE_MAGIC_LO, PLANE_MAGIC_HI, GROUP=group_size, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
+            SPLIT=split, num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     default = W4_SMALL_GEMM_CONFIG if m <= SMALL_GEMM_ROWS else GEMM_CONFIG
@@ -586,8 +614,8 @@ def w4a16_linear(
     target = _target(out, split)
     planes = bk % W4_PLANES_K == 0
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
-        GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
+        x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, PLANE_MAGIC_LO,
+        PLANE_MAGIC_HI, GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
         PRECISION=dot_precision(x.dtype), SPLIT=split, PLANES=planes,
         X_WHOLE=planes and m > W4_PLANES_X_WHOLE_ROWS, num_warps=warps,
     )  # fmt: skip

@@ -7,7 +7,8 @@
 #                                                           -> $out/w4-forms-x<rows>.json
 #   latency  the decode steps of each of W4_LATENCY (default: awq none; awq-unpacked: AWQ with
 #            the small batches' GEMM tile served before the nibble planes; awq-x-planes and
-#            awq-x-whole: x loaded plane by plane or whole at every batch) at W4_BATCHES
+#            awq-x-whole: x loaded plane by plane or whole at every batch; awq-single: batches of
+#            1-16 on the nibble planes made one a shift, as served before plane pairs) at W4_BATCHES
 #            (default 1,2,8)                                       -> $out/latency-<q>.json
 #   bash scripts/device/w4_gemv.sh [tests] [bench] [latency]   (default: tests bench)
 set -uo pipefail
@@ -30,6 +31,7 @@ for step in ${*:-tests bench}; do
         patch=""; [ "$q" = awq-unpacked ] && patch="t.W4_SMALL_GEMM_CONFIG = (16, 64, 128, 4)"
         [ "$q" = awq-x-planes ] && patch="t.W4_PLANES_X_WHOLE_ROWS = 16"
         [ "$q" = awq-x-whole ] && patch="t.W4_PLANES_X_WHOLE_ROWS = 0"
+        [ "$q" = awq-single ] && patch="import kernels.bench.w4_unpack as b; t.w4a16_linear = b.single_w4a16_linear"
         timeout 240 python3 -c "import sys; import kernels.triton_quant as t; $patch
 from services.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --model llama-3.1-8b \
           --load-format dummy --dtype bfloat16 "${args[@]}" --batch-sizes "${W4_BATCHES:-1,2,8}" \

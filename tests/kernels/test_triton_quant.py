@@ -28,6 +28,7 @@ from kernels.triton_quant import (
     W4_PLANES_X_WHOLE_ROWS,
     W4_SMALL_GEMM_CONFIG,
     _nibbles,
+    _plane_pair,
     fp8_linear,
     w4_dequantize,
     w4a16_linear,
@@ -71,6 +72,36 @@ def test_nibbles_are_the_integer_conversion_bit_for_bit(
     expected = ((packed[:, None] >> shifts) & 0xF).to(torch.float32)
     assert torch.equal(out, expected)
     assert torch.equal(out[:16, 0], torch.arange(16, dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _plane_pairs_kernel(packed_ptr, out_ptr, magic_lo, magic_hi, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    packed = tl.load(packed_ptr + offs)
+    for pair in tl.static_range(4):
+        lo, hi = _plane_pair(packed, pair, magic_lo, magic_hi)
+        tl.store(out_ptr + offs * 8 + 2 * pair, lo - 2048.0)
+        tl.store(out_ptr + offs * 8 + 2 * pair + 1, hi - 128.0)
+
+
+def test_plane_pairs_are_the_nibbles_offset_exactly(
+    gen: torch.Generator, device: torch.device
+) -> None:
+    """Each of the four shifts yields two planes, ``2048 + q`` and ``128 + q``, exactly: every
+    nibble value in every position, the sign bit (the arithmetic shift fills the high bits
+    with it; the masks must drop them), 0, -1 and random words."""
+    words = [sum(v << (4 * i) for i in range(8)) for v in range(16)]
+    words += [sum(((v + i) % 16) << (4 * i) for i in range(8)) for v in range(16)]
+    words += [0, -1, -(2**31), 2**31 - 1, 0x76543210, -0x76543211, 0x0F0F0F0F, -0x0F0F0F10]
+    as_int32 = [w - 2**32 if w >= 2**31 else w for w in words]
+    random = torch.randint(-(2**31), 2**31, (128 - len(as_int32),), generator=gen)
+    packed = torch.cat([torch.tensor(as_int32, dtype=torch.int32), random.to(torch.int32)])
+    packed = packed.to(device)
+    out = torch.empty((packed.numel(), 8), dtype=torch.float32, device=device)
+    magic = (triton_quant.PLANE_MAGIC_LO, triton_quant.PLANE_MAGIC_HI)
+    _plane_pairs_kernel[(1,)](packed, out, *magic, N=packed.numel())
+    shifts = torch.arange(0, 32, 4, device=device, dtype=torch.int32)
+    assert torch.equal(out, ((packed[:, None] >> shifts) & 0xF).to(torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from kernels.bench.w4_unpack import convert_gemv, trick_gemv
+from kernels.bench.w4_unpack import convert_gemv, single_w4a16_linear, trick_gemv
 from kernels.quant import ref_w4a16_linear
 from kernels.triton_quant import w4a16_linear
 from tests.kernels.paged import assert_matches, rand
@@ -19,6 +19,7 @@ FORMS = {
     "convert": convert_gemv,
     # split K in three: the partial sums of the second kernel
     "convert-split": functools.partial(convert_gemv, config=(16, 64, 2, 3)),
+    "single": single_w4a16_linear,
 }
 
 
@@ -44,6 +45,20 @@ def test_each_form_equals_the_reference_and_the_served_gemv(
     assert_matches(out / k**0.5, w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 12])
+def test_the_planes_made_one_a_shift_equal_the_reference(
+    m: int, gen: torch.Generator, device: torch.device
+) -> None:
+    """The GEMV (1-2 rows) and the small batches' GEMM (x by planes at 5 rows, whole at 12)
+    as served before plane pairs: K in four groups of 128, a partial tile of N."""
+    k, n, g = 512, 136, 128
+    qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
+    x = rand((m, k), torch.bfloat16, gen, device)
+    out = single_w4a16_linear(x, qweight, scales, zeros, g)
+    assert out.shape == (m, n)
+    assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
+
+
 def test_a_shape_is_timed_checked_and_reported(
     graph_calls: list[object], monkeypatch: pytest.MonkeyPatch, capsys, device: torch.device
 ) -> None:
@@ -58,17 +73,26 @@ def test_a_shape_is_timed_checked_and_reported(
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device))
     assert row["bytes"] == 256 * 48 // 2 + 2 * 2 * 48 * 2
     assert set(row["launches_us"]["served"]) == {"default", "(16, 128, 2, 0)", "(16, 256, 4, 1)"}
-    assert set(row["best"]) == {"convert", "trick", "served"}
-    assert len(calls) == 5
+    assert set(row["best"]) == {"convert", "trick", "served", "single"}
+    assert len(calls) == 6
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device), rows=2)
     assert row["rows"] == 2
-    assert set(row["best"]) == {"convert", "trick", "served", "gemm", "unpacked", "planes"}
-    assert len(calls) == 14 and "tiny" in capsys.readouterr().out
+    assert set(row["best"]) == {
+        "convert",
+        "trick",
+        "served",
+        "single",
+        "gemm",
+        "unpacked",
+        "planes",
+    }
+    assert len(calls) == 16 and "tiny" in capsys.readouterr().out
     row = w4_unpack.time_shape("tiny", 48, 256, 1000.0, device=str(device), rows=3)
     # past the GEMV's rows: the served GEMM, and its tiles of each form
     assert row["launches_us"] == {
         "served": {"default": 1.0},
+        "single": {"default": 1.0},
         "unpacked": {"(16, 32, 64, 2, 0)": 1.0},
         "planes": {"(16, 16, 128, 4, 1)": 1.0, "(16, 64, 128, 4, 0)": 1.0},
     }
-    assert len(calls) == 18
+    assert len(calls) == 21
