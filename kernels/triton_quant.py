@@ -14,9 +14,10 @@ batches excepted, below).
   and read it from HBM about once (with M the slowest, a batch of 4 read every weight 4 times).
   The int4 GEMV streams long chunks of K (16 KB of packed words, several scale groups) through
   few columns, the next chunk loaded ahead: the bytes in flight per SM, not the arithmetic,
-  bounded its earlier form (see ``kernels.bench.w4_unpack``). Each nibble becomes the float
-  ``128 + q`` with a shift and one LOP3 into the mantissa of 128.0 (no conversion, no
-  subtraction); the 128 leaves with the zero point, ``s (sum x (128 + q) - (128 + z) sum x)``.
+  bounded its earlier form (see ``kernels.bench.w4_unpack``). Each shift of a word puts two
+  nibbles where one LOP3 each makes them the floats ``2048 + q`` and ``128 + q`` (no
+  conversion, no subtraction); the offsets leave with the zero point,
+  ``s (sum x (c + q) - sum (c + z) x)``.
 - **Split-K**: a decode projection has few output tiles (64 for a 4096-wide layer at
   ``BLOCK_N`` 64) for 132 SMs, so the fp8 GEMV also splits K (``SPLIT`` programs per tile, each
   a run of whole chunks) until there are about two programs per SM; the fp32 partials go to a
@@ -237,11 +238,29 @@ def _unpack(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _plane(packed, J: tl.constexpr):
+    """Nibble ``J`` (rows 8p + J) of each int32 as the exact float32 ``128 + q``: shifted to
+    bits 16..19 and OR-ed into the mantissa of 128.0, whose unit is bit 16. Both constants
+    are immediates, so ptxas makes it an AND and an OR; the GEMM of a few rows, which uses it,
+    was slower with the float's bits in a register (one LOP3) and with planes in pairs (one
+    H200, 2026-11-30: the 8B AWQ step at batch 8 4.85 -> 5.19 ms with one LOP3; the four 8B
+    projections at 16 rows 124 -> 131 us in pairs): its time is not in these instructions."""
+    if J < 4:
+        t = packed << (16 - 4 * J)
+    elif J > 4:
+        t = packed >> (4 * J - 16)  # arithmetic: the sign fills bits the mask drops
+    else:
+        t = packed
+    return ((t & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _plane_pair(packed, PAIR: tl.constexpr, magic_lo, magic_hi):
-    """Nibbles ``2 PAIR`` and ``2 PAIR + 1`` of each int32 (rows 8p + 2 PAIR and 8p + 2 PAIR + 1) as the exact
-    float32 ``2048 + q`` and ``128 + q``: one shift (by 12 - 8 PAIR) puts them at bits 12..15 and
-    16..19, and one LOP3 each ORs them into the mantissa of 2048.0 or 128.0, whose units are
-    bits 12 and 16. ``magic_*`` (their bits, ``PLANE_MAGIC_LO`` and ``PLANE_MAGIC_HI``) come
+    """Nibbles ``2 PAIR`` and ``2 PAIR + 1`` of each int32 (rows 8p + 2 PAIR, 8p + 2 PAIR + 1)
+    as the exact float32 ``2048 + q`` and ``128 + q``: one shift (by 12 - 8 PAIR) puts them at
+    bits 12..15 and 16..19, and one LOP3 each ORs them into the mantissa of 2048.0 or 128.0,
+    whose units are bits 12 and 16 (the offsets, at most 2^11 times x, cost ~11 of fp32's 24
+    bits of the products' sum before they are taken off: ~1e-5 relative). ``magic_*`` (their bits, ``PLANE_MAGIC_LO`` and ``PLANE_MAGIC_HI``) come
     in as kernel arguments, in registers: with both the mask and the float's bits immediates,
     ptxas made each plane an AND and an OR; with one in a register, one LOP3."""
     if PAIR < 2:
@@ -262,9 +281,10 @@ def _w4_gemv_kernel(
     """The GEMV on nibble planes for ``ROWS`` (1 or 2) rows of x at once: each plane is made
     once and multiplied into each row's sums (2D tensors only: a [ROWS, BK/8, BN] form
     measured 2-3x slower). Planes come in pairs (:func:`_plane_pair`): four shifts and eight
-    LOP3 a word, where one plane a shift took seven shifts and (with ptxas splitting each
-    LOP3 in two) sixteen: 267 instructions a chunk of eight words a thread against 359 in the
-    SASS of the 8B launch. A chunk of K may span several scale groups
+    LOP3 a word, where one plane a shift (:func:`_plane`) took seven shifts and sixteen
+    LOP3: 267 instructions a thread a chunk of eight words against 359 in the SASS of the 8B
+    launch, the four 8B projections 63.9 -> 56.5 us at one row, 104.8 -> 80.9 at two (one
+    H200, 2026-11-30). A chunk of K may span several scale groups
     (row p of the packed tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j,
     less (2048 + z) times the x of the low planes and (128 + z) times the high ones', times s,
     into a [BK/8, BN] accumulator per row, summed over K once at the end. The next chunk's
@@ -392,20 +412,16 @@ def _dequant_matmul(
 
 
 @triton.jit
-def _pair_dots(part, a_lo, a_hi, packed, PAIR: tl.constexpr, z, magic_lo, magic_hi,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """``part + a_lo @ (q - z) + a_hi @ (q - z)`` for nibble planes ``2 PAIR`` and ``2 PAIR + 1`` of
-    ``packed`` (:func:`_plane_pair`; ``q - z`` exact in fp32 and in x's dtype)."""
-    lo, hi = _plane_pair(packed, PAIR, magic_lo, magic_hi)
-    part += mma(a_lo, (lo - (z + 2048.0)).to(a_lo.dtype), UPCAST, PRECISION)
-    return part + mma(a_hi, (hi - (z + 128.0)).to(a_hi.dtype), UPCAST, PRECISION)
+def _plane_dot(part, a, packed, J: tl.constexpr, zb, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """``part + a @ (q - z)`` for nibble plane ``J`` of ``packed`` (``zb``: 128 + z)."""
+    return part + mma(a, (_plane(packed, J) - zb).to(a.dtype), UPCAST, PRECISION)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compilation for every batch size
 def _w4_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, MAGIC_LO,
-    MAGIC_HI, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PLANES: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PLANES: tl.constexpr,
     X_WHOLE: tl.constexpr,
 ):  # fmt: skip
     # launched plainly (no programmatic launch): with it AWQ's batch-8 step took 8.24 ms
@@ -423,12 +439,12 @@ def _w4_gemm_kernel(
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if PLANES:
-            # planes 2i and 2i + 1 of the words (rows 8p + 2i, 8p + 2i + 1) made q - z, exact,
-            # times x's columns 8p + 2i and 8p + 2i + 1: eight dots of K = BLOCK_K / 8 (no
-            # [BK/8, 8, BN] -> [BK, BN] reshape of the unpacked tile through shared memory)
+            # plane j of the words (rows 8p + j) as 128 + q, less 128 + z: q - z, exact; times
+            # x's columns 8p + j, eight dots of K = BLOCK_K / 8 (no [BK/8, 8, BN] -> [BK, BN]
+            # reshape of the unpacked tile through shared memory)
             packed = _packed_tile(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K)
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            zr = z[None, :]
+            zb = (z + 128.0)[None, :]
             if X_WHOLE:
                 # x's [BM, BK] chunk as [BM, BK/8, 2, 2, 2] (k = 8p + 4a + 2b + c), split on
                 # c, then b, then a: plane j = 4a + 2b + c
@@ -440,26 +456,20 @@ def _w4_gemm_kernel(
                 x2, x6 = tl.split(c0b1)
                 x1, x5 = tl.split(c1b0)
                 x3, x7 = tl.split(c1b1)
-                part = _pair_dots(
-                    part, x0, x1, packed, 0, zr, MAGIC_LO, MAGIC_HI, UPCAST, PRECISION
-                )
-                part = _pair_dots(
-                    part, x2, x3, packed, 1, zr, MAGIC_LO, MAGIC_HI, UPCAST, PRECISION
-                )
-                part = _pair_dots(
-                    part, x4, x5, packed, 2, zr, MAGIC_LO, MAGIC_HI, UPCAST, PRECISION
-                )
-                part = _pair_dots(
-                    part, x6, x7, packed, 3, zr, MAGIC_LO, MAGIC_HI, UPCAST, PRECISION
-                )
+                part = _plane_dot(part, x0, packed, 0, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x1, packed, 1, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x2, packed, 2, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x3, packed, 3, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x4, packed, 4, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x5, packed, 5, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x6, packed, 6, zb, UPCAST, PRECISION)
+                part = _plane_dot(part, x7, packed, 7, zb, UPCAST, PRECISION)
             else:
                 p = tl.arange(0, BLOCK_K // 8)
-                for i in tl.static_range(4):
-                    cols = k0 + 2 * i + 8 * p
-                    a_lo = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
-                    a_hi = tl.load(x_rows + (cols + 1)[None, :], mask=m_mask[:, None], other=0.0)
-                    part = _pair_dots(part, a_lo, a_hi, packed, i, zr, MAGIC_LO, MAGIC_HI, UPCAST,
-                                      PRECISION)  # fmt: skip
+                for j in tl.static_range(8):
+                    a = tl.load(x_rows + (k0 + j + 8 * p)[None, :], mask=m_mask[:, None],
+                                other=0.0)  # fmt: skip
+                    part = _plane_dot(part, a, packed, j, zb, UPCAST, PRECISION)
             acc += part * s[None, :]
         else:
             a = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
@@ -614,8 +624,8 @@ def w4a16_linear(
     target = _target(out, split)
     planes = bk % W4_PLANES_K == 0
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, PLANE_MAGIC_LO,
-        PLANE_MAGIC_HI, GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
+        x, qweight, scales, zeros, target, m, n, k, per * bk, *strides,
+        GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
         PRECISION=dot_precision(x.dtype), SPLIT=split, PLANES=planes,
         X_WHOLE=planes and m > W4_PLANES_X_WHOLE_ROWS, num_warps=warps,
     )  # fmt: skip

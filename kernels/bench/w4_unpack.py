@@ -8,10 +8,10 @@ scales and zeros at the copy bandwidth; every output is checked against the refe
 
 - ``served``: ``kernels.triton_quant``'s GEMV (nibbles in pairs of planes, ``2048 + q`` and
   ``128 + q`` after one shift, chunks of several scale groups, K unsplit) at its default
-  launch and at the others of ``LAUNCHES``; from 3 rows its GEMM.
-- ``single`` (1-16 rows): what was served before plane pairs (2026-11-30, session 12): each
+  launch and at the others of ``LAUNCHES``; from 3 rows the GEMM.
+- ``single`` (1-2 rows): the GEMV served before plane pairs (2026-11-30, session 12): each
   ``128 + q`` plane made on its own (a shift, then an AND and an OR: ptxas did not fuse two
-  immediates into one LOP3), in the GEMV and in the small batches' GEMM.
+  immediates into one LOP3).
 - ``convert``: the GEMV it replaced (2026-11-30): one scale group a chunk (4 KB of words), each
   nibble shifted, masked and converted with ``.to`` (16 a clock per SM on Hopper, an eighth of
   the fp32 rate), K split in 16 slices summed by a second kernel.
@@ -47,8 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_precision, dot_upcast, mma, pdl, pdl_enter
-from kernels.triton_quant import _packed_tile, _store_row, _store_tile, w4a16_linear
+from kernels.triton_common import pdl, pdl_enter
+from kernels.triton_quant import _plane, _store_row, w4a16_linear
 
 GROUP = 128
 Forms = dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]  # family -> [(launch, fn)]
@@ -185,27 +185,13 @@ def convert_gemv(
 
 
 @triton.jit
-def _single_plane(packed, J: tl.constexpr):
-    """Nibble ``J`` (rows 8p + J) of each int32 as the exact float32 ``128 + q``: shifted to
-    bits 16..19 and OR-ed into the mantissa of 128.0 (in ptxas's SASS an AND and an OR: both
-    constants are immediates)."""
-    if J < 4:
-        t = packed << (16 - 4 * J)
-    elif J > 4:
-        t = packed >> (4 * J - 16)  # arithmetic: the sign fills bits the mask drops
-    else:
-        t = packed
-    return ((t & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _w4_gemv_single_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, GROUPS,
     GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The GEMV served until 2026-11-30 (session 12), on ``128 + q`` planes made one a shift
-    (:func:`_single_plane`), for ``ROWS`` (1 or 2) rows of x at once: each plane is
+    (``kernels.triton_quant._plane``), for ``ROWS`` (1 or 2) rows of x at once: each plane is
     made once and multiplied into each row's sums (2D tensors only: a [ROWS, BK/8, BN] form
     measured 2-3x slower). A chunk of K may span several scale groups (row p of the packed
     tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j, less (128 + z) sum_j x_j,
@@ -241,7 +227,7 @@ def _w4_gemv_single_kernel(
         sum0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
         sum1 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
         for j in tl.static_range(8):
-            plane = _single_plane(packed, j)
+            plane = _plane(packed, j)
             xj = tl.load(x0_row + k0 + j).to(tl.float32)
             part0 += plane * xj[:, None]
             sum0 += xj
@@ -258,99 +244,30 @@ def _w4_gemv_single_kernel(
         _store_row(out_ptr, tl.sum(acc1, axis=0), m1, offs_n, mask, pid_k, M, N, s_om, SPLIT)
 
 
-@triton.jit
-def _single_plane_dot(part, a, packed, J: tl.constexpr, zb, UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """``part + a @ (q - z)`` for nibble plane ``J`` of ``packed`` (``zb``: 128 + z)."""
-    return part + mma(a, (_single_plane(packed, J) - zb).to(a.dtype), UPCAST, PRECISION)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _w4_gemm_single_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, X_WHOLE: tl.constexpr,
-):  # fmt: skip
-    """The int4 GEMM's planes served until 2026-11-30 (session 12): chunks of 128 rows of K,
-    each plane made alone (:func:`_single_plane`) less 128 + z, eight dots of K = BK/8."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pid_k = tl.program_id(2)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = pid_k * K_PER
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        packed = _packed_tile(qw_ptr, k0, offs_n, n_mask, s_qk, BLOCK_K)
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        zb = (z + 128.0)[None, :]
-        if X_WHOLE:
-            xa = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
-            c0, c1 = tl.split(tl.reshape(xa, [BLOCK_M, BLOCK_K // 8, 2, 2, 2]))
-            c0b0, c0b1 = tl.split(c0)
-            c1b0, c1b1 = tl.split(c1)
-            x0, x4 = tl.split(c0b0)
-            x2, x6 = tl.split(c0b1)
-            x1, x5 = tl.split(c1b0)
-            x3, x7 = tl.split(c1b1)
-            part = _single_plane_dot(part, x0, packed, 0, zb, UPCAST, PRECISION)
-            part = _single_plane_dot(part, x1, packed, 1, zb, UPCAST, PRECISION)
-            part = _single_plane_dot(part, x2, packed, 2, zb, UPCAST, PRECISION)
-            part = _single_plane_dot(part, x3, packed, 3, zb, UPCAST, PRECISION)
-            part = _single_plane_dot(part, x4, packed, 4, zb, UPCAST, PRECISION)
-            part = _single_plane_dot(part, x5, packed, 5, zb, UPCAST, PRECISION)
-            part = _single_plane_dot(part, x6, packed, 6, zb, UPCAST, PRECISION)
-            part = _single_plane_dot(part, x7, packed, 7, zb, UPCAST, PRECISION)
-        else:
-            p = tl.arange(0, BLOCK_K // 8)
-            for j in tl.static_range(8):
-                a = tl.load(x_rows + (k0 + j + 8 * p)[None, :], mask=m_mask[:, None], other=0.0)
-                part = _single_plane_dot(part, a, packed, j, zb, UPCAST, PRECISION)
-        acc += part * s[None, :]
-    _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, pid_k, M, N, s_om, SPLIT)
-
-
 def single_w4a16_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, *, config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``w4a16_linear`` as served until 2026-11-30 (session 12) for 1-16 rows of x: planes made
-    one a shift in the GEMV (up to ``W4_GEMV_ROWS``) and in the small batches' GEMM; other
-    batches (and any ``config``) go to the served function. A decode step runs on it with
-    ``kernels.triton_quant.w4a16_linear`` replaced by it (``scripts/device/w4_gemv.sh``,
-    ``awq-single``)."""
+    """``w4a16_linear`` as served before plane pairs (2026-11-30, session 12): 1-2 rows of x
+    on the GEMV with each plane made alone; other batches (and any ``config``) go to the
+    served function. A decode step runs on it with ``kernels.triton_quant.w4a16_linear``
+    replaced by it (``scripts/device/w4_gemv.sh``, ``awq-single``)."""
     from kernels import triton_quant as tq
 
     m, k = x.shape
-    n = qweight.shape[1]
-    if config is not None or m > tq.SMALL_GEMM_ROWS or group_size % tq.W4_PLANES_K or m == 0:
+    if config is not None or not 0 < m <= tq.W4_GEMV_ROWS or group_size % tq.W4_PLANES_K:
         return w4a16_linear(x, qweight, scales, zeros, group_size, config=config)
+    n = qweight.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
-    if m <= tq.W4_GEMV_ROWS:
-        bn, bk, warps, asked = tq._with_split(tq.W4_GEMV_CONFIG, 3)
-        bk = tq._chunk(bk, k)
-        split, per = tq._split(asked, triton.cdiv(n, bn), k // bk, x.device)
-        target = tq._target(out, split)
-        _w4_gemv_single_kernel[(triton.cdiv(n, bn), split)](
-            x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, 1,
-            GROUP=group_size, ROWS=m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=warps,
-            **pdl(x.device, m),
-        )  # fmt: skip
-    else:
-        bm, bn, bk, warps, asked = tq._with_split(tq.W4_SMALL_GEMM_CONFIG, 4)
-        bk = min(bk, group_size)
-        split, per = tq._split(asked, triton.cdiv(n, bn), k // bk, x.device, tq._gemm_most(k))
-        target = tq._target(out, split)
-        _w4_gemm_single_kernel[(1, triton.cdiv(n, bn), split)](
-            x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, GROUP=group_size,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=dot_upcast(x.dtype),
-            PRECISION=dot_precision(x.dtype), SPLIT=split,
-            X_WHOLE=m > tq.W4_PLANES_X_WHOLE_ROWS, num_warps=warps,
-        )  # fmt: skip
+    bn, bk, warps, asked = tq._with_split(tq.W4_GEMV_CONFIG, 3)
+    bk = tq._chunk(bk, k)
+    split, per = tq._split(asked, triton.cdiv(n, bn), k // bk, x.device)
+    target = tq._target(out, split)
+    _w4_gemv_single_kernel[(triton.cdiv(n, bn), split)](
+        x, qweight, scales, zeros, target, m, n, k, per * bk, x.stride(0), qweight.stride(0),
+        scales.stride(0), out.stride(0), 1, GROUP=group_size, ROWS=m, BLOCK_N=bn, BLOCK_K=bk,
+        SPLIT=split, num_warps=warps, **pdl(x.device, m),
+    )  # fmt: skip
     return tq._finish(target, out, split)
 
 
@@ -366,7 +283,7 @@ def candidates(rows: int = 1) -> Forms:
     """Each form of the GEMV for ``rows`` rows of x at the launches timed: family -> [(launch,
     fn)]; from 2 rows the int4 GEMM too (the GEMV takes up to ``W4_GEMV_ROWS``), its tiles
     unpacked into ``[BK, BN]`` and on the nibble planes as two families."""
-    from kernels.triton_quant import SMALL_GEMM_ROWS, W4_GEMV_ROWS
+    from kernels.triton_quant import W4_GEMV_ROWS
 
     gemm: Forms = {
         family: [(str(c), functools.partial(_gemm, config=c)) for c in launches]
@@ -374,11 +291,7 @@ def candidates(rows: int = 1) -> Forms:
     }
     single: Forms = {"single": [("default", single_w4a16_linear)]}
     if rows > W4_GEMV_ROWS:
-        return {
-            "served": [("default", w4a16_linear)],
-            **(single if rows <= SMALL_GEMM_ROWS else {}),
-            **gemm,
-        }
+        return {"served": [("default", w4a16_linear)], **gemm}
     served = [("default", w4a16_linear)]
     served += [(str(c), functools.partial(w4a16_linear, config=c)) for c in LAUNCHES]
     forms: Forms = {"served": served, **single, "convert": [("default", convert_gemv)],

@@ -8,7 +8,7 @@
 #   latency  the decode steps of each of W4_LATENCY (default: awq none; awq-unpacked: AWQ with
 #            the small batches' GEMM tile served before the nibble planes; awq-x-planes and
 #            awq-x-whole: x loaded plane by plane or whole at every batch; awq-single: batches of
-#            1-16 on the nibble planes made one a shift, as served before plane pairs) at W4_BATCHES
+#            1-2 on the GEMV with planes made one a shift, as served before plane pairs) at W4_BATCHES
 #            (default 1,2,8)                                       -> $out/latency-<q>.json
 #   bash scripts/device/w4_gemv.sh [tests] [bench] [latency]   (default: tests bench)
 set -uo pipefail
