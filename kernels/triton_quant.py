@@ -127,6 +127,14 @@ W4_DEQUANT_CONFIG = (64, 128, 4)  # BLOCK_K, BLOCK_N, warps
 # (kernels.bench.w4_unpack, 2026-11-30) the four 8B projections took 62 us a layer at the best
 # launch of each against 78 for the GEMV before (one group a chunk, 16 slices of K)
 W4_GEMV_CONFIG = (16, 1024, 8, 1)
+# int4, one row of x and rows of at least W4_GEMV_LONG_K (and twice the outputs: the down
+# projections): 16 warps over 2048-long chunks, each program's loop half as long.
+# Llama-3.1-8B's down projection has 256 programs of 16 columns for 132 SMs, under one wave; in
+# a graph on one H200 (kernels.bench.w4_unpack, 2026-11-30) 13.8 against 15.6 us at
+# W4_GEMV_CONFIG, the AWQ step at batch 1 2.574 -> 2.515 ms; at batch 2 (both rows in one
+# program) the step was slower with it (3.42 -> 3.58 ms), so two rows keep W4_GEMV_CONFIG
+W4_GEMV_LONG_K_CONFIG = (16, 2048, 16, 1)
+W4_GEMV_LONG_K = 8192
 FP8_GEMV_CONFIG = (8, 512, 4)
 # the bits of 2048.0 and 128.0: a nibble OR-ed in at bits 12..15 or 16..19 adds itself
 PLANE_MAGIC_LO, PLANE_MAGIC_HI = 0x45000000, 0x43000000
@@ -604,7 +612,7 @@ def w4a16_linear(
         return _dequant_matmul(x, qweight, scales, zeros, group_size, out)
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     if m <= W4_GEMV_ROWS:
-        bn, bk, warps, asked = _with_split(config or W4_GEMV_CONFIG, 3)
+        bn, bk, warps, asked = _with_split(config or w4_gemv_config(n, k, m), 3)
         bk = _chunk(bk, k) if bk > group_size else bk  # whole groups, or a part of one
         rows = min(m, 2)
         groups = triton.cdiv(m, rows)
@@ -630,6 +638,14 @@ def w4a16_linear(
         X_WHOLE=planes and m > W4_PLANES_X_WHOLE_ROWS, num_warps=warps,
     )  # fmt: skip
     return _finish(target, out, split)
+
+
+def w4_gemv_config(n: int, k: int, rows: int = 1) -> tuple[int, ...]:
+    """The int4 GEMV's launch for ``rows`` rows of x and an [n, k] weight:
+    ``W4_GEMV_LONG_K_CONFIG`` for one row and long rows of the weight (k >= ``W4_GEMV_LONG_K``
+    and k >= 2n), else ``W4_GEMV_CONFIG``."""
+    long_k = rows == 1 and k >= max(W4_GEMV_LONG_K, 2 * n)
+    return W4_GEMV_LONG_K_CONFIG if long_k else W4_GEMV_CONFIG
 
 
 def _with_split(config: tuple[int, ...], size: int) -> tuple[int, ...]:

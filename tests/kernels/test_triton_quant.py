@@ -206,6 +206,8 @@ def test_fp8_matches_the_reference(
         (1, 8, 384, 128, (16, 1024, 8, 1)),  # K = 3 groups: chunks of one group
         (1, 40, 576, 64, None),  # the default launch on SmolLM2's K (9 groups of 64)
         (2, 40, 576, 64, None),  # two rows in one program
+        (1, 24, 8192, 128, None),  # long rows: 16 warps, 2048-long chunks (w4_gemv_config)
+        (2, 24, 8192, 128, (16, 2048, 16)),
     ],
 )
 def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(
@@ -219,6 +221,18 @@ def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(
     x = rand((m, k), torch.bfloat16, gen, device)
     out = w4a16_linear(x, qweight, scales, zeros, g, config=config)
     assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
+
+
+def test_the_gemv_launch_follows_the_weights_shape() -> None:
+    """One row of x and long rows of the weight with at most half as many outputs (down
+    projections) take 16 warps; two rows of x, other shapes and rows shorter than
+    W4_GEMV_LONG_K the default launch."""
+    long_k = triton_quant.W4_GEMV_LONG_K
+    assert triton_quant.w4_gemv_config(4096, 14336) == triton_quant.W4_GEMV_LONG_K_CONFIG
+    assert triton_quant.w4_gemv_config(long_k // 2, long_k) == triton_quant.W4_GEMV_LONG_K_CONFIG
+    assert triton_quant.w4_gemv_config(4096, 14336, rows=2) == triton_quant.W4_GEMV_CONFIG
+    for n, k in [(28672, 4096), (4096, 4096), (6144, 4096), (576, 1536), (8192, 8192)]:
+        assert triton_quant.w4_gemv_config(n, k) == triton_quant.W4_GEMV_CONFIG
 
 
 @pytest.mark.parametrize(
