@@ -270,7 +270,8 @@ def _plane_pair(packed, PAIR: tl.constexpr, magic_lo, magic_hi):
     whose units are bits 12 and 16 (the offsets, at most 2^11 times x, cost ~11 of fp32's 24
     bits of the products' sum before they are taken off: ~1e-5 relative). ``magic_*`` (their bits, ``PLANE_MAGIC_LO`` and ``PLANE_MAGIC_HI``) come
     in as kernel arguments, in registers: with both the mask and the float's bits immediates,
-    ptxas made each plane an AND and an OR; with one in a register, one LOP3."""
+    the ptxas of triton 3.6 (the GPU image's) made each plane an AND and an OR; with one in a
+    register, one LOP3 (``python -m kernels.bench.sass int4-gemv``)."""
     if PAIR < 2:
         t = packed << (12 - 8 * PAIR)
     else:

@@ -1,0 +1,44 @@
+"""``kernels.bench.sass``: Hopper machine code of the quantized GEMVs, compiled without a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kernels.bench.sass import highest_register, main, parse_loops
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LOP3.LUT R3, R2, 0xf000, R9, 0xea, !PT ;
+        /*0020*/              @!P0 LDG.E.128 R4, desc[UR4][R12.64] ;
+        /*0030*/                   FFMA R10, R3, R5, R10 ;
+        /*0040*/                   FFMA R11, R3, R6, R11 ;
+        /*0050*/               @P1 BRA `(.L_x_0) ;
+        /*0060*/                   BRA `(.L_x_1) ;
+.L_x_1:
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_a_loop_is_a_branch_back_and_its_opcodes_are_counted() -> None:
+    """Predicates and modifiers dropped; a forward branch is no loop; code outside not counted."""
+    (loop,) = parse_loops(LISTING)
+    assert (loop.start, loop.end) == (0x10, 0x50)
+    assert loop.opcodes == {"FFMA": 2, "LOP3": 1, "LDG": 1, "BRA": 1}
+    assert loop.instructions == 5
+    assert highest_register(LISTING) == 13  # R12 named (R12.64 is R12:R13, not counted)
+
+
+def test_the_int4_gemv_makes_each_nibble_plane_with_one_lop3(tmp_path: Path) -> None:
+    """Compiled for sm_90 on this machine: the served GEMV's loop takes one LOP3 a nibble
+    plane (8 packed words a thread a chunk, 8 planes each) and fewer instructions than the
+    form that made each plane on its own."""
+    out = tmp_path / "sass.json"
+    assert main(["int4-gemv", "int4-gemv-single", "--json-out", str(out)]) == 0
+    served, single = json.loads(out.read_text())["kernels"]
+    assert (served["kernel"], served["block_n"], served["block_k"]) == ("int4-gemv", 16, 1024)
+    loop = served["loops"][0]
+    assert loop["opcodes"]["LOP3"] == 64
+    assert loop["opcodes"]["FFMA"] >= 64  # a multiply-add a nibble, and the chunk's epilogue
+    assert loop["instructions"] < single["loops"][0]["instructions"]
