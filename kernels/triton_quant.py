@@ -268,10 +268,11 @@ def _plane_pair(packed, PAIR: tl.constexpr, magic_lo, magic_hi):
     as the exact float32 ``2048 + q`` and ``128 + q``: one shift (by 12 - 8 PAIR) puts them at
     bits 12..15 and 16..19, and one LOP3 each ORs them into the mantissa of 2048.0 or 128.0,
     whose units are bits 12 and 16 (the offsets, at most 2^11 times x, cost ~11 of fp32's 24
-    bits of the products' sum before they are taken off: ~1e-5 relative). ``magic_*`` (their bits, ``PLANE_MAGIC_LO`` and ``PLANE_MAGIC_HI``) come
-    in as kernel arguments, in registers: with both the mask and the float's bits immediates,
-    the ptxas of triton 3.6 (the GPU image's) made each plane an AND and an OR; with one in a
-    register, one LOP3 (``python -m kernels.bench.sass int4-gemv``)."""
+    bits of the products' sum before they are taken off: ~1e-5 relative). ``magic_*`` (their
+    bits, ``PLANE_MAGIC_LO`` and ``PLANE_MAGIC_HI``) come in as kernel arguments, in
+    registers: with both the mask and the float's bits immediates, the ptxas of triton 3.6
+    (the GPU image's) made each plane an AND and an OR; with one in a register, one LOP3
+    (``python -m kernels.bench.sass int4-gemv``)."""
     if PAIR < 2:
         t = packed << (12 - 8 * PAIR)
     else:
@@ -279,6 +280,31 @@ def _plane_pair(packed, PAIR: tl.constexpr, magic_lo, magic_hi):
     lo = ((t & 0x0000F000) | magic_lo).to(tl.float32, bitcast=True)
     hi = ((t & 0x000F0000) | magic_hi).to(tl.float32, bitcast=True)
     return lo, hi
+
+
+@triton.jit
+def _w4_gemv_program(
+    x_ptr, qw_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, GROUPS, GROUP: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """An int4 GEMV program's share: its rows of x ``m0`` and ``m1`` (a second row past the
+    batch reads the last and stores nothing), slice of K ``[k_lo, k_hi)`` (``pid_k``), output
+    columns and their mask, the offsets of its ``[BK/8, BN]`` packed-word and scale tiles and
+    of its rows of x at ``8p``. The rows of x are the grid's fastest index: a weight tile's
+    row groups run side by side, and the tile is read from HBM about once."""
+    pid = tl.program_id(0)
+    m0 = ((pid % GROUPS) * ROWS).to(tl.int64)
+    m1 = tl.minimum(m0 + 1, M - 1)
+    pid_k = tl.program_id(1)
+    offs_n = (pid // GROUPS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_K // 8)
+    k_lo = pid_k * K_PER
+    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
+    sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
+    x0_row = x_ptr + m0 * s_xm + rows * 8
+    x1_row = x_ptr + m1 * s_xm + rows * 8
+    k_hi = tl.minimum(k_lo + K_PER, K)
+    return m0, m1, pid_k, offs_n, offs_n < N, k_lo, k_hi, qw_tile, sz_tile, x0_row, x1_row
 
 
 @triton.jit
@@ -298,20 +324,9 @@ def _w4_gemv_kernel(
     less (2048 + z) times the x of the low planes and (128 + z) times the high ones', times s,
     into a [BK/8, BN] accumulator per row, summed over K once at the end. The next chunk's
     words load before this chunk's arithmetic, the first before the wait."""
-    pid = tl.program_id(0)  # a weight tile's row groups side by side: one HBM read
-    pid_n = pid // GROUPS
-    m0 = ((pid % GROUPS) * ROWS).to(tl.int64)
-    m1 = tl.minimum(m0 + 1, M - 1)  # a second row past the batch reads the last, stores nothing
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.arange(0, BLOCK_K // 8)
-    k_lo = pid_k * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
-    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
-    sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
-    x0_row = x_ptr + m0 * s_xm + rows * 8
-    x1_row = x_ptr + m1 * s_xm + rows * 8
+    m0, m1, pid_k, offs_n, n_mask, k_lo, k_hi, qw_tile, sz_tile, x0_row, x1_row = _w4_gemv_program(
+        x_ptr, qw_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, GROUPS, GROUP, ROWS, BLOCK_N, BLOCK_K
+    )
     following = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
     pdl_enter(USE_PDL)
     acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)

@@ -104,8 +104,8 @@ def _fp8_gemv(args: argparse.Namespace) -> tuple[Any, dict, dict, list[str]]:
     from kernels import triton_quant as tq
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16"}
-    constants = {"M": 1, "BLOCK_N": args.block_n, "BLOCK_K": args.block_k, "EVEN_K": True, "SPLIT": 1,
-                 "ROW_SCALE": True, "USE_PDL": True}  # fmt: skip
+    constants = {"M": 1, "BLOCK_N": args.block_n, "BLOCK_K": args.block_k, "EVEN_K": True,
+                 "SPLIT": 1, "ROW_SCALE": True, "USE_PDL": True}  # fmt: skip
     sizes = ["N", "K", "K_PER", "s_xm", "s_wn", "s_sn", "s_om"]
     return tq._fp8_gemv_kernel, pointers, constants, sizes
 

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import pdl, pdl_enter
-from kernels.triton_quant import _plane, _store_row, w4a16_linear
+from kernels.triton_quant import _plane, _store_row, _w4_gemv_program, w4a16_linear
 
 GROUP = 128
 Forms = dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]  # family -> [(launch, fn)]
@@ -197,20 +197,9 @@ def _w4_gemv_single_kernel(
     tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j, less (128 + z) sum_j x_j,
     times s, into a [BK/8, BN] accumulator per row, summed over K once at the end. The next
     chunk's words load before this chunk's arithmetic, the first before the wait."""
-    pid = tl.program_id(0)  # a weight tile's row groups side by side: one HBM read
-    pid_n = pid // GROUPS
-    m0 = ((pid % GROUPS) * ROWS).to(tl.int64)
-    m1 = tl.minimum(m0 + 1, M - 1)  # a second row past the batch reads the last, stores nothing
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.arange(0, BLOCK_K // 8)
-    k_lo = pid_k * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
-    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
-    sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
-    x0_row = x_ptr + m0 * s_xm + rows * 8
-    x1_row = x_ptr + m1 * s_xm + rows * 8
+    m0, m1, pid_k, offs_n, n_mask, k_lo, k_hi, qw_tile, sz_tile, x0_row, x1_row = _w4_gemv_program(
+        x_ptr, qw_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, GROUPS, GROUP, ROWS, BLOCK_N, BLOCK_K
+    )
     following = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
     pdl_enter(USE_PDL)
     acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
