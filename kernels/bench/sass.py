@@ -1,7 +1,7 @@
 """A Triton kernel's Hopper machine code (SASS), compiled on any machine, no GPU needed: the
 instructions of its main loop, counted by opcode.
 
-    python -m kernels.bench.sass int4-gemv [int4-gemv-single fp8-gemv] [--rows 1|2]
+    python -m kernels.bench.sass int4-gemv [int4-gemv-single int4-gemm fp8-gemv] [--rows N]
         [--block-k 1024] [--warps 8] [--json-out sass.json]
 
 The kernel is compiled for sm_90 as the runtime would specialize it for the Llama-3.1-8B
@@ -15,6 +15,8 @@ pairs with the float's bits in a register, 267). Compile with the Triton of the 
 
 - ``int4-gemv``: ``kernels.triton_quant._w4_gemv_kernel`` (nibble planes in pairs).
 - ``int4-gemv-single``: the GEMV before pairs, ``kernels.bench.w4_unpack``'s ``single`` form.
+- ``int4-gemm``: ``kernels.triton_quant._w4_gemm_kernel`` on the nibble planes at the small
+  batches' tile (x loaded plane by plane, or whole above ``W4_PLANES_X_WHOLE_ROWS`` rows).
 - ``fp8-gemv``: ``kernels.triton_quant._fp8_gemv_kernel``, per-channel scales.
 """
 
@@ -110,8 +112,22 @@ def _fp8_gemv(args: argparse.Namespace) -> tuple[Any, dict, dict, list[str]]:
     return tq._fp8_gemv_kernel, pointers, constants, sizes
 
 
+def _int4_gemm(args: argparse.Namespace) -> tuple[Any, dict, dict, list[str]]:
+    from kernels import triton_quant as tq
+
+    pointers = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
+                "out_ptr": "*fp32"}  # fmt: skip
+    constants = {"GROUP": 128, "BLOCK_M": tq.W4_SMALL_GEMM_CONFIG[0], "BLOCK_N": args.block_n,
+                 "BLOCK_K": args.block_k, "UPCAST": False,
+                 "PRECISION": "tf32", "SPLIT": tq.W4_SMALL_GEMM_CONFIG[4], "PLANES": True,
+                 "X_WHOLE": args.rows > tq.W4_PLANES_X_WHOLE_ROWS}  # fmt: skip
+    sizes = ["N", "K", "K_PER", "s_xm", "s_qk", "s_sg", "s_om"]
+    return tq._w4_gemm_kernel, pointers, constants, sizes
+
+
 PRESETS = {
     "int4-gemv": lambda a: _int4_gemv(a, single=False),
+    "int4-gemm": _int4_gemm,
     "int4-gemv-single": lambda a: _int4_gemv(a, single=True),
     "fp8-gemv": _fp8_gemv,
 }
@@ -144,7 +160,9 @@ def describe(kernel: str, args: argparse.Namespace) -> dict:
 
     # the launch served for the 8B gate_up projection (4096 -> 28672)
     gate_up = tq.fp8_gemv_config(28672, 4096, 4096)
-    served = tq.W4_GEMV_CONFIG if kernel.startswith("int4") else gate_up
+    served: tuple[int, ...] = tq.W4_GEMV_CONFIG if kernel.startswith("int4-gemv") else gate_up
+    if kernel == "int4-gemm":  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, SPLIT): as a GEMV's order
+        served = tuple(tq.W4_SMALL_GEMM_CONFIG[i] for i in (1, 2, 3))
     launch = argparse.Namespace(rows=args.rows, block_n=served[0],
                                 block_k=args.block_k or served[1])  # fmt: skip
     warps = args.warps or served[2]
@@ -162,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("kernels", nargs="+", choices=sorted(PRESETS), metavar="KERNEL",
                    help=f"one or more of {', '.join(sorted(PRESETS))}")  # fmt: skip
-    p.add_argument("--rows", type=int, choices=(1, 2), default=1, help="rows of x (int4 GEMV)")
+    p.add_argument("--rows", type=int, default=1,
+                   help="rows of x: 1-2 for the int4 GEMV, 3-16 for the GEMM")  # fmt: skip
     p.add_argument("--block-k", type=int, default=None, help="K a chunk (default: as served)")
     p.add_argument("--warps", type=int, default=None, help="warps a program (default: as served)")
     p.add_argument("--json-out", default=None)

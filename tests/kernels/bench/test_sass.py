@@ -33,10 +33,12 @@ def test_a_loop_is_a_branch_back_and_its_opcodes_are_counted() -> None:
 def test_the_int4_gemv_makes_each_nibble_plane_with_one_lop3(tmp_path: Path) -> None:
     """Compiled for sm_90 on this machine: the served GEMV's loop takes one LOP3 a nibble
     plane (8 packed words a thread a chunk, 8 planes each) and fewer instructions than the
-    form that made each plane on its own."""
+    form that made each plane on its own; the small batches' GEMM multiplies its eight planes
+    on the tensor cores (each warp two HMMA of 16x8x16 a plane)."""
     out = tmp_path / "sass.json"
-    assert main(["int4-gemv", "int4-gemv-single", "--json-out", str(out)]) == 0
-    served, single = json.loads(out.read_text())["kernels"]
+    assert main(["int4-gemv", "int4-gemv-single", "int4-gemm", "--json-out", str(out)]) == 0
+    served, single, gemm = json.loads(out.read_text())["kernels"]
+    assert gemm["loops"][0]["opcodes"]["HMMA"] == 16
     assert (served["kernel"], served["block_n"], served["block_k"]) == ("int4-gemv", 16, 1024)
     loop = served["loops"][0]
     assert loop["opcodes"]["LOP3"] == 64
