@@ -308,6 +308,22 @@ def _w4_gemv_program(
 
 
 @triton.jit
+def _w4_gemv_chunk(
+    qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """An int4 GEMV program's loads for the chunk at ``k0``: the next chunk's packed words
+    (loaded ahead; past the slice, the last chunk again, from L2) and this chunk's scales and
+    zeros as float32, each row of the tile its own group's."""
+    ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
+    following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
+    g0 = (k0 // GROUP) * s_sg
+    s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    return following, s, z
+
+
+@triton.jit
 def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, GROUPS,
     MAGIC_LO, MAGIC_HI, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -318,7 +334,7 @@ def _w4_gemv_kernel(
     measured 2-3x slower). Planes come in pairs (:func:`_plane_pair`): four shifts and eight
     LOP3 a word, where one plane a shift (:func:`_plane`) took seven shifts and sixteen
     LOP3: 267 instructions a thread a chunk of eight words against 359 in the SASS of the 8B
-    launch, the four 8B projections 63.9 -> 56.5 us at one row, 104.8 -> 80.9 at two (one
+    launch, the four 8B projections 63.9 -> 56.6 us at one row, 104.8 -> 87.4 at two (one
     H200, 2026-11-30). A chunk of K may span several scale groups
     (row p of the packed tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j,
     less (2048 + z) times the x of the low planes and (128 + z) times the high ones', times s,
@@ -333,11 +349,9 @@ def _w4_gemv_kernel(
     acc1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         packed = following
-        ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last chunk again, from L2
-        following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
-        g0 = (k0 // GROUP) * s_sg
-        s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        following, s, z = _w4_gemv_chunk(
+            qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K
+        )
         part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         part1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         lo0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)  # x of the low (2048 + q) planes

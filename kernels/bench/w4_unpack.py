@@ -48,7 +48,13 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import pdl, pdl_enter
-from kernels.triton_quant import _plane, _store_row, _w4_gemv_program, w4a16_linear
+from kernels.triton_quant import (
+    _plane,
+    _store_row,
+    _w4_gemv_chunk,
+    _w4_gemv_program,
+    w4a16_linear,
+)
 
 GROUP = 128
 Forms = dict[str, list[tuple[str, Callable[..., torch.Tensor]]]]  # family -> [(launch, fn)]
@@ -206,11 +212,10 @@ def _w4_gemv_single_kernel(
     acc1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         packed = following
-        ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last chunk again, from L2
-        following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
-        g0 = (k0 // GROUP) * s_sg
-        s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
-        zb = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32) + 128.0
+        following, s, z = _w4_gemv_chunk(
+            qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K
+        )
+        zb = z + 128.0
         part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         part1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         sum0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
