@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -125,11 +126,40 @@ def _int4_gemm(args: argparse.Namespace) -> tuple[Any, dict, dict, list[str]]:
     return tq._w4_gemm_kernel, pointers, constants, sizes
 
 
+@dataclass(frozen=True)
+class Preset:
+    build: Any  # launch (rows, block_n, block_k) -> (kernel, pointers, constants, sizes)
+    launch: Any  # () -> the served (BLOCK_N, BLOCK_K, warps) for the 8B gate_up projection
+    rows: range  # the rows of x the kernel takes
+
+
+def _int4_gemv_launch() -> tuple[int, ...]:
+    from kernels import triton_quant as tq
+
+    return tq.W4_GEMV_CONFIG[:3]
+
+
+def _int4_gemm_launch() -> tuple[int, ...]:
+    from kernels import triton_quant as tq
+
+    return tq.W4_SMALL_GEMM_CONFIG[1:4]  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, SPLIT)
+
+
+def _fp8_gemv_launch() -> tuple[int, ...]:
+    from kernels import triton_quant as tq
+
+    return tq.fp8_gemv_config(28672, 4096, 4096)  # per-channel scales: K is one block
+
+
 PRESETS = {
-    "int4-gemv": lambda a: _int4_gemv(a, single=False),
-    "int4-gemm": _int4_gemm,
-    "int4-gemv-single": lambda a: _int4_gemv(a, single=True),
-    "fp8-gemv": _fp8_gemv,
+    "int4-gemv": Preset(
+        functools.partial(_int4_gemv, single=False), _int4_gemv_launch, range(1, 3)
+    ),
+    "int4-gemm": Preset(_int4_gemm, _int4_gemm_launch, range(1, 17)),
+    "int4-gemv-single": Preset(
+        functools.partial(_int4_gemv, single=True), _int4_gemv_launch, range(1, 3)
+    ),
+    "fp8-gemv": Preset(_fp8_gemv, _fp8_gemv_launch, range(1, 2)),
 }
 
 
@@ -155,18 +185,13 @@ def compile_sass(fn: Any, pointers: dict, constants: dict, sizes: list[str], num
 
 
 def describe(kernel: str, args: argparse.Namespace) -> dict:
-    """One preset compiled and its loops counted."""
-    from kernels import triton_quant as tq
-
-    # the launch served for the 8B gate_up projection (4096 -> 28672)
-    gate_up = tq.fp8_gemv_config(28672, 4096, 4096)
-    served: tuple[int, ...] = tq.W4_GEMV_CONFIG if kernel.startswith("int4-gemv") else gate_up
-    if kernel == "int4-gemm":  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, SPLIT): as a GEMV's order
-        served = tuple(tq.W4_SMALL_GEMM_CONFIG[i] for i in (1, 2, 3))
-    launch = argparse.Namespace(rows=args.rows, block_n=served[0],
-                                block_k=args.block_k or served[1])  # fmt: skip
-    warps = args.warps or served[2]
-    fn, pointers, constants, sizes = PRESETS[kernel](launch)
+    """One preset compiled at its served launch (``--block-k`` and ``--warps`` override) and its
+    loops counted."""
+    preset = PRESETS[kernel]
+    block_n, block_k, warps = preset.launch()
+    launch = argparse.Namespace(rows=args.rows, block_n=block_n, block_k=args.block_k or block_k)
+    warps = args.warps or warps
+    fn, pointers, constants, sizes = preset.build(launch)
     sass = compile_sass(fn, pointers, constants, sizes, warps)
     loops = [{"start": lp.start, "end": lp.end, "instructions": lp.instructions,
               "opcodes": lp.opcodes} for lp in parse_loops(sass)]  # fmt: skip
@@ -180,12 +205,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("kernels", nargs="+", choices=sorted(PRESETS), metavar="KERNEL",
                    help=f"one or more of {', '.join(sorted(PRESETS))}")  # fmt: skip
-    p.add_argument("--rows", type=int, default=1,
-                   help="rows of x: 1-2 for the int4 GEMV, 3-16 for the GEMM")  # fmt: skip
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=1,
+        help="rows of x: 1-2 for the int4 GEMVs, 1-16 for the GEMM, 1 for fp8",
+    )
     p.add_argument("--block-k", type=int, default=None, help="K a chunk (default: as served)")
     p.add_argument("--warps", type=int, default=None, help="warps a program (default: as served)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
+    for kernel in args.kernels:
+        rows = PRESETS[kernel].rows
+        if args.rows not in rows:
+            takes = f"{rows[0]} to {rows[-1]} rows" if len(rows) > 1 else f"{rows[0]} row"
+            p.error(f"--rows {args.rows}: {kernel} takes {takes} of x")
     if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels must be real JIT functions
         env = {**os.environ, "TRITON_INTERPRET": "0"}
         return subprocess.run(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kernels.bench.sass import highest_register, main, parse_loops
 
 LISTING = """
@@ -44,3 +46,21 @@ def test_the_int4_gemv_makes_each_nibble_plane_with_one_lop3(tmp_path: Path) -> 
     assert loop["opcodes"]["LOP3"] == 64
     assert loop["opcodes"]["FFMA"] >= 64  # a multiply-add a nibble, and the chunk's epilogue
     assert loop["instructions"] < single["loops"][0]["instructions"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["int4-gemv", "--rows", "3"], "--rows 3: int4-gemv takes 1 to 2 rows of x"),
+        (["int4-gemm", "--rows", "17"], "--rows 17: int4-gemm takes 1 to 16 rows of x"),
+        (["fp8-gemv", "--rows", "2"], "--rows 2: fp8-gemv takes 1 row of x"),
+    ],
+)
+def test_rows_a_kernel_does_not_take_are_refused(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Compiled anyway, a GEMV of 3 rows would be read as one of 2; refused before compiling."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert said in capsys.readouterr().err
