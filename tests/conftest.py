@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests import triton_interpreter
+
 PROCESSES = "processes"
 
 # Modules whose tests start real serving processes: the users of the `fleet` fixture
@@ -57,6 +59,11 @@ def unit_of(nodeid: str) -> str:
     """The unit of work a test belongs to: every serving module together, else its module."""
     module = nodeid.split("::", 1)[0]
     return PROCESSES if module in SERVING_MODULES else module
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # the Triton interpreter without the work it throws away (tests/triton_interpreter.py)
+    triton_interpreter.install()
 
 
 @pytest.hookimpl(tryfirst=True)

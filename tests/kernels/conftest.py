@@ -14,6 +14,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from tests import triton_interpreter
+
+# again here: a run of these tests alone sets TRITON_INTERPRET above, after the root conftest
+triton_interpreter.install()
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
