@@ -71,8 +71,13 @@ def _skipping_patched_modules(patch_lang: Callable[[Any], Any], tl: Any) -> Call
         marker = getattr(lang, "program_id", None)
         return marker is not None and not is_builtin(marker)
 
+    seen: dict[Any, list[Any]] = {}  # the language modules each jit function's globals hold
+
     def skipping(fn: Any) -> Any:
-        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in languages]
+        langs = seen.get(fn)
+        if langs is None:
+            langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in languages]
+            seen[fn] = langs
         if langs and all(patched(lang) for lang in langs):
             return _NothingToRestore()
         return patch_lang(fn)
