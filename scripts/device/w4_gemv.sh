@@ -10,7 +10,9 @@
 #            awq-x-whole: x loaded plane by plane or whole at every batch; awq-single: batches of
 #            1-2 on the GEMV with planes made one a shift, as served before plane pairs) at W4_BATCHES
 #            (default 1,2,8)                                       -> $out/latency-<q>.json
-#   bash scripts/device/w4_gemv.sh [tests] [bench] [latency]   (default: tests bench)
+#   ceiling  the GEMV's loads alone (kernels.bench.w4_ceiling: words, + scales and zeros, + x)
+#            beside the served GEMV, after its compiled test           -> $out/w4-ceiling.json
+#   bash scripts/device/w4_gemv.sh [tests] [bench] [latency] [ceiling]   (default: tests bench)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
@@ -25,6 +27,11 @@ for step in ${*:-tests bench}; do
     bench)
       timeout 480 python3 -m kernels.bench.w4_unpack --rows ${W4_ROWS:-1 2} \
         --json-out "$out/w4-forms.json" 2>&1 | grep -v "best launch" | tail -30 ;;
+    ceiling)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/bench/test_w4_ceiling.py \
+        2>&1 | tail -2
+      timeout 300 python3 -m kernels.bench.w4_ceiling --json-out "$out/w4-ceiling.json" 2>&1 |
+        tail -8 ;;
     latency)
       for q in ${W4_LATENCY:-awq none}; do
         args=(); [ "$q" = none ] || args=(--quantization "${q%%-*}")
