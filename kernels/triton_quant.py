@@ -135,6 +135,14 @@ W4_GEMV_CONFIG = (16, 1024, 8, 1)
 # program) the step was slower with it (3.42 -> 3.58 ms), so two rows keep W4_GEMV_CONFIG
 W4_GEMV_LONG_K_CONFIG = (16, 2048, 16, 1)
 W4_GEMV_LONG_K = 8192
+# int4, at least W4_GEMV_WIDE_N times as many outputs as inputs (gate_up projections), one
+# or two rows of x: 32 columns a program over 512-long chunks. Llama-3.1-8B's gate_up in a
+# graph on one H200 (kernels.bench.w4_unpack, 2026-11-30, session 13): 24.5 against 26.7 us
+# at W4_GEMV_CONFIG (the words alone, kernels.bench.w4_ceiling, reach 80% of copy with 64
+# columns against 68% with 16; the whole GEMV is slower at 64); the AWQ step at batch 1
+# 2.52 -> 2.44 ms, at batch 2 3.42 -> 3.30
+W4_GEMV_WIDE_N_CONFIG = (32, 512, 8, 1)
+W4_GEMV_WIDE_N = 4
 FP8_GEMV_CONFIG = (8, 512, 4)
 # the bits of 2048.0 and 128.0: a nibble OR-ed in at bits 12..15 or 16..19 adds itself
 PLANE_MAGIC_LO, PLANE_MAGIC_HI = 0x45000000, 0x43000000
@@ -673,9 +681,13 @@ def w4a16_linear(
 def w4_gemv_config(n: int, k: int, rows: int = 1) -> tuple[int, ...]:
     """The int4 GEMV's launch for ``rows`` rows of x and an [n, k] weight:
     ``W4_GEMV_LONG_K_CONFIG`` for one row and long rows of the weight (k >= ``W4_GEMV_LONG_K``
-    and k >= 2n), else ``W4_GEMV_CONFIG``."""
-    long_k = rows == 1 and k >= max(W4_GEMV_LONG_K, 2 * n)
-    return W4_GEMV_LONG_K_CONFIG if long_k else W4_GEMV_CONFIG
+    and k >= 2n), ``W4_GEMV_WIDE_N_CONFIG`` for n >= ``W4_GEMV_WIDE_N`` k, else
+    ``W4_GEMV_CONFIG``."""
+    if rows == 1 and k >= max(W4_GEMV_LONG_K, 2 * n):
+        return W4_GEMV_LONG_K_CONFIG
+    if n >= W4_GEMV_WIDE_N * k:
+        return W4_GEMV_WIDE_N_CONFIG
+    return W4_GEMV_CONFIG
 
 
 def _with_split(config: tuple[int, ...], size: int) -> tuple[int, ...]:

@@ -208,6 +208,8 @@ def test_fp8_matches_the_reference(
         (2, 40, 576, 64, None),  # two rows in one program
         (1, 24, 8192, 128, None),  # long rows: 16 warps, 2048-long chunks (w4_gemv_config)
         (2, 24, 8192, 128, (16, 2048, 16)),
+        (1, 264, 64, 32, None),  # four times as many outputs: 32 columns a program, a partial tile
+        (2, 264, 64, 32, None),  # the same for two rows in one program
     ],
 )
 def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(
@@ -225,13 +227,17 @@ def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(
 
 def test_the_gemv_launch_follows_the_weights_shape() -> None:
     """One row of x and long rows of the weight with at most half as many outputs (down
-    projections) take 16 warps; two rows of x, other shapes and rows shorter than
+    projections) take 16 warps, and four times as many outputs as inputs (gate_up) 32 columns
+    a program (at one or two rows); two rows of x, other shapes and rows shorter than
     W4_GEMV_LONG_K the default launch."""
     long_k = triton_quant.W4_GEMV_LONG_K
     assert triton_quant.w4_gemv_config(4096, 14336) == triton_quant.W4_GEMV_LONG_K_CONFIG
     assert triton_quant.w4_gemv_config(long_k // 2, long_k) == triton_quant.W4_GEMV_LONG_K_CONFIG
     assert triton_quant.w4_gemv_config(4096, 14336, rows=2) == triton_quant.W4_GEMV_CONFIG
-    for n, k in [(28672, 4096), (4096, 4096), (6144, 4096), (576, 1536), (8192, 8192)]:
+    # four times as many outputs as inputs (gate_up) take 32 columns a program, at 1 or 2 rows
+    assert triton_quant.w4_gemv_config(28672, 4096) == triton_quant.W4_GEMV_WIDE_N_CONFIG
+    assert triton_quant.w4_gemv_config(28672, 4096, rows=2) == triton_quant.W4_GEMV_WIDE_N_CONFIG
+    for n, k in [(4096, 4096), (6144, 4096), (576, 1536), (8192, 8192), (16383, 4096)]:
         assert triton_quant.w4_gemv_config(n, k) == triton_quant.W4_GEMV_CONFIG
 
 
