@@ -316,15 +316,22 @@ def _w4_gemv_program(
 
 
 @triton.jit
+def _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K: tl.constexpr):
+    """The packed words of the chunk after ``k0``, loaded ahead (past the slice, the last chunk
+    again, from L2)."""
+    ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
+    return tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
+
+
+@triton.jit
 def _w4_gemv_chunk(
     qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """An int4 GEMV program's loads for the chunk at ``k0``: the next chunk's packed words
-    (loaded ahead; past the slice, the last chunk again, from L2) and this chunk's scales and
-    zeros as float32, each row of the tile its own group's."""
-    ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
-    following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
+    (:func:`_w4_next_words`) and this chunk's scales and zeros as float32, each row of the tile
+    its own group's."""
+    following = _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K)
     g0 = (k0 // GROUP) * s_sg
     s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)

@@ -129,7 +129,9 @@ def _int4_gemm(args: argparse.Namespace) -> tuple[Any, dict, dict, list[str]]:
 @dataclass(frozen=True)
 class Preset:
     build: Any  # launch (rows, block_n, block_k) -> (kernel, pointers, constants, sizes)
-    launch: Any  # () -> the served (BLOCK_N, BLOCK_K, warps) for the 8B gate_up projection
+    launch: Any  # () -> the served (BLOCK_N, BLOCK_K, warps): int4 GEMV, its default launch
+    # (qkv and o; gate_up and down take W4_GEMV_WIDE_N_CONFIG and W4_GEMV_LONG_K_CONFIG);
+    # the GEMM, its small batches' tile; FP8, the 8B gate_up projection's
     rows: range  # the rows of x the kernel takes
 
 

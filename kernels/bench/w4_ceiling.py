@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_quant import _w4_gemv_chunk, _w4_gemv_program, w4_gemv_config
+from kernels.bench.w4_unpack import GROUP, awq_weights, weight_bytes
+from kernels.triton_quant import _w4_gemv_chunk, _w4_gemv_program, _w4_next_words, w4_gemv_config
 
-GROUP = 128
 # form -> (scales and zeros: 0 none, 1 as served (two bf16 tiles), 2 one int32 a pair, x too)
 FORMS = {"words": (0, False), "words+sz": (1, False), "words+sz32": (2, False),
          "all loads": (1, True)}  # fmt: skip
@@ -44,7 +44,8 @@ def _w4_loads_kernel(
     X: tl.constexpr, TILED: tl.constexpr,
 ):  # fmt: skip
     """One row of x, K unsplit: the XOR of each column's words, the max of its scales and zeros
-    (``SZ``: 1 from two bf16 tensors, 2 from one int32 a pair, :func:`pack_scales`) and, from the first column tile, the sum of x (``X``)."""
+    (``SZ``: 1 from two bf16 tensors, 2 from one int32 a pair, :func:`pack_scales`) and, from
+    the first column tile, the sum of x (``X``); ``TILED``: the words tile-major."""
     _m0, _m1, _pid_k, offs_n, n_mask, k_lo, k_hi, qw_tile, sz_tile, x0_row, _x1 = _w4_gemv_program(
         x_ptr, qw_ptr, 1, N, K, K, s_xm, s_qk, s_sg, 1, GROUP, 1, BLOCK_N, BLOCK_K
     )
@@ -64,8 +65,7 @@ def _w4_loads_kernel(
             )
             top = tl.maximum(top, tl.maximum(s, z))
         else:
-            ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
-            following = tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
+            following = _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K)
             if SZ == 2:  # s_ptr: int32 words, a scale's bf16 bits low and its zero's high
                 w = tl.load(s_ptr + (k0 // GROUP) * s_sg + sz_tile, mask=n_mask[None, :], other=0)
                 s = (w << 16).to(tl.float32, bitcast=True)
@@ -130,13 +130,9 @@ def ref_loads(
     """What :func:`loads` returns, in torch and numpy."""
     xor = np.bitwise_xor.reduce(qweight.cpu().numpy(), axis=0)
     both = torch.maximum(scales.to(torch.bfloat16).float(), zeros.to(torch.bfloat16).float())
-    top = both.amax(0).clamp(min=0) if sz else None
-    n = qweight.shape[1]
-    return (
-        torch.from_numpy(xor).to(qweight.device),
-        top if top is not None else torch.zeros(n, device=qweight.device),
-        x[0].float().sum().reshape(1) if with_x else torch.zeros(1, device=x.device),
-    )
+    top = both.amax(0).clamp(min=0) if sz else torch.zeros(qweight.shape[1], device=x.device)
+    xsum = x[0].float().sum().reshape(1) if with_x else torch.zeros(1, device=x.device)
+    return torch.from_numpy(xor).to(qweight.device), top, xsum
 
 
 def _each(fn: Callable[..., object], x: torch.Tensor, weights: list) -> None:
@@ -149,16 +145,9 @@ def time_shape(name: str, n: int, k: int, copy: float) -> dict:
     from kernels.triton_quant import w4a16_linear
 
     graph_us = gemv_graph.graph_us
-    weights = [
-        (
-            torch.randint(-(2**31), 2**31, (k // 8, n), dtype=torch.int32, device="cuda"),
-            (torch.rand(k // GROUP, n, device="cuda") / 8 + 0.01).to(torch.bfloat16),
-            torch.randint(0, 16, (k // GROUP, n), device="cuda").to(torch.bfloat16),
-        )
-        for _ in range(gemv_graph.REPS)
-    ]
+    weights = awq_weights(n, k, torch.device("cuda"))
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    nbytes = k * n // 2 + 2 * (k // GROUP) * n * 2
+    nbytes = weight_bytes(n, k)
     floor_us = nbytes / copy / 1e3
     packs = [pack_scales(s, z) for _, s, z in weights]
     timed = {"served": graph_us(lambda: [w4a16_linear(x, *w, GROUP) for w in weights])}

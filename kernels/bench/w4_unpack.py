@@ -296,20 +296,35 @@ def candidates(rows: int = 1) -> Forms:
     return forms
 
 
+def awq_weights(
+    n: int, k: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``gemv_graph.REPS`` distinct AWQ-shaped weights of an [n, k] projection: packed words
+    ``[K/8, N]``, bf16 scales and zeros of groups of ``GROUP``."""
+    from kernels.bench import gemv_graph
+
+    return [
+        (
+            torch.randint(-(2**31), 2**31, (k // 8, n), dtype=torch.int32, device=device),
+            (torch.rand(k // GROUP, n, device=device) / 8 + 0.01).to(torch.bfloat16),
+            torch.randint(0, 16, (k // GROUP, n), device=device).to(torch.bfloat16),
+        )
+        for _ in range(gemv_graph.REPS)
+    ]
+
+
+def weight_bytes(n: int, k: int) -> int:
+    """The bytes such a weight reads: int4 words, bf16 scales and zeros."""
+    return k * n // 2 + 2 * (k // GROUP) * n * 2
+
+
 def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda", rows: int = 1) -> dict:
     from kernels.bench import gemv_graph
     from kernels.quant import ref_w4a16_linear
 
     graph_us = gemv_graph.graph_us
     dev = torch.device(device)
-    weights = [
-        (
-            torch.randint(-(2**31), 2**31, (k // 8, n), dtype=torch.int32, device=dev),
-            (torch.rand(k // GROUP, n, device=dev) / 8 + 0.01).to(torch.bfloat16),
-            torch.randint(0, 16, (k // GROUP, n), device=dev).to(torch.bfloat16),
-        )
-        for _ in range(gemv_graph.REPS)
-    ]
+    weights = awq_weights(n, k, dev)
     x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
     ref = ref_w4a16_linear(x, *weights[0], GROUP).float()
     scale = ref.abs().max().item() + 1e-6
@@ -321,7 +336,7 @@ def time_shape(name: str, n: int, k: int, copy: float, device: str = "cuda", row
 
         return launches
 
-    nbytes = k * n // 2 + 2 * (k // GROUP) * n * 2  # int4 weights, bf16 scales and zeros
+    nbytes = weight_bytes(n, k)
     floor_us = nbytes / copy / 1e3
     timed: dict[str, dict[str, float]] = {}
     best: dict[str, tuple[str, float]] = {}

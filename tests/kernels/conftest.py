@@ -20,23 +20,19 @@ from tests import triton_interpreter
 triton_interpreter.install()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") is None:
         return
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    if _interpreting():
+    if triton_interpreter.interpreting():
         pytest.skip("GPU tests run compiled kernels: set TRITON_INTERPRET=0")
 
 
 @pytest.fixture
 def device() -> torch.device:
     """CPU under the interpreter; the GPU when the kernels are compiled (the same edge cases)."""
-    if torch.cuda.is_available() and not _interpreting():
+    if torch.cuda.is_available() and not triton_interpreter.interpreting():
         return torch.device("cuda")
     return torch.device("cpu")
 
