@@ -5,7 +5,9 @@ is a pure bandwidth problem. cuBLAS's heuristics sometimes launch too few CTAs f
 4096x4096 projection on an H100 (64 tiles for 132 SMs, ~1.6 TB/s measured in a decode step),
 while a kernel that gives each program a few output rows fills the machine. Each program owns
 ``BLOCK_N`` rows of the weight, streams them along K in ``BLOCK_K`` chunks (16-byte loads along
-the contiguous dim), keeps an fp32 partial product per element and reduces once at the end:
+the contiguous dim) with the next chunks' loads in flight (for long rows three chunks ahead,
+software-pipelined through shared memory; else one ahead in registers), keeps an fp32 partial
+product per element and reduces once at the end:
 no split-K, so the result is deterministic and does not depend on the launch configuration's
 reduction order beyond the chunking.
 
@@ -25,26 +27,29 @@ import triton.language as tl
 from kernels.gemv import GEMV_MAX_ROWS as MAX_ROWS
 from kernels.triton_common import FLOAT_DTYPES, check_devices, check_tensor, pdl, pdl_enter
 
-# (BLOCK_N, BLOCK_K, num_warps): the launch used unless a caller picks another
+# (BLOCK_N, BLOCK_K, num_warps[, STAGES]): the launch used unless a caller picks another;
+# STAGES > 1 software-pipelines the chunk loads (1, left out: one chunk ahead in registers)
 DEFAULT_CONFIG = (8, 512, 4)
+# rows of at least this many elements: 256-long chunks on 4 warps, four stages (three chunks'
+# loads in flight through shared memory), 16 rows a program for weights with more outputs than
+# inputs, 8 for the rest. Llama-3.1-8B's projections in a graph on one H200
+# (kernels.bench.gemv_stages, 2026-11-30): qkv 14.3 -> 13.0 us, o 11.6 -> 9.6, gate_up 57.6 ->
+# 53.8, down 29.6 -> 27.8 against the one-chunk-ahead launches before (103.7 against 113.1 us a
+# layer, 88% -> 96% of the copy bandwidth)
+STAGED_MIN_K = 2048
 
 
-def pick_config(n: int, k: int) -> tuple[int, int, int]:
-    """The launch for an [n, k] weight. Rows of 2048 or more: the fastest of 30 configurations
-    per Llama-3.1-8B shape on an H100 (kernels/bench/gemv.py, 2026-11-22), generalised by
-    shape: long rows (k >= 8192) take 16 rows per program, wide or square outputs 4, the rest 8;
-    1024-wide chunks, 8 warps. Shorter rows (a small model's, SmolLM2-135M's 576 and 1536; H100,
-    2026-11-25) take short chunks and few warps, which also keep a verify step's 8 rows cheap
-    (the wide 8-warp launches ran a 49152 x 576 lm_head at 8 rows in 213 us against 53 us)."""
-    if k < 2048:
+def pick_config(n: int, k: int) -> tuple[int, ...]:
+    """The launch for an [n, k] weight. Rows of ``STAGED_MIN_K`` or more: pipelined
+    (``STAGED_MIN_K``'s note). Shorter rows (a small model's, SmolLM2-135M's 576 and 1536;
+    H100, 2026-11-25) take short chunks and few warps, which also keep a verify step's 8 rows
+    cheap (the wide 8-warp launches ran a 49152 x 576 lm_head at 8 rows in 213 us against 53
+    us)."""
+    if k < STAGED_MIN_K:
         if n >= 2 * k:
             return (4, 128, 1)
         return (8, 256, 2) if k <= 1024 else (8, 512, 4)
-    if k >= 8192:
-        return (16, 1024, 8)
-    if n >= 16384 or n <= k:
-        return (4, 1024 if n >= 16384 else 512, 8)
-    return (8, 1024, 8)
+    return (16 if n > k else 8, 256, 4, 4)
 
 
 @triton.jit
@@ -71,10 +76,24 @@ def _load_w_chunk(w_rows, k0, offs_k, n_mask, k_end):
 
 
 @triton.jit
+def _gemv_rows(w, ks, K, x0, x1, x2, x3, acc0, acc1, acc2, acc3, ROWS: tl.constexpr,
+               EVEN_K: tl.constexpr):  # fmt: skip
+    """One weight chunk (float32) into each row's accumulator: the same operations in the same
+    order for a row whatever the group."""
+    acc0 += w * _load_x(x0, ks, K, EVEN_K)[None, :]
+    if ROWS > 1:
+        acc1 += w * _load_x(x1, ks, K, EVEN_K)[None, :]
+    if ROWS > 2:
+        acc2 += w * _load_x(x2, ks, K, EVEN_K)[None, :]
+        acc3 += w * _load_x(x3, ks, K, EVEN_K)[None, :]
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, GROUPS,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # the row groups of one weight tile side by side: one HBM read
     pid_n = pid // GROUPS
@@ -83,11 +102,6 @@ def _gemv_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
-    # the weight is no earlier kernel's output: its first chunk loads before the wait, while
-    # the kernel before this one (a norm, an attention) still runs; each step then loads the
-    # next chunk before it uses the one in hand
-    w_next = _load_w_chunk(w_rows, 0, offs_k, n_mask, K)
-    pdl_enter(USE_PDL)
     # one accumulator per row (ROWS of them live; the rest are never touched and vanish): the
     # weight chunk is loaded once for all of the group's rows, and each row's sums are the
     # same operations in the same order as in a group of one
@@ -99,16 +113,28 @@ def _gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        w = w_next.to(tl.float32)
-        w_next = _load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, K)
-        acc0 += w * _load_x(x0, ks, K, EVEN_K)[None, :]
-        if ROWS > 1:
-            acc1 += w * _load_x(x1, ks, K, EVEN_K)[None, :]
-        if ROWS > 2:
-            acc2 += w * _load_x(x2, ks, K, EVEN_K)[None, :]
-            acc3 += w * _load_x(x3, ks, K, EVEN_K)[None, :]
+    if STAGES > 1:
+        # software-pipelined: the compiler issues each chunk's loads STAGES - 1 chunks ahead
+        # through shared memory (cp.async), the loads in flight no longer bounded by registers;
+        # its prologue loads x too, so the wait comes first
+        pdl_enter(USE_PDL)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            w = _load_w_chunk(w_rows, k0, offs_k, n_mask, K).to(tl.float32)
+            acc0, acc1, acc2, acc3 = _gemv_rows(
+                w, k0 + offs_k, K, x0, x1, x2, x3, acc0, acc1, acc2, acc3, ROWS, EVEN_K
+            )
+    else:
+        # the weight is no earlier kernel's output: its first chunk loads before the wait,
+        # while the kernel before this one (a norm, an attention) still runs; each step then
+        # loads the next chunk before it uses the one in hand
+        w_next = _load_w_chunk(w_rows, 0, offs_k, n_mask, K)
+        pdl_enter(USE_PDL)
+        for k0 in range(0, K, BLOCK_K):
+            w = w_next.to(tl.float32)
+            w_next = _load_w_chunk(w_rows, k0 + BLOCK_K, offs_k, n_mask, K)
+            acc0, acc1, acc2, acc3 = _gemv_rows(
+                w, k0 + offs_k, K, x0, x1, x2, x3, acc0, acc1, acc2, acc3, ROWS, EVEN_K
+            )
     ty = out_ptr.dtype.element_ty
     tl.store(o0 + offs_n, tl.sum(acc0, axis=1).to(ty), mask=n_mask & l0)
     if ROWS > 1:
@@ -135,12 +161,13 @@ def gemv(
     x: torch.Tensor,  # [M, K], M <= 8
     weight: torch.Tensor,  # [N, K]
     *,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """Triton version of :func:`kernels.gemv.ref_gemv` for short batches (M <= 8).
+    """Triton version of :func:`kernels.gemv.ref_gemv` for short batches (M <= 8). ``config``:
+    (BLOCK_N, BLOCK_K, num_warps[, STAGES]), :data:`DEFAULT_CONFIG` if None.
 
-    Under programmatic launch the kernel reads its first weight chunk before it waits for the
-    kernel before it: the weight must not be the output of the kernel launched just before
+    Under programmatic launch an unpipelined launch (no STAGES) reads its first weight chunk
+    before it waits for the kernel before it: the weight must not be the output of the kernel launched just before
     (model weights, LoRA slots written between steps and TP shards never are)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
@@ -156,13 +183,16 @@ def gemv(
         return out
     if k == 0:
         return out.zero_()
-    block_n, block_k, warps = config or DEFAULT_CONFIG
+    block_n, block_k, warps, *staged = config or DEFAULT_CONFIG
+    stages = staged[0] if staged else 1
+    if len(staged) > 1 or stages < 1:
+        raise ValueError(f"a GEMV launch is (BLOCK_N, BLOCK_K, warps[, STAGES >= 1]), got {config}")
     block_k = min(block_k, triton.next_power_of_2(k))
     rows = rows_per_program(m, block_n, block_k, warps)
     groups = triton.cdiv(m, rows)
     _gemv_kernel[(triton.cdiv(n, block_n) * groups,)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
-        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
-        **pdl(x.device, m),
+        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=stages,
+        num_warps=warps, **pdl(x.device, m),
     )  # fmt: skip
     return out

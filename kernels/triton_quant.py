@@ -144,6 +144,14 @@ W4_GEMV_LONG_K = 8192
 W4_GEMV_WIDE_N_CONFIG = (32, 512, 8, 1)
 W4_GEMV_WIDE_N = 4
 FP8_GEMV_CONFIG = (8, 512, 4)
+# FP8 per-channel GEMV launches with the chunks' loads software-pipelined through shared memory
+# (BLOCK_N, BLOCK_K, warps, SPLIT, STAGES). Llama-3.1-8B's projections in a graph on one H200
+# (kernels.bench.gemv_stages, 2026-11-30), against the launches before, each chunk loaded as
+# used: more than twice as many outputs as inputs (gate_up) 29.9 against 33.4 us at (8, 512,
+# 4); square (o) 5.9 against 6.8 at (8, 1024, 8); long rows (down) 16.0 against 16.8 at (2,
+# 2048, 4). qkv's (16, 512, 8) stays: 8.3 us, none better by more than 0.1
+FP8_GEMV_WIDE_N_CONFIG = (16, 256, 4, 1, 3)
+FP8_GEMV_STAGED_CONFIG = (16, 512, 4, 1, 4)
 # the bits of 2048.0 and 128.0: a nibble OR-ed in at bits 12..15 or 16..19 adds itself
 PLANE_MAGIC_LO, PLANE_MAGIC_HI = 0x45000000, 0x43000000
 GEMM_CONFIG = (32, 64, 64, 4)
@@ -550,8 +558,10 @@ def _store_tile(
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    ROW_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+    ROW_SCALE: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """``STAGES`` > 1: the chunks' loads software-pipelined, ``STAGES - 1`` chunks ahead through
+    shared memory (cp.async); 1: each chunk loaded when it is used."""
     pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
     pid_n = pid // M
     m = (pid % M).to(tl.int64)
@@ -566,7 +576,7 @@ def _fp8_gemv_kernel(
     # no weight prefetch before the wait here (as the bf16 GEMV has): holding a second chunk
     # slowed these launches by 10-25% in a graph on an H100
     pdl_enter(USE_PDL)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+    for k0 in tl.range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K, num_stages=STAGES):
         ks = k0 + offs_k
         if EVEN_K:
             xv = tl.load(x_ptr + m * s_xm + ks)
@@ -707,23 +717,21 @@ def _with_split(config: tuple[int, ...], size: int) -> tuple[int, ...]:
     return config
 
 
-def fp8_gemv_config(n: int, k: int, block_k: int) -> tuple[int, int, int]:
-    """The GEMV launch for an [n, k] fp8 weight. Per-channel scales (``--quantization fp8``)
-    take the fastest launch per Llama-3.1-8B shape of ``kernels.bench.quant``'s sweep on an H100
-    (2026-11-25), by shape: long rows (k >= 8192) 2 rows of 2048-long chunks, square or narrow
-    outputs 8 rows of 1024 on 8 warps, wide ones 8 rows of 512; outputs up to twice as many as
-    the inputs (qkv's) 16 rows of 512 on 8 warps, the best of ``kernels.bench.gemv_graph
-    --fp8`` in a graph on an H100 (11.3 against 11.6 us) and an H200 (8.4 against 9.4 us,
-    2026-11-30). Block scales keep chunks within a scale block (FP8_GEMV_CONFIG)."""
+def fp8_gemv_config(n: int, k: int, block_k: int) -> tuple[int, ...]:
+    """The GEMV launch for an [n, k] fp8 weight. Per-channel scales (``--quantization fp8``):
+    outputs more than the inputs but at most twice them (qkv's) 16 rows of 512 on 8 warps, the
+    best of ``kernels.bench.gemv_graph --fp8`` in a graph on an H100 (11.3 against 11.6 us) and
+    an H200 (8.4 against 9.4 us, 2026-11-30); more outputs than that (gate_up's)
+    ``FP8_GEMV_WIDE_N_CONFIG``; the rest (square, narrow or long rows: o's and down's)
+    ``FP8_GEMV_STAGED_CONFIG``, both software-pipelined. Block scales keep chunks within a
+    scale block (FP8_GEMV_CONFIG)."""
     if block_k < k:
         return FP8_GEMV_CONFIG
-    if k >= 8192:
-        return (2, 2048, 4)
-    if n <= k:
-        return (8, 1024, 8)
+    if n <= k or k >= 8192:
+        return FP8_GEMV_STAGED_CONFIG
     if n <= 2 * k:
         return (16, 512, 8)
-    return (8, 512, 4)
+    return FP8_GEMV_WIDE_N_CONFIG
 
 
 def fp8_gemm_config(m: int) -> tuple[int, int, int, int]:
@@ -759,7 +767,9 @@ def fp8_linear(
         return out.zero_()
     strides = (x.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
     if m <= GEMV_ROWS:
-        bn, bk, warps, asked = _with_split(config or fp8_gemv_config(n, k, block_k), 3)
+        launch = config or fp8_gemv_config(n, k, block_k)
+        stages = launch[4] if len(launch) == 5 else 1
+        bn, bk, warps, asked = _with_split(launch[:4], 3)
         bk = min(bk, triton.next_power_of_2(k))
         bk = _chunk(bk, block_k) if block_k < k else bk
         split, per = _split(asked, triton.cdiv(n, bn) * m, triton.cdiv(k, bk), x.device)
@@ -767,7 +777,7 @@ def fp8_linear(
         _fp8_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
-            num_warps=warps, **pdl(x.device, m),
+            STAGES=stages, num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or fp8_gemm_config(m), 4)

@@ -22,7 +22,6 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-import triton
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 REPS = 48
@@ -37,34 +36,29 @@ def graph_us(fn: Callable[[], object]) -> float:
 
 def time_shape(name: str, n: int, k: int, copy: float) -> dict:
     """One projection's default launch, cuBLAS and the other launches, per call in a graph."""
-    from kernels.triton_common import pdl
-    from kernels.triton_gemv import _gemv_kernel, pick_config
+    from kernels.triton_gemv import gemv, pick_config
 
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(REPS)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
 
     def launch(bn: int, bk: int, warps: int, stages: int) -> Callable[[], None]:
         def run() -> None:
             for w in ws:
-                _gemv_kernel[(triton.cdiv(n, bn),)](
-                    x, w, out, 1, n, k, x.stride(0), w.stride(0), out.stride(0), 1,
-                    ROWS=1, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, num_warps=warps,
-                    num_stages=stages, **pdl(x.device, 1),
-                )  # fmt: skip
+                gemv(x, w, config=(bn, bk, warps, stages))
 
         return run
 
-    default = pick_config(n, k)
+    default = (*pick_config(n, k), 1)[:4]
     timed = {"cublas": graph_us(lambda: [F.linear(x, w) for w in ws])}
-    configs = {(*default, s) for s in (1, 3)}
+    configs = {default}
     configs |= {(bn, 4096, w, 1) for bn, w in itertools.product((1, 2, 4), (4, 8))}
-    configs |= set(itertools.product((4, 8), (512, 1024), (4, 8), (1, 3)))
+    configs |= set(itertools.product((4, 8), (512, 1024), (4, 8), (1,)))
+    configs |= set(itertools.product((8, 16), (256, 512), (4,), (3, 4)))
     for c in sorted(configs):
         timed[str(c)] = graph_us(launch(*c))
     best = min(timed, key=lambda key: timed[key])
     floor_us = n * k * 2 / copy / 1e3
-    dflt = timed[str((*default, 3))]
+    dflt = timed[str(default)]
     print(f"{name:8s} floor {floor_us:6.1f} us  default {default} {dflt:6.1f} us "
           f"({100 * floor_us / dflt:5.1f}% of copy)  cuBLAS {timed['cublas']:6.1f} us  "
           f"best {best} {timed[best]:6.1f} us", flush=True)  # fmt: skip

@@ -107,8 +107,10 @@ def _fp8_gemv(args: argparse.Namespace) -> tuple[Any, dict, dict, list[str]]:
     from kernels import triton_quant as tq
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16"}
+    launch = tq.fp8_gemv_config(28672, 4096, 4096)
     constants = {"M": 1, "BLOCK_N": args.block_n, "BLOCK_K": args.block_k, "EVEN_K": True,
-                 "SPLIT": 1, "ROW_SCALE": True, "USE_PDL": True}  # fmt: skip
+                 "SPLIT": 1, "ROW_SCALE": True, "USE_PDL": True,
+                 "STAGES": launch[4] if len(launch) == 5 else 1}  # fmt: skip
     sizes = ["N", "K", "K_PER", "s_xm", "s_wn", "s_sn", "s_om"]
     return tq._fp8_gemv_kernel, pointers, constants, sizes
 
@@ -150,7 +152,7 @@ def _int4_gemm_launch() -> tuple[int, ...]:
 def _fp8_gemv_launch() -> tuple[int, ...]:
     from kernels import triton_quant as tq
 
-    return tq.fp8_gemv_config(28672, 4096, 4096)  # per-channel scales: K is one block
+    return tq.fp8_gemv_config(28672, 4096, 4096)[:3]  # per-channel scales: K is one block
 
 
 PRESETS = {

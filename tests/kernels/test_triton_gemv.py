@@ -29,15 +29,43 @@ def test_matches_the_reference(
     assert_matches(out / scale, ref / scale)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp16 sums alike (one dtype: suite time)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 200), (3, 24, 512), (8, 5, 96), (2, 130, 1000)])
+def test_pipelined_launches_match_the_reference(
+    m: int, n: int, k: int, gen: torch.Generator, device: torch.device, poison_empty: None
+) -> None:
+    """The software-pipelined loop (STAGES > 1), as long rows take it: partial row blocks and
+    chunks, fewer chunks than stages, groups of 1, 2 and 4 rows."""
+    x, w = rand((m, k), torch.bfloat16, gen, device), rand((n, k), torch.bfloat16, gen, device)
+    ref = ref_gemv(x, w)
+    scale = max(1.0, k**0.5)
+    for config in [(8, 64, 2, 3), (16, 256, 4, 4)]:
+        assert_matches(gemv(x, w, config=config) / scale, ref / scale)
+
+
+def test_long_rows_take_the_pipelined_launch() -> None:
+    assert pick_config(6144, 4096) == (16, 256, 4, 4)  # more outputs than inputs: 16 a program
+    assert pick_config(4096, 14336) == (8, 256, 4, 4)
+    assert len(pick_config(1536, 576)) == 3  # a small model's rows: one chunk ahead
+
+
+def test_a_launch_is_checked(gen: torch.Generator, device: torch.device) -> None:
+    x, w = rand((1, 64), torch.float32, gen, device), rand((8, 64), torch.float32, gen, device)
+    for bad in [(8, 64, 2, 0), (8, 64, 2, 2, 1)]:
+        with pytest.raises(ValueError, match="BLOCK_N, BLOCK_K, warps"):
+            gemv(x, w, config=bad)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_a_row_computes_the_same_bits_in_any_batch(
-    dtype: torch.dtype, gen: torch.Generator, device: torch.device
+    pipelined: bool, gen: torch.Generator, device: torch.device
 ) -> None:
     """A speculative verify step's rows must equal the batch-1 steps they stand for, bit for
-    bit: every prefix of a batch, and every row alone, gives the same rows as the whole."""
+    bit: every prefix of a batch, and every row alone, gives the same rows as the whole, one
+    chunk ahead or pipelined (bf16; fp16 sums alike)."""
     # 131 output rows: a tail block of them; K 520: two 256-wide chunks and a tail one
+    dtype = torch.bfloat16
     x, w = rand((8, 520), dtype, gen, device), rand((131, 520), dtype, gen, device)
-    config = pick_config(131, 520)
+    config = (16, 256, 4, 4) if pipelined else pick_config(131, 520)
     assert config[1] == 256
     whole = gemv(x, w, config=config)
     for m in (1, 2, 7):  # prefixes: one row, an even part of the group, all but one

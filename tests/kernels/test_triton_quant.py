@@ -21,6 +21,7 @@ from kernels.quant import (
     ref_w4a16_linear,
 )
 from kernels.triton_quant import (
+    FP8_GEMV_WIDE_N_CONFIG,
     GEMV_ROWS,
     W4_DEQUANT_ROWS,
     W4_GEMV_ROWS,
@@ -29,6 +30,7 @@ from kernels.triton_quant import (
     W4_SMALL_GEMM_CONFIG,
     _nibbles,
     _plane_pair,
+    fp8_gemv_config,
     fp8_linear,
     w4_dequantize,
     w4a16_linear,
@@ -295,6 +297,32 @@ def test_fp8_split_k_matches_the_reference(
     out = fp8_linear(x, weight.to(device), scale.to(device), block_k, config=cfg)
     ref = ref_fp8_linear(x, weight.to(device), scale.to(device), block_k)
     assert_matches(out / (k**0.5 * 448), ref / (k**0.5 * 448))
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block_k"), [(1, 37, 200, 200), (3, 130, 1000, 1000), (2, 40, 300, 128)]
+)
+def test_fp8_pipelined_gemv_matches_the_reference(
+    m: int, n: int, k: int, block_k: int, gen: torch.Generator, device: torch.device,
+    poison_empty: None,
+) -> None:  # fmt: skip
+    """The GEMV with its chunks' loads pipelined (STAGES > 1, as wide weights take it): a
+    partial last chunk, fewer chunks than stages, block scales, K in two slices."""
+    weight, _ = quantize_fp8_rows(torch.randn(n, k, generator=gen))
+    scale = torch.rand(n, -(-k // block_k), generator=gen) + 0.5
+    x = rand((m, k), torch.bfloat16, gen, device)
+    ref = ref_fp8_linear(x, weight.to(device), scale.to(device), block_k)
+    for cfg in [(4, 64, 2, 1, 3), (8, 32, 2, 2, 4)]:
+        out = fp8_linear(x, weight.to(device), scale.to(device), block_k, config=cfg)
+        assert_matches(out / (k**0.5 * 448), ref / (k**0.5 * 448))
+
+
+def test_fp8_gemv_launches_by_shape() -> None:
+    assert fp8_gemv_config(28672, 4096, 4096) == FP8_GEMV_WIDE_N_CONFIG
+    assert FP8_GEMV_WIDE_N_CONFIG[4] > 1
+    assert fp8_gemv_config(4096, 4096, 4096) == fp8_gemv_config(4096, 14336, 14336)
+    assert fp8_gemv_config(4096, 14336, 14336)[4] > 1  # square and long rows: pipelined too
+    assert len(fp8_gemv_config(6144, 4096, 4096)) == 3  # qkv's: loaded as used
 
 
 def test_strided_rows_of_x(gen: torch.Generator, device: torch.device) -> None:
