@@ -54,7 +54,7 @@ def test_the_gemv_waits_on_the_device_before_it_stores() -> None:
     out = torch.empty(1, 64, device=dev, dtype=torch.bfloat16)
     kernel = _gemv_kernel[(8,)](
         x, w, out, 1, 64, 256, x.stride(0), w.stride(0), out.stride(0), 1,
-        ROWS=1, BLOCK_N=8, BLOCK_K=128, EVEN_K=True, STAGES=1, ACT=False, num_warps=4, **pdl(dev, 1),
+        ROWS=1, BLOCK_N=8, BLOCK_K=128, EVEN_K=True, STAGES=1, num_warps=4, **pdl(dev, 1),
     )  # fmt: skip
     ptx = kernel.asm["ptx"]
     assert getattr(kernel.metadata, "launch_pdl", None) is True
@@ -78,7 +78,7 @@ def test_the_pipelined_gemv_waits_before_its_first_load() -> None:
     out = torch.empty(1, 64, device=dev, dtype=torch.bfloat16)
     kernel = _gemv_kernel[(4,)](
         x, w, out, 1, 64, 1024, x.stride(0), w.stride(0), out.stride(0), 1,
-        ROWS=1, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, STAGES=4, ACT=False, num_warps=4, **pdl(dev, 1),
+        ROWS=1, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, STAGES=4, num_warps=4, **pdl(dev, 1),
     )  # fmt: skip
     ptx = kernel.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
