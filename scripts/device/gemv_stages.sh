@@ -55,14 +55,7 @@ for step in ${*:-bench}; do
         args=(--batch-sizes "${STAGES_BATCHES:-1}" --input-len 1024 --output-len 24)
         [ "${q%%-*}" = fp8 ] && args=(--quantization fp8 --batch-sizes "${STAGES_BATCHES:-1,8}"
           --input-len 512 --output-len 32)
-        timeout 240 python3 -c "import sys; $patch
-from services.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --model llama-3.1-8b \
-          --load-format dummy --dtype bfloat16 "${args[@]}" --max-model-len 2048 \
-          --json-out "$out/latency-$q.json" > "$out/latency-$q.log" 2>&1
-        python3 -c "import json, sys; [print(sys.argv[2], r['batch'], round(r['step_ms'], 3),
-          round(r['graph_replay_ms'] or 0, 3), round(r['floor_ms'], 3)) for r in
-          json.load(open(sys.argv[1]))['rows']]" "$out/latency-$q.json" "$q" ||
-          tail -5 "$out/latency-$q.log"
+        latency_run "$q" "$patch" "${args[@]}"
       done ;;
   esac
 done

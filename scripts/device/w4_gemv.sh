@@ -41,15 +41,8 @@ for step in ${*:-tests bench}; do
         [ "$q" = awq-x-whole ] && patch="t.W4_PLANES_X_WHOLE_ROWS = 0"
         [ "$q" = awq-nowide ] && patch="t.W4_GEMV_WIDE_N = 10**9"
         [ "$q" = awq-single ] && patch="import kernels.bench.w4_unpack as b; t.w4a16_linear = b.single_w4a16_linear"
-        timeout 240 python3 -c "import sys; import kernels.triton_quant as t; $patch
-from services.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --model llama-3.1-8b \
-          --load-format dummy --dtype bfloat16 "${args[@]}" --batch-sizes "${W4_BATCHES:-1,2,8}" \
-          --input-len 512 --output-len 32 --max-model-len 2048 \
-          --json-out "$out/latency-$q.json" > "$out/latency-$q.log" 2>&1
-        python3 -c "import json, sys; [print(sys.argv[2], r['batch'], round(r['step_ms'], 3),
-          round(r['graph_replay_ms'] or 0, 3), round(r['floor_ms'], 3)) for r in
-          json.load(open(sys.argv[1]))['rows']]" "$out/latency-$q.json" "$q" ||
-          tail -5 "$out/latency-$q.log"
+        latency_run "$q" "import kernels.triton_quant as t; $patch" "${args[@]}" \
+          --batch-sizes "${W4_BATCHES:-1,2,8}" --input-len 512 --output-len 32
       done ;;
   esac
 done

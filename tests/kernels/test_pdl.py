@@ -40,52 +40,46 @@ def _layer_chain(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor])
     return x + res
 
 
-@pytest.mark.gpu
-def test_the_gemv_waits_on_the_device_before_it_stores() -> None:
-    """The compiled GEMV is launched programmatically and waits (griddepcontrol.wait) after its
-    first weight load and before any store: what the launch's correctness rests on."""
+def _compiled_gemv(k: int, block_n: int, block_k: int, stages: int) -> tuple[str, object]:
+    """The bf16 GEMV compiled and launched programmatically on one row of x and a [64, k]
+    weight, checked against a float32 product: its PTX and metadata."""
     from kernels.triton_gemv import _gemv_kernel
 
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev)[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
-    x = torch.randn(1, 256, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(64, k, device=dev, dtype=torch.bfloat16)
     out = torch.empty(1, 64, device=dev, dtype=torch.bfloat16)
-    kernel = _gemv_kernel[(8,)](
-        x, w, out, 1, 64, 256, x.stride(0), w.stride(0), out.stride(0), 1,
-        ROWS=1, BLOCK_N=8, BLOCK_K=128, EVEN_K=True, STAGES=1, num_warps=4, **pdl(dev, 1),
+    kernel = _gemv_kernel[(64 // block_n,)](
+        x, w, out, 1, 64, k, x.stride(0), w.stride(0), out.stride(0), 1,
+        ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, STAGES=stages, num_warps=4,
+        **pdl(dev, 1),
     )  # fmt: skip
-    ptx = kernel.asm["ptx"]
-    assert getattr(kernel.metadata, "launch_pdl", None) is True
+    torch.testing.assert_close(out.float(), (x.float() @ w.float().T), rtol=2e-2, atol=3e-1)
+    return kernel.asm["ptx"], kernel.metadata
+
+
+@pytest.mark.gpu
+def test_the_gemv_waits_on_the_device_before_it_stores() -> None:
+    """The compiled GEMV is launched programmatically and waits (griddepcontrol.wait) after its
+    first weight load and before any store: what the launch's correctness rests on."""
+    ptx, metadata = _compiled_gemv(256, 8, 128, 1)
+    assert getattr(metadata, "launch_pdl", None) is True
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.index("ld.global") < wait < ptx.index("griddepcontrol.launch_dependents")
     assert wait < ptx.index("st.global")
-    torch.testing.assert_close(out.float(), (x.float() @ w.float().T), rtol=2e-2, atol=2e-1)
 
 
 @pytest.mark.gpu
 def test_the_pipelined_gemv_waits_before_its_first_load() -> None:
     """A pipelined launch (STAGES > 1, long rows') has its loads, x's among them, issued by the
     compiler's prologue: the wait must come before every one of them, and before the store."""
-    from kernels.triton_gemv import _gemv_kernel
-
-    dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev)[0] < 9:
-        pytest.skip("programmatic dependent launch needs Hopper or later")
-    x = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16)
-    out = torch.empty(1, 64, device=dev, dtype=torch.bfloat16)
-    kernel = _gemv_kernel[(4,)](
-        x, w, out, 1, 64, 1024, x.stride(0), w.stride(0), out.stride(0), 1,
-        ROWS=1, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, STAGES=4, num_warps=4, **pdl(dev, 1),
-    )  # fmt: skip
-    ptx = kernel.asm["ptx"]
+    ptx, _ = _compiled_gemv(1024, 16, 256, 4)
     wait = ptx.index("griddepcontrol.wait")
     assert "cp.async" in ptx  # pipelined through shared memory
     loads = [i for i in (ptx.find("cp.async"), ptx.find("ld.global")) if i >= 0]
     assert wait < min(loads) and wait < ptx.index("st.global")
-    torch.testing.assert_close(out.float(), (x.float() @ w.float().T), rtol=2e-2, atol=3e-1)
 
 
 @pytest.mark.gpu
