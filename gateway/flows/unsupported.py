@@ -57,7 +57,8 @@ CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
     "audio": ("audio output is not supported", NEUTRAL),
     "modalities": ("only text output is supported", (*NEUTRAL, ["text"])),
     "prediction": ("predicted outputs are not supported", NEUTRAL),
-    "web_search_options": ("web search is not supported", NEUTRAL),
+    # an empty object asks for web search too (with its default options): only null is neutral
+    "web_search_options": ("web search is not supported", (None,)),
     "reasoning_effort": ("reasoning effort is not supported", NEUTRAL),
     "media_io_kwargs": (
         "per-request media loading options are not supported (send images as image_url "

@@ -210,6 +210,16 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise self.context_error(len(prompt_token_ids), params.max_tokens, "prompt")
 
+    def _check_priority(self, priority: int) -> None:
+        """A priority other than 0 needs the priority policy: first come, first served would
+        quietly ignore it (vLLM refuses it too)."""
+        if priority and self.config.scheduler.policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} needs a worker started with --scheduling-policy priority "
+                "(this one serves first come, first served): leave priority out or 0",
+                "priority",
+            )
+
     def check_context(self, prompt_len: int, max_tokens: int) -> None:
         """Refuse prompt + max_tokens past the context, as the gateway does (HTTP 400).
 
@@ -291,6 +301,7 @@ class LLMEngine:
     ) -> Request:  # fmt: skip
         self._check_task("generate")
         self.validate(prompt, params)
+        self._check_priority(priority)
         params = self._with_bad_word_ids(params)
         long_rope = self._long_rope_offset(prompt)
         offset = self._check_images(prompt, images) + long_rope
@@ -428,6 +439,7 @@ class LLMEngine:
         prefix cache where its pooling allows) and finishes as one pooled vector
         (``RequestOutput.embedding``); its blocks are freed as it finishes."""
         self._check_task("embed")
+        self._check_priority(priority)
         if pooling is None:
             pooler = self.config.pooler
             pooling = PoolingParams(pooler.pooling_type, pooler.normalize)

@@ -81,6 +81,13 @@ def test_a_field_that_asks_for_nothing_passes(name: str, endpoint: str) -> None:
         _parse(endpoint, {name: value})  # no error
 
 
+def test_web_search_with_its_default_options_is_refused_too() -> None:
+    # OpenAI turns web search on for any web_search_options object, the empty one included
+    with pytest.raises(APIError) as err:
+        parse_chat({"messages": MESSAGES, "web_search_options": {}})
+    assert err.value.param == "web_search_options"
+
+
 def test_neutral_values_are_type_strict() -> None:
     assert False in NEUTRAL  # and 0 == False, yet 0 asks for something:
     with pytest.raises(APIError):

@@ -124,6 +124,26 @@ def test_bad_prompts_get_clear_errors(
     assert not llm.engine.has_unfinished
 
 
+def test_a_priority_needs_the_priority_policy(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """First come, first served would quietly ignore a request's priority: refused, as vLLM
+    does, with what to change; under the priority policy it is taken."""
+    from dataclasses import replace
+
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority") as err:
+        llm.engine.add_request("urgent", [1, 2], SamplingParams(max_tokens=1), priority=3)
+    assert err.value.param == "priority" and not llm.engine.has_unfinished
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
+        llm.engine.reserve("urgent", [1, 2], SamplingParams(max_tokens=1), priority=-1)
+    config = llm.engine.config
+    monkeypatch.setattr(
+        llm.engine,
+        "config",
+        replace(config, scheduler=replace(config.scheduler, policy="priority")),
+    )
+    llm.engine.add_request("urgent", [1, 2], SamplingParams(max_tokens=1), priority=3)
+    assert llm.engine.abort("urgent") is not None and not llm.engine.has_unfinished
+
+
 def test_context_overflow_message_says_the_limit(llm: LLM) -> None:
     # on the CPU, without --max-model-len, the embedded model (8192 positions) serves 2048
     assert llm.engine.max_model_len == CPU_DEFAULT_MAX_MODEL_LEN == 2048
