@@ -13,7 +13,9 @@ layer on an H200, against a 27 us floor). The bf16 GEMV (``kernels.triton_gemv``
 one (``kernels.triton_quant``) take a ``STAGES`` in their launch; each of their launches here
 goes through the served function. The int4 GEMV's pipelined form is this module's
 ``_w4_gemv_staged_kernel`` (one row of x: the served kernel's planes and sums, its loads in the
-loop for the pipeliner). A pipelined kernel waits for the kernel before it (programmatic
+loop for the pipeliner; "x whole": each chunk of x loaded whole and split into its eight
+columns in registers, where the served kernel loads each column with a stride). A pipelined
+kernel waits for the kernel before it (programmatic
 launch) before its loop, since the pipeliner's prologue loads x too. Each of Llama-3.1-8B's
 projections over distinct weights in one CUDA graph, as ``kernels.bench.gemv_graph`` times
 them, against the served launch; a launch gives the served bits only at the served chunk
@@ -48,12 +50,38 @@ Gemv = Callable[..., torch.Tensor]
 
 
 @triton.jit
+def _x_columns(xw, BLOCK_K: tl.constexpr):
+    """A chunk of x loaded whole ([BLOCK_K], float32) as its eight columns ``8p + j``, each
+    [BLOCK_K / 8]: three splits of pairs in registers, no strided loads."""
+    even, odd = tl.split(tl.reshape(xw, [BLOCK_K // 8, 4, 2]))  # columns 0 2 4 6 / 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(even, [BLOCK_K // 8, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(odd, [BLOCK_K // 8, 2, 2]))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _pair(part, lo, hi, packed, i: tl.constexpr, xl, xh, MAGIC_LO, MAGIC_HI):
+    """Nibble planes ``2i`` and ``2i + 1`` into a row's sums, as the served GEMV adds them."""
+    plane_lo, plane_hi = _plane_pair(packed, i, MAGIC_LO, MAGIC_HI)
+    part += plane_lo * xl[:, None]
+    part += plane_hi * xh[:, None]
+    return part, lo + xl, hi + xh
+
+
+@triton.jit
 def _w4_gemv_staged_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, s_qk, s_sg, MAGIC_LO, MAGIC_HI,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    X_WHOLE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """One row of x, AWQ words: the served ``_w4_gemv_kernel``'s planes and sums."""
+    """One row of x, AWQ words: the served ``_w4_gemv_kernel``'s planes and sums. ``X_WHOLE``:
+    each chunk of x loaded whole (16-byte loads the pipeliner can carry) and split into its
+    columns in registers, where the served kernel loads each column ``8p + j`` with a stride
+    of 8 elements (two bytes a lane, which cp.async cannot carry: loaded as used)."""
     m0, _m1, pid_k, offs_n, n_mask, k_lo, k_hi, qw_tile, sz_tile, x0_row, _x1 = _w4_gemv_program(
         x_ptr, qw_ptr, 1, N, K, K, 0, s_qk, s_sg, 1, GROUP, 1, BLOCK_N, BLOCK_K
     )
@@ -67,14 +95,18 @@ def _w4_gemv_staged_kernel(
         part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         lo0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
         hi0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
-        for i in tl.static_range(4):
-            plane_lo, plane_hi = _plane_pair(packed, i, MAGIC_LO, MAGIC_HI)
-            xl = tl.load(x0_row + k0 + 2 * i).to(tl.float32)
-            xh = tl.load(x0_row + k0 + 2 * i + 1).to(tl.float32)
-            part0 += plane_lo * xl[:, None]
-            part0 += plane_hi * xh[:, None]
-            lo0 += xl
-            hi0 += xh
+        if X_WHOLE:
+            xw = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _x_columns(xw, BLOCK_K)
+            part0, lo0, hi0 = _pair(part0, lo0, hi0, packed, 0, c0, c1, MAGIC_LO, MAGIC_HI)
+            part0, lo0, hi0 = _pair(part0, lo0, hi0, packed, 1, c2, c3, MAGIC_LO, MAGIC_HI)
+            part0, lo0, hi0 = _pair(part0, lo0, hi0, packed, 2, c4, c5, MAGIC_LO, MAGIC_HI)
+            part0, lo0, hi0 = _pair(part0, lo0, hi0, packed, 3, c6, c7, MAGIC_LO, MAGIC_HI)
+        else:
+            for i in tl.static_range(4):
+                xl = tl.load(x0_row + k0 + 2 * i).to(tl.float32)
+                xh = tl.load(x0_row + k0 + 2 * i + 1).to(tl.float32)
+                part0, lo0, hi0 = _pair(part0, lo0, hi0, packed, i, xl, xh, MAGIC_LO, MAGIC_HI)
         acc0 += s * (part0 - (2048.0 * lo0 + 128.0 * hi0)[:, None] - z * (lo0 + hi0)[:, None])
     _store_row(out_ptr, tl.sum(acc0, axis=0), m0, offs_n, n_mask, pid_k, 1, N, 0, 1)
 
@@ -130,14 +162,14 @@ def int4_forms(n: int, k: int) -> tuple[Gemv, dict[str, Gemv]]:
     from kernels.bench.w4_unpack import GROUP
     from kernels.triton_quant import PLANE_MAGIC_HI, PLANE_MAGIC_LO, w4_gemv_config, w4a16_linear
 
-    def staged(bn: int, bk: int, warps: int, stages: int) -> Gemv:
+    def staged(bn: int, bk: int, warps: int, stages: int, whole: bool) -> Gemv:
         def fn(x: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
             qw, s, z = w
             out = torch.empty(1, n, device=x.device, dtype=x.dtype)
             _w4_gemv_staged_kernel[(triton.cdiv(n, bn), 1)](
                 x, qw, s, z, out, n, k, qw.stride(0), s.stride(0), PLANE_MAGIC_LO,
                 PLANE_MAGIC_HI, GROUP=GROUP, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
-                num_warps=warps, **_pdl(x.device),
+                X_WHOLE=whole, num_warps=warps, **_pdl(x.device),
             )  # fmt: skip
             return out
 
@@ -146,8 +178,8 @@ def int4_forms(n: int, k: int) -> tuple[Gemv, dict[str, Gemv]]:
     bn, bk, warps = w4_gemv_config(n, k)[:3]
     launches = {(bn, bk, warps), *INT4_LAUNCHES}
     forms = {
-        str((*c, s)): staged(c[0], c[1], c[2], s)
-        for c, s in itertools.product(sorted(launches), STAGES)
+        str((*c, s)) + (" x whole" if whole else ""): staged(c[0], c[1], c[2], s, whole)
+        for c, s, whole in itertools.product(sorted(launches), STAGES, (False, True))
         if k % c[1] == 0
     }
 

@@ -29,7 +29,7 @@ def test_each_launch_is_checked_and_timed(
     row = gemv_stages.time_shape(kind, "tiny", 40, 256, 1000.0, rows=rows, device=str(device))
     timed = [label for label in row["all_us"] if label != "served"]
     if kind == "int4":  # each launch at each of STAGES, plus the served launch's
-        assert {"(16, 256, 2, 1)", "(16, 256, 2, 3)"} <= set(timed)
+        assert {"(16, 256, 2, 1)", "(16, 256, 2, 3)", "(16, 256, 2, 3) x whole"} <= set(timed)
     else:
         assert set(map(str, launches)) <= set(timed)
     assert len(graph_calls) == len(row["all_us"])
@@ -55,7 +55,9 @@ def test_the_pipelined_int4_gemv_gives_the_served_bits(
     monkeypatch.setattr(gemv_stages, "STAGES", (1, 3))
     _, forms = gemv_stages.int4_forms(n, k)
     for stages in (1, 3):
-        assert torch.equal(forms[str((16, 256, 2, stages))](x, (qweight, scales, zeros)), served)
+        for whole in ("", " x whole"):  # x by strided columns, or whole and split
+            got = forms[str((16, 256, 2, stages)) + whole](x, (qweight, scales, zeros))
+            assert torch.equal(got, served)
 
 
 def test_rows_are_checked() -> None:
