@@ -47,11 +47,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 def _check_prompts(
     state: GatewayState, prompts: Sequence[PromptIds], common: CommonOptions
 ) -> tuple[int | None, int]:
-    max_model_len, vocab = state.registry.limits()
+    max_model_len, reported = state.registry.limits()
+    vocab = reported or state.tokenizer.vocab_size
     for prompt in prompts:
-        check_vocab(prompt.ids, vocab or state.tokenizer.vocab_size)
+        check_vocab(prompt.ids, vocab)
     for name in ("stop_token_ids", "allowed_token_ids"):
-        check_vocab(getattr(common.sampling, name), vocab or state.tokenizer.vocab_size, name)
+        check_vocab(getattr(common.sampling, name), vocab, name)
+    check_vocab([token for token, _ in common.sampling.logit_bias], vocab, "logit_bias")
     return max_model_len, len(prompts)
 
 

@@ -370,10 +370,15 @@ def test_logit_bias_keys_must_be_plain_token_ids(key: str) -> None:
     assert parse_completion({"prompt": "hi", "logit_bias": {"05": 1}}).common.sampling.logit_bias
 
 
-def test_stop_token_ids_outside_the_vocabulary_are_a_400(colocated: Stack) -> None:
-    body = {"prompt": "hi", "stop_token_ids": [2, 10**6]}
-    r = httpx.post(f"{colocated.base_url}/v1/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+@pytest.mark.parametrize(
+    ("field", "value"), [("stop_token_ids", [2, 10**6]), ("logit_bias", {"2": 1, "1000000": -5})]
+)
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_field(
+    colocated: Stack, field: str, value: Any
+) -> None:
+    r = httpx.post(f"{colocated.base_url}/v1/completions", json={"prompt": "hi", field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert "1000000" in r.json()["error"]["message"]
     assert not colocated.workers[0].records.requests
 
 
