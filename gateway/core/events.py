@@ -113,5 +113,6 @@ class WorkerLoadInfo:
     lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves (--enable-lora)
     lora_runtime_updating: bool = False  # it takes runtime adapter loads and unloads
     kv_whole: bool = False  # a prefill worker shipping whole KV (--kv-streaming off)
+    scheduling_policy: str = ""  # fcfs | priority (--scheduling-policy); "": not reported
     iteration_tokens: Histogram = field(default_factory=Histogram)  # tokens per engine step
     grammar_compile_seconds: Histogram = field(default_factory=Histogram)  # per grammar compiled

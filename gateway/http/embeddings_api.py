@@ -36,6 +36,7 @@ async def embeddings(request: Request) -> Response:
     if state.accepts(req.model):
         raise invalid("LoRA adapters serve completions and chats, not embeddings", "model")
     state.check_task("embed")
+    state.check_priority(req.priority)
     max_model_len, vocab = state.registry.limits()
     ids = await state.off_loop(_input_ids, state.tokenizer, req, max_model_len)
     check_inputs(ids, max_model_len, vocab or state.tokenizer.vocab_size)

@@ -68,6 +68,7 @@ def _start(
 ) -> Generation:
     """Settles max_tokens, checks capacity, and builds the Generation with its span."""
     state.check_task("generate")
+    state.check_priority(common.priority)
     max_model_len, count = _check_prompts(state, prompts, common)
     if count * common.n > state.config.max_fanout:
         raise invalid(

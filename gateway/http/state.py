@@ -136,6 +136,16 @@ class GatewayState:
             "with --task generate for completions and chats", "model", code="wrong_task"
         )  # fmt: skip
 
+    def check_priority(self, priority: int) -> None:
+        """A 400 for a priority other than 0 where a worker serves first come, first served:
+        it would refuse the request (after a stream had begun) rather than ignore it."""
+        if priority and "fcfs" in self.registry.scheduling_policies():
+            raise invalid(
+                f"priority {priority} needs workers started with --scheduling-policy priority "
+                "(these serve first come, first served): leave priority out or 0",
+                "priority",
+            )
+
     def check_serving(self) -> None:
         """Raises 503 while draining or when no topology has healthy workers."""
         if self.draining:

@@ -92,6 +92,11 @@ class WorkerClient:
         return (self.load.task if self.load else "") or "generate"
 
     @property
+    def scheduling_policy(self) -> str:
+        """fcfs or priority, as of its last load report ("": not reported)."""
+        return self.load.scheduling_policy if self.load else ""
+
+    @property
     def lora_names(self) -> frozenset[str]:
         """The LoRA adapters the worker serves (--enable-lora), as of its last load report."""
         return frozenset(self.load.lora_names) if self.load else frozenset()

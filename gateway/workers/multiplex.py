@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from protos import common_pb2
+from protos.errors import PARAM_METADATA_KEY
 
 log = logging.getLogger(__name__)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -43,8 +44,10 @@ class RequestRpcError(grpc.aio.AioRpcError):
     that request's, not the worker's (an INTERNAL from a bug in one request must not take the
     worker out of rotation for every other request)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    def __init__(self, code: grpc.StatusCode, details: str, param: str = "") -> None:
+        # the field an INVALID_ARGUMENT names, where a call of its own would carry it
+        trailing = grpc.aio.Metadata((PARAM_METADATA_KEY, param)) if param else grpc.aio.Metadata()
+        super().__init__(code, grpc.aio.Metadata(), trailing, details)
 
 
 _EXPIRED = object()  # what a call's deadline puts into its inbox
@@ -90,7 +93,7 @@ class MuxCall:
         if item.finish_reason == common_pb2.FINISH_REASON_ERROR and item.status_code:
             self._finish()
             code = _CODES.get(item.status_code, grpc.StatusCode.UNKNOWN)
-            raise RequestRpcError(code, item.error)
+            raise RequestRpcError(code, item.error, item.error_param)
         if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._finish()
         return item

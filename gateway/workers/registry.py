@@ -145,6 +145,10 @@ class WorkerRegistry:
             tasks.add("generate")
         return tasks
 
+    def scheduling_policies(self) -> set[str]:
+        """The scheduling policies the healthy workers report (fcfs, priority)."""
+        return {c.scheduling_policy for c in self.clients if c.healthy} - {""}
+
     def lora_names(self) -> set[str]:
         """The LoRA adapters some healthy worker serves (each request goes to one that does)."""
         return {name for c in self.clients if c.healthy for name in c.lora_names}

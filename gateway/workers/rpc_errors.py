@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from gateway.core.errors import APIError
+from protos.errors import PARAM_METADATA_KEY
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -42,12 +43,27 @@ def _details(err: grpc.RpcError) -> str:
     return str(details or "").strip()
 
 
+def _param(err: grpc.RpcError) -> str | None:
+    """The request field a worker's INVALID_ARGUMENT names (trailing metadata), if any."""
+    try:
+        metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    except Exception:  # a call's metadata is unreadable: the message still says it
+        return None
+    for key, value in metadata or ():
+        if key == PARAM_METADATA_KEY and isinstance(value, str) and value:
+            return value
+    return None
+
+
 def from_rpc_error(err: grpc.RpcError, address: str, call: str) -> UpstreamError:
     code = _code(err)
     details = _details(err)
     where = f"{call} on worker {address}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        api = APIError(400, details or f"{where} rejected the request", code="invalid_argument")
+        api = APIError(
+            400, details or f"{where} rejected the request", param=_param(err),
+            code="invalid_argument",
+        )  # fmt: skip
     elif code == grpc.StatusCode.NOT_FOUND:
         api = APIError(404, details or f"{where}: not found", code="not_found")
     elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:

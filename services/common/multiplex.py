@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from protos import common_pb2
+from protos.errors import PARAM_METADATA_KEY
 from services.common.convert import add_output, merge_output
 from services.engine.outputs import RequestOutput
 
@@ -40,9 +41,9 @@ Handler = Callable[[Any, Any], AsyncIterator[common_pb2.TokenChunk]]
 
 
 class RequestAborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, param: str = "") -> None:
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.param = code, details, param
 
 
 class RequestContext:
@@ -57,8 +58,13 @@ class RequestContext:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise RequestAborted(code, details)
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "",
+        trailing_metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:  # fmt: skip
+        """End the request with ``code`` (an error chunk); of the trailing metadata only the
+        field an INVALID_ARGUMENT names travels (the chunk's ``error_param``)."""
+        raise RequestAborted(code, details, dict(trailing_metadata).get(PARAM_METADATA_KEY, ""))
 
     def put_output(self, out: RequestOutput, timing: common_pb2.Timing | None = None) -> None:
         """Send ``out`` (on the loop; it does not raise)."""
@@ -66,11 +72,14 @@ class RequestContext:
         self.finished = self.finished or out.finished
 
 
-def _error(request_id: str, code: grpc.StatusCode | None, message: str) -> common_pb2.TokenChunk:
-    """An error chunk; ``code`` None means a failure after the start (status 0)."""
+def _error(
+    request_id: str, code: grpc.StatusCode | None, message: str, param: str = ""
+) -> common_pb2.TokenChunk:
+    """An error chunk; ``code`` None means a failure after the start (status 0); ``param``: the
+    request field an INVALID_ARGUMENT is about."""
     return common_pb2.TokenChunk(
         request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=message,
-        status_code=code.value[0] if code is not None else 0,
+        status_code=code.value[0] if code is not None else 0, error_param=param,
     )  # fmt: skip
 
 
@@ -136,7 +145,7 @@ async def _run_one(
         if not (finished or context.finished):  # what an own call's early end tells its caller
             outbox.put(_error(rid, None, f"request {rid} ended before it finished"))
     except RequestAborted as exc:
-        outbox.put(_error(rid, exc.code, exc.details))
+        outbox.put(_error(rid, exc.code, exc.details, exc.param))
     except TimeoutError:
         if context.finished:  # its last chunk is out already
             return

@@ -94,12 +94,14 @@ class WorkerRuntime:
             return common_pb2.WorkerLoad(
                 worker_id=self.worker_id, role=self.role, draining=self.draining,
                 task=self.config.engine.task,
+                scheduling_policy=self.config.engine.scheduler.policy,
             )  # fmt: skip
         e = self.engine
         load = stats_to_load(
             self.driver.stats(), worker_id=self.worker_id, role=self.role, model=e.model_name,
             max_model_len=e.max_model_len, block_size=e.config.cache.block_size,
-            vocab_size=e.vocab_size, draining=self.draining, task=e.task, **self.extra_load(),
+            vocab_size=e.vocab_size, draining=self.draining, task=e.task,
+            scheduling_policy=self.config.engine.scheduler.policy, **self.extra_load(),
         )  # fmt: skip
         load.num_waiting += self.num_queued()
         load.lora_names.extend(self.lora_names)

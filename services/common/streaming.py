@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from opentelemetry.trace import Span
 
 from protos import common_pb2
+from protos.errors import PARAM_METADATA_KEY
 from protos.pooling_params import PoolingParams
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.common.convert import images_from_pb, output_to_chunk, sampling_from_pb
@@ -21,14 +22,23 @@ from services.engine.driver import EngineDriver, Stream
 from services.engine.outputs import RequestOutput
 
 
+async def abort_invalid(context: Any, exc: InvalidRequestError) -> NoReturn:
+    """End the call with INVALID_ARGUMENT and ``exc``'s message, the request field it names
+    (``exc.param``) as the trailing metadata ``PARAM_METADATA_KEY``: the gateway's 400 names it
+    (a multiplexed stream's error chunk carries it as ``error_param``)."""
+    param = exc.param or ""
+    metadata = ((PARAM_METADATA_KEY, param),) if param else ()
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), trailing_metadata=metadata)
+    raise AssertionError("unreachable: abort raises")
+
+
 async def parse_sampling(
     msg: common_pb2.SamplingParams, context: grpc.aio.ServicerContext
 ) -> SamplingParams:
     try:
         return sampling_from_pb(msg)
     except InvalidRequestError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        raise  # unreachable: abort raises
+        await abort_invalid(context, exc)
 
 
 async def submit(
@@ -42,7 +52,7 @@ async def submit(
         items = images_from_pb(images)
         return await driver.submit(request_id, prompt, params, priority, prefill_only, items)
     except InvalidRequestError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await abort_invalid(context, exc)
     except ValueError as exc:  # a request id that is in use
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
     raise AssertionError("unreachable")
@@ -55,7 +65,7 @@ async def submit_embedding(
     try:
         return await driver.submit_embedding(request_id, prompt, pooling, priority)
     except InvalidRequestError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await abort_invalid(context, exc)
     except ValueError as exc:  # a request id that is in use
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
     raise AssertionError("unreachable")

@@ -24,7 +24,7 @@ from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.common.convert import images_from_pb, sampling_from_pb, transfer_fields
 from services.common.multiplex import multiplex
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
-from services.common.streaming import stream_chunks
+from services.common.streaming import abort_invalid, stream_chunks
 from services.common.tracing import start_server_span
 from services.decode.admission import AdmissionQueue
 
@@ -159,7 +159,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.CANCELLED,
                                 f"{rid!r} was aborted while it waited for KV blocks")  # fmt: skip
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort_invalid(context, exc)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except Draining as exc:
@@ -311,7 +311,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             self._check(request, res, params)
         except InvalidRequestError as exc:
             self._cancel(rid)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort_invalid(context, exc)
         if request.local_prefill:
             async for chunk in self._prefill_here(request, context, driver, params):
                 yield chunk
@@ -338,6 +338,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             raise
         except (InvalidRequestError, KeyError) as exc:
             driver.cancel_reservation(rid)
+            if isinstance(exc, InvalidRequestError):
+                await abort_invalid(context, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         span = start_server_span(context, "decode", {"tandem.request_id": request.request_id})
         async for chunk in stream_chunks(self.rt, driver, stream, span=span, context=context,
@@ -374,7 +376,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                                          images=images_from_pb(request.images),
                                          outputs=list(request.output_token_ids))  # fmt: skip
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort_invalid(context, exc)
         attrs = {"tandem.request_id": request.request_id, "tandem.local_prefill": True}
         span = start_server_span(context, "decode", attrs)
         async for chunk in stream_chunks(self.rt, driver, stream, span=span, context=context):

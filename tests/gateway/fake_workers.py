@@ -54,6 +54,7 @@ class Behavior:
     num_waiting: int = 0  # what GetLoad reports waiting (the gateway reads it at its next poll)
     kv_whole: bool = False  # prefill: GetLoad says it ships whole KV (--kv-streaming off)
     task: str = "generate"  # a colocated worker's --task: embed answers Embed, generate refuses it
+    scheduling_policy: str = ""  # what GetLoad reports of --scheduling-policy ("": nothing)
     lora_names: tuple[str, ...] = ()  # the LoRA adapters GetLoad reports
     lora_updates: bool = False  # LoadLoRA/UnloadLoRA change lora_names (else: refused, as off)
     lora_load_code: grpc.StatusCode | None = None  # LoadLoRA fails with this code
@@ -172,7 +173,7 @@ class FakeEngine:
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
             kv_transfer_bytes=1234, kv_transfer_granted=5, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
             task=b.task if self.role == "colocated" else "", lora_names=list(b.lora_names),
-            kv_whole=b.kv_whole,
+            kv_whole=b.kv_whole, scheduling_policy=b.scheduling_policy,
         )  # fmt: skip
 
 

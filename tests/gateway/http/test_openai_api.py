@@ -313,6 +313,31 @@ def test_sampling_fields_are_forwarded(colocated: Stack) -> None:
     assert abs(sp.top_p - 0.9) < 1e-6 and abs(sp.repetition_penalty - 1.1) < 1e-6
 
 
+def test_a_priority_under_first_come_first_served_workers_is_a_400(disagg: Stack) -> None:
+    """Workers that report --scheduling-policy fcfs would refuse a priority other than 0 once
+    the response had begun: the gateway answers the 400 first, naming the field; workers that
+    schedule by priority take it."""
+    url = f"{disagg.base_url}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    try:
+        for policy, status in (("fcfs", 400), ("priority", 200)):
+            for worker in disagg.workers:
+                worker.behavior.scheduling_policy = policy
+            disagg.run(disagg.state.registry.poll_all())
+            before = sum(len(w.records.requests) for w in disagg.workers)
+            r = httpx.post(url, json={**body, "priority": 3})
+            assert r.status_code == status, r.text
+            if status == 400:
+                assert r.json()["error"]["param"] == "priority"
+                assert "--scheduling-policy priority" in r.json()["error"]["message"]
+                assert sum(len(w.records.requests) for w in disagg.workers) == before
+            assert httpx.post(url, json={**body, "priority": 0}).status_code == 200
+    finally:
+        for worker in disagg.workers:
+            worker.behavior.scheduling_policy = ""
+        disagg.run(disagg.state.registry.poll_all())
+
+
 def test_a_cache_salt_travels_to_the_workers_and_a_bad_one_is_a_400(disagg: Stack) -> None:
     """vLLM's cache_salt reaches the prefill and the decode worker (both key cached blocks by
     it); an empty or non-string salt is a 400 naming it."""

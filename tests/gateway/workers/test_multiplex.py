@@ -104,6 +104,28 @@ async def test_a_refused_request_raises_its_status() -> None:
     await mux.close()
 
 
+async def test_a_refusal_naming_a_field_is_a_400_with_that_param() -> None:
+    """A worker's INVALID_ARGUMENT about one request field (the chunk's error_param) is the
+    client's 400 with ``param`` set, as the gateway's own checks give it."""
+    from gateway.workers.rpc_errors import from_rpc_error
+
+    fake = FakeStream()
+    mux = _mux(fake)
+    call = mux.start(_req("a"), [], 10.0)
+    fake.send(_chunk("a", reason=ERROR, error="priority 3 needs ...", status_code=3,
+                     error_param="priority"))  # fmt: skip
+    with pytest.raises(RequestRpcError) as info:
+        await call.read()
+    api = from_rpc_error(info.value, "w:1", "Generate").api_error
+    assert (api.status, api.param, api.message) == (400, "priority", "priority 3 needs ...")
+    call = mux.start(_req("b"), [], 10.0)  # no field named: no param
+    fake.send(_chunk("b", reason=ERROR, error="bad", status_code=3))
+    with pytest.raises(RequestRpcError) as info:
+        await call.read()
+    assert from_rpc_error(info.value, "w:1", "Generate").api_error.param is None
+    await mux.close()
+
+
 async def test_one_requests_internal_error_leaves_its_worker_healthy() -> None:
     """A bug in one request (INTERNAL on its error chunk) fails that request, retryable; the
     worker, still streaming every other request, stays in rotation. The same code from the

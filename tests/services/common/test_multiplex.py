@@ -10,7 +10,9 @@ import grpc
 import pytest
 
 from protos import common_pb2, worker_pb2
+from protos.sampling_params import InvalidRequestError
 from services.common.multiplex import multiplex
+from services.common.streaming import abort_invalid
 from services.engine.outputs import RequestOutput
 
 pytestmark = pytest.mark.timeout(30)
@@ -43,6 +45,10 @@ class Handler:
         try:
             if rid == "bad":
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad prompt")
+            if rid == "bad-field":  # as services.common.streaming.abort_invalid ends a call
+                await abort_invalid(
+                    context, InvalidRequestError("priority 3 needs ...", "priority")
+                )
             n = request.prompt_token_ids[0]
             for i in range(n if rid != "slow" else 10**9):
                 await asyncio.sleep(0.001)
@@ -91,6 +97,14 @@ async def test_a_refused_request_ends_with_its_status_and_the_others_go_on() -> 
     assert err.finish_reason == common_pb2.FINISH_REASON_ERROR and err.error == "bad prompt"
     assert err.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert got["ok"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_a_refusal_naming_a_field_carries_it() -> None:
+    got = _by_request(await _serve([_gen("bad-field"), _gen("bad")], Handler()))
+    (err,) = got["bad-field"]
+    assert err.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert (err.error, err.error_param) == ("priority 3 needs ...", "priority")
+    assert got["bad"][0].error_param == ""  # a refusal that names no field
 
 
 async def test_abort_stops_the_handler_and_a_deadline_ends_with_deadline_exceeded() -> None:
