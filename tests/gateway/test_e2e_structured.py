@@ -273,7 +273,8 @@ async def test_bad_structured_input_is_a_400_that_leaks_nothing(
     fleet: Fleet, gateways: dict[str, Proc], body: dict[str, Any], param: str | None, words: str
 ) -> None:
     """The gateway checks shapes and names; whether a spec compiles the workers say (they hold
-    the tokenizer and the grammar library): their message comes back, without a param."""
+    the tokenizer and the grammar library): their message comes back, without a param (a worker
+    cannot tell which of response_format, structured_outputs or guided_* asked for it)."""
     for gateway in gateways.values():
         r = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
                        json={"model": MODEL, "messages": ASK, "max_tokens": 8, **body})  # fmt: skip

@@ -49,6 +49,8 @@ class Handler:
                 await abort_invalid(
                     context, InvalidRequestError("priority 3 needs ...", "priority")
                 )
+            if rid == "bad-grammar":  # a constraint's field is the gateway's to name
+                await abort_invalid(context, InvalidRequestError("bad", "structured_outputs"))
             n = request.prompt_token_ids[0]
             for i in range(n if rid != "slow" else 10**9):
                 await asyncio.sleep(0.001)
@@ -100,11 +102,14 @@ async def test_a_refused_request_ends_with_its_status_and_the_others_go_on() -> 
 
 
 async def test_a_refusal_naming_a_field_carries_it() -> None:
-    got = _by_request(await _serve([_gen("bad-field"), _gen("bad")], Handler()))
+    items = [_gen("bad-field"), _gen("bad"), _gen("bad-grammar")]
+    got = _by_request(await _serve(items, Handler()))
     (err,) = got["bad-field"]
     assert err.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert (err.error, err.error_param) == ("priority 3 needs ...", "priority")
     assert got["bad"][0].error_param == ""  # a refusal that names no field
+    # a worker cannot tell which of response_format, structured_outputs, guided_* it was
+    assert got["bad-grammar"][0].error_param == ""
 
 
 async def test_abort_stops_the_handler_and_a_deadline_ends_with_deadline_exceeded() -> None:
