@@ -167,8 +167,9 @@ def gemv(
     (BLOCK_N, BLOCK_K, num_warps[, STAGES]), :data:`DEFAULT_CONFIG` if None.
 
     Under programmatic launch an unpipelined launch (no STAGES) reads its first weight chunk
-    before it waits for the kernel before it: the weight must not be the output of the kernel launched just before
-    (model weights, LoRA slots written between steps and TP shards never are)."""
+    before it waits for the kernel before it: the weight must not be the output of the kernel
+    launched just before (model weights, LoRA slots written between steps and TP shards never
+    are)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     m, k = x.shape

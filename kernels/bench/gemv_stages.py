@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import pdl_enter
+from kernels.triton_common import pdl, pdl_enter
 from kernels.triton_quant import _plane_pair, _store_row, _w4_gemv_program
 
 STAGES = (2, 3, 4)
@@ -111,29 +111,18 @@ def _w4_gemv_staged_kernel(
     _store_row(out_ptr, tl.sum(acc0, axis=0), m0, offs_n, n_mask, pid_k, 1, N, 0, 1)
 
 
-def _pdl(device: torch.device) -> dict[str, bool]:  # one row of x
-    from kernels.triton_common import pdl
-
-    return pdl(device, 1)
-
-
 def bf16_forms(n: int, k: int) -> tuple[Gemv, dict[str, Gemv]]:
     """(served, {launch: fn}) for an [n, k] bf16 weight, each ``fn(x, w) -> out``; the launches
-    (BLOCK_N, BLOCK_K, warps, STAGES) through the served ``gemv`` (1 stage: one chunk ahead in registers)."""
+    (BLOCK_N, BLOCK_K, warps, STAGES) through the served ``gemv`` (1 stage: one chunk ahead in
+    registers)."""
     from kernels.triton_gemv import gemv, pick_config
 
     served = pick_config(n, k)
     launches = {(*served, 1)[:4], *BF16_LAUNCHES}
     forms: dict[str, Gemv] = {
-        str(c): functools.partial(_bf16, config=c) for c in sorted(launches) if k % c[1] == 0
+        str(c): functools.partial(gemv, config=c) for c in sorted(launches) if k % c[1] == 0
     }
     return functools.partial(gemv, config=served), forms
-
-
-def _bf16(x: torch.Tensor, w: torch.Tensor, *, config: tuple[int, ...]) -> torch.Tensor:
-    from kernels.triton_gemv import gemv
-
-    return gemv(x, w, config=config)
 
 
 def _fp8(
@@ -169,7 +158,7 @@ def int4_forms(n: int, k: int) -> tuple[Gemv, dict[str, Gemv]]:
             _w4_gemv_staged_kernel[(triton.cdiv(n, bn), 1)](
                 x, qw, s, z, out, n, k, qw.stride(0), s.stride(0), PLANE_MAGIC_LO,
                 PLANE_MAGIC_HI, GROUP=GROUP, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
-                X_WHOLE=whole, num_warps=warps, **_pdl(x.device),
+                X_WHOLE=whole, num_warps=warps, **pdl(x.device, 1),
             )  # fmt: skip
             return out
 

@@ -338,9 +338,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
             raise
         except (InvalidRequestError, KeyError) as exc:
             driver.cancel_reservation(rid)
-            if isinstance(exc, InvalidRequestError):
-                await abort_invalid(context, exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            bad = exc if isinstance(exc, InvalidRequestError) else InvalidRequestError(str(exc))
+            await abort_invalid(context, bad)
         span = start_server_span(context, "decode", {"tandem.request_id": request.request_id})
         async for chunk in stream_chunks(self.rt, driver, stream, span=span, context=context,
                                          prefills=False):  # fmt: skip
