@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -147,6 +148,60 @@ def linear(
         if mod is not None:
             return mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [2I, K]: gate rows, then up rows
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # [M, I]
+    """``silu_and_mul(linear(x, weight, bias))`` in one kernel where :func:`linear` takes the
+    Triton GEMV (batch-1 decode on CUDA, and the row-invariant batches): the GEMV with
+    SiLU-and-mul in its epilogue, bit for bit the two kernels' result. None elsewhere: the
+    caller runs the two (:func:`linear_act`)."""
+    rows = max(gemv_rows(), _row_invariant)
+    if bias is None and x.dim() == 2 and 0 < x.shape[0] <= rows and weight.shape[0] % 2 == 0:
+        mod = _triton("triton_gemv", x)
+        if mod is not None:
+            config = mod.pick_config(weight.shape[0], weight.shape[1])
+            return mod.gemv(x, weight, config=config, silu_and_mul=True)
+    return None
+
+
+def fp8_silu_and_mul_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [2I, K] float8_e4m3fn: gate rows, then up rows
+    scale: torch.Tensor,  # [2I, ceil(K / block_k)] float32
+    block_k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # [M, I]
+    """:func:`silu_and_mul_linear` of an FP8-weight layer: where :func:`fp8_linear` takes the
+    Triton GEMV (an sm89+ GPU, at most ``triton_quant.GEMV_ROWS`` rows), its epilogue does
+    SiLU-and-mul; None elsewhere."""
+    mod = _triton("triton_quant", x)
+    if (
+        mod is not None
+        and fp8_supported(x.device)
+        and bias is None
+        and x.dim() == 2
+        and 0 < x.shape[0] <= mod.GEMV_ROWS
+        and weight.shape[0] % 2 == 0
+    ):
+        return mod.fp8_linear(x, weight, scale, block_k, silu_and_mul=True)
+    return None
+
+
+def linear_act(
+    layer: torch.nn.Module,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,  # [T, K]
+) -> torch.Tensor:
+    """``act(layer(x))``: in one kernel where the layer has a fused form of ``act`` for this
+    ``x`` (its ``fused_act(act, x)`` returns the result; None: not here), else the two. A
+    wrapper put around the layer (LoRA) has no ``fused_act``, and the two then run."""
+    fused = getattr(layer, "fused_act", None)
+    out = fused(act, x) if fused is not None else None
+    return act(layer(x)) if out is None else out
 
 
 def w4a16_linear(

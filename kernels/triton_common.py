@@ -109,6 +109,24 @@ def pdl_enter(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr, RELEASE: tl.constexpr):
+    """:func:`pdl_enter`, or with ``RELEASE`` false only its wait: the kernel then lets the
+    next one launch later (:func:`pdl_release`), for a dependent whose programs would otherwise
+    sit resident, waiting, while this one still has waves to run."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr, RELEASE: tl.constexpr):
+    """Let the next kernel launch, where :func:`pdl_wait` did not (``RELEASE`` false there)."""
+    if USE_PDL and not RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 

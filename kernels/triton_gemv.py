@@ -25,7 +25,16 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import GEMV_MAX_ROWS as MAX_ROWS
-from kernels.triton_common import FLOAT_DTYPES, check_devices, check_tensor, pdl, pdl_enter
+from kernels.triton_common import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_tensor,
+    pdl,
+    pdl_enter,
+    pdl_release,
+    pdl_wait,
+)
+from kernels.triton_layers import act_and_mul
 
 # (BLOCK_N, BLOCK_K, num_warps[, STAGES]): the launch used unless a caller picks another;
 # STAGES > 1 software-pipelines the chunk loads (1, left out: one chunk ahead in registers)
@@ -93,13 +102,17 @@ def _gemv_rows(w, ks, K, x0, x1, x2, x3, acc0, acc1, acc2, acc3, ROWS: tl.conste
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, GROUPS,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """``LATE`` (pipelined launches): the next kernel may launch only after this one's loop
+    (:func:`pdl_wait`). ``ACT`` (SiLU-and-mul, the weight a gate_up projection's: gate rows then as many up
+    rows): a program's BLOCK_N rows are BLOCK_N / 2 gate rows and the up rows of the same
+    outputs, interleaved, and it stores ``silu(gate) * up`` of them (``out``: [M, N / 2]), each
+    sum rounded to out's dtype first, as the separate kernels round it."""
     pid = tl.program_id(0)  # the row groups of one weight tile side by side: one HBM read
     pid_n = pid // GROUPS
     row0 = (pid % GROUPS) * ROWS
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    offs_out, offs_n, n_mask = tile_rows(pid_n, N, BLOCK_N, ACT)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
     # one accumulator per row (ROWS of them live; the rest are never touched and vanish): the
@@ -117,12 +130,13 @@ def _gemv_kernel(
         # software-pipelined: the compiler issues each chunk's loads STAGES - 1 chunks ahead
         # through shared memory (cp.async), the loads in flight no longer bounded by registers;
         # its prologue loads x too, so the wait comes first
-        pdl_enter(USE_PDL)
+        pdl_wait(USE_PDL, not LATE)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             w = _load_w_chunk(w_rows, k0, offs_k, n_mask, K).to(tl.float32)
             acc0, acc1, acc2, acc3 = _gemv_rows(
                 w, k0 + offs_k, K, x0, x1, x2, x3, acc0, acc1, acc2, acc3, ROWS, EVEN_K
             )
+        pdl_release(USE_PDL, not LATE)
     else:
         # the weight is no earlier kernel's output: its first chunk loads before the wait,
         # while the kernel before this one (a norm, an attention) still runs; each step then
@@ -135,13 +149,50 @@ def _gemv_kernel(
             acc0, acc1, acc2, acc3 = _gemv_rows(
                 w, k0 + offs_k, K, x0, x1, x2, x3, acc0, acc1, acc2, acc3, ROWS, EVEN_K
             )
-    ty = out_ptr.dtype.element_ty
-    tl.store(o0 + offs_n, tl.sum(acc0, axis=1).to(ty), mask=n_mask & l0)
+    store_sums(o0, tl.sum(acc0, axis=1), l0, offs_out, N, BLOCK_N, ACT)
     if ROWS > 1:
-        tl.store(o1 + offs_n, tl.sum(acc1, axis=1).to(ty), mask=n_mask & l1)
+        store_sums(o1, tl.sum(acc1, axis=1), l1, offs_out, N, BLOCK_N, ACT)
     if ROWS > 2:
-        tl.store(o2 + offs_n, tl.sum(acc2, axis=1).to(ty), mask=n_mask & l2)
-        tl.store(o3 + offs_n, tl.sum(acc3, axis=1).to(ty), mask=n_mask & l3)
+        store_sums(o2, tl.sum(acc2, axis=1), l2, offs_out, N, BLOCK_N, ACT)
+        store_sums(o3, tl.sum(acc3, axis=1), l3, offs_out, N, BLOCK_N, ACT)
+
+
+@triton.jit
+def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
+    """A GEMV program's outputs, the weight rows it reads and their mask: BLOCK_N rows from
+    ``pid_n * BLOCK_N``; with ``ACT`` (a gate_up weight: N / 2 gate rows, then the up rows)
+    BLOCK_N / 2 outputs, their gate and up rows interleaved (gate, up, gate, up, ...)."""
+    if ACT:
+        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        i = tl.arange(0, BLOCK_N)
+        half = pid_n * (BLOCK_N // 2) + i // 2
+        return offs_out, half + (i % 2) * (N // 2), half < N // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, offs_n, offs_n < N
+
+
+@triton.jit
+def store_sums(out_row, sums, live, offs_out, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
+    """A row's float32 sums (the :func:`tile_rows` order) rounded to out's dtype; with ``ACT``
+    their ``silu(gate) * up``."""
+    ty = out_row.dtype.element_ty
+    sums = sums.to(ty)
+    if ACT:
+        gate, up = tl.split(tl.reshape(sums, [BLOCK_N // 2, 2]))
+        y = act_and_mul(gate.to(tl.float32), up.to(tl.float32), ty, False)
+        tl.store(out_row + offs_out, y, mask=(offs_out < N // 2) & live)
+    else:
+        tl.store(out_row + offs_out, sums, mask=(offs_out < N) & live)
+
+
+# where a pipelined GEMV lets the next kernel launch (programmatic launch): "act" (the launches
+# fused with SiLU-and-mul, whose next kernel is the down GEMV) after its loop, the others at
+# their start; "all" / "none": every pipelined launch after its loop / at its start
+RELEASE_AFTER_LOOP = "act"
+
+
+def release_late(act: bool) -> bool:
+    return RELEASE_AFTER_LOOP == "all" or (RELEASE_AFTER_LOOP == "act" and act)
 
 
 # fp32 accumulator registers a thread may spend on a group's rows; past it, fewer rows a group
@@ -162,9 +213,13 @@ def gemv(
     weight: torch.Tensor,  # [N, K]
     *,
     config: tuple[int, ...] | None = None,
-) -> torch.Tensor:  # [M, N]
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul
     """Triton version of :func:`kernels.gemv.ref_gemv` for short batches (M <= 8). ``config``:
-    (BLOCK_N, BLOCK_K, num_warps[, STAGES]), :data:`DEFAULT_CONFIG` if None.
+    (BLOCK_N, BLOCK_K, num_warps[, STAGES]), :data:`DEFAULT_CONFIG` if None. ``silu_and_mul``:
+    the weight is a gate_up projection's (gate rows, then up rows) and the result
+    ``silu_and_mul`` of the product in the same kernel, bit for bit what the two kernels give
+    (the SiLU-and-mul kernel launched after this one costs a batch-1 decode step ~2 us a layer).
 
     Under programmatic launch an unpipelined launch (no STAGES) reads its first weight chunk
     before it waits for the kernel before it: the weight must not be the output of the kernel
@@ -178,22 +233,27 @@ def gemv(
         raise ValueError(f"x has {k} features but weight {tuple(weight.shape)} expects {wk}")
     if m > MAX_ROWS:
         raise ValueError(f"gemv is for at most {MAX_ROWS} rows, got {m}: use a GEMM")
+    if silu_and_mul and n % 2:
+        raise ValueError(f"a gate_up weight has as many up rows as gate rows, got {n} rows")
     check_devices(x=x, weight=weight)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    if k == 0:
+    if k == 0:  # every sum 0, and silu(0) * 0 = 0
         return out.zero_()
     block_n, block_k, warps, *staged = config or DEFAULT_CONFIG
     stages = staged[0] if staged else 1
-    if len(staged) > 1 or stages < 1:
-        raise ValueError(f"a GEMV launch is (BLOCK_N, BLOCK_K, warps[, STAGES >= 1]), got {config}")
+    if len(staged) > 1 or stages < 1 or (silu_and_mul and block_n % 2):
+        raise ValueError(
+            f"a GEMV launch is (BLOCK_N, BLOCK_K, warps[, STAGES >= 1]), BLOCK_N even with "
+            f"silu_and_mul, got {config}"
+        )
     block_k = min(block_k, triton.next_power_of_2(k))
     rows = rows_per_program(m, block_n, block_k, warps)
     groups = triton.cdiv(m, rows)
     _gemv_kernel[(triton.cdiv(n, block_n) * groups,)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=stages,
-        num_warps=warps, **pdl(x.device, m),
+        ACT=silu_and_mul, LATE=release_late(silu_and_mul), num_warps=warps, **pdl(x.device, m),
     )  # fmt: skip
     return out

@@ -74,19 +74,26 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _silu_mul(x_row, offs, mask, inter, DTYPE: tl.constexpr, GELU: tl.constexpr):
-    """``act_fn(gate) * up`` of one row's ``offs``, in x's dtype: the activation rounded to it,
-    then the product rounded (as the reference). SiLU, or with ``GELU`` transformers'
-    ``gelu_pytorch_tanh`` (Gemma's), 0.5 g (1 + tanh(u)) computed as g / (1 + exp(-2u)),
-    u = sqrt(2 / pi) (g + 0.044715 g^3): the same function, within fp32 rounding."""
-    gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + inter + offs, mask=mask, other=0.0).to(tl.float32)
+def act_and_mul(gate, up, DTYPE: tl.constexpr, GELU: tl.constexpr):
+    """``act_fn(gate) * up`` from float32 ``gate`` and ``up`` (each already in ``DTYPE``'s
+    values), in ``DTYPE``: the activation rounded to it, then the product rounded (as the
+    reference). SiLU, or with ``GELU`` transformers' ``gelu_pytorch_tanh`` (Gemma's),
+    0.5 g (1 + tanh(u)) computed as g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3):
+    the same function, within fp32 rounding. Also the epilogue of the GEMVs that fuse it."""
     if GELU:
         u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = tl.div_rn(gate, 1.0 + tl.exp(tl.minimum(-2.0 * u, 88.0)))  # no inf: e^88 < 2^128
     else:
         act = tl.div_rn(gate, 1.0 + tl.exp(-gate))
     return (act.to(DTYPE).to(tl.float32) * up).to(DTYPE)
+
+
+@triton.jit
+def _silu_mul(x_row, offs, mask, inter, DTYPE: tl.constexpr, GELU: tl.constexpr):
+    """:func:`act_and_mul` of one row's ``offs``: gate at ``offs``, up ``inter`` after it."""
+    gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    return act_and_mul(gate, up, DTYPE, GELU)
 
 
 @triton.jit

@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_layers
 from kernels.quant import INV_FP8_MAX
 from kernels.triton_common import (
     FLOAT_DTYPES,
@@ -73,11 +74,14 @@ from kernels.triton_common import (
     mma,
     pdl,
     pdl_enter,
+    pdl_release,
+    pdl_wait,
     quantize_row,
     round_to_bf16,
     rounds_bf16_in_kernel,
     to_e4m3,
 )
+from kernels.triton_gemv import release_late, store_sums, tile_rows
 
 # fp8: batches of at most this many rows take the GEMV. It reads each weight tile once per row
 # of x (from L2 after the first) and converts it again: the 8B FP8 decode step on an H100 took
@@ -558,16 +562,17 @@ def _store_tile(
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    ROW_SCALE: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    ROW_SCALE: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """``STAGES`` > 1: the chunks' loads software-pipelined, ``STAGES - 1`` chunks ahead through
-    shared memory (cp.async); 1: each chunk loaded when it is used."""
+    shared memory (cp.async); 1: each chunk loaded when it is used. ``ACT`` (one slice of K): a
+    gate_up weight's ``silu(gate) * up`` stored, as ``kernels.triton_gemv``'s."""
     pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
     pid_n = pid // M
     m = (pid % M).to(tl.int64)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    offs_out, offs_n, n_mask = tile_rows(pid_n, N, BLOCK_N, ACT)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * s_sn
@@ -575,7 +580,7 @@ def _fp8_gemv_kernel(
     k_lo = pid_k * K_PER
     # no weight prefetch before the wait here (as the bf16 GEMV's unpipelined launch has):
     # holding a second chunk slowed these launches by 10-25% in a graph on an H100
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL, not LATE)
     for k0 in tl.range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K, num_stages=STAGES):
         ks = k0 + offs_k
         if EVEN_K:
@@ -590,10 +595,15 @@ def _fp8_gemv_kernel(
         else:
             s = tl.load(s_rows + k0 // BLOCK_SCALE, mask=n_mask, other=0.0)  # [BN] fp32
             acc += w.to(tl.float32) * s[:, None] * xv.to(tl.float32)[None, :]
+    pdl_release(USE_PDL, not LATE)
     out = tl.sum(acc, axis=1)
     if ROW_SCALE:
         out = out * tl.load(s_rows, mask=n_mask, other=0.0)
-    _store_row(out_ptr, out, m, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
+    if ACT:
+        live = (tl.zeros([1], dtype=tl.int64) + m) < M
+        store_sums(out_ptr + m * s_om, out, live, offs_out, N, BLOCK_N, True)
+    else:
+        _store_row(out_ptr, out, m, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -746,9 +756,12 @@ def fp8_linear(
     block_k: int,
     *,
     config: tuple[int, ...] | None = None,
-) -> torch.Tensor:  # [M, N]
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul
     """Triton version of :func:`kernels.quant.ref_fp8_linear` (weight-only); ``config`` as
-    :func:`w4a16_linear`'s."""
+    :func:`w4a16_linear`'s, with a fifth entry for the GEMV: STAGES. ``silu_and_mul``: a
+    gate_up weight's product through SiLU-and-mul, in the GEMV's epilogue (one slice of K)
+    where the GEMV runs, bit for bit the two kernels' result."""
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float8_e4m3fn,))
     check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), inner_contiguous=False)
     n, k = weight.shape
@@ -759,8 +772,12 @@ def fp8_linear(
         )
     if block_k < k and block_k % 16:
         raise ValueError(f"block_k {block_k} must be a multiple of 16 (or cover the whole row)")
+    if silu_and_mul and n % 2:
+        raise ValueError(f"a gate_up weight has as many up rows as gate rows, got {n} rows")
     check_devices(x=x, weight=weight, scale=scale)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if silu_and_mul and m > GEMV_ROWS:  # the GEMM's product, then the SiLU-and-mul kernel
+        return triton_layers.silu_and_mul(fp8_linear(x, weight, scale, block_k, config=config))
+    out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -770,14 +787,19 @@ def fp8_linear(
         launch = config or fp8_gemv_config(n, k, block_k)
         stages = launch[4] if len(launch) == 5 else 1
         bn, bk, warps, asked = _with_split(launch[:4], 3)
+        if silu_and_mul and bn % 2:
+            raise ValueError(f"silu_and_mul takes an even BLOCK_N, got {config}")
         bk = min(bk, triton.next_power_of_2(k))
         bk = _chunk(bk, block_k) if block_k < k else bk
-        split, per = _split(asked, triton.cdiv(n, bn) * m, triton.cdiv(k, bk), x.device)
+        split, per = _split(
+            1 if silu_and_mul else asked, triton.cdiv(n, bn) * m, triton.cdiv(k, bk), x.device
+        )
         target = _target(out, split)
         _fp8_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
-            STAGES=stages, num_warps=warps, **pdl(x.device, m),
+            STAGES=stages, ACT=silu_and_mul, LATE=release_late(silu_and_mul and stages > 1),
+            num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or fp8_gemm_config(m), 4)

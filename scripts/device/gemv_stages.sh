@@ -6,8 +6,11 @@
 #            launches (GEMV_KINDS, default: int4 fp8 bf16; GEMV_ROWS, default 1)
 #                                                                   -> $out/gemv-stages.json
 #   latency  the decode steps of each of STAGES_LATENCY (default: bf16 bf16-old fp8 fp8-old;
-#            -old: the GEMV launches served before pipelining) at STAGES_BATCHES (default 1 for
-#            bf16, 1,8 for fp8), context 1024 (bf16, W2's) or 512 (fp8, issue 20's)
+#            -old: the GEMV launches served before pipelining; -nofuse: gate_up and SiLU-and-mul
+#            as two kernels, as before they were fused; -early: the fused launch lets the down
+#            GEMV launch at its start, not after its loop; -lateall: every pipelined GEMV lets
+#            the next kernel launch after its loop) at STAGES_BATCHES (default 1 for bf16,
+#            1,8 for fp8), context 1024 (bf16, W2's) or 512 (fp8, issue 20's)
 #                                                                   -> $out/latency-<q>.json
 #   bash scripts/device/gemv_stages.sh [tests] [bench] [latency]   (default: bench)
 set -uo pipefail
@@ -43,7 +46,9 @@ for step in ${*:-bench}; do
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gemv.py \
         tests/kernels/test_pdl.py tests/kernels/bench/test_gemv_stages.py \
-        tests/kernels/test_triton_quant.py -k "gemv or fp8 or pdl or stages" 2>&1 | tail -3 ;;
+        tests/kernels/test_triton_quant.py tests/kernels/test_ops.py \
+        tests/services/engine/quantization/test_fp8.py tests/services/engine/models/test_llama.py \
+        -k "gemv or fp8 or pdl or stages or silu or mlp or linear" 2>&1 | tail -3 ;;
     bench)
       timeout 540 python3 -m kernels.bench.gemv_stages --kinds ${GEMV_KINDS:-int4 fp8 bf16} \
         --rows ${GEMV_ROWS:-1} --json-out "$out/gemv-stages.json" 2>&1 | tail -24 ;;
@@ -52,6 +57,10 @@ for step in ${*:-bench}; do
         patch="import kernels.triton_gemv as g, kernels.triton_quant as t"
         [ "$q" = bf16-old ] && patch="$patch$OLD_BF16"
         [ "$q" = fp8-old ] && patch="$patch$OLD_FP8"
+        [ "${q#*-}" = nofuse ] && patch="$patch; import kernels.ops as o
+o.silu_and_mul_linear = o.fp8_silu_and_mul_linear = lambda *a, **k: None"
+        [ "${q#*-}" = early ] && patch="$patch; g.RELEASE_AFTER_LOOP = 'none'"
+        [ "${q#*-}" = lateall ] && patch="$patch; g.RELEASE_AFTER_LOOP = 'all'"
         args=(--batch-sizes "${STAGES_BATCHES:-1}" --input-len 1024 --output-len 24)
         [ "${q%%-*}" = fp8 ] && args=(--quantization fp8 --batch-sizes "${STAGES_BATCHES:-1,8}"
           --input-len 512 --output-len 32)

@@ -74,6 +74,44 @@ def test_a_row_computes_the_same_bits_in_any_batch(
         assert torch.equal(gemv(x[i : i + 1], w, config=config), whole[i : i + 1])
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [
+        (1, 48, 200, (8, 64, 2)),  # one chunk ahead, a partial chunk
+        (3, 40, 512, (16, 256, 4, 3)),  # pipelined; 20 outputs: a partial block of them
+        (8, 6, 96, (4, 32, 1)),  # two groups of 4 rows, 3 outputs in blocks of 2
+        (2, 2, 1, None),  # one output
+    ],
+)
+def test_silu_and_mul_is_the_two_kernels_bit_for_bit(
+    m: int, n: int, k: int, config: tuple[int, ...] | None, gen: torch.Generator,
+    device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """The gate_up GEMV with SiLU-and-mul in its epilogue gives what the GEMV then the
+    SiLU-and-mul kernel give, bit for bit, and the reference within rounding."""
+    from kernels.layers import ref_silu_and_mul
+    from kernels.triton_layers import silu_and_mul
+
+    x, w = rand((m, k), torch.bfloat16, gen, device), rand((n, k), torch.bfloat16, gen, device)
+    fused = gemv(x, w, config=config, silu_and_mul=True)
+    assert fused.shape == (m, n // 2)
+    assert torch.equal(fused, silu_and_mul(gemv(x, w, config=config)))
+    ref = ref_silu_and_mul(ref_gemv(x, w).float())
+    torch.testing.assert_close(fused.float(), ref, rtol=3e-2, atol=3e-2 * max(1.0, k**0.5))
+    for i in range(m):  # a row alone: its bits in any batch, as a verify step needs
+        assert torch.equal(
+            gemv(x[i : i + 1], w, config=config, silu_and_mul=True), fused[i : i + 1]
+        )
+
+
+def test_silu_and_mul_needs_gate_and_up_rows(gen: torch.Generator, device: torch.device) -> None:
+    x = rand((1, 64), torch.float32, gen, device)
+    with pytest.raises(ValueError, match="as many up rows"):
+        gemv(x, rand((7, 64), torch.float32, gen, device), silu_and_mul=True)
+    with pytest.raises(ValueError, match="BLOCK_N even"):
+        gemv(x, rand((8, 64), torch.float32, gen, device), config=(3, 64, 1), silu_and_mul=True)
+
+
 def test_strided_rows_of_x(gen: torch.Generator, device: torch.device) -> None:
     big = rand((4, 256), torch.float32, gen, device)
     x = big[::2, :128]  # row stride 512, unit inner stride

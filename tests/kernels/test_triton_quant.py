@@ -320,6 +320,31 @@ def test_fp8_pipelined_gemv_matches_the_reference(
         assert_matches(out / (k**0.5 * 448), ref / (k**0.5 * 448))
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block_k", "config"),
+    [
+        (1, 40, 200, 200, (16, 64, 2, 1, 3)),  # per channel, pipelined, a partial block
+        (1, 6, 96, 32, None),  # block scales, FP8_GEMV_CONFIG
+        (3, 8, 64, 64, None),  # the GEMM's rows: its product, then the SiLU-and-mul kernel
+    ],
+)
+def test_fp8_silu_and_mul_is_the_two_kernels_bit_for_bit(
+    m: int, n: int, k: int, block_k: int, config: tuple[int, ...] | None,
+    gen: torch.Generator, device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    from kernels.triton_layers import silu_and_mul
+
+    weight, _ = quantize_fp8_rows(torch.randn(n, k, generator=gen))
+    weight = weight.to(device)
+    scale = (torch.rand(n, -(-k // block_k), generator=gen) + 0.5).to(device)
+    x = rand((m, k), torch.bfloat16, gen, device)
+    fused = fp8_linear(x, weight, scale, block_k, config=config, silu_and_mul=True)
+    assert fused.shape == (m, n // 2)
+    assert torch.equal(fused, silu_and_mul(fp8_linear(x, weight, scale, block_k, config=config)))
+    with pytest.raises(ValueError, match="as many up rows"):
+        fp8_linear(x, weight[:-1], scale[:-1], block_k, silu_and_mul=True)
+
+
 def test_fp8_gemv_launches_by_shape() -> None:
     assert fp8_gemv_config(28672, 4096, 4096) == FP8_GEMV_WIDE_N_CONFIG
     assert FP8_GEMV_WIDE_N_CONFIG[4] > 1

@@ -37,6 +37,15 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return ops.linear(x, self.weight, self.bias)
 
+    def fused_act(
+        self, act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``act(self(x))`` in one kernel where one exists (``ops.linear_act``): SiLU-and-mul
+        of a gate_up projection at batch 1. None for a subclass with its own ``forward``."""
+        if act is not ops.silu_and_mul or type(self).forward is not Linear.forward:
+            return None
+        return ops.silu_and_mul_linear(x, self.weight, self.bias)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
@@ -154,8 +163,8 @@ class MLP(nn.Module):
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = ops.silu_and_mul  # [T, 2I] -> [T, I]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        return self.down_proj(self.act_fn(gate_up))
+        # act_fn(gate_up_proj(x)): [T, 2I] -> [T, I], one kernel where the layer has one
+        return self.down_proj(ops.linear_act(self.gate_up_proj, self.act_fn, x))
 
 
 class DecoderLayer(nn.Module):

@@ -85,6 +85,20 @@ class Fp8Linear(QuantLinear):
             return ops.fp8_input_linear(x, scales_of(x), self.weight, self.scale, self.dtype, bias)
         return ops.fp8_linear(x, self.weight, self.scale, self.block_k, bias)
 
+    def fused_act(
+        self, act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """SiLU-and-mul of this gate_up layer's output in its GEMV's epilogue where the GEMV
+        runs (``ops.linear_act``). The activation may be :class:`Fp8SiluAndMul`: at the GEMV's
+        batch sizes (at most ``FP8_GEMV_ROWS`` rows) the down projection does not run W8A8,
+        so that activation is the plain SiLU-and-mul there too."""
+        plain = act is ops.silu_and_mul or isinstance(act, Fp8SiluAndMul)
+        if not plain or self.group is not None or x.dtype != self.dtype:
+            return None  # a row-parallel layer sums its ranks' products before any activation
+        if x.dim() != 2 or x.shape[0] > ops.FP8_GEMV_ROWS:
+            return None
+        return ops.fp8_silu_and_mul_linear(x, self.weight, self.scale, self.block_k, self.bias)
+
     def takes_fp8(self, x: torch.Tensor) -> bool:
         """Whether this layer would quantize ``x`` per token itself (W8A8), so may be handed it
         quantized instead."""

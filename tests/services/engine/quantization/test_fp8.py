@@ -136,3 +136,25 @@ def test_the_swapped_modules_make_no_cycle(tmp_path: Path) -> None:
         assert mlp() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.gpu
+def test_an_fp8_gate_up_takes_silu_into_its_gemv_at_batch_one() -> None:
+    """On an FP8 GPU the batch-1 GEMV of an FP8 gate_up does SiLU-and-mul in its epilogue:
+    the bits of the GEMV then the SiLU-and-mul kernel; a W8A8 batch keeps the two."""
+    from services.engine.models.llama import Linear
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    if not ops.fp8_supported(dev):
+        pytest.skip("needs an sm89+ GPU")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    base = Linear(512, 2 * 384, bias=False).to(dev, torch.bfloat16)
+    base.weight.data = torch.randn(768, 512, generator=gen, device=dev).to(torch.bfloat16)
+    layer = fp8.Fp8Linear.from_linear(base)
+    x = torch.randn(1, 512, generator=gen, device=dev).to(torch.bfloat16)
+    fused = ops.linear_act(layer, ops.silu_and_mul, x)
+    assert fused.shape == (1, 384)
+    assert torch.equal(fused, ops.silu_and_mul(layer(x)))
+    assert layer.fused_act(ops.silu_and_mul, x.expand(24, 512)) is None  # W8A8's rows
