@@ -162,13 +162,18 @@ def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
     """A GEMV program's outputs, the weight rows it reads and their mask: BLOCK_N rows from
     ``pid_n * BLOCK_N``; with ``ACT`` (a gate_up weight: N / 2 gate rows, then the up rows)
     BLOCK_N / 2 outputs, their gate and up rows interleaved (gate, up, gate, up, ...)."""
+    # one return: the compiler reads the code after a constexpr branch's return too
     if ACT:
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         i = tl.arange(0, BLOCK_N)
         half = pid_n * (BLOCK_N // 2) + i // 2
-        return offs_out, half + (i % 2) * (N // 2), half < N // 2
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return offs_n, offs_n, offs_n < N
+        offs_n = half + (i % 2) * (N // 2)
+        n_mask = half < N // 2
+    else:
+        offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = offs_out
+        n_mask = offs_out < N
+    return offs_out, offs_n, n_mask
 
 
 @triton.jit
