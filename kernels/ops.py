@@ -139,14 +139,17 @@ def linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
     """A linear layer: the Triton GEMV for batch-1 decode on CUDA (and for the short batches
-    made row-invariant), cuBLAS otherwise."""
+    made row-invariant), cuBLAS otherwise. ``prefetch``: a tensor the GEMV brings into L2
+    after its own loads (a hint, :func:`kernels.triton_common.prefetch_l2`; cuBLAS ignores it)."""
     rows = max(gemv_rows(), _row_invariant)
     if bias is None and x.dim() == 2 and 0 < x.shape[0] <= rows:
         mod = _triton("triton_gemv", x)
         if mod is not None:
-            return mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
+            config = mod.pick_config(weight.shape[0], weight.shape[1])
+            return mod.gemv(x, weight, config=config, prefetch=prefetch)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -211,11 +214,15 @@ def w4a16_linear(
     zeros: torch.Tensor,  # [K/G, N]
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """An int4 weight-only linear layer: dequantized inside the Triton kernel on CUDA."""
+    """An int4 weight-only linear layer: dequantized inside the Triton kernel on CUDA.
+    ``prefetch``: as :func:`linear`'s, taken by the GEMV."""
     mod = _triton("triton_quant", x)
-    fn = mod.w4a16_linear if mod else ref_w4a16_linear
-    out = fn(x, qweight, scales, zeros, group_size)
+    if mod is None:
+        out = ref_w4a16_linear(x, qweight, scales, zeros, group_size)
+    else:
+        out = mod.w4a16_linear(x, qweight, scales, zeros, group_size, prefetch=prefetch)
     return out if bias is None else out + bias
 
 
@@ -278,18 +285,20 @@ def fp8_linear(
     scale: torch.Tensor,  # [N, ceil(K / block_k)] float32
     block_k: int,
     bias: torch.Tensor | None = None,  # [N]
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
     """An FP8-weight linear layer. On an sm89+ GPU: per-channel weights at batches above
     ``FP8_GEMV_ROWS`` run W8A8 on the FP8 tensor cores (x quantized per token); everything
     else (short batches, block scales) runs the Triton kernel, weight-only. Elsewhere (the CPU,
-    older GPUs) the weight-only torch reference: the weight dequantized at every call."""
+    older GPUs) the weight-only torch reference: the weight dequantized at every call.
+    ``prefetch``: as :func:`linear`'s, taken by the Triton kernel's GEMV."""
     mod = _triton("triton_quant", x)
     if mod is None or not fp8_supported(x.device):
         out = ref_fp8_linear(x, weight, scale, block_k)
     elif _scaled_mm_fits(x, weight, scale):
         out = scaled_mm_w8a8_linear(x, weight, scale, mod.per_token_quant_fp8)
     else:
-        out = mod.fp8_linear(x, weight, scale, block_k)
+        out = mod.fp8_linear(x, weight, scale, block_k, prefetch=prefetch)
     return out if bias is None else out + bias
 
 
