@@ -127,47 +127,6 @@ def pdl_release(USE_PDL: tl.constexpr, RELEASE: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# bytes of one L2 line, the unit of prefetch_l2
-L2_LINE = 128
-
-
-def prefetch_args(ahead: torch.Tensor | None, device: torch.device) -> dict:
-    """Launch arguments of a kernel that takes :func:`prefetch_l2`'s (``PF_PTR``, ``PF_BYTES``,
-    ``PREFETCH``): ``ahead``'s bytes, or nothing to prefetch (no tensor, not a CUDA launch, the
-    interpreter, which has no inline assembly). ``ahead`` must be contiguous."""
-    if ahead is None or device.type != "cuda" or interpreting() or ahead.numel() == 0:
-        return {"PF_PTR": None, "PF_BYTES": 0, "PREFETCH": False}
-    if not ahead.is_contiguous():
-        raise ValueError("a tensor to prefetch into L2 must be contiguous")
-    return {"PF_PTR": ahead, "PF_BYTES": ahead.numel() * ahead.element_size(), "PREFETCH": True}
-
-
-@triton.jit
-def prefetch_l2(PF_PTR, PF_BYTES, PREFETCH: tl.constexpr, THREADS: tl.constexpr):
-    """This program's share of ``PF_BYTES`` bytes from ``PF_PTR`` brought into L2 (one
-    ``prefetch.global.L2::evict_last`` a line, ``THREADS`` lines at a time; nothing waits for
-    them): a kernel whose weight the next GEMV does not read can start that GEMV's reads while
-    the small kernels between them leave the memory idle. The programs of a 1D or 2D grid
-    share the bytes evenly. A no-op without ``PREFETCH``."""
-    if PREFETCH:
-        pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-        programs = tl.num_programs(0) * tl.num_programs(1)
-        lines = tl.cdiv(PF_BYTES, 128)
-        share = tl.cdiv(lines, programs)
-        first = pid * share
-        end = tl.minimum(first + share, lines)
-        base = PF_PTR.to(tl.pointer_type(tl.int8), bitcast=True)
-        for i in range(first, end, THREADS):
-            line = i + tl.arange(0, THREADS)
-            addr = (base + line.to(tl.int64) * 128).to(tl.int64, bitcast=True)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                "@p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-                "=r,l,r", [addr, (line < end).to(tl.int32)], dtype=tl.int32, is_pure=False,
-                pack=1,
-            )  # fmt: skip
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 

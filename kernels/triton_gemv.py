@@ -33,8 +33,6 @@ from kernels.triton_common import (
     pdl_enter,
     pdl_release,
     pdl_wait,
-    prefetch_args,
-    prefetch_l2,
 )
 from kernels.triton_layers import act_and_mul
 
@@ -105,7 +103,6 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, GROUPS,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr, USE_PDL: tl.constexpr,
-    PF_PTR, PF_BYTES, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """``LATE`` (pipelined launches): the next kernel may launch only after this one's loop
     (:func:`pdl_wait`). ``ACT`` (SiLU-and-mul, the weight a gate_up projection's: gate rows then as many up
@@ -158,7 +155,6 @@ def _gemv_kernel(
     if ROWS > 2:
         store_sums(o2, tl.sum(acc2, axis=1), l2, offs_out, N, BLOCK_N, ACT)
         store_sums(o3, tl.sum(acc3, axis=1), l3, offs_out, N, BLOCK_N, ACT)
-    prefetch_l2(PF_PTR, PF_BYTES, PREFETCH, 128)
 
 
 @triton.jit
@@ -223,7 +219,6 @@ def gemv(
     *,
     config: tuple[int, ...] | None = None,
     silu_and_mul: bool = False,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul
     """Triton version of :func:`kernels.gemv.ref_gemv` for short batches (M <= 8). ``config``:
     (BLOCK_N, BLOCK_K, num_warps[, STAGES]), :data:`DEFAULT_CONFIG` if None. ``silu_and_mul``:
@@ -265,6 +260,5 @@ def gemv(
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=stages,
         ACT=silu_and_mul, LATE=release_late(silu_and_mul), num_warps=warps, **pdl(x.device, m),
-        **prefetch_args(prefetch, x.device),
     )  # fmt: skip
     return out

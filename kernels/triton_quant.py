@@ -76,8 +76,6 @@ from kernels.triton_common import (
     pdl_enter,
     pdl_release,
     pdl_wait,
-    prefetch_args,
-    prefetch_l2,
     quantize_row,
     round_to_bf16,
     rounds_bf16_in_kernel,
@@ -356,8 +354,7 @@ def _w4_gemv_chunk(
 def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, GROUPS,
     MAGIC_LO, MAGIC_HI, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PF_PTR, PF_BYTES,
-    PREFETCH: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The GEMV on nibble planes for ``ROWS`` (1 or 2) rows of x at once: each plane is made
     once and multiplied into each row's sums (2D tensors only: a [ROWS, BK/8, BN] form
@@ -410,7 +407,6 @@ def _w4_gemv_kernel(
     if ROWS > 1:
         mask = n_mask & (m0 + 1 + tl.zeros([BLOCK_N], dtype=tl.int64) < M)
         _store_row(out_ptr, tl.sum(acc1, axis=0), m1, offs_n, mask, pid_k, M, N, s_om, SPLIT)
-    prefetch_l2(PF_PTR, PF_BYTES, PREFETCH, 128)
 
 
 @triton.jit
@@ -567,7 +563,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr,
-    USE_PDL: tl.constexpr, PF_PTR, PF_BYTES, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """``STAGES`` > 1: the chunks' loads software-pipelined, ``STAGES - 1`` chunks ahead through
     shared memory (cp.async); 1: each chunk loaded when it is used. ``ACT`` (one slice of K): a
@@ -608,7 +604,6 @@ def _fp8_gemv_kernel(
         store_sums(out_ptr + m * s_om, out, live, offs_out, N, BLOCK_N, True)
     else:
         _store_row(out_ptr, out, m, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
-    prefetch_l2(PF_PTR, PF_BYTES, PREFETCH, 128)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -654,7 +649,6 @@ def w4a16_linear(
     group_size: int,
     *,
     config: tuple[int, ...] | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
     """Triton version of :func:`kernels.quant.ref_w4a16_linear`: the GEMV up to
     ``W4_GEMV_ROWS`` rows, the GEMM up to ``W4_DEQUANT_ROWS``, above that the weight dequantized
@@ -692,7 +686,7 @@ def w4a16_linear(
         _w4_gemv_kernel[(triton.cdiv(n, bn) * groups, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, groups,
             PLANE_MAGIC_LO, PLANE_MAGIC_HI, GROUP=group_size, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
-            SPLIT=split, num_warps=warps, **pdl(x.device, m), **prefetch_args(prefetch, x.device),
+            SPLIT=split, num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     default = W4_SMALL_GEMM_CONFIG if m <= SMALL_GEMM_ROWS else GEMM_CONFIG
@@ -763,7 +757,6 @@ def fp8_linear(
     *,
     config: tuple[int, ...] | None = None,
     silu_and_mul: bool = False,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul
     """Triton version of :func:`kernels.quant.ref_fp8_linear` (weight-only); ``config`` as
     :func:`w4a16_linear`'s, with a fifth entry for the GEMV: STAGES. ``silu_and_mul``: a
@@ -806,7 +799,7 @@ def fp8_linear(
             x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
             STAGES=stages, ACT=silu_and_mul, LATE=release_late(silu_and_mul and stages > 1),
-            num_warps=warps, **pdl(x.device, m), **prefetch_args(prefetch, x.device),
+            num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or fp8_gemm_config(m), 4)

@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from kernels import ops
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.lora.graph_inputs import LoRAGraphInputs
 from services.engine.lora.manager import LoRAManager
@@ -67,7 +68,9 @@ class DecodeGraphs:
         if self.lora is not None:  # the wrappers read the graph's buffers, or skip LoRA
             self.lora.use(b if with_lora else None)
         hidden = self.model(self.i64[0, :b], self.i64[1, :b], self.kv, self._meta(b))
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        ops.join_prefetches()  # a graph's capture must end with its side streams joined
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:

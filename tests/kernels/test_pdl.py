@@ -53,8 +53,7 @@ def _compiled_gemv(k: int, block_n: int, block_k: int, stages: int) -> tuple[str
     out = torch.empty(1, 64, device=dev, dtype=torch.bfloat16)
     kernel = _gemv_kernel[(64 // block_n,)](
         x, w, out, 1, 64, k, x.stride(0), w.stride(0), out.stride(0), 1,
-        ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, STAGES=stages, ACT=False, LATE=False, PF_PTR=None, PF_BYTES=0,
-        PREFETCH=False,
+        ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, STAGES=stages, ACT=False, LATE=False,
         num_warps=4,
         **pdl(dev, 1),
     )  # fmt: skip
