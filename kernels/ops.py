@@ -153,7 +153,8 @@ def linear(
         mod = _triton("triton_gemv", x)
         if mod is not None:
             out = mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
-            prefetch_l2_async(prefetch)
+            if x.shape[0] == 1:  # batch-1 decode (not a verify step's rows)
+                prefetch_l2_async(prefetch)
             return out
     return torch.nn.functional.linear(x, weight, bias)
 
@@ -260,7 +261,7 @@ def w4a16_linear(
         out = ref_w4a16_linear(x, qweight, scales, zeros, group_size)
     else:
         out = mod.w4a16_linear(x, qweight, scales, zeros, group_size)
-        if x.dim() == 2 and x.shape[0] <= mod.W4_GEMV_ROWS:
+        if x.dim() == 2 and x.shape[0] == 1:  # the GEMV, which leaves the memory idle after
             prefetch_l2_async(prefetch)
     return out if bias is None else out + bias
 
@@ -338,7 +339,7 @@ def fp8_linear(
         out = scaled_mm_w8a8_linear(x, weight, scale, mod.per_token_quant_fp8)
     else:
         out = mod.fp8_linear(x, weight, scale, block_k)
-        if x.shape[0] <= mod.GEMV_ROWS:
+        if x.dim() == 2 and x.shape[0] == 1:  # the GEMV
             prefetch_l2_async(prefetch)
     return out if bias is None else out + bias
 
