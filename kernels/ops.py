@@ -51,11 +51,9 @@ __all__ = [
     "fused_moe",
     "gather_blocks",
     "gemv_rows",
-    "join_prefetches",
     "linear",
     "moe_routing",
     "paged_decode_attention",
-    "prefetch_l2_async",
     "prefill_attention",
     "rms_norm",
     "rms_norm_fp8",
@@ -95,7 +93,6 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         triton_layers,
         triton_lora,
         triton_moe,
-        triton_prefetch,
         triton_quant,
     )
 
@@ -107,7 +104,6 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         "triton_layers": triton_layers,
         "triton_lora": triton_lora,
         "triton_moe": triton_moe,
-        "triton_prefetch": triton_prefetch,
         "triton_quant": triton_quant,
     }
     return modules[module]
@@ -143,52 +139,15 @@ def linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
     """A linear layer: the Triton GEMV for batch-1 decode on CUDA (and for the short batches
-    made row-invariant), cuBLAS otherwise. ``prefetch``: a tensor to bring into L2 after the
-    GEMV (:func:`prefetch_l2_async`; a hint, not taken with cuBLAS)."""
+    made row-invariant), cuBLAS otherwise."""
     rows = max(gemv_rows(), _row_invariant)
     if bias is None and x.dim() == 2 and 0 < x.shape[0] <= rows:
         mod = _triton("triton_gemv", x)
         if mod is not None:
-            out = mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
-            if x.shape[0] == 1:  # batch-1 decode (not a verify step's rows)
-                prefetch_l2_async(prefetch)
-            return out
+            return mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
     return torch.nn.functional.linear(x, weight, bias)
-
-
-# the side stream of each device that L2 prefetches run on, and those not yet joined back
-_side: dict[int, torch.cuda.Stream] = {}
-_unjoined: dict[int, torch.cuda.Stream] = {}
-
-
-def prefetch_l2_async(t: torch.Tensor | None) -> None:
-    """Bring ``t`` into L2 once the work queued so far on the current stream is done, on a side
-    stream (``kernels.triton_prefetch``), so that nothing after it on this stream waits for the
-    prefetched bytes; :func:`join_prefetches` joins the side stream back (before a CUDA graph's
-    capture ends, it must). A no-op for None, off CUDA and in the interpreter."""
-    mod = None if t is None else _triton("triton_prefetch", t)
-    if t is None or mod is None or mod.interpreting():
-        return
-    main = torch.cuda.current_stream(t.device)
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    side = _side.get(index)
-    if side is None:
-        side = _side[index] = torch.cuda.Stream(t.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        mod.prefetch_l2(t)
-    _unjoined[index] = side
-
-
-def join_prefetches() -> None:
-    """Make the current stream wait for the L2 prefetches launched so far (at once: they end as
-    soon as they are issued)."""
-    for index, side in list(_unjoined.items()):
-        torch.cuda.current_stream(index).wait_stream(side)
-    _unjoined.clear()
 
 
 def silu_and_mul_linear(
@@ -252,17 +211,11 @@ def w4a16_linear(
     zeros: torch.Tensor,  # [K/G, N]
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """An int4 weight-only linear layer: dequantized inside the Triton kernel on CUDA.
-    ``prefetch``: as :func:`linear`'s, taken by the GEMV."""
+    """An int4 weight-only linear layer: dequantized inside the Triton kernel on CUDA."""
     mod = _triton("triton_quant", x)
-    if mod is None:
-        out = ref_w4a16_linear(x, qweight, scales, zeros, group_size)
-    else:
-        out = mod.w4a16_linear(x, qweight, scales, zeros, group_size)
-        if x.dim() == 2 and x.shape[0] == 1:  # the GEMV, which leaves the memory idle after
-            prefetch_l2_async(prefetch)
+    fn = mod.w4a16_linear if mod else ref_w4a16_linear
+    out = fn(x, qweight, scales, zeros, group_size)
     return out if bias is None else out + bias
 
 
@@ -325,13 +278,11 @@ def fp8_linear(
     scale: torch.Tensor,  # [N, ceil(K / block_k)] float32
     block_k: int,
     bias: torch.Tensor | None = None,  # [N]
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
     """An FP8-weight linear layer. On an sm89+ GPU: per-channel weights at batches above
     ``FP8_GEMV_ROWS`` run W8A8 on the FP8 tensor cores (x quantized per token); everything
     else (short batches, block scales) runs the Triton kernel, weight-only. Elsewhere (the CPU,
-    older GPUs) the weight-only torch reference: the weight dequantized at every call.
-    ``prefetch``: as :func:`linear`'s, taken by the Triton kernel's GEMV."""
+    older GPUs) the weight-only torch reference: the weight dequantized at every call."""
     mod = _triton("triton_quant", x)
     if mod is None or not fp8_supported(x.device):
         out = ref_fp8_linear(x, weight, scale, block_k)
@@ -339,8 +290,6 @@ def fp8_linear(
         out = scaled_mm_w8a8_linear(x, weight, scale, mod.per_token_quant_fp8)
     else:
         out = mod.fp8_linear(x, weight, scale, block_k)
-        if x.dim() == 2 and x.shape[0] == 1:  # the GEMV
-            prefetch_l2_async(prefetch)
     return out if bias is None else out + bias
 
 

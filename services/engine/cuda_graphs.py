@@ -19,7 +19,6 @@ import logging
 
 import torch
 
-from kernels import ops
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.lora.graph_inputs import LoRAGraphInputs
 from services.engine.lora.manager import LoRAManager
@@ -68,9 +67,7 @@ class DecodeGraphs:
         if self.lora is not None:  # the wrappers read the graph's buffers, or skip LoRA
             self.lora.use(b if with_lora else None)
         hidden = self.model(self.i64[0, :b], self.i64[1, :b], self.kv, self._meta(b))
-        logits = self.model.compute_logits(hidden)
-        ops.join_prefetches()  # a graph's capture must end with its side streams joined
-        return logits
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:

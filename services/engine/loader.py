@@ -16,7 +16,6 @@ from safetensors import safe_open
 from kernels import ops
 from services.config import ConfigError, ModelConfig
 from services.engine.gpt_oss_weights import gpt_oss_tensors
-from services.engine.l2_prefetch import plan_l2_prefetch
 from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
@@ -408,8 +407,6 @@ def load_model(
             )  # fmt: skip
     if qcfg is not None:
         _finish_quantization(model, qcfg)
-    if device.type == "cuda":
-        plan_l2_prefetch(model)
     return model.eval(), arch, files
 
 

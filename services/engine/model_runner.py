@@ -535,7 +535,6 @@ class ModelRunner:
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, embeds, rope
         )
-        ops.join_prefetches()  # the L2 prefetches' side stream back (kernels.ops)
         if peers is not None:
             peers.finish()
         if eager:

@@ -34,13 +34,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    # a function giving the tensor the next GEMV reads, for this layer's GEMV to bring into L2
-    # after its own loads (set from outside the model: services.engine.l2_prefetch)
-    l2_next: Callable[[], torch.Tensor | None] | None = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        ahead = self.l2_next() if self.l2_next is not None else None
-        return ops.linear(x, self.weight, self.bias, prefetch=ahead)
+        return ops.linear(x, self.weight, self.bias)
 
     def fused_act(
         self, act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor

@@ -3,7 +3,6 @@ checkpoint tensors have arrived, and the optional bias."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,13 +39,6 @@ class QuantLinear(nn.Module):
         # a row-parallel layer of a tensor-parallel rank: its partial products are summed over
         # the ranks (the group's all_reduce) before the bias, which is added once
         self.group: Any = None
-        # as ``Linear.l2_next`` (services.engine.l2_prefetch)
-        self.l2_next: Callable[[], torch.Tensor | None] | None = None
-
-    @property
-    def l2_prefetch(self) -> torch.Tensor | None:
-        """The tensor this layer's GEMV brings into L2 for the next one, if any."""
-        return self.l2_next() if self.l2_next is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self.group is None:

@@ -83,9 +83,7 @@ class Fp8Linear(QuantLinear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dtype == torch.float8_e4m3fn:  # quantized by the layer before (module docstring)
             return ops.fp8_input_linear(x, scales_of(x), self.weight, self.scale, self.dtype, bias)
-        return ops.fp8_linear(
-            x, self.weight, self.scale, self.block_k, bias, prefetch=self.l2_prefetch
-        )
+        return ops.fp8_linear(x, self.weight, self.scale, self.block_k, bias)
 
     def fused_act(
         self, act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor

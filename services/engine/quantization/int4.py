@@ -96,7 +96,4 @@ class Int4Linear(QuantLinear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
             x = x[:, self.perm]
-        return ops.w4a16_linear(
-            x, self.qweight, self.scales, self.zeros, self.group_size, bias,
-            prefetch=self.l2_prefetch,
-        )  # fmt: skip
+        return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias)

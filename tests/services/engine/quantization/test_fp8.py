@@ -44,9 +44,9 @@ def _stand_in_fp8_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     real_linear, real_input = ops.fp8_linear, ops.fp8_input_linear
 
-    def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, bias: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if not takes(x, weight, scale):
-            return real_linear(x, weight, scale, block_k, bias, prefetch)
+            return real_linear(x, weight, scale, block_k, bias)
         taken.append("quantized its own input")
         out = scaled_mm_w8a8_linear(x, weight, scale)
         return out if bias is None else out + bias
