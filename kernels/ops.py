@@ -191,6 +191,29 @@ def fp8_silu_and_mul_linear(
     return None
 
 
+def w4_silu_and_mul_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [K/8, 2I] int32: gate columns, then up columns
+    scales: torch.Tensor,  # [K/G, 2I]
+    zeros: torch.Tensor,  # [K/G, 2I]
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # [M, I]
+    """:func:`silu_and_mul_linear` of an int4 layer: where :func:`w4a16_linear` takes the
+    Triton GEMV (CUDA, at most ``triton_quant.W4_GEMV_ROWS`` rows), its epilogue does
+    SiLU-and-mul; None elsewhere."""
+    mod = _triton("triton_quant", x)
+    if (
+        mod is not None
+        and bias is None
+        and x.dim() == 2
+        and 0 < x.shape[0] <= mod.W4_GEMV_ROWS
+        and qweight.shape[1] % 2 == 0
+    ):
+        return mod.w4a16_linear(x, qweight, scales, zeros, group_size, silu_and_mul=True)
+    return None
+
+
 def linear_act(
     layer: torch.nn.Module,
     act: Callable[[torch.Tensor], torch.Tensor],

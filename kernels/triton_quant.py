@@ -354,7 +354,8 @@ def _w4_gemv_chunk(
 def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, GROUPS,
     MAGIC_LO, MAGIC_HI, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The GEMV on nibble planes for ``ROWS`` (1 or 2) rows of x at once: each plane is made
     once and multiplied into each row's sums (2D tensors only: a [ROWS, BK/8, BN] form
@@ -366,12 +367,22 @@ def _w4_gemv_kernel(
     (row p of the packed tile is in group (k0 + 8p) / GROUP): per chunk sum_j plane_j x_j,
     less (2048 + z) times the x of the low planes and (128 + z) times the high ones', times s,
     into a [BK/8, BN] accumulator per row, summed over K once at the end. The next chunk's
-    words load before this chunk's arithmetic, the first before the wait."""
+    words load before this chunk's arithmetic, the first before the wait. ``ACT`` (one slice of
+    K; a gate_up weight, gate columns then as many up columns): a program's BLOCK_N columns are
+    the gate and up columns of BLOCK_N / 2 outputs, interleaved, and it stores their
+    ``silu(gate) * up`` (as ``kernels.triton_gemv``'s); ``LATE``: the next kernel may launch only
+    after the loop (``kernels.triton_common.pdl_wait``)."""
     m0, m1, pid_k, offs_n, n_mask, k_lo, k_hi, qw_tile, sz_tile, x0_row, x1_row = _w4_gemv_program(
         x_ptr, qw_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, GROUPS, GROUP, ROWS, BLOCK_N, BLOCK_K
     )
+    offs_out = offs_n
+    if ACT:  # the program's columns: gate and up of the same outputs, interleaved
+        offs_out, offs_n, n_mask = tile_rows(tl.program_id(0) // GROUPS, N, BLOCK_N, True)
+        rows = tl.arange(0, BLOCK_K // 8)
+        qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
+        sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
     following = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
-    pdl_enter(USE_PDL)
+    pdl_wait(USE_PDL, not LATE)
     acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -403,10 +414,19 @@ def _w4_gemv_kernel(
         acc0 += s * (part0 - (2048.0 * lo0 + 128.0 * hi0)[:, None] - z * (lo0 + hi0)[:, None])
         if ROWS > 1:
             acc1 += s * (part1 - (2048.0 * lo1 + 128.0 * hi1)[:, None] - z * (lo1 + hi1)[:, None])
-    _store_row(out_ptr, tl.sum(acc0, axis=0), m0, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
-    if ROWS > 1:
-        mask = n_mask & (m0 + 1 + tl.zeros([BLOCK_N], dtype=tl.int64) < M)
-        _store_row(out_ptr, tl.sum(acc1, axis=0), m1, offs_n, mask, pid_k, M, N, s_om, SPLIT)
+    pdl_release(USE_PDL, not LATE)
+    if ACT:
+        live0 = (tl.zeros([1], dtype=tl.int64) + m0) < M
+        store_sums(out_ptr + m0 * s_om, tl.sum(acc0, axis=0), live0, offs_out, N, BLOCK_N, True)
+        if ROWS > 1:
+            live1 = (tl.zeros([1], dtype=tl.int64) + m0 + 1) < M
+            store_sums(out_ptr + m1 * s_om, tl.sum(acc1, axis=0), live1, offs_out, N, BLOCK_N,
+                       True)  # fmt: skip
+    else:
+        _store_row(out_ptr, tl.sum(acc0, axis=0), m0, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
+        if ROWS > 1:
+            mask = n_mask & (m0 + 1 + tl.zeros([BLOCK_N], dtype=tl.int64) < M)
+            _store_row(out_ptr, tl.sum(acc1, axis=0), m1, offs_n, mask, pid_k, M, N, s_om, SPLIT)
 
 
 @triton.jit
@@ -649,12 +669,15 @@ def w4a16_linear(
     group_size: int,
     *,
     config: tuple[int, ...] | None = None,
-) -> torch.Tensor:  # [M, N]
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul
     """Triton version of :func:`kernels.quant.ref_w4a16_linear`: the GEMV up to
     ``W4_GEMV_ROWS`` rows, the GEMM up to ``W4_DEQUANT_ROWS``, above that the weight dequantized
     to x's dtype and torch's matmul. ``config`` picks the Triton launch (and keeps larger M on
     the GEMM): (BLOCK_N, BLOCK_K, warps[, SPLIT]) for the GEMV, else (BLOCK_M, BLOCK_N, BLOCK_K,
-    warps[, SPLIT])."""
+    warps[, SPLIT]). ``silu_and_mul``: a gate_up weight's product through SiLU-and-mul, in the
+    GEMV's epilogue (one slice of K) where the GEMV runs, bit for bit the two kernels' result;
+    else the two kernels."""
     check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
     check_tensor("scales", scales, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("zeros", zeros, ndim=2, dtypes=FLOAT_DTYPES)
@@ -669,8 +692,13 @@ def w4a16_linear(
         )
     if scales.stride() != zeros.stride():
         raise ValueError("scales and zeros must have the same strides")
+    if silu_and_mul and n % 2:
+        raise ValueError(f"a gate_up weight has as many up columns as gate columns, got {n}")
     check_devices(x=x, qweight=qweight, scales=scales, zeros=zeros)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if silu_and_mul and m > W4_GEMV_ROWS:  # the GEMM's product, then the SiLU-and-mul kernel
+        product = w4a16_linear(x, qweight, scales, zeros, group_size, config=config)
+        return triton_layers.silu_and_mul(product)
+    out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if m > W4_DEQUANT_ROWS and config is None:
@@ -678,15 +706,20 @@ def w4a16_linear(
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     if m <= W4_GEMV_ROWS:
         bn, bk, warps, asked = _with_split(config or w4_gemv_config(n, k, m), 3)
+        if silu_and_mul and bn % 2:
+            raise ValueError(f"silu_and_mul takes an even BLOCK_N, got {config}")
         bk = _chunk(bk, k) if bk > group_size else bk  # whole groups, or a part of one
         rows = min(m, 2)
         groups = triton.cdiv(m, rows)
-        split, per = _split(asked, triton.cdiv(n, bn) * groups, k // bk, x.device)
+        split, per = _split(
+            1 if silu_and_mul else asked, triton.cdiv(n, bn) * groups, k // bk, x.device
+        )
         target = _target(out, split)
         _w4_gemv_kernel[(triton.cdiv(n, bn) * groups, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, groups,
             PLANE_MAGIC_LO, PLANE_MAGIC_HI, GROUP=group_size, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
-            SPLIT=split, num_warps=warps, **pdl(x.device, m),
+            SPLIT=split, ACT=silu_and_mul, LATE=release_late(silu_and_mul), num_warps=warps,
+            **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     default = W4_SMALL_GEMM_CONFIG if m <= SMALL_GEMM_ROWS else GEMM_CONFIG

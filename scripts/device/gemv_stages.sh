@@ -48,7 +48,8 @@ for step in ${*:-bench}; do
         tests/kernels/test_pdl.py tests/kernels/bench/test_gemv_stages.py \
         tests/kernels/test_triton_quant.py tests/kernels/test_ops.py \
         tests/services/engine/quantization/test_fp8.py tests/services/engine/models/test_llama.py \
-        -k "gemv or fp8 or pdl or stages or silu or mlp or linear" 2>&1 | tail -3 ;;
+        tests/services/engine/quantization/test_int4.py \
+        -k "gemv or fp8 or pdl or stages or silu or mlp or linear or int4" 2>&1 | tail -3 ;;
     bench)
       timeout 540 python3 -m kernels.bench.gemv_stages --kinds ${GEMV_KINDS:-int4 fp8 bf16} \
         --rows ${GEMV_ROWS:-1} --json-out "$out/gemv-stages.json" 2>&1 | tail -24 ;;
@@ -58,7 +59,8 @@ for step in ${*:-bench}; do
         [ "$q" = bf16-old ] && patch="$patch$OLD_BF16"
         [ "$q" = fp8-old ] && patch="$patch$OLD_FP8"
         [ "${q#*-}" = nofuse ] && patch="$patch; import kernels.ops as o
-o.silu_and_mul_linear = o.fp8_silu_and_mul_linear = lambda *a, **k: None"
+o.silu_and_mul_linear = o.fp8_silu_and_mul_linear = o.w4_silu_and_mul_linear = (
+  lambda *a, **k: None)"
         [ "${q#*-}" = early ] && patch="$patch; g.RELEASE_AFTER_LOOP = 'none'"
         [ "${q#*-}" = lateall ] && patch="$patch; g.RELEASE_AFTER_LOOP = 'all'"
         args=(--batch-sizes "${STAGES_BATCHES:-1}" --input-len 1024 --output-len 24)

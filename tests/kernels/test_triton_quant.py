@@ -227,6 +227,33 @@ def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(
     assert_matches(out / k**0.5, ref_w4a16_linear(x, qweight, scales, zeros, g) / k**0.5)
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "g", "config"),
+    [
+        (1, 264, 64, 32, None),  # the wide launch (32 columns: 16 outputs), a partial tile
+        (2, 80, 512, 64, (16, 256, 4, 1)),  # two rows in one program, two chunks
+        (1, 40, 384, 128, (8, 1024, 8)),  # chunks of one group; the last tile half empty
+        (3, 48, 128, 32, None),  # the GEMM's rows: its product, then the SiLU-and-mul kernel
+    ],
+)
+def test_w4a16_silu_and_mul_is_the_two_kernels_bit_for_bit(
+    m: int, n: int, k: int, g: int, config: tuple[int, ...] | None, gen: torch.Generator,
+    device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """A gate_up weight's GEMV with SiLU-and-mul in its epilogue (gate and up columns of the
+    same outputs in one program) gives what the GEMV and then the SiLU-and-mul kernel give."""
+    from kernels.triton_layers import silu_and_mul
+
+    qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
+    x = rand((m, k), torch.bfloat16, gen, device)
+    fused = w4a16_linear(x, qweight, scales, zeros, g, config=config, silu_and_mul=True)
+    assert fused.shape == (m, n // 2)
+    two = silu_and_mul(w4a16_linear(x, qweight, scales, zeros, g, config=config))
+    assert torch.equal(fused, two)
+    with pytest.raises(ValueError, match="as many up columns"):
+        w4a16_linear(x, qweight[:, :-1], scales[:, :-1], zeros[:, :-1], g, silu_and_mul=True)
+
+
 def test_the_gemv_launch_follows_the_weights_shape() -> None:
     """One row of x and long rows of the weight with at most half as many outputs (down
     projections) take 16 warps, and four times as many outputs as inputs (gate_up) 32 columns

@@ -7,6 +7,8 @@ are then sorted by group once, and x's columns are permuted to match at every ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels import ops
@@ -97,3 +99,17 @@ class Int4Linear(QuantLinear):
         if self.perm is not None:
             x = x[:, self.perm]
         return ops.w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
+
+    def fused_act(
+        self, act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """SiLU-and-mul of this gate_up layer's output in its GEMV's epilogue where the GEMV
+        runs (``ops.linear_act``); None elsewhere (a row-parallel layer sums its ranks'
+        products before any activation)."""
+        if act is not ops.silu_and_mul or self.group is not None or x.dim() != 2:
+            return None
+        if self.perm is not None:
+            x = x[:, self.perm]
+        return ops.w4_silu_and_mul_linear(
+            x, self.qweight, self.scales, self.zeros, self.group_size, self.bias
+        )
