@@ -127,32 +127,6 @@ def pdl_release(USE_PDL: tl.constexpr, RELEASE: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_rows_l2(rows, k0, K, n_mask, PF_BYTES: tl.constexpr):
-    """Issue ``prefetch.global.L2`` for the first ``PF_BYTES`` bytes from element ``k0`` of each
-    row of a weight tile (``rows``: [BLOCK_N, 1] pointers to the rows' starts, ``K`` elements
-    long, ``n_mask`` the rows that exist); nothing waits for them. A GEMV calls it before it
-    waits for the kernel before it (programmatic launch): its first chunks then come from L2,
-    fetched while that kernel still ran. A no-op for ``PF_BYTES`` 0 (and it must be 0 in the
-    interpreter, which has no inline assembly)."""
-    if PF_BYTES > 0:
-        size: tl.constexpr = rows.dtype.element_ty.primitive_bitwidth // 8
-        lines = tl.arange(0, PF_BYTES // 128)
-        starts = rows.to(tl.pointer_type(tl.int8), bitcast=True) + k0 * size
-        addr = (starts + lines[None, :] * 128).to(tl.int64, bitcast=True)
-        live = n_mask[:, None] & (lines[None, :] * 128 < (K - k0) * size)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-def prefetch_bytes(device: torch.device, wanted: int) -> int:
-    """``PF_BYTES`` for :func:`prefetch_rows_l2`: ``wanted`` on a CUDA launch, 0 in the
-    interpreter or elsewhere."""
-    return wanted if device.type == "cuda" and not interpreting() else 0
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 

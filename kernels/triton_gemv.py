@@ -33,8 +33,6 @@ from kernels.triton_common import (
     pdl_enter,
     pdl_release,
     pdl_wait,
-    prefetch_bytes,
-    prefetch_rows_l2,
 )
 from kernels.triton_layers import act_and_mul
 
@@ -105,7 +103,6 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, GROUPS,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr, USE_PDL: tl.constexpr,
-    PF_BYTES: tl.constexpr,
 ):  # fmt: skip
     """``LATE`` (pipelined launches): the next kernel may launch only after this one's loop
     (:func:`pdl_wait`). ``ACT`` (SiLU-and-mul, the weight a gate_up projection's: gate rows then as many up
@@ -133,7 +130,6 @@ def _gemv_kernel(
         # software-pipelined: the compiler issues each chunk's loads STAGES - 1 chunks ahead
         # through shared memory (cp.async), the loads in flight no longer bounded by registers;
         # its prologue loads x too, so the wait comes first
-        prefetch_rows_l2(w_rows, 0, K, n_mask, PF_BYTES)  # while the kernel before runs
         pdl_wait(USE_PDL, not LATE)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             w = _load_w_chunk(w_rows, k0, offs_k, n_mask, K).to(tl.float32)
@@ -200,11 +196,6 @@ def store_sums(out_row, sums, live, offs_out, N, BLOCK_N: tl.constexpr, ACT: tl.
 RELEASE_AFTER_LOOP = "act"
 
 
-# bytes of each weight row a pipelined launch asks into L2 before it waits for the kernel before
-# it (kernels.triton_common.prefetch_rows_l2); 0: none
-PREFETCH_BYTES = 0
-
-
 def release_late(act: bool) -> bool:
     return RELEASE_AFTER_LOOP == "all" or (RELEASE_AFTER_LOOP == "act" and act)
 
@@ -269,6 +260,5 @@ def gemv(
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=stages,
         ACT=silu_and_mul, LATE=release_late(silu_and_mul), num_warps=warps, **pdl(x.device, m),
-        PF_BYTES=prefetch_bytes(x.device, PREFETCH_BYTES if stages > 1 else 0),
     )  # fmt: skip
     return out

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_gemv, triton_layers
+from kernels import triton_layers
 from kernels.quant import INV_FP8_MAX
 from kernels.triton_common import (
     FLOAT_DTYPES,
@@ -76,8 +76,6 @@ from kernels.triton_common import (
     pdl_enter,
     pdl_release,
     pdl_wait,
-    prefetch_bytes,
-    prefetch_rows_l2,
     quantize_row,
     round_to_bf16,
     rounds_bf16_in_kernel,
@@ -608,7 +606,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr,
-    USE_PDL: tl.constexpr, PF_BYTES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """``STAGES`` > 1: the chunks' loads software-pipelined, ``STAGES - 1`` chunks ahead through
     shared memory (cp.async); 1: each chunk loaded when it is used. ``ACT`` (one slice of K): a
@@ -625,7 +623,6 @@ def _fp8_gemv_kernel(
     k_lo = pid_k * K_PER
     # no weight prefetch before the wait here (as the bf16 GEMV's unpipelined launch has):
     # holding a second chunk slowed these launches by 10-25% in a graph on an H100
-    prefetch_rows_l2(w_rows, k_lo, K, n_mask, PF_BYTES)  # while the kernel before runs
     pdl_wait(USE_PDL, not LATE)
     for k0 in tl.range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K, num_stages=STAGES):
         ks = k0 + offs_k
@@ -859,7 +856,6 @@ def fp8_linear(
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
             STAGES=stages, ACT=silu_and_mul, LATE=release_late(silu_and_mul and stages > 1),
             num_warps=warps, **pdl(x.device, m),
-            PF_BYTES=prefetch_bytes(x.device, triton_gemv.PREFETCH_BYTES),
         )  # fmt: skip
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or fp8_gemm_config(m), 4)

@@ -9,8 +9,7 @@
 #            -old: the GEMV launches served before pipelining; -nofuse: gate_up and SiLU-and-mul
 #            as two kernels, as before they were fused; -early: the fused launch lets the down
 #            GEMV launch at its start, not after its loop; -lateall: every pipelined GEMV lets
-#            the next kernel launch after its loop; -pfN: each GEMV program asks the first N bytes
-#            of its weight rows into L2 before its wait; awq: AWQ weights, as fp8's) at STAGES_BATCHES (default 1 for bf16,
+#            the next kernel launch after its loop; awq: AWQ weights, as fp8's) at STAGES_BATCHES (default 1 for bf16,
 #            1,8 for fp8), context 1024 (bf16, W2's) or 512 (fp8, issue 20's)
 #                                                                   -> $out/latency-<q>.json
 #   bash scripts/device/gemv_stages.sh [tests] [bench] [latency]   (default: bench)
@@ -64,7 +63,6 @@ o.silu_and_mul_linear = o.fp8_silu_and_mul_linear = o.w4_silu_and_mul_linear = (
   lambda *a, **k: None)"
         [ "${q#*-}" = early ] && patch="$patch; g.RELEASE_AFTER_LOOP = 'none'"
         [ "${q#*-}" = lateall ] && patch="$patch; g.RELEASE_AFTER_LOOP = 'all'"
-        case "${q#*-}" in pf*) patch="$patch; g.PREFETCH_BYTES = ${q##*-pf}" ;; esac
         args=(--batch-sizes "${STAGES_BATCHES:-1}" --input-len 1024 --output-len 24)
         [ "${q%%-*}" = fp8 ] && args=(--quantization fp8 --batch-sizes "${STAGES_BATCHES:-1,8}"
           --input-len 512 --output-len 32)
