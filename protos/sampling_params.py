@@ -63,6 +63,9 @@ class StructuredOutput:
     reasoning_start: str = ""
     reasoning_end: str = ""
     reasoning_open: bool = False
+    # the request field that asked for it (response_format, structured_outputs, a guided_*
+    # field, tools): the gateway's, to name in a worker's refusal; never sent to a worker
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

@@ -109,6 +109,7 @@ class Generation:
                         return
             raise RuntimeError("the request's stream ended without a finish reason")
         except (UpstreamError, APIError) as e:
+            _attribute(e, choice.item)
             self._queue.put_nowait((choice, e))
         except Exception as e:  # a bug: reported as a 500, logged with its traceback
             log.exception("request %s failed", choice.item.request_id)
@@ -179,6 +180,16 @@ class Generation:
             self.completion_tokens,
             self._error,
         )
+
+
+def _attribute(e: UpstreamError | APIError, item: WorkItem) -> None:
+    """A worker's refusal of the request's constraint names ``structured_outputs`` (all it
+    gets is the constraint): the client's 400 names the field it sent instead
+    (``response_format``, a ``guided_*`` field, ``tools``)."""
+    api = e.api_error if isinstance(e, UpstreamError) else e
+    constraint = item.sampling.structured
+    if api.param == "structured_outputs" and constraint is not None and constraint.source:
+        api.param = constraint.source
 
 
 def _message(e: BaseException) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 from gateway.core.errors import invalid
@@ -182,4 +183,9 @@ def parse_structured(f: Fields) -> StructuredOutput | None:
             f"ask for structured output one way: {found[0][0]} and {found[1][0]} were both given",
             found[1][0],
         )
-    return found[0][1] if found else None
+    if not found:
+        return None
+    name, so = found[0]
+    if name == "guided_*":  # the one guided field given (_guided refuses two)
+        name = next(g for g in _GUIDED if f.get(g) is not None)
+    return replace(so, source=name)

@@ -21,16 +21,14 @@ from services.common.tracing import end_span
 from services.engine.driver import EngineDriver, Stream
 from services.engine.outputs import RequestOutput
 
-# fields a worker cannot name for the client: it gets a request's constraint, not which of
-# response_format, structured_outputs or the guided_* fields asked for it
-_UNATTRIBUTED = frozenset({"structured_outputs"})
-
 
 async def abort_invalid(context: Any, exc: InvalidRequestError) -> NoReturn:
     """End the call with INVALID_ARGUMENT and ``exc``'s message, the request field it names
     (``exc.param``) as the trailing metadata ``PARAM_METADATA_KEY``: the gateway's 400 names it
-    (a multiplexed stream's error chunk carries it as ``error_param``)."""
-    param = "" if exc.param in _UNATTRIBUTED else exc.param or ""
+    (a multiplexed stream's error chunk carries it as ``error_param``). A refused structured
+    output constraint names ``structured_outputs``: the gateway knows which of the request's
+    fields asked for it and names that one."""
+    param = exc.param or ""
     metadata = ((PARAM_METADATA_KEY, param),) if param else ()
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), trailing_metadata=metadata)
     raise AssertionError("unreachable: abort raises")

@@ -261,9 +261,9 @@ async def test_a_multi_turn_exchange_with_a_tool_message(gateways: dict[str, Pro
     [
         ({"response_format": {"type": "json_schema",
                               "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-         None, "invalid JSON schema: Unsupported type"),
-        ({"structured_outputs": {"regex": "(ab"}}, None, "invalid regex"),
-        ({"guided_grammar": "root ::= 'a' |"}, None, "invalid grammar"),
+         "response_format", "invalid JSON schema: Unsupported type"),
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "invalid regex"),
+        ({"guided_grammar": "root ::= 'a' |"}, "guided_grammar", "invalid grammar"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice", "names the function 'nope', which is not in tools"),
         ({"tools": [WEATHER]}, "tool_choice", "--enable-auto-tool-choice"),
@@ -273,8 +273,8 @@ async def test_bad_structured_input_is_a_400_that_leaks_nothing(
     fleet: Fleet, gateways: dict[str, Proc], body: dict[str, Any], param: str | None, words: str
 ) -> None:
     """The gateway checks shapes and names; whether a spec compiles the workers say (they hold
-    the tokenizer and the grammar library): their message comes back, without a param (a worker
-    cannot tell which of response_format, structured_outputs or guided_* asked for it)."""
+    the tokenizer and the grammar library): their message comes back, naming the field the
+    client sent (a worker names structured_outputs; the gateway knows which field it was)."""
     for gateway in gateways.values():
         r = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
                        json={"model": MODEL, "messages": ASK, "max_tokens": 8, **body})  # fmt: skip

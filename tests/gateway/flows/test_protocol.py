@@ -213,6 +213,15 @@ def test_text_format_and_tool_choice_none_stay_accepted() -> None:
     assert parse_chat({"messages": MSGS, "tool_choice": "auto", "tools": []}).messages == MSGS
 
 
+def test_a_tool_choice_constraint_comes_from_the_tools() -> None:
+    """A required or named tool choice is the request's grammar; a worker's refusal of it is
+    the tools' (its ``source``, gateway.flows.generation._attribute)."""
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        req = parse_chat({"messages": MSGS, "tools": [TOOL], "tool_choice": choice})
+        so = req.common.sampling.structured
+        assert so is not None and so.kind == "json" and so.source == "tools"
+
+
 def test_seed_takes_the_whole_int64_range() -> None:
     req = parse_completion({"prompt": "hi", "seed": 2**63 - 1, "n": 3})
     assert req.common.sampling.seed == 2**63 - 1

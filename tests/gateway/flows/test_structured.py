@@ -43,6 +43,32 @@ def test_every_form_reads_into_one_structured_output(body: dict, kind: str, spec
     so = _parse(**body)
     assert so is not None and (so.kind, so.spec) == (kind, spec)
     assert not so.any_whitespace  # compact JSON unless asked otherwise
+    # the field it came from, for a worker's refusal (gateway.flows.generation._attribute)
+    field = next(k for k in body if k != "guided_decoding_backend")
+    assert so.source == field
+
+
+def test_a_workers_refusal_of_the_constraint_names_the_clients_field() -> None:
+    """A worker names ``structured_outputs`` when it cannot compile a constraint (all it gets
+    is the constraint); the gateway's 400 names the field the client sent instead."""
+    from gateway.flows.generation import _attribute
+    from gateway.workers.rpc_errors import UpstreamError
+    from gateway.workers.work import WorkItem
+    from protos.sampling_params import SamplingParams
+
+    def refusal(param: str | None, **body: Any) -> str | None:
+        item = WorkItem("r", (1,), SamplingParams(structured=_parse(**body)))
+        err = UpstreamError(APIError(400, "invalid regex", param=param), retryable=False)
+        _attribute(err, item)
+        return err.api_error.param
+
+    assert refusal("structured_outputs", guided_regex="(ab") == "guided_regex"
+    assert refusal("structured_outputs", response_format={"type": "json_object"}) == (
+        "response_format"
+    )
+    assert refusal("structured_outputs", structured_outputs={"regex": "("}) == "structured_outputs"
+    assert refusal("max_tokens", guided_regex="(ab") == "max_tokens"  # another field: as named
+    assert refusal("structured_outputs") == "structured_outputs"  # no constraint: as named
 
 
 def test_nothing_asked_is_none_and_free_whitespace_is_opt_in() -> None:

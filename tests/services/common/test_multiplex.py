@@ -49,7 +49,7 @@ class Handler:
                 await abort_invalid(
                     context, InvalidRequestError("priority 3 needs ...", "priority")
                 )
-            if rid == "bad-grammar":  # a constraint's field is the gateway's to name
+            if rid == "bad-grammar":  # the gateway names the field the client used
                 await abort_invalid(context, InvalidRequestError("bad", "structured_outputs"))
             n = request.prompt_token_ids[0]
             for i in range(n if rid != "slow" else 10**9):
@@ -108,8 +108,7 @@ async def test_a_refusal_naming_a_field_carries_it() -> None:
     assert err.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert (err.error, err.error_param) == ("priority 3 needs ...", "priority")
     assert got["bad"][0].error_param == ""  # a refusal that names no field
-    # a worker cannot tell which of response_format, structured_outputs, guided_* it was
-    assert got["bad-grammar"][0].error_param == ""
+    assert got["bad-grammar"][0].error_param == "structured_outputs"
 
 
 async def test_abort_stops_the_handler_and_a_deadline_ends_with_deadline_exceeded() -> None:
