@@ -125,3 +125,56 @@ def test_errors(gen: torch.Generator, device: torch.device) -> None:
         gemv(rand((1, 15), torch.float32, gen, device), w)
     with pytest.raises(ValueError, match="at most 8 rows"):
         gemv(rand((9, 16), torch.float32, gen, device), w)
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "config", "cache_dtype", "slot"),
+    [
+        (4, 2, 32, None, torch.bfloat16, 5),  # the default launch (short rows), GQA
+        (4, 2, 32, (16, 64, 4, 3), torch.bfloat16, 11),  # pipelined, 8 pairs a program
+        (2, 1, 8, (16, 64, 4, 2), torch.bfloat16, 0),  # a program's pairs span heads (HALF 4)
+        (4, 2, 16, (8, 128, 2), torch.float8_e4m3fn, 7),  # an FP8 cache: scaled, e4m3
+        (2, 2, 16, None, torch.bfloat16, -1),  # slot -1: q only, the cache untouched
+    ],
+)  # fmt: skip
+def test_the_rotary_epilogue_is_the_gemv_then_rotary_write_kv(
+    hq: int, hkv: int, d: int, config: tuple[int, ...] | None, cache_dtype: torch.dtype,
+    slot: int, gen: torch.Generator, device: torch.device,
+) -> None:  # fmt: skip
+    """A qkv projection's batch-1 GEMV with rotary and the KV write in its epilogue gives the
+    bits of the GEMV then ``rotary_write_kv``: the rotated q returned, k and v in their slot."""
+    from kernels.attention import RotaryWrite
+    from kernels.triton_attention import rotary_write_kv
+
+    k = 96
+    n = (hq + 2 * hkv) * d
+    x = rand((1, k), torch.bfloat16, gen, device)
+    w = rand((n, k), torch.bfloat16, gen, device)
+    positions = torch.tensor([3], dtype=torch.int64, device=device)
+    angles = torch.rand(8, d // 2, generator=gen) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    slots = torch.tensor([slot], dtype=torch.int64, device=device)
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (2, 8, hkv, d)
+        return (torch.full(shape, 0.25, device=device).to(cache_dtype),
+                torch.full(shape, -0.5, device=device).to(cache_dtype))  # fmt: skip
+
+    kc, vc = caches()
+    rw = RotaryWrite(positions, cos_sin, kc, vc, slots, hq, k_scale=0.5, v_scale=2.0)
+    q = gemv(x, w, config=config, rotary=rw)
+    assert q.shape == (1, hq, d)
+    ref_kc, ref_vc = caches()
+    qkv = gemv(x, w, config=config)
+    qq, kk, vv = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    ref_q = rotary_write_kv(
+        positions, qq.view(1, hq, d), kk.view(1, hkv, d), vv.view(1, hkv, d), cos_sin, ref_kc,
+        ref_vc, slots, 0.5, 2.0,
+    )  # fmt: skip
+    assert torch.equal(q, ref_q)
+    assert torch.equal(kc.view(torch.uint8), ref_kc.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), ref_vc.view(torch.uint8))
+    if slot < 0:
+        assert torch.equal(kc.view(torch.uint8), caches()[0].view(torch.uint8))
+    with pytest.raises(ValueError, match="rotary epilogue"):
+        gemv(x.expand(2, k), w, rotary=rw)  # one row only

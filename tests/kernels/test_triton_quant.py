@@ -450,3 +450,41 @@ def test_per_token_quant_fp8_strided_and_empty(gen: torch.Generator, device: tor
     assert q0.shape == (0, 96) and s0.shape == (0, 1)
     with pytest.raises(ValueError, match="dims"):
         per_token_quant_fp8(base[0])
+
+
+@pytest.mark.parametrize(
+    ("block_k", "config", "cache_dtype"),
+    [
+        (96, (16, 32, 2, 1, 3), torch.bfloat16),  # per channel, pipelined
+        (32, None, torch.float8_e4m3fn),  # block scales, FP8_GEMV_CONFIG, an FP8 cache
+    ],
+)  # fmt: skip
+def test_fp8_rotary_epilogue_is_the_gemv_then_rotary_write_kv(
+    block_k: int, config: tuple[int, ...] | None, cache_dtype: torch.dtype,
+    gen: torch.Generator, device: torch.device,
+) -> None:  # fmt: skip
+    from kernels.attention import RotaryWrite
+    from kernels.triton_attention import rotary_write_kv
+
+    hq, hkv, d, k = 4, 2, 16, 96
+    n = (hq + 2 * hkv) * d
+    weight, _ = quantize_fp8_rows(torch.randn(n, k, generator=gen))
+    weight = weight.to(device)
+    scale = (torch.rand(n, -(-k // block_k), generator=gen) + 0.5).to(device)
+    x = rand((1, k), torch.bfloat16, gen, device)
+    positions = torch.tensor([5], dtype=torch.int64, device=device)
+    angles = torch.rand(8, d // 2, generator=gen) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    slots = torch.tensor([9], dtype=torch.int64, device=device)
+    caches = [torch.zeros(2, 8, hkv, d, device=device).to(cache_dtype) for _ in range(4)]
+    rw = RotaryWrite(positions, cos_sin, caches[0], caches[1], slots, hq, 0.5, 2.0)
+    q = fp8_linear(x, weight, scale, block_k, config=config, rotary=rw)
+    qkv = fp8_linear(x, weight, scale, block_k, config=config)
+    qq, kk, vv = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    ref_q = rotary_write_kv(
+        positions, qq.view(1, hq, d), kk.view(1, hkv, d), vv.view(1, hkv, d), cos_sin,
+        caches[2], caches[3], slots, 0.5, 2.0,
+    )  # fmt: skip
+    assert torch.equal(q, ref_q)
+    for got, want in zip(caches[:2], caches[2:], strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
