@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import struct
-from dataclasses import dataclass
 
 import torch
 
@@ -63,32 +62,6 @@ def ref_write_kv(
         if cache.dtype in FP8_KV_DTYPES:  # no index_copy_ for float8 on the CPU: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.view(n * bs, h, d).index_copy_(0, slots, new)
-
-
-@dataclass(frozen=True)
-class RotaryWrite:
-    """What :func:`ref_rotary_write_kv` takes besides q, k and v: a qkv projection's GEMV can
-    do the rotation and the KV write in its epilogue with them (``ops.linear_rotary_write_kv``)."""
-
-    positions: torch.Tensor  # [T] int64
-    cos_sin_cache: torch.Tensor  # [max_pos, R]
-    k_cache: torch.Tensor  # [N, bs, Hkv, D]
-    v_cache: torch.Tensor  # [N, bs, Hkv, D]
-    slot_mapping: torch.Tensor  # [T] int64, -1 = do not write
-    num_q_heads: int
-    k_scale: float = 1.0
-    v_scale: float = 1.0
-
-    def apply(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, (Hq + 2 Hkv) D] -> [T, Hq, D]
-        """The reference: :func:`ref_rotary_write_kv` on the projection's output."""
-        hkv, d = self.k_cache.shape[2], self.k_cache.shape[3]
-        q, k, v = qkv.split([self.num_q_heads * d, hkv * d, hkv * d], dim=-1)
-        t = qkv.shape[0]
-        return ref_rotary_write_kv(
-            self.positions, q.reshape(t, -1, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d),
-            self.cos_sin_cache, self.k_cache, self.v_cache, self.slot_mapping, self.k_scale,
-            self.v_scale,
-        )  # fmt: skip
 
 
 def ref_rotary_write_kv(

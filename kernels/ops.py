@@ -15,7 +15,6 @@ from types import ModuleType
 import torch
 
 from kernels.attention import (
-    RotaryWrite,
     ref_paged_decode_attention,
     ref_prefill_attention,
     ref_rotary_write_kv,
@@ -208,63 +207,6 @@ def w4_silu_and_mul_linear(
     if mod is not None and bias is None and x.dim() == 2 and x.shape[0] == 1:
         return mod.w4a16_linear(x, qweight, scales, zeros, group_size, silu_and_mul=True)
     return None
-
-
-def rotary_linear(
-    x: torch.Tensor,  # [1, K]
-    weight: torch.Tensor,  # [(Hq + 2 Hkv) D, K]: a qkv projection's
-    bias: torch.Tensor | None,
-    rotary: RotaryWrite,
-) -> torch.Tensor | None:  # [1, Hq, D]
-    """``rotary.apply(linear(x, weight, bias))`` in one kernel where it can run (batch-1 decode
-    on CUDA, a 16-bit x, no bias, full-width rotary): the GEMV with ``rotary_write_kv`` in its
-    epilogue, bit for bit the two kernels'. None elsewhere: the caller runs the two."""
-    if not _rotary_fits(x, bias, rotary):
-        return None
-    mod = _triton("triton_gemv", x)
-    if mod is None:
-        return None
-    config = mod.pick_config(weight.shape[0], weight.shape[1])
-    return mod.gemv(x, weight, config=config, rotary=rotary)
-
-
-def fp8_rotary_linear(
-    x: torch.Tensor,  # [1, K]
-    weight: torch.Tensor,  # [(Hq + 2 Hkv) D, K] float8_e4m3fn
-    scale: torch.Tensor,  # [(Hq + 2 Hkv) D, ceil(K / block_k)] float32
-    block_k: int,
-    bias: torch.Tensor | None,
-    rotary: RotaryWrite,
-) -> torch.Tensor | None:  # [1, Hq, D]
-    """:func:`rotary_linear` of an FP8-weight layer: where :func:`fp8_linear` takes the Triton
-    GEMV (an sm89+ GPU, one row), its epilogue does ``rotary_write_kv``; None elsewhere."""
-    if not _rotary_fits(x, bias, rotary) or not fp8_supported(x.device):
-        return None
-    mod = _triton("triton_quant", x)
-    if mod is None:
-        return None
-    return mod.fp8_linear(x, weight, scale, block_k, rotary=rotary)
-
-
-def _rotary_fits(x: torch.Tensor, bias: torch.Tensor | None, rotary: RotaryWrite) -> bool:
-    return (
-        bias is None
-        and x.dim() == 2
-        and x.shape[0] == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and rotary.cos_sin_cache.shape[-1] == rotary.k_cache.shape[-1]
-    )
-
-
-def linear_rotary_write_kv(
-    layer: torch.nn.Module, x: torch.Tensor, rotary: RotaryWrite
-) -> torch.Tensor | None:
-    """The rotated q of ``rotary.apply(layer(x))``, with k and v written into their slots, in
-    one kernel where the layer has one for this ``x`` (its ``fused_rotary``); None: the caller
-    runs the projection and :func:`rotary_write_kv`. A wrapper put around the layer (LoRA) has
-    no ``fused_rotary``."""
-    fused = getattr(layer, "fused_rotary", None)
-    return fused(x, rotary) if fused is not None else None
 
 
 def linear_act(

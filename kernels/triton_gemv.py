@@ -24,20 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import FP8_KV_DTYPES, RotaryWrite, inverse_scale
 from kernels.gemv import GEMV_MAX_ROWS as MAX_ROWS
 from kernels.triton_common import (
     FLOAT_DTYPES,
     check_devices,
-    check_kv_cache,
     check_tensor,
     pdl,
     pdl_enter,
     pdl_release,
     pdl_wait,
-    to_kv,
 )
-from kernels.triton_layers import act_and_mul, rotate_half_pair
+from kernels.triton_layers import act_and_mul
 
 # (BLOCK_N, BLOCK_K, num_warps[, STAGES]): the launch used unless a caller picks another;
 # STAGES > 1 software-pipelines the chunk loads (1, left out: one chunk ahead in registers)
@@ -106,22 +103,16 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om, GROUPS,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr, USE_PDL: tl.constexpr,
-    pos_ptr, cs_ptr, s_cs, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv, s_kcn, s_kcb, s_kch, s_vcn,
-    s_vcb, s_vch, HQ, HKV, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """``LATE`` (pipelined launches): the next kernel may launch only after this one's loop
-    (:func:`pdl_wait`). ``ACT`` 1 (SiLU-and-mul, the weight a gate_up projection's: gate rows
-    then as many up rows): a program's BLOCK_N rows are BLOCK_N / 2 gate rows and the up rows
-    of the same outputs, interleaved, and it stores ``silu(gate) * up`` of them (``out``:
-    [M, N / 2]), each sum rounded to out's dtype first, as the separate kernels round it.
-    ``ACT`` 2 (one row; a qkv projection's weight, heads of ``2 HALF`` rows: ``HQ`` query
-    heads, then ``HKV`` key and ``HKV`` value heads): a program's rows are pairs ``i`` and
-    ``i + HALF`` of a head, and it does what ``kernels.triton_attention.rotary_write_kv`` does
-    with them (:func:`store_rotary`): out is the rotated q ([1, HQ 2 HALF])."""
+    (:func:`pdl_wait`). ``ACT`` (SiLU-and-mul, the weight a gate_up projection's: gate rows then as many up
+    rows): a program's BLOCK_N rows are BLOCK_N / 2 gate rows and the up rows of the same
+    outputs, interleaved, and it stores ``silu(gate) * up`` of them (``out``: [M, N / 2]), each
+    sum rounded to out's dtype first, as the separate kernels round it."""
     pid = tl.program_id(0)  # the row groups of one weight tile side by side: one HBM read
     pid_n = pid // GROUPS
     row0 = (pid % GROUPS) * ROWS
-    offs_out, offs_n, n_mask = tile_rows(pid_n, N, BLOCK_N, ACT, HALF)
+    offs_out, offs_n, n_mask = tile_rows(pid_n, N, BLOCK_N, ACT)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
     # one accumulator per row (ROWS of them live; the rest are never touched and vanish): the
@@ -158,146 +149,45 @@ def _gemv_kernel(
             acc0, acc1, acc2, acc3 = _gemv_rows(
                 w, k0 + offs_k, K, x0, x1, x2, x3, acc0, acc1, acc2, acc3, ROWS, EVEN_K
             )
-    if ACT == 2:
-        store_rotary(
-            o0, tl.sum(acc0, axis=1), offs_out, N, pos_ptr, cs_ptr, s_cs, kc_ptr, vc_ptr,
-            slot_ptr, k_inv, v_inv, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, HQ, HKV, BLOCK_N,
-            HALF, BLOCK_SIZE, FP8,
-        )  # fmt: skip
-    else:
-        store_sums(o0, tl.sum(acc0, axis=1), l0, offs_out, N, BLOCK_N, ACT)
-        if ROWS > 1:
-            store_sums(o1, tl.sum(acc1, axis=1), l1, offs_out, N, BLOCK_N, ACT)
-        if ROWS > 2:
-            store_sums(o2, tl.sum(acc2, axis=1), l2, offs_out, N, BLOCK_N, ACT)
-            store_sums(o3, tl.sum(acc3, axis=1), l3, offs_out, N, BLOCK_N, ACT)
+    store_sums(o0, tl.sum(acc0, axis=1), l0, offs_out, N, BLOCK_N, ACT)
+    if ROWS > 1:
+        store_sums(o1, tl.sum(acc1, axis=1), l1, offs_out, N, BLOCK_N, ACT)
+    if ROWS > 2:
+        store_sums(o2, tl.sum(acc2, axis=1), l2, offs_out, N, BLOCK_N, ACT)
+        store_sums(o3, tl.sum(acc3, axis=1), l3, offs_out, N, BLOCK_N, ACT)
 
 
 @triton.jit
-def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr, HALF: tl.constexpr):
+def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
     """A GEMV program's outputs, the weight rows it reads and their mask: BLOCK_N rows from
-    ``pid_n * BLOCK_N``; with ``ACT`` BLOCK_N / 2 pairs of rows, interleaved (first, second,
-    first, ...), and their index: ``ACT`` 1 (a gate_up weight: N / 2 gate rows, then the up
-    rows) a gate row and the up row of the same output, ``ACT`` 2 (heads of ``2 HALF`` rows)
-    rows ``i`` and ``i + HALF`` of a head, the pair rotary embedding rotates together."""
+    ``pid_n * BLOCK_N``; with ``ACT`` (a gate_up weight: N / 2 gate rows, then the up rows)
+    BLOCK_N / 2 outputs, their gate and up rows interleaved (gate, up, gate, up, ...)."""
     # one return: the compiler reads the code after a constexpr branch's return too
-    if ACT == 0:
+    if ACT:
+        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        i = tl.arange(0, BLOCK_N)
+        half = pid_n * (BLOCK_N // 2) + i // 2
+        offs_n = half + (i % 2) * (N // 2)
+        n_mask = half < N // 2
+    else:
         offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_n = offs_out
         n_mask = offs_out < N
-    else:
-        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        i = tl.arange(0, BLOCK_N)
-        pair = pid_n * (BLOCK_N // 2) + i // 2
-        if ACT == 1:
-            offs_n = pair + (i % 2) * (N // 2)
-        else:
-            offs_n = (pair // HALF) * (2 * HALF) + pair % HALF + (i % 2) * HALF
-        n_mask = pair < N // 2
     return offs_out, offs_n, n_mask
-
-
-@triton.jit
-def store_rotary(
-    q_row, sums, pairs, N, pos_ptr, cs_ptr, s_cs, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv,
-    s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, HQ, HKV, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
-    """One token's qkv sums (pairs ``i``, ``i + HALF`` of each head, :func:`tile_rows` ``ACT``
-    2) as ``kernels.triton_attention.rotary_write_kv`` treats q, k and v: each sum rounded to
-    q's dtype (the projection's output), q and k rotated at the token's position
-    (``rotate_half_pair``) and rounded again; q into ``q_row``, k and v into the token's cache
-    slot (an FP8 cache: scaled by ``k_inv`` / ``v_inv`` and rounded to e4m3; slot < 0: not
-    written)."""
-    ty = q_row.dtype.element_ty
-    x1, x2 = tl.split(tl.reshape(sums.to(ty), [BLOCK_N // 2, 2]))
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    live = pairs < N // 2
-    head = pairs // HALF
-    i = pairs % HALF
-    pos = tl.load(pos_ptr).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * s_cs + i).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * s_cs + HALF + i).to(tl.float32)
-    r1, r2 = rotate_half_pair(x1, x2, cos, sin, ty)
-    r1 = r1.to(ty)
-    r2 = r2.to(ty)
-    is_q = live & (head < HQ)
-    q_dst = q_row + head * (2 * HALF) + i
-    tl.store(q_dst, r1, mask=is_q)
-    tl.store(q_dst + HALF, r2, mask=is_q)
-    slot = tl.load(slot_ptr + tl.zeros([BLOCK_N // 2], dtype=tl.int32)).to(tl.int64)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    hk = head - HQ  # a key head, where 0 <= hk < HKV
-    is_k = live & (hk >= 0) & (hk < HKV) & (slot >= 0)
-    k_dst = kc_ptr + blk * s_kcn + off * s_kcb + hk * s_kch + i
-    kty = kc_ptr.dtype.element_ty
-    tl.store(k_dst, to_kv(r1, k_inv, FP8).to(kty), mask=is_k)
-    tl.store(k_dst + HALF, to_kv(r2, k_inv, FP8).to(kty), mask=is_k)
-    hv = hk - HKV  # a value head, where 0 <= hv
-    is_v = live & (hv >= 0) & (slot >= 0)
-    v_dst = vc_ptr + blk * s_vcn + off * s_vcb + hv * s_vch + i
-    vty = vc_ptr.dtype.element_ty
-    tl.store(v_dst, to_kv(x1.to(ty), v_inv, FP8).to(vty), mask=is_v)
-    tl.store(v_dst + HALF, to_kv(x2.to(ty), v_inv, FP8).to(vty), mask=is_v)
 
 
 @triton.jit
 def store_sums(out_row, sums, live, offs_out, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
     """A row's float32 sums (the :func:`tile_rows` order) rounded to out's dtype; with ``ACT``
-    1 their ``silu(gate) * up``."""
+    their ``silu(gate) * up``."""
     ty = out_row.dtype.element_ty
     sums = sums.to(ty)
-    if ACT == 1:
+    if ACT:
         gate, up = tl.split(tl.reshape(sums, [BLOCK_N // 2, 2]))
         y = act_and_mul(gate.to(tl.float32), up.to(tl.float32), ty, False)
         tl.store(out_row + offs_out, y, mask=(offs_out < N // 2) & live)
     else:
         tl.store(out_row + offs_out, sums, mask=(offs_out < N) & live)
-
-
-def rotary_launch(rw: RotaryWrite | None, x: torch.Tensor, n: int) -> dict:
-    """The rotary epilogue's launch arguments (:func:`store_rotary`), checked: none for None
-    (their values then unused)."""
-    if rw is None:
-        return dict(pos_ptr=None, cs_ptr=None, s_cs=0, kc_ptr=None, vc_ptr=None, slot_ptr=None,
-                    k_inv=1.0, v_inv=1.0, s_kcn=0, s_kcb=0, s_kch=0, s_vcn=0, s_vcb=0, s_vch=0,
-                    HQ=0, HKV=0, HALF=1, BLOCK_SIZE=1, FP8=False)  # fmt: skip
-    kc, vc = rw.k_cache, rw.v_cache
-    _, bs, hkv, d = check_kv_cache(kc, vc)
-    if x.shape[0] != 1 or x.shape[1] == 0 or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"a rotary epilogue takes one row of 16-bit x, got {tuple(x.shape)} {x.dtype}"
-        )
-    if rw.cos_sin_cache.shape[-1] != d or d % 2 or n != (rw.num_q_heads + 2 * hkv) * d:
-        raise ValueError(
-            f"a rotary epilogue needs a [(Hq + 2 Hkv) D] = {(rw.num_q_heads + 2 * hkv) * d}-row "
-            f"qkv weight (got {n}) and full-width rotary over D={d} (got {rw.cos_sin_cache.shape[-1]})"
-        )
-    check_devices(x=x, positions=rw.positions, cos_sin_cache=rw.cos_sin_cache, k_cache=kc,
-                  v_cache=vc, slot_mapping=rw.slot_mapping)  # fmt: skip
-    return dict(
-        pos_ptr=rw.positions,
-        cs_ptr=rw.cos_sin_cache,
-        s_cs=rw.cos_sin_cache.stride(0),
-        kc_ptr=kc,
-        vc_ptr=vc,
-        slot_ptr=rw.slot_mapping,
-        k_inv=inverse_scale(rw.k_scale),
-        v_inv=inverse_scale(rw.v_scale),
-        s_kcn=kc.stride(0),
-        s_kcb=kc.stride(1),
-        s_kch=kc.stride(2),
-        s_vcn=vc.stride(0),
-        s_vcb=vc.stride(1),
-        s_vch=vc.stride(2),
-        HQ=rw.num_q_heads,
-        HKV=hkv,
-        HALF=d // 2,
-        BLOCK_SIZE=bs,
-        FP8=kc.dtype in FP8_KV_DTYPES,
-    )
 
 
 # where a pipelined GEMV lets the next kernel launch (programmatic launch): "act" (the launches
@@ -329,17 +219,12 @@ def gemv(
     *,
     config: tuple[int, ...] | None = None,
     silu_and_mul: bool = False,
-    rotary: RotaryWrite | None = None,
-) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul, or [1, Hq, D] with rotary
+) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul
     """Triton version of :func:`kernels.gemv.ref_gemv` for short batches (M <= 8). ``config``:
     (BLOCK_N, BLOCK_K, num_warps[, STAGES]), :data:`DEFAULT_CONFIG` if None. ``silu_and_mul``:
     the weight is a gate_up projection's (gate rows, then up rows) and the result
     ``silu_and_mul`` of the product in the same kernel, bit for bit what the two kernels give
     (the SiLU-and-mul kernel launched after this one costs a batch-1 decode step ~2 us a layer).
-
-    ``rotary`` (one row; a qkv projection's weight, no bias, full-width rotary, a 16-bit x):
-    the GEMV then ``rotary_write_kv`` in one kernel, bit for bit: returns the rotated q and
-    writes the rotated k and v into their cache slots (:func:`rotary_launch`).
 
     Under programmatic launch an unpipelined launch (no STAGES) reads its first weight chunk
     before it waits for the kernel before it: the weight must not be the output of the kernel
@@ -356,18 +241,14 @@ def gemv(
     if silu_and_mul and n % 2:
         raise ValueError(f"a gate_up weight has as many up rows as gate rows, got {n} rows")
     check_devices(x=x, weight=weight)
-    rope = rotary_launch(rotary, x, n)
-    if rotary is not None:
-        out = torch.empty((1, rotary.num_q_heads, 2 * rope["HALF"]), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:  # every sum 0, and silu(0) * 0 = 0
         return out.zero_()
     block_n, block_k, warps, *staged = config or DEFAULT_CONFIG
     stages = staged[0] if staged else 1
-    if len(staged) > 1 or stages < 1 or ((silu_and_mul or rotary) and block_n % 2):
+    if len(staged) > 1 or stages < 1 or (silu_and_mul and block_n % 2):
         raise ValueError(
             f"a GEMV launch is (BLOCK_N, BLOCK_K, warps[, STAGES >= 1]), BLOCK_N even with "
             f"silu_and_mul, got {config}"
@@ -378,7 +259,6 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n) * groups,)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), groups,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, STAGES=stages,
-        ACT=2 if rotary is not None else int(silu_and_mul), LATE=release_late(silu_and_mul),
-        num_warps=warps, **pdl(x.device, m), **rope,
+        ACT=silu_and_mul, LATE=release_late(silu_and_mul), num_warps=warps, **pdl(x.device, m),
     )  # fmt: skip
     return out

@@ -60,7 +60,6 @@ import triton
 import triton.language as tl
 
 from kernels import triton_layers
-from kernels.attention import RotaryWrite
 from kernels.quant import INV_FP8_MAX
 from kernels.triton_common import (
     FLOAT_DTYPES,
@@ -82,7 +81,7 @@ from kernels.triton_common import (
     rounds_bf16_in_kernel,
     to_e4m3,
 )
-from kernels.triton_gemv import release_late, rotary_launch, store_rotary, store_sums, tile_rows
+from kernels.triton_gemv import release_late, store_sums, tile_rows
 
 # fp8: batches of at most this many rows take the GEMV. It reads each weight tile once per row
 # of x (from L2 after the first) and converts it again: the 8B FP8 decode step on an H100 took
@@ -607,19 +606,16 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER, s_xm, s_wn, s_sn, s_om, BLOCK_SCALE,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr, STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr,
-    USE_PDL: tl.constexpr, pos_ptr, cs_ptr, s_cs, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv, s_kcn,
-    s_kcb, s_kch, s_vcn, s_vcb, s_vch, HQ, HKV, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """``STAGES`` > 1: the chunks' loads software-pipelined, ``STAGES - 1`` chunks ahead through
-    shared memory (cp.async); 1: each chunk loaded when it is used. ``ACT`` (one slice of K) as
-    ``kernels.triton_gemv``'s: 1 a gate_up weight's ``silu(gate) * up`` stored, 2 a qkv
-    weight's rotary and KV write (``store_rotary``)."""
+    shared memory (cp.async); 1: each chunk loaded when it is used. ``ACT`` (one slice of K): a
+    gate_up weight's ``silu(gate) * up`` stored, as ``kernels.triton_gemv``'s."""
     pid = tl.program_id(0)  # the rows of x fastest: a weight tile's M programs run together
     pid_n = pid // M
     m = (pid % M).to(tl.int64)
     pid_k = tl.program_id(1)
-    offs_out, offs_n, n_mask = tile_rows(pid_n, N, BLOCK_N, ACT, HALF)
+    offs_out, offs_n, n_mask = tile_rows(pid_n, N, BLOCK_N, ACT)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * s_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * s_sn
@@ -646,15 +642,9 @@ def _fp8_gemv_kernel(
     out = tl.sum(acc, axis=1)
     if ROW_SCALE:
         out = out * tl.load(s_rows, mask=n_mask, other=0.0)
-    if ACT == 2:
-        store_rotary(
-            out_ptr + m * s_om, out, offs_out, N, pos_ptr, cs_ptr, s_cs, kc_ptr, vc_ptr,
-            slot_ptr, k_inv, v_inv, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, HQ, HKV, BLOCK_N,
-            HALF, BLOCK_SIZE, FP8,
-        )  # fmt: skip
-    elif ACT == 1:
+    if ACT:
         live = (tl.zeros([1], dtype=tl.int64) + m) < M
-        store_sums(out_ptr + m * s_om, out, live, offs_out, N, BLOCK_N, 1)
+        store_sums(out_ptr + m * s_om, out, live, offs_out, N, BLOCK_N, True)
     else:
         _store_row(out_ptr, out, m, offs_n, n_mask, pid_k, M, N, s_om, SPLIT)
 
@@ -823,13 +813,11 @@ def fp8_linear(
     *,
     config: tuple[int, ...] | None = None,
     silu_and_mul: bool = False,
-    rotary: RotaryWrite | None = None,
-) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul, or [1, Hq, D] with rotary
+) -> torch.Tensor:  # [M, N], or [M, N / 2] with silu_and_mul
     """Triton version of :func:`kernels.quant.ref_fp8_linear` (weight-only); ``config`` as
     :func:`w4a16_linear`'s, with a fifth entry for the GEMV: STAGES. ``silu_and_mul``: a
     gate_up weight's product through SiLU-and-mul, in the GEMV's epilogue (one slice of K)
-    where the GEMV runs, bit for bit the two kernels' result. ``rotary`` (one row): a qkv
-    weight's GEMV with ``rotary_write_kv`` in its epilogue, as ``kernels.triton_gemv.gemv``'s."""
+    where the GEMV runs, bit for bit the two kernels' result."""
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float8_e4m3fn,))
     check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), inner_contiguous=False)
     n, k = weight.shape
@@ -845,11 +833,7 @@ def fp8_linear(
     check_devices(x=x, weight=weight, scale=scale)
     if silu_and_mul and m > GEMV_ROWS:  # the GEMM's product, then the SiLU-and-mul kernel
         return triton_layers.silu_and_mul(fp8_linear(x, weight, scale, block_k, config=config))
-    rope = rotary_launch(rotary, x, n)
-    if rotary is not None:
-        out = torch.empty((1, rotary.num_q_heads, 2 * rope["HALF"]), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -859,21 +843,19 @@ def fp8_linear(
         launch = config or fp8_gemv_config(n, k, block_k)
         stages = launch[4] if len(launch) == 5 else 1
         bn, bk, warps, asked = _with_split(launch[:4], 3)
-        paired = silu_and_mul or rotary is not None
-        if paired and bn % 2:
-            raise ValueError(f"silu_and_mul and rotary take an even BLOCK_N, got {config}")
+        if silu_and_mul and bn % 2:
+            raise ValueError(f"silu_and_mul takes an even BLOCK_N, got {config}")
         bk = min(bk, triton.next_power_of_2(k))
         bk = _chunk(bk, block_k) if block_k < k else bk
         split, per = _split(
-            1 if paired else asked, triton.cdiv(n, bn) * m, triton.cdiv(k, bk), x.device
+            1 if silu_and_mul else asked, triton.cdiv(n, bn) * m, triton.cdiv(k, bk), x.device
         )
         target = _target(out, split)
         _fp8_gemv_kernel[(triton.cdiv(n, bn) * m, split)](
             x, weight, scale, target, m, n, k, per * bk, *strides, block_k,
             BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, SPLIT=split, ROW_SCALE=block_k >= k,
-            STAGES=stages, ACT=2 if rotary is not None else int(silu_and_mul),
-            LATE=release_late(silu_and_mul and stages > 1), num_warps=warps,
-            **pdl(x.device, m), **rope,
+            STAGES=stages, ACT=silu_and_mul, LATE=release_late(silu_and_mul and stages > 1),
+            num_warps=warps, **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     bm, bn, bk, warps, asked = _with_split(config or fp8_gemm_config(m), 4)

@@ -7,8 +7,7 @@
 #                                                                   -> $out/gemv-stages.json
 #   latency  the decode steps of each of STAGES_LATENCY (default: bf16 bf16-old fp8 fp8-old;
 #            -old: the GEMV launches served before pipelining; -nofuse: gate_up and SiLU-and-mul
-#            as two kernels, as before they were fused; -norope: qkv and rotary_write_kv as
-#            two kernels; -early: the fused launch lets the down
+#            as two kernels, as before they were fused; -early: the fused launch lets the down
 #            GEMV launch at its start, not after its loop; -lateall: every pipelined GEMV lets
 #            the next kernel launch after its loop; awq: AWQ weights, as fp8's) at STAGES_BATCHES (default 1 for bf16,
 #            1,8 for fp8), context 1024 (bf16, W2's) or 512 (fp8, issue 20's)
@@ -62,8 +61,6 @@ for step in ${*:-bench}; do
         [ "${q#*-}" = nofuse ] && patch="$patch; import kernels.ops as o
 o.silu_and_mul_linear = o.fp8_silu_and_mul_linear = o.w4_silu_and_mul_linear = (
   lambda *a, **k: None)"
-        [ "${q#*-}" = norope ] && patch="$patch; import kernels.ops as o
-o.rotary_linear = o.fp8_rotary_linear = lambda *a, **k: None"
         [ "${q#*-}" = early ] && patch="$patch; g.RELEASE_AFTER_LOOP = 'none'"
         [ "${q#*-}" = lateall ] && patch="$patch; g.RELEASE_AFTER_LOOP = 'all'"
         args=(--batch-sizes "${STAGES_BATCHES:-1}" --input-len 1024 --output-len 24)

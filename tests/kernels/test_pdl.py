@@ -43,7 +43,7 @@ def _layer_chain(x: torch.Tensor, res: torch.Tensor, w: dict[str, torch.Tensor])
 def _compiled_gemv(k: int, block_n: int, block_k: int, stages: int) -> tuple[str, object]:
     """The bf16 GEMV compiled and launched programmatically on one row of x and a [64, k]
     weight, checked against a float32 product: its PTX and metadata."""
-    from kernels.triton_gemv import _gemv_kernel, rotary_launch
+    from kernels.triton_gemv import _gemv_kernel
 
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev)[0] < 9:
@@ -53,8 +53,9 @@ def _compiled_gemv(k: int, block_n: int, block_k: int, stages: int) -> tuple[str
     out = torch.empty(1, 64, device=dev, dtype=torch.bfloat16)
     kernel = _gemv_kernel[(64 // block_n,)](
         x, w, out, 1, 64, k, x.stride(0), w.stride(0), out.stride(0), 1,
-        ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, STAGES=stages, ACT=0, LATE=False,
-        num_warps=4, **pdl(dev, 1), **rotary_launch(None, x, 64),
+        ROWS=1, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, STAGES=stages, ACT=False, LATE=False,
+        num_warps=4,
+        **pdl(dev, 1),
     )  # fmt: skip
     torch.testing.assert_close(out.float(), (x.float() @ w.float().T), rtol=2e-2, atol=3e-1)
     return kernel.asm["ptx"], kernel.metadata

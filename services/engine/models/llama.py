@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.attention import RotaryWrite
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.model_config import ArchConfig, scaling_kind
 from services.engine.models.moe import SparseMoeBlock
@@ -46,13 +45,6 @@ class Linear(nn.Linear):
         if act is not ops.silu_and_mul or type(self).forward is not Linear.forward:
             return None
         return ops.silu_and_mul_linear(x, self.weight, self.bias)
-
-    def fused_rotary(self, x: torch.Tensor, rotary: RotaryWrite) -> torch.Tensor | None:
-        """``rotary.apply(self(x))`` in one kernel where one exists
-        (``ops.linear_rotary_write_kv``): a qkv projection at batch 1."""
-        if type(self).forward is not Linear.forward:
-            return None
-        return ops.rotary_linear(x, self.weight, self.bias, rotary)
 
 
 class Attention(nn.Module):
@@ -86,17 +78,6 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        scaled = k_cache.element_size() == 1  # FP8: the scales apply
-        if T == 1 and self.q_norm is None:  # batch-1 decode: the projection, rotary and the
-            # KV write in one kernel where the layer has it (kernels.triton_gemv)
-            rotary = RotaryWrite(
-                positions, cos_sin, k_cache, v_cache, meta.slot_mapping, self.nq, self.k_scale,
-                self.v_scale,
-            )  # fmt: skip
-            q = ops.linear_rotary_write_kv(self.qkv_proj, x, rotary)
-            if q is not None:
-                return self._attend(q, None, None, k_cache, v_cache, meta, scaled)
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q = q.reshape(T, self.nq, self.d)
@@ -105,6 +86,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.d))[0].view(T, self.nq, self.d)
             k = self.k_norm(k.reshape(-1, self.d))[0].view(T, self.nkv, self.d)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        scaled = k_cache.element_size() == 1  # FP8: the scales apply
         # whole prompts on a GPU (no cached prefix in the step, enough of them) read their own
         # keys and values contiguously, not through the block table: 91% of SDPA's rate against
         # 74% on an H200 (docs/benchmarks.md, W3); an FP8 cache's rounding must be what attention
@@ -118,28 +101,16 @@ class Attention(nn.Module):
             positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
             self.k_scale, self.v_scale, k_out=k_new,
         )  # fmt: skip
-        return self._attend(q, k_new, v if k_new is not None else None, k_cache, v_cache, meta,
-                            scaled)  # fmt: skip
-
-    def _attend(
-        self,
-        q: torch.Tensor,  # [T, Hq, D], rotated; this step's k and v in the cache
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scaled: bool,
-    ) -> torch.Tensor:  # [T, hidden]
         if meta.on_kv_written is not None:  # this layer's KV can leave now (a prefill hand-off)
             meta.on_kv_written(self.layer)
         scale = self.scale * (self.k_scale if scaled else 1)
         o = paged_attention(
-            q, k_cache, v_cache, meta, scale, k_new, v_new, self.window, self.softcap, self.sinks
-        )
+            q, k_cache, v_cache, meta, scale, k_new, v if k_new is not None else None,
+            self.window, self.softcap, self.sinks,
+        )  # fmt: skip
         if scaled and self.v_scale != 1.0:
             o = o * self.v_scale
-        return self.o_proj(o.reshape(q.shape[0], self.nq * self.d))  # [T, hidden]
+        return self.o_proj(o.reshape(T, self.nq * self.d))  # [T, hidden]
 
 
 def paged_attention(

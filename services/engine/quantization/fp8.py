@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.attention import RotaryWrite
 from kernels.quant import expand_block_scales, quantize_fp8_rows
 from services.engine.models.llama import RMSNorm
 from services.engine.quantization.base import QuantLinear
@@ -99,13 +98,6 @@ class Fp8Linear(QuantLinear):
         if x.dim() != 2 or x.shape[0] > ops.FP8_GEMV_ROWS:
             return None
         return ops.fp8_silu_and_mul_linear(x, self.weight, self.scale, self.block_k, self.bias)
-
-    def fused_rotary(self, x: torch.Tensor, rotary: RotaryWrite) -> torch.Tensor | None:
-        """This qkv layer's GEMV with ``rotary_write_kv`` in its epilogue where the GEMV runs
-        (``ops.linear_rotary_write_kv``); None elsewhere."""
-        if self.group is not None or x.dtype != self.dtype:
-            return None
-        return ops.fp8_rotary_linear(x, self.weight, self.scale, self.block_k, self.bias, rotary)
 
     def takes_fp8(self, x: torch.Tensor) -> bool:
         """Whether this layer would quantize ``x`` per token itself (W8A8), so may be handed it

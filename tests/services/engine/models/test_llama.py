@@ -1,6 +1,6 @@
 """The model's attention dispatch: decode rows and prefill rows of one step, split between the
 two kernels, give what causal attention over the whole batch gives; its MLP's gate_up and
-SiLU-and-mul in one GEMV at batch 1, and its qkv projection, rotary and KV write in one."""
+SiLU-and-mul in one GEMV at batch 1."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 from kernels import ops
 from kernels.attention import ref_prefill_attention
 from services.engine.attention_metadata import AttentionMetadata
-from services.engine.models.llama import MLP, Attention, paged_attention
+from services.engine.models.llama import MLP, paged_attention
 from tests.kernels.paged import assert_matches, paged_kv
 
 
@@ -52,10 +52,7 @@ def _interpreted_kernels(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (make test sets it)")
-    from kernels import triton_attention
-
-    modules = {"triton_gemv": triton_gemv, "triton_layers": triton_layers,
-               "triton_attention": triton_attention}  # fmt: skip
+    modules = {"triton_gemv": triton_gemv, "triton_layers": triton_layers}
     monkeypatch.setattr(ops, "_triton", lambda name, t: modules.get(name))
     calls: list[bool] = []
     real = triton_gemv.gemv
@@ -95,53 +92,3 @@ def test_the_mlp_fuses_silu_into_the_gate_up_gemv_at_batch_one(
     mlp.gate_up_proj = nn.Sequential(mlp.gate_up_proj)  # a wrapper (as LoRA's) has no fused_act
     mlp(x)
     assert calls == [False, False]
-
-
-def test_batch_one_attention_takes_rotary_and_the_kv_write_into_the_qkv_gemv(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """At one token the qkv GEMV rotates q and k and writes k and v into the cache itself: the
-    layer's output and the cache are bit for bit those of the GEMV, then rotary_write_kv; two
-    tokens keep the two kernels."""
-    _interpreted_kernels(monkeypatch)
-    cfg = SimpleNamespace(
-        num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, attention_bias=False,
-        o_proj_bias=False, qk_norm=False, rms_norm_eps=1e-6, attention_multiplier=None,
-        window=lambda layer: 0, attention_sinks=False,
-    )  # fmt: skip
-    gen = torch.Generator().manual_seed(5)
-    attn = Attention(cfg, 0).to(torch.bfloat16)  # type: ignore[arg-type]
-    for p in attn.parameters():
-        p.data = (torch.randn(p.shape, generator=gen) * 0.2).to(torch.bfloat16)
-    angles = torch.rand(32, 8, generator=gen) * 6
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
-    kv = torch.randn(2, 4, 8, 2, 16, generator=gen).to(torch.bfloat16)  # 4 blocks of 8 slots
-    real = ops.rotary_linear
-
-    def step(x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
-        """The layer over a copy of the cache; whether each rotary_linear call fused."""
-        cache, t, took = kv.clone(), x.shape[0], []
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(10, 10 + t),
-            block_tables=torch.tensor([[0, 1, 2, 3]] * t, dtype=torch.int32),
-            context_lens=torch.arange(11, 11 + t, dtype=torch.int32),
-            query_start_loc=torch.arange(t + 1, dtype=torch.int32), num_decodes=t,
-        )  # fmt: skip
-
-        def rotary_linear(*args: object) -> torch.Tensor | None:
-            out = real(*args) if fused else None  # type: ignore[arg-type]
-            took.append(out is not None)
-            return out
-
-        monkeypatch.setattr(ops, "rotary_linear", rotary_linear)
-        out = attn(x, torch.arange(10, 10 + t), cos_sin, cache, meta)
-        return out, cache, took
-
-    x = torch.randn(1, 64, generator=gen).to(torch.bfloat16)
-    out, cache, took = step(x, fused=True)
-    ref_out, ref_cache, ref_took = step(x, fused=False)
-    assert took == [True] and ref_took == [False]
-    assert torch.equal(out, ref_out) and torch.equal(cache, ref_cache)
-    assert not torch.equal(cache, kv)  # the token's k and v were written
-    _, _, took = step(torch.randn(2, 64, generator=gen).to(torch.bfloat16), fused=True)
-    assert took == []  # two tokens: the projection, then rotary_write_kv
