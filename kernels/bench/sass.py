@@ -97,6 +97,8 @@ def _int4_gemv(args: argparse.Namespace, single: bool) -> tuple[Any, dict, dict,
                 "out_ptr": "*bf16"}  # fmt: skip
     constants = {"GROUP": 128, "ROWS": args.rows, "BLOCK_N": args.block_n, "BLOCK_K": args.block_k,
                  "SPLIT": 1, "USE_PDL": True}  # fmt: skip
+    if not single:  # the served kernel's plain launch: no SiLU-and-mul epilogue
+        constants.update(ACT=False, LATE=False)
     if args.rows == 1:
         constants.update(M=1, GROUPS=1)  # the launcher's specialization of a 1
     sizes = ["N", "K", "K_PER", "s_xm", "s_qk", "s_sg", "s_om"]
@@ -109,7 +111,7 @@ def _fp8_gemv(args: argparse.Namespace) -> tuple[Any, dict, dict, list[str]]:
     pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16"}
     launch = tq.fp8_gemv_config(28672, 4096, 4096)
     constants = {"M": 1, "BLOCK_N": args.block_n, "BLOCK_K": args.block_k, "EVEN_K": True,
-                 "SPLIT": 1, "ROW_SCALE": True, "USE_PDL": True,
+                 "SPLIT": 1, "ROW_SCALE": True, "USE_PDL": True, "ACT": 0, "LATE": False,
                  "STAGES": launch[4] if len(launch) == 5 else 1}  # fmt: skip
     sizes = ["N", "K", "K_PER", "s_xm", "s_wn", "s_sn", "s_om"]
     return tq._fp8_gemv_kernel, pointers, constants, sizes
