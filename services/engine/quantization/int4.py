@@ -108,6 +108,8 @@ class Int4Linear(QuantLinear):
         products before any activation)."""
         if act is not ops.silu_and_mul or self.group is not None or x.dim() != 2:
             return None
+        if x.shape[0] != 1:  # the fused GEMV's rows (ops.w4_silu_and_mul_linear): no permute
+            return None
         if self.perm is not None:
             x = x[:, self.perm]
         return ops.w4_silu_and_mul_linear(
