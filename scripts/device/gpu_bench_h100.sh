@@ -12,6 +12,12 @@
 #           transformers bf16 (services.engine.bench.parity_study)             -> $RESULTS/study.json
 #   w6      the HTTP + gRPC path against the in-process engine (tandem bench disagg)  -> $RESULTS/w6/
 #   tune    the prefill attention tile sweep (kernels.bench.tune prefill)
+#   quant   issue 20's decode steps: FP8 weights at batch 1 and 8, AWQ at batch 1 and 2 (8B shape,
+#           dummy weights, context 512, each in its own process)   -> $RESULTS/quant-{fp8,awq}.json
+#   w1fp8   issue 20's W1 side by side, each in its own process: bf16, FP8 weights, FP8 weights
+#           and an FP8 KV cache                                 -> $RESULTS/w1-{bf16,fp8,fp8kv}.json
+# The bars issues 20 and 23 still hold open name an H100; all of them in one call, most wanted
+# first (~20 minutes): bash scripts/device/gpu_bench_h100.sh w2 quant w1 w1fp8 w3
 # Results go to $RESULTS (default ./gpu-out); with $OUT set (a lent GPU machine, which returns
 # at most 8 files) they are also packed into $OUT/results.tar.gz after every step. Wheels the
 # image lacks install from ./.whl when present (scripts/device/device_wheels.sh). Each step has
@@ -71,6 +77,22 @@ for step in $steps; do
         grep -E "W6|Error|error|failed" ;;
     tune)
       timeout 200 python3 -m kernels.bench.tune prefill 2>&1 | grep -v -i warn ;;
+    quant)
+      for q in fp8 awq; do
+        batches=1,8; [ "$q" = awq ] && batches=1,2
+        timeout 240 python3 -m services.cli bench latency --model llama-3.1-8b --load-format dummy \
+          --dtype bfloat16 --quantization "$q" --batch-sizes "$batches" --input-len 512 \
+          --output-len 32 --max-model-len 2048 --json-out "$RESULTS/quant-$q.json" 2>&1 |
+          grep -E "^batch|Error|error"
+      done ;;
+    w1fp8)
+      for v in bf16 fp8 fp8kv; do
+        extra=(); [ "$v" != bf16 ] && extra=(--quantization fp8)
+        [ "$v" = fp8kv ] && extra+=(--kv-cache-dtype fp8)
+        timeout 300 python3 -m services.cli bench offline --model llama-3.1-8b --load-format dummy \
+          --dtype bfloat16 "${extra[@]}" --max-model-len 2048 --num-prompts 256 --input-len 1024 \
+          --output-len 128 --json-out "$RESULTS/w1-$v.json" 2>&1 | grep -E "tok/s|Error|error"
+      done ;;
   esac
   pack
 done
