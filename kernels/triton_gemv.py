@@ -105,10 +105,10 @@ def _gemv_kernel(
     STAGES: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """``LATE`` (pipelined launches): the next kernel may launch only after this one's loop
-    (:func:`pdl_wait`). ``ACT`` (SiLU-and-mul, the weight a gate_up projection's: gate rows then as many up
-    rows): a program's BLOCK_N rows are BLOCK_N / 2 gate rows and the up rows of the same
-    outputs, interleaved, and it stores ``silu(gate) * up`` of them (``out``: [M, N / 2]), each
-    sum rounded to out's dtype first, as the separate kernels round it."""
+    (:func:`pdl_wait`). ``ACT`` (SiLU-and-mul, the weight a gate_up projection's: gate rows
+    then as many up rows): a program's BLOCK_N rows are BLOCK_N / 2 gate rows and the up rows
+    of the same outputs, interleaved, and it stores ``silu(gate) * up`` of them (``out``:
+    [M, N / 2]), each sum rounded to out's dtype first, as the separate kernels round it."""
     pid = tl.program_id(0)  # the row groups of one weight tile side by side: one HBM read
     pid_n = pid // GROUPS
     row0 = (pid % GROUPS) * ROWS
