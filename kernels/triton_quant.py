@@ -319,12 +319,20 @@ def _w4_gemv_program(
     offs_n = (pid // GROUPS) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_K // 8)
     k_lo = pid_k * K_PER
-    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
-    sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
+    qw_tile, sz_tile = _w4_tiles(qw_ptr, offs_n, s_qk, s_sg, GROUP, BLOCK_K)
     x0_row = x_ptr + m0 * s_xm + rows * 8
     x1_row = x_ptr + m1 * s_xm + rows * 8
     k_hi = tl.minimum(k_lo + K_PER, K)
     return m0, m1, pid_k, offs_n, offs_n < N, k_lo, k_hi, qw_tile, sz_tile, x0_row, x1_row
+
+
+@triton.jit
+def _w4_tiles(qw_ptr, offs_n, s_qk, s_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The offsets of a GEMV program's ``[BK/8, BN]`` packed-word tile (a pointer) and of its
+    scale and zero tile, for columns ``offs_n``: row p of the tile in group (8p) / GROUP."""
+    rows = tl.arange(0, BLOCK_K // 8)
+    qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
+    return qw_tile, ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
 
 
 @triton.jit
@@ -378,9 +386,7 @@ def _w4_gemv_kernel(
     offs_out = offs_n
     if ACT:  # the program's columns: BLOCK_N / 2 gate columns, then the same outputs' up columns
         offs_out, offs_n, n_mask = _gate_up_cols(tl.program_id(0) // GROUPS, N, BLOCK_N)
-        rows = tl.arange(0, BLOCK_K // 8)
-        qw_tile = qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
-        sz_tile = ((rows * 8) // GROUP)[:, None] * s_sg + offs_n[None, :]
+        qw_tile, sz_tile = _w4_tiles(qw_ptr, offs_n, s_qk, s_sg, GROUP, BLOCK_K)
     following = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
     pdl_wait(USE_PDL, not LATE)
     acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
