@@ -380,8 +380,6 @@ def _with_tools(f: Fields, common: CommonOptions) -> tuple[CommonOptions, ToolPl
     """The tools offered; a required or named tool choice becomes the request's grammar."""
     plan = parse_tools(f)
     constraint = plan.constraint() if plan is not None else None
-    if constraint is not None:  # what the workers compile came from the tools
-        constraint = replace(constraint, source="tools")
     if constraint is None:
         return common, plan
     if common.sampling.structured is not None:
@@ -390,6 +388,8 @@ def _with_tools(f: Fields, common: CommonOptions) -> tuple[CommonOptions, ToolPl
             "named function (the tool call's schema is the format)",
             "tool_choice",
         )
+    # what the workers compile came from the tools: a refusal of it names them
+    constraint = replace(constraint, source="tools")
     return replace(common, sampling=replace(common.sampling, structured=constraint)), plan
 
 

@@ -164,7 +164,7 @@ def _guided(f: Fields) -> StructuredOutput | None:
         raise invalid(f"give one of {', '.join(_GUIDED)}, not {given[0][0]} and {given[1][0]}",
                       given[1][0])  # fmt: skip
     name, kind = given[0]
-    return StructuredOutput(kind, _spec(kind, f.get(name), name))
+    return StructuredOutput(kind, _spec(kind, f.get(name), name), source=name)
 
 
 def parse_structured(f: Fields) -> StructuredOutput | None:
@@ -186,6 +186,4 @@ def parse_structured(f: Fields) -> StructuredOutput | None:
     if not found:
         return None
     name, so = found[0]
-    if name == "guided_*":  # the one guided field given (_guided refuses two)
-        name = next(g for g in _GUIDED if f.get(g) is not None)
-    return replace(so, source=name)
+    return so if so.source else replace(so, source=name)  # _guided names its own field
