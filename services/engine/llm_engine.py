@@ -303,6 +303,7 @@ class LLMEngine:
         self.validate(prompt, params)
         self._check_priority(priority)
         params = self._with_bad_word_ids(params)
+        self._check_a_token_left(params)
         long_rope = self._long_rope_offset(prompt)
         offset = self._check_images(prompt, images) + long_rope
         return Request(
@@ -317,6 +318,28 @@ class LLMEngine:
             images=tuple(images),
             position_offset=offset,
         )
+
+    def _check_a_token_left(self, params: SamplingParams) -> None:
+        """Refuse ``allowed_token_ids`` that leave the sampler no token: every one banned by a
+        one-token bad word, or, before ``min_tokens``, every one a token that ends the output
+        (EOS unless ignore_eos, a stop_token_id), which the sampler holds back until then."""
+        allowed = set(params.allowed_token_ids)
+        if not allowed:
+            return
+        left = allowed - {ids[0] for ids in params.bad_word_ids if len(ids) == 1}
+        if not left:
+            raise InvalidRequestError(
+                "allowed_token_ids leaves no token to sample: bad_words bans every one of them; "
+                "allow more tokens or ban fewer words", "allowed_token_ids",
+            )  # fmt: skip
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens > 0 and left <= stops:
+            raise InvalidRequestError(
+                f"allowed_token_ids leaves no token to sample before min_tokens "
+                f"({params.min_tokens}): each allowed token ends the output (end of sequence "
+                "or a stop_token_id), which is held back until min_tokens are out; allow "
+                "other tokens or drop min_tokens", "allowed_token_ids",
+            )  # fmt: skip
 
     def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
         """``bad_words`` as token sequences (the sampler's ``bad_word_ids``): each word as it
@@ -898,7 +921,10 @@ class LLMEngine:
                 finished, reason, stop_reason = True, "stop", u.token.token_id
             else:  # the matcher takes it during the next step's forward
                 self.grammars.push(u.request_id, u.token.token_id)
-        if det is not None:
+        # a token that ends the output (EOS, a stop_token_id, a grammar's end) is in its token
+        # ids but not in its text, unless include_stop_str_in_output (as vLLM)
+        stop_token = finished and reason == "stop" and isinstance(stop_reason, int)
+        if det is not None and not (stop_token and not det.include_stop):
             matched = det.add(u.token.token_id)
             if matched is not None and not finished:
                 self.scheduler.finish(u.request_id, FinishReason.STOP, matched)

@@ -54,6 +54,29 @@ def test_stop_token_ids_and_min_tokens(llm: LLM, chat_ids: list[list[int]]) -> N
     assert len(long[0].outputs[0].token_ids) >= 30
 
 
+def test_a_stop_token_is_in_the_token_ids_not_in_the_text(
+    llm: LLM, chat_ids: list[list[int]]
+) -> None:
+    """As vLLM: the token that ends the output (a stop_token_id, or EOS shown with
+    skip_special_tokens off) stays in its token ids and out of its text, unless
+    include_stop_str_in_output; stop_reason is the token id."""
+    greedy = llm.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    tok = greedy.token_ids[2]
+    head = llm.tokenizer.decode(greedy.token_ids[:2])
+    both = llm.tokenizer.decode(greedy.token_ids[:3])
+    assert both != head  # the third token has text of its own
+    for include, want in ((False, head), (True, both)):
+        params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[tok],
+                                include_stop_str_in_output=include)  # fmt: skip
+        out = llm.generate([chat_ids[0]], params)[0].outputs[0]
+        assert out.token_ids == greedy.token_ids[:3]
+        assert (out.text, out.finish_reason, out.stop_reason) == (want, "stop", tok)
+    full = SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False)
+    out = llm.generate([chat_ids[0]], full)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == out.stop_reason
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=False)
+
+
 def test_logprobs_are_log_probabilities(llm: LLM, chat_ids: list[list[int]]) -> None:
     out = llm.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3))
     for pos, tok in zip(out[0].outputs[0].logprobs, out[0].outputs[0].token_ids, strict=True):
@@ -104,6 +127,31 @@ def test_allowed_token_ids_restrict_what_is_sampled(llm: LLM, chat_ids: list[lis
             assert r.outputs[0].token_ids and set(r.outputs[0].token_ids) <= set(allowed)
     with pytest.raises(InvalidRequestError, match="allowed_token_ids token id 60000"):
         llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[60000]))
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (SamplingParams(allowed_token_ids=[45], bad_words=["="]), "bad_words bans every one"),
+        (SamplingParams(allowed_token_ids=[2], min_tokens=3), "before min_tokens"),
+        (
+            SamplingParams(allowed_token_ids=[2, 29], stop_token_ids=[29], min_tokens=1),
+            "before min_tokens",
+        ),
+    ],
+)
+def test_allowed_token_ids_that_leave_no_token_are_refused(
+    llm: LLM, params: SamplingParams, match: str
+) -> None:
+    """Where the sampler would have nothing to pick (and would emit token 0), the request is
+    refused naming allowed_token_ids; a token left over is enough."""
+    assert llm.tokenizer.encode("=", add_special_tokens=False) == [45]
+    with pytest.raises(InvalidRequestError, match=match) as err:
+        llm.generate([[1, 2]], replace(params, max_tokens=4))
+    assert err.value.param == "allowed_token_ids"
+    ok = replace(params, max_tokens=4, allowed_token_ids=[*params.allowed_token_ids, 30])
+    out = llm.generate([[1, 2]], ok)[0].outputs[0]
+    assert out.token_ids and set(out.token_ids) <= {*ok.allowed_token_ids}
 
 
 @pytest.mark.parametrize(
