@@ -52,10 +52,12 @@ class _ArrayCalls:
     ``{"name", "arguments"}`` objects. A call is announced as soon as its name has been read, and
     its arguments stream as they are generated (their JSON text as the model wrote it, as a named
     function's do), so a stream and the whole message agree, also for an output cut short inside
-    a call. :meth:`feed` returns ``("call", name)`` and ``("arguments", text)`` events."""
+    a call (max_tokens, a stop string): each call whose name was read is a call, its arguments
+    what was generated of them. The array itself is never content, not even a fragment cut short
+    before any name. :meth:`feed` returns ``("call", name)`` and ``("arguments", text)`` events;
+    :attr:`closed` tells a whole array from one cut short."""
 
     def __init__(self) -> None:
-        self.text = ""
         self._depth = 0  # arrays and objects open: 1 in the array, 2 in a call object
         self._in_string = False
         self._escaped = False
@@ -67,9 +69,9 @@ class _ArrayCalls:
         self._arguments_begun = False
         self._held: list[str] = []  # arguments' whitespace outside strings, until more follows
         self._pending: list[str] = []  # arguments read before the name
+        self.closed = False  # the array's closing bracket was read
 
     def feed(self, delta: str) -> list[tuple[str, str]]:
-        self.text += delta
         events: list[tuple[str, str]] = []
         for ch in delta:
             if self._in_arguments and self._argument_char(ch, events):
@@ -134,6 +136,7 @@ class _ArrayCalls:
                 self._pending.clear()
         elif ch in "}]":
             self._depth -= 1
+            self.closed = self.closed or self._depth == 0
         elif self._depth == 2 and ch == ",":
             self._expect_key = True
         elif self._depth == 2 and ch == ":" and self._key == "arguments":
@@ -189,8 +192,8 @@ class ChoiceOutput:
             if self._held and not self.tool_calls:  # plain text after all: all of it
                 deltas.append({"content": self._held})
             self._held = ""
-        if self._array is not None and not self.tool_calls and self._array.text:
-            deltas += self._content_delta(self._array.text)  # cut short before a call's name
+        # required: an array cut short before a call's name has no call and no content (the
+        # array is the grammar's wrapper, never text for the client)
         return deltas
 
     def _with_reasoning(self, step: ReasoningStep) -> list[Delta]:
@@ -287,7 +290,11 @@ class ChoiceOutput:
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's: a turn that ends by calling tools ends with "tool_calls"."""
+        """OpenAI's: a turn that ends by calling tools ends with "tool_calls". Under required, a
+        stop string that cut the array short keeps "stop" (as max_tokens keeps "length"): its
+        last call may be incomplete."""
+        if self._array is not None and not self._array.closed:
+            return reason
         return "tool_calls" if reason == "stop" and self.tool_calls else reason
 
 

@@ -1,7 +1,8 @@
 """tool_choice "auto" through the gateway (fake workers that echo the prompt): with
 --enable-auto-tool-choice and --tool-call-parser hermes the model's <tool_call> text becomes
-tool_calls, whole and streamed; the grammar a forced choice sends reaches the workers; a gateway
-without the flags refuses "auto"."""
+tool_calls, whole and streamed; the grammar a forced choice sends reaches the workers; a
+required choice cut short (max_tokens, a stop string) gives the calls named so far and never the
+grammar's array as content; a gateway without the flags refuses "auto"."""
 
 from __future__ import annotations
 
@@ -85,6 +86,83 @@ def test_a_forced_choice_sends_its_grammar_to_the_worker(auto_stack: Stack) -> N
     schema = json.loads(sent.spec)
     assert sent.kind == "json" and schema["type"] == "array" and schema["minItems"] == 1
     assert schema["items"]["anyOf"][0]["properties"]["name"] == {"enum": ["get_weather"]}
+
+
+ARRAY = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+
+
+def _required(stack: Stack, stream: bool, **extra: Any) -> tuple[dict[str, Any], str | None]:
+    """tool_choice required, the fake echoing a system message that is the grammar's array: the
+    message (streamed deltas assembled as a client does: content, calls by index) and the
+    finish_reason."""
+    messages = [{"role": "system", "content": ARRAY}, {"role": "user", "content": "weather?"}]
+    body = {"messages": messages, "tools": [WEATHER], "tool_choice": "required", **extra}
+    url = f"{stack.base_url}/v1/chat/completions"
+    if not stream:
+        r = httpx.post(url, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"], choice["finish_reason"]
+    content, calls, finish = "", {}, None
+    with httpx.stream("POST", url, json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                finish = c["finish_reason"] or finish
+                content += c["delta"].get("content") or ""
+                for call in c["delta"].get("tool_calls", []):
+                    slot = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                    slot["name"] += call["function"].get("name") or ""
+                    slot["arguments"] += call["function"].get("arguments") or ""
+    message = {"content": content, "tool_calls": [{"function": c} for c in calls.values()]}
+    return message, finish
+
+
+@pytest.mark.parametrize(
+    ("extra", "calls", "finish"),
+    [
+        ({"max_tokens": 3}, [], "length"),  # '[{"': the wrapper cut short before a name
+        ({"stop": ['"']}, [], "stop"),  # '[{'
+        ({"stop": ["get_weather"]}, [], "stop"),  # '[{"name": "'
+        ({"stop": ["}"]}, [("get_weather", '{"city": "Oslo"')], "stop"),  # in the arguments
+        ({}, [("get_weather", '{"city": "Oslo"}')], "tool_calls"),  # the whole array
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_choice_cut_short_never_sends_the_wrapper_as_content(
+    colocated: Stack, extra: dict[str, Any], calls: list[tuple[str, str]], finish: str,
+    stream: bool,
+) -> None:  # fmt: skip
+    message, reason = _required(colocated, stream, **extra)
+    got = [(c["function"]["name"], c["function"]["arguments"])
+           for c in message.get("tool_calls") or []]  # fmt: skip
+    assert (got, reason) == (calls, finish)
+    assert not message["content"] and "[" not in (message["content"] or "")
+    if not stream:
+        assert message["content"] == ("" if not calls else None)
+
+
+def test_every_max_tokens_cut_of_a_required_choice_streams_what_it_returns(
+    colocated: Stack,
+) -> None:
+    """For each max_tokens short of the whole array: no content, and the stream's calls are the
+    whole response's (a call once its name is whole, the arguments generated so far)."""
+    for n in range(1, 40):
+        message, reason = _required(colocated, False, max_tokens=n)
+        if reason != "length":
+            (call,) = message["tool_calls"]
+            assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+            assert message["content"] is None and reason == "tool_calls"
+            return
+        streamed, streamed_reason = _required(colocated, True, max_tokens=n)
+        assert streamed_reason == "length" and streamed["content"] == ""
+        assert message["content"] == ("" if "tool_calls" not in message else None), n
+        assert [c["function"] for c in streamed["tool_calls"]] == [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in message.get("tool_calls", [])
+        ], n
+    raise AssertionError("the array never ended within 40 tokens")
 
 
 def test_a_gateway_without_the_flags_refuses_auto(colocated: Stack) -> None:

@@ -115,15 +115,66 @@ def test_a_required_output_cut_short_reads_as_a_named_one_does(size: int) -> Non
 
 
 @pytest.mark.parametrize("size", [1, 1000])
-def test_cut_short_before_a_name_the_text_is_the_content_both_ways(size: int) -> None:
+@pytest.mark.parametrize("text", ['[{"', "[{", '[{"name": "get_wea', '[{"name": "get_weather'])
+@pytest.mark.parametrize("reason", ["length", "stop"])
+def test_cut_short_before_a_name_there_is_no_call_and_no_content(
+    text: str, reason: str, size: int
+) -> None:
+    """max_tokens or a stop string before the first name is whole: no tool_calls, and the
+    grammar's array is no content either (the message's content is empty, as for no text at
+    all); the stream sends no content delta; finish_reason stays the engine's."""
     plan = OutputPlan(ToolPlan(FUNCS, "required"))
-    text = '[{"name": "get_wea'
     out = ChoiceOutput(plan)
     message = out.message(text)
-    assert "tool_calls" not in message and message["content"] == text
-    assert out.finish_reason("length") == "length"
-    assembled = _assemble(_stream(plan, _pieces(text, size))[0])
-    assert assembled["content"] == text and not assembled["tool_calls"]
+    assert "tool_calls" not in message and message["content"] == ""
+    assert out.finish_reason(reason) == reason
+    deltas, streamed = _stream(plan, _pieces(text, size))
+    assert not any("content" in d or "tool_calls" in d for d in deltas)
+    assert streamed.finish_reason(reason) == reason
+
+
+@pytest.mark.parametrize("size", [1, 1000])
+def test_a_stop_string_inside_the_arguments_keeps_stop(size: int) -> None:
+    """A stop string cuts a call's arguments: the call with the arguments so far, content null,
+    and finish_reason "stop" (not "tool_calls": the array was not finished)."""
+    plan = OutputPlan(ToolPlan(FUNCS, "required"))
+    text = '[{"name": "ping", "arguments": {}}, {"name": "get_weather", "arguments": {"city": '
+    out = ChoiceOutput(plan)
+    message = out.message(text)
+    assert message["content"] is None and out.finish_reason("stop") == "stop"
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert calls == [("ping", "{}"), ("get_weather", '{"city":')]
+    deltas, streamed = _stream(plan, _pieces(text, size))
+    assert not any("content" in d for d in deltas) and streamed.finish_reason("stop") == "stop"
+    assembled = _assemble(deltas)
+    assert [(c["name"], c["arguments"]) for c in assembled["tool_calls"].values()] == calls
+
+
+@pytest.mark.parametrize("size", [1, 2, 1000])
+def test_every_cut_of_a_required_output_agrees_and_is_never_content(size: int) -> None:
+    """Whatever prefix of the array the output is: the calls whose names are whole, each with
+    the arguments generated so far; no content, in the message or the stream; "tool_calls" for
+    the whole array only."""
+    plan = OutputPlan(ToolPlan(FUNCS, "required"))
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "ping", "arguments": {}}]'
+    for cut in range(len(text) + 1):
+        out = ChoiceOutput(plan)
+        message = out.message(text[:cut])
+        calls = [(c["function"]["name"], c["function"]["arguments"])
+                 for c in message.get("tool_calls", [])]  # fmt: skip
+        assert message["content"] == (None if calls else ""), cut
+        names = [n for n in ("get_weather", "ping") if f'"{n}"' in text[:cut]]
+        assert [name for name, _ in calls] == names, cut
+        for name, arguments in calls:
+            assert arguments in '{"city": "Oslo"}' if name == "get_weather" else "{}", cut
+        whole = cut == len(text)
+        assert out.finish_reason("stop") == ("tool_calls" if whole else "stop"), cut
+        assert out.finish_reason("length") == "length"
+        deltas, streamed = _stream(plan, _pieces(text[:cut], size))
+        assert not any("content" in d for d in deltas), cut
+        assembled = _assemble(deltas)
+        assert [(c["name"], c["arguments"]) for c in assembled["tool_calls"].values()] == calls
+        assert streamed.finish_reason("stop") == out.finish_reason("stop")
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call_only() -> None:
