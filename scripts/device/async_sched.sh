@@ -8,7 +8,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 modes="async-scheduling no-async-scheduling"
 for step in ${*:-tests w2 w1}; do
   echo "=== $step $(date +%T)"

@@ -16,8 +16,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # the bf16 GEMV's launches before pipelining (kernels.triton_gemv.pick_config until 2026-11-30)
 OLD_BF16='
 def old(n, k, _new=g.pick_config):

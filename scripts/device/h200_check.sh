@@ -27,7 +27,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__)" | tee "$out/versions.txt"
 summary=()

@@ -1,11 +1,14 @@
 # Sourced by the lent-GPU scripts after they cd to the repository root: $out (the results
 # folder, $OUT on the lent machine or ./gpu-out), the wheels of .whl (device_wheels.sh) on
-# PYTHONPATH, and the GPU's name and driver in the log.
+# PYTHONPATH, compiled (not interpreted) Triton kernels, unbuffered Python output, and the
+# GPU's name and driver and the torch and triton versions in the log.
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # the lent GPU compiles the kernels
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 # latency_run LABEL PATCH ARGS...: `tandem bench latency` of Llama-3.1-8B's shape (dummy bf16
 # weights, --max-model-len 2048) with ARGS, in a process of its own that runs the Python PATCH

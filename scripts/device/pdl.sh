@@ -16,8 +16,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for step in ${*:-tests profile w2 quant}; do
   echo "=== $step $(date +%T)"
   case $step in

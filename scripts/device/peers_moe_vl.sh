@@ -26,7 +26,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 stages="${1:-moe,vl}"
 has() { [[ ",$stages," == *",$1,"* ]]; }
 w1=(python3 -m services.cli bench offline --load-format dummy --dtype bfloat16

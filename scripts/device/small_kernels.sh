@@ -12,8 +12,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 NONORM='o.rms_norm = lambda x, w, eps, residual=None, _f=o.rms_norm: (x, x if residual is None else residual) if x.shape[0] <= 8 else _f(x, w, eps, residual)'
 NOATTN='o.paged_decode_attention = lambda q, *a, _f=o.paged_decode_attention, **kw: q if q.shape[0] <= 8 else _f(q, *a, **kw)'
 NOROT='o.rotary_write_kv = lambda p, q, *a, _f=o.rotary_write_kv, **kw: q.new_empty(q.shape) if q.shape[0] <= 8 else _f(p, q, *a, **kw)'
