@@ -104,9 +104,7 @@ def pdl_enter(USE_PDL: tl.constexpr):
     """Wait until the kernel before this one on the stream has finished and its writes are
     visible, then let the next kernel launch (it waits the same way, so a kernel two places
     later still sees this one's predecessor done). A no-op without ``USE_PDL``."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL, True)
 
 
 @triton.jit

@@ -332,8 +332,7 @@ class LLMEngine:
                 "allowed_token_ids leaves no token to sample: bad_words bans every one of them; "
                 "allow more tokens or ban fewer words", "allowed_token_ids",
             )  # fmt: skip
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        if params.min_tokens > 0 and left <= stops:
+        if params.min_tokens > 0 and left <= self._stop_ids(params):
             raise InvalidRequestError(
                 f"allowed_token_ids leaves no token to sample before min_tokens "
                 f"({params.min_tokens}): each allowed token ends the output (end of sequence "
@@ -880,9 +879,13 @@ class LLMEngine:
         for r in requests:
             sp = r.sampling_params
             if r.sample and len(r.output_token_ids) < sp.min_tokens and not self._grammar_done(r):
-                ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
-                out[r.request_id] = sorted(ids)
+                out[r.request_id] = sorted(self._stop_ids(sp))
         return out
+
+    def _stop_ids(self, sp: SamplingParams) -> set[int]:
+        """The tokens that end an output (its stop_token_ids, EOS unless ignore_eos): what the
+        sampler holds back before min_tokens."""
+        return set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
 
     @staticmethod
     def _prompt_scoring(requests: list[ScheduledRequest]) -> dict[str, int]:
