@@ -38,7 +38,7 @@ class Chunk:
     text: str = ""
     logprobs: tuple[PositionLogprobs, ...] = ()
     finish_reason: str | None = None  # stop | length | abort
-    stop_reason: str = ""
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id; null for EOS
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     timing: Timing = field(default_factory=Timing)

@@ -41,6 +41,7 @@ class Choice:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # positions 1..
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
     def __post_init__(self) -> None:
         # counted once per prompt, as usage counts them
@@ -53,7 +54,7 @@ class Choice:
         self.text.clear()
         self.token_ids.clear()
         self.logprobs.clear()
-        self.finish_reason = "length"
+        self.finish_reason, self.stop_reason = "length", None
 
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
@@ -61,7 +62,7 @@ class Choice:
         self.logprobs.extend(chunk.logprobs)
         self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason is not None:
-            self.finish_reason = chunk.finish_reason
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
 
 
 class Generation:

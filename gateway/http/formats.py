@@ -127,10 +127,20 @@ def _legacy_top(entry: PositionLogprobs, by_id: bool) -> dict[str, float]:
     return top
 
 
+# Each choice has vLLM's ``stop_reason`` beside ``finish_reason``: the stop string or stop token
+# id that ended it, null for the end-of-sequence token, a length cut, or a chunk before the last.
+StopReason = str | int | None
+
+
 def completion_choice(
-    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: StopReason = None,
 ) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}  # fmt: skip
 
 
 def prompt_logprobs(entries: Sequence[PositionLogprobs]) -> list[dict[str, Any] | None]:
@@ -173,28 +183,38 @@ def chat_logprobs(entries: Sequence[PositionLogprobs], by_id: bool = False) -> d
 
 
 def chat_choice(
-    index: int, content: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    index: int,
+    content: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: StopReason = None,
 ) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": content},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    message = {"role": "assistant", "content": content}
+    return chat_message_choice(index, message, logprobs, finish_reason, stop_reason)
 
 
 def chat_message_choice(
-    index: int, message: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+    index: int,
+    message: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: StopReason = None,
 ) -> dict[str, Any]:
     return {
         "index": index,
         "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
     }
 
 
 def chat_delta(
-    index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+    index: int,
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: StopReason = None,
 ) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}  # fmt: skip

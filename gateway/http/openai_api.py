@@ -190,7 +190,7 @@ async def completions(request: Request) -> Response:
                 c.logprobs, 0, echoed, scores, req.common.token_id_logprobs, prompt
             )
         out = formats.completion_choice(
-            c.index, prefix + "".join(c.text), logprobs, c.finish_reason
+            c.index, prefix + "".join(c.text), logprobs, c.finish_reason, c.stop_reason
         )
         if req.prompt_logprobs:
             out["prompt_logprobs"] = formats.prompt_logprobs(c.prompt_logprobs)
@@ -305,13 +305,13 @@ async def chat_completions(request: Request) -> Response:
         logprobs = formats.chat_logprobs(c.logprobs, by_id) if req.logprobs else None
         if plan.plain:
             text = echoed + "".join(c.text)
-            return formats.chat_choice(c.index, text, logprobs, c.finish_reason)
+            return formats.chat_choice(c.index, text, logprobs, c.finish_reason, c.stop_reason)
         out = ChoiceOutput(plan)
         message = out.message("".join(c.text))
         if echoed:
             message = {**message, "content": echoed + (message.get("content") or "")}
         return formats.chat_message_choice(
-            c.index, message, logprobs, out.finish_reason(c.finish_reason)
+            c.index, message, logprobs, out.finish_reason(c.finish_reason), c.stop_reason
         )
 
     return await _respond(state, request, gen, info, common.stream, choice_json,

@@ -75,7 +75,9 @@ def _completion_piece(
         logprobs = formats.completion_logprobs(
             chunk.logprobs, offsets[choice.index], by_id=info.token_id_logprobs
         )
-    piece = formats.completion_choice(choice.index, chunk.text, logprobs, chunk.finish_reason)
+    piece = formats.completion_choice(
+        choice.index, chunk.text, logprobs, chunk.finish_reason, chunk.stop_reason
+    )
     return [_frame(info, [piece])]
 
 
@@ -86,7 +88,10 @@ def _chat_piece(
         formats.chat_logprobs(chunk.logprobs, info.token_id_logprobs) if info.logprobs else None
     )
     delta = {"content": chunk.text} if chunk.text else {}
-    return [_frame(info, [formats.chat_delta(choice.index, delta, logprobs, chunk.finish_reason)])]
+    piece = formats.chat_delta(
+        choice.index, delta, logprobs, chunk.finish_reason, chunk.stop_reason
+    )
+    return [_frame(info, [piece])]
 
 
 def _parsed_chat_piece(
@@ -108,7 +113,8 @@ def _parsed_chat_piece(
     last = len(deltas) - 1
     return [
         _frame(info, [formats.chat_delta(choice.index, delta, logprobs if i == 0 else None,
-                                         finish if i == last else None)])
+                                         finish if i == last else None,
+                                         chunk.stop_reason if i == last else None)])
         for i, delta in enumerate(deltas)
     ]  # fmt: skip
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
 from gateway.core.events import Chunk, Embedding, EmbedWork, Histogram, Timing, WorkerLoadInfo
 from protos import common_pb2, worker_pb2
@@ -113,6 +113,11 @@ def timing_from_pb(msg: common_pb2.Timing) -> Timing:
     )
 
 
+def _stop_reason(msg: common_pb2.TokenChunk) -> str | int | None:
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else cast("str | int", getattr(msg, which))
+
+
 def chunk_from_pb(msg: common_pb2.TokenChunk) -> Chunk:
     """Raises WorkerReportedError for an error chunk. Called for every token of every request:
     what a chunk leaves out (logprobs, timing: all but the last) is not converted."""
@@ -124,7 +129,7 @@ def chunk_from_pb(msg: common_pb2.TokenChunk) -> Chunk:
         logprobs=_positions(msg.logprobs) if msg.logprobs else (),
         prompt_logprobs=_positions(msg.prompt_logprobs) if msg.prompt_logprobs else (),
         finish_reason=FINISH_REASONS.get(msg.finish_reason),
-        stop_reason=msg.stop_reason,
+        stop_reason=_stop_reason(msg),
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
         timing=timing_from_pb(msg.timing) if msg.HasField("timing") else Timing(),

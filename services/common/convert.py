@@ -110,19 +110,30 @@ def output_to_chunk(
     out: RequestOutput, finished: bool | None = None, timing: common_pb2.Timing | None = None
 ) -> common_pb2.TokenChunk:
     done = out.finished if finished is None else finished
-    return common_pb2.TokenChunk(
+    chunk = common_pb2.TokenChunk(
         request_id=out.request_id,
         token_ids=out.token_ids,
         text=out.text,
         logprobs=[_pos(p) for p in out.logprobs],
         prompt_logprobs=[_pos(p) for p in out.prompt_logprobs],
         finish_reason=FINISH[out.finish_reason if done else None],
-        stop_reason="" if out.stop_reason is None or not done else str(out.stop_reason),
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         timing=timing,
         error=out.error or "",
     )
+    if done:
+        _set_stop_reason(chunk, out.stop_reason)
+    return chunk
+
+
+def _set_stop_reason(chunk: common_pb2.TokenChunk, stop_reason: str | int | None) -> None:
+    """vLLM's stop_reason on the wire: a stop string and a stop token id each in a field of its
+    own (a stop string of digits is not a token id)."""
+    if isinstance(stop_reason, str):
+        chunk.stop_string = stop_reason
+    elif stop_reason is not None:
+        chunk.stop_token_id = stop_reason
 
 
 def add_output(
@@ -160,7 +171,7 @@ def _add_rest(
     chunk.error = out.error or chunk.error
     if out.finished:
         chunk.finish_reason = FINISH[out.finish_reason]
-        chunk.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
+        _set_stop_reason(chunk, out.stop_reason)
         if timing is not None:
             chunk.timing.CopyFrom(timing)
 

@@ -142,21 +142,21 @@ class FakeEngine:
                 raise _Broken()
             token = prompt[i % len(prompt)]
             piece = self._text(token, sp)
-            finish, stop_reason = common_pb2.FINISH_REASON_UNSPECIFIED, ""
+            finish, stop = common_pb2.FINISH_REASON_UNSPECIFIED, {}
             hit = next((s for s in sp.stop if s in text + piece), None)
             if hit is not None:
                 piece = (text + piece)[: (text + piece).index(hit)][len(text) :]
-                finish, stop_reason = common_pb2.FINISH_REASON_STOP, hit
-            elif (
-                token == EOS_ID and not sp.ignore_eos and i + 1 >= sp.min_tokens
-            ) or token in sp.stop_token_ids:
-                finish, stop_reason = common_pb2.FINISH_REASON_STOP, str(token)
+                finish, stop = common_pb2.FINISH_REASON_STOP, {"stop_string": hit}
+            elif token in sp.stop_token_ids:  # as vLLM: the token id, null for EOS
+                finish, stop = common_pb2.FINISH_REASON_STOP, {"stop_token_id": token}
+            elif token == EOS_ID and not sp.ignore_eos and i + 1 >= sp.min_tokens:
+                finish = common_pb2.FINISH_REASON_STOP
             elif i + 1 >= sp.max_tokens:
                 finish = common_pb2.FINISH_REASON_LENGTH
             text += piece
             yield common_pb2.TokenChunk(
                 request_id=rid, token_ids=[token], text=piece, logprobs=self._logprobs(token, sp),
-                finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=len(prompt),
+                finish_reason=finish, **stop, num_prompt_tokens=len(prompt),
                 num_cached_tokens=b.cached_tokens,
                 timing=common_pb2.Timing(queue_s=0.001, prefill_s=0.002, decode_s=0.003 * i),
                 prompt_logprobs=self._prompt_logprobs(prompt, sp) if i == 0 else [],

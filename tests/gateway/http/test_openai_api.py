@@ -141,6 +141,47 @@ def test_stop_strings_reach_the_worker_and_end_the_choice(colocated: Stack) -> N
     assert list(colocated.workers[0].records.samplings[-1].stop) == [" test"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_stop_reason_names_what_ended_the_choice(
+    disagg: Stack, endpoint: str, stream: bool
+) -> None:
+    """vLLM's stop_reason beside finish_reason: a stop string (digits stay a string), a stop
+    token id (an int), null for the end-of-sequence token and for a length cut; in a stream
+    null on every chunk but the one that finishes."""
+    ids = [9690, 28, 216, 33, 34, 35, 198, 2]
+    digits = "012"
+
+    def body(**fields: Any) -> dict[str, Any]:
+        if endpoint == "chat/completions":
+            fields["messages"] = [{"role": "user", "content": "hi"}]
+        else:
+            fields.setdefault("prompt", ids)
+        return {"max_tokens": 40, "stream": stream, **fields}
+
+    def finished(fields: dict[str, Any]) -> tuple[str, Any]:
+        r = httpx.post(f"{disagg.base_url}/v1/{endpoint}", json=fields, timeout=30)
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice["finish_reason"], choice["stop_reason"]
+        frames = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        choices = [c for f in frames for c in f["choices"]]
+        assert all(c["stop_reason"] is None for c in choices[:-1])
+        return choices[-1]["finish_reason"], choices[-1]["stop_reason"]
+
+    chat = endpoint == "chat/completions"
+    if not chat:  # a prompt of token ids, echoed: 35 at position 5, EOS (2) last
+        assert finished(body(stop_token_ids=[35])) == ("stop", 35)
+        assert finished(body()) == ("stop", None)
+        assert finished(body(prompt="abc " + digits + " def", stop=[digits])) == ("stop", digits)
+    else:  # the chat prompt echoed: "system\nYou are ..." and EOS at position 20
+        assert finished(body(stop=["You"])) == ("stop", "You")
+        assert finished(body()) == ("stop", None)
+    assert finished(body(max_tokens=2)) == ("length", None)
+
+
 def test_completion_echo_with_logprobs_scores_the_prompt(colocated: Stack) -> None:
     """echo + logprobs (lm-eval's loglikelihood): the prompt's tokens come first with their
     logprobs (the first has none), then the generated ones; max_tokens 0 scores the prompt only."""

@@ -142,7 +142,8 @@ def test_a_decode_worker_gone_before_its_kv_arrived_fails_the_request_at_once(
 def test_first_token_finishing_skips_decode_and_frees_the_reservation(disagg: Stack) -> None:
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
     assert r.json()["choices"][0] == {
-        "index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"
+        "index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length",
+        "stop_reason": None,
     }  # fmt: skip
     decode = disagg.role("decode")[0]
     assert wait_for(lambda: len(decode.records.aborts) == 1 and not decode.records.reservations)

@@ -89,12 +89,25 @@ def test_a_final_output_carries_its_reason_and_logprobs() -> None:
     lp = PositionLogprobs(TokenLogprob(9, -0.1, "a"), (TokenLogprob(9, -0.1, "a"),))
     out = RequestOutput("r", [9], "a", True, "stop", "END", 5, 2, [lp])
     chunk = output_to_chunk(out)
-    assert (chunk.finish_reason, chunk.stop_reason) == (common_pb2.FINISH_REASON_STOP, "END")
+    assert (chunk.finish_reason, chunk.stop_string) == (common_pb2.FINISH_REASON_STOP, "END")
     assert (chunk.num_prompt_tokens, chunk.num_cached_tokens) == (5, 2)
     assert chunk.logprobs[0].chosen.token_id == 9 and chunk.logprobs[0].top[0].token == "a"
     # the prefill worker reports a first token that does not end the request
     assert output_to_chunk(out, finished=False).finish_reason == 0
-    assert output_to_chunk(out, finished=False).stop_reason == ""
+    assert output_to_chunk(out, finished=False).WhichOneof("stop_reason") is None
+
+
+@pytest.mark.parametrize("stop_reason", ["END", "42", 42, None])
+def test_a_stop_string_and_a_stop_token_id_keep_their_kind_on_the_wire(
+    stop_reason: str | int | None,
+) -> None:
+    """A stop string of digits stays a string, a token id an int; EOS (None) sets neither."""
+    out = RequestOutput("r", [9], "a", True, "stop", stop_reason, 5, 2, [])
+    batch = common_pb2.ChunkBatch()
+    for chunk in (output_to_chunk(out), add_output(batch.chunks, "r", out)):
+        which = chunk.WhichOneof("stop_reason")
+        got = None if which is None else getattr(chunk, which)
+        assert got == stop_reason and type(got) is type(stop_reason)
 
 
 @pytest.mark.parametrize("finished", [False, True])
