@@ -416,9 +416,11 @@ def template_options(f: Fields) -> tuple[bool, bool, dict[str, Any]]:
     """``add_generation_prompt``, vLLM's ``continue_final_message`` and the remaining
     ``chat_template_kwargs``. The first starts a new assistant turn after the messages, the
     second leaves the final message open for the model to go on with (an answer the client
-    began) and makes the first default to false; both true is a 400. Either may come in
-    chat_template_kwargs; ``messages`` and ``documents`` there are a 400 (the messages are the
-    request's own; documents are not supported)."""
+    began). As in vLLM the first defaults to true and both true is a 400, so a continuation
+    sends ``add_generation_prompt: false`` (vLLM's check sees only fields given, but its
+    template renderer then refuses the default true beside ``continue_final_message``). Either
+    may come in chat_template_kwargs; ``messages`` and ``documents`` there are a 400 (the
+    messages are the request's own; documents are not supported)."""
     kwargs = dict(f.get_dict("chat_template_kwargs"))
     for name, why in (
         ("messages", "the template's messages are the request's messages field"),
@@ -427,12 +429,13 @@ def template_options(f: Fields) -> tuple[bool, bool, dict[str, Any]]:
         if name in kwargs:
             raise invalid(f"chat_template_kwargs.{name}: {why}", "chat_template_kwargs")
     continue_final = _template_flag(f, kwargs, "continue_final_message", False)
-    add_generation_prompt = _template_flag(f, kwargs, "add_generation_prompt", not continue_final)
+    add_generation_prompt = _template_flag(f, kwargs, "add_generation_prompt", True)
     if continue_final and add_generation_prompt:
         raise invalid(
-            "continue_final_message continues the final message and add_generation_prompt "
-            "starts a new one: set add_generation_prompt to false (or leave it out)",
-            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true: the first "
+            "continues the final message, the second starts a new one (and defaults to true, "
+            "as in vLLM); send add_generation_prompt: false with continue_final_message: true",
+            "add_generation_prompt",
         )
     return add_generation_prompt, continue_final, kwargs
 

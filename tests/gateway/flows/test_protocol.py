@@ -268,7 +268,8 @@ def test_template_flags_may_come_in_chat_template_kwargs() -> None:
     """As in vLLM, add_generation_prompt and continue_final_message may be given as template
     arguments; given twice with different values, messages or documents there: a 400."""
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    req = parse_chat({"messages": msgs, "chat_template_kwargs": {"continue_final_message": True}})
+    req = parse_chat({"messages": msgs, "chat_template_kwargs": {"continue_final_message": True},
+                      "add_generation_prompt": False})  # fmt: skip
     assert req.continue_final_message and not req.add_generation_prompt and not req.template_kwargs
     req = parse_chat({"messages": msgs, "add_generation_prompt": False,
                       "chat_template_kwargs": {"add_generation_prompt": False, "x": 1}})  # fmt: skip
@@ -279,8 +280,9 @@ def test_template_flags_may_come_in_chat_template_kwargs() -> None:
         ({"add_generation_prompt": "no"}, "must be true or false"),
         (
             {"continue_final_message": True, "add_generation_prompt": True},
-            "add_generation_prompt to false",
+            "send add_generation_prompt: false",
         ),
+        ({"continue_final_message": True}, "send add_generation_prompt: false"),
     ):
         with pytest.raises(APIError, match=re.escape(says)) as info:
             parse_chat({"messages": msgs, "chat_template_kwargs": kwargs})
@@ -288,6 +290,38 @@ def test_template_flags_may_come_in_chat_template_kwargs() -> None:
     with pytest.raises(APIError, match="give it once"):
         parse_chat({"messages": msgs, "add_generation_prompt": True,
                     "chat_template_kwargs": {"add_generation_prompt": False}})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "ok"),
+    [
+        ({"continue_final_message": True, "add_generation_prompt": False}, True),
+        ({"continue_final_message": True, "chat_template_kwargs": {"add_generation_prompt": False}},
+         True),
+        ({"continue_final_message": True}, False),  # add_generation_prompt defaults to true
+        ({"continue_final_message": True, "add_generation_prompt": None}, False),
+        ({"continue_final_message": True, "add_generation_prompt": True}, False),
+        ({"continue_final_message": False}, True),
+        ({}, True),
+    ],
+)  # fmt: skip
+def test_continue_final_message_needs_add_generation_prompt_false(
+    flags: dict[str, Any], ok: bool
+) -> None:
+    """As vLLM: add_generation_prompt defaults to true and cannot be true beside
+    continue_final_message, so a continuation sends add_generation_prompt: false; otherwise a
+    400 naming add_generation_prompt that says so."""
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    if ok:
+        req = parse_chat({"messages": msgs, **flags})
+        assert req.add_generation_prompt == (not req.continue_final_message)
+        return
+    with pytest.raises(APIError) as info:
+        parse_chat({"messages": msgs, **flags})
+    assert info.value.status == 400 and info.value.param == "add_generation_prompt"
+    assert "send add_generation_prompt: false with continue_final_message: true" in str(
+        info.value.message
+    )
 
 
 @pytest.mark.parametrize("body", [None, 3, "x", {"messages": [{"role": ""}]}])

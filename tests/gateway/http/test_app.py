@@ -141,12 +141,13 @@ def test_tokenize_and_detokenize(colocated: Stack) -> None:
 
 
 def test_a_continued_final_message_ends_the_prompt_inside_it(colocated: Stack) -> None:
-    """continue_final_message, on /tokenize and on a chat: the prompt ends with the text of
-    the answer the client began (no end of turn, no new assistant turn after it); with
-    add_generation_prompt also true it is a 400 that says which to drop."""
+    """continue_final_message with add_generation_prompt false, on /tokenize and on a chat:
+    the prompt ends with the text of the answer the client began (no end of turn, no new
+    assistant turn after it); with add_generation_prompt true, given or by its default (as in
+    vLLM), it is a 400 that says to send add_generation_prompt: false."""
     url = colocated.base_url
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}]
-    body = {"messages": messages, "continue_final_message": True}
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
     tokens = httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
     closed = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
     tok = colocated.state.tokenizer
@@ -154,10 +155,15 @@ def test_a_continued_final_message_ends_the_prompt_inside_it(colocated: Stack) -
     assert closed[: len(tokens)] == tokens and len(closed) > len(tokens)
     r = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 2})
     assert r.status_code == 200, r.text
-    both = {**body, "add_generation_prompt": True}
+    given = {**body, "add_generation_prompt": True}
+    defaulted = {"messages": messages, "continue_final_message": True}
     for path in ("/v1/chat/completions", "/tokenize"):
-        r = httpx.post(f"{url}{path}", json=both)
-        assert r.status_code == 400 and "add_generation_prompt to false" in r.text, r.text
+        for both in (given, defaulted):
+            r = httpx.post(f"{url}{path}", json=both)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "add_generation_prompt", r.text
+            assert "send add_generation_prompt: false" in error["message"], r.text
 
 
 def test_chat_template_kwargs_are_the_templates_on_a_chat_and_on_tokenize(colocated: Stack) -> None:

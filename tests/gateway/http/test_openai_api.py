@@ -397,9 +397,10 @@ def test_chat_echo_starts_the_reply_with_the_answer_the_client_began(colocated: 
     assistant's (streamed: in the first delta); a final user message is not echoed."""
     c = client(colocated)
     began = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
-    extra = {"echo": True, "continue_final_message": True}
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    extra = {"echo": True, **go_on}
     plain = c.chat.completions.create(model="embedded", messages=began, max_tokens=3,
-                                      extra_body={"continue_final_message": True})  # fmt: skip
+                                      extra_body=go_on)  # fmt: skip
     out = c.chat.completions.create(model="embedded", messages=began, max_tokens=3,
                                     extra_body=extra)  # fmt: skip
     assert out.choices[0].message.content == "Sure, " + plain.choices[0].message.content
