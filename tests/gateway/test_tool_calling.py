@@ -2,7 +2,8 @@
 --enable-auto-tool-choice and --tool-call-parser hermes the model's <tool_call> text becomes
 tool_calls, whole and streamed; the grammar a forced choice sends reaches the workers; a
 required choice cut short (max_tokens, a stop string) gives the calls named so far and never the
-grammar's array as content; a gateway without the flags refuses "auto"."""
+grammar's array as content, a named one its arguments so far, both with the engine's
+finish_reason ("tool_calls" only for whole JSON); a gateway without the flags refuses "auto"."""
 
 from __future__ import annotations
 
@@ -91,12 +92,14 @@ def test_a_forced_choice_sends_its_grammar_to_the_worker(auto_stack: Stack) -> N
 ARRAY = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
 
 
-def _required(stack: Stack, stream: bool, **extra: Any) -> tuple[dict[str, Any], str | None]:
-    """tool_choice required, the fake echoing a system message that is the grammar's array: the
-    message (streamed deltas assembled as a client does: content, calls by index) and the
-    finish_reason."""
-    messages = [{"role": "system", "content": ARRAY}, {"role": "user", "content": "weather?"}]
-    body = {"messages": messages, "tools": [WEATHER], "tool_choice": "required", **extra}
+def _forced(
+    stack: Stack, stream: bool, choice: Any = "required", system: str = ARRAY, **extra: Any
+) -> tuple[dict[str, Any], str | None]:
+    """A forced tool_choice (required, or a named function), the fake echoing a system message
+    that is what the grammar makes (the array, the arguments): the message (streamed deltas
+    assembled as a client does: content, calls by index) and the finish_reason."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "weather?"}]
+    body = {"messages": messages, "tools": [WEATHER], "tool_choice": choice, **extra}
     url = f"{stack.base_url}/v1/chat/completions"
     if not stream:
         r = httpx.post(url, json=body)
@@ -134,7 +137,7 @@ def test_a_required_choice_cut_short_never_sends_the_wrapper_as_content(
     colocated: Stack, extra: dict[str, Any], calls: list[tuple[str, str]], finish: str,
     stream: bool,
 ) -> None:  # fmt: skip
-    message, reason = _required(colocated, stream, **extra)
+    message, reason = _forced(colocated, stream, **extra)
     got = [(c["function"]["name"], c["function"]["arguments"])
            for c in message.get("tool_calls") or []]  # fmt: skip
     assert (got, reason) == (calls, finish)
@@ -149,13 +152,13 @@ def test_every_max_tokens_cut_of_a_required_choice_streams_what_it_returns(
     """For each max_tokens short of the whole array: no content, and the stream's calls are the
     whole response's (a call once its name is whole, the arguments generated so far)."""
     for n in range(1, 40):
-        message, reason = _required(colocated, False, max_tokens=n)
+        message, reason = _forced(colocated, False, max_tokens=n)
         if reason != "length":
             (call,) = message["tool_calls"]
             assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
             assert message["content"] is None and reason == "tool_calls"
             return
-        streamed, streamed_reason = _required(colocated, True, max_tokens=n)
+        streamed, streamed_reason = _forced(colocated, True, max_tokens=n)
         assert streamed_reason == "length" and streamed["content"] == ""
         assert message["content"] == ("" if "tool_calls" not in message else None), n
         assert [c["function"] for c in streamed["tool_calls"]] == [
@@ -163,6 +166,40 @@ def test_every_max_tokens_cut_of_a_required_choice_streams_what_it_returns(
             for c in message.get("tool_calls", [])
         ], n
     raise AssertionError("the array never ended within 40 tokens")
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ARGUMENTS = '{"city": "Oslo"}'
+# the fake echoes the prompt from its first token: the system turn's role, then its content
+ECHOED = "system\n" + ARGUMENTS
+
+
+@pytest.mark.parametrize(
+    ("extra", "arguments", "finish"),
+    [
+        ({"max_tokens": 4}, None, "length"),  # cut inside the arguments
+        ({"stop": ["}"]}, ECHOED[:-1], "stop"),  # the object's closing brace never came
+        ({}, ECHOED, "tool_calls"),  # the whole object (the fake's EOS, as the grammar's end)
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_choice_cut_short_says_what_cut_it(
+    colocated: Stack, extra: dict[str, Any], arguments: str | None, finish: str, stream: bool
+) -> None:
+    """A named function's arguments cut by a stop string or max_tokens: the call with the
+    arguments so far and finish_reason "stop" or "length", as under required; "tool_calls"
+    only for the whole object; the stream and the whole response agree."""
+    message, reason = _forced(colocated, stream, NAMED, ARGUMENTS, **extra)
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and reason == finish
+    if arguments is None:  # max_tokens: a prefix of what the whole call has
+        assert ECHOED.startswith(call["function"]["arguments"]) and call["function"]["arguments"]
+        assert call["function"]["arguments"] != ECHOED
+    else:
+        assert call["function"]["arguments"] == arguments
+    assert not message["content"]
+    other, other_reason = _forced(colocated, not stream, NAMED, ARGUMENTS, **extra)
+    assert (other["tool_calls"][0]["function"], other_reason) == (call["function"], reason)
 
 
 def test_a_gateway_without_the_flags_refuses_auto(colocated: Stack) -> None:

@@ -177,6 +177,52 @@ def test_every_cut_of_a_required_output_agrees_and_is_never_content(size: int) -
         assert streamed.finish_reason("stop") == out.finish_reason("stop")
 
 
+@pytest.mark.parametrize("size", [1, 2, 1000])
+def test_every_cut_of_a_named_output_agrees_and_says_what_ended_it(size: int) -> None:
+    """A named function's arguments cut short (a stop string, max_tokens): the call with the
+    arguments so far, whole and streamed alike; finish_reason "tool_calls" only once the
+    grammar's object closed (braces and quotes inside strings are not its end), else the
+    engine's "stop" or "length"."""
+    plan = OutputPlan(ToolPlan(FUNCS, "function", "get_weather"))
+    text = '{"city": "Oslo}", "q": "a \\"}\\\\", "n": [{"x": {}}]}'
+    assert json.loads(text)["q"] == 'a "}\\'
+    for cut in range(len(text) + 1):
+        out = ChoiceOutput(plan)
+        message = out.message(text[:cut])
+        (call,) = message["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": text[:cut]}, cut
+        assert message["content"] is None, cut
+        whole = cut == len(text)
+        assert out.finish_reason("stop") == ("tool_calls" if whole else "stop"), cut
+        assert out.finish_reason("length") == "length", cut
+        # a stream has a chunk, its finish's, even when no text came
+        deltas, streamed = _stream(plan, _pieces(text[:cut], size) or [""])
+        assert not any("content" in d for d in deltas), cut
+        (got,) = _assemble(deltas)["tool_calls"].values()
+        assert (got["name"], got["arguments"]) == ("get_weather", text[:cut]), cut
+        assert streamed.finish_reason("stop") == out.finish_reason("stop"), cut
+        assert streamed.finish_reason("length") == "length", cut
+
+
+@pytest.mark.parametrize("size", [1, 1000])
+def test_a_stop_string_in_a_named_choices_arguments_keeps_stop(size: int) -> None:
+    """The arguments a stop string cut: the call with them as they are, content null, and
+    finish_reason "stop", not "tool_calls" (as under required); a whole object, even with
+    whitespace after it, is "tool_calls"."""
+    plan = OutputPlan(ToolPlan(FUNCS, "function", "get_weather"))
+    out = ChoiceOutput(plan)
+    message = out.message('{"city": ')
+    assert message["content"] is None and out.finish_reason("stop") == "stop"
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": '
+    _, streamed = _stream(plan, _pieces('{"city": ', size))
+    assert streamed.finish_reason("stop") == "stop"
+    _, streamed = _stream(plan, _pieces('{"city": "Oslo"} \n', size))
+    assert streamed.finish_reason("stop") == "tool_calls"
+    empty = ChoiceOutput(plan)  # cut before the object began
+    assert empty.message("")["tool_calls"][0]["function"]["arguments"] == ""
+    assert empty.finish_reason("stop") == "stop"
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call_only() -> None:
     plan = OutputPlan(ToolPlan(FUNCS, "required", parallel=False))
     text = (
