@@ -47,37 +47,6 @@ def _call_json(call: ToolCall, call_id: str) -> dict[str, Any]:
     }
 
 
-class _ObjectEnd:
-    """A named function's arguments as they stream: :attr:`closed` once the object the grammar
-    opened has closed (its end, where the grammar ends the output), so that arguments a stop
-    string or max_tokens cut short are told from whole ones."""
-
-    def __init__(self) -> None:
-        self._depth = 0  # objects and arrays open
-        self._in_string = False
-        self._escaped = False
-        self.closed = False
-
-    def feed(self, text: str) -> None:
-        for ch in text:
-            if self.closed:
-                return
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                self.closed = self._depth == 0
-
-
 class _ArrayCalls:
     """``tool_choice: required``: the grammar makes the output a JSON array of
     ``{"name", "arguments"}`` objects. A call is announced as soon as its name has been read, and
@@ -203,7 +172,7 @@ class ChoiceOutput:
         self._array = _ArrayCalls() if choice == "required" else None
         self._array_full = False
         self._named_id: str | None = None
-        self._named_end = _ObjectEnd() if choice == "function" else None
+        self._named = choice == "function"
         self._content: list[str] = []
         self._held = ""  # auto: whitespace not streamed yet (see _content_delta)
         self._reasoning: list[str] = []
@@ -271,8 +240,6 @@ class ChoiceOutput:
             self.tool_calls.append(_call_json(call, self._named_id))
             deltas.append({"tool_calls": [{"index": 0, **_call_json(call, self._named_id)}]})
         if text:
-            assert self._named_end is not None
-            self._named_end.feed(text)
             self.tool_calls[0]["function"]["arguments"] += text
             deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
         return deltas
@@ -324,13 +291,11 @@ class ChoiceOutput:
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's: a turn that ends by calling tools ends with "tool_calls". Under a grammar
-        (required, a named function) that is only once the grammar's JSON closed: a stop string
-        that cut the array or the arguments short keeps "stop" (as max_tokens keeps "length"),
-        for the last call's arguments may be incomplete."""
-        if self._array is not None and not self._array.closed:
-            return reason
-        if self._named_end is not None and not self._named_end.closed:
+        """OpenAI's: a turn that ends by calling tools ends with "tool_calls", but a named
+        function's call with the engine's reason ("stop" when the grammar ended it), as OpenAI
+        and vLLM report it. Under required, a stop string that cut the array short keeps "stop"
+        (as max_tokens keeps "length"): its last call may be incomplete."""
+        if self._named or (self._array is not None and not self._array.closed):
             return reason
         return "tool_calls" if reason == "stop" and self.tool_calls else reason
 

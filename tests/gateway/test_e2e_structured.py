@@ -21,6 +21,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.gateway.test_e2e_real import both_topologies, pools_free
+from tests.services.clients import tokenizer
 from tests.services.procs import Fleet, Proc, fleet
 
 __all__ = ["fleet"]
@@ -202,16 +203,20 @@ async def test_required_and_named_tool_calls_stream_and_not(
                                   "tool_choice": choice, "temperature": 0, "max_tokens": 120}  # fmt: skip
             reply = await client.chat.completions.create(**kw)
             message = reply.choices[0].message
-            assert reply.choices[0].finish_reason == "tool_calls"
+            # OpenAI's and vLLM's: "tool_calls" for required, "stop" for a named function
+            finish = "tool_calls" if choice == "required" else "stop"
+            assert reply.choices[0].finish_reason == finish
             calls = _valid_calls(message.tool_calls or [])
             assert calls and message.content is None
             if choice != "required":
                 assert [name for name, _ in calls] == ["get_weather"]
-            streamed = await _streamed_calls(client, kw)
+            streamed = await _streamed_calls(client, kw, finish)
             assert streamed == [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
 
 
-async def _streamed_calls(client: openai.AsyncOpenAI, kw: dict[str, Any]) -> list[tuple[str, str]]:
+async def _streamed_calls(
+    client: openai.AsyncOpenAI, kw: dict[str, Any], finish_reason: str
+) -> list[tuple[str, str]]:
     """Tool-call deltas assembled as OpenAI clients do (by index); arguments re-serialized."""
     calls: dict[int, dict[str, str]] = {}
     finish = None
@@ -225,7 +230,7 @@ async def _streamed_calls(client: openai.AsyncOpenAI, kw: dict[str, Any]) -> lis
                     call["name"] = delta.function.name
                 if delta.function and delta.function.arguments:
                     call["arguments"] += delta.function.arguments
-    assert finish == "tool_calls"
+    assert finish == finish_reason
     return [
         (c["name"], json.dumps(json.loads(c["arguments"]), ensure_ascii=False))
         for _, c in sorted(calls.items())
@@ -281,6 +286,41 @@ async def test_bad_structured_input_is_a_400_that_leaks_nothing(
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert words in error["message"] and error["param"] == param, error
+    await pools_free(*fleet.shared("prefill", "decode", "worker"))
+
+
+async def test_a_grammar_and_allowed_token_ids_that_leave_no_token_are_a_400(
+    fleet: Fleet, gateways: dict[str, Proc]
+) -> None:
+    """A grammar whose next tokens allowed_token_ids all exclude: no check up front sees it; the
+    worker's sampler finds nothing left and the request ends refused (token 0 was sampled
+    before: a 200 of garbage, or disaggregated a 400 naming output_token_ids, the decode
+    worker's refusal of that token). At the first token ("x" starts neither choice: the
+    prefill worker's, disaggregated) or after one ("{" may start the JSON, then nothing may
+    follow it: the decode worker's): a 400 naming allowed_token_ids, streamed an error event;
+    nothing leaks."""
+    tok = tokenizer()
+    brace, x = (tok.encode(t, add_special_tokens=False)[0] for t in ("{", "x"))
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["get_time"]}}
+    cases = [({"guided_choice": ["yes", "no"], "allowed_token_ids": [x]}, 0),
+             ({"response_format": schema, "allowed_token_ids": [brace]}, 1)]  # fmt: skip
+    for gateway in gateways.values():
+        url = f"{gateway.url}/v1/chat/completions"
+        for extra, before in cases:
+            body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "temperature": 0, **extra}
+            r = httpx.post(url, timeout=30, json=body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "allowed_token_ids", error
+            assert error["message"].startswith("no token is allowed at this point"), error
+            assert "grammar" in error["message"] and "output_token_ids" not in error["message"]
+            with httpx.stream("POST", url, timeout=30, json={**body, "stream": True}) as s:
+                lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+            assert lines[-1] == "[DONE]", lines
+            *frames, last = [json.loads(ln) for ln in lines[:-1]]
+            assert last["error"] == error, last
+            text = "".join(c["delta"].get("content") or "" for f in frames for c in f["choices"])
+            assert text == "{" * before, frames
     await pools_free(*fleet.shared("prefill", "decode", "worker"))
 
 

@@ -48,7 +48,7 @@ def test_a_named_choice_is_one_call_whose_arguments_stream(size: int) -> None:
     text = '{"city": "Oslo"}'
     whole = ChoiceOutput(plan)
     message = whole.message(text)
-    assert message["content"] is None and whole.finish_reason("stop") == "tool_calls"
+    assert message["content"] is None and whole.finish_reason("stop") == "stop"  # as OpenAI
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
         ("get_weather", text)
     ]
@@ -180,9 +180,8 @@ def test_every_cut_of_a_required_output_agrees_and_is_never_content(size: int) -
 @pytest.mark.parametrize("size", [1, 2, 1000])
 def test_every_cut_of_a_named_output_agrees_and_says_what_ended_it(size: int) -> None:
     """A named function's arguments cut short (a stop string, max_tokens): the call with the
-    arguments so far, whole and streamed alike; finish_reason "tool_calls" only once the
-    grammar's object closed (braces and quotes inside strings are not its end), else the
-    engine's "stop" or "length"."""
+    arguments so far, whole and streamed alike; finish_reason the engine's "stop" or "length",
+    also for the whole call (as OpenAI and vLLM report a named choice: never "tool_calls")."""
     plan = OutputPlan(ToolPlan(FUNCS, "function", "get_weather"))
     text = '{"city": "Oslo}", "q": "a \\"}\\\\", "n": [{"x": {}}]}'
     assert json.loads(text)["q"] == 'a "}\\'
@@ -192,8 +191,7 @@ def test_every_cut_of_a_named_output_agrees_and_says_what_ended_it(size: int) ->
         (call,) = message["tool_calls"]
         assert call["function"] == {"name": "get_weather", "arguments": text[:cut]}, cut
         assert message["content"] is None, cut
-        whole = cut == len(text)
-        assert out.finish_reason("stop") == ("tool_calls" if whole else "stop"), cut
+        assert out.finish_reason("stop") == "stop", cut
         assert out.finish_reason("length") == "length", cut
         # a stream has a chunk, its finish's, even when no text came
         deltas, streamed = _stream(plan, _pieces(text[:cut], size) or [""])
@@ -205,10 +203,10 @@ def test_every_cut_of_a_named_output_agrees_and_says_what_ended_it(size: int) ->
 
 
 @pytest.mark.parametrize("size", [1, 1000])
-def test_a_stop_string_in_a_named_choices_arguments_keeps_stop(size: int) -> None:
+def test_a_named_choice_ends_with_stop_as_openai_reports_it(size: int) -> None:
     """The arguments a stop string cut: the call with them as they are, content null, and
-    finish_reason "stop", not "tool_calls" (as under required); a whole object, even with
-    whitespace after it, is "tool_calls"."""
+    finish_reason "stop"; a whole object is "stop" too (OpenAI's and vLLM's rule for a named
+    choice), where a whole required array is "tool_calls"."""
     plan = OutputPlan(ToolPlan(FUNCS, "function", "get_weather"))
     out = ChoiceOutput(plan)
     message = out.message('{"city": ')
@@ -217,6 +215,9 @@ def test_a_stop_string_in_a_named_choices_arguments_keeps_stop(size: int) -> Non
     _, streamed = _stream(plan, _pieces('{"city": ', size))
     assert streamed.finish_reason("stop") == "stop"
     _, streamed = _stream(plan, _pieces('{"city": "Oslo"} \n', size))
+    assert streamed.finish_reason("stop") == "stop"
+    required = OutputPlan(ToolPlan(FUNCS, "required"))
+    _, streamed = _stream(required, _pieces('[{"name": "ping", "arguments": {}}]', size))
     assert streamed.finish_reason("stop") == "tool_calls"
     empty = ChoiceOutput(plan)  # cut before the object began
     assert empty.message("")["tool_calls"][0]["function"]["arguments"] == ""
