@@ -67,8 +67,14 @@ class RequestContext:
         raise RequestAborted(code, details, dict(trailing_metadata).get(PARAM_METADATA_KEY, ""))
 
     def put_output(self, out: RequestOutput, timing: common_pb2.Timing | None = None) -> None:
-        """Send ``out`` (on the loop; it does not raise)."""
-        self._outbox.put_output(self.request_id, out, timing)
+        """Send ``out`` (on the loop; it does not raise). An error the request is at fault
+        for (``error_param``; it carries no tokens) ends it as a refused call of its own ends:
+        INVALID_ARGUMENT, naming the field."""
+        if out.error_param is None:
+            self._outbox.put_output(self.request_id, out, timing)
+        else:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            self._outbox.put(_error(self.request_id, code, out.error or "", out.error_param))
         self.finished = self.finished or out.finished
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import grpc
@@ -106,7 +107,9 @@ async def stream_chunks(
     runtime: WorkerRuntime, driver: EngineDriver, stream: Stream, started: float | None = None,
     span: Span | None = None, context: Any = None, prefills: bool = True,
 ) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
-    """Yield the request's outputs; a cancelled or broken call aborts it in the engine.
+    """Yield the request's outputs; a cancelled or broken call aborts it in the engine. An
+    error the request is at fault for (``RequestOutput.error_param``) ends the call as a
+    refused one (:func:`abort_invalid`), after the tokens before it.
     ``prefills`` False: a decode worker's request whose KV a prefill worker computed; its timing
     then has no prefill part (the time to its first token here is a decode step's).
 
@@ -123,7 +126,12 @@ async def stream_chunks(
             out = await stream.queue.get()
             while not out.finished and not stream.queue.empty():  # fell behind: one message
                 out = out.merged(stream.queue.get_nowait())
-            yield output_to_chunk(out, timing=tally.add(out))
+            timing = tally.add(out)
+            if out.error_param is not None and context is not None:  # the request's fault
+                if out.token_ids:  # the tokens before it first
+                    yield output_to_chunk(replace(out, finished=False, error=None))
+                await abort_invalid(context, InvalidRequestError(out.error or "", out.error_param))
+            yield output_to_chunk(out, timing=timing)
     finally:
         runtime.inflight -= 1
         stream.attach(None)

@@ -35,6 +35,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass
@@ -171,6 +172,7 @@ class LLM:
                     res.prompt_logprobs = [None, *out.prompt_logprobs]
                 if out.finished:
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+                    comp.error = out.error
         return list(results.values())
 
     def embed(

@@ -38,6 +38,7 @@ from services.engine.structured import CompiledOutput, GrammarBatch, GrammarComp
 from services.model_files import ModelFiles, named_model_dir
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.outputs import (
+    NO_TOKEN,
     PromptTokenScore,
     SampledToken,
     ScheduledRequest,
@@ -109,6 +110,38 @@ class EngineStats:
     kv_offload_evicted: int = 0
     prefix_cache_host_hits: int = 0  # prompt tokens restored from the host tier
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding's counters
+
+
+# each mask the sampler names in ``SampledToken.masked_by``: how a refusal calls it, and its fix
+_MASKS = {
+    "structured_outputs": (
+        "the structured output's grammar (from response_format, structured_outputs, a guided_* "
+        "field or tool_choice)", "loosen the grammar",
+    ),
+    "allowed_token_ids": ("allowed_token_ids", "allow more tokens"),
+    "bad_words": ("bad_words", "ban fewer words"),
+    "min_tokens": ("min_tokens (which holds back the tokens that end the output)",
+                   "lower min_tokens"),
+}  # fmt: skip
+
+
+def no_token_left(masked_by: Sequence[str]) -> tuple[str, str | None]:
+    """The error of a request whose masks together left the sampler no token at some point of
+    its output (the dynamic case ``LLMEngine._check_a_token_left`` cannot see up front: a
+    grammar's next tokens, a bad word's last token after its others), and the field to change
+    first (the gateway names the field that asked for a grammar). No field when no mask did
+    it (a model whose logits were all -inf): no fault of the request."""
+    names = [name for name in _MASKS if name in masked_by]
+    if not names:
+        return "no token is allowed at this point of the output: every logit was -inf", None
+    what = [_MASKS[name][0] for name in names]
+    leave = f"{what[0]} leaves" if len(what) == 1 else (
+        f"{', '.join(what[:-1])} and {what[-1]} together leave"
+    )  # fmt: skip
+    fixes = " or ".join(_MASKS[name][1] for name in names)
+    first = ("allowed_token_ids", "bad_words", "structured_outputs", "min_tokens")
+    param = next(name for name in first if name in names)
+    return f"no token is allowed at this point of the output: {leave} none; {fixes}", param
 
 
 class LLMEngine:
@@ -649,7 +682,9 @@ class LLMEngine:
         """Whether this step may run launched (its tokens read after the next step is queued):
         nothing for the sampler or a grammar to do on the host, in this step or in a later
         chunk of a prompt it holds (its last chunk may run launched ahead), no drafts, no
-        embeddings, no KV streamed out as it is written."""
+        embeddings, no KV streamed out as it is written. So no mask either: a launched step's
+        every row has a token (``NO_TOKEN`` is the host sampler's), which the step queued
+        behind it may take as its input id unseen."""
         if not self.async_decode or layers is not None or score or min_stop:
             return False
         for r in out.requests:
@@ -915,6 +950,8 @@ class LLMEngine:
 
     def _emit(self, u: StepUpdate) -> RequestOutput:
         assert u.token is not None
+        if u.token.token_id == NO_TOKEN:
+            return self._emit_no_token(u)
         self.generation_tokens += 1
         det = self._detok.get(u.request_id)
         finished, reason, stop_reason = u.finished, u.finish_reason, u.stop_reason
@@ -952,6 +989,22 @@ class LLMEngine:
             queue_s=u.queue_s,
             prompt_logprobs=self._prompt_lp.pop(u.request_id, []) if self._prompt_lp else [],
         )
+
+    def _emit_no_token(self, u: StepUpdate) -> RequestOutput:
+        """The request's masks left the sampler no token (``NO_TOKEN``): it ends there with an
+        error naming the fields that did it, the request's own fault (its blocks went back in
+        ``Scheduler.update``)."""
+        assert u.token is not None
+        rid = u.request_id
+        self._detok.pop(rid, None)
+        self.grammars.drop(rid)
+        self._forget(rid)
+        self._prompt_lp.pop(rid, None)
+        error, param = no_token_left(u.token.masked_by)
+        return RequestOutput(
+            rid, [], "", True, "error", None, u.num_prompt_tokens, u.num_cached_tokens,
+            error=error, error_param=param, queue_s=u.queue_s,
+        )  # fmt: skip
 
     @staticmethod
     def _emit_embedding(u: StepUpdate, vector: list[float]) -> RequestOutput:

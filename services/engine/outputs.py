@@ -21,6 +21,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     error: str | None = None
+    # set with ``error`` when the request itself is at fault, not the worker: the field it is
+    # about (a worker ends the call as a refused one, INVALID_ARGUMENT: the gateway's 400)
+    error_param: str | None = None
     queue_s: float = 0.0  # seconds from arrival in this engine to first scheduled
     # prompt_logprobs: prompt positions 1.. (position 0 has none), with the first token only
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
@@ -40,6 +43,7 @@ class RequestOutput:
             num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
             logprobs=self.logprobs + later.logprobs,
             error=later.error or self.error,
+            error_param=later.error_param or self.error_param,
             queue_s=max(self.queue_s, later.queue_s),
             prompt_logprobs=self.prompt_logprobs + later.prompt_logprobs,
             embedding=later.embedding if later.embedding is not None else self.embedding,

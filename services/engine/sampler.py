@@ -16,7 +16,7 @@ import torch
 from protos.sampling_params import SamplingParams
 from services.engine.input_staging import list_to_device
 from services.engine.structured import apply_bitmask
-from services.scheduling.outputs import SampledToken, ScheduledRequest
+from services.scheduling.outputs import NO_TOKEN, SampledToken, ScheduledRequest
 
 _NEG_INF = float("-inf")
 
@@ -166,7 +166,11 @@ def sample(
 ) -> list[SampledToken]:
     """One token per row. ``read(*tensors)`` brings the results to the host once all the GPU
     work is queued (the runner's reader waits with the GIL released); default ``tolist``.
-    ``allowed``: a grammar bitmask and the rows it constrains (``services.engine.structured``)."""
+    ``allowed``: a grammar bitmask and the rows it constrains (``services.engine.structured``).
+
+    A row whose masks (the grammar's, allowed_token_ids, bad_words, min_tokens' stop tokens)
+    together leave no token gets ``NO_TOKEN``, with the fields that masked it: found on the
+    device and read back with the tokens (no sync of its own), where argmax would say 0."""
     want_logprobs = [sp.logprobs for sp in params]
     raw = logits.log_softmax(dim=-1) if any(k is not None for k in want_logprobs) else None
     if any(sp.adjusts_logits for sp in params):
@@ -176,7 +180,31 @@ def sample(
         apply_bitmask(logits, *allowed)
     mask_ids(logits, stop_ids_for_min_tokens)
     tokens = sample_tokens(logits, params, [len(o) for o in outputs])
-    return _package(tokens, raw, want_logprobs, read or _tolist)
+    masked = (
+        allowed is not None
+        or any(stop_ids_for_min_tokens)
+        or any(sp.allowed_token_ids or sp.bad_word_ids for sp in params)
+    )
+    none_left = logits.amax(dim=-1) == _NEG_INF if masked else None
+    sampled = _package(tokens, raw, want_logprobs, read or _tolist, none_left)
+    if none_left is None:
+        return sampled
+    for i, tok in enumerate(sampled):
+        if tok.token_id == NO_TOKEN:
+            grammar = allowed is not None and i in allowed[1]
+            why = _masks(params[i], outputs[i], grammar, bool(stop_ids_for_min_tokens[i]))
+            sampled[i] = SampledToken(NO_TOKEN, masked_by=why)
+    return sampled
+
+
+def _masks(
+    sp: SamplingParams, output: list[int], grammar: bool, min_tokens: bool
+) -> tuple[str, ...]:
+    """The request fields whose masks applied to a row at this output position."""
+    banned = any(_ends_with(output, w[:-1]) for w in sp.bad_word_ids)
+    named = (("structured_outputs", grammar), ("allowed_token_ids", bool(sp.allowed_token_ids)),
+             ("bad_words", banned), ("min_tokens", min_tokens))  # fmt: skip
+    return tuple(name for name, applied in named if applied)
 
 
 def sample_tokens(
@@ -276,20 +304,22 @@ def _package(
     raw: torch.Tensor | None,
     want: list[int | None],
     read: Callable[..., list[list]],
+    none_left: torch.Tensor | None = None,  # [B] bool: rows with every logit masked
 ) -> list[SampledToken]:
+    ids = tokens if none_left is None else tokens.masked_fill(none_left, NO_TOKEN)
     if raw is None:
-        (token_list,) = read(tokens)
+        (token_list,) = read(ids)
         return [SampledToken(t) for t in token_list]
     k = max((w or 0) for w in want)
     chosen = raw.gather(-1, tokens[:, None]).squeeze(-1)
     if k > 0:
         top_vals, top_ids = raw.topk(k, dim=-1)
-        token_list, chosen_list, ids_list, vals_list = read(tokens, chosen, top_ids, top_vals)
+        token_list, chosen_list, ids_list, vals_list = read(ids, chosen, top_ids, top_vals)
     else:
-        (token_list, chosen_list), ids_list, vals_list = read(tokens, chosen), [], []
+        (token_list, chosen_list), ids_list, vals_list = read(ids, chosen), [], []
     out = []
     for i, t in enumerate(token_list):
-        if want[i] is None:
+        if want[i] is None or t == NO_TOKEN:
             out.append(SampledToken(t))
             continue
         n = want[i] or 0

@@ -17,9 +17,10 @@ from opentelemetry.trace import Span
 from protos import common_pb2, kv_control_pb2, prefill_pb2, prefill_pb2_grpc
 from protos.blocks import blocks_for
 from protos.roles import Role
+from protos.sampling_params import InvalidRequestError
 from services.common.convert import output_to_chunk, transfer_fields
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
-from services.common.streaming import parse_sampling, submit
+from services.common.streaming import abort_invalid, parse_sampling, submit
 from services.common.tracing import child_span, end_span, start_server_span
 from services.engine.detokenizer import held_back
 from services.engine.driver import EngineDriver
@@ -97,6 +98,8 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
         error: str | None = None
         try:
             out = await stream.queue.get()
+            if out.error_param is not None:  # the request's fault (its masks left no token)
+                await abort_invalid(context, InvalidRequestError(out.error or "", out.error_param))
             first_at = time.monotonic()
             prefill_s = first_at - started
             engine = self.rt.engine

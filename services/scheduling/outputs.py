@@ -73,11 +73,20 @@ class SchedulerOutput:
         return not self.requests
 
 
+# the token id of a row the sampler found no token for: every logit was masked (a grammar's
+# bitmask, allowed_token_ids, bad_words, min_tokens' stop tokens, together). The request ends
+# with an error there (``Scheduler.update``): it is never an input id, nor an output token
+NO_TOKEN = -1
+
+
 @dataclass(slots=True)
 class SampledToken:
-    token_id: int
+    token_id: int  # NO_TOKEN: nothing was left to sample
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    # NO_TOKEN's: the request fields whose masks together left no token, of
+    # "structured_outputs" (its grammar), "allowed_token_ids", "bad_words", "min_tokens"
+    masked_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,8 @@ class PromptTokenScore:
 class StepUpdate:
     """One request's news after a step: a token (if it sampled), finished or not. A request
     whose drafts were kept gets one update per token, in order. An embedding's last chunk is
-    an update without a token, finished (its vector is the runner's)."""
+    an update without a token, finished (its vector is the runner's). A ``NO_TOKEN`` token is
+    no output: the request finished there with finish_reason "error"."""
 
     request_id: str
     token: SampledToken | None

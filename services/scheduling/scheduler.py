@@ -16,7 +16,13 @@ from operator import attrgetter
 
 from services.config import SchedulerConfig
 from services.scheduling.kv_manager import KVCacheManager
-from services.scheduling.outputs import SampledToken, ScheduledRequest, SchedulerOutput, StepUpdate
+from services.scheduling.outputs import (
+    NO_TOKEN,
+    SampledToken,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepUpdate,
+)
 from services.scheduling.request import FinishReason, Request, RequestStatus
 
 
@@ -403,7 +409,8 @@ class Scheduler:
     ) -> list[StepUpdate]:
         """``sampled``: each sampling request's new tokens, in order. With drafts, all but the
         last are the drafts it kept (their KV is now computed; a rejected draft's slot is
-        simply written again later)."""
+        simply written again later). ``NO_TOKEN`` (its masks left the sampler nothing) ends
+        the request with an error there: its update carries it, and no output token."""
         updates: list[StepUpdate] = []
         for sr in out.requests:
             req = self.requests.get(sr.request_id)
@@ -418,8 +425,11 @@ class Scheduler:
             if sr.num_spec > kept:  # blocks that held only rejected drafts go back
                 self.kv.trim(req, req.num_computed_tokens + 1)  # + the token still to compute
             for token in tokens:
-                req.output_token_ids.append(token.token_id)
-                reason = req.check_stop(token.token_id)
+                if token.token_id == NO_TOKEN:
+                    reason: FinishReason | None = FinishReason.ERROR
+                else:
+                    req.output_token_ids.append(token.token_id)
+                    reason = req.check_stop(token.token_id)
                 if reason is not None:
                     self._finish(req, reason)
                 updates.append(

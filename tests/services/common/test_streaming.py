@@ -8,7 +8,11 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
+import pytest
+
 from protos import common_pb2, worker_pb2
+from protos.errors import PARAM_METADATA_KEY
 from protos.logprobs import PositionLogprobs, TokenLogprob
 from services.common.multiplex import multiplex
 from services.common.streaming import stream_chunks
@@ -148,3 +152,48 @@ def test_a_request_prefilled_elsewhere_reports_no_prefill_time() -> None:
     assert elsewhere.add(_out(1, "a")) is None
     timing = elsewhere.add(_out(2, "b", finished=True))
     assert timing is not None and timing.prefill_s == 0.0 and timing.decode_s >= 0.5
+
+
+_REFUSED = RequestOutput("r", [], "", True, "error", error="none left", error_param="bad_words")
+
+
+async def test_an_error_the_request_is_at_fault_for_ends_its_call_as_refused() -> None:
+    """``error_param``: the call ends with INVALID_ARGUMENT naming the field (what the gateway
+    makes a 400 of), after a chunk of the tokens that came before it."""
+
+    class Context:
+        aborted: tuple[Any, ...] = ()
+
+        async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
+            self.aborted = (code, details, tuple(trailing_metadata))
+            raise RuntimeError("aborted")
+
+    stream, context = Stream("r", asyncio.get_running_loop()), Context()
+    stream.queue.put_nowait(_out(1, "t1"))
+    stream.queue.put_nowait(_REFUSED)  # behind the tokens: merged with them
+    runtime, driver = SimpleNamespace(inflight=0), _Driver()
+    chunks = []
+    with pytest.raises(RuntimeError, match="aborted"):
+        async for chunk in stream_chunks(runtime, driver, stream, context=context):  # type: ignore[arg-type]
+            chunks.append(chunk)
+    (c,) = chunks
+    assert list(c.token_ids) == [1] and c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert not c.error
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    assert context.aborted == (code, "none left", ((PARAM_METADATA_KEY, "bad_words"),))
+    assert driver.aborted == [] and runtime.inflight == 0  # it had finished in the engine
+
+
+async def test_on_a_multiplexed_stream_such_an_error_is_an_invalid_argument_chunk() -> None:
+    stream = Stream("r", asyncio.get_running_loop())
+    stream.queue.put_nowait(_out(1, "t1"))
+    stream.queue.put_nowait(_REFUSED)
+    runtime, driver = SimpleNamespace(inflight=0), _Driver()
+    item = worker_pb2.GenerateStreamItem(generate=worker_pb2.GenerateRequest(request_id="r"))
+    mux = multiplex(_items([item]), "generate", _mux_handler(stream, runtime, driver))
+    tokens, error = [c for b in [b async for b in mux] for c in b.chunks]
+    assert list(tokens.token_ids) == [1] and not tokens.finish_reason
+    assert error.finish_reason == common_pb2.FINISH_REASON_ERROR and error.error == "none left"
+    assert error.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert error.error_param == "bad_words" and not error.token_ids
+    assert driver.aborted == [] and runtime.inflight == 0

@@ -12,6 +12,7 @@ from services.engine.sampler import (
     mask_ids,
     sample,
 )
+from services.scheduling.outputs import NO_TOKEN
 
 
 def test_greedy_takes_argmax_and_min_tokens_masks_stop_ids() -> None:
@@ -95,6 +96,36 @@ def test_bad_words_ban_a_word_s_last_token_after_its_others() -> None:
     sp = SamplingParams(temperature=0, bad_word_ids=[(5,), (1, 2)])
     out = sample(logits, [sp, sp], [[4, 1], [1, 4]], [[0], [0]], [[], []])
     assert [t.token_id for t in out] == [3, 2]  # after 1: neither 5 nor 2; after 4: 2 allowed
+
+
+def test_a_row_with_every_token_masked_gets_no_token_and_the_fields_that_masked_it() -> None:
+    """Masks that together leave nothing: NO_TOKEN (argmax said 0, a draw NaN's 0), with the
+    request fields that masked the row, whatever the row's sampling; the other rows as ever."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 5)
+    grammar = torch.tensor([[0b0010], [-1], [-1], [0b0100], [-1]], dtype=torch.int32)
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=[0]),  # the grammar allows only 1
+        SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[2], logprobs=2),
+        SamplingParams(temperature=0.7, allowed_token_ids=[0, 2], bad_word_ids=[(2,), (9, 0)]),
+        SamplingParams(temperature=0, allowed_token_ids=[1, 2], logprobs=1),  # 2 is left
+        SamplingParams(temperature=0),
+    ]
+    stops = [[], [2], [], [1], []]
+    out = sample(logits, params, [[], [], [9], [], []], [[0]] * 5, stops,
+                 allowed=(grammar, [0, 3]))  # fmt: skip
+    assert [t.token_id for t in out] == [NO_TOKEN, NO_TOKEN, NO_TOKEN, 2, 1]
+    assert [t.masked_by for t in out] == [
+        ("structured_outputs", "allowed_token_ids"),
+        ("allowed_token_ids", "min_tokens"),
+        ("allowed_token_ids", "bad_words"),  # (9, 0) bans 0 after 9
+        (),
+        (),
+    ]
+    assert out[1].logprob is None and out[1].top_logprobs == ()  # none for no token
+    assert out[3].logprob == torch.log_softmax(logits[3], -1)[2].item()
+    free = sample(logits[:1], [SamplingParams(temperature=0, bad_word_ids=[(1,)])], [[]], [[0]],
+                  [[]])  # fmt: skip
+    assert free[0].token_id == 3  # a mask that leaves tokens: sampled as before
 
 
 def _one_row_at_a_time(

@@ -226,3 +226,77 @@ def test_a_duplicate_request_id_keeps_the_live_requests_grammar(
     while engine.has_unfinished:
         texts += "".join(o.text for o in engine.step() if o.request_id == "dup")
     assert re.fullmatch("[0-9]+", texts)
+
+
+def _drain(engine: object) -> dict[str, list]:
+    """Step until nothing is left; each request's outputs in order."""
+    outs: dict[str, list] = {}
+    while engine.has_unfinished:  # type: ignore[attr-defined]
+        for out in engine.step():  # type: ignore[attr-defined]
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+@pytest.mark.parametrize(
+    ("so", "sampled"),
+    [
+        (_so("choice", ["yes", "no"]), 0),  # "x" starts neither: nothing at the first token
+        (_so("json", PERSON), 1),  # "{" may start it, and then nothing is left
+    ],
+)
+def test_a_grammar_and_allowed_token_ids_that_leave_no_token_end_the_request_with_an_error(
+    llm: LLM, chat_ids: list[list[int]], so: StructuredOutput, sampled: int
+) -> None:
+    """The grammar's next tokens and allowed_token_ids meet nowhere (no static check can see
+    it): the request ends there, finish_reason "error", an error naming the fields (token 0
+    was sampled before); its blocks and matcher are freed, and a request beside it runs as
+    it would alone."""
+    engine = llm.engine
+    brace, x = llm.tokenizer.encode("{")[0], llm.tokenizer.encode("x")[0]
+    free = SamplingParams(temperature=0.0, max_tokens=12)
+    alone = llm.generate([chat_ids[1]], free)[0].outputs[0].token_ids
+    sp = SamplingParams(temperature=0.0, max_tokens=12, structured=so, allowed_token_ids=[brace, x])
+    engine.add_request("none-left", chat_ids[0], sp)
+    engine.add_request("beside", chat_ids[1], free)
+    outs = _drain(engine)
+    last = outs["none-left"][-1]
+    assert [t for o in outs["none-left"] for t in o.token_ids] == [brace] * sampled
+    assert last.finished and last.finish_reason == "error"
+    assert last.error_param == "allowed_token_ids"  # the gateway's 400 names it
+    assert last.error == (
+        "no token is allowed at this point of the output: the structured output's grammar (from "
+        "response_format, structured_outputs, a guided_* field or tool_choice) and "
+        "allowed_token_ids together leave none; loosen the grammar or allow more tokens"
+    )
+    assert [t for o in outs["beside"] for t in o.token_ids] == alone
+    assert outs["beside"][-1].error is None
+    (offline,) = llm.generate([chat_ids[0]], sp)[0].outputs  # the offline API says why too
+    assert offline.finish_reason == "error" and offline.error == last.error
+    assert engine.kv.all_free() and not engine.grammars.states and not engine._detok
+    assert not engine.scheduler.requests
+
+
+def test_no_token_left_on_either_side_of_a_hand_off(llm: LLM, chat_ids: list[list[int]]) -> None:
+    """Disaggregated: the prefill side's first token finds nothing left (it keeps its blocks
+    for the transfer until released, as after any first token), or the decode side's next
+    one does: either ends with the same error, never a token 0 for the decode side to
+    refuse as output_token_ids outside the grammar."""
+    engine, prompt = llm.engine, chat_ids[0]
+    brace, x = llm.tokenizer.encode("{")[0], llm.tokenizer.encode("x")[0]
+    choice = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[x],
+                            structured=_so("choice", ["yes", "no"]))  # fmt: skip
+    engine.add_request("prefill-side", prompt, choice, prefill_only=True)
+    (first,) = _drain(engine)["prefill-side"]
+    assert first.token_ids == [] and first.finish_reason == "error"
+    assert first.error_param == "allowed_token_ids" and "grammar" in (first.error or "")
+    assert list(engine.scheduler.held) == ["prefill-side"]
+    engine.abort("prefill-side")  # the prefill worker's release, once no transfer reads them
+    assert engine.kv.all_free()
+    sp = SamplingParams(temperature=0.0, max_tokens=12, allowed_token_ids=[brace],
+                        structured=_so("json", PERSON))  # fmt: skip
+    assert engine.reserve("decode-side", prompt, sp) is not None
+    assert engine.activate("decode-side", prompt, [brace], sp) is None  # "{" was the first
+    (out,) = _drain(engine)["decode-side"]
+    assert out.token_ids == [] and out.finish_reason == "error"
+    assert out.error_param == "allowed_token_ids" and out.error == first.error
+    assert engine.kv.all_free() and not engine.grammars.states

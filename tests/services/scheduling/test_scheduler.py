@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.scheduling.outputs import NO_TOKEN
 from services.scheduling.request import FinishReason, Request
 from tests.services.scheduling.conftest import (
     EOS,
@@ -232,6 +233,28 @@ def test_stop_conditions_end_the_stream(
     assert update.finish_reason == reason.value
     assert update.stop_reason == (sampled if reason is FinishReason.STOP else None)
     assert engine.scheduler.kv.all_free()
+
+
+def test_a_row_left_without_a_token_ends_its_request_with_an_error() -> None:
+    """NO_TOKEN (the sampler found every token masked): the request finishes there with
+    finish_reason "error" and no output token, its blocks free; the others go on."""
+
+    def sample(request_id: str, position: int) -> int:
+        return (
+            NO_TOKEN
+            if request_id == "r" and position == 8 + 2
+            else fake_token(request_id, position)
+        )
+
+    engine = FakeEngine(make_scheduler(), sampler=sample)
+    req, other = make_request("r", 8, max_tokens=10), make_request("o", 8, max_tokens=6)
+    engine.add(req, other)
+    engine.run()
+    assert req.finish_reason is FinishReason.ERROR and len(req.output_token_ids) == 2
+    assert NO_TOKEN not in req.output_token_ids and engine.streamed["r"][-1] == NO_TOKEN
+    update = engine.finished["r"]
+    assert update.finish_reason == "error" and update.stop_reason is None
+    assert_finished_as_expected(engine, other)  # every block free too
 
 
 def test_a_stop_string_found_by_the_detokenizer_finishes_the_request() -> None:
