@@ -958,12 +958,13 @@ class LLMEngine:
         if not finished and u.request_id in self.grammars.states:  # constrained
             if self.grammars.ends_with(u.request_id, u.token.token_id):
                 self.scheduler.finish(u.request_id, FinishReason.STOP)  # under ignore_eos too
-                finished, reason, stop_reason = True, "stop", u.token.token_id
+                finished, reason, stop_reason = True, "stop", None  # its end: an EOS token
             else:  # the matcher takes it during the next step's forward
                 self.grammars.push(u.request_id, u.token.token_id)
         # a token that ends the output (EOS, a stop_token_id, a grammar's end) is in its token
-        # ids but not in its text, unless include_stop_str_in_output (as vLLM)
-        stop_token = finished and reason == "stop" and isinstance(stop_reason, int)
+        # ids but not in its text, unless include_stop_str_in_output (as vLLM); stop_reason is
+        # the stop_token_id, None for EOS (a matched stop string, found below, is a str)
+        stop_token = finished and reason == "stop" and not isinstance(stop_reason, str)
         if det is not None and not (stop_token and not det.include_stop):
             matched = det.add(u.token.token_id)
             if matched is not None and not finished:

@@ -130,8 +130,7 @@ class Request:
         if num_output < sp.min_tokens:
             return None
         if not sp.ignore_eos and new_token in self.eos_token_ids:
-            self.stop_reason = new_token
-            return FinishReason.STOP
+            return FinishReason.STOP  # stop_reason stays None: vLLM's for the end of sequence
         if new_token in sp.stop_token_ids:
             self.stop_reason = new_token
             return FinishReason.STOP

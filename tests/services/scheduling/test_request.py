@@ -33,11 +33,12 @@ def test_max_tokens_finishes_with_length() -> None:
     assert req.stop_reason is None
 
 
-def test_eos_stops_and_is_reported() -> None:
+def test_eos_stops_with_no_stop_reason() -> None:
+    """As vLLM: the end of sequence leaves stop_reason None, a stop_token_id names itself."""
     req = make_request("r", 3, max_tokens=10)
     assert generate(req, [1, EOS, 2]) is FinishReason.STOP
     assert req.output_token_ids == [1, EOS]
-    assert req.stop_reason == EOS
+    assert req.stop_reason is None
 
 
 def test_ignore_eos_keeps_going() -> None:
