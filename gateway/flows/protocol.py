@@ -20,6 +20,7 @@ from gateway.flows.unsupported import (
     CHAT,
     COMPLETION,
     SAMPLING,
+    TOKENIZE,
     refuse_unknown,
     refuse_unsupported,
 )
@@ -458,8 +459,6 @@ def parse_chat(body: Any) -> ChatRequest:
     common, tools = _with_tools(
         f, _common(f, max_field, (top or 0) if logprobs else None, special=False)
     )
-    if tools is not None:
-        kwargs = {"tools": f.get("tools"), **kwargs}
     request = ChatRequest(
         common=common,
         messages=messages,
@@ -468,9 +467,67 @@ def parse_chat(body: Any) -> ChatRequest:
         echo=f.get_bool("echo", False),
         logprobs=logprobs,
         top_logprobs=top or 0,
-        template_kwargs=kwargs,
+        template_kwargs=_with_tools_variable(f, tools, kwargs),
         tools=tools,
         images=images,
     )
     refuse_unknown(f, SAMPLING, CHAT)
+    return request
+
+
+def _with_tools_variable(
+    f: Fields, tools: ToolPlan | None, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The template's variables with the ``tools`` offered (as the request sent them), where
+    it offers any; a ``tools`` in chat_template_kwargs wins."""
+    return {"tools": f.get("tools"), **kwargs} if tools is not None else kwargs
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest (``messages``)."""
+
+    model: str | None
+    prompt: str | None  # None: a chat, its messages rendered with the chat template
+    messages: list[dict[str, Any]]
+    add_special_tokens: bool  # default: true for a prompt, false for a chat (as vLLM)
+    return_token_strs: bool = False  # vLLM's: the tokens' strings too (token_strs)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # with the tools offered
+
+
+def parse_tokenize(body: Any, max_prompt_chars: int) -> TokenizeRequest:
+    """``/tokenize``: a prompt (``model``, ``prompt``, ``add_special_tokens``,
+    ``return_token_strs``) or a chat (and ``add_generation_prompt``, ``continue_final_message``,
+    ``chat_template_kwargs``, ``tools``, validated and passed to the template as a chat
+    completion's are); the fields of vLLM's TokenizeChatRequest Tandem cannot honour
+    (``chat_template``, ``media_io_kwargs``, ``mm_processor_kwargs``) are a 400 unless neutral."""
+    f = Fields(require_object(body))
+    model = f.get_str("model", None)
+    token_strs = f.get_bool("return_token_strs", False)
+    if "messages" not in f.body:
+        prompt = f.get_str("prompt", None, max_len=max_prompt_chars)
+        if prompt is None:
+            raise invalid("send prompt (a string) or messages", "prompt")
+        request = TokenizeRequest(model, prompt, [], f.get_bool("add_special_tokens", True),
+                                  token_strs)  # fmt: skip
+        refuse_unknown(f)
+        return request
+    messages = parse_messages(f.get("messages"))
+    refuse_unsupported(f.body, TOKENIZE)
+    add_generation_prompt, continue_final, kwargs = template_options(f)
+    # tool_choice is no field of vLLM's tokenize request: only the tools, checked as a chat's
+    tools = parse_tools(Fields({"tools": f.get("tools")}))
+    request = TokenizeRequest(
+        model=model,
+        prompt=None,
+        messages=messages,
+        add_special_tokens=f.get_bool("add_special_tokens", False),
+        return_token_strs=token_strs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final,
+        template_kwargs=_with_tools_variable(f, tools, kwargs),
+    )
+    refuse_unknown(f, TOKENIZE)
     return request

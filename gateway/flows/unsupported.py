@@ -72,6 +72,12 @@ CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
 COMPLETION: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prompt_embeds": ("prompt embeddings are not supported", NEUTRAL),
 }
+# the fields of vLLM's TokenizeChatRequest that /tokenize cannot honour
+TOKENIZE: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "chat_template": CHAT["chat_template"],
+    "media_io_kwargs": ("/tokenize takes no images, so no media loading options", NEUTRAL),
+    "mm_processor_kwargs": ("/tokenize takes no images, so no image processor options", NEUTRAL),
+}
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

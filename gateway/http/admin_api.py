@@ -6,6 +6,7 @@ import functools
 import importlib.metadata
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -15,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.core.errors import APIError, invalid
 from gateway.flows.fields import Fields, require_object
 from gateway.flows.prepare import check_vocab
-from gateway.flows.protocol import parse_messages, template_options
+from gateway.flows.protocol import parse_tokenize
 from gateway.flows.unsupported import refuse_unknown
 from gateway.http.state import gateway_state
 from gateway.http.transport import read_json
@@ -85,29 +86,29 @@ async def model(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize: a prompt's ids, or a chat's as its template renders it; with
+    ``return_token_strs`` the tokens' strings too (``token_strs``, null otherwise, as vLLM)."""
     state = gateway_state(request)
-    f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
-    state.accepts(f.get_str("model", None))
+    body = await read_json(request, state.config.max_body_bytes)
+    req = parse_tokenize(body, state.config.max_body_bytes)
+    state.accepts(req.model)
     tok = state.tokenizer
-    if "messages" in f.body:
-        add_generation_prompt, continue_final, kwargs = template_options(f)
+    if req.prompt is None:
         ids, _ = await state.chat_prompt(
-            parse_messages(f.get("messages")), add_generation_prompt,
-            f.get_bool("add_special_tokens", False), continue_final_message=continue_final,
-            variables=kwargs,
+            req.messages, req.add_generation_prompt, req.add_special_tokens,
+            continue_final_message=req.continue_final_message, variables=req.template_kwargs,
         )  # fmt: skip
     else:
-        prompt = f.get_str("prompt", None, max_len=state.config.max_body_bytes)
-        if prompt is None:
-            raise invalid("send prompt (a string) or messages", "prompt")
-        ids = await state.off_loop(tok.encode, prompt, f.get_bool("add_special_tokens", True))
-    refuse_unknown(f)
+        ids = await state.off_loop(tok.encode, req.prompt, req.add_special_tokens)
     max_model_len, _ = state.registry.limits()
     if len(ids) <= _INLINE_TOKENS:
-        return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids})
+        strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                             "token_strs": strs})  # fmt: skip
     # a million ids take ~0.1 s to render: on the text pool, in slices the event loop can
     # interleave with (one json.dumps would hold the GIL, and so every stream, all along)
-    body = await state.off_loop(_tokens_json, ids, max_model_len)
+    strings = tok.id_to_token if req.return_token_strs else None
+    body = await state.off_loop(_tokens_json, ids, max_model_len, strings)
     return Response(body, media_type="application/json")
 
 
@@ -115,10 +116,19 @@ _INLINE_TOKENS = 8192
 _SLICE = 1 << 14
 
 
-def _tokens_json(ids: list[int], max_model_len: int | None) -> bytes:
-    listed = ",".join(",".join(map(str, ids[i : i + _SLICE])) for i in range(0, len(ids), _SLICE))
+def _tokens_json(
+    ids: list[int], max_model_len: int | None, strings: Callable[[int], str | None] | None
+) -> bytes:
+    """The tokenize response; ``strings``: each token's string (vLLM's convert_ids_to_tokens,
+    for ``token_strs``), None for ``token_strs: null``."""
+    slices = range(0, len(ids), _SLICE)
+    listed = ",".join(",".join(map(str, ids[i : i + _SLICE])) for i in slices)
     head = f'{{"count":{len(ids)},"max_model_len":{json.dumps(max_model_len)},"tokens":['
-    return (head + listed + "]}").encode()
+    strs = "null"
+    if strings is not None:
+        pieces = (json.dumps([strings(t) for t in ids[i : i + _SLICE]])[1:-1] for i in slices)
+        strs = "[" + ",".join(pieces) + "]"
+    return (head + listed + '],"token_strs":' + strs + "}").encode()
 
 
 async def detokenize(request: Request) -> Response:

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.core.errors import APIError
 from gateway.flows.prepare import PromptIds, build_choices
-from gateway.flows.protocol import parse_chat, parse_completion
+from gateway.flows.protocol import parse_chat, parse_completion, parse_tokenize
 from tests.gateway.stack import Stack
 
 pytestmark = pytest.mark.timeout(60)
@@ -249,6 +249,37 @@ def test_parse_completion_defaults_and_nulls() -> None:
     assert echoed.common.sampling.prompt_logprobs == 3 and not echoed.prompt_logprobs
     scored = parse_completion({"prompt": "hi", "echo": True, "max_tokens": 0})
     assert scored.score_only and scored.common.max_tokens == 1
+
+
+def test_parse_tokenize_takes_vllms_fields() -> None:
+    """vLLM's TokenizeCompletionRequest and TokenizeChatRequest, with their defaults: special
+    tokens added to a prompt, not to a chat; token strings only when asked; a chat's tools are
+    the template's (as a chat completion passes them), checked as a chat's."""
+    prompt = parse_tokenize({"prompt": "hi"}, 100)
+    assert prompt.prompt == "hi" and prompt.add_special_tokens and not prompt.return_token_strs
+    named = parse_tokenize({"model": "m", "prompt": "hi", "add_special_tokens": False,
+                            "return_token_strs": True}, 100)  # fmt: skip
+    assert (named.model, named.add_special_tokens, named.return_token_strs) == ("m", False, True)
+    chat = parse_tokenize({"messages": MSGS}, 100)
+    assert chat.prompt is None and chat.messages == MSGS and not chat.add_special_tokens
+    assert chat.add_generation_prompt and not chat.continue_final_message
+    assert chat.template_kwargs == {} and not chat.return_token_strs
+    full = parse_tokenize({
+        "messages": MSGS, "tools": [TOOL], "add_special_tokens": True, "return_token_strs": True,
+        "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False}, "chat_template": None,
+        "media_io_kwargs": None, "mm_processor_kwargs": {},
+    }, 100)  # fmt: skip
+    assert full.template_kwargs == {"tools": [TOOL], "enable_thinking": False}
+    assert full.add_special_tokens and full.return_token_strs and full.continue_final_message
+    assert not full.add_generation_prompt
+    assert parse_tokenize({"messages": MSGS, "tools": []}, 100).template_kwargs == {}
+    with pytest.raises(APIError) as err:
+        parse_tokenize({"prompt": "x" * 101}, 100)
+    assert err.value.param == "prompt"
+    with pytest.raises(APIError) as err:
+        parse_tokenize({"messages": MSGS, "tools": [{"type": "retrieval"}]}, 100)
+    assert err.value.param == "tools"
 
 
 def test_parse_chat_options() -> None:

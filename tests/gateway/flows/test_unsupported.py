@@ -13,8 +13,16 @@ import pytest
 
 from gateway.core.errors import APIError
 from gateway.flows.embeddings import parse_embedding
-from gateway.flows.protocol import parse_chat, parse_completion
-from gateway.flows.unsupported import CHAT, COMPLETION, ENDPOINTS, NEUTRAL, NO_EFFECT, SAMPLING
+from gateway.flows.protocol import parse_chat, parse_completion, parse_tokenize
+from gateway.flows.unsupported import (
+    CHAT,
+    COMPLETION,
+    ENDPOINTS,
+    NEUTRAL,
+    NO_EFFECT,
+    SAMPLING,
+    TOKENIZE,
+)
 from gateway.http.admin_api import SPEC_PATH
 from tests.gateway.stack import Stack
 
@@ -49,19 +57,24 @@ ASKING: dict[str, Any] = {
 
 
 def test_every_row_has_an_asking_value() -> None:
-    assert set(ASKING) == {*SAMPLING, *CHAT, *COMPLETION}
+    assert set(ASKING) == {*SAMPLING, *CHAT, *COMPLETION, *TOKENIZE}
 
 
 def _cases() -> list[tuple[str, str]]:
     return [
         *((name, "chat") for name in [*SAMPLING, *CHAT]),
         *((name, "completion") for name in [*SAMPLING, *COMPLETION]),
+        *((name, "tokenize") for name in TOKENIZE),
     ]
 
 
 def _parse(endpoint: str, extra: dict[str, Any]) -> None:
     if endpoint == "chat":
         parse_chat({"messages": MESSAGES, **extra})
+    elif endpoint == "tokenize":
+        parse_tokenize({"messages": MESSAGES, **extra}, 1 << 20)
+    elif endpoint == "tokenize_prompt":
+        parse_tokenize({"prompt": "hi", **extra}, 1 << 20)
     else:
         parse_completion({"prompt": "hi", **extra})
 
@@ -76,7 +89,7 @@ def test_a_field_that_asks_for_something_is_a_400_naming_it(name: str, endpoint:
 
 @pytest.mark.parametrize(("name", "endpoint"), _cases())
 def test_a_field_that_asks_for_nothing_passes(name: str, endpoint: str) -> None:
-    table = {**SAMPLING, **CHAT, **COMPLETION}
+    table = TOKENIZE if endpoint == "tokenize" else {**SAMPLING, **CHAT, **COMPLETION}
     for value in table[name][1]:
         _parse(endpoint, {name: value})  # no error
 
@@ -95,7 +108,8 @@ def test_neutral_values_are_type_strict() -> None:
     parse_completion({"prompt": "hi", "use_beam_search": False})
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completion", "embedding"])
+@pytest.mark.parametrize("endpoint", ["chat", "completion", "embedding", "tokenize",
+                                      "tokenize_prompt"])  # fmt: skip
 @pytest.mark.parametrize("name", ["max_token", "frobnicate", "request_id", "guided_jsn"])
 def test_a_field_no_parser_reads_is_a_400_naming_it(name: str, endpoint: str) -> None:
     # a misspelt field, or a vLLM extension Tandem does not know, must not quietly do nothing
@@ -155,6 +169,21 @@ def test_every_documented_field_is_known(
     assert spec["additionalProperties"] is False
     for name in spec["properties"]:
         parse({**required, name: None} if name not in required else required)
+
+
+def test_every_documented_tokenize_field_is_known() -> None:
+    # /tokenize's two forms: each field of its OpenAPI document is one of either form's
+    spec = json.loads(Path(SPEC_PATH).read_text())["components"]["schemas"]["TokenizeRequest"]
+    assert spec["additionalProperties"] is False
+    for name in spec["properties"]:
+        taken = 0
+        for form in ({"prompt": "hi"}, {"messages": MESSAGES}):
+            try:
+                parse_tokenize({**form, name: None} if name not in form else form, 1 << 20)
+                taken += 1
+            except APIError:
+                pass  # a field of the other form
+        assert taken, name
 
 
 def test_a_custom_whitespace_pattern_is_a_400_and_runs_nothing(colocated: Stack) -> None:

@@ -128,7 +128,7 @@ def test_version_openapi_and_workers(colocated: Stack) -> None:
 def test_tokenize_and_detokenize(colocated: Stack) -> None:
     url = colocated.base_url
     r = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}).json()
-    assert r == {"count": 2, "max_model_len": 2048, "tokens": [19556, 905]}
+    assert r == {"count": 2, "max_model_len": 2048, "tokens": [19556, 905], "token_strs": None}
     chat = httpx.post(
         f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
     ).json()
@@ -138,6 +138,97 @@ def test_tokenize_and_detokenize(colocated: Stack) -> None:
     }
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]})
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_tokenize_returns_the_token_strings_when_asked(colocated: Stack) -> None:
+    """vLLM's return_token_strs (default false): token_strs holds each token's string as
+    convert_ids_to_tokens gives it (the byte-level "Ġ" for a space), for a prompt and for a
+    chat; null when not asked, as vLLM answers."""
+    url, tok = colocated.base_url, colocated.state.tokenizer
+    r = httpx.post(f"{url}/tokenize", json={"model": "embedded", "prompt": "Hello world",
+                                            "return_token_strs": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 2, "max_model_len": 2048, "tokens": [19556, 905],
+                        "token_strs": ["Hello", "Ġworld"]}  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True}
+    body = httpx.post(f"{url}/tokenize", json=chat).json()
+    assert body["token_strs"] == [tok.id_to_token(t) for t in body["tokens"]]
+    assert "<|im_start|>" in body["token_strs"] and len(body["token_strs"]) == body["count"]
+    for asked in (False, None):
+        r = httpx.post(f"{url}/tokenize", json={"prompt": "Hi", "return_token_strs": asked})
+        assert r.json()["token_strs"] is None
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "Hi", "return_token_strs": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_strs"
+
+
+@pytest.fixture(scope="module")
+def tools_template(tokenizer_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A gateway whose chat template writes out the tools it is given."""
+    path = tmp_path_factory.mktemp("template") / "tools.jinja"
+    path.write_text(
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+        "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    stack = Stack(tokenizer_dir, ["colocated"], chat_template=str(path)).start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_tokenize_passes_tools_to_the_chat_template_as_a_chat_does(tools_template: Stack) -> None:
+    """A chat's tools on /tokenize (vLLM's TokenizeChatRequest takes them): checked as a chat
+    completion checks them and rendered by the template, so the ids are the ones a chat
+    completion with those tools runs on; tool_choice, no field of vLLM's tokenize, is a 400."""
+    url, tok = tools_template.base_url, tools_template.state.tokenizer
+    messages = [{"role": "user", "content": "weather?"}]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    r = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": [tool]})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    assert tok.decode(tokens) == "<tools>get_weather;</tools>user: weather?\nassistant:"
+    plain = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tok.decode(plain) == "user: weather?\nassistant:"
+    for empty in ([], None):  # no tools: the template sees none
+        r = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": empty})
+        assert r.json()["tokens"] == plain
+    # the fake worker echoes the prompt's tokens: the reply is the prompt a chat ran on
+    chat = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": messages, "tools": [tool], "tool_choice": "none", "max_tokens": len(tokens),
+    }).json()  # fmt: skip
+    assert chat["usage"]["prompt_tokens"] == len(tokens)
+    assert chat["choices"][0]["message"]["content"] == tok.decode(tokens)
+    for bad, param in (
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+        ({"tools": {"name": "f"}}, "tools"),
+        ({"tools": [tool], "tool_choice": "none"}, "tool_choice"),
+        ({"tools": [tool], "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ):
+        r = httpx.post(f"{url}/tokenize", json={"messages": messages, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "hi", "tools": [tool]})
+    assert r.status_code == 400 and "Unrecognized request argument" in r.text  # a chat's only
+
+
+def test_tokenize_refuses_the_vllm_fields_it_cannot_honour(colocated: Stack) -> None:
+    """vLLM's TokenizeChatRequest fields Tandem does not do (a per-request chat template, image
+    options: /tokenize takes no images) are a 400 naming the field; neutral values pass; the
+    chat's fields on a prompt are unrecognized, as vLLM's TokenizeCompletionRequest lacks them."""
+    url = colocated.base_url
+    messages = [{"role": "user", "content": "hi"}]
+    for name, value in (("chat_template", "{{ messages }}"), ("media_io_kwargs", {"image": {}}),
+                        ("mm_processor_kwargs", {"max_pixels": 1})):  # fmt: skip
+        r = httpx.post(f"{url}/tokenize", json={"messages": messages, name: value})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == name and f"{name} is not supported" in r.text
+        for neutral in (None, {}):
+            r = httpx.post(f"{url}/tokenize", json={"messages": messages, name: neutral})
+            assert r.status_code == 200, r.text
+    for name in ("add_generation_prompt", "chat_template_kwargs", "mm_processor_kwargs"):
+        r = httpx.post(f"{url}/tokenize", json={"prompt": "hi", name: None})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
 
 
 def test_a_continued_final_message_ends_the_prompt_inside_it(colocated: Stack) -> None:
@@ -198,7 +289,12 @@ def test_a_large_tokenize_is_answered_in_full_and_never_holds_the_event_loop(
     r = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     expected = tokenizer.encode(text)
-    assert r.json() == {"count": len(expected), "max_model_len": 2048, "tokens": expected}
+    assert r.json() == {"count": len(expected), "max_model_len": 2048, "tokens": expected,
+                        "token_strs": None}  # fmt: skip
+    named = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True},
+                       timeout=60).json()  # fmt: skip
+    assert named["tokens"] == expected
+    assert named["token_strs"] == [tokenizer.id_to_token(t) for t in expected]
 
     # while a tokenization runs (held here), health checks and other requests are answered
     entered, release = threading.Event(), threading.Event()
