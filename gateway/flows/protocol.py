@@ -259,12 +259,6 @@ def parse_completion(body: Any) -> CompletionRequest:
     if echo and logprobs is not None:  # the echoed prompt's tokens get their logprobs too
         wanted = max(logprobs, common.sampling.prompt_logprobs or 0)
         common = replace(common, sampling=replace(common.sampling, prompt_logprobs=wanted))
-    if common.stream and score_only:
-        raise invalid("max_tokens 0 (scoring the prompt) is not supported in a stream: drop "
-                      "stream", "stream")  # fmt: skip
-    if common.stream and echo and logprobs is not None:
-        raise invalid("echo with logprobs is not supported in a stream yet: drop stream, or "
-                      "use prompt_logprobs (sent with the first chunk)", "stream")  # fmt: skip
     _check_unsupported_completion(f, common.n)
     request = CompletionRequest(
         common=common,

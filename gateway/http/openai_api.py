@@ -175,7 +175,8 @@ async def completions(request: Request) -> Response:
                       req.common.include_usage, req.logprobs is not None, req.echo,
                       prompt_logprobs=req.prompt_logprobs,
                       continuous_usage=req.common.continuous_usage,
-                      token_id_logprobs=req.common.token_id_logprobs)  # fmt: skip
+                      token_id_logprobs=req.common.token_id_logprobs,
+                      token_bytes=tok.token_bytes, score_only=req.score_only)  # fmt: skip
 
     def choice_json(c: Choice) -> dict[str, Any]:
         if req.score_only:

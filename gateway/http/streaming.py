@@ -9,7 +9,7 @@ before ``data: [DONE]`` comes the SSE comment ``: x-tandem-timing queue=..;prefi
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,15 @@ class StreamInfo:
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
     token_id_logprobs: bool = False  # vLLM's return_tokens_as_token_ids
     echoed: str = ""  # chat: the text the reply's content starts with (vLLM's echo)
+    # completions' echo with logprobs: a prompt token's raw bytes (its logprob entry's text)
+    token_bytes: Callable[[int], bytes] | None = None
+    score_only: bool = False  # completions' max_tokens 0 with echo: the prompt, nothing generated
+
+    @property
+    def echo_waits(self) -> bool:
+        """Completions' echo waits for the choice's first chunk where it carries what that
+        chunk brings: the prompt's logprobs, or (scoring only) the finish."""
+        return self.echo and (self.logprobs or self.score_only)
 
 
 Body = dict[str, Any]  # one chunk, before it is framed
@@ -133,14 +142,39 @@ def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> Bo
 
 
 def _openings(info: StreamInfo, gen: Generation) -> list[Body]:
-    """Chat: the assistant role first. Completions with echo: the prompt first."""
+    """Chat: the assistant role first. Completions with echo: the prompt first (unless it waits
+    for the first chunk: :func:`_echo_frame`)."""
     if info.object == "chat.completion.chunk":
         delta = {"role": "assistant", "content": info.echoed}
         return [_frame(info, [formats.chat_delta(c.index, delta, None, None)]) for c in gen.choices]
-    if info.echo:
+    if info.echo and not info.echo_waits:
         return [_frame(info, [formats.completion_choice(c.index, c.prompt_text, None, None)])
                 for c in gen.choices]  # fmt: skip
     return []
+
+
+def _echo_frame(info: StreamInfo, offsets: formats.TextOffsets, choice: Choice) -> Body:
+    """A completion's echoed prompt, sent with its choice's first chunk (as vLLM's first chunk
+    carries it): with logprobs, the prompt tokens' (the first null; the offsets then go on from
+    the prompt's text, as a whole response counts them); scoring only (max_tokens 0), the
+    finish too, the generated token dropped as a whole response drops it. vLLM's
+    ``prompt_logprobs``, when asked for, ride along (no frame of their own)."""
+    logprobs = None
+    if info.logprobs:
+        assert info.token_bytes is not None
+        prompt = choice.item.prompt_ids
+        logprobs = formats.completion_logprobs(
+            (), offsets, [info.token_bytes(t) for t in prompt], choice.prompt_logprobs,
+            info.token_id_logprobs, prompt,
+        )  # fmt: skip
+    finish: tuple[str | None, formats.StopReason] = (None, None)
+    if info.score_only:
+        choice.drop_generated()
+        finish = (choice.finish_reason, choice.stop_reason)
+    piece = formats.completion_choice(choice.index, choice.prompt_text, logprobs, *finish)
+    if info.prompt_logprobs:
+        piece["prompt_logprobs"] = formats.prompt_logprobs(choice.prompt_logprobs)
+    return _frame(info, [piece])
 
 
 async def stream_events(
@@ -149,16 +183,24 @@ async def stream_events(
     metrics: GatewayMetrics,
 ) -> AsyncGenerator[bytes, None]:
     piece: Any = _chat_piece if info.object == "chat.completion.chunk" else _completion_piece
-    state: Any = {
-        c.index: formats.TextOffsets(len(c.prompt_text) if info.echo else 0) for c in gen.choices
-    }
+    # each choice's token offsets, one count over the whole stream from the start of its text
+    # (the echoed prompt's tokens count first: only with logprobs are offsets sent)
+    state: Any = {c.index: formats.TextOffsets(0) for c in gen.choices}
     if info.plan is not None and not info.plan.plain:
         piece, state = _parsed_chat_piece, {c.index: ChoiceOutput(info.plan) for c in gen.choices}
+    waiting = {c.index for c in gen.choices} if info.echo_waits else set()
     try:
         for body in _openings(info, gen):
             yield _emit(info, gen, body)
         async for choice, chunk in gen.events():
-            if info.prompt_logprobs and chunk.prompt_logprobs:
+            if choice.index in waiting:
+                if info.score_only and chunk.finish_reason is None:
+                    continue  # the finish carries the echo; nothing generated is shown
+                waiting.discard(choice.index)
+                yield _emit(info, gen, _echo_frame(info, state[choice.index], choice))
+                if info.score_only:
+                    continue
+            elif info.prompt_logprobs and chunk.prompt_logprobs:
                 yield _emit(info, gen, _prompt_logprobs_frame(info, choice, chunk))
             if chunk.text or chunk.finish_reason is not None or (info.logprobs and chunk.logprobs):
                 bodies = piece(info, state, choice, chunk)

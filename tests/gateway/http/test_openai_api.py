@@ -279,8 +279,7 @@ def test_bad_prompt_logprobs_requests_are_400s(colocated: Stack) -> None:
     cases = [
         ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "stream"),
-        ({"prompt": "hi", "echo": True, "max_tokens": 0, "stream": True}, "stream"),
+        ({"prompt": "hi", "max_tokens": 0, "stream": True}, "max_tokens"),
     ]
     for body, param in cases:
         r = httpx.post(f"{colocated.base_url}/v1/completions", json=body)
@@ -451,6 +450,13 @@ def test_streaming_echo_sends_the_prompt_first(colocated: Stack) -> None:
     )
     texts = [c.choices[0].text for c in stream]
     assert texts == ["Hello world", "Hello", " world"]
+    scored = list(client(colocated).completions.create(  # max_tokens 0: the prompt alone
+        model="embedded", prompt="Hello world", max_tokens=0, echo=True, stream=True
+    ))  # fmt: skip
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in scored] == [
+        ("Hello world", "length")
+    ]
+    assert scored[0].choices[0].logprobs is None
 
 
 def test_echoed_split_characters_keep_the_text_whole(colocated: Stack) -> None:
@@ -458,3 +464,80 @@ def test_echoed_split_characters_keep_the_text_whole(colocated: Stack) -> None:
         model="embedded", prompt="Hi 😀!", max_tokens=1, echo=True
     )
     assert out.choices[0].text.startswith("Hi 😀!")
+
+
+def _frames(stack: Stack, body: dict[str, Any]) -> list[dict[str, Any]]:
+    r = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+LEGACY = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def _assembled(frames: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each choice as a whole response would hold it: its text and its logprobs' lists joined
+    over its chunks, its last finish_reason and stop_reason."""
+    out: dict[int, dict[str, Any]] = {}
+    for frame in frames:
+        for c in frame["choices"]:
+            whole = out.setdefault(c["index"], {"index": c["index"], "text": "",
+                                                "logprobs": {k: [] for k in LEGACY}})  # fmt: skip
+            whole["text"] += c["text"]
+            for k in LEGACY:
+                whole["logprobs"][k] += c["logprobs"][k] if c["logprobs"] else []
+            whole["finish_reason"], whole["stop_reason"] = c["finish_reason"], c["stop_reason"]
+    return out
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "Hello world", "max_tokens": 3},
+        {"prompt": ["Hello world", "Hi 😀! ü"], "max_tokens": 4, "n": 2},  # split characters
+        {"prompt": [[19556, 905, 28], [19556]], "max_tokens": 2, "n": 3},
+        {"prompt": PROMPT, "max_tokens": 8, "stop": [" this"]},  # a stop string holds text back
+        {"prompt": ["Hello world", "Hi 😀!"], "max_tokens": 0, "n": 2},  # scoring (lm-eval)
+        {"prompt": "Hello world", "max_tokens": 2, "return_tokens_as_token_ids": True},
+        {"prompt": "Hello world", "max_tokens": 2, "logprobs": 0, "prompt_logprobs": 1},
+    ],
+)
+def test_streamed_echo_with_logprobs_adds_up_to_the_whole_response(
+    colocated: Stack, fields: dict[str, Any]
+) -> None:
+    """echo + logprobs streamed, as vLLM streams it: each choice's first chunk holds the echoed
+    prompt with its tokens' logprobs (the first null), then the generated chunks, whose text
+    offsets go on from the prompt's text; joined over the chunks, the text and every list of
+    logprobs equal the whole response's, choice by choice (n > 1, several prompts, max_tokens 0
+    scoring the prompt alone); usage too."""
+    body = {"echo": True, "logprobs": 2, **fields}
+    tok = colocated.state.tokenizer
+    prompts = [fields["prompt"]] if isinstance(fields["prompt"], str) else fields["prompt"]
+    whole = httpx.post(f"{colocated.base_url}/v1/completions", json=body, timeout=30).json()
+    frames = _frames(colocated, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert frames[-1]["choices"] == [] and frames[-1]["usage"] == whole["usage"]
+    streamed = _assembled(frames[:-1])
+    assert len(streamed) == len(whole["choices"]) > 0
+    for choice in whole["choices"]:
+        got = streamed[choice["index"]]
+        assert got["text"] == choice["text"]
+        assert got["logprobs"] == choice["logprobs"], choice["index"]
+        assert (got["finish_reason"], got["stop_reason"]) == (
+            choice["finish_reason"], choice["stop_reason"],
+        )  # fmt: skip
+        prompt = prompts[choice["index"] // fields.get("n", 1)]
+        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+        firsts = [c for f in frames[:-1] for c in f["choices"] if c["index"] == choice["index"]]
+        first = firsts[0]  # the prompt, with its tokens' logprobs
+        assert first["text"] == (prompt if isinstance(prompt, str) else tok.decode(ids))
+        assert len(first["logprobs"]["tokens"]) == len(ids)
+        assert first["logprobs"]["token_logprobs"] == [None] + [-0.25] * (len(ids) - 1)
+        assert first["logprobs"]["top_logprobs"][0] is None
+        if "prompt_logprobs" in fields:  # vLLM's, asked for too: in that first chunk
+            assert first["prompt_logprobs"] == choice["prompt_logprobs"]
+        if fields["max_tokens"] == 0:  # one chunk: the prompt, scored, and the finish
+            assert firsts == [first] and first["finish_reason"] == "length"
+        else:
+            assert first["finish_reason"] is None and len(firsts) > 1
+    if fields["max_tokens"] == 0:
+        assert whole["usage"]["completion_tokens"] == 0
