@@ -7,6 +7,11 @@ gateway included, is started again on its port, after a backoff that grows while
 (up to TANDEM_UP_MAX_BACKOFF, 30 s), never given up on; the others keep serving meanwhile (the
 gateway routes around a dead worker and finds it back through its health checks; a restarted
 gateway rebuilds its state from the workers, and the dead one's reservations lapse there).
+
+Exit status: 0 after a stop that let every child drain (one Ctrl-C or SIGTERM, its grace period
+run out or not); 128 + N when a second signal N forced the stop, cutting what was in flight
+(130 for a second Ctrl-C, 143 for a second SIGTERM), as shells report a process killed by it;
+2 for bad input (a flag, a model not found, a busy port); 1 when a child failed to start.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import IO, TextIO
@@ -33,6 +39,7 @@ from typing import IO, TextIO
 from deploy.gpus import detect_gpus
 from deploy.plan import Plan, Worker, build_plan, fill_utilization, gateway_spec, with_flag
 from deploy.supervisor import Child, ChildFailedError, ChildSpec, Supervisor, parent_death_env
+from gateway.core.config import api_key_from
 from protos import ports
 from protos.auth import TOKEN_ENV
 from services.config import ConfigError
@@ -111,8 +118,12 @@ def served_model_id(base_url: str, api_key: str | None, fallback: str) -> str:
         return fallback
 
 
-def ready_message(plan: Plan, url: str, model_id: str, api_key: str | None) -> str:
-    auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if api_key else ""
+def ready_message(
+    plan: Plan, url: str, model_id: str, api_key: str | None, key_env: str | None = None
+) -> str:
+    """``key_env``: the variable the key came from (None: --api-key, which is not in the
+    user's environment, so the message says to export it)."""
+    auth = f' -H "Authorization: Bearer ${key_env or "TANDEM_API_KEY"}"' if api_key else ""
     body = json.dumps(
         {
             "model": model_id,
@@ -120,7 +131,8 @@ def ready_message(plan: Plan, url: str, model_id: str, api_key: str | None) -> s
         }
     )
     # the key itself stays out of the terminal's scrollback: the line reads it from the env
-    key_note = "  (export TANDEM_API_KEY=<the key given to --api-key> first)\n" if api_key else ""
+    given = api_key and not key_env
+    key_note = "  (export TANDEM_API_KEY=<the key given to --api-key> first)\n" if given else ""
     return (
         f"Tandem is ready: {url} ({plan.summary()}, model {model_id})\n"
         f"  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
@@ -268,35 +280,41 @@ def run(
     api_key: str | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
     grace_s: float | None = None,
+    key_env: str | None = None,
 ) -> int:
     """Start everything in ``plan``, serve (restarting what dies, :func:`watch`) until a signal,
-    then stop it all.
+    then stop it all; returns the exit status (the module's docstring).
 
     ``grace_s`` None: :func:`shutdown_grace` of the drain timeout the gateway was given.
+    ``key_env``: the variable ``api_key`` came from, for the ready message (None: --api-key).
     """
     if grace_s is None:
         grace_s = shutdown_grace(plan.drain_timeout_s)
     sup = Supervisor(log_dir, grace_s)
     stopping = False
+    forced: int | None = None  # the signal that cut the stop short
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
+        nonlocal stopping, forced
         if stopping:
             sup.hurry = True  # a second Ctrl-C: no more grace
+            forced = forced or signum
             return
         stopping = True
         raise _Stop(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
     try:
         url, ports = start_all(plan, sup, ready_timeout_s)
-        say(ready_message(plan, url, served_model_id(url, api_key, plan.model), api_key))
-        return watch(sup, ports)
+        model_id = served_model_id(url, api_key, plan.model)
+        say(ready_message(plan, url, model_id, api_key, key_env))
+        code = watch(sup, ports)
     except _Stop:
-        return 0
+        code = 0
     except ChildFailedError as exc:
         say(f"tandem up: {exc}", error=True)
-        return exc.exit_code
+        code = exc.exit_code
     finally:
         stopping = True
         if sup.children:
@@ -304,6 +322,20 @@ def run(
         sup.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if forced is not None:
+        name = signal.Signals(forced).name
+        say(f"tandem up: a second {name} stopped everything at once: in-flight work was cut",
+            error=True)  # fmt: skip
+        return 128 + forced
+    return code
+
+
+def gateway_key(flag: str | None, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """The key the gateway will require (it reads the same flag and variables: --api-key, then
+    TANDEM_API_KEY, then VLLM_API_KEY), so the ready message's example carries it, and the
+    variable it came from (None: the flag, or no key)."""
+    api_key, source = api_key_from(flag, environ)
+    return api_key, None if source == "--api-key" else source
 
 
 def main(args: argparse.Namespace) -> int:
@@ -316,7 +348,8 @@ def main(args: argparse.Namespace) -> int:
         plan = build_plan(
             args, detect_gpus(args.gpus), os.cpu_count() or 1, run_dir, environ=os.environ
         )
-        code = run(plan, log_dir, args.api_key)
+        api_key, key_env = gateway_key(args.api_key, os.environ)
+        code = run(plan, log_dir, api_key, key_env=key_env)
     except ConfigError as exc:
         say(f"tandem up: {exc}", error=True)
         code = 2

@@ -7,6 +7,7 @@ gateway targets) is unit-tested without spawning anything.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections import Counter
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from deploy.supervisor import ChildSpec
 from gateway.core.config import (
+    CORS_ANY,
     MEDIA_FETCH_TIMEOUT_S,
     MEDIA_MAX_BYTES,
     check_drain_timeout,
@@ -303,6 +305,18 @@ def _media_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _cors_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's CORS flags, those given (each list as the JSON it was given as)."""
+    flags = []
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        values = list(getattr(args, name, CORS_ANY))
+        if values != list(CORS_ANY):
+            flags += ["--" + name.replace("_", "-"), json.dumps(values)]
+    if getattr(args, "allow_credentials", False):
+        flags.append("--allow-credentials")
+    return flags
+
+
 # --local-prefill-queue when a prefill and a decode worker share each decode worker's GPU: one
 # H200, 4096:256 prompts, goodput against colocated's 0.99x / 0.84x at 4 / 8 req/s with it, 0.98x /
 # 0.15x without; 1024:128 at 16 / 32 req/s 1.00x / 0.96x (docs/benchmarks.md, W4). Two engines
@@ -405,6 +419,7 @@ def build_plan(
         if getattr(args, flag, None):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     gateway += _media_flags(args)
+    gateway += _cors_flags(args)
     drain_timeout_s = float(args.drain_timeout)
     gateway += ["--drain-timeout", str(drain_timeout_s)]
     gateway += ["--ready-file", str(gateway_ready)]

@@ -641,6 +641,48 @@ def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
     )
 
 
+def _cors_list(flag: str) -> Callable[[str], list[str]]:
+    """argparse type of a CORS flag: vLLM's JSON list of strings, checked when parsed."""
+
+    def parse(text: str) -> list[str]:
+        from gateway.core.config import parse_cors_list
+        from protos.errors import ConfigError
+
+        try:
+            return list(parse_cors_list(flag, text))
+        except ConfigError as e:
+            message = str(e).removeprefix(flag + ": ").removeprefix(flag + " ")
+            raise argparse.ArgumentTypeError(message) from None
+
+    return parse
+
+
+def add_cors_args(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """CORS, vLLM's flags and defaults (any origin, method and header; no credentials): the
+    gateway's flags (``tandem up`` passes them on)."""
+    for name, what, example in (
+        ("origins", "origins (scheme://host[:port]) browsers may call the API from", "https://app.example.com"),
+        ("methods", "HTTP methods a cross-origin request may use", "POST"),
+        ("headers", "request headers a cross-origin request may send", "Authorization"),
+    ):  # fmt: skip
+        p.add_argument(
+            f"--allowed-{name}",
+            type=_cors_list(f"--allowed-{name}"),
+            default=["*"],
+            metavar="JSON",
+            help=f"{passed}CORS: the {what}, as vLLM's JSON list: '[\"{example}\"]'; "
+            '["*"]: any, []: none',
+        )
+    p.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=f"{passed}CORS: let browsers send cookies and HTTP auth on cross-origin requests "
+        "(Access-Control-Allow-Credentials; with --allowed-origins '[\"*\"]' the caller's own "
+        "origin is echoed back)",
+    )
+
+
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: every interface)"
@@ -730,9 +772,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on the API (default: $TANDEM_API_KEY; none: "
-        "no key needed)",
+        help="require 'Authorization: Bearer KEY' on the API (default: $TANDEM_API_KEY, else "
+        "$VLLM_API_KEY; neither: no key needed)",
     )
+    add_cors_args(p)
     p.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
     p.add_argument(
         "--slo-ttft-ms",
@@ -870,8 +913,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="the gateway requires 'Authorization: Bearer KEY' (handed to it in its environment, "
-        "not on a command line; default: $TANDEM_API_KEY; none: no key needed)",
+        "not on a command line; default: $TANDEM_API_KEY, else $VLLM_API_KEY; neither: no key "
+        "needed)",
     )
+    add_cors_args(p, "(passed to the gateway) ")
     p.add_argument(
         "--log-dir",
         default=None,

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,18 @@ from protos.roles import Role
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 MEDIA_FETCH_TIMEOUT_S = 5.0
 MEDIA_MAX_BYTES = 20 * 1024 * 1024
+# where the gateway's API key comes from, first found wins: --api-key, then these variables
+# (Tandem's own, then vLLM's, so a vLLM setup that sets only VLLM_API_KEY stays closed)
+API_KEY_ENV = ("TANDEM_API_KEY", "VLLM_API_KEY")
+# CORS, vLLM's flags and defaults (--allowed-origins, --allowed-methods, --allowed-headers: a JSON
+# list each; --allow-credentials): any origin, method and header
+CORS_ANY = ("*",)
+# response headers a browser's script may read beside the CORS-safelisted ones
+CORS_EXPOSE_HEADERS = ("x-tandem-timing",)
+# an origin as browsers send it: scheme://host[:port], no path ("null" for opaque origins)
+ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#\s]+")
+# an HTTP method or header name: an RFC 9110 token
+TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,11 @@ class GatewayConfig:
     discover: tuple[DiscoverySpec, ...] = ()
     discover_interval_s: float = 5.0
     api_key: str | None = None
+    # CORS (vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
+    allowed_origins: tuple[str, ...] = CORS_ANY
+    allowed_methods: tuple[str, ...] = CORS_ANY
+    allowed_headers: tuple[str, ...] = CORS_ANY
+    allow_credentials: bool = False
     internal_token: str = ""  # sent to the workers on every gRPC call (protos.auth)
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0
@@ -143,6 +161,8 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be >= 0, got {count}")
         check_drain_timeout(self.drain_timeout_s)
         domains = tuple(dict.fromkeys(media_domain(d) for d in self.allowed_media_domains))
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            object.__setattr__(self, name, cors_list(name, getattr(self, name)))
         object.__setattr__(self, "allowed_media_domains", domains)
         if not METRIC_NAME.fullmatch(self.metrics_prefix):
             raise ConfigError(
@@ -288,6 +308,58 @@ def media_domain(entry: str) -> str:
     return host
 
 
+def api_key_from(flag: str | None, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """The gateway's API key and where it came from: ``--api-key``, else the first of
+    :data:`API_KEY_ENV` set to a non-empty value; (None, None): no key, the API is open."""
+    if flag:
+        return flag, "--api-key"
+    for name in API_KEY_ENV:
+        if environ.get(name):
+            return environ[name], name
+    return None, None
+
+
+def cors_list(name: str, values: Any) -> tuple[str, ...]:
+    """One CORS list (``name``: the GatewayConfig field, ``allowed_origins`` ...), checked:
+    strings, each "*", or an origin (scheme://host[:port], or "null") for origins, a token for
+    methods (upper-cased, as browsers send them) and headers."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(values, str) or not isinstance(values, list | tuple):
+        raise ConfigError(f"{flag} takes a JSON list of strings, got {values!r}")
+    out = []
+    for value in values:
+        if not isinstance(value, str):
+            raise ConfigError(f"{flag} takes a JSON list of strings, got {value!r} in it")
+        if value == "*":
+            out.append(value)
+        elif name == "allowed_origins":
+            if value != "null" and not ORIGIN.fullmatch(value):
+                raise ConfigError(
+                    f"{flag}: {value!r} is not an origin: give scheme://host[:port] without a "
+                    'path or a trailing slash (e.g. "https://app.example.com"), or "*" for any'
+                )
+            out.append(value)
+        elif not TOKEN.fullmatch(value):
+            what = "an HTTP method" if name == "allowed_methods" else "a header name"
+            raise ConfigError(f'{flag}: {value!r} is not {what} (or "*" for any)')
+        else:
+            out.append(value.upper() if name == "allowed_methods" else value)
+    return tuple(out)
+
+
+def parse_cors_list(flag: str, text: str) -> tuple[str, ...]:
+    """``--allowed-origins`` / ``--allowed-methods`` / ``--allowed-headers``: vLLM's JSON list,
+    e.g. '["https://app.example.com"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{flag} takes a JSON list of strings such as '[\"https://app.example.com\"]' or "
+            f"'[\"*\"]', got {text!r} ({e.msg})"
+        ) from None
+    return cors_list(flag.removeprefix("--").replace("-", "_"), value)
+
+
 def config_from_args(
     args: argparse.Namespace, tokenizer_dir: str, default_name: str | None = None
 ) -> GatewayConfig:
@@ -305,7 +377,11 @@ def config_from_args(
         workers=workers_from_args(args),
         discover=tuple(DiscoverySpec.parse(d) for d in getattr(args, "discover", None) or ()),
         discover_interval_s=getattr(args, "discover_interval", 5.0),
-        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        api_key=api_key_from(args.api_key, os.environ)[0],
+        allowed_origins=tuple(getattr(args, "allowed_origins", CORS_ANY)),
+        allowed_methods=tuple(getattr(args, "allowed_methods", CORS_ANY)),
+        allowed_headers=tuple(getattr(args, "allowed_headers", CORS_ANY)),
+        allow_credentials=getattr(args, "allow_credentials", False),
         internal_token=token_from(getattr(args, "internal_token", None)),
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,

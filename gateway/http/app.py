@@ -12,12 +12,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.core.config import GatewayConfig
+from gateway.core.config import CORS_EXPOSE_HEADERS, GatewayConfig
 from gateway.core.errors import APIError
 from gateway.flows.tokenizer import GatewayTokenizer
 from gateway.flows.unsupported import not_found_message
@@ -111,9 +112,20 @@ def build_app(
         Route("/workers", admin_api.workers, methods=["GET"]),
         Route("/openapi.json", admin_api.openapi, methods=["GET"]),
     ]
+    cors = Middleware(
+        CORSMiddleware,
+        allow_origins=config.allowed_origins,
+        allow_methods=config.allowed_methods,
+        allow_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
+        expose_headers=CORS_EXPOSE_HEADERS,
+    )
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiKeyMiddleware, api_key=config.api_key)],
+        # CORS outside the key check: a browser's preflight (OPTIONS with Origin and
+        # Access-Control-Request-Method) never carries the key and is answered here; the request
+        # that follows needs it, and its 401 carries the CORS headers the browser needs to read it
+        middleware=[cors, Middleware(ApiKeyMiddleware, api_key=config.api_key)],
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,

@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.core.config import GatewayConfig, check_topology, config_from_args
+from gateway.core.config import GatewayConfig, api_key_from, check_topology, config_from_args
 from gateway.flows.chat_output import check_parser_flags
 from gateway.http.app import build_app
 from gateway.http.http_protocol import HttpLimits, guarded_protocol
@@ -128,6 +128,8 @@ def main(args: argparse.Namespace, tokenizer_dir: str, model_name: str) -> int:
         check_parser_flags(config)
         check_topology(config)
         check_port_free(args.host, args.port)
+        source = api_key_from(args.api_key, os.environ)[1]
+        log.info("API key: %s", f"required (from {source})" if source else "none, the API is open")
         # the tokenizer and the chat template load in serve (build_app): a bad one is a
         # ConfigError before uvicorn starts
         _run(serve(config, args.host, args.port, args.ready_file))

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from deploy.gpus import detect_gpus
-from deploy.launcher import run
+from deploy.launcher import gateway_key, run
 from deploy.plan import build_plan
 from services.cli import build_parser
 
@@ -27,12 +27,14 @@ def main() -> int:
         gpus = detect_gpus(args.gpus, environ={})
         plan = build_plan(args, gpus, 2, run_dir, program=FAKE, environ=os.environ)
         plan = dataclasses.replace(plan, prepare_argv=[*FAKE, "prepare"])
+        api_key, key_env = gateway_key(args.api_key, os.environ)
         return run(
             plan,
             Path(args.log_dir),
-            args.api_key,
+            api_key,
             ready_timeout_s=float(os.environ.get("FAKE_READY_TIMEOUT", "30")),
             grace_s=float(os.environ.get("FAKE_GRACE", "5")),
+            key_env=key_env,
         )
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

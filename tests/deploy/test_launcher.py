@@ -37,7 +37,7 @@ class Up:
         self.proc = subprocess.Popen(
             [*argv, *flags],
             cwd=REPO,
-            env={**os.environ, **child_env(FAKE_GRACE="2", **env)},
+            env={**os.environ, **child_env(**{"FAKE_GRACE": "2", **env})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -248,6 +248,41 @@ def test_stubborn_workers_and_grandchildren_are_killed_after_the_grace_period(st
     up.proc.send_signal(signal.SIGTERM)
     assert up.finish() == 0
     assert all_gone([grandchild, *(c["pid"] for c in children.values())])
+
+
+STOPPING = re.compile(r"^tandem up: stopping$")
+
+
+@pytest.mark.parametrize(("first", "second", "code"), [
+    (signal.SIGINT, signal.SIGINT, 130),
+    (signal.SIGTERM, signal.SIGTERM, 143),
+    (signal.SIGTERM, signal.SIGINT, 130),  # the signal that forced it names the status
+], ids=["INT-INT", "TERM-TERM", "TERM-INT"])  # fmt: skip
+def test_a_second_signal_forces_the_stop_and_exits_128_plus_its_number(
+    start, first: signal.Signals, second: signal.Signals, code: int
+) -> None:
+    """A first signal drains (here a gateway that never finishes draining: it ignores SIGTERM,
+    as one with a stream in flight waits out --drain-timeout); a second cuts the grace short and
+    kills everything, and tandem up says so with 128 + N, not the 0 of a clean stop."""
+    up = start(FAKE_IGNORE_TERM="gateway", FAKE_GRACE="60")
+    up.wait_for(READY)
+    children = up.children()
+    up.proc.send_signal(first)
+    up.wait_for(STOPPING)  # the first signal was taken: the stop has begun
+    up.proc.send_signal(second)
+    assert up.finish(timeout_s=20) == code  # well before the 60 s grace
+    assert "in-flight work was cut" in "\n".join(up.lines)
+    assert all_gone([c["pid"] for c in children.values()])
+
+
+def test_the_ready_message_names_the_variable_the_gateways_key_came_from(start) -> None:
+    up = start(VLLM_API_KEY="from-vllm", TANDEM_API_KEY="")
+    up.wait_for(READY)
+    curl = next(line for line in up.lines if line.strip().startswith("curl "))
+    assert '-H "Authorization: Bearer $VLLM_API_KEY"' in curl
+    assert not any("export TANDEM_API_KEY" in line for line in up.lines)  # it is set already
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.finish() == 0
 
 
 def test_a_worker_that_refuses_its_flags_makes_tandem_up_exit_2(start) -> None:

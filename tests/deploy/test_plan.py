@@ -197,6 +197,20 @@ def test_image_url_fetching_flags_go_to_the_gateway_only() -> None:
     assert not any(f in plan_for().gateway_argv for f in media)  # defaults: nothing to pass
 
 
+def test_cors_flags_go_to_the_gateway_only_as_the_json_it_reads() -> None:
+    plan = plan_for("--allowed-origins", '["https://app.example.com"]', "--allowed-methods",
+                    '["POST"]', "--allowed-headers", "[]", "--allow-credentials")  # fmt: skip
+    args = reparse(plan.gateway_argv)
+    assert args.allowed_origins == ["https://app.example.com"]
+    assert (args.allowed_methods, args.allowed_headers) == (["POST"], [])
+    assert args.allow_credentials
+    cors = ("--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials")
+    assert not any(f in w.spec.argv for w in plan.workers for f in cors)
+    assert not any(f in plan_for().gateway_argv for f in cors)  # vLLM's defaults: nothing to pass
+    default = reparse(plan_for().gateway_argv)
+    assert default.allowed_origins == default.allowed_methods == default.allowed_headers == ["*"]
+
+
 def test_a_bad_allowed_media_domain_is_refused_before_any_process_starts() -> None:
     with pytest.raises(ConfigError, match="--allowed-media-domains takes host names"):
         plan_for("--allowed-media-domains", "https://a.example.com")

@@ -229,3 +229,80 @@ def test_with_discovery_any_start_is_valid() -> None:
     check_topology(GatewayConfig(tokenizer="/t", discover=discover))
     prefill_only = _workers(("prefill", "h:1"))
     check_topology(GatewayConfig(tokenizer="/t", workers=prefill_only, discover=discover))
+
+
+def test_the_api_key_is_the_flag_then_tandem_api_key_then_vllm_api_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def key(*flags: str) -> str | None:
+        return config_from_args(build_parser().parse_args(["gateway", *flags]), "/tok").api_key
+
+    for name in ("TANDEM_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert key() is None  # no key anywhere: the API is open
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # a vLLM setup: the gateway stays closed
+    assert key() == "from-vllm"
+    monkeypatch.setenv("TANDEM_API_KEY", "")  # set but empty (compose's default): not a key
+    assert key() == "from-vllm"
+    monkeypatch.setenv("TANDEM_API_KEY", "from-tandem")
+    assert key() == "from-tandem"
+    assert key("--api-key", "from-flag") == "from-flag"
+
+
+def test_cors_is_vllms_default_any_origin_method_and_header_without_credentials() -> None:
+    config = config_from_args(build_parser().parse_args(["gateway"]), "/tok")
+    cors = (config.allowed_origins, config.allowed_methods, config.allowed_headers)
+    assert cors == (("*",), ("*",), ("*",))
+    assert config.allow_credentials is False
+
+
+def test_cors_flags_take_vllms_json_lists() -> None:
+    args = build_parser().parse_args([
+        "gateway", "--allowed-origins", '["https://app.example.com", "http://localhost:3000"]',
+        "--allowed-methods", '["post", "GET"]', "--allowed-headers", '["Authorization"]',
+        "--allow-credentials",
+    ])  # fmt: skip
+    config = config_from_args(args, "/tok")
+    assert config.allowed_origins == ("https://app.example.com", "http://localhost:3000")
+    assert config.allowed_methods == ("POST", "GET")  # as browsers send them
+    assert config.allowed_headers == ("Authorization",)
+    assert config.allow_credentials is True
+    none = build_parser().parse_args(
+        ["gateway", "--allowed-origins", "[]", "--no-allow-credentials"]
+    )
+    assert config_from_args(none, "/tok").allowed_origins == ()
+    assert none.allow_credentials is False
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--allowed-origins", "https://app.example.com", "takes a JSON list of strings such as"),
+        ("--allowed-origins", "['*']", "takes a JSON list of strings such as"),
+        ("--allowed-origins", '"*"', "takes a JSON list of strings, got '*'"),
+        ("--allowed-origins", '{"origin": "*"}', "takes a JSON list of strings"),
+        ("--allowed-origins", "[1]", "got 1 in it"),
+        ("--allowed-origins", '["https://app.example.com/"]', "without a path or a trailing"),
+        ("--allowed-origins", '["app.example.com"]', "is not an origin"),
+        ("--allowed-methods", '["PO ST"]', "is not an HTTP method"),
+        ("--allowed-headers", '["X-Key:"]', "is not a header name"),
+    ],
+)
+def test_a_bad_cors_flag_exits_2_naming_it_without_a_traceback(
+    flag: str, value: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    for command in ("gateway", "up"):
+        with pytest.raises(SystemExit) as exc:
+            main([command, flag, value])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"tandem {command}: error: argument {flag}: " in err and words in err, err
+        assert "Traceback" not in err
+
+
+def test_a_cors_list_built_in_code_is_checked_too() -> None:
+    with pytest.raises(ConfigError, match=r"--allowed-origins: 'example\.com' is not an origin"):
+        GatewayConfig(tokenizer="/tok", allowed_origins=("example.com",))
+    assert GatewayConfig(tokenizer="/tok", allowed_methods=("get",)).allowed_methods == ("GET",)

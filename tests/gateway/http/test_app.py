@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -61,6 +62,81 @@ def test_api_key_required_except_on_open_endpoints(secured: Stack) -> None:
     assert httpx.get(f"{url}/v1/models").status_code == 401
     for path in ("/health", "/metrics", "/version", "/openapi.json"):
         assert httpx.get(url + path).status_code == 200, path
+
+
+PREFLIGHT = {
+    "Origin": "https://app.example.com",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
+
+
+def test_a_browser_preflight_is_answered_without_the_api_key(secured: Stack) -> None:
+    """vLLM's CORS defaults (any origin, method and header): a browser's preflight carries no
+    Authorization header, so it is answered before the key is checked."""
+    r = httpx.options(f"{secured.base_url}/v1/completions", headers=PREFLIGHT)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert r.headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "access-control-allow-credentials" not in r.headers
+
+
+def test_a_cross_origin_request_still_needs_the_key_and_carries_cors_headers(
+    secured: Stack,
+) -> None:
+    url = f"{secured.base_url}/v1/completions"
+    body = {"model": "smol", "prompt": "hi", "max_tokens": 2}
+    origin = {"Origin": "https://app.example.com"}
+    r = httpx.post(url, json=body, headers=origin)
+    assert r.status_code == 401  # readable by the page: the CORS headers are on the 401 too
+    assert r.headers["access-control-allow-origin"] == "*"
+    ok = httpx.post(url, json=body, headers={**origin, "Authorization": "Bearer sekret"})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "*"
+    assert ok.headers["access-control-expose-headers"] == "x-tandem-timing"
+    streamed = {**body, "stream": True}
+    with httpx.stream(
+        "POST", url, json=streamed, headers={**origin, "Authorization": "Bearer sekret"}
+    ) as s:
+        assert s.status_code == 200 and s.headers["access-control-allow-origin"] == "*"
+        assert "[DONE]" in s.read().decode()
+
+
+def test_cors_allows_only_the_origins_methods_and_headers_given(tokenizer_dir: str) -> None:
+    from gateway.core.config import GatewayConfig, WorkerSpec
+    from gateway.http.app import build_app
+
+    config = GatewayConfig(
+        tokenizer=tokenizer_dir, workers=(WorkerSpec("colocated", "127.0.0.1:1"),),
+        api_key="sekret", allowed_origins=("https://app.example.com",),
+        allowed_methods=("POST",), allowed_headers=("Authorization",), allow_credentials=True,
+    )  # fmt: skip
+    url = "/v1/chat/completions"
+
+    async def check() -> None:
+        # no lifespan (ASGITransport runs none): nothing here reaches a worker
+        transport = httpx.ASGITransport(app=build_app(config))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            r = await client.options(url, headers=PREFLIGHT)
+            assert r.status_code == 200
+            assert r.headers["access-control-allow-origin"] == "https://app.example.com"
+            assert r.headers["access-control-allow-credentials"] == "true"
+            for other in (
+                {"Origin": "https://evil.example"},
+                {"Access-Control-Request-Method": "PUT"},
+                {"Access-Control-Request-Headers": "x-other"},
+            ):
+                r = await client.options(url, headers={**PREFLIGHT, **other})
+                assert r.status_code == 400, other
+                if "Origin" in other:
+                    assert "access-control-allow-origin" not in r.headers
+            r = await client.get("/v1/models", headers={"Origin": "https://evil.example"})
+            assert r.status_code == 401 and "access-control-allow-origin" not in r.headers
+            # without Origin it is no preflight: the key is needed, as for any request
+            assert (await client.options(url)).status_code == 401
+
+    asyncio.run(check())
 
 
 def test_served_model_name_and_404_for_other_models(secured: Stack) -> None:
