@@ -20,7 +20,9 @@ from gateway.core.config import (
     CORS_ANY,
     MEDIA_FETCH_TIMEOUT_S,
     MEDIA_MAX_BYTES,
+    WORKER_STALL_TIMEOUT_S,
     check_drain_timeout,
+    check_worker_stall_timeout,
     media_domain,
     parse_mm_limit,
 )
@@ -351,6 +353,7 @@ def shared_gpu_rule(
 def _check_gateway_flags(args: argparse.Namespace) -> None:
     """What the gateway would refuse, refused before any model loads (exit 2, as it would)."""
     check_drain_timeout(float(getattr(args, "drain_timeout", 30.0)))
+    check_worker_stall_timeout(float(getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S)))
     check_parser_flags(args)
 
 
@@ -422,6 +425,8 @@ def build_plan(
     gateway += _cors_flags(args)
     drain_timeout_s = float(args.drain_timeout)
     gateway += ["--drain-timeout", str(drain_timeout_s)]
+    stall_s = float(getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S))
+    gateway += ["--worker-stall-timeout", str(stall_s)]
     gateway += ["--ready-file", str(gateway_ready)]
     # The key travels in the environment (read by the gateway), not on a command line `ps` shows.
     gateway_env = {"TANDEM_API_KEY": args.api_key} if args.api_key else {}

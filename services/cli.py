@@ -595,6 +595,15 @@ def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None
 
 
 MEDIA_MAX_BYTES = 20 * 1024 * 1024  # gateway.core.config's MEDIA_MAX_BYTES (not imported here)
+WORKER_STALL_TIMEOUT_S = 10.0  # gateway.core.config's WORKER_STALL_TIMEOUT_S (not imported here)
+WORKER_STALL_HELP = (
+    "seconds a worker may leave the gateway's health polls unanswered (frozen, hung) before the "
+    "requests in flight on it end as a dead worker's do (a stream: an error frame, then [DONE]; "
+    "else 503 worker_unavailable) and what they held elsewhere is aborted; it takes new requests "
+    "again once it answers. Workers answer health polls on their event loop, not on the engine "
+    "thread, so a long engine step does not delay them. Without this, such requests waited some "
+    "40 s for the gRPC keepalive"
+)
 
 
 def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
@@ -839,6 +848,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get after SIGTERM",
     )
     p.add_argument(
+        "--worker-stall-timeout",
+        type=_positive_seconds,
+        default=WORKER_STALL_TIMEOUT_S,
+        help=WORKER_STALL_HELP,
+    )
+    p.add_argument(
         "--ready-file",
         default=None,
         help='write {"port", "host", "pid"} as JSON to this file once listening',
@@ -890,6 +905,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds the gateway gives in-flight requests on Ctrl-C/SIGTERM; the launcher waits "
         "that long plus a margin (at least TANDEM_UP_GRACE) before killing it",
+    )
+    p.add_argument(
+        "--worker-stall-timeout",
+        type=_positive_seconds,
+        default=WORKER_STALL_TIMEOUT_S,
+        help="(passed to the gateway) " + WORKER_STALL_HELP,
     )
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")

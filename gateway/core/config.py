@@ -19,6 +19,12 @@ from protos.roles import Role
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 MEDIA_FETCH_TIMEOUT_S = 5.0
 MEDIA_MAX_BYTES = 20 * 1024 * 1024
+# --worker-stall-timeout's default: health polls unanswered this long and the worker is lost.
+# Workers answer health and load polls on their event loop, not on the engine thread, so a
+# long engine step (a big prefill) does not delay them; only a frozen or hung process (or a
+# loop starved for this long) stays silent, and its requests would otherwise hang until the
+# gRPC keepalive fails them (some 40 s after its last bytes)
+WORKER_STALL_TIMEOUT_S = 10.0
 # where the gateway's API key comes from, first found wins: --api-key, then these variables
 # (Tandem's own, then vLLM's, so a vLLM setup that sets only VLLM_API_KEY stays closed)
 API_KEY_ENV = ("TANDEM_API_KEY", "VLLM_API_KEY")
@@ -106,6 +112,8 @@ class GatewayConfig:
     metrics_prefix: str = "tandem:"  # "vllm:" makes vLLM's dashboards and alert rules work
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
+    # health polls unanswered this long: the worker is lost, its in-flight requests fail now
+    worker_stall_timeout_s: float = WORKER_STALL_TIMEOUT_S
     rpc_timeout_s: float = 5.0  # unary calls: Reserve, Abort
     # a leak guard for when the gateway itself dies; normal paths abort reservations explicitly.
     # A reservation lives the request's remaining time (--request-timeout), at least this long:
@@ -160,6 +168,7 @@ class GatewayConfig:
             if count < 0:
                 raise ConfigError(f"{name} must be >= 0, got {count}")
         check_drain_timeout(self.drain_timeout_s)
+        check_worker_stall_timeout(self.worker_stall_timeout_s)
         domains = tuple(dict.fromkeys(media_domain(d) for d in self.allowed_media_domains))
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             object.__setattr__(self, name, cors_list(name, getattr(self, name)))
@@ -180,6 +189,14 @@ def check_drain_timeout(seconds: float) -> None:
     """``--drain-timeout``: a finite number of seconds >= 0 (NaN would never end a drain)."""
     if not 0 <= seconds < math.inf:
         raise ConfigError(f"--drain-timeout must be a finite number of seconds >= 0, got {seconds}")
+
+
+def check_worker_stall_timeout(seconds: float) -> None:
+    """``--worker-stall-timeout``: a finite number of seconds > 0."""
+    if not 0 < seconds < math.inf:
+        raise ConfigError(
+            f"--worker-stall-timeout must be a finite number of seconds > 0, got {seconds}"
+        )
 
 
 WORKER_FILE_KEYS = ("prefill", "decode", "worker", "workers")
@@ -393,6 +410,7 @@ def config_from_args(
         otlp_endpoint=args.otlp_endpoint,
         metrics_prefix=getattr(args, "metrics_prefix", "tandem:"),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+        worker_stall_timeout_s=getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S),
         max_local_prefill_tokens=getattr(args, "max_local_prefill_tokens", 0),
         local_prefill_queue=getattr(args, "local_prefill_queue", 0),
         local_prefill_decode_load=getattr(args, "local_prefill_decode_load", 0),

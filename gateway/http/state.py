@@ -58,6 +58,7 @@ class GatewayState:
             config.workers, config.health_interval_s, config.health_timeout_s,
             config.internal_token, owner=f"gateway-{uuid.uuid4().hex}",
             discover=config.discover, discover_interval_s=config.discover_interval_s,
+            stall_timeout_s=config.worker_stall_timeout_s,
         )  # fmt: skip
         self.dispatcher = Dispatcher(FlowContext(self.registry, self.tracer, config))
         self.metrics = GatewayMetrics(

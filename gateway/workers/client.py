@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.core.config import WorkerSpec
+from gateway.core.config import WORKER_STALL_TIMEOUT_S, WorkerSpec
 from gateway.core.events import WorkerLoadInfo
 from gateway.workers.convert import load_from_pb
-from gateway.workers.multiplex import StreamMux
+from gateway.workers.multiplex import StreamMux, rpc_error
+from gateway.workers.rpc_errors import summary
 from protos import (
     common_pb2,
     decode_pb2,
@@ -26,6 +29,14 @@ from protos.auth import client_interceptors
 from protos.roles import Role
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# aborts a worker missed (it did not answer), sent again once it answers: at most this many
+# held, each sent at most this many times in all
+MAX_OWED_ABORTS = 4096
+ABORT_TRIES = 3
+# an abort that failed with one of these may not have reached the worker
+_OWED_CODES = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
 
 # Keepalive only while calls are open, and no more often than servers allow by default, so a
 # quiet stream never trips "too_many_pings". Prompts travel as ids, logprobs as small chunks.
@@ -52,10 +63,12 @@ _MUX = {
 class WorkerClient:
     def __init__(
         self, spec: WorkerSpec, internal_token: str = "", owner: str = "",
-        poll_timeout_s: float = 1.0,
+        poll_timeout_s: float = 1.0, stall_timeout_s: float = WORKER_STALL_TIMEOUT_S,
     ) -> None:  # fmt: skip
         self.spec = spec
         self.poll_timeout_s = poll_timeout_s  # of a health poll, the registry's or check_now's
+        # polls unanswered this long: the worker is lost (frozen, hung), not just unhealthy
+        self.stall_timeout_s = stall_timeout_s
         self.name = spec.address  # the registry names it by role and index
         self.owner = owner  # this gateway's instance id: each poll renews its leases there
         self.channel = grpc.aio.insecure_channel(
@@ -69,6 +82,11 @@ class WorkerClient:
         # A fresh event once it is healthy again.
         self._lost = asyncio.Event()
         self._late_poll = False  # the last poll timed out (two in a row mark it unhealthy)
+        self._silent_since: float | None = None  # when the polls now unanswered began
+        # request id -> (timeout, tries so far): aborts that may not have reached it, sent again
+        # once it answers (a frozen worker that comes back still holds what they were to free)
+        self._owed_aborts: dict[str, tuple[float, int]] = {}
+        self._resend: asyncio.Task[None] | None = None
         self._check: asyncio.Task[None] | None = None  # check_now's poll, while it runs
         self.load: WorkerLoadInfo | None = None
         self.last_error = "not checked yet"
@@ -124,25 +142,40 @@ class WorkerClient:
 
     async def poll(self, timeout: float) -> None:
         """Health check and load; a failure marks the worker unhealthy until the next poll (one
-        late answer of a healthy worker is forgiven: two in a row are not)."""
+        late answer of a healthy worker is forgiven: two in a row are not). Unreachable, or no
+        answer for ``stall_timeout_s``: lost."""
+        started = time.monotonic()
         try:
             check = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             request = common_pb2.LoadRequest(owner=self.owner)
             load = load_from_pb(await self.stub.GetLoad(request, timeout=timeout))
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.healthy and not self._late_poll:
+            if self._silent_since is None:
+                self._silent_since = started
+            silent = time.monotonic() - self._silent_since
+            stalled = silent >= self.stall_timeout_s
+            late = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            if late and self.healthy and not self._late_poll and not stalled:
                 self._late_poll = True  # one late answer from a busy host is not yet a verdict
                 return
             reason = f"health poll failed: {getattr(code, 'name', 'ERROR')}"
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 reason += f" (is {self.address} really a {self.role} worker?)"
+            if stalled and code != grpc.StatusCode.UNAVAILABLE:
+                reason = (f"no answer to health polls for {silent:.1f} s "
+                          f"(--worker-stall-timeout {self.stall_timeout_s:g}); {reason}")  # fmt: skip
             # unreachable (refused, reset): gone. A slow answer (DEADLINE_EXCEEDED) is only
-            # unhealthy: a busy worker still holds what it holds
-            self.mark_unhealthy(reason, lost=code == grpc.StatusCode.UNAVAILABLE)
+            # unhealthy, as a busy worker still holds what it holds, until the polls have gone
+            # unanswered for stall_timeout_s: a frozen or hung worker's requests would otherwise
+            # wait for the connection's keepalive to fail them, some 40 s after its last bytes
+            self.mark_unhealthy(reason, lost=code == grpc.StatusCode.UNAVAILABLE or stalled)
             return
         self._late_poll = False
+        self._silent_since = None
         self.load = load
+        if self._owed_aborts and (self._resend is None or self._resend.done()):
+            self._resend = asyncio.get_running_loop().create_task(self._resend_aborts())
         if check.status != health_pb2.HealthCheckResponse.SERVING:
             self.mark_unhealthy("not serving (loading or draining)", lost=not load.draining)
         elif load.draining:
@@ -161,8 +194,10 @@ class WorkerClient:
             log.warning("worker %s (%s) is unhealthy: %s", self.address, self.role, reason)
         self.healthy = False
         self.last_error = reason
-        if lost:
+        if lost and not self._lost.is_set():
             self._lost.set()
+            if self.mux is not None:  # its requests end now, as when the stream breaks
+                self.mux.fail(f"worker {self.address} ({self.role}) is gone: {reason}")
 
     def check_now(self, reason: str) -> None:
         """A failed call that may be the request's or the worker's (INTERNAL or UNKNOWN: an
@@ -178,16 +213,58 @@ class WorkerClient:
         """Returns once the worker is seen gone (now, if it already is)."""
         await self._lost.wait()
 
-    async def abort(self, request_id: str, timeout: float) -> bool:
-        """Tells the worker to drop ``request_id``; True when it held the request."""
+    async def unless_lost(self, step: Awaitable[T]) -> T:
+        """``step`` (a call to this worker, or a read of one), failed with UNAVAILABLE as soon
+        as the worker is seen gone: a frozen worker answers nothing, and the connection's
+        keepalive would take some 40 s to fail the call. A gRPC call given is cancelled."""
+        work = asyncio.ensure_future(step)
+        gone = asyncio.ensure_future(self._lost.wait())
+        finished = False
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            finished = work.done()
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                cancel = getattr(step, "cancel", None)  # a call, not a coroutine reading one
+                if callable(cancel):
+                    cancel()
+        if finished:
+            return work.result()  # its value, or its own error
+        raise rpc_error(
+            grpc.StatusCode.UNAVAILABLE,
+            f"worker {self.address} ({self.role}) is gone: {self.last_error}",
+        )
+
+    async def abort(self, request_id: str, timeout: float, tries: int = 1) -> bool:
+        """Tells the worker to drop ``request_id``; True when it held the request. One that
+        may not have reached it (no answer) is sent again once the worker answers a poll
+        (``tries``: this is the how-manieth time, up to ``ABORT_TRIES``)."""
         try:
             reply = await self.stub.Abort(
                 common_pb2.AbortRequest(request_id=request_id), timeout=timeout
             )
         except grpc.RpcError as e:
-            log.info("abort of %s on %s failed: %s", request_id, self.address, e)
+            code = e.code() if hasattr(e, "code") else None
+            owed = code in _OWED_CODES and tries < ABORT_TRIES
+            if owed:
+                self._owed_aborts[request_id] = (timeout, tries)
+                while len(self._owed_aborts) > MAX_OWED_ABORTS:  # the oldest go
+                    del self._owed_aborts[next(iter(self._owed_aborts))]
+            log.info("abort of %s on %s failed (%s)%s", request_id, self.address, summary(e),
+                     "; sent again once it answers" if owed else "")  # fmt: skip
             return False
         return bool(reply.found)
+
+    async def _resend_aborts(self) -> None:
+        """The aborts it missed, now that it answers."""
+        owed, self._owed_aborts = self._owed_aborts, {}
+        log.info("worker %s (%s) answers again: sending the %d aborts it missed",
+                 self.address, self.role, len(owed))  # fmt: skip
+        await asyncio.gather(
+            *(self.abort(rid, timeout, tries + 1) for rid, (timeout, tries) in owed.items())
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -206,8 +283,9 @@ class WorkerClient:
         return self.mux
 
     async def close(self) -> None:
-        if self._check is not None:
-            self._check.cancel()
+        for task in (self._check, self._resend):
+            if task is not None:
+                task.cancel()
         if self.mux is not None:
             await self.mux.close()
         await self.channel.close(grace=None)

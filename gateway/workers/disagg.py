@@ -139,8 +139,8 @@ class _Run:
         # counted on the worker from the choice on: a burst ranks before any reply comes back
         decode.inflight += 1
         try:
-            reply = await decode.stub.Reserve(
-                request, timeout=timeout, metadata=grpc_metadata(span)
+            reply = await decode.unless_lost(  # a frozen worker: not up to the deadline
+                decode.stub.Reserve(request, timeout=timeout, metadata=grpc_metadata(span))
             )
         except grpc.RpcError as e:
             decode.inflight -= 1
@@ -168,8 +168,8 @@ class _Run:
         return self.item.deadline - time.monotonic() <= 2 * WAIT_MARGIN_S
 
     async def _read_prefill(self) -> prefill_pb2.PrefillEvent | None:
-        try:
-            event = await self.prefill_call.read()
+        try:  # a prefill worker seen gone (a frozen one answers nothing) fails it now
+            event = await self.prefill.unless_lost(self.prefill_call.read())
         except grpc.RpcError as e:
             raise rpc_failure(self.prefill, e, "Prefill") from e
         return None if event is grpc.aio.EOF else event

@@ -83,8 +83,10 @@ async def embed(
     worker.inflight += 1
     error: str | None = "cancelled"
     try:
-        reply = await worker.stub.Embed(
-            embed_request_to_pb(work), timeout=timeout_s, metadata=grpc_metadata(span)
+        reply = await worker.unless_lost(
+            worker.stub.Embed(
+                embed_request_to_pb(work), timeout=timeout_s, metadata=grpc_metadata(span)
+            )
         )
         error = None
     except grpc.RpcError as e:

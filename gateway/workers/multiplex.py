@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from gateway.workers.rpc_errors import summary
 from protos import common_pb2
 from protos.errors import PARAM_METADATA_KEY
 
@@ -137,6 +138,7 @@ class StreamMux:
         self._calls: dict[str, MuxCall] = {}
         self._outbox: asyncio.Queue[Any] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._call: Any = None  # the open stream's call
 
     def start(self, request: Any, metadata: Sequence[tuple[str, str]], timeout: float) -> MuxCall:
         rid = request.request_id
@@ -170,7 +172,7 @@ class StreamMux:
             except Exception as exc:  # a closed channel and the like: fail who waits now
                 self._fail_all(self._calls, rpc_error(grpc.StatusCode.UNAVAILABLE, repr(exc)))
                 return
-            self._outbox = outbox
+            self._outbox, self._call = outbox, call
             self._reader = asyncio.ensure_future(self._read(call, outbox))
         self._outbox.put_nowait(item)
 
@@ -199,13 +201,32 @@ class StreamMux:
             log.exception("multiplexed stream to %s failed", self.address)
             error = rpc_error(grpc.StatusCode.UNKNOWN, repr(exc))
         finally:
-            log.info("multiplexed stream to %s ended: %s", self.address, error)
             outbox.put_nowait(None)  # ends grpc's request-reading task
             call.cancel()
             if self._outbox is outbox:  # the next request opens a new stream
-                self._outbox, self._reader = None, None
+                # (else fail() or close() let it go, and said so)
+                log.info("multiplexed stream to %s ended: %s", self.address, summary(error))
+                self._outbox, self._reader, self._call = None, None, None
                 self._calls = {}
             self._fail_all(calls, error)
+
+    def fail(self, details: str) -> None:
+        """The worker is seen gone while its stream still looks open (a frozen process sends
+        nothing, and the connection's keepalive takes some 40 s to notice): every request on the
+        stream fails now with UNAVAILABLE, as when the stream breaks, and the stream is
+        cancelled (a worker that comes back ends the requests of a stream that ended). The next
+        request opens a new stream."""
+        reader, outbox, calls, call = self._reader, self._outbox, self._calls, self._call
+        if outbox is None:
+            return
+        self._reader, self._outbox, self._calls, self._call = None, None, {}, None
+        log.warning("multiplexed stream to %s given up (%d requests on it): %s",
+                    self.address, len(calls), details)  # fmt: skip
+        self._fail_all(calls, rpc_error(grpc.StatusCode.UNAVAILABLE, details))
+        outbox.put_nowait(None)
+        call.cancel()
+        if reader is not None:
+            reader.cancel()  # what it still delivers comes after the error above: never read
 
     @staticmethod
     def _fail_all(calls: dict[str, MuxCall], error: BaseException) -> None:
@@ -214,7 +235,7 @@ class StreamMux:
 
     async def close(self) -> None:
         reader, outbox, calls = self._reader, self._outbox, self._calls
-        self._reader, self._outbox, self._calls = None, None, {}
+        self._reader, self._outbox, self._calls, self._call = None, None, {}, None
         if reader is not None:
             reader.cancel()  # a reader that never ran has no finally: clean up here too
             with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):

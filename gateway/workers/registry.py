@@ -14,7 +14,7 @@ import logging
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
-from gateway.core.config import DiscoverySpec, WorkerSpec
+from gateway.core.config import WORKER_STALL_TIMEOUT_S, DiscoverySpec, WorkerSpec
 from gateway.workers.client import WorkerClient
 from gateway.workers.discovery import Resolver, resolve_dns
 from protos.roles import Role
@@ -34,12 +34,14 @@ class WorkerRegistry:
         discover_interval_s: float = 5.0,
         resolver: Resolver = resolve_dns,
         retire_grace_s: float = 600.0,
+        stall_timeout_s: float = WORKER_STALL_TIMEOUT_S,
     ) -> None:
         self.owner = owner  # this gateway's instance id (leases on the workers)
         self._token = internal_token
         self._names: dict[str, int] = {}  # next index per role: "decode-1", never reused
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.stall_timeout_s = stall_timeout_s  # polls unanswered this long: a worker is lost
         self.clients = [self._client(spec) for spec in specs]
         self.discover = tuple(discover)
         self.discover_interval_s = discover_interval_s
@@ -53,7 +55,7 @@ class WorkerRegistry:
         self._background: set[asyncio.Task[Any]] = set()
 
     def _client(self, spec: WorkerSpec) -> WorkerClient:
-        client = WorkerClient(spec, self._token, self.owner, self.timeout_s)
+        client = WorkerClient(spec, self._token, self.owner, self.timeout_s, self.stall_timeout_s)
         # "decode-1": a name for open endpoints (/metrics, /health), which show no addresses
         role = client.role
         index = self._names.get(role, 0)

@@ -55,6 +55,12 @@ def _param(err: grpc.RpcError) -> str | None:
     return None
 
 
+def summary(err: grpc.RpcError) -> str:
+    """``CODE: details`` on one line, for a log (an ``AioRpcError``'s own text spans lines)."""
+    details = " ".join(_details(err).split())
+    return f"{_code(err).name}: {details}" if details else _code(err).name
+
+
 def from_rpc_error(err: grpc.RpcError, address: str, call: str) -> UpstreamError:
     code = _code(err)
     details = _details(err)

@@ -418,6 +418,14 @@ def test_the_gateway_gets_the_drain_timeout_the_launcher_waits_for(
     assert shutdown_grace(plan.drain_timeout_s, floor_s=drain + 60) == drain + 60  # env floor
 
 
+@pytest.mark.parametrize(("flags", "stall"), [((), 10.0), (("--worker-stall-timeout", "3"), 3.0)])
+def test_the_gateway_gets_the_worker_stall_timeout(flags: tuple[str, ...], stall: float) -> None:
+    plan = plan_for(*flags)
+    spec = gateway_spec(plan, {"prefill-0": 1, "decode-0": 2}, None)
+    assert reparse(spec.argv).worker_stall_timeout == stall
+    assert all("--worker-stall-timeout" not in w.spec.argv for w in plan.workers)
+
+
 def test_task_embed_and_the_pooler_reach_the_colocated_workers() -> None:
     pooler = '{"pooling_type": "MEAN"}'
     plan = plan_for("--colocated", "2", "--task", "embed", "--pooler-config", pooler)

@@ -3,7 +3,8 @@
 Output token i of a request is prompt token i (the prompt is echoed, cycling), one token per
 chunk, its text decoded with the real tokenizer. EOS (unless ignore_eos), stop strings and
 max_tokens end a request as a real worker would. Behaviour knobs make calls fail or slow down;
-records keep every request, abort and the gRPC metadata seen.
+records keep every request, abort and the gRPC metadata seen. ``FakeWorker.freeze`` makes a
+worker answer nothing at all, as a process stopped with SIGSTOP, until ``thaw``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ class FakeEngine:
     def __init__(self, tokenizer: Tokenizer, behavior: Behavior, records: Records, role: str):
         self.tok, self.behavior, self.records, self.role = tokenizer, behavior, records, role
         self.cancelled: set[str] = set()
+        # cleared: frozen, every handler waits here (a call the caller gave up on is cancelled
+        # while it waits, as a real worker never sees it once its deadline passed)
+        self.thawed = asyncio.Event()
+        self.thawed.set()
+
+    async def gate(self) -> None:
+        """Returns at once unless the worker is frozen: then once it thaws."""
+        if not self.thawed.is_set():
+            await self.thawed.wait()
 
     def _note(self, rid: str, context: grpc.aio.ServicerContext) -> None:
         self.records.requests.append(rid)
@@ -136,6 +146,7 @@ class FakeEngine:
             if stop_at is not None and i >= stop_at:
                 return
             await asyncio.sleep(b.first_delay_s if i == start else b.token_delay_s)
+            await self.gate()
             if rid in self.cancelled:
                 return
             if b.fail_after_tokens is not None and i >= b.fail_after_tokens:
@@ -267,6 +278,7 @@ class Worker(LoRAUpdates, worker_pb2_grpc.WorkerServiceServicer):
         if self.e.behavior.task != "embed":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake worker: --task generate")
         await asyncio.sleep(self.e.behavior.first_delay_s)
+        await self.e.gate()
         return worker_pb2.EmbedResponse(
             embeddings=[
                 worker_pb2.Embedding(
@@ -278,11 +290,13 @@ class Worker(LoRAUpdates, worker_pb2_grpc.WorkerServiceServicer):
         )
 
     async def Abort(self, request, context):
+        await self.e.gate()
         self.e.records.aborts.append(request.request_id)
         self.e.cancelled.add(request.request_id)
         return common_pb2.AbortResponse(found=True)
 
     async def GetLoad(self, request, context):
+        await self.e.gate()
         return self.e.load()
 
 
@@ -309,17 +323,20 @@ class Prefill(LoRAUpdates, prefill_pb2_grpc.PrefillServiceServicer):
         if first is None or first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             return
         await asyncio.sleep(e.behavior.transfer_s)
+        await e.gate()
         if e.behavior.fail_transfer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: KV transfer failed")
         if not e.behavior.done_first:
             yield prefill_pb2.PrefillEvent(done=done)
 
     async def Abort(self, request, context):
+        await self.e.gate()
         self.e.records.aborts.append(request.request_id)
         self.e.cancelled.add(request.request_id)
         return common_pb2.AbortResponse(found=True)
 
     async def GetLoad(self, request, context):
+        await self.e.gate()
         return self.e.load()
 
 
@@ -329,6 +346,7 @@ class Decode(LoRAUpdates, decode_pb2_grpc.DecodeServiceServicer):
 
     async def Reserve(self, request, context):
         e = self.e
+        await e.gate()
         e.records.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
         e.records.reserve_waits.append(request.wait_s)
         e.records.reserve_grants.append(request.grant)
@@ -376,21 +394,24 @@ class Decode(LoRAUpdates, decode_pb2_grpc.DecodeServiceServicer):
             yield batch
 
     async def Abort(self, request, context):
+        await self.e.gate()
         self.e.records.aborts.append(request.request_id)
         self.e.cancelled.add(request.request_id)
         found = self.e.records.reservations.pop(request.request_id, None) is not None
         return common_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context):
+        await self.e.gate()
         return self.e.load(reserved=len(self.e.records.reservations))
 
 
 class Health(health_pb2_grpc.HealthServicer):
-    def __init__(self, behavior: Behavior) -> None:
-        self.behavior = behavior
+    def __init__(self, engine: FakeEngine) -> None:
+        self.behavior, self.e = engine.behavior, engine
 
     async def Check(self, request, context):
         await asyncio.sleep(self.behavior.health_delay_s)
+        await self.e.gate()
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if self.behavior.serving
@@ -416,22 +437,36 @@ class FakeWorker:
         self.engine = FakeEngine(tokenizer, self.behavior, self.records, role)
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # where it serves (start's)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def reset(self) -> None:
-        """Default behaviour and empty records (the objects stay the same)."""
+        """Default behaviour and empty records (the objects stay the same), thawed; from any
+        thread."""
         self.behavior.__init__()  # type: ignore[misc]
         self.records.__init__()  # type: ignore[misc]
         self.engine.cancelled.clear()
+        if self.loop is not None and not self.engine.thawed.is_set():
+            self.loop.call_soon_threadsafe(self.engine.thawed.set)
+
+    async def freeze(self) -> None:
+        """From now on it answers nothing (health, load, calls, tokens), as a process stopped
+        with SIGSTOP: its connections stay open, so no call fails until its deadline."""
+        self.engine.thawed.clear()
+
+    async def thaw(self) -> None:
+        """Answers again; what waited goes on (what its callers gave up on was cancelled)."""
+        self.engine.thawed.set()
 
     async def start(self, port: int = 0) -> None:
+        self.loop = asyncio.get_running_loop()
         self.server = grpc.aio.server()
         servicer, add = _SERVICERS[self.role]
         add(servicer(self.engine), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(Health(self.behavior), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(Health(self.engine), self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
 

@@ -165,6 +165,24 @@ def test_a_media_limit_that_is_not_positive_exits_2(flag: str) -> None:
     assert e.value.code == 2
 
 
+def test_worker_stall_timeout_reaches_the_config_and_a_bad_one_exits_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    default = config_from_args(build_parser().parse_args(["gateway"]), "/tok")
+    assert default.worker_stall_timeout_s == 10.0
+    args = build_parser().parse_args(["gateway", "--worker-stall-timeout", "2.5"])
+    assert config_from_args(args, "/tok").worker_stall_timeout_s == 2.5
+    for command in ("gateway", "up"):
+        for bad in ("0", "-1", "nan", "inf", "soon"):
+            with pytest.raises(SystemExit) as e:
+                build_parser().parse_args([command, "--worker-stall-timeout", bad])
+            assert e.value.code == 2
+            err = capsys.readouterr().err
+            assert "--worker-stall-timeout" in err and repr(bad) in err, err
+    with pytest.raises(ConfigError, match="--worker-stall-timeout must be a finite number"):
+        GatewayConfig(tokenizer="/t", worker_stall_timeout_s=0)
+
+
 @pytest.mark.parametrize(
     ("name", "text", "words"),
     [

@@ -206,3 +206,32 @@ async def test_close_fails_waiting_requests_and_a_broken_stream_leaves_no_reader
     with pytest.raises(grpc.RpcError) as info:
         await b.read()
     assert info.value.code() == grpc.StatusCode.CANCELLED
+
+
+async def test_fail_ends_every_request_of_a_silent_stream_and_the_next_one_reopens() -> None:
+    """The worker is seen gone while its stream sends nothing (frozen, the connection open):
+    ``fail`` ends each request on it with UNAVAILABLE at once, cancels the stream, and the next
+    request opens a new one; a request cancelled afterwards sends no abort anywhere."""
+    fake = FakeStream()
+    mux = _mux(fake)
+    a, b = mux.start(_req("a"), [], 10.0), mux.start(_req("b"), [], 10.0)
+    await asyncio.sleep(0)  # the reader runs, waiting for a batch that never comes
+    mux.fail("worker w:1 is gone: no answer")
+    for call in (a, b):
+        with pytest.raises(grpc.RpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == "worker w:1 is gone: no answer"
+        assert await call.read() is grpc.aio.EOF and not call.cancel()
+    await asyncio.sleep(0.01)
+    assert all(t.done() for t in fake.consumers), "the given-up stream's item reader still waits"
+    assert mux.open_requests == 0
+    c = mux.start(_req("c"), [], 10.0)
+    fake.send(_chunk("c", 1, reason=LENGTH))
+    assert [list(x.token_ids) async for x in c] == [[1]]
+    assert fake.opened == 2
+    assert not [i for i in fake.items if i.WhichOneof("item") == "abort"]
+    mux.fail("nothing open: nothing to do")  # the stream is idle, still open: given up too
+    mux.fail("twice")  # and then there is none
+    assert fake.opened == 2
+    await mux.close()
