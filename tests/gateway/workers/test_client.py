@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -64,6 +64,21 @@ def _ends_with_error(frames: list[str]) -> dict[str, object]:
     error: dict[str, object] = json.loads(frames[-2])["error"]
     assert error["code"] == "worker_unavailable", error
     return error
+
+
+def _reply_after_freezing(
+    stack: Stack, worker: FakeWorker, started: Callable[[], bool], body: dict[str, object]
+) -> tuple[httpx.Response, float]:
+    """A non-streamed completion sent, ``worker`` frozen once ``started()``: the reply and the
+    seconds it took after the freeze."""
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
+                            timeout=60)  # fmt: skip
+        assert wait_for(started)
+        stack.run(worker.freeze())
+        t0 = time.monotonic()
+        r = reply.result(60)
+        return r, time.monotonic() - t0
 
 
 def _usable_again(stack: Stack, worker: FakeWorker) -> None:
@@ -120,14 +135,9 @@ def test_a_frozen_decode_worker_fails_a_non_streamed_request_with_a_503(
         decode = stack.role("decode")[0]
         decode.behavior.token_delay_s = 0.02
         body = {"prompt": PROMPT, "max_tokens": 1000}
-        with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
-                                timeout=60)  # fmt: skip
-            assert wait_for(lambda: bool(decode.records.decode_calls))
-            stack.run(decode.freeze())
-            t0 = time.monotonic()
-            r = reply.result(60)
-            elapsed = time.monotonic() - t0
+        r, elapsed = _reply_after_freezing(
+            stack, decode, lambda: bool(decode.records.decode_calls), body
+        )
         assert r.status_code == 503, r.text
         error = r.json()["error"]
         assert set(error) == ERROR_KEYS and error["code"] == "worker_unavailable", error
@@ -202,14 +212,9 @@ def test_a_frozen_prefill_worker_fails_the_request_and_frees_its_reservation(
         prefill, decode = stack.role("prefill")[0], stack.role("decode")[0]
         prefill.behavior.first_delay_s = 0.5  # it freezes before the first token is out
         body = {"prompt": PROMPT, "max_tokens": 8}
-        with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(httpx.post, f"{stack.base_url}/v1/completions", json=body,
-                                timeout=60)  # fmt: skip
-            assert wait_for(lambda: bool(prefill.records.requests))
-            stack.run(prefill.freeze())
-            t0 = time.monotonic()
-            r = reply.result(60)
-            elapsed = time.monotonic() - t0
+        r, elapsed = _reply_after_freezing(
+            stack, prefill, lambda: bool(prefill.records.requests), body
+        )
         assert r.status_code == 503, r.text
         error = r.json()["error"]
         assert error["code"] == "worker_unavailable" and "Prefill" in error["message"], error
