@@ -2,7 +2,8 @@
 
 SIGTERM or SIGINT: /health turns 503 and new requests get 503 at once; in-flight requests get
 ``--drain-timeout`` seconds, then end with finish_reason "abort"; then uvicorn closes. A second
-signal exits without waiting.
+signal exits without waiting, with status 128 + its number (130 for Ctrl-C, 143 for SIGTERM), as
+`tandem up` does: in-flight work was cut.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.grace_s = grace_s
         self._drain_task: asyncio.Task[None] | None = None
+        self.forced_by: int | None = None  # the second signal, which cut in-flight work
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:  # uvicorn.Server's hook
@@ -46,17 +48,18 @@ class DrainingServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:
-            loop.add_signal_handler(sig, self.begin_shutdown)
+            loop.add_signal_handler(sig, self.begin_shutdown, sig)
         try:
             yield
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
 
-    def begin_shutdown(self) -> None:
+    def begin_shutdown(self, sig: int = signal.SIGTERM) -> None:
         if self._drain_task is not None:
             log.warning("second signal: exiting without waiting for requests")
             self.should_exit = self.force_exit = True
+            self.forced_by = self.forced_by or sig
             return
         log.info("draining: no new requests; in-flight ones get %.1f s", self.grace_s)
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
@@ -66,6 +69,11 @@ class DrainingServer(uvicorn.Server):
             await self.state.drain(self.grace_s)
         finally:
             self.should_exit = True
+
+    @property
+    def exit_code(self) -> int:
+        """0 after a drain; 128 + the signal's number when a second one forced the exit."""
+        return 0 if self.forced_by is None else 128 + self.forced_by
 
     @property
     def port(self) -> int | None:
@@ -85,7 +93,8 @@ def _write_ready_file(path: str, host: str, port: int) -> None:
 
 async def serve(
     config: GatewayConfig, host: str, port: int, ready_file: str | None = None, **app_kwargs: Any
-) -> None:
+) -> int:
+    """Serves until a signal; the exit status (:attr:`DrainingServer.exit_code`)."""
     app = build_app(config, **app_kwargs)
     limits = HttpLimits(
         header_timeout_s=config.header_timeout_s,
@@ -105,16 +114,16 @@ async def serve(
         if ready_file:
             _write_ready_file(ready_file, host, server.port)
     await task
+    return server.exit_code
 
 
-def _run(coro: Any) -> None:
+def _run(coro: Any) -> Any:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(coro)
-        return
+        return asyncio.run(coro)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(coro)
+        return runner.run(coro)
 
 
 def main(args: argparse.Namespace, tokenizer_dir: str, model_name: str) -> int:
@@ -132,8 +141,8 @@ def main(args: argparse.Namespace, tokenizer_dir: str, model_name: str) -> int:
         log.info("API key: %s", f"required (from {source})" if source else "none, the API is open")
         # the tokenizer and the chat template load in serve (build_app): a bad one is a
         # ConfigError before uvicorn starts
-        _run(serve(config, args.host, args.port, args.ready_file))
+        code: int = _run(serve(config, args.host, args.port, args.ready_file))
     except ConfigError as e:
         log.error("%s", e)
         return 2
-    return 0
+    return code

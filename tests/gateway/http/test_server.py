@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -95,6 +96,36 @@ def test_ready_file_holds_the_port_and_sigint_exits(
     assert proc.wait(20) == 0
     output = proc.stdout.read()
     assert f"gateway listening on {url}" in output
+
+
+def test_a_second_signal_cuts_the_drain_and_exits_128_plus_its_number(
+    gateway_process: tuple[subprocess.Popen, str], colocated: Stack
+) -> None:
+    """One signal drains and exits 0; a second one exits at once with 130 (SIGINT), as
+    `tandem up` does, so a supervisor can tell that in-flight work was cut."""
+    proc, url = gateway_process
+    colocated.workers[0].behavior.token_delay_s = 0.1  # 100 tokens: far longer than the test
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Hello world", "max_tokens": 100, "stream": True}
+        url_ = f"{url}/v1/completions"
+        # the forced exit cuts it
+        with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url_, json=body) as r:
+            for _ in r.iter_lines():
+                started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(10)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the drain has begun once /health says so
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(20) == 128 + signal.SIGINT
+    assert "second signal: exiting without waiting" in proc.stdout.read()
+    reader.join(20)
 
 
 def _gateway_exits_2(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
