@@ -346,7 +346,7 @@ def main(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-logs-"))
     try:
         plan = build_plan(
-            args, detect_gpus(args.gpus), os.cpu_count() or 1, run_dir, environ=os.environ
+            args, detect_gpus(args.gpus, note=say), os.cpu_count() or 1, run_dir, environ=os.environ
         )
         api_key, key_env = gateway_key(args.api_key, os.environ)
         code = run(plan, log_dir, api_key, key_env=key_env)

@@ -50,3 +50,20 @@ def test_nvidia_smi_is_asked_when_nothing_else_says() -> None:
 
 def test_no_nvidia_smi_means_cpu() -> None:
     assert detect_gpus(None, {}, _no_smi) == []
+
+
+def test_cuda_visible_devices_without_any_gpu_falls_back_to_the_cpu() -> None:
+    notes: list[str] = []
+    gpus = detect_gpus(
+        None, {"CUDA_VISIBLE_DEVICES": "0"}, _no_smi, driver=lambda: False, note=notes.append
+    )
+    assert gpus == []
+    assert len(notes) == 1 and "CUDA_VISIBLE_DEVICES=0" in notes[0] and "CPU" in notes[0]
+
+
+def test_cuda_visible_devices_is_kept_where_the_driver_is_present() -> None:
+    notes: list[str] = []
+    env = {"CUDA_VISIBLE_DEVICES": "1"}
+    assert detect_gpus(None, env, _no_smi, driver=lambda: True, note=notes.append) == ["1"]
+    assert detect_gpus(None, env, lambda: SMI, driver=lambda: False, note=notes.append) == ["1"]
+    assert notes == []

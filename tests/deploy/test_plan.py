@@ -517,3 +517,13 @@ def test_a_bad_image_limit_is_refused_before_any_process_starts() -> None:
 def test_lora_modules_without_enable_lora_is_refused_before_any_worker_starts() -> None:
     with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
         plan_for("--lora-modules", "a=/ad/a")
+
+
+def test_cuda_visible_devices_on_a_machine_without_gpus_plans_cpu_workers() -> None:
+    from deploy.gpus import detect_gpus
+
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    gpus = detect_gpus(None, env, lambda: None, driver=lambda: False, note=lambda _: None)
+    plan = plan_for("--colocated", "1", gpus=tuple(gpus), env=env)
+    assert {reparse(w.spec.argv).device for w in plan.workers} == {"cpu"}
+    assert all("CUDA_VISIBLE_DEVICES" not in w.spec.env for w in plan.workers)
