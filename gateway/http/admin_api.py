@@ -54,15 +54,26 @@ async def metrics(request: Request) -> Response:
 
 
 def _card(request: Request) -> dict[str, Any]:
+    """vLLM's model card: its fields, ``parent`` null for the base model, and the one
+    ``permission`` entry vLLM lists (sampling, logprobs and viewing allowed to anyone)."""
     state = gateway_state(request)
     max_model_len, _ = state.registry.limits()
+    created = int(state.started_at)
+    permission = {
+        "id": f"modelperm-{state.model_name}", "object": "model_permission", "created": created,
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+        "organization": "*", "group": None, "is_blocking": False,
+    }  # fmt: skip
     return {
         "id": state.model_name,
         "object": "model",
-        "created": int(state.started_at),
+        "created": created,
         "owned_by": "tandem",
         "root": state.config.model,
+        "parent": None,
         "max_model_len": max_model_len,
+        "permission": [permission],
     }
 
 

@@ -144,6 +144,10 @@ def test_served_model_name_and_404_for_other_models(secured: Stack) -> None:
     models = httpx.get(f"{secured.base_url}/v1/models", headers=headers).json()
     assert [m["id"] for m in models["data"]] == ["smol"]
     assert models["data"][0]["max_model_len"] == 2048
+    # vLLM's card: parent null for the base model, one permission entry
+    card = models["data"][0]
+    assert card["parent"] is None and card["permission"][0]["object"] == "model_permission"
+    assert card["permission"][0]["allow_sampling"] is True
     r = httpx.post(
         f"{secured.base_url}/v1/completions",
         json={"model": "gpt-4", "prompt": "hi"},
