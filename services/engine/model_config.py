@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,34 @@ def scaling_kind(scaling: dict[str, Any] | None) -> str:
     scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     return "default" if kind == "mrope" else str(kind)
+
+
+# the variables that let --max-model-len exceed the model's own maximum (vLLM's, then ours)
+ALLOW_LONG_MAX_MODEL_LEN_ENV = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "TANDEM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def derived_max_model_len(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
+    """The longest context the model's config says it handles, as vLLM derives it: the config's
+    max_position_embeddings, times the rope scaling's factor where the scaling stretches the
+    trained length (linear, dynamic; YaRN stretches its original_max_position_embeddings).
+    Llama 3's and LongRoPE's configs already give the stretched length."""
+    scaling = scaling or {}
+    kind = scaling_kind(scaling)
+    factor = scaling.get("factor")
+    if kind in ("default", "llama3", "longrope", "su") or not factor:
+        return max_position_embeddings
+    base = max_position_embeddings
+    if kind == "yarn":
+        base = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    return int(base * float(factor))
+
+
+def allow_long_max_model_len(environ: Mapping[str, str]) -> str | None:
+    """The variable that allows a --max-model-len beyond the model's maximum, if one is set."""
+    for name in ALLOW_LONG_MAX_MODEL_LEN_ENV:
+        if environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return name
+    return None
 
 
 @dataclass(frozen=True)

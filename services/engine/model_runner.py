@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -40,6 +41,11 @@ from services.engine.kv_cache import (
 from services.engine.kv_handoff import LayerSink
 from services.engine.loader import check_tp_split, load_model
 from services.engine.lora.manager import LoRAManager, RankCut
+from services.engine.model_config import (
+    ALLOW_LONG_MAX_MODEL_LEN_ENV,
+    allow_long_max_model_len,
+    derived_max_model_len,
+)
 from services.engine.models.llama import Attention
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
@@ -138,6 +144,25 @@ class ModelRunner:
             self.close(graceful=False)
             raise
 
+    def _check_long_max_model_len(self, limit: int) -> None:
+        """A --max-model-len beyond the model's own maximum: refused, as vLLM does, unless
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN (or TANDEM_ALLOW_LONG_MAX_MODEL_LEN) is 1."""
+        said = (
+            f"--max-model-len {self.max_model_len} is greater than the model's maximum of "
+            f"{limit} positions (max_position_embeddings {self.arch.max_position_embeddings}"
+            f"{', with its rope scaling' if limit != self.arch.max_position_embeddings else ''})"
+        )
+        allowed = allow_long_max_model_len(os.environ)
+        if allowed is None:
+            raise ConfigError(
+                f"{said}: pass --max-model-len {limit} or less (or leave it out), or set "
+                f"{ALLOW_LONG_MAX_MODEL_LEN_ENV[0]}=1 to allow it anyway (outputs past the "
+                "positions the model was trained on may be wrong)"
+            )
+        log.warning(
+            "%s; allowed by %s, outputs past %d positions may be wrong", said, allowed, limit
+        )
+
     def _build(self, config: EngineConfig) -> None:
         max_pos = 1 << 17
         if config.speculative is not None:
@@ -156,11 +181,13 @@ class ModelRunner:
             else None
         )
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
-        limit = self.arch.max_position_embeddings
+        limit = derived_max_model_len(self.arch.max_position_embeddings, self.arch.rope_scaling)
         default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos
         self.max_model_len = config.model.max_model_len or min(limit, max_pos, default_len)
         if self.max_model_len > max_pos:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds {max_pos} positions")
+        if self.max_model_len > limit:
+            self._check_long_max_model_len(limit)
         for module in self.model.modules():  # a window no context outgrows: whole attention,
             # without the kernels' window masks (7-8% of 8 x 1024 prompts' attention, H200)
             if isinstance(module, Attention) and module.window >= self.max_model_len:

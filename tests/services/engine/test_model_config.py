@@ -335,3 +335,31 @@ def test_qwen2_moe_reads_its_shared_expert_and_refuses_its_windows() -> None:
         ArchConfig.from_dict({**BASE, "model_type": "qwen3_moe", "num_experts": 8,
                               "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                               "shared_expert_intermediate_size": 48})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scaling", "expected"),
+    [
+        ({}, 4096),
+        ({"rope_type": "linear", "factor": 2.0}, 8192),
+        ({"type": "dynamic", "factor": 4.0}, 16384),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}, 8192),
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 512}, 4096),
+        ({"rope_type": "longrope", "factor": 32.0, "original_max_position_embeddings": 128}, 4096),
+    ],
+)
+def test_the_derived_max_model_len_follows_the_rope_scaling(
+    scaling: dict[str, Any], expected: int
+) -> None:
+    from services.engine.model_config import derived_max_model_len
+
+    assert derived_max_model_len(4096, scaling) == expected
+
+
+def test_either_variable_allows_a_long_max_model_len() -> None:
+    from services.engine.model_config import allow_long_max_model_len
+
+    assert allow_long_max_model_len({}) is None
+    assert allow_long_max_model_len({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0"}) is None
+    assert allow_long_max_model_len({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}) is not None
+    assert allow_long_max_model_len({"TANDEM_ALLOW_LONG_MAX_MODEL_LEN": "true"}) is not None

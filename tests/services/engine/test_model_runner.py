@@ -148,3 +148,26 @@ def test_max_total_tokens_reaches_the_cache_config_from_the_cli() -> None:
     assert config_from_args(args).cache.max_total_tokens == 40960
     plain = build_parser().parse_args(["decode", "--port", "0"])
     assert config_from_args(plain).cache.max_total_tokens is None
+
+
+def _smollm2(max_model_len: int) -> LLMEngine:  # max_position_embeddings 8192
+    return LLMEngine(
+        build_config("smollm2-135m", load_format="dummy", dtype="float32", device="cpu",
+                     max_model_len=max_model_len, max_num_seqs=2)
+    )  # fmt: skip
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.config import ConfigError
+
+    for name in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "TANDEM_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"--max-model-len 100000 .* maximum of 8192 .*"):
+        _smollm2(100000)
+
+
+def test_allow_long_max_model_len_lets_it_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert _smollm2(8192 + 64).runner.max_model_len == 8192 + 64
