@@ -282,13 +282,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "max_position_embeddings, at most 131072; on the CPU at most 2048)",
     )
     g.add_argument(
-        "--dummy-weight-seed",
         "--seed",
-        dest="seed",
         type=int,
-        default=0,
+        default=None,
+        help="the engine's random seed (as vLLM's): requests without a seed of their own sample "
+        "the same output for the same sequence of requests, and the random weights of "
+        "--load-format dummy and named configs follow it (default: none, a fresh draw each run)",
+    )
+    g.add_argument(
+        "--dummy-weight-seed",
+        type=int,
+        default=None,
         help="seed of the random weights that --load-format dummy and named configs get (the "
-        "same seed gives the same weights); not a sampling seed. --seed is its old name",
+        "same seed gives the same weights; default: --seed's, else 0)",
     )
     g.add_argument(
         "--served-model-name",

@@ -27,9 +27,20 @@ class ModelConfig:
     load_format: str = "auto"  # auto | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's own limit
-    seed: int = 0  # for dummy weights
+    # the engine's random seed (--seed, vLLM's): the noise of requests without a seed of their
+    # own (the same seed and sequence of requests, the same output) and dummy weights; None: a
+    # fresh draw each run
+    seed: int | None = None
+    dummy_weight_seed: int | None = None  # the random weights' own seed (None: seed's, else 0)
     # fp8 | awq | gptq; None: the checkpoint's quantization_config, if any
     quantization: str | None = None
+
+    @property
+    def weights_seed(self) -> int:
+        """The seed of --load-format dummy's random weights."""
+        if self.dummy_weight_seed is not None:
+            return self.dummy_weight_seed
+        return self.seed if self.seed is not None else 0
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy", "hf", "gguf"):

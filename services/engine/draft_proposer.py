@@ -159,6 +159,7 @@ class DraftProposer:
         dummy = config.model.load_format == "dummy"
         model = ModelConfig(
             model=spec.model, load_format="dummy" if dummy else "auto", seed=config.model.seed,
+            dummy_weight_seed=config.model.dummy_weight_seed,
             dtype=DTYPE_NAMES[target.dtype], max_model_len=target.max_model_len,
         )  # fmt: skip
         cache = replace(config.cache, num_blocks=num_blocks, enable_prefix_caching=False,

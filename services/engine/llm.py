@@ -253,6 +253,7 @@ def config_from_args(args: Any) -> EngineConfig:
         quantization=getattr(args, "quantization", None),
         max_model_len=args.max_model_len,
         seed=args.seed,
+        dummy_weight_seed=getattr(args, "dummy_weight_seed", None),
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_gib=args.kv_cache_gib,

@@ -24,6 +24,7 @@ from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
 from services.engine.model_runner import Launched, ModelRunner, launchable, resolve_device
 from services.engine.mrope import rope_delta
 from services.engine.outputs import RequestOutput
+from services.engine.sampler import seed_engine
 from services.engine.speculative import (
     VERIFY_ROWS,
     Acceptance,
@@ -210,6 +211,8 @@ class LLMEngine:
         self.step_tokens = TokenHistogram()  # tokens computed per step that ran (not idle ones)
         # a prefill worker streaming KV out as it is written (services.engine.kv_handoff)
         self.on_final_chunks: FinalChunkHook | None = None
+        if config.model.seed is not None:  # last: nothing above draws from it after this
+            seed_engine(config.model.seed)
 
     # ---- requests ----------------------------------------------------------------------------
     def device_memory(self) -> dict[str, int]:

@@ -393,8 +393,8 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.fill_rope(max_positions, device)
     if dummy:
-        dummy_weights(model, config.seed, layout, arch)
-        dummy_quantized(model, config.seed)
+        dummy_weights(model, config.weights_seed, layout, arch)
+        dummy_quantized(model, config.weights_seed)
     else:
         assert files.hf_dir is not None
         read = iter_safetensors(files.hf_dir, layout, bool(arch.language_of))

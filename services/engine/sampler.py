@@ -2,15 +2,19 @@
 
 Seeded requests draw their noise from a generator seeded by (seed, output position), so the
 same seed gives the same text whatever else shares the batch and whichever worker samples.
+The others draw from torch's default generators, which the engine's --seed seeds at start-up
+(:func:`seed_engine`).
 Logprobs are those of the model's raw distribution (before penalties, logit_bias and
 temperature).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from itertools import chain
 
+import numpy as np
 import torch
 
 from protos.sampling_params import SamplingParams
@@ -19,6 +23,15 @@ from services.engine.structured import apply_bitmask
 from services.scheduling.outputs import NO_TOKEN, SampledToken, ScheduledRequest
 
 _NEG_INF = float("-inf")
+
+
+def seed_engine(seed: int) -> None:
+    """The engine's --seed: torch's default generators (the CPU's and every CUDA device's),
+    whose draws are the noise of requests without a seed of their own, and Python's and
+    NumPy's, as vLLM seeds them."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # every CUDA device's too
 
 
 def _position_seed(seed: int, position: int) -> int:

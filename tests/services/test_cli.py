@@ -222,21 +222,25 @@ def test_errors_other_than_unknown_flags_still_name_the_subcommand(
     assert err.startswith("usage: tandem bench [-h]") and "tandem bench: error:" in err
 
 
-@pytest.mark.parametrize("flag", ["--dummy-weight-seed", "--seed"])
 @pytest.mark.parametrize("command", [["up"], ["decode", "--port", "0"], ["bench", "offline"]])
-def test_dummy_weight_seed_and_its_old_name_set_the_same_seed(
-    command: list[str], flag: str
-) -> None:
-    assert build_parser().parse_args(command).seed == 0
-    args = build_parser().parse_args([*command, flag, "7"])
-    assert args.seed == 7
-    assert not hasattr(args, "dummy_weight_seed")
+def test_seed_is_the_engines_seed_and_dummy_weight_seed_its_own_flag(command: list[str]) -> None:
+    from services.engine.llm import config_from_args
+
+    parse = build_parser().parse_args
+    args = parse(command)
+    assert (args.seed, args.dummy_weight_seed) == (None, None)
+    args = parse([*command, "--seed", "7"])
+    assert (args.seed, args.dummy_weight_seed) == (7, None)
+    assert config_from_args(args).model.seed == 7
+    assert config_from_args(args).model.weights_seed == 7  # vLLM's dummy weights follow it
+    args = parse([*command, "--dummy-weight-seed", "3", "--seed", "7"])
+    assert (config_from_args(args).model.seed, config_from_args(args).model.weights_seed) == (7, 3)
 
 
-def test_dummy_weight_seed_help_says_what_it_is(help_of: HelpOf) -> None:
-    entry = _entries(help_of(("prefill",)))["--dummy-weight-seed"]
-    assert entry.startswith("--dummy-weight-seed SEED, --seed SEED")
-    assert "--load-format dummy" in entry and "(default: 0)" in entry
+def test_seed_and_dummy_weight_seed_help_say_what_they_are(help_of: HelpOf) -> None:
+    entries = _entries(help_of(("prefill",)))
+    assert "--load-format dummy" in entries["--dummy-weight-seed"]
+    assert "random seed" in entries["--seed"] and "without a seed of their own" in entries["--seed"]
 
 
 def test_parse_args_still_returns_the_namespace() -> None:

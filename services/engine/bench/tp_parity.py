@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     pr.DEVICE = args.device
     knobs: dict[str, Any] = {
-        "load_format": args.load_format, "dtype": args.dtype, "seed": args.dummy_weight_seed,
+        "load_format": args.load_format, "dtype": args.dtype,
+        "dummy_weight_seed": args.dummy_weight_seed,
         "device": args.device, "max_model_len": args.max_model_len, "max_num_seqs": 32,
         "enforce_eager": args.enforce_eager,
     }  # fmt: skip

@@ -441,3 +441,27 @@ def test_a_closed_llm_gives_its_pool_back_and_refuses_to_generate() -> None:
     assert llm.engine.runner.kv_caches == [] and llm.engine.runner.graphs is None
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("hello", SamplingParams(max_tokens=2))
+
+
+def _unseeded_sample(**seeds: int) -> list[int]:
+    llm = LLM("smollm2-135m", load_format="dummy", dtype="float32", device="cpu",
+              max_model_len=128, num_blocks=16, max_num_seqs=2, dummy_weight_seed=0, **seeds)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=12)  # no seed of its own
+        return list(llm.generate([[11, 22, 33, 44, 55]], params)[0].outputs[0].token_ids)
+    finally:
+        llm.close()
+
+
+def test_the_engine_seed_makes_unseeded_sampling_reproducible() -> None:
+    first = _unseeded_sample(seed=1234)
+    assert _unseeded_sample(seed=1234) == first
+    assert _unseeded_sample(seed=4321) != first
+
+
+def test_seed_sets_the_dummy_weights_unless_dummy_weight_seed_does() -> None:
+    from services.config import ModelConfig
+
+    assert ModelConfig(load_format="dummy").weights_seed == 0
+    assert ModelConfig(load_format="dummy", seed=5).weights_seed == 5
+    assert ModelConfig(load_format="dummy", seed=5, dummy_weight_seed=9).weights_seed == 9
