@@ -418,7 +418,10 @@ def build_plan(
             gateway += ["--" + flag.replace("_", "-"), str(value)]
     if getattr(args, "enable_auto_tool_choice", False):
         gateway.append("--enable-auto-tool-choice")
-    for flag in ("tool_call_parser", "reasoning_parser", "limit_mm_per_prompt"):
+    if getattr(args, "generation_config", "auto") != "auto":
+        gateway += ["--generation-config", args.generation_config]
+    for flag in ("tool_call_parser", "reasoning_parser", "limit_mm_per_prompt",
+                 "override_generation_config"):  # fmt: skip
         if getattr(args, flag, None):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     gateway += _media_flags(args)

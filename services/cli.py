@@ -60,14 +60,15 @@ def _gateway(args: argparse.Namespace) -> int:
     """The gateway imports nothing of services: its model name and tokenizer are resolved here."""
     from gateway.http.server import main
     from protos.errors import ConfigError
-    from services.model_files import gateway_tokenizer_dir, served_model_name
+    from services.model_files import gateway_tokenizer_dir, model_files_dir, served_model_name
 
     try:
         tokenizer_dir = gateway_tokenizer_dir(args.model, args.tokenizer)
     except ConfigError as e:
         print(f"tandem gateway: error: {e}", file=sys.stderr)
         return 2
-    return main(args, tokenizer_dir, served_model_name(args.model))
+    model_dir = model_files_dir(args.model, args.tokenizer, tokenizer_dir)
+    return main(args, tokenizer_dir, served_model_name(args.model), model_dir)
 
 
 def _compose(args: argparse.Namespace) -> int:
@@ -656,6 +657,59 @@ def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
     )
 
 
+def _generation_config(text: str) -> str:
+    """argparse type of ``--generation-config``: auto, vllm, or a directory (made absolute)."""
+    import os
+
+    if text in ("auto", "vllm"):
+        return text
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"takes auto, vllm or a directory holding generation_config.json, got {text!r}"
+        )
+    return os.path.abspath(text)
+
+
+def _override_generation_config(text: str) -> str:
+    """argparse type of ``--override-generation-config``: a JSON object of sampling keys,
+    checked when parsed and passed on as given."""
+    from gateway.flows.generation_defaults import parse_override
+    from protos.errors import ConfigError
+
+    try:
+        parse_override(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(
+            str(e).removeprefix("--override-generation-config: ")
+        ) from None
+    return text
+
+
+def add_generation_config_args(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """The model's recommended sampling defaults, vLLM's flags: the gateway's (``tandem up``
+    passes them on)."""
+    p.add_argument(
+        "--generation-config",
+        type=_generation_config,
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help=f"{passed}where requests' default sampling parameters come from, as in vLLM: auto "
+        "reads the model's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty; max_new_tokens as the default max_tokens), vllm ignores it "
+        "(neutral defaults: temperature 1, ...), DIR reads DIR/generation_config.json. A field "
+        "the request sends always wins",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=_override_generation_config,
+        default=None,
+        metavar="JSON",
+        help=f"{passed}default sampling parameters that override or add to the generation "
+        "config's, as a JSON object: '{\"temperature\": 0.5}' (keys: temperature, top_p, "
+        "top_k, min_p, repetition_penalty, max_new_tokens)",
+    )
+
+
 def _cors_list(flag: str) -> Callable[[str], list[str]]:
     """argparse type of a CORS flag: vLLM's JSON list of strings, checked when parsed."""
 
@@ -714,6 +768,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
     add_media_args(p)
+    add_generation_config_args(p)
     p.add_argument(
         "--allow-special-tokens-in-messages",
         action="store_true",
@@ -903,6 +958,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     )
     add_output_parser_args(p, "(passed to the gateway) ")
     add_media_args(p, "(passed to the gateway) ")
+    add_generation_config_args(p, "(passed to the gateway) ")
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument(

@@ -182,6 +182,23 @@ def gateway_tokenizer_dir(model: str, tokenizer: str | None) -> str:
         raise ConfigError(f"cannot find a tokenizer for --model {model!r}: {e}") from e
 
 
+def model_files_dir(model: str, tokenizer: str | None, tokenizer_dir: str) -> str | None:
+    """Where the gateway reads the model's generation_config.json (``--generation-config auto``):
+    a model directory itself; a GGUF model's converted directory (the tokenizer's, unless
+    ``--tokenizer`` named another); a named config's published files, where it keeps them.
+    None: the model has no such directory (its defaults are then vLLM's)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        files = resolve_model(model)
+        if files.kind == "named":
+            named = named_model_dir(files)
+            return str(named) if named is not None else None
+        return tokenizer_dir if not tokenizer else resolve_tokenizer_dir(model)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="prepare a model's files (convert GGUF once)")
     parser.add_argument("--model", default=EMBEDDED)

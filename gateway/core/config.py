@@ -8,9 +8,10 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.flows import generation_defaults
 from protos.auth import token_from
 from protos.errors import ConfigError
 from protos.roles import Role
@@ -135,6 +136,9 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # gateway.flows.tool_parsers.PARSERS
     reasoning_parser: str | None = None  # gateway.flows.reasoning.PARSERS
+    # the model's recommended sampling defaults (gateway.flows.generation_defaults): what a
+    # request leaves out; max_new_tokens is the default max_tokens
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         positive = {
@@ -378,8 +382,13 @@ def parse_cors_list(flag: str, text: str) -> tuple[str, ...]:
 
 
 def config_from_args(
-    args: argparse.Namespace, tokenizer_dir: str, default_name: str | None = None
+    args: argparse.Namespace,
+    tokenizer_dir: str,
+    default_name: str | None = None,
+    model_dir: str | None = None,
 ) -> GatewayConfig:
+    """``model_dir``: the model's files, where ``--generation-config auto`` reads
+    generation_config.json (None: no such directory)."""
     return GatewayConfig(
         tokenizer=tokenizer_dir,
         model=args.model,
@@ -417,4 +426,9 @@ def config_from_args(
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        generation_defaults=generation_defaults.load(
+            getattr(args, "generation_config", "auto") or "auto",
+            model_dir,
+            getattr(args, "override_generation_config", None),
+        ),
     )

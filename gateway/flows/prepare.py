@@ -69,12 +69,22 @@ def context_error(max_model_len: int, prompt_len: int, max_tokens: int | None) -
 
 
 def settle_max_tokens(
-    prompt_len: int, requested: int | None, default: int | None, max_model_len: int | None
+    prompt_len: int,
+    requested: int | None,
+    default: int | None,
+    max_model_len: int | None,
+    fit_default: bool = False,
 ) -> int:
-    """The request's max_tokens (or the endpoint default; None: all the context left)."""
+    """The request's max_tokens (or the endpoint default; None: all the context left).
+    ``fit_default``: a default longer than the context left shrinks to it (vLLM's treatment of
+    the model's max_new_tokens) rather than fail the request."""
     if max_model_len is None:  # no worker has reported yet: the request will get a 503
         return requested or default or 1
     max_tokens = requested if requested is not None else default
+    if requested is None and default is not None and fit_default:
+        max_tokens = min(default, max_model_len - prompt_len)
+        if max_tokens < 1:
+            raise context_error(max_model_len, prompt_len, None)
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
         if max_tokens < 1:

@@ -7,6 +7,7 @@ and so is a field of ``gateway.flows.unsupported``'s tables that asks for someth
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -92,18 +93,24 @@ class ChatRequest:
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 
-def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(
+    f: Fields, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, float]
+) -> SamplingParams:
+    """``defaults``: the model's generation config (GatewayConfig.generation_defaults), for the
+    fields the request leaves out; else vLLM's neutral values."""
     min_tokens = f.get_int("min_tokens", 0, 0, INT32_MAX) or 0
     try:
         return SamplingParams(
-            temperature=f.get_float("temperature", 1.0, 0.0, 100.0),
-            top_p=f.get_float("top_p", 1.0, -1e9, 1e9),
-            top_k=f.get_int("top_k", 0, -1, INT32_MAX) or 0,
-            min_p=f.get_float("min_p", 0.0, -1e9, 1e9),
+            temperature=f.get_float("temperature", defaults.get("temperature", 1.0), 0.0, 100.0),
+            top_p=f.get_float("top_p", defaults.get("top_p", 1.0), -1e9, 1e9),
+            top_k=f.get_int("top_k", int(defaults.get("top_k", 0)), -1, INT32_MAX) or 0,
+            min_p=f.get_float("min_p", defaults.get("min_p", 0.0), -1e9, 1e9),
             seed=f.get_int("seed", None, -INT64_MAX, INT64_MAX),
             presence_penalty=f.get_float("presence_penalty", 0.0, -1e9, 1e9),
             frequency_penalty=f.get_float("frequency_penalty", 0.0, -1e9, 1e9),
-            repetition_penalty=f.get_float("repetition_penalty", 1.0, -1e9, 1e9),
+            repetition_penalty=f.get_float(
+                "repetition_penalty", defaults.get("repetition_penalty", 1.0), -1e9, 1e9
+            ),
             max_tokens=max_tokens if max_tokens is not None else max(1, min_tokens),
             min_tokens=min_tokens,
             stop=f.str_list("stop", MAX_STOP_STRINGS, 1024),
@@ -151,7 +158,13 @@ def _logit_bias(f: Fields) -> dict[str, float]:
     return bias
 
 
-def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: bool) -> CommonOptions:
+def _common(
+    f: Fields,
+    max_tokens_field: str,
+    logprobs: int | None,
+    special: bool,
+    defaults: Mapping[str, float],
+) -> CommonOptions:
     max_tokens = f.get_int(max_tokens_field, None, 1, MAX_TOKENS_LIMIT)
     stream = f.get_bool("stream", False)
     options = f.get_dict("stream_options")
@@ -171,7 +184,7 @@ def _common(f: Fields, max_tokens_field: str, logprobs: int | None, special: boo
         include_usage=bool(include_usage),
         continuous_usage=bool(options.get("continuous_usage_stats")),
         max_tokens=max_tokens,
-        sampling=_sampling(f, max_tokens, logprobs),
+        sampling=_sampling(f, max_tokens, logprobs, defaults),
         priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
         user=f.get_str("user", None, 1024),
         add_special_tokens=f.get_bool("add_special_tokens", special),
@@ -241,7 +254,7 @@ def _check_unsupported_completion(f: Fields, n: int) -> None:
         raise invalid(f"best_of must be at least n ({n}), got {best_of}", "best_of")
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, defaults: Mapping[str, float] | None = None) -> CompletionRequest:
     f = Fields(require_object(body))
     refuse_unsupported(f.body, SAMPLING)
     refuse_unsupported(f.body, COMPLETION)
@@ -255,7 +268,7 @@ def parse_completion(body: Any) -> CompletionRequest:
                       "max_tokens")  # fmt: skip
     if score_only:  # one token is generated and dropped: the workers always sample one
         f = f.updated(max_tokens=1)
-    common = _common(f, "max_tokens", logprobs, special=True)
+    common = _common(f, "max_tokens", logprobs, special=True, defaults=defaults or {})
     if echo and logprobs is not None:  # the echoed prompt's tokens get their logprobs too
         wanted = max(logprobs, common.sampling.prompt_logprobs or 0)
         common = replace(common, sampling=replace(common.sampling, prompt_logprobs=wanted))
@@ -435,7 +448,7 @@ def template_options(f: Fields) -> tuple[bool, bool, dict[str, Any]]:
     return add_generation_prompt, continue_final, kwargs
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, defaults: Mapping[str, float] | None = None) -> ChatRequest:
     f = Fields(require_object(body))
     messages, images = parse_chat_messages(f.get("messages"))
     refuse_unsupported(f.body, SAMPLING)
@@ -451,7 +464,10 @@ def parse_chat(body: Any) -> ChatRequest:
     max_field = given[0] if given else "max_tokens"
     add_generation_prompt, continue_final, kwargs = template_options(f)
     common, tools = _with_tools(
-        f, _common(f, max_field, (top or 0) if logprobs else None, special=False)
+        f,
+        _common(
+            f, max_field, (top or 0) if logprobs else None, special=False, defaults=defaults or {}
+        ),
     )
     request = ChatRequest(
         common=common,

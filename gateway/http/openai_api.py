@@ -65,8 +65,10 @@ def _start(
     prompts: Sequence[PromptIds],
     common: CommonOptions,
     default_max_tokens: int | None,
+    fit_default: bool = False,
 ) -> Generation:
-    """Settles max_tokens, checks capacity, and builds the Generation with its span."""
+    """Settles max_tokens, checks capacity, and builds the Generation with its span.
+    ``fit_default``: the default shrinks to the context left (the model's max_new_tokens)."""
     state.check_task("generate")
     state.check_priority(common.priority)
     max_model_len, count = _check_prompts(state, prompts, common)
@@ -77,7 +79,9 @@ def _start(
             "n",
         )
     max_tokens = [
-        settle_max_tokens(len(p.ids), common.max_tokens, default_max_tokens, max_model_len)
+        settle_max_tokens(
+            len(p.ids), common.max_tokens, default_max_tokens, max_model_len, fit_default
+        )
         for p in prompts
     ]
     state.check_serving()
@@ -151,7 +155,8 @@ def with_adapter(common: CommonOptions, lora: str) -> CommonOptions:
 
 async def completions(request: Request) -> Response:
     state = gateway_state(request)
-    req = parse_completion(await read_json(request, state.config.max_body_bytes))
+    req = parse_completion(await read_json(request, state.config.max_body_bytes),
+                           state.config.generation_defaults)  # fmt: skip
     lora = state.accepts(req.common.model)
     req = replace(req, common=with_adapter(req.common, lora))
     tok = state.tokenizer
@@ -251,7 +256,8 @@ def _thinking_free(common: CommonOptions, plan: OutputPlan, prompt_text: str) ->
 
 async def chat_completions(request: Request) -> Response:
     state = gateway_state(request)
-    req = parse_chat(await read_json(request, state.config.max_body_bytes))
+    req = parse_chat(await read_json(request, state.config.max_body_bytes),
+                     state.config.generation_defaults)  # fmt: skip
     lora = state.accepts(req.common.model)
     req = replace(req, common=with_adapter(req.common, lora))
     plan = _output_plan(state, req)
@@ -289,7 +295,10 @@ async def chat_completions(request: Request) -> Response:
         common.sampling.structured, req.tools.choice if req.tools else None
     )
     prompt = PromptIds(ids, text, images)
-    gen = _start(state, request, "chat", "chatcmpl", [prompt], common, None)
+    # the model's max_new_tokens (generation_config.json) when the request gives no max_tokens
+    default = state.config.generation_defaults.get("max_new_tokens")
+    gen = _start(state, request, "chat", "chatcmpl", [prompt], common,
+                 None if default is None else int(default), fit_default=True)  # fmt: skip
     final = req.messages[-1]
     echoed = ""
     if req.echo and final.get("role") == "assistant" and isinstance(final.get("content"), str):

@@ -126,14 +126,16 @@ def _run(coro: Any) -> Any:
         return runner.run(coro)
 
 
-def main(args: argparse.Namespace, tokenizer_dir: str, model_name: str) -> int:
-    """``tandem gateway``, called by the CLI with the tokenizer directory and the model's default
-    served name already resolved."""
+def main(
+    args: argparse.Namespace, tokenizer_dir: str, model_name: str, model_dir: str | None = None
+) -> int:
+    """``tandem gateway``, called by the CLI with the tokenizer directory, the model's default
+    served name and its files' directory (generation_config.json's) already resolved."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = config_from_args(args, tokenizer_dir, model_name)
+        config = config_from_args(args, tokenizer_dir, model_name, model_dir)
         check_parser_flags(config)
         check_topology(config)
         check_port_free(args.host, args.port)

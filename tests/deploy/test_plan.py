@@ -176,6 +176,18 @@ def test_tool_and_reasoning_parsers_go_to_the_gateway() -> None:
     assert not {"--tool-call-parser", "--enable-auto-tool-choice"} & set(plan_for().gateway_argv)
 
 
+def test_generation_config_flags_go_to_the_gateway_only(tmp_path: Path) -> None:
+    override = '{"temperature": 0.5}'
+    plan = plan_for("--generation-config", str(tmp_path), "--override-generation-config", override)
+    argv = plan.gateway_argv
+    assert argv[argv.index("--generation-config") + 1] == str(tmp_path)
+    assert argv[argv.index("--override-generation-config") + 1] == override
+    assert reparse(argv).override_generation_config == override
+    assert all("generation-config" not in " ".join(w.spec.argv) for w in plan.workers)
+    assert "--generation-config" not in plan_for().gateway_argv  # auto: the gateway's default
+    assert "--generation-config" in plan_for("--generation-config", "vllm").gateway_argv
+
+
 def test_the_image_limit_goes_to_the_gateway_only() -> None:
     plan = plan_for("--limit-mm-per-prompt", '{"image": 2}')
     argv = plan.gateway_argv

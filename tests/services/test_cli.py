@@ -285,13 +285,16 @@ def test_the_gateway_command_resolves_its_tokenizer_and_name(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The gateway imports nothing of services: `tandem gateway` resolves the tokenizer
-    directory and the served name first, and a model without a tokenizer is a clean exit 2."""
+    directory, the served name and the model's directory (its generation_config.json's) first,
+    and a model without a tokenizer is a clean exit 2."""
     import gateway.http.server
     from services.cli import HANDLERS
 
-    calls: list[tuple[str, str]] = []
+    calls: list[tuple[str, str, str | None]] = []
     monkeypatch.setattr(
-        gateway.http.server, "main", lambda args, tok, name: calls.append((tok, name)) or 0
+        gateway.http.server,
+        "main",
+        lambda args, tok, name, model_dir: calls.append((tok, name, model_dir)) or 0,
     )
     model = tmp_path / "My-Model"
     model.mkdir()
@@ -299,7 +302,7 @@ def test_the_gateway_command_resolves_its_tokenizer_and_name(
     (model / "tokenizer.json").write_text("{}")
     args = argparse.Namespace(model=str(model), tokenizer=None)
     assert HANDLERS["gateway"](args) == 0
-    assert calls == [(str(model), str(model))]
+    assert calls == [(str(model), str(model), str(model))]
     missing = argparse.Namespace(model=str(tmp_path / "nothing"), tokenizer=None)
     assert HANDLERS["gateway"](missing) == 2
     assert "cannot find a tokenizer for --model" in capsys.readouterr().err

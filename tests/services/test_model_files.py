@@ -12,6 +12,7 @@ from services.model_files import (
     ModelNotFoundError,
     embedded_gguf_path,
     gateway_tokenizer_dir,
+    model_files_dir,
     resolve_model,
     resolve_tokenizer_dir,
     served_model_name,
@@ -62,3 +63,12 @@ def test_gateway_tokenizer_dir(tmp_path: Path) -> None:
     assert gateway_tokenizer_dir("embedded", None) == embedded
     with pytest.raises(ConfigError, match="cannot find a tokenizer for --model"):
         gateway_tokenizer_dir(str(tmp_path / "nothing-here"), None)
+
+
+def test_model_files_dir_is_where_generation_config_json_is_read(tmp_path: Path) -> None:
+    embedded = resolve_tokenizer_dir("embedded")
+    assert model_files_dir(str(tmp_path), None, "tok") == str(tmp_path)  # a model directory
+    assert model_files_dir("embedded", None, embedded) == embedded  # the converted GGUF
+    assert model_files_dir("embedded", str(tmp_path), str(tmp_path)) == embedded
+    assert model_files_dir("llama-3.1-8b", None, embedded) is None  # a named config: no file
+    assert model_files_dir(str(tmp_path / "nothing-here"), None, "tok") is None
