@@ -59,6 +59,7 @@ class Plan:
     port: int
     model: str
     drain_timeout_s: float = 30.0  # passed to the gateway; the launcher's stop grace follows it
+    task: str = "generate"  # --task: what the ready message's example asks for
 
     def count(self, role: str) -> int:
         return sum(w.role == role for w in self.workers)
@@ -445,6 +446,7 @@ def build_plan(
         args.port,
         args.model,
         drain_timeout_s,
+        getattr(args, "task", "generate"),
     )
 
 

@@ -127,6 +127,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 # each command's handler imports its module only when it runs, so `tandem gateway` loads no torch
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": _up,
+    "serve": _up,  # vLLM's name: the same launcher
     "prefill": _prefill,
     "decode": _decode,
     "worker": _worker,
@@ -159,9 +160,94 @@ class TandemParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
         parsed, extras = self.parse_known_args(args, namespace)
+        chosen = selected(self, parsed)
+        for flag, note in VLLM_NO_OPS.items():
+            if flag in extras:  # a vLLM flag that asks for what Tandem does anyway
+                extras.remove(flag)
+                print(f"{chosen.prog}: {flag}: {note}", file=sys.stderr)
         if extras:
-            selected(self, parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+            hints = [vllm_hint(arg, chosen) for arg in extras if arg.startswith("-")]
+            text = "".join(f"\n  {h}" for h in hints if h)
+            chosen.error(f"unrecognized arguments: {' '.join(extras)}{text}")
+        model_tag = getattr(parsed, "model_tag", None)
+        if model_tag is not None:  # `tandem serve MODEL`, as vLLM takes it
+            if parsed.model not in ("embedded", model_tag):
+                chosen.error(f"the model is given twice ({model_tag} and --model {parsed.model}): "
+                             "give it once, as MODEL or as --model")  # fmt: skip
+            parsed.model = model_tag
         return parsed
+
+
+# vLLM `serve` flags Tandem takes without a flag of its own: what it does anyway, said once
+VLLM_NO_OPS = {
+    "--trust-remote-code": "Tandem runs no code from model repositories; nothing to trust",
+    "--enable-chunked-prefill": "Tandem always chunks long prompts (--max-num-batched-tokens "
+    "tokens a step); nothing to enable",
+}
+
+# vLLM `serve` flags Tandem does not take: what to use instead (None: nothing)
+VLLM_FLAGS: dict[str, str | None] = {
+    "-tp": "--tensor-parallel-size",
+    "-dp": "--colocated N or --decode N (N workers; the gateway spreads requests over them)",
+    "--data-parallel-size": "--colocated N or --decode N (N workers; the gateway spreads "
+    "requests over them)",
+    "-pp": "--tensor-parallel-size (Tandem splits a model by tensor parallelism only)",
+    "--pipeline-parallel-size": "--tensor-parallel-size (Tandem splits a model by tensor "
+    "parallelism only)",
+    "--no-enable-chunked-prefill": "--max-num-batched-tokens to size the chunk (Tandem always "
+    "chunks long prompts)",
+    "--disable-log-requests": None,
+    "--enable-log-requests": None,
+    "--disable-log-stats": None,
+    "--uvicorn-log-level": None,
+    "--max-logprobs": None,
+    "--root-path": None,
+    "--response-role": None,
+    "--ssl-keyfile": "a TLS-terminating reverse proxy in front of the gateway",
+    "--ssl-certfile": "a TLS-terminating reverse proxy in front of the gateway",
+    "--download-dir": "a local model directory as MODEL or --model (Tandem downloads nothing)",
+    "--revision": "the revision's local directory as MODEL or --model (Tandem downloads nothing)",
+    "--swap-space": "--kv-offloading-size GIB, the nearest: host memory for the prefix "
+    "cache's evicted blocks",
+    "--disable-frontend-multiprocessing": None,
+    "--runner": "--task generate or --task embed",
+    "--tokenizer-mode": None,
+    "--max-seq-len-to-capture": None,
+    "-O": "--enforce-eager to run without CUDA graphs (Tandem has no compilation levels)",
+    "--compilation-config": "--enforce-eager to run without CUDA graphs (Tandem has no "
+    "compilation levels)",
+}
+
+
+def vllm_hint(arg: str, parser: argparse.ArgumentParser) -> str | None:
+    """What to say of ``arg`` when it is a vLLM ``serve`` flag this command does not take."""
+    flag = arg.split("=", 1)[0]
+    if flag.startswith("-O") and not flag.startswith("--"):
+        flag = "-O"  # -O3, -O.level=3
+    if flag not in VLLM_FLAGS:
+        return None
+    instead = VLLM_FLAGS[flag]
+    text = f"{flag} is a vLLM flag Tandem does not support"
+    if instead is None:
+        return text
+    first = instead.split()[0]
+    if first.startswith("--") and first not in parser._option_string_actions:
+        return text  # what replaces it is not this command's
+    return f"{text}; use {instead}"
+
+
+class _Version(argparse.Action):
+    """``--version``: the version GET /version reports (imported only when asked)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:  # fmt: skip
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from gateway.http.admin_api import version
+
+        print(f"tandem {version()}")
+        parser.exit()
 
 
 def subcommands(parser: argparse.ArgumentParser) -> Iterator[argparse._SubParsersAction]:
@@ -243,6 +329,24 @@ def _port(text: str) -> int:
     return value
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names
+
+
+def _dtype(text: str) -> str:
+    """argparse type of --dtype: vLLM's aliases (half, float) as the dtype they name."""
+    return DTYPE_ALIASES.get(text, text)
+
+
+def _load_format(text: str) -> str:
+    """argparse type of --load-format: vLLM's safetensors is hf; .bin/.pt weights are refused."""
+    if text in ("pt", "npcache"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: Tandem reads safetensors (a Hugging Face directory) or GGUF only; "
+            "convert the checkpoint to safetensors"
+        )
+    return "hf" if text == "safetensors" else text
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
@@ -253,17 +357,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--load-format",
         default="auto",
+        type=_load_format,
         choices=["auto", "dummy", "hf", "gguf"],
         help="where the weights come from: auto reads them from --model (hf and gguf do the "
         "same: the path decides); dummy makes random ones of the model's shape, for performance "
-        "work (a named config always gets random weights)",
+        "work (a named config always gets random weights); vLLM's safetensors is hf",
     )
     g.add_argument(
         "--dtype",
         default="auto",
+        type=_dtype,
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weight and activation dtype; auto: float32 on the CPU, else bfloat16 (float16 for "
-        "a float16 checkpoint)",
+        "a float16 checkpoint); vLLM's half and float are float16 and float32",
     )
     g.add_argument(
         "--quantization",
@@ -576,6 +682,13 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
 
 
+def reasoning_parsers() -> str:
+    """The names --reasoning-parser takes, from the gateway's registry (torch-free)."""
+    from gateway.flows.reasoning import PARSERS
+
+    return ", ".join(sorted(PARSERS))
+
+
 def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None:
     """Tool calling and reasoning output: the gateway's flags (``tandem up`` passes them on)."""
     p.add_argument(
@@ -596,8 +709,8 @@ def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help=f"{passed}put a reasoning model's <think> block in message.reasoning_content: qwen3 or "
-        "deepseek_r1; structured output then constrains only the answer",
+        help=f"{passed}put a reasoning model's thinking in message.reasoning_content: "
+        f"{reasoning_parsers()}; structured output then constrains only the answer",
     )
 
 
@@ -1354,8 +1467,16 @@ def add_compose_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = TandemParser(prog="tandem", description="Disaggregated LLM serving")
+    parser.add_argument("--version", "-V", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     add_up_args(sub.add_parser("up", help="gateway + prefill + decode workers on this machine"))
+    add_up_args(sub.add_parser("serve", help="vLLM's `serve`: tandem serve MODEL [flags] is "
+                               "tandem up --model MODEL [flags]"))  # fmt: skip
+    for name in ("up", "serve"):
+        sub.choices[name].add_argument(
+            "model_tag", nargs="?", default=None, metavar="MODEL",
+            help="the model, as --model takes it (vLLM's `serve MODEL`)",
+        )  # fmt: skip
     for role, what in (("prefill", "prefill"), ("decode", "decode"), ("worker", "colocated")):
         add_server_args(sub.add_parser(role, help=f"run a {what} worker (gRPC)"), role)
     add_gateway_args(sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway"))
@@ -1402,7 +1523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     key = f"bench {args.bench}" if args.command == "bench" else args.command
-    if key == "up":
+    if key in ("up", "serve"):
         up = selected(parser, args)
         problem = check_up(args, up)
         if problem:

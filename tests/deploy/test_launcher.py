@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.plan import Plan
 from deploy.procfs import alive
 from tests.deploy.conftest import REPO, child_env
 
@@ -325,3 +326,39 @@ def test_a_busy_gateway_port_fails_before_any_model_loads(start) -> None:
         assert up.finish() == 2
     assert "choose another --port" in "\n".join(up.lines)
     assert up.children() == {}
+
+
+def _plan(task: str) -> Plan:
+    return Plan([], [], [], {}, Path("ready"), "cpu", "127.0.0.1", 8000, "m", task=task)
+
+
+def _curl_body(message: str) -> tuple[str, dict]:
+    curl = next(line for line in message.splitlines() if line.strip().startswith("curl "))
+    return curl.split()[1], json.loads(curl.split(" -d ", 1)[1].strip("'"))
+
+
+def test_the_ready_example_is_short_and_greedy() -> None:
+    """On the CPU an unbounded, sampled chat runs minutes and prints noise: README's example."""
+    from deploy.launcher import ready_message
+
+    url, body = _curl_body(ready_message(_plan("generate"), "http://h:1/v1", "m", None))
+    assert url == "http://h:1/v1/chat/completions"
+    assert body["max_tokens"] == 32 and body["temperature"] == 0 and body["model"] == "m"
+
+
+def test_an_embedding_server_shows_an_embeddings_example() -> None:
+    """A chat to an embed worker is a 400 wrong_task: the example asks for what it serves."""
+    from deploy.launcher import ready_message
+
+    url, body = _curl_body(ready_message(_plan("embed"), "http://h:1/v1", "m", "k", "VLLM_API_KEY"))
+    assert url == "http://h:1/v1/embeddings"
+    assert body == {"model": "m", "input": "Paris is the capital of France."}
+
+
+def test_tandem_up_hands_its_task_to_the_ready_message(start) -> None:
+    up = start("--colocated", "1", "--task", "embed")
+    up.wait_for(READY)
+    curl = next(line for line in up.lines if line.strip().startswith("curl "))
+    assert "/v1/embeddings " in curl
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.finish() == 0

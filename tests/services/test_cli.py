@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PORT_FLAGS = [
     ["up", "--port"],
+    ["serve", "--port"],
     ["gateway", "--port"],
     ["prefill", "--port"],
     ["decode", "--port"],
@@ -251,6 +252,7 @@ def test_parse_args_still_returns_the_namespace() -> None:
 # every command's handler and the function it imports when it runs
 HANDLER_TARGETS = {
     "up": ("deploy.launcher", "main"),
+    "serve": ("deploy.launcher", "main"),
     "prefill": ("services.prefill.server", "main"),
     "decode": ("services.decode.server", "main"),
     "worker": ("services.worker.server", "main"),
@@ -425,3 +427,125 @@ def test_offline_peer_flags_without_the_peer_exit_2(
     assert main(["bench", "offline", *flags]) == 2  # before any engine is built
     err = capsys.readouterr().err
     assert err.startswith(f"tandem bench offline: error: {words}") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["serve", "/models/x"], ["serve", "--model", "/models/x"],
+                                  ["up", "/models/x"], ["up", "--model", "/models/x"]])  # fmt: skip
+def test_serve_is_tandem_up_with_the_model_first_as_vllm_takes_it(argv: list[str]) -> None:
+    from services.cli import HANDLERS
+
+    args = build_parser().parse_args([*argv, "--decode", "2"])
+    assert args.model == "/models/x" and args.decode == 2 and args.prefill == 1
+    assert HANDLERS[args.command] is HANDLERS["up"]  # one launcher
+
+
+def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "/a", "--model", "/b"])
+    assert exc.value.code == 2
+    assert "give it once, as MODEL or as --model" in capsys.readouterr().err
+
+
+def test_serve_help_says_it_is_vllms_serve(help_of: HelpOf) -> None:
+    assert "vLLM's `serve`" in help_of(("serve",))
+
+
+def test_serve_from_the_command_line_checks_flags_as_up_does() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "m", "--colocated", "1", "--decode", "2"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 2 and "--colocated replaces" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (
+            ["up", "-tp", "2"],
+            "-tp is a vLLM flag Tandem does not support; use --tensor-parallel-size",
+        ),
+        (["serve", "m", "--swap-space", "4"], "use --kv-offloading-size"),
+        (["up", "-O3"], "-O is a vLLM flag Tandem does not support; use --enforce-eager"),
+        (["up", "--ssl-keyfile=k.pem"], "--ssl-keyfile is a vLLM flag Tandem does not support"),
+        (["up", "--disable-log-requests"], "--disable-log-requests is a vLLM flag Tandem does not"),
+        (["up", "--no-enable-chunked-prefill"], "Tandem always chunks long prompts"),
+        (["up", "-pp", "2"], "-pp is a vLLM flag Tandem does not support"),
+        (["gateway", "-tp", "2"], "-tp is a vLLM flag Tandem does not support\n"),
+    ],
+)
+def test_a_vllm_flag_tandem_lacks_is_named_as_such(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments:" in err and words in err + "\n", err
+
+
+def test_the_gateway_names_no_replacement_it_does_not_have(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gateway", "-tp", "2"])
+    assert "--tensor-parallel-size" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--trust-remote-code", "--enable-chunked-prefill"])
+def test_vllm_flags_asking_for_what_tandem_does_anyway_are_accepted_with_one_line(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(["serve", "m", flag])
+    assert args.model == "m"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"tandem serve: {flag}: ")
+
+
+def test_trust_remote_code_says_why_nothing_is_trusted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    build_parser().parse_args(["up", "--trust-remote-code"])
+    assert "Tandem runs no code from model repositories; nothing to trust" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(("given", "dtype"), [("half", "float16"), ("float", "float32"),
+                                              ("bfloat16", "bfloat16"), ("auto", "auto")])  # fmt: skip
+def test_vllms_dtype_aliases_name_the_same_dtype(given: str, dtype: str) -> None:
+    assert build_parser().parse_args(["up", "--dtype", given]).dtype == dtype
+
+
+def test_load_format_safetensors_is_hf_and_pt_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert build_parser().parse_args(["up", "--load-format", "safetensors"]).load_format == "hf"
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["up", "--load-format", "pt"])
+    assert exc.value.code == 2
+    assert "convert the checkpoint to safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_what_get_version_reports(flag: str) -> None:
+    from gateway.http.admin_api import version
+
+    res = subprocess.run(
+        [sys.executable, "-m", "services.cli", flag],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0 and res.stdout == f"tandem {version()}\n", res.stderr
+
+
+@pytest.mark.parametrize("command", [("up",), ("gateway",)])
+def test_reasoning_parser_help_lists_every_registered_parser(
+    command: tuple[str, ...], help_of: HelpOf
+) -> None:
+    from gateway.flows.reasoning import PARSERS
+
+    entry = " ".join(_entries(help_of(command))["--reasoning-parser"].split())
+    assert len(PARSERS) >= 3
+    for name in PARSERS:
+        assert name in entry
