@@ -786,7 +786,7 @@ def _generation_config(text: str) -> str:
 def _override_generation_config(text: str) -> str:
     """argparse type of ``--override-generation-config``: a JSON object of sampling keys,
     checked when parsed and passed on as given."""
-    from gateway.flows.generation_defaults import parse_override
+    from gateway.core.generation_defaults import parse_override
     from protos.errors import ConfigError
 
     try:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.flows import generation_defaults
+from gateway.core import generation_defaults
 from protos.auth import token_from
 from protos.errors import ConfigError
 from protos.roles import Role
@@ -136,7 +136,7 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # gateway.flows.tool_parsers.PARSERS
     reasoning_parser: str | None = None  # gateway.flows.reasoning.PARSERS
-    # the model's recommended sampling defaults (gateway.flows.generation_defaults): what a
+    # the model's recommended sampling defaults (gateway.core.generation_defaults): what a
     # request leaves out; max_new_tokens is the default max_tokens
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
 

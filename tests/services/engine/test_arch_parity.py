@@ -51,7 +51,8 @@ CONFIGS = {
     "qwen3-yarn": ("qwen3", {
         "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16,
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                            "original_max_position_embeddings": 32},
+                            "original_max_position_embeddings": 64},
+        "max_position_embeddings": 256,  # YaRN's reach (64 x 4): the longest prompt fits
     }),
     # 2 sliding layers (a 24-key window and the local rotary base) and a global one (its own
     # base, linearly scaled), the softmax scale from query_pre_attn_scalar, not head_dim
@@ -129,7 +130,8 @@ CONFIGS = {
         "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 24, "swiglu_limit": 0.6,
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
-                            "original_max_position_embeddings": 32},
+                            "original_max_position_embeddings": 64},
+        "max_position_embeddings": 256,  # YaRN's reach (64 x 4): the longest prompt fits
     }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
@@ -140,7 +142,7 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **COMMON, **extra)
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra})  # extra wins
     # Gemma 2's soft-capping runs in the eager attention only (older transformers take SDPA,
     # without it, unless told)
     eager = {"attn_implementation": "eager"} if model_type == "gemma2" else {}

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.flows.generation_defaults import load, parse_override
+from gateway.core.generation_defaults import load, parse_override
 from protos.errors import ConfigError
 from services.cli import build_parser
 from tests.gateway.stack import Stack
@@ -60,7 +60,7 @@ def test_the_override_wins_and_adds_keys(tmp_path: Path) -> None:
 
 
 def test_defaults_in_use_are_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "gateway.flows.generation_defaults"):
+    with caplog.at_level(logging.WARNING, "gateway.core.generation_defaults"):
         load("auto", _model_dir(tmp_path, QWEN3), None)
     assert "--generation-config vllm" in caplog.text and '"top_k": 20' in caplog.text
 
