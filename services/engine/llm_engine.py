@@ -523,12 +523,10 @@ class LLMEngine:
             self._pending = [u for u in self._pending if u.request_id != request_id]
         req = self.scheduler.abort(request_id)
         self.runner.pooler.drop(request_id)
-        self.grammars.drop(request_id)
         self._forget(request_id)
         self._prompt_lp.pop(request_id, None)
         if req is None and self.scheduler.cancel_reservation(request_id):
             return None
-        self._detok.pop(request_id, None)
         if req is None and dropped:  # it finished, its last output not made yet: aborted now
             u = dropped[-1]
             return RequestOutput(request_id, [], "", True, "abort", None, u.num_prompt_tokens,
@@ -596,8 +594,7 @@ class LLMEngine:
             # held here too (the same rule on the same tokens), to be matched or sent from here
             det.release(False)
         if req.finished:
-            self._detok.pop(request_id, None)
-            self.grammars.drop(request_id)
+            self._forget(request_id)
             reason = req.finish_reason.value if req.finish_reason else None
             return RequestOutput(request_id, [], "", True, reason, req.stop_reason,
                                  req.num_prompt_tokens, 0)  # fmt: skip
@@ -908,6 +905,11 @@ class LLMEngine:
                     acceptance.record(sr.num_spec, kept)
 
     def _forget(self, request_id: str) -> None:
+        """Drops the host-side state of a request that ended: its detokenizer, grammar matcher
+        and draft proposer's tables (its prompt logprobs, read into its last output, are
+        popped where that output is made)."""
+        self._detok.pop(request_id, None)
+        self.grammars.drop(request_id)
         if self.proposer is not None:
             self.proposer.drop(request_id)
             self._acceptance.pop(request_id, None)
@@ -977,8 +979,6 @@ class LLMEngine:
                 reason, stop_reason = "stop", matched
         text = det.release(finished) if det is not None else ""
         if finished:
-            self._detok.pop(u.request_id, None)
-            self.grammars.drop(u.request_id)
             self._forget(u.request_id)
         return RequestOutput(
             request_id=u.request_id,
@@ -1000,8 +1000,6 @@ class LLMEngine:
         ``Scheduler.update``)."""
         assert u.token is not None
         rid = u.request_id
-        self._detok.pop(rid, None)
-        self.grammars.drop(rid)
         self._forget(rid)
         self._prompt_lp.pop(rid, None)
         error, param = no_token_left(u.token.masked_by)
