@@ -16,7 +16,7 @@ from gateway.core.config import WORKER_STALL_TIMEOUT_S, WorkerSpec
 from gateway.core.events import WorkerLoadInfo
 from gateway.workers.convert import load_from_pb
 from gateway.workers.multiplex import StreamMux, rpc_error
-from gateway.workers.rpc_errors import summary
+from gateway.workers.rpc_errors import status_code, summary
 from protos import (
     common_pb2,
     decode_pb2,
@@ -246,8 +246,7 @@ class WorkerClient:
                 common_pb2.AbortRequest(request_id=request_id), timeout=timeout
             )
         except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            owed = code in _OWED_CODES and tries < ABORT_TRIES
+            owed = status_code(e) in _OWED_CODES and tries < ABORT_TRIES
             if owed:
                 self._owed_aborts[request_id] = (timeout, tries)
                 while len(self._owed_aborts) > MAX_OWED_ABORTS:  # the oldest go

@@ -33,7 +33,8 @@ class UpstreamError(Exception):
         self.status = status  # the gRPC status code's name, when a call failed with one
 
 
-def _code(err: grpc.RpcError) -> grpc.StatusCode:
+def status_code(err: grpc.RpcError) -> grpc.StatusCode:
+    """The call's gRPC status code (UNKNOWN for an error that carries none)."""
     code = err.code() if hasattr(err, "code") else None
     return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
 
@@ -58,11 +59,11 @@ def _param(err: grpc.RpcError) -> str | None:
 def summary(err: grpc.RpcError) -> str:
     """``CODE: details`` on one line, for a log (an ``AioRpcError``'s own text spans lines)."""
     details = " ".join(_details(err).split())
-    return f"{_code(err).name}: {details}" if details else _code(err).name
+    return f"{status_code(err).name}: {details}" if details else status_code(err).name
 
 
 def from_rpc_error(err: grpc.RpcError, address: str, call: str) -> UpstreamError:
-    code = _code(err)
+    code = status_code(err)
     details = _details(err)
     where = f"{call} on worker {address}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
