@@ -726,6 +726,16 @@ WORKER_STALL_HELP = (
 )
 
 
+def add_worker_stall_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """``--worker-stall-timeout``: the gateway's flag (``tandem up`` passes it on)."""
+    p.add_argument(
+        "--worker-stall-timeout",
+        type=_positive_seconds,
+        default=WORKER_STALL_TIMEOUT_S,
+        help=passed + WORKER_STALL_HELP,
+    )
+
+
 def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
     """Image input limits and image URL fetching: the gateway's flags (``tandem up`` passes them
     on)."""
@@ -1021,12 +1031,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests get after SIGTERM",
     )
-    p.add_argument(
-        "--worker-stall-timeout",
-        type=_positive_seconds,
-        default=WORKER_STALL_TIMEOUT_S,
-        help=WORKER_STALL_HELP,
-    )
+    add_worker_stall_arg(p)
     p.add_argument(
         "--ready-file",
         default=None,
@@ -1081,12 +1086,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help="seconds the gateway gives in-flight requests on Ctrl-C/SIGTERM; the launcher waits "
         "that long plus a margin (at least TANDEM_UP_GRACE) before killing it",
     )
-    p.add_argument(
-        "--worker-stall-timeout",
-        type=_positive_seconds,
-        default=WORKER_STALL_TIMEOUT_S,
-        help="(passed to the gateway) " + WORKER_STALL_HELP,
-    )
+    add_worker_stall_arg(p, "(passed to the gateway) ")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument(
