@@ -18,7 +18,7 @@ from typing import Any
 from gateway.core.errors import invalid
 from gateway.flows.fields import INT32_MAX, Fields, check_int, require_object
 from gateway.flows.prepare import check_vocab
-from gateway.flows.protocol import parse_truncation
+from gateway.flows.protocol import parse_request_id, parse_truncation
 from gateway.flows.unsupported import NEUTRAL, refuse_unknown, refuse_unsupported
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
@@ -49,6 +49,7 @@ class EmbeddingRequest:
     priority: int
     user: str | None
     truncate_prompt_tokens: int | None = None  # protocol.parse_truncation's
+    request_id: str | None = None  # protocol.parse_request_id's
 
 
 def _inputs(value: Any) -> tuple[Input, ...]:
@@ -99,6 +100,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
         priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
         user=f.get_str("user", None, 1024),
         truncate_prompt_tokens=parse_truncation(f),
+        request_id=parse_request_id(f),
     )
     refuse_unknown(f, EMBEDDING)
     return request

@@ -39,6 +39,7 @@ MAX_N = 128
 MAX_TOKENS_LIMIT = 1 << 24  # beyond any context length; the context check is stricter
 MAX_PROMPTS = 256
 MAX_CACHE_SALT = 1024  # characters
+MAX_REQUEST_ID = 256  # characters
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 Prompt = str | tuple[int, ...]
@@ -60,6 +61,7 @@ class CommonOptions:
     # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (any token, even one
     # that is part of a character, is then told apart)
     token_id_logprobs: bool = False
+    request_id: str | None = None  # parse_request_id's
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,9 @@ class ChatRequest:
     images: tuple[bytes | ImageURL, ...] = ()
 
 
-# OpenAI's include_usage and vLLM's continuous_usage_stats (usage so far in every chunk)
-STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+# OpenAI's include_usage and vLLM's continuous_usage_stats (usage so far in every chunk);
+# OpenAI's include_obfuscation only as false (no chunk is padded here: true is a 400)
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 
 
 def _sampling(
@@ -176,6 +179,12 @@ def _common(
                           f"{', '.join(STREAM_OPTIONS)})", "stream_options")  # fmt: skip
         if not isinstance(value, bool | None):
             raise invalid(f"stream_options.{key} must be true or false", "stream_options")
+    if options.get("include_obfuscation"):
+        raise invalid(
+            "stream_options.include_obfuscation is not supported: this server pads no chunk "
+            "with an obfuscation field (send false, or leave it out)",
+            "stream_options",
+        )
     include_usage = options.get("include_usage")
     return CommonOptions(
         model=f.get_str("model", None),
@@ -190,7 +199,17 @@ def _common(
         add_special_tokens=f.get_bool("add_special_tokens", special),
         truncate_prompt_tokens=parse_truncation(f),
         token_id_logprobs=f.get_bool("return_tokens_as_token_ids", False),
+        request_id=parse_request_id(f),
     )
+
+
+def parse_request_id(f: Fields) -> str | None:
+    """vLLM's ``request_id``: the response's id is the endpoint's prefix and it
+    (``chatcmpl-ID``), so a client finds its request in traces and logs (None: a random id)."""
+    rid = f.get_str("request_id", None, MAX_REQUEST_ID)
+    if rid == "":
+        raise invalid("request_id must be a non-empty string (or left out)", "request_id")
+    return rid
 
 
 def parse_truncation(f: Fields) -> int | None:
@@ -315,12 +334,14 @@ def _content(
             images.append(image_from_part(part, param))
             parts.append({"type": "image"})
             continue
-        if kind != "text":
-            raise invalid(f"{param}: only text parts (and image_url parts in a user message) "
-                          "are supported", param)  # fmt: skip
-        if not isinstance(part.get("text"), str):
-            raise invalid(f"{param}: a text part needs a 'text' string", param)
-        parts.append({"type": "text", "text": part["text"]})
+        # OpenAI's refusal part of an earlier answer is read as its text (as vLLM reads it)
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+        if kind != key:
+            raise invalid(f"{param}: only text parts (image_url parts in a user message, "
+                          "refusal parts in an assistant one) are supported", param)  # fmt: skip
+        if not isinstance(part.get(key), str):
+            raise invalid(f"{param}: a {key} part needs a '{key}' string", param)
+        parts.append({"type": "text", "text": part[key]})
     if any(p["type"] == "image" for p in parts):
         return parts
     return "\n".join(p["text"] for p in parts)

@@ -14,6 +14,7 @@ from gateway.core.events import EmbedWork
 from gateway.flows.embeddings import EmbeddingRequest, check_inputs, encode_vector, parse_embedding
 from gateway.flows.prepare import keep_last
 from gateway.flows.tokenizer import GatewayTokenizer
+from gateway.http import formats
 from gateway.http.state import gateway_state
 from gateway.http.transport import ClientGone, read_json, until_disconnect
 from gateway.observability.tracing import end_span, start_request_span
@@ -37,14 +38,14 @@ async def embeddings(request: Request) -> Response:
         raise invalid("LoRA adapters serve completions and chats, not embeddings", "model")
     state.check_task("embed")
     state.check_priority(req.priority)
+    response_id = formats.response_id("embd", req.request_id, request.headers)
     max_model_len, vocab = state.registry.limits()
     ids = await state.off_loop(_input_ids, state.tokenizer, req, max_model_len)
     check_inputs(ids, max_model_len, vocab or state.tokenizer.vocab_size)
     state.check_serving()
-    response_id = f"embd-{uuid.uuid4().hex}"
     started = time.monotonic()
     deadline = started + state.config.request_timeout_s
-    work = EmbedWork(response_id, ids, req.normalize, req.priority, deadline)
+    work = EmbedWork(f"embd-{uuid.uuid4().hex}", ids, req.normalize, req.priority, deadline)
     prompt_tokens = sum(len(x) for x in ids)
     span = start_request_span(state.tracer, "embeddings", state.model_name, request.headers)
     span.set_attribute("gen_ai.request.encoding_formats", [req.encoding_format])

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.core.errors import invalid
 from protos.logprobs import PositionLogprobs, TokenLogprob
+
+MAX_REQUEST_ID = 256  # characters of an X-Request-Id header taken as the response's id
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -18,6 +22,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     if cached_tokens:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
+
+
+def response_id(prefix: str, request_id: str | None, headers: Mapping[str, str]) -> str:
+    """The id a response shows, as vLLM makes it: ``prefix-`` and the client's X-Request-Id
+    header, else the body's ``request_id``, else a random one. Only the client sees it: the
+    work sent to workers keeps ids of its own, unique even when two clients' ids are not."""
+    given = headers.get("x-request-id")
+    if given is not None and not 0 < len(given) <= MAX_REQUEST_ID:
+        raise invalid(f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID} characters")
+    return f"{prefix}-{given or request_id or uuid.uuid4().hex}"
 
 
 def envelope(rid: str, obj: str, created: int, model: str, choices: list[Any]) -> dict[str, Any]:

@@ -71,6 +71,7 @@ def _start(
     ``fit_default``: the default shrinks to the context left (the model's max_new_tokens)."""
     state.check_task("generate")
     state.check_priority(common.priority)
+    response_id = formats.response_id(prefix, common.request_id, request.headers)
     max_model_len, count = _check_prompts(state, prompts, common)
     if count * common.n > state.config.max_fanout:
         raise invalid(
@@ -85,9 +86,8 @@ def _start(
         for p in prompts
     ]
     state.check_serving()
-    response_id = f"{prefix}-{uuid.uuid4().hex}"
-    choices = build_choices(
-        response_id, prompts, common, max_tokens, state.config.request_timeout_s
+    choices = build_choices(  # the workers' ids are the gateway's own (unique)
+        f"{prefix}-{uuid.uuid4().hex}", prompts, common, max_tokens, state.config.request_timeout_s
     )
     span = start_request_span(state.tracer, operation, state.model_name, request.headers)
     sp = common.sampling

@@ -429,6 +429,34 @@ def test_what_openai_accepts_stays_accepted() -> None:
     assert req.messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": {}}
 
 
+def test_stream_obfuscation_is_refused_only_when_asked_for() -> None:
+    # OpenAI's include_obfuscation: false (what this server does) passes; true is a 400
+    for value in (False, None):
+        options = {"include_usage": True, "include_obfuscation": value}
+        req = parse_chat({"messages": MSGS, "stream": True, "stream_options": options})
+        assert req.common.include_usage
+        parse_completion({"prompt": "hi", "stream": True, "stream_options": options})
+    with pytest.raises(APIError) as info:
+        parse_chat({"messages": MSGS, "stream": True,
+                    "stream_options": {"include_obfuscation": True}})  # fmt: skip
+    assert info.value.param == "stream_options"
+    assert "include_obfuscation is not supported" in info.value.message
+
+
+def test_an_assistant_refusal_part_is_read_as_its_text() -> None:
+    # OpenAI's assistant content may hold refusal parts (an earlier answer sent back as it came)
+    answer = [{"type": "text", "text": "I"}, {"type": "refusal", "refusal": "cannot help"}]
+    req = parse_chat({"messages": [*MSGS, {"role": "assistant", "content": answer}, *MSGS]})
+    assert req.messages[1]["content"] == "I\ncannot help"
+    for messages, words in (
+        ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}], "only text parts"),
+        ([*MSGS, {"role": "assistant", "content": [{"type": "refusal"}]}], "'refusal' string"),
+    ):
+        with pytest.raises(APIError) as info:
+            parse_chat({"messages": messages})
+        assert words in info.value.message and info.value.param.endswith(".content")
+
+
 @pytest.mark.parametrize("tools", ["abc", [1], {"type": "function"}])
 def test_tools_must_be_a_list_of_objects(tools: Any) -> None:
     with pytest.raises(APIError) as err:

@@ -110,7 +110,7 @@ def test_neutral_values_are_type_strict() -> None:
 
 @pytest.mark.parametrize("endpoint", ["chat", "completion", "embedding", "tokenize",
                                       "tokenize_prompt"])  # fmt: skip
-@pytest.mark.parametrize("name", ["max_token", "frobnicate", "request_id", "guided_jsn"])
+@pytest.mark.parametrize("name", ["max_token", "frobnicate", "top_kk", "guided_jsn"])
 def test_a_field_no_parser_reads_is_a_400_naming_it(name: str, endpoint: str) -> None:
     # a misspelt field, or a vLLM extension Tandem does not know, must not quietly do nothing
     with pytest.raises(APIError) as err:

@@ -211,3 +211,13 @@ def test_a_mixed_fleet_routes_each_endpoint_to_its_task(tokenizer_dir: str) -> N
         assert len(generator.records.requests) == 4 and len(embedder.records.requests) == 4
     finally:
         stack.stop()
+
+
+def test_a_clients_request_id_is_the_responses_id(embed: Stack) -> None:
+    # vLLM's request_id, as on completions; the worker's id stays the gateway's own
+    out = client(embed).embeddings.create(
+        model="embedded", input="hi", extra_body={"request_id": "doc-1"}
+    )
+    assert out.id == "embd-doc-1"  # type: ignore[attr-defined]
+    (request,) = embed.workers[0].records.embeds[-1:]
+    assert "doc-1" not in request.request_id

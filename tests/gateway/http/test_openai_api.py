@@ -541,3 +541,45 @@ def test_streamed_echo_with_logprobs_adds_up_to_the_whole_response(
             assert first["finish_reason"] is None and len(firsts) > 1
     if fields["max_tokens"] == 0:
         assert whole["usage"]["completion_tokens"] == 0
+
+
+def test_a_clients_request_id_is_the_responses_id(disagg: Stack) -> None:
+    # vLLM's request_id (and its X-Request-Id header, which wins): the response's id carries
+    # it, streamed or not; the workers' ids stay the gateway's own, so two clients that send
+    # the same id do not share a request on a worker
+    c = client(disagg)
+    out = c.completions.create(model="embedded", prompt=PROMPT, max_tokens=2,
+                               extra_body={"request_id": "job-7"})  # fmt: skip
+    again = c.completions.create(model="embedded", prompt=PROMPT, max_tokens=2,
+                                 extra_body={"request_id": "job-7"})  # fmt: skip
+    assert out.id == again.id == "cmpl-job-7"
+    chunks = list(c.chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        stream=True, extra_body={"request_id": "job-8"},
+    ))  # fmt: skip
+    assert {chunk.id for chunk in chunks} == {"chatcmpl-job-8"}
+    chat = c.chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"request_id": "job-8"}, extra_headers={"X-Request-Id": "trace-1"},
+    )  # fmt: skip
+    assert chat.id == "chatcmpl-trace-1"
+    sent = {rid for w in disagg.workers for rid in w.records.requests}
+    assert len(sent) == 4 and not any("job-" in rid or "trace-" in rid for rid in sent)
+
+
+@pytest.mark.parametrize(
+    ("extra", "headers", "param"),
+    [({"request_id": ""}, {}, "request_id"), ({"request_id": 7}, {}, "request_id"),
+     ({"request_id": "x" * 257}, {}, "request_id"), ({}, {"X-Request-Id": "x" * 257}, None)],
+)  # fmt: skip
+def test_a_bad_request_id_is_a_400(
+    disagg: Stack, extra: dict[str, Any], headers: dict[str, str], param: str | None
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client(disagg).completions.create(
+            model="embedded", prompt=PROMPT, max_tokens=2, extra_body=extra,
+            extra_headers=headers,
+        )  # fmt: skip
+    assert info.value.body["param"] == param
+    assert "request_id" in info.value.message.lower().replace("-", "_")
+    assert not any(w.records.requests for w in disagg.workers)
