@@ -68,6 +68,17 @@ CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
     "store": ("stored completions are not supported", NEUTRAL),
     "verbosity": ("verbosity is not supported (ask for brevity in the messages)", NEUTRAL),
     "service_tier": ("service tiers are not supported", (None, "auto", "default")),
+    "moderation": ("moderation of the input and output is not supported", NEUTRAL),
+    # a maximum: the prefix cache keeps blocks in memory (GPU, --kv-offloading-size host RAM)
+    "prompt_cache_retention": (
+        "only in_memory: the prefix cache keeps its blocks in memory while space allows",
+        (None, "in_memory"),
+    ),
+    "prompt_cache_options": (
+        "the prefix cache is implicit (any shared prefix hits), with no breakpoints and no "
+        "guaranteed lifetime: send {'mode': 'implicit'} or leave it out",
+        (*NEUTRAL, {"mode": "implicit"}),
+    ),
 }
 COMPLETION: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prompt_embeds": ("prompt embeddings are not supported", NEUTRAL),

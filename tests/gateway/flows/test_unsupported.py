@@ -52,6 +52,9 @@ ASKING: dict[str, Any] = {
     "store": True,
     "verbosity": "low",
     "service_tier": "flex",
+    "moderation": {"model": "omni-moderation-latest"},
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
     "prompt_embeds": "AAAA",
 }
 
@@ -99,6 +102,18 @@ def test_web_search_with_its_default_options_is_refused_too() -> None:
     with pytest.raises(APIError) as err:
         parse_chat({"messages": MESSAGES, "web_search_options": {}})
     assert err.value.param == "web_search_options"
+
+
+def test_openai_prompt_caching_and_moderation_fields_are_named_not_unknown() -> None:
+    # the official client's prompt_cache_retention, prompt_cache_options and moderation: what
+    # the implicit in-memory prefix cache does passes, the rest is a 400 saying why
+    parse_chat({"messages": MESSAGES, "prompt_cache_retention": "in_memory",
+                "prompt_cache_options": {"mode": "implicit"}, "moderation": None})  # fmt: skip
+    for name, value in (("prompt_cache_retention", "24h"), ("moderation", {"model": "m"}),
+                        ("prompt_cache_options", {"mode": "explicit"})):  # fmt: skip
+        with pytest.raises(APIError) as err:
+            parse_chat({"messages": MESSAGES, name: value})
+        assert err.value.param == name and f"{name} is not supported" in err.value.message
 
 
 def test_neutral_values_are_type_strict() -> None:
