@@ -11,6 +11,11 @@ from kernels.bench.decode_gemm import ref_gemm, split_gemm, streamk_gemm
 from tests.kernels.paged import rand
 
 
+def _tol(device: torch.device) -> dict[str, float]:
+    """Compiled for a GPU, ``tl.dot`` rounds float32 inputs to tf32 (10 mantissa bits)."""
+    return {"rtol": 1e-5, "atol": 1e-4} if device.type == "cpu" else {"rtol": 2e-2, "atol": 1e-1}
+
+
 @pytest.mark.parametrize(
     ("m", "n", "k", "config"),
     [
@@ -25,7 +30,7 @@ def test_streamk_equals_the_reference_and_is_deterministic(
 ) -> None:
     x, w = rand((m, k), torch.float32, gen, device), rand((n, k), torch.float32, gen, device)
     got = streamk_gemm(x, w, config)
-    torch.testing.assert_close(got, ref_gemm(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, ref_gemm(x, w), **_tol(device))
     assert torch.equal(streamk_gemm(x, w, config), got)
 
 
@@ -35,7 +40,7 @@ def test_split_k_equals_the_reference(
 ) -> None:
     x, w = rand((33, 96), torch.float32, gen, device), rand((80, 96), torch.float32, gen, device)
     got = split_gemm(x, w, (16, 32, 16, 4, 2, split) if split != 3 else (16, 32, 32, 4, 2, 3))
-    torch.testing.assert_close(got, ref_gemm(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, ref_gemm(x, w), **_tol(device))
 
 
 def test_a_k_the_slices_do_not_divide_is_refused(

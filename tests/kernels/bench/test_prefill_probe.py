@@ -19,16 +19,18 @@ CASES = [
 
 
 @pytest.mark.parametrize("cfg", CASES)
-def test_probe_kernel_equals_sdpa(cfg: tuple) -> None:
+def test_probe_kernel_equals_sdpa(cfg: tuple, device: torch.device) -> None:
     b, n, hq, hkv, d = 2, 128, 8, 2, 64
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b * n, h, d, generator=gen) for h in (hq, hkv, hkv))
+    q, k, v = (torch.randn(b * n, h, d, generator=gen).to(device) for h in (hq, hkv, hkv))
     k[40] *= 30.0  # a key whose large scores move the running max mid-row (the lazy branch)
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(x.view(b, n, -1, d).transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True
     )
     out = contig(q, k, v, n, cfg, torch.empty_like(q))
-    torch.testing.assert_close(out, ref.transpose(1, 2).reshape(b * n, hq, d), atol=2e-5, rtol=1e-4)
+    # compiled for a GPU, tl.dot rounds the float32 inputs to tf32 (10 mantissa bits)
+    tol = {"atol": 2e-5, "rtol": 1e-4} if device.type == "cpu" else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out, ref.transpose(1, 2).reshape(b * n, hq, d), **tol)
 
 
 def test_sweeps_fit_shared_memory_and_pair_warp_specialization_with_tma() -> None:

@@ -32,13 +32,15 @@ def test_every_swept_launch_matches_the_reference(fmt: str, m: int, device: torc
         assert quant.check(fmt, case, cfg) < 1e-2
 
 
-def test_the_int4_rows_bench_checks_and_times_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its own path on the CPU (under the interpreter), each call timed as 1 ms."""
+def test_the_int4_rows_bench_checks_and_times_every_path(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    """Its own path (the CPU under the interpreter, the GPU compiled), each call timed as 1 ms."""
     from kernels.bench import roofline
 
     timed: list[object] = []
     monkeypatch.setattr(roofline, "median_ms", lambda fn: (timed.append(fn()), 1.0)[1])
-    r = quant.bench_w4_rows("tiny", 256, 256, 20, 1000.0, device="cpu")
+    r = quant.bench_w4_rows("tiny", 256, 256, 20, 1000.0, device=str(device))
     labels = ["bf16", *quant.W4_GEMM_TILES, "dequant+matmul", "dequant"]
     assert [f"{label}_ms" for label in labels] == [key for key in r if key.endswith("_ms")]
     assert len(timed) == len(labels)
