@@ -14,14 +14,14 @@ MAX_REQUEST_ID = 256  # characters of an X-Request-Id header taken as the respon
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    out: dict[str, Any] = {
+    """OpenAI's usage; ``cached_tokens`` is there at 0 too (as OpenAI and vLLM's prompt tokens
+    details report it): a benchmark client reads its absence as a server without cache reports."""
+    return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
-    if cached_tokens:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return out
 
 
 def response_id(prefix: str, request_id: str | None, headers: Mapping[str, str]) -> str:

@@ -68,6 +68,23 @@ def test_streaming_completion_with_usage(disagg: Stack) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
 
 
+@pytest.mark.parametrize("cached", [0, 16])
+def test_usage_always_reports_cached_prompt_tokens(colocated: Stack, cached: int) -> None:
+    """prompt_tokens_details.cached_tokens is there even when nothing hit the prefix cache
+    (OpenAI's and vLLM's usage): benchmark clients (aiperf) read an absent key as a server that
+    does not report its prefix cache, and leave the misses out of their cache-hit averages."""
+    colocated.workers[0].behavior.cached_tokens = cached
+    whole = client(colocated).completions.create(model="embedded", prompt=PROMPT, max_tokens=2)
+    stream = client(colocated).chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    for usage in (whole.usage, chunks[-1].usage):
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens == cached
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_continuous_usage_counts_every_chunk(disagg: Stack, endpoint: str) -> None:
     # vLLM's continuous_usage_stats (guidellm sends it): the usage so far in every chunk
