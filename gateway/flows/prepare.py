@@ -14,6 +14,9 @@ from gateway.workers.work import WorkItem
 from protos.multimodal import ImageItem
 from protos.sampling_params import InvalidRequestError
 
+# the fields a context-length error names: the prompt's, the one max_tokens came in
+CHAT_FIELDS = ("messages", "max_tokens")
+
 
 @dataclass(frozen=True)
 class PromptIds:
@@ -51,19 +54,27 @@ def keep_last(ids: Sequence[int], keep: int | None, max_model_len: int | None) -
     return tuple(ids[-keep:])
 
 
-def context_error(max_model_len: int, prompt_len: int, max_tokens: int | None) -> APIError:
+def context_error(
+    max_model_len: int,
+    prompt_len: int,
+    max_tokens: int | None,
+    fields: tuple[str, str] = CHAT_FIELDS,
+) -> APIError:
+    """The 400 of a request past the context: the prompt alone (``max_tokens`` None), or the
+    prompt and the tokens asked for; ``fields`` name what the client sent (``fields[0]`` the
+    prompt, ``fields[1]`` its max_tokens field)."""
     if max_tokens is None:
         return invalid(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {prompt_len} input tokens. Please reduce the length of the messages.",
-            "messages",
+            f"request has {prompt_len} input tokens. Please reduce the length of the {fields[0]}.",
+            fields[0],
             code="context_length_exceeded",
         )
     return invalid(
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
         f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
-        "completion). Please reduce the length of the messages or completion.",
-        "max_tokens",
+        f"completion). Please reduce the length of the {fields[0]} or {fields[1]}.",
+        fields[1],
         code="context_length_exceeded",
     )
 
@@ -74,23 +85,23 @@ def settle_max_tokens(
     default: int | None,
     max_model_len: int | None,
     fit_default: bool = False,
+    fields: tuple[str, str] = CHAT_FIELDS,
 ) -> int:
     """The request's max_tokens (or the endpoint default; None: all the context left).
     ``fit_default``: a default longer than the context left shrinks to it (vLLM's treatment of
-    the model's max_new_tokens) rather than fail the request."""
+    the model's max_new_tokens) rather than fail the request. A prompt that leaves no room for
+    one token is the prompt's error (as vLLM checks it first), whatever max_tokens says."""
     if max_model_len is None:  # no worker has reported yet: the request will get a 503
         return requested or default or 1
+    if prompt_len >= max_model_len:
+        raise context_error(max_model_len, prompt_len, None, fields)
     max_tokens = requested if requested is not None else default
     if requested is None and default is not None and fit_default:
         max_tokens = min(default, max_model_len - prompt_len)
-        if max_tokens < 1:
-            raise context_error(max_model_len, prompt_len, None)
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
-        if max_tokens < 1:
-            raise context_error(max_model_len, prompt_len, None)
     if prompt_len + max_tokens > max_model_len:
-        raise context_error(max_model_len, prompt_len, max_tokens)
+        raise context_error(max_model_len, prompt_len, max_tokens, fields)
     return max_tokens
 
 

@@ -62,6 +62,7 @@ class CommonOptions:
     # that is part of a character, is then told apart)
     token_id_logprobs: bool = False
     request_id: str | None = None  # parse_request_id's
+    max_tokens_field: str = "max_tokens"  # or max_completion_tokens: the one the client sent
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,7 @@ def _common(
         truncate_prompt_tokens=parse_truncation(f),
         token_id_logprobs=f.get_bool("return_tokens_as_token_ids", False),
         request_id=parse_request_id(f),
+        max_tokens_field=max_tokens_field,
     )
 
 

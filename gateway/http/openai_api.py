@@ -79,9 +79,10 @@ def _start(
             f"got {count * common.n}",
             "n",
         )
+    fields = ("messages" if operation == "chat" else "prompt", common.max_tokens_field)
     max_tokens = [
         settle_max_tokens(
-            len(p.ids), common.max_tokens, default_max_tokens, max_model_len, fit_default
+            len(p.ids), common.max_tokens, default_max_tokens, max_model_len, fit_default, fields
         )
         for p in prompts
     ]

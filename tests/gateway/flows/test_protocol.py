@@ -237,6 +237,29 @@ def test_params_of_errors_name_the_field(colocated: Stack) -> None:
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param", "words"),
+    [
+        (CHAT, {"messages": MSGS, "max_completion_tokens": 3000}, "max_completion_tokens",
+         "reduce the length of the messages or max_completion_tokens"),
+        (CHAT, {"messages": MSGS, "max_tokens": 3000}, "max_tokens", "(31 in the messages"),
+        # a prompt that leaves no room is the prompt's fault, whatever max_tokens says (vLLM)
+        (CMPL, {"prompt": "hi " * 2100, "max_tokens": 2}, "prompt", "reduce the length of the prompt"),
+        (CMPL, {"prompt": [5] * 2048}, "prompt", "your request has 2048 input tokens"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi " * 2100}], "max_tokens": 2},
+         "messages", "your request has"),
+    ],
+)  # fmt: skip
+def test_a_context_length_error_names_the_field_sent(
+    colocated: Stack, path: str, body: dict[str, Any], param: str, words: str
+) -> None:
+    r = httpx.post(f"{colocated.base_url}{path}", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == param and words in error["message"]
+    assert not colocated.workers[0].records.requests
+
+
 def test_parse_completion_defaults_and_nulls() -> None:
     req = parse_completion({"prompt": "hi", "temperature": None, "stop": "x"})
     assert req.prompts == ("hi",) and req.common.max_tokens is None
