@@ -422,7 +422,7 @@ def build_plan(
     if getattr(args, "generation_config", "auto") != "auto":
         gateway += ["--generation-config", args.generation_config]
     for flag in ("tool_call_parser", "reasoning_parser", "limit_mm_per_prompt",
-                 "override_generation_config"):  # fmt: skip
+                 "override_generation_config", "chat_template"):  # fmt: skip
         if getattr(args, flag, None):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     gateway += _media_flags(args)

@@ -875,6 +875,25 @@ def add_cors_args(p: argparse.ArgumentParser, passed: str = "") -> None:
     )
 
 
+def _chat_template(text: str) -> str:
+    """argparse type of ``--chat-template``: a file (made absolute, as the gateway tandem up
+    starts may run elsewhere) or, as vLLM takes it, the template itself."""
+    import os
+
+    return os.path.abspath(text) if os.path.isfile(text) else text
+
+
+def add_chat_template_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
+    p.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help=passed + "the Jinja chat template to use instead of the tokenizer's: a file, or "
+        "(as vLLM) the template itself, written on one line with \\n escapes",
+    )
+
+
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: every interface)"
@@ -889,7 +908,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "for a model directory, as vLLM serves it; else the model's own name, e.g. "
         "SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template file to override")
+    add_chat_template_arg(p)
     add_media_args(p)
     add_generation_config_args(p)
     p.add_argument(
@@ -1077,6 +1096,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     add_output_parser_args(p, "(passed to the gateway) ")
     add_media_args(p, "(passed to the gateway) ")
     add_generation_config_args(p, "(passed to the gateway) ")
+    add_chat_template_arg(p, "(passed to the gateway) ")
     p.add_argument("--port", type=_port, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument(

@@ -79,12 +79,7 @@ class GatewayTokenizer:
     @staticmethod
     def _load_template(directory: str, config: dict[str, Any], override: str | None) -> str | None:
         if override:
-            try:
-                with open(override, encoding="utf-8") as f:
-                    return f.read()
-            except (OSError, UnicodeDecodeError) as e:
-                why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-                raise ConfigError(f"--chat-template {override}: cannot read it ({why})") from e
+            return _override_template(override)
         jinja_file = os.path.join(directory, "chat_template.jinja")
         if os.path.exists(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
@@ -186,6 +181,25 @@ class GatewayTokenizer:
         if add_special_tokens:
             merged = self._tok.post_process(merged, add_special_tokens=True)
         return list(merged.ids), text
+
+
+def _override_template(value: str) -> str:
+    """``--chat-template``: a file's text or, as vLLM takes it, the template itself (a value
+    with Jinja's braces or a newline in it, not a readable file), its backslash escapes (``\\n``)
+    decoded as vLLM decodes them."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name, or not UTF-8 text
+        if not isinstance(e, UnicodeDecodeError) and any(c in value for c in "{}\n"):
+            return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        if not isinstance(e, (OSError, UnicodeDecodeError)):
+            why = str(e)
+        raise ConfigError(
+            f"--chat-template {value}: cannot read it ({why}); pass a Jinja template file or "
+            "the template itself"
+        ) from e
 
 
 def _contents_as_rendered(

@@ -539,3 +539,22 @@ def test_cuda_visible_devices_on_a_machine_without_gpus_plans_cpu_workers() -> N
     plan = plan_for("--colocated", "1", gpus=tuple(gpus), env=env)
     assert {reparse(w.spec.argv).device for w in plan.workers} == {"cpu"}
     assert all("CUDA_VISIBLE_DEVICES" not in w.spec.env for w in plan.workers)
+
+
+def test_the_gateway_gets_the_chat_template(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's serve --chat-template: tandem up passes it to the gateway, a file made absolute
+    (a relative one named from where tandem up ran), a template given inline as it is."""
+    (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
+    monkeypatch.chdir(tmp_path)
+    spec = gateway_spec(
+        plan_for("--chat-template", "t.jinja"), {"prefill-0": 1, "decode-0": 2}, None
+    )
+    assert reparse(spec.argv).chat_template == str(tmp_path / "t.jinja")
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    spec = gateway_spec(plan_for("--chat-template", inline), {"prefill-0": 1, "decode-0": 2}, None)
+    assert reparse(spec.argv).chat_template == inline
+    plan = plan_for()
+    assert "--chat-template" not in gateway_spec(plan, {"prefill-0": 1, "decode-0": 2}, None).argv
+    assert all("--chat-template" not in w.spec.argv for w in plan.workers)

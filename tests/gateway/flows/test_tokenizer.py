@@ -221,3 +221,13 @@ def test_a_template_that_mangles_contents_refuses_instead_of_guessing(
     with pytest.raises(SpecialTokenInMessage, match=r"messages\[1\]\.content"):
         tok.chat_ids(INJECTION)
     assert tok.chat_ids(CONVERSATIONS[0])[0]  # clean messages still work
+
+
+def test_override_template_given_inline_as_vllm_takes_it(tokenizer_dir: str) -> None:
+    """vLLM's --chat-template takes the template itself too (Jinja braces or a newline in it,
+    no such file), its ``\\n`` escapes decoded; a value that is neither is a ConfigError."""
+    inline = "{% for m in messages %}«{{ m.content }}»\\n{% endfor %}"
+    tok = GatewayTokenizer(tokenizer_dir, chat_template_path=inline)
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "«hi»\n"
+    with pytest.raises(ConfigError, match=r"--chat-template no/such\.jinja: cannot read it"):
+        GatewayTokenizer(tokenizer_dir, chat_template_path="no/such.jinja")
