@@ -28,7 +28,7 @@ from gateway.core.config import (
 )
 from gateway.flows.chat_output import check_parser_flags
 from services.cli import add_engine_args
-from services.config import GPU_TOKEN_BUDGET, ConfigError, LoRAConfig
+from services.config import ENGINE_STALL_TIMEOUT_S, GPU_TOKEN_BUDGET, ConfigError, LoRAConfig
 
 DEFAULT_PROGRAM = (sys.executable, "-m", "services.cli")
 LOOPBACK = "127.0.0.1"
@@ -394,6 +394,9 @@ def build_plan(
         argv = [*program, role, *engine_flags(args, overrides), "--device", device]
         argv += ["--host", LOOPBACK, "--port", "0", "--worker-id", name]
         argv += task_flags(args)
+        stall = getattr(args, "engine_stall_timeout", ENGINE_STALL_TIMEOUT_S)
+        if stall != ENGINE_STALL_TIMEOUT_S:
+            argv += ["--engine-stall-timeout", str(stall)]
         if role == "prefill" and getattr(args, "kv_checksum", False):
             argv.append("--kv-checksum")
         if role == "prefill" and getattr(args, "kv_streaming", "auto") != "auto":

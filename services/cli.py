@@ -297,15 +297,25 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _positive_seconds(text: str) -> float:
-    """argparse type: a number of seconds > 0."""
+def _seconds(text: str, zero_ok: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
+        wanted = "seconds >= 0 (0: off)" if zero_ok else "a positive number of seconds"
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
     return value
+
+
+def _seconds_or_off(text: str) -> float:
+    """argparse type: a number of seconds >= 0 (0 turns something off)."""
+    return _seconds(text, zero_ok=True)
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    return _seconds(text, zero_ok=False)
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -679,6 +689,7 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument(
             "--kv-streaming", choices=KV_STREAMING, default="auto", help=KV_STREAMING_HELP
         )
+    add_engine_stall_arg(g)
     g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
 
 
@@ -724,6 +735,23 @@ WORKER_STALL_HELP = (
     "thread, so a long engine step does not delay them. Without this, such requests waited some "
     "40 s for the gRPC keepalive"
 )
+
+
+def add_engine_stall_arg(p: Any, passed: str = "") -> None:
+    """``--engine-stall-timeout``: the workers' flag (``tandem up`` passes it on)."""
+    from services.config import ENGINE_STALL_TIMEOUT_S
+
+    p.add_argument(
+        "--engine-stall-timeout",
+        type=_seconds_or_off,
+        default=ENGINE_STALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help=passed + "seconds the engine may spend in one step before the worker stops serving "
+        "(its health NOT_SERVING, with the engine thread's stack in its log): the gateway then "
+        "ends or moves the requests on it as a dead worker's, and sends it new ones again once "
+        "the step returns. A hung GPU kernel or collective would otherwise hold every request "
+        "on the worker until its timeout; 0: never",
+    )
 
 
 def add_worker_stall_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
@@ -1107,6 +1135,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "that long plus a margin (at least TANDEM_UP_GRACE) before killing it",
     )
     add_worker_stall_arg(p, "(passed to the gateway) ")
+    add_engine_stall_arg(p, "(passed to the workers) ")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument(

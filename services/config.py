@@ -18,6 +18,9 @@ from protos.pooling_params import POOLING_TYPES, TASKS
 from protos.roles import Role
 
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
+# a worker whose engine has been in one step (or command) this long stops serving (health
+# NOT_SERVING: the gateway ends or moves its streams) until the step returns
+ENGINE_STALL_TIMEOUT_S = 120.0
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
@@ -431,6 +434,7 @@ class WorkerConfig:
     lease_timeout_s: float = 6.0  # an owner silent this long loses its unclaimed reservations
     grpc_reflection: bool = False
     drain_timeout_s: float = 30.0
+    engine_stall_timeout_s: float = ENGINE_STALL_TIMEOUT_S  # 0: never
     kv_host: str = ""  # the KV endpoint's address, advertised to prefill workers ("" = host)
     kv_port: int = 0
     kv_timeout_s: float = 10.0  # a KV transfer's I/O timeout; a Decode call's default KV wait
@@ -469,6 +473,7 @@ class WorkerConfig:
             lease_timeout_s=getattr(args, "lease_timeout", 6.0),
             grpc_reflection=getattr(args, "grpc_reflection", False),
             drain_timeout_s=args.drain_timeout,
+            engine_stall_timeout_s=getattr(args, "engine_stall_timeout", ENGINE_STALL_TIMEOUT_S),
             kv_host=getattr(args, "kv_host", None) or "",
             kv_port=getattr(args, "kv_port", 0) or 0,
             kv_timeout_s=args.kv_timeout,

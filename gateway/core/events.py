@@ -114,5 +114,6 @@ class WorkerLoadInfo:
     lora_runtime_updating: bool = False  # it takes runtime adapter loads and unloads
     kv_whole: bool = False  # a prefill worker shipping whole KV (--kv-streaming off)
     scheduling_policy: str = ""  # fcfs | priority (--scheduling-policy); "": not reported
+    engine_stalled_s: float = 0.0  # in one step past its --engine-stall-timeout (0: not stalled)
     iteration_tokens: Histogram = field(default_factory=Histogram)  # tokens per engine step
     grammar_compile_seconds: Histogram = field(default_factory=Histogram)  # per grammar compiled

@@ -177,7 +177,11 @@ class WorkerClient:
         if self._owed_aborts and (self._resend is None or self._resend.done()):
             self._resend = asyncio.get_running_loop().create_task(self._resend_aborts())
         if check.status != health_pb2.HealthCheckResponse.SERVING:
-            self.mark_unhealthy("not serving (loading or draining)", lost=not load.draining)
+            why = "not serving (loading or draining)"
+            if load.engine_stalled_s > 0:  # its requests would wait for a step that may not end
+                why = (f"its engine has been in one step for {load.engine_stalled_s:.0f} s "
+                       "(the worker's --engine-stall-timeout)")  # fmt: skip
+            self.mark_unhealthy(why, lost=not load.draining)
         elif load.draining:
             self.mark_unhealthy("draining")
         else:

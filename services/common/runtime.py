@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -33,6 +34,7 @@ from services.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 RANK_CHECK_S = 0.5  # how often a tensor-parallel worker looks for ranks that died
+ENGINE_CHECK_S = 0.5  # how often the worker looks at how long the engine's step has taken
 STOP_HOOK_S = 30.0  # a stop hook (a KV channel's shutdown) when draining
 FATAL_STOP_HOOK_S = 5.0  # the same after a fatal engine error
 
@@ -77,6 +79,8 @@ class WorkerRuntime:
         self.fatal = ""  # why the engine cannot go on (a tensor-parallel rank died)
         self.hung = False  # a stop hook did not return while draining
         self.lora_names: list[str] = []  # the adapters served, as of the last update
+        # seconds the engine has been in one step, once past --engine-stall-timeout (0: not)
+        self.engine_stalled_s = 0.0
 
     # ---- for servicers -----------------------------------------------------------------------
     async def ready_driver(self, context: grpc.aio.ServicerContext) -> EngineDriver:
@@ -107,6 +111,7 @@ class WorkerRuntime:
         load.lora_names.extend(self.lora_names)
         lora = self.config.engine.lora
         load.lora_runtime_updating = lora is not None and lora.allow_runtime_updating
+        load.engine_stalled_s = self.engine_stalled_s
         return load
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -168,8 +173,10 @@ class WorkerRuntime:
         print(f"{self.worker_id} ({self.role}) serving on {self.config.host}:{self.port} "
               f"after {time.monotonic() - t0:.1f}s", flush=True)  # fmt: skip
         watch = asyncio.create_task(self._watch_ranks(loop, stop))
+        engine_watch = asyncio.create_task(self._watch_engine(service_names))
         await stop.wait()
         watch.cancel()
+        engine_watch.cancel()
         if self.fatal:
             await self._die(service_names)
             return 1
@@ -195,6 +202,48 @@ class WorkerRuntime:
                 what = ", ".join(f"rank {r} exited with status {c}" for r, c in dead)
                 self._fatal(loop, stop, f"tensor-parallel {what}")
                 return
+
+    async def _watch_engine(self, service_names: list[str]) -> None:
+        limit = self.config.engine_stall_timeout_s
+        if limit <= 0:
+            return
+        while True:
+            await asyncio.sleep(min(ENGINE_CHECK_S, limit / 4))
+            await self.check_engine(service_names)
+
+    async def check_engine(self, service_names: list[str]) -> None:
+        """A step (or command) past ``--engine-stall-timeout`` (a hung kernel, collective or
+        lock) stops the worker serving: its health says NOT_SERVING while the event loop goes
+        on answering, so the gateway ends or moves the requests on it, as a dead worker's, and
+        sends none until the step returns; then it serves again. The engine thread's stack is
+        logged once a stall, to tell what it waits for."""
+        limit = self.config.engine_stall_timeout_s
+        if self.driver is None or limit <= 0:
+            return
+        busy = self.driver.busy_for()
+        if busy >= limit:
+            if not self.engine_stalled_s:
+                log.error(
+                    "%s: the engine has been in one step for %.1f s (--engine-stall-timeout "
+                    "%g): not serving until it returns. The engine thread is at:\n%s",
+                    self.worker_id, busy, limit, self._engine_stack(),
+                )  # fmt: skip
+                if not self.draining:
+                    await self._set_health(
+                        health_pb2.HealthCheckResponse.NOT_SERVING, service_names
+                    )
+            self.engine_stalled_s = busy
+        elif self.engine_stalled_s:
+            log.warning("%s: the engine's step returned after %.1f s or more: serving again",
+                        self.worker_id, self.engine_stalled_s)  # fmt: skip
+            self.engine_stalled_s = 0.0
+            if not self.draining and not self.fatal:
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING, service_names)
+
+    def _engine_stack(self) -> str:
+        ident = self.driver.thread_ident if self.driver is not None else None
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
 
     async def _die(self, service_names: list[str]) -> None:
         """After a fatal engine error: every request was failed; stop at once, no draining."""

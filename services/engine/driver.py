@@ -93,6 +93,9 @@ class EngineDriver:
         self.on_fatal: list[Callable[[BaseException], None]] = []
         self.fatal: BaseException | None = None
         self._gate = threading.Lock()  # no command is queued once ``fatal`` is set
+        # when the engine thread entered the step or command it is in (None: between them,
+        # waiting for work): a step that never returns is seen by the worker's watchdog
+        self._busy_since: float | None = None
 
     def start(self) -> None:
         # a step's outputs are made while the next step's forward runs: streamed from there
@@ -275,6 +278,16 @@ class EngineDriver:
     def stats(self) -> EngineStats:
         return self.engine.stats()  # plain counters: a racy read is fine for load reports
 
+    def busy_for(self) -> float:
+        """Seconds the engine thread has been in its current step or command (0: idle). Any
+        thread."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    @property
+    def thread_ident(self) -> int | None:
+        return self._thread.ident
+
     # ---- the engine thread -------------------------------------------------------------------
     def _drain_commands(self, block: bool) -> bool:
         """Run the queued commands; False if there were none."""
@@ -297,12 +310,14 @@ class EngineDriver:
             except Exception:
                 log.exception("after-work hook failed")
 
-    @staticmethod
-    def _run(cmd: Callable[[], None]) -> None:
+    def _run(self, cmd: Callable[[], None]) -> None:
+        self._busy_since = time.monotonic()
         try:
             cmd()
         except Exception:  # a bug in a command must not stop the engine thread
             log.exception("engine command failed")
+        finally:
+            self._busy_since = None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -310,9 +325,11 @@ class EngineDriver:
                 self._after_work()
             if self._stop.is_set() or not self.engine.has_unfinished:
                 continue
+            self._busy_since = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug or a device error: fail what was running, go on
+                self._busy_since = None
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {exc}")
                 if isinstance(exc, RankFailedError):  # the ranks are gone: nothing can run
@@ -320,6 +337,7 @@ class EngineDriver:
                     return
                 self._after_work()
                 continue
+            self._busy_since = None
             self.steps += 1
             self._deliver(outputs)
             self._after_work()

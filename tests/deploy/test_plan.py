@@ -92,6 +92,18 @@ def test_kv_checksum_reaches_the_prefill_workers_only() -> None:
     assert all("--kv-checksum" not in w.spec.argv for w in plan_for().workers)
 
 
+def test_engine_stall_timeout_reaches_every_worker() -> None:
+    for colocated in ((), ("--colocated", "2")):
+        plan = plan_for("--engine-stall-timeout", "45", *colocated)
+        assert [reparse(w.spec.argv).engine_stall_timeout for w in plan.workers] == [45.0] * len(
+            plan.workers
+        )
+        assert "--engine-stall-timeout" not in plan.gateway_argv
+    for worker in plan_for().workers:  # the workers' own default
+        assert "--engine-stall-timeout" not in worker.spec.argv
+        assert reparse(worker.spec.argv).engine_stall_timeout == 120.0
+
+
 def test_kv_streaming_off_reaches_the_prefill_workers_only() -> None:
     for worker in plan_for("--kv-streaming", "off", "--prefill", "2").workers:
         args = reparse(worker.spec.argv)

@@ -48,6 +48,7 @@ class Behavior:
     full_for_s: float | None = None  # Reserve: no room now; one that may wait gets it after this
     invalid_argument: bool = False  # Generate/Prefill answer INVALID_ARGUMENT
     serving: bool = True
+    engine_stalled_s: float = 0.0  # what GetLoad reports of a step past --engine-stall-timeout
     health_delay_s: float = 0.0  # the health check answers this late
     max_model_len: int = 2048
     vocab_size: int = 49152
@@ -185,6 +186,7 @@ class FakeEngine:
             kv_transfer_bytes=1234, kv_transfer_granted=5, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
             task=b.task if self.role == "colocated" else "", lora_names=list(b.lora_names),
             kv_whole=b.kv_whole, scheduling_policy=b.scheduling_policy,
+            engine_stalled_s=b.engine_stalled_s,
         )  # fmt: skip
 
 

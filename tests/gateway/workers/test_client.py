@@ -127,6 +127,37 @@ def test_a_frozen_decode_worker_ends_its_streams_and_takes_work_once_it_answers(
         stack.stop()
 
 
+def test_a_decode_worker_whose_engine_step_hangs_ends_its_streams_and_serves_once_it_returns(
+    tokenizer_dir: str,
+) -> None:
+    """The worker still answers its polls, but its health says NOT_SERVING and its load that
+    its engine has been in one step past its --engine-stall-timeout: its streams end now (as a
+    dead worker's), not at --request-timeout; once the step returns it serves again."""
+    stack = _stack(tokenizer_dir, ["prefill", "decode"])
+    try:
+        decode = stack.role("decode")[0]
+        decode.behavior.token_delay_s = 0.02
+        frames = _started_stream(stack, {"prompt": PROMPT, "max_tokens": 1000, "stream": True})
+        got = [next(frames) for _ in range(3)]
+        decode.behavior.engine_stalled_s = 121.0
+        decode.behavior.serving = False
+        got += list(frames)
+        error = _ends_with_error(got)
+        assert "its engine has been in one step for 121 s" in str(error["message"]), error
+        client = _client(stack, decode)
+        assert not client.healthy and "--engine-stall-timeout" in client.last_error
+        r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": PROMPT})
+        assert r.status_code == 503, r.text
+        rid = decode.records.requests[0]
+        assert wait_for(lambda: rid in decode.records.aborts)  # what it still runs is aborted
+        decode.behavior.engine_stalled_s = 0.0
+        decode.behavior.serving = True
+        _usable_again(stack, decode)
+        assert not decode.records.reservations
+    finally:
+        stack.stop()
+
+
 def test_a_frozen_decode_worker_fails_a_non_streamed_request_with_a_503(
     tokenizer_dir: str,
 ) -> None:

@@ -4,10 +4,12 @@ checks and start-up errors; its exit after a tensor-parallel rank died."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,3 +201,66 @@ def test_a_draining_worker_whose_stop_hook_hangs_exits_1(
     code, log = _exit_and_log(proc, tmp_path / "hung")
     assert code == 1, log[-2000:]
     assert "a stop hook did not return in 2 s" in log
+
+
+class _StuckDriver:
+    """What check_engine reads of the engine thread: how long its step has run."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+        self.thread_ident = threading.get_ident()  # a live thread's stack to log
+
+    def busy_for(self) -> float:
+        return self.busy
+
+
+def test_a_step_past_the_engine_stall_timeout_stops_serving_until_it_returns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from grpc_health.v1 import health_pb2
+
+    from protos.roles import Role
+    from services.common.runtime import WorkerRuntime
+    from services.config import EngineConfig, WorkerConfig
+
+    names = ["tandem.v1.DecodeService"]
+
+    async def statuses(rt: WorkerRuntime) -> set[int]:
+        request = health_pb2.HealthCheckRequest
+        return {(await rt.health.Check(request(service=n), None)).status for n in ["", *names]}
+
+    async def run() -> None:
+        config = WorkerConfig(Role.DECODE, EngineConfig(device="cpu"), "d0",
+                              engine_stall_timeout_s=5.0)  # fmt: skip
+        rt = WorkerRuntime(config)
+        driver = _StuckDriver()
+        rt.driver = driver  # type: ignore[assignment]
+        await rt._set_health(health_pb2.HealthCheckResponse.SERVING, names)
+        serving, not_serving = (health_pb2.HealthCheckResponse.SERVING,
+                                health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+        driver.busy = 4.9  # a long step, within the limit
+        await rt.check_engine(names)
+        assert await statuses(rt) == {serving} and rt.engine_stalled_s == 0.0
+        driver.busy = 5.0
+        await rt.check_engine(names)
+        assert await statuses(rt) == {not_serving} and rt.engine_stalled_s == 5.0
+        driver.busy = 7.5  # still in it: the figure grows, the stack is logged once
+        await rt.check_engine(names)
+        assert rt.engine_stalled_s == 7.5
+        stalls = [r for r in caplog.records if "in one step" in r.getMessage()]
+        assert len(stalls) == 1 and "--engine-stall-timeout 5" in stalls[0].getMessage()
+        assert "test_runtime.py" in stalls[0].getMessage()  # the engine thread's stack
+        driver.busy = 0.0  # the step returned
+        await rt.check_engine(names)
+        assert await statuses(rt) == {serving} and rt.engine_stalled_s == 0.0
+        rt.draining = True  # a draining worker stays NOT_SERVING after a stall
+        await rt._set_health(not_serving, names)
+        driver.busy = 6.0
+        await rt.check_engine(names)
+        driver.busy = 0.0
+        await rt.check_engine(names)
+        assert await statuses(rt) == {not_serving}
+        await rt.server.stop(None)
+
+    caplog.set_level(logging.INFO, logger="services.common.runtime")
+    asyncio.run(run())

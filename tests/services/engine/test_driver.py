@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -89,3 +91,63 @@ def test_a_sink_gets_what_was_queued_first_then_every_output_and_a_broken_one_is
     stream.attach(None)
     driver._deliver([RequestOutput("r", [4], "", False)])
     assert got == [1, 2, 3] and stream.queue.qsize() == 1
+
+
+class _HangingEngine:
+    """One request whose step blocks until released (a hung kernel or collective)."""
+
+    def __init__(self) -> None:
+        self.has_unfinished = True
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def step(self) -> list[RequestOutput]:
+        self.entered.set()
+        assert self.release.wait(30)
+        self.has_unfinished = False
+        return []
+
+
+def _idle(driver: EngineDriver, within_s: float = 10.0) -> bool:
+    """Whether the engine thread leaves its step or command within ``within_s`` (it resets
+    ``busy_for`` just after a command's future is answered: no event marks that moment)."""
+    deadline = time.monotonic() + within_s
+    while driver.busy_for() > 0.0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_busy_for_counts_the_step_in_progress_and_is_zero_between_steps() -> None:
+    engine = _HangingEngine()
+    driver = EngineDriver(engine=engine)  # type: ignore[arg-type]
+    assert driver.busy_for() == 0.0 and driver.thread_ident is None
+    driver.start()
+    try:
+        assert engine.entered.wait(10)
+        first = driver.busy_for()
+        assert first > 0.0 and driver.thread_ident is not None
+        assert engine.release.wait(0) is False and driver.busy_for() >= first  # still in it
+        engine.release.set()
+        assert _idle(driver)  # the step returned: the thread waits for work
+    finally:
+        engine.release.set()
+        driver.stop()
+
+
+def test_busy_for_counts_a_command_in_progress() -> None:
+    engine = _HangingEngine()
+    engine.has_unfinished = False
+    driver = EngineDriver(engine=engine)  # type: ignore[arg-type]
+    driver.start()
+    try:
+        done = driver.call(lambda e: e.step())  # a command that hangs as the step does
+        assert engine.entered.wait(10)
+        assert driver.busy_for() > 0.0
+        engine.release.set()
+        done.result(10)
+        assert _idle(driver)
+    finally:
+        engine.release.set()
+        driver.stop()
