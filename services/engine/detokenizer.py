@@ -1,8 +1,12 @@
 """Incremental detokenization and stop strings, per request.
 
-Text is released as tokens complete characters; when a request has stop strings, the last
+Text is released as tokens complete characters: what the tokens decode to up to a trailing
+run of U+FFFD (a character begun and not finished yet); when a request has stop strings, the last
 ``max(len(stop)) - 1`` characters are held back until they can no longer start a stop string,
-so a stream never shows part of a stop string that is then cut away.
+so a stream never shows part of a stop string that is then cut away. When the output ends inside
+a character, :meth:`IncrementalDetokenizer.flush` spells the rest as ``decode`` does (U+FFFD), so
+the text is ``tokenizer.decode(output_ids)`` (with the prompt's leading-space context). Text not
+yet released never ends with U+FFFD: only a flush does (``split_tail`` relies on it).
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ def fast_decoder(tokenizer: Any) -> Decoder:
     return _BackendDecoder(backend)
 
 
+def split_tail(text: str) -> tuple[str, str]:
+    """``text`` of a finished output, cut where :meth:`IncrementalDetokenizer.flush` added to
+    it: the end that spells a character its tokens did not finish. A worker that hands the
+    request on to another (a prefill worker) sends only the first part; the one going on spells
+    the rest once the character is complete."""
+    body = text.rstrip("\ufffd")
+    return body, text[len(body) :]
+
+
 def held_back(stop: Sequence[str]) -> int:
     """How many trailing characters of a request's text, unfinished, wait until they can no
     longer begin one of its ``stop`` strings: the longest one's length less one (0 without).
@@ -63,6 +76,8 @@ class IncrementalDetokenizer:
     text: str = ""
     _prefix: int = 0
     _read: int = 0
+    _shown: int = 0  # characters past the text of ids[_prefix:_read] released already
+    _stopped: bool = False  # a stop string matched: the text ends there
     _longest_stop: int = 0
     _outputs: int = 0  # output tokens added
 
@@ -77,26 +92,46 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str | None:
         """Append a token; returns the matched stop string if the output must stop here."""
-        ids = self.ids
-        ids.append(token_id)
+        self.ids.append(token_id)
         self._outputs += 1
+        return self._advance(final=False)
+
+    def flush(self) -> None:
+        """The output ended: the tokens still waiting for the rest of a character are spelt as
+        ``decode`` spells them (U+FFFD), as the whole output decodes. No stop string is looked
+        for in it (it holds no character that completes one)."""
+        self._advance(final=True)
+
+    def _advance(self, final: bool) -> str | None:
+        ids = self.ids
+        if self._read == len(ids) or self._stopped:
+            return None
         before = self._dec(ids[self._prefix : self._read])
         after = self._dec(ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            new = after[len(before) :]
-            self._prefix, self._read = self._read, len(ids)
-            start = max(len(self.text) - self._longest_stop, 0)
-            self.text += new
-            if not self.stop or self._outputs < self.min_tokens:
-                return None
-            return self._check_stop(start)
-        return None
+        if len(after) <= len(before):
+            return None
+        new = after[len(before) :]
+        done = final or not new.endswith("\ufffd")
+        # the characters before an unfinished one are final: what follows cannot change them
+        fresh = (new if done else new.rstrip("\ufffd"))[self._shown :]
+        if done:
+            self._prefix, self._read, self._shown = self._read, len(ids), 0
+        else:
+            self._shown += len(fresh)
+        if not fresh:
+            return None
+        start = max(len(self.text) - self._longest_stop, 0)
+        self.text += fresh
+        if final or not self.stop or self._outputs < self.min_tokens:
+            return None
+        return self._check_stop(start)
 
     def _check_stop(self, search_from: int) -> str | None:
         for s in self.stop:
             idx = self.text.find(s, search_from)
             if idx != -1:
                 self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+                self._stopped = True
                 return s
         return None
 

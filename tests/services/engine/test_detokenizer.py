@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder
+import pytest
+
+from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder, split_tail
 
 
 class ByteDecoder:
@@ -86,3 +88,100 @@ def test_the_fast_decoder_decodes_as_the_tokenizer_does() -> None:
             )
     tok.clean_up_tokenization_spaces = True
     assert fast_decoder(tok) is tok
+
+
+class PieceDecoder:
+    """Token ``i`` is ``pieces[i]``, any bytes (part of a character, or a character and part of
+    the next, as byte-level BPE merges them); decoded as one UTF-8 string with U+FFFD."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _run(det: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str | None]:
+    """The deltas an engine sends for ``ids`` (the output ends after the last one, or at a
+    matched stop string), and the matched stop string."""
+    deltas, matched = [], None
+    for k, t in enumerate(ids):
+        matched = det.add(t)
+        finished = matched is not None or k == len(ids) - 1
+        if finished:
+            det.flush()
+        deltas.append(det.release(finished))
+        if finished:
+            break
+    return deltas, matched
+
+
+def test_an_output_that_ends_inside_a_character_spells_it_as_decode_does() -> None:
+    """max_tokens cut the output after the first two bytes of "东": its text is what
+    ``tokenizer.decode`` gives for the output (a U+FFFD), not the text without that character
+    (the bytes were dropped, streamed and whole)."""
+    text = "a东"
+    ids = list(text.encode())[:-1]
+    deltas, _ = _run(IncrementalDetokenizer(ByteDecoder(), []), ids)
+    assert "".join(deltas) == ByteDecoder().decode(ids) == "a\ufffd"
+    assert deltas[-1] == "\ufffd"
+    # an invalid byte and then the end of the output (an end-of-sequence token not in the text)
+    ids = [*b"ok", 0x93]
+    assert "".join(_run(IncrementalDetokenizer(ByteDecoder(), []), ids)[0]) == "ok\ufffd"
+
+
+def test_characters_before_an_unfinished_one_are_released_at_once() -> None:
+    """A token that ends one character and begins the next ("。" and the first bytes of "东"):
+    "。" is final as soon as that token comes, so it streams then and a stop string "。" ends
+    the output there, not a token later once "东" is complete."""
+    pieces = ["。".encode() + "东".encode()[:2], "东".encode()[2:], b"x"]
+    dec = PieceDecoder(pieces)
+    det = IncrementalDetokenizer(dec, [])
+    assert det.add(0) is None and det.release(False) == "。"
+    assert det.add(1) is None and det.release(False) == "东"
+    det = IncrementalDetokenizer(dec, [], stop=("。",))
+    deltas, matched = _run(det, [0, 1, 2])
+    assert (deltas, matched) == ([""], "。")
+    det = IncrementalDetokenizer(dec, [], stop=("。",), include_stop=True)
+    assert _run(det, [0, 1, 2]) == (["。"], "。")
+
+
+def test_a_matched_stop_string_is_where_the_text_ends() -> None:
+    """The bytes of an unfinished character after a stop string are not flushed after it."""
+    pieces = [b"ab", b"STOP" + "东".encode()[:1], b"z"]
+    det = IncrementalDetokenizer(PieceDecoder(pieces), [], stop=("STOP",))
+    deltas, matched = _run(det, [0, 1, 2])
+    assert "".join(deltas) == "ab" and matched == "STOP"
+
+
+def test_split_tail_parts_what_a_flush_added() -> None:
+    assert split_tail("a东\ufffd\ufffd") == ("a东", "\ufffd\ufffd")
+    assert split_tail("abc") == ("abc", "")
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_streamed_text_is_the_tokenizers_decode(kind: str) -> None:
+    """Random outputs of real tokenizer kinds (byte-level BPE; SentencePiece with byte fallback)
+    cut anywhere, a character split over tokens among them: the deltas joined are
+    ``tokenizer.decode(prompt + output)`` less the prompt's text (the output's own leading
+    space kept, as vLLM keeps it), the ends inside a character included."""
+    import random
+
+    from tests import tokenizer_zoo
+
+    tok = (
+        tokenizer_zoo.byte_level_tokenizer()
+        if kind == "byte_level"
+        else tokenizer_zoo.sentencepiece_tokenizer()
+    )
+    rng = random.Random(0)
+    prompt = tok("Hello", add_special_tokens=False)["input_ids"]
+    texts = ["东京 😀 world", " café\n\n", "北京是中国", "👍🏽❤️ ok"]
+    for _ in range(60):
+        ids = tok(rng.choice(texts) + rng.choice(texts), add_special_tokens=False)["input_ids"]
+        ids = ids[: rng.randrange(1, len(ids) + 1)]
+        det = IncrementalDetokenizer(fast_decoder(tok), prompt)
+        deltas, _ = _run(det, ids)
+        whole = tok.decode(prompt + ids, skip_special_tokens=True)
+        assert "".join(deltas) == whole[len(tok.decode(prompt)) :], ids
+        assert all(not d.endswith("\ufffd") for d in deltas[:-1])
