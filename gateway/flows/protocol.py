@@ -103,6 +103,10 @@ def _sampling(
     """``defaults``: the model's generation config (GatewayConfig.generation_defaults), for the
     fields the request leaves out; else vLLM's neutral values."""
     min_tokens = f.get_int("min_tokens", 0, 0, INT32_MAX) or 0
+    # vLLM's spaces_between_special_tokens changes only a slow tokenizer's text: the fast
+    # tokenizers served here (and vLLM's with them) join special tokens as their decoder does
+    # either way, so both values are the same request (read, so checked as a bool)
+    f.get_bool("spaces_between_special_tokens", True)
     try:
         return SamplingParams(
             temperature=f.get_float("temperature", defaults.get("temperature", 1.0), 0.0, 100.0),

@@ -19,7 +19,6 @@ from gateway.flows.fields import Fields
 _TOOLS = "the deprecated functions API is not supported: send tools and tool_choice"
 
 NEUTRAL: tuple[Any, ...] = (None, False, "", [], {})
-DEFAULT_TRUE: tuple[Any, ...] = (None, True)
 
 # field -> (why it is refused, the values that ask for nothing)
 SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
@@ -35,7 +34,6 @@ SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
         (None, 1, 1.0),
     ),
     "logits_processors": ("custom logits processors are not supported", NEUTRAL),
-    "spaces_between_special_tokens": ("only the default (true) is implemented", DEFAULT_TRUE),
     "kv_transfer_params": ("external KV transfer parameters are not supported", NEUTRAL),
     "vllm_xargs": ("vLLM extension arguments are not supported", NEUTRAL),
     "mm_processor_kwargs": (

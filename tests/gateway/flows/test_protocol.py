@@ -520,3 +520,17 @@ def test_tokenize_keeps_special_tokens_in_messages_as_text(colocated: Stack) -> 
     assert r.status_code == 200
     tokens = r.json()["tokens"]
     assert tokens.count(1) == 3  # <|im_start|>: the default system turn, the user, the assistant
+
+
+def test_spaces_between_special_tokens_takes_either_bool_as_fast_tokenizers_do() -> None:
+    """With a fast tokenizer the value changes no text (vLLM's neither): both are accepted, a
+    non-bool is a 400 naming it."""
+    for value in (True, False, None):
+        body = {"prompt": "hi", "spaces_between_special_tokens": value}
+        want = parse_completion({"prompt": "hi"}).common.sampling
+        assert parse_completion(body).common.sampling == want
+        chat = {"messages": MSGS, "spaces_between_special_tokens": value}
+        assert parse_chat(chat).common.sampling == parse_chat({"messages": MSGS}).common.sampling
+    with pytest.raises(APIError) as e:
+        parse_completion({"prompt": "hi", "spaces_between_special_tokens": "no"})
+    assert e.value.param == "spaces_between_special_tokens"

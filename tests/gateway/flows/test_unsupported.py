@@ -34,7 +34,6 @@ ASKING: dict[str, Any] = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "logits_processors": ["x"],
-    "spaces_between_special_tokens": False,
     "kv_transfer_params": {"do_remote_decode": True},
     "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1},
