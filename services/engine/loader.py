@@ -18,7 +18,9 @@ from services.config import ConfigError, ModelConfig
 from services.engine.gpt_oss_weights import gpt_oss_tensors
 from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
 from services.engine.models.gemma3 import Gemma3ForCausalLM
+from services.engine.models.glm4 import Glm4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.olmo2 import Olmo2ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.models.qwen3_vl import Qwen3VLForCausalLM
 from services.engine.quantization import (
@@ -31,6 +33,7 @@ from services.engine.quantization import (
     quantized_modules,
     resolve_quantization,
 )
+from services.engine.rope import halves_from_pairs
 from services.engine.tp_group import TPGroup
 from services.engine.tp_layers import apply_tp
 from services.engine.tp_layout import TPLayout
@@ -56,6 +59,13 @@ _EXPERT_PIECES = {  # -> (our stacked parameter, shard of its rows; None: all of
 }
 
 log = logging.getLogger(__name__)
+
+# the families built on the Llama layers with their own layer (or model) class
+_FAMILY_MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "olmo2": Olmo2ForCausalLM,
+    "olmo3": Olmo2ForCausalLM,
+    "glm4": Glm4ForCausalLM,
+}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -183,11 +193,16 @@ def load_weights(
                 else [params[target].shape[0] // 2] * 2
             )
             start = sum(sizes[:shard])
+            if arch.rotary_interleaved and fused == "qkv_proj" and shard < 2:  # q or k rows
+                tensor = halves_from_pairs(tensor, arch.head_dim, arch.rotary_dim)
             _copy(name, tensor, params[target].data[start : start + sizes[shard]])
             loaded.add(f"{target}#{shard}")
             continue
         if name not in params:
             raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
+        if arch.rotary_interleaved and name.endswith(_HEAD_NORMS) and tensor.dim() == 2:
+            # Cohere's q/k LayerNorm weights [H, D]: each head's dims in the rows' new order
+            tensor = halves_from_pairs(tensor.T, arch.head_dim, arch.rotary_dim).T
         _copy(name, tensor, params[name].data)
         loaded.add(name)
     shards = Counter(k.partition("#")[0] for k in loaded if "#" in k)
@@ -198,6 +213,9 @@ def load_weights(
         raise ConfigError(f"weights missing from the checkpoint: {missing[:5]} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)
+
+
+_HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 
 
 def _rank_part(
@@ -363,6 +381,12 @@ def load_model(
             f"quantized {arch.model_type} checkpoints (q, k and v in one qkv_proj tensor) are not "
             "supported yet: serve the bf16 checkpoint, with --quantization fp8 for FP8"
         )
+    if qcfg is not None and qcfg.serialized and arch.rotary_interleaved:
+        raise ConfigError(
+            f"quantized {arch.model_type} checkpoints are not supported yet (their q and k rows "
+            "are reordered as they load): serve the bf16 checkpoint, with --quantization fp8 "
+            "for FP8"
+        )
     if qcfg is not None and (arch.moe is not None or arch.vision is not None):
         what = f"{arch.model_type} (Mixture-of-Experts)"
         what = what if arch.vision is None else f"{arch.model_type} (vision-language)"
@@ -375,6 +399,7 @@ def load_model(
         model_class = Qwen3VLForCausalLM if arch.vision.qwen3 else Qwen2VLForCausalLM
     if arch.gemma is not None:
         model_class = Gemma3ForCausalLM
+    model_class = _FAMILY_MODELS.get(arch.model_type, model_class)
     with torch.device("meta"), _no_param_init():
         model = model_class(layout.local_arch(arch) if layout else arch, max_positions)
         if tp is not None and layout is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from services.config import ConfigError
+from services.engine.arch_families import INTERLEAVED_ROTARY_TYPES, read_family
 
 SUPPORTED = {
     "llama": "Llama 2/3, SmolLM",
@@ -30,6 +31,10 @@ SUPPORTED = {
     "smollm3": "SmolLM3 (its layers without rotary embedding)",
     "granite": "Granite 3.x (dense)",
     "gpt_oss": "gpt-oss (its MXFP4 experts dequantized at load)",
+    "olmo2": "OLMo 2",
+    "olmo3": "OLMo 3",
+    "glm": "GLM-4 (glm-4-9b-hf and its chat)",
+    "glm4": "GLM-4-0414",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -54,7 +59,12 @@ _O_BIAS_TYPES = (
     "gemma3_text",
     "granite",
     "gpt_oss",
+    "olmo2",
+    "olmo3",
+    "starcoder2",
+    "cohere",
 )  # attention_bias biases o_proj too
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text", "olmo2", "olmo3")
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
@@ -223,6 +233,18 @@ class ArchConfig:
     logits_scaling: float = 1.0
     # gpt-oss: one learned logit per query head joins each softmax (its value vector zero)
     attention_sinks: bool = False
+    # OLMo 2's q and k RMSNorms: over the whole projection (every head at once), not per head
+    qk_norm_whole: bool = False
+    # GLM's and Cohere's rotary pairs dims (0, 1), (2, 3), ... of each head (the rotated
+    # ones): the loader reorders the rows of q_proj and k_proj (and Cohere's per-head q/k
+    # norm weights) to (0, 2, 4, ..., 1, 3, 5, ...) so that the engine's rotation of the
+    # first half with the second computes it; q . k is unchanged by the common reordering
+    rotary_interleaved: bool = False
+    # OLMo 3's sliding layers' own rotary base (default frequencies) where their table differs
+    # from the full layers' (which take rope_scaling); 0: every layer rotates by cos_sin
+    local_rope_theta: float = 0.0
+    # Cohere's: the logits times this
+    logit_scale: float = 1.0
 
     @property
     def rotary_dim(self) -> int:
@@ -252,6 +274,7 @@ class ArchConfig:
             cfg, gemma = _gemma1(cfg)
         elif model_type == "gpt_oss":
             cfg = _gpt_oss(cfg)
+        cfg, family = read_family(model_type, cfg)
         if model_type in VL_TYPES:
             vision = _vision_config(model_type, cfg)
             cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
@@ -265,7 +288,7 @@ class ArchConfig:
             qkv_bias = bool(cfg.get("qkv_bias", True))
         else:
             qkv_bias = model_type not in ("mistral", "mixtral") and bool(cfg.get("attention_bias"))
-        silu = model_type not in MOE_TYPES and gemma is None
+        silu = model_type not in MOE_TYPES and gemma is None and not family
         if silu and cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(
                 f"{model_type}: hidden_act {cfg['hidden_act']!r}; only silu is supported"
@@ -288,7 +311,7 @@ class ArchConfig:
             raise ConfigError(f"{model_type}: rope scaling {kind!r} needs a factor")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
+        fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -305,7 +328,7 @@ class ArchConfig:
             attention_bias=qkv_bias,
             o_proj_bias=qkv_bias and model_type in _O_BIAS_TYPES,
             mlp_bias=model_type in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text"),
+            qk_norm=model_type in _QK_NORM_TYPES,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -320,7 +343,10 @@ class ArchConfig:
             partial_rotary_factor=partial,
             **_granite_scalings(model_type, cfg),
             attention_sinks=model_type == "gpt_oss",
+            qk_norm_whole=False,
+            rotary_interleaved=model_type in INTERLEAVED_ROTARY_TYPES,
         )
+        return cls(**{**fields, **family})  # the family's fields over the common reader's
 
     @classmethod
     def from_file(cls, path: Path) -> ArchConfig:
@@ -344,7 +370,7 @@ class ArchConfig:
 
 
 # families whose transformers model rotates part of each head (Phi3's q_rot and q_pass)
-_PARTIAL_ROTARY_TYPES = ("phi3",)
+_PARTIAL_ROTARY_TYPES = ("phi3", "glm", "glm4")
 
 
 def _partial_rotary(
@@ -518,7 +544,7 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     VL models); Gemma 3 the ``layer_types`` ones; Llama and Qwen3-VL never. (None, ()) when no
     layer does."""
     layers = range(int(cfg["num_hidden_layers"]))
-    if model_type in ("llama", "qwen3_vl", "granite", "gemma"):
+    if model_type in ("llama", "qwen3_vl", "granite", "gemma", "olmo2", "glm", "glm4", "cohere"):
         return None, ()
     if model_type == "qwen2_moe":  # its windows alternate below max_window_layers: not served
         if cfg.get("use_sliding_window"):
@@ -535,11 +561,12 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
         return (int(cfg["sliding_window"]), windowed) if windowed else (None, ())
     if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window"):
         return None, ()
-    window = cfg.get("sliding_window", 4096 if model_type not in ("mixtral", "phi3") else None)
+    no_window = ("mixtral", "phi3", "starcoder2")  # none when the key is absent
+    window = cfg.get("sliding_window", 4096 if model_type not in no_window else None)
     if window is None:
         return None, ()
     types = cfg.get("layer_types")
-    if model_type in ("mistral", "mixtral", "qwen3_moe"):
+    if model_type in ("mistral", "mixtral", "qwen3_moe", "starcoder2"):
         windowed = tuple(layers)
     elif types is not None:
         if len(types) != len(layers):

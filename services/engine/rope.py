@@ -147,3 +147,15 @@ def cos_sin_cache(
     freqs = torch.arange(max_pos, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
     table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     return table * attention if attention != 1.0 else table
+
+
+def halves_from_pairs(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The rows of a q or k projection (weight [H D, K] or bias [H D]) with each head's first
+    ``rotary_dim`` rows reordered from rotary pairs (0, 1), (2, 3), ... (GLM's and Cohere's
+    rotation) to halves (0, 2, 4, ..., 1, 3, 5, ...): the engine's rotation of the first half
+    with the second then turns each pair as the checkpoint's model does. q and k reordered
+    alike leave every score q . k as it was."""
+    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                       torch.arange(rotary_dim, head_dim)])  # fmt: skip
+    heads = rows.reshape(-1, head_dim, *rows.shape[1:])  # [H, D, ...]
+    return heads[:, order].reshape(rows.shape)

@@ -142,6 +142,11 @@ class TPLayout:
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
                 "mix every rank's input rows); use 1, or a checkpoint without act-order"
             )
+        if arch.qk_norm_whole and size > 1:
+            raise ConfigError(
+                f"{where}: {arch.model_type}'s q and k norms span every head (each rank would "
+                "need the others' heads): not split over ranks yet; use 1"
+            )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
         if nkv >= size:

@@ -28,6 +28,7 @@ from protos.errors import ConfigError
 from services.config import LoRAConfig
 from services.engine.lora.adapter import LoRAAdapter, read_adapter
 from services.engine.lora.layers import PEFT_MODULES, LoRABatch, apply_lora
+from services.engine.rope import halves_from_pairs
 
 ROW_PARALLEL = ("o_proj", "down_proj")  # peft modules whose input a rank holds a part of
 
@@ -102,6 +103,10 @@ class LoRAManager:
         self._clock = itertools.count(1)
         self._loads = itertools.count()
         self.salts: dict[str, str] = {}  # prefix-cache salt per adapter: unique per load
+        # a model whose q and k rows the loader reordered (GLM's, Cohere's rotary pairs): the
+        # adapters' q and k rows (B's) are reordered alike, (head_dim, rotary_dim)
+        arch = getattr(model, "cfg", None)
+        self.pairs = (arch.head_dim, arch.rotary_dim) if arch and arch.rotary_interleaved else None
         for name, path in config.modules:
             self.add(name, path)
 
@@ -123,6 +128,10 @@ class LoRAManager:
             raise ConfigError(f"LoRA adapter {name!r} is already loaded")
         # read and checked in full before the name is registered: a refusal registers nothing
         adapter = read_adapter(name, path, self.config.max_lora_rank, self._shape_of)
+        if self.pairs is not None:
+            for (layer, module), (a, b) in adapter.weights.items():
+                if module in ("q_proj", "k_proj"):  # B [out, r]: its rows as the layer's
+                    adapter.weights[layer, module] = (a, halves_from_pairs(b, *self.pairs))
         self.adapters[name] = adapter
         self.salts[name] = f"lora:{name}:{next(self._loads)}"
 

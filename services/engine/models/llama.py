@@ -56,8 +56,12 @@ class Attention(nn.Module):
             cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.attention_bias
         )
         self.o_proj = Linear(self.nq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # per head (Qwen3's), or over the whole projection (OLMo 2's: qk_norm_whole)
+        self.qk_norm_whole = cfg.qk_norm_whole
+        whole = self.qk_norm_whole
+        q_width, k_width = (self.nq * self.d, self.nkv * self.d) if whole else (self.d, self.d)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_multiplier or self.d**-0.5  # Granite's: its own
         self.window = cfg.window(layer)  # a sliding window's keys (Mistral v0.1); 0: all
         self.softcap = 0.0  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
@@ -84,8 +88,9 @@ class Attention(nn.Module):
         k = k.reshape(T, self.nkv, self.d)
         v = v.reshape(T, self.nkv, self.d)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.d))[0].view(T, self.nq, self.d)
-            k = self.k_norm(k.reshape(-1, self.d))[0].view(T, self.nkv, self.d)
+            rows = (T, -1) if self.qk_norm_whole else (-1, self.d)  # [T, H D] or [T H, D]
+            q = self.q_norm(q.reshape(rows))[0].view(T, self.nq, self.d)
+            k = self.k_norm(k.reshape(rows))[0].view(T, self.nkv, self.d)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         scaled = k_cache.element_size() == 1  # FP8: the scales apply
         # whole prompts on a GPU (no cached prefix in the step, enough of them) read their own

@@ -1,6 +1,6 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
-Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3, SmolLM3
-and gpt-oss checkpoints
+Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3, SmolLM3,
+gpt-oss, OLMo 2 and 3, GLM and GLM-4 checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -133,6 +133,29 @@ CONFIGS = {
                             "original_max_position_embeddings": 64},
         "max_position_embeddings": 256,  # YaRN's reach (64 x 4): the longest prompt fits
     }),
+    # OLMo 2: norms after attention and the MLP (none before), q/k RMSNorms over the whole
+    # projection, q/k/v/o biases
+    "olmo2": ("olmo2", {"num_hidden_layers": 2, "intermediate_size": 96, "attention_bias": True}),
+    # OLMo 3: two sliding layers (a 24-key window, their default table at their own base) and
+    # a full one (its own base, linearly scaled)
+    "olmo3": ("olmo3", {
+        "num_hidden_layers": 3, "intermediate_size": 96, "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        },
+    }),
+    # GLM (glm-4-9b-hf): q/k/v biases, half of each head rotating with its dims paired (0, 1),
+    # (2, 3), ..., gate and up stored as one gate_up_proj
+    "glm": ("glm", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16, "pad_token_id": None,
+    }),
+    # GLM-4-0414: four norms a layer; a quarter of each 32-dim head rotating
+    "glm4": ("glm4", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 32,
+        "partial_rotary_factor": 0.25, "pad_token_id": None,
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16
@@ -217,7 +240,8 @@ LONGROPE_LENS = [1, 9, 23, 40, 65, 150]
 # one chunked (the suite's time); Llama and the windowed families take every length
 FEW_LENS = [4, 23, 150]
 FEW = ("gemma", "granite", "qwen2_moe", "phi3-partial-rotary", "llama-biases", "qwen2", "qwen3",
-       "qwen3-yarn", "qwen3_moe-dense-layer", "qwen3_moe-sparse-step", "mixtral")  # fmt: skip
+       "qwen3-yarn", "qwen3_moe-dense-layer", "qwen3_moe-sparse-step", "mixtral",
+       "olmo2", "glm")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -379,6 +403,24 @@ def test_gpt_oss_through_the_triton_kernels(
     )
     monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
     _assert_greedy_matches("gpt_oss", *built("gpt_oss"), [40], block_size=16)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("name", ["olmo3", "glm4"])
+def test_the_llama_deltas_through_the_triton_kernels(
+    name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The families built on the Llama layers with their norms, rotary (OLMo 3's two tables,
+    GLM-4's partial one over reordered rows), KV writes and attention (its windows) in the Triton kernels (under the interpreter): still
+    transformers' tokens on a prompt past the window, in 16-token blocks."""
+    from kernels import triton_attention, triton_layers
+
+    kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
+    monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
+    _assert_greedy_matches(name, *built(name), [40], block_size=16)
 
 
 def test_a_window_no_context_outgrows_is_left_to_whole_attention(windowed: Built) -> None:

@@ -218,3 +218,22 @@ def test_a_gemma3_adapter_matches_peft(tmp_path: Path) -> None:
     ]
     assert base_only == peft_greedy(None, prompts, 12, None, base) != got
     llm.close()
+
+
+def test_a_glm4_adapter_matches_peft(tmp_path: Path) -> None:
+    """GLM-4's q and k rows are reordered as they load (its rotary pairs dims (0, 1), ...):
+    an adapter's q and k updates are reordered alike, and give peft's merged model's tokens."""
+    base = tiny_checkpoint(tmp_path / "glm4", "glm4", num_hidden_layers=2, hidden_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           intermediate_size=96, pad_token_id=None)  # fmt: skip
+    adapter = make_adapter(tmp_path / "a", 5, base, **ADAPTERS["attn-r8"])
+    lora = LoRAConfig(modules=(("g", str(adapter)),), max_loras=1, max_lora_rank=8)
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 140))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, lora_name="g")
+    with LLM(str(base), lora_config=lora) as llm:
+        got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert (
+        got
+        == peft_greedy(adapter, prompts, 12, None, base)
+        != peft_greedy(None, prompts, 12, None, base)
+    )

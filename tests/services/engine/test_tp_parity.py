@@ -43,6 +43,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
         "num_key_value_heads": 3, "intermediate_size": 101,
     }),
+    # GLM-4: its q and k rows reordered per head on each rank (partial rotary, dims paired),
+    # gate/up stored fused, q/k/v biases, four norms a layer
+    "glm4-2kv": ("glm4", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "pad_token_id": None,
+    }),
     # every expert on both ranks, each with half its rows (33: 17 + 16); the router whole
     "mixtral": ("mixtral", {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
@@ -151,6 +157,7 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         pytest.param("llama-2kv", 4, id="llama-2kv-tp4-kv-replicated"),
         ("gemma3-2kv", 2),
         ("phi3-3kv-uneven", 2),
+        ("glm4-2kv", 2),
         ("mixtral", 2),
         ("qwen3-moe", 2),
         ("gpt-oss", 2),

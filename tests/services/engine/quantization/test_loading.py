@@ -175,6 +175,21 @@ def test_a_quantized_checkpoint_with_fused_qkv_tensors_is_refused(tmp_path: Path
         load(path)
 
 
+@pytest.mark.parametrize("model_type", ["glm", "glm4"])
+def test_a_quantized_checkpoint_whose_rotary_pairs_dims_is_refused(
+    tmp_path: Path, model_type: str
+) -> None:
+    """GLM's q and k rows are reordered as they load (its rotary pairs dims (0, 1), ...): a
+    quantized checkpoint's packed rows and block scales are not, so it is refused at start."""
+    import json
+
+    path, _ = ck.fp8_checkpoint(tmp_path / "fp8", "block")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(ConfigError, match=rf"quantized {model_type} checkpoints .* reordered"):
+        load(path)
+
+
 def test_a_missing_quantized_tensor_is_named(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

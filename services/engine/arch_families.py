@@ -1,0 +1,127 @@
+"""The config.json readers of the families that are small deltas on the Llama layout (OLMo 2
+and 3, GLM and GLM-4, StarCoder2, Cohere): each returns the config with the family's
+defaults written into the keys the common reader (``ArchConfig.from_dict``) takes, and the
+``ArchConfig`` fields the family sets; what the family allows but this engine does not
+implement is refused (ConfigError) rather than served wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.config import ConfigError
+
+Fields = dict[str, Any]
+
+# families whose transformers model pairs rotary dims (0, 1), (2, 3), ... rather than the
+# first half with the second; the loader reorders their q and k rows (ArchConfig's
+# rotary_interleaved)
+INTERLEAVED_ROTARY_TYPES = ("glm", "glm4", "cohere")
+
+
+def read_family(model_type: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """(the config for the common reader, the family's own ArchConfig fields); the config as
+    it was and no fields for a family read by the common reader alone."""
+    reader = _READERS.get(model_type)
+    return reader(cfg) if reader is not None else (cfg, {})
+
+
+def _olmo2(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """OLMo 2: norms after attention and after the MLP (none before), q and k RMSNorms over
+    the whole projection (every head at once); transformers' rms_norm_eps default 1e-5."""
+    _check_act(str(cfg.get("model_type")), cfg, "silu")
+    return {**cfg, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5)}, {"qk_norm_whole": True}
+
+
+def _olmo3(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """OLMo 3: OLMo 2 with sliding layers (``layer_types``, else every fourth layer full), a
+    4096-key window by default, and a rotary table per layer type as transformers 5 reads
+    them: ``rope_parameters`` per type, or the older ``rope_theta`` (default 500000) with
+    ``rope_scaling`` for the full layers alone; the sliding layers' must be default
+    frequencies."""
+    read, fields = _olmo2(cfg)
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
+    ]
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = cfg.get("rope_theta", 500_000.0)
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:  # the older keys (the published configs'), or one set of parameters for both
+        full = {**(cfg.get("rope_scaling") or {}), **params}
+        local = {"rope_type": "default", "rope_theta": params.get("rope_theta", theta)}
+    full.setdefault("rope_theta", theta)
+    kind = local.get("rope_type", local.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(f"olmo3: rope scaling {kind!r} on the sliding layers is not supported")
+    local_theta = float(local.get("rope_theta", theta))
+    read = {**read, "rope_parameters": full, "rope_scaling": None, "layer_types": types,
+            "sliding_window": cfg.get("sliding_window", 4096)}  # fmt: skip
+    # one table serves both kinds of layer where their frequencies are the same
+    same = (
+        full.get("rope_type", full.get("type", "default")) == "default"
+        and float(full["rope_theta"]) == local_theta
+    )
+    return read, {**fields, "local_rope_theta": 0.0 if same else local_theta}
+
+
+def _glm(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """GLM (glm-4-9b-hf) and GLM-4 (GLM-4-0414): Llama's layers with biased q/k/v (not o),
+    half of each head rotating (``partial_rotary_factor``, 0.5 unless given) with its dims
+    paired (0, 1), (2, 3), ..., gate and up stored as one ``gate_up_proj``; head_dim 128 unless
+    given. GLM-4 adds a norm after attention and after the MLP (four a layer)."""
+    model_type = str(cfg.get("model_type"))
+    _check_act(model_type, cfg, "silu")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "longrope":
+        raise ConfigError(f"{model_type}: rope scaling 'longrope' is not supported")
+    read = {**cfg, "head_dim": cfg.get("head_dim") or 128, "partial_rotary_factor": partial,
+            "attention_bias": cfg.get("attention_bias", True)}  # fmt: skip
+    return read, {"rotary_interleaved": True}
+
+
+def _starcoder2(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """StarCoder2: LayerNorms with a bias (``norm_epsilon``), a GELU-tanh MLP of two biased
+    projections (c_fc, c_proj), biases on every attention projection (``use_bias``), tied
+    embeddings by default, every layer through ``sliding_window`` when one is given."""
+    _check_act("starcoder2", cfg, "gelu_pytorch_tanh")
+    bias = bool(cfg.get("use_bias", True))
+    read = {**cfg, "rms_norm_eps": cfg.get("norm_epsilon", 1e-5), "attention_bias": bias,
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}  # fmt: skip
+    return read, {"mlp_bias": bias}
+
+
+def _cohere(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """Cohere (Command-R): attention and MLP side by side from one bias-free LayerNorm
+    (``layer_norm_eps``), rotary dims paired (0, 1), (2, 3), ..., logits times ``logit_scale``
+    (0.0625 unless given), a rotary base of 500000 unless given, tied embeddings, and with ``use_qk_norm`` a LayerNorm of each q and
+    k head (its own weight per head)."""
+    _check_act("cohere", cfg, "silu")
+    scale = cfg.get("logit_scale", 0.0625)
+    if not isinstance(scale, int | float) or isinstance(scale, bool) or not scale > 0:
+        raise ConfigError(f"cohere: logit_scale must be a positive number, got {scale!r}")
+    read = {**cfg, "rms_norm_eps": cfg.get("layer_norm_eps", 1e-5),
+            "rope_theta": cfg.get("rope_theta", 500_000.0),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}  # fmt: skip
+    fields = {"rotary_interleaved": True, "logit_scale": float(scale),
+              "qk_norm": bool(cfg.get("use_qk_norm", False))}  # fmt: skip
+    return read, fields
+
+
+def _check_act(model_type: str, cfg: dict[str, Any], want: str) -> None:
+    act = cfg.get("hidden_act") or want
+    if act != want:
+        raise ConfigError(f"{model_type}: hidden_act {act!r}; only {want} is supported")
+
+
+_READERS = {
+    "olmo2": _olmo2,
+    "olmo3": _olmo3,
+    "glm": _glm,
+    "glm4": _glm,
+    "starcoder2": _starcoder2,
+    "cohere": _cohere,
+}

@@ -1,0 +1,87 @@
+"""The Llama-delta families' config.json as transformers 5 reads it (its defaults for the keys
+a published config leaves out), and their variants this engine does not implement refused
+with a message instead of served wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.config import ConfigError
+from services.engine.model_config import ArchConfig
+from services.engine.tp_layout import TPLayout
+
+BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+def _arch(model_type: str, **extra: Any) -> ArchConfig:
+    return ArchConfig.from_dict({**BASE, "model_type": model_type, **extra})
+
+
+def test_olmo2_norms_q_and_k_over_the_whole_projection() -> None:
+    arch = _arch("olmo2", attention_bias=True)
+    assert arch.qk_norm and arch.qk_norm_whole
+    assert (arch.attention_bias, arch.o_proj_bias, arch.rms_norm_eps) == (True, True, 1e-5)
+    assert (arch.sliding_window, arch.local_rope_theta) == (None, 0.0)
+
+
+def test_olmo3_reads_its_layer_types_and_a_rotary_table_per_type() -> None:
+    """Every fourth layer full unless layer_types says; the published configs' rope_theta and
+    rope_scaling: YaRN on the full layers only, the sliding ones default at the same base."""
+    arch = _arch("olmo3", rope_theta=500000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192})  # fmt: skip
+    assert (arch.sliding_window, arch.sliding_layers) == (4096, (0, 1, 2))
+    assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_theta == 500000.0
+    assert arch.local_rope_theta == 500000.0  # its own table: the full layers' is YaRN's
+    plain = _arch("olmo3", rope_theta=10000.0)  # one table serves both kinds
+    assert (plain.rope_theta, plain.local_rope_theta) == (10000.0, 0.0)
+    nested = _arch("olmo3", sliding_window=24, layer_types=["full_attention"] * 4, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})  # fmt: skip
+    assert (nested.sliding_window, nested.sliding_layers) == (None, ())
+    assert (nested.rope_theta, nested.local_rope_theta) == (1e6, 1e4)
+
+
+def test_olmo3_refuses_rope_scaling_on_its_sliding_layers() -> None:
+    with pytest.raises(ConfigError, match="olmo3: rope scaling 'linear' on the sliding layers"):
+        _arch("olmo3", rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_olmo_is_not_split_over_ranks(model_type: str) -> None:
+    """Its q/k norms span every head: a rank would need the others' heads. Refused before any
+    rank starts; one rank serves it."""
+    arch = _arch(model_type)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 2: .* norms span every head"):
+        TPLayout.of(arch, 0, 2)
+    assert TPLayout.of(arch, 0, 1) is not None
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_another_activation_is_refused(model_type: str) -> None:
+    with pytest.raises(ConfigError, match=f"{model_type}: hidden_act 'gelu'; only silu"):
+        _arch(model_type, hidden_act="gelu")
+
+
+@pytest.mark.parametrize("model_type", ["glm", "glm4"])
+def test_glm_reads_transformers_defaults(model_type: str) -> None:
+    """Half of each head rotating with its dims paired, q/k/v biased (o not), head_dim 128:
+    transformers' defaults where the config leaves them out."""
+    arch = _arch(model_type)
+    assert (arch.partial_rotary_factor, arch.rotary_dim, arch.head_dim) == (0.5, 64, 128)
+    assert arch.rotary_interleaved
+    assert (arch.attention_bias, arch.o_proj_bias, arch.mlp_bias) == (True, False, False)
+    given = _arch(model_type, head_dim=32, attention_bias=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                   "partial_rotary_factor": 0.25})  # fmt: skip
+    assert (given.rotary_dim, given.attention_bias) == (8, False)
+
+
+def test_glm_refuses_longrope() -> None:
+    with pytest.raises(ConfigError, match="glm4: rope scaling 'longrope' is not supported"):
+        _arch("glm4", rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 32,
+                                    "long_factor": [1.0] * 32})  # fmt: skip
