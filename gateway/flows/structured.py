@@ -2,9 +2,10 @@
 
 OpenAI's ``response_format`` (json_object, json_schema), vLLM's ``structured_outputs`` object
 (json, regex, choice, grammar, json_object) and its older ``guided_*`` fields. A request may ask
-in one way only. The shape of each value is checked here; whether a schema, regex or grammar
-compiles is the workers' to say (they hold the tokenizer and the grammar library), and their
-INVALID_ARGUMENT comes back as a 400 with the library's message.
+in one way only. The shape of each value is checked here, and a schema's keywords that the
+grammar engine would drop unread are refused (``schema_support``); whether a schema, regex or
+grammar compiles is the workers' to say (they hold the tokenizer and the grammar library), and
+their INVALID_ARGUMENT comes back as a 400 with the library's message.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from gateway.core.errors import invalid
 from gateway.flows.fields import Fields
+from gateway.flows.schema_support import check_schema
 from protos.sampling_params import StructuredOutput
 
 MAX_SPEC_CHARS = 1 << 20
@@ -41,6 +43,7 @@ def _schema_text(value: Any, param: str) -> str:
             raise invalid(f"{param} is not valid JSON: {e}", param) from e
     if not isinstance(value, dict | bool):
         raise invalid(f"{param} must be a JSON schema (an object)", param)
+    check_schema(value, param)
     return json.dumps(value, ensure_ascii=False)
 
 

@@ -17,6 +17,7 @@ from urllib.parse import unquote
 
 from gateway.core.errors import invalid
 from gateway.flows.fields import Fields
+from gateway.flows.schema_support import check_schema
 from protos.sampling_params import StructuredOutput
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -297,12 +298,24 @@ def parse_tools(f: Fields) -> ToolPlan | None:
             raise invalid("tool_choice needs tools to choose from", "tool_choice")
         return None
     if isinstance(choice, dict):
-        return ToolPlan(functions, "function", _named(choice, functions), parallel)
-    if choice is None:
-        choice = "auto"  # OpenAI's default when tools are given
-    if choice not in CHOICES:
-        raise invalid(
-            f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
-            "tool_choice",
-        )
-    return ToolPlan(functions, choice, None, parallel)
+        plan = ToolPlan(functions, "function", _named(choice, functions), parallel)
+    else:
+        if choice is None:
+            choice = "auto"  # OpenAI's default when tools are given
+        if choice not in CHOICES:
+            raise invalid(
+                "tool_choice must be 'none', 'auto', 'required' or a named function, "
+                f"got {choice!r}",
+                "tool_choice",
+            )
+        plan = ToolPlan(functions, choice, None, parallel)
+    _check_enforced(plan)
+    return plan
+
+
+def _check_enforced(plan: ToolPlan) -> None:
+    """The parameters a grammar will enforce (required, a named function) hold no keyword the
+    grammar engine would drop unread (``schema_support``)."""
+    for i, f in enumerate(plan.functions):
+        if plan.choice == "required" or f.name == plan.function:
+            check_schema(f.parameters, f"tools[{i}].function.parameters")

@@ -1,0 +1,133 @@
+"""The JSON-schema keywords the workers' grammar engine (xgrammar) would drop unread, refused.
+
+xgrammar compiles a schema it cannot fully enforce without a word: ``uniqueItems``, ``not``,
+``if``/``then``/``else``, a remote ``$ref``, the lengths beside a ``pattern``, the constraints beside an ``anyOf`` are left out of the grammar, so the output can
+break the schema the client relies on. A request whose schema holds one is a 400 that names the
+keyword and where it is (as vLLM refuses a schema xgrammar cannot enforce), never a silently
+looser grammar. What is read here was checked against xgrammar 0.2.9
+(tests/gateway/flows/test_schema_support.py keeps the list honest against the installed one).
+
+``oneOf`` is compiled as ``anyOf``: exact for disjoint branches (pydantic's discriminated unions),
+so it is taken.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.core.errors import invalid
+
+# constrain nothing: allowed anywhere, also beside a $ref, anyOf or oneOf
+ANNOTATIONS = frozenset({
+    "$schema", "$id", "$anchor", "$comment", "$defs", "definitions", "title", "description",
+    "default", "examples", "deprecated", "readOnly", "writeOnly", "discriminator",
+    "contentEncoding", "contentMediaType", "contentSchema",
+})  # fmt: skip
+# xgrammar drops the type beside a branch list; harmless where every branch has it, and
+# gateway.flows.tools holds a function's branches to objects itself
+_BESIDE_BRANCHES = ANNOTATIONS | {"type"}
+
+_IGNORED = {
+    "uniqueItems": "unique array items",
+    "contains": "an array that contains a match",
+    "minContains": "a count of contained matches",
+    "maxContains": "a count of contained matches",
+    "not": "negation",
+    "if": "conditional schemas",
+    "then": "conditional schemas",
+    "else": "conditional schemas",
+    "dependentRequired": "dependent properties",
+    "dependentSchemas": "dependent schemas",
+    "dependencies": "dependent properties",
+    "$dynamicRef": "dynamic references",
+    "$recursiveRef": "recursive references",
+}
+# the formats xgrammar generates; any other is read as a plain string, which JSON Schema allows
+# (a format is an annotation unless a validator opts in; pydantic's binary, path, password)
+FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})  # fmt: skip
+# read only where the schema names its type (xgrammar drops them from an untyped schema)
+_TYPED = {
+    "minLength": "string", "maxLength": "string", "pattern": "string", "format": "string",
+    "minimum": "number", "maximum": "number", "exclusiveMinimum": "number",
+    "exclusiveMaximum": "number", "multipleOf": "number", "minItems": "array",
+    "maxItems": "array", "minProperties": "object", "maxProperties": "object",
+}  # fmt: skip
+_ONE_SCHEMA = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items",
+               "unevaluatedItems", "additionalItems")  # fmt: skip
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """A 400 naming ``param`` and the first keyword of ``schema`` the grammar would drop."""
+    _check(schema, "#", param, 0)
+
+
+def _refuse(where: str, keyword: str, why: str, param: str) -> None:
+    raise invalid(
+        f"{param}: {keyword!r} at {where} is not supported: {why}, which the grammar engine "
+        "(xgrammar) cannot enforce; remove it (and check it after the call if it matters)",
+        param,
+    )
+
+
+def _check(node: Any, where: str, param: str, depth: int) -> None:
+    if not isinstance(node, dict) or depth > 256:  # a bool schema, or nesting xgrammar refuses
+        return
+    for keyword, why in _IGNORED.items():
+        if keyword in node and not (keyword == "uniqueItems" and node[keyword] is False):
+            _refuse(where, keyword, why, param)
+    _check_here(node, where, param)
+    for key in _ONE_SCHEMA:
+        _check(node.get(key), f"{where}/{key}", param, depth + 1)
+    for key in _SCHEMA_LISTS:
+        items = node.get(key)
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            _check(item, f"{where}/{key}/{i}", param, depth + 1)
+    for key in _SCHEMA_MAPS:
+        entries = node.get(key)
+        for name, item in entries.items() if isinstance(entries, dict) else ():
+            _check(item, f"{where}/{key}/{name}", param, depth + 1)
+
+
+def _types(node: dict[str, Any]) -> set[str]:
+    kind = node.get("type")
+    return set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
+
+
+def _check_here(node: dict[str, Any], where: str, param: str) -> None:
+    """The keywords of this one schema that xgrammar reads only in some company."""
+    ref = node.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+        _refuse(where, "$ref", "a reference outside the schema (only '#/...' ones are read)",
+                param)  # fmt: skip
+    for key, why in (("$ref", "constraints beside a reference"),
+                     ("anyOf", "constraints beside a list of branches"),
+                     ("oneOf", "constraints beside a list of branches")):  # fmt: skip
+        beside = sorted(k for k in node if k not in _BESIDE_BRANCHES | {key}
+                        and not k.startswith("x-"))  # fmt: skip
+        if key in node and beside:
+            _refuse(where, beside[0], f"{why} ({key}); move it into the schema(s) named", param)
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and (len(all_of) > 1 or set(node) - ANNOTATIONS - {"allOf"}):
+        _refuse(where, "allOf", "an intersection of schemas (one allOf entry alone is read)",
+                param)  # fmt: skip
+    if "type" not in node:
+        for keyword, kind in _TYPED.items():
+            if keyword in node:
+                _refuse(where, keyword, f"a {kind} constraint on a schema that names no type "
+                        f"(give it 'type': {kind!r})", param)  # fmt: skip
+    generative = "pattern" in node or node.get("format") in FORMATS
+    if generative and ("minLength" in node or "maxLength" in node):
+        _refuse(where, "minLength" if "minLength" in node else "maxLength",
+                "a length beside a pattern or format (put the length into the pattern)",
+                param)  # fmt: skip
+    step = node.get("multipleOf")
+    declared = _types(node)
+    whole = isinstance(step, int | float) and float(step).is_integer()
+    if step is not None and not ("integer" in declared and "number" not in declared and whole):
+        _refuse(where, "multipleOf", "a step on numbers that are not integers (the grammar "
+                "steps integers only)", param)  # fmt: skip
