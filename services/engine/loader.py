@@ -17,12 +17,14 @@ from kernels import ops
 from services.config import ConfigError, ModelConfig
 from services.engine.gpt_oss_weights import gpt_oss_tensors
 from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
+from services.engine.models.cohere import CohereForCausalLM
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.glm4 import Glm4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.olmo2 import Olmo2ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.models.qwen3_vl import Qwen3VLForCausalLM
+from services.engine.models.starcoder2 import Starcoder2ForCausalLM
 from services.engine.quantization import (
     QuantConfig,
     QuantLinear,
@@ -65,6 +67,8 @@ _FAMILY_MODELS: dict[str, type[LlamaForCausalLM]] = {
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
     "glm4": Glm4ForCausalLM,
+    "starcoder2": Starcoder2ForCausalLM,
+    "cohere": CohereForCausalLM,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -215,6 +219,11 @@ def load_weights(
         module.finish_loading(module_name)
 
 
+# families whose quantized checkpoints are refused, and why
+_UNQUANTIZED_CHECKPOINTS = {
+    **dict.fromkeys(("glm", "glm4", "cohere"), "their q and k rows are reordered as they load"),
+    "starcoder2": "its MLP's c_fc and c_proj are not quantized layers yet",
+}
 _HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 
 
@@ -381,11 +390,11 @@ def load_model(
             f"quantized {arch.model_type} checkpoints (q, k and v in one qkv_proj tensor) are not "
             "supported yet: serve the bf16 checkpoint, with --quantization fp8 for FP8"
         )
-    if qcfg is not None and qcfg.serialized and arch.rotary_interleaved:
+    why = _UNQUANTIZED_CHECKPOINTS.get(arch.model_type)
+    if qcfg is not None and qcfg.serialized and why is not None:
         raise ConfigError(
-            f"quantized {arch.model_type} checkpoints are not supported yet (their q and k rows "
-            "are reordered as they load): serve the bf16 checkpoint, with --quantization fp8 "
-            "for FP8"
+            f"quantized {arch.model_type} checkpoints are not supported yet ({why}): serve the "
+            "bf16 checkpoint, with --quantization fp8 for FP8"
         )
     if qcfg is not None and (arch.moe is not None or arch.vision is not None):
         what = f"{arch.model_type} (Mixture-of-Experts)"

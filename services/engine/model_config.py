@@ -35,6 +35,8 @@ SUPPORTED = {
     "olmo3": "OLMo 3",
     "glm": "GLM-4 (glm-4-9b-hf and its chat)",
     "glm4": "GLM-4-0414",
+    "starcoder2": "StarCoder2",
+    "cohere": "Command-R (Cohere)",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)

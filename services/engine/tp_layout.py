@@ -45,15 +45,18 @@ _SLICES = {
     "gate_proj": ("mlp", 0),
     "up_proj": ("mlp", 0),
     "down_proj": ("mlp", 1),
+    "c_fc": ("mlp", 0),  # StarCoder2's MLP (not gated)
+    "c_proj": ("mlp", 1),
 }
 _PIECE = re.compile(
-    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_fc|c_proj)\."
     r"(weight|bias|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
 )
 # a projection a checkpoint stores fused (Phi-3's), as our layers hold it: a rank's rows of it
 # are one run per piece (q, k, v; gate, up)
 _FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(weight|bias)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 _VISION = ("visual.", "model.visual.")  # a vision tower's tensors: whole on every rank
 # one expert's tensor as checkpoints store them (Qwen3-MoE's names; Mixtral's w1 / w3 / w2):
 # gate and up cut along their rows, down along its columns
@@ -242,6 +245,10 @@ class TPLayout:
         fused = _FUSED.search(name)
         if fused is not None:
             return CheckpointSlice(0, 0, 0, runs=self.fused_runs(fused.group(1)))
+        if name.endswith(_HEAD_NORMS) and shape is not None and len(shape) == 2:
+            # a weight per head (Cohere's q/k LayerNorms, [H, D]): the rank's heads
+            heads = self.q_heads if name.endswith(_HEAD_NORMS[0]) else self.kv_heads
+            return CheckpointSlice(0, *heads)
         expert = _EXPERT.search(name)
         if expert is not None:
             return CheckpointSlice(
@@ -325,5 +332,9 @@ class TPLayout:
         if ".gate_up_proj." in name:
             return 0, 2 * inter, [mlp, (inter + mlp[0], inter + mlp[1])]
         if name.endswith(".down_proj.weight"):
+            return 1, inter, [mlp]
+        if name.endswith((".c_fc.weight", ".c_fc.bias")):  # StarCoder2's MLP
+            return 0, inter, [mlp]
+        if name.endswith(".c_proj.weight"):
             return 1, inter, [mlp]
         return None

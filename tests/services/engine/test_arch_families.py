@@ -85,3 +85,29 @@ def test_glm_refuses_longrope() -> None:
     with pytest.raises(ConfigError, match="glm4: rope scaling 'longrope' is not supported"):
         _arch("glm4", rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 32,
                                     "long_factor": [1.0] * 32})  # fmt: skip
+
+
+def test_starcoder2_reads_transformers_defaults() -> None:
+    """LayerNorm epsilon from norm_epsilon, biases on every projection (use_bias), tied
+    embeddings, no window unless sliding_window is given (then on every layer)."""
+    arch = _arch("starcoder2", norm_epsilon=1e-4)
+    assert (arch.rms_norm_eps, arch.tie_word_embeddings, arch.sliding_window) == (1e-4, True, None)
+    assert (arch.attention_bias, arch.o_proj_bias, arch.mlp_bias) == (True, True, True)
+    windowed = _arch("starcoder2", sliding_window=32, use_bias=False, tie_word_embeddings=False)
+    assert (windowed.sliding_window, windowed.sliding_layers) == (32, (0, 1, 2, 3))
+    assert (windowed.attention_bias, windowed.mlp_bias, windowed.tie_word_embeddings) == (
+        False, False, False)  # fmt: skip
+    with pytest.raises(ConfigError, match="starcoder2: hidden_act 'gelu'; only gelu_pytorch_tanh"):
+        _arch("starcoder2", hidden_act="gelu")
+
+
+def test_cohere_reads_transformers_defaults() -> None:
+    """Logits times 0.0625, a 500000 rotary base, tied embeddings, LayerNorm epsilon from
+    layer_norm_eps, rotary dims paired, q/k norms only with use_qk_norm."""
+    arch = _arch("cohere", layer_norm_eps=1e-4)
+    assert (arch.logit_scale, arch.rope_theta, arch.tie_word_embeddings) == (0.0625, 5e5, True)
+    assert (arch.rms_norm_eps, arch.rotary_interleaved, arch.qk_norm) == (1e-4, True, False)
+    assert _arch("cohere", use_qk_norm=True, logit_scale=0.5).qk_norm
+    for bad in (0, -1.0, "0.5", True):
+        with pytest.raises(ConfigError, match="cohere: logit_scale must be a positive number"):
+            _arch("cohere", logit_scale=bad)

@@ -1,6 +1,6 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
 Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3, SmolLM3,
-gpt-oss, OLMo 2 and 3, GLM and GLM-4 checkpoints
+gpt-oss, OLMo 2 and 3, GLM and GLM-4, StarCoder2 and Cohere checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -156,6 +156,22 @@ CONFIGS = {
         "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 32,
         "partial_rotary_factor": 0.25, "pad_token_id": None,
     }),
+    # StarCoder2: LayerNorms with biases, a GELU-tanh MLP of biased c_fc/c_proj, biased
+    # q/k/v/o, every layer through a 24-key window, tied embeddings
+    "starcoder2": ("starcoder2", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "sliding_window": 24,
+    }),
+    # Cohere (Command-R): attention and MLP side by side from one bias-free LayerNorm, rotary
+    # dims paired (0, 1), (2, 3), ..., logits scaled, tied embeddings
+    "cohere": ("cohere", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "logit_scale": 0.5,
+        "pad_token_id": None,
+    }),
+    # with use_qk_norm: a LayerNorm of each q and k head, its own weight per head; biases
+    "cohere-qk-norm": ("cohere", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "use_qk_norm": True,
+        "attention_bias": True, "pad_token_id": None,
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16
@@ -241,7 +257,7 @@ LONGROPE_LENS = [1, 9, 23, 40, 65, 150]
 FEW_LENS = [4, 23, 150]
 FEW = ("gemma", "granite", "qwen2_moe", "phi3-partial-rotary", "llama-biases", "qwen2", "qwen3",
        "qwen3-yarn", "qwen3_moe-dense-layer", "qwen3_moe-sparse-step", "mixtral",
-       "olmo2", "glm")  # fmt: skip
+       "olmo2", "glm", "cohere", "cohere-qk-norm")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -346,12 +362,12 @@ def test_the_window_through_the_triton_attention_kernels(
     _assert_greedy_matches("mistral-window", *windowed, [9, 40], block_size=16)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "granite"])
+@pytest.mark.parametrize("name", ["gemma2", "granite", "cohere"])
 def test_prompt_logprobs_through_the_final_logit_transforms(
     name: str, built: Callable[[str], Built]
 ) -> None:
-    """Gemma 2's final soft-capping and Granite's logits scaling leave the greedy token as it
-    is (both monotonic) but not the distribution: every prompt position's log-probabilities,
+    """Gemma 2's final soft-capping and Granite's and Cohere's logits scalings leave the greedy
+    token as it is (all monotonic) but not the distribution: every prompt position's log-probabilities,
     transformers' own."""
     path, hf = built(name)
     (prompt,) = _prompts(5, [30])
@@ -409,12 +425,12 @@ def test_gpt_oss_through_the_triton_kernels(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
 )
-@pytest.mark.parametrize("name", ["olmo3", "glm4"])
+@pytest.mark.parametrize("name", ["olmo3", "glm4", "starcoder2", "cohere-qk-norm"])
 def test_the_llama_deltas_through_the_triton_kernels(
     name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The families built on the Llama layers with their norms, rotary (OLMo 3's two tables,
-    GLM-4's partial one over reordered rows), KV writes and attention (its windows) in the Triton kernels (under the interpreter): still
+    GLM-4's partial one and Cohere's over reordered rows), KV writes and attention (its windows) in the Triton kernels (under the interpreter): still
     transformers' tokens on a prompt past the window, in 16-token blocks."""
     from kernels import triton_attention, triton_layers
 

@@ -49,6 +49,19 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "pad_token_id": None,
     }),
+    # StarCoder2: LayerNorms with biases, c_fc cut by rows with its bias, c_proj by columns
+    # (its bias added once), biased q/k/v/o, 3 KV heads over 2 ranks, an odd MLP (51 + 50)
+    "starcoder2-3kv-uneven": ("starcoder2", {
+        "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
+        "num_key_value_heads": 3, "intermediate_size": 101,
+    }),
+    # Cohere: attention and MLP side by side, its per-head q/k LayerNorm weights cut by head
+    # (1 KV head replicated on both ranks), rotary dims reordered per head
+    "cohere-qk-1kv": ("cohere", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "intermediate_size": 96, "use_qk_norm": True,
+        "pad_token_id": None,
+    }),
     # every expert on both ranks, each with half its rows (33: 17 + 16); the router whole
     "mixtral": ("mixtral", {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
@@ -88,6 +101,19 @@ def _random_biases(path: Path) -> None:
     )  # 150 > the CPU's 128-token step: a chunked prefill
 
 
+def _random_norms_and_biases(path: Path) -> None:
+    """transformers starts biases at zero and norm weights at one: a bias added on both ranks
+    or a per-head norm weight cut wrong would go unseen; these are random."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith((".bias", "norm.weight"))]:
+        tensors[name] += torch.randn(tensors[name].shape, generator=gen) * 0.3
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -107,6 +133,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]
             path = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
             if model_type == "gpt_oss":
                 _random_biases(path)
+            elif model_type in ("starcoder2", "cohere"):
+                _random_norms_and_biases(path)
             paths[name] = str(path)
         return paths[name]
 
@@ -158,6 +186,8 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("gemma3-2kv", 2),
         ("phi3-3kv-uneven", 2),
         ("glm4-2kv", 2),
+        ("starcoder2-3kv-uneven", 2),
+        ("cohere-qk-1kv", 2),
         ("mixtral", 2),
         ("qwen3-moe", 2),
         ("gpt-oss", 2),

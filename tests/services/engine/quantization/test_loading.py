@@ -175,18 +175,23 @@ def test_a_quantized_checkpoint_with_fused_qkv_tensors_is_refused(tmp_path: Path
         load(path)
 
 
-@pytest.mark.parametrize("model_type", ["glm", "glm4"])
-def test_a_quantized_checkpoint_whose_rotary_pairs_dims_is_refused(
-    tmp_path: Path, model_type: str
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [("glm", "reordered"), ("glm4", "reordered"), ("cohere", "reordered"),
+     ("starcoder2", "c_fc and c_proj are not quantized layers")],
+)  # fmt: skip
+def test_a_quantized_checkpoint_of_a_family_without_quantized_layers_is_refused(
+    tmp_path: Path, model_type: str, why: str
 ) -> None:
-    """GLM's q and k rows are reordered as they load (its rotary pairs dims (0, 1), ...): a
-    quantized checkpoint's packed rows and block scales are not, so it is refused at start."""
+    """GLM's and Cohere's q and k rows are reordered as they load (their rotary pairs dims
+    (0, 1), ...), which a quantized checkpoint's packed rows and block scales are not;
+    StarCoder2's MLP layers are not quantized ones: refused at start, not loaded wrong."""
     import json
 
     path, _ = ck.fp8_checkpoint(tmp_path / "fp8", "block")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
-    with pytest.raises(ConfigError, match=rf"quantized {model_type} checkpoints .* reordered"):
+    with pytest.raises(ConfigError, match=rf"quantized {model_type} checkpoints .* {why}"):
         load(path)
 
 
