@@ -106,6 +106,10 @@ class GatewayTokenizer:
         # encode_batch releases the GIL (encode does not): other threads run meanwhile
         return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
+    def is_special(self, text: str) -> bool:
+        """``text`` is one special token's (which decoding skips unless told to keep them)."""
+        return text in self._specials
+
     def special_token_in(self, text: str) -> str | None:
         """The first special token whose text appears in ``text``, if any."""
         return next((s for s in self._specials if s in text), None)

@@ -282,6 +282,10 @@ class ToolParser(ABC):
     """One model family's tool-call format."""
 
     name: str
+    # the markup the format is read by: where a tokenizer has one as a special token (Hermes 2
+    # Pro's <tool_call>, Mistral's [TOOL_CALLS]), the text is decoded with special tokens kept,
+    # else the markup is skipped and the call read as content (vLLM's adjust_request does too)
+    markers: tuple[str, ...] = ()
 
     @abstractmethod
     def stream(self) -> ToolStream: ...
@@ -295,18 +299,26 @@ class ToolParser(ABC):
 
 
 class _Parser(ToolParser):
-    def __init__(self, name: str, stream: Callable[[], ToolStream]) -> None:
+    def __init__(
+        self, name: str, stream: Callable[[], ToolStream], markers: tuple[str, ...] = ()
+    ) -> None:
         self.name = name
         self._stream = stream
+        self.markers = markers
 
     def stream(self) -> ToolStream:
         return self._stream()
 
 
 PARSERS: dict[str, ToolParser] = {
-    "hermes": _Parser("hermes", _HermesStream),
+    "hermes": _Parser("hermes", _HermesStream, (_HermesStream.START, _HermesStream.END)),
+    # <|python_tag|> may go: a call is read from a JSON object at the start as well
     "llama3_json": _Parser("llama3_json", _Llama3Stream),
-    "mistral": _Parser("mistral", _MistralStream),
+    "mistral": _Parser(
+        "mistral",
+        _MistralStream,
+        (_MistralStream.MARK, _MistralStream.ARGS, _MistralStream.CALL_ID),
+    ),
 }
 
 

@@ -255,6 +255,20 @@ def _thinking_free(common: CommonOptions, plan: OutputPlan, prompt_text: str) ->
     return replace(common, sampling=replace(common.sampling, structured=so)), plan
 
 
+def _markers_kept(
+    common: CommonOptions, plan: OutputPlan, is_special: Callable[[str], bool]
+) -> CommonOptions:
+    """Under tool_choice "auto", the text keeps the special tokens when the tool-call parser's
+    markup is one of them (Hermes 2 Pro's <tool_call>, Mistral's [TOOL_CALLS]): skipped, the
+    calls would come back as bare JSON content."""
+    parser, tools = plan.parser, plan.tools
+    if parser is None or tools is None or tools.choice != "auto":
+        return common
+    if not any(is_special(marker) for marker in parser.markers):
+        return common
+    return replace(common, sampling=replace(common.sampling, skip_special_tokens=False))
+
+
 async def chat_completions(request: Request) -> Response:
     state = gateway_state(request)
     req = parse_chat(await read_json(request, state.config.max_body_bytes),
@@ -292,6 +306,7 @@ async def chat_completions(request: Request) -> Response:
     if not ids:
         raise invalid("the messages render to an empty prompt", "messages")
     common, plan = _thinking_free(req.common, plan, text)
+    common = _markers_kept(common, plan, state.tokenizer.is_special)
     state.metrics.observe_structured(
         common.sampling.structured, req.tools.choice if req.tools else None
     )

@@ -9,6 +9,8 @@ finish_reason ("tool_calls" only for a whole required array; a named choice's is
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -255,3 +257,54 @@ def test_the_harmony_parser_reads_the_special_tokens_and_refuses_a_grammar(
                   {"tools": [WEATHER], "tool_choice": "required"}):  # fmt: skip
         r = httpx.post(url, json={**body, **extra})
         assert r.status_code == 400 and "openai_gptoss" in r.json()["error"]["message"], r.text
+
+
+@pytest.fixture(scope="module")
+def special_markup_stack(
+    tokenizer_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The embedded tokenizer with <tool_call> and </tool_call> as special tokens (Hermes 2
+    Pro's), typed into a system message as those tokens, so that the fake echoes them."""
+    directory = tmp_path_factory.mktemp("special_markup")
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), directory / name)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    renamed = {"<jupyter_start>": "<tool_call>", "<jupyter_text>": "</tool_call>"}  # unused ids
+    for token in spec["added_tokens"]:
+        if token["content"] in renamed:
+            vocab = spec["model"]["vocab"]
+            token["content"] = renamed[token["content"]]
+            vocab[token["content"]] = token["id"]
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    for token in config.get("added_tokens_decoder", {}).values():
+        token["content"] = renamed.get(token["content"], token["content"])
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    stack = Stack(str(directory), ["colocated"], enable_auto_tool_choice=True,
+                  tool_call_parser="hermes", allow_special_tokens_in_messages=True)  # fmt: skip
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_marked_by_special_tokens_is_still_read(
+    special_markup_stack: Stack, stream: bool
+) -> None:
+    """Decoding skips special tokens by default; under auto the parser's markup must survive
+    it, else the call comes back as its bare JSON in content. tool_choice none keeps the
+    default (nothing is read out of the text there)."""
+    stack = special_markup_stack
+    system = f"Check this. {CALL}"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "weather?"}]
+    count = httpx.post(f"{stack.base_url}/tokenize", json={"messages": messages}).json()["count"]
+    message, finish = _forced(stack, stream, "auto", system, max_tokens=count)
+    assert finish == "tool_calls" and "<tool_call>" not in message["content"]
+    ((function),) = [c["function"] for c in message["tool_calls"]]
+    assert function["name"] == "get_weather"
+    assert json.loads(function["arguments"]) == {"city": "Oslo"}
+    assert stack.workers[0].records.samplings[-1].skip_special_tokens is False
+    _forced(stack, stream, "none", system, max_tokens=2)
+    assert stack.workers[0].records.samplings[-1].skip_special_tokens is True
