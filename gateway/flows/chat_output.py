@@ -7,14 +7,13 @@ response (``message``) and a stream (``feed`` then ``finish``, which yield OpenA
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.flows import reasoning, tool_parsers
 from gateway.flows.reasoning import ReasoningParser, ReasoningStep
 from gateway.flows.text_stream import TextStream
-from gateway.flows.tool_parsers import ToolCall, ToolParser, ToolStream
+from gateway.flows.tool_parsers import ToolCall, ToolParser, ToolStream, new_call_id
 from gateway.flows.tools import ToolPlan
 from protos.errors import ConfigError
 
@@ -33,10 +32,6 @@ class OutputPlan:
     @property
     def plain(self) -> bool:
         return self.reasoning is None and (self.tools is None or self.tools.choice == "none")
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _call_json(call: ToolCall, call_id: str) -> dict[str, Any]:
@@ -177,6 +172,11 @@ class ChoiceOutput:
         self._held = ""  # auto: whitespace not streamed yet (see _content_delta)
         self._reasoning: list[str] = []
 
+    def _call_id(self) -> str:
+        """The gateway's parser names the model family, whose ids a history must carry (any
+        tool choice: the client sends them all back)."""
+        return self.plan.parser.call_id() if self.plan.parser is not None else new_call_id()
+
     # ---- streaming ---------------------------------------------------------------------------
     def feed(self, text: str) -> list[Delta]:
         if self._thinking is None:
@@ -235,7 +235,7 @@ class ChoiceOutput:
         deltas: list[Delta] = []
         if self._named_id is None:
             assert self.plan.tools is not None and self.plan.tools.function is not None
-            self._named_id = _call_id()
+            self._named_id = self._call_id()
             call = ToolCall(self.plan.tools.function, "")
             self.tool_calls.append(_call_json(call, self._named_id))
             deltas.append({"tool_calls": [{"index": 0, **_call_json(call, self._named_id)}]})
@@ -266,7 +266,7 @@ class ChoiceOutput:
         for call in calls:
             if self.tool_calls and self.plan.tools is not None and not self.plan.tools.parallel:
                 break  # parallel_tool_calls false: the first call only
-            call_id = _call_id()
+            call_id = self._call_id()
             deltas.append(
                 {"tool_calls": [{"index": len(self.tool_calls), **_call_json(call, call_id)}]}
             )

@@ -12,6 +12,9 @@ call (llama3_json, mistral) is content; the calls before it stay calls.
 from __future__ import annotations
 
 import json
+import secrets
+import string
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -290,6 +293,11 @@ class ToolParser(ABC):
     @abstractmethod
     def stream(self) -> ToolStream: ...
 
+    def call_id(self) -> str:
+        """A new call's ``id`` (OpenAI's form), which the client sends back as the assistant
+        turn's ``tool_calls[].id`` and the tool message's ``tool_call_id``."""
+        return new_call_id()
+
     def parse(self, text: str) -> Parsed:
         """The whole output at once: the stream fed all of it, content stripped."""
         stream = self.stream()
@@ -298,16 +306,37 @@ class ToolParser(ABC):
         return Parsed(content or None, fed.tool_calls + rest.tool_calls)
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates (and mistral_common) refuse a history
+    whose tool call ids are anything else, so the ids it is given back must be such (vLLM's)."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+
+
 class _Parser(ToolParser):
     def __init__(
-        self, name: str, stream: Callable[[], ToolStream], markers: tuple[str, ...] = ()
+        self,
+        name: str,
+        stream: Callable[[], ToolStream],
+        markers: tuple[str, ...] = (),
+        call_id: Callable[[], str] = new_call_id,
     ) -> None:
         self.name = name
         self._stream = stream
         self.markers = markers
+        self._call_id = call_id
 
     def stream(self) -> ToolStream:
         return self._stream()
+
+    def call_id(self) -> str:
+        return self._call_id()
 
 
 PARSERS: dict[str, ToolParser] = {
@@ -318,6 +347,7 @@ PARSERS: dict[str, ToolParser] = {
         "mistral",
         _MistralStream,
         (_MistralStream.MARK, _MistralStream.ARGS, _MistralStream.CALL_ID),
+        mistral_call_id,
     ),
 }
 

@@ -351,3 +351,43 @@ def test_parallel_tool_calls_false_keeps_the_first_call_under_auto() -> None:
     text = '<tool_call>{"name": "ping", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
     message = ChoiceOutput(plan).message(text)
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["ping"]
+
+
+# the check Mistral's chat templates make of a history's tool call ids (v0.3's, in Jinja)
+_MISTRAL_ID_CHECK = (
+    "{%- for message in messages %}{%- for call in message.tool_calls | default([]) %}"
+    "{%- if not (call.id is string and call.id | length == 9) %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{%- endif %}{%- endfor %}{%- endfor %}ok"
+)
+
+
+@pytest.mark.parametrize(
+    ("tools", "text"),
+    [
+        (ToolPlan(FUNCS, "auto"), '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'),
+        (ToolPlan(FUNCS, "required"), '[{"name": "get_weather", "arguments": {}}]'),
+        (ToolPlan(FUNCS, "function", "get_weather"), '{"city": "Oslo"}'),
+    ],
+)
+def test_mistral_call_ids_are_nine_letters_and_digits_a_history_can_carry(
+    tools: ToolPlan, text: str
+) -> None:
+    """Mistral's templates refuse a history whose tool call ids are not 9 letters and digits:
+    under --tool-call-parser mistral every call's id is one (vLLM's), streamed or whole, so
+    the client can send the turn back; other parsers keep OpenAI's call_ ids."""
+    from gateway.flows.chat_template import ChatTemplate
+    from gateway.flows.protocol import parse_chat_messages
+
+    plan = OutputPlan(tools, tool_parsers.get_parser("mistral"))
+    message = ChoiceOutput(plan).message(text)
+    deltas, _ = _stream(plan, _pieces(text, 2))
+    ids = [c["id"] for c in message["tool_calls"]]
+    ids += [slot["id"] for slot in _assemble(deltas)["tool_calls"].values()]
+    assert len(ids) == 2 and all(len(i) == 9 and i.isalnum() for i in ids), ids
+    history, _ = parse_chat_messages([{"role": "user", "content": "hi"}, message])
+    assert ChatTemplate(_MISTRAL_ID_CHECK, {}).render(history) == "ok"
+    if tools.choice != "auto":  # without the mistral parser: OpenAI's ids
+        for parser in (None, tool_parsers.get_parser("hermes")):
+            (call,) = ChoiceOutput(OutputPlan(tools, parser)).message(text)["tool_calls"]
+            assert call["id"].startswith("call_") and len(call["id"]) == 29
