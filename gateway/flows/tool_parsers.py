@@ -2,8 +2,9 @@
 
 Each format is one incremental scanner and ``parse(text)`` is that scanner fed the whole text at
 once, so a streamed choice and a non-streamed one cannot disagree about what is a call. Markup
-that does not turn out to be a call (malformed JSON, a cut-off block) is given back as content:
-the user sees what the model wrote rather than losing it, and nothing here raises.
+that does not turn out to be a call (malformed JSON, a block cut off inside its JSON) is given
+back as content: the user sees what the model wrote rather than losing it, and nothing here
+raises. A hermes block the output leaves open after a whole call is that call (as vLLM reads it).
 
 A call is final once its JSON value is complete, so text after valid calls that is not another
 call (llama3_json, mistral) is content; the calls before it stay calls.
@@ -131,20 +132,23 @@ class _HermesStream(ToolStream):
     def _block(self, final: bool) -> bool:
         end = self._buf.find(self.END)
         if end < 0:
-            if final:  # cut off inside a call
-                self._content.append(self.START + self._buf)
+            if final:  # ended inside a block: a whole call still is one (vLLM's), else content
+                self._read(self._buf, "")
                 self._buf, self._inside = "", False
             return False
         inner = self._buf[:end]
         self._buf, self._inside = self._buf[end + len(self.END) :], False
+        self._read(inner, self.END)
+        return True
+
+    def _read(self, inner: str, end: str) -> None:
         body = inner.strip()
         decoded = _decode(body)
         call = as_tool_call(decoded[0]) if decoded and decoded[1] == len(body) else None
         if call is None:
-            self._content.append(self.START + inner + self.END)
+            self._content.append(self.START + inner + end)
         else:
             self._calls.append(call)
-        return True
 
 
 class _Llama3Stream(ToolStream):

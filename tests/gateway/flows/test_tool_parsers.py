@@ -73,6 +73,17 @@ def test_hermes_unterminated_block_is_shown_not_lost() -> None:
     assert HERMES.parse(text) == Parsed(text, ())
 
 
+def test_hermes_block_left_open_after_a_whole_call_is_a_call() -> None:
+    """The output ended (EOS, a stop string on the closing tag) with a whole call in an open
+    block: a call, as vLLM reads it, whole or streamed; its text before stays content."""
+    text = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+    text += '"unit": "C"}}\n'
+    assert HERMES.parse(text) == Parsed("Checking.", (WEATHER,))
+    assert _streamed(HERMES, list(text)) == ("Checking. ", (WEATHER,))
+    text = _hermes_block("get_time", "{}") + '<tool_call>{"name": "get_time", "arguments": {}}'
+    assert HERMES.parse(text) == Parsed(None, (TIME, TIME))
+
+
 def test_hermes_arguments_given_as_json_string_are_decoded_once() -> None:
     text = '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>'
     assert HERMES.parse(text).tool_calls == (ToolCall("get_time", '{"tz": "UTC"}'),)
