@@ -1,5 +1,5 @@
 """The config.json readers of the families that are small deltas on the Llama layout (OLMo 2
-and 3, GLM and GLM-4, StarCoder2, Cohere): each returns the config with the family's
+and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4, Arcee): each returns the config with the family's
 defaults written into the keys the common reader (``ArchConfig.from_dict``) takes, and the
 ``ArchConfig`` fields the family sets; what the family allows but this engine does not
 implement is refused (ConfigError) rather than served wrong."""
@@ -15,7 +15,7 @@ Fields = dict[str, Any]
 # families whose transformers model pairs rotary dims (0, 1), (2, 3), ... rather than the
 # first half with the second; the loader reorders their q and k rows (ArchConfig's
 # rotary_interleaved)
-INTERLEAVED_ROTARY_TYPES = ("glm", "glm4", "cohere")
+INTERLEAVED_ROTARY_TYPES = ("glm", "glm4", "cohere", "ernie4_5")
 
 
 def read_family(model_type: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
@@ -111,6 +111,59 @@ def _cohere(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
     return read, fields
 
 
+def _ernie4_5(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """ERNIE 4.5 (dense): rotary dims paired (0, 1), (2, 3), ... (whole heads), ``use_bias`` on
+    every projection, head_dim 128 and tied embeddings unless given."""
+    _check_act("ernie4_5", cfg, "silu")
+    bias = bool(cfg.get("use_bias", False))
+    read = {**cfg, "head_dim": cfg.get("head_dim") or 128, "attention_bias": bias,
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}  # fmt: skip
+    return read, {"mlp_bias": bias, "o_proj_bias": bias}
+
+
+def _seed_oss(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """Seed-OSS: Llama's layers with q/k/v biased by ``attention_bias`` (True unless given),
+    o_proj by ``attention_out_bias``, the MLP by ``mlp_bias``; head_dim 128 unless given."""
+    _check_act("seed_oss", cfg, "silu")
+    read = {**cfg, "head_dim": cfg.get("head_dim") or 128,
+            "attention_bias": cfg.get("attention_bias", True)}  # fmt: skip
+    return read, {"o_proj_bias": bool(cfg.get("attention_out_bias", False)),
+                  "mlp_bias": bool(cfg.get("mlp_bias", False))}  # fmt: skip
+
+
+def _exaone4(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """EXAONE 4: OLMo 2's layers (norms after each branch) with Qwen3's per-head q/k norms; with
+    a ``sliding_window`` its sliding layers (``layer_types``, else those off every
+    ``sliding_window_pattern``-th: an int, or a string of L (local) and G (global) repeated)
+    attend through it and rotate, the others attend to everything without rotary embedding;
+    without one, every layer is global and rotates."""
+    _check_act("exaone4", cfg, "silu")
+    layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window", 4096)  # transformers' default when the key is absent
+    if window is None:
+        return {**cfg, "sliding_window": None, "layer_types": None}, {}
+    types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if types is None and isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                 for i in range(layers)]  # fmt: skip
+    elif types is None and isinstance(pattern, int) and pattern > 0:
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]  # fmt: skip
+    elif types is None:
+        raise ConfigError(f"exaone4: sliding_window_pattern {pattern!r} is not supported")
+    if len(types) != layers:
+        raise ConfigError(f"exaone4: layer_types names {len(types)} of {layers} layers")
+    nope = tuple(i for i, t in enumerate(types) if t != "sliding_attention")
+    return {**cfg, "sliding_window": window, "layer_types": types}, {"nope_layers": nope}
+
+
+def _arcee(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """Arcee (AFM): Llama's layers with an ungated MLP, ``down(relu(up(x)) ** 2)``."""
+    _check_act("arcee", cfg, "relu2")
+    return cfg, {"mlp_bias": bool(cfg.get("mlp_bias", False))}
+
+
 def _check_act(model_type: str, cfg: dict[str, Any], want: str) -> None:
     act = cfg.get("hidden_act") or want
     if act != want:
@@ -124,4 +177,8 @@ _READERS = {
     "glm4": _glm,
     "starcoder2": _starcoder2,
     "cohere": _cohere,
+    "ernie4_5": _ernie4_5,
+    "seed_oss": _seed_oss,
+    "exaone4": _exaone4,
+    "arcee": _arcee,
 }

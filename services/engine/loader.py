@@ -24,7 +24,7 @@ from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.olmo2 import Olmo2ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.models.qwen3_vl import Qwen3VLForCausalLM
-from services.engine.models.starcoder2 import Starcoder2ForCausalLM
+from services.engine.models.starcoder2 import ArceeForCausalLM, Starcoder2ForCausalLM
 from services.engine.quantization import (
     QuantConfig,
     QuantLinear,
@@ -69,6 +69,8 @@ _FAMILY_MODELS: dict[str, type[LlamaForCausalLM]] = {
     "glm4": Glm4ForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
+    "exaone4": Olmo2ForCausalLM,
+    "arcee": ArceeForCausalLM,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,6 +174,10 @@ def load_weights(
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse MLP
+        if arch.model_type == "arcee":  # its ungated MLP's up and down: not a gate/up pair
+            name = name.replace(".mlp.up_proj.", ".mlp.c_fc.").replace(
+                ".mlp.down_proj.", ".mlp.c_proj."
+            )
         if arch.vision is not None:  # transformers 5's names of a VL checkpoint, or the older
             name = name.replace("model.language_model.", "model.").replace(
                 "model.visual.", "visual."
@@ -221,8 +227,12 @@ def load_weights(
 
 # families whose quantized checkpoints are refused, and why
 _UNQUANTIZED_CHECKPOINTS = {
-    **dict.fromkeys(("glm", "glm4", "cohere"), "their q and k rows are reordered as they load"),
-    "starcoder2": "its MLP's c_fc and c_proj are not quantized layers yet",
+    **dict.fromkeys(
+        ("glm", "glm4", "cohere", "ernie4_5"), "their q and k rows are reordered as they load"
+    ),
+    **dict.fromkeys(
+        ("starcoder2", "arcee"), "the projections of its ungated MLP are not quantized layers yet"
+    ),
 }
 _HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 

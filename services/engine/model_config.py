@@ -37,6 +37,10 @@ SUPPORTED = {
     "glm4": "GLM-4-0414",
     "starcoder2": "StarCoder2",
     "cohere": "Command-R (Cohere)",
+    "ernie4_5": "ERNIE 4.5 (dense)",
+    "seed_oss": "Seed-OSS",
+    "exaone4": "EXAONE 4.0",
+    "arcee": "Arcee (AFM)",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -65,8 +69,9 @@ _O_BIAS_TYPES = (
     "olmo3",
     "starcoder2",
     "cohere",
+    "arcee",
 )  # attention_bias biases o_proj too
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text", "olmo2", "olmo3")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text", "olmo2", "olmo3", "exaone4")
 # keys of MoE variants this engine does not implement: refused rather than served wrong
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
@@ -546,7 +551,8 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     VL models); Gemma 3 the ``layer_types`` ones; Llama and Qwen3-VL never. (None, ()) when no
     layer does."""
     layers = range(int(cfg["num_hidden_layers"]))
-    if model_type in ("llama", "qwen3_vl", "granite", "gemma", "olmo2", "glm", "glm4", "cohere"):
+    if model_type in ("llama", "qwen3_vl", "granite", "gemma", "olmo2", "glm", "glm4", "cohere",
+                      "ernie4_5", "seed_oss", "arcee"):  # fmt: skip
         return None, ()
     if model_type == "qwen2_moe":  # its windows alternate below max_window_layers: not served
         if cfg.get("use_sliding_window"):

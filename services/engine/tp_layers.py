@@ -22,7 +22,7 @@ from torch import nn
 from kernels import ops
 from services.engine.models.llama import MLP, Attention, Linear, LlamaForCausalLM
 from services.engine.models.moe import SparseMoeBlock
-from services.engine.models.starcoder2 import GeluMLP
+from services.engine.models.starcoder2 import UngatedMLP
 from services.engine.tp_group import TPGroup
 from services.engine.tp_layout import TPLayout
 
@@ -82,7 +82,7 @@ def apply_tp(model: LlamaForCausalLM, group: TPGroup, layout: TPLayout, vocab_si
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
         if isinstance(layer.mlp, SparseMoeBlock):
             layer.mlp.register_forward_hook(_summed_over(group))
-        elif isinstance(layer.mlp, GeluMLP):  # StarCoder2's: c_fc column-, c_proj row-parallel
+        elif isinstance(layer.mlp, UngatedMLP):  # c_fc column-, c_proj row-parallel
             layer.mlp.c_proj = RowParallelLinear(layer.mlp.c_proj, group)
         else:
             assert isinstance(layer.mlp, MLP)

@@ -1,5 +1,5 @@
-"""OLMo 2 and OLMo 3 in plain PyTorch over a paged KV cache: the Llama layers with the norms
-moved after each branch.
+"""OLMo 2, OLMo 3 and EXAONE 4 in plain PyTorch over a paged KV cache: the Llama layers with
+the norms moved after each branch.
 
 - No norm before attention or the MLP: each takes the residual stream itself, and its output
   is normed (``post_attention_layernorm``, ``post_feedforward_layernorm``) before it joins the
@@ -10,6 +10,8 @@ moved after each branch.
 - OLMo 3's sliding layers attend through their window (``ArchConfig.window``); where their
   rotary frequencies differ from the full layers' (which take the rope scaling), they rotate
   by their own table (``cos_sin_local``: default frequencies at ``local_rope_theta``).
+- EXAONE 4 norms q and k per head (Qwen3's); with a window, its global layers take no rotary
+  embedding (``ArchConfig.nope_layers``: the base model's table of cos 1, sin 0).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Olmo2DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope_table = 1 if cfg.local_rope_theta and layer in cfg.sliding_layers else 0
+        local = cfg.local_rope_theta and layer in cfg.sliding_layers
+        self.rope_table = 1 if local or layer in cfg.nope_layers else 0  # in rope_tables()
 
     def forward(
         self,
@@ -65,6 +68,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
             self.cos_sin_local = self.cos_sin_local[:positions].clone()
 
     def rope_tables(self) -> tuple[torch.Tensor, ...]:
-        if self.cos_sin_local is not None:
+        if self.cos_sin_local is not None:  # (no family has both it and NoPE layers)
             return (self.cos_sin, self.cos_sin_local)
-        return (self.cos_sin,)
+        return super().rope_tables()

@@ -111,3 +111,50 @@ def test_cohere_reads_transformers_defaults() -> None:
     for bad in (0, -1.0, "0.5", True):
         with pytest.raises(ConfigError, match="cohere: logit_scale must be a positive number"):
             _arch("cohere", logit_scale=bad)
+
+
+def test_ernie4_5_and_seed_oss_read_transformers_defaults() -> None:
+    """ERNIE 4.5: use_bias on every projection, rotary dims paired, head_dim 128 and tied
+    embeddings unless given. Seed-OSS: q/k/v biased unless attention_bias says no, o_proj by
+    attention_out_bias, head_dim 128."""
+    ernie = _arch("ernie4_5", use_bias=True)
+    assert (ernie.attention_bias, ernie.o_proj_bias, ernie.mlp_bias) == (True, True, True)
+    assert (ernie.head_dim, ernie.rotary_dim, ernie.tie_word_embeddings) == (128, 128, True)
+    assert ernie.rotary_interleaved and not _arch("ernie4_5").attention_bias
+    seed = _arch("seed_oss")
+    assert (seed.attention_bias, seed.o_proj_bias, seed.mlp_bias, seed.head_dim) == (
+        True, False, False, 128)  # fmt: skip
+    seed = _arch("seed_oss", attention_bias=False, attention_out_bias=True, mlp_bias=True)
+    assert (seed.attention_bias, seed.o_proj_bias, seed.mlp_bias) == (False, True, True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "window", "sliding"),
+    [
+        ({}, 4096, (0, 1, 2)),  # transformers' defaults: a 4096-key window, every 4th global
+        ({"sliding_window": 32, "sliding_window_pattern": "LG"}, 32, (0, 2)),  # the published
+        ({"sliding_window": 32, "layer_types": ["full_attention", "sliding_attention"] * 2},
+         32, (1, 3)),
+        ({"sliding_window": None}, None, ()),  # every layer global, every layer rotated
+    ],
+)  # fmt: skip
+def test_exaone4_windows_its_local_layers_and_leaves_its_global_ones_unrotated(
+    extra: dict[str, Any], window: int | None, sliding: tuple[int, ...]
+) -> None:
+    arch = _arch("exaone4", **extra)
+    assert (arch.sliding_window, arch.sliding_layers) == (window, sliding)
+    nope = tuple(i for i in range(4) if i not in sliding) if window else ()
+    assert arch.nope_layers == nope and arch.qk_norm and not arch.qk_norm_whole
+
+
+def test_exaone4_refuses_a_pattern_it_cannot_read() -> None:
+    with pytest.raises(ConfigError, match="exaone4: sliding_window_pattern 'LXG'"):
+        _arch("exaone4", sliding_window=32, sliding_window_pattern="LXG")
+    with pytest.raises(ConfigError, match="exaone4: layer_types names 2 of 4 layers"):
+        _arch("exaone4", sliding_window=32, layer_types=["full_attention"] * 2)
+
+
+def test_arcee_takes_relu_squared_only() -> None:
+    assert _arch("arcee", hidden_act="relu2", mlp_bias=True).mlp_bias
+    with pytest.raises(ConfigError, match="arcee: hidden_act 'silu'; only relu2"):
+        _arch("arcee", hidden_act="silu")

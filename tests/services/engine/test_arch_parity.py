@@ -1,6 +1,7 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
 Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3, SmolLM3,
-gpt-oss, OLMo 2 and 3, GLM and GLM-4, StarCoder2 and Cohere checkpoints
+gpt-oss, OLMo 2 and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4 and
+Arcee checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -172,6 +173,27 @@ CONFIGS = {
         "num_hidden_layers": 2, "intermediate_size": 96, "use_qk_norm": True,
         "attention_bias": True, "pad_token_id": None,
     }),
+    # ERNIE 4.5: whole heads rotating with their dims paired, use_bias on every projection
+    "ernie4_5": ("ernie4_5", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16, "use_bias": True,
+        "pad_token_id": None,
+    }),
+    # Seed-OSS: q/k/v biased, o_proj by attention_out_bias, the MLP by mlp_bias
+    "seed_oss": ("seed_oss", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "head_dim": 16,
+        "attention_out_bias": True, "mlp_bias": True, "pad_token_id": None,
+    }),
+    # EXAONE 4: OLMo 2's norms after each branch, per-head q/k norms; sliding layers (every
+    # other one, sliding_window_pattern 2) rotate and attend through 24 keys, the global ones
+    # take no rotary embedding
+    "exaone4": ("exaone4", {
+        "num_hidden_layers": 4, "intermediate_size": 96, "sliding_window": 24,
+        "sliding_window_pattern": 2,
+    }),
+    # Arcee (AFM): an ungated MLP of up and down around ReLU squared; biases
+    "arcee": ("arcee", {
+        "num_hidden_layers": 2, "intermediate_size": 96, "mlp_bias": True, "attention_bias": True,
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16
@@ -257,7 +279,7 @@ LONGROPE_LENS = [1, 9, 23, 40, 65, 150]
 FEW_LENS = [4, 23, 150]
 FEW = ("gemma", "granite", "qwen2_moe", "phi3-partial-rotary", "llama-biases", "qwen2", "qwen3",
        "qwen3-yarn", "qwen3_moe-dense-layer", "qwen3_moe-sparse-step", "mixtral",
-       "olmo2", "glm", "cohere", "cohere-qk-norm")  # fmt: skip
+       "olmo2", "glm", "cohere", "cohere-qk-norm", "ernie4_5", "seed_oss", "arcee")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -425,12 +447,12 @@ def test_gpt_oss_through_the_triton_kernels(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
 )
-@pytest.mark.parametrize("name", ["olmo3", "glm4", "starcoder2", "cohere-qk-norm"])
+@pytest.mark.parametrize("name", ["olmo3", "glm4", "starcoder2", "cohere-qk-norm", "exaone4"])
 def test_the_llama_deltas_through_the_triton_kernels(
     name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The families built on the Llama layers with their norms, rotary (OLMo 3's two tables,
-    GLM-4's partial one and Cohere's over reordered rows), KV writes and attention (its windows) in the Triton kernels (under the interpreter): still
+    GLM-4's partial one and Cohere's over reordered rows, EXAONE 4's NoPE layers), KV writes and attention (its windows) in the Triton kernels (under the interpreter): still
     transformers' tokens on a prompt past the window, in 16-token blocks."""
     from kernels import triton_attention, triton_layers
 

@@ -62,6 +62,17 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 1, "intermediate_size": 96, "use_qk_norm": True,
         "pad_token_id": None,
     }),
+    # Arcee: the ungated MLP's up rows (with their bias) and down columns cut as c_fc / c_proj
+    "arcee-3kv-uneven": ("arcee", {
+        "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
+        "num_key_value_heads": 3, "intermediate_size": 101, "mlp_bias": True,
+    }),
+    # EXAONE 4: post-branch norms, per-head q/k norms, a sliding layer and a NoPE global one
+    "exaone4-2kv": ("exaone4", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 96, "sliding_window": 8,
+        "sliding_window_pattern": 2,
+    }),
     # every expert on both ranks, each with half its rows (33: 17 + 16); the router whole
     "mixtral": ("mixtral", {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
@@ -133,7 +144,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]
             path = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
             if model_type == "gpt_oss":
                 _random_biases(path)
-            elif model_type in ("starcoder2", "cohere"):
+            elif model_type in ("starcoder2", "cohere", "arcee", "exaone4"):
                 _random_norms_and_biases(path)
             paths[name] = str(path)
         return paths[name]
@@ -188,6 +199,8 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("glm4-2kv", 2),
         ("starcoder2-3kv-uneven", 2),
         ("cohere-qk-1kv", 2),
+        ("arcee-3kv-uneven", 2),
+        ("exaone4-2kv", 2),
         ("mixtral", 2),
         ("qwen3-moe", 2),
         ("gpt-oss", 2),

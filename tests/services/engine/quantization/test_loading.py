@@ -178,14 +178,15 @@ def test_a_quantized_checkpoint_with_fused_qkv_tensors_is_refused(tmp_path: Path
 @pytest.mark.parametrize(
     ("model_type", "why"),
     [("glm", "reordered"), ("glm4", "reordered"), ("cohere", "reordered"),
-     ("starcoder2", "c_fc and c_proj are not quantized layers")],
+     ("ernie4_5", "reordered"), ("starcoder2", "ungated MLP are not quantized layers"),
+     ("arcee", "ungated MLP are not quantized layers")],
 )  # fmt: skip
 def test_a_quantized_checkpoint_of_a_family_without_quantized_layers_is_refused(
     tmp_path: Path, model_type: str, why: str
 ) -> None:
     """GLM's and Cohere's q and k rows are reordered as they load (their rotary pairs dims
     (0, 1), ...), which a quantized checkpoint's packed rows and block scales are not;
-    StarCoder2's MLP layers are not quantized ones: refused at start, not loaded wrong."""
+    StarCoder2's and Arcee's ungated MLP layers are not quantized ones: refused at start, not loaded wrong."""
     import json
 
     path, _ = ck.fp8_checkpoint(tmp_path / "fp8", "block")
