@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from services.engine.models.llama import MLP, Attention, Linear, LlamaForCausalLM
+from services.engine.models.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm
 from services.engine.models.moe import SparseMoeBlock
 from services.engine.models.starcoder2 import UngatedMLP
 from services.engine.tp_group import TPGroup
@@ -45,6 +45,25 @@ class RowParallelLinear(Linear):
         """The ranks' sum of their ``partial`` products, then the bias (added once)."""
         y = self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+class SplitRowRMSNorm(RMSNorm):
+    """An RMSNorm of rows each rank holds a part of (OLMo 2's q and k norms over every head):
+    the ranks' sums of squares summed, over ``width``, the whole row's (a KV head replicated
+    on several ranks counts on each, in the squares and in the width alike)."""
+
+    def __init__(self, norm: RMSNorm, group: TPGroup, width: int) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.group, self.width = group, width
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H D / tp]
+        assert residual is None
+        xf = x.float()
+        squares = self.group.all_reduce(xf.pow(2).sum(-1, keepdim=True))  # [T, 1]
+        normed = (xf * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+        return (self.weight.float() * normed.float()).to(x.dtype), x  # as ref_rms_norm rounds
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -76,10 +95,17 @@ class GatheredLMHead(Linear):
 
 def apply_tp(model: LlamaForCausalLM, group: TPGroup, layout: TPLayout, vocab_size: int) -> None:
     """Swap the layers that talk to the other ranks (call on the meta device, before loading)."""
+    q_rows, k_rows, _ = layout.whole_rows
+    # the ranks' k rows: the whole k projection's, or one head each where heads are replicated
+    k_width = max(k_rows, layout.size * layout.head_dim)
     for layer in model.model.layers:
         # Llama's layer or one built on its attention and MLP (Gemma 3's), or a sparse MLP
-        assert isinstance(layer.self_attn, Attention)
-        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
+        attn = layer.self_attn
+        assert isinstance(attn, Attention)
+        attn.o_proj = RowParallelLinear(attn.o_proj, group)
+        if attn.qk_norm_whole and attn.q_norm is not None and attn.k_norm is not None:
+            attn.q_norm = SplitRowRMSNorm(attn.q_norm, group, q_rows)
+            attn.k_norm = SplitRowRMSNorm(attn.k_norm, group, k_width)
         if isinstance(layer.mlp, SparseMoeBlock):
             layer.mlp.register_forward_hook(_summed_over(group))
         elif isinstance(layer.mlp, UngatedMLP):  # c_fc column-, c_proj row-parallel

@@ -130,6 +130,8 @@ class TPLayout:
     moe_intermediate: Span = (0, 0)  # each expert's intermediate rows this rank holds
     # the whole model's rows of q, of k (and of v), of the MLP's intermediate
     whole_rows: tuple[int, int, int] = (0, 0, 0)
+    # OLMo 2's q/k norms over the whole projection: their weights cut as the q and k rows
+    qk_norm_whole: bool = False
 
     @classmethod
     def of(
@@ -144,11 +146,6 @@ class TPLayout:
             raise ConfigError(
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
                 "mix every rank's input rows); use 1, or a checkpoint without act-order"
-            )
-        if arch.qk_norm_whole and size > 1:
-            raise ConfigError(
-                f"{where}: {arch.model_type}'s q and k norms span every head (each rank would "
-                "need the others' heads): not split over ranks yet; use 1"
             )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
@@ -184,7 +181,8 @@ class TPLayout:
                 )
             experts = split(arch.moe.intermediate_size, size, rank)
         whole = (nq * arch.head_dim, nkv * arch.head_dim, arch.intermediate_size)
-        layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant, experts, whole)
+        layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant, experts, whole,
+                     arch.qk_norm_whole)  # fmt: skip
         if size > 1 and quant is not None and quant.serialized:
             layout._check_alignment(arch, where)
         return layout
@@ -245,6 +243,10 @@ class TPLayout:
         fused = _FUSED.search(name)
         if fused is not None:
             return CheckpointSlice(0, 0, 0, runs=self.fused_runs(fused.group(1)))
+        if name.endswith(_HEAD_NORMS) and self.qk_norm_whole:  # [H D]: the rank's rows
+            return CheckpointSlice(
+                0, *self.row_spans()["q" if name.endswith(_HEAD_NORMS[0]) else "kv"]
+            )
         if name.endswith(_HEAD_NORMS) and shape is not None and len(shape) == 2:
             # a weight per head (Cohere's q/k LayerNorms, [H, D]): the rank's heads
             heads = self.q_heads if name.endswith(_HEAD_NORMS[0]) else self.kv_heads

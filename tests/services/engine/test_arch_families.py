@@ -10,7 +10,7 @@ import pytest
 
 from services.config import ConfigError
 from services.engine.model_config import ArchConfig
-from services.engine.tp_layout import TPLayout
+from services.engine.tp_layout import CheckpointSlice, TPLayout
 
 BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
@@ -52,13 +52,15 @@ def test_olmo3_refuses_rope_scaling_on_its_sliding_layers() -> None:
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
-def test_olmo_is_not_split_over_ranks(model_type: str) -> None:
-    """Its q/k norms span every head: a rank would need the others' heads. Refused before any
-    rank starts; one rank serves it."""
-    arch = _arch(model_type)
-    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 2: .* norms span every head"):
-        TPLayout.of(arch, 0, 2)
-    assert TPLayout.of(arch, 0, 1) is not None
+def test_olmo_q_and_k_norm_weights_are_cut_as_their_rows(model_type: str) -> None:
+    """Its q/k norms span every head: a rank holds the weights of its own q and k rows (the
+    squares summed over the ranks at run time); Qwen3's per-head norms stay whole."""
+    arch = _arch(model_type, head_dim=16)  # 4 q heads, 2 KV heads: one KV head a rank
+    rank1 = TPLayout.of(arch, 1, 2)
+    q, k = "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"
+    assert rank1.checkpoint_slice(q, (64,)) == CheckpointSlice(0, 32, 64)
+    assert rank1.checkpoint_slice(k, (32,)) == CheckpointSlice(0, 16, 32)
+    assert TPLayout.of(_arch("qwen3", head_dim=16), 1, 2).checkpoint_slice(q, (16,)) is None
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])

@@ -62,6 +62,19 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 1, "intermediate_size": 96, "use_qk_norm": True,
         "pad_token_id": None,
     }),
+    # OLMo 2: its q/k norms over the whole projection, each rank's weights and squares of its
+    # heads' rows summed over the ranks (3 KV heads: 2 + 1)
+    "olmo2-3kv-uneven": ("olmo2", {
+        "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
+        "num_key_value_heads": 3, "intermediate_size": 101,
+    }),
+    # OLMo 3: one KV head replicated on both ranks (its k norm's squares and width counted on
+    # each), a sliding layer and a full one
+    "olmo3-1kv": ("olmo3", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "intermediate_size": 96, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }),
     # Arcee: the ungated MLP's up rows (with their bias) and down columns cut as c_fc / c_proj
     "arcee-3kv-uneven": ("arcee", {
         "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
@@ -144,7 +157,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]
             path = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
             if model_type == "gpt_oss":
                 _random_biases(path)
-            elif model_type in ("starcoder2", "cohere", "arcee", "exaone4"):
+            elif model_type in ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3"):
                 _random_norms_and_biases(path)
             paths[name] = str(path)
         return paths[name]
@@ -200,6 +213,8 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("starcoder2-3kv-uneven", 2),
         ("cohere-qk-1kv", 2),
         ("arcee-3kv-uneven", 2),
+        ("olmo2-3kv-uneven", 2),
+        ("olmo3-1kv", 2),
         ("exaone4-2kv", 2),
         ("mixtral", 2),
         ("qwen3-moe", 2),
