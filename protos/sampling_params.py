@@ -42,7 +42,9 @@ def _token_id(key: Any) -> int:
     return int(key)
 
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# structural_tag: xgrammar's structural tag (JSON): free text in which each trigger opens a tag
+# whose content is held to its schema (strict function tools under tool_choice "auto")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ import secrets
 import string
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.flows.text_stream import TextStream, held_back
 
@@ -285,6 +286,34 @@ class _MistralStream(ToolStream):
         return [ToolCall(name, arguments)], len(rest) - len(value) + decoded[1]
 
 
+# what a format's calls are held to: each function's name and the schema of its arguments
+# (None: any JSON object, a function not marked strict)
+StrictFunctions = Sequence[tuple[str, dict[str, Any] | None]]
+
+
+def triggered_calls(
+    trigger: str, begin: Callable[[str], str], end: str, functions: StrictFunctions, parallel: bool
+) -> dict[str, Any]:
+    """An xgrammar structural tag: the text is free until ``trigger``; from there the output is
+    one of the functions' ``begin(name)``, its arguments as a JSON object (held to the schema
+    of a strict function), then ``end``; then free text again (or the end of the output, one
+    call only, without ``parallel``)."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": begin(name),
+            "content": {"type": "json_schema", "json_schema": schema or {"type": "object"}},
+            "end": end,
+        }
+        for name, schema in functions
+    ]
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                   "at_least_one": False, "stop_after_first": not parallel},
+    }  # fmt: skip
+
+
 class ToolParser(ABC):
     """One model family's tool-call format."""
 
@@ -301,6 +330,12 @@ class ToolParser(ABC):
         """A new call's ``id`` (OpenAI's form), which the client sends back as the assistant
         turn's ``tool_calls[].id`` and the tool message's ``tool_call_id``."""
         return new_call_id()
+
+    def structural_tag(self, functions: StrictFunctions, parallel: bool) -> dict[str, Any] | None:
+        """The structural tag that holds the calls this format writes to their schemas, left
+        free elsewhere (strict functions under tool_choice "auto"); None where the format has
+        none yet."""
+        return None
 
     def parse(self, text: str) -> Parsed:
         """The whole output at once: the stream fed all of it, content stripped."""
@@ -323,6 +358,11 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
 
+# a format's calls as a structural tag: the trigger, each call's opening text by its name, and
+# its closing text
+Tagging = tuple[str, Callable[[str], str], str]
+
+
 class _Parser(ToolParser):
     def __init__(
         self,
@@ -330,11 +370,13 @@ class _Parser(ToolParser):
         stream: Callable[[], ToolStream],
         markers: tuple[str, ...] = (),
         call_id: Callable[[], str] = new_call_id,
+        tagging: Tagging | None = None,
     ) -> None:
         self.name = name
         self._stream = stream
         self.markers = markers
         self._call_id = call_id
+        self._tagging = tagging
 
     def stream(self) -> ToolStream:
         return self._stream()
@@ -342,11 +384,35 @@ class _Parser(ToolParser):
     def call_id(self) -> str:
         return self._call_id()
 
+    def structural_tag(self, functions: StrictFunctions, parallel: bool) -> dict[str, Any] | None:
+        if self._tagging is None:
+            return None
+        trigger, begin, end = self._tagging
+        return triggered_calls(trigger, begin, end, functions, parallel)
+
+
+def _named_call(key: str) -> Callable[[str], str]:
+    """``{"name": "NAME", "KEY": `` (the arguments follow): the JSON call a format writes."""
+    return lambda name: '{"name": ' + json.dumps(name) + f', "{key}": '
+
+
+def _hermes_begin(name: str) -> str:
+    return _HermesStream.START + "\n" + _named_call("arguments")(name)
+
 
 PARSERS: dict[str, ToolParser] = {
-    "hermes": _Parser("hermes", _HermesStream, (_HermesStream.START, _HermesStream.END)),
-    # <|python_tag|> may go: a call is read from a JSON object at the start as well
-    "llama3_json": _Parser("llama3_json", _Llama3Stream),
+    # strict calls as Qwen's and Hermes' templates ask for them: a block on lines of its own
+    "hermes": _Parser(
+        "hermes",
+        _HermesStream,
+        (_HermesStream.START, _HermesStream.END),
+        tagging=(_HermesStream.START, _hermes_begin, "}\n" + _HermesStream.END),
+    ),
+    # <|python_tag|> may go: a call is read from a JSON object at the start as well. Strict
+    # calls: the JSON object Llama 3.1's template asks for ({"name": ..., "parameters": ...})
+    "llama3_json": _Parser(
+        "llama3_json", _Llama3Stream, tagging=('{"name": ', _named_call("parameters"), "}")
+    ),
     "mistral": _Parser(
         "mistral",
         _MistralStream,

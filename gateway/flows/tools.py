@@ -4,7 +4,9 @@
 valid call: a named choice makes the output the function's arguments (an object that matches its
 ``parameters`` schema); ``required`` makes it a JSON array of ``{"name", "arguments"}`` objects,
 one per call, each matching its function's schema. ``auto`` leaves the model free and parses its
-text with the gateway's ``--tool-call-parser`` (``gateway.flows.tool_parsers``).
+text with the gateway's ``--tool-call-parser`` (``gateway.flows.tool_parsers``); where a function
+is ``strict`` (OpenAI's guarantee that its calls match its parameters), the calls that parser
+reads are held to their schemas by a structural tag (``ToolPlan.strict_calls``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ CHOICES = ("none", "auto", "required")
 class Function:
     name: str
     parameters: dict[str, Any]  # its JSON schema (the empty object's when not given)
+    strict: bool = False  # its calls must match parameters (OpenAI's function.strict)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,13 @@ class ToolPlan:
     choice: str  # none | auto | required | function
     function: str | None = None  # the named function (choice "function")
     parallel: bool = True
+
+    def strict_calls(self) -> list[tuple[str, dict[str, Any] | None]] | None:
+        """Under "auto" with a strict function: every function's name and the schema its
+        calls are held to (None: any object, a function not strict); else None."""
+        if self.choice != "auto" or not any(f.strict for f in self.functions):
+            return None
+        return [(f.name, f.parameters if f.strict else None) for f in self.functions]
 
     def constraint(self) -> StructuredOutput | None:
         """The grammar that enforces the choice (required, a named function), else None."""
@@ -101,6 +111,9 @@ def _function(tool: Any, i: int) -> Function:
             f"{param}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}",
             "tools",
         )
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(f"{param}.function.strict must be true or false", "tools")
     params = fn.get("parameters")
     if params is None:  # the OpenAI API: "omitting parameters defines an empty parameter list"
         params = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -109,7 +122,7 @@ def _function(tool: Any, i: int) -> Function:
     # the arguments are an object (OpenAI's function.arguments): a schema that names no type
     # ({} allows any value) or several (["object", "null"]) is held to one, one that names
     # no object type is refused
-    return Function(name, _hold_parameters(params, f"{param}.function.parameters"))
+    return Function(name, _hold_parameters(params, f"{param}.function.parameters"), bool(strict))
 
 
 # a function's parameters: references followed on one path, branches nested, and definitions
@@ -314,8 +327,12 @@ def parse_tools(f: Fields) -> ToolPlan | None:
 
 
 def _check_enforced(plan: ToolPlan) -> None:
-    """The parameters a grammar will enforce (required, a named function) hold no keyword the
-    grammar engine would drop unread (``schema_support``)."""
+    """The parameters a grammar will enforce (required, a named function, a strict function
+    under auto) hold no keyword the grammar engine would drop unread (``schema_support``)."""
     for i, f in enumerate(plan.functions):
-        if plan.choice == "required" or f.name == plan.function:
+        if (
+            plan.choice == "required"
+            or f.name == plan.function
+            or (plan.choice == "auto" and f.strict)
+        ):
             check_schema(f.parameters, f"tools[{i}].function.parameters")

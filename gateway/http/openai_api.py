@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from gateway.observability.stats import combined
 from gateway.observability.tracing import set_request_attributes, start_request_span
 from gateway.workers.rpc_errors import UpstreamError
 from protos.multimodal import ImageItem
+from protos.sampling_params import StructuredOutput
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -255,6 +257,40 @@ def _thinking_free(common: CommonOptions, plan: OutputPlan, prompt_text: str) ->
     return replace(common, sampling=replace(common.sampling, structured=so)), plan
 
 
+def _strict_calls(
+    common: CommonOptions, plan: OutputPlan, is_special: Callable[[str], bool]
+) -> CommonOptions:
+    """Strict functions under tool_choice "auto" (OpenAI's guarantee that a call matches its
+    function's parameters; the openai client's pydantic_function_tool sets it): the calls the
+    tool-call parser reads are held to their schemas by a structural tag, the text around them
+    left free. A parser with no such tag, or whose markup is special tokens (which the grammar
+    engine does not match as text), is a 400 rather than a strict flag quietly ignored."""
+    tools, parser = plan.tools, plan.parser
+    functions = tools.strict_calls() if tools is not None else None
+    if tools is None or functions is None:
+        return common
+    tag = parser.structural_tag(functions, tools.parallel) if parser is not None else None
+    special = parser is not None and any(is_special(m) for m in parser.markers)
+    if parser is None or tag is None or special:
+        which = "none" if parser is None else parser.name
+        raise invalid(
+            'strict function tools under tool_choice "auto" are enforced with the hermes and '
+            f"llama3_json tool-call parsers (this server's: {which}"
+            f"{', whose markup is special tokens here' if special else ''}): send strict false, "
+            'or tool_choice "required" or a named function, which are enforced with any parser',
+            "tools",
+        )
+    if common.sampling.structured is not None:
+        raise invalid(
+            "a structured output format cannot be combined with strict function tools under "
+            'tool_choice "auto" (the calls\' schemas are the format): send strict false or '
+            "leave the format out",
+            "response_format",
+        )
+    so = StructuredOutput("structural_tag", json.dumps(tag, ensure_ascii=False), source="tools")
+    return replace(common, sampling=replace(common.sampling, structured=so))
+
+
 def _markers_kept(
     common: CommonOptions, plan: OutputPlan, is_special: Callable[[str], bool]
 ) -> CommonOptions:
@@ -305,7 +341,8 @@ async def chat_completions(request: Request) -> Response:
     ids = tuple(ids_list)
     if not ids:
         raise invalid("the messages render to an empty prompt", "messages")
-    common, plan = _thinking_free(req.common, plan, text)
+    common = _strict_calls(req.common, plan, state.tokenizer.is_special)
+    common, plan = _thinking_free(common, plan, text)
     common = _markers_kept(common, plan, state.tokenizer.is_special)
     state.metrics.observe_structured(
         common.sampling.structured, req.tools.choice if req.tools else None

@@ -286,10 +286,10 @@ class GatewayMetrics:
         self.max_generation.labels(self.model_name).observe(max_generated)
 
     def observe_structured(self, so: StructuredOutput | None, tool_choice: str | None) -> None:
-        """A request with a grammar, by kind; one whose grammar forces tool calls (tool_choice
-        "required" or a named function) counts as "tool_call"."""
+        """A request with a grammar, by kind; one whose grammar comes from its tools (tool_choice
+        "required" or a named function, strict functions under "auto") counts as "tool_call"."""
         if so is not None:
-            forced = tool_choice in ("required", "function")
+            forced = tool_choice in ("required", "function") or so.source == "tools"
             self.structured.labels(self.model_name, "tool_call" if forced else so.kind).inc()
 
     def observe_error(self, status: int) -> None:

@@ -138,9 +138,11 @@ class GrammarCompiler:
                 return compiler.compile_regex(so.spec)
             if so.kind == "choice":
                 return compiler.compile_grammar(_choice_grammar(so.spec))
+            if so.kind == "structural_tag":
+                return compiler.compile_structural_tag(so.spec)
             return self._ebnf_or_lark(compiler, so.spec)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's C++ errors, mapped
-            what = {"json": "JSON schema", "regex": "regex"}.get(so.kind, so.kind)
+            what = _KIND_NAMES.get(so.kind, so.kind)
             raise InvalidRequestError(f"invalid {what}: {_library_message(e)}", _PARAM) from e
 
     @staticmethod
@@ -153,6 +155,9 @@ class GrammarCompiler:
                 return compiler.compile_grammar(xgr.Grammar.from_lark(spec))
             except (RuntimeError, ValueError, TypeError):
                 raise ebnf_error from None
+
+
+_KIND_NAMES = {"json": "JSON schema", "regex": "regex", "structural_tag": "structural tag"}
 
 
 class GrammarState:

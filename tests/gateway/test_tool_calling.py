@@ -308,3 +308,96 @@ def test_a_call_marked_by_special_tokens_is_still_read(
     assert stack.workers[0].records.samplings[-1].skip_special_tokens is False
     _forced(stack, stream, "none", system, max_tokens=2)
     assert stack.workers[0].records.samplings[-1].skip_special_tokens is True
+
+
+STRICT_WEATHER = {
+    "type": "function",
+    "function": {**WEATHER["function"], "strict": True,  # type: ignore[dict-item]
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                "required": ["city"], "additionalProperties": False}},
+}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_strict_functions_under_auto_send_a_structural_tag_that_holds_their_calls(
+    auto_stack: Stack,
+) -> None:
+    """OpenAI's strict (the openai client's pydantic_function_tool sets it): under auto the
+    workers get xgrammar's structural tag, free text until the parser's <tool_call>, then one
+    of the functions' calls, a strict one's arguments held to its schema. Without strict
+    nothing is sent (the model is free, as before)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    auto_stack.reset()
+    body = _body(auto_stack, tools=[STRICT_WEATHER, TIME])
+    r = httpx.post(f"{auto_stack.base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["tool_calls"]  # read as before
+    sent = auto_stack.workers[0].records.samplings[-1].structured
+    assert sent.kind == "structural_tag"
+    tag = json.loads(sent.spec)
+    assert tag["format"]["triggers"] == ["<tool_call>"]
+    assert tag["format"]["stop_after_first"] is False
+    info = xgr.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(auto_stack.tokenizer_dir)
+    )
+    grammar = xgr.GrammarCompiler(info).compile_structural_tag(sent.spec)
+
+    def accepts(text: str) -> bool:
+        return bool(xgr.GrammarMatcher(grammar).accept_string(text))
+
+    assert accepts("No call needed: it is sunny.")
+    assert accepts(f"Let me check. {CALL} And the time: "
+                   '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>')  # fmt: skip
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}')
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}')
+    assert not accepts('<tool_call>\n{"name": "set_alarm", "arguments": {}}')
+    one = httpx.post(f"{auto_stack.base_url}/v1/chat/completions",
+                     json={**body, "parallel_tool_calls": False})  # fmt: skip
+    assert one.status_code == 200, one.text
+    tag = json.loads(auto_stack.workers[0].records.samplings[-1].structured.spec)
+    assert tag["format"]["stop_after_first"] is True
+    plain = httpx.post(f"{auto_stack.base_url}/v1/chat/completions", json=_body(auto_stack))
+    assert plain.status_code == 200
+    assert not auto_stack.workers[0].records.samplings[-1].HasField("structured")
+
+
+def _strict_with(**function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {**STRICT_WEATHER["function"], **function}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
+        ({"tools": [_strict_with(strict="yes")]}, "tools", "strict must be true or false"),
+        (
+            {"tools": [_strict_with(parameters={"type": "object", "uniqueItems": True})]},
+            "tools[0].function.parameters",
+            "uniqueItems",
+        ),
+    ],
+)
+def test_strict_functions_under_auto_refuse_what_they_cannot_hold(
+    auto_stack: Stack, extra: dict[str, Any], param: str, words: str
+) -> None:
+    body = {**_body(auto_stack, tools=[STRICT_WEATHER]), **extra}
+    r = httpx.post(f"{auto_stack.base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_strict_functions_under_auto_need_a_parser_with_plain_markup(
+    special_markup_stack: Stack,
+) -> None:
+    """Hermes 2 Pro's <tool_call> is a special token there: the grammar engine does not match
+    it as text, so strict cannot be held: a 400, not a strict flag quietly ignored."""
+    stack = special_markup_stack
+    messages = [{"role": "user", "content": "weather?"}]
+    body = {"messages": messages, "tools": [STRICT_WEATHER], "max_tokens": 2}
+    r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert "special tokens" in r.json()["error"]["message"]
+    named = {**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    assert httpx.post(f"{stack.base_url}/v1/chat/completions", json=named).status_code == 200

@@ -314,3 +314,31 @@ def test_streaming_any_split_agrees_with_the_whole_text(name: str, data: st.Data
     assert calls == whole.tool_calls
     assert (content.strip() or None) == whole.content
     assert _streamed(parser, list(text)) == (content, calls)  # one character at a time
+
+
+def test_each_format_says_how_its_strict_calls_are_held() -> None:
+    """The structural tag of strict tools under auto: hermes' block on lines of its own,
+    llama3_json's object with "parameters" (as Llama 3.1's template asks); mistral has none
+    yet (the gateway answers 400 there rather than ignore strict)."""
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}}
+    functions = [("search", schema), ("ping", None)]
+    hermes = get_parser("hermes").structural_tag(functions, parallel=True)
+    assert hermes is not None
+    fmt = hermes["format"]
+    assert fmt["triggers"] == ["<tool_call>"] and fmt["stop_after_first"] is False
+    assert [t["begin"] for t in fmt["tags"]] == [
+        '<tool_call>\n{"name": "search", "arguments": ',
+        '<tool_call>\n{"name": "ping", "arguments": ',
+    ]
+    assert {t["end"] for t in fmt["tags"]} == {"}\n</tool_call>"}
+    assert [t["content"]["json_schema"] for t in fmt["tags"]] == [schema, {"type": "object"}]
+    llama = get_parser("llama3_json").structural_tag(functions[:1], parallel=False)
+    assert llama is not None and llama["format"]["stop_after_first"] is True
+    assert llama["format"]["triggers"] == ['{"name": ']
+    assert llama["format"]["tags"][0]["begin"] == '{"name": "search", "parameters": '
+    assert get_parser("mistral").structural_tag(functions, parallel=True) is None
+    # every begin starts with its trigger, and a parser reads the call the tag writes
+    text = hermes["format"]["tags"][0]["begin"] + '{"q": "x"}' + "}\n</tool_call>"
+    assert [c.name for c in get_parser("hermes").parse(text).tool_calls] == ["search"]
+    text = llama["format"]["tags"][0]["begin"] + '{"q": "x"}}'
+    assert [c.name for c in get_parser("llama3_json").parse(text).tool_calls] == ["search"]

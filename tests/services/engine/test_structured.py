@@ -80,6 +80,33 @@ def test_regex_choice_grammar_and_json_object(llm: LLM, chat_ids: list[list[int]
     assert done and all(isinstance(json.loads(o.text), dict) for o in done), outs
 
 
+def test_a_structural_tag_holds_each_call_to_its_functions_schema(
+    llm: LLM, chat_ids: list[list[int]]
+) -> None:
+    """The hermes parser's structural tag (strict tools under tool_choice "auto"), made to
+    call at once (at_least_one) and once only: whatever the sampling, the output is one whole
+    <tool_call> block whose arguments match the function's schema."""
+    from gateway.flows.tool_parsers import get_parser
+
+    schema = {**PERSON, "additionalProperties": False}
+    tag = get_parser("hermes").structural_tag([("add_person", schema), ("ping", None)], False)
+    assert tag is not None
+    tag["format"]["at_least_one"] = True
+    outs = _run(llm, chat_ids, _so("structural_tag", tag), temperature=1.0, seed=2,
+                max_tokens=120)  # fmt: skip
+    done = [o for o in outs if o.finish_reason == "stop"]
+    assert done, outs
+    for o in done:
+        match = re.fullmatch(r'<tool_call>\n\{"name": "(\w+)", "arguments": (.*)\}\n</tool_call>',
+                             o.text, re.S)  # fmt: skip
+        assert match is not None, o.text
+        arguments = json.loads(match.group(2))
+        if match.group(1) == "add_person":
+            jsonschema.validate(arguments, schema)
+        else:
+            assert match.group(1) == "ping" and isinstance(arguments, dict)
+
+
 def test_a_mixed_batch_leaves_free_requests_unchanged(llm: LLM, chat_ids: list[list[int]]) -> None:
     free = SamplingParams(temperature=0.0, max_tokens=24)
     alone = [r.outputs[0].text for r in llm.generate(chat_ids[:3], free)]
@@ -137,6 +164,10 @@ def test_replayed_tokens_outside_the_grammar_are_refused(
         (_so("regex", "(ab"), "invalid regex: Regex parsing error"),
         (_so("grammar", 'root ::= "a" |'), "invalid grammar"),
         (_so("choice", "[1, 2]"), "choice must be a non-empty list of strings"),
+        (
+            _so("structural_tag", {"type": "structural_tag", "format": {"type": "nope"}}),
+            "invalid structural tag",
+        ),
     ],
 )
 def test_bad_specs_are_clear_errors(llm: LLM, so: StructuredOutput, words: str) -> None:
