@@ -62,9 +62,10 @@ def _usage(gen: Generation) -> dict[str, Any]:
     return formats.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
 
 
-def _emit(info: StreamInfo, gen: Generation, body: Body) -> bytes:
-    if info.continuous_usage:
-        body["usage"] = _usage(gen)
+def _emit(info: StreamInfo, gen: Generation, body: Body, opening: bool = False) -> bytes:
+    if info.continuous_usage:  # an opening (chat's role) counts no token, as vLLM's
+        completion = 0 if opening else gen.completion_tokens
+        body["usage"] = formats.usage(gen.prompt_tokens, completion, gen.cached_tokens)
     return sse(body)
 
 
@@ -141,12 +142,17 @@ def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> Bo
     return _frame(info, [piece])
 
 
+def _roles(info: StreamInfo, gen: Generation) -> list[Body]:
+    """Chat: each choice's assistant role, sent when the first token of the request has come
+    (as vLLM sends it): a client that times the first chunk with choices (``vllm bench serve``'s
+    chat client) reads it as the first token, so sent up front it made TTFT read as ~0."""
+    delta = {"role": "assistant", "content": info.echoed}
+    return [_frame(info, [formats.chat_delta(c.index, delta, None, None)]) for c in gen.choices]
+
+
 def _openings(info: StreamInfo, gen: Generation) -> list[Body]:
-    """Chat: the assistant role first. Completions with echo: the prompt first (unless it waits
-    for the first chunk: :func:`_echo_frame`)."""
-    if info.object == "chat.completion.chunk":
-        delta = {"role": "assistant", "content": info.echoed}
-        return [_frame(info, [formats.chat_delta(c.index, delta, None, None)]) for c in gen.choices]
+    """Completions with echo: the prompt first (unless it waits for the first chunk:
+    :func:`_echo_frame`)."""
     if info.echo and not info.echo_waits:
         return [_frame(info, [formats.completion_choice(c.index, c.prompt_text, None, None)])
                 for c in gen.choices]  # fmt: skip
@@ -189,10 +195,14 @@ async def stream_events(
     if info.plan is not None and not info.plan.plain:
         piece, state = _parsed_chat_piece, {c.index: ChoiceOutput(info.plan) for c in gen.choices}
     waiting = {c.index for c in gen.choices} if info.echo_waits else set()
+    roles = _roles(info, gen) if info.object == "chat.completion.chunk" else []
     try:
         for body in _openings(info, gen):
             yield _emit(info, gen, body)
         async for choice, chunk in gen.events():
+            if roles:
+                yield b"".join(_emit(info, gen, body, opening=True) for body in roles)
+                roles = []
             if choice.index in waiting:
                 if info.score_only and chunk.finish_reason is None:
                     continue  # the finish carries the echo; nothing generated is shown
