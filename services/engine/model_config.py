@@ -548,7 +548,9 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     ignored for Mistral and Mixtral), Qwen3-MoE every layer with
     ``use_sliding_window``; Qwen2, Qwen3 and Qwen2(.5)-VL with ``use_sliding_window`` the layers
     ``layer_types`` names, else those from ``max_window_layers`` on (its default: 28, 80 for the
-    VL models); Gemma 3 the ``layer_types`` ones; Llama and Qwen3-VL never. (None, ()) when no
+    VL models); Gemma 3, OLMo 3 and EXAONE 4 (their readers fill in ``layer_types``) the
+    ``layer_types`` ones; StarCoder2 every layer when ``sliding_window`` is given; Llama,
+    Qwen3-VL, OLMo 2, GLM, Cohere, ERNIE 4.5, Seed-OSS and Arcee never. (None, ()) when no
     layer does."""
     layers = range(int(cfg["num_hidden_layers"]))
     if model_type in ("llama", "qwen3_vl", "granite", "gemma", "olmo2", "glm", "glm4", "cohere",
