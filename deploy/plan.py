@@ -22,6 +22,7 @@ from gateway.core.config import (
     MEDIA_MAX_BYTES,
     WORKER_STALL_TIMEOUT_S,
     check_drain_timeout,
+    check_metrics_prefix,
     check_worker_stall_timeout,
     media_domain,
     parse_mm_limit,
@@ -355,6 +356,7 @@ def _check_gateway_flags(args: argparse.Namespace) -> None:
     """What the gateway would refuse, refused before any model loads (exit 2, as it would)."""
     check_drain_timeout(float(getattr(args, "drain_timeout", 30.0)))
     check_worker_stall_timeout(float(getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S)))
+    check_metrics_prefix(getattr(args, "metrics_prefix", "tandem:"))
     check_parser_flags(args)
 
 
@@ -434,6 +436,8 @@ def build_plan(
     gateway += ["--drain-timeout", str(drain_timeout_s)]
     stall_s = float(getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S))
     gateway += ["--worker-stall-timeout", str(stall_s)]
+    if getattr(args, "metrics_prefix", "tandem:") != "tandem:":
+        gateway += ["--metrics-prefix", args.metrics_prefix]
     gateway += ["--ready-file", str(gateway_ready)]
     # The key travels in the environment (read by the gateway), not on a command line `ps` shows.
     gateway_env = {"TANDEM_API_KEY": args.api_key} if args.api_key else {}

@@ -764,6 +764,17 @@ def add_worker_stall_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
     )
 
 
+def add_metrics_prefix_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """``--metrics-prefix``: the gateway's flag (``tandem up`` passes it on)."""
+    p.add_argument(
+        "--metrics-prefix",
+        default="tandem:",
+        help=passed + "prefix of every Prometheus metric on /metrics (names, labels and buckets "
+        "are vLLM V1's): vllm: makes vLLM's Grafana dashboards, alert rules and benchmark "
+        "clients' server-metric summaries (aiperf's) work unchanged",
+    )
+
+
 def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
     """Image input limits and image URL fetching: the gateway's flags (``tandem up`` passes them
     on)."""
@@ -1066,12 +1077,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="OTLP gRPC endpoint to export traces and metrics to (default: "
         "$OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
     )
-    p.add_argument(
-        "--metrics-prefix",
-        default="tandem:",
-        help="prefix of every Prometheus metric on /metrics (names, labels and buckets are "
-        "vLLM V1's): vllm: makes vLLM's Grafana dashboards and alert rules work unchanged",
-    )
+    add_metrics_prefix_arg(p)
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -1135,6 +1141,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "that long plus a margin (at least TANDEM_UP_GRACE) before killing it",
     )
     add_worker_stall_arg(p, "(passed to the gateway) ")
+    add_metrics_prefix_arg(p, "(passed to the gateway) ")
     add_engine_stall_arg(p, "(passed to the workers) ")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")

@@ -177,12 +177,7 @@ class GatewayConfig:
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             object.__setattr__(self, name, cors_list(name, getattr(self, name)))
         object.__setattr__(self, "allowed_media_domains", domains)
-        if not METRIC_NAME.fullmatch(self.metrics_prefix):
-            raise ConfigError(
-                "--metrics-prefix must be a Prometheus metric name: a letter, '_' or ':' first, "
-                f"then letters, digits, '_' or ':' (such as tandem: or vllm:), "
-                f"got {self.metrics_prefix!r}"
-            )
+        check_metrics_prefix(self.metrics_prefix)
 
     @property
     def model_name(self) -> str:
@@ -200,6 +195,15 @@ def check_worker_stall_timeout(seconds: float) -> None:
     if not 0 < seconds < math.inf:
         raise ConfigError(
             f"--worker-stall-timeout must be a finite number of seconds > 0, got {seconds}"
+        )
+
+
+def check_metrics_prefix(prefix: str) -> None:
+    """``--metrics-prefix``: a Prometheus metric name, so every prefixed name is one too."""
+    if not METRIC_NAME.fullmatch(prefix):
+        raise ConfigError(
+            "--metrics-prefix must be a Prometheus metric name: a letter, '_' or ':' first, "
+            f"then letters, digits, '_' or ':' (such as tandem: or vllm:), got {prefix!r}"
         )
 
 

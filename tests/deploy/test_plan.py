@@ -169,6 +169,7 @@ def test_prefill_and_decode_on_one_gpu_prefill_locally_while_decode_is_busy() ->
         (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
         (["--drain-timeout", "-5"], "--drain-timeout must be"),
         (["--drain-timeout", "nan"], "--drain-timeout must be"),
+        (["--metrics-prefix", "9bad"], "--metrics-prefix must be a Prometheus metric name"),
     ],
 )
 def test_gateway_flags_are_checked_before_any_model_loads(flags: list[str], words: str) -> None:
@@ -448,6 +449,18 @@ def test_the_gateway_gets_the_worker_stall_timeout(flags: tuple[str, ...], stall
     spec = gateway_spec(plan, {"prefill-0": 1, "decode-0": 2}, None)
     assert reparse(spec.argv).worker_stall_timeout == stall
     assert all("--worker-stall-timeout" not in w.spec.argv for w in plan.workers)
+
+
+@pytest.mark.parametrize(
+    ("flags", "prefix"), [((), "tandem:"), (("--metrics-prefix", "vllm:"), "vllm:")]
+)
+def test_the_gateway_gets_the_metrics_prefix(flags: tuple[str, ...], prefix: str) -> None:
+    """tandem up --metrics-prefix vllm: serves vLLM's series names, which vLLM's dashboards and
+    benchmark clients' server-metric summaries (aiperf's KV usage, cache hit rate) look for."""
+    plan = plan_for(*flags)
+    spec = gateway_spec(plan, {"prefill-0": 1, "decode-0": 2}, None)
+    assert reparse(spec.argv).metrics_prefix == prefix
+    assert all("--metrics-prefix" not in w.spec.argv for w in plan.workers)
 
 
 def test_task_embed_and_the_pooler_reach_the_colocated_workers() -> None:
