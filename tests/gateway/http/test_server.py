@@ -154,7 +154,8 @@ def test_a_missing_chat_template_exits_2(
     argv = ["--tokenizer", tokenizer_dir, "--worker", "127.0.0.1:1", "--port", "0",
             "--chat-template", missing]  # fmt: skip
     message = _gateway_exits_2(argv, caplog)
-    assert message == f"--chat-template {missing}: cannot read it (No such file or directory)"
+    assert message == (f"--chat-template {missing}: cannot read it (No such file or directory); "
+                       "pass a Jinja template file or the template itself")  # fmt: skip
 
 
 def test_a_model_directory_without_a_tokenizer_exits_2(
