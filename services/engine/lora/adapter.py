@@ -73,7 +73,9 @@ def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> tuple[int, f
         raise _refuse(name, "fan_in_fan_out (Conv1D models) is not supported")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
-        bad = sorted(set(targets) - set(PEFT_MODULES))
+        # peft writes "all-linear" (and a model's own module list) out as full module paths,
+        # "model.layers.0.self_attn.q_proj": the projection is the path's last name
+        bad = sorted({t for t in targets if str(t).rsplit(".", 1)[-1] not in PEFT_MODULES})
         if bad:
             raise _refuse(name, f"target module(s) {', '.join(bad)} are not supported (LoRA "
                           f"serves {', '.join(PEFT_MODULES)}; not embeddings or lm_head)")  # fmt: skip

@@ -94,3 +94,15 @@ def test_a_directory_that_is_no_adapter_is_refused(tmp_path: Path) -> None:
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(ConfigError, match="has no adapter_model"):
         read_adapter("x", str(tmp_path), 16, shape_of)
+
+
+def test_targets_named_by_their_full_module_paths_are_served(tmp_path: Path) -> None:
+    """peft's "all-linear" saves target_modules as full paths
+    ("model.layers.0.self_attn.q_proj"); vLLM matches their last name, and so must we."""
+    targets = [f"model.layers.{i}.{m}" for i in (0, 1)
+               for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]  # fmt: skip
+    path = write(tmp_path / "ad", config={"target_modules": targets})
+    assert list(read_adapter("ad", str(path), 16, shape_of).weights) == [(0, "q_proj")]
+    path = write(tmp_path / "bad", config={"target_modules": [*targets, "model.embed_tokens"]})
+    with pytest.raises(ConfigError, match=r"target module\(s\) model.embed_tokens are not"):
+        read_adapter("bad", str(path), 16, shape_of)
