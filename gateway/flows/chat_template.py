@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -69,8 +70,11 @@ class ChatTemplate:
     """One compiled template; ``render`` returns the prompt text."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            # the names it reads that its caller may give (messages, tools, a request's kwargs)
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"the chat template does not parse: {e}") from e
         self._special_tokens = dict(special_tokens)

@@ -88,6 +88,8 @@ class ChatRequest:
     # the assistant's (an answer the client began)
     echo: bool = False
     tools: ToolPlan | None = None  # None: no tools offered
+    # OpenAI's reasoning_effort, a variable of the chat template (gpt-oss's reads it)
+    reasoning_effort: str | None = None
     # of the image_url parts, in order: encoded bytes, or an http(s) URL still to fetch
     images: tuple[bytes | ImageURL, ...] = ()
 
@@ -490,6 +492,7 @@ def parse_chat(body: Any, defaults: Mapping[str, float] | None = None) -> ChatRe
         f.get_int(name, None, 1, MAX_TOKENS_LIMIT)
     max_field = given[0] if given else "max_tokens"
     add_generation_prompt, continue_final, kwargs = template_options(f)
+    effort = _reasoning_effort(f, kwargs)
     common, tools = _with_tools(
         f,
         _common(
@@ -507,9 +510,36 @@ def parse_chat(body: Any, defaults: Mapping[str, float] | None = None) -> ChatRe
         template_kwargs=_with_tools_variable(f, tools, kwargs),
         tools=tools,
         images=images,
+        reasoning_effort=effort,
     )
     refuse_unknown(f, SAMPLING, CHAT)
     return request
+
+
+REASONING_EFFORTS = ("low", "medium", "high")  # vLLM's (gpt-oss's template renders each)
+
+
+def _reasoning_effort(f: Fields, kwargs: dict[str, Any]) -> str | None:
+    """OpenAI's ``reasoning_effort``, as vLLM serves it: the chat template's
+    ``reasoning_effort`` variable (gpt-oss's system message says "Reasoning: high"). Given in
+    chat_template_kwargs too, the two must agree. Whether the template reads it at all is
+    checked where the template is known (a 400 there, not a field quietly ignored)."""
+    effort = f.get_str("reasoning_effort", None)
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise invalid(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+            "reasoning_effort",
+        )
+    if kwargs.get("reasoning_effort", effort) != effort:
+        raise invalid(
+            f"reasoning_effort is {effort!r} but chat_template_kwargs.reasoning_effort is "
+            f"{kwargs['reasoning_effort']!r}: give it once",
+            "reasoning_effort",
+        )
+    kwargs["reasoning_effort"] = effort
+    return effort
 
 
 def _with_tools_variable(

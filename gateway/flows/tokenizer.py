@@ -125,6 +125,10 @@ class GatewayTokenizer:
         """A token's raw bytes (part of a character where one spans tokens; see protos.token_bytes)."""
         return self._bytes(token_id, self.decode([token_id]))
 
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable ``name`` (none without a template)."""
+        return self._template is not None and name in self._template.variables
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:

@@ -57,7 +57,6 @@ CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prediction": ("predicted outputs are not supported", NEUTRAL),
     # an empty object asks for web search too (with its default options): only null is neutral
     "web_search_options": ("web search is not supported", (None,)),
-    "reasoning_effort": ("reasoning effort is not supported", NEUTRAL),
     "media_io_kwargs": (
         "per-request media loading options are not supported (send images as image_url "
         "content parts)",

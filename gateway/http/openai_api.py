@@ -311,6 +311,12 @@ async def chat_completions(request: Request) -> Response:
                      state.config.generation_defaults)  # fmt: skip
     lora = state.accepts(req.common.model)
     req = replace(req, common=with_adapter(req.common, lora))
+    if req.reasoning_effort is not None and not state.tokenizer.template_reads("reasoning_effort"):
+        raise invalid(
+            "reasoning_effort: this model's chat template does not read a reasoning effort "
+            "(gpt-oss's does), so it would change nothing: leave it out",
+            "reasoning_effort",
+        )
     plan = _output_plan(state, req)
     encoded: tuple[bytes, ...] = ()
     if req.images:

@@ -77,3 +77,15 @@ def test_pick_template() -> None:
         == "d"
     )
     assert pick_template(None) is None
+
+
+def test_the_variables_a_template_reads_are_known() -> None:
+    """What ``GatewayTokenizer.template_reads`` answers from: the names the template reads but
+    does not set itself (gpt-oss's reads reasoning_effort; its own loop variables do not
+    count)."""
+    source = (
+        "{% set effort = reasoning_effort | default('medium') %}Reasoning: {{ effort }}\n"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    assert ChatTemplate(source, {}).variables == {"reasoning_effort", "messages"}
+    assert "reasoning_effort" not in ChatTemplate("{{ messages[0].content }}", {}).variables

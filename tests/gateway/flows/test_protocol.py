@@ -534,3 +534,18 @@ def test_spaces_between_special_tokens_takes_either_bool_as_fast_tokenizers_do()
     with pytest.raises(APIError) as e:
         parse_completion({"prompt": "hi", "spaces_between_special_tokens": "no"})
     assert e.value.param == "spaces_between_special_tokens"
+
+
+def test_reasoning_effort_is_a_variable_of_the_chat_template() -> None:
+    """vLLM serves OpenAI's reasoning_effort through the chat template (gpt-oss's system
+    message); given in chat_template_kwargs as well, the two must agree."""
+    req = parse_chat({"messages": MSGS, "reasoning_effort": "high"})
+    assert req.reasoning_effort == "high" and req.template_kwargs["reasoning_effort"] == "high"
+    assert parse_chat({"messages": MSGS}).reasoning_effort is None
+    same = {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "low"}}
+    assert parse_chat({"messages": MSGS, **same}).template_kwargs["reasoning_effort"] == "low"
+    for bad in ({"reasoning_effort": "extreme"}, {"reasoning_effort": 3},
+                {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}):  # fmt: skip
+        with pytest.raises(APIError) as e:
+            parse_chat({"messages": MSGS, **bad})
+        assert e.value.param == "reasoning_effort", bad

@@ -46,7 +46,6 @@ ASKING: dict[str, Any] = {
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
     "web_search_options": {"search_context_size": "low"},
-    "reasoning_effort": "low",
     "media_io_kwargs": {"a": 1},
     "store": True,
     "verbosity": "low",

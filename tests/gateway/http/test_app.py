@@ -404,3 +404,28 @@ def test_a_bug_is_an_openai_shaped_500(colocated: Stack, monkeypatch: pytest.Mon
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"
     assert "RuntimeError" in r.json()["error"]["message"]
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(
+    tokenizer_dir: str, tmp_path: Path, colocated: Stack
+) -> None:
+    """OpenAI's reasoning_effort renders where the template reads it (gpt-oss's "Reasoning:
+    high"); where it does not (the embedded SmolLM2's), it would change nothing: a 400 naming
+    it rather than a 200 that ignores it."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}
+    r = httpx.post(f"{colocated.base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+    path = tmp_path / "effort.jinja"
+    path.write_text(
+        "Reasoning: {{ reasoning_effort | default('medium') }}<|im_end|>"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    stack = Stack(tokenizer_dir, ["colocated"], chat_template=str(path)).start()
+    try:
+        for effort, shown in (("high", "Reasoning: high"), (None, "Reasoning: medium")):
+            asked = {**body, "reasoning_effort": effort, "max_tokens": 8}
+            r = httpx.post(f"{stack.base_url}/v1/chat/completions", json=asked)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == shown  # the fake's echo
+    finally:
+        stack.stop()
