@@ -123,6 +123,10 @@ def read_adapter(
         if set(ab) != {"A", "B"}:
             raise _refuse(name, f"{where}: lora_A and lora_B must both be present")
         a, b = ab["A"], ab["B"]
+        for which, t in (("lora_A", a), ("lora_B", b)):
+            if not t.is_floating_point():  # quantized or integer weights: no plain LoRA
+                raise _refuse(name, f"{where}: {which} is {t.dtype}, not a floating-point dtype "
+                              "(float32, float16 or bfloat16 LoRA weights are served)")  # fmt: skip
         (k, n) = shape
         if tuple(a.shape) != (r, k) or tuple(b.shape) != (n, r):
             raise _refuse(name, f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "

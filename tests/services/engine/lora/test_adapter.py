@@ -75,6 +75,10 @@ BAD = {  # what -> (write's keyword arguments, the refusal)
     "a layer the model lacks": ({"weights": {
         f"{PREFIX}.7.mlp.down_proj.lora_A.weight": torch.zeros(4, K),
         f"{PREFIX}.7.mlp.down_proj.lora_B.weight": torch.zeros(N, 4)}}, "layer 7 down_proj"),
+    "integer weights": ({"weights": {
+        f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.ones(4, K, dtype=torch.int8),
+        f"{PREFIX}.0.self_attn.q_proj.lora_B.weight": torch.ones(N, 4, dtype=torch.int8)}},
+        "layer 0 q_proj: lora_A is torch.int8, not a floating-point dtype"),
     "half a pair": ({"weights": {f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, K)}},
                     "lora_A and lora_B must both be present"),
 }  # fmt: skip
