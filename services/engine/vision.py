@@ -45,6 +45,18 @@ def load_image_processor(model_dir: Path) -> Any:
     return Processor.from_pretrained(str(model_dir))
 
 
+def to_rgb(img: Any) -> Any:
+    """The PIL image as RGB, transparency composited onto white, as transformers' processors
+    and vLLM convert it (PIL's plain convert would keep the colour under a transparent pixel)."""
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img.convert("RGB")
+    from PIL import Image
+
+    rgba = img.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
 def preprocess(processor: Any, image: ImageItem) -> np.ndarray:  # [patches, C*tp*p*p] float32
     """The image's patches; refused if it does not decode or its grid is not the one its
     placeholder tokens were counted for."""
@@ -52,7 +64,7 @@ def preprocess(processor: Any, image: ImageItem) -> np.ndarray:  # [patches, C*t
 
     try:
         with Image.open(io.BytesIO(image.data)) as img:
-            rgb = img.convert("RGB")
+            rgb = to_rgb(img)
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise InvalidRequestError(f"an image could not be decoded: {exc}", "messages") from None
     feat = processor(images=[rgb], return_tensors="np")
