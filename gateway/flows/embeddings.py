@@ -1,7 +1,9 @@
 """OpenAI's embeddings request parsed and checked, and its vectors encoded for the response.
 
 ``input`` is a string, a list of strings, a list of token ids or a list of such lists (OpenAI's
-four shapes); ``encoding_format`` float or base64 (the ``openai`` client asks for base64 unless
+four shapes), or, as vLLM's chat-style embeddings request, ``messages`` rendered by the chat
+template (``add_generation_prompt`` and ``add_special_tokens`` then default to false, as there);
+``encoding_format`` float or base64 (the ``openai`` client asks for base64 unless
 told otherwise: little-endian float32 bytes). As on the other routes, unknown fields are ignored
 and the fields of ``EMBEDDING`` that ask for something not implemented are a 400 naming them.
 """
@@ -18,8 +20,13 @@ from typing import Any
 from gateway.core.errors import invalid
 from gateway.flows.fields import INT32_MAX, Fields, check_int, require_object
 from gateway.flows.prepare import check_vocab
-from gateway.flows.protocol import parse_request_id, parse_truncation
-from gateway.flows.unsupported import NEUTRAL, refuse_unknown, refuse_unsupported
+from gateway.flows.protocol import (
+    parse_messages,
+    parse_request_id,
+    parse_truncation,
+    template_options,
+)
+from gateway.flows.unsupported import CHAT, NEUTRAL, refuse_unknown, refuse_unsupported
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 ENCODING_FORMATS = ("float", "base64")
@@ -36,7 +43,19 @@ EMBEDDING: dict[str, tuple[str, tuple[Any, ...]]] = {
     "mm_processor_kwargs": ("embeddings take text or token ids only, no images", NEUTRAL),
     "lora_request": ("embeddings come from the base model; no adapter applies", NEUTRAL),
     "cache_salt": ("per-request prefix-cache salts are not implemented", NEUTRAL),
+    "chat_template": CHAT["chat_template"],
+    "media_io_kwargs": ("embeddings take text only, so no media loading options", NEUTRAL),
 }
+
+
+@dataclass(frozen=True)
+class EmbeddingChat:
+    """vLLM's chat-style input: messages for the chat template, and how to render them."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    template_kwargs: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,7 @@ class EmbeddingRequest:
     user: str | None
     truncate_prompt_tokens: int | None = None  # protocol.parse_truncation's
     request_id: str | None = None  # protocol.parse_request_id's
+    chat: EmbeddingChat | None = None  # messages given instead of input (inputs is empty)
 
 
 def _inputs(value: Any) -> tuple[Input, ...]:
@@ -80,11 +100,23 @@ def _inputs(value: Any) -> tuple[Input, ...]:
     return tuple(out)
 
 
+def _chat(f: Fields) -> EmbeddingChat | None:
+    if f.get("messages") is None:
+        if f.get("input") is None:
+            raise invalid("input is required (or messages, as vLLM's chat-style embeddings)",
+                          "input")  # fmt: skip
+        return None
+    if f.get("input") is not None:
+        raise invalid("send input or messages, not both", "messages")
+    messages = parse_messages(f.get("messages"))
+    add_generation_prompt, continue_final, kwargs = template_options(f, False)
+    return EmbeddingChat(messages, add_generation_prompt, continue_final, kwargs)
+
+
 def parse_embedding(body: Any) -> EmbeddingRequest:
     f = Fields(require_object(body))
     refuse_unsupported(f.body, EMBEDDING)
-    if f.get("input") is None:
-        raise invalid("input is required", "input")
+    chat = _chat(f)
     fmt = f.get_str("encoding_format", "float")
     if fmt not in ENCODING_FORMATS:
         raise invalid(f"encoding_format must be float or base64, got {fmt!r}", "encoding_format")
@@ -93,14 +125,15 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
         raise invalid("normalize must be true or false", "normalize")
     request = EmbeddingRequest(
         model=f.get_str("model", None),
-        inputs=_inputs(f.get("input")),
+        inputs=() if chat else _inputs(f.get("input")),
         encoding_format=fmt or "float",
         normalize=normalize,
-        add_special_tokens=f.get_bool("add_special_tokens", True),
+        add_special_tokens=f.get_bool("add_special_tokens", chat is None),
         priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,
         user=f.get_str("user", None, 1024),
         truncate_prompt_tokens=parse_truncation(f),
         request_id=parse_request_id(f),
+        chat=chat,
     )
     refuse_unknown(f, EMBEDDING)
     return request

@@ -449,7 +449,9 @@ def _template_flag(f: Fields, kwargs: dict[str, Any], name: str, default: bool) 
     return given
 
 
-def template_options(f: Fields) -> tuple[bool, bool, dict[str, Any]]:
+def template_options(
+    f: Fields, add_generation_default: bool = True
+) -> tuple[bool, bool, dict[str, Any]]:
     """``add_generation_prompt``, vLLM's ``continue_final_message`` and the remaining
     ``chat_template_kwargs``. The first starts a new assistant turn after the messages, the
     second leaves the final message open for the model to go on with (an answer the client
@@ -457,7 +459,8 @@ def template_options(f: Fields) -> tuple[bool, bool, dict[str, Any]]:
     sends ``add_generation_prompt: false`` (vLLM's check sees only fields given, but its
     template renderer then refuses the default true beside ``continue_final_message``). Either
     may come in chat_template_kwargs; ``messages`` and ``documents`` there are a 400 (the
-    messages are the request's own; documents are not supported)."""
+    messages are the request's own; documents are not supported). vLLM's chat-style embeddings
+    request defaults ``add_generation_prompt`` to false (``add_generation_default``)."""
     kwargs = dict(f.get_dict("chat_template_kwargs"))
     for name, why in (
         ("messages", "the template's messages are the request's messages field"),
@@ -466,7 +469,9 @@ def template_options(f: Fields) -> tuple[bool, bool, dict[str, Any]]:
         if name in kwargs:
             raise invalid(f"chat_template_kwargs.{name}: {why}", "chat_template_kwargs")
     continue_final = _template_flag(f, kwargs, "continue_final_message", False)
-    add_generation_prompt = _template_flag(f, kwargs, "add_generation_prompt", True)
+    add_generation_prompt = _template_flag(
+        f, kwargs, "add_generation_prompt", add_generation_default
+    )
     if continue_final and add_generation_prompt:
         raise invalid(
             "continue_final_message and add_generation_prompt cannot both be true: the first "

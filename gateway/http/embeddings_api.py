@@ -40,7 +40,15 @@ async def embeddings(request: Request) -> Response:
     state.check_priority(req.priority)
     response_id = formats.response_id("embd", req.request_id, request.headers)
     max_model_len, vocab = state.registry.limits()
-    ids = await state.off_loop(_input_ids, state.tokenizer, req, max_model_len)
+    if req.chat is None:
+        ids = await state.off_loop(_input_ids, state.tokenizer, req, max_model_len)
+    else:
+        chat = req.chat
+        rendered, _ = await state.chat_prompt(
+            chat.messages, chat.add_generation_prompt, req.add_special_tokens,
+            continue_final_message=chat.continue_final_message, variables=chat.template_kwargs,
+        )  # fmt: skip
+        ids = (keep_last(rendered, req.truncate_prompt_tokens, max_model_len),)
     check_inputs(ids, max_model_len, vocab or state.tokenizer.vocab_size)
     state.check_serving()
     started = time.monotonic()

@@ -137,6 +137,45 @@ def test_truncate_prompt_tokens_keeps_each_input_s_last_tokens(embed: Stack) -> 
     assert r.status_code == 200 and r.json()["data"][0]["embedding"][:3] == [8, 13, 20]
 
 
+def test_messages_are_embedded_as_the_chat_template_renders_them(embed: Stack) -> None:
+    """vLLM's chat-style embeddings request: messages through the gateway's chat template, no
+    generation prompt and no extra special tokens unless asked, as vLLM's defaults."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    tok = embed.state.tokenizer
+    plain, _ = tok.chat_ids(messages, False, False, False)
+    prompted, _ = tok.chat_ids(messages, True, False, False)
+    assert len(prompted) > len(plain)
+    r = post(embed, {"model": "embedded", "messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json()["data"][0]["embedding"][:3] == [len(plain), plain[0], plain[-1]]
+    assert r.json()["usage"]["prompt_tokens"] == len(plain)
+    r = post(embed, {"messages": messages, "add_generation_prompt": True,
+                     "truncate_prompt_tokens": 4})  # fmt: skip
+    assert r.json()["data"][0]["embedding"][:3] == [4, prompted[-4], prompted[-1]]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"messages": [{"role": "user", "content": "a"}], "input": "a"}, "messages", "not both"),
+        ({"messages": []}, "messages", "messages"),
+        ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ x }}"},
+         "chat_template", "chat template"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+         "messages", "does not take images"),
+    ],
+)  # fmt: skip
+def test_bad_chat_style_requests_are_400s(
+    embed: Stack, body: dict, param: str, message: str
+) -> None:
+    r = post(embed, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert not embed.workers[0].records.embeds
+
+
 def test_an_unknown_model_is_a_404(embed: Stack) -> None:
     r = post(embed, {"input": "a", "model": "gpt-4"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
