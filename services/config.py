@@ -212,6 +212,13 @@ class SpeculativeConfig:
                 f"--speculative-config key(s) not supported: {', '.join(unknown)} (supported: "
                 f"{', '.join(sorted(_SPEC_KEYS))})"
             )
+        if data.get("model") in ("ngram", "[ngram]") and data.get("method", "ngram") in (
+            "ngram",
+            "[ngram]",
+        ):  # vLLM's older spelling of n-gram lookup: "model": "ngram" (no draft model)
+            data = {k: v for k, v in data.items() if k != "model"} | {"method": "ngram"}
+        if data.get("method") == "[ngram]":
+            data = {**data, "method": "ngram"}
         if "method" not in data and "model" in data:  # vLLM infers the method from the model
             data = {**data, "method": "draft_model"}
         if "model" in data and data.get("method", cls.method) != "draft_model":

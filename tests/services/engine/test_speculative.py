@@ -288,3 +288,14 @@ def test_the_flag_is_checked_when_parsed_and_defaults_fill_in(
     config = SpeculativeConfig.parse(args.speculative_config)
     assert config == SpeculativeConfig("ngram", 4, 1, 1)
     assert SpeculativeConfig.parse(None) is None
+
+
+@pytest.mark.parametrize(
+    "text", ['{"model": "ngram", "num_speculative_tokens": 3}',
+             '{"method": "[ngram]", "num_speculative_tokens": 3}',
+             '{"method": "ngram", "model": "[ngram]", "num_speculative_tokens": 3}'],
+)  # fmt: skip
+def test_vllms_older_spelling_of_ngram_is_ngram(text: str) -> None:
+    """vLLM takes ``"model": "ngram"`` (and "[ngram]") as n-gram lookup, not a draft model
+    named ngram."""
+    assert SpeculativeConfig.parse(text) == SpeculativeConfig("ngram", 3)
