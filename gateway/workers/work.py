@@ -57,7 +57,11 @@ def rpc_failure(worker: WorkerClient, err: grpc.RpcError, call: str) -> Upstream
         return failure
     reason = f"{call} failed: {failure.api_error.message}"
     if failure.status == grpc.StatusCode.UNAVAILABLE.name:
-        worker.mark_unhealthy(reason)
+        # once unhealthy, its reason stays the poll's (or the first failure's): each request
+        # failing on a lost worker quotes that reason, and quoting back into it would nest
+        # every earlier request's message in the next (quadratic in the requests in flight)
+        if worker.healthy:
+            worker.mark_unhealthy(reason)
     else:
         worker.check_now(reason)
     return failure

@@ -9,6 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
+from gateway.core.config import WorkerSpec
+from gateway.workers.client import WorkerClient
 from gateway.workers.multiplex import RequestRpcError, StreamMux, rpc_error
 from gateway.workers.work import rpc_failure
 from protos import common_pb2, worker_pb2
@@ -137,7 +139,7 @@ async def test_one_requests_internal_error_leaves_its_worker_healthy() -> None:
     fake.send(_chunk("a", reason=ERROR, error="internal error: ValueError()", status_code=13))
     with pytest.raises(RequestRpcError) as info:
         await call.read()
-    worker: Any = type("W", (), {"address": "w:1", "reasons": [], "checks": []})()
+    worker: Any = type("W", (), {"address": "w:1", "reasons": [], "checks": [], "healthy": True})()
     worker.mark_unhealthy = lambda reason, lost=False: worker.reasons.append(reason)
     worker.check_now = worker.checks.append
     failure = rpc_failure(worker, info.value, "Decode")
@@ -148,6 +150,23 @@ async def test_one_requests_internal_error_leaves_its_worker_healthy() -> None:
     failure = rpc_failure(worker, rpc_error(grpc.StatusCode.UNAVAILABLE, "reset"), "Decode")
     assert failure.retryable and len(worker.reasons) == 1
     await mux.close()
+
+
+async def test_requests_failing_on_a_lost_worker_each_quote_its_reason_once() -> None:
+    """Every request in flight on a lost worker fails with the poll's reason; a failure must not
+    become the worker's reason, or the next request's message quotes it, and so on: the 1000th
+    request's message held the 999 before it."""
+    worker = WorkerClient(WorkerSpec("prefill", "127.0.0.1:1"))
+    worker.healthy = True
+    worker.mark_unhealthy("health poll failed: UNAVAILABLE", lost=True)
+    messages = []
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as info:
+            await worker.unless_lost(asyncio.sleep(60))
+        messages.append(rpc_failure(worker, info.value, "Prefill").api_error.message)
+    assert worker.last_error == "health poll failed: UNAVAILABLE"
+    assert len(set(messages)) == 1 and messages[0].count("is gone") == 1, messages[-1]
+    await worker.close()
 
 
 async def test_a_broken_stream_fails_every_request_and_the_next_one_reopens() -> None:
