@@ -18,6 +18,7 @@ from pathlib import Path
 from deploy.supervisor import ChildSpec
 from gateway.core.config import (
     CORS_ANY,
+    MAX_BODY_BYTES,
     MEDIA_FETCH_TIMEOUT_S,
     MEDIA_MAX_BYTES,
     WORKER_STALL_TIMEOUT_S,
@@ -294,14 +295,16 @@ def with_flag(argv: Sequence[str], flag: str, value: str) -> list[str]:
 
 
 def _media_flags(args: argparse.Namespace) -> list[str]:
-    """The gateway's image URL fetching flags, those given."""
+    """The gateway's image URL fetching flags and its body limit (inline images travel in the
+    body), those given."""
     flags = []
     domains = getattr(args, "allowed_media_domains", None)
     if domains:
         flags += ["--allowed-media-domains", *domains]
     if getattr(args, "media_allow_http", False):
         flags.append("--media-allow-http")
-    defaults = {"media_fetch_timeout": MEDIA_FETCH_TIMEOUT_S, "media_max_bytes": MEDIA_MAX_BYTES}
+    defaults = {"media_fetch_timeout": MEDIA_FETCH_TIMEOUT_S, "media_max_bytes": MEDIA_MAX_BYTES,
+                "max_body_bytes": MAX_BODY_BYTES}  # fmt: skip
     for name, default in defaults.items():
         value = getattr(args, name, default)
         if value != default:

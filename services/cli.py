@@ -726,6 +726,7 @@ def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None
 
 
 MEDIA_MAX_BYTES = 20 * 1024 * 1024  # gateway.core.config's MEDIA_MAX_BYTES (not imported here)
+MAX_BODY_BYTES = 4 * 1024 * 1024  # gateway.core.config's GatewayConfig.max_body_bytes
 WORKER_STALL_TIMEOUT_S = 10.0  # gateway.core.config's WORKER_STALL_TIMEOUT_S (not imported here)
 WORKER_STALL_HELP = (
     "seconds a worker may leave the gateway's health polls unanswered (frozen, hung) before the "
@@ -816,6 +817,14 @@ def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
         metavar="BYTES",
         help=f"{passed}largest image fetched from a URL, in bytes (20 MiB; past it the download "
         "stops and the request gets a 400)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        metavar="BYTES",
+        help=f"{passed}largest request body, in bytes (4 MiB; else 413); images sent inline as "
+        "data URLs travel in it as base64, 4/3 of their size",
     )
 
 
@@ -1046,12 +1055,6 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         help="seconds a request may take in all, queueing included; past it, it ends with 504",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=4 * 1024 * 1024,
-        help="largest request body, in bytes (else 413)",
     )
     p.add_argument(
         "--header-timeout",

@@ -20,6 +20,7 @@ from protos.roles import Role
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 MEDIA_FETCH_TIMEOUT_S = 5.0
 MEDIA_MAX_BYTES = 20 * 1024 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024  # inline (data URL) images travel in the body
 # --worker-stall-timeout's default: health polls unanswered this long and the worker is lost.
 # Workers answer health and load polls on their event loop, not on the engine thread, so a
 # long engine step (a big prefill) does not delay them; only a frozen or hung process (or a
@@ -104,7 +105,7 @@ class GatewayConfig:
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0
     request_timeout_s: float = 600.0
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = MAX_BODY_BYTES
     # HTTP connection guard (gateway.http.http_protocol): totals, not gaps between reads
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0

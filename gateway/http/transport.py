@@ -39,7 +39,9 @@ def _check_content_type(request: Request) -> None:
 def _too_large(size: int | str, limit: int) -> APIError:
     return APIError(
         413,
-        f"the request body ({size} bytes) is larger than the limit of {limit} bytes",
+        f"the request body ({size} bytes) is larger than the limit of {limit} bytes "
+        "(the gateway's --max-body-bytes; send images as URLs where the gateway fetches them, "
+        "or smaller)",
         code="body_too_large",
     )
 

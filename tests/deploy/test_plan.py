@@ -222,6 +222,15 @@ def test_image_url_fetching_flags_go_to_the_gateway_only() -> None:
     assert not any(f in plan_for().gateway_argv for f in media)  # defaults: nothing to pass
 
 
+def test_the_body_limit_goes_to_the_gateway_only() -> None:
+    """tandem up takes --max-body-bytes: an image sent inline (base64, 4/3 of its size) past
+    the gateway's 4 MiB default could otherwise never be served."""
+    plan = plan_for("--max-body-bytes", str(32 << 20))
+    assert reparse(plan.gateway_argv).max_body_bytes == 32 << 20
+    assert not any("--max-body-bytes" in w.spec.argv for w in plan.workers)
+    assert "--max-body-bytes" not in plan_for().gateway_argv  # the default: nothing to pass
+
+
 def test_cors_flags_go_to_the_gateway_only_as_the_json_it_reads() -> None:
     plan = plan_for("--allowed-origins", '["https://app.example.com"]', "--allowed-methods",
                     '["POST"]', "--allowed-headers", "[]", "--allow-credentials")  # fmt: skip

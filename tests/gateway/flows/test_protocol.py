@@ -164,6 +164,7 @@ def test_body_over_the_limit_is_413(colocated: Stack) -> None:
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "body_too_large"
     assert "larger than the limit of 4194304 bytes" in error["message"]
+    assert "--max-body-bytes" in error["message"]  # what to raise it with
 
 
 def test_body_limit_is_configurable(tokenizer_dir: str) -> None:
