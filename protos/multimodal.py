@@ -162,8 +162,17 @@ def image_size(data: bytes) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
             img.verify()  # a truncated or corrupt file fails here, before any worker sees it
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
-            Image.DecompressionBombError) as exc:  # fmt: skip
+    except Image.DecompressionBombError:  # a small file that declares a huge image
+        raise InvalidRequestError(
+            f"an image is larger than the {MAX_IMAGE_PIXELS // 10**6} megapixels allowed: "
+            "scale it down", "messages"
+        ) from None  # fmt: skip
+    except UnidentifiedImageError:  # its message would name a BytesIO object
+        raise InvalidRequestError(
+            f"an image could not be decoded (not a known image format, {len(data)} bytes "
+            f"starting {data[:8]!r}); send a PNG, JPEG, WebP or GIF image", "messages"
+        ) from None  # fmt: skip
+    except (OSError, ValueError, SyntaxError) as exc:
         raise InvalidRequestError(
             f"an image could not be decoded ({type(exc).__name__}: {exc}); send a PNG, JPEG, "
             "WebP or GIF image", "messages"
@@ -183,9 +192,15 @@ def place_images(
 ) -> tuple[list[int], tuple[ImageItem, ...]]:
     """The prompt with each image's placeholder expanded to its token count, and the images."""
     grids = []
-    for data in images:
-        width, height = image_size(data)
-        grids.append(spec.grid(height, width))
+    for i, data in enumerate(images):
+        try:
+            width, height = image_size(data)
+            grids.append(spec.grid(height, width))
+        except InvalidRequestError as e:
+            if len(images) == 1:
+                raise
+            # the prompt's images in order, as the client sent them
+            raise InvalidRequestError(f"image {i + 1} of the prompt: {e}", e.param) from None
     counts = [spec.tokens_of(g) for g in grids]
     ids, offsets = expand_placeholders(prompt, spec.image_token_id, counts)
     items = tuple(
