@@ -374,14 +374,40 @@ class LoRAConfig:
 
     @staticmethod
     def parse_modules(items: list[str] | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
-        """``--lora-modules name=path ...`` as (name, path) pairs."""
+        """``--lora-modules name=path ...`` as (name, path) pairs; an entry may also be vLLM's
+        JSON form, ``{"name": ..., "path": ..., "base_model_name": ...}`` (the base model's
+        name: every adapter's parent here, the one model served)."""
         pairs = []
         for item in items or ():
+            if item.lstrip().startswith("{"):
+                pairs.append(LoRAConfig._json_module(item))
+                continue
             name, sep, path = item.partition("=")
             if not sep or not name.strip() or not path.strip():
                 raise ConfigError(f"--lora-modules takes NAME=PATH entries, got {item!r}")
             pairs.append((name.strip(), path.strip()))
         return tuple(pairs)
+
+    @staticmethod
+    def _json_module(item: str) -> tuple[str, str]:
+        try:
+            data = json.loads(item)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--lora-modules entry {item!r} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--lora-modules entry {item!r} must be a JSON object")
+        unknown = sorted(set(data) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise ConfigError(f"--lora-modules entry {item!r}: key(s) not supported: "
+                              f"{', '.join(unknown)} (supported: name, path, base_model_name)")  # fmt: skip
+        name, path = data.get("name"), data.get("path")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f'--lora-modules entry {item!r} needs "name", a string')
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f'--lora-modules entry {item!r} needs "path", a string')
+        if not isinstance(data.get("base_model_name", ""), str):
+            raise ConfigError(f"--lora-modules entry {item!r}: base_model_name must be a string")
+        return name.strip(), path.strip()
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,15 @@ def test_lora_flags_become_a_lora_config_or_a_clear_refusal() -> None:
     with pytest.raises(ConfigError, match="names an adapter twice: a"):
         config("--enable-lora", "--lora-modules", "a=/x", "a=/y")
     assert config("--enable-lora", "--tensor-parallel-size", "2") is not None
+    # vLLM's JSON form of an entry, beside NAME=PATH ones
+    entry = '{"name": "chat", "path": "/a/chat", "base_model_name": "base"}'
+    lora = config("--enable-lora", "--lora-modules", "sql=/a/sql", entry)
+    assert lora is not None and lora.modules == (("sql", "/a/sql"), ("chat", "/a/chat"))
+    for bad, words in (('{"name": "x"}', 'needs "path"'), ('{"path": "/p"}', 'needs "name"'),
+                       ('{"name": "x", "path": "/p", "id": 1}', "not supported: id"),
+                       ('{"name": "x",', "not valid JSON")):  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            config("--enable-lora", "--lora-modules", bad)
     with pytest.raises(ConfigError, match=r"--allow-runtime-lora-updating .* with --tensor-para"):
         config("--enable-lora", "--allow-runtime-lora-updating", "--tensor-parallel-size", "2")
 
