@@ -785,7 +785,8 @@ def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
         default=None,
         metavar="JSON",
         help=f"{passed}at most this many images per prompt, as vLLM's JSON: '{{\"image\": 2}}' "
-        "(default: as many as fit the context); more get a 400",
+        """or '{"image": {"count": 2}}' (video and audio are not supported: only a 0 limit, """
+        """'{"image": 2, "video": 0}') (default: as many as fit the context); more get a 400""",
     )
     p.add_argument(
         "--allowed-media-domains",

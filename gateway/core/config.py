@@ -296,21 +296,41 @@ def check_topology(config: GatewayConfig) -> None:
 
 
 def parse_mm_limit(text: str | None) -> int | None:
-    """``--limit-mm-per-prompt`` (vLLM's JSON, e.g. '{"image": 2}'): images per prompt."""
+    """``--limit-mm-per-prompt`` (vLLM's JSON, e.g. '{"image": 2}', or its newer form
+    '{"image": {"count": 2}}'): images per prompt. Video and audio are not supported, so their
+    only limit is 0 (vLLM's way of turning them off, '{"image": 2, "video": 0}', is taken)."""
     if text is None:
         return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"--limit-mm-per-prompt must be JSON like '{{\"image\": 2}}': {e}") from e
-    if not isinstance(value, dict) or set(value) - {"image"}:
+    if not isinstance(value, dict):
+        raise ConfigError(f"--limit-mm-per-prompt must be a JSON object like "
+                          f"'{{\"image\": 2}}', got {text!r}")  # fmt: skip
+    unknown = sorted(set(value) - {"image", "video", "audio"})
+    if unknown:
+        raise ConfigError(f"--limit-mm-per-prompt: unknown modality {unknown[0]!r} (image, video "
+                          "or audio)")  # fmt: skip
+    limits = {name: _mm_count(name, limit) for name, limit in value.items()}
+    if any(count for name, count in limits.items() if name != "image"):
         raise ConfigError(
             "--limit-mm-per-prompt takes only an image limit, e.g. '{\"image\": 2}' (video and "
-            f"audio are not supported), got {text!r}"
+            f"audio are not supported: their limit can only be 0), got {text!r}"
         )
-    limit = value.get("image", None)
+    return limits.get("image")
+
+
+def _mm_count(name: str, limit: object) -> int:
+    if isinstance(limit, dict):  # vLLM's {"count": N, "width": ...}: the rest sizes its profiling
+        if set(limit) != {"count"}:
+            raise ConfigError(
+                f"--limit-mm-per-prompt {name}: only count is supported in the object form "
+                f'(\'{{"{name}": {{"count": 2}}}}\'), got {sorted(limit)}'
+            )
+        limit = limit["count"]
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-        raise ConfigError(f"--limit-mm-per-prompt image must be a count >= 0, got {limit!r}")
+        raise ConfigError(f"--limit-mm-per-prompt {name} must be a count >= 0, got {limit!r}")
     return limit
 
 

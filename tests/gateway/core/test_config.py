@@ -123,9 +123,24 @@ def test_limit_mm_per_prompt_reads_vllms_json() -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "limit"),
+    [('{"image": 2, "video": 0}', 2), ('{"image": {"count": 3}}', 3), ('{"audio": 0}', None),
+     ('{"image": 0, "video": {"count": 0}}', 0)],
+)  # fmt: skip
+def test_limit_mm_per_prompt_takes_vllms_other_forms(value: str, limit: int | None) -> None:
+    """vLLM's way to turn video off beside images, and its {"count": N} form."""
+    args = build_parser().parse_args(["gateway", "--limit-mm-per-prompt", value])
+    assert config_from_args(args, "/tok").limit_mm_per_prompt == limit
+
+
+@pytest.mark.parametrize(
     ("value", "words"),
     [("image=2", "must be JSON"), ('{"video": 1}', "takes only an image limit"),
-     ('{"image": -1}', "count >= 0"), ('{"image": true}', "count >= 0")],
+     ('{"image": -1}', "count >= 0"), ('{"image": true}', "count >= 0"),
+     ('{"image": 2, "video": 1}', "takes only an image limit"), ("[2]", "JSON object"),
+     ('{"image": {"count": 2, "width": 512}}', "only count"),
+     ('{"video": {"count": 1}}', "takes only an image limit"),
+     ('{"images": 2}', "unknown modality 'images'")],
 )  # fmt: skip
 def test_a_bad_limit_mm_per_prompt_is_a_config_error(
     tmp_path, caplog: pytest.LogCaptureFixture, value: str, words: str
