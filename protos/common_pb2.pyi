@@ -210,7 +210,7 @@ class Histogram(_message.Message):
     def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "max_model_len", "block_size", "num_running", "num_waiting", "free_blocks", "total_blocks", "kv_cache_usage", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "vocab_size", "draining", "num_reserved", "iteration_tokens", "grammar_compile_seconds", "kv_offload_stored_blocks", "kv_offload_restored_blocks", "kv_offload_evicted_blocks", "prefix_cache_host_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "task", "lora_names", "lora_runtime_updating", "kv_whole", "kv_transfer_granted", "scheduling_policy", "engine_stalled_s")
+    __slots__ = ("worker_id", "role", "model", "max_model_len", "block_size", "num_running", "num_waiting", "free_blocks", "total_blocks", "kv_cache_usage", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures", "vocab_size", "draining", "num_reserved", "iteration_tokens", "grammar_compile_seconds", "kv_offload_stored_blocks", "kv_offload_restored_blocks", "kv_offload_evicted_blocks", "prefix_cache_host_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "task", "lora_names", "lora_runtime_updating", "kv_whole", "kv_transfer_granted", "scheduling_policy", "engine_stalled_s", "lora_paths")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,7 @@ class WorkerLoad(_message.Message):
     KV_TRANSFER_GRANTED_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STALLED_S_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATHS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -287,7 +288,8 @@ class WorkerLoad(_message.Message):
     kv_transfer_granted: int
     scheduling_policy: str
     engine_stalled_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: bool = ..., num_reserved: _Optional[int] = ..., iteration_tokens: _Optional[_Union[Histogram, _Mapping]] = ..., grammar_compile_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., kv_offload_stored_blocks: _Optional[int] = ..., kv_offload_restored_blocks: _Optional[int] = ..., kv_offload_evicted_blocks: _Optional[int] = ..., prefix_cache_host_hits: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., task: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., lora_runtime_updating: bool = ..., kv_whole: bool = ..., kv_transfer_granted: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., engine_stalled_s: _Optional[float] = ...) -> None: ...
+    lora_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_failures: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: bool = ..., num_reserved: _Optional[int] = ..., iteration_tokens: _Optional[_Union[Histogram, _Mapping]] = ..., grammar_compile_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., kv_offload_stored_blocks: _Optional[int] = ..., kv_offload_restored_blocks: _Optional[int] = ..., kv_offload_evicted_blocks: _Optional[int] = ..., prefix_cache_host_hits: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., task: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., lora_runtime_updating: bool = ..., kv_whole: bool = ..., kv_transfer_granted: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., engine_stalled_s: _Optional[float] = ..., lora_paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
@@ -304,7 +306,9 @@ class UnloadLoRARequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
 class LoRAUpdateResponse(_message.Message):
-    __slots__ = ("lora_names",)
+    __slots__ = ("lora_names", "lora_paths")
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATHS_FIELD_NUMBER: _ClassVar[int]
     lora_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_names: _Optional[_Iterable[str]] = ..., lora_paths: _Optional[_Iterable[str]] = ...) -> None: ...

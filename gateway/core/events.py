@@ -111,6 +111,7 @@ class WorkerLoadInfo:
     num_reserved: int = 0
     task: str = ""  # generate | embed ("" from workers older than --task: generate)
     lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves (--enable-lora)
+    lora_paths: tuple[str, ...] = ()  # lora_names[i]'s directory on the worker (() if unknown)
     lora_runtime_updating: bool = False  # it takes runtime adapter loads and unloads
     kv_whole: bool = False  # a prefill worker shipping whole KV (--kv-streaming off)
     scheduling_policy: str = ""  # fcfs | priority (--scheduling-policy); "": not reported

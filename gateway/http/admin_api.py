@@ -77,23 +77,28 @@ def _card(request: Request) -> dict[str, Any]:
     }
 
 
-def _adapter_card(request: Request, name: str) -> dict[str, Any]:
-    """A LoRA adapter's card, as vLLM lists one: its parent is the base model."""
+def _adapter_card(request: Request, name: str, path: str | None) -> dict[str, Any]:
+    """A LoRA adapter's card, as vLLM lists one: its root the directory it was loaded from
+    (its name where the workers did not report one), its parent the base model."""
     base = _card(request)
-    return {**base, "id": name, "root": name, "parent": base["id"]}
+    return {**base, "id": name, "root": path or name, "parent": base["id"]}
 
 
 async def models(request: Request) -> Response:
-    adapters = sorted(gateway_state(request).registry.lora_names())
-    cards = [_card(request), *(_adapter_card(request, name) for name in adapters)]
+    registry = gateway_state(request).registry
+    adapters, paths = sorted(registry.lora_names()), registry.lora_paths()
+    cards = [_card(request), *(_adapter_card(request, name, paths.get(name)) for name in adapters)]
     return JSONResponse({"object": "list", "data": cards})
 
 
 async def model(request: Request) -> Response:
     """``GET /v1/models/{model}``: the served model by its name (or its path), or one of its
     LoRA adapters; 404 otherwise."""
-    lora = gateway_state(request).accepts(request.path_params["model"])
-    return JSONResponse(_adapter_card(request, lora) if lora else _card(request))
+    state = gateway_state(request)
+    lora = state.accepts(request.path_params["model"])
+    if not lora:
+        return JSONResponse(_card(request))
+    return JSONResponse(_adapter_card(request, lora, state.registry.lora_paths().get(lora)))
 
 
 async def tokenize(request: Request) -> Response:

@@ -155,6 +155,7 @@ def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
             "grammar_compile_seconds",
             "spec_decode_num_accepted_tokens_per_pos",
             "lora_names",
+            "lora_paths",
         )
     }
     return WorkerLoadInfo(
@@ -163,6 +164,7 @@ def load_from_pb(msg: common_pb2.WorkerLoad) -> WorkerLoadInfo:
         grammar_compile_seconds=histogram_from_pb(msg.grammar_compile_seconds),
         spec_decode_num_accepted_tokens_per_pos=tuple(msg.spec_decode_num_accepted_tokens_per_pos),
         lora_names=tuple(msg.lora_names),
+        lora_paths=tuple(msg.lora_paths),
     )
 
 

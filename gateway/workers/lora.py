@@ -45,6 +45,7 @@ class _Outcome:
 
     client: WorkerClient
     names: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()  # names[i]'s directory on the worker
     error: APIError | None = None
     status: grpc.StatusCode | None = None  # the failure's gRPC code
 
@@ -75,14 +76,14 @@ async def _call(client: WorkerClient, call: str, request: object, timeout_s: flo
         else:
             api = from_rpc_error(err, client.address, call).api_error
         return _Outcome(client, error=api, status=code)
-    return _Outcome(client, names=tuple(reply.lora_names))
+    return _Outcome(client, names=tuple(reply.lora_names), paths=tuple(reply.lora_paths))
 
 
 def _note(outcome: _Outcome) -> None:
     """The gateway's view of the worker's adapters, from its answer."""
     client = outcome.client
     if client.load is not None:
-        client.load = replace(client.load, lora_names=outcome.names)
+        client.load = replace(client.load, lora_names=outcome.names, lora_paths=outcome.paths)
 
 
 async def load_adapter(

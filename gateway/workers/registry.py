@@ -155,6 +155,12 @@ class WorkerRegistry:
         """The LoRA adapters some healthy worker serves (each request goes to one that does)."""
         return {name for c in self.clients if c.healthy for name in c.lora_names}
 
+    def lora_paths(self) -> dict[str, str]:
+        """Each adapter's directory, as a healthy worker serving it reported it (workers that
+        report none leave it out)."""
+        return {name: path for c in self.clients if c.healthy and c.load
+                for name, path in zip(c.load.lora_names, c.load.lora_paths, strict=False)}  # fmt: skip
+
     def limits(self) -> tuple[int | None, int | None]:
         """(max_model_len, vocab_size): the smallest any known worker reported."""
         healthy = [c.load for c in self.clients if c.healthy and c.load]

@@ -79,6 +79,7 @@ class WorkerRuntime:
         self.fatal = ""  # why the engine cannot go on (a tensor-parallel rank died)
         self.hung = False  # a stop hook did not return while draining
         self.lora_names: list[str] = []  # the adapters served, as of the last update
+        self.lora_paths: list[str] = []  # the directory of each, in lora_names' order
         # seconds the engine has been in one step, once past --engine-stall-timeout (0: not)
         self.engine_stalled_s = 0.0
 
@@ -109,6 +110,7 @@ class WorkerRuntime:
         )  # fmt: skip
         load.num_waiting += self.num_queued()
         load.lora_names.extend(self.lora_names)
+        load.lora_paths.extend(self.lora_paths)
         lora = self.config.engine.lora
         load.lora_runtime_updating = lora is not None and lora.allow_runtime_updating
         load.engine_stalled_s = self.engine_stalled_s
@@ -154,6 +156,7 @@ class WorkerRuntime:
             self.driver = EngineDriver(self.engine)
             self.driver.on_fatal.append(lambda exc: self._fatal(loop, stop, str(exc)))
             self.lora_names = self.engine.lora_names()
+            self.lora_paths = self.engine.lora_paths()
             self.driver.start()
             for hook in self.on_ready:
                 await asyncio.to_thread(hook)
@@ -339,13 +342,13 @@ class WorkerRpcs:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name is empty")
         driver = await self.rt.ready_driver(context)
         try:
-            names = await driver.acall(update)
+            names, paths = await driver.acall(lambda e: (update(e), e.lora_paths()))
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {name!r} is not loaded")
         except ConfigError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.rt.lora_names = names
-        return common_pb2.LoRAUpdateResponse(lora_names=names)
+        self.rt.lora_names, self.rt.lora_paths = names, paths
+        return common_pb2.LoRAUpdateResponse(lora_names=names, lora_paths=paths)
 
 
 def fewer_malloc_arenas(device: str) -> None:

@@ -1038,6 +1038,11 @@ class LLMEngine:
         lora = self.runner.lora
         return lora.names() if lora is not None else []
 
+    def lora_paths(self) -> list[str]:
+        """The directory each of :meth:`lora_names` was loaded from, in that order."""
+        lora = self.runner.lora
+        return [lora.adapters[name].path for name in lora.names()] if lora is not None else []
+
     def load_lora(self, name: str, path: str) -> list[str]:
         """Register an adapter at runtime; ConfigError if it cannot be served (or the name is
         taken). The adapters served after it."""

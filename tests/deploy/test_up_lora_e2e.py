@@ -96,11 +96,14 @@ def test_a_mixed_batch_of_adapters_and_the_base_model_equals_peft(
     assert got == {job: expected[job] for job in jobs}
 
 
-def test_models_lists_the_adapters_under_the_base_model(served: tuple[str, str, bool]) -> None:
+def test_models_lists_the_adapters_under_the_base_model(
+    served: tuple[str, str, bool], adapters: dict[str, Path]
+) -> None:
     url, model, _ = served
     cards = {m.id: m for m in client(url).models.list().data}
     assert set(cards) == {model, "attn-r8", "mlp-r16"}
     assert getattr(cards["attn-r8"], "parent", None) == model
+    assert getattr(cards["attn-r8"], "root", None) == str(adapters["attn-r8"])  # as vLLM's
     assert getattr(cards[model], "parent", None) is None
 
 

@@ -58,6 +58,7 @@ class Behavior:
     task: str = "generate"  # a colocated worker's --task: embed answers Embed, generate refuses it
     scheduling_policy: str = ""  # what GetLoad reports of --scheduling-policy ("": nothing)
     lora_names: tuple[str, ...] = ()  # the LoRA adapters GetLoad reports
+    lora_paths: dict[str, str] = field(default_factory=dict)  # their directories (LoadLoRA's)
     lora_updates: bool = False  # LoadLoRA/UnloadLoRA change lora_names (else: refused, as off)
     lora_load_code: grpc.StatusCode | None = None  # LoadLoRA fails with this code
     lora_unload_code: grpc.StatusCode | None = None  # UnloadLoRA fails with this code
@@ -185,6 +186,7 @@ class FakeEngine:
             kv_cache_usage=reserved / TOTAL_BLOCKS, vocab_size=b.vocab_size, prompt_tokens=7,
             kv_transfer_bytes=1234, kv_transfer_granted=5, num_reserved=reserved, iteration_tokens=ITERATION_TOKENS,
             task=b.task if self.role == "colocated" else "", lora_names=list(b.lora_names),
+            lora_paths=[b.lora_paths.get(n, "") for n in b.lora_names],
             kv_whole=b.kv_whole, scheduling_policy=b.scheduling_policy,
             engine_stalled_s=b.engine_stalled_s,
         )  # fmt: skip
@@ -212,6 +214,13 @@ async def _stream(
         await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker: died mid-stream")
 
 
+def _lora_update(b: Behavior) -> common_pb2.LoRAUpdateResponse:
+    names = sorted(b.lora_names)
+    return common_pb2.LoRAUpdateResponse(
+        lora_names=names, lora_paths=[b.lora_paths.get(n, "") for n in names]
+    )
+
+
 async def _no_lora_updates(context: grpc.aio.ServicerContext) -> None:
     """As a worker started without --allow-runtime-lora-updating answers."""
     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "runtime LoRA updates are off")
@@ -234,7 +243,8 @@ class LoRAUpdates:
         if name in b.lora_names:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name!r} is already loaded")
         b.lora_names = (*b.lora_names, name)
-        return common_pb2.LoRAUpdateResponse(lora_names=sorted(b.lora_names))
+        b.lora_paths[name] = request.lora_path
+        return _lora_update(b)
 
     async def UnloadLoRA(self, request, context):
         b, name = self.e.behavior, request.lora_name
@@ -246,7 +256,7 @@ class LoRAUpdates:
         if name not in b.lora_names:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{name!r} is not loaded")
         b.lora_names = tuple(n for n in b.lora_names if n != name)
-        return common_pb2.LoRAUpdateResponse(lora_names=sorted(b.lora_names))
+        return _lora_update(b)
 
 
 class Worker(LoRAUpdates, worker_pb2_grpc.WorkerServiceServicer):

@@ -81,3 +81,13 @@ def test_a_worker_that_cannot_unload_it_again_is_named(updatable: Stack) -> None
     assert f"could not be unloaded from prefill worker {second.address} (" in message
     assert "POST /v1/unload_lora_adapter" in message
     assert first.behavior.lora_names == () and second.behavior.lora_names == ("sql",)
+
+
+def test_an_adapters_card_has_its_directory_as_root(updatable: Stack) -> None:
+    """vLLM's card of an adapter: root its lora_path, parent the base model."""
+    assert load(updatable).status_code == 200
+    base, card = httpx.get(f"{updatable.base_url}/v1/models").json()["data"]
+    assert (card["id"], card["root"], card["parent"]) == ("sql", "/adapters/sql", base["id"])
+    assert httpx.get(f"{updatable.base_url}/v1/models/sql").json() == card
+    updatable.run(updatable.state.registry.poll_all())  # the workers' load reports say so too
+    assert httpx.get(f"{updatable.base_url}/v1/models").json()["data"][1] == card

@@ -124,6 +124,9 @@ def test_runtime_load_and_unload(
     assert engine.load_lora("again", str(adapters["mlp-r16"])) == ["again", "attn-r8", "mlp-r16"]
     got = llm.generate([prompts[1]], replace(GREEDY, lora_name="again"))[0]
     assert got.outputs[0].token_ids == expected["mlp-r16"][1]
+    # each adapter's directory, in lora_names' order (the workers report it: /v1/models' root)
+    paths = dict(zip(engine.lora_names(), engine.lora_paths(), strict=True))
+    assert paths["again"] == str(adapters["mlp-r16"])
     with pytest.raises(ConfigError, match="already loaded"):
         engine.load_lora("again", str(adapters["attn-r8"]))
     engine.add_request("busy", prompts[1], replace(GREEDY, lora_name="again"))
