@@ -42,6 +42,7 @@ SERVING_MODULES = frozenset(
         "tests/gateway/test_e2e_speculative.py",
         "tests/gateway/test_e2e_stop_strings.py",
         "tests/gateway/test_e2e_structured.py",
+        "tests/gateway/test_e2e_text_fidelity.py",
         "tests/gateway/test_e2e_vision.py",
         "tests/protos/test_auth.py",
         "tests/services/common/test_runtime.py",

@@ -68,8 +68,8 @@ def test_settle_waits_for_a_claimed_copy_to_land() -> None:
         table.fence[grant.slot, 0] = grant.token + LANDED
 
     lander = threading.Thread(target=land)
+    start = time.monotonic()  # before the lander's sleep begins: it cannot land sooner
     lander.start()
-    start = time.monotonic()
     table.settle(grant, 5.0)
     assert table.phase(grant) == LANDED and time.monotonic() - start >= 0.04
     lander.join()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder, split_tail
@@ -177,11 +179,32 @@ def test_streamed_text_is_the_tokenizers_decode(kind: str) -> None:
     rng = random.Random(0)
     prompt = tok("Hello", add_special_tokens=False)["input_ids"]
     texts = ["东京 😀 world", " café\n\n", "北京是中国", "👍🏽❤️ ok"]
+    checked = 0
     for _ in range(60):
         ids = tok(rng.choice(texts) + rng.choice(texts), add_special_tokens=False)["input_ids"]
         ids = ids[: rng.randrange(1, len(ids) + 1)]
         det = IncrementalDetokenizer(fast_decoder(tok), prompt)
         deltas, _ = _run(det, ids)
         whole = tok.decode(prompt + ids, skip_special_tokens=True)
-        assert "".join(deltas) == whole[len(tok.decode(prompt)) :], ids
         assert all(not d.endswith("\ufffd") for d in deltas[:-1])
+        # SentencePiece's byte fallback decodes a run of byte tokens as one: a run that ends
+        # inside a character turns every byte of it into U+FFFD, the characters it completed
+        # before too, so a later token can change text decode gave earlier. No stream can
+        # show those characters and match such an end (vLLM's neither); which outputs meet it
+        # depends on the vocabulary the trainer picked (its ties differ between processes)
+        if not _decode_only_grows(tok, prompt, ids):
+            continue
+        checked += 1
+        assert "".join(deltas) == whole[len(tok.decode(prompt)) :], ids
+    assert checked >= 30, checked
+
+
+def _decode_only_grows(tok: Any, prompt: list[int], ids: list[int]) -> bool:
+    """Whether each prefix of ``ids`` decodes (after the prompt) to the start of what the whole
+    decodes to, an unfinished character's U+FFFD aside."""
+    whole = tok.decode(prompt + ids, skip_special_tokens=True)
+    for end in range(1, len(ids)):
+        part = tok.decode(prompt + ids[:end], skip_special_tokens=True).rstrip("\ufffd")
+        if not whole.startswith(part):
+            return False
+    return True
