@@ -64,6 +64,8 @@ def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> tuple[int, f
     if cfg.get("modules_to_save"):
         raise _refuse(name, f"modules_to_save {cfg['modules_to_save']} is not supported: only "
                       "LoRA weights are served, not fully trained modules")  # fmt: skip
+    if cfg.get("lora_bias"):
+        raise _refuse(name, "lora_bias (a trained bias beside lora_B) is not supported")
     if cfg.get("bias", "none") != "none":
         raise _refuse(name, f"bias {cfg['bias']!r} is not supported (only bias 'none')")
     for key in ("rank_pattern", "alpha_pattern"):

@@ -64,6 +64,11 @@ BAD = {  # what -> (write's keyword arguments, the refusal)
     "DoRA": ({"config": {"use_dora": True}}, "DoRA"),
     "modules_to_save": ({"config": {"modules_to_save": ["lm_head"]}}, "modules_to_save"),
     "bias": ({"config": {"bias": "all"}}, "bias 'all'"),
+    "lora_bias": ({"config": {"lora_bias": True}, "weights": {
+        f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, K),
+        f"{PREFIX}.0.self_attn.q_proj.lora_B.weight": torch.zeros(N, 4),
+        f"{PREFIX}.0.self_attn.q_proj.lora_B.bias": torch.zeros(N)}},
+        "lora_bias \\(a trained bias beside lora_B\\) is not supported"),
     "rank pattern": ({"config": {"rank_pattern": {"q_proj": 8}}}, "rank_pattern"),
     "not LoRA": ({"config": {"peft_type": "IA3"}}, "peft_type 'IA3' is not LORA"),
     "embedding weights": ({"weights": {"base_model.model.model.embed_tokens.lora_embedding_A":
