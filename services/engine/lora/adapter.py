@@ -2,10 +2,11 @@
 read and checked against the served model: what cannot be served exactly is refused, with a
 message that says what, never silently dropped.
 
-Served: plain LoRA (``r``, ``lora_alpha``, ``use_rslora``) on the decoder's q/k/v/o and
-gate/up/down projections. Refused: a rank above ``--max-lora-rank``, other target modules
-(embeddings, lm_head, MoE experts), DoRA, ``modules_to_save``, trained biases, per-module rank
-or alpha patterns, and weights whose shapes do not fit the base model.
+Served: plain LoRA (``r``, ``lora_alpha``, ``use_rslora``, and per-module ``rank_pattern`` /
+``alpha_pattern`` as peft applies them) on the decoder's q/k/v/o and gate/up/down projections.
+Refused: a rank above ``--max-lora-rank``, other target modules (embeddings, lm_head, MoE
+experts), DoRA, ``modules_to_save``, trained biases, and weights whose shapes do not fit the
+base model.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from protos.errors import ConfigError
 from services.config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter_dir
 from services.engine.lora.layers import PEFT_MODULES
 
+_PREFIX = "base_model.model."  # peft's weight names: this, the module's name, .lora_A.weight
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
@@ -55,8 +57,51 @@ def _read_config(name: str, root: Path) -> dict[str, Any]:
     return cfg
 
 
-def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> tuple[int, float]:
-    """(rank, scaling) of a LoRA adapter we can serve; ConfigError otherwise."""
+@dataclass(frozen=True)
+class _Ranks:
+    """An adapter's rank and alpha, with peft's per-module overrides (``rank_pattern``,
+    ``alpha_pattern``: a module's pattern is the first key that matches the end of its name,
+    after a dot)."""
+
+    r: int
+    alpha: float
+    rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    def of(self, module: str) -> tuple[int, float]:
+        """(rank, scaling) of the module named ``module`` (``model.layers.0.self_attn.q_proj``)."""
+        r = _by_pattern(self.rank_pattern, module, self.r)
+        alpha = _by_pattern(self.alpha_pattern, module, self.alpha)
+        return r, alpha / math.sqrt(r) if self.rslora else alpha / r
+
+
+def _by_pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _patterns(name: str, cfg: dict[str, Any], key: str, rank: bool) -> dict[str, Any]:
+    """``rank_pattern`` (positive integers) or ``alpha_pattern`` (numbers), checked."""
+    patterns = cfg.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise _refuse(name, f"{key} must be a JSON object (module pattern -> value)")
+    for pattern, value in patterns.items():
+        ok = isinstance(value, int) and value >= 1 if rank else isinstance(value, int | float)
+        if not ok or isinstance(value, bool):
+            raise _refuse(name, f"{key}[{pattern!r}] must be a "
+                          f"{'positive integer' if rank else 'number'}, got {value!r}")  # fmt: skip
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise _refuse(name, f"{key} key {pattern!r} is not a valid pattern: {e}") from None
+    return patterns
+
+
+def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> _Ranks:
+    """The ranks and alphas of a LoRA adapter we can serve; ConfigError otherwise."""
     if cfg.get("peft_type", "LORA") != "LORA":
         raise _refuse(name, f"peft_type {cfg.get('peft_type')!r} is not LORA")
     if cfg.get("use_dora"):
@@ -68,9 +113,6 @@ def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> tuple[int, f
         raise _refuse(name, "lora_bias (a trained bias beside lora_B) is not supported")
     if cfg.get("bias", "none") != "none":
         raise _refuse(name, f"bias {cfg['bias']!r} is not supported (only bias 'none')")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if cfg.get(key):
-            raise _refuse(name, f"{key} (a rank or alpha per module) is not supported")
     if cfg.get("fan_in_fan_out"):
         raise _refuse(name, "fan_in_fan_out (Conv1D models) is not supported")
     targets = cfg.get("target_modules")
@@ -88,8 +130,8 @@ def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> tuple[int, f
     if r > max_rank:
         raise _refuse(name, f"rank {r} exceeds --max-lora-rank {max_rank} (raise --max-lora-rank "
                       f"to at least {r})")  # fmt: skip
-    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    return r, scaling
+    return _Ranks(r, alpha, bool(cfg.get("use_rslora")), _patterns(name, cfg, "rank_pattern", True),
+                  _patterns(name, cfg, "alpha_pattern", False))  # fmt: skip
 
 
 def read_adapter(
@@ -102,18 +144,20 @@ def read_adapter(
     from safetensors.torch import load_file
 
     root = Path(path)
-    r, scaling = _check_config(name, _read_config(name, root), max_rank)
+    ranks = _check_config(name, _read_config(name, root), max_rank)
     try:
         tensors = load_file(str(root / ADAPTER_WEIGHTS))
     except (OSError, SafetensorError) as e:  # a torn or foreign file: the adapter's fault
         raise _refuse(name, f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
     pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    modules: dict[tuple[int, str], str] = {}  # the module's name in the model, as peft's
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None or m.group(2) not in PEFT_MODULES:
             raise _refuse(name, f"weight {key} is not a LoRA weight of a served projection "
                           f"({', '.join(PEFT_MODULES)}; not embeddings or lm_head)")  # fmt: skip
         pieces.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
+        modules[int(m.group(1)), m.group(2)] = key[len(_PREFIX) : key.index(".lora_")]
     if not pieces:
         raise _refuse(name, f"{ADAPTER_WEIGHTS} holds no LoRA weights")
     weights = {}
@@ -125,6 +169,10 @@ def read_adapter(
         if set(ab) != {"A", "B"}:
             raise _refuse(name, f"{where}: lora_A and lora_B must both be present")
         a, b = ab["A"], ab["B"]
+        r, scaling = ranks.of(modules[layer, module])
+        if r > max_rank:
+            raise _refuse(name, f"{where}: rank {r} (rank_pattern) exceeds --max-lora-rank "
+                          f"{max_rank} (raise --max-lora-rank to at least {r})")  # fmt: skip
         for which, t in (("lora_A", a), ("lora_B", b)):
             if not t.is_floating_point():  # quantized or integer weights: no plain LoRA
                 raise _refuse(name, f"{where}: {which} is {t.dtype}, not a floating-point dtype "
@@ -135,4 +183,5 @@ def read_adapter(
                           f"not fit the base model (expected {(r, k)} and {(n, r)}): an adapter "
                           "of another model?")  # fmt: skip
         weights[(layer, module)] = (a.float(), b.float() * scaling)
-    return LoRAAdapter(name, str(root), r, weights)
+    rank = max(a.shape[0] for a, _ in weights.values())
+    return LoRAAdapter(name, str(root), rank, weights)

@@ -69,7 +69,16 @@ BAD = {  # what -> (write's keyword arguments, the refusal)
         f"{PREFIX}.0.self_attn.q_proj.lora_B.weight": torch.zeros(N, 4),
         f"{PREFIX}.0.self_attn.q_proj.lora_B.bias": torch.zeros(N)}},
         "lora_bias \\(a trained bias beside lora_B\\) is not supported"),
-    "rank pattern": ({"config": {"rank_pattern": {"q_proj": 8}}}, "rank_pattern"),
+    "rank pattern above the max": ({"config": {"rank_pattern": {"q_proj": 32}}, "weights": {
+        f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.zeros(32, K),
+        f"{PREFIX}.0.self_attn.q_proj.lora_B.weight": torch.zeros(N, 32)}},
+        "layer 0 q_proj: rank 32 \\(rank_pattern\\) exceeds --max-lora-rank 16"),
+    "rank pattern not an integer": ({"config": {"rank_pattern": {"q_proj": 2.5}}},
+                                    "rank_pattern\\['q_proj'\\] must be a positive integer"),
+    "alpha pattern not a number": ({"config": {"alpha_pattern": {"q_proj": "x"}}},
+                                   "alpha_pattern\\['q_proj'\\] must be a number"),
+    "a pattern that is no regex": ({"config": {"rank_pattern": {"q_proj(": 2}}},
+                                   "rank_pattern key 'q_proj\\(' is not a valid pattern"),
     "not LoRA": ({"config": {"peft_type": "IA3"}}, "peft_type 'IA3' is not LORA"),
     "embedding weights": ({"weights": {"base_model.model.model.embed_tokens.lora_embedding_A":
                                        torch.zeros(4, 7)}}, "not a LoRA weight of a served"),
@@ -115,3 +124,29 @@ def test_targets_named_by_their_full_module_paths_are_served(tmp_path: Path) -> 
     path = write(tmp_path / "bad", config={"target_modules": [*targets, "model.embed_tokens"]})
     with pytest.raises(ConfigError, match=r"target module\(s\) model.embed_tokens are not"):
         read_adapter("bad", str(path), 16, shape_of)
+
+
+def test_rank_and_alpha_patterns_set_each_modules_rank_and_scaling(tmp_path: Path) -> None:
+    """peft's rank_pattern / alpha_pattern: a module's value is the first key matching the end
+    of its name (after a dot); the others keep r and lora_alpha. Scaling alpha / r per module."""
+    gen = torch.Generator().manual_seed(1)
+    ranks = {(0, "self_attn.q_proj"): 4, (0, "self_attn.v_proj"): 2, (1, "self_attn.v_proj"): 3,
+             (1, "mlp.down_proj"): 4}  # fmt: skip
+    weights = {}
+    for (layer, module), r in ranks.items():
+        weights[f"{PREFIX}.{layer}.{module}.lora_A.weight"] = torch.randn(r, K, generator=gen)
+        weights[f"{PREFIX}.{layer}.{module}.lora_B.weight"] = torch.randn(N, r, generator=gen)
+    config = {"r": 4, "lora_alpha": 8, "rank_pattern": {"1.self_attn.v_proj": 3, "v_proj": 2},
+              "alpha_pattern": {"down_proj": 2, "layers.0.self_attn.q_proj": 12}}  # fmt: skip
+    for rslora in (False, True):
+        path = write(tmp_path / str(rslora), config={**config, "use_rslora": rslora},
+                     weights=weights)  # fmt: skip
+        adapter = read_adapter("p", str(path), 16, shape_of)
+        alphas = {(0, "q_proj"): 12, (0, "v_proj"): 8, (1, "v_proj"): 8, (1, "down_proj"): 2}
+        for (layer, module), r in ranks.items():
+            short = (layer, module.split(".")[1])
+            a, b = adapter.weights[short]
+            scaling = alphas[short] / (math.sqrt(r) if rslora else r)
+            assert a.shape[0] == r, short
+            assert torch.allclose(b, weights[f"{PREFIX}.{layer}.{module}.lora_B.weight"] * scaling)
+        assert adapter.rank == 4
