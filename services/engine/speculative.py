@@ -201,7 +201,13 @@ class NgramProposer:
                     break
         if best_n < self.n_min:
             return []
-        return seq[best_end + 1 : best_end + 1 + k]
+        drafts = seq[best_end + 1 : best_end + 1 + k]
+        # the match overlaps the tail (a loop: "a b a b a b"): what followed it runs into the
+        # last token, and the same loop goes on, period (last - best_end) tokens at a time
+        period = last - best_end
+        while len(drafts) < k:
+            drafts.append(drafts[len(drafts) - period])
+        return drafts
 
     def propose_batch(self, wanted: list[ProposalRequest], room: int) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

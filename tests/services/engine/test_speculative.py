@@ -188,12 +188,14 @@ def test_ngram_proposer_copies_what_followed_the_latest_match() -> None:
     assert prop.propose("a", prompt, [5, 6, 1], limit=2) == [2, 3]  # limit caps it
     assert prop.propose("a", prompt, [5, 6, 1, 4], limit=10) == []  # no earlier "1 4" or "4"
     assert prop.propose("b", [1, 2, 3], [], limit=10) == []
-    assert prop.propose("c", [4, 4, 4, 4], [], limit=10) == [
-        4
-    ]  # the latest match overlaps the tail
+    # the latest match overlaps the tail: the loop it is in goes on, K drafts (not 1)
+    assert prop.propose("c", [4, 4, 4, 4], [], limit=10) == [4, 4, 4]
+    assert prop.propose("d", [9, 1, 2, 1, 2], [1, 2], limit=10) == [1, 2, 1]
+    assert prop.propose("e", [9, 1, 2, 3, 1, 2, 3], [], limit=10) == [1, 2, 3]
+    assert prop.propose("f", [9, 1, 2, 9, 1], [], limit=2) == [2, 9]  # K, or the limit
     assert prop.propose("a", prompt, [5, 6], limit=0) == []
     prop.drop("a")
-    assert prop.propose("a", [1, 2, 1], [], limit=3) == [2, 1]  # rebuilt, not the old buffer
+    assert prop.propose("a", [1, 2, 1], [], limit=3) == [2, 1, 2]  # rebuilt, not the old buffer
 
 
 def test_a_request_whose_drafts_fail_sits_out_longer_each_time() -> None:
