@@ -384,6 +384,7 @@ def build_plan(
     if lora is not None:
         speculative = getattr(args, "speculative_config", None) is not None
         lora.check_with(max(sizes), getattr(args, "task", "generate"), speculative)
+        lora.check_names(args.model, args.served_model_name)
         lora.check_directories()
     placement = assign_gpus(roles, gpus, sizes)
     users = Counter(g for p in placement for g in p)

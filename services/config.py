@@ -367,6 +367,17 @@ class LoRAConfig:
         if speculative:
             raise ConfigError("--enable-lora with --speculative-config is not supported yet")
 
+    def check_names(self, *base_names: str | None) -> None:
+        """No adapter is named as the base model (``--model``, ``--served-model-name``): the
+        gateway takes such a name for the base model, so the adapter could never be asked for."""
+        clash = sorted({name for name, _ in self.modules} & {n for n in base_names if n})
+        if clash:
+            raise ConfigError(
+                f"--lora-modules name {clash[0]!r} is the base model's name (--model or "
+                "--served-model-name): requests naming it get the base model; name the adapter "
+                "otherwise"
+            )
+
     def check_directories(self) -> None:
         """Each ``--lora-modules`` path is a peft adapter directory on this machine."""
         for name, path in self.modules:

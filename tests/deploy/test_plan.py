@@ -546,6 +546,14 @@ def test_lora_flags_reach_every_worker_and_parse_there(tmp_path: Path) -> None:
             ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
             "--enable-lora with --speculative-config",
         ),
+        (  # the gateway takes the base model's names for the base model
+            ("--served-model-name", "chat", "--lora-modules", "chat=/ad/chat"),
+            "--lora-modules name 'chat' is the base model's name",
+        ),
+        (
+            ("--model", "/m/base", "--lora-modules", "/m/base=/ad/chat"),
+            "--lora-modules name '/m/base' is the base model's name",
+        ),
     ],
 )
 def test_lora_that_no_worker_could_serve_is_refused_before_any_starts(
