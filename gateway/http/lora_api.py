@@ -18,11 +18,13 @@ from gateway.workers.lora import load_adapter, unload_adapter
 UPDATE_TIMEOUT_S = 60.0
 
 
-def _name(f: Fields, model_name: str) -> str:
+def _name(f: Fields, base_names: tuple[str, ...]) -> str:
+    """The adapter's name: not one the gateway takes for the base model (its served name or
+    --model), under which the adapter could never be asked for."""
     name = f.get_str("lora_name", None)
     if not name:
         raise invalid("lora_name (the adapter's name in requests) is required", "lora_name")
-    if name == model_name:
+    if name in base_names:
         raise invalid(f"lora_name {name!r} is the base model's name", "lora_name")
     return name
 
@@ -30,7 +32,7 @@ def _name(f: Fields, model_name: str) -> str:
 async def load_lora_adapter(request: Request) -> Response:
     state = gateway_state(request)
     f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
-    name = _name(f, state.model_name)
+    name = _name(f, (state.model_name, state.config.model))
     path = f.get_str("lora_path", None)
     if not path:
         raise invalid("lora_path (the peft adapter directory, as the workers see it) is "
@@ -43,7 +45,7 @@ async def load_lora_adapter(request: Request) -> Response:
 async def unload_lora_adapter(request: Request) -> Response:
     state = gateway_state(request)
     f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
-    name = _name(f, state.model_name)
+    name = _name(f, (state.model_name, state.config.model))
     refuse_unknown(f)
     await unload_adapter(state.registry, name, UPDATE_TIMEOUT_S)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -91,3 +91,18 @@ def test_an_adapters_card_has_its_directory_as_root(updatable: Stack) -> None:
     assert httpx.get(f"{updatable.base_url}/v1/models/sql").json() == card
     updatable.run(updatable.state.registry.poll_all())  # the workers' load reports say so too
     assert httpx.get(f"{updatable.base_url}/v1/models").json()["data"][1] == card
+
+
+def test_an_adapter_is_not_loaded_under_the_base_models_path(tokenizer_dir: str) -> None:
+    """With --served-model-name the gateway still takes --model's name for the base model: an
+    adapter loaded under it could never be asked for."""
+    stack = Stack(tokenizer_dir, ["colocated"], served_model_name="smol").start()
+    try:
+        stack.workers[0].behavior.lora_updates = True
+        for name in ("smol", stack.state.config.model):
+            body = {"lora_name": name, "lora_path": "/adapters/sql"}
+            r = httpx.post(f"{stack.base_url}/v1/load_lora_adapter", json=body, timeout=30)
+            assert r.status_code == 400 and "is the base model's name" in r.text, r.text
+        assert stack.workers[0].records.lora_updates == []
+    finally:
+        stack.stop()
