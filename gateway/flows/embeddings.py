@@ -100,11 +100,20 @@ def _inputs(value: Any) -> tuple[Input, ...]:
     return tuple(out)
 
 
+# the chat-style request's own fields: beside input they are a 400 when they ask for something
+# (true, a non-empty object); null, false or {} ask for nothing there
+CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
 def _chat(f: Fields) -> EmbeddingChat | None:
     if f.get("messages") is None:
         if f.get("input") is None:
             raise invalid("input is required (or messages, as vLLM's chat-style embeddings)",
                           "input")  # fmt: skip
+        for name in CHAT_ONLY:
+            if f.get(name):
+                raise invalid(f"{name} applies to messages (vLLM's chat-style embeddings), "
+                              "not to input: drop it", name)  # fmt: skip
         return None
     if f.get("input") is not None:
         raise invalid("send input or messages, not both", "messages")

@@ -223,3 +223,19 @@ def test_an_unknown_path_says_what_the_server_serves(colocated: Stack) -> None:
     assert r.status_code == 404
     message = r.json()["error"]["message"]
     assert "/v1/nope does not exist" in message and "/v1/chat/completions" in message
+
+
+def test_embedding_inputs_refuse_the_chat_style_fields_only_when_given() -> None:
+    """add_generation_prompt and the other template fields belong to vLLM's chat-style
+    embeddings (messages): beside input, null, false or {} ask for nothing; a value that asks
+    is a 400 naming it."""
+    for name, neutral, asking in (
+        ("add_generation_prompt", False, True),
+        ("continue_final_message", False, True),
+        ("chat_template_kwargs", {}, {"enable_thinking": False}),
+    ):
+        for value in (None, neutral):
+            assert parse_embedding({"input": "hi", name: value}).inputs == ("hi",)
+        with pytest.raises(APIError) as e:
+            parse_embedding({"input": "hi", name: asking})
+        assert e.value.param == name and "messages" in str(e.value)
