@@ -326,6 +326,11 @@ class ToolParser(ABC):
     @abstractmethod
     def stream(self) -> ToolStream: ...
 
+    def markup_is_special(self, is_special: Callable[[str], bool]) -> bool:
+        """Whether any of its markers is a special token of the tokenizer ``is_special`` asks
+        (decoding must keep special tokens to read the calls; a grammar cannot match them)."""
+        return any(is_special(marker) for marker in self.markers)
+
     def call_id(self) -> str:
         """A new call's ``id`` (OpenAI's form), which the client sends back as the assistant
         turn's ``tool_calls[].id`` and the tool message's ``tool_call_id``."""

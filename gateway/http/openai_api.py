@@ -270,7 +270,7 @@ def _strict_calls(
     if tools is None or functions is None:
         return common
     tag = parser.structural_tag(functions, tools.parallel) if parser is not None else None
-    special = parser is not None and any(is_special(m) for m in parser.markers)
+    special = parser is not None and parser.markup_is_special(is_special)
     if parser is None or tag is None or special:
         which = "none" if parser is None else parser.name
         raise invalid(
@@ -300,7 +300,7 @@ def _markers_kept(
     parser, tools = plan.parser, plan.tools
     if parser is None or tools is None or tools.choice != "auto":
         return common
-    if not any(is_special(marker) for marker in parser.markers):
+    if not parser.markup_is_special(is_special):
         return common
     return replace(common, sampling=replace(common.sampling, skip_special_tokens=False))
 
