@@ -26,7 +26,7 @@ from gateway.flows.tokenizer import GatewayTokenizer, SpecialTokenInMessage
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.otel_metrics import GenAiMetrics, build_meter_provider
 from gateway.observability.telemetry import Slo, Telemetry
-from gateway.observability.tracing import build_tracer_provider, get_tracer
+from gateway.observability.tracing import build_tracer_provider, get_tracer, shutdown_bounded
 from gateway.workers.dispatch import Dispatcher
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.work import FlowContext
@@ -176,11 +176,14 @@ class GatewayState:
         await self.registry.close()
         await self.image_fetcher.aclose()
         self._text_pool.shutdown(wait=False, cancel_futures=True)
+        # each bounded: an unreachable collector held the gateway's exit ~14 s
         if self._own_provider:
-            self.tracer_provider.shutdown()
+            await asyncio.to_thread(
+                shutdown_bounded, self.tracer_provider.shutdown, "trace exporter"
+            )
         shutdown = getattr(self._meter_provider, "shutdown", None)
         if self._own_meter and shutdown is not None:
-            shutdown()
+            await asyncio.to_thread(shutdown_bounded, shutdown, "metrics exporter")
 
 
 def gateway_state(request: Request) -> GatewayState:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -23,6 +25,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 Metadata = tuple[tuple[str, str], ...]
+# how long the gateway's exit waits for its telemetry to leave: an OTLP exporter whose
+# collector cannot be reached retries for ~10 s a batch, and the SDK's shutdowns wait for it
+SHUTDOWN_TIMEOUT_S = 2.0
 
 
 def build_tracer_provider(otlp_endpoint: str | None = None) -> TracerProvider:
@@ -41,6 +46,31 @@ def build_tracer_provider(otlp_endpoint: str | None = None) -> TracerProvider:
             return provider
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     return provider
+
+
+def shutdown_bounded(shutdown: Callable[[], object], what: str,
+                     timeout_s: float | None = None) -> bool:  # fmt: skip
+    """Run a telemetry provider's ``shutdown`` (its last export) for at most ``timeout_s``
+    (:data:`SHUTDOWN_TIMEOUT_S` unless given): on a
+    daemon thread, left behind when it takes longer (the process is leaving; what it had not
+    exported is lost, as with an unreachable collector anyway). Whether it finished."""
+
+    def run() -> None:
+        try:
+            shutdown()
+        except Exception:  # the exporter's own errors: exiting regardless
+            log.exception("%s shutdown failed", what)
+
+    limit = SHUTDOWN_TIMEOUT_S if timeout_s is None else timeout_s
+    start = time.monotonic()
+    thread = threading.Thread(target=run, name=f"{what}-shutdown", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        log.warning("%s did not finish exporting within %.1f s (is the OTLP collector "
+                    "reachable?); leaving without it", what, time.monotonic() - start)  # fmt: skip
+        return False
+    return True
 
 
 def get_tracer(provider: TracerProvider) -> Tracer:
