@@ -1,7 +1,8 @@
 """The config.json readers of the families that are small deltas on the Llama layout (OLMo 2
-and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4, Arcee): each returns the config with the family's
-defaults written into the keys the common reader (``ArchConfig.from_dict``) takes, and the
-``ArchConfig`` fields the family sets; what the family allows but this engine does not
+and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4, Arcee; the attention
+and scalings of OLMoE, whose experts ``moe_families`` reads): each returns the config with the
+family's defaults written into the keys the common reader (``ArchConfig.from_dict``) takes, and
+the ``ArchConfig`` fields the family sets; what the family allows but this engine does not
 implement is refused (ConfigError) rather than served wrong."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.config import ConfigError
+from services.engine.deepseek_config import read_deepseek
 
 Fields = dict[str, Any]
 
@@ -164,6 +166,26 @@ def _arcee(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
     return cfg, {"mlp_bias": bool(cfg.get("mlp_bias", False))}
 
 
+def _olmoe(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """OLMoE: OLMo 2's q and k RMSNorms over the whole projection, but Llama's norms before
+    each branch; ``attention_bias`` biases o_proj too; q, k (after their norms) and v clipped
+    to +-``clip_qkv`` when given. Its norms' widths are the hidden size: a head_dim other than
+    hidden_size / heads is refused (transformers' model cannot be built with one either)."""
+    _check_act("olmoe", cfg, "silu")
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise ConfigError(f"olmoe: head_dim {head_dim} must be hidden_size / num_attention_heads")
+    clip = cfg.get("clip_qkv")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float)
+                             or not clip > 0):  # fmt: skip
+        raise ConfigError(f"olmoe: clip_qkv must be a positive number or null, got {clip!r}")
+    read = {**cfg, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5), "head_dim": None}
+    fields = {"qk_norm": True, "qk_norm_whole": True, "clip_qkv": float(clip or 0.0),
+              "o_proj_bias": bool(cfg.get("attention_bias"))}  # fmt: skip
+    return read, fields
+
+
 def _check_act(model_type: str, cfg: dict[str, Any], want: str) -> None:
     act = cfg.get("hidden_act") or want
     if act != want:
@@ -171,6 +193,8 @@ def _check_act(model_type: str, cfg: dict[str, Any], want: str) -> None:
 
 
 _READERS = {
+    "deepseek_v2": read_deepseek,
+    "deepseek_v3": read_deepseek,
     "olmo2": _olmo2,
     "olmo3": _olmo3,
     "glm": _glm,
@@ -181,4 +205,5 @@ _READERS = {
     "seed_oss": _seed_oss,
     "exaone4": _exaone4,
     "arcee": _arcee,
+    "olmoe": _olmoe,
 }

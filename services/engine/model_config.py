@@ -11,6 +11,7 @@ from typing import Any
 
 from services.config import ConfigError
 from services.engine.arch_families import INTERLEAVED_ROTARY_TYPES, read_family
+from services.engine.moe_families import MOE_FAMILY_TYPES, moe_fields
 
 SUPPORTED = {
     "llama": "Llama 2/3, SmolLM",
@@ -41,6 +42,7 @@ SUPPORTED = {
     "seed_oss": "Seed-OSS",
     "exaone4": "EXAONE 4.0",
     "arcee": "Arcee (AFM)",
+    "olmoe": "OLMoE",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -55,7 +57,7 @@ SUPPORTED_SCALING = (
 # families whose config turns sliding-window attention on with use_sliding_window
 # (_sliding_layers says for which layers)
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl")
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", *MOE_FAMILY_TYPES)
 _O_BIAS_TYPES = (
     "llama",
     "qwen3",
@@ -252,6 +254,8 @@ class ArchConfig:
     local_rope_theta: float = 0.0
     # Cohere's: the logits times this
     logit_scale: float = 1.0
+    # OLMoE's clip_qkv: q, k (after their norms) and v clamped to +-clip_qkv; 0: not clipped
+    clip_qkv: float = 0.0
 
     @property
     def rotary_dim(self) -> int:
@@ -550,11 +554,11 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     ``layer_types`` names, else those from ``max_window_layers`` on (its default: 28, 80 for the
     VL models); Gemma 3, OLMo 3 and EXAONE 4 (their readers fill in ``layer_types``) the
     ``layer_types`` ones; StarCoder2 every layer when ``sliding_window`` is given; Llama,
-    Qwen3-VL, OLMo 2, GLM, Cohere, ERNIE 4.5, Seed-OSS and Arcee never. (None, ()) when no
+    Qwen3-VL, OLMo 2, GLM, Cohere, ERNIE 4.5, Seed-OSS, Arcee and OLMoE never. (None, ()) when no
     layer does."""
     layers = range(int(cfg["num_hidden_layers"]))
     if model_type in ("llama", "qwen3_vl", "granite", "gemma", "olmo2", "glm", "glm4", "cohere",
-                      "ernie4_5", "seed_oss", "arcee"):  # fmt: skip
+                      "ernie4_5", "seed_oss", "arcee", "olmoe"):  # fmt: skip
         return None, ()
     if model_type == "qwen2_moe":  # its windows alternate below max_window_layers: not served
         if cfg.get("use_sliding_window"):
@@ -664,7 +668,11 @@ def _is_mxfp4(q: dict[str, Any]) -> bool:
 def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
     """Qwen3-MoE (``num_experts``, saved by transformers as ``num_local_experts``; a layer is
     sparse unless in ``mlp_only_layers`` or off the ``decoder_sparse_step``) or Mixtral (every
-    layer sparse, ``intermediate_size`` per expert, always renormalized); refuses what differs."""
+    layer sparse, ``intermediate_size`` per expert, always renormalized); refuses what differs.
+    The families of ``moe_families`` as it reads them."""
+    if model_type in MOE_FAMILY_TYPES:
+        read = moe_fields(model_type, cfg)
+        return None if read is None else MoeConfig(**read)
     shared = 0
     if model_type == "qwen2_moe":  # transformers builds its shared expert whatever its width
         shared = int(cfg.get("shared_expert_intermediate_size", 5632))

@@ -62,6 +62,7 @@ class Attention(nn.Module):
         q_width, k_width = (self.nq * self.d, self.nkv * self.d) if whole else (self.d, self.d)
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.clip = cfg.clip_qkv  # OLMoE's: q, k and v clamped to +-clip; 0: not clipped
         self.scale = cfg.attention_multiplier or self.d**-0.5  # Granite's: its own
         self.window = cfg.window(layer)  # a sliding window's keys (Mistral v0.1); 0: all
         self.softcap = 0.0  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
@@ -91,6 +92,8 @@ class Attention(nn.Module):
             rows = (T, -1) if self.qk_norm_whole else (-1, self.d)  # [T, H D] or [T H, D]
             q = self.q_norm(q.reshape(rows))[0].view(T, self.nq, self.d)
             k = self.k_norm(k.reshape(rows))[0].view(T, self.nkv, self.d)
+        if self.clip:  # after the norms, as transformers' OLMoE
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         scaled = k_cache.element_size() == 1  # FP8: the scales apply
         # whole prompts on a GPU (no cached prefix in the step, enough of them) read their own

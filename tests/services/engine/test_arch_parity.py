@@ -1,7 +1,7 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
 Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3, SmolLM3,
-gpt-oss, OLMo 2 and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4 and
-Arcee checkpoints
+gpt-oss, OLMo 2 and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4,
+Arcee and OLMoE checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -194,6 +194,17 @@ CONFIGS = {
     "arcee": ("arcee", {
         "num_hidden_layers": 2, "intermediate_size": 96, "mlp_bias": True, "attention_bias": True,
     }),
+    # OLMoE: q/k RMSNorms over the whole projection, q/k/v clipped (low enough to bind on
+    # these weights), top-2 of 8 experts not renormalized (its default), q/k/v/o biases
+    "olmoe": ("olmoe", {
+        "num_hidden_layers": 2, "intermediate_size": 32, "num_experts": 8,
+        "num_experts_per_tok": 2, "clip_qkv": 0.5, "attention_bias": True, "pad_token_id": None,
+    }),
+    # renormalized top-3 of 6, no clipping
+    "olmoe-norm-topk": ("olmoe", {
+        "num_hidden_layers": 2, "intermediate_size": 32, "num_experts": 6,
+        "num_experts_per_tok": 3, "norm_topk_prob": True, "pad_token_id": None,
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16
@@ -279,7 +290,8 @@ LONGROPE_LENS = [1, 9, 23, 40, 65, 150]
 FEW_LENS = [4, 23, 150]
 FEW = ("gemma", "granite", "qwen2_moe", "phi3-partial-rotary", "llama-biases", "qwen2", "qwen3",
        "qwen3-yarn", "qwen3_moe-dense-layer", "qwen3_moe-sparse-step", "mixtral",
-       "olmo2", "glm", "cohere", "cohere-qk-norm", "ernie4_5", "seed_oss", "arcee")  # fmt: skip
+       "olmo2", "glm", "cohere", "cohere-qk-norm", "ernie4_5", "seed_oss", "arcee", "olmoe",
+       "olmoe-norm-topk")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -337,7 +349,7 @@ def test_longrope_prompts_of_both_kinds_never_share_cached_blocks(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernel on the CPU: TRITON_INTERPRET=1",
 )
-@pytest.mark.parametrize("name", ["qwen3_moe-dense-layer", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe-dense-layer", "mixtral", "olmoe"])
 def test_greedy_matches_transformers_through_the_triton_kernel(
     name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -99,6 +99,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "moe_intermediate_size": 33, "num_experts": 4, "num_experts_per_tok": 2,
         "norm_topk_prob": False, "mlp_only_layers": [1],
     }),
+    # OLMoE: q/k norms over the whole projection (3 KV heads: 2 + 1), q/k/v clipped, each
+    # expert's rows split (33: 17 + 16), random norms and biases
+    "olmoe-3kv-uneven": ("olmoe", {
+        "num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
+        "num_key_value_heads": 3, "intermediate_size": 33, "num_experts": 4,
+        "num_experts_per_tok": 2, "clip_qkv": 0.5, "attention_bias": True, "pad_token_id": None,
+    }),
     # sinks cut by query head, the experts' gate/up biases by their rows (33: 17 + 16), the
     # down projection's bias on rank 0 only (the ranks' sum counts it once): random biases
     "gpt-oss": ("gpt_oss", {
@@ -138,6 +145,8 @@ def _random_norms_and_biases(path: Path) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
+# families whose checkpoints get random norms and biases (transformers starts them at 1 and 0)
+RANDOM_NORMS = ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3", "olmoe")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -157,7 +166,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]
             path = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
             if model_type == "gpt_oss":
                 _random_biases(path)
-            elif model_type in ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3"):
+            elif model_type in RANDOM_NORMS:
                 _random_norms_and_biases(path)
             paths[name] = str(path)
         return paths[name]
@@ -219,6 +228,7 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("mixtral", 2),
         ("qwen3-moe", 2),
         ("gpt-oss", 2),
+        ("olmoe-3kv-uneven", 2),
         ("qwen3-2kv", 2),  # last: the next test goes on with its engine
     ],
 )

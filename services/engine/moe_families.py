@@ -1,0 +1,48 @@
+"""The sparse-MLP config of the Mixture-of-Experts families added beside Qwen-MoE, Mixtral and
+gpt-oss (OLMoE), read as transformers 5 reads their config.json: the ``MoeConfig`` fields (as a
+dict: ``model_config`` builds the dataclass), None for a model with no sparse layer; what the
+family allows but this engine does not implement is refused (ConfigError)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from services.config import ConfigError
+
+Fields = dict[str, Any]
+
+
+def moe_fields(model_type: str, cfg: dict[str, Any]) -> Fields | None:
+    """``MoeConfig``'s fields for one of ``MOE_FAMILY_TYPES``; None: every layer dense."""
+    return _READERS[model_type](cfg)
+
+
+def _olmoe(cfg: dict[str, Any]) -> Fields | None:
+    """OLMoE: every layer sparse, a softmax over all experts, the top-k divided by their sum
+    only with ``norm_topk_prob`` (off unless given), the weights rounded to the model's
+    dtype; ``intermediate_size`` is one expert's width."""
+    experts = int(cfg.get("num_experts", 64))
+    top_k = int(cfg.get("num_experts_per_tok", 8))
+    layers = tuple(range(int(cfg["num_hidden_layers"])))
+    return _fields("olmoe", experts, top_k, int(cfg["intermediate_size"]), layers,
+                   renormalize=bool(cfg.get("norm_topk_prob", False)))  # fmt: skip
+
+
+def _fields(
+    model_type: str, experts: int, top_k: int, size: int, layers: tuple[int, ...], **more: Any
+) -> Fields | None:
+    if experts == 0 or not layers:
+        return None
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"{model_type}: num_experts_per_tok {top_k} of {experts} experts")
+    if size < 1:
+        raise ConfigError(f"{model_type}: the experts' intermediate size {size} must be >= 1")
+    return {"num_experts": experts, "top_k": top_k, "intermediate_size": size, "layers": layers,
+            "weights_in_model_dtype": True, **more}  # fmt: skip
+
+
+_READERS: dict[str, Callable[[dict[str, Any]], Fields | None]] = {
+    "olmoe": _olmoe,
+}
+MOE_FAMILY_TYPES = tuple(_READERS)

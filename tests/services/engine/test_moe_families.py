@@ -1,0 +1,52 @@
+"""The Mixture-of-Experts families of ``moe_families`` (with their attention's readers in
+``arch_families``): config.json read as transformers 5 reads it, defaults included, and what the
+engine does not implement refused with a message instead of served wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.config import ConfigError
+from services.engine.model_config import ArchConfig
+
+BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+def _arch(model_type: str, **extra: Any) -> ArchConfig:
+    return ArchConfig.from_dict({**BASE, "model_type": model_type, **extra})
+
+
+def test_olmoe_reads_transformers_defaults() -> None:
+    arch = _arch("olmoe")
+    assert arch.moe is not None and arch.moe.layers == (0, 1, 2, 3)
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.intermediate_size) == (64, 8, 32)
+    assert not arch.moe.renormalize and arch.moe.weights_in_model_dtype
+    assert arch.qk_norm and arch.qk_norm_whole and arch.clip_qkv == 0.0
+    assert (arch.rms_norm_eps, arch.head_dim, arch.sliding_window) == (1e-5, 16, None)
+    assert not (arch.attention_bias or arch.o_proj_bias or arch.moe.shared_intermediate_size)
+
+
+def test_olmoe_reads_its_options() -> None:
+    arch = _arch("olmoe", num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                 clip_qkv=8, attention_bias=True)  # fmt: skip
+    assert arch.moe is not None and (arch.moe.num_experts, arch.moe.top_k) == (8, 2)
+    assert arch.moe.renormalize and arch.clip_qkv == 8.0
+    assert arch.attention_bias and arch.o_proj_bias
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"head_dim": 32}, "olmoe: head_dim 32 must be hidden_size / num_attention_heads"),
+        ({"clip_qkv": 0}, "olmoe: clip_qkv must be a positive number or null, got 0"),
+        ({"clip_qkv": "8"}, "olmoe: clip_qkv must be a positive number"),
+        ({"hidden_act": "gelu"}, "olmoe: hidden_act 'gelu'; only silu"),
+        ({"num_experts": 4, "num_experts_per_tok": 5}, "olmoe: num_experts_per_tok 5 of 4"),
+    ],
+)
+def test_olmoe_refuses_what_it_does_not_implement(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _arch("olmoe", **extra)
