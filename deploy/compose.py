@@ -83,7 +83,7 @@ class ComposeSpec:
                 f"--gpus gives {len(self.gpus)}"
             )
         if self.lora is not None:  # refused here, not by every container at its start
-            self.lora.check_with(tp, "generate", speculative=False)
+            self.lora.check_with(tp, "generate")
             self.lora.check_directories()
 
     @property

@@ -382,8 +382,7 @@ def build_plan(
     roles = [r for _, r in names]
     sizes = tensor_parallel_sizes(args, roles)
     if lora is not None:
-        speculative = getattr(args, "speculative_config", None) is not None
-        lora.check_with(max(sizes), getattr(args, "task", "generate"), speculative)
+        lora.check_with(max(sizes), getattr(args, "task", "generate"))
         lora.check_names(args.model, args.served_model_name)
         lora.check_directories()
     placement = assign_gpus(roles, gpus, sizes)

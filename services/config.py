@@ -353,7 +353,7 @@ class LoRAConfig:
             allow_runtime_updating=runtime,
         )
 
-    def check_with(self, tensor_parallel_size: int, task: str, speculative: bool) -> None:
+    def check_with(self, tensor_parallel_size: int, task: str) -> None:
         """What LoRA serving cannot be combined with yet: ConfigError. Torch-free, so that
         ``tandem up`` refuses it before it starts a worker."""
         if tensor_parallel_size > 1 and self.allow_runtime_updating:
@@ -364,8 +364,6 @@ class LoRAConfig:
             )
         if task != "generate":
             raise ConfigError("--enable-lora serves generation adapters: not with --task embed")
-        if speculative:
-            raise ConfigError("--enable-lora with --speculative-config is not supported yet")
 
     def check_names(self, *base_names: str | None) -> None:
         """No adapter is named as the base model (``--model``, ``--served-model-name``): the
@@ -450,7 +448,7 @@ class EngineConfig:
     def _check_lora(self) -> None:
         if self.lora is None:
             return
-        self.lora.check_with(self.tensor_parallel_size, self.task, self.speculative is not None)
+        self.lora.check_with(self.tensor_parallel_size, self.task)
         if self.scheduler.max_loras != self.lora.max_loras:
             raise ConfigError("the scheduler's max_loras must be --max-loras")
 

@@ -542,10 +542,6 @@ def test_lora_flags_reach_every_worker_and_parse_there(tmp_path: Path) -> None:
             ("--decode-tensor-parallel-size", "2", "--allow-runtime-lora-updating"),
             "--allow-runtime-lora-updating (adapters loaded at run time) with",
         ),
-        (
-            ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
-            "--enable-lora with --speculative-config",
-        ),
         (  # the gateway takes the base model's names for the base model
             ("--served-model-name", "chat", "--lora-modules", "chat=/ad/chat"),
             "--lora-modules name 'chat' is the base model's name",

@@ -201,6 +201,64 @@ def test_decode_steps_through_the_graph_buffers_match_eager_steps(
     assert graph > graph_lora, "no base-only decode step went through the graphs without LoRA"
 
 
+COPYING = [
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river.",
+    "Copy the list: apples, pears, plums, cherries, grapes, figs. The list again: apples,",
+    "The password is tango-seven-alpha. Say the password twice: tango-seven-alpha,",
+]
+
+
+@pytest.mark.parametrize(
+    "draft",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3},
+        # the base model proposes (a draft model has no adapters, as in vLLM); the target
+        # verifies under the request's adapter
+        {"model": "embedded", "num_speculative_tokens": 3},
+    ],
+    ids=["ngram", "draft-model"],
+)  # fmt: skip
+def test_drafts_verified_under_adapters_give_the_tokens_without_drafts(
+    adapters: dict[str, Path], llm: LLM, draft: dict[str, object]
+) -> None:
+    """Speculative decoding with adapters: each verify step's rows (a request's token and its
+    drafts) under the request's adapter, eagerly and through the graph buffers (the CPU runs
+    the forward a captured graph would), the same greedy tokens as the engine without drafts
+    but at a float32 near-tie (a verify step sums in another order), drafts kept."""
+    from protos.blocks import blocks_for
+    from services.engine.cuda_graphs import DecodeGraphs
+    from tests.services.engine.test_speculative import assert_same_but_near_ties
+
+    ids = [llm.encode(p) for p in COPYING]
+    jobs = [(name, p) for p in ids for name in NAMES]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, logprobs=5, lora_name=name)
+              for name, _ in jobs]  # fmt: skip
+    prompts = [p for _, p in jobs]
+    want = llm.generate(prompts, params)
+    with serving(adapters, speculative_config=draft) as spec:
+        eager = spec.generate(prompts, params)
+        kept = spec.engine.spec_stats.num_accepted_tokens
+        runner = spec.engine.runner
+        max_blocks = blocks_for(runner.max_model_len, runner.block_size)
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 32, max_blocks,
+                                     runner.device, runner.lora)  # fmt: skip
+        before = runner.forwards.graph_lora
+        try:
+            graphed = spec.generate(prompts, params)
+        finally:
+            runner.graphs = None
+        replayed = runner.forwards.graph_lora - before
+        kept_graphed = spec.engine.spec_stats.num_accepted_tokens - kept
+    assert kept > 20 and kept_graphed > 20, "drafts were proposed but hardly kept"
+    assert replayed > 0, "no verify step with adapters went through the graph buffers"
+    adapted = [i for i, (name, _) in enumerate(jobs) if name]
+    assert any(want[i].outputs[0].token_ids != want[i + 1].outputs[0].token_ids
+               for i in adapted if jobs[i][0] == "attn-r8"), "the adapter changes nothing"  # fmt: skip
+    assert_same_but_near_ties(eager, want, 5)
+    assert_same_but_near_ties(graphed, want, 5)
+
+
 def test_a_gemma3_adapter_matches_peft(tmp_path: Path) -> None:
     """Gemma 3's layers are Llama's projections behind its own norms and GELU: an adapter on
     every projection gives peft's merged model's tokens (a sliding layer and a global one)."""
