@@ -21,6 +21,8 @@ from gateway.core.config import (
     MAX_BODY_BYTES,
     MEDIA_FETCH_TIMEOUT_S,
     MEDIA_MAX_BYTES,
+    RESPONSES_STORE_MAX_BYTES,
+    RESPONSES_STORE_SIZE,
     WORKER_STALL_TIMEOUT_S,
     check_drain_timeout,
     check_metrics_prefix,
@@ -296,7 +298,7 @@ def with_flag(argv: Sequence[str], flag: str, value: str) -> list[str]:
 
 def _media_flags(args: argparse.Namespace) -> list[str]:
     """The gateway's image URL fetching flags and its body limit (inline images travel in the
-    body), those given."""
+    body), and its Responses store's bounds, those given."""
     flags = []
     domains = getattr(args, "allowed_media_domains", None)
     if domains:
@@ -304,7 +306,8 @@ def _media_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "media_allow_http", False):
         flags.append("--media-allow-http")
     defaults = {"media_fetch_timeout": MEDIA_FETCH_TIMEOUT_S, "media_max_bytes": MEDIA_MAX_BYTES,
-                "max_body_bytes": MAX_BODY_BYTES}  # fmt: skip
+                "max_body_bytes": MAX_BODY_BYTES, "responses_store_size": RESPONSES_STORE_SIZE,
+                "responses_store_max_bytes": RESPONSES_STORE_MAX_BYTES}  # fmt: skip
     for name, default in defaults.items():
         value = getattr(args, name, default)
         if value != default:

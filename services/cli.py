@@ -777,6 +777,34 @@ def add_metrics_prefix_arg(p: argparse.ArgumentParser, passed: str = "") -> None
     )
 
 
+RESPONSES_STORE_SIZE = 1000  # gateway.core.config's GatewayConfig.responses_store_size
+RESPONSES_STORE_MAX_BYTES = 256 * 1024 * 1024  # ... and its responses_store_max_bytes
+
+
+def add_responses_store_args(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """The Responses API's store of responses: the gateway's flags (``tandem up`` passes them
+    on)."""
+    p.add_argument(
+        "--responses-store-size",
+        type=_non_negative_int,
+        default=RESPONSES_STORE_SIZE,
+        metavar="N",
+        help=f"{passed}responses of /v1/responses kept in the gateway's memory (store true, "
+        "OpenAI's default) for previous_response_id and GET/DELETE /v1/responses/{id}, the "
+        "least recently used dropped first; per gateway, so behind several gateways a "
+        "conversation goes on through the one that made it. 0: none kept (store true is then "
+        "a 400)",
+    )
+    p.add_argument(
+        "--responses-store-max-bytes",
+        type=_positive_int,
+        default=RESPONSES_STORE_MAX_BYTES,
+        metavar="BYTES",
+        help=f"{passed}the kept responses' size in all (their JSON, input included; 256 MiB), "
+        "the least recently used dropped first past it",
+    )
+
+
 def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
     """Image input limits and image URL fetching: the gateway's flags (``tandem up`` passes them
     on)."""
@@ -1083,6 +1111,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "$OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
     )
     add_metrics_prefix_arg(p)
+    add_responses_store_args(p)
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -1147,6 +1176,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     )
     add_worker_stall_arg(p, "(passed to the gateway) ")
     add_metrics_prefix_arg(p, "(passed to the gateway) ")
+    add_responses_store_args(p, "(passed to the gateway) ")
     add_engine_stall_arg(p, "(passed to the workers) ")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")

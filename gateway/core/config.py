@@ -21,6 +21,8 @@ METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 MEDIA_FETCH_TIMEOUT_S = 5.0
 MEDIA_MAX_BYTES = 20 * 1024 * 1024
 MAX_BODY_BYTES = 4 * 1024 * 1024  # inline (data URL) images travel in the body
+RESPONSES_STORE_SIZE = 1000  # responses the Responses API keeps (per gateway)
+RESPONSES_STORE_MAX_BYTES = 256 * 1024 * 1024
 # --worker-stall-timeout's default: health polls unanswered this long and the worker is lost.
 # Workers answer health and load polls on their event loop, not on the engine thread, so a
 # long engine step (a big prefill) does not delay them; only a frozen or hung process (or a
@@ -133,6 +135,9 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0
     prefix_blocks: int = 4  # leading blocks hashed for prefix-cache affinity
     max_fanout: int = 256  # n x number of prompts
+    # the Responses API's store (gateway.flows.response_store): responses kept, 0 none
+    responses_store_size: int = RESPONSES_STORE_SIZE
+    responses_store_max_bytes: int = RESPONSES_STORE_MAX_BYTES  # their JSON, all together
     # tool calling under tool_choice "auto": which parser reads calls out of the model's text
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # gateway.flows.tool_parsers.PARSERS
@@ -158,6 +163,7 @@ class GatewayConfig:
             "max fanout": self.max_fanout,
             "--media-fetch-timeout": self.media_fetch_timeout_s,
             "--media-max-bytes": self.media_max_bytes,
+            "--responses-store-max-bytes": self.responses_store_max_bytes,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -168,6 +174,7 @@ class GatewayConfig:
             "--max-local-prefill-tokens": self.max_local_prefill_tokens,
             "--local-prefill-queue": self.local_prefill_queue,
             "--local-prefill-decode-load": self.local_prefill_decode_load,
+            "--responses-store-size": self.responses_store_size,
         }
         for name, count in at_least_zero.items():
             if count < 0:
@@ -451,6 +458,10 @@ def config_from_args(
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        responses_store_size=getattr(args, "responses_store_size", RESPONSES_STORE_SIZE),
+        responses_store_max_bytes=getattr(
+            args, "responses_store_max_bytes", RESPONSES_STORE_MAX_BYTES
+        ),
         generation_defaults=generation_defaults.load(
             getattr(args, "generation_config", "auto") or "auto",
             model_dir,

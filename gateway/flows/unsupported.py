@@ -138,7 +138,6 @@ def refuse_unsupported(body: dict[str, Any], table: dict[str, tuple[str, tuple[A
 
 # Endpoints of OpenAI's and vLLM's APIs that Tandem does not serve yet: a 404 that says so.
 ENDPOINTS: dict[str, str] = {
-    "/v1/responses": "the Responses API is not implemented; use /v1/chat/completions",
     "/v1/rerank": "reranking is not implemented",
     "/rerank": "reranking is not implemented",
     "/v2/rerank": "reranking is not implemented",
@@ -153,8 +152,8 @@ ENDPOINTS: dict[str, str] = {
     "/v1/moderations": "moderation is not supported",
 }
 SERVED = (
-    "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize, /health, "
-    "/metrics, /version, /workers, /openapi.json"
+    "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, "
+    "/tokenize, /detokenize, /health, /metrics, /version, /workers, /openapi.json"
 )
 
 

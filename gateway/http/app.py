@@ -22,7 +22,7 @@ from gateway.core.config import CORS_EXPOSE_HEADERS, GatewayConfig
 from gateway.core.errors import APIError
 from gateway.flows.tokenizer import GatewayTokenizer
 from gateway.flows.unsupported import not_found_message
-from gateway.http import admin_api, embeddings_api, lora_api, openai_api
+from gateway.http import admin_api, embeddings_api, lora_api, openai_api, responses_api
 from gateway.http.state import GatewayState, gateway_state
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,12 @@ def build_app(
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
+        Route("/v1/responses", responses_api.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
+        Route(
+            "/v1/responses/{response_id}/input_items", responses_api.input_items, methods=["GET"]
+        ),
         Route("/v1/models", admin_api.models, methods=["GET"]),
         Route("/v1/load_lora_adapter", lora_api.load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", lora_api.unload_lora_adapter, methods=["POST"]),

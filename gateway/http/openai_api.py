@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -68,12 +68,13 @@ def _start(
     common: CommonOptions,
     default_max_tokens: int | None,
     fit_default: bool = False,
+    response_id: str | None = None,
 ) -> Generation:
     """Settles max_tokens, checks capacity, and builds the Generation with its span.
     ``fit_default``: the default shrinks to the context left (the model's max_new_tokens)."""
     state.check_task("generate")
     state.check_priority(common.priority)
-    response_id = formats.response_id(prefix, common.request_id, request.headers)
+    response_id = response_id or formats.response_id(prefix, common.request_id, request.headers)
     max_model_len, count = _check_prompts(state, prompts, common)
     if count * common.n > state.config.max_fanout:
         raise invalid(
@@ -305,10 +306,22 @@ def _markers_kept(
     return replace(common, sampling=replace(common.sampling, skip_special_tokens=False))
 
 
-async def chat_completions(request: Request) -> Response:
-    state = gateway_state(request)
-    req = parse_chat(await read_json(request, state.config.max_body_bytes),
-                     state.config.generation_defaults)  # fmt: skip
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request started: its choices' generation and how their text will be read."""
+
+    gen: Generation
+    plan: OutputPlan
+    common: CommonOptions  # as it runs (the adapter, the grammar, special tokens kept)
+    model: str  # the served name or the adapter's, as responses show it
+
+
+async def start_chat(
+    state: GatewayState, request: Request, req: ChatRequest, response_id: str | None = None
+) -> ChatRun:
+    """Renders, checks and starts a parsed chat request (also the Responses API's); raises
+    ClientGone where the client left while its images were fetched. ``response_id``: the id
+    the response shows (None: chatcmpl- and the client's or a random one)."""
     lora = state.accepts(req.common.model)
     req = replace(req, common=with_adapter(req.common, lora))
     if req.reasoning_effort is not None and not state.tokenizer.template_reads("reasoning_effort"):
@@ -323,11 +336,9 @@ async def chat_completions(request: Request) -> Response:
         check_images(len(req.images), state.vision, state.config.limit_mm_per_prompt,
                      state.model_name)  # fmt: skip
         fetch = state.image_fetcher.fetch_all(req.images)  # those given as URLs downloaded
-        try:  # a client that leaves cancels the downloads
-            urls = any(isinstance(image, ImageURL) for image in req.images)
-            encoded = await (until_disconnect(request, fetch) if urls else fetch)
-        except ClientGone:
-            return Response(status_code=499)
+        # a client that leaves cancels the downloads
+        urls = any(isinstance(image, ImageURL) for image in req.images)
+        encoded = await (until_disconnect(request, fetch) if urls else fetch)
     ids_list, text = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.common.add_special_tokens,
         continue_final_message=req.continue_final_message, variables=req.template_kwargs,
@@ -357,13 +368,26 @@ async def chat_completions(request: Request) -> Response:
     # the model's max_new_tokens (generation_config.json) when the request gives no max_tokens
     default = state.config.generation_defaults.get("max_new_tokens")
     gen = _start(state, request, "chat", "chatcmpl", [prompt], common,
-                 None if default is None else int(default), fit_default=True)  # fmt: skip
+                 None if default is None else int(default), fit_default=True,
+                 response_id=response_id)  # fmt: skip
+    return ChatRun(gen, plan, common, lora or state.model_name)
+
+
+async def chat_completions(request: Request) -> Response:
+    state = gateway_state(request)
+    req = parse_chat(await read_json(request, state.config.max_body_bytes),
+                     state.config.generation_defaults)  # fmt: skip
+    try:
+        run = await start_chat(state, request, req)
+    except ClientGone:
+        return Response(status_code=499)
+    gen, plan, common = run.gen, run.plan, run.common
     final = req.messages[-1]
     echoed = ""
     if req.echo and final.get("role") == "assistant" and isinstance(final.get("content"), str):
         echoed = final["content"]
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
-                      lora or state.model_name, common.include_usage, req.logprobs, plan=plan,
+                      run.model, common.include_usage, req.logprobs, plan=plan,
                       prompt_logprobs=common.sampling.prompt_logprobs is not None,
                       continuous_usage=common.continuous_usage,
                       token_id_logprobs=common.token_id_logprobs,

@@ -1,4 +1,5 @@
-"""Everything the handlers share: config, tokenizer, workers, metrics, tracer, drain state."""
+"""Everything the handlers share: config, tokenizer, workers, metrics, tracer, drain state,
+stored responses."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from gateway.flows.chat_output import check_parser_flags
 from gateway.flows.chat_template import ChatTemplateError
 from gateway.flows.generation import Generation
 from gateway.flows.image_fetch import FetchPolicy, ImageFetcher
+from gateway.flows.response_store import ResponseStore
 from gateway.flows.tokenizer import GatewayTokenizer, SpecialTokenInMessage
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.otel_metrics import GenAiMetrics, build_meter_provider
@@ -72,6 +74,10 @@ class GatewayState:
         self.started_at = time.time()
         self.draining = False
         self.active: set[Generation] = set()
+        # the Responses API's stored responses (per gateway)
+        self.responses = ResponseStore(
+            config.responses_store_size, config.responses_store_max_bytes
+        )
         # tokenization and chat templating, off the event loop (bounded: at most this many
         # prompts at once; more wait their turn without blocking streams or health checks)
         self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="tokenize")
