@@ -1,6 +1,6 @@
 """The config.json readers of the families that are small deltas on the Llama layout (OLMo 2
 and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4, Arcee; the attention
-and scalings of OLMoE, whose experts ``moe_families`` reads): each returns the config with the
+and scalings of OLMoE and Granite MoE, whose experts ``moe_families`` reads): each returns the config with the
 family's defaults written into the keys the common reader (``ArchConfig.from_dict``) takes, and
 the ``ArchConfig`` fields the family sets; what the family allows but this engine does not
 implement is refused (ConfigError) rather than served wrong."""
@@ -186,6 +186,13 @@ def _olmoe(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
     return read, fields
 
 
+def _granitemoe(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """Granite MoE (and with its shared MLP): the dense Granite's layers and scalings
+    (``model_config`` reads them for the three), a SiLU-gated MLP in each expert."""
+    _check_act(str(cfg.get("model_type")), cfg, "silu")
+    return cfg, {}
+
+
 def _check_act(model_type: str, cfg: dict[str, Any], want: str) -> None:
     act = cfg.get("hidden_act") or want
     if act != want:
@@ -206,4 +213,6 @@ _READERS = {
     "exaone4": _exaone4,
     "arcee": _arcee,
     "olmoe": _olmoe,
+    "granitemoe": _granitemoe,
+    "granitemoeshared": _granitemoe,
 }

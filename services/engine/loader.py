@@ -60,6 +60,17 @@ _EXPERT_PIECES = {  # -> (our stacked parameter, shard of its rows; None: all of
     "w2": ("down_proj", None),
 }
 
+# Granite MoE's names, once block_sparse_moe is mlp: its experts stored stacked ([E, 2I, H],
+# gate rows then up rows; [E, H, I]) as our parameters are, its shared MLP's gate and up as one
+_GRANITE_MOE_NAMES = (
+    (".mlp.input_linear.weight", ".mlp.experts.gate_up_proj"),
+    (".mlp.output_linear.weight", ".mlp.experts.down_proj"),
+    (".mlp.router.layer.weight", ".mlp.gate.weight"),
+    (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
+    (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."),
+)
+_STACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
 log = logging.getLogger(__name__)
 
 # the families built on the Llama layers with their own layer (or model) class
@@ -174,6 +185,11 @@ def load_weights(
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse MLP
+        if arch.model_type in ("granitemoe", "granitemoeshared"):
+            for theirs, ours in _GRANITE_MOE_NAMES:
+                name = name.replace(theirs, ours)
+            if name.endswith(_STACKED_EXPERTS) and layout is not None and whole is not None:
+                tensor = _rank_part(layout, name, tensor, whole)  # read whole: the rank's rows
         if arch.model_type == "arcee":  # its ungated MLP's up and down: not a gate/up pair
             name = name.replace(".mlp.up_proj.", ".mlp.c_fc.").replace(
                 ".mlp.down_proj.", ".mlp.c_proj."

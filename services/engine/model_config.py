@@ -43,6 +43,8 @@ SUPPORTED = {
     "exaone4": "EXAONE 4.0",
     "arcee": "Arcee (AFM)",
     "olmoe": "OLMoE",
+    "granitemoe": "Granite 3.x MoE",
+    "granitemoeshared": "Granite MoE with a shared expert",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -72,6 +74,8 @@ _O_BIAS_TYPES = (
     "starcoder2",
     "cohere",
     "arcee",
+    "granitemoe",
+    "granitemoeshared",
 )  # attention_bias biases o_proj too
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text", "olmo2", "olmo3", "exaone4")
 # keys of MoE variants this engine does not implement: refused rather than served wrong
@@ -145,6 +149,8 @@ class MoeConfig:
     # Qwen2-MoE's shared expert: a SiLU-gated MLP of this width every token goes through, its
     # output times sigmoid(shared_expert_gate(x)) added to the experts'; 0: none
     shared_intermediate_size: int = 0
+    # False: the shared expert's output added as it is, no gate (Granite MoE's shared MLP)
+    shared_gate: bool = True
     # gpt-oss: a bias on the router and on each expert's projections, and its clamped SwiGLU
     # (gate clamped above at swiglu_limit, up to +-swiglu_limit, (up + 1) * gate *
     # sigmoid(swiglu_alpha * gate)) instead of silu(gate) * up; swiglu_limit 0: SiLU gating
@@ -554,11 +560,12 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     ``layer_types`` names, else those from ``max_window_layers`` on (its default: 28, 80 for the
     VL models); Gemma 3, OLMo 3 and EXAONE 4 (their readers fill in ``layer_types``) the
     ``layer_types`` ones; StarCoder2 every layer when ``sliding_window`` is given; Llama,
-    Qwen3-VL, OLMo 2, GLM, Cohere, ERNIE 4.5, Seed-OSS, Arcee and OLMoE never. (None, ()) when no
-    layer does."""
+    Qwen3-VL, OLMo 2, GLM, Cohere, ERNIE 4.5, Seed-OSS, Arcee, OLMoE and Granite MoE never.
+    (None, ()) when no layer does."""
     layers = range(int(cfg["num_hidden_layers"]))
     if model_type in ("llama", "qwen3_vl", "granite", "gemma", "olmo2", "glm", "glm4", "cohere",
-                      "ernie4_5", "seed_oss", "arcee", "olmoe"):  # fmt: skip
+                      "ernie4_5", "seed_oss", "arcee", "olmoe", "granitemoe",
+                      "granitemoeshared"):  # fmt: skip
         return None, ()
     if model_type == "qwen2_moe":  # its windows alternate below max_window_layers: not served
         if cfg.get("use_sliding_window"):
@@ -603,14 +610,14 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
 def _granite_scalings(model_type: str, cfg: dict[str, Any]) -> dict[str, float]:
     """Granite's four multipliers (transformers' defaults: 1.0 each), each a positive number;
     none for the other families."""
-    if model_type != "granite":
+    if model_type not in ("granite", "granitemoe", "granitemoeshared"):
         return {}
     out = {}
     for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                 "logits_scaling"):  # fmt: skip
         value = cfg.get(key, 1.0)
         if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-            raise ConfigError(f"granite: {key} must be a positive number, got {value!r}")
+            raise ConfigError(f"{model_type}: {key} must be a positive number, got {value!r}")
         out[key] = float(value)
     return out
 

@@ -1,5 +1,5 @@
 """The sparse-MLP config of the Mixture-of-Experts families added beside Qwen-MoE, Mixtral and
-gpt-oss (OLMoE), read as transformers 5 reads their config.json: the ``MoeConfig`` fields (as a
+gpt-oss (OLMoE, Granite MoE), read as transformers 5 reads their config.json: the ``MoeConfig`` fields (as a
 dict: ``model_config`` builds the dataclass), None for a model with no sparse layer; what the
 family allows but this engine does not implement is refused (ConfigError)."""
 
@@ -29,6 +29,22 @@ def _olmoe(cfg: dict[str, Any]) -> Fields | None:
                    renormalize=bool(cfg.get("norm_topk_prob", False)))  # fmt: skip
 
 
+def _granitemoe(cfg: dict[str, Any]) -> Fields | None:
+    """Granite MoE: every layer sparse, the top-k of the router's logits through a softmax over
+    those k (a softmax over all experts renormalized over the top k), rounded to the model's
+    dtype; ``intermediate_size`` is one expert's width. ``granitemoeshared`` adds a shared
+    SiLU-gated MLP of ``shared_intermediate_size`` (0: none) whose output is added, ungated."""
+    model_type = str(cfg.get("model_type"))
+    experts = int(cfg.get("num_local_experts", 8))
+    top_k = int(cfg.get("num_experts_per_tok", 2))
+    shared = int(cfg.get("shared_intermediate_size", 0)) if model_type == "granitemoeshared" else 0
+    if shared < 0:
+        raise ConfigError(f"{model_type}: shared_intermediate_size {shared} must be >= 0")
+    layers = tuple(range(int(cfg["num_hidden_layers"])))
+    return _fields(model_type, experts, top_k, int(cfg["intermediate_size"]), layers,
+                   renormalize=True, shared_intermediate_size=shared, shared_gate=False)  # fmt: skip
+
+
 def _fields(
     model_type: str, experts: int, top_k: int, size: int, layers: tuple[int, ...], **more: Any
 ) -> Fields | None:
@@ -44,5 +60,7 @@ def _fields(
 
 _READERS: dict[str, Callable[[dict[str, Any]], Fields | None]] = {
     "olmoe": _olmoe,
+    "granitemoe": _granitemoe,
+    "granitemoeshared": _granitemoe,
 }
 MOE_FAMILY_TYPES = tuple(_READERS)

@@ -1,5 +1,6 @@
-"""The sparse MLP of Mixture-of-Experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared
-expert, gpt-oss with its biases and clamped SwiGLU) in plain PyTorch.
+"""The sparse MLP of Mixture-of-Experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its gated
+shared expert, gpt-oss with its biases and clamped SwiGLU, OLMoE, Granite MoE with its ungated
+shared MLP) in plain PyTorch.
 
 A router picks ``top_k`` experts per token; the experts' gated MLPs run as one fused op
 (``kernels.ops.fused_moe``) over weights stacked per expert: the loader stacks the checkpoint's
@@ -29,8 +30,8 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's shared expert: a SiLU-gated MLP every token goes through (the checkpoint's
-    gate and up projections stacked into one, as the dense MLP's)."""
+    """Qwen2-MoE's (and Granite MoE's) shared expert: a SiLU-gated MLP every token goes through
+    (the checkpoint's gate and up projections stacked into one, as the dense MLP's)."""
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
@@ -54,6 +55,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_intermediate_size:
             self.shared_expert = SharedExpert(hidden, moe.shared_intermediate_size)
+        if moe.shared_intermediate_size and moe.shared_gate:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -70,4 +72,6 @@ class SparseMoeBlock(nn.Module):
             # as transformers: sigmoid(gate(x)) * shared(x), then added, each in x's dtype
             gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))  # [T, 1]
             out = out + gate * self.shared_expert(x)
+        elif self.shared_expert is not None:  # Granite MoE's: added as it is
+            out = out + self.shared_expert(x)
         return out

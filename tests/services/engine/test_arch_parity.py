@@ -1,7 +1,7 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
 Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3, SmolLM3,
 gpt-oss, OLMo 2 and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4,
-Arcee and OLMoE checkpoints
+Arcee, OLMoE and Granite MoE checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -205,6 +205,19 @@ CONFIGS = {
         "num_hidden_layers": 2, "intermediate_size": 32, "num_experts": 6,
         "num_experts_per_tok": 3, "norm_topk_prob": True, "pad_token_id": None,
     }),
+    # Granite MoE: the dense Granite's four scalings away from 1, top-2 of 8 experts (a softmax
+    # over the top-k logits), its experts stored stacked, q/k/v/o biases
+    "granitemoe": ("granitemoe", {
+        "num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625, "logits_scaling": 8.0, "attention_bias": True,
+    }),
+    # with its shared MLP (its own width), added ungated beside top-3 of 6 experts
+    "granitemoeshared": ("granitemoeshared", {
+        "num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 6,
+        "num_experts_per_tok": 3, "shared_intermediate_size": 48, "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0,
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16
@@ -291,7 +304,7 @@ FEW_LENS = [4, 23, 150]
 FEW = ("gemma", "granite", "qwen2_moe", "phi3-partial-rotary", "llama-biases", "qwen2", "qwen3",
        "qwen3-yarn", "qwen3_moe-dense-layer", "qwen3_moe-sparse-step", "mixtral",
        "olmo2", "glm", "cohere", "cohere-qk-norm", "ernie4_5", "seed_oss", "arcee", "olmoe",
-       "olmoe-norm-topk")  # fmt: skip
+       "olmoe-norm-topk", "granitemoe", "granitemoeshared")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -349,7 +362,7 @@ def test_longrope_prompts_of_both_kinds_never_share_cached_blocks(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernel on the CPU: TRITON_INTERPRET=1",
 )
-@pytest.mark.parametrize("name", ["qwen3_moe-dense-layer", "mixtral", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe-dense-layer", "mixtral", "olmoe", "granitemoeshared"])
 def test_greedy_matches_transformers_through_the_triton_kernel(
     name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:

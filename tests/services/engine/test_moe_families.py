@@ -10,6 +10,7 @@ import pytest
 
 from services.config import ConfigError
 from services.engine.model_config import ArchConfig
+from services.engine.tp_layout import TPLayout
 
 BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
@@ -50,3 +51,45 @@ def test_olmoe_reads_its_options() -> None:
 def test_olmoe_refuses_what_it_does_not_implement(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         _arch("olmoe", **extra)
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "granitemoeshared"])
+def test_granite_moe_reads_granites_scalings_and_its_experts(model_type: str) -> None:
+    arch = _arch(model_type, embedding_multiplier=12, residual_multiplier=0.22,
+                 attention_multiplier=0.015625, logits_scaling=8, attention_bias=True)  # fmt: skip
+    assert arch.moe is not None and arch.moe.layers == (0, 1, 2, 3)
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.intermediate_size) == (8, 2, 32)
+    assert arch.moe.renormalize and arch.moe.weights_in_model_dtype
+    assert (arch.embedding_multiplier, arch.residual_multiplier) == (12.0, 0.22)
+    assert (arch.attention_multiplier, arch.logits_scaling) == (0.015625, 8.0)
+    assert arch.attention_bias and arch.o_proj_bias and arch.sliding_window is None
+    assert arch.moe.shared_intermediate_size == 0
+
+
+def test_granite_moe_shared_reads_its_ungated_shared_mlp() -> None:
+    arch = _arch("granitemoeshared", shared_intermediate_size=48)
+    assert arch.moe is not None and arch.moe.shared_intermediate_size == 48
+    assert not arch.moe.shared_gate
+    # the plain Granite MoE has no shared MLP whatever its config carries
+    plain = _arch("granitemoe", shared_intermediate_size=48)
+    assert plain.moe is not None and plain.moe.shared_intermediate_size == 0
+    with pytest.raises(ConfigError, match="shared expert is not split over ranks"):
+        TPLayout.of(arch, 0, 2)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "message"),
+    [
+        ("granitemoe", {"logits_scaling": 0}, "granitemoe: logits_scaling must be a positive"),
+        ("granitemoeshared", {"residual_multiplier": None},
+         "granitemoeshared: residual_multiplier must be a positive"),
+        ("granitemoe", {"hidden_act": "gelu"}, "granitemoe: hidden_act 'gelu'; only silu"),
+        ("granitemoeshared", {"shared_intermediate_size": -1}, "shared_intermediate_size -1"),
+        ("granitemoe", {"num_experts_per_tok": 9}, "granitemoe: num_experts_per_tok 9 of 8"),
+    ],
+)  # fmt: skip
+def test_granite_moe_refuses_what_it_does_not_implement(
+    model_type: str, extra: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _arch(model_type, **extra)

@@ -106,6 +106,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 3, "intermediate_size": 33, "num_experts": 4,
         "num_experts_per_tok": 2, "clip_qkv": 0.5, "attention_bias": True, "pad_token_id": None,
     }),
+    # Granite MoE: its experts stored stacked ([E, 2I, H]), read whole and cut to each rank's
+    # rows (33: 17 + 16); Granite's scalings, q/k/v/o biases
+    "granitemoe": ("granitemoe", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 33, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0625, "logits_scaling": 8.0, "attention_bias": True,
+    }),
     # sinks cut by query head, the experts' gate/up biases by their rows (33: 17 + 16), the
     # down projection's bias on rank 0 only (the ranks' sum counts it once): random biases
     "gpt-oss": ("gpt_oss", {
@@ -146,7 +154,7 @@ def _random_norms_and_biases(path: Path) -> None:
 
 
 # families whose checkpoints get random norms and biases (transformers starts them at 1 and 0)
-RANDOM_NORMS = ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3", "olmoe")
+RANDOM_NORMS = ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3", "olmoe", "granitemoe")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -229,6 +237,7 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("qwen3-moe", 2),
         ("gpt-oss", 2),
         ("olmoe-3kv-uneven", 2),
+        ("granitemoe", 2),
         ("qwen3-2kv", 2),  # last: the next test goes on with its engine
     ],
 )
