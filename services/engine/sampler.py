@@ -1,4 +1,4 @@
-"""Turn a step's logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling.
+"""Turn a step's logits into tokens: penalties, temperature, min-p/top-k/top-p, seeded sampling.
 
 Seeded requests draw their noise from a generator seeded by (seed, output position), so the
 same seed gives the same text whatever else shares the batch and whichever worker samples.
@@ -67,17 +67,26 @@ def apply_penalties(
     outputs: list[list[int]],
     prompts: list[list[int]],
 ) -> None:
-    """Each row as vLLM applies them: the repetition penalty on every token of the prompt and
-    the output so far (divided if positive, multiplied if not), then ``logit_bias``, then the
-    last token of each bad word whose other tokens end the output (to -inf), then
-    ``allowed_token_ids`` (the other tokens to -inf), then the presence and frequency penalties
-    on the output's tokens. Batched over the rows that ask for
+    """Each row as vLLM's sampler applies them: ``logit_bias`` first, then the repetition
+    penalty on every token of the prompt and the output so far (divided if positive, multiplied
+    if not: a biased logit is penalized as biased), then the presence and frequency penalties on
+    the output's tokens; the masks (the last token of each bad word whose other tokens end the
+    output, the tokens ``allowed_token_ids`` leaves out) set -inf, which no penalty changes, so
+    their place in the order does not matter. Batched over the rows that ask for
     each (``PENALTY_ROWS`` at a time): one index upload per kind through pinned memory, no
     stream sync (one row at a time, each row's ``torch.tensor(..., device=...)`` waited for the
     device). The same operations per element as one row at a time, so the same bits on the CPU;
     on CUDA the repetition penalty's division is a true division by a float32 tensor (as vLLM's),
     where torch divides by a Python float as a multiply by its reciprocal (1 ulp apart at times)."""
     dev, vocab = logits.device, logits.shape[1]
+    biased = [(i, tok, val) for i, sp in enumerate(params) for tok, val in sp.logit_bias]
+    if biased:
+        b_rows, b_ids, b_vals = zip(*biased, strict=True)
+        logits.index_put_(
+            (list_to_device(b_rows, torch.long, dev), list_to_device(b_ids, torch.long, dev)),
+            list_to_device(b_vals, logits.dtype, dev),
+            accumulate=True,  # the ids of one row are distinct (a dict's keys): a plain +=
+        )
     rep = [i for i, sp in enumerate(params) if sp.repetition_penalty != 1.0]
     for at in range(0, len(rep), PENALTY_ROWS):
         part = rep[at : at + PENALTY_ROWS]
@@ -90,14 +99,6 @@ def apply_penalties(
         rows = list_to_device(part, torch.long, dev)
         sub = logits[rows]
         logits[rows] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
-    biased = [(i, tok, val) for i, sp in enumerate(params) for tok, val in sp.logit_bias]
-    if biased:
-        b_rows, b_ids, b_vals = zip(*biased, strict=True)
-        logits.index_put_(
-            (list_to_device(b_rows, torch.long, dev), list_to_device(b_ids, torch.long, dev)),
-            list_to_device(b_vals, logits.dtype, dev),
-            accumulate=True,  # the ids of one row are distinct (a dict's keys): a plain +=
-        )
     banned = [[w[-1] for w in sp.bad_word_ids if _ends_with(outputs[i], w[:-1])]
               for i, sp in enumerate(params)]  # fmt: skip
     mask_ids(logits, banned)
@@ -296,15 +297,17 @@ def _sample_rows(
     dev = logits.device
     temp = list_to_device([sp.temperature for sp in params], torch.float32, dev)
     logits = logits / temp[:, None]
-    if any(sp.top_k > 0 or sp.top_p < 1.0 for sp in params):  # decided on the host: no sync
+    # vLLM's order: min_p on the tempered distribution, then top-k and top-p on what it left
+    if any(sp.min_p > 0 for sp in params):  # decided on the host: no sync
+        min_p = list_to_device([sp.min_p for sp in params], torch.float32, dev)
+        probs = logits.softmax(dim=-1)
+        cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < cutoff, _NEG_INF)
+    if any(sp.top_k > 0 or sp.top_p < 1.0 for sp in params):
         top_k = list_to_device([max(sp.top_k, 0) for sp in params], torch.long, dev)
         top_p = list_to_device([sp.top_p for sp in params], torch.float32, dev)
         logits = _mask_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
-    if any(sp.min_p > 0 for sp in params):
-        min_p = list_to_device([sp.min_p for sp in params], torch.float32, dev)
-        cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-        probs = probs.masked_fill(probs < cutoff, 0.0)
     return (probs / _noise(probs, params, positions)).argmax(dim=-1)
 
 

@@ -47,6 +47,16 @@ def test_min_p_drops_unlikely_tokens() -> None:
     assert toks == {0, 1}
 
 
+def test_min_p_filters_before_top_p() -> None:
+    """vLLM's order after the temperature: min_p, then top-k and top-p on what it left. Of
+    0.5/0.3/0.1/0.1, min_p 0.3 leaves 0.625/0.375, where top_p 0.6 keeps the first token only
+    (top_p first would keep two: 0.5 < 0.6)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]])).repeat(400, 1)
+    params = [SamplingParams(temperature=1.0, min_p=0.3, top_p=0.6, seed=i) for i in range(400)]
+    toks = {t.token_id for t in sample(logits, params, [[]] * 400, [[0]] * 400, [[]] * 400)}
+    assert toks == {0}
+
+
 def test_penalties() -> None:
     logits = torch.tensor([[2.0, 2.0, -1.0, 1.0]])
     apply_penalties(logits, [SamplingParams(repetition_penalty=2.0)], [[2]], [[0]])
@@ -68,6 +78,19 @@ def test_logit_bias_shifts_the_biased_tokens_only() -> None:
     lp = sample(logits[:1], [SamplingParams(temperature=0, logprobs=0, logit_bias={1: -100})],
                 [[]], [[0]], [[]])[0]  # fmt: skip
     assert lp.token_id == 2 and lp.logprob == torch.log_softmax(logits[0], -1)[2].item()
+
+
+def test_logit_bias_comes_before_the_repetition_penalty() -> None:
+    """vLLM's order: a prompt token's biased logit is what the repetition penalty divides (or
+    multiplies, where the bias made it negative), so a bias cannot lift a repeated token past
+    a fresh one that the penalty alone would not."""
+    logits = torch.tensor([[4.0, 5.0, 1.0]])
+    sp = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 4.0, 2: -3.0})
+    out = sample(logits, [sp], [[2]], [[0]], [[]])
+    assert out[0].token_id == 1  # (4 + 4) / 2 = 4 < 5; the bias after the penalty gave 6
+    penalized = logits.clone()
+    apply_penalties(penalized, [sp], [[2]], [[0]])
+    assert penalized.tolist() == [[4.0, 5.0, -4.0]]  # (1 - 3) * 2
 
 
 def test_allowed_token_ids_leave_only_those_tokens() -> None:
@@ -132,18 +155,18 @@ def _one_row_at_a_time(
     logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
     prompts: list[list[int]],
 ) -> None:  # fmt: skip
-    """The penalties row by row, as the sampler applied them before they were batched."""
+    """The penalties row by row, in vLLM's order (logit_bias, repetition, presence/frequency)."""
     for i, (sp, out) in enumerate(zip(params, outputs, strict=True)):
         row = logits[i]
+        if sp.logit_bias:
+            biased, bias = zip(*sp.logit_bias, strict=True)
+            row[list(biased)] += torch.tensor(bias, dtype=row.dtype)
         if sp.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(prompts[i]) | set(out)), dtype=torch.long)
             vals = row[seen]
             row[seen] = torch.where(
                 vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty
             )
-        if sp.logit_bias:
-            biased, bias = zip(*sp.logit_bias, strict=True)
-            row[list(biased)] += torch.tensor(bias, dtype=row.dtype)
         if (sp.presence_penalty or sp.frequency_penalty) and out:
             ids = torch.tensor(out, dtype=torch.long)
             counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
