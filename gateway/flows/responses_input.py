@@ -173,6 +173,8 @@ def normal_item(item: Any, where: str) -> dict[str, Any]:
     """One input item in the normal form (ids given where the client sent none)."""
     if not isinstance(item, dict):
         raise invalid(f"{where} must be an object (a message or an item)", "input")
+    if not isinstance(item.get("id", ""), str):
+        raise invalid(f"{where}.id must be a string", "input")
     kind = item.get("type", "message")
     if kind == "message":
         return _message(item, where)
