@@ -58,6 +58,43 @@ def ref_moe_routing(
     return weights, ids
 
 
+def ref_grouped_topk(
+    router_logits: torch.Tensor,  # [T, E] (float32: transformers' routers compute in it)
+    top_k: int,
+    *,
+    sigmoid: bool = False,  # DeepSeek-V3's scores; False: a softmax (DeepSeek-V2's)
+    correction_bias: torch.Tensor | None = None,  # [E]: added to the scores to choose, only
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = False,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, top_k] float32 weights, [T, top_k] int64 ids)
+    """DeepSeek's routers (transformers' ``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter``):
+    experts in ``num_groups`` equal groups, the ``topk_groups`` best groups kept, the ``top_k``
+    best experts of those chosen. V2 (softmax): a group ranks by its best score, the others'
+    scores set to 0 (one group: ``greedy``). V3 (sigmoid, ``noaux_tc``): scores plus
+    ``correction_bias`` choose, a group ranks by the sum of its two best, the others set to
+    -inf; the weights are the chosen experts' scores without the bias. Then the weights divided
+    by their sum (``renormalize``, + 1e-20 as transformers) and times ``scaling``
+    (``routed_scaling_factor``)."""
+    t, e = router_logits.shape
+    logits = router_logits.float()
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_groups > 1:
+        grouped = choice.view(t, num_groups, e // num_groups)  # [T, G, E/G]
+        ranks = grouped.topk(2, dim=-1)[0].sum(dim=-1) if sigmoid else grouped.amax(dim=-1)
+        best = torch.topk(ranks, topk_groups, dim=-1, sorted=False)[1]  # [T, topk_groups]
+        kept = torch.zeros_like(ranks).scatter_(1, best, 1.0).bool()  # [T, G]
+        kept = kept[:, :, None].expand(-1, -1, e // num_groups).reshape(t, e)
+        choice = choice.masked_fill(~kept, float("-inf") if sigmoid else 0.0)
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]  # [T, top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def sort_by_expert(
     topk_weights: torch.Tensor,  # [T, top_k]
     topk_ids: torch.Tensor,  # [T, top_k]

@@ -31,7 +31,7 @@ from kernels.layers import (
     ref_silu_and_mul,
 )
 from kernels.lora import ref_add_lora, ref_expand_lora
-from kernels.moe import ClampedSwiGLU, ref_fused_moe, ref_moe_routing
+from kernels.moe import ClampedSwiGLU, ref_fused_moe, ref_grouped_topk, ref_moe_routing
 from kernels.quant import (
     ref_fp8_linear,
     ref_per_token_quant_fp8,
@@ -51,6 +51,7 @@ __all__ = [
     "fused_moe",
     "gather_blocks",
     "gemv_rows",
+    "grouped_topk",
     "linear",
     "moe_routing",
     "paged_decode_attention",
@@ -485,6 +486,25 @@ def moe_routing(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, top_k] float32 weights, [T, top_k] int64 ids)
     """The router's choice: torch everywhere (softmax and top-k over E values per token)."""
     return ref_moe_routing(router_logits, top_k, renormalize)
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,  # [T, E] float32
+    top_k: int,
+    *,
+    sigmoid: bool = False,
+    correction_bias: torch.Tensor | None = None,  # [E]
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = False,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, top_k] float32 weights, [T, top_k] int64 ids)
+    """DeepSeek's group-limited router (:func:`kernels.moe.ref_grouped_topk`): torch
+    everywhere, as :func:`moe_routing`."""
+    return ref_grouped_topk(
+        router_logits, top_k, sigmoid=sigmoid, correction_bias=correction_bias,
+        num_groups=num_groups, topk_groups=topk_groups, renormalize=renormalize, scaling=scaling,
+    )  # fmt: skip
 
 
 def fused_moe(

@@ -18,6 +18,7 @@ from services.config import ConfigError, ModelConfig
 from services.engine.gpt_oss_weights import gpt_oss_tensors
 from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
 from services.engine.models.cohere import CohereForCausalLM
+from services.engine.models.deepseek import DeepseekForCausalLM, checkpoint_tensor
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.glm4 import Glm4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
@@ -82,6 +83,8 @@ _FAMILY_MODELS: dict[str, type[LlamaForCausalLM]] = {
     "cohere": CohereForCausalLM,
     "exaone4": Olmo2ForCausalLM,
     "arcee": ArceeForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -198,12 +201,19 @@ def load_weights(
             name = name.replace("model.language_model.", "model.").replace(
                 "model.visual.", "visual."
             )
+        if arch.mla is not None:  # q, kv_a, kv_b: not stacked; their rotary rows in halves
+            if _beyond_layers(name, arch.num_layers):  # V3's multi-token-prediction layers
+                continue
+            if ".mlp.shared_experts." in name and tensor.numel() == 0:  # n_shared_experts 0
+                continue
+            tensor = checkpoint_tensor(arch.mla, name, tensor)
         expert = _EXPERT.search(name)
         if expert:
             loaded.add(_load_expert(params, arch, name, expert, tensor))
             continue
         # the vision tower's tensors load as they are (Qwen2.5-VL's gate_proj is not stacked)
-        match = None if name.startswith("visual.") else _NAME.search(name)
+        unstacked = name.startswith("visual.") or (arch.mla is not None and ".self_attn." in name)
+        match = None if unstacked else _NAME.search(name)
         if quantized and _load_quantized(quantized, name, tensor, match):
             continue
         if match:
@@ -251,6 +261,16 @@ _UNQUANTIZED_CHECKPOINTS = {
     ),
 }
 _HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _beyond_layers(name: str, layers: int) -> bool:
+    """A tensor of a decoder layer past the model's (DeepSeek-V3's checkpoints add their
+    multi-token-prediction module as layer ``num_hidden_layers``; transformers skips it)."""
+    match = _LAYER.match(name)
+    return match is not None and int(match.group(1)) >= layers
 
 
 def _rank_part(
@@ -422,6 +442,11 @@ def load_model(
             f"quantized {arch.model_type} checkpoints are not supported yet ({why}): serve the "
             "bf16 checkpoint, with --quantization fp8 for FP8"
         )
+    if qcfg is not None and arch.mla is not None:  # V3's published FP8 block checkpoints too
+        raise ConfigError(
+            f"quantized {arch.model_type} models (multi-head latent attention) are not supported "
+            "yet: serve a bf16 checkpoint, without --quantization"
+        )
     if qcfg is not None and (arch.moe is not None or arch.vision is not None):
         what = f"{arch.model_type} (Mixture-of-Experts)"
         what = what if arch.vision is None else f"{arch.model_type} (vision-language)"
@@ -444,6 +469,13 @@ def load_model(
             local = layout.local_arch(arch) if layout else arch  # a rank's shards are its own
             stacked = {fused: _shard_sizes(local, fused) for fused in ("qkv_proj", "gate_up_proj")}
             quantize_model(model, qcfg, dtype, stacked)
+    if arch.mla is not None:
+        log.info(
+            "%s: multi-head latent attention served expanded: each of its %d heads' keys and "
+            "values (%d dims, values zero-padded from %d) in the paged KV cache, not the "
+            "compressed latent (%d dims a token and layer)", arch.model_type, arch.num_heads,
+            arch.head_dim, arch.mla.v_head_dim, arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim,
+        )  # fmt: skip
     if device.type == "cpu":
         check_host_memory(model, config.model, dtype)
     # Module.to_empty's empty_like on meta tensors goes through torch's Python reference ops,

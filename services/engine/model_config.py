@@ -42,6 +42,8 @@ SUPPORTED = {
     "seed_oss": "Seed-OSS",
     "exaone4": "EXAONE 4.0",
     "arcee": "Arcee (AFM)",
+    "deepseek_v2": "DeepSeek-V2, V2-Lite, V2.5 (MLA, DeepSeek MoE)",
+    "deepseek_v3": "DeepSeek-V3, R1, Moonlight, Kimi-K2 (MLA, DeepSeek MoE; bf16 weights)",
     "olmoe": "OLMoE",
     "granitemoe": "Granite 3.x MoE",
     "granitemoeshared": "Granite MoE with a shared expert",
@@ -136,6 +138,44 @@ class GemmaConfig:
 
 
 @dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's router (``kernels.moe.ref_grouped_topk``): V2's softmax scores (its greedy
+    method: one group), V3's sigmoid scores with a learned correction bias that only chooses;
+    the ``topk_groups`` best of ``num_groups`` expert groups kept, the weights times
+    ``scaling`` (``routed_scaling_factor``). Its shared experts (``MoeConfig``'s
+    ``shared_intermediate_size``) are one ungated-sum MLP, not Qwen2-MoE's gated one."""
+
+    sigmoid: bool
+    num_groups: int
+    topk_groups: int
+    scaling: float
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention: q through ``q_proj``, or ``q_a_proj`` ->
+    ``q_a_layernorm`` -> ``q_b_proj`` (``q_lora_rank`` > 0); ``kv_a_proj_with_mqa`` gives a
+    latent of ``kv_lora_rank`` (normed, then ``kv_b_proj`` into each head's nope key and value)
+    and one rotary key part of ``qk_rope_head_dim`` shared by every head. The engine serves it
+    expanded: each head's key and value in the paged cache (``ArchConfig.head_dim`` the larger
+    of the key's and value's widths, the other zero-padded)."""
+
+    q_lora_rank: int  # 0: q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # the checkpoint pairs rotary dims (0, 1), (2, 3), ... (V2's complex rotation, V3's
+    # rope_interleave): the loader reorders the rotary rows into halves, as GLM's
+    rope_pairs: bool
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(mscale_all_dim) squared
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The sparse MLP of a Mixture-of-Experts model: ``top_k`` of ``num_experts`` SiLU-gated
     experts per token, routed by a softmax over the router's logits."""
@@ -160,6 +200,7 @@ class MoeConfig:
     # the checkpoint stores the experts as MXFP4 blocks and scales (gpt-oss's published
     # weights), dequantized to the model's dtype as they load
     mxfp4: bool = False
+    grouped: GroupedRouting | None = None  # DeepSeek's router; None: moe_routing's softmax
 
 
 @dataclass(frozen=True)
@@ -260,12 +301,16 @@ class ArchConfig:
     local_rope_theta: float = 0.0
     # Cohere's: the logits times this
     logit_scale: float = 1.0
+    # DeepSeek's multi-head latent attention (num_kv_heads = num_heads, expanded in the cache)
+    mla: MlaConfig | None = None
     # OLMoE's clip_qkv: q, k (after their norms) and v clamped to +-clip_qkv; 0: not clipped
     clip_qkv: float = 0.0
 
     @property
     def rotary_dim(self) -> int:
         """The dims of each query and key head that rotary embedding turns (the first ones)."""
+        if self.mla is not None:  # its heads laid out [rope | nope | zeros] in the cache
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def window(self, layer: int) -> int:

@@ -147,6 +147,11 @@ class TPLayout:
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
                 "mix every rank's input rows); use 1, or a checkpoint without act-order"
             )
+        if arch.mla is not None and size > 1:
+            raise ConfigError(
+                f"{where}: {arch.model_type}'s multi-head latent attention is not split over "
+                "ranks yet: serve it with --tensor-parallel-size 1"
+            )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
         if nkv >= size:

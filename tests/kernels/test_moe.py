@@ -113,3 +113,68 @@ def test_bias_errors_name_the_argument() -> None:
         with pytest.raises(ValueError, match=match):
             ref_fused_moe(x, w13, w2, weights, ids, **{"b13": b13, "b2": b2, **bad})
     assert ref_fused_moe(x, w13, w2, weights, ids, b13=b13, b2=b2).shape == (3, 8)
+
+
+def _deepseek_router(version: int, **cfg: object) -> torch.nn.Module:
+    if version == 2:
+        from transformers import DeepseekV2Config
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+        return DeepseekV2TopkRouter(DeepseekV2Config(hidden_size=64, **cfg))
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    return DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=64, **cfg))
+
+
+@pytest.mark.parametrize(
+    ("version", "cfg"),
+    [
+        (2, {"topk_method": "greedy", "routed_scaling_factor": 1.0}),
+        (2, {"topk_method": "greedy", "routed_scaling_factor": 16.0}),
+        (2, {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+             "routed_scaling_factor": 2.5}),
+        (3, {"n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5}),
+        (3, {"n_group": 4, "topk_group": 1, "norm_topk_prob": False}),
+        (3, {"n_group": 1, "topk_group": 1, "norm_topk_prob": True}),  # Kimi-K2's: one group
+    ],
+)  # fmt: skip
+def test_grouped_routing_equals_transformers_deepseek_routers(
+    version: int, cfg: dict[str, object], gen: torch.Generator
+) -> None:
+    """DeepSeek-V2's (softmax; greedy or the best groups by their best expert) and V3's
+    (sigmoid plus the correction bias to choose, groups by their two best, renormalized or not)
+    routers: the same experts and weights as transformers', bit for bit (float32)."""
+    from kernels.moe import ref_grouped_topk
+
+    router = _deepseek_router(version, n_routed_experts=16, num_experts_per_tok=4, **cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        if version == 3:  # large enough to change which experts win
+            router.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.3)
+        x = torch.randn((37, 64), generator=gen)
+        logits, want_w, want_ids = router(x)
+    grouped = cfg.get("topk_method") != "greedy"
+    got_w, got_ids = ref_grouped_topk(
+        logits, 4, sigmoid=version == 3,
+        correction_bias=router.e_score_correction_bias if version == 3 else None,
+        num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+        topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
+        renormalize=version == 3 and bool(cfg.get("norm_topk_prob")),
+        scaling=float(cfg.get("routed_scaling_factor", 2.5 if version == 3 else 1.0)),  # type: ignore[arg-type]
+    )  # fmt: skip
+    order, want_order = got_ids.sort(dim=-1), want_ids.sort(dim=-1)
+    assert torch.equal(order.values, want_order.values)
+    assert torch.equal(got_w.gather(1, order.indices), want_w.gather(1, want_order.indices))
+
+
+def test_grouped_routing_keeps_to_the_best_groups() -> None:
+    """With one group of four kept, every chosen expert lies in the group whose best (V2) or
+    two best (V3) scores rank first, though a lone higher score sits in another group."""
+    from kernels.moe import ref_grouped_topk
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 5.0, 3.0, 3.0, 3.0, 0.0]])  # groups of 4
+    v2 = ref_grouped_topk(logits, 2, num_groups=2, topk_groups=1)[1]
+    assert 3 in v2[0].tolist() and all(i < 4 for i in v2[0].tolist())  # 5 beats 3
+    v3 = ref_grouped_topk(logits, 2, sigmoid=True, num_groups=2, topk_groups=1)[1]
+    assert all(4 <= i < 8 for i in v3[0].tolist())  # 3 + 3 beats 5 + 0

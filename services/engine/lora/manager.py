@@ -93,6 +93,12 @@ class LoRAManager:
         cut: RankCut | None = None,
     ) -> None:  # fmt: skip
         """``cut``: this rank's part of each projection (tensor parallelism)."""
+        mla = getattr(getattr(model, "cfg", None), "mla", None)
+        if mla is not None:  # its q and kv projections are not the wrapped layers
+            raise ConfigError(
+                "LoRA adapters on multi-head latent attention models (DeepSeek) are not "
+                "supported yet: serve it without --enable-lora"
+            )
         self.config, self.device, self.cut = config, device, cut
         self.batch = LoRABatch()
         self.layers = apply_lora(model, config.max_loras, config.max_lora_rank, self.batch,

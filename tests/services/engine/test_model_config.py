@@ -62,7 +62,7 @@ def test_mixtral_every_layer_sparse_and_renormalized() -> None:
         (_qwen3_moe(decoder_sparse_step=0), "decoder_sparse_step"),
         ({**_qwen3_moe(), "model_type": "qwen2_moe", "shared_expert_intermediate_size": 0},
          "shared_expert_intermediate_size 0 must be >= 1"),
-        ({**_qwen3_moe(), "model_type": "deepseek_v3"}, "not supported"),
+        ({**_qwen3_moe(), "model_type": "dbrx"}, "not supported"),
     ],
 )  # fmt: skip
 def test_unsupported_moe_variants_are_refused(cfg: dict[str, Any], message: str) -> None:

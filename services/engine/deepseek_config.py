@@ -1,0 +1,159 @@
+"""The config.json reader of DeepSeek-V2 and V3 (``deepseek_v2``, ``deepseek_v3``; Moonlight
+and Kimi-K2 are V3): multi-head latent attention (``ArchConfig.mla``) and DeepSeek's MoE
+(``MoeConfig.grouped``: the group-limited router, shared experts), as transformers 5 builds the
+models. What the configuration allows but transformers and vLLM would serve differently, or this
+engine does not implement, is refused (ConfigError) rather than served wrong."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from services.config import ConfigError
+
+Fields = dict[str, Any]
+
+# transformers' defaults where config.json leaves a key out (DeepseekV2Config, DeepseekV3Config)
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"n_routed_experts": 64, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
+                    "first_k_dense_replace": 0, "q_lora_rank": 1536, "moe_intermediate_size": 1407,
+                    "n_group": None, "topk_group": None, "max_position_embeddings": 2048},
+    "deepseek_v3": {"n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                    "first_k_dense_replace": 3, "q_lora_rank": 1536, "moe_intermediate_size": 2048,
+                    "n_group": 8, "topk_group": 4, "max_position_embeddings": 4096},
+}  # fmt: skip
+
+
+def read_deepseek(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """(the config for the common reader, the ArchConfig fields of MLA and DeepSeek's MoE)."""
+    model_type = str(cfg.get("model_type"))
+    cfg = {**_DEFAULTS[model_type], **cfg}
+    act = cfg.get("hidden_act") or "silu"
+    if act != "silu":
+        raise ConfigError(f"{model_type}: hidden_act {act!r}; only silu is supported")
+    if cfg.get("mlp_bias"):  # V2's config allows biases on its MLPs (no checkpoint has them)
+        raise ConfigError(f"{model_type}: mlp_bias is not supported")
+    heads = int(cfg["num_attention_heads"])
+    mla = _mla(model_type, cfg)
+    width = max(mla.qk_head_dim, mla.v_head_dim)  # a head of the cache: keys and values padded
+    if width > 256:
+        raise ConfigError(
+            f"{model_type}: a head of {mla.qk_head_dim} key and {mla.v_head_dim} value dims is "
+            "wider than the attention kernels' 256"
+        )
+    # MLA has no KV heads of its own: every query head gets its own key and value, whatever
+    # num_key_value_heads says (vLLM ignores it too; transformers needs it equal to the heads)
+    read = {**cfg, "head_dim": width, "num_key_value_heads": heads, "sliding_window": None}
+    bias = bool(cfg.get("attention_bias", False))
+    fields = {"mla": mla, "moe": _moe(model_type, cfg), "head_dim": width,
+              "num_kv_heads": heads, "attention_bias": bias, "o_proj_bias": bias,
+              "mlp_bias": False}  # fmt: skip
+    return read, fields
+
+
+def _positive(model_type: str, cfg: dict[str, Any], key: str, allow_zero: bool = False) -> int:
+    value = cfg.get(key)
+    least = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        want = "a whole number >= 0" if allow_zero else "a positive whole number"
+        raise ConfigError(f"{model_type}: {key} must be {want}, got {value!r}")
+    return value
+
+
+def _mla(model_type: str, cfg: dict[str, Any]) -> Any:
+    from services.engine.model_config import MlaConfig, scaling_kind
+
+    dims = {key: _positive(model_type, cfg, key) for key in
+            ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}  # fmt: skip
+    if dims["qk_rope_head_dim"] % 2:
+        raise ConfigError(f"{model_type}: qk_rope_head_dim {dims['qk_rope_head_dim']} is odd")
+    q_lora = cfg.get("q_lora_rank")
+    if q_lora is not None:
+        q_lora = _positive(model_type, cfg, "q_lora_rank")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{model_type}: partial_rotary_factor is not supported")
+    scale = (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5
+    # transformers' yarn_apply_mscale: any scaled rope with mscale_all_dim scales the softmax
+    m_all = rope.get("mscale_all_dim") or 0
+    if scaling_kind(rope) != "default" and m_all:
+        factor = float(rope["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * float(m_all) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    # V2 rotates by complex products (dims paired); V3 pairs them where rope_interleave says
+    pairs = model_type == "deepseek_v2" or bool(cfg.get("rope_interleave", True))
+    return MlaConfig(q_lora_rank=q_lora or 0, rope_pairs=pairs, softmax_scale=scale, **dims)
+
+
+def _moe(model_type: str, cfg: dict[str, Any]) -> Any:
+    """DeepSeek's MoE as transformers builds it: every layer from ``first_k_dense_replace`` on
+    sparse (``moe_layer_freq`` other than 1 refused: transformers ignores it, vLLM does not),
+    ``n_shared_experts`` experts' worth of one always-on MLP beside the routed ones."""
+    from services.engine.model_config import GroupedRouting, MoeConfig
+
+    layers = _positive(model_type, cfg, "num_hidden_layers")
+    experts = _positive(model_type, cfg, "n_routed_experts")
+    top_k = _positive(model_type, cfg, "num_experts_per_tok")
+    size = _positive(model_type, cfg, "moe_intermediate_size")
+    first = _positive(model_type, cfg, "first_k_dense_replace", allow_zero=True)
+    shared = _positive(model_type, cfg, "n_shared_experts", allow_zero=True)
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"{model_type}: moe_layer_freq {cfg['moe_layer_freq']} is not supported")
+    if top_k > experts:
+        raise ConfigError(f"{model_type}: num_experts_per_tok {top_k} of {experts} experts")
+    scaling = cfg.get("routed_scaling_factor")
+    if isinstance(scaling, bool) or not isinstance(scaling, int | float) or not scaling > 0:
+        raise ConfigError(f"{model_type}: routed_scaling_factor must be > 0, got {scaling!r}")
+    v3 = model_type == "deepseek_v3"
+    groups, kept, renormalize = _routing(model_type, cfg, experts, top_k)
+    sparse = tuple(range(first, layers))
+    if not sparse:
+        return None  # every layer dense
+    return MoeConfig(
+        num_experts=experts, top_k=top_k, intermediate_size=size, renormalize=renormalize,
+        layers=sparse, weights_in_model_dtype=False, shared_intermediate_size=shared * size,
+        grouped=GroupedRouting(sigmoid=v3, num_groups=groups, topk_groups=kept,
+                               scaling=float(scaling)),
+    )  # fmt: skip
+
+
+def _routing(
+    model_type: str, cfg: dict[str, Any], experts: int, top_k: int
+) -> tuple[int, int, bool]:
+    """(groups, groups kept, renormalize) of the router; V2: ``topk_method`` greedy (one
+    group) or group_limited_greedy; V3: noaux_tc (sigmoid scores, the correction bias)."""
+    method, scoring = cfg.get("topk_method"), cfg.get("scoring_func")
+    if model_type == "deepseek_v2":
+        method = method or "greedy"
+        if method not in ("greedy", "group_limited_greedy") or scoring not in (None, "softmax"):
+            raise ConfigError(
+                f"deepseek_v2: topk_method {method!r} with scoring_func {scoring!r} is not "
+                "supported (greedy or group_limited_greedy over softmax scores are)"
+            )
+        if cfg.get("norm_topk_prob"):  # transformers ignores it, DeepSeek's code and vLLM not
+            raise ConfigError("deepseek_v2: norm_topk_prob true is not supported")
+        if method == "greedy":
+            return 1, 1, False
+    elif method not in (None, "noaux_tc") or scoring not in (None, "sigmoid"):
+        raise ConfigError(
+            f"deepseek_v3: topk_method {method!r} with scoring_func {scoring!r} is not "
+            "supported (noaux_tc over sigmoid scores is)"
+        )
+    groups, kept = cfg.get("n_group"), cfg.get("topk_group")
+    if not isinstance(groups, int) or not isinstance(kept, int) or not 1 <= kept <= groups:
+        raise ConfigError(
+            f"{model_type}: n_group {groups!r} and topk_group {kept!r} must be whole numbers "
+            "with 1 <= topk_group <= n_group"
+        )
+    per_group = experts // groups
+    if experts % groups or (model_type == "deepseek_v3" and per_group < 2):
+        raise ConfigError(
+            f"{model_type}: {experts} experts do not make {groups} equal groups"
+            + (" of two or more" if model_type == "deepseek_v3" else "")
+        )
+    if top_k > kept * per_group:
+        raise ConfigError(
+            f"{model_type}: num_experts_per_tok {top_k} exceeds the {kept * per_group} experts "
+            f"of the {kept} groups kept"
+        )
+    return groups, kept, model_type == "deepseek_v3" and bool(cfg.get("norm_topk_prob", True))

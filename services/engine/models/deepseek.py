@@ -1,0 +1,220 @@
+"""DeepSeek-V2 and V3 (Moonlight, Kimi-K2) in plain PyTorch over a paged KV cache: the Llama
+decoder layer with multi-head latent attention and DeepSeek's MoE.
+
+- Attention (MLA): q from ``q_proj``, or a low-rank ``q_a_proj`` -> RMSNorm -> ``q_b_proj``;
+  ``kv_a_proj_with_mqa`` gives a latent (RMSNormed, then ``kv_b_proj`` into each head's nope
+  key and value) and one rotary key part every head shares. It is served expanded: each head's
+  key and value are written to the paged cache as any model's, a head laid out
+  ``[rope | nope | zeros]`` (the order of its dims is free, q and k alike; rotary turns the
+  first ones) and the value zero-padded to the key's width, the output sliced back. The cache
+  holds ``2 * heads * head_dim`` values a token and layer, not the latent's
+  ``kv_lora_rank + qk_rope_head_dim``: simple and exact, not compact.
+- Rotary pairs: V2 (and V3 with ``rope_interleave``) rotates dims (0, 1), (2, 3), ...; the
+  loader reorders those rows of the q and kv_a projections into halves (``rope_halves``).
+- MoE: the router in float32 (transformers keeps it there), ``ops.grouped_topk`` (V2's softmax,
+  V3's sigmoid with the correction bias), the experts through ``ops.fused_moe``, and the shared
+  experts' MLP added unweighted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import ops
+from services.engine.attention_metadata import AttentionMetadata
+from services.engine.model_config import ArchConfig, MlaConfig, MoeConfig
+from services.engine.models.llama import (
+    MLP,
+    DecoderLayer,
+    Linear,
+    LlamaForCausalLM,
+    RMSNorm,
+    paged_attention,
+)
+from services.engine.models.moe import Experts, SharedExpert
+
+LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with its default
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
+        super().__init__()
+        assert cfg.mla is not None
+        mla: MlaConfig = cfg.mla
+        self.layer, self.mla = layer, mla
+        self.nq, self.d = cfg.num_heads, cfg.head_dim  # d: a cache head, max(qk, v) dims
+        hidden, bias, qk = cfg.hidden_size, cfg.attention_bias, mla.qk_head_dim
+        self.q_proj: Linear | None = None
+        self.q_a_proj: Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: Linear | None = None
+        if mla.q_lora_rank:
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(mla.q_lora_rank, self.nq * qk, bias=False)
+        else:
+            self.q_proj = Linear(hidden, self.nq * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        kv_width = mla.qk_nope_head_dim + mla.v_head_dim
+        self.kv_b_proj = Linear(mla.kv_lora_rank, self.nq * kv_width, bias=False)
+        self.o_proj = Linear(self.nq * mla.v_head_dim, hidden, bias=cfg.o_proj_bias)
+        self.scale = mla.softmax_scale
+        self.k_scale = 1.0  # an FP8 cache's scales, as the Llama attention's
+        self.v_scale = 1.0
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, H qk]
+        if self.q_proj is not None:
+            return self.q_proj(x)
+        assert self.q_a_proj and self.q_a_layernorm and self.q_b_proj
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+
+    def _heads(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v: [T, H, D] each
+        """Each head's query, key and value as the cache holds them: ``[rope | nope | 0]``
+        for q and k (k's rope part the one every head shares), ``[v | 0]`` for v."""
+        m, T, H = self.mla, x.shape[0], self.nq
+        nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        q = self._query(x).view(T, H, m.qk_head_dim)  # [T, H, nope + rope]
+        kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
+        latent, k_rope = kv_a.split([m.kv_lora_rank, rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent.contiguous())[0])
+        kv = kv.view(T, H, nope + m.v_head_dim)  # [T, H, nope + v]
+        pad_qk, pad_v = self.d - m.qk_head_dim, self.d - m.v_head_dim
+        q = F.pad(torch.cat([q[..., nope:], q[..., :nope]], dim=-1), (0, pad_qk))
+        k = torch.cat([k_rope[:, None, :].expand(T, H, rope), kv[..., :nope]], dim=-1)
+        return q, F.pad(k, (0, pad_qk)), F.pad(kv[..., nope:], (0, pad_v))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,  # [max_pos, rope]
+        kv_cache: torch.Tensor,  # [2, N, bs, H, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self._heads(x)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        scaled = k_cache.element_size() == 1  # FP8: the scales apply
+        k_new = None  # whole prompts read their keys contiguously (the Llama attention's why)
+        whole = meta.prefill_no_prefix and T - meta.num_decodes >= ops.NEW_KV_MIN_TOKENS
+        if ops.reads_new_kv(x.device) and whole and k_cache.dtype == q.dtype:
+            k_new = torch.empty_like(k)
+        q = ops.rotary_write_kv(
+            positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
+            self.k_scale, self.v_scale, k_out=k_new,
+        )  # fmt: skip
+        if meta.on_kv_written is not None:
+            meta.on_kv_written(self.layer)
+        scale = self.scale * (self.k_scale if scaled else 1)
+        o = paged_attention(
+            q, k_cache, v_cache, meta, scale, k_new, v if k_new is not None else None
+        )  # [T, H, D]
+        if scaled and self.v_scale != 1.0:
+            o = o * self.v_scale
+        o = o[..., : self.mla.v_head_dim].reshape(T, self.nq * self.mla.v_head_dim)
+        return self.o_proj(o)  # [T, hidden]
+
+
+class Router(nn.Module):
+    """The router's weight [E, H] and V3's correction bias [E], kept in float32 whatever the
+    model's dtype (transformers' ``_keep_in_fp32_modules_strict``): a 16-bit bias would move
+    which experts win. The model is cast before its weights load (on the meta device), so
+    nothing is rounded on the way."""
+
+    def __init__(self, experts: int, hidden: int, correction_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(experts)) if correction_bias else None
+        )
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return out.float() if t.is_floating_point() and out.is_floating_point() else out
+
+        return super()._apply(keep_fp32, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] float32
+        return F.linear(x.float(), self.weight)
+
+
+class DeepseekMoe(nn.Module):
+    def __init__(self, moe: MoeConfig, hidden: int) -> None:
+        super().__init__()
+        assert moe.grouped is not None
+        self.moe, self.routing = moe, moe.grouped
+        self.gate = Router(moe.num_experts, hidden, correction_bias=moe.grouped.sigmoid)
+        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size)
+        self.shared_experts: SharedExpert | None = None
+        if moe.shared_intermediate_size:
+            self.shared_experts = SharedExpert(hidden, moe.shared_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        r = self.routing
+        weights, ids = ops.grouped_topk(
+            self.gate(x), self.moe.top_k, sigmoid=r.sigmoid,
+            correction_bias=self.gate.e_score_correction_bias, num_groups=r.num_groups,
+            topk_groups=r.topk_groups, renormalize=self.moe.renormalize, scaling=r.scaling,
+        )  # fmt: skip
+        out = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if self.shared_experts is not None:  # always on, unweighted
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    """The Llama layer (a norm before each branch) with MLA and, from
+    ``first_k_dense_replace`` on, DeepSeek's MoE."""
+
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
+        nn.Module.__init__(self)
+        self.self_attn = MLAttention(cfg, layer)  # type: ignore[assignment]
+        moe = cfg.moe
+        sparse = moe is not None and layer in moe.layers
+        mlp: nn.Module = DeepseekMoe(moe, cfg.hidden_size) if moe and sparse else MLP(cfg)
+        self.mlp = mlp  # type: ignore[assignment]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope_table = 0
+        self.residual_multiplier = 1.0
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        layers = (DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(layers)
+
+
+def rope_halves(rows: torch.Tensor, width: int, rope: int) -> torch.Tensor:
+    """The rows of a projection (weight [n width, K] or bias [n width]) with the last ``rope``
+    rows of each run of ``width`` reordered from rotary pairs (0, 1), (2, 3), ... to halves
+    (0, 2, 4, ..., 1, 3, 5, ...): the engine's rotation of the first half with the second then
+    turns each pair as the checkpoint's model does; q and k alike leave q . k as it was."""
+    nope = width - rope
+    order = torch.cat([torch.arange(nope), nope + torch.arange(0, rope, 2),
+                       nope + torch.arange(1, rope, 2)])  # fmt: skip
+    runs = rows.reshape(-1, width, *rows.shape[1:])  # [n, width, ...]
+    return runs[:, order].reshape(rows.shape)
+
+
+def checkpoint_tensor(mla: MlaConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor as this model holds it: the rotary rows of q (``q_proj``,
+    ``q_b_proj``: each head's last ``qk_rope_head_dim``) and of ``kv_a_proj_with_mqa`` (its
+    last ones) in halves where the checkpoint pairs them."""
+    if not mla.rope_pairs:
+        return tensor
+    rope = mla.qk_rope_head_dim
+    if name.endswith((".self_attn.q_proj.weight", ".self_attn.q_b_proj.weight")):
+        return rope_halves(tensor, mla.qk_head_dim, rope)
+    if ".self_attn.kv_a_proj_with_mqa." in name:
+        return rope_halves(tensor, mla.kv_lora_rank + rope, rope)
+    return tensor

@@ -1,0 +1,239 @@
+"""DeepSeek-V2 and V3 against transformers 5: tiny random checkpoints (float32, seeded) give
+transformers' greedy tokens, token for token: V2 with q_proj and with the low-rank q, greedy and
+group-limited routing; V3 with noaux_tc routing (sigmoid, correction bias, groups), YaRN with
+mscale_all_dim, and its rotary dims interleaved or not; through the torch references and the
+Triton kernels (under the interpreter). Refusals of what is not served."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kernels import ops
+from protos.sampling_params import SamplingParams
+from services.config import ConfigError, LoRAConfig
+from services.engine.llm import LLM
+from services.engine.llm_engine import load_tokenizer
+from services.engine.model_config import ArchConfig
+from tests.services.engine.conftest import BESIDE, tokenizer_dir
+
+VOCAB = 49152  # the embedded tokenizer's
+COMMON = {
+    "vocab_size": VOCAB, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "intermediate_size": 96, "moe_intermediate_size": 32, "kv_lora_rank": 24,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+    "max_position_embeddings": 1024, "initializer_range": 0.2, "bos_token_id": None,
+    "eos_token_id": None, "pad_token_id": None,
+}  # fmt: skip
+CONFIGS = {
+    # q_proj (no q_lora_rank), greedy softmax routing scaled, two shared experts, a v head
+    # narrower than the key's (24): the cache's values zero-padded
+    "v2": ("deepseek_v2", {
+        "q_lora_rank": None, "topk_method": "greedy", "n_shared_experts": 2,
+        "routed_scaling_factor": 1.5,
+    }),
+    # the low-rank q (q_a_proj, its norm, q_b_proj), group-limited routing (2 of 4 groups),
+    # biased q_a / kv_a / o projections, a value wider than the key (32 > 24): q and k padded
+    "v2-lora-groups": ("deepseek_v2", {
+        "q_lora_rank": 32, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+        "n_shared_experts": 1, "attention_bias": True, "v_head_dim": 32,
+    }),
+    # noaux_tc (sigmoid, correction bias, 2 of 4 groups by their top two), renormalized and
+    # scaled; YaRN over a short original length with mscale and mscale_all_dim (the softmax
+    # scale times mscale squared), rotary dims interleaved (the default)
+    "v3": ("deepseek_v3", {
+        "q_lora_rank": 32, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 64, "mscale": 0.707,
+                            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 256,
+    }),
+    # rope_interleave off (halves, as Llama), one group (Kimi-K2's), unnormalized, every layer
+    # sparse, no shared expert
+    "v3-halves": ("deepseek_v3", {
+        "q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": False, "first_k_dense_replace": 0, "n_shared_experts": 0,
+    }),
+}  # fmt: skip
+PROMPT_LENS = [1, 9, 23, 150]  # 150 > the CPU's 128-token step: a chunked prefill
+NEW_TOKENS = 16
+
+
+def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # transformers starts biases at 0, norms at 1 and the correction
+        # bias at 0: one left out or read wrong would go unseen
+        for name, param in model.named_parameters():
+            if name.endswith((".bias", "norm.weight")):
+                param.add_(torch.randn_like(param) * 0.2)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.3)
+    model.save_pretrained(path)
+    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    return model.eval()
+
+
+Built = tuple[Path, Any]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
+    cache: dict[str, Built] = {}
+
+    def get(name: str) -> Built:
+        if name not in cache:
+            path = tmp_path_factory.mktemp(name)
+            cache[name] = (path, _build(path, *CONFIGS[name]))
+        return cache[name]
+
+    return get
+
+
+def _prompts(seed: int, lens: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
+
+
+def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def _assert_greedy_matches(
+    name: str, path: Path, hf: Any, lens: list[int] = PROMPT_LENS, **knobs: Any
+) -> None:
+    prompts = _prompts(len(name), lens)
+    llm = LLM(str(path), **BESIDE, **knobs)
+    ours = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    )
+    llm.close()
+    for prompt, got in zip(prompts, ours, strict=True):
+        want = _hf_greedy(hf, prompt)
+        assert got.outputs[0].token_ids == want, f"{name}: diverged on a {len(prompt)}-token prompt"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_matches_transformers(name: str, built: Callable[[str], Built]) -> None:
+    _assert_greedy_matches(name, *built(name))
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("name", ["v2-lora-groups", "v3"])
+def test_greedy_matches_transformers_through_the_triton_kernels(
+    name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Norms, rotary and KV writes, decode and prefill attention over heads of 24 and 32 dims
+    (not powers of two), and the fused MoE, in the Triton kernels (under the interpreter)."""
+    from kernels import triton_attention, triton_layers, triton_moe
+
+    kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
+    monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
+    monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
+    _assert_greedy_matches(name, *built(name), [40], block_size=16)
+
+
+def test_the_router_stays_in_float32_in_a_16_bit_model(built: Callable[[str], Built]) -> None:
+    """The router's weight and V3's correction bias keep float32 when the model is bfloat16
+    (transformers keeps them so: a rounded bias would move which experts win)."""
+    from services.engine.models.deepseek import Router
+
+    llm = LLM(str(built("v3")[0]), dtype="bfloat16", num_blocks=64)
+    routers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Router)]
+    assert routers and all(p.dtype == torch.float32 for r in routers for p in r.parameters())
+    assert llm.engine.runner.model.lm_head.weight.dtype == torch.bfloat16
+    llm.close()
+
+
+def _config(model_type: str, **extra: Any) -> dict[str, Any]:
+    return {"model_type": model_type, **COMMON, "q_lora_rank": None, "n_group": 4,
+            "topk_group": 2, **extra}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"model_type": "deepseek_v2", "norm_topk_prob": True}, "norm_topk_prob"),
+        ({"model_type": "deepseek_v2", "topk_method": "noaux_tc"}, "topk_method"),
+        ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "scoring_func"),
+        ({"model_type": "deepseek_v3", "n_group": 3, "topk_group": 1}, "equal groups"),
+        ({"model_type": "deepseek_v3", "n_group": 8, "topk_group": 1}, "two or more"),
+        ({"model_type": "deepseek_v3", "n_group": 4, "topk_group": 5}, "topk_group"),
+        ({"model_type": "deepseek_v2", "moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"model_type": "deepseek_v2", "hidden_act": "gelu"}, "hidden_act"),
+        ({"model_type": "deepseek_v2", "mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "deepseek_v3", "qk_rope_head_dim": 7}, "odd"),
+        ({"model_type": "deepseek_v3", "qk_nope_head_dim": 250}, "wider"),
+        ({"model_type": "deepseek_v3", "kv_lora_rank": None}, "kv_lora_rank"),
+    ],
+)  # fmt: skip
+def test_what_is_not_served_is_refused(extra: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        ArchConfig.from_dict(_config(**extra))
+
+
+def test_the_config_as_the_engine_reads_it() -> None:
+    """MLA's cache head: every query head its own key and value, max(qk, v) dims wide, the
+    rotary dims qk_rope_head_dim; YaRN's mscale_all_dim in the softmax scale; V3's sparse
+    layers from first_k_dense_replace on, its shared experts' width."""
+    rope = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}  # fmt: skip
+    arch = ArchConfig.from_dict(
+        _config("deepseek_v3", num_key_value_heads=1, rope_scaling=rope, n_group=4,
+                topk_group=2, n_shared_experts=2, first_k_dense_replace=2)
+    )  # fmt: skip
+    assert (arch.num_kv_heads, arch.head_dim, arch.rotary_dim) == (4, 24, 8)
+    assert arch.mla is not None and arch.moe is not None and arch.moe.grouped is not None
+    mscale = 0.1 * 1.0 * torch.log(torch.tensor(40.0)).item() + 1.0
+    assert arch.mla.softmax_scale == pytest.approx(24**-0.5 * mscale**2)
+    assert arch.moe.layers == (2,) and arch.moe.shared_intermediate_size == 64
+    assert arch.moe.grouped.sigmoid and arch.moe.renormalize and arch.moe.grouped.scaling == 2.5
+    assert arch.sliding_window is None and arch.kv_bytes_per_token(2) == 2 * 3 * 4 * 24 * 2
+
+
+def test_v3_multi_token_prediction_layers_are_skipped(
+    built: Callable[[str], Built], tmp_path: Path
+) -> None:
+    """DeepSeek-V3's checkpoints carry their multi-token-prediction module as one more decoder
+    layer (num_hidden_layers): skipped as transformers skips it; the tokens stay its."""
+    from safetensors.torch import load_file, save_file
+
+    path, hf = built("v3-halves")
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    extra = {k.replace("model.layers.2.", "model.layers.3."): v.clone()
+             for k, v in tensors.items() if k.startswith("model.layers.2.")}  # fmt: skip
+    save_file({**tensors, **extra}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 3
+    _assert_greedy_matches("v3-halves", tmp_path, hf, [9])
+
+
+def test_lora_and_quantization_are_refused(built: Callable[[str], Built]) -> None:
+    path = str(built("v2")[0])
+    with pytest.raises(ConfigError, match="LoRA"):
+        LLM(path, **BESIDE, lora_config=LoRAConfig())
+    with pytest.raises(ConfigError, match="quantized deepseek_v2"):
+        LLM(path, **BESIDE, quantization="fp8")
