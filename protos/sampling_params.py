@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,9 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each value in [-100, 100]
 MAX_BAD_WORDS = 256
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # ids in allowed_token_ids (beyond any vocabulary's size)
+# vLLM's floor for a non-zero temperature: logits divided by less overflow float32 to inf, and
+# the softmax of inf is NaN (every token then read as token 0); a lower one is raised to it
+MIN_TEMPERATURE = 0.01
 
 
 class InvalidRequestError(ValueError):
@@ -124,6 +128,8 @@ class SamplingParams:
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -172,8 +178,8 @@ class SamplingParams:
                 "frequency_penalty",
             ),
             (
-                0.0 < self.repetition_penalty <= 2.0,
-                "repetition_penalty must be in (0, 2], got {}",
+                0.0 < self.repetition_penalty < math.inf,
+                "repetition_penalty must be a finite number greater than 0, got {}",
                 "repetition_penalty",
             ),
             (self.n >= 1, "n must be at least 1, got {}", "n"),

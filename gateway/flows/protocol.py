@@ -115,7 +115,7 @@ def _sampling(
             top_p=f.get_float("top_p", defaults.get("top_p", 1.0), -1e9, 1e9),
             top_k=f.get_int("top_k", int(defaults.get("top_k", 0)), -1, INT32_MAX) or 0,
             min_p=f.get_float("min_p", defaults.get("min_p", 0.0), -1e9, 1e9),
-            seed=f.get_int("seed", None, -INT64_MAX, INT64_MAX),
+            seed=_seed(f),
             presence_penalty=f.get_float("presence_penalty", 0.0, -1e9, 1e9),
             frequency_penalty=f.get_float("frequency_penalty", 0.0, -1e9, 1e9),
             repetition_penalty=f.get_float(
@@ -138,6 +138,12 @@ def _sampling(
         )
     except InvalidRequestError as e:
         raise invalid(str(e), e.param) from e
+
+
+def _seed(f: Fields) -> int | None:
+    """The request's ``seed``; -1 asks for none, as vLLM reads it (a fresh draw each time)."""
+    seed = f.get_int("seed", None, -INT64_MAX, INT64_MAX)
+    return None if seed == -1 else seed
 
 
 def _allowed_token_ids(f: Fields) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from protos.sampling_params import InvalidRequestError, SamplingParams
+from protos.sampling_params import MIN_TEMPERATURE, InvalidRequestError, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,8 @@ from protos.sampling_params import InvalidRequestError, SamplingParams
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
         ({"n": 0}, "n"),
         ({"logit_bias": {"5": 100.5}}, "logit_bias"),
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
@@ -54,6 +56,8 @@ def test_invalid_values_name_the_field(kwargs: dict[str, Any], param: str) -> No
         {"logprobs": 0},
         {"logprobs": 20},
         {"top_k": -1},
+        {"repetition_penalty": 2.5},  # vLLM takes any finite penalty above 0
+        {"repetition_penalty": 0.5},
         {"stop": [str(i) for i in range(16)]},
         {"logit_bias": {"0": -100, "7": 100}},
         {"logit_bias": {str(i): 1 for i in range(300)}},
@@ -76,3 +80,12 @@ def test_logit_bias_mapping_becomes_sorted_pairs() -> None:
     assert params.logit_bias == ((5, 2.0), (7042, -100.0))
     assert SamplingParams(logit_bias=params.logit_bias) == params
     assert len(SamplingParams(logit_bias={"5": 1, "05": 2}).logit_bias) == 1  # type: ignore[arg-type]
+
+
+def test_a_tiny_temperature_is_raised_to_vllms_floor() -> None:
+    """Below 0.01 the logits divided by the temperature overflow float32 (NaN probabilities):
+    vLLM raises such a temperature to 0.01, and so does this; 0 stays greedy."""
+    assert SamplingParams(temperature=1e-45).temperature == MIN_TEMPERATURE == 0.01
+    assert SamplingParams(temperature=0.009).temperature == 0.01
+    assert SamplingParams(temperature=0.02).temperature == 0.02
+    assert SamplingParams(temperature=0.0).greedy

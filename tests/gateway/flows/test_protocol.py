@@ -52,7 +52,7 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CMPL, {"prompt": "hi", "top_p": 1.5}, {}, "top_p must be in (0, 1]"),
     (CMPL, {"prompt": "hi", "top_k": -2}, {}, "top_k must be between -1"),
     (CMPL, {"prompt": "hi", "presence_penalty": 3}, {}, "presence_penalty must be in [-2, 2]"),
-    (CMPL, {"prompt": "hi", "repetition_penalty": 0}, {}, "repetition_penalty must be in (0, 2]"),
+    (CMPL, {"prompt": "hi", "repetition_penalty": 0}, {}, "repetition_penalty must be a finite number greater than 0"),
     (CMPL, {"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, {}, "min_tokens (20) must not exceed max_tokens (10)"),
     (CMPL, {"prompt": "hi", "stop": [""]}, {}, "stop strings must not be empty"),
     (CMPL, {"prompt": "hi", "stop": 5}, {}, "stop must be a string or a list of strings"),
@@ -221,6 +221,12 @@ def test_a_tool_choice_constraint_comes_from_the_tools() -> None:
         req = parse_chat({"messages": MSGS, "tools": [TOOL], "tool_choice": choice})
         so = req.common.sampling.structured
         assert so is not None and so.kind == "json" and so.source == "tools"
+
+
+def test_seed_minus_one_asks_for_no_seed() -> None:
+    """vLLM reads seed -1 as none (each request a fresh draw), not as a seed of -1."""
+    assert parse_completion({"prompt": "hi", "seed": -1}).common.sampling.seed is None
+    assert parse_completion({"prompt": "hi", "seed": -2}).common.sampling.seed == -2
 
 
 def test_seed_takes_the_whole_int64_range() -> None:

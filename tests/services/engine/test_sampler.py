@@ -47,6 +47,14 @@ def test_min_p_drops_unlikely_tokens() -> None:
     assert toks == {0, 1}
 
 
+def test_a_tiny_temperature_samples_the_likely_token() -> None:
+    """temperature 1e-40 divided the logits into inf (NaN probabilities, read as token 0 every
+    step); raised to vLLM's 0.01 it samples the argmax of well-separated logits."""
+    logits = torch.tensor([[0.0, 5.0, 1.0]]).repeat(50, 1)
+    params = [SamplingParams(temperature=1e-40, seed=i) for i in range(50)]
+    assert {t.token_id for t in sample(logits, params, [[]] * 50, [[0]] * 50, [[]] * 50)} == {1}
+
+
 def test_min_p_filters_before_top_p() -> None:
     """vLLM's order after the temperature: min_p, then top-k and top-p on what it left. Of
     0.5/0.3/0.1/0.1, min_p 0.3 leaves 0.625/0.375, where top_p 0.6 keeps the first token only
