@@ -1,0 +1,213 @@
+"""/v1/responses through the official openai client against fake workers (they echo the
+rendered prompt): whole and streamed responses validate as the client's types and agree, the
+store serves previous_response_id, GET, DELETE and input_items (an unknown id a 404 in OpenAI's
+shape), a client that leaves a stream cancels its generation, and the prompt a conversation
+renders is the chat endpoint's for the same messages."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response
+
+from tests.gateway.stack import Stack
+
+pytestmark = pytest.mark.timeout(60)
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dir: str) -> Iterator[Stack]:
+    stack = Stack(tokenizer_dir, ["colocated"], responses_store_size=3)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    stack.reset()
+    with openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def prompt_tokens(stack: Stack, messages: list[dict[str, Any]], **extra: Any) -> int:
+    body = {"messages": messages, **extra}
+    count: int = httpx.post(f"{stack.base_url}/tokenize", json=body).json()["count"]
+    return count
+
+
+def test_a_response_whole_and_streamed(stack: Stack, client: openai.OpenAI) -> None:
+    whole = client.responses.create(
+        model="embedded", input="Tell me.", instructions="Be brief.", max_output_tokens=64
+    )
+    Response.model_validate(whole.model_dump())
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.status == "completed" and whole.output_text == "system\nBe brief."
+    assert whole.instructions == "Be brief." and whole.max_output_tokens == 64
+    assert whole.usage is not None and whole.usage.input_tokens == prompt_tokens(
+        stack, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me."}]
+    )
+    with client.responses.stream(
+        model="embedded", input="Tell me.", instructions="Be brief.", max_output_tokens=64
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text and final.usage == whole.usage
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]  # fmt: skip
+
+
+def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
+    r = client.responses.create(model="embedded", input="Tell me.", max_output_tokens=2)
+    assert r.status == "incomplete" and r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage is not None and r.usage.output_tokens == 2
+
+
+def test_the_stream_is_openais_sse_without_done(stack: Stack, client: openai.OpenAI) -> None:
+    body = {"input": "hi", "max_output_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/responses", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in lines if line.startswith("event: ")]
+    assert events[0] == "event: response.created" and events[-1] == "event: response.incomplete"
+    assert not any("[DONE]" in line for line in lines)
+
+
+def test_a_conversation_goes_on_with_previous_response_id(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    first = client.responses.create(model="embedded", input="My name is Ada.", instructions="X")
+    second = client.responses.create(
+        model="embedded", input="What is my name?", previous_response_id=first.id
+    )
+    assert second.previous_response_id == first.id and second.instructions is None
+    # the earlier input and output come first; the earlier instructions do not carry over
+    messages = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    assert second.usage is not None
+    assert second.usage.input_tokens == prompt_tokens(stack, messages)
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, getattr(i, "role", None)) for i in items.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")]  # fmt: skip
+    newest = client.responses.input_items.list(second.id, limit=1)
+    assert newest.data[0].id == items.data[-1].id and newest.has_more
+
+
+def test_a_tool_round_trip_renders_as_the_chat_endpoints(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    call = client.responses.create(
+        model="embedded", input="Weather in Oslo?", tools=[TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=8,
+    )  # fmt: skip
+    (item,) = call.output  # a named function: the output is its call (the fake's text)
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert item.call_id.startswith("call_") and call.tools[0].name == "get_weather"  # type: ignore[union-attr]
+    # the fake's arguments are no JSON: a history holding them is refused, as a chat's is
+    r = httpx.post(f"{stack.base_url}/v1/responses", json={"previous_response_id": call.id,
+                   "input": [{"type": "function_call_output", "call_id": item.call_id,
+                              "output": "rain"}]})  # fmt: skip
+    assert r.status_code == 400 and "arguments is not valid JSON" in r.json()["error"]["message"]
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "rain"},
+    ]  # fmt: skip
+    answer = client.responses.create(
+        model="embedded",
+        input=history,
+        tools=[TOOL],
+        tool_choice="none",  # type: ignore[arg-type,list-item]
+    )
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+    ]  # fmt: skip
+    assert answer.usage is not None
+    assert answer.usage.input_tokens == prompt_tokens(stack, messages, tools=chat_tools)
+
+
+def test_get_delete_and_store_false(stack: Stack, client: openai.OpenAI) -> None:
+    kept = client.responses.create(model="embedded", input="hi", max_output_tokens=3)
+    got = client.responses.retrieve(kept.id)
+    assert got.model_dump() == kept.model_dump()
+    client.responses.delete(kept.id)
+    for call in (lambda: client.responses.retrieve(kept.id),
+                 lambda: client.responses.delete(kept.id)):  # fmt: skip
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.status_code == 404 and kept.id in e.value.message
+    unkept = client.responses.create(model="embedded", input="hi", max_output_tokens=3, store=False)
+    assert unkept.store is False
+    r = httpx.get(f"{stack.base_url}/v1/responses/{unkept.id}")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{stack.base_url}/v1/responses",
+                   json={"input": "x", "previous_response_id": unkept.id})  # fmt: skip
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_the_store_keeps_the_latest(stack: Stack, client: openai.OpenAI) -> None:
+    ids = [client.responses.create(model="embedded", input="hi", max_output_tokens=1).id
+           for _ in range(4)]  # fmt: skip
+    assert httpx.get(f"{stack.base_url}/v1/responses/{ids[0]}").status_code == 404
+    assert all(httpx.get(f"{stack.base_url}/v1/responses/{i}").status_code == 200 for i in ids[1:])
+
+
+def test_bad_input_is_a_400_and_runs_nothing(stack: Stack, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="embedded", input="hi",
+                                tools=[{"type": "web_search"}])  # fmt: skip
+    assert e.value.code is None and "built-in tools are not supported" in e.value.message
+    r = httpx.post(f"{stack.base_url}/v1/responses", json={"input": "hi", "background": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    r = httpx.get(f"{stack.base_url}/v1/responses/x?stream=true")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    assert not stack.workers[0].records.requests
+
+
+def test_a_client_that_leaves_a_stream_cancels_the_generation(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    stack.workers[0].behavior.token_delay_s = 0.05
+    body = {"input": "hi", "max_output_tokens": 500, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/responses", json=body) as r:
+        lines = r.iter_lines()
+        created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        next(line for line in lines if line == "event: response.output_text.delta")
+    assert wait_for(lambda: not stack.state.active)
+    spans = [s for s in stack.exporter.get_finished_spans() if s.name.startswith("chat ")]
+    assert spans[-1].attributes is not None
+    assert spans[-1].attributes["gen_ai.response.id"] == created["response"]["id"]
+    assert spans[-1].status.description == "cancelled"
+    # an unfinished response is not kept
+    r = httpx.get(f"{stack.base_url}/v1/responses/{created['response']['id']}")
+    assert r.status_code == 404
