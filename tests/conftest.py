@@ -39,6 +39,7 @@ SERVING_MODULES = frozenset(
         "tests/gateway/test_e2e_lm_eval.py",
         "tests/gateway/test_e2e_prompt_logprobs.py",
         "tests/gateway/test_e2e_real.py",
+        "tests/gateway/test_e2e_responses.py",
         "tests/gateway/test_e2e_speculative.py",
         "tests/gateway/test_e2e_stop_strings.py",
         "tests/gateway/test_e2e_structured.py",
