@@ -1,9 +1,10 @@
 """The config.json readers of the families that are small deltas on the Llama layout (OLMo 2
 and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4, Arcee; the attention
-and scalings of OLMoE and Granite MoE, whose experts ``moe_families`` reads): each returns the config with the
-family's defaults written into the keys the common reader (``ArchConfig.from_dict``) takes, and
-the ``ArchConfig`` fields the family sets; what the family allows but this engine does not
-implement is refused (ConfigError) rather than served wrong."""
+and scalings of OLMoE, Granite MoE and ERNIE 4.5 MoE, whose experts ``moe_families`` reads):
+each returns the config with the family's defaults written into the keys the common reader
+(``ArchConfig.from_dict``) takes, and the ``ArchConfig`` fields the family sets; what the
+family allows but this engine does not implement is refused (ConfigError) rather than served
+wrong."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ Fields = dict[str, Any]
 # families whose transformers model pairs rotary dims (0, 1), (2, 3), ... rather than the
 # first half with the second; the loader reorders their q and k rows (ArchConfig's
 # rotary_interleaved)
-INTERLEAVED_ROTARY_TYPES = ("glm", "glm4", "cohere", "ernie4_5")
+INTERLEAVED_ROTARY_TYPES = ("glm", "glm4", "cohere", "ernie4_5", "ernie4_5_moe")
 
 
 def read_family(model_type: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
@@ -193,6 +194,22 @@ def _granitemoe(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
     return cfg, {}
 
 
+def _ernie4_5_moe(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """ERNIE 4.5 MoE's attention and dense layers: the dense ERNIE 4.5's rotary pairing, head_dim
+    hidden_size / heads unless given, a rotary base of 500000, tied embeddings and
+    rms_norm_eps 1e-5 unless given; ``use_bias`` (every projection and the lm_head biased) is
+    refused."""
+    _check_act("ernie4_5_moe", cfg, "silu")
+    if cfg.get("use_bias"):
+        raise ConfigError(
+            "ernie4_5_moe: use_bias (biased projections and lm_head) is not supported"
+        )
+    read = {**cfg, "rope_theta": cfg.get("rope_theta", 500_000.0), "attention_bias": False,
+            "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5),
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}  # fmt: skip
+    return read, {}
+
+
 def _check_act(model_type: str, cfg: dict[str, Any], want: str) -> None:
     act = cfg.get("hidden_act") or want
     if act != want:
@@ -215,4 +232,5 @@ _READERS = {
     "olmoe": _olmoe,
     "granitemoe": _granitemoe,
     "granitemoeshared": _granitemoe,
+    "ernie4_5_moe": _ernie4_5_moe,
 }

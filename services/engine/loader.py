@@ -71,6 +71,13 @@ _GRANITE_MOE_NAMES = (
     (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."),
 )
 _STACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+# ERNIE 4.5 MoE's names: its shared experts (one MLP), its correction bias ([1, E] as the
+# checkpoint holds it; transformers 5's own name has the router in it)
+_ERNIE_MOE_NAMES = (
+    (".mlp.shared_experts.", ".mlp.shared_expert."),
+    (".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.e_score_correction_bias"),
+    (".mlp.moe_statics.e_score_correction_bias", ".mlp.e_score_correction_bias"),
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +200,11 @@ def load_weights(
                 name = name.replace(theirs, ours)
             if name.endswith(_STACKED_EXPERTS) and layout is not None and whole is not None:
                 tensor = _rank_part(layout, name, tensor, whole)  # read whole: the rank's rows
+        if arch.model_type == "ernie4_5_moe":
+            for theirs, ours in _ERNIE_MOE_NAMES:
+                name = name.replace(theirs, ours)
+            if name.endswith(".mlp.e_score_correction_bias"):
+                tensor = tensor.reshape(-1)  # [1, E] -> [E]
         if arch.model_type == "arcee":  # its ungated MLP's up and down: not a gate/up pair
             name = name.replace(".mlp.up_proj.", ".mlp.c_fc.").replace(
                 ".mlp.down_proj.", ".mlp.c_proj."

@@ -47,6 +47,7 @@ SUPPORTED = {
     "olmoe": "OLMoE",
     "granitemoe": "Granite 3.x MoE",
     "granitemoeshared": "Granite MoE with a shared expert",
+    "ernie4_5_moe": "ERNIE 4.5 MoE (text)",
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
@@ -191,6 +192,10 @@ class MoeConfig:
     shared_intermediate_size: int = 0
     # False: the shared expert's output added as it is, no gate (Granite MoE's shared MLP)
     shared_gate: bool = True
+    # ERNIE 4.5: a learned bias per expert added to the softmax probabilities to choose the
+    # top-k (their weights are the probabilities without it), and the router kept in float32
+    correction_bias: bool = False
+    router_fp32: bool = False
     # gpt-oss: a bias on the router and on each expert's projections, and its clamped SwiGLU
     # (gate clamped above at swiglu_limit, up to +-swiglu_limit, (up + 1) * gate *
     # sigmoid(swiglu_alpha * gate)) instead of silu(gate) * up; swiglu_limit 0: SiLU gating
@@ -605,12 +610,12 @@ def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, t
     ``layer_types`` names, else those from ``max_window_layers`` on (its default: 28, 80 for the
     VL models); Gemma 3, OLMo 3 and EXAONE 4 (their readers fill in ``layer_types``) the
     ``layer_types`` ones; StarCoder2 every layer when ``sliding_window`` is given; Llama,
-    Qwen3-VL, OLMo 2, GLM, Cohere, ERNIE 4.5, Seed-OSS, Arcee, OLMoE and Granite MoE never.
-    (None, ()) when no layer does."""
+    Qwen3-VL, OLMo 2, GLM, Cohere, ERNIE 4.5 (and its MoE), Seed-OSS, Arcee, OLMoE and Granite
+    MoE never. (None, ()) when no layer does."""
     layers = range(int(cfg["num_hidden_layers"]))
     if model_type in ("llama", "qwen3_vl", "granite", "gemma", "olmo2", "glm", "glm4", "cohere",
                       "ernie4_5", "seed_oss", "arcee", "olmoe", "granitemoe",
-                      "granitemoeshared"):  # fmt: skip
+                      "granitemoeshared", "ernie4_5_moe"):  # fmt: skip
         return None, ()
     if model_type == "qwen2_moe":  # its windows alternate below max_window_layers: not served
         if cfg.get("use_sliding_window"):

@@ -1,6 +1,6 @@
 """The sparse MLP of Mixture-of-Experts models (Qwen3-MoE, Mixtral, Qwen2-MoE with its gated
 shared expert, gpt-oss with its biases and clamped SwiGLU, OLMoE, Granite MoE with its ungated
-shared MLP) in plain PyTorch.
+shared MLP, ERNIE 4.5 MoE with its correction bias and ungated shared experts) in plain PyTorch.
 
 A router picks ``top_k`` experts per token; the experts' gated MLPs run as one fused op
 (``kernels.ops.fused_moe``) over weights stacked per expert: the loader stacks the checkpoint's
@@ -8,6 +8,8 @@ per-expert tensors into them (``services.engine.loader``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,10 +59,36 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SharedExpert(hidden, moe.shared_intermediate_size)
         if moe.shared_intermediate_size and moe.shared_gate:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        # ERNIE 4.5's moe_statics: added to the probabilities to choose, not to the weights
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if moe.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))  # [E]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SparseMoeBlock:
+        """As nn.Module's; a float32 router (``MoeConfig.router_fp32``) stays float32 whatever
+        dtype the model is cast to, as transformers keeps ERNIE 4.5's."""
+        super()._apply(fn, recurse)
+        if self.moe.router_fp32:
+            for p in (self.gate.weight, self.e_score_correction_bias):
+                if p is not None:
+                    p.data = p.data.float()
+        return self
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, k] each
+        """The router's weights (float32) and experts for each token."""
+        if self.moe.router_fp32:  # ERNIE 4.5: logits of the float32 input and weight
+            logits = ops.linear(x.float(), self.gate.weight.float())  # [T, E]
+        else:
+            logits = ops.linear(x, self.gate.weight, self.gate.bias)  # [T, E]
+        bias = self.e_score_correction_bias
+        if bias is None:
+            return ops.moe_routing(logits, self.moe.top_k, self.moe.renormalize)
+        return ops.grouped_topk(
+            logits, self.moe.top_k, correction_bias=bias, renormalize=self.moe.renormalize
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        logits = ops.linear(x, self.gate.weight, self.gate.bias)  # [T, E]
-        weights, ids = ops.moe_routing(logits, self.moe.top_k, self.moe.renormalize)  # [T, k]
+        weights, ids = self.route(x)  # [T, k]
         if self.moe.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         experts = self.experts
@@ -72,6 +100,6 @@ class SparseMoeBlock(nn.Module):
             # as transformers: sigmoid(gate(x)) * shared(x), then added, each in x's dtype
             gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))  # [T, 1]
             out = out + gate * self.shared_expert(x)
-        elif self.shared_expert is not None:  # Granite MoE's: added as it is
+        elif self.shared_expert is not None:  # Granite MoE's and ERNIE 4.5's: added as it is
             out = out + self.shared_expert(x)
         return out

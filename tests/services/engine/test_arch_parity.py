@@ -1,7 +1,7 @@
 """Each text architecture in our engine against transformers: tiny random Llama, Mistral, Qwen2,
 Qwen3 (also with YaRN rope scaling), Gemma 1, 2 and 3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3, SmolLM3,
 gpt-oss, OLMo 2 and 3, GLM and GLM-4, StarCoder2, Cohere, ERNIE 4.5, Seed-OSS, EXAONE 4,
-Arcee, OLMoE and Granite MoE checkpoints
+Arcee, OLMoE, Granite MoE and ERNIE 4.5 MoE checkpoints
 (float32, seeded), greedy, token for token, sliding windows included (Mistral's on every layer,
 Qwen2's from max_window_layers on, Gemma 3's on its local layers, SmolLM3's on its NoPE ones),
 Phi's partial rotary and LongRoPE, and Granite's scalings."""
@@ -218,6 +218,20 @@ CONFIGS = {
         "num_experts_per_tok": 3, "shared_intermediate_size": 48, "embedding_multiplier": 12.0,
         "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0,
     }),
+    # ERNIE 4.5 MoE: layers 1 and 2 sparse (moe_layer_start_index 1, end 2), 0 and 3 dense;
+    # top-2 of 8 chosen with the (random) correction bias, two shared experts added ungated,
+    # rotary dims paired, tied embeddings
+    "ernie4_5_moe": ("ernie4_5_moe", {
+        "num_hidden_layers": 4, "intermediate_size": 96, "moe_intermediate_size": 16,
+        "moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 2,
+        "moe_layer_start_index": 1, "moe_layer_end_index": 2, "pad_token_id": None,
+    }),
+    # every other layer sparse (moe_layer_interval 2), no shared expert
+    "ernie4_5_moe-interval": ("ernie4_5_moe", {
+        "num_hidden_layers": 4, "intermediate_size": 96, "moe_intermediate_size": 16,
+        "moe_num_experts": 6, "moe_k": 3, "moe_num_shared_experts": 0,
+        "moe_layer_start_index": 0, "moe_layer_interval": 2, "pad_token_id": None,
+    }),
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16
@@ -301,10 +315,13 @@ LONGROPE_LENS = [1, 9, 23, 40, 65, 150]
 # biases, rope frequencies) or whose windows are tested by others: one short prompt, one mid,
 # one chunked (the suite's time); Llama and the windowed families take every length
 FEW_LENS = [4, 23, 150]
+# the MoE families run through the fused Triton kernel under the interpreter too
+TRITON_MOE = ["qwen3_moe-dense-layer", "mixtral", "olmoe", "granitemoeshared", "ernie4_5_moe"]
 FEW = ("gemma", "granite", "qwen2_moe", "phi3-partial-rotary", "llama-biases", "qwen2", "qwen3",
        "qwen3-yarn", "qwen3_moe-dense-layer", "qwen3_moe-sparse-step", "mixtral",
        "olmo2", "glm", "cohere", "cohere-qk-norm", "ernie4_5", "seed_oss", "arcee", "olmoe",
-       "olmoe-norm-topk", "granitemoe", "granitemoeshared")  # fmt: skip
+       "olmoe-norm-topk", "granitemoe", "granitemoeshared", "ernie4_5_moe",
+       "ernie4_5_moe-interval")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -362,7 +379,7 @@ def test_longrope_prompts_of_both_kinds_never_share_cached_blocks(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernel on the CPU: TRITON_INTERPRET=1",
 )
-@pytest.mark.parametrize("name", ["qwen3_moe-dense-layer", "mixtral", "olmoe", "granitemoeshared"])
+@pytest.mark.parametrize("name", TRITON_MOE)
 def test_greedy_matches_transformers_through_the_triton_kernel(
     name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:

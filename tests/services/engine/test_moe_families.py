@@ -93,3 +93,41 @@ def test_granite_moe_refuses_what_it_does_not_implement(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         _arch(model_type, **extra)
+
+
+def test_ernie4_5_moe_reads_transformers_defaults() -> None:
+    arch = _arch("ernie4_5_moe")
+    assert arch.moe is not None and arch.moe.layers == (1, 2, 3)  # start index 1, end -1
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.intermediate_size) == (64, 6, 1536)
+    assert arch.moe.shared_intermediate_size == 2 * 1536 and not arch.moe.shared_gate
+    assert arch.moe.correction_bias and arch.moe.router_fp32 and arch.moe.renormalize
+    assert (arch.rope_theta, arch.rms_norm_eps, arch.head_dim) == (500_000.0, 1e-5, 16)
+    assert arch.tie_word_embeddings and arch.rotary_interleaved
+    assert not (arch.attention_bias or arch.o_proj_bias or arch.mlp_bias)
+
+
+def test_ernie4_5_moe_reads_its_sparse_layers() -> None:
+    arch = _arch("ernie4_5_moe", num_hidden_layers=8, moe_layer_start_index=2,
+                 moe_layer_end_index=6, moe_layer_interval=2, moe_num_shared_experts=0,
+                 moe_num_experts=8, moe_k=2, moe_intermediate_size=24)  # fmt: skip
+    assert arch.moe is not None and arch.moe.layers == (3, 5)
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.intermediate_size) == (8, 2, 24)
+    assert arch.moe.shared_intermediate_size == 0
+    dense = _arch("ernie4_5_moe", moe_layer_start_index=4)  # past the last layer
+    assert dense.moe is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"use_bias": True}, "ernie4_5_moe: use_bias .* is not supported"),
+        ({"hidden_act": "gelu"}, "ernie4_5_moe: hidden_act 'gelu'; only silu"),
+        ({"moe_layer_interval": 0}, "moe_layer_interval 0 must be >= 1"),
+        ({"moe_num_experts": 4, "moe_k": 6}, "ernie4_5_moe: num_experts_per_tok 6 of 4"),
+    ],
+)
+def test_ernie4_5_moe_refuses_what_it_does_not_implement(
+    extra: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _arch("ernie4_5_moe", **extra)

@@ -114,6 +114,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_experts_per_tok": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.0625, "logits_scaling": 8.0, "attention_bias": True,
     }),
+    # ERNIE 4.5 MoE without shared experts: the float32 router and its correction bias whole on
+    # each rank, the experts' rows split (33: 17 + 16), a dense layer first, rotary dims paired
+    "ernie4_5_moe": ("ernie4_5_moe", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 33,
+        "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 0, "pad_token_id": None,
+    }),
     # sinks cut by query head, the experts' gate/up biases by their rows (33: 17 + 16), the
     # down projection's bias on rank 0 only (the ranks' sum counts it once): random biases
     "gpt-oss": ("gpt_oss", {
@@ -154,7 +161,8 @@ def _random_norms_and_biases(path: Path) -> None:
 
 
 # families whose checkpoints get random norms and biases (transformers starts them at 1 and 0)
-RANDOM_NORMS = ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3", "olmoe", "granitemoe")
+RANDOM_NORMS = ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3", "olmoe",
+                "granitemoe", "ernie4_5_moe")  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -238,6 +246,7 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("gpt-oss", 2),
         ("olmoe-3kv-uneven", 2),
         ("granitemoe", 2),
+        ("ernie4_5_moe", 2),
         ("qwen3-2kv", 2),  # last: the next test goes on with its engine
     ],
 )
