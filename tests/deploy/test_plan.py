@@ -231,6 +231,14 @@ def test_the_body_limit_goes_to_the_gateway_only() -> None:
     assert "--max-body-bytes" not in plan_for().gateway_argv  # the default: nothing to pass
 
 
+def test_the_responses_store_bounds_go_to_the_gateway_only() -> None:
+    plan = plan_for("--responses-store-size", "0", "--responses-store-max-bytes", "4096")
+    args = reparse(plan.gateway_argv)
+    assert args.responses_store_size == 0 and args.responses_store_max_bytes == 4096
+    assert not any("--responses-store" in f for w in plan.workers for f in w.spec.argv)
+    assert not any("--responses-store" in f for f in plan_for().gateway_argv)  # defaults
+
+
 def test_cors_flags_go_to_the_gateway_only_as_the_json_it_reads() -> None:
     plan = plan_for("--allowed-origins", '["https://app.example.com"]', "--allowed-methods",
                     '["POST"]', "--allowed-headers", "[]", "--allow-credentials")  # fmt: skip
