@@ -211,3 +211,49 @@ def test_a_client_that_leaves_a_stream_cancels_the_generation(
     # an unfinished response is not kept
     r = httpx.get(f"{stack.base_url}/v1/responses/{created['response']['id']}")
     assert r.status_code == 404
+
+
+@pytest.fixture(scope="module")
+def thinking(tokenizer_dir: str) -> Iterator[Stack]:
+    """A gateway with a reasoning parser whose prompt opens the thinking block (deepseek_r1):
+    what the fake echoes before </think> is reasoning."""
+    stack = Stack(tokenizer_dir, ["colocated"], reasoning_parser="deepseek_r1")
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_reasoning_is_an_item_and_counts_its_tokens(thinking: Stack) -> None:
+    body = {"input": "hi", "instructions": "why</think>Because.", "max_output_tokens": 64}
+    r = httpx.post(f"{thinking.base_url}/v1/responses", json=body)
+    response = Response.model_validate(r.json())
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert reasoning.content is not None and reasoning.content[0].text == "system\nwhy"
+    assert response.output_text == "Because."
+    assert response.usage is not None
+    ids = thinking.state.tokenizer.encode("system\nwhy", False)
+    assert response.usage.output_tokens_details.reasoning_tokens == len(ids)
+    client = openai.OpenAI(base_url=f"{thinking.base_url}/v1", api_key="none", max_retries=0)
+    with client, client.responses.stream(model="embedded", **body) as stream:  # type: ignore[arg-type]
+        kinds = {event.type for event in stream}
+        final = stream.get_final_response()
+    assert {"response.reasoning_text.delta", "response.reasoning_text.done"} <= kinds
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.usage == response.usage
+
+
+def test_a_worker_failing_mid_stream_is_an_error_event_then_failed(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    stack.workers[0].behavior.fail_after_tokens = 2
+    body = {"input": "hi", "max_output_tokens": 50, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/responses", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    failed = Response.model_validate(events[-1]["response"])
+    assert failed.status == "failed" and failed.error is not None
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert httpx.get(f"{stack.base_url}/v1/responses/{failed.id}").status_code == 404
