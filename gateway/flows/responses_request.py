@@ -255,7 +255,7 @@ def parse_responses(
         "max_tool_calls": max_tool_calls,
         "metadata": f.get("metadata") or {},
         "parallel_tool_calls": f.get_bool("parallel_tool_calls", True),
-        "previous_response_id": previous_response_id(f.body),
+        "previous_response_id": f.get_str("previous_response_id", None, MAX_RESPONSE_ID),
         "reasoning": reasoning,
         "text": {"format": fmt},
         "tool_choice": f.get("tool_choice") or ("auto" if tools else "none"),
@@ -266,8 +266,8 @@ def parse_responses(
         "background": False,
     }
     store = f.get_bool("store", True)
-    for name in ("prompt_cache_key", "safety_identifier", "previous_response_id", "model"):
-        f.get(name)
+    for name in ("prompt_cache_key", "safety_identifier"):  # no effect here, echoed
+        params[name] = f.get_str(name, None, 1024)
     refuse_unknown(f, RESPONSES)
     return ResponsesRequest(chat, items, history, messages.origins, params, store, logprobs)
 
@@ -281,6 +281,9 @@ _NAMES = (
     ("max_completion_tokens", "max_output_tokens"),
     ("reasoning_effort", "reasoning.effort"),
     ("].function.", "]."),
+    ("image_url parts", "input_image parts"),
+    ("image_url.url", "image_url"),
+    ("image_url.detail", "detail"),
 )
 _MESSAGE_AT = re.compile(r"messages\[(\d+)\]")
 

@@ -34,6 +34,8 @@ def test_the_chat_request_it_becomes() -> None:
     assert chat.common.user == "u1" and chat.add_generation_prompt and not req.store
     assert req.params["metadata"] == {"k": "v"} and req.params["instructions"] == "Be brief."
     assert req.params["text"] == {"format": {"type": "text"}} and req.params["tools"] == []
+    echoed = parse(prompt_cache_key="k", safety_identifier="s").params
+    assert echoed["prompt_cache_key"] == "k" and echoed["safety_identifier"] == "s"
 
 
 def test_flat_function_tools_and_tool_choice() -> None:

@@ -257,3 +257,15 @@ def test_a_worker_failing_mid_stream_is_an_error_event_then_failed(
     assert failed.status == "failed" and failed.error is not None
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert httpx.get(f"{stack.base_url}/v1/responses/{failed.id}").status_code == 404
+
+
+def test_an_image_for_a_text_only_model_is_a_400_in_the_responses_terms(stack: Stack) -> None:
+    png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="  # fmt: skip
+    body = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": png}]}]}
+    r = httpx.post(f"{stack.base_url}/v1/responses", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "input" and "drop the input_image parts" in error["message"]
+    body["input"][0]["content"][0]["detail"] = "low"  # type: ignore[index]
+    error = httpx.post(f"{stack.base_url}/v1/responses", json=body).json()["error"]
+    assert "input[0].content: detail 'low' is not supported" in error["message"]
