@@ -269,3 +269,18 @@ def test_an_image_for_a_text_only_model_is_a_400_in_the_responses_terms(stack: S
     body["input"][0]["content"][0]["detail"] = "low"  # type: ignore[index]
     error = httpx.post(f"{stack.base_url}/v1/responses", json=body).json()["error"]
     assert "input[0].content: detail 'low' is not supported" in error["message"]
+
+
+def test_logprobs_when_included(client: openai.OpenAI) -> None:
+    ask: dict[str, Any] = {"model": "embedded", "input": "hi", "max_output_tokens": 4,
+                           "include": ["message.output_text.logprobs"], "top_logprobs": 2}  # fmt: skip
+    whole = client.responses.create(**ask)
+    part = whole.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert len(part.logprobs) == 4 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    with client.responses.stream(**ask) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+    assert sum(len(d.logprobs) for d in deltas) == 4
+    plain = client.responses.create(model="embedded", input="hi", max_output_tokens=4)
+    assert plain.output[0].content[0].logprobs is None  # type: ignore[union-attr]
