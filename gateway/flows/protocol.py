@@ -72,7 +72,9 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None
     score_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs, nothing generated
-    prompt_logprobs: bool = False  # asked for vLLM's prompt_logprobs (not only echo + logprobs)
+    # vLLM's prompt_logprobs: the alternatives asked for (None: not asked; echo with logprobs
+    # widens what the workers compute, not what this field shows)
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,7 @@ def parse_completion(body: Any, defaults: Mapping[str, float] | None = None) -> 
     if score_only:  # one token is generated and dropped: the workers always sample one
         f = f.updated(max_tokens=1)
     common = _common(f, "max_tokens", logprobs, special=True, defaults=defaults or {})
+    prompt_logprobs = common.sampling.prompt_logprobs
     if echo and logprobs is not None:  # the echoed prompt's tokens get their logprobs too
         wanted = max(logprobs, common.sampling.prompt_logprobs or 0)
         common = replace(common, sampling=replace(common.sampling, prompt_logprobs=wanted))
@@ -312,7 +315,7 @@ def parse_completion(body: Any, defaults: Mapping[str, float] | None = None) -> 
         echo=echo,
         logprobs=logprobs,
         score_only=score_only,
-        prompt_logprobs=f.get("prompt_logprobs") is not None,
+        prompt_logprobs=prompt_logprobs,
     )
     refuse_unknown(f, SAMPLING, COMPLETION)
     return request

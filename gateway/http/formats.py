@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gateway.core.errors import invalid
@@ -157,11 +158,17 @@ def completion_choice(
             "stop_reason": stop_reason}  # fmt: skip
 
 
-def prompt_logprobs(entries: Sequence[PositionLogprobs]) -> list[dict[str, Any] | None]:
+def top_of(entries: Sequence[PositionLogprobs], n: int) -> list[PositionLogprobs]:
+    """Each position with its ``n`` likeliest alternatives: the workers compute a prompt's as
+    many as the larger of completions' ``logprobs`` (echoed) and ``prompt_logprobs`` asks."""
+    return [replace(e, top=e.top[:n]) if len(e.top) > n else e for e in entries]
+
+
+def prompt_logprobs(entries: Sequence[PositionLogprobs], n: int) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: per prompt position (the first has none: null) the prompt's
-    token and the top alternatives, by token id: ``{logprob, rank, decoded_token}``."""
+    token and its ``n`` top alternatives, by token id: ``{logprob, rank, decoded_token}``."""
     out: list[dict[str, Any] | None] = [None]
-    for e in entries:
+    for e in top_of(entries, n):
         position = {
             str(t.token_id): {
                 "logprob": t.logprob,

@@ -182,7 +182,7 @@ async def completions(request: Request) -> Response:
                  COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
     info = StreamInfo(gen.response_id, "text_completion", int(time.time()), lora or state.model_name,
                       req.common.include_usage, req.logprobs is not None, req.echo,
-                      prompt_logprobs=req.prompt_logprobs,
+                      prompt_logprobs=req.prompt_logprobs, logprobs_top=req.logprobs or 0,
                       continuous_usage=req.common.continuous_usage,
                       token_id_logprobs=req.common.token_id_logprobs,
                       token_bytes=tok.token_bytes, score_only=req.score_only)  # fmt: skip
@@ -195,15 +195,15 @@ async def completions(request: Request) -> Response:
         if req.logprobs is not None:
             prompt = c.item.prompt_ids if req.echo else ()
             echoed = [tok.token_bytes(t) for t in prompt]
-            scores = c.prompt_logprobs if req.echo else []
+            scores = formats.top_of(c.prompt_logprobs, req.logprobs) if req.echo else []
             logprobs = formats.completion_logprobs(
                 c.logprobs, 0, echoed, scores, req.common.token_id_logprobs, prompt
             )
         out = formats.completion_choice(
             c.index, prefix + "".join(c.text), logprobs, c.finish_reason, c.stop_reason
         )
-        if req.prompt_logprobs:
-            out["prompt_logprobs"] = formats.prompt_logprobs(c.prompt_logprobs)
+        if req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = formats.prompt_logprobs(c.prompt_logprobs, req.prompt_logprobs)
         return out
 
     return await _respond(state, request, gen, info, req.common.stream, choice_json)
@@ -211,9 +211,12 @@ async def completions(request: Request) -> Response:
 
 def _chat_prompt_logprobs(common: CommonOptions) -> Callable[[list[Choice]], dict[str, Any]]:
     """vLLM puts a chat's prompt_logprobs beside its choices (one prompt for all of them)."""
-    if common.sampling.prompt_logprobs is None:
+    asked = common.sampling.prompt_logprobs
+    if asked is None:
         return lambda choices: {}
-    return lambda choices: {"prompt_logprobs": formats.prompt_logprobs(choices[0].prompt_logprobs)}
+    return lambda choices: {
+        "prompt_logprobs": formats.prompt_logprobs(choices[0].prompt_logprobs, asked)
+    }
 
 
 def _output_plan(state: GatewayState, req: ChatRequest) -> OutputPlan:
@@ -388,7 +391,7 @@ async def chat_completions(request: Request) -> Response:
         echoed = final["content"]
     info = StreamInfo(gen.response_id, "chat.completion.chunk", int(time.time()),
                       run.model, common.include_usage, req.logprobs, plan=plan,
-                      prompt_logprobs=common.sampling.prompt_logprobs is not None,
+                      prompt_logprobs=common.sampling.prompt_logprobs,
                       continuous_usage=common.continuous_usage,
                       token_id_logprobs=common.token_id_logprobs,
                       echoed=echoed)  # fmt: skip

@@ -36,7 +36,10 @@ class StreamInfo:
     logprobs: bool
     echo: bool = False
     plan: OutputPlan | None = None  # chat: tool calls or reasoning to read out of the text
-    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: a frame of their own, first
+    # vLLM's prompt_logprobs (the alternatives asked for; None: not asked): a frame of their
+    # own, first
+    prompt_logprobs: int | None = None
+    logprobs_top: int = 0  # completions' logprobs: the alternatives of an echoed prompt token
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
     token_id_logprobs: bool = False  # vLLM's return_tokens_as_token_ids
     echoed: str = ""  # chat: the text the reply's content starts with (vLLM's echo)
@@ -132,7 +135,8 @@ def _parsed_chat_piece(
 def _prompt_logprobs_frame(info: StreamInfo, choice: Choice, chunk: Chunk) -> Body:
     """vLLM's prompt_logprobs, when the first chunk brings them: in the choice (completions) or
     beside the choices (chat)."""
-    scores = formats.prompt_logprobs(chunk.prompt_logprobs)
+    assert info.prompt_logprobs is not None
+    scores = formats.prompt_logprobs(chunk.prompt_logprobs, info.prompt_logprobs)
     if info.object == "chat.completion.chunk":
         body = formats.envelope(info.response_id, info.object, info.created, info.model,
                                 [formats.chat_delta(choice.index, {}, None, None)])  # fmt: skip
@@ -170,7 +174,8 @@ def _echo_frame(info: StreamInfo, offsets: formats.TextOffsets, choice: Choice) 
         assert info.token_bytes is not None
         prompt = choice.item.prompt_ids
         logprobs = formats.completion_logprobs(
-            (), offsets, [info.token_bytes(t) for t in prompt], choice.prompt_logprobs,
+            (), offsets, [info.token_bytes(t) for t in prompt],
+            formats.top_of(choice.prompt_logprobs, info.logprobs_top),
             info.token_id_logprobs, prompt,
         )  # fmt: skip
     finish: tuple[str | None, formats.StopReason] = (None, None)
@@ -178,8 +183,10 @@ def _echo_frame(info: StreamInfo, offsets: formats.TextOffsets, choice: Choice) 
         choice.drop_generated()
         finish = (choice.finish_reason, choice.stop_reason)
     piece = formats.completion_choice(choice.index, choice.prompt_text, logprobs, *finish)
-    if info.prompt_logprobs:
-        piece["prompt_logprobs"] = formats.prompt_logprobs(choice.prompt_logprobs)
+    if info.prompt_logprobs is not None:
+        piece["prompt_logprobs"] = formats.prompt_logprobs(
+            choice.prompt_logprobs, info.prompt_logprobs
+        )
     return _frame(info, [piece])
 
 
@@ -210,7 +217,7 @@ async def stream_events(
                 yield _emit(info, gen, _echo_frame(info, state[choice.index], choice))
                 if info.score_only:
                     continue
-            elif info.prompt_logprobs and chunk.prompt_logprobs:
+            elif info.prompt_logprobs is not None and chunk.prompt_logprobs:
                 yield _emit(info, gen, _prompt_logprobs_frame(info, choice, chunk))
             if chunk.text or chunk.finish_reason is not None or (info.logprobs and chunk.logprobs):
                 bodies = piece(info, state, choice, chunk)

@@ -264,6 +264,30 @@ def test_prompt_logprobs_in_vllms_form(disagg: Stack) -> None:
     assert len(firsts) == 1 and firsts[0][1][world]["logprob"] == -0.25
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_and_prompt_logprobs_each_show_what_they_ask(
+    disagg: Stack, stream: bool
+) -> None:
+    """Completions with echo, logprobs and prompt_logprobs: the workers compute the prompt's
+    alternatives for the larger of the two, and each field shows its own count (it showed the
+    larger in both): logprobs N gives an echoed prompt token N alternatives beside its own,
+    prompt_logprobs M gives M, as vLLM answers."""
+    for logprobs, prompt_logprobs in ((3, 1), (1, 4)):
+        body = {"prompt": "Hello big world", "max_tokens": 1, "echo": True, "stream": stream,
+                "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}  # fmt: skip
+        if stream:
+            with httpx.stream("POST", f"{disagg.base_url}/v1/completions", json=body) as r:
+                frames = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]  # fmt: skip
+            choices = [c for f in frames for c in f["choices"]]
+            echo = next(c for c in choices if c.get("prompt_logprobs"))
+        else:
+            echo = httpx.post(f"{disagg.base_url}/v1/completions", json=body).json()["choices"][0]
+        echoed = echo["logprobs"]["top_logprobs"][1:3]  # the prompt's positions 1 and 2
+        assert [len(top) for top in echoed] == [logprobs + 1] * 2  # + the prompt's own token
+        assert [len(p) for p in echo["prompt_logprobs"][1:]] == [prompt_logprobs + 1] * 2
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(colocated: Stack) -> None:
     """vLLM's truncate_prompt_tokens on completions (echo shows what was kept) and chats (the
     end of the rendered chat, its generation prompt, stays)."""
