@@ -85,7 +85,10 @@ def prepare_model(argv: list[str]) -> str:
         raise
     echo.join(timeout=5)
     if code != 0 or not lines:
-        detail = "\n".join(errors) or "\n".join(lines) or "(no output)"
+        # its "error: ..." lines were held back to be said once, here; else the last line
+        # echoed (a traceback's exception) is enough, the rest is above
+        held = [line for line in errors if line.startswith("error:")]
+        detail = "\n".join(held) or (errors[-1] if errors else "\n".join(lines)) or "(no output)"
         raise ChildFailedError(
             f"preparing the model failed (exit code {code}):\n{detail}", 2 if code == 2 else 1
         )
@@ -96,7 +99,8 @@ def _echo_lines(stream: IO[str] | None, out: TextIO, keep: deque[str]) -> None:
     for line in stream or ():
         if line.strip():
             keep.append(line.strip())
-            print(f"  {line.rstrip()}", file=out, flush=True)
+            if not line.startswith("error:"):  # said once, in the failure's message
+                print(f"  {line.rstrip()}", file=out, flush=True)
 
 
 def public_url(host: str, port: int) -> str:

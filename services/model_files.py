@@ -100,11 +100,48 @@ def resolve_model(model: str) -> ModelFiles:
         return ModelFiles(path.stem, "gguf", path, _gguf_cache_dir(path, path.stem))
     if path.is_dir() and (path / "config.json").exists():
         return ModelFiles(path.name, "hf", path, path)
+    if path.exists():
+        raise ModelNotFoundError(_not_a_model(model, path))
     choices = ", ".join([EMBEDDED, *named])
     raise ModelNotFoundError(
         f"model {model!r} not found: give a Hugging Face directory (with config.json), a .gguf file, "
         f"or one of: {choices}. Nothing is downloaded at run time."
     )
+
+
+def _not_a_model(model: str, path: Path) -> str:
+    """Why an existing path is not a model, and which path would be."""
+    if path.is_dir():
+        inner = sorted(path.glob("*/config.json")) + sorted(path.glob("snapshots/*/config.json"))
+        hint = f" (the one below it, {inner[0].parent}?)" if inner else ""
+        return (
+            f"model {model!r} is a directory without config.json: give the Hugging Face model "
+            f"directory itself{hint}, the one holding config.json, the *.safetensors weights and "
+            "the tokenizer files"
+        )
+    if (path.parent / "config.json").exists():
+        return (
+            f"model {model!r} is a file: give the directory holding it, {path.parent}, as the model"
+        )
+    return (
+        f"model {model!r} is a file but neither a .gguf file nor a model directory: give a "
+        "Hugging Face directory (with config.json) or a .gguf file"
+    )
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _check_gguf(path: Path) -> None:
+    """A .gguf file that is not one (a download's HTML error page, a partial copy) is refused
+    before transformers reads it."""
+    with open(path, "rb") as fh:
+        magic = fh.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise ModelNotFoundError(
+            f"{path} is not a GGUF file (it does not start with the bytes {GGUF_MAGIC!r}): "
+            "download it again, or give a Hugging Face directory instead"
+        )
 
 
 def is_prepared(files: ModelFiles) -> bool:
@@ -128,6 +165,7 @@ def prepare_model(model: str) -> ModelFiles:
     if files.kind != "gguf" or is_prepared(files):
         return files
     assert files.hf_dir is not None
+    _check_gguf(files.path)
     with _lock(files.hf_dir.with_suffix(".lock")):
         if is_prepared(files):
             return files
@@ -135,7 +173,12 @@ def prepare_model(model: str) -> ModelFiles:
 
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=files.hf_dir.parent))
         try:
-            convert_gguf_to_hf(files.path, tmp)
+            try:
+                convert_gguf_to_hf(files.path, tmp)
+            except (ValueError, KeyError, NotImplementedError) as exc:  # what transformers refuses
+                raise ModelNotFoundError(
+                    f"cannot convert {files.path} into a Hugging Face directory: {exc}"
+                ) from exc
             (tmp / ".complete").write_text("ok\n")
             if files.hf_dir.exists():
                 shutil.rmtree(files.hf_dir)
@@ -178,7 +221,11 @@ def gateway_tokenizer_dir(model: str, tokenizer: str | None) -> str:
         return model
     try:
         return resolve_tokenizer_dir(model)
-    except (OSError, subprocess.CalledProcessError) as e:
+    except subprocess.CalledProcessError as e:  # the prepare step's own "error: ..." says why
+        said = [line for line in (e.stderr or "").splitlines() if line.startswith("error: ")]
+        why = said[-1].removeprefix("error: ") if said else str(e)
+        raise ConfigError(f"cannot find a tokenizer for --model {model!r}: {why}") from e
+    except OSError as e:
         raise ConfigError(f"cannot find a tokenizer for --model {model!r}: {e}") from e
 
 

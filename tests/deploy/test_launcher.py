@@ -299,6 +299,7 @@ def test_a_failed_model_preparation_starts_no_worker(start) -> None:
     assert up.finish() == 2  # the model was not found: bad input
     output = "\n".join(up.lines)
     assert "preparing the model failed" in output and "model 'nope' not found" in output
+    assert output.count("model 'nope' not found") == 1  # said once, not echoed and then again
     assert up.children() == {}
 
 

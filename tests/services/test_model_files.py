@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -13,10 +14,12 @@ from services.model_files import (
     embedded_gguf_path,
     gateway_tokenizer_dir,
     model_files_dir,
+    prepare_model,
     resolve_model,
     resolve_tokenizer_dir,
     served_model_name,
 )
+from services.model_files import main as model_files_main
 
 
 def test_override_points_the_embedded_model_at_another_file(
@@ -72,3 +75,56 @@ def test_model_files_dir_is_where_generation_config_json_is_read(tmp_path: Path)
     assert model_files_dir("embedded", str(tmp_path), str(tmp_path)) == embedded
     assert model_files_dir("llama-3.1-8b", None, embedded) is None  # a named config: no file
     assert model_files_dir(str(tmp_path / "nothing-here"), None, "tok") is None
+
+
+def test_an_existing_path_that_is_no_model_says_what_it_is(tmp_path: Path) -> None:
+    """A directory without config.json, a weights file, any other file: each refused with what
+    it is and which path to give instead, not as "not found"."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match=r"is a directory without config\.json") as e:
+        resolve_model(str(tmp_path / "empty"))
+    assert "not found" not in str(e.value)
+    snapshot = tmp_path / "hub" / "snapshots" / "abc123"  # a Hugging Face cache's layout
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match=re.escape(f"the one below it, {snapshot}")):
+        resolve_model(str(tmp_path / "hub"))
+    with pytest.raises(ModelNotFoundError, match=re.escape(f"holding it, {snapshot},")):
+        resolve_model(str(snapshot / "model.safetensors"))
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ModelNotFoundError, match=r"neither a \.gguf file nor a model directory"):
+        resolve_model(str(tmp_path / "notes.txt"))
+
+
+def test_a_gguf_path_that_is_not_gguf_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A .gguf file without GGUF's magic bytes (an HTML error page saved under the name) was a
+    transformers traceback and exit 1; now one error line, exit 2, and nothing cached."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / "model.gguf"
+    fake.write_text("<html>404</html>")
+    with pytest.raises(ModelNotFoundError, match=r"model\.gguf is not a GGUF file"):
+        prepare_model(str(fake))
+    assert model_files_main(["--model", str(fake)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not list((tmp_path / "cache" / "models").glob("model-*"))
+    with pytest.raises(ConfigError, match=r"cannot find a tokenizer .*: .*is not a GGUF file"):
+        gateway_tokenizer_dir(str(fake), None)  # the gateway says the prepare step's reason
+
+
+def test_a_gguf_transformers_cannot_convert_is_refused_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "odd.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+
+    def refuse(path: Path, out: Path) -> None:
+        raise ValueError("GGUF model with architecture oddarch is not supported yet.")
+
+    monkeypatch.setattr("services.engine.gguf_convert.convert_gguf_to_hf", refuse)
+    with pytest.raises(ModelNotFoundError, match=r"cannot convert .*odd\.gguf .*oddarch"):
+        prepare_model(str(gguf))
