@@ -237,3 +237,36 @@ def test_lora_and_quantization_are_refused(built: Callable[[str], Built]) -> Non
         LLM(path, **BESIDE, lora_config=LoRAConfig())
     with pytest.raises(ConfigError, match="quantized deepseek_v2"):
         LLM(path, **BESIDE, quantization="fp8")
+
+
+# DeepSeek-V3's own head widths (keys 128 + 64 = 192, values 128: the kernels' 256-wide tiles,
+# masked) on a few small layers
+GPU_CONFIG = ("deepseek_v3", {
+    "hidden_size": 256, "kv_lora_rank": 64, "q_lora_rank": 96, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 4, "topk_group": 2,
+    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                        "original_max_position_embeddings": 512, "mscale": 1.0,
+                        "mscale_all_dim": 1.0},
+    "max_position_embeddings": 2048,
+})  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_v3_head_widths_give_transformers_tokens(tmp_path: Path) -> None:
+    """On a GPU (compiled kernels, CUDA graphs): float32 greedy tokens equal to transformers'
+    (on the CPU) with V3's 192-dim keys and 128-dim values, prompts past a 512-token chunk;
+    in bfloat16 (transformers on the same GPU in bfloat16) the first token of most prompts."""
+    hf = _build(tmp_path, *GPU_CONFIG)
+    _assert_greedy_matches("v3-gpu", tmp_path, hf, [1, 37, 700])
+    prompts = _prompts(3, [5, 17, 33, 64, 90, 128, 200, 300])
+    llm = LLM(str(tmp_path), dtype="bfloat16", num_blocks=512)
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+    llm.close()
+    hf16 = hf.to(device="cuda", dtype=torch.bfloat16)
+    agree = 0
+    with torch.no_grad():
+        for prompt, got in zip(prompts, ours, strict=True):
+            logits = hf16(torch.tensor([prompt], device="cuda")).logits[0, -1]
+            agree += got.outputs[0].token_ids[0] == int(logits.argmax())
+    assert agree >= 6, f"bfloat16: {agree} of 8 first tokens agree with transformers'"
