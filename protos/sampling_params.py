@@ -161,7 +161,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [
-            (self.temperature >= 0.0, "temperature must be >= 0, got {}", "temperature"),
+            (  # OpenAI's range, which vLLM (0.24 on) holds requests to as well
+                0.0 <= self.temperature <= 2.0,
+                "temperature must be in [0, 2], got {}",
+                "temperature",
+            ),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1], got {}", "top_p"),
             (self.top_k >= -1, "top_k must be -1, 0 (off) or a positive integer, got {}", "top_k"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1], got {}", "min_p"),

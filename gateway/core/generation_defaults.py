@@ -72,8 +72,8 @@ def _checked(values: dict[str, Any], source: str) -> Defaults:
             or not math.isfinite(value)
         ):
             raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
-        elif key == "temperature" and value < 0:
-            raise ConfigError(f"{source}: temperature must be >= 0, got {value}")
+        elif key == "temperature" and not 0 <= value <= 2:
+            raise ConfigError(f"{source}: temperature must be in [0, 2], got {value}")
         out[key] = value
     return out
 

@@ -113,7 +113,8 @@ def _sampling(
     f.get_bool("spaces_between_special_tokens", True)
     try:
         return SamplingParams(
-            temperature=f.get_float("temperature", defaults.get("temperature", 1.0), 0.0, 100.0),
+            # OpenAI's range, which vLLM (0.24 on) holds requests to as well
+            temperature=f.get_float("temperature", defaults.get("temperature", 1.0), 0.0, 2.0),
             top_p=f.get_float("top_p", defaults.get("top_p", 1.0), -1e9, 1e9),
             top_k=f.get_int("top_k", int(defaults.get("top_k", 0)), -1, INT32_MAX) or 0,
             min_p=f.get_float("min_p", defaults.get("min_p", 0.0), -1e9, 1e9),

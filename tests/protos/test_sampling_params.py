@@ -12,6 +12,7 @@ from protos.sampling_params import MIN_TEMPERATURE, InvalidRequestError, Samplin
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 2.01}, "temperature"),  # above OpenAI's (and vLLM's) 2
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
         ({"top_k": -2}, "top_k"),
@@ -52,6 +53,7 @@ def test_invalid_values_name_the_field(kwargs: dict[str, Any], param: str) -> No
     "kwargs",
     [
         {"temperature": 0.0, "top_p": 1.0, "max_tokens": 1},
+        {"temperature": 2.0},
         {"min_tokens": 4, "max_tokens": 4},
         {"logprobs": 0},
         {"logprobs": 20},

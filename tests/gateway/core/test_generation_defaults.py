@@ -74,6 +74,7 @@ def test_defaults_in_use_are_logged(tmp_path: Path, caplog: pytest.LogCaptureFix
         ('{"top_k": 2.5}', "integer"),
         ('{"temperature": "hot"}', "number"),
         ('{"max_new_tokens": 0}', "at least 1"),
+        ('{"temperature": 2.5}', r"temperature must be in \[0, 2\]"),  # every request a 400
     ],
 )
 def test_bad_overrides_are_refused(text: str, message: str) -> None:
