@@ -7,6 +7,7 @@ deployment tests can check every command line in docker-compose and Kubernetes a
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -289,6 +290,32 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _tokens(text: str) -> int:
+    """argparse type: a positive token count, plain or as vLLM writes one: 32k is 32000, 32K
+    32768 (25.6k too; a binary suffix takes a whole number only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if match is None:
+        value = _int(text, "a positive number of tokens (e.g. 4096, 32k or 32K)")
+    else:
+        number, suffix = match.groups()
+        if suffix in _DECIMAL_SUFFIXES:
+            value = int(float(number) * _DECIMAL_SUFFIXES[suffix])
+        elif "." in number:
+            raise argparse.ArgumentTypeError(
+                f"a binary suffix ({suffix}) takes a whole number, got {text!r}; did you mean "
+                f"{number}{suffix.lower()}?"
+            )
+        else:
+            value = int(number) * _BINARY_SUFFIXES[suffix]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens, got {text!r}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0 (0 usually turns something off)."""
     value = _int(text, "an integer >= 0")
@@ -393,10 +420,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=_tokens,
         default=None,
-        help="longest prompt + completion of one request, in tokens (default: the model's "
-        "max_position_embeddings, at most 131072; on the CPU at most 2048)",
+        help="longest prompt + completion of one request, in tokens, as vLLM takes it: 32768, "
+        "32k (32000) or 32K (32768) (default: the model's max_position_embeddings, at most "
+        "131072; on the CPU at most 2048)",
     )
     g.add_argument(
         "--seed",
@@ -536,10 +564,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-num-batched-tokens",
-        type=_positive_int,
+        type=_tokens,
         default=None,
-        help="tokens per engine step, the chunk of a long prompt (default: 8192 on a GPU, 128 "
-        "on the CPU so a step, and so an abort or a new request's wait, stays short)",
+        help="tokens per engine step, the chunk of a long prompt (8K or 8192; default: 8192 on a "
+        "GPU, 128 on the CPU so a step, and so an abort or a new request's wait, stays short)",
     )
     g.add_argument(
         "--enable-prefix-caching",

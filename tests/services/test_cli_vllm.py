@@ -1,0 +1,43 @@
+"""vLLM ``serve`` flags as a vLLM user writes them (no process is started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import build_parser
+
+
+@pytest.mark.parametrize(
+    ("given", "tokens"),
+    [("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1m", 1000000),
+     ("1M", 1048576), (" 4K", 4096)],
+)  # fmt: skip
+@pytest.mark.parametrize("flag", ["--max-model-len", "--max-num-batched-tokens"])
+@pytest.mark.parametrize(
+    "command", [["serve", "/m"], ["worker", "--port", "0"], ["generate", "--prompt", "hi"]]
+)
+def test_token_counts_take_vllms_suffixes(
+    command: list[str], flag: str, given: str, tokens: int
+) -> None:
+    """As vLLM's human-readable integers: a lower-case suffix is decimal, an upper-case one
+    binary (vLLM's `--max-model-len 32k` was an error here)."""
+    args = build_parser().parse_args([*command, flag, given])
+    assert getattr(args, flag[2:].replace("-", "_")) == tokens
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [("1.5K", "a binary suffix (K) takes a whole number, got '1.5K'; did you mean 1.5k?"),
+     ("0", "expected a positive number of tokens, got '0'"),
+     ("0k", "expected a positive number of tokens, got '0k'"),
+     ("32x", "expected a positive number of tokens (e.g. 4096, 32k or 32K), got '32x'"),
+     ("-1", "expected a positive number of tokens")],
+)  # fmt: skip
+def test_a_bad_token_count_is_one_argparse_error(
+    given: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "/m", f"--max-model-len={given}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --max-model-len: {message}" in err and "Traceback" not in err
