@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kernels import ops
+from services.engine.models.deepseek import DeepseekMoe, MLAttention
 from services.engine.models.llama import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm
 from services.engine.models.moe import SparseMoeBlock
 from services.engine.models.starcoder2 import UngatedMLP
@@ -101,12 +102,18 @@ def apply_tp(model: LlamaForCausalLM, group: TPGroup, layout: TPLayout, vocab_si
     for layer in model.model.layers:
         # Llama's layer or one built on its attention and MLP (Gemma 3's), or a sparse MLP
         attn = layer.self_attn
-        assert isinstance(attn, Attention)
+        assert isinstance(attn, Attention | MLAttention)  # MLA: q, kv_b by head, kv_a whole
         attn.o_proj = RowParallelLinear(attn.o_proj, group)
-        if attn.qk_norm_whole and attn.q_norm is not None and attn.k_norm is not None:
+        if (
+            isinstance(attn, Attention)
+            and attn.qk_norm_whole
+            and attn.q_norm is not None
+            and attn.k_norm is not None
+        ):
             attn.q_norm = SplitRowRMSNorm(attn.q_norm, group, q_rows)
             attn.k_norm = SplitRowRMSNorm(attn.k_norm, group, k_width)
-        if isinstance(layer.mlp, SparseMoeBlock):
+        if isinstance(layer.mlp, SparseMoeBlock | DeepseekMoe):  # DeepSeek's shared experts'
+            # rows split too: their partial sum joins the experts' in the one all-reduce
             layer.mlp.register_forward_hook(_summed_over(group))
         elif isinstance(layer.mlp, UngatedMLP):  # c_fc column-, c_proj row-parallel
             layer.mlp.c_proj = RowParallelLinear(layer.mlp.c_proj, group)

@@ -8,8 +8,10 @@ its query heads. The MLP's intermediate rows split the same way (column-parallel
 row-parallel down); the vocabulary is split into equal shards of ``ceil(V / size)`` rows, the
 last one padded, so the logits gather is one equal-sized all-gather. A Mixture-of-Experts layer
 keeps every expert on every rank, each with its share of the expert's intermediate rows (the
-router replicated, the block's output summed over the ranks, as a row-parallel layer's). A
-vision-language model's vision tower is whole on every rank (each encodes the step's images;
+router replicated, the block's output summed over the ranks, as a row-parallel layer's;
+DeepSeek's shared experts split alike). DeepSeek's latent attention splits by head too, each
+projection at its own per-head width (q: nope + rope dims, kv_b: nope + value, o_proj's input:
+value), its latent projections whole on every rank. A vision-language model's vision tower is whole on every rank (each encodes the step's images;
 its language model splits as any).
 
 Quantized checkpoints split the same way: each piece of a quantized layer (an fp8 weight and its
@@ -29,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.config import ConfigError
-from services.engine.model_config import ArchConfig
+from services.engine.model_config import ArchConfig, MlaConfig
 
 if TYPE_CHECKING:  # torch-free here; the package imports the quantized layers (and torch)
     from services.engine.quantization.config import QuantConfig
@@ -61,6 +63,15 @@ _VISION = ("visual.", "model.visual.")  # a vision tower's tensors: whole on eve
 # one expert's tensor as checkpoints store them (Qwen3-MoE's names; Mixtral's w1 / w3 / w2):
 # gate and up cut along their rows, down along its columns
 _EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# DeepSeek's tensors cut by head at their own widths, or by the shared experts' rows (the
+# span of TPLayout._mla_spans, the dimension); its other attention tensors are whole
+_MLA_CUTS = {
+    ".self_attn.q_proj.weight": ("q", 0), ".self_attn.q_b_proj.weight": ("q", 0),
+    ".self_attn.kv_b_proj.weight": ("kv_b", 0), ".self_attn.o_proj.weight": ("o", 1),
+    ".shared_experts.gate_proj.weight": ("shared", 0),
+    ".shared_experts.up_proj.weight": ("shared", 0),
+    ".shared_experts.down_proj.weight": ("shared", 1),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,10 @@ class TPLayout:
     whole_rows: tuple[int, int, int] = (0, 0, 0)
     # OLMo 2's q/k norms over the whole projection: their weights cut as the q and k rows
     qk_norm_whole: bool = False
+    # DeepSeek's latent attention: its projections cut by head at their own widths
+    # (``_mla_slice``), its shared experts' rows (``shared_intermediate``) as the experts'
+    mla: MlaConfig | None = None
+    shared_intermediate: Span = (0, 0)
 
     @classmethod
     def of(
@@ -146,11 +161,6 @@ class TPLayout:
             raise ConfigError(
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
                 "mix every rank's input rows); use 1, or a checkpoint without act-order"
-            )
-        if arch.mla is not None and size > 1:
-            raise ConfigError(
-                f"{where}: {arch.model_type}'s multi-head latent attention is not split over "
-                "ranks yet: serve it with --tensor-parallel-size 1"
             )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
@@ -172,9 +182,14 @@ class TPLayout:
         shard = -(-arch.vocab_size // size)
         vocab = (min(rank * shard, arch.vocab_size), min((rank + 1) * shard, arch.vocab_size))
         mlp = split(arch.intermediate_size, size, rank)
-        experts = (0, 0)
+        experts, shared = (0, 0), (0, 0)
         if arch.moe is not None:
-            if arch.moe.shared_intermediate_size and size > 1:
+            grouped = arch.moe.grouped is not None  # DeepSeek's: ungated, split as an MLP
+            if grouped and arch.moe.shared_intermediate_size:
+                if arch.moe.shared_intermediate_size < size:
+                    raise ConfigError(f"{where}: the shared experts' size is too small")
+                shared = split(arch.moe.shared_intermediate_size, size, rank)
+            elif arch.moe.shared_intermediate_size and size > 1:
                 raise ConfigError(
                     f"{where}: {arch.model_type}'s shared expert is not split over ranks yet: "
                     "serve it with --tensor-parallel-size 1"
@@ -187,7 +202,7 @@ class TPLayout:
             experts = split(arch.moe.intermediate_size, size, rank)
         whole = (nq * arch.head_dim, nkv * arch.head_dim, arch.intermediate_size)
         layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant, experts, whole,
-                     arch.qk_norm_whole)  # fmt: skip
+                     arch.qk_norm_whole, arch.mla, shared)  # fmt: skip
         if size > 1 and quant is not None and quant.serialized:
             layout._check_alignment(arch, where)
         return layout
@@ -226,6 +241,9 @@ class TPLayout:
             moe = replace(
                 moe, intermediate_size=self.moe_intermediate[1] - self.moe_intermediate[0]
             )
+            if moe.grouped is not None:
+                shared = self.shared_intermediate[1] - self.shared_intermediate[0]
+                moe = replace(moe, shared_intermediate_size=shared)
         return replace(
             arch,
             num_heads=self.q_heads[1] - self.q_heads[0],
@@ -245,6 +263,8 @@ class TPLayout:
         name = name.replace("model.language_model.", "model.")  # transformers 5's VL names
         if name in _VOCAB:
             return CheckpointSlice(0, *self.vocab, pad_to=self.vocab_shard)
+        if self.mla is not None and (".self_attn." in name or ".shared_experts." in name):
+            return self._mla_slice(name, self.mla)
         fused = _FUSED.search(name)
         if fused is not None:
             return CheckpointSlice(0, 0, 0, runs=self.fused_runs(fused.group(1)))
@@ -279,6 +299,43 @@ class TPLayout:
         start, end = self.row_spans()[span]
         tensor_dim, unit = cut
         return CheckpointSlice(tensor_dim, start // unit, -(-end // unit))
+
+    def _mla_spans(self, mla: MlaConfig) -> dict[str, Span]:
+        """This rank's rows of DeepSeek's q projection (each head's qk dims), of kv_b (each
+        head's nope key and value), of the o_proj input (each head's value) and of the shared
+        experts' intermediate."""
+        h0, h1 = self.q_heads
+        kv = mla.qk_nope_head_dim + mla.v_head_dim
+        return {"q": (h0 * mla.qk_head_dim, h1 * mla.qk_head_dim), "kv_b": (h0 * kv, h1 * kv),
+                "o": (h0 * mla.v_head_dim, h1 * mla.v_head_dim),
+                "shared": self.shared_intermediate}  # fmt: skip
+
+    def _mla_slice(self, name: str, mla: MlaConfig) -> CheckpointSlice | None:
+        """A DeepSeek attention or shared-experts tensor's part: q, kv_b and the shared gate/up
+        by rows, o_proj and the shared down by columns; the latent projections and norms (and
+        o_proj's bias, added once after the sum) whole."""
+        spans = self._mla_spans(mla)
+        for suffix, (span, dim) in _MLA_CUTS.items():
+            if name.endswith(suffix):
+                return CheckpointSlice(dim, *spans[span])
+        return None
+
+    def _mla_param_slice(
+        self, name: str, mla: MlaConfig, arch: ArchConfig
+    ) -> tuple[int, int, list[Span]] | None:
+        """``param_slice`` of DeepSeek's attention and shared experts (our parameter names:
+        the shared gate and up stacked as ``gate_up_proj``)."""
+        spans, nq = self._mla_spans(mla), arch.num_heads
+        shared = arch.moe.shared_intermediate_size if arch.moe is not None else 0
+        whole = {"q": nq * mla.qk_head_dim, "kv_b": nq * (mla.qk_nope_head_dim + mla.v_head_dim),
+                 "o": nq * mla.v_head_dim, "shared": shared}  # fmt: skip
+        if name.endswith(".shared_experts.gate_up_proj.weight"):
+            s0, s1 = spans["shared"]
+            return 0, 2 * shared, [(s0, s1), (shared + s0, shared + s1)]
+        for suffix, (span, dim) in _MLA_CUTS.items():
+            if name.endswith(suffix):
+                return dim, whole[span], [spans[span]]
+        return None
 
     def fused_runs(self, fused: str) -> tuple[Span, ...]:
         """This rank's rows of a whole fused projection: its q, k and v rows of ``qkv_proj``,
@@ -321,6 +378,8 @@ class TPLayout:
             return None
         if name in _VOCAB:
             return 0, arch.vocab_size, [self.vocab]
+        if self.mla is not None and (".self_attn." in name or ".shared_experts." in name):
+            return self._mla_param_slice(name, self.mla, arch)
         if name.endswith("experts.gate_up_proj") and arch.moe is not None:  # [E, 2I, H]
             e, i = self.moe_intermediate, arch.moe.intermediate_size
             return 1, 2 * i, [e, (i + e[0], i + e[1])]

@@ -14,6 +14,9 @@ decoder layer with multi-head latent attention and DeepSeek's MoE.
 - MoE: the router in float32 (transformers keeps it there), ``ops.grouped_topk`` (V2's softmax,
   V3's sigmoid with the correction bias), the experts through ``ops.fused_moe``, and the shared
   experts' MLP added unweighted.
+- Tensor parallelism (``tp_layers``, ``TPLayout._mla_slice``): each rank its heads' q, kv_b
+  and o_proj rows or columns, the latent projections whole; the MoE block's output (routed
+  and shared experts, each rank their rows) summed over the ranks in one all-reduce.
 """
 
 from __future__ import annotations
