@@ -386,7 +386,7 @@ def build_plan(
     sizes = tensor_parallel_sizes(args, roles)
     if lora is not None:
         lora.check_with(max(sizes), getattr(args, "task", "generate"))
-        lora.check_names(args.model, args.served_model_name)
+        lora.check_names(args.model, *(args.served_model_name or ()))
         lora.check_directories()
     placement = assign_gpus(roles, gpus, sizes)
     users = Counter(g for p in placement for g in p)
@@ -418,7 +418,7 @@ def build_plan(
     gateway = [*program, "gateway", "--host", args.host, "--port", str(args.port)]
     gateway += ["--model", args.model]
     if args.served_model_name:
-        gateway += ["--served-model-name", args.served_model_name]
+        gateway += ["--served-model-name", *args.served_model_name]
     if getattr(args, "max_local_prefill_tokens", 0):
         gateway += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
     for flag, shared_default in (

@@ -443,11 +443,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
+        metavar="NAME",
         help='the name clients put in "model" and /v1/models lists (default: the --model string '
         "for a model directory, as vLLM serves it; else the model's own name, e.g. "
-        "SmolLM2-135M-Instruct); only a gateway uses it (tandem up hands it to its gateway), the other commands "
-        "ignore it",
+        "SmolLM2-135M-Instruct); several names, as vLLM: each is accepted and listed, a "
+        "response names the one asked for, metrics the first; only a gateway uses it (tandem "
+        "up hands it to its gateway), the other commands ignore it",
     )
 
 
@@ -1009,10 +1012,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: from --model)")
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
+        metavar="NAME",
         help='the name clients put in "model" and /v1/models lists (default: the --model string '
         "for a model directory, as vLLM serves it; else the model's own name, e.g. "
-        "SmolLM2-135M-Instruct)",
+        "SmolLM2-135M-Instruct); several names, as vLLM: each is accepted and listed, a "
+        "response names the one asked for, metrics the first",
     )
     add_chat_template_arg(p)
     add_media_args(p)

@@ -273,7 +273,7 @@ def model_overrides(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
         "model": str(directory),
         "synthetic_tokenizer_for": files.name,
         "load_format": "dummy",
-        "served_model_name": args.served_model_name or files.name,
+        "served_model_name": (args.served_model_name or [files.name])[0],
     }
 
 

@@ -83,6 +83,8 @@ class GatewayConfig:
     tokenizer: str  # a directory with tokenizer.json (and tokenizer_config.json)
     model: str = "embedded"
     served_model_name: str | None = None
+    # vLLM's further --served-model-name names: accepted and listed beside the first
+    served_model_aliases: tuple[str, ...] = ()
     chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template
     # a special token typed in a message acts as one (else it is text, as OpenAI treats it)
     allow_special_tokens_in_messages: bool = False
@@ -190,6 +192,11 @@ class GatewayConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the base model is served under, the first its main one."""
+        return (self.model_name, *self.served_model_aliases)
 
 
 def check_drain_timeout(seconds: float) -> None:
@@ -421,10 +428,14 @@ def config_from_args(
 ) -> GatewayConfig:
     """``model_dir``: the model's files, where ``--generation-config auto`` reads
     generation_config.json (None: no such directory)."""
+    names = args.served_model_name or []
+    if isinstance(names, str):  # one name, as a caller building the namespace may give it
+        names = [names]
     return GatewayConfig(
         tokenizer=tokenizer_dir,
         model=args.model,
-        served_model_name=args.served_model_name or default_name,
+        served_model_name=names[0] if names else default_name,
+        served_model_aliases=tuple(dict.fromkeys(n for n in names[1:] if n != names[0])),
         chat_template=args.chat_template,
         allow_special_tokens_in_messages=getattr(args, "allow_special_tokens_in_messages", False),
         limit_mm_per_prompt=parse_mm_limit(getattr(args, "limit_mm_per_prompt", None)),

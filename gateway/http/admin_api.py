@@ -53,20 +53,22 @@ async def metrics(request: Request) -> Response:
     return Response(gateway_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _card(request: Request) -> dict[str, Any]:
+def _card(request: Request, name: str | None = None) -> dict[str, Any]:
     """vLLM's model card: its fields, ``parent`` null for the base model, and the one
-    ``permission`` entry vLLM lists (sampling, logprobs and viewing allowed to anyone)."""
+    ``permission`` entry vLLM lists (sampling, logprobs and viewing allowed to anyone).
+    ``name``: which of the served names (None: the first)."""
     state = gateway_state(request)
+    name = name or state.model_name
     max_model_len, _ = state.registry.limits()
     created = int(state.started_at)
     permission = {
-        "id": f"modelperm-{state.model_name}", "object": "model_permission", "created": created,
+        "id": f"modelperm-{name}", "object": "model_permission", "created": created,
         "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
         "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
         "organization": "*", "group": None, "is_blocking": False,
     }  # fmt: skip
     return {
-        "id": state.model_name,
+        "id": name,
         "object": "model",
         "created": created,
         "owned_by": "tandem",
@@ -85,9 +87,11 @@ def _adapter_card(request: Request, name: str, path: str | None) -> dict[str, An
 
 
 async def models(request: Request) -> Response:
-    registry = gateway_state(request).registry
+    state = gateway_state(request)
+    registry = state.registry
     adapters, paths = sorted(registry.lora_names()), registry.lora_paths()
-    cards = [_card(request), *(_adapter_card(request, name, paths.get(name)) for name in adapters)]
+    cards = [_card(request, name) for name in state.config.model_names]  # vLLM lists each
+    cards += [_adapter_card(request, name, paths.get(name)) for name in adapters]
     return JSONResponse({"object": "list", "data": cards})
 
 
@@ -95,9 +99,10 @@ async def model(request: Request) -> Response:
     """``GET /v1/models/{model}``: the served model by its name (or its path), or one of its
     LoRA adapters; 404 otherwise."""
     state = gateway_state(request)
-    lora = state.accepts(request.path_params["model"])
+    asked = request.path_params["model"]
+    lora = state.accepts(asked)
     if not lora:
-        return JSONResponse(_card(request))
+        return JSONResponse(_card(request, asked if asked in state.config.model_names else None))
     return JSONResponse(_adapter_card(request, lora, state.registry.lora_paths().get(lora)))
 
 

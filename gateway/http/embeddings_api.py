@@ -79,7 +79,7 @@ async def embeddings(request: Request) -> Response:
         "id": response_id,
         "object": "list",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": state.response_model(req.model),
         "data": data,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }

@@ -180,7 +180,8 @@ async def completions(request: Request) -> Response:
     state.metrics.observe_structured(req.common.sampling.structured, None)
     gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
                  COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
-    info = StreamInfo(gen.response_id, "text_completion", int(time.time()), lora or state.model_name,
+    info = StreamInfo(gen.response_id, "text_completion", int(time.time()),
+                      state.response_model(req.common.model, lora),
                       req.common.include_usage, req.logprobs is not None, req.echo,
                       prompt_logprobs=req.prompt_logprobs, logprobs_top=req.logprobs or 0,
                       continuous_usage=req.common.continuous_usage,
@@ -373,7 +374,7 @@ async def start_chat(
     gen = _start(state, request, "chat", "chatcmpl", [prompt], common,
                  None if default is None else int(default), fit_default=True,
                  response_id=response_id)  # fmt: skip
-    return ChatRun(gen, plan, common, lora or state.model_name)
+    return ChatRun(gen, plan, common, state.response_model(req.common.model, lora))
 
 
 async def chat_completions(request: Request) -> Response:

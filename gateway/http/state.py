@@ -111,10 +111,17 @@ class GatewayState:
     def model_name(self) -> str:
         return self.config.model_name
 
+    def response_model(self, model: str | None, lora: str = "") -> str:
+        """The name a response gives: the adapter's, else the served name the request asked
+        for (vLLM echoes any of its --served-model-name names), else the first."""
+        if lora:
+            return lora
+        return model if model in self.config.model_names else self.model_name
+
     def accepts(self, model: str | None) -> str:
         """The LoRA adapter ``model`` names ("" for the base model); 404 for a model this
         gateway does not serve (the adapters are the ones its workers report)."""
-        if model is None or model in (self.model_name, self.config.model):
+        if model is None or model in (*self.config.model_names, self.config.model):
             return ""
         adapters = self.registry.lora_names()
         if model in adapters:
@@ -122,7 +129,8 @@ class GatewayState:
         also = f" and the LoRA adapters {', '.join(f'`{a}`' for a in sorted(adapters))}"
         raise APIError(
             404,
-            f"The model `{model}` does not exist. This gateway serves `{self.model_name}`"
+            f"The model `{model}` does not exist. This gateway serves "
+            f"{', '.join(f'`{n}`' for n in self.config.model_names)}"
             f"{also if adapters else ''}.",
             param="model",
             code="model_not_found",

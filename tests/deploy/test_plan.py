@@ -604,3 +604,13 @@ def test_the_gateway_gets_the_chat_template(
     plan = plan_for()
     assert "--chat-template" not in gateway_spec(plan, {"prefill-0": 1, "decode-0": 2}, None).argv
     assert all("--chat-template" not in w.spec.argv for w in plan.workers)
+
+
+def test_several_served_model_names_reach_the_gateway_and_guard_adapter_names() -> None:
+    """vLLM's `--served-model-name a b`: the gateway gets both (it serves each); an adapter may
+    not take the second name either."""
+    plan = plan_for("--served-model-name", "smol", "gpt-3.5-turbo")
+    assert reparse(plan.gateway_argv).served_model_name == ["smol", "gpt-3.5-turbo"]
+    with pytest.raises(ConfigError, match=re.escape("name 'gpt-3.5-turbo' is the base")):
+        plan_for("--enable-lora", "--served-model-name", "smol", "gpt-3.5-turbo",
+                 "--lora-modules", "gpt-3.5-turbo=/ad/x")  # fmt: skip
