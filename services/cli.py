@@ -213,6 +213,8 @@ VLLM_FLAGS: dict[str, str | None] = {
     "--disable-frontend-multiprocessing": None,
     "--runner": "--task generate or --task embed",
     "--tokenizer-mode": None,
+    "--tokenizer": "a model directory with its tokenizer files beside config.json (the workers "
+    "and the gateway read the model's own; `tandem gateway --tokenizer` alone takes another)",
     "--max-seq-len-to-capture": None,
     "-O": "--enforce-eager to run without CUDA graphs (Tandem has no compilation levels)",
     "--compilation-config": "--enforce-eager to run without CUDA graphs (Tandem has no "

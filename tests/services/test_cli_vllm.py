@@ -41,3 +41,19 @@ def test_a_bad_token_count_is_one_argparse_error(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument --max-model-len: {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["serve", "/m"], ["up"], ["worker", "--port", "0"]])
+def test_tokenizer_outside_the_gateway_says_where_the_tokenizer_comes_from(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's --tokenizer was a bare "unrecognized arguments" here."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*command, "--tokenizer", "/tok"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer is a vLLM flag Tandem does not support; use a model directory" in err
+
+
+def test_the_gateway_keeps_its_own_tokenizer_flag() -> None:
+    assert build_parser().parse_args(["gateway", "--tokenizer", "/tok"]).tokenizer == "/tok"
