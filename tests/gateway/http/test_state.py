@@ -46,15 +46,19 @@ def test_close_leaves_a_stuck_trace_exporter_behind(
     config = GatewayConfig(
         tokenizer=tokenizer_dir, workers=(WorkerSpec("colocated", "127.0.0.1:1"),)
     )
-    state = state_module.GatewayState(config)
-    assert state.tracer_provider is provider
-    with state.tracer.start_as_current_span("request"):
-        pass
-    assert exporter.entered.wait(10)  # the batch is being exported, and will not finish
-    try:
+
+    async def run() -> float:  # the state's gRPC channels belong to a running loop
+        state = state_module.GatewayState(config)
+        assert state.tracer_provider is provider
+        with state.tracer.start_as_current_span("request"):
+            pass
+        assert exporter.entered.wait(10)  # the batch is being exported, and will not finish
         start = time.monotonic()
-        asyncio.run(state.close())
-        assert time.monotonic() - start < 5.0  # not the exporter's 30 s
+        await state.close()
+        return time.monotonic() - start
+
+    try:
+        assert asyncio.run(run()) < 5.0  # not the exporter's 30 s
         assert not exporter.release.is_set()
     finally:
         exporter.release.set()
