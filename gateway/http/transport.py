@@ -33,7 +33,9 @@ def _check_content_type(request: Request) -> None:
         return
     mime = ctype.split(";")[0].strip().lower()
     if mime != "application/json" and not mime.endswith("+json"):
-        raise invalid(f"Content-Type must be application/json, got {ctype!r}", code="content_type")
+        raise APIError(  # as vLLM answers: 415 Unsupported Media Type
+            415, f"Content-Type must be application/json, got {ctype!r}", code="content_type"
+        )
 
 
 def _too_large(size: int | str, limit: int) -> APIError:
@@ -89,8 +91,8 @@ def _check_unicode(value: Any) -> None:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The parsed body; a 400 for the wrong type, bad UTF-8, bad JSON or strings that are not
-    valid Unicode (lone surrogates); a 413 for too many bytes."""
+    """The parsed body; a 415 for a Content-Type that is not JSON; a 400 for bad UTF-8, bad
+    JSON or strings that are not valid Unicode (lone surrogates); a 413 for too many bytes."""
     _check_content_type(request)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
