@@ -71,6 +71,18 @@ class ControlConn:
             return False
         return not readable
 
+    def hung_up(self) -> bool:
+        """Whether the peer closed the connection or its process died (non-blocking); a
+        message still waiting to be read is not a hang-up."""
+        if self.idle():
+            return False
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:  # reset by the peer, or closed here
+            return True
+
     def shutdown(self) -> None:
         """Wake a blocked reader (it sees the connection closed) and tell the peer."""
         with self._lock:

@@ -9,13 +9,16 @@ are the caller's again at once). When the receiver cannot be reached, every tran
 it fails at once instead of each waiting out its own timeout against a dead peer. A queue that
 has had nothing to send for ``idle_s`` retires: its thread says goodbye to the receiver and
 exits (decode workers come and go; each restart is a new endpoint), and the next transfer to that
-receiver starts a new one.
+receiver starts a new one. An idle queue whose receiver hung up (its process died) retires within
+``HANG_UP_CHECK_S``: its group, sockets and thread are not kept for ``idle_s`` by a peer that is
+gone.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -30,6 +33,8 @@ from kvtransfer.results import TransferError, TransferStats
 from kvtransfer.sender_pair import SenderPair
 
 log = logging.getLogger(__name__)
+
+HANG_UP_CHECK_S = 1.0  # how often an idle queue looks whether its receiver hung up
 
 
 class ReceiverUnreachable(TransferError):
@@ -155,9 +160,16 @@ class PairQueue:
 
     def _next(self) -> SendJob | None:
         with self._cond:
+            idle_until = time.monotonic() + self._idle_s
             while (not self._jobs or self._inline) and not self._closed:
-                if not self._cond.wait(self._idle_s) and not self._jobs and not self._inline:
-                    self._closed = self._retired = True  # idle: put() now refuses
+                self._cond.wait(min(self._idle_s, HANG_UP_CHECK_S))
+                if self._jobs or self._inline:
+                    continue
+                if self.pair.hung_up():  # the pair is ours while idle: nobody else reads it
+                    self._closed = self._retired = True  # put() now refuses
+                    log.info("KV receiver at %s hung up: pair closed", self.pair.endpoint)
+                elif time.monotonic() >= idle_until:
+                    self._closed = self._retired = True
                     log.info(
                         "KV pair to %s idle for %.0f s: closed", self.pair.endpoint, self._idle_s
                     )

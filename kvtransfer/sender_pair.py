@@ -140,6 +140,11 @@ class SenderPair:
     def connected(self) -> bool:
         return self._conn is not None
 
+    def hung_up(self) -> bool:
+        """Whether the receiver closed the control connection (its process died or it closed):
+        the pair cannot be used again. Only the pair's own thread may ask, while idle."""
+        return self._conn is not None and self._conn.hung_up()
+
     @property
     def backend(self) -> str:
         """The pair's transport once connected: cuda_ipc, nccl or gloo ('' before)."""

@@ -129,6 +129,21 @@ def test_an_idle_pair_retires_and_the_next_transfer_builds_a_new_one(receiver: K
     assert not send_threads()
 
 
+def test_a_pair_whose_receiver_went_away_is_let_go_at_once_not_when_idle() -> None:
+    """A decode worker that dies and restarts listens on a new KV endpoint: the old pair's
+    group, sockets and thread must go when its receiver hangs up, not idle_pair_s later."""
+    rx = KvReceiver(make_caches(0, 16, zero=True))
+    endpoint = rx.endpoint
+    with KvSender(make_caches(1, 16), "widowed", SenderOptions(idle_pair_s=300)) as sender:
+        rx.expect("before", [0], deadline_s=30)
+        assert sender.send(endpoint, "before", [0], timeout_s=5).bytes > 0
+        (thread,) = [t for t in threading.enumerate() if t.name == f"kv-send {endpoint}"]
+        rx.close()  # the receiver's end of the pair hangs up, as when its process dies
+        thread.join(10)
+        assert not thread.is_alive() and not sender._queues
+        assert sender.stats().failures == 0  # nothing was being sent
+
+
 class _Pair:
     """A stand-in pair: PairQueue only names its endpoint and closes it."""
 
@@ -139,6 +154,9 @@ class _Pair:
 
     def close(self, farewell: bool = True) -> None:
         self.closed.set()
+
+    def hung_up(self) -> bool:
+        return False
 
 
 def _queue(run) -> tuple[PairQueue, _Pair]:  # type: ignore[no-untyped-def]
