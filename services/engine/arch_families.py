@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.config import ConfigError
-from services.engine.deepseek_config import read_deepseek
+from services.engine.deepseek_config import read_deepseek, read_glm4_moe
 
 Fields = dict[str, Any]
 
@@ -219,6 +219,7 @@ def _check_act(model_type: str, cfg: dict[str, Any], want: str) -> None:
 _READERS = {
     "deepseek_v2": read_deepseek,
     "deepseek_v3": read_deepseek,
+    "glm4_moe": read_glm4_moe,
     "olmo2": _olmo2,
     "olmo3": _olmo3,
     "glm": _glm,

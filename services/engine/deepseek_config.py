@@ -1,7 +1,8 @@
-"""The config.json reader of DeepSeek-V2 and V3 (``deepseek_v2``, ``deepseek_v3``; Moonlight
+"""The config.json readers of DeepSeek-V2 and V3 (``deepseek_v2``, ``deepseek_v3``; Moonlight
 and Kimi-K2 are V3): multi-head latent attention (``ArchConfig.mla``) and DeepSeek's MoE
 (``MoeConfig.grouped``: the group-limited router, shared experts), as transformers 5 builds the
-models. What the configuration allows but transformers and vLLM would serve differently, or this
+models; and of GLM-4.5/4.6 (``glm4_moe``): V3's MoE beside the Llama attention (partial rotary,
+optional per-head q/k norms, q/k/v biases). What the configuration allows but transformers and vLLM would serve differently, or this
 engine does not implement, is refused (ConfigError) rather than served wrong."""
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
                     "first_k_dense_replace": 3, "q_lora_rank": 1536, "moe_intermediate_size": 2048,
                     "n_group": 8, "topk_group": 4, "max_position_embeddings": 4096},
+    "glm4_moe": {"n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                 "first_k_dense_replace": 1, "moe_intermediate_size": 1408, "n_group": 1,
+                 "topk_group": 1, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
 }  # fmt: skip
+# the families routed as DeepSeek-V3 (sigmoid scores, the correction bias, noaux_tc)
+_V3_ROUTING = ("deepseek_v3", "glm4_moe")
 
 
 def read_deepseek(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
@@ -47,6 +53,37 @@ def read_deepseek(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
     bias = bool(cfg.get("attention_bias", False))
     fields = {"mla": mla, "moe": _moe(model_type, cfg), "head_dim": width,
               "num_kv_heads": heads, "attention_bias": bias, "o_proj_bias": bias,
+              "mlp_bias": False}  # fmt: skip
+    return read, fields
+
+
+def read_glm4_moe(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
+    """GLM-4.5/4.6 as transformers' ``Glm4MoeForCausalLM``: the Llama attention with q/k/v
+    biased by ``attention_bias`` (o_proj never), per-head q/k RMSNorms before the rotation with
+    ``use_qk_norm``, the first ``partial_rotary_factor`` (0.5 unless given) of each head rotating
+    by halves; DeepSeek-V3's MoE from ``first_k_dense_replace`` on."""
+    cfg = {**_DEFAULTS["glm4_moe"], **cfg}
+    act = cfg.get("hidden_act") or "silu"
+    if act != "silu":
+        raise ConfigError(f"glm4_moe: hidden_act {act!r}; only silu is supported")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 0.5
+    dim = int(head_dim * float(partial))
+    if not 0.0 < float(partial) <= 1.0 or dim < 2 or dim % 2:
+        raise ConfigError(
+            f"glm4_moe: partial_rotary_factor {partial} gives {dim} rotary dims of head_dim "
+            f"{head_dim}; it must give an even number between 2 and head_dim"
+        )
+    if rope.get("rope_type", rope.get("type")) == "longrope":
+        raise ConfigError("glm4_moe: rope scaling 'longrope' is not supported")
+    # the common reader takes the rope without the partial factor (this reader's field)
+    read = {**cfg, "head_dim": head_dim, "rope_parameters": rope, "rope_scaling": None,
+            "partial_rotary_factor": None, "sliding_window": None}  # fmt: skip
+    fields = {"moe": _moe("glm4_moe", cfg), "partial_rotary_factor": float(partial),
+              "qk_norm": bool(cfg.get("use_qk_norm", False)),
+              "attention_bias": bool(cfg.get("attention_bias", False)), "o_proj_bias": False,
               "mlp_bias": False}  # fmt: skip
     return read, fields
 
@@ -104,7 +141,7 @@ def _moe(model_type: str, cfg: dict[str, Any]) -> Any:
     scaling = cfg.get("routed_scaling_factor")
     if isinstance(scaling, bool) or not isinstance(scaling, int | float) or not scaling > 0:
         raise ConfigError(f"{model_type}: routed_scaling_factor must be > 0, got {scaling!r}")
-    v3 = model_type == "deepseek_v3"
+    v3 = model_type in _V3_ROUTING
     groups, kept, renormalize = _routing(model_type, cfg, experts, top_k)
     sparse = tuple(range(first, layers))
     if not sparse:
@@ -136,7 +173,7 @@ def _routing(
             return 1, 1, False
     elif method not in (None, "noaux_tc") or scoring not in (None, "sigmoid"):
         raise ConfigError(
-            f"deepseek_v3: topk_method {method!r} with scoring_func {scoring!r} is not "
+            f"{model_type}: topk_method {method!r} with scoring_func {scoring!r} is not "
             "supported (noaux_tc over sigmoid scores is)"
         )
     groups, kept = cfg.get("n_group"), cfg.get("topk_group")
@@ -146,14 +183,15 @@ def _routing(
             "with 1 <= topk_group <= n_group"
         )
     per_group = experts // groups
-    if experts % groups or (model_type == "deepseek_v3" and per_group < 2):
+    v3 = model_type in _V3_ROUTING  # its groups rank by their two best experts
+    if experts % groups or (v3 and per_group < 2):
         raise ConfigError(
             f"{model_type}: {experts} experts do not make {groups} equal groups"
-            + (" of two or more" if model_type == "deepseek_v3" else "")
+            + (" of two or more" if v3 else "")
         )
     if top_k > kept * per_group:
         raise ConfigError(
             f"{model_type}: num_experts_per_tok {top_k} exceeds the {kept * per_group} experts "
             f"of the {kept} groups kept"
         )
-    return groups, kept, model_type == "deepseek_v3" and bool(cfg.get("norm_topk_prob", True))
+    return groups, kept, v3 and bool(cfg.get("norm_topk_prob", True))

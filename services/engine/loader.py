@@ -18,7 +18,11 @@ from services.config import ConfigError, ModelConfig
 from services.engine.gpt_oss_weights import gpt_oss_tensors
 from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
 from services.engine.models.cohere import CohereForCausalLM
-from services.engine.models.deepseek import DeepseekForCausalLM, checkpoint_tensor
+from services.engine.models.deepseek import (
+    DeepseekForCausalLM,
+    Glm4MoeForCausalLM,
+    checkpoint_tensor,
+)
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.glm4 import Glm4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
@@ -92,6 +96,7 @@ _FAMILY_MODELS: dict[str, type[LlamaForCausalLM]] = {
     "arcee": ArceeForCausalLM,
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,6 +194,7 @@ def load_weights(
         weights = gpt_oss_tensors(weights, model.lm_head.weight.dtype)
         if layout is not None and whole is not None:
             weights = ((n, _rank_part(layout, n, t, whole)) for n, t in weights)
+    deepseek_moe = arch.mla is not None or (arch.moe is not None and arch.moe.grouped is not None)
     for name, tensor in weights:
         if "rotary_emb" in name:
             continue
@@ -213,11 +219,12 @@ def load_weights(
             name = name.replace("model.language_model.", "model.").replace(
                 "model.visual.", "visual."
             )
-        if arch.mla is not None:  # q, kv_a, kv_b: not stacked; their rotary rows in halves
-            if _beyond_layers(name, arch.num_layers):  # V3's multi-token-prediction layers
+        if deepseek_moe:  # DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
+            if _beyond_layers(name, arch.num_layers):
                 continue
             if ".mlp.shared_experts." in name and tensor.numel() == 0:  # n_shared_experts 0
                 continue
+        if arch.mla is not None:  # q, kv_a, kv_b: not stacked; their rotary rows in halves
             tensor = checkpoint_tensor(arch.mla, name, tensor)
         expert = _EXPERT.search(name)
         if expert:
@@ -279,8 +286,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _beyond_layers(name: str, layers: int) -> bool:
-    """A tensor of a decoder layer past the model's (DeepSeek-V3's checkpoints add their
-    multi-token-prediction module as layer ``num_hidden_layers``; transformers skips it)."""
+    """A tensor of a decoder layer past the model's (DeepSeek-V3's and GLM-4.5's checkpoints add
+    their multi-token-prediction module as layer ``num_hidden_layers``; transformers skips
+    it)."""
     match = _LAYER.match(name)
     return match is not None and int(match.group(1)) >= layers
 

@@ -44,6 +44,7 @@ SUPPORTED = {
     "arcee": "Arcee (AFM)",
     "deepseek_v2": "DeepSeek-V2, V2-Lite, V2.5 (MLA, DeepSeek MoE)",
     "deepseek_v3": "DeepSeek-V3, R1, Moonlight, Kimi-K2 (MLA, DeepSeek MoE; bf16 weights)",
+    "glm4_moe": "GLM-4.5, GLM-4.6 (DeepSeek's MoE; bf16 weights)",
     "olmoe": "OLMoE",
     "granitemoe": "Granite 3.x MoE",
     "granitemoeshared": "Granite MoE with a shared expert",

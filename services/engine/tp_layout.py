@@ -263,8 +263,8 @@ class TPLayout:
         name = name.replace("model.language_model.", "model.")  # transformers 5's VL names
         if name in _VOCAB:
             return CheckpointSlice(0, *self.vocab, pad_to=self.vocab_shard)
-        if self.mla is not None and (".self_attn." in name or ".shared_experts." in name):
-            return self._mla_slice(name, self.mla)
+        if self._deepseek_cut(name):
+            return self._mla_slice(name)
         fused = _FUSED.search(name)
         if fused is not None:
             return CheckpointSlice(0, 0, 0, runs=self.fused_runs(fused.group(1)))
@@ -300,35 +300,43 @@ class TPLayout:
         tensor_dim, unit = cut
         return CheckpointSlice(tensor_dim, start // unit, -(-end // unit))
 
-    def _mla_spans(self, mla: MlaConfig) -> dict[str, Span]:
+    def _deepseek_cut(self, name: str) -> bool:
+        """Whether ``name`` is cut by ``_MLA_CUTS``: DeepSeek's attention tensors, and the
+        shared experts of DeepSeek's MoE (DeepSeek's, GLM-4.5's)."""
+        mla = self.mla is not None and ".self_attn." in name
+        return mla or (".shared_experts." in name and self.shared_intermediate != (0, 0))
+
+    def _mla_spans(self) -> dict[str, Span]:
         """This rank's rows of DeepSeek's q projection (each head's qk dims), of kv_b (each
         head's nope key and value), of the o_proj input (each head's value) and of the shared
         experts' intermediate."""
-        h0, h1 = self.q_heads
-        kv = mla.qk_nope_head_dim + mla.v_head_dim
-        return {"q": (h0 * mla.qk_head_dim, h1 * mla.qk_head_dim), "kv_b": (h0 * kv, h1 * kv),
-                "o": (h0 * mla.v_head_dim, h1 * mla.v_head_dim),
-                "shared": self.shared_intermediate}  # fmt: skip
+        spans = {"shared": self.shared_intermediate}
+        if self.mla is not None:
+            (h0, h1), m = self.q_heads, self.mla
+            kv = m.qk_nope_head_dim + m.v_head_dim
+            spans.update(q=(h0 * m.qk_head_dim, h1 * m.qk_head_dim), kv_b=(h0 * kv, h1 * kv),
+                         o=(h0 * m.v_head_dim, h1 * m.v_head_dim))  # fmt: skip
+        return spans
 
-    def _mla_slice(self, name: str, mla: MlaConfig) -> CheckpointSlice | None:
+    def _mla_slice(self, name: str) -> CheckpointSlice | None:
         """A DeepSeek attention or shared-experts tensor's part: q, kv_b and the shared gate/up
         by rows, o_proj and the shared down by columns; the latent projections and norms (and
         o_proj's bias, added once after the sum) whole."""
-        spans = self._mla_spans(mla)
+        spans = self._mla_spans()
         for suffix, (span, dim) in _MLA_CUTS.items():
             if name.endswith(suffix):
                 return CheckpointSlice(dim, *spans[span])
         return None
 
-    def _mla_param_slice(
-        self, name: str, mla: MlaConfig, arch: ArchConfig
-    ) -> tuple[int, int, list[Span]] | None:
+    def _mla_param_slice(self, name: str, arch: ArchConfig) -> tuple[int, int, list[Span]] | None:
         """``param_slice`` of DeepSeek's attention and shared experts (our parameter names:
         the shared gate and up stacked as ``gate_up_proj``)."""
-        spans, nq = self._mla_spans(mla), arch.num_heads
+        spans, nq, m = self._mla_spans(), arch.num_heads, arch.mla
         shared = arch.moe.shared_intermediate_size if arch.moe is not None else 0
-        whole = {"q": nq * mla.qk_head_dim, "kv_b": nq * (mla.qk_nope_head_dim + mla.v_head_dim),
-                 "o": nq * mla.v_head_dim, "shared": shared}  # fmt: skip
+        whole = {"shared": shared}
+        if m is not None:
+            whole.update(q=nq * m.qk_head_dim, kv_b=nq * (m.qk_nope_head_dim + m.v_head_dim),
+                         o=nq * m.v_head_dim)  # fmt: skip
         if name.endswith(".shared_experts.gate_up_proj.weight"):
             s0, s1 = spans["shared"]
             return 0, 2 * shared, [(s0, s1), (shared + s0, shared + s1)]
@@ -378,8 +386,8 @@ class TPLayout:
             return None
         if name in _VOCAB:
             return 0, arch.vocab_size, [self.vocab]
-        if self.mla is not None and (".self_attn." in name or ".shared_experts." in name):
-            return self._mla_param_slice(name, self.mla, arch)
+        if self._deepseek_cut(name):
+            return self._mla_param_slice(name, arch)
         if name.endswith("experts.gate_up_proj") and arch.moe is not None:  # [E, 2I, H]
             e, i = self.moe_intermediate, arch.moe.intermediate_size
             return 1, 2 * i, [e, (i + e[0], i + e[1])]

@@ -1,5 +1,6 @@
 """DeepSeek-V2 and V3 (Moonlight, Kimi-K2) in plain PyTorch over a paged KV cache: the Llama
-decoder layer with multi-head latent attention and DeepSeek's MoE.
+decoder layer with multi-head latent attention and DeepSeek's MoE; and GLM-4.5/4.6, the Llama
+layers with DeepSeek's MoE (``Glm4MoeForCausalLM``).
 
 - Attention (MLA): q from ``q_proj``, or a low-rank ``q_a_proj`` -> RMSNorm -> ``q_b_proj``;
   ``kv_a_proj_with_mqa`` gives a latent (RMSNormed, then ``kv_b_proj`` into each head's nope
@@ -195,6 +196,18 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, max_positions)
         layers = (DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.model.layers = nn.ModuleList(layers)
+
+
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    """GLM-4.5/4.6: the Llama layers (the config gives their attention its partial rotary,
+    per-head q/k norms and q/k/v biases) with DeepSeek's MoE on the sparse layers."""
+
+    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        moe = cfg.moe
+        for i, layer in enumerate(self.model.layers):
+            if moe is not None and i in moe.layers:
+                layer.mlp = DeepseekMoe(moe, cfg.hidden_size)
 
 
 def rope_halves(rows: torch.Tensor, width: int, rope: int) -> torch.Tensor:
