@@ -299,6 +299,11 @@ def run(
     ``grace_s`` None: :func:`shutdown_grace` of the drain timeout the gateway was given.
     ``key_env``: the variable ``api_key`` came from, for the ready message (None: --api-key).
     """
+    try:
+        check_log_dir(log_dir)
+    except ConfigError as exc:
+        say(f"tandem up: {exc}", error=True)
+        return 2
     if grace_s is None:
         grace_s = shutdown_grace(plan.drain_timeout_s)
     sup = Supervisor(log_dir, grace_s)
@@ -347,6 +352,19 @@ def gateway_key(flag: str | None, environ: Mapping[str, str]) -> tuple[str | Non
     variable it came from (None: the flag, or no key)."""
     api_key, source = api_key_from(flag, environ)
     return api_key, None if source == "--api-key" else source
+
+
+def check_log_dir(path: Path) -> None:
+    """``--log-dir`` is made (with its parents) and written to before anything starts: a
+    path under a file or on a read-only disk was a traceback once the first child started."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=path, prefix=".tandem-probe-").close()
+    except OSError as exc:
+        raise ConfigError(
+            f"--log-dir {path}: cannot write a log there ({exc.strerror or exc}): give a "
+            "directory tandem up may create and write to"
+        ) from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -166,6 +166,19 @@ def prepare_model(model: str) -> ModelFiles:
         return files
     assert files.hf_dir is not None
     _check_gguf(files.path)
+    try:
+        return _convert_once(files)
+    except ModelNotFoundError:  # an OSError too, which says what it is already
+        raise
+    except OSError as exc:  # the cache directory cannot be made or written
+        raise ModelNotFoundError(
+            f"cannot write {files.path.name}'s converted files under {files.hf_dir.parent} "
+            f"({exc.strerror or exc}): set TANDEM_CACHE_DIR to a writable directory"
+        ) from exc
+
+
+def _convert_once(files: ModelFiles) -> ModelFiles:
+    assert files.hf_dir is not None
     with _lock(files.hf_dir.with_suffix(".lock")):
         if is_prepared(files):
             return files

@@ -303,6 +303,19 @@ def test_a_failed_model_preparation_starts_no_worker(start) -> None:
     assert up.children() == {}
 
 
+def test_a_log_dir_that_cannot_be_written_is_refused_before_anything_starts(
+    start, tmp_path: Path
+) -> None:
+    """--log-dir under a file (or on a read-only disk) was a traceback, exit 1, once the first
+    child started; now exit 2 and one line, before the model is prepared."""
+    (tmp_path / "a-file").write_text("")
+    up = start("--log-dir", str(tmp_path / "a-file" / "logs"))
+    assert up.finish() == 2
+    output = "\n".join(up.lines)
+    assert "--log-dir " in output and "cannot write a log there (Not a directory)" in output
+    assert "Traceback" not in output and "preparing model" not in output
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -128,3 +128,18 @@ def test_a_gguf_transformers_cannot_convert_is_refused_with_its_reason(
     monkeypatch.setattr("services.engine.gguf_convert.convert_gguf_to_hf", refuse)
     with pytest.raises(ModelNotFoundError, match=r"cannot convert .*odd\.gguf .*oddarch"):
         prepare_model(str(gguf))
+
+
+def test_a_cache_directory_that_cannot_be_written_is_one_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TANDEM_CACHE_DIR (or HOME) where nothing can be written was a traceback and exit 1."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ModelNotFoundError, match="set TANDEM_CACHE_DIR to a writable directory"):
+        prepare_model(str(gguf))
+    assert model_files_main(["--model", str(gguf)]) == 2
+    err = capsys.readouterr().err
+    assert "(Not a directory)" in err and "Traceback" not in err and len(err.splitlines()) == 1
