@@ -430,6 +430,8 @@ class ArchConfig:
             return cls.from_dict(cfg)
         except KeyError as e:
             raise ConfigError(f"{path} lacks {e.args[0]!r}, which the model needs") from None
+        except ConfigError as e:  # says what is wrong already (an unsupported model_type)
+            raise ConfigError(f"{path}: {e}") from None
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ConfigError(f"{path} has a field of the wrong type or value: {e}") from None
 

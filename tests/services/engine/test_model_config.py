@@ -228,6 +228,18 @@ def test_a_broken_config_file_is_a_config_error_naming_it(
     assert str(path) in str(info.value)
 
 
+def test_an_unsupported_model_type_is_said_as_such_not_as_a_wrong_field(tmp_path: Any) -> None:
+    """A gpt2 checkpoint read "has a field of the wrong type or value: model_type 'gpt2' is not
+    supported"; the reason stands alone, after the file's name."""
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "gpt2", "n_layer": 1}')
+    with pytest.raises(ConfigError) as info:
+        ArchConfig.from_file(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: model_type 'gpt2' is not supported; supported: llama")
+    assert "wrong type or value" not in message
+
+
 GEMMA = {**BASE, "model_type": "gemma3_text", "head_dim": 16, "num_hidden_layers": 6}
 
 
