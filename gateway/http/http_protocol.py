@@ -11,7 +11,8 @@ protocol adds, per connection:
 - a body deadline: the whole body within ``body_timeout_s`` of the headers; else the connection
   closes and the application sees ``http.disconnect`` (it frees what it held for the request);
 - a bound on open connections (``max_connections``): one more is answered 503 and closed before
-  its request is read.
+  its request is read. The first refusal is logged, the rest of a flood of them is summed up in
+  one line per ``refusal_log_s``, not one line each.
 
 Deadlines are totals, not per-read gaps: a client trickling one byte a second is cut off as
 surely as a silent one.
@@ -35,11 +36,40 @@ class HttpLimits:
     body_timeout_s: float = 60.0
     max_header_bytes: int = 64 * 1024
     max_connections: int = 4096
+    refusal_log_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_connections"):
+        names = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_connections",
+                 "refusal_log_s")  # fmt: skip
+        for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class RefusalLog:
+    """Refused connections in a few log lines: the first of a burst at once, the others counted
+    and summed up in one line ``every_s`` after it (one server's loop calls it)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._quiet_until = 0.0
+        self._held = 0  # refusals since the last line
+        self._summary: asyncio.TimerHandle | None = None
+
+    def refused(self, loop: asyncio.AbstractEventLoop, open_now: int) -> None:
+        now = loop.time()
+        if now >= self._quiet_until:
+            log.warning("refusing connections: %d open, the bound (--max-connections)", open_now)
+            self._quiet_until = now + self.every_s
+            return
+        self._held += 1
+        if self._summary is None:
+            self._summary = loop.call_at(self._quiet_until, self._sum_up)
+
+    def _sum_up(self) -> None:
+        self._summary = None
+        log.warning("refused %d more connections in %g s: too many open", self._held, self.every_s)
+        self._held = 0
 
 
 def _reply(status: int, message: str) -> bytes:
@@ -59,6 +89,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """Subclassed per server by :func:`guarded_protocol` (uvicorn builds protocols itself)."""
 
     limits = HttpLimits()
+    refusals = RefusalLog(limits.refusal_log_s)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -71,7 +102,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
-            log.warning("refusing a connection: %d open", len(self.connections) - 1)
+            self.refusals.refused(self.loop, len(self.connections) - 1)
             transport.write(_reply(503, "too many open connections; retry later"))
             transport.close()
             return
@@ -154,4 +185,5 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 def guarded_protocol(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` bound to these limits."""
-    return type("GuardedHttp", (GuardedHttpToolsProtocol,), {"limits": limits})
+    attrs = {"limits": limits, "refusals": RefusalLog(limits.refusal_log_s)}
+    return type("GuardedHttp", (GuardedHttpToolsProtocol,), attrs)

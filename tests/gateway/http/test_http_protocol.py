@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -153,6 +154,29 @@ def test_connections_beyond_the_bound_get_503() -> None:
         with served.connect() as s:  # room again once they are gone
             s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
             assert read_response(s) == b"HTTP/1.1 200 OK 0"
+
+
+def test_a_flood_of_refused_connections_is_logged_in_a_few_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every connection past the bound was one WARNING line: 4,200 idle sockets against the
+    gateway's 4,096 wrote 104 lines in a millisecond. The first refusal is logged, the rest of
+    the burst is summed up in one line."""
+    limits = HttpLimits(max_connections=1, refusal_log_s=0.2)
+    caplog.set_level(logging.WARNING, logger="gateway.http.http_protocol")
+    with Served(limits) as served:
+        held = served.connect()
+        held.sendall(b"GET /echo HTTP/1.1\r\n")  # holds the only slot
+        for _ in range(20):
+            with served.connect() as extra:
+                assert read_all(extra).startswith(b"HTTP/1.1 503")
+        deadline = time.monotonic() + 5
+        while "19 more" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)  # the summary is written by the server's loop after refusal_log_s
+        held.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.http.http_protocol"]
+    assert len(lines) == 2, lines
+    assert "1 open" in lines[0] and "refused 19 more connections" in lines[1]
 
 
 def test_limits_must_be_positive() -> None:
