@@ -251,12 +251,16 @@ class WorkerClient:
             )
         except grpc.RpcError as e:
             owed = status_code(e) in _OWED_CODES and tries < ABORT_TRIES
+            # a dead worker misses the aborts of all it ran: the first is logged, the others
+            # are counted in the line that sends them again (_resend_aborts)
+            first = not self._owed_aborts
             if owed:
                 self._owed_aborts[request_id] = (timeout, tries)
                 while len(self._owed_aborts) > MAX_OWED_ABORTS:  # the oldest go
                     del self._owed_aborts[next(iter(self._owed_aborts))]
-            log.info("abort of %s on %s failed (%s)%s", request_id, self.address, summary(e),
-                     "; sent again once it answers" if owed else "")  # fmt: skip
+            log.log(logging.INFO if first or not owed else logging.DEBUG,
+                    "abort of %s on %s failed (%s)%s", request_id, self.address, summary(e),
+                    "; sent again once it answers" if owed else "")  # fmt: skip
             return False
         return bool(reply.found)
 

@@ -9,8 +9,10 @@ answers, when it also takes new requests.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from gateway.core.config import WorkerSpec
 from gateway.workers.client import WorkerClient
 from tests.gateway.fake_workers import FakeWorker
 from tests.gateway.stack import Stack
@@ -317,3 +320,22 @@ def test_late_polls_mark_a_worker_unhealthy_and_the_stall_timeout_lost(
 
 async def _answer() -> int:
     return 1
+
+
+async def test_the_aborts_a_dead_worker_misses_are_logged_once_not_one_line_each(
+    caplog_info: pytest.LogCaptureFixture,
+) -> None:
+    """kill -9 of a decode worker with 12 requests on it wrote 12 'abort of ... failed' lines;
+    with hundreds in flight, hundreds. The first is logged, the rest are counted in the line
+    that sends them again once it answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # nobody listens there
+    client = WorkerClient(WorkerSpec("decode", address))
+    try:
+        found = await asyncio.gather(*(client.abort(f"r{i}", 1.0) for i in range(30)))
+    finally:
+        await client.close()
+    assert not any(found) and len(client._owed_aborts) == 30
+    failed = _logged(caplog_info, "failed (UNAVAILABLE")
+    assert len(failed) == 1 and "sent again once it answers" in failed[0], failed
