@@ -184,10 +184,13 @@ class ModelRunner:
         limit = derived_max_model_len(self.arch.max_position_embeddings, self.arch.rope_scaling)
         default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos
         self.max_model_len = config.model.max_model_len or min(limit, max_pos, default_len)
-        if self.max_model_len > max_pos:
-            raise ConfigError(f"--max-model-len {self.max_model_len} exceeds {max_pos} positions")
-        if self.max_model_len > limit:
+        if self.max_model_len > limit:  # the model's own maximum first: the one to go by
             self._check_long_max_model_len(limit)
+        if self.max_model_len > max_pos:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} is longer than the {max_pos} positions "
+                f"Tandem serves: pass --max-model-len {max_pos} or less"
+            )
         for module in self.model.modules():  # a window no context outgrows: whole attention,
             # without the kernels' window masks (7-8% of 8 x 1024 prompts' attention, H200)
             if isinstance(module, Attention) and module.window >= self.max_model_len:

@@ -168,6 +168,26 @@ def test_max_model_len_beyond_the_models_positions_is_refused(
         _smollm2(100000)
 
 
+def test_a_length_past_every_limit_names_the_models_maximum_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--max-model-len 999999 said only "exceeds 131072 positions" (Tandem's own cap), not the
+    model's 8192 nor what to pass; with the variable set it names the cap and what to pass."""
+    from services.config import ConfigError
+
+    for name in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "TANDEM_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"maximum of 8192 .*pass --max-model-len 8192 or less"):
+        _smollm2(999999)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with pytest.raises(
+        ConfigError,
+        match=r"999999 is longer than the 131072 positions Tandem serves: pass --max-model-len "
+        r"131072 or less",
+    ):
+        _smollm2(999999)
+
+
 def test_allow_long_max_model_len_lets_it_through(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert _smollm2(8192 + 64).runner.max_model_len == 8192 + 64
