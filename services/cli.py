@@ -318,6 +318,17 @@ def _tokens(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    """argparse type: a fraction in (0, 1], checked before any worker starts."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] such as 0.9, got {text!r}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0 (0 usually turns something off)."""
     value = _int(text, "an integer >= 0")
@@ -513,7 +524,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gpu-memory-utilization",
-        type=float,
+        type=_fraction,
         default=0.9,
         help="fraction (0-1] of the GPU's memory this worker may use: the KV pool gets what the "
         "weights, the CUDA context and an activation reserve leave of it; ignored on the CPU and "

@@ -57,3 +57,20 @@ def test_tokenizer_outside_the_gateway_says_where_the_tokenizer_comes_from(
 
 def test_the_gateway_keeps_its_own_tokenizer_flag() -> None:
     assert build_parser().parse_args(["gateway", "--tokenizer", "/tok"]).tokenizer == "/tok"
+
+
+@pytest.mark.parametrize("given", ["1.5", "0", "-0.1", "nan", "90%"])
+def test_gpu_memory_utilization_outside_0_1_is_refused_when_parsed(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was refused only by each worker once started (tandem up had prepared the model and
+    started them first); vLLM refuses it when it reads its config."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "/m", "--gpu-memory-utilization", given])
+    assert exc.value.code == 2
+    assert f"expected a fraction in (0, 1] such as 0.9, got {given!r}" in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_takes_a_fraction() -> None:
+    args = build_parser().parse_args(["serve", "/m", "--gpu-memory-utilization", "1"])
+    assert args.gpu_memory_utilization == 1.0
