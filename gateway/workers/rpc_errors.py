@@ -71,6 +71,13 @@ def from_rpc_error(err: grpc.RpcError, address: str, call: str) -> UpstreamError
             400, details or f"{where} rejected the request", param=_param(err),
             code="invalid_argument",
         )  # fmt: skip
+    elif code == grpc.StatusCode.NOT_FOUND and call == "Decode":
+        # a Decode call names only the reservation this gateway made: the worker let go of it
+        # (its lease ran out while the gateway did not renew it, or the worker restarted)
+        api = APIError(
+            503, f"{where}: the decode worker no longer holds this request's KV reservation "
+            f"({details or 'not found'}); send the request again", code="reservation_lost",
+        )  # fmt: skip
     elif code == grpc.StatusCode.NOT_FOUND:
         api = APIError(404, details or f"{where}: not found", code="not_found")
     elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -83,8 +90,9 @@ def from_rpc_error(err: grpc.RpcError, address: str, call: str) -> UpstreamError
         api = APIError(503, f"{where} was cancelled by the worker", code="cancelled")
     else:
         api = APIError(502, f"{where} failed ({code.name}): {details}", code="worker_error")
+    retryable = code in _RETRYABLE or api.code == "reservation_lost"  # on another decode worker
     return UpstreamError(
-        api, retryable=code in _RETRYABLE, worker_down=code in _WORKER_DOWN, address=address,
+        api, retryable=retryable, worker_down=code in _WORKER_DOWN, address=address,
         status=code.name,
     )  # fmt: skip
 

@@ -221,6 +221,27 @@ def test_a_full_decode_pool_queues_the_request_until_blocks_free(disagg: Stack) 
     assert disagg.role("decode")[0].records.reserve_waits[-1] > 0
 
 
+def test_a_reservation_the_decode_worker_let_go_of_is_a_503_not_a_404(disagg: Stack) -> None:
+    """The decode worker freed the request's reservation before Decode claimed it (its lease ran
+    out while this gateway was frozen: SIGSTOP for 40 s on tandem up). The worker's NOT_FOUND
+    named the gateway's own reservation, so the client got 404 invalid_request_error
+    "not_found"; it is the service's failure: 503, and the reservation is named as lost."""
+    decode = disagg.role("decode")[0]
+    for prefill in disagg.role("prefill"):
+        prefill.behavior.first_delay_s = 0.5
+    with ThreadPoolExecutor(1) as pool:
+        body = {"prompt": PROMPT, "max_tokens": 3}
+        reply = pool.submit(httpx.post, f"{disagg.base_url}/v1/completions", json=body,
+                            timeout=30)  # fmt: skip
+        assert wait_for(lambda: bool(decode.records.reservations))
+        decode.records.reservations.clear()  # expired there: the prefill is still running
+        r = reply.result(30)
+    error = r.json()["error"]
+    assert r.status_code == 503, r.text
+    assert error["type"] == "service_unavailable_error" and error["code"] == "reservation_lost"
+    assert "reservation" in error["message"]
+
+
 def test_one_late_health_answer_is_forgiven_two_in_a_row_are_not(tokenizer_dir: str) -> None:
     stack = Stack(
         tokenizer_dir, ["colocated"], health_interval_s=60.0, health_timeout_s=0.3
