@@ -268,10 +268,24 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:  # what no worker could serve, said once here rather than by each worker at its start
+        check_architecture(files)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if files.kind == "named":
         files = prepare_model(EMBEDDED)
     print(files.hf_dir or files.path)
     return 0
+
+
+def check_architecture(files: ModelFiles) -> None:
+    """ConfigError when the model's config.json names an architecture (or a variant of one)
+    the engine does not serve; read without torch, as the workers will read it."""
+    from services.engine.model_config import ArchConfig
+
+    path = files.path if files.kind == "named" else (files.hf_dir or files.path) / "config.json"
+    ArchConfig.from_file(path)
 
 
 if __name__ == "__main__":

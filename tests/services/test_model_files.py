@@ -143,3 +143,21 @@ def test_a_cache_directory_that_cannot_be_written_is_one_error_line(
     assert model_files_main(["--model", str(gguf)]) == 2
     err = capsys.readouterr().err
     assert "(Not a directory)" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_an_architecture_no_worker_serves_is_refused_by_the_prepare_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tandem up``'s prepare step reads config.json as the workers will: a model_type the
+    engine does not serve is one error line and exit 2 before any worker starts (each worker
+    found it at its start, after the launcher had started them all)."""
+    model = tmp_path / "gpt2-tiny"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 8}')
+    assert model_files_main(["--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1
+    assert "model_type 'gpt2' is not supported; supported: llama" in err
+    (model / "config.json").write_text("{not json")
+    assert model_files_main(["--model", str(model)]) == 2
+    assert "is not a readable JSON model config" in capsys.readouterr().err
