@@ -7,6 +7,7 @@ deployment tests can check every command line in docker-compose and Kubernetes a
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -160,6 +161,13 @@ class TandemParser(argparse.ArgumentParser):
     (``usage: tandem gateway ...``, ``tandem gateway: error: ...``), not the top-level usage."""
 
     def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
+        args = list(sys.argv[1:] if args is None else args)
+        if args and args[0] in CONFIG_FILE_COMMANDS and self.prog == "tandem":
+            command = next(subcommands(self)).choices[args[0]]
+            try:
+                args = with_config_file(args, command)
+            except ConfigFileError as e:
+                command.error(str(e))
         parsed, extras = self.parse_known_args(args, namespace)
         chosen = selected(self, parsed)
         for flag, note in VLLM_NO_OPS.items():
@@ -177,6 +185,75 @@ class TandemParser(argparse.ArgumentParser):
                              "give it once, as MODEL or as --model")  # fmt: skip
             parsed.model = model_tag
         return parsed
+
+
+# vLLM's `serve --config FILE.yaml`: the commands that read flags from a YAML file
+CONFIG_FILE_COMMANDS = ("up", "serve")
+
+
+class ConfigFileError(ValueError):
+    """A ``--config`` file that cannot be read as flags: what is wrong with it."""
+
+
+def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` (a command and its flags) with the flags of its ``--config FILE`` in place of
+    that option, as vLLM's ``serve --config`` reads them: a YAML mapping of long flag names
+    (``max-model-len`` or ``max_model_len``) to values; true is a switch given, false one not
+    given (``--no-X`` where the flag has that form), a list the flag's values, a mapping its
+    JSON. Flags on the command line win over the file's (they come after them), and a MODEL
+    or ``--model`` given there over the file's ``model``."""
+    at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")),
+              None)  # fmt: skip
+    if at is None:
+        return argv
+    if "=" in argv[at]:
+        path, rest = argv[at].split("=", 1)[1], argv[:at] + argv[at + 1 :]
+    elif at + 1 < len(argv):
+        path, rest = argv[at + 1], argv[:at] + argv[at + 2 :]
+    else:
+        raise ConfigFileError("--config needs a YAML file of flags (vLLM's serve --config)")
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            table = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigFileError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        raise ConfigFileError(f"--config {path} is not valid YAML: {e}") from None
+    if table is None:
+        table = {}
+    if not isinstance(table, dict):
+        raise ConfigFileError(f"--config {path} must be a YAML mapping of flag names to values "
+                              f"(max-model-len: 4096), got a {type(table).__name__}")  # fmt: skip
+    given_model = any(a == "--model" or a.startswith("--model=") for a in rest)
+    known, _ = parser.parse_known_args(rest[1:])
+    if getattr(known, "model_tag", None) is not None:
+        given_model = True
+    flags: list[str] = []
+    for key, value in table.items():
+        name = str(key).strip().lstrip("-").replace("_", "-")
+        if name == "config":
+            raise ConfigFileError(f"--config {path}: a config file cannot name another")
+        if name == "model" and given_model:
+            continue  # the command line's model wins
+        flag = f"--{name}"
+        if flag not in parser._option_string_actions:
+            hint = vllm_hint(flag, parser)
+            raise ConfigFileError(f"--config {path}: {name!r} is not a flag of {parser.prog}"
+                                  + (f" ({hint})" if hint else ""))  # fmt: skip
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            if f"--no-{name}" in parser._option_string_actions:
+                flags.append(f"--no-{name}")
+        elif isinstance(value, list):
+            flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return [rest[0], *flags, *rest[1:]]
 
 
 # vLLM `serve` flags Tandem takes without a flag of its own: what it does anyway, said once
@@ -1614,6 +1691,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.choices[name].add_argument(
             "model_tag", nargs="?", default=None, metavar="MODEL",
             help="the model, as --model takes it (vLLM's `serve MODEL`)",
+        )  # fmt: skip
+        sub.choices[name].add_argument(  # read before parsing: with_config_file
+            "--config", metavar="FILE", default=None,
+            help="flags from a YAML file, as vLLM's `serve --config`: long flag names to "
+            "values; the command line wins over the file",
         )  # fmt: skip
     for role, what in (("prefill", "prefill"), ("decode", "decode"), ("worker", "colocated")):
         add_server_args(sub.add_parser(role, help=f"run a {what} worker (gRPC)"), role)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.cli import build_parser
@@ -74,3 +76,55 @@ def test_gpu_memory_utilization_outside_0_1_is_refused_when_parsed(
 def test_gpu_memory_utilization_takes_a_fraction() -> None:
     args = build_parser().parse_args(["serve", "/m", "--gpu-memory-utilization", "1"])
     assert args.gpu_memory_utilization == 1.0
+
+
+CONFIG = """\
+# vLLM's serve --config form
+model: /models/from-file
+port: 6379
+max_model_len: 32k
+served-model-name: [chat, chat-v2]
+enable-prefix-caching: false
+enforce-eager: true
+speculative-config: {method: ngram, num_speculative_tokens: 3}
+"""
+
+
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_a_config_file_gives_flags_the_command_line_overrides(
+    command: str, tmp_path: pytest.TempPathFactory
+) -> None:
+    """vLLM's `serve --config config.yaml`: long flag names (dashes or underscores) to values;
+    the command line wins over the file (`serve MODEL` over its model too)."""
+    path = tmp_path / "config.yaml"  # type: ignore[operator]
+    path.write_text(CONFIG)
+    args = build_parser().parse_args([command, "--config", str(path), "--port", "7000"])
+    assert args.model == "/models/from-file" and args.port == 7000 and args.max_model_len == 32000
+    assert args.served_model_name == ["chat", "chat-v2"] and args.enforce_eager
+    assert args.enable_prefix_caching is False
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 3}
+    named = build_parser().parse_args([command, "/models/cli", f"--config={path}"])
+    assert named.model == "/models/cli" and named.port == 6379
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("- a\n- b\n", "must be a YAML mapping of flag names to values"),
+     ("port: [1, 2\n", "is not valid YAML"),
+     ("no-such-flag: 1\n", "'no-such-flag' is not a flag of tandem serve"),
+     ("root-path: /api\n", "--root-path is a vLLM flag Tandem does not support"),
+     ("config: other.yaml\n", "a config file cannot name another")],
+)  # fmt: skip
+def test_a_bad_config_file_is_one_argparse_error(
+    text: str, message: str, tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"  # type: ignore[operator]
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--config", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--config", str(tmp_path / "missing.yaml")])  # type: ignore[operator]
+    assert "cannot read it" in capsys.readouterr().err
