@@ -6,6 +6,7 @@ the captured graphs and once with them set aside: the same tokens, token for tok
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,28 +19,34 @@ pytestmark = [
 MODEL, ADAPTERS, RANK, BATCH = "smollm2-135m", 4, 16, 16  # BATCH: a graph bucket, no padding
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_replayed_lora_decode_equals_eager(
-    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _adapters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> tuple[Any, ...]:
+    """(the LoRA config of ADAPTERS random rank-RANK adapters on MODEL's shape, BATCH random
+    prompts, each row's adapter: interleaved, each adapter's rows apart, every fifth row the
+    base model's). K unsplit: the split shrink adds its slices with atomics in any order,
+    which would make eager differ from eager (in the last bit), let alone from a replay."""
     from kernels import triton_lora
-    from protos.sampling_params import SamplingParams
     from services.config import LoRAConfig, ModelConfig
     from services.engine.bench.hf_peer import random_prompts
     from services.engine.bench.lora_cost import write_adapter
-    from services.engine.llm import LLM
     from services.engine.loader import read_arch
 
-    # K unsplit: the split shrink adds its slices with atomics in any order, which would make
-    # eager differ from eager (in the last bit), let alone from a replay
     monkeypatch.setattr(triton_lora, "_split_k", lambda *_: 1)
     _, arch = read_arch(ModelConfig(model=MODEL, load_format="dummy"))
     names = [f"lora{i}" for i in range(ADAPTERS)]
     modules = tuple((n, str(write_adapter(tmp_path / n, arch, RANK, i))) for i, n in enumerate(names))  # fmt: skip
     lora = LoRAConfig(modules=modules, max_loras=ADAPTERS, max_lora_rank=RANK)
-    prompts = random_prompts(BATCH, 40, arch.vocab_size, seed=5)
-    # interleaved: each adapter's rows lie apart, and every fifth row is the base model's
-    under = [([*names, ""])[i % (ADAPTERS + 1)] for i in range(BATCH)]
+    prompts = random_prompts(BATCH, 40, arch.vocab_size, seed=seed)
+    return lora, prompts, [([*names, ""])[i % (ADAPTERS + 1)] for i in range(BATCH)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replayed_lora_decode_equals_eager(
+    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from protos.sampling_params import SamplingParams
+    from services.engine.llm import LLM
+
+    lora, prompts, under = _adapters(tmp_path, monkeypatch, seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, lora_name=n)
               for n in under]  # fmt: skip
     plain = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * BATCH
@@ -77,22 +84,11 @@ def test_drafts_verified_under_adapters_on_a_gpu_give_the_tokens_without_drafts(
     its drafts, each row under the request's adapter) replayed from the captured graphs and run
     eagerly give the tokens of an engine without drafts, but at a float32 near-tie (a verify
     step sums in another order); drafts are kept (a random model's outputs repeat)."""
-    from kernels import triton_lora
     from protos.sampling_params import SamplingParams
-    from services.config import LoRAConfig, ModelConfig
-    from services.engine.bench.hf_peer import random_prompts
-    from services.engine.bench.lora_cost import write_adapter
     from services.engine.llm import LLM
-    from services.engine.loader import read_arch
     from tests.services.engine.test_speculative import assert_same_but_near_ties
 
-    monkeypatch.setattr(triton_lora, "_split_k", lambda *_: 1)
-    _, arch = read_arch(ModelConfig(model=MODEL, load_format="dummy"))
-    names = [f"lora{i}" for i in range(ADAPTERS)]
-    modules = tuple((n, str(write_adapter(tmp_path / n, arch, RANK, i))) for i, n in enumerate(names))  # fmt: skip
-    lora = LoRAConfig(modules=modules, max_loras=ADAPTERS, max_lora_rank=RANK)
-    prompts = random_prompts(BATCH, 40, arch.vocab_size, seed=7)
-    under = [([*names, ""])[i % (ADAPTERS + 1)] for i in range(BATCH)]
+    lora, prompts, under = _adapters(tmp_path, monkeypatch, seed=7)
     params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, lora_name=n,
                              logprobs=5) for n in under]  # fmt: skip
     knobs = {"load_format": "dummy", "dtype": "float32", "lora_config": lora,
