@@ -49,27 +49,42 @@ log = logging.getLogger(__name__)
 MAX_LIST = 100  # input_items' limit
 
 
-def _not_found(response_id: str, param: str | None = None) -> APIError:
+def _not_found(response_id: str) -> APIError:
     return APIError(
         404,
         f"Response with id {response_id!r} not found (this gateway keeps the responses it made "
         "with store true, the latest --responses-store-size of them; another gateway's are "
         "not here)",
-        param=param,
         code="not_found",
     )
 
 
-def _stored(state: GatewayState, response_id: str, param: str | None = None) -> StoredResponse:
+def _stored(state: GatewayState, response_id: str) -> StoredResponse:
     entry = state.responses.get(response_id)
     if entry is None:
-        raise _not_found(response_id, param)
+        raise _not_found(response_id)
+    return entry
+
+
+def _previous(state: GatewayState, response_id: str) -> StoredResponse:
+    """The response previous_response_id continues; one not held is OpenAI's 400
+    previous_response_not_found (what clients such as Codex look for), not the GET's 404."""
+    entry = state.responses.get(response_id)
+    if entry is None:
+        raise APIError(
+            400,
+            f"Previous response with id {response_id!r} not found (this gateway keeps the "
+            "responses it made with store true, the latest --responses-store-size of them; "
+            "another gateway's are not here): send the conversation as input instead",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     return entry
 
 
 def _parse(state: GatewayState, body: Any) -> ResponsesRequest:
     previous = previous_response_id(body)
-    history = _stored(state, previous, "previous_response_id").history if previous else []
+    history = _previous(state, previous).history if previous else []
     req = parse_responses(body, state.config.generation_defaults, history)
     if body.get("store") is True and not state.responses.enabled:
         raise invalid("store is not available: this gateway keeps no responses "
@@ -224,7 +239,7 @@ async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     if not state.responses.delete(response_id):
         raise _not_found(response_id)
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 def _limit(request: Request) -> int:

@@ -160,7 +160,8 @@ def test_get_delete_and_store_false(stack: Stack, client: openai.OpenAI) -> None
     kept = client.responses.create(model="embedded", input="hi", max_output_tokens=3)
     got = client.responses.retrieve(kept.id)
     assert got.model_dump() == kept.model_dump()
-    client.responses.delete(kept.id)
+    deleted = httpx.delete(f"{stack.base_url}/v1/responses/{kept.id}")
+    assert deleted.json() == {"id": kept.id, "object": "response.deleted", "deleted": True}
     for call in (lambda: client.responses.retrieve(kept.id),
                  lambda: client.responses.delete(kept.id)):  # fmt: skip
         with pytest.raises(openai.NotFoundError) as e:
@@ -172,7 +173,9 @@ def test_get_delete_and_store_false(stack: Stack, client: openai.OpenAI) -> None
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{stack.base_url}/v1/responses",
                    json={"input": "x", "previous_response_id": unkept.id})  # fmt: skip
-    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    error = r.json()["error"]  # OpenAI's answer, which clients such as Codex look for
+    assert r.status_code == 400 and error["param"] == "previous_response_id"
+    assert error["code"] == "previous_response_not_found" and unkept.id in error["message"]
 
 
 def test_the_store_keeps_the_latest(stack: Stack, client: openai.OpenAI) -> None:
