@@ -129,7 +129,9 @@ def _text_format(f: Fields) -> tuple[dict[str, Any], dict[str, Any] | None]:
         raise invalid(f"text.{unknown[0]} is not supported (text takes format)", "text")
     if text.get("verbosity") is not None:
         raise invalid(CHAT["verbosity"][0].replace("verbosity", "text.verbosity", 1), "text")
-    fmt = text.get("format") or {"type": "text"}
+    fmt = text.get("format")
+    if fmt is None:
+        fmt = {"type": "text"}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind in ("text", "json_object") and isinstance(fmt, dict) and set(fmt) == {"type"}:
         return fmt, None if kind == "text" else {"type": "json_object"}

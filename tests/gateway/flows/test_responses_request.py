@@ -119,6 +119,7 @@ def test_previous_response_id_is_read_first() -> None:
         ({"text": {"format": {"type": "json_schema", "schema": SCHEMA}}},
          "text.format.name", "text.format json_schema needs a name"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format", "text.format must be"),
+        ({"text": {"format": {}}}, "text.format", "text.format must be"),
         ({"text": {"verbosity": "low"}}, "text", "text.verbosity is not supported"),
         ({"reasoning": {"summary": "auto"}}, "reasoning", "reasoning.summary is not supported"),
         ({"reasoning": {"effort": "minimal"}}, "reasoning.effort", "reasoning.effort must be"),
