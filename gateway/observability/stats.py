@@ -62,7 +62,7 @@ class RequestStats:
         """``queue=..;prefill=..;transfer=..;ttft=..;decode=..;e2e=..`` in seconds, then
         ``mode=disagg|local|colocated`` (where the prompt was prefilled) when known, and for
         ``local`` why: ``local_reason=short|queue|decode_load`` (``resumed``: moved to a decode worker
-        mid-stream)."""
+        mid-stream; ``no_prefill``: no prefill worker was healthy)."""
         t = self.timing
         parts = {
             "queue": t.queue_s,

@@ -452,20 +452,22 @@ def resumed(
     item: WorkItem,
     outputs: Sequence[int],
     parent: Span,
+    reason: str = "resumed",
 ) -> AsyncGenerator[Chunk, None]:
     """A request whose worker died after some of its tokens reached the client, moved to a
     decode worker: its prompt and ``outputs`` (the tokens already sent) are prefilled there, as a
     local prefill, and its stream goes on from the next token (``mode=local``,
-    ``local_reason=resumed`` in its timing)."""
+    ``local_reason=resumed`` in its timing). With no ``outputs``, a request no prefill worker
+    can take (``reason`` no_prefill): the decode worker prefills its prompt."""
     run = _Run(ctx, item, parent, None)
-    return _aborted_unless_finished(run, _resumed(run, decodes, outputs))
+    return _aborted_unless_finished(run, _resumed(run, decodes, outputs, reason))
 
 
 async def _resumed(
-    run: _Run, decodes: Sequence[WorkerClient], outputs: Sequence[int]
+    run: _Run, decodes: Sequence[WorkerClient], outputs: Sequence[int], reason: str
 ) -> AsyncGenerator[Chunk, None]:
     await run.reserve(decodes)
     run.parent.set_attribute("tandem.resumed_after_tokens", len(outputs))
-    run.start_local("resumed", outputs)
+    run.start_local(reason, outputs)
     async for chunk in _decode_rest(run):
         yield chunk

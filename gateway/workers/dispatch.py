@@ -17,6 +17,7 @@ from gateway.workers.client import WorkerClient
 from gateway.workers.colocated import generate
 from gateway.workers.disagg import disaggregated, resumed
 from gateway.workers.embedding import embed_batch
+from gateway.workers.prefill_choice import NO_PREFILL
 from gateway.workers.router import prefix_key, rank_by_affinity
 from gateway.workers.rpc_errors import UpstreamError
 from gateway.workers.work import FlowContext, WorkItem
@@ -56,10 +57,14 @@ class Dispatcher:
         prefills = [
             w for w in reg.healthy("prefill") if w.address not in exclude and w.serves(lora)
         ]
-        if prefills and self._decode_workers(lora, exclude):
+        decodes = self._decode_workers(lora, exclude)
+        if prefills and decodes:
             return prefills, "prefill"
         colocated = [w for w in reg.healthy(Role.COLOCATED) if w.task == "generate"]
-        return [w for w in colocated if w.address not in exclude and w.serves(lora)], Role.COLOCATED
+        colocated = [w for w in colocated if w.address not in exclude and w.serves(lora)]
+        if colocated or not decodes:
+            return colocated, Role.COLOCATED
+        return decodes, Role.DECODE  # no prefill worker (dead, restarting): decode prefills
 
     def _flow(
         self, item: WorkItem, parent: Span, exclude: set[str], sent: Sequence[int] = ()
@@ -78,6 +83,10 @@ class Dispatcher:
         key = prefix_key(item.prompt_ids, workers[0].block_size, self.ctx.config.prefix_blocks,
                          item.images, lora or "", item.sampling.cache_salt)  # fmt: skip
         ranked = rank_by_affinity(workers, key)
+        if role == Role.DECODE:
+            parent.set_attribute("tandem.mode", "local")
+            parent.set_attribute("tandem.local_reason", NO_PREFILL)
+            return resumed(self.ctx, workers, item, (), parent, NO_PREFILL)
         parent.set_attribute("tandem.mode", "disaggregated" if role == "prefill" else "colocated")
         if role == "prefill":
             decodes = self._decode_workers(lora, exclude)

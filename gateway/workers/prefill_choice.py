@@ -28,6 +28,7 @@ from typing import Protocol
 SHORT = "short"
 QUEUE = "queue"
 DECODE_LOAD = "decode_load"
+NO_PREFILL = "no_prefill"  # no prefill worker is healthy (gateway.workers.dispatch)
 
 
 class Queued(Protocol):

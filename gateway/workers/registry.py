@@ -136,14 +136,14 @@ class WorkerRegistry:
         return [c for c in self.clients if c.role == role and c.healthy]
 
     def any_healthy(self) -> bool:
-        return bool(self.healthy(Role.COLOCATED)) or bool(
-            self.healthy("prefill") and self.healthy("decode")
-        )
+        """Whether some worker can serve: a colocated one, or a decode one (it prefills prompts
+        itself while no prefill worker is healthy)."""
+        return bool(self.healthy(Role.COLOCATED)) or bool(self.healthy("decode"))
 
     def tasks(self) -> set[str]:
-        """What the healthy workers serve (generate, embed); a prefill/decode pair generates."""
+        """What the healthy workers serve (generate, embed); a decode worker generates."""
         tasks = {c.task for c in self.healthy(Role.COLOCATED)}
-        if self.healthy("prefill") and self.healthy("decode"):
+        if self.healthy("decode"):
             tasks.add("generate")
         return tasks
 

@@ -238,22 +238,25 @@ def test_a_decode_worker_frozen_while_the_prompt_is_in_prefill_has_the_prefill_a
         stack.stop()
 
 
-def test_a_frozen_prefill_worker_fails_the_request_and_frees_its_reservation(
+def test_a_frozen_prefill_worker_has_its_request_retried_on_the_decode_worker(
     tokenizer_dir: str,
 ) -> None:
+    """The only prefill worker freezes before the first token: once it is lost, the request
+    runs again on the decode worker, which prefills the prompt itself (was a 503); the first
+    attempt's reservation is freed, and the prefill is aborted once the worker answers."""
     stack = _stack(tokenizer_dir, ["prefill", "decode"])
     try:
         prefill, decode = stack.role("prefill")[0], stack.role("decode")[0]
         prefill.behavior.first_delay_s = 0.5  # it freezes before the first token is out
-        body = {"prompt": PROMPT, "max_tokens": 8}
+        body = {"prompt": PROMPT, "max_tokens": 3}
         r, elapsed = _reply_after_freezing(
             stack, prefill, lambda: bool(prefill.records.requests), body
         )
-        assert r.status_code == 503, r.text
-        error = r.json()["error"]
-        assert error["code"] == "worker_unavailable" and "Prefill" in error["message"], error
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hello world,", r.text
+        assert "local_reason=no_prefill" in r.headers["x-tandem-timing"]
         assert elapsed < WITHIN_S, elapsed
         rid = prefill.records.requests[0]
+        assert decode.records.local_prefills == [f"{rid}-retry1"]
         assert wait_for(lambda: rid in decode.records.aborts and not decode.records.reservations)
         prefill.behavior.first_delay_s = 0.0
         _usable_again(stack, prefill)

@@ -139,6 +139,44 @@ def test_a_decode_worker_gone_before_its_kv_arrived_fails_the_request_at_once(
         stack.stop()
 
 
+def test_without_a_healthy_prefill_worker_the_decode_worker_prefills_the_prompt(
+    tokenizer_dir: str,
+) -> None:
+    """tandem up with one prefill worker: while it was restarting (kill -9) or frozen (SIGSTOP),
+    every request got 503 "no healthy worker", and one in prefill when it died ended with an
+    error, though the decode worker can prefill a prompt itself (as it does for conditional
+    disaggregation). Now the request is served there: mode=local, local_reason=no_prefill."""
+    stack = Stack(tokenizer_dir, ["decode"], [WorkerSpec("prefill", dead_address())]).start()
+    try:
+        decode = stack.role("decode")[0]
+        r = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hello world,", r.text
+        assert "mode=local;local_reason=no_prefill" in r.headers["x-tandem-timing"]
+        assert len(decode.records.local_prefills) == 1
+        assert httpx.get(f"{stack.base_url}/health").status_code == 200
+        assert wait_for(lambda: not decode.records.reservations)
+    finally:
+        stack.stop()
+
+
+def test_a_prefill_worker_dying_before_the_first_token_is_retried_on_the_decode_worker(
+    tokenizer_dir: str,
+) -> None:
+    stack = Stack(tokenizer_dir, ["prefill", "decode"]).start()
+    try:
+        prefill, decode = stack.role("prefill")[0], stack.role("decode")[0]
+        prefill.behavior.fail_before_first = 1  # UNAVAILABLE: the worker is gone
+        body = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body) as r:
+            frames = list(sse_lines(r))
+        text = "".join(json.loads(f)["choices"][0]["text"] for f in frames[:-1] if "choices" in f)
+        assert frames[-1] == "[DONE]" and text == "Hello world,", frames
+        (retried,) = decode.records.local_prefills
+        assert retried.endswith("-retry1")
+    finally:
+        stack.stop()
+
+
 def test_first_token_finishing_skips_decode_and_frees_the_reservation(disagg: Stack) -> None:
     r = httpx.post(f"{disagg.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
     assert r.json()["choices"][0] == {
