@@ -40,6 +40,7 @@ from services.engine.quantization import (
     quantized_modules,
     resolve_quantization,
 )
+from services.engine.quantization.experts import ExpertDequantizer
 from services.engine.rope import halves_from_pairs
 from services.engine.tp_group import TPGroup
 from services.engine.tp_layers import apply_tp
@@ -273,12 +274,15 @@ def load_weights(
 # families whose quantized checkpoints are refused, and why
 _UNQUANTIZED_CHECKPOINTS = {
     **dict.fromkeys(
-        ("glm", "glm4", "cohere", "ernie4_5"), "their q and k rows are reordered as they load"
+        ("glm", "glm4", "cohere", "ernie4_5", "ernie4_5_moe"),
+        "their q and k rows are reordered as they load",
     ),
     **dict.fromkeys(
         ("starcoder2", "arcee"), "the projections of its ungated MLP are not quantized layers yet"
     ),
 }
+# MoE families whose checkpoints store each layer's experts stacked (quantized: refused)
+_STACKED_EXPERT_TYPES = ("gpt_oss", "granitemoe", "granitemoeshared")
 _HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 
 
@@ -467,10 +471,16 @@ def load_model(
             f"quantized {arch.model_type} models (multi-head latent attention) are not supported "
             "yet: serve a bf16 checkpoint, without --quantization"
         )
-    if qcfg is not None and (arch.moe is not None or arch.vision is not None):
-        what = f"{arch.model_type} (Mixture-of-Experts)"
-        what = what if arch.vision is None else f"{arch.model_type} (vision-language)"
-        raise ConfigError(f"quantized {what} models are not supported yet")
+    if qcfg is not None and arch.vision is not None:
+        raise ConfigError(
+            f"quantized {arch.model_type} (vision-language) models are not supported yet"
+        )
+    if qcfg is not None and qcfg.serialized and arch.model_type in _STACKED_EXPERT_TYPES:
+        raise ConfigError(
+            f"quantized {arch.model_type} checkpoints are not supported yet (their experts are "
+            "stored stacked, not one tensor per expert): serve the bf16 checkpoint, with "
+            "--quantization fp8 for FP8"
+        )
     # Gemma 3 quantized: its layers' FP8 inputs are quantized by the layers themselves (its norms
     # and GELU are not in the fused paths of quantization.apply.fuse_fp8_inputs)
     layout = TPLayout.of(arch, tp.rank, tp.size, qcfg) if tp is not None else None
@@ -510,7 +520,13 @@ def load_model(
     else:
         assert files.hf_dir is not None
         read = iter_safetensors(files.hf_dir, layout, bool(arch.language_of))
+        experts = None
+        if qcfg is not None and qcfg.serialized and arch.moe is not None:
+            experts = ExpertDequantizer(qcfg, dtype, device)
+            read = experts.stream(read)
         load_weights(model, read, layout, arch)
+        if experts is not None:
+            log.info(experts.describe())
         if arch.moe is not None and arch.moe.mxfp4:
             log.info(
                 "%s: the checkpoint's MXFP4 experts were dequantized to %s as they loaded (no "
@@ -519,6 +535,11 @@ def load_model(
             )  # fmt: skip
     if qcfg is not None:
         _finish_quantization(model, qcfg)
+    if qcfg is not None and not qcfg.serialized and arch.moe is not None:
+        log.info(
+            "quantization: the experts stay in %s (only the attention and dense layers are "
+            "quantized to fp8 at load time)", str(dtype).removeprefix("torch."),
+        )  # fmt: skip
     return model.eval(), arch, files
 
 

@@ -162,6 +162,11 @@ class TPLayout:
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
                 "mix every rank's input rows); use 1, or a checkpoint without act-order"
             )
+        if size > 1 and quant is not None and quant.serialized and arch.moe is not None:
+            raise ConfigError(
+                f"{where}: quantized Mixture-of-Experts checkpoints are not split over ranks yet "
+                "(their experts are dequantized whole as they load): use 1"
+            )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
         if nkv >= size:

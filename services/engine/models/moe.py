@@ -41,9 +41,15 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return ops.linear(
-            ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight
-        )
+        return _project(self.down_proj, ops.silu_and_mul(_project(self.gate_up_proj, x)))
+
+
+def _project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A plain linear layer through ``ops.linear``; one swapped from outside (a quantized
+    checkpoint's) through its own forward."""
+    if type(layer) is nn.Linear:
+        return ops.linear(x, layer.weight)
+    return layer(x)
 
 
 class SparseMoeBlock(nn.Module):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.config import ConfigError
 from services.engine.models.llama import MLP, DecoderLayer
 from services.engine.quantization.base import QuantLinear
 from services.engine.quantization.config import QuantConfig
@@ -24,22 +25,42 @@ from services.engine.tp_layers import RowParallelLinear
 QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, layer) of every linear layer that gets quantized."""
+# the checkpoint's modules each of our fused layers is stacked from
+_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _targets(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(parent's name, parent, attribute, layer) of every linear layer that gets quantized."""
     return [
-        (parent, attr, child)
-        for parent in model.modules()
+        (name, parent, attr, child)
+        for name, parent in model.named_modules()
         for attr, child in parent.named_children()
         if attr in QUANTIZED and isinstance(child, nn.Linear)
     ]
+
+
+def _stored_unquantized(qcfg: QuantConfig, parent: str, attr: str) -> bool:
+    """Whether the checkpoint leaves this layer unquantized (all of its stacked pieces; some
+    but not all is refused: one fused layer has one format)."""
+    names = [f"{parent}.{piece}" for piece in _PIECES.get(attr, (attr,))]
+    left = [n for n in names if qcfg.leaves_unquantized(n)]
+    if left and len(left) < len(names):
+        raise ConfigError(
+            f"quantization_config leaves {left} unquantized but not the rest of "
+            f"{names}, which this engine runs as one layer: not supported"
+        )
+    return bool(left)
 
 
 def quantize_model(
     model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, stacked: dict[str, list[int]]
 ) -> None:
     """Replace the layers with empty quantized ones that the loader fills; ``stacked`` gives
-    the output rows of each shard of a fused layer (``qkv_proj``: q, k, v)."""
-    for parent, attr, linear in _targets(model):
+    the output rows of each shard of a fused layer (``qkv_proj``: q, k, v). Layers the
+    checkpoint stores unquantized stay float."""
+    for name, parent, attr, linear in _targets(model):
+        if _stored_unquantized(qcfg, name, attr):
+            continue
         n, k, bias = linear.out_features, linear.in_features, linear.bias is not None
         shards = stacked.get(attr, [n])
         layer: QuantLinear
@@ -57,7 +78,7 @@ def quantize_loaded(model: nn.Module) -> None:
     """Quantize the loaded float layers to fp8 (per-channel scales), one at a time. On a
     tensor-parallel rank each layer is the rank's slice; a row-parallel layer's scales are
     those of its whole rows (agreed over the ranks)."""
-    for parent, attr, linear in _targets(model):
+    for _, parent, attr, linear in _targets(model):
         group = _row_parallel_group(linear)
         layer = Fp8Linear.from_linear(linear, group)
         layer.group = group

@@ -6,7 +6,8 @@ with a ``ConfigError`` that says what to change, never silently served different
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.config import QUANTIZATION_METHODS, ConfigError
@@ -24,10 +25,27 @@ class QuantConfig:
     # fp8: (block_n, block_k) scales (weight_scale_inv); None: per-channel or per-tensor
     # weight_scale
     weight_block: tuple[int, int] | None = None
+    # the checkpoint's modules left unquantized (modules_to_not_convert, ignored_layers,
+    # ignore): names, dotted pieces of names, or "re:" patterns; lm_head is never quantized
+    unquantized: tuple[str, ...] = ()
 
     @property
     def is_int4(self) -> bool:
         return self.method in ("awq", "gptq")
+
+    def leaves_unquantized(self, module: str) -> bool:
+        """Whether the checkpoint stores ``module`` (an HF module name such as
+        ``model.layers.0.self_attn.q_proj``) unquantized: an entry that is the name or a
+        run of its dotted pieces (``mlp.gate``, AWQ's ``gate``), or an ``re:`` pattern matching
+        it from the start (compressed-tensors)."""
+        dotted = f".{module}."
+        for entry in self.unquantized:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], module):
+                    return True
+            elif f".{entry}." in dotted:
+                return True
+        return False
 
     def describe(self) -> str:
         """The start-up line: what is loaded and what stays unquantized."""
@@ -41,7 +59,9 @@ class QuantConfig:
             what = f"fp8 e4m3 weights, {bn}x{bk} block scales"
         else:
             what = "fp8 e4m3 weights, per-channel (or per-tensor) scales"
-        return f"quantization: {what}; {UNQUANTIZED}"
+        kept = ", ".join(self.unquantized[:4]) + (", ..." if len(self.unquantized) > 4 else "")
+        stored = f"; stored unquantized by the checkpoint: {kept}" if self.unquantized else ""
+        return f"quantization: {what}; {UNQUANTIZED}{stored}"
 
 
 def resolve_quantization(
@@ -79,30 +99,39 @@ def resolve_quantization(
 
 def _from_checkpoint(q: dict[str, Any]) -> QuantConfig:
     method = str(q.get("quant_method", "")).lower()
-    _refuse_unconverted(q)
+    unquantized = _unconverted(q)
     if method == "fp8":
-        return _fp8(q)
+        return replace(_fp8(q), unquantized=unquantized)
     if method == "compressed-tensors":
-        return _compressed_tensors(q)
+        return replace(_compressed_tensors(q), unquantized=unquantized)
     if method in ("awq", "gptq"):
-        return _int4(method, q)
+        return replace(_int4(method, q), unquantized=unquantized)
     raise ConfigError(
         f"quantization_config quant_method {method!r} is not supported; supported: fp8, "
         "compressed-tensors (fp8), awq, gptq"
     )
 
 
-def _refuse_unconverted(q: dict[str, Any]) -> None:
-    """Only lm_head may be left out of quantization (mixed-precision layers are not served)."""
-    names = q.get("modules_to_not_convert") or q.get("ignore") or []
-    others = [n for n in names if n != "lm_head" and not str(n).endswith("lm_head")]
-    if others:
-        raise ConfigError(
-            f"quantization_config leaves {others[:3]} unquantized; checkpoints with unquantized "
-            "layers other than lm_head are not supported"
-        )
+def _unconverted(q: dict[str, Any]) -> tuple[str, ...]:
+    """The modules the checkpoint leaves unquantized, as its config names them (lm_head, never
+    quantized here, left out); a quantized lm_head is refused."""
     if q.get("lm_head") is True:
         raise ConfigError("quantization_config has a quantized lm_head, which is not supported")
+    names: list[str] = []
+    for key in ("modules_to_not_convert", "ignored_layers", "ignore"):
+        names += [str(n) for n in q.get(key) or []]
+    bad = [n for n in names if n.startswith("re:") and not _compiles(n[3:])]
+    if bad:
+        raise ConfigError(f"quantization_config: {bad[0]!r} is not a valid regular expression")
+    return tuple(n for n in names if n != "lm_head" and not n.endswith(".lm_head"))
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
 
 
 def _fp8(q: dict[str, Any]) -> QuantConfig:

@@ -70,10 +70,16 @@ def test_a_missing_expert_is_refused(checkpoint: tuple[Path, Any]) -> None:
         load_weights(_empty_model(path), weights)
 
 
-def test_quantized_moe_is_refused(checkpoint: tuple[Path, Any]) -> None:
-    path, _ = checkpoint
-    with pytest.raises(ConfigError, match="Mixture-of-Experts"):
-        load_model(ModelConfig(str(path), quantization="fp8"), torch.device("cpu"), 64)
+def test_online_fp8_keeps_the_experts_float(checkpoint: tuple[Path, Any]) -> None:
+    """--quantization fp8 on an MoE model: its attention quantized, its experts as loaded."""
+    from services.engine.quantization.fp8 import Fp8Linear
+
+    path, hf = checkpoint
+    model, _, _ = load_model(ModelConfig(str(path), quantization="fp8"), torch.device("cpu"), 64)
+    assert isinstance(model.model.layers[0].self_attn.o_proj, Fp8Linear)
+    assert torch.equal(
+        model.model.layers[0].mlp.experts.down_proj, hf.model.layers[0].mlp.experts.down_proj
+    )
 
 
 def test_a_model_that_cannot_fit_the_host_is_refused_before_loading(

@@ -259,3 +259,119 @@ def float_checkpoint(path: Path, weights: Weights, like: Path | None = None) -> 
     cfg = json.loads((like / "config.json").read_text()) if like else tiny_config()
     cfg.pop("quantization_config", None)
     return write(path, {**cfg, "torch_dtype": "float32"}, weights)
+
+
+# --- Mixture-of-Experts ------------------------------------------------------------------------
+
+# tiny MoE models with 128-wide projections (whole fp8 blocks and int4 groups): Qwen3-MoE with
+# layer 1 dense (a quantized dense MLP beside the experts), Mixtral sparse everywhere
+MOE = {
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+                  "norm_topk_prob": True, "mlp_only_layers": [1]},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2},
+}  # fmt: skip
+# the checkpoint's names of an expert's gate, up and down projections
+_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # fmt: skip
+_SAME_INPUT_PROJ = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
+
+
+def moe_weights(cfg: dict[str, Any], seed: int = 0) -> Weights:
+    """The tiny Llama's weights with each sparse layer's MLP replaced by a router and experts
+    (under the family's names), and Qwen3's per-head q/k norms."""
+    w = random_weights(cfg, seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    block, gate, up, down = _EXPERT_NAMES[cfg["model_type"]]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        if cfg["model_type"] == "qwen3_moe":
+            for norm in ("q_norm", "k_norm"):
+                w[p + f"self_attn.{norm}.weight"] = 1 + 0.1 * torch.randn(d, generator=gen)
+        if layer in cfg.get("mlp_only_layers", []):
+            continue
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            del w[p + f"mlp.{proj}.weight"]
+        w[p + f"{block}.gate.weight"] = torch.randn(experts, h, generator=gen) / h**0.5
+        for e in range(experts):
+            x = p + f"{block}.experts.{e}."
+            w[x + f"{gate}.weight"] = torch.randn(inter, h, generator=gen) / h**0.5
+            w[x + f"{up}.weight"] = torch.randn(inter, h, generator=gen) / h**0.5
+            w[x + f"{down}.weight"] = torch.randn(h, inter, generator=gen) / inter**0.5
+    return w
+
+
+def moe_linears(weights: Weights) -> list[str]:
+    """Every projection a quantizer converts: attention, dense MLP and experts (not the router,
+    the embeddings, lm_head or the norms)."""
+    names = [n.removesuffix(".weight") for n in weights if n.endswith(".weight")]
+    return [n for n in names if n.endswith(("_proj", ".w1", ".w2", ".w3"))]
+
+
+def moe_checkpoint(
+    path: Path, family: str, method: str, seed: int = 0, unquantized: tuple[str, ...] = ()
+) -> tuple[Path, Weights]:
+    """A tiny ``family`` MoE checkpoint in ``method``'s format ("fp8-block", "fp8-channel" as
+    compressed-tensors, "awq", "gptq", "gptq-act-order" in groups of 32, so that the order
+    matters), with the float weights it dequantizes to; the projections named in ``unquantized`` stored as they are (and listed in the
+    config, as the quantizers list them)."""
+    cfg = tiny_config(**MOE[family])
+    w = moe_weights(cfg, seed)
+    tensors, deq = dict(w), dict(w)
+    kind = method.split("-")[0]
+    gen = torch.Generator().manual_seed(seed + 1)
+    perms: dict[str, torch.Tensor] = {}
+    group = 32 if method == "gptq-act-order" else G
+    for name in moe_linears(w):
+        if any(n in name for n in unquantized):
+            continue
+        weight = tensors.pop(name + ".weight")
+        if kind == "fp8":
+            blocks = method == "fp8-block"
+            q, scale, deq[name + ".weight"] = (fp8_block if blocks else fp8_channel)(weight)
+            tensors[name + ".weight"] = q
+            tensors[name + (".weight_scale_inv" if blocks else ".weight_scale")] = scale
+            continue
+        wt = weight.T.contiguous()  # [K, N]
+        k = wt.shape[0]
+        g_idx = torch.arange(k) // group
+        if method == "gptq-act-order":  # q/k/v and gate/up share their input's permutation
+            parent, last = name.rsplit(".", 1)
+            key = f"{parent}.{_SAME_INPUT_PROJ.get(last, last)}"
+            perm = perms.setdefault(key, torch.randperm(k, generator=gen))
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[perm] = torch.arange(k) // group
+        q, zeros, scales, wt_deq = int4_groups(wt, g_idx, kind == "gptq", group)
+        deq[name + ".weight"] = wt_deq.T.contiguous()
+        tensors[name + ".scales"] = scales
+        if kind == "awq":
+            tensors[name + ".qweight"], tensors[name + ".qzeros"] = awq_pack(q), awq_pack(zeros)
+        else:
+            tensors[name + ".qweight"] = gptq_pack_rows(q)
+            tensors[name + ".qzeros"] = gptq_pack_cols(zeros - 1)
+            tensors[name + ".g_idx"] = g_idx.to(torch.int32)
+    cfg["quantization_config"] = _moe_quant_config(method, list(unquantized), group)
+    cfg["torch_dtype"] = "bfloat16" if kind == "fp8" else "float16"
+    return write(path, cfg, tensors), deq
+
+
+def _moe_quant_config(method: str, unquantized: list[str], group: int) -> dict[str, Any]:
+    if method == "fp8-block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": [G, G], "modules_to_not_convert": unquantized}  # fmt: skip
+    if method == "fp8-channel":  # llm-compressor's FP8_DYNAMIC, the router left out by regex
+        scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                        "dynamic": True}, "targets": ["Linear"]}  # fmt: skip
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "ignore": ["lm_head", "re:.*mlp.gate$", *unquantized],
+                "config_groups": {"group_0": scheme}}  # fmt: skip
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": ["gate", *unquantized]}  # fmt: skip
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+            "desc_act": method == "gptq-act-order", "checkpoint_format": "gptq"}  # fmt: skip

@@ -66,7 +66,7 @@ def test_random_weights_can_take_any_method() -> None:
         ({**GPTQ, "checkpoint_format": "gptq_v2"}, None, "checkpoint_format 'gptq_v2'"),
         ({**GPTQ, "static_groups": True}, None, "static_groups"),
         ({**GPTQ, "lm_head": True}, None, "quantized lm_head"),
-        ({**AWQ, "modules_to_not_convert": ["mlp.down_proj"]}, None, "unquantized layers"),
+        ({**AWQ, "ignore": ["re:*.gate"]}, None, "'re:\\*.gate' is not a valid regular"),
         ({**FP8_BLOCK, "activation_scheme": "static"}, None, "activation_scheme 'static'"),
         ({**FP8_BLOCK, "weight_block_size": [128, 100]}, None, "multiple of 16"),
         (ct_fp8(acts={"dynamic": False, "strategy": "tensor"}), None, "static input_activations"),
@@ -90,3 +90,23 @@ def test_the_flag_reaches_the_model_config() -> None:
     )
     with pytest.raises(ConfigError, match="--quantization must be one of"):
         ModelConfig(quantization="int4")
+
+
+@pytest.mark.parametrize(
+    ("entries", "module", "left"),
+    [(["mlp.gate"], "model.layers.3.mlp.gate", True),
+     (["mlp.gate"], "model.layers.3.mlp.gate_proj", False),
+     (["gate"], "model.layers.3.mlp.gate", True),  # AWQ's bare names
+     (["gate"], "model.layers.3.mlp.experts.0.gate_proj", False),
+     (["model.layers.0.self_attn.o_proj"], "model.layers.0.self_attn.o_proj", True),
+     (["model.layers.0.self_attn.o_proj"], "model.layers.10.self_attn.o_proj", False),
+     (["re:.*mlp.gate$"], "model.layers.3.mlp.gate", True),
+     (["re:.*mlp.gate$"], "model.layers.3.mlp.gate_proj", False),
+     (["lm_head"], "lm_head", False)],  # never quantized here: not kept in the list
+)  # fmt: skip
+def test_modules_the_checkpoint_leaves_unquantized(
+    entries: list[str], module: str, left: bool
+) -> None:
+    for key, base in (("modules_to_not_convert", AWQ), ("ignored_layers", FP8_BLOCK)):
+        q = resolve_quantization({**base, key: entries}, None)
+        assert q is not None and q.leaves_unquantized(module) is left

@@ -1,0 +1,126 @@
+"""A quantized checkpoint's experts, dequantized to the model's dtype as they load.
+
+The fused MoE kernel runs on float expert weights, so each expert projection's quantized
+pieces (fp8 ``weight`` with its ``weight_scale_inv`` blocks or ``weight_scale`` per channel;
+AWQ's and GPTQ's ``qweight``, ``qzeros``, ``scales`` and act-order ``g_idx``) are gathered from
+the checkpoint's stream and replaced by one float ``weight`` [N, K], the tensor a float
+checkpoint would hold, through the torch references of ``kernels.quant``. Everything else (the
+attention and dense layers, which keep their quantized kernels; an expert the checkpoint stores
+unquantized; the router) passes through as read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.quant import expand_block_scales, ref_dequant_awq, ref_dequant_fp8, ref_dequant_gptq
+from services.config import ConfigError
+from services.engine.quantization.config import QuantConfig
+
+# one piece of one expert's projection (Qwen3-MoE's and DeepSeek's names; Mixtral's w1/w3/w2)
+_PIECE = re.compile(
+    r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))"
+    r"\.(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+)
+
+
+def expert_pieces(qcfg: QuantConfig) -> tuple[str, ...]:
+    """The checkpoint tensors that make up one quantized expert projection."""
+    if qcfg.method == "fp8":
+        return ("weight", "weight_scale_inv" if qcfg.weight_block else "weight_scale")
+    return ("qweight", "qzeros", "scales", *(("g_idx",) if qcfg.desc_act else ()))
+
+
+def dequantize(qcfg: QuantConfig, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One projection's quantized pieces -> its float32 weight [N, K]."""
+    if qcfg.method == "fp8":
+        weight = pieces["weight"]  # [N, K] e4m3
+        n, k = weight.shape
+        if qcfg.weight_block is not None:
+            bn, bk = qcfg.weight_block
+            return ref_dequant_fp8(
+                weight, expand_block_scales(pieces["weight_scale_inv"], n, bn), bk
+            )
+        scale = pieces["weight_scale"].float().reshape(-1, 1)  # [N, 1], or one per tensor
+        return ref_dequant_fp8(weight, scale.expand(n, 1), k)
+    qweight, qzeros, scales = pieces["qweight"], pieces["qzeros"], pieces["scales"]
+    if qcfg.method == "awq":  # [K, N/8], [K/G, N/8], [K/G, N]
+        return ref_dequant_awq(qweight, qzeros, scales).T
+    k = qweight.shape[0] * 8  # GPTQ [K/8, N]: groups in order unless act-order
+    g_idx = pieces.get("g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(k, device=qweight.device) // qcfg.group_size
+    return ref_dequant_gptq(qweight, qzeros, scales, g_idx).T
+
+
+@dataclass
+class ExpertDequantizer:
+    """Feeds a checkpoint's tensors through :meth:`stream`, which yields each expert
+    projection's float ``weight`` once its last piece has come; counts what that cost."""
+
+    qcfg: QuantConfig
+    dtype: torch.dtype
+    device: torch.device
+    projections: int = 0  # expert projections dequantized
+    stored_bytes: int = 0  # their quantized pieces' bytes in the checkpoint
+    float_bytes: int = 0  # their float weights' bytes as served
+    _pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def stream(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        wanted = expert_pieces(self.qcfg)
+        for name, tensor in weights:
+            match = _PIECE.match(name)
+            if match is None or not self._quantized(match.group(2), tensor):
+                yield name, tensor
+                continue
+            module, piece = match.groups()
+            if piece not in wanted:
+                if piece == "g_idx":  # GPTQ without act-order: the trivial order
+                    continue
+                raise ConfigError(
+                    f"checkpoint tensor {name!r} is not a piece of a {self.qcfg.method} expert "
+                    f"(expected {', '.join(wanted)})"
+                )
+            pieces = self._pending.setdefault(module, {})
+            pieces[piece] = tensor
+            if len(pieces) == len(wanted):
+                del self._pending[module]
+                yield f"{module}.weight", self._dequantize(module, pieces)
+        if self._pending:
+            module, pieces = next(iter(self._pending.items()))
+            missing = [f"{module}.{p}" for p in wanted if p not in pieces]
+            raise ConfigError(f"quantized expert weights missing from the checkpoint: {missing}")
+
+    def _quantized(self, piece: str, tensor: torch.Tensor) -> bool:
+        """A ``weight`` is a quantized piece only as fp8 (an expert stored unquantized keeps
+        its float one); the other pieces always are."""
+        return piece != "weight" or tensor.dtype == torch.float8_e4m3fn
+
+    def _dequantize(self, module: str, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
+        on_device = {p: t.to(self.device) for p, t in pieces.items()}
+        try:
+            weight = dequantize(self.qcfg, on_device).to(self.dtype).contiguous()
+        except (RuntimeError, IndexError, KeyError) as e:  # shapes that do not fit each other
+            shapes = {p: tuple(t.shape) for p, t in pieces.items()}
+            raise ConfigError(f"{module}: quantized pieces {shapes} do not fit: {e}") from None
+        self.projections += 1
+        self.stored_bytes += sum(t.numel() * t.element_size() for t in pieces.values())
+        self.float_bytes += weight.numel() * weight.element_size()
+        return weight
+
+    def describe(self) -> str:
+        """The start-up line on the experts."""
+        gib = 1 << 30
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"quantization: the experts' {self.projections} {self.qcfg.method} projections were "
+            f"dequantized to {dtype} as they loaded (the fused MoE kernel runs on float "
+            f"weights): {self.float_bytes / gib:.2f} GiB instead of the checkpoint's "
+            f"{self.stored_bytes / gib:.2f} GiB; the router stays as stored"
+        )

@@ -1,0 +1,171 @@
+"""Quantized Mixture-of-Experts checkpoints: the experts dequantized as they load, the attention
+and dense layers kept quantized, the router as stored; logits equal those of the same model
+built from the dequantized weights (float32, CPU: the tolerance of ``test_loading``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.config import ConfigError
+from services.engine.models.llama import Linear, LlamaForCausalLM
+from services.engine.quantization.config import QuantConfig
+from services.engine.quantization.experts import ExpertDequantizer
+from services.engine.quantization.fp8 import Fp8Linear
+from services.engine.quantization.int4 import Int4Linear
+from tests.services.engine.quantization import checkpoints as ck
+from tests.services.engine.quantization.test_loading import TOL, load, run
+
+LAYER = {"fp8-block": Fp8Linear, "fp8-channel": Fp8Linear, "awq": Int4Linear,
+         "gptq": Int4Linear, "gptq-act-order": Int4Linear}  # fmt: skip
+
+
+def check(tmp_path: Path, family: str, method: str, **kw: object) -> tuple[LlamaForCausalLM, str]:
+    path, deq = ck.moe_checkpoint(tmp_path / "q", family, method, **kw)  # type: ignore[arg-type]
+    model = load(path)
+    ref = load(ck.float_checkpoint(tmp_path / "ref", deq, path))
+    out = run(model)
+    torch.testing.assert_close(out, run(ref), rtol=TOL, atol=TOL)
+    orig = ck.moe_weights(ck.tiny_config(**ck.MOE[family]))  # before quantizing
+    unquantized = run(load(ck.float_checkpoint(tmp_path / "float", orig, path)))
+    assert (out - unquantized).abs().max() > 100 * TOL  # the quantized weights were used
+    # the experts hold the dequantized values, in the model's dtype
+    experts = model.model.layers[0].mlp.experts
+    want = ref.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float32
+    assert torch.equal(experts.gate_up_proj, want.gate_up_proj)
+    assert torch.equal(experts.down_proj, want.down_proj)
+    return model, path.name
+
+
+@pytest.mark.parametrize("method", list(LAYER))
+@pytest.mark.parametrize("family", list(ck.MOE))
+def test_quantized_moe_checkpoints(
+    tmp_path: Path, family: str, method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="services.engine.loader"):
+        model, _ = check(tmp_path, family, method)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, LAYER[method]) and isinstance(attn.o_proj, LAYER[method])
+    router = model.model.layers[0].mlp.gate
+    assert type(router) is torch.nn.Linear and router.weight.dtype == torch.float32
+    if family == "qwen3_moe":  # layer 1: a dense MLP, quantized as in a dense model
+        assert isinstance(model.model.layers[1].mlp.down_proj, LAYER[method])
+    projections = {"qwen3_moe": 12, "mixtral": 24}[family]  # sparse layers x 4 experts x 3
+    assert (
+        f"experts' {projections} {method.split('-')[0]} projections were dequantized to float32"
+        in caplog.text
+    )
+    assert "instead of the checkpoint's" in caplog.text
+
+
+def test_layers_the_checkpoint_leaves_unquantized_stay_float(tmp_path: Path) -> None:
+    """modules_to_not_convert naming o_proj (every layer's) and one expert: those load as
+    stored, the others quantized."""
+    model, _ = check(tmp_path, "qwen3_moe", "fp8-block", unquantized=("o_proj", "experts.1."))
+    layer = model.model.layers[0].self_attn
+    assert type(layer.o_proj) is Linear and isinstance(layer.qkv_proj, Fp8Linear)
+
+
+def test_part_of_a_fused_layer_left_unquantized_is_refused(tmp_path: Path) -> None:
+    path, _ = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "awq", unquantized=("k_proj",))
+    with pytest.raises(ConfigError, match=r"leaves \['model\.layers\.0\.self_attn\.k_proj'\]"):
+        load(path)
+
+
+def test_online_fp8_quantizes_the_attention_and_keeps_the_experts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = ck.tiny_config(**ck.MOE["mixtral"])
+    w = ck.moe_weights(cfg)
+    path = ck.float_checkpoint(tmp_path / "float", w, ck.write(tmp_path / "c", cfg, {}))
+    with caplog.at_level("INFO", logger="services.engine.loader"):
+        model = load(path, quantization="fp8")
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert "the experts stay in float32" in caplog.text
+    experts = model.model.layers[1].mlp.experts.down_proj
+    stacked = torch.stack([w[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"] for e in range(4)])  # fmt: skip
+    assert torch.equal(experts, stacked)
+    deq = {n: ck.fp8_channel(t)[2] if n.endswith("_proj.weight") else t for n, t in w.items()}
+    want = run(load(ck.float_checkpoint(tmp_path / "r", deq, path)))
+    torch.testing.assert_close(run(model), want, rtol=TOL, atol=TOL)
+
+
+def test_a_missing_expert_piece_is_named(tmp_path: Path) -> None:
+    path, _ = ck.moe_checkpoint(tmp_path / "q", "mixtral", "fp8-block")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight_scale_inv"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"experts\.2\.w3\.weight_scale_inv"):
+        load(path)
+
+
+def test_an_expert_piece_of_another_format_is_refused() -> None:
+    stream = ExpertDequantizer(QuantConfig("awq"), torch.float32, torch.device("cpu")).stream(
+        iter([("model.layers.0.mlp.experts.0.up_proj.weight_scale_inv", torch.ones(1, 1))])
+    )
+    with pytest.raises(ConfigError, match="not a piece of a awq expert"):
+        list(stream)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [
+        ("gpt_oss", "stored stacked"),
+        ("granitemoe", "stored stacked"),
+        ("ernie4_5_moe", "q and k rows are reordered"),
+    ],
+)
+def test_quantized_stacked_expert_checkpoints_are_refused(
+    tmp_path: Path, model_type: str, why: str
+) -> None:
+    path, _ = ck.moe_checkpoint(tmp_path / "q", "mixtral", "fp8-block")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(ConfigError, match=rf"quantized {model_type} checkpoints .* {why}"):
+        load(path)
+
+
+def test_quantized_moe_over_ranks_is_refused(tmp_path: Path) -> None:
+    from services.config import ModelConfig
+    from services.engine.loader import check_tp_split
+
+    path, _ = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "gptq")
+    with pytest.raises(ConfigError, match="quantized Mixture-of-Experts checkpoints are not split"):
+        check_tp_split(ModelConfig(model=str(path)), 2)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernel on the CPU: TRITON_INTERPRET=1",
+)
+def test_greedy_tokens_through_the_triton_moe_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine (prefill and decode steps) on an FP8-block Qwen3-MoE checkpoint, its experts
+    through the fused Triton kernel (under the interpreter), gives the greedy tokens of the
+    float32 model of the dequantized weights."""
+    from kernels import ops, triton_moe
+    from protos.sampling_params import SamplingParams
+    from services.engine.llm import LLM
+    from services.engine.llm_engine import load_tokenizer
+    from tests.services.engine.conftest import BESIDE, tokenizer_dir
+
+    monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
+    path, deq = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "fp8-block")
+    ref = ck.float_checkpoint(tmp_path / "ref", deq, path)
+    tokens = []
+    for where in (path, ref):
+        load_tokenizer(tokenizer_dir()).save_pretrained(where)
+        with LLM(str(where), **BESIDE) as llm:
+            out = llm.generate(
+                [{"prompt_token_ids": [5, 77, 130, 9]}, {"prompt_token_ids": [200, 3]}],
+                SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+            )
+        tokens.append([r.outputs[0].token_ids for r in out])
+    assert tokens[0] == tokens[1]
