@@ -262,16 +262,27 @@ def _chat_content(item: dict[str, Any]) -> str | list[dict[str, Any]]:
 
 
 def check_call_outputs(items: list[dict[str, Any]], where: list[str]) -> None:
-    """Each function_call_output answers a function_call before it (as OpenAI checks)."""
-    calls: set[str] = set()
+    """Each function_call_output answers a function_call before it, and each function_call
+    has its output after it (both as OpenAI checks)."""
+    calls: dict[str, str] = {}  # call_id -> where the call is, while it has no output
+    answered: set[str] = set()
     for item, at in zip(items, where, strict=True):
         if item["type"] == "function_call":
-            calls.add(item["call_id"])
-        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
+            calls.setdefault(item["call_id"], at)
+        elif item["type"] == "function_call_output":
+            if item["call_id"] not in calls:
+                raise invalid(
+                    f"{at}: no function_call found for function_call_output with call_id "
+                    f"{item['call_id']!r} (send the call before its output, or continue the "
+                    "response that made it with previous_response_id)",
+                    "input",
+                )
+            answered.add(item["call_id"])
+    for call_id, at in calls.items():
+        if call_id not in answered:
             raise invalid(
-                f"{at}: no function_call found for function_call_output with call_id "
-                f"{item['call_id']!r} (send the call before its output, or continue the "
-                "response that made it with previous_response_id)",
+                f"{at}: no tool output found for function call {call_id!r}: send a "
+                "function_call_output item with this call_id after it (the function's result)",
                 "input",
             )
 

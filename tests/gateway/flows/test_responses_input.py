@@ -87,6 +87,7 @@ def test_a_call_without_text_is_an_assistant_message_with_empty_content() -> Non
     messages = chat([
         {"role": "user", "content": "hi"},
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "42"},
     ])  # fmt: skip
     assert messages[1]["content"] == "" and messages[1]["tool_calls"][0]["id"] == "c"
 
@@ -100,6 +101,19 @@ def test_the_history_comes_before_the_input_and_after_the_instructions() -> None
         [{"type": "function_call_output", "call_id": "c", "output": "42"}], "sys", history
     )
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+
+
+def test_a_call_the_history_left_unanswered_needs_its_output() -> None:
+    history = normal_input([
+        {"role": "user", "content": "first"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+    ])  # fmt: skip
+    with pytest.raises(APIError) as e:  # OpenAI's 400: a new message, the call unanswered
+        chat([{"role": "user", "content": "never mind"}], None, history)
+    assert e.value.status == 400 and e.value.param == "input"
+    assert "previous_response_id's item 1: no tool output found for function call 'c'" in str(
+        e.value.message
+    )
 
 
 def test_items_get_ids_and_a_normal_form() -> None:
@@ -151,6 +165,11 @@ def test_a_final_assistant_message_in_progress_is_continued() -> None:
           {"type": "function_call_output", "call_id": "c",
            "output": [{"type": "input_image", "image_url": PNG}]}],
          "takes input_text parts"),
+        ([{"role": "user", "content": "x"},
+          {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+          {"type": "function_call", "call_id": "d", "name": "f", "arguments": "{}"},
+          {"type": "function_call_output", "call_id": "c", "output": "1"}],
+         "input[2]: no tool output found for function call 'd'"),
         ([{"type": "reasoning", "summary": [], "encrypted_content": "abc"}],
          "encrypted reasoning is not supported"),
         ([{"type": "reasoning", "summary": [{"type": "summary_text"}]}],
