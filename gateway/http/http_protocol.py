@@ -10,6 +10,10 @@ protocol adds, per connection:
 - a header size cap (``max_header_bytes``): more before the blank line is a 431 and close;
 - a body deadline: the whole body within ``body_timeout_s`` of the headers; else the connection
   closes and the application sees ``http.disconnect`` (it frees what it held for the request);
+- a send deadline: a client that takes no byte of its response for ``send_timeout_s`` while
+  the server has bytes for it (the socket's buffers full) is dropped, as nginx's
+  ``send_timeout``; the application sees ``http.disconnect`` and aborts the request, so a
+  client that stops reading neither holds the connection nor has its output buffered forever;
 - a bound on open connections (``max_connections``): one more is answered 503 and closed before
   its request is read. The first refusal is logged, the rest of a flood of them is summed up in
   one line per ``refusal_log_s``, not one line each.
@@ -37,10 +41,11 @@ class HttpLimits:
     max_header_bytes: int = 64 * 1024
     max_connections: int = 4096
     refusal_log_s: float = 10.0
+    send_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         names = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_connections",
-                 "refusal_log_s")  # fmt: skip
+                 "refusal_log_s", "send_timeout_s")  # fmt: skip
         for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -97,6 +102,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_headers = True  # between requests: the next bytes start a request head
         self._header_bytes = 0
         self._reading_body = False
+        self._unread: asyncio.TimerHandle | None = None  # writes paused: the client reads nothing
 
     # connection life
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -110,7 +116,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_send()
         super().connection_lost(exc)
+
+    # writes: the transport pauses us while its buffer is full, resumes us once it drained
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._unread is None:
+            self._unread = self.loop.call_later(self.limits.send_timeout_s, self._send_timeout)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_send()
+
+    def _disarm_send(self) -> None:
+        if self._unread is not None:
+            self._unread.cancel()
+            self._unread = None
+
+    def _send_timeout(self) -> None:
+        self._unread = None
+        if not self.transport.is_closing():
+            log.info("closing a connection: the client read nothing of its response for %g s",
+                     self.limits.send_timeout_s)  # fmt: skip
+            self.transport.abort()  # what is buffered for it is dropped
 
     def data_received(self, data: bytes) -> None:
         if self._reading_headers:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from gateway.http.http_protocol import HttpLimits, guarded_protocol
@@ -20,7 +22,11 @@ from tests.gateway.threaded_server import ThreadedServer
 pytestmark = pytest.mark.timeout(60)
 
 LIMITS = HttpLimits(
-    header_timeout_s=0.5, body_timeout_s=0.5, max_header_bytes=4096, max_connections=3
+    header_timeout_s=0.5,
+    body_timeout_s=0.5,
+    max_header_bytes=4096,
+    max_connections=3,
+    send_timeout_s=0.5,
 )
 
 
@@ -38,7 +44,21 @@ class Served(ThreadedServer):
             self.bodies.append(len(body))
             return PlainTextResponse(f"{len(body)}")
 
-        app = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"])])
+        self.floods_ended = threading.Event()
+
+        async def flood(request: Request) -> StreamingResponse:
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    while True:
+                        yield b"x" * 65536
+                        await asyncio.sleep(0)
+                finally:
+                    self.floods_ended.set()
+
+            return StreamingResponse(chunks())
+
+        app = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"]),
+                                Route("/flood", flood)])  # fmt: skip
         config = uvicorn.Config(
             app, host="127.0.0.1", port=0, log_level="warning", http=guarded_protocol(limits),
             timeout_keep_alive=30,
@@ -138,6 +158,21 @@ def test_a_body_that_stops_arriving_closes_the_connection_and_the_app_sees_a_dis
     while served.disconnects == before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert served.disconnects == before + 1
+
+
+def test_a_client_that_stops_reading_its_response_is_cut_off(served: Served) -> None:
+    """A client that reads nothing of a streamed response while the server has bytes for it
+    held the connection, and what the gateway buffered for it, for as long as it liked (a
+    stream ran on for minutes). After send_timeout_s without a byte taken, as nginx's
+    send_timeout, the connection is dropped and the application sees the disconnect."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", served.port))
+    try:
+        s.sendall(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
+        assert served.floods_ended.wait(10)
+    finally:
+        s.close()
 
 
 def test_connections_beyond_the_bound_get_503() -> None:
