@@ -125,9 +125,9 @@ def _shard_sizes(arch: ArchConfig, fused: str) -> list[int]:
     return [arch.intermediate_size, arch.intermediate_size]
 
 
-# a Gemma 3 checkpoint with vision (served as its language model): its language model's
-# tensors under the names of the text-only model (as uploaded with transformers 4, and as
-# transformers 5 saves them); the vision tower's and the projector's, skipped
+# a Gemma 3 or Mistral 3 checkpoint with vision (served as its language model): its language
+# model's tensors under the names of the text-only model (as uploaded with transformers 4, and
+# as transformers 5 saves them); the vision tower's and the projector's, skipped
 _LANGUAGE_NAMES = (
     ("language_model.model.", "model."), ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),

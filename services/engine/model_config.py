@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ SUPPORTED = {
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3 (text)",
     "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
+    "mistral3": "Mistral Small 3.1/3.2, Magistral Small (their language model: images are refused)",
     "phi3": "Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
     "smollm3": "SmolLM3 (its layers without rotary embedding)",
     "granite": "Granite 3.x (dense)",
@@ -280,7 +282,8 @@ class ArchConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     # the model_type of a multimodal checkpoint of which only the language model is served
-    # ("gemma3"): its other towers' weights are skipped, and no request may carry images
+    # ("gemma3", "mistral3"): its other towers' weights are skipped, and no request may carry
+    # images
     language_of: str = ""
     # layers whose queries and keys are not rotated (SmolLM3's NoPE layers, no_rope_layers 0)
     nope_layers: tuple[int, ...] = ()
@@ -334,6 +337,8 @@ class ArchConfig:
         vision, gemma, language_of = None, None, ""
         if model_type == "gemma3":
             cfg, model_type, language_of = _gemma3_language(cfg), "gemma3_text", "gemma3"
+        elif model_type == "mistral3":
+            cfg, model_type, language_of = _mistral3_language(cfg), "mistral", "mistral3"
         if model_type == "gemma3_text":
             cfg, gemma = _gemma3(cfg)
         elif model_type == "gemma2":
@@ -427,13 +432,22 @@ class ArchConfig:
         if not isinstance(cfg, dict):
             raise ConfigError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
         try:
-            return cls.from_dict(cfg)
+            arch = cls.from_dict(cfg)
         except KeyError as e:
             raise ConfigError(f"{path} lacks {e.args[0]!r}, which the model needs") from None
         except ConfigError as e:  # says what is wrong already (an unsupported model_type)
             raise ConfigError(f"{path}: {e}") from None
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ConfigError(f"{path} has a field of the wrong type or value: {e}") from None
+        # Mistral3Config ties by default, but the published checkpoints hold their own lm_head:
+        # transformers then leaves the two apart (its tie_weights), as here
+        if (
+            arch.language_of == "mistral3"
+            and arch.tie_word_embeddings
+            and _MISTRAL3_LM_HEADS & tensor_names(Path(path).parent)
+        ):
+            arch = dataclasses.replace(arch, tie_word_embeddings=False)
+        return arch
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -502,6 +516,56 @@ def _gemma3_language(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get(key) is not None and given.get(key) is None:
             text[key] = cfg[key]
     return {**text, "model_type": "gemma3_text"}
+
+
+# a Mistral 3 checkpoint's own lm_head: by the Hub's names (transformers 4's and 5's saves) or by
+# transformers 5's module tree
+_MISTRAL3_LM_HEADS = frozenset(("language_model.lm_head.weight", "lm_head.weight"))
+
+
+def tensor_names(directory: Path) -> set[str]:
+    """The names of the tensors in a directory's safetensors files, from their index or their
+    headers (no tensor is read); empty where there are none (a named config)."""
+    index = directory / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return set(json.loads(index.read_text()).get("weight_map", {}))
+        names: set[str] = set()
+        for file in sorted(directory.glob("*.safetensors")):
+            with file.open("rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                names.update(k for k in json.loads(fh.read(size)) if k != "__metadata__")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(
+            f"{directory}: the safetensors files' tensor names are unreadable: {e}"
+        ) from None
+    return names
+
+
+def _mistral3_language(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a Mistral 3 checkpoint (model_type ``mistral3``: Mistral
+    Small 3.1/3.2, Magistral Small; a Pixtral vision tower beside a Mistral decoder) as
+    transformers' ``Mistral3Config`` reads it: its ``text_config`` with ``MistralConfig``'s
+    defaults filled in (and Mistral Small's where the text config is absent), the checkpoint's
+    dtype and tied embeddings (``Mistral3Config``'s default: tied; ``ArchConfig.from_file``
+    unties them where the checkpoint holds an lm_head of its own, as transformers does)."""
+    from transformers import Mistral3Config, PreTrainedConfig
+
+    given = cfg.get("text_config")
+    kind = (given or {}).get("model_type", "mistral")
+    if kind != "mistral":
+        raise ConfigError(
+            f"mistral3: a {kind!r} language model is not supported (only Mistral's: Mistral "
+            "Small 3.1/3.2, Magistral Small; Ministral 3's position-scaled queries are not)"
+        )
+    reader = Mistral3Config(text_config=given).text_config
+    assert isinstance(reader, PreTrainedConfig)  # a dict given is read into MistralConfig
+    text = reader.to_dict()
+    text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
+    for key in ("torch_dtype", "dtype", "quantization_config", "eos_token_id", "bos_token_id"):
+        if cfg.get(key) is not None and (given or {}).get(key) is None:
+            text[key] = cfg[key]
+    return {**text, "model_type": "mistral"}
 
 
 def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], GemmaConfig]:

@@ -78,6 +78,34 @@ def tiny_checkpoint(path: Path, model_type: str, **config: Any) -> Path:
     return path
 
 
+def tiny_mistral3(path: Path, text: dict[str, Any], **config: Any) -> Any:
+    """A seeded random float32 Mistral 3 checkpoint (``Mistral3ForConditionalGeneration``: a
+    Mistral decoder of ``text`` beside a one-layer Pixtral tower and its projector) at ``path``,
+    its norms off their initial ones, saved as transformers saves it; returns the model."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from services.engine.llm_engine import load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": 49152, "max_position_embeddings": 1024,
+                     "initializer_range": 0.2, "bos_token_id": None, "eos_token_id": None,
+                     "sliding_window": None, **text},
+        vision_config={"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16,
+                       "image_size": 56, "patch_size": 14},
+        image_token_index=49151, **config,
+    )  # fmt: skip
+    model = Mistral3ForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():  # transformers starts norm weights at 1: one read wrong would go unseen
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(path)
+    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    return model.eval()
+
+
 # Knobs of a test engine compared token for token with another engine or transformers in the
 # same process, for a lent GPU machine too (scripts/device/two_gpus.sh): float32 (there "auto"
 # picks bf16, whose rounding parts greedy runs at near ties) and a few KV blocks each (the

@@ -586,3 +586,120 @@ def test_a_gemma3_checkpoint_with_vision_serves_its_language_model(tmp_path: Pat
     save_file(old, str(file), metadata={"format": "pt"})
     with LLM(str(tmp_path)) as again:
         assert [r.outputs[0].token_ids for r in again.generate(prompts, params)] == want
+
+
+# Mistral 3 (Mistral Small 3.1/3.2's layout): head_dim 32 (not hidden / heads), Mistral
+# Small's rotary base, tied embeddings (transformers 5's Mistral3Config default: no lm_head
+# saved); YaRN over a short original length with an lm_head of its own
+MISTRAL3 = {
+    "mistral3": ({"num_hidden_layers": 2, "intermediate_size": 96, "hidden_size": 64,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e9}}, True),
+    "mistral3-yarn": ({"num_hidden_layers": 2, "intermediate_size": 96, "hidden_size": 64,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                       "max_position_embeddings": 256,
+                       "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                           "original_max_position_embeddings": 64}}, False),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
+    cache: dict[str, Built] = {}
+
+    def get(name: str) -> Built:
+        if name not in cache:
+            from tests.services.engine.conftest import tiny_mistral3
+
+            path = tmp_path_factory.mktemp(name)
+            text, tied = MISTRAL3[name]
+            cache[name] = (path, tiny_mistral3(path, text, tie_word_embeddings=tied))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(MISTRAL3))
+def test_a_mistral3_checkpoint_serves_its_language_model(
+    name: str, mistral3: Callable[[str], Built]
+) -> None:
+    """Mistral3ForConditionalGeneration's language model: transformers' greedy tokens on text
+    prompts; the Pixtral tower and projector skipped at load, images refused by the engine
+    (and by the gateway: no VisionSpec, so its 'served for text only' 400)."""
+    from protos.multimodal import VisionSpec
+    from services.engine.model_config import ArchConfig
+
+    path, hf = mistral3(name)
+    _, tied = MISTRAL3[name]
+    arch = ArchConfig.from_file(path / "config.json")
+    assert (arch.model_type, arch.language_of, arch.tie_word_embeddings) == (
+        "mistral", "mistral3", tied
+    )  # fmt: skip
+    assert arch.head_dim == MISTRAL3[name][0]["head_dim"]
+    assert VisionSpec.of_model_dir(path) is None
+    llm = LLM(str(path), **BESIDE)
+    prompts = _prompts(len(name), FEW_LENS)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = [_hf_greedy(hf, p) for p in prompts]
+    assert len({t for w in want for t in w}) > 4  # not a degenerate model
+    assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == want
+    with pytest.raises(InvalidRequestError, match=r"language model only \(mistral3's vision"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": [b"png"]}}, params)
+    llm.close()
+
+
+def test_mistral3_under_its_module_tree_names_and_the_hubs_untied_config(
+    mistral3: Callable[[str], Built], tmp_path: Path
+) -> None:
+    """Mistral Small 3.1's published config names no tie_word_embeddings (Mistral3Config's
+    default: tied) yet its checkpoint holds an lm_head: transformers leaves the two apart, and
+    so does the engine. The same tensors under transformers 5's module-tree names
+    (model.language_model.*, lm_head.weight, model.vision_tower.*) load as well."""
+    from safetensors.torch import load_file, save_file
+
+    from services.engine.model_config import ArchConfig
+
+    path, hf = mistral3("mistral3-yarn")
+    (file,) = path.glob("*.safetensors")
+    stored = load_file(str(file))
+    assert "language_model.lm_head.weight" in stored
+    assert any(k.startswith("vision_tower.") for k in stored)
+    renamed = {}
+    for name, tensor in stored.items():
+        if name.startswith("language_model.model."):
+            name = "model.language_model." + name.removeprefix("language_model.model.")
+        elif name.startswith("language_model.lm_head."):
+            name = name.removeprefix("language_model.")
+        else:
+            name = "model." + name
+        renamed[name] = tensor
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for other in path.iterdir():
+        if other.suffix != ".safetensors" and other.is_file():
+            (tmp_path / other.name).write_bytes(other.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert not ArchConfig.from_file(tmp_path / "config.json").tie_word_embeddings
+    prompts = _prompts(5, [9, 70])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(str(tmp_path), **BESIDE) as llm:
+        got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert got == [_hf_greedy(hf, p) for p in prompts]
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
+)
+def test_mistral3_through_the_triton_kernels(
+    mistral3: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mistral 3's language model (head_dim 32 of a 64-wide model) with its norms, rotary, KV
+    writes and attention in the Triton kernels (under the interpreter): transformers' tokens
+    on a prompt in 16-token blocks."""
+    from kernels import triton_attention, triton_layers
+
+    kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
+    monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
+    _assert_greedy_matches("mistral3", *mistral3("mistral3"), [40], block_size=16)

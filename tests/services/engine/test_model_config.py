@@ -375,3 +375,40 @@ def test_either_variable_allows_a_long_max_model_len() -> None:
     assert allow_long_max_model_len({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0"}) is None
     assert allow_long_max_model_len({"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}) is not None
     assert allow_long_max_model_len({"TANDEM_ALLOW_LONG_MAX_MODEL_LEN": "true"}) is not None
+
+
+def test_mistral3_reads_its_text_config_as_transformers_does(tmp_path: Any) -> None:
+    """A Mistral 3 checkpoint is served as its Mistral decoder: the text config with
+    MistralConfig's defaults (Mistral Small 3.1's where it is absent), the checkpoint's dtype
+    and eos; tied as Mistral3Config says unless the checkpoint holds an lm_head (read from the
+    safetensors index, no tensor read); a Ministral 3 decoder refused."""
+    import json
+
+    text = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
+            "intermediate_size": 96, "vocab_size": 256, "sliding_window": None,
+            "rope_theta": 1e9}  # fmt: skip
+    cfg = {"model_type": "mistral3", "text_config": text, "torch_dtype": "bfloat16",
+           "eos_token_id": 7, "vision_config": {"model_type": "pixtral"}}  # fmt: skip
+    arch = ArchConfig.from_dict(cfg)
+    assert (arch.model_type, arch.language_of, arch.head_dim, arch.rope_theta) == (
+        "mistral", "mistral3", 32, 1e9
+    )  # fmt: skip
+    assert (arch.torch_dtype, arch.eos_token_ids, arch.sliding_window) == ("bfloat16", (7,), None)
+    assert arch.vision is None and arch.tie_word_embeddings and not arch.attention_bias
+    published = ArchConfig.from_dict({"model_type": "mistral3"})  # Mistral Small 3.1's sizes
+    assert (published.num_layers, published.hidden_size, published.head_dim) == (40, 5120, 128)
+    assert (published.num_heads, published.num_kv_heads, published.vocab_size) == (32, 8, 131072)
+    untied = ArchConfig.from_dict({**cfg, "tie_word_embeddings": False})
+    assert not untied.tie_word_embeddings
+    # the Hub's sharded layout: an index naming language_model.lm_head.weight
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    weight_map = {"language_model.model.embed_tokens.weight": "a.safetensors"}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    assert ArchConfig.from_file(tmp_path / "config.json").tie_word_embeddings
+    weight_map["language_model.lm_head.weight"] = "a.safetensors"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    assert not ArchConfig.from_file(tmp_path / "config.json").tie_word_embeddings
+    with pytest.raises(ConfigError, match="'ministral3' language model is not supported"):
+        ArchConfig.from_dict({**cfg, "text_config": {**text, "model_type": "ministral3"}})

@@ -13,7 +13,12 @@ import torch
 
 from protos.sampling_params import SamplingParams
 from services.engine.llm import LLM
-from tests.services.engine.conftest import BESIDE, rank_processes, tiny_checkpoint
+from tests.services.engine.conftest import (
+    BESIDE,
+    rank_processes,
+    tiny_checkpoint,
+    tiny_mistral3,
+)
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-2kv": ("llama", {
@@ -36,6 +41,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
         "query_pre_attn_scalar": 16, "sliding_window": 8,
         "layer_types": ["sliding_attention", "full_attention"],
+    }),
+    # Mistral 3's language model (Mistral Small's layout: head_dim 32 of a 64-wide model, its
+    # own language_model.lm_head cut by vocabulary rows) read from its multimodal checkpoint,
+    # the Pixtral tower skipped
+    "mistral3-2kv": ("mistral3", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96,
     }),
     # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj): a rank's rows of each piece are
     # cut out of the one tensor (3 KV heads: 2 + 1; MLP rows 51 + 50)
@@ -179,7 +191,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]
     def get(name: str) -> str:
         if name not in paths:
             model_type, config = MODELS[name]
-            path = tiny_checkpoint(tmp_path_factory.mktemp(name), model_type, **config)
+            path = tmp_path_factory.mktemp(name)
+            if model_type == "mistral3":
+                tiny_mistral3(path, config, tie_word_embeddings=False)
+            else:
+                tiny_checkpoint(path, model_type, **config)
             if model_type == "gpt_oss":
                 _random_biases(path)
             elif model_type in RANDOM_NORMS:
@@ -233,6 +249,7 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("llama-3kv-uneven", 2),
         pytest.param("llama-2kv", 4, id="llama-2kv-tp4-kv-replicated"),
         ("gemma3-2kv", 2),
+        ("mistral3-2kv", 2),
         ("phi3-3kv-uneven", 2),
         ("glm4-2kv", 2),
         ("starcoder2-3kv-uneven", 2),
