@@ -836,7 +836,9 @@ def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None
         default=None,
         metavar="NAME",
         help=f"{passed}how the model writes tool calls: hermes (<tool_call> JSON: Qwen, Hermes, "
-        "SmolLM3), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS])",
+        "SmolLM3), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS]), qwen3_coder (<function=..> "
+        "<parameter=..>: Qwen3-Coder), glm45 (<arg_key>/<arg_value>: GLM-4.5/4.6), deepseek_v3, "
+        "deepseek_v31 (DeepSeek-V3/R1, V3.1), pythonic ([f(a=1)]: Llama 3.2/4)",
     )
     p.add_argument(
         "--reasoning-parser",

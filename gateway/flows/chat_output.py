@@ -161,9 +161,11 @@ class ChoiceOutput:
             if plan.reasoning is not None
             else None
         )
-        self._auto: ToolStream | None = (
-            plan.parser.stream() if choice == "auto" and plan.parser is not None else None
-        )
+        self._auto: ToolStream | None = None
+        if choice == "auto" and plan.parser is not None and plan.tools is not None:
+            # the formats that write arguments as text type them by the functions' schemas
+            schemas = {f.name: f.parameters for f in plan.tools.functions}
+            self._auto = plan.parser.stream(schemas)
         self._array = _ArrayCalls() if choice == "required" else None
         self._array_full = False
         self._named_id: str | None = None

@@ -216,7 +216,7 @@ def test_a_gateway_without_the_flags_refuses_auto(colocated: Stack) -> None:
     ("kwargs", "words"),
     [
         ({"enable_auto_tool_choice": True}, "--enable-auto-tool-choice needs --tool-call-parser"),
-        ({"tool_call_parser": "pythonic"}, "--tool-call-parser must be one of hermes"),
+        ({"tool_call_parser": "kimi_k2"}, "--tool-call-parser must be one of hermes"),
         ({"reasoning_parser": "r2"}, "--reasoning-parser must be one of"),
     ],
 )

@@ -391,3 +391,25 @@ def test_mistral_call_ids_are_nine_letters_and_digits_a_history_can_carry(
         for parser in (None, tool_parsers.get_parser("hermes")):
             (call,) = ChoiceOutput(OutputPlan(tools, parser)).message(text)["tool_calls"]
             assert call["id"].startswith("call_") and len(call["id"]) == 29
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_auto_types_text_arguments_by_the_offered_functions_schemas(size: int) -> None:
+    """qwen3_coder writes each argument as text: the request's function schemas type it, in the
+    whole message and the stream alike (without them "3" would stay a string)."""
+    schema = {"type": "object", "properties": {"days": {"type": "integer"},
+                                               "city": {"type": "string"}}}  # fmt: skip
+    plan = OutputPlan(
+        ToolPlan((Function("forecast", schema),), "auto"), tool_parsers.get_parser("qwen3_coder")
+    )
+    text = (
+        "On it.\n<tool_call>\n<function=forecast>\n<parameter=days>\n3\n</parameter>\n"
+        "<parameter=city>\n10\n</parameter>\n</function>\n</tool_call>"
+    )
+    message = ChoiceOutput(plan).message(text)
+    assert message["content"] == "On it."
+    (call,) = message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"days": 3, "city": "10"}
+    assembled = _assemble(_stream(plan, _pieces(text, size))[0])
+    assert assembled["content"].strip() == "On it."
+    assert json.loads(assembled["tool_calls"][0]["arguments"]) == {"days": 3, "city": "10"}

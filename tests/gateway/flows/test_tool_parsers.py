@@ -1,8 +1,10 @@
-"""Tool calls parsed out of generated text: hermes, llama3_json and mistral, whole and streamed."""
+"""Tool calls parsed out of generated text, whole and streamed: hermes, llama3_json, mistral,
+qwen3_coder, glm45, deepseek_v3, deepseek_v31 and pythonic."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -246,17 +248,266 @@ def test_mistral_stream_holds_the_marker_and_sends_the_call_when_complete() -> N
     assert stream.finish().content == ""
 
 
+# ---------------------------------------------------------------- qwen3_coder
+
+QWEN = get_parser("qwen3_coder")
+SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "unit": {"type": "string"},
+            "days": {"type": "integer"},
+            "scale": {"type": "number"},
+            "metric": {"type": "boolean"},
+            "opts": {"type": "object"},
+            "tags": {"type": ["array", "null"]},
+            "any": {},
+        },
+    }
+}
+
+
+def _qwen_block(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_content_then_two_calls() -> None:
+    text = (
+        "I'll look both up.\n"
+        + _qwen_block("get_weather", city="Paris", unit="C")
+        + "\n"
+        + _qwen_block("get_time")
+    )
+    assert QWEN.parse(text, SCHEMAS) == Parsed("I'll look both up.", (WEATHER, TIME))
+
+
+def test_qwen3_coder_types_values_by_the_schema_as_vllm() -> None:
+    block = _qwen_block(
+        "get_weather", city="42", days="3", scale="2.5", metric="True", opts='{"a": [1, 2]}',
+        tags="['x', 'y']", any="7", unknown="{}",
+    )  # fmt: skip
+    (call,) = QWEN.parse(block, SCHEMAS).tool_calls
+    assert json.loads(call.arguments) == {
+        "city": "42", "days": 3, "scale": 2.5, "metric": True, "opts": {"a": [1, 2]},
+        "tags": ["x", "y"], "any": "7", "unknown": "{}",
+    }  # fmt: skip
+    block = _qwen_block("get_weather", days="three", scale="4.0", metric="yes", city="null")
+    (call,) = QWEN.parse(block, SCHEMAS).tool_calls
+    assert json.loads(call.arguments) == {"days": "three", "scale": 4, "metric": False,
+                                          "city": None}  # fmt: skip
+    # an unparsable object and a number too large stay strings; without schemas all are text
+    block = _qwen_block("get_weather", opts="{oops", scale="1e999", days="2")
+    (call,) = QWEN.parse(block, SCHEMAS).tool_calls
+    assert json.loads(call.arguments) == {"opts": "{oops", "scale": "1e999", "days": 2}
+    (call,) = QWEN.parse(block).tool_calls
+    assert json.loads(call.arguments) == {"opts": "{oops", "scale": "1e999", "days": "2"}
+
+
+def test_qwen3_coder_keeps_multiline_values_but_one_newline_each_side() -> None:
+    code = "def f():\n    return 1\n"
+    (call,) = QWEN.parse(_qwen_block("write", code=code)).tool_calls
+    assert json.loads(call.arguments) == {"code": code}
+
+
+def test_qwen3_coder_a_closed_block_may_leave_out_closing_tags() -> None:
+    text = "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</tool_call>"
+    assert QWEN.parse(text).tool_calls == (ToolCall("get_time", '{"tz": "UTC"}'),)
+
+
+def test_qwen3_coder_cut_short_or_malformed_stays_content() -> None:
+    cut = "Checking. <tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    assert QWEN.parse(cut) == Parsed(cut, ())
+    assert _streamed(QWEN, list(cut)) == (cut, ())
+    bad = "<tool_call>\nnot a function\n</tool_call>"
+    assert QWEN.parse(bad + _qwen_block("get_time")) == Parsed(bad, (TIME,))
+    # left open but the function whole (a stop string on the closing tag): a call
+    text = "<tool_call>\n<function=get_time>\n</function>\n"
+    assert QWEN.parse(text) == Parsed(None, (TIME,))
+
+
+def test_qwen3_coder_stream_holds_the_markup_and_sends_the_call_when_the_block_closes() -> None:
+    stream = QWEN.stream(SCHEMAS)
+    assert stream.feed("Sure <tool").content == "Sure "
+    assert stream.feed("_call>\n<function=get_weather>\n<parameter=days>\n") == StreamStep("", ())
+    assert stream.feed("3\n</parameter>\n</function>\n</tool_") == StreamStep("", ())
+    assert stream.feed("call>") == StreamStep("", (ToolCall("get_weather", '{"days": 3}'),))
+    assert stream.finish() == StreamStep("", ())
+
+
+# ---------------------------------------------------------------- glm45
+
+GLM = get_parser("glm45")
+
+
+def _glm_block(name: str, **args: str) -> str:
+    body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items())
+    return f"<tool_call>{name}\n{body}</tool_call>"
+
+
+def test_glm45_content_then_two_calls() -> None:
+    text = "Let me check.\n" + _glm_block("get_weather", city="Paris", unit="C")
+    text += _glm_block("get_time")
+    assert GLM.parse(text, SCHEMAS) == Parsed("Let me check.", (WEATHER, TIME))
+
+
+def test_glm45_reads_non_string_values_as_json_or_python_literals() -> None:
+    block = _glm_block("get_weather", city=" 42 ", days="3", opts='{"a": true}', tags="['x']",
+                       unit="plain words")  # fmt: skip
+    (call,) = GLM.parse(block, SCHEMAS).tool_calls
+    assert json.loads(call.arguments) == {"city": " 42 ", "days": 3, "opts": {"a": True},
+                                          "tags": ["x"], "unit": "plain words"}  # fmt: skip
+    (call,) = GLM.parse(block).tool_calls  # no schema: every value is read
+    assert json.loads(call.arguments)["city"] == 42
+
+
+def test_glm45_name_may_run_straight_into_its_first_key() -> None:
+    text = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+    assert GLM.parse(text, SCHEMAS).tool_calls == (ToolCall("get_weather", '{"city": "Paris"}'),)
+
+
+def test_glm45_cut_short_or_malformed_stays_content() -> None:
+    cut = "Hi <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par"
+    assert GLM.parse(cut) == Parsed(cut, ())
+    assert _streamed(GLM, list(cut)) == (cut, ())
+    bad = "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>"
+    assert GLM.parse(bad) == Parsed(bad, ())
+    twice = "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value>"
+    twice += "<arg_key>a</arg_key><arg_value>2</arg_value></tool_call>"
+    assert GLM.parse(twice) == Parsed(twice, ())  # a key given twice is refused, not dropped
+
+
+# ---------------------------------------------------------------- deepseek
+
+DS3 = get_parser("deepseek_v3")
+DS31 = get_parser("deepseek_v31")
+CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def _ds3_call(name: str, arguments: str) -> str:
+    return f"{CALL}function{SEP}{name}\n```json\n{arguments}\n```{CALL_END}"
+
+
+def _ds31_call(name: str, arguments: str) -> str:
+    return f"{CALL}{name}{SEP}{arguments}{CALL_END}"
+
+
+@pytest.mark.parametrize(("parser", "call"), [(DS3, _ds3_call), (DS31, _ds31_call)])
+def test_deepseek_content_then_two_calls_then_content(
+    parser: ToolParser, call: Callable[[str, str], str]
+) -> None:
+    text = "Let me check." + CALLS + call("get_weather", '{"city": "Paris", "unit": "C"}') + "\n"
+    text += call("get_time", "{}") + CALLS_END + " Done."
+    assert parser.parse(text) == Parsed("Let me check. Done.", (WEATHER, TIME))
+    assert _streamed(parser, list(text)) == ("Let me check. Done.", (WEATHER, TIME))
+
+
+def test_deepseek_calls_of_the_other_version_or_bad_json_stay_content() -> None:
+    v31 = CALLS + _ds31_call("get_time", "{}") + CALLS_END
+    assert DS3.parse(v31) == Parsed(CALLS + _ds31_call("get_time", "{}"), ())
+    bad = CALLS + _ds3_call("get_time", "{oops") + CALLS_END
+    assert DS3.parse(bad).tool_calls == ()
+    assert DS31.parse(CALLS + "I cannot") == Parsed(CALLS + "I cannot", ())
+    cut = "Hm " + CALLS + CALL + "get_weather" + SEP + '{"city": "Pa'
+    assert DS31.parse(cut) == Parsed(cut, ())  # cut short by max_tokens: shown, not lost
+    whole = CALLS + CALL + "get_time" + SEP + "{}"
+    assert DS31.parse(whole) == Parsed(None, (TIME,))  # left open but whole: a call
+
+
+def test_deepseek_stream_never_sends_markup() -> None:
+    text = "Sure. " + CALLS + _ds3_call("get_time", "{}") + CALLS_END
+    stream = DS3.stream()
+    sent = "".join(stream.feed(c).content for c in text) + stream.finish().content
+    assert sent == "Sure. "
+
+
+# ---------------------------------------------------------------- pythonic
+
+PYTHONIC = get_parser("pythonic")
+
+
+def test_pythonic_list_of_calls_with_literal_keyword_arguments() -> None:
+    text = "[get_weather(city=\"Paris\", unit='C'), get_time()]"
+    assert PYTHONIC.parse(text) == Parsed(None, (WEATHER, TIME))
+    text = "[f(n=-1, x=[1, (2, 3)], y={'a': None, 'b': True}, s='''a\nb''')]"
+    (call,) = PYTHONIC.parse(text).tool_calls
+    assert json.loads(call.arguments) == {"n": -1, "x": [1, [2, 3]], "y": {"a": None, "b": True},
+                                          "s": "a\nb"}  # fmt: skip
+
+
+def test_pythonic_llama4_tags_are_dropped_and_text_after_is_content() -> None:
+    text = " <|python_start|>[get_time()]<|python_end|> and done"
+    assert PYTHONIC.parse(text) == Parsed("and done", (TIME,))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1] Smith et al.",
+        "The answer: [get_time()]",
+        "[get_time(), 3]",
+        "[get_time(1)]",  # positional arguments are refused, not dropped
+        "[f(a=print)]",
+        "[f(a={1, 2})]",
+        "[f(a=1, a=2)]",
+        "[get_time(",  # cut short by max_tokens
+        "[]",
+    ],
+)
+def test_pythonic_what_is_not_a_list_of_calls_is_content(text: str) -> None:
+    assert PYTHONIC.parse(text) == Parsed(text, ())
+    assert _streamed(PYTHONIC, list(text)) == (text, ())
+
+
+def test_pythonic_stream_sends_prose_at_once_and_calls_when_the_list_closes() -> None:
+    stream = PYTHONIC.stream()
+    assert stream.feed("[1").content == "[1"  # no call opens with a digit
+    stream = PYTHONIC.stream()
+    assert stream.feed('[get_time(tz="]")').content == ""  # the bracket is in a string
+    assert stream.feed("]").tool_calls == (ToolCall("get_time", '{"tz": "]"}'),)
+    assert stream.feed(" ok").content == " ok"
+
+
+# ---------------------------------------------------------------- markup and strict
+
+
+def test_each_new_format_keeps_special_tokens_only_where_its_markup_is_one() -> None:
+    deepseek_special = {CALLS, CALLS_END, CALL, CALL_END, SEP}
+    for name in ("deepseek_v3", "deepseek_v31"):
+        assert get_parser(name).markup_is_special(deepseek_special.__contains__)
+        assert not get_parser(name).markup_is_special(lambda t: t == "<tool_call>")
+    assert get_parser("glm45").markup_is_special(lambda t: t == "<arg_key>")
+    assert get_parser("qwen3_coder").markup_is_special(lambda t: t == "</tool_call>")
+    assert not get_parser("qwen3_coder").markup_is_special(lambda t: t == "<arg_key>")
+    # Llama 4's <|python_start|> is special, but the calls read the same without it
+    assert not get_parser("pythonic").markup_is_special(lambda t: True)
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3_coder", "glm45", "deepseek_v3", "deepseek_v31", "pythonic"]
+)
+def test_formats_without_a_structural_tag_say_so(name: str) -> None:
+    """Their arguments are no one JSON object (or their markup special tokens): the gateway
+    answers strict tools under auto with a 400 rather than ignore strict."""
+    assert get_parser(name).structural_tag([("f", {"type": "object"})], parallel=True) is None
+
+
 # ---------------------------------------------------------------- registry
 
 
 def test_every_parser_is_registered_under_its_name() -> None:
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral"]
+    assert list(PARSERS) == [
+        "hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "deepseek_v3",
+        "deepseek_v31", "pythonic",
+    ]  # fmt: skip
     assert all(get_parser(name).name == name for name in PARSERS)
 
 
 def test_unknown_parser_name_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
-        get_parser("pythonic")
+    with pytest.raises(ValueError, match="deepseek_v3, deepseek_v31, glm45, hermes, llama3_json"):
+        get_parser("kimi_k2")
 
 
 # ---------------------------------------------------------------- streaming agrees with whole
@@ -291,8 +542,67 @@ _FRAGMENTS = {
         "[ARGS]",
         "null",
     ],
+    "qwen3_coder": [
+        "<tool_call>",
+        "</tool_call>",
+        "<function=f>",
+        "<function=get_weather>",
+        "</function>",
+        "<parameter=days>",
+        "<parameter=a>\nx\n",
+        "</parameter>",
+        "\n3\n",
+        _qwen_block("get_weather", city="Paris", opts="[1]"),
+        "<tool_call>\n<function=f>\n</function>",
+    ],
+    "glm45": [
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_call>f\n",
+        "<arg_key>a</arg_key>",
+        "<arg_value>1</arg_value>",
+        "<arg_key>",
+        "</arg_value>",
+        _glm_block("get_weather", city="Paris", days="3"),
+    ],
+    "deepseek_v3": [
+        CALLS,
+        CALLS_END,
+        CALL,
+        CALL_END,
+        f"function{SEP}f\n```json\n",
+        '{"a": 1}',
+        "\n```",
+        _ds3_call("g", '{"b": [1]}'),
+        "<｜tool",
+    ],
+    "deepseek_v31": [
+        CALLS,
+        CALLS_END,
+        CALL,
+        CALL_END,
+        f"f{SEP}",
+        '{"a": 1}',
+        _ds31_call("g", '{"b": [1]}'),
+        "<｜tool",
+    ],
+    "pythonic": [
+        "[",
+        "]",
+        "<|python_start|>",
+        "<|python_end|>",
+        "<|py",
+        "get_time()",
+        'f(a="]", b=[1, 2])',
+        "g(x='''q",
+        "'''",
+        ", ",
+        "(",
+        ")",
+        '"',
+    ],
 }
-_ALPHABET = ' \n<>/[]{}";:,_"abc1'
+_ALPHABET = ' \n<>/[]{}";:,_"abc1=(\'`'
 
 
 def _texts(name: str) -> st.SearchStrategy[str]:
