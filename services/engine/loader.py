@@ -16,7 +16,7 @@ from safetensors import safe_open
 from kernels import ops
 from services.config import ConfigError, ModelConfig
 from services.engine.gpt_oss_weights import gpt_oss_tensors
-from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig
+from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig, language_model_name
 from services.engine.models.cohere import CohereForCausalLM
 from services.engine.models.deepseek import (
     DeepseekForCausalLM,
@@ -123,29 +123,6 @@ def _shard_sizes(arch: ArchConfig, fused: str) -> list[int]:
             arch.num_kv_heads * arch.head_dim,
         ]
     return [arch.intermediate_size, arch.intermediate_size]
-
-
-# a Gemma 3 or Mistral 3 checkpoint with vision (served as its language model): its language
-# model's tensors under the names of the text-only model (as uploaded with transformers 4, and
-# as transformers 5 saves them); the vision tower's and the projector's, skipped
-_LANGUAGE_NAMES = (
-    ("language_model.model.", "model."), ("model.language_model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)  # fmt: skip
-_OTHER_TOWERS = (
-    "vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
-)  # fmt: skip
-
-
-def language_model_name(name: str) -> str | None:
-    """A multimodal checkpoint's tensor name as the text-only model names it; None for a tensor
-    of another tower."""
-    if name.startswith(_OTHER_TOWERS):
-        return None
-    for prefix, plain in _LANGUAGE_NAMES:
-        if name.startswith(prefix):
-            return plain + name[len(prefix) :]
-    return name
 
 
 def iter_safetensors(

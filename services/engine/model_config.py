@@ -88,6 +88,37 @@ _QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text", "olmo2", "olm
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
 
+# a Gemma 3 or Mistral 3 checkpoint with vision (served as its language model): its language
+# model's tensors under the names of the text-only model (as uploaded with transformers 4, and
+# as transformers 5 saves them); the vision tower's and the projector's, skipped
+_LANGUAGE_NAMES = (
+    ("language_model.model.", "model."), ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)  # fmt: skip
+_OTHER_TOWERS = (
+    "vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
+)  # fmt: skip
+
+
+def language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text-only model names it; None for a tensor
+    of another tower."""
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, plain in _LANGUAGE_NAMES:
+        if name.startswith(prefix):
+            return plain + name[len(prefix) :]
+    return name
+
+
+def multimodal_names(name: str) -> tuple[str, ...]:
+    """The names a text-only model's tensor or module ``name`` has in the multimodal
+    checkpoints of the families served as their language model (the inverse of
+    :func:`language_model_name`), for matching what such a checkpoint's config lists."""
+    return tuple(prefix + name[len(plain) :] for prefix, plain in _LANGUAGE_NAMES
+                 if name.startswith(plain))  # fmt: skip
+
+
 def scaling_kind(scaling: dict[str, Any] | None) -> str:
     """The rope scaling's kind as transformers names it (``mrope``, Qwen2-VL's published name
     for its default frequencies, reads as default)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.config import QUANTIZATION_METHODS, ConfigError
+from services.engine.model_config import language_model_name, multimodal_names
 
 INT4_GROUP_SIZES = (32, 64, 128)  # the w4a16 kernel's chunk of K divides the group
 UNQUANTIZED = "embed_tokens, lm_head and the norms stay unquantized"
@@ -39,9 +40,12 @@ class QuantConfig:
         run of its dotted pieces (``mlp.gate``, AWQ's ``gate``), or an ``re:`` pattern matching
         it from the start (compressed-tensors)."""
         dotted = f".{module}."
+        # a pattern may be written against a multimodal checkpoint's own names
+        # (model.language_model.layers...), which the loader reads as the text-only model's
+        names = (module, *multimodal_names(module))
         for entry in self.unquantized:
             if entry.startswith("re:"):
-                if re.match(entry[3:], module):
+                if any(re.match(entry[3:], name) for name in names):
                     return True
             elif f".{entry}." in dotted:
                 return True
@@ -123,7 +127,9 @@ def _unconverted(q: dict[str, Any]) -> tuple[str, ...]:
     bad = [n for n in names if n.startswith("re:") and not _compiles(n[3:])]
     if bad:
         raise ConfigError(f"quantization_config: {bad[0]!r} is not a valid regular expression")
-    return tuple(n for n in names if n != "lm_head" and not n.endswith(".lm_head"))
+    # a multimodal checkpoint's names (served as its language model) as the loader reads them
+    plain = [n if n.startswith("re:") else (language_model_name(n) or n) for n in names]
+    return tuple(n for n in plain if n != "lm_head" and not n.endswith(".lm_head"))
 
 
 def _compiles(pattern: str) -> bool:

@@ -102,7 +102,16 @@ def test_the_flag_reaches_the_model_config() -> None:
      (["model.layers.0.self_attn.o_proj"], "model.layers.10.self_attn.o_proj", False),
      (["re:.*mlp.gate$"], "model.layers.3.mlp.gate", True),
      (["re:.*mlp.gate$"], "model.layers.3.mlp.gate_proj", False),
-     (["lm_head"], "lm_head", False)],  # never quantized here: not kept in the list
+     (["lm_head"], "lm_head", False),  # never quantized here: not kept in the list
+     # a multimodal checkpoint served as its language model (Gemma 3, Mistral 3) names its
+     # layers as transformers 5 (model.language_model.) or 4 (language_model.model.) does
+     (["model.language_model.layers.0.self_attn.o_proj"], "model.layers.0.self_attn.o_proj", True),
+     (["language_model.model.layers.0.self_attn.o_proj"], "model.layers.0.self_attn.o_proj", True),
+     (["model.language_model.layers.0.self_attn.o_proj"], "model.layers.1.self_attn.o_proj", False),
+     (["re:model[.]language_model[.]layers[.]1[.].*"], "model.layers.1.mlp.down_proj", True),
+     (["re:model[.]language_model[.]layers[.]1[.].*"], "model.layers.2.mlp.down_proj", False),
+     (["re:language_model.model.layers.1.mlp.*"], "model.layers.1.mlp.down_proj", True),
+     (["re:vision_tower.*", "model.vision_tower"], "model.layers.0.mlp.down_proj", False)],
 )  # fmt: skip
 def test_modules_the_checkpoint_leaves_unquantized(
     entries: list[str], module: str, left: bool
