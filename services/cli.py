@@ -845,7 +845,9 @@ def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None
         default=None,
         metavar="NAME",
         help=f"{passed}put a reasoning model's thinking in message.reasoning_content: "
-        f"{reasoning_parsers()}; structured output then constrains only the answer",
+        f"{reasoning_parsers()} (deepseek_v3 thinks only when chat_template_kwargs sets "
+        "thinking true, glm45 unless it sets it false); structured output then constrains only "
+        "the answer",
     )
 
 

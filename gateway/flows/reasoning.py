@@ -1,5 +1,6 @@
 """A reasoning model's output split into its thinking and its answer, whole or streamed:
-``<think>`` blocks (Qwen3, DeepSeek-R1), and gpt-oss's harmony channels (``openai_gptoss``).
+``<think>`` blocks (Qwen3, DeepSeek-R1, DeepSeek-V3.1, GLM-4.5/4.6), and gpt-oss's harmony
+channels (``openai_gptoss``).
 
 The thinking sits in a ``<think> ... </think>`` block, opened either by the model (the output
 starts with ``<think>``) or by the chat template (the rendered prompt ends inside an open block,
@@ -10,13 +11,20 @@ takes an unopened output as all answer and streams it at once.
 
 Normalised the same way whole or streamed: the tags are dropped, the thinking loses its
 surrounding newlines, the answer its leading ones (``</think>`` is usually followed by two).
+
+Two parsers follow the request's ``chat_template_kwargs`` (``for_request``), as vLLM's do:
+``deepseek_v3`` thinks only when ``thinking`` (or ``enable_thinking``) is true, else the whole
+output is the answer; ``glm45`` thinks unless they are given and both false, and then starts
+the output inside its thinking (GLM's template opens none: the model writes ``<think>``).
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.flows.text_stream import TextStream, held_back
 from gateway.flows.tool_parsers import ToolCall
@@ -126,6 +134,9 @@ class ReasoningParser(ABC):
     end: str = "</think>"
     # its markers are special tokens: requests keep them in the text it reads (then drops)
     keeps_special_tokens: bool = False
+    # False: the request asked for no thinking, the whole output is the answer (no grammar
+    # waits for a thinking block to end)
+    separates: bool = True
 
     @abstractmethod
     def split(self, text: str, prompt_open: bool) -> Split: ...
@@ -138,6 +149,54 @@ class ReasoningParser(ABC):
     def prompt_opens(self, prompt_text: str) -> bool:
         """Whether the rendered prompt ends inside an open block (a start after the last end)."""
         return prompt_text.rfind(self.start) > prompt_text.rfind(self.end)
+
+    def for_request(self, template_kwargs: Mapping[str, Any]) -> ReasoningParser:
+        """The parser for one request, whose ``chat_template_kwargs`` may switch the thinking
+        on or off (ValueError: a switch that is not a boolean)."""
+        return self
+
+
+def _thinking_asked(template_kwargs: Mapping[str, Any]) -> bool | None:
+    """The request's thinking switch, as vLLM reads it: ``thinking`` or ``enable_thinking``
+    true in ``chat_template_kwargs``; None when neither is given (or both are null)."""
+    given = []
+    for name in ("thinking", "enable_thinking"):
+        value = template_kwargs.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise ValueError(f"chat_template_kwargs.{name} must be true or false, not {value!r}")
+        given.append(value)
+    return any(given) if given else None
+
+
+class _AllContent(_SplitStream):
+    """Everything is the answer, sent as it comes."""
+
+    def _advance(self, final: bool) -> bool:
+        if self._buf:
+            self._content.append(self._buf)
+            self._buf = ""
+        return False
+
+
+class _NoThinking(ReasoningParser):
+    """A request that asked for no thinking: the output is all answer, untouched (vLLM's
+    identity parser)."""
+
+    separates = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def split(self, text: str, prompt_open: bool) -> Split:
+        return Split(None, text or None)
+
+    def stream(self, prompt_open: bool, read_calls: bool = False) -> TextStream[ReasoningStep]:
+        return _AllContent()
+
+    def prompt_opens(self, prompt_text: str) -> bool:
+        return False
 
 
 class _ThinkTags(ReasoningParser):
@@ -167,6 +226,131 @@ class _Qwen3(_ThinkTags):
 class _DeepSeekR1(_ThinkTags):
     name = "deepseek_r1"
     end_alone_closes = True
+
+
+class _DeepSeekV3Thinking(_DeepSeekR1):
+    """DeepSeek-V3.1 asked to think: read as DeepSeek-R1 (its template then ends the prompt
+    with ``<think>``)."""
+
+    name = "deepseek_v3"
+
+
+class _DeepSeekV3(_NoThinking):
+    """DeepSeek-V3.1 (vLLM's ``deepseek_v3``): it thinks only when ``chat_template_kwargs``
+    sets ``thinking`` (or ``enable_thinking``) true; otherwise the output is all answer."""
+
+    def __init__(self) -> None:
+        super().__init__("deepseek_v3")
+        self._thinking = _DeepSeekV3Thinking()
+
+    def for_request(self, template_kwargs: Mapping[str, Any]) -> ReasoningParser:
+        return self._thinking if _thinking_asked(template_kwargs) else self
+
+
+_GLM_CALL_START, _GLM_CALL_END = "<tool_call>", "</tool_call>"
+
+
+class GlmStream(_SplitStream):
+    """GLM-4.5/4.6's output with its thinking on (as vLLM's ``glm45`` reads it): the output
+    starts inside the thinking, whether or not the model writes ``<think>`` (a ``<think>``
+    in the thinking is dropped); ``</think>`` ends it, and so does a ``<tool_call>``, which
+    begins the answer (for the tool-call parser). Without either, everything is thinking. In
+    the answer a ``<think>`` opens thinking again and a stray ``</think>`` is dropped; inside a
+    ``<tool_call> ... </tool_call>`` the text is the call's, tags and all."""
+
+    def __init__(self, start: str, end: str) -> None:
+        super().__init__()
+        self._start, self._end = start, end
+        self._mode = "think"  # then "answer" or "call"
+        self._fresh = True  # nothing of this thinking block sent yet: its newlines dropped
+        self._newlines = ""  # the block's trailing newlines: dropped if it ends here
+        self._answered = False
+
+    def _advance(self, final: bool) -> bool:
+        if self._mode == "call":
+            at = self._buf.find(_GLM_CALL_END)
+            if at >= 0:
+                cut = at + len(_GLM_CALL_END)
+                self._answer(self._buf[:cut])
+                self._buf, self._mode = self._buf[cut:], "answer"
+                return True
+            keep = 0 if final else held_back(self._buf, _GLM_CALL_END)
+            self._answer(self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        markers = (self._start, self._end, _GLM_CALL_START)
+        found = [(at, m) for m in markers if (at := self._buf.find(m)) >= 0]
+        if not found:
+            keep = 0 if final else max(held_back(self._buf, m) for m in markers)
+            text = self._buf[: len(self._buf) - keep]
+            if self._mode == "think":
+                self._think(text, closed=final)
+            else:
+                self._answer(text)
+            self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        at, marker = min(found)
+        before, after = self._buf[:at], self._buf[at + len(marker) :]
+        if marker == _GLM_CALL_START:  # the call's text, its tag included, is the answer's
+            after = self._buf[at:]
+        if self._mode == "think":
+            self._think(before, closed=marker != self._start)
+            if marker != self._start:
+                self._mode = "answer" if marker == self._end else "call"
+        else:
+            self._answer(before)
+            if marker == self._start:
+                self._mode, self._fresh = "think", True
+            elif marker == _GLM_CALL_START:
+                self._mode = "call"
+        self._buf = after
+        return True
+
+    def _think(self, text: str, closed: bool) -> None:
+        text = self._newlines + text
+        if self._fresh:
+            text = text.lstrip(_NEWLINES)
+        body = text.rstrip(_NEWLINES)
+        self._newlines = "" if closed else text[len(body) :]
+        if body:
+            self._reasoning.append(body)
+            self._fresh = False
+
+    def _answer(self, text: str) -> None:
+        if not self._answered:
+            text = text.lstrip(_NEWLINES)
+        if text:
+            self._content.append(text)
+            self._answered = True
+
+
+class _Glm45(ReasoningParser):
+    """GLM-4.5/4.6 (vLLM's ``glm45``): thinking unless ``chat_template_kwargs`` gives
+    ``thinking``/``enable_thinking`` and neither is true (its template then closes an empty
+    block itself, and the output is all answer)."""
+
+    name = "glm45"
+
+    def __init__(self) -> None:
+        self._off = _NoThinking(self.name)
+
+    def split(self, text: str, prompt_open: bool) -> Split:
+        stream = self.stream(prompt_open)
+        steps = [stream.feed(text), stream.finish()]
+        reasoning = "".join(s.reasoning for s in steps)
+        content = "".join(s.content for s in steps)
+        return Split(reasoning or None, content or None)
+
+    def stream(self, prompt_open: bool, read_calls: bool = False) -> TextStream[ReasoningStep]:
+        return GlmStream(self.start, self.end)
+
+    def prompt_opens(self, prompt_text: str) -> bool:
+        """Always: the output is read as starting inside the thinking (a grammar waits for
+        its ``</think>``)."""
+        return True
+
+    def for_request(self, template_kwargs: Mapping[str, Any]) -> ReasoningParser:
+        return self._off if _thinking_asked(template_kwargs) is False else self
 
 
 # gpt-oss's harmony format: messages ``[<|start|>assistant]<|channel|>NAME[ header]<|message|>BODY``
@@ -293,7 +477,9 @@ class _Harmony(ReasoningParser):
 
 # reasoning parsers that read tool calls out of their own format (no --tool-call-parser)
 CALLS_READ = ("openai_gptoss",)
-PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (_Qwen3(), _DeepSeekR1(), _Harmony())}
+PARSERS: dict[str, ReasoningParser] = {
+    p.name: p for p in (_Qwen3(), _DeepSeekR1(), _DeepSeekV3(), _Glm45(), _Harmony())
+}
 
 
 def get_parser(name: str) -> ReasoningParser:

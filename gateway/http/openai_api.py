@@ -233,6 +233,11 @@ def _output_plan(state: GatewayState, req: ChatRequest) -> OutputPlan:
         )
     parser = tool_parsers.get_parser(config.tool_call_parser) if config.tool_call_parser else None
     thinking = reasoning.get_parser(config.reasoning_parser) if config.reasoning_parser else None
+    if thinking is not None:  # deepseek_v3 and glm45 think as chat_template_kwargs ask
+        try:
+            thinking = thinking.for_request(req.template_kwargs)
+        except ValueError as e:
+            raise invalid(str(e), "chat_template_kwargs") from None
     return OutputPlan(tools, parser, thinking)
 
 
@@ -240,7 +245,7 @@ def _thinking_free(common: CommonOptions, plan: OutputPlan, prompt_text: str) ->
     """With a reasoning parser, a grammar constrains only the answer after the thinking block;
     a parser whose markers are special tokens (gpt-oss's harmony) reads the text with them."""
     thinking = plan.reasoning
-    if thinking is None:
+    if thinking is None or not thinking.separates:
         return common, plan
     plan = replace(plan, prompt_open=thinking.prompt_opens(prompt_text))
     so = common.sampling.structured
