@@ -28,6 +28,7 @@ from gateway.core.config import (
     check_metrics_prefix,
     check_worker_stall_timeout,
     media_domain,
+    parse_default_chat_template_kwargs,
     parse_mm_limit,
 )
 from gateway.flows.chat_output import check_parser_flags
@@ -364,6 +365,7 @@ def _check_gateway_flags(args: argparse.Namespace) -> None:
     check_worker_stall_timeout(float(getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S)))
     check_metrics_prefix(getattr(args, "metrics_prefix", "tandem:"))
     check_parser_flags(args)
+    parse_default_chat_template_kwargs(getattr(args, "default_chat_template_kwargs", None))
 
 
 def build_plan(
@@ -433,7 +435,8 @@ def build_plan(
     if getattr(args, "generation_config", "auto") != "auto":
         gateway += ["--generation-config", args.generation_config]
     for flag in ("tool_call_parser", "reasoning_parser", "limit_mm_per_prompt",
-                 "override_generation_config", "chat_template"):  # fmt: skip
+                 "override_generation_config", "chat_template",
+                 "default_chat_template_kwargs"):  # fmt: skip
         if getattr(args, flag, None):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     gateway += _media_flags(args)

@@ -849,6 +849,14 @@ def add_output_parser_args(p: argparse.ArgumentParser, passed: str = "") -> None
         "thinking true, glm45 unless it sets it false); structured output then constrains only "
         "the answer",
     )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help=f"{passed}the chat template's variables for every request, as vLLM's flag: "
+        "'{\"enable_thinking\": false}' (Qwen3 answers without thinking unless a request's "
+        "chat_template_kwargs says otherwise); a request's own keys win",
+    )
 
 
 MEDIA_MAX_BYTES = 20 * 1024 * 1024  # gateway.core.config's MEDIA_MAX_BYTES (not imported here)

@@ -144,6 +144,9 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # gateway.flows.tool_parsers.PARSERS
     reasoning_parser: str | None = None  # gateway.flows.reasoning.PARSERS
+    # vLLM's --default-chat-template-kwargs: the chat template's variables every request gets,
+    # under its own chat_template_kwargs (enable_thinking: false, ...)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # the model's recommended sampling defaults (gateway.core.generation_defaults): what a
     # request leaves out; max_new_tokens is the default max_tokens
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
@@ -220,6 +223,30 @@ def check_metrics_prefix(prefix: str) -> None:
             "--metrics-prefix must be a Prometheus metric name: a letter, '_' or ':' first, "
             f"then letters, digits, '_' or ':' (such as tandem: or vllm:), got {prefix!r}"
         )
+
+
+# chat_template_kwargs keys that are no template variable of a request's own choosing
+_NOT_DEFAULT_KWARGS = ("messages", "documents", "tools", "add_generation_prompt",
+                       "continue_final_message")  # fmt: skip
+
+
+def parse_default_chat_template_kwargs(text: str | None) -> dict[str, Any]:
+    """``--default-chat-template-kwargs``: a JSON object of chat template variables (vLLM's
+    flag), which a request's ``chat_template_kwargs`` override key by key."""
+    if not text:
+        return {}
+    flag = "--default-chat-template-kwargs"
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} is not valid JSON: {e.msg}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{flag} must be a JSON object, such as '{{\"enable_thinking\": false}}'")
+    given = [k for k in _NOT_DEFAULT_KWARGS if k in kwargs]
+    if given:
+        raise ConfigError(f"{flag}: {', '.join(given)} cannot have a server default (each is "
+                          "the request's own: its fields or its messages)")  # fmt: skip
+    return kwargs
 
 
 WORKER_FILE_KEYS = ("prefill", "decode", "worker", "workers")
@@ -469,6 +496,9 @@ def config_from_args(
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        default_chat_template_kwargs=parse_default_chat_template_kwargs(
+            getattr(args, "default_chat_template_kwargs", None)
+        ),
         responses_store_size=getattr(args, "responses_store_size", RESPONSES_STORE_SIZE),
         responses_store_max_bytes=getattr(
             args, "responses_store_max_bytes", RESPONSES_STORE_MAX_BYTES

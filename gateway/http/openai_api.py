@@ -235,7 +235,9 @@ def _output_plan(state: GatewayState, req: ChatRequest) -> OutputPlan:
     thinking = reasoning.get_parser(config.reasoning_parser) if config.reasoning_parser else None
     if thinking is not None:  # deepseek_v3 and glm45 think as chat_template_kwargs ask
         try:
-            thinking = thinking.for_request(req.template_kwargs)
+            thinking = thinking.for_request(
+                {**config.default_chat_template_kwargs, **req.template_kwargs}
+            )
         except ValueError as e:
             raise invalid(str(e), "chat_template_kwargs") from None
     return OutputPlan(tools, parser, thinking)

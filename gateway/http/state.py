@@ -96,6 +96,8 @@ class GatewayState:
         typed in messages stay text unless the gateway allows them. ``variables``: the
         template's (chat_template_kwargs, ``tools``), passed as one mapping so that no name of
         theirs meets a parameter's."""
+        # the server's default variables (--default-chat-template-kwargs) under the request's
+        variables = {**self.config.default_chat_template_kwargs, **(variables or {})}
         try:
             return await self.off_loop(
                 self.tokenizer.chat_ids, messages, add_generation_prompt, add_special_tokens,

@@ -614,3 +614,15 @@ def test_several_served_model_names_reach_the_gateway_and_guard_adapter_names() 
     with pytest.raises(ConfigError, match=re.escape("name 'gpt-3.5-turbo' is the base")):
         plan_for("--enable-lora", "--served-model-name", "smol", "gpt-3.5-turbo",
                  "--lora-modules", "gpt-3.5-turbo=/ad/x")  # fmt: skip
+
+
+def test_the_gateway_gets_the_default_chat_template_kwargs() -> None:
+    """tandem up passes vLLM's --default-chat-template-kwargs to the gateway (the workers
+    render nothing), and a bad value ends tandem up before anything starts."""
+    value = '{"enable_thinking": false}'
+    plan = plan_for("--default-chat-template-kwargs", value)
+    spec = gateway_spec(plan, {"prefill-0": 1, "decode-0": 2}, None)
+    assert reparse(spec.argv).default_chat_template_kwargs == value
+    assert all("--default-chat-template-kwargs" not in w.spec.argv for w in plan.workers)
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        plan_for("--default-chat-template-kwargs", "[]")

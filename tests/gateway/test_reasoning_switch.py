@@ -132,3 +132,42 @@ def test_a_grammar_waits_for_the_thinking_only_when_there_is_some(v3: Stack, glm
         so = stack.workers[0].records.samplings[-1].structured
         assert so is not None
         assert (so.reasoning_start, so.reasoning_end, so.reasoning_open) == expected
+
+
+@pytest.fixture(scope="module")
+def v3_thinking(tokenizer_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """--default-chat-template-kwargs '{"thinking": true, "greeting": "HELLO"}' (vLLM's flag),
+    with a template that shows its greeting variable before the chat's."""
+    template = tmp_path_factory.mktemp("template") / "greeting.jinja"
+    template.write_text(
+        "{{ greeting }}:{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    defaults = {"thinking": True, "greeting": "HELLO"}
+    yield from _stack(tokenizer_dir, reasoning_parser="deepseek_v3", chat_template=str(template),
+                      default_chat_template_kwargs=defaults)  # fmt: skip
+
+
+def _rendered(stack: Stack, **extra: Any) -> str:
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    tokens = httpx.post(f"{stack.base_url}/tokenize", json=body).json()["tokens"]
+    text: str = httpx.post(f"{stack.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    return text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_servers_default_chat_template_kwargs_go_under_the_requests(
+    v3_thinking: Stack, stream: bool
+) -> None:
+    """The defaults reach the template and the reasoning parser; a request's own keys win."""
+    assert _rendered(v3_thinking).startswith("HELLO:<|im_start|>user\nhi")
+    chosen = {"chat_template_kwargs": {"greeting": "BYE"}}
+    assert _rendered(v3_thinking, **chosen).startswith("BYE:<|im_start|>user\nhi")
+    # the fake echoes the prompt up to its first <|im_end|>: "HELLO:<|im_start|>system\n" + ...
+    system = "Hmm.</think>\n\nIt is 4."
+    message = _chat(v3_thinking, _body(v3_thinking, system), stream)  # thinking by default
+    assert message["content"] == "It is 4."
+    assert message["reasoning_content"] == "HELLO:system\nHmm."
+    off = _body(v3_thinking, system, chat_template_kwargs={"thinking": False})
+    message = _chat(v3_thinking, off, stream)
+    assert message["content"] == f"HELLO:system\n{system}" and message["reasoning_content"] is None

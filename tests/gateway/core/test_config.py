@@ -339,3 +339,24 @@ def test_a_cors_list_built_in_code_is_checked_too() -> None:
     with pytest.raises(ConfigError, match=r"--allowed-origins: 'example\.com' is not an origin"):
         GatewayConfig(tokenizer="/tok", allowed_origins=("example.com",))
     assert GatewayConfig(tokenizer="/tok", allowed_methods=("get",)).allowed_methods == ("GET",)
+
+
+def test_default_chat_template_kwargs_reach_the_config() -> None:
+    """vLLM's --default-chat-template-kwargs: a JSON object of template variables."""
+    flag = ["--default-chat-template-kwargs", '{"enable_thinking": false, "x": [1]}']
+    args = build_parser().parse_args(["gateway", *flag])
+    kwargs = config_from_args(args, "/tok").default_chat_template_kwargs
+    assert kwargs == {"enable_thinking": False, "x": [1]}
+    assert config_from_args(build_parser().parse_args(["gateway"]), "/tok").default_chat_template_kwargs == {}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [("{nope", "is not valid JSON"), ("[1]", "must be a JSON object"),
+     ('{"tools": []}', "tools cannot have a server default"),
+     ('{"add_generation_prompt": false, "messages": []}', "messages, add_generation_prompt")],
+)  # fmt: skip
+def test_bad_default_chat_template_kwargs_are_a_config_error(value: str, words: str) -> None:
+    args = build_parser().parse_args(["gateway", "--default-chat-template-kwargs", value])
+    with pytest.raises(ConfigError, match=words):
+        config_from_args(args, "/tok")
