@@ -62,8 +62,36 @@ class _SplitStream(TextStream[ReasoningStep]):
         return step
 
 
-class ReasoningStream(_SplitStream):
-    """One generated choice's text, fed piece by piece."""
+class _TrimmedSplit(_SplitStream):
+    """Sorts text as a ``<think>`` model writes it: the newlines that open the answer and a
+    thinking block dropped, and those that end a block when it closes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fresh = True  # nothing of this thinking block sent yet: its newlines dropped
+        self._newlines = ""  # the block's trailing newlines: dropped if it ends here
+        self._answered = False  # whether any answer text was sent yet
+
+    def _think(self, text: str, closed: bool) -> None:
+        text = self._newlines + text
+        if self._fresh:
+            text = text.lstrip(_NEWLINES)
+        body = text.rstrip(_NEWLINES)
+        self._newlines = "" if closed else text[len(body) :]
+        if body:
+            self._reasoning.append(body)
+            self._fresh = False
+
+    def _answer(self, text: str) -> None:
+        if not self._answered:
+            text = text.lstrip(_NEWLINES)
+        if text:
+            self._content.append(text)
+            self._answered = True
+
+
+class ReasoningStream(_TrimmedSplit):
+    """One generated choice's text, fed piece by piece (one thinking block, at the start)."""
 
     def __init__(self, start: str, end: str, prompt_open: bool, end_alone_closes: bool) -> None:
         super().__init__()
@@ -71,8 +99,6 @@ class ReasoningStream(_SplitStream):
         self._prompt_open = prompt_open
         self._end_alone_closes = end_alone_closes
         self._mode = "start"  # then "think", "unsure" (a lone end tag may come) or "answer"
-        self._newlines = ""  # thinking's trailing newlines: dropped if the block ends here
-        self._thought = self._answered = False  # whether any text of each was sent yet
 
     def _advance(self, final: bool) -> bool:
         """Consumes what is decided at the front of the buffer; True while there may be more."""
@@ -107,23 +133,6 @@ class ReasoningStream(_SplitStream):
         else:
             self._mode = "unsure" if self._end_alone_closes else "answer"
         return True
-
-    def _think(self, text: str, closed: bool) -> None:
-        text = self._newlines + text
-        if not self._thought:
-            text = text.lstrip(_NEWLINES)
-        body = text.rstrip(_NEWLINES)
-        self._newlines = "" if closed else text[len(body) :]
-        if body:
-            self._reasoning.append(body)
-            self._thought = True
-
-    def _answer(self, text: str) -> None:
-        if not self._answered:
-            text = text.lstrip(_NEWLINES)
-        if text:
-            self._content.append(text)
-            self._answered = True
 
 
 class ReasoningParser(ABC):
@@ -250,7 +259,7 @@ class _DeepSeekV3(_NoThinking):
 _GLM_CALL_START, _GLM_CALL_END = "<tool_call>", "</tool_call>"
 
 
-class GlmStream(_SplitStream):
+class GlmStream(_TrimmedSplit):
     """GLM-4.5/4.6's output with its thinking on (as vLLM's ``glm45`` reads it): the output
     starts inside the thinking, whether or not the model writes ``<think>`` (a ``<think>``
     in the thinking is dropped); ``</think>`` ends it, and so does a ``<tool_call>``, which
@@ -262,9 +271,6 @@ class GlmStream(_SplitStream):
         super().__init__()
         self._start, self._end = start, end
         self._mode = "think"  # then "answer" or "call"
-        self._fresh = True  # nothing of this thinking block sent yet: its newlines dropped
-        self._newlines = ""  # the block's trailing newlines: dropped if it ends here
-        self._answered = False
 
     def _advance(self, final: bool) -> bool:
         if self._mode == "call":
@@ -305,23 +311,6 @@ class GlmStream(_SplitStream):
                 self._mode = "call"
         self._buf = after
         return True
-
-    def _think(self, text: str, closed: bool) -> None:
-        text = self._newlines + text
-        if self._fresh:
-            text = text.lstrip(_NEWLINES)
-        body = text.rstrip(_NEWLINES)
-        self._newlines = "" if closed else text[len(body) :]
-        if body:
-            self._reasoning.append(body)
-            self._fresh = False
-
-    def _answer(self, text: str) -> None:
-        if not self._answered:
-            text = text.lstrip(_NEWLINES)
-        if text:
-            self._content.append(text)
-            self._answered = True
 
 
 class _Glm45(ReasoningParser):
