@@ -147,8 +147,14 @@ class ReasoningParser(ABC):
     # waits for a thinking block to end)
     separates: bool = True
 
-    @abstractmethod
-    def split(self, text: str, prompt_open: bool) -> Split: ...
+    def split(self, text: str, prompt_open: bool) -> Split:
+        """A whole output's reasoning and answer: by default what its stream sorts, fed at
+        once (so the two always agree)."""
+        stream = self.stream(prompt_open)
+        steps = [stream.feed(text), stream.finish()]
+        reasoning = "".join(s.reasoning for s in steps)
+        content = "".join(s.content for s in steps)
+        return Split(reasoning or None, content or None)
 
     @abstractmethod
     def stream(self, prompt_open: bool, read_calls: bool = False) -> TextStream[ReasoningStep]:
@@ -323,13 +329,6 @@ class _Glm45(ReasoningParser):
     def __init__(self) -> None:
         self._off = _NoThinking(self.name)
 
-    def split(self, text: str, prompt_open: bool) -> Split:
-        stream = self.stream(prompt_open)
-        steps = [stream.feed(text), stream.finish()]
-        reasoning = "".join(s.reasoning for s in steps)
-        content = "".join(s.content for s in steps)
-        return Split(reasoning or None, content or None)
-
     def stream(self, prompt_open: bool, read_calls: bool = False) -> TextStream[ReasoningStep]:
         return GlmStream(self.start, self.end)
 
@@ -444,13 +443,6 @@ class _Harmony(ReasoningParser):
     start = _H_CHANNEL
     end = _H_MESSAGE
     keeps_special_tokens = True
-
-    def split(self, text: str, prompt_open: bool) -> Split:
-        stream = self.stream(prompt_open)
-        steps = [stream.feed(text), stream.finish()]
-        reasoning = "".join(s.reasoning for s in steps)
-        content = "".join(s.content for s in steps)
-        return Split(reasoning or None, content or None)
 
     def stream(self, prompt_open: bool, read_calls: bool = False) -> TextStream[ReasoningStep]:
         return HarmonyStream(read_calls, in_analysis=prompt_open)
