@@ -182,24 +182,17 @@ class _HermesStream(_BlockStream):
         return None if call is None else [call]
 
 
-class _Llama3Stream(ToolStream):
-    """``<|python_tag|>{"name": ..., "parameters": {...}}; {...}``: Llama 3.1/3.2 JSON calls."""
+class _LeadingCallsStream(ToolStream):
+    """Calls that open the output, after an optional ``TAG``: the output starts with
+    ``OPENER`` (after the tag and white space) or it is all content."""
 
-    TAG = "<|python_tag|>"
+    TAG: str
+    OPENER: str
 
     def __init__(self, tools: Schemas = _NO_TOOLS) -> None:
         super().__init__(tools)
-        self._mode = "start"
-        self._head = ""  # what preceded the first call: content again if it is not one
-
-    def _advance(self, final: bool) -> bool:
-        if self._mode == "start":
-            return self._start(final)
-        if self._mode == "calls":
-            return self._next_call(final)
-        self._content.append(self._buf)
-        self._buf = ""
-        return False
+        self._mode = "start"  # then "calls" or "text" (and what a subclass adds)
+        self._head = ""  # what preceded the calls: content again if they are none
 
     def _start(self, final: bool) -> bool:
         rest = self._buf.lstrip()
@@ -209,10 +202,25 @@ class _Llama3Stream(ToolStream):
             return False
         if not rest and not final:
             return False
-        self._mode = "calls" if rest.startswith("{") else "text"
+        self._mode = "calls" if rest.startswith(self.OPENER) else "text"
         if self._mode == "calls":
             self._head, self._buf = self._buf[: len(self._buf) - len(rest)], rest
         return True
+
+
+class _Llama3Stream(_LeadingCallsStream):
+    """``<|python_tag|>{"name": ..., "parameters": {...}}; {...}``: Llama 3.1/3.2 JSON calls."""
+
+    TAG, OPENER = "<|python_tag|>", "{"
+
+    def _advance(self, final: bool) -> bool:
+        if self._mode == "start":
+            return self._start(final)
+        if self._mode == "calls":
+            return self._next_call(final)
+        self._content.append(self._buf)
+        self._buf = ""
+        return False
 
     def _next_call(self, final: bool) -> bool:
         rest = self._buf.lstrip(_SEPARATORS)
@@ -665,18 +673,13 @@ def _python_calls(source: str) -> list[ToolCall] | None:
     return calls
 
 
-class _PythonicStream(ToolStream):
+class _PythonicStream(_LeadingCallsStream):
     """``[get_weather(city="Paris"), get_time()]``: Llama 3.2/4's calls, a Python list at the
     start of the output (Llama 4's ``<|python_start|>``/``<|python_end|>`` around it dropped);
     text after the list is content. Keyword arguments only, of literal values (strings, numbers,
     True/False/None, lists, dicts); anything else makes it content."""
 
-    START, END = "<|python_start|>", "<|python_end|>"
-
-    def __init__(self, tools: Schemas = _NO_TOOLS) -> None:
-        super().__init__(tools)
-        self._mode = "start"
-        self._head = ""  # what preceded the list: content again if it is no calls
+    TAG, OPENER, END = "<|python_start|>", "[", "<|python_end|>"
 
     def _advance(self, final: bool) -> bool:
         if self._mode == "start":
@@ -694,19 +697,6 @@ class _PythonicStream(ToolStream):
         self._content.append(self._buf)
         self._buf = ""
         return False
-
-    def _start(self, final: bool) -> bool:
-        rest = self._buf.lstrip()
-        if rest.startswith(self.START):
-            rest = rest[len(self.START) :].lstrip()
-        elif not final and self.START.startswith(rest):
-            return False
-        if not rest and not final:
-            return False
-        self._mode = "calls" if rest.startswith("[") else "text"
-        if self._mode == "calls":
-            self._head, self._buf = self._buf[: len(self._buf) - len(rest)], rest
-        return True
 
     def _list(self, final: bool) -> bool:
         end = _python_list_end(self._buf) if _may_open_calls(self._buf) else None
