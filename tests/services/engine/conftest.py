@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,23 @@ def hf_greedy(hf_model: tuple) -> Callable[[list[int], int], list[int]]:
         return cache[key]
 
     return run
+
+
+def token_prompts(seed: int, lens: Sequence[int], vocab: int = 49152) -> list[list[int]]:
+    """Seeded prompts of random token ids (of the embedded tokenizer's vocabulary), one of
+    each length in ``lens``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
+
+
+def transformers_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``new_tokens`` ids."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
 
 
 def tiny_checkpoint(path: Path, model_type: str, **config: Any) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from kernels import ops
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
-from tests.services.engine.conftest import BESIDE, tokenizer_dir
+from tests.services.engine.conftest import BESIDE, token_prompts, tokenizer_dir, transformers_greedy
 
 VOCAB = 49152  # the embedded tokenizer's
 COMMON = {
@@ -264,17 +263,11 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
 
 
 def _prompts(seed: int, lens: list[int] = PROMPT_LENS) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
+    return token_prompts(seed, lens, VOCAB)
 
 
 def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+    return transformers_greedy(model, prompt, NEW_TOKENS)
 
 
 Built = tuple[Path, Any]  # the checkpoint's directory, transformers' model of it

@@ -3,7 +3,6 @@ float32 greedy decoding, on tiny random Llama and Qwen3 checkpoints and the embe
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from tests.services.engine.conftest import (
     rank_processes,
     tiny_checkpoint,
     tiny_mistral3,
+    token_prompts,
 )
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -234,8 +234,7 @@ def engine(checkpoint: Callable[[str], str]) -> Iterator[Callable[[str, int], LL
 
 
 def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(49152) for _ in range(n)] for n in PROMPT_LENS]
+    return token_prompts(seed, PROMPT_LENS)
 
 
 def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,13 @@ from services.config import ConfigError, LoRAConfig
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
 from services.engine.model_config import ArchConfig
-from tests.services.engine.conftest import BESIDE, rank_processes, tokenizer_dir
+from tests.services.engine.conftest import (
+    BESIDE,
+    rank_processes,
+    token_prompts,
+    tokenizer_dir,
+    transformers_greedy,
+)
 
 VOCAB = 49152  # the embedded tokenizer's
 COMMON = {
@@ -128,17 +133,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
 
 
 def _prompts(seed: int, lens: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
+    return token_prompts(seed, lens, VOCAB)
 
 
 def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+    return transformers_greedy(model, prompt, NEW_TOKENS)
 
 
 def _assert_greedy_matches(
