@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.gateway.stack import Stack
+from tests.gateway.stack import Stack, started
 
 CACHE = os.path.expanduser("~/.cache/tandem/tests/smollm2-tokenizer")
 _EXPORT = """
@@ -36,22 +36,14 @@ def tokenizer_dir() -> str:
     return CACHE
 
 
-def _stack(tokenizer_dir: str, roles: list[str], **config: object) -> Iterator[Stack]:
-    stack = Stack(tokenizer_dir, roles, **config).start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-
-
 @pytest.fixture(scope="session")
 def _disagg_stack(tokenizer_dir: str) -> Iterator[Stack]:
-    yield from _stack(tokenizer_dir, ["prefill", "prefill", "decode"])
+    yield from started(tokenizer_dir, ["prefill", "prefill", "decode"])
 
 
 @pytest.fixture(scope="session")
 def _colocated_stack(tokenizer_dir: str) -> Iterator[Stack]:
-    yield from _stack(tokenizer_dir, ["colocated"])
+    yield from started(tokenizer_dir, ["colocated"])
 
 
 @pytest.fixture

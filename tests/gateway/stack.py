@@ -7,7 +7,7 @@ import asyncio
 import os
 import socket
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import uvicorn
@@ -123,3 +123,12 @@ class Stack:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+def started(tokenizer_dir: str, roles: list[str], **config: Any) -> Iterator[Stack]:
+    """A started stack for a fixture to yield from, stopped when the fixture ends."""
+    stack = Stack(tokenizer_dir, roles, **config).start()
+    try:
+        yield stack
+    finally:
+        stack.stop()

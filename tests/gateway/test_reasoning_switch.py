@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gateway.stack import Stack
+from tests.gateway.stack import Stack, started
 
 CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"
 WEATHER = {
@@ -22,23 +22,14 @@ WEATHER = {
 }  # fmt: skip
 
 
-def _stack(tokenizer_dir: str, **config: Any) -> Iterator[Stack]:
-    stack = Stack(tokenizer_dir, ["colocated"], **config)
-    stack.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-
-
 @pytest.fixture(scope="module")
 def v3(tokenizer_dir: str) -> Iterator[Stack]:
-    yield from _stack(tokenizer_dir, reasoning_parser="deepseek_v3")
+    yield from started(tokenizer_dir, ["colocated"], reasoning_parser="deepseek_v3")
 
 
 @pytest.fixture(scope="module")
 def glm(tokenizer_dir: str) -> Iterator[Stack]:
-    yield from _stack(tokenizer_dir, reasoning_parser="glm45", enable_auto_tool_choice=True,
+    yield from started(tokenizer_dir, ["colocated"], reasoning_parser="glm45", enable_auto_tool_choice=True,
                       tool_call_parser="glm45")  # fmt: skip
 
 
@@ -144,7 +135,7 @@ def v3_thinking(tokenizer_dir: str, tmp_path_factory: pytest.TempPathFactory) ->
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     defaults = {"thinking": True, "greeting": "HELLO"}
-    yield from _stack(tokenizer_dir, reasoning_parser="deepseek_v3", chat_template=str(template),
+    yield from started(tokenizer_dir, ["colocated"], reasoning_parser="deepseek_v3", chat_template=str(template),
                       default_chat_template_kwargs=defaults)  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gateway.stack import Stack
+from tests.gateway.stack import Stack, started
 
 CALL = (
     "<tool_call>\n<function=forecast>\n<parameter=city>\nOslo\n</parameter>\n"
@@ -26,14 +26,9 @@ FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": P
 
 @pytest.fixture(scope="module")
 def qwen_stack(tokenizer_dir: str) -> Iterator[Stack]:
-    stack = Stack(
+    yield from started(
         tokenizer_dir, ["colocated"], enable_auto_tool_choice=True, tool_call_parser="qwen3_coder"
     )
-    stack.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
 
 
 def _body(stack: Stack, **extra: Any) -> dict[str, Any]:
