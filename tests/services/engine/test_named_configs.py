@@ -163,3 +163,25 @@ def test_gpt_oss_20b_has_the_published_shape() -> None:
     assert arch.sliding_window == 128 and arch.sliding_layers == tuple(range(0, 24, 2))
     assert arch.quantization_config == {}  # served unquantized once dequantized
     assert sum(_params(arch).values()) == pytest.approx(20.9e9, rel=0.01)
+
+
+def test_deepseek_v2_lite_has_the_published_shape() -> None:
+    """DeepSeek-V2-Lite: 27 layers of MLA (no q LoRA, a 512-wide latent and 64 rotary dims),
+    the first dense, then 64 routed experts (6 a token) and 2 shared: "15.7B total parameters,
+    2.4B activated"."""
+    from services.engine.models.deepseek import DeepseekForCausalLM
+
+    arch = ArchConfig.from_file(resolve_model("deepseek-v2-lite").path)
+    mla, moe = arch.mla, arch.moe
+    assert mla is not None and moe is not None
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim) == (0, 512, 64)
+    assert (moe.num_experts, moe.top_k, moe.layers) == (64, 6, tuple(range(1, 27)))
+    with torch.device("meta"), _no_param_init():
+        model = DeepseekForCausalLM(arch, 64)
+    params = {name: p.numel() for name, p in model.named_parameters()}
+    total = sum(params.values())
+    experts = sum(n for name, n in params.items() if ".experts." in name)
+    active = total - experts + experts * moe.top_k // moe.num_experts
+    assert total == pytest.approx(15.7e9, rel=5e-3)
+    # activated: what a token multiplies by (the input embedding is a lookup, not counted)
+    assert active - params["model.embed_tokens.weight"] == pytest.approx(2.4e9, rel=3e-2)
