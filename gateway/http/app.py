@@ -104,6 +104,9 @@ def build_app(
         Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
         Route(
+            "/v1/responses/{response_id}/cancel", responses_api.cancel_response, methods=["POST"]
+        ),
+        Route(
             "/v1/responses/{response_id}/input_items", responses_api.input_items, methods=["GET"]
         ),
         Route("/v1/models", admin_api.models, methods=["GET"]),

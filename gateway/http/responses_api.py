@@ -1,11 +1,14 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (whole or streamed), ``GET`` and ``DELETE
-/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
+/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, ``GET
+/v1/responses/{id}/input_items``.
 
 A request becomes a chat request (``flows/responses_request.py``) started as the chat endpoint
 starts one (``openai_api.start_chat``: template, tools, grammar, reasoning parser, limits,
 metrics, span); its one choice's text is read by the same ``ChoiceOutput`` and made into output
 items or stream events (``flows/responses_output.py``). A response with ``store`` (the default)
-is kept in the gateway's ``ResponseStore``.
+is kept in the gateway's ``ResponseStore`` from its start (``in_progress``) to its end
+(``completed``, ``incomplete``, or ``cancelled`` where its client left; a failed one is not
+kept).
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ def _previous(state: GatewayState, response_id: str) -> StoredResponse:
             param="previous_response_id",
             code="previous_response_not_found",
         )
+    if entry.response["status"] == "in_progress":
+        raise invalid(f"Previous response with id {response_id!r} is still in progress: "
+                      "continue it once it has ended", "previous_response_id")  # fmt: skip
     return entry
 
 
@@ -117,9 +123,18 @@ def _logprobs(run: ChatRun, choice_logprobs: Any) -> list[dict[str, Any]]:
     return content
 
 
-def _keep(state: GatewayState, req: ResponsesRequest, response: dict[str, Any]) -> None:
-    if response["store"] and response["status"] != "failed":
-        state.responses.put(response, req.context)
+def _settle(state: GatewayState, req: ResponsesRequest, response: dict[str, Any]) -> None:
+    """A stored response's end state replaces its in_progress entry (a failed one goes)."""
+    if response["store"]:
+        state.responses.settle(response, req.context, keep=response["status"] != "failed")
+
+
+def _cancelled(response: dict[str, Any], items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The response its client left before it ended: the output so far, unfinished items
+    incomplete."""
+    output = [{**item, "status": "incomplete"} if item.get("status") == "in_progress" else item
+              for item in items]  # fmt: skip
+    return {**response, "status": "cancelled", "output": output}
 
 
 async def _whole(
@@ -127,9 +142,16 @@ async def _whole(
     response: dict[str, Any],
 ) -> Response:  # fmt: skip
     gen = run.gen
+    body = {**response, "status": "failed"}  # what is settled unless it ends otherwise
     try:
         choices: list[Choice] = await until_disconnect(request, gen.collect())
+        (choice,) = choices
+        message = ChoiceOutput(run.plan).message("".join(choice.text))
+        logprobs = _logprobs(run, choice.logprobs) if req.logprobs else None
+        items = output_items(message, status_of(choice.finish_reason)[0], logprobs)
+        body = finished(response, items, choice.finish_reason, await _usage(state, run, items))
     except ClientGone:
+        body = _cancelled(response, [])
         return Response(status_code=499)
     except UpstreamError as e:
         raise renamed(e.api_error, req.origins) from e
@@ -138,12 +160,7 @@ async def _whole(
     finally:
         gen.close()
         state.active.discard(gen)
-    (choice,) = choices
-    message = ChoiceOutput(run.plan).message("".join(choice.text))
-    logprobs = _logprobs(run, choice.logprobs) if req.logprobs else None
-    items = output_items(message, status_of(choice.finish_reason)[0], logprobs)
-    body = finished(response, items, choice.finish_reason, await _usage(state, run, items))
-    _keep(state, req, body)
+        _settle(state, req, body)
     timing = combined([choice.stats]).header()
     return JSONResponse(body, headers={"x-tandem-timing": timing})
 
@@ -176,21 +193,26 @@ async def _stream(
                 yield _frames(events)
         (choice,) = gen.choices
         events = writer.finish(choice.finish_reason, await _usage(state, run, writer.items))
-        _keep(state, req, writer.response)
+        _settle(state, req, writer.response)
         yield _frames(events)
         yield b": x-tandem-timing " + combined([choice.stats]).header().encode() + b"\n\n"
     except (UpstreamError, APIError) as e:
         error = renamed(e.api_error if isinstance(e, UpstreamError) else e, req.origins)
         state.metrics.observe_error(error.status)
-        yield _frames(writer.failed(error.body()["error"]))
+        failed = writer.failed(error.body()["error"])
+        _settle(state, req, writer.response)
+        yield _frames(failed)
     except Exception:
         log.exception("stream %s failed", gen.response_id)
         state.metrics.observe_error(500)
         failure = {"type": "server_error", "message": "internal error while streaming; see the "
                    "gateway log"}  # fmt: skip
-        yield _frames(writer.failed(failure))
+        failed = writer.failed(failure)
+        _settle(state, req, writer.response)
+        yield _frames(failed)
     finally:
         gen.close()
+        _settle(state, req, _cancelled(writer.response, writer.items))  # unless settled
 
 
 async def create_response(request: Request) -> Response:
@@ -206,6 +228,8 @@ async def create_response(request: Request) -> Response:
     params = {**req.params, "store": req.store and state.responses.enabled,
               "temperature": sampling.temperature, "top_p": sampling.top_p}  # fmt: skip
     response = response_object(run.gen.response_id, run.model, params, int(time.time()))
+    if response["store"]:  # GET shows it while it runs
+        state.responses.start(response, req.context)
     state.active.add(run.gen)
     if not run.common.stream:
         return await _whole(state, request, req, run, response)
@@ -213,6 +237,7 @@ async def create_response(request: Request) -> Response:
     def on_close() -> None:
         run.gen.close()
         state.active.discard(run.gen)
+        _settle(state, req, _cancelled(response, []))  # a stream closed before it began
 
     writer = EventWriter(response, req.logprobs)
     return SSEResponse(_stream(state, req, run, writer), on_close=on_close)
@@ -240,6 +265,19 @@ async def delete_response(request: Request) -> Response:
     if not state.responses.delete(response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def cancel_response(request: Request) -> Response:
+    """OpenAI cancels only background responses; this gateway runs none, so a response it
+    holds is OpenAI's 400 for a synchronous one (closing the request stops it), one it does
+    not hold a 404."""
+    state = gateway_state(request)
+    _refuse_query(request, ())
+    response_id = request.path_params["response_id"]
+    _stored(state, response_id)
+    raise invalid("Cannot cancel a synchronous response: only background responses can be "
+                  "cancelled (this gateway runs none); close the request's connection to stop "
+                  "it", "response_id")  # fmt: skip
 
 
 def _limit(request: Request) -> int:

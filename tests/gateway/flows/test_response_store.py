@@ -44,3 +44,35 @@ def test_delete_and_a_store_of_size_zero() -> None:
     assert store.delete("a") and not store.delete("a") and store.get("a") is None
     off = ResponseStore(0, 1 << 20)
     assert not off.enabled and not off.put(response("a"), []) and off.get("a") is None
+
+
+def test_a_running_response_is_held_then_settled() -> None:
+    store = ResponseStore(2, 1 << 20)
+    store.start({**response("a"), "status": "in_progress"}, [])
+    entry = store.get("a")
+    assert entry is not None and entry.response["status"] == "in_progress"
+    store.settle({**response("a"), "status": "completed"}, [], keep=True)
+    entry = store.get("a")
+    assert entry is not None and entry.response["status"] == "completed"
+    store.settle({**response("a"), "status": "failed"}, [], keep=False)  # settled once only
+    assert store.get("a") is not None
+
+
+def test_a_response_deleted_while_it_runs_stays_deleted() -> None:
+    store = ResponseStore(2, 1 << 20)
+    store.start(response("a"), [])
+    assert store.delete("a") and store.get("a") is None
+    store.settle(response("a"), [], keep=True)
+    assert store.get("a") is None and len(store) == 0 and not store._running
+
+
+def test_a_failed_one_goes_and_one_the_bounds_dropped_comes_back_at_its_end() -> None:
+    store = ResponseStore(1, 1 << 20)
+    store.start(response("a"), [])
+    store.settle(response("a"), [], keep=False)
+    assert store.get("a") is None and not store._running
+    store.start(response("b"), [])
+    store.put(response("c"), [])  # the count drops b while it runs
+    assert store.get("b") is None
+    store.settle(response("b"), [], keep=True)
+    assert store.get("b") is not None and not store._running

@@ -211,9 +211,64 @@ def test_a_client_that_leaves_a_stream_cancels_the_generation(
     assert spans[-1].attributes is not None
     assert spans[-1].attributes["gen_ai.response.id"] == created["response"]["id"]
     assert spans[-1].status.description == "cancelled"
-    # an unfinished response is not kept
+    # kept as OpenAI shows one that did not end: cancelled, with the output so far
     r = httpx.get(f"{stack.base_url}/v1/responses/{created['response']['id']}")
-    assert r.status_code == 404
+    left = Response.model_validate(r.json())
+    assert left.status == "cancelled" and [item.type for item in left.output] == ["message"]
+    assert left.output[0].status == "incomplete" and not stack.state.responses._running
+
+
+def _started(stack: Stack, body: dict[str, Any]) -> tuple[Iterator[str], str, Any]:
+    """A streamed response begun (its first text delta read): its lines, its id, the stream."""
+    cm = httpx.stream("POST", f"{stack.base_url}/v1/responses", json=body)
+    r = cm.__enter__()
+    lines = r.iter_lines()
+    created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+    next(line for line in lines if line == "event: response.output_text.delta")
+    return lines, created["response"]["id"], cm
+
+
+def test_a_running_response_is_in_progress_and_cannot_be_cancelled_or_continued(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    stack.workers[0].behavior.token_delay_s = 0.02
+    lines, rid, cm = _started(stack, {"input": "hi", "max_output_tokens": 20, "stream": True})
+    try:
+        running = client.responses.retrieve(rid)
+        assert running.status == "in_progress" and running.output == []
+        with pytest.raises(openai.BadRequestError) as e:  # OpenAI's for a non-background one
+            client.responses.cancel(rid)
+        assert "Cannot cancel a synchronous response" in e.value.message
+        r = httpx.post(f"{stack.base_url}/v1/responses",
+                       json={"input": "x", "previous_response_id": rid})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+        assert "in progress" in r.json()["error"]["message"]
+        last = [line for line in lines if line.startswith("data: ")][-1]
+    finally:
+        cm.__exit__(None, None, None)
+    assert json.loads(last[6:])["type"] == "response.completed"
+    done = client.responses.retrieve(rid)
+    assert done.status == "completed" and done.output_text
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(rid)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+
+
+def test_a_response_deleted_while_it_runs_ends_for_its_client_and_stays_deleted(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    stack.workers[0].behavior.token_delay_s = 0.02
+    lines, rid, cm = _started(stack, {"input": "hi", "max_output_tokens": 20, "stream": True})
+    try:
+        deleted = httpx.delete(f"{stack.base_url}/v1/responses/{rid}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        last = [line for line in lines if line.startswith("data: ")][-1]
+    finally:
+        cm.__exit__(None, None, None)
+    assert json.loads(last[6:])["type"] == "response.completed"
+    assert httpx.get(f"{stack.base_url}/v1/responses/{rid}").status_code == 404
+    assert not stack.state.responses._running
 
 
 @pytest.fixture(scope="module")
