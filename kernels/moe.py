@@ -15,6 +15,10 @@ a token's contributions are added one expert at a time in ascending expert order
 (``index_add_`` into a tensor of the activation dtype, experts visited in index order). In float32
 every rounding is the identity and only the order of the additions remains.
 
+FP8 experts (``w13``/``w2`` in e4m3, each with its scales: :class:`Fp8Scales`) are dequantized
+expert by expert (only the routed ones) to the activation dtype, then computed as above: the
+weights a float checkpoint dequantized at load would hold.
+
 With biases the rounded projection plus the bias is rounded again (``GptOssExperts`` computes
 ``x @ W + b`` as two ops in the activation dtype). The clamped SwiGLU is computed in fp32 from the
 rounded projections and rounded once, as the kernel does in registers; transformers instead rounds
@@ -41,6 +45,109 @@ class ClampedSwiGLU:
 
     alpha: float = 1.702
     limit: float = 7.0
+
+
+@dataclass(frozen=True)
+class Fp8Scales:
+    """The scales of FP8 expert weights ``w13`` [E, 2I, H] and ``w2`` [E, H, I] (e4m3):
+    ``w[e, n, k] * scale[e, row(n), k // block_k]``. ``block`` (block_n, block_k): block scales
+    (DeepSeek-V3's and Qwen3's FP8 checkpoints: 128x128), ``w13_scale`` [E, 2 * ceil(I / bn),
+    ceil(H / bk)] (the gate's blocks, then the up's: each half blocked on its own) and
+    ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)]; None: per output channel (compressed-tensors,
+    ``--quantization fp8``), ``w13_scale`` [E, 2I, 1] and ``w2_scale`` [E, H, 1]. float32."""
+
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    block: tuple[int, int] | None = None
+
+    def blocks(self, k: int) -> tuple[int, int]:
+        """(block_n, block_k) of a weight with ``k`` input features: per channel (1, k)."""
+        return self.block if self.block is not None else (1, max(k, 1))
+
+
+def fp8_scale_shapes(
+    e: int, h: int, inter: int, block: tuple[int, int] | None
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The shapes of ``Fp8Scales.w13_scale`` and ``w2_scale`` for E experts of [2I, H], [H, I]."""
+    if block is None:
+        return (e, 2 * inter, 1), (e, h, 1)
+    bn, bk = block
+    return (e, 2 * -(-inter // bn), -(-h // bk)), (e, -(-h // bn), -(-inter // bk))
+
+
+def scale_rows(rows: int, block_n: int, halves: bool, device: torch.device) -> torch.Tensor:
+    """Each weight row's scale row: ``n // block_n``; with ``halves`` (w13's gate and up, each
+    blocked on its own) the up rows' count on from the gate's last block."""
+    n = torch.arange(rows, device=device)
+    if not halves:
+        return n // block_n
+    half = rows // 2
+    return torch.where(n < half, n // block_n, -(-half // block_n) + (n - half) // block_n)
+
+
+def dequant_fp8_expert(
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn: one expert's w13 or w2
+    scale: torch.Tensor,  # [SN, SK] its scales (Fp8Scales)
+    block: tuple[int, int],  # (block_n, block_k): Fp8Scales.blocks
+    halves: bool,  # w13: the gate's and up's blocks apart
+) -> torch.Tensor:  # [N, K] float32
+    n, k = weight.shape
+    rows = scale_rows(n, block[0], halves, weight.device)
+    cols = torch.arange(k, device=weight.device) // block[1]
+    return weight.float() * scale.float()[rows][:, cols]
+
+
+def quantize_fp8_experts(
+    w: torch.Tensor,  # [E, N, K] float: w13 (``halves``) or w2
+    block: tuple[int, int] | None,  # None: one scale per output row
+    halves: bool,
+    amax: torch.Tensor | None = None,  # [E, N, 1] per-row magnitudes to use (tensor parallel)
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([E, N, K] e4m3, Fp8Scales' scale of it)
+    """Stacked expert weights to e4m3, each block's (or row's) largest magnitude to 448."""
+    e, n, k = w.shape
+    wf = w.float()
+    if block is None:
+        mag = wf.abs().amax(dim=2, keepdim=True) if amax is None else amax.float()
+        scale = (mag / 448.0).clamp(min=1e-12)  # [E, N, 1]
+        return (wf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    bn, bk = block
+    rows = scale_rows(n, bn, halves, w.device)  # [N]
+    kb = -(-k // bk)
+    cols = torch.arange(k, device=w.device) // bk
+    mag = torch.zeros((e, int(rows.max()) + 1 if n else 0, kb), device=w.device)
+    idx = (rows[:, None] * kb + cols[None, :]).reshape(-1)  # [N * K] block of each element
+    flat = wf.abs().reshape(e, -1)
+    mag.view(e, -1).scatter_reduce_(1, idx.expand(e, -1), flat, "amax", include_self=True)
+    scale = (mag / 448.0).clamp(min=1e-12)
+    q = (wf / scale[:, rows][:, :, cols]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def check_fp8_scales(
+    w13: torch.Tensor, w2: torch.Tensor, scales: Fp8Scales | None, x: torch.Tensor
+) -> None:
+    """ValueError unless the weights are float with no scales, or e4m3 with scales that fit."""
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8 != (w2.dtype == torch.float8_e4m3fn) or fp8 != (scales is not None):
+        raise ValueError(
+            f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be float8_e4m3fn with fp8 scales, "
+            f"or both float without ({'with' if scales is not None else 'no'} scales given)"
+        )
+    if scales is None:
+        return
+    e, two_i, h = w13.shape
+    want = fp8_scale_shapes(e, h, two_i // 2, scales.block)
+    pairs = (("w13_scale", scales.w13_scale), ("w2_scale", scales.w2_scale))
+    for (name, scale), shape in zip(pairs, want, strict=True):
+        if tuple(scale.shape) != shape or scale.dtype != torch.float32:
+            raise ValueError(
+                f"{name} is {tuple(scale.shape)} {scale.dtype}; expected {shape} float32 "
+                f"(block {scales.block})"
+            )
+        if scale.device != x.device:
+            raise ValueError(f"{name} is on {scale.device}; x is on {x.device}")
+    if scales.block is not None and (min(scales.block) < 1 or scales.block[1] % 16):
+        raise ValueError(f"fp8 block {scales.block}: block_k must be a multiple of 16")
 
 
 def ref_moe_routing(
@@ -149,19 +256,26 @@ def ref_fused_moe(
     b13: torch.Tensor | None = None,  # [E, 2I]: gate half, then up half; x's dtype
     b2: torch.Tensor | None = None,  # [E, H]; x's dtype
     clamp: ClampedSwiGLU | None = None,  # None: silu(gate) * up
+    fp8: Fp8Scales | None = None,  # the scales of e4m3 w13 and w2
 ) -> torch.Tensor:  # [T, H]
     """``sum_j weight[t, j] * expert[ids[t, j]](x[t])`` with transformers' rounding."""
-    t, h, _, _ = check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
+    t, h, _, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
+    check_fp8_scales(w13, w2, fp8, x)
     dt = x.dtype
     weights, ids = sort_by_expert(topk_weights, topk_ids.long())
     contrib = torch.zeros((t, ids.shape[1], h), dtype=dt, device=x.device)  # [T, top_k, H]
     for expert in ids.unique().tolist():
         rows, slots = torch.nonzero(ids == expert, as_tuple=True)
-        gate_up = (x[rows].float() @ w13[expert].float().T).to(dt)  # [n, 2I]
+        w_up, w_down = w13[expert], w2[expert]
+        if fp8 is not None:  # dequantized as a float checkpoint's, rounded to x's dtype
+            w_up = dequant_fp8_expert(w_up, fp8.w13_scale[expert], fp8.blocks(h), True).to(dt)
+            w_down = dequant_fp8_expert(w_down, fp8.w2_scale[expert], fp8.blocks(inter), False)
+            w_down = w_down.to(dt)
+        gate_up = (x[rows].float() @ w_up.float().T).to(dt)  # [n, 2I]
         if b13 is not None:
             gate_up = (gate_up.float() + b13[expert].float()).to(dt)
         act = ref_silu_and_mul(gate_up) if clamp is None else ref_clamped_swiglu(gate_up, clamp)
-        down = (act.float() @ w2[expert].float().T).to(dt)  # [n, H]
+        down = (act.float() @ w_down.float().T).to(dt)  # [n, H]
         if b2 is not None:
             down = (down.float() + b2[expert].float()).to(dt)
         contrib[rows, slots] = (down.float() * weights[rows, slots, None].float()).to(dt)

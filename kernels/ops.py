@@ -31,7 +31,13 @@ from kernels.layers import (
     ref_silu_and_mul,
 )
 from kernels.lora import ref_add_lora, ref_expand_lora
-from kernels.moe import ClampedSwiGLU, ref_fused_moe, ref_grouped_topk, ref_moe_routing
+from kernels.moe import (
+    ClampedSwiGLU,
+    Fp8Scales,
+    ref_fused_moe,
+    ref_grouped_topk,
+    ref_moe_routing,
+)
 from kernels.quant import (
     ref_fp8_linear,
     ref_per_token_quant_fp8,
@@ -517,11 +523,19 @@ def fused_moe(
     b13: torch.Tensor | None = None,  # [E, 2I]: gate half, then up half
     b2: torch.Tensor | None = None,  # [E, H]
     clamp: ClampedSwiGLU | None = None,  # gpt-oss's activation; None: silu(gate) * up
+    fp8: Fp8Scales | None = None,  # e4m3 w13 and w2: their scales
 ) -> torch.Tensor:  # [T, H]
-    """The experts' gated MLPs, weighted and summed (:mod:`kernels.moe`)."""
+    """The experts' gated MLPs, weighted and summed (:mod:`kernels.moe`). FP8 experts' scales
+    come as ``fp8`` or attached to ``w13`` (its ``fp8_scales``, set by the model's experts
+    module): callers that pass only the weights get them too. They run the Triton kernel on
+    sm89+ GPUs; elsewhere the reference dequantizes each routed expert at every call."""
+    if fp8 is None and w13.dtype == torch.float8_e4m3fn:
+        fp8 = getattr(w13, "fp8_scales", None)
     mod = _triton("triton_moe", x)
+    if fp8 is not None and not fp8_supported(x.device):
+        mod = None
     return (mod.fused_moe if mod else ref_fused_moe)(
-        x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp
+        x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp, fp8=fp8
     )
 
 

@@ -18,6 +18,16 @@ the shapes alone):
 4. **Combine**: each token's ``top_k`` rows added in ascending expert order (the launcher sorts
    each token's experts first), rounding after each add as transformers' ``index_add_`` does.
 
+**FP8 experts** (``FP8``, constexpr; :class:`kernels.moe.Fp8Scales`): e4m3 weight tiles are
+loaded (1 byte an element: half the bytes of bf16, the whole cost of decode), converted to the
+activation dtype (exact: every e4m3 value is a bf16 and an fp16 value) for ``tl.dot``, and the
+tile's product times its columns' scales is added to the accumulator: weight-only, as the dense
+FP8 GEMM of ``kernels.triton_quant``. A K tile never straddles two scale blocks (``BLOCK_K``
+divides ``block_k``), so one scale per output column and tile; per-channel scales are one block
+as wide as K. Against the reference (weights dequantized, rounded to the activation dtype, then
+multiplied) the kernel skips that rounding of the weights: products differ by at most half an
+ulp of a weight each.
+
 ``HAS_BIAS`` and ``CLAMPED`` are constexpr (the clamp's constants too), so a model without biases
 runs exactly the kernels it ran before they existed.
 
@@ -34,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import ClampedSwiGLU, check_moe_shapes, sort_by_expert
+from kernels.moe import ClampedSwiGLU, Fp8Scales, check_fp8_scales, check_moe_shapes, sort_by_expert
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -87,10 +97,11 @@ def align_to_blocks(
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compilation for every batch size
 def _gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K, s_xt, s_we,
-    s_wn, s_be, s_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K, s_xt,
+    s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -105,6 +116,9 @@ def _gate_up_kernel(
     # w13[expert] is [2N, K]: gate rows n, up rows N + n; tiles loaded as [BLOCK_K, BLOCK_N]
     w_gate = w_ptr + expert * s_we + offs_n.to(tl.int64)[None, :] * s_wn
     w_up = w_gate + N * s_wn
+    # FP8: each column's scale row (the gate's blocks, then the up's from SCALE_UP on)
+    s_gate = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
+    s_up = s_gate + SCALE_UP * s_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -115,8 +129,15 @@ def _gate_up_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate += mma(a, wg, UPCAST, PRECISION)
-        acc_up += mma(a, wu, UPCAST, PRECISION)
+        if FP8:  # e4m3 -> the activation dtype is exact; the scales on the tile's product
+            kb = k0 // SCALE_BK * s_sk
+            sg = tl.load(s_gate + kb, mask=n_mask, other=0.0)
+            su = tl.load(s_up + kb, mask=n_mask, other=0.0)
+            acc_gate += mma(a, wg.to(a.dtype), UPCAST, PRECISION) * sg[None, :]
+            acc_up += mma(a, wu.to(a.dtype), UPCAST, PRECISION) * su[None, :]
+        else:
+            acc_gate += mma(a, wg, UPCAST, PRECISION)
+            acc_up += mma(a, wu, UPCAST, PRECISION)
     dt = out_ptr.dtype.element_ty
     # as the reference: the projection rounded, the bias added and rounded again, then silu
     # rounded and the product rounded, or the clamped SwiGLU in fp32 rounded once
@@ -141,9 +162,10 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    a_ptr, w_ptr, b_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K,
-    s_at, s_we, s_wn, s_be, s_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    a_ptr, w_ptr, b_ptr, s_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N,
+    K, s_at, s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -155,6 +177,7 @@ def _down_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + expert * s_we + offs_n.to(tl.int64)[None, :] * s_wn
+    s_rows = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -162,7 +185,11 @@ def _down_kernel(
         a = tl.load(a_ptr + pair[:, None] * s_at + ks[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         w = tl.load(w_rows + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += mma(a, w, UPCAST, PRECISION)
+        if FP8:
+            sc = tl.load(s_rows + k0 // SCALE_BK * s_sk, mask=n_mask, other=0.0)
+            acc += mma(a, w.to(a.dtype), UPCAST, PRECISION) * sc[None, :]
+        else:
+            acc += mma(a, w, UPCAST, PRECISION)
     dt = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -196,10 +223,12 @@ def _combine_kernel(c_ptr, out_ptr, H, s_ct, s_ot, TOP_K: tl.constexpr, BLOCK: t
 def _check(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
+    fp8: Fp8Scales | None,
 ) -> tuple[int, int, int, int]:  # fmt: skip
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,))
-    check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,))
+    wdt = (x.dtype,) if fp8 is None else (torch.float8_e4m3fn,)
+    check_tensor("w13", w13, ndim=3, dtypes=wdt)
+    check_tensor("w2", w2, ndim=3, dtypes=wdt)
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, inner_contiguous=False)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, inner_contiguous=False)
     biases = {name: b for name, b in (("b13", b13), ("b2", b2)) if b is not None}
@@ -208,7 +237,9 @@ def _check(
     check_devices(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, **biases)
     if w13.stride(1) != w13.shape[2] or w2.stride(1) != w2.shape[2]:
         raise ValueError("w13 and w2 must be contiguous within each expert")
-    return check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
+    shapes = check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
+    check_fp8_scales(w13, w2, fp8, x)
+    return shapes
 
 
 def fused_moe(
@@ -221,12 +252,13 @@ def fused_moe(
     b13: torch.Tensor | None = None,  # [E, 2I]: gate half, then up half; x's dtype
     b2: torch.Tensor | None = None,  # [E, H]; x's dtype
     clamp: ClampedSwiGLU | None = None,  # None: silu(gate) * up
+    fp8: Fp8Scales | None = None,  # the scales of e4m3 w13 and w2
     config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K, warps)
 ) -> torch.Tensor:  # [T, H]
     """Triton version of :func:`kernels.moe.ref_fused_moe`. Expert ids out of range are not
     checked (that would sync with the GPU): the router produces them. Biases are applied with
     each of the two projections, so either may be given alone."""
-    t, h, e, inter = _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    t, h, e, inter = _check(x, w13, w2, topk_weights, topk_ids, b13, b2, fp8)
     top_k = topk_ids.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0:
@@ -241,28 +273,53 @@ def fused_moe(
     dots = {"UPCAST": dot_upcast(x.dtype), "PRECISION": dot_precision(x.dtype)}
     inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
     bn1, bk1 = _fit(bn, inter), _fit(bk, h)
-    # an absent bias is never read (HAS_BIAS=False): its weights stand in for the pointer
+    # an absent bias or scale is never read (HAS_BIAS, FP8 False): the weights stand in for it
+    s13 = _scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
+    bk1 = _within(bk1, s13[5], h)
+    scale_up = -(-inter // s13[4])  # the up half's first scale row
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
-        x, w13, w13 if b13 is None else b13, inter_act, sorted_pairs, block_expert, pairs, inter,
-        h, x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0),
-        inter_act.stride(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1,
-        num_warps=warps, HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
+        x, w13, w13 if b13 is None else b13, s13[0], inter_act, sorted_pairs, block_expert,
+        pairs, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
+        0 if b13 is None else b13.stride(0), *s13[1:], scale_up, inter_act.stride(0),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps,
+        HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
         ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
-        **dots,
+        FP8=fp8 is not None, **dots,
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     bn2, bk2 = _fit(bn, h), _fit(bk, inter)
+    s2 = _scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
+    bk2 = _within(bk2, s2[5], inter)
     _down_kernel[(blocks, triton.cdiv(h, bn2))](
-        inter_act, w2, w2 if b2 is None else b2, contrib, sorted_pairs, block_expert,
+        inter_act, w2, w2 if b2 is None else b2, s2[0], contrib, sorted_pairs, block_expert,
         weights.reshape(-1), pairs, h, inter, inter_act.stride(0), w2.stride(0), w2.stride(1),
-        0 if b2 is None else b2.stride(0), contrib.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps, HAS_BIAS=b2 is not None, **dots,
+        0 if b2 is None else b2.stride(0), *s2[1:], contrib.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps, HAS_BIAS=b2 is not None,
+        FP8=fp8 is not None, **dots,
     )  # fmt: skip
     block = min(COMBINE_BLOCK, next_pow2(h))
     _combine_kernel[(t, triton.cdiv(h, block))](
         contrib, out, h, contrib.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block
     )
     return out
+
+
+def _scale_args(
+    w: torch.Tensor, scale: torch.Tensor | None, blocks: tuple[int, int] | None
+) -> tuple[torch.Tensor, int, int, int, int, int]:
+    """(pointer, expert / row / column strides, block_n, block_k) of an FP8 weight's scales;
+    placeholders (the weight, block 1) for a float weight."""
+    if scale is None or blocks is None:
+        return w, 0, 0, 0, 1, 1
+    return scale, scale.stride(0), scale.stride(1), scale.stride(2), blocks[0], blocks[1]
+
+
+def _within(block_k: int, scale_k: int, k: int) -> int:
+    """A K tile inside one scale block: halved until it divides ``scale_k`` (a multiple of 16),
+    unless one block covers all of K."""
+    while scale_k < k and scale_k % block_k:
+        block_k //= 2
+    return block_k
 
 
 def _fit(block: int, size: int) -> int:

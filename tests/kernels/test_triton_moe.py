@@ -17,6 +17,9 @@ import torch
 
 from kernels.moe import (
     ClampedSwiGLU,
+    Fp8Scales,
+    dequant_fp8_expert,
+    quantize_fp8_experts,
     ref_clamped_swiglu,
     ref_fused_moe,
     ref_moe_routing,
@@ -178,3 +181,62 @@ def test_no_tokens_and_errors(gen: torch.Generator, device: torch.device) -> Non
     with pytest.raises(ValueError, match="b2"):
         fused_moe(x, w13, w2, weights, ids, b2=torch.zeros((4, 32), device=device).half())
     assert_matches(fused_moe(x, w13, w2, weights, ids), ref_fused_moe(x, w13, w2, weights, ids))
+
+
+def _fp8(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The weights quantized to e4m3 (block or per-channel scales), and their dequantized
+    values rounded to x's dtype: what a float checkpoint dequantized at load would hold."""
+    q13, s13 = quantize_fp8_experts(w13, block, halves=True)
+    q2, s2 = quantize_fp8_experts(w2, block, halves=False)
+    fp8 = Fp8Scales(s13, s2, block)
+    h, inter = w13.shape[2], w2.shape[2]
+    d13 = torch.stack([dequant_fp8_expert(q13[i], s13[i], fp8.blocks(h), True) for i in range(len(q13))])  # fmt: skip
+    d2 = torch.stack([dequant_fp8_expert(q2[i], s2[i], fp8.blocks(inter), False) for i in range(len(q2))])  # fmt: skip
+    return q13, q2, fp8, d13.to(w13.dtype), d2.to(w2.dtype)
+
+
+@pytest.mark.parametrize("block", [(16, 16), (32, 48), None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "h", "e", "inter", "top_k"),
+    [
+        (1, 64, 8, 40, 1),  # decode, top-1; I = 40 not a multiple of the blocks
+        (1, 40, 16, 24, 8),  # one token, top-8 of 16
+        (37, 96, 16, 80, 2),  # most experts see a few rows, some none
+        (64, 64, 8, 48, 8),  # every expert sees every token
+    ],
+)
+def test_fp8_experts_match_the_dequantized_reference(t: int, h: int, e: int, inter: int, top_k: int, dtype: torch.dtype, block: tuple[int, int] | None, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """e4m3 weights with 2-D block scales (blocks not dividing H or I, the gate's and up's
+    blocks apart) or per-channel ones, against the float kernel's reference on the dequantized
+    weights (rounded to x's dtype, which the kernel does not do: within the same tolerance)."""
+    x, w13, w2, weights, ids = _inputs(t, h, e, inter, top_k, dtype, gen, device)
+    q13, q2, fp8, d13, d2 = _fp8(w13, w2, block)
+    assert q13.dtype == torch.float8_e4m3fn
+    out = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
+    _assert_close(out, (x, d13, d2, weights, ids))
+    ref = ref_fused_moe(x, q13, q2, weights, ids, fp8=fp8)  # the reference dequantizes itself
+    torch.testing.assert_close(ref, ref_fused_moe(x, d13, d2, weights, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", [(16, 16, 16, 1), (64, 32, 64, 4)])
+def test_fp8_launch_configs_keep_k_tiles_in_one_block(config: tuple[int, int, int, int], gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """A BLOCK_K of 64 over scale blocks 48 wide is halved to 16: no tile straddles two."""
+    x, w13, w2, weights, ids = _inputs(30, 96, 5, 56, 2, torch.float32, gen, device)
+    q13, q2, fp8, d13, d2 = _fp8(w13, w2, (32, 48))
+    out = fused_moe(x, q13, q2, weights, ids, fp8=fp8, config=config)
+    _assert_close(out, (x, d13, d2, weights, ids))
+
+
+def test_fp8_errors_name_what_is_wrong(gen: torch.Generator, device: torch.device) -> None:
+    x, w13, w2, weights, ids = _inputs(3, 32, 4, 16, 2, torch.float32, gen, device)
+    q13, q2, fp8, _, _ = _fp8(w13, w2, (16, 16))
+    with pytest.raises(ValueError, match="w13"):  # fp8 weights without their scales
+        ref_fused_moe(x, q13, q2, weights, ids)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe(x, q13, q2, weights, ids)
+    with pytest.raises(ValueError, match="w2_scale"):
+        fused_moe(x, q13, q2, weights, ids, fp8=Fp8Scales(fp8.w13_scale, fp8.w2_scale[:, :1], (16, 16)))  # fmt: skip
+    with pytest.raises(ValueError, match="block_k"):
+        bad = Fp8Scales(*_fp8(w13, w2, (16, 8))[2].__dict__.values())
+        fused_moe(x, q13, q2, weights, ids, fp8=bad)
