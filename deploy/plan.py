@@ -23,9 +23,11 @@ from gateway.core.config import (
     MEDIA_MAX_BYTES,
     RESPONSES_STORE_MAX_BYTES,
     RESPONSES_STORE_SIZE,
+    SEND_TIMEOUT_S,
     WORKER_STALL_TIMEOUT_S,
     check_drain_timeout,
     check_metrics_prefix,
+    check_send_timeout,
     check_worker_stall_timeout,
     media_domain,
     parse_default_chat_template_kwargs,
@@ -363,6 +365,7 @@ def _check_gateway_flags(args: argparse.Namespace) -> None:
     """What the gateway would refuse, refused before any model loads (exit 2, as it would)."""
     check_drain_timeout(float(getattr(args, "drain_timeout", 30.0)))
     check_worker_stall_timeout(float(getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S)))
+    check_send_timeout(float(getattr(args, "send_timeout", SEND_TIMEOUT_S)))
     check_metrics_prefix(getattr(args, "metrics_prefix", "tandem:"))
     check_parser_flags(args)
     parse_default_chat_template_kwargs(getattr(args, "default_chat_template_kwargs", None))
@@ -447,6 +450,9 @@ def build_plan(
     gateway += ["--worker-stall-timeout", str(stall_s)]
     if getattr(args, "metrics_prefix", "tandem:") != "tandem:":
         gateway += ["--metrics-prefix", args.metrics_prefix]
+    send_timeout_s = float(getattr(args, "send_timeout", SEND_TIMEOUT_S))
+    if send_timeout_s != SEND_TIMEOUT_S:
+        gateway += ["--send-timeout", str(send_timeout_s)]
     gateway += ["--ready-file", str(gateway_ready)]
     # The key travels in the environment (read by the gateway), not on a command line `ps` shows.
     gateway_env = {"TANDEM_API_KEY": args.api_key} if args.api_key else {}

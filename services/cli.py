@@ -889,6 +889,23 @@ def add_engine_stall_arg(p: Any, passed: str = "") -> None:
     )
 
 
+SEND_TIMEOUT_S = 60.0  # gateway.core.config's GatewayConfig.send_timeout_s
+
+
+def add_send_timeout_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """``--send-timeout``: the gateway's flag (``tandem up`` passes it on)."""
+    p.add_argument(
+        "--send-timeout",
+        type=_seconds_or_off,
+        default=SEND_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"{passed}seconds a client may read nothing of a response the gateway has bytes "
+        "for (its socket buffers full) before the connection is dropped and the request "
+        "aborted, as nginx's send_timeout; 0: never (a client that stops reading holds its "
+        "connection and request until it reads or leaves)",
+    )
+
+
 def add_worker_stall_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
     """``--worker-stall-timeout``: the gateway's flag (``tandem up`` passes it on)."""
     p.add_argument(
@@ -1234,6 +1251,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds a request body may take to arrive in all (else the connection is closed)",
     )
+    add_send_timeout_arg(p)
     p.add_argument(
         "--max-connections",
         type=int,
@@ -1311,6 +1329,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "that long plus a margin (at least TANDEM_UP_GRACE) before killing it",
     )
     add_worker_stall_arg(p, "(passed to the gateway) ")
+    add_send_timeout_arg(p, "(passed to the gateway) ")
     add_metrics_prefix_arg(p, "(passed to the gateway) ")
     add_responses_store_args(p, "(passed to the gateway) ")
     add_engine_stall_arg(p, "(passed to the workers) ")

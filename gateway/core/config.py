@@ -23,6 +23,7 @@ MEDIA_MAX_BYTES = 20 * 1024 * 1024
 MAX_BODY_BYTES = 4 * 1024 * 1024  # inline (data URL) images travel in the body
 RESPONSES_STORE_SIZE = 1000  # responses the Responses API keeps (per gateway)
 RESPONSES_STORE_MAX_BYTES = 256 * 1024 * 1024
+SEND_TIMEOUT_S = 60.0  # --send-timeout's default, nginx's send_timeout
 # --worker-stall-timeout's default: health polls unanswered this long and the worker is lost.
 # Workers answer health and load polls on their event loop, not on the engine thread, so a
 # long engine step (a big prefill) does not delay them; only a frozen or hung process (or a
@@ -113,6 +114,7 @@ class GatewayConfig:
     # HTTP connection guard (gateway.http.http_protocol): totals, not gaps between reads
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    send_timeout_s: float = SEND_TIMEOUT_S  # a client reading nothing this long; 0: no limit
     max_connections: int = 4096
     otlp_endpoint: str | None = None
     metrics_prefix: str = "tandem:"  # "vllm:" makes vLLM's dashboards and alert rules work
@@ -184,6 +186,7 @@ class GatewayConfig:
         for name, count in at_least_zero.items():
             if count < 0:
                 raise ConfigError(f"{name} must be >= 0, got {count}")
+        check_send_timeout(self.send_timeout_s)
         check_drain_timeout(self.drain_timeout_s)
         check_worker_stall_timeout(self.worker_stall_timeout_s)
         domains = tuple(dict.fromkeys(media_domain(d) for d in self.allowed_media_domains))
@@ -200,6 +203,12 @@ class GatewayConfig:
     def model_names(self) -> tuple[str, ...]:
         """Every name the base model is served under, the first its main one."""
         return (self.model_name, *self.served_model_aliases)
+
+
+def check_send_timeout(seconds: float) -> None:
+    if not 0 <= seconds < math.inf:
+        raise ConfigError(f"--send-timeout must be a finite number of seconds >= 0 (0: no limit), "
+                          f"got {seconds}")  # fmt: skip
 
 
 def check_drain_timeout(seconds: float) -> None:
@@ -485,6 +494,7 @@ def config_from_args(
         max_body_bytes=args.max_body_bytes,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
+        send_timeout_s=getattr(args, "send_timeout", SEND_TIMEOUT_S),
         max_connections=args.max_connections,
         otlp_endpoint=args.otlp_endpoint,
         metrics_prefix=getattr(args, "metrics_prefix", "tandem:"),

@@ -10,10 +10,11 @@ protocol adds, per connection:
 - a header size cap (``max_header_bytes``): more before the blank line is a 431 and close;
 - a body deadline: the whole body within ``body_timeout_s`` of the headers; else the connection
   closes and the application sees ``http.disconnect`` (it frees what it held for the request);
-- a send deadline: a client that takes no byte of its response for ``send_timeout_s`` while
-  the server has bytes for it (the socket's buffers full) is dropped, as nginx's
-  ``send_timeout``; the application sees ``http.disconnect`` and aborts the request, so a
-  client that stops reading neither holds the connection nor has its output buffered forever;
+- a send deadline: a client that takes no byte of its response for ``send_timeout_s``
+  (``--send-timeout``; 0: none) while the server has bytes for it (the socket's buffers full)
+  is dropped, as nginx's ``send_timeout``; the application sees ``http.disconnect`` and aborts
+  the request, so a client that stops reading neither holds the connection nor has its output
+  buffered forever;
 - a bound on open connections (``max_connections``): one more is answered 503 and closed before
   its request is read. The first refusal is logged, the rest of a flood of them is summed up in
   one line per ``refusal_log_s``, not one line each.
@@ -45,10 +46,12 @@ class HttpLimits:
 
     def __post_init__(self) -> None:
         names = ("header_timeout_s", "body_timeout_s", "max_header_bytes", "max_connections",
-                 "refusal_log_s", "send_timeout_s")  # fmt: skip
+                 "refusal_log_s")  # fmt: skip
         for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.send_timeout_s < 0:  # 0: no send deadline
+            raise ValueError(f"send_timeout_s must be >= 0, got {self.send_timeout_s}")
 
 
 class RefusalLog:
@@ -122,7 +125,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # writes: the transport pauses us while its buffer is full, resumes us once it drained
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._unread is None:
+        if self._unread is None and self.limits.send_timeout_s > 0:
             self._unread = self.loop.call_later(self.limits.send_timeout_s, self._send_timeout)
 
     def resume_writing(self) -> None:

@@ -99,6 +99,7 @@ async def serve(
     limits = HttpLimits(
         header_timeout_s=config.header_timeout_s,
         body_timeout_s=config.body_timeout_s,
+        send_timeout_s=config.send_timeout_s,
         max_connections=config.max_connections,
     )
     uv_config = uvicorn.Config(

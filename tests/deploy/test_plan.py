@@ -480,6 +480,14 @@ def test_the_gateway_gets_the_metrics_prefix(flags: tuple[str, ...], prefix: str
     assert all("--metrics-prefix" not in w.spec.argv for w in plan.workers)
 
 
+@pytest.mark.parametrize(("flags", "send"), [((), 60.0), (("--send-timeout", "0"), 0.0)])
+def test_the_gateway_gets_the_send_timeout(flags: tuple[str, ...], send: float) -> None:
+    plan = plan_for(*flags)
+    spec = gateway_spec(plan, {"prefill-0": 1, "decode-0": 2}, None)
+    assert reparse(spec.argv).send_timeout == send
+    assert all("--send-timeout" not in w.spec.argv for w in plan.workers)
+
+
 def test_task_embed_and_the_pooler_reach_the_colocated_workers() -> None:
     pooler = '{"pooling_type": "MEAN"}'
     plan = plan_for("--colocated", "2", "--task", "embed", "--pooler-config", pooler)

@@ -115,6 +115,26 @@ def test_tandem_gateway_with_a_bad_prefix_exits_2_without_a_traceback(
     assert "Traceback" not in captured.err + captured.out + caplog.text
 
 
+def test_send_timeout_flag_reaches_the_config_and_zero_is_none() -> None:
+    default = build_parser().parse_args(["gateway"])
+    assert config_from_args(default, "/tok").send_timeout_s == 60.0
+    args = build_parser().parse_args(["gateway", "--send-timeout", "0"])
+    assert config_from_args(args, "/tok").send_timeout_s == 0.0
+    with pytest.raises(ConfigError, match="--send-timeout must be"):
+        GatewayConfig(tokenizer="/t", send_timeout_s=-1.0)
+
+
+@pytest.mark.parametrize("command", ["gateway", "up"])
+def test_a_negative_send_timeout_exits_2_with_a_message(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([command, "--send-timeout", "-1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--send-timeout" in err and "'-1'" in err and "Traceback" not in err
+
+
 def test_limit_mm_per_prompt_reads_vllms_json() -> None:
     args = build_parser().parse_args(["gateway", "--limit-mm-per-prompt", '{"image": 2}'])
     assert config_from_args(args, "/tok").limit_mm_per_prompt == 2

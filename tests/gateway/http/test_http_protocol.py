@@ -175,6 +175,19 @@ def test_a_client_that_stops_reading_its_response_is_cut_off(served: Served) -> 
         s.close()
 
 
+def test_a_send_timeout_of_zero_waits_for_the_client() -> None:
+    """--send-timeout 0: a client that reads nothing keeps its stream (until it leaves)."""
+    with Served(HttpLimits(send_timeout_s=0)) as served:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", served.port))
+        s.sendall(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
+        # twice LIMITS.send_timeout_s, after which the test above sees the stream cut
+        assert not served.floods_ended.wait(1.0)
+        s.close()
+        assert served.floods_ended.wait(10)
+
+
 def test_connections_beyond_the_bound_get_503() -> None:
     with Served(LIMITS) as served:
         held = [served.connect() for _ in range(LIMITS.max_connections)]
@@ -217,3 +230,5 @@ def test_a_flood_of_refused_connections_is_logged_in_a_few_lines(
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="header_timeout_s"):
         HttpLimits(header_timeout_s=0)
+    with pytest.raises(ValueError, match="send_timeout_s"):
+        HttpLimits(send_timeout_s=-1)
