@@ -1,7 +1,9 @@
 """`tandem up`: the whole topology (prefill + decode workers and a gateway) on this machine.
 
-Prepare the model once, start the workers on free ports, wait for their ready files, start the
-gateway pointed at them, print one ``Tandem is ready:`` line, then watch. Ctrl-C or SIGTERM stops
+Bind the gateway's port (held from the first step, so a busy one, a second ``tandem up`` on it
+included, stops this one before any model loads), prepare the model once, start the workers on
+free ports, wait for their ready files, start the gateway pointed at them on the socket held
+(it inherits it), print one ``Tandem is ready:`` line, then watch. Ctrl-C or SIGTERM stops
 the gateway first, then the workers; no child outlives the launcher. A child that dies, the
 gateway included, is started again on its port, after a backoff that grows while it keeps dying
 (up to TANDEM_UP_MAX_BACKOFF, 30 s), never given up on; the others keep serving meanwhile (the
@@ -19,11 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,8 +43,7 @@ from typing import IO, TextIO
 from deploy.gpus import detect_gpus
 from deploy.plan import Plan, Worker, build_plan, fill_utilization, gateway_spec, with_flag
 from deploy.supervisor import Child, ChildFailedError, ChildSpec, Supervisor, parent_death_env
-from gateway.core.config import api_key_from
-from protos import ports
+from gateway.core.config import LISTEN_FD_ENV, api_key_from
 from protos.auth import TOKEN_ENV
 from services.config import ConfigError
 
@@ -174,18 +177,46 @@ def _progress(pending: list[Child], elapsed: float) -> None:
     say(f"tandem up: waiting for {names} ({elapsed:.0f} s)")
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Fail before minutes of model loading if the gateway could not bind its port anyway."""
+def hold_port(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound (as uvicorn binds: SO_REUSEADDR, one address) and
+    listening before anything starts, then handed to every gateway this run starts
+    (:func:`with_listener`). A busy port fails here, before minutes of model loading; and a
+    second ``tandem up`` on the port, however soon after, fails at this step too: a check
+    that only tried the port would leave it free until the gateway binds it, after the
+    workers are ready, and the second launch would start its workers meanwhile. Held to the
+    end, it also queues the connections that come while a dead gateway is started again."""
+    bare = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET)
     try:
-        ports.check_port_free(host, port)
-    except ConfigError as exc:
-        raise ChildFailedError(str(exc), 2) from exc
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bare, port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            message = f"port {port} on {host} is in use: choose another --port"
+        else:
+            message = f"cannot listen on {host}:{port} ({e.strerror or e}): check --host and --port"
+        raise ChildFailedError(message, 2) from None
+    return sock
 
 
-def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str, dict[str, int]]:
-    """Prepare, start workers, start the gateway; returns the gateway's /v1 URL and each
-    child's port (name -> port)."""
-    check_port_free(plan.host, plan.port)
+def with_listener(spec: ChildSpec, listener: socket.socket) -> ChildSpec:
+    """The gateway's spec with ``listener`` handed over: inherited, named in its environment."""
+    fd = listener.fileno()
+    env = {**spec.env, LISTEN_FD_ENV: str(fd)}
+    return dataclasses.replace(spec, env=env, pass_fds=(fd,))
+
+
+def start_all(
+    plan: Plan, sup: Supervisor, ready_timeout_s: float, listener: socket.socket | None = None
+) -> tuple[str, dict[str, int]]:
+    """Prepare, start workers, start the gateway on ``listener``; returns the gateway's /v1 URL
+    and each child's port (name -> port). Without a ``listener`` (a caller that restarts no
+    gateway) the port is held here, and this copy closed once the gateway has its own."""
+    if listener is None:
+        with hold_port(plan.host, plan.port) as held:
+            return start_all(plan, sup, ready_timeout_s, held)
     say(f"tandem up: preparing model {plan.model}")
     tokenizer_dir = prepare_model(plan.prepare_argv)
     say(f"tandem up: starting {_describe(plan)}; logs in {sup.log_dir}")
@@ -201,7 +232,7 @@ def start_all(plan: Plan, sup: Supervisor, ready_timeout_s: float) -> tuple[str,
         workers += late_children
     ports = {c.name: int((c.ready or {})["port"]) for c in workers}
     say("tandem up: workers ready (" + ", ".join(f"{n} :{p}" for n, p in ports.items()) + ")")
-    gateway = sup.start(gateway_spec(plan, ports, tokenizer_dir))
+    gateway = sup.start(with_listener(gateway_spec(plan, ports, tokenizer_dir), listener))
     sup.wait_ready([gateway], ready_timeout_s, _progress)
     port = int((gateway.ready or {}).get("port", plan.port))
     return public_url(plan.host, port), {**ports, gateway.name: port}
@@ -321,8 +352,10 @@ def run(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
+    listener: socket.socket | None = None
     try:
-        url, ports = start_all(plan, sup, ready_timeout_s)
+        listener = hold_port(plan.host, plan.port)  # first: a busy port starts nothing
+        url, ports = start_all(plan, sup, ready_timeout_s, listener)
         model_id = served_model_id(url, api_key, plan.model)
         say(ready_message(plan, url, model_id, api_key, key_env))
         code = watch(sup, ports)
@@ -333,6 +366,8 @@ def run(
         code = exc.exit_code
     finally:
         stopping = True
+        if listener is not None:  # new connections are refused once the gateway's copy closes
+            listener.close()
         if sup.children:
             say("tandem up: stopping")
         sup.shutdown()

@@ -43,6 +43,7 @@ class ChildSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
     ready_file: Path | None = None  # the child writes JSON here once it serves
     stop_tier: int = 1  # lower tiers are stopped first
+    pass_fds: tuple[int, ...] = ()  # the launcher's descriptors it inherits (a listening socket)
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Supervisor:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            pass_fds=spec.pass_fds,
         )
         child = Child(spec, proc, log_path, log)
         self.children.append(child)

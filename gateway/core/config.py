@@ -24,6 +24,9 @@ MAX_BODY_BYTES = 4 * 1024 * 1024  # inline (data URL) images travel in the body
 RESPONSES_STORE_SIZE = 1000  # responses the Responses API keeps (per gateway)
 RESPONSES_STORE_MAX_BYTES = 256 * 1024 * 1024
 SEND_TIMEOUT_S = 60.0  # --send-timeout's default, nginx's send_timeout
+# `tandem up` binds the gateway's port before it starts anything and hands the listening socket
+# to the gateway it starts: the descriptor's number, in the gateway's environment
+LISTEN_FD_ENV = "TANDEM_LISTEN_FD"
 # --worker-stall-timeout's default: health polls unanswered this long and the worker is lost.
 # Workers answer health and load polls on their event loop, not on the engine thread, so a
 # long engine step (a big prefill) does not delay them; only a frozen or hung process (or a

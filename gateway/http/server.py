@@ -15,13 +15,20 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Generator
 from typing import Any
 
 import uvicorn
 
-from gateway.core.config import GatewayConfig, api_key_from, check_topology, config_from_args
+from gateway.core.config import (
+    LISTEN_FD_ENV,
+    GatewayConfig,
+    api_key_from,
+    check_topology,
+    config_from_args,
+)
 from gateway.flows.chat_output import check_parser_flags
 from gateway.http.app import build_app
 from gateway.http.http_protocol import HttpLimits, guarded_protocol
@@ -91,10 +98,29 @@ def _write_ready_file(path: str, host: str, port: int) -> None:
     os.replace(tmp, path)
 
 
+def inherited_listener() -> socket.socket | None:
+    """The listening socket ``tandem up`` bound for this gateway and handed over (its number
+    in TANDEM_LISTEN_FD), taken out of the environment; None when there is none."""
+    text = os.environ.pop(LISTEN_FD_ENV, "")
+    if not text:
+        return None
+    try:
+        return socket.socket(fileno=int(text))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{LISTEN_FD_ENV}={text!r} is not a listening socket's descriptor "
+                          f"({e}): unset it, the gateway then binds --host and --port") from None  # fmt: skip
+
+
 async def serve(
-    config: GatewayConfig, host: str, port: int, ready_file: str | None = None, **app_kwargs: Any
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    ready_file: str | None = None,
+    listener: socket.socket | None = None,
+    **app_kwargs: Any,
 ) -> int:
-    """Serves until a signal; the exit status (:attr:`DrainingServer.exit_code`)."""
+    """Serves until a signal; the exit status (:attr:`DrainingServer.exit_code`). ``listener``:
+    a socket already listening (``tandem up``'s), served instead of binding ``host:port``."""
     app = build_app(config, **app_kwargs)
     limits = HttpLimits(
         header_timeout_s=config.header_timeout_s,
@@ -107,7 +133,7 @@ async def serve(
         timeout_keep_alive=30, timeout_graceful_shutdown=10, http=guarded_protocol(limits),
     )  # fmt: skip
     server = DrainingServer(uv_config, app.state.gateway, config.drain_timeout_s)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listener] if listener else None))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
     if server.started and server.port is not None:
@@ -139,12 +165,14 @@ def main(
         config = config_from_args(args, tokenizer_dir, model_name, model_dir)
         check_parser_flags(config)
         check_topology(config)
-        check_port_free(args.host, args.port)
+        listener = inherited_listener()
+        if listener is None:
+            check_port_free(args.host, args.port)
         source = api_key_from(args.api_key, os.environ)[1]
         log.info("API key: %s", f"required (from {source})" if source else "none, the API is open")
         # the tokenizer and the chat template load in serve (build_app): a bad one is a
         # ConfigError before uvicorn starts
-        code: int = _run(serve(config, args.host, args.port, args.ready_file))
+        code: int = _run(serve(config, args.host, args.port, args.ready_file, listener))
     except ConfigError as e:
         log.error("%s", e)
         return 2

@@ -4,7 +4,8 @@ Run as ``python -m tests.deploy.fake_child ROLE [flags]``. It binds a real port,
 (pid, argv, env) to its log, writes its ready file atomically and sleeps until signalled. The
 gateway role also answers GET /v1/models. Behaviour switches come from the environment:
 FAKE_FAIL_ROLE (exit 3 before ready, or FAKE_FAIL_CODE), FAKE_IGNORE_TERM (role that ignores SIGTERM),
-FAKE_GRANDCHILD (role that spawns a sleeping grandchild), FAKE_PREPARE_FAIL, FAKE_TERM_LOG
+FAKE_GRANDCHILD (role that spawns a sleeping grandchild), FAKE_PREPARE_FAIL, FAKE_PREPARE_GATE
+(a file: preparing the model ends once it exists), FAKE_TERM_LOG
 (a file each child appends its role to when SIGTERM arrives), FAKE_GPU_BYTES (``ROLE:USED:TOTAL``:
 that role's ready file reports holding USED of a GPU of TOTAL bytes, as a real worker's does).
 """
@@ -40,6 +41,9 @@ class _Models(http.server.BaseHTTPRequestHandler):
 
 def _prepare() -> int:
     print("converting the fake model ...", flush=True)
+    gate = os.environ.get("FAKE_PREPARE_GATE")  # a file: the model is ready once it exists
+    while gate and not os.path.exists(gate):
+        time.sleep(0.02)
     if os.environ.get("FAKE_PREPARE_FAIL"):
         print("error: model 'nope' not found: give a directory", file=sys.stderr, flush=True)
         return 2
@@ -48,6 +52,14 @@ def _prepare() -> int:
 
 
 def _bind(role: str, port: int) -> int:
+    if role == "gateway" and os.environ.get("TANDEM_LISTEN_FD"):  # tandem up's socket
+        held = socket.socket(fileno=int(os.environ["TANDEM_LISTEN_FD"]))
+        server = http.server.ThreadingHTTPServer(
+            held.getsockname(), _Models, bind_and_activate=False
+        )
+        server.socket = held
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return int(held.getsockname()[1])
     if role == "gateway":
         server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Models)
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -91,7 +103,8 @@ def main() -> int:
         "argv": sys.argv[1:],
         "port": _bind(role, args.port),
     }
-    info["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
+    info["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+                                                  "TANDEM_LISTEN_FD")}  # fmt: skip
     if os.environ.get("FAKE_GRANDCHILD") == role:
         info["grandchild"] = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(600)"]

@@ -342,6 +342,30 @@ def test_a_busy_gateway_port_fails_before_any_model_loads(start) -> None:
     assert up.children() == {}
 
 
+def test_a_second_tandem_up_on_the_port_fails_before_it_starts_anything(
+    start, tmp_path: Path
+) -> None:
+    """Two `tandem up` on one port started moments apart: the port was only tried at the
+    start and bound by the gateway once the workers were ready, so the second launch started
+    its workers too (minutes of model loading) and found out at its gateway. The first now
+    holds the port from its first step and hands it to its gateway."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gate = tmp_path / "model-ready"
+    first = start("--port", str(port), FAKE_PREPARE_GATE=str(gate))
+    first.wait_for(re.compile(r"tandem up: preparing model"))  # no worker, no gateway yet
+    second = start("--port", str(port))
+    assert second.finish() == 2
+    assert second.lines == [f"tandem up: port {port} on 127.0.0.1 is in use: choose another --port"]
+    assert second.children() == {}
+    gate.touch()
+    assert int(first.wait_for(READY).group(1)) == port  # its gateway serves the held socket
+    assert first.children()["gateway"]["env"]["TANDEM_LISTEN_FD"] is not None
+    first.proc.send_signal(signal.SIGINT)
+    assert first.finish() == 0
+
+
 def _plan(task: str) -> Plan:
     return Plan([], [], [], {}, Path("ready"), "cpu", "127.0.0.1", 8000, "m", task=task)
 

@@ -128,6 +128,41 @@ def test_a_second_signal_cuts_the_drain_and_exits_128_plus_its_number(
     reader.join(20)
 
 
+def test_a_listening_socket_handed_over_is_served_on_its_port(
+    colocated: Stack, tokenizer_dir: str, tmp_path
+) -> None:
+    """`tandem up` binds the gateway's port before it starts the workers and hands the socket
+    over (TANDEM_LISTEN_FD): the gateway serves it, the port busy by design, not refused."""
+    import os
+    import socket
+
+    ready = tmp_path / "ready"
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-c", _MAIN, "gateway", "--tokenizer", tokenizer_dir, "--port",
+               str(port), "--worker", colocated.workers[0].address, "--ready-file", str(ready)]  # fmt: skip
+        env = {**os.environ, "TANDEM_LISTEN_FD": str(held.fileno())}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, pass_fds=(held.fileno(),))  # fmt: skip
+    try:  # the parent's copy is closed: only the gateway's serves now
+        deadline = time.monotonic() + 30
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), proc.stdout.read() if proc.poll() is not None else "no ready file"
+        assert json.loads(ready.read_text())["port"] == port
+        assert httpx.get(f"http://127.0.0.1:{port}/version").status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+
 def _gateway_exits_2(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
     """``tandem gateway ARGV`` refused at start: exit 2, one log line, no traceback."""
     from services.cli import main
