@@ -123,6 +123,14 @@ def quantize_fp8_experts(
     return q, scale
 
 
+def scales_of(w13: torch.Tensor, fp8: Fp8Scales | None) -> Fp8Scales | None:
+    """``fp8``, or the scales e4m3 ``w13`` carries (its ``fp8_scales``: the model's experts
+    attach them, so a caller passing only the weights, as DeepSeek's MoE block does, gets them)."""
+    if fp8 is None and w13.dtype == torch.float8_e4m3fn:
+        return getattr(w13, "fp8_scales", None)
+    return fp8
+
+
 def check_fp8_scales(
     w13: torch.Tensor, w2: torch.Tensor, scales: Fp8Scales | None, x: torch.Tensor
 ) -> None:
@@ -260,6 +268,7 @@ def ref_fused_moe(
 ) -> torch.Tensor:  # [T, H]
     """``sum_j weight[t, j] * expert[ids[t, j]](x[t])`` with transformers' rounding."""
     t, h, _, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
+    fp8 = scales_of(w13, fp8)
     check_fp8_scales(w13, w2, fp8, x)
     dt = x.dtype
     weights, ids = sort_by_expert(topk_weights, topk_ids.long())

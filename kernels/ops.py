@@ -37,6 +37,7 @@ from kernels.moe import (
     ref_fused_moe,
     ref_grouped_topk,
     ref_moe_routing,
+    scales_of,
 )
 from kernels.quant import (
     ref_fp8_linear,
@@ -529,8 +530,7 @@ def fused_moe(
     come as ``fp8`` or attached to ``w13`` (its ``fp8_scales``, set by the model's experts
     module): callers that pass only the weights get them too. They run the Triton kernel on
     sm89+ GPUs; elsewhere the reference dequantizes each routed expert at every call."""
-    if fp8 is None and w13.dtype == torch.float8_e4m3fn:
-        fp8 = getattr(w13, "fp8_scales", None)
+    fp8 = scales_of(w13, fp8)
     mod = _triton("triton_moe", x)
     if fp8 is not None and not fp8_supported(x.device):
         mod = None

@@ -44,7 +44,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import ClampedSwiGLU, Fp8Scales, check_fp8_scales, check_moe_shapes, sort_by_expert
+from kernels.moe import (
+    ClampedSwiGLU,
+    Fp8Scales,
+    check_fp8_scales,
+    check_moe_shapes,
+    scales_of,
+    sort_by_expert,
+)
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -258,6 +265,7 @@ def fused_moe(
     """Triton version of :func:`kernels.moe.ref_fused_moe`. Expert ids out of range are not
     checked (that would sync with the GPU): the router produces them. Biases are applied with
     each of the two projections, so either may be given alone."""
+    fp8 = scales_of(w13, fp8)
     t, h, e, inter = _check(x, w13, w2, topk_weights, topk_ids, b13, b2, fp8)
     top_k = topk_ids.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)

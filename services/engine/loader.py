@@ -40,7 +40,8 @@ from services.engine.quantization import (
     quantized_modules,
     resolve_quantization,
 )
-from services.engine.quantization.experts import ExpertDequantizer
+from services.engine.quantization.apply import expert_modules, fp8_expert_layers
+from services.engine.quantization.experts import ExpertDequantizer, describe_held
 from services.engine.rope import halves_from_pairs
 from services.engine.tp_group import TPGroup
 from services.engine.tp_layers import apply_tp
@@ -55,8 +56,12 @@ _STACKED = {  # HF name piece -> (our fused parameter, shard index)
     "up_proj": ("gate_up_proj", 1),
 }
 _NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
-# one expert's tensor (Qwen3-MoE's names, or Mixtral's w1/w3/w2 once block_sparse_moe is mlp)
-_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# one expert's tensor (Qwen3-MoE's names, or Mixtral's w1/w3/w2 once block_sparse_moe is mlp):
+# its weight, or an FP8 checkpoint's scales of it (experts held in FP8)
+_EXPERT = re.compile(
+    r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.(weight|weight_scale_inv|weight_scale)$"
+)
 _EXPERT_PIECES = {  # -> (our stacked parameter, shard of its rows; None: all of them)
     "gate_proj": ("gate_up_proj", 0),
     "w1": ("gate_up_proj", 0),
@@ -243,7 +248,8 @@ def load_weights(
     if arch.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
-        raise ConfigError(f"weights missing from the checkpoint: {missing[:5]} ...")
+        named = [_missing_expert(n, loaded, arch) or n for n in missing[:5]]
+        raise ConfigError(f"weights missing from the checkpoint: {named} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)
 
@@ -305,15 +311,27 @@ def _load_expert(
     params: dict[str, torch.nn.Parameter], arch: ArchConfig, name: str, match: re.Match[str],
     tensor: torch.Tensor,
 ) -> str:  # fmt: skip
-    """Copy one expert's tensor into its slice of the stacked parameter; returns the shard key."""
+    """Copy one expert's tensor into its slice of the stacked parameter; returns the shard key.
+    FP8 experts (``Experts.hold_fp8``): the e4m3 weight, and its scales into the stacked
+    scales (block rows of the gate, then of the up; per channel, or one per tensor repeated)."""
     expert, (stacked, shard) = int(match.group(1)), _EXPERT_PIECES[match.group(2)]
-    target = f"{name[: match.start()]}.mlp.experts.{stacked}"
+    scale = match.group(3) != "weight"
+    target = f"{name[: match.start()]}.mlp.experts.{stacked}" + ("_scale" if scale else "")
     if target not in params or arch.moe is None or expert >= arch.moe.num_experts:
         raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
-    rows = params[target].data[expert]  # [2I, H] or [H, I]
+    fp8 = params[target.removesuffix("_scale")].dtype == torch.float8_e4m3fn
+    if not scale and fp8 != (tensor.dtype == torch.float8_e4m3fn):
+        raise ConfigError(
+            f"checkpoint tensor {name!r} is {tensor.dtype}, but its layer's experts are held "
+            f"{'in fp8' if fp8 else 'dequantized'}: every expert of a layer must be quantized "
+            "alike"
+        )
+    rows = params[target].data[expert]  # [2I, H] or [H, I]; scales [2 SN, SK] or [SN, SK]
     if shard is not None:
-        size = arch.moe.intermediate_size
+        size = rows.shape[0] // 2
         rows = rows[shard * size : (shard + 1) * size]
+    if scale and rows.shape[1] == 1 and tensor.numel() in (1, rows.shape[0]):
+        tensor = tensor.reshape(-1, 1).expand(rows.shape)  # per channel [n, 1] or [n]; one
     if tensor.shape != rows.shape:
         raise ConfigError(
             f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, expected {tuple(rows.shape)}"
@@ -322,12 +340,32 @@ def _load_expert(
     return f"{target}#{expert}.{shard}"
 
 
+def _missing_expert(param: str, loaded: set[str], arch: ArchConfig) -> str | None:
+    """Which expert's piece a stacked expert parameter lacks (its first), in words."""
+    if arch.moe is None or not param.endswith(_STACKED_PARAMS):
+        return None
+    halves = (0, 1) if ".gate_up_proj" in param else (None,)
+    for expert in range(arch.moe.num_experts):
+        for shard in halves:
+            if f"{param}#{expert}.{shard}" not in loaded:
+                what = {0: "gate", 1: "up", None: "down"}[shard]
+                scales = " scales" if param.endswith("_scale") else ""
+                return f"{param} (expert {expert}'s {what} projection{scales})"
+    return None
+
+
+_STACKED_PARAMS = (
+    "experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale",
+    "experts.down_proj_scale",
+)  # fmt: skip
+
+
 def _num_shards(arch: ArchConfig, param: str) -> int:
     """How many pieces of the checkpoint make up one of our stacked parameters."""
     experts = arch.moe.num_experts if arch.moe else 0
-    if param.endswith("experts.gate_up_proj"):
+    if param.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")):
         return 2 * experts
-    if param.endswith("experts.down_proj"):
+    if param.endswith(("experts.down_proj", "experts.down_proj_scale")):
         return experts
     if ".qkv_proj." in param:
         return 3
@@ -362,6 +400,8 @@ def dummy_weights(
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
             continue
+        if p.dtype == torch.float8_e4m3fn or name.endswith("_proj_scale"):
+            continue  # FP8 experts: drawn by quantization.dummy_quantized
         gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
         cut = layout.param_slice(name, arch) if layout is not None and arch is not None else None
         if cut is None:
@@ -475,7 +515,8 @@ def load_model(
         if qcfg is not None and qcfg.serialized:
             local = layout.local_arch(arch) if layout else arch  # a rank's shards are its own
             stacked = {fused: _shard_sizes(local, fused) for fused in ("qkv_proj", "gate_up_proj")}
-            quantize_model(model, qcfg, dtype, stacked)
+            float_experts = frozenset() if dummy else _float_expert_layers(files.hf_dir)
+            quantize_model(model, qcfg, dtype, stacked, _fp8_experts(device), float_experts)
     if arch.mla is not None:
         log.info(
             "%s: multi-head latent attention served expanded: each of its %d heads' keys and "
@@ -499,10 +540,10 @@ def load_model(
         read = iter_safetensors(files.hf_dir, layout, bool(arch.language_of))
         experts = None
         if qcfg is not None and qcfg.serialized and arch.moe is not None:
-            experts = ExpertDequantizer(qcfg, dtype, device)
+            experts = ExpertDequantizer(qcfg, dtype, device, fp8_expert_layers(model))
             read = experts.stream(read)
         load_weights(model, read, layout, arch)
-        if experts is not None:
+        if experts is not None and experts.projections:
             log.info(experts.describe())
         if arch.moe is not None and arch.moe.mxfp4:
             log.info(
@@ -511,13 +552,34 @@ def load_model(
                 arch.model_type, str(dtype).removeprefix("torch."),
             )  # fmt: skip
     if qcfg is not None:
-        _finish_quantization(model, qcfg)
-    if qcfg is not None and not qcfg.serialized and arch.moe is not None:
-        log.info(
-            "quantization: the experts stay in %s (only the attention and dense layers are "
-            "quantized to fp8 at load time)", str(dtype).removeprefix("torch."),
-        )  # fmt: skip
+        _finish_quantization(model, qcfg, tp)
+    held = describe_held(list(expert_modules(model).values()), dtype)
+    if held is not None:
+        log.info(held)
     return model.eval(), arch, files
+
+
+_STORED_EXPERT = re.compile(r"layers\.(\d+)\..*\.experts\.\d+\.\w+\.weight$")
+
+
+def _float_expert_layers(directory: Path | None) -> frozenset[int]:
+    """The decoder layers where the checkpoint stores an expert's weight unquantized (not
+    e4m3), read from the files' headers: their experts are not held in FP8."""
+    layers: set[int] = set()
+    for file in sorted(directory.glob("*.safetensors")) if directory else []:
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
+                match = _STORED_EXPERT.search(key)
+                if match and fh.get_slice(key).get_dtype() != "F8_E4M3":
+                    layers.add(int(match.group(1)))
+    return frozenset(layers)
+
+
+def _fp8_experts(device: torch.device) -> bool:
+    """Whether FP8 experts are held in FP8 here: on the CPU (the reference dequantizes each
+    routed expert at every call) and sm89+ GPUs (the Triton kernel); older GPUs dequantize
+    them as they load (Triton has no e4m3 there)."""
+    return device.type != "cuda" or ops.fp8_supported(device)
 
 
 def available_host_bytes() -> int | None:
@@ -549,9 +611,9 @@ def check_host_memory(model: torch.nn.Module, name: str, dtype: torch.dtype) -> 
     )
 
 
-def _finish_quantization(model: LlamaForCausalLM, qcfg: QuantConfig) -> None:
+def _finish_quantization(model: LlamaForCausalLM, qcfg: QuantConfig, tp: TPGroup | None) -> None:
     if not qcfg.serialized:
-        quantize_loaded(model)
+        quantize_loaded(model, tp, fp8_experts=_fp8_experts(model.lm_head.weight.device))
     if qcfg.method == "fp8":
         fuse_fp8_inputs(model)
     log.info(qcfg.describe())

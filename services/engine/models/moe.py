@@ -15,11 +15,18 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.moe import ClampedSwiGLU
+from kernels.moe import ClampedSwiGLU, Fp8Scales, fp8_scale_shapes
 from services.engine.model_config import MoeConfig
 
 
 class Experts(nn.Module):
+    """Every expert's weights stacked: float, or FP8 (e4m3) with their scales once
+    :meth:`hold_fp8` has run (a quantized checkpoint's, or ``--quantization fp8``'s), which then
+    travel with ``gate_up_proj`` (its ``fp8_scales``) to ``ops.fused_moe``."""
+
+    gate_up_proj_scale: nn.Parameter | None  # FP8: kernels.moe.Fp8Scales' w13_scale, w2_scale
+    down_proj_scale: nn.Parameter | None
+
     def __init__(self, num_experts: int, hidden: int, inter: int, biases: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # [E, 2I, H]
@@ -29,6 +36,63 @@ class Experts(nn.Module):
         if biases:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        self.gate_up_proj_scale = self.down_proj_scale = None
+        self.fp8_block: tuple[int, int] | None = None  # (block_n, block_k); None: per channel
+        self.fp8 = False
+
+    def hold_fp8(
+        self, block: tuple[int, int] | None, weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        """Hold the weights as e4m3 with ``block`` scales (None: per output channel): empty
+        ones of the right shapes (on this module's device) for a checkpoint to fill, or the
+        given ``weights`` and ``scales``."""
+        e, two_i, h = self.gate_up_proj.shape
+        dev = self.gate_up_proj.device
+        if weights is None or scales is None:
+            s13, s2 = fp8_scale_shapes(e, h, two_i // 2, block)
+            weights = (
+                torch.empty((e, two_i, h), dtype=torch.float8_e4m3fn, device=dev),
+                torch.empty((e, h, two_i // 2), dtype=torch.float8_e4m3fn, device=dev),
+            )
+            scales = (torch.empty(s13, device=dev), torch.empty(s2, device=dev))
+        self.gate_up_proj = nn.Parameter(weights[0], requires_grad=False)
+        self.down_proj = nn.Parameter(weights[1], requires_grad=False)
+        self.gate_up_proj_scale = nn.Parameter(scales[0].float(), requires_grad=False)
+        self.down_proj_scale = nn.Parameter(scales[1].float(), requires_grad=False)
+        self.fp8_block, self.fp8 = block, True
+        self._attach()
+
+    def _attach(self) -> None:
+        """The scales onto ``gate_up_proj``, where ``ops.fused_moe`` finds them (DeepSeek's MoE
+        block passes only the weights)."""
+        if self.fp8 and self.gate_up_proj_scale is not None and self.down_proj_scale is not None:
+            scales = Fp8Scales(self.gate_up_proj_scale, self.down_proj_scale, self.fp8_block)
+            self.gate_up_proj.fp8_scales = scales  # type: ignore[attr-defined]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Experts:
+        """As nn.Module's, but FP8 weights and their float32 scales keep their dtypes (a cast
+        of the model to its dtype moves them, never converts them)."""
+        if self.fp8:
+            fn = _moving_only(fn)
+        super()._apply(fn, recurse)
+        self._attach()
+        return self
+
+    def memory(self) -> int:
+        """Bytes of the weights and scales (not the biases)."""
+        held = (self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+
+def _moving_only(fn: Any) -> Any:
+    """``fn`` (an ``nn.Module._apply`` conversion) without its change of dtype."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        return out if out.dtype == t.dtype else t.to(out.device)
+
+    return move
 
 
 class SharedExpert(nn.Module):
@@ -99,9 +163,15 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         experts = self.experts
         out = ops.fused_moe(
-            x, experts.gate_up_proj, experts.down_proj, weights, ids,
-            b13=experts.gate_up_proj_bias, b2=experts.down_proj_bias, clamp=self.clamp,
-        )  # fmt: skip
+            x,
+            experts.gate_up_proj,
+            experts.down_proj,
+            weights,
+            ids,
+            b13=experts.gate_up_proj_bias,
+            b2=experts.down_proj_bias,
+            clamp=self.clamp,
+        )  # fmt: skip (FP8 experts' scales travel with gate_up_proj: Experts.hold_fp8)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # as transformers: sigmoid(gate(x)) * shared(x), then added, each in x's dtype
             gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))  # [T, 1]

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.moe import quantize_fp8_experts
 from services.config import ConfigError
 from services.engine.models.llama import MLP, DecoderLayer
+from services.engine.models.moe import Experts
 from services.engine.quantization.base import QuantLinear
 from services.engine.quantization.config import QuantConfig
 from services.engine.quantization.fp8 import Fp8InputNorm, Fp8Linear, Fp8SiluAndMul
@@ -53,16 +55,21 @@ def _stored_unquantized(qcfg: QuantConfig, parent: str, attr: str) -> bool:
 
 
 def quantize_model(
-    model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, stacked: dict[str, list[int]]
-) -> None:
+    model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, stacked: dict[str, list[int]],
+    fp8_experts: bool = False, float_expert_layers: frozenset[int] = frozenset(),
+) -> None:  # fmt: skip
     """Replace the layers with empty quantized ones that the loader fills; ``stacked`` gives
-    the output rows of each shard of a fused layer (``qkv_proj``: q, k, v). Layers the
-    checkpoint stores unquantized stay float."""
+    the output rows of each shard of a fused layer (``qkv_proj``: q, k, v; ``gate_up_proj``'s
+    two halves are always those of the layer's own rows, a shared expert's width too). Layers
+    the checkpoint stores unquantized stay float. ``fp8_experts``: an FP8 checkpoint's experts
+    are held in FP8 (``Experts.hold_fp8``), except in ``float_expert_layers`` (decoder layers
+    where the checkpoint stores an expert unquantized: that layer's are dequantized as they
+    load, one stacked tensor holding one format)."""
     for name, parent, attr, linear in _targets(model):
         if _stored_unquantized(qcfg, name, attr):
             continue
         n, k, bias = linear.out_features, linear.in_features, linear.bias is not None
-        shards = stacked.get(attr, [n])
+        shards = [n // 2, n // 2] if attr == "gate_up_proj" else stacked.get(attr, [n])
         layer: QuantLinear
         if qcfg.is_int4:
             layer = Int4Linear(
@@ -72,17 +79,51 @@ def quantize_model(
             layer = Fp8Linear(k, n, shards, bias, dtype, qcfg.weight_block)
         layer.group = _row_parallel_group(linear)
         setattr(parent, attr, layer)
+    if fp8_experts and qcfg.method == "fp8":
+        for name, experts in expert_modules(model).items():
+            if _layer_of(name) not in float_expert_layers:
+                experts.hold_fp8(qcfg.weight_block)
 
 
-def quantize_loaded(model: nn.Module) -> None:
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
+
+
+def expert_modules(model: nn.Module) -> dict[str, Experts]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+
+
+def fp8_expert_layers(model: nn.Module) -> frozenset[int]:
+    """The decoder layers whose experts are held in FP8."""
+    layers = (_layer_of(name) for name, e in expert_modules(model).items() if e.fp8)
+    return frozenset(layer for layer in layers if layer is not None)
+
+
+def quantize_loaded(model: nn.Module, group: Any = None, fp8_experts: bool = True) -> None:
     """Quantize the loaded float layers to fp8 (per-channel scales), one at a time. On a
     tensor-parallel rank each layer is the rank's slice; a row-parallel layer's scales are
-    those of its whole rows (agreed over the ranks)."""
+    those of its whole rows (agreed over the ranks). The experts too, per output row of each
+    expert: ``group`` the tensor-parallel group, over which the down projections' rows (each
+    rank a slice of every row) agree their magnitudes; not with ``fp8_experts`` False (a GPU
+    without FP8, where the fused MoE kernel could not read them)."""
     for _, parent, attr, linear in _targets(model):
-        group = _row_parallel_group(linear)
-        layer = Fp8Linear.from_linear(linear, group)
-        layer.group = group
+        group_of = _row_parallel_group(linear)
+        layer = Fp8Linear.from_linear(linear, group_of)
+        layer.group = group_of
         setattr(parent, attr, layer)
+    for experts in expert_modules(model).values():
+        if experts.fp8 or not fp8_experts:
+            continue
+        w13, w2 = experts.gate_up_proj.data, experts.down_proj.data
+        amax = None
+        if group is not None:  # the ranks hold slices of each row of w2: agree the magnitudes
+            amax = group.all_reduce_max(w2.float().abs().amax(dim=2, keepdim=True))
+        q13, s13 = quantize_fp8_experts(w13, None, halves=True)
+        del w13
+        q2, s2 = quantize_fp8_experts(w2, None, halves=False, amax=amax)
+        del w2
+        experts.hold_fp8(None, (q13, q2), (s13, s2))
 
 
 def fuse_fp8_inputs(model: nn.Module) -> None:
@@ -124,8 +165,22 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
 
 
 def dummy_quantized(model: nn.Module, seed: int) -> None:
-    """Random packed weights for int4 layers under ``--load-format dummy``."""
+    """Random packed weights for int4 layers under ``--load-format dummy``; FP8 experts'
+    weights drawn as the float ones are (about +-0.02) and quantized with their scales."""
     gen = torch.Generator().manual_seed(seed)
     for module in quantized_modules(model).values():
         if isinstance(module, Int4Linear):
             module.fill_dummy(gen)
+    for experts in expert_modules(model).values():
+        if not experts.fp8:
+            continue
+        for weight, scale, halves in (
+            (experts.gate_up_proj, experts.gate_up_proj_scale, True),
+            (experts.down_proj, experts.down_proj_scale, False),
+        ):
+            assert scale is not None
+            for e in range(weight.shape[0]):  # one expert at a time: no float copy of them all
+                drawn = torch.empty(weight.shape[1:]).uniform_(-0.02, 0.02, generator=gen)
+                q, s = quantize_fp8_experts(drawn[None], experts.fp8_block, halves)
+                weight.data[e].copy_(q[0])
+                scale.data[e].copy_(s[0])

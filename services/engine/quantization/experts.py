@@ -1,6 +1,10 @@
-"""A quantized checkpoint's experts, dequantized to the model's dtype as they load.
+"""A quantized checkpoint's experts that are not held quantized, dequantized to the model's dtype
+as they load; and the start-up line on what the experts are held as.
 
-The fused MoE kernel runs on float expert weights, so each expert projection's quantized
+FP8 experts are held in FP8 (``Experts.hold_fp8``: the fused MoE kernel reads e4m3 tiles), their
+tensors passed through here to the loader, except in layers the checkpoint leaves an expert of
+unquantized and on GPUs without FP8 (before sm89). The rest (AWQ and GPTQ int4 experts: no
+int4 MoE kernel yet) is dequantized: each expert projection's quantized
 pieces (fp8 ``weight`` with its ``weight_scale_inv`` blocks or ``weight_scale`` per channel;
 AWQ's and GPTQ's ``qweight``, ``qzeros``, ``scales`` and act-order ``g_idx``) are gathered from
 the checkpoint's stream and replaced by one float ``weight`` [N, K], the tensor a float
@@ -19,6 +23,7 @@ import torch
 
 from kernels.quant import expand_block_scales, ref_dequant_awq, ref_dequant_fp8, ref_dequant_gptq
 from services.config import ConfigError
+from services.engine.models.moe import Experts
 from services.engine.quantization.config import QuantConfig
 
 # one piece of one expert's projection (Qwen3-MoE's and DeepSeek's names; Mixtral's w1/w3/w2)
@@ -26,6 +31,9 @@ _PIECE = re.compile(
     r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))"
     r"\.(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
 )
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def expert_pieces(qcfg: QuantConfig) -> tuple[str, ...]:
@@ -65,6 +73,7 @@ class ExpertDequantizer:
     qcfg: QuantConfig
     dtype: torch.dtype
     device: torch.device
+    held: frozenset[int] = frozenset()  # decoder layers whose experts are held in FP8: as read
     projections: int = 0  # expert projections dequantized
     stored_bytes: int = 0  # their quantized pieces' bytes in the checkpoint
     float_bytes: int = 0  # their float weights' bytes as served
@@ -76,7 +85,7 @@ class ExpertDequantizer:
         wanted = expert_pieces(self.qcfg)
         for name, tensor in weights:
             match = _PIECE.match(name)
-            if match is None or not self._quantized(match.group(2), tensor):
+            if match is None or self._held(name) or not self._quantized(match.group(2), tensor):
                 yield name, tensor
                 continue
             module, piece = match.groups()
@@ -97,6 +106,10 @@ class ExpertDequantizer:
             missing = [f"{module}.{p}" for p in wanted if p not in pieces]
             raise ConfigError(f"quantized expert weights missing from the checkpoint: {missing}")
 
+    def _held(self, name: str) -> bool:
+        layer = _LAYER.search(name)
+        return layer is not None and int(layer.group(1)) in self.held
+
     def _quantized(self, piece: str, tensor: torch.Tensor) -> bool:
         """A ``weight`` is a quantized piece only as fp8 (an expert stored unquantized keeps
         its float one); the other pieces always are."""
@@ -115,12 +128,38 @@ class ExpertDequantizer:
         return weight
 
     def describe(self) -> str:
-        """The start-up line on the experts."""
+        """The start-up line on the experts dequantized here."""
         gib = 1 << 30
         dtype = str(self.dtype).removeprefix("torch.")
+        why = (
+            "no int4 fused MoE kernel yet"
+            if self.qcfg.is_int4
+            else "no FP8 on this GPU, or an expert of their layer stored unquantized"
+        )
         return (
             f"quantization: the experts' {self.projections} {self.qcfg.method} projections were "
-            f"dequantized to {dtype} as they loaded (the fused MoE kernel runs on float "
-            f"weights): {self.float_bytes / gib:.2f} GiB instead of the checkpoint's "
-            f"{self.stored_bytes / gib:.2f} GiB; the router stays as stored"
+            f"dequantized to {dtype} as they loaded ({why}): {self.float_bytes / gib:.2f} GiB "
+            f"instead of the checkpoint's {self.stored_bytes / gib:.2f} GiB; the router stays "
+            "as stored"
         )
+
+
+def describe_held(experts: list[Experts], dtype: torch.dtype) -> str | None:
+    """The start-up line on the experts held in FP8: their format and memory (None: none)."""
+    held = [e for e in experts if e.fp8]
+    if not held:
+        return None
+    block = held[0].fp8_block
+    scales = f"{block[0]}x{block[1]} block scales" if block else "per-channel scales"
+    size = torch.tensor([], dtype=dtype).element_size()
+    as_float = sum((e.gate_up_proj.numel() + e.down_proj.numel()) * size for e in held)
+    return (
+        f"quantization: the experts of {len(held)} layers held as fp8 e4m3 with {scales} "
+        f"(the fused MoE kernel dequantizes them in its tiles): "
+        f"{_size(sum(e.memory() for e in held))}, {_size(as_float)} in "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

@@ -70,16 +70,21 @@ def test_a_missing_expert_is_refused(checkpoint: tuple[Path, Any]) -> None:
         load_weights(_empty_model(path), weights)
 
 
-def test_online_fp8_keeps_the_experts_float(checkpoint: tuple[Path, Any]) -> None:
-    """--quantization fp8 on an MoE model: its attention quantized, its experts as loaded."""
+def test_online_fp8_quantizes_the_experts_too(checkpoint: tuple[Path, Any]) -> None:
+    """--quantization fp8 on an MoE model: its attention quantized, and its experts, one scale
+    per output row of each expert, held in FP8."""
+    from kernels.moe import quantize_fp8_experts
     from services.engine.quantization.fp8 import Fp8Linear
 
     path, hf = checkpoint
     model, _, _ = load_model(ModelConfig(str(path), quantization="fp8"), torch.device("cpu"), 64)
     assert isinstance(model.model.layers[0].self_attn.o_proj, Fp8Linear)
-    assert torch.equal(
-        model.model.layers[0].mlp.experts.down_proj, hf.model.layers[0].mlp.experts.down_proj
-    )
+    experts = model.model.layers[0].mlp.experts
+    assert experts.fp8 and experts.down_proj.dtype == torch.float8_e4m3fn
+    q, scale = quantize_fp8_experts(hf.model.layers[0].mlp.experts.down_proj, None, False)
+    assert torch.equal(experts.down_proj.view(torch.uint8), q.view(torch.uint8))
+    assert experts.down_proj_scale is not None
+    assert torch.equal(experts.down_proj_scale, scale)
 
 
 def test_a_model_that_cannot_fit_the_host_is_refused_before_loading(

@@ -1,6 +1,7 @@
-"""Quantized Mixture-of-Experts checkpoints: the experts dequantized as they load, the attention
-and dense layers kept quantized, the router as stored; logits equal those of the same model
-built from the dequantized weights (float32, CPU: the tolerance of ``test_loading``)."""
+"""Quantized Mixture-of-Experts checkpoints: FP8 experts held in FP8 (int4 ones dequantized as
+they load), the attention and dense layers kept quantized, the router as stored; logits equal
+those of the same model built from the dequantized weights (float32, CPU: the tolerance of
+``test_loading``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.moe import dequant_fp8_expert
 from services.config import ConfigError
 from services.engine.models.llama import Linear, LlamaForCausalLM
+from services.engine.models.moe import Experts
 from services.engine.quantization.config import QuantConfig
 from services.engine.quantization.experts import ExpertDequantizer
 from services.engine.quantization.fp8 import Fp8Linear
@@ -34,13 +37,29 @@ def check(tmp_path: Path, family: str, method: str, **kw: object) -> tuple[Llama
     orig = ck.moe_weights(ck.tiny_config(**ck.MOE[family]))  # before quantizing
     unquantized = run(load(ck.float_checkpoint(tmp_path / "float", orig, path)))
     assert (out - unquantized).abs().max() > 100 * TOL  # the quantized weights were used
-    # the experts hold the dequantized values, in the model's dtype
+    # FP8 experts held in FP8, whose values dequantized are the reference's; the others hold
+    # the dequantized values, in the model's dtype
     experts = model.model.layers[0].mlp.experts
     want = ref.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.dtype == torch.float32
-    assert torch.equal(experts.gate_up_proj, want.gate_up_proj)
-    assert torch.equal(experts.down_proj, want.down_proj)
+    held = method.startswith("fp8") and "experts" not in str(kw.get("unquantized", ""))
+    assert experts.fp8 == held
+    assert experts.gate_up_proj.dtype == (torch.float8_e4m3fn if held else torch.float32)
+    assert experts.down_proj.dtype == experts.gate_up_proj.dtype
+    assert torch.equal(dequantized(experts, True), want.gate_up_proj)
+    assert torch.equal(dequantized(experts, False), want.down_proj)
     return model, path.name
+
+
+def dequantized(experts: Experts, halves: bool) -> torch.Tensor:
+    """Stacked expert weights as float32 (``halves``: gate_up_proj, else down_proj); FP8 ones
+    through their scales."""
+    w = experts.gate_up_proj if halves else experts.down_proj
+    if not experts.fp8:
+        return w.float()
+    s = experts.gate_up_proj_scale if halves else experts.down_proj_scale
+    assert s is not None
+    blocks = experts.fp8_block or (1, w.shape[2])
+    return torch.stack([dequant_fp8_expert(w[e], s[e], blocks, halves) for e in range(len(w))])
 
 
 @pytest.mark.parametrize("method", list(LAYER))
@@ -56,17 +75,24 @@ def test_quantized_moe_checkpoints(
     assert type(router) is torch.nn.Linear and router.weight.dtype == torch.float32
     if family == "qwen3_moe":  # layer 1: a dense MLP, quantized as in a dense model
         assert isinstance(model.model.layers[1].mlp.down_proj, LAYER[method])
+    if method.startswith("fp8"):
+        layers = {"qwen3_moe": 1, "mixtral": 2}[family]  # the sparse layers
+        scales = "128x128 block" if method == "fp8-block" else "per-channel"
+        assert f"experts of {layers} layers held as fp8 e4m3 with {scales} scales" in caplog.text
+        assert "dequantized to float32 as they loaded" not in caplog.text
+        return
     projections = {"qwen3_moe": 12, "mixtral": 24}[family]  # sparse layers x 4 experts x 3
     assert (
         f"experts' {projections} {method.split('-')[0]} projections were dequantized to float32"
         in caplog.text
     )
-    assert "instead of the checkpoint's" in caplog.text
+    assert "instead of the checkpoint's" in caplog.text and "no int4 fused MoE" in caplog.text
 
 
 def test_layers_the_checkpoint_leaves_unquantized_stay_float(tmp_path: Path) -> None:
     """modules_to_not_convert naming o_proj (every layer's) and one expert: those load as
-    stored, the others quantized."""
+    stored, the others quantized (that expert's layer's experts dequantized as they load: one
+    stacked tensor holds one format)."""
     model, _ = check(tmp_path, "qwen3_moe", "fp8-block", unquantized=("o_proj", "experts.1."))
     layer = model.model.layers[0].self_attn
     assert type(layer.o_proj) is Linear and isinstance(layer.qkv_proj, Fp8Linear)
@@ -78,20 +104,25 @@ def test_part_of_a_fused_layer_left_unquantized_is_refused(tmp_path: Path) -> No
         load(path)
 
 
-def test_online_fp8_quantizes_the_attention_and_keeps_the_experts(
+def test_online_fp8_quantizes_the_attention_and_the_experts(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """``--quantization fp8`` of a float MoE checkpoint: the experts too, per output row of each
+    expert (as the dense layers), held in FP8."""
     cfg = ck.tiny_config(**ck.MOE["mixtral"])
     w = ck.moe_weights(cfg)
     path = ck.float_checkpoint(tmp_path / "float", w, ck.write(tmp_path / "c", cfg, {}))
     with caplog.at_level("INFO", logger="services.engine.loader"):
         model = load(path, quantization="fp8")
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
-    assert "the experts stay in float32" in caplog.text
-    experts = model.model.layers[1].mlp.experts.down_proj
-    stacked = torch.stack([w[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"] for e in range(4)])  # fmt: skip
-    assert torch.equal(experts, stacked)
-    deq = {n: ck.fp8_channel(t)[2] if n.endswith("_proj.weight") else t for n, t in w.items()}
+    assert "experts of 2 layers held as fp8 e4m3 with per-channel scales" in caplog.text
+    experts = model.model.layers[1].mlp.experts
+    assert experts.down_proj.dtype == torch.float8_e4m3fn and experts.down_proj_scale is not None
+    assert experts.down_proj_scale.shape == (4, 128, 1)
+    names = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+    deq = {n: ck.fp8_channel(t)[2] if n.endswith(names) else t for n, t in w.items()}
+    stacked = torch.stack([deq[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"] for e in range(4)])  # fmt: skip
+    assert torch.equal(dequantized(experts, False), stacked)
     want = run(load(ck.float_checkpoint(tmp_path / "r", deq, path)))
     torch.testing.assert_close(run(model), want, rtol=TOL, atol=TOL)
 
@@ -101,7 +132,7 @@ def test_a_missing_expert_piece_is_named(tmp_path: Path) -> None:
     tensors = load_file(str(path / "model.safetensors"))
     del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight_scale_inv"]
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(ConfigError, match=r"experts\.2\.w3\.weight_scale_inv"):
+    with pytest.raises(ConfigError, match=r"gate_up_proj_scale \(expert 2's up projection scales"):
         load(path)
 
 

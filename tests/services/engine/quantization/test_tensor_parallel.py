@@ -91,3 +91,15 @@ def test_what_cannot_be_split_is_refused_before_a_rank_starts(tmp_path: Path) ->
     assert json.loads((act_order / "config.json").read_text())["quantization_config"]["desc_act"]
     with pytest.raises(ConfigError, match="act-order"):
         LLM(str(act_order), dtype="float32", tensor_parallel_size=2)
+
+
+def test_fp8_experts_quantized_at_load_time_on_two_ranks(tmp_path: Path) -> None:
+    """--quantization fp8 of a float Mixtral: each rank's experts hold their intermediate rows
+    in FP8, the down projections' rows (split over the ranks) with the magnitudes agreed, so
+    two ranks give the tokens of one."""
+    cfg = ck.tiny_config(**ck.MOE["mixtral"])
+    path = ck.write(tmp_path / "mixtral", cfg, ck.moe_weights(cfg))
+    _tokenizer().save_pretrained(path)
+    one = _tokens(path, 1, quantization="fp8")
+    assert one != _tokens(path, 1)  # the fp8 weights were used
+    assert _tokens(path, 2, quantization="fp8") == one
