@@ -1,9 +1,11 @@
 """Images in a prompt, as plain data both sides share (torch-free).
 
 A Qwen2-VL prompt holds each image as a run of ``<|image_pad|>`` tokens, one per merged patch
-of the resized image. The gateway counts them (``VisionSpec.num_image_tokens``: the image
-processor's ``smart_resize`` arithmetic) to expand the chat template's single placeholder and to
-check the context length; the worker's image processor must arrive at the same grid.
+of the resized image; a Mistral 3 prompt (Pixtral's layout) as one ``[IMG]`` per merged patch
+with ``[IMG_BREAK]`` ending each row of them and ``[IMG_END]`` the last. The gateway works out
+an image's run (``VisionSpec.span``: the image processor's resize arithmetic, ``smart_resize``
+or ``pixtral_size``) to expand the chat template's single placeholder and to check the context
+length; the worker's image processor must arrive at the same grid.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from protos.errors import ConfigError
 from protos.sampling_params import InvalidRequestError
 
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3")
 MAX_ASPECT_RATIO = 200  # the image processor refuses a more elongated image
 MAX_IMAGE_PIXELS = 8192 * 8192  # a larger image is refused before it is decoded (memory)
 
@@ -28,8 +30,8 @@ MAX_IMAGE_PIXELS = 8192 * 8192  # a larger image is refused before it is decoded
 class ImageItem:
     """One image of a prompt: where its placeholder tokens sit, its patch grid and its bytes."""
 
-    offset: int  # index of its first ``<|image_pad|>`` token in the prompt
-    num_tokens: int
+    offset: int  # index of its first token (``<|image_pad|>``, ``[IMG]``) in the prompt
+    num_tokens: int  # its run of tokens (Mistral 3: its [IMG_BREAK] and [IMG_END] too)
     grid: tuple[int, int, int]  # (t, h, w) in patches, before the spatial merge
     content_hash: bytes  # of the encoded image: the prefix cache's key for its tokens
     data: bytes  # the encoded image (PNG, JPEG, ...), as the client sent it
@@ -66,6 +68,20 @@ def smart_resize(
     return h_bar, w_bar
 
 
+def pixtral_size(height: int, width: int, longest_edge: int, factor: int) -> tuple[int, int]:
+    """Pixtral's image processor's target size: scaled down (never up) to fit ``longest_edge``
+    on both sides, each side then rounded up to a multiple of ``factor``."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidRequestError(
+            f"an image of {width}x{height} pixels is too elongated: the aspect ratio must be at "
+            f"most {MAX_ASPECT_RATIO}", "messages"
+        )  # fmt: skip
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:  # floor, as transformers (the image stays within longest_edge)
+        height, width = math.floor(height / ratio), math.floor(width / ratio)
+    return (height - 1) // factor * factor + factor, (width - 1) // factor * factor + factor
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """What turns an image into placeholder tokens: read from a model directory's
@@ -79,11 +95,22 @@ class VisionSpec:
     temporal_patch_size: int = 2
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    # Mistral 3 (Pixtral): images fit within longest_edge pixels (not an area), each row of
+    # merged patches closed by image_break_id, the image by image_end_id; 0 and -1: Qwen-VL's
+    longest_edge: int = 0
+    image_break_id: int = -1
+    image_end_id: int = -1
 
     @classmethod
-    def from_dicts(cls, config: dict[str, Any], processor: dict[str, Any]) -> VisionSpec:
+    def from_dicts(
+        cls, config: dict[str, Any], processor: dict[str, Any], tokens: dict[str, int] | None = None
+    ) -> VisionSpec:
+        """``tokens``: the tokenizer's ids of its special tokens (Mistral 3's image break and
+        end tokens are named only there)."""
         vision = config.get("vision_config") or {}
         size = processor.get("size") or {}
+        if config.get("model_type") == "mistral3":
+            return cls._pixtral(config, vision, size, tokens or {})
         return cls(
             image_token_id=int(config["image_token_id"]),
             vision_start_id=int(config["vision_start_token_id"]),
@@ -102,6 +129,26 @@ class VisionSpec:
         )
 
     @classmethod
+    def _pixtral(
+        cls, config: dict[str, Any], vision: dict[str, Any], size: dict[str, Any],
+        tokens: dict[str, int],
+    ) -> VisionSpec:  # fmt: skip
+        missing = [t for t in ("[IMG_BREAK]", "[IMG_END]") if t not in tokens]
+        if missing:
+            raise ConfigError(f"mistral3: the tokenizer lacks the image tokens {missing}")
+        return cls(
+            image_token_id=int(config.get("image_token_index", config.get("image_token_id", 10))),
+            vision_start_id=-1,
+            vision_end_id=-1,
+            patch_size=int(vision.get("patch_size", 14)),
+            merge_size=int(config.get("spatial_merge_size", 2)),
+            temporal_patch_size=1,
+            longest_edge=int(size.get("longest_edge") or vision.get("image_size") or 1540),
+            image_break_id=tokens["[IMG_BREAK]"],
+            image_end_id=tokens["[IMG_END]"],
+        )
+
+    @classmethod
     def of_model_dir(cls, directory: Path) -> VisionSpec | None:
         """The directory's spec; None for a text-only model."""
         config_path = directory / "config.json"
@@ -111,41 +158,85 @@ class VisionSpec:
         if config.get("model_type") not in VL_MODEL_TYPES:
             return None
         pre = directory / "preprocessor_config.json"
+        if not pre.is_file() and config["model_type"] == "mistral3":
+            return None  # served as its language model (services.engine.model_config)
         if not pre.is_file():
             raise ConfigError(
                 f"{directory} is a vision-language model without preprocessor_config.json"
             )
-        return cls.from_dicts(config, json.loads(pre.read_text()))
+        tokens = special_tokens(directory) if config["model_type"] == "mistral3" else {}
+        return cls.from_dicts(config, json.loads(pre.read_text()), tokens)
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) patches of an image of ``height`` x ``width`` pixels once resized."""
         factor = self.patch_size * self.merge_size
-        h, w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        if self.longest_edge:
+            h, w = pixtral_size(height, width, self.longest_edge, factor)
+        else:
+            h, w = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
         return 1, h // self.patch_size, w // self.patch_size
 
-    def tokens_of(self, grid: tuple[int, int, int]) -> int:
+    def features_of(self, grid: tuple[int, int, int]) -> int:
+        """The image's embeddings (merged patches): its ``image_token_id`` tokens."""
         t, h, w = grid
         return t * h * w // (self.merge_size**2)
 
+    def tokens_of(self, grid: tuple[int, int, int]) -> int:
+        """The image's run of tokens in the prompt."""
+        rows = grid[1] // self.merge_size
+        return self.features_of(grid) + (rows if self.image_break_id >= 0 else 0)
+
+    def span(self, grid: tuple[int, int, int]) -> list[int]:
+        """The tokens an image's placeholder becomes."""
+        if self.image_break_id < 0:
+            return [self.image_token_id] * self.features_of(grid)
+        _, h, w = grid
+        rows, cols = h // self.merge_size, w // self.merge_size
+        out = ([self.image_token_id] * cols + [self.image_break_id]) * rows
+        out[-1] = self.image_end_id
+        return out
+
+
+def special_tokens(directory: Path) -> dict[str, int]:
+    """The ids of a tokenizer's added tokens, from its tokenizer.json (or, without one,
+    tokenizer_config.json's added_tokens_decoder); torch- and tokenizers-free."""
+    found: dict[str, int] = {}
+    try:
+        path = directory / "tokenizer.json"
+        if path.is_file():
+            for token in json.loads(path.read_text()).get("added_tokens") or ():
+                found[str(token["content"])] = int(token["id"])
+        path = directory / "tokenizer_config.json"
+        if not found and path.is_file():
+            decoder = json.loads(path.read_text()).get("added_tokens_decoder") or {}
+            found = {str(v["content"]): int(k) for k, v in decoder.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(
+            f"{directory}: the tokenizer's added tokens are unreadable: {e}"
+        ) from None
+    return found
+
 
 def expand_placeholders(
-    prompt: Sequence[int], image_token_id: int, counts: Sequence[int]
+    prompt: Sequence[int], image_token_id: int, spans: Sequence[int | Sequence[int]]
 ) -> tuple[list[int], list[int]]:
-    """Each single ``image_token_id`` of ``prompt`` repeated its image's token count; returns the
-    expanded prompt and each image's offset in it. The placeholders must match the images."""
+    """Each single ``image_token_id`` of ``prompt`` replaced by its image's run of tokens (a
+    count: that many ``image_token_id``); returns the expanded prompt and each image's offset
+    in it. The placeholders must match the images."""
     found = sum(1 for t in prompt if t == image_token_id)
-    if found != len(counts):
+    if found != len(spans):
         raise InvalidRequestError(
-            f"the prompt has {found} image placeholders but {len(counts)} images were given",
+            f"the prompt has {found} image placeholders but {len(spans)} images were given",
             "messages",
         )
     out: list[int] = []
     offsets: list[int] = []
-    images = iter(counts)
+    images = iter(spans)
     for token in prompt:
         if token == image_token_id:
             offsets.append(len(out))
-            out.extend([image_token_id] * next(images))
+            span = next(images)
+            out.extend([image_token_id] * span if isinstance(span, int) else span)
         else:
             out.append(token)
     return out, offsets
@@ -201,10 +292,10 @@ def place_images(
                 raise
             # the prompt's images in order, as the client sent them
             raise InvalidRequestError(f"image {i + 1} of the prompt: {e}", e.param) from None
-    counts = [spec.tokens_of(g) for g in grids]
-    ids, offsets = expand_placeholders(prompt, spec.image_token_id, counts)
+    spans = [spec.span(g) for g in grids]
+    ids, offsets = expand_placeholders(prompt, spec.image_token_id, spans)
     items = tuple(
-        ImageItem(o, n, g, content_hash(d), d)
-        for o, n, g, d in zip(offsets, counts, grids, images, strict=True)
+        ImageItem(o, len(s), g, content_hash(d), d)
+        for o, s, g, d in zip(offsets, spans, grids, images, strict=True)
     )
     return ids, items

@@ -125,8 +125,7 @@ class LLM:
         if spec is None:
             arch = self.engine.runner.arch
             why = (
-                f"is served for its language model only ({arch.language_of}'s vision tower is "
-                "not supported yet)"
+                f"is served for its language model only ({arch.language_only})"
                 if arch.language_of
                 else "is a text-only model"
             )

@@ -36,6 +36,7 @@ from services.engine.speculative import (
 )
 from services.engine.step_stats import HistogramSnapshot, TokenHistogram
 from services.engine.structured import CompiledOutput, GrammarBatch, GrammarCompiler
+from services.engine.vision import num_features
 from services.model_files import ModelFiles, named_model_dir
 from services.scheduling.kv_manager import KVCacheManager
 from services.scheduling.outputs import (
@@ -298,22 +299,24 @@ class LLMEngine:
         if vision is None:
             if images:
                 what = (
-                    f"served for its language model only ({arch.language_of}'s vision tower is "
-                    "not supported yet)"
+                    f"served for its language model only ({arch.language_only})"
                     if arch.language_of
                     else "a text-only model"
                 )
                 raise InvalidRequestError(
                     f"{self.model_name} is {what}: it takes no images; send text only, or "
-                    "serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)",
+                    "serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3)",
                     "messages",
                 )  # fmt: skip
             return 0
-        pad = vision.image_token_id
-        covered = sum(im.num_tokens for im in images)
+        pad, spec = vision.image_token_id, self.vision_spec
+        covered = sum(num_features(vision, im) for im in images)
         found = sum(1 for t in prompt if t == pad)
-        bad = any(im.end > len(prompt) or any(t != pad for t in prompt[im.offset : im.end])
-                  for im in images)  # fmt: skip
+
+        def run(im: ImageItem) -> list[int]:  # the image's tokens (Mistral 3: with its breaks)
+            return spec.span(im.grid) if spec is not None else [pad] * im.num_tokens
+
+        bad = any(im.end > len(prompt) or prompt[im.offset : im.end] != run(im) for im in images)
         if need_data and any(not im.data for im in images):
             raise InvalidRequestError("an image came without its data", "images")
         if found != covered or bad:
@@ -321,7 +324,7 @@ class LLMEngine:
                 f"the prompt has {found} image tokens but its images need {covered} at their "
                 "offsets: expand each image's placeholder to its token count", "messages"
             )  # fmt: skip
-        return rope_delta(images, vision.spatial_merge_size)
+        return rope_delta(images, vision.spatial_merge_size) if vision.mrope else 0
 
     def prepare_images(self, images: Sequence[ImageItem]) -> None:
         """Preprocess a request's images (InvalidRequestError for one that does not decode or

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -16,7 +16,13 @@ from safetensors import safe_open
 from kernels import ops
 from services.config import ConfigError, ModelConfig
 from services.engine.gpt_oss_weights import gpt_oss_tensors
-from services.engine.model_config import FUSED_CHECKPOINT_TYPES, ArchConfig, language_model_name
+from services.engine.model_config import (
+    FUSED_CHECKPOINT_TYPES,
+    VISION_TOWERS,
+    ArchConfig,
+    language_model_name,
+    mistral3_name,
+)
 from services.engine.models.cohere import CohereForCausalLM
 from services.engine.models.deepseek import (
     DeepseekForCausalLM,
@@ -26,6 +32,7 @@ from services.engine.models.deepseek import (
 from services.engine.models.gemma3 import Gemma3ForCausalLM
 from services.engine.models.glm4 import Glm4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.mistral3 import Mistral3ForCausalLM
 from services.engine.models.olmo2 import Olmo2ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.models.qwen3_vl import Qwen3VLForCausalLM
@@ -131,11 +138,13 @@ def _shard_sizes(arch: ArchConfig, fused: str) -> list[int]:
 
 
 def iter_safetensors(
-    directory: Path, layout: TPLayout | None = None, language_only: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
+    directory: Path, layout: TPLayout | None = None, language_only: bool = False,
+    rename: Callable[[str], str] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Every tensor of the checkpoint; with a tensor-parallel ``layout``, only the rank's slice
     of each, read from the file as a slice (the whole tensor never exists in this process).
-    ``language_only``: a multimodal checkpoint's language model, by its text-only names."""
+    ``language_only``: a multimodal checkpoint's language model, by its text-only names;
+    ``rename``: each tensor's name as the model holds it (Mistral 3's)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors weights in {directory}")
@@ -143,6 +152,8 @@ def iter_safetensors(
         with safe_open(str(file), framework="pt") as fh:
             for stored in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name = language_model_name(stored) if language_only else stored
+                if rename is not None and name is not None:
+                    name = rename(name)
                 if name is None:
                     continue
                 part = fh.get_slice(stored)
@@ -214,7 +225,9 @@ def load_weights(
             loaded.add(_load_expert(params, arch, name, expert, tensor))
             continue
         # the vision tower's tensors load as they are (Qwen2.5-VL's gate_proj is not stacked)
-        unstacked = name.startswith("visual.") or (arch.mla is not None and ".self_attn." in name)
+        unstacked = name.startswith(VISION_TOWERS) or (
+            arch.mla is not None and ".self_attn." in name
+        )
         match = None if unstacked else _NAME.search(name)
         if quantized and _load_quantized(quantized, name, tensor, match):
             continue
@@ -504,6 +517,8 @@ def load_model(
     model_class: type[LlamaForCausalLM] = LlamaForCausalLM
     if arch.vision is not None:
         model_class = Qwen3VLForCausalLM if arch.vision.qwen3 else Qwen2VLForCausalLM
+        if arch.vision.model_type == "mistral3":
+            model_class = Mistral3ForCausalLM
     if arch.gemma is not None:
         model_class = Gemma3ForCausalLM
     model_class = _FAMILY_MODELS.get(arch.model_type, model_class)
@@ -537,7 +552,10 @@ def load_model(
         dummy_quantized(model, config.weights_seed)
     else:
         assert files.hf_dir is not None
-        read = iter_safetensors(files.hf_dir, layout, bool(arch.language_of))
+        pixtral = arch.vision is not None and arch.vision.model_type == "mistral3"
+        read = iter_safetensors(
+            files.hf_dir, layout, bool(arch.language_of), mistral3_name if pixtral else None
+        )
         experts = None
         if qcfg is not None and qcfg.serialized and arch.moe is not None:
             experts = ExpertDequantizer(qcfg, dtype, device, fp8_expert_layers(model))

@@ -29,7 +29,7 @@ SUPPORTED = {
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3 (text)",
     "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
-    "mistral3": "Mistral Small 3.1/3.2, Magistral Small (their language model: images are refused)",
+    "mistral3": "Mistral Small 3.1/3.2, Magistral Small (images)",
     "phi3": "Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
     "smollm3": "SmolLM3 (its layers without rotary embedding)",
     "granite": "Granite 3.x (dense)",
@@ -54,7 +54,7 @@ SUPPORTED = {
 }
 # checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (as our layers)
 FUSED_CHECKPOINT_TYPES = ("phi3",)
-VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # Qwen-VL's (M-RoPE); mistral3 has images too
 SUPPORTED_SCALING = (
     "default",
     "linear",
@@ -88,13 +88,16 @@ _QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "gemma3_text", "olmo2", "olm
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
 
-# a Gemma 3 or Mistral 3 checkpoint with vision (served as its language model): its language
-# model's tensors under the names of the text-only model (as uploaded with transformers 4, and
-# as transformers 5 saves them); the vision tower's and the projector's, skipped
+# a Gemma 3 checkpoint with vision (served as its language model), or a Mistral 3 one: its
+# language model's tensors under the names of the text-only model (as uploaded with
+# transformers 4, and as transformers 5 saves them); the vision tower's and the projector's,
+# skipped (Gemma 3) or read by mistral3_name
 _LANGUAGE_NAMES = (
     ("language_model.model.", "model."), ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )  # fmt: skip
+# a vision-language model's vision tower and projector, by the names our models hold them
+VISION_TOWERS = ("visual.", "model.visual.", "vision_tower.", "multi_modal_projector.")
 _OTHER_TOWERS = (
     "vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
 )  # fmt: skip
@@ -109,6 +112,15 @@ def language_model_name(name: str) -> str | None:
         if name.startswith(prefix):
             return plain + name[len(prefix) :]
     return name
+
+
+def mistral3_name(name: str) -> str:
+    """A Mistral 3 checkpoint's tensor name as our model holds it: the language model's as the
+    text-only model names it, the vision tower's and the projector's at the top (without
+    transformers 5's ``model.``)."""
+    if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+        return name[len("model.") :]
+    return language_model_name(name) or name
 
 
 def multimodal_names(name: str) -> tuple[str, ...]:
@@ -272,10 +284,24 @@ class VisionConfig:
     mrope_interleaved: bool = False
     deepstack_blocks: tuple[int, ...] = ()
     vision_rope_theta: float = 10000.0
+    # Mistral 3 (Pixtral's tower, model_type mistral3): the activation of its gated MLP and of
+    # the projector's, the projector's biases and RMSNorm eps, and the tower's outputs it reads
+    # (its hidden states by index, 0: the normed patch embeddings, i: block i's output)
+    hidden_act: str = ""
+    projector_act: str = ""
+    projector_bias: bool = False
+    projector_eps: float = 1e-5
+    feature_layer: int = -1
 
     @property
     def windowed(self) -> bool:
         return self.window_size > 0
+
+    @property
+    def mrope(self) -> bool:
+        """Whether the image tokens take 3-D rotary positions (Qwen-VL's M-RoPE); Mistral 3's
+        are plain positions."""
+        return self.model_type != "mistral3"
 
     @property
     def qwen3(self) -> bool:
@@ -313,8 +339,8 @@ class ArchConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     # the model_type of a multimodal checkpoint of which only the language model is served
-    # ("gemma3", "mistral3"): its other towers' weights are skipped, and no request may carry
-    # images
+    # ("gemma3"; "mistral3" without its image processor's preprocessor_config.json beside it):
+    # its other towers' weights are skipped, and no request may carry images
     language_of: str = ""
     # layers whose queries and keys are not rotated (SmolLM3's NoPE layers, no_rope_layers 0)
     nope_layers: tuple[int, ...] = ()
@@ -347,6 +373,16 @@ class ArchConfig:
     clip_qkv: float = 0.0
 
     @property
+    def language_only(self) -> str:
+        """Why a multimodal checkpoint's images are refused (``language_of`` set); ""."""
+        if self.language_of == "mistral3":
+            return (
+                "mistral3's vision tower needs its image processor: the checkpoint has no "
+                "preprocessor_config.json"
+            )
+        return f"{self.language_of}'s vision tower is not supported yet" if self.language_of else ""
+
+    @property
     def rotary_dim(self) -> int:
         """The dims of each query and key head that rotary embedding turns (the first ones)."""
         if self.mla is not None:  # its heads laid out [rope | nope | zeros] in the cache
@@ -369,7 +405,8 @@ class ArchConfig:
         if model_type == "gemma3":
             cfg, model_type, language_of = _gemma3_language(cfg), "gemma3_text", "gemma3"
         elif model_type == "mistral3":
-            cfg, model_type, language_of = _mistral3_language(cfg), "mistral", "mistral3"
+            vision = _pixtral_config(cfg)
+            cfg, model_type = _mistral3_language(cfg), "mistral"
         if model_type == "gemma3_text":
             cfg, gemma = _gemma3(cfg)
         elif model_type == "gemma2":
@@ -473,7 +510,14 @@ class ArchConfig:
         # Mistral3Config ties by default, but the published checkpoints hold their own lm_head:
         # transformers then leaves the two apart (its tie_weights), as here
         if (
-            arch.language_of == "mistral3"
+            arch.vision is not None
+            and arch.vision.model_type == "mistral3"
+            and not (Path(path).parent / "preprocessor_config.json").is_file()
+        ):  # no image processor to serve images with: the language model alone, images refused
+            arch = dataclasses.replace(arch, vision=None, language_of="mistral3")
+        if (
+            arch.model_type == "mistral"
+            and (arch.vision is not None or arch.language_of == "mistral3")
             and arch.tie_word_embeddings
             and _MISTRAL3_LM_HEADS & tensor_names(Path(path).parent)
         ):
@@ -571,6 +615,65 @@ def tensor_names(directory: Path) -> set[str]:
             f"{directory}: the safetensors files' tensor names are unreadable: {e}"
         ) from None
     return names
+
+
+_PIXTRAL_ACTS = ("silu", "gelu")  # the vision MLP's and the projector's we implement
+
+
+def _pixtral_config(cfg: dict[str, Any]) -> VisionConfig:
+    """A Mistral 3 checkpoint's Pixtral vision tower and projector, as transformers'
+    ``Mistral3Config`` reads them (its defaults: Mistral Small 3.1's); what its configuration
+    allows but this engine does not implement is refused rather than served wrong."""
+    from transformers import Mistral3Config, PreTrainedConfig
+
+    given = {k: v for k, v in cfg.items() if k not in ("model_type", "text_config")}
+    full = Mistral3Config(**given, text_config=cfg.get("text_config"))
+    vis, text = full.vision_config, full.text_config
+    assert isinstance(vis, PreTrainedConfig) and isinstance(text, PreTrainedConfig)
+    for what, act in (
+        ("vision hidden_act", vis.hidden_act),
+        ("projector_hidden_act", full.projector_hidden_act),
+    ):
+        if act not in _PIXTRAL_ACTS:
+            raise ConfigError(f"mistral3: {what} {act!r} is not supported ({_PIXTRAL_ACTS})")
+    heads, width = int(vis.num_attention_heads), int(vis.hidden_size)
+    if width % heads or int(vis.head_dim or width // heads) != width // heads:
+        raise ConfigError(
+            f"mistral3: vision head_dim {vis.head_dim} must be hidden_size / num_attention_heads"
+        )
+    rope = dict(vis.rope_parameters or {})
+    if rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(f"mistral3: vision rope_type {rope['rope_type']!r} is not supported")
+    layer, depth = full.vision_feature_layer, int(vis.num_hidden_layers)
+    if isinstance(layer, list) and len(layer) == 1:
+        layer = layer[0]
+    if not isinstance(layer, int):  # several: transformers' projector norms one tower's width
+        raise ConfigError(
+            f"mistral3: vision_feature_layer {layer} (several layers) is not supported"
+        )
+    if not -depth - 1 <= layer <= depth:
+        raise ConfigError(f"mistral3: vision_feature_layer {layer} outside the vision tower")
+    return VisionConfig(
+        model_type="mistral3",
+        depth=depth,
+        embed_dim=width,
+        num_heads=heads,
+        mlp_ratio=0,
+        in_channels=int(vis.num_channels),
+        patch_size=int(vis.patch_size),
+        temporal_patch_size=1,
+        spatial_merge_size=int(full.spatial_merge_size),
+        out_hidden_size=int(text.hidden_size),
+        image_token_id=int(full.image_token_id),
+        mrope_section=(),
+        intermediate_size=int(vis.intermediate_size),
+        vision_rope_theta=float(rope.get("rope_theta", 10000.0)),
+        hidden_act=str(vis.hidden_act),
+        projector_act=str(full.projector_hidden_act),
+        projector_bias=bool(full.multimodal_projector_bias),
+        projector_eps=float(text.rms_norm_eps),
+        feature_layer=layer % (depth + 1),
+    )
 
 
 def _mistral3_language(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from services.engine.model_config import (
     derived_max_model_len,
 )
 from services.engine.models.llama import Attention
+from services.engine.models.mistral3 import Mistral3ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
 from services.engine.sampler import keep_drafts, sample, sample_tokens, sample_with_drafts
@@ -221,7 +222,7 @@ class ModelRunner:
         self._starts: list[int] = []
         self.pooler = Pooler()  # embeddings' running state between prefill chunks
         self.vision: VisionInputs | None = None
-        if isinstance(self.model, Qwen2VLForCausalLM) and self.arch.vision is not None:
+        if isinstance(self.model, Qwen2VLForCausalLM | Mistral3ForCausalLM) and self.arch.vision:
             model_dir = self.files.hf_dir or named_model_dir(self.files)
             if model_dir is None:
                 raise ConfigError(

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.config import ConfigError
-from services.engine.model_config import ArchConfig, MlaConfig
+from services.engine.model_config import VISION_TOWERS, ArchConfig, MlaConfig
 
 if TYPE_CHECKING:  # torch-free here; the package imports the quantized layers (and torch)
     from services.engine.quantization.config import QuantConfig
@@ -59,7 +59,7 @@ _PIECE = re.compile(
 _FUSED = re.compile(r"\.(qkv_proj|gate_up_proj)\.(weight|bias)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
-_VISION = ("visual.", "model.visual.")  # a vision tower's tensors: whole on every rank
+_VISION = VISION_TOWERS  # a vision tower's (and projector's) tensors: whole on every rank
 # one expert's tensor as checkpoints store them (Qwen3-MoE's names; Mixtral's w1 / w3 / w2):
 # gate and up cut along their rows, down along its columns
 _EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")

@@ -1,6 +1,8 @@
 """The worker's side of image input: the model's own image processor (transformers' numpy/PIL
 one) turns an image's bytes into patches, the vision tower encodes them, and each step gets
-the embeddings of the image tokens it computes and their 3-D rotary positions.
+the embeddings of the image tokens it computes and (Qwen-VL) their 3-D rotary positions. A
+Mistral 3 image's run of tokens holds an ``[IMG_BREAK]`` after each row of ``[IMG]`` tokens
+(``[IMG_END]`` after the last): those keep their token embeddings (``feature_index``).
 
 Images are preprocessed when their request is added (``prepare``: off the engine thread on the
 serving path, so a bad image is refused alone and resizing never stalls a step); encoder outputs
@@ -23,6 +25,7 @@ import torch
 from protos.multimodal import ImageItem
 from protos.sampling_params import InvalidRequestError
 from services.engine.model_config import VisionConfig
+from services.engine.models.mistral3 import Mistral3ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM, mrope_table
 from services.engine.mrope import mrope_positions
 from services.scheduling.outputs import ScheduledRequest
@@ -31,9 +34,16 @@ CACHE_TOKENS = 16384  # image tokens of encoder output kept (LRU)
 PENDING_IMAGES = 32  # preprocessed images waiting for their first encode (LRU)
 
 
-def load_image_processor(model_dir: Path) -> Any:
-    """transformers' PIL/numpy image processor of Qwen2-VL (the torchvision one is not usable
-    beside this torch build), configured from the model's preprocessor_config.json."""
+def load_image_processor(model_dir: Path, model_type: str = "qwen2_vl") -> Any:
+    """transformers' PIL/numpy image processor of Qwen2-VL or Pixtral (Mistral 3; the torchvision
+    ones are not usable beside this torch build), configured from the model's
+    preprocessor_config.json."""
+    if model_type == "mistral3":
+        from transformers.models.pixtral.image_processing_pil_pixtral import (
+            PixtralImageProcessorPil,
+        )
+
+        return PixtralImageProcessorPil.from_pretrained(str(model_dir))
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil as Processor,
@@ -57,7 +67,25 @@ def to_rgb(img: Any) -> Any:
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
-def preprocess(processor: Any, image: ImageItem) -> np.ndarray:  # [patches, C*tp*p*p] float32
+def _pixtral_patches(
+    processor: Any, rgb: Any, cfg: VisionConfig
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Pixtral's resized, normalized image cut into patches [h*w, C*p*p] (raster order, as the
+    patch convolution reads them), and its grid: the processor sizes images in merged patches
+    (as transformers' Mistral 3 processor asks it to)."""
+    p, m = cfg.patch_size, cfg.spatial_merge_size
+    feat = processor(images=[rgb], patch_size={"height": p * m, "width": p * m},
+                     return_tensors="np")  # fmt: skip
+    pixels = np.asarray(feat["pixel_values"][0], dtype=np.float32)  # [C, H, W]
+    c, height, width = pixels.shape
+    h, w = height // p, width // p
+    patches = pixels.reshape(c, h, p, w, p).transpose(1, 3, 0, 2, 4).reshape(h * w, c * p * p)
+    return np.ascontiguousarray(patches), (1, h, w)
+
+
+def preprocess(
+    processor: Any, image: ImageItem, cfg: VisionConfig | None = None
+) -> np.ndarray:  # [patches, C*tp*p*p] float32
     """The image's patches; refused if it does not decode or its grid is not the one its
     placeholder tokens were counted for."""
     from PIL import Image, UnidentifiedImageError
@@ -67,15 +95,36 @@ def preprocess(processor: Any, image: ImageItem) -> np.ndarray:  # [patches, C*t
             rgb = to_rgb(img)
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise InvalidRequestError(f"an image could not be decoded: {exc}", "messages") from None
-    feat = processor(images=[rgb], return_tensors="np")
-    grid = tuple(int(v) for v in feat["image_grid_thw"][0])
+    if cfg is not None and cfg.model_type == "mistral3":
+        patches, grid = _pixtral_patches(processor, rgb, cfg)
+    else:
+        feat = processor(images=[rgb], return_tensors="np")
+        grid = tuple(int(v) for v in feat["image_grid_thw"][0])
+        patches = np.asarray(feat["pixel_values"], dtype=np.float32)
     if grid != image.grid:
         raise InvalidRequestError(
             f"an image's patch grid is {grid} but its placeholder tokens were counted for "
             f"{image.grid}: the gateway and the worker read different image settings",
             "messages",
         )
-    return np.asarray(feat["pixel_values"], dtype=np.float32)
+    return patches
+
+
+def feature_index(cfg: VisionConfig, image: ImageItem, a: int, b: int) -> torch.Tensor:
+    """Of the image's tokens a .. b (prompt indices), the embeddings row (of its encoder
+    output) of each that takes one, -1 for each that keeps its token embedding (Mistral 3's
+    [IMG_BREAK] and [IMG_END]: one after each row of merged patches)."""
+    k = torch.arange(a - image.offset, b - image.offset)
+    if cfg.mrope:  # Qwen-VL: every token
+        return k
+    width = image.grid[2] // cfg.spatial_merge_size + 1  # a row of [IMG], then its break
+    return torch.where(k % width == width - 1, -1, k - k // width)
+
+
+def num_features(cfg: VisionConfig, image: ImageItem) -> int:
+    """The image's embeddings (its merged patches)."""
+    t, h, w = image.grid
+    return t * h * w // cfg.spatial_merge_size**2
 
 
 class EncoderCache:
@@ -107,10 +156,12 @@ class EncoderCache:
 class VisionInputs:
     """What a step of a vision-language model needs beyond token ids."""
 
-    def __init__(self, model: Qwen2VLForCausalLM, cfg: VisionConfig, model_dir: Path) -> None:
+    def __init__(
+        self, model: Qwen2VLForCausalLM | Mistral3ForCausalLM, cfg: VisionConfig, model_dir: Path
+    ) -> None:
         self.model = model
         self.cfg = cfg
-        self.processor = load_image_processor(model_dir)
+        self.processor = load_image_processor(model_dir, cfg.model_type)
         # Qwen3-VL's rows carry its DeepStack levels beside the embeddings: as many bytes kept
         self.cache = EncoderCache(CACHE_TOKENS // (1 + len(cfg.deepstack_blocks)))
         self._pixels: OrderedDict[bytes, np.ndarray] = OrderedDict()  # by content hash
@@ -124,7 +175,7 @@ class VisionInputs:
             with self._lock:
                 if not image.data or key in self._pixels or key in self.cache:
                     continue
-            pixels = preprocess(self.processor, image)
+            pixels = preprocess(self.processor, image, self.cfg)
             with self._lock:
                 self._pixels[key] = pixels
                 while len(self._pixels) > PENDING_IMAGES:
@@ -133,7 +184,7 @@ class VisionInputs:
     def _pixels_of(self, image: ImageItem) -> np.ndarray:
         with self._lock:
             pixels = self._pixels.pop(image.content_hash, None)
-        return pixels if pixels is not None else preprocess(self.processor, image)
+        return pixels if pixels is not None else preprocess(self.processor, image, self.cfg)
 
     def _encode(self, images: list[ImageItem]) -> dict[bytes, torch.Tensor]:
         """Encode these (distinct, uncached) images in one pass of the vision tower; their
@@ -148,11 +199,11 @@ class VisionInputs:
         batch = [(torch.from_numpy(self._pixels_of(i)).to(dev), i.grid) for i in images]
         outs = self.model.encode_images(batch)
         for image, out in zip(images, outs, strict=True):
-            if out.shape[0] != image.num_tokens:
+            if out.shape[0] != num_features(self.cfg, image):
                 raise InvalidRequestError(
-                    f"an image encodes to {out.shape[0]} tokens, not {image.num_tokens}",
-                    "messages",
-                )
+                    f"an image encodes to {out.shape[0]} tokens, not "
+                    f"{num_features(self.cfg, image)}", "messages",
+                )  # fmt: skip
         for image, out in zip(images, outs, strict=True):
             self.cache.put(image.content_hash, out)
             self.cache.encoded += 1
@@ -178,15 +229,22 @@ class VisionInputs:
         missing = [image for h, image in needed.items() if h not in embeds]
         if missing:
             embeds.update(self._encode(missing))
-        rows: list[int] = []
+        rows: list[torch.Tensor] = []
         parts: list[torch.Tensor] = []
         for shift, image, a, b in spans:
-            parts.append(embeds[image.content_hash][a - image.offset : b - image.offset])
-            rows.extend(range(shift + a, shift + b))
-        if not rows:
+            enc, step_rows = embeds[image.content_hash], torch.arange(shift + a, shift + b)
+            if not self.cfg.mrope:  # Mistral 3: not every token of the run is an embedding
+                index = feature_index(self.cfg, image, a, b)
+                taken = index >= 0
+                parts.append(enc[index[taken].to(enc.device)])
+                rows.append(step_rows[taken])
+            else:
+                parts.append(enc[a - image.offset : b - image.offset])
+                rows.append(step_rows)
+        if not parts or sum(p.shape[0] for p in parts) == 0:
             return None
         dev = parts[0].device
-        return torch.tensor(rows, device=dev), torch.cat(parts)
+        return torch.cat(rows).to(dev), torch.cat(parts)
 
     def rope_table(
         self, reqs: list[ScheduledRequest], starts: list[int], positions: torch.Tensor
@@ -194,7 +252,7 @@ class VisionInputs:
         """The step's [T, D] rotary rows when a chunk reaches into a prompt's images (3-D
         positions there); None when every token's three positions are equal."""
         chunks = [(r, at) for r, at in zip(reqs, starts, strict=True) if r.before_image_end]
-        if not chunks:
+        if not chunks or not self.cfg.mrope:
             return None
         pos3 = positions[None, :].expand(3, -1).clone()  # [3, T]
         for r, at in chunks:

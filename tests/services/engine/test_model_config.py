@@ -392,10 +392,11 @@ def test_mistral3_reads_its_text_config_as_transformers_does(tmp_path: Any) -> N
            "eos_token_id": 7, "vision_config": {"model_type": "pixtral"}}  # fmt: skip
     arch = ArchConfig.from_dict(cfg)
     assert (arch.model_type, arch.language_of, arch.head_dim, arch.rope_theta) == (
-        "mistral", "mistral3", 32, 1e9
+        "mistral", "", 32, 1e9
     )  # fmt: skip
     assert (arch.torch_dtype, arch.eos_token_ids, arch.sliding_window) == ("bfloat16", (7,), None)
-    assert arch.vision is None and arch.tie_word_embeddings and not arch.attention_bias
+    assert arch.tie_word_embeddings and not arch.attention_bias
+    assert arch.vision is not None and arch.vision.model_type == "mistral3"
     published = ArchConfig.from_dict({"model_type": "mistral3"})  # Mistral Small 3.1's sizes
     assert (published.num_layers, published.hidden_size, published.head_dim) == (40, 5120, 128)
     assert (published.num_heads, published.num_kv_heads, published.vocab_size) == (32, 8, 131072)
@@ -410,5 +411,43 @@ def test_mistral3_reads_its_text_config_as_transformers_does(tmp_path: Any) -> N
     weight_map["language_model.lm_head.weight"] = "a.safetensors"
     index.write_text(json.dumps({"weight_map": weight_map}))
     assert not ArchConfig.from_file(tmp_path / "config.json").tie_word_embeddings
+    # no image processor beside it: the language model alone
+    assert ArchConfig.from_file(tmp_path / "config.json").language_of == "mistral3"
+    (tmp_path / "preprocessor_config.json").write_text("{}")
+    with_images = ArchConfig.from_file(tmp_path / "config.json")
+    assert with_images.vision is not None and not with_images.language_of
+    assert not with_images.tie_word_embeddings
     with pytest.raises(ConfigError, match="'ministral3' language model is not supported"):
         ArchConfig.from_dict({**cfg, "text_config": {**text, "model_type": "ministral3"}})
+
+
+def test_mistral3_reads_its_vision_tower_as_transformers_does() -> None:
+    """Pixtral's tower and Mistral 3's projector from Mistral3Config (its defaults: Mistral
+    Small 3.1's tower); what the engine does not implement refused."""
+    vision = ArchConfig.from_dict({"model_type": "mistral3"}).vision
+    assert vision is not None
+    assert (vision.depth, vision.embed_dim, vision.num_heads, vision.intermediate_size) == (
+        24, 1024, 16, 4096
+    )  # fmt: skip
+    assert (vision.patch_size, vision.spatial_merge_size, vision.out_hidden_size) == (14, 2, 5120)
+    assert (vision.image_token_id, vision.feature_layer, vision.mrope) == (10, 24, False)
+    assert (vision.hidden_act, vision.projector_act, vision.projector_bias) == (
+        "gelu",
+        "gelu",
+        False,
+    )
+    small = {"model_type": "mistral3", "vision_feature_layer": -2, "image_token_index": 7,
+             "vision_config": {"hidden_act": "silu", "num_hidden_layers": 3}}  # fmt: skip
+    vision = ArchConfig.from_dict(small).vision
+    assert vision is not None
+    assert (vision.feature_layer, vision.image_token_id, vision.hidden_act) == (2, 7, "silu")
+    for bad, message in [
+        ({"vision_feature_layer": [-1, -2]}, "several layers"),
+        ({"vision_feature_layer": 9}, "outside the vision tower"),
+        ({"projector_hidden_act": "relu"}, "projector_hidden_act 'relu'"),
+        ({"vision_config": {"hidden_act": "quick_gelu"}}, "vision hidden_act 'quick_gelu'"),
+        ({"vision_config": {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}},
+         "vision head_dim 32"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            ArchConfig.from_dict({**small, **bad})

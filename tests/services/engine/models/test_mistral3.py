@@ -1,0 +1,153 @@
+"""Mistral 3 with images (Pixtral's vision tower, Mistral 3's projector) in our engine against
+transformers' ``Mistral3ForConditionalGeneration`` (float32, a tiny random checkpoint): greedy,
+token for token, with one image, two images of different sizes, an image larger than the
+processor's longest edge and a text-only prompt, batched and prefilled in chunks that cut
+through images; the image's run of tokens ([IMG] rows, [IMG_BREAK], [IMG_END]) as transformers'
+processor builds it; the prefix cache keyed by image content; bad images refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protos.multimodal import content_hash
+from protos.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.llm import LLM
+from tests.services.engine.conftest import BESIDE
+from tests.services.mistral3_model import build, hf_greedy, png, processor_prompt
+
+NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+# (chat parts, the images' (seed, width, height))
+CASES = [
+    (("<image>", "What is in the picture?"), [(1, 64, 48)]),
+    (("<image>", "and", "<image>", "differ how?"), [(3, 64, 64), (4, 100, 40)]),
+    (("Describe", "<image>", "briefly."), [(2, 300, 150)]),  # scaled down to 112 pixels wide
+    (("No picture here, just text.",), []),
+]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp("mistral3")
+    return path, build(path)
+
+
+@pytest.fixture(scope="module")
+def llm(built: tuple[Path, Any]) -> LLM:
+    # a 16-token step budget: the prompts are prefilled in chunks that cut through images
+    return LLM(str(built[0]), max_num_batched_tokens=16, enable_prefix_caching=True, **BESIDE)
+
+
+def _chat(*parts: str) -> list[dict[str, Any]]:
+    content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+def _prompt(llm: LLM, parts: tuple[str, ...], images: list[tuple[int, int, int]]) -> dict:
+    return {
+        "prompt_token_ids": llm.apply_chat_template(_chat(*parts)),
+        "multi_modal_data": {"image": [png(s, w, h) for s, w, h in images]},
+    }
+
+
+def _reference(built: tuple[Path, Any], llm: LLM, prompt: dict) -> list[int]:
+    ids, _ = llm.encode_with_images(prompt)
+    return hf_greedy(built[1], built[0], ids, prompt["multi_modal_data"]["image"], NEW)
+
+
+def test_the_prompt_holds_the_image_tokens_of_transformers_processor(
+    built: tuple[Path, Any], llm: LLM
+) -> None:
+    for parts, images in CASES:
+        prompt = _prompt(llm, parts, images)
+        ids, items = llm.encode_with_images(prompt)
+        text = llm.tokenizer.decode(prompt["prompt_token_ids"])
+        assert ids == processor_prompt(built[0], text, prompt["multi_modal_data"]["image"])
+        for item, (_, width, height) in zip(items, images, strict=True):
+            rows, cols = item.grid[1] // 2, item.grid[2] // 2
+            assert item.num_tokens == rows * (cols + 1)  # [IMG] x cols + a break, each row
+            assert max(item.grid[1], item.grid[2]) * 14 <= 112
+            assert (rows, cols) != (0, 0) and (width > height) == (cols > rows)
+
+
+def test_greedy_equals_transformers_batched_and_chunked(built: tuple[Path, Any], llm: LLM) -> None:
+    prompts = [_prompt(llm, parts, images) for parts, images in CASES]
+    results = llm.generate(prompts, GREEDY)  # all in one batch
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.outputs[0].token_ids == _reference(built, llm, prompt)
+
+
+def test_the_image_decides_the_output(llm: LLM) -> None:
+    a = llm.generate(_prompt(llm, ("<image>", "Hi"), [(11, 64, 48)]), GREEDY)
+    b = llm.generate(_prompt(llm, ("<image>", "Hi"), [(12, 64, 48)]), GREEDY)
+    assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids
+
+
+def test_prefix_cache_keys_image_blocks_by_content(built: tuple[Path, Any], llm: LLM) -> None:
+    """Two images of one size give the same token ids: the second must not read the first's
+    KV; the first again hits the cache and is not encoded again."""
+    first = _prompt(llm, ("<image>", "Say something long about it."), [(21, 112, 112)])
+    other = _prompt(llm, ("<image>", "Say something long about it."), [(22, 112, 112)])
+    _, items = llm.encode_with_images(first)
+    assert items[0].num_tokens >= llm.engine.kv.block_size  # whole blocks of image tokens
+    a = llm.generate(first, GREEDY)[0]
+    b = llm.generate(other, GREEDY)[0]
+    assert b.num_cached_tokens == 0
+    assert b.outputs[0].token_ids == _reference(built, llm, other)
+    vision = llm.engine.runner.vision
+    assert vision is not None
+    encoded = vision.cache.encoded
+    again = llm.generate(first, GREEDY)[0]
+    assert again.num_cached_tokens >= items[0].end  # the image's blocks came from the cache
+    assert vision.cache.encoded == encoded  # not encoded again
+    assert again.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_bad_image_input_is_refused(llm: LLM) -> None:
+    ids = llm.apply_chat_template(_chat("<image>", "hi"))
+    with pytest.raises(InvalidRequestError, match="could not be decoded"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [b"not a png"]}})
+    with pytest.raises(InvalidRequestError, match="1 image placeholders but 2 images"):
+        llm.generate(
+            {"prompt_token_ids": ids, "multi_modal_data": {"image": [png(1), png(2)]}}, GREEDY
+        )
+    with pytest.raises(InvalidRequestError, match="image tokens"):  # [IMG] without an image
+        llm.generate(ids, GREEDY)
+
+
+def test_an_image_is_checked_when_added(llm: LLM) -> None:
+    """What reaches the engine without the gateway's checks (a gRPC client of a worker): an
+    image whose grid is not the one its tokens were counted for, or a run of tokens without
+    its row breaks, is refused as the request is added; the engine goes on serving."""
+    prompt = _prompt(llm, ("<image>", "hi"), [(51, 56, 56)])
+    ids, (image,) = llm.encode_with_images(prompt)
+    other = png(52, 112, 112)  # 4x4 merged patches, not the 2x2 of the tokens
+    wrong = replace(image, data=other, content_hash=content_hash(other))
+    with pytest.raises(InvalidRequestError, match="patch grid"):
+        llm.engine.add_request("wrong", ids, GREEDY, images=[wrong])
+    pad = ids[image.offset]
+    flat = ids[: image.offset] + [pad] * image.num_tokens + ids[image.end :]  # no breaks
+    with pytest.raises(InvalidRequestError, match="image tokens"):
+        llm.engine.add_request("flat", flat, GREEDY, images=[image])
+    assert not llm.engine.has_unfinished
+    assert llm.generate(prompt, GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_without_an_image_processor_the_language_model_is_served(
+    built: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """A Mistral 3 checkpoint without preprocessor_config.json: its language model alone (as
+    before images were served), images refused with the reason."""
+    for f in built[0].iterdir():
+        if f.name != "preprocessor_config.json":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    with LLM(str(tmp_path), **BESIDE) as text:
+        assert text.engine.runner.vision is None
+        with pytest.raises(InvalidRequestError, match=r"no preprocessor_config\.json"):
+            text.generate({"prompt": "hi", "multi_modal_data": {"image": [png(1)]}}, GREEDY)
+        assert text.generate("hi", GREEDY)[0].outputs[0].finish_reason == "length"
