@@ -8,6 +8,7 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -501,6 +502,10 @@ def load_model(
             f"quantized {arch.model_type} models (multi-head latent attention) are not supported "
             "yet: serve a bf16 checkpoint, without --quantization"
         )
+    if qcfg is not None and arch.vision is not None and arch.vision.model_type == "mistral3":
+        # its tower is not built quantized: the language model alone, as before it had images
+        log.warning("mistral3 quantized: its language model is served, images refused")
+        arch = replace(arch, vision=None, language_of="mistral3")
     if qcfg is not None and arch.vision is not None:
         raise ConfigError(
             f"quantized {arch.model_type} (vision-language) models are not supported yet"
