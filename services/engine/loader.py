@@ -8,7 +8,6 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -497,15 +496,12 @@ def load_model(
             f"quantized {arch.model_type} checkpoints are not supported yet ({why}): serve the "
             "bf16 checkpoint, with --quantization fp8 for FP8"
         )
-    if qcfg is not None and arch.mla is not None:  # V3's published FP8 block checkpoints too
+    if qcfg is not None and not qcfg.serialized and arch.mla is not None:
         raise ConfigError(
-            f"quantized {arch.model_type} models (multi-head latent attention) are not supported "
-            "yet: serve a bf16 checkpoint, without --quantization"
+            f"quantized {arch.model_type} models from --quantization fp8 (multi-head latent "
+            "attention) are not supported yet: serve its FP8 checkpoint (DeepSeek-V3's own "
+            "128x128 blocks load), or the bf16 one without --quantization"
         )
-    if qcfg is not None and arch.vision is not None and arch.vision.model_type == "mistral3":
-        # its tower is not built quantized: the language model alone, as before it had images
-        log.warning("mistral3 quantized: its language model is served, images refused")
-        arch = replace(arch, vision=None, language_of="mistral3")
     if qcfg is not None and arch.vision is not None:
         raise ConfigError(
             f"quantized {arch.model_type} (vision-language) models are not supported yet"
@@ -563,7 +559,9 @@ def load_model(
         )
         experts = None
         if qcfg is not None and qcfg.serialized and arch.moe is not None:
-            experts = ExpertDequantizer(qcfg, dtype, device, fp8_expert_layers(model))
+            experts = ExpertDequantizer(
+                qcfg, dtype, device, fp8_expert_layers(model), mla=arch.mla is not None
+            )
             read = experts.stream(read)
         load_weights(model, read, layout, arch)
         if experts is not None and experts.projections:

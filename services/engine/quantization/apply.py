@@ -138,7 +138,8 @@ def fuse_fp8_inputs(model: nn.Module) -> None:
             ("input_layernorm", attn, "qkv_proj"),
             ("post_attention_layernorm", mlp, "gate_up_proj"),
         ):
-            setattr(layer, norm, Fp8InputNorm(getattr(layer, norm), _Child(parent, taker)))
+            if hasattr(parent, taker):  # DeepSeek's latent attention has no qkv_proj
+                setattr(layer, norm, Fp8InputNorm(getattr(layer, norm), _Child(parent, taker)))
         mlp.act_fn = Fp8SiluAndMul(_Child(mlp, "down_proj"))
 
 

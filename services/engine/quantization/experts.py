@@ -31,6 +31,13 @@ _PIECE = re.compile(
     r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))"
     r"\.(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
 )
+# one piece of a projection of DeepSeek's latent attention but o_proj: the model reads them as
+# float weights (kv_b_proj split into each head's key and value maps), as vLLM dequantizes
+# kv_b_proj; o_proj stays a quantized layer
+_MLA_PIECE = re.compile(
+    r"^(.*\.self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj))"
+    r"\.(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+)
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -74,7 +81,9 @@ class ExpertDequantizer:
     dtype: torch.dtype
     device: torch.device
     held: frozenset[int] = frozenset()  # decoder layers whose experts are held in FP8: as read
-    projections: int = 0  # expert projections dequantized
+    mla: bool = False  # DeepSeek's latent attention: its projections but o_proj dequantized too
+    projections: int = 0
+    attention: int = 0  # of which the latent attention's  # expert projections dequantized
     stored_bytes: int = 0  # their quantized pieces' bytes in the checkpoint
     float_bytes: int = 0  # their float weights' bytes as served
     _pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -85,7 +94,11 @@ class ExpertDequantizer:
         wanted = expert_pieces(self.qcfg)
         for name, tensor in weights:
             match = _PIECE.match(name)
-            if match is None or self._held(name) or not self._quantized(match.group(2), tensor):
+            if match is not None and self._held(name):
+                match = None
+            if match is None and self.mla:
+                match = _MLA_PIECE.match(name)
+            if match is None or not self._quantized(match.group(2), tensor):
                 yield name, tensor
                 continue
             module, piece = match.groups()
@@ -123,24 +136,32 @@ class ExpertDequantizer:
             shapes = {p: tuple(t.shape) for p, t in pieces.items()}
             raise ConfigError(f"{module}: quantized pieces {shapes} do not fit: {e}") from None
         self.projections += 1
+        self.attention += ".self_attn." in module
         self.stored_bytes += sum(t.numel() * t.element_size() for t in pieces.values())
         self.float_bytes += weight.numel() * weight.element_size()
         return weight
 
     def describe(self) -> str:
         """The start-up line on the experts dequantized here."""
-        gib = 1 << 30
         dtype = str(self.dtype).removeprefix("torch.")
         why = (
             "no int4 fused MoE kernel yet"
             if self.qcfg.is_int4
             else "no FP8 on this GPU, or an expert of their layer stored unquantized"
         )
+        experts = self.projections - self.attention
+        what = f"the experts' {experts} {self.qcfg.method} projections were"
+        if self.attention:  # the latent attention's, whatever the experts are held as
+            why = "the latent attention reads float weights" + (f"; {why}" if experts else "")
+            what = (
+                f"the latent attention's {self.attention} (q, kv_a, kv_b) "
+                + (f"and the experts' {experts} " if experts else "")
+                + f"{self.qcfg.method} projections were"
+            )
         return (
-            f"quantization: the experts' {self.projections} {self.qcfg.method} projections were "
-            f"dequantized to {dtype} as they loaded ({why}): {self.float_bytes / gib:.2f} GiB "
-            f"instead of the checkpoint's {self.stored_bytes / gib:.2f} GiB; the router stays "
-            "as stored"
+            f"quantization: {what} dequantized to {dtype} as they loaded ({why}): "
+            f"{_size(self.float_bytes)} instead of the checkpoint's {_size(self.stored_bytes)}; "
+            "the router stays as stored"
         )
 
 

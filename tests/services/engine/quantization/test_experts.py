@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,105 @@ def test_greedy_tokens_through_the_triton_moe_kernel(
             )
         tokens.append([r.outputs[0].token_ids for r in out])
     assert tokens[0] == tokens[1]
+
+
+# tiny DeepSeek-V2/V3 and GLM-4.5 (first layer dense, then experts with a shared one); FP8
+# blocks of 32 so that every projection spans several, some partial (kv_lora_rank 24, kv_a's
+# 24 + 8 rows, V2's 96 q rows)
+DEEPSEEK = {
+    "vocab_size": 49152, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "intermediate_size": 96, "moe_intermediate_size": 32, "kv_lora_rank": 24,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 2,
+    "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "bos_token_id": None,
+    "eos_token_id": None, "pad_token_id": None,
+}  # fmt: skip
+DEEPSEEK_TYPES = {
+    "deepseek_v3": {"q_lora_rank": 32, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+    "deepseek_v2": {"q_lora_rank": None, "topk_method": "group_limited_greedy"},
+    "glm4_moe": {"head_dim": 16, "num_key_value_heads": 2, "use_qk_norm": True,
+                 "attention_bias": True},
+}  # fmt: skip
+_QUANTIZED = re.compile(r"(_proj|_proj_with_mqa)\.weight$")
+
+
+def _fp8_blocks(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3, [ceil(N / b), ceil(K / b)] weight_scale_inv, the dequantized float32)."""
+    n, k = w.shape
+    rows, cols = torch.arange(n) // b, torch.arange(k) // b
+    scale = torch.zeros(-(-n // b), -(-k // b))
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            scale[r, c] = w[r * b : (r + 1) * b, c * b : (c + 1) * b].abs().max() / 448.0
+    q = (w / scale[rows][:, cols]).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * scale[rows][:, cols]
+
+
+def _deepseek_checkpoints(root: Path, model_type: str) -> tuple[Path, Path]:
+    """A tiny random transformers checkpoint of ``model_type`` in DeepSeek-V3's FP8 format
+    (every projection in 32x32 blocks, the router and norms as they are), and the float32 one
+    of its dequantized weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from services.engine.llm_engine import load_tokenizer
+    from tests.services.engine.conftest import tokenizer_dir
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**DEEPSEEK, **DEEPSEEK_TYPES[model_type]})
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "hf")
+    weights = load_file(str(root / "hf" / "model.safetensors"))
+    config = json.loads((root / "hf" / "config.json").read_text())
+    tensors, deq = dict(weights), dict(weights)
+    for name, w in weights.items():
+        if _QUANTIZED.search(name) and not name.startswith("lm_head"):
+            q, scale, deq[name] = _fp8_blocks(w, 32)
+            tensors[name] = q
+            tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "fmt": "e4m3", "weight_block_size": [32, 32]}  # fmt: skip
+    quantized = ck.write(root / "fp8", {**config, "torch_dtype": "bfloat16"}, tensors)
+    ref = ck.float_checkpoint(root / "ref", deq, quantized)
+    for path in (quantized, ref):
+        load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    return quantized, ref
+
+
+@pytest.mark.parametrize("model_type", list(DEEPSEEK_TYPES))
+def test_quantized_deepseek_and_glm_checkpoints(
+    tmp_path: Path, model_type: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DeepSeek-V2/V3's and GLM-4.5's FP8 block checkpoints (were refused for DeepSeek): the
+    experts held in FP8, o_proj, the dense MLP and the shared experts quantized layers,
+    DeepSeek's other latent attention projections (kv_b_proj among them) dequantized to float
+    weights as they load; greedy tokens and their logprobs those of the float32 model of the
+    dequantized weights."""
+    from protos.sampling_params import SamplingParams
+    from services.engine.llm import LLM
+    from tests.services.engine.conftest import BESIDE
+
+    path, ref = _deepseek_checkpoints(tmp_path, model_type)
+    with caplog.at_level("INFO", logger="services.engine.loader"):
+        model = load(path)
+    moe = model.model.layers[1].mlp
+    assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn and moe.experts.fp8_block == (32, 32)  # fmt: skip
+    assert isinstance(moe.shared_experts.gate_up_proj, Fp8Linear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    attn, want = model.model.layers[1].self_attn, load(ref).model.layers[1].self_attn
+    assert isinstance(attn.o_proj, Fp8Linear)
+    assert "experts of 1 layers held as fp8 e4m3 with 32x32 block scales" in caplog.text
+    if model_type != "glm4_moe":  # the latent attention's float weights, as the reference's
+        for proj in ("kv_b_proj", "kv_a_proj_with_mqa", "q_b_proj" if "v3" in model_type else "q_proj"):  # fmt: skip
+            got = getattr(attn, proj).weight
+            assert got.dtype == torch.float32 and torch.equal(got, getattr(want, proj).weight)
+        assert "latent attention's" in caplog.text
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": [5, 77, 130, 9, 4000]}, {"prompt_token_ids": [200, 3]}]
+    outs = []
+    for where in (path, ref):
+        with LLM(str(where), **BESIDE) as llm:
+            outs.append(llm.generate(prompts, params))
+    for got, exp in zip(*outs, strict=True):
+        assert got.outputs[0].token_ids == exp.outputs[0].token_ids
+        a = [p.chosen.logprob for p in got.outputs[0].logprobs]
+        b = [p.chosen.logprob for p in exp.outputs[0].logprobs]
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=TOL, atol=TOL)
