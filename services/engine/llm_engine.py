@@ -160,9 +160,14 @@ class LLMEngine:
         self.vocab_size = self.runner.arch.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.task = config.task  # generate | embed: the one kind of request this engine takes
-        # how images become placeholder tokens (None: a text-only model)
+        # how images become placeholder tokens (None: a text-only model, or a multimodal one
+        # served as its language model)
         model_dir = files.hf_dir or named_model_dir(files)
-        self.vision_spec = VisionSpec.of_model_dir(model_dir) if model_dir is not None else None
+        self.vision_spec = (
+            VisionSpec.of_model_dir(model_dir)
+            if model_dir is not None and self.runner.arch.vision is not None
+            else None
+        )
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if files.kind != "named" else None
         self.eos_token_ids = frozenset(self.runner.arch.eos_token_ids) | (
             {tok_eos} if tok_eos is not None else set()

@@ -8,6 +8,7 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -502,6 +503,10 @@ def load_model(
             "attention) are not supported yet: serve its FP8 checkpoint (DeepSeek-V3's own "
             "128x128 blocks load), or the bf16 one without --quantization"
         )
+    if qcfg is not None and arch.vision is not None and arch.vision.model_type == "mistral3":
+        # its tower is not built quantized: the language model alone, as before it had images
+        log.warning("mistral3 quantized: its language model is served, images refused")
+        arch = replace(arch, vision=None, language_of="mistral3")
     if qcfg is not None and arch.vision is not None:
         raise ConfigError(
             f"quantized {arch.model_type} (vision-language) models are not supported yet"

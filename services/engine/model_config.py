@@ -339,7 +339,7 @@ class ArchConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     # the model_type of a multimodal checkpoint of which only the language model is served
-    # ("gemma3"; "mistral3" without its image processor's preprocessor_config.json beside it):
+    # ("gemma3"; "mistral3" without its preprocessor_config.json beside it, or quantized):
     # its other towers' weights are skipped, and no request may carry images
     language_of: str = ""
     # layers whose queries and keys are not rotated (SmolLM3's NoPE layers, no_rope_layers 0)
@@ -377,8 +377,8 @@ class ArchConfig:
         """Why a multimodal checkpoint's images are refused (``language_of`` set); ""."""
         if self.language_of == "mistral3":
             return (
-                "mistral3's vision tower needs its image processor: the checkpoint has no "
-                "preprocessor_config.json"
+                "mistral3's vision tower is served only from a checkpoint with its image "
+                "processor's preprocessor_config.json, unquantized"
             )
         return f"{self.language_of}'s vision tower is not supported yet" if self.language_of else ""
 

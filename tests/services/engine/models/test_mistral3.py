@@ -82,6 +82,15 @@ def test_greedy_equals_transformers_batched_and_chunked(built: tuple[Path, Any],
         assert res.outputs[0].token_ids == _reference(built, llm, prompt)
 
 
+def test_two_ranks_give_the_tokens_of_one(built: tuple[Path, Any], llm: LLM) -> None:
+    """The language model split over two ranks (Gloo), the tower and projector whole on each
+    (their q/k/v and gate/up names are never cut): the greedy tokens of one rank."""
+    prompts = [_prompt(llm, parts, images) for parts, images in CASES[:2]]
+    want = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
+    with LLM(str(built[0]), max_num_batched_tokens=16, tensor_parallel_size=2, **BESIDE) as tp:
+        assert [r.outputs[0].token_ids for r in tp.generate(prompts, GREEDY)] == want
+
+
 def test_the_image_decides_the_output(llm: LLM) -> None:
     a = llm.generate(_prompt(llm, ("<image>", "Hi"), [(11, 64, 48)]), GREEDY)
     b = llm.generate(_prompt(llm, ("<image>", "Hi"), [(12, 64, 48)]), GREEDY)
@@ -141,13 +150,15 @@ def test_an_image_is_checked_when_added(llm: LLM) -> None:
 def test_without_an_image_processor_the_language_model_is_served(
     built: tuple[Path, Any], tmp_path: Path
 ) -> None:
-    """A Mistral 3 checkpoint without preprocessor_config.json: its language model alone (as
-    before images were served), images refused with the reason."""
+    """A Mistral 3 checkpoint without preprocessor_config.json, or quantized (its tower is not
+    built quantized): its language model alone (as before images were served), images refused
+    with the reason."""
     for f in built[0].iterdir():
         if f.name != "preprocessor_config.json":
             (tmp_path / f.name).write_bytes(f.read_bytes())
-    with LLM(str(tmp_path), **BESIDE) as text:
-        assert text.engine.runner.vision is None
-        with pytest.raises(InvalidRequestError, match=r"no preprocessor_config\.json"):
-            text.generate({"prompt": "hi", "multi_modal_data": {"image": [png(1)]}}, GREEDY)
-        assert text.generate("hi", GREEDY)[0].outputs[0].finish_reason == "length"
+    for path, kwargs in ((tmp_path, {}), (built[0], {"quantization": "fp8"})):
+        with LLM(str(path), **kwargs, **BESIDE) as text:
+            assert text.engine.runner.vision is None
+            with pytest.raises(InvalidRequestError, match=r"preprocessor_config\.json, unquant"):
+                text.generate({"prompt": "hi", "multi_modal_data": {"image": [png(1)]}}, GREEDY)
+            assert text.generate("hi", GREEDY)[0].outputs[0].finish_reason == "length"
