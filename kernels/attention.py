@@ -42,7 +42,7 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> t
 
 def ref_write_kv(
     k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor | None,  # [T, Hkv, D]; None: the keys are the values, v_cache left alone
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
@@ -51,13 +51,17 @@ def ref_write_kv(
 ) -> None:
     """Write each token's K/V into its slot of the paged cache (slots < 0 are skipped); an FP8
     cache stores ``k / k_scale`` and ``v / v_scale`` (:func:`to_cache_dtype`). Readers multiply
-    by the scales (folded into the softmax scale and the output: ``models.llama.Attention``)."""
+    by the scales (folded into the softmax scale and the output: ``models.llama.Attention``).
+    ``v`` None: only the keys are written (a cache whose values are its keys, DeepSeek's latent:
+    ``v_cache`` may be ``k_cache`` itself)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
-        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+        slot_mapping, k = slot_mapping[keep], k[keep]
+        v = v[keep] if v is not None else None
     n, bs, h, d = k_cache.shape
     slots = slot_mapping.long()
-    for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+    planes = [(k_cache, k, k_scale)] + ([(v_cache, v, v_scale)] if v is not None else [])
+    for cache, x, scale in planes:
         new = to_cache_dtype(x, cache.dtype, scale)
         if cache.dtype in FP8_KV_DTYPES:  # no index_copy_ for float8 on the CPU: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
@@ -68,7 +72,7 @@ def ref_rotary_write_kv(
     positions: torch.Tensor,  # [T] int64
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor | None,  # [T, Hkv, D]; None: only the rotated keys are written
     cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -82,7 +86,8 @@ def ref_rotary_write_kv(
     given: what prefill attention reads as the new tokens' keys). q, k, v are read only (views of
     a fused qkv projection are fine). Rotation rounds as :func:`ref_rotary_embedding` does
     (transformers' ``apply_rotary_pos_emb`` in q's / k's dtype); the rotated k is then cast to
-    the cache's dtype."""
+    the cache's dtype. ``v`` None: the cache's values are its keys (DeepSeek's latent, one
+    tensor given as both caches), written once, rotated."""
     check_k_out(k_out, k)
     q_out, k_rot = q.contiguous().clone(), k.contiguous().clone()
     ref_rotary_embedding(positions, q_out, k_rot, cos_sin_cache)

@@ -1,7 +1,8 @@
 """Gather/scatter of paged KV blocks to and from one contiguous buffer (for KV transfer).
 
-Per-layer caches are ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
-The buffer is ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``. :class:`RefBlockCopier`
+Per-layer caches are ``[planes, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V,
+or one plane: DeepSeek's latent). The buffer is ``[num_layers, planes, n, block_size,
+num_kv_heads, head_dim]``. :class:`RefBlockCopier`
 is the same over one fixed list of caches, for any range of layers.
 """
 
@@ -44,6 +45,7 @@ class RefBlockCopier:
         self._caches = list(kv_caches)
         first = self._caches[0]
         self.num_layers = len(self._caches)
+        self.planes = first.shape[0]
         self.block_shape: tuple[int, ...] = tuple(first.shape[2:])  # (bs, Hkv, D)
         self.dtype = first.dtype
         self.device = first.device
@@ -54,7 +56,7 @@ class RefBlockCopier:
         last = self.num_layers if last is None else last
         if not 0 <= first < last <= self.num_layers:
             raise ValueError(f"layers [{first}, {last}) are not a range of {self.num_layers}")
-        return (last - first, 2, num_blocks, *self.block_shape)
+        return (last - first, self.planes, num_blocks, *self.block_shape)
 
     def gather(
         self,

@@ -336,7 +336,7 @@ def rotary_write_kv(
     positions: torch.Tensor,  # [T] int64
     q: torch.Tensor,  # [T, Hq, D], may be a strided view
     k: torch.Tensor,  # [T, Hkv, D], may be a strided view
-    v: torch.Tensor,  # [T, Hkv, D], may be a strided view
+    v: torch.Tensor | None,  # [T, Hkv, D], may be a strided view; None: the keys are the values
     cos_sin_cache: torch.Tensor,  # [max_pos, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]

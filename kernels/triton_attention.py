@@ -138,6 +138,7 @@ def _rotary_write_kv_kernel(
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
     K_OUT: tl.constexpr, USE_PDL: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    WRITE_V: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -162,20 +163,21 @@ def _rotary_write_kv_kernel(
             k_ptr + t * s_kt, s_kh, ko_ptr + t * s_kot, s_koh, num_kv_heads, cos, sin, t, 1.0,
             HALF, BLOCK_HK, BLOCK_HALF, False, PASS, BLOCK_PASS,
         )  # fmt: skip
-    offs_h = tl.arange(0, BLOCK_HK)
-    offs_d = tl.arange(0, BLOCK_D)
-    v_heads = (offs_h < num_kv_heads) & ((offs_h * 0 + slot) >= 0)
-    vmask = v_heads[:, None] & (offs_d < HEAD_DIM)[None, :]
-    v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=vmask)
-    vc = vc_ptr + blk * s_vcn + off * s_vcb + offs_h[:, None] * s_vch + offs_d[None, :]
-    tl.store(vc, to_kv(v, v_inv, FP8).to(vc_ptr.dtype.element_ty), mask=vmask)
+    if WRITE_V:  # (without: the values are the keys just written, DeepSeek's latent)
+        offs_h = tl.arange(0, BLOCK_HK)
+        offs_d = tl.arange(0, BLOCK_D)
+        v_heads = (offs_h < num_kv_heads) & ((offs_h * 0 + slot) >= 0)
+        vmask = v_heads[:, None] & (offs_d < HEAD_DIM)[None, :]
+        v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=vmask)
+        vc = vc_ptr + blk * s_vcn + off * s_vcb + offs_h[:, None] * s_vch + offs_d[None, :]
+        tl.store(vc, to_kv(v, v_inv, FP8).to(vc_ptr.dtype.element_ty), mask=vmask)
 
 
 def rotary_write_kv(
     positions: torch.Tensor,  # [T] int64
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor | None,  # [T, Hkv, D]; None: the keys are the values (written once)
     cos_sin_cache: torch.Tensor,  # [max_pos, R] float32, R <= D (R < D: partial rotary)
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -188,6 +190,8 @@ def rotary_write_kv(
     rotary + three contiguous copies + the KV write (a decode step's per-layer launch count is
     what bounds batch-1 latency). Positions and slots are not bounds-checked."""
     check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, inner_contiguous=False)
+    write_v = v is not None
+    v = v if v is not None else k  # no value write: the kernel never reads it
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES)
@@ -225,7 +229,7 @@ def rotary_write_kv(
         BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
         FP8=k_cache.dtype in FP8_KV_DTYPES, K_OUT=k_out is not None,
         PASS=d - 2 * half, BLOCK_PASS=next_pow2(max(d - 2 * half, 1)),  # partial rotary
-        num_warps=4 if tile >= 2048 else 1,
+        WRITE_V=write_v, num_warps=4 if tile >= 2048 else 1,
         enable_fp_fusion=False, **pdl(q.device, t),
     )  # fmt: skip
     return out

@@ -1,7 +1,8 @@
 """Gather/scatter of paged KV blocks to and from one contiguous buffer, in Triton.
 
-Same semantics as :mod:`kernels.block_copy`: per-layer caches ``[2, num_blocks, block_size, Hkv,
-D]``, buffer ``[num_layers, 2, n, block_size, Hkv, D]``; :meth:`BlockCopier.copy_from` moves blocks
+Same semantics as :mod:`kernels.block_copy`: per-layer caches ``[planes, num_blocks, block_size,
+Hkv, D]`` (planes: K and V, or one: DeepSeek's latent), buffer ``[num_layers, planes, n,
+block_size, Hkv, D]``; :meth:`BlockCopier.copy_from` moves blocks
 from another list of caches straight into these (no buffer: each byte is read and written once). One launch copies every layer: the
 kernel gets the lowest-addressed cache as its base pointer plus each layer's element offset
 from it, so the layers may be separate allocations. A block is ``block_size * Hkv * D``
@@ -35,12 +36,12 @@ CHUNK = 4096
 @triton.jit
 def _block_copy_kernel(
     cache_ptr, layer_off_ptr, buf_ptr, ids_ptr, num_ids, s_kv, s_blk, block_elems,
-    GATHER: tl.constexpr, CHUNK: tl.constexpr,
+    GATHER: tl.constexpr, CHUNK: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # over (layer, kv, i) in buffer order
     i = pid % num_ids
-    layer = pid // num_ids // 2
-    kv = (pid // num_ids) % 2
+    layer = pid // num_ids // PLANES
+    kv = (pid // num_ids) % PLANES
     blk = tl.load(ids_ptr + i).to(tl.int64)
     cache_off = tl.load(layer_off_ptr + layer) + kv * s_kv + blk * s_blk
     buf_off = pid.to(tl.int64) * block_elems
@@ -72,14 +73,15 @@ def _move_chunk(
 def _block_move_kernel(
     src_ptr, src_off_ptr, src_ids_ptr, dst_ptr, dst_off_ptr, dst_ids_ptr, num_ids,
     s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
+    PLANES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # over (layer, kv, i)
     i = pid % num_ids
     src_blk = tl.load(src_ids_ptr + i).to(tl.int64)
     dst_blk = tl.load(dst_ids_ptr + i).to(tl.int64)
     _move_chunk(
-        src_ptr, src_off_ptr, src_blk, dst_ptr, dst_off_ptr, dst_blk, pid // num_ids // 2,
-        (pid // num_ids) % 2, s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK,
+        src_ptr, src_off_ptr, src_blk, dst_ptr, dst_off_ptr, dst_blk, pid // num_ids // PLANES,
+        (pid // num_ids) % PLANES, s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK,
     )  # fmt: skip
 
 
@@ -87,6 +89,7 @@ def _block_move_kernel(
 def _block_push_kernel(
     src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, fence_ptr, capacity,
     s_kv_src, s_blk_src, s_kv_dst, s_blk_dst, block_elems, CHUNK: tl.constexpr,
+    PLANES: tl.constexpr,
 ):  # fmt: skip
     # meta: [token, slot, n, src ids (n), dst ids (n)], read here so that one launch (or one
     # captured graph) serves every transfer of up to ``capacity`` blocks; fence: [slots, 2] of
@@ -105,7 +108,7 @@ def _block_push_kernel(
             dst_blk = tl.load(meta_ptr + 3 + num_ids + i)
             _move_chunk(
                 src_ptr, src_off_ptr, src_blk, dst_ptr, dst_off_ptr, dst_blk,
-                pid // capacity // 2, (pid // capacity) % 2, s_kv_src, s_blk_src, s_kv_dst,
+                pid // capacity // PLANES, (pid // capacity) % PLANES, s_kv_src, s_blk_src, s_kv_dst,
                 s_blk_dst, block_elems, CHUNK,
             )  # fmt: skip
 
@@ -142,9 +145,10 @@ def _layout(cache: torch.Tensor) -> tuple[object, ...]:
 
 def _check_layer(i: int, cache: torch.Tensor, first: torch.Tensor) -> None:
     check_tensor(f"kv_caches[{i}]", cache, ndim=5, dtypes=KV_DTYPES)
-    if cache.shape[0] != 2:
+    if cache.shape[0] not in (1, 2):
         raise ValueError(
-            f"kv_caches[{i}] must be [2, blocks, bs, Hkv, D], got {tuple(cache.shape)}"
+            f"kv_caches[{i}] must be [planes (1 or 2), blocks, bs, Hkv, D], got "
+            f"{tuple(cache.shape)}"
         )
     if not cache[0, 0].is_contiguous():
         raise ValueError(f"kv_caches[{i}]: each block must be contiguous, strides {cache.stride()}")
@@ -216,10 +220,11 @@ def _launch(base: torch.Tensor, num_layers: int, buffer: torch.Tensor, block_ids
     n = block_ids.shape[0]
     block_elems = base[0, 0].numel()
     chunk = min(CHUNK, next_pow2(block_elems))
-    grid = (num_layers * 2 * n, triton.cdiv(block_elems, chunk))
+    planes = base.shape[0]
+    grid = (num_layers * planes * n, triton.cdiv(block_elems, chunk))
     _block_copy_kernel[grid](
         base, offsets, buffer, block_ids, n, base.stride(0), base.stride(1), block_elems,
-        GATHER=gather, CHUNK=chunk, num_warps=4,
+        GATHER=gather, CHUNK=chunk, PLANES=planes, num_warps=4,
     )  # fmt: skip
 
 
@@ -231,7 +236,7 @@ def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> tor
     """Triton version of :func:`kernels.block_copy.ref_gather_blocks`."""
     offsets = _check_caches(kv_caches, block_ids)
     first = kv_caches[0]
-    shape = (len(kv_caches), 2, block_ids.shape[0], *first.shape[2:])
+    shape = (len(kv_caches), first.shape[0], block_ids.shape[0], *first.shape[2:])
     buffer = torch.empty(shape, dtype=first.dtype, device=first.device)
     if buffer.numel() > 0:
         _launch(_lowest(kv_caches), len(kv_caches), buffer, block_ids, offsets, gather=True)
@@ -242,7 +247,7 @@ def scatter_blocks(buffer: torch.Tensor, kv_caches: list[torch.Tensor], block_id
     """Triton version of :func:`kernels.block_copy.ref_scatter_blocks` (ids must be distinct)."""
     offsets = _check_caches(kv_caches, block_ids)
     first = kv_caches[0]
-    expected = (len(kv_caches), 2, block_ids.shape[0], *first.shape[2:])
+    expected = (len(kv_caches), first.shape[0], block_ids.shape[0], *first.shape[2:])
     _check_buffer("buffer", buffer, expected, first)
     if buffer.numel() > 0:
         _launch(_lowest(kv_caches), len(kv_caches), buffer, block_ids, offsets, gather=False)
@@ -261,14 +266,16 @@ class BlockCopier:
         self._base = _lowest(self._caches)
         first = self._caches[0]
         self.num_layers = len(self._caches)
+        self.planes = first.shape[0]
         self.block_shape: tuple[int, ...] = tuple(first.shape[2:])  # (bs, Hkv, D)
         self.dtype = first.dtype
         self.device = first.device
 
     def buffer_shape(self, num_blocks: int, first: int = 0, last: int | None = None) -> tuple[int, ...]:  # fmt: skip
-        """``[last - first, 2, num_blocks, bs, Hkv, D]``: the buffer of layers [first, last)."""
+        """``[last - first, planes, num_blocks, bs, Hkv, D]``: the buffer of layers [first,
+        last)."""
         last = self._check_range(first, last)
-        return (last - first, 2, num_blocks, *self.block_shape)
+        return (last - first, self.planes, num_blocks, *self.block_shape)
 
     def gather(self, block_ids: torch.Tensor, first: int = 0, last: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Blocks ``block_ids`` of layers [first, last) into ``out`` (a new buffer if None)."""
@@ -308,11 +315,12 @@ class BlockCopier:
             return
         block_elems = self._base[0, 0].numel()
         chunk = min(chunk, next_pow2(block_elems))
-        grid = ((last - first) * 2 * n, triton.cdiv(block_elems, chunk))
+        grid = ((last - first) * self.planes * n, triton.cdiv(block_elems, chunk))
         _block_move_kernel[grid](
             src._base, src._offsets[first:], src_ids, self._base, self._offsets[first:], dst_ids,
             n, src._base.stride(0), src._base.stride(1), self._base.stride(0),
-            self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
+            self._base.stride(1), block_elems, CHUNK=chunk, PLANES=self.planes,
+            num_warps=num_warps,
         )  # fmt: skip
 
     def push_from(self, src: BlockCopier, meta: torch.Tensor, fence: torch.Tensor, *, chunk: int = CHUNK, num_warps: int = 4) -> None:  # fmt: skip
@@ -329,19 +337,20 @@ class BlockCopier:
         block_elems = self._base[0, 0].numel()
         chunk = min(chunk, next_pow2(block_elems))
         if capacity:
-            grid = (self.num_layers * 2 * capacity, triton.cdiv(block_elems, chunk))
+            grid = (self.num_layers * self.planes * capacity, triton.cdiv(block_elems, chunk))
             _block_push_kernel[grid](
                 src._base, src._offsets, self._base, self._offsets, meta, fence, capacity,
                 src._base.stride(0), src._base.stride(1), self._base.stride(0),
-                self._base.stride(1), block_elems, CHUNK=chunk, num_warps=num_warps,
+                self._base.stride(1), block_elems, CHUNK=chunk, PLANES=self.planes,
+                num_warps=num_warps,
             )  # fmt: skip
         _fence_land_kernel[(1,)](meta, fence, num_warps=1)
 
     def _check_source(self, src: BlockCopier) -> None:
-        if src.block_shape != self.block_shape or src.device != self.device:
+        mine, theirs = (self.planes, *self.block_shape), (src.planes, *src.block_shape)
+        if theirs != mine or src.device != self.device:
             raise ValueError(
-                f"source blocks {src.block_shape} on {src.device} do not fit "
-                f"{self.block_shape} on {self.device}"
+                f"source blocks {theirs} on {src.device} do not fit {mine} on {self.device}"
             )
 
     def _check_range(self, first: int, last: int | None) -> int:

@@ -281,6 +281,11 @@ def to_kv(x, inv_scale, FP8: tl.constexpr):
         return x
 
 
+# the widest head the attention kernels take: a 1024-wide tile (half_d: two of 512); the widest
+# served is DeepSeek's latent cache head, 512 latent + 64 rotary dims (``models.deepseek``)
+MAX_HEAD_DIM = 1024
+
+
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Paged caches ``[num_blocks, block_size, Hkv, D]``; returns (num_blocks, block_size, Hkv, D)."""
     check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES)
@@ -309,8 +314,8 @@ def check_heads(q_heads: int, kv_heads: int, q_dim: int, kv_dim: int) -> int:
         raise ValueError(f"q head_dim {q_dim} != KV cache head_dim {kv_dim}")
     if q_heads % kv_heads != 0:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    if kv_dim > 256:
-        raise ValueError(f"head_dim {kv_dim} > 256 is not supported")
+    if kv_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {kv_dim} > {MAX_HEAD_DIM} is not supported")
     return q_heads // kv_heads
 
 

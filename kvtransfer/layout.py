@@ -1,7 +1,8 @@
 """The shape of a worker's paged KV caches, as both ends of a transfer must agree on it.
 
-Per-layer caches are ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V); the
-pool size ``num_blocks`` may differ between workers, everything else must match.
+Per-layer caches are ``[planes, num_blocks, block_size, num_kv_heads, head_dim]``: K then V
+(2 planes), or one plane whose keys are also the values (DeepSeek's latent cache); the pool size
+``num_blocks`` may differ between workers, everything else must match.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class KvLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # a key of DTYPES
+    planes: int = 2  # K and V; 1: the keys are the values (a peer that sends none means 2)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -36,13 +38,15 @@ class KvLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block occupies across all layers, K and V."""
+        """Bytes one block occupies across all layers and planes."""
         itemsize = self.torch_dtype.itemsize
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        per_plane = self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * self.planes * per_plane
 
     def buffer_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
         """Shape of the contiguous transfer buffer (the gather output) for ``num_blocks``."""
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.planes, num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)  # fmt: skip
 
     def mismatch(self, other: KvLayout) -> str:
         """Human-readable differences from ``other`` ('' if none)."""
@@ -70,7 +74,10 @@ class KvLayout:
         dtype = data.get("dtype")
         if dtype not in DTYPES:
             raise ValueError(f"layout.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        return cls(dtype=dtype, **ints)
+        planes = data.get("planes", 2)
+        if planes not in (1, 2) or isinstance(planes, bool):
+            raise ValueError(f"layout.planes must be 1 or 2, got {planes!r}")
+        return cls(dtype=dtype, planes=planes, **ints)
 
     @classmethod
     def of(cls, kv_caches: list[torch.Tensor]) -> KvLayout:
@@ -78,9 +85,9 @@ class KvLayout:
         if not kv_caches:
             raise ValueError("kv_caches must hold at least one layer")
         first = kv_caches[0]
-        if first.dim() != 5 or first.shape[0] != 2:
+        if first.dim() != 5 or first.shape[0] not in (1, 2):
             raise ValueError(
-                "each cache must be [2, num_blocks, block_size, heads, head_dim], "
+                "each cache must be [planes (1 or 2), num_blocks, block_size, heads, head_dim], "
                 f"got {tuple(first.shape)}"
             )
         if first.dtype not in DTYPE_NAMES:
@@ -93,8 +100,8 @@ class KvLayout:
                 )
             if cache.device != first.device:
                 raise ValueError(f"kv_caches[{i}] is on {cache.device}, layer 0 on {first.device}")
-        _, _, block_size, heads, head_dim = first.shape
-        return cls(len(kv_caches), block_size, heads, head_dim, DTYPE_NAMES[first.dtype])
+        planes, _, block_size, heads, head_dim = first.shape
+        return cls(len(kv_caches), block_size, heads, head_dim, DTYPE_NAMES[first.dtype], planes)
 
 
 def check_block_ids(block_ids: list[int], num_blocks: int) -> None:

@@ -58,7 +58,8 @@ def _export(t: torch.Tensor) -> dict[str, Any]:
 
 
 def export_pool(caches: list[torch.Tensor]) -> list[dict[str, Any]]:
-    """One descriptor per layer of CUDA ``caches`` (each contiguous ``[2, blocks, bs, H, D]``)."""
+    """One descriptor per layer of CUDA ``caches`` (each contiguous ``[planes, blocks, bs, H,
+    D]``)."""
     out = []
     for i, cache in enumerate(caches):
         if not cache.is_cuda or not cache.is_contiguous():
@@ -118,7 +119,7 @@ def check_pool(descriptors: Any, layout: KvLayout) -> int:
         _check_storage(doc)
         _int(doc, "num_blocks")
         blocks, itemsize = doc["num_blocks"], layout.torch_dtype.itemsize
-        block_elems = layout.block_bytes // layout.num_layers // itemsize  # K and V of one layer
+        block_elems = layout.block_bytes // layout.num_layers // itemsize  # a layer's planes
         if blocks < 1 or (doc["elem_offset"] + blocks * block_elems) * itemsize > doc["size"]:
             raise ValueError(f"shared pool: a layer of {blocks} blocks does not fit its storage")
         sizes.add(blocks)
@@ -134,7 +135,7 @@ def open_pool(
     the GPU both share: the sender's own index may differ); call :func:`check_pool` first."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return [_open(doc, index, (2, doc["num_blocks"], *shape), layout.torch_dtype) for doc in descriptors]  # fmt: skip
+    return [_open(doc, index, (layout.planes, doc["num_blocks"], *shape), layout.torch_dtype) for doc in descriptors]  # fmt: skip
 
 
 def share_event(device: torch.device) -> tuple[torch.cuda.Event, str]:

@@ -28,6 +28,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 # the families routed as DeepSeek-V3 (sigmoid scores, the correction bias, noaux_tc)
 _V3_ROUTING = ("deepseek_v3", "glm4_moe")
+# the widest latent (kv_lora_rank + qk_rope_head_dim) a cache head may hold: the attention
+# kernels' widest head (``kernels.triton_common.MAX_HEAD_DIM``); DeepSeek's own is 576
+MAX_LATENT_WIDTH = 1024
 
 
 def read_deepseek(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
@@ -39,20 +42,20 @@ def read_deepseek(cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
         raise ConfigError(f"{model_type}: hidden_act {act!r}; only silu is supported")
     if cfg.get("mlp_bias"):  # V2's config allows biases on its MLPs (no checkpoint has them)
         raise ConfigError(f"{model_type}: mlp_bias is not supported")
-    heads = int(cfg["num_attention_heads"])
     mla = _mla(model_type, cfg)
-    width = max(mla.qk_head_dim, mla.v_head_dim)  # a head of the cache: keys and values padded
-    if width > 256:
+    # the paged cache holds the latent: one KV head a token, [rotary key | normed latent]
+    # (``models.deepseek``); every query head attends over it (vLLM ignores
+    # num_key_value_heads too; transformers needs it equal to the heads)
+    width = mla.kv_lora_rank + mla.qk_rope_head_dim
+    if width > MAX_LATENT_WIDTH:
         raise ConfigError(
-            f"{model_type}: a head of {mla.qk_head_dim} key and {mla.v_head_dim} value dims is "
-            "wider than the attention kernels' 256"
+            f"{model_type}: a latent of {mla.kv_lora_rank} + {mla.qk_rope_head_dim} rotary dims "
+            f"is wider than the attention kernels' {MAX_LATENT_WIDTH}"
         )
-    # MLA has no KV heads of its own: every query head gets its own key and value, whatever
-    # num_key_value_heads says (vLLM ignores it too; transformers needs it equal to the heads)
-    read = {**cfg, "head_dim": width, "num_key_value_heads": heads, "sliding_window": None}
+    read = {**cfg, "head_dim": width, "num_key_value_heads": 1, "sliding_window": None}
     bias = bool(cfg.get("attention_bias", False))
     fields = {"mla": mla, "moe": _moe(model_type, cfg), "head_dim": width,
-              "num_kv_heads": heads, "attention_bias": bias, "o_proj_bias": bias,
+              "num_kv_heads": 1, "attention_bias": bias, "o_proj_bias": bias,
               "mlp_bias": False}  # fmt: skip
     return read, fields
 

@@ -40,8 +40,10 @@ def block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
 
 def allocate_kv_caches(
     arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:  # per layer: [2, num_blocks, block_size, Hkv, D]
-    shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+) -> list[torch.Tensor]:  # per layer: [planes, num_blocks, block_size, Hkv, D]
+    """Per layer ``[arch.kv_planes, num_blocks, block_size, Hkv, D]``: K then V, or DeepSeek's
+    latent alone (its keys are its values)."""
+    shape = (arch.kv_planes, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
 
 
@@ -94,7 +96,8 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 class HostKV:
     """The host tier's bytes (``services.scheduling.host_tier`` keeps the books): per layer a
-    [2, slots, block_size, Hkv, D] tensor, pinned when the pool is on a GPU.
+    [planes, slots, block_size, Hkv, D] tensor (the device pool's planes), pinned when the pool
+    is on a GPU.
 
     On a GPU the copies never pass through the CPU: evicted blocks are gathered on the device
     and copied straight into their slots (one copy per run of consecutive slots, per layer and
@@ -108,7 +111,7 @@ class HostKV:
     ) -> None:  # fmt: skip
         self.device = device
         cuda = device.type == "cuda"
-        shape = (2, num_slots, block_size, arch.num_kv_heads, arch.head_dim)
+        shape = (arch.kv_planes, num_slots, block_size, arch.num_kv_heads, arch.head_dim)
         self.layers = [
             torch.zeros(shape, dtype=dtype, pin_memory=cuda) for _ in range(arch.num_layers)
         ]
@@ -155,12 +158,12 @@ class HostKV:
         runs = _runs([s for _, s in pairs])
         events = []
         for cache, host in zip(caches, self.layers, strict=True):
-            gathered = cache.index_select(1, blocks)  # [2, n, bs, Hkv, D], slot order
+            gathered = cache.index_select(1, blocks)  # [planes, n, bs, Hkv, D], slot order
             if self._out is not None:
                 events.append(torch.cuda.Event())
                 events[-1].record()
             for i, s0, k in runs:
-                for half in (0, 1):
+                for half in range(cache.shape[0]):
                     host[half, s0 : s0 + k].copy_(gathered[half, i : i + k], non_blocking=True)
         return events
 
@@ -173,10 +176,10 @@ class HostKV:
         blocks = torch.tensor([b for _, b in pairs], device=self.device)
         runs = _runs([s for s, _ in pairs])
         for layer, (cache, host) in enumerate(zip(caches, self.layers, strict=True)):
-            staged = torch.empty((2, len(pairs), *host.shape[2:]), dtype=host.dtype,
+            staged = torch.empty((host.shape[0], len(pairs), *host.shape[2:]), dtype=host.dtype,
                                  device=self.device)  # fmt: skip
             for i, s0, k in runs:
-                for half in (0, 1):
+                for half in range(host.shape[0]):
                     staged[half, i : i + k].copy_(host[half, s0 : s0 + k], non_blocking=True)
             if gathered:  # this layer's evicted blocks were read before they are overwritten
                 torch.cuda.current_stream(self.device).wait_event(gathered[layer])

@@ -539,11 +539,13 @@ def load_model(
             float_experts = frozenset() if dummy else _float_expert_layers(files.hf_dir)
             quantize_model(model, qcfg, dtype, stacked, _fp8_experts(device), float_experts)
     if arch.mla is not None:
+        m = arch.mla
         log.info(
-            "%s: multi-head latent attention served expanded: each of its %d heads' keys and "
-            "values (%d dims, values zero-padded from %d) in the paged KV cache, not the "
-            "compressed latent (%d dims a token and layer)", arch.model_type, arch.num_heads,
-            arch.head_dim, arch.mla.v_head_dim, arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim,
+            "%s: multi-head latent attention served latent (absorbed, as vLLM's MLA): the KV "
+            "cache holds one %d-dim row a token and layer (%d rotary key + %d latent dims, one "
+            "plane, the keys are the values) read by all %d query heads, not %d dims of "
+            "expanded keys and values", arch.model_type, arch.head_dim, m.qk_rope_head_dim,
+            m.kv_lora_rank, arch.num_heads, 2 * arch.num_heads * m.qk_head_dim,
         )  # fmt: skip
     if device.type == "cpu":
         check_host_memory(model, config.model, dtype)

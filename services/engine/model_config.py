@@ -203,9 +203,9 @@ class MlaConfig:
     """DeepSeek's multi-head latent attention: q through ``q_proj``, or ``q_a_proj`` ->
     ``q_a_layernorm`` -> ``q_b_proj`` (``q_lora_rank`` > 0); ``kv_a_proj_with_mqa`` gives a
     latent of ``kv_lora_rank`` (normed, then ``kv_b_proj`` into each head's nope key and value)
-    and one rotary key part of ``qk_rope_head_dim`` shared by every head. The engine serves it
-    expanded: each head's key and value in the paged cache (``ArchConfig.head_dim`` the larger
-    of the key's and value's widths, the other zero-padded)."""
+    and one rotary key part of ``qk_rope_head_dim`` shared by every head. The engine caches the
+    latent (``models.deepseek``): ``ArchConfig.head_dim`` is ``qk_rope_head_dim +
+    kv_lora_rank``, one KV head, one plane (``ArchConfig.kv_planes``)."""
 
     q_lora_rank: int  # 0: q_proj
     kv_lora_rank: int
@@ -367,7 +367,8 @@ class ArchConfig:
     local_rope_theta: float = 0.0
     # Cohere's: the logits times this
     logit_scale: float = 1.0
-    # DeepSeek's multi-head latent attention (num_kv_heads = num_heads, expanded in the cache)
+    # DeepSeek's multi-head latent attention (the cache holds its latent: one KV head of
+    # kv_lora_rank + qk_rope_head_dim dims, one plane)
     mla: MlaConfig | None = None
     # OLMoE's clip_qkv: q, k (after their norms) and v clamped to +-clip_qkv; 0: not clipped
     clip_qkv: float = 0.0
@@ -385,7 +386,7 @@ class ArchConfig:
     @property
     def rotary_dim(self) -> int:
         """The dims of each query and key head that rotary embedding turns (the first ones)."""
-        if self.mla is not None:  # its heads laid out [rope | nope | zeros] in the cache
+        if self.mla is not None:  # its cache rows and queries laid out [rope | latent]
             return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -524,8 +525,14 @@ class ArchConfig:
             arch = dataclasses.replace(arch, tie_word_embeddings=False)
         return arch
 
+    @property
+    def kv_planes(self) -> int:
+        """Planes of each layer's paged cache ``[planes, blocks, bs, Hkv, D]``: keys and values
+        (2); DeepSeek's latent, the keys that are also the values (1)."""
+        return 1 if self.mla is not None else 2
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 # families whose transformers model rotates part of each head (Phi3's q_rot and q_pass)

@@ -66,13 +66,13 @@ class ShardedCopier:
     def _shape(self, rank: int, n: int, first: int, last: int) -> tuple[int, ...]:
         heads = self._spans[rank][1] - self._spans[rank][0]
         lay = self.layout
-        return (last - first, 2, n, lay.block_size, heads, lay.head_dim)
+        return (last - first, lay.planes, n, lay.block_size, heads, lay.head_dim)
 
     def gather(
         self, block_ids: torch.Tensor, first: int = 0, last: int | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Whole blocks: [layers, 2, n, block_size, all KV heads, head_dim]."""
+        """Whole blocks: [layers, planes, n, block_size, all KV heads, head_dim]."""
         last = self.layout.num_layers if last is None else last
         ids = [int(b) for b in block_ids.tolist()]
         if self.device.type == "cuda":  # what the stream waits for (a layer's event) is done:
@@ -86,11 +86,11 @@ class ShardedCopier:
                 self._group.recv([buf.view(-1).view(torch.uint8)], rank, 0).wait()
                 parts.append(buf)
         pieces = [
-            part[..., a - s : b - s, :]  # [l, 2, n, bs, contributed heads, D]
+            part[..., a - s : b - s, :]  # [l, planes, n, bs, contributed heads, D]
             for part, (s, _), (a, b) in zip(parts, self._spans, self._owned, strict=True)
             if b > a
         ]
-        whole = torch.cat(pieces, dim=-2).to(self.device)  # [l, 2, n, bs, H, D]
+        whole = torch.cat(pieces, dim=-2).to(self.device)  # [l, planes, n, bs, H, D]
         if out is None:
             return whole
         out.copy_(whole)
@@ -100,7 +100,7 @@ class ShardedCopier:
         self, buffer: torch.Tensor, block_ids: torch.Tensor, first: int = 0,
         last: int | None = None,
     ) -> None:  # fmt: skip
-        """Write whole blocks ([layers, 2, n, block_size, H, D]): each rank its own heads;
+        """Write whole blocks ([layers, planes, n, block_size, H, D]): each rank its own heads;
         returns once every rank has written them."""
         last = self.layout.num_layers if last is None else last
         ids = [int(b) for b in block_ids.tolist()]

@@ -169,7 +169,11 @@ class TPLayout:
             )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
-        if nkv >= size:
+        if arch.mla is not None:  # the latent cache's one KV head: every rank holds it whole
+            if nq < size:
+                raise ConfigError(f"{where}: {nq} query heads cannot be split over {size} ranks")
+            q, kv = split(nq, size, rank), (0, nkv)
+        elif nkv >= size:
             kv = split(nkv, size, rank)
             q = (kv[0] * nq // nkv, kv[1] * nq // nkv)
         elif size % nkv or nq % size:

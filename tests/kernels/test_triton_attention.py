@@ -139,3 +139,40 @@ def test_rotary_write_kv_errors(gen: torch.Generator, device: torch.device) -> N
             ta.rotary_write_kv(pos, q, k, k, width, k_cache, v_cache, pos)
     with pytest.raises(ValueError, match=r"k_out .* must match k"):
         ta.rotary_write_kv(pos, q, k, k, cs, k_cache, v_cache, pos, k_out=q)
+
+
+@pytest.mark.parametrize(("hq", "d", "rot"), [(4, 40, 8), (16, 576, 64)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_rotary_write_kv_without_values_writes_the_keys_once(
+    hq: int, d: int, rot: int, cache_dtype: torch.dtype, gen: torch.Generator,
+    device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    """v None (DeepSeek's latent cache, one tensor given as both caches): each slot gets the
+    key with its first ``rot`` dims rotated and the rest as they are, written once (a value
+    write after it would put the unrotated dims back); other slots stay as they were."""
+    bs, nblk = 8, 4
+    cache = rand((nblk, bs, 1, d), torch.float32, gen, device).to(cache_dtype)
+    q, k = rand((5, hq, d), torch.float32, gen, device), rand((5, 1, d), torch.float32, gen, device)
+    cos_sin = rand((40, rot), torch.float32, gen, device)
+    positions = torch.tensor([0, 3, 7, 39, 12], device=device)
+    slots = torch.tensor([0, -1, 7, nblk * bs - 1, 9], dtype=torch.int64, device=device)
+    want, ref = cache.clone(), cache.clone()
+    rnd = kernel_rounding(device)
+    rotated = rotate(positions, k, cos_sin, rnd).to(torch.float32)
+    assert not torch.equal(rotated[..., :rot], k[..., :rot])
+    assert torch.equal(rotated[..., rot:], k[..., rot:])
+    ref_write_kv(rotated, None, want, want, slots, 2.0)
+    ref_q = ref_rotary_write_kv(positions, q, k, None, cos_sin, ref, ref, slots, 2.0, 2.0)
+    out = ta.rotary_write_kv(positions, q, k, None, cos_sin, cache, cache, slots, 2.0, 2.0)
+    assert_matches(out, ref_q)
+    if cache_dtype == torch.float32:
+        assert_rotated(cache, want, torch.float32)
+        assert_rotated(ref, want, torch.float32)
+    else:  # e4m3 (k / 2.0): within one of its steps (a rotation rounded apart may cross one)
+        for got in (cache, ref):
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.13, atol=1e-6)
+    untouched = torch.ones(nblk * bs, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    flat = cache.view(torch.uint8).reshape(nblk * bs, -1).cpu()
+    before = want.view(torch.uint8).reshape(nblk * bs, -1).cpu()
+    assert torch.equal(flat[untouched], before[untouched])

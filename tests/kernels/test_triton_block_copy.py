@@ -64,8 +64,8 @@ def test_errors(gen: torch.Generator, device: torch.device) -> None:
     ids = torch.tensor([1, 2], device=device)
     with pytest.raises(ValueError, match="dtype"):
         gather_blocks([caches[0], caches[1].bfloat16()], ids)
-    with pytest.raises(ValueError, match=r"must be \[2, blocks"):
-        gather_blocks([c[:1] for c in caches], ids)
+    with pytest.raises(ValueError, match=r"must be \[planes \(1 or 2\), blocks"):
+        gather_blocks([torch.cat([c, c[:1]]) for c in caches], ids)
     with pytest.raises(ValueError, match="buffer shape"):
         scatter_blocks(rand((2, 2, 3, *SHAPE[2:]), torch.float32, gen, device), caches, ids)
     with pytest.raises(ValueError, match="non-empty list"):
@@ -233,3 +233,33 @@ def test_fence_cas_swaps_only_the_expected_value(cas, device: torch.device) -> N
     big = 1 << 60  # tokens are 64-bit
     word[0] = big
     assert cas(word, big, big + 3) == big and int(word[0]) == big + 3
+
+
+@pytest.mark.parametrize("copier", [BlockCopier, RefBlockCopier])
+def test_one_plane_caches_move_as_two_plane_ones_do(copier, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    """Caches of one plane (DeepSeek's latent: the keys are the values): gather, scatter,
+    copy_from and a fenced push move whole blocks of that plane, nothing of other blocks."""
+    shape = (1, *SHAPE[1:])
+    src = [rand(shape, torch.bfloat16, gen, device) for _ in range(3)]
+    dst = [rand(shape, torch.bfloat16, gen, device) for _ in range(3)]
+    ids, dst_ids = torch.tensor([7, 0, 11], device=device), torch.tensor([2, 9, 4], device=device)
+    plan, into = copier(src), copier(dst)
+    buf = plan.gather(ids)
+    assert tuple(buf.shape) == plan.buffer_shape(3) == (3, 1, 3, *SHAPE[2:])
+    assert torch.equal(buf, ref_gather_blocks(src, ids))
+    assert torch.equal(gather_blocks(src, ids), buf)
+    want = [c.clone() for c in dst]
+    ref_scatter_blocks(buf, want, dst_ids)
+    into.scatter(buf, dst_ids)
+    assert all(torch.equal(a, b) for a, b in zip(dst, want, strict=True))
+    moved = [c.clone() for c in dst]
+    copier(moved).copy_from(plan, ids, torch.tensor([1, 3, 5], device=device))
+    ref_scatter_blocks(buf, want, torch.tensor([1, 3, 5]))
+    assert all(torch.equal(a, b) for a, b in zip(moved, want, strict=True))
+    fence = torch.tensor([[0, 0], [40, 0]], dtype=torch.int64, device=device)
+    pushed = [c.clone() for c in dst]
+    copier(pushed).push_from(plan, _meta(40, [7, 0, 11], [1, 3, 5], device), fence)
+    assert all(torch.equal(a, b) for a, b in zip(pushed, want, strict=True))
+    assert fence[1, 0].item() == 42
+    with pytest.raises(ValueError, match="do not fit"):
+        BlockCopier(dst).copy_from(BlockCopier([torch.cat([c, c]) for c in src]), ids, dst_ids)

@@ -385,3 +385,33 @@ def test_gpu_attention_sinks_gpt_oss_shapes(batch: int, ctx: int, window: int) -
     sinks = torch.linspace(-2.0, 10.0, 64, device=cuda).bfloat16()
     run_case(lens, 8, torch.bfloat16, gen, cuda, head_dim=64, kv_heads=8, window=window,
              sinks=sinks)  # fmt: skip
+
+
+# DeepSeek's latent cache (models.deepseek): one KV head of 576 dims (64 rotary + 512 latent:
+# a 1024-wide tile, its high half mostly masked) that every query head reads, as keys and as
+# values (one tensor given as both caches); V3's 128 heads in one group, and 16
+@pytest.mark.parametrize(
+    ("group", "dtype", "lens", "num_splits"),
+    [(16, torch.float32, MIXED_LENS, 2), (128, torch.float32, [3, 17], 1),
+     (16, torch.bfloat16, [1, 40], 3)],
+)  # fmt: skip
+def test_one_latent_head_read_as_keys_and_values(
+    group: int, dtype: torch.dtype, lens: list[int], num_splits: int, gen: torch.Generator,
+    device: torch.device, poison_empty: None,
+) -> None:  # fmt: skip
+    cache, _, tables = paged_kv(lens, 16, 1, 576, dtype, gen, device)
+    q = rand((len(lens), group, 576), dtype, gen, device)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_decode_attention(q, cache, cache, tables, ctx, 0.05, num_splits=num_splits)
+    assert_matches(out, ref_paged_decode_attention(q, cache, cache, tables, ctx, 0.05))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "ctx"), [(1, 4096), (64, 700)])
+def test_gpu_deepseek_latent_shapes(batch: int, ctx: int) -> None:
+    gen, cuda = torch.Generator().manual_seed(0), torch.device("cuda")
+    cache, _, tables = paged_kv([ctx] * batch, 16, 1, 576, torch.bfloat16, gen, cuda)
+    q = rand((batch, 128, 576), torch.bfloat16, gen, cuda)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=cuda)
+    out = paged_decode_attention(q, cache, cache, tables, lens, 576**-0.5)
+    assert_matches(out, ref_paged_decode_attention(q, cache, cache, tables, lens, 576**-0.5))

@@ -558,3 +558,47 @@ def test_gpu_attention_sinks_gpt_oss_shapes(ctx_lens: list[int], q_lens: list[in
     sinks = torch.linspace(-2.0, 10.0, 64, device=cuda).bfloat16()
     run_case(ctx_lens, q_lens, 8, torch.bfloat16, gen, cuda, head_dim=64, kv_heads=8, tiles=None, window=window, sinks=sinks)  # fmt: skip
     new_kv_case(ctx_lens, q_lens, torch.bfloat16, gen, cuda, None, head_dim=64, block_size=16, group=8, window=window, sinks=sinks[:16])  # fmt: skip
+
+
+def latent_case(
+    ctx_lens: list[int], q_lens: list[int], group: int, dtype: torch.dtype,
+    gen: torch.Generator, device: torch.device, tiles: triton_prefill.TilesLike | None,
+) -> None:  # fmt: skip
+    """DeepSeek's latent cache (``models.deepseek``): one KV head of 576 dims, one tensor given
+    as the keys and the values; the chunks' own rows read from the cache and, for whole prompts
+    (``no_prefix``), from one new-rows tensor given as ``k_new`` and ``v_new``."""
+    cache, _, tables = paged_kv(ctx_lens, 16, 1, 576, dtype, gen, device)
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    q = rand((int(starts[-1]), group, 576), dtype, gen, device)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    args = (q, cache, cache, tables, starts, lens, 0.05)
+    want = ref_prefill_attention(*args)
+    assert_matches(prefill_attention(*args, tiles=tiles), want)
+    if ctx_lens == q_lens:  # whole prompts: their rows also contiguous
+        rows = torch.cat([
+            cache[tables[b, : (n + 15) // 16].long()].flatten(0, 1)[:n]
+            for b, n in enumerate(ctx_lens)
+        ])  # fmt: skip
+        got = prefill_attention(*args, tiles=tiles, k_new=rows, v_new=rows, no_prefix=True)
+        assert_matches(got, want)
+
+
+@pytest.mark.parametrize(
+    ("ctx_lens", "q_lens", "group", "dtype", "tiles"),
+    [([9, 40], [9, 40], 16, torch.float32, SMALL_TILES),
+     ([30, 17], [5, 17], 16, torch.bfloat16, None),
+     ([20], [3], 128, torch.float32, None)],
+)  # fmt: skip
+def test_one_latent_head_read_as_keys_and_values(
+    ctx_lens: list[int], q_lens: list[int], group: int, dtype: torch.dtype,
+    tiles: triton_prefill.TilesLike | None, gen: torch.Generator, device: torch.device,
+    poison_empty: None,
+) -> None:  # fmt: skip
+    latent_case(ctx_lens, q_lens, group, dtype, gen, device, tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("ctx_lens", "q_lens"), [([700, 33], [700, 33]), ([2048 + 512], [512])])
+def test_gpu_deepseek_latent_shapes(ctx_lens: list[int], q_lens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    latent_case(ctx_lens, q_lens, 128, torch.bfloat16, gen, torch.device("cuda"), None)

@@ -16,6 +16,23 @@ def test_layout_of_caches_and_its_byte_size():
     assert layout.buffer_shape(3) == (32, 2, 3, 16, 8, 128)
 
 
+def test_a_one_plane_layout_counts_its_one_plane_and_travels_as_json():
+    """DeepSeek's latent cache: one plane, one KV head of 576 dims (61 layers: V3's)."""
+    caches = [torch.zeros(1, 10, 16, 1, 576, dtype=torch.bfloat16) for _ in range(61)]
+    layout = KvLayout.of(caches)
+    assert layout == KvLayout(61, 16, 1, 576, "bfloat16", planes=1)
+    assert layout.block_bytes == 61 * 16 * 576 * 2
+    assert layout.buffer_shape(3) == (61, 1, 3, 16, 1, 576)
+    assert KvLayout.from_json(layout.to_json()) == layout
+    two = KvLayout(61, 16, 1, 576, "bfloat16")
+    assert layout.mismatch(two) == "planes 1 != 2"
+    old = {k: v for k, v in two.to_json().items() if k != "planes"}  # a peer without the field
+    assert KvLayout.from_json(old) == two
+    for bad in (0, 3, True, "1"):
+        with pytest.raises(ValueError, match="planes"):
+            KvLayout.from_json({**two.to_json(), "planes": bad})
+
+
 @pytest.mark.parametrize(
     "caches",
     [

@@ -3,13 +3,17 @@ decoder layer with multi-head latent attention and DeepSeek's MoE; and GLM-4.5/4
 layers with DeepSeek's MoE (``Glm4MoeForCausalLM``).
 
 - Attention (MLA): q from ``q_proj``, or a low-rank ``q_a_proj`` -> RMSNorm -> ``q_b_proj``;
-  ``kv_a_proj_with_mqa`` gives a latent (RMSNormed, then ``kv_b_proj`` into each head's nope
-  key and value) and one rotary key part every head shares. It is served expanded: each head's
-  key and value are written to the paged cache as any model's, a head laid out
-  ``[rope | nope | zeros]`` (the order of its dims is free, q and k alike; rotary turns the
-  first ones) and the value zero-padded to the key's width, the output sliced back. The cache
-  holds ``2 * heads * head_dim`` values a token and layer, not the latent's
-  ``kv_lora_rank + qk_rope_head_dim``: simple and exact, not compact.
+  ``kv_a_proj_with_mqa`` gives a latent (RMSNormed; ``kv_b_proj`` would expand it into each
+  head's nope key and value) and one rotary key part every head shares. The paged cache holds
+  the latent, as vLLM's: a token and layer is one row ``[k_rope (rotated) | latent]`` of
+  ``qk_rope_head_dim + kv_lora_rank`` values (576 for V2/V3) in one KV head, in one plane
+  (``ArchConfig.kv_planes``: no separate values). Attention runs absorbed: each head's nope
+  query times its W_UK (kv_b_proj's key rows) joins its rotated rope query, so q . row is the
+  expanded q . k; every query head attends over the one KV head (MQA), the cache tensor given
+  as both keys and values (written once, keys only: ``ops.rotary_write_kv`` with v None); the
+  output's latent part times each head's W_UV (the value rows) is that head's value. The
+  expanded form (``2 * heads * (nope + rope)`` values a token: 49,152 for V3 against 576) is
+  gone; prefill computes in the absorbed form too (more FLOPs than vLLM's expanded prefill).
 - Rotary pairs: V2 (and V3 with ``rope_interleave``) rotates dims (0, 1), (2, 3), ...; the
   loader reorders those rows of the q and kv_a projections into halves (``rope_halves``).
 - MoE: the router in float32 (transformers keeps it there), ``ops.grouped_topk`` (V2's softmax,
@@ -45,12 +49,18 @@ LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm w
 
 
 class MLAttention(nn.Module):
+    """Multi-head latent attention over a cache of the latent (module docstring): each token's
+    ``[rotary key | normed latent]`` once, read by every query head (MQA over one KV head of
+    ``kv_lora_rank + qk_rope_head_dim`` dims) as its key and as its value, in the absorbed
+    form: ``kv_b_proj``'s key rows turn each head's nope query into the latent space, its value
+    rows turn each head's attended latent into that head's value."""
+
     def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
         assert cfg.mla is not None
         mla: MlaConfig = cfg.mla
         self.layer, self.mla = layer, mla
-        self.nq, self.d = cfg.num_heads, cfg.head_dim  # d: a cache head, max(qk, v) dims
+        self.nq = cfg.num_heads
         hidden, bias, qk = cfg.hidden_size, cfg.attention_bias, mla.qk_head_dim
         self.q_proj: Linear | None = None
         self.q_a_proj: Linear | None = None
@@ -65,11 +75,12 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         kv_width = mla.qk_nope_head_dim + mla.v_head_dim
+        # read as a plain [H (nope + v), kv_lora] weight: W_UK and W_UV per head (_absorbed)
         self.kv_b_proj = Linear(mla.kv_lora_rank, self.nq * kv_width, bias=False)
         self.o_proj = Linear(self.nq * mla.v_head_dim, hidden, bias=cfg.o_proj_bias)
         self.scale = mla.softmax_scale
-        self.k_scale = 1.0  # an FP8 cache's scales, as the Llama attention's
-        self.v_scale = 1.0
+        # an FP8 cache's one scale: the keys and the values are the same bytes
+        self.kv_scale = 1.0
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, H qk]
         if self.q_proj is not None:
@@ -77,53 +88,56 @@ class MLAttention(nn.Module):
         assert self.q_a_proj and self.q_a_layernorm and self.q_b_proj
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
 
-    def _heads(
-        self, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v: [T, H, D] each
-        """Each head's query, key and value as the cache holds them: ``[rope | nope | 0]``
-        for q and k (k's rope part the one every head shares), ``[v | 0]`` for v."""
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:  # [H, nope, L], [H, v, L]
+        """Each head's W_UK (its nope key rows of kv_b_proj) and W_UV (its value rows)."""
+        m = self.mla
+        w = self.kv_b_proj.weight.view(self.nq, m.qk_nope_head_dim + m.v_head_dim, -1)
+        return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
+
+    def _qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H, R+L], [T, 1, R+L]
+        """Each head's query in the cache's space, ``[q_rope | q_nope W_UK]``, and the token's
+        cache row ``[k_rope | normed latent]`` (rope parts not rotated yet)."""
         m, T, H = self.mla, x.shape[0], self.nq
         nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
         q = self._query(x).view(T, H, m.qk_head_dim)  # [T, H, nope + rope]
-        kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_lora + rope]
-        latent, k_rope = kv_a.split([m.kv_lora_rank, rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent.contiguous())[0])
-        kv = kv.view(T, H, nope + m.v_head_dim)  # [T, H, nope + v]
-        pad_qk, pad_v = self.d - m.qk_head_dim, self.d - m.v_head_dim
-        q = F.pad(torch.cat([q[..., nope:], q[..., :nope]], dim=-1), (0, pad_qk))
-        k = torch.cat([k_rope[:, None, :].expand(T, H, rope), kv[..., :nope]], dim=-1)
-        return q, F.pad(k, (0, pad_qk)), F.pad(kv[..., nope:], (0, pad_v))
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, rope], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())[0]  # [T, L]
+        w_uk, _ = self._absorbed()
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        q = torch.cat([q[..., nope:], q_latent], dim=-1)
+        return q, torch.cat([k_rope, latent], dim=-1)[:, None, :]
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T]
         cos_sin: torch.Tensor,  # [max_pos, rope]
-        kv_cache: torch.Tensor,  # [2, N, bs, H, D]
+        kv_cache: torch.Tensor,  # [1, N, bs, 1, R + L]: one plane, the keys are the values
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self._heads(x)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        scaled = k_cache.element_size() == 1  # FP8: the scales apply
+        T, m = x.shape[0], self.mla
+        q, k = self._qk(x)
+        cache = kv_cache[0]
+        scaled = cache.element_size() == 1  # FP8: the scale applies
         k_new = None  # whole prompts read their keys contiguously (the Llama attention's why)
         whole = meta.prefill_no_prefix and T - meta.num_decodes >= ops.NEW_KV_MIN_TOKENS
-        if ops.reads_new_kv(x.device) and whole and k_cache.dtype == q.dtype:
+        if ops.reads_new_kv(x.device) and whole and cache.dtype == q.dtype:
             k_new = torch.empty_like(k)
+        # rotate q's and k's rope dims, write k once (v None: the values are the keys)
         q = ops.rotary_write_kv(
-            positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
-            self.k_scale, self.v_scale, k_out=k_new,
+            positions, q, k, None, cos_sin, cache, cache, meta.slot_mapping,
+            self.kv_scale, self.kv_scale, k_out=k_new,
         )  # fmt: skip
         if meta.on_kv_written is not None:
             meta.on_kv_written(self.layer)
-        scale = self.scale * (self.k_scale if scaled else 1)
-        o = paged_attention(
-            q, k_cache, v_cache, meta, scale, k_new, v if k_new is not None else None
-        )  # [T, H, D]
-        if scaled and self.v_scale != 1.0:
-            o = o * self.v_scale
-        o = o[..., : self.mla.v_head_dim].reshape(T, self.nq * self.mla.v_head_dim)
-        return self.o_proj(o)  # [T, hidden]
+        scale = self.scale * (self.kv_scale if scaled else 1)
+        o = paged_attention(q, cache, cache, meta, scale, k_new, k_new)  # [T, H, R + L]
+        if scaled and self.kv_scale != 1.0:
+            o = o * self.kv_scale
+        _, w_uv = self._absorbed()
+        o_latent = o[..., m.qk_rope_head_dim :].transpose(0, 1)  # [H, T, L]
+        out = torch.bmm(o_latent, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(out.reshape(T, self.nq * m.v_head_dim))  # [T, hidden]
 
 
 class Router(nn.Module):

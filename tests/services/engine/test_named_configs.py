@@ -166,9 +166,9 @@ def test_gpt_oss_20b_has_the_published_shape() -> None:
 
 
 def test_deepseek_v2_lite_has_the_published_shape() -> None:
-    """DeepSeek-V2-Lite: 27 layers of MLA (no q LoRA, a 512-wide latent and 64 rotary dims),
-    the first dense, then 64 routed experts (6 a token) and 2 shared: "15.7B total parameters,
-    2.4B activated"."""
+    """DeepSeek-V2-Lite: 27 layers of MLA (no q LoRA, a 512-wide latent and 64 rotary dims: the
+    KV cache's 576 values a token and layer), the first dense, then 64 routed experts (6 a
+    token) and 2 shared: "15.7B total parameters, 2.4B activated"."""
     from services.engine.models.deepseek import DeepseekForCausalLM
 
     arch = ArchConfig.from_file(resolve_model("deepseek-v2-lite").path)
@@ -176,6 +176,8 @@ def test_deepseek_v2_lite_has_the_published_shape() -> None:
     assert mla is not None and moe is not None
     assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim) == (0, 512, 64)
     assert (moe.num_experts, moe.top_k, moe.layers) == (64, 6, tuple(range(1, 27)))
+    # the latent cache: 27 layers x (512 + 64) values a token, one plane (bf16: 31 KB)
+    assert arch.kv_bytes_per_token(2) == 27 * 576 * 2
     with torch.device("meta"), _no_param_init():
         model = DeepseekForCausalLM(arch, 64)
     params = {name: p.numel() for name, p in model.named_parameters()}

@@ -188,3 +188,24 @@ def test_fused_parameters_are_cut_per_piece() -> None:
     assert gate_up == (0, 3072, [(768, 1536), (2304, 3072)])
     assert b.param_slice("model.layers.0.mlp.down_proj.weight", ARCH) == (1, 1536, [(768, 1536)])
     assert b.param_slice("model.norm.weight", ARCH) is None
+
+
+def test_the_latent_cache_is_whole_on_every_rank() -> None:
+    """DeepSeek's MLA: the query heads split (3 over 2 ranks: 2 + 1, no multiple needed), the
+    cache's one latent KV head held whole by every rank; a hand-off takes it from rank 0."""
+    from services.engine.tp_kv import owned
+
+    arch = ArchConfig.from_dict({
+        "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 96,
+        "num_attention_heads": 3, "num_key_value_heads": 3, "intermediate_size": 64,
+        "moe_intermediate_size": 32, "kv_lora_rank": 24, "q_lora_rank": None,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "num_hidden_layers": 2,
+    })  # fmt: skip
+    a, b = _layouts(arch, 2)
+    assert (a.q_heads, a.kv_heads, b.q_heads, b.kv_heads) == ((0, 2), (0, 1), (2, 3), (0, 1))
+    assert [x.local_arch(arch).num_kv_heads for x in (a, b)] == [1, 1]
+    assert [x.local_arch(arch).head_dim for x in (a, b)] == [32, 32]
+    assert owned([a.kv_heads, b.kv_heads]) == [(0, 1), (1, 1)]
+    with pytest.raises(ConfigError, match="3 query heads cannot be split over 4 ranks"):
+        TPLayout.of(arch, 0, 4)

@@ -2,13 +2,16 @@
 transformers' greedy tokens, token for token: V2 with q_proj and with the low-rank q, greedy and
 group-limited routing; V3 with noaux_tc routing (sigmoid, correction bias, groups), YaRN with
 mscale_all_dim, and its rotary dims interleaved or not; through the torch references and the
-Triton kernels (under the interpreter). Refusals of what is not served."""
+Triton kernels (under the interpreter). The KV cache holds the latent (one plane, one KV head of
+kv_lora_rank + qk_rope_head_dim): its bytes, a prefix-cache hit, an FP8 cache and a hand-off of
+its blocks to another engine. Refusals of what is not served."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +19,10 @@ import pytest
 import torch
 
 from kernels import ops
+from kvtransfer import KvLayout
 from protos.sampling_params import SamplingParams
-from services.config import ConfigError, LoRAConfig
+from services.config import CacheConfig, ConfigError, LoRAConfig
+from services.engine.kv_cache import GIB, block_bytes, plan_num_blocks
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
 from services.engine.model_config import ArchConfig
@@ -40,13 +45,13 @@ COMMON = {
 }  # fmt: skip
 CONFIGS = {
     # q_proj (no q_lora_rank), greedy softmax routing scaled, two shared experts, a v head
-    # narrower than the key's (24): the cache's values zero-padded
+    # narrower than the key's (24)
     "v2": ("deepseek_v2", {
         "q_lora_rank": None, "topk_method": "greedy", "n_shared_experts": 2,
         "routed_scaling_factor": 1.5,
     }),
     # the low-rank q (q_a_proj, its norm, q_b_proj), group-limited routing (2 of 4 groups),
-    # biased q_a / kv_a / o projections, a value wider than the key (32 > 24): q and k padded
+    # biased q_a / kv_a / o projections, a value wider than the key (32 > 24)
     "v2-lora-groups": ("deepseek_v2", {
         "q_lora_rank": 32, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
         "n_shared_experts": 1, "attention_bias": True, "v_head_dim": 32,
@@ -163,12 +168,14 @@ def test_greedy_matches_transformers(name: str, built: Callable[[str], Built]) -
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
 )
-@pytest.mark.parametrize("name", ["v2-lora-groups", "v3", "glm4_moe"])
+@pytest.mark.parametrize("name", ["v2", "v2-lora-groups", "v3", "glm4_moe"])
 def test_greedy_matches_transformers_through_the_triton_kernels(
     name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Norms, rotary and KV writes, decode and prefill attention over heads of 24 and 32 dims
-    (not powers of two), and the fused MoE, in the Triton kernels (under the interpreter)."""
+    """Norms, rotary and KV writes (DeepSeek's: the latent row written once, keys only), decode
+    and prefill attention (DeepSeek's: 4 query heads over one 32-dim latent head, the cache
+    given as keys and values; GLM's 16-dim heads), and the fused MoE, in the Triton kernels
+    (under the interpreter)."""
     from kernels import triton_attention, triton_layers, triton_moe
 
     kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
@@ -233,7 +240,7 @@ def _config(model_type: str, **extra: Any) -> dict[str, Any]:
         ({"model_type": "deepseek_v2", "hidden_act": "gelu"}, "hidden_act"),
         ({"model_type": "deepseek_v2", "mlp_bias": True}, "mlp_bias"),
         ({"model_type": "deepseek_v3", "qk_rope_head_dim": 7}, "odd"),
-        ({"model_type": "deepseek_v3", "qk_nope_head_dim": 250}, "wider"),
+        ({"model_type": "deepseek_v3", "kv_lora_rank": 1020}, "wider"),
         ({"model_type": "deepseek_v3", "kv_lora_rank": None}, "kv_lora_rank"),
         ({"model_type": "glm4_moe", "head_dim": 16, "partial_rotary_factor": 0.1},
          "partial_rotary_factor"),
@@ -247,22 +254,24 @@ def test_what_is_not_served_is_refused(extra: dict[str, Any], says: str) -> None
 
 
 def test_the_config_as_the_engine_reads_it() -> None:
-    """MLA's cache head: every query head its own key and value, max(qk, v) dims wide, the
-    rotary dims qk_rope_head_dim; YaRN's mscale_all_dim in the softmax scale; V3's sparse
-    layers from first_k_dense_replace on, its shared experts' width."""
+    """MLA's cache head: one KV head (whatever num_key_value_heads says) of the latent,
+    qk_rope_head_dim + kv_lora_rank dims, the first qk_rope_head_dim rotating, in one plane;
+    YaRN's mscale_all_dim in the softmax scale; V3's sparse layers from first_k_dense_replace on,
+    its shared experts' width."""
     rope = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0, "mscale": 1.0,
             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}  # fmt: skip
     arch = ArchConfig.from_dict(
         _config("deepseek_v3", num_key_value_heads=1, rope_scaling=rope, n_group=4,
                 topk_group=2, n_shared_experts=2, first_k_dense_replace=2)
     )  # fmt: skip
-    assert (arch.num_kv_heads, arch.head_dim, arch.rotary_dim) == (4, 24, 8)
+    assert (arch.num_kv_heads, arch.head_dim, arch.rotary_dim, arch.kv_planes) == (1, 32, 8, 1)
     assert arch.mla is not None and arch.moe is not None and arch.moe.grouped is not None
     mscale = 0.1 * 1.0 * torch.log(torch.tensor(40.0)).item() + 1.0
     assert arch.mla.softmax_scale == pytest.approx(24**-0.5 * mscale**2)
     assert arch.moe.layers == (2,) and arch.moe.shared_intermediate_size == 64
     assert arch.moe.grouped.sigmoid and arch.moe.renormalize and arch.moe.grouped.scaling == 2.5
-    assert arch.sliding_window is None and arch.kv_bytes_per_token(2) == 2 * 3 * 4 * 24 * 2
+    # layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes: no V plane, no per-head copies
+    assert arch.sliding_window is None and arch.kv_bytes_per_token(2) == 3 * (24 + 8) * 2
 
 
 def test_v3_multi_token_prediction_layers_are_skipped(
@@ -290,6 +299,114 @@ def test_lora_and_quantization_are_refused(built: Callable[[str], Built]) -> Non
         LLM(path, **BESIDE, lora_config=LoRAConfig())
     with pytest.raises(ConfigError, match="quantized deepseek_v2"):
         LLM(path, **BESIDE, quantization="fp8")
+
+
+def test_the_cache_holds_one_plane_of_the_latent(built: Callable[[str], Built]) -> None:
+    """Each layer's pool is [1 plane, blocks, bs, 1 KV head, qk_rope_head_dim + kv_lora_rank]:
+    a token costs layers x (kv_lora_rank + rope) values, which the pool's sizing, the transfer
+    layout and the block copies count; DeepSeek-V3's own shape: 61 x 576 x 2 bytes in bf16."""
+    path, _ = built("v3")
+    arch = ArchConfig.from_dict(json.loads((path / "config.json").read_text()))
+    per_token = 3 * (24 + 8) * 4  # layers x (kv_lora_rank + qk_rope_head_dim) x float32
+    assert arch.kv_bytes_per_token(4) == per_token
+    assert block_bytes(arch, 16, torch.float32) == per_token * 16
+    gib = CacheConfig(block_size=16, kv_cache_gib=0.001)
+    assert plan_num_blocks(gib, arch, torch.float32, torch.device("cpu"), 256) == (
+        int(0.001 * GIB) // (per_token * 16)
+    )
+    with LLM(str(path), dtype="float32", num_blocks=24, block_size=16) as llm:
+        caches = llm.engine.runner.kv_caches
+        assert [tuple(c.shape) for c in caches] == [(1, 24, 16, 1, 32)] * 3
+        layout = KvLayout.of(caches)
+        assert layout.planes == 1 and layout.block_bytes == per_token * 16
+        ids = torch.tensor([3, 7])
+        assert tuple(ops.gather_blocks(caches, ids).shape) == layout.buffer_shape(2)
+    v3 = ArchConfig.from_dict(
+        _config("deepseek_v3", num_hidden_layers=61, num_attention_heads=128,
+                kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    )  # fmt: skip
+    assert v3.kv_bytes_per_token(2) == 61 * 576 * 2
+
+
+def test_a_prefix_cache_hit_gives_the_same_tokens(built: Callable[[str], Built]) -> None:
+    """A prompt's cached latent blocks serve the next prompt that begins with it: transformers'
+    tokens each time, the second and third from 32 cached tokens."""
+    path, hf = built("v2-lora-groups")
+    (prompt,) = _prompts(12, [40])
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [prompt, prompt, [*prompt, 5, 6, 7]]
+    with LLM(str(path), **BESIDE, block_size=16, enable_prefix_caching=True) as llm:
+        outs = [llm.generate([p], greedy)[0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, p)
+
+
+def _hand_off(prefill: Any, decode: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # fmt: skip
+    """Each prompt prefilled by ``prefill`` (its first token), its blocks gathered into one
+    transfer buffer (``KvLayout.buffer_shape``) and scattered into ``decode``'s reservation,
+    which decodes the rest."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    layout = KvLayout.of(prefill.runner.kv_caches)
+    assert layout == KvLayout.of(decode.runner.kv_caches)
+    got = []
+    for i, prompt in enumerate(prompts):
+        rid = f"handoff-{i}"
+        prefill.add_request(rid, prompt, replace(params, max_tokens=1), prefill_only=True)
+        while not (first := [o for o in prefill.step() if o.request_id == rid]):
+            pass
+        blocks = decode.reserve(rid, prompt, params)
+        assert blocks is not None
+        src = torch.tensor(prefill.block_ids(rid))
+        buffer = ops.gather_blocks(prefill.runner.kv_caches, src)
+        assert tuple(buffer.shape) == layout.buffer_shape(len(src))
+        ops.scatter_blocks(buffer, decode.runner.kv_caches, torch.tensor(blocks))
+        prefill.scheduler.release(rid)
+        tokens = list(first[0].token_ids)
+        assert decode.activate(rid, prompt, tokens) is None
+        while decode.has_unfinished:
+            for out in decode.step():
+                tokens += out.token_ids
+        got.append(tokens)
+    assert decode.kv.all_free() and prefill.kv.all_free()
+    return got
+
+
+def test_a_hand_off_of_latent_blocks_gives_transformers_tokens(
+    built: Callable[[str], Built],
+) -> None:
+    """Disaggregated: a prefill engine's latent blocks, copied into a decode engine's
+    reservation, are all the decode engine needs: transformers' greedy tokens."""
+    path, hf = built("v3")
+    prompts = _prompts(21, [9, 40])
+    with LLM(str(path), **BESIDE) as a, LLM(str(path), **BESIDE) as b:
+        got = _hand_off(a.engine, b.engine, prompts, NEW_TOKENS)
+    assert got == [_hf_greedy(hf, p) for p in prompts]
+
+
+def test_an_fp8_latent_cache_serves_and_hands_off(built: Callable[[str], Built]) -> None:
+    """--kv-cache-dtype fp8: the latent rows stored in e4m3 (one plane); greedy tokens stay
+    within a near tie of the float cache's (vLLM's check: at the first parting each engine's
+    token is in the other's top 5), and a hand-off of the e4m3 blocks gives the colocated FP8
+    engine's tokens."""
+    path, _ = built("v3")
+    prompts = _prompts(22, [9, 40])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    with LLM(str(path), **BESIDE) as f32, LLM(str(path), **BESIDE, kv_cache_dtype="fp8") as fp8:
+        caches = fp8.engine.runner.kv_caches
+        assert all(c.dtype == torch.float8_e4m3fn and c.shape[0] == 1 for c in caches)
+        for want, got in zip(f32.generate(prompts, params), fp8.generate(prompts, params),
+                             strict=True):  # fmt: skip
+            a, b = want.outputs[0], got.outputs[0]
+            pairs = enumerate(zip(a.token_ids, b.token_ids, strict=False))
+            at = next((i for i, (x, y) in pairs if x != y), None)
+            if at is not None:
+                assert b.token_ids[at] in {t.token_id for t in a.logprobs[at].top}
+                assert a.token_ids[at] in {t.token_id for t in b.logprobs[at].top}
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        alone = [fp8.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+        with LLM(str(path), **BESIDE, kv_cache_dtype="fp8") as decode:
+            assert _hand_off(fp8.engine, decode.engine, prompts, 8) == alone
 
 
 # DeepSeek-V3's own head widths (keys 128 + 64 = 192, values 128: the kernels' 256-wide tiles,
