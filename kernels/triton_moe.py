@@ -283,7 +283,7 @@ def fused_moe(
     bn1, bk1 = _fit(bn, inter), _fit(bk, h)
     # an absent bias or scale is never read (HAS_BIAS, FP8 False): the weights stand in for it
     s13 = _scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
-    bk1 = _within(bk1, s13[5], h)
+    bk1 = _within(bk1, s13[5], h) if fp8 else bk1
     scale_up = -(-inter // s13[4])  # the up half's first scale row
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
         x, w13, w13 if b13 is None else b13, s13[0], inter_act, sorted_pairs, block_expert,
@@ -297,7 +297,7 @@ def fused_moe(
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     bn2, bk2 = _fit(bn, h), _fit(bk, inter)
     s2 = _scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
-    bk2 = _within(bk2, s2[5], inter)
+    bk2 = _within(bk2, s2[5], inter) if fp8 else bk2
     _down_kernel[(blocks, triton.cdiv(h, bn2))](
         inter_act, w2, w2 if b2 is None else b2, s2[0], contrib, sorted_pairs, block_expert,
         weights.reshape(-1), pairs, h, inter, inter_act.stride(0), w2.stride(0), w2.stride(1),
@@ -323,10 +323,11 @@ def _scale_args(
 
 
 def _within(block_k: int, scale_k: int, k: int) -> int:
-    """A K tile inside one scale block: halved until it divides ``scale_k`` (a multiple of 16),
-    unless one block covers all of K."""
+    """A K tile inside one FP8 scale block: halved until it divides ``scale_k`` (a multiple of
+    16, so never below tl.dot's least K of 16), unless one block covers all of K."""
     while scale_k < k and scale_k % block_k:
         block_k //= 2
+    assert block_k >= 16, f"scale block_k {scale_k} is no multiple of 16"
     return block_k
 
 

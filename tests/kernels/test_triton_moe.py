@@ -240,3 +240,37 @@ def test_fp8_errors_name_what_is_wrong(gen: torch.Generator, device: torch.devic
     with pytest.raises(ValueError, match="block_k"):
         bad = Fp8Scales(*_fp8(w13, w2, (16, 8))[2].__dict__.values())
         fused_moe(x, q13, q2, weights, ids, fp8=bad)
+
+
+@pytest.mark.parametrize("fp8_block", [None, (32, 48), "channel"])
+def test_every_launch_has_k_tiles_tl_dot_compiles(fp8_block: Any, gen: torch.Generator, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """BLOCK_K of both GEMMs at least 16 (tl.dot's least when compiled; the interpreter takes
+    less): float weights keep their tile (a float weight's placeholder scale block of 1 once
+    halved it to 1, which the interpreter ran and a GPU refused to compile), FP8 ones a
+    divisor of the scale block."""
+    from kernels import triton_moe
+
+    seen: list[int] = []
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        kernel = getattr(triton_moe, name)
+
+        class Spy:
+            def __init__(self, real: Any) -> None:
+                self.real = real
+
+            def __getitem__(self, grid: Any) -> Any:
+                def launch(*args: Any, **kwargs: Any) -> Any:
+                    seen.append(kwargs["BLOCK_K"])
+                    return self.real[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(triton_moe, name, Spy(kernel))
+    x, w13, w2, weights, ids = _inputs(5, 96, 4, 56, 2, torch.float32, gen, device)
+    if fp8_block is None:
+        out, args = fused_moe(x, w13, w2, weights, ids), (x, w13, w2, weights, ids)
+    else:
+        q13, q2, fp8, d13, d2 = _fp8(w13, w2, None if fp8_block == "channel" else fp8_block)
+        out, args = fused_moe(x, q13, q2, weights, ids, fp8=fp8), (x, d13, d2, weights, ids)
+    _assert_close(out, args)
+    assert len(seen) == 2 and min(seen) >= 16, seen

@@ -303,3 +303,14 @@ def test_quantized_deepseek_and_glm_checkpoints(
         a = [p.chosen.logprob for p in got.outputs[0].logprobs]
         b = [p.chosen.logprob for p in exp.outputs[0].logprobs]
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=TOL, atol=TOL)
+
+
+def test_dummy_weights_of_an_fp8_moe_config_draw_fp8_experts(tmp_path: Path) -> None:
+    """--load-format dummy on an FP8 checkpoint's config: the experts held in FP8, drawn as
+    the float weights are (within +-0.02 once dequantized) with their block scales."""
+    path, _ = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "fp8-block")
+    experts = load(path, load_format="dummy").model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    for halves in (True, False):
+        w = dequantized(experts, halves)
+        assert 0.019 < w.abs().max() <= 0.0201 and w.std() > 0.01
