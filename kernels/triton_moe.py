@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_moe_pairs
 from kernels.moe import (
     ClampedSwiGLU,
     Fp8Scales,
@@ -62,6 +63,7 @@ from kernels.triton_common import (
     mma,
     next_pow2,
 )
+from kernels.triton_moe_pairs import fused_moe_pairs
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); BLOCK_M chosen per call from the rows per expert
 DEFAULT_TILES = (64, 64, 4)  # (BLOCK_N, BLOCK_K, num_warps)
@@ -274,6 +276,10 @@ def fused_moe(
     if top_k == 0 or inter == 0:
         return out.zero_()
     pairs = t * top_k
+    if config is None and triton_moe_pairs.takes_pairs(pairs, e):  # decode: a GEMV a pair
+        return fused_moe_pairs(
+            x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp, fp8=fp8
+        )
     bm, bn, bk, warps = config or (pick_block_m(pairs, e), *DEFAULT_TILES)
     weights, ids = sort_by_expert(topk_weights, topk_ids)
     sorted_pairs, block_expert = align_to_blocks(ids, e, bm)
@@ -283,7 +289,7 @@ def fused_moe(
     bn1, bk1 = _fit(bn, inter), _fit(bk, h)
     # an absent bias or scale is never read (HAS_BIAS, FP8 False): the weights stand in for it
     s13 = _scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
-    bk1 = _within(bk1, s13[5], h) if fp8 else bk1
+    bk1 = _within(bk1, s13[5], h) if fp8 else bk1  # float weights: no scale blocks
     scale_up = -(-inter // s13[4])  # the up half's first scale row
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
         x, w13, w13 if b13 is None else b13, s13[0], inter_act, sorted_pairs, block_expert,
@@ -323,11 +329,10 @@ def _scale_args(
 
 
 def _within(block_k: int, scale_k: int, k: int) -> int:
-    """A K tile inside one FP8 scale block: halved until it divides ``scale_k`` (a multiple of
-    16, so never below tl.dot's least K of 16), unless one block covers all of K."""
+    """A K tile inside one scale block: halved until it divides ``scale_k`` (a multiple of 16),
+    unless one block covers all of K."""
     while scale_k < k and scale_k % block_k:
         block_k //= 2
-    assert block_k >= 16, f"scale block_k {scale_k} is no multiple of 16"
     return block_k
 
 

@@ -138,18 +138,72 @@ def bench_shape(model: str, tokens: int, copy: float) -> dict[str, Any]:
             "tflop_per_s": case.flops() / best[1] / 1e9, "torch_loop_ms": loop_ms}  # fmt: skip
 
 
+PAIR_GATE_UP = [(4, 512, 2), (8, 256, 4), (8, 512, 4), (16, 128, 2), (16, 256, 4), (16, 512, 4),
+                (32, 256, 4), (32, 128, 4)]  # fmt: skip
+PAIR_DOWN = [(8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4),
+             (64, 256, 8)]  # fmt: skip
+
+
+def tune_pairs(model: str, tokens: int, copy: float) -> dict[str, Any]:
+    """The pair kernels' (kernels.triton_moe_pairs) tiles: the gate/up tile swept with the
+    served down tile, then the down tile with the best gate/up one; each launch checked
+    against the reference first. Beside them the grouped kernels' best launch."""
+    from kernels.bench.roofline import graph_ms
+    from kernels.triton_moe_pairs import DOWN_TILES, fused_moe_pairs
+
+    h, inter, experts, top_k = MODELS[model]
+    case = build(tokens, h, inter, experts, top_k, torch.device("cuda"), gpt_oss=model in GPT_OSS)
+
+    def pairs_ms(tiles: Any) -> float:
+        fn = functools.partial(fused_moe_pairs, case.x, case.w13, case.w2, case.weights,
+                               case.ids, tiles=tiles, **case.gpt_oss())  # fmt: skip
+        out = fn().float()
+        ref = run(case, (16, 64, 64, 4)).float()
+        err = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+        if not err < 1e-2:
+            raise SystemExit(f"pairs {tiles}: relative error {err:.2e}")
+        return graph_ms(fn)
+
+    gate_up = {str(gu): pairs_ms((gu, DOWN_TILES)) for gu in PAIR_GATE_UP}
+    best_gu = PAIR_GATE_UP[min(range(len(PAIR_GATE_UP)), key=lambda i: list(gate_up.values())[i])]
+    down = {str(dn): pairs_ms((best_gu, dn)) for dn in PAIR_DOWN}
+    best_dn = PAIR_DOWN[min(range(len(PAIR_DOWN)), key=lambda i: list(down.values())[i])]
+    grouped = {str(c): graph_ms(functools.partial(run, case, c)) for c in CONFIGS[1:]}
+    best = min(down.values())
+    return {"model": model, "tokens": tokens, "gate_up_sweep_ms": gate_up, "down_sweep_ms": down,
+            "best_tiles": [best_gu, best_dn], "pairs_ms": best,
+            "pct_of_copy": 100 * case.bytes() / best / 1e6 / copy,
+            "grouped_ms": grouped, "grouped_best_ms": min(grouped.values())}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     from kernels.bench.roofline import copy_bandwidth, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
     p.add_argument("--json-out", default=None)
+    p.add_argument(
+        "--tune-pairs",
+        action="store_true",
+        help="sweep the pair kernels' tiles (few tokens) against the grouped kernels",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.bench.moe needs a CUDA GPU")
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows = []
+    if args.tune_pairs:
+        for model in MODELS:
+            for tokens in args.tokens:
+                r = tune_pairs(model, tokens, copy)
+                rows.append(r)
+                print(f"{model:14s} T={tokens:<3d} pairs {r['pairs_ms'] * 1e3:7.1f} us "
+                      f"({r['pct_of_copy']:3.0f}% of copy) {r['best_tiles']}; grouped "
+                      f"{r['grouped_best_ms'] * 1e3:7.1f} us", flush=True)  # fmt: skip
+        if args.json_out:
+            write_results(args.json_out, copy, rows)
+        return 0
     for model in MODELS:
         for tokens in args.tokens:
             r = bench_shape(model, tokens, copy)

@@ -1,0 +1,244 @@
+"""The fused Mixture-of-Experts MLP for a few tokens: one GEMV a (token, expert) pair, no grouping.
+
+Same signature and rounding as :func:`kernels.moe.ref_fused_moe` (and
+:func:`kernels.triton_moe.fused_moe`, which calls this for few pairs). At decode batch sizes
+the grouped kernels' set-up dominates the layer: sorting and padding the ``T * top_k`` pairs by
+expert (:func:`kernels.triton_moe.align_to_blocks`) is about fifteen small torch kernels a
+layer, and ``tl.dot`` wants blocks of 16 rows where each expert holds one or two. On an H200,
+Qwen3-30B-A3B's batch-1 decode step spent ~2.3 of its 6.4 ms in that set-up and read the
+experts at ~25% of the copy bandwidth. Here, three launches and nothing else:
+
+1. **Gate/up + activation**: a program per pair and ``BLOCK_N`` columns reads its expert's
+   gate and up rows (``[BLOCK_N, BLOCK_K]`` tiles, contiguous along K) against the token's row
+   of x, accumulates in fp32, adds the biases and applies the activation as the grouped kernel
+   does, and writes the pair's row of the ``[T * top_k, I]`` intermediate.
+2. **Down + weight**: the same over the intermediate and the expert's down rows, the product
+   (plus its bias) times the pair's router weight, to ``[T * top_k, H]``.
+3. **Combine**: each token's ``top_k`` rows added in ascending expert order (each program ranks
+   the token's expert ids itself: no sort), rounding after each add as the reference does.
+
+An expert two tokens route to is read twice (once a pair), which the grouped kernels avoid:
+:func:`takes_pairs` says where this path serves (``kernels.bench.moe --tune-pairs`` times both). No host
+sync; every size comes from the shapes, so a CUDA graph holds the three launches.
+
+Napkin math (Qwen3-30B-A3B, batch 1, bf16): 8 experts x 3 x 2048 x 768 x 2 B = 75.5 MB a layer;
+at 4.2 TB/s that is ~18 us, the floor of the two GEMVs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe import ClampedSwiGLU, Fp8Scales
+from kernels.triton_common import next_pow2
+
+# T * top_k pairs up to this, and no more than the experts, take the pair kernels; otherwise
+# the grouped ones (kernels.triton_moe). On an H200 (kernels.bench.moe --tune-pairs, bf16 layer
+# in a graph): Qwen3-30B-A3B (128 experts, top-8) 25 / 43 / 76 / 124 / 220 us at 1 / 2 / 4 / 8 /
+# 16 tokens against the grouped kernels' 100 / 111 / 143 / 203 / 278; Mixtral (8 experts, top-2)
+# 197 / 278 / 468 against 287 / 361 / 523 at 1 / 2 / 4 tokens, but 863 against 663 at 8 (16
+# pairs on 8 experts: each read twice)
+MAX_PAIRS = 128
+# (BLOCK_N, BLOCK_K, num_warps) of the gate/up GEMV, and of the down GEMV for up to
+# SMALL_DOWN_PAIRS pairs and beyond: the sweep's best at nearly every shape
+GATE_UP_TILES = (4, 512, 2)
+SMALL_DOWN_TILES = (8, 256, 2)
+DOWN_TILES = (32, 256, 4)
+SMALL_DOWN_PAIRS = 8
+COMBINE_BLOCK = 1024
+
+
+def takes_pairs(pairs: int, experts: int) -> bool:
+    """Whether ``pairs`` (token, expert) pairs over ``experts`` experts take the pair kernels."""
+    return pairs <= min(MAX_PAIRS, experts)
+
+
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, N, K, s_xt, s_we, s_wn, s_be, s_se, s_sn,
+    s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0).to(tl.int64)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    # w13[expert] is [2N, K]: gate rows n, up rows N + n; tiles [BLOCK_N, BLOCK_K], K contiguous
+    w_gate = w_ptr + expert * s_we + offs_n.to(tl.int64)[:, None] * s_wn
+    w_up = w_gate + N * s_wn
+    s_gate = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
+    s_up = s_gate + SCALE_UP * s_sn
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        a = tl.load(x_ptr + token * s_xt + ks, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        wg = tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        part_gate = tl.sum(wg * a[None, :], axis=1)
+        part_up = tl.sum(wu * a[None, :], axis=1)
+        if FP8:  # the tile lies in one scale block along K (the launcher's BLOCK_K)
+            kb = k0 // SCALE_BK * s_sk
+            part_gate *= tl.load(s_gate + kb, mask=n_mask, other=0.0)
+            part_up *= tl.load(s_up + kb, mask=n_mask, other=0.0)
+        acc_gate += part_gate
+        acc_up += part_up
+    dt = out_ptr.dtype.element_ty
+    # the grouped kernel's epilogue: the projection rounded, the bias added and rounded again,
+    # then silu rounded and the product rounded, or the clamped SwiGLU in fp32 rounded once
+    gate = acc_gate.to(dt).to(tl.float32)
+    up = acc_up.to(dt).to(tl.float32)
+    if HAS_BIAS:
+        b_gate = b_ptr + expert * s_be + offs_n
+        bg = tl.load(b_gate, mask=n_mask, other=0.0).to(tl.float32)
+        bu = tl.load(b_gate + N, mask=n_mask, other=0.0).to(tl.float32)
+        gate = (gate + bg).to(dt).to(tl.float32)
+        up = (up + bu).to(dt).to(tl.float32)
+    if CLAMPED:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        out = (up + 1.0) * tl.div_rn(gate, 1.0 + tl.exp(-(gate * ALPHA)))
+    else:
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dt).to(tl.float32)
+        out = act * up
+    tl.store(out_ptr + pair * s_ot + offs_n, out.to(dt), mask=n_mask)
+
+
+@triton.jit
+def _pair_down_kernel(
+    a_ptr, w_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, weights_ptr, N, K, s_at, s_we, s_wn, s_be,
+    s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + expert * s_we + offs_n.to(tl.int64)[:, None] * s_wn
+    s_rows = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        a = tl.load(a_ptr + pair * s_at + ks, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        if FP8:
+            part *= tl.load(s_rows + k0 // SCALE_BK * s_sk, mask=n_mask, other=0.0)
+        acc += part
+    dt = out_ptr.dtype.element_ty
+    down = acc.to(dt).to(tl.float32)  # the projection rounded
+    if HAS_BIAS:  # then the bias added and rounded again
+        bias = tl.load(b_ptr + expert * s_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        down = (down + bias).to(dt).to(tl.float32)
+    weight = tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * s_ot + offs_n, (down * weight).to(dt), mask=n_mask)
+
+
+@triton.jit
+def _ordered_combine_kernel(
+    c_ptr, ids_ptr, out_ptr, H, s_ct, s_ot, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    # each slot's place in ascending expert order (ties, which top-k never makes, by slot)
+    js = tl.arange(0, TOP_K_P2)
+    ids = tl.load(ids_ptr + t * TOP_K + js, mask=js < TOP_K, other=2147483647).to(tl.int64)
+    before = (ids[None, :] < ids[:, None]) | (
+        (ids[None, :] == ids[:, None]) & (js[None, :] < js[:, None])
+    )
+    rank = tl.sum(before.to(tl.int32), axis=1)  # [TOP_K_P2]
+    dt = out_ptr.dtype.element_ty
+    row = c_ptr + t * TOP_K * s_ct + offs
+    first = tl.sum(tl.where(rank == 0, js, 0))
+    acc = tl.load(row + first * s_ct, mask=mask, other=0.0).to(tl.float32)
+    for r in tl.static_range(1, TOP_K):
+        j = tl.sum(tl.where(rank == r, js, 0))
+        nxt = tl.load(row + j * s_ct, mask=mask, other=0.0).to(tl.float32)
+        acc = (acc + nxt).to(dt).to(tl.float32)  # as index_add_ in the activation dtype
+    tl.store(out_ptr + t * s_ot + offs, acc.to(dt), mask=mask)
+
+
+def _scale_args(
+    w: torch.Tensor, scale: torch.Tensor | None, blocks: tuple[int, int] | None
+) -> tuple[torch.Tensor, int, int, int, int, int]:
+    """(pointer, expert / row / column strides, block_n, block_k) of an FP8 weight's scales;
+    placeholders (the weight, block 1) for a float weight."""
+    if scale is None or blocks is None:
+        return w, 0, 0, 0, 1, 1
+    return scale, scale.stride(0), scale.stride(1), scale.stride(2), blocks[0], blocks[1]
+
+
+def _k_tile(block_k: int, k: int, scale_k: int | None) -> int:
+    """A K tile no wider than K's next power of two and, for FP8 weights (``scale_k``: their
+    scale blocks' width), inside one scale block: halved until it divides the block, unless
+    one block covers all of K."""
+    block_k = min(block_k, next_pow2(k))
+    while scale_k is not None and scale_k < k and scale_k % block_k:
+        block_k //= 2
+    return block_k
+
+
+def fused_moe_pairs(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, top_k] float
+    topk_ids: torch.Tensor,  # [T, top_k] int32/int64, in [0, E)
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    clamp: ClampedSwiGLU | None = None,
+    fp8: Fp8Scales | None = None,
+    tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
+) -> torch.Tensor:  # [T, H]
+    """:func:`kernels.moe.ref_fused_moe` a pair at a time; its arguments checked by the caller
+    (:func:`kernels.triton_moe.fused_moe`). ``tiles``: (gate/up, down) ``(BLOCK_N, BLOCK_K,
+    num_warps)``, for tests and tuning."""
+    t, h = x.shape
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    pairs = t * top_k
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    down_tiles = SMALL_DOWN_TILES if pairs <= SMALL_DOWN_PAIRS else DOWN_TILES
+    (bn1, bk1, warps1), (bn2, bk2, warps2) = tiles or (GATE_UP_TILES, down_tiles)
+    inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
+    s13 = _scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
+    bn1 = min(bn1, next_pow2(inter))
+    bk1 = _k_tile(bk1, h, s13[5] if fp8 else None)
+    _pair_gate_up_kernel[(pairs, triton.cdiv(inter, bn1))](
+        x, w13, w13 if b13 is None else b13, s13[0], inter_act, ids, inter, h, x.stride(0),
+        w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0), *s13[1:],
+        -(-inter // s13[4]), inter_act.stride(0), TOP_K=top_k, BLOCK_N=bn1, BLOCK_K=bk1,
+        HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
+        ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
+        FP8=fp8 is not None, num_warps=warps1,
+    )  # fmt: skip
+    contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
+    s2 = _scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
+    bn2 = min(bn2, next_pow2(h))
+    bk2 = _k_tile(bk2, inter, s2[5] if fp8 else None)
+    _pair_down_kernel[(pairs, triton.cdiv(h, bn2))](
+        inter_act, w2, w2 if b2 is None else b2, s2[0], contrib, ids, weights, h, inter,
+        inter_act.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0),
+        *s2[1:], contrib.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, HAS_BIAS=b2 is not None,
+        FP8=fp8 is not None, num_warps=warps2,
+    )  # fmt: skip
+    block = min(COMBINE_BLOCK, next_pow2(h))
+    _ordered_combine_kernel[(t, triton.cdiv(h, block))](
+        contrib, ids, out, h, contrib.stride(0), out.stride(0), TOP_K=top_k,
+        TOP_K_P2=max(2, next_pow2(top_k)), BLOCK=block,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,105 @@
+"""The few-token fused MoE (a GEMV a pair, kernels.triton_moe_pairs) against the reference, with
+the same tolerances and rounding model as the grouped kernel's tests: one token and several,
+top-1 to top-8, experts two tokens share, sizes that are no power of two and not multiples of
+the tiles, every float dtype, gpt-oss's biases and clamp, FP8 experts (block and per-channel
+scales); and the dispatch of ``kernels.triton_moe.fused_moe`` to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import triton_moe, triton_moe_pairs
+from kernels.moe import ClampedSwiGLU
+from kernels.triton_moe_pairs import fused_moe_pairs
+from tests.kernels.test_triton_moe import _assert_close, _fp8, _gpt_oss, _inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("t", "h", "e", "inter", "top_k"),
+    [
+        (1, 64, 8, 32, 2),  # decode: one token, two experts
+        (1, 40, 16, 24, 8),  # top-8 of 16, H and I no power of two
+        (3, 72, 6, 40, 1),  # top-1
+        (5, 96, 4, 80, 3),  # top-3 of 4: tokens share experts; I wider than a tile, not a multiple
+        (8, 48, 8, 56, 8),  # top-8 of 8: every pair of a token, every expert by every token
+    ],
+)
+def test_matches_the_reference(t: int, h: int, e: int, inter: int, top_k: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    args = _inputs(t, h, e, inter, top_k, dtype, gen, device)
+    _assert_close(fused_moe_pairs(*args), args)
+
+
+@pytest.mark.parametrize("tiles", [((16, 16, 1), (16, 16, 1)), ((32, 64, 4), (64, 32, 2))])
+def test_tiles_narrower_and_wider_than_h_and_i(tiles: tuple[tuple[int, int, int], tuple[int, int, int]], gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    args = _inputs(4, 72, 5, 56, 2, torch.float32, gen, device)
+    _assert_close(fused_moe_pairs(*args, tiles=tiles), args)
+
+
+def test_unsorted_slots_are_summed_in_ascending_expert_order(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Slots given in descending and mixed expert order, int32 ids, bf16 router weights: the
+    sum's order (which rounds in 16-bit dtypes) is the ascending experts', as the reference's."""
+    x, w13, w2, _, _ = _inputs(3, 64, 16, 32, 4, torch.bfloat16, gen, device)
+    ids = torch.tensor([[11, 7, 3, 0], [2, 15, 9, 4], [5, 6, 1, 14]], dtype=torch.int32, device=device)  # fmt: skip
+    weights = torch.rand((3, 4), generator=gen).to(device=device, dtype=torch.bfloat16)
+    _assert_close(fused_moe_pairs(x, w13, w2, weights, ids), (x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_biases_and_clamped_swiglu(dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    x, w13, w2, weights, ids = _inputs(2, 64, 8, 48, 4, dtype, gen, device)
+    x, extra = _gpt_oss(x, 8, 48, gen)
+    out = fused_moe_pairs(x, w13, w2, weights, ids, **extra)
+    _assert_close(out, (x, w13, w2, weights, ids), **extra)
+
+
+def test_one_bias_alone(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:
+    x, w13, w2, weights, ids = _inputs(2, 40, 4, 24, 2, torch.float32, gen, device)
+    b2 = torch.randn((4, 40), generator=gen).to(device)
+    out = fused_moe_pairs(x, w13, w2, weights, ids, b2=b2, clamp=ClampedSwiGLU())
+    _assert_close(out, (x, w13, w2, weights, ids), b2=b2, clamp=ClampedSwiGLU())
+
+
+@pytest.mark.parametrize("block", [(32, 48), (16, 16), None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_match_the_dequantized_reference(block: tuple[int, int] | None, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Block scales that do not divide H or I (a K tile of 256 halved to 16 so none straddles
+    two 48-wide blocks), square ones, and per-channel ones."""
+    x, w13, w2, weights, ids = _inputs(3, 96, 6, 56, 2, dtype, gen, device)
+    q13, q2, fp8, d13, d2 = _fp8(w13, w2, block)
+    out = fused_moe_pairs(x, q13, q2, weights, ids, fp8=fp8)
+    _assert_close(out, (x, d13, d2, weights, ids))
+
+
+def test_fused_moe_takes_pairs_for_few_and_groups_beyond(gen: torch.Generator, device: torch.device, poison_empty: None, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Up to MAX_PAIRS (token, expert) pairs and no more than the experts the pair kernels
+    serve; past either, or with a launch config given, the grouped ones; both equal the
+    reference."""
+    calls: list[int] = []
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return fused_moe_pairs(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_moe, "fused_moe_pairs", spy)
+    few = _inputs(4, 40, 8, 24, 2, torch.float32, gen, device)  # 8 pairs on 8 experts
+    _assert_close(triton_moe.fused_moe(*few), few)
+    assert calls == [1]
+    many = _inputs(5, 40, 8, 24, 2, torch.float32, gen, device)  # 10 pairs: more than experts
+    _assert_close(triton_moe.fused_moe(*many), many)
+    _assert_close(triton_moe.fused_moe(*few, config=(16, 16, 16, 1)), few)
+    monkeypatch.setattr(triton_moe_pairs, "MAX_PAIRS", 6)
+    _assert_close(triton_moe.fused_moe(*few), few)  # 8 pairs: past the cap
+    assert calls == [1]
+
+
+def test_k_tiles_halve_only_inside_fp8_scale_blocks() -> None:
+    """Float weights keep the asked K tile (capped by K); FP8 ones halve it to fit a block."""
+    from kernels.triton_moe_pairs import _k_tile
+
+    assert _k_tile(256, 2048, None) == 256
+    assert _k_tile(256, 40, None) == 64
+    assert _k_tile(256, 2048, 128) == 128
+    assert _k_tile(256, 96, 48) == 16
+    assert _k_tile(256, 96, 96) == 128  # one block covers all of K
