@@ -289,7 +289,7 @@ def fused_moe(
     bn1, bk1 = _fit(bn, inter), _fit(bk, h)
     # an absent bias or scale is never read (HAS_BIAS, FP8 False): the weights stand in for it
     s13 = _scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
-    bk1 = _within(bk1, s13[5], h) if fp8 else bk1  # float weights: no scale blocks
+    bk1 = _within(bk1, s13[5], h) if fp8 else bk1
     scale_up = -(-inter // s13[4])  # the up half's first scale row
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
         x, w13, w13 if b13 is None else b13, s13[0], inter_act, sorted_pairs, block_expert,
@@ -329,10 +329,11 @@ def _scale_args(
 
 
 def _within(block_k: int, scale_k: int, k: int) -> int:
-    """A K tile inside one scale block: halved until it divides ``scale_k`` (a multiple of 16),
-    unless one block covers all of K."""
+    """A K tile inside one FP8 scale block: halved until it divides ``scale_k`` (a multiple of
+    16, so never below tl.dot's least K of 16), unless one block covers all of K."""
     while scale_k < k and scale_k % block_k:
         block_k //= 2
+    assert block_k >= 16, f"scale block_k {scale_k} is no multiple of 16"
     return block_k
 
 
