@@ -1,7 +1,9 @@
 """Paged decode attention in Triton, with split-K (flash-decoding) for long contexts.
 
 One program handles one (sequence, KV head, split): the ``Hq // Hkv`` query heads that share the
-KV head are packed into the rows of one tile, so every K/V byte is read once per sequence. Keys
+KV head are packed into the rows of one tile, so every K/V byte is read once per sequence (a group
+too wide for one tile, DeepSeek's 128 heads over its one 576-dim latent head, is split over
+programs of ``MAX_TILE_ELEMS / BLOCK_D`` heads, each reading the keys again). Keys
 are walked ``BLOCK_N`` at a time (several KV blocks per step), each row fetched through the block
 table. With ``num_splits > 1`` each split covers an equal share of its own sequence's context and
 writes a partial (max, sum, unnormalized acc); a second kernel merges the partials.
@@ -46,6 +48,9 @@ from kernels.triton_common import (
 )
 
 MAX_SPLITS = 64
+# the widest query tile (rows x BLOCK_D): a group wider is split over programs (each reads the
+# group's keys again); every model's group fits but DeepSeek's 128 heads over one latent head
+MAX_TILE_ELEMS = 16384
 NO_WINDOW = 2**31 - 1  # the kernel's window when there is none: longer than any context
 MIN_KEYS_PER_SPLIT = 64  # one tile of keys: batch-1 8B decode at context 1024, 2048-token table,
 # 0.07 ms a step faster than with 256 (H100; 128: 0.04, 32: no gain)
@@ -85,11 +90,12 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, F16_READ: tl.constexpr, HALF_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // HEAD_BLOCKS  # a group wider than one tile: HEAD_BLOCKS programs
+    first = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_G  # this program's first head of the group
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
     # a sliding window: the query (at ctx - 1) sees the last `window` keys; without one the
@@ -102,8 +108,8 @@ def _decode_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    heads = kvh * GROUP + offs_g
-    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + first + offs_g
+    g_mask = first + offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     if HALF_D:  # the head dim in two halves, columns offs_h and HALF + offs_h (half_d)
         HALF: tl.constexpr = BLOCK_D // 2
@@ -376,13 +382,17 @@ def paged_decode_attention(
         work[pad * d : pad * d + rows],
         work[pad * (d + 1) : pad * (d + 1) + rows],
     )
-    _decode_kernel[(batch, hkv, num_splits)](
+    # a group's heads in tiles of at most MAX_TILE_ELEMS / BLOCK_D rows (DeepSeek's latent:
+    # 128 heads of 576 dims, 16 a program; a 128-row tile needs 384 KiB of shared memory)
+    block_g = min(max(16, next_pow2(group)), max(16, MAX_TILE_ELEMS // block_d))
+    head_blocks = -(-group // block_g)
+    _decode_kernel[(batch, hkv * head_blocks, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
         q if sinks is None else sinks,  # q: a stand-in pointer the kernel never reads
         float(scale) * LOG2E, num_splits, window or NO_WINDOW,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
+        NUM_Q_HEADS=hq, GROUP=group, BLOCK_G=block_g, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         SPLIT=num_splits > 1, DOT_UPCAST=dot_upcast(q.dtype) and not f16_read,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
