@@ -102,6 +102,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         triton_lora,
         triton_moe,
         triton_quant,
+        triton_routing,
     )
 
     modules = {
@@ -113,6 +114,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         "triton_lora": triton_lora,
         "triton_moe": triton_moe,
         "triton_quant": triton_quant,
+        "triton_routing": triton_routing,
     }
     return modules[module]
 
@@ -491,7 +493,12 @@ def moe_routing(
     top_k: int,
     renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, top_k] float32 weights, [T, top_k] int64 ids)
-    """The router's choice: torch everywhere (softmax and top-k over E values per token)."""
+    """The router's choice (softmax and top-k over E values per token): one Triton launch on a
+    GPU (:mod:`kernels.triton_routing`), torch elsewhere."""
+    mod = _triton("triton_routing", router_logits)
+    e = router_logits.shape[-1]
+    if mod is not None and router_logits.dim() == 2 and 0 < top_k <= e <= mod.MAX_EXPERTS:
+        return mod.moe_routing(router_logits, top_k, renormalize)
     return ref_moe_routing(router_logits, top_k, renormalize)
 
 

@@ -175,7 +175,9 @@ def dot_upcast(dtype: torch.dtype) -> bool:
 
 @triton.jit
 def mma(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """``tl.dot(a, b)`` with fp32 accumulation; see :func:`dot_upcast` for ``UPCAST``."""
+    """``tl.dot(a, b)`` with fp32 accumulation; see :func:`dot_upcast` for ``UPCAST``. K of at
+    least 16 asserted, so the interpreter refuses what a GPU's compiler would."""
+    tl.static_assert(a.shape[1] >= 16, "tl.dot needs K >= 16")
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:

@@ -176,12 +176,33 @@ def tune_pairs(model: str, tokens: int, copy: float) -> dict[str, Any]:
             "grouped_ms": grouped, "grouped_best_ms": min(grouped.values())}  # fmt: skip
 
 
+def bench_routing(tokens: int, experts: int, top_k: int, copy: float) -> dict[str, Any]:
+    """The router's softmax and top-k (kernels.triton_routing) against torch's, in graphs: the
+    logits read once and the choice written are its bytes."""
+    from kernels.bench.roofline import graph_ms
+    from kernels.moe import ref_moe_routing
+    from kernels.triton_routing import moe_routing
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn((tokens, experts), generator=gen).to("cuda")
+    got, want = moe_routing(logits, top_k, True), ref_moe_routing(logits, top_k, True)
+    if not torch.equal(got[1], want[1]):
+        raise SystemExit(f"routing T={tokens} E={experts}: experts differ from torch's")
+    ms = graph_ms(functools.partial(moe_routing, logits, top_k, True))
+    torch_ms = graph_ms(functools.partial(ref_moe_routing, logits, top_k, True))
+    nbytes = logits.numel() * 4 + tokens * top_k * 12
+    return {"tokens": tokens, "experts": experts, "top_k": top_k, "graph_ms": ms,
+            "torch_graph_ms": torch_ms, "pct_of_copy": 100 * nbytes / ms / 1e6 / copy}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     from kernels.bench.roofline import copy_bandwidth, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
     p.add_argument("--json-out", default=None)
+    p.add_argument("--routing", action="store_true",
+                   help="the router's softmax and top-k (Qwen3-30B-A3B's 128 experts, top-8)")  # fmt: skip
     p.add_argument(
         "--tune-pairs",
         action="store_true",
@@ -193,6 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows = []
+    if args.routing:
+        for tokens in args.tokens:
+            r = bench_routing(tokens, 128, 8, copy)
+            rows.append(r)
+            print(f"routing T={tokens:<5d} Triton {r['graph_ms'] * 1e3:6.1f} us "
+                  f"({r['pct_of_copy']:5.1f}% of copy) | torch {r['torch_graph_ms'] * 1e3:6.1f} us",
+                  flush=True)  # fmt: skip
+        if args.json_out:
+            write_results(args.json_out, copy, rows)
+        return 0
     if args.tune_pairs:
         for model in MODELS:
             for tokens in args.tokens:
