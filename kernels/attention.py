@@ -116,6 +116,19 @@ def check_window(window: int) -> None:
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
 
 
+def check_span_last(span_last: torch.Tensor | None, tokens: int, device: torch.device) -> None:
+    """``span_last``: [T] integers (int32 for the kernel), one per query row, on q's device."""
+    if span_last is None:
+        return
+    if span_last.shape != (tokens,) or span_last.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"span_last must be [T] = [{tokens}] int32, got {tuple(span_last.shape)} "
+            f"{span_last.dtype}"
+        )
+    if span_last.device != device:
+        raise ValueError(f"span_last is on {span_last.device}, q on {device}")
+
+
 def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
     bs = cache.shape[1]
     nblk = (n + bs - 1) // bs
@@ -268,6 +281,7 @@ def ref_prefill_attention(
     window: int = 0,  # sliding window: each query sees its last ``window`` positions (0: all)
     softcap: float = 0.0,  # scores soft-capped (Gemma 2): as ref_paged_decode_attention's
     sinks: torch.Tensor | None = None,  # [Hq] (gpt-oss): as ref_paged_decode_attention's
+    span_last: torch.Tensor | None = None,  # [T] int: a row's last key when past its own
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its whole paged context (written into
     ``out`` when given, which is then returned).
@@ -284,10 +298,17 @@ def ref_prefill_attention(
 
     ``sinks``: each head's softmax also counts its sink logit, as
     :func:`ref_paged_decode_attention`'s (SDPA takes no sink: the explicit score path runs).
+
+    ``span_last`` (Gemma 3's images, whose tokens attend to each other both ways): row ``i``
+    also sees the keys up to position ``span_last[i]`` (its image's last token) when that lies
+    past its own position; a value at or below it (0 for a text token) leaves the row causal.
+    A sliding window still applies on top (transformers' mask for Gemma 3's local layers:
+    window AND (causal OR same image)). Every span must end within its chunk.
     """
     check_window(window)
     check_softcap(softcap)
     check_sinks(sinks, q.shape[1], q.device)
+    check_span_last(span_last, q.shape[0], q.device)
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together")
     out = torch.empty_like(q) if out is None else out
@@ -310,14 +331,20 @@ def ref_prefill_attention(
             v = torch.cat([v[: n - (e - s)], v_new[s:e].float()])
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         plain = not softcap and sinks is None  # what SDPA computes
-        if n == e - s and not window and plain:  # a whole prompt: plain causal, skips
+        plain_causal = not window and plain and span_last is None
+        if n == e - s and plain_causal:  # a whole prompt: plain causal, skips
             o = torch.nn.functional.scaled_dot_product_attention(  # the masked half
                 qb, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:  # query i sits at n - q_len + i: causal aligned to the end of the context
             qpos = torch.arange(n - (e - s), n, device=q.device)
             kpos = torch.arange(n, device=q.device)
-            mask = kpos[None, :] <= qpos[:, None]  # [q_len, n]
+            last = qpos
+            if span_last is not None:  # an image's tokens also see the rest of their image
+                last = torch.maximum(qpos, span_last[s:e].to(qpos.device, torch.long))
+                if int(last.max()) >= n:
+                    raise ValueError(f"sequence {b}: an image span ends past its chunk")
+            mask = kpos[None, :] <= last[:, None]  # [q_len, n]
             if window:
                 mask &= kpos[None, :] > qpos[:, None] - window
             if not plain:  # every score, capped, masked, softmaxed (SDPA takes no soft-capping

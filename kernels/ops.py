@@ -412,13 +412,15 @@ def prefill_attention(
     window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
     softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
     sinks: torch.Tensor | None = None,  # [Hq]: a learned logit per head (gpt-oss); None: none
+    span_last: torch.Tensor | None = None,  # [T] int32: each row's last key when past its own
+    # (Gemma 3's image tokens see their whole image); None: causal
 ) -> torch.Tensor:  # [T, Hq, D]
     mod = _triton("triton_attention", q)
     fn = mod.prefill_attention if mod else ref_prefill_attention
     return fn(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, out=out,
         k_new=k_new, v_new=v_new, no_prefix=no_prefix, window=window, softcap=softcap,
-        sinks=sinks,
+        sinks=sinks, span_last=span_last,
     )  # fmt: skip
 
 

@@ -40,6 +40,11 @@ running sum 1, instead of -inf and 0. A packed tile's rows belong to ``HEADS`` h
 loads its own head's sink. No row's max is then ever -inf, and a row that sees no key (a padding
 row past its window) ends with sum >= 1 and output 0.
 
+Image spans (Gemma 3, ``HAS_SPANS`` constexpr; ``span_last``): an image's tokens attend to each
+other both ways, so each row loads the last key it sees (its image's last token, or itself) and
+the diagonal loops run to the tile's furthest such key; the causal compare takes that bound,
+the window keeps its own (``p - window``). Spans never cross a chunk (the scheduler's rule).
+
 The chunk's own keys are read through the block table like the prefix, unless the caller hands
 them over contiguously (``k_new``/``v_new``: the rotated keys, which the fused rotary kernel also
 writes out, and the qkv activation's values). With ``no_prefix`` (whole prompts, no cached
@@ -80,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import check_sinks, check_softcap, check_window
+from kernels.attention import check_sinks, check_softcap, check_span_last, check_window
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -294,10 +299,20 @@ def _window_cut(last_after, lo, hi, BLOCK_N: tl.constexpr):
 # the step's staging buffer would otherwise compile a new kernel for some batch sizes); nor is the
 # window (one variant for every size: 1 and multiples of 16 would otherwise be their own)
 @triton.jit(
-    do_not_specialize=["bt_ptr", "qsl_ptr", "lens_ptr", "num_seqs", "num_tiles", "s_btb", "window"]
+    do_not_specialize=[
+        "bt_ptr",
+        "qsl_ptr",
+        "lens_ptr",
+        "span_ptr",
+        "num_seqs",
+        "num_tiles",
+        "s_btb",
+        "window",
+    ]
 )
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, kn_ptr, vn_ptr, sink_ptr, scale_log2e,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, kn_ptr, vn_ptr, sink_ptr, span_ptr,
+    scale_log2e,
     num_seqs, num_tiles, window, s_qt, s_qh, s_kn, s_kb, s_kh, s_vn, s_vb, s_vh, s_btb, s_ot, s_oh,
     s_knt, s_knh, s_vnt, s_vnh, kd, vd,
     HEAD_SETS: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
@@ -306,7 +321,7 @@ def _prefill_kernel(
     NARROW: tl.constexpr, BLOCK_READS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
     CONTIG: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, NO_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SPANS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     h0 = (pid % HEAD_SETS) * HEADS  # the tile's first query head
@@ -340,6 +355,15 @@ def _prefill_kernel(
     q_ptrs = q_ptr + rows[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
     q_pos = prefix + tok
+    # the last key each row sees (lim, tok_lim in the chunk's numbering) and the end of the
+    # chunk's keys any row sees (reach): the diagonal, or with Gemma 3's image spans the last
+    # token of a row's image (its tokens see each other; every span ends within its chunk)
+    lim = q_pos
+    reach = m0 + TOKENS
+    if HAS_SPANS:
+        lim = tl.maximum(tl.load(span_ptr + q_start + tok, mask=m_mask, other=0), q_pos)
+        reach = tl.maximum(reach, tl.max(tl.where(m_mask, lim, 0)) + 1 - prefix)
+    tok_lim = lim - prefix
     table = bt_ptr + b.to(tl.int64) * s_btb
 
     k_base = k_ptr + kvh * s_kh
@@ -418,20 +442,20 @@ def _prefill_kernel(
             chunk_cut = _window_cut(m0 + TOKENS - 1 - window, chunk_start, chunk_full, BLOCK_N)
             for j0 in range(chunk_start, chunk_cut, BLOCK_N):
                 m_i, l_i, acc = _attend_contig(
-                    q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt,
+                    q, m_i, l_i, acc, kn_base, vn_base, j0, tok_lim, q_len, s_knt, s_vnt,
                     scale_log2e, kd, vd, q_start, tma_col, chunk_after, HEAD_DIM, BLOCK_D,
                     BLOCK_N, False, D_PADDED, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, True, SOFTCAP,
                 )  # fmt: skip
             chunk_start = chunk_cut
         for j0 in range(chunk_start, chunk_full, BLOCK_N):
             m_i, l_i, acc = _attend_contig(
-                q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt, scale_log2e,
+                q, m_i, l_i, acc, kn_base, vn_base, j0, tok_lim, q_len, s_knt, s_vnt, scale_log2e,
                 kd, vd, q_start, tma_col, chunk_after, HEAD_DIM, BLOCK_D, BLOCK_N, False,
                 D_PADDED, K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, False, SOFTCAP,
             )  # fmt: skip
-        for j0 in range(chunk_full, tl.minimum(m0 + TOKENS, q_len), BLOCK_N):
+        for j0 in range(chunk_full, tl.minimum(reach, q_len), BLOCK_N):
             m_i, l_i, acc = _attend_contig(
-                q, m_i, l_i, acc, kn_base, vn_base, j0, tok, q_len, s_knt, s_vnt, scale_log2e,
+                q, m_i, l_i, acc, kn_base, vn_base, j0, tok_lim, q_len, s_knt, s_vnt, scale_log2e,
                 kd, vd, q_start, tma_col, chunk_after, HEAD_DIM, BLOCK_D, BLOCK_N, True, True,
                 K_TRANSPOSED, DOT_UPCAST, DOT_PRECISION, TMA, HAS_WINDOW, SOFTCAP,
             )  # fmt: skip
@@ -440,7 +464,7 @@ def _prefill_kernel(
         # starts at or before the tile's first position, so each row (padding rows included:
         # their positions lie past it) sees its first key
         full_end = (prefix + m0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(prefix + m0 + TOKENS, ctx)
+        hi = tl.minimum(prefix + reach, ctx)
         start = 0
         if HAS_WINDOW:
             start = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -462,7 +486,7 @@ def _prefill_kernel(
             )  # fmt: skip
         for n0 in range(full_end, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, q_pos, ctx,
+                q, m_i, l_i, acc, table, k_base, v_base, k_inner, v_inner, n0, lim, ctx,
                 s_kn, s_kb, s_vn, s_vb, scale_log2e, after, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
                 BLOCK_N, True, True, NARROW, BLOCK_READS, K_TRANSPOSED, DOT_UPCAST,
                 DOT_PRECISION, HAS_WINDOW, SOFTCAP,
@@ -663,6 +687,8 @@ def prefill_attention(
     window: int = 0,  # sliding window: each query sees its last ``window`` positions (0: all)
     softcap: float = 0.0,  # scores soft-capped (Gemma 2): ref_prefill_attention's
     sinks: torch.Tensor | None = None,  # [Hq], contiguous: a learned logit per head (gpt-oss)
+    span_last: torch.Tensor | None = None,  # [T] int32: ref_prefill_attention's (Gemma 3's
+    # images); None: the kernel compiled without it
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton version of :func:`kernels.attention.ref_prefill_attention`.
 
@@ -712,6 +738,7 @@ def prefill_attention(
     check_sinks(sinks, hq, device)
     if sinks is not None:  # the kernel reads sinks[h] at sink_ptr + h
         check_tensor("sinks", sinks, ndim=1)
+    check_span_last(span_last, t, device)
     out = check_out(out, (t, hq, d), q.dtype, device)
     contig = _check_new_kv(k_new, v_new, q, k_cache)
     if t == 0 or batch == 0:
@@ -743,6 +770,7 @@ def prefill_attention(
     _prefill_kernel[(num_tiles * (hq // heads),)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, kn, vn,
         q if sinks is None else sinks,  # q: a stand-in pointer the kernel never reads
+        q if span_last is None else span_last.to(torch.int32).contiguous(),
         float(scale) * LOG2E, batch, num_tiles, min(window, 2**31 - 1),  # an int32 (no context
         # is longer), so a huge window is one more no-op window, not a new int64 variant
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -753,7 +781,7 @@ def prefill_attention(
         D_PADDED=next_pow2(d) != d or d < 16, NARROW=cfg.narrow and whole_blocks,
         BLOCK_READS=cfg.block_reads and whole_blocks, K_TRANSPOSED=cfg.k_transposed,
         CONTIG=contig, TMA=use_tma, NO_PREFIX=contig and no_prefix, HAS_WINDOW=window > 0,
-        SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
+        SOFTCAP=float(softcap), HAS_SINKS=sinks is not None, HAS_SPANS=span_last is not None,
         DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -272,3 +272,42 @@ def test_references_refuse_sinks_that_are_not_one_per_query_head() -> None:
             ref_prefill_attention(*prefill, sinks=sinks)
         with pytest.raises(ValueError, match=msg):
             ref_paged_decode_attention(*decode, sinks=sinks)
+
+
+@pytest.mark.parametrize("window", [0, 3, 7])
+def test_prefill_reference_image_spans_match_transformers_gemma3_mask(window: int) -> None:
+    # transformers' Gemma 3 mask (masking_utils): a key is seen when (causal OR in the query's
+    # image) AND inside the window; here a whole prompt with two images, a chunk after a prefix
+    # whose image starts it, and a text-only chunk
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, d, bs, scale = 4, 2, 16, 8, 16**-0.5
+    q_lens, lens = [20, 9, 4], [20, 30, 11]
+    images = [[(2, 5), (10, 8)], [(21, 6)], []]  # (start, length), sequence positions
+    cpu = torch.device("cpu")
+    k_cache, v_cache, tables = paged_kv(lens, bs, hkv, d, torch.float32, gen, cpu)
+    q = rand((sum(q_lens), hq, d), torch.float32, gen, cpu)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    span_last = []
+    for n, m, imgs in zip(lens, q_lens, images, strict=True):
+        for p in range(n - m, n):
+            span_last.append(next((o + k - 1 for o, k in imgs if o <= p < o + k), 0))
+    spans = torch.tensor(span_last, dtype=torch.int32)
+    out = ref_prefill_attention(q, k_cache, v_cache, tables, starts, ctx, scale, window=window,
+                                span_last=spans)  # fmt: skip
+    for b, (n, m) in enumerate(zip(lens, q_lens, strict=True)):
+        keys = _gather(k_cache, tables[b], n).double()
+        vals = _gather(v_cache, tables[b], n).double()
+        block = torch.full((n,), -1)  # transformers' block ids: each image's tokens one group
+        for g, (o, k) in enumerate(images[b]):
+            block[o : o + k] = g
+        for i in range(m):
+            row, p = int(starts[b]) + i, n - m + i
+            kpos = torch.arange(n)
+            seen = (kpos <= p) | ((block == block[p]) & (block[p] >= 0))
+            if window:
+                seen &= kpos > p - window
+            for h in range(hq):
+                kh, vh = keys[seen, h // (hq // hkv)], vals[seen, h // (hq // hkv)]
+                probs = torch.softmax(kh @ q[row, h].double() * scale, dim=0)
+                assert_matches(out[row, h], (probs @ vh).float())

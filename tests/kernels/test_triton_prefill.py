@@ -30,6 +30,7 @@ def run_case(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    span_last: torch.Tensor | None = None,
 ) -> None:
     k_cache, v_cache, tables = paged_kv(
         ctx_lens, block_size, kv_heads, head_dim, dtype, gen, device
@@ -40,11 +41,11 @@ def run_case(
     scale = head_dim**-0.5
     out = prefill_attention(
         q, k_cache, v_cache, tables, starts.to(device), lens, scale, tiles=tiles, window=window,
-        softcap=softcap, sinks=sinks,
+        softcap=softcap, sinks=sinks, span_last=span_last,
     )  # fmt: skip
     ref = ref_prefill_attention(
         q, k_cache, v_cache, tables, starts.to(device), lens, scale, window=window,
-        softcap=softcap, sinks=sinks,
+        softcap=softcap, sinks=sinks, span_last=span_last,
     )  # fmt: skip
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, ref)
@@ -166,6 +167,7 @@ def new_kv_case(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    span_last: torch.Tensor | None = None,
 ) -> None:
     """The chunk's keys read from ``k_new``/``v_new`` (strided views of one qkv-like buffer):
     the cache's slots for the new tokens are overwritten with NaN first, so reading them there
@@ -177,7 +179,7 @@ def new_kv_case(
     q = rand((t, kv_heads * group, head_dim), dtype, gen, device)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     qsl = starts.to(device)
-    cap = {"window": window, "softcap": softcap, "sinks": sinks}
+    cap = {"window": window, "softcap": softcap, "sinks": sinks, "span_last": span_last}
     want = ref_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, head_dim**-0.5, **cap)
     qkv = torch.empty((t, 3 * kv_heads, head_dim), dtype=dtype, device=device)
     k_new, v_new = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]
@@ -602,3 +604,84 @@ def test_one_latent_head_read_as_keys_and_values(
 def test_gpu_deepseek_latent_shapes(ctx_lens: list[int], q_lens: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
     latent_case(ctx_lens, q_lens, 128, torch.bfloat16, gen, torch.device("cuda"), None)
+
+
+# Gemma 3's images: an image's tokens see each other both ways (span_last: each row's last key,
+# its image's last token). Sequences: a whole prompt with an image of 10 tokens across several
+# 4-token query tiles, starting mid-tile; a chunk after a 37-token prefix whose image starts the
+# chunk; a chunk ending with its image; two images in one chunk (one of a single token); a
+# sequence with none; a decode-like token. (start, length) in sequence positions.
+SPAN_CTX, SPAN_NEW = [30, 60, 25, 40, 18, 33], [30, 23, 25, 40, 18, 1]
+SPAN_IMAGES = [[(3, 10)], [(37, 17)], [(15, 10)], [(2, 1), (20, 16)], [], []]
+
+
+def span_rows(
+    ctx_lens: list[int], q_lens: list[int], images: list[list[tuple[int, int]]],
+    device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """[T] int32: each new token's image's last position, 0 for a text token."""
+    rows = []
+    for n, m, imgs in zip(ctx_lens, q_lens, images, strict=True):
+        for p in range(n - m, n):
+            rows.append(next((o + k - 1 for o, k in imgs if o <= p < o + k), 0))
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize(
+    ("tiles", "window", "dtype", "group"),
+    [(SMALL_TILES, 0, torch.float32, 4), (SMALL_TILES, 0, torch.bfloat16, 4),
+     (SMALL_TILES, 5, torch.float32, 4), (SMALL_TILES, 23, torch.float32, 1),
+     (UNPACKED, 0, torch.float32, 2), (WINDOW_KNOBS, 5, torch.float32, 4),
+     (Tiles(128, 16, 4, 1, True), 0, torch.float32, 4)],
+)  # fmt: skip
+def test_image_spans_match_the_reference(tiles: Tiles, window: int, dtype: torch.dtype, group: int, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    spans = span_rows(SPAN_CTX, SPAN_NEW, SPAN_IMAGES, device)
+    run_case(SPAN_CTX, SPAN_NEW, group, dtype, gen, device, tiles=tiles, window=window,
+             span_last=spans)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tiles", "window", "tma"),
+    [(SMALL_TILES, 0, False), (WINDOW_KNOBS, 5, False), (SMALL_TILES, 0, True),
+     (UNPACKED, 23, False)],
+)  # fmt: skip
+def test_image_spans_with_contiguous_new_kv(tiles: Tiles, window: int, tma: bool, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    spans = span_rows(SPAN_CTX, SPAN_NEW, SPAN_IMAGES, device)
+    new_kv_case(SPAN_CTX, SPAN_NEW, torch.float32, gen, device, tiles, window=window, tma=tma,
+                span_last=spans)  # fmt: skip
+    whole = [0, 2, 3, 4]  # whole prompts (no_prefix too)
+    ctx = [SPAN_CTX[i] for i in whole]
+    spans = span_rows(ctx, ctx, [SPAN_IMAGES[i] for i in whole], device)
+    new_kv_case(ctx, ctx, torch.float32, gen, device, tiles, window=window, tma=tma,
+                span_last=spans)  # fmt: skip
+
+
+def test_image_spans_with_the_default_tiles(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    # 64-key tiles: a 70-token image across the diagonal tiles after a 100-token prefix
+    ctx, new, images = [170, 90], [70, 90], [[(100, 70)], [(10, 64)]]
+    spans = span_rows(ctx, new, images, device)
+    run_case(ctx, new, 2, torch.float32, gen, device, head_dim=16, tiles=None, span_last=spans)
+    new_kv_case(ctx, new, torch.float32, gen, device, None, head_dim=16, span_last=spans)
+
+
+def test_image_spans_change_the_result_and_are_checked(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    # the spans are not a no-op: an image's first token sees its last one
+    k_cache, v_cache, tables = paged_kv([30], 8, 2, 16, torch.float32, gen, device)
+    qsl = torch.tensor([0, 30], dtype=torch.int32, device=device)
+    lens = torch.tensor([30], dtype=torch.int32, device=device)
+    q = rand((30, 4, 16), torch.float32, gen, device)
+    args = (q, k_cache, v_cache, tables, qsl, lens, 0.25)
+    spans = span_rows([30], [30], [[(3, 10)]], device)
+    got = prefill_attention(*args, tiles=SMALL_TILES, span_last=spans)
+    causal = prefill_attention(*args, tiles=SMALL_TILES)
+    assert not torch.allclose(got[3:12], causal[3:12], atol=1e-3)
+    torch.testing.assert_close(got[12:], causal[12:])  # the image's last token and after: causal
+    torch.testing.assert_close(got[:3], causal[:3])
+    with pytest.raises(ValueError, match="span_last must be"):
+        prefill_attention(*args, span_last=spans[:-1])
+    with pytest.raises(ValueError, match="span_last must be"):
+        prefill_attention(*args, span_last=spans.float())
+    over = spans.clone()
+    over[5] = 30  # a span past the chunk's keys: the reference refuses it
+    with pytest.raises(ValueError, match="image span ends past its chunk"):
+        ref_prefill_attention(*args, span_last=over)
