@@ -37,6 +37,10 @@ __all__ = [
 ]
 
 
+# the most elements of one program's query tile in rotary_write_kv: wider, its heads are split
+Q_TILE_ELEMS = 16384
+
+
 @triton.jit(do_not_specialize=["slot_ptr"])  # a per-step staging slice
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv,
@@ -138,7 +142,7 @@ def _rotary_write_kv_kernel(
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
     K_OUT: tl.constexpr, USE_PDL: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    WRITE_V: tl.constexpr,
+    WRITE_V: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -147,10 +151,36 @@ def _rotary_write_kv_kernel(
     cmask = offs < HALF
     cos = tl.load(cs_ptr + pos * s_cs + offs, mask=cmask, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=cmask, other=0.0).to(tl.float32)
+    h0 = tl.program_id(1) * BLOCK_HQ  # this program's query heads: [h0, h0 + BLOCK_HQ)
     _rotate_into(
-        q_ptr + t * s_qt, s_qh, qo_ptr + t * s_ot, s_oh, num_q_heads, cos, sin, t, 1.0,
-        HALF, BLOCK_HQ, BLOCK_HALF, False, PASS, BLOCK_PASS,
+        q_ptr + t * s_qt + h0 * s_qh, s_qh, qo_ptr + t * s_ot + h0 * s_oh, s_oh,
+        num_q_heads - h0, cos, sin, t, 1.0, HALF, BLOCK_HQ, BLOCK_HALF, False, PASS, BLOCK_PASS,
     )  # fmt: skip
+    if Q_SPLIT:  # the token's heads over several programs: the first writes its keys (and values)
+        if tl.program_id(1) == 0:
+            _rotary_write_k_v(
+                t, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ko_ptr, k_inv, v_inv, s_kt, s_kh,
+                s_vt, s_vh, s_kot, s_koh, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_kv_heads,
+                cos, sin, HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_D, BLOCK_SIZE, FP8, K_OUT,
+                PASS, BLOCK_PASS, WRITE_V,
+            )  # fmt: skip
+    else:
+        _rotary_write_k_v(
+            t, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ko_ptr, k_inv, v_inv, s_kt, s_kh, s_vt,
+            s_vh, s_kot, s_koh, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_kv_heads, cos, sin,
+            HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_D, BLOCK_SIZE, FP8, K_OUT, PASS,
+            BLOCK_PASS, WRITE_V,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rotary_write_k_v(
+    t, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ko_ptr, k_inv, v_inv, s_kt, s_kh, s_vt, s_vh,
+    s_kot, s_koh, s_kcn, s_kcb, s_kch, s_vcn, s_vcb, s_vch, num_kv_heads, cos, sin,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+    K_OUT: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, WRITE_V: tl.constexpr,
+):  # fmt: skip
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
@@ -218,18 +248,24 @@ def rotary_write_kv(
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    tile = next_pow2(hq) * next_pow2(half)
+    # a token's query heads in tiles of at most Q_TILE_ELEMS (DeepSeek's 128 heads of 576 dims:
+    # 16 a program, 8 programs a token; every other model's heads in one)
+    block_hq = next_pow2(hq)
+    width = 2 * next_pow2(half) + (next_pow2(d - 2 * half) if d > 2 * half else 0)
+    while block_hq > 1 and block_hq * width > Q_TILE_ELEMS:
+        block_hq //= 2
+    tile = block_hq * next_pow2(half)
     ko = k_out if k_out is not None else out
-    _rotary_write_kv_kernel[(t,)](
+    _rotary_write_kv_kernel[(t, triton.cdiv(hq, block_hq))](
         positions, q, k, v, cos_sin_cache, out, k_cache, v_cache, slot_mapping, ko,
         inverse_scale(k_scale), inverse_scale(v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), out.stride(0), out.stride(1), ko.stride(0), ko.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], hq, hkv,
-        HALF=half, HEAD_DIM=d, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hkv),
+        HALF=half, HEAD_DIM=d, BLOCK_HQ=block_hq, BLOCK_HK=next_pow2(hkv),
         BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(d), BLOCK_SIZE=bs,
         FP8=k_cache.dtype in FP8_KV_DTYPES, K_OUT=k_out is not None,
         PASS=d - 2 * half, BLOCK_PASS=next_pow2(max(d - 2 * half, 1)),  # partial rotary
-        WRITE_V=write_v, num_warps=4 if tile >= 2048 else 1,
+        WRITE_V=write_v, Q_SPLIT=block_hq < next_pow2(hq), num_warps=4 if tile >= 2048 else 1,
         enable_fp_fusion=False, **pdl(q.device, t),
     )  # fmt: skip
     return out

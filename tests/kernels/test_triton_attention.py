@@ -66,7 +66,8 @@ def test_reexports_the_attention_launchers() -> None:
 )  # fmt: skip
 @pytest.mark.parametrize(
     ("hq", "hkv", "d", "rot"),
-    [(4, 4, 32, 32), (8, 2, 64, 64), (8, 1, 24, 24), (32, 4, 128, 128), (4, 2, 32, 24), (8, 2, 96, 72), (4, 1, 24, 2)],
+    [(4, 4, 32, 32), (8, 2, 64, 64), (8, 1, 24, 24), (32, 4, 128, 128), (4, 2, 32, 24), (8, 2, 96, 72), (4, 1, 24, 2),
+     (64, 2, 320, 64)],  # 64 query heads of 320 dims: two programs a token (Q_TILE_ELEMS)
 )  # fmt: skip
 def test_rotary_write_kv_matches_rotary_then_write(
     dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hkv: int, d: int, rot: int,
@@ -141,7 +142,9 @@ def test_rotary_write_kv_errors(gen: torch.Generator, device: torch.device) -> N
         ta.rotary_write_kv(pos, q, k, k, cs, k_cache, v_cache, pos, k_out=q)
 
 
-@pytest.mark.parametrize(("hq", "d", "rot"), [(4, 40, 8), (16, 576, 64)])
+# DeepSeek-V3's 128 query heads over its 576-dim latent row: eight programs a token, the first
+# writing the row
+@pytest.mark.parametrize(("hq", "d", "rot"), [(4, 40, 8), (16, 576, 64), (128, 576, 64)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_rotary_write_kv_without_values_writes_the_keys_once(
     hq: int, d: int, rot: int, cache_dtype: torch.dtype, gen: torch.Generator,
