@@ -342,6 +342,27 @@ def test_a_prefix_cache_hit_gives_the_same_tokens(built: Callable[[str], Built])
         assert out.outputs[0].token_ids == _hf_greedy(hf, p)
 
 
+def test_the_host_tier_holds_and_restores_latent_blocks(built: Callable[[str], Built]) -> None:
+    """The prefix cache's host tier (one plane a layer, as the pool): a prompt's latent blocks
+    pushed out of a 10-block pool by a longer prompt come back from the host, and the tokens
+    stay transformers'."""
+    path, hf = built("v3")
+    prompt, noise = _prompts(31, [40, 150])  # the noise takes all 10 blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(str(path), dtype="float32", num_blocks=10, block_size=16, max_model_len=160,
+             kv_offloading_gib=0.001) as llm:  # fmt: skip
+        host = llm.engine.runner.host_kv
+        assert host is not None and tuple(host.layers[0].shape[::2]) == (1, 16, 32)
+        first = llm.generate([prompt], greedy)[0]
+        llm.generate([noise], replace(greedy, max_tokens=1))
+        again = llm.generate([prompt], greedy)[0]
+        stats = llm.engine.stats()
+    assert stats.kv_offload_restored > 0 and stats.prefix_cache_host_hits > 0
+    assert again.num_cached_tokens == 32
+    want = _hf_greedy(hf, prompt)
+    assert first.outputs[0].token_ids == want and again.outputs[0].token_ids == want
+
+
 def _hand_off(prefill: Any, decode: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # fmt: skip
     """Each prompt prefilled by ``prefill`` (its first token), its blocks gathered into one
     transfer buffer (``KvLayout.buffer_shape``) and scattered into ``decode``'s reservation,
