@@ -2,7 +2,8 @@
 
 The sender gathers chunk k+1 while chunk k is on the wire, and the receiver scatters chunk k
 while chunk k+1 arrives. Chunks are consecutive layer ranges of the transfer buffer
-``[num_layers, 2, n, block_size, heads, head_dim]``, so their concatenation is that buffer.
+``[num_layers, planes, n, block_size, heads, head_dim]`` (planes: K and V, or a latent cache's one),
+so their concatenation is that buffer.
 """
 
 from __future__ import annotations
