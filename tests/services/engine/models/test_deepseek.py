@@ -363,7 +363,9 @@ def test_the_host_tier_holds_and_restores_latent_blocks(built: Callable[[str], B
     assert first.outputs[0].token_ids == want and again.outputs[0].token_ids == want
 
 
-def _hand_off(prefill: Any, decode: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # fmt: skip
+def _hand_off(
+    prefill: Any, decode: Any, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
     """Each prompt prefilled by ``prefill`` (its first token), its blocks gathered into one
     transfer buffer (``KvLayout.buffer_shape``) and scattered into ``decode``'s reservation,
     which decodes the rest."""
