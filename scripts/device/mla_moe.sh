@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# DeepSeek's MLA cache and the MoE decode path on one GPU, dummy weights of published shapes:
+#   tests    the attention, MoE and routing kernel tests and the DeepSeek model tests, compiled
+#   mla      deepseek-v2-lite (bf16): `tandem bench latency` batch 1 / 64 / 256 at 1024 tokens
+#            and `tandem bench offline` 256 x 1024 -> 128; the KV cache's start-up lines
+#   moe      qwen3-30b-a3b: bf16 and --quantization fp8 (experts in FP8 too), latency batch 1-16
+#   routing  python -m kernels.bench.moe --routing: the router's launch against torch's
+# Needs .whl (device_wheels.sh).
+#   bash scripts/device/mla_moe.sh tests,mla,moe,routing [LABEL]   -> $OUT/*.json (or ./gpu-out)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/device/lent_env.sh
+stages="${1:-tests,mla,moe,routing}"
+label="${2:-run}"
+has() { [[ ",$stages," == *",$1,"* ]]; }
+bench() {  # bench NAME ARGS...: one `tandem bench` in its own process, its JSON and log in $out
+  local name=$1
+  shift
+  timeout 300 python3 -m services.cli bench "$@" --json-out "$out/$name.json" \
+    >"$out/$name.log" 2>&1 || echo "$name failed: $(tail -4 "$out/$name.log")"
+  grep -iE "kv cache|latent|experts" "$out/$name.log" | grep -v "^batch" | head -4
+}
+if has tests; then
+  TRITON_INTERPRET=0 timeout 420 python3 -m pytest -q -p no:cacheprovider -x \
+    tests/kernels/test_triton_routing.py tests/kernels/test_triton_moe_pairs.py \
+    tests/kernels/test_triton_moe.py tests/kernels/test_triton_decode.py \
+    tests/kernels/test_triton_prefill.py tests/kernels/test_triton_attention.py \
+    tests/kernels/test_triton_block_copy.py tests/services/engine/models/test_deepseek.py \
+    2>&1 | tail -8 | tee "$out/tests-$label.txt"
+fi
+if has routing; then
+  timeout 120 python3 -m kernels.bench.moe --routing --tokens 1 16 256 4096 \
+    --json-out "$out/routing-$label.json" 2>&1 | grep routing
+fi
+if has mla; then
+  bench "mla-latency-$label" latency --model deepseek-v2-lite --load-format dummy \
+    --dtype bfloat16 --batch-sizes 1,64,256 --input-len 1024 --output-len 24 --max-model-len 2048
+  bench "mla-offline-$label" offline --model deepseek-v2-lite --load-format dummy \
+    --dtype bfloat16 --num-prompts 256 --input-len 1024 --output-len 128
+fi
+if has moe; then
+  bench "moe-bf16-$label" latency --model qwen3-30b-a3b --load-format dummy --dtype bfloat16 \
+    --batch-sizes 1,2,4,8,16 --input-len 1024 --output-len 24 --max-model-len 2048
+  bench "moe-fp8-$label" latency --model qwen3-30b-a3b --load-format dummy --dtype bfloat16 \
+    --quantization fp8 --batch-sizes 1,2,4,8,16 --input-len 1024 --output-len 24 \
+    --max-model-len 2048
+fi
+for f in "$out"/*-"$label".json; do
+  python3 - "$f" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+name = sys.argv[1].rsplit("/", 1)[-1]
+for r in d.get("rows", []):
+    if "step_ms" in r:
+        print(name, "batch", r["batch"], "step_ms", round(r["step_ms"], 3), "graph",
+              round(r["graph_replay_ms"] or 0, 3), "floor", round(r["floor_ms"] or 0, 3))
+if "tandem" in d:
+    print(name, "seconds", round(d["tandem"]["seconds"], 2), "tok/s", round(d["tandem"]["total_tok_s"]))
+PY
+done
