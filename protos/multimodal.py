@@ -5,7 +5,11 @@ of the resized image; a Mistral 3 prompt (Pixtral's layout) as one ``[IMG]`` per
 with ``[IMG_BREAK]`` ending each row of them and ``[IMG_END]`` the last. The gateway works out
 an image's run (``VisionSpec.span``: the image processor's resize arithmetic, ``smart_resize``
 or ``pixtral_size``) to expand the chat template's single placeholder and to check the context
-length; the worker's image processor must arrive at the same grid.
+length; the worker's image processor must arrive at the same grid. A Gemma 3 image is always
+``mm_tokens_per_image`` ``<image_soft_token>`` tokens (the image resized to a fixed square),
+wrapped as its processor wraps them: ``\n\n<start_of_image>`` before, ``<end_of_image>\n\n``
+after; the chat template's placeholder is ``<start_of_image>``, and the wrapping newlines merge
+with newline tokens beside them as the tokenizer would have merged the text (vLLM does too).
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from typing import Any
 from protos.errors import ConfigError
 from protos.sampling_params import InvalidRequestError
 
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma3")
+# served as their language model alone without an image processor (preprocessor_config.json)
+_LANGUAGE_ONLY_WITHOUT_PROCESSOR = ("mistral3", "gemma3")
+_NEWLINES = 4  # runs of 1 .. 4 newlines a tokenizer may hold as one token (Gemma's do)
 MAX_ASPECT_RATIO = 200  # the image processor refuses a more elongated image
 MAX_IMAGE_PIXELS = 8192 * 8192  # a larger image is refused before it is decoded (memory)
 
@@ -31,7 +38,9 @@ class ImageItem:
     """One image of a prompt: where its placeholder tokens sit, its patch grid and its bytes."""
 
     offset: int  # index of its first token (``<|image_pad|>``, ``[IMG]``) in the prompt
-    num_tokens: int  # its run of tokens (Mistral 3: its [IMG_BREAK] and [IMG_END] too)
+    # its run of tokens (Mistral 3: its [IMG_BREAK] and [IMG_END] too; Gemma 3: its image soft
+    # tokens, not the start/end tokens and newlines around them)
+    num_tokens: int
     grid: tuple[int, int, int]  # (t, h, w) in patches, before the spatial merge
     content_hash: bytes  # of the encoded image: the prefix cache's key for its tokens
     data: bytes  # the encoded image (PNG, JPEG, ...), as the client sent it
@@ -100,6 +109,13 @@ class VisionSpec:
     longest_edge: int = 0
     image_break_id: int = -1
     image_end_id: int = -1
+    # Gemma 3: every image image_size pixels square (its grid fixed), its run wrapped in
+    # "\n\n" begin_id ... end_id "\n\n"; the chat template writes begin_id as the placeholder;
+    # newlines: the ids of runs of 1 .. 4 newlines (-1 where the vocabulary has none)
+    image_size: int = 0
+    begin_id: int = -1
+    end_id: int = -1
+    newlines: tuple[int, ...] = ()
 
     @classmethod
     def from_dicts(
@@ -111,6 +127,8 @@ class VisionSpec:
         size = processor.get("size") or {}
         if config.get("model_type") == "mistral3":
             return cls._pixtral(config, vision, size, tokens or {})
+        if config.get("model_type") == "gemma3":
+            return cls._gemma3(config, vision, processor, tokens or {})
         return cls(
             image_token_id=int(config["image_token_id"]),
             vision_start_id=int(config["vision_start_token_id"]),
@@ -149,6 +167,58 @@ class VisionSpec:
         )
 
     @classmethod
+    def _gemma3(
+        cls, config: dict[str, Any], vision: dict[str, Any], processor: dict[str, Any],
+        tokens: dict[str, int],
+    ) -> VisionSpec:  # fmt: skip
+        if processor.get("do_pan_and_scan"):
+            raise ConfigError(
+                "gemma3: do_pan_and_scan (crops of an image besides the whole one) is not "
+                "supported: set it false in preprocessor_config.json"
+            )
+        size = processor.get("size") or {}
+        image_size = int(vision.get("image_size", 224))
+        if (size.get("height"), size.get("width")) not in ((None, None), (image_size,) * 2):
+            raise ConfigError(
+                f"gemma3: the image processor's size {size} is not the vision tower's "
+                f"image_size {image_size}"
+            )
+        patch = int(vision.get("patch_size", 14))
+        side = math.isqrt(int(config.get("mm_tokens_per_image", 256)))
+        if side * side != int(config.get("mm_tokens_per_image", 256)) or (
+            image_size % patch or (image_size // patch) % side
+        ):
+            raise ConfigError(
+                f"gemma3: mm_tokens_per_image {config.get('mm_tokens_per_image')} must be a "
+                f"square whose side divides the {image_size // patch} patches a side"
+            )
+        newlines = tuple(tokens.get("\n" * k, -1) for k in range(1, _NEWLINES + 1))
+        if newlines[1] < 0:
+            raise ConfigError("gemma3: the tokenizer has no single token for two newlines")
+        return cls(
+            image_token_id=int(config.get("image_token_index", config.get("image_token_id", 0))),
+            vision_start_id=-1,
+            vision_end_id=-1,
+            patch_size=patch,
+            merge_size=image_size // patch // side,
+            temporal_patch_size=1,
+            image_size=image_size,
+            begin_id=int(config.get("boi_token_index", config.get("boi_token_id", 255999))),
+            end_id=int(config.get("eoi_token_index", config.get("eoi_token_id", 256000))),
+            newlines=newlines,
+        )
+
+    @property
+    def placeholder_id(self) -> int:
+        """The token the chat template writes for an image (Gemma 3's ``<start_of_image>``)."""
+        return self.begin_id if self.image_size else self.image_token_id
+
+    @property
+    def lead(self) -> int:
+        """The tokens of an image's span before its run (Gemma 3: "\n\n" <start_of_image>)."""
+        return 2 if self.image_size else 0
+
+    @classmethod
     def of_model_dir(cls, directory: Path) -> VisionSpec | None:
         """The directory's spec; None for a text-only model."""
         config_path = directory / "config.json"
@@ -158,18 +228,25 @@ class VisionSpec:
         if config.get("model_type") not in VL_MODEL_TYPES:
             return None
         pre = directory / "preprocessor_config.json"
-        if not pre.is_file() and config["model_type"] == "mistral3":
+        if not pre.is_file() and config["model_type"] in _LANGUAGE_ONLY_WITHOUT_PROCESSOR:
             return None  # served as its language model (services.engine.model_config)
         if not pre.is_file():
             raise ConfigError(
                 f"{directory} is a vision-language model without preprocessor_config.json"
             )
-        tokens = special_tokens(directory) if config["model_type"] == "mistral3" else {}
+        tokens: dict[str, int] = {}
+        if config["model_type"] == "mistral3":
+            tokens = special_tokens(directory)
+        elif config["model_type"] == "gemma3":
+            tokens = newline_tokens(directory)
         return cls.from_dicts(config, json.loads(pre.read_text()), tokens)
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) patches of an image of ``height`` x ``width`` pixels once resized."""
         factor = self.patch_size * self.merge_size
+        if self.image_size:  # resized to the tower's square, whatever its shape
+            side = self.image_size // self.patch_size
+            return 1, side, side
         if self.longest_edge:
             h, w = pixtral_size(height, width, self.longest_edge, factor)
         else:
@@ -186,8 +263,17 @@ class VisionSpec:
         rows = grid[1] // self.merge_size
         return self.features_of(grid) + (rows if self.image_break_id >= 0 else 0)
 
+    def run(self, grid: tuple[int, int, int]) -> list[int]:
+        """The image's own run of tokens (its ``ImageItem``'s)."""
+        span = self.span(grid)
+        return span[self.lead : self.lead + self.tokens_of(grid)]
+
     def span(self, grid: tuple[int, int, int]) -> list[int]:
         """The tokens an image's placeholder becomes."""
+        if self.image_size:  # Gemma 3: wrapped as its processor wraps it
+            wrap = self.newlines[1]
+            run = [self.image_token_id] * self.features_of(grid)
+            return [wrap, self.begin_id, *run, self.end_id, wrap]
         if self.image_break_id < 0:
             return [self.image_token_id] * self.features_of(grid)
         _, h, w = grid
@@ -217,12 +303,45 @@ def special_tokens(directory: Path) -> dict[str, int]:
     return found
 
 
+def newline_tokens(directory: Path) -> dict[str, int]:
+    """The ids of the tokenizer's tokens for runs of 1 .. 4 newlines, by their text, from its
+    tokenizer.json (a byte-level vocabulary spells a newline ``Ċ``); torch-free."""
+    found: dict[str, int] = {}
+    try:
+        model = json.loads((directory / "tokenizer.json").read_text()).get("model") or {}
+        vocab = model.get("vocab") or {}
+        if isinstance(vocab, list):  # Unigram: [piece, score] pairs by id
+            vocab = {str(piece[0]): i for i, piece in enumerate(vocab)}
+        for k in range(1, _NEWLINES + 1):
+            for spelled in ("\n" * k, "Ċ" * k):
+                if spelled in vocab:
+                    found["\n" * k] = int(vocab[spelled])
+                    break
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ConfigError(f"{directory}: the tokenizer's vocabulary is unreadable: {e}") from None
+    return found
+
+
+def _merge_newlines(out: list[int], token: int, newlines: Sequence[int]) -> bool:
+    """Whether ``token`` (a run of newlines) merged into ``out``'s last token (another run)
+    as one token of their newlines together, as the tokenizer would have read the text."""
+    if not newlines or not out or token not in newlines or out[-1] not in newlines:
+        return False
+    k = newlines.index(out[-1]) + newlines.index(token) + 2
+    if k > len(newlines) or newlines[k - 1] < 0:
+        return False
+    out[-1] = newlines[k - 1]
+    return True
+
+
 def expand_placeholders(
-    prompt: Sequence[int], image_token_id: int, spans: Sequence[int | Sequence[int]]
-) -> tuple[list[int], list[int]]:
+    prompt: Sequence[int], image_token_id: int, spans: Sequence[int | Sequence[int]],
+    lead: int = 0, newlines: Sequence[int] = (),
+) -> tuple[list[int], list[int]]:  # fmt: skip
     """Each single ``image_token_id`` of ``prompt`` replaced by its image's run of tokens (a
     count: that many ``image_token_id``); returns the expanded prompt and each image's offset
-    in it. The placeholders must match the images."""
+    in it (of its span's token ``lead``). The placeholders must match the images. ``newlines``
+    (Gemma 3): a span's first and last tokens merge with newline tokens beside them."""
     found = sum(1 for t in prompt if t == image_token_id)
     if found != len(spans):
         raise InvalidRequestError(
@@ -232,12 +351,16 @@ def expand_placeholders(
     out: list[int] = []
     offsets: list[int] = []
     images = iter(spans)
+    span_end = -1  # where the last span ended in ``out``
     for token in prompt:
         if token == image_token_id:
-            offsets.append(len(out))
             span = next(images)
-            out.extend([image_token_id] * span if isinstance(span, int) else span)
-        else:
+            run = [image_token_id] * span if isinstance(span, int) else list(span)
+            merged = bool(run) and _merge_newlines(out, run[0], newlines)
+            offsets.append(len(out) + lead - merged)
+            out.extend(run[1:] if merged else run)
+            span_end = len(out)
+        elif not (len(out) == span_end and _merge_newlines(out, token, newlines)):
             out.append(token)
     return out, offsets
 
@@ -293,9 +416,9 @@ def place_images(
             # the prompt's images in order, as the client sent them
             raise InvalidRequestError(f"image {i + 1} of the prompt: {e}", e.param) from None
     spans = [spec.span(g) for g in grids]
-    ids, offsets = expand_placeholders(prompt, spec.image_token_id, spans)
+    ids, offsets = expand_placeholders(prompt, spec.placeholder_id, spans, spec.lead, spec.newlines)
     items = tuple(
-        ImageItem(o, len(s), g, content_hash(d), d)
-        for o, s, g, d in zip(offsets, spans, grids, images, strict=True)
+        ImageItem(o, spec.tokens_of(g), g, content_hash(d), d)
+        for o, g, d in zip(offsets, grids, images, strict=True)
     )
     return ids, items

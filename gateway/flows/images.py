@@ -63,7 +63,7 @@ def check_images(count: int, spec: VisionSpec | None, limit: int | None, model: 
         raise invalid(
             f"the model {model!r} is served for text only and takes no images: drop the "
             "image_url parts, or serve a vision-language model (Qwen2-VL, Qwen2.5-VL, "
-            "Qwen3-VL, Mistral 3)", "messages"
+            "Qwen3-VL, Mistral 3, Gemma 3)", "messages"
         )  # fmt: skip
     if limit is not None and count > limit:
         raise invalid(

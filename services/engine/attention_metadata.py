@@ -30,6 +30,10 @@ class AttentionMetadata:
     # the KV out while this forward runs (``services.engine.kv_handoff``); None on every other
     # step, and in CUDA graphs, which would not run it
     on_kv_written: Callable[[int], None] | None = None
+    # [T] int32, Gemma 3's images: each row's last key when past its own (an image token: its
+    # image's last token, which its chunk holds), 0 elsewhere; the prefill kernels' span_last.
+    # None on every step without an image token of such a model (causal prefill)
+    span_last: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -168,6 +168,17 @@ class LLMEngine:
             if model_dir is not None and self.runner.arch.vision is not None
             else None
         )
+        vision = self.runner.arch.vision
+        if vision is not None and vision.bidirectional and self.vision_spec is not None:
+            # an image's tokens see each other: one step computes them all
+            grid = self.vision_spec.grid(1, 1)  # Gemma 3: every image the same
+            need = self.vision_spec.tokens_of(grid)
+            if config.scheduler.token_budget < need:
+                raise ConfigError(
+                    f"{vision.model_type} computes each image's {need} tokens in one step "
+                    "(they attend to each other both ways), but --max-num-batched-tokens is "
+                    f"{config.scheduler.token_budget}: raise it to at least {need}"
+                )
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if files.kind != "named" else None
         self.eos_token_ids = frozenset(self.runner.arch.eos_token_ids) | (
             {tok_eos} if tok_eos is not None else set()
@@ -310,7 +321,8 @@ class LLMEngine:
                 )
                 raise InvalidRequestError(
                     f"{self.model_name} is {what}: it takes no images; send text only, or "
-                    "serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3)",
+                    "serve a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3, "
+                    "Gemma 3)",
                     "messages",
                 )  # fmt: skip
             return 0
@@ -319,7 +331,7 @@ class LLMEngine:
         found = sum(1 for t in prompt if t == pad)
 
         def run(im: ImageItem) -> list[int]:  # the image's tokens (Mistral 3: with its breaks)
-            return spec.span(im.grid) if spec is not None else [pad] * im.num_tokens
+            return spec.run(im.grid) if spec is not None else [pad] * im.num_tokens
 
         bad = any(im.end > len(prompt) or prompt[im.offset : im.end] != run(im) for im in images)
         if need_data and any(not im.data for im in images):
@@ -330,6 +342,11 @@ class LLMEngine:
                 "offsets: expand each image's placeholder to its token count", "messages"
             )  # fmt: skip
         return rope_delta(images, vision.spatial_merge_size) if vision.mrope else 0
+
+    def _whole_images(self, images: Sequence[ImageItem]) -> bool:
+        """Whether each of these images must be computed in one prefill chunk (Gemma 3)."""
+        vision = self.runner.arch.vision
+        return bool(images) and vision is not None and vision.bidirectional
 
     def prepare_images(self, images: Sequence[ImageItem]) -> None:
         """Preprocess a request's images (InvalidRequestError for one that does not decode or
@@ -361,6 +378,7 @@ class LLMEngine:
             cache_salt=self._cache_salt(params, bool(long_rope)),
             images=tuple(images),
             position_offset=offset,
+            whole_images=self._whole_images(images),
         )
 
     def _check_a_token_left(self, params: SamplingParams) -> None:
@@ -589,6 +607,7 @@ class LLMEngine:
         reserved.sampling_params = params
         reserved.cache_salt = self._cache_salt(params, bool(long_rope))
         reserved.images, reserved.position_offset = tuple(images), offset
+        reserved.whole_images = self._whole_images(images)
         req = self.scheduler.activate(request_id, output_token_ids)
         last = output_token_ids[-1] if output_token_ids else None
         if not req.finished and last is not None and self.grammars.ends_with(request_id, last):

@@ -21,6 +21,7 @@ from services.engine.model_config import (
     FUSED_CHECKPOINT_TYPES,
     VISION_TOWERS,
     ArchConfig,
+    gemma3_name,
     language_model_name,
     mistral3_name,
 )
@@ -31,6 +32,7 @@ from services.engine.models.deepseek import (
     checkpoint_tensor,
 )
 from services.engine.models.gemma3 import Gemma3ForCausalLM
+from services.engine.models.gemma3_vision import Gemma3VLForCausalLM
 from services.engine.models.glm4 import Glm4ForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.mistral3 import Mistral3ForCausalLM
@@ -503,10 +505,13 @@ def load_model(
             "attention) are not supported yet: serve its FP8 checkpoint (DeepSeek-V3's own "
             "128x128 blocks load), or the bf16 one without --quantization"
         )
-    if qcfg is not None and arch.vision is not None and arch.vision.model_type == "mistral3":
+    if qcfg is not None and arch.vision is not None and arch.vision.model_type in (
+        "mistral3", "gemma3",
+    ):  # fmt: skip
         # its tower is not built quantized: the language model alone, as before it had images
-        log.warning("mistral3 quantized: its language model is served, images refused")
-        arch = replace(arch, vision=None, language_of="mistral3")
+        kind = arch.vision.model_type
+        log.warning("%s quantized: its language model is served, images refused", kind)
+        arch = replace(arch, vision=None, language_of=kind)
     if qcfg is not None and arch.vision is not None:
         raise ConfigError(
             f"quantized {arch.model_type} (vision-language) models are not supported yet"
@@ -527,6 +532,8 @@ def load_model(
             model_class = Mistral3ForCausalLM
     if arch.gemma is not None:
         model_class = Gemma3ForCausalLM
+        if arch.vision is not None:  # Gemma 3 with its SigLIP tower
+            model_class = Gemma3VLForCausalLM
     model_class = _FAMILY_MODELS.get(arch.model_type, model_class)
     with torch.device("meta"), _no_param_init():
         model = model_class(layout.local_arch(arch) if layout else arch, max_positions)
@@ -560,10 +567,9 @@ def load_model(
         dummy_quantized(model, config.weights_seed)
     else:
         assert files.hf_dir is not None
-        pixtral = arch.vision is not None and arch.vision.model_type == "mistral3"
-        read = iter_safetensors(
-            files.hf_dir, layout, bool(arch.language_of), mistral3_name if pixtral else None
-        )
+        kind = arch.vision.model_type if arch.vision is not None else ""
+        rename = {"mistral3": mistral3_name, "gemma3": gemma3_name}.get(kind)
+        read = iter_safetensors(files.hf_dir, layout, bool(arch.language_of), rename)
         experts = None
         if qcfg is not None and qcfg.serialized and arch.moe is not None:
             experts = ExpertDequantizer(

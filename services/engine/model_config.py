@@ -28,7 +28,7 @@ SUPPORTED = {
     "gemma": "Gemma (the first; CodeGemma)",
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3 (text)",
-    "gemma3": "Gemma 3 4B-27B (their language model: images are refused)",
+    "gemma3": "Gemma 3 4B-27B (images)",
     "mistral3": "Mistral Small 3.1/3.2, Magistral Small (images)",
     "phi3": "Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
     "smollm3": "SmolLM3 (its layers without rotary embedding)",
@@ -120,6 +120,17 @@ def mistral3_name(name: str) -> str:
     transformers 5's ``model.``)."""
     if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
         return name[len("model.") :]
+    return language_model_name(name) or name
+
+
+def gemma3_name(name: str) -> str:
+    """A Gemma 3 checkpoint's tensor name as our model holds it: the language model's as the
+    text-only model names it, the SigLIP tower's and the projector's at the top, without
+    transformers 5's ``model.`` or the Hub's ``vision_model.`` inside the tower."""
+    if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+        name = name[len("model.") :]
+    if name.startswith("vision_tower.vision_model."):
+        return "vision_tower." + name[len("vision_tower.vision_model.") :]
     return language_model_name(name) or name
 
 
@@ -292,6 +303,16 @@ class VisionConfig:
     projector_bias: bool = False
     projector_eps: float = 1e-5
     feature_layer: int = -1
+    # Gemma 3 (a SigLIP tower, model_type gemma3): LayerNorms of projector_eps, learned patch
+    # positions (num_position_embeddings, a square image), hidden_act its MLP's; the projector
+    # average-pools spatial_merge_size x spatial_merge_size squares of patches. Its language
+    # model attends both ways among one image's tokens (``bidirectional``)
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens attend to each other both ways in the language model
+        (Gemma 3): each image's tokens are then computed in one prefill chunk."""
+        return self.model_type == "gemma3"
 
     @property
     def windowed(self) -> bool:
@@ -301,7 +322,7 @@ class VisionConfig:
     def mrope(self) -> bool:
         """Whether the image tokens take 3-D rotary positions (Qwen-VL's M-RoPE); Mistral 3's
         are plain positions."""
-        return self.model_type != "mistral3"
+        return self.model_type not in ("mistral3", "gemma3")
 
     @property
     def qwen3(self) -> bool:
@@ -376,10 +397,10 @@ class ArchConfig:
     @property
     def language_only(self) -> str:
         """Why a multimodal checkpoint's images are refused (``language_of`` set); ""."""
-        if self.language_of == "mistral3":
+        if self.language_of in ("mistral3", "gemma3"):
             return (
-                "mistral3's vision tower is served only from a checkpoint with its image "
-                "processor's preprocessor_config.json, unquantized"
+                f"{self.language_of}'s vision tower is served only from a checkpoint with its "
+                "image processor's preprocessor_config.json, unquantized"
             )
         return f"{self.language_of}'s vision tower is not supported yet" if self.language_of else ""
 
@@ -404,7 +425,8 @@ class ArchConfig:
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
         vision, gemma, language_of = None, None, ""
         if model_type == "gemma3":
-            cfg, model_type, language_of = _gemma3_language(cfg), "gemma3_text", "gemma3"
+            vision = _siglip_config(cfg)
+            cfg, model_type = _gemma3_language(cfg), "gemma3_text"
         elif model_type == "mistral3":
             vision = _pixtral_config(cfg)
             cfg, model_type = _mistral3_language(cfg), "mistral"
@@ -512,10 +534,10 @@ class ArchConfig:
         # transformers then leaves the two apart (its tie_weights), as here
         if (
             arch.vision is not None
-            and arch.vision.model_type == "mistral3"
+            and arch.vision.model_type in ("mistral3", "gemma3")
             and not (Path(path).parent / "preprocessor_config.json").is_file()
         ):  # no image processor to serve images with: the language model alone, images refused
-            arch = dataclasses.replace(arch, vision=None, language_of="mistral3")
+            arch = dataclasses.replace(arch, vision=None, language_of=arch.vision.model_type)
         if (
             arch.model_type == "mistral"
             and (arch.vision is not None or arch.language_of == "mistral3")
@@ -598,6 +620,56 @@ def _gemma3_language(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get(key) is not None and given.get(key) is None:
             text[key] = cfg[key]
     return {**text, "model_type": "gemma3_text"}
+
+
+_SIGLIP_ACTS = ("gelu_pytorch_tanh", "gelu")  # the SigLIP MLP's activations we implement
+
+
+def _siglip_config(cfg: dict[str, Any]) -> VisionConfig:
+    """A Gemma 3 checkpoint's SigLIP vision tower and projector, as transformers'
+    ``Gemma3Config`` reads them (its defaults: the 4B-27B tower); what the engine does not
+    implement is refused rather than served wrong."""
+    from transformers import Gemma3Config, PreTrainedConfig
+
+    given = {k: v for k, v in cfg.items() if k not in ("model_type", "text_config")}
+    full = Gemma3Config(**given, text_config=cfg.get("text_config"))
+    vis, text = full.vision_config, full.text_config
+    assert isinstance(vis, PreTrainedConfig) and isinstance(text, PreTrainedConfig)
+    if vis.hidden_act not in _SIGLIP_ACTS:
+        raise ConfigError(
+            f"gemma3: vision hidden_act {vis.hidden_act!r} is not supported ({_SIGLIP_ACTS})"
+        )
+    heads, width = int(vis.num_attention_heads), int(vis.hidden_size)
+    if width % heads:
+        raise ConfigError(
+            f"gemma3: vision hidden_size {width} must divide by num_attention_heads {heads}"
+        )
+    patches = int(vis.image_size) // int(vis.patch_size)  # a side
+    tokens = int(full.mm_tokens_per_image or 256)
+    side = math.isqrt(tokens)
+    if side * side != tokens or patches % side:
+        raise ConfigError(
+            f"gemma3: mm_tokens_per_image {tokens} must be a square whose "
+            f"side divides the {patches} patches a side"
+        )
+    return VisionConfig(
+        model_type="gemma3",
+        depth=int(vis.num_hidden_layers),
+        embed_dim=width,
+        num_heads=heads,
+        mlp_ratio=0,
+        in_channels=int(vis.num_channels),
+        patch_size=int(vis.patch_size),
+        temporal_patch_size=1,
+        spatial_merge_size=patches // side,
+        out_hidden_size=int(text.hidden_size),
+        image_token_id=int(full.image_token_id),
+        mrope_section=(),
+        intermediate_size=int(vis.intermediate_size),
+        num_position_embeddings=patches * patches,
+        hidden_act=str(vis.hidden_act),
+        projector_eps=float(vis.layer_norm_eps),
+    )
 
 
 # a Mistral 3 checkpoint's own lm_head: by the Hub's names (transformers 4's and 5's saves) or by

@@ -46,6 +46,7 @@ from services.engine.model_config import (
     allow_long_max_model_len,
     derived_max_model_len,
 )
+from services.engine.models.gemma3_vision import Gemma3VLForCausalLM
 from services.engine.models.llama import Attention
 from services.engine.models.mistral3 import Mistral3ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
@@ -57,7 +58,7 @@ from services.engine.tp_group import TPGroup
 from services.engine.tp_kv import AfterPeers, ShardedCopier
 from services.engine.tp_layout import TPLayout
 from services.engine.tp_ranks import CaptureGraphs, Ranks, RankStep
-from services.engine.vision import VisionInputs
+from services.engine.vision import VisionInputs, span_last
 from services.engine.warmup import warmup_steps
 from services.model_files import named_model_dir
 from services.scheduling.outputs import (
@@ -222,7 +223,8 @@ class ModelRunner:
         self._starts: list[int] = []
         self.pooler = Pooler()  # embeddings' running state between prefill chunks
         self.vision: VisionInputs | None = None
-        if isinstance(self.model, Qwen2VLForCausalLM | Mistral3ForCausalLM) and self.arch.vision:
+        towers = Qwen2VLForCausalLM | Mistral3ForCausalLM | Gemma3VLForCausalLM
+        if isinstance(self.model, towers) and self.arch.vision:
             model_dir = self.files.hf_dir or named_model_dir(self.files)
             if model_dir is None:
                 raise ConfigError(
@@ -391,6 +393,10 @@ class ModelRunner:
             prefill_start_loc=d32[2] if nd < B else None,
             prefill_no_prefix=nd < B and not bool(starts[nd:].any()),
         )
+        if self.vision is not None and self.vision.cfg.bidirectional and nd < B:
+            spans = span_last(laid)  # Gemma 3: an image's tokens see each other
+            if spans is not None:
+                meta.span_last = torch.from_numpy(spans).to(d64[0].device, non_blocking=True)
         return StepInputs(d64[0], d64[1], meta, d64[3], first.tolist())
 
     def _graph_bucket(self, out: SchedulerOutput) -> tuple[int, int] | None:

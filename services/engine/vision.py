@@ -2,7 +2,10 @@
 one) turns an image's bytes into patches, the vision tower encodes them, and each step gets
 the embeddings of the image tokens it computes and (Qwen-VL) their 3-D rotary positions. A
 Mistral 3 image's run of tokens holds an ``[IMG_BREAK]`` after each row of ``[IMG]`` tokens
-(``[IMG_END]`` after the last): those keep their token embeddings (``feature_index``).
+(``[IMG_END]`` after the last): those keep their token embeddings (``feature_index``). A Gemma 3
+image's tokens attend to each other both ways: ``span_last`` gives the prefill kernels each
+step row's bound (its image's last token), and the scheduler keeps every image whole in one
+chunk (``Request.whole_images``).
 
 Images are preprocessed when their request is added (``prepare``: off the engine thread on the
 serving path, so a bad image is refused alone and resizing never stalls a step); encoder outputs
@@ -25,6 +28,7 @@ import torch
 from protos.multimodal import ImageItem
 from protos.sampling_params import InvalidRequestError
 from services.engine.model_config import VisionConfig
+from services.engine.models.gemma3_vision import Gemma3VLForCausalLM
 from services.engine.models.mistral3 import Mistral3ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM, mrope_table
 from services.engine.mrope import mrope_positions
@@ -44,6 +48,12 @@ def load_image_processor(model_dir: Path, model_type: str = "qwen2_vl") -> Any:
         )
 
         return PixtralImageProcessorPil.from_pretrained(str(model_dir))
+    if model_type == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import (
+            Gemma3ImageProcessorPil,
+        )
+
+        return Gemma3ImageProcessorPil.from_pretrained(str(model_dir))
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil as Processor,
@@ -83,6 +93,20 @@ def _pixtral_patches(
     return np.ascontiguousarray(patches), (1, h, w)
 
 
+def _gemma3_patches(
+    processor: Any, rgb: Any, cfg: VisionConfig
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Gemma 3's image (resized to the tower's square, rescaled, normalized; no pan-and-scan
+    crops) cut into patches [h*w, C*p*p] in raster order, and its grid."""
+    p = cfg.patch_size
+    feat = processor(images=[rgb], do_pan_and_scan=False, return_tensors="np")
+    pixels = np.asarray(feat["pixel_values"][0], dtype=np.float32)  # [C, H, W]
+    c, height, width = pixels.shape
+    h, w = height // p, width // p
+    patches = pixels.reshape(c, h, p, w, p).transpose(1, 3, 0, 2, 4).reshape(h * w, c * p * p)
+    return np.ascontiguousarray(patches), (1, h, w)
+
+
 def preprocess(
     processor: Any, image: ImageItem, cfg: VisionConfig | None = None
 ) -> np.ndarray:  # [patches, C*tp*p*p] float32
@@ -97,6 +121,8 @@ def preprocess(
         raise InvalidRequestError(f"an image could not be decoded: {exc}", "messages") from None
     if cfg is not None and cfg.model_type == "mistral3":
         patches, grid = _pixtral_patches(processor, rgb, cfg)
+    elif cfg is not None and cfg.model_type == "gemma3":
+        patches, grid = _gemma3_patches(processor, rgb, cfg)
     else:
         feat = processor(images=[rgb], return_tensors="np")
         grid = tuple(int(v) for v in feat["image_grid_thw"][0])
@@ -115,7 +141,7 @@ def feature_index(cfg: VisionConfig, image: ImageItem, a: int, b: int) -> torch.
     output) of each that takes one, -1 for each that keeps its token embedding (Mistral 3's
     [IMG_BREAK] and [IMG_END]: one after each row of merged patches)."""
     k = torch.arange(a - image.offset, b - image.offset)
-    if cfg.mrope:  # Qwen-VL: every token
+    if cfg.model_type != "mistral3":  # Qwen-VL, Gemma 3: every token
         return k
     width = image.grid[2] // cfg.spatial_merge_size + 1  # a row of [IMG], then its break
     return torch.where(k % width == width - 1, -1, k - k // width)
@@ -153,12 +179,36 @@ class EncoderCache:
             self._tokens -= old.shape[0]
 
 
+def span_last(reqs: list[ScheduledRequest]) -> np.ndarray | None:
+    """The step's [T] int32 ``span_last`` of the prefill kernels (Gemma 3), ``reqs`` in the
+    step's row order: at each image token the position of its image's last token, 0 at every
+    other row; None when no row is an image token. Every image must end within its chunk."""
+    rows = np.zeros(sum(r.num_new_tokens for r in reqs), np.int32)
+    at, found = 0, False
+    for r in reqs:
+        lo, hi = r.start_pos, r.start_pos + r.num_new_tokens
+        for image in r.images:
+            a, b = max(lo, image.offset), min(hi, image.end)
+            if a >= b:
+                continue
+            if image.end > hi:  # the scheduler never cuts an image (Request.whole_images)
+                raise RuntimeError(
+                    f"request {r.request_id}: its prefill chunk {lo}..{hi} cuts its image "
+                    f"{image.offset}..{image.end}, whose tokens attend to each other"
+                )
+            rows[at + a - lo : at + b - lo] = image.end - 1
+            found = True
+        at += r.num_new_tokens
+    return rows if found else None
+
+
 class VisionInputs:
     """What a step of a vision-language model needs beyond token ids."""
 
     def __init__(
-        self, model: Qwen2VLForCausalLM | Mistral3ForCausalLM, cfg: VisionConfig, model_dir: Path
-    ) -> None:
+        self, model: Qwen2VLForCausalLM | Mistral3ForCausalLM | Gemma3VLForCausalLM,
+        cfg: VisionConfig, model_dir: Path,
+    ) -> None:  # fmt: skip
         self.model = model
         self.cfg = cfg
         self.processor = load_image_processor(model_dir, cfg.model_type)

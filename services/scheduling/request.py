@@ -68,6 +68,9 @@ class Request:
     images: tuple[ImageItem, ...] = ()
     # position minus index of the tokens after the prompt's images (M-RoPE: <= 0)
     position_offset: int = 0
+    # each image's tokens computed in one prefill chunk (Gemma 3: they attend to each other
+    # both ways, so a chunk may end before an image or after it, never inside)
+    whole_images: bool = False
 
     @property
     def reads_prefix_cache(self) -> bool:

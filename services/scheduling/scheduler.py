@@ -145,6 +145,25 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
 
+    @staticmethod
+    def _whole_images(req: Request, start: int, n: int, budget: int) -> int:
+        """Of ``n`` tokens from ``start``, the share that cuts no image of a request whose
+        images must be computed whole (``Request.whole_images``): a chunk that would end inside
+        an image ends before it, or, when the image starts the chunk (or the chunk starts
+        inside it: a prefix-cache hit within the image), takes the rest of the image when the
+        step's ``budget`` holds it, else nothing this step (the engine refuses an image longer
+        than a step's whole budget)."""
+        if not req.whole_images or n <= 0:
+            return n
+        end = start + n
+        for image in req.images:
+            if image.offset < end < image.end:
+                if image.offset > start:
+                    return image.offset - start
+                rest = image.end - start
+                return rest if rest <= budget else 0
+        return n
+
     def _preempt_victim(self) -> Request:
         # activated requests waiting for a seat hold KV too; sparing them can livelock the pool
         holders = [r for r in self.waiting if r.num_computed_tokens > 0]
@@ -187,6 +206,7 @@ class Scheduler:
             if self.config.max_loras and not self._adapter_fits(req, adapters):
                 continue
             n = self._num_new_tokens(left, budget if is_decode else budget - decodes_left)
+            n = self._whole_images(req, req.num_computed_tokens, n, budget)
             if n <= 0:
                 continue
             while not self.kv.allocate(req, n):
@@ -255,6 +275,9 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if self.config.long_prefill_token_threshold > 0:
                 n = min(n, self.config.long_prefill_token_threshold)
+            n = self._whole_images(req, req.num_computed_tokens + num_cached, n, budget)
+            if n <= 0:  # its next image does not fit what is left of this step
+                break
             if not self.kv.allocate(req, n, cached, restore=host):
                 # requests queued behind the head may hold KV (activated): free theirs first
                 holders = [r for r in self.waiting[i + 1 :] if r.num_computed_tokens > 0]

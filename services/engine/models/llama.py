@@ -141,11 +141,12 @@ def paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window,
             softcap=softcap, sinks=sinks,
         )  # fmt: skip
+    spans = meta.span_last  # Gemma 3's image tokens: bidirectional within each image
     if nd == 0:
         return ops.prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
             scale, k_new=k_new, v_new=v_new, no_prefix=k_new is not None, window=window,
-            softcap=softcap, sinks=sinks,
+            softcap=softcap, sinks=sinks, span_last=spans,
         )  # fmt: skip
     assert meta.prefill_start_loc is not None
     o = torch.empty_like(q)
@@ -159,6 +160,7 @@ def paged_attention(
         k_new=k_new[nd:] if k_new is not None else None,
         v_new=v_new[nd:] if v_new is not None else None, no_prefix=k_new is not None,
         window=window, softcap=softcap, sinks=sinks,
+        span_last=spans[nd:] if spans is not None else None,
     )  # fmt: skip
     return o
 
