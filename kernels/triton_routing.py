@@ -9,7 +9,8 @@ of two), takes the ``top_k`` largest one at a time (the largest left, the lowest
 equals), and writes their softmax weights, divided by their sum where asked.
 
 The experts are chosen on the logits themselves, not on their softmax: the softmax is monotonic,
-so the choice is the same, without the exponentials' rounding in it. The weights are computed as
+so the choice is the same, without the exponentials' rounding in it (an expert's -inf logit
+ranks below every finite one and is taken once, weight 0, where ``top_k`` reaches it). The weights are computed as
 the reference's: ``exp(l - max) / sum(exp(l - max))`` in float32, then each over the chosen
 weights' sum.
 """
@@ -40,7 +41,9 @@ def _route_kernel(
     slots = tl.arange(0, TOP_K_P2)
     chosen_w = tl.zeros([TOP_K_P2], dtype=tl.float32)
     chosen_id = tl.zeros([TOP_K_P2], dtype=tl.int64)
-    left = logits
+    # chosen on keys where an expert's -inf logit is the lowest finite float: only the taken
+    # and the padding are -inf, so a top-k that reaches the -inf experts takes each once
+    left = tl.where(mask & (logits == float("-inf")), -3.4028234663852886e38, logits)
     for j in tl.static_range(TOP_K):
         best = tl.argmax(left, axis=0, tie_break_left=True)
         here = offs == best

@@ -61,3 +61,17 @@ def test_ties_take_the_lowest_index(device: torch.device) -> None:
 def test_no_tokens(device: torch.device) -> None:
     weights, ids = moe_routing(torch.empty((0, 16), device=device), 4, True)
     assert weights.shape == ids.shape == (0, 4)
+
+
+def test_minus_infinity_logits_are_chosen_once(device: torch.device) -> None:
+    """A -inf logit (an expert masked out) chosen because top_k reaches it: each expert once,
+    weight 0, as the reference (was: the lowest index again, its weight counted twice)."""
+    inf = float("inf")
+    logits = torch.tensor([[0.5, -inf, 1.0, 0.2], [-inf, -inf, 2.0, -inf]], device=device)
+    for renormalize in (True, False):
+        weights, ids = moe_routing(logits, 4, renormalize)
+        ref_w, ref_ids = ref_moe_routing(logits, 4, renormalize)
+        assert [sorted(row) for row in ids.tolist()] == [[0, 1, 2, 3]] * 2
+        assert ids[:, :3].tolist() == [[2, 0, 3], [2, 0, 1]]
+        torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=1e-7)
+        assert ids[:, 0].tolist() == ref_ids[:, 0].tolist()
