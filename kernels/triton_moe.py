@@ -63,7 +63,7 @@ from kernels.triton_common import (
     mma,
     next_pow2,
 )
-from kernels.triton_moe_pairs import fused_moe_pairs
+from kernels.triton_moe_pairs import fused_moe_pairs, scale_args
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); BLOCK_M chosen per call from the rows per expert
 DEFAULT_TILES = (64, 64, 4)  # (BLOCK_N, BLOCK_K, num_warps)
@@ -288,7 +288,7 @@ def fused_moe(
     inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
     bn1, bk1 = _fit(bn, inter), _fit(bk, h)
     # an absent bias or scale is never read (HAS_BIAS, FP8 False): the weights stand in for it
-    s13 = _scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
+    s13 = scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
     bk1 = _within(bk1, s13[5], h) if fp8 else bk1
     scale_up = -(-inter // s13[4])  # the up half's first scale row
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
@@ -302,7 +302,7 @@ def fused_moe(
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     bn2, bk2 = _fit(bn, h), _fit(bk, inter)
-    s2 = _scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
+    s2 = scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
     bk2 = _within(bk2, s2[5], inter) if fp8 else bk2
     _down_kernel[(blocks, triton.cdiv(h, bn2))](
         inter_act, w2, w2 if b2 is None else b2, s2[0], contrib, sorted_pairs, block_expert,
@@ -316,16 +316,6 @@ def fused_moe(
         contrib, out, h, contrib.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block
     )
     return out
-
-
-def _scale_args(
-    w: torch.Tensor, scale: torch.Tensor | None, blocks: tuple[int, int] | None
-) -> tuple[torch.Tensor, int, int, int, int, int]:
-    """(pointer, expert / row / column strides, block_n, block_k) of an FP8 weight's scales;
-    placeholders (the weight, block 1) for a float weight."""
-    if scale is None or blocks is None:
-        return w, 0, 0, 0, 1, 1
-    return scale, scale.stride(0), scale.stride(1), scale.stride(2), blocks[0], blocks[1]
 
 
 def _within(block_k: int, scale_k: int, k: int) -> int:

@@ -169,11 +169,11 @@ def _ordered_combine_kernel(
     tl.store(out_ptr + t * s_ot + offs, acc.to(dt), mask=mask)
 
 
-def _scale_args(
+def scale_args(
     w: torch.Tensor, scale: torch.Tensor | None, blocks: tuple[int, int] | None
 ) -> tuple[torch.Tensor, int, int, int, int, int]:
     """(pointer, expert / row / column strides, block_n, block_k) of an FP8 weight's scales;
-    placeholders (the weight, block 1) for a float weight."""
+    placeholders (the weight, block 1) for a float weight (the grouped kernels' too)."""
     if scale is None or blocks is None:
         return w, 0, 0, 0, 1, 1
     return scale, scale.stride(0), scale.stride(1), scale.stride(2), blocks[0], blocks[1]
@@ -215,7 +215,7 @@ def fused_moe_pairs(
     down_tiles = SMALL_DOWN_TILES if pairs <= SMALL_DOWN_PAIRS else DOWN_TILES
     (bn1, bk1, warps1), (bn2, bk2, warps2) = tiles or (GATE_UP_TILES, down_tiles)
     inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
-    s13 = _scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
+    s13 = scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
     bn1 = min(bn1, next_pow2(inter))
     bk1 = _k_tile(bk1, h, s13[5] if fp8 else None)
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, bn1))](
@@ -227,7 +227,7 @@ def fused_moe_pairs(
         FP8=fp8 is not None, num_warps=warps1,
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
-    s2 = _scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
+    s2 = scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
     bn2 = min(bn2, next_pow2(h))
     bk2 = _k_tile(bk2, inter, s2[5] if fp8 else None)
     _pair_down_kernel[(pairs, triton.cdiv(h, bn2))](
