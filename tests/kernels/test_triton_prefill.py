@@ -685,3 +685,20 @@ def test_image_spans_change_the_result_and_are_checked(gen: torch.Generator, dev
     over[5] = 30  # a span past the chunk's keys: the reference refuses it
     with pytest.raises(ValueError, match="image span ends past its chunk"):
         ref_prefill_attention(*args, span_last=over)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("ctx_lens", "q_lens", "images", "window"),
+    [([300, 1000], [300, 1000], [[(10, 256)], [(5, 256), (600, 256)]], 1024),
+     ([1024 + 512], [512], [[(1024 + 100, 256)]], 1024),
+     ([5000], [5000], [[(4700, 256)]], 1024), ([700, 9], [700, 9], [[(200, 256)], []], 0)],
+)  # fmt: skip
+def test_gpu_gemma3_image_span_shapes(ctx_lens: list[int], q_lens: list[int], images: list[list[tuple[int, int]]], window: int) -> None:  # fmt: skip
+    # Gemma 3 4B's attention (head_dim 256, 8 query heads over 4 KV heads, bf16): 256-token
+    # images in whole prompts, after a prefix, past TMA_MIN_TOKENS (TMA), with its 1024 window
+    gen = torch.Generator().manual_seed(0)
+    cuda = torch.device("cuda")
+    spans = span_rows(ctx_lens, q_lens, images, cuda)
+    run_case(ctx_lens, q_lens, 2, torch.bfloat16, gen, cuda, head_dim=256, kv_heads=4, tiles=None, window=window, span_last=spans)  # fmt: skip
+    new_kv_case(ctx_lens, q_lens, torch.bfloat16, gen, cuda, None, head_dim=256, group=2, block_size=16, window=window, span_last=spans)  # fmt: skip
