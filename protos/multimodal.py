@@ -183,7 +183,7 @@ class VisionSpec:
                 f"gemma3: the image processor's size {size} is not the vision tower's "
                 f"image_size {image_size}"
             )
-        patch = int(vision.get("patch_size", 14))
+        patch = int(vision.get("patch_size", 16))  # SiglipVisionConfig's defaults
         side = math.isqrt(int(config.get("mm_tokens_per_image", 256)))
         if side * side != int(config.get("mm_tokens_per_image", 256)) or (
             image_size % patch or (image_size // patch) % side

@@ -7,6 +7,7 @@ import io
 import pytest
 from PIL import Image
 
+from protos.errors import ConfigError
 from protos.multimodal import (
     VisionSpec,
     expand_placeholders,
@@ -75,3 +76,50 @@ def test_a_decompression_bomb_gets_the_size_limit_message() -> None:
     Image.new("1", (20000, 20000)).save(buf, format="PNG")  # ~50 KB declaring 400 megapixels
     with pytest.raises(InvalidRequestError, match="larger than the 67 megapixels allowed"):
         image_size(buf.getvalue())
+
+
+# Gemma 3: newline runs of 1 .. 4 as single tokens (Gemma's vocabulary has them), the image
+# tokens, begin and end
+NL = {"\n": 107, "\n\n": 108, "\n\n\n": 109, "\n\n\n\n": 110}
+GEMMA3 = {"model_type": "gemma3", "mm_tokens_per_image": 4, "image_token_index": 9,
+          "boi_token_index": 7, "eoi_token_index": 8,
+          "vision_config": {"image_size": 56, "patch_size": 14}}  # fmt: skip
+
+
+def test_gemma3_spans_wrap_the_image_and_merge_newlines_as_the_tokenizer() -> None:
+    """Every image the tower's square: 4x4 patches pooled 2x2, 4 image tokens whatever its
+    size, wrapped in "\\n\\n" <start_of_image> ... <end_of_image> "\\n\\n"; the wrapping
+    newlines merge with newline tokens beside them ("\\n" + "\\n\\n": one "\\n\\n\\n" token,
+    two images side by side: "\\n\\n\\n\\n"), as transformers' processor's text tokenizes."""
+    spec = VisionSpec.from_dicts(GEMMA3, {"size": {"height": 56, "width": 56}}, NL)
+    assert spec.grid(480, 1000) == spec.grid(20, 20) == (1, 4, 4) and spec.merge_size == 2
+    assert spec.span((1, 4, 4)) == [108, 7, 9, 9, 9, 9, 8, 108]
+    assert spec.run((1, 4, 4)) == [9] * 4 and spec.placeholder_id == 7
+    png = _png(30, 20)
+    ids, items = place_images([1, 107, 7, 2], spec, [png])
+    assert ids == [1, 109, 7, 9, 9, 9, 9, 8, 108, 2]
+    assert [(im.offset, im.num_tokens) for im in items] == [(3, 4)]
+    ids, items = place_images([7, 7, 107, 3], spec, [png, png])  # side by side, "\n" after
+    assert ids == [108, 7, 9, 9, 9, 9, 8, 110, 7, 9, 9, 9, 9, 8, 109, 3]
+    assert [im.offset for im in items] == [2, 9]
+    no_three = VisionSpec.from_dicts(GEMMA3, {}, {"\n": 107, "\n\n": 108})
+    ids, _ = place_images([107, 7], no_three, [png])  # no single token for three: kept apart
+    assert ids == [107, 108, 7, 9, 9, 9, 9, 8, 108]
+
+
+def test_gemma3_specs_refuse_what_the_engine_cannot_serve() -> None:
+    with pytest.raises(ConfigError, match="do_pan_and_scan"):
+        VisionSpec.from_dicts(GEMMA3, {"do_pan_and_scan": True}, NL)
+    with pytest.raises(ConfigError, match="not the vision tower's image_size 56"):
+        VisionSpec.from_dicts(GEMMA3, {"size": {"height": 64, "width": 64}}, NL)
+    with pytest.raises(ConfigError, match="mm_tokens_per_image 9 must be a square"):
+        VisionSpec.from_dicts({**GEMMA3, "mm_tokens_per_image": 9}, {}, NL)
+    with pytest.raises(ConfigError, match="no single token for two newlines"):
+        VisionSpec.from_dicts(GEMMA3, {}, {"\n": 107})
+    vision = {"hidden_size": 1152, "image_size": 896, "patch_size": 14}
+    published = VisionSpec.from_dicts(  # google/gemma-3-4b-it's
+        {"model_type": "gemma3", "vision_config": vision}, {"do_pan_and_scan": None, "size": {"height": 896, "width": 896}},
+        NL,
+    )  # fmt: skip
+    assert published.grid(1, 1) == (1, 64, 64) and published.merge_size == 4
+    assert published.tokens_of(published.grid(1, 1)) == 256

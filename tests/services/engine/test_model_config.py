@@ -451,3 +451,42 @@ def test_mistral3_reads_its_vision_tower_as_transformers_does() -> None:
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             ArchConfig.from_dict({**small, **bad})
+
+
+def test_gemma3_reads_its_siglip_tower_as_transformers_does(tmp_path: Any) -> None:
+    """Gemma 3 4B's SigLIP tower and projector from Gemma3Config (896-pixel images of 14-pixel
+    patches, 64x64 pooled 4x4 to 256 tokens); its images need the image processor beside the
+    checkpoint (else the language model alone); what the engine does not implement refused."""
+    import json
+
+    vision_cfg = {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                  "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14,
+                  "vision_use_head": False}  # fmt: skip
+    cfg = {"model_type": "gemma3", "text_config": {"hidden_size": 2560, "num_hidden_layers": 2},
+           "vision_config": vision_cfg, "mm_tokens_per_image": 256}  # fmt: skip
+    arch = ArchConfig.from_dict(cfg)
+    vision = arch.vision
+    assert vision is not None and (arch.model_type, arch.language_of) == ("gemma3_text", "")
+    assert (vision.depth, vision.embed_dim, vision.num_heads, vision.intermediate_size) == (
+        27, 1152, 16, 4304
+    )  # fmt: skip
+    assert (vision.patch_size, vision.spatial_merge_size, vision.num_position_embeddings) == (
+        14, 4, 4096
+    )  # fmt: skip
+    assert (vision.out_hidden_size, vision.image_token_id, vision.hidden_act) == (
+        2560, 262144, "gelu_pytorch_tanh"
+    )  # fmt: skip
+    assert vision.bidirectional and not vision.mrope and vision.projector_eps == 1e-6
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    alone = ArchConfig.from_file(tmp_path / "config.json")
+    assert alone.vision is None and alone.language_of == "gemma3"
+    assert "preprocessor_config.json" in alone.language_only
+    (tmp_path / "preprocessor_config.json").write_text("{}")
+    assert ArchConfig.from_file(tmp_path / "config.json").vision == vision
+    for bad, message in [
+        ({"vision_config": {**vision_cfg, "hidden_act": "relu"}}, "vision hidden_act 'relu'"),
+        ({"mm_tokens_per_image": 100}, "mm_tokens_per_image 100"),
+        ({"mm_tokens_per_image": 49}, "mm_tokens_per_image 49"),  # 7 does not divide 64
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            ArchConfig.from_dict({**cfg, **bad})
