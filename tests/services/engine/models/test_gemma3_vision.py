@@ -208,3 +208,41 @@ def test_refusals_and_the_language_model_alone(built: tuple[Path, Any], tmp_path
             with pytest.raises(InvalidRequestError, match=r"preprocessor_config\.json, unquant"):
                 text.generate({"prompt": "hi", "multi_modal_data": {"image": [png(1)]}}, GREEDY)
             assert text.generate("hi", GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_the_hub_and_module_tree_tensor_names_load(built: tuple[Path, Any], tmp_path: Path) -> None:
+    """The tensors as the Hub's checkpoints name them (transformers 4: the tower under
+    ``vision_tower.vision_model.``) and as transformers 5's module tree names them
+    (``model.vision_tower.``, ``model.multi_modal_projector.``, ``model.language_model.``):
+    the same tokens as transformers' own save."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = built[0].glob("*.safetensors")
+    stored = load_file(str(file))
+    hub = {
+        k.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        if k.startswith("vision_tower.")
+        else k: v
+        for k, v in stored.items()
+    }
+    tree = {
+        "model." + k if k.startswith(("vision_tower.", "multi_modal_projector.")) else k: v
+        for k, v in stored.items()
+    }
+    tree = {
+        k.replace("language_model.model.", "model.language_model.", 1): v for k, v in tree.items()
+    }
+    prompt = None
+    want = None
+    for i, names in enumerate((hub, tree)):
+        path = tmp_path / str(i)
+        path.mkdir()
+        for f in built[0].iterdir():
+            if not f.name.endswith(".safetensors"):
+                (path / f.name).write_bytes(f.read_bytes())
+        save_file(names, str(path / "model.safetensors"))
+        with LLM(str(path), max_num_batched_tokens=24, **BESIDE) as other:
+            if prompt is None:
+                prompt = _prompt(other, CASES[0][0], CASES[0][1])
+                want = _reference(built, other, prompt)
+            assert other.generate(prompt, GREEDY)[0].outputs[0].token_ids == want
