@@ -453,11 +453,15 @@ class EngineConfig:
             raise ConfigError("the scheduler's max_loras must be --max-loras")
 
 
-def with_device_defaults(config: EngineConfig, device_type: str) -> EngineConfig:
-    """Fills what depends on the device: the token budget of a step (short on the CPU)."""
+def with_device_defaults(
+    config: EngineConfig, device_type: str, min_budget: int = 0
+) -> EngineConfig:
+    """Fills what depends on the device: the token budget of a step (short on the CPU), at
+    least ``min_budget`` (what one step must hold: a Gemma 3 image's tokens)."""
     if config.scheduler.max_num_batched_tokens is not None:
         return config
     budget = GPU_TOKEN_BUDGET if device_type == "cuda" else CPU_TOKEN_BUDGET
+    budget = max(budget, min_budget)
     return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget))
 
 

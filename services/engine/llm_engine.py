@@ -21,6 +21,7 @@ from services.config import ConfigError, EngineConfig, with_device_defaults
 from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from services.engine.draft_proposer import DraftProposer
 from services.engine.kv_handoff import FinalChunk, FinalChunkHook, LayerSink
+from services.engine.loader import read_arch
 from services.engine.model_runner import Launched, ModelRunner, launchable, resolve_device
 from services.engine.mrope import rope_delta
 from services.engine.outputs import RequestOutput
@@ -146,9 +147,23 @@ def no_token_left(masked_by: Sequence[str]) -> tuple[str, str | None]:
     return f"no token is allowed at this point of the output: {leave} none; {fixes}", param
 
 
+def _whole_image_tokens(config: EngineConfig) -> int:
+    """The tokens of one image where a step must compute an image whole (its tokens attend to
+    each other both ways: Gemma 3); 0 for any other model. Read from the model's config files
+    alone, before the runner is sized by the step's token budget."""
+    files, arch = read_arch(config.model)
+    if arch.vision is None or not arch.vision.bidirectional:
+        return 0
+    model_dir = files.hf_dir or named_model_dir(files)
+    spec = VisionSpec.of_model_dir(model_dir) if model_dir is not None else None
+    return spec.tokens_of(spec.grid(1, 1)) if spec is not None else 0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        config = with_device_defaults(config, resolve_device(config.device).type)
+        config = with_device_defaults(
+            config, resolve_device(config.device).type, _whole_image_tokens(config)
+        )
         self.config = config
         ops.set_row_invariant(0)  # a runner with drafts to verify turns it on (ModelRunner)
         self.runner = ModelRunner(config)
