@@ -86,8 +86,10 @@ def pixtral_size(height: int, width: int, longest_edge: int, factor: int) -> tup
             f"most {MAX_ASPECT_RATIO}", "messages"
         )  # fmt: skip
     ratio = max(height / longest_edge, width / longest_edge)
-    if ratio > 1:  # floor, as transformers (the image stays within longest_edge)
-        height, width = math.floor(height / ratio), math.floor(width / ratio)
+    if ratio > 1:  # floor, as transformers (the image stays within longest_edge); a side
+        # floored to nothing (a thin image and a small longest_edge) keeps one patch row
+        height = max(1, math.floor(height / ratio))
+        width = max(1, math.floor(width / ratio))
     return (height - 1) // factor * factor + factor, (width - 1) // factor * factor + factor
 
 

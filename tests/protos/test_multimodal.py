@@ -123,3 +123,15 @@ def test_gemma3_specs_refuse_what_the_engine_cannot_serve() -> None:
     )  # fmt: skip
     assert published.grid(1, 1) == (1, 64, 64) and published.merge_size == 4
     assert published.tokens_of(published.grid(1, 1)) == 256
+
+
+def test_pixtral_size_keeps_a_thin_image_a_patch_wide() -> None:
+    """Scaled to fit longest_edge, a side floored to 0 pixels (300 x 2 into 112) keeps one
+    patch row (was 0: an empty grid, an IndexError on expanding its tokens); the usual
+    shapes as transformers' processor sizes them."""
+    from protos.multimodal import pixtral_size
+
+    assert pixtral_size(300, 2, 112, 28) == (112, 28)
+    assert pixtral_size(2, 300, 112, 28) == (28, 112)
+    assert pixtral_size(1024, 768, 1540, 28) == (1036, 784)
+    assert pixtral_size(3000, 1500, 1540, 28) == (1540, 784)
