@@ -109,7 +109,11 @@ def main() -> int:
         info["grandchild"] = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(600)"]
         ).pid
-    print(json.dumps(info), flush=True)
+    # one write with its newline: the supervisor runs children unbuffered (PYTHONUNBUFFERED),
+    # where print writes the line and its newline apart, and a test that kills this child as
+    # soon as it reads the line could leave it without one (the next life's line then joined it)
+    sys.stdout.write(json.dumps(info) + "\n")
+    sys.stdout.flush()
     gpu_role, _, sizes = os.environ.get("FAKE_GPU_BYTES", "").partition(":")
     ready = dict(info)
     if gpu_role == role:

@@ -72,7 +72,8 @@ class Up:
         """What each fake child printed about itself (pid, argv, port, env)."""
         out = {}
         for log in self.log_dir.glob("*.log"):
-            lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
+            whole = log.read_text().split("\n")[:-1]  # the last may be still being written
+            lines = [ln for ln in whole if ln.startswith("{")]
             if lines:
                 out[log.stem] = json.loads(lines[0])
         return out
@@ -180,7 +181,8 @@ def _lives(up: Up, name: str, count: int, timeout_s: float = 30) -> list[dict]:
     """The JSON self-descriptions in ``name``'s log (one per start), once there are ``count``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        lines = (up.log_dir / f"{name}.log").read_text().splitlines()
+        text = (up.log_dir / f"{name}.log").read_text()
+        lines = text.split("\n")[:-1]  # whole lines only: the last may be still being written
         lives = [json.loads(ln) for ln in lines if ln.startswith("{")]
         if len(lives) >= count:
             return lives
