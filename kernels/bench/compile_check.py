@@ -50,6 +50,11 @@ def _arg_type(value: Any) -> str | None:
 
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[str(value.dtype).removeprefix("torch.")]
+    block_shape = getattr(value, "block_shape", None)
+    base = getattr(value, "base", None)
+    if block_shape is not None and isinstance(base, torch.Tensor):  # a TMA TensorDescriptor
+        dtype = _DTYPES[str(base.dtype).removeprefix("torch.")]
+        return f"tensordesc<{dtype}[{','.join(str(int(b)) for b in block_shape)}]>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

@@ -25,6 +25,7 @@ def test_recorded_launches_compile_and_a_refused_one_is_named(tmp_path: Path) ->
     tests = [
         "tests/kernels/test_triton_routing.py::test_ties_take_the_lowest_index",
         "tests/kernels/test_triton_moe.py::test_launch_configs",
+        "tests/kernels/test_triton_prefill.py::test_new_kv_through_tma_descriptors",
     ]
     done = _tool("record", str(out), "--", *tests, "-q", "-p", "no:cacheprovider", interpret="1")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -33,6 +34,8 @@ def test_recorded_launches_compile_and_a_refused_one_is_named(tmp_path: Path) ->
     assert {"_route_kernel", "_gate_up_kernel", "_down_kernel"} <= kernels
     route = next(e for e in launches if e["kernel"] == "_route_kernel")
     assert route["signature"]["logits_ptr"] == "*fp32" and route["constexprs"]["TOP_K"] == 2
+    assert "error" not in json.dumps(launches)  # TMA descriptors recorded too
+    assert any(t.startswith("tensordesc<") for e in launches for t in e["signature"].values())
     # one of each: as recorded (compiles), and the gate/up GEMM with a K tile of 8 (tl.dot
     # needs 16: the interpreter ran such a launch, a GPU refused it)
     gate_up = next(e for e in launches if e["kernel"] == "_gate_up_kernel")
