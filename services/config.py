@@ -456,12 +456,14 @@ class EngineConfig:
 def with_device_defaults(
     config: EngineConfig, device_type: str, min_budget: int = 0
 ) -> EngineConfig:
-    """Fills what depends on the device: the token budget of a step (short on the CPU), at
-    least ``min_budget`` (what one step must hold: a Gemma 3 image's tokens)."""
+    """Fills what depends on the device: the token budget of a step (short on the CPU); where
+    that is below ``min_budget`` (what one step must hold: a Gemma 3 image's tokens), the two
+    added."""
     if config.scheduler.max_num_batched_tokens is not None:
         return config
     budget = GPU_TOKEN_BUDGET if device_type == "cuda" else CPU_TOKEN_BUDGET
-    budget = max(budget, min_budget)
+    if budget < min_budget:  # one image and the usual step beside it: the requests decoding
+        budget += min_budget  # do not hold the image back until they finish
     return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget))
 
 

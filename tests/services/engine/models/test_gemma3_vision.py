@@ -251,14 +251,15 @@ def test_the_hub_and_module_tree_tensor_names_load(built: tuple[Path, Any], tmp_
 def test_the_device_default_budget_holds_an_image(
     built: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without --max-num-batched-tokens the step budget is the device's default, raised to one
-    image's tokens where it is below them (a real Gemma 3's 256 against the CPU's 128): the
-    engine starts and serves an image, where an explicit budget below it is refused."""
+    """Without --max-num-batched-tokens the step budget is the device's default, plus one
+    image's tokens where it is below them (a real Gemma 3's 256 against the CPU's 128: 384, so
+    requests decoding beside an image do not hold it back): the engine starts and serves an
+    image, where an explicit budget below it is refused."""
     from services import config as service_config
 
     monkeypatch.setattr(service_config, "CPU_TOKEN_BUDGET", 8)  # the tiny model's image: 16
     with LLM(str(built[0]), **BESIDE) as small:
-        assert small.engine.config.scheduler.token_budget == 16
+        assert small.engine.config.scheduler.token_budget == 8 + 16
         prompt = _prompt(small, ("Look:", "<image>", "what is it?"), [(3, 40, 60)])
         (out,) = small.generate([prompt], SamplingParams(max_tokens=3, temperature=0))
         assert out.outputs[0].token_ids == _reference(built, small, prompt)[:3]
