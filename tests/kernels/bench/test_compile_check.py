@@ -24,8 +24,8 @@ def test_recorded_launches_compile_and_a_refused_one_is_named(tmp_path: Path) ->
     out = tmp_path / "launches.json"
     tests = [
         "tests/kernels/test_triton_routing.py::test_ties_take_the_lowest_index",
-        "tests/kernels/test_triton_moe.py::test_launch_configs",
-        "tests/kernels/test_triton_prefill.py::test_new_kv_through_tma_descriptors",
+        "tests/kernels/test_triton_moe.py::test_launch_configs[config0]",
+        "tests/kernels/test_triton_prefill.py::test_new_kv_through_tma_descriptors[tiles0]",
     ]
     done = _tool("record", str(out), "--", *tests, "-q", "-p", "no:cacheprovider", interpret="1")
     assert done.returncode == 0, done.stdout + done.stderr
