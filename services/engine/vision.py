@@ -86,11 +86,7 @@ def _pixtral_patches(
     p, m = cfg.patch_size, cfg.spatial_merge_size
     feat = processor(images=[rgb], patch_size={"height": p * m, "width": p * m},
                      return_tensors="np")  # fmt: skip
-    pixels = np.asarray(feat["pixel_values"][0], dtype=np.float32)  # [C, H, W]
-    c, height, width = pixels.shape
-    h, w = height // p, width // p
-    patches = pixels.reshape(c, h, p, w, p).transpose(1, 3, 0, 2, 4).reshape(h * w, c * p * p)
-    return np.ascontiguousarray(patches), (1, h, w)
+    return _raster_patches(feat["pixel_values"][0], p)
 
 
 def _gemma3_patches(
@@ -98,9 +94,14 @@ def _gemma3_patches(
 ) -> tuple[np.ndarray, tuple[int, ...]]:
     """Gemma 3's image (resized to the tower's square, rescaled, normalized; no pan-and-scan
     crops) cut into patches [h*w, C*p*p] in raster order, and its grid."""
-    p = cfg.patch_size
     feat = processor(images=[rgb], do_pan_and_scan=False, return_tensors="np")
-    pixels = np.asarray(feat["pixel_values"][0], dtype=np.float32)  # [C, H, W]
+    return _raster_patches(feat["pixel_values"][0], cfg.patch_size)
+
+
+def _raster_patches(image: Any, p: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """An image [C, H, W] cut into ``p`` x ``p`` patches [h*w, C*p*p] in raster order (as a
+    patch convolution reads them), and its grid (1, h, w)."""
+    pixels = np.asarray(image, dtype=np.float32)
     c, height, width = pixels.shape
     h, w = height // p, width // p
     patches = pixels.reshape(c, h, p, w, p).transpose(1, 3, 0, 2, 4).reshape(h * w, c * p * p)
