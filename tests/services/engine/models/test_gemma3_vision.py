@@ -22,10 +22,12 @@ from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import ConfigError
 from services.engine.llm import LLM
 from tests.services.engine.conftest import BESIDE
+from tests.services.engine.image_prompts import ImagePrompts, built_fixture
 from tests.services.gemma3_model import TOKENS, build, hf_greedy, png, processor_prompt
 
-NEW = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+IMAGES = ImagePrompts(png, hf_greedy, new=8)
+GREEDY = IMAGES.greedy
+_prompt, _reference = IMAGES.prompt, IMAGES.reference
 
 # (chat parts, the images' (seed, width, height))
 CASES = [
@@ -35,10 +37,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("gemma3")
-    return path, build(path)
+built = built_fixture("gemma3", build)
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +45,6 @@ def llm(built: tuple[Path, Any]) -> LLM:
     # a 24-token step budget: chunks would cut the 20-token wrapped images but for the rule
     return LLM(str(built[0]), max_num_batched_tokens=24, enable_prefix_caching=True,
                block_size=8, **BESIDE)  # fmt: skip
-
-
-def _chat(*parts: str) -> list[dict[str, Any]]:
-    content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p} for p in parts]
-    return [{"role": "user", "content": content}]
-
-
-def _prompt(llm: LLM, parts: tuple[str, ...], images: list[tuple[int, int, int]]) -> dict:
-    return {
-        "prompt_token_ids": llm.apply_chat_template(_chat(*parts)),
-        "multi_modal_data": {"image": [png(s, w, h) for s, w, h in images]},
-    }
-
-
-def _reference(built: tuple[Path, Any], llm: LLM, prompt: dict) -> list[int]:
-    ids, _ = llm.encode_with_images(prompt)
-    return hf_greedy(built[1], built[0], ids, prompt["multi_modal_data"]["image"], NEW)
 
 
 def test_the_prompt_holds_the_text_of_transformers_processor(
@@ -173,13 +155,7 @@ def test_prefix_cache_by_image_content_and_a_hit_inside_an_image(
 
 
 def test_bad_image_input_is_refused(llm: LLM) -> None:
-    ids = llm.apply_chat_template(_chat("<image>", "hi"))
-    with pytest.raises(InvalidRequestError, match="could not be decoded"):
-        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [b"not a png"]}})
-    with pytest.raises(InvalidRequestError, match="1 image placeholders but 2 images"):
-        llm.generate(
-            {"prompt_token_ids": ids, "multi_modal_data": {"image": [png(1), png(2)]}}, GREEDY
-        )
+    ids = IMAGES.check_bad_images_are_refused(llm)
     spec = llm.engine.vision_spec
     assert spec is not None
     soft = ids + [spec.image_token_id] * 3  # image tokens without an image
@@ -199,15 +175,7 @@ def test_refusals_and_the_language_model_alone(built: tuple[Path, Any], tmp_path
         VisionSpec.from_dicts(config, {**pre, "do_pan_and_scan": True}, {"\n\n": 5})
     with pytest.raises(ConfigError, match="mm_tokens_per_image 15"):
         VisionSpec.from_dicts({**config, "mm_tokens_per_image": 15}, pre, {"\n\n": 5})
-    for f in built[0].iterdir():
-        if f.name != "preprocessor_config.json":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    for path, kwargs in ((tmp_path, {}), (built[0], {"quantization": "fp8"})):
-        with LLM(str(path), **kwargs, **BESIDE) as text:
-            assert text.engine.runner.vision is None
-            with pytest.raises(InvalidRequestError, match=r"preprocessor_config\.json, unquant"):
-                text.generate({"prompt": "hi", "multi_modal_data": {"image": [png(1)]}}, GREEDY)
-            assert text.generate("hi", GREEDY)[0].outputs[0].finish_reason == "length"
+    IMAGES.check_the_language_model_alone(built, tmp_path)
 
 
 def test_the_hub_and_module_tree_tensor_names_load(built: tuple[Path, Any], tmp_path: Path) -> None:

@@ -14,13 +14,15 @@ from typing import Any
 import pytest
 
 from protos.multimodal import content_hash
-from protos.sampling_params import InvalidRequestError, SamplingParams
+from protos.sampling_params import InvalidRequestError
 from services.engine.llm import LLM
 from tests.services.engine.conftest import BESIDE
+from tests.services.engine.image_prompts import ImagePrompts, built_fixture
 from tests.services.mistral3_model import build, hf_greedy, png, processor_prompt
 
-NEW = 10
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+IMAGES = ImagePrompts(png, hf_greedy, new=10)
+GREEDY = IMAGES.greedy
+_prompt, _reference = IMAGES.prompt, IMAGES.reference
 
 # (chat parts, the images' (seed, width, height))
 CASES = [
@@ -31,33 +33,13 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("mistral3")
-    return path, build(path)
+built = built_fixture("mistral3", build)
 
 
 @pytest.fixture(scope="module")
 def llm(built: tuple[Path, Any]) -> LLM:
     # a 16-token step budget: the prompts are prefilled in chunks that cut through images
     return LLM(str(built[0]), max_num_batched_tokens=16, enable_prefix_caching=True, **BESIDE)
-
-
-def _chat(*parts: str) -> list[dict[str, Any]]:
-    content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p} for p in parts]
-    return [{"role": "user", "content": content}]
-
-
-def _prompt(llm: LLM, parts: tuple[str, ...], images: list[tuple[int, int, int]]) -> dict:
-    return {
-        "prompt_token_ids": llm.apply_chat_template(_chat(*parts)),
-        "multi_modal_data": {"image": [png(s, w, h) for s, w, h in images]},
-    }
-
-
-def _reference(built: tuple[Path, Any], llm: LLM, prompt: dict) -> list[int]:
-    ids, _ = llm.encode_with_images(prompt)
-    return hf_greedy(built[1], built[0], ids, prompt["multi_modal_data"]["image"], NEW)
 
 
 def test_the_prompt_holds_the_image_tokens_of_transformers_processor(
@@ -92,39 +74,17 @@ def test_two_ranks_give_the_tokens_of_one(built: tuple[Path, Any], llm: LLM) -> 
 
 
 def test_the_image_decides_the_output(llm: LLM) -> None:
-    a = llm.generate(_prompt(llm, ("<image>", "Hi"), [(11, 64, 48)]), GREEDY)
-    b = llm.generate(_prompt(llm, ("<image>", "Hi"), [(12, 64, 48)]), GREEDY)
-    assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids
+    IMAGES.check_the_image_decides_the_output(llm)
 
 
 def test_prefix_cache_keys_image_blocks_by_content(built: tuple[Path, Any], llm: LLM) -> None:
     """Two images of one size give the same token ids: the second must not read the first's
     KV; the first again hits the cache and is not encoded again."""
-    first = _prompt(llm, ("<image>", "Say something long about it."), [(21, 112, 112)])
-    other = _prompt(llm, ("<image>", "Say something long about it."), [(22, 112, 112)])
-    _, items = llm.encode_with_images(first)
-    assert items[0].num_tokens >= llm.engine.kv.block_size  # whole blocks of image tokens
-    a = llm.generate(first, GREEDY)[0]
-    b = llm.generate(other, GREEDY)[0]
-    assert b.num_cached_tokens == 0
-    assert b.outputs[0].token_ids == _reference(built, llm, other)
-    vision = llm.engine.runner.vision
-    assert vision is not None
-    encoded = vision.cache.encoded
-    again = llm.generate(first, GREEDY)[0]
-    assert again.num_cached_tokens >= items[0].end  # the image's blocks came from the cache
-    assert vision.cache.encoded == encoded  # not encoded again
-    assert again.outputs[0].token_ids == a.outputs[0].token_ids
+    IMAGES.check_prefix_cache_keys_image_blocks_by_content(built, llm)
 
 
 def test_bad_image_input_is_refused(llm: LLM) -> None:
-    ids = llm.apply_chat_template(_chat("<image>", "hi"))
-    with pytest.raises(InvalidRequestError, match="could not be decoded"):
-        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [b"not a png"]}})
-    with pytest.raises(InvalidRequestError, match="1 image placeholders but 2 images"):
-        llm.generate(
-            {"prompt_token_ids": ids, "multi_modal_data": {"image": [png(1), png(2)]}}, GREEDY
-        )
+    ids = IMAGES.check_bad_images_are_refused(llm)
     with pytest.raises(InvalidRequestError, match="image tokens"):  # [IMG] without an image
         llm.generate(ids, GREEDY)
 
@@ -153,12 +113,4 @@ def test_without_an_image_processor_the_language_model_is_served(
     """A Mistral 3 checkpoint without preprocessor_config.json, or quantized (its tower is not
     built quantized): its language model alone (as before images were served), images refused
     with the reason."""
-    for f in built[0].iterdir():
-        if f.name != "preprocessor_config.json":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    for path, kwargs in ((tmp_path, {}), (built[0], {"quantization": "fp8"})):
-        with LLM(str(path), **kwargs, **BESIDE) as text:
-            assert text.engine.runner.vision is None
-            with pytest.raises(InvalidRequestError, match=r"preprocessor_config\.json, unquant"):
-                text.generate({"prompt": "hi", "multi_modal_data": {"image": [png(1)]}}, GREEDY)
-            assert text.generate("hi", GREEDY)[0].outputs[0].finish_reason == "length"
+    IMAGES.check_the_language_model_alone(built, tmp_path)
