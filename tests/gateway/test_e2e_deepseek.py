@@ -6,11 +6,7 @@ the workers' start-up line says how MLA is served (slow)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from deploy.procfs import descendants
-from tests.deploy.test_launcher import Up
+from tests.gateway.vision_stack import served_by_tandem
 from tests.services.engine.conftest import transformers_greedy
 from tests.services.engine.models.test_deepseek import CONFIGS, _build
 
-TANDEM_UP = (sys.executable, "-m", "services.cli", "up")
-READY = re.compile(r"^Tandem is ready: (http://\S+/v1) \(gateway \+ .+, model (.+)\)$")
 PROMPTS = [[11, 22, 33, 44, 55, 66, 77, 88, 99], list(range(100, 160))]  # 1 and 4 blocks
 NEW = 12
 BLOCK_SIZE = 16  # the workers' default
@@ -45,19 +38,8 @@ def served(
     model: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str, Path]]:  # fmt: skip
     logs = tmp_path_factory.mktemp("logs")
-    up = Up(logs, "--model", str(model[0]), "--max-model-len", "256", program=TANDEM_UP)
-    try:
-        url, name = up.wait_for(READY, timeout_s=300).groups()
+    with served_by_tandem(logs, "--model", str(model[0]), "--max-model-len", "256") as (url, name):
         yield url, name, logs
-    finally:
-        started = descendants(up.proc.pid)
-        if up.proc.poll() is None:
-            up.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(Exception):
-                up.finish(timeout_s=60)
-        for pid in started | descendants(up.proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def _transfer_bytes(url: str) -> float:
