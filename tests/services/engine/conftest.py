@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from kernels import ops
+from protos.sampling_params import SamplingParams
 from services.engine.bench.parity_report import PROMPTS
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
@@ -168,3 +171,45 @@ def count_launches(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[i
 
     monkeypatch.setattr(type(engine.runner), "launch", counted)
     return counter
+
+
+def move_by_transfer_buffer(
+    prefill: LLMEngine, decode: LLMEngine, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Blocks ``src`` of ``prefill``'s pool into blocks ``dst`` of ``decode``'s, as the KV
+    transfer moves them: gathered into one buffer, scattered on the other side."""
+    buffer = ops.gather_blocks(prefill.runner.kv_caches, src)
+    ops.scatter_blocks(buffer, decode.runner.kv_caches, dst)
+
+
+def hand_off(
+    prefill: LLMEngine,
+    decode: LLMEngine,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    move: Callable[[LLMEngine, LLMEngine, torch.Tensor, torch.Tensor], None] = (
+        move_by_transfer_buffer
+    ),
+) -> list[list[int]]:
+    """Disaggregated serving between two engines, one prompt at a time: ``prefill`` computes
+    the prompt and its first token, ``move(prefill, decode, src, dst)`` copies its KV blocks
+    into ``decode``'s reservation, ``decode`` generates the rest. Each prompt's tokens; both
+    pools free afterwards."""
+    got = []
+    for i, prompt in enumerate(prompts):
+        rid = f"handoff-{i}"
+        prefill.add_request(rid, prompt, replace(params, max_tokens=1), prefill_only=True)
+        while not (first := [o for o in prefill.step() if o.request_id == rid]):
+            pass
+        blocks = decode.reserve(rid, prompt, params)
+        assert blocks is not None
+        move(prefill, decode, torch.tensor(prefill.block_ids(rid)), torch.tensor(blocks))
+        prefill.scheduler.release(rid)
+        tokens = list(first[0].token_ids)
+        assert decode.activate(rid, prompt, tokens) is None
+        while decode.has_unfinished:
+            for out in decode.step():
+                tokens += out.token_ids
+        got.append(tokens)
+    assert decode.kv.all_free() and prefill.kv.all_free()
+    return got

@@ -5,17 +5,18 @@ into a decode engine's reservation) gives the colocated FP8 engine's text."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
+from torch import Tensor
 
 from protos.sampling_params import SamplingParams
 from services.config import CacheConfig, ConfigError
 from services.engine.kv_cache import plan_num_blocks
 from services.engine.llm import LLM
+from services.engine.llm_engine import LLMEngine
 from services.engine.model_config import ArchConfig
 from services.model_files import resolve_model
+from tests.services.engine.conftest import hand_off
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
 
@@ -59,26 +60,12 @@ def test_a_disaggregated_hand_off_of_fp8_blocks_equals_the_colocated_engine(
     want = [fp8.generate([p], params)[0].outputs[0].token_ids for p in chat_ids[:4]]
     prefill = fp8.engine
     decode = LLM("embedded", kv_cache_dtype="fp8", max_num_seqs=16).engine
-    got: list[list[int]] = []
-    for i, prompt in enumerate(chat_ids[:4]):
-        rid = f"fp8-{i}"
-        prefill.add_request(rid, prompt, replace(params, max_tokens=1), prefill_only=True)
-        while not (first := [o for o in prefill.step() if o.request_id == rid]):
-            pass
-        blocks = decode.reserve(rid, prompt, params)
-        assert blocks is not None
-        src, dst = torch.tensor(prefill.block_ids(rid)), torch.tensor(blocks)
+
+    def move_bytes(prefill: LLMEngine, decode: LLMEngine, src: Tensor, dst: Tensor) -> None:
         for theirs, ours in zip(prefill.runner.kv_caches, decode.runner.kv_caches, strict=True):
             ours.view(torch.uint8)[:, dst] = theirs.view(torch.uint8)[:, src]  # the wire's bytes
-        prefill.scheduler.release(rid)
-        tokens = list(first[0].token_ids)
-        assert decode.activate(rid, prompt, tokens) is None
-        while decode.has_unfinished:
-            for out in decode.step():
-                tokens += out.token_ids
-        got.append(tokens)
-    assert got == want
-    assert decode.kv.all_free() and prefill.kv.all_free()
+
+    assert hand_off(prefill, decode, chat_ids[:4], params, move_bytes) == want
 
 
 def test_an_fp8_pool_holds_twice_the_blocks_of_a_16_bit_one() -> None:

@@ -28,6 +28,7 @@ from services.engine.llm_engine import load_tokenizer
 from services.engine.model_config import ArchConfig
 from tests.services.engine.conftest import (
     BESIDE,
+    hand_off,
     rank_processes,
     token_prompts,
     tokenizer_dir,
@@ -372,27 +373,13 @@ def _hand_off(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     layout = KvLayout.of(prefill.runner.kv_caches)
     assert layout == KvLayout.of(decode.runner.kv_caches)
-    got = []
-    for i, prompt in enumerate(prompts):
-        rid = f"handoff-{i}"
-        prefill.add_request(rid, prompt, replace(params, max_tokens=1), prefill_only=True)
-        while not (first := [o for o in prefill.step() if o.request_id == rid]):
-            pass
-        blocks = decode.reserve(rid, prompt, params)
-        assert blocks is not None
-        src = torch.tensor(prefill.block_ids(rid))
+
+    def move(prefill: Any, decode: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
         buffer = ops.gather_blocks(prefill.runner.kv_caches, src)
         assert tuple(buffer.shape) == layout.buffer_shape(len(src))
-        ops.scatter_blocks(buffer, decode.runner.kv_caches, torch.tensor(blocks))
-        prefill.scheduler.release(rid)
-        tokens = list(first[0].token_ids)
-        assert decode.activate(rid, prompt, tokens) is None
-        while decode.has_unfinished:
-            for out in decode.step():
-                tokens += out.token_ids
-        got.append(tokens)
-    assert decode.kv.all_free() and prefill.kv.all_free()
-    return got
+        ops.scatter_blocks(buffer, decode.runner.kv_caches, dst)
+
+    return hand_off(prefill, decode, prompts, params, move)
 
 
 def test_a_hand_off_of_latent_blocks_gives_transformers_tokens(
