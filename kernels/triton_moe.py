@@ -63,7 +63,7 @@ from kernels.triton_common import (
     mma,
     next_pow2,
 )
-from kernels.triton_moe_pairs import fused_moe_pairs, scale_args
+from kernels.triton_moe_pairs import fused_moe_pairs, scale_args, within_scale_block
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); BLOCK_M chosen per call from the rows per expert
 DEFAULT_TILES = (64, 64, 4)  # (BLOCK_N, BLOCK_K, num_warps)
@@ -319,10 +319,9 @@ def fused_moe(
 
 
 def _within(block_k: int, scale_k: int, k: int) -> int:
-    """A K tile inside one FP8 scale block: halved until it divides ``scale_k`` (a multiple of
-    16, so never below tl.dot's least K of 16), unless one block covers all of K."""
-    while scale_k < k and scale_k % block_k:
-        block_k //= 2
+    """A K tile inside one FP8 scale block (``within_scale_block``); ``scale_k`` is a multiple
+    of 16, so never below tl.dot's least K of 16."""
+    block_k = within_scale_block(block_k, scale_k, k)
     assert block_k >= 16, f"scale block_k {scale_k} is no multiple of 16"
     return block_k
 

@@ -179,14 +179,19 @@ def scale_args(
     return scale, scale.stride(0), scale.stride(1), scale.stride(2), blocks[0], blocks[1]
 
 
-def _k_tile(block_k: int, k: int, scale_k: int | None) -> int:
-    """A K tile no wider than K's next power of two and, for FP8 weights (``scale_k``: their
-    scale blocks' width), inside one scale block: halved until it divides the block, unless
-    one block covers all of K."""
-    block_k = min(block_k, next_pow2(k))
-    while scale_k is not None and scale_k < k and scale_k % block_k:
+def within_scale_block(block_k: int, scale_k: int, k: int) -> int:
+    """A K tile inside one FP8 scale block ``scale_k`` wide: halved until it divides the block,
+    unless one block covers all of K."""
+    while scale_k < k and scale_k % block_k:
         block_k //= 2
     return block_k
+
+
+def _k_tile(block_k: int, k: int, scale_k: int | None) -> int:
+    """A K tile no wider than K's next power of two and, for FP8 weights (``scale_k``: their
+    scale blocks' width), inside one scale block."""
+    block_k = min(block_k, next_pow2(k))
+    return block_k if scale_k is None else within_scale_block(block_k, scale_k, k)
 
 
 def fused_moe_pairs(
