@@ -63,7 +63,12 @@ from kernels.triton_common import (
     mma,
     next_pow2,
 )
-from kernels.triton_moe_pairs import fused_moe_pairs, scale_args, within_scale_block
+from kernels.triton_moe_pairs import (
+    fused_moe_pairs,
+    gated_activation,
+    scale_args,
+    within_scale_block,
+)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); BLOCK_M chosen per call from the rows per expert
 DEFAULT_TILES = (64, 64, 4)  # (BLOCK_N, BLOCK_K, num_warps)
@@ -158,13 +163,7 @@ def _gate_up_kernel(
         bu = tl.load(b_gate + N, mask=n_mask, other=0.0).to(tl.float32)
         gate = (gate + bg).to(dt).to(tl.float32)
         up = (up + bu).to(dt).to(tl.float32)
-    if CLAMPED:  # gate clamped from above only, as gpt-oss
-        gate = tl.minimum(gate, LIMIT)
-        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-        out = (up + 1.0) * tl.div_rn(gate, 1.0 + tl.exp(-(gate * ALPHA)))
-    else:
-        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dt).to(tl.float32)
-        out = act * up
+    out = gated_activation(gate, up, dt, CLAMPED, ALPHA, LIMIT)
     out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
     tl.store(out_ptrs, out.to(dt), mask=m_mask[:, None] & n_mask[None, :])
 

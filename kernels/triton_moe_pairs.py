@@ -101,6 +101,16 @@ def _pair_gate_up_kernel(
         bu = tl.load(b_gate + N, mask=n_mask, other=0.0).to(tl.float32)
         gate = (gate + bg).to(dt).to(tl.float32)
         up = (up + bu).to(dt).to(tl.float32)
+    out = gated_activation(gate, up, dt, CLAMPED, ALPHA, LIMIT)
+    tl.store(out_ptr + pair * s_ot + offs_n, out.to(dt), mask=n_mask)
+
+
+@triton.jit
+def gated_activation(gate, up, dt: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr,
+                     LIMIT: tl.constexpr):  # fmt: skip
+    """The experts' activation of the rounded (and biased) gate and up projections, fp32 out
+    (the caller rounds it to ``dt``): ``silu(gate)`` rounded to ``dt`` times up, or gpt-oss's
+    clamped SwiGLU in fp32 (gate clamped from above only). The grouped and the pair kernels'."""
     if CLAMPED:
         gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
@@ -108,7 +118,7 @@ def _pair_gate_up_kernel(
     else:
         act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dt).to(tl.float32)
         out = act * up
-    tl.store(out_ptr + pair * s_ot + offs_n, out.to(dt), mask=n_mask)
+    return out
 
 
 @triton.jit
