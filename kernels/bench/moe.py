@@ -101,14 +101,18 @@ def run(case: Case, config: tuple[int, int, int, int] | None) -> torch.Tensor:
 
 def check(case: Case, config: tuple[int, int, int, int] | None) -> float:
     """Relative error of one launch against the reference; raises SystemExit past 1e-2."""
+    return _checked(case, run(case, config), f"fused_moe config {config}")
+
+
+def _checked(case: Case, out: torch.Tensor, what: str) -> float:
+    """Relative error of ``out`` against the reference; raises SystemExit past 1e-2."""
     from kernels.moe import ref_fused_moe
 
-    out = run(case, config).float()
     ref = ref_fused_moe(case.x, case.w13, case.w2, case.weights, case.ids, **case.gpt_oss())
     ref = ref.float()
-    err = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+    err = ((out.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
     if not err < 1e-2:
-        raise SystemExit(f"fused_moe config {config}: relative error {err:.2e}")
+        raise SystemExit(f"{what}: relative error {err:.2e}")
     return err
 
 
@@ -157,17 +161,13 @@ def tune_pairs(model: str, tokens: int, copy: float) -> dict[str, Any]:
     def pairs_ms(tiles: Any) -> float:
         fn = functools.partial(fused_moe_pairs, case.x, case.w13, case.w2, case.weights,
                                case.ids, tiles=tiles, **case.gpt_oss())  # fmt: skip
-        out = fn().float()
-        ref = run(case, (16, 64, 64, 4)).float()
-        err = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-        if not err < 1e-2:
-            raise SystemExit(f"pairs {tiles}: relative error {err:.2e}")
+        _checked(case, fn(), f"pairs {tiles}")
         return graph_ms(fn)
 
     gate_up = {str(gu): pairs_ms((gu, DOWN_TILES)) for gu in PAIR_GATE_UP}
-    best_gu = PAIR_GATE_UP[min(range(len(PAIR_GATE_UP)), key=lambda i: list(gate_up.values())[i])]
+    best_gu = min(PAIR_GATE_UP, key=lambda gu: gate_up[str(gu)])
     down = {str(dn): pairs_ms((best_gu, dn)) for dn in PAIR_DOWN}
-    best_dn = PAIR_DOWN[min(range(len(PAIR_DOWN)), key=lambda i: list(down.values())[i])]
+    best_dn = min(PAIR_DOWN, key=lambda dn: down[str(dn)])
     grouped = {str(c): graph_ms(functools.partial(run, case, c)) for c in CONFIGS[1:]}
     best = min(down.values())
     return {"model": model, "tokens": tokens, "gate_up_sweep_ms": gate_up, "down_sweep_ms": down,
