@@ -5,7 +5,7 @@
 #            and `tandem bench offline` 256 x 1024 -> 128; the KV cache's start-up lines
 #   moe      qwen3-30b-a3b: bf16 and --quantization fp8 (experts in FP8 too), latency batch 1-16
 #   routing  python -m kernels.bench.moe --routing: the router's launch against torch's
-# Needs .whl (device_wheels.sh).
+# Needs .whl (device_wheels.sh) and .gpu-carry/tok.tgz (the test tokenizer, for the DeepSeek tests).
 #   bash scripts/device/mla_moe.sh tests,mla,moe,routing [LABEL]   -> $OUT/*.json (or ./gpu-out)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +21,7 @@ bench() {  # bench NAME ARGS...: one `tandem bench` in its own process, its JSON
   grep -iE "kv cache|latent|experts" "$out/$name.log" | grep -v "^batch" | head -4
 }
 if has tests; then
+  tar xzf .gpu-carry/tok.tgz -C .gpu-carry && export TANDEM_TEST_TOKENIZER=$PWD/.gpu-carry/tok
   TRITON_INTERPRET=0 timeout 420 python3 -m pytest -q -p no:cacheprovider -x \
     tests/kernels/test_triton_routing.py tests/kernels/test_triton_moe_pairs.py \
     tests/kernels/test_triton_moe.py tests/kernels/test_triton_decode.py \

@@ -320,7 +320,7 @@ def test_the_cache_holds_one_plane_of_the_latent(built: Callable[[str], Built]) 
         assert [tuple(c.shape) for c in caches] == [(1, 24, 16, 1, 32)] * 3
         layout = KvLayout.of(caches)
         assert layout.planes == 1 and layout.block_bytes == per_token * 16
-        ids = torch.tensor([3, 7])
+        ids = torch.tensor([3, 7], device=caches[0].device)
         assert tuple(ops.gather_blocks(caches, ids).shape) == layout.buffer_shape(2)
     v3 = ArchConfig.from_dict(
         _config("deepseek_v3", num_hidden_layers=61, num_attention_heads=128,
@@ -375,9 +375,10 @@ def _hand_off(
     assert layout == KvLayout.of(decode.runner.kv_caches)
 
     def move(prefill: Any, decode: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
-        buffer = ops.gather_blocks(prefill.runner.kv_caches, src)
+        device = prefill.runner.kv_caches[0].device  # the block ids go where the caches are
+        buffer = ops.gather_blocks(prefill.runner.kv_caches, src.to(device))
         assert tuple(buffer.shape) == layout.buffer_shape(len(src))
-        ops.scatter_blocks(buffer, decode.runner.kv_caches, dst)
+        ops.scatter_blocks(buffer, decode.runner.kv_caches, dst.to(device))
 
     return hand_off(prefill, decode, prompts, params, move)
 
