@@ -14,6 +14,7 @@ have the same signatures and are tested against them.
 from __future__ import annotations
 
 import functools
+import itertools
 import struct
 
 import torch
@@ -263,6 +264,69 @@ def ref_paged_decode_attention(
     sink = None if sinks is None else sinks.reshape(Hkv, group, 1)
     o = torch.matmul(softmax_with_sinks(scores, sink), v).reshape(B, Hq, D)  # [B, Hkv, g, D]
     return _into(out, o.to(q.dtype))
+
+
+def check_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, scale: float
+) -> None:
+    """:func:`ref_varlen_attention`'s inputs: shapes that agree, one dtype and device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3 or not x.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a 3-D float tensor [T, heads, dim], got "
+                             f"{tuple(x.shape)} {x.dtype}")  # fmt: skip
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} on {q.device}, like q")
+    t, hq, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, Hkv, D] and "
+                         f"[T, Hkv, Dv] for q {tuple(q.shape)}")  # fmt: skip
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({k.shape[1]})")
+    if (
+        query_start_loc.ndim != 1
+        or query_start_loc.shape[0] < 1
+        or query_start_loc.is_floating_point()
+    ):
+        raise ValueError("query_start_loc must be a 1-D integer tensor of B + 1 prefix sums")
+    if query_start_loc.device != q.device:
+        raise ValueError(f"query_start_loc must be on {q.device}, like q")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+
+
+def ref_varlen_attention(
+    q: torch.Tensor,  # [T, Hq, D], the sequences' tokens, concatenated
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    query_start_loc: torch.Tensor,  # [B + 1] int32, prefix sums of the sequences' lengths
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [T, Hq, Dv] to write into
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Causal attention of packed sequences over their own tokens only: no cache, no prefix
+    (flash-attention's varlen call). Token ``i`` of a sequence sees its tokens ``0 ..= i``.
+    The values' width may differ from the keys' (DeepSeek's attention expanded from its latent:
+    192-dim query and key heads, 128-dim values)."""
+    check_varlen(q, k, v, query_start_loc, scale)
+    t, hq, _ = q.shape
+    shape = (t, hq, v.shape[2])
+    out = q.new_empty(shape) if out is None else out
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {shape}")
+    starts = query_start_loc.tolist()
+    if starts[-1] != t:
+        raise ValueError(f"query_start_loc ends at {starts[-1]}, not at the {t} tokens")
+    for s, e in itertools.pairwise(starts):
+        if e < s:
+            raise ValueError("query_start_loc must not decrease")
+        if e == s:
+            continue
+        qb, kb, vb = (x[s:e].float().transpose(0, 1)[None] for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True
+        )
+        out[s:e] = o[0].transpose(0, 1).to(out.dtype)
+    return out
 
 
 def ref_prefill_attention(

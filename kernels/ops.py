@@ -18,6 +18,7 @@ from kernels.attention import (
     ref_paged_decode_attention,
     ref_prefill_attention,
     ref_rotary_write_kv,
+    ref_varlen_attention,
     ref_write_kv,
 )
 from kernels.block_copy import ref_fence_cas, ref_gather_blocks, ref_scatter_blocks
@@ -72,6 +73,7 @@ __all__ = [
     "silu_and_mul_fp8",
     "takes_w8a8",
     "triton_available",
+    "varlen_attention",
     "w4a16_linear",
     "write_kv",
 ]
@@ -422,6 +424,21 @@ def prefill_attention(
         k_new=k_new, v_new=v_new, no_prefix=no_prefix, window=window, softcap=softcap,
         sinks=sinks, span_last=span_last,
     )  # fmt: skip
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [T, Hq, D], the sequences' tokens, concatenated
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    query_start_loc: torch.Tensor,  # [B + 1] int32, prefix sums of the sequences' lengths
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, Hq, Dv] to write into
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Causal attention of whole prompts over their own tokens (no cache): DeepSeek's prefill
+    in the expanded form."""
+    mod = _triton("triton_attention", q)
+    fn = mod.varlen_attention if mod else ref_varlen_attention
+    return fn(q, k, v, query_start_loc, scale, out=out)
 
 
 def rms_norm(

@@ -85,7 +85,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import check_sinks, check_softcap, check_span_last, check_window
+from kernels.attention import (
+    check_sinks,
+    check_softcap,
+    check_span_last,
+    check_varlen,
+    check_window,
+)
 from kernels.triton_common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -786,3 +792,48 @@ def prefill_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [T, Hq, D], the sequences' tokens, concatenated
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    query_start_loc: torch.Tensor,  # [B + 1] int32, prefix sums of the sequences' lengths
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [T, Hq, Dv] to write into
+    tiles: TilesLike | None = None,
+) -> torch.Tensor:  # [T, Hq, Dv]
+    """Triton version of :func:`kernels.attention.ref_varlen_attention`: causal attention of
+    packed sequences over their own tokens, no cache. It is :func:`prefill_attention`'s
+    whole-prompt path (``k_new``/``v_new``, ``no_prefix``), whose paged loops are compiled out:
+    one-block-a-token views of ``k`` and ``v`` stand in for the cache it never reads. The kernel
+    has one head dim: the narrower of keys and values is zero-padded to the other's width (zero
+    columns add nothing to q . k, and give zero output columns, dropped).
+    ``query_start_loc`` is not checked against T here (that would need a device sync)."""
+    check_varlen(q, k, v, query_start_loc, scale)
+    t, hq, d = q.shape
+    dv = v.shape[2]
+    out = check_out(out, (t, hq, dv), q.dtype, q.device)
+    batch = query_start_loc.shape[0] - 1
+    if t == 0 or batch == 0:
+        return out
+    width = max(d, dv)
+    q, k, v = (_padded(x, width) for x in (q, k, v))
+    starts = query_start_loc.to(torch.int32)
+    lens = starts[1:] - starts[:-1]  # each sequence's context is its own tokens
+    tables = torch.zeros((batch, 1), dtype=torch.int32, device=q.device)  # never read
+    o = prefill_attention(
+        q, k[:, None], v[:, None], tables, starts, lens, scale, out=out if dv == width else None,
+        tiles=tiles, k_new=k, v_new=v, no_prefix=True,
+    )  # fmt: skip
+    if dv < width:
+        out.copy_(o[..., :dv])
+    return out
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:  # [T, H, d] -> [T, H, width]
+    x = x.contiguous()
+    if x.shape[2] == width:
+        return x
+    return torch.cat([x, x.new_zeros((*x.shape[:2], width - x.shape[2]))], dim=-1)

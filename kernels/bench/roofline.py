@@ -178,6 +178,39 @@ def bench_prefill() -> list[dict[str, Any]]:
         sdpa = sdpa_prefill(p, ctx_lens, q_lens)
         if sdpa is not None:
             rows.append(measure("  torch sdpa (contiguous KV)", name, sdpa, flops=flops))
+    return rows + bench_mla_prefill()
+
+
+def bench_mla_prefill(heads: int = 16, prompts: int = 8, n: int = 1024) -> list[dict[str, Any]]:
+    """DeepSeek-V2-Lite's prefill attention (16 heads), whole prompts: expanded (192-dim queries
+    and keys, 128-dim values: ``varlen_attention``) against the absorbed form over the latent
+    (576 dims, one KV head, values the same rows), and SDPA on the expanded tensors. FLOPs are
+    each form's own (the absorbed one does more work for the same result)."""
+    from kernels.triton_prefill import prefill_attention, varlen_attention
+
+    dt, t = torch.bfloat16, prompts * n
+    pairs = prompts * n * (n + 1) // 2
+    starts = torch.arange(0, t + 1, n, device="cuda", dtype=torch.int32)
+    q, k = (torch.randn((t, heads, 192), device="cuda", dtype=dt) for _ in range(2))
+    v = torch.randn((t, heads, 128), device="cuda", dtype=dt)
+    name = f"{prompts} x {n} prompts, {heads} heads"
+    expanded = functools.partial(varlen_attention, q, k, v, starts, 192**-0.5)
+    rows = [
+        measure("MLA prefill, expanded (varlen)", name, expanded, flops=2.0 * 320 * heads * pairs)
+    ]
+    ql = torch.randn((t, heads, 576), device="cuda", dtype=dt)
+    rows_l = torch.randn((t, 1, 576), device="cuda", dtype=dt)
+    cache = rows_l[:, None]  # [T, 1, 1, 576]: one block a token, never read (no_prefix)
+    tables = torch.zeros((prompts, 1), device="cuda", dtype=torch.int32)
+    lens = torch.full((prompts,), n, device="cuda", dtype=torch.int32)
+    absorbed = functools.partial(
+        prefill_attention, ql, cache, cache, tables, starts, lens, 192**-0.5, k_new=rows_l,
+        v_new=rows_l, no_prefix=True,
+    )  # fmt: skip
+    rows.append(measure("MLA prefill, absorbed (latent MQA)", name, absorbed, flops=2.0 * 1152 * heads * pairs))  # fmt: skip
+    qs, ks, vs = (x.view(prompts, n, heads, -1).transpose(1, 2) for x in (q, k, v))
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, qs, ks, vs, is_causal=True)  # fmt: skip
+    rows.append(measure("  torch sdpa (expanded)", name, sdpa, flops=2.0 * 320 * heads * pairs))
     return rows
 
 

@@ -13,7 +13,9 @@ layers with DeepSeek's MoE (``Glm4MoeForCausalLM``).
   as both keys and values (written once, keys only: ``ops.rotary_write_kv`` with v None); the
   output's latent part times each head's W_UV (the value rows) is that head's value. The
   expanded form (``2 * heads * (nope + rope)`` values a token: 49,152 for V3 against 576) is
-  gone; prefill computes in the absorbed form too (more FLOPs than vLLM's expanded prefill).
+  gone from the cache. Prompts with no cached prefix attend in the expanded form (vLLM's MLA
+  prefill: ``kv_b_proj`` expands their new latents into keys and values of 192 and 128 dims,
+  ~3x fewer FLOPs than 576; :meth:`MLAttention._forward_expanded`); everything else absorbed.
 - Rotary pairs: V2 (and V3 with ``rope_interleave``) rotates dims (0, 1), (2, 3), ...; the
   loader reorders those rows of the q and kv_a projections into halves (``rope_halves``).
 - MoE: the router in float32 (transformers keeps it there), ``ops.grouped_topk`` (V2's softmax,
@@ -116,28 +118,89 @@ class MLAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T, m = x.shape[0], self.mla
-        q, k = self._qk(x)
         cache = kv_cache[0]
+        # whole prompts (no cached prefix) attend to their own tokens only: the expanded form
+        # (a cache of q's dtype: attention must see the cache's rounding, as Llama's k_new)
+        if (
+            meta.num_decodes < T
+            and meta.prefill_no_prefix
+            and meta.span_last is None
+            and cache.dtype == x.dtype
+        ):
+            return self._forward_expanded(x, positions, cos_sin, cache, meta)
+        q, k = self._qk(x)
         scaled = cache.element_size() == 1  # FP8: the scale applies
-        k_new = None  # whole prompts read their keys contiguously (the Llama attention's why)
-        whole = meta.prefill_no_prefix and T - meta.num_decodes >= ops.NEW_KV_MIN_TOKENS
-        if ops.reads_new_kv(x.device) and whole and cache.dtype == q.dtype:
-            k_new = torch.empty_like(k)
         # rotate q's and k's rope dims, write k once (v None: the values are the keys)
         q = ops.rotary_write_kv(
             positions, q, k, None, cos_sin, cache, cache, meta.slot_mapping,
-            self.kv_scale, self.kv_scale, k_out=k_new,
+            self.kv_scale, self.kv_scale,
         )  # fmt: skip
         if meta.on_kv_written is not None:
             meta.on_kv_written(self.layer)
         scale = self.scale * (self.kv_scale if scaled else 1)
-        o = paged_attention(q, cache, cache, meta, scale, k_new, k_new)  # [T, H, R + L]
+        o = paged_attention(q, cache, cache, meta, scale)  # [T, H, R + L]
         if scaled and self.kv_scale != 1.0:
             o = o * self.kv_scale
-        _, w_uv = self._absorbed()
-        o_latent = o[..., m.qk_rope_head_dim :].transpose(0, 1)  # [H, T, L]
-        out = torch.bmm(o_latent, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        out = self._values(o)  # [T, H, v]
         return self.o_proj(out.reshape(T, self.nq * m.v_head_dim))  # [T, hidden]
+
+    def _values(self, o: torch.Tensor) -> torch.Tensor:  # [T, H, R + L] -> [T, H, v]
+        """Each head's value from its attended latent (W_UV; the rope part carries none)."""
+        _, w_uv = self._absorbed()
+        o_latent = o[..., self.mla.qk_rope_head_dim :].transpose(0, 1)  # [H, T, L]
+        return torch.bmm(o_latent, w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _forward_expanded(
+        self,
+        x: torch.Tensor,  # [T, hidden], the decode rows first
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        cache: torch.Tensor,  # [N, bs, 1, R + L], of x's dtype
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """A step whose prompts have no cached prefix. The cache gets every token's latent row
+        as in :meth:`forward`; the decode rows attend absorbed over the cache; the prompts'
+        tokens attend in the expanded form, as transformers computes (vLLM's MLA prefill):
+        ``kv_b_proj`` turns each new latent into every head's nope key and value, and each head
+        attends over ``nope + rope`` dims (192 for V2/V3) with ``v_head_dim`` values, where the
+        absorbed form reads ``kv_lora_rank + rope`` (576) twice: ~3x fewer FLOPs for a prompt."""
+        m, T, H, nd = self.mla, x.shape[0], self.nq, meta.num_decodes
+        nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        q = self._query(x).view(T, H, m.qk_head_dim)  # [T, H, nope + rope]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, rope], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())[0]  # [T, L]
+        rows = torch.cat([k_rope, latent], dim=-1)[:, None, :]  # [T, 1, R + L], rope unrotated
+        out = x.new_empty((T, H, m.v_head_dim))
+        q_dec = None
+        if nd:  # the decode rows' queries in the cache's space, rotated as their rows are written
+            w_uk, _ = self._absorbed()
+            q_lat = torch.bmm(q[:nd, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)
+            q_dec = ops.rotary_write_kv(
+                positions[:nd], torch.cat([q[:nd, :, nope:], q_lat], dim=-1), rows[:nd], None,
+                cos_sin, cache, cache, meta.slot_mapping[:nd],
+            )  # fmt: skip
+        new = slice(nd, T)
+        # the prompts' rows into the cache (the rotated copy it returns is not needed)
+        ops.rotary_write_kv(
+            positions[new], rows[new], rows[new], None, cos_sin, cache, cache,
+            meta.slot_mapping[new],
+        )  # fmt: skip
+        if meta.on_kv_written is not None:
+            meta.on_kv_written(self.layer)
+        if q_dec is not None:
+            o = ops.paged_decode_attention(
+                q_dec, cache, cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale
+            )
+            out[:nd] = self._values(o)
+        # expanded: [rope | nope] for queries and keys alike (a dot product's order is free)
+        kv = self.kv_b_proj(latent[new]).view(T - nd, H, nope + m.v_head_dim)
+        q_new = torch.cat([q[new, :, nope:], q[new, :, :nope]], dim=-1)
+        k_new = torch.cat([k_rope[new, None, :].expand(-1, H, -1), kv[..., :nope]], dim=-1)
+        ops.rotary_embedding(positions[new], q_new, k_new, cos_sin)  # in place, both
+        starts = meta.prefill_start_loc if nd else meta.query_start_loc
+        assert starts is not None
+        ops.varlen_attention(q_new, k_new, kv[..., nope:], starts, self.scale, out=out[new])
+        return self.o_proj(out.reshape(T, H * m.v_head_dim))  # [T, hidden]
 
 
 class Router(nn.Module):
