@@ -5,6 +5,9 @@
 #            and `tandem bench offline` 256 x 1024 -> 128; the KV cache's start-up lines
 #   moe      qwen3-30b-a3b: bf16 and --quantization fp8 (experts in FP8 too), latency batch 1-16
 #   routing  python -m kernels.bench.moe --routing: the router's launch against torch's
+#   prefill  deepseek-v2-lite offline with the expanded prefill and with it patched off
+#            (deepseek.EXPANDED_PREFILL), each in its own process; the MLA prefill kernels'
+#            rows of kernels.bench.roofline (V2-Lite's 16 heads, V3's 128)
 # Needs .whl (device_wheels.sh) and .gpu-carry/tok.tgz (the test tokenizer, for the DeepSeek tests).
 #   bash scripts/device/mla_moe.sh tests,mla,moe,routing [LABEL]   -> $OUT/*.json (or ./gpu-out)
 set -uo pipefail
@@ -22,7 +25,7 @@ bench() {  # bench NAME ARGS...: one `tandem bench` in its own process, its JSON
 }
 if has tests; then
   tar xzf .gpu-carry/tok.tgz -C .gpu-carry && export TANDEM_TEST_TOKENIZER=$PWD/.gpu-carry/tok
-  TRITON_INTERPRET=0 timeout 420 python3 -m pytest -q -p no:cacheprovider -x \
+  TRITON_INTERPRET=0 timeout 420 python3 -m pytest -q -p no:cacheprovider -x ${TESTS_K:+-k "$TESTS_K"} \
     tests/kernels/test_triton_routing.py tests/kernels/test_triton_moe_pairs.py \
     tests/kernels/test_triton_moe.py tests/kernels/test_triton_decode.py \
     tests/kernels/test_triton_prefill.py tests/kernels/test_triton_attention.py \
@@ -38,6 +41,21 @@ if has mla; then
     --dtype bfloat16 --batch-sizes 1,64,256 --input-len 1024 --output-len 24 --max-model-len 2048
   bench "mla-offline-$label" offline --model deepseek-v2-lite --load-format dummy \
     --dtype bfloat16 --num-prompts 256 --input-len 1024 --output-len 128
+fi
+if has prefill; then  # the expanded prefill against the absorbed one, each in its own process
+  for form in expanded absorbed; do
+    patch=""
+    [[ $form == absorbed ]] && patch="import services.engine.models.deepseek as d; d.EXPANDED_PREFILL = False"
+    timeout 300 python3 -c "import sys; $patch
+from services.cli import main; sys.exit(main(sys.argv[1:]))" bench offline --model deepseek-v2-lite \
+      --load-format dummy --dtype bfloat16 --num-prompts 256 --input-len 1024 --output-len 128 \
+      --json-out "$out/mla-prefill-$form-$label.json" > "$out/mla-prefill-$form-$label.log" 2>&1 ||
+      echo "$form failed: $(tail -4 "$out/mla-prefill-$form-$label.log")"
+  done
+  timeout 120 python3 -c "
+from kernels.bench.roofline import bench_mla_prefill
+for r in bench_mla_prefill(): print(r)
+for r in bench_mla_prefill(heads=128, prompts=2): print(r)" 2>&1 | tee "$out/mla-prefill-kernels-$label.txt"
 fi
 if has moe; then
   bench "moe-bf16-$label" latency --model qwen3-30b-a3b --load-format dummy --dtype bfloat16 \

@@ -48,6 +48,9 @@ from services.engine.models.llama import (
 from services.engine.models.moe import Experts, SharedExpert
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with its default
+# prompts with no cached prefix in the expanded form (MLAttention._forward_expanded); False
+# runs them absorbed too (measurement: scripts/device/mla_moe.sh patches it to compare)
+EXPANDED_PREFILL = True
 
 
 class MLAttention(nn.Module):
@@ -122,7 +125,8 @@ class MLAttention(nn.Module):
         # whole prompts (no cached prefix) attend to their own tokens only: the expanded form
         # (a cache of q's dtype: attention must see the cache's rounding, as Llama's k_new)
         if (
-            meta.num_decodes < T
+            EXPANDED_PREFILL
+            and meta.num_decodes < T
             and meta.prefill_no_prefix
             and meta.span_last is None
             and cache.dtype == x.dtype
