@@ -71,10 +71,14 @@ TEST_WORKERS ?= 2
 # in $(CHECKS_LOG) and shown after the suite; the suite's lm-eval test waits for its venv. Any
 # failure of the checks fails `make test`.
 CHECKS_LOG ?= .checks.log
+# Bytecode written (PYTHONDONTWRITEBYTECODE emptied, where a machine sets it): uv installs no
+# .pyc, and the suite starts hundreds of Python processes (workers, gateways, CLI runs) that
+# would each compile what they import again (~1.2 s of a worker's ~5 s start-up CPU)
 test: venv
 	{ $(MAKE) -s lm-eval-venv > $(LMEVAL_VENV).log 2>&1 & }; \
 	$(MAKE) -s -j2 lint typecheck > $(CHECKS_LOG) 2>&1 & checks=$$!; \
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS); \
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 TRITON_INTERPRET=1 \
+	  $(PY) -m pytest -q -ra --durations=25 -n $(TEST_WORKERS); \
 	rc=$$?; \
 	if wait $$checks; then echo "lint and typecheck: passed"; \
 	else cat $(CHECKS_LOG); echo "lint and typecheck: FAILED"; rc=1; fi; \
