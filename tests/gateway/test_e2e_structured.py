@@ -2,9 +2,10 @@
 (the embedded model on the CPU) in both topologies: a gateway in front of a prefill and a decode
 worker, and one in front of a colocated worker.
 
-Over 50 JSON schemas generated here, every output validates, greedy and sampled, and the greedy
-outputs of the two topologies are the same (the decode worker continues the grammar the prefill
-worker started). Bad schemas, regexes and tool names are 400s that leave no KV behind."""
+Over 50 JSON schemas generated here (split between the topologies), every output validates,
+greedy and sampled, and the greedy outputs of the two topologies are the same (the decode worker
+continues the grammar the prefill worker started). Bad schemas, regexes and tool names are 400s
+that leave no KV behind."""
 
 from __future__ import annotations
 
@@ -130,23 +131,29 @@ async def _json_replies(gateway: Proc, schemas: list[dict[str, Any]], **kw: Any)
         return list(await asyncio.gather(*(one(i, s) for i, s in enumerate(schemas))))
 
 
-async def test_fifty_generated_schemas_validate_in_both_topologies(
+async def test_fifty_generated_schemas_validate_across_both_topologies(
     gateways: dict[str, Proc],
 ) -> None:
-    """All fifty through the disaggregated pair (the grammar crosses the hand-off): the first
-    twenty greedily, which must give the colocated worker's greedy text, the other thirty
-    sampled. (Not all fifty in both topologies, nor greedily and sampled: the suite's time;
-    the engine's tests sample under every option.)"""
+    """The fifty alternate between the colocated worker (even) and the disaggregated pair (odd,
+    the grammar crosses the hand-off): the first twenty greedily, the other thirty sampled. The
+    first six greedy schemas of the colocated worker also go through the pair, which must give
+    the colocated worker's greedy text. (Not all fifty in both topologies, nor greedily and
+    sampled: the suite's time; the engine's tests sample under every option.)"""
     schemas = generated_schemas()
     colocated, disagg = gateways["colocated"], gateways["disagg"]
-    greedy, crossed, sampled = await asyncio.gather(
-        _json_replies(colocated, schemas[:20], temperature=0),
-        _json_replies(disagg, schemas[:20], temperature=0),
-        _json_replies(disagg, schemas[20:], temperature=1.0, top_p=0.95, seed=7),
-    )
-    for schema, text in zip(schemas[:20] * 2 + schemas[20:], greedy + crossed + sampled, strict=True):  # fmt: skip
-        jsonschema.validate(json.loads(text), schema)
-    assert crossed == greedy
+    sample = {"temperature": 1.0, "top_p": 0.95, "seed": 7}
+    by_topology = [
+        (colocated, schemas[0:20:2], {"temperature": 0}),
+        (disagg, schemas[1:20:2], {"temperature": 0}),
+        (colocated, schemas[20::2], sample),
+        (disagg, schemas[21::2], sample),
+        (disagg, schemas[0:12:2], {"temperature": 0}),  # crossed: the colocated greedy's first 6
+    ]
+    replies = await asyncio.gather(*(_json_replies(g, s, **kw) for g, s, kw in by_topology))
+    for (_, group, _), texts in zip(by_topology, replies, strict=True):
+        for schema, text in zip(group, texts, strict=True):
+            jsonschema.validate(json.loads(text), schema)
+    assert replies[4] == replies[0][:6]
 
 
 # ---- the openai client's forms ---------------------------------------------------------------
