@@ -20,12 +20,12 @@ def _results(res: list) -> list[tuple]:
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=24, stop=["the", "."]),
     SamplingParams(temperature=0, max_tokens=3),
-    SamplingParams(temperature=0, max_tokens=40, stop=[" is"], include_stop_str_in_output=True),
+    SamplingParams(temperature=0, max_tokens=24, stop=[" is"], include_stop_str_in_output=True),
     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-    SamplingParams(temperature=0, max_tokens=64),
+    SamplingParams(temperature=0, max_tokens=32),
     # drawn on the device too: the seeded noise's position is the step's, not the host's list's
-    SamplingParams(temperature=0.8, seed=3, max_tokens=30),
-    SamplingParams(temperature=1.0, top_p=0.9, top_k=40, min_p=0.05, seed=5, max_tokens=36),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=24),
+    SamplingParams(temperature=1.0, top_p=0.9, top_k=40, min_p=0.05, seed=5, max_tokens=28),
     SamplingParams(temperature=0, max_tokens=10, min_tokens=6),  # the sampler masks EOS first
     SamplingParams(temperature=0, max_tokens=8, logprobs=2),  # logprobs: read back each step
     SamplingParams(temperature=0.7, seed=9, max_tokens=12, presence_penalty=0.5),  # penalties
