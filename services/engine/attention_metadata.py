@@ -26,6 +26,12 @@ class AttentionMetadata:
     # kernel may then read their K/V contiguously with nothing paged compiled in (91% of SDPA on
     # an H200 against 74% through the block table, docs/benchmarks.md W3)
     prefill_no_prefix: bool = False
+    # the prefill sequences with a cached prefix (an earlier chunk, a prefix-cache hit), laid
+    # out first among the prefill sequences (the model runner's order), and their rows; with
+    # prefill_no_prefix False and 0 here nothing is known (a model then treats every prefill
+    # row as having a prefix). DeepSeek's MLA computes the rows after them in expanded form
+    prefix_prefills: int = 0
+    prefix_prefill_rows: int = 0
     # told each layer's index right after the layer's KV write, when a prefill hand-off streams
     # the KV out while this forward runs (``services.engine.kv_handoff``); None on every other
     # step, and in CUDA graphs, which would not run it

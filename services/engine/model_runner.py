@@ -345,7 +345,10 @@ class ModelRunner:
         ``out.requests``).
         """
         reqs = out.requests
-        order = sorted(range(len(reqs)), key=lambda i: reqs[i].num_new_tokens != 1)  # stable
+        # decodes first, then the prefill chunks with a cached prefix, then whole prompts (stable)
+        order = sorted(
+            range(len(reqs)), key=lambda i: (reqs[i].num_new_tokens != 1, reqs[i].start_pos == 0)
+        )
         laid = [reqs[i] for i in order]
         B, W = len(reqs), self._max_blocks(out)
         lens = np.fromiter([r.num_new_tokens for r in laid], np.int64, B)  # [B]
@@ -377,6 +380,7 @@ class ModelRunner:
             if r.samples_token
             for j in range(r.num_spec, -1, -1)
         ]
+        n_prefix = int(np.count_nonzero(starts[nd:]))  # laid out first among the prefills
         d64, d32 = self.staging.upload()
         if dev_ids is not None and dev_at is None:  # a decode-only step: laid out in order
             assert nd == B == dev_ids.shape[0], "device ids are for decode-only steps"
@@ -392,6 +396,8 @@ class ModelRunner:
             num_decodes=nd,
             prefill_start_loc=d32[2] if nd < B else None,
             prefill_no_prefix=nd < B and not bool(starts[nd:].any()),
+            prefix_prefills=n_prefix,
+            prefix_prefill_rows=int(lens[nd : nd + n_prefix].sum()),
         )
         if self.vision is not None and self.vision.cfg.bidirectional and nd < B:
             spans = span_last(laid)  # Gemma 3: an image's tokens see each other

@@ -122,12 +122,13 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         T, m = x.shape[0], self.mla
         cache = kv_cache[0]
-        # whole prompts (no cached prefix) attend to their own tokens only: the expanded form
+        # prompt chunks with no cached prefix attend to their own tokens only: the expanded form
         # (a cache of q's dtype: attention must see the cache's rounding, as Llama's k_new)
+        known = meta.prefill_no_prefix or meta.prefix_prefills > 0  # which rows have a prefix
         if (
             EXPANDED_PREFILL
-            and meta.num_decodes < T
-            and meta.prefill_no_prefix
+            and known
+            and meta.num_decodes + meta.prefix_prefill_rows < T
             and meta.span_last is None
             and cache.dtype == x.dtype
         ):
@@ -156,53 +157,66 @@ class MLAttention(nn.Module):
 
     def _forward_expanded(
         self,
-        x: torch.Tensor,  # [T, hidden], the decode rows first
+        x: torch.Tensor,  # [T, hidden]: decode rows, chunks after a prefix, then new chunks
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         cache: torch.Tensor,  # [N, bs, 1, R + L], of x's dtype
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """A step whose prompts have no cached prefix. The cache gets every token's latent row
-        as in :meth:`forward`; the decode rows attend absorbed over the cache; the prompts'
-        tokens attend in the expanded form, as transformers computes (vLLM's MLA prefill):
+        """A step with prompt chunks that have no cached prefix (the model runner lays them out
+        last). The cache gets every token's latent row as in :meth:`forward`; the decode rows
+        and the chunks after a prefix attend absorbed over the cache; the new chunks' tokens
+        attend in the expanded form, as transformers computes (vLLM's MLA prefill):
         ``kv_b_proj`` turns each new latent into every head's nope key and value, and each head
         attends over ``nope + rope`` dims (192 for V2/V3) with ``v_head_dim`` values, where the
-        absorbed form reads ``kv_lora_rank + rope`` (576) twice: ~3x fewer FLOPs for a prompt."""
+        absorbed form reads ``kv_lora_rank + rope`` (576) twice: ~3x fewer FLOPs a prompt."""
         m, T, H, nd = self.mla, x.shape[0], self.nq, meta.num_decodes
         nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        npre, old = meta.prefix_prefills, nd + meta.prefix_prefill_rows  # rows [0, old) absorbed
         q = self._query(x).view(T, H, m.qk_head_dim)  # [T, H, nope + rope]
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, rope], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())[0]  # [T, L]
         rows = torch.cat([k_rope, latent], dim=-1)[:, None, :]  # [T, 1, R + L], rope unrotated
         out = x.new_empty((T, H, m.v_head_dim))
-        q_dec = None
-        if nd:  # the decode rows' queries in the cache's space, rotated as their rows are written
+        q_abs = None
+        if old:  # their queries in the cache's space, rotated as their rows are written
             w_uk, _ = self._absorbed()
-            q_lat = torch.bmm(q[:nd, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)
-            q_dec = ops.rotary_write_kv(
-                positions[:nd], torch.cat([q[:nd, :, nope:], q_lat], dim=-1), rows[:nd], None,
-                cos_sin, cache, cache, meta.slot_mapping[:nd],
+            q_lat = torch.bmm(q[:old, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)
+            q_abs = ops.rotary_write_kv(
+                positions[:old], torch.cat([q[:old, :, nope:], q_lat], dim=-1), rows[:old],
+                None, cos_sin, cache, cache, meta.slot_mapping[:old],
             )  # fmt: skip
-        new = slice(nd, T)
-        # the prompts' rows into the cache (the rotated copy it returns is not needed)
+        new = slice(old, T)
+        # the new chunks' rows into the cache (the rotated copy it returns is not needed)
         ops.rotary_write_kv(
             positions[new], rows[new], rows[new], None, cos_sin, cache, cache,
             meta.slot_mapping[new],
         )  # fmt: skip
         if meta.on_kv_written is not None:
             meta.on_kv_written(self.layer)
-        if q_dec is not None:
-            o = ops.paged_decode_attention(
-                q_dec, cache, cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale
-            )
-            out[:nd] = self._values(o)
+        if q_abs is not None:
+            o = torch.empty_like(q_abs)
+            if nd:
+                ops.paged_decode_attention(
+                    q_abs[:nd], cache, cache, meta.block_tables[:nd], meta.context_lens[:nd],
+                    self.scale, out=o[:nd],
+                )  # fmt: skip
+            if npre:
+                assert meta.prefill_start_loc is not None
+                seqs = slice(nd, nd + npre)
+                ops.prefill_attention(
+                    q_abs[nd:], cache, cache, meta.block_tables[seqs],
+                    meta.prefill_start_loc[: npre + 1], meta.context_lens[seqs], self.scale,
+                    out=o[nd:],
+                )  # fmt: skip
+            out[:old] = self._values(o)
         # expanded: [rope | nope] for queries and keys alike (a dot product's order is free)
-        kv = self.kv_b_proj(latent[new]).view(T - nd, H, nope + m.v_head_dim)
+        kv = self.kv_b_proj(latent[new]).view(T - old, H, nope + m.v_head_dim)
         q_new = torch.cat([q[new, :, nope:], q[new, :, :nope]], dim=-1)
         k_new = torch.cat([k_rope[new, None, :].expand(-1, H, -1), kv[..., :nope]], dim=-1)
         ops.rotary_embedding(positions[new], q_new, k_new, cos_sin)  # in place, both
-        starts = meta.prefill_start_loc if nd else meta.query_start_loc
-        assert starts is not None
+        assert meta.prefill_start_loc is not None  # the new chunks' starts from their first row
+        starts = meta.prefill_start_loc[npre:] - (old - nd)
         ops.varlen_attention(q_new, k_new, kv[..., nope:], starts, self.scale, out=out[new])
         return self.o_proj(out.reshape(T, H * m.v_head_dim))  # [T, hidden]
 

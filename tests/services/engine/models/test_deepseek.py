@@ -165,6 +165,46 @@ def test_greedy_matches_transformers(name: str, built: Callable[[str], Built]) -
     _assert_greedy_matches(name, *built(name))
 
 
+def test_new_prompts_expanded_beside_chunks_after_a_prefix(
+    built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64-token step budget: a long prompt's later chunks (a cached prefix: absorbed) share
+    steps with new prompts (expanded) and decodes; transformers' tokens, and the steps the test
+    is about did happen."""
+    from services.engine.models import deepseek
+
+    seen: list[tuple[int, int, int]] = []
+    expanded = deepseek.MLAttention._forward_expanded
+
+    def record(self: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        meta = args[-1]
+        seen.append((meta.num_decodes, meta.prefix_prefills, x.shape[0] - meta.num_decodes))
+        return expanded(self, x, *args)
+
+    monkeypatch.setattr(deepseek.MLAttention, "_forward_expanded", record)
+    path, hf = built("v3")
+    prompts = dict(zip("abc", _prompts(7, [9, 150, 40]), strict=True))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    with LLM(str(path), **BESIDE, max_num_batched_tokens=64) as llm:
+        engine = llm.engine
+
+        def step() -> None:
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+
+        engine.add_request("a", prompts["a"], params)
+        step()  # a decodes from here on, beside the others' chunks
+        engine.add_request("b", prompts["b"], params)
+        engine.add_request("c", prompts["c"], params)
+        while engine.has_unfinished:
+            step()
+    for rid, prompt in prompts.items():
+        assert got[rid] == _hf_greedy(hf, prompt), rid
+    # a step held a decode, a chunk after a prefix and a new prompt's chunk
+    assert any(nd and npre and rows > npre for nd, npre, rows in seen), seen
+
+
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernels on the CPU: TRITON_INTERPRET=1",
