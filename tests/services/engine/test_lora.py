@@ -232,7 +232,7 @@ def test_drafts_verified_under_adapters_give_the_tokens_without_drafts(
 
     ids = [llm.encode(p) for p in COPYING]
     jobs = [(name, p) for p in ids for name in NAMES]
-    params = [SamplingParams(temperature=0.0, max_tokens=32, logprobs=5, lora_name=name)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, logprobs=5, lora_name=name)
               for name, _ in jobs]  # fmt: skip
     prompts = [p for _, p in jobs]
     want = llm.generate(prompts, params)
@@ -250,7 +250,8 @@ def test_drafts_verified_under_adapters_give_the_tokens_without_drafts(
             runner.graphs = None
         replayed = runner.forwards.graph_lora - before
         kept_graphed = spec.engine.spec_stats.num_accepted_tokens - kept
-    assert kept > 20 and kept_graphed > 20, "drafts were proposed but hardly kept"
+    floor = 45 if "model" in draft else 20  # about half of what each kept (94, 44)
+    assert kept > floor and kept_graphed > floor, "drafts were proposed but hardly kept"
     assert replayed > 0, "no verify step with adapters went through the graph buffers"
     adapted = [i for i, (name, _) in enumerate(jobs) if name]
     assert any(want[i].outputs[0].token_ids != want[i + 1].outputs[0].token_ids
