@@ -96,7 +96,7 @@ def _stream_outlives_its_decode_worker(url: str, model: str, started: set[int]) 
     """A greedy stream whose decode worker is killed after 8 chunks resumes on the other
     decode worker: one stream, no error frame, the text of a run nobody killed, and most of
     its chunks came after the kill (the stream was not over when it happened)."""
-    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0,
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     whole, errors = _sse_text(url, body, lambda n: None)
     assert not errors and whole
@@ -117,7 +117,7 @@ def _stream_outlives_its_decode_worker(url: str, model: str, started: set[int]) 
     assert killed_at, "the stream ended before its decode worker could be killed"
     assert not errors, errors
     assert text == whole
-    assert chunks[-1] - killed_at[0] > 60  # streamed on by the other decode worker
+    assert chunks[-1] - killed_at[0] > 30  # streamed on by the other decode worker
 
 
 def test_up_two_by_two_spreads_load_and_bench_serve_reports(tmp_path: Path) -> None:
