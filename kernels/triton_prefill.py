@@ -558,6 +558,14 @@ LARGE_TILES: tuple[tuple[Tiles, float], ...] = ((Tiles(256, 64, 16, 2, True), 2.
 # (kernels.bench.prefill_probe engine, 2026-11-29: 372 TFLOP/s on 8 x 1024 prompts with TMA, 92%
 # of SDPA in the same run; 323 with plain loads, against 306 through the block table)
 WHOLE_PROMPT_TILES = Tiles(128, 64, 4, 2, True)
+# the same for heads wider than 128 (DeepSeek's expanded 192, Gemma's 256: a 256-wide tile):
+# four warps would hold a 128 x 256 float32 accumulator, 256 registers a thread (they spilled:
+# 46 TFLOP/s at 192 dims on an H200 against SDPA's 388)
+WIDE_WHOLE_PROMPT_TILES = Tiles(128, 64, 8, 2, True)
+
+
+def _whole_prompt_tiles(d: int) -> Tiles:
+    return WHOLE_PROMPT_TILES if next_pow2(d) <= 128 else WIDE_WHOLE_PROMPT_TILES
 
 
 def tiles_fit(tiles: TilesLike, d: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -751,8 +759,8 @@ def prefill_attention(
         return out
     if tiles:
         cfg = Tiles(*tiles)
-    elif contig and no_prefix and tiles_fit(WHOLE_PROMPT_TILES, d, q.dtype, device):
-        cfg = WHOLE_PROMPT_TILES
+    elif contig and no_prefix and tiles_fit(whole := _whole_prompt_tiles(d), d, q.dtype, device):
+        cfg = whole
     else:
         cfg = step_tiles(t, hq, group, d, q.dtype, device)
     heads = heads_per_tile(cfg.block_m, group, cfg.pack)

@@ -5,6 +5,8 @@
 #            and `tandem bench offline` 256 x 1024 -> 128; the KV cache's start-up lines
 #   moe      qwen3-30b-a3b: bf16 and --quantization fp8 (experts in FP8 too), latency batch 1-16
 #   routing  python -m kernels.bench.moe --routing: the router's launch against torch's
+#   wide     python -m kernels.bench.wide_heads: whole-prompt tiles for 192- and 256-dim heads
+#            (the fastest for 192 is patched into the prefill stage's expanded run)
 #   prefill  deepseek-v2-lite offline with the expanded prefill and with it patched off
 #            (deepseek.EXPANDED_PREFILL), each in its own process; the MLA prefill kernels'
 #            rows of kernels.bench.roofline (V2-Lite's 16 heads, V3's 128)
@@ -42,9 +44,21 @@ if has mla; then
   bench "mla-offline-$label" offline --model deepseek-v2-lite --load-format dummy \
     --dtype bfloat16 --num-prompts 256 --input-len 1024 --output-len 128
 fi
+prefill_patch=""
+if has wide; then  # the wide-head whole-prompt tiles swept; the fastest for DeepSeek's 192 dims
+  # is then patched into the prefill stage's runs (when it is not the default)
+  timeout 240 python3 -m kernels.bench.wide_heads --json-out "$out/wide-$label.json" |
+    tee "$out/wide-$label.txt"
+  best=$(python3 -c "import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))['rows'] if r['shape'] == 'deepseek expanded'
+        and 'ms' in r and r['tiles'] != 'torch sdpa']
+print(min(rows, key=lambda r: r['ms'])['tiles'])" "$out/wide-$label.json")
+  echo "fastest for 192 dims: $best"
+  [[ $best != default ]] && prefill_patch="import kernels.triton_prefill as tp; tp.WIDE_WHOLE_PROMPT_TILES = tp.Tiles(*$best, True)"
+fi
 if has prefill; then  # the expanded prefill against the absorbed one, each in its own process
   for form in expanded absorbed; do
-    patch=""
+    patch="$prefill_patch"
     [[ $form == absorbed ]] && patch="import services.engine.models.deepseek as d; d.EXPANDED_PREFILL = False"
     timeout 300 python3 -c "import sys; $patch
 from services.cli import main; sys.exit(main(sys.argv[1:]))" bench offline --model deepseek-v2-lite \
