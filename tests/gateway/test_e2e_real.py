@@ -273,7 +273,7 @@ async def test_a_prefill_worker_killed_under_load(fleet: Fleet) -> None:
 
 
 async def _kill_under_load(gateway: Proc, shared: Proc, extra: Proc, decode: Proc) -> None:
-    long_questions = [f"Request {i}: " + "Explain how parcels are sorted. " * 40 for i in range(8)]
+    long_questions = [f"Request {i}: " + "Explain how parcels are sorted. " * 20 for i in range(8)]
     short_questions = [f"Question {i}: what is {i} plus {i}?" for i in range(4)]
     seen_token = asyncio.Event()
 
