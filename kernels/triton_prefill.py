@@ -558,14 +558,19 @@ LARGE_TILES: tuple[tuple[Tiles, float], ...] = ((Tiles(256, 64, 16, 2, True), 2.
 # (kernels.bench.prefill_probe engine, 2026-11-29: 372 TFLOP/s on 8 x 1024 prompts with TMA, 92%
 # of SDPA in the same run; 323 with plain loads, against 306 through the block table)
 WHOLE_PROMPT_TILES = Tiles(128, 64, 4, 2, True)
-# the same for heads wider than 128 (DeepSeek's expanded 192, Gemma's 256: a 256-wide tile):
-# four warps would hold a 128 x 256 float32 accumulator, 256 registers a thread (they spilled:
-# 46 TFLOP/s at 192 dims on an H200 against SDPA's 388)
-WIDE_WHOLE_PROMPT_TILES = Tiles(128, 64, 8, 2, True)
+# the same for heads wider than 128, whose tile is 256 wide: four warps would hold a 128 x 256
+# float32 accumulator, 256 registers a thread (they spilled). Measured on an H200
+# (kernels.bench.wide_heads, 8 x 1024 prompts, docs/benchmarks.md session 21): DeepSeek's
+# expanded 192 dims (padded) 47 -> 146 TFLOP/s with 8 warps; Gemma 3's 256 (8 over 4 heads)
+# 103 -> 227 TFLOP/s with 64-row tiles, which run 192 at 93
+WIDE_WHOLE_PROMPT_TILES = Tiles(128, 64, 8, 2, True)  # padded widths (192)
+FULL_WIDE_WHOLE_PROMPT_TILES = Tiles(64, 64, 4, 2, True)  # 256
 
 
 def _whole_prompt_tiles(d: int) -> Tiles:
-    return WHOLE_PROMPT_TILES if next_pow2(d) <= 128 else WIDE_WHOLE_PROMPT_TILES
+    if next_pow2(d) <= 128:
+        return WHOLE_PROMPT_TILES
+    return FULL_WIDE_WHOLE_PROMPT_TILES if next_pow2(d) == d else WIDE_WHOLE_PROMPT_TILES
 
 
 def tiles_fit(tiles: TilesLike, d: int, dtype: torch.dtype, device: torch.device) -> bool:

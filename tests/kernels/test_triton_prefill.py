@@ -787,3 +787,18 @@ def test_gpu_deepseek_expanded_prefill_shapes(heads: int, lens: list[int]) -> No
     # DeepSeek-V2-Lite's 16 heads and V3's 128: 192-dim queries and keys, 128-dim values
     gen = torch.Generator().manual_seed(0)
     varlen_case(lens, heads, heads, 192, 128, torch.bfloat16, gen, torch.device("cuda"), None)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "expected"),
+    [(128, triton_prefill.WHOLE_PROMPT_TILES), (80, triton_prefill.WHOLE_PROMPT_TILES),
+     (192, triton_prefill.WIDE_WHOLE_PROMPT_TILES),
+     (256, triton_prefill.FULL_WIDE_WHOLE_PROMPT_TILES)],
+)  # fmt: skip
+def test_whole_prompts_of_wide_heads_take_their_own_tiles(head_dim: int, expected: Tiles) -> None:
+    # a 256-wide tile never holds 128 rows in four warps (256 accumulator registers a thread)
+    tiles = triton_prefill._whole_prompt_tiles(head_dim)
+    assert tiles == expected
+    if head_dim > 128:  # float32 accumulator registers a thread
+        assert tiles.block_m * 256 // (32 * tiles.num_warps) <= 128
+    assert triton_prefill.fits_in(tiles, head_dim, torch.bfloat16, 227 * 1024)  # an H200's
