@@ -266,6 +266,16 @@ def ref_paged_decode_attention(
     return _into(out, o.to(q.dtype))
 
 
+def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:  # [..., d] -> [..., width]
+    """``x`` contiguous, zero columns appended to its last dim up to ``width`` (attention over
+    keys and values of different widths in a kernel of one head dim: zero columns add nothing
+    to q . k and give zero output columns)."""
+    x = x.contiguous()
+    if x.shape[-1] == width:
+        return x
+    return torch.cat([x, x.new_zeros((*x.shape[:-1], width - x.shape[-1]))], dim=-1)
+
+
 def check_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, scale: float
 ) -> None:

@@ -91,6 +91,7 @@ from kernels.attention import (
     check_span_last,
     check_varlen,
     check_window,
+    pad_head_dim,
 )
 from kernels.triton_common import (
     FLOAT_DTYPES,
@@ -832,7 +833,7 @@ def varlen_attention(
     if t == 0 or batch == 0:
         return out
     width = max(d, dv)
-    q, k, v = (_padded(x, width) for x in (q, k, v))
+    q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
     starts = query_start_loc.to(torch.int32)
     lens = starts[1:] - starts[:-1]  # each sequence's context is its own tokens
     tables = torch.zeros((batch, 1), dtype=torch.int32, device=q.device)  # never read
@@ -843,10 +844,3 @@ def varlen_attention(
     if dv < width:
         out.copy_(o[..., :dv])
     return out
-
-
-def _padded(x: torch.Tensor, width: int) -> torch.Tensor:  # [T, H, d] -> [T, H, width]
-    x = x.contiguous()
-    if x.shape[2] == width:
-        return x
-    return torch.cat([x, x.new_zeros((*x.shape[:2], width - x.shape[2]))], dim=-1)

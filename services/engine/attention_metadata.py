@@ -32,6 +32,7 @@ class AttentionMetadata:
     # row as having a prefix). DeepSeek's MLA computes the rows after them in expanded form
     prefix_prefills: int = 0
     prefix_prefill_rows: int = 0
+    prefix_prefill_longest: int = 0  # the longest cached prefix among them (tokens)
     # told each layer's index right after the layer's KV write, when a prefill hand-off streams
     # the KV out while this forward runs (``services.engine.kv_handoff``); None on every other
     # step, and in CUDA graphs, which would not run it

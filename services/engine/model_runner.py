@@ -398,6 +398,7 @@ class ModelRunner:
             prefill_no_prefix=nd < B and not bool(starts[nd:].any()),
             prefix_prefills=n_prefix,
             prefix_prefill_rows=int(lens[nd : nd + n_prefix].sum()),
+            prefix_prefill_longest=int(starts[nd : nd + n_prefix].max()) if n_prefix else 0,
         )
         if self.vision is not None and self.vision.cfg.bidirectional and nd < B:
             spans = span_last(laid)  # Gemma 3: an image's tokens see each other

@@ -802,3 +802,15 @@ def test_whole_prompts_of_wide_heads_take_their_own_tiles(head_dim: int, expecte
     if head_dim > 128:  # float32 accumulator registers a thread
         assert tiles.block_m * 256 // (32 * tiles.num_warps) <= 128
     assert triton_prefill.fits_in(tiles, head_dim, torch.bfloat16, 227 * 1024)  # an H200's
+
+
+def test_expanded_mla_chunks_after_a_prefix(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    # DeepSeek's chunk after a prefix in the expanded form: 192-dim heads (a padded tile), its
+    # own keys from k_new, the prefix's through the block table, the default tiles
+    new_kv_case([40, 33], [8, 33], torch.bfloat16, gen, device, None, head_dim=192, group=1, block_size=16)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_expanded_chunk_after_a_prefix() -> None:
+    gen = torch.Generator().manual_seed(0)
+    new_kv_case([2048 + 512, 700], [512, 700], torch.bfloat16, gen, torch.device("cuda"), None, head_dim=192, group=1, block_size=16)  # fmt: skip

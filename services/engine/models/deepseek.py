@@ -13,9 +13,10 @@ layers with DeepSeek's MoE (``Glm4MoeForCausalLM``).
   as both keys and values (written once, keys only: ``ops.rotary_write_kv`` with v None); the
   output's latent part times each head's W_UV (the value rows) is that head's value. The
   expanded form (``2 * heads * (nope + rope)`` values a token: 49,152 for V3 against 576) is
-  gone from the cache. Prompts with no cached prefix attend in the expanded form (vLLM's MLA
-  prefill: ``kv_b_proj`` expands their new latents into keys and values of 192 and 128 dims,
-  ~3x fewer FLOPs than 576; :meth:`MLAttention._forward_expanded`); everything else absorbed.
+  gone from the cache. Prompt chunks attend in the expanded form (vLLM's MLA prefill:
+  ``kv_b_proj`` expands latents into keys and values of 192 and 128 dims, ~3x fewer FLOPs than
+  576, a cached prefix's from the cache; :meth:`MLAttention._forward_expanded`); decode rows and
+  FP8 caches absorbed.
 - Rotary pairs: V2 (and V3 with ``rope_interleave``) rotates dims (0, 1), (2, 3), ...; the
   loader reorders those rows of the q and kv_a projections into halves (``rope_halves``).
 - MoE: the router in float32 (transformers keeps it there), ``ops.grouped_topk`` (V2's softmax,
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.attention import pad_head_dim
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.model_config import ArchConfig, MlaConfig, MoeConfig
 from services.engine.models.llama import (
@@ -51,6 +53,10 @@ LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm w
 # prompts with no cached prefix in the expanded form (MLAttention._forward_expanded); False
 # runs them absorbed too (measurement: scripts/device/mla_moe.sh patches it to compare)
 EXPANDED_PREFILL = True
+# the most bytes the expanded keys and values of a step's cached prefixes may take (each head's
+# keys and values of every prefix token, made from the cached latents); past it the chunks
+# after a prefix attend absorbed over the latent cache
+EXPANDED_PREFIX_BYTES = 512 << 20
 
 
 class MLAttention(nn.Module):
@@ -122,13 +128,13 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         T, m = x.shape[0], self.mla
         cache = kv_cache[0]
-        # prompt chunks with no cached prefix attend to their own tokens only: the expanded form
-        # (a cache of q's dtype: attention must see the cache's rounding, as Llama's k_new)
-        known = meta.prefill_no_prefix or meta.prefix_prefills > 0  # which rows have a prefix
+        # prompt chunks attend in the expanded form (a cache of q's dtype: attention must see
+        # the cache's rounding, as Llama's k_new), when the step says which have a prefix
+        known = meta.prefill_no_prefix or meta.prefix_prefills > 0
         if (
             EXPANDED_PREFILL
             and known
-            and meta.num_decodes + meta.prefix_prefill_rows < T
+            and meta.num_decodes < T
             and meta.span_last is None
             and cache.dtype == x.dtype
         ):
@@ -163,37 +169,44 @@ class MLAttention(nn.Module):
         cache: torch.Tensor,  # [N, bs, 1, R + L], of x's dtype
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """A step with prompt chunks that have no cached prefix (the model runner lays them out
-        last). The cache gets every token's latent row as in :meth:`forward`; the decode rows
-        and the chunks after a prefix attend absorbed over the cache; the new chunks' tokens
-        attend in the expanded form, as transformers computes (vLLM's MLA prefill):
-        ``kv_b_proj`` turns each new latent into every head's nope key and value, and each head
-        attends over ``nope + rope`` dims (192 for V2/V3) with ``v_head_dim`` values, where the
-        absorbed form reads ``kv_lora_rank + rope`` (576) twice: ~3x fewer FLOPs a prompt."""
+        """A step with prompt chunks (the model runner lays the chunks after a cached prefix
+        out before the new ones). The cache gets every token's latent row as in
+        :meth:`forward`; decode rows attend absorbed over the cache; prompt chunks attend in the
+        expanded form, as transformers computes (vLLM's MLA prefill): ``kv_b_proj`` turns each
+        latent into every head's nope key and value, and each head attends over ``nope + rope``
+        dims (192 for V2/V3) with ``v_head_dim`` values, where the absorbed form reads
+        ``kv_lora_rank + rope`` (576) twice: ~3x fewer FLOPs. A chunk after a prefix reads the
+        prefix's keys and values expanded from its cached latents (:meth:`_expanded_prefix`);
+        past ``EXPANDED_PREFIX_BYTES`` of them those chunks attend absorbed."""
         m, T, H, nd = self.mla, x.shape[0], self.nq, meta.num_decodes
-        nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
-        npre, old = meta.prefix_prefills, nd + meta.prefix_prefill_rows  # rows [0, old) absorbed
+        nope, rope, v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        npre, old = meta.prefix_prefills, nd + meta.prefix_prefill_rows
+        blocks = -(-meta.prefix_prefill_longest // cache.shape[1])  # a prefix's, at most
+        width = max(m.qk_head_dim, v_dim)
+        prefix_bytes = npre * blocks * cache.shape[1] * H * 2 * width * x.element_size()
+        absorbed = old if npre and prefix_bytes > EXPANDED_PREFIX_BYTES else nd  # rows [0, it)
         q = self._query(x).view(T, H, m.qk_head_dim)  # [T, H, nope + rope]
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, rope], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())[0]  # [T, L]
         rows = torch.cat([k_rope, latent], dim=-1)[:, None, :]  # [T, 1, R + L], rope unrotated
-        out = x.new_empty((T, H, m.v_head_dim))
+        out = x.new_empty((T, H, v_dim))
         q_abs = None
-        if old:  # their queries in the cache's space, rotated as their rows are written
+        if absorbed:  # their queries in the cache's space, rotated as their rows are written
             w_uk, _ = self._absorbed()
-            q_lat = torch.bmm(q[:old, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)
+            q_lat = torch.bmm(q[:absorbed, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)
             q_abs = ops.rotary_write_kv(
-                positions[:old], torch.cat([q[:old, :, nope:], q_lat], dim=-1), rows[:old],
-                None, cos_sin, cache, cache, meta.slot_mapping[:old],
+                positions[:absorbed], torch.cat([q[:absorbed, :, nope:], q_lat], dim=-1),
+                rows[:absorbed], None, cos_sin, cache, cache, meta.slot_mapping[:absorbed],
             )  # fmt: skip
-        new = slice(old, T)
-        # the new chunks' rows into the cache (the rotated copy it returns is not needed)
+        ex = slice(absorbed, T)
+        # the expanded rows' latents into the cache (the rotated copy it returns is not needed)
         ops.rotary_write_kv(
-            positions[new], rows[new], rows[new], None, cos_sin, cache, cache,
-            meta.slot_mapping[new],
-        )  # fmt: skip
+            positions[ex], rows[ex], rows[ex], None, cos_sin, cache, cache, meta.slot_mapping[ex]
+        )
         if meta.on_kv_written is not None:
             meta.on_kv_written(self.layer)
+        seqs = slice(nd, nd + npre)  # the chunks after a prefix
+        assert meta.prefill_start_loc is not None  # from the prefill rows' first
         if q_abs is not None:
             o = torch.empty_like(q_abs)
             if nd:
@@ -201,24 +214,57 @@ class MLAttention(nn.Module):
                     q_abs[:nd], cache, cache, meta.block_tables[:nd], meta.context_lens[:nd],
                     self.scale, out=o[:nd],
                 )  # fmt: skip
-            if npre:
-                assert meta.prefill_start_loc is not None
-                seqs = slice(nd, nd + npre)
+            if absorbed > nd:
                 ops.prefill_attention(
                     q_abs[nd:], cache, cache, meta.block_tables[seqs],
                     meta.prefill_start_loc[: npre + 1], meta.context_lens[seqs], self.scale,
                     out=o[nd:],
                 )  # fmt: skip
-            out[:old] = self._values(o)
+            out[:absorbed] = self._values(o)
         # expanded: [rope | nope] for queries and keys alike (a dot product's order is free)
-        kv = self.kv_b_proj(latent[new]).view(T - old, H, nope + m.v_head_dim)
-        q_new = torch.cat([q[new, :, nope:], q[new, :, :nope]], dim=-1)
-        k_new = torch.cat([k_rope[new, None, :].expand(-1, H, -1), kv[..., :nope]], dim=-1)
-        ops.rotary_embedding(positions[new], q_new, k_new, cos_sin)  # in place, both
-        assert meta.prefill_start_loc is not None  # the new chunks' starts from their first row
-        starts = meta.prefill_start_loc[npre:] - (old - nd)
-        ops.varlen_attention(q_new, k_new, kv[..., nope:], starts, self.scale, out=out[new])
-        return self.o_proj(out.reshape(T, H * m.v_head_dim))  # [T, hidden]
+        kv = self.kv_b_proj(latent[ex]).view(T - absorbed, H, nope + v_dim)
+        q_ex = torch.cat([q[ex, :, nope:], q[ex, :, :nope]], dim=-1)
+        k_ex = torch.cat([k_rope[ex, None, :].expand(-1, H, -1), kv[..., :nope]], dim=-1)
+        ops.rotary_embedding(positions[ex], q_ex, k_ex, cos_sin)  # in place, both
+        after = old - absorbed  # the expanded rows of chunks after a prefix
+        if after:
+            k_cache, v_cache, tables = self._expanded_prefix(
+                cache, meta.block_tables[seqs, :blocks], width
+            )
+            o = ops.prefill_attention(
+                pad_head_dim(q_ex[:after], width), k_cache, v_cache, tables,
+                meta.prefill_start_loc[: npre + 1], meta.context_lens[seqs], self.scale,
+                k_new=pad_head_dim(k_ex[:after], width),
+                v_new=pad_head_dim(kv[:after, :, nope:], width),
+            )  # fmt: skip
+            out[absorbed:old] = o[..., :v_dim]
+        if old < T:
+            starts = meta.prefill_start_loc[npre:] - (old - nd)  # the new chunks'
+            ops.varlen_attention(
+                q_ex[after:], k_ex[after:], kv[after:, :, nope:], starts, self.scale,
+                out=out[old:],
+            )  # fmt: skip
+        return self.o_proj(out.reshape(T, H * v_dim))  # [T, hidden]
+
+    def _expanded_prefix(
+        self, cache: torch.Tensor, blocks: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cached prefixes of a step's chunks, expanded: their ``blocks`` [B, W] of latent
+        rows gathered, each head's key ``[rotated k_rope | nope key]`` and value made by
+        ``kv_b_proj``, zero-padded to ``width``, in blocks of the cache's size ([B * W, bs, H,
+        width] each), and the table [B, W] that reads them (block i of sequence b at row
+        b * W + i). A block past a prefix holds whatever the cache held (its slots are never
+        read: the new tokens come from k_new)."""
+        m, H = self.mla, self.nq
+        n, bs = blocks.numel(), cache.shape[1]
+        rows = cache.index_select(0, blocks.flatten()).view(n * bs, -1)  # [n bs, R + L]
+        rope = m.qk_rope_head_dim
+        kv = self.kv_b_proj(rows[:, rope:]).view(n * bs, H, m.qk_nope_head_dim + m.v_head_dim)
+        k = torch.cat([rows[:, None, :rope].expand(-1, H, -1), kv[..., : m.qk_nope_head_dim]], -1)
+        k_cache = pad_head_dim(k, width).view(n, bs, H, width)
+        v_cache = pad_head_dim(kv[..., m.qk_nope_head_dim :], width).view(n, bs, H, width)
+        tables = torch.arange(n, dtype=torch.int32, device=cache.device).view(blocks.shape)
+        return k_cache, v_cache, tables
 
 
 class Router(nn.Module):

@@ -165,13 +165,17 @@ def test_greedy_matches_transformers(name: str, built: Callable[[str], Built]) -
     _assert_greedy_matches(name, *built(name))
 
 
-def test_new_prompts_expanded_beside_chunks_after_a_prefix(
-    built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("prefix_bytes", [512 << 20, 0], ids=["prefix-expanded", "prefix-absorbed"])
+def test_chunks_after_a_prefix_beside_new_prompts_and_decodes(
+    built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch, prefix_bytes: int
 ) -> None:
-    """A 64-token step budget: a long prompt's later chunks (a cached prefix: absorbed) share
-    steps with new prompts (expanded) and decodes; transformers' tokens, and the steps the test
-    is about did happen."""
+    """A 64-token step budget: a long prompt's later chunks (their prefix's keys and values
+    expanded from the cached latents; past EXPANDED_PREFIX_BYTES, here 0, absorbed) share steps
+    with new prompts (expanded) and decodes (absorbed); transformers' tokens, and the steps the
+    test is about did happen."""
     from services.engine.models import deepseek
+
+    monkeypatch.setattr(deepseek, "EXPANDED_PREFIX_BYTES", prefix_bytes)
 
     seen: list[tuple[int, int, int]] = []
     expanded = deepseek.MLAttention._forward_expanded
@@ -222,7 +226,9 @@ def test_greedy_matches_transformers_through_the_triton_kernels(
     kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
     monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
     monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
-    _assert_greedy_matches(name, *built(name), [40], block_size=16)
+    # v3: 40 tokens in chunks of 24 and 16, the second after a prefix (expanded from the cache)
+    budget = {"max_num_batched_tokens": 24} if name == "v3" else {}
+    _assert_greedy_matches(name, *built(name), [40], block_size=16, **budget)
 
 
 @pytest.mark.parametrize("name", ["v3-tp", "v2-tp", "glm4_moe-tp"])
