@@ -3,6 +3,7 @@
 #   tests    the attention, MoE and routing kernel tests and the DeepSeek model tests, compiled
 #   mla      deepseek-v2-lite (bf16): `tandem bench latency` batch 1 / 64 / 256 at 1024 tokens
 #            and `tandem bench offline` 256 x 1024 -> 128; the KV cache's start-up lines
+#   profile  deepseek-v2-lite's kernels in a batch-64 decode step and an 8 x 1024 prefill step
 #   moe      qwen3-30b-a3b: bf16 and --quantization fp8 (experts in FP8 too), latency batch 1-16
 #   routing  python -m kernels.bench.moe --routing: the router's launch against torch's
 #   wide     python -m kernels.bench.wide_heads: whole-prompt tiles for 192- and 256-dim heads
@@ -70,6 +71,15 @@ from services.cli import main; sys.exit(main(sys.argv[1:]))" bench offline --mod
 from kernels.bench.roofline import bench_mla_prefill
 for r in bench_mla_prefill(): print(r)
 for r in bench_mla_prefill(heads=128, prompts=2): print(r)" 2>&1 | tee "$out/mla-prefill-kernels-$label.txt"
+fi
+if has profile; then  # where DeepSeek-V2-Lite's batch-64 decode step and 8 x 1024 prefill go
+  for kind in decode prefill; do
+    extra=""
+    [[ $kind == prefill ]] && extra="--prefill --batch 8" || extra="--batch 64"
+    timeout 240 python3 -m services.engine.bench.profile_step --model deepseek-v2-lite \
+      --context 1024 $extra --top 20 --json-out "$out/profile-$kind-$label.json" \
+      2>&1 | tail -28 | tee "$out/profile-$kind-$label.txt"
+  done
 fi
 if has moe; then
   bench "moe-bf16-$label" latency --model qwen3-30b-a3b --load-format dummy --dtype bfloat16 \
