@@ -15,9 +15,10 @@ a token's contributions are added one expert at a time in ascending expert order
 (``index_add_`` into a tensor of the activation dtype, experts visited in index order). In float32
 every rounding is the identity and only the order of the additions remains.
 
-FP8 experts (``w13``/``w2`` in e4m3, each with its scales: :class:`Fp8Scales`) are dequantized
-expert by expert (only the routed ones) to the activation dtype, then computed as above: the
-weights a float checkpoint dequantized at load would hold.
+FP8 experts (``w13``/``w2`` in e4m3, each with its scales: :class:`Fp8Scales`) and int4 ones
+(AWQ's and GPTQ's w4a16, packed with their groups: :class:`Int4Scales`) are dequantized expert
+by expert (only the routed ones) to the activation dtype, then computed as above: the weights a
+float checkpoint dequantized at load would hold.
 
 With biases the rounded projection plus the bias is rounded again (``GptOssExperts`` computes
 ``x @ W + b`` as two ops in the activation dtype). The clamped SwiGLU is computed in fp32 from the
@@ -123,6 +124,128 @@ def quantize_fp8_experts(
     return q, scale
 
 
+@dataclass(frozen=True)
+class Int4Scales:
+    """The groups of int4 expert weights (AWQ's and GPTQ's w4a16, converted at load): ``w13``
+    [E, 2I, H / 8] and ``w2`` [E, H, I / 8] int32, each output row's K packed eight to a word in
+    order (nibble ``j`` of word ``c`` holds column ``8c + j``: the dense serving layout of
+    ``kernels.quant`` transposed, one row of words per output row); ``w[e, n, k] = (q - z) * s``
+    with ``s = scale[e, n, k // G]`` (float32) and ``z = zeros[e, n, k // G]`` (uint8, 0..16:
+    GPTQ's zero points plus one), ``w13_scale`` [E, 2I, H / G] and ``w2_scale`` [E, H, I / G]
+    (zeros alike). ``group_size`` G; None: one group as wide as K (per channel)."""
+
+    w13_scale: torch.Tensor
+    w13_zeros: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_zeros: torch.Tensor
+    group_size: int | None = None
+
+    def group(self, k: int) -> int:
+        """The group width of a weight with ``k`` input features."""
+        return self.group_size if self.group_size is not None else max(k, 1)
+
+
+def int4_scale_shapes(
+    e: int, h: int, inter: int, group_size: int | None
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The shapes of ``Int4Scales.w13_scale`` (and zeros) and ``w2_scale`` for E experts of
+    [2I, H], [H, I]."""
+    g13, g2 = (group_size, group_size) if group_size else (h, inter)
+    return (e, 2 * inter, h // max(g13, 1)), (e, h, inter // max(g2, 1))
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:  # [..., K] in 0..15 -> [..., K / 8] int32
+    """Eight consecutive columns a word, column ``8c + j`` in nibble ``j`` (:class:`Int4Scales`)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
+    words = q.to(torch.int32).reshape(*q.shape[:-1], q.shape[-1] // 8, 8) << shifts
+    return words.sum(-1, dtype=torch.int32)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:  # [..., K / 8] -> [..., K] int32
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(*packed.shape[:-1], -1)
+
+
+def dequant_int4_expert(
+    qweight: torch.Tensor,  # [N, K / 8] int32: one expert's w13 or w2 (Int4Scales)
+    scale: torch.Tensor,  # [N, K / G] float32
+    zeros: torch.Tensor,  # [N, K / G] uint8
+) -> torch.Tensor:  # [N, K] float32
+    q = unpack_int4_rows(qweight)
+    cols = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // max(scale.shape[1], 1))
+    return (q - zeros.long()[:, cols]).float() * scale.float()[:, cols]
+
+
+def quantize_int4_experts(
+    w: torch.Tensor,  # [E, N, K] float
+    group_size: int | None,  # None: one group as wide as K
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [E, N, K/8] int32, scales, zeros
+    """Asymmetric int4 (AWQ's min/max over 15 steps, zero points 0..15) in the layout of
+    :class:`Int4Scales`: for tests and ``--load-format dummy``-like benchmarks."""
+    e, n, k = w.shape
+    g = group_size or k
+    groups = w.float().reshape(e, n, k // g, g)
+    lo = groups.amin(-1).clamp(max=0)
+    hi = groups.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-5)  # [E, N, K/G]
+    zeros = (-lo / scale).round().clamp(0, 15)
+    q = (groups / scale[..., None]).round() + zeros[..., None]
+    q = q.clamp(0, 15).reshape(e, n, k)
+    return pack_int4_rows(q), scale, zeros.to(torch.uint8)
+
+
+def int4_scales_of(w13: torch.Tensor, int4: Int4Scales | None) -> Int4Scales | None:
+    """``int4``, or the groups int32 ``w13`` carries (its ``int4_scales``, attached by the
+    model's experts as FP8 ones are)."""
+    if int4 is None and w13.dtype == torch.int32:
+        return getattr(w13, "int4_scales", None)
+    return int4
+
+
+def check_int4_scales(
+    w13: torch.Tensor, w2: torch.Tensor, int4: Int4Scales | None, x: torch.Tensor
+) -> None:
+    """ValueError unless int32 weights come with groups that fit them (and float or FP8 ones
+    without)."""
+    packed = w13.dtype == torch.int32
+    if packed != (w2.dtype == torch.int32) or packed != (int4 is not None):
+        raise ValueError(
+            f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must both be int32 (packed int4) with int4 "
+            f"scales, or neither ({'with' if int4 is not None else 'no'} int4 scales given)"
+        )
+    if int4 is None:
+        return
+    e, two_i, h = w13.shape[0], w13.shape[1], w13.shape[2] * 8
+    inter = two_i // 2
+    for k in (h, inter):
+        g = int4.group(k)
+        if k % g or not (g % 16 == 0 or g == k):
+            raise ValueError(
+                f"int4 group size {int4.group_size} must divide K = {k} and be a multiple of 16"
+            )
+    want = int4_scale_shapes(e, h, inter, int4.group_size)
+    pairs = (
+        ("w13_scale", int4.w13_scale, int4.w13_zeros, want[0]),
+        ("w2_scale", int4.w2_scale, int4.w2_zeros, want[1]),
+    )
+    for name, scale, zeros, shape in pairs:
+        if tuple(scale.shape) != shape or scale.dtype != torch.float32:
+            raise ValueError(
+                f"{name} is {tuple(scale.shape)} {scale.dtype}; expected {shape} float32"
+            )
+        if (
+            zeros.shape != scale.shape
+            or zeros.dtype != torch.uint8
+            or zeros.stride() != scale.stride()
+        ):
+            raise ValueError(
+                f"{name}'s zeros are {tuple(zeros.shape)} {zeros.dtype}; expected uint8 laid out "
+                "as the scales"
+            )
+        if scale.device != x.device or zeros.device != x.device:
+            raise ValueError(f"{name} is on {scale.device}; x is on {x.device}")
+
+
 def scales_of(w13: torch.Tensor, fp8: Fp8Scales | None) -> Fp8Scales | None:
     """``fp8``, or the scales e4m3 ``w13`` carries (its ``fp8_scales``: the model's experts
     attach them, so a caller passing only the weights, as DeepSeek's MoE block does, gets them)."""
@@ -222,9 +345,11 @@ def sort_by_expert(
 def check_moe_shapes(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+    packed: int = 1,
 ) -> tuple[int, int, int, int]:  # fmt: skip
     """(T, H, E, I) of a fused-MoE call; ``ValueError`` naming the argument that disagrees. The
-    biases, where given, must also have x's dtype and device."""
+    biases, where given, must also have x's dtype and device. ``packed``: weights whose last
+    dimension holds that many elements a word (int4: 8)."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
@@ -232,11 +357,14 @@ def check_moe_shapes(
         )
     t, h = x.shape
     e, two_i, h13 = w13.shape
+    h13 *= packed
     inter = two_i // 2
-    if h13 != h or two_i % 2:
-        raise ValueError(f"w13 {tuple(w13.shape)} must be [E, 2I, H] with H = {h}")
-    if tuple(w2.shape) != (e, h, inter):
-        raise ValueError(f"w2 {tuple(w2.shape)} must be [E, H, I] = {(e, h, inter)}")
+    if h13 != h or two_i % 2 or inter % packed:
+        raise ValueError(f"w13 {tuple(w13.shape)} must be [E, 2I, H / {packed}] with H = {h}")
+    if tuple(w2.shape) != (e, h, inter // packed):
+        raise ValueError(
+            f"w2 {tuple(w2.shape)} must be [E, H, I / {packed}] = {(e, h, inter // packed)}"
+        )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
         raise ValueError(
             f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} "
@@ -265,11 +393,18 @@ def ref_fused_moe(
     b2: torch.Tensor | None = None,  # [E, H]; x's dtype
     clamp: ClampedSwiGLU | None = None,  # None: silu(gate) * up
     fp8: Fp8Scales | None = None,  # the scales of e4m3 w13 and w2
+    int4: Int4Scales | None = None,  # the groups of packed int4 w13 and w2
 ) -> torch.Tensor:  # [T, H]
     """``sum_j weight[t, j] * expert[ids[t, j]](x[t])`` with transformers' rounding."""
-    t, h, _, inter = check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
+    int4 = int4_scales_of(w13, int4)
+    packed = 8 if w13.dtype == torch.int32 else 1
+    t, h, _, inter = check_moe_shapes(
+        x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, packed=packed
+    )
     fp8 = scales_of(w13, fp8)
-    check_fp8_scales(w13, w2, fp8, x)
+    check_int4_scales(w13, w2, int4, x)
+    if int4 is None:
+        check_fp8_scales(w13, w2, fp8, x)
     dt = x.dtype
     weights, ids = sort_by_expert(topk_weights, topk_ids.long())
     contrib = torch.zeros((t, ids.shape[1], h), dtype=dt, device=x.device)  # [T, top_k, H]
@@ -279,6 +414,11 @@ def ref_fused_moe(
         if fp8 is not None:  # dequantized as a float checkpoint's, rounded to x's dtype
             w_up = dequant_fp8_expert(w_up, fp8.w13_scale[expert], fp8.blocks(h), True).to(dt)
             w_down = dequant_fp8_expert(w_down, fp8.w2_scale[expert], fp8.blocks(inter), False)
+            w_down = w_down.to(dt)
+        if int4 is not None:  # dequantized as at load (AWQ/GPTQ), rounded to x's dtype
+            w_up = dequant_int4_expert(w_up, int4.w13_scale[expert], int4.w13_zeros[expert])
+            w_up = w_up.to(dt)
+            w_down = dequant_int4_expert(w_down, int4.w2_scale[expert], int4.w2_zeros[expert])
             w_down = w_down.to(dt)
         gate_up = (x[rows].float() @ w_up.float().T).to(dt)  # [n, 2I]
         if b13 is not None:

@@ -28,6 +28,16 @@ as wide as K. Against the reference (weights dequantized, rounded to the activat
 multiplied) the kernel skips that rounding of the weights: products differ by at most half an
 ulp of a weight each.
 
+**Int4 experts** (``INT4``, constexpr; :class:`kernels.moe.Int4Scales`: AWQ's and GPTQ's w4a16
+converted at load to eight K columns a word, one row of words per output row, float32 scales
+and uint8 zero points per row and group): each K tile's words are loaded (every word once per
+column it holds: repeated addresses within the tile; not yet timed on a GPU), their nibbles
+shifted out, ``(q - z) * s`` computed in fp32 with the tile's one scale and zero a column (a K
+tile never straddles two groups: ``BLOCK_K`` divides the group) and rounded to the activation
+dtype for ``tl.dot``: the very weights the reference (and a model whose experts were
+dequantized at load) multiplies. A quarter of bf16's bytes, plus 5 bytes a row and group (0.3
+bit a weight in groups of 128).
+
 ``HAS_BIAS`` and ``CLAMPED`` are constexpr (the clamp's constants too), so a model without biases
 runs exactly the kernels it ran before they existed.
 
@@ -48,8 +58,11 @@ from kernels import triton_moe_pairs
 from kernels.moe import (
     ClampedSwiGLU,
     Fp8Scales,
+    Int4Scales,
     check_fp8_scales,
+    check_int4_scales,
     check_moe_shapes,
+    int4_scales_of,
     scales_of,
     sort_by_expert,
 )
@@ -66,7 +79,7 @@ from kernels.triton_common import (
 from kernels.triton_moe_pairs import (
     fused_moe_pairs,
     gated_activation,
-    scale_args,
+    quant_args,
     within_scale_block,
 )
 
@@ -111,11 +124,12 @@ def align_to_blocks(
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compilation for every batch size
 def _gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K, s_xt,
-    s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot, TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, FP8: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K,
+    s_xt, s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, FP8: tl.constexpr,
+    INT4: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -133,6 +147,8 @@ def _gate_up_kernel(
     # FP8: each column's scale row (the gate's blocks, then the up's from SCALE_UP on)
     s_gate = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     s_up = s_gate + SCALE_UP * s_sn
+    z_gate = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn  # INT4's zeros
+    z_up = z_gate + SCALE_UP * s_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -141,15 +157,23 @@ def _gate_up_kernel(
         a = tl.load(x_ptr + token[:, None] * s_xt + ks[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         w_mask = k_mask[:, None] & n_mask[None, :]
-        wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
-        if FP8:  # e4m3 -> the activation dtype is exact; the scales on the tile's product
+        if INT4:  # dequantized in the tile (inside one group) to x's dtype, as the reference
+            kb = k0 // SCALE_BK * s_sk
+            wg = int4_tile_kn(w_gate, s_gate + kb, z_gate + kb, ks, w_mask, n_mask, a.dtype)
+            wu = int4_tile_kn(w_up, s_up + kb, z_up + kb, ks, w_mask, n_mask, a.dtype)
+            acc_gate += mma(a, wg, UPCAST, PRECISION)
+            acc_up += mma(a, wu, UPCAST, PRECISION)
+        elif FP8:  # e4m3 -> the activation dtype is exact; the scales on the tile's product
+            wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
             kb = k0 // SCALE_BK * s_sk
             sg = tl.load(s_gate + kb, mask=n_mask, other=0.0)
             su = tl.load(s_up + kb, mask=n_mask, other=0.0)
             acc_gate += mma(a, wg.to(a.dtype), UPCAST, PRECISION) * sg[None, :]
             acc_up += mma(a, wu.to(a.dtype), UPCAST, PRECISION) * su[None, :]
         else:
+            wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
             acc_gate += mma(a, wg, UPCAST, PRECISION)
             acc_up += mma(a, wu, UPCAST, PRECISION)
     dt = out_ptr.dtype.element_ty
@@ -170,10 +194,11 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    a_ptr, w_ptr, b_ptr, s_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N,
-    K, s_at, s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot,
+    a_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
+    num_pairs, N, K, s_at, s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+    INT4: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -186,17 +211,24 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + expert * s_we + offs_n.to(tl.int64)[None, :] * s_wn
     s_rows = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
+    z_rows = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn  # INT4's zeros
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         a = tl.load(a_ptr + pair[:, None] * s_at + ks[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        w = tl.load(w_rows + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if FP8:
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        if INT4:
+            kb = k0 // SCALE_BK * s_sk
+            w = int4_tile_kn(w_rows, s_rows + kb, z_rows + kb, ks, w_mask, n_mask, a.dtype)
+            acc += mma(a, w, UPCAST, PRECISION)
+        elif FP8:
+            w = tl.load(w_rows + ks[:, None], mask=w_mask, other=0.0)
             sc = tl.load(s_rows + k0 // SCALE_BK * s_sk, mask=n_mask, other=0.0)
             acc += mma(a, w.to(a.dtype), UPCAST, PRECISION) * sc[None, :]
         else:
+            w = tl.load(w_rows + ks[:, None], mask=w_mask, other=0.0)
             acc += mma(a, w, UPCAST, PRECISION)
     dt = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
@@ -212,6 +244,18 @@ def _down_kernel(
     out = down * weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
     tl.store(out_ptrs, out.to(dt), mask=out_mask)
+
+
+@triton.jit
+def int4_tile_kn(w_cols, s_cols, z_cols, ks, w_mask, n_mask, dt: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of packed int4 weight rows (``kernels.moe.Int4Scales``, read
+    transposed as the float tiles are) dequantized with its columns' group, ``(q - z) * s`` in
+    fp32 rounded to ``dt`` (x's dtype, for tl.dot): the reference's weights."""
+    words = tl.load(w_cols + (ks // 8)[:, None], mask=w_mask, other=0)
+    q = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    s = tl.load(s_cols, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_cols, mask=n_mask, other=0).to(tl.float32)
+    return ((q - z[None, :]) * s[None, :]).to(dt)
 
 
 @triton.jit
@@ -231,10 +275,11 @@ def _combine_kernel(c_ptr, out_ptr, H, s_ct, s_ot, TOP_K: tl.constexpr, BLOCK: t
 def _check(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None,
-    fp8: Fp8Scales | None,
+    fp8: Fp8Scales | None, int4: Int4Scales | None = None,
 ) -> tuple[int, int, int, int]:  # fmt: skip
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     wdt = (x.dtype,) if fp8 is None else (torch.float8_e4m3fn,)
+    wdt = (torch.int32,) if int4 is not None else wdt
     check_tensor("w13", w13, ndim=3, dtypes=wdt)
     check_tensor("w2", w2, ndim=3, dtypes=wdt)
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, inner_contiguous=False)
@@ -245,8 +290,13 @@ def _check(
     check_devices(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, **biases)
     if w13.stride(1) != w13.shape[2] or w2.stride(1) != w2.shape[2]:
         raise ValueError("w13 and w2 must be contiguous within each expert")
-    shapes = check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2)
-    check_fp8_scales(w13, w2, fp8, x)
+    packed = 8 if w13.dtype == torch.int32 else 1
+    shapes = check_moe_shapes(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, packed=packed)
+    check_int4_scales(w13, w2, int4, x)
+    if int4 is None:
+        check_fp8_scales(w13, w2, fp8, x)
+    elif fp8 is not None:
+        raise ValueError("int4 experts take no fp8 scales")
     return shapes
 
 
@@ -261,13 +311,15 @@ def fused_moe(
     b2: torch.Tensor | None = None,  # [E, H]; x's dtype
     clamp: ClampedSwiGLU | None = None,  # None: silu(gate) * up
     fp8: Fp8Scales | None = None,  # the scales of e4m3 w13 and w2
+    int4: Int4Scales | None = None,  # the groups of packed int4 w13 [E, 2I, H/8], w2 [E, H, I/8]
     config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K, warps)
 ) -> torch.Tensor:  # [T, H]
     """Triton version of :func:`kernels.moe.ref_fused_moe`. Expert ids out of range are not
     checked (that would sync with the GPU): the router produces them. Biases are applied with
     each of the two projections, so either may be given alone."""
     fp8 = scales_of(w13, fp8)
-    t, h, e, inter = _check(x, w13, w2, topk_weights, topk_ids, b13, b2, fp8)
+    int4 = int4_scales_of(w13, int4)
+    t, h, e, inter = _check(x, w13, w2, topk_weights, topk_ids, b13, b2, fp8, int4)
     top_k = topk_ids.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0:
@@ -277,7 +329,7 @@ def fused_moe(
     pairs = t * top_k
     if config is None and triton_moe_pairs.takes_pairs(pairs, e):  # decode: a GEMV a pair
         return fused_moe_pairs(
-            x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp, fp8=fp8
+            x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp, fp8=fp8, int4=int4
         )
     bm, bn, bk, warps = config or (pick_block_m(pairs, e), *DEFAULT_TILES)
     weights, ids = sort_by_expert(topk_weights, topk_ids)
@@ -286,29 +338,30 @@ def fused_moe(
     dots = {"UPCAST": dot_upcast(x.dtype), "PRECISION": dot_precision(x.dtype)}
     inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
     bn1, bk1 = _fit(bn, inter), _fit(bk, h)
-    # an absent bias or scale is never read (HAS_BIAS, FP8 False): the weights stand in for it
-    s13 = scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
-    bk1 = _within(bk1, s13[5], h) if fp8 else bk1
+    # an absent bias or scale is never read (HAS_BIAS, FP8, INT4 False): the weights stand in
+    quant = fp8 is not None or int4 is not None
+    s13, z13 = quant_args(w13, fp8, int4, h, True)
+    bk1 = _within(bk1, s13[5], h) if quant else bk1
     scale_up = -(-inter // s13[4])  # the up half's first scale row
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
-        x, w13, w13 if b13 is None else b13, s13[0], inter_act, sorted_pairs, block_expert,
+        x, w13, w13 if b13 is None else b13, s13[0], z13, inter_act, sorted_pairs, block_expert,
         pairs, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
         0 if b13 is None else b13.stride(0), *s13[1:], scale_up, inter_act.stride(0),
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps,
         HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
         ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
-        FP8=fp8 is not None, **dots,
+        FP8=fp8 is not None, INT4=int4 is not None, **dots,
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     bn2, bk2 = _fit(bn, h), _fit(bk, inter)
-    s2 = scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
-    bk2 = _within(bk2, s2[5], inter) if fp8 else bk2
+    s2, z2 = quant_args(w2, fp8, int4, inter, False)
+    bk2 = _within(bk2, s2[5], inter) if quant else bk2
     _down_kernel[(blocks, triton.cdiv(h, bn2))](
-        inter_act, w2, w2 if b2 is None else b2, s2[0], contrib, sorted_pairs, block_expert,
+        inter_act, w2, w2 if b2 is None else b2, s2[0], z2, contrib, sorted_pairs, block_expert,
         weights.reshape(-1), pairs, h, inter, inter_act.stride(0), w2.stride(0), w2.stride(1),
         0 if b2 is None else b2.stride(0), *s2[1:], contrib.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps, HAS_BIAS=b2 is not None,
-        FP8=fp8 is not None, **dots,
+        FP8=fp8 is not None, INT4=int4 is not None, **dots,
     )  # fmt: skip
     block = min(COMBINE_BLOCK, next_pow2(h))
     _combine_kernel[(t, triton.cdiv(h, block))](
@@ -318,8 +371,8 @@ def fused_moe(
 
 
 def _within(block_k: int, scale_k: int, k: int) -> int:
-    """A K tile inside one FP8 scale block (``within_scale_block``); ``scale_k`` is a multiple
-    of 16, so never below tl.dot's least K of 16."""
+    """A K tile inside one FP8 scale block or int4 group (``within_scale_block``); ``scale_k``
+    is a multiple of 16 (or covers K), so never below tl.dot's least K of 16."""
     block_k = within_scale_block(block_k, scale_k, k)
     assert block_k >= 16, f"scale block_k {scale_k} is no multiple of 16"
     return block_k

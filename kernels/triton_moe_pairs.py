@@ -17,6 +17,10 @@ experts at ~25% of the copy bandwidth. Here, three launches and nothing else:
 3. **Combine**: each token's ``top_k`` rows added in ascending expert order (each program ranks
    the token's expert ids itself: no sort), rounding after each add as the reference does.
 
+FP8 experts (``FP8``) take their scales on each tile's partial sums; int4 ones (``INT4``,
+:class:`kernels.moe.Int4Scales`) are dequantized in the tile (:func:`int4_tile`, one group a
+tile) to the activation dtype, as the reference's weights, and multiplied in fp32.
+
 An expert two tokens route to is read twice (once a pair), which the grouped kernels avoid:
 :func:`takes_pairs` says where this path serves (``kernels.bench.moe --tune-pairs`` times both). No host
 sync; every size comes from the shapes, so a CUDA graph holds the three launches.
@@ -31,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import ClampedSwiGLU, Fp8Scales
+from kernels.moe import ClampedSwiGLU, Fp8Scales, Int4Scales
 from kernels.triton_common import next_pow2
 
 # T * top_k pairs up to this, and no more than the experts, take the pair kernels; otherwise
@@ -57,10 +61,10 @@ def takes_pairs(pairs: int, experts: int) -> bool:
 
 @triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, N, K, s_xt, s_we, s_wn, s_be, s_se, s_sn,
-    s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, N, K, s_xt, s_we, s_wn, s_be, s_se,
+    s_sn, s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr,
-    LIMIT: tl.constexpr, FP8: tl.constexpr,
+    LIMIT: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr = False,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
@@ -73,15 +77,24 @@ def _pair_gate_up_kernel(
     w_up = w_gate + N * s_wn
     s_gate = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     s_up = s_gate + SCALE_UP * s_sn
+    # INT4: the zero points laid out as the scales
+    z_gate = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
+    z_up = z_gate + SCALE_UP * s_sn
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dt = out_ptr.dtype.element_ty
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         a = tl.load(x_ptr + token * s_xt + ks, mask=k_mask, other=0.0).to(tl.float32)
         w_mask = n_mask[:, None] & k_mask[None, :]
-        wg = tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if INT4:  # the tile lies in one group along K (the launcher's BLOCK_K)
+            kb = k0 // SCALE_BK * s_sk
+            wg = int4_tile(w_gate, s_gate + kb, z_gate + kb, ks, w_mask, n_mask, dt)
+            wu = int4_tile(w_up, s_up + kb, z_up + kb, ks, w_mask, n_mask, dt)
+        else:
+            wg = tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
         part_gate = tl.sum(wg * a[None, :], axis=1)
         part_up = tl.sum(wu * a[None, :], axis=1)
         if FP8:  # the tile lies in one scale block along K (the launcher's BLOCK_K)
@@ -90,7 +103,6 @@ def _pair_gate_up_kernel(
             part_up *= tl.load(s_up + kb, mask=n_mask, other=0.0)
         acc_gate += part_gate
         acc_up += part_up
-    dt = out_ptr.dtype.element_ty
     # the grouped kernel's epilogue: the projection rounded, the bias added and rounded again,
     # then silu rounded and the product rounded, or the clamped SwiGLU in fp32 rounded once
     gate = acc_gate.to(dt).to(tl.float32)
@@ -103,6 +115,20 @@ def _pair_gate_up_kernel(
         up = (up + bu).to(dt).to(tl.float32)
     out = gated_activation(gate, up, dt, CLAMPED, ALPHA, LIMIT)
     tl.store(out_ptr + pair * s_ot + offs_n, out.to(dt), mask=n_mask)
+
+
+@triton.jit
+def int4_tile(w_rows, s_rows, z_rows, ks, w_mask, n_mask, dt: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] tile of packed int4 rows (``kernels.moe.Int4Scales``: eight K
+    columns a word) dequantized with its rows' group (the tile inside one group: one scale and
+    zero a row), ``(q - z) * s`` in fp32 rounded to ``dt`` as the reference's weights; fp32 out.
+    Each word is loaded for each of its eight columns (repeated addresses within a tile, as
+    vLLM's w4a16 MoE kernel reads them; not yet timed on a GPU)."""
+    words = tl.load(w_rows + (ks // 8)[None, :], mask=w_mask, other=0)
+    q = ((words >> ((ks % 8) * 4)[None, :]) & 0xF).to(tl.float32)
+    s = tl.load(s_rows, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_rows, mask=n_mask, other=0).to(tl.float32)
+    return ((q - z[:, None]) * s[:, None]).to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -123,9 +149,9 @@ def gated_activation(gate, up, dt: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: t
 
 @triton.jit
 def _pair_down_kernel(
-    a_ptr, w_ptr, b_ptr, s_ptr, out_ptr, ids_ptr, weights_ptr, N, K, s_at, s_we, s_wn, s_be,
-    s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+    a_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, weights_ptr, N, K, s_at, s_we, s_wn,
+    s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr = False,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -134,17 +160,23 @@ def _pair_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + expert * s_we + offs_n.to(tl.int64)[:, None] * s_wn
     s_rows = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
+    z_rows = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dt = out_ptr.dtype.element_ty
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         a = tl.load(a_ptr + pair * s_at + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        if INT4:
+            kb = k0 // SCALE_BK * s_sk
+            w = int4_tile(w_rows, s_rows + kb, z_rows + kb, ks, w_mask, n_mask, dt)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         if FP8:
             part *= tl.load(s_rows + k0 // SCALE_BK * s_sk, mask=n_mask, other=0.0)
         acc += part
-    dt = out_ptr.dtype.element_ty
     down = acc.to(dt).to(tl.float32)  # the projection rounded
     if HAS_BIAS:  # then the bias added and rounded again
         bias = tl.load(b_ptr + expert * s_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -182,11 +214,27 @@ def _ordered_combine_kernel(
 def scale_args(
     w: torch.Tensor, scale: torch.Tensor | None, blocks: tuple[int, int] | None
 ) -> tuple[torch.Tensor, int, int, int, int, int]:
-    """(pointer, expert / row / column strides, block_n, block_k) of an FP8 weight's scales;
-    placeholders (the weight, block 1) for a float weight (the grouped kernels' too)."""
+    """(pointer, expert / row / column strides, block_n, block_k) of an FP8 weight's scales
+    (an int4 weight's: blocks of one row and a group); placeholders (the weight, block 1) for a
+    float weight (the grouped kernels' too)."""
     if scale is None or blocks is None:
         return w, 0, 0, 0, 1, 1
     return scale, scale.stride(0), scale.stride(1), scale.stride(2), blocks[0], blocks[1]
+
+
+def quant_args(
+    w: torch.Tensor, fp8: Fp8Scales | None, int4: Int4Scales | None, k: int, up: bool
+) -> tuple[tuple[torch.Tensor, int, int, int, int, int], torch.Tensor]:
+    """:func:`scale_args` of ``w`` (w13 with ``up``, else w2; ``k`` its input features) under
+    FP8 scales or int4 groups, and the int4 zero points' pointer (the scales' strides; the
+    weight as a placeholder otherwise)."""
+    if int4 is not None:
+        scale, zeros = (int4.w13_scale, int4.w13_zeros) if up else (int4.w2_scale, int4.w2_zeros)
+        return scale_args(w, scale, (1, int4.group(k))), zeros
+    if fp8 is not None:
+        scale = fp8.w13_scale if up else fp8.w2_scale
+        return scale_args(w, scale, fp8.blocks(k)), w
+    return scale_args(w, None, None), w
 
 
 def within_scale_block(block_k: int, scale_k: int, k: int) -> int:
@@ -215,13 +263,14 @@ def fused_moe_pairs(
     b2: torch.Tensor | None = None,
     clamp: ClampedSwiGLU | None = None,
     fp8: Fp8Scales | None = None,
+    int4: Int4Scales | None = None,
     tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:  # [T, H]
     """:func:`kernels.moe.ref_fused_moe` a pair at a time; its arguments checked by the caller
     (:func:`kernels.triton_moe.fused_moe`). ``tiles``: (gate/up, down) ``(BLOCK_N, BLOCK_K,
     num_warps)``, for tests and tuning."""
     t, h = x.shape
-    inter = w2.shape[2]
+    inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     pairs = t * top_k
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
@@ -230,26 +279,27 @@ def fused_moe_pairs(
     down_tiles = SMALL_DOWN_TILES if pairs <= SMALL_DOWN_PAIRS else DOWN_TILES
     (bn1, bk1, warps1), (bn2, bk2, warps2) = tiles or (GATE_UP_TILES, down_tiles)
     inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
-    s13 = scale_args(w13, fp8.w13_scale if fp8 else None, fp8.blocks(h) if fp8 else None)
+    quant = fp8 is not None or int4 is not None
+    s13, z13 = quant_args(w13, fp8, int4, h, True)
     bn1 = min(bn1, next_pow2(inter))
-    bk1 = _k_tile(bk1, h, s13[5] if fp8 else None)
+    bk1 = _k_tile(bk1, h, s13[5] if quant else None)
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, bn1))](
-        x, w13, w13 if b13 is None else b13, s13[0], inter_act, ids, inter, h, x.stride(0),
+        x, w13, w13 if b13 is None else b13, s13[0], z13, inter_act, ids, inter, h, x.stride(0),
         w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0), *s13[1:],
         -(-inter // s13[4]), inter_act.stride(0), TOP_K=top_k, BLOCK_N=bn1, BLOCK_K=bk1,
         HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
         ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
-        FP8=fp8 is not None, num_warps=warps1,
+        FP8=fp8 is not None, INT4=int4 is not None, num_warps=warps1,
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
-    s2 = scale_args(w2, fp8.w2_scale if fp8 else None, fp8.blocks(inter) if fp8 else None)
+    s2, z2 = quant_args(w2, fp8, int4, inter, False)
     bn2 = min(bn2, next_pow2(h))
-    bk2 = _k_tile(bk2, inter, s2[5] if fp8 else None)
+    bk2 = _k_tile(bk2, inter, s2[5] if quant else None)
     _pair_down_kernel[(pairs, triton.cdiv(h, bn2))](
-        inter_act, w2, w2 if b2 is None else b2, s2[0], contrib, ids, weights, h, inter,
+        inter_act, w2, w2 if b2 is None else b2, s2[0], z2, contrib, ids, weights, h, inter,
         inter_act.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0),
         *s2[1:], contrib.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, HAS_BIAS=b2 is not None,
-        FP8=fp8 is not None, num_warps=warps2,
+        FP8=fp8 is not None, INT4=int4 is not None, num_warps=warps2,
     )  # fmt: skip
     block = min(COMBINE_BLOCK, next_pow2(h))
     _ordered_combine_kernel[(t, triton.cdiv(h, block))](

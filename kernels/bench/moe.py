@@ -4,7 +4,10 @@
 
 Shapes are Qwen3-30B-A3B's (H 2048, I 768, 128 experts, top-8), Mixtral-8x7B's (H 4096,
 I 14336, 8 experts, top-2) and gpt-oss-20b's (H 2880, I 2880, 32 experts, top-4, with expert
-biases and the clamped SwiGLU; its checkpoint's MXFP4 experts dequantized) MoE layers in bf16.
+biases and the clamped SwiGLU; its checkpoint's MXFP4 experts dequantized) MoE layers in bf16;
+the ``-awq`` / ``-gptq`` rows are the first two with their experts held as packed int4 in groups
+of 128 (as AWQ and GPTQ checkpoints load: a quarter of the weight bytes, plus their scales and
+zeros, which the GB/s counts).
 Napkin math: every expert some token chose is read once (3 * H * I weights: gate, up, down), so
 at batch 1 the floor is bytes / copy bandwidth: 8 x 9.4 MB = 75 MB for Qwen3-30B-A3B (~25 us at
 ~3 TB/s), 2 x 352 MB = 704 MB for Mixtral (~235 us), 4 x 50 MB = 199 MB for gpt-oss-20b (~66 us;
@@ -28,14 +31,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kernels.moe import ClampedSwiGLU
+    from kernels.moe import ClampedSwiGLU, Int4Scales
 
 MODELS = {  # name -> (H, I, experts, top_k)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
     "gpt-oss-20b": (2880, 2880, 32, 4),
+    "qwen3-30b-a3b-awq": (2048, 768, 128, 8),
+    "mixtral-8x7b-gptq": (4096, 14336, 8, 2),
 }
 GPT_OSS = {"gpt-oss-20b"}  # experts with biases and the clamped SwiGLU
+# experts held as packed int4 (kernels.moe.Int4Scales, as AWQ/GPTQ checkpoints load): group size
+INT4 = {"qwen3-30b-a3b-awq": 128, "mixtral-8x7b-gptq": 128}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps); None: the launcher's own choice
     None, (16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4),
     (64, 128, 64, 8), (128, 128, 64, 8),
@@ -54,28 +61,35 @@ class Case:
     b13: torch.Tensor | None = None  # [E, 2I]
     b2: torch.Tensor | None = None  # [E, H]
     clamp: ClampedSwiGLU | None = None
+    int4: Int4Scales | None = None  # w13 and w2 packed int4 (int32 words of eight)
 
     def gpt_oss(self) -> dict[str, Any]:
-        """The biases and the clamp, as fused_moe's keyword arguments."""
-        return {"b13": self.b13, "b2": self.b2, "clamp": self.clamp}
+        """The biases, the clamp and int4 groups, as fused_moe's keyword arguments."""
+        extra: dict[str, Any] = {"b13": self.b13, "b2": self.b2, "clamp": self.clamp}
+        return {**extra, "int4": self.int4} if self.int4 is not None else extra
 
     def bytes(self) -> int:
-        """The experts some token chose (biases included), read once; x read and the output
-        written."""
+        """The experts some token chose (biases, int4 scales and zeros included), read once; x
+        read and the output written."""
         touched = int(self.ids.unique().numel())
         tensors = [self.w13, self.w2, *(b for b in (self.b13, self.b2) if b is not None)]
-        per_expert = sum(t[0].numel() for t in tensors) * self.w13.element_size()
+        if self.int4 is not None:
+            q = self.int4
+            tensors += [q.w13_scale, q.w13_zeros, q.w2_scale, q.w2_zeros]
+        per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
         return touched * per_expert + 2 * self.x.numel() * self.x.element_size()
 
     def flops(self) -> float:
-        _, two_i, h = self.w13.shape
+        _, two_i, _ = self.w13.shape
+        h = self.x.shape[1]
         return 2.0 * self.ids.numel() * h * (two_i + two_i // 2)  # = 6 T top_k H I
 
 
-def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False) -> Case:  # fmt: skip
+def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, int4_group: int | None = None) -> Case:  # fmt: skip
     """``gpt_oss``: with O(1) biases and gpt-oss's clamp, x scaled so ~9% of the gate and up
-    values pass its limit of 7."""
-    from kernels.moe import ClampedSwiGLU, ref_moe_routing
+    values pass its limit of 7. ``int4_group``: the experts quantized to packed int4 in groups
+    of that many input features (as AWQ/GPTQ experts are held)."""
+    from kernels.moe import ClampedSwiGLU, Int4Scales, quantize_int4_experts, ref_moe_routing
 
     gen = torch.Generator().manual_seed(0)
 
@@ -88,6 +102,10 @@ def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: tor
     if gpt_oss:
         case.x *= 4
         case.b13, case.b2, case.clamp = rand(experts, 2 * inter), rand(experts, h), ClampedSwiGLU()
+    if int4_group is not None:
+        case.w13, s13, z13 = quantize_int4_experts(case.w13, int4_group)
+        case.w2, s2, z2 = quantize_int4_experts(case.w2, int4_group)
+        case.int4 = Int4Scales(s13, z13, s2, z2, int4_group)
     return case
 
 
@@ -121,7 +139,8 @@ def bench_shape(model: str, tokens: int, copy: float) -> dict[str, Any]:
     from kernels.moe import ref_fused_moe
 
     h, inter, experts, top_k = MODELS[model]
-    case = build(tokens, h, inter, experts, top_k, torch.device("cuda"), gpt_oss=model in GPT_OSS)
+    case = build(tokens, h, inter, experts, top_k, torch.device("cuda"),
+                 gpt_oss=model in GPT_OSS, int4_group=INT4.get(model))  # fmt: skip
     best: tuple[tuple[int, int, int, int] | None, float] | None = None
     for cfg in CONFIGS:
         check(case, cfg)
@@ -156,7 +175,8 @@ def tune_pairs(model: str, tokens: int, copy: float) -> dict[str, Any]:
     from kernels.triton_moe_pairs import DOWN_TILES, fused_moe_pairs
 
     h, inter, experts, top_k = MODELS[model]
-    case = build(tokens, h, inter, experts, top_k, torch.device("cuda"), gpt_oss=model in GPT_OSS)
+    case = build(tokens, h, inter, experts, top_k, torch.device("cuda"),
+                 gpt_oss=model in GPT_OSS, int4_group=INT4.get(model))  # fmt: skip
 
     def pairs_ms(tiles: Any) -> float:
         fn = functools.partial(fused_moe_pairs, case.x, case.w13, case.w2, case.weights,

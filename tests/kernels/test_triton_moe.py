@@ -18,8 +18,11 @@ import torch
 from kernels.moe import (
     ClampedSwiGLU,
     Fp8Scales,
+    Int4Scales,
     dequant_fp8_expert,
+    dequant_int4_expert,
     quantize_fp8_experts,
+    quantize_int4_experts,
     ref_clamped_swiglu,
     ref_fused_moe,
     ref_moe_routing,
@@ -242,7 +245,7 @@ def test_fp8_errors_name_what_is_wrong(gen: torch.Generator, device: torch.devic
         fused_moe(x, q13, q2, weights, ids, fp8=bad)
 
 
-@pytest.mark.parametrize("fp8_block", [None, (32, 48), "channel"])
+@pytest.mark.parametrize("fp8_block", [None, (32, 48), "channel", "int4"])
 def test_every_launch_has_k_tiles_tl_dot_compiles(fp8_block: Any, gen: torch.Generator, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """BLOCK_K of both GEMMs at least 16 (tl.dot's least when compiled; the interpreter takes
     less): float weights keep their tile (a float weight's placeholder scale block of 1 once
@@ -269,8 +272,83 @@ def test_every_launch_has_k_tiles_tl_dot_compiles(fp8_block: Any, gen: torch.Gen
     x, w13, w2, weights, ids = _inputs(5, 96, 4, 56, 2, torch.float32, gen, device)
     if fp8_block is None:
         out, args = fused_moe(x, w13, w2, weights, ids), (x, w13, w2, weights, ids)
+    elif fp8_block == "int4":  # groups of 32 along H and I (halve the K tile of 64)
+        x, w13, w2, weights, ids = _inputs(5, 96, 4, 64, 2, torch.float32, gen, device)
+        q13, q2, int4, d13, d2 = _int4(w13, w2, 32)
+        out, args = fused_moe(x, q13, q2, weights, ids, int4=int4), (x, d13, d2, weights, ids)
     else:
         q13, q2, fp8, d13, d2 = _fp8(w13, w2, None if fp8_block == "channel" else fp8_block)
         out, args = fused_moe(x, q13, q2, weights, ids, fp8=fp8), (x, d13, d2, weights, ids)
     _assert_close(out, args)
     assert len(seen) == 2 and min(seen) >= 16, seen
+
+
+def _int4(w13: torch.Tensor, w2: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor, Int4Scales, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The weights quantized to packed int4 in groups of ``group`` input features (None: one
+    group a row), and their dequantized values rounded to x's dtype as the kernels round them
+    (under the interpreter bf16 truncates): with torch's rounding, what the loader's
+    dequantized AWQ/GPTQ experts hold."""
+    q13, s13, z13 = quantize_int4_experts(w13, group)
+    q2, s2, z2 = quantize_int4_experts(w2, group)
+    int4 = Int4Scales(s13, z13, s2, z2, group)
+    rnd = kernel_rounding(w13.device)
+    d13, d2 = (rnd(_dequant_int4(q, s, z), w13.dtype).to(w13.dtype) for q, s, z in ((q13, s13, z13), (q2, s2, z2)))  # fmt: skip
+    return q13, q2, int4, d13, d2
+
+
+def _dequant_int4(q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Stacked packed int4 experts -> float32 [E, N, K]."""
+    return torch.stack([dequant_int4_expert(q[i], scale[i], zeros[i]) for i in range(len(q))])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "h", "e", "inter", "top_k", "group"),
+    [
+        (1, 96, 8, 80, 1, 16),  # decode, top-1; six and five groups of 16
+        (1, 40, 16, 24, 8, None),  # top-8 of 16, one group a row: K no multiple of the tile
+        (37, 96, 16, 48, 2, 48),  # most experts see a few rows; groups of 48 (tiles of 16)
+        (40, 64, 8, 32, 8, 32),  # top-8 of 8: every expert sees every token; two groups / one
+        (23, 128, 6, 64, 2, 64),  # tiles as wide as a group
+    ],
+)
+def test_int4_experts_match_the_dequantized_reference(t: int, h: int, e: int, inter: int, top_k: int, group: int | None, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Packed int4 weights (AWQ/GPTQ converted, kernels.moe.Int4Scales) dequantized in the
+    kernels' tiles (the pair GEMVs for one token, the grouped GEMMs beyond), against the float
+    reference on the dequantized weights rounded to x's dtype (as the kernels round them)."""
+    x, w13, w2, weights, ids = _inputs(t, h, e, inter, top_k, dtype, gen, device)
+    q13, q2, int4, d13, d2 = _int4(w13, w2, group)
+    assert q13.dtype == torch.int32 and q13.shape == (e, 2 * inter, h // 8)
+    out = fused_moe(x, q13, q2, weights, ids, int4=int4)
+    _assert_close(out, (x, d13, d2, weights, ids))
+    ref = ref_fused_moe(x, q13, q2, weights, ids, int4=int4)  # the reference dequantizes itself
+    d13 = _dequant_int4(q13, int4.w13_scale, int4.w13_zeros).to(dtype)  # rounded as torch does
+    d2 = _dequant_int4(q2, int4.w2_scale, int4.w2_zeros).to(dtype)
+    torch.testing.assert_close(ref, ref_fused_moe(x, d13, d2, weights, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", [(16, 16, 16, 1), (32, 64, 64, 4)])
+def test_int4_launch_configs_keep_k_tiles_in_one_group(config: tuple[int, int, int, int], gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """A BLOCK_K of 64 over groups 32 wide is halved to 32: one scale and zero a tile row."""
+    x, w13, w2, weights, ids = _inputs(30, 96, 5, 64, 2, torch.float32, gen, device)
+    q13, q2, int4, d13, d2 = _int4(w13, w2, 32)
+    out = fused_moe(x, q13, q2, weights, ids, int4=int4, config=config)
+    _assert_close(out, (x, d13, d2, weights, ids))
+
+
+def test_int4_experts_attached_to_w13_and_errors(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    """The groups found on ``w13.int4_scales`` (as the model's experts attach them); int32
+    weights without groups, groups of the wrong shape or not dividing K are refused."""
+    x, w13, w2, weights, ids = _inputs(3, 64, 4, 32, 2, torch.float32, gen, device)
+    q13, q2, int4, d13, d2 = _int4(w13, w2, 32)
+    with pytest.raises(ValueError, match="int4"):
+        ref_fused_moe(x, q13, q2, weights, ids)
+    q13.int4_scales = int4  # type: ignore[attr-defined]
+    _assert_close(fused_moe(x, q13, q2, weights, ids), (x, d13, d2, weights, ids))
+    bad = Int4Scales(int4.w13_scale, int4.w13_zeros, int4.w2_scale[:, :32], int4.w2_zeros, 32)
+    with pytest.raises(ValueError, match="w2_scale"):
+        fused_moe(x, q13, q2, weights, ids, int4=bad)
+    with pytest.raises(ValueError, match="group size 24"):
+        fused_moe(x, q13, q2, weights, ids, int4=Int4Scales(*list(int4.__dict__.values())[:4], 24))  # fmt: skip
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe(x, q13, q2[:, :, :2], weights, ids, int4=int4)

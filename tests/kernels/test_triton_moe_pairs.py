@@ -12,7 +12,7 @@ import torch
 from kernels import triton_moe, triton_moe_pairs
 from kernels.moe import ClampedSwiGLU
 from kernels.triton_moe_pairs import fused_moe_pairs
-from tests.kernels.test_triton_moe import _assert_close, _fp8, _gpt_oss, _inputs
+from tests.kernels.test_triton_moe import _assert_close, _fp8, _gpt_oss, _inputs, _int4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -70,6 +70,33 @@ def test_fp8_experts_match_the_dequantized_reference(block: tuple[int, int] | No
     q13, q2, fp8, d13, d2 = _fp8(w13, w2, block)
     out = fused_moe_pairs(x, q13, q2, weights, ids, fp8=fp8)
     _assert_close(out, (x, d13, d2, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "h", "e", "inter", "top_k", "group"),
+    [
+        (1, 96, 8, 80, 1, 16),  # top-1; six and five groups of 16 (K tiles of 16)
+        (1, 40, 16, 24, 8, None),  # top-8, one group a row: K no multiple of the tile
+        (5, 96, 4, 48, 3, 48),  # tokens share experts; groups of 48 (tiles halved to 16)
+        (8, 64, 8, 32, 8, 32),  # every expert by every token
+    ],
+)
+def test_int4_experts_match_the_dequantized_reference(t: int, h: int, e: int, inter: int, top_k: int, group: int | None, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Packed int4 experts (kernels.moe.Int4Scales) dequantized in the GEMVs' tiles, against
+    the float reference on the dequantized weights (rounded to x's dtype, as the kernel does)."""
+    x, w13, w2, weights, ids = _inputs(t, h, e, inter, top_k, dtype, gen, device)
+    q13, q2, int4, d13, d2 = _int4(w13, w2, group)
+    out = fused_moe_pairs(x, q13, q2, weights, ids, int4=int4)
+    _assert_close(out, (x, d13, d2, weights, ids))
+
+
+def test_int4_tiles_narrower_and_wider_than_a_group(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    x, w13, w2, weights, ids = _inputs(4, 128, 5, 64, 2, torch.float32, gen, device)
+    q13, q2, int4, d13, d2 = _int4(w13, w2, 64)
+    for tiles in (((16, 16, 1), (16, 16, 1)), ((4, 512, 2), (32, 256, 4))):
+        out = fused_moe_pairs(x, q13, q2, weights, ids, int4=int4, tiles=tiles)
+        _assert_close(out, (x, d13, d2, weights, ids))
 
 
 def test_fused_moe_takes_pairs_for_few_and_groups_beyond(gen: torch.Generator, device: torch.device, poison_empty: None, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip

@@ -26,3 +26,17 @@ def test_every_swept_launch_matches_the_reference(device: torch.device) -> None:
     case = moe.build(20, 64, 48, 8, 2, device, torch.float32)
     for cfg in moe.CONFIGS:
         assert moe.check(case, cfg) < 1e-5
+
+
+def test_int4_rows_count_packed_bytes_and_match_the_reference(device: torch.device) -> None:
+    """The -awq / -gptq rows: experts packed (4 bits a weight plus float32 scales and uint8
+    zeros a row and group), the FLOPs of the float layer; launches checked as the float ones."""
+    case = moe.build(1, 64, 32, 16, 4, torch.device("cpu"), int4_group=32)
+    assert case.w13.dtype == torch.int32 and case.int4 is not None
+    packed = 3 * 64 * 32 // 2 + (2 * 32 * 2 + 64 * 1) * 5  # nibbles; (4 + 1) B a row and group
+    assert case.bytes() == 4 * packed + 2 * 64 * 2
+    assert case.flops() == 6 * 4 * 64 * 32
+    assert set(moe.INT4) <= set(moe.MODELS)
+    case = moe.build(20, 64, 48, 8, 2, device, torch.float32, int4_group=16)
+    for cfg in (None, moe.CONFIGS[1]):
+        assert moe.check(case, cfg) < 1e-5
