@@ -35,6 +35,8 @@ from kernels.lora import ref_add_lora, ref_expand_lora
 from kernels.moe import (
     ClampedSwiGLU,
     Fp8Scales,
+    Int4Scales,
+    int4_scales_of,
     ref_fused_moe,
     ref_grouped_topk,
     ref_moe_routing,
@@ -551,15 +553,22 @@ def fused_moe(
     b2: torch.Tensor | None = None,  # [E, H]
     clamp: ClampedSwiGLU | None = None,  # gpt-oss's activation; None: silu(gate) * up
     fp8: Fp8Scales | None = None,  # e4m3 w13 and w2: their scales
+    int4: Int4Scales | None = None,  # packed int4 w13 and w2 (AWQ, GPTQ): their groups
 ) -> torch.Tensor:  # [T, H]
     """The experts' gated MLPs, weighted and summed (:mod:`kernels.moe`). FP8 experts' scales
     come as ``fp8`` or attached to ``w13`` (its ``fp8_scales``, set by the model's experts
-    module): callers that pass only the weights get them too. They run the Triton kernel on
-    sm89+ GPUs; elsewhere the reference dequantizes each routed expert at every call."""
+    module), int4 experts' groups as ``int4`` or attached (``int4_scales``): callers that pass
+    only the weights get them too. FP8 runs the Triton kernel on sm89+ GPUs, int4 on any;
+    elsewhere the reference dequantizes each routed expert at every call."""
     fp8 = scales_of(w13, fp8)
+    int4 = int4_scales_of(w13, int4)
     mod = _triton("triton_moe", x)
     if fp8 is not None and not fp8_supported(x.device):
         mod = None
+    if int4 is not None:
+        return (mod.fused_moe if mod else ref_fused_moe)(
+            x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp, int4=int4
+        )
     return (mod.fused_moe if mod else ref_fused_moe)(
         x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp, fp8=fp8
     )

@@ -50,7 +50,7 @@ from services.engine.quantization import (
     quantized_modules,
     resolve_quantization,
 )
-from services.engine.quantization.apply import expert_modules, fp8_expert_layers
+from services.engine.quantization.apply import expert_modules, held_expert_layers
 from services.engine.quantization.experts import ExpertDequantizer, describe_held
 from services.engine.rope import halves_from_pairs
 from services.engine.tp_group import TPGroup
@@ -67,10 +67,11 @@ _STACKED = {  # HF name piece -> (our fused parameter, shard index)
 }
 _NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 # one expert's tensor (Qwen3-MoE's names, or Mixtral's w1/w3/w2 once block_sparse_moe is mlp):
-# its weight, or an FP8 checkpoint's scales of it (experts held in FP8)
+# its weight, or an FP8 checkpoint's scales of it (experts held in FP8), or an int4 one's
+# packed weight, scales and zeros (converted by quantization.experts: experts held int4)
 _EXPERT = re.compile(
     r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
-    r"\.(weight|weight_scale_inv|weight_scale)$"
+    r"\.(weight|weight_scale_inv|weight_scale|weight_zeros)$"
 )
 _EXPERT_PIECES = {  # -> (our stacked parameter, shard of its rows; None: all of them)
     "gate_proj": ("gate_up_proj", 0),
@@ -329,18 +330,24 @@ def _load_expert(
 ) -> str:  # fmt: skip
     """Copy one expert's tensor into its slice of the stacked parameter; returns the shard key.
     FP8 experts (``Experts.hold_fp8``): the e4m3 weight, and its scales into the stacked
-    scales (block rows of the gate, then of the up; per channel, or one per tensor repeated)."""
+    scales (block rows of the gate, then of the up; per channel, or one per tensor repeated).
+    Int4 ones (``Experts.hold_int4``): the packed weight, its scales and its zeros, each row's
+    groups as they come."""
     expert, (stacked, shard) = int(match.group(1)), _EXPERT_PIECES[match.group(2)]
-    scale = match.group(3) != "weight"
-    target = f"{name[: match.start()]}.mlp.experts.{stacked}" + ("_scale" if scale else "")
+    piece = match.group(3)
+    scale = piece != "weight"
+    suffix = "" if not scale else "_zeros" if piece == "weight_zeros" else "_scale"
+    target = f"{name[: match.start()]}.mlp.experts.{stacked}{suffix}"
     if target not in params or arch.moe is None or expert >= arch.moe.num_experts:
         raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
-    fp8 = params[target.removesuffix("_scale")].dtype == torch.float8_e4m3fn
-    if not scale and fp8 != (tensor.dtype == torch.float8_e4m3fn):
+    held = params[target.removesuffix(suffix)].dtype
+    held_as = {torch.float8_e4m3fn: "in fp8", torch.int32: "as packed int4"}
+    alike = tensor.dtype == held if held in held_as else tensor.dtype not in held_as
+    if not scale and not alike:
+        what = held_as.get(held)
         raise ConfigError(
             f"checkpoint tensor {name!r} is {tensor.dtype}, but its layer's experts are held "
-            f"{'in fp8' if fp8 else 'dequantized'}: every expert of a layer must be quantized "
-            "alike"
+            f"{what or 'dequantized'}: every expert of a layer must be quantized alike"
         )
     rows = params[target].data[expert]  # [2I, H] or [H, I]; scales [2 SN, SK] or [SN, SK]
     if shard is not None:
@@ -365,23 +372,25 @@ def _missing_expert(param: str, loaded: set[str], arch: ArchConfig) -> str | Non
         for shard in halves:
             if f"{param}#{expert}.{shard}" not in loaded:
                 what = {0: "gate", 1: "up", None: "down"}[shard]
-                scales = " scales" if param.endswith("_scale") else ""
+                scales = {"_scale": " scales", "_zeros": " zeros"}.get(param[-6:], "")
                 return f"{param} (expert {expert}'s {what} projection{scales})"
     return None
 
 
 _STACKED_PARAMS = (
     "experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale",
-    "experts.down_proj_scale",
+    "experts.down_proj_scale", "experts.gate_up_proj_zeros", "experts.down_proj_zeros",
 )  # fmt: skip
 
 
 def _num_shards(arch: ArchConfig, param: str) -> int:
     """How many pieces of the checkpoint make up one of our stacked parameters."""
     experts = arch.moe.num_experts if arch.moe else 0
-    if param.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale")):
+    if param.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale",
+                       "experts.gate_up_proj_zeros")):  # fmt: skip
         return 2 * experts
-    if param.endswith(("experts.down_proj", "experts.down_proj_scale")):
+    if param.endswith(("experts.down_proj", "experts.down_proj_scale",
+                       "experts.down_proj_zeros")):  # fmt: skip
         return experts
     if ".qkv_proj." in param:
         return 3
@@ -416,8 +425,10 @@ def dummy_weights(
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
             continue
-        if p.dtype == torch.float8_e4m3fn or name.endswith("_proj_scale"):
-            continue  # FP8 experts: drawn by quantization.dummy_quantized
+        if p.dtype in (torch.float8_e4m3fn, torch.int32, torch.uint8) or name.endswith(
+            ("_proj_scale", "_proj_zeros")
+        ):
+            continue  # FP8 and int4 experts: drawn by quantization.dummy_quantized
         gen = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
         cut = layout.param_slice(name, arch) if layout is not None and arch is not None else None
         if cut is None:
@@ -573,7 +584,7 @@ def load_model(
         experts = None
         if qcfg is not None and qcfg.serialized and arch.moe is not None:
             experts = ExpertDequantizer(
-                qcfg, dtype, device, fp8_expert_layers(model), mla=arch.mla is not None
+                qcfg, dtype, device, held_expert_layers(model), mla=arch.mla is not None
             )
             read = experts.stream(read)
         load_weights(model, read, layout, arch)
@@ -587,7 +598,7 @@ def load_model(
             )  # fmt: skip
     if qcfg is not None:
         _finish_quantization(model, qcfg, tp)
-    held = describe_held(list(expert_modules(model).values()), dtype)
+    held = describe_held(list(expert_modules(model).values()), dtype, qcfg)
     if held is not None:
         log.info(held)
     return model.eval(), arch, files

@@ -15,17 +15,21 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.moe import ClampedSwiGLU, Fp8Scales, fp8_scale_shapes
+from kernels.moe import ClampedSwiGLU, Fp8Scales, Int4Scales, fp8_scale_shapes, int4_scale_shapes
 from services.engine.model_config import MoeConfig
 
 
 class Experts(nn.Module):
     """Every expert's weights stacked: float, or FP8 (e4m3) with their scales once
     :meth:`hold_fp8` has run (a quantized checkpoint's, or ``--quantization fp8``'s), which then
-    travel with ``gate_up_proj`` (its ``fp8_scales``) to ``ops.fused_moe``."""
+    travel with ``gate_up_proj`` (its ``fp8_scales``) to ``ops.fused_moe``; or packed int4 with
+    their groups' scales and zeros once :meth:`hold_int4` has run (an AWQ or GPTQ checkpoint's,
+    attached as ``int4_scales``)."""
 
     gate_up_proj_scale: nn.Parameter | None  # FP8: kernels.moe.Fp8Scales' w13_scale, w2_scale
-    down_proj_scale: nn.Parameter | None
+    down_proj_scale: nn.Parameter | None  # (int4: Int4Scales' w13_scale, w2_scale)
+    gate_up_proj_zeros: nn.Parameter | None  # int4: Int4Scales' w13_zeros, w2_zeros (uint8)
+    down_proj_zeros: nn.Parameter | None
 
     def __init__(self, num_experts: int, hidden: int, inter: int, biases: bool = False) -> None:
         super().__init__()
@@ -37,8 +41,11 @@ class Experts(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
         self.gate_up_proj_scale = self.down_proj_scale = None
+        self.gate_up_proj_zeros = self.down_proj_zeros = None
         self.fp8_block: tuple[int, int] | None = None  # (block_n, block_k); None: per channel
         self.fp8 = False
+        self.int4_group: int | None = None  # int4's group size (None: one group a row)
+        self.int4 = False
 
     def hold_fp8(
         self, block: tuple[int, int] | None, weights: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -63,25 +70,63 @@ class Experts(nn.Module):
         self.fp8_block, self.fp8 = block, True
         self._attach()
 
+    def hold_int4(
+        self, group_size: int | None, weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        zeros: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        """Hold the weights as packed int4 (``kernels.moe.Int4Scales``: [E, N, K / 8] int32,
+        float32 scales and uint8 zeros [E, N, K / G]) in groups of ``group_size`` input
+        features (None: one a row): empty ones (on this module's device) for a checkpoint to
+        fill, or the given ``weights``, ``scales`` and ``zeros``."""
+        e, two_i, h = self.gate_up_proj.shape
+        inter = two_i // 2
+        dev = self.gate_up_proj.device
+        if weights is None or scales is None or zeros is None:
+            s13, s2 = int4_scale_shapes(e, h, inter, group_size)
+            weights = (
+                torch.empty((e, two_i, h // 8), dtype=torch.int32, device=dev),
+                torch.empty((e, h, inter // 8), dtype=torch.int32, device=dev),
+            )
+            scales = (torch.empty(s13, device=dev), torch.empty(s2, device=dev))
+            zeros = (
+                torch.empty(s13, dtype=torch.uint8, device=dev),
+                torch.empty(s2, dtype=torch.uint8, device=dev),
+            )
+        self.gate_up_proj = nn.Parameter(weights[0], requires_grad=False)
+        self.down_proj = nn.Parameter(weights[1], requires_grad=False)
+        self.gate_up_proj_scale = nn.Parameter(scales[0].float(), requires_grad=False)
+        self.down_proj_scale = nn.Parameter(scales[1].float(), requires_grad=False)
+        self.gate_up_proj_zeros = nn.Parameter(zeros[0], requires_grad=False)
+        self.down_proj_zeros = nn.Parameter(zeros[1], requires_grad=False)
+        self.int4_group, self.int4 = group_size, True
+        self._attach()
+
     def _attach(self) -> None:
         """The scales onto ``gate_up_proj``, where ``ops.fused_moe`` finds them (DeepSeek's MoE
         block passes only the weights)."""
         if self.fp8 and self.gate_up_proj_scale is not None and self.down_proj_scale is not None:
             scales = Fp8Scales(self.gate_up_proj_scale, self.down_proj_scale, self.fp8_block)
             self.gate_up_proj.fp8_scales = scales  # type: ignore[attr-defined]
+        held = (self.gate_up_proj_scale, self.gate_up_proj_zeros, self.down_proj_scale,
+                self.down_proj_zeros)  # fmt: skip
+        if self.int4 and all(t is not None for t in held):
+            groups = Int4Scales(*held, group_size=self.int4_group)  # type: ignore[arg-type]
+            self.gate_up_proj.int4_scales = groups  # type: ignore[attr-defined]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Experts:
-        """As nn.Module's, but FP8 weights and their float32 scales keep their dtypes (a cast
-        of the model to its dtype moves them, never converts them)."""
-        if self.fp8:
+        """As nn.Module's, but FP8 and int4 weights and their float32 scales keep their dtypes
+        (a cast of the model to its dtype moves them, never converts them)."""
+        if self.fp8 or self.int4:
             fn = _moving_only(fn)
         super()._apply(fn, recurse)
         self._attach()
         return self
 
     def memory(self) -> int:
-        """Bytes of the weights and scales (not the biases)."""
-        held = (self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale)
+        """Bytes of the weights, scales and zeros (not the biases)."""
+        held = (self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale,
+                self.gate_up_proj_zeros, self.down_proj_zeros)  # fmt: skip
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
@@ -171,7 +216,7 @@ class SparseMoeBlock(nn.Module):
             b13=experts.gate_up_proj_bias,
             b2=experts.down_proj_bias,
             clamp=self.clamp,
-        )  # fmt: skip (FP8 experts' scales travel with gate_up_proj: Experts.hold_fp8)
+        )  # fmt: skip (FP8 and int4 experts' scales travel with gate_up_proj: Experts.hold_*)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # as transformers: sigmoid(gate(x)) * shared(x), then added, each in x's dtype
             gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))  # [T, 1]

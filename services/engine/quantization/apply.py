@@ -64,7 +64,9 @@ def quantize_model(
     the checkpoint stores unquantized stay float. ``fp8_experts``: an FP8 checkpoint's experts
     are held in FP8 (``Experts.hold_fp8``), except in ``float_expert_layers`` (decoder layers
     where the checkpoint stores an expert unquantized: that layer's are dequantized as they
-    load, one stacked tensor holding one format)."""
+    load, one stacked tensor holding one format). An AWQ or GPTQ checkpoint's experts are held
+    as packed int4 (``Experts.hold_int4``) on every device, outside those layers, unless GPTQ's
+    act-order shuffles their groups (:func:`holds_int4_experts`)."""
     for name, parent, attr, linear in _targets(model):
         if _stored_unquantized(qcfg, name, attr):
             continue
@@ -83,6 +85,19 @@ def quantize_model(
         for name, experts in expert_modules(model).items():
             if _layer_of(name) not in float_expert_layers:
                 experts.hold_fp8(qcfg.weight_block)
+    if holds_int4_experts(qcfg):
+        for name, experts in expert_modules(model).items():
+            _, two_i, h = experts.gate_up_proj.shape
+            fits = h % qcfg.group_size == 0 and (two_i // 2) % qcfg.group_size == 0
+            if _layer_of(name) not in float_expert_layers and fits:
+                experts.hold_int4(qcfg.group_size)
+
+
+def holds_int4_experts(qcfg: QuantConfig) -> bool:
+    """Whether an int4 checkpoint's experts are held packed: AWQ's, and GPTQ's without
+    act-order (a desc_act checkpoint's g_idx shuffles each expert's groups, which the fused
+    MoE kernels do not follow: those are dequantized as they load)."""
+    return qcfg.is_int4 and qcfg.serialized and not qcfg.desc_act
 
 
 def _layer_of(name: str) -> int | None:
@@ -94,9 +109,9 @@ def expert_modules(model: nn.Module) -> dict[str, Experts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
 
 
-def fp8_expert_layers(model: nn.Module) -> frozenset[int]:
-    """The decoder layers whose experts are held in FP8."""
-    layers = (_layer_of(name) for name, e in expert_modules(model).items() if e.fp8)
+def held_expert_layers(model: nn.Module) -> frozenset[int]:
+    """The decoder layers whose experts are held quantized (FP8 or int4)."""
+    layers = (_layer_of(name) for name, e in expert_modules(model).items() if e.fp8 or e.int4)
     return frozenset(layer for layer in layers if layer is not None)
 
 
@@ -173,6 +188,8 @@ def dummy_quantized(model: nn.Module, seed: int) -> None:
         if isinstance(module, Int4Linear):
             module.fill_dummy(gen)
     for experts in expert_modules(model).values():
+        if experts.int4:
+            _dummy_int4_experts(experts, gen)
         if not experts.fp8:
             continue
         for weight, scale, halves in (
@@ -185,3 +202,18 @@ def dummy_quantized(model: nn.Module, seed: int) -> None:
                 q, s = quantize_fp8_experts(drawn[None], experts.fp8_block, halves)
                 weight.data[e].copy_(q[0])
                 scale.data[e].copy_(s[0])
+
+
+def _dummy_int4_experts(experts: Experts, gen: torch.Generator) -> None:
+    """Random packed int4 experts as ``Int4Linear.fill_dummy`` draws its weights (about
+    +-0.02): random nibbles, zero points 8, scales 0.0025."""
+    for weight, scale, zeros in (
+        (experts.gate_up_proj, experts.gate_up_proj_scale, experts.gate_up_proj_zeros),
+        (experts.down_proj, experts.down_proj_scale, experts.down_proj_zeros),
+    ):
+        assert scale is not None and zeros is not None
+        for e in range(weight.shape[0]):
+            bits = torch.randint(-(2**31), 2**31 - 1, tuple(weight.shape[1:]), generator=gen)
+            weight.data[e].copy_(bits.to(torch.int32))
+        scale.data.fill_(0.0025)
+        zeros.data.fill_(8)

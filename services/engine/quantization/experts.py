@@ -1,11 +1,16 @@
 """A quantized checkpoint's experts that are not held quantized, dequantized to the model's dtype
-as they load; and the start-up line on what the experts are held as.
+as they load, and int4 ones that are, converted to the packed layout the fused MoE kernels read;
+and the start-up line on what the experts are held as.
 
 FP8 experts are held in FP8 (``Experts.hold_fp8``: the fused MoE kernel reads e4m3 tiles), their
 tensors passed through here to the loader, except in layers the checkpoint leaves an expert of
-unquantized and on GPUs without FP8 (before sm89). The rest (AWQ and GPTQ int4 experts: no
-int4 MoE kernel yet) is dequantized: each expert projection's quantized
-pieces (fp8 ``weight`` with its ``weight_scale_inv`` blocks or ``weight_scale`` per channel;
+unquantized and on GPUs without FP8 (before sm89). AWQ's and GPTQ's int4 experts are held packed
+(``Experts.hold_int4``: the kernels dequantize them in their tiles): each projection's
+``qweight``, ``qzeros`` and ``scales`` are converted here (:func:`pack_expert`) to the
+``kernels.moe.Int4Scales`` layout and passed on as ``weight`` (int32), ``weight_scale`` and
+``weight_zeros``. GPTQ act-order (desc_act) experts, whose ``g_idx`` shuffles the groups, and
+the layers where the checkpoint leaves an expert unquantized, are dequantized: each expert
+projection's quantized pieces (fp8 ``weight`` with its ``weight_scale_inv`` blocks or ``weight_scale`` per channel;
 AWQ's and GPTQ's ``qweight``, ``qzeros``, ``scales`` and act-order ``g_idx``) are gathered from
 the checkpoint's stream and replaced by one float ``weight`` [N, K], the tensor a float
 checkpoint would hold, through the torch references of ``kernels.quant``. Everything else (the
@@ -21,7 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.quant import expand_block_scales, ref_dequant_awq, ref_dequant_fp8, ref_dequant_gptq
+from kernels.moe import pack_int4_rows
+from kernels.quant import (
+    AWQ_ORDER,
+    expand_block_scales,
+    ref_dequant_awq,
+    ref_dequant_fp8,
+    ref_dequant_gptq,
+    unpack_cols,
+)
 from services.config import ConfigError
 from services.engine.models.moe import Experts
 from services.engine.quantization.config import QuantConfig
@@ -72,20 +85,39 @@ def dequantize(qcfg: QuantConfig, pieces: dict[str, torch.Tensor]) -> torch.Tens
     return ref_dequant_gptq(qweight, qzeros, scales, g_idx).T
 
 
+def pack_expert(
+    qcfg: QuantConfig, pieces: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One int4 projection's AWQ or GPTQ (without act-order) pieces -> its packed weight
+    [N, K / 8] int32, float32 scales and uint8 zeros [N, K / G] (``kernels.moe.Int4Scales``):
+    the values ``dequantize`` gives, bit for bit."""
+    qweight, qzeros, scales = pieces["qweight"], pieces["qzeros"], pieces["scales"]
+    if qcfg.method == "awq":  # [K, N/8] columns in AWQ's order; zeros [K/G, N/8] alike
+        q = unpack_cols(qweight, AWQ_ORDER).T.contiguous()  # [N, K]
+        packed = pack_int4_rows(q)
+        zeros = unpack_cols(qzeros, AWQ_ORDER)
+    else:  # GPTQ [K/8, N]: eight K rows a word in order, ours transposed; zeros minus one
+        packed = qweight.T.contiguous()
+        zeros = unpack_cols(qzeros) + 1
+    return packed, scales.float().T.contiguous(), zeros.T.to(torch.uint8).contiguous()
+
+
 @dataclass
 class ExpertDequantizer:
     """Feeds a checkpoint's tensors through :meth:`stream`, which yields each expert
-    projection's float ``weight`` once its last piece has come; counts what that cost."""
+    projection's float ``weight`` once its last piece has come (int4 experts held packed: its
+    packed ``weight``, ``weight_scale`` and ``weight_zeros``); counts what that cost."""
 
     qcfg: QuantConfig
     dtype: torch.dtype
     device: torch.device
-    held: frozenset[int] = frozenset()  # decoder layers whose experts are held in FP8: as read
+    held: frozenset[int] = frozenset()  # decoder layers whose experts are held quantized
     mla: bool = False  # DeepSeek's latent attention: its projections but o_proj dequantized too
     projections: int = 0
     attention: int = 0  # of which the latent attention's  # expert projections dequantized
     stored_bytes: int = 0  # their quantized pieces' bytes in the checkpoint
     float_bytes: int = 0  # their float weights' bytes as served
+    packed: int = 0  # int4 expert projections converted to the packed layout (held int4)
     _pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def stream(
@@ -94,7 +126,8 @@ class ExpertDequantizer:
         wanted = expert_pieces(self.qcfg)
         for name, tensor in weights:
             match = _PIECE.match(name)
-            if match is not None and self._held(name):
+            held = match is not None and self._held(name)
+            if held and not self.qcfg.is_int4:  # FP8 experts held in FP8: as read
                 match = None
             if match is None and self.mla:
                 match = _MLA_PIECE.match(name)
@@ -113,7 +146,10 @@ class ExpertDequantizer:
             pieces[piece] = tensor
             if len(pieces) == len(wanted):
                 del self._pending[module]
-                yield f"{module}.weight", self._dequantize(module, pieces)
+                if held:
+                    yield from self._pack(module, pieces)
+                else:
+                    yield f"{module}.weight", self._dequantize(module, pieces)
         if self._pending:
             module, pieces = next(iter(self._pending.items()))
             missing = [f"{module}.{p}" for p in wanted if p not in pieces]
@@ -127,6 +163,19 @@ class ExpertDequantizer:
         """A ``weight`` is a quantized piece only as fp8 (an expert stored unquantized keeps
         its float one); the other pieces always are."""
         return piece != "weight" or tensor.dtype == torch.float8_e4m3fn
+
+    def _pack(
+        self, module: str, pieces: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        on_device = {p: t.to(self.device) for p, t in pieces.items()}
+        try:
+            packed = pack_expert(self.qcfg, on_device)
+        except (RuntimeError, IndexError, KeyError) as e:
+            shapes = {p: tuple(t.shape) for p, t in pieces.items()}
+            raise ConfigError(f"{module}: quantized pieces {shapes} do not fit: {e}") from None
+        self.packed += 1
+        for piece, tensor in zip(("weight", "weight_scale", "weight_zeros"), packed, strict=True):
+            yield f"{module}.{piece}", tensor
 
     def _dequantize(self, module: str, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
         on_device = {p: t.to(self.device) for p, t in pieces.items()}
@@ -144,11 +193,12 @@ class ExpertDequantizer:
     def describe(self) -> str:
         """The start-up line on the experts dequantized here."""
         dtype = str(self.dtype).removeprefix("torch.")
-        why = (
-            "no int4 fused MoE kernel yet"
-            if self.qcfg.is_int4
-            else "no FP8 on this GPU, or an expert of their layer stored unquantized"
-        )
+        if self.qcfg.is_int4 and self.qcfg.desc_act:
+            why = "GPTQ act-order (desc_act): the fused MoE kernels read groups in order only"
+        elif self.qcfg.is_int4:
+            why = "an expert of their layer stored unquantized"
+        else:
+            why = "no FP8 on this GPU, or an expert of their layer stored unquantized"
         experts = self.projections - self.attention
         what = f"the experts' {experts} {self.qcfg.method} projections were"
         if self.attention:  # the latent attention's, whatever the experts are held as
@@ -165,8 +215,23 @@ class ExpertDequantizer:
         )
 
 
-def describe_held(experts: list[Experts], dtype: torch.dtype) -> str | None:
-    """The start-up line on the experts held in FP8: their format and memory (None: none)."""
+def describe_held(
+    experts: list[Experts], dtype: torch.dtype, qcfg: QuantConfig | None = None
+) -> str | None:
+    """The start-up line on the experts held in FP8 or int4: their format and memory (None:
+    none)."""
+    packed = [e for e in experts if e.int4]
+    if packed:
+        method = qcfg.method if qcfg is not None else "int4"
+        group = packed[0].int4_group
+        size = torch.tensor([], dtype=dtype).element_size()
+        as_float = sum((e.gate_up_proj.numel() + e.down_proj.numel()) * 8 * size for e in packed)
+        return (
+            f"quantization: the experts of {len(packed)} layers held as {method} int4, packed "
+            f"(groups of {group or 'a whole row'}, float32 scales and uint8 zeros; the fused MoE "
+            f"kernels dequantize them in their tiles): {_size(sum(e.memory() for e in packed))}, "
+            f"{_size(as_float)} in {str(dtype).removeprefix('torch.')}"
+        )
     held = [e for e in experts if e.fp8]
     if not held:
         return None

@@ -1,7 +1,7 @@
-"""Quantized Mixture-of-Experts checkpoints: FP8 experts held in FP8 (int4 ones dequantized as
-they load), the attention and dense layers kept quantized, the router as stored; logits equal
-those of the same model built from the dequantized weights (float32, CPU: the tolerance of
-``test_loading``)."""
+"""Quantized Mixture-of-Experts checkpoints: FP8 experts held in FP8, AWQ's and GPTQ's int4 ones
+held packed (GPTQ act-order ones dequantized as they load), the attention and dense layers kept
+quantized, the router as stored; logits equal those of the same model built from the
+dequantized weights (float32, CPU: the tolerance of ``test_loading``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.moe import dequant_fp8_expert
+from kernels.moe import dequant_fp8_expert, dequant_int4_expert
 from services.config import ConfigError
 from services.engine.models.llama import Linear, LlamaForCausalLM
 from services.engine.models.moe import Experts
@@ -38,14 +38,25 @@ def check(tmp_path: Path, family: str, method: str, **kw: object) -> tuple[Llama
     orig = ck.moe_weights(ck.tiny_config(**ck.MOE[family]))  # before quantizing
     unquantized = run(load(ck.float_checkpoint(tmp_path / "float", orig, path)))
     assert (out - unquantized).abs().max() > 100 * TOL  # the quantized weights were used
-    # FP8 experts held in FP8, whose values dequantized are the reference's; the others hold
-    # the dequantized values, in the model's dtype
+    # FP8 experts held in FP8, AWQ's and GPTQ's (not act-order) packed int4, whose values
+    # dequantized are the reference's; the others hold the dequantized values, in the model's
+    # dtype
     experts = model.model.layers[0].mlp.experts
     want = ref.model.layers[0].mlp.experts
-    held = method.startswith("fp8") and "experts" not in str(kw.get("unquantized", ""))
-    assert experts.fp8 == held
-    assert experts.gate_up_proj.dtype == (torch.float8_e4m3fn if held else torch.float32)
+    quantized = "experts" not in str(kw.get("unquantized", ""))
+    held = method.startswith("fp8") and quantized
+    packed = method in ("awq", "gptq") and quantized
+    assert experts.fp8 == held and experts.int4 == packed
+    dtype = torch.float8_e4m3fn if held else torch.int32 if packed else torch.float32
+    assert experts.gate_up_proj.dtype == dtype
     assert experts.down_proj.dtype == experts.gate_up_proj.dtype
+    if packed:  # 4 bits a weight, float32 scales and uint8 zeros a row and group of 128
+        e, two_i, h8 = experts.gate_up_proj.shape
+        weights = e * two_i * h8 * 8 + e * h8 * 8 * (two_i // 2)
+        assert experts.gate_up_proj_zeros is not None and experts.down_proj_zeros is not None
+        assert experts.gate_up_proj_zeros.dtype == torch.uint8
+        assert experts.memory() == weights // 2 + weights // 128 * 5
+        assert experts.memory() * 6 < want.memory()  # float32 here: 8x, less the groups
     assert torch.equal(dequantized(experts, True), want.gate_up_proj)
     assert torch.equal(dequantized(experts, False), want.down_proj)
     return model, path.name
@@ -55,6 +66,11 @@ def dequantized(experts: Experts, halves: bool) -> torch.Tensor:
     """Stacked expert weights as float32 (``halves``: gate_up_proj, else down_proj); FP8 ones
     through their scales."""
     w = experts.gate_up_proj if halves else experts.down_proj
+    if experts.int4:
+        s = experts.gate_up_proj_scale if halves else experts.down_proj_scale
+        z = experts.gate_up_proj_zeros if halves else experts.down_proj_zeros
+        assert s is not None and z is not None
+        return torch.stack([dequant_int4_expert(w[e], s[e], z[e]) for e in range(len(w))])
     if not experts.fp8:
         return w.float()
     s = experts.gate_up_proj_scale if halves else experts.down_proj_scale
@@ -82,21 +98,31 @@ def test_quantized_moe_checkpoints(
         assert f"experts of {layers} layers held as fp8 e4m3 with {scales} scales" in caplog.text
         assert "dequantized to float32 as they loaded" not in caplog.text
         return
+    layers = {"qwen3_moe": 1, "mixtral": 2}[family]
+    if method in ("awq", "gptq"):
+        assert f"experts of {layers} layers held as {method} int4, packed" in caplog.text
+        assert "dequantized" not in caplog.text
+        return
     projections = {"qwen3_moe": 12, "mixtral": 24}[family]  # sparse layers x 4 experts x 3
     assert (
         f"experts' {projections} {method.split('-')[0]} projections were dequantized to float32"
         in caplog.text
     )
-    assert "instead of the checkpoint's" in caplog.text and "no int4 fused MoE" in caplog.text
+    assert "instead of the checkpoint's" in caplog.text and "act-order" in caplog.text
 
 
-def test_layers_the_checkpoint_leaves_unquantized_stay_float(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["fp8-block", "awq"])
+def test_layers_the_checkpoint_leaves_unquantized_stay_float(
+    tmp_path: Path, method: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """modules_to_not_convert naming o_proj (every layer's) and one expert: those load as
     stored, the others quantized (that expert's layer's experts dequantized as they load: one
     stacked tensor holds one format)."""
-    model, _ = check(tmp_path, "qwen3_moe", "fp8-block", unquantized=("o_proj", "experts.1."))
+    with caplog.at_level("INFO", logger="services.engine.loader"):
+        model, _ = check(tmp_path, "qwen3_moe", method, unquantized=("o_proj", "experts.1."))
     layer = model.model.layers[0].self_attn
-    assert type(layer.o_proj) is Linear and isinstance(layer.qkv_proj, Fp8Linear)
+    assert type(layer.o_proj) is Linear and isinstance(layer.qkv_proj, LAYER[method])
+    assert "an expert of their layer stored unquantized" in caplog.text
 
 
 def test_part_of_a_fused_layer_left_unquantized_is_refused(tmp_path: Path) -> None:
@@ -176,20 +202,27 @@ def test_quantized_moe_over_ranks_is_refused(tmp_path: Path) -> None:
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernel on the CPU: TRITON_INTERPRET=1",
 )
+@pytest.mark.parametrize("method", ["fp8-block", "awq", "gptq"])
 def test_greedy_tokens_through_the_triton_moe_kernel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
-    """The engine (prefill and decode steps) on an FP8-block Qwen3-MoE checkpoint, its experts
-    through the fused Triton kernel (under the interpreter), gives the greedy tokens of the
-    float32 model of the dequantized weights."""
+    """The engine (prefill and decode steps) on an FP8-block, AWQ or GPTQ Qwen3-MoE checkpoint,
+    its experts (FP8, packed int4) through the fused Triton kernels (under the interpreter),
+    gives the greedy tokens of the float32 model of the dequantized weights."""
     from kernels import ops, triton_moe
     from protos.sampling_params import SamplingParams
     from services.engine.llm import LLM
     from services.engine.llm_engine import load_tokenizer
     from tests.services.engine.conftest import BESIDE, tokenizer_dir
 
-    monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
-    path, deq = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "fp8-block")
+    held: list[torch.dtype] = []
+
+    def fused_moe(x: torch.Tensor, w13: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        held.append(w13.dtype)
+        return triton_moe.fused_moe(x, w13, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops, "fused_moe", fused_moe)
+    path, deq = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", method)
     ref = ck.float_checkpoint(tmp_path / "ref", deq, path)
     tokens = []
     for where in (path, ref):
@@ -200,6 +233,8 @@ def test_greedy_tokens_through_the_triton_moe_kernel(
                 SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
             )
         tokens.append([r.outputs[0].token_ids for r in out])
+        if where == path:  # the quantized experts went through the kernels as held
+            assert set(held) == {torch.float8_e4m3fn if method == "fp8-block" else torch.int32}
     assert tokens[0] == tokens[1]
 
 
@@ -314,3 +349,14 @@ def test_dummy_weights_of_an_fp8_moe_config_draw_fp8_experts(tmp_path: Path) -> 
     for halves in (True, False):
         w = dequantized(experts, halves)
         assert 0.019 < w.abs().max() <= 0.0201 and w.std() > 0.01
+
+
+def test_dummy_weights_of_an_awq_moe_config_draw_packed_int4_experts(tmp_path: Path) -> None:
+    """--load-format dummy on an AWQ checkpoint's config: the experts held packed, drawn as
+    the dense int4 layers are (within +-0.02 once dequantized)."""
+    path, _ = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "awq")
+    experts = load(path, load_format="dummy").model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.int32 and experts.int4
+    for halves in (True, False):
+        w = dequantized(experts, halves)
+        assert w.abs().max() <= 0.0201 and w.std() > 0.005
