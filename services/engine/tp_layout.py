@@ -165,7 +165,8 @@ class TPLayout:
         if size > 1 and quant is not None and quant.serialized and arch.moe is not None:
             raise ConfigError(
                 f"{where}: quantized Mixture-of-Experts checkpoints are not split over ranks yet "
-                "(their experts are dequantized whole as they load): use 1"
+                "(their experts' quantized weights and scales are read whole): use 1, or the "
+                "float checkpoint with --quantization fp8"
             )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")

@@ -86,6 +86,12 @@ def test_experts_keep_every_expert_with_a_share_of_its_rows() -> None:
     with pytest.raises(ConfigError, match="shared expert is not split over ranks yet"):
         TPLayout.of(shared, 0, 2)
     assert TPLayout.of(shared, 0, 1) is not None  # one rank: served
+    for quant in (QuantConfig("awq", group_size=16), QuantConfig("fp8", weight_block=(16, 16))):
+        with pytest.raises(ConfigError, match="quantized Mixture-of-Experts checkpoints are not"):
+            TPLayout.of(replace(ARCH, moe=moe), 0, 2, quant)
+        assert TPLayout.of(replace(ARCH, moe=moe), 0, 1, quant) is not None
+    # quantized per rank at load time (--quantization fp8 of a float checkpoint): split
+    assert TPLayout.of(replace(ARCH, moe=moe), 0, 2, QuantConfig("fp8", serialized=False))
 
 
 def test_fused_checkpoint_tensors_are_cut_per_piece() -> None:
