@@ -62,7 +62,10 @@ _HEAD_NORMS = (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 _VISION = VISION_TOWERS  # a vision tower's (and projector's) tensors: whole on every rank
 # one expert's tensor as checkpoints store them (Qwen3-MoE's names; Mixtral's w1 / w3 / w2):
 # gate and up cut along their rows, down along its columns
-_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT = re.compile(
+    r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
+    r"(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+)
 # DeepSeek's tensors cut by head at their own widths, or by the shared experts' rows (the
 # span of TPLayout._mla_spans, the dimension); its other attention tensors are whole
 _MLA_CUTS = {
@@ -162,11 +165,12 @@ class TPLayout:
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
                 "mix every rank's input rows); use 1, or a checkpoint without act-order"
             )
-        if size > 1 and quant is not None and quant.serialized and arch.moe is not None:
+        deepseek = arch.moe is not None and (arch.mla is not None or arch.moe.grouped is not None)
+        if size > 1 and quant is not None and quant.serialized and deepseek:
             raise ConfigError(
-                f"{where}: quantized Mixture-of-Experts checkpoints are not split over ranks yet "
-                "(their experts' quantized weights and scales are read whole): use 1, or the "
-                "float checkpoint with --quantization fp8"
+                f"{where}: quantized {arch.model_type} checkpoints are not split over ranks yet "
+                "(their latent attention's and shared experts' quantized pieces are read "
+                "whole): use 1"
             )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
@@ -235,6 +239,10 @@ class TPLayout:
                 ("gate_proj and up_proj rows", mlp, rows, "rows"),
                 ("down_proj input columns", mlp, cols, "columns"),
             ]  # fmt: skip
+            if arch.moe is not None:
+                experts = (*other.moe_intermediate, arch.moe.intermediate_size)
+                checks += [("experts' gate and up rows", experts, rows, "rows"),
+                           ("experts' down input columns", experts, cols, "columns")]  # fmt: skip
             for name, (start, end, whole), unit, axis in checks:
                 if start % unit or (end % unit and end != whole):
                     raise ConfigError(
@@ -287,10 +295,9 @@ class TPLayout:
             heads = self.q_heads if name.endswith(_HEAD_NORMS[0]) else self.kv_heads
             return CheckpointSlice(0, *heads)
         expert = _EXPERT.search(name)
-        if expert is not None:
-            return CheckpointSlice(
-                int(expert.group(1) in ("down_proj", "w2")), *self.moe_intermediate
-            )
+        if expert is not None:  # an expert's gate/up rows, or its down projection's columns
+            dim = int(expert.group(1) in ("down_proj", "w2"))
+            return self._piece_slice(expert.group(2), dim, self.moe_intermediate, shape)
         match = _PIECE.search(name)
         if match is None:
             return None
@@ -298,6 +305,14 @@ class TPLayout:
         piece = match.group(2)
         if piece == "bias" and dim == 1:
             return None  # a row-parallel bias is added once, after the all-reduce
+        return self._piece_slice(piece, dim, self.row_spans()[span], shape)
+
+    def _piece_slice(
+        self, piece: str, dim: int, span: Span, shape: tuple[int, ...] | None
+    ) -> CheckpointSlice | None:
+        """The rank's part of one checkpoint piece (a weight, or a quantized weight's packed
+        words, scales or zeros) of a projection whose rows (``dim`` 0) or input columns (1)
+        the rank holds ``span`` of."""
         cuts = piece_cuts(piece, self.quant)
         if cuts is None:
             return CheckpointSlice(0, 0, 0, skip=True)
@@ -306,7 +321,7 @@ class TPLayout:
         cut = cuts.rows if dim == 0 else cuts.cols
         if cut is None:
             return None
-        start, end = self.row_spans()[span]
+        start, end = span
         tensor_dim, unit = cut
         return CheckpointSlice(tensor_dim, start // unit, -(-end // unit))
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from services.config import ConfigError
-from services.engine.model_config import ArchConfig, MoeConfig
+from services.engine.model_config import ArchConfig, GroupedRouting, MoeConfig
 from services.engine.quantization.config import QuantConfig
 from services.engine.tp_layout import CheckpointSlice, TPLayout, split
 
@@ -86,12 +86,32 @@ def test_experts_keep_every_expert_with_a_share_of_its_rows() -> None:
     with pytest.raises(ConfigError, match="shared expert is not split over ranks yet"):
         TPLayout.of(shared, 0, 2)
     assert TPLayout.of(shared, 0, 1) is not None  # one rank: served
+    # quantized experts: a rank's rows land on the format's units, or the split is refused
     for quant in (QuantConfig("awq", group_size=16), QuantConfig("fp8", weight_block=(16, 16))):
-        with pytest.raises(ConfigError, match="quantized Mixture-of-Experts checkpoints are not"):
+        with pytest.raises(ConfigError, match=r"rank 0's experts' gate and up rows \[0, 17\)"):
             TPLayout.of(replace(ARCH, moe=moe), 0, 2, quant)
         assert TPLayout.of(replace(ARCH, moe=moe), 0, 1, quant) is not None
-    # quantized per rank at load time (--quantization fp8 of a float checkpoint): split
     assert TPLayout.of(replace(ARCH, moe=moe), 0, 2, QuantConfig("fp8", serialized=False))
+
+
+def test_quantized_experts_are_cut_per_piece() -> None:
+    """An AWQ or FP8-block expert's packed words, scales and zeros: a rank's gate/up rows and
+    down input columns in each piece's own units (64 rows: 32 a rank)."""
+    arch = replace(ARCH, moe=MoeConfig(4, 2, 64, True, (0,), True))
+    awq = TPLayout.of(arch, 1, 2, QuantConfig("awq", group_size=16))
+    gate, down = "model.layers.0.mlp.experts.3.gate_proj", "model.layers.0.mlp.experts.3.down_proj"
+    assert awq.checkpoint_slice(f"{gate}.qweight") == CheckpointSlice(1, 4, 8)  # [K, N/8]
+    assert awq.checkpoint_slice(f"{gate}.scales") == CheckpointSlice(1, 32, 64)  # [K/G, N]
+    assert awq.checkpoint_slice(f"{down}.qweight") == CheckpointSlice(0, 32, 64)  # K rows
+    assert awq.checkpoint_slice(f"{down}.qzeros") == CheckpointSlice(0, 2, 4)  # [K/G, N/8]
+    fp8 = TPLayout.of(arch, 1, 2, QuantConfig("fp8", weight_block=(16, 16)))
+    assert fp8.checkpoint_slice(f"{gate}.weight_scale_inv") == CheckpointSlice(0, 2, 4)
+    assert fp8.checkpoint_slice(f"{down}.weight_scale_inv") == CheckpointSlice(1, 2, 4)
+    assert fp8.checkpoint_slice(f"{down}.weight") == CheckpointSlice(1, 32, 64)
+    # DeepSeek's family: its latent attention's and shared experts' pieces are not cut yet
+    deepseek = replace(arch, moe=replace(arch.moe, grouped=GroupedRouting(False, 1, 1, 1.0)))
+    with pytest.raises(ConfigError, match="quantized llama checkpoints are not split"):
+        TPLayout.of(deepseek, 0, 2, QuantConfig("fp8", weight_block=(16, 16)))
 
 
 def test_fused_checkpoint_tensors_are_cut_per_piece() -> None:

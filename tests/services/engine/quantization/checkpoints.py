@@ -313,13 +313,14 @@ def moe_linears(weights: Weights) -> list[str]:
 
 
 def moe_checkpoint(
-    path: Path, family: str, method: str, seed: int = 0, unquantized: tuple[str, ...] = ()
-) -> tuple[Path, Weights]:
+    path: Path, family: str, method: str, seed: int = 0, unquantized: tuple[str, ...] = (),
+    config: dict[str, Any] | None = None,
+) -> tuple[Path, Weights]:  # fmt: skip
     """A tiny ``family`` MoE checkpoint in ``method``'s format ("fp8-block", "fp8-channel" as
     compressed-tensors, "awq", "gptq", "gptq-act-order" in groups of 32, so that the order
     matters), with the float weights it dequantizes to; the projections named in ``unquantized`` stored as they are (and listed in the
-    config, as the quantizers list them)."""
-    cfg = tiny_config(**MOE[family])
+    config, as the quantizers list them); ``config`` overrides the tiny model's shapes."""
+    cfg = tiny_config(**{**MOE[family], **(config or {})})
     w = moe_weights(cfg, seed)
     tensors, deq = dict(w), dict(w)
     kind = method.split("-")[0]

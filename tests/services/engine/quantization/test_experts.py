@@ -189,13 +189,19 @@ def test_quantized_stacked_expert_checkpoints_are_refused(
         load(path)
 
 
-def test_quantized_moe_over_ranks_is_refused(tmp_path: Path) -> None:
+def test_quantized_experts_cut_off_their_groups_are_refused_over_ranks(tmp_path: Path) -> None:
+    """Two ranks of 192 intermediate rows: the down projections' input columns [0, 192) miss
+    GPTQ's groups of 128 (tests/services/engine/quantization/test_tensor_parallel.py serves
+    the splits that fall on them)."""
     from services.config import ModelConfig
     from services.engine.loader import check_tp_split
 
-    path, _ = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "gptq")
-    with pytest.raises(ConfigError, match="quantized Mixture-of-Experts checkpoints are not split"):
+    shapes = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": 384}  # fmt: skip
+    path, _ = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "gptq", config=shapes)
+    with pytest.raises(ConfigError, match=r"experts' down input columns \[0, 192\)"):
         check_tp_split(ModelConfig(model=str(path)), 2)
+    check_tp_split(ModelConfig(model=str(path)), 1)
 
 
 @pytest.mark.skipif(
