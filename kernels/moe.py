@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.layers import ref_silu_and_mul
+from kernels.quant import pack_cols, unpack_cols
 
 
 @dataclass(frozen=True)
@@ -154,24 +155,12 @@ def int4_scale_shapes(
     return (e, 2 * inter, h // max(g13, 1)), (e, h, inter // max(g2, 1))
 
 
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:  # [..., K] in 0..15 -> [..., K / 8] int32
-    """Eight consecutive columns a word, column ``8c + j`` in nibble ``j`` (:class:`Int4Scales`)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
-    words = q.to(torch.int32).reshape(*q.shape[:-1], q.shape[-1] // 8, 8) << shifts
-    return words.sum(-1, dtype=torch.int32)
-
-
-def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:  # [..., K / 8] -> [..., K] int32
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(*packed.shape[:-1], -1)
-
-
 def dequant_int4_expert(
     qweight: torch.Tensor,  # [N, K / 8] int32: one expert's w13 or w2 (Int4Scales)
     scale: torch.Tensor,  # [N, K / G] float32
     zeros: torch.Tensor,  # [N, K / G] uint8
 ) -> torch.Tensor:  # [N, K] float32
-    q = unpack_int4_rows(qweight)
+    q = unpack_cols(qweight)  # eight K columns a word, in order
     cols = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // max(scale.shape[1], 1))
     return (q - zeros.long()[:, cols]).float() * scale.float()[:, cols]
 
@@ -191,7 +180,7 @@ def quantize_int4_experts(
     zeros = (-lo / scale).round().clamp(0, 15)
     q = (groups / scale[..., None]).round() + zeros[..., None]
     q = q.clamp(0, 15).reshape(e, n, k)
-    return pack_int4_rows(q), scale, zeros.to(torch.uint8)
+    return pack_cols(q), scale, zeros.to(torch.uint8)
 
 
 def int4_scales_of(w13: torch.Tensor, int4: Int4Scales | None) -> Int4Scales | None:

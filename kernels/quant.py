@@ -36,19 +36,19 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:  # [..., P] int32 -> [..., P
 
 
 def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``[R, C/8]`` int32 -> ``[R, C]`` int32: eight columns per int32, nibble ``i`` holding
-    column ``order[i]`` of its eight (in order when None: GPTQ's zeros; AWQ_ORDER: AWQ)."""
-    nib = _nibbles(packed)  # [R, C/8, 8], nibble-major
+    """``[..., R, C/8]`` int32 -> ``[..., R, C]`` int32: eight columns per int32, nibble ``i``
+    holding column ``order[i]`` of its eight (in order when None: GPTQ's zeros and the fused
+    MoE's int4 experts; AWQ_ORDER: AWQ)."""
+    nib = _nibbles(packed)  # [..., C/8, 8], nibble-major
     if order is not None:
         inverse = torch.argsort(torch.tensor(order))  # column j sits in nibble inverse[j]
         nib = nib[..., inverse.to(packed.device)]
-    return nib.reshape(packed.shape[0], -1)
+    return nib.reshape(*packed.shape[:-1], -1)
 
 
 def pack_cols(q: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Inverse of :func:`unpack_cols`: ``[R, C]`` values in 0..15 -> ``[R, C/8]`` int32."""
-    r, c = q.shape
-    cols = q.to(torch.int32).reshape(r, c // 8, 8)
+    """Inverse of :func:`unpack_cols`: ``[..., C]`` values in 0..15 -> ``[..., C/8]`` int32."""
+    cols = q.to(torch.int32).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
     if order is not None:
         cols = cols[..., torch.tensor(order, device=q.device)]
     return (cols << _SHIFTS.to(q.device)).sum(-1, dtype=torch.int32)

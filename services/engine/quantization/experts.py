@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.moe import pack_int4_rows
 from kernels.quant import (
     AWQ_ORDER,
     expand_block_scales,
+    pack_cols,
     ref_dequant_awq,
     ref_dequant_fp8,
     ref_dequant_gptq,
@@ -94,7 +94,7 @@ def pack_expert(
     qweight, qzeros, scales = pieces["qweight"], pieces["qzeros"], pieces["scales"]
     if qcfg.method == "awq":  # [K, N/8] columns in AWQ's order; zeros [K/G, N/8] alike
         q = unpack_cols(qweight, AWQ_ORDER).T.contiguous()  # [N, K]
-        packed = pack_int4_rows(q)
+        packed = pack_cols(q)
         zeros = unpack_cols(qzeros, AWQ_ORDER)
     else:  # GPTQ [K/8, N]: eight K rows a word in order, ours transposed; zeros minus one
         packed = qweight.T.contiguous()
