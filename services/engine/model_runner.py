@@ -395,7 +395,7 @@ class ModelRunner:
             query_start_loc=d32[1],
             num_decodes=nd,
             prefill_start_loc=d32[2] if nd < B else None,
-            prefill_no_prefix=nd < B and not bool(starts[nd:].any()),
+            prefill_no_prefix=nd < B and n_prefix == 0,
             prefix_prefills=n_prefix,
             prefix_prefill_rows=int(lens[nd : nd + n_prefix].sum()),
             prefix_prefill_longest=int(starts[nd : nd + n_prefix].max()) if n_prefix else 0,

@@ -50,8 +50,8 @@ from services.engine.models.llama import (
 from services.engine.models.moe import Experts, SharedExpert
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with its default
-# prompts with no cached prefix in the expanded form (MLAttention._forward_expanded); False
-# runs them absorbed too (measurement: scripts/device/mla_moe.sh patches it to compare)
+# prompt chunks in the expanded form (MLAttention._forward_expanded); False runs them absorbed
+# too (measurement: scripts/device/mla_moe.sh patches it to compare)
 EXPANDED_PREFILL = True
 # the most bytes the expanded keys and values of a step's cached prefixes may take (each head's
 # keys and values of every prefix token, made from the cached latents); past it the chunks
@@ -105,18 +105,20 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.nq, m.qk_nope_head_dim + m.v_head_dim, -1)
         return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
 
-    def _qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H, R+L], [T, 1, R+L]
-        """Each head's query in the cache's space, ``[q_rope | q_nope W_UK]``, and the token's
-        cache row ``[k_rope | normed latent]`` (rope parts not rotated yet)."""
-        m, T, H = self.mla, x.shape[0], self.nq
-        nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
-        q = self._query(x).view(T, H, m.qk_head_dim)  # [T, H, nope + rope]
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())[0]  # [T, L]
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each head's query [T, H, nope + rope], the token's normed latent [T, L] and its
+        rotary key part [T, R] (not rotated yet)."""
+        m = self.mla
+        q = self._query(x).view(x.shape[0], self.nq, m.qk_head_dim)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        return q, self.kv_a_layernorm(latent.contiguous())[0], k_rope
+
+    def _absorb(self, q: torch.Tensor) -> torch.Tensor:  # [T, H, nope + rope] -> [T, H, R + L]
+        """Each head's query in the cache's space, ``[q_rope | q_nope W_UK]``."""
+        nope = self.mla.qk_nope_head_dim
         w_uk, _ = self._absorbed()
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-        q = torch.cat([q[..., nope:], q_latent], dim=-1)
-        return q, torch.cat([k_rope, latent], dim=-1)[:, None, :]
+        return torch.cat([q[..., nope:], q_latent], dim=-1)
 
     def forward(
         self,
@@ -139,7 +141,9 @@ class MLAttention(nn.Module):
             and cache.dtype == x.dtype
         ):
             return self._forward_expanded(x, positions, cos_sin, cache, meta)
-        q, k = self._qk(x)
+        q, latent, k_rope = self._project(x)
+        q = self._absorb(q)
+        k = torch.cat([k_rope, latent], dim=-1)[:, None, :]  # the cache row [k_rope | latent]
         scaled = cache.element_size() == 1  # FP8: the scale applies
         # rotate q's and k's rope dims, write k once (v None: the values are the keys)
         q = ops.rotary_write_kv(
@@ -179,24 +183,20 @@ class MLAttention(nn.Module):
         prefix's keys and values expanded from its cached latents (:meth:`_expanded_prefix`);
         past ``EXPANDED_PREFIX_BYTES`` of them those chunks attend absorbed."""
         m, T, H, nd = self.mla, x.shape[0], self.nq, meta.num_decodes
-        nope, rope, v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        nope, v_dim = m.qk_nope_head_dim, m.v_head_dim
         npre, old = meta.prefix_prefills, nd + meta.prefix_prefill_rows
         blocks = -(-meta.prefix_prefill_longest // cache.shape[1])  # a prefix's, at most
         width = max(m.qk_head_dim, v_dim)
         prefix_bytes = npre * blocks * cache.shape[1] * H * 2 * width * x.element_size()
         absorbed = old if npre and prefix_bytes > EXPANDED_PREFIX_BYTES else nd  # rows [0, it)
-        q = self._query(x).view(T, H, m.qk_head_dim)  # [T, H, nope + rope]
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())[0]  # [T, L]
+        q, latent, k_rope = self._project(x)
         rows = torch.cat([k_rope, latent], dim=-1)[:, None, :]  # [T, 1, R + L], rope unrotated
         out = x.new_empty((T, H, v_dim))
         q_abs = None
         if absorbed:  # their queries in the cache's space, rotated as their rows are written
-            w_uk, _ = self._absorbed()
-            q_lat = torch.bmm(q[:absorbed, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)
             q_abs = ops.rotary_write_kv(
-                positions[:absorbed], torch.cat([q[:absorbed, :, nope:], q_lat], dim=-1),
-                rows[:absorbed], None, cos_sin, cache, cache, meta.slot_mapping[:absorbed],
+                positions[:absorbed], self._absorb(q[:absorbed]), rows[:absorbed], None,
+                cos_sin, cache, cache, meta.slot_mapping[:absorbed],
             )  # fmt: skip
         ex = slice(absorbed, T)
         # the expanded rows' latents into the cache (the rotated copy it returns is not needed)
