@@ -182,31 +182,43 @@ def move_by_transfer_buffer(
     ops.scatter_blocks(buffer, decode.runner.kv_caches, dst)
 
 
+Move = Callable[[LLMEngine, LLMEngine, torch.Tensor, torch.Tensor], None]
+
+
+def hand_over(
+    prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
+    move: Move = move_by_transfer_buffer,
+) -> list[int]:  # fmt: skip
+    """One prompt handed over: ``prefill`` computes it and its first token,
+    ``move(prefill, decode, src, dst)`` copies its KV blocks into the blocks ``decode``
+    reserves for it, and ``decode`` takes the request on (activated, not stepped). Its first
+    tokens."""
+    prefill.add_request(rid, prompt, replace(params, max_tokens=1), prefill_only=True)
+    while not (first := [o for o in prefill.step() if o.request_id == rid]):
+        pass
+    blocks = decode.reserve(rid, prompt, params)
+    assert blocks is not None
+    move(prefill, decode, torch.tensor(prefill.block_ids(rid)), torch.tensor(blocks))
+    prefill.scheduler.release(rid)
+    tokens = list(first[0].token_ids)
+    assert decode.activate(rid, prompt, tokens) is None
+    return tokens
+
+
 def hand_off(
     prefill: LLMEngine,
     decode: LLMEngine,
     prompts: Sequence[list[int]],
     params: SamplingParams,
-    move: Callable[[LLMEngine, LLMEngine, torch.Tensor, torch.Tensor], None] = (
-        move_by_transfer_buffer
-    ),
+    move: Move = move_by_transfer_buffer,
 ) -> list[list[int]]:
-    """Disaggregated serving between two engines, one prompt at a time: ``prefill`` computes
-    the prompt and its first token, ``move(prefill, decode, src, dst)`` copies its KV blocks
-    into ``decode``'s reservation, ``decode`` generates the rest. Each prompt's tokens; both
-    pools free afterwards."""
+    """Disaggregated serving between two engines, one prompt at a time (:func:`hand_over`),
+    ``decode`` generating each one's rest before the next. Each prompt's tokens; both pools
+    free afterwards."""
     got = []
     for i, prompt in enumerate(prompts):
         rid = f"handoff-{i}"
-        prefill.add_request(rid, prompt, replace(params, max_tokens=1), prefill_only=True)
-        while not (first := [o for o in prefill.step() if o.request_id == rid]):
-            pass
-        blocks = decode.reserve(rid, prompt, params)
-        assert blocks is not None
-        move(prefill, decode, torch.tensor(prefill.block_ids(rid)), torch.tensor(blocks))
-        prefill.scheduler.release(rid)
-        tokens = list(first[0].token_ids)
-        assert decode.activate(rid, prompt, tokens) is None
+        tokens = hand_over(prefill, decode, rid, prompt, params, move)
         while decode.has_unfinished:
             for out in decode.step():
                 tokens += out.token_ids

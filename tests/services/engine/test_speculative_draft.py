@@ -25,7 +25,7 @@ from services.engine.kv_cache import block_bytes
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine, load_tokenizer
 from services.engine.speculative import VERIFY_ROWS, PromptChunk, ProposalRequest
-from tests.services.engine.conftest import BESIDE, tokenizer_dir
+from tests.services.engine.conftest import BESIDE, hand_over, tokenizer_dir
 from tests.services.engine.test_speculative import COPYING, PROMPTS
 
 
@@ -311,20 +311,14 @@ def test_on_a_decode_worker_the_draft_feeds_the_prompt_itself(tiny: tuple[Path, 
     prefill = LLM(str(target), max_num_seqs=16).engine
     decode = LLM(str(target), max_num_seqs=16, num_blocks=400,  # every prompt reserved at once
                  speculative_config={"model": str(target), "num_speculative_tokens": 3}).engine  # fmt: skip
-    got: dict[str, list[int]] = {}
-    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-        rid = f"r{i}"
-        prefill.add_request(rid, prompt, replace(sp, max_tokens=1), prefill_only=True)
-        while not (first := [o for o in prefill.step() if o.request_id == rid]):
-            pass
-        blocks = decode.reserve(rid, prompt, sp)
-        assert blocks is not None
-        src, dst = torch.tensor(prefill.block_ids(rid)), torch.tensor(blocks)
+
+    def copy(prefill: LLMEngine, decode: LLMEngine, src: torch.Tensor, dst: torch.Tensor) -> None:
         for theirs, ours in zip(prefill.runner.kv_caches, decode.runner.kv_caches, strict=True):
             ours[:, dst] = theirs[:, src]
-        prefill.scheduler.release(rid)
-        got[rid] = list(first[0].token_ids)
-        assert decode.activate(rid, prompt, got[rid]) is None
+
+    # every prompt handed over first, then decoded together
+    got = {f"r{i}": hand_over(prefill, decode, f"r{i}", prompt, sp, copy)
+           for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))}  # fmt: skip
     while decode.has_unfinished:
         for out in decode.step():
             got[out.request_id] += out.token_ids
