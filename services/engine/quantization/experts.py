@@ -196,7 +196,10 @@ class ExpertDequantizer:
         if self.qcfg.is_int4 and self.qcfg.desc_act:
             why = "GPTQ act-order (desc_act): the fused MoE kernels read groups in order only"
         elif self.qcfg.is_int4:
-            why = "an expert of their layer stored unquantized"
+            why = (
+                "an expert of their layer stored unquantized, or a group size that does not "
+                "divide their widths"
+            )
         else:
             why = "no FP8 on this GPU, or an expert of their layer stored unquantized"
         experts = self.projections - self.attention
