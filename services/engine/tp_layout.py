@@ -8,8 +8,8 @@ its query heads. The MLP's intermediate rows split the same way (column-parallel
 row-parallel down); the vocabulary is split into equal shards of ``ceil(V / size)`` rows, the
 last one padded, so the logits gather is one equal-sized all-gather. A Mixture-of-Experts layer
 keeps every expert on every rank, each with its share of the expert's intermediate rows (the
-router replicated, the block's output summed over the ranks, as a row-parallel layer's;
-DeepSeek's shared experts split alike). DeepSeek's latent attention splits by head too, each
+router replicated, the block's output summed over the ranks, as a row-parallel layer's; a
+shared expert, DeepSeek's, Qwen2-MoE's, Granite's or ERNIE's, split as an MLP). DeepSeek's latent attention splits by head too, each
 projection at its own per-head width (q: nope + rope dims, kv_b: nope + value, o_proj's input:
 value), its latent projections whole on every rank. A vision-language model's vision tower is whole on every rank (each encodes the step's images;
 its language model splits as any).
@@ -66,15 +66,20 @@ _EXPERT = re.compile(
     r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
     r"(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
 )
-# DeepSeek's tensors cut by head at their own widths, or by the shared experts' rows (the
-# span of TPLayout._mla_spans, the dimension); its other attention tensors are whole
+# DeepSeek's attention projections cut by head at their own widths (the span of
+# TPLayout._mla_spans, the dimension), every piece of them (a float weight, or a quantized
+# one's scales, packed words and zeros) in its own units; its other attention tensors are whole
 _MLA_CUTS = {
-    ".self_attn.q_proj.weight": ("q", 0), ".self_attn.q_b_proj.weight": ("q", 0),
-    ".self_attn.kv_b_proj.weight": ("kv_b", 0), ".self_attn.o_proj.weight": ("o", 1),
-    ".shared_experts.gate_proj.weight": ("shared", 0),
-    ".shared_experts.up_proj.weight": ("shared", 0),
-    ".shared_experts.down_proj.weight": ("shared", 1),
+    ".self_attn.q_proj": ("q", 0), ".self_attn.q_b_proj": ("q", 0),
+    ".self_attn.kv_b_proj": ("kv_b", 0), ".self_attn.o_proj": ("o", 1),
 }  # fmt: skip
+# a shared expert's projection, cut by its intermediate rows as an MLP's: DeepSeek's, GLM-4.5's
+# and ERNIE 4.5's ``shared_experts``, Qwen2-MoE's ``shared_expert``, Granite MoE's
+# ``shared_mlp`` (gate and up stacked in ``input_linear``, as ours in ``gate_up_proj``)
+_SHARED = re.compile(
+    r"\.(?:shared_experts?|shared_mlp)\."
+    r"(gate_proj|up_proj|down_proj|output_linear|gate_up_proj|input_linear)\.(\w+)$"
+)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,16 @@ def _alignment(qcfg: QuantConfig) -> tuple[int, int]:
     return 8, qcfg.group_size
 
 
+def _mla_whole(arch: ArchConfig) -> dict[str, int]:
+    """The whole model's rows of the spans of ``TPLayout._mla_spans``: DeepSeek's q projection,
+    kv_b and o_proj's input."""
+    m, nq = arch.mla, arch.num_heads
+    if m is None:
+        return {}
+    return {"q": nq * m.qk_head_dim, "kv_b": nq * (m.qk_nope_head_dim + m.v_head_dim),
+            "o": nq * m.v_head_dim}  # fmt: skip
+
+
 def split(n: int, parts: int, index: int) -> Span:
     """The index-th of ``parts`` contiguous runs of ``n`` items, the first ones one longer."""
     base, extra = divmod(n, parts)
@@ -147,9 +162,10 @@ class TPLayout:
     # OLMo 2's q/k norms over the whole projection: their weights cut as the q and k rows
     qk_norm_whole: bool = False
     # DeepSeek's latent attention: its projections cut by head at their own widths
-    # (``_mla_slice``), its shared experts' rows (``shared_intermediate``) as the experts'
+    # (``_mla_slice``); an MoE's shared expert's intermediate rows this rank holds
     mla: MlaConfig | None = None
     shared_intermediate: Span = (0, 0)
+    shared_whole: int = 0  # the whole shared expert's intermediate rows
 
     @classmethod
     def of(
@@ -164,13 +180,6 @@ class TPLayout:
             raise ConfigError(
                 f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
                 "mix every rank's input rows); use 1, or a checkpoint without act-order"
-            )
-        deepseek = arch.moe is not None and (arch.mla is not None or arch.moe.grouped is not None)
-        if size > 1 and quant is not None and quant.serialized and deepseek:
-            raise ConfigError(
-                f"{where}: quantized {arch.model_type} checkpoints are not split over ranks yet "
-                "(their latent attention's and shared experts' quantized pieces are read "
-                "whole): use 1"
             )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
@@ -197,17 +206,12 @@ class TPLayout:
         vocab = (min(rank * shard, arch.vocab_size), min((rank + 1) * shard, arch.vocab_size))
         mlp = split(arch.intermediate_size, size, rank)
         experts, shared = (0, 0), (0, 0)
+        shared_whole = arch.moe.shared_intermediate_size if arch.moe is not None else 0
+        if shared_whole:  # split as an MLP, its partial sum joining the experts'
+            if shared_whole < size:
+                raise ConfigError(f"{where}: the shared experts' size is too small")
+            shared = split(shared_whole, size, rank)
         if arch.moe is not None:
-            grouped = arch.moe.grouped is not None  # DeepSeek's: ungated, split as an MLP
-            if grouped and arch.moe.shared_intermediate_size:
-                if arch.moe.shared_intermediate_size < size:
-                    raise ConfigError(f"{where}: the shared experts' size is too small")
-                shared = split(arch.moe.shared_intermediate_size, size, rank)
-            elif arch.moe.shared_intermediate_size and size > 1:
-                raise ConfigError(
-                    f"{where}: {arch.model_type}'s shared expert is not split over ranks yet: "
-                    "serve it with --tensor-parallel-size 1"
-                )
             if arch.moe.intermediate_size < size:
                 raise ConfigError(
                     f"{where}: the experts' intermediate size {arch.moe.intermediate_size} is "
@@ -216,7 +220,7 @@ class TPLayout:
             experts = split(arch.moe.intermediate_size, size, rank)
         whole = (nq * arch.head_dim, nkv * arch.head_dim, arch.intermediate_size)
         layout = cls(rank, size, q, kv, mlp, vocab, shard, arch.head_dim, quant, experts, whole,
-                     arch.qk_norm_whole, arch.mla, shared)  # fmt: skip
+                     arch.qk_norm_whole, arch.mla, shared, shared_whole)  # fmt: skip
         if size > 1 and quant is not None and quant.serialized:
             layout._check_alignment(arch, where)
         return layout
@@ -239,6 +243,18 @@ class TPLayout:
                 ("gate_proj and up_proj rows", mlp, rows, "rows"),
                 ("down_proj input columns", mlp, cols, "columns"),
             ]  # fmt: skip
+            if arch.mla is not None:  # the latent attention's, at its own per-head widths
+                spans, mla = other._mla_spans(), _mla_whole(arch)
+                checks = [
+                    *checks[3:],
+                    ("q_proj (q_b_proj) rows", (*spans["q"], mla["q"]), rows, "rows"),
+                    ("kv_b_proj rows", (*spans["kv_b"], mla["kv_b"]), rows, "rows"),
+                    ("o_proj input columns", (*spans["o"], mla["o"]), cols, "columns"),
+                ]  # fmt: skip
+            if self.shared_whole:
+                shared = (*other.shared_intermediate, self.shared_whole)
+                checks += [("shared experts' gate and up rows", shared, rows, "rows"),
+                           ("shared experts' down input columns", shared, cols, "columns")]  # fmt: skip
             if arch.moe is not None:
                 experts = (*other.moe_intermediate, arch.moe.intermediate_size)
                 checks += [("experts' gate and up rows", experts, rows, "rows"),
@@ -259,9 +275,8 @@ class TPLayout:
             moe = replace(
                 moe, intermediate_size=self.moe_intermediate[1] - self.moe_intermediate[0]
             )
-            if moe.grouped is not None:
-                shared = self.shared_intermediate[1] - self.shared_intermediate[0]
-                moe = replace(moe, shared_intermediate_size=shared)
+            shared = self.shared_intermediate[1] - self.shared_intermediate[0]
+            moe = replace(moe, shared_intermediate_size=shared)
         return replace(
             arch,
             num_heads=self.q_heads[1] - self.q_heads[0],
@@ -281,8 +296,11 @@ class TPLayout:
         name = name.replace("model.language_model.", "model.")  # transformers 5's VL names
         if name in _VOCAB:
             return CheckpointSlice(0, *self.vocab, pad_to=self.vocab_shard)
-        if self._deepseek_cut(name):
-            return self._mla_slice(name)
+        if self.mla is not None and ".self_attn." in name:
+            return self._mla_slice(name, shape)
+        shared = _SHARED.search(name)
+        if shared is not None and self.shared_intermediate != (0, 0):
+            return self._shared_slice(shared.group(1), shared.group(2), shape)
         fused = _FUSED.search(name)
         if fused is not None:
             return CheckpointSlice(0, 0, 0, runs=self.fused_runs(fused.group(1)))
@@ -325,48 +343,48 @@ class TPLayout:
         tensor_dim, unit = cut
         return CheckpointSlice(tensor_dim, start // unit, -(-end // unit))
 
-    def _deepseek_cut(self, name: str) -> bool:
-        """Whether ``name`` is cut by ``_MLA_CUTS``: DeepSeek's attention tensors, and the
-        shared experts of DeepSeek's MoE (DeepSeek's, GLM-4.5's)."""
-        mla = self.mla is not None and ".self_attn." in name
-        return mla or (".shared_experts." in name and self.shared_intermediate != (0, 0))
+    def _shared_slice(
+        self, proj: str, piece: str, shape: tuple[int, ...] | None
+    ) -> CheckpointSlice | None:
+        """A shared expert's tensor: its gate and up rows (a stacked gate/up tensor's two runs),
+        its down projection's input columns, each quantized piece in its own units."""
+        if proj in ("gate_up_proj", "input_linear"):  # [2I, H]: the rank's rows of each half
+            s0, s1 = self.shared_intermediate
+            whole = self.shared_whole
+            return CheckpointSlice(0, 0, 0, runs=((s0, s1), (whole + s0, whole + s1)))
+        dim = int(proj in ("down_proj", "output_linear"))
+        if piece == "bias" and dim == 1:
+            return None  # added once, after the sum
+        return self._piece_slice(piece, dim, self.shared_intermediate, shape)
 
     def _mla_spans(self) -> dict[str, Span]:
         """This rank's rows of DeepSeek's q projection (each head's qk dims), of kv_b (each
-        head's nope key and value), of the o_proj input (each head's value) and of the shared
-        experts' intermediate."""
-        spans = {"shared": self.shared_intermediate}
-        if self.mla is not None:
-            (h0, h1), m = self.q_heads, self.mla
-            kv = m.qk_nope_head_dim + m.v_head_dim
-            spans.update(q=(h0 * m.qk_head_dim, h1 * m.qk_head_dim), kv_b=(h0 * kv, h1 * kv),
-                         o=(h0 * m.v_head_dim, h1 * m.v_head_dim))  # fmt: skip
-        return spans
+        head's nope key and value) and of the o_proj input (each head's value)."""
+        if self.mla is None:
+            return {}
+        (h0, h1), m = self.q_heads, self.mla
+        kv = m.qk_nope_head_dim + m.v_head_dim
+        return {"q": (h0 * m.qk_head_dim, h1 * m.qk_head_dim), "kv_b": (h0 * kv, h1 * kv),
+                "o": (h0 * m.v_head_dim, h1 * m.v_head_dim)}  # fmt: skip
 
-    def _mla_slice(self, name: str) -> CheckpointSlice | None:
-        """A DeepSeek attention or shared-experts tensor's part: q, kv_b and the shared gate/up
-        by rows, o_proj and the shared down by columns; the latent projections and norms (and
-        o_proj's bias, added once after the sum) whole."""
-        spans = self._mla_spans()
+    def _mla_slice(self, name: str, shape: tuple[int, ...] | None = None) -> CheckpointSlice | None:
+        """A DeepSeek attention tensor's part: q and kv_b by rows, o_proj by columns, each
+        piece of a quantized one (fp8 block scales, AWQ's and GPTQ's packed words, zeros and
+        group scales) in its own units; the latent projections and norms (and o_proj's bias,
+        added once after the sum) whole."""
+        module, _, piece = name.rpartition(".")
         for suffix, (span, dim) in _MLA_CUTS.items():
-            if name.endswith(suffix):
-                return CheckpointSlice(dim, *spans[span])
+            if module.endswith(suffix):
+                if piece == "bias" and dim == 1:
+                    return None
+                return self._piece_slice(piece, dim, self._mla_spans()[span], shape)
         return None
 
     def _mla_param_slice(self, name: str, arch: ArchConfig) -> tuple[int, int, list[Span]] | None:
-        """``param_slice`` of DeepSeek's attention and shared experts (our parameter names:
-        the shared gate and up stacked as ``gate_up_proj``)."""
-        spans, nq, m = self._mla_spans(), arch.num_heads, arch.mla
-        shared = arch.moe.shared_intermediate_size if arch.moe is not None else 0
-        whole = {"shared": shared}
-        if m is not None:
-            whole.update(q=nq * m.qk_head_dim, kv_b=nq * (m.qk_nope_head_dim + m.v_head_dim),
-                         o=nq * m.v_head_dim)  # fmt: skip
-        if name.endswith(".shared_experts.gate_up_proj.weight"):
-            s0, s1 = spans["shared"]
-            return 0, 2 * shared, [(s0, s1), (shared + s0, shared + s1)]
+        """``param_slice`` of DeepSeek's attention."""
+        spans, whole = self._mla_spans(), _mla_whole(arch)
         for suffix, (span, dim) in _MLA_CUTS.items():
-            if name.endswith(suffix):
+            if name.endswith(f"{suffix}.weight"):
                 return dim, whole[span], [spans[span]]
         return None
 
@@ -411,8 +429,14 @@ class TPLayout:
             return None
         if name in _VOCAB:
             return 0, arch.vocab_size, [self.vocab]
-        if self._deepseek_cut(name):
+        if self.mla is not None and ".self_attn." in name:
             return self._mla_param_slice(name, arch)
+        shared = _SHARED.search(name)
+        if shared is not None and self.shared_intermediate != (0, 0):  # ours: gate_up, down
+            (s0, s1), i = self.shared_intermediate, self.shared_whole
+            if shared.group(1) == "gate_up_proj":
+                return 0, 2 * i, [(s0, s1), (i + s0, i + s1)]
+            return (1, i, [(s0, s1)]) if shared.group(2) == "weight" else None
         if name.endswith("experts.gate_up_proj") and arch.moe is not None:  # [E, 2I, H]
             e, i = self.moe_intermediate, arch.moe.intermediate_size
             return 1, 2 * i, [e, (i + e[0], i + e[1])]

@@ -73,8 +73,8 @@ def test_granite_moe_shared_reads_its_ungated_shared_mlp() -> None:
     # the plain Granite MoE has no shared MLP whatever its config carries
     plain = _arch("granitemoe", shared_intermediate_size=48)
     assert plain.moe is not None and plain.moe.shared_intermediate_size == 0
-    with pytest.raises(ConfigError, match="shared expert is not split over ranks"):
-        TPLayout.of(arch, 0, 2)
+    # over ranks: its shared MLP's rows split (24 + 24), as the experts' are
+    assert TPLayout.of(arch, 1, 2).shared_intermediate == (24, 48)
 
 
 @pytest.mark.parametrize(

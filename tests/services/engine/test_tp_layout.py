@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from services.config import ConfigError
-from services.engine.model_config import ArchConfig, GroupedRouting, MoeConfig
+from services.engine.model_config import ArchConfig, MoeConfig
 from services.engine.quantization.config import QuantConfig
 from services.engine.tp_layout import CheckpointSlice, TPLayout, split
 
@@ -82,10 +82,28 @@ def test_experts_keep_every_expert_with_a_share_of_its_rows() -> None:
     assert b.param_slice("model.layers.0.mlp.experts.down_proj", arch) == (2, 33, [(17, 33)])
     with pytest.raises(ConfigError, match="experts' intermediate size 1 is too small"):
         TPLayout.of(replace(ARCH, moe=replace(moe, intermediate_size=1)), 0, 2)
+    # a shared expert's rows split as an MLP's (48: 24 a rank), whatever its family's names
     shared = replace(ARCH, model_type="qwen2_moe", moe=replace(moe, shared_intermediate_size=48))
-    with pytest.raises(ConfigError, match="shared expert is not split over ranks yet"):
-        TPLayout.of(shared, 0, 2)
-    assert TPLayout.of(shared, 0, 1) is not None  # one rank: served
+    s = TPLayout.of(shared, 1, 2)
+    assert s.local_arch(shared).moe == replace(
+        moe, intermediate_size=16, shared_intermediate_size=24
+    )
+    for name, cut in [
+        ("model.layers.0.mlp.shared_expert.gate_proj.weight", CheckpointSlice(0, 24, 48)),
+        ("model.layers.0.mlp.shared_expert.down_proj.weight", CheckpointSlice(1, 24, 48)),
+        ("model.layers.0.mlp.shared_experts.up_proj.weight", CheckpointSlice(0, 24, 48)),
+        ("model.layers.0.shared_mlp.input_linear.weight",
+         CheckpointSlice(0, 0, 0, runs=((24, 48), (72, 96)))),
+        ("model.layers.0.shared_mlp.output_linear.weight", CheckpointSlice(1, 24, 48)),
+        ("model.layers.0.mlp.shared_expert_gate.weight", None),
+    ]:  # fmt: skip
+        assert s.checkpoint_slice(name) == cut, name
+    assert s.param_slice("model.layers.0.mlp.shared_expert.gate_up_proj.weight", shared) == (
+        0, 96, [(24, 48), (72, 96)]
+    )  # fmt: skip
+    assert s.param_slice("model.layers.0.mlp.shared_expert.down_proj.weight", shared) == (
+        1, 48, [(24, 48)]
+    )  # fmt: skip
     # quantized experts: a rank's rows land on the format's units, or the split is refused
     for quant in (QuantConfig("awq", group_size=16), QuantConfig("fp8", weight_block=(16, 16))):
         with pytest.raises(ConfigError, match=r"rank 0's experts' gate and up rows \[0, 17\)"):
@@ -108,10 +126,6 @@ def test_quantized_experts_are_cut_per_piece() -> None:
     assert fp8.checkpoint_slice(f"{gate}.weight_scale_inv") == CheckpointSlice(0, 2, 4)
     assert fp8.checkpoint_slice(f"{down}.weight_scale_inv") == CheckpointSlice(1, 2, 4)
     assert fp8.checkpoint_slice(f"{down}.weight") == CheckpointSlice(1, 32, 64)
-    # DeepSeek's family: its latent attention's and shared experts' pieces are not cut yet
-    deepseek = replace(arch, moe=replace(arch.moe, grouped=GroupedRouting(False, 1, 1, 1.0)))
-    with pytest.raises(ConfigError, match="quantized llama checkpoints are not split"):
-        TPLayout.of(deepseek, 0, 2, QuantConfig("fp8", weight_block=(16, 16)))
 
 
 def test_fused_checkpoint_tensors_are_cut_per_piece() -> None:
@@ -235,3 +249,50 @@ def test_the_latent_cache_is_whole_on_every_rank() -> None:
     assert owned([a.kv_heads, b.kv_heads]) == [(0, 1), (1, 1)]
     with pytest.raises(ConfigError, match="3 query heads cannot be split over 4 ranks"):
         TPLayout.of(arch, 0, 4)
+
+
+# DeepSeek-V3's published shapes (its 61 layers cut to 4)
+V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+    "first_k_dense_replace": 3, "num_hidden_layers": 4,
+}  # fmt: skip
+
+
+def test_deepseek_v3_fp8_blocks_are_cut_per_head_on_eight_ranks() -> None:
+    """DeepSeek-V3's FP8 checkpoint (128 x 128 blocks) on 8 ranks: rank 1's 16 heads are 3,072
+    q_b rows (blocks 24-48), 4,096 kv_b rows (nope key + value) and 2,048 o_proj columns; its
+    256 rows of the shared expert's 2,048; the latent projections whole. 32 ranks cut the dense
+    MLP's rows off the blocks (576 a rank): refused."""
+    arch, fp8 = ArchConfig.from_dict(V3), QuantConfig("fp8", weight_block=(128, 128))
+    rank = TPLayout.of(arch, 1, 8, fp8)
+    attn, shared = "model.layers.5.self_attn", "model.layers.5.mlp.shared_experts"
+    cuts = {
+        f"{attn}.q_b_proj.weight": CheckpointSlice(0, 3072, 6144),
+        f"{attn}.q_b_proj.weight_scale_inv": CheckpointSlice(0, 24, 48),
+        f"{attn}.kv_b_proj.weight_scale_inv": CheckpointSlice(0, 32, 64),
+        f"{attn}.o_proj.weight": CheckpointSlice(1, 2048, 4096),
+        f"{attn}.o_proj.weight_scale_inv": CheckpointSlice(1, 16, 32),
+        f"{shared}.up_proj.weight_scale_inv": CheckpointSlice(0, 2, 4),
+        f"{shared}.down_proj.weight": CheckpointSlice(1, 256, 512),
+        f"{shared}.down_proj.weight_scale_inv": CheckpointSlice(1, 2, 4),
+        f"{attn}.kv_a_proj_with_mqa.weight_scale_inv": None,
+        f"{attn}.q_a_proj.weight": None,
+    }
+    assert {name: rank.checkpoint_slice(name) for name in cuts} == cuts
+    with pytest.raises(ConfigError, match=r"rank 0's gate_proj and up_proj rows \[0, 576\)"):
+        TPLayout.of(arch, 0, 32, fp8)
+
+
+def test_deepseek_heads_off_the_blocks_are_refused() -> None:
+    """2 heads of 24 q dims a rank: 48 q_b rows cut a 128-row block (the dense MLP's and the
+    experts' rows fall on whole blocks)."""
+    tiny = {**V3, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "intermediate_size": 256, "moe_intermediate_size": 256, "kv_lora_rank": 24,
+            "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"q_proj \(q_b_proj\) rows \[0, 48\) .* 128 rows"):
+        TPLayout.of(ArchConfig.from_dict(tiny), 0, 2, QuantConfig("fp8", weight_block=(128, 128)))

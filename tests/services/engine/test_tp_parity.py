@@ -118,20 +118,30 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 3, "intermediate_size": 33, "num_experts": 4,
         "num_experts_per_tok": 2, "clip_qkv": 0.5, "attention_bias": True, "pad_token_id": None,
     }),
-    # Granite MoE: its experts stored stacked ([E, 2I, H]), read whole and cut to each rank's
-    # rows (33: 17 + 16); Granite's scalings, q/k/v/o biases
-    "granitemoe": ("granitemoe", {
+    # Granite MoE (shared): its experts stored stacked ([E, 2I, H]), read whole and cut to each
+    # rank's rows (33: 17 + 16), its shared MLP's stacked gate/up rows cut as two runs (25:
+    # 13 + 12); Granite's scalings, q/k/v/o biases
+    "granitemoeshared": ("granitemoeshared", {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 33, "num_local_experts": 4,
         "num_experts_per_tok": 2, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.0625, "logits_scaling": 8.0, "attention_bias": True,
+        "shared_intermediate_size": 25,
     }),
-    # ERNIE 4.5 MoE without shared experts: the float32 router and its correction bias whole on
-    # each rank, the experts' rows split (33: 17 + 16), a dense layer first, rotary dims paired
+    # ERNIE 4.5 MoE: the float32 router and its correction bias whole on each rank, the experts'
+    # rows split (33: 17 + 16) and its ungated-sum shared experts' (66: 33 + 33), a dense
+    # layer first, rotary dims paired
     "ernie4_5_moe": ("ernie4_5_moe", {
         "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 33,
-        "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 0, "pad_token_id": None,
+        "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 2, "pad_token_id": None,
+    }),
+    # Qwen2-MoE: its shared expert's rows split (41: 21 + 20), its sigmoid gate whole on each
+    # rank (gate * a rank's partial sum, summed, is gate * the whole), q/k/v biases
+    "qwen2-moe": ("qwen2_moe", {
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 33,
+        "num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 41,
     }),
     # sinks cut by query head, the experts' gate/up biases by their rows (33: 17 + 16), the
     # down projection's bias on rank 0 only (the ranks' sum counts it once): random biases
@@ -174,7 +184,7 @@ def _random_norms_and_biases(path: Path) -> None:
 
 # families whose checkpoints get random norms and biases (transformers starts them at 1 and 0)
 RANDOM_NORMS = ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3", "olmoe",
-                "granitemoe", "ernie4_5_moe")  # fmt: skip
+                "granitemoeshared", "ernie4_5_moe", "qwen2_moe")  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -261,8 +271,9 @@ def _generate(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[Any]
         ("qwen3-moe", 2),
         ("gpt-oss", 2),
         ("olmoe-3kv-uneven", 2),
-        ("granitemoe", 2),
+        ("granitemoeshared", 2),
         ("ernie4_5_moe", 2),
+        ("qwen2-moe", 2),
         ("qwen3-2kv", 2),  # last: the next test goes on with its engine
     ],
 )

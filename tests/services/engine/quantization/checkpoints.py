@@ -5,6 +5,7 @@ weights it dequantizes to, for a reference model."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -102,21 +103,23 @@ def _to_int32(packed: torch.Tensor) -> torch.Tensor:
 # --- fp8 ---------------------------------------------------------------------------------------
 
 
-def fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """128x128 blocks, scale_inv = amax / 448 per block (what HF's FP8 quantizer stores)."""
+def fp8_block(w: torch.Tensor, b: int = G) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """b x b blocks (the last ones partial), scale_inv = amax / 448 per block (what HF's FP8
+    quantizer stores): (e4m3, [ceil(N / b), ceil(K / b)] weight_scale_inv, the dequantized
+    float32)."""
     n, k = w.shape
-    bn, bk = -(-n // G), -(-k // G)
+    bn, bk = -(-n // b), -(-k // b)
     scale = torch.empty(bn, bk)
     deq = torch.empty(n, k)
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
     for r in range(bn):
         for c in range(bk):
-            block = w[r * G : (r + 1) * G, c * G : (c + 1) * G]
+            block = w[r * b : (r + 1) * b, c * b : (c + 1) * b]
             s = block.abs().max() / 448.0
             qb = (block / s).to(torch.float8_e4m3fn)
             scale[r, c] = s
-            q[r * G : (r + 1) * G, c * G : (c + 1) * G] = qb
-            deq[r * G : (r + 1) * G, c * G : (c + 1) * G] = qb.float() * s
+            q[r * b : (r + 1) * b, c * b : (c + 1) * b] = qb
+            deq[r * b : (r + 1) * b, c * b : (c + 1) * b] = qb.float() * s
     return q, scale, deq
 
 
@@ -376,3 +379,56 @@ def _moe_quant_config(method: str, unquantized: list[str], group: int) -> dict[s
                 "version": "gemm", "modules_to_not_convert": ["gate", *unquantized]}  # fmt: skip
     return {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
             "desc_act": method == "gptq-act-order", "checkpoint_format": "gptq"}  # fmt: skip
+
+
+# --- DeepSeek ----------------------------------------------------------------------------------
+
+# tiny DeepSeek-V2/V3 and GLM-4.5 (first layer dense, then experts with a shared one); with FP8
+# blocks of 32 every projection spans several, some partial (kv_lora_rank 24, kv_a's 24 + 8
+# rows, V2's 96 q rows); blocks of 16 cut every rank's part of 2 ranks on whole blocks (its 2
+# heads' 48 q rows, 32 kv_b rows and 32 o_proj columns; 16 rows of each expert and shared one)
+DEEPSEEK = {
+    "vocab_size": 49152, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "intermediate_size": 96, "moe_intermediate_size": 32, "kv_lora_rank": 24,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 2,
+    "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "bos_token_id": None,
+    "eos_token_id": None, "pad_token_id": None,
+}  # fmt: skip
+DEEPSEEK_TYPES = {
+    "deepseek_v3": {"q_lora_rank": 32, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+    "deepseek_v2": {"q_lora_rank": None, "topk_method": "group_limited_greedy"},
+    "glm4_moe": {"head_dim": 16, "num_key_value_heads": 2, "use_qk_norm": True,
+                 "attention_bias": True},
+}  # fmt: skip
+_DEEPSEEK_QUANTIZED = re.compile(r"(_proj|_proj_with_mqa)\.weight$")
+
+
+def deepseek_checkpoints(root: Path, model_type: str, block: int = 32) -> tuple[Path, Path]:
+    """A tiny random transformers checkpoint of ``model_type`` in DeepSeek-V3's FP8 format
+    (every projection in ``block`` x ``block`` blocks, the router and norms as they are), and
+    the float32 one of its dequantized weights; the test tokenizer in both."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from services.engine.llm_engine import load_tokenizer
+    from tests.services.engine.conftest import tokenizer_dir
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**DEEPSEEK, **DEEPSEEK_TYPES[model_type]})
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "hf")
+    weights = load_file(str(root / "hf" / "model.safetensors"))
+    config = json.loads((root / "hf" / "config.json").read_text())
+    tensors, deq = dict(weights), dict(weights)
+    for name, w in weights.items():
+        if _DEEPSEEK_QUANTIZED.search(name) and not name.startswith("lm_head"):
+            q, scale, deq[name] = fp8_block(w, block)
+            tensors[name] = q
+            tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "fmt": "e4m3", "weight_block_size": [block, block]}  # fmt: skip
+    quantized = write(root / "fp8", {**config, "torch_dtype": "bfloat16"}, tensors)
+    ref = float_checkpoint(root / "ref", deq, quantized)
+    for path in (quantized, ref):
+        load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    return quantized, ref

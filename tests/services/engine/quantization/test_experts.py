@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -244,68 +243,7 @@ def test_greedy_tokens_through_the_triton_moe_kernel(
     assert tokens[0] == tokens[1]
 
 
-# tiny DeepSeek-V2/V3 and GLM-4.5 (first layer dense, then experts with a shared one); FP8
-# blocks of 32 so that every projection spans several, some partial (kv_lora_rank 24, kv_a's
-# 24 + 8 rows, V2's 96 q rows)
-DEEPSEEK = {
-    "vocab_size": 49152, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "intermediate_size": 96, "moe_intermediate_size": 32, "kv_lora_rank": 24,
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
-    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 2,
-    "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "bos_token_id": None,
-    "eos_token_id": None, "pad_token_id": None,
-}  # fmt: skip
-DEEPSEEK_TYPES = {
-    "deepseek_v3": {"q_lora_rank": 32, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
-    "deepseek_v2": {"q_lora_rank": None, "topk_method": "group_limited_greedy"},
-    "glm4_moe": {"head_dim": 16, "num_key_value_heads": 2, "use_qk_norm": True,
-                 "attention_bias": True},
-}  # fmt: skip
-_QUANTIZED = re.compile(r"(_proj|_proj_with_mqa)\.weight$")
-
-
-def _fp8_blocks(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3, [ceil(N / b), ceil(K / b)] weight_scale_inv, the dequantized float32)."""
-    n, k = w.shape
-    rows, cols = torch.arange(n) // b, torch.arange(k) // b
-    scale = torch.zeros(-(-n // b), -(-k // b))
-    for r in range(scale.shape[0]):
-        for c in range(scale.shape[1]):
-            scale[r, c] = w[r * b : (r + 1) * b, c * b : (c + 1) * b].abs().max() / 448.0
-    q = (w / scale[rows][:, cols]).to(torch.float8_e4m3fn)
-    return q, scale, q.float() * scale[rows][:, cols]
-
-
-def _deepseek_checkpoints(root: Path, model_type: str) -> tuple[Path, Path]:
-    """A tiny random transformers checkpoint of ``model_type`` in DeepSeek-V3's FP8 format
-    (every projection in 32x32 blocks, the router and norms as they are), and the float32 one
-    of its dequantized weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from services.engine.llm_engine import load_tokenizer
-    from tests.services.engine.conftest import tokenizer_dir
-
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**DEEPSEEK, **DEEPSEEK_TYPES[model_type]})
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "hf")
-    weights = load_file(str(root / "hf" / "model.safetensors"))
-    config = json.loads((root / "hf" / "config.json").read_text())
-    tensors, deq = dict(weights), dict(weights)
-    for name, w in weights.items():
-        if _QUANTIZED.search(name) and not name.startswith("lm_head"):
-            q, scale, deq[name] = _fp8_blocks(w, 32)
-            tensors[name] = q
-            tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "fmt": "e4m3", "weight_block_size": [32, 32]}  # fmt: skip
-    quantized = ck.write(root / "fp8", {**config, "torch_dtype": "bfloat16"}, tensors)
-    ref = ck.float_checkpoint(root / "ref", deq, quantized)
-    for path in (quantized, ref):
-        load_tokenizer(tokenizer_dir()).save_pretrained(path)
-    return quantized, ref
-
-
-@pytest.mark.parametrize("model_type", list(DEEPSEEK_TYPES))
+@pytest.mark.parametrize("model_type", list(ck.DEEPSEEK_TYPES))
 def test_quantized_deepseek_and_glm_checkpoints(
     tmp_path: Path, model_type: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -318,7 +256,7 @@ def test_quantized_deepseek_and_glm_checkpoints(
     from services.engine.llm import LLM
     from tests.services.engine.conftest import BESIDE
 
-    path, ref = _deepseek_checkpoints(tmp_path, model_type)
+    path, ref = ck.deepseek_checkpoints(tmp_path, model_type)
     with caplog.at_level("INFO", logger="services.engine.loader"):
         model = load(path)
     moe = model.model.layers[1].mlp

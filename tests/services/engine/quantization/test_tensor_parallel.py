@@ -125,3 +125,28 @@ def test_quantized_experts_on_two_ranks_give_the_tokens_of_one(fmt: str, tmp_pat
     assert held == {torch.float8_e4m3fn if fmt == "fp8-block" else torch.int32}  # not dequantized
     assert rows == {128}  # rank 0's half of each expert's 256 intermediate rows
     assert two == _tokens(path, 1)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_quantized_deepseek_on_two_ranks_gives_the_tokens_of_one(
+    model_type: str, tmp_path: Path
+) -> None:
+    """DeepSeek-V3's FP8 block format (16 x 16 blocks here: each rank's 2 heads and half of
+    every expert's rows are whole blocks): each rank reads its heads' rows of q_b_proj and
+    kv_b_proj (dequantized as they load) with their block scales, its o_proj columns, its half
+    of the dense MLP's, the shared expert's and every routed expert's rows; GLM-4.5 its
+    attention heads and its shared expert's rows alike."""
+    import torch
+
+    path, _ = ck.deepseek_checkpoints(tmp_path, model_type, block=16)
+    prompts = _prompts()
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2) as llm:
+        two = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
+        model = llm.engine.runner.model
+        moe = model.model.layers[1].mlp
+        assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn  # held in FP8, cut
+        assert moe.shared_experts.down_proj.weight.shape[-1] == 16  # rank 0's 16 of 32 rows
+        if model_type == "deepseek_v3":  # rank 0's 2 heads of kv_b (nope key + value rows)
+            assert model.model.layers[1].self_attn.kv_b_proj.weight.shape[0] == 2 * 32
+    with LLM(str(path), dtype="float32") as llm:
+        assert two == [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
