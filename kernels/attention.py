@@ -266,6 +266,32 @@ def ref_paged_decode_attention(
     return _into(out, o.to(q.dtype))
 
 
+def ref_mla_decode_attention(
+    q: torch.Tensor,  # [B, H, R + L]: each head's rotated rope query, then its absorbed one
+    cache: torch.Tensor,  # [N, bs, 1, R + L]: a token's rope key, then its latent
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, >= 1
+    scale: float,
+    rope_dim: int,
+    *,
+    out: torch.Tensor | None = None,  # [B, H, L] to write into
+) -> torch.Tensor:  # [B, H, L]
+    """DeepSeek's latent decode attention (multi-head latent attention absorbed, as vLLM's MLA
+    decode): every head attends over the one cache row a token, ``[rope | latent]``, as its key,
+    and over the row's latent part as its value; the attended latent [B, H, L] out (the rope
+    columns carry no value). :func:`ref_paged_decode_attention` with the cache as keys and
+    values, its rope columns dropped."""
+    if not 0 < rope_dim < q.shape[-1]:
+        raise ValueError(f"rope_dim must be in (0, {q.shape[-1]}), got {rope_dim}")
+    o = ref_paged_decode_attention(q, cache, cache, block_tables, context_lens, scale)
+    if out is None:
+        return o[..., rope_dim:].contiguous()
+    want = (*o.shape[:2], o.shape[2] - rope_dim)
+    if tuple(out.shape) != want:
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {want}")
+    return out.copy_(o[..., rope_dim:])
+
+
 def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:  # [..., d] -> [..., width]
     """``x`` contiguous, zero columns appended to its last dim up to ``width`` (attention over
     keys and values of different widths in a kernel of one head dim: zero columns add nothing

@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 
 from kernels.attention import (
+    ref_mla_decode_attention,
     ref_paged_decode_attention,
     ref_prefill_attention,
     ref_rotary_write_kv,
@@ -104,6 +105,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         triton_gemv,
         triton_layers,
         triton_lora,
+        triton_mla,
         triton_moe,
         triton_quant,
         triton_routing,
@@ -116,6 +118,7 @@ def _triton(module: str, t: torch.Tensor) -> ModuleType | None:
         "triton_gemv": triton_gemv,
         "triton_layers": triton_layers,
         "triton_lora": triton_lora,
+        "triton_mla": triton_mla,
         "triton_moe": triton_moe,
         "triton_quant": triton_quant,
         "triton_routing": triton_routing,
@@ -386,6 +389,31 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=splits, out=out,
         window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
+
+
+def mla_decode_attention(
+    q: torch.Tensor,  # [B, H, R + L]: each head's rotated rope query, then its absorbed one
+    cache: torch.Tensor,  # [N, bs, 1, R + L]: a token's rope key, then its latent
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, >= 1
+    scale: float,
+    rope_dim: int,
+    out: torch.Tensor | None = None,  # [B, H, L] to write into
+) -> torch.Tensor:  # [B, H, L]
+    """DeepSeek's decode attention over its latent cache: the attended latent of each head."""
+    mod = _triton("triton_mla", q)
+    if mod is None:
+        return ref_mla_decode_attention(
+            q, cache, block_tables, context_lens, scale, rope_dim, out=out
+        )
+    splits = None
+    if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1
+        width = block_tables.shape[1] * cache.shape[1]
+        blocks = -(-q.shape[1] // mod.DEFAULT_BLOCK_G)
+        splits = mod.choose_num_splits(1, blocks, width, q.device, cache.element_size())
+    return mod.mla_decode_attention(
+        q, cache, block_tables, context_lens, scale, rope_dim, out=out, num_splits=splits
+    )
 
 
 # whole prompts read their own K/V contiguously (prefill_attention's k_new, no_prefix) from

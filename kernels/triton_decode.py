@@ -224,7 +224,7 @@ def _merge_splits_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # this program's columns
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
     row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_splits + offs_s
@@ -241,6 +241,14 @@ def _merge_splits_kernel(
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     o_ptrs = out_ptr + b.to(tl.int64) * s_ob + h * s_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def merge_chunk(block_d: int) -> int:
+    """Columns of the head dim a merge program takes (``_merge_splits_kernel``'s ``BLOCK_D``,
+    its grid's third axis ``block_d / chunk``): at most 128, so its [MAX_SPLITS, chunk] float32
+    tile of partial sums stays in registers (DeepSeek's 1024-wide latent padding held 64 x 1024
+    floats a program: 16 us a layer at batch 64 on an H200)."""
+    return min(block_d, 128)
 
 
 def default_block_n(block_d: int, elem: int, num_stages: int, device: torch.device) -> int:
@@ -401,9 +409,10 @@ def paged_decode_attention(
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     if num_splits > 1:
-        _merge_splits_kernel[(batch, hq)](
+        chunk = merge_chunk(block_d)
+        _merge_splits_kernel[(batch, hq, block_d // chunk)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
-            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
+            NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=chunk,
             BLOCK_S=max(MAX_SPLITS, next_pow2(num_splits)),  # one variant for every default split
             num_warps=4, **pdl(device, batch),
         )  # fmt: skip

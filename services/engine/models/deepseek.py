@@ -16,7 +16,8 @@ layers with DeepSeek's MoE (``Glm4MoeForCausalLM``).
   gone from the cache. Prompt chunks attend in the expanded form (vLLM's MLA prefill:
   ``kv_b_proj`` expands latents into keys and values of 192 and 128 dims, ~3x fewer FLOPs than
   576, a cached prefix's from the cache; :meth:`MLAttention._forward_expanded`); decode rows and
-  FP8 caches absorbed.
+  FP8 caches absorbed, decode rows through ``ops.mla_decode_attention`` (the latent decode
+  kernel: each key tile's latent columns are its values too, the attended latent out).
 - Rotary pairs: V2 (and V3 with ``rope_interleave``) rotates dims (0, 1), (2, 3), ...; the
   loader reorders those rows of the q and kv_a projections into halves (``rope_halves``).
 - MoE: the router in float32 (transformers keeps it there), ``ops.grouped_topk`` (V2's softmax,
@@ -153,17 +154,21 @@ class MLAttention(nn.Module):
         if meta.on_kv_written is not None:
             meta.on_kv_written(self.layer)
         scale = self.scale * (self.kv_scale if scaled else 1)
-        o = paged_attention(q, cache, cache, meta, scale)  # [T, H, R + L]
+        if meta.decode_only:  # the latent decode kernel: the attended latent alone
+            o = ops.mla_decode_attention(
+                q, cache, meta.block_tables, meta.context_lens, scale, m.qk_rope_head_dim
+            )
+        else:  # [T, H, R + L]: the rope columns dropped
+            o = paged_attention(q, cache, cache, meta, scale)[..., m.qk_rope_head_dim :]
         if scaled and self.kv_scale != 1.0:
             o = o * self.kv_scale
         out = self._values(o)  # [T, H, v]
         return self.o_proj(out.reshape(T, self.nq * m.v_head_dim))  # [T, hidden]
 
-    def _values(self, o: torch.Tensor) -> torch.Tensor:  # [T, H, R + L] -> [T, H, v]
-        """Each head's value from its attended latent (W_UV; the rope part carries none)."""
+    def _values(self, o_latent: torch.Tensor) -> torch.Tensor:  # [T, H, L] -> [T, H, v]
+        """Each head's value from its attended latent (W_UV)."""
         _, w_uv = self._absorbed()
-        o_latent = o[..., self.mla.qk_rope_head_dim :].transpose(0, 1)  # [H, T, L]
-        return torch.bmm(o_latent, w_uv.transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _forward_expanded(
         self,
@@ -208,18 +213,18 @@ class MLAttention(nn.Module):
         seqs = slice(nd, nd + npre)  # the chunks after a prefix
         assert meta.prefill_start_loc is not None  # from the prefill rows' first
         if q_abs is not None:
-            o = torch.empty_like(q_abs)
+            rope = m.qk_rope_head_dim
+            o = q_abs.new_empty((absorbed, H, m.kv_lora_rank))  # the attended latents
             if nd:
-                ops.paged_decode_attention(
-                    q_abs[:nd], cache, cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                    self.scale, out=o[:nd],
+                ops.mla_decode_attention(
+                    q_abs[:nd], cache, meta.block_tables[:nd], meta.context_lens[:nd],
+                    self.scale, rope, out=o[:nd],
                 )  # fmt: skip
             if absorbed > nd:
-                ops.prefill_attention(
+                o[nd:] = ops.prefill_attention(
                     q_abs[nd:], cache, cache, meta.block_tables[seqs],
                     meta.prefill_start_loc[: npre + 1], meta.context_lens[seqs], self.scale,
-                    out=o[nd:],
-                )  # fmt: skip
+                )[..., rope:]  # fmt: skip
             out[:absorbed] = self._values(o)
         # expanded: [rope | nope] for queries and keys alike (a dot product's order is free)
         kv = self.kv_b_proj(latent[ex]).view(T - absorbed, H, nope + v_dim)

@@ -218,12 +218,13 @@ def test_greedy_matches_transformers_through_the_triton_kernels(
     name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Norms, rotary and KV writes (DeepSeek's: the latent row written once, keys only), decode
-    and prefill attention (DeepSeek's: 4 query heads over one 32-dim latent head, the cache
-    given as keys and values; GLM's 16-dim heads), and the fused MoE, in the Triton kernels
-    (under the interpreter)."""
-    from kernels import triton_attention, triton_layers, triton_moe
+    and prefill attention (DeepSeek's decode: 4 query heads over one 8 + 24-dim latent row, its
+    latent the values; prefill over the cache given as keys and values; GLM's 16-dim heads),
+    and the fused MoE, in the Triton kernels (under the interpreter)."""
+    from kernels import triton_attention, triton_layers, triton_mla, triton_moe
 
-    kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
+    kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers,
+               "triton_mla": triton_mla}  # fmt: skip
     monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
     monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
     # v3: 40 tokens in chunks of 24 and 16, the second after a prefix (expanded from the cache)
