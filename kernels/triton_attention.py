@@ -26,7 +26,8 @@ from kernels.triton_common import (
 )
 from kernels.triton_decode import choose_num_splits, paged_decode_attention
 from kernels.triton_layers import rotate_half_pair
-from kernels.triton_prefill import prefill_attention, varlen_attention
+from kernels.triton_prefill import prefill_attention
+from kernels.triton_varlen import varlen_attention
 
 __all__ = [
     "choose_num_splits",

@@ -89,9 +89,7 @@ from kernels.attention import (
     check_sinks,
     check_softcap,
     check_span_last,
-    check_varlen,
     check_window,
-    pad_head_dim,
 )
 from kernels.triton_common import (
     FLOAT_DTYPES,
@@ -110,6 +108,10 @@ from kernels.triton_common import (
     sm_count,
     soft_cap_log2,
 )
+
+# packed whole prompts without a cache run a kernel of their own (keys and values of their own
+# widths); still importable from here (kernels.bench.roofline does)
+from kernels.triton_varlen import varlen_attention as varlen_attention
 
 LOG2E = 1.4426950408889634
 
@@ -563,7 +565,8 @@ WHOLE_PROMPT_TILES = Tiles(128, 64, 4, 2, True)
 # float32 accumulator, 256 registers a thread (they spilled). Measured on an H200
 # (kernels.bench.wide_heads, 8 x 1024 prompts, docs/benchmarks.md session 21): DeepSeek's
 # expanded 192 dims (padded) 47 -> 146 TFLOP/s with 8 warps; Gemma 3's 256 (8 over 4 heads)
-# 103 -> 227 TFLOP/s with 64-row tiles, which run 192 at 93
+# 103 -> 227 TFLOP/s with 64-row tiles, which run 192 at 93. (Those 192 were varlen_attention's
+# values padded to its keys' width; it now runs kernels.triton_varlen, no padding)
 WIDE_WHOLE_PROMPT_TILES = Tiles(128, 64, 8, 2, True)  # padded widths (192)
 FULL_WIDE_WHOLE_PROMPT_TILES = Tiles(64, 64, 4, 2, True)  # 256
 
@@ -805,42 +808,4 @@ def prefill_attention(
         DOT_UPCAST=dot_upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
-
-
-def varlen_attention(
-    q: torch.Tensor,  # [T, Hq, D], the sequences' tokens, concatenated
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, Dv]
-    query_start_loc: torch.Tensor,  # [B + 1] int32, prefix sums of the sequences' lengths
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,  # [T, Hq, Dv] to write into
-    tiles: TilesLike | None = None,
-) -> torch.Tensor:  # [T, Hq, Dv]
-    """Triton version of :func:`kernels.attention.ref_varlen_attention`: causal attention of
-    packed sequences over their own tokens, no cache. It is :func:`prefill_attention`'s
-    whole-prompt path (``k_new``/``v_new``, ``no_prefix``), whose paged loops are compiled out:
-    one-block-a-token views of ``k`` and ``v`` stand in for the cache it never reads. The kernel
-    has one head dim: the narrower of keys and values is zero-padded to the other's width (zero
-    columns add nothing to q . k, and give zero output columns, dropped).
-    ``query_start_loc`` is not checked against T here (that would need a device sync)."""
-    check_varlen(q, k, v, query_start_loc, scale)
-    t, hq, d = q.shape
-    dv = v.shape[2]
-    out = check_out(out, (t, hq, dv), q.dtype, q.device)
-    batch = query_start_loc.shape[0] - 1
-    if t == 0 or batch == 0:
-        return out
-    width = max(d, dv)
-    q, k, v = (pad_head_dim(x, width) for x in (q, k, v))
-    starts = query_start_loc.to(torch.int32)
-    lens = starts[1:] - starts[:-1]  # each sequence's context is its own tokens
-    tables = torch.zeros((batch, 1), dtype=torch.int32, device=q.device)  # never read
-    o = prefill_attention(
-        q, k[:, None], v[:, None], tables, starts, lens, scale, out=out if dv == width else None,
-        tiles=tiles, k_new=k, v_new=v, no_prefix=True,
-    )  # fmt: skip
-    if dv < width:
-        out.copy_(o[..., :dv])
     return out

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from kernels import triton_prefill
-from kernels.attention import ref_prefill_attention, ref_varlen_attention
+from kernels.attention import ref_prefill_attention
 from kernels.triton_prefill import (
     TILE_CHOICES,
     Tiles,
     choose_tiles,
     prefill_attention,
-    varlen_attention,
 )
 from tests.kernels.paged import assert_matches, paged_kv, rand
 
@@ -708,85 +707,6 @@ def test_gpu_gemma3_image_span_shapes(ctx_lens: list[int], q_lens: list[int], im
     spans = span_rows(ctx_lens, q_lens, images, cuda)
     run_case(ctx_lens, q_lens, 2, torch.bfloat16, gen, cuda, head_dim=256, kv_heads=4, tiles=None, window=window, span_last=spans)  # fmt: skip
     new_kv_case(ctx_lens, q_lens, torch.bfloat16, gen, cuda, None, head_dim=256, group=2, block_size=16, window=window, span_last=spans)  # fmt: skip
-
-
-# varlen attention (packed whole prompts over their own tokens, no cache): DeepSeek's expanded
-# prefill, whose 192-dim keys carry 128-dim values; tiny test models have wider values than keys
-def varlen_case(
-    lens: list[int], heads: int, kv_heads: int, dim: int, v_dim: int, dtype: torch.dtype,
-    gen: torch.Generator, device: torch.device, tiles: triton_prefill.TilesLike | None,
-) -> None:  # fmt: skip
-    starts = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
-    t = sum(lens)
-    q = rand((t, heads, dim), dtype, gen, device)
-    k = rand((t, kv_heads, dim), dtype, gen, device)
-    v = rand((t, kv_heads, v_dim), dtype, gen, device)
-    want = ref_varlen_attention(q, k, v, starts, dim**-0.5)
-    out = torch.full((t, heads, v_dim), float("nan"), dtype=dtype, device=device)
-    got = varlen_attention(q, k, v, starts, dim**-0.5, out=out, tiles=tiles)
-    assert got is out and got.shape == (t, heads, v_dim)
-    assert_matches(got, want)
-
-
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "v_dim", "dtype", "tiles"),
-    [(4, 4, 48, 32, torch.float32, SMALL_TILES),  # values narrower (DeepSeek's 192 / 128)
-     (4, 4, 24, 32, torch.bfloat16, SMALL_TILES),  # wider (tiny test models)
-     (8, 2, 32, 32, torch.float32, UNPACKED),  # GQA, one width
-     (4, 1, 48, 32, torch.bfloat16, None)],  # the default (whole-prompt) tiles
-)  # fmt: skip
-def test_varlen_attention_matches_the_reference(
-    heads: int, kv_heads: int, dim: int, v_dim: int, dtype: torch.dtype,
-    tiles: triton_prefill.TilesLike | None, gen: torch.Generator, device: torch.device,
-    poison_empty: None,
-) -> None:  # fmt: skip
-    # one token, an empty sequence, exactly a tile, one past it, several tiles
-    varlen_case([1, 0, 16, 17, 40], heads, kv_heads, dim, v_dim, dtype, gen, device, tiles)
-
-
-def test_varlen_reference_is_prefill_attention_over_its_own_rows(
-    gen: torch.Generator, device: torch.device
-) -> None:
-    """The reference agrees with the paged reference given the same rows as a whole-prompt
-    cache (one block a token)."""
-    lens = [3, 9, 1]
-    starts = torch.tensor([0, 3, 12, 13], dtype=torch.int32, device=device)
-    q, k, v = (rand((13, h, 16), torch.float32, gen, device) for h in (4, 2, 2))
-    tables = torch.arange(13, dtype=torch.int32, device=device)
-    tables = torch.stack([torch.cat([tables[s : s + n], tables.new_full((9 - n,), -1)])
-                          for s, n in zip([0, 3, 12], lens, strict=True)])  # fmt: skip
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
-    want = ref_prefill_attention(q, k[:, None], v[:, None], tables, starts, lens_t, 0.25)
-    assert_matches(ref_varlen_attention(q, k, v, starts, 0.25), want)
-
-
-def test_varlen_attention_refuses_what_does_not_fit(
-    gen: torch.Generator, device: torch.device
-) -> None:
-    starts = torch.tensor([0, 5], dtype=torch.int32, device=device)
-    q, k = (
-        rand((5, 4, 16), torch.float32, gen, device),
-        rand((5, 2, 16), torch.float32, gen, device),
-    )
-    for fn in (varlen_attention, ref_varlen_attention):
-        with pytest.raises(ValueError, match="must be"):
-            fn(q, k[:, :, :8], k, starts, 0.25)  # keys narrower than the queries
-        with pytest.raises(ValueError, match="multiple of KV heads"):
-            fn(q, k[:, :1].expand(5, 3, 16), k[:, :1].expand(5, 3, 16), starts, 0.25)
-        with pytest.raises(ValueError, match="like q"):
-            fn(q, k.to(torch.bfloat16), k, starts, 0.25)
-        with pytest.raises(ValueError, match="out has shape"):
-            fn(q, k, k[..., :8], starts, 0.25, out=torch.empty_like(q))
-    with pytest.raises(ValueError, match="ends at"):
-        ref_varlen_attention(q, k, k, torch.tensor([0, 4], dtype=torch.int32, device=device), 0.25)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("heads", "lens"), [(16, [1024] * 4 + [77]), (128, [700, 33])])
-def test_gpu_deepseek_expanded_prefill_shapes(heads: int, lens: list[int]) -> None:
-    # DeepSeek-V2-Lite's 16 heads and V3's 128: 192-dim queries and keys, 128-dim values
-    gen = torch.Generator().manual_seed(0)
-    varlen_case(lens, heads, heads, 192, 128, torch.bfloat16, gen, torch.device("cuda"), None)
 
 
 @pytest.mark.parametrize(
