@@ -30,13 +30,18 @@ ulp of a weight each.
 
 **Int4 experts** (``INT4``, constexpr; :class:`kernels.moe.Int4Scales`: AWQ's and GPTQ's w4a16
 converted at load to eight K columns a word, one row of words per output row, float32 scales
-and uint8 zero points per row and group): each K tile's words are loaded (every word once per
-column it holds: repeated addresses within the tile; not yet timed on a GPU), their nibbles
-shifted out, ``(q - z) * s`` computed in fp32 with the tile's one scale and zero a column (a K
-tile never straddles two groups: ``BLOCK_K`` divides the group) and rounded to the activation
-dtype for ``tl.dot``: the very weights the reference (and a model whose experts were
-dequantized at load) multiplies. A quarter of bf16's bytes, plus 5 bytes a row and group (0.3
-bit a weight in groups of 128).
+and uint8 zero points per row and group): each K tile's words are loaded once, ``[BLOCK_N,
+BLOCK_K / 8]`` contiguous along K, their nibbles split in registers,
+``(q - z) * s`` computed in fp32 with the tile's one scale and zero a row (a K tile never
+straddles two groups: ``BLOCK_K`` divides the group) and rounded to the activation dtype, the
+eight planes joined into ``[BLOCK_N, BLOCK_K]`` and transposed for ``tl.dot``
+(:func:`kernels.triton_moe_pairs.int4_tile`, which the pair kernels share): the very weights
+the reference (and a model whose experts were dequantized at load) multiplies. A quarter of
+bf16's bytes, plus 5 bytes a row and group (0.3 bit a weight in groups of 128). In the Hopper
+code of the (16, 64, 128, 4) launch the words arrive in 16-byte copies to shared memory,
+pipelined as the float tiles are, and the joined tile is already in the layout of ``mma``'s
+second operand (no conversion through shared memory). Each word was loaded once per column it
+holds before (gathered, transposed): 8308 us against bf16's 425 at 256 tokens on an H200.
 
 ``HAS_BIAS`` and ``CLAMPED`` are constexpr (the clamp's constants too), so a model without biases
 runs exactly the kernels it ran before they existed.
@@ -79,12 +84,16 @@ from kernels.triton_common import (
 from kernels.triton_moe_pairs import (
     fused_moe_pairs,
     gated_activation,
+    int4_tile,
     quant_args,
     within_scale_block,
 )
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); BLOCK_M chosen per call from the rows per expert
 DEFAULT_TILES = (64, 64, 4)  # (BLOCK_N, BLOCK_K, num_warps)
+# int4 experts: K tiles of one group of 128 (half the steps of 64, and 16-byte loads of four
+# words a thread); not yet timed on a GPU (kernels.bench.moe sweeps the tiles)
+INT4_TILES = (64, 128, 4)
 COMBINE_BLOCK = 1024
 
 
@@ -129,7 +138,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, FP8: tl.constexpr,
-    INT4: tl.constexpr = False,
+    INT4: tl.constexpr = False, EVEN_K: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -142,8 +151,10 @@ def _gate_up_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     # w13[expert] is [2N, K]: gate rows n, up rows N + n; tiles loaded as [BLOCK_K, BLOCK_N]
-    w_gate = w_ptr + expert * s_we + offs_n.to(tl.int64)[None, :] * s_wn
-    w_up = w_gate + N * s_wn
+    rows_gate = w_ptr + expert * s_we + offs_n.to(tl.int64) * s_wn
+    rows_up = rows_gate + N * s_wn
+    w_gate = rows_gate[None, :]
+    w_up = rows_up[None, :]
     # FP8: each column's scale row (the gate's blocks, then the up's from SCALE_UP on)
     s_gate = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     s_up = s_gate + SCALE_UP * s_sn
@@ -159,10 +170,11 @@ def _gate_up_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         if INT4:  # dequantized in the tile (inside one group) to x's dtype, as the reference
             kb = k0 // SCALE_BK * s_sk
-            wg = int4_tile_kn(w_gate, s_gate + kb, z_gate + kb, ks, w_mask, n_mask, a.dtype)
-            wu = int4_tile_kn(w_up, s_up + kb, z_up + kb, ks, w_mask, n_mask, a.dtype)
-            acc_gate += mma(a, wg, UPCAST, PRECISION)
-            acc_up += mma(a, wu, UPCAST, PRECISION)
+            xt = a.dtype
+            wg = int4_tile(rows_gate, s_gate + kb, z_gate + kb, k0, K, n_mask, xt, BLOCK_K, EVEN_K)
+            wu = int4_tile(rows_up, s_up + kb, z_up + kb, k0, K, n_mask, xt, BLOCK_K, EVEN_K)
+            acc_gate += mma(a, tl.trans(wg), UPCAST, PRECISION)
+            acc_up += mma(a, tl.trans(wu), UPCAST, PRECISION)
         elif FP8:  # e4m3 -> the activation dtype is exact; the scales on the tile's product
             wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
             wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
@@ -198,7 +210,7 @@ def _down_kernel(
     num_pairs, N, K, s_at, s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
-    INT4: tl.constexpr = False,
+    INT4: tl.constexpr = False, EVEN_K: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -209,7 +221,8 @@ def _down_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + expert * s_we + offs_n.to(tl.int64)[None, :] * s_wn
+    rows = w_ptr + expert * s_we + offs_n.to(tl.int64) * s_wn
+    w_rows = rows[None, :]
     s_rows = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     z_rows = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn  # INT4's zeros
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -221,8 +234,8 @@ def _down_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         if INT4:
             kb = k0 // SCALE_BK * s_sk
-            w = int4_tile_kn(w_rows, s_rows + kb, z_rows + kb, ks, w_mask, n_mask, a.dtype)
-            acc += mma(a, w, UPCAST, PRECISION)
+            w = int4_tile(rows, s_rows + kb, z_rows + kb, k0, K, n_mask, a.dtype, BLOCK_K, EVEN_K)
+            acc += mma(a, tl.trans(w), UPCAST, PRECISION)
         elif FP8:
             w = tl.load(w_rows + ks[:, None], mask=w_mask, other=0.0)
             sc = tl.load(s_rows + k0 // SCALE_BK * s_sk, mask=n_mask, other=0.0)
@@ -244,18 +257,6 @@ def _down_kernel(
     out = down * weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
     tl.store(out_ptrs, out.to(dt), mask=out_mask)
-
-
-@triton.jit
-def int4_tile_kn(w_cols, s_cols, z_cols, ks, w_mask, n_mask, dt: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of packed int4 weight rows (``kernels.moe.Int4Scales``, read
-    transposed as the float tiles are) dequantized with its columns' group, ``(q - z) * s`` in
-    fp32 rounded to ``dt`` (x's dtype, for tl.dot): the reference's weights."""
-    words = tl.load(w_cols + (ks // 8)[:, None], mask=w_mask, other=0)
-    q = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
-    s = tl.load(s_cols, mask=n_mask, other=0.0).to(tl.float32)
-    z = tl.load(z_cols, mask=n_mask, other=0).to(tl.float32)
-    return ((q - z[None, :]) * s[None, :]).to(dt)
 
 
 @triton.jit
@@ -331,7 +332,8 @@ def fused_moe(
         return fused_moe_pairs(
             x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, clamp=clamp, fp8=fp8, int4=int4
         )
-    bm, bn, bk, warps = config or (pick_block_m(pairs, e), *DEFAULT_TILES)
+    tiles = DEFAULT_TILES if int4 is None else INT4_TILES
+    bm, bn, bk, warps = config or (pick_block_m(pairs, e), *tiles)
     weights, ids = sort_by_expert(topk_weights, topk_ids)
     sorted_pairs, block_expert = align_to_blocks(ids, e, bm)
     blocks = block_expert.numel()
@@ -350,7 +352,7 @@ def fused_moe(
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps,
         HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
         ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
-        FP8=fp8 is not None, INT4=int4 is not None, **dots,
+        FP8=fp8 is not None, INT4=int4 is not None, **dots, **_even_k(int4, h, bk1),
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     bn2, bk2 = _fit(bn, h), _fit(bk, inter)
@@ -361,13 +363,20 @@ def fused_moe(
         weights.reshape(-1), pairs, h, inter, inter_act.stride(0), w2.stride(0), w2.stride(1),
         0 if b2 is None else b2.stride(0), *s2[1:], contrib.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps, HAS_BIAS=b2 is not None,
-        FP8=fp8 is not None, INT4=int4 is not None, **dots,
+        FP8=fp8 is not None, INT4=int4 is not None, **dots, **_even_k(int4, inter, bk2),
     )  # fmt: skip
     block = min(COMBINE_BLOCK, next_pow2(h))
     _combine_kernel[(t, triton.cdiv(h, block))](
         contrib, out, h, contrib.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block
     )
     return out
+
+
+def _even_k(int4: Int4Scales | None, k: int, block_k: int) -> dict[str, bool]:
+    """An int4 launch's ``EVEN_K``: every K tile whole (its words unmasked along K; always so
+    unless one group spans a K no multiple of the tile). Float and FP8 launches compile as
+    before."""
+    return {} if int4 is None else {"EVEN_K": k % block_k == 0}
 
 
 def _within(block_k: int, scale_k: int, k: int) -> int:

@@ -18,8 +18,10 @@ experts at ~25% of the copy bandwidth. Here, three launches and nothing else:
    the token's expert ids itself: no sort), rounding after each add as the reference does.
 
 FP8 experts (``FP8``) take their scales on each tile's partial sums; int4 ones (``INT4``,
-:class:`kernels.moe.Int4Scales`) are dequantized in the tile (:func:`int4_tile`, one group a
-tile) to the activation dtype, as the reference's weights, and multiplied in fp32.
+:class:`kernels.moe.Int4Scales`) are dequantized in the tile (:func:`int4_planes`, one group a
+tile, each packed word loaded once) to the activation dtype, as the reference's weights, and
+multiplied in fp32 plane by plane against x's matching columns (no reshape), their K loops
+software-pipelined (``INT4_STAGES``).
 
 An expert two tokens route to is read twice (once a pair), which the grouped kernels avoid:
 :func:`takes_pairs` says where this path serves (``kernels.bench.moe --tune-pairs`` times both). No host
@@ -51,6 +53,15 @@ GATE_UP_TILES = (4, 512, 2)
 SMALL_DOWN_TILES = (8, 256, 2)
 DOWN_TILES = (32, 256, 4)
 SMALL_DOWN_PAIRS = 8
+# int4 experts' tiles (BLOCK_K one group of 128, the most a tile may span: 1 KB of packed words
+# for 16 rows, four words a thread) and the stages of their K loops' software pipeline (the
+# words and scales copied ahead into shared memory): a program's K tiles depend on each other,
+# and at batch 1 each SM holds ~6 KB of one K step's words, so without loads ahead the layer
+# would wait 16 memory latencies along H = 2048. Not yet timed on a GPU (``kernels.bench.moe
+# --tune-pairs`` sweeps both)
+INT4_GATE_UP_TILES = (16, 128, 2)
+INT4_DOWN_TILES = (16, 128, 2)
+INT4_STAGES = 4
 COMBINE_BLOCK = 1024
 
 
@@ -65,6 +76,7 @@ def _pair_gate_up_kernel(
     s_sn, s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
@@ -73,36 +85,49 @@ def _pair_gate_up_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     # w13[expert] is [2N, K]: gate rows n, up rows N + n; tiles [BLOCK_N, BLOCK_K], K contiguous
-    w_gate = w_ptr + expert * s_we + offs_n.to(tl.int64)[:, None] * s_wn
-    w_up = w_gate + N * s_wn
+    rows_gate = w_ptr + expert * s_we + offs_n.to(tl.int64) * s_wn
+    rows_up = rows_gate + N * s_wn
+    w_gate = rows_gate[:, None]
+    w_up = rows_up[:, None]
     s_gate = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     s_up = s_gate + SCALE_UP * s_sn
     # INT4: the zero points laid out as the scales
     z_gate = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     z_up = z_gate + SCALE_UP * s_sn
-    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if INT4:  # [BLOCK_N, BLOCK_K / 8] sums (a column per word of the tile), summed after K
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     dt = out_ptr.dtype.element_ty
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        a = tl.load(x_ptr + token * s_xt + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask[None, :]
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         if INT4:  # the tile lies in one group along K (the launcher's BLOCK_K)
             kb = k0 // SCALE_BK * s_sk
-            wg = int4_tile(w_gate, s_gate + kb, z_gate + kb, ks, w_mask, n_mask, dt)
-            wu = int4_tile(w_up, s_up + kb, z_up + kb, ks, w_mask, n_mask, dt)
+            xs = int4_x_planes(x_ptr + token * s_xt, k0, K, BLOCK_K, EVEN_K)
+            gate = int4_planes(rows_gate, s_gate + kb, z_gate + kb, k0, K, n_mask, dt, BLOCK_K,
+                               EVEN_K)  # fmt: skip
+            acc_gate = int4_planes_dot(acc_gate, gate, xs)
+            up = int4_planes(rows_up, s_up + kb, z_up + kb, k0, K, n_mask, dt, BLOCK_K, EVEN_K)
+            acc_up = int4_planes_dot(acc_up, up, xs)
         else:
+            ks = k0 + offs_k
+            k_mask = ks < K
+            a = tl.load(x_ptr + token * s_xt + ks, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
             wg = tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
             wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        part_gate = tl.sum(wg * a[None, :], axis=1)
-        part_up = tl.sum(wu * a[None, :], axis=1)
-        if FP8:  # the tile lies in one scale block along K (the launcher's BLOCK_K)
-            kb = k0 // SCALE_BK * s_sk
-            part_gate *= tl.load(s_gate + kb, mask=n_mask, other=0.0)
-            part_up *= tl.load(s_up + kb, mask=n_mask, other=0.0)
-        acc_gate += part_gate
-        acc_up += part_up
+            part_gate = tl.sum(wg * a[None, :], axis=1)
+            part_up = tl.sum(wu * a[None, :], axis=1)
+            if FP8:  # the tile lies in one scale block along K (the launcher's BLOCK_K)
+                kb = k0 // SCALE_BK * s_sk
+                part_gate *= tl.load(s_gate + kb, mask=n_mask, other=0.0)
+                part_up *= tl.load(s_up + kb, mask=n_mask, other=0.0)
+            acc_gate += part_gate
+            acc_up += part_up
+    if INT4:
+        acc_gate = tl.sum(acc_gate, axis=1)
+        acc_up = tl.sum(acc_up, axis=1)
     # the grouped kernel's epilogue: the projection rounded, the bias added and rounded again,
     # then silu rounded and the product rounded, or the clamped SwiGLU in fp32 rounded once
     gate = acc_gate.to(dt).to(tl.float32)
@@ -118,17 +143,86 @@ def _pair_gate_up_kernel(
 
 
 @triton.jit
-def int4_tile(w_rows, s_rows, z_rows, ks, w_mask, n_mask, dt: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] tile of packed int4 rows (``kernels.moe.Int4Scales``: eight K
-    columns a word) dequantized with its rows' group (the tile inside one group: one scale and
-    zero a row), ``(q - z) * s`` in fp32 rounded to ``dt`` as the reference's weights; fp32 out.
-    Each word is loaded for each of its eight columns (repeated addresses within a tile, as
-    vLLM's w4a16 MoE kernel reads them; not yet timed on a GPU)."""
-    words = tl.load(w_rows + (ks // 8)[None, :], mask=w_mask, other=0)
-    q = ((words >> ((ks % 8) * 4)[None, :]) & 0xF).to(tl.float32)
-    s = tl.load(s_rows, mask=n_mask, other=0.0).to(tl.float32)
-    z = tl.load(z_rows, mask=n_mask, other=0).to(tl.float32)
-    return ((q - z[:, None]) * s[:, None]).to(dt).to(tl.float32)
+def int4_planes(w_rows, s_rows, z_rows, k0, K, n_mask, dt: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr):  # fmt: skip
+    """K columns ``k0 .. k0 + BLOCK_K`` of ``BLOCK_N`` packed int4 rows
+    (``kernels.moe.Int4Scales``: eight K columns a word, column ``8p + j`` in nibble ``j`` of
+    word ``p``; ``w_rows``: the rows' first words) dequantized with the rows' group (the tile
+    inside one group: one scale and zero a row), as eight ``[BLOCK_N, BLOCK_K / 8]`` planes in
+    ``dt``: plane ``j`` holds columns ``k0 + 8p + j``. ``(q - z) * s`` in fp32 rounded to
+    ``dt``, the reference's weights bit for bit. ``EVEN_K``: K a multiple of BLOCK_K (every
+    tile whole; otherwise the words past K are masked).
+
+    Each word is loaded once, the tile contiguous along K (16-byte loads of four words), and
+    split into its nibbles in registers. It was loaded once for each of its eight columns,
+    gathered (repeated addresses, the grouped kernel's tile transposed across rows): on an
+    H200 (``kernels.bench.moe``, Qwen3-30B-A3B's layer in groups of 128, 2026-12-01) 44 / 1170
+    / 8308 us at 1 / 16 / 256 tokens against bf16's 25 / 218 / 425. A nibble becomes a float
+    without an integer conversion (16 a clock per SM on Hopper, an eighth of fp32's rate): OR-ed
+    into the mantissa of 2^23 it is the float ``2^23 + q`` exactly, and ``2^23 + z`` (exact too)
+    subtracted leaves ``q - z`` exactly, so the one rounding is the product's, as before."""
+    cols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = n_mask[:, None]
+    if not EVEN_K:
+        mask = mask & (cols < K // 8)[None, :]
+    words = tl.load(w_rows[:, None] + cols[None, :], mask=mask, other=0)
+    s = tl.load(s_rows, mask=n_mask, other=0.0)[:, None]
+    zb = (tl.load(z_rows, mask=n_mask, other=0).to(tl.float32) + 8388608.0)[:, None]
+    return (
+        _int4_plane(words, 0, zb, s, dt), _int4_plane(words, 1, zb, s, dt),
+        _int4_plane(words, 2, zb, s, dt), _int4_plane(words, 3, zb, s, dt),
+        _int4_plane(words, 4, zb, s, dt), _int4_plane(words, 5, zb, s, dt),
+        _int4_plane(words, 6, zb, s, dt), _int4_plane(words, 7, zb, s, dt),
+    )  # fmt: skip
+
+
+@triton.jit
+def _int4_plane(words, J: tl.constexpr, zb, s, dt: tl.constexpr):
+    """Nibble ``J`` of int32 ``words`` as ``(q - z) * s`` rounded to ``dt`` (``zb``: 2^23 + z)."""
+    bits = ((words >> (4 * J)) & 0xF) | 0x4B000000  # arithmetic shift: the mask drops the sign
+    return ((bits.to(tl.float32, bitcast=True) - zb) * s).to(dt)
+
+
+@triton.jit
+def int4_tile(w_rows, s_rows, z_rows, k0, K, n_mask, dt: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr):  # fmt: skip
+    """:func:`int4_planes` as one ``[BLOCK_N, BLOCK_K]`` tile in ``dt``, columns in order (for
+    ``tl.dot``): the planes joined into ``[BLOCK_N, BLOCK_K / 8, 2, 2, 2]`` (the last three
+    indices ``a, b, c`` of nibble ``4a + 2b + c``; each thread holds a word's eight values, so
+    the reshape moves nothing)."""
+    p = int4_planes(w_rows, s_rows, z_rows, k0, K, n_mask, dt, BLOCK_K, EVEN_K)
+    low = tl.join(tl.join(p[0], p[4]), tl.join(p[2], p[6]))  # [BN, BK/8, a, b]: 4a + 2b
+    high = tl.join(tl.join(p[1], p[5]), tl.join(p[3], p[7]))  # 4a + 2b + 1
+    return tl.reshape(tl.join(low, high), [low.shape[0], BLOCK_K])
+
+
+@triton.jit
+def int4_x_planes(x_row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """A row of x's columns ``k0 + 8p + j`` as eight ``[BLOCK_K / 8]`` float32 planes, to meet
+    :func:`int4_planes`' plane ``j`` (strided loads of a short row: L1 serves them)."""
+    x = x_row + k0 + 8 * tl.arange(0, BLOCK_K // 8)
+    mask, other = None, None
+    if not EVEN_K:
+        mask, other = k0 + 8 * tl.arange(0, BLOCK_K // 8) < K, 0.0
+    return (
+        tl.load(x, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 1, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 2, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 3, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 4, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 5, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 6, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 7, mask=mask, other=other).to(tl.float32),
+    )
+
+
+@triton.jit
+def int4_planes_dot(acc, planes, xs):
+    """``acc`` (``[BLOCK_N, BLOCK_K / 8]`` float32) plus each plane times its columns of x: a
+    GEMV's products without putting the planes' columns in order (no reshape)."""
+    for j in tl.static_range(8):
+        acc += planes[j].to(tl.float32) * xs[j][None, :]
+    return acc
 
 
 @triton.jit
@@ -152,31 +246,40 @@ def _pair_down_kernel(
     a_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, weights_ptr, N, K, s_at, s_we, s_wn,
     s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + expert * s_we + offs_n.to(tl.int64)[:, None] * s_wn
+    rows = w_ptr + expert * s_we + offs_n.to(tl.int64) * s_wn
+    w_rows = rows[:, None]
     s_rows = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     z_rows = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if INT4:  # as the gate/up kernel's: a column per word of the tile, summed after K
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     dt = out_ptr.dtype.element_ty
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        a = tl.load(a_ptr + pair * s_at + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask[None, :]
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         if INT4:
             kb = k0 // SCALE_BK * s_sk
-            w = int4_tile(w_rows, s_rows + kb, z_rows + kb, ks, w_mask, n_mask, dt)
+            xs = int4_x_planes(a_ptr + pair * s_at, k0, K, BLOCK_K, EVEN_K)
+            w = int4_planes(rows, s_rows + kb, z_rows + kb, k0, K, n_mask, dt, BLOCK_K, EVEN_K)
+            acc = int4_planes_dot(acc, w, xs)
         else:
+            ks = k0 + offs_k
+            k_mask = ks < K
+            a = tl.load(a_ptr + pair * s_at + ks, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
             w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-        part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        if FP8:
-            part *= tl.load(s_rows + k0 // SCALE_BK * s_sk, mask=n_mask, other=0.0)
-        acc += part
+            part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            if FP8:
+                part *= tl.load(s_rows + k0 // SCALE_BK * s_sk, mask=n_mask, other=0.0)
+            acc += part
+    if INT4:
+        acc = tl.sum(acc, axis=1)
     down = acc.to(dt).to(tl.float32)  # the projection rounded
     if HAS_BIAS:  # then the bias added and rounded again
         bias = tl.load(b_ptr + expert * s_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -252,6 +355,17 @@ def _k_tile(block_k: int, k: int, scale_k: int | None) -> int:
     return block_k if scale_k is None else within_scale_block(block_k, scale_k, k)
 
 
+def _int4_args(
+    int4: Int4Scales | None, k: int, block_k: int, stages: int | None
+) -> dict[str, bool | int]:
+    """An int4 launch's constexprs: whether its K tiles are all whole, and its K loop pipelined
+    (``stages``, else ``INT4_STAGES``; the loop holds no ``tl.dot``, which Triton pipelines
+    unasked). None for float and FP8 weights: their kernels compile as before."""
+    if int4 is None:
+        return {}
+    return {"EVEN_K": k % block_k == 0, "STAGES": stages or INT4_STAGES}
+
+
 def fused_moe_pairs(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
@@ -265,10 +379,12 @@ def fused_moe_pairs(
     fp8: Fp8Scales | None = None,
     int4: Int4Scales | None = None,
     tiles: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
+    stages: int | None = None,
 ) -> torch.Tensor:  # [T, H]
     """:func:`kernels.moe.ref_fused_moe` a pair at a time; its arguments checked by the caller
     (:func:`kernels.triton_moe.fused_moe`). ``tiles``: (gate/up, down) ``(BLOCK_N, BLOCK_K,
-    num_warps)``, for tests and tuning."""
+    num_warps)``, and ``stages`` the int4 K loops' software pipeline (``INT4_STAGES`` when
+    None), for tests and tuning."""
     t, h = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -276,8 +392,11 @@ def fused_moe_pairs(
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    down_tiles = SMALL_DOWN_TILES if pairs <= SMALL_DOWN_PAIRS else DOWN_TILES
-    (bn1, bk1, warps1), (bn2, bk2, warps2) = tiles or (GATE_UP_TILES, down_tiles)
+    if int4 is not None:
+        served = INT4_GATE_UP_TILES, INT4_DOWN_TILES
+    else:
+        served = GATE_UP_TILES, SMALL_DOWN_TILES if pairs <= SMALL_DOWN_PAIRS else DOWN_TILES
+    (bn1, bk1, warps1), (bn2, bk2, warps2) = tiles or served
     inter_act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
     quant = fp8 is not None or int4 is not None
     s13, z13 = quant_args(w13, fp8, int4, h, True)
@@ -290,6 +409,7 @@ def fused_moe_pairs(
         HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
         ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
         FP8=fp8 is not None, INT4=int4 is not None, num_warps=warps1,
+        **_int4_args(int4, h, bk1, stages),
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     s2, z2 = quant_args(w2, fp8, int4, inter, False)
@@ -300,6 +420,7 @@ def fused_moe_pairs(
         inter_act.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0),
         *s2[1:], contrib.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, HAS_BIAS=b2 is not None,
         FP8=fp8 is not None, INT4=int4 is not None, num_warps=warps2,
+        **_int4_args(int4, inter, bk2, stages),
     )  # fmt: skip
     block = min(COMBINE_BLOCK, next_pow2(h))
     _ordered_combine_kernel[(t, triton.cdiv(h, block))](

@@ -1,6 +1,7 @@
 """The fused MoE (Triton) against the roofline and against a per-expert torch loop.
 
-    python -m kernels.bench.moe [--tokens 1 16 256 4096] [--json-out moe.json]
+    python -m kernels.bench.moe [--tokens 1 16 256 4096] [--models M ...] [--row-budget-s 120]
+        [--tune-pairs] [--json-out moe.json]
 
 Shapes are Qwen3-30B-A3B's (H 2048, I 768, 128 experts, top-8), Mixtral-8x7B's (H 4096,
 I 14336, 8 experts, top-2) and gpt-oss-20b's (H 2880, I 2880, 32 experts, top-4, with expert
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,13 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps); None: the launcher's own choi
     None, (16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4),
     (64, 128, 64, 8), (128, 128, 64, 8),
 ]  # fmt: skip
+# the int4 rows': K tiles of one group of 128 (the widest inside a group) and of 64, narrow N
+# tiles too (each weight is unpacked once per BLOCK_M rows; the grid's programs are few at T=16)
+INT4_CONFIGS = [
+    None, (16, 64, 128, 4), (16, 32, 128, 4), (16, 128, 128, 8), (32, 64, 128, 4),
+    (32, 128, 128, 8), (64, 128, 128, 8), (16, 64, 64, 4), (64, 64, 64, 4),
+]  # fmt: skip
+ROW_BUDGET_S = 120.0  # a row's sweep stops past this many seconds (its first launch always runs)
 
 
 @dataclass
@@ -134,7 +143,15 @@ def _checked(case: Case, out: torch.Tensor, what: str) -> float:
     return err
 
 
-def bench_shape(model: str, tokens: int, copy: float) -> dict[str, Any]:
+def configs_of(model: str) -> list[tuple[int, int, int, int] | None]:
+    """The grouped kernels' launches a row sweeps: the int4 rows' own (K tiles inside a group)."""
+    return INT4_CONFIGS if model in INT4 else CONFIGS
+
+
+def bench_shape(model: str, tokens: int, copy: float, budget_s: float = ROW_BUDGET_S) -> dict[str, Any]:  # fmt: skip
+    """One row: the best launch of the sweep (stopped once ``budget_s`` seconds have gone, the
+    rest named in ``skipped``: a slow kernel's compilations and replays once ran past the GPU
+    lease's limit on the Mixtral GPTQ row)."""
     from kernels.bench.roofline import graph_ms, host_us, median_ms
     from kernels.moe import ref_fused_moe
 
@@ -142,7 +159,13 @@ def bench_shape(model: str, tokens: int, copy: float) -> dict[str, Any]:
     case = build(tokens, h, inter, experts, top_k, torch.device("cuda"),
                  gpt_oss=model in GPT_OSS, int4_group=INT4.get(model))  # fmt: skip
     best: tuple[tuple[int, int, int, int] | None, float] | None = None
-    for cfg in CONFIGS:
+    deadline = time.monotonic() + budget_s
+    configs = configs_of(model)
+    skipped: list[tuple[int, int, int, int] | None] = []
+    for i, cfg in enumerate(configs):
+        if i and time.monotonic() > deadline:
+            skipped = configs[i:]
+            break
         check(case, cfg)
         ms = graph_ms(functools.partial(run, case, cfg))
         if best is None or ms < best[1]:
@@ -158,40 +181,55 @@ def bench_shape(model: str, tokens: int, copy: float) -> dict[str, Any]:
     return {"model": model, "tokens": tokens, "graph_ms": best[1], "config": best[0],
             "triton_ms": median_ms(fn), "host_us": host_us(fn),
             "gb_per_s": gbs, "pct_of_copy": 100 * gbs / copy,
-            "tflop_per_s": case.flops() / best[1] / 1e9, "torch_loop_ms": loop_ms}  # fmt: skip
+            "tflop_per_s": case.flops() / best[1] / 1e9, "torch_loop_ms": loop_ms,
+            "skipped": skipped}  # fmt: skip
 
 
 PAIR_GATE_UP = [(4, 512, 2), (8, 256, 4), (8, 512, 4), (16, 128, 2), (16, 256, 4), (16, 512, 4),
                 (32, 256, 4), (32, 128, 4)]  # fmt: skip
 PAIR_DOWN = [(8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4),
              (64, 256, 8)]  # fmt: skip
+# the int4 rows' pair tiles (BLOCK_K one group of 128; wider ones are halved to it, so the float
+# sweep's would repeat) and their K loops' pipeline stages, swept with the best tiles
+PAIR_INT4 = [(8, 128, 2), (16, 128, 2), (16, 128, 4), (32, 128, 4), (32, 128, 8), (64, 128, 8)]
+PAIR_INT4_STAGES = [2, 3, 4, 5, 6]
 
 
 def tune_pairs(model: str, tokens: int, copy: float) -> dict[str, Any]:
     """The pair kernels' (kernels.triton_moe_pairs) tiles: the gate/up tile swept with the
-    served down tile, then the down tile with the best gate/up one; each launch checked
-    against the reference first. Beside them the grouped kernels' best launch."""
+    served down tile, then the down tile with the best gate/up one (int4 rows: their own
+    tiles, then the pipeline's stages with the best two); each launch checked against the
+    reference first. Beside them the grouped kernels' best launch."""
     from kernels.bench.roofline import graph_ms
-    from kernels.triton_moe_pairs import DOWN_TILES, fused_moe_pairs
+    from kernels.triton_moe_pairs import DOWN_TILES, INT4_DOWN_TILES, INT4_STAGES, fused_moe_pairs
 
     h, inter, experts, top_k = MODELS[model]
     case = build(tokens, h, inter, experts, top_k, torch.device("cuda"),
                  gpt_oss=model in GPT_OSS, int4_group=INT4.get(model))  # fmt: skip
+    int4 = case.int4 is not None
 
-    def pairs_ms(tiles: Any) -> float:
+    def pairs_ms(tiles: Any, stages: int | None = None) -> float:
         fn = functools.partial(fused_moe_pairs, case.x, case.w13, case.w2, case.weights,
-                               case.ids, tiles=tiles, **case.gpt_oss())  # fmt: skip
-        _checked(case, fn(), f"pairs {tiles}")
+                               case.ids, tiles=tiles, stages=stages, **case.gpt_oss())  # fmt: skip
+        _checked(case, fn(), f"pairs {tiles} stages {stages}")
         return graph_ms(fn)
 
-    gate_up = {str(gu): pairs_ms((gu, DOWN_TILES)) for gu in PAIR_GATE_UP}
-    best_gu = min(PAIR_GATE_UP, key=lambda gu: gate_up[str(gu)])
-    down = {str(dn): pairs_ms((best_gu, dn)) for dn in PAIR_DOWN}
-    best_dn = min(PAIR_DOWN, key=lambda dn: down[str(dn)])
-    grouped = {str(c): graph_ms(functools.partial(run, case, c)) for c in CONFIGS[1:]}
-    best = min(down.values())
+    gate_up_tiles, down_tiles = (PAIR_INT4, PAIR_INT4) if int4 else (PAIR_GATE_UP, PAIR_DOWN)
+    served_down = INT4_DOWN_TILES if int4 else DOWN_TILES
+    gate_up = {str(gu): pairs_ms((gu, served_down)) for gu in gate_up_tiles}
+    best_gu = min(gate_up_tiles, key=lambda gu: gate_up[str(gu)])
+    down = {str(dn): pairs_ms((best_gu, dn)) for dn in down_tiles}
+    best_dn = min(down_tiles, key=lambda dn: down[str(dn)])
+    stages: dict[int, float] = {}
+    if int4:
+        stages = {s: pairs_ms((best_gu, best_dn), s) for s in PAIR_INT4_STAGES}
+    best_stages = min(stages, key=stages.__getitem__) if stages else INT4_STAGES
+    configs = configs_of(model)[1:]
+    grouped = {str(c): graph_ms(functools.partial(run, case, c)) for c in configs}
+    best = min([*down.values(), *stages.values()])
     return {"model": model, "tokens": tokens, "gate_up_sweep_ms": gate_up, "down_sweep_ms": down,
-            "best_tiles": [best_gu, best_dn], "pairs_ms": best,
+            "stages_sweep_ms": stages, "best_tiles": [best_gu, best_dn],
+            "best_stages": best_stages if int4 else None, "pairs_ms": best,
             "pct_of_copy": 100 * case.bytes() / best / 1e6 / copy,
             "grouped_ms": grouped, "grouped_best_ms": min(grouped.values())}  # fmt: skip
 
@@ -221,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
     p.add_argument("--json-out", default=None)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                   help="the rows to run (default: all)")  # fmt: skip
+    p.add_argument("--row-budget-s", type=float, default=ROW_BUDGET_S,
+                   help="seconds a row's sweep may take before it stops (its first launch runs)")  # fmt: skip
     p.add_argument("--routing", action="store_true",
                    help="the router's softmax and top-k (Qwen3-30B-A3B's 128 experts, top-8)")  # fmt: skip
     p.add_argument(
@@ -245,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             write_results(args.json_out, copy, rows)
         return 0
     if args.tune_pairs:
-        for model in MODELS:
+        for model in args.models:
             for tokens in args.tokens:
                 r = tune_pairs(model, tokens, copy)
                 rows.append(r)
@@ -255,16 +297,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.json_out:
             write_results(args.json_out, copy, rows)
         return 0
-    for model in MODELS:
+    for model in args.models:
         for tokens in args.tokens:
-            r = bench_shape(model, tokens, copy)
+            r = bench_shape(model, tokens, copy, args.row_budget_s)
             rows.append(r)
             print(
                 f"{model:14s} T={tokens:<5d} Triton {r['graph_ms'] * 1e3:8.1f} us in a graph "
                 f"{r['gb_per_s']:6.0f} GB/s ({r['pct_of_copy']:3.0f}% of copy) "
                 f"{r['tflop_per_s']:6.1f} TFLOP/s; eager {r['triton_ms'] * 1e3:8.1f} us, host "
                 f"{r['host_us']:6.1f} us | torch loop {r['torch_loop_ms'] * 1e3:8.1f} us "
-                f"{r['config']}",
+                f"{r['config']}"
+                + (f" ({len(r['skipped'])} launches skipped)" if r["skipped"] else ""),
                 flush=True,
             )
     if args.json_out:

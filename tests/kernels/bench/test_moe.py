@@ -40,3 +40,14 @@ def test_int4_rows_count_packed_bytes_and_match_the_reference(device: torch.devi
     case = moe.build(20, 64, 48, 8, 2, device, torch.float32, int4_group=16)
     for cfg in (None, moe.CONFIGS[1]):
         assert moe.check(case, cfg) < 1e-5
+
+
+def test_int4_rows_sweep_their_own_launches(device: torch.device) -> None:
+    """The int4 rows sweep K tiles of one group of 128 (halved for narrower groups), every
+    launch valid; the float rows keep their sweep."""
+    assert moe.configs_of("qwen3-30b-a3b") is moe.CONFIGS
+    assert moe.configs_of("qwen3-30b-a3b-awq") is moe.INT4_CONFIGS
+    assert any(cfg and cfg[2] == 128 for cfg in moe.INT4_CONFIGS)
+    case = moe.build(6, 256, 128, 4, 2, device, torch.float32, int4_group=128)
+    for cfg in moe.INT4_CONFIGS:
+        assert moe.check(case, cfg) < 1e-5
