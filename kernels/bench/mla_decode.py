@@ -90,18 +90,61 @@ def bench_case(name: str, heads: int, batch: int, ctx: int, cache_dtype: torch.d
     return rows
 
 
+SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 32]
+
+
+def sweep_splits(name: str, heads: int, batch: int, ctx: int, cache_dtype: torch.dtype, tiles: tuple[int, int, int, int], copy: float) -> list[dict[str, Any]]:  # fmt: skip
+    """The kernel with ``tiles`` at each split count of :data:`SPLITS` (its partial sums,
+    float32 and ``L`` wide a head, are written and merged: more splits fill more SMs and cost
+    more bytes), each checked against the reference, timed in a CUDA graph."""
+    from kernels.attention import ref_mla_decode_attention
+    from kernels.bench.roofline import graph_ms
+    from kernels.triton_mla import mla_decode_attention
+
+    a = _inputs(heads, batch, ctx, cache_dtype)
+    q, cache, tables, lens, scale = a.values()
+    nbytes = batch * ctx * (ROPE + LATENT) * cache.element_size()
+    want = ref_mla_decode_attention(q.float(), cache.float(), tables, lens, scale, ROPE)
+    g, n, w, st = tiles
+    kind = "fp8" if cache.element_size() == 1 else "bf16"
+    shape = f"{name} {heads} heads, {batch} x {ctx}, {kind} cache"
+    rows = []
+    for splits in SPLITS:
+        fn = functools.partial(mla_decode_attention, q, cache, tables, lens, scale, ROPE,
+                               num_splits=splits, block_g=g, block_n=n, num_warps=w,
+                               num_stages=st)  # fmt: skip
+        err = (fn().float() - want).abs().max().item()
+        ms = graph_ms(fn)
+        rows.append({"shape": shape, "tiles": list(tiles), "num_splits": splits, "graph_ms": ms,
+                     "max_error": err, "pct_of_copy": 100 * nbytes / ms / 1e6 / copy})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from kernels.bench.roofline import copy_bandwidth, write_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few tiles, not the whole sweep")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--splits", nargs=4, type=int, metavar=("G", "N", "WARPS", "STAGES"),
+                   help="these tiles at each split count of SPLITS, not the tile sweep")  # fmt: skip
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.bench.mla_decode needs a CUDA GPU")
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows: list[dict[str, Any]] = []
+    if args.splits:
+        for (name, heads, batch, ctx), dt in itertools.product(
+            CASES, (torch.bfloat16, torch.float8_e4m3fn)
+        ):
+            case = sweep_splits(name, heads, batch, ctx, dt, tuple(args.splits), copy)
+            rows += case
+            print(f"{case[0]['shape']:46s} " + " ".join(
+                f"{r['num_splits']}:{r['graph_ms'] * 1e3:.1f}" for r in case) + " us", flush=True)  # fmt: skip
+        if args.json_out:
+            write_results(args.json_out, copy, rows)
+        return 0
     for (name, heads, batch, ctx), dt in itertools.product(
         CASES, (torch.bfloat16, torch.float8_e4m3fn)
     ):
