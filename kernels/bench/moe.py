@@ -292,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                 r = tune_pairs(model, tokens, copy)
                 rows.append(r)
                 print(f"{model:14s} T={tokens:<3d} pairs {r['pairs_ms'] * 1e3:7.1f} us "
-                      f"({r['pct_of_copy']:3.0f}% of copy) {r['best_tiles']}; grouped "
-                      f"{r['grouped_best_ms'] * 1e3:7.1f} us", flush=True)  # fmt: skip
+                      f"({r['pct_of_copy']:3.0f}% of copy) {r['best_tiles']} stages "
+                      f"{r['best_stages']}; grouped {r['grouped_best_ms'] * 1e3:7.1f} us",
+                      flush=True)  # fmt: skip
         if args.json_out:
             write_results(args.json_out, copy, rows)
         return 0
