@@ -77,11 +77,15 @@ VarlenTilesLike = VarlenTiles | tuple[int, int, int, int]
 # ``python -m kernels.bench.wide_heads``. Up to 128 wide: the paged kernel's whole-prompt tiles
 VARLEN_TILES = VarlenTiles(128, 64, 4, 2)
 # keys up to 256 wide, values up to 128: DeepSeek's expanded 192 / 128. Eight warps, as the
-# padded path needed for its 256-wide tiles (triton_prefill.WIDE_WHOLE_PROMPT_TILES)
+# padded path needed for its 256-wide tiles (triton_prefill.WIDE_WHOLE_PROMPT_TILES). Compiled
+# for sm_90 with Triton 3.6 (16-byte aligned strides, no GPU run yet): 189 registers a thread,
+# no spills, 128 KiB of shared memory, the K/V loads pipelined; the padded path's launch took
+# 255 registers and spilled, in 192 KiB
 WIDE_VARLEN_TILES = VarlenTiles(128, 64, 8, 2)
 # values wider than 128, up to 256 (Gemma 3's 256): the paged kernel's 256-wide choice
 FULL_WIDE_VARLEN_TILES = VarlenTiles(64, 64, 4, 2)
-# wider still (576 / 512, DeepSeek's latent widths): one stage, so K and V tiles fit
+# wider still (576 / 512, DeepSeek's latent widths): one stage, so K and V tiles fit the margin
+# fits_in keeps (two compile at 208 KiB and spill less: a candidate for the sweep)
 LATENT_VARLEN_TILES = VarlenTiles(64, 32, 8, 1)
 # smaller tiles, in order, for when the default does not fit the device's shared memory
 FALLBACK_TILES: tuple[VarlenTiles, ...] = (
