@@ -409,8 +409,7 @@ def mla_decode_attention(
     splits = None
     if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1
         width = block_tables.shape[1] * cache.shape[1]
-        blocks = -(-q.shape[1] // mod.DEFAULT_BLOCK_G)
-        splits = mod.choose_num_splits(1, blocks, width, q.device, cache.element_size())
+        splits = mod.num_splits_for(-(-q.shape[1] // mod.DEFAULT_BLOCK_G), width, q.device)
     return mod.mla_decode_attention(
         q, cache, block_tables, context_lens, scale, rope_dim, out=out, num_splits=splits
     )

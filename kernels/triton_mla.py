@@ -27,6 +27,8 @@ batch 64 x 1024 keys is 75.5 MB a layer, ~18 us at the H200's ~4.2 TB/s.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -43,13 +45,13 @@ from kernels.triton_common import (
     next_pow2,
     pdl,
     pdl_enter,
+    sm_count,
 )
 from kernels.triton_decode import (
     LOG2E,
     MAX_SPLITS,
     _merge_splits_kernel,
     _mma_acc,
-    choose_num_splits,
     merge_chunk,
 )
 
@@ -57,6 +59,24 @@ from kernels.triton_decode import (
 DEFAULT_BLOCK_G = 16
 # keys a step: a [BLOCK_N, 512] bf16 latent tile is 32 KiB, two stages 64 KiB of shared memory
 DEFAULT_BLOCK_N = 32
+MIN_KEYS_PER_SPLIT = 32  # one key tile
+
+
+def num_splits_for(programs: int, max_context: int, device: torch.device) -> int:
+    """Splits of each sequence's context for ``programs`` (sequence, head block) programs: none
+    once they fill the SMs, else the power of two nearest below two programs a SM, at least one
+    key tile a split. A split's partial sums are float32 and L wide a head (2 KiB, against a
+    token's 1,152-byte row), written and read again by the merge, so splits are dearer here than
+    in ``triton_decode``, whose ~4 programs a SM this rule replaces. DeepSeek-V2-Lite on an
+    H200 (``python -m kernels.bench.mla_decode --splits 16 32 4 2``, graph us, bf16 cache):
+    batch 256 x 1024 keys 114 with 1 split against 183 with 3 (``triton_decode``'s choice);
+    64 x 1024 54 with 4 (9: 59); 1 x 1024 6.7 with 32 (16: 8.5); 16 heads x 64 x 4096 130 with
+    4 (8: 132); V3's 128 heads (8 programs a sequence) x 64: 184 with 1."""
+    sms = sm_count(device)
+    if programs >= sms:
+        return 1
+    by_work = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    return max(1, min(1 << int(math.log2(2 * sms / programs)), by_work, MAX_SPLITS))
 
 
 @triton.jit(do_not_specialize=["bt_ptr", "lens_ptr", "num_splits", "s_btb"])
@@ -174,9 +194,7 @@ def mla_decode_attention(
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     head_blocks = -(-hq // block_g)
     if num_splits is None:
-        num_splits = choose_num_splits(
-            batch, head_blocks, block_tables.shape[1] * bs, device, cache.element_size()
-        )
+        num_splits = num_splits_for(batch * head_blocks, block_tables.shape[1] * bs, device)
     if not (1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     rows = batch * hq * num_splits if num_splits > 1 else 1

@@ -89,3 +89,14 @@ def test_bad_inputs_are_refused(device: torch.device) -> None:
         mla_decode_attention(q, cache, tables[:1], lens, 1.0, 8)
     with pytest.raises(ValueError, match="rope_dim must be in"):
         ref_mla_decode_attention(q, cache, tables, lens, 1.0, 0)
+
+
+def test_splits_fill_the_sms_once() -> None:
+    """132 SMs (the interpreter's nominal count): no split once the programs fill them; else the
+    power of two below two programs a SM, at least one 32-key tile a split."""
+    from kernels.triton_mla import num_splits_for
+
+    cpu = torch.device("cpu")
+    assert num_splits_for(256, 1024, cpu) == 1 and num_splits_for(132, 1024, cpu) == 1
+    assert num_splits_for(64, 1024, cpu) == 4 and num_splits_for(64, 64, cpu) == 2
+    assert num_splits_for(1, 1024, cpu) == 32 and num_splits_for(1, 16, cpu) == 1
