@@ -28,7 +28,7 @@ from kernels.moe import (
     ref_moe_routing,
     sort_by_expert,
 )
-from kernels.triton_moe import align_to_blocks, fused_moe
+from kernels.triton_moe import align_to_blocks, fused_moe, ref_align_to_blocks
 from tests.kernels.paged import assert_matches, rand
 from tests.kernels.rounding import Rounder, kernel_rounding
 
@@ -151,12 +151,20 @@ def test_biases_and_clamp_each_alone(gen: torch.Generator, device: torch.device,
 
 
 @pytest.mark.parametrize(
-    ("t", "top_k", "e", "block_m"), [(1, 2, 8, 16), (37, 2, 16, 16), (130, 8, 8, 64)]
-)
-def test_alignment_groups_every_pair_once_by_expert(t: int, top_k: int, e: int, block_m: int, gen: torch.Generator) -> None:  # fmt: skip
+    ("t", "top_k", "e", "block_m"),
+    [(1, 2, 8, 16), (37, 2, 16, 16), (130, 8, 8, 64), (64, 6, 64, 16), (9, 8, 256, 32),
+     (200, 3, 5, 16)],
+)  # fmt: skip
+def test_alignment_groups_every_pair_once_by_expert(t: int, top_k: int, e: int, block_m: int, gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    """The alignment kernel (one program, chunks of 64 pairs: 1 to 600 pairs here, experts
+    not a power of two) gives the torch reference's rows exactly: each expert's pairs in their
+    order, its run padded with the sentinel, each block's expert."""
     _, ids = ref_moe_routing(torch.randn((t, e), generator=gen), top_k, False)
-    ids = ids.sort(dim=-1).values
+    ids = ids.sort(dim=-1).values.to(device)
     pairs, blocks = align_to_blocks(ids, e, block_m)
+    want = ref_align_to_blocks(ids, e, block_m)
+    assert torch.equal(pairs, want[0]) and torch.equal(blocks, want[1])
+    pairs, blocks, ids = pairs.cpu(), blocks.cpu(), ids.cpu()
     flat = ids.reshape(-1)
     assert pairs.numel() == blocks.numel() * block_m
     real = pairs[pairs < t * top_k].long()
