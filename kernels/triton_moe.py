@@ -94,6 +94,12 @@ DEFAULT_TILES = (64, 64, 4)  # (BLOCK_N, BLOCK_K, num_warps)
 # int4 experts: K tiles of one group of 128 (half the steps of 64, and 16-byte loads of four
 # words a thread); not yet timed on a GPU (kernels.bench.moe sweeps the tiles)
 INT4_TILES = (64, 128, 4)
+# the least K tile whose int4 weights are joined from their nibble planes (int4_tile); narrower
+# ones (groups of 16 or 32 bound the tile) are gathered a column at a time
+# (int4_tile_gathered): on an H200 a bf16 launch with K tiles of 16 (groups of 48) gave wrong
+# sums through the joined tile (tests/kernels/test_triton_moe.py, 2026-12-01) while tiles of 64
+# and 128 were right (kernels.bench.moe checks every launch); 32 was not run there
+INT4_JOINED_MIN_K = tl.constexpr(64)
 COMBINE_BLOCK = 1024
 
 
@@ -239,10 +245,16 @@ def _gate_up_kernel(
         if INT4:  # dequantized in the tile (inside one group) to x's dtype, as the reference
             kb = k0 // SCALE_BK * s_sk
             xt = a.dtype
-            wg = int4_tile(rows_gate, s_gate + kb, z_gate + kb, k0, K, n_mask, xt, BLOCK_K, EVEN_K)
-            wu = int4_tile(rows_up, s_up + kb, z_up + kb, k0, K, n_mask, xt, BLOCK_K, EVEN_K)
-            acc_gate += mma(a, tl.trans(wg), UPCAST, PRECISION)
-            acc_up += mma(a, tl.trans(wu), UPCAST, PRECISION)
+            if BLOCK_K >= INT4_JOINED_MIN_K:
+                wg = tl.trans(int4_tile(rows_gate, s_gate + kb, z_gate + kb, k0, K, n_mask, xt,
+                                        BLOCK_K, EVEN_K))  # fmt: skip
+                wu = tl.trans(int4_tile(rows_up, s_up + kb, z_up + kb, k0, K, n_mask, xt,
+                                        BLOCK_K, EVEN_K))  # fmt: skip
+            else:
+                wg = int4_tile_gathered(w_gate, s_gate + kb, z_gate + kb, ks, w_mask, n_mask, xt)
+                wu = int4_tile_gathered(w_up, s_up + kb, z_up + kb, ks, w_mask, n_mask, xt)
+            acc_gate += mma(a, wg, UPCAST, PRECISION)
+            acc_up += mma(a, wu, UPCAST, PRECISION)
         elif FP8:  # e4m3 -> the activation dtype is exact; the scales on the tile's product
             wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)
             wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
@@ -302,8 +314,13 @@ def _down_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         if INT4:
             kb = k0 // SCALE_BK * s_sk
-            w = int4_tile(rows, s_rows + kb, z_rows + kb, k0, K, n_mask, a.dtype, BLOCK_K, EVEN_K)
-            acc += mma(a, tl.trans(w), UPCAST, PRECISION)
+            if BLOCK_K >= INT4_JOINED_MIN_K:
+                w = tl.trans(int4_tile(rows, s_rows + kb, z_rows + kb, k0, K, n_mask, a.dtype,
+                                       BLOCK_K, EVEN_K))  # fmt: skip
+            else:
+                w = int4_tile_gathered(w_rows, s_rows + kb, z_rows + kb, ks, w_mask, n_mask,
+                                       a.dtype)  # fmt: skip
+            acc += mma(a, w, UPCAST, PRECISION)
         elif FP8:
             w = tl.load(w_rows + ks[:, None], mask=w_mask, other=0.0)
             sc = tl.load(s_rows + k0 // SCALE_BK * s_sk, mask=n_mask, other=0.0)
@@ -325,6 +342,18 @@ def _down_kernel(
     out = down * weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
     tl.store(out_ptrs, out.to(dt), mask=out_mask)
+
+
+@triton.jit
+def int4_tile_gathered(w_cols, s_cols, z_cols, ks, w_mask, n_mask, dt: tl.constexpr):
+    """A ``[BLOCK_K, BLOCK_N]`` tile of packed int4 rows read transposed, each word loaded for
+    each of its eight columns (the narrow K tiles' loader: see ``INT4_JOINED_MIN_K``),
+    ``(q - z) * s`` in fp32 rounded to ``dt``: the same weights as :func:`int4_tile`."""
+    words = tl.load(w_cols + (ks // 8)[:, None], mask=w_mask, other=0)
+    q = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    s = tl.load(s_cols, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_cols, mask=n_mask, other=0).to(tl.float32)
+    return ((q - z[None, :]) * s[None, :]).to(dt)
 
 
 @triton.jit
