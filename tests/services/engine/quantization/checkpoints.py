@@ -274,9 +274,15 @@ MOE = {
                   "norm_topk_prob": True, "mlp_only_layers": [1]},
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "intermediate_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2},
+    # its shared expert (a dense MLP beside the experts, quantized as one) and the sigmoid gate
+    # on it (float, as the quantizers leave it), q/k/v biases
+    "qwen2_moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                  "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256,
+                  "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False},
 }  # fmt: skip
 # the checkpoint's names of an expert's gate, up and down projections
 _EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
                  "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # fmt: skip
 _SAME_INPUT_PROJ = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
 
@@ -295,6 +301,10 @@ def moe_weights(cfg: dict[str, Any], seed: int = 0) -> Weights:
         if cfg["model_type"] == "qwen3_moe":
             for norm in ("q_norm", "k_norm"):
                 w[p + f"self_attn.{norm}.weight"] = 1 + 0.1 * torch.randn(d, generator=gen)
+        if cfg["model_type"] == "qwen2_moe":
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                rows = w[p + f"self_attn.{proj}.weight"].shape[0]
+                w[p + f"self_attn.{proj}.bias"] = 0.1 * torch.randn(rows, generator=gen)
         if layer in cfg.get("mlp_only_layers", []):
             continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -305,6 +315,12 @@ def moe_weights(cfg: dict[str, Any], seed: int = 0) -> Weights:
             w[x + f"{gate}.weight"] = torch.randn(inter, h, generator=gen) / h**0.5
             w[x + f"{up}.weight"] = torch.randn(inter, h, generator=gen) / h**0.5
             w[x + f"{down}.weight"] = torch.randn(h, inter, generator=gen) / inter**0.5
+        if shared := cfg.get("shared_expert_intermediate_size", 0):
+            x = p + f"{block}.shared_expert."
+            w[x + "gate_proj.weight"] = torch.randn(shared, h, generator=gen) / h**0.5
+            w[x + "up_proj.weight"] = torch.randn(shared, h, generator=gen) / h**0.5
+            w[x + "down_proj.weight"] = torch.randn(h, shared, generator=gen) / shared**0.5
+            w[p + f"{block}.shared_expert_gate.weight"] = torch.randn(1, h, generator=gen) / h**0.5
     return w
 
 

@@ -91,18 +91,22 @@ def test_quantized_moe_checkpoints(
     assert type(router) is torch.nn.Linear and router.weight.dtype == torch.float32
     if family == "qwen3_moe":  # layer 1: a dense MLP, quantized as in a dense model
         assert isinstance(model.model.layers[1].mlp.down_proj, LAYER[method])
+    if family == "qwen2_moe":  # its shared expert quantized as a dense MLP, its gate float
+        moe = model.model.layers[1].mlp
+        assert isinstance(moe.shared_expert.down_proj, LAYER[method])
+        assert type(moe.shared_expert_gate) is torch.nn.Linear
     if method.startswith("fp8"):
-        layers = {"qwen3_moe": 1, "mixtral": 2}[family]  # the sparse layers
+        layers = {"qwen3_moe": 1, "mixtral": 2, "qwen2_moe": 2}[family]  # the sparse layers
         scales = "128x128 block" if method == "fp8-block" else "per-channel"
         assert f"experts of {layers} layers held as fp8 e4m3 with {scales} scales" in caplog.text
         assert "dequantized to float32 as they loaded" not in caplog.text
         return
-    layers = {"qwen3_moe": 1, "mixtral": 2}[family]
+    layers = {"qwen3_moe": 1, "mixtral": 2, "qwen2_moe": 2}[family]
     if method in ("awq", "gptq"):
         assert f"experts of {layers} layers held as {method} int4, packed" in caplog.text
         assert "dequantized" not in caplog.text
         return
-    projections = {"qwen3_moe": 12, "mixtral": 24}[family]  # sparse layers x 4 experts x 3
+    projections = {"qwen3_moe": 12, "mixtral": 24, "qwen2_moe": 24}[family]  # layers x 4 x 3
     assert (
         f"experts' {projections} {method.split('-')[0]} projections were dequantized to float32"
         in caplog.text

@@ -105,23 +105,31 @@ def test_fp8_experts_quantized_at_load_time_on_two_ranks(tmp_path: Path) -> None
     assert _tokens(path, 2, quantization="fp8") == one
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "awq", "gptq"])
-def test_quantized_experts_on_two_ranks_give_the_tokens_of_one(fmt: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "fmt"), [("qwen3_moe", "fp8-block"), ("qwen3_moe", "awq"), ("qwen2_moe", "gptq")]
+)
+def test_quantized_experts_on_two_ranks_give_the_tokens_of_one(
+    family: str, fmt: str, tmp_path: Path
+) -> None:
     """A Qwen3-MoE checkpoint's experts (FP8 blocks, or AWQ / GPTQ int4 held packed): each
     rank reads its half of every expert's intermediate rows, in each piece's units (packed
-    words, scales, zeros), and sums the down projections' partial products with the rest."""
+    words, scales, zeros), and sums the down projections' partial products with the rest;
+    Qwen2-MoE's GPTQ shared expert cut alike (128 of its 256 rows a rank), its gate whole."""
     import torch
 
     from services.engine.models.moe import Experts
 
     shapes = {**SPLITTABLE, "moe_intermediate_size": 256}  # 128 rows a rank: whole units
-    path = ck.moe_checkpoint(tmp_path / fmt, "qwen3_moe", fmt, config=shapes)[0]
+    path = ck.moe_checkpoint(tmp_path / fmt, family, fmt, config=shapes)[0]
     _tokenizer().save_pretrained(path)
     with LLM(str(path), dtype="float32", tensor_parallel_size=2) as llm:
         two = [r.outputs[0].token_ids for r in llm.generate(_prompts(), GREEDY)]
         experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
         held = {m.gate_up_proj.dtype for m in experts}
         rows = {m.down_proj.shape[-1] * (8 if fmt != "fp8-block" else 1) for m in experts}
+        if family == "qwen2_moe":
+            shared = llm.engine.runner.model.model.layers[0].mlp.shared_expert
+            assert shared.down_proj.in_features == 128  # rank 0's half of its 256 rows
     assert held == {torch.float8_e4m3fn if fmt == "fp8-block" else torch.int32}  # not dequantized
     assert rows == {128}  # rank 0's half of each expert's 256 intermediate rows
     assert two == _tokens(path, 1)
