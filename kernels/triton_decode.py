@@ -247,7 +247,8 @@ def merge_chunk(block_d: int) -> int:
     """Columns of the head dim a merge program takes (``_merge_splits_kernel``'s ``BLOCK_D``,
     its grid's third axis ``block_d / chunk``): at most 128, so its [MAX_SPLITS, chunk] float32
     tile of partial sums stays in registers (DeepSeek's 1024-wide latent padding held 64 x 1024
-    floats a program: 16 us a layer at batch 64 on an H200)."""
+    floats a program: 16 us a layer at batch 64 on an H200). The grid covers the head dim's
+    columns only (``cdiv(d, chunk)``), not its padding."""
     return min(block_d, 128)
 
 
@@ -410,7 +411,7 @@ def paged_decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         chunk = merge_chunk(block_d)
-        _merge_splits_kernel[(batch, hq, block_d // chunk)](
+        _merge_splits_kernel[(batch, hq, triton.cdiv(d, chunk))](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=chunk,
             BLOCK_S=max(MAX_SPLITS, next_pow2(num_splits)),  # one variant for every default split

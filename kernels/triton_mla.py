@@ -218,7 +218,7 @@ def mla_decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         chunk = merge_chunk(block_l)
-        _merge_splits_kernel[(batch, hq, block_l // chunk)](
+        _merge_splits_kernel[(batch, hq, triton.cdiv(latent, chunk))](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=hq, HEAD_DIM=latent, BLOCK_D=chunk, BLOCK_S=MAX_SPLITS, num_warps=4,
             **pdl(device, batch),

@@ -1,10 +1,11 @@
 """The fused Mixture-of-Experts MLP in Triton: tokens grouped by expert, two grouped GEMMs.
 
-Same signature and rounding as :func:`kernels.moe.ref_fused_moe`. A grouping in torch, then three
-Triton launches; no host sync anywhere (so a CUDA graph can hold them: every size is known from
+Same signature and rounding as :func:`kernels.moe.ref_fused_moe`. A grouping, then three Triton
+launches; no host sync anywhere (so a CUDA graph can hold them: every size is known from
 the shapes alone):
 
-1. **Group** (torch ops in :func:`align_to_blocks`): the ``T * top_k`` (token, slot) pairs are
+1. **Group** (:func:`align_to_blocks`: one launch of ``_align_kernel``, torch's sort for more
+   than ``ALIGN_MAX_PAIRS``): the ``T * top_k`` (token, slot) pairs are
    sorted by expert and each expert's run is padded to a multiple of ``BLOCK_M``, so every block
    of ``BLOCK_M`` rows belongs to one expert. ``block_expert`` names it (-1: a block past the last
    expert's run, which exits at once). Experts that receive no token own no block.
@@ -110,34 +111,35 @@ def pick_block_m(pairs: int, experts: int) -> int:
     return 16 if avg <= 16 else 32 if avg <= 64 else 64
 
 
-# the alignment kernel's pairs a step (its [CHUNK, CHUNK] same-expert comparison in registers)
-# and the most pairs it takes: one program walks them all, twice; more go through torch's sort
+# the alignment kernel's pairs a step (its [CHUNK, CHUNK] same-expert comparison in registers),
+# its blocks a step (a [BLOCKS, E] comparison: 32 registers a thread at 256 experts), and the most
+# pairs it takes: one program walks them all, twice; more go through torch's sort
 ALIGN_CHUNK = 64
+ALIGN_BLOCKS = 16
 ALIGN_MAX_PAIRS = 8192
 
 
 @triton.jit(do_not_specialize=["num_pairs", "size"])
 def _align_kernel(
     ids_ptr, pairs_ptr, block_expert_ptr, num_pairs, size, NUM_EXPERTS: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS: tl.constexpr,
 ):  # fmt: skip
     """:func:`ref_align_to_blocks` in one program: the experts' counts (histograms of the ids,
-    a spare bin E for masked lanes), their runs padded to BLOCK_M and laid end to end (a
-    cumulative sum), each block's expert (the runs ending at or before its first row), the
-    sentinel everywhere, then each pair stored at its run's next free row: its rank among the
-    chunk's earlier pairs of its expert (a [CHUNK, CHUNK] comparison) plus the rows earlier
-    chunks took, kept in registers (``tl.gather`` of the expert's counter)."""
-    offs_e = tl.arange(0, E_PAD)
+    masked lanes left out), their runs padded to BLOCK_M and laid end to end (a cumulative
+    sum), each block's expert (the runs ending at or before its first row), the sentinel
+    everywhere, then each pair stored at its run's next free row: its rank among the chunk's
+    earlier pairs of its expert (a [CHUNK, CHUNK] comparison) plus the rows earlier chunks
+    took, kept in registers (``tl.gather`` of the expert's counter)."""
     offs_c = tl.arange(0, CHUNK)
     counts = tl.zeros([E_PAD], tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
-        e = tl.load(ids_ptr + p0 + offs_c, mask=p0 + offs_c < num_pairs, other=NUM_EXPERTS)
-        counts += tl.histogram(e.to(tl.int32), E_PAD)
-    counts = tl.where(offs_e < NUM_EXPERTS, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        mask = p0 + offs_c < num_pairs
+        e = tl.load(ids_ptr + p0 + offs_c, mask=mask, other=0).to(tl.int32)
+        counts += tl.histogram(e, E_PAD, mask=mask)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # bins past the experts count 0
     end = tl.cumsum(padded, 0)  # [E_PAD]: past the experts, the total
-    for b0 in range(0, size // BLOCK_M, CHUNK):
-        blocks = b0 + offs_c
+    for b0 in range(0, size // BLOCK_M, BLOCKS):
+        blocks = b0 + tl.arange(0, BLOCKS)
         expert = tl.sum((end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
         expert = tl.where(expert < NUM_EXPERTS, expert, -1)
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < size // BLOCK_M)
@@ -148,11 +150,12 @@ def _align_kernel(
     earlier = offs_c[None, :] < offs_c[:, None]  # [CHUNK, CHUNK]: j before i
     for p0 in range(0, num_pairs, CHUNK):
         mask = p0 + offs_c < num_pairs
-        e = tl.load(ids_ptr + p0 + offs_c, mask=mask, other=NUM_EXPERTS).to(tl.int32)
-        rank = tl.sum(((e[None, :] == e[:, None]) & earlier).to(tl.int32), 1)
+        e = tl.load(ids_ptr + p0 + offs_c, mask=mask, other=0).to(tl.int32)
+        same = (e[None, :] == e[:, None]) & earlier & mask[None, :]
+        rank = tl.sum(same.to(tl.int32), 1)
         row = tl.gather(nxt, e, 0) + rank
         tl.store(pairs_ptr + row, p0 + offs_c, mask=mask)
-        nxt += tl.histogram(e, E_PAD)
+        nxt += tl.histogram(e, E_PAD, mask=mask)
 
 
 def align_to_blocks(
@@ -172,8 +175,8 @@ def align_to_blocks(
     block_expert = torch.empty((size // block_m,), dtype=torch.int32, device=dev)
     _align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_pairs, block_expert, pairs, size,
-        NUM_EXPERTS=num_experts, E_PAD=next_pow2(num_experts + 1), BLOCK_M=block_m,
-        CHUNK=ALIGN_CHUNK, num_warps=4,
+        NUM_EXPERTS=num_experts, E_PAD=next_pow2(num_experts), BLOCK_M=block_m,
+        CHUNK=ALIGN_CHUNK, BLOCKS=ALIGN_BLOCKS, num_warps=4,
     )  # fmt: skip
     return sorted_pairs, block_expert
 

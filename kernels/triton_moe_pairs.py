@@ -3,8 +3,8 @@
 Same signature and rounding as :func:`kernels.moe.ref_fused_moe` (and
 :func:`kernels.triton_moe.fused_moe`, which calls this for few pairs). At decode batch sizes
 the grouped kernels' set-up dominates the layer: sorting and padding the ``T * top_k`` pairs by
-expert (:func:`kernels.triton_moe.align_to_blocks`) is about fifteen small torch kernels a
-layer, and ``tl.dot`` wants blocks of 16 rows where each expert holds one or two. On an H200,
+expert (:func:`kernels.triton_moe.align_to_blocks`) was about fifteen small torch kernels a
+layer (one Triton launch now), and ``tl.dot`` wants blocks of 16 rows where each expert holds one or two. On an H200,
 Qwen3-30B-A3B's batch-1 decode step spent ~2.3 of its 6.4 ms in that set-up and read the
 experts at ~25% of the copy bandwidth. Here, three launches and nothing else:
 
