@@ -78,7 +78,8 @@ _MLA_CUTS = {
 # ``shared_mlp`` (gate and up stacked in ``input_linear``, as ours in ``gate_up_proj``)
 _SHARED = re.compile(
     r"\.(?:shared_experts?|shared_mlp)\."
-    r"(gate_proj|up_proj|down_proj|output_linear|gate_up_proj|input_linear)\.(\w+)$"
+    r"(gate_proj|up_proj|down_proj|output_linear|gate_up_proj|input_linear)\."
+    r"(weight|bias|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
 )
 
 
@@ -349,6 +350,11 @@ class TPLayout:
         """A shared expert's tensor: its gate and up rows (a stacked gate/up tensor's two runs),
         its down projection's input columns, each quantized piece in its own units."""
         if proj in ("gate_up_proj", "input_linear"):  # [2I, H]: the rank's rows of each half
+            if piece not in ("weight", "bias"):
+                raise ConfigError(
+                    f"--tensor-parallel-size {self.size}: a quantized stacked shared expert "
+                    f"({proj}.{piece}) is not split over ranks: use 1"
+                )
             s0, s1 = self.shared_intermediate
             whole = self.shared_whole
             return CheckpointSlice(0, 0, 0, runs=((s0, s1), (whole + s0, whole + s1)))

@@ -287,6 +287,19 @@ def test_deepseek_v3_fp8_blocks_are_cut_per_head_on_eight_ranks() -> None:
         TPLayout.of(arch, 0, 32, fp8)
 
 
+def test_shared_experts_off_the_units_are_refused() -> None:
+    """Qwen2-MoE's shared expert of 48 rows: 24 a rank cut a group of 16 input rows of its down
+    projection (and 8-row AWQ units of its gate/up are fine): refused naming it; a quantized
+    piece of a stacked shared gate/up (Granite's) is refused too."""
+    moe = MoeConfig(4, 2, 64, True, (0,), True, shared_intermediate_size=48)
+    arch = replace(ARCH, model_type="qwen2_moe", moe=moe)
+    with pytest.raises(ConfigError, match=r"rank 0's shared experts' down input columns \[0, 24\)"):
+        TPLayout.of(arch, 0, 2, QuantConfig("awq", group_size=16))
+    layout = TPLayout.of(arch, 0, 2)
+    with pytest.raises(ConfigError, match="quantized stacked shared expert"):
+        layout.checkpoint_slice("model.layers.0.shared_mlp.input_linear.qweight")
+
+
 def test_deepseek_heads_off_the_blocks_are_refused() -> None:
     """2 heads of 24 q dims a rank: 48 q_b rows cut a 128-row block (the dense MLP's and the
     experts' rows fall on whole blocks)."""
