@@ -154,12 +154,25 @@ class MLAttention(nn.Module):
         if meta.on_kv_written is not None:
             meta.on_kv_written(self.layer)
         scale = self.scale * (self.kv_scale if scaled else 1)
+        rope, nd = m.qk_rope_head_dim, meta.num_decodes
         if meta.decode_only:  # the latent decode kernel: the attended latent alone
             o = ops.mla_decode_attention(
-                q, cache, meta.block_tables, meta.context_lens, scale, m.qk_rope_head_dim
+                q, cache, meta.block_tables, meta.context_lens, scale, rope
             )
-        else:  # [T, H, R + L]: the rope columns dropped
-            o = paged_attention(q, cache, cache, meta, scale)[..., m.qk_rope_head_dim :]
+        elif nd == 0:  # [T, H, R + L]: the rope columns dropped
+            o = paged_attention(q, cache, cache, meta, scale)[..., rope:]
+        else:  # decode rows as in a decode step, then the prompt rows through the prefill kernel
+            assert meta.prefill_start_loc is not None
+            o = q.new_empty((T, self.nq, m.kv_lora_rank))
+            ops.mla_decode_attention(
+                q[:nd], cache, meta.block_tables[:nd], meta.context_lens[:nd], scale, rope,
+                out=o[:nd],
+            )  # fmt: skip
+            spans = meta.span_last
+            o[nd:] = ops.prefill_attention(
+                q[nd:], cache, cache, meta.block_tables[nd:], meta.prefill_start_loc,
+                meta.context_lens[nd:], scale, span_last=spans[nd:] if spans is not None else None,
+            )[..., rope:]  # fmt: skip
         if scaled and self.kv_scale != 1.0:
             o = o * self.kv_scale
         out = self._values(o)  # [T, H, v]

@@ -165,27 +165,35 @@ def test_greedy_matches_transformers(name: str, built: Callable[[str], Built]) -
     _assert_greedy_matches(name, *built(name))
 
 
-@pytest.mark.parametrize("prefix_bytes", [512 << 20, 0], ids=["prefix-expanded", "prefix-absorbed"])
+@pytest.mark.parametrize(
+    ("prefix_bytes", "expanded"),
+    [(512 << 20, True), (0, True), (0, False)],
+    ids=["prefix-expanded", "prefix-absorbed", "all-absorbed"],
+)
 def test_chunks_after_a_prefix_beside_new_prompts_and_decodes(
-    built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch, prefix_bytes: int
-) -> None:
+    built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch, prefix_bytes: int,
+    expanded: bool,
+) -> None:  # fmt: skip
     """A 64-token step budget: a long prompt's later chunks (their prefix's keys and values
     expanded from the cached latents; past EXPANDED_PREFIX_BYTES, here 0, absorbed) share steps
-    with new prompts (expanded) and decodes (absorbed); transformers' tokens, and the steps the
-    test is about did happen."""
+    with new prompts (expanded) and decodes (absorbed, through the latent decode op); with the
+    expanded form off (as for an FP8 cache) the decode rows of such a step go through the latent
+    decode op and its prompt rows through the prefill kernel; transformers' tokens, and the
+    steps the test is about did happen."""
     from services.engine.models import deepseek
 
     monkeypatch.setattr(deepseek, "EXPANDED_PREFIX_BYTES", prefix_bytes)
+    monkeypatch.setattr(deepseek, "EXPANDED_PREFILL", expanded)
 
     seen: list[tuple[int, int, int]] = []
-    expanded = deepseek.MLAttention._forward_expanded
+    forward = deepseek.MLAttention.forward
 
     def record(self: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
         meta = args[-1]
         seen.append((meta.num_decodes, meta.prefix_prefills, x.shape[0] - meta.num_decodes))
-        return expanded(self, x, *args)
+        return forward(self, x, *args)
 
-    monkeypatch.setattr(deepseek.MLAttention, "_forward_expanded", record)
+    monkeypatch.setattr(deepseek.MLAttention, "forward", record)
     path, hf = built("v3")
     prompts = dict(zip("abc", _prompts(7, [9, 150, 40]), strict=True))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
