@@ -318,6 +318,7 @@ def _dequant_int4(q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor) -> 
         (37, 96, 16, 48, 2, 48),  # most experts see a few rows; groups of 48 (tiles of 16)
         (40, 64, 8, 32, 8, 32),  # top-8 of 8: every expert sees every token; two groups / one
         (23, 128, 6, 64, 2, 64),  # tiles as wide as a group
+        (20, 256, 4, 128, 2, 128),  # groups of 128 (AWQ's, GPTQ's): the default K tile of 128
     ],
 )
 def test_int4_experts_match_the_dequantized_reference(t: int, h: int, e: int, inter: int, top_k: int, group: int | None, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
