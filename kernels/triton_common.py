@@ -334,3 +334,22 @@ def check_out(
     if out.device != device:
         raise ValueError(f"out is on {out.device}; expected {device}")
     return out
+
+
+@triton.jit
+def seq_of_tile(qsl_ptr, num_seqs, tile, TOKENS: tl.constexpr):
+    """The sequence query tile ``tile`` belongs to, with tiles of ``TOKENS`` tokens and every
+    sequence starting a new one: the last sequence whose first tile (its start // TOKENS plus
+    its index) is <= ``tile`` (a binary search of ``query_start_loc``; the first tiles strictly
+    increase). Returns (the sequence, its start, its length, the tile's first token in it); that
+    token is past the length when the grid's bound overshoots (the program then exits)."""
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid).to(tl.int32) // TOKENS + mid
+        lo = tl.where(first <= tile, mid, lo)
+        hi = tl.where(first <= tile, hi, mid - 1)
+    start = tl.load(qsl_ptr + lo).to(tl.int32)
+    length = tl.load(qsl_ptr + lo + 1).to(tl.int32) - start
+    return lo, start, length, (tile - (start // TOKENS + lo)) * TOKENS

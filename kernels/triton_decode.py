@@ -71,6 +71,19 @@ FP8_MAX_REGISTERS = 128
 
 
 @triton.jit
+def online_softmax(s, m_i, l_i):
+    """One key tile's online-softmax step on scores ``s`` in log2 units (masked ones -inf):
+    (the new row max, the factor rescaling what was summed so far, the tile's probabilities,
+    the new row sums). A row that has seen only masked keys (an empty split) keeps max -inf
+    and sum 0: its exponents are taken against 0, not -inf - -inf."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _mma_acc(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """``acc + mma(a, b)`` as one ``tl.dot`` accumulating into ``acc`` (fp32): the MMA adds into
     its own accumulator registers, no second [M, N] tile for the product."""
@@ -170,11 +183,7 @@ def _decode_kernel(
         if SOFTCAP > 0:  # Gemma 2: before the mask, as transformers caps them
             s = soft_cap_log2(s, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = online_softmax(s, m_i, l_i)
         v_rows = v_ptr + blk * s_vn + off * s_vb + kvh * s_vh
         if HALF_D:  # likewise V: p converted once, each half accumulated into its own acc
             p = p.to(q_lo.dtype)

@@ -53,6 +53,7 @@ from kernels.triton_decode import (
     _merge_splits_kernel,
     _mma_acc,
     merge_chunk,
+    online_softmax,
 )
 
 # heads a program (rows of its query tile): its accumulator is BLOCK_G x L floats
@@ -128,11 +129,7 @@ def _mla_decode_kernel(
         s = mma(q_lat, tl.trans(k_lat), DOT_UPCAST, DOT_PRECISION)
         s = _mma_acc(q_rope, tl.trans(k_rope), s, DOT_UPCAST, DOT_PRECISION) * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = online_softmax(s, m_i, l_i)
         # the latent tile is the value tile: no second load
         acc = _mma_acc(p.to(k_lat.dtype), k_lat, acc * alpha[:, None], DOT_UPCAST, DOT_PRECISION)
         m_i = m_new

@@ -105,6 +105,7 @@ from kernels.triton_common import (
     max_shared_memory,
     mma,
     next_pow2,
+    seq_of_tile,
     sm_count,
     soft_cap_log2,
 )
@@ -336,18 +337,7 @@ def _prefill_kernel(
     h0 = (pid % HEAD_SETS) * HEADS  # the tile's first query head
     tile = num_tiles - 1 - pid // HEAD_SETS
     kvh = h0 // GROUP
-    # the last sequence whose first tile is <= this one (tile starts strictly increase)
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first = tl.load(qsl_ptr + mid).to(tl.int32) // TOKENS + mid
-        lo = tl.where(first <= tile, mid, lo)
-        hi = tl.where(first <= tile, hi, mid - 1)
-    b = lo
-    q_start = tl.load(qsl_ptr + b).to(tl.int32)
-    q_len = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start
-    m0 = (tile - (q_start // TOKENS + b)) * TOKENS  # the tile's first token in its sequence
+    b, q_start, q_len, m0 = seq_of_tile(qsl_ptr, num_seqs, tile, TOKENS)
     if m0 >= q_len:
         return
     ctx = tl.load(lens_ptr + b).to(tl.int32)

@@ -57,6 +57,7 @@ from kernels.triton_common import (
     next_pow2,
     round_to_bf16,
     rounds_bf16_in_kernel,
+    seq_of_tile,
 )
 
 LOG2E = 1.4426950408889634
@@ -218,18 +219,7 @@ def _varlen_kernel(
     pid = tl.program_id(0)
     head = pid % HEADS
     tile = num_tiles - 1 - pid // HEADS
-    # the last sequence whose first tile is <= this one (the first tiles strictly increase)
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_M + mid
-        lo = tl.where(first <= tile, mid, lo)
-        hi = tl.where(first <= tile, hi, mid - 1)
-    b = lo
-    seq_start = tl.load(qsl_ptr + b).to(tl.int32)
-    seq_len = tl.load(qsl_ptr + b + 1).to(tl.int32) - seq_start
-    m0 = (tile - (seq_start // BLOCK_M + b)) * BLOCK_M  # the tile's first token in its sequence
+    _seq, seq_start, seq_len, m0 = seq_of_tile(qsl_ptr, num_seqs, tile, BLOCK_M)
     if m0 >= seq_len:
         return
     kvh = head // GROUP
