@@ -160,8 +160,8 @@ def test_row_invariance_takes_at_most_the_gemv_rows(monkeypatch: pytest.MonkeyPa
 @pytest.mark.gpu
 def test_row_invariant_batches_compute_each_row_as_alone() -> None:
     """With drafts, the engine makes short batches row-invariant: a linear layer and decode
-    attention give a batch of 8 the bits of 8 batches of one (cuBLAS and the batch-dependent
-    split of the context would not)."""
+    attention (the general and the latent one) give a batch of 8 the bits of 8 batches of one
+    (cuBLAS and the batch-dependent split of the context would not)."""
     gen, cuda, dt = torch.Generator().manual_seed(0), torch.device("cuda"), torch.bfloat16
     x, w = rand((8, 2048), dt, gen, cuda), rand((6144, 2048), dt, gen, cuda)
     lens = [3000, 17, 1, 4096, 900, 2500, 64, 1500]
@@ -178,6 +178,14 @@ def test_row_invariant_batches_compute_each_row_as_alone() -> None:
                 q[one], k_cache, v_cache, tables[one], ctx[one], 0.125
             )
             assert torch.equal(alone, attn[one])
+        # DeepSeek's latent decode: 16 heads over one 64 + 512-dim row a token
+        cache, _, tables = paged_kv(lens, 16, 1, 576, dt, gen, cuda)
+        q = rand((8, 16, 576), dt, gen, cuda)
+        latent = ops.mla_decode_attention(q, cache, tables, ctx, 0.07, 64)
+        for i in range(8):
+            one = slice(i, i + 1)
+            alone = ops.mla_decode_attention(q[one], cache, tables[one], ctx[one], 0.07, 64)
+            assert torch.equal(alone, latent[one])
     finally:
         ops.set_row_invariant(0)
 
