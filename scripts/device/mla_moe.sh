@@ -8,6 +8,10 @@
 #   routing  python -m kernels.bench.moe --routing: the router's launch against torch's
 #   wide     python -m kernels.bench.wide_heads: whole-prompt tiles for 192- and 256-dim heads
 #            (the fastest for 192 is patched into the prefill stage's expanded run)
+#   int4     the int4 MoE kernel tests compiled (every failure's assertion printed), then
+#            kernels.bench.moe's int4 rows beside bf16 and the int4 pair tiles
+#   varlen   the varlen and latent-decode kernel tests compiled, then kernels.bench.wide_heads
+#            (its tile sweep compiles ~30 variants: give it 240 s)
 #   prefill  deepseek-v2-lite offline with the expanded prefill and with it patched off
 #            (deepseek.EXPANDED_PREFILL), each in its own process; the MLA prefill kernels'
 #            rows of kernels.bench.roofline (V2-Lite's 16 heads, V3's 128)
@@ -34,6 +38,24 @@ if has tests; then
     tests/kernels/test_triton_prefill.py tests/kernels/test_triton_attention.py \
     tests/kernels/test_triton_block_copy.py tests/services/engine/models/test_deepseek.py \
     2>&1 | tail -8 | tee "$out/tests-$label.txt"
+fi
+if has int4; then
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line \
+    -k "int4 or alignment" tests/kernels/test_triton_moe.py tests/kernels/test_triton_moe_pairs.py \
+    2>&1 | tail -8 | tee "$out/int4-tests-$label.txt"
+  timeout 240 python3 -m kernels.bench.moe --tokens 1 16 256 --row-budget-s 40 \
+    --models qwen3-30b-a3b qwen3-30b-a3b-awq mixtral-8x7b mixtral-8x7b-gptq \
+    --json-out "$out/moe-int4-$label.json" 2>&1 | grep -E "T=|copy"
+  timeout 120 python3 -m kernels.bench.moe --tune-pairs --tokens 1 4 16 --row-budget-s 25 \
+    --models qwen3-30b-a3b-awq mixtral-8x7b-gptq --json-out "$out/moe-pairs-$label.json" \
+    2>&1 | grep -E "T="
+fi
+if has varlen; then
+  TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line \
+    tests/kernels/test_triton_varlen.py tests/kernels/test_triton_mla.py 2>&1 | tail -6 |
+    tee "$out/varlen-tests-$label.txt"
+  timeout 240 python3 -m kernels.bench.wide_heads --json-out "$out/wide-$label.json" 2>&1 |
+    grep -v -i -E "warn|^\.b|^\s*//|^\s*\." | tail -30 | tee "$out/wide-$label.txt"
 fi
 if has routing; then
   timeout 120 python3 -m kernels.bench.moe --routing --tokens 1 16 256 4096 \
