@@ -50,9 +50,12 @@ _SLICES = {
     "c_fc": ("mlp", 0),  # StarCoder2's MLP (not gated)
     "c_proj": ("mlp", 1),
 }
+# a quantized projection's pieces beside (or instead of) its weight: fp8 scales, AWQ's and GPTQ's
+# packed words, zero points, group scales and act-order indices
+QUANT_PIECES = "weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx"
 _PIECE = re.compile(
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_fc|c_proj)\."
-    r"(weight|bias|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+    rf"(weight|bias|{QUANT_PIECES})$"
 )
 # a projection a checkpoint stores fused (Phi-3's), as our layers hold it: a rank's rows of it
 # are one run per piece (q, k, v; gate, up)
@@ -64,7 +67,7 @@ _VISION = VISION_TOWERS  # a vision tower's (and projector's) tensors: whole on 
 # gate and up cut along their rows, down along its columns
 _EXPERT = re.compile(
     r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\."
-    r"(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+    rf"(weight|{QUANT_PIECES})$"
 )
 # DeepSeek's attention projections cut by head at their own widths (the span of
 # TPLayout._mla_spans, the dimension), every piece of them (a float weight, or a quantized
@@ -79,7 +82,7 @@ _MLA_CUTS = {
 _SHARED = re.compile(
     r"\.(?:shared_experts?|shared_mlp)\."
     r"(gate_proj|up_proj|down_proj|output_linear|gate_up_proj|input_linear)\."
-    r"(weight|bias|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+    rf"(weight|bias|{QUANT_PIECES})$"
 )
 
 
@@ -321,17 +324,17 @@ class TPLayout:
         if match is None:
             return None
         span, dim = _SLICES[match.group(1)]
-        piece = match.group(2)
-        if piece == "bias" and dim == 1:
-            return None  # a row-parallel bias is added once, after the all-reduce
-        return self._piece_slice(piece, dim, self.row_spans()[span], shape)
+        return self._piece_slice(match.group(2), dim, self.row_spans()[span], shape)
 
     def _piece_slice(
         self, piece: str, dim: int, span: Span, shape: tuple[int, ...] | None
     ) -> CheckpointSlice | None:
         """The rank's part of one checkpoint piece (a weight, or a quantized weight's packed
         words, scales or zeros) of a projection whose rows (``dim`` 0) or input columns (1)
-        the rank holds ``span`` of."""
+        the rank holds ``span`` of; None for a row-parallel layer's bias, added once after the
+        all-reduce."""
+        if piece == "bias" and dim == 1:
+            return None
         cuts = piece_cuts(piece, self.quant)
         if cuts is None:
             return CheckpointSlice(0, 0, 0, skip=True)
@@ -359,8 +362,6 @@ class TPLayout:
             whole = self.shared_whole
             return CheckpointSlice(0, 0, 0, runs=((s0, s1), (whole + s0, whole + s1)))
         dim = int(proj in ("down_proj", "output_linear"))
-        if piece == "bias" and dim == 1:
-            return None  # added once, after the sum
         return self._piece_slice(piece, dim, self.shared_intermediate, shape)
 
     def _mla_spans(self) -> dict[str, Span]:
@@ -381,8 +382,6 @@ class TPLayout:
         module, _, piece = name.rpartition(".")
         for suffix, (span, dim) in _MLA_CUTS.items():
             if module.endswith(suffix):
-                if piece == "bias" and dim == 1:
-                    return None
                 return self._piece_slice(piece, dim, self._mla_spans()[span], shape)
         return None
 

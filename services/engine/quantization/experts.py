@@ -38,18 +38,19 @@ from kernels.quant import (
 from services.config import ConfigError
 from services.engine.models.moe import Experts
 from services.engine.quantization.config import QuantConfig
+from services.engine.tp_layout import QUANT_PIECES
 
 # one piece of one expert's projection (Qwen3-MoE's and DeepSeek's names; Mixtral's w1/w3/w2)
 _PIECE = re.compile(
     r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))"
-    r"\.(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+    rf"\.(weight|{QUANT_PIECES})$"
 )
 # one piece of a projection of DeepSeek's latent attention but o_proj: the model reads them as
 # float weights (kv_b_proj split into each head's key and value maps), as vLLM dequantizes
 # kv_b_proj; o_proj stays a quantized layer
 _MLA_PIECE = re.compile(
     r"^(.*\.self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj))"
-    r"\.(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$"
+    rf"\.(weight|{QUANT_PIECES})$"
 )
 
 
