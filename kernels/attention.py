@@ -284,12 +284,10 @@ def ref_mla_decode_attention(
     if not 0 < rope_dim < q.shape[-1]:
         raise ValueError(f"rope_dim must be in (0, {q.shape[-1]}), got {rope_dim}")
     o = ref_paged_decode_attention(q, cache, cache, block_tables, context_lens, scale)
-    if out is None:
-        return o[..., rope_dim:].contiguous()
-    want = (*o.shape[:2], o.shape[2] - rope_dim)
-    if tuple(out.shape) != want:
-        raise ValueError(f"out has shape {tuple(out.shape)}; expected {want}")
-    return out.copy_(o[..., rope_dim:])
+    o = o[..., rope_dim:].contiguous()
+    if out is not None and out.shape != o.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {tuple(o.shape)}")
+    return _into(out, o)
 
 
 def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:  # [..., d] -> [..., width]
