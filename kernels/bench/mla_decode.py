@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,34 +32,42 @@ TILES = [  # (block_g, block_n, num_warps, num_stages)
 QUICK_TILES = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2), (32, 32, 8, 2), (64, 16, 8, 2)]
 
 
-def _inputs(heads: int, batch: int, ctx: int, cache_dtype: torch.dtype) -> dict[str, Any]:
+@dataclass
+class Case:
+    """One case's inputs (q, cache, block tables, context lengths, scale), the reference's
+    output, the bytes a step reads (the cache rows, q and the output) and its name."""
+
+    args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
+    want: torch.Tensor
+    nbytes: int
+    shape: str
+
+
+def _case(name: str, heads: int, batch: int, ctx: int, cache_dtype: torch.dtype) -> Case:
+    from kernels.attention import ref_mla_decode_attention
+
     blocks = -(-ctx // BLOCK)
     cache = torch.randn((batch * blocks + 1, BLOCK, 1, ROPE + LATENT), device="cuda")
+    cache = cache.to(cache_dtype)
     order = torch.randperm(batch * blocks, device="cuda").int() + 1
-    return {
-        "q": torch.randn((batch, heads, ROPE + LATENT), device="cuda", dtype=torch.bfloat16),
-        "cache": cache.to(cache_dtype),
-        "block_tables": order.view(batch, blocks),
-        "context_lens": torch.full((batch,), ctx, device="cuda", dtype=torch.int32),
-        "scale": 192**-0.5,
-    }
+    q = torch.randn((batch, heads, ROPE + LATENT), device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    args = (q, cache, order.view(batch, blocks), lens, 192**-0.5)
+    want = ref_mla_decode_attention(q.float(), cache.float(), *args[2:], ROPE)
+    elem = cache.element_size()
+    nbytes = batch * ctx * (ROPE + LATENT) * elem + q.numel() * 2 + batch * heads * LATENT * 2
+    kind = "fp8" if elem == 1 else "bf16"
+    return Case(args, want, nbytes, f"{name} {heads} heads, {batch} x {ctx}, {kind} cache")
 
 
-def bench_case(name: str, heads: int, batch: int, ctx: int, cache_dtype: torch.dtype, tiles: list[tuple[int, int, int, int]], copy: float) -> list[dict[str, Any]]:  # fmt: skip
+def bench_case(c: Case, tiles: list[tuple[int, int, int, int]], copy: float) -> list[dict[str, Any]]:  # fmt: skip
     from triton.testing import do_bench
 
-    from kernels.attention import ref_mla_decode_attention
     from kernels.bench.roofline import measure
     from kernels.triton_decode import paged_decode_attention
     from kernels.triton_mla import mla_decode_attention
 
-    a = _inputs(heads, batch, ctx, cache_dtype)
-    q, cache, tables, lens, scale = a.values()
-    elem = cache.element_size()
-    nbytes = batch * ctx * (ROPE + LATENT) * elem + q.numel() * 2 + batch * heads * LATENT * 2
-    want = ref_mla_decode_attention(q.float(), cache.float(), tables, lens, scale, ROPE)
-    kind = "fp8" if elem == 1 else "bf16"
-    shape = f"{name} {heads} heads, {batch} x {ctx}, {kind} cache"
+    (q, cache, tables, lens, scale), want, nbytes, shape = c.args, c.want, c.nbytes, c.shape
     rows, best = [], None
     for g, n, w, s in tiles:
         fn = functools.partial(mla_decode_attention, q, cache, tables, lens, scale, ROPE,
@@ -93,30 +102,23 @@ def bench_case(name: str, heads: int, batch: int, ctx: int, cache_dtype: torch.d
 SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 32]
 
 
-def sweep_splits(name: str, heads: int, batch: int, ctx: int, cache_dtype: torch.dtype, tiles: tuple[int, int, int, int], copy: float) -> list[dict[str, Any]]:  # fmt: skip
+def sweep_splits(c: Case, tiles: tuple[int, int, int, int], copy: float) -> list[dict[str, Any]]:  # fmt: skip
     """The kernel with ``tiles`` at each split count of :data:`SPLITS` (its partial sums,
     float32 and ``L`` wide a head, are written and merged: more splits fill more SMs and cost
     more bytes), each checked against the reference, timed in a CUDA graph."""
-    from kernels.attention import ref_mla_decode_attention
     from kernels.bench.roofline import graph_ms
     from kernels.triton_mla import mla_decode_attention
 
-    a = _inputs(heads, batch, ctx, cache_dtype)
-    q, cache, tables, lens, scale = a.values()
-    nbytes = batch * ctx * (ROPE + LATENT) * cache.element_size()
-    want = ref_mla_decode_attention(q.float(), cache.float(), tables, lens, scale, ROPE)
     g, n, w, st = tiles
-    kind = "fp8" if cache.element_size() == 1 else "bf16"
-    shape = f"{name} {heads} heads, {batch} x {ctx}, {kind} cache"
     rows = []
     for splits in SPLITS:
-        fn = functools.partial(mla_decode_attention, q, cache, tables, lens, scale, ROPE,
-                               num_splits=splits, block_g=g, block_n=n, num_warps=w,
-                               num_stages=st)  # fmt: skip
-        err = (fn().float() - want).abs().max().item()
+        fn = functools.partial(mla_decode_attention, *c.args, ROPE, num_splits=splits,
+                               block_g=g, block_n=n, num_warps=w, num_stages=st)  # fmt: skip
+        err = (fn().float() - c.want).abs().max().item()
         ms = graph_ms(fn)
-        rows.append({"shape": shape, "tiles": list(tiles), "num_splits": splits, "graph_ms": ms,
-                     "max_error": err, "pct_of_copy": 100 * nbytes / ms / 1e6 / copy})  # fmt: skip
+        rows.append({"shape": c.shape, "tiles": list(tiles), "num_splits": splits,
+                     "graph_ms": ms, "max_error": err,
+                     "pct_of_copy": 100 * c.nbytes / ms / 1e6 / copy})  # fmt: skip
     return rows
 
 
@@ -134,21 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows: list[dict[str, Any]] = []
-    if args.splits:
-        for (name, heads, batch, ctx), dt in itertools.product(
-            CASES, (torch.bfloat16, torch.float8_e4m3fn)
-        ):
-            case = sweep_splits(name, heads, batch, ctx, dt, tuple(args.splits), copy)
-            rows += case
-            print(f"{case[0]['shape']:46s} " + " ".join(
-                f"{r['num_splits']}:{r['graph_ms'] * 1e3:.1f}" for r in case) + " us", flush=True)  # fmt: skip
-        if args.json_out:
-            write_results(args.json_out, copy, rows)
-        return 0
     for (name, heads, batch, ctx), dt in itertools.product(
         CASES, (torch.bfloat16, torch.float8_e4m3fn)
     ):
-        case = bench_case(name, heads, batch, ctx, dt, QUICK_TILES if args.quick else TILES, copy)
+        c = _case(name, heads, batch, ctx, dt)
+        if args.splits:
+            case = sweep_splits(c, tuple(args.splits), copy)
+            rows += case
+            print(f"{c.shape:46s} " + " ".join(
+                f"{r['num_splits']}:{r['graph_ms'] * 1e3:.1f}" for r in case) + " us", flush=True)  # fmt: skip
+            continue
+        case = bench_case(c, QUICK_TILES if args.quick else TILES, copy)
         rows += case
         for r in case:
             if "name" in r:
