@@ -110,10 +110,6 @@ from kernels.triton_common import (
     soft_cap_log2,
 )
 
-# packed whole prompts without a cache run a kernel of their own (keys and values of their own
-# widths); still importable from here (kernels.bench.roofline does)
-from kernels.triton_varlen import varlen_attention as varlen_attention
-
 LOG2E = 1.4426950408889634
 
 

@@ -186,7 +186,8 @@ def bench_mla_prefill(heads: int = 16, prompts: int = 8, n: int = 1024) -> list[
     and keys, 128-dim values: ``varlen_attention``) against the absorbed form over the latent
     (576 dims, one KV head, values the same rows), and SDPA on the expanded tensors. FLOPs are
     each form's own (the absorbed one does more work for the same result)."""
-    from kernels.triton_prefill import prefill_attention, varlen_attention
+    from kernels.triton_prefill import prefill_attention
+    from kernels.triton_varlen import varlen_attention
 
     dt, t = torch.bfloat16, prompts * n
     pairs = prompts * n * (n + 1) // 2
