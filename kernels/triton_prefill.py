@@ -548,19 +548,17 @@ LARGE_TILES: tuple[tuple[Tiles, float], ...] = ((Tiles(256, 64, 16, 2, True), 2.
 # of SDPA in the same run; 323 with plain loads, against 306 through the block table)
 WHOLE_PROMPT_TILES = Tiles(128, 64, 4, 2, True)
 # the same for heads wider than 128, whose tile is 256 wide: four warps would hold a 128 x 256
-# float32 accumulator, 256 registers a thread (they spilled). Measured on an H200
-# (kernels.bench.wide_heads, 8 x 1024 prompts, docs/benchmarks.md session 21): DeepSeek's
-# expanded 192 dims (padded) 47 -> 146 TFLOP/s with 8 warps; Gemma 3's 256 (8 over 4 heads)
-# 103 -> 227 TFLOP/s with 64-row tiles, which run 192 at 93. (Those 192 were varlen_attention's
-# values padded to its keys' width; it now runs kernels.triton_varlen, no padding)
-WIDE_WHOLE_PROMPT_TILES = Tiles(128, 64, 8, 2, True)  # padded widths (192)
-FULL_WIDE_WHOLE_PROMPT_TILES = Tiles(64, 64, 4, 2, True)  # 256
+# float32 accumulator, 256 registers a thread (they spilled), so 8 warps. Measured on an H200
+# (kernels.bench.wide_heads, 8 x 1024 prompts, docs/benchmarks.md session 23): Gemma 3's 256 (8
+# over 4 heads) 96 TFLOP/s with (64, 64, 4, 2), 214 with these (session 21's sweep, before the
+# TMA loads and the shared tile search, had ranked them the other way: 227 against 118), and
+# gemma-3-1b's offline 128 x 2048 -> 8 1.88 -> 1.27-1.56 s; DeepSeek's expanded 192 (values
+# padded, as varlen_attention ran before kernels.triton_varlen) 47 -> 146 TFLOP/s
+WIDE_WHOLE_PROMPT_TILES = Tiles(128, 64, 8, 2, True)
 
 
 def _whole_prompt_tiles(d: int) -> Tiles:
-    if next_pow2(d) <= 128:
-        return WHOLE_PROMPT_TILES
-    return FULL_WIDE_WHOLE_PROMPT_TILES if next_pow2(d) == d else WIDE_WHOLE_PROMPT_TILES
+    return WHOLE_PROMPT_TILES if next_pow2(d) <= 128 else WIDE_WHOLE_PROMPT_TILES
 
 
 def tiles_fit(tiles: TilesLike, d: int, dtype: torch.dtype, device: torch.device) -> bool:

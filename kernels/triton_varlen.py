@@ -77,14 +77,12 @@ VarlenTilesLike = VarlenTiles | tuple[int, int, int, int]
 # the defaults by width (key blocks, value block); to be swept on an H200 with
 # ``python -m kernels.bench.wide_heads``. Up to 128 wide: the paged kernel's whole-prompt tiles
 VARLEN_TILES = VarlenTiles(128, 64, 4, 2)
-# keys up to 256 wide, values up to 128: DeepSeek's expanded 192 / 128. Eight warps, as the
-# padded path needed for its 256-wide tiles (triton_prefill.WIDE_WHOLE_PROMPT_TILES). Compiled
-# for sm_90 with Triton 3.6 (16-byte aligned strides, no GPU run yet): 189 registers a thread,
-# no spills, 128 KiB of shared memory, the K/V loads pipelined; the padded path's launch took
-# 255 registers and spilled, in 192 KiB
+# keys and values up to 256 wide: DeepSeek's expanded 192 / 128 and Gemma 3's 256. Eight warps,
+# as the padded path needed for its 256-wide tiles (triton_prefill.WIDE_WHOLE_PROMPT_TILES).
+# H200, 8 x 1024 prompts (kernels.bench.wide_heads, docs/benchmarks.md session 23): 192 / 128
+# 0.186 ms (3 stages 0.157, no change end to end: DeepSeek-V2-Lite's offline W1 6.5 s either
+# way), Gemma 3's 256 (8 over 4 heads) 0.141 ms against 0.203 with (64, 64, 4, 2)
 WIDE_VARLEN_TILES = VarlenTiles(128, 64, 8, 2)
-# values wider than 128, up to 256 (Gemma 3's 256): the paged kernel's 256-wide choice
-FULL_WIDE_VARLEN_TILES = VarlenTiles(64, 64, 4, 2)
 # wider still (576 / 512, DeepSeek's latent widths): one stage, so K and V tiles fit the margin
 # fits_in keeps (two compile at 208 KiB and spill less: a candidate for the sweep)
 LATENT_VARLEN_TILES = VarlenTiles(64, 32, 8, 1)
@@ -114,10 +112,8 @@ def default_tiles(d: int, dv: int) -> VarlenTiles:
     vw = max(16, next_pow2(dv))
     if kw <= 128 and vw <= 128:
         return VARLEN_TILES
-    if kw <= 256 and vw <= 128:
-        return WIDE_VARLEN_TILES
     if kw <= 256 and vw <= 256:
-        return FULL_WIDE_VARLEN_TILES
+        return WIDE_VARLEN_TILES
     return LATENT_VARLEN_TILES
 
 

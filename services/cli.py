@@ -502,9 +502,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["fp8", "awq", "gptq"],
+        choices=["fp8", "awq", "gptq", "compressed-tensors"],
         help="quantized weights: fp8 (e4m3; a float checkpoint, or --load-format dummy, is "
-        "quantized at load time), awq or gptq (4-bit checkpoints, group size 32, 64 or 128); "
+        "quantized at load time), awq or gptq (4-bit checkpoints, group size 32, 64 or 128), "
+        "compressed-tensors (llm-compressor's FP8 or W4A16 checkpoints); "
         "default: the checkpoint's quantization_config, if any. lm_head and the embeddings stay "
         "unquantized",
     )

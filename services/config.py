@@ -17,7 +17,7 @@ from protos.errors import ConfigError
 from protos.pooling_params import POOLING_TYPES, TASKS
 from protos.roles import Role
 
-QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 # a worker whose engine has been in one step (or command) this long stops serving (health
 # NOT_SERVING: the gateway ends or moves its streams) until the step returns
 ENGINE_STALL_TIMEOUT_S = 120.0
@@ -35,7 +35,7 @@ class ModelConfig:
     # fresh draw each run
     seed: int | None = None
     dummy_weight_seed: int | None = None  # the random weights' own seed (None: seed's, else 0)
-    # fp8 | awq | gptq; None: the checkpoint's quantization_config, if any
+    # fp8 | awq | gptq | compressed-tensors; None: the checkpoint's quantization_config, if any
     quantization: str | None = None
 
     @property

@@ -1,6 +1,6 @@
 """Whole-prompt attention for heads wider than 128 on a CUDA GPU: the tile sweeps behind
-``triton_varlen``'s defaults (``WIDE_VARLEN_TILES`` for DeepSeek's 192/128,
-``FULL_WIDE_VARLEN_TILES`` for 256) and ``triton_prefill.WIDE_WHOLE_PROMPT_TILES``.
+``triton_varlen.WIDE_VARLEN_TILES`` (DeepSeek's 192/128, Gemma 3's 256) and
+``triton_prefill.WIDE_WHOLE_PROMPT_TILES``.
 DeepSeek's expanded MLA prefill (``varlen_attention``: 192-dim queries and keys, 128-dim values,
 16 heads) and Gemma 3's 256-dim heads (8 query heads over 4 KV heads), 8 x 1024 prompts, three
 ways on the same tensors: the varlen kernel (``kernels.triton_varlen``, keys split 128 + 64,

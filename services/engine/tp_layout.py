@@ -19,8 +19,8 @@ block or per-channel scales; AWQ's and GPTQ's packed weights, zero points and gr
 cut where the float weight would be, its own dimension and packing taken into account (a block
 of 128 rows, 8 values to an int32, a group of input rows). A rank's span must then start and end
 on those units: ``TPLayout.of`` refuses, naming the layer and the unit, a model whose heads or
-MLP rows do not. GPTQ act-order checkpoints are refused (their groups run across every rank's
-input rows).
+MLP rows do not. GPTQ act-order (and compressed-tensors actorder "group") checkpoints are
+refused (their groups run across every rank's input rows).
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ _SLICES = {
     "c_proj": ("mlp", 1),
 }
 # a quantized projection's pieces beside (or instead of) its weight: fp8 scales, AWQ's and GPTQ's
-# packed words, zero points, group scales and act-order indices
-QUANT_PIECES = "weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx"
+# packed words, zero points, group scales and act-order indices, compressed-tensors' int4 ones
+QUANT_PIECES = (
+    "weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx"
+    "|weight_packed|weight_zero_point|weight_g_idx|weight_shape"
+)
 _PIECE = re.compile(
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_fc|c_proj)\."
     rf"(weight|bias|{QUANT_PIECES})$"
@@ -105,6 +108,15 @@ def piece_cuts(piece: str, qcfg: QuantConfig | None) -> PieceCut | None:
             bn, bk = qcfg.weight_block
             return PieceCut((0, bn), (1, bk))
         return PieceCut((0, 1), None)  # weight_scale: per channel [N, 1] (or one per tensor)
+    if qcfg.method == "compressed-tensors":  # by output row, as the float weight
+        groups = None if qcfg.channel else (1, qcfg.group_size)  # per channel: whole rows
+        if piece == "weight_packed":  # [N, K/8]
+            return PieceCut((0, 1), (1, 8))
+        if piece == "weight_scale":  # [N, K/G]
+            return PieceCut((0, 1), groups)
+        if piece == "weight_zero_point":  # [N/8, K/G]
+            return PieceCut((0, 8), groups)
+        return None  # weight_shape (the whole tensor's), weight_g_idx without act-order
     group, awq = qcfg.group_size, qcfg.method == "awq"
     if piece == "qweight":  # AWQ [K, N/8]; GPTQ [K/8, N]
         return PieceCut((1, 8), (0, 1)) if awq else PieceCut((1, 1), (0, 8))
@@ -119,7 +131,8 @@ def _alignment(qcfg: QuantConfig) -> tuple[int, int]:
     """(rows, columns) of the float weight a rank's span must be a multiple of."""
     if qcfg.method == "fp8":
         return qcfg.weight_block or (1, 1)
-    return 8, qcfg.group_size
+    # per channel: the rank's input columns then served in groups of 32 at least (channel_group)
+    return 8, 32 if qcfg.channel else qcfg.group_size
 
 
 def _mla_whole(arch: ArchConfig) -> dict[str, int]:
@@ -182,8 +195,9 @@ class TPLayout:
         where = f"--tensor-parallel-size {size}"
         if quant is not None and quant.desc_act:
             raise ConfigError(
-                f"{where}: GPTQ act-order (desc_act) checkpoints are not split (their groups "
-                "mix every rank's input rows); use 1, or a checkpoint without act-order"
+                f"{where}: act-order checkpoints (GPTQ desc_act, compressed-tensors actorder "
+                '"group") are not split (their groups mix every rank\'s input rows); use 1, '
+                "or a checkpoint without act-order"
             )
         if nq % nkv:
             raise ConfigError(f"{where}: {nq} query heads are not a multiple of {nkv} KV heads")
@@ -235,7 +249,8 @@ class TPLayout:
         assert self.quant is not None
         rows, cols = _alignment(self.quant)
         d = arch.head_dim
-        what = {"fp8": "fp8 block", "awq": "AWQ", "gptq": "GPTQ"}[self.quant.method]
+        what = {"fp8": "fp8 block", "awq": "AWQ", "gptq": "GPTQ",
+                "compressed-tensors": "compressed-tensors int4"}[self.quant.method]  # fmt: skip
         for r in range(self.size):
             other = TPLayout.of(arch, r, self.size)
             q = (other.q_heads[0] * d, other.q_heads[1] * d, arch.num_heads * d)

@@ -713,7 +713,7 @@ def test_gpu_gemma3_image_span_shapes(ctx_lens: list[int], q_lens: list[int], im
     ("head_dim", "expected"),
     [(128, triton_prefill.WHOLE_PROMPT_TILES), (80, triton_prefill.WHOLE_PROMPT_TILES),
      (192, triton_prefill.WIDE_WHOLE_PROMPT_TILES),
-     (256, triton_prefill.FULL_WIDE_WHOLE_PROMPT_TILES)],
+     (256, triton_prefill.WIDE_WHOLE_PROMPT_TILES)],
 )  # fmt: skip
 def test_whole_prompts_of_wide_heads_take_their_own_tiles(head_dim: int, expected: Tiles) -> None:
     # a 256-wide tile never holds 128 rows in four warps (256 accumulator registers a thread)

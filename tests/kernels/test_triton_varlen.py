@@ -79,7 +79,7 @@ def test_sequence_layouts(
 @pytest.mark.parametrize(
     ("dim", "v_dim", "tiles"),
     [(192, 128, triton_varlen.WIDE_VARLEN_TILES), (128, 128, triton_varlen.VARLEN_TILES),
-     (256, 256, triton_varlen.FULL_WIDE_VARLEN_TILES),
+     (256, 256, triton_varlen.WIDE_VARLEN_TILES),
      (576, 512, triton_varlen.LATENT_VARLEN_TILES)],
 )  # fmt: skip
 def test_the_default_tiles_of_each_width(

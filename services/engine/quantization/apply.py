@@ -19,7 +19,7 @@ from services.config import ConfigError
 from services.engine.models.llama import MLP, DecoderLayer
 from services.engine.models.moe import Experts
 from services.engine.quantization.base import QuantLinear
-from services.engine.quantization.config import QuantConfig
+from services.engine.quantization.config import INT4_GROUP_SIZES, QuantConfig, channel_group
 from services.engine.quantization.fp8 import Fp8InputNorm, Fp8Linear, Fp8SiluAndMul
 from services.engine.quantization.int4 import Int4Linear
 from services.engine.tp_layers import RowParallelLinear
@@ -74,9 +74,16 @@ def quantize_model(
         shards = [n // 2, n // 2] if attr == "gate_up_proj" else stacked.get(attr, [n])
         layer: QuantLinear
         if qcfg.is_int4:
+            group = channel_group(k) if qcfg.channel else qcfg.group_size
+            if group is None:
+                raise ConfigError(
+                    f"{name}.{attr}: per-channel int4 scales over {k} input features: no "
+                    f"group of {', '.join(map(str, INT4_GROUP_SIZES))} divides them"
+                )
             layer = Int4Linear(
-                k, n, shards, bias, dtype, qcfg.method, qcfg.group_size, qcfg.desc_act
-            )
+                k, n, shards, bias, dtype, qcfg.method, group, qcfg.desc_act,
+                zero_points=qcfg.zero_points, channel=qcfg.channel,
+            )  # fmt: skip
         else:
             layer = Fp8Linear(k, n, shards, bias, dtype, qcfg.weight_block)
         layer.group = _row_parallel_group(linear)
@@ -89,14 +96,17 @@ def quantize_model(
         for name, experts in expert_modules(model).items():
             _, two_i, h = experts.gate_up_proj.shape
             fits = h % qcfg.group_size == 0 and (two_i // 2) % qcfg.group_size == 0
+            if qcfg.channel:  # one group a row: the kernels take it as it is
+                fits = h % 8 == 0 and (two_i // 2) % 8 == 0
             if _layer_of(name) not in float_expert_layers and fits:
-                experts.hold_int4(qcfg.group_size)
+                experts.hold_int4(None if qcfg.channel else qcfg.group_size)
 
 
 def holds_int4_experts(qcfg: QuantConfig) -> bool:
-    """Whether an int4 checkpoint's experts are held packed: AWQ's, and GPTQ's without
-    act-order (a desc_act checkpoint's g_idx shuffles each expert's groups, which the fused
-    MoE kernels do not follow: those are dequantized as they load)."""
+    """Whether an int4 checkpoint's experts are held packed: AWQ's, and GPTQ's and
+    compressed-tensors' without act-order (a desc_act or actorder "group" checkpoint's g_idx
+    shuffles each expert's groups, which the fused MoE kernels do not follow: those are
+    dequantized as they load)."""
     return qcfg.is_int4 and qcfg.serialized and not qcfg.desc_act
 
 

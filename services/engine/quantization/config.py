@@ -15,11 +15,12 @@ from services.engine.model_config import language_model_name, multimodal_names
 
 INT4_GROUP_SIZES = (32, 64, 128)  # the w4a16 kernel's chunk of K divides the group
 UNQUANTIZED = "embed_tokens, lm_head and the norms stay unquantized"
+NAMES = {"awq": "AWQ", "gptq": "GPTQ"}  # how messages spell a method
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # fp8 | awq | gptq
+    method: str  # fp8 | awq | gptq | compressed-tensors (its int4 pack-quantized weights)
     serialized: bool = True  # False: fp8 weights quantized at load time from a float checkpoint
     group_size: int = 128  # awq/gptq: input rows sharing one scale and zero point
     desc_act: bool = False  # gptq act-order: g_idx shuffles the groups
@@ -29,10 +30,15 @@ class QuantConfig:
     # the checkpoint's modules left unquantized (modules_to_not_convert, ignored_layers,
     # ignore): names, dotted pieces of names, or "re:" patterns; lm_head is never quantized
     unquantized: tuple[str, ...] = ()
+    # compressed-tensors int4: whether zero points are stored (asymmetric; symmetric ones are
+    # 8), and per-channel scales (one group a row: served as groups of INT4_GROUP_SIZES, the
+    # row's scale repeated, see channel_group)
+    zero_points: bool = True
+    channel: bool = False
 
     @property
     def is_int4(self) -> bool:
-        return self.method in ("awq", "gptq")
+        return self.method in ("awq", "gptq", "compressed-tensors")
 
     def leaves_unquantized(self, module: str) -> bool:
         """Whether the checkpoint stores ``module`` (an HF module name such as
@@ -55,7 +61,11 @@ class QuantConfig:
         """The start-up line: what is loaded and what stays unquantized."""
         if self.is_int4:
             order = ", act-order" if self.desc_act else ""
-            what = f"{self.method} int4 weights (w4a16), group size {self.group_size}{order}"
+            group = "per-channel scales" if self.channel else f"group size {self.group_size}"
+            kind = "w4a16"
+            if self.method == "compressed-tensors":
+                kind += ", pack-quantized, " + ("asymmetric" if self.zero_points else "symmetric")
+            what = f"{self.method} int4 weights ({kind}), {group}{order}"
         elif not self.serialized:
             what = "fp8 e4m3 weights quantized at load time, per-channel scales"
         elif self.weight_block is not None:
@@ -85,13 +95,14 @@ def resolve_quantization(
             return QuantConfig("fp8", serialized=False)
         if has_weights:
             raise ConfigError(
-                f"--quantization {flag} needs a {flag.upper()} checkpoint (its config.json has "
-                "no quantization_config); --quantization fp8 quantizes a float checkpoint at "
-                "load time"
+                f"--quantization {flag} needs a {NAMES.get(flag, flag)} checkpoint (its "
+                "config.json has no quantization_config); --quantization fp8 quantizes a float "
+                "checkpoint at load time"
             )
         return QuantConfig(flag)
     found = _from_checkpoint(checkpoint)
-    if flag is not None and flag != found.method:
+    stored = str(checkpoint.get("quant_method", "")).lower()
+    if flag is not None and flag != found.method and flag != stored:
         raise ConfigError(
             f"--quantization {flag} does not match the checkpoint, which is quantized with "
             f"{found.method}: drop --quantization or pass --quantization {found.method}"
@@ -112,7 +123,7 @@ def _from_checkpoint(q: dict[str, Any]) -> QuantConfig:
         return replace(_int4(method, q), unquantized=unquantized)
     raise ConfigError(
         f"quantization_config quant_method {method!r} is not supported; supported: fp8, "
-        "compressed-tensors (fp8), awq, gptq"
+        "compressed-tensors (fp8, int4 w4a16), awq, gptq"
     )
 
 
@@ -158,17 +169,49 @@ def _fp8(q: dict[str, Any]) -> QuantConfig:
     return QuantConfig("fp8", weight_block=(bn, bk))
 
 
+def channel_group(in_features: int) -> int | None:
+    """The serving group of a per-channel int4 layer with ``in_features`` inputs: the largest of
+    INT4_GROUP_SIZES dividing it (each group repeats the row's one scale and zero point, so the
+    values are the checkpoint's exactly); None if none does."""
+    return next((g for g in sorted(INT4_GROUP_SIZES, reverse=True) if in_features % g == 0), None)
+
+
 def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
-    """compressed-tensors FP8: per-channel (or per-tensor) e4m3 weights, dynamic per-token
-    activations (or none: weight-only)."""
+    """compressed-tensors: FP8 (float-quantized: per-channel, per-tensor or block e4m3 weights,
+    dynamic per-token activations or none) or int4 weight-only (pack-quantized W4A16)."""
     fmt = q.get("format")
     groups = list((q.get("config_groups") or {}).values())
-    if fmt not in ("float-quantized", "naive-quantized") or len(groups) != 1:
+    if not groups or any(not isinstance(g, dict) for g in groups):
         raise ConfigError(
-            f"compressed-tensors format {fmt!r} with {len(groups)} config group(s) is not "
-            "supported; only one float-quantized (fp8) group is"
+            "compressed-tensors config_groups must hold the schemes (weights, "
+            "input_activations, targets), as llm-compressor saves them; preset names are not "
+            "supported"
         )
-    weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    schemes = [{k: v for k, v in g.items() if k != "targets"} for g in groups]
+    if any(scheme != schemes[0] for scheme in schemes):
+        raise ConfigError(
+            f"compressed-tensors config_groups with different schemes ({len(groups)} groups) "
+            "are not supported; only one scheme for every quantized layer (re-quantize with "
+            "one scheme, e.g. W4A16, or FP8_DYNAMIC)"
+        )
+    targets = {t for g in groups for t in g.get("targets") or []}
+    if not targets <= {"Linear"}:
+        raise ConfigError(
+            f"compressed-tensors targets {sorted(targets)} are not supported; only 'Linear' "
+            "(every linear layer, less the ignore list)"
+        )
+    scheme = groups[0]
+    if fmt == "mixed-precision":  # each scheme names its own format
+        fmt = scheme.get("format")
+    weights = scheme.get("weights") or {}
+    if fmt == "pack-quantized" or (fmt != "float-quantized" and weights.get("type") == "int"):
+        return _ct_int4(fmt, scheme, q)
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ConfigError(
+            f"compressed-tensors format {fmt!r} is not supported; only float-quantized (fp8) "
+            "and pack-quantized (int4 weight-only, W4A16)"
+        )
+    acts = scheme.get("input_activations")
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
         raise ConfigError("compressed-tensors weights must be 8-bit float (fp8) to be served")
     strategy = weights.get("strategy")
@@ -183,6 +226,59 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
             "dynamic per-token ones"
         )
     return QuantConfig("fp8")
+
+
+def _ct_int4(fmt: Any, scheme: dict[str, Any], q: dict[str, Any]) -> QuantConfig:
+    """compressed-tensors int4 weight-only (llm-compressor's W4A16, W4A16_ASYM): 4-bit integer
+    weights packed eight a word along K (``weight_packed``), group or per-channel scales, zero
+    points if asymmetric, ``weight_g_idx`` with actorder "group"."""
+    weights = scheme.get("weights") or {}
+    bits, kind = weights.get("num_bits"), weights.get("type")
+    if fmt != "pack-quantized" or kind != "int" or bits != 4:
+        raise ConfigError(
+            f"compressed-tensors {bits}-bit {kind} weights in format {fmt!r} are not supported; "
+            "only 4-bit int pack-quantized (W4A16) and 8-bit float (FP8): serve an FP8 or "
+            "W4A16 checkpoint (int8 W8A16/W8A8 have no kernels here)"
+        )
+    if scheme.get("input_activations") is not None:
+        raise ConfigError(
+            "compressed-tensors int4 weights with quantized input_activations (W4A8, "
+            "W4AFP8) are not supported; only weight-only W4A16"
+        )
+    if q.get("kv_cache_scheme") is not None:
+        raise ConfigError(
+            "compressed-tensors kv_cache_scheme (stored KV cache scales) is not supported; "
+            "serve a checkpoint without it (--kv-cache-dtype fp8 quantizes the cache itself)"
+        )
+    if scheme.get("output_activations") is not None:
+        raise ConfigError("compressed-tensors output_activations quantization is not supported")
+    if weights.get("dynamic"):
+        raise ConfigError("compressed-tensors dynamic weight quantization is not supported")
+    strategy = weights.get("strategy") or ("channel" if weights.get("group_size") == -1 else None)
+    if strategy == "group":
+        group = int(weights.get("group_size") or 0)
+        if group not in INT4_GROUP_SIZES:
+            raise ConfigError(
+                f"compressed-tensors group_size {group} is not supported; supported: "
+                f"{', '.join(map(str, INT4_GROUP_SIZES))}, or strategy 'channel' "
+                "(re-quantize with group_size 128)"
+            )
+    elif strategy == "channel":
+        group = max(INT4_GROUP_SIZES)  # the serving groups: channel_group of each layer
+    else:
+        raise ConfigError(
+            f"compressed-tensors int4 weight strategy {strategy!r} is not supported; only "
+            "'group' (group_size 32, 64 or 128) and 'channel'"
+        )
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, "weight", "static", "group", "dynamic"):
+        raise ConfigError(f"compressed-tensors actorder {actorder!r} is not supported")
+    # "weight" (static) only reorders the calibration; "group" stores weight_g_idx
+    desc_act = actorder in ("group", "dynamic") and strategy == "group"
+    return QuantConfig(
+        "compressed-tensors", group_size=group, desc_act=desc_act,
+        zero_points=weights.get("symmetric", True) is False, channel=strategy == "channel",
+    )  # fmt: skip
 
 
 def _int4(method: str, q: dict[str, Any]) -> QuantConfig:

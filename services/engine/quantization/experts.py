@@ -61,6 +61,11 @@ def expert_pieces(qcfg: QuantConfig) -> tuple[str, ...]:
     """The checkpoint tensors that make up one quantized expert projection."""
     if qcfg.method == "fp8":
         return ("weight", "weight_scale_inv" if qcfg.weight_block else "weight_scale")
+    if qcfg.method == "compressed-tensors":
+        return (
+            "weight_packed", "weight_scale", *(("weight_zero_point",) if qcfg.zero_points else ()),
+            *(("weight_g_idx",) if qcfg.desc_act else ()),
+        )  # fmt: skip
     return ("qweight", "qzeros", "scales", *(("g_idx",) if qcfg.desc_act else ()))
 
 
@@ -76,6 +81,14 @@ def dequantize(qcfg: QuantConfig, pieces: dict[str, torch.Tensor]) -> torch.Tens
             )
         scale = pieces["weight_scale"].float().reshape(-1, 1)  # [N, 1], or one per tensor
         return ref_dequant_fp8(weight, scale.expand(n, 1), k)
+    if qcfg.method == "compressed-tensors":
+        q, scale, zeros = _compressed_int4(qcfg, pieces)  # [N, K], [N, K/G] twice
+        k = q.shape[1]
+        g_idx = pieces.get("weight_g_idx")
+        cols = torch.arange(k, device=q.device) // (k // scale.shape[1])
+        if g_idx is not None:
+            cols = g_idx.to(device=q.device, dtype=torch.int64)
+        return (q - zeros[:, cols].long()).float() * scale[:, cols].float()
     qweight, qzeros, scales = pieces["qweight"], pieces["qzeros"], pieces["scales"]
     if qcfg.method == "awq":  # [K, N/8], [K/G, N/8], [K/G, N]
         return ref_dequant_awq(qweight, qzeros, scales).T
@@ -92,6 +105,10 @@ def pack_expert(
     """One int4 projection's AWQ or GPTQ (without act-order) pieces -> its packed weight
     [N, K / 8] int32, float32 scales and uint8 zeros [N, K / G] (``kernels.moe.Int4Scales``):
     the values ``dequantize`` gives, bit for bit."""
+    if qcfg.method == "compressed-tensors":  # weight_packed is this layout already
+        _, scale, zeros = _compressed_int4(qcfg, pieces)
+        packed = pieces["weight_packed"].contiguous()
+        return packed, scale.float().contiguous(), zeros.to(torch.uint8).contiguous()
     qweight, qzeros, scales = pieces["qweight"], pieces["qzeros"], pieces["scales"]
     if qcfg.method == "awq":  # [K, N/8] columns in AWQ's order; zeros [K/G, N/8] alike
         q = unpack_cols(qweight, AWQ_ORDER).T.contiguous()  # [N, K]
@@ -101,6 +118,24 @@ def pack_expert(
         packed = qweight.T.contiguous()
         zeros = unpack_cols(qzeros) + 1
     return packed, scales.float().T.contiguous(), zeros.T.to(torch.uint8).contiguous()
+
+
+def _compressed_int4(
+    qcfg: QuantConfig, pieces: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One compressed-tensors pack-quantized projection's values [N, K] (0..15), scales and
+    zero points [N, K/G] (per channel: [N, 1]): ``weight_packed`` [N, K/8] eight K values a
+    word in order, each the signed value plus 8; ``weight_zero_point`` [N/8, K/G] eight output
+    rows a word in order, plus 8 (symmetric: none, 8)."""
+    packed, scale = pieces["weight_packed"], pieces["weight_scale"]
+    n = packed.shape[0]
+    if scale.dim() != 2 or scale.shape[0] != n:
+        raise ConfigError(f"weight_scale {tuple(scale.shape)} is not [{n}, groups]")
+    if qcfg.zero_points:
+        zeros = unpack_cols(pieces["weight_zero_point"].T.contiguous()).T[:n]
+    else:
+        zeros = torch.full(scale.shape, 8, dtype=torch.int32, device=scale.device)
+    return unpack_cols(packed), scale, zeros
 
 
 @dataclass
@@ -137,7 +172,9 @@ class ExpertDequantizer:
                 continue
             module, piece = match.groups()
             if piece not in wanted:
-                if piece == "g_idx":  # GPTQ without act-order: the trivial order
+                # GPTQ without act-order: the trivial order; compressed-tensors' weight_shape
+                # (the packed words' shape gives it) and a symmetric layer's zero points (8)
+                if piece in ("g_idx", "weight_g_idx", "weight_shape", "weight_zero_point"):
                     continue
                 raise ConfigError(
                     f"checkpoint tensor {name!r} is not a piece of a {self.qcfg.method} expert "
@@ -195,7 +232,10 @@ class ExpertDequantizer:
         """The start-up line on the experts dequantized here."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.qcfg.is_int4 and self.qcfg.desc_act:
-            why = "GPTQ act-order (desc_act): the fused MoE kernels read groups in order only"
+            order = "GPTQ act-order (desc_act)"
+            if self.qcfg.method == "compressed-tensors":
+                order = 'compressed-tensors actorder "group" (weight_g_idx)'
+            why = f"{order}: the fused MoE kernels read groups in order only"
         elif self.qcfg.is_int4:
             why = (
                 "an expert of their layer stored unquantized, or a group size that does not "

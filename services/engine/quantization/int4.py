@@ -1,8 +1,10 @@
-"""4-bit weight-only linear layers (w4a16) loaded from AWQ or GPTQ checkpoints.
+"""4-bit weight-only linear layers (w4a16) loaded from AWQ, GPTQ or compressed-tensors
+(pack-quantized) checkpoints.
 
 Each shard is converted into the serving layout of ``kernels.quant`` as it arrives (qweight
-packed along K, zeros unpacked), in the checkpoint's row order; an act-order GPTQ layer's rows
-are then sorted by group once, and x's columns are permuted to match at every call.
+packed along K, zeros unpacked), in the checkpoint's row order; an act-order GPTQ (or
+compressed-tensors actorder "group") layer's rows are then sorted by group once, and x's
+columns are permuted to match at every call.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Int4Linear(QuantLinear):
     def __init__(
         self, in_features: int, out_features: int, shard_sizes: list[int], bias: bool,
         dtype: torch.dtype, method: str, group_size: int, desc_act: bool = False,
+        zero_points: bool = True, channel: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, shard_sizes, bias, dtype)
         k, n, g = in_features, out_features, group_size
@@ -35,8 +38,17 @@ class Int4Linear(QuantLinear):
                 f"output shard of {shard_sizes} is not a multiple of 8)"
             )
         self.method, self.group_size = method, group_size
+        # compressed-tensors: no zero points when symmetric (8); per-channel scales ([n, 1])
+        # repeated over this layer's groups of group_size
+        self.zero_points, self.channel = zero_points, channel
         # act-order needs each shard's g_idx; without it a GPTQ g_idx is optional (trivial)
-        self.PIECES = ("qweight", "qzeros", "scales", *(("g_idx",) if desc_act else ()))
+        if method == "compressed-tensors":
+            self.PIECES = (
+                "weight_packed", "weight_scale", *(("weight_zero_point",) if zero_points else ()),
+                *(("weight_g_idx",) if desc_act else ()),
+            )  # fmt: skip
+        else:
+            self.PIECES = ("qweight", "qzeros", "scales", *(("g_idx",) if desc_act else ()))
         self.register_buffer("qweight", torch.empty(k // 8, n, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(k // g, n, dtype=dtype))
         self.register_buffer("zeros", torch.empty(k // g, n, dtype=dtype))
@@ -48,6 +60,8 @@ class Int4Linear(QuantLinear):
         cols = slice(start, start + size)
         awq = self.method == "awq"
         tensor = tensor.to(self.qweight.device)  # repacked where the layer lives (the GPU)
+        if self.method == "compressed-tensors":
+            return self._load_compressed(piece, tensor, shard, cols)
         if piece == "qweight":  # AWQ [K, n/8] by columns; GPTQ [K/8, n], already our layout
             packed = pack_rows(unpack_cols(tensor, AWQ_ORDER)) if awq else tensor
             self.qweight[:, cols].copy_(packed)
@@ -62,8 +76,35 @@ class Int4Linear(QuantLinear):
             return False
         return True
 
+    def _load_compressed(
+        self, piece: str, tensor: torch.Tensor, shard: int | None, cols: slice
+    ) -> bool:
+        """compressed-tensors pack-quantized: ``weight_packed`` [n, K/8] holds eight K values
+        a word in order (nibble j of word c: column 8c + j), each the signed value plus 8, so
+        its transpose is our qweight and the zero point of a symmetric layer 8;
+        ``weight_scale`` [n, K/G] (per channel: [n, 1]); ``weight_zero_point`` [n/8, K/G]
+        packed eight output rows a word in order, plus 8; ``weight_shape`` the unpacked
+        [n, K], which the packed words' shape already gives."""
+        groups = self.in_features // self.group_size
+        if piece == "weight_packed":
+            self.qweight[:, cols].copy_(tensor.T)
+        elif piece == "weight_scale":
+            scale = tensor.T  # [K/G, n]
+            self.scales[:, cols].copy_(scale.expand(groups, -1) if self.channel else scale)
+        elif piece == "weight_zero_point":  # a symmetric layer's (all 8), if written: unused
+            if self.zero_points:
+                zeros = unpack_cols(tensor.T.contiguous())  # [K/G, n]
+                self.zeros[:, cols].copy_(zeros.expand(groups, -1) if self.channel else zeros)
+        elif piece == "weight_g_idx":
+            self.g_idx[shard or 0] = tensor.to(torch.int64).cpu()
+        elif piece != "weight_shape":
+            return False
+        return True
+
     def finish_loading(self, name: str) -> None:
         super().finish_loading(name)
+        if not self.zero_points:
+            self.zeros.fill_(8)  # symmetric: the packed values are the signed ones plus 8
         given = [g for g in self.g_idx if g is not None]
         if not given:
             return

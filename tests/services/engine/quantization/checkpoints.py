@@ -215,6 +215,27 @@ def gptq_pack_cols(z: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, C/8]: colu
     return _to_int32(out)
 
 
+def int4_pieces(
+    method: str, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+) -> Weights:
+    """One projection's ``int4_groups`` output as its checkpoint stores it (``qweight``,
+    ``qzeros``, ``scales``; GPTQ's ``g_idx``), keyed by piece."""
+    if method == "awq":
+        return {"qweight": awq_pack(q), "qzeros": awq_pack(zeros), "scales": scales}
+    return {"qweight": gptq_pack_rows(q), "scales": scales,
+            "qzeros": gptq_pack_cols(zeros - 1),  # v1: zero points minus one
+            "g_idx": g_idx.to(torch.int32)}  # fmt: skip
+
+
+def int4_quant_config(method: str, group: int, desc_act: bool = False) -> dict[str, Any]:
+    """The quantization_config AutoAWQ (GEMM) or AutoGPTQ (v1, symmetric) writes."""
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                "version": "gemm"}  # fmt: skip
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+            "sym": True, "checkpoint_format": "gptq"}  # fmt: skip
+
+
 def int4_checkpoint(
     path: Path, method: str, desc_act: bool = False, group: int = G, seed: int = 0,
     **extra: Any,
@@ -238,21 +259,9 @@ def int4_checkpoint(
             g_idx = torch.arange(k) // group
         q, zeros, scales, wt_deq = int4_groups(wt, g_idx, method == "gptq", group)
         deq[name + ".weight"] = wt_deq.T.contiguous()
-        tensors[name + ".scales"] = scales
-        if method == "awq":
-            tensors[name + ".qweight"] = awq_pack(q)
-            tensors[name + ".qzeros"] = awq_pack(zeros)
-        else:
-            tensors[name + ".qweight"] = gptq_pack_rows(q)
-            tensors[name + ".qzeros"] = gptq_pack_cols(zeros - 1)  # v1: zero points minus one
-            tensors[name + ".g_idx"] = g_idx.to(torch.int32)
-    if method == "awq":
-        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
-                                      "zero_point": True, "version": "gemm"}  # fmt: skip
-    else:
-        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
-                                      "desc_act": desc_act, "sym": True,
-                                      "checkpoint_format": "gptq"}  # fmt: skip
+        for piece, t in int4_pieces(method, q, zeros, scales, g_idx).items():
+            tensors[f"{name}.{piece}"] = t
+    cfg["quantization_config"] = int4_quant_config(method, group, desc_act)
     return write(path, cfg, tensors), deq
 
 
@@ -367,13 +376,8 @@ def moe_checkpoint(
             g_idx[perm] = torch.arange(k) // group
         q, zeros, scales, wt_deq = int4_groups(wt, g_idx, kind == "gptq", group)
         deq[name + ".weight"] = wt_deq.T.contiguous()
-        tensors[name + ".scales"] = scales
-        if kind == "awq":
-            tensors[name + ".qweight"], tensors[name + ".qzeros"] = awq_pack(q), awq_pack(zeros)
-        else:
-            tensors[name + ".qweight"] = gptq_pack_rows(q)
-            tensors[name + ".qzeros"] = gptq_pack_cols(zeros - 1)
-            tensors[name + ".g_idx"] = g_idx.to(torch.int32)
+        for piece, t in int4_pieces(kind, q, zeros, scales, g_idx).items():
+            tensors[f"{name}.{piece}"] = t
     cfg["quantization_config"] = _moe_quant_config(method, list(unquantized), group)
     cfg["torch_dtype"] = "bfloat16" if kind == "fp8" else "float16"
     return write(path, cfg, tensors), deq
@@ -391,10 +395,89 @@ def _moe_quant_config(method: str, unquantized: list[str], group: int) -> dict[s
                 "ignore": ["lm_head", "re:.*mlp.gate$", *unquantized],
                 "config_groups": {"group_0": scheme}}  # fmt: skip
     if method == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True,
-                "version": "gemm", "modules_to_not_convert": ["gate", *unquantized]}  # fmt: skip
-    return {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
-            "desc_act": method == "gptq-act-order", "checkpoint_format": "gptq"}  # fmt: skip
+        return {**int4_quant_config("awq", G), "modules_to_not_convert": ["gate", *unquantized]}
+    return int4_quant_config("gptq", group, method == "gptq-act-order")
+
+
+# --- compressed-tensors int4 (pack-quantized) ----------------------------------------------------
+
+
+def ct_int4_scheme(group: int | None = G, sym: bool = True, actorder: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """llm-compressor's W4A16 (``sym``) or W4A16_ASYM config group, in groups of ``group``
+    (None: per channel); ``actorder`` as older releases wrote it ("group" stores weight_g_idx),
+    as compressed-tensors serializes it."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=sym, **strategy)  # type: ignore[arg-type]
+    scheme = QuantizationScheme(targets=["Linear"], weights=args).model_dump(mode="json")
+    if actorder is not None:  # 0.20 refuses "group" (removed), which older checkpoints hold
+        scheme["weights"]["actorder"] = actorder
+    return scheme
+
+
+def ct_int4_config(scheme: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
+    """The quantization_config llm-compressor saves: compressed-tensors' QuantizationConfig as
+    the library dumps it, holding ``scheme``."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig(config_groups={}, format="pack-quantized", ignore=ignore,
+                                quantization_status="compressed").model_dump(mode="json")  # fmt: skip
+    return {**config, "config_groups": {"group_0": scheme}}
+
+
+def ct_int4_pieces(
+    w: torch.Tensor, group: int | None, sym: bool, g_idx: torch.Tensor | None = None
+) -> tuple[Weights, torch.Tensor]:
+    """One float weight ``[N, K]`` quantized (``int4_groups``: zero points 8 when symmetric) and
+    stored as compressed-tensors' pack-quantized format, packed by the library itself
+    (``pack_to_int32``: signed values plus 8, eight a word along K; asymmetric zero points eight
+    a word along N): (pieces, the dequantized ``[N, K]``)."""
+    from compressed_tensors.compressors.pack_quantized import pack_to_int32
+
+    n, k = w.shape
+    g = group or k
+    order = torch.arange(k) // g if g_idx is None else g_idx
+    q, zeros, scales, deq = int4_groups(w.T.contiguous(), order, sym, g)  # [K, N], [K/G, N]
+    pieces = {
+        "weight_packed": pack_to_int32((q - 8).T.contiguous().to(torch.int8), 4),
+        "weight_scale": scales.T.contiguous(),
+        "weight_shape": torch.tensor([n, k]),
+    }
+    if not sym:
+        pieces["weight_zero_point"] = pack_to_int32((zeros - 8).T.to(torch.int8), 4, packed_dim=0)
+    if g_idx is not None:
+        pieces["weight_g_idx"] = g_idx.to(torch.int32)
+    return pieces, deq.T.contiguous()
+
+
+def ct_int4_checkpoint(
+    path: Path, group: int | None = G, sym: bool = True, actorder: str | None = None,
+    seed: int = 0, moe: str | None = None, **extra: Any,
+) -> tuple[Path, Weights]:  # fmt: skip
+    """A tiny Llama (or ``moe`` family's) checkpoint as llm-compressor writes W4A16 ("group"
+    actorder: each input's groups follow a permutation, stored as weight_g_idx), with the float
+    weights it dequantizes to; lm_head, and an MoE's router, in its ignore list."""
+    cfg = tiny_config(torch_dtype="float16", **{**(MOE[moe] if moe else {}), **extra})
+    w = moe_weights(cfg, seed) if moe else random_weights(cfg, seed)
+    names = moe_linears(w) if moe else linear_names(w)
+    tensors, deq = dict(w), dict(w)
+    gen = torch.Generator().manual_seed(seed + 1)
+    perms: dict[str, torch.Tensor] = {}
+    for name in names:
+        weight = tensors.pop(name + ".weight")
+        g_idx = None
+        if actorder == "group":  # the projections of one input share its permutation
+            parent, last = name.rsplit(".", 1)
+            key = f"{parent}.{_SAME_INPUT_PROJ.get(last, last)}"
+            perm = perms.setdefault(key, torch.randperm(weight.shape[1], generator=gen))
+            g_idx = torch.empty(weight.shape[1], dtype=torch.int64)
+            g_idx[perm] = torch.arange(weight.shape[1]) // (group or weight.shape[1])
+        pieces, deq[name + ".weight"] = ct_int4_pieces(weight, group, sym, g_idx)
+        tensors.update({f"{name}.{piece}": t for piece, t in pieces.items()})
+    ignore = ["lm_head", *(["re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"] if moe else [])]
+    cfg["quantization_config"] = ct_int4_config(ct_int4_scheme(group, sym, actorder), ignore)
+    return write(path, cfg, tensors), deq
 
 
 # --- DeepSeek ----------------------------------------------------------------------------------
@@ -417,12 +500,20 @@ DEEPSEEK_TYPES = {
     "glm4_moe": {"head_dim": 16, "num_key_value_heads": 2, "use_qk_norm": True,
                  "attention_bias": True},
 }  # fmt: skip
+# int4 (AWQ, GPTQ) in groups of 32 (the smallest the engine takes): kv_b_proj's input (the
+# latent rank) a whole group, and each of 2 ranks' dense MLP, shared and routed experts' rows
+# (64, 32 and 32) whole groups of their down projections' input
+DEEPSEEK_INT4 = {"kv_lora_rank": 32, "intermediate_size": 128, "moe_intermediate_size": 64}
 _DEEPSEEK_QUANTIZED = re.compile(r"(_proj|_proj_with_mqa)\.weight$")
 
 
-def deepseek_checkpoints(root: Path, model_type: str, block: int = 32) -> tuple[Path, Path]:
-    """A tiny random transformers checkpoint of ``model_type`` in DeepSeek-V3's FP8 format
-    (every projection in ``block`` x ``block`` blocks, the router and norms as they are), and
+def deepseek_checkpoints(
+    root: Path, model_type: str, block: int = 32, fmt: str = "fp8"
+) -> tuple[Path, Path]:
+    """A tiny random transformers checkpoint of ``model_type`` quantized as real DeepSeek ones
+    are (every projection, the router and norms as they are): ``fmt`` "fp8" is DeepSeek-V3's
+    format (``block`` x ``block`` blocks), "awq" AutoAWQ's GEMM packing and "gptq" AutoGPTQ's
+    (without act-order), both in groups of ``block`` and the shapes of ``DEEPSEEK_INT4``; and
     the float32 one of its dequantized weights; the test tokenizer in both."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -431,19 +522,34 @@ def deepseek_checkpoints(root: Path, model_type: str, block: int = 32) -> tuple[
     from tests.services.engine.conftest import tokenizer_dir
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**DEEPSEEK, **DEEPSEEK_TYPES[model_type]})
+    shapes = {**DEEPSEEK, **DEEPSEEK_TYPES[model_type], **(DEEPSEEK_INT4 if fmt != "fp8" else {})}
+    cfg = AutoConfig.for_model(model_type, **shapes)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "hf")
     weights = load_file(str(root / "hf" / "model.safetensors"))
     config = json.loads((root / "hf" / "config.json").read_text())
     tensors, deq = dict(weights), dict(weights)
     for name, w in weights.items():
-        if _DEEPSEEK_QUANTIZED.search(name) and not name.startswith("lm_head"):
+        if not _DEEPSEEK_QUANTIZED.search(name) or name.startswith("lm_head"):
+            continue
+        module = name.removesuffix(".weight")
+        if fmt == "fp8":
             q, scale, deq[name] = fp8_block(w, block)
             tensors[name] = q
-            tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "fmt": "e4m3", "weight_block_size": [block, block]}  # fmt: skip
-    quantized = write(root / "fp8", {**config, "torch_dtype": "bfloat16"}, tensors)
+            tensors[module + ".weight_scale_inv"] = scale
+            continue
+        del tensors[name]
+        g_idx = torch.arange(w.shape[1]) // block
+        q, zeros, scales, wt_deq = int4_groups(w.T.contiguous(), g_idx, fmt == "gptq", block)
+        deq[name] = wt_deq.T.contiguous()
+        for piece, t in int4_pieces(fmt, q, zeros, scales, g_idx).items():
+            tensors[f"{module}.{piece}"] = t
+    if fmt == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "fmt": "e4m3", "weight_block_size": [block, block]}  # fmt: skip
+    else:
+        config["quantization_config"] = int4_quant_config(fmt, block)
+    dtype = "bfloat16" if fmt == "fp8" else "float16"
+    quantized = write(root / fmt, {**config, "torch_dtype": dtype}, tensors)
     ref = float_checkpoint(root / "ref", deq, quantized)
     for path in (quantized, ref):
         load_tokenizer(tokenizer_dir()).save_pretrained(path)

@@ -211,13 +211,14 @@ def test_quantized_experts_cut_off_their_groups_are_refused_over_ranks(tmp_path:
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the Triton kernel on the CPU: TRITON_INTERPRET=1",
 )
-@pytest.mark.parametrize("method", ["fp8-block", "awq", "gptq"])
+@pytest.mark.parametrize("method", ["fp8-block", "awq", "gptq", "ct-w4a16", "ct-channel-asym"])
 def test_greedy_tokens_through_the_triton_moe_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
-    """The engine (prefill and decode steps) on an FP8-block, AWQ or GPTQ Qwen3-MoE checkpoint,
-    its experts (FP8, packed int4) through the fused Triton kernels (under the interpreter),
-    gives the greedy tokens of the float32 model of the dequantized weights."""
+    """The engine (prefill and decode steps) on an FP8-block, AWQ, GPTQ or compressed-tensors
+    (W4A16 in groups of 128, or asymmetric with one group a row) Qwen3-MoE checkpoint, its
+    experts (FP8, packed int4) through the fused Triton kernels (under the interpreter), gives
+    the greedy tokens of the float32 model of the dequantized weights."""
     from kernels import ops, triton_moe
     from protos.sampling_params import SamplingParams
     from services.engine.llm import LLM
@@ -231,7 +232,11 @@ def test_greedy_tokens_through_the_triton_moe_kernel(
         return triton_moe.fused_moe(x, w13, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ops, "fused_moe", fused_moe)
-    path, deq = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", method)
+    if method.startswith("ct-"):
+        group, sym = (128, True) if method == "ct-w4a16" else (None, False)
+        path, deq = ck.ct_int4_checkpoint(tmp_path / "q", group, sym, moe="qwen3_moe")
+    else:
+        path, deq = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", method)
     ref = ck.float_checkpoint(tmp_path / "ref", deq, path)
     tokens = []
     for where in (path, ref):
@@ -247,34 +252,50 @@ def test_greedy_tokens_through_the_triton_moe_kernel(
     assert tokens[0] == tokens[1]
 
 
-@pytest.mark.parametrize("model_type", list(ck.DEEPSEEK_TYPES))
+# every family in FP8 blocks; AWQ and GPTQ (groups of 32) across DeepSeek-V2, V3 and GLM-4.5
+DEEPSEEK_CASES = [*((t, "fp8") for t in ck.DEEPSEEK_TYPES), ("deepseek_v3", "awq"),
+                  ("deepseek_v2", "gptq"), ("glm4_moe", "awq"), ("glm4_moe", "gptq")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_type", "fmt"), DEEPSEEK_CASES)
 def test_quantized_deepseek_and_glm_checkpoints(
-    tmp_path: Path, model_type: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, model_type: str, fmt: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """DeepSeek-V2/V3's and GLM-4.5's FP8 block checkpoints (were refused for DeepSeek): the
-    experts held in FP8, o_proj, the dense MLP and the shared experts quantized layers,
-    DeepSeek's other latent attention projections (kv_b_proj among them) dequantized to float
-    weights as they load; greedy tokens and their logprobs those of the float32 model of the
-    dequantized weights."""
+    """DeepSeek-V2/V3's and GLM-4.5's FP8 block checkpoints (were refused for DeepSeek) and
+    their AWQ (GEMM) and GPTQ (no act-order) int4 ones: the experts held in FP8 or packed int4
+    (their values the reference's), o_proj, the dense MLP and the shared experts quantized
+    layers, DeepSeek's other latent attention projections (kv_b_proj among them) dequantized
+    to float weights as they load; greedy tokens and their logprobs those of the float32 model
+    of the dequantized weights."""
     from protos.sampling_params import SamplingParams
     from services.engine.llm import LLM
     from tests.services.engine.conftest import BESIDE
 
-    path, ref = ck.deepseek_checkpoints(tmp_path, model_type)
+    path, ref = ck.deepseek_checkpoints(tmp_path, model_type, fmt=fmt)
     with caplog.at_level("INFO", logger="services.engine.loader"):
         model = load(path)
-    moe = model.model.layers[1].mlp
-    assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn and moe.experts.fp8_block == (32, 32)  # fmt: skip
-    assert isinstance(moe.shared_experts.gate_up_proj, Fp8Linear)
-    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
-    attn, want = model.model.layers[1].self_attn, load(ref).model.layers[1].self_attn
-    assert isinstance(attn.o_proj, Fp8Linear)
-    assert "experts of 1 layers held as fp8 e4m3 with 32x32 block scales" in caplog.text
+    moe, reference = model.model.layers[1].mlp, load(ref)
+    layer = LAYER["fp8-block" if fmt == "fp8" else fmt]
+    if fmt == "fp8":
+        assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn and moe.experts.fp8_block == (32, 32)  # fmt: skip
+        assert "experts of 1 layers held as fp8 e4m3 with 32x32 block scales" in caplog.text
+    else:  # packed, not dequantized: 8 weights an int32, groups of 32
+        assert moe.experts.gate_up_proj.dtype == torch.int32 and moe.experts.int4_group == 32
+        assert f"experts of 1 layers held as {fmt} int4, packed (groups of 32" in caplog.text
+    want = reference.model.layers[1].mlp.experts
+    assert torch.equal(dequantized(moe.experts, True), want.gate_up_proj)
+    assert torch.equal(dequantized(moe.experts, False), want.down_proj)
+    assert isinstance(moe.shared_experts.gate_up_proj, layer)
+    assert isinstance(model.model.layers[0].mlp.down_proj, layer)
+    attn, want = model.model.layers[1].self_attn, reference.model.layers[1].self_attn
+    assert isinstance(attn.o_proj, layer)
     if model_type != "glm4_moe":  # the latent attention's float weights, as the reference's
         for proj in ("kv_b_proj", "kv_a_proj_with_mqa", "q_b_proj" if "v3" in model_type else "q_proj"):  # fmt: skip
             got = getattr(attn, proj).weight
             assert got.dtype == torch.float32 and torch.equal(got, getattr(want, proj).weight)
         assert "latent attention's" in caplog.text
+    else:  # GLM-4.5's q, k and v stay quantized layers
+        assert isinstance(attn.qkv_proj, layer)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": [5, 77, 130, 9, 4000]}, {"prompt_token_ids": [200, 3]}]
     outs = []

@@ -93,6 +93,18 @@ def test_what_cannot_be_split_is_refused_before_a_rank_starts(tmp_path: Path) ->
         LLM(str(act_order), dtype="float32", tensor_parallel_size=2)
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_int4_deepseek_heads_off_the_groups_are_refused(fmt: str, tmp_path: Path) -> None:
+    """DeepSeek-V2 in int4 groups of 32 over 4 ranks: a rank's one head is 16 of o_proj's
+    input columns, half a group (the dense MLP's and q's cuts whole units): refused before a
+    rank starts, naming the cut."""
+    path, _ = ck.deepseek_checkpoints(tmp_path, "deepseek_v2", fmt=fmt)
+    unit = rf"{fmt.upper()} unit of 32 columns"
+    with pytest.raises(ConfigError, match=rf"rank 0's o_proj input columns \[0, 16\) .* {unit}"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=4)
+    assert rank_processes() == []
+
+
 def test_fp8_experts_quantized_at_load_time_on_two_ranks(tmp_path: Path) -> None:
     """--quantization fp8 of a float Mixtral: each rank's experts hold their intermediate rows
     in FP8, the down projections' rows (split over the ranks) with the magnitudes agreed, so
@@ -135,26 +147,36 @@ def test_quantized_experts_on_two_ranks_give_the_tokens_of_one(
     assert two == _tokens(path, 1)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize(
+    ("model_type", "fmt"),
+    [("deepseek_v3", "fp8"), ("glm4_moe", "fp8"), ("deepseek_v3", "awq"),
+     ("deepseek_v2", "gptq"), ("glm4_moe", "gptq")],
+)  # fmt: skip
 def test_quantized_deepseek_on_two_ranks_gives_the_tokens_of_one(
-    model_type: str, tmp_path: Path
+    model_type: str, fmt: str, tmp_path: Path
 ) -> None:
     """DeepSeek-V3's FP8 block format (16 x 16 blocks here: each rank's 2 heads and half of
-    every expert's rows are whole blocks): each rank reads its heads' rows of q_b_proj and
-    kv_b_proj (dequantized as they load) with their block scales, its o_proj columns, its half
-    of the dense MLP's, the shared expert's and every routed expert's rows; GLM-4.5 its
+    every expert's rows are whole blocks), and AWQ and GPTQ int4 in groups of 32 (each rank's
+    o_proj columns and half of the MLP's, shared and routed experts' rows whole groups): each
+    rank reads its heads' rows of q_b_proj (V2's q_proj) and kv_b_proj (dequantized as they
+    load) with their block scales or packed words, zeros and group scales, its o_proj columns,
+    its half of the dense MLP's, the shared expert's and every routed expert's rows; GLM-4.5 its
     attention heads and its shared expert's rows alike."""
     import torch
 
-    path, _ = ck.deepseek_checkpoints(tmp_path, model_type, block=16)
+    path, _ = ck.deepseek_checkpoints(tmp_path, model_type, block=16 if fmt == "fp8" else 32, fmt=fmt)  # fmt: skip
+    shared = ck.DEEPSEEK_INT4["moe_intermediate_size"] if fmt != "fp8" else 32
     prompts = _prompts()
     with LLM(str(path), dtype="float32", tensor_parallel_size=2) as llm:
         two = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
         model = llm.engine.runner.model
         moe = model.model.layers[1].mlp
-        assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn  # held in FP8, cut
-        assert moe.shared_experts.down_proj.weight.shape[-1] == 16  # rank 0's 16 of 32 rows
-        if model_type == "deepseek_v3":  # rank 0's 2 heads of kv_b (nope key + value rows)
+        # held in FP8 or packed int4, cut: rank 0's half of each expert's rows
+        held = torch.float8_e4m3fn if fmt == "fp8" else torch.int32
+        assert moe.experts.gate_up_proj.dtype == held
+        assert moe.experts.gate_up_proj.shape[1] == shared  # gate and up: half of each
+        assert moe.shared_experts.down_proj.in_features == shared // 2  # rank 0's half
+        if model_type != "glm4_moe":  # rank 0's 2 heads of kv_b (nope key + value rows)
             assert model.model.layers[1].self_attn.kv_b_proj.weight.shape[0] == 2 * 32
     with LLM(str(path), dtype="float32") as llm:
         assert two == [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
