@@ -16,8 +16,10 @@
 #           dummy weights, context 512, each in its own process)   -> $RESULTS/quant-{fp8,awq}.json
 #   w1fp8   issue 20's W1 side by side, each in its own process: bf16, FP8 weights, FP8 weights
 #           and an FP8 KV cache                                 -> $RESULTS/w1-{bf16,fp8,fp8kv}.json
-# The bars issues 20 and 23 still hold open name an H100; all of them in one call, most wanted
-# first (~20 minutes): bash scripts/device/gpu_bench_h100.sh w2 quant w1 w1fp8 w3
+# The bars issues 20 and 23 still hold open name an H100; a lent machine runs a command for at
+# most 600 s, so in two calls, most wanted first (on an H200 a latency run takes ~35 s, an
+# offline W1 ~60 s, the transformers peer's three batch sizes a few minutes):
+#   bash scripts/device/gpu_bench_h100.sh w2 quant w1fp8    then    ... w1 w3
 # Results go to $RESULTS (default ./gpu-out); with $OUT set (a lent GPU machine, which returns
 # at most 8 files) they are also packed into $OUT/results.tar.gz after every step. Wheels the
 # image lacks install from ./.whl when present (scripts/device/device_wheels.sh). Each step has
