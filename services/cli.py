@@ -475,6 +475,8 @@ def _load_format(text: str) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from services.config import QUANTIZATION_METHODS
+
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
@@ -502,7 +504,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["fp8", "awq", "gptq", "compressed-tensors"],
+        choices=QUANTIZATION_METHODS,
         help="quantized weights: fp8 (e4m3; a float checkpoint, or --load-format dummy, is "
         "quantized at load time), awq or gptq (4-bit checkpoints, group size 32, 64 or 128), "
         "compressed-tensors (llm-compressor's FP8 or W4A16 checkpoints); "

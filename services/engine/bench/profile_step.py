@@ -29,6 +29,7 @@ import torch
 
 from protos.blocks import blocks_for
 from protos.sampling_params import SamplingParams
+from services.config import QUANTIZATION_METHODS
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", action="store_true", help="whole prompts instead of decodes")
     p.add_argument(
         "--quantization",
-        choices=("fp8", "awq", "gptq"),
+        choices=QUANTIZATION_METHODS,
         default=None,
         help="quantized weights (dummy, as tandem bench latency makes them)",
     )
