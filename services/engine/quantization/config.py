@@ -178,7 +178,20 @@ def channel_group(in_features: int) -> int | None:
 
 def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
     """compressed-tensors: FP8 (float-quantized: per-channel, per-tensor or block e4m3 weights,
-    dynamic per-token activations or none) or int4 weight-only (pack-quantized W4A16)."""
+    dynamic per-token activations or none) or int4 weight-only (pack-quantized W4A16). Sparse
+    weights stored compressed (a sparsity_config format other than "dense") and weights rotated
+    by a transform_config (SpinQuant, QuIP: online Hadamard transforms) are refused."""
+    sparsity = q.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise ConfigError(
+            f"compressed-tensors sparsity_config format {sparsity['format']!r} (sparse weights "
+            "stored compressed) is not supported; serve the dense checkpoint"
+        )
+    if q.get("transform_config"):
+        raise ConfigError(
+            "compressed-tensors transform_config (rotated weights that need online transforms, "
+            "SpinQuant / QuIP) is not supported; serve a checkpoint quantized without transforms"
+        )
     fmt = q.get("format")
     groups = list((q.get("config_groups") or {}).values())
     if not groups or any(not isinstance(g, dict) for g in groups):

@@ -52,6 +52,9 @@ def _weights(config: dict[str, Any], **changes: Any) -> dict[str, Any]:
         (_config(None), CT, QuantConfig(CT, zero_points=False, channel=True)),
         (_config(actorder="group"), None, QuantConfig(CT, desc_act=True, zero_points=False)),
         (_config(actorder="weight"), None, QuantConfig(CT, zero_points=False)),
+        # sparse weights stored dense, and empty sparsity / transform configs, load as they are
+        ({**_config(), "sparsity_config": {"format": "dense", "sparsity_structure": "2:4"},
+          "transform_config": {}}, None, QuantConfig(CT, zero_points=False)),
         # the FP8 scheme's checkpoint takes the library's name on the flag too
         ({"quant_method": CT, "format": "float-quantized", "config_groups": {"g": {
             "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
@@ -89,6 +92,11 @@ def test_the_scheme_comes_from_the_checkpoint(
         ({**_config(), "config_groups": {"W4A16": ["Linear"]}}, None, "preset names"),
         ({**_config(), "format": "marlin-24"}, None, "format 'marlin-24'"),
         (_config(), "gptq", "pass --quantization compressed-tensors"),
+        ({**_config(), "sparsity_config": {"format": "sparse-24-bitmask",
+                                           "sparsity_structure": "2:4"}}, None,
+         "sparsity_config format 'sparse-24-bitmask'"),
+        ({**_config(), "transform_config": {"config_groups": {"u": {"type": "hadamard"}}}},
+         None, "transform_config"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_served_is_refused(
