@@ -54,16 +54,16 @@ def main() -> None:
         f"GPU busy {used / 1e3:.3f} ms of {span / 1e3:.3f} ms from its first to last kernel; "
         f"{len(gaps)} gaps >= {args.min_us} us, {sum(t - s for s, t in gaps) / 1e3:.3f} ms"
     )
+    # the host ops overlapping each gap, found once for both reports
+    over = {g: [e for e in host if e["ts"] < g[1] and e["ts"] + e["dur"] > g[0]] for g in gaps}
     by_op: dict[str, float] = defaultdict(float)
-    for s, t in gaps:
-        over = [e for e in host if e["ts"] < t and e["ts"] + e["dur"] > s]
+    for (s, t), ops in over.items():
         # the innermost op covering most of the gap names it
-        covering = [e for e in over if e["ts"] <= s + 0.5 * (t - s) <= e["ts"] + e["dur"]]
+        covering = [e for e in ops if e["ts"] <= s + 0.5 * (t - s) <= e["ts"] + e["dur"]]
         name = min(covering, key=lambda e: e["dur"])["name"] if covering else "(no host op)"
         by_op[name[:80]] += t - s
     for s, t in sorted(gaps, key=lambda g: g[0] - g[1])[: args.top]:
-        over = [e for e in host if e["ts"] < t and e["ts"] + e["dur"] > s]
-        inner = sorted(over, key=lambda e: e["dur"])[:4]
+        inner = sorted(over[(s, t)], key=lambda e: e["dur"])[:4]
         names = "; ".join(f"{e['name'][:50]} {e['dur']:.0f}us" for e in inner)
         print(f"gap {t - s:9.1f} us at +{(s - busy[0][0]) / 1e3:8.3f} ms: {names}")
     print("gaps by the innermost host op spanning their middle (ms):")
