@@ -95,9 +95,9 @@ def quantize_model(
     if holds_int4_experts(qcfg):
         for name, experts in expert_modules(model).items():
             _, two_i, h = experts.gate_up_proj.shape
-            fits = h % qcfg.group_size == 0 and (two_i // 2) % qcfg.group_size == 0
-            if qcfg.channel:  # one group a row: the kernels take it as it is
-                fits = h % 8 == 0 and (two_i // 2) % 8 == 0
+            # per channel (one group a row) the kernels take the rows as they are
+            unit = 8 if qcfg.channel else qcfg.group_size
+            fits = h % unit == 0 and (two_i // 2) % unit == 0
             if _layer_of(name) not in float_expert_layers and fits:
                 experts.hold_int4(None if qcfg.channel else qcfg.group_size)
 
