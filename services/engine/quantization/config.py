@@ -169,6 +169,16 @@ def _fp8(q: dict[str, Any]) -> QuantConfig:
     return QuantConfig("fp8", weight_block=(bn, bk))
 
 
+def int4_pieces(method: str, zero_points: bool = True, desc_act: bool = False) -> tuple[str, ...]:
+    """The checkpoint tensors of one int4 projection (a layer's shard, or an expert's): AWQ's
+    and GPTQ's packed words, zero points, scales (and act-order g_idx), compressed-tensors'
+    (zero points only when asymmetric)."""
+    if method == "compressed-tensors":
+        zeros = ("weight_zero_point",) if zero_points else ()
+        return ("weight_packed", "weight_scale", *zeros, *(("weight_g_idx",) if desc_act else ()))
+    return ("qweight", "qzeros", "scales", *(("g_idx",) if desc_act else ()))
+
+
 def channel_group(in_features: int) -> int | None:
     """The serving group of a per-channel int4 layer with ``in_features`` inputs: the largest of
     INT4_GROUP_SIZES dividing it (each group repeats the row's one scale and zero point, so the

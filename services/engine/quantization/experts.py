@@ -37,7 +37,7 @@ from kernels.quant import (
 )
 from services.config import ConfigError
 from services.engine.models.moe import Experts
-from services.engine.quantization.config import QuantConfig
+from services.engine.quantization.config import QuantConfig, int4_pieces
 from services.engine.tp_layout import QUANT_PIECES
 
 # one piece of one expert's projection (Qwen3-MoE's and DeepSeek's names; Mixtral's w1/w3/w2)
@@ -61,12 +61,7 @@ def expert_pieces(qcfg: QuantConfig) -> tuple[str, ...]:
     """The checkpoint tensors that make up one quantized expert projection."""
     if qcfg.method == "fp8":
         return ("weight", "weight_scale_inv" if qcfg.weight_block else "weight_scale")
-    if qcfg.method == "compressed-tensors":
-        return (
-            "weight_packed", "weight_scale", *(("weight_zero_point",) if qcfg.zero_points else ()),
-            *(("weight_g_idx",) if qcfg.desc_act else ()),
-        )  # fmt: skip
-    return ("qweight", "qzeros", "scales", *(("g_idx",) if qcfg.desc_act else ()))
+    return int4_pieces(qcfg.method, qcfg.zero_points, qcfg.desc_act)
 
 
 def dequantize(qcfg: QuantConfig, pieces: dict[str, torch.Tensor]) -> torch.Tensor:

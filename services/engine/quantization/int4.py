@@ -17,6 +17,7 @@ from kernels import ops
 from kernels.quant import AWQ_ORDER, pack_rows, unpack_cols, unpack_rows
 from services.config import ConfigError
 from services.engine.quantization.base import QuantLinear
+from services.engine.quantization.config import int4_pieces
 
 
 class Int4Linear(QuantLinear):
@@ -42,13 +43,7 @@ class Int4Linear(QuantLinear):
         # repeated over this layer's groups of group_size
         self.zero_points, self.channel = zero_points, channel
         # act-order needs each shard's g_idx; without it a GPTQ g_idx is optional (trivial)
-        if method == "compressed-tensors":
-            self.PIECES = (
-                "weight_packed", "weight_scale", *(("weight_zero_point",) if zero_points else ()),
-                *(("weight_g_idx",) if desc_act else ()),
-            )  # fmt: skip
-        else:
-            self.PIECES = ("qweight", "qzeros", "scales", *(("g_idx",) if desc_act else ()))
+        self.PIECES = int4_pieces(method, zero_points, desc_act)
         self.register_buffer("qweight", torch.empty(k // 8, n, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(k // g, n, dtype=dtype))
         self.register_buffer("zeros", torch.empty(k // g, n, dtype=dtype))
