@@ -23,7 +23,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-tests,tune}"
-has() { [[ ",$stages," == *",$1,"* ]]; }
 if has tests; then
   echo "== tests $(date +%T)"
   TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider \

@@ -12,7 +12,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-tests,kv}"
-has() { [[ ",$stages," == *",$1,"* ]]; }
 if has tests; then
   echo "== tests" >&2
   TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kvtransfer/test_gpu.py \

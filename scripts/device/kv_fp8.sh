@@ -12,7 +12,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-tests,quality,latency}"
-has() { [[ ",$stages," == *",$1,"* ]]; }
 if has tests; then
   TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv.py \
     tests/kernels/test_triton_block_copy.py 2>&1 | tail -5 | tee "$out/tests.txt" || true

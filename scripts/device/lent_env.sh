@@ -26,3 +26,6 @@ from services.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --mod
     json.load(open(sys.argv[1]))['rows']]" "$out/latency-$label.json" "$label" ||
     tail -5 "$out/latency-$label.log"
 }
+
+# has STAGE: whether STAGE is one of the comma-separated $stages the script was asked for
+has() { [[ ",${stages:-}," == *",$1,"* ]]; }

@@ -16,7 +16,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-tests,kernels,cost}"
-has() { [[ ",$stages," == *",$1,"* ]]; }
 if has tests; then
   TRITON_INTERPRET=0 timeout 420 python3 -m pytest -q -p no:cacheprovider \
     tests/kernels/test_triton_lora.py tests/kernels/test_triton_moe.py \

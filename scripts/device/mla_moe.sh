@@ -22,7 +22,6 @@ cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-tests,mla,moe,routing}"
 label="${2:-run}"
-has() { [[ ",$stages," == *",$1,"* ]]; }
 bench() {  # bench NAME ARGS...: one `tandem bench` in its own process, its JSON and log in $out
   local name=$1
   shift

@@ -10,7 +10,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-tests,tune,latency}"
-has() { [[ ",$stages," == *",$1,"* ]]; }
 if has tests; then
   TRITON_INTERPRET=0 timeout 400 python3 -m pytest -q -p no:cacheprovider \
     tests/kernels/test_triton_moe_pairs.py tests/kernels/test_triton_moe.py 2>&1 | tail -6 |

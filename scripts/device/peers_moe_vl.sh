@@ -27,7 +27,6 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-moe,vl}"
-has() { [[ ",$stages," == *",$1,"* ]]; }
 w1=(python3 -m services.cli bench offline --load-format dummy --dtype bfloat16
   --max-model-len 2048 --num-prompts 256 --input-len 1024 --output-len 128 --compare-transformers)
 if has moe; then

@@ -18,7 +18,6 @@ cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-kernels,latency,w1,draft}"
 eightb=(--model llama-3.1-8b --load-format dummy --dtype bfloat16)
-has() { [[ ",$stages," == *",$1,"* ]]; }
 run() {  # name, then the command; its stdout's last line is its JSON
   local name=$1
   shift

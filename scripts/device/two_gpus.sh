@@ -34,7 +34,6 @@ tiny="${TINY:-.gpu-carry/tiny-llama}"
 raw="$out/raw"
 mkdir -p "$raw"
 table=()
-has() { [[ ",$stages," == *",$1,"* ]]; }
 left() { echo $((budget - SECONDS)); }
 # stage NAME LIMIT: true when the stage fits in the time left (else records it as skipped)
 stage() {

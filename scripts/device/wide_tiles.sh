@@ -13,7 +13,6 @@ cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
 stages="${1:-gemma,deepseek}"
 label="${2:-run}"
-has() { [[ ",$stages," == *",$1,"* ]]; }
 offline() {  # offline NAME PATCH ARGS...: one `tandem bench offline` in its own process
   local name=$1 patch=$2
   shift 2
