@@ -7,10 +7,12 @@
 # its own time limit, so a group that runs out loses only itself; failures and the slowest tests
 # are written under $out, a line a group last.
 #   bash scripts/device/gpu_suite.sh [group,...] [LABEL]   groups: moe, attention, rest, services
-# Needs .whl (device_wheels.sh).
+# Needs .whl (device_wheels.sh) and .gpu-carry/tok.tgz (the test tokenizer: the embedded
+# model's tokenizer files, for the tests that build tiny checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device/lent_env.sh
+tar xzf .gpu-carry/tok.tgz -C .gpu-carry && export TANDEM_TEST_TOKENIZER=$PWD/.gpu-carry/tok
 stages="${1:-moe,attention,rest,services}"
 label="${2:-run}"
 K=tests/kernels
