@@ -16,9 +16,10 @@ a token's contributions are added one expert at a time in ascending expert order
 every rounding is the identity and only the order of the additions remains.
 
 FP8 experts (``w13``/``w2`` in e4m3, each with its scales: :class:`Fp8Scales`) and int4 ones
-(AWQ's and GPTQ's w4a16, packed with their groups: :class:`Int4Scales`) are dequantized expert
-by expert (only the routed ones) to the activation dtype, then computed as above: the weights a
-float checkpoint dequantized at load would hold.
+(AWQ's and GPTQ's w4a16, packed with their groups: :class:`Int4Scales`; act-order ones with
+their columns' permutations) are dequantized expert by expert (only the routed ones) to the
+activation dtype, their columns back in the input's order, then computed as above: the weights
+a float checkpoint dequantized at load would hold.
 
 With biases the rounded projection plus the bias is rounded again (``GptOssExperts`` computes
 ``x @ W + b`` as two ops in the activation dtype). The clamped SwiGLU is computed in fp32 from the
@@ -133,13 +134,23 @@ class Int4Scales:
     ``kernels.quant`` transposed, one row of words per output row); ``w[e, n, k] = (q - z) * s``
     with ``s = scale[e, n, k // G]`` (float32) and ``z = zeros[e, n, k // G]`` (uint8, 0..16:
     GPTQ's zero points plus one), ``w13_scale`` [E, 2I, H / G] and ``w2_scale`` [E, H, I / G]
-    (zeros alike). ``group_size`` G; None: one group as wide as K (per channel)."""
+    (zeros alike). ``group_size`` G; None: one group as wide as K (per channel).
+
+    ``w13_perm`` [E, H] and ``w2_perm`` [E, I] (int32 or int64; None: the groups in order):
+    act-order checkpoints (GPTQ desc_act, compressed-tensors actorder "group"), whose ``g_idx``
+    assigns each input feature its group out of order, are held with each expert's K columns
+    sorted by group at load (so every group is contiguous, as the kernels read them): packed
+    column ``j`` of expert ``e`` holds input feature ``perm[e, j]``, and the kernels read the
+    activations' columns through it (``x[:, perm[e]]``), as the dense act-order layer permutes
+    its input (``quantization.int4``)."""
 
     w13_scale: torch.Tensor
     w13_zeros: torch.Tensor
     w2_scale: torch.Tensor
     w2_zeros: torch.Tensor
     group_size: int | None = None
+    w13_perm: torch.Tensor | None = None
+    w2_perm: torch.Tensor | None = None
 
     def group(self, k: int) -> int:
         """The group width of a weight with ``k`` input features."""
@@ -159,10 +170,16 @@ def dequant_int4_expert(
     qweight: torch.Tensor,  # [N, K / 8] int32: one expert's w13 or w2 (Int4Scales)
     scale: torch.Tensor,  # [N, K / G] float32
     zeros: torch.Tensor,  # [N, K / G] uint8
-) -> torch.Tensor:  # [N, K] float32
+    perm: torch.Tensor | None = None,  # [K]: the input feature of each packed column (act-order)
+) -> torch.Tensor:  # [N, K] float32, columns in the input's order
     q = unpack_cols(qweight)  # eight K columns a word, in order
     cols = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // max(scale.shape[1], 1))
-    return (q - zeros.long()[:, cols]).float() * scale.float()[:, cols]
+    w = (q - zeros.long()[:, cols]).float() * scale.float()[:, cols]
+    if perm is None:
+        return w
+    out = torch.empty_like(w)
+    out[:, perm.long()] = w  # packed column j is input feature perm[j]
+    return out
 
 
 def quantize_int4_experts(
@@ -233,6 +250,20 @@ def check_int4_scales(
             )
         if scale.device != x.device or zeros.device != x.device:
             raise ValueError(f"{name} is on {scale.device}; x is on {x.device}")
+    for name, perm, k in (("w13_perm", int4.w13_perm, h), ("w2_perm", int4.w2_perm, inter)):
+        if perm is None:
+            continue
+        if (
+            tuple(perm.shape) != (e, k)
+            or perm.dtype not in (torch.int32, torch.int64)
+            or (k > 1 and perm.stride(1) != 1)
+        ):
+            raise ValueError(
+                f"{name} is {tuple(perm.shape)} {perm.dtype}; expected {(e, k)} int32 or int64, "
+                "contiguous along K"
+            )
+        if perm.device != x.device:
+            raise ValueError(f"{name} is on {perm.device}; x is on {x.device}")
 
 
 def scales_of(w13: torch.Tensor, fp8: Fp8Scales | None) -> Fp8Scales | None:
@@ -405,9 +436,10 @@ def ref_fused_moe(
             w_down = dequant_fp8_expert(w_down, fp8.w2_scale[expert], fp8.blocks(inter), False)
             w_down = w_down.to(dt)
         if int4 is not None:  # dequantized as at load (AWQ/GPTQ), rounded to x's dtype
-            w_up = dequant_int4_expert(w_up, int4.w13_scale[expert], int4.w13_zeros[expert])
+            p13, p2 = (None if p is None else p[expert] for p in (int4.w13_perm, int4.w2_perm))
+            w_up = dequant_int4_expert(w_up, int4.w13_scale[expert], int4.w13_zeros[expert], p13)
             w_up = w_up.to(dt)
-            w_down = dequant_int4_expert(w_down, int4.w2_scale[expert], int4.w2_zeros[expert])
+            w_down = dequant_int4_expert(w_down, int4.w2_scale[expert], int4.w2_zeros[expert], p2)
             w_down = w_down.to(dt)
         gate_up = (x[rows].float() @ w_up.float().T).to(dt)  # [n, 2I]
         if b13 is not None:

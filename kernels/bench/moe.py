@@ -8,7 +8,10 @@ I 14336, 8 experts, top-2) and gpt-oss-20b's (H 2880, I 2880, 32 experts, top-4,
 biases and the clamped SwiGLU; its checkpoint's MXFP4 experts dequantized) MoE layers in bf16;
 the ``-awq`` / ``-gptq`` rows are the first two with their experts held as packed int4 in groups
 of 128 (as AWQ and GPTQ checkpoints load: a quarter of the weight bytes, plus their scales and
-zeros, which the GB/s counts).
+zeros, which the GB/s counts); the ``-gptq-act-order`` row Qwen3-30B-A3B's as a GPTQ act-order
+checkpoint loads (each expert's columns sorted by group, x read through its permutation, a
+random one per expert here; down_proj's permutation is folded into gate_up_proj's rows at load,
+``Experts.finish_loading``, so the intermediate is read as it is).
 Napkin math: every expert some token chose is read once (3 * H * I weights: gate, up, down), so
 at batch 1 the floor is bytes / copy bandwidth: 8 x 9.4 MB = 75 MB for Qwen3-30B-A3B (~25 us at
 ~3 TB/s), 2 x 352 MB = 704 MB for Mixtral (~235 us), 4 x 50 MB = 199 MB for gpt-oss-20b (~66 us;
@@ -25,6 +28,7 @@ launches included) and the host's microseconds per call.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -41,10 +45,12 @@ MODELS = {  # name -> (H, I, experts, top_k)
     "gpt-oss-20b": (2880, 2880, 32, 4),
     "qwen3-30b-a3b-awq": (2048, 768, 128, 8),
     "mixtral-8x7b-gptq": (4096, 14336, 8, 2),
+    "qwen3-30b-a3b-gptq-act-order": (2048, 768, 128, 8),
 }
 GPT_OSS = {"gpt-oss-20b"}  # experts with biases and the clamped SwiGLU
 # experts held as packed int4 (kernels.moe.Int4Scales, as AWQ/GPTQ checkpoints load): group size
-INT4 = {"qwen3-30b-a3b-awq": 128, "mixtral-8x7b-gptq": 128}
+INT4 = {"qwen3-30b-a3b-awq": 128, "mixtral-8x7b-gptq": 128, "qwen3-30b-a3b-gptq-act-order": 128}
+ACT_ORDER = {"qwen3-30b-a3b-gptq-act-order"}  # int4 experts with their columns' permutations
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps); None: the launcher's own choice
     None, (16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4),
     (64, 128, 64, 8), (128, 128, 64, 8),
@@ -85,6 +91,7 @@ class Case:
         if self.int4 is not None:
             q = self.int4
             tensors += [q.w13_scale, q.w13_zeros, q.w2_scale, q.w2_zeros]
+            tensors += [p for p in (q.w13_perm, q.w2_perm) if p is not None]
         per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
         return touched * per_expert + 2 * self.x.numel() * self.x.element_size()
 
@@ -94,10 +101,12 @@ class Case:
         return 2.0 * self.ids.numel() * h * (two_i + two_i // 2)  # = 6 T top_k H I
 
 
-def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, int4_group: int | None = None) -> Case:  # fmt: skip
+def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, int4_group: int | None = None, act_order: bool = False) -> Case:  # fmt: skip
     """``gpt_oss``: with O(1) biases and gpt-oss's clamp, x scaled so ~9% of the gate and up
     values pass its limit of 7. ``int4_group``: the experts quantized to packed int4 in groups
-    of that many input features (as AWQ/GPTQ experts are held)."""
+    of that many input features (as AWQ/GPTQ experts are held); ``act_order``: with a random
+    permutation of each expert's H columns (int32, as act-order experts are held once
+    down_proj's is folded)."""
     from kernels.moe import ClampedSwiGLU, Int4Scales, quantize_int4_experts, ref_moe_routing
 
     gen = torch.Generator().manual_seed(0)
@@ -115,6 +124,9 @@ def build(tokens: int, h: int, inter: int, experts: int, top_k: int, device: tor
         case.w13, s13, z13 = quantize_int4_experts(case.w13, int4_group)
         case.w2, s2, z2 = quantize_int4_experts(case.w2, int4_group)
         case.int4 = Int4Scales(s13, z13, s2, z2, int4_group)
+    if case.int4 is not None and act_order:  # x's; down_proj's is folded at load
+        p13 = torch.stack([torch.randperm(h, generator=gen) for _ in range(experts)])
+        case.int4 = dataclasses.replace(case.int4, w13_perm=p13.to(device, torch.int32))
     return case
 
 
@@ -157,7 +169,8 @@ def bench_shape(model: str, tokens: int, copy: float, budget_s: float = ROW_BUDG
 
     h, inter, experts, top_k = MODELS[model]
     case = build(tokens, h, inter, experts, top_k, torch.device("cuda"),
-                 gpt_oss=model in GPT_OSS, int4_group=INT4.get(model))  # fmt: skip
+                 gpt_oss=model in GPT_OSS, int4_group=INT4.get(model),
+                 act_order=model in ACT_ORDER)  # fmt: skip
     best: tuple[tuple[int, int, int, int] | None, float] | None = None
     deadline = time.monotonic() + budget_s
     configs = configs_of(model)
@@ -205,7 +218,8 @@ def tune_pairs(model: str, tokens: int, copy: float) -> dict[str, Any]:
 
     h, inter, experts, top_k = MODELS[model]
     case = build(tokens, h, inter, experts, top_k, torch.device("cuda"),
-                 gpt_oss=model in GPT_OSS, int4_group=INT4.get(model))  # fmt: skip
+                 gpt_oss=model in GPT_OSS, int4_group=INT4.get(model),
+                 act_order=model in ACT_ORDER)  # fmt: skip
     int4 = case.int4 is not None
 
     def pairs_ms(tiles: Any, stages: int | None = None) -> float:

@@ -68,11 +68,13 @@ _STACKED = {  # HF name piece -> (our fused parameter, shard index)
 _NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 # one expert's tensor (Qwen3-MoE's names, or Mixtral's w1/w3/w2 once block_sparse_moe is mlp):
 # its weight, or an FP8 checkpoint's scales of it (experts held in FP8), or an int4 one's
-# packed weight, scales and zeros (converted by quantization.experts: experts held int4)
+# packed weight, scales, zeros and act-order permutation (converted by quantization.experts:
+# experts held int4)
 _EXPERT = re.compile(
     r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
-    r"\.(weight|weight_scale_inv|weight_scale|weight_zeros)$"
+    r"\.(weight|weight_scale_inv|weight_scale|weight_zeros|weight_perm)$"
 )
+_EXPERT_SUFFIX = {"weight_zeros": "_zeros", "weight_perm": "_perm"}  # else: scales
 _EXPERT_PIECES = {  # -> (our stacked parameter, shard of its rows; None: all of them)
     "gate_proj": ("gate_up_proj", 0),
     "w1": ("gate_up_proj", 0),
@@ -269,6 +271,8 @@ def load_weights(
         raise ConfigError(f"weights missing from the checkpoint: {named} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)
+    for experts in expert_modules(model).values():
+        experts.finish_loading()
 
 
 # families whose quantized checkpoints are refused, and why
@@ -332,11 +336,12 @@ def _load_expert(
     FP8 experts (``Experts.hold_fp8``): the e4m3 weight, and its scales into the stacked
     scales (block rows of the gate, then of the up; per channel, or one per tensor repeated).
     Int4 ones (``Experts.hold_int4``): the packed weight, its scales and its zeros, each row's
-    groups as they come."""
+    groups as they come; an act-order one's permutation of its input columns, the gate's and
+    the up's (the same: ``quantization.experts`` compares them) each into the expert's one."""
     expert, (stacked, shard) = int(match.group(1)), _EXPERT_PIECES[match.group(2)]
     piece = match.group(3)
     scale = piece != "weight"
-    suffix = "" if not scale else "_zeros" if piece == "weight_zeros" else "_scale"
+    suffix = "" if not scale else _EXPERT_SUFFIX.get(piece, "_scale")
     target = f"{name[: match.start()]}.mlp.experts.{stacked}{suffix}"
     if target not in params or arch.moe is None or expert >= arch.moe.num_experts:
         raise ConfigError(f"unexpected weight {name!r} for a {arch.model_type} model")
@@ -350,6 +355,9 @@ def _load_expert(
             f"{what or 'dequantized'}: every expert of a layer must be quantized alike"
         )
     rows = params[target].data[expert]  # [2I, H] or [H, I]; scales [2 SN, SK] or [SN, SK]
+    if piece == "weight_perm":  # [H] or [I]: gate and up read one input, in one order
+        _copy(name, tensor, rows)
+        return f"{target}#{expert}.{shard}"
     if shard is not None:
         size = rows.shape[0] // 2
         rows = rows[shard * size : (shard + 1) * size]
@@ -372,14 +380,16 @@ def _missing_expert(param: str, loaded: set[str], arch: ArchConfig) -> str | Non
         for shard in halves:
             if f"{param}#{expert}.{shard}" not in loaded:
                 what = {0: "gate", 1: "up", None: "down"}[shard]
-                scales = {"_scale": " scales", "_zeros": " zeros"}.get(param[-6:], "")
-                return f"{param} (expert {expert}'s {what} projection{scales})"
+                pieces = {"_scale": " scales", "_zeros": " zeros", "_perm": " permutation"}
+                piece = next((v for k, v in pieces.items() if param.endswith(k)), "")
+                return f"{param} (expert {expert}'s {what} projection{piece})"
     return None
 
 
 _STACKED_PARAMS = (
     "experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale",
     "experts.down_proj_scale", "experts.gate_up_proj_zeros", "experts.down_proj_zeros",
+    "experts.gate_up_proj_perm", "experts.down_proj_perm",
 )  # fmt: skip
 
 
@@ -387,10 +397,10 @@ def _num_shards(arch: ArchConfig, param: str) -> int:
     """How many pieces of the checkpoint make up one of our stacked parameters."""
     experts = arch.moe.num_experts if arch.moe else 0
     if param.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale",
-                       "experts.gate_up_proj_zeros")):  # fmt: skip
+                       "experts.gate_up_proj_zeros", "experts.gate_up_proj_perm")):  # fmt: skip
         return 2 * experts
     if param.endswith(("experts.down_proj", "experts.down_proj_scale",
-                       "experts.down_proj_zeros")):  # fmt: skip
+                       "experts.down_proj_zeros", "experts.down_proj_perm")):  # fmt: skip
         return experts
     if ".qkv_proj." in param:
         return 3

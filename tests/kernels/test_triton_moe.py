@@ -10,6 +10,7 @@ round-to-nearest), within one unit in the last place of the output's size.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -304,9 +305,32 @@ def _int4(w13: torch.Tensor, w2: torch.Tensor, group: int | None) -> tuple[torch
     return q13, q2, int4, d13, d2
 
 
-def _dequant_int4(q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Stacked packed int4 experts -> float32 [E, N, K]."""
-    return torch.stack([dequant_int4_expert(q[i], scale[i], zeros[i]) for i in range(len(q))])
+def _dequant_int4(q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Stacked packed int4 experts -> float32 [E, N, K] (``perm``: act-order, each expert's
+    columns back in the input's order)."""
+    perms = [None] * len(q) if perm is None else list(perm)
+    return torch.stack([dequant_int4_expert(q[i], scale[i], zeros[i], perms[i]) for i in range(len(q))])  # fmt: skip
+
+
+def _int4_act_order(w13: torch.Tensor, w2: torch.Tensor, group: int | None, gen: torch.Generator, perm_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor, Int4Scales, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`_int4` of an act-order checkpoint: each expert's w13 and w2 columns in a random
+    order of its own (its ``g_idx`` sorted, as the loader sorts them), quantized in groups of
+    that order, with the permutations (packed column j holds input feature perm[e, j]); the
+    dequantized weights in the input's order, rounded as the kernels round them."""
+    e, dev = w13.shape[0], w13.device
+    perms = []
+    for w in (w13, w2):
+        k = w.shape[2]
+        perm = torch.stack([torch.randperm(k, generator=gen) for _ in range(e)]).to(dev)
+        perms.append(perm.to(perm_dtype))
+    sorted13, sorted2 = (w.gather(2, p.long()[:, None, :].expand_as(w)) for w, p in zip((w13, w2), perms, strict=True))  # fmt: skip
+    q13, s13, z13 = quantize_int4_experts(sorted13, group)
+    q2, s2, z2 = quantize_int4_experts(sorted2, group)
+    int4 = Int4Scales(s13, z13, s2, z2, group, w13_perm=perms[0], w2_perm=perms[1])
+    rnd = kernel_rounding(dev)
+    d13 = rnd(_dequant_int4(q13, s13, z13, perms[0]), w13.dtype).to(w13.dtype)
+    d2 = rnd(_dequant_int4(q2, s2, z2, perms[1]), w13.dtype).to(w13.dtype)
+    return q13, q2, int4, d13, d2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -361,3 +385,61 @@ def test_int4_experts_attached_to_w13_and_errors(gen: torch.Generator, device: t
         fused_moe(x, q13, q2, weights, ids, int4=Int4Scales(*list(int4.__dict__.values())[:4], 24))  # fmt: skip
     with pytest.raises(ValueError, match="w2"):
         fused_moe(x, q13, q2[:, :, :2], weights, ids, int4=int4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("t", "h", "e", "inter", "top_k", "group"),
+    [
+        (1, 96, 8, 96, 2, 32),  # decode (the pair GEMVs): three groups of 32 along H and I
+        (37, 96, 16, 160, 2, 32),  # grouped GEMMs: K tiles of 32 (gathered int4 tiles), five
+        (23, 192, 6, 64, 2, 64),  # three groups of 64 along H: joined tiles of 64
+        (20, 384, 4, 128, 2, 128),  # groups of 128 (the served K tile), three along H
+        (30, 40, 5, 24, 2, None),  # one group a row: K no multiple of the tile (masked)
+    ],
+)
+def test_int4_act_order_experts_match_the_dequantized_reference(t: int, h: int, e: int, inter: int, top_k: int, group: int | None, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Act-order int4 experts (GPTQ desc_act, compressed-tensors actorder "group"): each
+    expert's columns sorted by its own g_idx at load, the activations (x for w13, the
+    intermediate for w2) read through the expert's permutation in the kernels' tiles, against
+    the float reference on the dequantized weights in the input's order. Without either
+    permutation the same packed weights give another output: each is followed."""
+    x, w13, w2, weights, ids = _inputs(t, h, e, inter, top_k, dtype, gen, device)
+    q13, q2, int4, d13, d2 = _int4_act_order(w13, w2, group, gen)
+    out = fused_moe(x, q13, q2, weights, ids, int4=int4)
+    _assert_close(out, (x, d13, d2, weights, ids))
+    ref = ref_fused_moe(x, q13, q2, weights, ids, int4=int4)  # the reference's own permuting
+    d13 = _dequant_int4(q13, int4.w13_scale, int4.w13_zeros, int4.w13_perm).to(dtype)
+    d2 = _dequant_int4(q2, int4.w2_scale, int4.w2_zeros, int4.w2_perm).to(dtype)
+    torch.testing.assert_close(ref, ref_fused_moe(x, d13, d2, weights, ids), rtol=0, atol=0)
+    if dtype != torch.float32:
+        return
+    for kept in ({"w2_perm": None}, {"w13_perm": None}):  # either permutation left out
+        wrong = fused_moe(x, q13, q2, weights, ids, int4=dataclasses.replace(int4, **kept))
+        assert (wrong - out).abs().max() > 0.05 * out.abs().max()
+
+
+@pytest.mark.parametrize("config", [(16, 16, 16, 1), (32, 64, 64, 4)])
+def test_int4_act_order_launch_configs(config: tuple[int, int, int, int], gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """The grouped kernels' permuted activation tiles at narrow and wide K tiles (64 halved to
+    32 inside groups of 32), int64 permutations."""
+    x, w13, w2, weights, ids = _inputs(30, 96, 5, 64, 2, torch.float32, gen, device)
+    q13, q2, int4, d13, d2 = _int4_act_order(w13, w2, 32, gen, torch.int64)
+    out = fused_moe(x, q13, q2, weights, ids, int4=int4, config=config)
+    _assert_close(out, (x, d13, d2, weights, ids))
+
+
+def test_int4_act_order_permutations_are_checked(gen: torch.Generator, device: torch.device) -> None:  # fmt: skip
+    """A permutation of the wrong shape or dtype is refused, naming it."""
+    x, w13, w2, weights, ids = _inputs(3, 64, 4, 32, 2, torch.float32, gen, device)
+    q13, q2, int4, _, _ = _int4_act_order(w13, w2, 32, gen)
+    assert int4.w13_perm is not None and int4.w2_perm is not None
+    bad = {
+        "w13_perm": int4.w13_perm[:, :32],  # I's width, not H's
+        "w2_perm": int4.w2_perm.float(),
+    }
+    for name, perm in bad.items():
+        with pytest.raises(ValueError, match=name):
+            fused_moe(x, q13, q2, weights, ids, int4=dataclasses.replace(int4, **{name: perm}))
+        with pytest.raises(ValueError, match=name):
+            ref_fused_moe(x, q13, q2, weights, ids, int4=dataclasses.replace(int4, **{name: perm}))

@@ -2,7 +2,7 @@
 the same tolerances and rounding model as the grouped kernel's tests: one token and several,
 top-1 to top-8, experts two tokens share, sizes that are no power of two and not multiples of
 the tiles, every float dtype, gpt-oss's biases and clamp, FP8 experts (block and per-channel
-scales); and the dispatch of ``kernels.triton_moe.fused_moe`` to it."""
+scales), int4 ones (act-order too); and the dispatch of ``kernels.triton_moe.fused_moe`` to it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import torch
 from kernels import triton_moe, triton_moe_pairs
 from kernels.moe import ClampedSwiGLU
 from kernels.triton_moe_pairs import fused_moe_pairs
-from tests.kernels.test_triton_moe import _assert_close, _fp8, _gpt_oss, _inputs, _int4
+from tests.kernels.test_triton_moe import (
+    _assert_close,
+    _fp8,
+    _gpt_oss,
+    _inputs,
+    _int4,
+    _int4_act_order,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -94,6 +101,31 @@ def test_int4_experts_match_the_dequantized_reference(t: int, h: int, e: int, in
 def test_int4_tiles_narrower_and_wider_than_a_group(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
     x, w13, w2, weights, ids = _inputs(4, 128, 5, 64, 2, torch.float32, gen, device)
     q13, q2, int4, d13, d2 = _int4(w13, w2, 64)
+    for tiles in (((16, 16, 1), (16, 16, 1)), ((4, 512, 2), (32, 256, 4))):
+        out = fused_moe_pairs(x, q13, q2, weights, ids, int4=int4, tiles=tiles)
+        _assert_close(out, (x, d13, d2, weights, ids))
+
+
+@pytest.mark.parametrize(
+    ("t", "h", "e", "inter", "top_k", "group", "dtype"),
+    [
+        (3, 96, 4, 48, 3, 48, torch.bfloat16),  # tokens share experts; two and one groups of 48
+        (3, 40, 16, 24, 8, None, torch.float16),  # one group a row: K no multiple of the tile
+    ],
+)
+def test_int4_act_order_experts_match_the_dequantized_reference(t: int, h: int, e: int, inter: int, top_k: int, group: int | None, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Act-order int4 experts: x's and the intermediate's columns gathered through each pair's
+    expert's permutation (masked past K where the tiles are not whole), against the float
+    reference on the weights in the input's order."""
+    x, w13, w2, weights, ids = _inputs(t, h, e, inter, top_k, dtype, gen, device)
+    q13, q2, int4, d13, d2 = _int4_act_order(w13, w2, group, gen)
+    out = fused_moe_pairs(x, q13, q2, weights, ids, int4=int4)
+    _assert_close(out, (x, d13, d2, weights, ids))
+
+
+def test_int4_act_order_tiles_narrower_and_wider_than_a_group(gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    x, w13, w2, weights, ids = _inputs(3, 128, 5, 64, 2, torch.float32, gen, device)
+    q13, q2, int4, d13, d2 = _int4_act_order(w13, w2, 64, gen, torch.int64)
     for tiles in (((16, 16, 1), (16, 16, 1)), ((4, 512, 2), (32, 256, 4))):
         out = fused_moe_pairs(x, q13, q2, weights, ids, int4=int4, tiles=tiles)
         _assert_close(out, (x, d13, d2, weights, ids))

@@ -23,13 +23,17 @@ class Experts(nn.Module):
     """Every expert's weights stacked: float, or FP8 (e4m3) with their scales once
     :meth:`hold_fp8` has run (a quantized checkpoint's, or ``--quantization fp8``'s), which then
     travel with ``gate_up_proj`` (its ``fp8_scales``) to ``ops.fused_moe``; or packed int4 with
-    their groups' scales and zeros once :meth:`hold_int4` has run (an AWQ or GPTQ checkpoint's,
-    attached as ``int4_scales``)."""
+    their groups' scales and zeros once :meth:`hold_int4` has run (an AWQ, GPTQ or
+    compressed-tensors checkpoint's, attached as ``int4_scales``; an act-order one's with each
+    expert's permutation of its input columns)."""
 
     gate_up_proj_scale: nn.Parameter | None  # FP8: kernels.moe.Fp8Scales' w13_scale, w2_scale
     down_proj_scale: nn.Parameter | None  # (int4: Int4Scales' w13_scale, w2_scale)
     gate_up_proj_zeros: nn.Parameter | None  # int4: Int4Scales' w13_zeros, w2_zeros (uint8)
     down_proj_zeros: nn.Parameter | None
+    # act-order int4: Int4Scales' w13_perm [E, H], w2_perm [E, I] (int32; None: groups in order)
+    gate_up_proj_perm: nn.Parameter | None
+    down_proj_perm: nn.Parameter | None
 
     def __init__(self, num_experts: int, hidden: int, inter: int, biases: bool = False) -> None:
         super().__init__()
@@ -42,6 +46,10 @@ class Experts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
         self.gate_up_proj_scale = self.down_proj_scale = None
         self.gate_up_proj_zeros = self.down_proj_zeros = None
+        self.gate_up_proj_perm = self.down_proj_perm = None
+        # act-order int4 with down_proj's permutation folded into gate_up_proj's rows (see
+        # finish_loading): intermediate column i is the checkpoint's column order[e, i]
+        self.register_buffer("intermediate_order", None, persistent=False)
         self.fp8_block: tuple[int, int] | None = None  # (block_n, block_k); None: per channel
         self.fp8 = False
         self.int4_group: int | None = None  # int4's group size (None: one group a row)
@@ -73,15 +81,22 @@ class Experts(nn.Module):
     def hold_int4(
         self, group_size: int | None, weights: tuple[torch.Tensor, torch.Tensor] | None = None,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-        zeros: tuple[torch.Tensor, torch.Tensor] | None = None,
+        zeros: tuple[torch.Tensor, torch.Tensor] | None = None, act_order: bool = False,
     ) -> None:  # fmt: skip
         """Hold the weights as packed int4 (``kernels.moe.Int4Scales``: [E, N, K / 8] int32,
         float32 scales and uint8 zeros [E, N, K / G]) in groups of ``group_size`` input
         features (None: one a row): empty ones (on this module's device) for a checkpoint to
-        fill, or the given ``weights``, ``scales`` and ``zeros``."""
+        fill, or the given ``weights``, ``scales`` and ``zeros``. ``act_order``: with each
+        expert's permutation of its input columns, [E, H] and [E, I] int32, for the checkpoint
+        to fill (its columns sorted by group at load: ``quantization.experts.pack_expert``);
+        :meth:`finish_loading` drops those that keep the input's order."""
         e, two_i, h = self.gate_up_proj.shape
         inter = two_i // 2
         dev = self.gate_up_proj.device
+        if act_order:
+            for name, k in (("gate_up_proj_perm", h), ("down_proj_perm", inter)):
+                perm = torch.empty((e, k), dtype=torch.int32, device=dev)
+                setattr(self, name, nn.Parameter(perm, requires_grad=False))
         if weights is None or scales is None or zeros is None:
             s13, s2 = int4_scale_shapes(e, h, inter, group_size)
             weights = (
@@ -111,8 +126,46 @@ class Experts(nn.Module):
         held = (self.gate_up_proj_scale, self.gate_up_proj_zeros, self.down_proj_scale,
                 self.down_proj_zeros)  # fmt: skip
         if self.int4 and all(t is not None for t in held):
-            groups = Int4Scales(*held, group_size=self.int4_group)  # type: ignore[arg-type]
+            groups = Int4Scales(
+                *held,  # type: ignore[arg-type]
+                group_size=self.int4_group,
+                w13_perm=self.gate_up_proj_perm,
+                w2_perm=self.down_proj_perm,
+            )
             self.gate_up_proj.int4_scales = groups  # type: ignore[attr-defined]
+
+    def finish_loading(self) -> None:
+        """Once the weights are in (or drawn): drop an act-order permutation that keeps every
+        expert's input order (a checkpoint whose g_idx happen to be in order), and fold
+        down_proj's into gate_up_proj, so that only x is read through a permutation.
+
+        down_proj's input is the intermediate, which gate_up_proj's rows make: reordering an
+        expert's gate and up rows (their scales, zeros and biases with them) by down_proj's
+        permutation ``p`` makes intermediate column ``i`` the checkpoint's column ``p[i]``,
+        the order down_proj's group-sorted columns read, so the down kernel reads its input
+        as it is (on an H200, Qwen3-30B-A3B's layer in groups of 128 read both through a
+        permutation 1.6x slower than in order: docs/benchmarks.md, session 24). The fold is
+        exact (a permutation of whole rows) and kept in ``intermediate_order`` for whoever
+        reads the weights back. Reads the permutations back from the device, once."""
+        for name in ("gate_up_proj_perm", "down_proj_perm"):
+            perm = getattr(self, name)
+            if perm is None:
+                continue
+            order = torch.arange(perm.shape[1], dtype=perm.dtype, device=perm.device)
+            if torch.equal(perm, order.expand_as(perm)):
+                setattr(self, name, None)
+        if self.down_proj_perm is not None:
+            order = self.down_proj_perm.data
+            rows = torch.cat((order, order + order.shape[1]), dim=1).long()  # [E, 2I]
+            for name in ("gate_up_proj", "gate_up_proj_scale", "gate_up_proj_zeros",
+                         "gate_up_proj_bias"):  # fmt: skip
+                t = getattr(self, name, None)
+                if t is not None:
+                    index = rows.view(*rows.shape, *([1] * (t.dim() - 2))).expand_as(t)
+                    t.data = torch.gather(t.data, 1, index)
+            self.intermediate_order = order
+            self.down_proj_perm = None
+        self._attach()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Experts:
         """As nn.Module's, but FP8 and int4 weights and their float32 scales keep their dtypes
@@ -124,9 +177,10 @@ class Experts(nn.Module):
         return self
 
     def memory(self) -> int:
-        """Bytes of the weights, scales and zeros (not the biases)."""
+        """Bytes of the weights, scales, zeros and act-order permutations (not the biases)."""
         held = (self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale,
-                self.gate_up_proj_zeros, self.down_proj_zeros)  # fmt: skip
+                self.gate_up_proj_zeros, self.down_proj_zeros, self.gate_up_proj_perm,
+                self.down_proj_perm, self.intermediate_order)  # fmt: skip
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 

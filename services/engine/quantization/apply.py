@@ -64,9 +64,10 @@ def quantize_model(
     the checkpoint stores unquantized stay float. ``fp8_experts``: an FP8 checkpoint's experts
     are held in FP8 (``Experts.hold_fp8``), except in ``float_expert_layers`` (decoder layers
     where the checkpoint stores an expert unquantized: that layer's are dequantized as they
-    load, one stacked tensor holding one format). An AWQ or GPTQ checkpoint's experts are held
-    as packed int4 (``Experts.hold_int4``) on every device, outside those layers, unless GPTQ's
-    act-order shuffles their groups (:func:`holds_int4_experts`)."""
+    load, one stacked tensor holding one format). An AWQ, GPTQ or compressed-tensors int4
+    checkpoint's experts are held as packed int4 (``Experts.hold_int4``) on every device,
+    outside those layers (:func:`holds_int4_experts`); act-order ones with each expert's
+    permutation of its input columns."""
     for name, parent, attr, linear in _targets(model):
         if _stored_unquantized(qcfg, name, attr):
             continue
@@ -99,15 +100,16 @@ def quantize_model(
             unit = 8 if qcfg.channel else qcfg.group_size
             fits = h % unit == 0 and (two_i // 2) % unit == 0
             if _layer_of(name) not in float_expert_layers and fits:
-                experts.hold_int4(None if qcfg.channel else qcfg.group_size)
+                group = None if qcfg.channel else qcfg.group_size
+                experts.hold_int4(group, act_order=qcfg.desc_act)
 
 
 def holds_int4_experts(qcfg: QuantConfig) -> bool:
-    """Whether an int4 checkpoint's experts are held packed: AWQ's, and GPTQ's and
-    compressed-tensors' without act-order (a desc_act or actorder "group" checkpoint's g_idx
-    shuffles each expert's groups, which the fused MoE kernels do not follow: those are
-    dequantized as they load)."""
-    return qcfg.is_int4 and qcfg.serialized and not qcfg.desc_act
+    """Whether an int4 checkpoint's experts are held packed: AWQ's, GPTQ's and
+    compressed-tensors', act-order ones too (a desc_act or actorder "group" checkpoint's g_idx
+    shuffles each expert's groups: its columns are sorted by group as they load and the fused
+    MoE kernels read the activations through the permutation, ``kernels.moe.Int4Scales``)."""
+    return qcfg.is_int4 and qcfg.serialized
 
 
 def _layer_of(name: str) -> int | None:
@@ -216,7 +218,14 @@ def dummy_quantized(model: nn.Module, seed: int) -> None:
 
 def _dummy_int4_experts(experts: Experts, gen: torch.Generator) -> None:
     """Random packed int4 experts as ``Int4Linear.fill_dummy`` draws its weights (about
-    +-0.02): random nibbles, zero points 8, scales 0.0025."""
+    +-0.02): random nibbles, zero points 8, scales 0.0025; an act-order config's experts a
+    random permutation of their input columns each (the activations read as a real
+    checkpoint's are, for benchmarks: x through gate_up_proj's, down_proj's folded into
+    gate_up_proj's rows by ``Experts.finish_loading``)."""
+    for perm in (experts.gate_up_proj_perm, experts.down_proj_perm):
+        if perm is not None:
+            for e in range(perm.shape[0]):
+                perm.data[e].copy_(torch.randperm(perm.shape[1], generator=gen).to(torch.int32))
     for weight, scale, zeros in (
         (experts.gate_up_proj, experts.gate_up_proj_scale, experts.gate_up_proj_zeros),
         (experts.down_proj, experts.down_proj_scale, experts.down_proj_zeros),
@@ -227,3 +236,4 @@ def _dummy_int4_experts(experts: Experts, gen: torch.Generator) -> None:
             weight.data[e].copy_(bits.to(torch.int32))
         scale.data.fill_(0.0025)
         zeros.data.fill_(8)
+    experts.finish_loading()  # as a checkpoint's: down_proj's permutation folded

@@ -4,18 +4,25 @@ and the start-up line on what the experts are held as.
 
 FP8 experts are held in FP8 (``Experts.hold_fp8``: the fused MoE kernel reads e4m3 tiles), their
 tensors passed through here to the loader, except in layers the checkpoint leaves an expert of
-unquantized and on GPUs without FP8 (before sm89). AWQ's and GPTQ's int4 experts are held packed
-(``Experts.hold_int4``: the kernels dequantize them in their tiles): each projection's
-``qweight``, ``qzeros`` and ``scales`` are converted here (:func:`pack_expert`) to the
-``kernels.moe.Int4Scales`` layout and passed on as ``weight`` (int32), ``weight_scale`` and
-``weight_zeros``. GPTQ act-order (desc_act) experts, whose ``g_idx`` shuffles the groups, and
-the layers where the checkpoint leaves an expert unquantized, are dequantized: each expert
-projection's quantized pieces (fp8 ``weight`` with its ``weight_scale_inv`` blocks or ``weight_scale`` per channel;
-AWQ's and GPTQ's ``qweight``, ``qzeros``, ``scales`` and act-order ``g_idx``) are gathered from
-the checkpoint's stream and replaced by one float ``weight`` [N, K], the tensor a float
-checkpoint would hold, through the torch references of ``kernels.quant``. Everything else (the
-attention and dense layers, which keep their quantized kernels; an expert the checkpoint stores
-unquantized; the router) passes through as read.
+unquantized and on GPUs without FP8 (before sm89). AWQ's, GPTQ's and compressed-tensors' int4
+experts are held packed (``Experts.hold_int4``: the kernels dequantize them in their tiles):
+each projection's ``qweight``, ``qzeros`` and ``scales`` (``weight_packed``, ``weight_scale``,
+``weight_zero_point``) are converted here (:func:`pack_expert`) to the ``kernels.moe.Int4Scales``
+layout and passed on as ``weight`` (int32), ``weight_scale`` and ``weight_zeros``. Act-order
+ones (GPTQ desc_act, compressed-tensors actorder "group"), whose ``g_idx`` shuffles the groups
+over the input features, have their columns sorted by group as they are packed (every group
+contiguous, as the kernels read them) and pass on that order as ``weight_perm`` (the input
+feature of each packed column), through which the kernels read the activations; an expert's
+gate and up projections, one stacked layer with one input, must agree on it.
+
+The experts not held quantized (FP8 ones before sm89; a layer's where the checkpoint leaves an
+expert unquantized, or whose widths an int4 group does not divide) are dequantized: each expert projection's quantized pieces (fp8 ``weight`` with its
+``weight_scale_inv`` blocks or ``weight_scale`` per channel; AWQ's and GPTQ's ``qweight``,
+``qzeros``, ``scales`` and act-order ``g_idx``) are gathered from the checkpoint's stream and
+replaced by one float ``weight`` [N, K], the tensor a float checkpoint would hold, through the
+torch references of ``kernels.quant``. Everything else (the attention and dense layers, which
+keep their quantized kernels; an expert the checkpoint stores unquantized; the router) passes
+through as read.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ _MLA_PIECE = re.compile(
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# an expert's gate or up projection (stacked into one: one input, one act-order permutation)
+_GATE_UP = re.compile(r"\.(?:gate_proj|up_proj|w1|w3)$")
 
 
 def expert_pieces(qcfg: QuantConfig) -> tuple[str, ...]:
@@ -96,23 +105,47 @@ def dequantize(qcfg: QuantConfig, pieces: dict[str, torch.Tensor]) -> torch.Tens
 
 def pack_expert(
     qcfg: QuantConfig, pieces: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One int4 projection's AWQ or GPTQ (without act-order) pieces -> its packed weight
-    [N, K / 8] int32, float32 scales and uint8 zeros [N, K / G] (``kernels.moe.Int4Scales``):
-    the values ``dequantize`` gives, bit for bit."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One int4 projection's AWQ, GPTQ or compressed-tensors pieces -> its packed weight
+    [N, K / 8] int32, float32 scales and uint8 zeros [N, K / G] (``kernels.moe.Int4Scales``)
+    and, act-order, its permutation [K] int32: the columns sorted by group (``g_idx``, stable,
+    as the dense layer sorts its rows: ``Int4Linear.finish_loading``), so that packed column
+    ``j`` is input feature ``perm[j]`` and every group contiguous. The values ``dequantize``
+    gives, bit for bit, once the columns are put back (``kernels.moe.dequant_int4_expert``)."""
     if qcfg.method == "compressed-tensors":  # weight_packed is this layout already
         _, scale, zeros = _compressed_int4(qcfg, pieces)
         packed = pieces["weight_packed"].contiguous()
-        return packed, scale.float().contiguous(), zeros.to(torch.uint8).contiguous()
-    qweight, qzeros, scales = pieces["qweight"], pieces["qzeros"], pieces["scales"]
-    if qcfg.method == "awq":  # [K, N/8] columns in AWQ's order; zeros [K/G, N/8] alike
-        q = unpack_cols(qweight, AWQ_ORDER).T.contiguous()  # [N, K]
-        packed = pack_cols(q)
-        zeros = unpack_cols(qzeros, AWQ_ORDER)
-    else:  # GPTQ [K/8, N]: eight K rows a word in order, ours transposed; zeros minus one
-        packed = qweight.T.contiguous()
-        zeros = unpack_cols(qzeros) + 1
-    return packed, scales.float().T.contiguous(), zeros.T.to(torch.uint8).contiguous()
+        scale, zeros = scale.float().contiguous(), zeros.to(torch.uint8).contiguous()
+        g_idx = pieces.get("weight_g_idx")
+    else:
+        qweight, qzeros, scales = pieces["qweight"], pieces["qzeros"], pieces["scales"]
+        if qcfg.method == "awq":  # [K, N/8] columns in AWQ's order; zeros [K/G, N/8] alike
+            q = unpack_cols(qweight, AWQ_ORDER).T.contiguous()  # [N, K]
+            packed = pack_cols(q)
+            zeros = unpack_cols(qzeros, AWQ_ORDER)
+        else:  # GPTQ [K/8, N]: eight K rows a word in order, ours transposed; zeros minus one
+            packed = qweight.T.contiguous()
+            zeros = unpack_cols(qzeros) + 1
+        scale, zeros = scales.float().T.contiguous(), zeros.T.to(torch.uint8).contiguous()
+        g_idx = pieces.get("g_idx")
+    if g_idx is None or not qcfg.desc_act:
+        return packed, scale, zeros, None
+    perm = group_order(g_idx.to(torch.int64), packed.shape[1] * 8, scale.shape[1])
+    return pack_cols(unpack_cols(packed)[:, perm]), scale, zeros, perm.to(torch.int32)
+
+
+def group_order(g_idx: torch.Tensor, k: int, groups: int) -> torch.Tensor:
+    """An act-order projection's input features sorted by group (stable): [K] int64. ValueError
+    unless ``g_idx`` gives each of the ``groups`` groups ``K / groups`` of the ``k`` features
+    (what the kernels' whole groups need)."""
+    if g_idx.shape != (k,) or groups < 1 or k % groups:
+        raise ValueError(f"g_idx {tuple(g_idx.shape)} does not fit {k} inputs in {groups} groups")
+    counts = torch.zeros(groups, dtype=torch.int64, device=g_idx.device)
+    inside = (g_idx >= 0) & (g_idx < groups)
+    counts.scatter_add_(0, g_idx.clamp(0, groups - 1), inside.long())
+    if not bool(inside.all()) or bool((counts != k // groups).any()):
+        raise ValueError(f"g_idx does not give every one of {groups} groups {k // groups} inputs")
+    return torch.argsort(g_idx, stable=True)
 
 
 def _compressed_int4(
@@ -150,6 +183,8 @@ class ExpertDequantizer:
     float_bytes: int = 0  # their float weights' bytes as served
     packed: int = 0  # int4 expert projections converted to the packed layout (held int4)
     _pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # act-order: an expert's gate (or up) permutation until the other's comes to compare
+    _perms: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def stream(
         self, weights: Iterator[tuple[str, torch.Tensor]]
@@ -202,13 +237,32 @@ class ExpertDequantizer:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         on_device = {p: t.to(self.device) for p, t in pieces.items()}
         try:
-            packed = pack_expert(self.qcfg, on_device)
-        except (RuntimeError, IndexError, KeyError) as e:
+            *packed, perm = pack_expert(self.qcfg, on_device)
+        except (RuntimeError, IndexError, KeyError, ValueError) as e:
             shapes = {p: tuple(t.shape) for p, t in pieces.items()}
             raise ConfigError(f"{module}: quantized pieces {shapes} do not fit: {e}") from None
         self.packed += 1
         for piece, tensor in zip(("weight", "weight_scale", "weight_zeros"), packed, strict=True):
             yield f"{module}.{piece}", tensor
+        if perm is not None:
+            self._same_input(module, perm)
+            yield f"{module}.weight_perm", perm
+
+    def _same_input(self, module: str, perm: torch.Tensor) -> None:
+        """ConfigError unless an expert's gate and up projections (stacked into one, which
+        reads its input through one permutation) come with the same act-order ``g_idx``."""
+        gate_up = _GATE_UP.search(module)
+        if gate_up is None:
+            return
+        key = module[: gate_up.start()]
+        other = self._perms.pop(key, None)
+        if other is None:
+            self._perms[key] = perm
+        elif not torch.equal(other, perm):
+            raise ConfigError(
+                f"{key}: the gate and up projections' act-order g_idx differ; they read the same "
+                "input and are served as one layer, through one permutation: not supported"
+            )
 
     def _dequantize(self, module: str, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
         on_device = {p: t.to(self.device) for p, t in pieces.items()}
@@ -226,12 +280,7 @@ class ExpertDequantizer:
     def describe(self) -> str:
         """The start-up line on the experts dequantized here."""
         dtype = str(self.dtype).removeprefix("torch.")
-        if self.qcfg.is_int4 and self.qcfg.desc_act:
-            order = "GPTQ act-order (desc_act)"
-            if self.qcfg.method == "compressed-tensors":
-                order = 'compressed-tensors actorder "group" (weight_g_idx)'
-            why = f"{order}: the fused MoE kernels read groups in order only"
-        elif self.qcfg.is_int4:
+        if self.qcfg.is_int4:
             why = (
                 "an expert of their layer stored unquantized, or a group size that does not "
                 "divide their widths"
@@ -265,11 +314,21 @@ def describe_held(
         group = packed[0].int4_group
         size = torch.tensor([], dtype=dtype).element_size()
         as_float = sum((e.gate_up_proj.numel() + e.down_proj.numel()) * 8 * size for e in packed)
+        shuffled = any(
+            e.gate_up_proj_perm is not None or e.intermediate_order is not None for e in packed
+        )
+        order = (
+            "; act-order: each expert's columns sorted by group, x read through its "
+            "permutation, down_proj's folded into gate_up_proj's rows"
+            if shuffled
+            else ""
+        )
         return (
             f"quantization: the experts of {len(packed)} layers held as {method} int4, packed "
-            f"(groups of {group or 'a whole row'}, float32 scales and uint8 zeros; the fused MoE "
-            f"kernels dequantize them in their tiles): {_size(sum(e.memory() for e in packed))}, "
-            f"{_size(as_float)} in {str(dtype).removeprefix('torch.')}"
+            f"(groups of {group or 'a whole row'}, float32 scales and uint8 zeros{order}; the "
+            f"fused MoE kernels dequantize them in their tiles): "
+            f"{_size(sum(e.memory() for e in packed))}, {_size(as_float)} in "
+            f"{str(dtype).removeprefix('torch.')}"
         )
     held = [e for e in experts if e.fp8]
     if not held:

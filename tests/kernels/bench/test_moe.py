@@ -51,3 +51,20 @@ def test_int4_rows_sweep_their_own_launches(device: torch.device) -> None:
     case = moe.build(6, 256, 128, 4, 2, device, torch.float32, int4_group=128)
     for cfg in moe.INT4_CONFIGS:
         assert moe.check(case, cfg) < 1e-5
+
+
+def test_act_order_rows_read_through_permutations(device: torch.device) -> None:
+    """The -gptq-act-order row: each expert's H columns permuted (int32, counted in its
+    bytes; down_proj's is folded into gate_up_proj's rows at load, so none), every launch
+    (pairs and grouped) checked against the reference, which permutes too."""
+    case = moe.build(1, 64, 32, 16, 4, torch.device("cpu"), int4_group=32, act_order=True)
+    assert case.int4 is not None and case.int4.w13_perm is not None
+    assert case.int4.w2_perm is None
+    packed = 3 * 64 * 32 // 2 + (2 * 32 * 2 + 64 * 1) * 5 + 64 * 4  # + x's permutation
+    assert case.bytes() == 4 * packed + 2 * 64 * 2
+    assert set(moe.INT4) >= moe.ACT_ORDER
+    case = moe.build(20, 64, 48, 8, 2, device, torch.float32, int4_group=16, act_order=True)
+    for cfg in (None, moe.INT4_CONFIGS[1]):
+        assert moe.check(case, cfg) < 1e-5
+    few = moe.build(2, 64, 48, 8, 2, device, torch.float32, int4_group=16, act_order=True)
+    assert moe.check(few, None) < 1e-5  # 4 pairs on 8 experts: the pair kernels

@@ -396,7 +396,8 @@ def _moe_quant_config(method: str, unquantized: list[str], group: int) -> dict[s
                 "config_groups": {"group_0": scheme}}  # fmt: skip
     if method == "awq":
         return {**int4_quant_config("awq", G), "modules_to_not_convert": ["gate", *unquantized]}
-    return int4_quant_config("gptq", group, method == "gptq-act-order")
+    gptq = int4_quant_config("gptq", group, method == "gptq-act-order")
+    return {**gptq, "modules_to_not_convert": unquantized} if unquantized else gptq
 
 
 # --- compressed-tensors int4 (pack-quantized) ----------------------------------------------------
@@ -513,8 +514,9 @@ def deepseek_checkpoints(
     """A tiny random transformers checkpoint of ``model_type`` quantized as real DeepSeek ones
     are (every projection, the router and norms as they are): ``fmt`` "fp8" is DeepSeek-V3's
     format (``block`` x ``block`` blocks), "awq" AutoAWQ's GEMM packing and "gptq" AutoGPTQ's
-    (without act-order), both in groups of ``block`` and the shapes of ``DEEPSEEK_INT4``; and
-    the float32 one of its dequantized weights; the test tokenizer in both."""
+    (without act-order; "gptq-act-order" with, each input's groups following a permutation of
+    its own), both in groups of ``block`` and the shapes of ``DEEPSEEK_INT4``; and the float32
+    one of its dequantized weights; the test tokenizer in both."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -528,6 +530,9 @@ def deepseek_checkpoints(
     weights = load_file(str(root / "hf" / "model.safetensors"))
     config = json.loads((root / "hf" / "config.json").read_text())
     tensors, deq = dict(weights), dict(weights)
+    kind, act_order = fmt.split("-")[0], fmt == "gptq-act-order"
+    gen = torch.Generator().manual_seed(1)
+    perms: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         if not _DEEPSEEK_QUANTIZED.search(name) or name.startswith("lm_head"):
             continue
@@ -538,16 +543,22 @@ def deepseek_checkpoints(
             tensors[module + ".weight_scale_inv"] = scale
             continue
         del tensors[name]
-        g_idx = torch.arange(w.shape[1]) // block
-        q, zeros, scales, wt_deq = int4_groups(w.T.contiguous(), g_idx, fmt == "gptq", block)
+        k = w.shape[1]
+        g_idx = torch.arange(k) // block
+        if act_order:  # gate and up (stacked) share their input's permutation
+            key = module.replace(".up_proj", ".gate_proj")
+            perm = perms.setdefault(key, torch.randperm(k, generator=gen))
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[perm] = torch.arange(k) // block
+        q, zeros, scales, wt_deq = int4_groups(w.T.contiguous(), g_idx, kind == "gptq", block)
         deq[name] = wt_deq.T.contiguous()
-        for piece, t in int4_pieces(fmt, q, zeros, scales, g_idx).items():
+        for piece, t in int4_pieces(kind, q, zeros, scales, g_idx).items():
             tensors[f"{module}.{piece}"] = t
     if fmt == "fp8":
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                          "fmt": "e4m3", "weight_block_size": [block, block]}  # fmt: skip
     else:
-        config["quantization_config"] = int4_quant_config(fmt, block)
+        config["quantization_config"] = int4_quant_config(kind, block, act_order)
     dtype = "bfloat16" if fmt == "fp8" else "float16"
     quantized = write(root / fmt, {**config, "torch_dtype": dtype}, tensors)
     ref = float_checkpoint(root / "ref", deq, quantized)

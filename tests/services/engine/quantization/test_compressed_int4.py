@@ -211,7 +211,8 @@ def test_moe_experts_held_packed(
 ) -> None:  # fmt: skip
     """The experts are held as packed int4 (weight_packed is already the fused MoE kernels'
     layout), their values the dequantized reference's; the router, ignored by pattern, stays
-    float; actorder "group" experts (shuffled groups) are dequantized as they load."""
+    float; actorder "group" experts (shuffled groups) too, each expert's columns sorted by
+    group and its permutation held."""
     path, deq = ck.ct_int4_checkpoint(tmp_path / "q", group, sym, actorder, moe=family)
     with caplog.at_level("INFO", logger="services.engine.loader"):
         model = load(path)
@@ -225,16 +226,15 @@ def test_moe_experts_held_packed(
     assert type(moe.gate) is torch.nn.Linear and moe.gate.weight.dtype == torch.float32
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Int4Linear)
     experts, want = moe.experts, ref.model.layers[0].mlp.experts
-    held = actorder != "group"
-    assert experts.int4 == held
-    assert experts.gate_up_proj.dtype == (torch.int32 if held else torch.float32)
+    assert experts.int4 and experts.gate_up_proj.dtype == torch.int32
     assert torch.equal(dequantized(experts, True), want.gate_up_proj)
     assert torch.equal(dequantized(experts, False), want.down_proj)
-    if held:
-        assert experts.int4_group == group  # None: one group a row
-        assert f"held as {CT} int4, packed" in caplog.text
-    else:
-        assert 'actorder "group"' in caplog.text and "dequantized to float32" in caplog.text
+    assert experts.int4_group == group  # None: one group a row
+    assert f"held as {CT} int4, packed" in caplog.text and "dequantized" not in caplog.text
+    act_order = actorder == "group"
+    assert (experts.gate_up_proj_perm is not None) == act_order
+    assert (experts.intermediate_order is not None) == act_order  # down's, folded
+    assert ("act-order: each expert's columns sorted by group" in caplog.text) == act_order
 
 
 def test_tensor_parallel_refusals_come_before_the_ranks(tmp_path: Path) -> None:
