@@ -140,9 +140,11 @@ class Int4Scales:
     act-order checkpoints (GPTQ desc_act, compressed-tensors actorder "group"), whose ``g_idx``
     assigns each input feature its group out of order, are held with each expert's K columns
     sorted by group at load (so every group is contiguous, as the kernels read them): packed
-    column ``j`` of expert ``e`` holds input feature ``perm[e, j]``, and the kernels read the
-    activations' columns through it (``x[:, perm[e]]``), as the dense act-order layer permutes
-    its input (``quantization.int4``)."""
+    column ``j`` of expert ``e`` holds input feature ``perm[e, j]``, and the kernels take the
+    activations' columns through it (``x[:, perm[e]]``, a row a pair:
+    ``kernels.triton_moe_pairs.permuted_rows``), as the dense act-order layer permutes its
+    input (``quantization.int4``). A served model keeps no ``w2_perm``: ``Experts`` folds it
+    into w13's rows at load."""
 
     w13_scale: torch.Tensor
     w13_zeros: torch.Tensor
@@ -180,6 +182,19 @@ def dequant_int4_expert(
     out = torch.empty_like(w)
     out[:, perm.long()] = w  # packed column j is input feature perm[j]
     return out
+
+
+def ref_permuted_rows(
+    src: torch.Tensor,  # [R, K]
+    perm: torch.Tensor,  # [E, K]: each expert's input feature of each packed column
+    ids: torch.Tensor,  # [P]: each row's expert
+    top_k: int,  # row p reads src[p // top_k]
+) -> torch.Tensor:  # [P, K]
+    """``src[p // top_k, perm[ids[p]]]`` for each row ``p``: an act-order int4 expert's input
+    with its columns in the order of its group-sorted packed weight (torch reference of
+    ``kernels.triton_moe_pairs.permuted_rows``)."""
+    rows = src[torch.arange(ids.numel(), device=src.device) // top_k]
+    return rows.gather(1, perm[ids.long()].long())
 
 
 def quantize_int4_experts(

@@ -43,14 +43,10 @@ code of the (16, 64, 128, 4) launch the words arrive in 16-byte copies to shared
 pipelined as the float tiles are, and the joined tile is already in the layout of ``mma``'s
 second operand (no conversion through shared memory). Each word was loaded once per column it
 holds before (gathered, transposed): 8308 us against bf16's 425 at 256 tokens on an H200.
-
-**Act-order int4 experts** (``PERM``, constexpr; ``Int4Scales.w13_perm`` / ``w2_perm``): a GPTQ
-desc_act (or compressed-tensors actorder "group") expert's K columns are sorted by group at
-load, so its weight tiles read as any int4 expert's; the activation tile is gathered through
-the block's expert's permutation instead (:func:`load_a_tile`: the tile's ``BLOCK_K`` indices
-loaded, then x's, or the intermediate's, columns at them), the dense act-order layer's
-``x[:, perm]`` without its extra pass. The A tile loses its contiguity along K (L1 and L2 hold
-a row of x: a few KB). Not yet run compiled on a GPU (it compiles for sm_90).
+Act-order int4 experts (``Int4Scales.w13_perm``) read rows of
+:func:`kernels.triton_moe_pairs.permuted_rows` (a row a pair in its expert's column order)
+with ``TOP_K`` 1: gathering the A tile through the permutation inside the K loop instead took
+1.66x AWQ's time at 256 tokens on an H200.
 
 ``HAS_BIAS`` and ``CLAMPED`` are constexpr (the clamp's constants too), so a model without biases
 runs exactly the kernels it ran before they existed.
@@ -91,10 +87,11 @@ from kernels.triton_common import (
     next_pow2,
 )
 from kernels.triton_moe_pairs import (
+    act_order_inputs,
+    act_order_intermediate,
     fused_moe_pairs,
     gated_activation,
     int4_tile,
-    perm_args,
     quant_args,
     within_scale_block,
 )
@@ -219,12 +216,12 @@ def ref_align_to_blocks(
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compilation for every batch size
 def _gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, z_ptr, p_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs,
-    N, K, s_xt, s_we, s_wn, s_be, s_se, s_sn, s_sk, s_pe, SCALE_BN, SCALE_BK, SCALE_UP, s_ot,
+    x_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K,
+    s_xt, s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, FP8: tl.constexpr,
-    INT4: tl.constexpr = False, EVEN_K: tl.constexpr = False, PERM: tl.constexpr = False,
+    INT4: tl.constexpr = False, EVEN_K: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -246,13 +243,13 @@ def _gate_up_kernel(
     s_up = s_gate + SCALE_UP * s_sn
     z_gate = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn  # INT4's zeros
     z_up = z_gate + SCALE_UP * s_sn
-    p_row = p_ptr + expert * s_pe  # PERM: the expert's input feature of each packed column
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
-        a = load_a_tile(x_ptr + token[:, None] * s_xt, ks, m_mask, k_mask, p_row, PERM)
+        a = tl.load(x_ptr + token[:, None] * s_xt + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         w_mask = k_mask[:, None] & n_mask[None, :]
         if INT4:  # dequantized in the tile (inside one group) to x's dtype, as the reference
             kb = k0 // SCALE_BK * s_sk
@@ -298,11 +295,11 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    a_ptr, w_ptr, b_ptr, s_ptr, z_ptr, p_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
-    num_pairs, N, K, s_at, s_we, s_wn, s_be, s_se, s_sn, s_sk, s_pe, SCALE_BN, SCALE_BK, s_ot,
+    a_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
+    num_pairs, N, K, s_at, s_we, s_wn, s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
-    INT4: tl.constexpr = False, EVEN_K: tl.constexpr = False, PERM: tl.constexpr = False,
+    INT4: tl.constexpr = False, EVEN_K: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -317,12 +314,12 @@ def _down_kernel(
     w_rows = rows[None, :]
     s_rows = s_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn
     z_rows = z_ptr + expert * s_se + (offs_n // SCALE_BN).to(tl.int64) * s_sn  # INT4's zeros
-    p_row = p_ptr + expert * s_pe  # PERM: the expert's input feature of each packed column
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
-        a = load_a_tile(a_ptr + pair[:, None] * s_at, ks, m_mask, k_mask, p_row, PERM)
+        a = tl.load(a_ptr + pair[:, None] * s_at + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         w_mask = k_mask[:, None] & n_mask[None, :]
         if INT4:
             kb = k0 // SCALE_BK * s_sk
@@ -354,17 +351,6 @@ def _down_kernel(
     out = down * weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * s_ot + offs_n[None, :]
     tl.store(out_ptrs, out.to(dt), mask=out_mask)
-
-
-@triton.jit
-def load_a_tile(rows, ks, m_mask, k_mask, p_row, PERM: tl.constexpr):
-    """The ``[BLOCK_M, BLOCK_K]`` tile of activations (``rows``: each row's first element)
-    at columns ``ks``; with ``PERM`` (an act-order int4 expert: ``kernels.moe.Int4Scales``'
-    perms) the columns the expert's packed columns ``ks`` hold, ``p_row[ks]``, gathered."""
-    cols = ks
-    if PERM:
-        cols = tl.load(p_row + ks, mask=k_mask, other=0)
-    return tl.load(rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -465,28 +451,27 @@ def fused_moe(
     s13, z13 = quant_args(w13, fp8, int4, h, True)
     bk1 = _within(bk1, s13[5], h) if quant else bk1
     scale_up = -(-inter // s13[4])  # the up half's first scale row
-    p13, sp13, perm13 = perm_args(w13, int4, True)
+    rows, rows_top_k = act_order_inputs(x, int4, ids, top_k)  # ids: each row ascending
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn1))](
-        x, w13, w13 if b13 is None else b13, s13[0], z13, p13, inter_act, sorted_pairs,
-        block_expert, pairs, inter, h, x.stride(0), w13.stride(0), w13.stride(1),
-        0 if b13 is None else b13.stride(0), *s13[1:4], sp13, *s13[4:], scale_up,
-        inter_act.stride(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps,
+        rows, w13, w13 if b13 is None else b13, s13[0], z13, inter_act, sorted_pairs,
+        block_expert, pairs, inter, h, rows.stride(0), w13.stride(0), w13.stride(1),
+        0 if b13 is None else b13.stride(0), *s13[1:], scale_up, inter_act.stride(0),
+        TOP_K=rows_top_k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps,
         HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
         ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
-        FP8=fp8 is not None, INT4=int4 is not None, **dots, **_even_k(int4, h, bk1), **perm13,
+        FP8=fp8 is not None, INT4=int4 is not None, **dots, **_even_k(int4, h, bk1),
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     bn2, bk2 = _fit(bn, h), _fit(bk, inter)
     s2, z2 = quant_args(w2, fp8, int4, inter, False)
     bk2 = _within(bk2, s2[5], inter) if quant else bk2
-    p2, sp2, perm2 = perm_args(w2, int4, False)
+    inter_act = act_order_intermediate(inter_act, int4, ids)
     _down_kernel[(blocks, triton.cdiv(h, bn2))](
-        inter_act, w2, w2 if b2 is None else b2, s2[0], z2, p2, contrib, sorted_pairs,
-        block_expert, weights.reshape(-1), pairs, h, inter, inter_act.stride(0), w2.stride(0),
-        w2.stride(1), 0 if b2 is None else b2.stride(0), *s2[1:4], sp2, *s2[4:],
-        contrib.stride(0), BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps,
-        HAS_BIAS=b2 is not None, FP8=fp8 is not None, INT4=int4 is not None, **dots,
-        **_even_k(int4, inter, bk2), **perm2,
+        inter_act, w2, w2 if b2 is None else b2, s2[0], z2, contrib, sorted_pairs, block_expert,
+        weights.reshape(-1), pairs, h, inter, inter_act.stride(0), w2.stride(0), w2.stride(1),
+        0 if b2 is None else b2.stride(0), *s2[1:], contrib.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps, HAS_BIAS=b2 is not None,
+        FP8=fp8 is not None, INT4=int4 is not None, **dots, **_even_k(int4, inter, bk2),
     )  # fmt: skip
     block = min(COMBINE_BLOCK, next_pow2(h))
     _combine_kernel[(t, triton.cdiv(h, block))](

@@ -21,9 +21,11 @@ FP8 experts (``FP8``) take their scales on each tile's partial sums; int4 ones (
 :class:`kernels.moe.Int4Scales`) are dequantized in the tile (:func:`int4_planes`, one group a
 tile, each packed word loaded once) to the activation dtype, as the reference's weights, and
 multiplied in fp32 plane by plane against x's matching columns (no reshape), their K loops
-software-pipelined (``INT4_STAGES``); act-order ones (``PERM``: each expert's columns sorted by
-group at load) take x's, or the intermediate's, columns through the pair's expert's
-permutation (:func:`int4_x_planes`).
+software-pipelined (``INT4_STAGES``). Act-order int4 experts (``Int4Scales.w13_perm`` /
+``w2_perm``: each expert's columns sorted by group at load) read their inputs through
+:func:`permuted_rows` first, a row a pair in its expert's column order, so the GEMVs read
+them as any int4 expert's (one small launch; gathered in the K loops instead, the
+intermediate's too, a Qwen3-30B-A3B layer took 1.6x AWQ's time on an H200).
 
 An expert two tokens route to is read twice (once a pair), which the grouped kernels avoid:
 :func:`takes_pairs` says where this path serves (``kernels.bench.moe --tune-pairs`` times both). No host
@@ -65,6 +67,7 @@ INT4_GATE_UP_TILES = (16, 128, 2)
 INT4_DOWN_TILES = (16, 128, 2)
 INT4_STAGES = 4
 COMBINE_BLOCK = 1024
+PERMUTE_BLOCK = 1024
 
 
 def takes_pairs(pairs: int, experts: int) -> bool:
@@ -74,11 +77,11 @@ def takes_pairs(pairs: int, experts: int) -> bool:
 
 @triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, z_ptr, p_ptr, out_ptr, ids_ptr, N, K, s_xt, s_we, s_wn, s_be,
-    s_se, s_sn, s_sk, s_pe, SCALE_BN, SCALE_BK, SCALE_UP, s_ot, TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False, STAGES: tl.constexpr = None, PERM: tl.constexpr = False,
+    x_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, N, K, s_xt, s_we, s_wn, s_be, s_se,
+    s_sn, s_sk, SCALE_BN, SCALE_BK, SCALE_UP, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
@@ -106,8 +109,7 @@ def _pair_gate_up_kernel(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         if INT4:  # the tile lies in one group along K (the launcher's BLOCK_K)
             kb = k0 // SCALE_BK * s_sk
-            xs = int4_x_planes(x_ptr + token * s_xt, k0, K, BLOCK_K, EVEN_K,
-                               p_ptr + expert * s_pe, PERM)  # fmt: skip
+            xs = int4_x_planes(x_ptr + token * s_xt, k0, K, BLOCK_K, EVEN_K)
             gate = int4_planes(rows_gate, s_gate + kb, z_gate + kb, k0, K, n_mask, dt, BLOCK_K,
                                EVEN_K)  # fmt: skip
             acc_gate = int4_planes_dot(acc_gate, gate, xs)
@@ -200,43 +202,23 @@ def int4_tile(w_rows, s_rows, z_rows, k0, K, n_mask, dt: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def int4_x_planes(x_row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, perm_row,
-                  PERM: tl.constexpr):  # fmt: skip
+def int4_x_planes(x_row, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """A row of x's columns ``k0 + 8p + j`` as eight ``[BLOCK_K / 8]`` float32 planes, to meet
-    :func:`int4_planes`' plane ``j`` (strided loads of a short row: L1 serves them). ``PERM``
-    (an act-order expert, ``kernels.moe.Int4Scales.w13_perm``): packed column ``c`` holds input
-    feature ``perm_row[c]``, so x's columns are gathered through the expert's permutation (the
-    indices contiguous, x's row scattered: L1 serves it as well)."""
-    cols = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+    :func:`int4_planes`' plane ``j`` (strided loads of a short row: L1 serves them)."""
+    x = x_row + k0 + 8 * tl.arange(0, BLOCK_K // 8)
+    mask, other = None, None
+    if not EVEN_K:
+        mask, other = k0 + 8 * tl.arange(0, BLOCK_K // 8) < K, 0.0
     return (
-        _x_plane(x_row, cols, 0, K, EVEN_K, perm_row, PERM),
-        _x_plane(x_row, cols, 1, K, EVEN_K, perm_row, PERM),
-        _x_plane(x_row, cols, 2, K, EVEN_K, perm_row, PERM),
-        _x_plane(x_row, cols, 3, K, EVEN_K, perm_row, PERM),
-        _x_plane(x_row, cols, 4, K, EVEN_K, perm_row, PERM),
-        _x_plane(x_row, cols, 5, K, EVEN_K, perm_row, PERM),
-        _x_plane(x_row, cols, 6, K, EVEN_K, perm_row, PERM),
-        _x_plane(x_row, cols, 7, K, EVEN_K, perm_row, PERM),
+        tl.load(x, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 1, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 2, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 3, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 4, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 5, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 6, mask=mask, other=other).to(tl.float32),
+        tl.load(x + 7, mask=mask, other=other).to(tl.float32),
     )
-
-
-@triton.jit
-def _x_plane(x_row, cols, J: tl.constexpr, K, EVEN_K: tl.constexpr, perm_row,
-             PERM: tl.constexpr):  # fmt: skip
-    """Plane ``J`` of :func:`int4_x_planes`: x's columns ``cols + J`` (``cols``: the words'
-    first columns, masked past K unless ``EVEN_K``; through ``perm_row`` with ``PERM``) as
-    float32."""
-    feature = cols + J
-    if EVEN_K:
-        if PERM:
-            feature = tl.load(perm_row + feature)
-        x = tl.load(x_row + feature)
-    else:
-        mask = cols < K
-        if PERM:
-            feature = tl.load(perm_row + feature, mask=mask, other=0)
-        x = tl.load(x_row + feature, mask=mask, other=0.0)
-    return x.to(tl.float32)
 
 
 @triton.jit
@@ -266,10 +248,10 @@ def gated_activation(gate, up, dt: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: t
 
 @triton.jit
 def _pair_down_kernel(
-    a_ptr, w_ptr, b_ptr, s_ptr, z_ptr, p_ptr, out_ptr, ids_ptr, weights_ptr, N, K, s_at, s_we,
-    s_wn, s_be, s_se, s_sn, s_sk, s_pe, SCALE_BN, SCALE_BK, s_ot, BLOCK_N: tl.constexpr,
+    a_ptr, w_ptr, b_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, weights_ptr, N, K, s_at, s_we, s_wn,
+    s_be, s_se, s_sn, s_sk, SCALE_BN, SCALE_BK, s_ot, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, INT4: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False, STAGES: tl.constexpr = None, PERM: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -288,8 +270,7 @@ def _pair_down_kernel(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         if INT4:
             kb = k0 // SCALE_BK * s_sk
-            xs = int4_x_planes(a_ptr + pair * s_at, k0, K, BLOCK_K, EVEN_K,
-                               p_ptr + expert * s_pe, PERM)  # fmt: skip
+            xs = int4_x_planes(a_ptr + pair * s_at, k0, K, BLOCK_K, EVEN_K)
             w = int4_planes(rows, s_rows + kb, z_rows + kb, k0, K, n_mask, dt, BLOCK_K, EVEN_K)
             acc = int4_planes_dot(acc, w, xs)
         else:
@@ -338,6 +319,64 @@ def _ordered_combine_kernel(
     tl.store(out_ptr + t * s_ot + offs, acc.to(dt), mask=mask)
 
 
+@triton.jit
+def _permuted_rows_kernel(
+    src_ptr, perm_ptr, ids_ptr, out_ptr, K, s_src, s_pe, s_out, TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    feature = tl.load(perm_ptr + expert * s_pe + cols, mask=mask, other=0).to(tl.int64)
+    value = tl.load(src_ptr + (pair // TOP_K) * s_src + feature, mask=mask)
+    tl.store(out_ptr + pair * s_out + cols, value, mask=mask)
+
+
+def permuted_rows(
+    src: torch.Tensor,  # [R, K]
+    perm: torch.Tensor,  # [E, K] int32/int64
+    ids: torch.Tensor,  # [P]: each row's expert, contiguous
+    top_k: int,  # row p reads src[p // top_k]
+) -> torch.Tensor:  # [P, K]
+    """:func:`kernels.moe.ref_permuted_rows`: each pair's input row in its act-order expert's
+    column order (x's for the gate/up GEMMs, with ``top_k`` the token's pairs; the
+    intermediate's, a row a pair, for the down ones). A program a row and ``PERMUTE_BLOCK``
+    columns; bytes: two reads (the permutation, the row) and a write of ``P * K``."""
+    p, k = ids.numel(), src.shape[1]
+    out = torch.empty((p, k), dtype=src.dtype, device=src.device)
+    if p == 0 or k == 0:
+        return out
+    block = min(PERMUTE_BLOCK, next_pow2(k))
+    _permuted_rows_kernel[(p, triton.cdiv(k, block))](
+        src, perm, ids, out, k, src.stride(0), perm.stride(0), out.stride(0), TOP_K=top_k,
+        BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+def act_order_inputs(
+    x: torch.Tensor, int4: Int4Scales | None, ids: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, int]:
+    """The gate/up launch's rows of x and its ``TOP_K``: x itself, or for act-order int4
+    experts (``w13_perm``) a row a pair in its expert's column order (:func:`permuted_rows`;
+    ``ids``: the pairs' experts, ``[T, top_k]`` contiguous, pair ``t * top_k + j``)."""
+    if int4 is None or int4.w13_perm is None:
+        return x, top_k
+    return permuted_rows(x, int4.w13_perm, ids.view(-1), top_k), 1
+
+
+def act_order_intermediate(
+    inter: torch.Tensor, int4: Int4Scales | None, ids: torch.Tensor
+) -> torch.Tensor:
+    """The down launch's input: the ``[P, I]`` intermediate, in each pair's expert's column
+    order for act-order int4 experts whose ``w2_perm`` is kept (``Experts.finish_loading``
+    folds it into gate_up's rows, so a served model has none)."""
+    if int4 is None or int4.w2_perm is None:
+        return inter
+    return permuted_rows(inter, int4.w2_perm, ids.view(-1), 1)
+
+
 def scale_args(
     w: torch.Tensor, scale: torch.Tensor | None, blocks: tuple[int, int] | None
 ) -> tuple[torch.Tensor, int, int, int, int, int]:
@@ -362,18 +401,6 @@ def quant_args(
         scale = fp8.w13_scale if up else fp8.w2_scale
         return scale_args(w, scale, fp8.blocks(k)), w
     return scale_args(w, None, None), w
-
-
-def perm_args(
-    w: torch.Tensor, int4: Int4Scales | None, up: bool
-) -> tuple[torch.Tensor, int, dict[str, bool]]:
-    """(pointer, expert stride, ``PERM`` constexpr) of an act-order int4 weight's column
-    permutation (``w13`` with ``up``, else ``w2``); the weight as a placeholder, and no
-    constexpr (the kernels compile as before), for any other."""
-    perm = None if int4 is None else int4.w13_perm if up else int4.w2_perm
-    if perm is None:
-        return w, 0, {}
-    return perm, perm.stride(0), {"PERM": True}
 
 
 def within_scale_block(block_k: int, scale_k: int, k: int) -> int:
@@ -438,27 +465,28 @@ def fused_moe_pairs(
     s13, z13 = quant_args(w13, fp8, int4, h, True)
     bn1 = min(bn1, next_pow2(inter))
     bk1 = _k_tile(bk1, h, s13[5] if quant else None)
-    p13, sp13, perm13 = perm_args(w13, int4, True)
+    rows, rows_top_k = act_order_inputs(x, int4, ids, top_k)
     _pair_gate_up_kernel[(pairs, triton.cdiv(inter, bn1))](
-        x, w13, w13 if b13 is None else b13, s13[0], z13, p13, inter_act, ids, inter, h,
-        x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0),
-        *s13[1:4], sp13, *s13[4:], -(-inter // s13[4]), inter_act.stride(0), TOP_K=top_k,
-        BLOCK_N=bn1, BLOCK_K=bk1, HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
+        rows, w13, w13 if b13 is None else b13, s13[0], z13, inter_act, ids, inter, h,
+        rows.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0),
+        *s13[1:], -(-inter // s13[4]), inter_act.stride(0), TOP_K=rows_top_k, BLOCK_N=bn1,
+        BLOCK_K=bk1,
+        HAS_BIAS=b13 is not None, CLAMPED=clamp is not None,
         ALPHA=float(clamp.alpha) if clamp else 0.0, LIMIT=float(clamp.limit) if clamp else 0.0,
         FP8=fp8 is not None, INT4=int4 is not None, num_warps=warps1,
-        **_int4_args(int4, h, bk1, stages), **perm13,
+        **_int4_args(int4, h, bk1, stages),
     )  # fmt: skip
     contrib = torch.empty((pairs, h), dtype=x.dtype, device=x.device)  # [P, H], token-major
     s2, z2 = quant_args(w2, fp8, int4, inter, False)
     bn2 = min(bn2, next_pow2(h))
     bk2 = _k_tile(bk2, inter, s2[5] if quant else None)
-    p2, sp2, perm2 = perm_args(w2, int4, False)
+    inter_act = act_order_intermediate(inter_act, int4, ids)
     _pair_down_kernel[(pairs, triton.cdiv(h, bn2))](
-        inter_act, w2, w2 if b2 is None else b2, s2[0], z2, p2, contrib, ids, weights, h, inter,
+        inter_act, w2, w2 if b2 is None else b2, s2[0], z2, contrib, ids, weights, h, inter,
         inter_act.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0),
-        *s2[1:4], sp2, *s2[4:], contrib.stride(0), BLOCK_N=bn2, BLOCK_K=bk2,
-        HAS_BIAS=b2 is not None, FP8=fp8 is not None, INT4=int4 is not None, num_warps=warps2,
-        **_int4_args(int4, inter, bk2, stages), **perm2,
+        *s2[1:], contrib.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, HAS_BIAS=b2 is not None,
+        FP8=fp8 is not None, INT4=int4 is not None, num_warps=warps2,
+        **_int4_args(int4, inter, bk2, stages),
     )  # fmt: skip
     block = min(COMBINE_BLOCK, next_pow2(h))
     _ordered_combine_kernel[(t, triton.cdiv(h, block))](

@@ -162,3 +162,33 @@ def test_k_tiles_halve_only_inside_fp8_scale_blocks() -> None:
     assert _k_tile(256, 2048, 128) == 128
     assert _k_tile(256, 96, 48) == 16
     assert _k_tile(256, 96, 96) == 128  # one block covers all of K
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("rows", "k", "e", "top_k"),
+    [
+        (1, 64, 8, 8),  # decode: one token's eight pairs
+        (3, 40, 4, 2),  # K no power of two
+        (5, 1500, 6, 3),  # K past one block (1024), not a multiple of it
+        (7, 24, 3, 1),  # a row a pair (the intermediate's case)
+        (0, 32, 4, 2),  # no rows
+    ],
+)
+def test_permuted_rows_equal_the_reference(rows: int, k: int, e: int, top_k: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device, poison_empty: None) -> None:  # fmt: skip
+    """Each pair's row of its token's (or its own) input in its act-order expert's column
+    order, bit for bit: every column gathered (the permutations are random, so a missed or
+    repeated one shows), int32 and int64 permutations and expert ids."""
+    from kernels.moe import ref_permuted_rows
+
+    src = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    for index_dtype in (torch.int32, torch.int64):
+        perm = torch.stack([torch.randperm(k, generator=gen) for _ in range(e)])
+        ids = torch.randint(0, e, (rows * top_k,), generator=gen)
+        perm, ids = perm.to(device, index_dtype), ids.to(device, index_dtype)
+        got = triton_moe_pairs.permuted_rows(src, perm, ids, top_k)
+        want = ref_permuted_rows(src, perm, ids, top_k)
+        assert got.shape == (rows * top_k, k) and torch.equal(got, want)
+        if rows:  # the reference is what it says: row p is src[p // top_k] permuted
+            p = rows * top_k - 1
+            assert torch.equal(want[p], src[p // top_k][perm[ids[p]].long()])
