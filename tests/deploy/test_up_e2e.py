@@ -31,10 +31,10 @@ READY = re.compile(
 READY_COLOCATED = re.compile(
     r"^Tandem is ready: (http://\S+/v1) \(gateway \+ 1 colocated, model (.+)\)$"
 )
-# 512 tokens of context need 32 blocks of 16: a pool of 40 holds any one request, but not the
-# ~13 blocks each of the burst's 10 requests at once (3 fit)
-SMALL_POOL = ("--max-model-len", "512", "--num-blocks", "40")
-QUESTION = "Describe, in detail, how a parcel travels from one depot to the next. " * 8
+# 256 tokens of context need 16 blocks of 16: a pool of 24 holds any one request, but not the
+# 7 blocks each (~97 prompt tokens + 8) of the burst's 10 requests at once (3 fit)
+SMALL_POOL = ("--max-model-len", "256", "--num-blocks", "24")
+QUESTION = "Describe, in detail, how a parcel travels from one depot to the next. " * 4
 
 
 def chat(url: str, model: str) -> str:
@@ -47,7 +47,7 @@ def chat(url: str, model: str) -> str:
         return str(json.load(response)["choices"][0]["message"]["content"])
 
 
-def burst(url: str, model: str, n: int = 10, max_tokens: int = 24) -> list[httpx.Response]:
+def burst(url: str, model: str, n: int = 10, max_tokens: int = 8) -> list[httpx.Response]:
     def one(i: int) -> httpx.Response:
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                 "messages": [{"role": "user", "content": f"{i}. {QUESTION}"}]}  # fmt: skip
@@ -93,7 +93,7 @@ def check_burst_is_queued_not_refused(url: str, model: str) -> None:
     can never fit is a 400; clients that go away while queued leave every pool free."""
     responses = burst(url, model)
     assert [r.status_code for r in responses] == [200] * 10, [r.text for r in responses]
-    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in responses)
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
     queued = [float(dict(kv.split("=") for kv in r.headers["x-tandem-timing"].split(";"))["queue"])
               for r in responses]  # fmt: skip
     assert max(queued) > 0  # some waited for blocks

@@ -6,11 +6,13 @@ prompt's own logprobs."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,11 +77,17 @@ def _run_lm_eval(gateway: Proc, tmp: Path) -> list[dict]:
     return [json.loads(line) for line in samples.read_text().splitlines()]
 
 
-def _reference(context: str, continuation: str) -> float:
-    """transformers' loglikelihood of the continuation, tokenized as lm-eval's _encode_pair."""
+@functools.cache
+def _hf_tokenizer() -> Any:
+    """transformers' tokenizer of the embedded model, loaded once (not once per choice)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(_tokenizer_dir())
+
+
+def _reference(context: str, continuation: str) -> float:
+    """transformers' loglikelihood of the continuation, tokenized as lm-eval's _encode_pair."""
+    tok = _hf_tokenizer()
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation

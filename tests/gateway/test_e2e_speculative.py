@@ -1,8 +1,9 @@
 """Speculative decoding behind the gateway, on real workers (the embedded model on the CPU): a
 decode worker started with n-gram --speculative-config (behind the shared prefill worker), and a
 colocated worker with the embedded model as its own draft model, give the same greedy text as the
-shared workers without it, on 16 prompts, and report their drafts in /metrics. (No colocated
-n-gram worker: the suite's time; the engine's tests run n-gram drafts in one process.)"""
+shared workers without it, on 16 prompts of 16 tokens each, and report their drafts in
+/metrics. (No colocated n-gram worker: the suite's time; the engine's tests run n-gram drafts in
+one process.)"""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
 
 async def _complete(gateway: Proc) -> list[str]:
     async with httpx.AsyncClient(base_url=f"{gateway.url}/v1", timeout=120) as client:
+        # 16 tokens: drafts are kept on the copying prompts (checked below) within them
         bodies = [
-            {"model": MODEL, "prompt": p, "max_tokens": 32, "temperature": 0} for p in PROMPTS
+            {"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0} for p in PROMPTS
         ]
         answers = await asyncio.gather(*(client.post("/completions", json=b) for b in bodies))
     for a in answers:

@@ -163,29 +163,32 @@ async def test_fifty_generated_schemas_validate_across_both_topologies(
 async def test_parse_with_a_pydantic_model_and_json_mode(
     gateways: dict[str, Proc], topology: str
 ) -> None:
+    """The four requests are independent: sent together, the worker batches them."""
     async with _client(gateways[topology]) as client:
-        parsed = await client.chat.completions.parse(
-            model=MODEL, messages=ASK, response_format=Person, temperature=0, max_tokens=100
-        )
+        parsed, reply, several, done = await asyncio.gather(
+            client.chat.completions.parse(
+                model=MODEL, messages=ASK, response_format=Person, temperature=0, max_tokens=100
+            ),
+            client.chat.completions.create(
+                model=MODEL, messages=ASK, response_format={"type": "json_object"},
+                max_tokens=200, temperature=0,
+            ),
+            client.chat.completions.parse(
+                model=MODEL, messages=ASK, response_format=Person, temperature=1.0, n=3, seed=5,
+                max_tokens=100, stop=["\n\n\n"], logprobs=True,
+            ),
+            client.completions.create(
+                model=MODEL, prompt="The answer is", max_tokens=8, temperature=0,
+                extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+            ),
+        )  # fmt: skip
         person = parsed.choices[0].message.parsed
         assert isinstance(person, Person)
-        reply = await client.chat.completions.create(
-            model=MODEL, messages=ASK, response_format={"type": "json_object"}, max_tokens=200,
-            temperature=0,
-        )  # fmt: skip
         assert reply.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
-        several = await client.chat.completions.parse(
-            model=MODEL, messages=ASK, response_format=Person, temperature=1.0, n=3, seed=5,
-            max_tokens=100, stop=["\n\n\n"], logprobs=True,
-        )  # fmt: skip
         for choice in several.choices:
             assert isinstance(choice.message.parsed, Person)
             assert choice.logprobs is not None and choice.logprobs.content
-        done = await client.completions.create(
-            model=MODEL, prompt="The answer is", max_tokens=8, temperature=0,
-            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
-        )  # fmt: skip
         assert done.choices[0].text in ("yes", "no")
 
 
@@ -203,22 +206,27 @@ def _valid_calls(calls: list[Any]) -> list[tuple[str, dict[str, Any]]]:
 async def test_required_and_named_tool_calls_stream_and_not(
     gateways: dict[str, Proc], topology: str
 ) -> None:
+    """Each tool choice's call, then the same streamed (the two choices side by side)."""
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    async def check(client: openai.AsyncOpenAI, choice: Any) -> None:
+        kw: dict[str, Any] = {"model": MODEL, "messages": ask, "tools": [WEATHER, TIME],
+                              "tool_choice": choice, "temperature": 0, "max_tokens": 120}  # fmt: skip
+        reply = await client.chat.completions.create(**kw)
+        message = reply.choices[0].message
+        # OpenAI's and vLLM's: "tool_calls" for required, "stop" for a named function
+        finish = "tool_calls" if choice == "required" else "stop"
+        assert reply.choices[0].finish_reason == finish
+        calls = _valid_calls(message.tool_calls or [])
+        assert calls and message.content is None
+        if choice != "required":
+            assert [name for name, _ in calls] == ["get_weather"]
+        streamed = await _streamed_calls(client, kw, finish)
+        assert streamed == [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
     async with _client(gateways[topology]) as client:
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            kw: dict[str, Any] = {"model": MODEL, "messages": ask, "tools": [WEATHER, TIME],
-                                  "tool_choice": choice, "temperature": 0, "max_tokens": 120}  # fmt: skip
-            reply = await client.chat.completions.create(**kw)
-            message = reply.choices[0].message
-            # OpenAI's and vLLM's: "tool_calls" for required, "stop" for a named function
-            finish = "tool_calls" if choice == "required" else "stop"
-            assert reply.choices[0].finish_reason == finish
-            calls = _valid_calls(message.tool_calls or [])
-            assert calls and message.content is None
-            if choice != "required":
-                assert [name for name, _ in calls] == ["get_weather"]
-            streamed = await _streamed_calls(client, kw, finish)
-            assert streamed == [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
+        await asyncio.gather(check(client, "required"), check(client, named))
 
 
 async def _streamed_calls(

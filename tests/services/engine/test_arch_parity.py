@@ -234,6 +234,9 @@ CONFIGS = {
 }  # fmt: skip
 PROMPT_LENS = [1, 4, 9, 23, 61, 150]  # 150 > the CPU's 128-token step: a chunked prefill
 NEW_TOKENS = 16
+# through the Triton kernels (under the interpreter, a second or so a decode step): a 40-token
+# prompt's decode steps at positions 40 to 48, the last in a block of its own (16-token blocks)
+TRITON_TOKENS = 10
 
 
 def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
@@ -266,8 +269,8 @@ def _prompts(seed: int, lens: list[int] = PROMPT_LENS) -> list[list[int]]:
     return token_prompts(seed, lens, VOCAB)
 
 
-def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    return transformers_greedy(model, prompt, NEW_TOKENS)
+def _hf_greedy(model: Any, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    return transformers_greedy(model, prompt, new_tokens)
 
 
 Built = tuple[Path, Any]  # the checkpoint's directory, transformers' model of it
@@ -287,14 +290,15 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
 
 
 def _assert_greedy_matches(
-    name: str, path: Path, hf: Any, lens: list[int] = PROMPT_LENS, **knobs: Any
-) -> None:
+    name: str, path: Path, hf: Any, lens: list[int] = PROMPT_LENS, new_tokens: int = NEW_TOKENS,
+    **knobs: Any,
+) -> None:  # fmt: skip
     prompts = _prompts(len(name), lens)
     ours = LLM(str(path), **BESIDE, **knobs).generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     )
     for prompt, got in zip(prompts, ours, strict=True):
-        want = _hf_greedy(hf, prompt)
+        want = _hf_greedy(hf, prompt, new_tokens)
         assert got.outputs[0].token_ids == want, f"{name}: diverged on a {len(prompt)}-token prompt"
 
 
@@ -377,11 +381,11 @@ def test_greedy_matches_transformers_through_the_triton_kernel(
     name: str, built: Callable[[str], Built], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine's CPU path runs the reference; here the model calls the fused Triton kernel
-    (under the interpreter) instead, and must still give transformers' tokens."""
+    (under the interpreter) instead, and must still give transformers' tokens (10 of them)."""
     from kernels import triton_moe
 
     monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
-    _assert_greedy_matches(name, *built(name))
+    _assert_greedy_matches(name, *built(name), PROMPT_LENS, TRITON_TOKENS)
 
 
 WINDOW = 24  # keys a query sees (itself included), as transformers' mask counts them
@@ -410,13 +414,14 @@ def test_the_window_through_the_triton_attention_kernels(
     windowed: Built, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As above, with decode and prefill attention in the Triton kernels (under the
-    interpreter) instead of the torch references."""
+    interpreter) instead of the torch references (10 tokens, the 40-token prompt's last decode
+    step in a block of its own)."""
     from kernels import triton_attention
 
     monkeypatch.setattr(
         ops, "_triton", lambda name, x: triton_attention if name == "triton_attention" else None
     )
-    _assert_greedy_matches("mistral-window", *windowed, [9, 40], block_size=16)
+    _assert_greedy_matches("mistral-window", *windowed, [9, 40], TRITON_TOKENS, block_size=16)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "granite", "cohere"])
@@ -450,13 +455,14 @@ def test_gemma_through_the_triton_kernels(
 ) -> None:
     """Gemma 3 and 2 with their norms (the kernel's Gemma variant), rotary, KV writes and
     attention (Gemma 2's soft-capped) in the Triton kernels (under the interpreter): still
-    transformers' tokens (Gemma 2 on one prompt past its window: the suite's time)."""
+    transformers' tokens (Gemma 2 on one prompt past its window: the suite's time; 10 tokens,
+    the 40-token prompt's last decode step in a block of its own)."""
     from kernels import triton_attention, triton_layers
 
     kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
     monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
     lens = [40] if name == "gemma2" else [9, 40]
-    _assert_greedy_matches(name, *built(name), lens, block_size=16)
+    _assert_greedy_matches(name, *built(name), lens, TRITON_TOKENS, block_size=16)
 
 
 @pytest.mark.skipif(
@@ -468,14 +474,15 @@ def test_gpt_oss_through_the_triton_kernels(
 ) -> None:
     """gpt-oss's sinks in the decode and prefill attention kernels and its biased, clamped
     experts in the fused MoE kernel (under the interpreter): transformers' tokens on a prompt
-    past its window, chunked in 16-token blocks."""
+    past its window, chunked in 16-token blocks (10 tokens, the last decode step in a block of
+    its own)."""
     from kernels import triton_attention, triton_moe
 
     monkeypatch.setattr(
         ops, "_triton", lambda name, x: triton_attention if name == "triton_attention" else None
     )
     monkeypatch.setattr(ops, "fused_moe", triton_moe.fused_moe)
-    _assert_greedy_matches("gpt_oss", *built("gpt_oss"), [40], block_size=16)
+    _assert_greedy_matches("gpt_oss", *built("gpt_oss"), [40], TRITON_TOKENS, block_size=16)
 
 
 @pytest.mark.skipif(
@@ -488,12 +495,13 @@ def test_the_llama_deltas_through_the_triton_kernels(
 ) -> None:
     """The families built on the Llama layers with their norms, rotary (OLMo 3's two tables,
     GLM-4's partial one and Cohere's over reordered rows, EXAONE 4's NoPE layers), KV writes and attention (its windows) in the Triton kernels (under the interpreter): still
-    transformers' tokens on a prompt past the window, in 16-token blocks."""
+    transformers' tokens on a prompt past the window, in 16-token blocks (10 tokens, the last
+    decode step in a block of its own)."""
     from kernels import triton_attention, triton_layers
 
     kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
     monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
-    _assert_greedy_matches(name, *built(name), [40], block_size=16)
+    _assert_greedy_matches(name, *built(name), [40], TRITON_TOKENS, block_size=16)
 
 
 def test_a_window_no_context_outgrows_is_left_to_whole_attention(windowed: Built) -> None:
@@ -690,9 +698,9 @@ def test_mistral3_through_the_triton_kernels(
 ) -> None:
     """Mistral 3's language model (head_dim 32 of a 64-wide model) with its norms, rotary, KV
     writes and attention in the Triton kernels (under the interpreter): transformers' tokens
-    on a prompt in 16-token blocks."""
+    on a prompt in 16-token blocks (10 tokens, the last decode step in a block of its own)."""
     from kernels import triton_attention, triton_layers
 
     kernels = {"triton_attention": triton_attention, "triton_layers": triton_layers}
     monkeypatch.setattr(ops, "_triton", lambda name, x: kernels.get(name))
-    _assert_greedy_matches("mistral3", *mistral3("mistral3"), [40], block_size=16)
+    _assert_greedy_matches("mistral3", *mistral3("mistral3"), [40], TRITON_TOKENS, block_size=16)

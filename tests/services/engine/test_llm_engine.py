@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -443,8 +444,8 @@ def test_a_closed_llm_gives_its_pool_back_and_refuses_to_generate() -> None:
         llm.generate("hello", SamplingParams(max_tokens=2))
 
 
-def _unseeded_sample(**seeds: int) -> list[int]:
-    llm = LLM("smollm2-135m", load_format="dummy", dtype="float32", device="cpu",
+def _unseeded_sample(model: str, **seeds: int) -> list[int]:
+    llm = LLM(model, load_format="dummy", dtype="float32", device="cpu",
               max_model_len=128, num_blocks=16, max_num_seqs=2, dummy_weight_seed=0, **seeds)  # fmt: skip
     try:
         params = SamplingParams(temperature=1.0, max_tokens=12)  # no seed of its own
@@ -453,10 +454,24 @@ def _unseeded_sample(**seeds: int) -> list[int]:
         llm.close()
 
 
-def test_the_engine_seed_makes_unseeded_sampling_reproducible() -> None:
-    first = _unseeded_sample(seed=1234)
-    assert _unseeded_sample(seed=1234) == first
-    assert _unseeded_sample(seed=4321) != first
+def test_the_engine_seed_makes_unseeded_sampling_reproducible(tmp_path: Path) -> None:
+    """Three engines of dummy weights: SmolLM2's config shrunk to 2 layers of 64 (its
+    tokenizer, its vocabulary), the suite's time; the size plays no part in the seeding."""
+    import json
+    import shutil
+
+    from services.model_files import resolve_model
+    from tests.services.engine.conftest import tokenizer_dir
+
+    config = json.loads(resolve_model("smollm2-135m").path.read_text())
+    config |= {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for file in Path(tokenizer_dir()).glob("tokenizer*"):
+        shutil.copy(file, tmp_path / file.name)
+    first = _unseeded_sample(str(tmp_path), seed=1234)
+    assert _unseeded_sample(str(tmp_path), seed=1234) == first
+    assert _unseeded_sample(str(tmp_path), seed=4321) != first
 
 
 def test_seed_sets_the_dummy_weights_unless_dummy_weight_seed_does() -> None:

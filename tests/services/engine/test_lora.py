@@ -17,7 +17,7 @@ from services.engine.llm import LLM
 from tests.services.engine.conftest import BESIDE, tiny_checkpoint
 from tests.services.engine.lora_helpers import ADAPTERS, make_adapter, make_adapters, peft_greedy
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["Tell me a story about a dragon.", "What is the capital of France?"]
 NAMES = ["attn-r8", "", "mlp-r16"]  # "" is the base model
 
@@ -206,6 +206,18 @@ COPYING = [
     "Copy the list: apples, pears, plums, cherries, grapes, figs. The list again: apples,",
     "The password is tango-seven-alpha. Say the password twice: tango-seven-alpha,",
 ]
+SPEC_TOKENS = 12  # new tokens: drafts are still kept (53 and 32 of them, see the floors)
+
+
+@pytest.fixture(scope="module")
+def copying(llm: LLM) -> tuple[list[tuple[str, list[int]]], list[SamplingParams], list]:
+    """Every copying prompt under every adapter and the base model, their params and the
+    engine's tokens without drafts (computed once for both kinds of draft)."""
+    ids = [llm.encode(p) for p in COPYING]
+    jobs = [(name, p) for p in ids for name in NAMES]
+    params = [SamplingParams(temperature=0.0, max_tokens=SPEC_TOKENS, logprobs=5, lora_name=name)
+              for name, _ in jobs]  # fmt: skip
+    return jobs, params, llm.generate([p for _, p in jobs], params)
 
 
 @pytest.mark.parametrize(
@@ -220,7 +232,9 @@ COPYING = [
     ids=["ngram", "draft-model"],
 )  # fmt: skip
 def test_drafts_verified_under_adapters_give_the_tokens_without_drafts(
-    adapters: dict[str, Path], llm: LLM, draft: dict[str, object]
+    adapters: dict[str, Path],
+    copying: tuple[list[tuple[str, list[int]]], list[SamplingParams], list],
+    draft: dict[str, object],
 ) -> None:
     """Speculative decoding with adapters: each verify step's rows (a request's token and its
     drafts) under the request's adapter, eagerly and through the graph buffers (the CPU runs
@@ -230,12 +244,8 @@ def test_drafts_verified_under_adapters_give_the_tokens_without_drafts(
     from services.engine.cuda_graphs import DecodeGraphs
     from tests.services.engine.test_speculative import assert_same_but_near_ties
 
-    ids = [llm.encode(p) for p in COPYING]
-    jobs = [(name, p) for p in ids for name in NAMES]
-    params = [SamplingParams(temperature=0.0, max_tokens=20, logprobs=5, lora_name=name)
-              for name, _ in jobs]  # fmt: skip
+    jobs, params, want = copying
     prompts = [p for _, p in jobs]
-    want = llm.generate(prompts, params)
     with serving(adapters, speculative_config=draft) as spec:
         eager = spec.generate(prompts, params)
         kept = spec.engine.spec_stats.num_accepted_tokens
@@ -250,7 +260,7 @@ def test_drafts_verified_under_adapters_give_the_tokens_without_drafts(
             runner.graphs = None
         replayed = runner.forwards.graph_lora - before
         kept_graphed = spec.engine.spec_stats.num_accepted_tokens - kept
-    floor = 45 if "model" in draft else 20  # about half of what each kept (94, 44)
+    floor = 25 if "model" in draft else 15  # about half of what each kept (53, 32)
     assert kept > floor and kept_graphed > floor, "drafts were proposed but hardly kept"
     assert replayed > 0, "no verify step with adapters went through the graph buffers"
     adapted = [i for i, (name, _) in enumerate(jobs) if name]

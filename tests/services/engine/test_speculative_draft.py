@@ -91,7 +91,7 @@ def self_draft() -> LLM:
 def test_the_embedded_model_as_its_own_draft_gives_the_same_text_and_keeps_its_drafts(
     llm: LLM, self_draft: LLM
 ) -> None:
-    params = SamplingParams(max_tokens=32, temperature=0)
+    params = SamplingParams(max_tokens=16, temperature=0)  # 16: 136 drafts, the suite's time
     stats = self_draft.engine.spec_stats
     before = (stats.num_draft_tokens, stats.num_accepted_tokens)
     assert _ids(self_draft.generate(PROMPTS, params)) == _ids(llm.generate(PROMPTS, params))

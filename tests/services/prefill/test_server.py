@@ -5,8 +5,10 @@ the KV is on its way."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -39,10 +41,18 @@ async def test_disaggregated_greedy_output_equals_the_offline_engine(fleet: Flee
     assert prefill.ready["kv_streaming"] is True
     prompts = parity_prompts()
     expected = greedy_reference(prompts, MAX_TOKENS)
+    # sent together (the workers batch them), in two waves: the 2nd and 3rd of the chats that
+    # share a system prompt (prompts 6 and 7) after the 1st is done, so they find it cached
+    waves = [[i for i in range(len(prompts)) if i not in (6, 7)], [6, 7]]
     async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
         hits_before = (await p.load()).prefix_cache_hits
-        results = [await disagg(p, d, f"parity-{i}", ids, MAX_TOKENS)
-                   for i, ids in enumerate(prompts)]  # fmt: skip
+        done: dict[int, Any] = {}
+        for wave in waves:
+            got_wave = await asyncio.gather(
+                *(disagg(p, d, f"parity-{i}", prompts[i], MAX_TOKENS) for i in wave)
+            )
+            done.update(zip(wave, got_wave, strict=True))
+        results = [done[i] for i in range(len(prompts))]
         for ids, exp, got in zip(prompts, expected, results, strict=True):
             assert got.token_ids == exp.token_ids, tokenizer().decode(ids)
             assert got.text == exp.text
@@ -77,13 +87,17 @@ async def test_the_whole_kv_after_the_first_token_gives_the_same_output(fleet: F
             Conn(decode.address, "decode") as d,
         ):
             assert (await w.load()).kv_whole and not (await s.load()).kv_whole
-            for name, p in (("streamed", s), ("whole", w)):
+
+            async def run(name: str, p: Conn) -> None:
                 hits = (await p.load()).prefix_cache_hits
                 got = [await disagg(p, d, f"{name}-{i}", ids, 8, grant=name == "whole")
                        for i, ids in enumerate(prompts)]  # fmt: skip
                 assert [g.token_ids for g in got] == [e.token_ids for e in expected], name
                 assert (await p.load()).prefix_cache_hits - hits >= 20 * 16
-                assert_idle(await wait_pool_free([p, d]))
+
+            # the two prefill workers side by side, into the one decode worker
+            await asyncio.gather(run("streamed", s), run("whole", w))
+            assert_idle(await wait_pool_free([s, w, d]))
             foreign = json.dumps({"pool": "elsewhere", "slot": 0, "token": 4, "blocks": [1, 2]})
             got1 = await disagg(w, d, "whole-foreign", prompts[0], 8, kv_grant=foreign)
             assert got1.token_ids == expected[0].token_ids
@@ -124,31 +138,37 @@ async def test_a_stop_string_that_begins_in_the_first_token_is_found_across_the_
     string across the two, and the client gets the text before it (it got the whole first token
     and then the text to max_tokens: the stop string was never seen)."""
     prefill, decode = fleet.shared("prefill", "decode")
+
+    async def check(p: Conn, d: Conn, i: int, ids: list[int]) -> bool:
+        """One prompt's steps in turn; False if its text allows no such stop string."""
+        plain = await disagg(p, d, f"plain-{i}", ids, 12)
+        res = await reserve(d, f"first-{i}", len(ids), 12)
+        events = [ev async for ev in prefill_call(p, f"first-{i}", ids, greedy(12), res)]
+        assert await d.abort(f"first-{i}")
+        first = events[0].first.text
+        cut = len(first) - 1  # the stop string: the first token's last character and two more
+        stop = plain.text[cut : cut + 3]
+        if cut < 0 or len(stop) < 3 or plain.text.find(stop) != cut:
+            return False
+        got = await disagg(p, d, f"stop-{i}", ids, 12, stop=[stop])
+        assert got.text == plain.text[:cut], (stop, plain.text)
+        assert got.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert got.token_ids == plain.token_ids[: len(got.token_ids)]
+        # what the prefill worker sent first: its token's text but for the last two
+        # characters (the longest stop string's length less one), which may begin one
+        res = await reserve(d, f"held-{i}", len(ids), 12)
+        sampling = greedy(12, stop=[stop])
+        events = [ev async for ev in prefill_call(p, f"held-{i}", ids, sampling, res)]
+        assert await d.abort(f"held-{i}")
+        assert events[0].first.text == first[: max(len(first) - 2, 0)]
+        return True
+
     async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
-        found = 0
-        for i, ids in enumerate(parity_prompts()):
-            plain = await disagg(p, d, f"plain-{i}", ids, 12)
-            res = await reserve(d, f"first-{i}", len(ids), 12)
-            events = [ev async for ev in prefill_call(p, f"first-{i}", ids, greedy(12), res)]
-            assert await d.abort(f"first-{i}")
-            first = events[0].first.text
-            cut = len(first) - 1  # the stop string: the first token's last character and two more
-            stop = plain.text[cut : cut + 3]
-            if cut < 0 or len(stop) < 3 or plain.text.find(stop) != cut:
-                continue
-            found += 1
-            got = await disagg(p, d, f"stop-{i}", ids, 12, stop=[stop])
-            assert got.text == plain.text[:cut], (stop, plain.text)
-            assert got.finish_reason == common_pb2.FINISH_REASON_STOP
-            assert got.token_ids == plain.token_ids[: len(got.token_ids)]
-            # what the prefill worker sent first: its token's text but for the last two
-            # characters (the longest stop string's length less one), which may begin one
-            res = await reserve(d, f"held-{i}", len(ids), 12)
-            sampling = greedy(12, stop=[stop])
-            events = [ev async for ev in prefill_call(p, f"held-{i}", ids, sampling, res)]
-            assert await d.abort(f"held-{i}")
-            assert events[0].first.text == first[: max(len(first) - 2, 0)]
-        assert found >= 3, "too few prompts whose text allows such a stop string"
+        # the prompts side by side (the workers batch them)
+        found = await asyncio.gather(
+            *(check(p, d, i, ids) for i, ids in enumerate(parity_prompts()))
+        )
+        assert sum(found) >= 3, "too few prompts whose text allows such a stop string"
         assert_idle(await wait_pool_free([p, d]))
 
 
@@ -250,8 +270,9 @@ async def test_with_kv_checksums_the_kv_arrives_verified_and_the_output_is_uncha
         prompts = parity_prompts()[:3]
         expected = greedy_reference(prompts, MAX_TOKENS)
         async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
-            results = [await disagg(p, d, f"checked-{i}", ids, MAX_TOKENS)
-                       for i, ids in enumerate(prompts)]  # fmt: skip
+            results = await asyncio.gather(
+                *(disagg(p, d, f"checked-{i}", ids, MAX_TOKENS) for i, ids in enumerate(prompts))
+            )
             assert [r.token_ids for r in results] == [e.token_ids for e in expected]
             load = await p.load()
             assert load.kv_transfer_failures == 0 and load.kv_transfer_bytes > 0

@@ -19,8 +19,15 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_each_batch_size_runs_in_its_own_process_and_the_best_is_kept(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """SmolLM2's published config, only smaller (each process draws its random weights): the
+    suite's time."""
+    from services import model_files
+
+    raw = json.loads(model_files.resolve_model("smollm2-135m").path.read_text())
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(raw | SHRINK))
     spawned: list[list[str]] = []
     real_run = hf_peer.subprocess.run
 
@@ -31,7 +38,7 @@ def test_each_batch_size_runs_in_its_own_process_and_the_best_is_kept(
     monkeypatch.setattr(hf_peer.subprocess, "run", run)
     monkeypatch.setenv("PYTHONPATH", os.getcwd())
     args = argparse.Namespace(
-        model="smollm2-135m", load_format="dummy", dtype="auto",
+        model=str(tmp_path / "tiny"), load_format="dummy", dtype="auto",
         num_prompts=4, input_len=16, output_len=3,
     )  # fmt: skip
     out = hf_peer.sweep(args, [1, 4])
