@@ -45,6 +45,7 @@ from kernels.quant import (
 from services.config import ConfigError
 from services.engine.models.moe import Experts
 from services.engine.quantization.config import QuantConfig, int4_pieces
+from services.engine.quantization.int4 import group_order
 from services.engine.tp_layout import QUANT_PIECES
 
 # one piece of one expert's projection (Qwen3-MoE's and DeepSeek's names; Mixtral's w1/w3/w2)
@@ -132,20 +133,6 @@ def pack_expert(
         return packed, scale, zeros, None
     perm = group_order(g_idx.to(torch.int64), packed.shape[1] * 8, scale.shape[1])
     return pack_cols(unpack_cols(packed)[:, perm]), scale, zeros, perm.to(torch.int32)
-
-
-def group_order(g_idx: torch.Tensor, k: int, groups: int) -> torch.Tensor:
-    """An act-order projection's input features sorted by group (stable): [K] int64. ValueError
-    unless ``g_idx`` gives each of the ``groups`` groups ``K / groups`` of the ``k`` features
-    (what the kernels' whole groups need)."""
-    if g_idx.shape != (k,) or groups < 1 or k % groups:
-        raise ValueError(f"g_idx {tuple(g_idx.shape)} does not fit {k} inputs in {groups} groups")
-    counts = torch.zeros(groups, dtype=torch.int64, device=g_idx.device)
-    inside = (g_idx >= 0) & (g_idx < groups)
-    counts.scatter_add_(0, g_idx.clamp(0, groups - 1), inside.long())
-    if not bool(inside.all()) or bool((counts != k // groups).any()):
-        raise ValueError(f"g_idx does not give every one of {groups} groups {k // groups} inputs")
-    return torch.argsort(g_idx, stable=True)
 
 
 def _compressed_int4(

@@ -20,6 +20,21 @@ from services.engine.quantization.base import QuantLinear
 from services.engine.quantization.config import int4_pieces
 
 
+def group_order(g_idx: torch.Tensor, k: int, groups: int) -> torch.Tensor:
+    """An act-order projection's input features sorted by group (stable): [K] int64. ValueError
+    unless ``g_idx`` gives each of the ``groups`` groups ``K / groups`` of the ``k`` features
+    (what the kernels' whole groups need). The dense layer's rows and the MoE experts'
+    columns (``quantization.experts.pack_expert``) are sorted by it."""
+    if g_idx.shape != (k,) or groups < 1 or k % groups:
+        raise ValueError(f"g_idx {tuple(g_idx.shape)} does not fit {k} inputs in {groups} groups")
+    counts = torch.zeros(groups, dtype=torch.int64, device=g_idx.device)
+    inside = (g_idx >= 0) & (g_idx < groups)
+    counts.scatter_add_(0, g_idx.clamp(0, groups - 1), inside.long())
+    if not bool(inside.all()) or bool((counts != k // groups).any()):
+        raise ValueError(f"g_idx does not give every one of {groups} groups {k // groups} inputs")
+    return torch.argsort(g_idx, stable=True)
+
+
 class Int4Linear(QuantLinear):
     qweight: torch.Tensor  # buffers (register_buffer), which nn.Module types as Tensor | Module
     scales: torch.Tensor
@@ -108,13 +123,10 @@ class Int4Linear(QuantLinear):
         g_idx = given[0]
         if torch.equal(g_idx, torch.arange(self.in_features) // self.group_size):
             return  # groups already contiguous: nothing to permute
-        counts = torch.bincount(g_idx, minlength=self.in_features // self.group_size)
-        if (
-            counts.numel() != self.in_features // self.group_size
-            or (counts != self.group_size).any()
-        ):
-            raise ConfigError(f"{name}: g_idx does not give every group {self.group_size} rows")
-        perm = torch.argsort(g_idx, stable=True)
+        try:
+            perm = group_order(g_idx, self.in_features, self.in_features // self.group_size)
+        except ValueError as e:
+            raise ConfigError(f"{name}: {e}") from None
         q = unpack_rows(self.qweight)  # [K, N]
         self.qweight.copy_(pack_rows(q[perm.to(q.device)]))
         self.perm = perm.to(self.qweight.device)
