@@ -1,13 +1,13 @@
 """Quantized Mixture-of-Experts checkpoints: FP8 experts held in FP8, AWQ's and GPTQ's int4 ones
 held packed (GPTQ act-order ones too, their columns sorted by group), the attention and dense
-layers kept
-quantized, the router as stored; logits equal those of the same model built from the
+layers kept quantized, the router as stored; logits equal those of the same model built from the
 dequantized weights (float32, CPU: the tolerance of ``test_loading``)."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -172,11 +172,20 @@ def test_online_fp8_quantizes_the_attention_and_the_experts(
     torch.testing.assert_close(run(model), want, rtol=TOL, atol=TOL)
 
 
-def test_a_missing_expert_piece_is_named(tmp_path: Path) -> None:
-    path, _ = ck.moe_checkpoint(tmp_path / "q", "mixtral", "fp8-block")
+def _edited(tmp_path: Path, family: str, method: str, edit: Callable[[dict], None]) -> Path:
+    """A tiny ``family`` checkpoint in ``method`` whose tensors ``edit`` changed in place."""
+    path, _ = ck.moe_checkpoint(tmp_path / "q", family, method)
     tensors = load_file(str(path / "model.safetensors"))
-    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight_scale_inv"]
+    edit(tensors)
     save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_a_missing_expert_piece_is_named(tmp_path: Path) -> None:
+    def drop(tensors: dict) -> None:
+        del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight_scale_inv"]
+
+    path = _edited(tmp_path, "mixtral", "fp8-block", drop)
     with pytest.raises(ConfigError, match=r"gate_up_proj_scale \(expert 2's up projection scales"):
         load(path)
 
@@ -184,11 +193,12 @@ def test_a_missing_expert_piece_is_named(tmp_path: Path) -> None:
 def test_act_order_gate_and_up_of_different_orders_are_refused(tmp_path: Path) -> None:
     """An expert's gate and up projections are one stacked layer reading one input through one
     permutation: their g_idx must agree (as a dense layer's stacked shards')."""
-    path, _ = ck.moe_checkpoint(tmp_path / "q", "mixtral", "gptq-act-order")
-    tensors = load_file(str(path / "model.safetensors"))
-    name = "model.layers.1.block_sparse_moe.experts.2.w3.g_idx"
-    tensors[name] = tensors[name].flip(0).contiguous()  # every group still 32 rows
-    save_file(tensors, str(path / "model.safetensors"))
+
+    def flip(tensors: dict) -> None:
+        name = "model.layers.1.block_sparse_moe.experts.2.w3.g_idx"
+        tensors[name] = tensors[name].flip(0).contiguous()  # every group still 32 rows
+
+    path = _edited(tmp_path, "mixtral", "gptq-act-order", flip)
     with pytest.raises(ConfigError, match=r"experts\.2: the gate and up .* g_idx differ"):
         load(path)
 
@@ -196,22 +206,23 @@ def test_act_order_gate_and_up_of_different_orders_are_refused(tmp_path: Path) -
 def test_act_order_groups_of_other_sizes_are_refused(tmp_path: Path) -> None:
     """An expert's g_idx that gives a group more rows than group_size (and another fewer)
     cannot be sorted into the kernels' whole groups: refused, naming the projection."""
-    path, _ = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "gptq-act-order")
-    tensors = load_file(str(path / "model.safetensors"))
-    name = "model.layers.0.mlp.experts.3.down_proj.g_idx"
-    g_idx = tensors[name].clone()
-    g_idx[g_idx == 1] = 0  # group 0 of 64 rows, group 1 of none
-    tensors[name] = g_idx
-    save_file(tensors, str(path / "model.safetensors"))
+
+    def merge(tensors: dict) -> None:
+        name = "model.layers.0.mlp.experts.3.down_proj.g_idx"
+        g_idx = tensors[name].clone()
+        g_idx[g_idx == 1] = 0  # group 0 of 64 rows, group 1 of none
+        tensors[name] = g_idx
+
+    path = _edited(tmp_path, "qwen3_moe", "gptq-act-order", merge)
     with pytest.raises(ConfigError, match=r"experts\.3\.down_proj: .* every one of 4 groups 32"):
         load(path)
 
 
 def test_act_order_experts_without_g_idx_are_refused(tmp_path: Path) -> None:
-    path, _ = ck.moe_checkpoint(tmp_path / "q", "qwen3_moe", "gptq-act-order")
-    tensors = load_file(str(path / "model.safetensors"))
-    del tensors["model.layers.0.mlp.experts.1.up_proj.g_idx"]
-    save_file(tensors, str(path / "model.safetensors"))
+    def drop(tensors: dict) -> None:
+        del tensors["model.layers.0.mlp.experts.1.up_proj.g_idx"]
+
+    path = _edited(tmp_path, "qwen3_moe", "gptq-act-order", drop)
     with pytest.raises(ConfigError, match=r"missing .*experts\.1\.up_proj\.g_idx"):
         load(path)
 
