@@ -38,6 +38,10 @@ def test_installed_for_the_suite() -> None:
     assert interpreter.interpreter_builder.options.debug is False
     assert interpreter.interpreter_builder.options.sanitize_overflow is False
     assert getattr(interpreter._patch_lang, "skips_patched_modules", False)
+    assert interpreter.interpreter_semantic.broadcast_impl_value.__name__ == "equal_first"
+    assert interpreter._get_np_dtype.__name__ == "get"
+    assert tl_core.block_type.__init__.__name__ == "kept_init"
+    assert tl_core.tensor.__init__.__name__ == "kept_init"
     assert triton_interpreter.install() is False  # once is enough
 
 
@@ -55,3 +59,45 @@ def test_helpers_and_wrapping_int32_give_numpy_s_results_and_the_language_is_res
     # the launch's patch was undone (a module another kernel's helper patched and Triton never
     # restored stays so: the same objects as before either way)
     assert [(lang.program_id, lang.arange, lang.load) for lang in langs] == before
+
+
+@triton.jit
+def _broadcasts_kernel(a_ptr, b_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr):
+    rows = tl.arange(0, R)
+    cols = tl.arange(0, C)
+    a = tl.load(a_ptr + rows)  # [R]
+    b = tl.load(b_ptr + cols)  # [C]
+    outer = a[:, None] * b[None, :]  # [R, 1] with [1, C]
+    grid = rows[:, None] * C + cols[None, :]  # the same, int32
+    same = outer + outer  # equal shapes
+    col = tl.sum(same, axis=1)  # [R]
+    mixed = same - col[:, None] * 0.5 + 3.0  # [R, C] with [R, 1], then a scalar
+    ranks = mixed + b  # [R, C] with [C]: a new leading axis for b
+    tl.store(out_ptr + grid, ranks)
+
+
+def test_broadcasts_of_every_kind_give_numpy_s_results() -> None:
+    a = torch.arange(1, 9, dtype=torch.float32)
+    b = torch.arange(16, dtype=torch.float32) - 4.5
+    out = torch.empty(8, 16)
+    _broadcasts_kernel[(1,)](a, b, out, R=8, C=16)
+    same = 2 * a[:, None] * b[None, :]
+    want = same - same.sum(1, keepdim=True) * 0.5 + 3.0 + b
+    torch.testing.assert_close(out, want)
+
+
+def test_kept_types_equal_fresh_ones_and_bad_shapes_are_refused_every_time() -> None:
+    first = tl.block_type(tl.float16, [4, 8])
+    again = tl.block_type(tl.float16, (tl.constexpr(4), 8))
+    assert (again.shape, again.numel, again.name) == (first.shape, first.numel, first.name)
+    assert again == first and again.element_ty == tl.float16
+    assert tl.block_type(tl.float32, [4, 8]).name != first.name
+    for _ in range(2):
+        with pytest.raises(ValueError, match="power of 2"):
+            tl.block_type(tl.float32, [3, 8])
+    for ty, want in [(tl.float32, np.float32), (tl.bfloat16, np.uint16), (tl.int1, np.bool_)]:
+        assert interpreter._get_np_dtype(ty) == np.dtype(want)
+        assert interpreter._get_np_dtype(tl.block_type(ty, [2])) == np.dtype(want)
+    pointer = tl.pointer_type(tl.float16)
+    assert interpreter._get_np_dtype(pointer) == np.dtype(np.uint64)
+    assert interpreter._get_np_dtype(tl.block_type(pointer, [2])) == np.dtype(np.uint64)
