@@ -35,10 +35,13 @@ class Up:
     ) -> None:
         argv = [*program, "--port", "0", "--log-dir", str(log_dir)]
         self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # the run folder (tempfile's) in the test's own: a test that kills the launcher leaves
+        # it behind, and /tmp filled with one a run
         self.proc = subprocess.Popen(
             [*argv, *flags],
             cwd=REPO,
-            env={**os.environ, **child_env(**{"FAKE_GRACE": "2", **env})},
+            env={**os.environ, **child_env(**{"FAKE_GRACE": "2", "TMPDIR": str(log_dir), **env})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -14,8 +14,11 @@ from deploy.procfs import alive
 FAKE_UP = (sys.executable, "-m", "tests.deploy.fake_up")
 
 
-def test_measure_reads_every_process_of_the_topology_and_stops_it(tmp_path: Path) -> None:
+def test_measure_reads_every_process_of_the_topology_and_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     os.environ.setdefault("FAKE_READY_TIMEOUT", "30")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the launcher's run folder in the test's own
     flags = ["--log-dir", str(tmp_path / "logs"), "--prefill", "1", "--decode", "2"]
     result = measure(flags, requests=0, timeout_s=60, program=FAKE_UP)
     procs = result["processes"]
@@ -26,7 +29,10 @@ def test_measure_reads_every_process_of_the_topology_and_stops_it(tmp_path: Path
     assert not any(alive(p["pid"]) for p in procs)  # stopped, children included
 
 
-def test_a_topology_that_never_gets_ready_is_an_error(tmp_path: Path) -> None:
+def test_a_topology_that_never_gets_ready_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     bad = ["--log-dir", str(tmp_path), "--prefill", "0", "--decode", "0", "--colocated", "0"]
     with pytest.raises(RuntimeError, match="was not ready"):
         main(["--timeout", "30", "--", *bad])
