@@ -14,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import cpu_linear
 from kernels.attention import (
     ref_mla_decode_attention,
     ref_paged_decode_attention,
@@ -158,7 +159,10 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [M, N]
     """A linear layer: the Triton GEMV for batch-1 decode on CUDA (and for the short batches
-    made row-invariant), cuBLAS otherwise."""
+    made row-invariant), cuBLAS otherwise; oneDNN for a CPU weight in its layout
+    (:mod:`kernels.cpu_linear`)."""
+    if weight.is_mkldnn:
+        return cpu_linear.linear(x, weight, bias)
     rows = max(gemv_rows(), _row_invariant)
     if bias is None and x.dim() == 2 and 0 < x.shape[0] <= rows:
         mod = _triton("triton_gemv", x)

@@ -12,7 +12,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kernels import ops
+from kernels import cpu_linear, ops
 from kernels.gemv import GEMV_MAX_ROWS
 from kvtransfer import KvLayout, KvShards
 from kvtransfer.blockcopy import make_copier
@@ -47,7 +47,7 @@ from services.engine.model_config import (
     derived_max_model_len,
 )
 from services.engine.models.gemma3_vision import Gemma3VLForCausalLM
-from services.engine.models.llama import Attention
+from services.engine.models.llama import Attention, Linear
 from services.engine.models.mistral3 import Mistral3ForCausalLM
 from services.engine.models.qwen2_vl import Qwen2VLForCausalLM
 from services.engine.pooler import Pooler
@@ -182,6 +182,8 @@ class ModelRunner:
             if config.lora
             else None
         )
+        if self.device.type == "cpu" and self.lora is None:  # (LoRA reads its base weights)
+            cpu_linear.pack_linears(self.model, (Linear,))  # float32 weights in oneDNN's layout
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         limit = derived_max_model_len(self.arch.max_position_embeddings, self.arch.rope_scaling)
         default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos

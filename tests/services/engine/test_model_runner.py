@@ -10,6 +10,7 @@ from protos.sampling_params import SamplingParams
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.llm import build_config
 from services.engine.llm_engine import LLMEngine
+from services.engine.models.llama import Linear
 from services.scheduling.outputs import ScheduledRequest, SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -29,6 +30,17 @@ def _req(rid: str, ids: list[int], start: int, blocks: list[int], sample: bool =
 
 def _prompt(n: int, seed: int) -> list[int]:
     return [(97 * i + 31 * seed) % 5000 + 10 for i in range(n)]
+
+
+def test_a_cpu_models_float32_linears_run_on_onednn_s_layout(engine: LLMEngine) -> None:
+    """Every projection and the lm_head (tied to the embedding: a copy of its own) in oneDNN's
+    layout (kernels/cpu_linear.py); the embedding still looks rows up from the dense table."""
+    model = engine.runner.model
+    linears = [m for m in model.modules() if type(m) is Linear]
+    assert len(linears) == 4 * model.cfg.num_layers + 1
+    assert all(m.weight.is_mkldnn for m in linears)
+    assert not model.model.embed_tokens.weight.is_mkldnn
+    assert torch.equal(model.lm_head.weight.to_dense(), model.model.embed_tokens.weight)
 
 
 def test_decode_rows_go_first_and_logits_keep_the_scheduler_order(engine: LLMEngine) -> None:
