@@ -64,12 +64,14 @@ def pack_linears(model: nn.Module, kinds: tuple[type[nn.Module], ...]) -> int:
     """Give each module of exactly one of ``kinds`` (a ``Linear`` whose forward is
     :func:`kernels.ops.linear`) with a float32 CPU weight its oneDNN layout; the number of
     layers changed. A weight shared with another module (an lm_head tied to the embedding,
-    which looks rows up) gets a laid-out copy of its own; the others are replaced."""
+    which looks rows up) gets a laid-out copy of its own; the others are replaced. A module
+    whose weight is also read as a tensor (``keep_dense_weight``: DeepSeek's kv_b_proj, whose
+    rows are W_UK and W_UV) keeps it."""
     if not enabled():
         return 0
     count = 0
     for module in list(model.modules()):
-        if type(module) not in kinds:
+        if type(module) not in kinds or getattr(module, "keep_dense_weight", False):
             continue
         w = module.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.is_mkldnn or w.dim() != 2:

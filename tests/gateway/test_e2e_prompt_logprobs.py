@@ -53,7 +53,11 @@ def test_prompt_logprobs_equal_transformers_at_every_position(
         position = scores[q + 1]
         ours = position[str(ids[q + 1])]
         assert abs(ours["logprob"] - ref[q, ids[q + 1]].item()) < TOL, q
-        assert ours["rank"] == int((ref[q] > ref[q, ids[q + 1]]).sum()) + 1
+        # its rank among transformers' scores: tokens within TOL of it may fall either side
+        chosen = ref[q, ids[q + 1]]
+        assert (
+            int((ref[q] > chosen + TOL).sum()) < ours["rank"] <= int((ref[q] > chosen - TOL).sum())
+        )
         top = sorted((v["logprob"] for v in position.values() if v["rank"] <= 3), reverse=True)
         assert (
             max(abs(a - b) for a, b in zip(top, ref[q].topk(3).values.tolist(), strict=True)) < TOL

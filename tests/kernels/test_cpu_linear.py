@@ -53,6 +53,8 @@ class _Tiny(nn.Module):
         self.proj = Linear(8, 12)
         self.plain = nn.Linear(8, 8)  # its forward is F.linear: not ours to change
         self.bf16 = Linear(8, 4).to(torch.bfloat16)
+        self.read = Linear(8, 6)
+        self.read.keep_dense_weight = True  # its weight is read as a tensor too
         self.head = Linear(8, 10, bias=False)
         self.head.weight = self.embed.weight  # tied
 
@@ -66,6 +68,7 @@ def test_pack_linears_lays_out_our_float32_linears_only(monkeypatch: pytest.Monk
     assert cpu_linear.pack_linears(model, (Linear,)) == 2  # proj and head
     assert model.proj.weight.is_mkldnn and model.head.weight.is_mkldnn
     assert not model.plain.weight.is_mkldnn and not model.bf16.weight.is_mkldnn
+    assert not model.read.weight.is_mkldnn
     # the tied head has a laid-out copy; the embedding still looks rows up
     assert not model.embed.weight.is_mkldnn and torch.equal(
         model.embed.weight, dense["embed.weight"]

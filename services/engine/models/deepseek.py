@@ -89,6 +89,7 @@ class MLAttention(nn.Module):
         kv_width = mla.qk_nope_head_dim + mla.v_head_dim
         # read as a plain [H (nope + v), kv_lora] weight: W_UK and W_UV per head (_absorbed)
         self.kv_b_proj = Linear(mla.kv_lora_rank, self.nq * kv_width, bias=False)
+        self.kv_b_proj.keep_dense_weight = True  # read as W_UK and W_UV too (_absorb)
         self.o_proj = Linear(self.nq * mla.v_head_dim, hidden, bias=cfg.o_proj_bias)
         self.scale = mla.softmax_scale
         # an FP8 cache's one scale: the keys and the values are the same bytes

@@ -34,6 +34,10 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
+    # its weight is also read as a tensor elsewhere: it keeps the dense layout (no oneDNN one
+    # on the CPU, kernels/cpu_linear.py)
+    keep_dense_weight = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return ops.linear(x, self.weight, self.bias)
 
