@@ -34,9 +34,19 @@ def enabled() -> bool:
     return torch.backends.mkldnn.is_available() and os.environ.get(ENV, "1") != "0"
 
 
+def _packable(weight: torch.Tensor) -> bool:
+    """A dense 2-D float32 CPU tensor (not already in oneDNN's layout)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+    )
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ([N, K] float32 on the CPU) in oneDNN's layout for a linear layer."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+    if not _packable(weight):
         raise ValueError(
             f"a oneDNN linear weight is a 2-D float32 CPU tensor, got {weight.dtype} "
             f"{tuple(weight.shape)} on {weight.device}"
@@ -74,7 +84,7 @@ def pack_linears(model: nn.Module, kinds: tuple[type[nn.Module], ...]) -> int:
         if type(module) not in kinds or getattr(module, "keep_dense_weight", False):
             continue
         w = module.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.is_mkldnn or w.dim() != 2:
+        if not isinstance(w, torch.Tensor) or not _packable(w):
             continue
         module.weight = nn.Parameter(pack(w), requires_grad=False)
         count += 1

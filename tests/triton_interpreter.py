@@ -158,11 +158,12 @@ def _kept_tensor_shapes(init: Callable[..., None]) -> Callable[..., None]:
 
     def kept_init(self: Any, handle: Any, type: Any) -> None:
         dims = getattr(type.shape, "values", None) if type.is_block() else None
-        found = kept.get(tuple(dims)) if dims is not None else None
+        key = tuple(dims) if dims is not None else None
+        found = kept.get(key) if key is not None else None
         if found is None:
             init(self, handle, type)
-            if dims is not None:
-                kept[tuple(dims)] = (self.shape, self.numel)
+            if key is not None:
+                kept[key] = (self.shape, self.numel)
             return
         self.handle = handle
         self.type = type
