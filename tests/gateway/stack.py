@@ -83,6 +83,22 @@ class Stack:
         while not self.server.started:
             await asyncio.sleep(0.01)
         self.base_url = f"http://127.0.0.1:{self.server.port}"
+        if self.list_workers:
+            await self._until_the_workers_are_healthy()
+
+    async def _until_the_workers_are_healthy(self, timeout_s: float = 30.0) -> None:
+        """The gateway's first poll may time out on a loaded machine (CI runs two test processes
+        beside each other), leaving a live fake worker unhealthy until the next poll: a test that
+        sent its request at once then met a 503. Every test starts from healthy live workers."""
+        live = {w.address for w in self.workers}
+        registry = self.state.registry
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not all(c.healthy for c in registry.clients if c.address in live):
+            if asyncio.get_running_loop().time() > deadline:
+                down = [c.last_error for c in registry.clients if c.address in live]
+                raise RuntimeError(f"the fake workers did not become healthy: {down}")
+            await asyncio.sleep(0.02)
+            await registry.poll_all()
 
     @property
     def state(self) -> GatewayState:
