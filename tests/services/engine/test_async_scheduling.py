@@ -5,6 +5,8 @@ that need the sampler, preemption and aborts, with every block free at the end."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from protos.sampling_params import SamplingParams
@@ -60,15 +62,17 @@ def test_launched_steps_give_the_outputs_of_step_by_step(
 
 
 def test_a_tiny_pool_preempts_between_launched_steps(
-    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """10 blocks of 16 for 8 requests of ~55 tokens: steps ahead cannot always get a block, the
-    full schedule then preempts; the tokens are those of a big pool, step by step."""
+    full schedule then preempts; the tokens are those of a big pool, step by step. (Blocks and
+    steps are the engine's: a tiny random Llama serves both.)"""
     params = SamplingParams(temperature=0.0, max_tokens=16)
-    monkeypatch.setattr(llm.engine, "async_decode", False)
-    reference = [r.outputs[0].token_ids for r in llm.generate(chat_ids, params)]
+    big = LLM(str(tiny_llama), max_num_seqs=32)
+    monkeypatch.setattr(big.engine, "async_decode", False)
+    reference = [r.outputs[0].token_ids for r in big.generate(chat_ids, params)]
     monkeypatch.undo()
-    tiny = LLM("embedded", num_blocks=10, max_model_len=160, enable_prefix_caching=False)
+    tiny = LLM(str(tiny_llama), num_blocks=10, max_model_len=160, enable_prefix_caching=False)
     launches = count_launches(tiny.engine, monkeypatch)
     assert [r.outputs[0].token_ids for r in tiny.generate(chat_ids, params)] == reference
     stats = tiny.engine.stats()
@@ -118,12 +122,14 @@ def _abort_at_random(
 
 
 def test_aborts_of_requests_in_a_launched_step_free_their_blocks_once_it_is_read(
-    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Aborts land between steps while a decode step launched ahead still computes the aborted
-    requests (see :func:`_abort_at_random`)."""
-    launches = count_launches(llm.engine, monkeypatch)
-    under_launch, _ = _abort_at_random(llm.engine, chat_ids, 24, 2, 11, 6)
+    requests (see :func:`_abort_at_random`; EOS ignored: a tiny model with the session engine's
+    32 seats and 128 blocks)."""
+    engine = LLM(str(tiny_llama), max_num_seqs=32, num_blocks=128).engine
+    launches = count_launches(engine, monkeypatch)
+    under_launch, _ = _abort_at_random(engine, chat_ids, 24, 2, 11, 6)
     assert launches[0] > 10 and under_launch >= 3
 
 
@@ -195,24 +201,26 @@ def test_prompt_chunks_and_admissions_run_launched_with_the_outputs_of_step_by_s
 
 
 def test_aborts_under_chunked_prompts_and_admissions_ahead_leave_the_pool_whole(
-    chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random aborts between steps while prompt chunks and admitted requests run launched (see
-    :func:`_abort_at_random`)."""
-    small = LLM("embedded", max_num_seqs=6, max_num_batched_tokens=40)
+    :func:`_abort_at_random`; EOS ignored, so the model's text plays no part: a tiny one)."""
+    small = LLM(str(tiny_llama), max_num_seqs=6, max_num_batched_tokens=40)
     launches = count_launches(small.engine, monkeypatch)
     _, mixed = _abort_at_random(small.engine, chat_ids, 16, 1, 5, 4)
     assert launches[0] > 5 and mixed > 2
 
 
 def test_each_call_reports_the_shape_of_the_step_it_read(
-    chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Benchmarks time a ``step()`` call as the step whose tokens it read (``last_step_shape``).
     Under async scheduling a call returns once the step launched before it is done, so the shapes
     call by call are step-by-step scheduling's: prompt chunks, then decodes (they used to be the
-    shapes of the step launched behind it, one step late: W1 counted a prefill step as a decode)."""
-    small = LLM("embedded", max_num_seqs=6, max_num_batched_tokens=40, enable_prefix_caching=False)
+    shapes of the step launched behind it, one step late: W1 counted a prefill step as a decode).
+    Shapes are the scheduler's, EOS is ignored: a tiny model serves."""
+    small = LLM(str(tiny_llama), max_num_seqs=6, max_num_batched_tokens=40,
+                enable_prefix_caching=False)  # fmt: skip
     engine = small.engine
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 

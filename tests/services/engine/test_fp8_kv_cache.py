@@ -55,9 +55,10 @@ def test_a_disaggregated_hand_off_of_fp8_blocks_equals_the_colocated_engine(
     fp8: LLM, chat_ids: list[list[int]]
 ) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    # one at a time, as each goes through the pair below (a batch of four would compose its
-    # steps differently, and a different batch may part an fp8 near-tie on its own)
-    want = [fp8.generate([p], params)[0].outputs[0].token_ids for p in chat_ids[:4]]
+    # one at a time, as each goes through the pair below (a batch would compose its steps
+    # differently, and a different batch may part an fp8 near-tie on its own); two prompts
+    # (was four), the suite's time
+    want = [fp8.generate([p], params)[0].outputs[0].token_ids for p in chat_ids[:2]]
     prefill = fp8.engine
     decode = LLM("embedded", kv_cache_dtype="fp8", max_num_seqs=16).engine
 
@@ -65,7 +66,7 @@ def test_a_disaggregated_hand_off_of_fp8_blocks_equals_the_colocated_engine(
         for theirs, ours in zip(prefill.runner.kv_caches, decode.runner.kv_caches, strict=True):
             ours.view(torch.uint8)[:, dst] = theirs.view(torch.uint8)[:, src]  # the wire's bytes
 
-    assert hand_off(prefill, decode, chat_ids[:4], params, move_bytes) == want
+    assert hand_off(prefill, decode, chat_ids[:2], params, move_bytes) == want
 
 
 def test_an_fp8_pool_holds_twice_the_blocks_of_a_16_bit_one() -> None:

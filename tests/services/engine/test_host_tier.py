@@ -1,10 +1,12 @@
 """The prefix cache's host tier on the CPU device (a second, larger pool): a 20-turn chat whose
 history no longer fits the KV pool, with an unrelated request between turns pushing it out,
 restores earlier turns from the host tier instead of recomputing them, and every reply is the
-one an engine without the tier gives."""
+one an engine without the tier gives. The tier's work does not depend on the model: a tiny
+random Llama (the embedded model's tokenizer and chat template) serves the chat."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from protos.sampling_params import SamplingParams
@@ -30,10 +32,10 @@ def _chat(llm: LLM, noise: bool) -> list[tuple[str, int]]:
     return out
 
 
-def test_a_long_chat_comes_back_from_the_host_tier_unchanged() -> None:
+def test_a_long_chat_comes_back_from_the_host_tier_unchanged(tiny_llama: Path) -> None:
     # the reference never evicts: its pool holds everything, so its history is always cached
-    reference = LLM("embedded", num_blocks=200, max_model_len=320)
-    tiered = LLM("embedded", num_blocks=20, max_model_len=320, kv_offloading_gib=0.05)
+    reference = LLM(str(tiny_llama), num_blocks=200, max_model_len=320)
+    tiered = LLM(str(tiny_llama), num_blocks=20, max_model_len=320, kv_offloading_gib=0.05)
     expected, got = _chat(reference, noise=False), _chat(tiered, noise=True)
     assert [text for text, _ in got] == [text for text, _ in expected]
     stats = tiered.engine.stats()

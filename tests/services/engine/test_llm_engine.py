@@ -19,13 +19,14 @@ from tests.services.engine.conftest import count_launches
 
 
 def test_seeded_sampling_ignores_batch_composition(llm: LLM, chat_ids: list[list[int]]) -> None:
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20)
+    # 12 tokens (was 20), the suite's time: the seed's noise is drawn at every one of them
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12)
     alone = llm.generate([chat_ids[1]], seeded)[0].outputs[0].token_ids
-    noise = SamplingParams(temperature=1.0, max_tokens=20)
+    noise = SamplingParams(temperature=1.0, max_tokens=12)
     batch = llm.generate([chat_ids[0], chat_ids[1], chat_ids[2]], [noise, seeded, noise])
     assert batch[1].outputs[0].token_ids == alone
     other_seed = llm.generate(
-        [chat_ids[1]], SamplingParams(temperature=0.9, seed=99, max_tokens=20)
+        [chat_ids[1]], SamplingParams(temperature=0.9, seed=99, max_tokens=12)
     )
     assert other_seed[0].outputs[0].token_ids != alone
 
@@ -347,14 +348,16 @@ def test_a_last_output_still_waiting_is_delivered_when_nothing_else_runs(
 
 
 def test_two_hundred_aborts_mid_stream_leave_every_block_free(
-    llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Aborts land between steps at every point of a request's life (waiting, prefilling,
     decoding, its last output still to be made, a decode step queued ahead of it): each
-    request ends exactly once, nothing streams after its abort, and the pool is whole again."""
+    request ends exactly once, nothing streams after its abort, and the pool is whole again.
+    The lives are the scheduler's: a tiny random Llama with the session engine's 32 seats and
+    128 blocks serves them."""
     import random
 
-    engine, rng = llm.engine, random.Random(7)
+    engine, rng = LLM(str(tiny_llama), max_num_seqs=32, num_blocks=128).engine, random.Random(7)
     launches = count_launches(engine, monkeypatch)
     live: set[str] = set()
     ended: dict[str, str] = {}

@@ -1,6 +1,9 @@
-"""Our engine against transformers on the embedded SmolLM2 weights (float32, greedy)."""
+"""Our engine against transformers on the embedded SmolLM2 weights (float32, greedy), and
+against itself under engine knobs (on a tiny random Llama: the knobs are the engine's)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -47,10 +50,11 @@ def test_capital_of_france(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def knob_reference(llm: LLM, chat_ids: list[list[int]]) -> list[list[int]]:
-    """The default engine's tokens for half the chat prompts, which every knob below must give
-    (computed once; four prompts of 40 tokens still overflow the tiny pool)."""
-    return _tokens(llm, chat_ids[:4], KNOB_PARAMS)
+def knob_reference(tiny_llama: Path, chat_ids: list[list[int]]) -> list[list[int]]:
+    """A default engine's tokens for half the chat prompts, which every knob below must give
+    (computed once; four prompts of 40 tokens still overflow the tiny pool). The knobs change
+    how the engine schedules and caches, not the model: a tiny random Llama serves them."""
+    return _tokens(LLM(str(tiny_llama)), chat_ids[:4], KNOB_PARAMS)
 
 
 KNOB_PARAMS = SamplingParams(temperature=0.0, max_tokens=40)
@@ -68,9 +72,9 @@ KNOB_PARAMS = SamplingParams(temperature=0.0, max_tokens=40)
     ],
 )
 def test_same_outputs_under_engine_knobs(
-    knob_reference: list[list[int]], chat_ids: list[list[int]], knobs: dict
+    tiny_llama: Path, knob_reference: list[list[int]], chat_ids: list[list[int]], knobs: dict
 ) -> None:
-    other = LLM("embedded", **knobs)
+    other = LLM(str(tiny_llama), **knobs)
     assert _tokens(other, chat_ids[:4], KNOB_PARAMS) == knob_reference
     stats = other.engine.stats()
     if "num_blocks" in knobs:
@@ -87,8 +91,11 @@ def test_batched_equals_one_at_a_time(llm: LLM, chat_ids: list[list[int]]) -> No
     assert batched[:8] == batched[8:]
 
 
-def test_prefix_cache_hits_on_shared_system_prompt(chat_ids: list[list[int]]) -> None:
-    fresh = LLM("embedded")
+def test_prefix_cache_hits_on_shared_system_prompt(
+    tiny_llama: Path, chat_ids: list[list[int]]
+) -> None:
+    """The chat template's system prompt is cached whatever the model: a tiny random one."""
+    fresh = LLM(str(tiny_llama))
     short = SamplingParams(temperature=0.0, max_tokens=4)
     fresh.generate([chat_ids[0]], short)
     before = fresh.engine.stats().prefix_cache_hits

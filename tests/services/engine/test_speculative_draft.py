@@ -119,13 +119,17 @@ def test_the_draft_pool_holds_the_targets_tokens_and_the_drafts(self_draft: LLM)
 
 
 def test_seeded_sampling_gives_the_same_text_with_the_draft(llm: LLM, self_draft: LLM) -> None:
+    # 12 tokens (was 24), the suite's time: several verify steps of 3 drafts each still
     params = [
-        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, logprobs=2),
-        SamplingParams(max_tokens=24, temperature=1.0, seed=3, presence_penalty=0.5),
-        SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=11, stop=["."]),
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3, presence_penalty=0.5),
+        SamplingParams(max_tokens=12, temperature=0.7, top_k=20, seed=11, stop=["."]),
     ]
     prompts = COPYING[:3]
+    stats = self_draft.engine.spec_stats
+    before = stats.num_accepted_tokens
     want, got = llm.generate(prompts, params), self_draft.generate(prompts, params)
+    assert stats.num_accepted_tokens > before  # drafts were verified and kept, not skipped
     assert [(r.outputs[0].token_ids, r.outputs[0].text) for r in got] == [
         (r.outputs[0].token_ids, r.outputs[0].text) for r in want
     ]
@@ -250,8 +254,12 @@ def test_drafts_that_cannot_serve_the_target_are_refused(
     _build(tmp_path / "small-vocab", 1, 1000, 0.06)
     with pytest.raises(ConfigError, match="vocabulary of 1000 tokens"):
         LLM(str(target), speculative_config={"model": str(tmp_path / "small-vocab")})
+    short = tmp_path / "short-context"  # the target serves 1024 positions, this draft 512
+    _build(short, 1, 49152, 0.06)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 512}))
     with pytest.raises(ConfigError, match="fewer than the target's max_model_len"):
-        LLM("embedded", max_model_len=2048, speculative_config={"model": str(target)})
+        LLM(str(target), speculative_config={"model": str(short)})
     other = tmp_path / "other-tokenizer"
     _build(other, 1, 49152, 0.06)
     data = json.loads((other / "tokenizer.json").read_text())

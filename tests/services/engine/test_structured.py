@@ -40,60 +40,85 @@ def _so(kind: str, spec: object = "") -> StructuredOutput:
     return StructuredOutput(kind, spec if isinstance(spec, str) else json.dumps(spec))
 
 
-def _run(llm: LLM, chat_ids: list[list[int]], so: StructuredOutput | None, **kw: object) -> list:
-    params = SamplingParams(max_tokens=kw.pop("max_tokens", 80), structured=so, **kw)  # type: ignore[arg-type]
-    return [r.outputs[0] for r in llm.generate(chat_ids[:4], params)]
+SAMPLING_OPTIONS = [
+    {"temperature": 0.0},
+    {"temperature": 1.0, "seed": 3},
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 5},
+    {"temperature": 0.0, "repetition_penalty": 1.3, "logprobs": 2},
+    {"temperature": 1.2, "min_p": 0.05, "presence_penalty": 1.0},
+]
+# (case, spec, sampling knobs) of the constrained runs below, each on the first 4 chat prompts
+CASES: list[tuple[str, StructuredOutput, dict]] = [
+    *((f"json-{i}", _so("json", PERSON), kw) for i, kw in enumerate(SAMPLING_OPTIONS)),
+    ("regex", _so("regex", r"[0-9]{3}-[a-z]{2,4}"), {"temperature": 1.0, "seed": 1}),
+    ("choice", _so("choice", ["yes", "no", 'say "maybe"']), {"temperature": 1.0}),
+    ("gbnf", _so("grammar", 'root ::= "A" [0-9] [0-9]? "!"'), {}),
+    ("lark", _so("grammar", 'start: "x" NUM\nNUM: /[0-9]/'), {}),
+    # a JSON object may go on for long: those done within 40 tokens parse (2 of 4, this seed)
+    ("json_object", _so("json_object"), {"max_tokens": 40, "temperature": 1.0, "seed": 1}),
+    ("ignore_eos", _so("choice", ["yes", "no"]), {"temperature": 0.0, "ignore_eos": True}),
+]
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        {"temperature": 0.0},
-        {"temperature": 1.0, "seed": 3},
-        {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 5},
-        {"temperature": 0.0, "repetition_penalty": 1.3, "logprobs": 2},
-        {"temperature": 1.2, "min_p": 0.05, "presence_penalty": 1.0},
-    ],
-)
+@pytest.fixture(scope="module")
+def constrained(llm: LLM, chat_ids: list[list[int]]) -> dict[str, list]:
+    """Every case of :data:`CASES` and the structural tag's in one generate call (48 requests:
+    a decode step serves up to 32 of them at once, rather than a call per case running 4):
+    each case's 4 outputs. A request's output is shaped by its own prompt, grammar and seed,
+    not by the batch it is in (seeded sampling is batch-invariant: test_llm_engine.py)."""
+    tag = ("structural_tag", _so("structural_tag", _tool_call_tag()),
+           {"temperature": 1.0, "seed": 2, "max_tokens": 120})  # fmt: skip
+    cases = [*CASES, tag]
+    params = [SamplingParams(**{"max_tokens": 80, **kw}, structured=so)  # type: ignore[arg-type]
+              for _, so, kw in cases for _ in range(4)]  # fmt: skip
+    results = llm.generate([ids for _ in cases for ids in chat_ids[:4]], params)
+    return {case: [r.outputs[0] for r in results[4 * i : 4 * i + 4]]
+            for i, (case, _, _) in enumerate(cases)}  # fmt: skip
+
+
+@pytest.mark.parametrize("option", range(len(SAMPLING_OPTIONS)))
 def test_json_schema_outputs_validate_under_every_sampling_option(
-    llm: LLM, chat_ids: list[list[int]], kw: dict
+    constrained: dict[str, list], option: int
 ) -> None:
-    for out in _run(llm, chat_ids, _so("json", PERSON), **kw):
+    for out in constrained[f"json-{option}"]:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), PERSON)
-        if kw.get("logprobs"):
+        if SAMPLING_OPTIONS[option].get("logprobs"):
             assert len(out.logprobs) == len(out.token_ids)
 
 
-def test_regex_choice_grammar_and_json_object(llm: LLM, chat_ids: list[list[int]]) -> None:
-    outs = _run(llm, chat_ids, _so("regex", r"[0-9]{3}-[a-z]{2,4}"), temperature=1.0, seed=1)
+def test_regex_choice_grammar_and_json_object(constrained: dict[str, list]) -> None:
+    outs = constrained["regex"]
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", o.text) for o in outs), outs
-    outs = _run(llm, chat_ids, _so("choice", ["yes", "no", 'say "maybe"']), temperature=1.0)
-    assert all(o.text in ("yes", "no", 'say "maybe"') for o in outs)
-    outs = _run(llm, chat_ids, _so("grammar", 'root ::= "A" [0-9] [0-9]? "!"'))
-    assert all(re.fullmatch(r"A[0-9]{1,2}!", o.text) for o in outs)
-    outs = _run(llm, chat_ids, _so("grammar", 'start: "x" NUM\nNUM: /[0-9]/'))  # Lark
-    assert all(re.fullmatch(r"x[0-9]", o.text) for o in outs)
-    # a JSON object may go on for long: those done within 40 tokens parse (2 of 4 with this seed)
-    outs = _run(llm, chat_ids, _so("json_object"), max_tokens=40, temperature=1.0, seed=1)
+    assert all(o.text in ("yes", "no", 'say "maybe"') for o in constrained["choice"])
+    assert all(re.fullmatch(r"A[0-9]{1,2}!", o.text) for o in constrained["gbnf"])
+    assert all(re.fullmatch(r"x[0-9]", o.text) for o in constrained["lark"])
+    outs = constrained["json_object"]
     done = [o for o in outs if o.finish_reason == "stop"]
     assert done and all(isinstance(json.loads(o.text), dict) for o in done), outs
 
 
+def _tool_call_tag() -> dict:
+    """The hermes parser's structural tag for strict tools ``add_person`` (:data:`PERSON`,
+    nothing else) and ``ping`` under tool_choice "auto", made to call at once (at_least_one)."""
+    from gateway.flows.tool_parsers import get_parser
+
+    tag = get_parser("hermes").structural_tag([("add_person", TOOL_SCHEMA), ("ping", None)], False)
+    assert tag is not None
+    tag["format"]["at_least_one"] = True
+    return tag
+
+
+TOOL_SCHEMA = {**PERSON, "additionalProperties": False}
+
+
 def test_a_structural_tag_holds_each_call_to_its_functions_schema(
-    llm: LLM, chat_ids: list[list[int]]
+    constrained: dict[str, list],
 ) -> None:
     """The hermes parser's structural tag (strict tools under tool_choice "auto"), made to
     call at once (at_least_one) and once only: whatever the sampling, the output is one whole
     <tool_call> block whose arguments match the function's schema."""
-    from gateway.flows.tool_parsers import get_parser
-
-    schema = {**PERSON, "additionalProperties": False}
-    tag = get_parser("hermes").structural_tag([("add_person", schema), ("ping", None)], False)
-    assert tag is not None
-    tag["format"]["at_least_one"] = True
-    outs = _run(llm, chat_ids, _so("structural_tag", tag), temperature=1.0, seed=2,
-                max_tokens=120)  # fmt: skip
+    outs = constrained["structural_tag"]
     done = [o for o in outs if o.finish_reason == "stop"]
     assert done, outs
     for o in done:
@@ -102,7 +127,7 @@ def test_a_structural_tag_holds_each_call_to_its_functions_schema(
         assert match is not None, o.text
         arguments = json.loads(match.group(2))
         if match.group(1) == "add_person":
-            jsonschema.validate(arguments, schema)
+            jsonschema.validate(arguments, TOOL_SCHEMA)
         else:
             assert match.group(1) == "ping" and isinstance(arguments, dict)
 
@@ -218,8 +243,8 @@ def test_a_grammar_refusing_a_token_leaves_only_its_end(llm: LLM) -> None:
     assert allowed == [2] and batch.ends_with("r", 2)
 
 
-def test_ignore_eos_still_ends_where_the_grammar_does(llm: LLM, chat_ids: list[list[int]]) -> None:
-    outs = _run(llm, chat_ids, _so("choice", ["yes", "no"]), temperature=0.0, ignore_eos=True)
+def test_ignore_eos_still_ends_where_the_grammar_does(constrained: dict[str, list]) -> None:
+    outs = constrained["ignore_eos"]
     assert all(o.text in ("yes", "no") and o.finish_reason == "stop" for o in outs)
 
 
@@ -268,6 +293,15 @@ def _drain(engine: object) -> dict[str, list]:
     return outs
 
 
+FREE = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def alone(llm: LLM, chat_ids: list[list[int]]) -> list[int]:
+    """The second chat prompt's greedy tokens run alone (computed once for both cases below)."""
+    return llm.generate([chat_ids[1]], FREE)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     ("so", "sampled"),
     [
@@ -276,7 +310,7 @@ def _drain(engine: object) -> dict[str, list]:
     ],
 )
 def test_a_grammar_and_allowed_token_ids_that_leave_no_token_end_the_request_with_an_error(
-    llm: LLM, chat_ids: list[list[int]], so: StructuredOutput, sampled: int
+    llm: LLM, chat_ids: list[list[int]], so: StructuredOutput, sampled: int, alone: list[int]
 ) -> None:
     """The grammar's next tokens and allowed_token_ids meet nowhere (no static check can see
     it): the request ends there, finish_reason "error", an error naming the fields (token 0
@@ -284,11 +318,9 @@ def test_a_grammar_and_allowed_token_ids_that_leave_no_token_end_the_request_wit
     it would alone."""
     engine = llm.engine
     brace, x = llm.tokenizer.encode("{")[0], llm.tokenizer.encode("x")[0]
-    free = SamplingParams(temperature=0.0, max_tokens=12)
-    alone = llm.generate([chat_ids[1]], free)[0].outputs[0].token_ids
     sp = SamplingParams(temperature=0.0, max_tokens=12, structured=so, allowed_token_ids=[brace, x])
     engine.add_request("none-left", chat_ids[0], sp)
-    engine.add_request("beside", chat_ids[1], free)
+    engine.add_request("beside", chat_ids[1], FREE)
     outs = _drain(engine)
     last = outs["none-left"][-1]
     assert [t for o in outs["none-left"] for t in o.token_ids] == [brace] * sampled
