@@ -45,30 +45,27 @@ def messages(system: str | None, user: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def stack(fleet: Fleet) -> Any:
+    """The shared prefill + decode workers and the shared gateway in front of them (the same one
+    as both_topologies'; it outlives the module)."""
     prefill, decode = fleet.shared("prefill", "decode")
-    gateway = fleet.gateway(prefill=[prefill], decode=[decode])
+    gateway = fleet.shared_gateway(prefill=[prefill], decode=[decode])
     wait_healthy(gateway, 2)
     yield prefill, decode, gateway
-    gateway.kill()
 
 
 def both_topologies(fleet: Fleet) -> Iterator[dict[str, Proc]]:
     """A gateway in front of the shared prefill + decode workers and one in front of the shared
-    colocated worker, for a module's fixture. After it the workers' pools must be free while the
-    gateways still run (a request that its first token ends has its reservation released in the
-    background once the prefill is done: a gateway killed first would leave that to the
-    reservation's lease), then the gateways are killed."""
+    colocated worker, for a module's fixture: the fleet's shared gateways, kept for the next
+    module. After it the workers' pools must be free while the gateways still run (a request
+    that its first token ends has its reservation released in the background once the prefill
+    is done: a gateway killed first would leave that to the reservation's lease)."""
     prefill, decode, worker = fleet.shared("prefill", "decode", "worker")
-    disagg = fleet.gateway(prefill=[prefill], decode=[decode])
-    colocated = fleet.gateway(worker=[worker])
+    disagg = fleet.shared_gateway(prefill=[prefill], decode=[decode])
+    colocated = fleet.shared_gateway(worker=[worker])
     wait_healthy(disagg, 2)
     wait_healthy(colocated, 1)
     yield {"disagg": disagg, "colocated": colocated}
-    try:
-        asyncio.run(pools_free(prefill, decode, worker, timeout_s=10.0))
-    finally:
-        disagg.kill()
-        colocated.kill()
+    asyncio.run(pools_free(prefill, decode, worker, timeout_s=10.0))
 
 
 def workers(gateway: Proc) -> list[dict[str, Any]]:

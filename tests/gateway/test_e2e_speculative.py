@@ -32,7 +32,7 @@ def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
     spec_decode.wait_ready()
     draft_worker.wait_ready()
     found = {
-        "plain": fleet.gateway(prefill=[prefill], decode=[decode]),
+        "plain": fleet.shared_gateway(prefill=[prefill], decode=[decode]),  # not killed below
         "disagg": fleet.gateway(prefill=[prefill], decode=[spec_decode]),
         "draft-colocated": fleet.gateway(worker=[draft_worker]),
     }
@@ -42,8 +42,8 @@ def gateways(fleet: Fleet) -> Iterator[dict[str, Proc]]:
     try:  # while the gateways run: they release what their last requests held (see both_topologies)
         asyncio.run(pools_free(prefill, spec_decode, draft_worker, timeout_s=10.0))
     finally:
-        for gateway in found.values():
-            gateway.kill()
+        for name in ("disagg", "draft-colocated"):
+            found[name].kill()
     for proc in (spec_decode, draft_worker):
         fleet.forget(proc)
         proc.kill()

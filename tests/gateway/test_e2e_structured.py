@@ -206,22 +206,24 @@ def _valid_calls(calls: list[Any]) -> list[tuple[str, dict[str, Any]]]:
 async def test_required_and_named_tool_calls_stream_and_not(
     gateways: dict[str, Proc], topology: str
 ) -> None:
-    """Each tool choice's call, then the same streamed (the two choices side by side)."""
+    """Each tool choice's call, and the same streamed: greedy, so the two are asked side by side
+    (the worker batches them), as are the two choices."""
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
 
     async def check(client: openai.AsyncOpenAI, choice: Any) -> None:
         kw: dict[str, Any] = {"model": MODEL, "messages": ask, "tools": [WEATHER, TIME],
                               "tool_choice": choice, "temperature": 0, "max_tokens": 120}  # fmt: skip
-        reply = await client.chat.completions.create(**kw)
-        message = reply.choices[0].message
         # OpenAI's and vLLM's: "tool_calls" for required, "stop" for a named function
         finish = "tool_calls" if choice == "required" else "stop"
+        reply, streamed = await asyncio.gather(
+            client.chat.completions.create(**kw), _streamed_calls(client, kw, finish)
+        )
+        message = reply.choices[0].message
         assert reply.choices[0].finish_reason == finish
         calls = _valid_calls(message.tool_calls or [])
         assert calls and message.content is None
         if choice != "required":
             assert [name for name, _ in calls] == ["get_weather"]
-        streamed = await _streamed_calls(client, kw, finish)
         assert streamed == [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
 
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -319,23 +321,32 @@ async def test_a_grammar_and_allowed_token_ids_that_leave_no_token_are_a_400(
     schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["get_time"]}}
     cases = [({"guided_choice": ["yes", "no"], "allowed_token_ids": [x]}, 0),
              ({"response_format": schema, "allowed_token_ids": [brace]}, 1)]  # fmt: skip
-    for gateway in gateways.values():
-        url = f"{gateway.url}/v1/chat/completions"
-        for extra, before in cases:
-            body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "temperature": 0, **extra}
-            r = httpx.post(url, timeout=30, json=body)
-            assert r.status_code == 400, r.text
-            error = r.json()["error"]
-            assert error["param"] == "allowed_token_ids", error
-            assert error["message"].startswith("no token is allowed at this point"), error
-            assert "grammar" in error["message"] and "output_token_ids" not in error["message"]
-            with httpx.stream("POST", url, timeout=30, json={**body, "stream": True}) as s:
-                lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
-            assert lines[-1] == "[DONE]", lines
-            *frames, last = [json.loads(ln) for ln in lines[:-1]]
-            assert last["error"] == error, last
-            text = "".join(c["delta"].get("content") or "" for f in frames for c in f["choices"])
-            assert text == "{" * before, frames
+
+    async def check(
+        client: httpx.AsyncClient, url: str, extra: dict[str, Any], before: int
+    ) -> None:
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "temperature": 0, **extra}
+
+        async def stream() -> list[str]:
+            async with client.stream("POST", url, json={**body, "stream": True}) as s:
+                return [ln[6:] async for ln in s.aiter_lines() if ln.startswith("data: ")]
+
+        r, lines = await asyncio.gather(client.post(url, json=body), stream())
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "allowed_token_ids", error
+        assert error["message"].startswith("no token is allowed at this point"), error
+        assert "grammar" in error["message"] and "output_token_ids" not in error["message"]
+        assert lines[-1] == "[DONE]", lines
+        *frames, last = [json.loads(ln) for ln in lines[:-1]]
+        assert last["error"] == error, last
+        text = "".join(c["delta"].get("content") or "" for f in frames for c in f["choices"])
+        assert text == "{" * before, frames
+
+    # both cases in both topologies, whole and streamed, side by side: each request is its own
+    async with httpx.AsyncClient(timeout=30) as client:
+        await asyncio.gather(*(check(client, f"{gateway.url}/v1/chat/completions", extra, before)
+                               for gateway in gateways.values() for extra, before in cases))  # fmt: skip
     await pools_free(*fleet.shared("prefill", "decode", "worker"))
 
 

@@ -3,7 +3,8 @@
 Every process runs in its own session (process group) and dies with the test process
 (PR_SET_PDEATHSIG); :meth:`Fleet.close` kills every group it started. Model loading takes seconds,
 so one :class:`Fleet` per test session keeps shared workers (``fleet.shared("prefill")``) alive
-across test modules and starts a fresh one only when a test killed the last. A test gets shared
+across test modules and starts a fresh one only when a test killed the last; gateways in front
+of them (``fleet.shared_gateway``) are kept across modules the same way. A test gets shared
 workers idle: one that still holds KV or requests from an earlier test (which then failed) is
 given a few seconds to settle and is replaced if it does not, so no test inherits another's
 leftovers or depends on its timing.
@@ -135,6 +136,7 @@ class Fleet:
         self.root = root
         self.procs: list[Proc] = []
         self._shared: dict[str, Proc] = {}
+        self._gateways: dict[tuple[str, ...], Proc] = {}
         self._count = 0
 
     def spawn(self, role: str, *args: str, name: str | None = None) -> Proc:
@@ -162,9 +164,21 @@ class Fleet:
         self, *, prefill: Sequence[Proc] = (), decode: Sequence[Proc] = (),
         worker: Sequence[Proc] = (), args: Sequence[str] = (),
     ) -> Proc:  # fmt: skip
-        groups = (("prefill", prefill), ("decode", decode), ("worker", worker))
-        flags = [f"--{role}={p.address}" for role, procs in groups for p in procs]
-        return self.start("gateway", *flags, *args)
+        return self.start("gateway", *_gateway_flags(prefill, decode, worker), *args)
+
+    def shared_gateway(
+        self, *, prefill: Sequence[Proc] = (), decode: Sequence[Proc] = (),
+        worker: Sequence[Proc] = (), args: Sequence[str] = (),
+    ) -> Proc:  # fmt: skip
+        """A long-lived gateway in front of these workers with these flags, started on the first
+        call and given to every later one that asks for the same (each module started its own,
+        ~2 s a gateway). Its users must not kill it; one in front of a worker that was since
+        replaced (a new address) is never asked for again, and dies with the fleet."""
+        key = (*_gateway_flags(prefill, decode, worker), *args)
+        proc = self._gateways.get(key)
+        if proc is None or not proc.alive:
+            proc = self._gateways[key] = self.start("gateway", *key)
+        return proc
 
     def shared(self, *roles: str) -> list[Proc]:
         """Long-lived workers of these roles (one each), idle, started together if not running."""
@@ -189,6 +203,13 @@ class Fleet:
         for proc in self.procs:
             if proc.alive:
                 proc.kill()
+
+
+def _gateway_flags(
+    prefill: Sequence[Proc], decode: Sequence[Proc], worker: Sequence[Proc]
+) -> tuple[str, ...]:
+    groups = (("prefill", prefill), ("decode", decode), ("worker", worker))
+    return tuple(f"--{role}={p.address}" for role, procs in groups for p in procs)
 
 
 _FLEET: Fleet | None = None
