@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from kernels import ops
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.llm import LLM
 from services.engine.llm_engine import load_tokenizer
+from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import BESIDE, token_prompts, tokenizer_dir, transformers_greedy
 
 VOCAB = 49152  # the embedded tokenizer's
@@ -239,6 +241,13 @@ NEW_TOKENS = 16
 TRITON_TOKENS = 10
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _tokenizers_loaded_once() -> Iterator[None]:
+    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
+    with tokenizers_loaded_once():
+        yield
+
+
 def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -261,8 +270,21 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
             module.alpha = getattr(cfg, "swiglu_alpha", 1.702)  # config says: the reference
             # takes the config's (the engine does), or its defaults where 5.17's has none
     model.save_pretrained(path)
-    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    _save_tokenizer(path)
     return model.eval()
+
+
+_TOKENIZER_FILES: list[str] = []  # the test tokenizer's files, as save_pretrained first wrote them
+
+
+def _save_tokenizer(path: Path) -> None:
+    """The test tokenizer into ``path``: loaded and saved once, its files copied after (the
+    same bytes; loading it takes a third of a second, a dozen checkpoints a module)."""
+    if _TOKENIZER_FILES and all(Path(f).is_file() for f in _TOKENIZER_FILES):
+        for f in _TOKENIZER_FILES:
+            shutil.copy(f, path / Path(f).name)
+        return
+    _TOKENIZER_FILES[:] = load_tokenizer(tokenizer_dir()).save_pretrained(path)
 
 
 def _prompts(seed: int, lens: list[int] = PROMPT_LENS) -> list[list[int]]:
@@ -271,6 +293,19 @@ def _prompts(seed: int, lens: list[int] = PROMPT_LENS) -> list[list[int]]:
 
 def _hf_greedy(model: Any, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     return transformers_greedy(model, prompt, new_tokens)
+
+
+def _hf_greedy_along(model: Any, prompt: list[int], got: list[int]) -> list[int]:
+    """transformers' greedy pick at each of ``got``'s steps: one forward over the prompt and
+    ``got`` but its last token, each position's argmax from the prompt's last on. It equals
+    ``got`` exactly when ``got`` is transformers' greedy continuation (each token its argmax
+    given the tokens before it, as ``generate`` picks them; at the first that differs, the
+    token transformers would have picked there): the check of :func:`_hf_greedy`, token for
+    token, in one prefill instead of a forward pass per new token."""
+    assert got, "no tokens to check"
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + got[:-1]])).logits[0, len(prompt) - 1 :]
+    return logits.argmax(-1).tolist()
 
 
 Built = tuple[Path, Any]  # the checkpoint's directory, transformers' model of it
@@ -297,9 +332,19 @@ def _assert_greedy_matches(
     ours = LLM(str(path), **BESIDE, **knobs).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     )
-    for prompt, got in zip(prompts, ours, strict=True):
-        want = _hf_greedy(hf, prompt, new_tokens)
-        assert got.outputs[0].token_ids == want, f"{name}: diverged on a {len(prompt)}-token prompt"
+    _assert_transformers_greedy(name, hf, prompts, [r.outputs[0].token_ids for r in ours],
+                                new_tokens)  # fmt: skip
+
+
+def _assert_transformers_greedy(
+    name: str, hf: Any, prompts: list[list[int]], got: list[list[int]], new_tokens: int
+) -> None:
+    """Each of ``got`` is ``new_tokens`` long and transformers' greedy continuation of its
+    prompt, token for token."""
+    for prompt, ids in zip(prompts, got, strict=True):
+        assert len(ids) == new_tokens, f"{name}: {len(ids)} tokens on a {len(prompt)}-token prompt"
+        want = _hf_greedy_along(hf, prompt, ids)
+        assert ids == want, f"{name}: diverged on a {len(prompt)}-token prompt"
 
 
 # prompts that stay within LongRoPE's original length (64) with their new tokens, and longer
@@ -364,9 +409,10 @@ def test_longrope_prompts_of_both_kinds_never_share_cached_blocks(
         LLM(str(path), **BESIDE, block_size=16),
         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
     )
+    want = {len(p): _hf_greedy(hf, p) for p in (short, long)}  # each prompt's, computed once
     for prompt in (short, long, short, long):
         (out,) = llm.generate([prompt], greedy)
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt), f"{len(prompt)} tokens"
+        assert out.outputs[0].token_ids == want[len(prompt)], f"{len(prompt)} tokens"
         cached = out.num_cached_tokens
         assert cached in (0, len(prompt) // 16 * 16, (len(prompt) - 1) // 16 * 16), cached
     assert cached > 0  # the second long prompt found the first's blocks
@@ -536,7 +582,7 @@ def _gemma3_with_vision(path: Path) -> Any:
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
-    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    _save_tokenizer(path)
     return model.eval()
 
 
@@ -641,9 +687,9 @@ def test_a_mistral3_checkpoint_serves_its_language_model(
     llm = LLM(str(path), **BESIDE)
     prompts = _prompts(len(name), FEW_LENS)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    want = [_hf_greedy(hf, p) for p in prompts]
-    assert len({t for w in want for t in w}) > 4  # not a degenerate model
-    assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == want
+    got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert len({t for g in got for t in g}) > 4  # not a degenerate model
+    _assert_transformers_greedy(name, hf, prompts, got, NEW_TOKENS)
     with pytest.raises(InvalidRequestError, match=r"language model only \(mistral3's vision"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": [b"png"]}}, params)
     llm.close()
@@ -686,7 +732,7 @@ def test_mistral3_under_its_module_tree_names_and_the_hubs_untied_config(
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with LLM(str(tmp_path), **BESIDE) as llm:
         got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-    assert got == [_hf_greedy(hf, p) for p in prompts]
+    _assert_transformers_greedy("mistral3-yarn", hf, prompts, got, NEW_TOKENS)
 
 
 @pytest.mark.skipif(

@@ -5,6 +5,7 @@ chunked; the prefix cache keyed by image content; images refused where they cann
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from protos.sampling_params import InvalidRequestError
 from services.engine.llm import LLM
+from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import BESIDE
 from tests.services.engine.image_prompts import ImagePrompts
 from tests.services.vl_model import build, hf_greedy, png
@@ -28,6 +30,13 @@ CASES = [
     (("<image>", "and", "<image>", "differ how?"), [(3, 64, 64), (4, 100, 40)]),
     (("Compare", "<image>", "<image>"), [(5, 56, 56), (5, 56, 56)]),  # one image twice
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tokenizers_loaded_once() -> Iterator[None]:
+    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
+    with tokenizers_loaded_once():
+        yield
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])

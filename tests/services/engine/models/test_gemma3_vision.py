@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,26 @@ from protos.multimodal import VisionSpec
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import ConfigError
 from services.engine.llm import LLM
+from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import BESIDE
 from tests.services.engine.image_prompts import ImagePrompts, built_fixture
 from tests.services.gemma3_model import TOKENS, build, hf_greedy, png, processor_prompt
 
 IMAGES = ImagePrompts(png, hf_greedy, new=8)
 GREEDY = IMAGES.greedy
-_prompt, _reference = IMAGES.prompt, IMAGES.reference
+_prompt = IMAGES.prompt
+_REFERENCES: dict[tuple[Any, ...], list[int]] = {}
+
+
+def _reference(built: tuple[Path, Any], llm: LLM, prompt: dict) -> list[int]:
+    """transformers' greedy tokens on the prompt as our engine expands it
+    (``ImagePrompts.reference``), computed once per prompt: several tests check the same ones."""
+    ids, _ = llm.encode_with_images(prompt)
+    key = (str(built[0]), tuple(ids), tuple(prompt["multi_modal_data"]["image"]))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = IMAGES.reference(built, llm, prompt)
+    return list(_REFERENCES[key])
+
 
 # (chat parts, the images' (seed, width, height))
 CASES = [
@@ -38,6 +52,13 @@ CASES = [
 
 
 built = built_fixture("gemma3", build)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tokenizers_loaded_once() -> Iterator[None]:
+    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
+    with tokenizers_loaded_once():
+        yield
 
 
 @pytest.fixture(scope="module")
