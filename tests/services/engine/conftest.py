@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -87,15 +88,13 @@ def tiny_checkpoint(path: Path, model_type: str, **config: Any) -> Path:
     ``path``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from services.engine.llm_engine import load_tokenizer
-
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
         model_type, vocab_size=49152, max_position_embeddings=1024, initializer_range=0.2,
         bos_token_id=None, eos_token_id=None, **config,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    save_test_tokenizer(path)
     return path
 
 
@@ -117,8 +116,6 @@ def tiny_mistral3(path: Path, text: dict[str, Any], **config: Any) -> Any:
     its norms off their initial ones, saved as transformers saves it; returns the model."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from services.engine.llm_engine import load_tokenizer
-
     torch.manual_seed(0)
     cfg = Mistral3Config(
         text_config={"model_type": "mistral", "vocab_size": 49152, "max_position_embeddings": 1024,
@@ -135,7 +132,7 @@ def tiny_mistral3(path: Path, text: dict[str, Any], **config: Any) -> Any:
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
-    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    save_test_tokenizer(path)
     return model.eval()
 
 
@@ -152,6 +149,19 @@ def tokenizer_dir() -> str:
     from services.model_files import prepare_model
 
     return os.environ.get("TANDEM_TEST_TOKENIZER") or str(prepare_model("embedded").hf_dir)
+
+
+def save_test_tokenizer(path: Path) -> None:
+    """The tokenizer of :func:`tokenizer_dir` saved into ``path`` (a tiny checkpoint's), loaded
+    once per process: a load takes half a second, a save a few milliseconds."""
+    _test_tokenizer().save_pretrained(path)
+
+
+@functools.cache
+def _test_tokenizer() -> Any:
+    from services.engine.llm_engine import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir())
 
 
 def rank_processes() -> list[int]:

@@ -16,8 +16,7 @@ from protos.sampling_params import SamplingParams
 from services.config import ConfigError
 from services.engine.gpt_oss_weights import FP4_VALUES, MXFP4_BLOCK, dequantize_mxfp4
 from services.engine.llm import LLM
-from services.engine.llm_engine import load_tokenizer
-from tests.services.engine.conftest import BESIDE, tokenizer_dir
+from tests.services.engine.conftest import BESIDE, save_test_tokenizer
 
 
 def test_codes_take_their_values_low_nibble_first_times_the_block_power_of_two() -> None:
@@ -73,7 +72,7 @@ def mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ob
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp("gpt-oss-mxfp4")
     hf.save_pretrained(path)
-    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    save_test_tokenizer(path)
     tensors = load_file(path / "model.safetensors")
     params = dict(hf.named_parameters())
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:

@@ -23,9 +23,9 @@ from services.config import ConfigError, SpeculativeConfig
 from services.engine import draft_proposer
 from services.engine.kv_cache import block_bytes
 from services.engine.llm import LLM
-from services.engine.llm_engine import LLMEngine, load_tokenizer
+from services.engine.llm_engine import LLMEngine
 from services.engine.speculative import VERIFY_ROWS, PromptChunk, ProposalRequest
-from tests.services.engine.conftest import BESIDE, hand_over, tokenizer_dir
+from tests.services.engine.conftest import BESIDE, hand_over, save_test_tokenizer
 from tests.services.engine.test_speculative import COPYING, PROMPTS
 
 
@@ -46,7 +46,7 @@ def _build(
     if like is not None:
         model.load_state_dict(like.state_dict(), strict=False)  # type: ignore[attr-defined]
     model.save_pretrained(path)
-    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    save_test_tokenizer(path)
     return model.eval()
 
 

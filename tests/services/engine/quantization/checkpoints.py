@@ -520,8 +520,7 @@ def deepseek_checkpoints(
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from services.engine.llm_engine import load_tokenizer
-    from tests.services.engine.conftest import tokenizer_dir
+    from tests.services.engine.conftest import save_test_tokenizer
 
     torch.manual_seed(0)
     shapes = {**DEEPSEEK, **DEEPSEEK_TYPES[model_type], **(DEEPSEEK_INT4 if fmt != "fp8" else {})}
@@ -563,5 +562,5 @@ def deepseek_checkpoints(
     quantized = write(root / fmt, {**config, "torch_dtype": dtype}, tensors)
     ref = float_checkpoint(root / "ref", deq, quantized)
     for path in (quantized, ref):
-        load_tokenizer(tokenizer_dir()).save_pretrained(path)
+        save_test_tokenizer(path)
     return quantized, ref
