@@ -3,6 +3,8 @@ as the reference."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,20 @@ def base_hf_dir() -> Path:
     return hf_dir
 
 
-def _base_model(base: Path | None = None) -> Any:
+@functools.lru_cache(maxsize=2)
+def _loaded(path: Path) -> Any:
+    """The model of one folder, loaded once (two kept: a test's base and the embedded model);
+    never handed out itself, only copies of it (:func:`_base_model`)."""
     from transformers import AutoModelForCausalLM
 
-    path = base or base_hf_dir()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _base_model(base: Path | None = None) -> Any:
+    """A fresh float32 copy of the base model: peft wraps and merges into the model it is given,
+    so each caller gets its own deep copy of the one loaded per folder (loading it again costs
+    ~1 s for the embedded model, a copy a fraction of that)."""
+    return copy.deepcopy(_loaded(base or base_hf_dir()))
 
 
 def make_adapter(path: Path, seed: int, base: Path | None = None, **lora: Any) -> Path:
@@ -38,8 +49,9 @@ def make_adapter(path: Path, seed: int, base: Path | None = None, **lora: Any) -
     (default: the embedded model)."""
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(seed)
-    model = get_peft_model(_base_model(base), LoraConfig(lora_dropout=0.0, **lora))
+    model = _base_model(base)
+    torch.manual_seed(seed)  # after the load: the same adapter whether the base was cached or not
+    model = get_peft_model(model, LoraConfig(lora_dropout=0.0, **lora))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -48,9 +60,11 @@ def make_adapter(path: Path, seed: int, base: Path | None = None, **lora: Any) -
     return path
 
 
-def make_adapters(root: Path) -> dict[str, Path]:
+def make_adapters(root: Path, base: Path | None = None) -> dict[str, Path]:
+    """Every adapter of :data:`ADAPTERS` under ``root``, on ``base`` (default: the embedded
+    model)."""
     return {
-        name: make_adapter(root / name, seed, **cfg)
+        name: make_adapter(root / name, seed, base, **cfg)
         for seed, (name, cfg) in enumerate(ADAPTERS.items())
     }
 

@@ -1,6 +1,8 @@
-"""LoRA in the engine against peft's merged models (transformers, float32, greedy) on the
-embedded SmolLM2: a batch mixing two adapters and the base model, adapters taking turns in
-one slot, the prefix cache kept apart per adapter, runtime load and unload."""
+"""LoRA in the engine against peft's merged models (transformers, float32, greedy) on a tiny
+random Llama of SmolLM2's head layout: a batch mixing two adapters and the base model, adapters
+taking turns in one slot, the prefix cache kept apart per adapter, runtime load and unload,
+drafts verified under adapters (n-gram drafts on SmolLM2's own first layers, whose text repeats).
+(tests/deploy/test_up_lora_e2e.py serves adapters on the whole embedded SmolLM2.)"""
 
 from __future__ import annotations
 
@@ -15,7 +17,13 @@ from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import LoRAConfig
 from services.engine.llm import LLM
 from tests.services.engine.conftest import BESIDE, tiny_checkpoint
-from tests.services.engine.lora_helpers import ADAPTERS, make_adapter, make_adapters, peft_greedy
+from tests.services.engine.lora_helpers import (
+    ADAPTERS,
+    base_hf_dir,
+    make_adapter,
+    make_adapters,
+    peft_greedy,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["Tell me a story about a dragon.", "What is the capital of France?"]
@@ -23,19 +31,33 @@ NAMES = ["attn-r8", "", "mlp-r16"]  # "" is the base model
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_adapters(tmp_path_factory.mktemp("adapters"))
-
-
-def serving(adapters: dict[str, Path], max_loras: int = 2, **knobs: object) -> LLM:
-    modules = tuple((name, str(path)) for name, path in adapters.items())
-    lora = LoRAConfig(modules=modules, max_loras=max_loras, max_lora_rank=16)
-    return LLM("embedded", lora_config=lora, max_num_seqs=8, **BESIDE, **knobs)
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The adapters' base: a seeded random 2-layer Llama with the embedded SmolLM2's layout at a
+    fraction of its width (9 query heads over 3 KV heads, which two ranks split unevenly, 2 + 1;
+    tied embeddings) and its tokenizer (vocabulary, chat template, EOS). The claims are the
+    engine's LoRA arithmetic, not the model's text: a decode step costs a small fraction of
+    SmolLM2's (~90 ms at batch 1 on one CPU thread), and peft's reference likewise."""
+    return tiny_checkpoint(
+        tmp_path_factory.mktemp("lora-base") / "llama", "llama", num_hidden_layers=2,
+        hidden_size=144, head_dim=16, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=192, tie_word_embeddings=True,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def llm(adapters: dict[str, Path]) -> LLM:
-    return serving(adapters)
+def adapters(tmp_path_factory: pytest.TempPathFactory, base: Path) -> dict[str, Path]:
+    return make_adapters(tmp_path_factory.mktemp("adapters"), base)
+
+
+def serving(base: Path, adapters: dict[str, Path], max_loras: int = 2, **knobs: object) -> LLM:
+    modules = tuple((name, str(path)) for name, path in adapters.items())
+    lora = LoRAConfig(modules=modules, max_loras=max_loras, max_lora_rank=16)
+    return LLM(str(base), lora_config=lora, max_num_seqs=8, **BESIDE, **knobs)
+
+
+@pytest.fixture(scope="module")
+def llm(base: Path, adapters: dict[str, Path]) -> LLM:
+    return serving(base, adapters)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +66,12 @@ def prompts(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(adapters: dict[str, Path], prompts: list[list[int]], llm: LLM) -> dict[str, list[list[int]]]:  # fmt: skip
+def expected(
+    base: Path, adapters: dict[str, Path], prompts: list[list[int]], llm: LLM
+) -> dict[str, list[list[int]]]:
     eos = llm.engine.eos_token_ids  # what the engine stops on
-    refs = {name: peft_greedy(adapters[name] if name else None, prompts, GREEDY.max_tokens, eos)
+    refs = {name: peft_greedy(adapters[name] if name else None, prompts, GREEDY.max_tokens, eos,
+                              base)
             for name in NAMES}  # fmt: skip
     assert refs["attn-r8"] != refs[""] != refs["mlp-r16"], "an adapter that changes nothing"
     return refs
@@ -70,24 +95,31 @@ def test_a_batch_of_two_adapters_and_the_base_model_matches_peft(
 
 
 def test_two_ranks_serve_the_adapters_as_peft_does(
-    adapters: dict[str, Path], prompts: list[list[int]], expected: dict[str, list[list[int]]]
-) -> None:
+    base: Path, adapters: dict[str, Path], prompts: list[list[int]],
+    expected: dict[str, list[list[int]]],
+) -> None:  # fmt: skip
     """Tensor parallelism (two ranks, Gloo): each rank holds every adapter cut as its layers
     are (B's rows of its heads and MLP rows, A's columns of o and down's inputs, whose partial
     updates the ranks' sum adds up); each picks its own slots. One slot: the adapters take
     turns on every rank."""
-    llm = serving(adapters, max_loras=1, tensor_parallel_size=2)
+    from services.engine.tp_layout import TPLayout
+
+    llm = serving(base, adapters, max_loras=1, tensor_parallel_size=2)
     try:
         assert llm.engine.runner.ranks is not None
+        # SmolLM2's layout, uneven: 2 + 1 KV heads (6 + 3 query heads), so the slices differ
+        arch = llm.engine.runner.arch
+        assert [TPLayout.of(arch, r, 2).kv_heads for r in (0, 1)] == [(0, 2), (2, 3)]
         assert mixed(llm, prompts) == expected
     finally:
         llm.close()
 
 
 def test_one_slot_serves_both_adapters_in_turns(
-    adapters: dict[str, Path], prompts: list[list[int]], expected: dict[str, list[list[int]]]
-) -> None:
-    with serving(adapters, max_loras=1, max_num_batched_tokens=32) as one_slot:
+    base: Path, adapters: dict[str, Path], prompts: list[list[int]],
+    expected: dict[str, list[list[int]]],
+) -> None:  # fmt: skip
+    with serving(base, adapters, max_loras=1, max_num_batched_tokens=32) as one_slot:
         assert mixed(one_slot, prompts) == expected
 
 
@@ -110,10 +142,12 @@ def test_an_unknown_adapter_is_refused(llm: LLM, prompts: list[list[int]]) -> No
         llm.engine.add_request("x", prompts[0], replace(GREEDY, lora_name="nope"))
 
 
-def test_an_adapter_above_the_max_rank_is_refused_at_load(adapters: dict[str, Path]) -> None:
+def test_an_adapter_above_the_max_rank_is_refused_at_load(
+    base: Path, adapters: dict[str, Path]
+) -> None:
     lora = LoRAConfig(modules=(("mlp-r16", str(adapters["mlp-r16"])),), max_lora_rank=8)
     with pytest.raises(ConfigError, match="rank 16 exceeds --max-lora-rank 8"):
-        LLM("embedded", lora_config=lora)
+        LLM(str(base), lora_config=lora)
 
 
 def test_runtime_load_and_unload(
@@ -206,49 +240,70 @@ COPYING = [
     "Copy the list: apples, pears, plums, cherries, grapes, figs. The list again: apples,",
     "The password is tango-seven-alpha. Say the password twice: tango-seven-alpha,",
 ]
-SPEC_TOKENS = 12  # new tokens: drafts are still kept (53 and 32 of them, see the floors)
+SPEC_TOKENS = 12  # new tokens: drafts are still kept (see the floors)
 
 
-@pytest.fixture(scope="module")
-def copying(llm: LLM) -> tuple[list[tuple[str, list[int]]], list[SamplingParams], list]:
-    """Every copying prompt under every adapter and the base model, their params and the
-    engine's tokens without drafts (computed once for both kinds of draft)."""
-    ids = [llm.encode(p) for p in COPYING]
-    jobs = [(name, p) for p in ids for name in NAMES]
-    params = [SamplingParams(temperature=0.0, max_tokens=SPEC_TOKENS, logprobs=5, lora_name=name)
-              for name, _ in jobs]  # fmt: skip
-    return jobs, params, llm.generate([p for _, p in jobs], params)
+def embedded_cut(path: Path, layers: int) -> Path:
+    """The embedded SmolLM2's first ``layers`` layers (its own weights, final norm and tied
+    head) with its tokenizer, saved at ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.engine.llm_engine import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_hf_dir(), dtype=torch.float32)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(path)
+    load_tokenizer(str(base_hf_dir())).save_pretrained(path)
+    return path
 
 
-@pytest.mark.parametrize(
-    "draft",
-    [
-        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3},
-        # the base model proposes (a draft model has no adapters, as in vLLM); the target
-        # verifies under the request's adapter
-        {"model": "embedded", "num_speculative_tokens": 3},
-    ],
-    ids=["ngram", "draft-model"],
-)  # fmt: skip
+@pytest.fixture(scope="module", params=["ngram", "draft-model"])
+def drafting(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Path], dict[str, object]]:
+    """(base, its adapters, the speculative config) of one kind of draft. N-gram drafts are kept
+    only where the text repeats what came before, which a random model's never does: they run
+    on the embedded SmolLM2 cut to its first 4 layers, whose text falls into loops (", and,
+    and, ...") within a few tokens, at a fraction of the whole model's step. A draft model is
+    the base model (it has no adapters, as in vLLM; the target verifies under the request's
+    adapter): the tiny base, whose drafts the adapters' rows keep in part."""
+    if request.param == "draft-model":
+        base = request.getfixturevalue("base")
+        draft = {"model": str(base), "num_speculative_tokens": 3}
+        return base, request.getfixturevalue("adapters"), draft
+    root = tmp_path_factory.mktemp("repeater")
+    base = embedded_cut(root / "smollm2-4", 4)
+    draft = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3}  # fmt: skip
+    return base, make_adapters(root / "adapters", base), draft
+
+
 def test_drafts_verified_under_adapters_give_the_tokens_without_drafts(
-    adapters: dict[str, Path],
-    copying: tuple[list[tuple[str, list[int]]], list[SamplingParams], list],
-    draft: dict[str, object],
+    drafting: tuple[Path, dict[str, Path], dict[str, object]],
 ) -> None:
     """Speculative decoding with adapters: each verify step's rows (a request's token and its
     drafts) under the request's adapter, eagerly and through the graph buffers (the CPU runs
     the forward a captured graph would), the same greedy tokens as the engine without drafts
-    but at a float32 near-tie (a verify step sums in another order), drafts kept."""
+    but at a float32 near-tie (a verify step sums in another order), drafts kept and drafts
+    refused in each run. Every copying prompt under every adapter and the base model."""
     from protos.blocks import blocks_for
     from services.engine.cuda_graphs import DecodeGraphs
     from tests.services.engine.test_speculative import assert_same_but_near_ties
 
-    jobs, params, want = copying
-    prompts = [p for _, p in jobs]
-    with serving(adapters, speculative_config=draft) as spec:
+    base, adapters, draft = drafting
+    with serving(base, adapters) as plain:
+        ids = [plain.encode(p) for p in COPYING]
+        jobs = [(name, p) for p in ids for name in NAMES]
+        params = [SamplingParams(temperature=0.0, max_tokens=SPEC_TOKENS, logprobs=5,
+                                 lora_name=name) for name, _ in jobs]  # fmt: skip
+        prompts = [p for _, p in jobs]
+        want = plain.generate(prompts, params)
+    with serving(base, adapters, speculative_config=draft) as spec:
+        stats = spec.engine.spec_stats
         eager = spec.generate(prompts, params)
-        kept = spec.engine.spec_stats.num_accepted_tokens
+        kept, proposed = stats.num_accepted_tokens, stats.num_draft_tokens
         runner = spec.engine.runner
         max_blocks = blocks_for(runner.max_model_len, runner.block_size)
         runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, 32, max_blocks,
@@ -259,9 +314,11 @@ def test_drafts_verified_under_adapters_give_the_tokens_without_drafts(
         finally:
             runner.graphs = None
         replayed = runner.forwards.graph_lora - before
-        kept_graphed = spec.engine.spec_stats.num_accepted_tokens - kept
-    floor = 25 if "model" in draft else 15  # about half of what each kept (53, 32)
+        kept_graphed = stats.num_accepted_tokens - kept
+        proposed_graphed = stats.num_draft_tokens - proposed
+    floor = 15 if "model" in draft else 20  # about half of what each run kept (29, 39)
     assert kept > floor and kept_graphed > floor, "drafts were proposed but hardly kept"
+    assert proposed > kept and proposed_graphed > kept_graphed, "no draft was ever refused"
     assert replayed > 0, "no verify step with adapters went through the graph buffers"
     adapted = [i for i, (name, _) in enumerate(jobs) if name]
     assert any(want[i].outputs[0].token_ids != want[i + 1].outputs[0].token_ids
