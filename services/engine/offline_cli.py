@@ -34,16 +34,20 @@ def _load_prompts(args: argparse.Namespace) -> list[Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from services.engine.llm import LLM, config_from_args
-    from services.engine.tp_ranks import RankFailedError
-
-    try:
+    try:  # the request and the prompts are checked before torch is imported (~2 s)
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.sampling_seed, max_tokens=args.max_tokens,
             lora_name=getattr(args, "lora_name", None) or "",
         )  # fmt: skip
         prompts = _load_prompts(args)
+    except (InvalidRequestError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from services.engine.llm import LLM, config_from_args
+    from services.engine.tp_ranks import RankFailedError
+
+    try:
         config = config_from_args(args)
         with LLM(config=config) as llm:
             ids = [llm.encode(p) for p in prompts]
