@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ if not triton_interpreter.interpreting():
 import triton
 import triton.language as tl
 from triton.language import core as tl_core
+from triton.language.semantic import TritonSemantic
 from triton.runtime import interpreter
 
 
@@ -38,7 +41,10 @@ def test_installed_for_the_suite() -> None:
     assert interpreter.interpreter_builder.options.debug is False
     assert interpreter.interpreter_builder.options.sanitize_overflow is False
     assert getattr(interpreter._patch_lang, "skips_patched_modules", False)
-    assert interpreter.interpreter_semantic.broadcast_impl_value.__name__ == "equal_first"
+    semantic = interpreter.interpreter_semantic
+    assert semantic.broadcast_impl_value.__name__ == "splatting"
+    assert semantic.binary_op_type_checking_impl.__name__ == "checking"
+    assert interpreter._patch_attr.__name__ == "patching"
     assert interpreter._get_np_dtype.__name__ == "get"
     assert tl_core.block_type.__init__.__name__ == "kept_init"
     assert tl_core.tensor.__init__.__name__ == "kept_init"
@@ -101,3 +107,117 @@ def test_kept_types_equal_fresh_ones_and_bad_shapes_are_refused_every_time() -> 
     pointer = tl.pointer_type(tl.float16)
     assert interpreter._get_np_dtype(pointer) == np.dtype(np.uint64)
     assert interpreter._get_np_dtype(tl.block_type(pointer, [2])) == np.dtype(np.uint64)
+
+
+@triton.jit
+def _mixed_kernel(f_ptr, h_ptr, b_ptr, q_ptr, i_ptr, s_ptr, u_ptr, l_ptr, fo_ptr, io_ptr, k):
+    BLOCK: tl.constexpr = 16
+    offs = tl.arange(0, BLOCK)
+    f = tl.load(f_ptr + offs)  # float32
+    h = tl.load(h_ptr + offs)  # float16
+    b = tl.load(b_ptr + offs)  # bfloat16
+    q = tl.load(q_ptr + offs)  # fp8e4nv
+    i = tl.load(i_ptr + offs)  # int32
+    s = tl.load(s_ptr + offs)  # int8
+    u = tl.load(u_ptr + offs)  # uint8
+    n = tl.load(l_ptr + offs)  # int64
+    p = tl.program_id(0) + k  # a scalar tensor
+    floats = [
+        f + i,
+        b * f,
+        b + b,
+        h * b,
+        h - 2.5,
+        b * 3,
+        q + f,
+        q.to(tl.float32) * 2.0,
+        i / 3,
+        f / i,
+        h / b,
+        p * 2.5 + f,
+        1.5 - p,
+        f * BLOCK,
+        tl.where(i > 0, f, b),
+        tl.maximum(h, 0.25),
+        f % 3.0,
+        i.to(tl.float32) / p,
+    ]
+    ints = [
+        i * 65537 + 7,
+        s + i,
+        u + s,
+        u * 3,
+        s - 1,
+        n + i,
+        n * u,
+        i // 3,
+        i % 7,
+        -i // 4,
+        u // (u + 1),
+        n // (i + 100),
+        i & 0xFF,
+        i >> 2,
+        i ^ s,
+        u << 1,
+        p * i + BLOCK,
+        (i < p) + s,
+        (f > 0) & (i != 0),
+        p - 3,
+        7 - p,
+        n % (s.to(tl.int64) + 200),
+    ]
+    for j in tl.static_range(len(floats)):
+        tl.store(fo_ptr + j * BLOCK + offs, floats[j])
+    for j in tl.static_range(len(ints)):
+        tl.store(io_ptr + j * BLOCK + offs, ints[j])
+
+
+def _mixed_run() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(16, generator=g) * 100
+    i = torch.randint(-(2**31), 2**31 - 1, (16,), generator=g, dtype=torch.int32)
+    args = [
+        f,
+        (torch.randn(16, generator=g) * 10).half(),
+        (torch.randn(16, generator=g) * 10).bfloat16(),
+        (torch.randn(16, generator=g) * 4).to(torch.float8_e4m3fn),
+        torch.where(i == 0, 1, i),
+        torch.randint(-128, 127, (16,), generator=g, dtype=torch.int8),
+        torch.randint(0, 255, (16,), generator=g, dtype=torch.uint8),
+        torch.randint(-(2**62), 2**62, (16,), generator=g, dtype=torch.int64),
+    ]
+    fo, io = torch.zeros(18, 16), torch.zeros(22, 16, dtype=torch.int64)
+    _mixed_kernel[(2,)](*args, fo, io, 5)
+    return fo, io
+
+
+def test_operand_types_kept_splats_and_direct_builtins_give_the_original_s_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kept = _mixed_run()
+    assert kept[0].isfinite().all() and (kept[1] != 0).any()
+    semantic = interpreter.interpreter_semantic
+    for name in ("binary_op_type_checking_impl", "broadcast_impl_value"):
+        monkeypatch.setattr(
+            semantic, name, types.MethodType(getattr(TritonSemantic, name), semantic)
+        )
+    monkeypatch.setattr(interpreter, "_patch_attr", interpreter._patch_attr.__wrapped__)
+    fresh = _mixed_run()
+    for a, b in zip(kept, fresh, strict=True):
+        assert torch.equal(
+            a.view(torch.int32 if a.is_floating_point() else a.dtype),
+            b.view(torch.int32 if b.is_floating_point() else b.dtype),
+        )
+
+
+@triton.jit
+def _out_of_range_kernel(i_ptr, out_ptr):
+    offs = tl.arange(0, 4)
+    tl.store(out_ptr + offs, tl.load(i_ptr + offs) + 5_000_000_000)
+
+
+def test_a_check_that_raises_raises_every_time() -> None:
+    i = torch.arange(4, dtype=torch.int32)
+    for _ in range(2):
+        with pytest.raises(Exception, match="out of range"):
+            _out_of_range_kernel[(1,)](i, torch.empty_like(i))
