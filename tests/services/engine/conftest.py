@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -247,3 +247,14 @@ def hand_off(
         got.append(tokens)
     assert decode.kv.all_free() and prefill.kv.all_free()
     return got
+
+
+@pytest.fixture(scope="module")
+def tokenizers_loaded_once() -> Iterator[None]:
+    """For a module that starts many engines on tiny checkpoints with the test tokenizer: each
+    set of tokenizer files loaded once (:func:`tests.services.engine._tp_tokenizers.
+    tokenizers_loaded_once`)."""
+    from tests.services.engine._tp_tokenizers import tokenizers_loaded_once as loaded_once
+
+    with loaded_once():
+        yield

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,15 @@ import torch
 from kernels import ops
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.llm import LLM
-from services.engine.llm_engine import load_tokenizer
-from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
-from tests.services.engine.conftest import BESIDE, token_prompts, tokenizer_dir, transformers_greedy
+from tests.services.engine.conftest import (
+    BESIDE,
+    save_test_tokenizer,
+    token_prompts,
+    transformers_greedy,
+)
+
+# every engine here on the test tokenizer, loaded once (tests/services/engine/_tp_tokenizers.py)
+pytestmark = pytest.mark.usefixtures("tokenizers_loaded_once")
 
 VOCAB = 49152  # the embedded tokenizer's
 COMMON = {
@@ -241,13 +246,6 @@ NEW_TOKENS = 16
 TRITON_TOKENS = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _tokenizers_loaded_once() -> Iterator[None]:
-    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
-    with tokenizers_loaded_once():
-        yield
-
-
 def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -270,21 +268,8 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
             module.alpha = getattr(cfg, "swiglu_alpha", 1.702)  # config says: the reference
             # takes the config's (the engine does), or its defaults where 5.17's has none
     model.save_pretrained(path)
-    _save_tokenizer(path)
+    save_test_tokenizer(path)
     return model.eval()
-
-
-_TOKENIZER_FILES: list[str] = []  # the test tokenizer's files, as save_pretrained first wrote them
-
-
-def _save_tokenizer(path: Path) -> None:
-    """The test tokenizer into ``path``: loaded and saved once, its files copied after (the
-    same bytes; loading it takes a third of a second, a dozen checkpoints a module)."""
-    if _TOKENIZER_FILES and all(Path(f).is_file() for f in _TOKENIZER_FILES):
-        for f in _TOKENIZER_FILES:
-            shutil.copy(f, path / Path(f).name)
-        return
-    _TOKENIZER_FILES[:] = load_tokenizer(tokenizer_dir()).save_pretrained(path)
 
 
 def _prompts(seed: int, lens: list[int] = PROMPT_LENS) -> list[list[int]]:
@@ -582,7 +567,7 @@ def _gemma3_with_vision(path: Path) -> Any:
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
-    _save_tokenizer(path)
+    save_test_tokenizer(path)
     return model.eval()
 
 

@@ -12,7 +12,6 @@ import torch
 
 from protos.sampling_params import SamplingParams
 from services.engine.llm import LLM
-from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import (
     BESIDE,
     rank_processes,
@@ -20,6 +19,9 @@ from tests.services.engine.conftest import (
     tiny_mistral3,
     token_prompts,
 )
+
+# every engine here on the test tokenizer, loaded once (tests/services/engine/_tp_tokenizers.py)
+pytestmark = pytest.mark.usefixtures("tokenizers_loaded_once")
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-2kv": ("llama", {
@@ -187,13 +189,6 @@ def _random_norms_and_biases(path: Path) -> None:
 RANDOM_NORMS = ("starcoder2", "cohere", "arcee", "exaone4", "olmo2", "olmo3", "olmoe",
                 "granitemoeshared", "ernie4_5_moe", "qwen2_moe")  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tokenizers_loaded_once() -> Iterator[None]:
-    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
-    with tokenizers_loaded_once():
-        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -26,8 +26,10 @@ from services.engine import tp_ranks
 from services.engine.kv_cache import GIB
 from services.engine.llm import LLM
 from services.engine.tp_ranks import RankFailedError
-from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import rank_processes, tiny_checkpoint
+
+# every engine here on the test tokenizer, loaded once (tests/services/engine/_tp_tokenizers.py)
+pytestmark = pytest.mark.usefixtures("tokenizers_loaded_once")
 
 ROOT = Path(__file__).resolve().parents[3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -42,13 +44,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     config = {"num_hidden_layers": 2, "hidden_size": 96, "num_attention_heads": 6,
               "num_key_value_heads": 3, "intermediate_size": 64}  # fmt: skip
     return str(tiny_checkpoint(path, "llama", **config))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tokenizers_loaded_once() -> Iterator[None]:
-    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
-    with tokenizers_loaded_once():
-        yield
 
 
 @pytest.fixture(autouse=True)

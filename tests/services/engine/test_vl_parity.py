@@ -5,7 +5,6 @@ chunked; the prefix cache keyed by image content; images refused where they cann
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +12,12 @@ import pytest
 
 from protos.sampling_params import InvalidRequestError
 from services.engine.llm import LLM
-from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import BESIDE
 from tests.services.engine.image_prompts import ImagePrompts
 from tests.services.vl_model import build, hf_greedy, png
+
+# every engine here on the test tokenizer, loaded once (tests/services/engine/_tp_tokenizers.py)
+pytestmark = pytest.mark.usefixtures("tokenizers_loaded_once")
 
 IMAGES = ImagePrompts(png, hf_greedy, new=10)
 GREEDY = IMAGES.greedy
@@ -30,13 +31,6 @@ CASES = [
     (("<image>", "and", "<image>", "differ how?"), [(3, 64, 64), (4, 100, 40)]),
     (("Compare", "<image>", "<image>"), [(5, 56, 56), (5, 56, 56)]),  # one image twice
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tokenizers_loaded_once() -> Iterator[None]:
-    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
-    with tokenizers_loaded_once():
-        yield
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])

@@ -24,14 +24,13 @@ from protos.sampling_params import SamplingParams
 from services.config import CacheConfig, ConfigError, LoRAConfig
 from services.engine.kv_cache import GIB, block_bytes, plan_num_blocks
 from services.engine.llm import LLM
-from services.engine.llm_engine import load_tokenizer
 from services.engine.model_config import ArchConfig
 from tests.services.engine.conftest import (
     BESIDE,
     hand_off,
     rank_processes,
+    save_test_tokenizer,
     token_prompts,
-    tokenizer_dir,
     transformers_greedy,
 )
 
@@ -122,7 +121,7 @@ def _build(path: Path, model_type: str, extra: dict[str, Any]) -> Any:
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.3)
     model.save_pretrained(path)
-    load_tokenizer(tokenizer_dir()).save_pretrained(path)
+    save_test_tokenizer(path)
     return model.eval()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,12 @@ from protos.multimodal import VisionSpec
 from protos.sampling_params import InvalidRequestError, SamplingParams
 from services.config import ConfigError
 from services.engine.llm import LLM
-from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import BESIDE
 from tests.services.engine.image_prompts import ImagePrompts, built_fixture
 from tests.services.gemma3_model import TOKENS, build, hf_greedy, png, processor_prompt
+
+# every engine here on the test tokenizer, loaded once (tests/services/engine/_tp_tokenizers.py)
+pytestmark = pytest.mark.usefixtures("tokenizers_loaded_once")
 
 IMAGES = ImagePrompts(png, hf_greedy, new=8)
 GREEDY = IMAGES.greedy
@@ -52,13 +53,6 @@ CASES = [
 
 
 built = built_fixture("gemma3", build)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tokenizers_loaded_once() -> Iterator[None]:
-    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
-    with tokenizers_loaded_once():
-        yield
 
 
 @pytest.fixture(scope="module")

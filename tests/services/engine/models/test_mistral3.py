@@ -7,7 +7,6 @@ processor builds it; the prefix cache keyed by image content; bad images refused
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,12 @@ import pytest
 from protos.multimodal import content_hash
 from protos.sampling_params import InvalidRequestError
 from services.engine.llm import LLM
-from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import BESIDE
 from tests.services.engine.image_prompts import ImagePrompts, built_fixture
 from tests.services.mistral3_model import build, hf_greedy, png, processor_prompt
+
+# every engine here on the test tokenizer, loaded once (tests/services/engine/_tp_tokenizers.py)
+pytestmark = pytest.mark.usefixtures("tokenizers_loaded_once")
 
 IMAGES = ImagePrompts(png, hf_greedy, new=10)
 GREEDY = IMAGES.greedy
@@ -36,13 +37,6 @@ CASES = [
 
 
 built = built_fixture("mistral3", build)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tokenizers_loaded_once() -> Iterator[None]:
-    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
-    with tokenizers_loaded_once():
-        yield
 
 
 @pytest.fixture(scope="module")

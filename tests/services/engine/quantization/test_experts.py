@@ -334,8 +334,7 @@ def test_greedy_tokens_through_the_triton_moe_kernel(
     from kernels import ops, triton_moe
     from protos.sampling_params import SamplingParams
     from services.engine.llm import LLM
-    from services.engine.llm_engine import load_tokenizer
-    from tests.services.engine.conftest import BESIDE, tokenizer_dir
+    from tests.services.engine.conftest import BESIDE, save_test_tokenizer
 
     held: list[torch.dtype] = []
 
@@ -351,7 +350,7 @@ def test_greedy_tokens_through_the_triton_moe_kernel(
     ref = ck.float_checkpoint(tmp_path / "ref", deq, path)
     tokens = []
     for where in (path, ref):  # the reference through the CPU's torch MoE (not interpreted)
-        load_tokenizer(tokenizer_dir()).save_pretrained(where)
+        save_test_tokenizer(where)
         with monkeypatch.context() as patch, LLM(str(where), **BESIDE) as llm:
             if where == path:
                 patch.setattr(ops, "fused_moe", fused_moe)

@@ -16,22 +16,17 @@ import pytest
 from protos.sampling_params import SamplingParams
 from services.config import ConfigError
 from services.engine.llm import LLM
-from tests.services.engine._tp_tokenizers import tokenizers_loaded_once
 from tests.services.engine.conftest import rank_processes, tokenizer_dir
 from tests.services.engine.quantization import checkpoints as ck
+
+# every engine here on the test tokenizer, loaded once (tests/services/engine/_tp_tokenizers.py)
+pytestmark = pytest.mark.usefixtures("tokenizers_loaded_once")
 
 # head_dim 128: a rank's 2 query heads (256 rows), its KV head (128 rows) and its half of the
 # 512 MLP rows all fall on 128-row fp8 blocks and int4 groups of 128 input columns
 SPLITTABLE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 128}  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tokenizers_loaded_once() -> Iterator[None]:
-    """Every engine here on the same test tokenizer: loaded once (``_tp_tokenizers``)."""
-    with tokenizers_loaded_once():
-        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
