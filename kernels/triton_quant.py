@@ -147,9 +147,6 @@ W4_GEMV_LONG_K = 8192
 # 2.52 -> 2.44 ms, at batch 2 3.42 -> 3.30
 W4_GEMV_WIDE_N_CONFIG = (32, 512, 8, 1)
 W4_GEMV_WIDE_N = 4
-# int4 GEMV: how many chunks of packed words each program keeps loading ahead of the one it
-# multiplies (1 or 2)
-W4_GEMV_AHEAD = 1
 FP8_GEMV_CONFIG = (8, 512, 4)
 # FP8 per-channel GEMV launches with the chunks' loads software-pipelined through shared memory
 # (BLOCK_N, BLOCK_K, warps, SPLIT, STAGES). Llama-3.1-8B's projections in a graph on one H200
@@ -339,22 +336,22 @@ def _w4_tiles(qw_ptr, offs_n, s_qk, s_sg, GROUP: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
-def _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
-    """The packed words of the chunk ``AHEAD`` chunks after ``k0``, loaded ahead (past the
-    slice, the last chunk again, from L2)."""
-    ahead = tl.minimum(k0 + AHEAD * BLOCK_K, k_hi - BLOCK_K)
+def _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K: tl.constexpr):
+    """The packed words of the chunk after ``k0``, loaded ahead (past the slice, the last chunk
+    again, from L2)."""
+    ahead = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)
     return tl.load(qw_tile + (ahead // 8) * s_qk, mask=n_mask[None, :], other=0)
 
 
 @triton.jit
 def _w4_gemv_chunk(
     qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP: tl.constexpr,
-    BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """An int4 GEMV program's loads for the chunk at ``k0``: the packed words of the chunk
-    ``AHEAD`` chunks on (:func:`_w4_next_words`) and this chunk's scales and zeros as float32,
-    each row of the tile its own group's."""
-    following = _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K, AHEAD)
+    """An int4 GEMV program's loads for the chunk at ``k0``: the next chunk's packed words
+    (:func:`_w4_next_words`) and this chunk's scales and zeros as float32, each row of the tile
+    its own group's."""
+    following = _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K)
     g0 = (k0 // GROUP) * s_sg
     s = tl.load(s_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g0 + sz_tile, mask=n_mask[None, :], other=0.0).to(tl.float32)
@@ -366,7 +363,7 @@ def _w4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER, s_xm, s_qk, s_sg, s_om, GROUPS,
     MAGIC_LO, MAGIC_HI, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, LATE: tl.constexpr,
-    AHEAD: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The GEMV on nibble planes for ``ROWS`` (1 or 2) rows of x at once: each plane is made
     once and multiplied into each row's sums (2D tensors only: a [ROWS, BK/8, BN] form
@@ -391,23 +388,14 @@ def _w4_gemv_kernel(
         offs_out, offs_n, n_mask = _gate_up_cols(tl.program_id(0) // GROUPS, N, BLOCK_N)
         qw_tile, sz_tile = _w4_tiles(qw_ptr, offs_n, s_qk, s_sg, GROUP, BLOCK_K)
     following = tl.load(qw_tile + (k_lo // 8) * s_qk, mask=n_mask[None, :], other=0)
-    second = following  # AHEAD 2: the chunk after ``following``
-    if AHEAD > 1:
-        second = _w4_next_words(qw_tile, n_mask, k_lo, k_hi, s_qk, BLOCK_K, 1)
     pdl_wait(USE_PDL, not LATE)
     acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         packed = following
-        if AHEAD > 1:
-            following = second
-            second, s, z = _w4_gemv_chunk(
-                qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K, 2
-            )
-        else:
-            following, s, z = _w4_gemv_chunk(
-                qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K, 1
-            )
+        following, s, z = _w4_gemv_chunk(
+            qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K
+        )
         part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         part1 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         lo0 = tl.zeros([BLOCK_K // 8], dtype=tl.float32)  # x of the low (2048 + q) planes
@@ -759,8 +747,8 @@ def w4a16_linear(
         _w4_gemv_kernel[(triton.cdiv(n, bn) * groups, split)](
             x, qweight, scales, zeros, target, m, n, k, per * bk, *strides, groups,
             PLANE_MAGIC_LO, PLANE_MAGIC_HI, GROUP=group_size, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
-            SPLIT=split, ACT=silu_and_mul, LATE=release_late(silu_and_mul), AHEAD=W4_GEMV_AHEAD,
-            num_warps=warps, **pdl(x.device, m),
+            SPLIT=split, ACT=silu_and_mul, LATE=release_late(silu_and_mul), num_warps=warps,
+            **pdl(x.device, m),
         )  # fmt: skip
         return _finish(target, out, split)
     default = W4_SMALL_GEMM_CONFIG if m <= SMALL_GEMM_ROWS else GEMM_CONFIG

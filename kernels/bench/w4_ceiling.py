@@ -61,11 +61,11 @@ def _w4_loads_kernel(
         packed = following
         if SZ == 1:
             following, s, z = _w4_gemv_chunk(
-                qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K, 1
+                qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K
             )
             top = tl.maximum(top, tl.maximum(s, z))
         else:
-            following = _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K, 1)
+            following = _w4_next_words(qw_tile, n_mask, k0, k_hi, s_qk, BLOCK_K)
             if SZ == 2:  # s_ptr: int32 words, a scale's bf16 bits low and its zero's high
                 w = tl.load(s_ptr + (k0 // GROUP) * s_sg + sz_tile, mask=n_mask[None, :], other=0)
                 s = (w << 16).to(tl.float32, bitcast=True)

@@ -213,7 +213,7 @@ def _w4_gemv_single_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         packed = following
         following, s, z = _w4_gemv_chunk(
-            qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K, 1
+            qw_tile, s_ptr, z_ptr, sz_tile, n_mask, k0, k_hi, s_qk, s_sg, GROUP, BLOCK_K
         )
         zb = z + 128.0
         part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
@@ -273,14 +273,6 @@ def _gemm(*args: Any, config: tuple[int, ...] | None = None) -> torch.Tensor:
         return w4a16_linear(*args, config=config)
 
 
-def _ahead(*args: Any, config: tuple[int, ...] | None = None, ahead: int = 2) -> torch.Tensor:
-    """``w4a16_linear`` with the GEMV's programs loading ``ahead`` chunks of words ahead."""
-    from kernels import triton_quant
-
-    with mock.patch.object(triton_quant, "W4_GEMV_AHEAD", ahead):
-        return w4a16_linear(*args, config=config)
-
-
 def candidates(rows: int = 1) -> Forms:
     """Each form of the GEMV for ``rows`` rows of x at the launches timed: family -> [(launch,
     fn)]; from 2 rows the int4 GEMM too (the GEMV takes up to ``W4_GEMV_ROWS``), its tiles
@@ -296,9 +288,8 @@ def candidates(rows: int = 1) -> Forms:
         return {"served": [("default", w4a16_linear)], **gemm}
     served = [("default", w4a16_linear)]
     served += [(str(c), functools.partial(w4a16_linear, config=c)) for c in LAUNCHES]
-    ahead = [(str(c), functools.partial(_ahead, config=c)) for c in [None, *LAUNCHES]]
-    forms: Forms = {"served": served, "ahead2": ahead, **single,
-             "convert": [("default", convert_gemv)], "trick": [("default", trick_gemv)]}  # fmt: skip
+    forms: Forms = {"served": served, **single, "convert": [("default", convert_gemv)],
+             "trick": [("default", trick_gemv)]}  # fmt: skip
     if rows > 1:
         forms["gemm"] = [("default", _gemm)]
         forms.update(gemm)

@@ -9,8 +9,7 @@
 #            the small batches' GEMM tile served before the nibble planes; awq-x-planes and
 #            awq-x-whole: x loaded plane by plane or whole at every batch; awq-single: batches of
 #            1-2 on the GEMV with planes made one a shift, as served before plane pairs;
-#            awq-nowide: gate_up at one row on the default launch, as before session 13;
-#            awq-ahead2: the GEMV's programs loading two chunks of words ahead) at W4_BATCHES
+#            awq-nowide: gate_up at one row on the default launch, as before session 13) at W4_BATCHES
 #            (default 1,2,8)                                       -> $out/latency-<q>.json
 #   ceiling  the GEMV's loads alone (kernels.bench.w4_ceiling: words, + scales and zeros, + x)
 #            beside the served GEMV, after its compiled test           -> $out/w4-ceiling.json
@@ -39,7 +38,6 @@ for step in ${*:-tests bench}; do
         [ "$q" = awq-x-planes ] && patch="t.W4_PLANES_X_WHOLE_ROWS = 16"
         [ "$q" = awq-x-whole ] && patch="t.W4_PLANES_X_WHOLE_ROWS = 0"
         [ "$q" = awq-nowide ] && patch="t.W4_GEMV_WIDE_N = 10**9"
-        [ "$q" = awq-ahead2 ] && patch="t.W4_GEMV_AHEAD = 2"
         [ "$q" = awq-single ] && patch="import kernels.bench.w4_unpack as b; t.w4a16_linear = b.single_w4a16_linear"
         latency_run "$q" "import kernels.triton_quant as t; $patch" "${args[@]}" \
           --batch-sizes "${W4_BATCHES:-1,2,8}" --input-len 512 --output-len 32

@@ -214,16 +214,13 @@ def test_fp8_matches_the_reference(
         (2, 264, 64, 32, None),  # the same for two rows in one program
     ],
 )
-@pytest.mark.parametrize("ahead", [1, 2])
 def test_w4a16_gemv_chunks_of_several_groups_match_the_reference(
-    m: int, n: int, k: int, g: int, config: tuple[int, ...] | None, ahead: int,
-    gen: torch.Generator, device: torch.device, poison_empty: None,
-    monkeypatch: pytest.MonkeyPatch,
+    m: int, n: int, k: int, g: int, config: tuple[int, ...] | None, gen: torch.Generator,
+    device: torch.device, poison_empty: None,
 ) -> None:  # fmt: skip
     """The GEMV's chunks span whole scale groups (each row of the packed tile takes its own
-    group's scale and zero), a partial last column tile; the next chunk (or the next two)
-    loaded ahead, past the slice the last one again."""
-    monkeypatch.setattr(triton_quant, "W4_GEMV_AHEAD", ahead)
+    group's scale and zero), a partial last column tile; the next chunk loaded ahead, the last
+    one again."""
     qweight, scales, zeros = int4_weight(k, n, g, torch.bfloat16, gen, device)
     x = rand((m, k), torch.bfloat16, gen, device)
     out = w4a16_linear(x, qweight, scales, zeros, g, config=config)
