@@ -545,6 +545,9 @@ class ArchConfig:
             and _MISTRAL3_LM_HEADS & tensor_names(Path(path).parent)
         ):
             arch = dataclasses.replace(arch, tie_word_embeddings=False)
+        eos = tuple(dict.fromkeys((*arch.eos_token_ids, *generation_eos(Path(path).parent))))
+        if eos != arch.eos_token_ids:
+            arch = dataclasses.replace(arch, eos_token_ids=eos)
         return arch
 
     @property
@@ -675,6 +678,25 @@ def _siglip_config(cfg: dict[str, Any]) -> VisionConfig:
 # a Mistral 3 checkpoint's own lm_head: by the Hub's names (transformers 4's and 5's saves) or by
 # transformers 5's module tree
 _MISTRAL3_LM_HEADS = frozenset(("language_model.lm_head.weight", "lm_head.weight"))
+
+
+def generation_eos(directory: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of ``directory``'s generation_config.json (none without one).
+    Chat models list their end-of-turn token there rather than in config.json (Gemma 2 and 3
+    instruct: ``<end_of_turn>``; Llama 3 instruct: ``<|eot_id|>``), and transformers'
+    ``generate`` and vLLM both stop at these too."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not a readable JSON generation config: {e}") from None
+    eos = values.get("eos_token_id") if isinstance(values, dict) else None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def tensor_names(directory: Path) -> set[str]:

@@ -4,6 +4,7 @@ a message instead of served wrong."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -238,6 +239,42 @@ def test_an_unsupported_model_type_is_said_as_such_not_as_a_wrong_field(tmp_path
     message = str(info.value)
     assert message.startswith(f"{path}: model_type 'gpt2' is not supported; supported: llama")
     assert "wrong type or value" not in message
+
+
+@pytest.mark.parametrize(
+    ("generation", "eos"),
+    [
+        (None, (1,)),  # no generation_config.json
+        ({"eos_token_id": [1, 107]}, (1, 107)),  # Gemma 2/3 instruct: <end_of_turn> added
+        ({"eos_token_id": 107}, (1, 107)),
+        ({"eos_token_id": [107, 1, 107]}, (1, 107)),  # each id once, config.json's first
+        ({"temperature": 0.6}, (1,)),  # sampling defaults only
+    ],
+)
+def test_generation_config_eos_ids_are_stop_ids_too(
+    tmp_path: Any, generation: dict[str, Any] | None, eos: tuple[int, ...]
+) -> None:
+    """transformers' ``generate`` stops at generation_config.json's eos_token_id, and vLLM adds
+    it to the stop ids: a chat model that lists its end-of-turn token only there must stop at
+    it here too."""
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 1}))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    assert ArchConfig.from_file(tmp_path / "config.json").eos_token_ids == eos
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [("{", "not a readable JSON generation config"), ('{"eos_token_id": "x"}', "token id")],
+)
+def test_a_broken_generation_config_is_a_config_error_naming_it(
+    tmp_path: Any, text: str, words: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ConfigError, match=words) as info:
+        ArchConfig.from_file(tmp_path / "config.json")
+    assert "generation_config.json" in str(info.value)
 
 
 GEMMA = {**BASE, "model_type": "gemma3_text", "head_dim": 16, "num_hidden_layers": 6}
