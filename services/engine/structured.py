@@ -133,13 +133,14 @@ class GrammarCompiler:
                     '{"type": "object"}', any_whitespace=so.any_whitespace
                 )
             if so.kind == "json":
-                return compiler.compile_json_schema(so.spec, any_whitespace=so.any_whitespace)
+                schema = xgr.Grammar.from_json_schema(so.spec, any_whitespace=so.any_whitespace)
+                return _compile_json_safe(compiler, schema)
             if so.kind == "regex":
                 return compiler.compile_regex(so.spec)
             if so.kind == "choice":
                 return compiler.compile_grammar(_choice_grammar(so.spec))
             if so.kind == "structural_tag":
-                return compiler.compile_structural_tag(so.spec)
+                return _compile_json_safe(compiler, xgr.Grammar.from_structural_tag(so.spec))
             return self._ebnf_or_lark(compiler, so.spec)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's C++ errors, mapped
             what = _KIND_NAMES.get(so.kind, so.kind)
@@ -158,6 +159,21 @@ class GrammarCompiler:
 
 
 _KIND_NAMES = {"json": "JSON schema", "regex": "regex", "structural_tag": "structural tag"}
+
+# xgrammar (0.2.9) builds a JSON string with a minLength or maxLength from characters of the
+# class below, which lets raw control characters other than the line breaks into the string:
+# JSON forbids them (a sampled backspace made an output json.loads refuses). Its strings without
+# bounds take the class after it; the bounded ones are given the same.
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
+
+def _compile_json_safe(compiler: xgr.GrammarCompiler, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+    """``grammar`` (from a JSON schema or a structural tag) compiled with its length-bounded
+    strings' characters those JSON allows in a string."""
+    text = str(grammar)
+    fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    return compiler.compile_grammar(fixed if fixed != text else grammar)
 
 
 class GrammarState:

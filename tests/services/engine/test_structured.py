@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
+from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 
+from gateway.flows.tool_parsers import get_parser
 from protos.sampling_params import (
     InvalidRequestError,
     SamplingParams,
@@ -24,6 +28,7 @@ from services.engine.structured import (
     apply_bitmask,
     apply_bitmask_reference,
 )
+from tests.services.engine.conftest import move_by_transfer_buffer
 
 PERSON = {
     "type": "object",
@@ -101,8 +106,6 @@ def test_regex_choice_grammar_and_json_object(constrained: dict[str, list]) -> N
 def _tool_call_tag() -> dict:
     """The hermes parser's structural tag for strict tools ``add_person`` (:data:`PERSON`,
     nothing else) and ``ping`` under tool_choice "auto", made to call at once (at_least_one)."""
-    from gateway.flows.tool_parsers import get_parser
-
     tag = get_parser("hermes").structural_tag([("add_person", TOOL_SCHEMA), ("ping", None)], False)
     assert tag is not None
     tag["format"]["at_least_one"] = True
@@ -132,23 +135,36 @@ def test_a_structural_tag_holds_each_call_to_its_functions_schema(
             assert match.group(1) == "ping" and isinstance(arguments, dict)
 
 
-def test_a_mixed_batch_leaves_free_requests_unchanged(llm: LLM, chat_ids: list[list[int]]) -> None:
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama: Path) -> LLM:
+    """For the tests whose claim is the engine's bookkeeping, not the model's text (a free
+    request beside constrained ones, matchers dropped, a duplicate id, no token left): a tiny
+    random Llama with the embedded model's tokenizer (its vocabulary and chat template, so
+    ``chat_ids`` are its prompts too) and the session engine's 32 seats, a step a small
+    fraction of the embedded model's. Outputs checked against a schema stay on the embedded
+    model: its text is what a user's model gives."""
+    return LLM(str(tiny_llama), max_num_seqs=32)
+
+
+def test_a_mixed_batch_leaves_free_requests_unchanged(
+    tiny_llm: LLM, chat_ids: list[list[int]]
+) -> None:
     free = SamplingParams(temperature=0.0, max_tokens=24)
-    alone = [r.outputs[0].text for r in llm.generate(chat_ids[:3], free)]
+    alone = [r.outputs[0].text for r in tiny_llm.generate(chat_ids[:3], free)]
     for i, p in enumerate(chat_ids[:3]):
-        llm.engine.add_request(f"mixed-free-{i}", p, free)
-        llm.engine.add_request(f"mixed-json-{i}", p, replace_structured(free, _so("json", PERSON)))
+        tiny_llm.engine.add_request(f"mixed-free-{i}", p, free)
+        tiny_llm.engine.add_request(
+            f"mixed-json-{i}", p, replace_structured(free, _so("json", PERSON))
+        )
     texts: dict[str, str] = {}
-    while llm.engine.has_unfinished:
-        for out in llm.engine.step():
+    while tiny_llm.engine.has_unfinished:
+        for out in tiny_llm.engine.step():
             texts[out.request_id] = texts.get(out.request_id, "") + out.text
     assert [texts[f"mixed-free-{i}"] for i in range(3)] == alone
-    assert not llm.engine.grammars.states  # every matcher dropped at the end
+    assert not tiny_llm.engine.grammars.states  # every matcher dropped at the end
 
 
 def replace_structured(sp: SamplingParams, so: StructuredOutput) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(sp, structured=so)
 
 
@@ -156,16 +172,51 @@ def test_decode_side_continues_the_prefill_sides_grammar(
     llm: LLM, chat_ids: list[list[int]]
 ) -> None:
     """Prefill samples the first token under the grammar; activate() replays it into a fresh
-    matcher, and the rest equals a colocated run token for token (greedy)."""
+    matcher, and the rest equals a colocated run token for token (greedy). The prompt's KV
+    moves into the reserved blocks as a hand-off moves it (one engine both sides, a request id
+    each)."""
     engine, prompt = llm.engine, chat_ids[1]
     sp = SamplingParams(temperature=0.0, max_tokens=60, structured=_so("json", PERSON))
     colocated = llm.generate([prompt], sp)[0].outputs[0].token_ids
-    assert engine.reserve("handoff", prompt, sp) is not None
-    assert engine.activate("handoff", prompt, colocated[:1], sp) is None
-    tokens = list(colocated[:1])
+    engine.add_request("handoff-p", prompt, replace(sp, max_tokens=1), prefill_only=True)
+    while not (first := [o for o in engine.step() if o.request_id == "handoff-p"]):
+        pass
+    blocks = engine.reserve("handoff", prompt, sp)
+    assert blocks is not None
+    src = torch.tensor(engine.block_ids("handoff-p"))
+    move_by_transfer_buffer(engine, engine, src, torch.tensor(blocks))
+    engine.scheduler.release("handoff-p")
+    tokens = list(first[0].token_ids)
+    assert tokens == colocated[:1]
+    assert engine.activate("handoff", prompt, tokens, sp) is None
     while engine.has_unfinished:
         tokens += [t for out in engine.step() for t in out.token_ids]
     assert tokens == colocated
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_json_strings_take_no_raw_control_characters(llm: LLM, bounded: bool) -> None:
+    """JSON forbids raw U+0000-U+001F inside a string; xgrammar's strings with a minLength or
+    maxLength let them through (a random model sampled a backspace, and json.loads refused
+    the output). Tested on the matcher: every such character refused inside a string, in a
+    function's arguments too; printable and non-ASCII characters and escapes still taken."""
+    spec = {"type": "string", "maxLength": 12} if bounded else {"type": "string"}
+    schema = {"type": "object", "properties": {"name": spec}, "required": ["name"]}
+    tag = get_parser("hermes").structural_tag([("f", schema)], False)
+    assert tag is not None
+    tag["format"]["at_least_one"] = True
+    compiler = llm.engine.grammar_compiler
+    for so, head in (
+        (_so("json", schema), '{"name": "a'),
+        (_so("structural_tag", tag), '<tool_call>\n{"name": "f", "arguments": {"name": "a'),
+    ):
+        grammar = compiler.compile(so).grammar
+        for code in range(0x20):
+            matcher = xgr.GrammarMatcher(grammar)
+            assert matcher.accept_string(head), (so.kind, head)
+            assert not matcher.accept_string(chr(code)), (so.kind, hex(code))
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string(head + (' é"' if bounded else ' é\\t"')), so.kind
 
 
 def test_replayed_tokens_outside_the_grammar_are_refused(
@@ -269,9 +320,9 @@ def test_bitmask_kernel_matches_the_reference(rows: int, vocab: int) -> None:
 
 
 def test_a_duplicate_request_id_keeps_the_live_requests_grammar(
-    llm: LLM, chat_ids: list[list[int]]
+    tiny_llm: LLM, chat_ids: list[list[int]]
 ) -> None:
-    engine = llm.engine
+    engine = tiny_llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=8, structured=_so("regex", "[0-9]+"))
     engine.add_request("dup", chat_ids[0], sp)
     state = engine.grammars.states["dup"]
@@ -297,9 +348,9 @@ FREE = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 @pytest.fixture(scope="module")
-def alone(llm: LLM, chat_ids: list[list[int]]) -> list[int]:
+def alone(tiny_llm: LLM, chat_ids: list[list[int]]) -> list[int]:
     """The second chat prompt's greedy tokens run alone (computed once for both cases below)."""
-    return llm.generate([chat_ids[1]], FREE)[0].outputs[0].token_ids
+    return tiny_llm.generate([chat_ids[1]], FREE)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize(
@@ -310,14 +361,14 @@ def alone(llm: LLM, chat_ids: list[list[int]]) -> list[int]:
     ],
 )
 def test_a_grammar_and_allowed_token_ids_that_leave_no_token_end_the_request_with_an_error(
-    llm: LLM, chat_ids: list[list[int]], so: StructuredOutput, sampled: int, alone: list[int]
+    tiny_llm: LLM, chat_ids: list[list[int]], so: StructuredOutput, sampled: int, alone: list[int]
 ) -> None:
     """The grammar's next tokens and allowed_token_ids meet nowhere (no static check can see
     it): the request ends there, finish_reason "error", an error naming the fields (token 0
     was sampled before); its blocks and matcher are freed, and a request beside it runs as
     it would alone."""
-    engine = llm.engine
-    brace, x = llm.tokenizer.encode("{")[0], llm.tokenizer.encode("x")[0]
+    engine = tiny_llm.engine
+    brace, x = tiny_llm.tokenizer.encode("{")[0], tiny_llm.tokenizer.encode("x")[0]
     sp = SamplingParams(temperature=0.0, max_tokens=12, structured=so, allowed_token_ids=[brace, x])
     engine.add_request("none-left", chat_ids[0], sp)
     engine.add_request("beside", chat_ids[1], FREE)
@@ -333,19 +384,21 @@ def test_a_grammar_and_allowed_token_ids_that_leave_no_token_end_the_request_wit
     )
     assert [t for o in outs["beside"] for t in o.token_ids] == alone
     assert outs["beside"][-1].error is None
-    (offline,) = llm.generate([chat_ids[0]], sp)[0].outputs  # the offline API says why too
+    (offline,) = tiny_llm.generate([chat_ids[0]], sp)[0].outputs  # the offline API says why too
     assert offline.finish_reason == "error" and offline.error == last.error
     assert engine.kv.all_free() and not engine.grammars.states and not engine._detok
     assert not engine.scheduler.requests
 
 
-def test_no_token_left_on_either_side_of_a_hand_off(llm: LLM, chat_ids: list[list[int]]) -> None:
+def test_no_token_left_on_either_side_of_a_hand_off(
+    tiny_llm: LLM, chat_ids: list[list[int]]
+) -> None:
     """Disaggregated: the prefill side's first token finds nothing left (it keeps its blocks
     for the transfer until released, as after any first token), or the decode side's next
     one does: either ends with the same error, never a token 0 for the decode side to
     refuse as output_token_ids outside the grammar."""
-    engine, prompt = llm.engine, chat_ids[0]
-    brace, x = llm.tokenizer.encode("{")[0], llm.tokenizer.encode("x")[0]
+    engine, prompt = tiny_llm.engine, chat_ids[0]
+    brace, x = tiny_llm.tokenizer.encode("{")[0], tiny_llm.tokenizer.encode("x")[0]
     choice = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[x],
                             structured=_so("choice", ["yes", "no"]))  # fmt: skip
     engine.add_request("prefill-side", prompt, choice, prefill_only=True)
