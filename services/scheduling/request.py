@@ -126,15 +126,17 @@ class Request:
         )
 
     def check_stop(self, new_token: int) -> FinishReason | None:
-        """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""
+        """Stop conditions known from token ids alone (stop strings are the detokenizer's). A
+        stop token that is also the last one max_tokens or the model's length allows ends the
+        output as a stop (vLLM's order): its text is left out as any stop token's is, and a
+        prefill worker's first token that ends the output ends it there as it would colocated."""
         sp, num_output = self.sampling_params, len(self.output_token_ids)
+        if num_output >= sp.min_tokens:
+            if not sp.ignore_eos and new_token in self.eos_token_ids:
+                return FinishReason.STOP  # stop_reason stays None: vLLM's for the end of sequence
+            if new_token in sp.stop_token_ids:
+                self.stop_reason = new_token
+                return FinishReason.STOP
         if self.ends_by_length(num_output):
             return FinishReason.LENGTH
-        if num_output < sp.min_tokens:
-            return None
-        if not sp.ignore_eos and new_token in self.eos_token_ids:
-            return FinishReason.STOP  # stop_reason stays None: vLLM's for the end of sequence
-        if new_token in sp.stop_token_ids:
-            self.stop_reason = new_token
-            return FinishReason.STOP
         return None

@@ -83,8 +83,9 @@ def test_a_stop_token_is_in_the_token_ids_not_in_the_text(
     head = llm.tokenizer.decode(greedy.token_ids[:2])
     both = llm.tokenizer.decode(greedy.token_ids[:3])
     assert both != head  # the third token has text of its own
-    for include, want in ((False, head), (True, both)):
-        params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[tok],
+    # max_tokens 3: the stop token is also the last one allowed, still a stop (vLLM's order)
+    for include, want, most in ((False, head, 10), (True, both, 10), (False, head, 3)):
+        params = SamplingParams(temperature=0, max_tokens=most, stop_token_ids=[tok],
                                 include_stop_str_in_output=include)  # fmt: skip
         out = llm.generate([chat_ids[0]], params)[0].outputs[0]
         assert out.token_ids == greedy.token_ids[:3]
@@ -95,6 +96,8 @@ def test_a_stop_token_is_in_the_token_ids_not_in_the_text(
     assert out.finish_reason == "stop" and eos in llm.engine.eos_token_ids
     assert out.stop_reason is None
     assert out.text == llm.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=False)
+    at_eos = replace(full, max_tokens=len(out.token_ids))  # EOS the last token allowed
+    assert llm.generate([chat_ids[0]], at_eos)[0].outputs[0] == out
 
 
 def test_logprobs_are_log_probabilities(llm: LLM, chat_ids: list[list[int]]) -> None:

@@ -130,6 +130,28 @@ async def test_a_first_token_that_ends_the_request_leaves_nothing_behind(fleet: 
         assert_idle(await wait_pool_free([p, d]))
 
 
+async def test_a_first_token_that_is_a_stop_token_ends_the_request_as_colocated(
+    fleet: Fleet,
+) -> None:
+    """The first token, sampled here, is one of the request's stop_token_ids: the output ends
+    with it as a stop (stop_reason the token, its text left out, as the offline engine gives
+    it), no KV moves, and both pools end whole."""
+    prefill, decode = fleet.shared("prefill", "decode")
+    prompt = chat_ids("What is the capital of France?")
+    first = greedy_reference([prompt], 1)[0].token_ids[0]
+    async with Conn(prefill.address, "prefill") as p, Conn(decode.address, "decode") as d:
+        res = await reserve(d, "stop-first", len(prompt), 8)
+        params = greedy(8, stop_token_ids=[first])
+        events = [ev async for ev in prefill_call(p, "stop-first", prompt, params, res)]
+        assert [ev.WhichOneof("event") for ev in events] == ["first"]
+        got = events[0].first
+        assert list(got.token_ids) == [first] and got.text == ""
+        assert got.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert got.WhichOneof("stop_reason") == "stop_token_id" and got.stop_token_id == first
+        assert await d.abort("stop-first")  # the gateway, once the prefill call ended
+        assert_idle(await wait_pool_free([p, d], timeout_s=5.0))
+
+
 async def test_a_stop_string_that_begins_in_the_first_token_is_found_across_the_hand_off(
     fleet: Fleet,
 ) -> None:

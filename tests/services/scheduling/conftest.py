@@ -91,9 +91,9 @@ def expected_output(req: Request) -> tuple[list[int], FinishReason]:
         token = fake_token(req.request_id, req.num_prompt_tokens + len(out))
         out.append(token)
         total = req.num_prompt_tokens + len(out)
+        # a stop token ends the output as a stop even where it is the last one allowed (vLLM)
+        stops = (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids
+        if len(out) >= sp.min_tokens and stops:
+            return out, FinishReason.STOP
         if len(out) >= sp.max_tokens or (req.max_model_len and total >= req.max_model_len):
             return out, FinishReason.LENGTH
-        if len(out) < sp.min_tokens:
-            continue
-        if (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            return out, FinishReason.STOP

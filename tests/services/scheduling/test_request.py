@@ -65,6 +65,22 @@ def test_min_tokens_allows_a_stop_on_the_last_required_token() -> None:
     assert generate(req, [1, EOS]) is FinishReason.STOP
 
 
+@pytest.mark.parametrize("stopper", [EOS, 42])
+def test_a_stop_token_that_is_the_last_one_allowed_is_a_stop(stopper: int) -> None:
+    """vLLM's order: the last token max_tokens (or the model's length) allows, if it is a
+    stop token, ends the output as a stop (so its text is left out, as any stop token's);
+    a prefill worker's first token (max_tokens 1 there) that is one ends it there."""
+    req = make_request("r", 3, max_tokens=3, stop_token_ids=(42,))
+    assert generate(req, [1, 2, stopper]) is FinishReason.STOP
+    assert req.stop_reason == (None if stopper == EOS else 42)
+    at_len = make_request("r", 6, max_tokens=100, max_model_len=8, stop_token_ids=(42,))
+    assert generate(at_len, [1, stopper]) is FinishReason.STOP
+    first = make_request("r", 3, max_tokens=1, stop_token_ids=(42,))
+    assert generate(first, [stopper]) is FinishReason.STOP
+    under_min = make_request("r", 3, max_tokens=3, min_tokens=3, stop_token_ids=(42,))
+    assert generate(under_min, [stopper, stopper, 5]) is FinishReason.LENGTH
+
+
 def test_max_model_len_finishes_with_length() -> None:
     req = make_request("r", 6, max_tokens=100, max_model_len=8)
     assert generate(req, [1, 2, 3]) is FinishReason.LENGTH
