@@ -82,6 +82,19 @@ def _mixed_requests(seed: int, n: int, vocab: int) -> tuple[list[list[int]], lis
     return prompts, params
 
 
+Mixed = tuple[list[list[int]], list[SamplingParams], list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny: tuple[Path, Path]) -> Mixed:
+    """24 mixed requests and the tiny target's greedy tokens for them without a draft, computed
+    once: the reference of every test here that gives a drafting engine all of them or the
+    first 16 (a request's greedy tokens are the same in whatever batch it runs)."""
+    target, _ = tiny
+    prompts, params = _mixed_requests(0, 24, 49152)
+    return prompts, params, _ids(LLM(str(target), max_num_seqs=32).generate(prompts, params))
+
+
 @pytest.fixture(scope="module")
 def self_draft() -> LLM:
     config = {"model": "embedded", "num_speculative_tokens": 3}
@@ -135,13 +148,14 @@ def test_seeded_sampling_gives_the_same_text_with_the_draft(llm: LLM, self_draft
     ]
 
 
-def test_a_tiny_random_draft_gives_the_target_greedy_text(tiny: tuple[Path, Path]) -> None:
+def test_a_tiny_random_draft_gives_the_target_greedy_text(
+    tiny: tuple[Path, Path], mixed: Mixed
+) -> None:
     target, draft = tiny
-    prompts, params = _mixed_requests(0, 24, 49152)
-    base = LLM(str(target), max_num_seqs=32)
+    prompts, params, want = mixed
     spec = LLM(str(target), max_num_seqs=32,
                speculative_config={"model": str(draft), "num_speculative_tokens": 4})  # fmt: skip
-    assert _ids(spec.generate(prompts, params)) == _ids(base.generate(prompts, params))
+    assert _ids(spec.generate(prompts, params)) == want
     stats = spec.engine.spec_stats
     # drafts kept in part: some steps keep all four, others cut the run early
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
@@ -174,19 +188,19 @@ def test_a_tensor_parallel_target_takes_drafts_from_a_draft_on_rank_zero(
 
 
 def test_preemption_and_a_small_draft_pool_keep_the_greedy_text(
-    tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+    tiny: tuple[Path, Path], mixed: Mixed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A target pool of 48 blocks for 16 requests of up to 364 tokens preempts; a draft pool of
     33 blocks (one sequence of max_model_len, and a bit) cannot hold every proposing request:
-    entries are evicted and feed their tokens again, requests go without drafts for a step."""
+    entries are evicted and feed their tokens again, requests go without drafts for a step.
+    The greedy text is the target's without drafts, computed where nothing was preempted."""
     target, draft = tiny
     monkeypatch.setattr(draft_proposer, "draft_num_blocks", lambda *args: 33)
-    prompts, params = _mixed_requests(1, 16, 49152)
+    prompts, params, want = mixed[0][:16], mixed[1][:16], mixed[2][:16]
     knobs = {"max_num_seqs": 16, "num_blocks": 48, "max_model_len": 512}
-    base = LLM(str(target), **knobs)
     spec = LLM(str(target), **knobs,
                speculative_config={"model": str(draft), "num_speculative_tokens": 3})  # fmt: skip
-    assert _ids(spec.generate(prompts, params)) == _ids(base.generate(prompts, params))
+    assert _ids(spec.generate(prompts, params)) == want
     assert spec.engine.scheduler.num_preemptions > 0
     assert spec.engine.spec_stats.num_accepted_tokens > 0
     tables = spec.engine.proposer.tables  # type: ignore[union-attr]
@@ -216,9 +230,11 @@ def _chi2(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
 
 
 def test_temperature_one_keeps_the_target_distribution(tmp_path: Path) -> None:
-    """A 12-token vocabulary: the first token comes from the prefill, the next two are drafted
-    (greedy, two drafts) and verified. The joint law of (token 2, token 3) and the law of
-    token 3 match the target's exact probabilities (transformers, enumerating prefixes)."""
+    """A 12-token vocabulary: the first token comes from the prefill, the second is drafted
+    (greedy; one draft, as a request drafts one token short of its max_tokens) and verified,
+    the third is the bonus token or sampled in the next step. The joint law of (token 2,
+    token 3) and the law of token 3 match the target's exact probabilities (transformers,
+    enumerating prefixes)."""
     V, N = 12, 3000
     target = _build(tmp_path / "target", 3, V, 0.5)
     _build(tmp_path / "draft", 1, V, 0.5, like=target)
@@ -233,7 +249,9 @@ def test_temperature_one_keeps_the_target_distribution(tmp_path: Path) -> None:
     p123 = p12[:, :, None] * third  # [V, V, V]
     p23 = p123.sum(0).double()
     p3 = p123.sum((0, 1)).double()
-    spec = LLM(str(tmp_path / "target"), max_num_seqs=16,
+    # 32 requests a step: half the steps of 16 for the same N samples, and each request still
+    # gets its draft (a batch below VERIFY_ROWS, 64, has a row to spare for each)
+    spec = LLM(str(tmp_path / "target"), max_num_seqs=32,
                speculative_config={"model": str(tmp_path / "draft"),
                                    "num_speculative_tokens": 2})  # fmt: skip
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
@@ -308,14 +326,15 @@ def test_tandem_generate_takes_a_draft_and_exits_2_on_one_it_refuses(
     assert res.returncode == 2 and "vocabulary of 1000 tokens" in res.stderr
 
 
-def test_on_a_decode_worker_the_draft_feeds_the_prompt_itself(tiny: tuple[Path, Path]) -> None:
+def test_on_a_decode_worker_the_draft_feeds_the_prompt_itself(
+    tiny: tuple[Path, Path], mixed: Mixed
+) -> None:
     """Disaggregated in one process: a prefill engine computes each prompt and its first token,
     its KV blocks are copied into the blocks the speculating decode engine reserved, and the
     decode engine gives the colocated engine's greedy text. The target is its own draft there:
     nearly every draft is kept only if the draft computed the prompt's KV itself."""
     target, _ = tiny
-    prompts, params = _mixed_requests(2, 16, 49152)
-    want = _ids(LLM(str(target), max_num_seqs=16).generate(prompts, params))
+    prompts, params, want = mixed[0][:16], mixed[1][:16], mixed[2][:16]
     prefill = LLM(str(target), max_num_seqs=16).engine
     decode = LLM(str(target), max_num_seqs=16, num_blocks=400,  # every prompt reserved at once
                  speculative_config={"model": str(target), "num_speculative_tokens": 3}).engine  # fmt: skip
