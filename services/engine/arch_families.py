@@ -21,6 +21,107 @@ Fields = dict[str, Any]
 INTERLEAVED_ROTARY_TYPES = ("glm", "glm4", "cohere", "ernie4_5", "ernie4_5_moe")
 
 
+# What a config.json leaves out reads as transformers' config class of its model_type defaults
+# it (a field's default; rope_theta: the class's default_theta; the Qwen-VL types: their text
+# config's, and the outer config's image token), with no transformers at run time: these are
+# those classes' defaults for the keys the readers take, applied (``with_class_defaults``)
+# before the family readers. An entry is here only where the class's default differs from what
+# the readers read without one: the common reader (ArchConfig.from_dict) falls back to
+# rms_norm_eps 1e-6, rope_theta 10000, max_position_embeddings 4096, untied embeddings, as many
+# KV heads as heads, head_dim hidden_size / heads; the family readers set some of their own (the
+# eps of OLMo 2, OLMoE, StarCoder2, Cohere and ERNIE MoE, head_dim of GLM, ERNIE, Seed-OSS and
+# Gemma, the rope base of gpt-oss, OLMo 3, Gemma 3, Cohere and ERNIE MoE, tied embeddings of
+# StarCoder2, Cohere and the ERNIEs, DeepSeek's MLA and MoE keys). hidden_size,
+# num_hidden_layers and num_attention_heads have none: a checkpoint gives them. Gemma 3's and
+# Mistral 3's multimodal configs take theirs from transformers' readers (model_config).
+# tests/services/engine/test_config_defaults.py holds each entry to transformers'.
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "intermediate_size": 11008, "max_position_embeddings": 2048},
+    "mistral": {"vocab_size": 32000, "intermediate_size": 14336, "num_key_value_heads": 8,
+                "max_position_embeddings": 131072},
+    "qwen2": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+              "max_position_embeddings": 32768},
+    "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+              "head_dim": 128, "max_position_embeddings": 32768},
+    "qwen3_moe": {"vocab_size": 151936, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                  "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                  "num_experts": 128, "num_experts_per_tok": 8},
+    "qwen2_moe": {"vocab_size": 151936, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+                  "num_key_value_heads": 16, "max_position_embeddings": 32768,
+                  "num_experts": 60, "num_experts_per_tok": 4},
+    "mixtral": {"vocab_size": 32000, "intermediate_size": 14336, "num_key_value_heads": 8,
+                "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072,
+                "num_local_experts": 8, "num_experts_per_tok": 2},
+    # the Qwen-VL models' text configs (Qwen2VLTextConfig, ...) and their image token
+    "qwen2_vl": {"vocab_size": 152064, "intermediate_size": 29568, "num_key_value_heads": 8,
+                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 32768,
+                 "image_token_id": 151655},
+    "qwen2_5_vl": {"vocab_size": 152064, "intermediate_size": 29568, "num_key_value_heads": 8,
+                   "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 32768,
+                   "image_token_id": 151655},
+    "qwen3_vl": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+                 "head_dim": 128, "rope_theta": 5e5, "max_position_embeddings": 128000,
+                 "image_token_id": 151655},
+    "gemma": {"vocab_size": 256000, "intermediate_size": 24576, "num_key_value_heads": 16,
+              "max_position_embeddings": 8192, "tie_word_embeddings": True},
+    "gemma2": {"vocab_size": 256000, "intermediate_size": 9216, "num_key_value_heads": 4,
+               "head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True},
+    "gemma3_text": {"vocab_size": 262208, "intermediate_size": 9216, "num_key_value_heads": 4,
+                    "head_dim": 256, "max_position_embeddings": 131072,
+                    "tie_word_embeddings": True},
+    "phi3": {"vocab_size": 32064, "intermediate_size": 8192, "rms_norm_eps": 1e-5,
+             "original_max_position_embeddings": 4096},
+    "smollm3": {"vocab_size": 128256, "intermediate_size": 11008, "num_key_value_heads": 4,
+                "rope_theta": 2e6, "max_position_embeddings": 32768, "tie_word_embeddings": True},
+    "granite": {"vocab_size": 32000, "intermediate_size": 11008, "max_position_embeddings": 2048},
+    "gpt_oss": {"vocab_size": 201088, "intermediate_size": 2880, "num_key_value_heads": 8,
+                "head_dim": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                "num_local_experts": 128, "num_experts_per_tok": 4},
+    "olmo2": {"vocab_size": 50304, "intermediate_size": 11008, "max_position_embeddings": 2048},
+    "olmo3": {"vocab_size": 50304, "intermediate_size": 11008, "max_position_embeddings": 2048},
+    "glm": {"vocab_size": 151552, "intermediate_size": 13696, "num_key_value_heads": 2,
+            "rms_norm_eps": 1.5625e-7, "max_position_embeddings": 131072},
+    "glm4": {"vocab_size": 151552, "intermediate_size": 13696, "num_key_value_heads": 2,
+             "rms_norm_eps": 1.5625e-7, "max_position_embeddings": 131072},
+    "starcoder2": {"vocab_size": 49152, "intermediate_size": 12288, "num_key_value_heads": 2},
+    "cohere": {"vocab_size": 256000, "intermediate_size": 22528, "max_position_embeddings": 8192},
+    "ernie4_5": {"vocab_size": 103424, "intermediate_size": 3072, "num_key_value_heads": 2,
+                 "rms_norm_eps": 1e-5, "rope_theta": 5e5, "max_position_embeddings": 131072},
+    "seed_oss": {"vocab_size": 155136, "intermediate_size": 27648, "num_key_value_heads": 8,
+                 "max_position_embeddings": 524288},
+    "exaone4": {"vocab_size": 102400, "intermediate_size": 16384, "num_key_value_heads": 32,
+                "rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+    "arcee": {"vocab_size": 32000, "intermediate_size": 18432, "rms_norm_eps": 1e-5},
+    "deepseek_v2": {"vocab_size": 102400, "intermediate_size": 11008,
+                    "max_position_embeddings": 2048},
+    "deepseek_v3": {"vocab_size": 129280, "intermediate_size": 18432},
+    "glm4_moe": {"vocab_size": 151552, "intermediate_size": 10944, "num_key_value_heads": 8,
+                 "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    "olmoe": {"vocab_size": 50304, "intermediate_size": 2048},
+    "granitemoe": {"vocab_size": 32000, "intermediate_size": 11008,
+                   "max_position_embeddings": 2048},
+    "granitemoeshared": {"vocab_size": 32000, "intermediate_size": 11008,
+                         "max_position_embeddings": 2048},
+    "ernie4_5_moe": {"vocab_size": 103424, "intermediate_size": 12288, "num_key_value_heads": 4,
+                     "max_position_embeddings": 131072},
+}  # fmt: skip
+# the families whose transformers config reads num_experts and num_local_experts as one key (its
+# attribute_map): a default for it stands only where the file gives neither
+_EXPERTS_KEYS = ("num_experts", "num_local_experts")
+_ONE_EXPERTS_KEY = ("qwen3_moe", "mixtral", "gpt_oss")
+
+
+def with_class_defaults(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``CLASS_DEFAULTS`` for the keys it leaves out; what it says stands (a
+    rope_theta default under its rope_parameters' or rope_scaling's too, which the readers
+    take first)."""
+    given = set(cfg)
+    if model_type in _ONE_EXPERTS_KEY and given & set(_EXPERTS_KEYS):
+        given |= set(_EXPERTS_KEYS)
+    defaults = CLASS_DEFAULTS.get(model_type, {})
+    return {**{k: v for k, v in defaults.items() if k not in given}, **cfg}
+
+
 def read_family(model_type: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
     """(the config for the common reader, the family's own ArchConfig fields); the config as
     it was and no fields for a family read by the common reader alone."""

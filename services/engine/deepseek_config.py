@@ -14,17 +14,21 @@ from services.config import ConfigError
 
 Fields = dict[str, Any]
 
-# transformers' defaults where config.json leaves a key out (DeepseekV2Config, DeepseekV3Config)
+# transformers' defaults where config.json leaves a key out (DeepseekV2Config, DeepseekV3Config,
+# Glm4MoeConfig) for the MLA and MoE keys; the common reader's keys (vocab_size, eps, ...) in
+# arch_families.CLASS_DEFAULTS
+_MLA_DIMS = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+             "v_head_dim": 128}  # fmt: skip
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"n_routed_experts": 64, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
                     "first_k_dense_replace": 0, "q_lora_rank": 1536, "moe_intermediate_size": 1407,
-                    "n_group": None, "topk_group": None, "max_position_embeddings": 2048},
+                    "n_group": None, "topk_group": None, **_MLA_DIMS},
     "deepseek_v3": {"n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
                     "first_k_dense_replace": 3, "q_lora_rank": 1536, "moe_intermediate_size": 2048,
-                    "n_group": 8, "topk_group": 4, "max_position_embeddings": 4096},
+                    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, **_MLA_DIMS},
     "glm4_moe": {"n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
                  "first_k_dense_replace": 1, "moe_intermediate_size": 1408, "n_group": 1,
-                 "topk_group": 1, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
+                 "topk_group": 1, "num_experts_per_tok": 8},
 }  # fmt: skip
 # the families routed as DeepSeek-V3 (sigmoid scores, the correction bias, noaux_tc)
 _V3_ROUTING = ("deepseek_v3", "glm4_moe")

@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from services.config import ConfigError
-from services.engine.arch_families import INTERLEAVED_ROTARY_TYPES, read_family
+from services.engine.arch_families import (
+    INTERLEAVED_ROTARY_TYPES,
+    read_family,
+    with_class_defaults,
+)
 from services.engine.moe_families import MOE_FAMILY_TYPES, moe_fields
 
 SUPPORTED = {
@@ -430,6 +434,11 @@ class ArchConfig:
         elif model_type == "mistral3":
             vision = _pixtral_config(cfg)
             cfg, model_type = _mistral3_language(cfg), "mistral"
+        elif model_type in VL_TYPES:  # the language model's keys: text_config's over the top's
+            cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
+        # transformers' defaults for what the file leaves out (Gemma 3's and Mistral 3's
+        # language models already have theirs, from transformers' readers above)
+        cfg = with_class_defaults(model_type, cfg)
         if model_type == "gemma3_text":
             cfg, gemma = _gemma3(cfg)
         elif model_type == "gemma2":
@@ -441,7 +450,6 @@ class ArchConfig:
         cfg, family = read_family(model_type, cfg)
         if model_type in VL_TYPES:
             vision = _vision_config(model_type, cfg)
-            cfg = {**cfg, **(cfg.get("text_config") or {}), "model_type": model_type}
         heads = int(cfg["num_attention_heads"])
         window, windowed = _sliding_layers(model_type, cfg)
         # as transformers builds each family: Qwen2's q/k/v always have biases, Mistral's and
@@ -488,7 +496,7 @@ class ArchConfig:
             rope_theta=theta,
             rope_scaling=rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma is not None)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             o_proj_bias=qkv_bias and model_type in _O_BIAS_TYPES,
             mlp_bias=model_type in ("llama", "granite") and bool(cfg.get("mlp_bias", False)),
@@ -1078,12 +1086,13 @@ def _moe_config(model_type: str, cfg: dict[str, Any]) -> MoeConfig | None:
 
 
 def _vision_config(model_type: str, cfg: dict[str, Any]) -> VisionConfig:
+    """The vision tower of ``cfg``, the config with its language model's keys at the top
+    (``text_config``'s over the top level's, as ``ArchConfig.from_dict`` merges them)."""
     vis = cfg.get("vision_config") or {}
-    text = cfg.get("text_config") or cfg
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     section = tuple(int(n) for n in rope.get("mrope_section") or ())
     head_dim = int(
-        text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])
+        cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
     )
     if sum(section) * 2 != head_dim:
         raise ConfigError(f"{model_type}: mrope_section {list(section)} must sum to head_dim / 2")
@@ -1106,14 +1115,14 @@ def _vision_config(model_type: str, cfg: dict[str, Any]) -> VisionConfig:
         spatial_merge_size=int(vis.get("spatial_merge_size", 2)),
         out_hidden_size=int(
             vis.get("hidden_size" if model_type == "qwen2_vl" else "out_hidden_size")
-            or text["hidden_size"]
+            or cfg["hidden_size"]
         ),
         image_token_id=int(cfg["image_token_id"]),
         mrope_section=section,
         intermediate_size=mlp_width,
         window_size=int(vis.get("window_size", 112)) if v25 else 0,
         full_attention_blocks=windows,
-        **(_qwen3_vl_fields(text, vis) if v3 else {}),
+        **(_qwen3_vl_fields(cfg, vis) if v3 else {}),
     )
 
 

@@ -22,7 +22,8 @@ def _olmoe(cfg: dict[str, Any]) -> Fields | None:
     """OLMoE: every layer sparse, a softmax over all experts, the top-k divided by their sum
     only with ``norm_topk_prob`` (off unless given), the weights rounded to the model's
     dtype; ``intermediate_size`` is one expert's width."""
-    experts = int(cfg.get("num_experts", 64))
+    # num_local_experts: transformers reads it as num_experts
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 64)))
     top_k = int(cfg.get("num_experts_per_tok", 8))
     layers = tuple(range(int(cfg["num_hidden_layers"])))
     return _fields("olmoe", experts, top_k, int(cfg["intermediate_size"]), layers,
