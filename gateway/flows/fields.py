@@ -40,7 +40,7 @@ class Fields:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise invalid(f"{name} must be a number, got {_kind(value)}", name)
+            raise invalid(f"{name} must be a number, got {kind_of(value)}", name)
         if not math.isfinite(value) or not lo <= value <= hi:
             raise invalid(f"{name} must be between {lo} and {hi}, got {value}", name)
         return float(value)
@@ -50,7 +50,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise invalid(f"{name} must be true or false, got {_kind(value)}", name)
+            raise invalid(f"{name} must be true or false, got {kind_of(value)}", name)
         return value
 
     def get_str(self, name: str, default: str | None, max_len: int = 256) -> str | None:
@@ -58,7 +58,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, str):
-            raise invalid(f"{name} must be a string, got {_kind(value)}", name)
+            raise invalid(f"{name} must be a string, got {kind_of(value)}", name)
         if len(value) > max_len:
             raise invalid(f"{name} must be at most {max_len} characters", name)
         return value
@@ -68,7 +68,7 @@ class Fields:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise invalid(f"{name} must be an object, got {_kind(value)}", name)
+            raise invalid(f"{name} must be an object, got {kind_of(value)}", name)
         return value
 
     def str_list(self, name: str, max_items: int, max_len: int) -> tuple[str, ...]:
@@ -90,7 +90,7 @@ class Fields:
         if value is None:
             return ()
         if not isinstance(value, list):
-            raise invalid(f"{name} must be a list of integers, got {_kind(value)}", name)
+            raise invalid(f"{name} must be a list of integers, got {kind_of(value)}", name)
         if len(value) > max_items:
             raise invalid(f"{name} may hold at most {max_items} entries, got {len(value)}", name)
         return tuple(check_int(v, name, 0, INT32_MAX) for v in value)
@@ -98,13 +98,13 @@ class Fields:
 
 def check_int(value: Any, name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{name} must be an integer, got {_kind(value)}", name)
+        raise invalid(f"{name} must be an integer, got {kind_of(value)}", name)
     if not lo <= value <= hi:
         raise invalid(f"{name} must be between {lo} and {hi}, got {value}", name)
     return value
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
              list: "a list", dict: "an object", type(None): "null"}  # fmt: skip
     return names.get(type(value), type(value).__name__)
@@ -112,5 +112,5 @@ def _kind(value: Any) -> str:
 
 def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}")
+        raise APIError(400, f"the request body must be a JSON object, got {kind_of(body)}")
     return body

@@ -46,7 +46,6 @@ class Choice:
     def __post_init__(self) -> None:
         # counted once per prompt, as usage counts them
         self.stats.num_prompt_tokens = len(self.item.prompt_ids) if self.counts_prompt else 0
-        self.stats.prompt_len = len(self.item.prompt_ids)
         self.stats.max_tokens = self.item.sampling.max_tokens
 
     def drop_generated(self) -> None:
@@ -84,6 +83,7 @@ class Generation:
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._error: str | None = None
         self._closed = False
+        self._recorded: set[int] = set()  # the choices whose metrics were recorded
 
     @property
     def prompt_tokens(self) -> int:
@@ -144,14 +144,17 @@ class Generation:
             pass
         return self.choices
 
-    def _finished(self, choice: Choice) -> None:
+    def _finished(self, choice: Choice, reason: str | None = None) -> None:
+        """Records a choice that ended (``reason``: its finish reason; None: the choice's own)."""
         stats = choice.stats
+        reason = reason or choice.finish_reason or "abort"
         if stats.finished is None:
-            stats.on_chunk(Chunk(finish_reason=choice.finish_reason))
-        self._telemetry.finished(self.operation, stats, choice.finish_reason or "abort")
+            stats.on_chunk(Chunk(finish_reason=reason))
+        self._telemetry.finished(self.operation, stats, reason)
+        self._recorded.add(choice.index)
         prompt = choice.index // choice.n
         siblings = [c for c in self.choices if c.index // c.n == prompt]
-        if all(c.finish_reason is not None for c in siblings):  # the prompt's last choice
+        if all(c.index in self._recorded for c in siblings):  # the prompt's last choice
             most = max(c.stats.num_output_tokens for c in siblings)
             self._metrics.observe_prompt_finished(choice.n, most)
 
@@ -172,6 +175,12 @@ class Generation:
             task.cancel()
         if self._error is None and any(c.finish_reason is None for c in self.choices):
             self._error = "cancelled"
+        if self._error == "cancelled":
+            # the client went away (or the request was cancelled): vLLM counts each of its
+            # unfinished choices as finished with "abort", with the tokens generated so far
+            for choice in self.choices:
+                if choice.finish_reason is None and choice.index in self._tasks:
+                    self._finished(choice, "abort")
         end_request_span(
             self._span,
             self.response_id,

@@ -59,21 +59,25 @@ def context_error(
     prompt_len: int,
     max_tokens: int | None,
     fields: tuple[str, str] = CHAT_FIELDS,
+    which: str | None = None,
 ) -> APIError:
     """The 400 of a request past the context: the prompt alone (``max_tokens`` None), or the
     prompt and the tokens asked for; ``fields`` name what the client sent (``fields[0]`` the
-    prompt, ``fields[1]`` its max_tokens field)."""
+    prompt, ``fields[1]`` its max_tokens field); ``which``, the prompt of a batch that is too
+    long (``prompt[1]``), as embeddings name their input."""
     if max_tokens is None:
         return invalid(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {prompt_len} input tokens. Please reduce the length of the {fields[0]}.",
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"{which or 'your request'} has {prompt_len} input tokens. Please reduce the length "
+            f"of the {fields[0]}.",
             fields[0],
             code="context_length_exceeded",
         )
+    for_which = f" for {which}" if which else ""
     return invalid(
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
-        f"completion). Please reduce the length of the {fields[0]} or {fields[1]}.",
+        f"{prompt_len + max_tokens} tokens{for_which} ({prompt_len} in the messages, {max_tokens} "
+        f"in the completion). Please reduce the length of the {fields[0]} or {fields[1]}.",
         fields[1],
         code="context_length_exceeded",
     )
@@ -86,22 +90,24 @@ def settle_max_tokens(
     max_model_len: int | None,
     fit_default: bool = False,
     fields: tuple[str, str] = CHAT_FIELDS,
+    which: str | None = None,
 ) -> int:
     """The request's max_tokens (or the endpoint default; None: all the context left).
     ``fit_default``: a default longer than the context left shrinks to it (vLLM's treatment of
     the model's max_new_tokens) rather than fail the request. A prompt that leaves no room for
-    one token is the prompt's error (as vLLM checks it first), whatever max_tokens says."""
+    one token is the prompt's error (as vLLM checks it first), whatever max_tokens says.
+    ``which``: the prompt's place in a batch (``prompt[1]``), for the error to name it."""
     if max_model_len is None:  # no worker has reported yet: the request will get a 503
         return requested or default or 1
     if prompt_len >= max_model_len:
-        raise context_error(max_model_len, prompt_len, None, fields)
+        raise context_error(max_model_len, prompt_len, None, fields, which)
     max_tokens = requested if requested is not None else default
     if requested is None and default is not None and fit_default:
         max_tokens = min(default, max_model_len - prompt_len)
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
     if prompt_len + max_tokens > max_model_len:
-        raise context_error(max_model_len, prompt_len, max_tokens, fields)
+        raise context_error(max_model_len, prompt_len, max_tokens, fields, which)
     return max_tokens
 
 

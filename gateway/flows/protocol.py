@@ -1,7 +1,8 @@
 """OpenAI request bodies parsed into plain, validated dataclasses.
 
-Unknown fields are ignored; every known field with a wrong type or value is a 400 that names it,
-and so is a field of ``gateway.flows.unsupported``'s tables that asks for something not implemented.
+Every known field with a wrong type or value is a 400 that names it, and so is a field of
+``gateway.flows.unsupported``'s tables that asks for something not implemented, an unknown field
+of the body (``unsupported.refuse_unknown``) and one of a message (``messages[0].foo``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.core.errors import invalid
-from gateway.flows.fields import INT32_MAX, INT64_MAX, Fields, check_int, require_object
+from gateway.flows.fields import (
+    INT32_MAX,
+    INT64_MAX,
+    Fields,
+    check_int,
+    kind_of,
+    require_object,
+)
 from gateway.flows.image_fetch import ImageURL
 from gateway.flows.images import image_from_part
 from gateway.flows.structured import parse_structured
@@ -41,6 +49,22 @@ MAX_PROMPTS = 256
 MAX_CACHE_SALT = 1024  # characters
 MAX_REQUEST_ID = 256  # characters
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# The fields a message of each role may have: OpenAI's message params and vLLM's (its
+# reasoning_content and reasoning on an assistant turn, a name on a tool result). An assistant
+# turn also takes what a response's message carries (annotations, audio, the deprecated
+# function_call), so that a client can send an answer back as it got it.
+_PLAIN_FIELDS = frozenset({"role", "content", "name"})
+_ASSISTANT_FIELDS = frozenset({"tool_calls", "refusal", "reasoning_content", "reasoning",
+                               "function_call", "annotations", "audio"})  # fmt: skip
+MESSAGE_FIELDS: dict[str, frozenset[str]] = {
+    "system": _PLAIN_FIELDS,
+    "developer": _PLAIN_FIELDS,
+    "user": _PLAIN_FIELDS,
+    "assistant": _PLAIN_FIELDS | _ASSISTANT_FIELDS,
+    "tool": _PLAIN_FIELDS | {"tool_call_id"},
+}
+# the optional fields of a message that are text (null: not given)
+_TEXT_FIELDS = ("name", "tool_call_id", "refusal", "reasoning_content", "reasoning")
 
 Prompt = str | tuple[int, ...]
 
@@ -392,11 +416,35 @@ def parse_chat_messages(
                 f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 "messages",
             )
+        _check_message_fields(message, i, role)
         content = _content(message, i, role, images)
         # OpenAI's newer name for system; chat templates only know system
         role = "system" if role == "developer" else role
         out.append(_tool_call_message({**message, "role": role, "content": content}, i))
     return out, tuple(images)
+
+
+def _check_message_fields(message: dict[str, Any], index: int, role: str) -> None:
+    """A 400 for a field the message's role does not have (as for an unknown field of the
+    request: a misspelt one must not quietly do nothing) and for a text field that is no text."""
+    what = f"{'an' if role == 'assistant' else 'a'} {role} message"
+    for name in message:
+        if name not in MESSAGE_FIELDS[role]:
+            param = f"messages[{index}].{name}"
+            raise invalid(
+                f"Unrecognized field in {what}: {param} ({what} takes "
+                f"{', '.join(sorted(MESSAGE_FIELDS[role]))}; drop it)",
+                param,
+            )
+    for name in _TEXT_FIELDS:
+        value = message.get(name)
+        if value is not None and not isinstance(value, str):
+            param = f"messages[{index}].{name}"
+            raise invalid(f"{param} must be a string, got {kind_of(value)}", param)
+    call = message.get("function_call")
+    if call is not None and not isinstance(call, dict):
+        param = f"messages[{index}].function_call"
+        raise invalid(f"{param} must be an object, got {kind_of(call)}", param)
 
 
 def _tool_call_message(message: dict[str, Any], index: int) -> dict[str, Any]:
@@ -596,6 +644,8 @@ def parse_tokenize(body: Any, max_prompt_chars: int) -> TokenizeRequest:
                                   token_strs)  # fmt: skip
         refuse_unknown(f)
         return request
+    if f.get("prompt") is not None:  # vLLM's two requests: one or the other (as embeddings')
+        raise invalid("send prompt or messages, not both", "messages")
     messages = parse_messages(f.get("messages"))
     refuse_unsupported(f.body, TOKENIZE)
     add_generation_prompt, continue_final, kwargs = template_options(f)

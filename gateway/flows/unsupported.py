@@ -94,8 +94,60 @@ def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
 
 
 # OpenAI fields that change nothing the response says, so that honouring them is doing nothing:
-# routing hints and labels for OpenAI's own storage and abuse tracking
-NO_EFFECT = frozenset({"metadata", "prompt_cache_key", "safety_identifier"})
+# routing hints and labels for OpenAI's own storage and abuse tracking; with their schemas in
+# the request schemas of /openapi.json (``document_fields``)
+NO_EFFECT_SCHEMAS: dict[str, dict[str, Any]] = {
+    "metadata": {
+        "type": "object",
+        "nullable": True,
+        "maxProperties": 16,
+        "additionalProperties": {"type": "string", "maxLength": 512},
+        "description": "OpenAI's labels (keys of at most 64 characters); checked, then unused",
+    },
+    "prompt_cache_key": {
+        "type": "string",
+        "nullable": True,
+        "description": "OpenAI's cache routing hint; unused (any shared prefix hits the cache)",
+    },
+    "safety_identifier": {
+        "type": "string",
+        "nullable": True,
+        "description": "OpenAI's end-user label for abuse tracking; unused",
+    },
+}
+NO_EFFECT = frozenset(NO_EFFECT_SCHEMAS)
+
+
+def _json_values(values: tuple[Any, ...]) -> list[Any]:
+    """``values`` once each as JSON tells them apart (1 and 1.0 are one number; false and 0
+    are not)."""
+    out: list[Any] = []
+    for v in values:
+        if not any(v == o and _number(v) == _number(o) for o in out):
+            out.append(v)
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def document_fields(
+    properties: dict[str, Any], *tables: dict[str, tuple[str, tuple[Any, ...]]]
+) -> None:
+    """Adds to a request schema's ``properties`` (/openapi.json's) the fields of ``tables`` it
+    does not describe (each taken only with a value that asks for nothing) and those of
+    :data:`NO_EFFECT`: the tables are the one list of what is accepted besides what the
+    parsers read, so that the document lists every field the server accepts."""
+    for table in tables:
+        for name, (why, neutral) in table.items():
+            properties.setdefault(name, {
+                "enum": _json_values(neutral),
+                "nullable": None in neutral,
+                "description": f"not supported ({why}): only a value that asks for nothing",
+            })  # fmt: skip
+    for name, schema in NO_EFFECT_SCHEMAS.items():
+        properties.setdefault(name, schema)
 
 
 def refuse_unknown(f: Fields, *tables: dict[str, tuple[str, tuple[Any, ...]]]) -> None:

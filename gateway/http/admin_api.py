@@ -14,20 +14,48 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.core.errors import APIError, invalid
+from gateway.flows.embeddings import EMBEDDING
 from gateway.flows.fields import Fields, require_object
 from gateway.flows.prepare import check_vocab
 from gateway.flows.protocol import parse_tokenize
-from gateway.flows.unsupported import refuse_unknown
+from gateway.flows.unsupported import (
+    CHAT,
+    COMPLETION,
+    SAMPLING,
+    TOKENIZE,
+    document_fields,
+    refuse_unknown,
+)
 from gateway.http.state import gateway_state
 from gateway.http.transport import read_json
 
 SPEC_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
 
 
+# the request schemas of openapi.json and the tables of the fields their parsers take only with
+# a value that asks for nothing (each also takes unsupported.NO_EFFECT's)
+REQUEST_TABLES: dict[str, tuple[dict[str, tuple[str, tuple[Any, ...]]], ...]] = {
+    "CompletionRequest": (SAMPLING, COMPLETION),
+    "ChatCompletionRequest": (SAMPLING, CHAT),
+    "EmbeddingRequest": (EMBEDDING,),
+    "TokenizeRequest": (TOKENIZE,),  # with messages (a prompt takes none of them)
+}
+
+
+def openapi_document() -> dict[str, Any]:
+    """openapi.json, its request schemas completed from gateway.flows.unsupported's tables
+    (written once there, not again in the document)."""
+    with open(SPEC_PATH, "rb") as f:
+        document: dict[str, Any] = json.load(f)
+    schemas = document["components"]["schemas"]
+    for name, tables in REQUEST_TABLES.items():
+        document_fields(schemas[name]["properties"], *tables)
+    return document
+
+
 @functools.cache
 def _spec() -> bytes:
-    with open(SPEC_PATH, "rb") as f:
-        return f.read()
+    return json.dumps(openapi_document(), indent=1).encode()
 
 
 def version() -> str:

@@ -83,12 +83,11 @@ def _start(
             "n",
         )
     fields = ("messages" if operation == "chat" else "prompt", common.max_tokens_field)
-    max_tokens = [
-        settle_max_tokens(
-            len(p.ids), common.max_tokens, default_max_tokens, max_model_len, fit_default, fields
-        )
-        for p in prompts
-    ]
+    max_tokens = []
+    for i, p in enumerate(prompts):
+        which = f"{fields[0]}[{i}]" if count > 1 else None  # a batch's errors name the prompt
+        max_tokens.append(settle_max_tokens(len(p.ids), common.max_tokens, default_max_tokens,
+                                            max_model_len, fit_default, fields, which))  # fmt: skip
     state.check_serving()
     choices = build_choices(  # the workers' ids are the gateway's own (unique)
         f"{prefix}-{uuid.uuid4().hex}", prompts, common, max_tokens, state.config.request_timeout_s
@@ -169,12 +168,13 @@ async def completions(request: Request) -> Response:
     if any(not p.ids for p in prompts):
         raise invalid("prompt must not be empty (it has no tokens)", "prompt")
     if req.score_only and max_model_len is not None:
-        longest = max(len(p.ids) for p in prompts)
+        at, longest = max(enumerate(len(p.ids) for p in prompts), key=lambda x: x[1])
         if longest >= max_model_len:  # the workers sample one token beside the prompt's scores
+            which = f"prompt[{at}]" if len(prompts) > 1 else "this one"
             raise invalid(
                 f"This model's maximum context length is {max_model_len} tokens: a prompt "
                 f"scored with max_tokens 0 may have at most {max_model_len - 1} (the workers "
-                f"compute one token beside its logprobs, then drop it); this one has {longest}",
+                f"compute one token beside its logprobs, then drop it); {which} has {longest}",
                 "prompt", code="context_length_exceeded",
             )  # fmt: skip
     state.metrics.observe_structured(req.common.sampling.structured, None)

@@ -16,7 +16,6 @@ class RequestStats:
     finished: float | None = None
     num_prompt_tokens: int = 0  # counted once per prompt (0 for its other choices), as usage is
     num_cached_tokens: int = 0
-    prompt_len: int = 0  # the prompt's tokens, for every choice of it
     max_tokens: int = 0  # the settled max_tokens (0: not known)
     num_output_tokens: int = 0
     timing: Timing = field(default_factory=Timing)

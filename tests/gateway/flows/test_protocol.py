@@ -121,6 +121,16 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CHAT, {"messages": [{"role": "system", "content": None}, *MSGS]}, {}, "messages[0].content is required for a system message"),
     (CHAT, {"messages": [*MSGS, {"role": "developer", "content": []}]}, {}, "messages[1].content is required for a developer message"),
     (CHAT, {"messages": [*MSGS, {"role": "tool", "content": None, "tool_call_id": "c"}]}, {}, "messages[1].content is required for a tool message"),
+    ("/tokenize", {"prompt": "hi", "messages": MSGS}, {}, "send prompt or messages, not both"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": 5}]}, {}, "messages[0].name must be a string, got an integer"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "foo": 1}]}, {}, "Unrecognized field in a user message: messages[0].foo"),
+    (CHAT, {"messages": [*MSGS, {"role": "assistant", "content": "a", "tool_call_id": "c"}]}, {}, "Unrecognized field in an assistant message: messages[1].tool_call_id"),
+    (CHAT, {"messages": [{"role": "system", "content": "s", "tool_calls": []}, *MSGS]}, {}, "Unrecognized field in a system message: messages[0].tool_calls"),
+    (CHAT, {"messages": [*MSGS, {"role": "assistant", "content": "a"}, {"role": "tool", "content": "r", "tool_call_id": 7}]}, {}, "messages[2].tool_call_id must be a string"),
+    (CHAT, {"messages": [*MSGS, {"role": "assistant", "content": "a", "reasoning_content": ["x"]}]}, {}, "messages[1].reasoning_content must be a string, got a list"),
+    (CHAT, {"messages": [*MSGS, {"role": "assistant", "content": "a", "function_call": "f"}]}, {}, "messages[1].function_call must be an object"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "hi", "nmae": "x"}]}, {}, "messages[0].nmae"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi", "nmae": "x"}]}, {}, "messages[0].nmae"),
 ]  # fmt: skip
 
 # which field each refusal above names (``param``)
@@ -129,6 +139,10 @@ PARAMS = {
     "best_of is not supported": "best_of",
     "stream_options is only allowed": "stream_options",
     "messages[0].content is required": "messages[0].content",
+    "send prompt or messages, not both": "messages",
+    "messages[0].name must be a string": "messages[0].name",
+    "Unrecognized field in a user message": "messages[0].foo",
+    "messages[2].tool_call_id must be": "messages[2].tool_call_id",
 }
 
 
@@ -265,6 +279,13 @@ def test_params_of_errors_name_the_field(colocated: Stack) -> None:
         # a prompt that leaves no room is the prompt's fault, whatever max_tokens says (vLLM)
         (CMPL, {"prompt": "hi " * 2100, "max_tokens": 2}, "prompt", "reduce the length of the prompt"),
         (CMPL, {"prompt": [5] * 2048}, "prompt", "your request has 2048 input tokens"),
+        # a batch's prompt is named, as /v1/embeddings names its input
+        (CMPL, {"prompt": ["hi", "hi " * 2100], "max_tokens": 2}, "prompt",
+         "However, prompt[1] has 2101 input tokens. Please reduce the length of the prompt."),
+        (CMPL, {"prompt": [[5] * 1000, [5] * 10, [5] * 2040], "max_tokens": 20}, "max_tokens",
+         "However, you requested 2060 tokens for prompt[2] (2040 in the messages, 20 in the"),
+        (CMPL, {"prompt": [[5], [5] * 2048], "echo": True, "max_tokens": 0}, "prompt",
+         "prompt[1] has 2048"),
         (CHAT, {"messages": [{"role": "user", "content": "hi " * 2100}], "max_tokens": 2},
          "messages", "your request has"),
     ],
@@ -322,6 +343,47 @@ def test_parse_tokenize_takes_vllms_fields() -> None:
     with pytest.raises(APIError) as err:
         parse_tokenize({"messages": MSGS, "tools": [{"type": "retrieval"}]}, 100)
     assert err.value.param == "tools"
+
+
+# every field each role's message takes, as OpenAI's API and vLLM accept them (and as a client
+# sends an answer it got back: the openai client's message with its null fields)
+EVERY_MESSAGE_FIELD = [
+    {"role": "developer", "content": "be brief", "name": "ops"},
+    {"role": "system", "content": "you help", "name": "ops"},
+    {"role": "user", "content": "weather?", "name": "ann"},
+    {"role": "assistant", "content": None, "name": "bot", "refusal": None,
+     "reasoning_content": "look it up", "reasoning": "look it up", "function_call": None,
+     "annotations": [], "audio": None,
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "f"},
+    {"role": "assistant", "content": "Sunny.", "refusal": None, "annotations": None,
+     "audio": None, "function_call": {"name": "f", "arguments": "{}"}, "tool_calls": [],
+     "reasoning_content": None, "reasoning": None},
+    {"role": "user", "content": "thanks", "name": None},
+]  # fmt: skip
+
+
+def test_every_field_of_each_roles_message_is_taken(colocated: Stack) -> None:
+    req = parse_chat({"messages": EVERY_MESSAGE_FIELD})
+    assert [m["role"] for m in req.messages] == [
+        "system",
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert req.messages[3]["tool_calls"][0]["function"]["arguments"] == {}
+    r = httpx.post(f"{colocated.base_url}{CHAT}",
+                   json={"messages": EVERY_MESSAGE_FIELD, "max_tokens": 2})  # fmt: skip
+    assert r.status_code == 200, r.text[:300]
+    # what the server answered, sent back as the openai client sends it, is taken too
+    answer = r.json()["choices"][0]["message"]
+    messages = [*EVERY_MESSAGE_FIELD, answer, {"role": "user", "content": "and tomorrow?"}]
+    r = httpx.post(f"{colocated.base_url}{CHAT}", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text[:300]
 
 
 def test_parse_chat_options() -> None:

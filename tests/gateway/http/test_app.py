@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.core.errors import APIError, error_type
-from gateway.http.admin_api import SPEC_PATH
+from gateway.http.admin_api import openapi_document
 from tests.gateway.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
@@ -199,7 +198,7 @@ def test_error_types_follow_the_status() -> None:
 def test_version_openapi_and_workers(colocated: Stack) -> None:
     url = colocated.base_url
     assert httpx.get(f"{url}/version").json()["version"]
-    assert httpx.get(f"{url}/openapi.json").json() == json.loads(Path(SPEC_PATH).read_text())
+    assert httpx.get(f"{url}/openapi.json").json() == openapi_document()
     workers = httpx.get(f"{url}/workers").json()["workers"]
     assert [(w["role"], w["healthy"]) for w in workers] == [("colocated", True)]
     assert workers[0]["load"]["max_model_len"] == 2048

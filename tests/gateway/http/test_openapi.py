@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +21,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from gateway.flows import embeddings, protocol, unsupported
+from gateway.flows.fields import Fields
+from gateway.http.admin_api import REQUEST_TABLES, openapi_document
 from tests.gateway.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,3 +86,71 @@ def test_api_conforms_to_its_openapi_document(contract_stack: Stack) -> None:
         ):
             continue  # nothing to get wrong in a GET or a POST without a body (only a path)
         _checker(operation, mode)()
+
+
+MSGS = [{"role": "user", "content": "hi"}]
+# each request schema's parsers, with the bodies that lead them through every field they read
+PARSERS: dict[str, list[Callable[[], Any]]] = {
+    "CompletionRequest": [partial(protocol.parse_completion, {"prompt": "hi"})],
+    "ChatCompletionRequest": [partial(protocol.parse_chat, {"messages": MSGS})],
+    "EmbeddingRequest": [partial(embeddings.parse_embedding, {"input": "hi"}),
+                         partial(embeddings.parse_embedding, {"messages": MSGS})],
+    "TokenizeRequest": [partial(protocol.parse_tokenize, {"prompt": "hi"}, 100),
+                        partial(protocol.parse_tokenize, {"messages": MSGS}, 100)],
+}  # fmt: skip
+
+
+def test_the_document_lists_every_field_the_server_accepts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each request schema (additionalProperties false) names exactly the fields its parser
+    reads, those its tables take with a value that asks for nothing, and the no-effect ones:
+    a field accepted but not documented (or documented but refused) fails here."""
+    schemas = openapi_document()["components"]["schemas"]
+    accepted: set[str] = set()
+
+    def record(f: Fields, *tables: dict[str, Any]) -> None:
+        accepted.update(f.read, *tables, unsupported.NO_EFFECT)
+
+    for module in (protocol, embeddings):
+        monkeypatch.setattr(module, "refuse_unknown", record)
+    assert set(PARSERS) == set(REQUEST_TABLES)
+    for name, parsers in PARSERS.items():
+        accepted.clear()
+        for parse in parsers:
+            parse()
+        schema = schemas[name]
+        assert schema["additionalProperties"] is False, name
+        assert sorted(set(schema["properties"]) - accepted) == [], name
+        assert sorted(accepted - set(schema["properties"])) == [], name
+
+
+def test_the_fields_taken_only_when_neutral_are_documented_so(colocated: Stack) -> None:
+    """The fields QA found accepted but undocumented: each in the served document, and a body
+    with its documented values answered 200."""
+    document = httpx.get(f"{colocated.base_url}/openapi.json").json()["components"]["schemas"]
+    cases = {
+        "/v1/completions": ("CompletionRequest", {"prompt": "hi", "max_tokens": 1}, {
+            "metadata": {"k": "v"}, "prompt_cache_key": "k", "safety_identifier": "s",
+            "suffix": "", "best_of": 1, "use_beam_search": False, "length_penalty": 1.0,
+            "vllm_xargs": None, "kv_transfer_params": None, "logits_processors": None,
+        }),
+        "/v1/chat/completions": ("ChatCompletionRequest", {"messages": MSGS, "max_tokens": 1}, {
+            "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "modalities": ["text"], "prompt_cache_key": "k", "safety_identifier": "s",
+            "prompt_cache_retention": "in_memory", "verbosity": None, "functions": None,
+            "chat_template": None, "documents": None, "media_io_kwargs": None,
+        }),
+    }  # fmt: skip
+    for path, (name, body, extra) in cases.items():
+        properties = document[name]["properties"]
+        assert sorted(set(extra) - set(properties)) == [], name
+        r = httpx.post(f"{colocated.base_url}{path}", json={**body, **extra})
+        assert r.status_code == 200, r.text[:300]
+    assert document["CompletionRequest"]["properties"]["use_beam_search"]["enum"] == [
+        None,
+        False,
+        "",
+        [],
+        {},
+    ]

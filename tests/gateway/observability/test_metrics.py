@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -286,13 +287,15 @@ def test_new_request_histograms_observe_each_choice_and_each_prompt(colocated: S
         return value(after, name, **labels) - value(before, name, **labels)
 
     # per choice, as vLLM observes each of n child requests: 5 + 5 + 3 + 3 tokens
-    for name, total in (("request_generation_tokens", 16), ("request_params_max_tokens", 16),
-                        ("request_prompt_tokens", 4 * 10)):  # fmt: skip
+    for name, total in (("request_generation_tokens", 16), ("request_params_max_tokens", 16)):
         assert delta(f"tandem:{name}_count") == 4, name
         assert delta(f"tandem:{name}_sum") == total, name
     assert delta("tandem:request_generation_tokens_bucket", le="2.0") == 0
     assert delta("tandem:request_generation_tokens_bucket", le="5.0") == 4
-    assert delta("tandem:prompt_tokens_total") == 3 * 10  # counted once per prompt
+    # a prompt's tokens once per prompt, whatever its n, as usage counts them
+    assert delta("tandem:prompt_tokens_total") == 3 * 10
+    assert delta("tandem:request_prompt_tokens_count") == 3
+    assert delta("tandem:request_prompt_tokens_sum") == 3 * 10
     # per prompt, once its n choices have all finished: n=2 once, then n=1 twice
     assert delta("tandem:request_params_n_count") == 3
     assert delta("tandem:request_params_n_sum") == 2 + 1 + 1
@@ -326,3 +329,63 @@ def test_finished_requests_are_counted_by_where_their_prompt_was_prefilled(
         body = {"prompt": "Hello world", "max_tokens": 2}
         assert httpx.post(f"{stack.base_url}/v1/completions", json=body).status_code == 200
         assert value(scrape(stack), name, mode=mode, reason="") == before + 1
+
+
+def test_a_prompts_tokens_count_once_whatever_its_n(colocated: Stack) -> None:
+    """n=4 on a 10-token prompt: prompt_tokens_total and request_prompt_tokens agree (10, one
+    observation: the prompt's, as usage counts it); the four choices are four finished
+    requests (e2e, success), as vLLM counts its child requests."""
+    before = scrape(colocated)
+    body = {"prompt": PROMPT, "n": 4, "max_tokens": 2}
+    r = httpx.post(f"{colocated.base_url}/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10
+    after = scrape(colocated)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("tandem:prompt_tokens_total") == 10
+    assert delta("tandem:request_prompt_tokens_sum") == 10
+    assert delta("tandem:request_prompt_tokens_count") == 1
+    assert delta("tandem:e2e_request_latency_seconds_count") == 4
+    assert delta("tandem:request_success_total", finished_reason="length") == 4
+    assert delta("tandem:generation_tokens_total") == 4 * 2
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_abandoned_requests_are_counted_as_aborts(colocated: Stack, stream: bool) -> None:
+    """A client that leaves mid-stream, or before a whole response came: the request counts
+    as finished with "abort" (vLLM's), with its latency and the tokens generated before."""
+    colocated.workers[0].behavior.token_delay_s = 0.05
+    before = scrape(colocated)
+    url = f"{colocated.base_url}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 200, "stream": stream}
+    if stream:
+        with httpx.stream("POST", url, json=body) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            for _ in range(3):
+                next(lines)
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, timeout=0.3)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(scrape(colocated), name, **labels) - value(before, name, **labels)
+
+    assert wait_until(lambda: delta("tandem:request_success_total", finished_reason="abort") == 1)
+    assert delta("tandem:e2e_request_latency_seconds_count") == 1
+    assert delta("tandem:e2e_request_latency_seconds_sum") > 0.1
+    assert 3 <= delta("tandem:generation_tokens_total") < 200
+    assert delta("tandem:request_generation_tokens_count") == 1
+    assert delta("tandem:prompt_tokens_total") == 10
+    assert delta("tandem:request_goodput_total") == 0
+    assert not colocated.state.active
