@@ -120,6 +120,13 @@ class Dispatcher:
         fails it before its first token: the request runs again elsewhere (:meth:`_can_retry`).
         One that dies after some tokens reached the client: the request resumes on another
         decode worker from the next token (:meth:`_can_resume`), one stream to the client."""
+        attempts = self._attempts(item, parent)
+        with self.ctx.registry.using_adapter(item.sampling.lora_name):
+            async with contextlib.aclosing(attempts):  # closed (its worker calls aborted) first
+                async for chunk in attempts:
+                    yield chunk
+
+    async def _attempts(self, item: WorkItem, parent: Span) -> AsyncGenerator[Chunk, None]:
         failed: set[str] = set()
         sent: list[int] = []  # the token ids of the chunks the client got
         for attempt in range(MAX_ATTEMPTS):

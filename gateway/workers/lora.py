@@ -139,12 +139,53 @@ def _load_failed(
 
 
 async def unload_adapter(registry: WorkerRegistry, name: str, timeout_s: float) -> list[str]:
+    """Unload from every target worker, or from none. While this gateway has requests under the
+    adapter (queued, in prefill or decoding) it refuses at once, as a worker does with requests
+    of its own: a prefill worker with none queued would drop it while a decode worker refused,
+    and the requests on their way to it would then fail. A worker that refuses (requests of
+    another gateway) or fails: the adapter is loaded again where it was unloaded, from the
+    directory that worker reported."""
+    if registry.adapter_in_use(name):
+        raise APIError(400, f"LoRA adapter {name!r} has requests in flight: unload it later",
+                       param="lora_name")  # fmt: skip
+    targets = _targets(registry)
+    paths = {id(c): _path(c, name) for c in targets}
     outcomes = await asyncio.gather(*(_call(c, "UnloadLoRA", unload_lora_to_pb(name), timeout_s)
-                                      for c in _targets(registry)))  # fmt: skip
+                                      for c in targets))  # fmt: skip
     for o in outcomes:
         if o.error is None:
             _note(o)
-    for o in outcomes:
-        if o.error is not None:
-            raise o.error
-    return list(outcomes[-1].names)
+    failed = [o for o in outcomes if o.error is not None and o.status != grpc.StatusCode.NOT_FOUND]
+    if not failed:
+        missing = [o for o in outcomes if o.error is not None]
+        if len(missing) == len(outcomes):  # nowhere loaded: vLLM's 404
+            assert missing[0].error is not None
+            raise missing[0].error
+        return list(next(o for o in outcomes if o.error is None).names)
+    unloaded = [o for o in outcomes if o.error is None and paths[id(o.client)]]
+    again = await asyncio.gather(*(_call(o.client, "LoadLoRA",
+                                         load_lora_to_pb(name, paths[id(o.client)]), timeout_s)
+                                   for o in unloaded))  # fmt: skip
+    for o in again:
+        if o.error is None:
+            _note(o)
+        else:
+            log.warning("LoRA adapter %r: loading it again on %s after a refused unload: %s",
+                        name, o.where(), o.error.message)  # fmt: skip
+    first = failed[0].error
+    assert first is not None
+    causes = "; ".join(f"{o.where()}: {o.error.message}" for o in failed if o.error)
+    message = f"LoRA adapter {name!r} was not unloaded: {causes}"
+    if unloaded:
+        message += (f". It was loaded again on the {len(unloaded)} worker(s) that had "
+                       "unloaded it (an unload is all or nothing)")  # fmt: skip
+    raise APIError(first.status, message, param=first.param, code=first.code)
+
+
+def _path(client: WorkerClient, name: str) -> str:
+    """The directory of adapter ``name`` on ``client``, as it last reported ("" unknown)."""
+    load = client.load
+    if load is None:
+        return ""
+    paths = dict(zip(load.lora_names, load.lora_paths, strict=False))
+    return paths.get(name, "")

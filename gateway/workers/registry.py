@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any
 
 from gateway.core.config import WORKER_STALL_TIMEOUT_S, DiscoverySpec, WorkerSpec
@@ -53,6 +53,7 @@ class WorkerRegistry:
         self._poller: asyncio.Task[None] | None = None
         self._discoverer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._adapter_requests: dict[str, int] = {}  # this gateway's requests under each adapter
 
     def _client(self, spec: WorkerSpec) -> WorkerClient:
         client = WorkerClient(spec, self._token, self.owner, self.timeout_s, self.stall_timeout_s)
@@ -154,6 +155,28 @@ class WorkerRegistry:
     def lora_names(self) -> set[str]:
         """The LoRA adapters some healthy worker serves (each request goes to one that does)."""
         return {name for c in self.clients if c.healthy for name in c.lora_names}
+
+    @contextlib.contextmanager
+    def using_adapter(self, name: str) -> Iterator[None]:
+        """Counts a request under LoRA adapter ``name`` ("" the base model: not counted) for as
+        long as it runs, from before its first worker call to its end (an unload waits for it:
+        ``gateway.workers.lora.unload_adapter``)."""
+        if not name:
+            yield
+            return
+        self._adapter_requests[name] = self._adapter_requests.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._adapter_requests[name] - 1
+            if left:
+                self._adapter_requests[name] = left
+            else:
+                del self._adapter_requests[name]
+
+    def adapter_in_use(self, name: str) -> bool:
+        """Whether this gateway has a request under LoRA adapter ``name`` running."""
+        return name in self._adapter_requests
 
     def lora_paths(self) -> dict[str, str]:
         """Each adapter's directory, as a healthy worker serving it reported it (workers that

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
+
 import grpc
 import httpx
 import pytest
@@ -81,6 +84,59 @@ def test_a_worker_that_cannot_unload_it_again_is_named(updatable: Stack) -> None
     assert f"could not be unloaded from prefill worker {second.address} (" in message
     assert "POST /v1/unload_lora_adapter" in message
     assert first.behavior.lora_names == () and second.behavior.lora_names == ("sql",)
+
+
+def unload(stack: Stack) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}/v1/unload_lora_adapter", json={"lora_name": "sql"},
+                      timeout=30)  # fmt: skip
+
+
+def test_an_unload_waits_for_the_gateways_requests_under_the_adapter(updatable: Stack) -> None:
+    """While a request under the adapter runs (here: its first token late), the unload is a
+    400 and no worker is asked (a prefill worker with nothing queued would drop it while the
+    decode worker refused, failing the requests on their way); once it ended, it unloads."""
+    assert load(updatable).status_code == 200
+    for w in updatable.workers:
+        w.behavior.first_delay_s = 1.0
+    body = {"model": "sql", "prompt": "x", "max_tokens": 2}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, f"{updatable.base_url}/v1/completions", json=body,
+                              timeout=30)  # fmt: skip
+        deadline = time.monotonic() + 10
+        while not updatable.state.registry.adapter_in_use("sql"):
+            assert time.monotonic() < deadline and not running.done()
+            time.sleep(0.01)
+        r = unload(updatable)
+        assert r.status_code == 400 and "requests in flight" in r.json()["error"]["message"]
+        assert all(w.records.lora_updates == ["load sql"] for w in updatable.workers)
+        assert running.result().status_code == 200
+    assert not updatable.state.registry.adapter_in_use("sql")
+    assert unload(updatable).status_code == 200
+    assert all(w.behavior.lora_names == () for w in updatable.workers)
+
+
+def test_an_unload_a_worker_refuses_is_undone_on_the_others(updatable: Stack) -> None:
+    """All or nothing, as a load: the decode worker refuses (requests of another gateway),
+    so the prefill workers that unloaded it load it again from the directory they reported."""
+    assert load(updatable).status_code == 200
+    (decode,) = updatable.role("decode")
+    decode.behavior.lora_unload_code = grpc.StatusCode.FAILED_PRECONDITION
+    r = unload(updatable)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"decode worker {decode.address}: " in message
+    assert "loaded again on the 2 worker(s)" in message
+    for w in updatable.role("prefill"):
+        assert w.records.lora_updates == ["load sql", "unload sql", "load sql"]
+        assert (
+            w.behavior.lora_names == ("sql",) and w.behavior.lora_paths["sql"] == LOAD["lora_path"]
+        )
+    assert models(updatable)[1:] == ["sql"]
+
+
+def test_an_adapter_loaded_nowhere_is_a_404(updatable: Stack) -> None:
+    r = unload(updatable)
+    assert r.status_code == 404 and "not loaded" in r.json()["error"]["message"]
 
 
 def test_an_adapters_card_has_its_directory_as_root(updatable: Stack) -> None:
