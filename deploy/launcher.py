@@ -65,7 +65,12 @@ class _Stop(KeyboardInterrupt):
 
 
 def say(text: str, error: bool = False) -> None:
-    print(text, file=sys.stderr if error else sys.stdout, flush=True)
+    # one write, text and newline together: print() writes them apart, and a Ctrl-C raised
+    # between the two (the signal handler's stop) left the line unended, so the next one
+    # ("tandem up: stopping") was glued to it
+    stream = sys.stderr if error else sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def prepare_model(argv: list[str]) -> str:
