@@ -7,7 +7,8 @@ import asyncio
 import os
 import socket
 import threading
-from collections.abc import Coroutine, Iterator
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import uvicorn
@@ -25,6 +26,17 @@ from gateway.http.state import GatewayState
 from tests.gateway.fake_workers import FakeWorker
 
 T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether ``cond`` holds within ``timeout`` seconds (polled every 20 ms; checked once more
+    at the end)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
 
 
 def dead_address() -> str:

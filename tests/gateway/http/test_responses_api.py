@@ -7,8 +7,7 @@ renders is the chat endpoint's for the same messages."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,7 +15,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.gateway.stack import Stack
+from tests.gateway.stack import Stack, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object",
@@ -38,15 +37,6 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
     stack.reset()
     with openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0) as c:
         yield c
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def prompt_tokens(stack: Stack, messages: list[dict[str, Any]], **extra: Any) -> int:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ from gateway.observability.metrics import (
     one_two_five,
 )
 from tests.gateway.fake_workers import ITERATION_TOKENS
-from tests.gateway.stack import Stack
+from tests.gateway.stack import Stack, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 PROMPT = "Hello world, this is a test of the gateway"
@@ -352,15 +351,6 @@ def test_a_prompts_tokens_count_once_whatever_its_n(colocated: Stack) -> None:
     assert delta("tandem:generation_tokens_total") == 4 * 2
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_abandoned_requests_are_counted_as_aborts(colocated: Stack, stream: bool) -> None:
     """A client that leaves mid-stream, or before a whole response came: the request counts
@@ -381,7 +371,7 @@ def test_abandoned_requests_are_counted_as_aborts(colocated: Stack, stream: bool
     def delta(name: str, **labels: str) -> float:
         return value(scrape(colocated), name, **labels) - value(before, name, **labels)
 
-    assert wait_until(lambda: delta("tandem:request_success_total", finished_reason="abort") == 1)
+    assert wait_for(lambda: delta("tandem:request_success_total", finished_reason="abort") == 1)
     assert delta("tandem:e2e_request_latency_seconds_count") == 1
     assert delta("tandem:e2e_request_latency_seconds_sum") > 0.1
     assert 3 <= delta("tandem:generation_tokens_total") < 200

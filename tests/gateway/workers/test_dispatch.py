@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,19 +15,10 @@ import pytest
 from gateway.core.config import WorkerSpec
 from gateway.workers.router import prefix_key, rank_by_affinity
 from tests.gateway.fake_workers import FakeWorker
-from tests.gateway.stack import Stack, dead_address
+from tests.gateway.stack import Stack, dead_address, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 PROMPT = "Hello world, this is a test of the gateway"
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def sse_lines(response: httpx.Response) -> Iterator[str]:

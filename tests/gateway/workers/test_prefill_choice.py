@@ -4,8 +4,6 @@ metrics."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -14,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.workers.prefill_choice import DECODE_LOAD, QUEUE, SHORT, local_prefill_reason
-from tests.gateway.stack import Stack
+from tests.gateway.stack import Stack, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 SHORT_PROMPT = "Hello world, this is a test of the gateway"  # 10 tokens
@@ -24,13 +22,6 @@ LONG_PROMPT = SHORT_PROMPT + " and a much longer prompt that takes more than six
 @dataclass
 class Prefill:
     queue_depth: int
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.mark.parametrize(
