@@ -149,7 +149,7 @@ async def unload_adapter(registry: WorkerRegistry, name: str, timeout_s: float) 
         raise APIError(400, f"LoRA adapter {name!r} has requests in flight: unload it later",
                        param="lora_name")  # fmt: skip
     targets = _targets(registry)
-    paths = {id(c): _path(c, name) for c in targets}
+    paths = {c: _path(c, name) for c in targets}
     outcomes = await asyncio.gather(*(_call(c, "UnloadLoRA", unload_lora_to_pb(name), timeout_s)
                                       for c in targets))  # fmt: skip
     for o in outcomes:
@@ -162,9 +162,9 @@ async def unload_adapter(registry: WorkerRegistry, name: str, timeout_s: float) 
             assert missing[0].error is not None
             raise missing[0].error
         return list(next(o for o in outcomes if o.error is None).names)
-    unloaded = [o for o in outcomes if o.error is None and paths[id(o.client)]]
+    unloaded = [o for o in outcomes if o.error is None and paths[o.client]]
     again = await asyncio.gather(*(_call(o.client, "LoadLoRA",
-                                         load_lora_to_pb(name, paths[id(o.client)]), timeout_s)
+                                         load_lora_to_pb(name, paths[o.client]), timeout_s)
                                    for o in unloaded))  # fmt: skip
     for o in again:
         if o.error is None:
