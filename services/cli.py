@@ -734,7 +734,8 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="adapters to serve, each a peft adapter directory (adapter_config.json and "
         "adapter_model.safetensors) under the name requests use (needs --enable-lora); an "
-        'entry may also be vLLM\'s JSON: \'{"name": NAME, "path": PATH, "base_model_name": M}\'',
+        'entry may also be vLLM\'s JSON: \'{"name": NAME, "path": PATH, "base_model_name": M}\' '
+        "(M, where given, must be the served model: --model or --served-model-name)",
     )
     g.add_argument(
         "--max-loras",

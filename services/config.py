@@ -316,12 +316,15 @@ class LoRAConfig:
     """vLLM's LoRA flags: ``--enable-lora`` serves peft adapters beside the base model, the
     request's ``model`` naming one; ``modules``: (name, directory) of ``--lora-modules``;
     ``max_loras`` adapters are resident on the device at once (slots, and the most distinct
-    adapters in one step); ``max_lora_rank`` the largest rank a slot holds."""
+    adapters in one step); ``max_lora_rank`` the largest rank a slot holds; ``base_models``:
+    (name, base model) of the entries that named their base model (vLLM's JSON form's
+    ``base_model_name``), which must be the model served."""
 
     modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
     allow_runtime_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    base_models: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -346,8 +349,10 @@ class LoRAConfig:
                 flag = "--lora-modules" if modules else "--allow-runtime-lora-updating"
                 raise ConfigError(f"{flag} needs --enable-lora")
             return None
+        entries = [cls._parse_module(item) for item in modules or ()]
         return cls(
-            modules=cls.parse_modules(modules),
+            modules=tuple((name, path) for name, path, _ in entries),
+            base_models=tuple((name, base) for name, _, base in entries if base),
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             allow_runtime_updating=runtime,
@@ -367,14 +372,24 @@ class LoRAConfig:
 
     def check_names(self, *base_names: str | None) -> None:
         """No adapter is named as the base model (``--model``, ``--served-model-name``): the
-        gateway takes such a name for the base model, so the adapter could never be asked for."""
-        clash = sorted({name for name, _ in self.modules} & {n for n in base_names if n})
+        gateway takes such a name for the base model, so the adapter could never be asked for;
+        and an adapter's ``base_model_name``, where given, is one of those names (one base
+        model is served: an adapter trained on another would be applied to the wrong one)."""
+        names = {n for n in base_names if n}
+        clash = sorted({name for name, _ in self.modules} & names)
         if clash:
             raise ConfigError(
                 f"--lora-modules name {clash[0]!r} is the base model's name (--model or "
                 "--served-model-name): requests naming it get the base model; name the adapter "
                 "otherwise"
             )
+        for name, base in self.base_models:
+            if base not in names:
+                raise ConfigError(
+                    f"--lora-modules entry {name!r}: base_model_name {base!r} is not the model "
+                    f"served ({', '.join(repr(n) for n in sorted(names))}, from --model or "
+                    "--served-model-name); name the served model or leave base_model_name out"
+                )
 
     def check_directories(self) -> None:
         """Each ``--lora-modules`` path is a peft adapter directory on this machine."""
@@ -382,23 +397,18 @@ class LoRAConfig:
             check_adapter_dir(name, Path(path))
 
     @staticmethod
-    def parse_modules(items: list[str] | tuple[str, ...] | None) -> tuple[tuple[str, str], ...]:
-        """``--lora-modules name=path ...`` as (name, path) pairs; an entry may also be vLLM's
-        JSON form, ``{"name": ..., "path": ..., "base_model_name": ...}`` (the base model's
-        name: every adapter's parent here, the one model served)."""
-        pairs = []
-        for item in items or ():
-            if item.lstrip().startswith("{"):
-                pairs.append(LoRAConfig._json_module(item))
-                continue
-            name, sep, path = item.partition("=")
-            if not sep or not name.strip() or not path.strip():
-                raise ConfigError(f"--lora-modules takes NAME=PATH entries, got {item!r}")
-            pairs.append((name.strip(), path.strip()))
-        return tuple(pairs)
+    def _parse_module(item: str) -> tuple[str, str, str]:
+        """One ``--lora-modules`` entry as (name, path, base model name or ""): ``NAME=PATH``,
+        or vLLM's JSON form, ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+        if item.lstrip().startswith("{"):
+            return LoRAConfig._json_module(item)
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora-modules takes NAME=PATH entries, got {item!r}")
+        return name.strip(), path.strip(), ""
 
     @staticmethod
-    def _json_module(item: str) -> tuple[str, str]:
+    def _json_module(item: str) -> tuple[str, str, str]:
         try:
             data = json.loads(item)
         except json.JSONDecodeError as e:
@@ -409,14 +419,14 @@ class LoRAConfig:
         if unknown:
             raise ConfigError(f"--lora-modules entry {item!r}: key(s) not supported: "
                               f"{', '.join(unknown)} (supported: name, path, base_model_name)")  # fmt: skip
-        name, path = data.get("name"), data.get("path")
+        name, path, base = data.get("name"), data.get("path"), data.get("base_model_name")
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f'--lora-modules entry {item!r} needs "name", a string')
         if not isinstance(path, str) or not path.strip():
             raise ConfigError(f'--lora-modules entry {item!r} needs "path", a string')
-        if not isinstance(data.get("base_model_name", ""), str):
+        if base is not None and not isinstance(base, str):
             raise ConfigError(f"--lora-modules entry {item!r}: base_model_name must be a string")
-        return name.strip(), path.strip()
+        return name.strip(), path.strip(), (base or "").strip()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -566,6 +567,15 @@ def test_lora_flags_reach_every_worker_and_parse_there(tmp_path: Path) -> None:
             ("--model", "/m/base", "--lora-modules", "/m/base=/ad/chat"),
             "--lora-modules name '/m/base' is the base model's name",
         ),
+        (  # vLLM's JSON entry naming a base model other than the one served
+            (
+                "--served-model-name",
+                "chat",
+                "--lora-modules",
+                '{"name": "sql", "path": "/ad/sql", "base_model_name": "llama"}',
+            ),
+            "--lora-modules entry 'sql': base_model_name 'llama' is not the model served",
+        ),
     ],
 )
 def test_lora_that_no_worker_could_serve_is_refused_before_any_starts(
@@ -573,6 +583,16 @@ def test_lora_that_no_worker_could_serve_is_refused_before_any_starts(
 ) -> None:
     with pytest.raises(ConfigError, match=re.escape(words)):
         plan_for("--enable-lora", *flags)
+
+
+def test_a_json_entry_naming_the_served_model_as_its_base_is_served(tmp_path: Path) -> None:
+    (entry,) = _adapter_dirs(tmp_path, "sql")
+    name, path = entry.split("=")
+    for base in ("chat", "/m/base"):  # --served-model-name or --model
+        module = json.dumps({"name": name, "path": path, "base_model_name": base})
+        plan = plan_for("--model", "/m/base", "--served-model-name", "chat", "--enable-lora",
+                        "--lora-modules", module)  # fmt: skip
+        assert all(reparse(w.spec.argv).lora_modules == [module] for w in plan.workers)
 
 
 def test_a_bad_image_limit_is_refused_before_any_process_starts() -> None:

@@ -79,8 +79,13 @@ def test_lora_flags_become_a_lora_config_or_a_clear_refusal() -> None:
     entry = '{"name": "chat", "path": "/a/chat", "base_model_name": "base"}'
     lora = config("--enable-lora", "--lora-modules", "sql=/a/sql", entry)
     assert lora is not None and lora.modules == (("sql", "/a/sql"), ("chat", "/a/chat"))
+    assert lora.base_models == (("chat", "base"),)  # checked against the served names
+    with pytest.raises(ConfigError, match="base_model_name 'base' is not the model served"):
+        lora.check_names("/m/llama", "llama")
+    lora.check_names("/m/llama", "base")
     for bad, words in (('{"name": "x"}', 'needs "path"'), ('{"path": "/p"}', 'needs "name"'),
                        ('{"name": "x", "path": "/p", "id": 1}', "not supported: id"),
+                       ('{"name": "x", "path": "/p", "base_model_name": 1}', "must be a string"),
                        ('{"name": "x",', "not valid JSON")):  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             config("--enable-lora", "--lora-modules", bad)
