@@ -17,20 +17,40 @@ def _load_prompts(args: argparse.Namespace) -> list[Any]:
             return [{"messages": [{"role": "user", "content": p}]} for p in args.prompt]
         return list(args.prompt)
     prompts: list[Any] = []
-    with open(args.prompts_file, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"{args.prompts_file}:{n}: not JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
-                raise InvalidRequestError(
-                    f'{args.prompts_file}:{n}: expected {{"prompt": ...}} or {{"messages": [...]}}'
-                )
-            prompts.append({"messages": obj["messages"]} if "messages" in obj else obj["prompt"])
+    try:
+        with open(args.prompts_file, encoding="utf-8") as fh:
+            lines = list(fh)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"--prompts-file {args.prompts_file}: {exc}") from exc
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            prompts.append(_prompt_line(f"{args.prompts_file}:{n}", line))
     return prompts
+
+
+def _prompt_line(where: str, line: str) -> Any:
+    """One line of --prompts-file: ``{"prompt": TEXT}`` or ``{"messages": [...]}``, nothing
+    else (a key this does not read, such as a sampling option, is refused, not ignored)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{where}: not JSON ({exc.msg})") from exc
+    shape = 'expected {"prompt": "..."} or {"messages": [...]}'
+    if not isinstance(obj, dict) or len(obj.keys() & {"prompt", "messages"}) != 1:
+        raise InvalidRequestError(f"{where}: {shape}")
+    unknown = sorted(obj.keys() - {"prompt", "messages"})
+    if unknown:
+        raise InvalidRequestError(
+            f"{where}: key(s) not supported: {', '.join(unknown)} ({shape}; sampling options "
+            "and --lora-name are flags of tandem generate, the same for every line)"
+        )
+    if "messages" in obj:
+        if not isinstance(obj["messages"], list) or not obj["messages"]:
+            raise InvalidRequestError(f'{where}: "messages" must be a non-empty list')
+        return {"messages": obj["messages"]}
+    if not isinstance(obj["prompt"], str):
+        raise InvalidRequestError(f'{where}: "prompt" must be a string')
+    return obj["prompt"]
 
 
 def main(args: argparse.Namespace) -> int:

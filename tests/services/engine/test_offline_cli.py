@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from protos.sampling_params import InvalidRequestError
+from services.engine.offline_cli import _prompt_line
+
 
 def _tandem(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "services.cli", "generate", *args]
@@ -40,6 +45,32 @@ def test_errors_are_clear_and_exit_nonzero(tmp_path: Path) -> None:
     bad.write_text("{not json\n")
     res = _tandem("--prompts-file", str(bad))
     assert res.returncode == 2 and "bad.jsonl:1" in res.stderr
+    # a key no line takes (an option per line) is refused, not ignored
+    bad.write_text(
+        json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "hi", "lora_name": "x"})
+    )
+    res = _tandem("--prompts-file", str(bad))
+    assert res.returncode == 2 and "bad.jsonl:2: key(s) not supported: lora_name" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = _tandem("--prompts-file", str(tmp_path))  # a directory
+    assert res.returncode == 2 and "--prompts-file" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ('{"prompt": "a", "messages": []}', 'expected {"prompt": "..."} or {"messages": [...]}'),
+        ("[1, 2]", 'expected {"prompt": "..."} or {"messages": [...]}'),
+        ('{"prompt": 7}', '"prompt" must be a string'),
+        ('{"messages": "hi"}', '"messages" must be a non-empty list'),
+        ('{"messages": []}', '"messages" must be a non-empty list'),
+        ('{"prompt": "a", "temperature": 0}', "key(s) not supported: temperature"),
+    ],
+)
+def test_a_prompts_file_line_of_another_shape_is_refused(line: str, words: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        _prompt_line("p.jsonl:3", line)
+    assert str(info.value).startswith("p.jsonl:3: ") and words in str(info.value)
 
 
 def test_max_tokens_past_the_context_is_refused_with_the_limit() -> None:
