@@ -32,7 +32,7 @@ def _name(f: Fields, base_names: tuple[str, ...]) -> str:
 async def load_lora_adapter(request: Request) -> Response:
     state = gateway_state(request)
     f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
-    name = _name(f, (state.model_name, state.config.model))
+    name = _name(f, (*state.config.model_names, state.config.model))
     path = f.get_str("lora_path", None)
     if not path:
         raise invalid("lora_path (the peft adapter directory, as the workers see it) is "
@@ -45,7 +45,7 @@ async def load_lora_adapter(request: Request) -> Response:
 async def unload_lora_adapter(request: Request) -> Response:
     state = gateway_state(request)
     f = Fields(require_object(await read_json(request, state.config.max_body_bytes)))
-    name = _name(f, (state.model_name, state.config.model))
+    name = _name(f, (*state.config.model_names, state.config.model))
     refuse_unknown(f)
     await unload_adapter(state.registry, name, UPDATE_TIMEOUT_S)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

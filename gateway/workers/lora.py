@@ -162,24 +162,40 @@ async def unload_adapter(registry: WorkerRegistry, name: str, timeout_s: float) 
             assert missing[0].error is not None
             raise missing[0].error
         return list(next(o for o in outcomes if o.error is None).names)
-    unloaded = [o for o in outcomes if o.error is None and paths[o.client]]
-    again = await asyncio.gather(*(_call(o.client, "LoadLoRA",
-                                         load_lora_to_pb(name, paths[o.client]), timeout_s)
+    unloaded = [o for o in outcomes if o.error is None]
+    again = await asyncio.gather(*(_reload(o.client, name, paths[o.client], timeout_s)
                                    for o in unloaded))  # fmt: skip
-    for o in again:
-        if o.error is None:
-            _note(o)
-        else:
-            log.warning("LoRA adapter %r: loading it again on %s after a refused unload: %s",
-                        name, o.where(), o.error.message)  # fmt: skip
     first = failed[0].error
     assert first is not None
     causes = "; ".join(f"{o.where()}: {o.error.message}" for o in failed if o.error)
     message = f"LoRA adapter {name!r} was not unloaded: {causes}"
-    if unloaded:
-        message += (f". It was loaded again on the {len(unloaded)} worker(s) that had "
-                       "unloaded it (an unload is all or nothing)")  # fmt: skip
+    reloaded = [o for o in again if o.error is None]
+    if reloaded:
+        message += (f". It was loaded again on the {len(reloaded)} worker(s) that had "
+                    "unloaded it (an unload is all or nothing)")  # fmt: skip
+    left = [o for o in again if o.error is not None]
+    if left:
+        where = ", ".join(f"{o.where()} ({o.error.message})" for o in left if o.error)
+        message += (f". It could not be loaded again on {where}: those workers no longer "
+                    "serve it (unload it there too, or load it again, with POST "
+                    "/v1/unload_lora_adapter or /v1/load_lora_adapter)")  # fmt: skip
     raise APIError(first.status, message, param=first.param, code=first.code)
+
+
+async def _reload(client: WorkerClient, name: str, path: str, timeout_s: float) -> _Outcome:
+    """Load ``name`` again on a worker that unloaded it while another refused, from the
+    directory the worker reported for it (an error outcome where it reported none)."""
+    if not path:
+        log.warning("LoRA adapter %r: %s %s reported no directory for it: not loaded again",
+                    name, client.role, client.address)  # fmt: skip
+        return _Outcome(client, error=APIError(503, "it reported no directory for the adapter"))
+    outcome = await _call(client, "LoadLoRA", load_lora_to_pb(name, path), timeout_s)
+    if outcome.error is None:
+        _note(outcome)
+    else:
+        log.warning("LoRA adapter %r: loading it again on %s after a refused unload: %s",
+                    name, outcome.where(), outcome.error.message)  # fmt: skip
+    return outcome
 
 
 def _path(client: WorkerClient, name: str) -> str:

@@ -134,6 +134,22 @@ def test_an_unload_a_worker_refuses_is_undone_on_the_others(updatable: Stack) ->
     assert models(updatable)[1:] == ["sql"]
 
 
+def test_an_unload_undone_where_a_worker_cannot_load_again_names_it(updatable: Stack) -> None:
+    """A worker that unloaded but then fails the load again no longer serves the adapter: the
+    answer says which, and does not count it among those that loaded it again."""
+    assert load(updatable).status_code == 200
+    (decode,) = updatable.role("decode")
+    first, second = updatable.role("prefill")
+    decode.behavior.lora_unload_code = grpc.StatusCode.FAILED_PRECONDITION
+    first.behavior.lora_load_code = grpc.StatusCode.UNAVAILABLE
+    r = unload(updatable)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "loaded again on the 1 worker(s)" in message
+    assert f"could not be loaded again on prefill worker {first.address} (" in message
+    assert first.behavior.lora_names == () and second.behavior.lora_names == ("sql",)
+
+
 def test_an_adapter_loaded_nowhere_is_a_404(updatable: Stack) -> None:
     r = unload(updatable)
     assert r.status_code == 404 and "not loaded" in r.json()["error"]["message"]
@@ -152,10 +168,12 @@ def test_an_adapters_card_has_its_directory_as_root(updatable: Stack) -> None:
 def test_an_adapter_is_not_loaded_under_the_base_models_path(tokenizer_dir: str) -> None:
     """With --served-model-name the gateway still takes --model's name for the base model: an
     adapter loaded under it could never be asked for."""
-    stack = Stack(tokenizer_dir, ["colocated"], served_model_name="smol").start()
+    stack = Stack(
+        tokenizer_dir, ["colocated"], served_model_name="smol", served_model_aliases=("tiny",)
+    ).start()
     try:
         stack.workers[0].behavior.lora_updates = True
-        for name in ("smol", stack.state.config.model):
+        for name in ("smol", "tiny", stack.state.config.model):
             body = {"lora_name": name, "lora_path": "/adapters/sql"}
             r = httpx.post(f"{stack.base_url}/v1/load_lora_adapter", json=body, timeout=30)
             assert r.status_code == 400 and "is the base model's name" in r.text, r.text
