@@ -231,7 +231,8 @@ def _common(
         n=f.get_int("n", 1, 1, MAX_N) or 1,
         stream=stream,
         include_usage=bool(include_usage),
-        continuous_usage=bool(options.get("continuous_usage_stats")),
+        # vLLM's: the usage in every chunk only beside include_usage (alone, no usage at all)
+        continuous_usage=bool(include_usage) and bool(options.get("continuous_usage_stats")),
         max_tokens=max_tokens,
         sampling=_sampling(f, max_tokens, logprobs, defaults),
         priority=f.get_int("priority", 0, -INT32_MAX, INT32_MAX) or 0,

@@ -105,6 +105,21 @@ def test_continuous_usage_counts_every_chunk(disagg: Stack, endpoint: str) -> No
     assert {c.usage.prompt_tokens for c in chunks} == {31 if endpoint == "chat" else 10}
 
 
+@pytest.mark.parametrize("include_usage", [False, None])
+def test_continuous_usage_without_include_usage_gives_no_usage(
+    disagg: Stack, include_usage: bool | None
+) -> None:
+    """As vLLM: continuous_usage_stats counts only beside include_usage."""
+    options: dict[str, Any] = {"continuous_usage_stats": True}
+    if include_usage is not None:
+        options["include_usage"] = include_usage
+    chunks = list(client(disagg).completions.create(
+        model="embedded", prompt=PROMPT, max_tokens=3, stream=True, stream_options=options
+    ))  # fmt: skip
+    assert chunks and all(c.usage is None for c in chunks)
+    assert all(c.choices for c in chunks)  # no usage-only chunk at the end either
+
+
 def test_an_unknown_stream_option_is_a_400(disagg: Stack) -> None:
     body = {"prompt": PROMPT, "stream": True, "stream_options": {"include_usag": True}}
     r = httpx.post(f"{disagg.base_url}/v1/completions", json=body)
