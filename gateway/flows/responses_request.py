@@ -260,7 +260,7 @@ def parse_responses(
         "previous_response_id": f.get_str("previous_response_id", None, MAX_RESPONSE_ID),
         "reasoning": reasoning,
         "text": {"format": fmt},
-        "tool_choice": f.get("tool_choice") or ("auto" if tools else "none"),
+        "tool_choice": f.get("tool_choice") or "auto",  # OpenAI's default, tools or none
         "tools": tools,
         "top_logprobs": top,
         "truncation": "disabled",

@@ -53,6 +53,7 @@ def test_a_response_whole_and_streamed(stack: Stack, client: openai.OpenAI) -> N
     assert whole.id.startswith("resp_") and whole.object == "response"
     assert whole.status == "completed" and whole.output_text == "system\nBe brief."
     assert whole.instructions == "Be brief." and whole.max_output_tokens == 64
+    assert (whole.tool_choice, whole.tools) == ("auto", [])  # OpenAI's defaults echoed
     assert whole.usage is not None and whole.usage.input_tokens == prompt_tokens(
         stack, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me."}]
     )
