@@ -96,6 +96,18 @@ class Fields:
         return tuple(check_int(v, name, 0, INT32_MAX) for v in value)
 
 
+def check_keys(obj: dict[str, Any], allowed: tuple[str, ...], where: str, param: str) -> None:
+    """A 400 for a key of a nested object (a tool, a response format) that it does not have:
+    a misspelt one (``paramters``) must not quietly drop what it carried."""
+    unknown = [k for k in obj if k not in allowed]
+    if unknown:
+        raise invalid(
+            f"Unrecognized field: {where}.{unknown[0]} ({where} takes {', '.join(allowed)}; "
+            "drop it)",
+            param,
+        )
+
+
 def check_int(value: Any, name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"{name} must be an integer, got {kind_of(value)}", name)

@@ -18,6 +18,7 @@ from gateway.flows.fields import (
     INT64_MAX,
     Fields,
     check_int,
+    check_keys,
     kind_of,
     require_object,
 )
@@ -458,10 +459,13 @@ def _tool_call_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     if not isinstance(calls, list):
         raise invalid(f"{param} must be a list of tool calls", param)
     out = []
-    for call in calls:
+    for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid(f"{param}: each call needs a function with a name", param)
+        # a streamed call's deltas carry an index, which clients keep when they put it back
+        check_keys(call, ("id", "type", "function", "index"), f"{param}[{j}]", param)
+        check_keys(fn, ("name", "arguments"), f"{param}[{j}].function", param)
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:

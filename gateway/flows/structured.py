@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.core.errors import invalid
-from gateway.flows.fields import Fields
+from gateway.flows.fields import Fields, check_keys
 from gateway.flows.schema_support import check_schema
 from protos.sampling_params import StructuredOutput
 
@@ -67,6 +67,7 @@ def _spec(kind: str, value: Any, param: str) -> str:
 
 def _response_format(f: Fields) -> StructuredOutput | None:
     fmt = f.get_dict("response_format")
+    check_keys(fmt, ("type", "json_schema"), "response_format", "response_format")
     kind = fmt.get("type", "text")
     if kind == "text":
         return None
@@ -84,6 +85,8 @@ def _response_format(f: Fields) -> StructuredOutput | None:
             '{"name": ..., "schema": {...}}',
             "response_format",
         )
+    check_keys(body, ("name", "description", "schema", "strict"), "response_format.json_schema",
+               "response_format.json_schema")  # fmt: skip
     name = body.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
         raise invalid(  # as OpenAI: the name is required

@@ -18,13 +18,14 @@ from typing import Any
 from urllib.parse import unquote
 
 from gateway.core.errors import invalid
-from gateway.flows.fields import Fields
+from gateway.flows.fields import Fields, check_keys
 from gateway.flows.schema_support import check_schema
 from protos.sampling_params import StructuredOutput
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
 CHOICES = ("none", "auto", "required")
+FUNCTION_FIELDS = ("name", "description", "parameters", "strict")  # of tools[i].function
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,11 @@ def _function(tool: Any, i: int) -> Function:
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
         raise invalid(f"{param} must be a function tool: {{'type': 'function', 'function': ...}}",
                       "tools")  # fmt: skip
+    check_keys(tool, ("type", "function"), param, "tools")
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise invalid(f"{param}.function must be an object with a name", "tools")
+    check_keys(fn, FUNCTION_FIELDS, f"{param}.function", "tools")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.match(name):
         raise invalid(
@@ -286,7 +289,10 @@ def _functions(value: Any) -> tuple[Function, ...]:
 
 
 def _named(choice: dict[str, Any], functions: tuple[Function, ...]) -> str:
+    check_keys(choice, ("type", "function"), "tool_choice", "tool_choice")
     fn = choice.get("function")
+    if isinstance(fn, dict):
+        check_keys(fn, ("name",), "tool_choice.function", "tool_choice")
     name = fn.get("name") if isinstance(fn, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
         raise invalid(

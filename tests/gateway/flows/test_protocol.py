@@ -249,6 +249,51 @@ def test_a_tool_choice_constraint_comes_from_the_tools() -> None:
         assert so is not None and so.kind == "json" and so.source == "tools"
 
 
+FN = {"name": "f", "parameters": {"type": "object"}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [  # a misspelt key of a nested object is a 400, not a part of the request quietly dropped
+        ({"tools": [{"type": "function", "function": {"name": "f", "paramters": {}}}]},
+         "tools[0].function.paramters"),
+        ({"tools": [{**TOOL, "extra": 1}]}, "tools[0].extra"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": FN, "x": 1}},
+         "tool_choice.x"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"nam": "f"}}},
+         "tool_choice.function.nam"),
+        ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "scheam": {}}}},
+         "response_format.json_schema.scheam"),
+        ({"messages": [*MSGS, {"role": "assistant", "tool_calls": [{**CALL, "x": 1}]}]},
+         "messages[1].tool_calls[0].x"),
+        ({"messages": [*MSGS, {"role": "assistant", "tool_calls": [
+            {**CALL, "function": {"name": "f", "argumens": "{}"}}]}]},
+         "messages[1].tool_calls[0].function.argumens"),
+    ],
+)  # fmt: skip
+def test_an_unknown_key_of_a_nested_object_is_named(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        parse_chat({"messages": MSGS, **extra})
+    assert info.value.status == 400 and f"Unrecognized field: {param} (" in info.value.message
+
+
+def test_the_nested_objects_keys_that_clients_send_are_taken() -> None:
+    fn = {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": False}
+    call = {**CALL, "index": 0}  # kept from a streamed delta
+    parse_chat({
+        "messages": [*MSGS, {"role": "assistant", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "1"}],
+        "tools": [{"type": "function", "function": fn}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    })  # fmt: skip
+    schema = {"name": "a", "description": "d", "schema": {"type": "object"}, "strict": True}
+    parse_chat(
+        {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": schema}}
+    )
+
+
 def test_seed_minus_one_asks_for_no_seed() -> None:
     """vLLM reads seed -1 as none (each request a fresh draw), not as a seed of -1."""
     assert parse_completion({"prompt": "hi", "seed": -1}).common.sampling.seed is None
