@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from kernels import ops
@@ -58,6 +59,10 @@ IMAGES_LOST = (
 )
 
 
+# the files a transformers tokenizer is read from (one of them at least)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(hf_dir: str) -> Any:
     """The model's transformers tokenizer. AutoTokenizer is handed the directory's config.json as
     a plain PreTrainedConfig (model_type kept, which is all it reads of it): resolving the
@@ -75,9 +80,18 @@ def load_tokenizer(hf_dir: str) -> Any:
             hf_logging.set_verbosity(level)
         return AutoTokenizer.from_pretrained(hf_dir, config=config)
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        # no or an unusual config.json (some transformers releases cannot build a plain
-        # PreTrainedConfig from a Llama 3 one: AttributeError): the usual way
+        pass  # no or an unusual config.json (some transformers releases cannot build a plain
+        # PreTrainedConfig from a Llama 3 one: AttributeError): the usual way below
+    try:
         return AutoTokenizer.from_pretrained(hf_dir)
+    except (OSError, ValueError) as e:  # no tokenizer files, or ones transformers cannot read
+        cause = " ".join(str(e).split())[:300] or type(e).__name__
+        if not any((Path(hf_dir) / name).is_file() for name in TOKENIZER_FILES):
+            cause = f"it holds none of {', '.join(TOKENIZER_FILES)}"
+        raise ConfigError(
+            f"cannot load the tokenizer of {hf_dir}: {cause} (a model directory needs its "
+            "tokenizer files, as saved with the model)"
+        ) from None
 
 
 def _tokenizer_for(files: ModelFiles) -> Any:

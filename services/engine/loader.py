@@ -10,9 +10,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kernels import ops
 from services.config import ConfigError, ModelConfig
@@ -143,6 +144,20 @@ def _shard_sizes(arch: ArchConfig, fused: str) -> list[int]:
     return [arch.intermediate_size, arch.intermediate_size]
 
 
+@contextlib.contextmanager
+def _checkpoint_file(file: Path) -> Iterator[Any]:
+    """``safe_open`` of one weights file; a file safetensors cannot read (truncated by an
+    interrupted download or copy, or no safetensors at all) is a ConfigError that names it."""
+    try:
+        with safe_open(str(file), framework="pt") as fh:
+            yield fh
+    except SafetensorError as e:
+        raise ConfigError(
+            f"{file} is not a readable safetensors file ({e}): was its download or copy "
+            "interrupted? Fetch the checkpoint's files again"
+        ) from None
+
+
 def iter_safetensors(
     directory: Path, layout: TPLayout | None = None, language_only: bool = False,
     rename: Callable[[str], str] | None = None,
@@ -155,7 +170,7 @@ def iter_safetensors(
     if not files:
         raise ConfigError(f"no *.safetensors weights in {directory}")
     for file in files:
-        with safe_open(str(file), framework="pt") as fh:
+        with _checkpoint_file(file) as fh:
             for stored in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name = language_model_name(stored) if language_only else stored
                 if rename is not None and name is not None:
@@ -622,7 +637,7 @@ def _float_expert_layers(directory: Path | None) -> frozenset[int]:
     e4m3), read from the files' headers: their experts are not held in FP8."""
     layers: set[int] = set()
     for file in sorted(directory.glob("*.safetensors")) if directory else []:
-        with safe_open(str(file), framework="pt") as fh:
+        with _checkpoint_file(file) as fh:
             for key in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
                 match = _STORED_EXPERT.search(key)
                 if match and fh.get_slice(key).get_dtype() != "F8_E4M3":

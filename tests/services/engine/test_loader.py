@@ -108,3 +108,25 @@ def test_the_available_memory_is_read_on_linux() -> None:
 
     avail = available_host_bytes()
     assert avail is not None and 0 < avail < 1 << 50
+
+
+@pytest.mark.parametrize("cut", ["truncated", "foreign"])
+def test_a_weights_file_safetensors_cannot_read_is_named(tmp_path: Path, cut: str) -> None:
+    """An interrupted download: a ConfigError naming the file (the CLI's exit 2), no traceback
+    out of safetensors."""
+    from safetensors.torch import save_file
+
+    file = tmp_path / "model-00002-of-00002.safetensors"
+    save_file({"w": torch.zeros(256, 256)}, str(file))
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2] if cut == "truncated" else b"\0" * 1000)
+    with pytest.raises(ConfigError, match=rf"{file.name} is not a readable safetensors file"):
+        list(iter_safetensors(tmp_path))
+
+
+def test_a_model_directory_without_tokenizer_files_is_a_config_error(tmp_path: Path) -> None:
+    from services.engine.llm_engine import load_tokenizer
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"tokenizer of .*: it holds none of tokenizer\.json"):
+        load_tokenizer(str(tmp_path))
