@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -367,6 +369,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _ready_file(text: str) -> str:
+    """argparse type: a file this process can write (checked before a model loads, not when it
+    is ready): its directory exists and is writable, and it is not a directory itself."""
+    path = Path(text).expanduser()
+    parent = path.parent
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory: give a file's path")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: its directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot write in {parent}")
+    return str(path)
 
 
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -816,7 +832,10 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
             "--kv-streaming", choices=KV_STREAMING, default="auto", help=KV_STREAMING_HELP
         )
     add_engine_stall_arg(g)
-    g.add_argument("--ready-file", default=None, help="write the bound ports here when ready")
+    g.add_argument(
+        "--ready-file", type=_ready_file, default=None,
+        help="write the bound ports here when ready",
+    )  # fmt: skip
 
 
 def reasoning_parsers() -> str:
@@ -1279,6 +1298,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     add_worker_stall_arg(p)
     p.add_argument(
         "--ready-file",
+        type=_ready_file,
         default=None,
         help='write {"port", "host", "pid"} as JSON to this file once listening',
     )

@@ -549,3 +549,21 @@ def test_reasoning_parser_help_lists_every_registered_parser(
     assert len(PARSERS) >= 3
     for name in PARSERS:
         assert name in entry
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "worker", "gateway"])
+def test_a_ready_file_that_cannot_be_written_is_refused_before_anything_loads(
+    role: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked as the flags are parsed (exit 2), not once the model has loaded."""
+    for path, words in (
+        (tmp_path / "no" / "r.json", "its directory"),
+        (tmp_path, "is a directory"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args([role, "--port", "0", "--ready-file", str(path)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --ready-file:" in err and words in err
+    args = build_parser().parse_args([role, "--port", "0", "--ready-file", str(tmp_path / "r")])
+    assert args.ready_file == str(tmp_path / "r")
