@@ -25,6 +25,10 @@ def _load_prompts(args: argparse.Namespace) -> list[Any]:
     for n, line in enumerate(lines, 1):
         if line.strip():
             prompts.append(_prompt_line(f"{args.prompts_file}:{n}", line))
+    if not prompts:
+        raise InvalidRequestError(
+            f"--prompts-file {args.prompts_file} holds no prompt (one JSON object a line)"
+        )
     return prompts
 
 
@@ -47,7 +51,15 @@ def _prompt_line(where: str, line: str) -> Any:
     if "messages" in obj:
         if not isinstance(obj["messages"], list) or not obj["messages"]:
             raise InvalidRequestError(f'{where}: "messages" must be a non-empty list')
-        return {"messages": obj["messages"]}
+        # checked as the gateway checks a chat request's (roles, fields, text parts), and as
+        # chat templates read them
+        from gateway.core.errors import APIError
+        from gateway.flows.protocol import parse_messages
+
+        try:
+            return {"messages": parse_messages(obj["messages"])}
+        except APIError as e:
+            raise InvalidRequestError(f"{where}: {e.message}") from None
     if not isinstance(obj["prompt"], str):
         raise InvalidRequestError(f'{where}: "prompt" must be a string')
     return obj["prompt"]

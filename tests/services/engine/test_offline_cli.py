@@ -54,6 +54,14 @@ def test_errors_are_clear_and_exit_nonzero(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
     res = _tandem("--prompts-file", str(tmp_path))  # a directory
     assert res.returncode == 2 and "--prompts-file" in res.stderr and "Traceback" not in res.stderr
+    bad.write_text("\n\n")
+    res = _tandem("--prompts-file", str(bad))
+    assert res.returncode == 2 and "holds no prompt" in res.stderr
+
+
+def test_a_prompts_file_takes_text_parts_as_the_gateway_does() -> None:
+    line = '{"messages": [{"role": "developer", "content": [{"type": "text", "text": "hi"}]}]}'
+    assert _prompt_line("p.jsonl:1", line) == {"messages": [{"role": "system", "content": "hi"}]}
 
 
 @pytest.mark.parametrize(
@@ -65,6 +73,11 @@ def test_errors_are_clear_and_exit_nonzero(tmp_path: Path) -> None:
         ('{"messages": "hi"}', '"messages" must be a non-empty list'),
         ('{"messages": []}', '"messages" must be a non-empty list'),
         ('{"prompt": "a", "temperature": 0}', "key(s) not supported: temperature"),
+        # messages are checked as the gateway checks a chat request's
+        ('{"messages": [{"role": "user", "contentx": "hi"}]}', "messages[0].contentx"),
+        ('{"messages": ["hi"]}', "messages[0] must be an object"),
+        ('{"messages": [{"role": "wizard", "content": "hi"}]}', "got 'wizard'"),
+        ('{"messages": [{"role": "user", "content": "hi", "foo": 1}]}', "messages[0].foo"),
     ],
 )
 def test_a_prompts_file_line_of_another_shape_is_refused(line: str, words: str) -> None:
