@@ -36,6 +36,7 @@ from gateway.core.config import (
 from gateway.flows.chat_output import check_parser_flags
 from services.cli import add_engine_args
 from services.config import ENGINE_STALL_TIMEOUT_S, GPU_TOKEN_BUDGET, ConfigError, LoRAConfig
+from services.model_files import base_model_names
 
 DEFAULT_PROGRAM = (sys.executable, "-m", "services.cli")
 LOOPBACK = "127.0.0.1"
@@ -391,7 +392,7 @@ def build_plan(
     sizes = tensor_parallel_sizes(args, roles)
     if lora is not None:
         lora.check_with(max(sizes), getattr(args, "task", "generate"))
-        lora.check_names(args.model, *(args.served_model_name or ()))
+        lora.check_names(*base_model_names(args.model, args.served_model_name))
         lora.check_directories()
     placement = assign_gpus(roles, gpus, sizes)
     users = Counter(g for p in placement for g in p)

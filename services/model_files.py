@@ -225,6 +225,12 @@ def served_model_name(model: str) -> str:
     return model if files.kind == "hf" else str(files.name)
 
 
+def base_model_names(model: str, served: list[str] | None) -> tuple[str, ...]:
+    """Every name a request may give the base model: ``--model`` and the served names
+    (``--served-model-name``, else :func:`served_model_name`)."""
+    return (model, *(served or [served_model_name(model)]))
+
+
 def gateway_tokenizer_dir(model: str, tokenizer: str | None) -> str:
     """The gateway's tokenizer: ``--tokenizer`` if given, else the model directory, else the
     model's prepared files (the CLI resolves it, so the gateway imports nothing of services)."""

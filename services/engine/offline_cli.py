@@ -8,7 +8,8 @@ import sys
 from typing import Any
 
 from protos.sampling_params import InvalidRequestError, SamplingParams
-from services.config import ConfigError
+from services.config import ConfigError, LoRAConfig
+from services.model_files import base_model_names
 
 
 def _load_prompts(args: argparse.Namespace) -> list[Any]:
@@ -73,7 +74,10 @@ def main(args: argparse.Namespace) -> int:
             lora_name=getattr(args, "lora_name", None) or "",
         )  # fmt: skip
         prompts = _load_prompts(args)
-    except (InvalidRequestError, FileNotFoundError) as exc:
+        lora = LoRAConfig.from_args(args)
+        if lora is not None:  # as tandem up checks them
+            lora.check_names(*base_model_names(args.model, args.served_model_name))
+    except (InvalidRequestError, ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from services.engine.llm import LLM, config_from_args

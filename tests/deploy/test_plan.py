@@ -567,6 +567,10 @@ def test_lora_flags_reach_every_worker_and_parse_there(tmp_path: Path) -> None:
             ("--model", "/m/base", "--lora-modules", "/m/base=/ad/chat"),
             "--lora-modules name '/m/base' is the base model's name",
         ),
+        (  # the embedded model is served as SmolLM2-135M-Instruct: that name is the base's too
+            ("--lora-modules", "SmolLM2-135M-Instruct=/ad/chat"),
+            "--lora-modules name 'SmolLM2-135M-Instruct' is the base model's name",
+        ),
         (  # vLLM's JSON entry naming a base model other than the one served
             (
                 "--served-model-name",
@@ -588,6 +592,9 @@ def test_lora_that_no_worker_could_serve_is_refused_before_any_starts(
 def test_a_json_entry_naming_the_served_model_as_its_base_is_served(tmp_path: Path) -> None:
     (entry,) = _adapter_dirs(tmp_path, "sql")
     name, path = entry.split("=")
+    module = json.dumps({"name": name, "path": path, "base_model_name": "SmolLM2-135M-Instruct"})
+    plan = plan_for("--enable-lora", "--lora-modules", module)  # the name the embedded model has
+    assert all(reparse(w.spec.argv).lora_modules == [module] for w in plan.workers)
     for base in ("chat", "/m/base"):  # --served-model-name or --model
         module = json.dumps({"name": name, "path": path, "base_model_name": base})
         plan = plan_for("--model", "/m/base", "--served-model-name", "chat", "--enable-lora",

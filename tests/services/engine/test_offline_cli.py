@@ -141,3 +141,17 @@ def test_lora_errors_are_clean(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
     res = _tandem("--prompt", "hi", "--lora-name", "sql", "--max-tokens", "2")
     assert res.returncode == 2 and "LoRA adapter 'sql' is not served here" in res.stderr
+
+
+def test_an_adapter_for_another_base_model_is_refused_before_loading(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from services.cli import build_parser
+    from services.engine.offline_cli import main
+
+    entry = '{"name": "a", "path": "/ad/a", "base_model_name": "llama"}'
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "hi", "--enable-lora", "--lora-modules", entry]
+    )
+    assert main(args) == 2
+    assert "base_model_name 'llama' is not the model served" in capsys.readouterr().err
