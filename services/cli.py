@@ -244,6 +244,13 @@ def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[s
             hint = vllm_hint(flag, parser)
             raise ConfigFileError(f"--config {path}: {name!r} is not a flag of {parser.prog}"
                                   + (f" ({hint})" if hint else ""))  # fmt: skip
+        switch = parser._option_string_actions[flag].nargs == 0  # --enforce-eager, not a value
+        if switch != isinstance(value, bool) and value is not None:
+            raise ConfigFileError(
+                f"--config {path}: {name} is a switch: true or false, got {value!r}"
+                if switch
+                else f"--config {path}: {name} takes a value ({name}: VALUE), got {value!r}"
+            )
         if value is True:
             flags.append(flag)
         elif value is False or value is None:
@@ -1772,15 +1779,24 @@ DISAGGREGATED_ONLY = (
 )  # fmt: skip
 
 
-def check_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+def check_up(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str] = ()
+) -> str | None:
     """Why ``tandem up``'s flags do not go together (None when they do): a prefill/decode flag
-    set away from its default beside --colocated N would be ignored."""
+    beside --colocated N would be ignored, whether set away from its default or given at all
+    in ``argv`` (the command line with its --config file's flags: ``--prefill 1`` too)."""
     if args.colocated == 0:
         return None
+    words = {w.split("=", 1)[0] for w in argv if w.startswith("--")}
+
+    def named(dest: str) -> bool:  # a flag of dest, or an abbreviation argparse took for one
+        action = next(a for a in parser._actions if a.dest == dest)
+        return any(o.startswith(w) and len(w) > 3 for w in words for o in action.option_strings)
+
     given = [
         "--" + dest.replace("_", "-")
         for dest in DISAGGREGATED_ONLY
-        if getattr(args, dest) != parser.get_default(dest)
+        if getattr(args, dest) != parser.get_default(dest) or named(dest)
     ]
     if not given:
         return None
@@ -1800,7 +1816,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     key = f"bench {args.bench}" if args.command == "bench" else args.command
     if key in ("up", "serve"):
         up = selected(parser, args)
-        problem = check_up(args, up)
+        given = list(sys.argv[1:] if argv is None else argv)
+        problem = check_up(args, up, with_config_file(given, up))
         if problem:
             up.error(problem)  # usage and the error on stderr, exit status 2
     return int(HANDLERS[key](args) or 0)

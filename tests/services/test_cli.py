@@ -356,6 +356,9 @@ def test_a_worker_whose_model_cannot_be_split_exits_2_naming_the_cause(
         (["--max-local-prefill-tokens", "64"], "--max-local-prefill-tokens is"),
         (["--local-prefill-queue", "0"], "--local-prefill-queue is"),
         (["--local-prefill-decode-load", "2"], "--local-prefill-decode-load is"),
+        (["--prefill", "1"], "--prefill is"),  # given, though at its default
+        (["--decode=1"], "--decode is"),
+        (["--kv-stream", "auto"], "--kv-streaming is"),  # an abbreviation argparse takes
     ],
 )
 def test_up_refuses_prefill_and_decode_flags_beside_colocated(
@@ -369,6 +372,18 @@ def test_up_refuses_prefill_and_decode_flags_beside_colocated(
     err = capsys.readouterr().err
     assert err.startswith("usage: tandem up [-h]")
     assert f"tandem up: error: --colocated replaces --prefill/--decode: {named} for prefill" in err
+
+
+def test_up_refuses_a_config_files_prefill_flag_beside_colocated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    (tmp_path / "up.yaml").write_text("colocated: 1\nprefill: 1\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["up", "--config", str(tmp_path / "up.yaml")])
+    assert exc.value.code == 2
+    assert "--colocated replaces --prefill/--decode: --prefill is" in capsys.readouterr().err
 
 
 def test_up_with_colocated_alone_passes_the_check(monkeypatch: pytest.MonkeyPatch) -> None:

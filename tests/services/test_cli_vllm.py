@@ -113,7 +113,9 @@ def test_a_config_file_gives_flags_the_command_line_overrides(
      ("port: [1, 2\n", "is not valid YAML"),
      ("no-such-flag: 1\n", "'no-such-flag' is not a flag of tandem serve"),
      ("root-path: /api\n", "--root-path is a vLLM flag Tandem does not support"),
-     ("config: other.yaml\n", "a config file cannot name another")],
+     ("config: other.yaml\n", "a config file cannot name another"),
+     ("enforce-eager: 1\n", "enforce-eager is a switch: true or false, got 1"),
+     ("max-model-len: true\n", "max-model-len takes a value (max-model-len: VALUE), got True")],
 )  # fmt: skip
 def test_a_bad_config_file_is_one_argparse_error(
     text: str, message: str, tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
