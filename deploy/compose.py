@@ -32,6 +32,8 @@ HTTP_PORT = 8000
 LORA_DIR = "/lora"  # each --lora-modules directory, mounted read-only in every worker
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+# a GPU as the NVIDIA container runtime takes it: its index or its UUID (nvidia-smi -L)
+_GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[A-Za-z0-9/-]+)$")
 
 
 def parse_gpus(text: str) -> list[str]:
@@ -48,9 +50,10 @@ def parse_gpus(text: str) -> list[str]:
             raise ConfigError(f"--gpus range {text!r} runs backwards")
         return [str(i) for i in range(first, last + 1)]
     ids = [item.strip() for item in text.split(",") if item.strip()]
-    if not ids or len(set(ids)) != len(ids):
+    if not ids or len(set(ids)) != len(ids) or not all(map(_GPU_ID.match, ids)):
         raise ConfigError(
-            f"--gpus must be a count, a range (0-7) or distinct ids (0,2,4), got {text!r}"
+            "--gpus must be a count, a range (0-7) or distinct ids (0,2,4; or GPU UUIDs, "
+            f"GPU-... or MIG-..., as nvidia-smi -L lists them), got {text!r}"
         )
     return ids
 
@@ -73,6 +76,8 @@ class ComposeSpec:
             raise ConfigError("a disaggregated topology needs --prefill >= 1 and --decode >= 1")
         if self.colocated and (self.prefill or self.decode):
             raise ConfigError("--colocated replaces --prefill/--decode: give one or the other")
+        if not self.image or any(c.isspace() for c in self.image):
+            raise ConfigError(f"--image must name an image (tandem:latest), got {self.image!r}")
         tp = self.tensor_parallel_size
         if tp < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")

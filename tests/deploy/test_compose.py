@@ -261,6 +261,9 @@ def test_compose_takes_ranges_ids_and_colocated_workers() -> None:
         (["--gpus", "5-3"], "runs backwards"),
         (["--gpus", "0,0"], "distinct ids"),
         (["--gpus", "0"], "at least one GPU"),
+        (["--gpus", "abc", "--colocated", "1"], "or GPU UUIDs, GPU-... or MIG-..."),
+        (["--gpus", "-1"], "got '-1'"),
+        (["--gpus", "2", "--colocated", "1", "--image", ""], "--image must name an image"),
         (["--gpus", "2", "--lora-modules", "sql=/x"], "--lora-modules needs --enable-lora"),
         (
             ["--gpus", "2", "--enable-lora", "--lora-modules", "sql=/nonexistent/sql"],
@@ -347,3 +350,11 @@ def test_compose_mounts_each_lora_adapter_read_only_and_serves_it_from_there(
         services["gateway"]["volumes"]
     )
     assert "load it as /models/local/" in text  # where runtime loads find their adapters
+
+
+def test_gpus_are_indices_or_uuids_as_the_container_runtime_takes_them() -> None:
+    from deploy.compose import parse_gpus
+
+    uuids = "GPU-8f3c1a2b-1d2e-4f5a-9b8c-0123456789ab,MIG-GPU-8f3c1a2b-1d2e/1/0"
+    assert parse_gpus(uuids) == uuids.split(",")
+    assert parse_gpus("2-4") == ["2", "3", "4"] and parse_gpus("0, 2") == ["0", "2"]
