@@ -427,6 +427,7 @@ class ArchConfig:
         if model_type not in SUPPORTED:
             known = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
+        _check_head(cfg.get("architectures"))
         vision, gemma, language_of = None, None, ""
         if model_type == "gemma3":
             vision = _siglip_config(cfg)
@@ -1149,3 +1150,33 @@ def _qwen3_vl_fields(text: dict[str, Any], vis: dict[str, Any]) -> dict[str, Any
         "deepstack_blocks": blocks,
         "vision_rope_theta": float(rope.get("rope_theta", 10000.0)),
     }
+
+
+# the heads of config.json's ``architectures`` other than a language model's: their
+# checkpoints hold a classifier or a scorer where the language model has its lm_head
+_OTHER_HEADS = {
+    "ForSequenceClassification": "a sequence classifier",
+    "ForTokenClassification": "a token classifier",
+    "ForQuestionAnswering": "a question-answering head",
+    "ForRewardModel": "a reward model",
+    "ForProcessRewardModel": "a reward model",
+}
+
+
+def _check_head(architectures: Any) -> None:
+    """A ConfigError for a checkpoint whose ``architectures`` name only heads that are no
+    language model's (``Qwen2ForSequenceClassification``): served as a causal LM, its
+    output would be meaningless. ``...ForCausalLM``, ``...ForConditionalGeneration`` and a
+    base ``...Model`` (an embedding model's) pass, as does a config without the field."""
+    if not isinstance(architectures, list) or not architectures:
+        return
+    heads = [
+        next((what for suffix, what in _OTHER_HEADS.items() if str(a).endswith(suffix)), None)
+        for a in architectures
+    ]
+    if all(heads):
+        raise ConfigError(
+            f"architectures {architectures[0]!r} is {heads[0]}, not a language model: Tandem "
+            "serves ...ForCausalLM and ...ForConditionalGeneration checkpoints (and, with "
+            "--task embed, base ...Model ones)"
+        )

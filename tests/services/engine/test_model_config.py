@@ -527,3 +527,28 @@ def test_gemma3_reads_its_siglip_tower_as_transformers_does(tmp_path: Any) -> No
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             ArchConfig.from_dict({**cfg, **bad})
+
+
+@pytest.mark.parametrize(
+    ("architectures", "refused"),
+    [
+        (["Qwen2ForSequenceClassification"], "is a sequence classifier, not a language model"),
+        (["LlamaForTokenClassification"], "is a token classifier"),
+        (["Qwen2ForRewardModel"], "is a reward model"),
+        (["LlamaForCausalLM"], None),
+        (["MistralModel"], None),  # an embedding model's base model (--task embed)
+        (["Qwen2ForSequenceClassification", "Qwen2ForCausalLM"], None),
+        (None, None),
+    ],
+)
+def test_a_checkpoint_whose_head_is_no_language_models_is_refused(
+    architectures: list[str] | None, refused: str | None
+) -> None:
+    """Its classifier or scorer where the lm_head would be: served as a causal LM, its output
+    would mean nothing."""
+    cfg = {**BASE, "model_type": "qwen2", "architectures": architectures}
+    if refused is None:
+        ArchConfig.from_dict(cfg)
+        return
+    with pytest.raises(ConfigError, match=refused):
+        ArchConfig.from_dict(cfg)
