@@ -200,26 +200,27 @@ def test_model_cache_is_on_the_shared_volume(objects: list[Obj]) -> None:
 
 
 def test_worker_ports_admit_only_the_pods_that_need_them(objects: list[Obj]) -> None:
-    """gRPC API: gateway pods only; the decode KV rendezvous: prefill pods only."""
+    """gRPC API: gateway pods only. KV transfers: prefill and decode pods admit each other on
+    every port (None below): beside the decode pod's KV port, the pair's rendezvous store and
+    its Gloo/NCCL connections use ports picked at start, opened from either side."""
 
     def component(selector: Obj) -> str:
         return str(selector["matchLabels"]["app.kubernetes.io/component"])
 
-    admitted: dict[tuple[str, int], set[str]] = {}
+    admitted: dict[tuple[str, int | None], set[str]] = {}
     for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         target = component(policy["spec"]["podSelector"])
         for rule in policy["spec"]["ingress"]:
             sources = {component(peer["podSelector"]) for peer in rule["from"]}
-            for port in rule["ports"]:
+            for port in rule.get("ports") or [{"port": None}]:
                 admitted.setdefault((target, port["port"]), set()).update(sources)
-    expected: dict[tuple[str, int], set[str]] = {}
+    expected: dict[tuple[str, int | None], set[str]] = {}
     for role, sources in (("prefill", {"gateway"}), ("decode", {"gateway"})):
         (container,) = find(objects, "StatefulSet", role)["spec"]["template"]["spec"]["containers"]
-        args = args_of(objects, container)
-        expected[(role, args.port)] = sources
-        if role == "decode":
-            expected[(role, args.kv_port)] = {"prefill"}
+        expected[(role, args_of(objects, container).port)] = sources
+    expected[("decode", None)] = {"prefill"}
+    expected[("prefill", None)] = {"decode"}
     assert admitted == expected
     pods = {
         o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
