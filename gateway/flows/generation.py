@@ -102,8 +102,7 @@ class Generation:
             stream = self._dispatcher.stream(choice.item, self._span)
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
-                    gap = choice.stats.on_chunk(chunk)
-                    if gap is not None:
+                    for gap in choice.stats.on_chunk(chunk):
                         self._metrics.observe_gap(gap)
                     self._queue.put_nowait((choice, chunk))
                     if chunk.finish_reason is not None:

@@ -20,22 +20,27 @@ class RequestStats:
     num_output_tokens: int = 0
     timing: Timing = field(default_factory=Timing)
 
-    def on_chunk(self, chunk: Chunk, now: float | None = None) -> float | None:
-        """Records a chunk; returns the gap since the previous token chunk (an ITL sample)."""
+    def on_chunk(self, chunk: Chunk, now: float | None = None) -> list[float]:
+        """Records a chunk; returns its ITL samples, one per token after the request's first
+        (vLLM's count: a token a step). A chunk of k tokens that arrived a gap g after the
+        previous one gives k samples of g / k (its tokens were made in those steps, delivered
+        together); a first chunk's tokens past the first, samples of 0 (delivered with it).
+        The samples sum to the time from the first token to the last."""
         now = time.monotonic() if now is None else now
         self.timing.merge(chunk.timing)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
-        gap = None
-        if chunk.token_ids:
+        samples: list[float] = []
+        if k := len(chunk.token_ids):
             if self.first_token is None:
                 self.first_token = now
+                samples = [0.0] * (k - 1)
             elif self.last_token is not None:
-                gap = now - self.last_token
+                samples = [(now - self.last_token) / k] * k
             self.last_token = now
-            self.num_output_tokens += len(chunk.token_ids)
+            self.num_output_tokens += k
         if chunk.finish_reason is not None:
             self.finished = now
-        return gap
+        return samples
 
     @property
     def ttft(self) -> float | None:
