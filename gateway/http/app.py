@@ -30,14 +30,21 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer KEY`` everywhere but health, metrics, version, spec."""
+    """Requires ``Authorization: Bearer KEY`` everywhere but health, metrics, version, spec
+    (with or without a trailing slash, which the router redirects) and ``OPTIONS`` requests
+    (as vLLM: they run nothing, and a preflight carries no key)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if (
+            self.expected is None
+            or scope["type"] != "http"
+            or scope["method"] == "OPTIONS"
+            or (scope["path"].rstrip("/") or "/") in OPEN_PATHS
+        ):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
