@@ -35,6 +35,8 @@ class Choice:
     prompt_text: str = ""  # for echo
     counts_prompt: bool = True  # the first choice of each prompt counts its prompt tokens
     n: int = 1  # choices of its prompt (the request's n): choice i is of prompt i // n
+    # max_tokens 0 with echo: the one token the workers generate is neither shown nor counted
+    score_only: bool = False
     stats: RequestStats = field(default_factory=RequestStats)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -149,6 +151,8 @@ class Generation:
         reason = reason or choice.finish_reason or "abort"
         if stats.finished is None:
             stats.on_chunk(Chunk(finish_reason=reason))
+        if choice.score_only:  # the metrics' tokens are usage's
+            stats.num_output_tokens = 0
         self._telemetry.finished(self.operation, stats, reason)
         self._recorded.add(choice.index)
         prompt = choice.index // choice.n

@@ -180,6 +180,8 @@ async def completions(request: Request) -> Response:
     state.metrics.observe_structured(req.common.sampling.structured, None)
     gen = _start(state, request, "text_completion", "cmpl", prompts, req.common,
                  COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
+    for choice in gen.choices:
+        choice.score_only = req.score_only
     info = StreamInfo(gen.response_id, "text_completion", int(time.time()),
                       state.response_model(req.common.model, lora),
                       req.common.include_usage, req.logprobs is not None, req.echo,

@@ -135,6 +135,24 @@ def test_counts_move_and_ttft_is_within_e2e(disagg: Stack) -> None:
     assert delta("tandem:request_prefill_time_seconds_sum") == pytest.approx(3 * 0.002)
 
 
+def test_a_scored_prompt_counts_no_generated_token(disagg: Stack) -> None:
+    """max_tokens 0 with echo: the token the workers generate beside the prompt's logprobs is
+    not in usage, nor in the metrics' token counts."""
+    before = scrape(disagg)
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "n": 2}
+    r = httpx.post(f"{disagg.base_url}/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
+    after = scrape(disagg)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("tandem:request_success_total", finished_reason="length") == 2
+    assert delta("tandem:generation_tokens_total") == 0
+    assert delta("tandem:request_generation_tokens_sum") == 0
+    assert delta("tandem:prompt_tokens_total") == 10
+
+
 def test_worker_metrics_come_from_get_load(disagg: Stack) -> None:
     samples = scrape(disagg)
     decode = disagg.role("decode")[0]
