@@ -1,7 +1,10 @@
 """The JSON-schema keywords the workers' grammar engine (xgrammar) would drop unread, refused.
 
 xgrammar compiles a schema it cannot fully enforce without a word: ``uniqueItems``, ``not``,
-``if``/``then``/``else``, a remote ``$ref``, the lengths beside a ``pattern``, the constraints beside an ``anyOf`` are left out of the grammar, so the output can
+``if``/``then``/``else``, a remote ``$ref`` or one to a ``#name`` anchor, the lengths beside a
+``pattern``, the constraints beside an ``anyOf``, a lookahead or a mid-string anchor in a
+``pattern`` are left out of the grammar, and a ``required`` name that ``properties`` does not
+define can never appear in the object it closes to its properties, so the output can
 break the schema the client relies on. A request whose schema holds one is a 400 that names the
 keyword and where it is (as vLLM refuses a schema xgrammar cannot enforce), never a silently
 looser grammar. What is read here was checked against xgrammar 0.2.9
@@ -101,9 +104,23 @@ def _types(node: dict[str, Any]) -> set[str]:
 def _check_here(node: dict[str, Any], where: str, param: str) -> None:
     """The keywords of this one schema that xgrammar reads only in some company."""
     ref = node.get("$ref")
-    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
-        _refuse(where, "$ref", "a reference outside the schema (only '#/...' ones are read)",
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        _refuse(where, "$ref", "a reference other than a JSON pointer into this schema (only "
+                "'#' and '#/...' ones are read: not remote ones, nor '#name' anchors)",
                 param)  # fmt: skip
+    required, properties = node.get("required"), node.get("properties")
+    if isinstance(required, list):
+        defined = properties if isinstance(properties, dict) else {}
+        missing = [name for name in required if name not in defined]
+        if missing:
+            _refuse(where, "required", f"a required property that properties does not define "
+                    f"({missing[0]!r}: the grammar closes the object to its properties); "
+                    "define it in properties", param)  # fmt: skip
+    if isinstance(node.get("pattern"), str):
+        check_regex(node["pattern"], f"{param}: 'pattern' at {where}", param)
+    patterns = node.get("patternProperties")
+    for key in patterns if isinstance(patterns, dict) else ():
+        check_regex(key, f"{param}: a 'patternProperties' key at {where}", param)
     for key, why in (("$ref", "constraints beside a reference"),
                      ("anyOf", "constraints beside a list of branches"),
                      ("oneOf", "constraints beside a list of branches")):  # fmt: skip
@@ -131,3 +148,48 @@ def _check_here(node: dict[str, Any], where: str, param: str) -> None:
     if step is not None and not ("integer" in declared and "number" not in declared and whole):
         _refuse(where, "multipleOf", "a step on numbers that are not integers (the grammar "
                 "steps integers only)", param)  # fmt: skip
+
+
+_LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+def check_regex(pattern: str, what: str, param: str) -> None:
+    """A 400 for a regex construct the grammar engine would drop (xgrammar only warns in a
+    schema's ``pattern``): a lookahead or lookbehind, a backreference, an anchor (``^``, ``$``)
+    between characters. Escapes and character classes are skipped over."""
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if not in_class and i + 1 < n and pattern[i + 1] in "123456789":
+                _refuse_regex(what, f"the backreference {pattern[i : i + 2]!r}", param)
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 2 if pattern[i + 1 : i + 2] == "^" else 1  # a leading ^ negates
+            if pattern[i : i + 1] == "]":  # a ] first is a literal
+                i += 1
+            continue
+        elif pattern.startswith(_LOOKAROUND, i):
+            _refuse_regex(what, "a lookahead or lookbehind", param)
+        elif pattern.startswith("(?P=", i):
+            _refuse_regex(what, "a backreference", param)
+        elif (c == "^" and pattern[i - 1 : i] not in ("", "(", "|", "^")) or (
+            c == "$" and pattern[i + 1 : i + 2] not in ("", ")", "|", "$")
+        ):
+            # one at either end of the whole or of an alternative is what a whole match
+            # does anyway; one between characters could never match (xgrammar drops it)
+            _refuse_regex(what, f"an anchor {c!r} between characters (only at the start or "
+                          "end of the pattern or of an alternative)", param)  # fmt: skip
+        i += 1
+
+
+def _refuse_regex(what: str, construct: str, param: str) -> None:
+    raise invalid(
+        f"{what} holds {construct}, which the grammar engine (xgrammar) cannot enforce; "
+        "rewrite the pattern without it",
+        param,
+    )

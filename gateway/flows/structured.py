@@ -17,7 +17,7 @@ from typing import Any
 
 from gateway.core.errors import invalid
 from gateway.flows.fields import Fields, check_keys
-from gateway.flows.schema_support import check_schema
+from gateway.flows.schema_support import check_regex, check_schema
 from protos.sampling_params import StructuredOutput
 
 MAX_SPEC_CHARS = 1 << 20
@@ -60,6 +60,8 @@ def _spec(kind: str, value: Any, param: str) -> str:
         if not isinstance(value, str) or not value:
             raise invalid(f"{param} must be a non-empty string", param)
         spec = value
+        if kind == "regex":
+            check_regex(spec, param, param)
     if len(spec) > MAX_SPEC_CHARS:
         raise invalid(f"{param} must be at most {MAX_SPEC_CHARS} characters", param)
     return spec

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from gateway.core.errors import APIError
 from gateway.flows.fields import Fields
-from gateway.flows.schema_support import check_schema
+from gateway.flows.schema_support import check_regex, check_schema
 from gateway.flows.structured import parse_structured
 from gateway.flows.tools import parse_tools
 
@@ -96,6 +96,13 @@ DROPPED = [
     ({"type": "object", "properties": {"n": {"maxLength": 2}}}, "maxLength", "#/properties/n",
      '{"n": "long"}'),
     ({"$defs": {"A": {"minimum": 3}}, "$ref": "#/$defs/A"}, "minimum", "#/$defs/A", "1"),
+    # an anchor reference: xgrammar reads only JSON pointers, and makes this one any value
+    ({"$defs": {"x": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"}, "$ref", "#",
+     '"anything"'),
+    # required names the grammar's closed object could never hold
+    ({"type": "object", "required": ["name"]}, "required", "#", "{}"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]},
+     "required", "#", '{"a": 1}'),
 ]  # fmt: skip
 
 
@@ -176,3 +183,37 @@ def test_enforced_tool_parameters_are_checked_and_free_ones_are_not() -> None:
     # auto and none constrain nothing, and a named choice only its function
     for choice in ("auto", "none", {"type": "function", "function": {"name": "ok"}}):
         assert parse_tools(Fields({"tools": tools, "tool_choice": choice})) is not None
+
+
+@pytest.mark.parametrize(
+    ("pattern", "construct", "forbidden"),
+    [
+        ("^(?=a)[a-z]{3}$", "a lookahead or lookbehind", '"bcd"'),
+        ("(?!x)[a-z]{2}", "a lookahead or lookbehind", '"xa"'),
+        ("ab^cd", "an anchor '^' between characters", '"abcd"'),
+        ("a$b", "an anchor '$' between characters", '"ab"'),
+    ],
+)
+def test_a_pattern_construct_the_grammar_drops_is_a_400(
+    pattern: str, construct: str, forbidden: str
+) -> None:
+    """In a schema's pattern (xgrammar only warns and drops the construct) and as a regex."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(APIError) as e:
+        check_schema(schema, "response_format.json_schema")
+    assert f"'pattern' at #/properties/s holds {construct}" in e.value.message
+    with pytest.raises(APIError) as e:
+        parse_structured(Fields({"structured_outputs": {"regex": pattern}}))
+    assert f"structured_outputs.regex holds {construct}" in e.value.message
+    xgr = pytest.importorskip("xgrammar")  # the refusal is still needed
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema["properties"]["s"]))
+    assert xgr.testing._is_grammar_accept_string(grammar, forbidden)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["^[A-Z]{2}$", "^a$|^b$", "(^a|b$)", r"\^x\$y", "[$^]+", "[^^$]a", "[]^]b", r"a\\1"],
+)
+def test_patterns_whose_anchors_and_escapes_a_whole_match_reads_pass(pattern: str) -> None:
+    check_regex(pattern, "p", "p")
+    check_schema({"type": "object", "patternProperties": {pattern: {"type": "integer"}}}, "p")
