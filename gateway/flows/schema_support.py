@@ -16,6 +16,7 @@ so it is taken.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from gateway.core.errors import invalid
@@ -101,6 +102,21 @@ def _types(node: dict[str, Any]) -> set[str]:
     return set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
 
 
+def _is(value: Any, kind: str) -> bool:
+    """Whether ``value`` is of JSON Schema type ``kind``."""
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer()
+        )
+    tests: dict[str, Any] = {
+        "null": lambda v: v is None, "boolean": lambda v: isinstance(v, bool),
+        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        "string": lambda v: isinstance(v, str), "array": lambda v: isinstance(v, list),
+        "object": lambda v: isinstance(v, dict),
+    }  # fmt: skip
+    return kind not in tests or bool(tests[kind](value))
+
+
 def _check_here(node: dict[str, Any], where: str, param: str) -> None:
     """The keywords of this one schema that xgrammar reads only in some company."""
     ref = node.get("$ref")
@@ -142,8 +158,15 @@ def _check_here(node: dict[str, Any], where: str, param: str) -> None:
         _refuse(where, "minLength" if "minLength" in node else "maxLength",
                 "a length beside a pattern or format (put the length into the pattern)",
                 param)  # fmt: skip
-    step = node.get("multipleOf")
     declared = _types(node)
+    values = [node["const"]] if "const" in node else node.get("enum")
+    for value in values if declared and isinstance(values, list) else ():
+        if not any(_is(value, kind) for kind in declared):
+            keyword = "const" if "const" in node else "enum"
+            _refuse(where, keyword, f"a value ({json.dumps(value)}) that is not of the schema's "
+                    f"type ({', '.join(sorted(declared))}): the output would break the type; "
+                    "make them agree", param)  # fmt: skip
+    step = node.get("multipleOf")
     whole = isinstance(step, int | float) and float(step).is_integer()
     if step is not None and not ("integer" in declared and "number" not in declared and whole):
         _refuse(where, "multipleOf", "a step on numbers that are not integers (the grammar "

@@ -103,6 +103,9 @@ DROPPED = [
     ({"type": "object", "required": ["name"]}, "required", "#", "{}"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]},
      "required", "#", '{"a": 1}'),
+    # values of another type than the schema's: the output would break its type
+    ({"type": "integer", "const": "x"}, "const", "#", '"x"'),
+    ({"type": "string", "enum": ["a", 1]}, "enum", "#", "1"),
 ]  # fmt: skip
 
 
@@ -217,3 +220,10 @@ def test_a_pattern_construct_the_grammar_drops_is_a_400(
 def test_patterns_whose_anchors_and_escapes_a_whole_match_reads_pass(pattern: str) -> None:
     check_regex(pattern, "p", "p")
     check_schema({"type": "object", "patternProperties": {pattern: {"type": "integer"}}}, "p")
+
+
+def test_values_of_the_schemas_type_pass() -> None:
+    for schema in ({"type": ["string", "null"], "enum": ["a", None]}, {"type": "integer",
+                   "const": 2.0}, {"type": "number", "enum": [1, 2.5]}, {"enum": [1, "a"]},
+                   {"type": "boolean", "const": False}, {"type": "object", "const": {"a": 1}}):  # fmt: skip
+        check_schema(schema, "p")
