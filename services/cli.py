@@ -160,7 +160,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class TandemParser(argparse.ArgumentParser):
     """An unrecognized argument is reported by the deepest subcommand selected, with its usage
-    (``usage: tandem gateway ...``, ``tandem gateway: error: ...``), not the top-level usage."""
+    (``usage: tandem gateway ...``, ``tandem gateway: error: ...``), not the top-level usage.
+    ``expanded_argv``: the arguments it last parsed, a ``--config`` file's flags in place."""
+
+    expanded_argv: Sequence[str] = ()
 
     def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
         args = list(sys.argv[1:] if args is None else args)
@@ -170,6 +173,7 @@ class TandemParser(argparse.ArgumentParser):
                 args = with_config_file(args, command)
             except ConfigFileError as e:
                 command.error(str(e))
+        self.expanded_argv = args  # with its --config file's flags (check_up reads them)
         parsed, extras = self.parse_known_args(args, namespace)
         chosen = selected(self, parsed)
         for flag, note in VLLM_NO_OPS.items():
@@ -383,7 +387,7 @@ def _ready_file(text: str) -> str:
     is ready): its directory exists and is writable, and it is not a directory itself."""
     path = Path(text).expanduser()
     parent = path.parent
-    if not text or path.is_dir():
+    if path.is_dir():  # "" too: the current directory
         raise argparse.ArgumentTypeError(f"{text!r} is a directory: give a file's path")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: its directory {parent} does not exist")
@@ -1742,7 +1746,7 @@ def add_compose_args(p: argparse.ArgumentParser) -> None:
     add_lora_args(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> TandemParser:
     parser = TandemParser(prog="tandem", description="Disaggregated LLM serving")
     parser.add_argument("--version", "-V", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1816,8 +1820,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     key = f"bench {args.bench}" if args.command == "bench" else args.command
     if key in ("up", "serve"):
         up = selected(parser, args)
-        given = list(sys.argv[1:] if argv is None else argv)
-        problem = check_up(args, up, with_config_file(given, up))
+        problem = check_up(args, up, parser.expanded_argv)
         if problem:
             up.error(problem)  # usage and the error on stderr, exit status 2
     return int(HANDLERS[key](args) or 0)

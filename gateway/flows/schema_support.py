@@ -102,19 +102,20 @@ def _types(node: dict[str, Any]) -> set[str]:
     return set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
 
 
+# the Python values json.loads gives for each JSON Schema type ("integer" also a whole float)
+_PY_TYPES: dict[str, tuple[type, ...]] = {
+    "null": (type(None),), "boolean": (bool,), "number": (int, float), "integer": (int,),
+    "string": (str,), "array": (list,), "object": (dict,),
+}  # fmt: skip
+
+
 def _is(value: Any, kind: str) -> bool:
-    """Whether ``value`` is of JSON Schema type ``kind``."""
-    if kind == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and value.is_integer()
-        )
-    tests: dict[str, Any] = {
-        "null": lambda v: v is None, "boolean": lambda v: isinstance(v, bool),
-        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-        "string": lambda v: isinstance(v, str), "array": lambda v: isinstance(v, list),
-        "object": lambda v: isinstance(v, dict),
-    }  # fmt: skip
-    return kind not in tests or bool(tests[kind](value))
+    """Whether ``value`` is of JSON Schema type ``kind`` (an unknown kind: yes)."""
+    if isinstance(value, bool) and kind != "boolean":  # bool is an int in Python, not in JSON
+        return kind not in _PY_TYPES
+    if kind == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _PY_TYPES.get(kind, object))
 
 
 def _check_here(node: dict[str, Any], where: str, param: str) -> None:
