@@ -167,7 +167,7 @@ def linear(
     if bias is None and x.dim() == 2 and 0 < x.shape[0] <= rows:
         mod = _triton("triton_gemv", x)
         if mod is not None:
-            return mod.gemv(x, weight, config=mod.pick_config(weight.shape[0], weight.shape[1]))
+            return mod.gemv(x, weight, config=mod.pick_config(*weight.shape, weight.device))
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -184,7 +184,7 @@ def silu_and_mul_linear(
     if bias is None and x.dim() == 2 and 0 < x.shape[0] <= rows and weight.shape[0] % 2 == 0:
         mod = _triton("triton_gemv", x)
         if mod is not None:
-            config = mod.pick_config(weight.shape[0], weight.shape[1])
+            config = mod.pick_config(*weight.shape, weight.device)
             return mod.gemv(x, weight, config=config, silu_and_mul=True)
     return None
 

@@ -20,6 +20,8 @@ the one it gets in a batch of 1 (what a speculative verify step needs to match p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,7 @@ from kernels.triton_common import (
     FLOAT_DTYPES,
     check_devices,
     check_tensor,
+    cuda_index,
     pdl,
     pdl_enter,
     pdl_release,
@@ -48,16 +51,46 @@ DEFAULT_CONFIG = (8, 512, 4)
 STAGED_MIN_K = 2048
 
 
-def pick_config(n: int, k: int) -> tuple[int, ...]:
-    """The launch for an [n, k] weight. Rows of ``STAGED_MIN_K`` or more: pipelined
-    (``STAGED_MIN_K``'s note). Shorter rows (a small model's, SmolLM2-135M's 576 and 1536;
-    H100, 2026-11-25) take short chunks and few warps, which also keep a verify step's 8 rows
-    cheap (the wide 8-warp launches ran a 49152 x 576 lm_head at 8 rows in 213 us against 53
-    us)."""
+# an H100's launches for rows of at least STAGED_MIN_K (other than a vocabulary's LM head), by
+# the weight's shape: wider than twice its rows (gate_up), wider (qkv), rows at least twice its
+# outputs (down), else (o). The pipelined launch above was tuned on an H200; on one H100 80GB
+# HBM3 (2026-12-02), Llama-3.1-8B's projections in a graph (kernels.bench.gemv_graph, 48
+# distinct weights a shape) took qkv 18.1 -> 17.5 us, o 12.5 -> 11.7, gate_up 78.3 -> 75.3, down
+# 39.8 -> 39.3 at these launches, and the W2 batch-1 step (tandem bench latency, context 1024,
+# each run its own process, alternated, two rounds: scripts/device/h100_launches.sh) 5.63 /
+# 5.64 -> 5.44 / 5.44 ms. The LM head keeps the pipelined launch (not swept on an H100)
+H100_LAUNCHES = {"wide": (2, 4096, 4), "taller": (4, 1024, 8), "long": (4, 1024, 4),
+                 "square": (8, 512, 8)}  # fmt: skip
+# outputs from which a weight is a vocabulary's LM head (Llama-3's 128256, Qwen2's 151936,
+# Gemma's 262144; Llama-2's 32000 heads are taken for gate_up-like weights)
+LM_HEAD_MIN_N = 65536
+
+
+@functools.cache
+def _is_h100(device_index: int) -> bool:
+    return torch.version.hip is None and "H100" in torch.cuda.get_device_name(device_index)
+
+
+def _h100(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda" and _is_h100(cuda_index(device))
+
+
+def pick_config(n: int, k: int, device: torch.device | None = None) -> tuple[int, ...]:
+    """The launch for an [n, k] weight on ``device``. Rows of ``STAGED_MIN_K`` or more:
+    pipelined (``STAGED_MIN_K``'s note), on an H100 ``H100_LAUNCHES``. Shorter rows (a small
+    model's, SmolLM2-135M's 576 and 1536; H100, 2026-11-25) take short chunks and few warps,
+    which also keep a verify step's 8 rows cheap (the wide 8-warp launches ran a 49152 x 576
+    lm_head at 8 rows in 213 us against 53 us). The launch depends on the weight and the GPU
+    only, never on the rows of x: a row's bits are the same in any batch."""
     if k < STAGED_MIN_K:
         if n >= 2 * k:
             return (4, 128, 1)
         return (8, 256, 2) if k <= 1024 else (8, 512, 4)
+    if _h100(device) and n < LM_HEAD_MIN_N:
+        wide, taller, long = n > 2 * k, n > k, k >= 2 * n
+        return H100_LAUNCHES[
+            "wide" if wide else "taller" if taller else "long" if long else "square"
+        ]
     return (16 if n > k else 8, 256, 4, 4)
 
 

@@ -48,7 +48,7 @@ def time_shape(name: str, n: int, k: int, copy: float) -> dict:
 
         return run
 
-    default = (*pick_config(n, k), 1)[:4]
+    default = (*pick_config(n, k, x.device), 1)[:4]
     timed = {"cublas": graph_us(lambda: [F.linear(x, w) for w in ws])}
     configs = {default}
     configs |= {(bn, 4096, w, 1) for bn, w in itertools.product((1, 2, 4), (4, 8))}

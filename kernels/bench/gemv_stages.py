@@ -117,7 +117,7 @@ def bf16_forms(n: int, k: int) -> tuple[Gemv, dict[str, Gemv]]:
     registers)."""
     from kernels.triton_gemv import gemv, pick_config
 
-    served = pick_config(n, k)
+    served = pick_config(n, k, torch.device("cuda"))
     launches = {(*served, 1)[:4], *BF16_LAUNCHES}
     forms: dict[str, Gemv] = {
         str(c): functools.partial(gemv, config=c) for c in sorted(launches) if k % c[1] == 0

@@ -48,6 +48,42 @@ def test_long_rows_take_the_pipelined_launch() -> None:
     assert len(pick_config(1536, 576)) == 3  # a small model's rows: one chunk ahead
 
 
+@pytest.mark.parametrize("shape", ["wide", "taller", "long", "square"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 24, 2500), (3, 10, 4096)])
+def test_the_h100_launches_match_the_reference(
+    shape: str, m: int, n: int, k: int, gen: torch.Generator, device: torch.device,
+    poison_empty: None,
+) -> None:  # fmt: skip
+    """Each of an H100's launches: K shorter than a chunk and a multiple of it, outputs not a
+    multiple of the block, a group of 3 rows."""
+    from kernels.triton_gemv import H100_LAUNCHES
+
+    x, w = rand((m, k), torch.bfloat16, gen, device), rand((n, k), torch.bfloat16, gen, device)
+    out = gemv(x, w, config=H100_LAUNCHES[shape])
+    scale = max(1.0, k**0.5)
+    assert_matches(out / scale, ref_gemv(x, w) / scale)
+    assert torch.equal(gemv(x[:1], w, config=H100_LAUNCHES[shape]), out[:1])  # row-invariant
+
+
+def test_an_h100_takes_its_own_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "_is_h100", lambda index: index == 0)
+    h100, other = torch.device("cuda", 0), torch.device("cuda", 1)
+    launches = triton_gemv.H100_LAUNCHES
+    assert pick_config(6144, 4096, h100) == launches["taller"]  # qkv
+    assert pick_config(4096, 4096, h100) == launches["square"]  # o
+    assert pick_config(28672, 4096, h100) == launches["wide"]  # gate_up
+    assert pick_config(4096, 14336, h100) == launches["long"]  # down
+    assert pick_config(128256, 4096, h100) == (16, 256, 4, 4)  # an LM head: pipelined
+    assert pick_config(1536, 576, h100) == pick_config(1536, 576)  # short rows: as anywhere
+    assert pick_config(6144, 4096, other) == pick_config(6144, 4096) == (16, 256, 4, 4)
+    assert pick_config(6144, 4096, torch.device("cpu")) == (16, 256, 4, 4)
+    for n, k in [(6144, 4096), (28672, 4096), (4096, 14336), (5120, 5120)]:
+        bn = pick_config(n, k, h100)[0]
+        assert n % bn == 0 and bn % 2 == 0  # gate_up's SiLU-and-mul takes an even BLOCK_N
+
+
 def test_a_launch_is_checked(gen: torch.Generator, device: torch.device) -> None:
     x, w = rand((1, 64), torch.float32, gen, device), rand((8, 64), torch.float32, gen, device)
     for bad in [(8, 64, 2, 0), (8, 64, 2, 2, 1)]:
@@ -81,6 +117,7 @@ def test_a_row_computes_the_same_bits_in_any_batch(
         (3, 40, 512, (16, 256, 4, 3)),  # pipelined; 20 outputs: a partial block of them
         (8, 6, 96, (4, 32, 1)),  # two groups of 4 rows, 3 outputs in blocks of 2
         (2, 2, 1, None),  # one output
+        (2, 12, 2500, (2, 4096, 4)),  # an H100's gate_up launch: one partial chunk a row
     ],
 )
 def test_silu_and_mul_is_the_two_kernels_bit_for_bit(
