@@ -81,14 +81,20 @@ def _arguments(value: object) -> str | None:
     return json.dumps(value, ensure_ascii=False)
 
 
-def as_tool_call(obj: object) -> ToolCall | None:
-    """``{"name": ..., "arguments"|"parameters": {...}}`` as a call; None when it is not one."""
+def as_tool_call(obj: object, tools: Mapping[str, object]) -> ToolCall | None:
+    """``{"name": ..., "arguments"|"parameters": {...}}`` as a call; None when it is not one.
+    Without either key it is a call (with no arguments) only to one of the offered ``tools``:
+    a JSON answer that has a ``name`` (``{"name": "Alice", "age": 30}``) is content, as in
+    vLLM's parsers (which fail on the missing key and give the text back)."""
     if not isinstance(obj, dict):
         return None
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return None
-    arguments = _arguments(obj["arguments"] if "arguments" in obj else obj.get("parameters"))
+    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
+    if key is None and name not in tools:
+        return None
+    arguments = _arguments(obj[key] if key is not None else None)
     return None if arguments is None else ToolCall(name, arguments)
 
 
@@ -178,7 +184,9 @@ class _HermesStream(_BlockStream):
     def _calls_in(self, inner: str, closed: bool) -> list[ToolCall] | None:
         body = inner.strip()
         decoded = _decode(body)
-        call = as_tool_call(decoded[0]) if decoded and decoded[1] == len(body) else None
+        if decoded is None or decoded[1] != len(body):
+            return None
+        call = as_tool_call(decoded[0], self._tools)
         return None if call is None else [call]
 
 
@@ -231,7 +239,7 @@ class _Llama3Stream(_LeadingCallsStream):
         decoded = _decode(rest) if rest.startswith("{") else None
         if decoded is None and rest.startswith("{") and not final:
             return False
-        call = as_tool_call(decoded[0]) if decoded else None
+        call = as_tool_call(decoded[0], self._tools) if decoded else None
         if decoded is None or call is None:
             self._content.append(self._head)
             self._buf, self._mode = rest, "text"
@@ -284,21 +292,24 @@ class _MistralStream(ToolStream):
         self._buf, self._mode = rest[used:], "text"
         return True
 
-    @staticmethod
-    def _array(rest: str) -> tuple[list[ToolCall], int] | None:
+    def _array(self, rest: str) -> tuple[list[ToolCall], int] | None:
         """``[{"name": ..., "arguments": {...}}, ...]``: the calls and the length they take."""
         decoded = _decode(rest)
         if decoded is None:
             return None
         items = decoded[0] if isinstance(decoded[0], list) else []
-        calls = [call for call in map(as_tool_call, items) if call is not None]
+        calls = [call for item in items if (call := as_tool_call(item, self._tools)) is not None]
         if not calls or len(calls) != len(items):
             raise _NotACall
         return calls, decoded[1]
 
     def _named(self, rest: str) -> tuple[list[ToolCall], int] | None:
-        """``name[ARGS]{...}`` (or ``name[CALL_ID]id[ARGS]{...}``) and the length it takes."""
+        """``name[ARGS]{...}``, ``name[CALL_ID]id[ARGS]{...}`` or ``name{...}`` (the v11+
+        tokenizers' form, ``[TOOL_CALLS]add{"a": 3.5}``) and the length it takes."""
         bracket = rest.find("[")
+        brace = rest.find("{")
+        if brace >= 0 and (bracket < 0 or brace < bracket):
+            return self._name_then_object(rest, brace)
         name = rest if bracket < 0 else rest[:bracket]
         if not all(c.isalnum() or c in _NAME_EXTRA for c in name):
             raise _NotACall
@@ -322,6 +333,20 @@ class _MistralStream(ToolStream):
         if arguments is None:
             raise _NotACall
         return [ToolCall(name, arguments)], len(rest) - len(value) + decoded[1]
+
+    @staticmethod
+    def _name_then_object(rest: str, brace: int) -> tuple[list[ToolCall], int] | None:
+        """``name{...}``: the name up to the object's brace, then the object."""
+        name = rest[:brace]
+        if not name or not all(c.isalnum() or c in _NAME_EXTRA for c in name):
+            raise _NotACall
+        decoded = _decode(rest[brace:])
+        if decoded is None:
+            return None
+        arguments = _arguments(decoded[0])
+        if arguments is None:
+            raise _NotACall
+        return [ToolCall(name, arguments)], brace + decoded[1]
 
 
 # ---------------------------------------------------------------- arguments written as text
@@ -439,6 +464,50 @@ class _Qwen3CoderStream(_BlockStream):
 
     FUNCTION, FUNCTION_END = "<function=", "</function>"
     PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+
+    def __init__(self, tools: Schemas = _NO_TOOLS) -> None:
+        super().__init__(tools)
+        self._bare = False  # inside a ``<function=`` the model wrote without ``<tool_call>``
+
+    def _advance(self, final: bool) -> bool:
+        """As a block stream, and a ``<function=...</function>`` outside any block is a call
+        too (Qwen3-Coder models drop the wrapper at times; vLLM's parser reads them so)."""
+        if self._inside:
+            return self._block(final)
+        if self._bare:
+            return self._bare_function(final)
+        found = [(at, m) for m in (self.START, self.FUNCTION) if (at := self._buf.find(m)) >= 0]
+        if not found:
+            held = 0 if final else max(held_back(self._buf, self.START),
+                                       held_back(self._buf, self.FUNCTION))  # fmt: skip
+            self._content.append(self._buf[: len(self._buf) - held])
+            self._buf = self._buf[len(self._buf) - held :]
+            return False
+        at, marker = min(found)
+        self._content.append(self._buf[:at])
+        if marker == self.START:
+            self._buf, self._inside = self._buf[at + len(marker) :], True
+        else:
+            self._buf, self._bare = self._buf[at:], True
+        return True
+
+    def _bare_function(self, final: bool) -> bool:
+        """A wrapper-less function up to its ``</function>``: its call, or content if it is
+        none; one the output leaves open is content."""
+        end = self._buf.find(self.FUNCTION_END)
+        if end < 0:
+            if final:
+                self._content.append(self._buf)
+                self._buf, self._bare = "", False
+            return False
+        text = self._buf[: end + len(self.FUNCTION_END)]
+        self._buf, self._bare = self._buf[len(text) :], False
+        calls = self._calls_in(text, closed=True)
+        if calls:
+            self._calls.extend(calls)
+        else:
+            self._content.append(text)
+        return True
 
     def _calls_in(self, inner: str, closed: bool) -> list[ToolCall] | None:
         calls: list[ToolCall] = []

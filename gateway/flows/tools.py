@@ -117,6 +117,9 @@ def _function(tool: Any, i: int) -> Function:
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"{param}.function.strict must be true or false", "tools")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise invalid(f"{param}.function.description must be a string", "tools")
     params = fn.get("parameters")
     if params is None:  # the OpenAI API: "omitting parameters defines an empty parameter list"
         params = {"type": "object", "properties": {}, "additionalProperties": False}

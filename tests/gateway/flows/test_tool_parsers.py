@@ -104,7 +104,7 @@ def test_unicode_arguments_are_kept_readable() -> None:
 
 
 def test_hermes_stream_sends_content_at_once_and_each_call_when_its_block_closes() -> None:
-    stream = HERMES.stream()
+    stream = HERMES.stream({"get_time": {}})
     assert stream.feed("Sure").content == "Sure"
     assert stream.feed(" <tool").content == " "  # "<tool" may be a marker: held back
     assert stream.feed("_call>\n").content == ""
@@ -178,7 +178,32 @@ def test_llama3_text_after_complete_calls_is_content() -> None:
 
 
 def test_llama3_missing_parameters_are_an_empty_object() -> None:
-    assert LLAMA.parse('{"name": "get_time"}') == Parsed(None, (TIME,))
+    assert LLAMA.parse('{"name": "get_time"}', {"get_time": {}}) == Parsed(None, (TIME,))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "Alice", "age": 30}',  # llama3_json's bare object
+        '<tool_call>\n{"name": "Alice", "age": 30}\n</tool_call>',  # hermes
+        '[{"name": "Alice", "age": 30}, {"name": "Bob", "age": 25}]',  # mistral, no marker
+        '[TOOL_CALLS][{"name": "Alice", "age": 30}]',
+    ],
+)
+def test_an_answer_with_a_name_but_no_arguments_is_content_unless_it_names_a_tool(
+    text: str,
+) -> None:
+    """A JSON answer (a response_format's person) is no call to a function never offered:
+    vLLM's parsers fail on the missing arguments and give the text back. Without the
+    arguments, only a name among the offered tools is a call (of no arguments)."""
+    tools = {"get_weather": {"type": "object"}}
+    for parser in (LLAMA, HERMES, MISTRAL):
+        assert parser.parse(text, tools).tool_calls == ()
+        content, calls = _streamed(parser, list(text))
+        assert calls == () and content == text
+    if text.startswith("{"):
+        offered = {"Alice": {"type": "object"}}
+        assert LLAMA.parse(text, offered).tool_calls == (ToolCall("Alice", "{}"),)
 
 
 def test_llama3_stream_sends_a_text_answer_immediately() -> None:
@@ -220,6 +245,21 @@ def test_mistral_named_entries_with_and_without_call_id() -> None:
 def test_mistral_array_without_its_marker_is_still_calls() -> None:
     text = ' [{"name": "get_time", "arguments": {}}]'
     assert MISTRAL.parse(text) == Parsed(None, (TIME,))
+
+
+def test_mistral_v11_name_then_object() -> None:
+    """The v11+ tokenizers' form, ``[TOOL_CALLS]add{"a": 3.5}`` (vLLM's fn_name_regex), one
+    call after another, and streamed in any split."""
+    text = 'Sure. [TOOL_CALLS]get_weather{"city": "Paris", "unit": "C"}[TOOL_CALLS]get_time{}'
+    assert MISTRAL.parse(text) == Parsed("Sure.", (WEATHER, TIME))
+    assert _streamed(MISTRAL, list(text)) == ("Sure. ", (WEATHER, TIME))
+    for bad in (
+        "[TOOL_CALLS]{}",
+        "[TOOL_CALLS]get time{}",
+        '[TOOL_CALLS]f{"a": 1',
+        "[TOOL_CALLS]f[1]",
+    ):
+        assert MISTRAL.parse(bad) == Parsed(bad, ()), bad
 
 
 def test_mistral_bracketed_text_is_content() -> None:
@@ -325,6 +365,23 @@ def test_qwen3_coder_cut_short_or_malformed_stays_content() -> None:
     # left open but the function whole (a stop string on the closing tag): a call
     text = "<tool_call>\n<function=get_time>\n</function>\n"
     assert QWEN.parse(text) == Parsed(None, (TIME,))
+
+
+def test_qwen3_coder_functions_without_their_tool_call_block() -> None:
+    """Qwen3-Coder models drop the ``<tool_call>`` wrapper at times; vLLM reads the functions
+    anyway. One left open at the end stays content."""
+    bare = "<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>"
+    days = ToolCall("get_weather", '{"days": 3}')
+    text = "Sure. " + bare + " and " + _qwen_block("get_time") + "\n" + bare
+    assert QWEN.parse(text, SCHEMAS) == Parsed("Sure.  and", (days, TIME, days))
+    stream = QWEN.stream(SCHEMAS)
+    steps = [stream.feed(c) for c in text] + [stream.finish()]
+    assert "".join(s.content for s in steps) == "Sure.  and \n"
+    assert tuple(c for s in steps for c in s.tool_calls) == (days, TIME, days)
+    cut = "Checking. <function=get_weather>\n<parameter=city>\nPar"
+    assert QWEN.parse(cut) == Parsed(cut, ()) and _streamed(QWEN, list(cut)) == (cut, ())
+    prose = "use <function=NAME> markup</function>"
+    assert QWEN.parse(prose) == Parsed(prose, ())
 
 
 def test_qwen3_coder_stream_holds_the_markup_and_sends_the_call_when_the_block_closes() -> None:

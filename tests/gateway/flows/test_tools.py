@@ -230,6 +230,8 @@ def test_required_is_a_non_empty_array_of_calls_to_the_offered_functions() -> No
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
          "tools", "parameters must describe an object (type 'object'), got type 'string'"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+         "tools", "tools[0].function.description must be a string"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "got 'always'"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "must be"),
