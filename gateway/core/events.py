@@ -113,6 +113,7 @@ class WorkerLoadInfo:
     lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves (--enable-lora)
     lora_paths: tuple[str, ...] = ()  # lora_names[i]'s directory on the worker (() if unknown)
     lora_runtime_updating: bool = False  # it takes runtime adapter loads and unloads
+    instance: str = ""  # the worker process's run: a new one after a restart ("" older workers)
     kv_whole: bool = False  # a prefill worker shipping whole KV (--kv-streaming off)
     scheduling_policy: str = ""  # fcfs | priority (--scheduling-policy); "": not reported
     engine_stalled_s: float = 0.0  # in one step past its --engine-stall-timeout (0: not stalled)

@@ -121,9 +121,10 @@ class GatewayState:
         return model if model in self.config.model_names else self.model_name
 
     def accepts(self, model: str | None) -> str:
-        """The LoRA adapter ``model`` names ("" for the base model); 404 for a model this
-        gateway does not serve (the adapters are the ones its workers report)."""
-        if model is None or model in (*self.config.model_names, self.config.model):
+        """The LoRA adapter ``model`` names ("" for the base model, which a request without
+        a model or with "" asks for, as in vLLM); 404 for a model this gateway does not serve
+        (the adapters are the ones its workers report)."""
+        if not model or model in (*self.config.model_names, self.config.model):
             return ""
         adapters = self.registry.lora_names()
         if model in adapters:

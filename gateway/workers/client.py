@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.core.config import WORKER_STALL_TIMEOUT_S, WorkerSpec
 from gateway.core.events import WorkerLoadInfo
-from gateway.workers.convert import load_from_pb
+from gateway.workers.convert import load_from_pb, load_lora_to_pb
 from gateway.workers.multiplex import StreamMux, rpc_error
 from gateway.workers.rpc_errors import status_code, summary
 from protos import (
@@ -89,6 +89,9 @@ class WorkerClient:
         self._resend: asyncio.Task[None] | None = None
         self._check: asyncio.Task[None] | None = None  # check_now's poll, while it runs
         self.load: WorkerLoadInfo | None = None
+        # the adapters (name -> directory) the worker's last run served, when it answers as a
+        # new run (started again on its address): loaded into it again (restore_adapters)
+        self._owed_adapters: dict[str, str] = {}
         self.last_error = "not checked yet"
         self.inflight = 0  # requests this gateway has open on the worker
         self.mux: StreamMux | None = None  # colocated and decode workers: tokens of many requests
@@ -173,6 +176,7 @@ class WorkerClient:
             return
         self._late_poll = False
         self._silent_since = None
+        self._note_restart(self.load, load)
         self.load = load
         if self._owed_aborts and (self._resend is None or self._resend.done()):
             self._resend = asyncio.get_running_loop().create_task(self._resend_aborts())
@@ -191,6 +195,48 @@ class WorkerClient:
                 self._lost = asyncio.Event()
             self.healthy = True
             self.last_error = ""
+
+    def _note_restart(self, before: WorkerLoadInfo | None, now: WorkerLoadInfo) -> None:
+        """A worker that answers as another run than before (``instance``) has only the adapters
+        it was started with: those its last run served are owed to it, from the directories it
+        reported for them."""
+        if before is None or not before.instance or before.instance == now.instance:
+            return
+        pairs = zip(before.lora_names, before.lora_paths, strict=False)
+        self._owed_adapters.update((name, path) for name, path in pairs if path)
+
+    def take_owed_adapters(self) -> dict[str, str]:
+        """The adapters owed to the worker that it does not serve yet, once it is healthy
+        (each handed out once); {} otherwise."""
+        if not self.healthy or self.load is None or not self._owed_adapters:
+            return {}
+        owed = {n: p for n, p in self._owed_adapters.items() if n not in self.load.lora_names}
+        self._owed_adapters.clear()
+        return owed
+
+    async def restore_adapters(self, owed: dict[str, str], timeout_s: float) -> None:
+        """Load ``owed`` adapters into the worker, started again since its last run loaded
+        them at run time. A failure is logged: the adapter then stays off this worker until it
+        is unloaded and loaded again."""
+        load = self.load
+        if load is not None and not load.lora_runtime_updating:
+            log.warning("worker %s (%s) started again without --allow-runtime-lora-updating: "
+                        "the LoRA adapters its last run had loaded at run time (%s) are not "
+                        "loaded again", self.address, self.role, ", ".join(sorted(owed)))  # fmt: skip
+            return
+        for name, path in owed.items():
+            try:
+                reply = await self.stub.LoadLoRA(load_lora_to_pb(name, path), timeout=timeout_s)
+            except grpc.RpcError as e:
+                log.warning("LoRA adapter %r: loading it again into worker %s (%s), started "
+                            "again, failed: %s; unload it and load it again to serve it there",
+                            name, self.address, self.role, summary(e))  # fmt: skip
+                continue
+            if self.load is not None:
+                self.load = replace(self.load, lora_names=tuple(reply.lora_names),
+                                    lora_paths=tuple(reply.lora_paths))  # fmt: skip
+            log.info("LoRA adapter %r loaded again into worker %s (%s), started again", name,
+                     self.address, self.role)  # fmt: skip
 
     def mark_unhealthy(self, reason: str, lost: bool = False) -> None:
         """``lost``: it does not answer at all (a draining worker still finishes its work)."""

@@ -21,6 +21,9 @@ from protos.roles import Role
 
 log = logging.getLogger(__name__)
 
+# a runtime LoRA load into a worker started again (as /v1/load_lora_adapter's)
+ADAPTER_LOAD_TIMEOUT_S = 60.0
+
 
 class WorkerRegistry:
     def __init__(
@@ -124,6 +127,20 @@ class WorkerRegistry:
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(c.poll(self.timeout_s) for c in self.clients))
+        for client in self.clients:
+            owed = self._still_served(client, client.take_owed_adapters())
+            if owed:
+                self.spawn(client.restore_adapters(owed, ADAPTER_LOAD_TIMEOUT_S))
+
+    def _still_served(self, client: WorkerClient, owed: dict[str, str]) -> dict[str, str]:
+        """Of the adapters owed to a worker started again, those the other generating workers
+        still serve (or all, when it is the only one): one unloaded from them while it was
+        down stays unloaded."""
+        others = [c for c in self.clients
+                  if c is not client and c.healthy and c.task == "generate"]  # fmt: skip
+        if not others or client.task != "generate":
+            return owed if client.task == "generate" else {}
+        return {n: p for n, p in owed.items() if any(c.serves(n) for c in others)}
 
     async def _poll_forever(self) -> None:
         while True:

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -59,6 +60,7 @@ class WorkerRuntime:
         self.config = config
         self.role = config.role
         self.worker_id = config.worker_id
+        self.instance = uuid.uuid4().hex  # this process's run (WorkerLoad.instance)
         self.driver: EngineDriver | None = None
         self.engine: LLMEngine | None = None
         self.draining = False
@@ -97,7 +99,8 @@ class WorkerRuntime:
     def load(self) -> common_pb2.WorkerLoad:
         if self.engine is None or self.driver is None:
             return common_pb2.WorkerLoad(
-                worker_id=self.worker_id, role=self.role, draining=self.draining,
+                worker_id=self.worker_id, instance=self.instance, role=self.role,
+                draining=self.draining,
                 task=self.config.engine.task,
                 scheduling_policy=self.config.engine.scheduler.policy,
             )  # fmt: skip
@@ -109,6 +112,7 @@ class WorkerRuntime:
             scheduling_policy=self.config.engine.scheduler.policy, **self.extra_load(),
         )  # fmt: skip
         load.num_waiting += self.num_queued()
+        load.instance = self.instance
         load.lora_names.extend(self.lora_names)
         load.lora_paths.extend(self.lora_paths)
         lora = self.config.engine.lora

@@ -60,6 +60,7 @@ class Behavior:
     lora_names: tuple[str, ...] = ()  # the LoRA adapters GetLoad reports
     lora_paths: dict[str, str] = field(default_factory=dict)  # their directories (LoadLoRA's)
     lora_updates: bool = False  # LoadLoRA/UnloadLoRA change lora_names (else: refused, as off)
+    instance: str = "run-1"  # GetLoad's: the worker process's run (a new one: started again)
     lora_load_code: grpc.StatusCode | None = None  # LoadLoRA fails with this code
     lora_unload_code: grpc.StatusCode | None = None  # UnloadLoRA fails with this code
 
@@ -188,7 +189,8 @@ class FakeEngine:
             task=b.task if self.role == "colocated" else "", lora_names=list(b.lora_names),
             lora_paths=[b.lora_paths.get(n, "") for n in b.lora_names],
             kv_whole=b.kv_whole, scheduling_policy=b.scheduling_policy,
-            engine_stalled_s=b.engine_stalled_s,
+            engine_stalled_s=b.engine_stalled_s, instance=b.instance,
+            lora_runtime_updating=b.lora_updates,
         )  # fmt: skip
 
 

@@ -162,6 +162,10 @@ def test_served_model_name_and_404_for_other_models(secured: Stack) -> None:
     assert r.status_code == 404
     assert r.json()["error"]["param"] == "model"
     assert "smol" in r.json()["error"]["message"]
+    for model in ("", None):  # the base model, as vLLM takes an empty name
+        body = {"model": model, "prompt": "hi", "max_tokens": 1}
+        r = httpx.post(f"{secured.base_url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 200 and r.json()["model"] == "smol", r.text
 
 
 def test_get_one_model_by_id(secured: Stack) -> None:

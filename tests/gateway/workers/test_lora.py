@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.gateway.stack import Stack
+from tests.gateway.stack import Stack, wait_for
 
 LOAD = {"lora_name": "sql", "lora_path": "/adapters/sql"}
 
@@ -180,3 +180,43 @@ def test_an_adapter_is_not_loaded_under_the_base_models_path(tokenizer_dir: str)
         assert stack.workers[0].records.lora_updates == []
     finally:
         stack.stop()
+
+
+def _started_again(worker: object) -> None:
+    """A fake worker as its process started again: a new run, only its startup adapters."""
+    behavior = worker.behavior  # type: ignore[attr-defined]
+    behavior.instance, behavior.lora_names = "run-2", ()
+
+
+def test_a_worker_started_again_gets_the_adapters_loaded_at_run_time_back(
+    updatable: Stack,
+) -> None:
+    """tandem up starts a dead worker again on its address: its new run lacks the adapters the
+    last one had loaded at run time, which the other workers still serve (listed, yet every
+    request under one a 503). The gateway loads them into it again, from the directory the
+    last run reported."""
+    assert load(updatable).status_code == 200
+    (decode,) = updatable.role("decode")
+    _started_again(decode)
+    assert wait_for(lambda: decode.behavior.lora_names == ("sql",))
+    assert decode.records.lora_updates == ["load sql", "load sql"]
+    assert decode.behavior.lora_paths["sql"] == LOAD["lora_path"]
+    body = {"model": "sql", "prompt": "x", "max_tokens": 2}
+    assert wait_for(lambda: httpx.post(f"{updatable.base_url}/v1/completions", json=body,
+                                       timeout=30).status_code == 200)  # fmt: skip
+    for w in updatable.role("prefill"):
+        assert w.records.lora_updates == ["load sql"]
+
+
+def test_an_adapter_unloaded_while_a_worker_was_down_stays_unloaded(updatable: Stack) -> None:
+    """What the other workers no longer serve is not loaded into a worker started again."""
+    assert load(updatable).status_code == 200
+    (decode,) = updatable.role("decode")
+    for w in updatable.role("prefill"):
+        w.behavior.lora_names = ()  # unloaded from them while the decode worker was down
+    _started_again(decode)
+    client = next(c for c in updatable.state.registry.clients if c.address == decode.address)
+    assert wait_for(lambda: client.load is not None and client.load.instance == "run-2")
+    updatable.run(updatable.state.registry.poll_all())
+    updatable.run(updatable.state.registry.settle())
+    assert decode.records.lora_updates == ["load sql"] and decode.behavior.lora_names == ()

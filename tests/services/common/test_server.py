@@ -49,6 +49,8 @@ async def test_ready_file_health_reflection_and_load(fleet: Fleet, role: str) ->
         )
         assert (load.total_blocks, load.vocab_size, load.draining) == (256, 49152, False)
         assert load.scheduling_policy == "fcfs"  # the default: the gateway refuses priorities
+        assert len(load.instance) == 32 and load.instance != load.worker_id  # this run's id
+        assert (await conn.load()).instance == load.instance
         assert not await conn.abort("never-seen")
     # off unless --grpc-reflection
     with grpc.insecure_channel(proc.address) as channel, pytest.raises(grpc.RpcError) as info:
