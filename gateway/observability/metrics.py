@@ -50,6 +50,7 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 # context only from its workers, after the histograms exist, so they reach a million tokens
 TOKEN_BUCKETS = one_two_five(1_000_000)
 N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort")  # request_success's finished_reason (vLLM's)
 
 _WORKER_GAUGES = {
     "num_requests_running": ("Requests running on the worker", lambda x: x.num_running),
@@ -252,6 +253,17 @@ class GatewayMetrics:
             "choice, grammar, or tool_call (tool_choice required or a named function)",
             ("kind",),
         )
+        # Every series of a fixed label set exists from the start at 0, as in vLLM: rate() and
+        # a scraper diffing two scrapes (aiperf) would otherwise lose each series' first count.
+        # Those whose labels depend on what happens (an error's status, a prefill mode, a
+        # structured-output kind) appear with their first count.
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
+                       self.decode, self.inference, self.request_prompt, self.request_generation,
+                       self.params_max_tokens, self.params_n, self.max_generation,
+                       self.prompt_tokens, self.generation_tokens, self.goodput):  # fmt: skip
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
         reg.register(WorkerCollector(model_name, workers, prefix))
 
     def observe_gap(self, gap: float) -> None:

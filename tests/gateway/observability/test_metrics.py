@@ -244,6 +244,27 @@ def test_every_family_takes_the_prefix() -> None:
         assert all(n.startswith(prefix) for n in names), names
 
 
+def test_request_series_exist_at_zero_before_the_first_request() -> None:
+    """A series born with its first count loses that count to rate() and to a scraper that
+    diffs two scrapes (aiperf): each of a fixed label set is exported at 0 from the start."""
+    text = GatewayMetrics("m").render().decode()
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    m = frozenset({("model_name", "m")})
+    for name in ("prompt_tokens_total", "generation_tokens_total", "request_goodput_total",
+                 "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "inter_token_latency_seconds_count", "request_queue_time_seconds_count",
+                 "request_prompt_tokens_count", "request_generation_tokens_count",
+                 "request_params_n_count", "request_max_num_generation_tokens_count"):  # fmt: skip
+        assert samples[(f"tandem:{name}", m)] == 0.0, name
+    for reason in ("stop", "length", "abort"):
+        key = ("tandem:request_success_total", m | {("finished_reason", reason)})
+        assert samples[key] == 0.0, reason
+
+
 @pytest.fixture(scope="module")
 def vllm_stack(tokenizer_dir: str) -> Iterator[Stack]:
     stack = Stack(tokenizer_dir, ["prefill", "decode"], metrics_prefix="vllm:").start()
@@ -265,9 +286,11 @@ def test_vllm_prefix_serves_every_series_of_vllms_dashboard(vllm_stack: Stack) -
     missing = [name for name in VLLM_DASHBOARD_SERIES if name not in served]
     assert not missing, f"vLLM's dashboard would find no data for {missing}"
     reasons = {
-        s.labels["finished_reason"] for s in samples if s.name == "vllm:request_success_total"
+        s.labels["finished_reason"]: s.value
+        for s in samples
+        if s.name == "vllm:request_success_total"
     }
-    assert reasons == {"length"}
+    assert reasons == {"length": 2.0, "stop": 0.0, "abort": 0.0}
     assert not any(s.name.startswith("tandem:") for s in samples)
 
 
