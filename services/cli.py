@@ -702,10 +702,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="schedule and queue the next decode step while the GPU runs this one (steps "
         "with logprobs, penalties, logit_bias, min_tokens or a grammar run step by step); "
-        "--no-async-scheduling waits for each step's tokens first",
+        "default: on a GPU (on the CPU a step queued ahead only holds the last one's tokens "
+        "back); --no-async-scheduling waits for each step's tokens first",
     )
     g.add_argument(
         "--scheduling-policy",

@@ -129,8 +129,10 @@ class SchedulerConfig:
     # --max-loras: the most distinct adapters in one step (the device's slots); 0: no LoRA
     max_loras: int = 0
     # --async-scheduling: a decode step is scheduled and queued on the device
-    # while the one before it runs (its tokens are the input ids, never read in between)
-    async_scheduling: bool = True
+    # while the one before it runs (its tokens are the input ids, never read in between).
+    # None: on a GPU only (on the CPU the step queued ahead has run before the last one's tokens
+    # are read, so it only holds them back a step); True: on the CPU too (tests of the path)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -27,6 +27,10 @@ class GpuReader:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._event = torch.cuda.Event() if device.type == "cuda" else None
+        # whether host work handed to while_waiting overlaps the step: on a GPU it runs while
+        # the device computes; on the CPU the forward has already run when the step reads its
+        # results, so work left for the next read runs a whole forward late
+        self.overlaps = device.type == "cuda"
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
         self._while: Callable[[], None] | None = None
         # a launched step's tokens on their way to the host (start/finish): their own buffer

@@ -264,7 +264,7 @@ def config_from_args(args: Any) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
-        async_scheduling=getattr(args, "async_scheduling", True),
+        async_scheduling=getattr(args, "async_scheduling", None),
         device=args.device,
         enforce_eager=args.enforce_eager,
         speculative_config=getattr(args, "speculative_config", None),

@@ -238,10 +238,16 @@ class LLMEngine:
         # where those outputs go at once (the serving driver streams them while the forward
         # runs); None: the step returns them (one step later than they were made)
         self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
+        # whether outputs may wait for the next step's forward at all: where they are made
+        # while the device computes it (a GPU); on the CPU the forward has run by then, so they
+        # would reach the client a whole step late
+        overlaps = self.runner.reader.overlaps
+        self.defer_outputs = overlaps
         # async scheduling: decode steps are queued on the device before the step
         # before them is read (see _advance); the one queued and not read yet
+        wanted = config.scheduler.async_scheduling
         self.async_decode = (
-            config.scheduler.async_scheduling
+            (overlaps if wanted is None else wanted)
             and self.proposer is None
             and self.task == "generate"
             and self.runner.launches_ahead
@@ -664,9 +670,9 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update. The outputs returned are those of the step before (its
-        tokens detokenized and checked for stop strings while this step's forward ran) and,
-        when nothing is left to run, this step's own. A stop string found that late finishes
+        """Schedule, execute, update. On a GPU the outputs returned are those of the step
+        before (its tokens detokenized and checked for stop strings while this step's forward
+        ran) and, when nothing is left to run, this step's own; on the CPU, this step's. A stop string found that late finishes
         its request after one more token was computed for it, which nobody sees.
 
         Async scheduling: a decode step is launched, not read; the next one is
@@ -810,12 +816,14 @@ class LLMEngine:
         return earlier
 
     def _may_defer(self, updates: list[StepUpdate]) -> bool:
-        """Whether these tokens' outputs may wait for the next step's forward: not when the
-        engine has nothing more to run (nobody would call again), nor under a grammar (its
-        matcher must take the token before the next step's bitmask) or drafts (proposed from
-        the outputs)."""
+        """Whether these tokens' outputs may wait for the next step's forward: only where they
+        are made while the device computes it (a GPU; on the CPU they would reach the client a
+        whole step late), not when the engine has nothing more to run (nobody would call
+        again), nor under a grammar (its matcher must take the token before the next step's
+        bitmask) or drafts (proposed from the outputs)."""
         return (
             bool(updates)
+            and self.defer_outputs
             and self.proposer is None
             and self.scheduler.has_unfinished
             and not self._constrained([u.request_id for u in updates])

@@ -24,7 +24,8 @@ CHAT_PROMPTS = PROMPTS  # the 8 chat prompts every parity check uses
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    return LLM("embedded", max_num_seqs=32)
+    # async scheduling, a GPU's default, asked for here: the engine's tests run its path
+    return LLM("embedded", max_num_seqs=32, async_scheduling=True)
 
 
 @pytest.fixture(scope="session")

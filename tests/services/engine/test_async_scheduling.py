@@ -38,7 +38,7 @@ def test_launched_steps_give_the_outputs_of_step_by_step(
     llm: LLM, chat_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = llm.engine
-    assert engine.async_decode  # the default
+    assert engine.async_decode  # asked for (on the CPU; the default on a GPU)
     launches = count_launches(engine, monkeypatch)
     prompts = (chat_ids * 2)[: len(PARAMS)]
     ahead = llm.generate(prompts, PARAMS)
@@ -72,7 +72,8 @@ def test_a_tiny_pool_preempts_between_launched_steps(
     monkeypatch.setattr(big.engine, "async_decode", False)
     reference = [r.outputs[0].token_ids for r in big.generate(chat_ids, params)]
     monkeypatch.undo()
-    tiny = LLM(str(tiny_llama), num_blocks=10, max_model_len=160, enable_prefix_caching=False)
+    tiny = LLM(str(tiny_llama), num_blocks=10, max_model_len=160, enable_prefix_caching=False,
+               async_scheduling=True)  # fmt: skip
     launches = count_launches(tiny.engine, monkeypatch)
     assert [r.outputs[0].token_ids for r in tiny.generate(chat_ids, params)] == reference
     stats = tiny.engine.stats()
@@ -127,7 +128,7 @@ def test_aborts_of_requests_in_a_launched_step_free_their_blocks_once_it_is_read
     """Aborts land between steps while a decode step launched ahead still computes the aborted
     requests (see :func:`_abort_at_random`; EOS ignored: a tiny model with the session engine's
     32 seats and 128 blocks)."""
-    engine = LLM(str(tiny_llama), max_num_seqs=32, num_blocks=128).engine
+    engine = LLM(str(tiny_llama), max_num_seqs=32, num_blocks=128, async_scheduling=True).engine
     launches = count_launches(engine, monkeypatch)
     under_launch, _ = _abort_at_random(engine, chat_ids, 24, 2, 11, 6)
     assert launches[0] > 10 and under_launch >= 3
@@ -175,7 +176,7 @@ def test_prompt_chunks_and_admissions_run_launched_with_the_outputs_of_step_by_s
     and waiting requests join steps scheduled ahead. The outputs are step-by-step's, every
     block is free at the end. (A request needing the sampler's host work keeps the steps it is
     in, and its admission, to the full schedule: the first test mixes those in.)"""
-    small = LLM("embedded", max_num_seqs=6, max_num_batched_tokens=40)
+    small = LLM("embedded", max_num_seqs=6, max_num_batched_tokens=40, async_scheduling=True)
     engine = small.engine
     seen = {"chunks": 0, "admitted": 0}
     launch = type(engine.runner).launch
@@ -205,7 +206,7 @@ def test_aborts_under_chunked_prompts_and_admissions_ahead_leave_the_pool_whole(
 ) -> None:
     """Random aborts between steps while prompt chunks and admitted requests run launched (see
     :func:`_abort_at_random`; EOS ignored, so the model's text plays no part: a tiny one)."""
-    small = LLM(str(tiny_llama), max_num_seqs=6, max_num_batched_tokens=40)
+    small = LLM(str(tiny_llama), max_num_seqs=6, max_num_batched_tokens=40, async_scheduling=True)
     launches = count_launches(small.engine, monkeypatch)
     _, mixed = _abort_at_random(small.engine, chat_ids, 16, 1, 5, 4)
     assert launches[0] > 5 and mixed > 2
@@ -220,7 +221,7 @@ def test_each_call_reports_the_shape_of_the_step_it_read(
     shapes of the step launched behind it, one step late: W1 counted a prefill step as a decode).
     Shapes are the scheduler's, EOS is ignored: a tiny model serves."""
     small = LLM(str(tiny_llama), max_num_seqs=6, max_num_batched_tokens=40,
-                enable_prefix_caching=False)  # fmt: skip
+                enable_prefix_caching=False, async_scheduling=True)  # fmt: skip
     engine = small.engine
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 

@@ -294,6 +294,7 @@ def test_outputs_made_during_the_next_forward_are_those_made_at_once(
     nobody sees: the same results as outputs made at once, and every block free after."""
     engine = llm.engine
     monkeypatch.setattr(engine, "async_decode", False)  # launched steps emit at once
+    monkeypatch.setattr(engine, "defer_outputs", True)  # a GPU's way, on the CPU
     params = [
         SamplingParams(temperature=0, max_tokens=24, stop=["the", "."]),
         SamplingParams(temperature=0, max_tokens=3),
@@ -323,6 +324,24 @@ def test_outputs_made_during_the_next_forward_are_those_made_at_once(
     assert engine.stats().free_blocks == engine.stats().total_blocks
 
 
+@pytest.mark.parametrize("async_scheduling", [None, False])
+def test_on_the_cpu_each_step_returns_its_own_tokens(
+    tiny_llama: Path, chat_ids: list[list[int]], async_scheduling: bool | None
+) -> None:
+    """On the CPU nothing runs while the host works: a step's tokens held for the next step's
+    forward (or a step launched ahead of reading them) would reach the client a whole forward
+    late (the first token after two steps). Each call returns the token its own forward made."""
+    engine = LLM(str(tiny_llama), async_scheduling=async_scheduling).engine
+    assert not engine.async_decode and not engine.defer_outputs
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("r", chat_ids[0], params)
+    for n in range(1, 7):
+        (out,) = engine.step()  # the prompt's step gives the first token, each next one more
+        assert out.request_id == "r" and len(out.token_ids) == 1
+        assert out.finished == (n == 6)
+    assert not engine.has_unfinished
+
+
 def _until_last_output_waits(
     engine: LLMEngine, short: str, short_ids: list[int], long: str, long_ids: list[int]
 ) -> list[RequestOutput]:
@@ -341,6 +360,7 @@ def test_an_abort_while_the_last_output_waits_ends_the_request_as_aborted(
 ) -> None:
     engine = llm.engine
     monkeypatch.setattr(engine, "async_decode", False)  # outputs wait only without launches
+    monkeypatch.setattr(engine, "defer_outputs", True)
     seen = _until_last_output_waits(engine, "short", chat_ids[0], "long", chat_ids[1])
     assert not any(o.request_id == "short" and o.finished for o in seen)
     out = engine.abort("short")
@@ -357,6 +377,7 @@ def test_a_last_output_still_waiting_is_delivered_when_nothing_else_runs(
 ) -> None:
     engine = llm.engine
     monkeypatch.setattr(engine, "async_decode", False)
+    monkeypatch.setattr(engine, "defer_outputs", True)
     _until_last_output_waits(engine, "done", chat_ids[2], "other", chat_ids[3])
     assert engine.abort("other") is not None  # nothing is left to run...
     assert engine.has_unfinished  # ...but an output is still to be made
@@ -376,7 +397,8 @@ def test_two_hundred_aborts_mid_stream_leave_every_block_free(
     128 blocks serves them."""
     import random
 
-    engine, rng = LLM(str(tiny_llama), max_num_seqs=32, num_blocks=128).engine, random.Random(7)
+    engine = LLM(str(tiny_llama), max_num_seqs=32, num_blocks=128, async_scheduling=True).engine
+    rng = random.Random(7)
     launches = count_launches(engine, monkeypatch)
     live: set[str] = set()
     ended: dict[str, str] = {}
@@ -398,7 +420,7 @@ def test_two_hundred_aborts_mid_stream_leave_every_block_free(
             ended[rid] = "abort"
     assert not live and len(ended) == 200
     assert 20 < list(ended.values()).count("abort") < 200  # aborts and natural ends both
-    assert launches[0] > 0  # async scheduling (the default) launched steps ahead
+    assert launches[0] > 0  # async scheduling (a GPU's default) launched steps ahead
     assert engine.stats().free_blocks == engine.stats().total_blocks
 
 
