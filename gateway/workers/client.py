@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.core.config import WORKER_STALL_TIMEOUT_S, WorkerSpec
 from gateway.core.events import WorkerLoadInfo
 from gateway.workers.convert import load_from_pb, load_lora_to_pb
-from gateway.workers.multiplex import StreamMux, rpc_error
-from gateway.workers.rpc_errors import status_code, summary
+from gateway.workers.multiplex import StreamMux
+from gateway.workers.rpc_errors import LostWorkerError, status_code, summary
 from protos import (
     common_pb2,
     decode_pb2,
@@ -164,7 +164,7 @@ class WorkerClient:
                 return
             reason = f"health poll failed: {getattr(code, 'name', 'ERROR')}"
             if code == grpc.StatusCode.UNIMPLEMENTED:
-                reason += f" (is {self.address} really a {self.role} worker?)"
+                reason += f" (is it really a {self.role} worker?)"
             if stalled and code != grpc.StatusCode.UNAVAILABLE:
                 reason = (f"no answer to health polls for {silent:.1f} s "
                           f"(--worker-stall-timeout {self.stall_timeout_s:g}); {reason}")  # fmt: skip
@@ -247,7 +247,7 @@ class WorkerClient:
         if lost and not self._lost.is_set():
             self._lost.set()
             if self.mux is not None:  # its requests end now, as when the stream breaks
-                self.mux.fail(f"worker {self.address} ({self.role}) is gone: {reason}")
+                self.mux.fail(f"worker {self.name} ({self.role}) is gone: {reason}")
 
     def check_now(self, reason: str) -> None:
         """A failed call that may be the request's or the worker's (INTERNAL or UNKNOWN: an
@@ -282,10 +282,7 @@ class WorkerClient:
                     cancel()
         if finished:
             return work.result()  # its value, or its own error
-        raise rpc_error(
-            grpc.StatusCode.UNAVAILABLE,
-            f"worker {self.address} ({self.role}) is gone: {self.last_error}",
-        )
+        raise LostWorkerError(f"worker {self.name} ({self.role}) is gone: {self.last_error}")
 
     async def abort(self, request_id: str, timeout: float, tries: int = 1) -> bool:
         """Tells the worker to drop ``request_id``; True when it held the request. One that

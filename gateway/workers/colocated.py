@@ -46,14 +46,14 @@ async def generate(
             yield chunk
             if finished:
                 return
-        raise stream_ended(worker.address, "Generate")
+        raise stream_ended(worker.name, worker.address, "Generate")
     except grpc.RpcError as e:
         failure = rpc_failure(worker, e, "Generate")
         error = failure.api_error.message
         raise failure from e
     except WorkerReportedError as e:
         error = str(e)
-        raise worker_failed(worker.address, str(e)) from e
+        raise worker_failed(worker.name, worker.address, str(e)) from e
     except UpstreamError as e:
         error = e.api_error.message
         raise

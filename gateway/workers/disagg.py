@@ -200,13 +200,15 @@ class _Run:
         raise UpstreamError(
             APIError(
                 503,
-                f"decode worker {decode.address} went away while this request's KV was on its "
-                f"way to it ({decode.last_error})",
+                f"decode worker {decode.name} went away while this request's KV was on its "
+                "way to it",
                 code="worker_unavailable",
             ),
             retryable=True,  # with another decode worker: retried, or resumed after tokens
             worker_down=True,
             address=decode.address,
+            detail=f"decode worker {decode.name} ({decode.address}) went away while a "
+            f"request's KV was on its way to it: {decode.last_error}",
         )
 
     async def first_token(self) -> Chunk:
@@ -234,17 +236,17 @@ class _Run:
         while True:  # "first" then "done" by contract; a "done" that overtakes is kept
             event = await self._read_prefill()
             if event is None:
-                raise stream_ended(self.prefill.address, "Prefill")
+                raise stream_ended(self.prefill.name, self.prefill.address, "Prefill")
             kind = event.WhichOneof("event")
             if kind == "done":
                 self.done = event.done
                 continue
             if kind != "first":
-                raise stream_ended(self.prefill.address, "Prefill")
+                raise stream_ended(self.prefill.name, self.prefill.address, "Prefill")
             try:
                 first = chunk_from_pb(event.first)
             except WorkerReportedError as e:
-                raise worker_failed(self.prefill.address, str(e)) from e
+                raise worker_failed(self.prefill.name, self.prefill.address, str(e)) from e
             # queued for decode KV, then in the prefill worker's queue
             first.timing.queue_s += self.transfer.queue_s
             first.timing.mode = self.transfer.mode
@@ -256,7 +258,7 @@ class _Run:
         if self.done is None:
             event = await self._read_prefill()
             if event is None or event.WhichOneof("event") != "done":
-                raise stream_ended(self.prefill.address, "Prefill (KV transfer)")
+                raise stream_ended(self.prefill.name, self.prefill.address, "Prefill (KV transfer)")
             self.done = event.done
         span.set_attribute("tandem.kv.bytes", self.done.bytes)
         span.set_attribute("tandem.kv.num_blocks", self.done.num_blocks)
@@ -321,11 +323,11 @@ class _Run:
         except grpc.RpcError as e:
             raise rpc_failure(self.decode, e, "Decode") from e
         if msg is grpc.aio.EOF:
-            raise stream_ended(self.decode.address, "Decode")
+            raise stream_ended(self.decode.name, self.decode.address, "Decode")
         try:
             chunk = chunk_from_pb(msg)
         except WorkerReportedError as e:
-            raise worker_failed(self.decode.address, str(e)) from e
+            raise worker_failed(self.decode.name, self.decode.address, str(e)) from e
         chunk.timing.merge(self.transfer)
         if chunk.finish_reason is not None:
             self._close_decode()

@@ -147,8 +147,10 @@ class Dispatcher:
                     if sent
                     else self._can_retry(e, emitted, failed, lora)
                 ):
+                    if e.detail:  # the client's message names no address: the log does
+                        log.warning("%s failed: %s", item.request_id, e.detail)
                     raise
                 how = "resume" if sent else "retry"
-                log.warning("%s %s on another worker: %s", how, item.request_id, e)
+                log.warning("%s %s on another worker: %s", how, item.request_id, e.detail or e)
                 parent.add_event(how, {"tandem.failed_worker": e.address})
                 failed.add(e.address)

@@ -98,7 +98,7 @@ async def embed(
         end_span(span, error)
     out = embeddings_from_pb(reply)
     if len(out) != len(work.inputs):
-        message = f"Embed on worker {worker.address} returned {len(out)} of {len(work.inputs)}"
+        message = f"Embed on worker {worker.name} returned {len(out)} of {len(work.inputs)}"
         raise UpstreamError(APIError(502, message, code="worker_error"), retryable=True,
                             address=worker.address)  # fmt: skip
     return out

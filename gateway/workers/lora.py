@@ -74,7 +74,7 @@ async def _call(client: WorkerClient, call: str, request: object, timeout_s: flo
             api = APIError(400, err.details() or "runtime LoRA updates are off",  # type: ignore[attr-defined]
                            code="lora_updates_off")  # fmt: skip
         else:
-            api = from_rpc_error(err, client.address, call).api_error
+            api = from_rpc_error(err, client.name, client.address, call).api_error
         return _Outcome(client, error=api, status=code)
     return _Outcome(client, names=tuple(reply.lora_names), paths=tuple(reply.lora_paths))
 

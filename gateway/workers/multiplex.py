@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from gateway.workers.rpc_errors import summary
+from gateway.workers.rpc_errors import LostWorkerError, summary
 from protos import common_pb2
 from protos.errors import PARAM_METADATA_KEY
 
@@ -222,7 +222,7 @@ class StreamMux:
         self._reader, self._outbox, self._calls, self._call = None, None, {}, None
         log.warning("multiplexed stream to %s given up (%d requests on it): %s",
                     self.address, len(calls), details)  # fmt: skip
-        self._fail_all(calls, rpc_error(grpc.StatusCode.UNAVAILABLE, details))
+        self._fail_all(calls, LostWorkerError(details))
         outbox.put_nowait(None)
         call.cancel()
         if reader is not None:

@@ -52,7 +52,7 @@ def rpc_failure(worker: WorkerClient, err: grpc.RpcError, call: str) -> Upstream
     at once. INTERNAL or UNKNOWN may be one request's (an exception in the worker's handler) or
     the worker's: it stays in rotation and is health-polled now. A failure the worker reported
     for the one request over a live stream (:class:`RequestRpcError`) is that request's."""
-    failure = from_rpc_error(err, worker.address, call)
+    failure = from_rpc_error(err, worker.name, worker.address, call)
     if not failure.worker_down or isinstance(err, RequestRpcError):
         return failure
     reason = f"{call} failed: {failure.api_error.message}"

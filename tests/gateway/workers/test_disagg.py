@@ -21,7 +21,10 @@ def _run(lost: asyncio.Event) -> _Run:
     ctx: Any = SimpleNamespace(config=SimpleNamespace(health_interval_s=POLL_S))
     run = _Run(ctx, item=None, parent=None, prefill=None)  # type: ignore[arg-type]
     run.decode = SimpleNamespace(  # type: ignore[assignment]
-        until_lost=lost.wait, address="decode:1", last_error="health poll failed: UNAVAILABLE"
+        until_lost=lost.wait,
+        name="decode-1",
+        address="decode:1",
+        last_error="health poll failed: UNAVAILABLE",
     )
     return run
 
@@ -43,7 +46,8 @@ async def test_a_refused_kv_transfer_is_the_decode_worker_gone_once_the_poll_see
     with pytest.raises(UpstreamError) as err:
         await _run(lost).unless_decode_lost(_fails("ABORTED"))
     assert err.value.api_error.code == "worker_unavailable" and err.value.worker_down
-    assert "decode:1" in err.value.api_error.message
+    assert "decode-1" in err.value.api_error.message  # its name: the client sees no address
+    assert "decode:1" not in err.value.api_error.message and "decode:1" in err.value.detail
 
 
 async def test_a_refused_transfer_to_a_live_decode_worker_keeps_its_error() -> None:

@@ -118,13 +118,13 @@ async def test_a_refusal_naming_a_field_is_a_400_with_that_param() -> None:
                      error_param="priority"))  # fmt: skip
     with pytest.raises(RequestRpcError) as info:
         await call.read()
-    api = from_rpc_error(info.value, "w:1", "Generate").api_error
+    api = from_rpc_error(info.value, "colocated-0", "w:1", "Generate").api_error
     assert (api.status, api.param, api.message) == (400, "priority", "priority 3 needs ...")
     call = mux.start(_req("b"), [], 10.0)  # no field named: no param
     fake.send(_chunk("b", reason=ERROR, error="bad", status_code=3))
     with pytest.raises(RequestRpcError) as info:
         await call.read()
-    assert from_rpc_error(info.value, "w:1", "Generate").api_error.param is None
+    assert from_rpc_error(info.value, "colocated-0", "w:1", "Generate").api_error.param is None
     await mux.close()
 
 
@@ -139,7 +139,11 @@ async def test_one_requests_internal_error_leaves_its_worker_healthy() -> None:
     fake.send(_chunk("a", reason=ERROR, error="internal error: ValueError()", status_code=13))
     with pytest.raises(RequestRpcError) as info:
         await call.read()
-    worker: Any = type("W", (), {"address": "w:1", "reasons": [], "checks": [], "healthy": True})()
+    worker: Any = type(
+        "W",
+        (),
+        {"name": "prefill-0", "address": "w:1", "reasons": [], "checks": [], "healthy": True},
+    )()
     worker.mark_unhealthy = lambda reason, lost=False: worker.reasons.append(reason)
     worker.check_now = worker.checks.append
     failure = rpc_failure(worker, info.value, "Decode")
@@ -159,13 +163,16 @@ async def test_requests_failing_on_a_lost_worker_each_quote_its_reason_once() ->
     worker = WorkerClient(WorkerSpec("prefill", "127.0.0.1:1"))
     worker.healthy = True
     worker.mark_unhealthy("health poll failed: UNAVAILABLE", lost=True)
-    messages = []
+    messages, details = [], []
     for _ in range(3):
         with pytest.raises(grpc.RpcError) as info:
             await worker.unless_lost(asyncio.sleep(60))
-        messages.append(rpc_failure(worker, info.value, "Prefill").api_error.message)
+        failure = rpc_failure(worker, info.value, "Prefill")
+        messages.append(failure.api_error.message)
+        details.append(failure.detail)
     assert worker.last_error == "health poll failed: UNAVAILABLE"
-    assert len(set(messages)) == 1 and messages[0].count("is gone") == 1, messages[-1]
+    assert len(set(messages)) == 1, messages  # the client's: no address, no reason quoted
+    assert len(set(details)) == 1 and details[0].count("is gone") == 1, details[-1]
     await worker.close()
 
 
