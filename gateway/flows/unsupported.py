@@ -202,11 +202,22 @@ ENDPOINTS: dict[str, str] = {
     "/v1/audio/translations": "audio is not supported",
     "/v1/images/generations": "images are not supported",
     "/v1/moderations": "moderation is not supported",
+    # beside /v1/responses/{response_id}: without these rows the router's 405 claimed them
+    "/v1/responses/input_tokens": (
+        "input token counts are not implemented (POST /tokenize counts a prompt's or messages' "
+        "tokens)"
+    ),
+    "/v1/responses/compact": "compaction is not implemented",
 }
 SERVED = (
     "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, "
     "/tokenize, /detokenize, /health, /metrics, /version, /workers, /openapi.json"
 )
+
+
+def unsupported_endpoint(path: str) -> bool:
+    """``path`` is one of :data:`ENDPOINTS`: a 404 that says so, whatever the method."""
+    return (path.rstrip("/") or "/") in ENDPOINTS
 
 
 def not_found_message(method: str, path: str) -> str:

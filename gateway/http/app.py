@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.core.config import CORS_EXPOSE_HEADERS, GatewayConfig
 from gateway.core.errors import APIError
 from gateway.flows.tokenizer import GatewayTokenizer
-from gateway.flows.unsupported import not_found_message
+from gateway.flows.unsupported import not_found_message, unsupported_endpoint
 from gateway.http import admin_api, embeddings_api, lora_api, openai_api, responses_api
 from gateway.http.state import GatewayState, gateway_state
 
@@ -68,10 +68,15 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    # Starlette's own errors (405 with its Allow header, 404): OpenAI-shaped, headers kept
-    if exc.status_code == 404:
-        message = not_found_message(request.method, request.url.path)
-        return APIError(404, message, code="not_found", headers=exc.headers).response()
+    # Starlette's own errors (405 with its Allow header, 404): OpenAI-shaped, headers kept. An
+    # endpoint this server does not serve is a 404 that says so, also where a route with a path
+    # parameter matched it (/v1/responses/input_tokens as /v1/responses/{response_id}): a 405
+    # would say it is served under another method
+    path = request.url.path
+    if exc.status_code == 404 or unsupported_endpoint(path):
+        message = not_found_message(request.method, path)
+        headers = exc.headers if exc.status_code == 404 else None
+        return APIError(404, message, code="not_found", headers=headers).response()
     error = APIError(exc.status_code, str(exc.detail), code="http_error", headers=exc.headers)
     return error.response()
 
@@ -84,6 +89,12 @@ async def _bug(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s", request.url.path, exc_info=exc)
     _state(request).metrics.observe_error(500)
     return APIError(500, f"internal error ({type(exc).__name__}); see the gateway log").response()
+
+
+async def _stored_response(request: Request) -> Response:
+    if request.method == "DELETE":
+        return await responses_api.delete_response(request)
+    return await responses_api.get_response(request)
 
 
 def build_app(
@@ -108,8 +119,8 @@ def build_app(
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
-        Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
-        Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
+        # one route for both methods, so that a 405 there lists both in its Allow header
+        Route("/v1/responses/{response_id}", _stored_response, methods=["GET", "DELETE"]),
         Route(
             "/v1/responses/{response_id}/cancel", responses_api.cancel_response, methods=["POST"]
         ),

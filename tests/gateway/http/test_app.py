@@ -195,6 +195,21 @@ def test_unknown_route_and_wrong_method_are_openai_errors(colocated: Stack) -> N
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_responses_endpoints_not_served_are_404s_not_405s(colocated: Stack) -> None:
+    """POST /v1/responses/input_tokens and /compact (the openai client's
+    responses.input_tokens.count and responses.compact) match /v1/responses/{response_id},
+    which takes GET and DELETE: the router's 405 said they were served under another method."""
+    for path in ("/v1/responses/input_tokens", "/v1/responses/compact"):
+        r = httpx.post(f"{colocated.base_url}{path}", json={"model": "smol", "input": "hi"})
+        assert r.status_code == 404, r.text
+        assert "allow" not in r.headers
+        error = r.json()["error"]
+        assert error["code"] == "not_found" and f"POST {path} is not supported" in error["message"]
+    # a stored response's own routes are unchanged
+    r = httpx.post(f"{colocated.base_url}/v1/responses/resp_1", json={})
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "DELETE"}
+
+
 def test_error_types_follow_the_status() -> None:
     """Every 4xx is the client's (invalid_request_error) unless it has its own type; every
     other status is the server's."""
