@@ -214,7 +214,9 @@ def load_weights(
         if "rotary_emb" in name:
             continue
         if arch.tie_word_embeddings and name == "lm_head.weight":
-            continue
+            # the embedding's values (ArchConfig.from_file unties one that differs): read into
+            # it, as transformers ties a checkpoint that stores only its lm_head
+            name = "model.embed_tokens.weight"
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse MLP
         if arch.model_type in ("granitemoe", "granitemoeshared"):
             for theirs, ours in _GRANITE_MOE_NAMES:

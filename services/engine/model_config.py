@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -554,6 +555,10 @@ class ArchConfig:
             and _MISTRAL3_LM_HEADS & tensor_names(Path(path).parent)
         ):
             arch = dataclasses.replace(arch, tie_word_embeddings=False)
+        if arch.tie_word_embeddings and lm_head_stored_apart(Path(path).parent):
+            # transformers 5 ties the two only where the checkpoint holds no lm_head of its own
+            # or one equal to the embedding: one with other values is the output layer it uses
+            arch = dataclasses.replace(arch, tie_word_embeddings=False)
         eos = tuple(dict.fromkeys((*arch.eos_token_ids, *generation_eos(Path(path).parent))))
         if eos != arch.eos_token_ids:
             arch = dataclasses.replace(arch, eos_token_ids=eos)
@@ -711,20 +716,73 @@ def generation_eos(directory: Path) -> tuple[int, ...]:
 def tensor_names(directory: Path) -> set[str]:
     """The names of the tensors in a directory's safetensors files, from their index or their
     headers (no tensor is read); empty where there are none (a named config)."""
+    return set(_tensor_files(directory))
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Each tensor of a directory's safetensors files by name, and the file that holds it."""
     index = directory / "model.safetensors.index.json"
     try:
         if index.is_file():
-            return set(json.loads(index.read_text()).get("weight_map", {}))
-        names: set[str] = set()
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            return {name: directory / str(file) for name, file in weight_map.items()}
+        files: dict[str, Path] = {}
         for file in sorted(directory.glob("*.safetensors")):
             with file.open("rb") as fh:
                 size = int.from_bytes(fh.read(8), "little")
-                names.update(k for k in json.loads(fh.read(size)) if k != "__metadata__")
+                files.update((k, file) for k in json.loads(fh.read(size)) if k != "__metadata__")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise ConfigError(
             f"{directory}: the safetensors files' tensor names are unreadable: {e}"
         ) from None
-    return names
+    return files
+
+
+_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_ROWS_COMPARED = 1 << 26  # elements of each tensor read at a time by lm_head_stored_apart
+
+
+def lm_head_stored_apart(directory: Path) -> bool:
+    """Whether a checkpoint of a tied config holds an lm_head of its own beside its token
+    embedding, with other values (or another shape): transformers 5 then leaves the two
+    untied (its ``tie_weights`` ties only tensors it did not read, or read equal), and the
+    model's logits come from that lm_head. Read in slices, stopping at the first difference;
+    False where either is not stored."""
+    stored = {language_model_name(name): (name, file)
+              for name, file in _tensor_files(directory).items()}  # fmt: skip
+    if _EMBEDDING not in stored or _LM_HEAD not in stored:
+        return False
+    (name_a, file_a), (name_b, file_b) = stored[_EMBEDDING], stored[_LM_HEAD]
+    try:
+        stamp = tuple((f.stat().st_mtime_ns, f.stat().st_size) for f in (file_a, file_b))
+    except OSError as e:
+        raise ConfigError(f"{directory}: the safetensors files are unreadable: {e}") from None
+    return _differ(name_a, file_a, name_b, file_b, stamp)
+
+
+@functools.cache
+def _differ(name_a: str, file_a: Path, name_b: str, file_b: Path, stamp: tuple[Any, ...]) -> bool:
+    """Whether two stored tensors differ in shape or in any value; each pair compared once a
+    process (whose start reads config.json more than once) while its files (``stamp``) stay."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file_a), "pt") as fa, safe_open(str(file_b), "pt") as fb:
+            a, b = fa.get_slice(name_a), fb.get_slice(name_b)
+            shape = list(a.get_shape())
+            if shape != list(b.get_shape()):
+                return True
+            step = max(1, _ROWS_COMPARED // max(1, math.prod(shape[1:])))
+            for start in range(0, shape[0] if shape else 1, step):
+                x, y = (a[start : start + step], b[start : start + step]) if shape else (a[:], b[:])
+                if x.dtype != y.dtype:
+                    x, y = x.float(), y.float()
+                if not torch.equal(x, y):
+                    return True
+    except (OSError, SafetensorError) as e:
+        raise ConfigError(f"{file_a.parent}: {name_a} and {name_b} are unreadable: {e}") from None
+    return False
 
 
 _PIXTRAL_ACTS = ("silu", "gelu")  # the vision MLP's and the projector's we implement

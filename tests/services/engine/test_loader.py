@@ -130,3 +130,47 @@ def test_a_model_directory_without_tokenizer_files_is_a_config_error(tmp_path: P
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match=r"tokenizer of .*: it holds none of tokenizer\.json"):
         load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("stored", ["lm_head apart", "lm_head only", "both equal"])
+def test_a_tied_config_reads_the_lm_head_the_checkpoint_stores_as_transformers_does(
+    tmp_path: Path, stored: str
+) -> None:
+    """A tied config whose checkpoint holds an lm_head: transformers 5 unties the two where the
+    lm_head's values differ from the embedding's (its logits from that lm_head), and ties the
+    embedding to it where it is the only one stored. The engine skipped the lm_head, serving
+    the embedding's logits (other tokens), or refused the second as missing its embedding."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from protos.sampling_params import SamplingParams
+    from services.engine.llm import LLM
+    from tests.services.engine.conftest import (
+        BESIDE,
+        tiny_checkpoint,
+        token_prompts,
+        transformers_greedy,
+    )
+
+    path = tiny_checkpoint(
+        tmp_path / "tied", "qwen2", num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    tensors = load_file(path / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    if stored == "lm_head apart":
+        tensors["lm_head.weight"] = torch.randn_like(embedding) * 0.2
+    elif stored == "lm_head only":
+        tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    else:
+        tensors["lm_head.weight"] = embedding.clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    arch = ArchConfig.from_file(path / "config.json")
+    assert arch.tie_word_embeddings == (stored != "lm_head apart")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = token_prompts(5, [3, 40])
+    ours = LLM(str(path), **BESIDE).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
+    for prompt, out in zip(prompts, ours, strict=True):
+        assert out.outputs[0].token_ids == transformers_greedy(hf, prompt, 8)
