@@ -28,6 +28,13 @@ def _reject_constant(name: str) -> Any:
 
 
 def _check_content_type(request: Request) -> None:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # no server decompresses it (vLLM, uvicorn): say so
+        raise APIError(  # 415 covers the Content-Encoding too (RFC 9110)
+            415,
+            f"Content-Encoding {encoding!r} is not supported: send the request body uncompressed",
+            code="content_encoding",
+        )
     ctype = request.headers.get("content-type")
     if ctype is None:
         return
@@ -91,7 +98,7 @@ def _check_unicode(value: Any) -> None:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The parsed body; a 415 for a Content-Type that is not JSON; a 400 for bad UTF-8, bad
+    """The parsed body; a 415 for a Content-Type that is not JSON or a compressed body; a 400 for bad UTF-8, bad
     JSON or strings that are not valid Unicode (lone surrogates); a 413 for too many bytes."""
     _check_content_type(request)
     declared = request.headers.get("content-length", "")
