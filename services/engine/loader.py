@@ -284,7 +284,8 @@ def load_weights(
     if arch.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
-        named = [_missing_expert(n, loaded, arch) or n for n in missing[:5]]
+        named = [piece for n in missing[:5]
+                 for piece in _missing_pieces(n, loaded) or [_missing_expert(n, loaded, arch) or n]]  # fmt: skip
         raise ConfigError(f"weights missing from the checkpoint: {named} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)
@@ -386,6 +387,21 @@ def _load_expert(
         )
     rows.copy_(tensor)
     return f"{target}#{expert}.{shard}"
+
+
+_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _missing_pieces(param: str, loaded: set[str]) -> list[str]:
+    """The checkpoint's names of what a stacked q/k/v or gate/up parameter lacks, where the
+    checkpoint stores that kind split (q_proj, k_proj, v_proj as the others it gave): our
+    fused name is in none of its files."""
+    for fused, pieces in _PIECES.items():
+        if f".{fused}." not in param or not any(f".{fused}." in k and "#" in k for k in loaded):
+            continue
+        return [param.replace(f".{fused}.", f".{piece}.") for i, piece in enumerate(pieces)
+                if f"{param}#{i}" not in loaded]  # fmt: skip
+    return []
 
 
 def _missing_expert(param: str, loaded: set[str], arch: ArchConfig) -> str | None:

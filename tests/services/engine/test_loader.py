@@ -174,3 +174,28 @@ def test_a_tied_config_reads_the_lm_head_the_checkpoint_stores_as_transformers_d
     )
     for prompt, out in zip(prompts, ours, strict=True):
         assert out.outputs[0].token_ids == transformers_greedy(hf, prompt, 8)
+
+
+def test_missing_projections_are_named_as_the_checkpoint_names_them(tmp_path: Path) -> None:
+    """A checkpoint short of a layer's q/k/v and gate/up (a config of more layers than it
+    holds) is refused naming q_proj, gate_proj, ...: the error named our stacked qkv_proj and
+    gate_up_proj, which no file of a Llama checkpoint holds."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.services.engine.conftest import tiny_checkpoint
+
+    path = tiny_checkpoint(
+        tmp_path / "llama", "llama", num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    tensors = load_file(path / "model.safetensors")
+    for piece in ("self_attn.k_proj", "mlp.up_proj"):
+        del tensors[f"model.layers.1.{piece}.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = _empty_model(path)
+    with pytest.raises(ConfigError) as refused:
+        load_weights(model, iter_safetensors(path))
+    said = str(refused.value)
+    assert "model.layers.1.self_attn.k_proj.weight" in said
+    assert "model.layers.1.mlp.up_proj.weight" in said
+    assert "qkv_proj" not in said and "gate_up_proj" not in said
