@@ -86,6 +86,10 @@ class StructuredOutput:
             )
 
 
+# max_tokens=None: as many tokens as the context holds (the engine ends the request there,
+# finish_reason "length"); the largest max_tokens a request's protobuf carries
+UNTIL_CONTEXT = 2**31 - 1
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -96,6 +100,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # None (vLLM's offline SamplingParams take it): up to the context, UNTIL_CONTEXT
     max_tokens: int = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
@@ -128,6 +133,8 @@ class SamplingParams:
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        if self.max_tokens is None:  # type: ignore[comparison-overlap]
+            object.__setattr__(self, "max_tokens", UNTIL_CONTEXT)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if isinstance(self.stop, str):

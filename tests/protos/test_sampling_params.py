@@ -4,7 +4,12 @@ from typing import Any
 
 import pytest
 
-from protos.sampling_params import MIN_TEMPERATURE, InvalidRequestError, SamplingParams
+from protos.sampling_params import (
+    MIN_TEMPERATURE,
+    UNTIL_CONTEXT,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 
 @pytest.mark.parametrize(
@@ -91,3 +96,11 @@ def test_a_tiny_temperature_is_raised_to_vllms_floor() -> None:
     assert SamplingParams(temperature=0.009).temperature == 0.01
     assert SamplingParams(temperature=0.02).temperature == 0.02
     assert SamplingParams(temperature=0.0).greedy
+
+
+def test_max_tokens_none_means_up_to_the_context() -> None:
+    """vLLM's offline SamplingParams take max_tokens=None (as many tokens as the context holds);
+    it used to fail with a bare TypeError in validation."""
+    params = SamplingParams(max_tokens=None)  # type: ignore[arg-type]
+    params.validate()
+    assert params.max_tokens == UNTIL_CONTEXT

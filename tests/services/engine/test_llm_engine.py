@@ -342,6 +342,17 @@ def test_on_the_cpu_each_step_returns_its_own_tokens(
     assert not engine.has_unfinished
 
 
+def test_max_tokens_none_generates_until_the_context_is_full(
+    tiny_llama: Path, chat_ids: list[list[int]]
+) -> None:
+    """vLLM's offline max_tokens=None: the request runs until the context is full."""
+    llm = LLM(str(tiny_llama), max_model_len=64)
+    prompt = (chat_ids[0] * 4)[:50]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))  # type: ignore[arg-type]
+    assert len(out.outputs[0].token_ids) == 14 and out.outputs[0].finish_reason == "length"
+    assert llm.engine.stats().free_blocks == llm.engine.stats().total_blocks
+
+
 def _until_last_output_waits(
     engine: LLMEngine, short: str, short_ids: list[int], long: str, long_ids: list[int]
 ) -> list[RequestOutput]:
