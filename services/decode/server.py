@@ -144,6 +144,11 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         if not rid or n < 1 or request.wait_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id, num_prompt_tokens "
                                 ">= 1 and wait_s >= 0 are required")  # fmt: skip
+        assert self.rt.engine is not None  # ready_driver returned: the engine is loaded
+        limit = self.rt.engine.max_model_len
+        if n >= limit:  # before any list of n ids is made: 2**31 of them took 17 GB and hung
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_prompt_tokens {n} is "
+                                f"at or over this worker's max_model_len {limit}")  # fmt: skip
         if rid in self.reservations or rid in self._reserving:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{rid!r} is already reserved")
         params = SamplingParams(max_tokens=max(request.max_tokens, 1))

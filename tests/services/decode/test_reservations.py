@@ -8,6 +8,8 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from services.decode.server import DecodeServicer, Reservation
 
 
@@ -64,3 +66,52 @@ async def test_freed_resolves_once_the_engine_dropped_a_reservation_freed_later(
     for thread in receiver.threads:
         thread.join()
     assert not s._cancel("r1", freed=loop.create_future())  # gone: nothing to wait for
+
+
+class Aborted(Exception):
+    pass
+
+
+class AbortingContext:
+    def __init__(self) -> None:
+        self.code: Any = None
+        self.details = ""
+
+    async def abort(self, code: Any, details: str) -> None:
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+class ReadyRuntime(SimpleNamespace):
+    async def ready_driver(self, context: Any) -> Any:
+        return self.driver
+
+
+class NoReserveDriver:
+    """A driver that must not be asked: the servicer refuses the request before it."""
+
+    async def reserve(self, rid: str, n: int, params: Any) -> Any:
+        raise AssertionError(f"reserve({rid!r}, {n}) reached the engine")
+
+
+async def test_a_reservation_at_or_over_max_model_len_is_refused_before_the_engine() -> None:
+    # num_prompt_tokens 2**31 - 1 once reached the engine, which made a list of that many ids
+    # (17 GB) and left the worker unanswering; the gateway never asks for such a prompt, but a
+    # bad call must cost an INVALID_ARGUMENT, not the worker
+    import grpc
+
+    from protos import kv_control_pb2
+
+    config = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(policy="fcfs")))
+    runtime: Any = ReadyRuntime(
+        config=config, driver=NoReserveDriver(), engine=SimpleNamespace(max_model_len=2048)
+    )
+    s = DecodeServicer(runtime)
+    for n in (2048, 2**31 - 1):
+        context = AbortingContext()
+        request = kv_control_pb2.ReserveRequest(request_id=f"r{n}", num_prompt_tokens=n, ttl_s=5)
+        with pytest.raises(Aborted):
+            await s.Reserve(request, context)  # type: ignore[arg-type]
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT, n
+        assert "max_model_len 2048" in context.details
+        assert not s.reservations and not s._reserving
