@@ -225,6 +225,10 @@ def with_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[s
             table = yaml.safe_load(f)
     except OSError as e:
         raise ConfigFileError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(
+            f"--config {path} is not UTF-8 text (byte {e.start}): give a YAML file of flags"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigFileError(f"--config {path} is not valid YAML: {e}") from None
     if table is None:
@@ -460,6 +464,32 @@ def _seconds_or_off(text: str) -> float:
 def _positive_seconds(text: str) -> float:
     """argparse type: a number of seconds > 0."""
     return _seconds(text, zero_ok=False)
+
+
+def _drain_seconds(text: str) -> float:
+    """argparse type: --drain-timeout, a finite number of seconds >= 0 (0: no grace)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds >= 0 (0: no grace), got {text!r}"
+        )
+    return value
+
+
+def _positive_ms(text: str) -> float:
+    """argparse type: a finite number of milliseconds > 0 (an SLO target)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of milliseconds, got {text!r}"
+        )
+    return value
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -825,7 +855,7 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     )
     g.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_drain_seconds,
         default=30.0,
         help="seconds in-flight requests get after SIGTERM",
     )
@@ -837,7 +867,9 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         )  # fmt: skip
         g.add_argument("--kv-host", default=None, help="KV rendezvous address (default: --host)")
         g.add_argument("--kv-port", type=_port, default=0, help="KV rendezvous port (0 picks one)")
-    g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a KV transfer may take")
+    g.add_argument(
+        "--kv-timeout", type=_positive_seconds, default=10.0, help="seconds a KV transfer may take"
+    )
     if role == "prefill":
         g.add_argument("--kv-checksum", action="store_true", help=KV_CHECKSUM_HELP)
         g.add_argument(
@@ -1216,7 +1248,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--discover-interval",
-        type=float,
+        type=_positive_seconds,
         default=5.0,
         help="seconds between lookups of the --discover names",
     )
@@ -1257,39 +1289,39 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
     p.add_argument(
         "--slo-ttft-ms",
-        type=float,
+        type=_positive_ms,
         default=1000.0,
         help="time-to-first-token target in ms: a request within it and --slo-tpot-ms counts in "
         "the request_goodput metric",
     )
     p.add_argument(
         "--slo-tpot-ms",
-        type=float,
+        type=_positive_ms,
         default=40.0,
         help="time-per-output-token target in ms (mean gap between tokens after the first)",
     )
     p.add_argument(
         "--request-timeout",
-        type=float,
+        type=_positive_seconds,
         default=600.0,
         help="seconds a request may take in all, queueing included; past it, it ends with 504",
     )
     p.add_argument(
         "--header-timeout",
-        type=float,
+        type=_positive_seconds,
         default=10.0,
         help="seconds a request's line and headers may take to arrive in all (else 408, closed)",
     )
     p.add_argument(
         "--body-timeout",
-        type=float,
+        type=_positive_seconds,
         default=60.0,
         help="seconds a request body may take to arrive in all (else the connection is closed)",
     )
     add_send_timeout_arg(p)
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=_positive_int,
         default=4096,
         help="open HTTP connections at most; one more is answered 503 and closed",
     )
@@ -1303,7 +1335,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     add_responses_store_args(p)
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_drain_seconds,
         default=30.0,
         help="seconds in-flight requests get after SIGTERM",
     )
@@ -1508,14 +1540,14 @@ def add_bench_args(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--slo-ttft-ms",
-        type=float,
+        type=_positive_ms,
         default=1000.0,
         help="time-to-first-token target in ms: goodput counts the requests within it and "
         "--slo-tpot-ms",
     )
     serve.add_argument(
         "--slo-tpot-ms",
-        type=float,
+        type=_positive_ms,
         default=40.0,
         help="time-per-output-token target in ms (mean gap between tokens after the first)",
     )
@@ -1683,14 +1715,14 @@ def add_bench_disagg_args(d: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--slo-ttft-ms",
-        type=float,
+        type=_positive_ms,
         default=1000.0,
         help="time-to-first-token target in ms: each rate's goodput and TTFT p90 are judged "
         "against it",
     )
     g.add_argument(
         "--slo-tpot-ms",
-        type=float,
+        type=_positive_ms,
         default=40.0,
         help="time-per-output-token target in ms: each rate's goodput and TPOT p90 are judged "
         "against it",

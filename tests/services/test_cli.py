@@ -582,3 +582,53 @@ def test_a_ready_file_that_cannot_be_written_is_refused_before_anything_loads(
         assert "argument --ready-file:" in err and words in err
     args = build_parser().parse_args([role, "--port", "0", "--ready-file", str(tmp_path / "r")])
     assert args.ready_file == str(tmp_path / "r")
+
+
+# Number flags whose bad values once passed the parser: a worker's --kv-timeout 0 was a
+# traceback after the model loaded, its --drain-timeout -1 was taken, and a gateway's
+# --discover-interval nan broke its discovery loop (--request-timeout nan, inf: never enforced)
+SECONDS_FLAGS = [
+    (["prefill", "--port", "0"], "--kv-timeout", ["0", "-3", "nan", "inf"]),
+    (["decode", "--port", "0"], "--kv-timeout", ["0", "nan"]),
+    (["worker", "--port", "0"], "--drain-timeout", ["-1", "nan", "inf"]),
+    (["decode", "--port", "0"], "--drain-timeout", ["-1", "nan"]),
+    (["gateway"], "--drain-timeout", ["-1", "nan"]),
+    (["gateway"], "--request-timeout", ["0", "-1", "nan", "inf"]),
+    (["gateway"], "--header-timeout", ["0", "nan"]),
+    (["gateway"], "--body-timeout", ["-1", "nan"]),
+    (["gateway"], "--discover-interval", ["0", "nan", "inf"]),
+    (["gateway"], "--slo-ttft-ms", ["0", "-1", "nan"]),
+    (["gateway"], "--slo-tpot-ms", ["nan", "inf"]),
+    (["gateway"], "--max-connections", ["0", "-5", "x"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [(c, f, v) for c, f, values in SECONDS_FLAGS for v in values],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else str(x),
+)
+def test_time_and_count_flags_refuse_what_cannot_work(
+    command: list[str], flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*command, flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected" in err and repr(value) in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value", "expected"),
+    [(["worker", "--port", "0"], "--drain-timeout", "0", 0.0),
+     (["prefill", "--port", "0"], "--kv-timeout", "2.5", 2.5),
+     (["gateway"], "--request-timeout", "30", 30.0),
+     (["gateway"], "--slo-tpot-ms", "25", 25.0),
+     (["gateway"], "--max-connections", "8", 8)],
+)  # fmt: skip
+def test_time_and_count_flags_take_good_values(
+    command: list[str], flag: str, value: str, expected: float
+) -> None:
+    args = build_parser().parse_args([*command, flag, value])
+    assert getattr(args, flag[2:].replace("-", "_")) == expected

@@ -130,3 +130,15 @@ def test_a_bad_config_file_is_one_argparse_error(
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--config", str(tmp_path / "missing.yaml")])  # type: ignore[operator]
     assert "cannot read it" in capsys.readouterr().err
+
+
+def test_a_config_file_that_is_not_utf8_is_one_argparse_error(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "binary.yaml"  # type: ignore[operator]
+    path.write_bytes(b"port: 1\n\xff\xfe\n")  # was a UnicodeDecodeError traceback, exit 1
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--config", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--config {path} is not UTF-8 text" in err and "Traceback" not in err
