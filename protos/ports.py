@@ -10,12 +10,11 @@ import socket
 from protos.errors import ConfigError
 
 
-def check_port_free(host: str, port: int, flag: str = "--port") -> None:
-    """ConfigError unless ``host:port`` can be listened on (port 0: any free one, always fine).
-    Every address ``host`` resolves to is bound once with SO_REUSEADDR, as gRPC and uvicorn
-    bind, so a port in TIME_WAIT passes and one a live server holds does not."""
-    if port == 0:
-        return
+def check_port_free(host: str, port: int, flag: str = "--port", host_flag: str = "--host") -> None:
+    """ConfigError unless ``host:port`` can be listened on (port 0: any free one, so only
+    ``host`` is checked: an address not on this machine was a traceback once the model had
+    loaded). Every address ``host`` resolves to is bound once with SO_REUSEADDR, as gRPC and
+    uvicorn bind, so a port in TIME_WAIT passes and one a live server holds does not."""
     bare = host.strip("[]")
     try:
         addresses = socket.getaddrinfo(bare or None, port, type=socket.SOCK_STREAM,
@@ -28,5 +27,5 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
         if e.errno == errno.EADDRINUSE:
             raise ConfigError(f"port {port} on {host} is in use: choose another {flag}") from e
         raise ConfigError(
-            f"cannot listen on {host}:{port} ({e.strerror}): check --host and {flag}"
+            f"cannot listen on {host}:{port} ({e.strerror}): check {host_flag} and {flag}"
         ) from e

@@ -433,7 +433,9 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
 def build(runtime: WorkerRuntime) -> list[str]:
     c = runtime.config  # the KV receiver listens once the model is loaded: a busy port is said now
-    check_port_free(c.kv_host or c.host, c.kv_port, "--kv-port")
+    check_port_free(
+        c.kv_host or c.host, c.kv_port, "--kv-port", "--kv-host" if c.kv_host else "--host"
+    )
     servicer = DecodeServicer(runtime)
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, runtime.server)
     runtime.on_ready.append(servicer.start_receiver)
