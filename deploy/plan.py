@@ -34,7 +34,7 @@ from gateway.core.config import (
     parse_mm_limit,
 )
 from gateway.flows.chat_output import check_parser_flags
-from services.cli import add_engine_args
+from services.cli import add_engine_args, add_request_limit_args
 from services.config import ENGINE_STALL_TIMEOUT_S, GPU_TOKEN_BUDGET, ConfigError, LoRAConfig
 from services.model_files import base_model_names
 
@@ -319,6 +319,20 @@ def _media_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _request_limit_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's SLO targets and request and connection limits, those given (tandem up
+    once refused them, so a topology it started kept the 600 s request timeout and 4096
+    connections whatever its operator needed)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_request_limit_args(probe)
+    flags = []
+    for action in probe._actions:
+        value = getattr(args, action.dest, action.default)
+        if value != action.default:
+            flags += [action.option_strings[0], str(value)]
+    return flags
+
+
 def _cors_flags(args: argparse.Namespace) -> list[str]:
     """The gateway's CORS flags, those given (each list as the JSON it was given as)."""
     flags = []
@@ -445,6 +459,7 @@ def build_plan(
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     gateway += _media_flags(args)
     gateway += _cors_flags(args)
+    gateway += _request_limit_flags(args)
     drain_timeout_s = float(args.drain_timeout)
     gateway += ["--drain-timeout", str(drain_timeout_s)]
     stall_s = float(getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S))

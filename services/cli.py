@@ -1067,7 +1067,7 @@ def add_media_args(p: argparse.ArgumentParser, passed: str = "") -> None:
     )
     p.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_positive_int,
         default=MAX_BODY_BYTES,
         metavar="BYTES",
         help=f"{passed}largest request body, in bytes (4 MiB; else 413); images sent inline as "
@@ -1189,6 +1189,52 @@ def add_chat_template_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
     )
 
 
+def add_request_limit_args(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """The gateway's SLO targets and its request and connection limits (``tandem up`` passes
+    those given on to its gateway)."""
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=_positive_ms,
+        default=1000.0,
+        help=f"{passed}time-to-first-token target in ms: a request within it and --slo-tpot-ms "
+        "counts in the request_goodput metric",
+    )
+    p.add_argument(
+        "--slo-tpot-ms",
+        type=_positive_ms,
+        default=40.0,
+        help=f"{passed}time-per-output-token target in ms (mean gap between tokens after the "
+        "first)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_positive_seconds,
+        default=600.0,
+        help=f"{passed}seconds a request may take in all, queueing included; past it, it ends "
+        "with 504",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        help=f"{passed}seconds a request's line and headers may take to arrive in all (else 408, "
+        "closed)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_positive_seconds,
+        default=60.0,
+        help=f"{passed}seconds a request body may take to arrive in all (else the connection is "
+        "closed)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=4096,
+        help=f"{passed}open HTTP connections at most; one more is answered 503 and closed",
+    )
+
+
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0: every interface)"
@@ -1287,44 +1333,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )
     add_cors_args(p)
     p.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
-    p.add_argument(
-        "--slo-ttft-ms",
-        type=_positive_ms,
-        default=1000.0,
-        help="time-to-first-token target in ms: a request within it and --slo-tpot-ms counts in "
-        "the request_goodput metric",
-    )
-    p.add_argument(
-        "--slo-tpot-ms",
-        type=_positive_ms,
-        default=40.0,
-        help="time-per-output-token target in ms (mean gap between tokens after the first)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=_positive_seconds,
-        default=600.0,
-        help="seconds a request may take in all, queueing included; past it, it ends with 504",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=_positive_seconds,
-        default=10.0,
-        help="seconds a request's line and headers may take to arrive in all (else 408, closed)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=_positive_seconds,
-        default=60.0,
-        help="seconds a request body may take to arrive in all (else the connection is closed)",
-    )
+    add_request_limit_args(p)
     add_send_timeout_arg(p)
-    p.add_argument(
-        "--max-connections",
-        type=_positive_int,
-        default=4096,
-        help="open HTTP connections at most; one more is answered 503 and closed",
-    )
     p.add_argument(
         "--otlp-endpoint",
         default=None,
@@ -1398,6 +1408,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     )
     add_worker_stall_arg(p, "(passed to the gateway) ")
     add_send_timeout_arg(p, "(passed to the gateway) ")
+    add_request_limit_args(p, "(passed to the gateway) ")
     add_metrics_prefix_arg(p, "(passed to the gateway) ")
     add_responses_store_args(p, "(passed to the gateway) ")
     add_engine_stall_arg(p, "(passed to the workers) ")

@@ -661,3 +661,33 @@ def test_the_gateway_gets_the_default_chat_template_kwargs() -> None:
     assert all("--default-chat-template-kwargs" not in w.spec.argv for w in plan.workers)
     with pytest.raises(ConfigError, match="must be a JSON object"):
         plan_for("--default-chat-template-kwargs", "[]")
+
+
+def test_request_limits_and_slo_targets_go_to_the_gateway_only() -> None:
+    """tandem up takes the gateway's --request-timeout, --header-timeout, --body-timeout,
+    --max-connections and SLO targets (it refused them: a topology it started could not change
+    them, the image's default command included) and hands the gateway those given."""
+    flags = {"--request-timeout": "30", "--header-timeout": "5", "--body-timeout": "20",
+             "--max-connections": "64", "--slo-ttft-ms": "250", "--slo-tpot-ms": "20"}  # fmt: skip
+    plan = plan_for(*(w for pair in flags.items() for w in pair))
+    args = reparse(plan.gateway_argv)
+    assert (args.request_timeout, args.header_timeout, args.body_timeout) == (30.0, 5.0, 20.0)
+    assert (args.max_connections, args.slo_ttft_ms, args.slo_tpot_ms) == (64, 250.0, 20.0)
+    assert not any(f in w.spec.argv for w in plan.workers for f in flags)
+    assert not any(f in plan_for().gateway_argv for f in flags)  # the defaults: nothing to pass
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--request-timeout", "0"], ["--max-connections", "0"], ["--slo-ttft-ms", "nan"],
+     ["--max-body-bytes", "0"], ["--max-body-bytes", "-1"]],
+)  # fmt: skip
+def test_bad_gateway_limits_are_refused_by_tandem_up_itself(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 at parse time, before any model loads (--max-body-bytes 0 was refused only by the
+    gateway, once the workers had loaded)."""
+    with pytest.raises(SystemExit) as exc:
+        up(*flags)
+    assert exc.value.code == 2
+    assert f"argument {flags[0]}: expected" in capsys.readouterr().err
