@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import ipaddress
 import json
 import logging
 import os
@@ -51,6 +52,27 @@ SERVER_OPTIONS = [
     # gateway's requests) with the first, as gRPC's default SO_REUSEPORT would let it
     ("grpc.so_reuseport", 0),
 ]
+
+
+def open_addresses(config: WorkerConfig) -> list[str]:
+    """The addresses beyond this machine's loopback that the worker's gRPC port or its KV
+    rendezvous (decode) bind with no internal token, so that anyone who reaches them may
+    reserve KV blocks, run prompts or send KV (the README: "keep the ports on loopback then");
+    empty when a token is set or everything stays on loopback."""
+    if config.internal_token:
+        return []
+    hosts = [config.host] + ([config.kv_host] if config.role is Role.DECODE else [])
+    return [h for h in dict.fromkeys(hosts) if h and not _is_loopback(h)]
+
+
+def _is_loopback(host: str) -> bool:
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:  # a name (a compose service, a pod's): reachable from elsewhere
+        return False
 
 
 class WorkerRuntime:
@@ -148,6 +170,13 @@ class WorkerRuntime:
         except RuntimeError as e:  # taken since the check
             raise ConfigError(f"cannot listen on {host}:{port}: check --host and --port") from e
         await self.server.start()
+        for address in open_addresses(self.config):
+            log.warning(
+                "%s: listening on %s with no internal token: anyone who reaches it may use this "
+                "worker (reserve KV, run prompts, send KV); set --internal-token or "
+                "TANDEM_INTERNAL_TOKEN on the workers and the gateway, or bind 127.0.0.1",
+                self.worker_id, address,
+            )  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, service_names)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

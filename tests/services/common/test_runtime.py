@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -264,3 +265,33 @@ def test_a_step_past_the_engine_stall_timeout_stops_serving_until_it_returns(
 
     caplog.set_level(logging.INFO, logger="services.common.runtime")
     asyncio.run(run())
+
+
+def _config(role: str, host: str, kv_host: str = "", token: str = "") -> Any:
+    from types import SimpleNamespace
+
+    from protos.roles import Role
+    from services.config import WorkerConfig
+
+    engine: Any = SimpleNamespace(task="generate")
+    return WorkerConfig(Role(role), engine, "w", host=host, kv_host=kv_host, internal_token=token)
+
+
+@pytest.mark.parametrize(
+    ("role", "host", "kv_host", "token", "named"),
+    [("colocated", "0.0.0.0", "", "", ["0.0.0.0"]),  # docker compose's default: no token set
+     ("prefill", "10.1.2.3", "", "", ["10.1.2.3"]),
+     ("decode", "127.0.0.1", "decode-0", "", ["decode-0"]),  # the KV rendezvous only
+     ("decode", "::", "10.0.0.7", "", ["::", "10.0.0.7"]),
+     ("colocated", "0.0.0.0", "", "s3cret", []),
+     ("decode", "127.0.0.1", "", "", []), ("colocated", "localhost", "", "", []),
+     ("prefill", "[::1]", "", "", [])],
+)  # fmt: skip
+def test_a_worker_reachable_beyond_loopback_without_a_token_is_named(
+    role: str, host: str, kv_host: str, token: str, named: list[str]
+) -> None:
+    """A worker bound to 0.0.0.0 with no internal token took any caller's Reserve, Prefill or
+    KV without a word; the worker now says so at start, naming what to set."""
+    from services.common.runtime import open_addresses
+
+    assert open_addresses(_config(role, host, kv_host, token)) == named
