@@ -93,6 +93,7 @@ class WorkerClient:
         # new run (started again on its address): loaded into it again (restore_adapters)
         self._owed_adapters: dict[str, str] = {}
         self.last_error = "not checked yet"
+        self._judged = False  # a verdict on it was logged (one that never served gets one too)
         self.inflight = 0  # requests this gateway has open on the worker
         self.mux: StreamMux | None = None  # colocated and decode workers: tokens of many requests
         if spec.role in _MUX:
@@ -165,6 +166,9 @@ class WorkerClient:
             reason = f"health poll failed: {getattr(code, 'name', 'ERROR')}"
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 reason += f" (is it really a {self.role} worker?)"
+            elif code == grpc.StatusCode.UNAUTHENTICATED:
+                reason += " (the worker has another internal token: --internal-token or "
+                reason += "TANDEM_INTERNAL_TOKEN must be the same on the gateway and the workers)"
             if stalled and code != grpc.StatusCode.UNAVAILABLE:
                 reason = (f"no answer to health polls for {silent:.1f} s "
                           f"(--worker-stall-timeout {self.stall_timeout_s:g}); {reason}")  # fmt: skip
@@ -240,8 +244,9 @@ class WorkerClient:
 
     def mark_unhealthy(self, reason: str, lost: bool = False) -> None:
         """``lost``: it does not answer at all (a draining worker still finishes its work)."""
-        if self.healthy:
+        if self.healthy or not self._judged:  # a worker that never served is said once too
             log.warning("worker %s (%s) is unhealthy: %s", self.address, self.role, reason)
+            self._judged = True
         self.healthy = False
         self.last_error = reason
         if lost and not self._lost.is_set():

@@ -342,3 +342,34 @@ async def test_the_aborts_a_dead_worker_misses_are_logged_once_not_one_line_each
     assert not any(found) and len(client._owed_aborts) == 30
     failed = _logged(caplog_info, "failed (UNAVAILABLE")
     assert len(failed) == 1 and "sent again once it answers" in failed[0], failed
+
+
+async def test_a_worker_with_another_internal_token_is_logged_naming_the_token(
+    caplog_info: pytest.LogCaptureFixture,
+) -> None:
+    """A gateway whose internal token differs from the workers' never saw them healthy, and its
+    log said nothing (only an unhealthy verdict on a worker that had served was logged): the
+    first verdict is logged too, and an UNAUTHENTICATED one names the token."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from protos import decode_pb2_grpc
+    from protos.auth import server_interceptors
+
+    server = grpc.aio.server(interceptors=server_interceptors("the-workers-token"))
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(
+        decode_pb2_grpc.DecodeServiceServicer(), server
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = WorkerClient(WorkerSpec("decode", f"127.0.0.1:{port}"), internal_token="another")
+    try:
+        for _ in range(3):
+            await client.poll(5.0)
+    finally:
+        await client.close()
+        await server.stop(None)
+    assert not client.healthy and "UNAUTHENTICATED" in client.last_error
+    (said,) = _logged(caplog_info, "is unhealthy")  # once, not once a poll
+    assert "UNAUTHENTICATED" in said and "TANDEM_INTERNAL_TOKEN must be the same" in said
