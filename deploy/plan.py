@@ -417,6 +417,8 @@ def build_plan(
     for i, ((name, role), placed, tp) in enumerate(zip(names, placement, sizes, strict=True)):
         overrides = _memory_overrides(args, max((users[g] for g in placed), default=1))
         overrides["tensor_parallel_size"] = tp
+        if role == "prefill":  # it decodes nothing: a draft model there held memory for nothing
+            overrides["speculative_config"] = None
         if name in feeds:
             overrides["max_total_tokens"] = prefill_pool_tokens(args)
         argv = [*program, role, *engine_flags(args, overrides), "--device", device]

@@ -512,6 +512,12 @@ class WorkerConfig:
         return self.kv_streaming if self.kv_streaming is not None else device_type != "cuda"
 
     def __post_init__(self) -> None:
+        if self.role is Role.PREFILL and getattr(self.engine, "speculative", None) is not None:
+            raise ConfigError(
+                "--speculative-config is for decode and colocated workers: a prefill worker "
+                "decodes nothing (the decode worker drafts, and catches its draft model up on "
+                "the prompt itself); leave it off tandem prefill"
+            )
         if self.engine.task == "embed" and self.role is not Role.COLOCATED:
             raise ConfigError(
                 f"--task embed is served by a colocated worker (tandem worker --task embed, or "

@@ -691,3 +691,15 @@ def test_bad_gateway_limits_are_refused_by_tandem_up_itself(
         up(*flags)
     assert exc.value.code == 2
     assert f"argument {flags[0]}: expected" in capsys.readouterr().err
+
+
+def test_speculative_decoding_reaches_the_workers_that_decode_only() -> None:
+    """A prefill worker decodes nothing; given --speculative-config it loaded the draft model
+    and its KV cache for nothing (the decode worker catches its own draft up on the prompt)."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    plan = plan_for("--speculative-config", spec, "--decode", "2")
+    for worker in plan.workers:
+        args = reparse(worker.spec.argv)
+        assert args.speculative_config == (None if worker.role == "prefill" else spec), worker
+    (colocated,) = plan_for("--speculative-config", spec, "--colocated", "1").workers
+    assert reparse(colocated.spec.argv).speculative_config == spec

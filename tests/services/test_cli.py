@@ -316,8 +316,10 @@ def test_the_gateway_command_resolves_its_tokenizer_and_name(
     [
         (["up", "--task", "embed"], "--task embed is served by colocated workers"),
         (["prefill", "--port", "0", "--task", "embed"], "served by a colocated worker"),
+        (["prefill", "--port", "0", "--speculative-config", '{"method": "ngram"}'],
+         "--speculative-config is for decode and colocated workers"),
     ],
-)
+)  # fmt: skip
 def test_task_embed_outside_a_colocated_worker_exits_2(argv: list[str], message: str) -> None:
     """Refused before anything starts or loads, with one line that says what to do."""
     done = subprocess.run([sys.executable, "-m", "services.cli", *argv], cwd=ROOT, timeout=120,
