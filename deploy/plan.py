@@ -35,7 +35,13 @@ from gateway.core.config import (
 )
 from gateway.flows.chat_output import check_parser_flags
 from services.cli import add_engine_args, add_request_limit_args
-from services.config import ENGINE_STALL_TIMEOUT_S, GPU_TOKEN_BUDGET, ConfigError, LoRAConfig
+from services.config import (
+    ENGINE_STALL_TIMEOUT_S,
+    GPU_TOKEN_BUDGET,
+    ConfigError,
+    LoRAConfig,
+    check_pooler_flag,
+)
 from services.model_files import base_model_names
 
 DEFAULT_PROGRAM = (sys.executable, "-m", "services.cli")
@@ -106,6 +112,7 @@ def engine_flags(
 
 def task_flags(args: argparse.Namespace) -> list[str]:
     """``--task`` and ``--pooler-config`` when they differ from the defaults."""
+    check_pooler_flag(args)
     out = []
     if getattr(args, "task", "generate") != "generate":
         out += ["--task", args.task]

@@ -479,6 +479,16 @@ def with_device_defaults(
     return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget))
 
 
+def check_pooler_flag(args: Any) -> None:
+    """``--pooler-config`` says how ``--task embed`` pools: beside ``--task generate`` nothing
+    would read it, so it is refused rather than ignored."""
+    if getattr(args, "pooler_config", None) and getattr(args, "task", "generate") != "embed":
+        raise ConfigError(
+            "--pooler-config is for --task embed (how an embedding pools); this worker "
+            "generates: add --task embed or leave --pooler-config out"
+        )
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """One worker process (``tandem prefill|decode|worker``): its server, its KV endpoint and
@@ -528,6 +538,7 @@ class WorkerConfig:
     @classmethod
     def from_args(cls, args: Any, role: Role, engine: EngineConfig) -> WorkerConfig:
         """From the flags of services.cli.add_server_args (the engine's already built)."""
+        check_pooler_flag(args)
         return cls(
             role=role,
             engine=engine,

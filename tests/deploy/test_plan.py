@@ -703,3 +703,11 @@ def test_speculative_decoding_reaches_the_workers_that_decode_only() -> None:
         assert args.speculative_config == (None if worker.role == "prefill" else spec), worker
     (colocated,) = plan_for("--speculative-config", spec, "--colocated", "1").workers
     assert reparse(colocated.spec.argv).speculative_config == spec
+
+
+def test_a_pooler_config_without_task_embed_is_refused_not_ignored() -> None:
+    mean = '{"pooling_type": "MEAN"}'
+    with pytest.raises(ConfigError, match="--pooler-config is for --task embed"):
+        plan_for("--pooler-config", mean, "--colocated", "1")
+    (worker,) = plan_for("--pooler-config", mean, "--colocated", "1", "--task", "embed").workers
+    assert reparse(worker.spec.argv).pooler_config == mean

@@ -318,6 +318,8 @@ def test_the_gateway_command_resolves_its_tokenizer_and_name(
         (["prefill", "--port", "0", "--task", "embed"], "served by a colocated worker"),
         (["prefill", "--port", "0", "--speculative-config", '{"method": "ngram"}'],
          "--speculative-config is for decode and colocated workers"),
+        (["worker", "--port", "0", "--pooler-config", '{"pooling_type": "MEAN"}'],
+         "--pooler-config is for --task embed"),
     ],
 )  # fmt: skip
 def test_task_embed_outside_a_colocated_worker_exits_2(argv: list[str], message: str) -> None:
