@@ -90,6 +90,7 @@ class StructuredOutput:
 # finish_reason "length"); the largest max_tokens a request's protobuf carries
 UNTIL_CONTEXT = 2**31 - 1
 
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
