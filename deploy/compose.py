@@ -128,7 +128,7 @@ _HEAD = """\
 #
 # Configure with environment variables (or an .env file next to this one), as in the repository's
 # docker-compose.yml: TANDEM_MODEL, TANDEM_MODELS_DIR, TANDEM_PORT, TANDEM_API_KEY,
-# TANDEM_INTERNAL_TOKEN (set it), TANDEM_DTYPE, TANDEM_LOAD_FORMAT, TANDEM_GPU_MEMORY_UTILIZATION,
+# TANDEM_INTERNAL_TOKEN (required), TANDEM_DTYPE, TANDEM_LOAD_FORMAT, TANDEM_GPU_MEMORY_UTILIZATION,
 # TANDEM_MAX_NUM_SEQS, TANDEM_MAX_NUM_BATCHED_TOKENS, TANDEM_BLOCK_SIZE.
 # Another shape: run `tandem compose` again with other --gpus/--prefill/--decode.
 
@@ -148,7 +148,7 @@ x-tandem: &tandem
   environment:
     TANDEM_CACHE_DIR: /models/cache
     NCCL_DEBUG: ${{NCCL_DEBUG:-WARN}}
-    TANDEM_INTERNAL_TOKEN: ${{TANDEM_INTERNAL_TOKEN:-}}
+    TANDEM_INTERNAL_TOKEN: ${{TANDEM_INTERNAL_TOKEN:?set TANDEM_INTERNAL_TOKEN to a shared secret the workers require (openssl rand -hex 32)}}
 
 x-worker: &worker
   <<: *tandem
@@ -247,7 +247,7 @@ def _gateway(spec: ComposeSpec) -> str:
         f"  gateway:\n    <<: *tandem\n    command:\n{command}"
         "    environment:\n      TANDEM_CACHE_DIR: /models/cache\n"
         "      TANDEM_API_KEY: ${TANDEM_API_KEY:-}\n"
-        "      TANDEM_INTERNAL_TOKEN: ${TANDEM_INTERNAL_TOKEN:-}\n"
+        "      TANDEM_INTERNAL_TOKEN: ${TANDEM_INTERNAL_TOKEN:?set TANDEM_INTERNAL_TOKEN to a shared secret the workers require (openssl rand -hex 32)}\n"
         f'    ports:\n      - "${{TANDEM_PORT:-{spec.port}}}:{HTTP_PORT}"  # the only published port\n'
         f"    depends_on:\n{depends}"
         "    healthcheck:\n"

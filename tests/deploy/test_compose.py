@@ -78,10 +78,28 @@ def test_files_follow_the_compose_specification(path: Path) -> None:
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
 
 
-def test_every_variable_has_a_default_so_no_env_file_is_needed() -> None:
+REQUIRED = re.compile(r"\$\{(\w+):\?([^}]+)\}")
+
+
+def test_every_variable_has_a_default_but_the_internal_token() -> None:
     for path in (COMPOSE, CPU_OVERRIDE):
         for m in VARIABLE.finditer(path.read_text()):
             assert m.group(2), f"{path.name}: ${{{m.group(1)}}} has no default"
+        required = {m.group(1) for m in REQUIRED.finditer(path.read_text())}
+        assert required <= {"TANDEM_INTERNAL_TOKEN"}, required
+
+
+@pytest.mark.parametrize("generated", [False, True], ids=["docker-compose.yml", "tandem-compose"])
+def test_no_worker_starts_without_the_internal_token(generated: bool) -> None:
+    """An empty token would leave every worker's gRPC API and KV rendezvous open to anything on
+    the compose network (any caller could reserve all KV): compose refuses to start without it
+    (``${VAR:?message}``), saying how to make one."""
+    doc = rendered("--gpus", "4")[1] if generated else load(COMPOSE)
+    for name, service in doc["services"].items():
+        token = service["environment"]["TANDEM_INTERNAL_TOKEN"]
+        m = REQUIRED.fullmatch(token)
+        assert m and m.group(1) == "TANDEM_INTERNAL_TOKEN", (name, token)
+        assert "openssl rand" in m.group(2)
 
 
 def test_every_command_is_a_valid_tandem_command_line(services: dict[str, dict[str, Any]]) -> None:
