@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -426,15 +427,20 @@ def _tokens(text: str) -> int:
     return value
 
 
-def _fraction(text: str) -> float:
-    """argparse type: a fraction in (0, 1], checked before any worker starts."""
+def _number(text: str, accept: Callable[[float], bool], wanted: str) -> float:
+    """argparse type: a finite number that ``accept`` takes (nan and inf never pass)."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] such as 0.9, got {text!r}")
+    if not (math.isfinite(value) and accept(value)):
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
     return value
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a fraction in (0, 1], checked before any worker starts."""
+    return _number(text, lambda v: 0.0 < v <= 1.0, "a fraction in (0, 1] such as 0.9")
 
 
 def _non_negative_int(text: str) -> int:
@@ -445,51 +451,24 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _seconds(text: str, zero_ok: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
-        wanted = "seconds >= 0 (0: off)" if zero_ok else "a positive number of seconds"
-        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
-    return value
-
-
 def _seconds_or_off(text: str) -> float:
     """argparse type: a number of seconds >= 0 (0 turns something off)."""
-    return _seconds(text, zero_ok=True)
+    return _number(text, lambda v: v >= 0, "seconds >= 0 (0: off)")
 
 
 def _positive_seconds(text: str) -> float:
     """argparse type: a number of seconds > 0."""
-    return _seconds(text, zero_ok=False)
+    return _number(text, lambda v: v > 0, "a positive number of seconds")
 
 
 def _drain_seconds(text: str) -> float:
-    """argparse type: --drain-timeout, a finite number of seconds >= 0 (0: no grace)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"expected a finite number of seconds >= 0 (0: no grace), got {text!r}"
-        )
-    return value
+    """argparse type: --drain-timeout, a number of seconds >= 0 (0: no grace)."""
+    return _number(text, lambda v: v >= 0, "a finite number of seconds >= 0 (0: no grace)")
 
 
 def _positive_ms(text: str) -> float:
-    """argparse type: a finite number of milliseconds > 0 (an SLO target)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"expected a positive number of milliseconds, got {text!r}"
-        )
-    return value
+    """argparse type: a number of milliseconds > 0 (an SLO target)."""
+    return _number(text, lambda v: v > 0, "a positive number of milliseconds")
 
 
 def _batch_sizes(text: str) -> list[int]:
