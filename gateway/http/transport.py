@@ -98,8 +98,9 @@ def _check_unicode(value: Any) -> None:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The parsed body; a 415 for a Content-Type that is not JSON or a compressed body; a 400 for bad UTF-8, bad
-    JSON or strings that are not valid Unicode (lone surrogates); a 413 for too many bytes."""
+    """The parsed body; a 415 for a Content-Type that is not JSON or a compressed body; a 400
+    for bad UTF-8, bad JSON or strings that are not valid Unicode (lone surrogates); a 413 for
+    too many bytes."""
     _check_content_type(request)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

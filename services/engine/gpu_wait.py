@@ -27,10 +27,6 @@ class GpuReader:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._event = torch.cuda.Event() if device.type == "cuda" else None
-        # whether host work handed to while_waiting overlaps the step: on a GPU it runs while
-        # the device computes; on the CPU the forward has already run when the step reads its
-        # results, so work left for the next read runs a whole forward late
-        self.overlaps = device.type == "cuda"
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
         self._while: Callable[[], None] | None = None
         # a launched step's tokens on their way to the host (start/finish): their own buffer
@@ -41,6 +37,13 @@ class GpuReader:
         # cannot be trusted (a tensor-parallel rank died and the step's collectives were
         # aborted: ``Ranks.raise_if_aborted``)
         self.check: Callable[[], None] | None = None
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether host work handed to :meth:`while_waiting` overlaps the step: on a GPU it runs
+        while the device computes; on the CPU the forward has already run when the step reads
+        its results, so work left for the next read runs a whole forward late."""
+        return self._event is not None
 
     def while_waiting(self, work: Callable[[], None] | None) -> None:
         """Run ``work`` once, at the next :meth:`read`, after the copies are queued and before

@@ -672,8 +672,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. On a GPU the outputs returned are those of the step
         before (its tokens detokenized and checked for stop strings while this step's forward
-        ran) and, when nothing is left to run, this step's own; on the CPU, this step's. A stop string found that late finishes
-        its request after one more token was computed for it, which nobody sees.
+        ran) and, when nothing is left to run, this step's own; on the CPU, this step's. A stop
+        string found that late finishes its request after one more token was computed for it,
+        which nobody sees.
 
         Async scheduling: a decode step is launched, not read; the next one is
         scheduled and launched behind it before its tokens come back (see :meth:`_advance`),

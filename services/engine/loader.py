@@ -284,8 +284,11 @@ def load_weights(
     if arch.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
-        named = [piece for n in missing[:5]
-                 for piece in _missing_pieces(n, loaded) or [_missing_expert(n, loaded, arch) or n]]  # fmt: skip
+        named = [
+            piece
+            for n in missing[:5]
+            for piece in _missing_pieces(n, loaded) or [_missing_expert(n, loaded, arch) or n]
+        ]
         raise ConfigError(f"weights missing from the checkpoint: {named} ...")
     for module_name, module in quantized.items():
         module.finish_loading(module_name)

@@ -348,7 +348,8 @@ def test_max_tokens_none_generates_until_the_context_is_full(
     """vLLM's offline max_tokens=None: the request runs until the context is full."""
     llm = LLM(str(tiny_llama), max_model_len=64)
     prompt = (chat_ids[0] * 4)[:50]
-    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # type: ignore[arg-type]
+    (out,) = llm.generate([prompt], params)
     assert len(out.outputs[0].token_ids) == 14 and out.outputs[0].finish_reason == "length"
     assert llm.engine.stats().free_blocks == llm.engine.stats().total_blocks
 
