@@ -44,21 +44,47 @@ def _prefill(args: argparse.Namespace) -> int:
     _pin_gpus(args)
     from services.prefill.server import main
 
-    return main(args)
+    return _out_of_memory_exits_2(main, args)
 
 
 def _decode(args: argparse.Namespace) -> int:
     _pin_gpus(args)
     from services.decode.server import main
 
-    return main(args)
+    return _out_of_memory_exits_2(main, args)
 
 
 def _worker(args: argparse.Namespace) -> int:
     _pin_gpus(args)
     from services.worker.server import main
 
-    return main(args)
+    return _out_of_memory_exits_2(main, args)
+
+
+def _out_of_memory_exits_2(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:  # fmt: skip
+    """``run(args)`` (a worker), with an allocation that fails as it starts (buffers sized by the
+    batch flags, the KV pool) said in one line naming the flags, and status 2: the flags ask for
+    more memory than there is. The engine's own step failures end the worker elsewhere."""
+    try:
+        return run(args)
+    except (MemoryError, RuntimeError) as exc:
+        if not _is_out_of_memory(exc):
+            raise
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"tandem {args.command}: error: out of memory ({why}): lower --max-num-seqs "
+              f"({getattr(args, 'max_num_seqs', '?')}), --max-num-batched-tokens or "
+              "--max-model-len, or the KV pool (--gpu-memory-utilization, --kv-cache-gib, "
+              "--num-blocks)", file=sys.stderr)  # fmt: skip
+        return 2
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """Python's MemoryError, torch's OutOfMemoryError (a GPU's), or the RuntimeError of torch's
+    CPU and pinned-memory allocators (told by their message: torch is not imported here)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return "can't allocate memory" in text or "CUDA error: out of memory" in text
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -627,7 +653,35 @@ def add_task_args(p: argparse._ActionsContainer, colocated_only: str = "") -> No
     )
 
 
+def _max_num_seqs(text: str) -> int:
+    """argparse type: --max-num-seqs, 1 to MAX_NUM_SEQS (services.config says why the bound)."""
+    from services.config import MAX_NUM_SEQS
+
+    value = _positive_int(text)
+    if value > MAX_NUM_SEQS:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_NUM_SEQS} (the engine sizes each step's buffers for that "
+            f"many sequences when it starts), got {text!r}"
+        )
+    return value
+
+
+def _max_num_batched_tokens(text: str) -> int:
+    """argparse type: --max-num-batched-tokens, 1 to MAX_NUM_BATCHED_TOKENS."""
+    from services.config import MAX_NUM_BATCHED_TOKENS
+
+    value = _tokens(text)
+    if value > MAX_NUM_BATCHED_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_NUM_BATCHED_TOKENS} tokens (the engine sizes each step's "
+            f"buffers for that many when it starts), got {text!r}"
+        )
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from services.config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+
     add_model_args(p)
     g = p.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -690,16 +744,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-num-seqs",
-        type=_positive_int,
+        type=_max_num_seqs,
         default=256,
-        help="most requests running in one batch (also the largest CUDA-graph batch); more wait",
+        help="most requests running in one batch (also the largest CUDA-graph batch); more "
+        f"wait. At most {MAX_NUM_SEQS}: each step's buffers are sized for it when the worker "
+        "starts",
     )
     g.add_argument(
         "--max-num-batched-tokens",
-        type=_tokens,
+        type=_max_num_batched_tokens,
         default=None,
         help="tokens per engine step, the chunk of a long prompt (8K or 8192; default: 8192 on a "
-        "GPU, 128 on the CPU so a step, and so an abort or a new request's wait, stays short)",
+        "GPU, 128 on the CPU so a step, and so an abort or a new request's wait, stays short). "
+        f"At most {MAX_NUM_BATCHED_TOKENS} (1M): each step's buffers are sized for it when the "
+        "worker starts",
     )
     g.add_argument(
         "--enable-prefix-caching",

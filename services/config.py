@@ -114,6 +114,15 @@ class CacheConfig:
 
 
 GPU_TOKEN_BUDGET = 8192
+# Upper bounds on the batch flags, checked when the flags are parsed. The engine sizes a step's
+# input buffers for them up front (services.engine.input_staging: a block table row of up to
+# max_model_len / block_size ids per sequence, three int64 ids per token), so a huge value was
+# an allocation failure's traceback while the worker started. 65536 sequences are 256 times the
+# default batch (at a 131072-token max_model_len their block tables alone take 2 GiB of pinned
+# host memory and as much on the device); 2**20 tokens a step are eight of the longest sequence
+# the engine serves (131072 positions).
+MAX_NUM_SEQS = 1 << 16
+MAX_NUM_BATCHED_TOKENS = 1 << 20
 # a step of this many prompt tokens stays well under a second on a small CPU (SmolLM2-135M, two
 # cores): an abort, a new request or a KV hand-off never waits long for the step in progress
 CPU_TOKEN_BUDGET = 128
@@ -135,11 +144,14 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+        if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS:
             raise ConfigError(
-                f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}"
+                f"--max-num-seqs must be in [1, {MAX_NUM_SEQS}], got {self.max_num_seqs}"
+            )
+        tokens = self.max_num_batched_tokens
+        if tokens is not None and not 1 <= tokens <= MAX_NUM_BATCHED_TOKENS:
+            raise ConfigError(
+                f"--max-num-batched-tokens must be in [1, {MAX_NUM_BATCHED_TOKENS}], got {tokens}"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.policy!r}")

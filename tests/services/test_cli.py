@@ -73,6 +73,84 @@ def test_positive_int_errors_read_well(value: str, capsys: pytest.CaptureFixture
     assert "_positive_int" not in err
 
 
+ENGINE_COMMANDS = {"up": [], "serve": [], "worker": ["--port", "0"], "prefill": ["--port", "0"],
+                   "decode": ["--port", "0"], "generate": ["--prompt", "hi"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", sorted(ENGINE_COMMANDS))
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--max-num-seqs", "1000000000", "expected at most 65536 (the engine sizes each step's"),
+        ("--max-num-seqs", "65537", "expected at most 65536"),
+        ("--max-num-batched-tokens", "1048577", "expected at most 1048576 tokens"),
+        ("--max-num-batched-tokens", "2M", "expected at most 1048576 tokens"),
+        ("--max-num-seqs", "0", "expected a positive integer"),
+    ],
+)
+def test_batch_limits_past_the_engines_bounds_are_an_argparse_error(
+    command: str, flag: str, value: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--max-num-seqs 1000000000 was an out-of-memory traceback once the model had loaded (the
+    step buffers are sized for it); now refused at parse time, so tandem up starts nothing."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, *ENGINE_COMMANDS[command], flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {words}" in err
+    assert "Traceback" not in err
+    bounds = ["--max-num-seqs", "65536", "--max-num-batched-tokens", "1M"]
+    args = build_parser().parse_args([command, *ENGINE_COMMANDS[command], *bounds])
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (65536, 1048576)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "worker"])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                     "allocate memory: you tried to allocate 32000000000 bytes."),
+        MemoryError(),
+        type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory. Tried to allocate"),
+    ],
+    ids=["cpu", "python", "cuda"],
+)  # fmt: skip
+def test_a_worker_out_of_memory_as_it_starts_exits_2_in_one_line(
+    role: str, failure: BaseException, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Flags within the bounds can still ask for more memory than the machine has: the worker's
+    allocation failure is one line naming the flags to lower, not a traceback."""
+    import importlib
+
+    from services.cli import HANDLERS
+
+    module = importlib.import_module(f"services.{role}.server")
+
+    def fail(args: argparse.Namespace) -> int:
+        raise failure
+
+    monkeypatch.setattr(module, "main", fail)
+    args = argparse.Namespace(command=role, max_num_seqs=4096)
+    assert HANDLERS[role](args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem {role}: error: out of memory (")
+    assert "lower --max-num-seqs (4096), --max-num-batched-tokens or --max-model-len" in err
+    assert err.count("\n") == 1
+
+
+def test_a_worker_failing_otherwise_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.worker.server
+    from services.cli import HANDLERS
+
+    def fail(args: argparse.Namespace) -> int:
+        raise RuntimeError("something else broke")
+
+    monkeypatch.setattr(services.worker.server, "main", fail)
+    with pytest.raises(RuntimeError, match="something else broke"):
+        HANDLERS["worker"](argparse.Namespace(command="worker"))
+
+
 @pytest.mark.parametrize("command", ["up", "gateway"])
 @pytest.mark.parametrize(
     "flag", ["--local-prefill-queue", "--max-local-prefill-tokens", "--local-prefill-decode-load"]

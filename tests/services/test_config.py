@@ -110,3 +110,26 @@ def test_kv_sizes_that_are_not_finite_positive_numbers_are_refused(kw: dict, wor
 
     with pytest.raises(ConfigError, match=words):
         CacheConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"max_num_seqs": 65537}, r"--max-num-seqs must be in \[1, 65536\], got 65537"),
+        ({"max_num_seqs": 10**9}, r"--max-num-seqs must be in \[1, 65536\]"),
+        ({"max_num_seqs": 0}, r"--max-num-seqs must be in \[1, 65536\]"),
+        ({"max_num_batched_tokens": 2**20 + 1}, r"--max-num-batched-tokens must be in \[1, 104"),
+        ({"max_num_batched_tokens": 0}, r"--max-num-batched-tokens must be in \[1, 1048576\]"),
+    ],
+)
+def test_batch_limits_past_what_the_engine_sizes_buffers_for_are_refused(
+    kw: dict, words: str
+) -> None:
+    """The offline API builds this config without the CLI: --max-num-seqs 10**9 was an
+    allocation failure's traceback when the engine sized its step buffers."""
+    from services.config import SchedulerConfig
+
+    with pytest.raises(ConfigError, match=words):
+        SchedulerConfig(**kw)
+    edge = {k: 2**16 if k == "max_num_seqs" else 2**20 for k in kw}
+    assert SchedulerConfig(**edge) is not None  # the bounds themselves are taken
