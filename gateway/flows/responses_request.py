@@ -106,8 +106,13 @@ def _tool(tool: Any, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return echoed, {"type": "function", "function": function}
 
 
-def _tool_choice(choice: Any) -> Any:
-    """The chat request's tool_choice for a Responses one."""
+def _tool_choice(f: Fields, chat_tools: list[dict[str, Any]]) -> Any:
+    """The chat request's tool_choice for a Responses one. "auto" is the Responses API's
+    default, echoed on every response, so it stays accepted without tools; the chat request
+    refuses every other choice but "none" without tools."""
+    choice = f.get("tool_choice")
+    if choice == "auto" and not chat_tools:
+        return None
     if choice is None or isinstance(choice, str):
         return choice
     kind = choice.get("type") if isinstance(choice, dict) else None
@@ -244,7 +249,7 @@ def parse_responses(
         raise invalid(f"top_logprobs needs include [{LOGPROBS!r}]", "top_logprobs")
     _stream_options(f, body["stream"])
     max_tool_calls = f.get_int("max_tool_calls", None, 1, MAX_TOKENS_LIMIT)
-    body.update({"tools": chat_tools or None, "tool_choice": _tool_choice(f.get("tool_choice")),
+    body.update({"tools": chat_tools or None, "tool_choice": _tool_choice(f, chat_tools),
                  "response_format": response_format, "reasoning_effort": effort,
                  "logprobs": logprobs, "top_logprobs": top if logprobs else None})  # fmt: skip
     try:

@@ -25,6 +25,10 @@ from protos.sampling_params import StructuredOutput
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
 CHOICES = ("none", "auto", "required")
+# OpenAI's words for a tool_choice other than "none" with no tools (absent or an empty list)
+NEEDS_TOOLS = (
+    "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified."
+)
 FUNCTION_FIELDS = ("name", "description", "parameters", "strict")  # of tools[i].function
 
 
@@ -316,8 +320,8 @@ def parse_tools(f: Fields) -> ToolPlan | None:
     choice = f.get("tool_choice")
     parallel = f.get_bool("parallel_tool_calls", True)
     if not functions:
-        if choice not in (None, "none", "auto"):  # auto with nothing to call asks for nothing
-            raise invalid("tool_choice needs tools to choose from", "tool_choice")
+        if choice not in (None, "none"):  # OpenAI's and vLLM's 400, auto included
+            raise invalid(NEEDS_TOOLS, "tool_choice")
         return None
     if isinstance(choice, dict):
         plan = ToolPlan(functions, "function", _named(choice, functions), parallel)

@@ -86,7 +86,11 @@ CORPUS: list[tuple[str, Any, dict[str, str], str]] = [
     (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}, "guided_regex": "a"}, {}, "ask for structured output one way"),
     (CHAT, {"messages": MSGS, "tools": [TOOL]}, {}, "needs the server started with --enable-auto-tool-choice"),
     (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": "auto"}, {}, "needs the server started with --enable-auto-tool-choice"),
-    (CHAT, {"messages": MSGS, "tool_choice": "required"}, {}, "tool_choice needs tools to choose from"),
+    (CHAT, {"messages": MSGS, "tool_choice": "required"}, {}, "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified."),
+    (CHAT, {"messages": MSGS, "tool_choice": "auto"}, {}, "Invalid value for 'tool_choice'"),
+    (CHAT, {"messages": MSGS, "tool_choice": "auto", "tools": []}, {}, "Invalid value for 'tool_choice'"),
+    (CHAT, {"messages": MSGS, "tool_choice": "required", "tools": None}, {}, "Invalid value for 'tool_choice'"),
+    (CHAT, {"messages": MSGS, "tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": []}, {}, "Invalid value for 'tool_choice'"),
     (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, {}, "names the function 'g', which is not in tools"),
     (CHAT, {"messages": MSGS, "tools": [TOOL], "tool_choice": "sometimes"}, {}, "tool_choice must be 'none', 'auto', 'required' or a named function"),
     (CHAT, {"messages": MSGS, "tools": [TOOL, TOOL], "tool_choice": "required"}, {}, "tools name the function"),
@@ -143,6 +147,7 @@ PARAMS = {
     "messages[0].name must be a string": "messages[0].name",
     "Unrecognized field in a user message": "messages[0].foo",
     "messages[2].tool_call_id must be": "messages[2].tool_call_id",
+    "Invalid value for 'tool_choice'": "tool_choice",
 }
 
 
@@ -237,7 +242,8 @@ def test_text_format_and_tool_choice_none_stay_accepted() -> None:
     })  # fmt: skip
     assert [m["role"] for m in req.messages] == ["system", "user"]  # developer renders as system
     assert req.template_kwargs["tools"] == [TOOL]
-    assert parse_chat({"messages": MSGS, "tool_choice": "auto", "tools": []}).messages == MSGS
+    for tools in ({}, {"tools": None}, {"tools": []}):  # OpenAI takes "none" without tools
+        assert parse_chat({"messages": MSGS, "tool_choice": "none", **tools}).tools is None
 
 
 def test_a_tool_choice_constraint_comes_from_the_tools() -> None:

@@ -52,6 +52,9 @@ def test_flat_function_tools_and_tool_choice() -> None:
     assert req.params["tools"] == [{**TOOL, "strict": None}]
     assert req.params["tool_choice"] == {"type": "function", "name": "get_weather"}
     assert parse(tools=[TOOL]).params["tool_choice"] == "auto"
+    for tools in ({}, {"tools": []}):  # "auto" is the Responses default, echoed without tools
+        req = parse(tool_choice="auto", **tools)
+        assert req.chat.tools is None and req.params["tool_choice"] == "auto"
     assert parse(tools=[TOOL], tool_choice="required").chat.tools.choice == "required"  # type: ignore[union-attr]
 
 
@@ -115,7 +118,9 @@ def test_previous_response_id_is_read_first() -> None:
          "got type 'web_search_preview'"),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
          "nope"),
-        ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+        ({"tool_choice": "required"}, "tool_choice", "only allowed when 'tools' are specified"),
+        ({"tool_choice": {"type": "function", "name": "f"}, "tools": []}, "tool_choice",
+         "only allowed when 'tools' are specified"),
         ({"text": {"format": {"type": "json_schema", "schema": SCHEMA}}},
          "text.format.name", "text.format json_schema needs a name"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format", "text.format must be"),

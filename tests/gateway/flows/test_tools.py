@@ -41,6 +41,7 @@ def _schema(plan: ToolPlan | None) -> dict[str, Any]:
 
 def test_defaults_follow_openai() -> None:
     assert _plan() is None and _plan(tools=[]) is None
+    assert _plan(tool_choice="none") is None and _plan(tools=[], tool_choice="none") is None
     plan = _plan(tools=[WEATHER])
     assert plan is not None and plan.choice == "auto" and plan.constraint() is None
     assert _plan(tools=[WEATHER], tool_choice="none").choice == "none"  # type: ignore[union-attr]
@@ -232,7 +233,12 @@ def test_required_is_a_non_empty_array_of_calls_to_the_offered_functions() -> No
         ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
          "tools", "tools[0].function.description must be a string"),
-        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": "required"}, "tool_choice", "only allowed when 'tools' are specified"),
+        ({"tool_choice": "auto"}, "tool_choice", "only allowed when 'tools' are specified"),
+        ({"tool_choice": "auto", "tools": []}, "tool_choice", "only allowed when 'tools'"),
+        ({"tool_choice": "required", "tools": []}, "tool_choice", "only allowed when 'tools'"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+         "only allowed when 'tools' are specified"),
         ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "got 'always'"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "must be"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
