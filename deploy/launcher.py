@@ -4,11 +4,13 @@ Bind the gateway's port (held from the first step, so a busy one, a second ``tan
 included, stops this one before any model loads), prepare the model once, start the workers on
 free ports, wait for their ready files, start the gateway pointed at them on the socket held
 (it inherits it), print one ``Tandem is ready:`` line, then watch. Ctrl-C or SIGTERM stops
-the gateway first, then the workers; no child outlives the launcher. A child that dies, the
-gateway included, is started again on its port, after a backoff that grows while it keeps dying
-(up to TANDEM_UP_MAX_BACKOFF, 30 s), never given up on; the others keep serving meanwhile (the
-gateway routes around a dead worker and finds it back through its health checks; a restarted
-gateway rebuilds its state from the workers, and the dead one's reservations lapse there).
+the gateway first, then the workers; no child outlives the launcher, and its run directory
+(the children's ready files) is removed; after a SIGKILL, by the next ``tandem up``. A child
+that dies, the gateway included, is started again on its port, after a backoff that grows
+while it keeps dying (up to TANDEM_UP_MAX_BACKOFF, 30 s), never given up on; the others keep
+serving meanwhile (the gateway routes around a dead worker and finds it back through its
+health checks; a restarted gateway rebuilds its state from the workers, and the dead one's
+reservations lapse there).
 
 Exit status: 0 after a stop that let every child drain (one Ctrl-C or SIGTERM, its grace period
 run out or not); 128 + N when a second signal N forced the stop, cutting what was in flight
@@ -28,6 +30,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -42,6 +45,7 @@ from typing import IO, TextIO
 
 from deploy.gpus import detect_gpus
 from deploy.plan import Plan, Worker, build_plan, fill_utilization, gateway_spec, with_flag
+from deploy.procfs import alive, start_ticks
 from deploy.supervisor import Child, ChildFailedError, ChildSpec, Supervisor, parent_death_env
 from gateway.core.config import LISTEN_FD_ENV, api_key_from
 from protos.auth import TOKEN_ENV
@@ -407,11 +411,66 @@ def check_log_dir(path: Path) -> None:
         ) from None
 
 
+RUN_DIR_PREFIX = "tandem-run-"
+RUN_DIR_OWNER = "launcher.pid"  # "PID START_TICKS": the launcher that made the run directory
+
+
+def make_run_dir(parent: Path | None = None) -> Path:
+    """A fresh run directory (the children's ready files) under ``parent`` (the temporary
+    directory by default) that names this launcher as its owner, made after the stale ones
+    there are removed (:func:`sweep_run_dirs`)."""
+    parent = Path(parent or tempfile.gettempdir())
+    sweep_run_dirs(parent)
+    run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=parent))
+    pid = os.getpid()
+    partial = run_dir / f"{RUN_DIR_OWNER}.tmp"  # renamed whole: a sweep never reads half of it
+    partial.write_text(f"{pid} {start_ticks(pid) or 0}\n")
+    partial.rename(run_dir / RUN_DIR_OWNER)
+    return run_dir
+
+
+def sweep_run_dirs(parent: Path) -> list[Path]:
+    """Remove the run directories under ``parent`` whose launcher is gone; returns them.
+
+    A launcher removes its own when it stops, but SIGKILL (a ``kill -9``, the OOM killer)
+    cannot be caught, and each such run left one behind in /tmp. Gone: no such process, a
+    zombie, or another process under a reused pid (its start time differs). Left alone: what
+    cannot be told, a directory without an owner file (a launcher making it, an older
+    Tandem's), one of another user, a symlink or file of that name."""
+    removed = []
+    for path in parent.glob(f"{RUN_DIR_PREFIX}*"):
+        if _run_dir_orphaned(path):
+            shutil.rmtree(path, ignore_errors=True)  # another launcher may sweep it too
+            removed.append(path)
+    return removed
+
+
+def _run_dir_orphaned(path: Path) -> bool:
+    try:
+        info = path.lstat()  # a symlink is not followed
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return False
+        pid, started = (int(f) for f in (path / RUN_DIR_OWNER).read_text()[:64].split())
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    if not Path("/proc/self/stat").exists():  # no /proc: whether the pid exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # another user's process
+            return False
+        return False
+    return not alive(pid) or started not in (0, start_ticks(pid))
+
+
 def main(args: argparse.Namespace) -> int:
     # the workers' gRPC API and KV rendezvous take only callers with this run's secret; the
     # children inherit it through the environment (not argv, which any local user can read)
     os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
-    run_dir = Path(tempfile.mkdtemp(prefix="tandem-run-"))
+    run_dir = make_run_dir()  # after removing those of launchers killed with SIGKILL
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-logs-"))
     try:
         plan = build_plan(

@@ -33,6 +33,15 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks after boot: with the pid, it names one process
+    (a pid alone is reused once its process is gone). None when it is gone or /proc is not."""
+    try:
+        return int(_stat_fields(pid)[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def descendants(pid: int) -> set[int]:
     """Every process below ``pid``."""
     parents: dict[int, list[int]] = {}

@@ -405,3 +405,129 @@ def test_tandem_up_hands_its_task_to_the_ready_message(start) -> None:
     assert "/v1/embeddings " in curl
     up.proc.send_signal(signal.SIGTERM)
     assert up.finish() == 0
+
+
+# ---- the run directory: removed by the next tandem up once its launcher was killed -----------
+LAUNCHER_MAKING_A_RUN_DIR = (
+    "import sys, time; from pathlib import Path; from deploy.launcher import make_run_dir; "
+    "print(make_run_dir(Path(sys.argv[1])), flush=True); time.sleep(120)"
+)
+
+
+def test_a_run_dir_left_by_a_launcher_killed_with_sigkill_goes_with_the_next_tandem_up(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL gives a launcher no chance to remove its run directory (one more in /tmp a
+    run): the next `tandem up` removes it, and never that of a launcher still running."""
+    from deploy.launcher import make_run_dir, sweep_run_dirs
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_MAKING_A_RUN_DIR, str(tmp_path)], cwd=REPO,
+        env={**os.environ, **child_env()}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert launcher.stdout is not None
+        left = Path(launcher.stdout.readline().strip())
+        assert (left / "launcher.pid").read_text().split()[0] == str(launcher.pid)
+        assert sweep_run_dirs(tmp_path) == [] and left.is_dir()  # its launcher runs: kept
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert left.is_dir()  # what SIGKILL leaves
+    ours = make_run_dir(tmp_path)  # the next tandem up
+    assert not left.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [ours.name]
+    assert sweep_run_dirs(tmp_path) == [] and ours.is_dir()  # ours, we run
+
+
+def _run_dir(parent: Path, name: str, owner: str | None) -> Path:
+    path = parent / f"tandem-run-{name}"
+    path.mkdir()
+    if owner is not None:
+        (path / "launcher.pid").write_text(owner)
+    return path
+
+
+def test_a_run_dir_whose_pid_now_names_another_process_is_stale(tmp_path: Path) -> None:
+    """A pid is reused once its process is gone: the start time tells the two apart."""
+    from deploy.launcher import sweep_run_dirs
+    from deploy.procfs import start_ticks
+
+    parent = os.getppid()
+    started = start_ticks(parent)
+    assert started is not None
+    reused = _run_dir(tmp_path, "reused", f"{parent} {started + 1}\n")
+    same = _run_dir(tmp_path, "same", f"{parent} {started}\n")
+    unknown = _run_dir(tmp_path, "unknown", f"{parent} 0\n")  # no /proc when it was made
+    assert sweep_run_dirs(tmp_path) == [reused]
+    assert not reused.exists() and same.is_dir() and unknown.is_dir()
+
+
+def test_a_run_dir_of_a_zombie_or_reaped_launcher_is_stale(tmp_path: Path) -> None:
+    from deploy.launcher import sweep_run_dirs
+    from deploy.procfs import start_ticks
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = None
+    while started is None or alive(gone.pid):  # exited, not yet waited for: a zombie
+        started = started or start_ticks(gone.pid) or 0
+        time.sleep(0.01)
+    zombie = _run_dir(tmp_path, "zombie", f"{gone.pid} {started}\n")
+    assert sweep_run_dirs(tmp_path) == [zombie]
+    gone.wait()
+    reaped = _run_dir(tmp_path, "reaped", f"{gone.pid} {started}\n")
+    assert sweep_run_dirs(tmp_path) == [reaped]
+
+
+def test_what_the_sweep_cannot_tell_is_left_alone(tmp_path: Path) -> None:
+    """No owner file (a launcher making it, an older Tandem's), an unreadable one, a symlink or
+    a file of that name, another prefix: kept, whatever their owner's pid would say."""
+    from deploy.launcher import sweep_run_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = f"{gone.pid} 0\n"
+    kept = [
+        _run_dir(tmp_path, "making", None),
+        _run_dir(tmp_path, "garbage", "not a pid\n"),
+        _run_dir(tmp_path, "empty", ""),
+    ]
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "launcher.pid").write_text(dead)
+    (tmp_path / "tandem-run-link").symlink_to(target)
+    (tmp_path / "tandem-run-file").write_text(dead)
+    logs = tmp_path / "tandem-logs-x"
+    logs.mkdir()
+    (logs / "launcher.pid").write_text(dead)
+    assert sweep_run_dirs(tmp_path) == []
+    assert all(p.is_dir() for p in [*kept, target, logs])
+    assert (tmp_path / "tandem-run-link").is_symlink() and (tmp_path / "tandem-run-file").exists()
+
+
+def test_tandem_up_sweeps_the_temporary_directory_and_removes_its_own_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    import deploy.launcher
+    from services.cli import build_parser
+    from services.config import ConfigError
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = _run_dir(tmp_path, "killed", f"{gone.pid} 0\n")
+    made: list[Path] = []
+
+    def plan(args: object, gpus: object, cpus: int, run_dir: Path, **kw: object) -> None:
+        made.append(run_dir)
+        assert not stale.exists() and (run_dir / "launcher.pid").is_file()
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(deploy.launcher, "detect_gpus", lambda *a, **kw: [])
+    monkeypatch.setattr(deploy.launcher, "build_plan", plan)
+    args = build_parser().parse_args(["up", "--log-dir", str(tmp_path / "logs")])
+    assert deploy.launcher.main(args) == 2
+    assert len(made) == 1 and made[0].parent == tmp_path
+    assert not list(tmp_path.glob("tandem-run-*"))  # the stale one and its own

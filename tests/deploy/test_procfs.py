@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from deploy.procfs import alive, cpu_seconds, descendants, memory_bytes
+from deploy.procfs import alive, cpu_seconds, descendants, memory_bytes, start_ticks
 
 
 def test_a_child_and_its_grandchild_are_descendants_until_they_end() -> None:
@@ -45,3 +45,12 @@ def test_memory_of_a_live_process_and_of_a_gone_one() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     assert memory_bytes(proc.pid) == {}
+
+
+def test_a_start_time_tells_a_process_from_a_later_one_under_its_pid() -> None:
+    ours, parent = start_ticks(os.getpid()), start_ticks(os.getppid())
+    assert ours is not None and parent is not None and parent <= ours
+    assert start_ticks(os.getpid()) == ours  # the same process: the same start, every time
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert start_ticks(gone.pid) is None
