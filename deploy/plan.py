@@ -211,6 +211,17 @@ def _worker_env(
     return {"OMP_NUM_THREADS": str(max(1, cpu_count // max(1, n_workers)))}
 
 
+def _otlp_env(args: argparse.Namespace) -> dict[str, str]:
+    """A worker's traces go where --otlp-endpoint sends the gateway's: the workers take no such
+    flag, they read the OpenTelemetry variables (services.common.tracing). The traces' own
+    variable too, so that the flag wins over one in the launcher's environment, as it does in
+    the gateway."""
+    endpoint = getattr(args, "otlp_endpoint", None)
+    if not endpoint:
+        return {}
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}
+
+
 GPU_MEMORY_CEILING = 0.9  # --gpu-memory-utilization's default: what workers of a GPU share
 # a prefill worker sharing its GPU with a decode worker keeps this many steps' tokens of KV
 # (--max-total-tokens): prompts in flight until their KV has moved, and a prefix cache. The
@@ -440,6 +451,7 @@ def build_plan(
             argv += ["--kv-streaming", args.kv_streaming]
         ready = run_dir / f"{name}.json"
         env = _worker_env(placed, sum(sizes), cpu_count, environ)  # threads per rank
+        env |= _otlp_env(args)
         after, share = fills.get(i, ((), 1)) if fill else ((), 1)
         spec = ChildSpec(name, [*argv, "--ready-file", str(ready)], env, ready)
         workers.append(Worker(spec, role, placed, after, share))
@@ -469,6 +481,8 @@ def build_plan(
     gateway += _media_flags(args)
     gateway += _cors_flags(args)
     gateway += _request_limit_flags(args)
+    if getattr(args, "otlp_endpoint", None):
+        gateway += ["--otlp-endpoint", args.otlp_endpoint]
     drain_timeout_s = float(args.drain_timeout)
     gateway += ["--drain-timeout", str(drain_timeout_s)]
     stall_s = float(getattr(args, "worker_stall_timeout", WORKER_STALL_TIMEOUT_S))

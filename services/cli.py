@@ -1010,6 +1010,16 @@ def add_send_timeout_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
     )
 
 
+def add_otlp_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
+    """``--otlp-endpoint``: the gateway's flag (``tandem up`` passes it on, to its workers too)."""
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help=f"{passed}OTLP gRPC endpoint to export traces and metrics to (default: "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
+    )
+
+
 def add_worker_stall_arg(p: argparse.ArgumentParser, passed: str = "") -> None:
     """``--worker-stall-timeout``: the gateway's flag (``tandem up`` passes it on)."""
     p.add_argument(
@@ -1372,12 +1382,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--internal-token", default=None, help=INTERNAL_TOKEN_HELP)
     add_request_limit_args(p)
     add_send_timeout_arg(p)
-    p.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="OTLP gRPC endpoint to export traces and metrics to (default: "
-        "$OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
-    )
+    add_otlp_arg(p)
     add_metrics_prefix_arg(p)
     add_responses_store_args(p)
     p.add_argument(
@@ -1446,6 +1451,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     add_worker_stall_arg(p, "(passed to the gateway) ")
     add_send_timeout_arg(p, "(passed to the gateway) ")
     add_request_limit_args(p, "(passed to the gateway) ")
+    add_otlp_arg(p, "(passed to the gateway, and to the workers, whose traces it also gets, as "
+                 "$OTEL_EXPORTER_OTLP_ENDPOINT) ")  # fmt: skip
     add_metrics_prefix_arg(p, "(passed to the gateway) ")
     add_responses_store_args(p, "(passed to the gateway) ")
     add_engine_stall_arg(p, "(passed to the workers) ")

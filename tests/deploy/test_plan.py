@@ -711,3 +711,27 @@ def test_a_pooler_config_without_task_embed_is_refused_not_ignored() -> None:
         plan_for("--pooler-config", mean, "--colocated", "1")
     (worker,) = plan_for("--pooler-config", mean, "--colocated", "1", "--task", "embed").workers
     assert reparse(worker.spec.argv).pooler_config == mean
+
+
+@pytest.mark.parametrize(
+    "topology", [[], ["--colocated", "2"], ["--prefill", "2", "--decode", "1"]]
+)
+def test_the_otlp_endpoint_reaches_the_gateway_and_every_worker(topology: list[str]) -> None:
+    """tandem up refused --otlp-endpoint, so the topology it started exported no traces unless
+    OTEL_EXPORTER_OTLP_ENDPOINT was exported first. The gateway takes the flag; the workers
+    read the variables (the traces' own too, so the flag wins as it does in the gateway)."""
+    endpoint = "http://collector:4317"
+    plan = plan_for(*topology, "--otlp-endpoint", endpoint)
+    assert reparse(plan.gateway_argv).otlp_endpoint == endpoint
+    assert plan.workers and all(
+        w.spec.env["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
+        and w.spec.env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint
+        and "--otlp-endpoint" not in w.spec.argv  # no worker takes the flag
+        for w in plan.workers
+    )
+    for w in plan.workers:  # a worker's command line parses, with its environment beside it
+        reparse(w.spec.argv)
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in plan.gateway_env
+    bare = plan_for(*topology)  # not given: nothing set, the launcher's environment decides
+    assert "--otlp-endpoint" not in bare.gateway_argv
+    assert not any(k.startswith("OTEL_") for w in bare.workers for k in w.spec.env)
