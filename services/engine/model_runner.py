@@ -12,7 +12,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kernels import cpu_linear, ops
+from kernels import cpu_blocks, cpu_linear, ops
 from kernels.gemv import GEMV_MAX_ROWS
 from kvtransfer import KvLayout, KvShards
 from kvtransfer.blockcopy import make_copier
@@ -183,7 +183,10 @@ class ModelRunner:
             else None
         )
         if self.device.type == "cpu" and self.lora is None:  # (LoRA reads its base weights)
-            cpu_linear.pack_linears(self.model, (Linear,))  # float32 weights in oneDNN's layout
+            # weights that are exactly block-quantized (a GGUF's) stay in blocks; the other
+            # float32 weights take oneDNN's layout
+            cpu_blocks.pack_blocks(self.model, (Linear,))
+            cpu_linear.pack_linears(self.model, (Linear,))
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.device)
         limit = derived_max_model_len(self.arch.max_position_embeddings, self.arch.rope_scaling)
         default_len = CPU_DEFAULT_MAX_MODEL_LEN if self.device.type == "cpu" else max_pos

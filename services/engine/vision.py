@@ -246,7 +246,7 @@ class VisionInputs:
                     "an image's tokens must be recomputed (the request was preempted) but this "
                     "worker never received the image's bytes"
                 )
-        dev = self.model.lm_head.weight.device
+        dev = self.model.model.embed_tokens.weight.device  # (lm_head may hold no dense weight)
         batch = [(torch.from_numpy(self._pixels_of(i)).to(dev), i.grid) for i in images]
         outs = self.model.encode_images(batch)
         for image, out in zip(images, outs, strict=True):
