@@ -4,9 +4,10 @@ Text is released as tokens complete characters: what the tokens decode to up to 
 run of U+FFFD (a character begun and not finished yet); when a request has stop strings, the last
 ``max(len(stop)) - 1`` characters are held back until they can no longer start a stop string,
 so a stream never shows part of a stop string that is then cut away. When the output ends inside
-a character, :meth:`IncrementalDetokenizer.flush` spells the rest as ``decode`` does (U+FFFD), so
-the text is ``tokenizer.decode(output_ids)`` (with the prompt's leading-space context). Text not
-yet released never ends with U+FFFD: only a flush does (``split_tail`` relies on it).
+a character, :meth:`IncrementalDetokenizer.flush` drops that character's bytes, as vLLM does (its
+detokenizers release no text that ends in U+FFFD, and its final text is what they released), so
+the text is ``tokenizer.decode(output_ids)`` (with the prompt's leading-space context) less a
+trailing run of U+FFFD, the same streamed and whole. Released text never ends with U+FFFD.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def fast_decoder(tokenizer: Any) -> Decoder:
 
 
 def split_tail(text: str) -> tuple[str, str]:
-    """``text`` of a finished output, cut where :meth:`IncrementalDetokenizer.flush` added to
-    it: the end that spells a character its tokens did not finish. A worker that hands the
-    request on to another (a prefill worker) sends only the first part; the one going on spells
-    the rest once the character is complete."""
+    """``text`` of a finished output, cut before a trailing run of U+FFFD: the end that would
+    spell a character its tokens did not finish. :meth:`IncrementalDetokenizer.flush` releases
+    none, so the second part is empty for its text; a worker that hands the request on to
+    another (a prefill worker) sends only the first part, and the one going on spells the rest
+    once the character is complete."""
     body = text.rstrip("\ufffd")
     return body, text[len(body) :]
 
@@ -94,15 +96,14 @@ class IncrementalDetokenizer:
         """Append a token; returns the matched stop string if the output must stop here."""
         self.ids.append(token_id)
         self._outputs += 1
-        return self._advance(final=False)
+        return self._advance()
 
     def flush(self) -> None:
-        """The output ended: the tokens still waiting for the rest of a character are spelt as
-        ``decode`` spells them (U+FFFD), as the whole output decodes. No stop string is looked
-        for in it (it holds no character that completes one)."""
-        self._advance(final=True)
+        """The output ended. Nothing is left to release: :meth:`add` released every character
+        the tokens completed, and the bytes of one they only began are dropped, not spelt as
+        U+FFFD (``decode``'s spelling), as vLLM drops them, streamed and whole."""
 
-    def _advance(self, final: bool) -> str | None:
+    def _advance(self) -> str | None:
         ids = self.ids
         if self._read == len(ids) or self._stopped:
             return None
@@ -111,10 +112,10 @@ class IncrementalDetokenizer:
         if len(after) <= len(before):
             return None
         new = after[len(before) :]
-        done = final or not new.endswith("\ufffd")
-        # the characters before an unfinished one are final: what follows cannot change them
-        fresh = (new if done else new.rstrip("\ufffd"))[self._shown :]
-        if done:
+        # the characters before an unfinished one are final: what follows cannot change them;
+        # the unfinished one waits for its last bytes (dropped if the output ends first)
+        fresh = new.rstrip("\ufffd")[self._shown :]
+        if not new.endswith("\ufffd"):
             self._prefix, self._read, self._shown = self._read, len(ids), 0
         else:
             self._shown += len(fresh)
@@ -122,7 +123,7 @@ class IncrementalDetokenizer:
             return None
         start = max(len(self.text) - self._longest_stop, 0)
         self.text += fresh
-        if final or not self.stop or self._outputs < self.min_tokens:
+        if not self.stop or self._outputs < self.min_tokens:
             return None
         return self._check_stop(start)
 

@@ -2,7 +2,8 @@
 random model with a byte-level BPE tokenizer (``tests.tokenizer_zoo``), driven by the official
 openai client. What the completions return, whole and streamed, is ``tokenizer.decode`` of the
 tokens they generated, also where a character is split over tokens: at the first token (which
-the prefill worker makes and the decode worker goes on from) and at the end of the output."""
+the prefill worker makes and the decode worker goes on from) and at the end of the output, where
+the bytes of a character the output only begins are dropped (no U+FFFD), as vLLM drops them."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def _complete(client: Any, **kw: Any) -> tuple[str, list[int], Any, str]:
 def test_a_character_split_over_tokens_reads_as_decode_gives_it(served: tuple) -> None:
     """A grammar makes the output "猫狗", whose first token holds only part of "猫": the
     prefill worker does not send that part as U+FFFD (the decode worker spells "猫" once its
-    last byte comes); cut after one token, the output is the U+FFFD decode gives, not empty."""
+    last byte comes); cut after one token, the output is empty, as vLLM's: not the U+FFFD
+    decode gives for the bytes."""
     client, tok = served
     assert not any("猫" in tok.convert_tokens_to_string([t]) for t in tok.get_vocab())
     regex = {"structured_outputs": {"regex": SPLIT}}
@@ -68,21 +70,39 @@ def test_a_character_split_over_tokens_reads_as_decode_gives_it(served: tuple) -
         text, ids, usage, streamed = _complete(
             client, prompt="Hello", max_tokens=max_tokens, extra_body=regex
         )
-        assert text == streamed == tok.decode(ids, skip_special_tokens=True), max_tokens
+        expected = tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+        assert text == streamed == expected, max_tokens
         assert usage.completion_tokens == len(ids)
         assert usage.prompt_tokens == len(tok("Hello")["input_ids"])
     assert text == SPLIT
-    text, ids, _, _ = _complete(client, prompt="Hello", max_tokens=1, extra_body=regex)
-    assert text == "\ufffd"
+    text, ids, _, streamed = _complete(client, prompt="Hello", max_tokens=1, extra_body=regex)
+    assert text == streamed == "" and tok.decode(ids) == "\ufffd"
+    chats = {n: _chat(client, max_tokens=n, extra_body=regex) for n in (1, 2, 3, 4, 8)}
+    for whole, streamed in chats.values():  # a chat's content alike, cut anywhere in "猫狗"
+        assert whole == streamed and SPLIT.startswith(whole), chats
+    assert chats[1][0] == "" and chats[8][0] == SPLIT, chats
+
+
+def _chat(client: Any, **kw: Any) -> tuple[str, str]:
+    """A chat completion's content, whole and streamed."""
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Hello"}]
+    whole = client.chat.completions.create(model=model, messages=messages, temperature=0, **kw)
+    chunks = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, stream=True, **kw
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return whole.choices[0].message.content or "", streamed
 
 
 def test_random_outputs_read_as_decode_gives_them(served: tuple) -> None:
     """The tiny random model's greedy outputs (bytes of split characters, stray bytes, spaces,
-    newlines), whole and streamed, equal ``tokenizer.decode`` of their tokens."""
+    newlines), whole and streamed, equal ``tokenizer.decode`` of their tokens, less the U+FFFD
+    of a character they end inside."""
     client, tok = served
     for prompt in ("Hello 东京 😀 world", "  two\nlines", "北京是中国的首都。", "👍🏽❤️"):
         for max_tokens in (1, 5, 24):
             text, ids, usage, streamed = _complete(client, prompt=prompt, max_tokens=max_tokens)
-            expected = tok.decode(ids, skip_special_tokens=True)
+            expected = tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
             assert text == streamed == expected, (prompt, max_tokens, ids)
             assert usage.completion_tokens == len(ids)
