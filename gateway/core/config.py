@@ -409,8 +409,15 @@ def media_domain(entry: str) -> str:
 
 def api_key_from(flag: str | None, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
     """The gateway's API key and where it came from: ``--api-key``, else the first of
-    :data:`API_KEY_ENV` set to a non-empty value; (None, None): no key, the API is open."""
-    if flag:
+    :data:`API_KEY_ENV` set to a non-empty value; (None, None): no key, the API is open. An
+    empty variable is unset (compose passes both on, empty by default); an empty or blank flag
+    is a ConfigError: given on purpose, it would otherwise open the API without a word."""
+    if flag is not None and not flag.strip():
+        raise ConfigError(
+            f"--api-key {flag!r} is empty: give a non-empty key, or leave the flag out (the "
+            f"API is then open unless {' or '.join(API_KEY_ENV)} is set)"
+        )
+    if flag is not None:
         return flag, "--api-key"
     for name in API_KEY_ENV:
         if environ.get(name):

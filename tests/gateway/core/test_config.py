@@ -302,6 +302,19 @@ def test_the_api_key_is_the_flag_then_tandem_api_key_then_vllm_api_key(
     assert key("--api-key", "from-flag") == "from-flag"
 
 
+@pytest.mark.parametrize("flag", ["", "  "])
+def test_an_empty_api_key_flag_is_refused_not_taken_as_no_key(
+    flag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--api-key ""`` (an unset shell variable expanded, say) opened the API without a word;
+    an empty variable stays "not set" (compose passes TANDEM_API_KEY on empty by default)."""
+    monkeypatch.setenv("TANDEM_API_KEY", "")
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    args = build_parser().parse_args(["gateway", "--api-key", flag])
+    with pytest.raises(ConfigError, match="give a non-empty key, or leave the flag out"):
+        config_from_args(args, "/tok")
+
+
 def test_cors_is_vllms_default_any_origin_method_and_header_without_credentials() -> None:
     config = config_from_args(build_parser().parse_args(["gateway"]), "/tok")
     cors = (config.allowed_origins, config.allowed_methods, config.allowed_headers)

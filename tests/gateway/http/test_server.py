@@ -209,6 +209,8 @@ def test_a_model_directory_without_a_tokenizer_exits_2(
         (["--worker", "127.0.0.1:1", "--tool-call-parser", "hermes"],
          "--tool-call-parser is used only with --enable-auto-tool-choice"),
         (["--config", "/nonexistent.yaml"], "--config /nonexistent.yaml: cannot read it"),
+        (["--worker", "127.0.0.1:1", "--api-key", ""],
+         "--api-key '' is empty: give a non-empty key, or leave the flag out"),
     ],
 )  # fmt: skip
 def test_flags_that_leave_nothing_to_serve_or_do_nothing_exit_2(
