@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from protos import common_pb2, worker_pb2
@@ -56,6 +57,19 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(msg.allowed_token_ids),
         bad_words=tuple(msg.bad_words),
     )
+
+
+def seconds_from_pb(value: float, field: str, unset: str) -> float:
+    """A request's duration field (a ``double`` of seconds): a finite number >= 0, else
+    InvalidRequestError naming ``field``. ``unset`` says what 0 means for it (proto3 cannot tell
+    0 from unset), for the refusal's message. A NaN, which compares false to everything, or an
+    infinity never reaches the timers and queues that would use it."""
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidRequestError(
+            f"{field} must be a finite number of seconds >= 0 (0 or unset: {unset}), "
+            f"got {value}", field,
+        )  # fmt: skip
+    return float(value)
 
 
 def images_from_pb(msgs: Any) -> tuple[ImageItem, ...]:

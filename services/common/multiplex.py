@@ -31,7 +31,8 @@ import grpc
 
 from protos import common_pb2
 from protos.errors import PARAM_METADATA_KEY
-from services.common.convert import add_output, merge_output
+from protos.sampling_params import InvalidRequestError
+from services.common.convert import add_output, merge_output, seconds_from_pb
 from services.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -184,9 +185,15 @@ async def _read_items(
             why = "request_id must not be empty" if not rid else f"request {rid} is running"
             outbox.put(_error(rid, grpc.StatusCode.INVALID_ARGUMENT, why))
             continue
+        try:  # before the handler runs, so it takes nothing (a negative or NaN deadline was
+            # no deadline, as 0 is)
+            timeout_s = seconds_from_pb(item.timeout_s, "timeout_s", "no deadline")
+        except InvalidRequestError as exc:
+            outbox.put(_error(rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param or ""))
+            continue
         context = RequestContext(item.metadata, outbox, rid)
         chunks = handler(request, context)
-        task = asyncio.ensure_future(_run_one(outbox, context, chunks, item.timeout_s))
+        task = asyncio.ensure_future(_run_one(outbox, context, chunks, timeout_s))
         outbox.running[rid] = task
         task.add_done_callback(functools.partial(outbox.finished, rid))  # also if never run
 

@@ -21,7 +21,12 @@ from protos.blocks import blocks_for
 from protos.ports import check_port_free
 from protos.roles import Role
 from protos.sampling_params import InvalidRequestError, SamplingParams
-from services.common.convert import images_from_pb, sampling_from_pb, transfer_fields
+from services.common.convert import (
+    images_from_pb,
+    sampling_from_pb,
+    seconds_from_pb,
+    transfer_fields,
+)
 from services.common.multiplex import multiplex
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import abort_invalid, stream_chunks
@@ -35,12 +40,17 @@ log = logging.getLogger(__name__)
 MAX_TTL_S = 3600.0  # the gateway asks for its request's remaining time (--request-timeout)
 # a reservation nobody renews a lease for (a caller that names no owner) lives at most this long
 UNOWNED_MAX_TTL_S = 60.0
+DEFAULT_TTL_S = 10.0  # a ReserveRequest's ttl_s 0 (unset)
+# what 0 means, for a refusal of a ttl_s or wait_s that is not a finite number >= 0
+TTL_UNSET = (f"{DEFAULT_TTL_S:g} s; more than {MAX_TTL_S:g} s ({UNOWNED_MAX_TTL_S:g} s with no "
+             "owner) is cut to that")  # fmt: skip
+WAIT_UNSET = "no wait, RESOURCE_EXHAUSTED at once when the blocks are not free now"
 
 
 def reservation_ttl(ttl_s: float, owner: str) -> float:
-    """Seconds an unclaimed reservation lives: as asked (10 s if not said), capped; an owned
-    one is also freed soon after its owner stops polling (services.common.leases)."""
-    return min(ttl_s if ttl_s > 0 else 10.0, MAX_TTL_S if owner else UNOWNED_MAX_TTL_S)
+    """Seconds an unclaimed reservation lives: as asked (DEFAULT_TTL_S if not said), capped; an
+    owned one is also freed soon after its owner stops polling (services.common.leases)."""
+    return min(ttl_s if ttl_s > 0 else DEFAULT_TTL_S, MAX_TTL_S if owner else UNOWNED_MAX_TTL_S)
 
 
 class Draining(Exception):
@@ -141,9 +151,15 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
     ) -> kv_control_pb2.ReserveResponse:
         driver = await self.rt.ready_driver(context)
         rid, n = request.request_id, request.num_prompt_tokens
-        if not rid or n < 1 or request.wait_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id, num_prompt_tokens "
-                                ">= 1 and wait_s >= 0 are required")  # fmt: skip
+        if not rid or n < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request_id and num_prompt_tokens >= 1 are required")  # fmt: skip
+        try:  # before anything is taken (an infinite wait_s waited for blocks as long as the
+            # call lasted; a NaN one timed out at once, a NaN or negative ttl_s read as unset)
+            ttl_s = seconds_from_pb(request.ttl_s, "ttl_s", TTL_UNSET)
+            wait_s = seconds_from_pb(request.wait_s, "wait_s", WAIT_UNSET)
+        except InvalidRequestError as exc:
+            await abort_invalid(context, exc)
         assert self.rt.engine is not None  # ready_driver returned: the engine is loaded
         limit = self.rt.engine.max_model_len
         if n >= limit:  # before any list of n ids is made: 2**31 of them took 17 GB and hung
@@ -157,7 +173,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         assert task is not None
         self._reserving[rid] = task
         try:
-            blocks = await self._reserve_or_wait(driver, rid, n, params, request)
+            blocks = await self._reserve_or_wait(driver, rid, n, params, wait_s, request.priority)
         except asyncio.CancelledError:
             if task not in self._aborted or task.uncancel():
                 raise  # its caller went away (or the server stops)
@@ -178,7 +194,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                                 f"no free KV blocks for a {n}-token prompt on {self.rt.worker_id} "
                                 f"(waited {waited:.1f} s, {len(self.admission)} waiting)")  # fmt: skip
         assert self.rt.engine is not None and blocks is not None
-        ttl = reservation_ttl(request.ttl_s, request.owner)
+        ttl = reservation_ttl(ttl_s, request.owner)
         nblk = blocks_for(n, self.rt.engine.config.cache.block_size)
         # no clock there: ours is the one. A grant (asked for by a gateway whose prefill worker
         # ships whole KV) lets a sender on this GPU copy without asking for the blocks
@@ -196,8 +212,8 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
         )  # fmt: skip
 
     async def _reserve_or_wait(
-        self, driver: EngineDriver, rid: str, n: int, params: SamplingParams,
-        request: kv_control_pb2.ReserveRequest,
+        self, driver: EngineDriver, rid: str, n: int, params: SamplingParams, wait_s: float,
+        priority: int,
     ) -> list[int] | None:  # fmt: skip
         """Blocks now if they fit and nobody waits for them, else (``wait_s`` > 0) once the
         admission queue admits the request; None if they did not come in time."""
@@ -210,13 +226,13 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
 
         if not len(self.admission):
             blocks = await attempt()
-            if blocks is not None or request.wait_s == 0:
+            if blocks is not None or wait_s == 0:
                 return blocks
-        elif request.wait_s == 0:
+        elif wait_s == 0:
             return None  # others wait for the blocks first
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(request.wait_s):
-                return await self.admission.wait(rid, request.priority, attempt)
+            async with asyncio.timeout(wait_s):
+                return await self.admission.wait(rid, priority, attempt)
         return None
 
     def _on_transfer_end(
@@ -311,7 +327,11 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                                 f"no reservation {rid!r} (expired, aborted or already claimed)")  # fmt: skip
         assert res is not None
         res.claimed = True
+        kv_timeout_s = self.rt.config.kv_timeout_s
         try:  # bad input fails now, not after the KV wait (and never inside an engine step)
+            kv_wait_s = seconds_from_pb(
+                request.kv_wait_s, "kv_wait_s", f"this worker's --kv-timeout, {kv_timeout_s:g} s"
+            )
             params = sampling_from_pb(request.sampling)
             self._check(request, res, params)
         except InvalidRequestError as exc:
@@ -322,7 +342,7 @@ class DecodeServicer(WorkerRpcs, decode_pb2_grpc.DecodeServiceServicer):
                 yield chunk
             return
         # the caller waits for the KV this long at most: the reservation's deadline comes forward
-        self._bring_deadline_forward(res, request.kv_wait_s or self.rt.config.kv_timeout_s)
+        self._bring_deadline_forward(res, kv_wait_s or kv_timeout_s)
         try:
             result = await _wait_for_kv(res.handle)
         except asyncio.CancelledError:

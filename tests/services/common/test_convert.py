@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -246,3 +247,24 @@ def test_a_malformed_image_is_refused() -> None:
                 {"data": b"not x"}):  # fmt: skip
         with pytest.raises(InvalidRequestError, match="image"):
             images_from_pb([common_pb2.Image(**{**good, **bad})])
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1.0, -1e-9])
+def test_a_duration_that_is_not_a_finite_number_of_seconds_at_least_0_is_refused(
+    value: float,
+) -> None:
+    from services.common.convert import seconds_from_pb
+
+    with pytest.raises(InvalidRequestError) as caught:
+        seconds_from_pb(value, "wait_s", "no wait")
+    assert caught.value.param == "wait_s"
+    message = str(caught.value)
+    assert message.startswith("wait_s must be a finite number of seconds >= 0")
+    assert "(0 or unset: no wait)" in message and message.endswith(f"got {value}")
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-9, 2.5, 1e9])
+def test_a_finite_duration_at_least_0_passes_as_is(value: float) -> None:
+    from services.common.convert import seconds_from_pb
+
+    assert seconds_from_pb(value, "ttl_s", "10 s") == value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -120,6 +121,34 @@ async def test_abort_stops_the_handler_and_a_deadline_ends_with_deadline_exceede
     assert "slow" in h.closed and "late" in h.closed
     assert got["late"][-1].status_code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in got["slow"])
+
+
+@pytest.mark.parametrize("timeout_s", [math.nan, math.inf, -math.inf, -1.0])
+async def test_a_timeout_not_a_finite_number_at_least_0_is_refused_before_the_handler(
+    timeout_s: float,
+) -> None:
+    # a negative or NaN timeout_s ran the request with no deadline, as 0 does; an infinite one
+    # too: refused now, naming the field, and the handler (which would take KV blocks) never
+    # starts; the stream and its other requests go on
+    h = Handler()
+    started: list[str] = []
+
+    def handler(request: Any, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:
+        started.append(request.request_id)
+        return h(request, context)
+
+    items = [_gen("bad", timeout_s=timeout_s), _gen("ok", 2, timeout_s=5.0), _gen("zero", 2)]
+    got = _by_request([b async for b in multiplex(_items(items), "generate", handler)])
+    (err,) = got["bad"]
+    assert err.finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert err.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert err.error_param == "timeout_s"
+    assert err.error.startswith("timeout_s must be a finite number of seconds >= 0")
+    assert "0 or unset: no deadline" in err.error
+    assert started == ["ok", "zero"] and sorted(h.closed) == ["ok", "zero"]
+    for rid in ("ok", "zero"):
+        assert [t for c in got[rid] for t in c.token_ids] == [0, 1]
+        assert got[rid][-1].finish_reason == LENGTH and not got[rid][-1].error
 
 
 async def test_a_request_id_already_running_is_refused() -> None:
