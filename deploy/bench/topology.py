@@ -112,17 +112,18 @@ def start_topology(
     at = argv.index("--log-dir")
     shown = shlex.join(["tandem", *argv[:at], *argv[at + 2 :]])
     run_dir = Path(tempfile.mkdtemp(prefix="tandem-bench-run-"))
-    plan = build_plan(up_args, topo.gpus, os.cpu_count() or 1, run_dir, environ=os.environ)
-    sup = Supervisor(log_dir, GRACE_S)
-    log(f"starting {topo.name}: {plan.summary()} ({shown})")
-    t0 = time.monotonic()
-    try:
-        url, _ = start_all(
-            plan, sup, min(args.ready_timeout_s, max(budget.left() - STOP_RESERVE_S, 1))
-        )
-    except BaseException:
-        sup.shutdown()
-        raise
+    try:  # removed however this ends: a refused plan too, before any child starts
+        plan = build_plan(up_args, topo.gpus, os.cpu_count() or 1, run_dir, environ=os.environ)
+        sup = Supervisor(log_dir, GRACE_S)
+        log(f"starting {topo.name}: {plan.summary()} ({shown})")
+        t0 = time.monotonic()
+        try:
+            url, _ = start_all(
+                plan, sup, min(args.ready_timeout_s, max(budget.left() - STOP_RESERVE_S, 1))
+            )
+        except BaseException:
+            sup.shutdown()
+            raise
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     running = Running(topo, sup, url.removesuffix("/v1"), shown, time.monotonic() - t0)

@@ -5,11 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
-from deploy.bench.plan import topology
-from deploy.bench.topology import up_argv
+import pytest
+
+import deploy.bench.topology as bench_topology
+from deploy.bench.plan import Budget, topology
+from deploy.bench.topology import start_topology, up_argv
 from services.cli import build_parser
+from services.config import ConfigError
 from tests.deploy.conftest import REPO, disagg_args
 
 
@@ -38,6 +44,47 @@ def test_up_argv_forwards_engine_flags_and_the_shape(tmp_path: Path) -> None:
     up = build_parser().parse_args(up_argv(args, local, tmp_path, {}))
     assert (up.prefill, up.decode, up.max_local_prefill_tokens) == (1, 1, 256)
     assert up.local_prefill_queue == 3
+
+
+def _refuse_plan(*args: Any, **kwargs: Any) -> Any:
+    raise ConfigError("no such plan")
+
+
+def _interrupt_start(*args: Any, **kwargs: Any) -> Any:
+    raise KeyboardInterrupt
+
+
+def _start(*args: Any, **kwargs: Any) -> Any:
+    return "http://127.0.0.1:1/v1", {}
+
+
+@pytest.mark.parametrize(
+    ("patch", "raises"),
+    [
+        ({"start_all": _start}, None),
+        ({"start_all": _interrupt_start}, KeyboardInterrupt),
+        ({"build_plan": _refuse_plan}, ConfigError),
+    ],
+    ids=["started", "interrupted-while-starting", "plan-refused"],
+)
+def test_start_topology_leaves_no_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patch: dict[str, Any], raises: Any
+) -> None:
+    """The run directory (the children's ready files) is gone once start_topology returns or
+    raises: a plan refused before any child starts left one in /tmp per topology."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(bench_topology, "start_all", _start)
+    for name, fake in patch.items():
+        monkeypatch.setattr(bench_topology, name, fake)
+    args = disagg_args("--model", "llama-3.1-8b", "--device", "cpu")
+    topo = topology("disagg", [], 2, None)
+    if raises is None:
+        running = start_topology(args, topo, tmp_path / "out", {}, Budget(None))
+        assert running.base_url == "http://127.0.0.1:1"
+    else:
+        with pytest.raises(raises):
+            start_topology(args, topo, tmp_path / "out", {}, Budget(None))
+    assert list(tmp_path.glob("tandem-bench-run-*")) == []
 
 
 # Each SIGTERM scenario runs in a child Python: a signal sent to the test process itself lands
