@@ -4,10 +4,11 @@ Text is released as tokens complete characters: what the tokens decode to up to 
 run of U+FFFD (a character begun and not finished yet); when a request has stop strings, the last
 ``max(len(stop)) - 1`` characters are held back until they can no longer start a stop string,
 so a stream never shows part of a stop string that is then cut away. When the output ends inside
-a character, :meth:`IncrementalDetokenizer.flush` drops that character's bytes, as vLLM does (its
-detokenizers release no text that ends in U+FFFD, and its final text is what they released), so
-the text is ``tokenizer.decode(output_ids)`` (with the prompt's leading-space context) less a
-trailing run of U+FFFD, the same streamed and whole. Released text never ends with U+FFFD.
+a character, that character's bytes are never released, as vLLM drops them (its detokenizers
+release no text that ends in U+FFFD, and its final text is what they released), so the text is
+``tokenizer.decode(output_ids)`` (with the prompt's leading-space context) less a trailing run of
+U+FFFD, the same streamed and whole; nothing is left to flush at the end. Released text never
+ends with U+FFFD, but where a stop string cuts it after an invalid byte.
 """
 
 from __future__ import annotations
@@ -42,16 +43,6 @@ def fast_decoder(tokenizer: Any) -> Decoder:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return tokenizer  # type: ignore[no-any-return]
     return _BackendDecoder(backend)
-
-
-def split_tail(text: str) -> tuple[str, str]:
-    """``text`` of a finished output, cut before a trailing run of U+FFFD: the end that would
-    spell a character its tokens did not finish. :meth:`IncrementalDetokenizer.flush` releases
-    none, so the second part is empty for its text; a worker that hands the request on to
-    another (a prefill worker) sends only the first part, and the one going on spells the rest
-    once the character is complete."""
-    body = text.rstrip("\ufffd")
-    return body, text[len(body) :]
 
 
 def held_back(stop: Sequence[str]) -> int:
@@ -97,11 +88,6 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         self._outputs += 1
         return self._advance()
-
-    def flush(self) -> None:
-        """The output ended. Nothing is left to release: :meth:`add` released every character
-        the tokens completed, and the bytes of one they only began are dropped, not spelt as
-        U+FFFD (``decode``'s spelling), as vLLM drops them, streamed and whole."""
 
     def _advance(self) -> str | None:
         ids = self.ids

@@ -1042,8 +1042,6 @@ class LLMEngine:
                 finished, reason, stop_reason = True, "stop", matched
             elif matched is not None:
                 reason, stop_reason = "stop", matched
-        if det is not None and finished:
-            det.flush()  # an output that ends inside a character spells it as decode does
         text = det.release(finished) if det is not None else ""
         if finished:
             self._forget(u.request_id)

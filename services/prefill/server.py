@@ -22,7 +22,7 @@ from services.common.convert import output_to_chunk, transfer_fields
 from services.common.runtime import WorkerRpcs, WorkerRuntime, run_worker
 from services.common.streaming import abort_invalid, parse_sampling, submit
 from services.common.tracing import child_span, end_span, start_server_span
-from services.engine.detokenizer import held_back, split_tail
+from services.engine.detokenizer import held_back
 from services.engine.driver import EngineDriver
 
 if TYPE_CHECKING:
@@ -106,13 +106,13 @@ class PrefillServicer(WorkerRpcs, prefill_pb2_grpc.PrefillServiceServicer):
             assert engine is not None
             done = (out.finish_reason != "length" or params.max_tokens == 1
                     or len(prompt) + 1 >= engine.max_model_len)  # fmt: skip
-            if not done:  # the engine released all of it (max_tokens 1 there): a character
-                # the first token only begins is the decode worker's to spell once complete;
-                # what may begin a stop string waits for it too, held back there as well
-                # (LLMEngine.activate), which finds the stop string across the tokens
-                text, _ = split_tail(out.text)
-                keep = max(len(text) - held_back(params.stop), 0)
-                out = replace(out, text=text[:keep])
+            if not done:  # the engine released all of it (max_tokens 1 there), less a
+                # character the first token only begins (never released: the decode worker
+                # spells it once complete); what may begin a stop string is the decode worker's
+                # too, held back there as well (LLMEngine.activate), which finds the stop string
+                # across the tokens
+                keep = max(len(out.text) - held_back(params.stop), 0)
+                out = replace(out, text=out.text[:keep])
             timing = common_pb2.Timing(
                 queue_s=out.queue_s, prefill_s=max(prefill_s - out.queue_s, 0.0)
             )

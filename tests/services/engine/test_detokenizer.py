@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder, split_tail
+from services.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 
 
 class ByteDecoder:
@@ -110,8 +110,6 @@ def _run(det: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str | 
     for k, t in enumerate(ids):
         matched = det.add(t)
         finished = matched is not None or k == len(ids) - 1
-        if finished:
-            det.flush()
         deltas.append(det.release(finished))
         if finished:
             break
@@ -154,16 +152,11 @@ def test_characters_before_an_unfinished_one_are_released_at_once() -> None:
 
 
 def test_a_matched_stop_string_is_where_the_text_ends() -> None:
-    """The bytes of an unfinished character after a stop string are not flushed after it."""
+    """The bytes of an unfinished character after a stop string are not released after it."""
     pieces = [b"ab", b"STOP" + "东".encode()[:1], b"z"]
     det = IncrementalDetokenizer(PieceDecoder(pieces), [], stop=("STOP",))
     deltas, matched = _run(det, [0, 1, 2])
     assert "".join(deltas) == "ab" and matched == "STOP"
-
-
-def test_split_tail_parts_what_a_flush_added() -> None:
-    assert split_tail("a东\ufffd\ufffd") == ("a东", "\ufffd\ufffd")
-    assert split_tail("abc") == ("abc", "")
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
