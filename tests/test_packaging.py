@@ -30,11 +30,16 @@ def test_kernels_is_a_namespace_package() -> None:
 
 def test_transformers_and_our_kernels_import_together_from_the_repository_root() -> None:
     code = (
-        "import transformers.modeling_utils, kernels.cpu_blocks, kernels.triton_decode, "
-        "kernels.bench.cpu_blocks\n"
+        "import importlib, torch, transformers.modeling_utils, kernels.cpu_blocks, "
+        "kernels.triton_decode, kernels.bench.cpu_blocks\n"
+        # what transformers imports from Hugging Face's kernels when that is installed
+        "importlib.import_module('transformers.integrations.hub_kernels')\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,"
-        " num_attention_heads=2, num_key_value_heads=1, vocab_size=32))\n"
+        "m = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,"
+        " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=32))\n"
+        "with torch.no_grad():\n"
+        "    logits = m.eval()(torch.randint(0, 32, (2, 5))).logits\n"
+        "assert logits.shape == (2, 5, 32) and torch.isfinite(logits).all()\n"
         "print('imported')\n"
     )
     # `python -c` puts the working directory first on sys.path, as `python -m pytest` does
