@@ -16,10 +16,14 @@ from __future__ import annotations
 import functools
 import itertools
 import struct
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from kernels.layers import ref_rotary_embedding
+from kernels.layers import check_rotary_width, rotated
+
+T = TypeVar("T")
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 E4M3_MAX = 448.0
@@ -49,14 +53,18 @@ def ref_write_kv(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    memo: StepMemo | None = None,  # the step's (AttentionMetadata.memo): checks reused
 ) -> None:
     """Write each token's K/V into its slot of the paged cache (slots < 0 are skipped); an FP8
     cache stores ``k / k_scale`` and ``v / v_scale`` (:func:`to_cache_dtype`). Readers multiply
     by the scales (folded into the softmax scale and the output: ``models.llama.Attention``).
     ``v`` None: only the keys are written (a cache whose values are its keys, DeepSeek's latent:
     ``v_cache`` may be ``k_cache`` itself)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    every = _memo_get(
+        memo, ("all_slots",), (slot_mapping,), lambda: bool((slot_mapping >= 0).all())
+    )
+    if not every:
+        keep = slot_mapping >= 0
         slot_mapping, k = slot_mapping[keep], k[keep]
         v = v[keep] if v is not None else None
     n, bs, h, d = k_cache.shape
@@ -81,18 +89,25 @@ def ref_rotary_write_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     k_out: torch.Tensor | None = None,  # [T, Hkv, D] of k's dtype: the rotated keys, also here
+    memo: StepMemo | None = None,  # the step's (AttentionMetadata.memo): checks reused
 ) -> torch.Tensor:  # [T, Hq, D], contiguous
     """Rotary embedding and the KV write in one: returns the rotated q (a new contiguous tensor)
     and writes the rotated k and v into their slots (and the rotated k into ``k_out`` when
     given: what prefill attention reads as the new tokens' keys). q, k, v are read only (views of
-    a fused qkv projection are fine). Rotation rounds as :func:`ref_rotary_embedding` does
+    a fused qkv projection are fine). Rotation rounds as :func:`kernels.layers.ref_rotary_embedding` does
     (transformers' ``apply_rotary_pos_emb`` in q's / k's dtype); the rotated k is then cast to
     the cache's dtype. ``v`` None: the cache's values are its keys (DeepSeek's latent, one
     tensor given as both caches), written once, rotated."""
     check_k_out(k_out, k)
-    q_out, k_rot = q.contiguous().clone(), k.contiguous().clone()
-    ref_rotary_embedding(positions, q_out, k_rot, cos_sin_cache)
-    ref_write_kv(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    rot = check_rotary_width(cos_sin_cache, q.shape[-1])
+    cs = _memo_get(memo, ("rope_rows",), (positions, cos_sin_cache), lambda: cos_sin_cache[positions.long()])  # fmt: skip
+    if rot == q.shape[-1]:  # the whole head: the rotation is the new tensor
+        q_out, k_rot = rotated(q, cs), rotated(k, cs)
+    else:  # partial rotary: the dims past R as they are
+        q_out, k_rot = q.contiguous().clone(), k.contiguous().clone()
+        q_out[..., :rot] = rotated(q_out[..., :rot], cs)
+        k_rot[..., :rot] = rotated(k_rot[..., :rot], cs)
+    ref_write_kv(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, memo)
     if k_out is not None:
         k_out.copy_(k_rot)
     return q_out
@@ -143,6 +158,51 @@ def gather_blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     ms), which the CPU decode step spent a tenth of its time in."""
     flat = torch.index_select(cache, 0, ids.reshape(-1).long())
     return flat.view(*ids.shape, *cache.shape[1:])
+
+
+class StepMemo:
+    """What a step's layers derive alike from the step's tensors, computed by the first layer
+    and reused by the others: every layer of a step gets the same block tables, context lengths
+    and slot mapping, so which slots a decode row gathers, or whether every new token has a
+    slot, need not be recomputed 30 times (on the CPU, ~a dozen small ops a layer). One memo
+    lives as long as one step's inputs (``AttentionMetadata.memo``); callers without one pass
+    None and compute. An entry is keyed by a name and plain values, and holds the tensors it
+    was derived from: it is used again only for those same tensor objects, none changed in
+    place since (their version counters), so a slice of the tables taken anew is a miss, not
+    a wrong answer. Tensors made under ``torch.inference_mode`` (the engine's) carry no version
+    counter: for them identity alone decides, which holds because the engine builds a new
+    ``AttentionMetadata`` (and memo) for every forward and changes no input during one."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[object, ...], tuple[tuple[torch.Tensor, ...], tuple[int, ...], object]] = {}  # fmt: skip
+
+    def get(
+        self,
+        key: tuple[object, ...],
+        tensors: tuple[torch.Tensor, ...],
+        make: Callable[[], T],
+    ) -> T:
+        entry = self._entries.get(key)
+        versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
+        if (
+            entry is not None
+            and len(entry[0]) == len(tensors)
+            and all(a is b for a, b in zip(entry[0], tensors, strict=True))
+            and entry[1] == versions
+        ):
+            return entry[2]  # type: ignore[return-value]
+        value = make()
+        self._entries[key] = (tensors, versions, value)
+        return value
+
+
+def _memo_get(
+    memo: StepMemo | None,
+    key: tuple[object, ...],
+    tensors: tuple[torch.Tensor, ...],
+    make: Callable[[], T],
+) -> T:
+    return make() if memo is None else memo.get(key, tensors, make)
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
@@ -197,6 +257,31 @@ def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap
 
 
+def _decode_plan(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, bs: int, window: int, slotwise: bool
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What :func:`ref_paged_decode_attention` derives from the block tables and context lengths
+    alone (the same for every layer of a step): the longest context L, the tables' first blocks
+    [B, ceil(L / bs)], which of the L positions each row sees [B, L], and (``slotwise``) the slot
+    each row reads at each position [B * L]."""
+    B = context_lens.shape[0]
+    max_len = int(context_lens.max().item()) if B else 0
+    nblk = (max_len + bs - 1) // bs
+    tables = block_tables[:, :nblk].clamp_min(0)
+    pos = torch.arange(max_len, device=context_lens.device)
+    written = pos[None, :] < context_lens[:, None].long()  # [B, L]
+    seen = written  # and, with a window, only its last `window` positions
+    if window:
+        seen = seen & (pos[None, :] > context_lens[:, None].long() - 1 - window)
+    if not slotwise:
+        return max_len, tables, seen, None
+    # where a row has no key (past its context) it reads its own first slot instead (written:
+    # contexts are >= 1), so no unwritten slot's NaN enters, which a zero weight would not cancel
+    at = torch.where(written, pos[None, :], 0)
+    slots = (torch.gather(tables.long(), 1, at // bs) * bs + at % bs).reshape(-1)
+    return max_len, tables, seen, slots
+
+
 def ref_paged_decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -209,6 +294,7 @@ def ref_paged_decode_attention(
     window: int = 0,  # sliding window: the query sees its last ``window`` positions (0: all)
     softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
     sinks: torch.Tensor | None = None,  # [Hq], any float dtype: a learned logit per head (gpt-oss)
+    memo: StepMemo | None = None,  # the step's (AttentionMetadata.memo): the gather plan reused
 ) -> torch.Tensor:  # [B, Hq, D]
     """One query token per sequence attending to its first ``context_lens[b]`` cached tokens
     (written into ``out`` when given, which is then returned).
@@ -230,22 +316,16 @@ def ref_paged_decode_attention(
     check_sinks(sinks, Hq, q.device)
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
-    max_len = int(context_lens.max().item()) if B else 0
-    nblk = (max_len + bs - 1) // bs
-    tables = block_tables[:, :nblk].clamp_min(0)
-    pos = torch.arange(max_len, device=q.device)
-    written = pos[None, :] < context_lens[:, None].long()  # [B, L]
-    seen = written  # and, with a window, only its last `window` positions
-    if window:
-        seen = seen & (pos[None, :] > context_lens[:, None].long() - 1 - window)
     # the caches' slots as one run of N * bs rows (a view, no copy)
     mergeable = all(c.stride(0) == bs * c.stride(1) for c in (k_cache, v_cache))
-    if not softcap and sinks is None and mergeable:
-        # torch's fused attention over the slots gathered one by one: where a row has no key
-        # (past its context) it reads its own first slot instead (written: contexts are >= 1),
-        # so no unwritten slot's NaN enters, which a zero weight would not cancel
-        at = torch.where(written, pos[None, :], 0)
-        slots = (torch.gather(tables.long(), 1, at // bs) * bs + at % bs).reshape(-1)
+    fused = not softcap and sinks is None and mergeable
+    plan = _memo_get(
+        memo, ("decode_plan", bs, window, fused), (block_tables, context_lens),
+        lambda: _decode_plan(block_tables, context_lens, bs, window, fused),
+    )  # fmt: skip
+    max_len, tables, seen, slots = plan
+    if fused:
+        assert slots is not None
         k = torch.index_select(k_cache.flatten(0, 1), 0, slots).view(B, max_len, Hkv, D)
         v = torch.index_select(v_cache.flatten(0, 1), 0, slots).view(B, max_len, Hkv, D)
         o = torch.nn.functional.scaled_dot_product_attention(

@@ -84,10 +84,17 @@ def ref_rotary_embedding(
     halves of R, and leaves the others as they are (transformers' Phi-3 ``q_pass``).
     """
     rot = check_rotary_width(cos_sin_cache, q.shape[-1])
-    half = rot // 2
     cs = cos_sin_cache[positions.long()]
     for t in (q, k):
-        t[..., :rot].copy_(_rotate(t[..., :rot], cs[:, None, :half], cs[:, None, half:]))
+        t[..., :rot].copy_(rotated(t[..., :rot], cs))
+
+
+def rotated(t: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """``t`` [T, H, R] rotated by its rows' ``cs`` [T, R] (cos halves, then sin halves; a
+    gather of the table at the positions) as :func:`ref_rotary_embedding` rotates in place: a
+    new contiguous tensor of t's dtype."""
+    half = cs.shape[-1] // 2
+    return _rotate(t, cs[:, None, :half], cs[:, None, half:])
 
 
 def check_rotary_width(cos_sin_cache: torch.Tensor, head_dim: int) -> int:

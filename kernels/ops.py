@@ -16,6 +16,7 @@ import torch
 
 from kernels import cpu_linear
 from kernels.attention import (
+    StepMemo,
     ref_mla_decode_attention,
     ref_paged_decode_attention,
     ref_prefill_attention,
@@ -357,10 +358,15 @@ def rotary_write_kv(
     k_scale: float = 1.0,  # an FP8 cache stores k / k_scale and v / v_scale
     v_scale: float = 1.0,
     k_out: torch.Tensor | None = None,  # [T, Hkv, D]: the rotated keys in k's dtype, also here
+    memo: StepMemo | None = None,  # the step's: what the torch path derives, reused by layers
 ) -> torch.Tensor:  # [T, Hq, D] rotated q
     mod = _triton("triton_attention", q)
-    fn = mod.rotary_write_kv if mod else ref_rotary_write_kv
-    return fn(
+    if mod is None:
+        return ref_rotary_write_kv(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+            k_out=k_out, memo=memo,
+        )  # fmt: skip
+    return mod.rotary_write_kv(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k_out=k_out,
     )  # fmt: skip
@@ -377,12 +383,13 @@ def paged_decode_attention(
     window: int = 0,  # keys each query sees, itself included (a sliding window); 0: all
     softcap: float = 0.0,  # scores soft-capped to (-softcap, softcap) (Gemma 2); 0: none
     sinks: torch.Tensor | None = None,  # [Hq]: a learned logit per head (gpt-oss); None: none
+    memo: StepMemo | None = None,  # the step's: what the torch path derives, reused by layers
 ) -> torch.Tensor:  # [B, Hq, D]
     mod = _triton("triton_attention", q)
     if mod is None:
         return ref_paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, out=out, window=window,
-            softcap=softcap, sinks=sinks,
+            softcap=softcap, sinks=sinks, memo=memo,
         )  # fmt: skip
     splits = None
     if 0 < q.shape[0] <= _row_invariant:  # split each row's context as for a batch of 1

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from kernels.attention import StepMemo
 
 
 @dataclass
@@ -41,6 +43,9 @@ class AttentionMetadata:
     # image's last token, which its chunk holds), 0 elsewhere; the prefill kernels' span_last.
     # None on every step without an image token of such a model (causal prefill)
     span_last: torch.Tensor | None = None
+    # what the layers' torch attention path derives alike from the tensors above (the slots a
+    # decode row gathers, ...): computed by the first layer of the step, reused by the others
+    memo: StepMemo = field(default_factory=StepMemo)
 
     @property
     def num_seqs(self) -> int:

@@ -10,7 +10,13 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.attention import ref_paged_decode_attention, ref_prefill_attention, soft_cap
+from kernels.attention import (
+    StepMemo,
+    ref_paged_decode_attention,
+    ref_prefill_attention,
+    ref_write_kv,
+    soft_cap,
+)
 from tests.kernels.paged import assert_matches, paged_kv, rand
 
 
@@ -311,3 +317,79 @@ def test_prefill_reference_image_spans_match_transformers_gemma3_mask(window: in
                 kh, vh = keys[seen, h // (hq // hkv)], vals[seen, h // (hq // hkv)]
                 probs = torch.softmax(kh @ q[row, h].double() * scale, dim=0)
                 assert_matches(out[row, h], (probs @ vh).float())
+
+
+def test_a_step_memo_reuses_the_decode_gather_plan_only_for_the_same_unchanged_tensors() -> None:
+    """Layers of one step share a StepMemo: each layer's output (its own q and caches) is the
+    one computed without a memo; a window, a slice taken anew, or a length changed in place is
+    a different plan, never the stale one."""
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, bs, scale = 4, 2, 16, 8, 16**-0.5
+    lens = [2, 9, 17]
+    cpu = torch.device("cpu")
+    memo = StepMemo()
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    k0, v0, tables = paged_kv(lens, bs, hkv, d, torch.float32, gen, cpu)
+    # each layer's own caches at the same block ids, as in a step
+    caches = [(k0 * (i + 1), v0 - i, tables) for i in range(3)]
+    for (k_cache, v_cache, _), window in zip(caches, [0, 4, 0], strict=True):
+        q = rand((len(lens), hq, d), torch.float32, gen, cpu)
+        want = ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, window=window)
+        got = ref_paged_decode_attention(
+            q, k_cache, v_cache, tables, ctx, scale, window=window, memo=memo
+        )
+        assert torch.equal(got, want)
+    k_cache, v_cache, _ = caches[0]
+    q = rand((len(lens), hq, d), torch.float32, gen, cpu)
+    ctx[2] = 5  # in place: the plan of 17 keys must not be used for 5
+    assert torch.equal(
+        ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, memo=memo),
+        ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale),
+    )
+    rows = tables[:2], ctx[:2]  # new views: a miss, and the right rows
+    assert torch.equal(
+        ref_paged_decode_attention(q[:2], k_cache, v_cache, *rows, scale, memo=memo),
+        ref_paged_decode_attention(q[:2], k_cache, v_cache, *rows, scale),
+    )
+
+
+def test_a_step_memo_sees_a_slot_mapping_changed_in_place() -> None:
+    """The "every token has a slot" check is reused for the same slot mapping only while it is
+    unchanged: a slot set to -1 afterwards is skipped, not written."""
+    memo = StepMemo()
+    k_cache = torch.zeros(2, 4, 1, 2)
+    v_cache = torch.zeros(2, 4, 1, 2)
+    slots = torch.tensor([1, 6], dtype=torch.int64)
+    k = torch.ones(2, 1, 2)
+    ref_write_kv(k, k, k_cache, v_cache, slots, memo=memo)
+    assert float(k_cache.flatten(0, 1)[[1, 6]].sum()) == 4.0
+    slots[1] = -1
+    ref_write_kv(2 * k, 2 * k, k_cache, v_cache, slots, memo=memo)
+    flat = k_cache.flatten(0, 1)
+    assert flat[1].tolist() == [[2.0, 2.0]] and flat[6].tolist() == [[1.0, 1.0]]
+
+
+def test_a_step_memo_works_on_inference_tensors() -> None:
+    """The engine runs under ``torch.inference_mode``, whose tensors carry no version counter:
+    the memo still serves their layers (identity decides) and a new tensor is a miss."""
+    gen = torch.Generator().manual_seed(12)
+    hq, hkv, d, bs, scale = 2, 1, 8, 4, 8**-0.5
+    lens = [3, 6]
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        memo = StepMemo()
+        k_cache, v_cache, tables = paged_kv(lens, bs, hkv, d, torch.float32, gen, cpu)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        assert ctx.is_inference()
+        for _ in range(2):
+            q = rand((len(lens), hq, d), torch.float32, gen, cpu)
+            assert torch.equal(
+                ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, memo=memo),
+                ref_paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale),
+            )
+        shorter = torch.tensor([3, 2], dtype=torch.int32)  # another step's lengths: a miss
+        q = rand((len(lens), hq, d), torch.float32, gen, cpu)
+        assert torch.equal(
+            ref_paged_decode_attention(q, k_cache, v_cache, tables, shorter, scale, memo=memo),
+            ref_paged_decode_attention(q, k_cache, v_cache, tables, shorter, scale),
+        )

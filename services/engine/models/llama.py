@@ -111,7 +111,7 @@ class Attention(nn.Module):
         # one launch: rotate q (into a new tensor) and k, write k and v into their slots
         q = ops.rotary_write_kv(
             positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
-            self.k_scale, self.v_scale, k_out=k_new,
+            self.k_scale, self.v_scale, k_out=k_new, memo=meta.memo,
         )  # fmt: skip
         if meta.on_kv_written is not None:  # this layer's KV can leave now (a prefill hand-off)
             meta.on_kv_written(self.layer)
@@ -143,7 +143,7 @@ def paged_attention(
     if meta.decode_only:
         return ops.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window,
-            softcap=softcap, sinks=sinks,
+            softcap=softcap, sinks=sinks, memo=meta.memo,
         )  # fmt: skip
     spans = meta.span_last  # Gemma 3's image tokens: bidirectional within each image
     if nd == 0:
@@ -154,9 +154,15 @@ def paged_attention(
         )  # fmt: skip
     assert meta.prefill_start_loc is not None
     o = torch.empty_like(q)
+    # the decode rows' tables and lengths: the same views for every layer, so that the memo
+    # knows them again
+    tables, lens = meta.memo.get(
+        ("decode_rows", nd), (meta.block_tables, meta.context_lens),
+        lambda: (meta.block_tables[:nd], meta.context_lens[:nd]),
+    )  # fmt: skip
     ops.paged_decode_attention(
-        q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
-        out=o[:nd], window=window, softcap=softcap, sinks=sinks,
+        q[:nd], k_cache, v_cache, tables, lens, scale, out=o[:nd], window=window,
+        softcap=softcap, sinks=sinks, memo=meta.memo,
     )  # fmt: skip
     ops.prefill_attention(
         q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_start_loc,
