@@ -7,13 +7,14 @@
          value = (float)q * d + m;
      Q8: q int8 [N/16, K, 16], d float32 [N/16, K/32, 16]; value = (float)q * d.
    The values are rebuilt exactly as torch's float32 ops compute them (a multiply, then an add,
-   each rounded: this file is compiled with -ffp-contract=off, and only the dot products below
-   may fuse), so a layer multiplies by the very weights it was packed from.
+   each rounded: this file is compiled with -ffp-contract=off), so a layer multiplies by the
+   very weights it was packed from.
 
    A group is unpacked into a float32 buffer [K, 16] of the calling thread (16 outputs side by
    side for each input), then every row of x runs through it as a small GEMM does: for each k,
    x[r, k] broadcast times the 16 weights into the row's accumulator of those 16 outputs. Each
-   output y[r, n] is one fused multiply-add chain over k in order, whatever the tile it falls
+   output y[r, n] is one chain over k in order (acc + x * w, the product and the sum each
+   rounded: nothing here fuses), whatever the tile it falls
    in: a row's result depends neither on the batch size nor on its place in the batch. Threads
    split the groups (OpenMP, static). */
 
@@ -22,15 +23,21 @@
 
 #define QB 32 /* inputs sharing a scale */
 #define G 16  /* outputs side by side in a group */
+/* The kernel is written for AVX-512 (a 16-lane register holds a group's outputs) and for AVX2
+   (two 8-lane registers hold them): unpack_group and tile are each ISA's own, the rest
+   is shared. Built for a CPU with neither, the library says so (tq_block_isa) and its layers
+   stay float32. Both builds round each product and each sum in the same order, so they give
+   the same bits (tests/kernels/test_cpu_blocks.py compares them on an AVX-512 machine). */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define TQ_KERNEL 1
+#include <immintrin.h>
+#endif
+
+#ifdef __AVX512F__
 /* a tile: up to ROWS rows of x against up to UNIT groups (64 outputs), 24 accumulators of
    AVX-512's 32 registers; the threads split the weight in units of UNIT groups */
 #define ROWS 6
 #define UNIT 4
-
-/* The kernel is written for AVX-512 (a 16-lane register holds a group's outputs). Built for a
-   CPU without it, the library says so (tq_block_isa) and its layers stay float32. */
-#ifdef __AVX512F__
-#include <immintrin.h>
 
 int tq_block_isa(void) { return 512; }
 
@@ -80,8 +87,6 @@ static void unpack_group(int fmt, const void* q, const float* d, const float* m,
     }
 }
 
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
 
 /* R rows of x (R <= ROWS) against NG (<= UNIT) unpacked groups, both compile-time constants
    where inlined (the accumulators then stay in registers: at most 24 of the 32):
@@ -111,8 +116,89 @@ static inline __attribute__((always_inline)) void tile(const float* x, int64_t l
         for (int j = 0; j < NG; j++) store16(y + r * ldy + j * G, acc[r][j]);
 }
 
-#pragma GCC pop_options
+#elif defined(TQ_KERNEL) /* AVX2 */
+/* a tile: up to ROWS rows of x against up to UNIT groups (32 outputs): 12 accumulators of
+   AVX2's 16 registers, the weights read from L1 by the multiplies */
+#define ROWS 3
+#define UNIT 2
 
+int tq_block_isa(void) { return 256; }
+
+/* group g's weights as wt [k, 16], as the AVX-512 build's: each half of the 16 outputs by
+   itself (rows 0-7, then 8-15) */
+static void unpack_group(int fmt, const void* q, const float* d, const float* m, int64_t k,
+                         int64_t g, float* wt) {
+    const int64_t blocks = k / QB;
+    const float* dg = d + g * blocks * G;
+    if (fmt == 4) {
+        const uint8_t* qg = (const uint8_t*)q + g * k * (G / 2);
+        const float* mg = m + g * blocks * G;
+        const __m128i nibble = _mm_set1_epi8(15);
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m256 d0 = _mm256_loadu_ps(dg + b * G), d1 = _mm256_loadu_ps(dg + b * G + 8);
+            const __m256 m0 = _mm256_loadu_ps(mg + b * G), m1 = _mm256_loadu_ps(mg + b * G + 8);
+            for (int64_t c = b * QB; c < (b + 1) * QB; c++) {
+                /* 8 bytes: low nibbles are rows 0-7, high nibbles rows 8-15 */
+                const __m128i raw = _mm_loadl_epi64((const __m128i*)(qg + c * (G / 2)));
+                const __m128i lo = _mm_and_si128(raw, nibble);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+                const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                /* a multiply, then an add, each rounded (as torch's ops; no fused form here) */
+                _mm256_storeu_ps(wt + c * G, _mm256_add_ps(_mm256_mul_ps(f0, d0), m0));
+                _mm256_storeu_ps(wt + c * G + 8, _mm256_add_ps(_mm256_mul_ps(f1, d1), m1));
+            }
+        }
+    } else {
+        const int8_t* qg = (const int8_t*)q + g * k * G;
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m256 d0 = _mm256_loadu_ps(dg + b * G), d1 = _mm256_loadu_ps(dg + b * G + 8);
+            for (int64_t c = b * QB; c < (b + 1) * QB; c++) {
+                const __m128i codes = _mm_loadu_si128((const __m128i*)(qg + c * G));
+                const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+                const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)));
+                _mm256_storeu_ps(wt + c * G, _mm256_mul_ps(f0, d0));
+                _mm256_storeu_ps(wt + c * G + 8, _mm256_mul_ps(f1, d1));
+            }
+        }
+    }
+}
+
+/* as the AVX-512 build's tile, each group's 16 outputs in two registers: y[r, 16j + i] = sum
+   over c in order of x[r, c] * wt[j][c, i], a multiply and an add per c, each rounded (as the
+   AVX-512 build's: a fused multiply-add would round once and give other bits). The arrays
+   are sized for tile_rows' largest cases (never called here: R <= ROWS, NG <= UNIT) */
+static inline __attribute__((always_inline)) void tile(const float* x, int64_t ldx,
+                                                       const float* wt, int64_t k, float* y,
+                                                       int64_t ldy, const int R, const int NG) {
+    __m256 acc[6][4][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NG; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k; c++) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + c);
+#pragma GCC unroll 4
+            for (int j = 0; j < NG; j++) {
+                const float* w = wt + (j * k + c) * G;
+                acc[r][j][0] = _mm256_add_ps(acc[r][j][0], _mm256_mul_ps(xv, _mm256_loadu_ps(w)));
+                acc[r][j][1] = _mm256_add_ps(acc[r][j][1], _mm256_mul_ps(xv, _mm256_loadu_ps(w + 8)));
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NG; j++) {
+            _mm256_storeu_ps(y + r * ldy + j * G, acc[r][j][0]);
+            _mm256_storeu_ps(y + r * ldy + j * G + 8, acc[r][j][1]);
+        }
+}
+#endif
+
+#ifdef TQ_KERNEL
 /* R rows against ng groups, with R and ng as constants */
 static void tile_rows(const float* x, int64_t ldx, const float* wt, int ng, int64_t k, float* y,
                       int64_t ldy, int R) {
@@ -145,7 +231,7 @@ static void rows_against(const float* x, int64_t rows, int64_t ldx, const float*
 
 /* y [rows, n] (row stride ldy) = x [rows, k] (row stride ldx) times the block weight [n, k]^T.
    n is a multiple of 16, k of 32. Returns 0, -1 when a thread's buffer cannot be had, -2 when
-   built without AVX-512. */
+   built without AVX-512 or AVX2. */
 int tq_block_linear(int fmt, const float* x, int64_t rows, int64_t k, int64_t ldx, const void* q,
                     const float* d, const float* m, int64_t n, float* y, int64_t ldy,
                     int threads) {
@@ -168,7 +254,7 @@ int tq_block_linear(int fmt, const float* x, int64_t rows, int64_t k, int64_t ld
     return failed ? -1 : 0;
 }
 
-#else /* no AVX-512 */
+#else /* neither AVX-512 nor AVX2 */
 
 int tq_block_isa(void) { return 0; }
 int tq_block_linear(int fmt, const float* x, int64_t rows, int64_t k, int64_t ldx, const void* q,

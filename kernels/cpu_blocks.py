@@ -21,17 +21,18 @@ The products (:func:`linear`) are float32 throughout, by the very weights the mo
 with; they differ from sgemm's only in the order of the float32 sums, as sgemm's, sgemv's and
 oneDNN's already do between themselves. The packed layout keeps 16 output rows side by side
 (codes ``[N/16, K, 16]``, two to a byte for Q4), so the C kernel unpacks 16 outputs' weights
-for each input into one AVX-512 register's worth and runs every row of ``x`` through them as a
-small GEMM does (a row's ``x[k]`` broadcast times those 16 weights into its accumulator): each
-output is one multiply-add chain over ``k`` in order, so a row's result depends neither on the
-batch size nor on its place in the batch. Weights of N not a multiple of 16 stay dense.
+for each input into one AVX-512 register's worth (two AVX2 registers) and runs every row of
+``x`` through them as a small GEMM does (a row's ``x[k]`` broadcast times those 16 weights into
+its accumulator): each output is one chain over ``k`` in order (a product and a sum a step,
+each rounded), so a row's result depends neither on the batch size nor on its place in the
+batch, nor on which of the two builds ran. Weights of N not a multiple of 16 stay dense.
 
 The kernel is built once per machine from ``cpu_blocks.c`` by the system's C compiler
 (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``, cached under
 ``$TANDEM_CACHE_DIR/cpu_kernels`` by the source, the flags and the CPU's feature flags) and
 loaded with ctypes; its OpenMP threads are torch's own runtime (the same ``libgomp``), as many
-as ``torch.get_num_threads()``. It is written for AVX-512; without it, or without a compiler,
-the layers stay dense (one log line).
+as ``torch.get_num_threads()``. It is written for AVX-512 and for AVX2 (smaller tiles
+for 16 registers); without either, or without a compiler, the layers stay dense (one log line).
 ``TANDEM_CPU_BLOCKS=0`` keeps them dense (a benchmark's other side).
 """
 
@@ -213,13 +214,20 @@ def _compiler() -> str | None:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel (built once per machine and cached), or None where it cannot be had."""
+    return build()
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernel compiled with ``extra_flags`` after the usual ones (cached as :func:`library`
+    is; a test builds the AVX2 variant on an AVX-512 machine with ``-mno-avx512f``), or None."""
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler (cc, gcc or $CC): block-quantized CPU weights stay float32")
         return None
     source = _SOURCE.read_bytes()
+    flags = (*_FLAGS, *extra_flags)
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(_FLAGS).encode(), cc.encode(), _cpu_flags().encode()])
+        b"\0".join([source, " ".join(flags).encode(), cc.encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
     root = Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
     path = root / "cpu_kernels" / key / "libtandem_cpu_blocks.so"
@@ -230,7 +238,7 @@ def library() -> ctypes.CDLL | None:
             os.close(fd)
             try:
                 subprocess.run(
-                    [cc, *_FLAGS, str(_SOURCE), "-o", tmp],
+                    [cc, *flags, str(_SOURCE), "-o", tmp],
                     check=True,
                     capture_output=True,
                     text=True,
@@ -251,8 +259,8 @@ def library() -> ctypes.CDLL | None:
     lib.tq_block_linear.restype = ctypes.c_int
     lib.tq_block_isa.argtypes = []
     lib.tq_block_isa.restype = ctypes.c_int
-    if lib.tq_block_isa() != 512:
-        log.info("the CPU block kernel needs AVX-512: block-quantized weights stay float32")
+    if lib.tq_block_isa() not in (512, 256):
+        log.info("the CPU block kernel needs AVX-512 or AVX2: block-quantized weights stay float32")
         return None
     return lib
 
@@ -273,9 +281,18 @@ def linear(x: torch.Tensor, bw: BlockWeight, bias: torch.Tensor | None = None) -
         )
     lead = x.shape[:-1]
     x2 = x.reshape(-1, bw.in_features)
-    rows = x2.shape[0]
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
+    y = run(lib, x2, bw)
+    if bias is not None:
+        y += bias
+    return y.reshape(*lead, bw.out_features)
+
+
+def run(lib: ctypes.CDLL, x2: torch.Tensor, bw: BlockWeight) -> torch.Tensor:
+    """``x2 @ W^T`` by ``lib`` (:func:`library` or a :func:`build`): x2 [rows, K] float32 with
+    unit column stride, checked by the caller; a new [rows, N]."""
+    rows = x2.shape[0]
     y = torch.empty(rows, bw.out_features)
     if rows:
         status = lib.tq_block_linear(
@@ -285,9 +302,7 @@ def linear(x: torch.Tensor, bw: BlockWeight, bias: torch.Tensor | None = None) -
         )  # fmt: skip
         if status != 0:
             raise MemoryError(f"the CPU block kernel failed ({status}): no unpacking buffer")
-    if bias is not None:
-        y += bias
-    return y.reshape(*lead, bw.out_features)
+    return y
 
 
 class BlockLinear(nn.Module):

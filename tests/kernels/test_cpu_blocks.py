@@ -72,7 +72,8 @@ def test_anything_else_stays_dense() -> None:
 
 
 needs_kernel = pytest.mark.skipif(
-    cpu_blocks.library() is None, reason="the block kernel needs a C compiler and AVX-512"
+    cpu_blocks.library() is None,
+    reason="the block kernel needs a C compiler and AVX-512 or AVX2",
 )
 
 
@@ -106,6 +107,26 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
     for r in (0, 5, 6, 28):
         assert torch.equal(cpu_blocks.linear(x[r : r + 1], bw), whole[r : r + 1])
     assert torch.equal(cpu_blocks.linear(x[3:17], bw), whole[3:17])
+
+
+@pytest.mark.skipif(
+    cpu_blocks.library() is None or cpu_blocks.library().tq_block_isa() != 512,  # type: ignore[union-attr]
+    reason="compares the AVX2 build with the AVX-512 one: needs a CPU with AVX-512",
+)
+@pytest.mark.parametrize("fmt", [cpu_blocks.Q4, cpu_blocks.Q8])
+def test_the_avx2_build_gives_the_avx512_builds_bits(fmt: int) -> None:
+    """Both builds round each product and each sum of an output in the same order, so a
+    machine with AVX2 only serves the very numbers an AVX-512 one does."""
+    avx2 = cpu_blocks.build(("-mno-avx512f",))
+    assert avx2 is not None and avx2.tq_block_isa() == 256
+    avx512 = cpu_blocks.library()
+    assert avx512 is not None
+    gen = torch.Generator().manual_seed(40 + fmt)
+    for rows, n, k in [(1, 208, 576), (7, 48, 96), (16, 272, 64), (33, 80, 1536)]:
+        bw = cpu_blocks.find_blocks(MAKERS[fmt](n, k, gen))
+        assert bw is not None
+        x = torch.randn(rows, k, generator=gen)
+        assert torch.equal(cpu_blocks.run(avx2, x, bw), cpu_blocks.run(avx512, x, bw))
 
 
 @needs_kernel
