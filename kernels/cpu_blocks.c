@@ -87,7 +87,6 @@ static void unpack_group(int fmt, const void* q, const float* d, const float* m,
     }
 }
 
-
 /* R rows of x (R <= ROWS) against NG (<= UNIT) unpacked groups, both compile-time constants
    where inlined (the accumulators then stay in registers: at most 24 of the 32):
    y[r, 16j + i] = sum over c in order of x[r, c] * wt[j][c, i] */
