@@ -24,9 +24,9 @@
 #define QB 32 /* inputs sharing a scale */
 #define G 16  /* outputs side by side in a group */
 /* The kernel is written for AVX-512 (a 16-lane register holds a group's outputs) and for AVX2
-   (two 8-lane registers hold them): unpack_group and tile are each ISA's own, the rest
-   is shared. Built for a CPU with neither, the library says so (tq_block_isa) and its layers
-   stay float32. Both builds round each product and each sum in the same order, so they give
+   (two 8-lane registers hold them): each defines f32x16 and its few operations, and its own
+   tile (their registers differ); the rest is shared. Built for a CPU with neither, the library
+   says so (tq_block_isa) and its layers stay float32. Both builds round each product and each sum in the same order, so they give
    the same bits (tests/kernels/test_cpu_blocks.py compares them on an AVX-512 machine). */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #define TQ_KERNEL 1
@@ -41,7 +41,7 @@
 
 int tq_block_isa(void) { return 512; }
 
-typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16 __attribute__((vector_size(64))); /* a group's 16 outputs */
 
 static inline f32x16 i8_f32(__m128i v) { return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
 static inline f32x16 u8_f32(__m128i v) { return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
@@ -54,38 +54,8 @@ static inline f32x16 load16(const float* p) {
 
 static inline void store16(float* p, f32x16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
-/* group g's weights as wt [k, 16] */
-static void unpack_group(int fmt, const void* q, const float* d, const float* m, int64_t k,
-                         int64_t g, float* wt) {
-    const int64_t blocks = k / QB;
-    const float* dg = d + g * blocks * G;
-    if (fmt == 4) {
-        const uint8_t* qg = (const uint8_t*)q + g * k * (G / 2);
-        const float* mg = m + g * blocks * G;
-        const __m128i nibble = _mm_set1_epi8(15);
-        for (int64_t b = 0; b < blocks; b++) {
-            const f32x16 db = load16(dg + b * G), mb = load16(mg + b * G);
-            for (int64_t c = b * QB; c < (b + 1) * QB; c++) {
-                /* 8 bytes: low nibbles are rows 0-7, high nibbles rows 8-15 */
-                const __m128i raw = _mm_loadl_epi64((const __m128i*)(qg + c * (G / 2)));
-                const __m128i lo = _mm_and_si128(raw, nibble);
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-                const __m128i codes = _mm_unpacklo_epi64(lo, hi);
-                const f32x16 scaled = u8_f32(codes) * db;
-                store16(wt + c * G, scaled + mb);
-            }
-        }
-    } else {
-        const int8_t* qg = (const int8_t*)q + g * k * G;
-        for (int64_t b = 0; b < blocks; b++) {
-            const f32x16 db = load16(dg + b * G);
-            for (int64_t c = b * QB; c < (b + 1) * QB; c++) {
-                const __m128i codes = _mm_loadu_si128((const __m128i*)(qg + c * G));
-                store16(wt + c * G, i8_f32(codes) * db);
-            }
-        }
-    }
-}
+static inline f32x16 mul16(f32x16 a, f32x16 b) { return a * b; }
+static inline f32x16 add16(f32x16 a, f32x16 b) { return a + b; }
 
 /* R rows of x (R <= ROWS) against NG (<= UNIT) unpacked groups, both compile-time constants
    where inlined (the accumulators then stay in registers: at most 24 of the 32):
@@ -123,45 +93,27 @@ static inline __attribute__((always_inline)) void tile(const float* x, int64_t l
 
 int tq_block_isa(void) { return 256; }
 
-/* group g's weights as wt [k, 16], as the AVX-512 build's: each half of the 16 outputs by
-   itself (rows 0-7, then 8-15) */
-static void unpack_group(int fmt, const void* q, const float* d, const float* m, int64_t k,
-                         int64_t g, float* wt) {
-    const int64_t blocks = k / QB;
-    const float* dg = d + g * blocks * G;
-    if (fmt == 4) {
-        const uint8_t* qg = (const uint8_t*)q + g * k * (G / 2);
-        const float* mg = m + g * blocks * G;
-        const __m128i nibble = _mm_set1_epi8(15);
-        for (int64_t b = 0; b < blocks; b++) {
-            const __m256 d0 = _mm256_loadu_ps(dg + b * G), d1 = _mm256_loadu_ps(dg + b * G + 8);
-            const __m256 m0 = _mm256_loadu_ps(mg + b * G), m1 = _mm256_loadu_ps(mg + b * G + 8);
-            for (int64_t c = b * QB; c < (b + 1) * QB; c++) {
-                /* 8 bytes: low nibbles are rows 0-7, high nibbles rows 8-15 */
-                const __m128i raw = _mm_loadl_epi64((const __m128i*)(qg + c * (G / 2)));
-                const __m128i lo = _mm_and_si128(raw, nibble);
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-                const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                /* a multiply, then an add, each rounded (as torch's ops; no fused form here) */
-                _mm256_storeu_ps(wt + c * G, _mm256_add_ps(_mm256_mul_ps(f0, d0), m0));
-                _mm256_storeu_ps(wt + c * G + 8, _mm256_add_ps(_mm256_mul_ps(f1, d1), m1));
-            }
-        }
-    } else {
-        const int8_t* qg = (const int8_t*)q + g * k * G;
-        for (int64_t b = 0; b < blocks; b++) {
-            const __m256 d0 = _mm256_loadu_ps(dg + b * G), d1 = _mm256_loadu_ps(dg + b * G + 8);
-            for (int64_t c = b * QB; c < (b + 1) * QB; c++) {
-                const __m128i codes = _mm_loadu_si128((const __m128i*)(qg + c * G));
-                const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
-                const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)));
-                _mm256_storeu_ps(wt + c * G, _mm256_mul_ps(f0, d0));
-                _mm256_storeu_ps(wt + c * G + 8, _mm256_mul_ps(f1, d1));
-            }
-        }
-    }
+/* a group's 16 outputs: rows 0-7, then 8-15 */
+typedef struct {
+    __m256 lo, hi;
+} f32x16;
+
+static inline f32x16 pair(__m256 lo, __m256 hi) { return (f32x16){lo, hi}; }
+static inline f32x16 i8_f32(__m128i v) {
+    return pair(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
 }
+static inline f32x16 u8_f32(__m128i v) {
+    return pair(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+}
+static inline f32x16 load16(const float* p) { return pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void store16(float* p, f32x16 v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+static inline f32x16 mul16(f32x16 a, f32x16 b) { return pair(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+static inline f32x16 add16(f32x16 a, f32x16 b) { return pair(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
 
 /* as the AVX-512 build's tile, each group's 16 outputs in two registers: y[r, 16j + i] = sum
    over c in order of x[r, c] * wt[j][c, i], a multiply and an add per c, each rounded (as the
@@ -198,6 +150,39 @@ static inline __attribute__((always_inline)) void tile(const float* x, int64_t l
 #endif
 
 #ifdef TQ_KERNEL
+/* group g's weights as wt [k, 16], each value a multiply, then an add, each rounded (as
+   torch's ops) */
+static void unpack_group(int fmt, const void* q, const float* d, const float* m, int64_t k,
+                         int64_t g, float* wt) {
+    const int64_t blocks = k / QB;
+    const float* dg = d + g * blocks * G;
+    if (fmt == 4) {
+        const uint8_t* qg = (const uint8_t*)q + g * k * (G / 2);
+        const float* mg = m + g * blocks * G;
+        const __m128i nibble = _mm_set1_epi8(15);
+        for (int64_t b = 0; b < blocks; b++) {
+            const f32x16 db = load16(dg + b * G), mb = load16(mg + b * G);
+            for (int64_t c = b * QB; c < (b + 1) * QB; c++) {
+                /* 8 bytes: low nibbles are rows 0-7, high nibbles rows 8-15 */
+                const __m128i raw = _mm_loadl_epi64((const __m128i*)(qg + c * (G / 2)));
+                const __m128i lo = _mm_and_si128(raw, nibble);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+                const __m128i codes = _mm_unpacklo_epi64(lo, hi);
+                store16(wt + c * G, add16(mul16(u8_f32(codes), db), mb));
+            }
+        }
+    } else {
+        const int8_t* qg = (const int8_t*)q + g * k * G;
+        for (int64_t b = 0; b < blocks; b++) {
+            const f32x16 db = load16(dg + b * G);
+            for (int64_t c = b * QB; c < (b + 1) * QB; c++) {
+                const __m128i codes = _mm_loadu_si128((const __m128i*)(qg + c * G));
+                store16(wt + c * G, mul16(i8_f32(codes), db));
+            }
+        }
+    }
+}
+
 /* R rows against ng groups, with R and ng as constants */
 static void tile_rows(const float* x, int64_t ldx, const float* wt, int ng, int64_t k, float* y,
                       int64_t ldy, int R) {
